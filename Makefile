@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Both create .venv when it is missing and install the project into it.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The engine side needs torch. On a machine without a GPU this must be the CPU build:
+# `pip install torch==2.13.0` resolves to the CPU wheel kept on this workplace's disk.
+# A GPU host sets TORCH_SPEC to the build it wants (or installs torch itself first).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install --quiet '$(TORCH_SPEC)'
+	$(BIN)/pip install --quiet -e '.[engine,test]'
+	@touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/remote-dspark demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

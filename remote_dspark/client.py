@@ -1,0 +1,98 @@
+"""The engine side of one connection to the remote drafter: HELLO, then rounds.
+
+Used by the proxy process and by synchronous rounds alike; torch-free. A reply to a
+round that is no longer pending (its deadline passed earlier) is counted as late and
+dropped; any other surprise is a protocol error, and the caller drops the connection.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+from . import wire
+from .transport import Disconnected, Endpoint, FrameChannel, connect
+
+
+class Refused(Exception):
+    """The worker refused HELLO; ``code`` is a ``wire.REFUSE_*`` and ``reason`` its words."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def cyclic_before(a: int, b: int) -> bool:
+    """True when u32 sequence number ``a`` comes before ``b`` (wrap safe)."""
+    return ((a - b) & 0xFFFFFFFF) >= 0x80000000
+
+
+class DraftClient:
+    """One HELLO'd connection. Not thread-safe: one round in flight at a time."""
+
+    def __init__(self, chan: FrameChannel, session: int, ack: wire.HelloAck):
+        self.chan = chan
+        self.session = session
+        self.ack = ack
+        self.late = 0
+
+    @classmethod
+    def connect(cls, endpoint: Endpoint, hello: wire.Hello, session: int, timeout_s: float,
+                environ: Mapping[str, str] | None = None) -> "DraftClient":
+        """Connect and say HELLO, both within ``timeout_s``.
+
+        Raises:
+            Refused: the worker said no (identity, version, limits).
+            TransportError: no connection or no answer in time.
+            wire.ProtocolError: the answer was not a HELLO_ACK.
+        """
+        deadline = time.monotonic() + timeout_s
+        chan = connect(endpoint, timeout_s, environ)
+        try:
+            chan.send(wire.encode_hello(hello, session))
+            hdr, payload = chan.recv_frame(deadline)
+            if hdr.type != wire.HELLO_ACK:
+                raise wire.ProtocolError(f"{hdr.name} in answer to HELLO")
+            ack = wire.decode_hello_ack(payload)
+            if not ack.accepted:
+                raise Refused(ack.code, ack.reason)
+        except BaseException:
+            chan.close()
+            raise
+        return cls(chan, session, ack)
+
+    def send_round(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
+                   deadline_ms: int) -> None:
+        """Send a ROUND; ``rows`` (n x row_bytes) goes out as it is, uncopied."""
+        head, tokens = wire.round_head(round_id, self.session, deadline_ms, entries, row_bytes)
+        self.chan.send(head, rows, tokens)
+
+    def recv_drafts(self, round_id: int, deadline: float) -> wire.Drafts:
+        """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
+        rounds. Raises: DeadlineExceeded, Disconnected, wire.ProtocolError."""
+        while True:
+            hdr, payload = self.chan.recv_frame(deadline)
+            if hdr.type == wire.BYE:
+                raise Disconnected("the worker said BYE")
+            if hdr.type != wire.DRAFTS:
+                raise wire.ProtocolError(f"{hdr.name} where DRAFTS was expected")
+            if hdr.round == round_id:
+                return wire.decode_drafts(hdr, payload)
+            if not cyclic_before(hdr.round, round_id):
+                raise wire.ProtocolError(f"DRAFTS for round {hdr.round}, which was never sent")
+            self.late += 1
+
+    def round(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
+              deadline_ms: int) -> wire.Drafts:
+        """One synchronous round within ``deadline_ms``."""
+        deadline = time.monotonic() + deadline_ms / 1000.0
+        self.send_round(round_id, entries, rows, row_bytes, deadline_ms)
+        return self.recv_drafts(round_id, deadline)
+
+    def close(self) -> None:
+        try:
+            self.chan.send(wire.encode_bye(self.session))
+        except Disconnected:
+            pass
+        self.chan.close()

@@ -1,0 +1,445 @@
+"""The environment contract of the remote drafter, engine side.
+
+Nothing is active unless ``VLLM_DSPARK_REMOTE`` is set (:func:`remote_requested`); then
+:meth:`RemoteConfig.from_env` reads every variable below at startup, and a bad value
+raises ``ValueError`` naming the variable and the value. A blank value counts as unset.
+``REMOTE_`` stands for ``VLLM_DSPARK_REMOTE_``.
+
+=============================  ================  ==============================================
+variable                       default           meaning
+=============================  ================  ==============================================
+VLLM_DSPARK_REMOTE             (required)        rank 0's endpoint: ``tcp://HOST:PORT`` (TCP stub),
+                                                 ``o1tcp://`` or ``o1rdma://`` (ofl), ``?bind=IPV4``
+REMOTE_BIND                    (none)            this side's direct-link IPv4; same as ``?bind=``
+                                                 but without a ``?`` a launcher shell could glob
+REMOTE_OFL_DIR                 (none)            directory of ``ofl.py`` + ``libofl.so``; needed by
+                                                 ``o1tcp``/``o1rdma`` (checked by transport)
+REMOTE_POLICY                  shadow            shadow | resilience | capacity
+REMOTE_IDENTITY                (required)        64-hex drafter identity (CONTRACT 6.7)
+REMOTE_MARKOV_IDENTITY         from cache file   64-hex; default sha256 of the
+                                                 ``VLLM_DSPARK_MARKOV_CACHE`` file, zeros if unset
+VLLM_DSPARK_MARKOV_CACHE       (none)            the Markov cache file the identity is taken from
+REMOTE_TIMEOUT_MS              50                per-round deadline (>= 1)
+REMOTE_CONNECT_TIMEOUT_MS      1000              connect + HELLO deadline (>= 1)
+REMOTE_BACKOFF_MS              1000              first reconnect delay after a failure; doubles
+REMOTE_BACKOFF_MAX_MS          30000             ... up to this (>= BACKOFF_MS)
+REMOTE_ON_FAIL                 target_only       target_only | raise (capacity policy)
+REMOTE_TRIP                    3                 breaker: consecutive failures before the remote
+                                                 is skipped (0 = breaker off)
+REMOTE_COOLDOWN                256               breaker: rounds without network after a trip,
+                                                 then one probe (>= 1)
+REMOTE_STRICT_START            0                 1: raise at startup if connect + HELLO fails
+REMOTE_SHADOW_USE              local             local | remote: whose drafts shadow serves
+REMOTE_WANT_MARGIN             1 in shadow,      1: ask the worker for top1-top2 margins
+                               else 0
+REMOTE_DRAFT_MS                (none)            remote draft round cost for the depth policy:
+                                                 one number, ms, finite >= 0
+REMOTE_ROUND_MS                (none)            verify-only ms for depth 0..k (k+1 values > 0,
+                                                 non-decreasing); see apply_cost_overrides
+REMOTE_ASYNC                   0                 1: capacity only; rank 0 never blocks its CPU on
+                                                 a round (streamsync hand-off); needs
+                                                 ON_FAIL=target_only
+REMOTE_ASYNC_PROXY             thread            thread | process: where the async proxy runs
+REMOTE_HOSTFLAG_LIB            (none)            a built ``libdsv41_hostflag.so``; default:
+                                                 OFL_DIR's copy, else compiled at startup
+REMOTE_ASYNC_NAP_US            0                 > 0: sleep this long between checks after
+                                                 ASYNC_SPIN_US of spinning; 0 = spin
+REMOTE_ASYNC_SPIN_US           1000              spin time before napping
+REMOTE_ASYNC_WATCHDOG_MS       0 (auto)          release an unreleased gathered round after this
+                                                 long; 0 = max(4 x TIMEOUT_MS, 200)
+REMOTE_ASYNC_RESPAWNS          3                 process mode: new proxies after a death or stall
+                                                 (0 = none, target-only rounds from then on)
+REMOTE_ASYNC_RESPAWN_RESET_S   3600              a proxy serving this long restores the full
+                                                 respawn budget (0 = never)
+REMOTE_SWITCH_INTERVAL_US      500               thread mode: GIL switch interval while the proxy
+                                                 thread runs (0 = unchanged)
+REMOTE_FUSED_GATHER            auto              auto | 0 | 1: the one-launch Triton row gather
+                                                 (auto: on CUDA, after a startup self-check)
+REMOTE_N_OUT                   auto              auto | 0: ReqEntry.n_out, see :func:`n_out_table`
+REMOTE_LOG_EVERY               1024              rounds between stats log lines (0 = off)
+REMOTE_STATS_FILE              /tmp/dsv41-       JSON stats written by rank 0
+                               remote-dspark.json
+VLLM_DSPARK_SAMPLED_TOP32      0                 the engine's sampled top-32 switch, carried in
+                                                 ``RemoteConfig.sampled_top32``
+=============================  ================  ==============================================
+
+Cross-field rules: ASYNC=1 needs POLICY=capacity and ON_FAIL=target_only; BACKOFF_MAX_MS
+>= BACKOFF_MS; REMOTE_BIND and the endpoint's ``?bind=`` must agree. The cost rules that
+need the depth policy's settings live in :func:`apply_cost_overrides`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, MutableMapping
+
+from . import wire
+from .transport import ENV_OFL_DIR, Endpoint, check_bind, parse_endpoint
+
+POLICIES = ("shadow", "resilience", "capacity")
+ENV_ENDPOINT = "VLLM_DSPARK_REMOTE"
+ENV_MARKOV_CACHE = "VLLM_DSPARK_MARKOV_CACHE"
+CAP_MASKING_DEPTH_MODES = ("conf", "confb", "confr")
+_P = "VLLM_DSPARK_REMOTE_"
+
+
+def remote_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """True when ``VLLM_DSPARK_REMOTE`` is set: the remote drafter is wanted."""
+    return bool(_raw(os.environ if environ is None else environ, ENV_ENDPOINT))
+
+
+def _raw(env: Mapping[str, str], name: str) -> str:
+    return (env.get(name) or "").strip()
+
+
+# --- the parsing layer: parse(text, variable), text stripped and non-blank, the same
+# --- argument order as wire.parse_hex32, check_bind and parse_endpoint -----------------
+
+def _int(lo: int) -> Callable[[str, str], int]:
+    def parse(raw: str, name: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError as e:
+            raise ValueError(f"{name}={raw!r}: not an integer") from e
+        if value < lo:
+            raise ValueError(f"{name}={raw!r}: must be >= {lo}")
+        return value
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(raw: str, name: str) -> str:
+        value = raw.lower()
+        if value not in choices:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+        return value
+    return parse
+
+
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def _flag(raw: str, name: str) -> bool:
+    value = raw.lower()
+    if value in _TRUE + _FALSE:
+        return value in _TRUE
+    raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+
+
+def _ms_list(raw: str, name: str) -> list[float]:
+    """Comma-separated finite numbers >= 0 (ms)."""
+    try:
+        values = [float(x) for x in raw.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r}: expected comma-separated numbers (ms)") from e
+    if not values:
+        raise ValueError(f"{name}={raw!r}: expected at least one number (ms)")
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ValueError(f"{name}={raw!r}: expected finite numbers >= 0 (ms)")
+    return values
+
+
+def _one_ms(raw: str, name: str) -> float:
+    values = _ms_list(raw, name)
+    if len(values) != 1:
+        raise ValueError(f"{name}={raw!r}: expected one number (ms), got {len(values)}")
+    return values[0]
+
+
+def _text(raw: str, name: str) -> str:
+    return raw
+
+
+def _required(what: str) -> Callable[..., Any]:
+    def default(name: str, env: Mapping[str, str], values: dict[str, Any]) -> Any:
+        raise ValueError(f"{name} is required: {what}")
+    return default
+
+
+def _show(value: Any) -> str:
+    """A resolved value as the environment would spell it ("" = unset)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ",".join(_show(v) for v in value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class _Var:
+    name: str
+    field: str | None          # the RemoteConfig field it sets; None: read by another module
+    parse: Callable[[str, str], Any]
+    # The value when unset; a callable (name, environ, values parsed so far) computes a
+    # default that depends on them, or raises for a required variable.
+    default: Any = None
+    show: Callable[[Any], str] = _show
+
+
+_GATHER = {"auto": None, "1": True, "0": False}
+_gather_word = _choice(*_GATHER)
+
+# In the order of the module docstring; a default callable may only read variables above it.
+_VARS: tuple[_Var, ...] = (
+    _Var(ENV_ENDPOINT, "endpoint", parse_endpoint,
+         _required("the drafter's endpoint, SCHEME://HOST:PORT")),
+    _Var(_P + "BIND", None, check_bind),
+    _Var(ENV_OFL_DIR, None, _text),
+    _Var(_P + "POLICY", "policy", _choice(*POLICIES), "shadow"),
+    _Var(_P + "IDENTITY", "drafter_identity", wire.parse_hex32,
+         _required("the 64-hex drafter identity (offload/dspark/spark/tools/identity.py "
+                   "over lane S2's DSPARK_COPY_DONE.json)")),
+    _Var(ENV_MARKOV_CACHE, None, _text),
+    _Var(_P + "MARKOV_IDENTITY", "markov_identity", wire.parse_hex32,
+         lambda name, env, values: markov_identity_from_env(env)),
+    _Var(_P + "TIMEOUT_MS", "timeout_ms", _int(1), 50),
+    _Var(_P + "CONNECT_TIMEOUT_MS", "connect_timeout_ms", _int(1), 1000),
+    _Var(_P + "BACKOFF_MS", "backoff_ms", _int(1), 1000),
+    _Var(_P + "BACKOFF_MAX_MS", "backoff_max_ms", _int(1), 30000),
+    _Var(_P + "ON_FAIL", "on_fail", _choice("target_only", "raise"), "target_only"),
+    _Var(_P + "TRIP", "trip", _int(0), 3),
+    _Var(_P + "COOLDOWN", "cooldown", _int(1), 256),
+    _Var(_P + "STRICT_START", "strict_start", _flag, False),
+    _Var(_P + "SHADOW_USE", "shadow_use", _choice("local", "remote"), "local"),
+    _Var(_P + "WANT_MARGIN", "want_margin", _flag,
+         lambda name, env, values: values[_P + "POLICY"] == "shadow"),
+    _Var(_P + "DRAFT_MS", "remote_draft_ms", _one_ms),
+    _Var(_P + "ROUND_MS", "remote_round_ms", _ms_list),
+    _Var(_P + "ASYNC", "async_mode", _flag, False),
+    _Var(_P + "ASYNC_PROXY", "async_proxy", _choice("thread", "process"), "thread"),
+    _Var(_P + "HOSTFLAG_LIB", "hostflag_lib", _text, ""),
+    _Var(_P + "ASYNC_NAP_US", "async_nap_us", _int(0), 0),
+    _Var(_P + "ASYNC_SPIN_US", "async_spin_us", _int(0), 1000),
+    _Var(_P + "ASYNC_WATCHDOG_MS", "async_watchdog_ms", _int(0), 0),
+    _Var(_P + "ASYNC_RESPAWNS", "async_respawns", _int(0), 3),
+    _Var(_P + "ASYNC_RESPAWN_RESET_S", "async_respawn_reset_s", _int(0), 3600),
+    _Var(_P + "SWITCH_INTERVAL_US", "switch_interval_us", _int(0), 500),
+    _Var(_P + "FUSED_GATHER", "fused_gather",
+         lambda raw, name: _GATHER[_gather_word(raw, name)], None,
+         show=lambda v: next(k for k, g in _GATHER.items() if g is v)),
+    _Var(_P + "N_OUT", "n_out", _choice("auto", "0"), "auto"),
+    _Var(_P + "LOG_EVERY", "log_every", _int(0), 1024),
+    _Var(_P + "STATS_FILE", "stats_file", _text, "/tmp/dsv41-remote-dspark.json"),
+    _Var("VLLM_DSPARK_SAMPLED_TOP32", "sampled_top32", _flag, False),
+)
+
+VARIABLES: tuple[str, ...] = tuple(v.name for v in _VARS)
+
+
+@dataclass
+class RemoteConfig:
+    """The validated contract (see the module docstring for each variable)."""
+
+    endpoint: Endpoint                    # with REMOTE_BIND merged into options["bind"]
+    policy: str
+    drafter_identity: bytes
+    markov_identity: bytes
+    timeout_ms: int
+    connect_timeout_ms: int
+    backoff_ms: int
+    backoff_max_ms: int
+    on_fail: str
+    strict_start: bool
+    shadow_use: str
+    want_margin: bool
+    remote_draft_ms: float | None
+    remote_round_ms: list[float] | None
+    log_every: int
+    stats_file: str
+    async_mode: bool = False
+    switch_interval_us: int = 500
+    hostflag_lib: str = ""
+    async_nap_us: int = 0
+    async_spin_us: int = 1000
+    async_watchdog_ms: int = 0
+    async_proxy: str = "thread"
+    async_respawns: int = 3
+    async_respawn_reset_s: int = 3600
+    fused_gather: bool | None = None      # None = auto
+    n_out: str = "auto"
+    trip: int = 3
+    cooldown: int = 256
+    sampled_top32: bool = False
+
+    @property
+    def watchdog_ms(self) -> int:
+        """The async watchdog deadline actually used (0 = auto)."""
+        return self.async_watchdog_ms or max(4 * self.timeout_ms, 200)
+
+    @property
+    def keeps_local_drafter(self) -> bool:
+        """shadow and resilience run the local drafter beside the remote one."""
+        return self.policy in ("shadow", "resilience")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "RemoteConfig":
+        """Read and check the whole contract.
+
+        Raises:
+            ValueError: naming the variable (or both variables of a cross-field rule)
+                and the offending value.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for var in _VARS:
+            raw = _raw(env, var.name)
+            if raw:
+                values[var.name] = var.parse(raw, var.name)
+            elif callable(var.default):
+                values[var.name] = var.default(var.name, env, values)
+            else:
+                values[var.name] = var.default
+        cfg = cls(**{v.field: values[v.name] for v in _VARS if v.field})
+        _merge_bind(cfg.endpoint, values[_P + "BIND"])
+        _check_rules(cfg)
+        return cfg
+
+
+def _merge_bind(endpoint: Endpoint, bind: str | None) -> None:
+    if not bind:
+        return
+    if endpoint.options.get("bind", bind) != bind:
+        raise ValueError(f"{_P}BIND={bind!r} conflicts with {ENV_ENDPOINT}'s "
+                         f"?bind={endpoint.options['bind']!r}")
+    endpoint.options["bind"] = bind
+
+
+def _check_rules(cfg: RemoteConfig) -> None:
+    if cfg.async_mode and cfg.policy != "capacity":
+        raise ValueError(f"{_P}ASYNC=1 needs {_P}POLICY=capacity, got {cfg.policy!r} "
+                         "(resilience and shadow decide on the host every round)")
+    if cfg.async_mode and cfg.on_fail == "raise":
+        raise ValueError(f"{_P}ASYNC=1 cannot raise on a failed round (the host never waits "
+                         f"for it): {_P}ON_FAIL='raise', use target_only")
+    if cfg.backoff_max_ms < cfg.backoff_ms:
+        raise ValueError(f"{_P}BACKOFF_MAX_MS={cfg.backoff_max_ms} is below "
+                         f"{_P}BACKOFF_MS={cfg.backoff_ms}")
+
+
+def markov_identity_from_env(environ: Mapping[str, str] | None = None) -> bytes:
+    """sha256 of the ``VLLM_DSPARK_MARKOV_CACHE`` file; 32 zero bytes when it is unset.
+
+    Raises:
+        ValueError: naming the variable and the path when the file cannot be read.
+    """
+    env = os.environ if environ is None else environ
+    path = _raw(env, ENV_MARKOV_CACHE)
+    if not path:
+        return bytes(32)
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
+    except OSError as e:
+        raise ValueError(f"{ENV_MARKOV_CACHE}={path!r} unreadable ({e}); set "
+                         f"{_P}MARKOV_IDENTITY explicitly") from e
+
+
+def describe(cfg: RemoteConfig, environ: Mapping[str, str] | None = None) -> list[tuple[str, str, str]]:
+    """Rows ``(variable, value, source)`` for every variable, in the docstring's order.
+
+    ``value`` is spelled as the environment would ("" = unset, identities in hex);
+    ``source`` is ``env`` or ``default``. Derived values follow with source ``derived``.
+    """
+    env = os.environ if environ is None else environ
+    rows = []
+    for var in _VARS:
+        value = var.show(getattr(cfg, var.field)) if var.field else _raw(env, var.name)
+        rows.append((var.name, value, "env" if _raw(env, var.name) else "default"))
+    rows += [("watchdog_ms", str(cfg.watchdog_ms), "derived"),
+             ("keeps_local_drafter", _show(cfg.keeps_local_drafter), "derived"),
+             ("bind", cfg.endpoint.bind or "", "derived")]
+    return rows
+
+
+def apply_cost_overrides(cfg: RemoteConfig, environ: MutableMapping[str, str] | None = None,
+                         depth_policy_on: bool = False, depth_mode: str | None = None,
+                         num_spec: int = 5, depth_file: str | None = None) -> dict[str, str]:
+    """Make the remote round cost an explicit input of the depth policy (CONTRACT 10).
+
+    Writes ``VLLM_DSPARK_DRAFT_MS`` / ``VLLM_DSPARK_ROUND_MS`` into ``environ`` before the
+    model runner builds its depth policy (the same environment on every rank keeps the
+    cost tables identical across TP ranks) and returns what it wrote.
+
+    The policy prices depth d as ROUND_MS[d] + DRAFT_MS. The live ROUND_MS includes the
+    local drafter, so with the depth policy on, capacity/resilience need both remote
+    inputs: a remote DRAFT_MS over the live table counts a drafter twice, a verify-only
+    table under the live DRAFT_MS counts the wrong drafter. ``confr``'s table is part of
+    the policy string and cannot take them at all. ``fixed`` never prices a depth, so it
+    needs them only when a depth file can switch the mode at runtime. Shadow keeps the
+    local measurements.
+
+    Raises:
+        ValueError: before writing anything.
+    """
+    env = os.environ if environ is None else environ
+    if cfg.policy == "shadow":
+        return {}
+    if depth_policy_on and not (depth_mode == "fixed" and not depth_file):
+        if depth_mode == "confr":
+            raise ValueError(
+                f"remote DSpark ({cfg.policy}): VLLM_DSPARK_DEPTH_POLICY=confr:<rows ms> carries "
+                "its own step table (measured with the local drafter), which the remote cost "
+                f"inputs cannot replace; use conf or confb with {_P}DRAFT_MS / {_P}ROUND_MS")
+        missing = [name for name, value in ((_P + "DRAFT_MS", cfg.remote_draft_ms),
+                                            (_P + "ROUND_MS", cfg.remote_round_ms))
+                   if value is None]
+        if missing:
+            raise ValueError(
+                f"remote DSpark ({cfg.policy}) with VLLM_DSPARK_DEPTH_POLICY on ({depth_mode}) needs "
+                f"both {_P}DRAFT_MS (measured remote round, ms) and {_P}ROUND_MS (verify-only "
+                f"table, ms by depth 0..k): missing {' and '.join(missing)}. The live "
+                "VLLM_DSPARK_ROUND_MS includes the local drafter, so a partial override "
+                "mixes two cost models")
+    changed: dict[str, str] = {}
+    table = cfg.remote_round_ms
+    if table is not None:
+        name, text = _P + "ROUND_MS", _show(table)
+        if len(table) != num_spec + 1:
+            raise ValueError(f"{name}={text!r}: {len(table)} values, expected {num_spec + 1} "
+                             f"(verify ms for depth 0..{num_spec})")
+        if any(v <= 0 for v in table):
+            raise ValueError(f"{name}={text!r}: verify times must be > 0 ms")
+        if any(b < a for a, b in zip(table, table[1:])):
+            raise ValueError(f"{name}={text!r}: must be non-decreasing with the depth "
+                             "(more live rows never verify faster)")
+        changed["VLLM_DSPARK_ROUND_MS"] = text
+    if cfg.remote_draft_ms is not None:
+        changed["VLLM_DSPARK_DRAFT_MS"] = _show(cfg.remote_draft_ms)
+    env.update(changed)
+    return changed
+
+
+def n_out_table(cfg: RemoteConfig, num_spec: int, depth_mode: str, depth_file: str | None,
+                dense_cap: list[int] | None) -> tuple[list[int] | None, str]:
+    """ReqEntry.n_out by request count (CONTRACT 6.3), or None (always all N positions),
+    with the reason.
+
+    ``dense_cap`` is the dynamic speculation schedule (index = number of requests, index 0
+    unused), as the model runner passes it to its depth policy. Positions >= cap[n] are
+    only safe to drop when nothing reads them: the depth policy must zero them (a
+    cap-masking mode, fixed for the life of the serve, so no depth file that could switch
+    it), and shadow compares every position.
+    """
+    if cfg.policy == "shadow":
+        return None, "shadow compares every position"
+    if cfg.n_out == "0":
+        return None, f"{_P}N_OUT=0"
+    if depth_mode not in CAP_MASKING_DEPTH_MODES:
+        return None, f"depth policy {depth_mode!r} does not mask positions >= cap"
+    if depth_file:
+        return None, "VLLM_DSPARK_DEPTH_FILE can switch the depth policy at runtime"
+    if not dense_cap:
+        return None, "no dynamic speculation schedule"
+    table = [0 if i == 0 else min(num_spec, int(c)) for i, c in enumerate(dense_cap)]
+    if all(c >= num_spec for c in table[1:]):
+        return None, "schedule never caps below N"
+    return table, "cap by request count"

@@ -1,0 +1,54 @@
+"""The contract's TCP stub transport: one stream socket, TCP_NODELAY, a connect
+timeout, an optional bind address, per-call receive deadlines."""
+
+from __future__ import annotations
+
+import socket
+from typing import Sequence
+
+from . import TransportError
+
+
+class TcpStream:
+    """A :class:`~remote_dspark.transport.ByteStream` over TCP."""
+
+    def __init__(self, sock: socket.socket, send_timeout_s: float = 1.0):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        # A send blocks only while the peer's window is full; past this the connection
+        # is broken (a frame sent in part cannot be taken back) and the caller drops it.
+        self.send_timeout_s = send_timeout_s
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout_s: float, bind: str | None = None) -> "TcpStream":
+        """Raises: TransportError when the connection is not made within ``timeout_s``."""
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s,
+                                            source_address=(bind, 0) if bind else None)
+        except OSError as e:
+            raise TransportError(f"connect to {host}:{port} failed: {e}") from e
+        return cls(sock, send_timeout_s=timeout_s)
+
+    def sendmsg(self, buffers: Sequence) -> None:
+        # Frames are sent whole even if the kernel takes them in pieces.
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        self.sock.settimeout(self.send_timeout_s)
+        while views:
+            sent = self.sock.sendmsg(views)
+            while sent and views:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    def recv_into(self, view: memoryview, timeout_s: float) -> int:
+        self.sock.settimeout(timeout_s)
+        return self.sock.recv_into(view)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,104 @@
+"""``remote-dspark check-config`` through its own parser (no dependence on cli.py's siblings)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from remote_dspark import config_cli
+
+P = "VLLM_DSPARK_REMOTE_"
+IDENT = "ab" * 32
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A clean contract environment: every VLLM_DSPARK* variable removed, then the two required set."""
+    for name in list(os.environ):
+        if name.startswith("VLLM_DSPARK"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_DSPARK_REMOTE", "tcp://127.0.0.1:18620")
+    monkeypatch.setenv(P + "IDENTITY", IDENT)
+    return monkeypatch
+
+
+def check_config(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="remote-dspark")
+    config_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["check-config", *argv])
+    return args.func(args)
+
+
+def test_table(env, capsys):
+    env.setenv(P + "TIMEOUT_MS", "80")
+    assert check_config() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["VARIABLE", "VALUE", "SOURCE"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert rows["VLLM_DSPARK_REMOTE"] == ["tcp://127.0.0.1:18620", "env"]
+    assert rows[P + "TIMEOUT_MS"] == ["80", "env"]
+    assert rows[P + "POLICY"] == ["shadow", "default"]
+    assert rows[P + "IDENTITY"] == [IDENT, "env"]
+    assert rows[P + "DRAFT_MS"] == ["-", "default"]
+    assert rows["watchdog_ms"] == ["320", "derived"]
+    # aligned: the VALUE column starts at the same offset on every line
+    starts = {line.index(line.split()[1], len(line.split()[0])) for line in lines}
+    assert len(starts) == 1
+
+
+def test_json(env, capsys):
+    env.setenv(P + "POLICY", "capacity")
+    env.setenv(P + "ROUND_MS", "1,2,3")
+    assert check_config("--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["VLLM_DSPARK_REMOTE"] == "tcp://127.0.0.1:18620"
+    assert out[P + "POLICY"] == "capacity"
+    assert out[P + "WANT_MARGIN"] == "0"
+    assert out[P + "ROUND_MS"] == "1,2,3"
+    assert out[P + "MARKOV_IDENTITY"] == "00" * 32
+    assert out[P + "DRAFT_MS"] == ""
+    assert out["derived"] == {"watchdog_ms": "200", "keeps_local_drafter": "0", "bind": ""}
+
+
+def test_bad_value_returns_2_and_names_variable(env, capsys):
+    env.setenv(P + "TIMEOUT_MS", "0")
+    assert check_config() == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"check-config: {P}TIMEOUT_MS='0'")
+
+
+def test_missing_endpoint_returns_2(env, capsys):
+    env.delenv("VLLM_DSPARK_REMOTE")
+    assert check_config("--json") == 2
+    assert "VLLM_DSPARK_REMOTE is required" in capsys.readouterr().err
+
+
+def test_ofl_endpoint_without_ofl_dir_returns_2(env, capsys):
+    env.setenv("VLLM_DSPARK_REMOTE", "o1tcp://10.202.28.1:18620")
+    assert check_config() == 2
+    assert f"{P}OFL_DIR" in capsys.readouterr().err
+
+
+def test_ofl_endpoint_with_library_dir(env, capsys, tmp_path):
+    (tmp_path / "ofl.py").write_text("def connect(*args, **kwargs):\n    raise OSError('stub')\n")
+    (tmp_path / "libofl.so").write_bytes(b"")
+    env.setenv("VLLM_DSPARK_REMOTE", "o1rdma://10.202.28.1:18620")
+    env.setenv(P + "BIND", "10.202.28.2")
+    env.setenv(P + "OFL_DIR", str(tmp_path))
+    assert check_config("--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["VLLM_DSPARK_REMOTE"] == "o1rdma://10.202.28.1:18620?bind=10.202.28.2"
+    assert out[P + "OFL_DIR"] == str(tmp_path)
+    assert out["derived"]["bind"] == "10.202.28.2"
+
+
+def test_help_explains(capsys):
+    with pytest.raises(SystemExit) as e:
+        check_config("--help")
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "engine startup" in text and "VLLM_DSPARK_REMOTE_OFL_DIR" in text and "--json" in text
