@@ -1,0 +1,257 @@
+"""The reference worker: HELLO checks, windows per session and slot, bad frames, stop."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from remote_dspark import wire
+from remote_dspark.client import DraftClient, Refused
+from remote_dspark.markov import MarkovModel, builtin_model
+from remote_dspark.transport import Disconnected, parse_endpoint
+from remote_dspark.worker import MarkovDrafter, Worker, load_drafter, parse_listen
+
+# A tiny deterministic model: 1 -> 2 -> 3 -> 4 -> 5 -> 1 ..., with 1 -> 9 as a runner-up.
+MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20 + [1, 9], order=1, top=2)
+
+
+@pytest.fixture
+def worker():
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, window=8).start()
+    yield w
+    w.stop()
+
+
+def hello(w, **kw):
+    fields = dict(drafter_identity=w.drafter.drafter_identity, markov_identity=w.drafter.markov_identity,
+                  engine_id=42, max_slots=8, row_bytes=4, num_spec=3, want_margin=True)
+    fields.update(kw)
+    return wire.Hello(**fields)
+
+
+def connect(w, session=1, **kw):
+    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
+
+
+def do_round(c, rid, entries, n_rows=None):
+    n = len(entries) if n_rows is None else n_rows
+    return c.round(rid, entries, bytes(4 * n), 4, 1000)
+
+
+def test_client_gets_drafts_and_margins(worker):
+    c = connect(worker)
+    try:
+        d = do_round(c, 1, [wire.Entry(0, 3, 0, (4, 5, 1), new_gen=True), wire.Entry(5, 2, 0, (2,), new_gen=True)])
+        assert d.round_id == 1 and list(d.slots) == [0, 5]
+        assert d.row(0) == [2, 3, 4] and d.row(1) == [3, 4]
+        assert d.margins is not None and d.margins[0] == pytest.approx((20 - 1) / 21)
+        # Tokens accepted since then extend the slot's window at the next position.
+        d = do_round(c, 2, [wire.Entry(0, 3, 3, (2, 3))])
+        assert d.row(0) == [4, 5, 1] and list(d.statuses) == [wire.STATUS_OK]
+    finally:
+        c.close()
+
+
+def test_gap_in_positions_or_unknown_slot_asks_for_resync(worker):
+    c = connect(worker)
+    try:
+        do_round(c, 1, [wire.Entry(0, 3, 0, (1, 2), new_gen=True)])
+        d = do_round(c, 2, [wire.Entry(0, 3, 5, (3,)), wire.Entry(1, 3, 0, (3,))])
+        assert list(d.statuses) == [wire.STATUS_RESYNC] * 2 and list(d.counts) == [0, 0]
+        # NEW_GEN rebuilds the slot.
+        d = do_round(c, 3, [wire.Entry(0, 3, 0, (7, 3), new_gen=True)])
+        assert d.row(0) == [4, 5, 1]
+    finally:
+        c.close()
+
+
+def test_new_session_of_same_engine_drops_old_windows(worker):
+    first = connect(worker, session=1)
+    do_round(first, 1, [wire.Entry(0, 3, 0, (1, 2), new_gen=True)])
+    first.close()
+    second = connect(worker, session=2)          # the respawned proxy of engine 42
+    try:
+        d = do_round(second, 1, [wire.Entry(0, 3, 2, (3,))])
+        assert list(d.statuses) == [wire.STATUS_RESYNC]
+        other = connect(worker, session=3, engine_id=43)  # another engine: its own windows
+        do_round(other, 1, [wire.Entry(0, 3, 0, (1,), new_gen=True)])
+        other.close()
+        do_round(second, 2, [wire.Entry(0, 3, 0, (1,), new_gen=True)])
+        assert do_round(second, 3, [wire.Entry(0, 3, 1, (2,))]).row(0) == [3, 4, 5]
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize("field,code", [("drafter_identity", wire.REFUSE_DRAFTER),
+                                        ("markov_identity", wire.REFUSE_MARKOV)])
+def test_wrong_identity_is_refused_with_reason(worker, field, code):
+    with pytest.raises(Refused) as e:
+        connect(worker, **{field: b"\x01" * 32})
+    assert e.value.code == code
+    assert ("01" * 32) in e.value.reason and getattr(worker.drafter, field).hex() in e.value.reason
+    assert worker.stats.refused == 1
+
+
+def test_max_slots_over_worker_limit_refused():
+    with Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, max_slots=4) as w:
+        with pytest.raises(Refused, match="max_slots 8 over"):
+            connect(w, max_slots=8)
+
+
+def raw_connection(w):
+    return socket.create_connection(("127.0.0.1", w.port), timeout=5)
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """The worker closed this socket (EOF, or a reset when our bytes were unread)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def test_random_bytes_close_that_connection_and_the_worker_serves_on(worker):
+    healthy = connect(worker, session=10)
+    garbage = raw_connection(worker)
+    try:
+        garbage.sendall(os.urandom(4096))
+        assert closed_by_peer(garbage)
+        assert wait_for(lambda: worker.stats.bad_frames == 1)
+        second = connect(worker, session=11, engine_id=7)  # a second client is served
+        assert do_round(second, 1, [wire.Entry(0, 2, 0, (1,), new_gen=True)]).row(0) == [2, 3]
+        second.close()
+        assert do_round(healthy, 1, [wire.Entry(0, 1, 0, (4,), new_gen=True)]).row(0) == [5]
+    finally:
+        garbage.close()
+        healthy.close()
+
+
+@pytest.mark.parametrize("frame", [
+    wire.encode_round(wire.Round(1, 50, [wire.Entry(0, 3, 0, (1,), True)], bytes(4), 4), 1),  # before HELLO
+    wire.encode_header(wire.ROUND, wire.MAX_PAYLOAD + 1),                                      # oversized
+])
+def test_bad_first_frames_drop_the_connection(worker, frame):
+    s = raw_connection(worker)
+    try:
+        s.sendall(frame)
+        assert closed_by_peer(s)
+        assert wait_for(lambda: worker.stats.bad_frames == 1)
+    finally:
+        s.close()
+
+
+def test_slot_outside_the_session_drops_the_connection(worker):
+    c = connect(worker, max_slots=2)
+    try:
+        with pytest.raises(Disconnected):
+            do_round(c, 1, [wire.Entry(5, 3, 0, (1,), new_gen=True)])
+    finally:
+        c.close()
+
+
+def test_version_mismatch_gets_a_refusal_then_close(worker):
+    s = raw_connection(worker)
+    try:
+        frame = bytearray(wire.encode_hello(hello(worker), 1))
+        frame[4:6] = (99).to_bytes(2, "little")
+        s.sendall(frame)
+        data = b""
+        while len(data) < wire.HEADER.size:
+            chunk = s.recv(4096)
+            assert chunk
+            data += chunk
+        hdr = wire.decode_header(data[:wire.HEADER.size])
+        assert hdr.type == wire.HELLO_ACK
+    finally:
+        s.close()
+
+
+def test_stop_says_bye_to_open_connections():
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
+    c = connect(w)
+    w.stop()
+    hdr, _ = c.chan.recv_frame(time.monotonic() + 2)
+    assert hdr.type == wire.BYE
+    c.chan.close()
+
+
+def test_connection_cap():
+    with Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, max_connections=1) as w:
+        c = connect(w)
+        s = raw_connection(w)
+        try:
+            assert closed_by_peer(s)           # over the cap: closed at once
+            assert do_round(c, 1, [wire.Entry(0, 1, 0, (1,), True)]).row(0) == [2]
+        finally:
+            s.close()
+            c.close()
+
+
+def test_load_drafter_plugin_and_errors(tmp_path, monkeypatch):
+    (tmp_path / "mydrafter.py").write_text(
+        "class D:\n"
+        "    drafter_identity = b'd' * 32\n"
+        "    markov_identity = b'm' * 32\n"
+        "    def draft(self, context, n_out, row):\n"
+        "        return [len(row)] * n_out, [0.5] * n_out\n"
+        "def make():\n"
+        "    return D()\n"
+        "def bad():\n"
+        "    return object()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    d = load_drafter("mydrafter:make")
+    with Worker(d, "127.0.0.1", 0) as w:
+        c = connect(w)
+        assert do_round(c, 1, [wire.Entry(0, 2, 0, (1,), True)]).row(0) == [4, 4]   # row_bytes=4
+        c.close()
+    for spec, why in [("mydrafter", "MODULE:FACTORY"), ("nosuchmod:make", "nosuchmod"),
+                      ("mydrafter:nothing", "nothing"), ("mydrafter:bad", "drafter_identity must be 32 bytes")]:
+        with pytest.raises(ValueError, match=why):
+            load_drafter(spec)
+    with pytest.raises(ValueError, match="--markov"):
+        load_drafter(None, str(tmp_path / "missing.bin"))
+
+
+@pytest.mark.parametrize("raw", ["127.0.0.1", "127.0.0.1:x", ":80", "h:70000"])
+def test_parse_listen_errors(raw):
+    with pytest.raises(ValueError, match="--listen"):
+        parse_listen(raw)
+
+
+def test_worker_command_prints_identities_and_stops_on_sigterm():
+    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith("remote-dspark worker listening on tcp://127.0.0.1:")
+        model = builtin_model()
+        assert lines[2].strip() == f"VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={model.identity.hex()}"
+        assert lines[1].strip().startswith("VLLM_DSPARK_REMOTE_IDENTITY=")
+        port = int(lines[0].rsplit(":", 1)[1])
+        ident = bytes.fromhex(lines[1].split("=")[1].strip())
+        c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"),
+                                wire.Hello(ident, model.identity, 1, 4, 0, 2), 1, 5.0)
+        proc.send_signal(signal.SIGTERM)
+        hdr, _ = c.chan.recv_frame(time.monotonic() + 5)
+        assert hdr.type == wire.BYE
+        c.chan.close()
+        assert proc.wait(timeout=10) == 0
+        assert "worker stopped: 1 connections" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
