@@ -67,6 +67,27 @@ def test_tcp_deadline_and_disconnect(listener):
         chan.close()
 
 
+def test_deadline_mid_frame_resumes_the_same_frame(listener):
+    """A reply cut by the deadline is completed by the next read, not lost or misparsed."""
+    chan = transport.connect(parse_endpoint(f"tcp://127.0.0.1:{listener.getsockname()[1]}"), 1.0)
+    peer, _ = listener.accept()
+    try:
+        first = wire.encode_drafts(wire.Drafts(1, [0], [2], [0], 2, (7, 8)), 3)
+        second = wire.encode_drafts(wire.Drafts(2, [0], [1], [0], 2, (9, 0)), 3)
+        for cut in (5, wire.HEADER.size + 3):          # inside the header, inside the payload
+            peer.sendall(first[:cut])
+            with pytest.raises(DeadlineExceeded):
+                chan.recv_frame(time.monotonic() + 0.05)
+            peer.sendall(first[cut:] + second)
+            hdr, payload = chan.recv_frame(time.monotonic() + 1.0)
+            assert wire.decode_drafts(hdr, payload).row(0) == [7, 8]
+            hdr, payload = chan.recv_frame(time.monotonic() + 1.0)
+            assert wire.decode_drafts(hdr, payload).row(0) == [9]
+    finally:
+        peer.close()
+        chan.close()
+
+
 def test_tcp_bind_address_is_used(listener):
     chan = transport.connect(parse_endpoint(f"tcp://127.0.0.1:{listener.getsockname()[1]}?bind=127.0.0.2"), 1.0)
     peer, addr = listener.accept()

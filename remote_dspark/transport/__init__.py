@@ -123,13 +123,17 @@ class FrameChannel:
 
     Frames are read into one receive buffer that grows to the largest frame seen (never
     beyond ``wire.MAX_PAYLOAD``); the returned payload view is valid until the next
-    ``recv_frame``.
+    ``recv_frame``. A deadline that passes mid-frame keeps what was read: the next
+    ``recv_frame`` resumes the same frame, so a reply that comes late stays in step
+    (and is then dropped as late by its round id) instead of breaking the stream.
     """
 
     def __init__(self, stream: ByteStream):
         self.stream = stream
         self._hdr = bytearray(wire.HEADER.size)
         self._buf = bytearray(4096)
+        self._got = 0                          # bytes of the current frame read so far
+        self._header: wire.Header | None = None  # the current frame's header, once whole
 
     def send(self, *buffers) -> None:
         try:
@@ -143,29 +147,34 @@ class FrameChannel:
         Raises:
             DeadlineExceeded, Disconnected, wire.ProtocolError.
         """
-        self._fill(memoryview(self._hdr), deadline)
-        hdr = wire.decode_header(self._hdr)
-        if hdr.payload_len > len(self._buf):
-            self._buf = bytearray(hdr.payload_len)
-        view = memoryview(self._buf)[:hdr.payload_len]
+        if self._header is None:
+            self._fill(memoryview(self._hdr), deadline)
+            header = wire.decode_header(self._hdr)
+            if header.payload_len > len(self._buf):
+                self._buf = bytearray(header.payload_len)
+            self._header, self._got = header, 0
+        header = self._header
+        view = memoryview(self._buf)[:header.payload_len]
         self._fill(view, deadline)
-        return hdr, view
+        self._header, self._got = None, 0
+        return header, view
 
     def _fill(self, view: memoryview, deadline: float) -> None:
-        got, want = 0, len(view)
-        while got < want:
+        want = len(view)
+        while self._got < want:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DeadlineExceeded(f"deadline passed with {got} of {want} bytes read")
+                raise DeadlineExceeded(f"deadline passed with {self._got} of {want} bytes read")
             try:
-                n = self.stream.recv_into(view[got:], left)
+                n = self.stream.recv_into(view[self._got:], left)
             except TimeoutError as e:
-                raise DeadlineExceeded(f"deadline passed with {got} of {want} bytes read") from e
+                raise DeadlineExceeded(f"deadline passed with {self._got} of {want} bytes read") from e
             except OSError as e:
                 raise Disconnected(f"receive failed: {e}") from e
             if n == 0:
                 raise Disconnected("peer closed the connection")
-            got += n
+            self._got += n
+        self._got = 0
 
     def close(self) -> None:
         self.stream.close()

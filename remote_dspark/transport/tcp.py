@@ -3,6 +3,7 @@ timeout, an optional bind address, per-call receive deadlines."""
 
 from __future__ import annotations
 
+import math
 import socket
 from typing import Sequence
 
@@ -44,7 +45,7 @@ class TcpStream:
                     sent = 0
 
     def recv_into(self, view: memoryview, timeout_s: float) -> int:
-        self.sock.settimeout(timeout_s)
+        self.sock.settimeout(None if math.isinf(timeout_s) else timeout_s)
         return self.sock.recv_into(view)
 
     def close(self) -> None:

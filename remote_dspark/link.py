@@ -1,0 +1,183 @@
+"""The network side of a proxy: one connection to the worker, reconnect with back-off,
+and the breaker. Torch-free; the proxy process, the thread proxy and synchronous rounds
+all use it.
+
+A round never waits for a connection: while there is none, rounds are target-only
+(``BACKOFF``) and a connector thread reconnects after ``backoff_ms``, doubling up to
+``backoff_max_ms``, reset by a successful HELLO. A timed-out round keeps the connection
+(its reply is dropped as late when it comes); a broken or garbled one drops it.
+
+Every new connection is a new HELLO, after which the worker has no windows for this
+engine: the first round on it is answered with RESYNC for every slot and the engine
+re-announces them (NEW_GEN). ``epoch`` counts connections so callers can do that
+eagerly.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from . import wire
+from .breaker import Breaker
+from .client import DraftClient, Refused
+from .transport import DeadlineExceeded, Endpoint, TransportError
+
+log = logging.getLogger("remote_dspark.link")
+
+
+class Outcome(str, enum.Enum):
+    OK = "ok"
+    TIMEOUT = "timeout"            # no reply within the round's deadline
+    ERROR = "error"                # the connection broke or the reply broke the contract
+    BREAKER_SKIP = "breaker_skip"  # the breaker is open: no network this round
+    BACKOFF = "backoff"            # no connection (reconnecting): no network this round
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    outcome: Outcome
+    drafts: wire.Drafts | None = None
+    seconds: float = 0.0           # network time of an attempt (0 when none was made)
+
+
+class RemoteLink:
+    """One proxy's connection. ``round`` is called from one thread at a time.
+
+    Invariants: ``_client`` is only replaced under ``_lock``; the connector thread runs
+    only while there is no client and the link is open.
+    """
+
+    def __init__(self, endpoint: Endpoint, hello: wire.Hello, session: int, *, connect_timeout_ms: int,
+                 backoff_ms: int, backoff_max_ms: int, breaker: Breaker,
+                 environ: Mapping[str, str] | None = None, on_connect: Callable[[], None] | None = None):
+        self.endpoint = endpoint
+        self.hello = hello
+        self.session = session
+        self.connect_timeout_s = connect_timeout_ms / 1000.0
+        self.backoff_ms = backoff_ms
+        self.backoff_max_ms = backoff_max_ms
+        self.breaker = breaker
+        self.environ = environ
+        self.on_connect = on_connect
+        self.epoch = 0               # successful HELLOs so far
+        self.reconnects = 0          # successful HELLOs after the first
+        self.attempts = 0            # rounds that used the network
+        self.last_error = ""
+        self._late_closed = 0        # late replies counted on connections now closed
+        self._client: DraftClient | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._connector: threading.Thread | None = None
+        self._delay_ms = backoff_ms
+
+    # ------------------------------------------------------------------ connection
+
+    def connect(self) -> None:
+        """Connect and HELLO now, within CONNECT_TIMEOUT_MS (start-up).
+
+        Raises:
+            Refused, TransportError, wire.ProtocolError: the first try failed; the
+            caller decides (STRICT_START raises, otherwise :meth:`start_reconnecting`).
+        """
+        client = DraftClient.connect(self.endpoint, self.hello, self.session, self.connect_timeout_s,
+                                     self.environ)
+        self._install(client)
+
+    def start_reconnecting(self) -> None:
+        """Reconnect in the background after the current back-off."""
+        with self._lock:
+            if self._closed.is_set() or self._client is not None:
+                return
+            if self._connector is not None and self._connector.is_alive():
+                return
+            self._connector = threading.Thread(target=self._reconnect_loop, name="link-connect", daemon=True)
+            self._connector.start()
+
+    def _reconnect_loop(self) -> None:
+        while not self._closed.wait(self._delay_ms / 1000.0):
+            try:
+                client = DraftClient.connect(self.endpoint, self.hello, self.session, self.connect_timeout_s,
+                                             self.environ)
+            except (Refused, TransportError, wire.ProtocolError) as e:
+                self._note_failure(f"reconnect to {self.endpoint} failed: {e}")
+                self._delay_ms = min(2 * self._delay_ms, self.backoff_max_ms)
+                continue
+            if self._closed.is_set():
+                client.close()
+                return
+            self._install(client)
+            return
+
+    def _install(self, client: DraftClient) -> None:
+        with self._lock:
+            self._client = client
+            self.reconnects += self.epoch > 0
+            self.epoch += 1
+            self._delay_ms = self.backoff_ms
+        log.info("connected to %s (session %#x, epoch %d)", self.endpoint, self.session, self.epoch)
+        if self.on_connect is not None:
+            self.on_connect()
+
+    def _drop(self, why: str) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+            if client is not None:
+                self._late_closed += client.late
+        if client is not None:
+            client.chan.close()
+        self._note_failure(why)
+        self.start_reconnecting()
+
+    def _note_failure(self, why: str) -> None:
+        if why != self.last_error:  # one log line per kind of failure, not per round
+            log.warning("%s", why)
+        self.last_error = why
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    @property
+    def late(self) -> int:
+        """Replies that came after their round's deadline, dropped (all connections)."""
+        client = self._client
+        return self._late_closed + (client.late if client else 0)
+
+    # ------------------------------------------------------------------ rounds
+
+    def round(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
+              deadline_ms: int) -> RoundResult:
+        """One round within ``deadline_ms``; never raises for a remote failure."""
+        client = self._client
+        if client is None:
+            return RoundResult(Outcome.BACKOFF)
+        if not self.breaker.allow():
+            return RoundResult(Outcome.BREAKER_SKIP)
+        self.attempts += 1
+        t0 = time.monotonic()
+        try:
+            drafts = client.round(round_id, entries, rows, row_bytes, deadline_ms)
+        except DeadlineExceeded:
+            self.breaker.failure()
+            return RoundResult(Outcome.TIMEOUT, seconds=time.monotonic() - t0)
+        except (TransportError, wire.ProtocolError) as e:
+            self.breaker.failure()
+            self._drop(f"round {round_id} on {self.endpoint} failed: {e}")
+            return RoundResult(Outcome.ERROR, seconds=time.monotonic() - t0)
+        self.breaker.success()
+        return RoundResult(Outcome.OK, drafts, time.monotonic() - t0)
+
+    def close(self) -> None:
+        """Say BYE and stop reconnecting. Idempotent."""
+        self._closed.set()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+        if self._connector is not None:
+            self._connector.join(self.connect_timeout_s + 1.0)

@@ -1,0 +1,143 @@
+"""The proxy's network side against a real worker: timeouts, late replies, breaker,
+reconnect with back-off."""
+
+import threading
+import time
+
+import pytest
+
+from remote_dspark import wire
+from remote_dspark.breaker import Breaker, State
+from remote_dspark.link import Outcome, RemoteLink
+from remote_dspark.markov import MarkovModel
+from remote_dspark.transport import TransportError, parse_endpoint
+from remote_dspark.worker import MarkovDrafter, Worker
+
+MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+
+
+class GatedDrafter(MarkovDrafter):
+    """Drafts only once ``gate`` is set (bounded wait), to make a round late on purpose."""
+
+    def __init__(self):
+        super().__init__(MODEL)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def draft(self, context, n_out, row):
+        self.gate.wait(5)
+        return super().draft(context, n_out, row)
+
+
+@pytest.fixture
+def drafter():
+    return GatedDrafter()
+
+
+@pytest.fixture
+def worker(drafter):
+    w = Worker(drafter, "127.0.0.1", 0).start()
+    yield w
+    drafter.gate.set()
+    w.stop()
+
+
+def make_link(port, drafter, trip=3, cooldown=2, backoff_ms=20):
+    hello = wire.Hello(drafter.drafter_identity, drafter.markov_identity, 1, 4, 0, 3)
+    return RemoteLink(parse_endpoint(f"tcp://127.0.0.1:{port}"), hello, session=5, connect_timeout_ms=500,
+                      backoff_ms=backoff_ms, backoff_max_ms=4 * backoff_ms, breaker=Breaker(trip, cooldown))
+
+
+NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
+
+
+def until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_ok_round(worker, drafter):
+    link = make_link(worker.port, drafter)
+    link.connect()
+    try:
+        r = link.round(1, NEW, b"", 0, 1000)
+        assert r.outcome == Outcome.OK and r.drafts.row(0) == [2, 3, 4] and r.seconds > 0
+        assert (link.epoch, link.attempts) == (1, 1)
+    finally:
+        link.close()
+
+
+def test_timeout_keeps_the_connection_and_the_late_reply_is_dropped(worker, drafter):
+    link = make_link(worker.port, drafter)
+    link.connect()
+    try:
+        drafter.gate.clear()
+        assert link.round(1, NEW, b"", 0, 30).outcome == Outcome.TIMEOUT
+        drafter.gate.set()
+        r = link.round(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 2000)
+        assert r.outcome == Outcome.OK and r.drafts.round_id == 2 and r.drafts.row(0) == [3, 4, 1]
+        assert link.late == 1 and link.epoch == 1
+    finally:
+        link.close()
+
+
+def test_breaker_opens_after_trip_timeouts_and_probes_after_cooldown(worker, drafter):
+    link = make_link(worker.port, drafter, trip=2, cooldown=2)
+    link.connect()
+    try:
+        drafter.gate.clear()
+        outcomes = [link.round(i, NEW, b"", 0, 20).outcome for i in (1, 2)]
+        assert outcomes == [Outcome.TIMEOUT] * 2 and link.breaker.state == State.OPEN
+        assert [link.round(i, NEW, b"", 0, 20).outcome for i in (3, 4)] == [Outcome.BREAKER_SKIP] * 2
+        drafter.gate.set()
+        assert link.round(5, NEW, b"", 0, 2000).outcome == Outcome.OK    # the probe
+        assert link.breaker.state == State.CLOSED and link.breaker.store.probes == 1
+        assert link.attempts == 3
+    finally:
+        link.close()
+
+
+def test_lost_worker_means_backoff_rounds_then_reconnect_and_resync(drafter):
+    w = Worker(drafter, "127.0.0.1", 0).start()
+    port = w.port
+    link = make_link(port, drafter, backoff_ms=20)
+    link.connect()
+    try:
+        assert link.round(1, NEW, b"", 0, 1000).outcome == Outcome.OK
+        w.stop()
+        assert link.round(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 1000).outcome == Outcome.ERROR
+        assert link.round(3, NEW, b"", 0, 1000).outcome == Outcome.BACKOFF
+        w = Worker(drafter, "127.0.0.1", port).start()
+        assert until(lambda: link.connected)
+        assert (link.epoch, link.reconnects) == (2, 1)
+        r = link.round(4, [wire.Entry(0, 3, 2, (3,))], b"", 0, 1000)   # the new worker lost the window
+        assert r.outcome == Outcome.OK and list(r.drafts.statuses) == [wire.STATUS_RESYNC]
+    finally:
+        link.close()
+        w.stop()
+
+
+def test_start_without_worker_fails_then_reconnects_in_background(drafter):
+    probe = Worker(drafter, "127.0.0.1", 0).start()
+    port = probe.port
+    probe.stop()
+    link = make_link(port, drafter, backoff_ms=20)
+    with pytest.raises(TransportError):
+        link.connect()
+    link.start_reconnecting()
+    w = Worker(drafter, "127.0.0.1", port).start()
+    try:
+        assert until(lambda: link.connected) and link.epoch == 1 and link.reconnects == 0
+    finally:
+        link.close()
+        w.stop()
+
+
+def test_close_stops_the_connector(drafter):
+    link = make_link(1, drafter, backoff_ms=10)
+    link.start_reconnecting()
+    link.close()
+    assert not link._connector.is_alive()
+    assert link.round(1, NEW, b"", 0, 10).outcome == Outcome.BACKOFF
