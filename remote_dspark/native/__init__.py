@@ -1,0 +1,243 @@
+"""``native``: the hand-off primitives of ``hostflag.c``, found or built, then loaded.
+
+Which library is loaded (``locate``), first match wins:
+
+1. ``VLLM_DSPARK_REMOTE_HOSTFLAG_LIB``, when set: that file (a missing file is a
+   ``ValueError`` naming the variable);
+2. ``libdsv41_hostflag.so`` in ``VLLM_DSPARK_REMOTE_OFL_DIR``, when that file exists;
+3. ``hostflag.c`` (next to this file) compiled with ``cc -O2 -shared -fPIC -pthread``
+   at first use into the cache directory (``$XDG_CACHE_HOME/remote-dspark``, else
+   ``~/.cache/remote-dspark``), named by the sha256 of the source and the command, so
+   an edited source is rebuilt and an unchanged one never is. Each builder writes a
+   temporary file of its own and renames it into place (atomic), so several processes
+   may build at once and every one of them loads a complete library.
+
+At load the library must report the ABI this module binds (``hf_abi_version``) and
+lock-free 32- and 64-bit atomics (``hf_lock_free``): a word behind a lock is not safely
+shared by two processes.
+
+Calls that may wait (``wait_geq``, ``handoff``, ``publish``, ``release_empty``,
+``serve``, ``watchdog_stop``) go through ``ctypes.CDLL``, which releases the GIL for the
+call. The short ones (loads, stores, claim, counters) go through ``ctypes.PyDLL`` and
+keep it: releasing the GIL for 20 ns of work would invite another thread to take it for
+a whole switch interval.
+
+The C layer returns status codes; ``check`` is the one place that turns them into
+exceptions. This module imports nothing beyond the standard library (the proxy process
+is torch-free and numpy-free).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+ENV_LIB = "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"
+ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
+OFL_LIB_NAME = "libdsv41_hostflag.so"
+SOURCE = Path(__file__).with_name("hostflag.c")
+CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
+ABI_VERSION = 1
+LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
+
+
+class Status(enum.IntEnum):
+    """The C library's status codes (hostflag.c)."""
+
+    OK = 0
+    TIMEOUT = 1   # the deadline passed
+    LATE = 2      # the round was already claimed by someone else
+    ORDER = 3     # the previous round is not claimed yet (a caller bug)
+    STATE = 4     # a word holds a value its protocol forbids
+    NOMEM = 5
+    SYS = 6       # errno is set
+
+
+class NativeError(RuntimeError):
+    """The native library cannot be built or loaded, or broke its protocol."""
+
+
+class RingGeom(ctypes.Structure):
+    """``struct hf_ring``: this process's addresses of one region's words and drafts
+    slots. Filled by ``remote_dspark.ring`` from the region's layout."""
+
+    _fields_ = [
+        ("gathered", ctypes.c_void_p),
+        ("released", ctypes.c_void_p),
+        ("claim", ctypes.c_void_p),
+        ("gathered_ns", ctypes.c_void_p),
+        ("drafts", ctypes.c_void_p),
+        ("drafts_stride", ctypes.c_uint64),
+        ("depth", ctypes.c_uint32),
+        ("d_round", ctypes.c_uint32),
+        ("d_status", ctypes.c_uint32),
+        ("d_zero", ctypes.c_uint32),
+        ("zero_bytes", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+_P, _U32, _U64, _I = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
+_RING = ctypes.POINTER(RingGeom)
+
+# name: (restype, argtypes, may_wait). may_wait -> CDLL (GIL released), else PyDLL.
+_FUNCS = {
+    "now_ns": (_U64, (), False),
+    "load32": (_U32, (_P,), False),
+    "store32": (None, (_P, _U32), False),
+    "load64": (_U64, (_P,), False),
+    "store64": (None, (_P, _U64), False),
+    "add64": (None, (_P, _U64), False),
+    "snapshot64": (None, (_P, _P, _U32), False),
+    "signal": (None, (_P, _P, _U32), False),
+    "claim": (_I, (_P, _U32), False),
+    "zero_drafts": (None, (_RING, _U32, _U32), False),
+    "wait_geq": (_I, (_P, _U32, _U32, _U32, _U64), True),
+    "handoff": (_I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), True),
+    "publish": (_I, (_P, _U32, _U64), True),
+    "release_empty": (_I, (_RING, _U32, _U32, _U64), True),
+    "serve": (_I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),
+    "watchdog_start": (_P, (_RING, _P, _U32, _U64, _U64), False),
+    "watchdog_stop": (_I, (_P,), True),
+}
+
+
+def check(rc: int, what: str) -> Status:
+    """Map a status code to the outcome a caller handles (OK, TIMEOUT, LATE) or raise.
+
+    Raises:
+        RuntimeError: ORDER or STATE (a protocol invariant broken), naming ``what``.
+        MemoryError: NOMEM.
+        OSError: SYS, with the C errno.
+    """
+    status = Status(rc)
+    if status in (Status.OK, Status.TIMEOUT, Status.LATE):
+        return status
+    if status is Status.NOMEM:
+        raise MemoryError(f"{what}: out of memory")
+    if status is Status.SYS:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    raise RuntimeError(f"{what}: {status.name} ({_MEANING[status]})")
+
+
+_MEANING = {
+    Status.ORDER: "the previous round is not claimed yet; rounds are answered in order",
+    Status.STATE: "a sequence word went backwards or was released by a non-claimer",
+}
+
+
+class Native:
+    """The loaded library. Each ``_FUNCS`` entry is an attribute: the ctypes function
+    itself (no Python wrapper on the hot path). ``path`` is the file that was loaded."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            waiting = ctypes.CDLL(path, use_errno=True)
+            holding = ctypes.PyDLL(path, use_errno=True)
+        except OSError as e:
+            raise NativeError(f"cannot load {path}: {e}") from e
+        self._probe(waiting)
+        for name, (restype, argtypes, may_wait) in _FUNCS.items():
+            fn = getattr(waiting if may_wait else holding, "hf_" + name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+            setattr(self, name, fn)
+
+    def _probe(self, lib) -> None:
+        """Refuse a library of another ABI or without lock-free words (probed, not
+        assumed from the build)."""
+        try:
+            abi, lock_free = lib.hf_abi_version, lib.hf_lock_free
+        except AttributeError as e:
+            raise NativeError(f"{self.path} is not a hostflag library: {e}") from e
+        abi.restype = lock_free.restype = ctypes.c_int
+        if abi() != ABI_VERSION:
+            raise NativeError(f"{self.path}: hostflag ABI {abi()}, this package binds "
+                              f"{ABI_VERSION}; rebuild it from {SOURCE}")
+        if lock_free() != LOCK_FREE_ALL:
+            raise NativeError(f"{self.path}: 32/64-bit atomics are not lock-free on this "
+                              f"platform (hf_lock_free() = {lock_free()}); the region's words "
+                              "cannot be shared between processes")
+
+    def __repr__(self) -> str:
+        return f"Native({self.path!r})"
+
+
+def default_cache_dir(environ: Mapping[str, str]) -> Path:
+    xdg = (environ.get("XDG_CACHE_HOME") or "").strip()
+    base = Path(xdg) if xdg else Path(environ.get("HOME") or Path.home()) / ".cache"
+    return base / "remote-dspark"
+
+
+def locate(environ: Mapping[str, str] | None = None, cache_dir: str | os.PathLike | None = None) -> str:
+    """The path of the library to load, by the rules in the module docstring; builds it
+    into the cache when neither variable names one.
+
+    Raises:
+        ValueError: VLLM_DSPARK_REMOTE_HOSTFLAG_LIB names a missing file.
+        NativeError: the library has to be built and cannot be (no compiler, a failed
+            build, an unwritable cache directory).
+    """
+    env = os.environ if environ is None else environ
+    named = (env.get(ENV_LIB) or "").strip()
+    if named:
+        if not os.path.isfile(named):
+            raise ValueError(f"{ENV_LIB}={named!r}: no such file")
+        return named
+    ofl_dir = (env.get(ENV_OFL_DIR) or "").strip()
+    if ofl_dir and os.path.isfile(os.path.join(ofl_dir, OFL_LIB_NAME)):
+        return os.path.join(ofl_dir, OFL_LIB_NAME)
+    return str(build(Path(cache_dir) if cache_dir is not None else default_cache_dir(env), env))
+
+
+def build(cache_dir: Path, environ: Mapping[str, str]) -> Path:
+    """Compile ``hostflag.c`` into ``cache_dir`` unless the build for this source is
+    already there; returns its path. Safe when several processes build at once."""
+    compiler = (environ.get("CC") or "cc").strip()
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + "\0".join((compiler,) + CFLAGS).encode()).hexdigest()[:16]
+    target = cache_dir / f"hostflag-{key}.so"
+    if target.is_file():
+        return target
+    cc = shutil.which(compiler, path=environ.get("PATH", os.defpath))
+    if cc is None:
+        raise NativeError(
+            f"cannot build {SOURCE.name}: no C compiler {compiler!r} on PATH. Install one "
+            f"(e.g. gcc) or set {ENV_LIB} to a built {OFL_LIB_NAME}")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".hostflag-{key}.", suffix=".so.tmp", dir=cache_dir)
+        os.close(fd)
+    except OSError as e:
+        raise NativeError(f"cannot build {SOURCE.name} into {cache_dir}: {e}") from e
+    try:
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+                              text=True, timeout=120)
+        if proc.returncode != 0:
+            raise NativeError(f"{cc} failed to build {SOURCE} (exit {proc.returncode}):\n"
+                              f"{proc.stderr.strip()}")
+        os.replace(tmp, target)  # atomic: a reader sees no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(environ: Mapping[str, str] | None = None,
+         cache_dir: str | os.PathLike | None = None) -> Native:
+    """Locate (or build) and load the library.
+
+    Raises:
+        ValueError: VLLM_DSPARK_REMOTE_HOSTFLAG_LIB names a missing file.
+        NativeError: no library can be built, or the one found is refused at load.
+    """
+    return Native(locate(environ, cache_dir))

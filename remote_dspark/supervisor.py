@@ -1,0 +1,256 @@
+"""The supervisor: spawn the proxy process, see it die or stall, respawn it under a budget.
+
+Why a fresh interpreter (``sys.executable -m remote_dspark.proxy_proc``), never fork or
+multiprocessing: forking a CUDA-initialised engine is undefined, and multiprocessing's
+spawn re-imports the engine's ``__main__`` (torch with it, 3.6 s). The memfd region is
+the only thing the child inherits (``pass_fds``); its environment is minimal.
+
+Why a pidfd, not polling: the kernel makes the pidfd readable the instant the child
+exits, so a watcher thread sleeping in ``select`` sees death at once, and can also wake
+every ``tick`` to check for stalls and the budget's reset window.
+
+The lifecycle is one typed value (:data:`Lifecycle`) and the restart decision is made in
+one place (:meth:`Supervisor._lost`):
+
+    Up --exit/signal/stall--> budget left? --yes--> Up (new proxy, new session)
+                                           --no---> Spent (target-only from now on)
+    any --close()--> Closed
+
+While the state is not :class:`Up` every round is target-only and released by the
+engine side at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Union
+
+log = logging.getLogger("remote_dspark.supervisor")
+
+
+class Cause(str, enum.Enum):
+    EXIT = "exit"       # the proxy exited by itself
+    SIGNAL = "signal"   # killed by a signal it did not ask for (OOM killer, chaos, ...)
+    STALL = "stall"     # alive but not serving: the supervisor killed it
+
+
+@dataclass(frozen=True)
+class Up:
+    pid: int
+    session: int
+    since: float                 # monotonic time of the spawn
+
+
+@dataclass(frozen=True)
+class Down:
+    cause: Cause
+    since: float                 # between a loss and the next spawn
+
+
+@dataclass(frozen=True)
+class Spent:
+    since: float                 # the budget ran out: target-only for good
+
+
+@dataclass(frozen=True)
+class Closed:
+    pass
+
+
+Lifecycle = Union[Up, Down, Spent, Closed]
+
+
+class RestartBudget:
+    """``respawns`` new proxies after losses; a proxy that stayed up ``reset_s`` seconds
+    restores the full budget (0 = never)."""
+
+    def __init__(self, respawns: int, reset_s: float):
+        self.full = respawns
+        self.left = respawns
+        self.reset_s = reset_s
+        self.restored = 0         # times the reset window gave the budget back
+
+    def observe(self, up: Up, now: float) -> None:
+        if self.reset_s and self.left < self.full and now - up.since >= self.reset_s:
+            self.left = self.full
+            self.restored += 1
+
+    def take(self) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
+@dataclass(frozen=True)
+class SupervisorStats:
+    state: str
+    pid: int | None
+    session: int | None
+    spawns: int
+    restarts: dict[str, int]     # by cause
+    budget_left: int
+    budget_restored: int
+
+
+class Supervisor:
+    """Owns the proxy process. ``spawn(session)`` starts one and returns its Popen;
+    ``stalled(up)`` says whether a live proxy has stopped serving; ``on_change(state)``
+    hears every lifecycle change (from the watcher thread).
+
+    Invariants: at most one proxy process is alive; every process spawned is reaped
+    (no zombie) by the watcher or by :meth:`close`; ``state`` changes only under
+    ``_lock``.
+    """
+
+    def __init__(self, spawn: Callable[[int], subprocess.Popen], *, respawns: int, reset_s: float,
+                 stalled: Callable[[Up], bool] | None = None,
+                 on_change: Callable[[Lifecycle], None] | None = None,
+                 tick_s: float = 0.02, new_session: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._spawn_fn = spawn
+        self.budget = RestartBudget(respawns, reset_s)
+        self._stalled = stalled or (lambda up: False)
+        self._on_change = on_change or (lambda state: None)
+        self.tick_s = tick_s
+        self._new_session = new_session or (lambda: int.from_bytes(os.urandom(8), "little") or 1)
+        self._clock = clock
+        self.state: Lifecycle = Down(Cause.EXIT, clock())
+        self.restarts: Counter[Cause] = Counter()
+        self.spawns = 0
+        self._proc: subprocess.Popen | None = None
+        self._pidfd = -1
+        self._kill_cause: Cause | None = None   # why the supervisor itself killed the proxy
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        self._watcher: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Spawn the first proxy and start watching. Raises OSError if it cannot start."""
+        with self._lock:
+            self._spawn()
+        self._watcher = threading.Thread(target=self._watch, name="proxy-supervisor", daemon=True)
+        self._watcher.start()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Ask the proxy to exit (SIGTERM), wait, then SIGKILL; reap it. Idempotent."""
+        with self._lock:
+            if isinstance(self.state, Closed):
+                return
+            self._set(Closed())
+            proc = self._proc
+        os.write(self._wake_w, b"x")
+        if self._watcher is not None:
+            self._watcher.join(timeout_s + 1.0)
+        if proc is not None:
+            _terminate(proc, timeout_s)
+        self._close_pidfd()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    @property
+    def up(self) -> Up | None:
+        state = self.state
+        return state if isinstance(state, Up) else None
+
+    def stats(self) -> SupervisorStats:
+        state = self.state
+        return SupervisorStats(type(state).__name__.lower(), getattr(state, "pid", None),
+                               getattr(state, "session", None), self.spawns,
+                               {c.value: self.restarts[c] for c in Cause}, self.budget.left,
+                               self.budget.restored)
+
+    # ------------------------------------------------------------------ internals
+
+    def _set(self, state: Lifecycle) -> None:
+        self.state = state
+        self._on_change(state)
+
+    def _spawn(self) -> None:
+        session = self._new_session()
+        proc = self._spawn_fn(session)
+        self._proc = proc
+        self._pidfd = os.pidfd_open(proc.pid)
+        self._kill_cause = None
+        self.spawns += 1
+        self._set(Up(proc.pid, session, self._clock()))
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def _watch(self) -> None:
+        while not isinstance(self.state, Closed):
+            fds = [self._wake_r] + ([self._pidfd] if self._pidfd >= 0 else [])
+            ready, _, _ = select.select(fds, [], [], self.tick_s)
+            with self._lock:
+                if isinstance(self.state, Closed):
+                    return
+                if self._pidfd in ready:
+                    self._reap_and_decide()
+                elif isinstance(self.state, Up):
+                    self._check_live(self.state)
+
+    def _check_live(self, up: Up) -> None:
+        self.budget.observe(up, self._clock())
+        if self._kill_cause is None and self._stalled(up):
+            log.warning("proxy pid %d stalled; killing it", up.pid)
+            self._kill_cause = Cause.STALL
+            _signal(self._proc, signal.SIGKILL)
+
+    def _reap_and_decide(self) -> None:
+        proc = self._proc
+        returncode = proc.wait()   # the pidfd is readable: this does not block
+        self._close_pidfd()
+        self._proc = None
+        cause = self._kill_cause or (Cause.SIGNAL if returncode < 0 else Cause.EXIT)
+        self._lost(cause, returncode)
+
+    def _lost(self, cause: Cause, returncode: int) -> None:
+        """The one place that decides whether a lost proxy is replaced."""
+        now = self._clock()
+        if isinstance(self.state, Up):
+            self.budget.observe(self.state, now)
+        self.restarts[cause] += 1
+        self._set(Down(cause, now))
+        if not self.budget.take():
+            self._set(Spent(now))
+            log.error("proxy lost (%s, status %s) and the respawn budget (%d) is spent: every round is "
+                      "target-only from now on", cause.value, returncode, self.budget.full)
+            return
+        log.warning("proxy lost (%s, status %s); respawning (%d left)", cause.value, returncode,
+                    self.budget.left)
+        try:
+            self._spawn()
+        except OSError as e:
+            log.error("could not respawn the proxy: %s", e)
+            self._set(Spent(now))
+
+
+def _signal(proc: subprocess.Popen | None, sig: int) -> None:
+    if proc is not None and proc.returncode is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+    _signal(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        _signal(proc, signal.SIGKILL)
+        proc.wait()

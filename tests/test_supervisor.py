@@ -1,0 +1,164 @@
+"""The supervisor with stand-in children: death seen at once, stalls, the budget and its
+reset window, and a clean close."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from remote_dspark.supervisor import Cause, Closed, Spent, Supervisor, Up
+
+CHILD = "import sys, time\ncode = int(sys.argv[1])\nif code >= 0: sys.exit(code)\ntime.sleep(120)\n"
+
+
+class Spawner:
+    """Starts stand-in proxies; ``codes`` says how each one ends (-1: runs until killed)."""
+
+    def __init__(self, codes=()):
+        self.codes = list(codes)
+        self.procs = []
+        self.sessions = []
+
+    def __call__(self, session):
+        code = self.codes.pop(0) if self.codes else -1
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(code)])
+        self.procs.append(proc)
+        self.sessions.append(session)
+        return proc
+
+    def cleanup(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+@pytest.fixture
+def spawner():
+    s = Spawner()
+    yield s
+    s.cleanup()
+
+
+def open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_sigkill_is_seen_and_a_new_proxy_with_a_new_session_starts(spawner):
+    changes = []
+    sup = Supervisor(spawner, respawns=2, reset_s=0, on_change=changes.append)
+    sup.start()
+    try:
+        first = sup.up
+        os.kill(first.pid, signal.SIGKILL)
+        assert until(lambda: sup.up is not None and sup.up.pid != first.pid)
+        assert sup.up.session != first.session and sup.restarts[Cause.SIGNAL] == 1
+        assert sup.budget.left == 1 and spawner.procs[0].returncode == -signal.SIGKILL   # reaped
+        assert [type(c).__name__ for c in changes] == ["Up", "Down", "Up"]
+    finally:
+        sup.close()
+
+
+def test_exit_by_itself_counts_as_exit(spawner):
+    spawner.codes = [3]
+    sup = Supervisor(spawner, respawns=1, reset_s=0)
+    sup.start()
+    try:
+        assert until(lambda: sup.restarts[Cause.EXIT] == 1 and sup.up is not None)
+        assert sup.spawns == 2
+    finally:
+        sup.close()
+
+
+def test_stalled_proxy_is_killed_and_counted_as_stall(spawner):
+    stall_pid = []
+    sup = Supervisor(spawner, respawns=1, reset_s=0, stalled=lambda up: up.pid in stall_pid)
+    sup.start()
+    try:
+        first = sup.up
+        stall_pid.append(first.pid)
+        assert until(lambda: sup.restarts[Cause.STALL] == 1 and sup.up is not None)
+        assert spawner.procs[0].returncode == -signal.SIGKILL and sup.up.pid != first.pid
+        assert sup.restarts[Cause.SIGNAL] == 0
+    finally:
+        sup.close()
+
+
+def test_spent_budget_logs_one_error_and_stays_spent(spawner, caplog):
+    spawner.codes = [1, 1, 1]
+    sup = Supervisor(spawner, respawns=2, reset_s=0)
+    with caplog.at_level(logging.WARNING, logger="remote_dspark.supervisor"):
+        sup.start()
+        try:
+            assert until(lambda: isinstance(sup.state, Spent))
+            assert sup.spawns == 3 and sup.budget.left == 0 and sup.restarts[Cause.EXIT] == 3
+        finally:
+            sup.close()
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "budget (2) is spent" in errors[0].getMessage()
+
+
+def test_zero_respawns_means_target_only_after_the_first_loss(spawner):
+    spawner.codes = [0]
+    sup = Supervisor(spawner, respawns=0, reset_s=0)
+    sup.start()
+    try:
+        assert until(lambda: isinstance(sup.state, Spent)) and sup.spawns == 1
+    finally:
+        sup.close()
+
+
+def test_reset_window_restores_the_full_budget(spawner):
+    now = [0.0]
+    sup = Supervisor(spawner, respawns=2, reset_s=100, clock=lambda: now[0])
+    sup.start()
+    try:
+        os.kill(sup.up.pid, signal.SIGKILL)
+        assert until(lambda: sup.spawns == 2 and sup.up is not None)
+        assert sup.budget.left == 1
+        now[0] = 99.0
+        assert not until(lambda: sup.budget.left == 2, timeout=0.1)   # not yet served 100 s
+        now[0] = 100.0
+        assert until(lambda: sup.budget.left == 2) and sup.budget.restored == 1
+    finally:
+        sup.close()
+
+
+def test_close_leaves_no_zombie_and_no_fd(spawner):
+    before = open_fds()
+    sup = Supervisor(spawner, respawns=1, reset_s=0)
+    sup.start()
+    proc = spawner.procs[0]
+    sup.close()
+    assert isinstance(sup.state, Closed) and proc.returncode is not None
+    with pytest.raises(ChildProcessError):
+        os.waitpid(proc.pid, os.WNOHANG)
+    assert open_fds() == before
+    sup.close()   # idempotent
+
+
+def test_close_kills_a_child_that_ignores_sigterm(spawner):
+    def spawn(session):
+        proc = subprocess.Popen([sys.executable, "-c",
+                                 "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                 "print('ready', flush=True)\ntime.sleep(120)\n"], stdout=subprocess.PIPE)
+        spawner.procs.append(proc)
+        return proc
+    sup = Supervisor(spawn, respawns=0, reset_s=0)
+    sup.start()
+    proc = spawner.procs[0]
+    assert proc.stdout.readline() == b"ready\n"
+    sup.close(timeout_s=0.2)
+    proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
