@@ -62,11 +62,10 @@ class DraftClient:
             raise
         return cls(chan, session, ack)
 
-    def send_round(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
-                   deadline_ms: int) -> None:
-        """Send a ROUND; ``rows`` (n x row_bytes) goes out as it is, uncopied."""
-        head, tokens = wire.round_head(round_id, self.session, deadline_ms, entries, row_bytes)
-        self.chan.send(head, rows, tokens)
+    def send(self, parts: Sequence) -> None:
+        """Send one frame given as buffers (e.g. a ROUND whose rows and tokens are views
+        of the shared region: they go out uncopied)."""
+        self.chan.send(*parts)
 
     def recv_drafts(self, round_id: int, deadline: float) -> wire.Drafts:
         """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
@@ -83,11 +82,11 @@ class DraftClient:
                 raise wire.ProtocolError(f"DRAFTS for round {hdr.round}, which was never sent")
             self.late += 1
 
-    def round(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
-              deadline_ms: int) -> wire.Drafts:
-        """One synchronous round within ``deadline_ms``."""
+    def round(self, round_id: int, parts: Sequence, deadline_ms: int) -> wire.Drafts:
+        """One synchronous round within ``deadline_ms``: send the ROUND frame ``parts``,
+        return its DRAFTS."""
         deadline = time.monotonic() + deadline_ms / 1000.0
-        self.send_round(round_id, entries, rows, row_bytes, deadline_ms)
+        self.send(parts)
         return self.recv_drafts(round_id, deadline)
 
     def close(self) -> None:

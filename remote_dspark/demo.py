@@ -70,7 +70,8 @@ def drive(client: DraftClient, sim: SimEngine, rounds: int, timeout_ms: int, row
         t0 = time.perf_counter()
         drafts = None
         try:
-            reply = client.round(r, entries, rows, row_bytes, timeout_ms)
+            reply = client.round(r, wire.round_parts(r, client.session, timeout_ms, entries, rows, row_bytes),
+                                 timeout_ms)
         except DeadlineExceeded:
             outcomes["timeout"] += 1
             sim.reannounce()

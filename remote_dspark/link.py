@@ -150,9 +150,15 @@ class RemoteLink:
 
     # ------------------------------------------------------------------ rounds
 
-    def round(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
-              deadline_ms: int) -> RoundResult:
-        """One round within ``deadline_ms``; never raises for a remote failure."""
+    def round_entries(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
+                      deadline_ms: int) -> RoundResult:
+        """:meth:`round` for entries and rows held by the caller (synchronous rounds)."""
+        return self.round(round_id, wire.round_parts(round_id, self.session, deadline_ms, entries,
+                                                     rows, row_bytes), deadline_ms)
+
+    def round(self, round_id: int, parts: Sequence, deadline_ms: int) -> RoundResult:
+        """Send the ROUND frame ``parts`` (buffers, sent uncopied) and wait for its
+        DRAFTS within ``deadline_ms``; never raises for a remote failure."""
         client = self._client
         if client is None:
             return RoundResult(Outcome.BACKOFF)
@@ -161,7 +167,7 @@ class RemoteLink:
         self.attempts += 1
         t0 = time.monotonic()
         try:
-            drafts = client.round(round_id, entries, rows, row_bytes, deadline_ms)
+            drafts = client.round(round_id, parts, deadline_ms)
         except DeadlineExceeded:
             self.breaker.failure()
             return RoundResult(Outcome.TIMEOUT, seconds=time.monotonic() - t0)

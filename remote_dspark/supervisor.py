@@ -28,11 +28,13 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Union
+from pathlib import Path
+from typing import Callable, Mapping, Union
 
 log = logging.getLogger("remote_dspark.supervisor")
 
@@ -237,6 +239,33 @@ class Supervisor:
         except OSError as e:
             log.error("could not respawn the proxy: %s", e)
             self._set(Spent(now))
+
+
+# What a proxy inherits of the engine's environment: the contract's variables and what an
+# interpreter needs to start. Nothing else (no CUDA_*, no LD_PRELOAD of the engine's).
+_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "XDG_CACHE_HOME")
+_PASS_PREFIX = "VLLM_DSPARK_"
+
+
+def proxy_environment(environ: Mapping[str, str], hostflag_lib: str) -> dict[str, str]:
+    """The proxy's minimal environment. The engine has already located (or built) the
+    native library; the proxy is told its path, so it never compiles anything."""
+    env = {k: v for k, v in environ.items() if k in _PASS_ENV or k.startswith(_PASS_PREFIX)}
+    env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = hostflag_lib
+    # The package must be importable by the new interpreter exactly as it is here
+    # (installed, or run from a source tree).
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def spawn_proxy(fd: int, *, engine_id: int, env: Mapping[str, str]) -> subprocess.Popen:
+    """Start ``python -m remote_dspark.proxy_proc`` with the region's fd and nothing else."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(fd),
+         "--engine-id", f"{engine_id:x}", "--parent", str(os.getpid())],
+        pass_fds=(fd,), env=dict(env), stdin=subprocess.DEVNULL, close_fds=True)
 
 
 def _signal(proc: subprocess.Popen | None, sig: int) -> None:

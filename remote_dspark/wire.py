@@ -279,11 +279,18 @@ def round_head(round_id: int, session: int, deadline_ms: int, entries: Sequence[
     return encode_header(ROUND, payload_len, session, round_id) + bytes(table), tok
 
 
+def round_parts(round_id: int, session: int, deadline_ms: int, entries: Sequence[Entry], rows,
+                row_bytes: int) -> list:
+    """A ROUND frame as the buffers of one ``sendmsg``: head, rows (as given), tokens."""
+    head, tok = round_head(round_id, session, deadline_ms, entries, row_bytes)
+    _check(len(rows) == len(entries) * row_bytes, "rows do not match entries x row_bytes")
+    return [head, rows, tok]
+
+
 def encode_round(r: Round, session: int) -> bytes:
     """The whole ROUND frame as one bytes object (tests and simple clients)."""
-    head, tok = round_head(r.round_id, session, r.deadline_ms, r.entries, r.row_bytes)
-    _check(len(r.rows) == len(r.entries) * r.row_bytes, "rows do not match entries x row_bytes")
-    return head + bytes(r.rows) + tok
+    return b"".join(bytes(p) for p in round_parts(r.round_id, session, r.deadline_ms, r.entries,
+                                                   r.rows, r.row_bytes))
 
 
 def decode_round(hdr: Header, payload) -> Round:

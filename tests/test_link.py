@@ -62,7 +62,7 @@ def test_ok_round(worker, drafter):
     link = make_link(worker.port, drafter)
     link.connect()
     try:
-        r = link.round(1, NEW, b"", 0, 1000)
+        r = link.round_entries(1, NEW, b"", 0, 1000)
         assert r.outcome == Outcome.OK and r.drafts.row(0) == [2, 3, 4] and r.seconds > 0
         assert (link.epoch, link.attempts) == (1, 1)
     finally:
@@ -74,9 +74,9 @@ def test_timeout_keeps_the_connection_and_the_late_reply_is_dropped(worker, draf
     link.connect()
     try:
         drafter.gate.clear()
-        assert link.round(1, NEW, b"", 0, 30).outcome == Outcome.TIMEOUT
+        assert link.round_entries(1, NEW, b"", 0, 30).outcome == Outcome.TIMEOUT
         drafter.gate.set()
-        r = link.round(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 2000)
+        r = link.round_entries(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 2000)
         assert r.outcome == Outcome.OK and r.drafts.round_id == 2 and r.drafts.row(0) == [3, 4, 1]
         assert link.late == 1 and link.epoch == 1
     finally:
@@ -88,11 +88,11 @@ def test_breaker_opens_after_trip_timeouts_and_probes_after_cooldown(worker, dra
     link.connect()
     try:
         drafter.gate.clear()
-        outcomes = [link.round(i, NEW, b"", 0, 20).outcome for i in (1, 2)]
+        outcomes = [link.round_entries(i, NEW, b"", 0, 20).outcome for i in (1, 2)]
         assert outcomes == [Outcome.TIMEOUT] * 2 and link.breaker.state == State.OPEN
-        assert [link.round(i, NEW, b"", 0, 20).outcome for i in (3, 4)] == [Outcome.BREAKER_SKIP] * 2
+        assert [link.round_entries(i, NEW, b"", 0, 20).outcome for i in (3, 4)] == [Outcome.BREAKER_SKIP] * 2
         drafter.gate.set()
-        assert link.round(5, NEW, b"", 0, 2000).outcome == Outcome.OK    # the probe
+        assert link.round_entries(5, NEW, b"", 0, 2000).outcome == Outcome.OK    # the probe
         assert link.breaker.state == State.CLOSED and link.breaker.store.probes == 1
         assert link.attempts == 3
     finally:
@@ -105,14 +105,14 @@ def test_lost_worker_means_backoff_rounds_then_reconnect_and_resync(drafter):
     link = make_link(port, drafter, backoff_ms=20)
     link.connect()
     try:
-        assert link.round(1, NEW, b"", 0, 1000).outcome == Outcome.OK
+        assert link.round_entries(1, NEW, b"", 0, 1000).outcome == Outcome.OK
         w.stop()
-        assert link.round(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 1000).outcome == Outcome.ERROR
-        assert link.round(3, NEW, b"", 0, 1000).outcome == Outcome.BACKOFF
+        assert link.round_entries(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 1000).outcome == Outcome.ERROR
+        assert link.round_entries(3, NEW, b"", 0, 1000).outcome == Outcome.BACKOFF
         w = Worker(drafter, "127.0.0.1", port).start()
         assert until(lambda: link.connected)
         assert (link.epoch, link.reconnects) == (2, 1)
-        r = link.round(4, [wire.Entry(0, 3, 2, (3,))], b"", 0, 1000)   # the new worker lost the window
+        r = link.round_entries(4, [wire.Entry(0, 3, 2, (3,))], b"", 0, 1000)   # the new worker lost the window
         assert r.outcome == Outcome.OK and list(r.drafts.statuses) == [wire.STATUS_RESYNC]
     finally:
         link.close()
@@ -140,4 +140,4 @@ def test_close_stops_the_connector(drafter):
     link.start_reconnecting()
     link.close()
     assert not link._connector.is_alive()
-    assert link.round(1, NEW, b"", 0, 10).outcome == Outcome.BACKOFF
+    assert link.round_entries(1, NEW, b"", 0, 10).outcome == Outcome.BACKOFF

@@ -39,7 +39,7 @@ def connect(w, session=1, **kw):
 
 def do_round(c, rid, entries, n_rows=None):
     n = len(entries) if n_rows is None else n_rows
-    return c.round(rid, entries, bytes(4 * n), 4, 1000)
+    return c.round(rid, wire.round_parts(rid, c.session, 1000, entries, bytes(4 * n), 4), 1000)
 
 
 def test_client_gets_drafts_and_margins(worker):

@@ -1,0 +1,168 @@
+"""The proxy: take rounds from the region, send them to the remote drafter, answer them.
+
+``python -m remote_dspark.proxy_proc --fd N --engine-id HEX --parent PID`` is the proxy
+process the supervisor spawns (torch-, numpy- and prometheus_client-free: a test reads
+the child's loaded modules). :class:`ProxyLoop` is the loop itself; thread mode runs the
+same loop as a thread of the engine, for comparison.
+
+Per round: wait for ``gathered`` (in C, GIL released: spin ``ASYNC_SPIN_US``, then nap
+``ASYNC_NAP_US``; 0 = pure spin), read the descriptor, ask the breaker, send the ROUND
+straight from the region (head, rows and tokens are views of it), receive DRAFTS within
+the deadline, claim, write the drafts, release, count, beat the heartbeat. A round the
+watchdog answered first is dropped and counted late.
+
+The process exits when the engine dies (PR_SET_PDEATHSIG, and the parent pid checked
+every idle tick in case the engine died before the request took effect), on SIGTERM
+(saying BYE), and when the region cannot be attached (exit status 3, reason on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Callable, Mapping
+
+from . import native, shm, wire
+from .breaker import Breaker, BreakerRecord
+from .config import RemoteConfig
+from .link import Outcome as LinkOutcome, RemoteLink
+from .ring import Outcome, ProxyEnd, ProxyRound
+from .transport import TransportError
+from .client import Refused
+
+log = logging.getLogger("remote_dspark.proxy")
+
+IDLE_TICK_S = 0.05     # how often an idle proxy beats and checks its parent and stop flag
+EXIT_ATTACH = 3        # the region could not be attached (or the library loaded)
+
+_RING_OUTCOME = {LinkOutcome.OK: Outcome.OK, LinkOutcome.TIMEOUT: Outcome.TIMEOUT,
+                 LinkOutcome.ERROR: Outcome.ERROR, LinkOutcome.BREAKER_SKIP: Outcome.BREAKER_SKIP,
+                 # No connection (reconnecting): target-only, counted with the errors.
+                 LinkOutcome.BACKOFF: Outcome.ERROR}
+
+
+class RegionBreaker:
+    """The breaker, its state kept in the region's breaker block (the proxy is its only
+    writer), so a respawned proxy resumes it and the engine exports it."""
+
+    def __init__(self, cfg: RemoteConfig, header: shm.HeaderWords):
+        self._header = header
+        s = header.breaker()
+        self.breaker = Breaker(cfg.trip, cfg.cooldown,
+                               BreakerRecord(s.state, s.consecutive_failures, s.cooldown_left, s.trips, s.probes))
+        self._written = s
+
+    def flush(self) -> None:
+        r = self.breaker.store
+        s = shm.BreakerState(int(r.state), r.failures, r.cooldown_left, r.trips, r.probes)
+        if s != self._written:
+            self._header.set_breaker(s)
+            self._written = s
+
+
+class ProxyLoop:
+    """One proxy over one region. ``run(should_stop)`` until ``should_stop()`` is true;
+    it is checked at least every ``IDLE_TICK_S``."""
+
+    def __init__(self, region: shm.Region, lib: native.Native, cfg: RemoteConfig, *, engine_id: int,
+                 environ: Mapping[str, str] | None = None):
+        self.cfg = cfg
+        self.end = ProxyEnd(region, lib, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us)
+        self.session = self.end.header.session
+        self.breaker = RegionBreaker(cfg, self.end.header)
+        lay = region.layout
+        hello = wire.Hello(cfg.drafter_identity, cfg.markov_identity, engine_id, lay.max_slots,
+                           lay.row_bytes, lay.num_spec, want_margin=cfg.want_margin)
+        self.link = RemoteLink(cfg.endpoint, hello, self.session, connect_timeout_ms=cfg.connect_timeout_ms,
+                               backoff_ms=cfg.backoff_ms, backoff_max_ms=cfg.backoff_max_ms,
+                               breaker=self.breaker.breaker, environ=environ, on_connect=self._connected)
+
+    def _connected(self) -> None:
+        if self.link.epoch > 1:
+            self.end.counters.add("reconnects")
+
+    def connect(self) -> None:
+        """First connection; on failure, reconnect in the background (rounds meanwhile
+        are target-only)."""
+        try:
+            self.link.connect()
+        except (Refused, TransportError, wire.ProtocolError) as e:
+            log.warning("proxy: first connection to %s failed (%s); retrying with back-off",
+                        self.cfg.endpoint, e)
+            self.link.start_reconnecting()
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        self.end.beat()
+        self.connect()
+        try:
+            while not should_stop():
+                self.end.beat()
+                rnd = self.end.next_round(IDLE_TICK_S)
+                if rnd is not None:
+                    self.serve(rnd)
+        finally:
+            self.link.close()
+
+    def serve(self, rnd: ProxyRound) -> None:
+        try:
+            deadline_ms = rnd.fields()[0] or self.cfg.timeout_ms
+            parts = rnd.wire_parts(self.session)
+        except ValueError as e:  # a descriptor that breaks the layout: answer it empty
+            log.error("proxy: round %d: %s", rnd.round, e)
+            self.end.complete(rnd, None, Outcome.ERROR)
+            return
+        attempts = self.link.attempts
+        result = self.link.round(rnd.round, parts, deadline_ms)
+        if self.link.attempts != attempts:
+            self.end.counters.add("attempts")
+        self.breaker.flush()
+        outcome = _RING_OUTCOME[result.outcome]
+        try:
+            self.end.complete(rnd, result.drafts, outcome)
+        except ValueError as e:  # drafts that do not fit the round (a worker bug)
+            log.error("proxy: round %d: worker reply refused: %s", rnd.round, e)
+            self.end.complete(rnd, None, Outcome.ERROR)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel for SIGTERM when the engine dies; exit now if it already has."""
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("proxy: prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent:
+        sys.exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m remote_dspark.proxy_proc",
+                                description="The remote drafter's proxy process (spawned by the engine's "
+                                            "supervisor; configuration from VLLM_DSPARK_REMOTE_*).")
+    p.add_argument("--fd", type=int, required=True, help="the region's memfd, inherited")
+    p.add_argument("--engine-id", type=lambda s: int(s, 16), required=True, help="the engine's id (hex)")
+    p.add_argument("--parent", type=int, required=True, help="the engine's pid")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s proxy[{os.getpid()}] %(levelname)s %(message)s")
+    _die_with_parent(args.parent)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
+    try:
+        cfg = RemoteConfig.from_env()
+        lib = native.load()
+        region = shm.Region.attach(args.fd)
+    except (ValueError, native.NativeError) as e:
+        print(f"proxy: cannot start: {e}", file=sys.stderr)
+        return EXIT_ATTACH
+    loop = ProxyLoop(region, lib, cfg, engine_id=args.engine_id)
+    loop.run(lambda: stop.is_set() or os.getppid() != args.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

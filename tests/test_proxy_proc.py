@@ -1,0 +1,185 @@
+"""The proxy process end to end: a region, a real worker on loopback, a supervisor-style
+spawn, rounds answered through the region; and that the child stays torch-free."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from remote_dspark import native, ring, shm, streamsync, wire
+from remote_dspark.markov import MarkovModel
+from remote_dspark.ring import Outcome
+from remote_dspark.supervisor import proxy_environment, spawn_proxy
+from remote_dspark.worker import MarkovDrafter, Worker
+
+MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+HEAVY = ("torch", "numpy", "prometheus_client")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return native.load(environ={}, cache_dir=tmp_path_factory.mktemp("hostflag"))
+
+
+@pytest.fixture
+def worker():
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
+    yield w
+    w.stop()
+
+
+def env_for(worker, lib, **extra):
+    d = MarkovDrafter(MODEL)
+    base = {"PATH": os.environ["PATH"],
+            "VLLM_DSPARK_REMOTE": f"tcp://127.0.0.1:{worker.port}",
+            "VLLM_DSPARK_REMOTE_IDENTITY": d.drafter_identity.hex(),
+            "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": d.markov_identity.hex(),
+            "VLLM_DSPARK_REMOTE_POLICY": "capacity",
+            "VLLM_DSPARK_REMOTE_ASYNC_NAP_US": "50",   # do not burn a CI core while idle
+            "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "1000"}
+    base.update(extra)
+    return proxy_environment(base, lib.path)
+
+
+class Engine:
+    """The engine side of the tests: one region, the ring's producer, the CPU hand-off."""
+
+    def __init__(self, lib, session=0x1234):
+        self.region = shm.Region.create(shm.Layout(4, 8, 4, 3, 64))
+        self.end = ring.EngineEnd(self.region, lib)
+        self.end.header.set_session(session)
+        self.sync = streamsync.HostFlagSync(self.region, lib, spin_us=100, nap_us=50)
+
+    def round(self, entries, timeout_s=5.0):
+        r = self.end.reserve(timeout_s)
+        self.end.write_descriptor(r, entries, deadline_ms=1000)
+        self.end.staging(r)[:4 * len(entries)] = bytes(4 * len(entries))
+        assert self.sync.handoff(r, timeout_s).ok
+        return self.end.drafts(r)
+
+    def close(self):
+        self.region.close()
+
+
+def wait_for(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_proxy_process_serves_rounds_through_the_region(lib, worker):
+    eng = Engine(lib)
+    proc = spawn_proxy(eng.region.fd, engine_id=7, env=env_for(worker, lib))
+    try:
+        assert wait_for(lambda: eng.end.header.proxy_pid == proc.pid)
+        d = eng.round([wire.Entry(0, 3, 0, (1,), new_gen=True), wire.Entry(5, 2, 0, (3,), new_gen=True)])
+        assert d.outcome == Outcome.OK and d.tokens == ((2, 3, 4), (4, 1))
+        d = eng.round([wire.Entry(0, 3, 1, (2,))])
+        assert d.tokens == ((3, 4, 1),) and d.statuses == (wire.STATUS_OK,)
+        snap = eng.region.proxy_counters(lib).snapshot()
+        assert snap.counters["rounds_ok"] == 2 and snap.counters["attempts"] == 2
+        assert snap.counters["draft_tokens"] == 8
+        assert snap.histograms["round_latency"].count == 2
+        assert eng.end.header.heartbeat_ns > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        eng.close()
+
+
+def test_proxy_without_worker_answers_target_only_and_breaker_state_lands_in_the_region(lib, worker):
+    eng = Engine(lib)
+    port = worker.port
+    worker.stop()   # nothing listens: every round is answered empty, never left hanging
+    env = env_for(worker, lib, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+                  VLLM_DSPARK_REMOTE_BACKOFF_MS="60000", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000")
+    proc = spawn_proxy(eng.region.fd, engine_id=7, env=env)
+    try:
+        for _ in range(3):
+            d = eng.round([wire.Entry(0, 3, 0, (1,), new_gen=True)])
+            assert d.outcome == Outcome.ERROR and d.counts == ()
+        snap = eng.region.proxy_counters(lib).snapshot()
+        assert snap.counters["rounds_error"] == 3 and snap.counters["attempts"] == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        eng.close()
+
+
+def test_proxy_process_imports_no_heavy_module(lib, worker):
+    """The child's own import log (PYTHONPROFILEIMPORTTIME) names every module it loaded."""
+    eng = Engine(lib)
+    env = env_for(worker, lib)
+    env["PYTHONPROFILEIMPORTTIME"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(eng.region.fd),
+         "--engine-id", "7", "--parent", str(os.getpid())],
+        pass_fds=(eng.region.fd,), env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert eng.round([wire.Entry(0, 1, 0, (1,), new_gen=True)]).tokens == ((2,),)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+        imported = {line.split("|")[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
+        # (-m runs the module itself as __main__; what it imports shows up by name)
+        assert {"remote_dspark.ring", "remote_dspark.link", "remote_dspark.shm"} <= imported
+        assert not [m for m in imported if m.split(".")[0] in HEAVY]
+    finally:
+        proc.kill()
+        proc.wait()
+        eng.close()
+
+
+def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
+    """A stand-in engine spawns the proxy and is SIGKILLed: the proxy follows it."""
+    code = (
+        "import os, sys\n"
+        "from remote_dspark import shm\n"
+        "from remote_dspark.supervisor import spawn_proxy\n"
+        "r = shm.Region.create(shm.Layout(4, 8, 4, 3, 64))\n"
+        "p = spawn_proxy(r.fd, engine_id=1, env=dict(os.environ))\n"
+        "print(p.pid, flush=True)\n"
+        "sys.stdin.read()\n")
+    engine = subprocess.Popen([sys.executable, "-c", code], env=env_for(worker, lib), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    proxy_pid = None
+    try:
+        proxy_pid = int(engine.stdout.readline())
+        engine.kill()
+        engine.wait()
+
+        def gone():
+            try:
+                with open(f"/proc/{proxy_pid}/stat") as f:
+                    return f.read().split(")")[1].split()[0] == "Z"   # exited; awaiting init's reap
+            except FileNotFoundError:
+                return True
+        assert wait_for(gone)
+    finally:
+        engine.kill()
+        engine.wait()
+        if proxy_pid is not None:
+            try:
+                os.kill(proxy_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_proxy_refuses_a_bad_fd_with_status_3(lib, worker, tmp_path):
+    path = tmp_path / "not-a-region"
+    path.write_bytes(b"x" * 8192)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(fd), "--engine-id", "1",
+                               "--parent", str(os.getpid())], pass_fds=(fd,), env=env_for(worker, lib),
+                              capture_output=True, text=True, timeout=30)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 3 and "magic" in proc.stderr
