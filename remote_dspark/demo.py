@@ -1,39 +1,43 @@
 """``remote-dspark demo``: a loopback worker and a simulated engine drafting through it.
 
-This first demo drives synchronous rounds through the project's own transport and
-client (HELLO, ROUND, DRAFTS) and prints what happened: rounds by outcome, round
-latency percentiles and accepted drafts per position.
+The engine (torch CPU, :mod:`remote_dspark.harness`) decodes a synthetic language in a
+few hundred request slots; its drafts come from the reference worker through the
+supervised proxy process (by default) and are verified against the target. At the end:
+rounds by outcome, latency percentiles, accepted tokens per position, respawns and the
+budget left. ``--kill-proxy-every N`` SIGKILLs the proxy every N rounds to show respawns,
+target-only rounds while it is down, and the budget running out.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import time
+import signal
+import tempfile
 
-from . import wire
-from .client import DraftClient
-from .markov import builtin_model
 from .progress import Progress
-from .sim import SimEngine
-from .transport import DeadlineExceeded, Disconnected, parse_endpoint
-from .worker import MarkovDrafter, Worker
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="loopback worker + simulated engine; prints what happened",
-                       description="Start a reference worker on 127.0.0.1 (a free port), connect a "
-                                   "simulated engine through the project's transport, run ROUNDS "
-                                   "drafting rounds of SLOTS request slots and print the outcome.")
-    p.add_argument("--rounds", type=_positive, default=300, help="rounds to run (default 300)")
-    p.add_argument("--slots", type=_positive, default=64, help="request slots per round (default 64)")
-    p.add_argument("--num-spec", type=_positive, default=5, help="draft tokens per slot (default 5)")
-    p.add_argument("--timeout-ms", type=_positive, default=50, help="per-round deadline (default 50)")
-    p.add_argument("--row-bytes", type=int, default=256, help="opaque row bytes per slot (default 256)")
+                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=positive, default=600, help="rounds to run (default 600)")
+    p.add_argument("--slots", type=positive, default=256, help="request slots (default 256)")
+    p.add_argument("--num-spec", type=positive, default=5, help="draft tokens per slot (default 5)")
+    p.add_argument("--mode", choices=("process", "thread", "sync"), default="process",
+                   help="process: supervised proxy process (default); thread: proxy thread; sync: no proxy")
+    p.add_argument("--policy", choices=("capacity", "resilience", "shadow"), default="capacity",
+                   help="drafting policy (async modes are capacity only)")
+    p.add_argument("--kill-proxy-every", type=positive, metavar="N", help="SIGKILL the proxy every N rounds")
+    p.add_argument("--respawns", type=int, default=3, help="respawn budget (VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS)")
+    p.add_argument("--timeout-ms", type=positive, default=50, help="per-round deadline (default 50)")
+    p.add_argument("--row-bytes", type=positive, default=256, help="row bytes per slot (default 256)")
+    p.add_argument("--verbose", action="store_true", help="show the engine's, proxy's and supervisor's log lines")
     p.set_defaults(func=run)
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -44,51 +48,75 @@ def _positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    drafter = MarkovDrafter(builtin_model())
-    with Worker(drafter, "127.0.0.1", 0) as worker:
-        endpoint = parse_endpoint(f"tcp://127.0.0.1:{worker.port}")
-        print(f"worker on {endpoint}; drafter {drafter.drafter_identity.hex()[:16]}..., "
-              f"markov {drafter.markov_identity.hex()[:16]}...")
-        hello = wire.Hello(drafter.drafter_identity, drafter.markov_identity, engine_id=os.getpid(),
-                           max_slots=args.slots, row_bytes=args.row_bytes, num_spec=args.num_spec)
-        client = DraftClient.connect(endpoint, hello, session=1, timeout_s=1.0)
-        report = drive(client, SimEngine(args.slots, args.num_spec), args.rounds, args.timeout_ms,
-                       args.row_bytes)
-        client.close()
-    print_report(report)
-    return 0 if report["outcomes"]["ok"] else 1
+    if args.mode != "sync" and args.policy != "capacity":
+        raise ValueError(f"--policy {args.policy} needs --mode sync (async rounds are capacity only)")
+    if args.respawns < 0:
+        raise ValueError(f"--respawns {args.respawns}: must be >= 0")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .config import RemoteConfig
+    from .engine import RemoteDSpark
+    from .harness import DemoEngine, WorkerProcess
+    from .sim import SimEngine
+
+    with WorkerProcess() as worker, tempfile.TemporaryDirectory() as tmp:
+        env = worker.env(
+            VLLM_DSPARK_REMOTE_POLICY=args.policy, VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(args.timeout_ms),
+            VLLM_DSPARK_REMOTE_ASYNC="0" if args.mode == "sync" else "1",
+            VLLM_DSPARK_REMOTE_ASYNC_PROXY="thread" if args.mode == "thread" else "process",
+            VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS=str(args.respawns),
+            # A 2-core laptop: let the idle proxy nap after 1 ms of spinning.
+            VLLM_DSPARK_REMOTE_ASYNC_NAP_US=os.environ.get("VLLM_DSPARK_REMOTE_ASYNC_NAP_US", "20"),
+            VLLM_DSPARK_REMOTE_STATS_FILE=os.path.join(tmp, "stats.json"),
+            VLLM_DSPARK_REMOTE_LOG_EVERY="0")
+        cfg = RemoteConfig.from_env(env)
+        print(f"worker on {cfg.endpoint} (pid {worker.proc.pid}); engine: {args.slots} slots, "
+              f"num_spec {args.num_spec}, mode {args.mode}, policy {args.policy}")
+        sim = SimEngine(args.slots, args.num_spec)
+        local = _local_drafter(args.num_spec) if cfg.keeps_local_drafter else None
+        with RemoteDSpark(cfg, num_spec=args.num_spec, max_slots=args.slots, row_bytes=args.row_bytes,
+                          local_drafter=local, environ=env) as rd:
+            engine = DemoEngine(rd, sim)
+            bar = Progress(args.rounds, "rounds")
+            for r in range(1, args.rounds + 1):
+                if args.kill_proxy_every and r % args.kill_proxy_every == 0:
+                    _kill_proxy(rd)
+                engine.step()
+                bar.update(r, _note(rd))
+            stats = rd.stats()
+    print_report(stats, engine)
+    return 0
 
 
-def drive(client: DraftClient, sim: SimEngine, rounds: int, timeout_ms: int, row_bytes: int,
-          progress=None) -> dict:
-    outcomes = {"ok": 0, "timeout": 0, "error": 0}
-    latencies: list[float] = []
-    rows = bytes(len(sim.slots) * row_bytes)
-    bar = Progress(rounds, "rounds", progress)
-    for r in range(1, rounds + 1):
-        entries = sim.entries()
-        t0 = time.perf_counter()
-        drafts = None
-        try:
-            reply = client.round(r, wire.round_parts(r, client.session, timeout_ms, entries, rows, row_bytes),
-                                 timeout_ms)
-        except DeadlineExceeded:
-            outcomes["timeout"] += 1
-            sim.reannounce()
-        except (Disconnected, wire.ProtocolError):
-            outcomes["error"] += 1
-            sim.reannounce()
-        else:
-            latencies.append(time.perf_counter() - t0)
-            outcomes["ok"] += 1
-            sim.sent()
-            drafts = [reply.row(i) for i in range(len(entries))]
-            sim.reannounce([e.slot for e, st in zip(entries, reply.statuses) if st == wire.STATUS_RESYNC])
-        sim.verify(drafts)
-        bar.update(r)
-    return {"rounds": rounds, "outcomes": outcomes, "latencies": latencies,
-            "accepted_at": sim.accepted_at, "offered_at": sim.offered_at,
-            "tokens": sim.tokens, "late": client.late}
+def _note(rd) -> str:
+    sup = rd.stats().get("supervisor") if rd.mode == "process" else None
+    return f"proxy {sup['state']}, budget {sup['budget_left']}" if sup else ""
+
+
+def _kill_proxy(rd) -> None:
+    sup = rd._path.supervisor if rd.mode == "process" else None
+    up = sup.up if sup else None
+    if up is not None:
+        os.kill(up.pid, signal.SIGKILL)
+
+
+def _local_drafter(num_spec: int):
+    """The engine's own drafter for shadow/resilience: the built-in Markov model, locally."""
+    from .engine import torch
+    from .markov import builtin_model
+    model = builtin_model()
+
+    def draft(batch):
+        n = len(batch)
+        tokens = torch.zeros(n, num_spec, dtype=torch.int32)
+        counts = torch.zeros(n, dtype=torch.int32)
+        for i in range(n):
+            d, _ = model.draft(list(batch.tokens[i]) or [0], num_spec)
+            counts[i] = len(d)
+            if d:
+                tokens[i, :len(d)] = torch.tensor(d, dtype=torch.int32)
+        return tokens, counts
+    return draft
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -98,16 +126,25 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def print_report(rep: dict) -> None:
-    print("\nrounds by outcome")
-    for k, v in rep["outcomes"].items():
-        print(f"  {k:<10}{v:>8}")
-    print(f"  {'late':<10}{rep['late']:>8}")
-    lat = rep["latencies"]
-    print("round latency (ms): " + "  ".join(
+def print_report(stats: dict, engine) -> None:
+    rounds = stats["rounds"]
+    total = rounds["total"]
+    print(f"\nrounds by outcome ({total} rounds)")
+    for k, v in rounds.items():
+        if k != "total" and (v or k == "ok"):
+            print(f"  {k:<14}{v:>8}  {v / max(1, total) * 100:5.1f}%")
+    print(f"  {'late replies':<14}{stats.get('late', 0):>8}")
+    lat = [s.seconds for s in engine.steps]
+    print("round latency (ms, engine side): " + "  ".join(
         f"{name} {percentile(lat, q) * 1e3:.3f}" for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))))
     print("accepted drafts by position")
-    for i, (a, o) in enumerate(zip(rep["accepted_at"], rep["offered_at"])):
-        print(f"  pos {i}: {a:>7} of {o:>7} offered ({a / o * 100 if o else 0:5.1f}%)")
-    print(f"tokens decoded: {rep['tokens']} in {rep['rounds']} rounds "
-          f"({rep['tokens'] / max(1, rep['rounds'] * 1):.1f} per round over all slots)")
+    for i, (a, o) in enumerate(zip(stats["accepted_at"], stats["offered_at"])):
+        print(f"  pos {i}: {a:>8} of {o:>8} offered ({a / o * 100 if o else 0:5.1f}%)")
+    sim = engine.sim
+    print(f"tokens decoded: {sim.tokens} in {sim.rounds} rounds ({sim.tokens / max(1, sim.rounds):.1f} per round "
+          f"over {len(sim.slots)} slots, {sim.tokens / max(1, sim.rounds * len(sim.slots)):.2f} per slot)")
+    sup = stats.get("supervisor")
+    if sup:
+        r = sup["restarts"]
+        print(f"proxy: {sup['spawns']} started, restarts exit={r['exit']} signal={r['signal']} stall={r['stall']}; "
+              f"respawn budget left {sup['budget_left']} (state: {sup['state']})")

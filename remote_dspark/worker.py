@@ -138,6 +138,10 @@ class Worker:
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
         self.stats = WorkerStats()
+        # Fault injection (``remote-dspark worker --chaos``): answer every round this
+        # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
+        self.reply_delay_s = 0.0
+        self.garble = 0
         self._engines: OrderedDict[int, Session] = OrderedDict()  # engine id -> session
         self._lock = threading.Lock()          # guards _engines, _conns, stats
         self._conns: set[socket.socket] = set()
@@ -240,7 +244,13 @@ class Worker:
                     if session is None:
                         return
                 elif hdr.type == wire.ROUND:
-                    chan.send(self._round(session, hdr, payload))
+                    reply = self._round(session, hdr, payload)
+                    if self.reply_delay_s:
+                        time.sleep(self.reply_delay_s)
+                    if self.garble > 0:
+                        self.garble -= 1
+                        reply = os.urandom(len(reply))
+                    chan.send(reply)
                 else:
                     raise wire.ProtocolError(f"unexpected {hdr.name} from the engine side")
         except wire.VersionMismatch as e:

@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
     p.add_argument("--window", type=int, default=64, help="tokens kept per slot (default 64)")
     p.add_argument("--max-slots", type=int, default=wire.MAX_ENTRIES, help="slots allowed per session")
     p.add_argument("--max-connections", type=int, default=64, help="connections served at once")
+    p.add_argument("--chaos", action="store_true",
+                   help="fault injection for chaos runs: SIGUSR1 toggles answering every round "
+                        "--late-ms late, SIGUSR2 garbles the next reply")
+    p.add_argument("--late-ms", type=int, default=200, help="the delay SIGUSR1 switches on (default 200)")
     p.set_defaults(func=run)
 
 
@@ -43,6 +47,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"remote-dspark worker listening on tcp://{host}:{worker.port}", flush=True)
     print(f"  VLLM_DSPARK_REMOTE_IDENTITY={drafter.drafter_identity.hex()}", flush=True)
     print(f"  VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={drafter.markov_identity.hex()}", flush=True)
+    if args.chaos:
+        def toggle_late(*_):
+            worker.reply_delay_s = 0.0 if worker.reply_delay_s else args.late_ms / 1000.0
+
+        def garble(*_):
+            worker.garble += 1
+        signal.signal(signal.SIGUSR1, toggle_late)
+        signal.signal(signal.SIGUSR2, garble)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

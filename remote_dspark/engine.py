@@ -1,0 +1,566 @@
+"""``RemoteDSpark``: the engine-facing facade.
+
+    rd = RemoteDSpark(cfg, num_spec=5, max_slots=256, row_bytes=..., local_drafter=...)
+    rd.start()              # region, native library, watchdog, proxy, HELLO
+    out = rd.round(batch)   # Drafts(tokens [n, k] int32, counts [n], margins?)
+    rd.stats()              # what the JSON file, the log line and /metrics show
+    rd.close()
+
+Three policies (``POLICY``): *shadow* (the local drafter drives; the remote one is asked
+too and compared position by position), *resilience* (the remote drives; the local one
+answers when it fails) and *capacity* (the remote only; a failure is a target-only round,
+or raises with ``ON_FAIL=raise``).
+
+Three ways to run a round: synchronous (``ASYNC=0``: the engine thread does the network
+round within ``TIMEOUT_MS``), and, for capacity, asynchronous through the shared region
+with the proxy as a thread of the engine (``ASYNC_PROXY=thread``) or as a supervised
+child process (``process``). On the CPU the engine thread hands a round over and waits for
+its release inside the native library (GIL released); the watchdog bounds that wait.
+
+torch is imported here (the engine side); nothing the proxy imports imports this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+with warnings.catch_warnings():
+    # The CPU wheel warns at import when numpy is absent; the engine side never uses it.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
+
+from . import native, ring, shm, streamsync, wire
+from .breaker import Breaker
+from .config import RemoteConfig
+from .link import Outcome as LinkOutcome, RemoteLink
+from .ring import Outcome
+from .supervisor import Down, Lifecycle, Spent, Supervisor, Up, proxy_environment, spawn_proxy
+
+log = logging.getLogger("remote_dspark.engine")
+
+CONTEXT_TOKENS = 64          # NEW_GEN sends at most this many trailing context tokens
+STALL_ROUNDS = 3             # watchdog releases in a row that mark a live proxy stalled
+DEPTH = 4                    # rounds the engine may enqueue ahead of the proxy
+
+# The engine's round outcomes, in export order.
+OUTCOMES = ("ok", "timeout", "error", "breaker_skip", "no_proxy", "watchdog", "orphan")
+_FROM_RING = {Outcome.OK: "ok", Outcome.TIMEOUT: "timeout", Outcome.ERROR: "error",
+              Outcome.BREAKER_SKIP: "breaker_skip", Outcome.WATCHDOG: "watchdog",
+              Outcome.NO_PROXY: "no_proxy", Outcome.ORPHAN: "orphan"}
+_FROM_LINK = {LinkOutcome.OK: "ok", LinkOutcome.TIMEOUT: "timeout", LinkOutcome.ERROR: "error",
+              LinkOutcome.BREAKER_SKIP: "breaker_skip", LinkOutcome.BACKOFF: "error"}
+
+
+class RemoteRoundFailed(RuntimeError):
+    """A capacity round failed with ``ON_FAIL=raise`` (synchronous rounds only)."""
+
+
+@dataclass
+class Batch:
+    """One drafting round.
+
+    ``slots[i]`` is entry i's slot; ``tokens[i]`` the tokens it accepted since its
+    previous round, starting at ``positions[i]`` (with ``new_gen[i]``: its whole context,
+    positions[i] = 0); ``rows[row_index[i]]`` its row of the engine tensor ``rows``
+    (``row_bytes`` bytes, any dtype). ``n_out`` per entry, or None for the n_out table.
+    """
+
+    slots: Sequence[int]
+    tokens: Sequence[Sequence[int]]
+    positions: Sequence[int]
+    new_gen: Sequence[bool]
+    rows: torch.Tensor
+    row_index: torch.Tensor
+    n_out: Sequence[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class Drafts:
+    tokens: torch.Tensor                 # [n, num_spec] int32, zero past counts
+    counts: torch.Tensor                 # [n] int32
+    margins: torch.Tensor | None         # [n, num_spec] float32, when asked for
+    source: str                          # "remote", "local" or "none" (target-only)
+    outcome: str                         # the remote round's outcome (OUTCOMES)
+    resync: tuple[int, ...] = ()         # slots the drafter lost: send them with NEW_GEN
+    resync_all: bool = False             # a new proxy/connection: re-announce every slot
+
+
+LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]   # -> (tokens [n, k], counts [n])
+
+
+# --------------------------------------------------------------------------- statistics
+
+LATENCY_BOUNDS_S = tuple(b / 1e9 for b in shm.LATENCY_BOUNDS_NS)
+
+
+@dataclass
+class EngineStats:
+    """What the engine thread counts itself (one writer: the engine thread)."""
+
+    rounds: Counter = field(default_factory=Counter)         # by outcome
+    sources: Counter = field(default_factory=Counter)        # remote / local / none
+    latency_buckets: list = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS_S) + 1))
+    latency_sum_s: float = 0.0
+    accepted_at: list = field(default_factory=list)          # accepted drafts per position
+    offered_at: list = field(default_factory=list)
+    shadow_agree_at: list = field(default_factory=list)      # shadow: remote == local per position
+    shadow_compared_at: list = field(default_factory=list)
+    margin_buckets: list = field(default_factory=lambda: [0] * 11)   # top1-top2 margin, deciles
+    resyncs: int = 0
+
+    def observe_latency(self, seconds: float) -> None:
+        import bisect
+        self.latency_buckets[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
+        self.latency_sum_s += seconds
+
+
+# --------------------------------------------------------------------------- the facade
+
+
+class RemoteDSpark:
+    """See the module docstring. One engine thread calls ``round``; ``stats`` may be
+    called from any thread (a scrape)."""
+
+    def __init__(self, cfg: RemoteConfig, *, num_spec: int, max_slots: int, row_bytes: int,
+                 device: str = "cpu", local_drafter: LocalDrafter | None = None,
+                 n_out_table: Sequence[int] | None = None, environ: Mapping[str, str] | None = None,
+                 engine_id: int | None = None, depth: int = DEPTH):
+        if cfg.keeps_local_drafter and local_drafter is None:
+            raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
+        if device != "cpu":
+            raise ValueError(f"device={device!r}: this build runs rounds on the CPU "
+                             "(the CUDA stream hand-off is not built yet)")
+        self.cfg = cfg
+        self.num_spec = num_spec
+        self.max_slots = max_slots
+        self.row_bytes = row_bytes
+        self.local_drafter = local_drafter
+        self.n_out_table = n_out_table
+        self.environ = dict(os.environ if environ is None else environ)
+        self.engine_id = engine_id if engine_id is not None else int.from_bytes(os.urandom(8), "little")
+        self.depth = depth
+        self.mode = ("process" if cfg.async_proxy == "process" else "thread") if cfg.async_mode else "sync"
+        self.stats_ = EngineStats(accepted_at=[0] * num_spec, offered_at=[0] * num_spec,
+                                  shadow_agree_at=[0] * num_spec, shadow_compared_at=[0] * num_spec)
+        self._round_id = 0
+        self._started = False
+        self._closed = False
+        self._path: _SyncPath | _AsyncPath | None = None
+        self._final_path_stats: dict | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "RemoteDSpark":
+        """Open the path to the remote drafter.
+
+        Raises:
+            ValueError, native.NativeError: a configuration or build problem.
+            TransportError, Refused: only with ``STRICT_START=1``, when the first
+                connect + HELLO fails.
+        """
+        if self.mode == "sync":
+            self._path = _SyncPath(self)
+        else:
+            try:
+                self._path = _AsyncPath(self)
+            except (OSError, native.NativeError) as e:
+                log.warning("remote DSpark: the async hand-off failed its self-test (%s); "
+                            "falling back to synchronous rounds", e)
+                self.mode = "sync"
+                self._path = _SyncPath(self)
+        self._path.start()
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Stop the proxy and the watchdog, write the final stats file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._path is not None:
+            self._final_path_stats = self._path.stats()   # the region goes with the path
+            self._path.close()
+        self._write_stats_file()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ rounds
+
+    def entries(self, batch: Batch) -> list[wire.Entry]:
+        n = len(batch)
+        if n > self.max_slots:
+            raise ValueError(f"batch of {n} slots over max_slots={self.max_slots}")
+        default = self._n_out_for(n)
+        out = []
+        for i in range(n):
+            toks = list(batch.tokens[i])
+            pos = batch.positions[i]
+            if batch.new_gen[i] and len(toks) > CONTEXT_TOKENS:
+                pos += len(toks) - CONTEXT_TOKENS
+                toks = toks[-CONTEXT_TOKENS:]
+            n_out = default if batch.n_out is None else min(batch.n_out[i], self.num_spec)
+            out.append(wire.Entry(int(batch.slots[i]), n_out, pos, toks, bool(batch.new_gen[i])))
+        return out
+
+    def _n_out_for(self, n: int) -> int:
+        t = self.n_out_table
+        if t is None:
+            return self.num_spec
+        return t[min(n, len(t) - 1)]
+
+    def gather_rows(self, batch: Batch) -> torch.Tensor:
+        """The batch's rows, [n, row_bytes] uint8 (the torch path: index_select)."""
+        rows = batch.rows
+        per_row = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
+        if per_row != self.row_bytes:
+            raise ValueError(f"rows of {per_row} bytes, RemoteDSpark was built for row_bytes={self.row_bytes}")
+        picked = rows.index_select(0, batch.row_index.to(rows.device))
+        return picked.contiguous().view(torch.uint8).reshape(len(batch), self.row_bytes)
+
+    def round(self, batch: Batch) -> Drafts:
+        """Draft for ``batch`` under the policy.
+
+        Raises:
+            RemoteRoundFailed: capacity with ON_FAIL=raise and a failed remote round.
+        """
+        if not self._started or self._closed:
+            raise RuntimeError("RemoteDSpark.round() before start() or after close()")
+        n = len(batch)
+        policy = self.cfg.policy
+        local = self.local_drafter(batch) if policy == "shadow" else None
+        self._round_id = (self._round_id + 1) & 0xFFFFFFFF
+        t0 = time.monotonic()
+        remote = self._path.round(self._round_id, batch, self.entries(batch))
+        st = self.stats_
+        st.observe_latency(time.monotonic() - t0)
+        st.rounds[remote.outcome] += 1
+        st.resyncs += len(remote.resync)
+        ok = remote.outcome == "ok"
+        if policy == "shadow":
+            if ok:
+                self._compare(local, remote)
+            use_remote = ok and self.cfg.shadow_use == "remote"
+            out = remote if use_remote else self._local_drafts(local, remote)
+        elif policy == "resilience":
+            out = remote if ok else self._local_drafts(self.local_drafter(batch), remote)
+        else:
+            if not ok and self.cfg.on_fail == "raise":
+                raise RemoteRoundFailed(f"remote round {self._round_id} failed: {remote.outcome}")
+            out = remote
+        st.sources[out.source] += 1
+        self._maybe_log()
+        return out
+
+    def _local_drafts(self, local, remote: Drafts) -> Drafts:
+        tokens, counts = local
+        return Drafts(tokens.to(torch.int32), counts.to(torch.int32), None, "local", remote.outcome,
+                      remote.resync, remote.resync_all)
+
+    def _compare(self, local, remote: Drafts) -> None:
+        """Shadow statistics: per position, does the remote draft equal the local one
+        (where both drafted that far); and the remote's margins."""
+        ltok, lcnt = local
+        st = self.stats_
+        both = torch.minimum(lcnt.to(torch.int32), remote.counts)
+        same = ltok.to(torch.int32) == remote.tokens
+        for pos in range(self.num_spec):
+            live = both > pos
+            st.shadow_compared_at[pos] += int(live.sum())
+            st.shadow_agree_at[pos] += int((same[:, pos] & live).sum())
+        if remote.margins is not None:
+            live = torch.arange(self.num_spec).unsqueeze(0) < remote.counts.unsqueeze(1)
+            deciles = (remote.margins[live].clamp(0, 1) * 10).to(torch.int64)
+            for d, c in zip(*torch.unique(deciles, return_counts=True)):
+                st.margin_buckets[int(d)] += int(c)
+
+    def record_accepted(self, accepted: Sequence[int], offered: Sequence[int]) -> None:
+        """The engine reports how many drafts it accepted (and was offered) per position."""
+        for i in range(min(self.num_spec, len(accepted))):
+            self.stats_.accepted_at[i] += int(accepted[i])
+            self.stats_.offered_at[i] += int(offered[i])
+
+    # ------------------------------------------------------------------ statistics
+
+    def stats(self) -> dict:
+        """Every number the JSON file, the log line and the metrics show."""
+        st = self.stats_
+        out = {
+            "mode": self.mode, "policy": self.cfg.policy,
+            "rounds": {k: st.rounds[k] for k in OUTCOMES} | {"total": sum(st.rounds.values())},
+            "sources": dict(st.sources),
+            "round_latency": {"bounds_s": list(LATENCY_BOUNDS_S), "buckets": list(st.latency_buckets),
+                              "sum_s": st.latency_sum_s},
+            "accepted_at": list(st.accepted_at), "offered_at": list(st.offered_at),
+            "shadow_agree_at": list(st.shadow_agree_at), "shadow_compared_at": list(st.shadow_compared_at),
+            "margin_deciles": list(st.margin_buckets), "resyncs": st.resyncs,
+        }
+        if self._final_path_stats is not None:
+            out.update(self._final_path_stats)
+        elif self._path is not None:
+            out.update(self._path.stats())
+        return out
+
+    def _maybe_log(self) -> None:
+        every = self.cfg.log_every
+        total = sum(self.stats_.rounds.values())
+        if every and total % every == 0:
+            s = self.stats()
+            r = s["rounds"]
+            log.info("remote DSpark: %d rounds (%s); late %s; budget %s",
+                     total, " ".join(f"{k}={r[k]}" for k in OUTCOMES if r[k]),
+                     s.get("late", 0), s.get("supervisor", {}).get("budget_left", "-"))
+            self._write_stats_file()
+
+    def _write_stats_file(self) -> None:
+        path = self.cfg.stats_file
+        if not path:
+            return
+        try:
+            d = os.path.dirname(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(prefix=".remote-dspark-stats.", dir=d)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.stats(), f, indent=1, default=str)
+            os.replace(tmp, path)   # readers see the old file or the new one, whole
+        except OSError as e:
+            log.warning("remote DSpark: cannot write %s: %s", path, e)
+
+
+def _empty(n: int, k: int, outcome: str, margins: bool) -> Drafts:
+    return Drafts(torch.zeros(n, k, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
+                  torch.zeros(n, k, dtype=torch.float32) if margins else None, "none", outcome)
+
+
+def _to_drafts(n: int, k: int, counts, statuses, tokens_rows, margin_rows, outcome: str,
+               slots: Sequence[int]) -> Drafts:
+    tok = torch.zeros(n, k, dtype=torch.int32)
+    cnt = torch.zeros(n, dtype=torch.int32)
+    mar = torch.zeros(n, k, dtype=torch.float32) if margin_rows is not None else None
+    resync = []
+    for i in range(min(n, len(counts))):
+        c = min(counts[i], k)
+        cnt[i] = c
+        if c:
+            tok[i, :c] = torch.tensor(tokens_rows[i][:c], dtype=torch.int32)
+            if mar is not None:
+                mar[i, :c] = torch.tensor(margin_rows[i][:c], dtype=torch.float32)
+        if statuses[i] == wire.STATUS_RESYNC:
+            resync.append(int(slots[i]))
+    return Drafts(tok, cnt, mar, "remote", outcome, tuple(resync))
+
+
+# --------------------------------------------------------------------------- paths
+
+
+class _SyncPath:
+    """``ASYNC=0``: the engine thread does the network round itself."""
+
+    def __init__(self, rd: RemoteDSpark):
+        self.rd = rd
+        cfg = rd.cfg
+        hello = wire.Hello(cfg.drafter_identity, cfg.markov_identity, rd.engine_id, rd.max_slots,
+                           rd.row_bytes, rd.num_spec, want_margin=cfg.want_margin)
+        self.link = RemoteLink(cfg.endpoint, hello, int.from_bytes(os.urandom(8), "little") or 1,
+                               connect_timeout_ms=cfg.connect_timeout_ms, backoff_ms=cfg.backoff_ms,
+                               backoff_max_ms=cfg.backoff_max_ms, breaker=Breaker(cfg.trip, cfg.cooldown),
+                               environ=rd.environ)
+        self._epoch = 0
+
+    def start(self) -> None:
+        try:
+            self.link.connect()
+        except Exception as e:
+            if self.rd.cfg.strict_start:
+                raise
+            log.warning("remote DSpark: first connection to %s failed (%s); rounds are target-only "
+                        "until a reconnect succeeds", self.rd.cfg.endpoint, e)
+            self.link.start_reconnecting()
+        self._epoch = self.link.epoch
+
+    def round(self, round_id: int, batch: Batch, entries: list[wire.Entry]) -> Drafts:
+        rd = self.rd
+        picked = rd.gather_rows(batch).cpu().contiguous()
+        # A view of the tensor's bytes for sendmsg (no copy, no numpy); ``picked`` lives
+        # until the round is sent.
+        rows = memoryview((ctypes.c_char * picked.numel()).from_address(picked.data_ptr())).cast("B")
+        result = self.link.round_entries(round_id, entries, rows, rd.row_bytes, rd.cfg.timeout_ms)
+        outcome = _FROM_LINK[result.outcome]
+        n, k = len(batch), rd.num_spec
+        if result.drafts is None:
+            out = _empty(n, k, outcome, rd.cfg.want_margin)
+        else:
+            d = result.drafts
+            out = _to_drafts(n, k, d.counts, d.statuses, [d.row(i) for i in range(n)],
+                             None if d.margins is None else
+                             [d.margins[i * d.width:(i + 1) * d.width] for i in range(n)],
+                             outcome, batch.slots)
+        if self.link.epoch != self._epoch:
+            self._epoch = self.link.epoch
+            out.resync_all = self._epoch > 1
+        return out
+
+    def stats(self) -> dict:
+        b = self.link.breaker.store
+        return {"late": self.link.late, "attempts": self.link.attempts, "reconnects": self.link.reconnects,
+                "breaker": {"state": int(b.state), "trips": b.trips, "probes": b.probes},
+                "connected": self.link.connected}
+
+    def close(self) -> None:
+        self.link.close()
+
+
+class _AsyncPath:
+    """``ASYNC=1``: rounds through the shared region, answered by a proxy thread or a
+    supervised proxy process. Building it is the self-test: the native library loads,
+    the region maps, the watchdog starts."""
+
+    def __init__(self, rd: RemoteDSpark):
+        self.rd = rd
+        cfg = rd.cfg
+        self.lib = native.load(rd.environ)
+        max_tokens = rd.max_slots * (CONTEXT_TOKENS + rd.num_spec + 1)
+        self.region = shm.Region.create(shm.Layout(rd.depth, rd.max_slots, rd.row_bytes, rd.num_spec, max_tokens))
+        try:
+            self.end = ring.EngineEnd(self.region, self.lib)
+            self.sync = streamsync.HostFlagSync(self.region, self.lib, spin_us=cfg.async_spin_us,
+                                                nap_us=cfg.async_nap_us)
+            self.watchdog = self.end.start_watchdog(cfg.watchdog_ms)
+            self._staging = [torch.frombuffer(self.end.staging(i), dtype=torch.uint8).view(rd.max_slots, rd.row_bytes)
+                             for i in range(rd.depth)]
+        except BaseException:
+            self.region.close()
+            raise
+        self.supervisor: Supervisor | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._switch_interval: float | None = None
+        self._resync_all = False
+        self._watchdog_run = 0            # watchdog releases in a row (stall detection)
+        self._last_session = 0
+
+    # ------------------------------------------------------------------ proxies
+
+    def start(self) -> None:
+        if self.rd.mode == "thread":
+            self._start_thread()
+        else:
+            env = proxy_environment(self.rd.environ, self.lib.path)
+            cfg = self.rd.cfg
+            self.supervisor = Supervisor(
+                lambda session: self._spawn(session, env), respawns=cfg.async_respawns,
+                reset_s=cfg.async_respawn_reset_s, stalled=self._stalled, on_change=self._on_change)
+            self.supervisor.start()
+
+    def _start_thread(self) -> None:
+        from .proxy_proc import ProxyLoop
+        us = self.rd.cfg.switch_interval_us
+        if us:
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(us / 1e6)
+        self.end.header.set_session(int.from_bytes(os.urandom(8), "little") or 1)
+        loop = ProxyLoop(self.region, self.lib, self.rd.cfg, engine_id=self.rd.engine_id, environ=self.rd.environ)
+        self._thread = threading.Thread(target=loop.run, args=(self._stop.is_set,), name="remote-dspark-proxy",
+                                        daemon=True)
+        self._thread.start()
+
+    def _spawn(self, session: int, env: Mapping[str, str]):
+        self.end.header.set_session(session)
+        return spawn_proxy(self.region.fd, engine_id=self.rd.engine_id, env=env)
+
+    def _on_change(self, state: Lifecycle) -> None:
+        """From the supervisor's thread. A lost proxy's rounds are answered at once."""
+        if isinstance(state, (Down, Spent)):
+            self.end.release_orphans()
+            self._release_pending()
+        elif isinstance(state, Up):
+            self._watchdog_run = 0
+            self._resync_all = self._last_session != 0
+            self._last_session = state.session
+
+    def _release_pending(self) -> None:
+        gathered = self.end.gathered()
+        r = ring.seq_add(self.end.released(), 1)
+        while ring.seq_geq(gathered, r):
+            self.end.release_no_proxy(r)
+            r = ring.seq_add(r, 1)
+
+    def _stalled(self, up: Up) -> bool:
+        if self._watchdog_run >= STALL_ROUNDS:
+            return True
+        pending = self.end.gathered() != self.end.released()
+        beat = self.end.header.heartbeat_ns
+        return pending and beat > 0 and time.monotonic_ns() - beat > self.rd.cfg.watchdog_ms * 1_000_000
+
+    # ------------------------------------------------------------------ rounds
+
+    def round(self, round_id_unused: int, batch: Batch, entries: list[wire.Entry]) -> Drafts:
+        rd, cfg = self.rd, self.rd.cfg
+        n = len(batch)
+        r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (rd.depth + 1))
+        self.end.write_descriptor(r, entries, deadline_ms=cfg.timeout_ms)
+        if n:
+            self._staging[r & (rd.depth - 1)][:n].copy_(rd.gather_rows(batch))
+        self.sync.signal(r)
+        if self.supervisor is not None and self.supervisor.up is None:
+            self.end.release_no_proxy(r)   # no proxy: target-only, released at once
+        # The watchdog releases every round within watchdog_ms; twice that is a broken ring.
+        if not self.sync.wait(r, 2 * cfg.watchdog_ms / 1000.0 + 1.0):
+            raise RuntimeError(f"round {r} was not released within twice the watchdog deadline")
+        d = self.end.drafts(r)
+        outcome = _FROM_RING[d.outcome]
+        self._watchdog_run = self._watchdog_run + 1 if d.outcome == Outcome.WATCHDOG else 0
+        out = (_to_drafts(n, rd.num_spec, d.counts, d.statuses, d.tokens, d.margins, outcome, batch.slots)
+               if d.counts else _empty(n, rd.num_spec, outcome, cfg.want_margin))
+        if self._resync_all:
+            self._resync_all = False
+            out.resync_all = True
+        return out
+
+    def stats(self) -> dict:
+        proxy = self.region.proxy_counters(self.lib).snapshot()
+        engine = self.region.engine_counters(self.lib).snapshot()
+        b = self.end.header.breaker()
+        out = {"late": proxy.counters["rounds_late"], "attempts": proxy.counters["attempts"],
+               "reconnects": proxy.counters["reconnects"],
+               "proxy_counters": dict(proxy.counters), "engine_counters": dict(engine.counters),
+               "handoff_latency": _hist(proxy.histograms["handoff_latency"]),
+               "proxy_round_latency": _hist(proxy.histograms["round_latency"]),
+               "breaker": {"state": b.state, "trips": b.trips, "probes": b.probes},
+               "session": self.end.header.session}
+        if self.supervisor is not None:
+            s = self.supervisor.stats()
+            out["supervisor"] = {"state": s.state, "pid": s.pid, "spawns": s.spawns, "restarts": s.restarts,
+                                 "budget_left": s.budget_left, "budget_restored": s.budget_restored}
+        return out
+
+    def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.close()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(5.0)
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
+        self._staging = []
+        self.region.close()
+
+
+def _hist(h: shm.Histogram) -> dict:
+    return {"bounds_s": [b / 1e9 for b in h.bounds_ns], "buckets": list(h.buckets), "sum_s": h.sum_ns / 1e9}

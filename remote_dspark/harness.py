@@ -1,0 +1,144 @@
+"""A simulated engine on torch CPU over :class:`RemoteDSpark`, and the reference worker
+as a child process: what the demo, the chaos command and the benchmarks drive.
+
+:class:`DemoEngine` turns :class:`~remote_dspark.sim.SimEngine`'s slots into batches
+(rows are a real engine tensor), runs ``RemoteDSpark.round``, verifies the drafts
+against the target, reports accepted tokens per position and re-announces the slots the
+drafter lost. :class:`WorkerProcess` runs ``remote-dspark worker`` on loopback so it can
+be killed, restarted, slowed down and made to send garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .engine import Batch, Drafts, RemoteDSpark, torch
+from .sim import SimEngine
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    outcome: str
+    accepted: int
+
+
+@dataclass
+class DemoEngine:
+    rd: RemoteDSpark
+    sim: SimEngine
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        n = len(self.sim.slots)
+        elems = max(1, self.rd.row_bytes // 4)
+        # The engine tensor whose rows are gathered each round (hidden states, say).
+        self.hidden = torch.randn(n, elems, dtype=torch.float32)
+        self.row_index = torch.arange(n, dtype=torch.int64)
+
+    def batch(self) -> Batch:
+        entries = self.sim.entries()
+        return Batch(slots=[e.slot for e in entries], tokens=[e.tokens for e in entries],
+                     positions=[e.position for e in entries], new_gen=[e.new_gen for e in entries],
+                     rows=self.hidden, row_index=self.row_index)
+
+    def step(self) -> Drafts:
+        batch = self.batch()
+        t0 = time.monotonic()
+        out = self.rd.round(batch)
+        seconds = time.monotonic() - t0
+        # Sent whatever the outcome: a slot the drafter did not see comes back RESYNC.
+        self.sim.sent()
+        if out.resync_all:
+            self.sim.reannounce()
+        elif out.resync:
+            self.sim.reannounce(out.resync)
+        counts = out.counts.tolist()
+        tokens = out.tokens.tolist()
+        drafts = [tokens[i][:counts[i]] for i in range(len(counts))]
+        before_acc, before_off = list(self.sim.accepted_at), list(self.sim.offered_at)
+        accepted = self.sim.verify(drafts)
+        self.rd.record_accepted([a - b for a, b in zip(self.sim.accepted_at, before_acc)],
+                                [a - b for a, b in zip(self.sim.offered_at, before_off)])
+        self.steps.append(StepRecord(seconds, out.outcome, accepted))
+        return out
+
+
+class WorkerProcess:
+    """``remote-dspark worker --chaos`` on 127.0.0.1, as a child process.
+
+    Raises (at start): RuntimeError with the worker's stderr when it does not come up.
+    """
+
+    def __init__(self, port: int = 0, *, late_ms: int = 200, extra: tuple[str, ...] = ()):
+        self.port = port
+        self.late_ms = late_ms
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+        self.identity = ""
+        self.markov_identity = ""
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "remote_dspark", "worker", "--listen", f"127.0.0.1:{self.port}", "--chaos",
+             "--late-ms", str(self.late_ms), *self.extra],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+        first = self.proc.stdout.readline()
+        if not first.startswith("remote-dspark worker listening on tcp://"):
+            self.stop()
+            raise RuntimeError(f"the worker did not start: {first!r}")
+        self.port = int(first.rsplit(":", 1)[1])
+        self.identity = self.proc.stdout.readline().strip().split("=", 1)[1]
+        self.markov_identity = self.proc.stdout.readline().strip().split("=", 1)[1]
+        self.proc.stdout.close()
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        """An engine environment pointing at this worker."""
+        env = dict(os.environ)
+        env.update(VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{self.port}", VLLM_DSPARK_REMOTE_IDENTITY=self.identity,
+                   VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=self.markov_identity)
+        env.update(overrides)
+        return env
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def answer_late(self) -> None:
+        """Toggle answering every round ``late_ms`` late."""
+        self.signal(signal.SIGUSR1)
+
+    def garble_next(self) -> None:
+        self.signal(signal.SIGUSR2)
+
+    def restart(self) -> None:
+        """Kill it (SIGKILL, no BYE) and start a new one on the same port."""
+        self.kill()
+        self.start()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
