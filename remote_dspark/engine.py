@@ -52,6 +52,8 @@ log = logging.getLogger("remote_dspark.engine")
 CONTEXT_TOKENS = 64          # NEW_GEN sends at most this many trailing context tokens
 STALL_ROUNDS = 3             # watchdog releases in a row that mark a live proxy stalled
 DEPTH = 4                    # rounds the engine may enqueue ahead of the proxy
+PROXY_START_S = 5.0          # a proxy that has not beaten this long after its spawn is stalled
+STALL_SLACK_MS = 100         # heartbeat silence past max(WATCHDOG_MS, TIMEOUT_MS) + this: stalled
 
 # The engine's round outcomes, in export order.
 OUTCOMES = ("ok", "timeout", "error", "breaker_skip", "no_proxy", "watchdog", "orphan")
@@ -502,11 +504,19 @@ class _AsyncPath:
             r = ring.seq_add(r, 1)
 
     def _stalled(self, up: Up) -> bool:
+        """From the supervisor's thread: is the live proxy ``up`` no longer serving?"""
         if self._watchdog_run >= STALL_ROUNDS:
             return True
-        pending = self.end.gathered() != self.end.released()
+        now = time.monotonic_ns()
         beat = self.end.header.heartbeat_ns
-        return pending and beat > 0 and time.monotonic_ns() - beat > self.rd.cfg.watchdog_ms * 1_000_000
+        if beat < up.since * 1e9:   # no beat from this proxy yet: it is still starting
+            return now - up.since * 1e9 > PROXY_START_S * 1e9
+        # A live proxy beats at least every idle tick and after every round, and a round
+        # keeps it off the heartbeat for at most TIMEOUT_MS (its network wait).
+        cfg = self.rd.cfg
+        silent_ms = max(cfg.watchdog_ms, cfg.timeout_ms) + STALL_SLACK_MS
+        pending = self.end.gathered() != self.end.released()
+        return pending and now - beat > silent_ms * 1_000_000
 
     # ------------------------------------------------------------------ rounds
 

@@ -1,0 +1,258 @@
+"""The engine facade: policies, the three ways to run a round, faults and statistics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the engine side needs torch (make test installs the CPU build)")
+
+from remote_dspark import wire  # noqa: E402
+from remote_dspark.config import RemoteConfig  # noqa: E402
+from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed  # noqa: E402
+from remote_dspark.markov import MarkovModel  # noqa: E402
+from remote_dspark.transport import TransportError  # noqa: E402
+from remote_dspark.worker import MarkovDrafter, Worker  # noqa: E402
+
+MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+K = 3
+
+
+@pytest.fixture
+def worker():
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
+    yield w
+    w.stop()
+
+
+def env_for(port, tmp_path, **kw):
+    d = MarkovDrafter(MODEL)
+    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
+               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
+               VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+               VLLM_DSPARK_REMOTE_BACKOFF_MS="20", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40")
+    env.update(kw)
+    return env
+
+
+def make(env, **kw):
+    kw.setdefault("num_spec", K)
+    kw.setdefault("max_slots", 4)
+    kw.setdefault("row_bytes", 8)
+    return RemoteDSpark(RemoteConfig.from_env(env), environ=env, **kw)
+
+
+ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+
+
+def batch(new=True, slots=(0, 1), tokens=((1,), (3,)), positions=(0, 0)):
+    return Batch(list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS,
+                 torch.arange(len(slots)))
+
+
+def local_drafter(b):
+    n = len(b)
+    return torch.full((n, K), 9, dtype=torch.int32), torch.full((n,), K, dtype=torch.int32)
+
+
+def dead_port():
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
+    port = w.port
+    w.stop()
+    return port
+
+
+def until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+# --------------------------------------------------------------------------- synchronous
+
+
+def test_sync_capacity_round_returns_device_tensors(worker, tmp_path):
+    with make(env_for(worker.port, tmp_path)) as rd:
+        out = rd.round(batch())
+        assert out.source == "remote" and out.outcome == "ok"
+        assert out.tokens.dtype == torch.int32 and out.tokens.tolist() == [[2, 3, 4], [4, 1, 2]]
+        assert out.counts.tolist() == [3, 3]
+        out = rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
+        assert out.tokens.tolist() == [[3, 4, 1], [1, 2, 3]]
+
+
+def test_sync_rows_reach_the_worker(tmp_path):
+    seen = []
+
+    class RowDrafter(MarkovDrafter):
+        def draft(self, context, n_out, row):
+            seen.append(bytes(row))
+            return super().draft(context, n_out, row)
+    with Worker(RowDrafter(MODEL), "127.0.0.1", 0) as w, make(env_for(w.port, tmp_path)) as rd:
+        b = batch()
+        b.row_index = torch.tensor([2, 0])
+        rd.round(b)
+    assert seen == [bytes(ROWS[2].view(torch.uint8).tolist()), bytes(ROWS[0].view(torch.uint8).tolist())]
+
+
+def test_capacity_on_fail_raise(tmp_path):
+    with make(env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_ON_FAIL="raise")) as rd:
+        with pytest.raises(RemoteRoundFailed, match="error"):
+            rd.round(batch())
+
+
+def test_capacity_target_only_gives_zero_drafts(tmp_path):
+    with make(env_for(dead_port(), tmp_path)) as rd:
+        out = rd.round(batch())
+        assert out.source == "none" and out.counts.tolist() == [0, 0] and out.tokens.abs().sum() == 0
+
+
+def test_strict_start_raises_when_the_worker_is_down(tmp_path):
+    rd = make(env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_STRICT_START="1"))
+    with pytest.raises(TransportError):
+        rd.start()
+    rd.close()
+
+
+def test_resilience_falls_back_to_the_local_drafter(tmp_path):
+    with make(env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_POLICY="resilience"),
+              local_drafter=local_drafter) as rd:
+        out = rd.round(batch())
+        assert out.source == "local" and out.tokens.tolist() == [[9, 9, 9]] * 2
+
+
+def test_shadow_uses_local_and_records_agreement_and_margins(worker, tmp_path):
+    def half_right(b):   # agrees with the worker at position 0 only
+        return torch.tensor([[2, 0, 0], [4, 0, 0]], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32)
+    with make(env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="shadow"), local_drafter=half_right) as rd:
+        out = rd.round(batch())
+        assert out.source == "local" and out.tokens[:, 0].tolist() == [2, 4]
+        st = rd.stats()
+        assert st["shadow_compared_at"] == [2, 2, 2] and st["shadow_agree_at"] == [2, 0, 0]
+        assert sum(st["margin_deciles"]) == 6      # WANT_MARGIN defaults to 1 in shadow
+
+
+def test_shadow_use_remote(worker, tmp_path):
+    with make(env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="shadow",
+                      VLLM_DSPARK_REMOTE_SHADOW_USE="remote"), local_drafter=local_drafter) as rd:
+        assert rd.round(batch()).source == "remote"
+
+
+def test_policies_that_keep_a_local_drafter_need_one(worker, tmp_path):
+    with pytest.raises(ValueError, match="needs a local drafter"):
+        make(env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="resilience"))
+
+
+def test_n_out_table_sets_each_entry(worker, tmp_path):
+    with make(env_for(worker.port, tmp_path), n_out_table=[0, 3, 1, 1, 1]) as rd:
+        assert [e.n_out for e in rd.entries(batch())] == [1, 1]
+        assert rd.round(batch()).counts.tolist() == [1, 1]
+
+
+def test_new_gen_context_is_trimmed_with_its_position(worker, tmp_path):
+    with make(env_for(worker.port, tmp_path)) as rd:
+        e = rd.entries(batch(tokens=(list(range(100)), (1,))))[0]
+        assert len(e.tokens) == 64 and e.position == 36 and e.tokens[0] == 36
+
+
+def test_stats_file_and_log_line(worker, tmp_path, caplog):
+    env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_LOG_EVERY="2")
+    with caplog.at_level(logging.INFO, logger="remote_dspark.engine"), make(env) as rd:
+        rd.round(batch())
+        rd.round(batch())
+        lines = [r.getMessage() for r in caplog.records if "rounds" in r.getMessage()]
+        assert lines == ["remote DSpark: 2 rounds (ok=2); late 0; budget -"]
+        on_disk = json.loads((tmp_path / "stats.json").read_text())
+        assert on_disk["rounds"]["ok"] == 2 == rd.stats()["rounds"]["ok"]
+    assert [f.name for f in tmp_path.iterdir()] == ["stats.json"]   # no temp file left
+
+
+# --------------------------------------------------------------------------- async
+
+
+def async_env(port, tmp_path, proxy, **kw):
+    return env_for(port, tmp_path, VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY=proxy, **kw)
+
+
+def test_thread_mode_round_and_switch_interval(worker, tmp_path):
+    before = sys.getswitchinterval()
+    with make(async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_SWITCH_INTERVAL_US="700")) as rd:
+        assert rd.mode == "thread" and sys.getswitchinterval() == pytest.approx(700e-6)
+        assert rd.round(batch()).tokens.tolist() == [[2, 3, 4], [4, 1, 2]]
+    assert sys.getswitchinterval() == before
+
+
+def test_process_mode_respawn_no_proxy_rounds_and_resync_all(worker, tmp_path):
+    with make(async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS="1")) as rd:
+        assert rd.round(batch()).outcome == "ok"
+        sup = rd._path.supervisor
+        first = sup.up
+        os.kill(first.pid, signal.SIGKILL)
+        assert until(lambda: sup.up is not None and sup.up.pid != first.pid)
+        outs = [rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))) for _ in range(2)]
+        # The new proxy's worker session lost the windows: the engine is told to re-announce.
+        assert any(o.resync_all for o in outs)
+        assert rd.round(batch()).outcome == "ok"
+        st = rd.stats()
+        assert st["supervisor"]["restarts"]["signal"] == 1 and st["supervisor"]["budget_left"] == 0
+        os.kill(sup.up.pid, signal.SIGKILL)
+        assert until(lambda: sup.stats().state == "spent")
+        t0 = time.monotonic()
+        out = rd.round(batch())
+        assert out.outcome == "no_proxy" and out.source == "none"
+        assert time.monotonic() - t0 < rd.cfg.watchdog_ms / 1000   # released at once, not by the watchdog
+    assert not _zombies()
+
+
+def test_watchdog_releases_a_round_the_worker_answers_too_late(worker, tmp_path):
+    env = async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000",
+                    VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")
+    with make(env) as rd:
+        assert rd.round(batch()).outcome == "ok"
+        worker.reply_delay_s = 0.3
+        t0 = time.monotonic()
+        out = rd.round(batch())
+        waited = time.monotonic() - t0
+        assert out.outcome == "watchdog" and out.counts.tolist() == [0, 0]
+        assert 0.1 <= waited < 0.3
+        worker.reply_delay_s = 0.0
+        assert until(lambda: rd.stats()["late"] == 1)   # the proxy's reply came after the watchdog
+
+
+def test_stalled_proxy_is_killed_and_replaced(worker, tmp_path):
+    env = async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")
+    with make(env) as rd:
+        assert rd.round(batch()).outcome == "ok"
+        sup = rd._path.supervisor
+        stopped = sup.up.pid
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            # The engine keeps drafting: the first round waits for the watchdog, a later
+            # one finds the heartbeat silent with a round pending and the proxy is killed.
+            outcomes = []
+            assert until(lambda: outcomes.append(rd.round(batch()).outcome) or sup.restarts["stall"] == 1)
+            assert outcomes[0] == "watchdog" and set(outcomes) <= {"watchdog", "no_proxy", "orphan", "ok"}
+            assert until(lambda: sup.up is not None) and sup.up.pid != stopped
+        finally:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert until(lambda: rd.round(batch()).outcome == "ok", timeout=5)
+
+
+def _zombies():
+    try:
+        import psutil
+    except ImportError:
+        return []
+    return [p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
