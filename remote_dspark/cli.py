@@ -16,9 +16,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a speculative-decoding drafter on another machine without stalling the engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from . import worker_cli, config_cli, demo, markov_cli
+    from . import chaos, config_cli, demo, markov_cli, worker_cli
     worker_cli.add_parser(sub)
     demo.add_parser(sub)
+    chaos.add_parser(sub)
     config_cli.add_parser(sub)
     markov_cli.add_parser(sub)
 

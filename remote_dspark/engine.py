@@ -53,6 +53,7 @@ CONTEXT_TOKENS = 64          # NEW_GEN sends at most this many trailing context 
 STALL_ROUNDS = 3             # watchdog releases in a row that mark a live proxy stalled
 DEPTH = 4                    # rounds the engine may enqueue ahead of the proxy
 PROXY_START_S = 5.0          # a proxy that has not beaten this long after its spawn is stalled
+HOLD_GIL_US = 50             # process mode: spin this long holding the GIL before releasing it
 STALL_SLACK_MS = 100         # heartbeat silence past max(WATCHDOG_MS, TIMEOUT_MS) + this: stalled
 
 # The engine's round outcomes, in export order.
@@ -441,8 +442,13 @@ class _AsyncPath:
         self.region = shm.Region.create(shm.Layout(rd.depth, rd.max_slots, rd.row_bytes, rd.num_spec, max_tokens))
         try:
             self.end = ring.EngineEnd(self.region, self.lib)
+            # Process mode: the proxy answers within microseconds, so the engine thread
+            # keeps its GIL for the first 50 us of the wait and, in the common case, never
+            # hands it to another engine thread mid-round (docs/handoff.md). Thread mode
+            # must release it at once: its proxy needs the GIL to answer.
             self.sync = streamsync.HostFlagSync(self.region, self.lib, spin_us=cfg.async_spin_us,
-                                                nap_us=cfg.async_nap_us)
+                                                nap_us=cfg.async_nap_us,
+                                                hold_gil_us=HOLD_GIL_US if rd.mode == "process" else 0)
             self.watchdog = self.end.start_watchdog(cfg.watchdog_ms)
             self._staging = [torch.frombuffer(self.end.staging(i), dtype=torch.uint8).view(rd.max_slots, rd.row_bytes)
                              for i in range(rd.depth)]
@@ -456,6 +462,7 @@ class _AsyncPath:
         self._resync_all = False
         self._watchdog_run = 0            # watchdog releases in a row (stall detection)
         self._last_session = 0
+        self.max_wait_s = 0.0             # longest hand-off wait of the engine thread
 
     # ------------------------------------------------------------------ proxies
 
@@ -527,12 +534,15 @@ class _AsyncPath:
         self.end.write_descriptor(r, entries, deadline_ms=cfg.timeout_ms)
         if n:
             self._staging[r & (rd.depth - 1)][:n].copy_(rd.gather_rows(batch))
+        t0 = time.monotonic()
         self.sync.signal(r)
         if self.supervisor is not None and self.supervisor.up is None:
             self.end.release_no_proxy(r)   # no proxy: target-only, released at once
-        # The watchdog releases every round within watchdog_ms; twice that is a broken ring.
-        if not self.sync.wait(r, 2 * cfg.watchdog_ms / 1000.0 + 1.0):
-            raise RuntimeError(f"round {r} was not released within twice the watchdog deadline")
+        # The watchdog releases every round within watchdog_ms; far past that the ring is broken.
+        limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0
+        if not self.sync.wait(r, limit_s):
+            raise RuntimeError(f"round {r} was not released within {limit_s:.3f} s (watchdog {cfg.watchdog_ms} ms)")
+        self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
         d = self.end.drafts(r)
         outcome = _FROM_RING[d.outcome]
         self._watchdog_run = self._watchdog_run + 1 if d.outcome == Outcome.WATCHDOG else 0
@@ -553,7 +563,8 @@ class _AsyncPath:
                "handoff_latency": _hist(proxy.histograms["handoff_latency"]),
                "proxy_round_latency": _hist(proxy.histograms["round_latency"]),
                "breaker": {"state": b.state, "trips": b.trips, "probes": b.probes},
-               "session": self.end.header.session}
+               "session": self.end.header.session, "max_wait_s": self.max_wait_s,
+               "ring": {"gathered": self.end.gathered(), "released": self.end.released()}}
         if self.supervisor is not None:
             s = self.supervisor.stats()
             out["supervisor"] = {"state": s.state, "pid": s.pid, "spawns": s.spawns, "restarts": s.restarts,

@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -82,17 +84,23 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self.identity = ""
         self.markov_identity = ""
+        self._lock = threading.Lock()   # a signal never reaches a worker that is starting
         self.start()
 
     def start(self) -> None:
+        # The worker's log goes to a file, never a pipe nobody reads (a full pipe would
+        # block it); its tail explains a failed start.
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "remote_dspark", "worker", "--listen", f"127.0.0.1:{self.port}", "--chaos",
              "--late-ms", str(self.late_ms), *self.extra],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+            stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, text=True)
         first = self.proc.stdout.readline()
         if not first.startswith("remote-dspark worker listening on tcp://"):
+            self.log.seek(0)
+            why = self.log.read()[-2000:]
             self.stop()
-            raise RuntimeError(f"the worker did not start: {first!r}")
+            raise RuntimeError(f"the worker did not start: {why}")
         self.port = int(first.rsplit(":", 1)[1])
         self.identity = self.proc.stdout.readline().strip().split("=", 1)[1]
         self.markov_identity = self.proc.stdout.readline().strip().split("=", 1)[1]
@@ -107,8 +115,9 @@ class WorkerProcess:
         return env
 
     def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.send_signal(sig)
 
     def answer_late(self) -> None:
         """Toggle answering every round ``late_ms`` late."""
@@ -119,13 +128,15 @@ class WorkerProcess:
 
     def restart(self) -> None:
         """Kill it (SIGKILL, no BYE) and start a new one on the same port."""
-        self.kill()
-        self.start()
+        with self._lock:
+            self.kill()
+            self.start()
 
     def kill(self) -> None:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+            self.log.close()
 
     def stop(self) -> None:
         if self.proc is None:
@@ -136,6 +147,7 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
     def __enter__(self):
         return self

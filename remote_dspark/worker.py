@@ -285,12 +285,13 @@ class Worker:
         elif hello.max_slots > self.max_slots:
             code = wire.REFUSE_LIMITS
             reason = f"max_slots {hello.max_slots} over this worker's {self.max_slots}"
-        chan.send(self._ack(code, reason, hdr.session))
         if code != wire.ACCEPT:
             with self._lock:
                 self.stats.refused += 1
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
+            chan.send(self._ack(code, reason, hdr.session))
             return None
+        chan.send(self._ack(code, reason, hdr.session))
         session = Session(hdr.session, hello.max_slots, hello.num_spec)
         with self._lock:
             # A new session of the same engine replaces the old one's windows.

@@ -43,11 +43,8 @@ def run(args: argparse.Namespace) -> int:
     identity = wire.parse_hex32(args.identity, "--identity") if args.identity else None
     drafter = load_drafter(args.drafter, args.markov, identity)
     worker = Worker(drafter, host, port, window=args.window, max_slots=args.max_slots,
-                    max_connections=args.max_connections).start()
-    print(f"remote-dspark worker listening on tcp://{host}:{worker.port}", flush=True)
-    print(f"  VLLM_DSPARK_REMOTE_IDENTITY={drafter.drafter_identity.hex()}", flush=True)
-    print(f"  VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={drafter.markov_identity.hex()}", flush=True)
-    if args.chaos:
+                    max_connections=args.max_connections)
+    if args.chaos:  # before the first line: a chaos driver signals as soon as it reads it
         def toggle_late(*_):
             worker.reply_delay_s = 0.0 if worker.reply_delay_s else args.late_ms / 1000.0
 
@@ -55,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
             worker.garble += 1
         signal.signal(signal.SIGUSR1, toggle_late)
         signal.signal(signal.SIGUSR2, garble)
+    worker.start()
+    print(f"remote-dspark worker listening on tcp://{host}:{worker.port}", flush=True)
+    print(f"  VLLM_DSPARK_REMOTE_IDENTITY={drafter.drafter_identity.hex()}", flush=True)
+    print(f"  VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={drafter.markov_identity.hex()}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -1,5 +1,6 @@
 """The command line: the first demo, the Markov cache builder, exit codes."""
 
+import json
 import subprocess
 import sys
 
@@ -9,14 +10,52 @@ from remote_dspark.cli import main
 from remote_dspark.markov import MarkovModel, builtin_model
 
 
-def test_demo_runs_rounds_through_the_worker(capsys):
-    assert main(["demo", "--rounds", "40", "--slots", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "ok              40" in out and "timeout          0" in out
+def run_cli(*args, timeout=120):
+    """The installed command in its own process (it starts workers and proxies)."""
+    return subprocess.run([sys.executable, "-m", "remote_dspark", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def outcome_counts(out: str) -> dict[str, int]:
+    section = out.split("rounds by outcome", 1)[1].split("round latency", 1)[0]
+    return {line.split()[0]: int(line.split()[1]) for line in section.splitlines()[1:] if line.strip()
+            and not line.strip().startswith("late")}
+
+
+def test_demo_drafts_through_the_proxy_process():
+    out = run_cli("demo", "--rounds", "60", "--slots", "16")
+    assert out.returncode == 0, out.stderr
+    assert outcome_counts(out.stdout) == {"ok": 60}
     # The built-in model drafts the synthetic language well: most first drafts are accepted.
-    pos0 = next(line for line in out.splitlines() if "pos 0:" in line)
-    accepted, offered = int(pos0.split()[2]), int(pos0.split()[4])
-    assert offered > 0 and accepted / offered > 0.5
+    pos0 = next(line for line in out.stdout.splitlines() if "pos 0:" in line).split()
+    assert int(pos0[4]) > 0 and int(pos0[2]) / int(pos0[4]) > 0.5
+    assert "proxy: 1 started" in out.stdout and "respawn budget left 3" in out.stdout
+
+
+def test_demo_kill_proxy_every_spends_the_budget():
+    out = run_cli("demo", "--rounds", "150", "--slots", "8", "--kill-proxy-every", "30", "--respawns", "2")
+    assert out.returncode == 0, out.stderr
+    counts = outcome_counts(out.stdout)
+    # Kills at rounds 30, 60 and 90: two respawns, then target-only to the end (rounds 90..150).
+    assert counts["no_proxy"] >= 150 - 90 and counts["ok"] + counts["no_proxy"] == 150
+    assert "restarts exit=0 signal=3 stall=0; respawn budget left 0 (state: spent)" in out.stdout
+    assert "respawn budget (2) is spent" in out.stderr
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread"])
+def test_demo_other_modes(mode):
+    out = run_cli("demo", "--rounds", "30", "--slots", "8", "--mode", mode)
+    assert out.returncode == 0, out.stderr
+    assert outcome_counts(out.stdout) == {"ok": 30}
+
+
+def test_chaos_short_run_passes_every_check():
+    out = run_cli("chaos", "--seconds", "6", "--seed", "3", "--slots", "16", "--reset-s", "1", "--json",
+                  timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    assert report["ok"] and len(report["checks"]) == 7
+    assert all(n >= 1 for n in report["faults"].values()), report["faults"]
 
 
 def test_markov_build_writes_a_cache_whose_sha256_is_printed(tmp_path, capsys):
@@ -59,13 +98,14 @@ def test_corrupt_markov_cache_is_refused(mutate, why):
 
 
 def test_bad_arguments_exit_2_with_usage():
-    out = subprocess.run([sys.executable, "-m", "remote_dspark", "demo", "--rounds", "0"],
-                         capture_output=True, text=True, timeout=60)
+    out = run_cli("demo", "--rounds", "0")
     assert out.returncode == 2 and "--rounds: 0 must be >= 1" in out.stderr
+    out = run_cli("demo", "--mode", "thread", "--policy", "shadow")
+    assert out.returncode == 2 and "--policy shadow needs --mode sync" in out.stderr
 
 
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "remote_dspark", "--help"], capture_output=True, text=True,
                          timeout=60, check=True).stdout
-    for command in ("worker", "demo", "check-config", "markov", "bench"):
+    for command in ("worker", "demo", "chaos", "check-config", "markov", "bench"):
         assert command in out

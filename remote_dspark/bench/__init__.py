@@ -1,5 +1,9 @@
-"""Benchmarks (``remote-dspark bench ...``). Each module adds its own subcommand."""
+"""Benchmarks (``remote-dspark bench ...``). Each module adds its own subcommand and
+keeps its heavy imports inside the function that runs it."""
 
 
 def add_parsers(sub) -> None:
-    """Register every benchmark's subcommand. Modules are imported when run, not here."""
+    """Register every benchmark's subcommand."""
+    from . import handoff
+
+    handoff.add_parser(sub)

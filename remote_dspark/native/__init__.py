@@ -16,11 +16,13 @@ At load the library must report the ABI this module binds (``hf_abi_version``) a
 lock-free 32- and 64-bit atomics (``hf_lock_free``): a word behind a lock is not safely
 shared by two processes.
 
-Calls that may wait (``wait_geq``, ``handoff``, ``publish``, ``release_empty``,
-``serve``, ``watchdog_stop``) go through ``ctypes.CDLL``, which releases the GIL for the
-call. The short ones (loads, stores, claim, counters) go through ``ctypes.PyDLL`` and
-keep it: releasing the GIL for 20 ns of work would invite another thread to take it for
-a whole switch interval.
+Calls that may wait (``wait_geq``, ``wait_at``, ``handoff``, ``publish``,
+``release_empty``, ``serve``, ``watchdog_stop``) go through ``ctypes.CDLL``, which
+releases the GIL for the call. The short ones (loads, stores, claim, counters) go
+through ``ctypes.PyDLL`` and keep it: releasing the GIL for 20 ns of work would invite
+another thread to take it for a whole switch interval. ``wait_geq_holding`` and
+``handoff_holding`` are the same C functions bound to keep the GIL, for waits the
+caller bounds to microseconds (``streamsync``'s hold).
 
 The C layer returns status codes; ``check`` is the one place that turns them into
 exceptions. This module imports nothing beyond the standard library (the proxy process
@@ -36,6 +38,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Mapping
 
@@ -87,25 +90,30 @@ class RingGeom(ctypes.Structure):
 _P, _U32, _U64, _I = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
 _RING = ctypes.POINTER(RingGeom)
 
-# name: (restype, argtypes, may_wait). may_wait -> CDLL (GIL released), else PyDLL.
+# name: (C symbol, restype, argtypes, may_wait). may_wait -> CDLL (GIL released for the
+# call), else PyDLL (GIL kept). The ``*_holding`` names bind a waiting function with the
+# GIL kept, for a wait the caller bounds to a few microseconds (streamsync's hold).
 _FUNCS = {
-    "now_ns": (_U64, (), False),
-    "load32": (_U32, (_P,), False),
-    "store32": (None, (_P, _U32), False),
-    "load64": (_U64, (_P,), False),
-    "store64": (None, (_P, _U64), False),
-    "add64": (None, (_P, _U64), False),
-    "snapshot64": (None, (_P, _P, _U32), False),
-    "signal": (None, (_P, _P, _U32), False),
-    "claim": (_I, (_P, _U32), False),
-    "zero_drafts": (None, (_RING, _U32, _U32), False),
-    "wait_geq": (_I, (_P, _U32, _U32, _U32, _U64), True),
-    "handoff": (_I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), True),
-    "publish": (_I, (_P, _U32, _U64), True),
-    "release_empty": (_I, (_RING, _U32, _U32, _U64), True),
-    "serve": (_I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),
-    "watchdog_start": (_P, (_RING, _P, _U32, _U64, _U64), False),
-    "watchdog_stop": (_I, (_P,), True),
+    "now_ns": ("hf_now_ns", _U64, (), False),
+    "load32": ("hf_load32", _U32, (_P,), False),
+    "store32": ("hf_store32", None, (_P, _U32), False),
+    "load64": ("hf_load64", _U64, (_P,), False),
+    "store64": ("hf_store64", None, (_P, _U64), False),
+    "add64": ("hf_add64", None, (_P, _U64), False),
+    "snapshot64": ("hf_snapshot64", None, (_P, _P, _U32), False),
+    "signal": ("hf_signal", None, (_P, _P, _U32), False),
+    "claim": ("hf_claim", _I, (_P, _U32), False),
+    "zero_drafts": ("hf_zero_drafts", None, (_RING, _U32, _U32), False),
+    "wait_geq": ("hf_wait_geq", _I, (_P, _U32, _U32, _U32, _U64), True),
+    "wait_geq_holding": ("hf_wait_geq", _I, (_P, _U32, _U32, _U32, _U64), False),
+    "wait_at": ("hf_wait_at", _I, (_P, _U32, _U32, _U32, _U64, _P), True),
+    "handoff": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), True),
+    "handoff_holding": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), False),
+    "publish": ("hf_publish", _I, (_P, _U32, _U64), True),
+    "release_empty": ("hf_release_empty", _I, (_RING, _U32, _U32, _U64), True),
+    "serve": ("hf_serve", _I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),
+    "watchdog_start": ("hf_watchdog_start", _P, (_RING, _P, _U32, _U64, _U64), False),
+    "watchdog_stop": ("hf_watchdog_stop", _I, (_P,), True),
 }
 
 
@@ -136,7 +144,8 @@ _MEANING = {
 
 class Native:
     """The loaded library. Each ``_FUNCS`` entry is an attribute: the ctypes function
-    itself (no Python wrapper on the hot path). ``path`` is the file that was loaded."""
+    itself (no Python wrapper on the hot path). ``path`` is the file that was loaded,
+    ``lock_free`` what its probe reported."""
 
     def __init__(self, path: str):
         self.path = path
@@ -146,8 +155,8 @@ class Native:
         except OSError as e:
             raise NativeError(f"cannot load {path}: {e}") from e
         self._probe(waiting)
-        for name, (restype, argtypes, may_wait) in _FUNCS.items():
-            fn = getattr(waiting if may_wait else holding, "hf_" + name)
+        for name, (symbol, restype, argtypes, may_wait) in _FUNCS.items():
+            fn = getattr(waiting if may_wait else holding, symbol)
             fn.restype = restype
             fn.argtypes = argtypes
             setattr(self, name, fn)
@@ -163,13 +172,19 @@ class Native:
         if abi() != ABI_VERSION:
             raise NativeError(f"{self.path}: hostflag ABI {abi()}, this package binds "
                               f"{ABI_VERSION}; rebuild it from {SOURCE}")
-        if lock_free() != LOCK_FREE_ALL:
+        self.lock_free = lock_free()
+        if self.lock_free != LOCK_FREE_ALL:
             raise NativeError(f"{self.path}: 32/64-bit atomics are not lock-free on this "
-                              f"platform (hf_lock_free() = {lock_free()}); the region's words "
-                              "cannot be shared between processes")
+                              f"platform (hf_lock_free() = {self.lock_free}); the region's "
+                              "words cannot be shared between processes")
 
     def __repr__(self) -> str:
         return f"Native({self.path!r})"
+
+
+def deadline_ns(timeout_s: float) -> int:
+    """The CLOCK_MONOTONIC deadline (ns) ``timeout_s`` from now, as the waits take it."""
+    return time.monotonic_ns() + max(0, int(timeout_s * 1e9))
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -192,7 +207,7 @@ def locate(environ: Mapping[str, str] | None = None, cache_dir: str | os.PathLik
     if named:
         if not os.path.isfile(named):
             raise ValueError(f"{ENV_LIB}={named!r}: no such file")
-        return named
+        return os.path.abspath(named)  # a bare name would send dlopen searching elsewhere
     ofl_dir = (env.get(ENV_OFL_DIR) or "").strip()
     if ofl_dir and os.path.isfile(os.path.join(ofl_dir, OFL_LIB_NAME)):
         return os.path.join(ofl_dir, OFL_LIB_NAME)

@@ -124,6 +124,15 @@ int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t
     }
 }
 
+/* hf_wait_geq, and the CLOCK_MONOTONIC time of the look that ended it in *seen_ns. */
+int hf_wait_at(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us,
+               uint64_t deadline_ns, uint64_t *seen_ns)
+{
+    int rc = hf_wait_geq(word, value, spin_us, nap_us, deadline_ns);
+    *seen_ns = hf_now_ns();
+    return rc;
+}
+
 /* Stream side on the CPU: record when, publish `gathered = round`. */
 void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round)
 {
@@ -143,10 +152,8 @@ int hf_handoff(uint32_t *gathered, uint64_t *gathered_ns, const uint32_t *releas
     if (gathered_ns)
         __atomic_store_n(gathered_ns, t0, __ATOMIC_RELAXED);
     __atomic_store_n(gathered, round, __ATOMIC_RELEASE);
-    int rc = hf_wait_geq(released, round, spin_us, nap_us, deadline_ns);
     out_ns[0] = t0;
-    out_ns[1] = hf_now_ns();
-    return rc;
+    return hf_wait_at(released, round, spin_us, nap_us, deadline_ns, &out_ns[1]);
 }
 
 /* Take the right to answer `round`: exactly one caller gets HF_OK per round. Rounds are

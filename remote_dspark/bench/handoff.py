@@ -1,0 +1,447 @@
+"""``remote-dspark bench handoff``: round-trip latency of the hand-off, side by side.
+
+Rows, each without and with a GIL-hogging Python thread in the engine process:
+
+``process``  the native hand-off (``streamsync.HostFlagSync``, CPU backend) answered by
+             the project's proxy loop (``ring.ProxyEnd``) in its own interpreter;
+``thread``   the same loop as a Python thread of the engine (thread mode);
+``c_peer``   a C loop in another process answering the same words: the floor;
+``pipe``     a ``multiprocessing.Pipe`` ping-pong with another interpreter;
+``pyflag``   a pure-Python shared-memory flag polled with ``os.sched_yield()``.
+
+The native rows are timed inside the C library, from the store of ``gathered`` to the
+first look that saw ``released``; the engine thread's wait for its GIL after the call
+returns is the ``gil wait`` column. ``pipe`` and ``pyflag`` are timed in Python, so
+their figures include that wait. Ratios are to the floor (``c_peer``) of the same hog
+setting. Medians, p99 and max in microseconds; ``--json`` for machines.
+
+By default the peer runs on a CPU of its own and the engine's threads on the others
+(``--no-pin`` lets them share), and where the peer is another process the engine's wait
+keeps its GIL for its first ``--hold-gil-us`` (the thread row cannot: its peer needs the
+GIL). docs/handoff.md shows what each changes on a 2-core machine.
+
+Every peer answers exactly warm-up + N rounds and exits; every process this starts is
+ended before the row returns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+MODES = ("process", "thread", "c_peer", "pipe", "pyflag")
+DESCRIBE = {
+    "process": "proxy loop, own process",
+    "thread": "proxy loop, engine thread",
+    "c_peer": "C peer process (floor)",
+    "pipe": "multiprocessing.Pipe",
+    "pyflag": "py shm flag+sched_yield",
+}
+ROUND_TIMEOUT_S = 30.0   # generous: a hog row waits up to a switch interval per call
+HOLD_GIL_US = 50
+TARGET_P99_US = 10.0
+TARGET_WORST_RATIO = 100.0
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("handoff", help="hand-off round trip: process vs thread vs C floor vs Pipe",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=1000, help="measured rounds per row (default 1000)")
+    p.add_argument("--warmup", type=int, default=20, help="unmeasured rounds first (default 20)")
+    p.add_argument("--spin-us", type=int, default=1000,
+                   help="spin before napping, as VLLM_DSPARK_REMOTE_ASYNC_SPIN_US (default 1000)")
+    p.add_argument("--nap-us", type=int, default=0,
+                   help="nap between looks after the spin, as VLLM_DSPARK_REMOTE_ASYNC_NAP_US "
+                        "(default 0: spin)")
+    p.add_argument("--hold-gil-us", type=int, default=HOLD_GIL_US,
+                   help="rows whose peer is another process: the engine spins this long "
+                        f"keeping its GIL before releasing it (default {HOLD_GIL_US}; 0: "
+                        "release at once). The thread row never holds: its peer needs the GIL")
+    p.add_argument("--switch-interval-us", type=int, default=0,
+                   help="set the engine's GIL switch interval (default 0: the interpreter's)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not give the peer a CPU of its own (default: the peer process or "
+                        "thread runs on the last CPU, the engine's threads on the others)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True)
+class Stats:
+    median_us: float
+    p99_us: float
+    max_us: float
+
+    @classmethod
+    def of(cls, ns: list[int]) -> "Stats":
+        s = sorted(ns)
+        return cls(s[len(s) // 2] / 1e3, s[max(0, math.ceil(0.99 * len(s)) - 1)] / 1e3, s[-1] / 1e3)
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str
+    hog: bool
+    timed_in: str            # "C" or "Python"
+    latency: Stats
+    gil_wait: Stats | None   # only for rows timed in C
+
+
+@dataclass(frozen=True)
+class Options:
+    rounds: int
+    warmup: int
+    spin_us: int
+    nap_us: int
+    hold_gil_us: int = HOLD_GIL_US
+    pin: bool = True
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """Which CPUs the peer and the engine run on. The peer spins (ASYNC_NAP_US=0), so it
+    is given a core of its own, as a deployment gives the proxy one; without that, on a
+    small machine the spinning peer, the engine thread and a GIL hog share fewer cores
+    than they need and the scheduler's time slices (milliseconds) show up as latency."""
+
+    peer: frozenset[int] | None      # None: not pinned
+    engine: frozenset[int] | None
+
+    @classmethod
+    def plan(cls, pin: bool) -> "Pinning":
+        cpus = sorted(os.sched_getaffinity(0))
+        if not pin or len(cpus) < 2:
+            return cls(None, None)
+        return cls(frozenset(cpus[-1:]), frozenset(cpus[:-1]))
+
+    def describe(self) -> str:
+        if self.peer is None:
+            return "not pinned"
+        return f"peer on CPU {sorted(self.peer)}, engine on CPU {sorted(self.engine)}"
+
+
+def run(args) -> int:
+    if args.rounds < 1 or args.warmup < 0 or args.hold_gil_us < 0:
+        raise ValueError(f"--rounds={args.rounds} --warmup={args.warmup} --hold-gil-us="
+                         f"{args.hold_gil_us}: need rounds >= 1, warmup >= 0, hold >= 0")
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
+    opts = Options(args.rounds, args.warmup, args.spin_us, args.nap_us, args.hold_gil_us, args.pin)
+    rows = run_all(opts, Progress(sys.stderr))
+    report = make_report(opts, rows)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+    return 0
+
+
+def run_all(opts: Options, progress: "Progress") -> list[Row]:
+    from .. import native
+    lib = native.load()
+    pins = Pinning.plan(opts.pin)
+    plan = [(m, hog) for hog in (False, True) for m in MODES]
+    rows = []
+    before = os.sched_getaffinity(0)
+    try:
+        if pins.engine is not None:  # this thread's; the hog and thread peer inherit it
+            os.sched_setaffinity(0, pins.engine)
+        for i, (mode, hog) in enumerate(plan):
+            progress.start(f"[{i + 1}/{len(plan)}] {mode}{' +hog' if hog else ''}",
+                           opts.warmup + opts.rounds)
+            with GilHog(hog):
+                rows.append(RUNNERS[mode](lib, opts, pins, hog, progress))
+            progress.done()
+    finally:
+        os.sched_setaffinity(0, before)
+    return rows
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool, progress) -> Row:
+    """A row over the region: HostFlagSync's hand-off, timed in C, to ``mode``'s peer."""
+    from .. import ring, shm, streamsync
+    total = opts.warmup + opts.rounds
+    layout = shm.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
+    with shm.Region.create(layout) as region:
+        engine = ring.EngineEnd(region, lib)
+        sync = streamsync.HostFlagSync(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us,
+                                       hold_gil_us=0 if mode == "thread" else opts.hold_gil_us)
+        lat, gil = [], []
+        with _region_peer(mode, region, total, opts, pins, lib):
+            for i in range(total):
+                r = engine.try_reserve()  # never full: one round in flight at a time
+                h = sync.handoff(r, ROUND_TIMEOUT_S)
+                back = time.monotonic_ns()
+                if not h.ok:
+                    raise RuntimeError(f"{mode}: round {r} not released in {ROUND_TIMEOUT_S}s")
+                if i >= opts.warmup:
+                    lat.append(h.latency_ns)
+                    gil.append(back - h.released_ns)
+                progress.tick(i + 1)
+    return Row(mode, hog, "C", Stats.of(lat), Stats.of(gil))
+
+
+def _region_peer(mode: str, region, total: int, opts: Options, pins: Pinning, lib):
+    """The peer of a region row: the proxy loop as a thread (thread mode), else a process."""
+    if mode != "thread":
+        return Peer(mode, region.fd, total, opts, pins, lib)
+    from .. import ring
+    from .handoff_peer import serve_loop
+    end = ring.ProxyEnd(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us)
+    return PeerThread(lambda: serve_loop(end, total, ROUND_TIMEOUT_S), pins)
+
+
+def _pipe_row(lib, opts: Options, pins: Pinning, hog: bool, progress) -> Row:
+    import multiprocessing
+    ours, theirs = multiprocessing.Pipe()
+    total, lat, msg = opts.warmup + opts.rounds, [], b"r"
+    try:
+        with Peer("pipe", theirs.fileno(), total, opts, pins, lib):
+            theirs.close()
+            for i in range(total):
+                t0 = time.monotonic_ns()
+                ours.send_bytes(msg)
+                if not ours.poll(ROUND_TIMEOUT_S):
+                    raise RuntimeError(f"pipe: no echo in {ROUND_TIMEOUT_S}s")
+                ours.recv_bytes()
+                if i >= opts.warmup:
+                    lat.append(time.monotonic_ns() - t0)
+                progress.tick(i + 1)
+    finally:
+        ours.close()
+        theirs.close()
+    return Row("pipe", hog, "Python", Stats.of(lat), None)
+
+
+def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool, progress) -> Row:
+    import mmap
+    from .handoff_peer import FLAG, FLAG_BYTES, PING, PONG, pyflag_wait
+    total, lat = opts.warmup + opts.rounds, []
+    fd = os.memfd_create("remote-dspark-pyflag")
+    try:
+        os.ftruncate(fd, FLAG_BYTES)
+        mm = mmap.mmap(fd, FLAG_BYTES)
+        try:
+            with Peer("pyflag", fd, total, opts, pins, lib):
+                for r in range(1, total + 1):
+                    t0 = time.monotonic_ns()
+                    FLAG.pack_into(mm, PING, r)
+                    pyflag_wait(mm, PONG, r, time.monotonic() + ROUND_TIMEOUT_S)
+                    if r > opts.warmup:
+                        lat.append(time.monotonic_ns() - t0)
+                    progress.tick(r)
+        finally:
+            mm.close()
+    finally:
+        os.close(fd)
+    return Row("pyflag", hog, "Python", Stats.of(lat), None)
+
+
+RUNNERS = {"process": partial(_region_row, "process"), "thread": partial(_region_row, "thread"),
+           "c_peer": partial(_region_row, "c_peer"), "pipe": _pipe_row, "pyflag": _pyflag_row}
+PEER_MODE = {"process": "loop", "c_peer": "c", "pipe": "pipe", "pyflag": "pyflag"}
+
+
+class Peer:
+    """The answering interpreter of one row, given ``fd`` and nothing else. Ended on exit:
+    waited for (it answers exactly ``total`` rounds), killed if it outstays that."""
+
+    _proc: subprocess.Popen | None = None
+
+    def __init__(self, mode: str, fd: int, total: int, opts: Options, pins: Pinning, lib):
+        self._cpus = pins.peer
+        env = dict(os.environ)
+        env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = lib.path  # the engine's build, no rebuild
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        self._cmd = [sys.executable, "-m", "remote_dspark.bench.handoff_peer", PEER_MODE[mode],
+                     "--fd", str(fd), "--rounds", str(total), "--spin-us", str(opts.spin_us),
+                     "--nap-us", str(opts.nap_us), "--timeout-s", str(ROUND_TIMEOUT_S)]
+        self._fd, self._env = fd, env
+
+    def __enter__(self) -> "Peer":
+        self._proc = subprocess.Popen(self._cmd, pass_fds=(self._fd,), env=self._env,
+                                      stderr=subprocess.PIPE, text=True)
+        if self._cpus is not None:
+            os.sched_setaffinity(self._proc.pid, self._cpus)
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        proc = self._proc
+        try:
+            rc = proc.wait(timeout=ROUND_TIMEOUT_S if exc_type is None else 0.5)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            err = proc.stderr.read()
+            proc.stderr.close()
+        if exc_type is None and rc != 0:
+            raise RuntimeError(f"peer {self._cmd[3]} exited {rc}: {err.strip()}")
+
+
+class PeerThread:
+    """Thread mode: the peer loop as a Python thread of this process."""
+
+    def __init__(self, target: Callable[[], None], pins: Pinning):
+        self._target = target
+        self._cpus = pins.peer
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="handoff-peer", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            if self._cpus is not None:
+                os.sched_setaffinity(0, self._cpus)  # this thread only
+            self._target()
+        except BaseException as e:  # reported by __exit__
+            self._error = e
+
+    def __enter__(self) -> "PeerThread":
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self._thread.join(ROUND_TIMEOUT_S)
+        if exc_type is None and (self._error or self._thread.is_alive()):
+            raise RuntimeError(f"thread peer failed: {self._error or 'still running'}")
+
+
+class GilHog:
+    """A Python thread that only computes, holding the GIL whenever it can."""
+
+    def __init__(self, on: bool):
+        self._on = on
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    def _spin(self) -> None:
+        n = 0
+        while self._running:
+            n += 1
+
+    def __enter__(self) -> "GilHog":
+        if self._on:
+            self._running = True
+            self._thread = threading.Thread(target=self._spin, name="gil-hog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._running = False
+        if self._thread is not None:
+            self._thread.join()
+
+
+class Progress:
+    """A progress line on ``stream``: redrawn in place on a terminal, one line per row
+    otherwise."""
+
+    def __init__(self, stream, width: int = 30):
+        self._stream = stream
+        self._tty = stream.isatty()
+        self._width = width
+        self._label, self._total, self._step = "", 1, 1
+
+    def start(self, label: str, total: int) -> None:
+        self._label, self._total = label, max(total, 1)
+        self._step = max(1, self._total // self._width)
+        self._draw(0)
+
+    def tick(self, n: int) -> None:
+        if self._tty and (n % self._step == 0 or n == self._total):
+            self._draw(n)
+
+    def done(self) -> None:
+        if self._tty:
+            self._draw(self._total)
+            self._stream.write("\n")
+        else:
+            self._stream.write(f"handoff {self._label}: {self._total} rounds\n")
+        self._stream.flush()
+
+    def _draw(self, n: int) -> None:
+        if not self._tty:
+            return
+        full = self._width * n // self._total
+        bar = "#" * full + "." * (self._width - full)
+        self._stream.write(f"\rhandoff {self._label:<22} [{bar}] {n}/{self._total}")
+        self._stream.flush()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def make_report(opts: Options, rows: list[Row]) -> dict:
+    floor = {r.hog: r.latency for r in rows if r.mode == "c_peer"}
+    out_rows = []
+    for r in rows:
+        f = floor.get(r.hog)
+        d = {"mode": r.mode, "hog": r.hog, "timed_in": r.timed_in, **asdict(r.latency),
+             "x_floor": None if f is None else {
+                 k: round(getattr(r.latency, k) / max(getattr(f, k), 1e-3), 1)
+                 for k in ("median_us", "p99_us", "max_us")},
+             "gil_wait": None if r.gil_wait is None else asdict(r.gil_wait)}
+        out_rows.append(d)
+    return {"bench": "handoff", "rounds": opts.rounds, "warmup": opts.warmup,
+            "spin_us": opts.spin_us, "nap_us": opts.nap_us, "hold_gil_us": opts.hold_gil_us,
+            "cpus": os.cpu_count(),
+            "pinning": Pinning.plan(opts.pin).describe(),
+            "switch_interval_us": round(sys.getswitchinterval() * 1e6),
+            "rows": out_rows, "targets": targets(rows)}
+
+
+def targets(rows: list[Row]) -> dict:
+    by = {(r.mode, r.hog): r.latency for r in rows}
+    out: dict = {}
+    proc = [by[("process", h)] for h in (False, True) if ("process", h) in by]
+    if proc:
+        worst = max(s.p99_us for s in proc)
+        out["process_p99_us"] = worst
+        out["process_p99_met"] = worst <= TARGET_P99_US
+    if ("process", True) in by and ("thread", True) in by:
+        ratio = by[("thread", True)].max_us / max(by[("process", True)].max_us, 1e-3)
+        out["hog_worst_ratio_thread_over_process"] = round(ratio, 1)
+        out["hog_worst_ratio_met"] = ratio >= TARGET_WORST_RATIO
+    return out
+
+
+def format_table(report: dict) -> str:
+    head = (f"{'mode':<26}{'hog':<5}{'median':>9}{'p99':>10}{'max':>11}"
+            f"{'x floor p50/p99/max':>24}   gil wait p50/p99/max")
+    lines = [f"hand-off round trip, {report['rounds']} rounds per row (+{report['warmup']} warm-up), "
+             f"us; spin {report['spin_us']} us, nap {report['nap_us']} us, GIL hold "
+             f"{report['hold_gil_us']} us (process peers), {report['cpus']} CPUs, "
+             f"switch interval {report['switch_interval_us']} us; {report['pinning']}", head, "-" * len(head)]
+    for r in report["rows"]:
+        x = r["x_floor"]
+        xs = "-" if x is None else f"{x['median_us']:g}/{x['p99_us']:g}/{x['max_us']:g}"
+        g = r["gil_wait"]
+        gs = ("(in the figures: timed in Python)" if g is None else
+              f"{g['median_us']:.1f}/{g['p99_us']:.1f}/{g['max_us']:.1f}")
+        lines.append(f"{DESCRIBE[r['mode']]:<26}{'yes' if r['hog'] else 'no':<5}"
+                     f"{r['median_us']:>9.2f}{r['p99_us']:>10.2f}{r['max_us']:>11.1f}"
+                     f"{xs:>24}   {gs}")
+    t = report["targets"]
+    if "process_p99_us" in t:
+        lines.append(f"target process p99 <= {TARGET_P99_US:g} us (with and without hog): "
+                     f"{t['process_p99_us']:.2f} us, {'met' if t['process_p99_met'] else 'NOT met'}")
+    if "hog_worst_ratio_thread_over_process" in t:
+        lines.append(f"target worst case under hog, thread / process >= {TARGET_WORST_RATIO:g}x: "
+                     f"{t['hog_worst_ratio_thread_over_process']:g}x, "
+                     f"{'met' if t['hog_worst_ratio_met'] else 'NOT met'}")
+    return "\n".join(lines)

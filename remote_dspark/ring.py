@@ -1,0 +1,496 @@
+"""``ring``: rounds through the region, from the engine to the proxy and back.
+
+One round r, in depth slot r % D (every access to a hand-off word goes through the
+native library: acquire loads, release stores, compare-and-swap)::
+
+    engine     reserve r: refused while D rounds are in flight (r - released > D);
+               write descriptor r and its staging rows
+    stream     gathered_ns[r % D] = now; gathered = r (release)     [streamsync]
+    proxy      sees gathered >= r (acquire) and claim < r; sends the round straight from
+               the region; on the reply (or its failure): claim r (CAS claim: r-1 -> r),
+               writes drafts slot r % D, released = r (release) once released == r-1
+    watchdog   r gathered, not released, no claim in flight, older than watchdog_ms:
+               claim r, empty drafts with status WATCHDOG, released = r  (native thread)
+    engine     sees released >= r (acquire); reads drafts slot r % D
+
+Invariants:
+  * gathered, claim and released only move forward (32-bit, compared cyclically);
+    released <= claim, and claim - released <= 1 except while a claimer waits for the
+    one before it to publish.
+  * Exactly one claimer per round (the CAS); only the claimer writes the round's drafts
+    slot and releases it; released moves one round at a time, after the drafts.
+  * The producer writes depth slot r % D only when r - D is released, so a slot is never
+    rewritten while the engine may still read its drafts. A proxy holding a round the
+    watchdog has answered may see its slot rewritten: ``ProxyRound.pending`` says so.
+  * A reply after another claimer answered the round is dropped and counted ``late``.
+
+This module imports only the standard library and the package's own torch-free modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from . import native, shm, wire
+from .native import Status, check
+
+MASK = 0xFFFFFFFF
+PUBLISH_TIMEOUT_NS = 1_000_000_000  # how long a claimer waits for the previous one
+
+
+def seq_geq(a: int, b: int) -> bool:
+    """a >= b for 32-bit sequence numbers (cyclic: wrap safe)."""
+    return ((a - b) & MASK) < 0x80000000
+
+
+def seq_add(a: int, n: int) -> int:
+    return (a + n) & MASK
+
+
+class Outcome(enum.IntEnum):
+    """The status word of a drafts slot: how the round was answered."""
+
+    OK = 0            # the proxy's drafts (possibly none)
+    TIMEOUT = 1       # proxy: the remote did not answer within the round's deadline
+    ERROR = 2         # proxy: a connection or protocol error
+    BREAKER_SKIP = 3  # proxy: the breaker is open, no network
+    WATCHDOG = 4      # the engine's native watchdog
+    NO_PROXY = 5      # the engine, with no proxy up
+    ORPHAN = 6        # the engine, for a round a dead proxy had claimed
+
+
+_PROXY_COUNTER = {Outcome.OK: "rounds_ok", Outcome.TIMEOUT: "rounds_timeout",
+                  Outcome.ERROR: "rounds_error", Outcome.BREAKER_SKIP: "rounds_breaker_skip"}
+
+
+class RingFull(TimeoutError):
+    """``depth`` rounds are in flight and none was released in time."""
+
+
+def geometry(region: shm.Region) -> native.RingGeom:
+    """The native library's view of ``region``'s words and drafts slots."""
+    lay = region.layout
+    return native.RingGeom(
+        gathered=region.addr(lay.gathered), released=region.addr(lay.released),
+        claim=region.addr(lay.claim), gathered_ns=region.addr(lay.gathered_ns(0)),
+        drafts=region.addr(lay.drafts(0)), drafts_stride=lay.drafts_stride, depth=lay.depth,
+        d_round=shm.D_ROUND, d_status=shm.D_STATUS, d_zero=shm.D_N,
+        zero_bytes=shm.D_COUNTS + 4 * lay.max_slots - shm.D_N)
+
+
+class _End:
+    """What both ends hold: the region, the library and the words' addresses."""
+
+    def __init__(self, region: shm.Region, lib: native.Native):
+        self.region = region
+        self.layout = region.layout
+        self._lib = lib
+        self._geom = geometry(region)
+        self._geom_ref = ctypes.byref(self._geom)
+        self._gathered = self._geom.gathered
+        self._released = self._geom.released
+        self._claim = self._geom.claim
+        self._mask = region.layout.depth - 1
+
+    def gathered(self) -> int:
+        return self._lib.load32(self._gathered)
+
+    def released(self) -> int:
+        return self._lib.load32(self._released)
+
+    def claimed(self) -> int:
+        return self._lib.load32(self._claim)
+
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@dataclass(frozen=True)
+class RoundDrafts:
+    """A released round's answer, copied out of its drafts slot."""
+
+    round: int
+    outcome: Outcome
+    counts: tuple[int, ...]                 # per entry; () for an empty answer
+    statuses: tuple[int, ...]               # per entry: wire.STATUS_OK / STATUS_RESYNC
+    tokens: tuple[tuple[int, ...], ...]     # per entry, counts[i] tokens
+    margins: tuple[tuple[float, ...], ...] | None
+
+
+class Watchdog:
+    """The native watchdog thread of one region (see ``EngineEnd.start_watchdog``)."""
+
+    _handle = None
+
+    def __init__(self, lib: native.Native, geom: native.RingGeom, counter_addr: int,
+                 limit_ns: int, poll_ns: int):
+        self._lib = lib
+        handle = lib.watchdog_start(ctypes.byref(geom), counter_addr, Outcome.WATCHDOG,
+                                    limit_ns, poll_ns)
+        if not handle:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot start the watchdog thread: {os.strerror(err)}")
+        self._handle = handle
+
+    @property
+    def running(self) -> bool:
+        return self._handle is not None
+
+    def stop(self) -> None:
+        """Stop and join the thread. Idempotent."""
+        handle, self._handle = self._handle, None
+        if handle:
+            check(self._lib.watchdog_stop(handle), "stop the watchdog")
+
+
+class EngineEnd(_End):
+    """The engine's side of the ring: the single producer, the drafts reader and the
+    engine's own releases (no proxy, orphans, the watchdog).
+
+    Invariants: ``last`` is the last reserved round; ``last - released <= depth``.
+    """
+
+    def __init__(self, region: shm.Region, lib: native.Native, *, start: int | None = None):
+        """``start``: set gathered, claim and released to this round id (the round
+        "before the first"), e.g. near 2^32 to exercise the wrap. Only while no proxy is
+        attached."""
+        super().__init__(region, lib)
+        self.counters = region.engine_counters(lib)
+        self.header = region.header_words(lib)
+        if start is not None:
+            for word in (self._gathered, self._claim, self._released):
+                lib.store32(word, start & MASK)
+        self._last = self.gathered()
+
+    @property
+    def last(self) -> int:
+        return self._last
+
+    def try_reserve(self) -> int | None:
+        """The next round id, or None (counted ``ring_full``) while ``depth`` rounds are
+        in flight. Never waits."""
+        r = seq_add(self._last, 1)
+        if not seq_geq(seq_add(self.released(), self.layout.depth), r):
+            self.counters.add("ring_full")
+            return None
+        self._last = r
+        return r
+
+    def reserve(self, timeout_s: float, spin_us: int = 1000, nap_us: int = 50) -> int:
+        """The next round id, waiting (GIL released) up to ``timeout_s`` for room.
+
+        Raises:
+            RingFull: still ``depth`` rounds in flight at the deadline (counted).
+        """
+        r = seq_add(self._last, 1)
+        rc = self._lib.wait_geq(self._released, seq_add(r, -self.layout.depth), spin_us,
+                                nap_us, native.deadline_ns(timeout_s))
+        if check(rc, "reserve a round") is Status.TIMEOUT:
+            self.counters.add("ring_full")
+            raise RingFull(f"round {r}: {self.layout.depth} rounds in flight, released is "
+                           f"{self.released()} after {timeout_s}s")
+        self._last = r
+        return r
+
+    def write_descriptor(self, round_id: int, entries: Sequence[wire.Entry],
+                         deadline_ms: int = 0) -> None:
+        """Write round ``round_id``'s descriptor (wire ROUND layout) into its slot.
+
+        Raises:
+            ValueError: the entries do not fit the layout (count, n_out, tokens) or a
+                wire cap, naming the limit.
+        """
+        lay = self.layout
+        if len(entries) > lay.max_slots:
+            raise ValueError(f"round {round_id}: {len(entries)} entries over max_slots={lay.max_slots}")
+        for e in entries:
+            if e.n_out > lay.num_spec:
+                raise ValueError(f"slot {e.slot}: n_out {e.n_out} over num_spec={lay.num_spec}")
+        head, tokens = wire.round_head(round_id, 0, deadline_ms, entries, lay.row_bytes)
+        if len(tokens) > 4 * lay.max_tokens:
+            raise ValueError(f"round {round_id}: {len(tokens) // 4} tokens over "
+                             f"max_tokens={lay.max_tokens}")
+        table = head[wire.HEADER.size:]
+        with self.region.descriptor(round_id & self._mask) as d:
+            struct.pack_into("<I", d, shm.DESC_ROUND, round_id)
+            d[shm.DESC_FIXED:shm.DESC_FIXED + len(table)] = table
+            at = lay.desc_tokens()
+            d[at:at + len(tokens)] = tokens
+
+    def staging(self, round_id: int) -> memoryview:
+        """The staging rows of ``round_id``'s depth slot (max_slots x row_bytes)."""
+        return self.region.staging(round_id & self._mask)
+
+    def drafts(self, round_id: int) -> RoundDrafts:
+        """Copy out the answer of a released round.
+
+        Raises:
+            RuntimeError: the round is not released, or its slot holds another round.
+        """
+        if not seq_geq(self.released(), round_id):
+            raise RuntimeError(f"round {round_id} is not released (released={self.released()})")
+        lay, K = self.layout, self.layout.num_spec
+        with self.region.drafts(round_id & self._mask) as d:
+            rnd, status, n, flags = shm.DRAFTS_HEAD.unpack_from(d, 0)
+            if rnd != round_id:
+                raise RuntimeError(f"drafts slot {round_id & self._mask} holds round {rnd}, "
+                                   f"expected {round_id}: read after the slot was reused")
+            counts = struct.unpack_from(f"<{n}i", d, shm.D_COUNTS)
+            statuses = struct.unpack_from(f"<{n}i", d, lay.d_entry_status)
+            toks = struct.unpack_from(f"<{n * K}i", d, lay.d_tokens)
+            marg = (struct.unpack_from(f"<{n * K}f", d, lay.d_margins)
+                    if flags & shm.DRAFTS_MARGINS else None)
+        rows = range(n)
+        return RoundDrafts(
+            round_id, Outcome(status), counts, statuses,
+            tuple(toks[i * K:i * K + counts[i]] for i in rows),
+            None if marg is None else tuple(marg[i * K:i * K + counts[i]] for i in rows))
+
+    def release_no_proxy(self, round_id: int) -> bool:
+        """Answer ``round_id`` empty (NO_PROXY) and release it, when no proxy is up.
+        False when somebody else answered it first."""
+        rc = self._lib.release_empty(self._geom_ref, round_id, Outcome.NO_PROXY,
+                                     native.deadline_ns(PUBLISH_TIMEOUT_NS / 1e9))
+        status = check(rc, f"release round {round_id} (no proxy)")
+        if status is Status.TIMEOUT:
+            raise RuntimeError(f"round {seq_add(round_id, -1)}'s claimer never released it; "
+                               "call release_orphans once that proxy is known dead")
+        if status is Status.OK:
+            self.counters.add("no_proxy_rounds")
+        return status is Status.OK
+
+    def release_orphans(self) -> int:
+        """Release the rounds a dead claimer holds (claimed, never released), empty with
+        status ORPHAN; returns how many. Only once the proxy is known dead (its pidfd or
+        waitpid said so): a live claimer may still be writing those drafts slots."""
+        n = 0
+        rel, claim = self.released(), self.claimed()
+        while not seq_geq(rel, claim):
+            r = seq_add(rel, 1)
+            self._lib.zero_drafts(self._geom_ref, r, Outcome.ORPHAN)
+            if check(self._lib.publish(self._released, r, native.deadline_ns(1.0)),
+                     f"release orphaned round {r}") is not Status.OK:
+                raise RuntimeError(f"round {r}: released word stuck at {self.released()}")
+            rel, n = r, n + 1
+        if n:
+            self.counters.add("orphan_releases", n)
+        return n
+
+    def start_watchdog(self, watchdog_ms: int, poll_us: int | None = None) -> Watchdog:
+        """Start the native watchdog: a round gathered ``watchdog_ms`` ago and not
+        released, with no claim in flight, is answered empty (WATCHDOG), released and
+        counted. Stopped by ``Watchdog.stop`` or, at the latest, by ``region.close``.
+
+        Raises:
+            ValueError: watchdog_ms < 1.
+            OSError: the thread cannot be started.
+        """
+        if watchdog_ms < 1:
+            raise ValueError(f"watchdog_ms={watchdog_ms}: must be >= 1")
+        limit = watchdog_ms * 1_000_000
+        poll = poll_us * 1000 if poll_us else min(max(limit // 10, 50_000), 5_000_000)
+        wd = Watchdog(self._lib, self._geom, self.counters.addr("watchdog_releases"), limit, poll)
+        self.region.add_close_hook(wd.stop)
+        return wd
+
+
+# --------------------------------------------------------------------------- proxy
+
+
+class ProxyRound:
+    """A round the proxy took from the ring. Its views are the region's own bytes."""
+
+    __slots__ = ("round", "index", "seen_ns", "gathered_ns", "_end")
+
+    def __init__(self, end: "ProxyEnd", round_id: int, index: int, seen_ns: int, gathered_ns: int):
+        self.round = round_id
+        self.index = index
+        self.seen_ns = seen_ns          # when the proxy saw it gathered (CLOCK_MONOTONIC)
+        self.gathered_ns = gathered_ns  # when the engine gathered it; 0 = unknown
+        self._end = end
+
+    def fields(self) -> tuple[int, int, int, int]:
+        """(deadline_ms, n_entries, row_bytes, n_tokens), checked against the layout.
+
+        Raises:
+            ValueError: the descriptor is not this round's or breaks the layout.
+        """
+        lay = self._end.layout
+        with self._end.region.descriptor(self.index) as d:
+            rnd, = struct.unpack_from("<I", d, shm.DESC_ROUND)
+            f = wire.ROUND_FIXED.unpack_from(d, shm.DESC_FIXED)
+        _, n, row_bytes, n_tokens = f
+        if rnd != self.round:
+            raise ValueError(f"descriptor slot {self.index} holds round {rnd}, not {self.round}")
+        if n > lay.max_slots or row_bytes != lay.row_bytes or n_tokens > lay.max_tokens:
+            raise ValueError(f"round {self.round}: descriptor n_entries={n} row_bytes="
+                             f"{row_bytes} n_tokens={n_tokens} break the layout {lay}")
+        return f
+
+    def wire_parts(self, session: int) -> list:
+        """The ROUND frame as buffers for one ``sendmsg``: the wire header, then views of
+        the region (fixed part and entry table, rows, tokens); no row is copied."""
+        _, n, row_bytes, n_tokens = self.fields()
+        region, lay = self._end.region, self._end.layout
+        table = region.view(lay.desc(self.index) + shm.DESC_FIXED,
+                            wire.ROUND_FIXED.size + n * wire.ROUND_ENTRY.size)
+        rows = region.view(lay.staging(self.index), n * row_bytes)
+        tokens = region.view(lay.desc(self.index) + lay.desc_tokens(), 4 * n_tokens)
+        length = len(table) + len(rows) + len(tokens)
+        return [wire.encode_header(wire.ROUND, length, session, self.round), table, rows, tokens]
+
+    def slots(self) -> tuple[int, ...]:
+        """The slot id of each entry, in order."""
+        n = self.fields()[1]
+        with self._end.region.descriptor(self.index) as d:
+            at = shm.DESC_ENTRIES
+            return tuple(e[0] for e in wire.ROUND_ENTRY.iter_unpack(
+                d[at:at + n * wire.ROUND_ENTRY.size]))
+
+    def pending(self) -> bool:
+        """True while nobody has claimed the round. A proxy that sent the round and then
+        finds it False may have sent a slot the engine was already rewriting."""
+        return not seq_geq(self._end.claimed(), self.round)
+
+
+class ProxyEnd(_End):
+    """The proxy's side: take rounds in order, answer each exactly once or drop the
+    answer as late. One thread (the proxy loop) uses it and writes the proxy counters.
+
+    Invariants: ``next`` is the next round to take; every round before it was returned
+    by ``next_round`` or had been claimed by someone else when the proxy reached it.
+    """
+
+    def __init__(self, region: shm.Region, lib: native.Native, *, spin_us: int = 1000,
+                 nap_us: int = 0, pid: int | None = None):
+        super().__init__(region, lib)
+        self.counters = region.proxy_counters(lib)
+        self.header = region.header_words(lib)
+        self.spin_us = spin_us
+        self.nap_us = nap_us
+        self._gathered_ns = self._geom.gathered_ns
+        self.next = seq_add(self.claimed(), 1)
+        self.header.set_proxy_pid(os.getpid() if pid is None else pid)
+
+    def beat(self) -> None:
+        """Bump the heartbeat (CLOCK_MONOTONIC ns)."""
+        self.header.beat(time.monotonic_ns())
+
+    def next_round(self, timeout_s: float) -> ProxyRound | None:
+        """Wait (GIL released, spin then nap) for the next gathered round nobody has
+        answered; None at the deadline. Rounds already claimed are skipped, never sent."""
+        deadline = native.deadline_ns(timeout_s)
+        lib = self._lib
+        while True:
+            r = self.next
+            if lib.wait_geq(self._gathered, r, self.spin_us, self.nap_us, deadline):
+                return None  # TIMEOUT: wait_geq has no other failure
+            claim = lib.load32(self._claim)
+            if seq_geq(claim, r):
+                self.next = seq_add(claim, 1)
+                continue
+            self.next = seq_add(r, 1)
+            i = r & self._mask
+            return ProxyRound(self, r, i, time.monotonic_ns(),
+                              lib.load64(self._gathered_ns + 8 * i))
+
+    def complete(self, rnd: ProxyRound, drafts: wire.Drafts | None = None,
+                 outcome: Outcome = Outcome.OK) -> bool:
+        """Answer ``rnd`` and release it: ``drafts`` with OK, or empty (``drafts`` None,
+        or any failure outcome). True when released; False when another claimer (the
+        watchdog) answered it first: the answer is dropped and counted ``rounds_late``.
+
+        Raises:
+            ValueError: ``outcome`` is not the proxy's, or ``drafts`` do not fit the
+                round (checked before claiming: answer it with ERROR instead).
+            RuntimeError: a ring invariant is broken (see ``native.check``), or the
+                previous round's claimer never released it.
+        """
+        if outcome not in _PROXY_COUNTER:
+            raise ValueError(f"outcome {outcome!r} is not one the proxy writes")
+        r = rnd.round
+        deadline = time.monotonic_ns() + PUBLISH_TIMEOUT_NS
+        if drafts is None or outcome is not Outcome.OK:
+            rc = self._lib.release_empty(self._geom_ref, r, outcome, deadline)
+        else:
+            rc = self._answer(rnd, drafts, deadline)
+        status = check(rc, f"answer round {r}")
+        if status is Status.LATE:
+            self.counters.add("rounds_late")
+            return False
+        if status is Status.TIMEOUT:
+            raise RuntimeError(f"round {r} is claimed but round {seq_add(r, -1)}'s claimer did "
+                               "not release it; the engine must release_orphans")
+        self._count(rnd, drafts if outcome is Outcome.OK else None, outcome)
+        return True
+
+    def _answer(self, rnd: ProxyRound, drafts: wire.Drafts, deadline: int) -> int:
+        """Claim ``rnd``, write ``drafts`` into its slot, publish: a status code. The
+        drafts are checked against the round before anything is claimed."""
+        try:
+            parts = self._pack(rnd, drafts) if rnd.pending() else None
+        except ValueError:
+            if rnd.pending():  # nobody claimed it, so its descriptor is intact: a bad reply
+                raise
+            parts = None       # claimed meanwhile: its slot may be reused already
+        if parts is None:
+            return Status.LATE
+        rc = self._lib.claim(self._claim, rnd.round)
+        if rc != Status.OK:
+            return rc
+        with self.region.drafts(rnd.index) as d:
+            for at, data in parts:
+                d[at:at + len(data)] = data
+        return self._lib.publish(self._released, rnd.round, deadline)
+
+    def _pack(self, rnd: ProxyRound, d: wire.Drafts) -> list[tuple[int, bytes]]:
+        """(offset in the drafts slot, bytes) to write, validated against the round."""
+        lay, K = self.layout, self.layout.num_spec
+        n = len(d.slots)
+        if d.round_id != rnd.round:
+            raise ValueError(f"drafts for round {d.round_id}, expected {rnd.round}")
+        if tuple(d.slots) != rnd.slots():
+            raise ValueError(f"round {rnd.round}: drafts for slots {tuple(d.slots)[:8]}..., "
+                             f"the round has {rnd.slots()[:8]}...")
+        if d.width > K:
+            raise ValueError(f"round {rnd.round}: drafts width {d.width} over num_spec={K}")
+        flags = shm.DRAFTS_MARGINS if d.margins is not None else 0
+        parts = [(0, shm.DRAFTS_HEAD.pack(rnd.round, Outcome.OK, n, flags)),
+                 (shm.D_COUNTS, struct.pack(f"<{n}i", *d.counts)),
+                 (lay.d_entry_status, struct.pack(f"<{n}i", *d.statuses)),
+                 (lay.d_tokens, struct.pack(f"<{n * K}i", *_widen(d.tokens, n, d.width, K, 0)))]
+        if d.margins is not None:
+            parts.append((lay.d_margins, struct.pack(f"<{n * K}f", *_widen(d.margins, n, d.width, K, 0.0))))
+        return parts
+
+    def _count(self, rnd: ProxyRound, drafts: wire.Drafts | None, outcome: Outcome) -> None:
+        now = time.monotonic_ns()
+        c = self.counters
+        c.add(_PROXY_COUNTER[outcome])
+        c.observe("round_latency", now - rnd.seen_ns)
+        if 0 < rnd.gathered_ns <= rnd.seen_ns:
+            c.observe("handoff_latency", rnd.seen_ns - rnd.gathered_ns)
+        if drafts is not None:
+            answered = sum(1 for k in drafts.counts if k)
+            if answered:
+                c.add("drafts", answered)
+                c.add("draft_tokens", sum(drafts.counts))
+
+
+def _widen(flat: Sequence, n: int, width: int, to: int, fill) -> Sequence:
+    """``n`` rows of ``width`` values, each padded with ``fill`` to ``to`` values."""
+    if width == to:
+        return flat
+    pad = (fill,) * (to - width)
+    out: list = []
+    for i in range(n):
+        out.extend(flat[i * width:(i + 1) * width])
+        out.extend(pad)
+    return out

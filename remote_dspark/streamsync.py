@@ -1,0 +1,134 @@
+"""``streamsync``: the engine stream's side of the hand-off.
+
+The engine's stream writes ``gathered = r`` once round r's rows are in staging, then
+waits for ``released >= r`` before it uses the drafts. On a GPU both are stream memory
+operations on the registered region (a later backend); here, with no GPU, the CPU
+backend does both from the engine thread through the native library: a release store,
+then a spin-then-nap wait inside C with the GIL released, so the proxy never needs this
+process's GIL and this thread's wait costs no other thread its turn (after an optional
+short spin that keeps it, ``hold_gil_us``).
+
+A backend is two operations, ``signal(round)`` (how ``gathered`` is written) and
+``wait(round, deadline_ns)`` (how ``released`` is awaited), plus ``handoff`` (both, timed
+from the store of ``gathered`` to the observed ``released``), made by
+``Backend(region, lib, spin_us, nap_us, hold_gil_us)``. A CUDA backend swaps those three
+and nothing else.
+
+torch is not imported here (nor by anything this module imports).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+from . import native, shm
+from .native import Status, check
+
+
+class Handoff(NamedTuple):
+    """One hand-off. Timestamps are CLOCK_MONOTONIC ns taken by the backend (in C on the
+    CPU): the store of ``gathered`` and the first look that saw ``released >= round``."""
+
+    ok: bool              # False: the deadline passed first
+    gathered_ns: int
+    released_ns: int
+
+    @property
+    def latency_ns(self) -> int:
+        return self.released_ns - self.gathered_ns
+
+
+class CpuBackend:
+    """The CPU stand-in for the stream: the calling thread stores and waits.
+
+    With ``hold_gil_us`` > 0 a wait first spins that long keeping the GIL, then goes on
+    with it released (see ``HostFlagSync``)."""
+
+    def __init__(self, region: shm.Region, lib: native.Native, spin_us: int, nap_us: int,
+                 hold_gil_us: int):
+        lay = region.layout
+        self._lib = lib
+        self._gathered = region.addr(lay.gathered)
+        self._released = region.addr(lay.released)
+        self._gathered_ns = region.addr(lay.gathered_ns(0))
+        self._mask = lay.depth - 1
+        self._spin, self._nap = spin_us, nap_us
+        self._hold_ns = hold_gil_us * 1000
+        self._out = (ctypes.c_uint64 * 2)()
+        self._out_addr = ctypes.addressof(self._out)
+
+    def _held_until(self, deadline_ns: int) -> int:
+        return min(deadline_ns, self._lib.now_ns() + self._hold_ns)
+
+    def signal(self, round_id: int) -> None:
+        self._lib.signal(self._gathered, self._gathered_ns + 8 * (round_id & self._mask), round_id)
+
+    def wait(self, round_id: int, deadline_ns: int) -> bool:
+        lib, rc = self._lib, Status.TIMEOUT
+        if self._hold_ns:
+            rc = lib.wait_geq_holding(self._released, round_id, self._spin, 0,
+                                      self._held_until(deadline_ns))
+        if rc == Status.TIMEOUT:
+            rc = lib.wait_geq(self._released, round_id, self._spin, self._nap, deadline_ns)
+        return check(rc, f"wait for round {round_id}") is Status.OK
+
+    def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
+        lib, out = self._lib, self._out_addr
+        stamp = self._gathered_ns + 8 * (round_id & self._mask)
+        if self._hold_ns:
+            rc = lib.handoff_holding(self._gathered, stamp, self._released, round_id, self._spin,
+                                     0, self._held_until(deadline_ns), out)
+            if rc == Status.TIMEOUT:  # go on waiting with the GIL released
+                rc = lib.wait_at(self._released, round_id, self._spin, self._nap, deadline_ns,
+                                 out + 8)
+        else:
+            rc = lib.handoff(self._gathered, stamp, self._released, round_id, self._spin,
+                             self._nap, deadline_ns, out)
+        return Handoff(check(rc, f"hand off round {round_id}") is Status.OK,
+                       self._out[0], self._out[1])
+
+
+BACKENDS = {"cpu": CpuBackend}
+
+
+class HostFlagSync:
+    """Hand rounds to the proxy through the region's ``gathered``/``released`` words.
+
+    ``spin_us``/``nap_us`` shape the CPU wait as VLLM_DSPARK_REMOTE_ASYNC_SPIN_US and
+    _NAP_US do the proxy's (nap_us 0: spin until the deadline).
+
+    ``hold_gil_us`` (CPU backend): spin that long keeping the GIL before releasing it for
+    the rest of the wait. Only for a proxy in another process, whose answer never needs
+    this process's GIL: releasing the GIL for a hand-off of a few microseconds wakes a
+    thread that waits for it, which, on a machine with fewer cores than busy threads, can
+    then take this thread's core for a whole scheduler time slice (milliseconds; see the
+    hand-off benchmark). Keep 0 when the proxy is a thread of this process: it needs the
+    GIL to answer.
+
+    Raises (at construction):
+        ValueError: an unknown backend, or a negative hold.
+    """
+
+    def __init__(self, region: shm.Region, lib: native.Native, *, backend: str = "cpu",
+                 spin_us: int = 1000, nap_us: int = 0, hold_gil_us: int = 0):
+        try:
+            make = BACKENDS[backend]
+        except KeyError:
+            raise ValueError(f"backend={backend!r}: expected one of {sorted(BACKENDS)}") from None
+        if hold_gil_us < 0:
+            raise ValueError(f"hold_gil_us={hold_gil_us}: must be >= 0")
+        self.backend = make(region, lib, spin_us, nap_us, hold_gil_us)
+
+    def signal(self, round_id: int) -> None:
+        """Round ``round_id``'s rows are in staging: publish ``gathered``."""
+        self.backend.signal(round_id)
+
+    def wait(self, round_id: int, timeout_s: float) -> bool:
+        """Wait until ``released >= round_id``; False at the deadline."""
+        return self.backend.wait(round_id, native.deadline_ns(timeout_s))
+
+    def handoff(self, round_id: int, timeout_s: float) -> Handoff:
+        """``signal`` then ``wait``, timed by the backend."""
+        return self.backend.handoff(round_id, native.deadline_ns(timeout_s))
+

@@ -1,0 +1,56 @@
+"""``remote-dspark bench handoff``: a tiny run of the real machinery (every peer kind,
+with and without the GIL hog) that checks every row is reported. No timed assertions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from remote_dspark.bench import add_parsers
+from remote_dspark.bench import handoff
+from test_handoff import session_lib
+
+
+@pytest.fixture(scope="session")
+def lib(tmp_path_factory):
+    return session_lib(tmp_path_factory)
+
+
+ROWS = {(m, hog) for m in handoff.MODES for hog in (False, True)}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="remote-dspark bench")
+    add_parsers(parser.add_subparsers(dest="bench", required=True))
+    return parser.parse_args(argv)
+
+
+def test_handoff_is_registered_with_its_options():
+    args = parse(["handoff", "--rounds", "7", "--json", "--no-pin"])
+    assert args.func is handoff.run
+    assert (args.rounds, args.json, args.pin, args.nap_us) == (7, True, False, 0)
+
+
+def test_tiny_run_reports_every_row(lib, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_DSPARK_REMOTE_HOSTFLAG_LIB", lib.path)  # no build in ~/.cache
+    assert handoff.run(parse(["handoff", "--rounds", "4", "--warmup", "1", "--json"])) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert {(r["mode"], r["hog"]) for r in report["rows"]} == ROWS
+    assert len(report["rows"]) == len(ROWS)
+    for r in report["rows"]:
+        assert r["median_us"] <= r["p99_us"] <= r["max_us"]
+        assert (r["gil_wait"] is None) == (r["timed_in"] == "Python")
+        assert set(r["x_floor"]) == {"median_us", "p99_us", "max_us"}
+    assert set(report["targets"]) == {"process_p99_us", "process_p99_met",
+                                      "hog_worst_ratio_thread_over_process", "hog_worst_ratio_met"}
+    assert err.count("handoff [") == len(ROWS)  # the progress lines, on stderr
+
+    table = handoff.format_table(report).splitlines()
+    mode_of = {d: m for m, d in handoff.DESCRIBE.items()}
+    body = [line for line in table if line[:26].strip() in mode_of]
+    assert sorted((mode_of[line[:26].strip()], line[26:31].strip() == "yes") for line in body) \
+        == sorted(ROWS)
+    assert any(line.startswith("target process p99") for line in table)

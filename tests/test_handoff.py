@@ -1,0 +1,375 @@
+"""The hand-off across real processes: the engine here, the proxy a child interpreter
+that gets the region's fd through ``pass_fds`` and nothing else.
+
+Every child is ended by the test that started it (``child``: kill + wait in finally);
+every wait has a deadline; nothing sleeps hoping another process got somewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from remote_dspark import native, ring, shm, streamsync, wire
+from remote_dspark.ring import Outcome, seq_add
+
+REPO = str(Path(__file__).resolve().parents[1])
+CHILD_TIMEOUT_S = 20
+
+
+def session_lib(tmp_path_factory) -> native.Native:
+    """The library, built once per test session into the session's temporary directory
+    (never ~/.cache); later calls find the build there."""
+    return native.load(environ={"PATH": os.environ.get("PATH", os.defpath)},
+                       cache_dir=tmp_path_factory.getbasetemp() / "hostflag-cache")
+
+
+@pytest.fixture(scope="session")
+def lib(tmp_path_factory) -> native.Native:
+    return session_lib(tmp_path_factory)
+
+
+@contextlib.contextmanager
+def child(code: str, lib: native.Native | None = None, fds: tuple[int, ...] = (), **popen):
+    """Run ``code`` in a fresh interpreter (``-c``) with ``fds`` passed; yields the Popen.
+    The child is killed and reaped on the way out, whatever happened."""
+    env = {"PATH": os.environ.get("PATH", os.defpath), "PYTHONPATH": REPO}
+    if lib is not None:
+        env[native.ENV_LIB] = lib.path
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], pass_fds=fds,
+                            env=env, text=True, **popen)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=CHILD_TIMEOUT_S)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    """Wait (bounded) for the child to exit 0; its stdout."""
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    assert proc.returncode == 0, f"child exited {proc.returncode}: {err}"
+    return out
+
+
+def proxy_code(fd: int, body: str) -> str:
+    """A child's program: attach the region on ``fd``, make a ProxyEnd, run ``body``."""
+    return textwrap.dedent(f"""
+        import json, os, random, sys
+        from remote_dspark import native, ring, shm, wire
+        lib = native.load()
+        region = shm.Region.attach({fd})
+        end = ring.ProxyEnd(region, lib, spin_us=200, nap_us=50)
+    """) + textwrap.dedent(body)
+
+
+def make_region(depth=4, max_slots=8, row_bytes=16, num_spec=4, max_tokens=64) -> shm.Region:
+    return shm.Region.create(shm.Layout(depth, max_slots, row_bytes, num_spec, max_tokens))
+
+
+def test_round_crosses_and_comes_back_with_its_drafts(lib):
+    """The child rebuilds the ROUND frame from the region's bytes (wire_parts), decodes it
+    with the wire module and answers drafts computed from what it decoded."""
+    with make_region() as region:
+        eng = ring.EngineEnd(region, lib)
+        sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
+        code = proxy_code(region.fd, """
+            rnd = end.next_round(10)
+            parts = rnd.wire_parts(session=77)
+            frame = b"".join(bytes(p) for p in parts)
+            del parts
+            hdr = wire.decode_header(frame[:wire.HEADER.size])
+            r = wire.decode_round(hdr, frame[wire.HEADER.size:])
+            rows = bytes(r.rows)
+            k = region.layout.num_spec
+            toks = []
+            for i, e in enumerate(r.entries):
+                row = rows[i * r.row_bytes:(i + 1) * r.row_bytes]
+                toks += [e.slot * 1000 + sum(e.tokens) + row[j] for j in range(k)]
+            d = wire.Drafts(rnd.round, [e.slot for e in r.entries], [e.n_out for e in r.entries],
+                            [wire.STATUS_OK, wire.STATUS_RESYNC], k, toks, [0.25] * len(toks))
+            del r, rows
+            print(json.dumps({"session": hdr.session, "round": hdr.round,
+                              "ok": end.complete(rnd, d)}))
+            region.close()
+        """)
+        entries = [wire.Entry(5, 4, 10, [1, 2, 3]), wire.Entry(9, 2, 0, [7], new_gen=True)]
+        with child(code, lib, (region.fd,)) as proc:
+            r = eng.reserve(1)
+            eng.write_descriptor(r, entries, deadline_ms=50)
+            with eng.staging(r) as rows:
+                rows[:32] = bytes(range(32))
+            h = sync.handoff(r, CHILD_TIMEOUT_S)
+            assert h.ok and h.latency_ns > 0
+            got = json.loads(finish(proc))
+        assert got == {"session": 77, "round": r, "ok": True}
+        d = eng.drafts(r)
+        assert d.outcome is Outcome.OK
+        assert d.counts == (4, 2)
+        assert d.statuses == (wire.STATUS_OK, wire.STATUS_RESYNC)
+        assert d.tokens == (tuple(5000 + 6 + j for j in range(4)),
+                            tuple(9000 + 7 + 16 + j for j in range(2)))
+        assert d.margins == ((0.25,) * 4, (0.25,) * 2)
+        snap = region.proxy_counters(lib).snapshot()
+        assert snap.counters["rounds_ok"] == 1 and snap.counters["draft_tokens"] == 6
+        assert snap.histograms["round_latency"].count == 1
+
+
+def test_watchdog_releases_an_unanswered_round_once_and_drops_the_late_reply(lib):
+    """The child takes the round and answers only after somebody else released it: that
+    reply is refused (late) and counted; the watchdog released the round exactly once.
+    The watchdog starts only once the child holds the round, so it cannot win a start-up
+    race instead."""
+    took_r, took_w = os.pipe()
+    with make_region() as region, os.fdopen(took_r, "rb", 0) as took:
+        eng = ring.EngineEnd(region, lib)
+        sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
+        code = proxy_code(region.fd, f"""
+            rnd = end.next_round(10)
+            os.write({took_w}, b"1")
+            rc = lib.wait_geq(region.addr(region.layout.released), rnd.round, 100, 100,
+                              native.deadline_ns(10))
+            assert rc == native.Status.OK
+            d = wire.Drafts(rnd.round, list(rnd.slots()), [1], [0], 4, [42, 0, 0, 0])
+            print(json.dumps({{"ok": end.complete(rnd, d),
+                              "late": end.counters.snapshot().counters["rounds_late"]}}))
+        """)
+        try:
+            with child(code, lib, (region.fd, took_w)) as proc:
+                os.close(took_w)
+                took_w = -1
+                r = eng.reserve(1)
+                eng.write_descriptor(r, [wire.Entry(3, 4, 0, [1])])
+                sync.signal(r)
+                assert select.select([took], [], [], CHILD_TIMEOUT_S)[0] and took.read(1) == b"1"
+                wd = eng.start_watchdog(30)
+                assert sync.wait(r, CHILD_TIMEOUT_S)
+                waited_ns = time.monotonic_ns() - region_gathered_ns(region, lib, r)
+                assert waited_ns >= 30_000_000  # never before the watchdog's deadline
+                assert json.loads(finish(proc)) == {"ok": False, "late": 1}
+        finally:
+            if took_w >= 0:
+                os.close(took_w)
+        wd.stop()
+        d = eng.drafts(r)
+        assert d.outcome is Outcome.WATCHDOG and d.counts == ()  # the late reply wrote nothing
+        assert eng.counters.snapshot().counters["watchdog_releases"] == 1
+        assert region.proxy_counters(lib).snapshot().counters["rounds_late"] == 1
+        assert eng.claimed() == eng.released() == eng.gathered() == r
+
+
+def region_gathered_ns(region: shm.Region, lib: native.Native, round_id: int) -> int:
+    return lib.load64(region.addr(region.layout.gathered_ns(round_id % region.layout.depth)))
+
+
+def test_rounds_wrap_around_2_to_the_32(lib):
+    start = 2**32 - 6
+    n = 12
+    with make_region(depth=4) as region:
+        eng = ring.EngineEnd(region, lib, start=start)
+        sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50, hold_gil_us=50)
+        code = proxy_code(region.fd, f"""
+            for _ in range({n}):
+                rnd = end.next_round(10)
+                d = wire.Drafts(rnd.round, list(rnd.slots()), [1], [0], 4,
+                                [rnd.round & 0x7FFFFFFF, 0, 0, 0])
+                assert end.complete(rnd, d)
+        """)
+        seen = []
+        with child(code, lib, (region.fd,)) as proc:
+            for _ in range(n):
+                r = eng.reserve(1)
+                eng.write_descriptor(r, [wire.Entry(1, 1, 0, [])])
+                assert sync.handoff(r, CHILD_TIMEOUT_S).ok
+                d = eng.drafts(r)
+                assert d.outcome is Outcome.OK and d.tokens == ((r & 0x7FFFFFFF,),)
+                seen.append(r)
+            finish(proc)
+        assert seen == [seq_add(start, i) for i in range(1, n + 1)]
+        assert seen[4] == 2**32 - 1 and seen[5] == 0
+        assert eng.released() == eng.claimed() == seq_add(start, n)
+
+
+def test_thousands_of_rounds_with_a_randomly_slow_peer(lib):
+    """Pipelined rounds (depth 4) across the wrap; the peer sometimes sleeps past the
+    watchdog. Every round is answered exactly once, by the proxy or by the watchdog,
+    with that answerer's drafts; replies after the watchdog are counted late."""
+    n, depth, wd_ms = 3000, 4, 3
+    start = 2**32 - n // 2
+    last = seq_add(start, n)
+    with make_region(depth=depth) as region:
+        eng = ring.EngineEnd(region, lib, start=start)
+        sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
+        code = proxy_code(region.fd, f"""
+            import time
+            rng = random.Random(7)
+            ok = late = 0
+            while True:
+                rnd = end.next_round(0.2)
+                if rnd is None:
+                    if ring.seq_geq(end.claimed(), {last}):
+                        break
+                    continue
+                slots = rnd.slots()  # read at once, as a proxy sending the round would
+                if rng.random() < 0.03:
+                    time.sleep(rng.uniform(0, 2 * {wd_ms} / 1000))  # the slow remote
+                toks = [(rnd.round * 7 + s) & 0x7FFFFFFF for s in slots for _ in range(4)]
+                if end.complete(rnd, wire.Drafts(rnd.round, list(slots), [4] * len(slots),
+                                                 [0] * len(slots), 4, toks)):
+                    ok += 1
+                else:
+                    late += 1
+            print(json.dumps({{"ok": ok, "late": late}}))
+        """)
+        tally = {Outcome.OK: 0, Outcome.WATCHDOG: 0}
+        pending: deque = deque()
+
+        def check_oldest():
+            r, slots = pending.popleft()
+            d = eng.drafts(r)
+            tally[d.outcome] += 1
+            if d.outcome is Outcome.OK:
+                assert d.counts == (4,) * len(slots)
+                assert d.tokens == tuple(((r * 7 + s) & 0x7FFFFFFF,) * 4 for s in slots)
+            else:
+                assert d.outcome is Outcome.WATCHDOG and d.counts == ()
+
+        wd = eng.start_watchdog(wd_ms)
+        with child(code, lib, (region.fd,)) as proc:
+            for i in range(n):
+                r = eng.reserve(CHILD_TIMEOUT_S)
+                while pending and ring.seq_geq(eng.released(), pending[0][0]):
+                    check_oldest()  # before round r reuses the slot of r - depth
+                slots = list(range(i % 3 + 1))
+                eng.write_descriptor(r, [wire.Entry(s, 4, i, [i]) for s in slots])
+                sync.signal(r)
+                pending.append((r, slots))
+            assert sync.wait(last, CHILD_TIMEOUT_S)
+            while pending:
+                check_oldest()
+            got = json.loads(finish(proc))
+        wd.stop()
+        released_by_wd = eng.counters.snapshot().counters["watchdog_releases"]
+        proxy = region.proxy_counters(lib).snapshot().counters
+        assert tally[Outcome.OK] + tally[Outcome.WATCHDOG] == n
+        assert tally[Outcome.WATCHDOG] == released_by_wd
+        assert got["ok"] == proxy["rounds_ok"] == tally[Outcome.OK]
+        assert got["late"] == proxy["rounds_late"] <= released_by_wd
+        assert eng.gathered() == eng.claimed() == eng.released() == last
+
+
+def test_orphaned_claim_is_released_by_the_engine_once_the_proxy_is_dead(lib):
+    """A proxy killed between its claim and its release: the watchdog leaves a claimed
+    round alone; the engine releases it (ORPHAN) once the proxy is known dead."""
+    with make_region() as region:
+        eng = ring.EngineEnd(region, lib)
+        sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
+        code = proxy_code(region.fd, """
+            rnd = end.next_round(10)
+            assert lib.claim(region.addr(region.layout.claim), rnd.round) == 0
+            os._exit(0)  # dies holding the claim
+        """)
+        with child(code, lib, (region.fd,)) as proc:
+            r = eng.reserve(1)
+            eng.write_descriptor(r, [])
+            sync.signal(r)
+            assert proc.wait(CHILD_TIMEOUT_S) == 0  # the proxy is known dead
+        wd = eng.start_watchdog(10)
+        assert eng.claimed() == r and eng.released() == seq_add(r, -1)
+        assert not sync.wait(r, 0.1)  # nobody else may release a claimed round
+        assert eng.release_orphans() == 1
+        assert sync.wait(r, 1)
+        assert eng.drafts(r).outcome is Outcome.ORPHAN
+        r2 = eng.reserve(1)  # with no proxy left the watchdog answers the next one
+        assert sync.handoff(r2, CHILD_TIMEOUT_S).ok
+        assert eng.drafts(r2).outcome is Outcome.WATCHDOG
+        wd.stop()
+        c = eng.counters.snapshot().counters
+        assert c["orphan_releases"] == 1 and c["watchdog_releases"] == 1
+
+
+def test_back_pressure_when_depth_rounds_are_in_flight(lib):
+    with make_region(depth=2) as region:
+        eng = ring.EngineEnd(region, lib)
+        r1, r2 = eng.try_reserve(), eng.try_reserve()
+        assert (r1, r2) == (1, 2)
+        assert eng.try_reserve() is None
+        with pytest.raises(ring.RingFull, match="2 rounds in flight"):
+            eng.reserve(0.02)
+        assert eng.counters.snapshot().counters["ring_full"] == 2
+        assert eng.release_no_proxy(r1)
+        assert not eng.release_no_proxy(r1)  # answered already
+        assert eng.drafts(r1).outcome is Outcome.NO_PROXY
+        assert eng.try_reserve() == 3
+        assert eng.counters.snapshot().counters["no_proxy_rounds"] == 1
+
+
+def test_proxy_refuses_drafts_that_do_not_fit_before_claiming(lib):
+    with make_region() as region:
+        eng = ring.EngineEnd(region, lib)
+        end = ring.ProxyEnd(region, lib)
+        r = eng.reserve(1)
+        eng.write_descriptor(r, [wire.Entry(3, 4, 0, [])])
+        streamsync.HostFlagSync(region, lib).signal(r)
+        rnd = end.next_round(1)
+        with pytest.raises(ValueError, match="slots"):
+            end.complete(rnd, wire.Drafts(r, [4], [1], [0], 4, [1, 0, 0, 0]))
+        with pytest.raises(ValueError, match="width 5 over num_spec=4"):
+            end.complete(rnd, wire.Drafts(r, [3], [1], [0], 5, [1, 0, 0, 0, 0]))
+        assert eng.claimed() == 0  # nothing claimed: the round can still be answered
+        assert end.complete(rnd, None, Outcome.ERROR)
+        assert eng.drafts(r).outcome is Outcome.ERROR
+        assert end.counters.snapshot().counters["rounds_error"] == 1
+        with pytest.raises(ValueError, match="not one the proxy writes"):
+            end.complete(rnd, None, Outcome.WATCHDOG)
+
+
+def test_a_wait_that_outlasts_its_gil_hold_releases_the_gil(lib):
+    """A thread of this process can only answer once the waiting thread lets the GIL go:
+    after the hold, both ``handoff`` and ``wait`` go on with it released."""
+    with make_region() as region:
+        eng = ring.EngineEnd(region, lib)
+        sync = streamsync.HostFlagSync(region, lib, spin_us=100, nap_us=50, hold_gil_us=2000)
+        peer = ring.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        errors = []
+
+        def answer(n):
+            try:
+                for _ in range(n):
+                    peer.complete(peer.next_round(CHILD_TIMEOUT_S))
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=answer, args=(2,))
+        t.start()
+        try:
+            h = sync.handoff(eng.reserve(1), CHILD_TIMEOUT_S)
+            assert h.ok and h.released_ns >= h.gathered_ns
+            r = eng.reserve(1)
+            sync.signal(r)
+            assert sync.wait(r, CHILD_TIMEOUT_S)
+        finally:
+            t.join(CHILD_TIMEOUT_S)
+        assert not errors and not t.is_alive()
+        assert eng.drafts(r).outcome is Outcome.OK
+        with pytest.raises(ValueError, match="hold_gil_us=-1"):
+            streamsync.HostFlagSync(region, lib, hold_gil_us=-1)
+
+
+def test_unknown_sync_backend_is_refused(lib):
+    with make_region() as region:
+        with pytest.raises(ValueError, match="backend='cuda'"):
+            streamsync.HostFlagSync(region, lib, backend="cuda")

@@ -1,0 +1,202 @@
+"""native: which library is loaded, how it is built, what it refuses, and the C
+primitives' contracts (cyclic comparison, claim, publish, waits) on plain words."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from remote_dspark import native
+from remote_dspark.native import NativeError, Status, check
+from test_handoff import CHILD_TIMEOUT_S, child, session_lib
+
+
+@pytest.fixture(scope="session")
+def lib(tmp_path_factory):
+    return session_lib(tmp_path_factory)
+
+
+def word(value: int) -> ctypes.c_uint32:
+    return ctypes.c_uint32(value & 0xFFFFFFFF)
+
+
+def addr(w) -> int:
+    return ctypes.addressof(w)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def test_named_library_that_is_missing_is_an_error_naming_the_variable(tmp_path):
+    with pytest.raises(ValueError, match=r"VLLM_DSPARK_REMOTE_HOSTFLAG_LIB='.*nope\.so': no such file"):
+        native.locate({native.ENV_LIB: str(tmp_path / "nope.so")}, cache_dir=tmp_path)
+
+
+def test_named_library_wins_over_the_ofl_dir(lib, tmp_path):
+    ofl = tmp_path / "ofl"
+    ofl.mkdir()
+    shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
+    env = {native.ENV_LIB: lib.path, native.ENV_OFL_DIR: str(ofl)}
+    assert native.locate(env, cache_dir=tmp_path / "cache") == lib.path
+
+
+def test_ofl_dir_copy_is_used_when_present(lib, tmp_path):
+    shutil.copy(lib.path, tmp_path / native.OFL_LIB_NAME)
+    loaded = native.load({native.ENV_OFL_DIR: str(tmp_path)}, cache_dir=tmp_path / "cache")
+    assert loaded.path == str(tmp_path / native.OFL_LIB_NAME)
+    assert not (tmp_path / "cache").exists()  # nothing was built
+
+
+def test_without_either_the_source_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(tmp_path)}  # no .so there
+    built = native.locate(env, cache_dir=cache)
+    assert os.path.dirname(built) == str(cache) and built.endswith(".so")
+    assert os.listdir(cache) == [os.path.basename(built)]  # no temporary left
+
+    def no_compiler(*a, **k):
+        raise AssertionError("rebuilt an up-to-date library")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert native.locate(env, cache_dir=cache) == built
+    assert native.Native(built).lock_free is not None
+
+
+def test_cache_dir_follows_xdg_then_home(tmp_path):
+    assert native.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == native.Path("/x/remote-dspark")
+    assert native.default_cache_dir({"HOME": "/h"}) == native.Path("/h/.cache/remote-dspark")
+
+
+def test_no_compiler_is_a_clear_error(tmp_path):
+    with pytest.raises(NativeError, match=r"no C compiler 'cc' on PATH.*VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"):
+        native.locate({"PATH": str(tmp_path)}, cache_dir=tmp_path / "cache")
+
+
+def test_failed_build_reports_the_compiler_and_leaves_nothing(tmp_path):
+    with pytest.raises(NativeError, match="failed to build"):
+        native.locate({"PATH": os.environ["PATH"], "CC": "false"}, cache_dir=tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_concurrent_builds_from_several_processes_agree(tmp_path):
+    """Four interpreters build into one empty cache at the same moment (released together
+    through their stdin); all load the same complete file, no temporary is left."""
+    cache = tmp_path / "cache"
+    code = f"""
+        import sys
+        from remote_dspark import native
+        sys.stdin.readline()
+        print(native.load(environ={{"PATH": {os.environ["PATH"]!r}}}, cache_dir={str(cache)!r}).path)
+    """
+    with child(code, stdin=subprocess.PIPE) as a, child(code, stdin=subprocess.PIPE) as b, \
+            child(code, stdin=subprocess.PIPE) as c, child(code, stdin=subprocess.PIPE) as d:
+        procs = (a, b, c, d)
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=CHILD_TIMEOUT_S)
+            assert p.returncode == 0, err
+            outs.append(out.strip())
+    assert len(set(outs)) == 1
+    assert os.listdir(cache) == [os.path.basename(outs[0])]
+
+
+def _fake_library(tmp_path, abi: int, lock_free: int) -> str:
+    src = tmp_path / "fake.c"
+    src.write_text(f"int hf_abi_version(void) {{ return {abi}; }}\n"
+                   f"int hf_lock_free(void) {{ return {lock_free}; }}\n")
+    out = tmp_path / f"fake-{abi}-{lock_free}.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True,
+                   timeout=CHILD_TIMEOUT_S)
+    return str(out)
+
+
+def test_a_library_without_lock_free_words_is_refused(tmp_path):
+    path = _fake_library(tmp_path, native.ABI_VERSION, 1)
+    with pytest.raises(NativeError, match=rf"{path}: 32/64-bit atomics are not lock-free"):
+        native.load({native.ENV_LIB: path})
+
+
+def test_a_library_of_another_abi_is_refused(tmp_path):
+    path = _fake_library(tmp_path, 99, native.LOCK_FREE_ALL)
+    with pytest.raises(NativeError, match="hostflag ABI 99, this package binds 1"):
+        native.Native(path)
+
+
+def test_a_library_that_is_not_hostflag_is_refused(tmp_path):
+    src = tmp_path / "other.c"
+    src.write_text("int other(void) { return 0; }\n")
+    out = tmp_path / "other.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    with pytest.raises(NativeError, match="is not a hostflag library"):
+        native.Native(str(out))
+
+
+def test_the_real_library_reports_lock_free_words(lib):
+    assert lib.lock_free == native.LOCK_FREE_ALL
+
+
+# --------------------------------------------------------------------------- primitives
+
+
+def test_check_maps_codes_in_one_place():
+    assert check(0, "x") is Status.OK
+    assert check(1, "x") is Status.TIMEOUT
+    assert check(2, "x") is Status.LATE
+    with pytest.raises(RuntimeError, match="claim round 5: ORDER"):
+        check(Status.ORDER, "claim round 5")
+    with pytest.raises(RuntimeError, match="STATE"):
+        check(Status.STATE, "x")
+    with pytest.raises(MemoryError):
+        check(Status.NOMEM, "x")
+    with pytest.raises(OSError):
+        check(Status.SYS, "x")
+
+
+def test_wait_geq_is_cyclic_and_times_out(lib):
+    w = word(2)  # 2 is "after" 2^32 - 3: wrapped
+    assert lib.wait_geq(addr(w), 2**32 - 3, 0, 0, native.deadline_ns(1)) == Status.OK
+    assert lib.wait_geq(addr(w), 3, 10, 10, native.deadline_ns(0.002)) == Status.TIMEOUT
+    assert lib.wait_geq(addr(w), 2**31 + 2, 0, 0, native.deadline_ns(0.001)) == Status.TIMEOUT
+
+
+def test_claim_is_in_order_and_exactly_once_across_the_wrap(lib):
+    c = word(2**32 - 1)
+    assert lib.claim(addr(c), 1) == Status.ORDER   # round 0 not claimed yet
+    assert lib.claim(addr(c), 0) == Status.OK
+    assert lib.claim(addr(c), 0) == Status.LATE
+    assert lib.claim(addr(c), 2**32 - 1) == Status.LATE
+    assert c.value == 0
+
+
+def test_publish_waits_for_the_previous_round_and_never_goes_back(lib):
+    rel = word(2**32 - 2)
+    assert lib.publish(addr(rel), 0, native.deadline_ns(0.002)) == Status.TIMEOUT  # 2^32-1 pending
+    assert rel.value == 2**32 - 2
+    assert lib.publish(addr(rel), 2**32 - 1, native.deadline_ns(1)) == Status.OK
+    assert lib.publish(addr(rel), 0, native.deadline_ns(1)) == Status.OK
+    assert lib.publish(addr(rel), 0, native.deadline_ns(1)) == Status.STATE
+    assert rel.value == 0
+
+
+def test_handoff_times_itself_in_c(lib):
+    gathered, released, stamp = word(0), word(5), ctypes.c_uint64(0)
+    out = (ctypes.c_uint64 * 2)()
+    rc = lib.handoff(addr(gathered), addr(stamp), addr(released), 5, 0, 0,
+                     native.deadline_ns(1), ctypes.addressof(out))
+    assert rc == Status.OK and gathered.value == 5
+    assert stamp.value == out[0] <= out[1]
+
+
+def test_counters_add_and_snapshot(lib):
+    words = (ctypes.c_uint64 * 3)(1, 2, 3)
+    lib.add64(ctypes.addressof(words) + 8, 40)
+    copy = (ctypes.c_uint64 * 3)()
+    lib.snapshot64(ctypes.addressof(words), ctypes.addressof(copy), 3)
+    assert list(copy) == [1, 42, 3]
