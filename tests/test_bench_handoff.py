@@ -46,7 +46,7 @@ def test_tiny_run_reports_every_row(lib, capsys, monkeypatch):
         assert set(r["x_floor"]) == {"median_us", "p99_us", "max_us"}
     assert set(report["targets"]) == {"process_p99_us", "process_p99_met",
                                       "hog_worst_ratio_thread_over_process", "hog_worst_ratio_met"}
-    assert err.count("handoff [") == len(ROWS)  # the progress lines, on stderr
+    assert err.count("handoff rows: ") == len(ROWS) + 1  # progress on stderr, a line per row
 
     table = handoff.format_table(report).splitlines()
     mode_of = {d: m for m, d in handoff.DESCRIBE.items()}

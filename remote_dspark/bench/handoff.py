@@ -137,7 +137,7 @@ def run(args) -> int:
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us / 1e6)
     opts = Options(args.rounds, args.warmup, args.spin_us, args.nap_us, args.hold_gil_us, args.pin)
-    rows = run_all(opts, Progress(sys.stderr))
+    rows = run_all(opts)
     report = make_report(opts, rows)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -146,8 +146,9 @@ def run(args) -> int:
     return 0
 
 
-def run_all(opts: Options, progress: "Progress") -> list[Row]:
+def run_all(opts: Options) -> list[Row]:
     from .. import native
+    from ..progress import Progress
     lib = native.load()
     pins = Pinning.plan(opts.pin)
     plan = [(m, hog) for hog in (False, True) for m in MODES]
@@ -156,12 +157,12 @@ def run_all(opts: Options, progress: "Progress") -> list[Row]:
     try:
         if pins.engine is not None:  # this thread's; the hog and thread peer inherit it
             os.sched_setaffinity(0, pins.engine)
+        bar = Progress(len(plan), "handoff rows")
         for i, (mode, hog) in enumerate(plan):
-            progress.start(f"[{i + 1}/{len(plan)}] {mode}{' +hog' if hog else ''}",
-                           opts.warmup + opts.rounds)
+            bar.update(i, f"{mode}{' +hog' if hog else ''}")
             with GilHog(hog):
-                rows.append(RUNNERS[mode](lib, opts, pins, hog, progress))
-            progress.done()
+                rows.append(RUNNERS[mode](lib, opts, pins, hog))
+        bar.update(len(plan))
     finally:
         os.sched_setaffinity(0, before)
     return rows
@@ -170,7 +171,7 @@ def run_all(opts: Options, progress: "Progress") -> list[Row]:
 # --------------------------------------------------------------------------- rows
 
 
-def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool, progress) -> Row:
+def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     """A row over the region: HostFlagSync's hand-off, timed in C, to ``mode``'s peer."""
     from .. import ring, shm, streamsync
     total = opts.warmup + opts.rounds
@@ -190,7 +191,6 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool, progres
                 if i >= opts.warmup:
                     lat.append(h.latency_ns)
                     gil.append(back - h.released_ns)
-                progress.tick(i + 1)
     return Row(mode, hog, "C", Stats.of(lat), Stats.of(gil))
 
 
@@ -204,7 +204,7 @@ def _region_peer(mode: str, region, total: int, opts: Options, pins: Pinning, li
     return PeerThread(lambda: serve_loop(end, total, ROUND_TIMEOUT_S), pins)
 
 
-def _pipe_row(lib, opts: Options, pins: Pinning, hog: bool, progress) -> Row:
+def _pipe_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     import multiprocessing
     ours, theirs = multiprocessing.Pipe()
     total, lat, msg = opts.warmup + opts.rounds, [], b"r"
@@ -219,14 +219,13 @@ def _pipe_row(lib, opts: Options, pins: Pinning, hog: bool, progress) -> Row:
                 ours.recv_bytes()
                 if i >= opts.warmup:
                     lat.append(time.monotonic_ns() - t0)
-                progress.tick(i + 1)
     finally:
         ours.close()
         theirs.close()
     return Row("pipe", hog, "Python", Stats.of(lat), None)
 
 
-def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool, progress) -> Row:
+def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     import mmap
     from .handoff_peer import FLAG, FLAG_BYTES, PING, PONG, pyflag_wait
     total, lat = opts.warmup + opts.rounds, []
@@ -242,7 +241,6 @@ def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool, progress) -> Row:
                     pyflag_wait(mm, PONG, r, time.monotonic() + ROUND_TIMEOUT_S)
                     if r > opts.warmup:
                         lat.append(time.monotonic_ns() - t0)
-                    progress.tick(r)
         finally:
             mm.close()
     finally:
@@ -345,42 +343,6 @@ class GilHog:
         self._running = False
         if self._thread is not None:
             self._thread.join()
-
-
-class Progress:
-    """A progress line on ``stream``: redrawn in place on a terminal, one line per row
-    otherwise."""
-
-    def __init__(self, stream, width: int = 30):
-        self._stream = stream
-        self._tty = stream.isatty()
-        self._width = width
-        self._label, self._total, self._step = "", 1, 1
-
-    def start(self, label: str, total: int) -> None:
-        self._label, self._total = label, max(total, 1)
-        self._step = max(1, self._total // self._width)
-        self._draw(0)
-
-    def tick(self, n: int) -> None:
-        if self._tty and (n % self._step == 0 or n == self._total):
-            self._draw(n)
-
-    def done(self) -> None:
-        if self._tty:
-            self._draw(self._total)
-            self._stream.write("\n")
-        else:
-            self._stream.write(f"handoff {self._label}: {self._total} rounds\n")
-        self._stream.flush()
-
-    def _draw(self, n: int) -> None:
-        if not self._tty:
-            return
-        full = self._width * n // self._total
-        bar = "#" * full + "." * (self._width - full)
-        self._stream.write(f"\rhandoff {self._label:<22} [{bar}] {n}/{self._total}")
-        self._stream.flush()
 
 
 # --------------------------------------------------------------------------- report
