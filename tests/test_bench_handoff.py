@@ -6,16 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
-import pytest
-
 from remote_dspark.bench import add_parsers
 from remote_dspark.bench import handoff
-from test_handoff import session_lib
 
-
-@pytest.fixture(scope="session")
-def lib(tmp_path_factory):
-    return session_lib(tmp_path_factory)
 
 
 ROWS = {(m, hog) for m in handoff.MODES for hog in (False, True)}

@@ -10,15 +10,13 @@ import sys
 import time
 
 import pytest
+from helpers import until
 
-torch = pytest.importorskip("torch", reason="the engine side needs torch (make test installs the CPU build)")
-
-from remote_dspark import wire  # noqa: E402
-from remote_dspark.config import RemoteConfig  # noqa: E402
-from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed  # noqa: E402
-from remote_dspark.markov import MarkovModel  # noqa: E402
-from remote_dspark.transport import TransportError  # noqa: E402
-from remote_dspark.worker import MarkovDrafter, Worker  # noqa: E402
+from remote_dspark.config import RemoteConfig
+from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed, torch
+from remote_dspark.markov import MarkovModel
+from remote_dspark.transport import TransportError
+from remote_dspark.worker import MarkovDrafter, Worker
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 K = 3
@@ -70,11 +68,6 @@ def dead_port():
     return port
 
 
-def until(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.005)
-    return cond()
 
 
 # --------------------------------------------------------------------------- synchronous

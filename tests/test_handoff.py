@@ -28,18 +28,6 @@ REPO = str(Path(__file__).resolve().parents[1])
 CHILD_TIMEOUT_S = 20
 
 
-def session_lib(tmp_path_factory) -> native.Native:
-    """The library, built once per test session into the session's temporary directory
-    (never ~/.cache); later calls find the build there."""
-    return native.load(environ={"PATH": os.environ.get("PATH", os.defpath)},
-                       cache_dir=tmp_path_factory.getbasetemp() / "hostflag-cache")
-
-
-@pytest.fixture(scope="session")
-def lib(tmp_path_factory) -> native.Native:
-    return session_lib(tmp_path_factory)
-
-
 @contextlib.contextmanager
 def child(code: str, lib: native.Native | None = None, fds: tuple[int, ...] = (), **popen):
     """Run ``code`` in a fresh interpreter (``-c``) with ``fds`` passed; yields the Popen.

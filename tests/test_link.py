@@ -12,6 +12,7 @@ from remote_dspark.link import Outcome, RemoteLink
 from remote_dspark.markov import MarkovModel
 from remote_dspark.transport import TransportError, parse_endpoint
 from remote_dspark.worker import MarkovDrafter, Worker
+from helpers import until
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 
@@ -51,11 +52,6 @@ def make_link(port, drafter, trip=3, cooldown=2, backoff_ms=20):
 NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
 
 
-def until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.005)
-    return cond()
 
 
 def test_ok_round(worker, drafter):

@@ -12,12 +12,8 @@ import pytest
 
 from remote_dspark import native
 from remote_dspark.native import NativeError, Status, check
-from test_handoff import CHILD_TIMEOUT_S, child, session_lib
+from test_handoff import CHILD_TIMEOUT_S, child
 
-
-@pytest.fixture(scope="session")
-def lib(tmp_path_factory):
-    return session_lib(tmp_path_factory)
 
 
 def word(value: int) -> ctypes.c_uint32:

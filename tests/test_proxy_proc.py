@@ -11,19 +11,16 @@ import time
 
 import pytest
 
-from remote_dspark import native, ring, shm, streamsync, wire
+from remote_dspark import ring, shm, streamsync, wire
 from remote_dspark.markov import MarkovModel
 from remote_dspark.ring import Outcome
 from remote_dspark.supervisor import proxy_environment, spawn_proxy
 from remote_dspark.worker import MarkovDrafter, Worker
+from helpers import until
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 HEAVY = ("torch", "numpy", "prometheus_client")
 
-
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    return native.load(environ={}, cache_dir=tmp_path_factory.mktemp("hostflag"))
 
 
 @pytest.fixture
@@ -66,18 +63,13 @@ class Engine:
         self.region.close()
 
 
-def wait_for(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.005)
-    return cond()
 
 
 def test_proxy_process_serves_rounds_through_the_region(lib, worker):
     eng = Engine(lib)
     proc = spawn_proxy(eng.region.fd, engine_id=7, env=env_for(worker, lib))
     try:
-        assert wait_for(lambda: eng.end.header.proxy_pid == proc.pid)
+        assert until(lambda: eng.end.header.proxy_pid == proc.pid)
         d = eng.round([wire.Entry(0, 3, 0, (1,), new_gen=True), wire.Entry(5, 2, 0, (3,), new_gen=True)])
         assert d.outcome == Outcome.OK and d.tokens == ((2, 3, 4), (4, 1))
         d = eng.round([wire.Entry(0, 3, 1, (2,))])
@@ -161,7 +153,7 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
                     return f.read().split(")")[1].split()[0] == "Z"   # exited; awaiting init's reap
             except FileNotFoundError:
                 return True
-        assert wait_for(gone)
+        assert until(gone)
     finally:
         engine.kill()
         engine.wait()

@@ -14,12 +14,8 @@ import pytest
 
 from remote_dspark import shm
 from remote_dspark.shm import Layout, Region
-from test_handoff import REPO, child, finish, session_lib
+from test_handoff import REPO, child, finish
 
-
-@pytest.fixture(scope="session")
-def lib(tmp_path_factory):
-    return session_lib(tmp_path_factory)
 
 LAYOUT = Layout(depth=4, max_slots=16, row_bytes=300, num_spec=5, max_tokens=100)
 

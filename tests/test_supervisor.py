@@ -11,6 +11,7 @@ import time
 import pytest
 
 from remote_dspark.supervisor import Cause, Closed, Spent, Supervisor, Up
+from helpers import until
 
 CHILD = "import sys, time\ncode = int(sys.argv[1])\nif code >= 0: sys.exit(code)\ntime.sleep(120)\n"
 
@@ -37,11 +38,6 @@ class Spawner:
                 p.wait()
 
 
-def until(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.005)
-    return cond()
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from remote_dspark.client import DraftClient, Refused
 from remote_dspark.markov import MarkovModel, builtin_model
 from remote_dspark.transport import Disconnected, parse_endpoint
 from remote_dspark.worker import MarkovDrafter, Worker, load_drafter, parse_listen
+from helpers import until
 
 # A tiny deterministic model: 1 -> 2 -> 3 -> 4 -> 5 -> 1 ..., with 1 -> 9 as a runner-up.
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20 + [1, 9], order=1, top=2)
@@ -114,13 +115,6 @@ def closed_by_peer(s: socket.socket) -> bool:
         return True
 
 
-def wait_for(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
 
 
 def test_random_bytes_close_that_connection_and_the_worker_serves_on(worker):
@@ -129,7 +123,7 @@ def test_random_bytes_close_that_connection_and_the_worker_serves_on(worker):
     try:
         garbage.sendall(os.urandom(4096))
         assert closed_by_peer(garbage)
-        assert wait_for(lambda: worker.stats.bad_frames == 1)
+        assert until(lambda: worker.stats.bad_frames == 1)
         second = connect(worker, session=11, engine_id=7)  # a second client is served
         assert do_round(second, 1, [wire.Entry(0, 2, 0, (1,), new_gen=True)]).row(0) == [2, 3]
         second.close()
@@ -148,7 +142,7 @@ def test_bad_first_frames_drop_the_connection(worker, frame):
     try:
         s.sendall(frame)
         assert closed_by_peer(s)
-        assert wait_for(lambda: worker.stats.bad_frames == 1)
+        assert until(lambda: worker.stats.bad_frames == 1)
     finally:
         s.close()
 
