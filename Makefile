@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(BIN)/remote-dspark demo
 
 test: $(STAMP)
+	@./scripts/ensure-prometheus
 	$(BIN)/python -m pytest -q
 
 clean:

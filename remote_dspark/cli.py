@@ -16,12 +16,13 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a speculative-decoding drafter on another machine without stalling the engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from . import chaos, config_cli, demo, markov_cli, worker_cli
+    from . import chaos, config_cli, dashboard, demo, markov_cli, worker_cli
     worker_cli.add_parser(sub)
     demo.add_parser(sub)
     chaos.add_parser(sub)
     config_cli.add_parser(sub)
     markov_cli.add_parser(sub)
+    dashboard.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures and ratios measured in one run",
                            description="Benchmarks. Each prints its figures side by side; --json for machines.")

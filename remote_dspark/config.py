@@ -61,6 +61,9 @@ REMOTE_STATS_FILE              /tmp/dsv41-       JSON stats written by rank 0
                                remote-dspark.json
 VLLM_DSPARK_SAMPLED_TOP32      0                 the engine's sampled top-32 switch, carried in
                                                  ``RemoteConfig.sampled_top32``
+REMOTE_METRICS_PORT            0 (off)           serve /metrics on this port (an engine with its
+                                                 own /metrics registers the collector instead)
+REMOTE_METRICS_ADDR            127.0.0.1         the exporter's address; loopback unless set
 =============================  ================  ==============================================
 
 Cross-field rules: ASYNC=1 needs POLICY=capacity and ON_FAIL=target_only; BACKOFF_MAX_MS
@@ -71,6 +74,7 @@ need the depth policy's settings live in :func:`apply_cost_overrides`.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import os
 from dataclasses import dataclass
@@ -147,6 +151,20 @@ def _one_ms(raw: str, name: str) -> float:
     if len(values) != 1:
         raise ValueError(f"{name}={raw!r}: expected one number (ms), got {len(values)}")
     return values[0]
+
+
+def _port(raw: str, name: str) -> int:
+    value = _int(0)(raw, name)
+    if value > 65535:
+        raise ValueError(f"{name}={raw!r}: a TCP port is 0..65535 (0 = off)")
+    return value
+
+
+def _ip(raw: str, name: str) -> str:
+    try:
+        return str(ipaddress.ip_address(raw))
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r}: not an IP address") from e
 
 
 def _text(raw: str, name: str) -> str:
@@ -230,6 +248,8 @@ _VARS: tuple[_Var, ...] = (
     _Var(_P + "LOG_EVERY", "log_every", _int(0), 1024),
     _Var(_P + "STATS_FILE", "stats_file", _text, "/tmp/dsv41-remote-dspark.json"),
     _Var("VLLM_DSPARK_SAMPLED_TOP32", "sampled_top32", _flag, False),
+    _Var(_P + "METRICS_PORT", "metrics_port", _port, 0),
+    _Var(_P + "METRICS_ADDR", "metrics_addr", _ip, "127.0.0.1"),
 )
 
 VARIABLES: tuple[str, ...] = tuple(v.name for v in _VARS)
@@ -269,6 +289,9 @@ class RemoteConfig:
     trip: int = 3
     cooldown: int = 256
     sampled_top32: bool = False
+    # Beyond the reference contract: the standalone Prometheus exporter.
+    metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
 
     @property
     def watchdog_ms(self) -> int:

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import tempfile
+import time
 
 from .progress import Progress
 
@@ -33,6 +34,10 @@ def add_parser(sub) -> None:
     p.add_argument("--respawns", type=int, default=3, help="respawn budget (VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS)")
     p.add_argument("--timeout-ms", type=positive, default=50, help="per-round deadline (default 50)")
     p.add_argument("--row-bytes", type=positive, default=256, help="row bytes per slot (default 256)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus metrics on 127.0.0.1:PORT while the demo runs")
+    p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+                   help="with --metrics-port: keep serving metrics this long after the run")
     p.add_argument("--verbose", action="store_true", help="show the engine's, proxy's and supervisor's log lines")
     p.set_defaults(func=run)
 
@@ -68,10 +73,12 @@ def run(args: argparse.Namespace) -> int:
             # A 2-core laptop: let the idle proxy nap after 1 ms of spinning.
             VLLM_DSPARK_REMOTE_ASYNC_NAP_US=os.environ.get("VLLM_DSPARK_REMOTE_ASYNC_NAP_US", "20"),
             VLLM_DSPARK_REMOTE_STATS_FILE=os.path.join(tmp, "stats.json"),
-            VLLM_DSPARK_REMOTE_LOG_EVERY="0")
+            VLLM_DSPARK_REMOTE_LOG_EVERY="0", VLLM_DSPARK_REMOTE_METRICS_PORT=str(args.metrics_port))
         cfg = RemoteConfig.from_env(env)
         print(f"worker on {cfg.endpoint} (pid {worker.proc.pid}); engine: {args.slots} slots, "
               f"num_spec {args.num_spec}, mode {args.mode}, policy {args.policy}")
+        if cfg.metrics_port:
+            print(f"metrics on http://{cfg.metrics_addr}:{cfg.metrics_port}/metrics")
         sim = SimEngine(args.slots, args.num_spec)
         local = _local_drafter(args.num_spec) if cfg.keeps_local_drafter else None
         with RemoteDSpark(cfg, num_spec=args.num_spec, max_slots=args.slots, row_bytes=args.row_bytes,
@@ -83,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
                     _kill_proxy(rd)
                 engine.step()
                 bar.update(r, _note(rd))
-            stats = rd.stats()
-    print_report(stats, engine)
+            print_report(rd.stats(), engine)
+            if cfg.metrics_port and args.linger:
+                print(f"serving metrics for {args.linger:g} s more (Ctrl-C ends)", flush=True)
+                time.sleep(args.linger)
     return 0
 
 

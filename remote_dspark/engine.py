@@ -22,6 +22,7 @@ torch is imported here (the engine side); nothing the proxy imports imports this
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import json
 import logging
@@ -108,6 +109,7 @@ LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]   # -> (toke
 # --------------------------------------------------------------------------- statistics
 
 LATENCY_BOUNDS_S = tuple(b / 1e9 for b in shm.LATENCY_BOUNDS_NS)
+MARGIN_BOUNDS = tuple(i / 10 for i in range(1, 11))
 
 
 @dataclass
@@ -122,11 +124,13 @@ class EngineStats:
     offered_at: list = field(default_factory=list)
     shadow_agree_at: list = field(default_factory=list)      # shadow: remote == local per position
     shadow_compared_at: list = field(default_factory=list)
-    margin_buckets: list = field(default_factory=lambda: [0] * 11)   # top1-top2 margin, deciles
+    margin_buckets: list = field(default_factory=lambda: [0] * (len(MARGIN_BOUNDS) + 1))
+    margin_sum: float = 0.0
+    drafts: int = 0                                          # entries answered with >= 1 token
+    draft_tokens: int = 0
     resyncs: int = 0
 
     def observe_latency(self, seconds: float) -> None:
-        import bisect
         self.latency_buckets[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
         self.latency_sum_s += seconds
 
@@ -164,6 +168,7 @@ class RemoteDSpark:
         self._closed = False
         self._path: _SyncPath | _AsyncPath | None = None
         self._final_path_stats: dict | None = None
+        self.exporter = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -187,13 +192,23 @@ class RemoteDSpark:
                 self._path = _SyncPath(self)
         self._path.start()
         self._started = True
+        if self.cfg.metrics_port:
+            from .metrics import Exporter
+            self.exporter = Exporter(self, self.cfg.metrics_port, self.cfg.metrics_addr)
         return self
+
+    def register_metrics(self, registry) -> None:
+        """Add this engine's metrics to ``registry`` (an engine that serves /metrics)."""
+        from .metrics import RemoteDSparkCollector
+        registry.register(RemoteDSparkCollector(self))
 
     def close(self) -> None:
         """Stop the proxy and the watchdog, write the final stats file. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.exporter is not None:
+            self.exporter.close()
         if self._path is not None:
             self._final_path_stats = self._path.stats()   # the region goes with the path
             self._path.close()
@@ -257,6 +272,9 @@ class RemoteDSpark:
         st.rounds[remote.outcome] += 1
         st.resyncs += len(remote.resync)
         ok = remote.outcome == "ok"
+        if ok:
+            st.drafts += int((remote.counts > 0).sum())
+            st.draft_tokens += int(remote.counts.sum())
         if policy == "shadow":
             if ok:
                 self._compare(local, remote)
@@ -290,9 +308,10 @@ class RemoteDSpark:
             st.shadow_agree_at[pos] += int((same[:, pos] & live).sum())
         if remote.margins is not None:
             live = torch.arange(self.num_spec).unsqueeze(0) < remote.counts.unsqueeze(1)
-            deciles = (remote.margins[live].clamp(0, 1) * 10).to(torch.int64)
-            for d, c in zip(*torch.unique(deciles, return_counts=True)):
-                st.margin_buckets[int(d)] += int(c)
+            margins = remote.margins[live]
+            for m in margins.tolist():
+                st.margin_buckets[bisect.bisect_left(MARGIN_BOUNDS, m)] += 1
+            st.margin_sum += float(margins.sum())
 
     def record_accepted(self, accepted: Sequence[int], offered: Sequence[int]) -> None:
         """The engine reports how many drafts it accepted (and was offered) per position."""
@@ -309,11 +328,13 @@ class RemoteDSpark:
             "mode": self.mode, "policy": self.cfg.policy,
             "rounds": {k: st.rounds[k] for k in OUTCOMES} | {"total": sum(st.rounds.values())},
             "sources": dict(st.sources),
-            "round_latency": {"bounds_s": list(LATENCY_BOUNDS_S), "buckets": list(st.latency_buckets),
-                              "sum_s": st.latency_sum_s},
+            "round_latency": {"bounds": list(LATENCY_BOUNDS_S), "buckets": list(st.latency_buckets),
+                              "sum": st.latency_sum_s},
+            "drafts": st.drafts, "draft_tokens": st.draft_tokens,
             "accepted_at": list(st.accepted_at), "offered_at": list(st.offered_at),
             "shadow_agree_at": list(st.shadow_agree_at), "shadow_compared_at": list(st.shadow_compared_at),
-            "margin_deciles": list(st.margin_buckets), "resyncs": st.resyncs,
+            "margin": {"bounds": list(MARGIN_BOUNDS), "buckets": list(st.margin_buckets), "sum": st.margin_sum},
+            "resyncs": st.resyncs,
         }
         if self._final_path_stats is not None:
             out.update(self._final_path_stats)
@@ -568,7 +589,10 @@ class _AsyncPath:
         if self.supervisor is not None:
             s = self.supervisor.stats()
             out["supervisor"] = {"state": s.state, "pid": s.pid, "spawns": s.spawns, "restarts": s.restarts,
-                                 "budget_left": s.budget_left, "budget_restored": s.budget_restored}
+                                 "budget_left": s.budget_left, "budget_restored": s.budget_restored,
+                                 "proxy_rss_bytes": s.proxy_rss_bytes, "proxy_cpu_seconds": s.proxy_cpu_seconds}
+        if self._thread is not None:
+            out["proxy_thread_alive"] = self._thread.is_alive()
         return out
 
     def close(self) -> None:
@@ -584,4 +608,5 @@ class _AsyncPath:
 
 
 def _hist(h: shm.Histogram) -> dict:
-    return {"bounds_s": [b / 1e9 for b in h.bounds_ns], "buckets": list(h.buckets), "sum_s": h.sum_ns / 1e9}
+    """A region histogram in seconds: bounds, per-bucket counts (last: +Inf), sum."""
+    return {"bounds": [b / 1e9 for b in h.bounds_ns], "buckets": list(h.buckets), "sum": h.sum_ns / 1e9}

@@ -102,6 +102,8 @@ class SupervisorStats:
     restarts: dict[str, int]     # by cause
     budget_left: int
     budget_restored: int
+    proxy_rss_bytes: int         # the live proxy's resident memory (0 when none)
+    proxy_cpu_seconds: float     # CPU time of every proxy so far, the live one included
 
 
 class Supervisor:
@@ -129,6 +131,7 @@ class Supervisor:
         self.state: Lifecycle = Down(Cause.EXIT, clock())
         self.restarts: Counter[Cause] = Counter()
         self.spawns = 0
+        self.dead_cpu_s = 0.0                   # CPU seconds of the proxies that have exited
         self._proc: subprocess.Popen | None = None
         self._pidfd = -1
         self._kill_cause: Cause | None = None   # why the supervisor itself killed the proxy
@@ -168,10 +171,11 @@ class Supervisor:
 
     def stats(self) -> SupervisorStats:
         state = self.state
+        rss, cpu = _process_facts(getattr(state, "pid", None))
         return SupervisorStats(type(state).__name__.lower(), getattr(state, "pid", None),
                                getattr(state, "session", None), self.spawns,
                                {c.value: self.restarts[c] for c in Cause}, self.budget.left,
-                               self.budget.restored)
+                               self.budget.restored, rss, self.dead_cpu_s + cpu)
 
     # ------------------------------------------------------------------ internals
 
@@ -214,7 +218,11 @@ class Supervisor:
 
     def _reap_and_decide(self) -> None:
         proc = self._proc
-        returncode = proc.wait()   # the pidfd is readable: this does not block
+        # The pidfd is readable: this does not block. wait4 rather than Popen.wait, for
+        # the dead proxy's final CPU time (kept, so the exported counter never drops).
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = returncode = os.waitstatus_to_exitcode(status)
+        self.dead_cpu_s += usage.ru_utime + usage.ru_stime
         self._close_pidfd()
         self._proc = None
         cause = self._kill_cause or (Cause.SIGNAL if returncode < 0 else Cause.EXIT)
@@ -266,6 +274,20 @@ def spawn_proxy(fd: int, *, engine_id: int, env: Mapping[str, str]) -> subproces
         [sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(fd),
          "--engine-id", f"{engine_id:x}", "--parent", str(os.getpid())],
         pass_fds=(fd,), env=dict(env), stdin=subprocess.DEVNULL, close_fds=True)
+
+
+def _process_facts(pid: int | None) -> tuple[int, float]:
+    """(resident bytes, CPU seconds) of a live proxy; (0, 0.0) when there is none."""
+    if pid is None:
+        return 0, 0.0
+    import psutil   # engine side only; the proxy never imports the supervisor
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            t = p.cpu_times()
+            return p.memory_info().rss, t.user + t.system
+    except psutil.Error:
+        return 0, 0.0
 
 
 def _signal(proc: subprocess.Popen | None, sig: int) -> None:

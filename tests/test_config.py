@@ -48,11 +48,30 @@ REFERENCE_FIELDS = [
     ("fused_gather", None), ("n_out", "auto"), ("trip", 3), ("cooldown", 256),
     ("sampled_top32", False),
 ]
+# This project's additions, after the reference's fields and with defaults, so code
+# written against the reference keeps working.
+ADDED_FIELDS = [("metrics_port", 0), ("metrics_addr", "127.0.0.1")]
 
 
 def test_dataclass_fields_and_defaults_match_reference():
     got = [(f.name, f.default) for f in dataclasses.fields(RemoteConfig)]
-    assert got == REFERENCE_FIELDS
+    assert got == REFERENCE_FIELDS + ADDED_FIELDS
+
+
+@pytest.mark.parametrize("var,raw,why", [
+    ("METRICS_PORT", "70000", "0..65535"), ("METRICS_PORT", "-1", "must be >= 0"),
+    ("METRICS_PORT", "http", "not an integer"), ("METRICS_ADDR", "localhost", "not an IP address"),
+])
+def test_metrics_exporter_variables(var, raw, why):
+    with pytest.raises(ValueError) as e:
+        cfg_of(**{var: raw})
+    assert P + var in str(e.value) and repr(raw) in str(e.value) and why in str(e.value)
+
+
+def test_metrics_exporter_defaults_off_and_loopback():
+    cfg = cfg_of()
+    assert (cfg.metrics_port, cfg.metrics_addr) == (0, "127.0.0.1")
+    assert cfg_of(METRICS_PORT="9464", METRICS_ADDR="::1").metrics_addr == "::1"
 
 
 def test_public_constants():

@@ -131,7 +131,7 @@ def test_shadow_uses_local_and_records_agreement_and_margins(worker, tmp_path):
         assert out.source == "local" and out.tokens[:, 0].tolist() == [2, 4]
         st = rd.stats()
         assert st["shadow_compared_at"] == [2, 2, 2] and st["shadow_agree_at"] == [2, 0, 0]
-        assert sum(st["margin_deciles"]) == 6      # WANT_MARGIN defaults to 1 in shadow
+        assert sum(st["margin"]["buckets"]) == 6    # WANT_MARGIN defaults to 1 in shadow
 
 
 def test_shadow_use_remote(worker, tmp_path):

@@ -1,0 +1,155 @@
+"""Prometheus metrics: a collector read at scrape time, and a loopback exporter.
+
+Why a custom collector and not prometheus_client's multiprocess mode: multiprocess
+mode keeps a file per pid for ever, and a proxy that respawns all day would pile them
+up; and the proxy must not import prometheus_client at all. Here the proxy only adds to
+counters in the shared region (C atomics); the engine's collector reads them, with the
+engine's own counters and the supervisor's state, when Prometheus scrapes. The region
+outlives every proxy, so its counters are monotonic across respawns; the one per-process
+fact that is not (CPU time) is carried by the supervisor from each dead proxy's rusage.
+
+Every number comes from :meth:`RemoteDSpark.stats`, the same dict the JSON stats file
+and the ``LOG_EVERY`` line show, so the three never disagree.
+
+Names: prefix ``dspark_remote_``, base units (seconds, bytes), ``_total`` on counters,
+labels of low cardinality (outcome, cause, state, position < num_spec).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "dspark_remote_"
+OUTCOMES = ("ok", "timeout", "error", "breaker_skip", "no_proxy", "watchdog", "orphan", "late")
+BREAKER_STATES = ("closed", "open", "probing")
+CAUSES = ("exit", "signal", "stall")
+
+
+def _counter(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
+
+
+def _gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
+
+
+def _histogram(name: str, doc: str, hist: dict) -> HistogramMetricFamily:
+    """From a non-cumulative ``{"bounds", "buckets" (last: +Inf), "sum"}``."""
+    fam = HistogramMetricFamily(PREFIX + name, doc)
+    running, buckets = 0, []
+    for bound, count in zip(list(hist["bounds"]) + [float("inf")], hist["buckets"]):
+        running += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+    fam.add_metric([], buckets, hist["sum"])
+    return fam
+
+
+class RemoteDSparkCollector(Collector):
+    """Reads ``rd.stats()`` at every scrape. Register it in the engine's registry."""
+
+    def __init__(self, rd):
+        self.rd = rd
+
+    def describe(self):
+        return []   # families are known only from a live engine; skip the register-time collect
+
+    def collect(self) -> Iterator:
+        rd = self.rd
+        s = rd.stats()
+        cfg = rd.cfg
+        info = InfoMetricFamily(PREFIX[:-1], "Remote drafter configuration: policy, mode, endpoint and identities.")
+        info.add_metric([], {"policy": cfg.policy, "mode": s["mode"], "endpoint": str(cfg.endpoint),
+                             "drafter_identity": cfg.drafter_identity.hex(),
+                             "markov_identity": cfg.markov_identity.hex()})
+        yield info
+
+        rounds = _counter("rounds", "Drafting rounds by outcome. late: a proxy reply that came after the "
+                          "watchdog had answered its round (that round is also counted as watchdog).",
+                          labels=("outcome",))
+        for outcome in OUTCOMES:
+            rounds.add_metric([outcome], s.get("late", 0) if outcome == "late" else s["rounds"][outcome])
+        yield rounds
+        yield _counter("attempts", "Rounds sent to the remote drafter (the breaker and back-off send none).",
+                       s.get("attempts", 0))
+        yield _histogram("round_latency_seconds", "Engine-side time of a round, hand-off and network included.",
+                         s["round_latency"])
+        if "handoff_latency" in s:
+            yield _histogram("handoff_latency_seconds", "From the engine's store of gathered to the proxy "
+                             "seeing the round.", s["handoff_latency"])
+        yield _counter("drafts", "Entries the remote drafter answered with at least one token.", s["drafts"])
+        yield _counter("draft_tokens", "Draft tokens returned by the remote drafter.", s["draft_tokens"])
+        yield _counter("resyncs", "Slots the worker asked to have re-announced (NEW_GEN).", s["resyncs"])
+
+        accepted = _counter("accepted_tokens_by_position", "Draft tokens the engine accepted, by draft position.",
+                            labels=("position",))
+        offered = _counter("offered_tokens_by_position", "Draft tokens the engine verified, by draft position.",
+                           labels=("position",))
+        agree = _counter("shadow_agree", "Shadow: positions where the remote draft equals the local one.",
+                         labels=("position",))
+        compared = _counter("shadow_compared", "Shadow: positions where both drafters drafted.",
+                            labels=("position",))
+        for i in range(len(s["accepted_at"])):
+            accepted.add_metric([str(i)], s["accepted_at"][i])
+            offered.add_metric([str(i)], s["offered_at"][i])
+            agree.add_metric([str(i)], s["shadow_agree_at"][i])
+            compared.add_metric([str(i)], s["shadow_compared_at"][i])
+        yield _counter("accepted_tokens", "Draft tokens the engine accepted.", sum(s["accepted_at"]))
+        yield from (accepted, offered, agree, compared)
+        yield _histogram("margin_ratio", "Top1-top2 probability margin of the remote drafts (shadow).", s["margin"])
+
+        breaker = s.get("breaker", {"state": 0, "trips": 0, "probes": 0})
+        state = _gauge("breaker_state", "1 for the breaker's current state, 0 for the others.", labels=("state",))
+        for i, name in enumerate(BREAKER_STATES):
+            state.add_metric([name], 1.0 if breaker["state"] == i else 0.0)
+        yield state
+        yield _counter("breaker_trips", "Times the breaker opened.", breaker["trips"])
+        yield _counter("breaker_probes", "Probe rounds sent after a cooldown.", breaker["probes"])
+        yield _counter("reconnects", "Connections to the worker made after the first.", s.get("reconnects", 0))
+
+        if "session" in s:
+            yield _gauge("session_id", "Low 32 bits of the current proxy session (changes on every new proxy).",
+                         s["session"] & 0xFFFFFFFF)
+        sup = s.get("supervisor")
+        if s["mode"] != "sync":
+            up = (sup["state"] == "up") if sup else s.get("proxy_thread_alive", False)
+            yield _gauge("proxy_up", "1 while a proxy (process or thread) is serving rounds.", 1.0 if up else 0.0)
+        if sup:
+            restarts = _counter("proxy_restarts", "Proxies lost, by cause: exit, signal, stall (killed by the "
+                                "supervisor).", labels=("cause",))
+            for cause in CAUSES:
+                restarts.add_metric([cause], sup["restarts"][cause])
+            yield restarts
+            yield _gauge("respawn_budget_left", "New proxies the supervisor may still start.", sup["budget_left"])
+            yield _counter("respawn_budget_restores", "Times a proxy served RESPAWN_RESET_S and the full "
+                           "budget came back.", sup["budget_restored"])
+            yield _gauge("proxy_resident_memory_bytes", "Resident memory of the live proxy process.",
+                         sup["proxy_rss_bytes"])
+            yield _counter("proxy_cpu_seconds", "CPU time of all proxy processes so far.", sup["proxy_cpu_seconds"])
+
+
+class Exporter:
+    """``/metrics`` for an engine that serves none: a registry of its own, on loopback
+    unless told otherwise. ``close()`` stops it (idempotent)."""
+
+    def __init__(self, rd, port: int, addr: str = "127.0.0.1"):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(RemoteDSparkCollector(rd))
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as e:
+            raise ValueError(f"VLLM_DSPARK_REMOTE_METRICS_PORT={port} on {addr}: {e.strerror}") from e
+        self.port = self._server.server_port
+        self.addr = addr
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(5.0)

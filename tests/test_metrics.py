@@ -1,0 +1,248 @@
+"""Metrics: the exposition after known rounds and respawns, promtool, the dashboard's
+queries, and a real Prometheus server scraping the demo engine on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import urllib.parse
+import urllib.request
+
+import pytest
+from helpers import until
+from prometheus_client.parser import text_string_to_metric_families
+
+from remote_dspark import dashboard
+from remote_dspark.config import RemoteConfig
+from remote_dspark.engine import RemoteDSpark
+from remote_dspark.harness import DemoEngine, WorkerProcess
+from remote_dspark.metrics import Exporter
+from remote_dspark.sim import SimEngine
+
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+NEED_TOOLS = "promtool and prometheus come with Debian's 'prometheus' package (scripts/ensure-prometheus)"
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with WorkerProcess() as w:
+        yield w
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env(worker, **kw):
+    settings = dict(VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC="1",
+                    VLLM_DSPARK_REMOTE_ASYNC_PROXY="process", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+                    VLLM_DSPARK_REMOTE_STATS_FILE="", VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+                    VLLM_DSPARK_REMOTE_METRICS_PORT=str(free_port()))
+    settings.update(kw)
+    return worker.env(**settings)
+
+
+def scrape(rd) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{rd.exporter.port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def samples(text: str) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(text: str, name: str, **labels) -> float:
+    return samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+def kill_proxy(rd):
+    sup = rd._path.supervisor
+    pid = sup.up.pid
+    os.kill(pid, signal.SIGKILL)
+    assert until(lambda: sup.up is not None and sup.up.pid != pid)
+
+
+@pytest.fixture(scope="module")
+def run(worker):
+    """One engine: 40 rounds, a proxy SIGKILLed, 40 more; scrapes before and after."""
+    env = engine_env(worker)
+    rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env).start()
+    engine = DemoEngine(rd, SimEngine(8, 4))
+    try:
+        for _ in range(40):
+            engine.step()
+        before = scrape(rd)
+        kill_proxy(rd)
+        for _ in range(40):
+            engine.step()
+        assert until(lambda: engine.step().outcome == "ok")
+        yield rd, before, scrape(rd)
+    finally:
+        rd.close()
+
+
+def test_exposition_counts_the_rounds_and_the_respawn(run):
+    rd, before, after = run
+    st = rd.stats()
+    for outcome in ("ok", "no_proxy", "watchdog", "timeout", "error"):
+        assert value(after, "dspark_remote_rounds_total", outcome=outcome) == st["rounds"][outcome]
+    assert value(before, "dspark_remote_rounds_total", outcome="ok") == 40
+    assert value(after, "dspark_remote_proxy_restarts_total", cause="signal") == 1
+    assert value(after, "dspark_remote_proxy_restarts_total", cause="stall") == 0
+    assert value(after, "dspark_remote_respawn_budget_left") == 2
+    assert value(after, "dspark_remote_proxy_up") == 1
+    assert value(after, "dspark_remote_breaker_state", state="closed") == 1
+    assert value(after, "dspark_remote_breaker_state", state="open") == 0
+    assert value(after, "dspark_remote_round_latency_seconds_count") == st["rounds"]["total"]
+    assert value(after, "dspark_remote_draft_tokens_total") == st["draft_tokens"] > 0
+    assert value(after, "dspark_remote_accepted_tokens_total") == sum(st["accepted_at"]) > 0
+    info = [k for k in samples(after) if k[0] == "dspark_remote_info"][0]
+    assert dict(info[1])["mode"] == "process" and dict(info[1])["policy"] == "capacity"
+
+
+def test_counters_stay_monotonic_across_the_respawn(run):
+    _, before, after = run
+    b, a = samples(before), samples(after)
+    counters = [k for k in b if k[0].endswith(("_total", "_count", "_bucket", "_sum"))]
+    assert len(counters) > 30
+    assert [k for k in counters if a[k] < b[k]] == []
+    assert a[("dspark_remote_attempts_total", ())] > b[("dspark_remote_attempts_total", ())]
+    # The dead proxy's CPU time is carried: the total never drops with the new process.
+    assert a[("dspark_remote_proxy_cpu_seconds_total", ())] >= b[("dspark_remote_proxy_cpu_seconds_total", ())] > 0
+
+
+def test_exporter_listens_on_loopback_only(run):
+    rd = run[0]
+    assert rd.exporter.addr == "127.0.0.1"
+
+
+def test_exporter_port_in_use_is_a_clear_error(run):
+    rd = run[0]
+    with pytest.raises(ValueError, match=f"VLLM_DSPARK_REMOTE_METRICS_PORT={rd.exporter.port}"):
+        Exporter(rd, rd.exporter.port)
+
+
+def test_stats_file_and_exposition_show_the_same_numbers(worker, tmp_path):
+    env = engine_env(worker, VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "s.json"))
+    with RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env) as rd:
+        engine = DemoEngine(rd, SimEngine(8, 4))
+        for _ in range(10):
+            engine.step()
+        text = scrape(rd)
+        rd._write_stats_file()
+        on_disk = json.loads((tmp_path / "s.json").read_text())
+        assert value(text, "dspark_remote_rounds_total", outcome="ok") == on_disk["rounds"]["ok"] == 10
+        assert value(text, "dspark_remote_draft_tokens_total") == on_disk["draft_tokens"]
+
+
+def test_promtool_accepts_the_exposition(run, tmp_path):
+    assert PROMTOOL, NEED_TOOLS
+    out = subprocess.run([PROMTOOL, "check", "metrics"], input=run[2], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "" and out.stderr.strip() == "", out.stdout + out.stderr
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+def rate_window(expr: str, window: str = "1m") -> str:
+    return expr.replace("$__rate_interval", window)
+
+
+def test_dashboard_is_valid_grafana_json():
+    d = json.loads(dashboard.text())
+    assert d["title"] and d["uid"] and isinstance(d["schemaVersion"], int)
+    var = d["templating"]["list"][0]
+    assert (var["name"], var["type"], var["query"]) == ("datasource", "datasource", "prometheus")
+    assert len(d["panels"]) >= 8 and len({p["id"] for p in d["panels"]}) == len(d["panels"])
+    for p in d["panels"]:
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"] and set(p["gridPos"]) == {"x", "y", "w", "h"}
+
+
+def test_dashboard_queries_pass_promtool(tmp_path):
+    assert PROMTOOL, NEED_TOOLS
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": rate_window(e)} for i, e in enumerate(dashboard.queries())]}]}
+    path = tmp_path / "rules.json"   # JSON is YAML
+    path.write_text(json.dumps(rules))
+    out = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_metric_the_dashboard_names_is_exposed(run):
+    import re
+    exposed = {k[0] for k in samples(run[2])}
+    named = {m for e in dashboard.queries() for m in re.findall(r"dspark_remote_[a-z_]+", e)}
+    assert named and sorted(named - exposed) == []
+
+
+def test_dashboard_command_prints_it(capsys):
+    from remote_dspark.cli import main
+    assert main(["dashboard"]) == 0
+    assert json.loads(capsys.readouterr().out)["uid"] == "remote-dspark"
+
+
+# --------------------------------------------------------------------------- real Prometheus
+
+
+def prom_query(port: int, expr: str) -> list:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def test_real_prometheus_scrapes_the_engine(worker, tmp_path):
+    assert PROMETHEUS, NEED_TOOLS
+    env = engine_env(worker)
+    rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env).start()
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(json.dumps({
+        "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "engine", "static_configs": [
+            {"targets": [f"127.0.0.1:{rd.exporter.port}"]}]}]}))
+    log = open(tmp_path / "prometheus.log", "w")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    engine = DemoEngine(rd, SimEngine(8, 4))
+    try:
+        def scraped(expr, want):
+            try:
+                r = prom_query(port, expr)
+            except OSError:
+                return False
+            return bool(r) and float(r[0]["value"][1]) >= want
+        for _ in range(30):
+            engine.step()
+        assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', 30), timeout=30), \
+            (tmp_path / "prometheus.log").read_text()[-2000:]
+        kill_proxy(rd)
+        for _ in range(30):
+            engine.step()
+        ok = rd.stats()["rounds"]["ok"]
+        assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', ok), timeout=30)
+        assert until(lambda: scraped('dspark_remote_proxy_restarts_total{cause="signal"}', 1), timeout=30)
+        # Every dashboard query returns data from this run.
+        assert until(lambda: all(prom_query(port, rate_window(e, "5s")) for e in dashboard.queries()), timeout=30), \
+            [e for e in dashboard.queries() if not prom_query(port, rate_window(e, "5s"))]
+    finally:
+        prom.terminate()
+        try:
+            prom.wait(10)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+            prom.wait()
+        log.close()
+        rd.close()
