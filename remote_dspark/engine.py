@@ -103,6 +103,17 @@ class Drafts:
     resync_all: bool = False             # a new proxy/connection: re-announce every slot
 
 
+@dataclass
+class Launched:
+    """A round enqueued on the stream (see ``RemoteDSpark.launch``)."""
+
+    round: int                           # 0: not sent (no proxy up): zero drafts
+    tokens: torch.Tensor                 # [n, num_spec] int32 on the device; zero past counts
+    counts: torch.Tensor                 # [n] int32 on the device
+    resync: tuple[int, ...] = ()         # slots lost by the worker in earlier rounds
+    resync_all: bool = False
+
+
 LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]   # -> (tokens [n, k], counts [n])
 
 
@@ -134,6 +145,14 @@ class EngineStats:
         self.latency_buckets[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
         self.latency_sum_s += seconds
 
+    def record(self, outcome: str, counts: Sequence[int], resyncs: int) -> None:
+        """One remote round's outcome and, when it is ok, the drafts it brought."""
+        self.rounds[outcome] += 1
+        self.resyncs += resyncs
+        if outcome == "ok":
+            self.drafts += sum(1 for c in counts if c)
+            self.draft_tokens += sum(counts)
+
 
 # --------------------------------------------------------------------------- the facade
 
@@ -148,9 +167,8 @@ class RemoteDSpark:
                  engine_id: int | None = None, depth: int = DEPTH):
         if cfg.keeps_local_drafter and local_drafter is None:
             raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
-        if device != "cpu":
-            raise ValueError(f"device={device!r}: this build runs rounds on the CPU "
-                             "(the CUDA stream hand-off is not built yet)")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
         self.cfg = cfg
         self.num_spec = num_spec
         self.max_slots = max_slots
@@ -160,6 +178,7 @@ class RemoteDSpark:
         self.environ = dict(os.environ if environ is None else environ)
         self.engine_id = engine_id if engine_id is not None else int.from_bytes(os.urandom(8), "little")
         self.depth = depth
+        self.device = device
         self.mode = ("process" if cfg.async_proxy == "process" else "thread") if cfg.async_mode else "sync"
         self.stats_ = EngineStats(accepted_at=[0] * num_spec, offered_at=[0] * num_spec,
                                   shadow_agree_at=[0] * num_spec, shadow_compared_at=[0] * num_spec)
@@ -244,14 +263,20 @@ class RemoteDSpark:
             return self.num_spec
         return t[min(n, len(t) - 1)]
 
-    def gather_rows(self, batch: Batch) -> torch.Tensor:
-        """The batch's rows, [n, row_bytes] uint8 (the torch path: index_select)."""
+    def check_rows(self, batch: Batch) -> None:
+        """Raises ValueError unless each row of ``batch.rows`` is ``row_bytes`` bytes."""
         rows = batch.rows
         per_row = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
         if per_row != self.row_bytes:
             raise ValueError(f"rows of {per_row} bytes, RemoteDSpark was built for row_bytes={self.row_bytes}")
-        picked = rows.index_select(0, batch.row_index.to(rows.device))
-        return picked.contiguous().view(torch.uint8).reshape(len(batch), self.row_bytes)
+        if len(batch.row_index) != len(batch):
+            raise ValueError(f"{len(batch.row_index)} row indices for {len(batch)} slots")
+
+    def gather_rows(self, batch: Batch) -> torch.Tensor:
+        """The batch's rows, [n, row_bytes] uint8 (the torch path: index_select)."""
+        self.check_rows(batch)
+        from .gather import as_bytes
+        return as_bytes(batch.rows).index_select(0, batch.row_index.to(batch.rows.device))
 
     def round(self, batch: Batch) -> Drafts:
         """Draft for ``batch`` under the policy.
@@ -269,12 +294,8 @@ class RemoteDSpark:
         remote = self._path.round(self._round_id, batch, self.entries(batch))
         st = self.stats_
         st.observe_latency(time.monotonic() - t0)
-        st.rounds[remote.outcome] += 1
-        st.resyncs += len(remote.resync)
+        st.record(remote.outcome, remote.counts.tolist(), len(remote.resync))
         ok = remote.outcome == "ok"
-        if ok:
-            st.drafts += int((remote.counts > 0).sum())
-            st.draft_tokens += int(remote.counts.sum())
         if policy == "shadow":
             if ok:
                 self._compare(local, remote)
@@ -289,6 +310,19 @@ class RemoteDSpark:
         st.sources[out.source] += 1
         self._maybe_log()
         return out
+
+    def launch(self, batch: Batch) -> "Launched":
+        """Capacity, asynchronous, on CUDA: enqueue the round on the current stream and
+        return at once. ``tokens`` / ``counts`` are device tensors valid in stream order
+        (after the stream's wait for the round's release); the CPU never waits for the
+        network. The round's outcome is counted once it is released, at a later launch
+        or ``stats()``; slots the worker lost come back in a later ``Launched.resync``.
+        """
+        if not self._started or self._closed:
+            raise RuntimeError("RemoteDSpark.launch() before start() or after close()")
+        if self.mode == "sync" or self.device != "cuda":
+            raise RuntimeError("launch() is for asynchronous rounds on CUDA; use round()")
+        return self._path.launch(batch, self.entries(batch))
 
     def _local_drafts(self, local, remote: Drafts) -> Drafts:
         tokens, counts = local
@@ -453,7 +487,13 @@ class _SyncPath:
 class _AsyncPath:
     """``ASYNC=1``: rounds through the shared region, answered by a proxy thread or a
     supervised proxy process. Building it is the self-test: the native library loads,
-    the region maps, the watchdog starts."""
+    the region maps, the watchdog starts, and on CUDA the region registers and the
+    stream's hand-off answers a probe.
+
+    While no proxy is up (process mode) a round does not touch the ring: the engine
+    thread answers it at once with zero drafts. Rounds already handed over when a proxy
+    is lost are answered by the supervisor's thread (``_on_change``).
+    """
 
     def __init__(self, rd: RemoteDSpark):
         self.rd = rd
@@ -461,19 +501,32 @@ class _AsyncPath:
         self.lib = native.load(rd.environ)
         max_tokens = rd.max_slots * (CONTEXT_TOKENS + rd.num_spec + 1)
         self.region = shm.Region.create(shm.Layout(rd.depth, rd.max_slots, rd.row_bytes, rd.num_spec, max_tokens))
+        lay = self.region.layout
         try:
             self.end = ring.EngineEnd(self.region, self.lib)
-            # Process mode: the proxy answers within microseconds, so the engine thread
-            # keeps its GIL for the first 50 us of the wait and, in the common case, never
-            # hands it to another engine thread mid-round (docs/handoff.md). Thread mode
-            # must release it at once: its proxy needs the GIL to answer.
-            self.sync = streamsync.HostFlagSync(self.region, self.lib, spin_us=cfg.async_spin_us,
-                                                nap_us=cfg.async_nap_us,
-                                                hold_gil_us=HOLD_GIL_US if rd.mode == "process" else 0)
             self.watchdog = self.end.start_watchdog(cfg.watchdog_ms)
-            self._staging = [torch.frombuffer(self.end.staging(i), dtype=torch.uint8).view(rd.max_slots, rd.row_bytes)
-                             for i in range(rd.depth)]
+            # Process mode on the CPU: the proxy answers within microseconds, so the
+            # engine thread keeps its GIL for the first 50 us of the wait and, in the
+            # common case, never hands it to another engine thread mid-round
+            # (docs/handoff.md). Thread mode must release it at once: its proxy needs it.
+            self.sync = streamsync.HostFlagSync(
+                self.region, self.lib, backend=rd.device, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us,
+                hold_gil_us=HOLD_GIL_US if rd.mode == "process" and rd.device == "cpu" else 0)
+            if rd.device == "cuda":
+                view = self.sync.backend.device_view
+                self._staging = [view(lay.staging(i), (rd.max_slots, rd.row_bytes), torch.uint8)
+                                 for i in range(rd.depth)]
+                self._tokens = [view(lay.drafts(i) + lay.d_tokens, (rd.max_slots, rd.num_spec), torch.int32)
+                                for i in range(rd.depth)]
+                self._counts = [view(lay.drafts(i) + shm.D_COUNTS, (rd.max_slots,), torch.int32)
+                                for i in range(rd.depth)]
+            else:
+                self._staging = [torch.frombuffer(self.end.staging(i), dtype=torch.uint8).view(
+                    rd.max_slots, rd.row_bytes) for i in range(rd.depth)]
+            from .gather import choose
+            self._gather = choose(cfg.fused_gather, rd.device)
         except BaseException:
+            self._staging = self._tokens = self._counts = []
             self.region.close()
             raise
         self.supervisor: Supervisor | None = None
@@ -481,9 +534,14 @@ class _AsyncPath:
         self._stop = threading.Event()
         self._switch_interval: float | None = None
         self._resync_all = False
+        self._resync: set[int] = set()    # CUDA: slots lost in rounds collected since the last launch
+        self._pending: list[tuple[int, Sequence[int]]] = []   # CUDA: launched, not yet collected
         self._watchdog_run = 0            # watchdog releases in a row (stall detection)
         self._last_session = 0
-        self.max_wait_s = 0.0             # longest hand-off wait of the engine thread
+        self.max_wait_s = 0.0             # longest hand-off wait of the engine thread (CPU)
+
+    _tokens: list = []
+    _counts: list = []
 
     # ------------------------------------------------------------------ proxies
 
@@ -518,16 +576,25 @@ class _AsyncPath:
         """From the supervisor's thread. A lost proxy's rounds are answered at once."""
         if isinstance(state, (Down, Spent)):
             self.end.release_orphans()
-            self._release_pending()
+            self._drain(time.monotonic() + self.rd.cfg.watchdog_ms / 1000.0)
         elif isinstance(state, Up):
             self._watchdog_run = 0
             self._resync_all = self._last_session != 0
             self._last_session = state.session
 
-    def _release_pending(self) -> None:
-        gathered = self.end.gathered()
+    def _drain(self, deadline: float) -> None:
+        """Answer (no proxy) every round handed over so far, each once its stream has
+        gathered it, until ``deadline``. Rounds not gathered by then are the watchdog's.
+        Only gathered rounds are answered: the stream has finished with the drafts slot
+        such a round reuses."""
+        last = self.end.last
         r = ring.seq_add(self.end.released(), 1)
-        while ring.seq_geq(gathered, r):
+        while ring.seq_geq(last, r):
+            left = deadline - time.monotonic()
+            rc = self.lib.wait_geq(self.region.addr(self.region.layout.gathered), r, 100, 100,
+                                   native.deadline_ns(max(left, 0.0)))
+            if rc != native.Status.OK:
+                return
             self.end.release_no_proxy(r)
             r = ring.seq_add(r, 1)
 
@@ -548,21 +615,40 @@ class _AsyncPath:
 
     # ------------------------------------------------------------------ rounds
 
+    def _no_proxy(self) -> bool:
+        if self.supervisor is not None and self.supervisor.up is None:
+            self.end.counters.add("no_proxy_rounds")
+            return True
+        return False
+
+    def _hand_over(self, batch: Batch, entries: list[wire.Entry]) -> int:
+        """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
+        the stream (or, on the CPU, this thread) wait for ``released``: the round id."""
+        rd, cfg = self.rd, self.rd.cfg
+        r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (rd.depth + 1))
+        self._collect()
+        self.end.write_descriptor(r, entries, deadline_ms=cfg.timeout_ms)
+        rd.check_rows(batch)
+        self._gather(batch.rows, batch.row_index.to(batch.rows.device), self._staging[r & (rd.depth - 1)])
+        self.sync.signal(r)
+        return r
+
     def round(self, round_id_unused: int, batch: Batch, entries: list[wire.Entry]) -> Drafts:
+        """The CPU stand-in: this thread waits for the release (the watchdog bounds it)."""
         rd, cfg = self.rd, self.rd.cfg
         n = len(batch)
-        r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (rd.depth + 1))
-        self.end.write_descriptor(r, entries, deadline_ms=cfg.timeout_ms)
-        if n:
-            self._staging[r & (rd.depth - 1)][:n].copy_(rd.gather_rows(batch))
+        if self._no_proxy():
+            return _empty(n, rd.num_spec, "no_proxy", cfg.want_margin)
         t0 = time.monotonic()
-        self.sync.signal(r)
-        if self.supervisor is not None and self.supervisor.up is None:
-            self.end.release_no_proxy(r)   # no proxy: target-only, released at once
-        # The watchdog releases every round within watchdog_ms; far past that the ring is broken.
-        limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0
-        if not self.sync.wait(r, limit_s):
-            raise RuntimeError(f"round {r} was not released within {limit_s:.3f} s (watchdog {cfg.watchdog_ms} ms)")
+        r = self._hand_over(batch, entries)
+        if rd.device == "cuda":
+            self.sync.wait(r, 0)
+            torch.cuda.current_stream().synchronize()
+        else:
+            limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0   # far past the watchdog: a broken ring
+            if not self.sync.wait(r, limit_s):
+                raise RuntimeError(f"round {r} was not released within {limit_s:.3f} s "
+                                   f"(watchdog {cfg.watchdog_ms} ms)")
         self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
         d = self.end.drafts(r)
         outcome = _FROM_RING[d.outcome]
@@ -573,6 +659,35 @@ class _AsyncPath:
             self._resync_all = False
             out.resync_all = True
         return out
+
+    def launch(self, batch: Batch, entries: list[wire.Entry]) -> Launched:
+        rd = self.rd
+        n, k = len(batch), rd.num_spec
+        resync, self._resync = tuple(sorted(self._resync)), set()
+        resync_all, self._resync_all = self._resync_all, False
+        if self._no_proxy():
+            rd.stats_.record("no_proxy", (), 0)
+            zeros = torch.zeros(n, k, dtype=torch.int32, device="cuda")
+            return Launched(0, zeros, zeros[:, 0].clone(), resync, resync_all)
+        r = self._hand_over(batch, entries)
+        self.sync.wait(r, 0)
+        i = r & (rd.depth - 1)
+        counts = self._counts[i][:n].clone()
+        live = torch.arange(k, device="cuda").unsqueeze(0) < counts.unsqueeze(1)
+        tokens = torch.where(live, self._tokens[i][:n], 0)
+        self._pending.append((r, list(batch.slots)))
+        return Launched(r, tokens, counts, resync, resync_all)
+
+    def _collect(self) -> None:
+        """Count the outcome of every launched round released by now (engine thread)."""
+        released = self.end.released()
+        while self._pending and ring.seq_geq(released, self._pending[0][0]):
+            r, slots = self._pending.pop(0)
+            d = self.end.drafts(r)
+            lost = [s for s, st in zip(slots, d.statuses) if st == wire.STATUS_RESYNC]
+            self._resync.update(lost)
+            self.rd.stats_.record(_FROM_RING[d.outcome], d.counts, len(lost))
+            self._watchdog_run = self._watchdog_run + 1 if d.outcome == Outcome.WATCHDOG else 0
 
     def stats(self) -> dict:
         proxy = self.region.proxy_counters(self.lib).snapshot()
@@ -603,7 +718,13 @@ class _AsyncPath:
             self._thread.join(5.0)
             if self._switch_interval is not None:
                 sys.setswitchinterval(self._switch_interval)
-        self._staging = []
+        if self.rd.device == "cuda":
+            # Never leave the stream parked: answer what it still waits for, let it
+            # finish, then unregister (the region's close hook) and unmap.
+            self._drain(time.monotonic() + self.rd.cfg.watchdog_ms / 1000.0 + 1.0)
+            torch.cuda.current_stream().synchronize()
+            self._collect()
+        self._staging = self._tokens = self._counts = []
         self.region.close()
 
 

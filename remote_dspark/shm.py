@@ -53,6 +53,8 @@ compared cyclically, so a run may start near 2^32 and wrap)::
     P+0x100 4     claim        compare-and-swap: proxy, watchdog or engine (no proxy)
     P+0x180 8 D   gathered_ns  engine stream, before gathered: CLOCK_MONOTONIC ns of
                                each depth slot's gather (0 = unknown, e.g. a GPU stream)
+    P+0x400 4     probe        engine stream: the CUDA self-test's write (startup only)
+    P+0x480 4     probe_ack    engine thread: the self-test's answer to the stream
 
 Descriptor of round r (depth slot r % D), written by the engine before gathered = r,
 in exactly the wire ROUND layout, so the proxy sends it straight from the region::
@@ -120,7 +122,9 @@ OFF_BREAKER = 0x180
 W_GATHERED = 0x000
 W_RELEASED = 0x080
 W_CLAIM = 0x100
-W_GATHERED_NS = 0x180
+W_GATHERED_NS = 0x180       # up to 0x180 + 8 x MAX_DEPTH = 0x380
+W_PROBE = 0x400
+W_PROBE_ACK = 0x480
 
 # Descriptor slot.
 DESC_ROUND = 0
@@ -181,7 +185,8 @@ PROXY_COUNTERS = CounterBlock(
 
 # Written by the engine side; the writer of each counter:
 #   watchdog_releases  the native watchdog thread
-#   no_proxy_rounds    the engine thread (rounds it answered empty with no proxy up)
+#   no_proxy_rounds    the engine thread (rounds answered empty while no proxy is up)
+#                      and the supervisor (rounds a lost proxy left; atomic adds)
 #   orphan_releases    the supervisor (rounds a dead proxy had claimed)
 #   ring_full          the engine thread (reserve refused: DEPTH rounds in flight)
 ENGINE_COUNTERS = CounterBlock(

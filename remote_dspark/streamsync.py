@@ -89,7 +89,91 @@ class CpuBackend:
                        self._out[0], self._out[1])
 
 
-BACKENDS = {"cpu": CpuBackend}
+class CudaBackend:
+    """The engine's CUDA stream writes ``gathered`` and waits for ``released`` itself
+    (stream memory operations on the registered region); the engine's CPU thread only
+    enqueues them and never waits. The proxy makes no CUDA call: it sees plain memory.
+
+    The whole region is registered (portable, mapped) at construction and unregistered
+    by ``region.close`` (a close hook), after the caller has let the stream finish.
+    Construction runs a self-test on the current stream: the stream writes a probe
+    word, this thread answers it, the stream waits for the answer. A failure raises
+    (the engine then falls back to synchronous rounds) and never leaves the stream
+    parked: the answer is written whatever happened.
+
+    What a CUDA graph can hold: the gather and the two stream memory operations are
+    capturable (the round id is then fixed at capture, so a graph replays one round id:
+    it must be re-captured or the ids driven through a device-side counter). The CPU
+    parts of a round (reserving it, writing its descriptor) are not in the stream and
+    cannot be captured.
+    """
+
+    SELF_TEST_S = 5.0
+
+    def __init__(self, region: shm.Region, lib: native.Native, spin_us: int, nap_us: int,
+                 hold_gil_us: int):
+        import torch
+        from .cuda_driver import Driver
+        self._torch = torch
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")           # makes torch's primary context current here
+        self._drv = Driver()
+        self._lib = lib
+        self._region = region
+        self._host = region.base
+        self.device_base = self._drv.host_register(self._host, region.layout.size)
+        region.add_close_hook(self._unregister)
+        lay = region.layout
+        self._gathered = self.device_base + lay.gathered
+        self._released = self.device_base + lay.released
+        self._self_test()
+
+    def _stream(self) -> int:
+        return self._torch.cuda.current_stream().cuda_stream
+
+    def _self_test(self) -> None:
+        lay, lib = self._region.layout, self._lib
+        probe, ack = lay.words_at + shm.W_PROBE, lay.words_at + shm.W_PROBE_ACK
+        token = (lib.load32(self._region.addr(probe)) + 1) & 0xFFFFFFFF or 1
+        stream = self._torch.cuda.current_stream()
+        self._drv.write_value32(stream.cuda_stream, self.device_base + probe, token)
+        self._drv.wait_value32(stream.cuda_stream, self.device_base + ack, token)
+        done = self._torch.cuda.Event()
+        done.record(stream)
+        seen = lib.wait_geq(self._region.addr(probe), token, 100, 100, native.deadline_ns(self.SELF_TEST_S))
+        lib.store32(self._region.addr(ack), token)     # always: the stream must not stay parked
+        done.synchronize()
+        if seen != Status.OK:
+            raise RuntimeError("CUDA hand-off self-test: the stream's write never reached host memory")
+
+    def device_view(self, offset: int, shape: tuple[int, ...], dtype):
+        """A CUDA tensor aliasing ``shape`` of the registered region at ``offset``."""
+        torch = self._torch
+        typestr = {torch.uint8: "|u1", torch.int32: "<i4", torch.float32: "<f4"}[dtype]
+
+        class _Mapped:   # __cuda_array_interface__ v3: a view, not a copy
+            __cuda_array_interface__ = {"shape": shape, "typestr": typestr, "version": 3,
+                                        "data": (self.device_base + offset, False), "strides": None}
+        return torch.as_tensor(_Mapped(), device="cuda")
+
+    def signal(self, round_id: int) -> None:
+        self._drv.write_value32(self._stream(), self._gathered, round_id)
+
+    def wait(self, round_id: int, deadline_ns: int) -> bool:
+        """Enqueue the stream's wait; the native watchdog bounds it (no deadline here)."""
+        self._drv.wait_value32(self._stream(), self._released, round_id)
+        return True
+
+    def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
+        raise NotImplementedError("the CUDA backend times hand-offs with CUDA events (bench handoff --device cuda)")
+
+    def _unregister(self) -> None:
+        if self._host:
+            host, self._host = self._host, 0
+            self._drv.host_unregister(host)
+
+
+BACKENDS = {"cpu": CpuBackend, "cuda": CudaBackend}
 
 
 class HostFlagSync:

@@ -359,5 +359,5 @@ def test_a_wait_that_outlasts_its_gil_hold_releases_the_gil(lib):
 
 def test_unknown_sync_backend_is_refused(lib):
     with make_region() as region:
-        with pytest.raises(ValueError, match="backend='cuda'"):
-            streamsync.HostFlagSync(region, lib, backend="cuda")
+        with pytest.raises(ValueError, match="backend='rocm'"):
+            streamsync.HostFlagSync(region, lib, backend="rocm")

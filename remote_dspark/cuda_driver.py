@@ -1,0 +1,83 @@
+"""The few CUDA driver calls the GPU hand-off needs, through ctypes on ``libcuda.so.1``.
+
+Host registration of the region (``cuMemHostRegister``: portable, mapped), its device
+address (``cuMemHostGetDevicePointer``), and the stream memory operations
+(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``, the ``_v2`` entry points where the
+driver has them). The calls act on the calling thread's current context: torch's
+primary context, made current by any CUDA work torch did on this thread first.
+
+Nothing here imports torch; the stream is passed as its raw handle
+(``torch.cuda.current_stream().cuda_stream``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
+
+CU_MEMHOSTREGISTER_PORTABLE = 0x01
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+CU_STREAM_WAIT_VALUE_GEQ = 0x0      # (int32_t)(*addr - value) >= 0: cyclic, like the ring
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # with a memory barrier before the write
+
+
+class CudaError(RuntimeError):
+    """A driver call failed; the message names the call and the driver's error."""
+
+
+class Driver:
+    """Bound driver entry points. Raises CudaError at construction without a driver."""
+
+    def __init__(self, path: str = "libcuda.so.1"):
+        try:
+            self._lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise CudaError(f"no CUDA driver ({path}): {e}") from e
+        self._register = self._bind(("cuMemHostRegister_v2", "cuMemHostRegister"), c_void_p, c_size_t, c_uint)
+        self._unregister = self._bind(("cuMemHostUnregister",), c_void_p)
+        self._devptr = self._bind(("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
+                                  ctypes.POINTER(c_uint64), c_void_p, c_uint)
+        self._write32 = self._bind(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"),
+                                   c_void_p, c_uint64, c_uint32, c_uint)
+        self._wait32 = self._bind(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"),
+                                  c_void_p, c_uint64, c_uint32, c_uint)
+        self._name = self._bind(("cuGetErrorName",), c_int, ctypes.POINTER(ctypes.c_char_p))
+
+    def _bind(self, names: tuple[str, ...], *argtypes):
+        for name in names:
+            fn = getattr(self._lib, name, None)
+            if fn is not None:
+                fn.restype = c_int
+                fn.argtypes = argtypes
+                fn.name_ = name
+                return fn
+        raise CudaError(f"the CUDA driver has none of {names}")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self._name(rc, ctypes.byref(name))
+            raise CudaError(f"{what}: {name.value.decode() if name.value else 'CUDA error'} ({rc})")
+
+    def host_register(self, addr: int, size: int) -> int:
+        """Pin and map ``size`` bytes at ``addr``; returns their device address."""
+        self._check(self._register(addr, size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
+                    f"cuMemHostRegister({size} bytes)")
+        dptr = c_uint64()
+        try:
+            self._check(self._devptr(ctypes.byref(dptr), addr, 0), "cuMemHostGetDevicePointer")
+        except CudaError:
+            self._unregister(addr)
+            raise
+        return dptr.value
+
+    def host_unregister(self, addr: int) -> None:
+        self._check(self._unregister(addr), "cuMemHostUnregister")
+
+    def write_value32(self, stream: int, dptr: int, value: int) -> None:
+        self._check(self._write32(stream, dptr, value & 0xFFFFFFFF, CU_STREAM_WRITE_VALUE_DEFAULT),
+                    "cuStreamWriteValue32")
+
+    def wait_value32(self, stream: int, dptr: int, value: int) -> None:
+        self._check(self._wait32(stream, dptr, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ),
+                    "cuStreamWaitValue32")
