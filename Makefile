@@ -27,7 +27,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@./scripts/ensure-prometheus
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

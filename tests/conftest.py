@@ -13,3 +13,20 @@ def lib(tmp_path_factory) -> native.Native:
     directory (never ~/.cache)."""
     return native.load(environ={"PATH": os.environ.get("PATH", os.defpath)},
                        cache_dir=tmp_path_factory.getbasetemp() / "hostflag-cache")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run on a machine with CUDA (the device machine); elsewhere they are
+    skipped with the reason, which `make test` prints (-rs)."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    try:
+        from remote_dspark.engine import torch
+        available = torch.cuda.is_available()
+    except ImportError:
+        available = False
+    if not available:
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU: run `python3 -m pytest -m gpu` on the device machine")
+        for item in gpu:
+            item.add_marker(skip)

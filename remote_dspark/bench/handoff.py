@@ -72,6 +72,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not give the peer a CPU of its own (default: the peer process or "
                         "thread runs on the last CPU, the engine's threads on the others)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: the CPU stand-in, timed in C (default); cuda: the engine stream's "
+                        "hand-off on the registered region, timed by CUDA events, plus a whole round "
+                        "to a loopback worker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -137,12 +141,14 @@ def run(args) -> int:
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us / 1e6)
     opts = Options(args.rounds, args.warmup, args.spin_us, args.nap_us, args.hold_gil_us, args.pin)
-    rows = run_all(opts)
-    report = make_report(opts, rows)
-    if args.json:
-        print(json.dumps(report, indent=2))
+    if args.device == "cuda":
+        from . import handoff_cuda as impl
+        impl.main_check()
+        report = impl.make_report(opts, impl.run_all(opts))
     else:
-        print(format_table(report))
+        impl = sys.modules[__name__]
+        report = make_report(opts, run_all(opts))
+    print(json.dumps(report, indent=2) if args.json else impl.format_table(report))
     return 0
 
 

@@ -1,0 +1,164 @@
+"""``remote-dspark bench handoff --device cuda``: the GPU-side hand-off, from CUDA events.
+
+Each round the engine's stream records an event, writes ``gathered`` and waits for
+``released`` (stream memory operations on the registered region), then records a second
+event; the time between the two events is what the stream spent handing the round
+over and getting it back. Rows, each without and with a GIL-hogging engine thread:
+
+``c_peer``   a C loop in another process answering the words: the floor;
+``process``  the project's proxy loop in its own interpreter (process mode);
+``thread``   the same loop as a Python thread of the engine (thread mode);
+``e2e``      a whole round through ``RemoteDSpark.launch`` (process mode) to a loopback
+             worker: the gather, the hand-off, the network round and the drafts copied
+             to the device, by CUDA events around the launch.
+
+A native watchdog runs in every row, so no stream stays parked if a peer dies.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+from .handoff import ROUND_TIMEOUT_S, GilHog, Options, Peer, PeerThread, Pinning, Row, Stats
+
+CUDA_MODES = ("c_peer", "process", "thread", "e2e")
+DESCRIBE = {"c_peer": "C peer process (floor)", "process": "proxy loop, own process",
+            "thread": "proxy loop, engine thread", "e2e": "round to loopback worker"}
+TARGET_RATIO = 1.3
+TARGET_P99_US = 10.0
+
+
+def run_all(opts: Options) -> list[Row]:
+    from .. import native
+    from ..progress import Progress
+    lib = native.load()
+    pins = Pinning.plan(opts.pin)
+    plan = [(m, hog) for hog in (False, True) for m in CUDA_MODES]
+    bar = Progress(len(plan), "handoff rows (cuda)")
+    rows = []
+    for i, (mode, hog) in enumerate(plan):
+        bar.update(i, f"{mode}{' +hog' if hog else ''}")
+        with GilHog(hog):
+            rows.append(RUNNERS[mode](lib, opts, pins, hog))
+    bar.update(len(plan))
+    return rows
+
+
+def _elapsed_ns(pairs) -> list[int]:
+    return [int(a.elapsed_time(b) * 1e6) for a, b in pairs]
+
+
+def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
+    import torch
+
+    from .. import ring, shm, streamsync
+    from .handoff_peer import serve_loop
+    total = opts.warmup + opts.rounds
+    layout = shm.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
+    with shm.Region.create(layout) as region:
+        engine = ring.EngineEnd(region, lib)
+        engine.start_watchdog(1000)
+        sync = streamsync.HostFlagSync(region, lib, backend="cuda")
+        stream = torch.cuda.current_stream()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(total)]
+        if mode == "thread":
+            end = ring.ProxyEnd(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us)
+            peer = PeerThread(lambda: serve_loop(end, total, ROUND_TIMEOUT_S), pins)
+        else:
+            peer = Peer(mode, region.fd, total, opts, pins, lib)
+        with peer:
+            for start, stop in events:
+                r = engine.reserve(ROUND_TIMEOUT_S)
+                start.record(stream)
+                sync.signal(r)
+                sync.wait(r, 0)
+                stop.record(stream)
+            stream.synchronize()
+        lat = _elapsed_ns(events[opts.warmup:])
+    return Row(mode, hog, "CUDA events", Stats.of(lat), None)
+
+
+def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
+    import torch
+
+    from ..config import RemoteConfig
+    from ..engine import Batch, RemoteDSpark
+    from ..harness import WorkerProcess
+    slots, num_spec, row_bytes = 64, 5, 256
+    total = opts.warmup + opts.rounds
+    with WorkerProcess() as worker:
+        env = worker.env(VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC="1",
+                         VLLM_DSPARK_REMOTE_ASYNC_PROXY="process", VLLM_DSPARK_REMOTE_STATS_FILE="",
+                         VLLM_DSPARK_REMOTE_LOG_EVERY="0", VLLM_DSPARK_REMOTE_HOSTFLAG_LIB=lib.path)
+        rows = torch.randn(slots, row_bytes // 4, device="cuda")
+        index = torch.arange(slots, device="cuda")
+        stream = torch.cuda.current_stream()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(total)]
+        with RemoteDSpark(RemoteConfig.from_env(env), num_spec=num_spec, max_slots=slots, row_bytes=row_bytes,
+                          device="cuda", environ=env) as rd:
+            first = Batch(list(range(slots)), [[1, 2]] * slots, [0] * slots, [True] * slots, rows, index)
+            rd.launch(first)
+            stream.synchronize()
+            for i, (start, stop) in enumerate(events):
+                batch = Batch(list(range(slots)), [[3]] * slots, [2 + i] * slots, [False] * slots, rows, index)
+                start.record(stream)
+                rd.launch(batch)
+                stop.record(stream)
+                stop.synchronize()   # one round at a time, as an engine step would
+        lat = _elapsed_ns(events[opts.warmup:])
+    return Row("e2e", hog, "CUDA events", Stats.of(lat), None)
+
+
+RUNNERS = {"c_peer": partial(_region_row, "c_peer"), "process": partial(_region_row, "process"),
+           "thread": partial(_region_row, "thread"), "e2e": _e2e_row}
+
+
+def make_report(opts: Options, rows: list[Row]) -> dict:
+    import torch
+    floor = {r.hog: r.latency for r in rows if r.mode == "c_peer"}
+    out = []
+    for r in rows:
+        f = floor[r.hog]
+        out.append({"mode": r.mode, "hog": r.hog, "timed_in": r.timed_in, "median_us": r.latency.median_us,
+                    "p99_us": r.latency.p99_us, "max_us": r.latency.max_us,
+                    "x_floor": {k: round(getattr(r.latency, k) / max(getattr(f, k), 1e-3), 2)
+                                for k in ("median_us", "p99_us", "max_us")}})
+    proc = [r for r in out if r["mode"] == "process"]
+    targets = {"process_median_ratio_max": max(r["x_floor"]["median_us"] for r in proc),
+               "process_p99_us_max": max(r["p99_us"] for r in proc)}
+    targets["met"] = (targets["process_median_ratio_max"] <= TARGET_RATIO
+                      and targets["process_p99_us_max"] < TARGET_P99_US)
+    return {"bench": "handoff", "device": torch.cuda.get_device_name(), "rounds": opts.rounds,
+            "warmup": opts.warmup, "spin_us": opts.spin_us, "nap_us": opts.nap_us, "cpus": os.cpu_count(),
+            "pinning": Pinning.plan(opts.pin).describe(), "rows": out, "targets": targets}
+
+
+def format_table(report: dict) -> str:
+    head = f"{'mode':<28}{'hog':<5}{'median':>9}{'p99':>10}{'max':>11}{'x floor p50/p99/max':>24}"
+    lines = [f"GPU-side hand-off on {report['device']}, {report['rounds']} rounds per row "
+             f"(+{report['warmup']} warm-up), us from CUDA events; spin {report['spin_us']} us, "
+             f"nap {report['nap_us']} us; {report['pinning']}", head, "-" * len(head)]
+    for r in report["rows"]:
+        x = r["x_floor"]
+        xs = f"{x['median_us']:g}/{x['p99_us']:g}/{x['max_us']:g}"
+        lines.append(f"{DESCRIBE[r['mode']]:<28}{'yes' if r['hog'] else 'no':<5}{r['median_us']:>9.2f}"
+                     f"{r['p99_us']:>10.2f}{r['max_us']:>11.1f}{xs:>24}")
+    t = report["targets"]
+    lines.append(f"target process median <= {TARGET_RATIO:g}x floor and p99 < {TARGET_P99_US:g} us (with and "
+                 f"without hog): {t['process_median_ratio_max']:g}x, {t['process_p99_us_max']:.2f} us, "
+                 f"{'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def main_check() -> None:
+    """Raises a clear error when there is no GPU to run on."""
+    try:
+        from ..engine import torch
+    except ImportError as e:
+        raise ValueError("--device cuda needs torch with CUDA") from e
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here")
+

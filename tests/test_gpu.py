@@ -1,0 +1,179 @@
+"""The GPU path, on a machine with CUDA (the device machine): the fused gather, the
+stream hand-off on the registered region, rounds into device tensors, and a killed proxy
+while the stream waits. Elsewhere these are skipped, with the reason (conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from helpers import until
+
+from remote_dspark import gather, ring, shm, streamsync, wire
+from remote_dspark.config import RemoteConfig
+from remote_dspark.engine import Batch, RemoteDSpark, torch
+from remote_dspark.markov import MarkovModel
+from remote_dspark.worker import MarkovDrafter, Worker
+
+pytestmark = pytest.mark.gpu
+
+MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+
+
+@pytest.fixture(autouse=True)
+def no_parked_stream():
+    """After every test the device drains within a bound: no stream is left waiting."""
+    yield
+    done = threading.Event()
+    threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
+    assert done.wait(20), "the GPU is still busy: a stream was left parked"
+
+
+class GatedDrafter(MarkovDrafter):
+    def __init__(self):
+        super().__init__(MODEL)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def draft(self, context, n_out, row):
+        self.gate.wait(10)
+        return super().draft(context, n_out, row)
+
+
+@pytest.fixture
+def drafter():
+    d = GatedDrafter()
+    yield d
+    d.gate.set()
+
+
+@pytest.fixture
+def worker(drafter):
+    w = Worker(drafter, "127.0.0.1", 0).start()
+    yield w
+    drafter.gate.set()
+    w.stop()
+
+
+def make(worker, tmp_path, **kw):
+    d = MarkovDrafter(MODEL)
+    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
+               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
+               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(), VLLM_DSPARK_REMOTE_POLICY="capacity",
+               VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+               VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="300")
+    env.update(kw)
+    return RemoteDSpark(RemoteConfig.from_env(env), num_spec=3, max_slots=8, row_bytes=16, device="cuda",
+                        environ=env)
+
+
+ROWS = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+
+
+def batch(new=True, tokens=((1,), (3,)), positions=(0, 0)):
+    return Batch([0, 1], [list(t) for t in tokens], list(positions), [new, new], ROWS.cuda(),
+                 torch.tensor([0, 1], device="cuda"))
+
+
+# --------------------------------------------------------------------------- gather
+
+
+def test_fused_gather_equals_the_torch_path_on_every_dtype():
+    gather.self_check("cuda")
+
+
+def test_fused_gather_uses_64_bit_offsets():
+    rows = torch.zeros((1 << 19) + 64, 4096, dtype=torch.uint8, device="cuda")   # 2.1 GB: offsets past 2^31
+    rows[-64:] = torch.randint(0, 256, (64, 4096), dtype=torch.uint8, device="cuda")
+    index = torch.arange(rows.shape[0] - 64, rows.shape[0], device="cuda").flip(0)
+    a = torch.zeros(64, 4096, dtype=torch.uint8, device="cuda")
+    b = torch.zeros_like(a)
+    gather.torch_gather(rows, index, a)
+    gather.fused_gather(rows, index, b)
+    assert torch.equal(a, b) and torch.equal(b, rows[index])
+    del rows
+
+
+def test_choose_auto_picks_the_fused_path_on_cuda():
+    assert gather.choose(None, "cuda") is gather.fused_gather
+    assert gather.choose(False, "cuda") is gather.torch_gather
+
+
+# --------------------------------------------------------------------------- the stream hand-off
+
+
+def test_stream_hand_off_on_the_registered_region(lib):
+    """The stream writes gathered; a CPU peer here answers; the stream's wait ends."""
+    with shm.Region.create(shm.Layout(4, 8, 16, 3, 64)) as region:
+        end = ring.EngineEnd(region, lib)
+        end.start_watchdog(2000)
+        sync = streamsync.HostFlagSync(region, lib, backend="cuda")
+        proxy = ring.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        staging = sync.backend.device_view(region.layout.staging(1), (8, 16), torch.uint8)
+        r = end.reserve(1.0)
+        end.write_descriptor(r, [wire.Entry(0, 3, 0, (1,), True)], deadline_ms=50)
+        rows = torch.randint(0, 256, (8, 16), dtype=torch.uint8, device="cuda")
+        gather.fused_gather(rows, torch.tensor([5], device="cuda"), staging)
+        sync.signal(r)
+        sync.wait(r, 0)
+        done = torch.cuda.Event()
+        done.record()
+        rnd = proxy.next_round(5.0)
+        assert rnd is not None and rnd.round == r
+        assert bytes(region.staging(1)[:16]) == bytes(rows[5].cpu().tolist())   # rows reached host memory
+        assert not done.query()                       # the stream is still waiting for released
+        proxy.complete(rnd, wire.Drafts(r, [0], [2], [0], 3, (7, 8, 0)))
+        done.synchronize()
+
+
+def test_rounds_deliver_the_workers_drafts_into_device_tensors(worker, tmp_path):
+    with make(worker, tmp_path) as rd:
+        out = rd.launch(batch())
+        assert out.tokens.is_cuda and out.counts.is_cuda
+        assert out.tokens.tolist() == [[2, 3, 4], [4, 1, 2]] and out.counts.tolist() == [3, 3]
+        out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
+        assert out.tokens.tolist() == [[3, 4, 1], [1, 2, 3]]
+        d = rd.round(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))
+        assert d.outcome == "ok" and d.tokens.tolist() == [[4, 1, 2], [2, 3, 4]]
+        rd.launch(batch())
+    assert rd.stats()["rounds"]["ok"] == 4
+
+
+def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):
+    """The stream resumes within the watchdog deadline (here: at once, released by the
+    supervisor as soon as it sees the death), with zero drafts."""
+    with make(worker, tmp_path) as rd:
+        rd.launch(batch())
+        torch.cuda.synchronize()
+        sup = rd._path.supervisor
+        drafter.gate.clear()                          # the proxy will sit in its network wait
+        out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
+        done = torch.cuda.Event()
+        done.record()
+        assert until(lambda: rd._path.end.gathered() == rd._path.end.last)
+        t0 = time.monotonic()
+        os.kill(sup.up.pid, signal.SIGKILL)
+        assert until(done.query, timeout=rd.cfg.watchdog_ms / 1000 + 0.05)
+        waited = time.monotonic() - t0
+        assert waited <= rd.cfg.watchdog_ms / 1000 + 0.01
+        assert out.counts.tolist() == [0, 0]
+        drafter.gate.set()
+        assert until(lambda: sup.up is not None)
+
+
+def test_watchdog_releases_the_stream_when_nobody_answers(worker, drafter, tmp_path):
+    with make(worker, tmp_path) as rd:
+        rd.launch(batch())
+        torch.cuda.synchronize()
+        drafter.gate.clear()                          # the proxy waits on the worker (TIMEOUT 2 s)
+        t0 = time.monotonic()
+        out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
+        torch.cuda.synchronize()
+        waited = time.monotonic() - t0
+        assert rd.cfg.watchdog_ms / 1000 - 0.01 <= waited <= rd.cfg.watchdog_ms / 1000 + 0.05
+        assert out.counts.tolist() == [0, 0]
+        drafter.gate.set()
