@@ -30,7 +30,10 @@ class Driver:
 
     def __init__(self, path: str = "libcuda.so.1"):
         try:
-            self._lib = ctypes.CDLL(path)
+            # PyDLL: the calls keep the GIL. They only enqueue (microseconds); releasing
+            # and re-taking the GIL around each would cost an engine thread a switch
+            # interval per call whenever another Python thread is busy.
+            self._lib = ctypes.PyDLL(path)
         except OSError as e:
             raise CudaError(f"no CUDA driver ({path}): {e}") from e
         self._register = self._bind(("cuMemHostRegister_v2", "cuMemHostRegister"), c_void_p, c_size_t, c_uint)

@@ -156,6 +156,11 @@ class CudaBackend:
                                         "data": (self.device_base + offset, False), "strides": None}
         return torch.as_tensor(_Mapped(), device="cuda")
 
+    def wait_word(self, offset: int, value: int) -> None:
+        """Enqueue a wait until the region's 32-bit word at ``offset`` is >= ``value``
+        (cyclic). For benchmarks that hold the stream until a whole sequence is queued."""
+        self._drv.wait_value32(self._stream(), self.device_base + offset, value)
+
     def signal(self, round_id: int) -> None:
         self._drv.write_value32(self._stream(), self._gathered, round_id)
 
