@@ -12,8 +12,8 @@ over and getting it back. Rows, each without and with a GIL-hogging engine threa
              worker: the gather, the hand-off, the network round and the drafts copied
              to the device, by CUDA events around the launch (at most 300 rounds).
 
-The hand-off rows queue their whole sequence behind a gate word before the stream
-starts, so they measure the stream and the peer, not the CPU's enqueueing; the e2e row
+The hand-off rows queue their rounds, 32 at a time, behind a gate word before the
+stream runs them, so they measure the stream and the peer, not the CPU's enqueueing; the e2e row
 is one round at a time, as an engine step is.
 
 A native watchdog runs in every row, so no stream stays parked if a peer dies.
@@ -30,6 +30,7 @@ CUDA_MODES = ("c_peer", "process", "thread", "e2e")
 DESCRIBE = {"c_peer": "C peer process (floor)", "process": "proxy loop, own process",
             "thread": "proxy loop, engine thread", "e2e": "round to loopback worker"}
 E2E_ROUNDS = 300
+CHUNK = 32        # hand-off rounds queued behind one gate
 TARGET_RATIO = 1.3
 TARGET_P99_US = 10.0
 
@@ -55,8 +56,8 @@ def _elapsed_ns(pairs) -> list[int]:
 
 
 def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
-    """The stream's hand-off alone: the whole sequence of rounds is queued behind a gate
-    word first, so the CPU's enqueueing (and its waits for the GIL) is not measured."""
+    """The stream's hand-off alone: rounds are queued behind a gate word before the
+    stream runs them, so the CPU's enqueueing (and its waits for the GIL) is not measured."""
     import torch
 
     from .. import ring, shm, streamsync
@@ -78,15 +79,23 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
         else:
             peer = Peer(mode, region.fd, total, opts, pins, lib)
         with peer:
+            # Chunks of CHUNK rounds, each queued behind its own gate value and let go once
+            # queued: a stream can hold only so many queued operations (a blocked stream
+            # with a full queue would block the enqueueing thread, and so the gate).
+            opened = token - 1
             try:
-                sync.backend.wait_word(gate, token)
-                for r, (start, stop) in enumerate(events, start=1):
-                    start.record(stream)
-                    sync.signal(r)
-                    sync.wait(r, 0)
-                    stop.record(stream)
+                for first in range(0, total, CHUNK):
+                    sync.backend.wait_word(gate, token + first // CHUNK)
+                    for r in range(first + 1, min(first + CHUNK, total) + 1):
+                        start, stop = events[r - 1]
+                        start.record(stream)
+                        sync.signal(r)
+                        sync.wait(r, 0)
+                        stop.record(stream)
+                    opened = token + first // CHUNK
+                    lib.store32(region.addr(gate), opened & 0xFFFFFFFF)
             finally:
-                lib.store32(region.addr(gate), token)   # open the gate, whatever happened
+                lib.store32(region.addr(gate), (opened + total) & 0xFFFFFFFF)   # whatever happened
             stream.synchronize()
         lat = _elapsed_ns(events[opts.warmup:])
     return Row(mode, hog, "CUDA events", Stats.of(lat), None)
