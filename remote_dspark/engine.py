@@ -41,8 +41,9 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
 
-from . import native, ring, shm, streamsync, wire
+from . import native, ring, shm, streamsync, transport, wire
 from .breaker import Breaker
+from .client import DraftClient
 from .config import RemoteConfig
 from .link import Outcome as LinkOutcome, RemoteLink
 from .ring import Outcome
@@ -187,6 +188,7 @@ class RemoteDSpark:
         self._closed = False
         self._path: _SyncPath | _AsyncPath | None = None
         self._final_path_stats: dict | None = None
+        self._lock = threading.Lock()   # the path's stats and its close
         self.exporter = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -199,22 +201,42 @@ class RemoteDSpark:
             TransportError, Refused: only with ``STRICT_START=1``, when the first
                 connect + HELLO fails.
         """
-        if self.mode == "sync":
-            self._path = _SyncPath(self)
-        else:
-            try:
-                self._path = _AsyncPath(self)
-            except (OSError, native.NativeError) as e:
-                log.warning("remote DSpark: the async hand-off failed its self-test (%s); "
-                            "falling back to synchronous rounds", e)
-                self.mode = "sync"
+        cfg = self.cfg
+        transport.check_ready(cfg.endpoint, self.environ)   # an ofl endpoint needs its library now
+        try:
+            if cfg.metrics_port:
+                from .metrics import Exporter
+                self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
+            if cfg.strict_start and self.mode != "sync":
+                self._probe_connection()
+            if self.mode == "sync":
                 self._path = _SyncPath(self)
-        self._path.start()
+            else:
+                try:
+                    self._path = _AsyncPath(self)
+                except (OSError, native.NativeError, RuntimeError) as e:
+                    log.warning("remote DSpark: the async hand-off failed its self-test (%s); "
+                                "falling back to synchronous rounds", e)
+                    self.mode = "sync"
+                    self._path = _SyncPath(self)
+            self._path.start()
+        except BaseException:
+            self.close()   # nothing started stays running: exporter, proxy, watchdog, region
+            raise
         self._started = True
-        if self.cfg.metrics_port:
-            from .metrics import Exporter
-            self.exporter = Exporter(self, self.cfg.metrics_port, self.cfg.metrics_addr)
         return self
+
+    def _probe_connection(self) -> None:
+        """STRICT_START in async mode: connect + HELLO once from here, so a bad endpoint
+        or identity fails the engine's start, not later in a proxy.
+
+        Raises: TransportError, Refused, wire.ProtocolError.
+        """
+        cfg = self.cfg
+        hello = wire.Hello(cfg.drafter_identity, cfg.markov_identity, self.engine_id, self.max_slots,
+                           self.row_bytes, self.num_spec, want_margin=cfg.want_margin)
+        DraftClient.connect(cfg.endpoint, hello, int.from_bytes(os.urandom(8), "little") or 1,
+                            cfg.connect_timeout_ms / 1000.0, self.environ).close()
 
     def register_metrics(self, registry) -> None:
         """Add this engine's metrics to ``registry`` (an engine that serves /metrics)."""
@@ -229,8 +251,9 @@ class RemoteDSpark:
         if self.exporter is not None:
             self.exporter.close()
         if self._path is not None:
-            self._final_path_stats = self._path.stats()   # the region goes with the path
-            self._path.close()
+            with self._lock:   # a scrape in flight must not read the region as it goes
+                self._final_path_stats = self._path.stats()
+                self._path.close()
         self._write_stats_file()
 
     def __enter__(self):
@@ -370,10 +393,11 @@ class RemoteDSpark:
             "margin": {"bounds": list(MARGIN_BOUNDS), "buckets": list(st.margin_buckets), "sum": st.margin_sum},
             "resyncs": st.resyncs,
         }
-        if self._final_path_stats is not None:
-            out.update(self._final_path_stats)
-        elif self._path is not None:
-            out.update(self._path.stats())
+        with self._lock:
+            if self._final_path_stats is not None:
+                out.update(self._final_path_stats)
+            elif self._path is not None:
+                out.update(self._path.stats())
         return out
 
     def _maybe_log(self) -> None:
@@ -538,6 +562,8 @@ class _AsyncPath:
         self._pending: list[tuple[int, Sequence[int]]] = []   # CUDA: launched, not yet collected
         self._watchdog_run = 0            # watchdog releases in a row (stall detection)
         self._last_session = 0
+        self._thread_started_ns = 0
+        self._thread_lost = False
         self.max_wait_s = 0.0             # longest hand-off wait of the engine thread (CPU)
 
     _tokens: list = []
@@ -555,6 +581,10 @@ class _AsyncPath:
                 lambda session: self._spawn(session, env), respawns=cfg.async_respawns,
                 reset_s=cfg.async_respawn_reset_s, stalled=self._stalled, on_change=self._on_change)
             self.supervisor.start()
+        limit_s = self.rd.cfg.connect_timeout_ms / 1000.0 + PROXY_START_S
+        if not self.wait_serving(limit_s):
+            log.warning("remote DSpark: no proxy serving %.1f s after start; rounds are target-only "
+                        "until one does", limit_s)
 
     def _start_thread(self) -> None:
         from .proxy_proc import ProxyLoop
@@ -566,6 +596,7 @@ class _AsyncPath:
         loop = ProxyLoop(self.region, self.lib, self.rd.cfg, engine_id=self.rd.engine_id, environ=self.rd.environ)
         self._thread = threading.Thread(target=loop.run, args=(self._stop.is_set,), name="remote-dspark-proxy",
                                         daemon=True)
+        self._thread_started_ns = time.monotonic_ns()
         self._thread.start()
 
     def _spawn(self, session: int, env: Mapping[str, str]):
@@ -600,12 +631,12 @@ class _AsyncPath:
 
     def _stalled(self, up: Up) -> bool:
         """From the supervisor's thread: is the live proxy ``up`` no longer serving?"""
-        if self._watchdog_run >= STALL_ROUNDS:
-            return True
         now = time.monotonic_ns()
         beat = self.end.header.heartbeat_ns
         if beat < up.since * 1e9:   # no beat from this proxy yet: it is still starting
             return now - up.since * 1e9 > PROXY_START_S * 1e9
+        if self._watchdog_run >= STALL_ROUNDS:
+            return True
         # A live proxy beats at least every idle tick and after every round, and a round
         # keeps it off the heartbeat for at most TIMEOUT_MS (its network wait).
         cfg = self.rd.cfg
@@ -615,21 +646,47 @@ class _AsyncPath:
 
     # ------------------------------------------------------------------ rounds
 
+    def _serving(self) -> bool:
+        """A proxy is up and has beaten since it started (it beats first after its
+        first connection attempt): until then rounds are answered here, at once."""
+        if self.supervisor is not None:
+            up = self.supervisor.up
+            return up is not None and self.end.header.heartbeat_ns >= up.since * 1e9
+        if not self._thread.is_alive():
+            if not self._thread_lost:
+                self._thread_lost = True
+                log.error("remote DSpark: the proxy thread died; every round is target-only from now on")
+            return False
+        return self.end.header.heartbeat_ns >= self._thread_started_ns
+
     def _no_proxy(self) -> bool:
-        if self.supervisor is not None and self.supervisor.up is None:
-            self.end.counters.add("no_proxy_rounds")
-            return True
-        return False
+        if self._serving():
+            return False
+        self.end.counters.add("no_proxy_rounds")
+        return True
+
+    def wait_serving(self, timeout_s: float) -> bool:
+        """Wait (bounded) for the first proxy to serve, so the first rounds reach it."""
+        deadline = time.monotonic() + timeout_s
+        while not self._serving():
+            if time.monotonic() > deadline or (self.supervisor is not None and self.supervisor.stats().state == "spent"):
+                return False
+            time.sleep(0.005)
+        return True
 
     def _hand_over(self, batch: Batch, entries: list[wire.Entry]) -> int:
         """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
         the stream (or, on the CPU, this thread) wait for ``released``: the round id."""
         rd, cfg = self.rd, self.rd.cfg
-        r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (rd.depth + 1))
-        self._collect()
-        self.end.write_descriptor(r, entries, deadline_ms=cfg.timeout_ms)
         rd.check_rows(batch)
-        self._gather(batch.rows, batch.row_index.to(batch.rows.device), self._staging[r & (rd.depth - 1)])
+        r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (rd.depth + 1))
+        try:
+            self._collect()
+            self.end.write_descriptor(r, entries, deadline_ms=cfg.timeout_ms)
+            self._gather(batch.rows, batch.row_index.to(batch.rows.device), self._staging[r & (rd.depth - 1)])
+        except BaseException:
+            self.end.unreserve(r)   # never gathered: no hole in the round sequence
+            raise
         self.sync.signal(r)
         return r
 

@@ -109,7 +109,7 @@ def choose(setting: bool | None, device: str):
     """The gather to use for ``VLLM_DSPARK_REMOTE_FUSED_GATHER`` (None = auto).
 
     Raises:
-        RuntimeError: ``1`` but the fused path is unavailable or fails its self-check.
+        ValueError: ``1`` but the fused path is unavailable or fails its self-check.
     """
     if setting is False or (setting is None and device != "cuda"):
         return torch_gather
@@ -119,7 +119,7 @@ def choose(setting: bool | None, device: str):
         self_check(device)
     except Exception as e:
         if setting:
-            raise RuntimeError(f"VLLM_DSPARK_REMOTE_FUSED_GATHER=1 but the fused gather is not usable: {e}") from e
+            raise ValueError(f"VLLM_DSPARK_REMOTE_FUSED_GATHER=1 but the fused gather is not usable: {e}") from e
         log.warning("fused gather off (%s); using the torch path", e)
         return torch_gather
     return fused_gather

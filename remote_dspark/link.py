@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 
 from . import wire
 from .breaker import Breaker
-from .client import DraftClient, Refused
+from .client import DraftClient
 from .transport import DeadlineExceeded, Endpoint, TransportError
 
 log = logging.getLogger("remote_dspark.link")
@@ -73,6 +73,7 @@ class RemoteLink:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._connector: threading.Thread | None = None
+        self._connecting = False     # a connector thread owns the next connection (under _lock)
         self._delay_ms = backoff_ms
 
     # ------------------------------------------------------------------ connection
@@ -91,10 +92,9 @@ class RemoteLink:
     def start_reconnecting(self) -> None:
         """Reconnect in the background after the current back-off."""
         with self._lock:
-            if self._closed.is_set() or self._client is not None:
+            if self._closed.is_set() or self._client is not None or self._connecting:
                 return
-            if self._connector is not None and self._connector.is_alive():
-                return
+            self._connecting = True
             self._connector = threading.Thread(target=self._reconnect_loop, name="link-connect", daemon=True)
             self._connector.start()
 
@@ -103,7 +103,7 @@ class RemoteLink:
             try:
                 client = DraftClient.connect(self.endpoint, self.hello, self.session, self.connect_timeout_s,
                                              self.environ)
-            except (Refused, TransportError, wire.ProtocolError) as e:
+            except Exception as e:   # whatever it is, this thread must go on retrying
                 self._note_failure(f"reconnect to {self.endpoint} failed: {e}")
                 self._delay_ms = min(2 * self._delay_ms, self.backoff_max_ms)
                 continue
@@ -112,9 +112,14 @@ class RemoteLink:
                 return
             self._install(client)
             return
+        with self._lock:
+            self._connecting = False
 
     def _install(self, client: DraftClient) -> None:
         with self._lock:
+            # From here a failed round may start a new connector at once, even while the
+            # thread that made this connection is still finishing.
+            self._connecting = False
             self._client = client
             self.reconnects += self.epoch > 0
             self.epoch += 1

@@ -32,8 +32,6 @@ from .breaker import Breaker, BreakerRecord
 from .config import RemoteConfig
 from .link import Outcome as LinkOutcome, RemoteLink
 from .ring import Outcome, ProxyEnd, ProxyRound
-from .transport import TransportError
-from .client import Refused
 
 log = logging.getLogger("remote_dspark.proxy")
 
@@ -87,17 +85,18 @@ class ProxyLoop:
             self.end.counters.add("reconnects")
 
     def connect(self) -> None:
-        """First connection; on failure, reconnect in the background (rounds meanwhile
-        are target-only)."""
+        """First connection, within CONNECT_TIMEOUT_MS; on failure, reconnect in the
+        background (rounds meanwhile are answered at once, target-only)."""
         try:
             self.link.connect()
-        except (Refused, TransportError, wire.ProtocolError) as e:
+        except Exception as e:   # refused, unreachable, no ofl library: keep serving
             log.warning("proxy: first connection to %s failed (%s); retrying with back-off",
                         self.cfg.endpoint, e)
             self.link.start_reconnecting()
 
     def run(self, should_stop: Callable[[], bool]) -> None:
-        self.end.beat()
+        # The first beat says "serving": only after the first connection attempt, so the
+        # engine answers rounds itself (target-only, at once) while this proxy starts.
         self.connect()
         try:
             while not should_stop():
@@ -116,10 +115,12 @@ class ProxyLoop:
             log.error("proxy: round %d: %s", rnd.round, e)
             self.end.complete(rnd, None, Outcome.ERROR)
             return
-        attempts = self.link.attempts
+        attempts, late = self.link.attempts, self.link.late
         result = self.link.round(rnd.round, parts, deadline_ms)
         if self.link.attempts != attempts:
             self.end.counters.add("attempts")
+        if self.link.late != late:   # replies to rounds this proxy had given up on
+            self.end.counters.add("rounds_late", self.link.late - late)
         self.breaker.flush()
         outcome = _RING_OUTCOME[result.outcome]
         try:

@@ -199,6 +199,13 @@ class EngineEnd(_End):
         self._last = r
         return r
 
+    def unreserve(self, round_id: int) -> None:
+        """Give back the round just reserved, before its stream gathered it (a failed
+        hand-over), so the next reserve reuses its id."""
+        if round_id != self._last:
+            raise RuntimeError(f"unreserve({round_id}): the last reserved round is {self._last}")
+        self._last = seq_add(round_id, -1)
+
     def write_descriptor(self, round_id: int, entries: Sequence[wire.Entry],
                          deadline_ms: int = 0) -> None:
         """Write round ``round_id``'s descriptor (wire ROUND layout) into its slot.

@@ -141,12 +141,35 @@ class Supervisor:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Spawn the first proxy and start watching. Raises OSError if it cannot start."""
-        with self._lock:
-            self._spawn()
-        self._watcher = threading.Thread(target=self._watch, name="proxy-supervisor", daemon=True)
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start watching; the watcher thread spawns the first proxy. Every proxy is
+        spawned from that one long-lived thread because the kernel ties a child's
+        parent-death signal to the thread that forked it, not to the process.
+
+        Raises:
+            OSError: the first proxy could not be spawned.
+        """
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def first() -> None:
+            try:
+                with self._lock:
+                    self._spawn()
+            except BaseException as e:
+                failure.append(e)
+                self.state = Spent(self._clock())
+            finally:
+                started.set()
+            if not failure:
+                self._watch()
+
+        self._watcher = threading.Thread(target=first, name="proxy-supervisor", daemon=True)
         self._watcher.start()
+        if not started.wait(timeout_s):
+            raise OSError(f"the first proxy was not spawned within {timeout_s} s")
+        if failure:
+            raise failure[0]
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Ask the proxy to exit (SIGTERM), wait, then SIGKILL; reap it. Idempotent."""
@@ -170,12 +193,15 @@ class Supervisor:
         return state if isinstance(state, Up) else None
 
     def stats(self) -> SupervisorStats:
-        state = self.state
-        rss, cpu = _process_facts(getattr(state, "pid", None))
-        return SupervisorStats(type(state).__name__.lower(), getattr(state, "pid", None),
-                               getattr(state, "session", None), self.spawns,
-                               {c.value: self.restarts[c] for c in Cause}, self.budget.left,
-                               self.budget.restored, rss, self.dead_cpu_s + cpu)
+        # Under the lock: the live proxy's CPU time and the dead ones' sum must not both
+        # count a proxy that is being reaped (the exported counter would step back).
+        with self._lock:
+            state = self.state
+            rss, cpu = _process_facts(getattr(state, "pid", None))
+            return SupervisorStats(type(state).__name__.lower(), getattr(state, "pid", None),
+                                   getattr(state, "session", None), self.spawns,
+                                   {c.value: self.restarts[c] for c in Cause}, self.budget.left,
+                                   self.budget.restored, rss, self.dead_cpu_s + cpu)
 
     # ------------------------------------------------------------------ internals
 
@@ -204,10 +230,21 @@ class Supervisor:
             with self._lock:
                 if isinstance(self.state, Closed):
                     return
-                if self._pidfd in ready:
-                    self._reap_and_decide()
-                elif isinstance(self.state, Up):
-                    self._check_live(self.state)
+                try:
+                    if self._pidfd in ready:
+                        self._reap_and_decide()
+                    elif isinstance(self.state, Up):
+                        self._check_live(self.state)
+                except Exception:
+                    # Supervision must not end silently with a proxy marked up: give up
+                    # on proxies (target-only rounds), loudly, and keep nothing running.
+                    log.exception("the proxy supervisor failed; every round is target-only from now on")
+                    if self._proc is not None:
+                        _terminate(self._proc, 1.0)
+                        self._proc = None
+                    self._close_pidfd()
+                    self._set(Spent(self._clock()))
+                    return
 
     def _check_live(self, up: Up) -> None:
         self.budget.observe(up, self._clock())
@@ -220,9 +257,12 @@ class Supervisor:
         proc = self._proc
         # The pidfd is readable: this does not block. wait4 rather than Popen.wait, for
         # the dead proxy's final CPU time (kept, so the exported counter never drops).
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = returncode = os.waitstatus_to_exitcode(status)
-        self.dead_cpu_s += usage.ru_utime + usage.ru_stime
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = returncode = os.waitstatus_to_exitcode(status)
+            self.dead_cpu_s += usage.ru_utime + usage.ru_stime
+        except ChildProcessError:   # reaped elsewhere (SIGCHLD ignored): exited, status unknown
+            proc.returncode = returncode = 0
         self._close_pidfd()
         self._proc = None
         cause = self._kill_cause or (Cause.SIGNAL if returncode < 0 else Cause.EXIT)
