@@ -102,7 +102,10 @@ def _raw(env: Mapping[str, str], name: str) -> str:
 # --- the parsing layer: parse(text, variable), text stripped and non-blank, the same
 # --- argument order as wire.parse_hex32, check_bind and parse_endpoint -----------------
 
-def _int(lo: int) -> Callable[[str, str], int]:
+INT_MAX = 2**31 - 1   # every count and duration fits a signed 32-bit word (wire, C library)
+
+
+def _int(lo: int, hi: int = INT_MAX) -> Callable[[str, str], int]:
     def parse(raw: str, name: str) -> int:
         try:
             value = int(raw)
@@ -110,6 +113,8 @@ def _int(lo: int) -> Callable[[str, str], int]:
             raise ValueError(f"{name}={raw!r}: not an integer") from e
         if value < lo:
             raise ValueError(f"{name}={raw!r}: must be >= {lo}")
+        if value > hi:
+            raise ValueError(f"{name}={raw!r}: must be <= {hi}")
         return value
     return parse
 

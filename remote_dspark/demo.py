@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--policy {args.policy} needs --mode sync (async rounds are capacity only)")
     if args.respawns < 0:
         raise ValueError(f"--respawns {args.respawns}: must be >= 0")
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port}: a TCP port is 0..65535 (0 = off)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .config import RemoteConfig

@@ -170,6 +170,10 @@ class RemoteDSpark:
             raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
+        for name, value, hi in (("num_spec", num_spec, wire.MAX_N_OUT), ("max_slots", max_slots, wire.MAX_ENTRIES),
+                                ("row_bytes", row_bytes, wire.MAX_ROW_BYTES)):
+            if not 1 <= value <= hi:
+                raise ValueError(f"{name}={value}: must be in 1..{hi} (the wire contract's cap)")
         self.cfg = cfg
         self.num_spec = num_spec
         self.max_slots = max_slots
@@ -485,10 +489,13 @@ class _SyncPath:
         result = self.link.round_entries(round_id, entries, rows, rd.row_bytes, rd.cfg.timeout_ms)
         outcome = _FROM_LINK[result.outcome]
         n, k = len(batch), rd.num_spec
-        if result.drafts is None:
+        d = result.drafts
+        if d is not None and list(d.slots) != [e.slot for e in entries]:
+            log.error("remote DSpark: round %d: the worker answered for other slots; dropped", round_id)
+            d, outcome = None, "error"
+        if d is None:
             out = _empty(n, k, outcome, rd.cfg.want_margin)
         else:
-            d = result.drafts
             out = _to_drafts(n, k, d.counts, d.statuses, [d.row(i) for i in range(n)],
                              None if d.margins is None else
                              [d.margins[i * d.width:(i + 1) * d.width] for i in range(n)],

@@ -11,6 +11,7 @@ be killed, restarted, slowed down and made to send garbage.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -71,6 +72,9 @@ class DemoEngine:
         return out
 
 
+START_TIMEOUT_S = 30.0
+
+
 class WorkerProcess:
     """``remote-dspark worker --chaos`` on 127.0.0.1, as a child process.
 
@@ -84,7 +88,7 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self.identity = ""
         self.markov_identity = ""
-        self._lock = threading.Lock()   # a signal never reaches a worker that is starting
+        self._lock = threading.RLock()   # a signal never reaches a worker that is starting
         self.start()
 
     def start(self) -> None:
@@ -95,16 +99,22 @@ class WorkerProcess:
             [sys.executable, "-m", "remote_dspark", "worker", "--listen", f"127.0.0.1:{self.port}", "--chaos",
              "--late-ms", str(self.late_ms), *self.extra],
             stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, text=True)
-        first = self.proc.stdout.readline()
+        first = self._line()
         if not first.startswith("remote-dspark worker listening on tcp://"):
             self.log.seek(0)
             why = self.log.read()[-2000:]
             self.stop()
             raise RuntimeError(f"the worker did not start: {why}")
         self.port = int(first.rsplit(":", 1)[1])
+        # The identities follow the first line at once (printed together).
         self.identity = self.proc.stdout.readline().strip().split("=", 1)[1]
         self.markov_identity = self.proc.stdout.readline().strip().split("=", 1)[1]
         self.proc.stdout.close()
+
+    def _line(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        """The worker's first line of stdout, or "" if none comes in time."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        return self.proc.stdout.readline() if ready else ""
 
     def env(self, **overrides: str) -> dict[str, str]:
         """An engine environment pointing at this worker."""

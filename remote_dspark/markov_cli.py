@@ -30,8 +30,14 @@ def build(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.tokens}: {e.strerror}") from e
     if len(tokens) <= args.order:
         raise ValueError(f"{args.tokens}: {len(tokens)} tokens, need more than --order {args.order}")
+    bad = next((t for t in tokens if not -2**31 <= t < 2**31), None)
+    if bad is not None:
+        raise ValueError(f"{args.tokens}: token {bad} does not fit a 32-bit token id")
     model = MarkovModel.from_tokens(tokens, order=args.order, top=args.top)
-    model.save(args.output)
+    try:
+        model.save(args.output)
+    except OSError as e:
+        raise ValueError(f"--output {args.output!r}: {e.strerror}") from e
     print(f"wrote {args.output}: order {model.order}, {len(model.table)} contexts from {len(tokens)} tokens")
     print(f"VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={model.identity.hex()}")
     return 0

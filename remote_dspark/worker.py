@@ -294,11 +294,16 @@ class Worker:
         chan.send(self._ack(code, reason, hdr.session))
         session = Session(hdr.session, hello.max_slots, hello.num_spec)
         with self._lock:
-            # A new session of the same engine replaces the old one's windows.
-            self._engines.pop(hello.engine_id, None)
+            # A new session of the same engine (a respawned proxy) replaces the old one:
+            # its windows go now, not when its connection closes; an old connection that
+            # still sends rounds gets RESYNC for every slot. The least recently seen engine
+            # beyond max_engines loses its windows the same way.
+            old = self._engines.pop(hello.engine_id, None)
+            if old is not None:
+                old.slots.clear()
             self._engines[hello.engine_id] = session
             while len(self._engines) > self.max_engines:
-                self._engines.popitem(last=False)
+                self._engines.popitem(last=False)[1].slots.clear()
         log.info("session %#x of engine %#x: %d slots, num_spec %d", hdr.session, hello.engine_id,
                  hello.max_slots, hello.num_spec)
         return session

@@ -52,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
             worker.garble += 1
         signal.signal(signal.SIGUSR1, toggle_late)
         signal.signal(signal.SIGUSR2, garble)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
     worker.start()
     print(f"remote-dspark worker listening on tcp://{host}:{worker.port}", flush=True)
     print(f"  VLLM_DSPARK_REMOTE_IDENTITY={drafter.drafter_identity.hex()}", flush=True)
     print(f"  VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={drafter.markov_identity.hex()}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
     done.wait()
     worker.stop()
     s = worker.stats

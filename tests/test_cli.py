@@ -109,3 +109,13 @@ def test_help_lists_every_command():
                          timeout=60, check=True).stdout
     for command in ("worker", "demo", "chaos", "check-config", "markov", "bench"):
         assert command in out
+
+
+def test_markov_build_refuses_out_of_range_tokens_and_bad_output(tmp_path, capsys):
+    tokens = tmp_path / "t.txt"
+    tokens.write_text(f"1 2 {2**31} 4")
+    assert main(["markov", "build", str(tokens), "-o", str(tmp_path / "m.bin")]) == 2
+    assert "does not fit a 32-bit token id" in capsys.readouterr().err
+    tokens.write_text("1 2 3 4")
+    assert main(["markov", "build", str(tokens), "-o", str(tmp_path / "missing" / "m.bin")]) == 2
+    assert "--output" in capsys.readouterr().err

@@ -482,3 +482,11 @@ def test_n_out_none(policy, n_out, mode, depth_file, cap, reason):
 def test_n_out_table_caps_by_request_count(mode):
     table, why = n_out_table(cfg_of(POLICY="capacity"), 5, mode, None, [3, 5, 4, 2, 9])
     assert table == [0, 5, 4, 2, 5] and why == "cap by request count"
+
+
+@pytest.mark.parametrize("var", ["TIMEOUT_MS", "CONNECT_TIMEOUT_MS", "BACKOFF_MAX_MS", "ASYNC_WATCHDOG_MS"])
+def test_durations_must_fit_32_bits(var):
+    raw = str(2**31)
+    with pytest.raises(ValueError) as e:
+        cfg_of(**{var: raw, "BACKOFF_MS": "1"})
+    assert P + var in str(e.value) and raw in str(e.value) and "<= 2147483647" in str(e.value)

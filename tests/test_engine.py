@@ -253,3 +253,78 @@ def _zombies():
     except ImportError:
         return []
     return [p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+
+
+# --------------------------------------------------------------------------- start-up and faults
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_ofl_endpoint_without_its_library_fails_start(tmp_path, mode):
+    env = env_for(1, tmp_path, VLLM_DSPARK_REMOTE="o1tcp://127.0.0.1:1")
+    if mode != "sync":
+        env.update(VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY=mode)
+    rd = make(env)
+    with pytest.raises(ValueError, match="VLLM_DSPARK_REMOTE_OFL_DIR"):
+        rd.start()
+    assert not _children()
+
+
+@pytest.mark.parametrize("proxy", ["thread", "process"])
+def test_strict_start_raises_in_async_modes_and_leaves_nothing_running(tmp_path, proxy):
+    rd = make(async_env(dead_port(), tmp_path, proxy, VLLM_DSPARK_REMOTE_STRICT_START="1"))
+    with pytest.raises(TransportError):
+        rd.start()
+    assert not _children()
+
+
+def test_failed_start_cleans_up_what_it_started(worker, tmp_path):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = async_env(worker.port, tmp_path, "process",
+                        VLLM_DSPARK_REMOTE_METRICS_PORT=str(taken.getsockname()[1]))
+        rd = make(env)
+        with pytest.raises(ValueError, match="VLLM_DSPARK_REMOTE_METRICS_PORT"):
+            rd.start()
+    assert not _children()
+
+
+def test_bad_rows_leave_no_hole_in_the_round_sequence(worker, tmp_path):
+    with make(async_env(worker.port, tmp_path, "process")) as rd:
+        bad = batch()
+        bad.row_index = torch.tensor([0, 99])
+        with pytest.raises(IndexError):
+            rd.round(bad)
+        assert rd.round(batch()).outcome == "ok"
+        ring = rd.stats()["ring"]
+        assert ring["gathered"] == ring["released"] == 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_proxy_thread_means_target_only_rounds_at_once(worker, tmp_path, monkeypatch, caplog):
+    from remote_dspark import proxy_proc
+
+    def broken(self, rnd):
+        raise RuntimeError("proxy bug")
+    with make(async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")) as rd:
+        monkeypatch.setattr(proxy_proc.ProxyLoop, "serve", broken)
+        assert rd.round(batch()).outcome == "watchdog"      # the round the thread died on
+        assert until(lambda: not rd._path._thread.is_alive())
+        t0 = time.monotonic()
+        assert [rd.round(batch()).outcome for _ in range(3)] == ["no_proxy"] * 3
+        assert time.monotonic() - t0 < 0.1
+    assert [r.getMessage() for r in caplog.records if "proxy thread died" in r.getMessage()] != []
+
+
+@pytest.mark.parametrize("kw,why", [({"num_spec": 0}, "num_spec=0"), ({"max_slots": 5000}, "max_slots=5000"),
+                                    ({"row_bytes": 0}, "row_bytes=0"), ({"device": "tpu"}, "device='tpu'")])
+def test_bad_engine_parameters(tmp_path, kw, why):
+    with pytest.raises(ValueError, match=why):
+        make(env_for(1, tmp_path), **kw)
+
+
+def _children():
+    import psutil
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE and "proxy_proc" in " ".join(p.cmdline())]

@@ -158,3 +158,35 @@ def test_close_kills_a_child_that_ignores_sigterm(spawner):
     sup.close(timeout_s=0.2)
     proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_failing_callback_ends_supervision_loudly_not_silently(spawner, caplog):
+    def broken(up):
+        raise RuntimeError("stall check bug")
+    sup = Supervisor(spawner, respawns=3, reset_s=0, stalled=broken)
+    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
+        sup.start()
+        try:
+            assert until(lambda: isinstance(sup.state, Spent))
+            assert spawner.procs[0].poll() is not None          # no proxy left running
+        finally:
+            sup.close()
+    assert any("supervisor failed" in r.getMessage() for r in caplog.records)
+
+
+def test_proxies_are_spawned_by_the_watcher_thread(spawner):
+    """The parent-death signal follows the forking thread: it must be the long-lived one."""
+    import threading
+    forked_by = []
+
+    def spawn(session):
+        forked_by.append(threading.current_thread().name)
+        return spawner(session)
+    sup = Supervisor(spawn, respawns=1, reset_s=0)
+    sup.start()
+    try:
+        os.kill(sup.up.pid, signal.SIGKILL)
+        assert until(lambda: sup.spawns == 2)
+        assert forked_by == ["proxy-supervisor"] * 2
+    finally:
+        sup.close()

@@ -249,3 +249,15 @@ def test_worker_command_prints_identities_and_stops_on_sigterm():
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_new_session_drops_the_old_windows_even_while_the_old_connection_lives(worker):
+    old = connect(worker, session=1)
+    try:
+        do_round(old, 1, [wire.Entry(0, 3, 0, (1, 2), new_gen=True)])
+        new = connect(worker, session=2)          # same engine, a respawned proxy
+        d = do_round(old, 2, [wire.Entry(0, 3, 2, (3,))])
+        assert list(d.statuses) == [wire.STATUS_RESYNC]
+        new.close()
+    finally:
+        old.close()
