@@ -779,9 +779,15 @@ class _AsyncPath:
             self.supervisor.close()
         if self._thread is not None:
             self._stop.set()
-            self._thread.join(5.0)
+            # The loop checks its stop flag every idle tick; a round or a connect keeps it
+            # away for at most TIMEOUT_MS or CONNECT_TIMEOUT_MS.
+            cfg = self.rd.cfg
+            self._thread.join((cfg.timeout_ms + cfg.connect_timeout_ms) / 1000.0 + 1.0)
             if self._switch_interval is not None:
                 sys.setswitchinterval(self._switch_interval)
+            if self._thread.is_alive():   # never unmap under a live proxy thread
+                log.error("remote DSpark: the proxy thread did not stop; leaving the region mapped")
+                return
         if self.rd.device == "cuda":
             # Never leave the stream parked: answer what it still waits for, let it
             # finish, then unregister (the region's close hook) and unmap.

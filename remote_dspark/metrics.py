@@ -68,8 +68,9 @@ class RemoteDSparkCollector(Collector):
                              "markov_identity": cfg.markov_identity.hex()})
         yield info
 
-        rounds = _counter("rounds", "Drafting rounds by outcome. late: a proxy reply that came after the "
-                          "watchdog had answered its round (that round is also counted as watchdog).",
+        rounds = _counter("rounds", "Drafting rounds by outcome. late counts replies that came after their "
+                          "round had been answered without them (its deadline passed, or the watchdog "
+                          "answered it); that round is also counted under its own outcome.",
                           labels=("outcome",))
         for outcome in OUTCOMES:
             rounds.add_metric([outcome], s.get("late", 0) if outcome == "late" else s["rounds"][outcome])
