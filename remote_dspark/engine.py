@@ -313,7 +313,6 @@ class RemoteDSpark:
         """
         if not self._started or self._closed:
             raise RuntimeError("RemoteDSpark.round() before start() or after close()")
-        n = len(batch)
         policy = self.cfg.policy
         local = self.local_drafter(batch) if policy == "shadow" else None
         self._round_id = (self._round_id + 1) & 0xFFFFFFFF

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from helpers import until
+from helpers import gated_drafter, until
 
 from remote_dspark import gather, ring, shm, streamsync, wire
 from remote_dspark.config import RemoteConfig
@@ -32,20 +32,9 @@ def no_parked_stream():
     assert done.wait(20), "the GPU is still busy: a stream was left parked"
 
 
-class GatedDrafter(MarkovDrafter):
-    def __init__(self):
-        super().__init__(MODEL)
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def draft(self, context, n_out, row):
-        self.gate.wait(10)
-        return super().draft(context, n_out, row)
-
-
 @pytest.fixture
 def drafter():
-    d = GatedDrafter()
+    d = gated_drafter(MODEL)
     yield d
     d.gate.set()
 

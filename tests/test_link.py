@@ -1,8 +1,6 @@
 """The proxy's network side against a real worker: timeouts, late replies, breaker,
 reconnect with back-off."""
 
-import threading
-import time
 
 import pytest
 
@@ -11,28 +9,17 @@ from remote_dspark.breaker import Breaker, State
 from remote_dspark.link import Outcome, RemoteLink
 from remote_dspark.markov import MarkovModel
 from remote_dspark.transport import TransportError, parse_endpoint
-from remote_dspark.worker import MarkovDrafter, Worker
-from helpers import until
+from remote_dspark.worker import Worker
+from helpers import gated_drafter, until
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 
 
-class GatedDrafter(MarkovDrafter):
-    """Drafts only once ``gate`` is set (bounded wait), to make a round late on purpose."""
-
-    def __init__(self):
-        super().__init__(MODEL)
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def draft(self, context, n_out, row):
-        self.gate.wait(5)
-        return super().draft(context, n_out, row)
-
-
 @pytest.fixture
 def drafter():
-    return GatedDrafter()
+    d = gated_drafter(MODEL)
+    yield d
+    d.gate.set()
 
 
 @pytest.fixture

@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from remote_dspark.supervisor import Cause, Closed, Spent, Supervisor, Up
+from remote_dspark.supervisor import Cause, Closed, Spent, Supervisor
 from helpers import until
 
 CHILD = "import sys, time\ncode = int(sys.argv[1])\nif code >= 0: sys.exit(code)\ntime.sleep(120)\n"
