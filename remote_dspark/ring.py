@@ -382,7 +382,8 @@ class ProxyEnd(_End):
         self.header = region.header_words(lib)
         self.spin_us = spin_us
         self.nap_us = nap_us
-        self._gathered_ns = self._geom.gathered_ns
+        self._out = (ctypes.c_uint64 * 3)()   # hf_next: seen ns, claim, gathered ns
+        self._out_addr = ctypes.addressof(self._out)
         self.next = seq_add(self.claimed(), 1)
         self.header.set_proxy_pid(os.getpid() if pid is None else pid)
 
@@ -394,19 +395,17 @@ class ProxyEnd(_End):
         """Wait (GIL released, spin then nap) for the next gathered round nobody has
         answered; None at the deadline. Rounds already claimed are skipped, never sent."""
         deadline = native.deadline_ns(timeout_s)
-        lib = self._lib
+        out = self._out
         while True:
             r = self.next
-            if lib.wait_geq(self._gathered, r, self.spin_us, self.nap_us, deadline):
-                return None  # TIMEOUT: wait_geq has no other failure
-            claim = lib.load32(self._claim)
+            if self._lib.next(self._geom_ref, r, self.spin_us, self.nap_us, deadline, self._out_addr):
+                return None  # TIMEOUT: the wait has no other failure
+            claim = out[1]
             if seq_geq(claim, r):
                 self.next = seq_add(claim, 1)
                 continue
             self.next = seq_add(r, 1)
-            i = r & self._mask
-            return ProxyRound(self, r, i, time.monotonic_ns(),
-                              lib.load64(self._gathered_ns + 8 * i))
+            return ProxyRound(self, r, r & self._mask, out[0], out[2])
 
     def complete(self, rnd: ProxyRound, drafts: wire.Drafts | None = None,
                  outcome: Outcome = Outcome.OK) -> bool:

@@ -123,15 +123,33 @@ class Pinning:
 
     @classmethod
     def plan(cls, pin: bool) -> "Pinning":
+        """The last CPU for the peer; the others for the engine, less the peer's
+        hyper-thread siblings where enough CPUs remain (a busy sibling slows the peer)."""
         cpus = sorted(os.sched_getaffinity(0))
         if not pin or len(cpus) < 2:
             return cls(None, None)
-        return cls(frozenset(cpus[-1:]), frozenset(cpus[:-1]))
+        peer = cpus[-1]
+        engine = [c for c in cpus[:-1] if c not in _siblings(peer)] or cpus[:-1]
+        return cls(frozenset([peer]), frozenset(engine))
 
     def describe(self) -> str:
         if self.peer is None:
             return "not pinned"
         return f"peer on CPU {sorted(self.peer)}, engine on CPU {sorted(self.engine)}"
+
+
+def _siblings(cpu: int) -> set[int]:
+    """The CPUs sharing ``cpu``'s core (from sysfs; empty when unknown)."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return set()
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def run(args) -> int:

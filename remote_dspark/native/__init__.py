@@ -47,7 +47,7 @@ ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-ABI_VERSION = 1
+ABI_VERSION = 2
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -109,6 +109,7 @@ _FUNCS = {
     "wait_at": ("hf_wait_at", _I, (_P, _U32, _U32, _U32, _U64, _P), True),
     "handoff": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), True),
     "handoff_holding": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), False),
+    "next": ("hf_next", _I, (_RING, _U32, _U32, _U32, _U64, _P), True),
     "publish": ("hf_publish", _I, (_P, _U32, _U64), True),
     "release_empty": ("hf_release_empty", _I, (_RING, _U32, _U32, _U64), True),
     "serve": ("hf_serve", _I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),

@@ -26,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 1
+#define HF_ABI 2
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -131,6 +131,21 @@ int hf_wait_at(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t 
     int rc = hf_wait_geq(word, value, spin_us, nap_us, deadline_ns);
     *seen_ns = hf_now_ns();
     return rc;
+}
+
+/* Proxy side: wait until `round` is gathered, then, in the same call (one crossing of
+ * the Python/C boundary on the proxy's critical path): out[0] = when it was seen,
+ * out[1] = the claim word, out[2] = the round's gathered_ns (0 = unknown). */
+int hf_next(const struct hf_ring *ring, uint32_t round, uint32_t spin_us, uint32_t nap_us,
+            uint64_t deadline_ns, uint64_t *out)
+{
+    int rc = hf_wait_geq(ring->gathered, round, spin_us, nap_us, deadline_ns);
+    if (rc != HF_OK)
+        return rc;
+    out[0] = hf_now_ns();
+    out[1] = __atomic_load_n(ring->claim, __ATOMIC_ACQUIRE);
+    out[2] = __atomic_load_n(&ring->gathered_ns[round & (ring->depth - 1)], __ATOMIC_RELAXED);
+    return HF_OK;
 }
 
 /* Stream side on the CPU: record when, publish `gathered = round`. */
