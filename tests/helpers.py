@@ -2,6 +2,11 @@
 
 import time
 
+import pytest
+
+from remote_dspark.markov import MarkovModel
+from remote_dspark.worker import Worker
+
 
 def until(cond, timeout: float = 10.0, step: float = 0.005) -> bool:
     """Poll ``cond`` until it is true or ``timeout`` seconds pass; its last value.
@@ -10,6 +15,7 @@ def until(cond, timeout: float = 10.0, step: float = 0.005) -> bool:
     while not cond() and time.monotonic() < end:
         time.sleep(step)
     return bool(cond())
+
 
 
 def gated_drafter(model, wait_s: float = 10.0):
@@ -29,3 +35,24 @@ def gated_drafter(model, wait_s: float = 10.0):
             self.gate.wait(wait_s)
             return super().draft(context, n_out, row)
     return GatedDrafter()
+
+
+# 1 -> 2 -> 3 -> 4 -> 1 ...: drafts a test can predict.
+COUNTING = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+
+
+@pytest.fixture
+def drafter():
+    """A gated drafter of the COUNTING model (import this fixture by name to use it)."""
+    d = gated_drafter(COUNTING)
+    yield d
+    d.gate.set()
+
+
+@pytest.fixture
+def worker(drafter):
+    """A reference worker on loopback serving ``drafter``; stopped after the test."""
+    w = Worker(drafter, "127.0.0.1", 0).start()
+    yield w
+    drafter.gate.set()
+    w.stop()

@@ -10,18 +10,15 @@ import threading
 import time
 
 import pytest
-from helpers import gated_drafter, until
+from helpers import COUNTING as MODEL
+from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
 
 from remote_dspark import gather, ring, shm, streamsync, wire
 from remote_dspark.config import RemoteConfig
 from remote_dspark.engine import Batch, RemoteDSpark, torch
-from remote_dspark.markov import MarkovModel
-from remote_dspark.worker import MarkovDrafter, Worker
+from remote_dspark.worker import MarkovDrafter
 
 pytestmark = pytest.mark.gpu
-
-MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
-
 
 @pytest.fixture(autouse=True)
 def no_parked_stream():
@@ -30,21 +27,6 @@ def no_parked_stream():
     done = threading.Event()
     threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
     assert done.wait(20), "the GPU is still busy: a stream was left parked"
-
-
-@pytest.fixture
-def drafter():
-    d = gated_drafter(MODEL)
-    yield d
-    d.gate.set()
-
-
-@pytest.fixture
-def worker(drafter):
-    w = Worker(drafter, "127.0.0.1", 0).start()
-    yield w
-    drafter.gate.set()
-    w.stop()
 
 
 def make(worker, tmp_path, **kw):

@@ -7,28 +7,9 @@ import pytest
 from remote_dspark import wire
 from remote_dspark.breaker import Breaker, State
 from remote_dspark.link import Outcome, RemoteLink
-from remote_dspark.markov import MarkovModel
 from remote_dspark.transport import TransportError, parse_endpoint
 from remote_dspark.worker import Worker
-from helpers import gated_drafter, until
-
-MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
-
-
-@pytest.fixture
-def drafter():
-    d = gated_drafter(MODEL)
-    yield d
-    d.gate.set()
-
-
-@pytest.fixture
-def worker(drafter):
-    w = Worker(drafter, "127.0.0.1", 0).start()
-    yield w
-    drafter.gate.set()
-    w.stop()
-
+from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
 
 def make_link(port, drafter, trip=3, cooldown=2, backoff_ms=20):
     hello = wire.Hello(drafter.drafter_identity, drafter.markov_identity, 1, 4, 0, 3)
