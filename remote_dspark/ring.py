@@ -67,6 +67,7 @@ class Outcome(enum.IntEnum):
 
 _PROXY_COUNTER = {Outcome.OK: "rounds_ok", Outcome.TIMEOUT: "rounds_timeout",
                   Outcome.ERROR: "rounds_error", Outcome.BREAKER_SKIP: "rounds_breaker_skip"}
+_PROXY_OUTCOMES = (Outcome.OK, Outcome.TIMEOUT, Outcome.ERROR, Outcome.BREAKER_SKIP)
 
 
 class RingFull(TimeoutError):
@@ -314,13 +315,11 @@ class EngineEnd(_End):
 class ProxyRound:
     """A round the proxy took from the ring. Its views are the region's own bytes."""
 
-    __slots__ = ("round", "index", "seen_ns", "gathered_ns", "_end")
+    __slots__ = ("round", "index", "_end")
 
-    def __init__(self, end: "ProxyEnd", round_id: int, index: int, seen_ns: int, gathered_ns: int):
+    def __init__(self, end: "ProxyEnd", round_id: int, index: int):
         self.round = round_id
         self.index = index
-        self.seen_ns = seen_ns          # when the proxy saw it gathered (CLOCK_MONOTONIC)
-        self.gathered_ns = gathered_ns  # when the engine gathered it; 0 = unknown
         self._end = end
 
     def fields(self) -> tuple[int, int, int, int]:
@@ -369,7 +368,13 @@ class ProxyRound:
 
 class ProxyEnd(_End):
     """The proxy's side: take rounds in order, answer each exactly once or drop the
-    answer as late. One thread (the proxy loop) uses it and writes the proxy counters.
+    answer as late. One thread (the proxy loop) uses it.
+
+    The critical path is two native calls (``hf_take``, ``hf_answer``): the wait, the
+    heartbeat, the claim, the drafts, the release and every proxy counter and histogram
+    are in C, so between releasing one round and watching for the next no Python runs.
+    Drafts are packed into a private slot-shaped image first and copied in after the
+    claim, so a late answer never touches a slot.
 
     Invariants: ``next`` is the next round to take; every round before it was returned
     by ``next_round`` or had been claimed by someone else when the proxy reached it.
@@ -378,40 +383,63 @@ class ProxyEnd(_End):
     def __init__(self, region: shm.Region, lib: native.Native, *, spin_us: int = 1000,
                  nap_us: int = 0, pid: int | None = None):
         super().__init__(region, lib)
+        lay = self.layout
         self.counters = region.proxy_counters(lib)
         self.header = region.header_words(lib)
-        self.spin_us = spin_us
-        self.nap_us = nap_us
-        self._out = (ctypes.c_uint64 * 3)()   # hf_next: seen ns, claim, gathered ns
-        self._out_addr = ctypes.addressof(self._out)
-        self.next = seq_add(self.claimed(), 1)
+        offs = shm.PROXY_COUNTERS.offsets
+        self._bounds = (ctypes.c_uint64 * len(shm.LATENCY_BOUNDS_NS))(*shm.LATENCY_BOUNDS_NS)
+        self._seen = (ctypes.c_uint64 * lay.depth)()
+        self._image = (ctypes.c_char * lay.drafts_stride)()
+        self._image_view = memoryview(self._image).cast("B")
+        self._image_addr = ctypes.addressof(self._image)
+        self._state = native.ProxyState(
+            ring=self._geom, heartbeat=region.addr(shm.OFF_HEARTBEAT),
+            counters=self.counters.base,
+            bounds=ctypes.addressof(self._bounds), seen_ns=ctypes.addressof(self._seen),
+            publish_timeout_ns=PUBLISH_TIMEOUT_NS, n_bounds=len(shm.LATENCY_BOUNDS_NS),
+            next=seq_add(self.claimed(), 1), spin_us=spin_us, nap_us=nap_us,
+            c_outcome=(ctypes.c_uint32 * 4)(*(offs[_PROXY_COUNTER[o]] // 8 for o in _PROXY_OUTCOMES)),
+            c_late=offs["rounds_late"] // 8, c_drafts=offs["drafts"] // 8,
+            c_draft_tokens=offs["draft_tokens"] // 8, h_round=offs["round_latency"] // 8,
+            h_handoff=offs["handoff_latency"] // 8, d_counts=shm.D_COUNTS,
+            d_entry_status=lay.d_entry_status, d_tokens=lay.d_tokens, d_margins=lay.d_margins,
+            num_spec=lay.num_spec, max_slots=lay.max_slots)
+        self._state_addr = ctypes.addressof(self._state)
         self.header.set_proxy_pid(os.getpid() if pid is None else pid)
 
+    @property
+    def next(self) -> int:
+        """The next round this end will take."""
+        return self._state.next
+
+    @property
+    def spin_us(self) -> int:
+        return self._state.spin_us
+
+    @property
+    def nap_us(self) -> int:
+        return self._state.nap_us
+
     def beat(self) -> None:
-        """Bump the heartbeat (CLOCK_MONOTONIC ns)."""
+        """Bump the heartbeat (CLOCK_MONOTONIC ns); ``next_round`` does it on every call."""
         self.header.beat(time.monotonic_ns())
 
     def next_round(self, timeout_s: float) -> ProxyRound | None:
-        """Wait (GIL released, spin then nap) for the next gathered round nobody has
-        answered; None at the deadline. Rounds already claimed are skipped, never sent."""
-        deadline = native.deadline_ns(timeout_s)
-        out = self._out
-        while True:
-            r = self.next
-            if self._lib.next(self._geom_ref, r, self.spin_us, self.nap_us, deadline, self._out_addr):
-                return None  # TIMEOUT: the wait has no other failure
-            claim = out[1]
-            if seq_geq(claim, r):
-                self.next = seq_add(claim, 1)
-                continue
-            self.next = seq_add(r, 1)
-            return ProxyRound(self, r, r & self._mask, out[0], out[2])
+        """Beat, then wait (GIL released, spin then nap) for the next gathered round
+        nobody has answered; None at the deadline. Rounds already claimed are skipped,
+        never sent."""
+        r = self._lib.take(self._state_addr, int(timeout_s * 1e9) if timeout_s > 0 else 0)
+        if r < 0:
+            check(-r, "take a round")   # TIMEOUT: the wait has no other failure
+            return None
+        return ProxyRound(self, r, r & self._mask)
 
     def complete(self, rnd: ProxyRound, drafts: wire.Drafts | None = None,
                  outcome: Outcome = Outcome.OK) -> bool:
         """Answer ``rnd`` and release it: ``drafts`` with OK, or empty (``drafts`` None,
-        or any failure outcome). True when released; False when another claimer (the
-        watchdog) answered it first: the answer is dropped and counted ``rounds_late``.
+        or any failure outcome); counted in the proxy's block. True when released; False
+        when another claimer (the watchdog) answered it first: the answer is dropped and
+        counted ``rounds_late``.
 
         Raises:
             ValueError: ``outcome`` is not the proxy's, or ``drafts`` do not fit the
@@ -419,46 +447,44 @@ class ProxyEnd(_End):
             RuntimeError: a ring invariant is broken (see ``native.check``), or the
                 previous round's claimer never released it.
         """
-        if outcome not in _PROXY_COUNTER:
+        if not Outcome.OK <= outcome <= Outcome.BREAKER_SKIP:
             raise ValueError(f"outcome {outcome!r} is not one the proxy writes")
         r = rnd.round
-        deadline = time.monotonic_ns() + PUBLISH_TIMEOUT_NS
-        if drafts is None or outcome is not Outcome.OK:
-            rc = self._lib.release_empty(self._geom_ref, r, outcome, deadline)
+        if drafts is None or outcome != Outcome.OK:
+            rc = self._lib.answer(self._state_addr, r, outcome, None)
+        elif self._pack(rnd, drafts):
+            rc = self._lib.answer(self._state_addr, r, outcome, self._image_addr)
         else:
-            rc = self._answer(rnd, drafts, deadline)
-        status = check(rc, f"answer round {r}")
-        if status is Status.LATE:
+            rc = Status.LATE
             self.counters.add("rounds_late")
-            return False
+        if rc == Status.OK:
+            return True
+        status = check(rc, f"answer round {r}")
         if status is Status.TIMEOUT:
             raise RuntimeError(f"round {r} is claimed but round {seq_add(r, -1)}'s claimer did "
                                "not release it; the engine must release_orphans")
-        self._count(rnd, drafts if outcome is Outcome.OK else None, outcome)
+        return False   # LATE, counted
+
+    def _pack(self, rnd: ProxyRound, d: wire.Drafts) -> bool:
+        """Write ``d`` into the private drafts image, validated against the round; False
+        when the round was claimed by someone else meanwhile (its descriptor may be reused
+        already, so it cannot be checked against).
+
+        Raises:
+            ValueError: the drafts do not fit the round, while it is still unclaimed.
+        """
+        if not rnd.pending():
+            return False
+        try:
+            self._pack_checked(rnd, d)
+        except ValueError:
+            if rnd.pending():   # nobody claimed it, so its descriptor is intact: a bad reply
+                raise
+            return False
         return True
 
-    def _answer(self, rnd: ProxyRound, drafts: wire.Drafts, deadline: int) -> int:
-        """Claim ``rnd``, write ``drafts`` into its slot, publish: a status code. The
-        drafts are checked against the round before anything is claimed."""
-        try:
-            parts = self._pack(rnd, drafts) if rnd.pending() else None
-        except ValueError:
-            if rnd.pending():  # nobody claimed it, so its descriptor is intact: a bad reply
-                raise
-            parts = None       # claimed meanwhile: its slot may be reused already
-        if parts is None:
-            return Status.LATE
-        rc = self._lib.claim(self._claim, rnd.round)
-        if rc != Status.OK:
-            return rc
-        with self.region.drafts(rnd.index) as d:
-            for at, data in parts:
-                d[at:at + len(data)] = data
-        return self._lib.publish(self._released, rnd.round, deadline)
-
-    def _pack(self, rnd: ProxyRound, d: wire.Drafts) -> list[tuple[int, bytes]]:
-        """(offset in the drafts slot, bytes) to write, validated against the round."""
-        lay, K = self.layout, self.layout.num_spec
+    def _pack_checked(self, rnd: ProxyRound, d: wire.Drafts) -> None:
+        lay, K, img = self.layout, self.layout.num_spec, self._image_view
         n = len(d.slots)
         if d.round_id != rnd.round:
             raise ValueError(f"drafts for round {d.round_id}, expected {rnd.round}")
@@ -468,26 +494,12 @@ class ProxyEnd(_End):
         if d.width > K:
             raise ValueError(f"round {rnd.round}: drafts width {d.width} over num_spec={K}")
         flags = shm.DRAFTS_MARGINS if d.margins is not None else 0
-        parts = [(0, shm.DRAFTS_HEAD.pack(rnd.round, Outcome.OK, n, flags)),
-                 (shm.D_COUNTS, struct.pack(f"<{n}i", *d.counts)),
-                 (lay.d_entry_status, struct.pack(f"<{n}i", *d.statuses)),
-                 (lay.d_tokens, struct.pack(f"<{n * K}i", *_widen(d.tokens, n, d.width, K, 0)))]
+        struct.pack_into("<II", img, shm.D_N, n, flags)
+        struct.pack_into(f"<{n}i", img, shm.D_COUNTS, *d.counts)
+        struct.pack_into(f"<{n}i", img, lay.d_entry_status, *d.statuses)
+        struct.pack_into(f"<{n * K}i", img, lay.d_tokens, *_widen(d.tokens, n, d.width, K, 0))
         if d.margins is not None:
-            parts.append((lay.d_margins, struct.pack(f"<{n * K}f", *_widen(d.margins, n, d.width, K, 0.0))))
-        return parts
-
-    def _count(self, rnd: ProxyRound, drafts: wire.Drafts | None, outcome: Outcome) -> None:
-        now = time.monotonic_ns()
-        c = self.counters
-        c.add(_PROXY_COUNTER[outcome])
-        c.observe("round_latency", now - rnd.seen_ns)
-        if 0 < rnd.gathered_ns <= rnd.seen_ns:
-            c.observe("handoff_latency", rnd.seen_ns - rnd.gathered_ns)
-        if drafts is not None:
-            answered = sum(1 for k in drafts.counts if k)
-            if answered:
-                c.add("drafts", answered)
-                c.add("draft_tokens", sum(drafts.counts))
+            struct.pack_into(f"<{n * K}f", img, lay.d_margins, *_widen(d.margins, n, d.width, K, 0.0))
 
 
 def _widen(flat: Sequence, n: int, width: int, to: int, fill) -> Sequence:

@@ -223,6 +223,11 @@ class Counters:
         self._addr = {name: self._base + off for name, off in block.offsets.items()}
         self._region = region  # keeps the mapping referenced while this lives
 
+    @property
+    def base(self) -> int:
+        """The block's address in this process (word i of the block is at base + 8 i)."""
+        return self._base
+
     def addr(self, name: str) -> int:
         return self._addr[name]
 

@@ -325,6 +325,48 @@ def test_proxy_refuses_drafts_that_do_not_fit_before_claiming(lib):
             end.complete(rnd, None, Outcome.WATCHDOG)
 
 
+def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
+    """One native call takes a round (and beats), one answers it: the claim, the drafts
+    of only the round's entries, the release and every proxy counter and histogram."""
+    with make_region(depth=2) as region:
+        eng = ring.EngineEnd(region, lib)
+        end = ring.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        sync = streamsync.HostFlagSync(region, lib)
+        assert end.next_round(0.001) is None   # nothing gathered: a timeout, and a beat
+        beat = end.header.heartbeat_ns
+        assert beat > 0
+        answers = {1: wire.Drafts(1, [3, 4, 5], [2, 0, 4], [0, 0, wire.STATUS_RESYNC], 4,
+                                  [1, 2, 0, 0, 0, 0, 0, 0, 9, 8, 7, 6], [0.5] * 12),
+                   2: wire.Drafts(2, [7], [0], [0], 4, [0] * 4),
+                   3: wire.Drafts(3, [6], [1], [0], 2, [42, 0])}   # round 1's slot, fewer entries
+        got = {}
+        for r, d in answers.items():
+            assert eng.reserve(1) == r
+            eng.write_descriptor(r, [wire.Entry(s, 4, 0, []) for s in d.slots])
+            sync.signal(r)
+            rnd = end.next_round(1)
+            assert rnd.round == r and end.next == r + 1
+            assert end.complete(rnd, d)
+            got[r] = eng.drafts(r)
+        assert end.header.heartbeat_ns > beat
+        assert (got[1].counts, got[1].statuses, got[1].tokens) == (
+            (2, 0, 4), (0, 0, wire.STATUS_RESYNC), ((1, 2), (), (9, 8, 7, 6)))
+        assert got[1].margins == ((0.5, 0.5), (), (0.5,) * 4)
+        assert (got[3].counts, got[3].tokens, got[3].margins) == ((1,), ((42,),), None)
+        snap = end.counters.snapshot()
+        assert snap.counters["rounds_ok"] == 3
+        assert (snap.counters["drafts"], snap.counters["draft_tokens"]) == (3, 7)
+        for name in ("round_latency", "handoff_latency"):   # CPU signal stamps gathered_ns
+            assert snap.histograms[name].count == 3 and snap.histograms[name].sum_ns > 0
+        r = eng.reserve(1)
+        sync.signal(r)
+        rnd = end.next_round(1)
+        assert lib.answer(end._state_addr, r, Outcome.WATCHDOG, None) == native.Status.STATE
+        assert eng.claimed() == 3   # refused before claiming
+        assert end.complete(rnd, None, Outcome.TIMEOUT)
+        assert end.counters.snapshot().counters["rounds_timeout"] == 1
+
+
 def test_a_wait_that_outlasts_its_gil_hold_releases_the_gil(lib):
     """A thread of this process can only answer once the waiting thread lets the GIL go:
     after the hold, both ``handoff`` and ``wait`` go on with it released."""

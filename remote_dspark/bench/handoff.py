@@ -26,6 +26,7 @@ ended before the row returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -132,6 +133,18 @@ class Pinning:
         engine = [c for c in cpus[:-1] if c not in _siblings(peer)] or cpus[:-1]
         return cls(frozenset([peer]), frozenset(engine))
 
+    @contextlib.contextmanager
+    def engine_threads(self):
+        """Keep this thread, and the threads it starts meanwhile (the hog, the thread
+        peer, the CUDA driver's), on the engine's CPUs; restored on exit."""
+        before = os.sched_getaffinity(0)
+        try:
+            if self.engine is not None:
+                os.sched_setaffinity(0, self.engine)
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
+
     def describe(self) -> str:
         if self.peer is None:
             return "not pinned"
@@ -177,18 +190,13 @@ def run_all(opts: Options) -> list[Row]:
     pins = Pinning.plan(opts.pin)
     plan = [(m, hog) for hog in (False, True) for m in MODES]
     rows = []
-    before = os.sched_getaffinity(0)
-    try:
-        if pins.engine is not None:  # this thread's; the hog and thread peer inherit it
-            os.sched_setaffinity(0, pins.engine)
+    with pins.engine_threads():
         bar = Progress(len(plan), "handoff rows")
         for i, (mode, hog) in enumerate(plan):
             bar.update(i, f"{mode}{' +hog' if hog else ''}")
             with GilHog(hog):
                 rows.append(RUNNERS[mode](lib, opts, pins, hog))
         bar.update(len(plan))
-    finally:
-        os.sched_setaffinity(0, before)
     return rows
 
 

@@ -17,7 +17,7 @@ lock-free 32- and 64-bit atomics (``hf_lock_free``): a word behind a lock is not
 shared by two processes.
 
 Calls that may wait (``wait_geq``, ``wait_at``, ``handoff``, ``publish``,
-``release_empty``, ``serve``, ``watchdog_stop``) go through ``ctypes.CDLL``, which
+``release_empty``, ``take``, ``answer``, ``serve``, ``watchdog_stop``) go through ``ctypes.CDLL``, which
 releases the GIL for the call. The short ones (loads, stores, claim, counters) go
 through ``ctypes.PyDLL`` and keep it: releasing the GIL for 20 ns of work would invite
 another thread to take it for a whole switch interval. ``wait_geq_holding`` and
@@ -47,7 +47,7 @@ ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-ABI_VERSION = 2
+ABI_VERSION = 3
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -87,6 +87,36 @@ class RingGeom(ctypes.Structure):
     ]
 
 
+class ProxyState(ctypes.Structure):
+    """``struct hf_proxy``: one proxy's view of a region (its ring, its counters block
+    and the rounds it has taken). Filled by ``remote_dspark.ring.ProxyEnd``."""
+
+    _fields_ = [
+        ("ring", RingGeom),
+        ("heartbeat", ctypes.c_void_p),
+        ("counters", ctypes.c_void_p),
+        ("bounds", ctypes.c_void_p),
+        ("seen_ns", ctypes.c_void_p),
+        ("publish_timeout_ns", ctypes.c_uint64),
+        ("n_bounds", ctypes.c_uint32),
+        ("next", ctypes.c_uint32),
+        ("spin_us", ctypes.c_uint32),
+        ("nap_us", ctypes.c_uint32),
+        ("c_outcome", ctypes.c_uint32 * 4),
+        ("c_late", ctypes.c_uint32),
+        ("c_drafts", ctypes.c_uint32),
+        ("c_draft_tokens", ctypes.c_uint32),
+        ("h_round", ctypes.c_uint32),
+        ("h_handoff", ctypes.c_uint32),
+        ("d_counts", ctypes.c_uint32),
+        ("d_entry_status", ctypes.c_uint32),
+        ("d_tokens", ctypes.c_uint32),
+        ("d_margins", ctypes.c_uint32),
+        ("num_spec", ctypes.c_uint32),
+        ("max_slots", ctypes.c_uint32),
+    ]
+
+
 _P, _U32, _U64, _I = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
 _RING = ctypes.POINTER(RingGeom)
 
@@ -109,7 +139,8 @@ _FUNCS = {
     "wait_at": ("hf_wait_at", _I, (_P, _U32, _U32, _U32, _U64, _P), True),
     "handoff": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), True),
     "handoff_holding": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), False),
-    "next": ("hf_next", _I, (_RING, _U32, _U32, _U32, _U64, _P), True),
+    "take": ("hf_take", ctypes.c_int64, (_P, _U64), True),
+    "answer": ("hf_answer", _I, (_P, _U32, _U32, _P), True),
     "publish": ("hf_publish", _I, (_P, _U32, _U64), True),
     "release_empty": ("hf_release_empty", _I, (_RING, _U32, _U32, _U64), True),
     "serve": ("hf_serve", _I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),

@@ -26,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 2
+#define HF_ABI 3
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -133,21 +133,6 @@ int hf_wait_at(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t 
     return rc;
 }
 
-/* Proxy side: wait until `round` is gathered, then, in the same call (one crossing of
- * the Python/C boundary on the proxy's critical path): out[0] = when it was seen,
- * out[1] = the claim word, out[2] = the round's gathered_ns (0 = unknown). */
-int hf_next(const struct hf_ring *ring, uint32_t round, uint32_t spin_us, uint32_t nap_us,
-            uint64_t deadline_ns, uint64_t *out)
-{
-    int rc = hf_wait_geq(ring->gathered, round, spin_us, nap_us, deadline_ns);
-    if (rc != HF_OK)
-        return rc;
-    out[0] = hf_now_ns();
-    out[1] = __atomic_load_n(ring->claim, __ATOMIC_ACQUIRE);
-    out[2] = __atomic_load_n(&ring->gathered_ns[round & (ring->depth - 1)], __ATOMIC_RELAXED);
-    return HF_OK;
-}
-
 /* Stream side on the CPU: record when, publish `gathered = round`. */
 void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round)
 {
@@ -236,6 +221,134 @@ int hf_serve(const struct hf_ring *ring, uint32_t first, uint32_t count, uint32_
             rc = hf_release_empty(ring, r, status, hf_now_ns() + round_timeout_ns);
         if (rc != HF_OK && rc != HF_LATE)
             return rc;
+    }
+    return HF_OK;
+}
+
+/* ------------------------------------------------------------------ the proxy's side */
+
+enum { HF_PROXY_OUTCOMES = 4 };   /* ring.Outcome OK, TIMEOUT, ERROR, BREAKER_SKIP */
+
+/* One proxy's view of one region, in the proxy's process: the ring, its counters block,
+ * and the rounds it has taken. Filled by remote_dspark.ring.ProxyEnd; one thread uses it.
+ * The proxy's whole critical path is two calls: hf_take, then (after the network)
+ * hf_answer, which claims, writes, publishes and counts, so no Python runs between the
+ * release of one round and the wait for the next. */
+struct hf_proxy {
+    struct hf_ring ring;
+    uint64_t *heartbeat;          /* header word: CLOCK_MONOTONIC ns of the last take */
+    uint64_t *counters;           /* the proxy counters block (word indexes below) */
+    const uint64_t *bounds;       /* histogram bucket upper bounds (ns), ascending */
+    uint64_t *seen_ns;            /* [depth], private: when each taken round was seen */
+    uint64_t publish_timeout_ns;  /* how long to wait for the previous claimer's release */
+    uint32_t n_bounds;            /* a histogram is n_bounds + 1 buckets, then the sum */
+    uint32_t next;                /* the next round to take */
+    uint32_t spin_us, nap_us;     /* hf_wait_geq's, for the wait for a round */
+    uint32_t c_outcome[HF_PROXY_OUTCOMES];   /* rounds_ok .. rounds_breaker_skip */
+    uint32_t c_late, c_drafts, c_draft_tokens;
+    uint32_t h_round, h_handoff;  /* round_latency, handoff_latency histograms */
+    uint32_t d_counts, d_entry_status, d_tokens, d_margins;   /* drafts slot offsets */
+    uint32_t num_spec, max_slots;
+};
+
+static void observe(const struct hf_proxy *p, uint32_t hist, uint64_t ns)
+{
+    uint32_t b = 0;
+    while (b < p->n_bounds && p->bounds[b] < ns)
+        b++;
+    uint64_t *h = p->counters + hist;
+    __atomic_fetch_add(&h[b], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&h[p->n_bounds + 1], ns, __ATOMIC_RELAXED);
+}
+
+static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
+{
+    __atomic_fetch_add(&p->counters[word], n, __ATOMIC_RELAXED);
+}
+
+/* Beat, then wait up to timeout_ns for the next gathered round nobody has claimed;
+ * rounds another claimer answered meanwhile are skipped, never returned. Returns the
+ * round id (0 .. 2^32-1), or -HF_TIMEOUT. */
+int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
+{
+    uint64_t now = hf_now_ns(), deadline = now + timeout_ns;
+    __atomic_store_n(p->heartbeat, now, __ATOMIC_RELEASE);
+    for (;;) {
+        uint32_t r = p->next;
+        int rc = hf_wait_geq(p->ring.gathered, r, p->spin_us, p->nap_us, deadline);
+        if (rc != HF_OK)
+            return -(int64_t)rc;
+        uint32_t claim = __atomic_load_n(p->ring.claim, __ATOMIC_ACQUIRE);
+        if (cyc_geq(claim, r)) {
+            p->next = claim + 1;
+            continue;
+        }
+        p->seen_ns[r & (p->ring.depth - 1)] = hf_now_ns();
+        p->next = r + 1;
+        return r;
+    }
+}
+
+/* Answer `round` with `status`: claim it, write its drafts slot, publish, count. With
+ * `image` (status OK only) the drafts come from a private buffer shaped like a drafts
+ * slot: n_entries and flags at d_zero, then counts, entry statuses, tokens and (flag
+ * bit 0) margins at the slot's offsets; only the n entries' bytes are copied. Without
+ * it the answer is empty. HF_LATE (counted rounds_late): another claimer answered it;
+ * HF_TIMEOUT: claimed and written, but round - 1 was not released in time; HF_STATE: a
+ * status that is not the proxy's, or an image with more entries than the slot holds. */
+int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image)
+{
+    const struct hf_ring *ring = &p->ring;
+    uint32_t n = 0, flags = 0, answered = 0;
+    uint64_t tokens = 0;
+    if (status >= HF_PROXY_OUTCOMES || (image && status != 0))
+        return HF_STATE;
+    if (image) {
+        memcpy(&n, image + ring->d_zero, 4);
+        memcpy(&flags, image + ring->d_zero + 4, 4);
+        if (n > p->max_slots)
+            return HF_STATE;
+    }
+    int rc = hf_claim(ring->claim, round);
+    if (rc == HF_LATE)
+        count(p, p->c_late, 1);
+    if (rc != HF_OK)
+        return rc;
+    uint32_t i = round & (ring->depth - 1);
+    uint64_t gathered = __atomic_load_n(&ring->gathered_ns[i], __ATOMIC_RELAXED);
+    uint8_t *slot = ring->drafts + (uint64_t)i * ring->drafts_stride;
+    if (image) {
+        uint64_t row = 4u * (uint64_t)n, grid = row * p->num_spec;
+        memcpy(slot + ring->d_zero, image + ring->d_zero, 8);
+        memcpy(slot + p->d_counts, image + p->d_counts, row);
+        memcpy(slot + p->d_entry_status, image + p->d_entry_status, row);
+        memcpy(slot + p->d_tokens, image + p->d_tokens, grid);
+        if (flags & 1)
+            memcpy(slot + p->d_margins, image + p->d_margins, grid);
+        for (uint32_t e = 0; e < n; e++) {
+            int32_t k;
+            memcpy(&k, image + p->d_counts + 4u * e, 4);
+            answered += k != 0;
+            tokens += (uint64_t)(k > 0 ? k : 0);
+        }
+        __atomic_store_n((uint32_t *)(slot + ring->d_status), status, __ATOMIC_RELAXED);
+        __atomic_store_n((uint32_t *)(slot + ring->d_round), round, __ATOMIC_RELAXED);
+    } else {
+        hf_zero_drafts(ring, round, status);
+    }
+    rc = hf_publish(ring->released, round, hf_now_ns() + p->publish_timeout_ns);
+    if (rc != HF_OK)
+        return rc;
+    uint64_t now = hf_now_ns(), seen = p->seen_ns[i];
+    count(p, p->c_outcome[status], 1);
+    if (seen && seen <= now)
+        observe(p, p->h_round, now - seen);
+    if (gathered && gathered <= seen)
+        observe(p, p->h_handoff, seen - gathered);
+    p->seen_ns[i] = 0;
+    if (answered) {
+        count(p, p->c_drafts, answered);
+        count(p, p->c_draft_tokens, tokens);
     }
     return HF_OK;
 }
