@@ -8,8 +8,9 @@ same loop as a thread of the engine, for comparison.
 Per round: wait for ``gathered`` (in C, GIL released: spin ``ASYNC_SPIN_US``, then nap
 ``ASYNC_NAP_US``; 0 = pure spin), read the descriptor, ask the breaker, send the ROUND
 straight from the region (head, rows and tokens are views of it), receive DRAFTS within
-the deadline, claim, write the drafts, release, count, beat the heartbeat. A round the
-watchdog answered first is dropped and counted late.
+the deadline, then claim, write the drafts, release and count in one native call (the
+wait beats the heartbeat). A round the watchdog answered first is dropped and counted
+late.
 
 The process exits when the engine dies (PR_SET_PDEATHSIG, and the parent pid checked
 every idle tick in case the engine died before the request took effect), on SIGTERM
@@ -100,8 +101,7 @@ class ProxyLoop:
         self.connect()
         try:
             while not should_stop():
-                self.end.beat()
-                rnd = self.end.next_round(IDLE_TICK_S)
+                rnd = self.end.next_round(IDLE_TICK_S)   # beats, then waits
                 if rnd is not None:
                     self.serve(rnd)
         finally:

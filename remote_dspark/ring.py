@@ -33,7 +33,6 @@ import ctypes
 import enum
 import os
 import struct
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -419,10 +418,6 @@ class ProxyEnd(_End):
     @property
     def nap_us(self) -> int:
         return self._state.nap_us
-
-    def beat(self) -> None:
-        """Bump the heartbeat (CLOCK_MONOTONIC ns); ``next_round`` does it on every call."""
-        self.header.beat(time.monotonic_ns())
 
     def next_round(self, timeout_s: float) -> ProxyRound | None:
         """Beat, then wait (GIL released, spin then nap) for the next gathered round
