@@ -411,14 +411,6 @@ class ProxyEnd(_End):
         """The next round this end will take."""
         return self._state.next
 
-    @property
-    def spin_us(self) -> int:
-        return self._state.spin_us
-
-    @property
-    def nap_us(self) -> int:
-        return self._state.nap_us
-
     def next_round(self, timeout_s: float) -> ProxyRound | None:
         """Beat, then wait (GIL released, spin then nap) for the next gathered round
         nobody has answered; None at the deadline. Rounds already claimed are skipped,
