@@ -103,11 +103,14 @@ def test_concurrent_builds_from_several_processes_agree(tmp_path):
     assert os.listdir(cache) == [os.path.basename(outs[0])]
 
 
-def _fake_library(tmp_path, abi: int, lock_free: int) -> str:
+def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = None) -> str:
+    ring = ctypes.sizeof(native.RingGeom)
+    proxy = ctypes.sizeof(native.ProxyState) if proxy_size is None else proxy_size
     src = tmp_path / "fake.c"
     src.write_text(f"int hf_abi_version(void) {{ return {abi}; }}\n"
-                   f"int hf_lock_free(void) {{ return {lock_free}; }}\n")
-    out = tmp_path / f"fake-{abi}-{lock_free}.so"
+                   f"int hf_lock_free(void) {{ return {lock_free}; }}\n"
+                   f"unsigned long long hf_sizeof(int w) {{ return w == 0 ? {ring} : {proxy}; }}\n")
+    out = tmp_path / f"fake-{abi}-{lock_free}-{proxy}.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True,
                    timeout=CHILD_TIMEOUT_S)
     return str(out)
@@ -117,6 +120,13 @@ def test_a_library_without_lock_free_words_is_refused(tmp_path):
     path = _fake_library(tmp_path, native.ABI_VERSION, 1)
     with pytest.raises(NativeError, match=rf"{path}: 32/64-bit atomics are not lock-free"):
         native.load({native.ENV_LIB: path})
+
+
+def test_a_library_whose_structs_differ_from_their_mirrors_is_refused(tmp_path):
+    size = ctypes.sizeof(native.ProxyState)
+    path = _fake_library(tmp_path, native.ABI_VERSION, native.LOCK_FREE_ALL, proxy_size=size + 8)
+    with pytest.raises(NativeError, match=f"struct ProxyState is {size + 8} bytes in C, {size} in ctypes"):
+        native.Native(path)
 
 
 def test_a_library_of_another_abi_is_refused(tmp_path):

@@ -12,8 +12,9 @@ Which library is loaded (``locate``), first match wins:
    temporary file of its own and renames it into place (atomic), so several processes
    may build at once and every one of them loads a complete library.
 
-At load the library must report the ABI this module binds (``hf_abi_version``) and
-lock-free 32- and 64-bit atomics (``hf_lock_free``): a word behind a lock is not safely
+At load the library must report the ABI this module binds (``hf_abi_version``), the
+sizes of the structs mirrored here (``hf_sizeof``) and lock-free 32- and 64-bit atomics
+(``hf_lock_free``): a word behind a lock is not safely
 shared by two processes.
 
 Calls that may wait (``wait_geq``, ``wait_at``, ``handoff``, ``publish``,
@@ -194,16 +195,21 @@ class Native:
             setattr(self, name, fn)
 
     def _probe(self, lib) -> None:
-        """Refuse a library of another ABI or without lock-free words (probed, not
-        assumed from the build)."""
+        """Refuse a library of another ABI, with structs of other sizes than their ctypes
+        mirrors, or without lock-free words (probed, not assumed from the build)."""
         try:
-            abi, lock_free = lib.hf_abi_version, lib.hf_lock_free
+            abi, lock_free, sizeof = lib.hf_abi_version, lib.hf_lock_free, lib.hf_sizeof
         except AttributeError as e:
             raise NativeError(f"{self.path} is not a hostflag library: {e}") from e
         abi.restype = lock_free.restype = ctypes.c_int
         if abi() != ABI_VERSION:
             raise NativeError(f"{self.path}: hostflag ABI {abi()}, this package binds "
                               f"{ABI_VERSION}; rebuild it from {SOURCE}")
+        sizeof.restype, sizeof.argtypes = ctypes.c_uint64, (ctypes.c_int,)
+        for which, mirror in enumerate((RingGeom, ProxyState)):
+            if sizeof(which) != ctypes.sizeof(mirror):
+                raise NativeError(f"{self.path}: struct {mirror.__name__} is {sizeof(which)} bytes "
+                                  f"in C, {ctypes.sizeof(mirror)} in ctypes; rebuild it from {SOURCE}")
         self.lock_free = lock_free()
         if self.lock_free != LOCK_FREE_ALL:
             raise NativeError(f"{self.path}: 32/64-bit atomics are not lock-free on this "

@@ -251,6 +251,12 @@ struct hf_proxy {
     uint32_t num_spec, max_slots;
 };
 
+/* The sizes of the structs Python mirrors with ctypes; the loader compares them. */
+uint64_t hf_sizeof(int which)
+{
+    return which == 0 ? sizeof(struct hf_ring) : which == 1 ? sizeof(struct hf_proxy) : 0;
+}
+
 static void observe(const struct hf_proxy *p, uint32_t hist, uint64_t ns)
 {
     uint32_t b = 0;
