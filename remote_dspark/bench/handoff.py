@@ -100,6 +100,7 @@ class Row:
     timed_in: str            # "C" or "Python"
     latency: Stats
     gil_wait: Stats | None   # only for rows timed in C
+    after_idle: Stats | None = None   # CUDA rows: each batch's first round (see handoff_cuda)
 
 
 @dataclass(frozen=True)
