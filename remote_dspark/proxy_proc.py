@@ -32,7 +32,7 @@ from . import native, shm, wire
 from .breaker import Breaker, BreakerRecord
 from .config import RemoteConfig
 from .link import Outcome as LinkOutcome, RemoteLink
-from .ring import WARM_SLICE_US, Outcome, ProxyEnd, ProxyRound
+from .ring import Outcome, ProxyEnd, ProxyRound
 
 log = logging.getLogger("remote_dspark.proxy")
 
@@ -69,12 +69,9 @@ class ProxyLoop:
     it is checked at least every ``IDLE_TICK_S``."""
 
     def __init__(self, region: shm.Region, lib: native.Native, cfg: RemoteConfig, *, engine_id: int,
-                 environ: Mapping[str, str] | None = None, own_process: bool = False):
-        """``own_process``: the proxy process (keeps its answering path warm while it
-        spins, ``ring.WARM_SLICE_US``); False in thread mode."""
+                 environ: Mapping[str, str] | None = None):
         self.cfg = cfg
-        self.end = ProxyEnd(region, lib, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us,
-                            warm_slice_us=WARM_SLICE_US if own_process else 0)
+        self.end = ProxyEnd(region, lib, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us)
         self.session = self.end.header.session
         self.breaker = RegionBreaker(cfg, self.end.header)
         lay = region.layout
@@ -163,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, native.NativeError) as e:
         print(f"proxy: cannot start: {e}", file=sys.stderr)
         return EXIT_ATTACH
-    loop = ProxyLoop(region, lib, cfg, engine_id=args.engine_id, own_process=True)
+    loop = ProxyLoop(region, lib, cfg, engine_id=args.engine_id)
     loop.run(lambda: stop.is_set() or os.getppid() != args.parent)
     return 0
 

@@ -33,7 +33,6 @@ import ctypes
 import enum
 import os
 import struct
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,12 +41,6 @@ from .native import Status, check
 
 MASK = 0xFFFFFFFF
 PUBLISH_TIMEOUT_NS = 1_000_000_000  # how long a claimer waits for the previous one
-# A spinning proxy process comes back to Python this often while it waits (ProxyEnd's
-# warm_slice_us), so the interpreter path that answers a round is still in the core's
-# caches when the round comes: on the H200 host a proxy that spun in C through a long
-# idle gap answered its first round 5 to 45 us late (cold caches and TLB), which is past
-# the stream's first poll of `released` and so costs whole re-polls (docs/design.md).
-WARM_SLICE_US = 20
 
 
 def seq_geq(a: int, b: int) -> bool:
@@ -387,13 +380,9 @@ class ProxyEnd(_End):
     """
 
     def __init__(self, region: shm.Region, lib: native.Native, *, spin_us: int = 1000,
-                 nap_us: int = 0, warm_slice_us: int = 0, pid: int | None = None):
-        """``warm_slice_us`` > 0 (process mode, pure spin only): wait in slices of that
-        long, returning to Python between them (``WARM_SLICE_US``). Never in thread mode,
-        where each return would contend for the engine's GIL."""
+                 nap_us: int = 0, pid: int | None = None):
         super().__init__(region, lib)
         lay = self.layout
-        self._slice_ns = warm_slice_us * 1000 if nap_us == 0 else 0
         self.counters = region.proxy_counters(lib)
         self.header = region.header_words(lib)
         offs = shm.PROXY_COUNTERS.offsets
@@ -426,15 +415,7 @@ class ProxyEnd(_End):
         """Beat, then wait (GIL released, spin then nap) for the next gathered round
         nobody has answered; None at the deadline. Rounds already claimed are skipped,
         never sent."""
-        take, state, slice_ns = self._lib.take, self._state_addr, self._slice_ns
-        timeout = int(timeout_s * 1e9) if timeout_s > 0 else 0
-        if slice_ns and timeout > slice_ns:
-            deadline = time.monotonic_ns() + timeout
-            r = take(state, slice_ns)
-            while r < 0 and time.monotonic_ns() < deadline:
-                r = take(state, slice_ns)
-        else:
-            r = take(state, timeout)
+        r = self._lib.take(self._state_addr, int(timeout_s * 1e9) if timeout_s > 0 else 0)
         if r < 0:
             check(-r, "take a round")   # TIMEOUT: the wait has no other failure
             return None

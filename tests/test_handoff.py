@@ -367,25 +367,6 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
         assert end.counters.snapshot().counters["rounds_timeout"] == 1
 
 
-def test_a_sliced_wait_keeps_to_its_deadline_and_sees_a_round_between_slices(lib):
-    """The process proxy waits in WARM_SLICE_US slices: None only at the whole
-    deadline, and a round gathered meanwhile is taken."""
-    with make_region() as region:
-        eng = ring.EngineEnd(region, lib)
-        end = ring.ProxyEnd(region, lib, warm_slice_us=ring.WARM_SLICE_US)
-        t0 = time.monotonic()
-        assert end.next_round(0.01) is None
-        assert time.monotonic() - t0 >= 0.01
-        r = eng.reserve(1)
-        timer = threading.Timer(0.005, streamsync.HostFlagSync(region, lib).signal, (r,))
-        timer.start()
-        try:
-            rnd = end.next_round(CHILD_TIMEOUT_S)
-        finally:
-            timer.join()
-        assert rnd.round == r and end.complete(rnd)
-
-
 def test_a_wait_that_outlasts_its_gil_hold_releases_the_gil(lib):
     """A thread of this process can only answer once the waiting thread lets the GIL go:
     after the hold, both ``handoff`` and ``wait`` go on with it released."""

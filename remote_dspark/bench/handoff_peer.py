@@ -48,8 +48,7 @@ def _region_peer(args) -> None:
     from .. import native, ring, shm
     lib = native.load()
     with shm.Region.attach(args.fd) as region:
-        end = ring.ProxyEnd(region, lib, spin_us=args.spin_us, nap_us=args.nap_us,
-                            warm_slice_us=ring.WARM_SLICE_US)   # as the proxy process
+        end = ring.ProxyEnd(region, lib, spin_us=args.spin_us, nap_us=args.nap_us)
         if args.mode == "loop":
             serve_loop(end, args.rounds, args.timeout_s)
             return
