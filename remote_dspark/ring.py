@@ -371,8 +371,8 @@ class ProxyEnd(_End):
 
     The critical path is two native calls (``hf_take``, ``hf_answer``): the wait, the
     heartbeat, the claim, the drafts, the release and every proxy counter and histogram
-    are in C, so between releasing one round and watching for the next no Python runs.
-    Drafts are packed into a private slot-shaped image first and copied in after the
+    are in C, so after a release only the return to the loop stands between the proxy
+    and its wait for the next round. Drafts are packed into a private slot-shaped image first and copied in after the
     claim, so a late answer never touches a slot.
 
     Invariants: ``next`` is the next round to take; every round before it was returned

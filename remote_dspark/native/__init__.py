@@ -14,12 +14,11 @@ Which library is loaded (``locate``), first match wins:
 
 At load the library must report the ABI this module binds (``hf_abi_version``), the
 sizes of the structs mirrored here (``hf_sizeof``) and lock-free 32- and 64-bit atomics
-(``hf_lock_free``): a word behind a lock is not safely
-shared by two processes.
+(``hf_lock_free``): a word behind a lock is not safely shared by two processes.
 
 Calls that may wait (``wait_geq``, ``wait_at``, ``handoff``, ``publish``,
-``release_empty``, ``take``, ``answer``, ``serve``, ``watchdog_stop``) go through ``ctypes.CDLL``, which
-releases the GIL for the call. The short ones (loads, stores, claim, counters) go
+``release_empty``, ``take``, ``answer``, ``serve``, ``watchdog_stop``) go through
+``ctypes.CDLL``, which releases the GIL for the call. The short ones (loads, stores, claim, counters) go
 through ``ctypes.PyDLL`` and keep it: releasing the GIL for 20 ns of work would invite
 another thread to take it for a whole switch interval. ``wait_geq_holding`` and
 ``handoff_holding`` are the same C functions bound to keep the GIL, for waits the

@@ -232,8 +232,8 @@ enum { HF_PROXY_OUTCOMES = 4 };   /* ring.Outcome OK, TIMEOUT, ERROR, BREAKER_SK
 /* One proxy's view of one region, in the proxy's process: the ring, its counters block,
  * and the rounds it has taken. Filled by remote_dspark.ring.ProxyEnd; one thread uses it.
  * The proxy's whole critical path is two calls: hf_take, then (after the network)
- * hf_answer, which claims, writes, publishes and counts, so no Python runs between the
- * release of one round and the wait for the next. */
+ * hf_answer, which claims, writes, publishes and counts, so after a release only the
+ * return to the proxy's loop stands between it and the wait for the next round. */
 struct hf_proxy {
     struct hf_ring ring;
     uint64_t *heartbeat;          /* header word: CLOCK_MONOTONIC ns of the last take */
