@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from remote_dspark.bench import add_parsers
 from remote_dspark.bench import handoff
 
@@ -24,6 +26,16 @@ def test_handoff_is_registered_with_its_options():
     args = parse(["handoff", "--rounds", "7", "--json", "--no-pin"])
     assert args.func is handoff.run
     assert (args.rounds, args.json, args.pin, args.nap_us) == (7, True, False, 0)
+
+
+def test_idle_gap_is_reported_and_a_negative_one_refused(lib, capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_DSPARK_REMOTE_HOSTFLAG_LIB", lib.path)
+    monkeypatch.setattr(handoff, "MODES", ("c_peer",))   # one row is enough here
+    assert handoff.run(parse(["handoff", "--rounds", "3", "--warmup", "0", "--idle-us", "200"])) == 0
+    out = capsys.readouterr().out
+    assert "200 us idle before each round" in out.splitlines()[0]
+    with pytest.raises(ValueError, match="--idle-us=-1"):
+        handoff.run(parse(["handoff", "--idle-us", "-1"]))
 
 
 def test_tiny_run_reports_every_row(lib, capsys, monkeypatch):

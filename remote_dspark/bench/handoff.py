@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
                    help="rows whose peer is another process: the engine spins this long "
                         f"keeping its GIL before releasing it (default {HOLD_GIL_US}; 0: "
                         "release at once). The thread row never holds: its peer needs the GIL")
+    p.add_argument("--idle-us", type=int, default=0,
+                   help="sleep this long before each round, as an engine step does (default 0: "
+                        "back to back); shows what a peer that waited through an idle gap adds")
     p.add_argument("--switch-interval-us", type=int, default=0,
                    help="set the engine's GIL switch interval (default 0: the interpreter's)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
@@ -111,6 +114,12 @@ class Options:
     nap_us: int
     hold_gil_us: int = HOLD_GIL_US
     pin: bool = True
+    idle_us: int = 0
+
+    def pause(self) -> None:
+        """The gap before a round (``--idle-us``)."""
+        if self.idle_us:
+            time.sleep(self.idle_us / 1e6)
 
 
 @dataclass(frozen=True)
@@ -167,12 +176,14 @@ def _siblings(cpu: int) -> set[int]:
 
 
 def run(args) -> int:
-    if args.rounds < 1 or args.warmup < 0 or args.hold_gil_us < 0:
+    if args.rounds < 1 or args.warmup < 0 or args.hold_gil_us < 0 or args.idle_us < 0:
         raise ValueError(f"--rounds={args.rounds} --warmup={args.warmup} --hold-gil-us="
-                         f"{args.hold_gil_us}: need rounds >= 1, warmup >= 0, hold >= 0")
+                         f"{args.hold_gil_us} --idle-us={args.idle_us}: need rounds >= 1, "
+                         "warmup >= 0, hold >= 0, idle >= 0")
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us / 1e6)
-    opts = Options(args.rounds, args.warmup, args.spin_us, args.nap_us, args.hold_gil_us, args.pin)
+    opts = Options(args.rounds, args.warmup, args.spin_us, args.nap_us, args.hold_gil_us, args.pin,
+                   args.idle_us)
     if args.device == "cuda":
         from . import handoff_cuda as impl
         impl.main_check()
@@ -216,6 +227,7 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
         lat, gil = [], []
         with _region_peer(mode, region, total, opts, pins, lib):
             for i in range(total):
+                opts.pause()
                 r = engine.try_reserve()  # never full: one round in flight at a time
                 h = sync.handoff(r, ROUND_TIMEOUT_S)
                 back = time.monotonic_ns()
@@ -245,6 +257,7 @@ def _pipe_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
         with Peer("pipe", theirs.fileno(), total, opts, pins, lib):
             theirs.close()
             for i in range(total):
+                opts.pause()
                 t0 = time.monotonic_ns()
                 ours.send_bytes(msg)
                 if not ours.poll(ROUND_TIMEOUT_S):
@@ -269,6 +282,7 @@ def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
         try:
             with Peer("pyflag", fd, total, opts, pins, lib):
                 for r in range(1, total + 1):
+                    opts.pause()
                     t0 = time.monotonic_ns()
                     FLAG.pack_into(mm, PING, r)
                     pyflag_wait(mm, PONG, r, time.monotonic() + ROUND_TIMEOUT_S)
@@ -394,6 +408,7 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
         out_rows.append(d)
     return {"bench": "handoff", "rounds": opts.rounds, "warmup": opts.warmup,
             "spin_us": opts.spin_us, "nap_us": opts.nap_us, "hold_gil_us": opts.hold_gil_us,
+            "idle_us": opts.idle_us,
             "cpus": os.cpu_count(),
             "pinning": Pinning.plan(opts.pin).describe(),
             "switch_interval_us": round(sys.getswitchinterval() * 1e6),
@@ -415,11 +430,16 @@ def targets(rows: list[Row]) -> dict:
     return out
 
 
+def _gap(report: dict) -> str:
+    idle = report.get("idle_us", 0)
+    return f"{idle} us idle before each round, " if idle else ""
+
+
 def format_table(report: dict) -> str:
     head = (f"{'mode':<26}{'hog':<5}{'median':>9}{'p99':>10}{'max':>11}"
             f"{'x floor p50/p99/max':>24}   gil wait p50/p99/max")
     lines = [f"hand-off round trip, {report['rounds']} rounds per row (+{report['warmup']} warm-up), "
-             f"us; spin {report['spin_us']} us, nap {report['nap_us']} us, GIL hold "
+             f"us; {_gap(report)}spin {report['spin_us']} us, nap {report['nap_us']} us, GIL hold "
              f"{report['hold_gil_us']} us (process peers), {report['cpus']} CPUs, "
              f"switch interval {report['switch_interval_us']} us; {report['pinning']}", head, "-" * len(head)]
     for r in report["rows"]:
