@@ -87,11 +87,14 @@ def run(args: argparse.Namespace) -> int:
                           local_drafter=local, environ=env) as rd:
             engine = DemoEngine(rd, sim)
             bar = Progress(args.rounds, "rounds")
+            killed = None
             for r in range(1, args.rounds + 1):
                 if args.kill_proxy_every and r % args.kill_proxy_every == 0:
-                    _kill_proxy(rd)
+                    killed = _kill_proxy(rd, killed)
                 engine.step()
                 bar.update(r, _note(rd))
+            if killed is not None:   # report once the supervisor has seen the last kill
+                _supervisor_state(rd, past=killed)
             print_report(rd.stats(), engine)
             if cfg.metrics_port and args.linger:
                 print(f"serving metrics for {args.linger:g} s more (Ctrl-C ends)", flush=True)
@@ -104,11 +107,36 @@ def _note(rd) -> str:
     return f"proxy {sup['state']}, budget {sup['budget_left']}" if sup else ""
 
 
-def _kill_proxy(rd) -> None:
+KILL_WAIT_S = 30.0   # how long the demo waits for the supervisor to react to a kill
+
+
+def _kill_proxy(rd, last: int | None) -> int | None:
+    """SIGKILL the live proxy; returns its pid. The proxy killed before may not be
+    replaced yet (its death not yet reaped, or the new one still spawning): wait, bounded,
+    for its successor, so every due kill lands on a new proxy. Nothing to kill once the
+    budget is spent (or in the other modes)."""
+    from .supervisor import Up
+    state = _supervisor_state(rd, past=last)
+    if isinstance(state, Up) and state.pid != last:
+        os.kill(state.pid, signal.SIGKILL)
+        return state.pid
+    return last
+
+
+def _supervisor_state(rd, *, past: int | None):
+    """The supervisor's state once it is past proxy ``past`` (a later proxy is up, or
+    none will be) and not between a loss and a respawn, or after KILL_WAIT_S; None
+    outside process mode."""
+    from .supervisor import Down, Up
     sup = rd._path.supervisor if rd.mode == "process" else None
-    up = sup.up if sup else None
-    if up is not None:
-        os.kill(up.pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    while sup is not None:
+        state = sup.state
+        settled = not isinstance(state, Down) and not (isinstance(state, Up) and state.pid == past)
+        if settled or time.monotonic() >= deadline:
+            return state
+        time.sleep(0.005)
+    return None
 
 
 def _local_drafter(num_spec: int):

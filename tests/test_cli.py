@@ -42,6 +42,27 @@ def test_demo_kill_proxy_every_spends_the_budget():
     assert "respawn budget (2) is spent" in out.stderr
 
 
+def test_a_due_kill_waits_for_the_killed_proxys_successor(monkeypatch):
+    """The supervisor may still show the proxy killed last (not reaped yet), then none
+    (respawning): the kill lands on the next proxy, never on a corpse."""
+    from types import SimpleNamespace
+
+    from remote_dspark import demo
+    from remote_dspark.supervisor import Cause, Down, Spent, Up
+    states = iter([Up(11, 1, 0.0), Up(11, 1, 0.0), Down(Cause.SIGNAL, 0.0), Up(12, 2, 0.0)])
+
+    class Sup:
+        @property
+        def state(self):
+            return next(states)
+    rd = SimpleNamespace(mode="process", _path=SimpleNamespace(supervisor=Sup()))
+    killed = []
+    monkeypatch.setattr(demo.os, "kill", lambda pid, sig: killed.append(pid))
+    assert demo._kill_proxy(rd, 11) == 12 and killed == [12]
+    states = iter([Spent(0.0)])
+    assert demo._kill_proxy(rd, 12) == 12 and killed == [12]   # budget spent: nothing to kill
+
+
 @pytest.mark.parametrize("mode", ["sync", "thread"])
 def test_demo_other_modes(mode):
     out = run_cli("demo", "--rounds", "30", "--slots", "8", "--mode", mode)
