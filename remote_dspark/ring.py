@@ -66,7 +66,6 @@ class Outcome(enum.IntEnum):
 
 _PROXY_COUNTER = {Outcome.OK: "rounds_ok", Outcome.TIMEOUT: "rounds_timeout",
                   Outcome.ERROR: "rounds_error", Outcome.BREAKER_SKIP: "rounds_breaker_skip"}
-_PROXY_OUTCOMES = (Outcome.OK, Outcome.TIMEOUT, Outcome.ERROR, Outcome.BREAKER_SKIP)
 
 
 class RingFull(TimeoutError):
@@ -397,7 +396,7 @@ class ProxyEnd(_End):
             bounds=ctypes.addressof(self._bounds), seen_ns=ctypes.addressof(self._seen),
             publish_timeout_ns=PUBLISH_TIMEOUT_NS, n_bounds=len(shm.LATENCY_BOUNDS_NS),
             next=seq_add(self.claimed(), 1), spin_us=spin_us, nap_us=nap_us,
-            c_outcome=(ctypes.c_uint32 * 4)(*(offs[_PROXY_COUNTER[o]] // 8 for o in _PROXY_OUTCOMES)),
+            c_outcome=(ctypes.c_uint32 * 4)(*(offs[_PROXY_COUNTER[o]] // 8 for o in sorted(_PROXY_COUNTER))),
             c_late=offs["rounds_late"] // 8, c_drafts=offs["drafts"] // 8,
             c_draft_tokens=offs["draft_tokens"] // 8, h_round=offs["round_latency"] // 8,
             h_handoff=offs["handoff_latency"] // 8, d_counts=shm.D_COUNTS,

@@ -195,19 +195,22 @@ def run(args) -> int:
     return 0
 
 
-def run_all(opts: Options) -> list[Row]:
+def run_all(opts: Options, modes=None, runners=None, label: str = "handoff rows") -> list[Row]:
+    """Every row of ``modes`` (default: this module's), each without and then with the
+    hog, with the engine's threads kept off the peer's CPU (the hog must never share it)."""
     from .. import native
     from ..progress import Progress
+    modes, runners = modes or MODES, runners or RUNNERS
     lib = native.load()
     pins = Pinning.plan(opts.pin)
-    plan = [(m, hog) for hog in (False, True) for m in MODES]
+    plan = [(m, hog) for hog in (False, True) for m in modes]
     rows = []
     with pins.engine_threads():
-        bar = Progress(len(plan), "handoff rows")
+        bar = Progress(len(plan), label)
         for i, (mode, hog) in enumerate(plan):
             bar.update(i, f"{mode}{' +hog' if hog else ''}")
             with GilHog(hog):
-                rows.append(RUNNERS[mode](lib, opts, pins, hog))
+                rows.append(runners[mode](lib, opts, pins, hog))
         bar.update(len(plan))
     return rows
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from .handoff import ROUND_TIMEOUT_S, GilHog, Options, Peer, PeerThread, Pinning, Row, Stats
+from . import handoff
+from .handoff import ROUND_TIMEOUT_S, Options, Peer, PeerThread, Pinning, Row, Stats
 
 CUDA_MODES = ("c_peer", "process", "thread", "e2e")
 DESCRIBE = {"c_peer": "C peer process (floor)", "process": "proxy loop, own process",
@@ -39,20 +40,7 @@ TARGET_P99_US = 10.0
 
 
 def run_all(opts: Options) -> list[Row]:
-    from .. import native
-    from ..progress import Progress
-    lib = native.load()
-    pins = Pinning.plan(opts.pin)
-    plan = [(m, hog) for hog in (False, True) for m in CUDA_MODES]
-    bar = Progress(len(plan), "handoff rows (cuda)")
-    rows = []
-    with pins.engine_threads():   # the hog must never share the peer's CPU
-        for i, (mode, hog) in enumerate(plan):
-            bar.update(i, f"{mode}{' +hog' if hog else ''}")
-            with GilHog(hog):
-                rows.append(RUNNERS[mode](lib, opts, pins, hog))
-        bar.update(len(plan))
-    return rows
+    return handoff.run_all(opts, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
 
 
 def _elapsed_ns(pairs) -> list[int]:
