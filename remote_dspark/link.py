@@ -26,6 +26,7 @@ from . import wire
 from .breaker import Breaker
 from .client import DraftClient
 from .transport import DeadlineExceeded, Endpoint, TransportError
+from .transport.tcp import TcpStream
 
 log = logging.getLogger("remote_dspark.link")
 
@@ -128,7 +129,9 @@ class RemoteLink:
         if self.on_connect is not None:
             self.on_connect()
 
-    def _drop(self, why: str) -> None:
+    def drop(self, why: str) -> None:
+        """Close the connection (``why`` is logged once per kind) and reconnect after
+        the back-off."""
         with self._lock:
             client, self._client = self._client, None
             if client is not None:
@@ -146,6 +149,12 @@ class RemoteLink:
     @property
     def connected(self) -> bool:
         return self._client is not None
+
+    def tcp_socket(self):
+        """The connection's socket when it is a TCP one (HELLO done), else None."""
+        client = self._client
+        stream = client.chan.stream if client is not None else None
+        return stream.sock if isinstance(stream, TcpStream) else None
 
     @property
     def late(self) -> int:
@@ -178,7 +187,7 @@ class RemoteLink:
             return RoundResult(Outcome.TIMEOUT, seconds=time.monotonic() - t0)
         except (TransportError, wire.ProtocolError) as e:
             self.breaker.failure()
-            self._drop(f"round {round_id} on {self.endpoint} failed: {e}")
+            self.drop(f"round {round_id} on {self.endpoint} failed: {e}")
             return RoundResult(Outcome.ERROR, seconds=time.monotonic() - t0)
         self.breaker.success()
         return RoundResult(Outcome.OK, drafts, time.monotonic() - t0)

@@ -5,12 +5,15 @@ process the supervisor spawns (torch-, numpy- and prometheus_client-free: a test
 the child's loaded modules). :class:`ProxyLoop` is the loop itself; thread mode runs the
 same loop as a thread of the engine, for comparison.
 
-Per round: wait for ``gathered`` (in C, GIL released: spin ``ASYNC_SPIN_US``, then nap
-``ASYNC_NAP_US``; 0 = pure spin), read the descriptor, ask the breaker, send the ROUND
-straight from the region (head, rows and tokens are views of it), receive DRAFTS within
-the deadline, then claim, write the drafts, release and count in one native call (the
-wait beats the heartbeat). A round the watchdog answered first is dropped and counted
-late.
+Per round, on a TCP connection (and whenever there is none): one native call,
+``hf_round`` (:mod:`.tcp_round`), takes the round, sends it straight from the region,
+waits for the DRAFTS, checks and writes them and releases the round, so no Python runs
+between a round's ``gathered`` and its ``released``; the loop asks the breaker before
+the call and does the accounting after it. On an ofl transport the same steps run in
+Python: wait (in C, GIL released: spin ``ASYNC_SPIN_US``, then nap ``ASYNC_NAP_US``; 0 =
+pure spin), read the descriptor, ask the breaker, send the ROUND from the region,
+receive DRAFTS within the deadline, then claim, write, release and count in one native
+call. A round the watchdog answered first is dropped and counted late.
 
 The process exits when the engine dies (PR_SET_PDEATHSIG, and the parent pid checked
 every idle tick in case the engine died before the request took effect), on SIGTERM
@@ -33,6 +36,7 @@ from .breaker import Breaker, BreakerRecord
 from .config import RemoteConfig
 from .link import Outcome as LinkOutcome, RemoteLink
 from .ring import Outcome, ProxyEnd, ProxyRound
+from .tcp_round import RoundEvent, Served, TcpRounds
 
 log = logging.getLogger("remote_dspark.proxy")
 
@@ -80,6 +84,9 @@ class ProxyLoop:
         self.link = RemoteLink(cfg.endpoint, hello, self.session, connect_timeout_ms=cfg.connect_timeout_ms,
                                backoff_ms=cfg.backoff_ms, backoff_max_ms=cfg.backoff_max_ms,
                                breaker=self.breaker.breaker, environ=environ, on_connect=self._connected)
+        self.rounds = TcpRounds(self.end, session=self.session, default_deadline_ms=cfg.timeout_ms)
+        self._attached_epoch = 0      # the link epoch whose socket ``rounds`` holds (0: none)
+        self._allow: bool | None = None   # the breaker's word for the next round, once asked
 
     def _connected(self) -> None:
         if self.link.epoch > 1:
@@ -101,11 +108,59 @@ class ProxyLoop:
         self.connect()
         try:
             while not should_stop():
-                rnd = self.end.next_round(IDLE_TICK_S)   # beats, then waits
-                if rnd is not None:
-                    self.serve(rnd)
+                self.step(IDLE_TICK_S)
         finally:
+            self.rounds.detach()
             self.link.close()
+
+    def step(self, timeout_s: float) -> None:
+        """Beat, wait up to ``timeout_s`` for the next round and answer it."""
+        sock = self.link.tcp_socket()
+        if sock is None and self.link.connected:   # a transport of its own (ofl)
+            rnd = self.end.next_round(timeout_s)
+            if rnd is not None:
+                self.serve(rnd)
+            return
+        if sock is None:
+            if self.rounds.attached:
+                self.rounds.detach()
+            self._attached_epoch = 0
+        elif self._attached_epoch != self.link.epoch:
+            self.rounds.attach(sock.fileno())
+            self._attached_epoch = self.link.epoch
+        if sock is not None and self._allow is None:
+            # Asked once per round that reaches the network's door, as RemoteLink.round
+            # does; kept across idle ticks until a round uses it.
+            self._allow = self.breaker.breaker.allow()
+        served = self.rounds.serve(timeout_s, send=bool(self._allow) and sock is not None,
+                                   at_once=Outcome.ERROR if sock is None else Outcome.BREAKER_SKIP)
+        if served is None:
+            return
+        if sock is not None and served.event is not RoundEvent.BAD_DESC:
+            self._allow = None
+        self._account(served)
+
+    def _account(self, s: Served) -> None:
+        """After a native round (released already): the breaker, counters and log."""
+        ev, breaker = s.event, self.breaker.breaker
+        if s.sent:
+            self.link.attempts += 1
+            self.end.counters.add("attempts")
+        if s.late:   # replies to rounds this proxy had given up on
+            self.end.counters.add("rounds_late", s.late)
+        if ev in (RoundEvent.OK, RoundEvent.BAD_REPLY):
+            breaker.success()
+        elif ev in (RoundEvent.TIMEOUT, RoundEvent.LOST, RoundEvent.PROTOCOL):
+            breaker.failure()
+        if ev in (RoundEvent.LOST, RoundEvent.PROTOCOL):
+            self.rounds.detach()
+            self._attached_epoch = 0
+            self.link.drop(f"round {s.round} on {self.cfg.endpoint} failed: {s.why}")
+        elif ev is RoundEvent.BAD_REPLY:
+            log.error("proxy: round %d: worker reply refused: %s", s.round, s.why)
+        elif ev is RoundEvent.BAD_DESC:
+            log.error("proxy: round %d: %s", s.round, s.why)
+        self.breaker.flush()
 
     def serve(self, rnd: ProxyRound) -> None:
         try:

@@ -410,6 +410,20 @@ class ProxyEnd(_End):
         """The next round this end will take."""
         return self._state.next
 
+    @property
+    def lib(self) -> native.Native:
+        return self._lib
+
+    @property
+    def state_addr(self) -> int:
+        """The address of this end's ``struct hf_proxy`` (for ``hf_round``)."""
+        return self._state_addr
+
+    @property
+    def image_addr(self) -> int:
+        """The address of the private drafts image ``hf_answer`` copies from."""
+        return self._image_addr
+
     def next_round(self, timeout_s: float) -> ProxyRound | None:
         """Beat, then wait (GIL released, spin then nap) for the next gathered round
         nobody has answered; None at the deadline. Rounds already claimed are skipped,

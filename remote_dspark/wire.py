@@ -93,6 +93,11 @@ _TYPE_CAP = {
 }
 
 
+def frame_cap(ftype: int) -> int:
+    """The largest payload a frame of type ``ftype`` may announce."""
+    return _TYPE_CAP[ftype]
+
+
 class ProtocolError(Exception):
     """A frame that breaks the contract. The connection it came on must be dropped."""
 

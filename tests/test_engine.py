@@ -303,12 +303,13 @@ def test_bad_rows_leave_no_hole_in_the_round_sequence(worker, tmp_path):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_proxy_thread_means_target_only_rounds_at_once(worker, tmp_path, monkeypatch, caplog):
-    from remote_dspark import proxy_proc
+    from remote_dspark import tcp_round
 
-    def broken(self, rnd):
-        raise RuntimeError("proxy bug")
+    def broken(self, timeout_s, **_):   # dies holding a round it took
+        if self._end.next_round(timeout_s) is not None:
+            raise RuntimeError("proxy bug")
+    monkeypatch.setattr(tcp_round.TcpRounds, "serve", broken)
     with make(async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")) as rd:
-        monkeypatch.setattr(proxy_proc.ProxyLoop, "serve", broken)
         assert rd.round(batch()).outcome == "watchdog"      # the round the thread died on
         assert until(lambda: not rd._path._thread.is_alive())
         t0 = time.monotonic()

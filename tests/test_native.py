@@ -104,12 +104,12 @@ def test_concurrent_builds_from_several_processes_agree(tmp_path):
 
 
 def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = None) -> str:
-    ring = ctypes.sizeof(native.RingGeom)
+    ring, link = ctypes.sizeof(native.RingGeom), ctypes.sizeof(native.LinkState)
     proxy = ctypes.sizeof(native.ProxyState) if proxy_size is None else proxy_size
     src = tmp_path / "fake.c"
     src.write_text(f"int hf_abi_version(void) {{ return {abi}; }}\n"
                    f"int hf_lock_free(void) {{ return {lock_free}; }}\n"
-                   f"unsigned long long hf_sizeof(int w) {{ return w == 0 ? {ring} : {proxy}; }}\n")
+                   f"unsigned long long hf_sizeof(int w) {{ return w == 0 ? {ring} : w == 1 ? {proxy} : {link}; }}\n")
     out = tmp_path / f"fake-{abi}-{lock_free}-{proxy}.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True,
                    timeout=CHILD_TIMEOUT_S)

@@ -4,8 +4,10 @@
 
 MODE is one of:
 
-``loop``    the project's proxy loop (``ring.ProxyEnd``: ``next_round`` / ``complete``)
-            on the region passed as FD;
+``loop``    the project's proxy round (``tcp_round.TcpRounds.serve``, one ``hf_round``
+            call a round) on the region passed as FD, answering each at once as the
+            proxy does with no connection or the breaker open: what a proxy process
+            adds to the hand-off, the network aside;
 ``c``       the C peer (``hf_serve``): the same protocol without Python, the floor;
 ``pipe``    a ``multiprocessing`` connection on FD, echoing each message;
 ``pyflag``  a pure-Python shared-memory flag on the small memfd FD: waits for the ping
@@ -32,16 +34,17 @@ FLAG_BYTES = 128
 
 
 def serve_loop(end, count: int, timeout_s: float) -> None:
-    """Answer ``count`` rounds with the proxy loop's calls (empty drafts, status OK).
+    """Answer ``count`` rounds with the proxy loop's call, at once (empty drafts, OK).
 
     Raises:
         TimeoutError: no round came within ``timeout_s``.
     """
+    from ..ring import Outcome
+    from ..tcp_round import TcpRounds
+    rounds = TcpRounds(end, session=0, default_deadline_ms=1)
     for _ in range(count):
-        rnd = end.next_round(timeout_s)
-        if rnd is None:
+        if rounds.serve(timeout_s, send=False, at_once=Outcome.OK) is None:
             raise TimeoutError(f"no round after {end.next - 1} within {timeout_s}s")
-        end.complete(rnd)
 
 
 def _region_peer(args) -> None:

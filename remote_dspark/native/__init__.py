@@ -47,7 +47,7 @@ ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-ABI_VERSION = 3
+ABI_VERSION = 4
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -117,6 +117,41 @@ class ProxyState(ctypes.Structure):
     ]
 
 
+class LinkState(ctypes.Structure):
+    """``struct hf_link``: one proxy's worker connection for ``hf_round`` (its region
+    geometry, the receive state kept across rounds, and what the last call did). Filled
+    by ``remote_dspark.tcp_round.TcpRounds``."""
+
+    _fields_ = [
+        ("desc", ctypes.c_void_p),
+        ("staging", ctypes.c_void_p),
+        ("image", ctypes.c_void_p),
+        ("rx", ctypes.c_void_p),
+        ("desc_stride", ctypes.c_uint64),
+        ("staging_stride", ctypes.c_uint64),
+        ("session", ctypes.c_uint64),
+        ("desc_tokens", ctypes.c_uint32),
+        ("row_bytes", ctypes.c_uint32),
+        ("max_tokens", ctypes.c_uint32),
+        ("rx_cap", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("max_n_out", ctypes.c_uint32),
+        ("default_deadline_ms", ctypes.c_uint32),
+        ("fd", ctypes.c_int32),
+        ("send", ctypes.c_uint32),
+        ("at_once", ctypes.c_uint32),
+        ("got", ctypes.c_uint32),
+        ("hdr", ctypes.c_uint8 * 24),
+        ("round", ctypes.c_uint32),
+        ("late", ctypes.c_uint32),
+        ("sent", ctypes.c_uint32),
+        ("answer", ctypes.c_int32),
+        ("err", ctypes.c_int32),
+        ("net_ns", ctypes.c_uint64),
+        ("why", ctypes.c_char * 200),
+    ]
+
+
 _P, _U32, _U64, _I = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
 _RING = ctypes.POINTER(RingGeom)
 
@@ -141,6 +176,7 @@ _FUNCS = {
     "handoff_holding": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), False),
     "take": ("hf_take", ctypes.c_int64, (_P, _U64), True),
     "answer": ("hf_answer", _I, (_P, _U32, _U32, _P), True),
+    "round": ("hf_round", ctypes.c_int64, (_P, _P, _U64), True),
     "publish": ("hf_publish", _I, (_P, _U32, _U64), True),
     "release_empty": ("hf_release_empty", _I, (_RING, _U32, _U32, _U64), True),
     "serve": ("hf_serve", _I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),
@@ -205,7 +241,7 @@ class Native:
             raise NativeError(f"{self.path}: hostflag ABI {abi()}, this package binds "
                               f"{ABI_VERSION}; rebuild it from {SOURCE}")
         sizeof.restype, sizeof.argtypes = ctypes.c_uint64, (ctypes.c_int,)
-        for which, mirror in enumerate((RingGeom, ProxyState)):
+        for which, mirror in enumerate((RingGeom, ProxyState, LinkState)):
             if sizeof(which) != ctypes.sizeof(mirror):
                 raise NativeError(f"{self.path}: struct {mirror.__name__} is {sizeof(which)} bytes "
                                   f"in C, {ctypes.sizeof(mirror)} in ctypes; rebuild it from {SOURCE}")

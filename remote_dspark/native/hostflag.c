@@ -19,14 +19,18 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
-#define HF_ABI 3
+#define HF_ABI 4
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -251,10 +255,42 @@ struct hf_proxy {
     uint32_t num_spec, max_slots;
 };
 
+/* One proxy's connection to the worker, for hf_round: the proxy's whole round in C.
+ * Python connects and says HELLO, then hands the socket over and reads nothing more
+ * from it; it sets fd, send and at_once before each call and reads the results after.
+ * The receive state lives here across calls, so a reply that comes after its round's
+ * deadline stays in step (and is dropped as late) instead of breaking the stream. */
+struct hf_link {
+    const uint8_t *desc;          /* descriptor 0 (the ROUND table and tokens are sent from it) */
+    const uint8_t *staging;       /* staging slot 0 (the rows are sent from it) */
+    uint8_t *image;               /* the proxy's private drafts image, hf_answer's */
+    uint8_t *rx;                  /* the DRAFTS payload buffer, rx_cap bytes */
+    uint64_t desc_stride, staging_stride;
+    uint64_t session;             /* the proxy's session, in every ROUND header */
+    uint32_t desc_tokens;         /* offset of a descriptor's tokens */
+    uint32_t row_bytes, max_tokens;
+    uint32_t rx_cap;              /* the largest DRAFTS payload the wire allows */
+    uint32_t max_entries, max_n_out;   /* wire caps of a DRAFTS frame */
+    uint32_t default_deadline_ms; /* a descriptor's deadline 0 means this */
+    int32_t fd;                   /* the worker connection (HELLO done, non-blocking), or -1 */
+    uint32_t send;                /* 1: the breaker lets this round use the network */
+    uint32_t at_once;             /* the status of a round answered without the network */
+    uint32_t got;                 /* bytes of the current reply frame read (header, payload) */
+    uint8_t hdr[24];              /* the current reply frame's header */
+    uint32_t round;               /* results: the round taken, */
+    uint32_t late;                /* replies to earlier rounds dropped, */
+    uint32_t sent;                /* 1 when the round went on the network, */
+    int32_t answer;               /* hf_answer's status (HF_LATE: another claimer was first), */
+    int32_t err;                  /* errno of a failed send or receive, */
+    uint64_t net_ns;              /* the time from the send to the reply or giving up, */
+    char why[200];                /* and what broke (any event but OK and AT_ONCE). */
+};
+
 /* The sizes of the structs Python mirrors with ctypes; the loader compares them. */
 uint64_t hf_sizeof(int which)
 {
-    return which == 0 ? sizeof(struct hf_ring) : which == 1 ? sizeof(struct hf_proxy) : 0;
+    return which == 0 ? sizeof(struct hf_ring) : which == 1 ? sizeof(struct hf_proxy)
+         : which == 2 ? sizeof(struct hf_link) : 0;
 }
 
 static void observe(const struct hf_proxy *p, uint32_t hist, uint64_t ns)
@@ -464,4 +500,278 @@ int hf_watchdog_stop(void *handle)
     pthread_mutex_destroy(&w->mu);
     free(w);
     return err ? HF_SYS : HF_OK;
+}
+
+/* ------------------------------------------------------------------ the proxy's round on TCP */
+
+/* What hf_round did with the round it took (ring.RoundEvent mirrors these). */
+enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
+       HF_EV_BAD_DESC };
+
+/* The wire contract's fixed parts (remote_dspark/wire.py): the header, DRAFTS' own
+ * fields, and where a descriptor keeps the ROUND payload's fixed part and entries. */
+enum { W_HEADER = 24, W_VERSION = 1, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5, W_TYPES = 5,
+       W_ENTRY = 16, W_DRAFTS_FIXED = 8, W_DRAFTS_ENTRY = 8, DESC_FIXED = 8, W_ROUND_FIXED = 16 };
+enum { ST_OK = 0, ST_TIMEOUT = 1, ST_ERROR = 2 };   /* ring.Outcome */
+
+static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
+static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
+
+/* Record what broke (l->why, l->err) and return `event`. */
+static int fail(struct hf_link *l, int event, int err, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static int fail(struct hf_link *l, int event, int err, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(l->why, sizeof l->why, fmt, ap);
+    va_end(ap);
+    l->err = err;
+    return event;
+}
+
+/* Wait for `events` on fd until deadline_ns: 1 ready (or in error: the next call says
+ * which), 0 deadline, -1 poll failed (errno). */
+static int ready(int fd, short events, uint64_t deadline_ns)
+{
+    for (;;) {
+        uint64_t now = hf_now_ns();
+        if (now >= deadline_ns)
+            return 0;
+        uint64_t left = deadline_ns - now;
+        struct timespec ts = { (time_t)(left / 1000000000u), (long)(left % 1000000000u) };
+        struct pollfd pfd = { fd, events, 0 };
+        int rc = ppoll(&pfd, 1, &ts, NULL);
+        if (rc > 0)
+            return 1;
+        if (rc < 0 && errno != EINTR)
+            return -1;
+    }
+}
+
+/* Send the ROUND frame: the header, then the descriptor's fixed part and entries, the
+ * staging rows and the descriptor's tokens, straight from the region. A frame cannot be
+ * taken back once in part on the wire, so a send that cannot finish by the round's
+ * deadline loses the connection. */
+static int send_round(struct hf_link *l, uint32_t round, uint32_t index, uint32_t n,
+                      uint32_t n_tokens, uint64_t deadline_ns)
+{
+    const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride;
+    uint64_t table = W_ROUND_FIXED + (uint64_t)W_ENTRY * n, rows = (uint64_t)n * l->row_bytes;
+    uint64_t tokens = 4u * (uint64_t)n_tokens;
+    uint32_t len = (uint32_t)(table + rows + tokens), version = W_VERSION | (W_ROUND << 16);
+    uint8_t hdr[W_HEADER];
+    memcpy(hdr, "DSPW", 4);
+    memcpy(hdr + 4, &version, 4);
+    memcpy(hdr + 8, &len, 4);
+    memcpy(hdr + 12, &l->session, 8);
+    memcpy(hdr + 20, &round, 4);
+    struct iovec iov[4] = {
+        { hdr, W_HEADER },
+        { (void *)(d + DESC_FIXED), table },
+        { (void *)(l->staging + (uint64_t)index * l->staging_stride), rows },
+        { (void *)(d + l->desc_tokens), tokens },
+    };
+    struct msghdr msg = { .msg_iov = iov, .msg_iovlen = 4 };
+    for (;;) {
+        while (msg.msg_iovlen && msg.msg_iov->iov_len == 0) {
+            msg.msg_iov++;
+            msg.msg_iovlen--;
+        }
+        if (!msg.msg_iovlen)
+            return HF_EV_OK;
+        ssize_t k = sendmsg(l->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int w = ready(l->fd, POLLOUT, deadline_ns);
+            if (w > 0)
+                continue;
+            if (w == 0)
+                return fail(l, HF_EV_LOST, 0, "send of round %u stalled past its deadline", round);
+        }
+        if (k < 0)
+            return fail(l, HF_EV_LOST, errno, "send failed: %s", strerror(errno));
+        for (size_t sent = (size_t)k; sent; ) {
+            size_t take = sent < msg.msg_iov->iov_len ? sent : msg.msg_iov->iov_len;
+            msg.msg_iov->iov_base = (uint8_t *)msg.msg_iov->iov_base + take;
+            msg.msg_iov->iov_len -= take;
+            sent -= take;
+            if (msg.msg_iov->iov_len == 0) {
+                msg.msg_iov++;
+                msg.msg_iovlen--;
+            }
+        }
+    }
+}
+
+/* Read the current frame up to `want` bytes (header, then payload into rx): spin on the
+ * socket until spin_until_ns, then poll. 1 done, 0 deadline (what was read is kept),
+ * or -HF_EV_LOST. */
+static int fill(struct hf_link *l, uint32_t want, uint64_t deadline_ns, uint64_t spin_until_ns)
+{
+    while (l->got < want) {
+        int in_header = l->got < W_HEADER;
+        uint8_t *dst = in_header ? l->hdr + l->got : l->rx + (l->got - W_HEADER);
+        size_t room = (in_header ? W_HEADER : want) - l->got;
+        ssize_t k = recv(l->fd, dst, room, MSG_DONTWAIT);
+        if (k > 0) {
+            l->got += (uint32_t)k;
+            continue;
+        }
+        if (k == 0)
+            return -fail(l, HF_EV_LOST, 0, "the worker closed the connection");
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return -fail(l, HF_EV_LOST, errno, "receive failed: %s", strerror(errno));
+        if (hf_now_ns() < spin_until_ns) {
+            cpu_relax();
+            continue;
+        }
+        int w = ready(l->fd, POLLIN, deadline_ns);
+        if (w == 0)
+            return 0;
+        if (w < 0)
+            return -fail(l, HF_EV_LOST, errno, "poll failed: %s", strerror(errno));
+    }
+    return 1;
+}
+
+/* Wait for the DRAFTS of `round` (dropping, and counting, replies to earlier rounds);
+ * its payload is then in rx and its length in *len. */
+static int recv_reply(struct hf_link *l, uint32_t round, uint64_t deadline_ns,
+                      uint64_t spin_until_ns, uint32_t *len)
+{
+    for (;;) {
+        int rc = fill(l, W_HEADER, deadline_ns, spin_until_ns);
+        if (rc <= 0)
+            return rc == 0 ? HF_EV_TIMEOUT : -rc;
+        uint16_t version = get16(l->hdr + 4), type = get16(l->hdr + 6);
+        uint32_t plen = get32(l->hdr + 8), of = get32(l->hdr + 20);
+        if (memcmp(l->hdr, "DSPW", 4) != 0)
+            return fail(l, HF_EV_PROTOCOL, 0, "bad magic %02x%02x%02x%02x", l->hdr[0], l->hdr[1],
+                        l->hdr[2], l->hdr[3]);
+        if (version != W_VERSION)
+            return fail(l, HF_EV_PROTOCOL, 0, "protocol version %u, this side speaks %u", version,
+                        W_VERSION);
+        if (type == W_BYE)
+            return fail(l, HF_EV_LOST, 0, "the worker said BYE");
+        if (type != W_DRAFTS)
+            return fail(l, HF_EV_PROTOCOL, 0, "frame type %u where DRAFTS was expected", type);
+        if (plen > l->rx_cap)
+            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes exceeds the cap %u", plen,
+                        l->rx_cap);
+        rc = fill(l, W_HEADER + plen, deadline_ns, spin_until_ns);
+        if (rc <= 0)
+            return rc == 0 ? HF_EV_TIMEOUT : -rc;
+        l->got = 0;
+        if (of == round) {
+            *len = plen;
+            return HF_EV_OK;
+        }
+        if (cyc_geq(of, round))
+            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS for round %u, which was never sent", of);
+        l->late++;
+    }
+}
+
+/* Check the DRAFTS payload in rx (the wire's rules, then against the round's entries)
+ * and write it into the drafts image, each row widened to num_spec with zeros. */
+static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const uint8_t *d,
+                         uint32_t n_round, uint32_t len)
+{
+    const uint8_t *b = l->rx;
+    if (len < W_DRAFTS_FIXED)
+        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes, under %u", len, W_DRAFTS_FIXED);
+    uint32_t n = get32(b), width = get16(b + 4), flags = get16(b + 6), K = p->num_spec;
+    if (n > l->max_entries || width > l->max_n_out)
+        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS of %u entries x %u over the caps", n, width);
+    if (flags & ~1u)
+        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS unknown flags %#x", flags);
+    uint64_t tok_at = W_DRAFTS_FIXED + (uint64_t)W_DRAFTS_ENTRY * n, grid = 4u * (uint64_t)n * width;
+    uint64_t want = tok_at + grid * ((flags & 1) ? 2 : 1);
+    if (len != want)
+        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes, its fields say %llu", len,
+                    (unsigned long long)want);
+    for (uint32_t e = 0; e < n; e++) {
+        const uint8_t *en = b + W_DRAFTS_FIXED + (uint64_t)W_DRAFTS_ENTRY * e;
+        if (get16(en + 4) > width || get16(en + 6) > 1)
+            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS entry %u: count %u (width %u), status %u", e,
+                        get16(en + 4), width, get16(en + 6));
+    }
+    if (n != n_round)
+        return fail(l, HF_EV_BAD_REPLY, 0, "drafts for %u entries, the round has %u", n, n_round);
+    const uint8_t *entries = d + DESC_FIXED + W_ROUND_FIXED;
+    for (uint32_t e = 0; e < n; e++) {
+        uint32_t got = get32(b + W_DRAFTS_FIXED + (uint64_t)W_DRAFTS_ENTRY * e);
+        uint32_t want_slot = get32(entries + (uint64_t)W_ENTRY * e);
+        if (got != want_slot)
+            return fail(l, HF_EV_BAD_REPLY, 0, "entry %u: drafts for slot %u, the round has slot %u",
+                        e, got, want_slot);
+    }
+    if (width > K)
+        return fail(l, HF_EV_BAD_REPLY, 0, "drafts width %u over num_spec=%u", width, K);
+    uint8_t *img = l->image;
+    memcpy(img + p->ring.d_zero, &n, 4);
+    memcpy(img + p->ring.d_zero + 4, &flags, 4);
+    for (uint32_t e = 0; e < n; e++) {
+        const uint8_t *en = b + W_DRAFTS_FIXED + (uint64_t)W_DRAFTS_ENTRY * e;
+        int32_t count = get16(en + 4), status = get16(en + 6);
+        memcpy(img + p->d_counts + 4u * e, &count, 4);
+        memcpy(img + p->d_entry_status + 4u * e, &status, 4);
+        uint64_t row = 4u * (uint64_t)K * e, src = 4u * (uint64_t)width * e;
+        memcpy(img + p->d_tokens + row, b + tok_at + src, 4u * width);
+        memset(img + p->d_tokens + row + 4u * width, 0, 4u * (K - width));
+        if (flags & 1) {
+            memcpy(img + p->d_margins + row, b + tok_at + grid + src, 4u * width);
+            memset(img + p->d_margins + row + 4u * width, 0, 4u * (K - width));
+        }
+    }
+    return HF_EV_OK;
+}
+
+/* The proxy's round: take the next round (as hf_take), send it and wait for its DRAFTS
+ * when the link has a connection and `send` is set, answer it (as hf_answer), all
+ * without returning to the caller. Returns -HF_TIMEOUT when no round came within
+ * idle_ns, else an HF_EV_* with the round in l->round and hf_answer's status in
+ * l->answer (HF_LATE: another claimer answered first, counted rounds_late). A round not
+ * sent is answered at once with l->at_once; a failed one with TIMEOUT (no reply by its
+ * deadline: the connection is kept) or ERROR. */
+int64_t hf_round(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
+{
+    l->late = l->sent = 0;
+    l->answer = l->err = 0;
+    l->net_ns = 0;
+    l->why[0] = 0;
+    int64_t taken = hf_take(p, idle_ns);
+    if (taken < 0)
+        return taken;
+    uint32_t round = (uint32_t)taken, index = round & (p->ring.depth - 1), status = l->at_once;
+    int event = HF_EV_AT_ONCE;
+    if (l->fd >= 0 && l->send) {
+        const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride;
+        uint32_t of = get32(d), deadline_ms = get32(d + DESC_FIXED), n = get32(d + DESC_FIXED + 4);
+        uint32_t row_bytes = get32(d + DESC_FIXED + 8), n_tokens = get32(d + DESC_FIXED + 12), len = 0;
+        if (of != round || n > p->max_slots || row_bytes != l->row_bytes || n_tokens > l->max_tokens) {
+            event = fail(l, HF_EV_BAD_DESC, 0, "descriptor %u holds round %u, n_entries=%u row_bytes=%u "
+                         "n_tokens=%u: not this round's, or breaks the layout", index, of, n, row_bytes,
+                         n_tokens);
+        } else {
+            uint64_t t0 = hf_now_ns();
+            uint64_t deadline = t0 + (uint64_t)(deadline_ms ? deadline_ms : l->default_deadline_ms) * 1000000u;
+            l->sent = 1;
+            event = send_round(l, round, index, n, n_tokens, deadline);
+            if (event == HF_EV_OK)
+                event = recv_reply(l, round, deadline, t0 + (uint64_t)p->spin_us * 1000u, &len);
+            if (event == HF_EV_OK)
+                event = unpack_drafts(l, p, d, n, len);
+            l->net_ns = hf_now_ns() - t0;
+        }
+        status = event == HF_EV_OK ? ST_OK : event == HF_EV_TIMEOUT ? ST_TIMEOUT : ST_ERROR;
+    }
+    l->round = round;
+    l->answer = hf_answer(p, round, status, event == HF_EV_OK ? l->image : NULL);
+    return event;
 }

@@ -1,0 +1,114 @@
+"""The proxy's round on a TCP connection as one native call (``hf_round``).
+
+From the moment a round is gathered until it is released the proxy runs no Python:
+``hf_round`` takes the round, sends its ROUND frame straight from the region (header,
+descriptor table, staging rows, tokens: one ``sendmsg``), waits for the DRAFTS (spinning
+on the socket for ``ASYNC_SPIN_US``, then in ``ppoll``), checks them by the wire's rules
+and against the round's entries, writes them and publishes ``released``. Python decides
+before the call whether the round may use the network (the connection, the breaker's
+``allow``) and does the accounting after it (the breaker, the attempts and late
+counters, the log, dropping a broken connection), when the engine already has its
+drafts.
+
+Why C: a proxy that waited idle is slow on its first Python after the wait. On the H200
+host, from seeing a round to releasing it, two ctypes calls with a Python loop between
+them took 0.9 us on back-to-back rounds but 4.5 us on a round after an idle gap, and 32
+us while a Python thread of the engine kept its other CPUs busy; the stream's poll of
+``released`` turns every microsecond of that into up to ten (docs/design.md, "The
+proxy's round in C").
+
+A round not sent (no connection, the breaker open, or a caller that answers at once) is
+answered by the same call with the status it is given, so it too never enters Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+
+from . import native, wire
+from .ring import Outcome, ProxyEnd, seq_add
+
+DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)
+
+
+class RoundEvent(enum.IntEnum):
+    """What ``hf_round`` did with the round it took (the C ``HF_EV_*``)."""
+
+    OK = 0          # sent, answered with its drafts
+    AT_ONCE = 1     # not sent: answered with the status it was given
+    TIMEOUT = 2     # sent, no reply by the deadline: answered TIMEOUT, connection kept
+    LOST = 3        # the connection broke (send, receive, closed, BYE): answered ERROR
+    PROTOCOL = 4    # the reply broke the wire contract: answered ERROR
+    BAD_REPLY = 5   # well-formed drafts that do not fit the round: answered ERROR
+    BAD_DESC = 6    # the descriptor breaks the layout: answered ERROR, nothing sent
+
+
+@dataclass(frozen=True)
+class Served:
+    """One round served by :meth:`TcpRounds.serve`."""
+
+    round: int
+    event: RoundEvent
+    sent: bool          # the ROUND went on the wire (an attempt)
+    late: int           # replies to earlier rounds dropped while waiting
+    net_s: float        # send to reply, or to giving up
+    why: str            # what broke, for every event but OK and AT_ONCE
+
+
+class TcpRounds:
+    """``hf_round`` over one proxy end and (at times) one connection. One thread uses
+    it: the proxy loop.
+
+    Invariants: the native receive state belongs to the attached connection; Python
+    reads nothing from an attached socket.
+    """
+
+    def __init__(self, end: ProxyEnd, *, session: int, default_deadline_ms: int):
+        lay, region = end.layout, end.region
+        self._end = end
+        self._rx = (ctypes.c_char * DRAFTS_CAP)()
+        self._state = native.LinkState(
+            desc=region.addr(lay.desc(0)), staging=region.addr(lay.staging(0)), image=end.image_addr,
+            rx=ctypes.addressof(self._rx), desc_stride=lay.desc_stride, staging_stride=lay.staging_stride,
+            session=session, desc_tokens=lay.desc_tokens(), row_bytes=lay.row_bytes,
+            max_tokens=lay.max_tokens, rx_cap=DRAFTS_CAP, max_entries=wire.MAX_ENTRIES,
+            max_n_out=wire.MAX_N_OUT, default_deadline_ms=default_deadline_ms, fd=-1)
+        self._addr = ctypes.addressof(self._state)
+
+    def attach(self, fd: int) -> None:
+        """Use the connection on ``fd`` (connected, HELLO done, nothing read since)."""
+        self._state.fd = fd
+        self._state.got = 0
+
+    def detach(self) -> None:
+        self._state.fd = -1
+        self._state.got = 0
+
+    @property
+    def attached(self) -> bool:
+        return self._state.fd >= 0
+
+    def serve(self, timeout_s: float, *, send: bool, at_once: Outcome) -> Served | None:
+        """Take the next round within ``timeout_s`` (None if none came) and answer it:
+        over the attached connection when ``send``, else at once with ``at_once``.
+
+        Raises:
+            ValueError: ``at_once`` is not a status the proxy writes.
+            RuntimeError: a ring invariant is broken (``native.check``), or the previous
+                round's claimer never released it.
+        """
+        if not Outcome.OK <= at_once <= Outcome.BREAKER_SKIP:
+            raise ValueError(f"at_once={at_once!r} is not a status the proxy writes")
+        st = self._state
+        st.send, st.at_once = bool(send), at_once
+        rc = self._end.lib.round(self._end.state_addr, self._addr, int(timeout_s * 1e9) if timeout_s > 0 else 0)
+        if rc < 0:
+            native.check(-rc, "take a round")   # TIMEOUT: the wait has no other failure
+            return None
+        if native.check(st.answer, f"answer round {st.round}") is native.Status.TIMEOUT:
+            raise RuntimeError(f"round {st.round} is claimed but round {seq_add(st.round, -1)}'s "
+                               "claimer did not release it; the engine must release_orphans")
+        return Served(st.round, RoundEvent(rc), bool(st.sent), st.late, st.net_ns / 1e9,
+                      st.why.decode(errors="replace"))
