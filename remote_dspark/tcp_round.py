@@ -52,6 +52,7 @@ class Served:
     round: int
     event: RoundEvent
     sent: bool          # the ROUND went on the wire (an attempt)
+    released: bool      # this answer was published (False: another claimer was first, counted late)
     late: int           # replies to earlier rounds dropped while waiting
     net_s: float        # send to reply, or to giving up
     why: str            # what broke, for every event but OK and AT_ONCE
@@ -103,12 +104,13 @@ class TcpRounds:
             raise ValueError(f"at_once={at_once!r} is not a status the proxy writes")
         st = self._state
         st.send, st.at_once = bool(send), at_once
-        rc = self._end.lib.round(self._end.state_addr, self._addr, int(timeout_s * 1e9) if timeout_s > 0 else 0)
+        timeout_ns = int(timeout_s * 1e9) if timeout_s > 0 else 0
+        rc = self._end.lib.round(self._end.state_addr, self._addr, timeout_ns)
         if rc < 0:
             native.check(-rc, "take a round")   # TIMEOUT: the wait has no other failure
             return None
         if native.check(st.answer, f"answer round {st.round}") is native.Status.TIMEOUT:
             raise RuntimeError(f"round {st.round} is claimed but round {seq_add(st.round, -1)}'s "
                                "claimer did not release it; the engine must release_orphans")
-        return Served(st.round, RoundEvent(rc), bool(st.sent), st.late, st.net_ns / 1e9,
-                      st.why.decode(errors="replace"))
+        return Served(st.round, RoundEvent(rc), bool(st.sent), st.answer == native.Status.OK, st.late,
+                      st.net_ns / 1e9, st.why.decode(errors="replace"))
