@@ -41,6 +41,7 @@ from .tcp_round import RoundEvent, Served, TcpRounds
 log = logging.getLogger("remote_dspark.proxy")
 
 IDLE_TICK_S = 0.05     # how often an idle proxy beats and checks its parent and stop flag
+AT_ONCE_MAX = 1 << 20  # rounds answered target-only in one native call (bounded by the tick)
 EXIT_ATTACH = 3        # the region could not be attached (or the library loaded)
 
 _RING_OUTCOME = {LinkOutcome.OK: Outcome.OK, LinkOutcome.TIMEOUT: Outcome.TIMEOUT,
@@ -132,8 +133,11 @@ class ProxyLoop:
             # Asked once per round that reaches the network's door, as RemoteLink.round
             # does; kept across idle ticks until a round uses it.
             self._allow = self.breaker.breaker.allow()
+        # With no connection every round is answered at once (target-only) and counted in
+        # C: the call answers them all until the idle tick, for the reconnect to be seen.
         served = self.rounds.serve(timeout_s, send=bool(self._allow) and sock is not None,
-                                   at_once=Outcome.ERROR if sock is None else Outcome.BREAKER_SKIP)
+                                   at_once=Outcome.ERROR if sock is None else Outcome.BREAKER_SKIP,
+                                   at_once_max=AT_ONCE_MAX if sock is None else 1)
         if served is None:
             return
         if sock is not None and served.event is not RoundEvent.BAD_DESC:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import native, wire
 from .ring import Outcome, ProxyEnd, seq_add
@@ -45,11 +45,15 @@ class RoundEvent(enum.IntEnum):
     BAD_DESC = 6    # the descriptor breaks the layout: answered ERROR, nothing sent
 
 
-@dataclass(frozen=True)
-class Served:
-    """One round served by :meth:`TcpRounds.serve`."""
+_EVENTS = tuple(RoundEvent)
 
-    round: int
+
+class Served(NamedTuple):
+    """One round served by :meth:`TcpRounds.serve` (a tuple: it is built on the proxy's
+    way back to its wait, where every microsecond can land on the next round)."""
+
+    count: int          # rounds answered by the call (more than one only at once)
+    round: int          # the last of them
     event: RoundEvent
     sent: bool          # the ROUND went on the wire (an attempt)
     released: bool      # this answer was published (False: another claimer was first, counted late)
@@ -91,9 +95,11 @@ class TcpRounds:
     def attached(self) -> bool:
         return self._state.fd >= 0
 
-    def serve(self, timeout_s: float, *, send: bool, at_once: Outcome) -> Served | None:
+    def serve(self, timeout_s: float, *, send: bool, at_once: Outcome, at_once_max: int = 1) -> Served | None:
         """Take the next round within ``timeout_s`` (None if none came) and answer it:
-        over the attached connection when ``send``, else at once with ``at_once``.
+        over the attached connection when ``send``, else at once with ``at_once``. Rounds
+        answered at once are answered up to ``at_once_max`` in the one call, until none
+        is waiting once ``timeout_s`` has passed.
 
         Raises:
             ValueError: ``at_once`` is not a status the proxy writes.
@@ -103,14 +109,15 @@ class TcpRounds:
         if not Outcome.OK <= at_once <= Outcome.BREAKER_SKIP:
             raise ValueError(f"at_once={at_once!r} is not a status the proxy writes")
         st = self._state
-        st.send, st.at_once = bool(send), at_once
+        st.send, st.at_once, st.at_once_max = bool(send), at_once, max(1, at_once_max)
         timeout_ns = int(timeout_s * 1e9) if timeout_s > 0 else 0
         rc = self._end.lib.round(self._end.state_addr, self._addr, timeout_ns)
         if rc < 0:
             native.check(-rc, "take a round")   # TIMEOUT: the wait has no other failure
             return None
-        if native.check(st.answer, f"answer round {st.round}") is native.Status.TIMEOUT:
+        answer = st.answer
+        if answer and native.check(answer, f"answer round {st.round}") is native.Status.TIMEOUT:
             raise RuntimeError(f"round {st.round} is claimed but round {seq_add(st.round, -1)}'s "
                                "claimer did not release it; the engine must release_orphans")
-        return Served(st.round, RoundEvent(rc), bool(st.sent), st.answer == native.Status.OK, st.late,
-                      st.net_ns / 1e9, st.why.decode(errors="replace"))
+        return Served(st.served, st.round, _EVENTS[rc], st.sent == 1, answer == 0, st.late, st.net_ns / 1e9,
+                      st.why.decode(errors="replace") if rc > RoundEvent.AT_ONCE else "")

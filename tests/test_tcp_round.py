@@ -196,3 +196,12 @@ def test_a_reply_after_the_watchdog_answered_is_dropped_as_late(rig):
     assert (s.event, s.released) == (RoundEvent.OK, False)
     assert rig.eng.drafts(r).outcome == Outcome.WATCHDOG
     assert rig.end.counters.snapshot().counters["rounds_late"] == 1
+
+
+@pytest.mark.parametrize("at_once_max,count", [(10, 3), (2, 2)])
+def test_one_call_answers_the_waiting_rounds_at_once_up_to_its_bound(rig, at_once_max, count):
+    rs = [rig.gather() for _ in range(3)]
+    s = rig.rounds.serve(0.05, send=False, at_once=Outcome.ERROR, at_once_max=at_once_max)
+    assert (s.count, s.round, s.event) == (count, rs[count - 1], RoundEvent.AT_ONCE)
+    assert rig.eng.released() == rs[count - 1] and rig.nothing_sent()
+    assert rig.end.counters.snapshot().counters["rounds_error"] == count

@@ -4,10 +4,10 @@
 
 MODE is one of:
 
-``loop``    the project's proxy round (``tcp_round.TcpRounds.serve``, one ``hf_round``
-            call a round) on the region passed as FD, answering each at once as the
-            proxy does with no connection or the breaker open: what a proxy process
-            adds to the hand-off, the network aside;
+``loop``    the project's proxy round (``tcp_round.TcpRounds.serve``: ``hf_round``) on
+            the region passed as FD, answering each round at once as the proxy does
+            with no connection: what a proxy process adds to the hand-off, the
+            network aside;
 ``c``       the C peer (``hf_serve``): the same protocol without Python, the floor;
 ``pipe``    a ``multiprocessing`` connection on FD, echoing each message;
 ``pyflag``  a pure-Python shared-memory flag on the small memfd FD: waits for the ping
@@ -42,9 +42,12 @@ def serve_loop(end, count: int, timeout_s: float) -> None:
     from ..ring import Outcome
     from ..tcp_round import TcpRounds
     rounds = TcpRounds(end, session=0, default_deadline_ms=1)
-    for _ in range(count):
-        if rounds.serve(timeout_s, send=False, at_once=Outcome.OK) is None:
+    left = count
+    while left:
+        served = rounds.serve(timeout_s, send=False, at_once=Outcome.OK, at_once_max=left)
+        if served is None:
             raise TimeoutError(f"no round after {end.next - 1} within {timeout_s}s")
+        left -= served.count
 
 
 def _region_peer(args) -> None:

@@ -257,7 +257,7 @@ struct hf_proxy {
 
 /* One proxy's connection to the worker, for hf_round: the proxy's whole round in C.
  * Python connects and says HELLO, then hands the socket over and reads nothing more
- * from it; it sets fd, send and at_once before each call and reads the results after.
+ * from it; it sets fd, send and at_once(_max) before each call and reads the results after.
  * The receive state lives here across calls, so a reply that comes after its round's
  * deadline stays in step (and is dropped as late) instead of breaking the stream. */
 struct hf_link {
@@ -275,9 +275,11 @@ struct hf_link {
     int32_t fd;                   /* the worker connection (HELLO done, non-blocking), or -1 */
     uint32_t send;                /* 1: the breaker lets this round use the network */
     uint32_t at_once;             /* the status of a round answered without the network */
+    uint32_t at_once_max;         /* how many such rounds one call may answer */
     uint32_t got;                 /* bytes of the current reply frame read (header, payload) */
     uint8_t hdr[24];              /* the current reply frame's header */
-    uint32_t round;               /* results: the round taken, */
+    uint32_t served;              /* results: the rounds answered, */
+    uint32_t round;               /* the last one, */
     uint32_t late;                /* replies to earlier rounds dropped, */
     uint32_t sent;                /* 1 when the round went on the network, */
     int32_t answer;               /* hf_answer's status (HF_LATE: another claimer was first), */
@@ -732,22 +734,18 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const uint
     return HF_EV_OK;
 }
 
-/* The proxy's round: take the next round (as hf_take), send it and wait for its DRAFTS
- * when the link has a connection and `send` is set, answer it (as hf_answer), all
- * without returning to the caller. Returns -HF_TIMEOUT when no round came within
- * idle_ns, else an HF_EV_* with the round in l->round and hf_answer's status in
- * l->answer (HF_LATE: another claimer answered first, counted rounds_late). A round not
- * sent is answered at once with l->at_once; a failed one with TIMEOUT (no reply by its
- * deadline: the connection is kept) or ERROR. */
-int64_t hf_round(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
+/* One round: take the next (as hf_take), send it and wait for its DRAFTS when the link
+ * has a connection and `send` is set, answer it (as hf_answer). The result fields are
+ * only touched once a round is taken. */
+static int64_t round_once(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
 {
-    l->late = l->sent = 0;
-    l->answer = l->err = 0;
-    l->net_ns = 0;
-    l->why[0] = 0;
     int64_t taken = hf_take(p, idle_ns);
     if (taken < 0)
         return taken;
+    l->late = l->sent = 0;
+    l->err = 0;
+    l->net_ns = 0;
+    l->why[0] = 0;
     uint32_t round = (uint32_t)taken, index = round & (p->ring.depth - 1), status = l->at_once;
     int event = HF_EV_AT_ONCE;
     if (l->fd >= 0 && l->send) {
@@ -773,5 +771,33 @@ int64_t hf_round(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
     }
     l->round = round;
     l->answer = hf_answer(p, round, status, event == HF_EV_OK ? l->image : NULL);
+    return event;
+}
+
+/* The proxy's round, without returning to the caller between a round's `gathered` and
+ * its `released`. Returns -HF_TIMEOUT when no round came within idle_ns, else the
+ * HF_EV_* of the last round served, with that round in l->round and hf_answer's status
+ * in l->answer (HF_LATE: another claimer answered first, counted rounds_late). A round
+ * not sent is answered with l->at_once; a failed one with TIMEOUT (no reply by its
+ * deadline: the connection is kept) or ERROR.
+ *
+ * Rounds answered at once need nothing from the caller in between, so one call answers
+ * up to l->at_once_max of them (l->served counts them) and returns at the first round
+ * that is not, at an hf_answer failure, or once idle_ns have passed and no further
+ * round is waiting. */
+int64_t hf_round(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
+{
+    uint64_t end = hf_now_ns() + idle_ns;
+    int64_t event = round_once(p, l, idle_ns);
+    l->served = event >= 0;
+    while (event == HF_EV_AT_ONCE && (l->answer == HF_OK || l->answer == HF_LATE)
+           && l->served < l->at_once_max) {
+        uint64_t now = hf_now_ns();
+        int64_t next = round_once(p, l, now < end ? end - now : 0);
+        if (next < 0)
+            break;
+        event = next;
+        l->served++;
+    }
     return event;
 }
