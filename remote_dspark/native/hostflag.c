@@ -312,8 +312,8 @@ static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
 
 /* Beat, then wait up to timeout_ns for the next gathered round nobody has claimed;
  * rounds another claimer answered meanwhile are skipped, never returned. Returns the
- * round id (0 .. 2^32-1), or -HF_TIMEOUT. */
-int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
+ * round id (0 .. 2^32-1) and when it was seen in *seen, or -HF_TIMEOUT. */
+static int64_t take(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
 {
     uint64_t now = hf_now_ns(), deadline = now + timeout_ns;
     __atomic_store_n(p->heartbeat, now, __ATOMIC_RELEASE);
@@ -327,10 +327,32 @@ int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
             p->next = claim + 1;
             continue;
         }
-        p->seen_ns[r & (p->ring.depth - 1)] = hf_now_ns();
+        *seen = hf_now_ns();
         p->next = r + 1;
         return r;
     }
+}
+
+/* take, for a caller that answers with hf_answer: the seen time is kept for it. */
+int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
+{
+    uint64_t seen = 0;
+    int64_t r = take(p, timeout_ns, &seen);
+    if (r >= 0)
+        p->seen_ns[r & (p->ring.depth - 1)] = seen;
+    return r;
+}
+
+/* Publish `round`; the clock is read (for hf_publish's wait) only when round - 1 is not
+ * released yet, so the common case between seeing a round and releasing it touches
+ * nothing but the ring's words. */
+static int publish_within(uint32_t *released, uint32_t round, uint64_t timeout_ns)
+{
+    if (__atomic_load_n(released, __ATOMIC_ACQUIRE) == round - 1) {
+        __atomic_store_n(released, round, __ATOMIC_RELEASE);
+        return HF_OK;
+    }
+    return hf_publish(released, round, hf_now_ns() + timeout_ns);
 }
 
 /* Answer `round` with `status`: claim it, write its drafts slot, publish, count. With
@@ -340,7 +362,8 @@ int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
  * it the answer is empty. HF_LATE (counted rounds_late): another claimer answered it;
  * HF_TIMEOUT: claimed and written, but round - 1 was not released in time; HF_STATE: a
  * status that is not the proxy's, or an image with more entries than the slot holds. */
-int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image)
+static int answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
+                  uint64_t seen)
 {
     const struct hf_ring *ring = &p->ring;
     uint32_t n = 0, flags = 0, answered = 0;
@@ -359,7 +382,6 @@ int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t
     if (rc != HF_OK)
         return rc;
     uint32_t i = round & (ring->depth - 1);
-    uint64_t gathered = __atomic_load_n(&ring->gathered_ns[i], __ATOMIC_RELAXED);
     uint8_t *slot = ring->drafts + (uint64_t)i * ring->drafts_stride;
     if (image) {
         uint64_t row = 4u * (uint64_t)n, grid = row * p->num_spec;
@@ -369,32 +391,43 @@ int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t
         memcpy(slot + p->d_tokens, image + p->d_tokens, grid);
         if (flags & 1)
             memcpy(slot + p->d_margins, image + p->d_margins, grid);
-        for (uint32_t e = 0; e < n; e++) {
-            int32_t k;
-            memcpy(&k, image + p->d_counts + 4u * e, 4);
-            answered += k != 0;
-            tokens += (uint64_t)(k > 0 ? k : 0);
-        }
         __atomic_store_n((uint32_t *)(slot + ring->d_status), status, __ATOMIC_RELAXED);
         __atomic_store_n((uint32_t *)(slot + ring->d_round), round, __ATOMIC_RELAXED);
     } else {
         hf_zero_drafts(ring, round, status);
     }
-    rc = hf_publish(ring->released, round, hf_now_ns() + p->publish_timeout_ns);
+    rc = publish_within(ring->released, round, p->publish_timeout_ns);
     if (rc != HF_OK)
         return rc;
-    uint64_t now = hf_now_ns(), seen = p->seen_ns[i];
+    /* The engine has the round; the bookkeeping comes after. A later round's gather in
+     * this slot is stamped after `seen`, so the check below drops it. */
+    uint64_t now = hf_now_ns(), gathered = __atomic_load_n(&ring->gathered_ns[i], __ATOMIC_RELAXED);
     count(p, p->c_outcome[status], 1);
     if (seen && seen <= now)
         observe(p, p->h_round, now - seen);
     if (gathered && gathered <= seen)
         observe(p, p->h_handoff, seen - gathered);
-    p->seen_ns[i] = 0;
+    for (uint32_t e = 0; e < n; e++) {
+        int32_t k;
+        memcpy(&k, image + p->d_counts + 4u * e, 4);
+        answered += k != 0;
+        tokens += (uint64_t)(k > 0 ? k : 0);
+    }
     if (answered) {
         count(p, p->c_drafts, answered);
         count(p, p->c_draft_tokens, tokens);
     }
     return HF_OK;
+}
+
+/* answer, for a caller that took the round with hf_take. */
+int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image)
+{
+    uint64_t *seen = &p->seen_ns[round & (p->ring.depth - 1)];
+    int rc = answer(p, round, status, image, *seen);
+    if (rc == HF_OK)
+        *seen = 0;
+    return rc;
 }
 
 /* ------------------------------------------------------------------ the watchdog */
@@ -734,43 +767,56 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const uint
     return HF_EV_OK;
 }
 
+static void clear_results(struct hf_link *l)
+{
+    l->late = l->sent = 0;
+    l->err = 0;
+    l->net_ns = 0;
+    l->why[0] = 0;
+}
+
 /* One round: take the next (as hf_take), send it and wait for its DRAFTS when the link
  * has a connection and `send` is set, answer it (as hf_answer). The result fields are
  * only touched once a round is taken. */
 static int64_t round_once(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
 {
-    int64_t taken = hf_take(p, idle_ns);
+    int fd = l->fd, send = fd >= 0 && l->send;   /* read before the wait, not after */
+    uint32_t status = l->at_once;
+    uint64_t seen = 0;
+    int64_t taken = take(p, idle_ns, &seen);
     if (taken < 0)
         return taken;
-    l->late = l->sent = 0;
-    l->err = 0;
-    l->net_ns = 0;
-    l->why[0] = 0;
-    uint32_t round = (uint32_t)taken, index = round & (p->ring.depth - 1), status = l->at_once;
+    uint32_t round = (uint32_t)taken, index = round & (p->ring.depth - 1);
     int event = HF_EV_AT_ONCE;
-    if (l->fd >= 0 && l->send) {
-        const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride;
-        uint32_t of = get32(d), deadline_ms = get32(d + DESC_FIXED), n = get32(d + DESC_FIXED + 4);
-        uint32_t row_bytes = get32(d + DESC_FIXED + 8), n_tokens = get32(d + DESC_FIXED + 12), len = 0;
-        if (of != round || n > p->max_slots || row_bytes != l->row_bytes || n_tokens > l->max_tokens) {
-            event = fail(l, HF_EV_BAD_DESC, 0, "descriptor %u holds round %u, n_entries=%u row_bytes=%u "
-                         "n_tokens=%u: not this round's, or breaks the layout", index, of, n, row_bytes,
-                         n_tokens);
-        } else {
-            uint64_t t0 = hf_now_ns();
-            uint64_t deadline = t0 + (uint64_t)(deadline_ms ? deadline_ms : l->default_deadline_ms) * 1000000u;
-            l->sent = 1;
-            event = send_round(l, round, index, n, n_tokens, deadline);
-            if (event == HF_EV_OK)
-                event = recv_reply(l, round, deadline, t0 + (uint64_t)p->spin_us * 1000u, &len);
-            if (event == HF_EV_OK)
-                event = unpack_drafts(l, p, d, n, len);
-            l->net_ns = hf_now_ns() - t0;
-        }
-        status = event == HF_EV_OK ? ST_OK : event == HF_EV_TIMEOUT ? ST_TIMEOUT : ST_ERROR;
+    if (!send) {   /* nothing but the ring's words and the drafts slot before the release */
+        int rc = answer(p, round, status, NULL, seen);
+        clear_results(l);
+        l->round = round;
+        l->answer = rc;
+        return event;
     }
+    clear_results(l);
+    const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride;
+    uint32_t of = get32(d), deadline_ms = get32(d + DESC_FIXED), n = get32(d + DESC_FIXED + 4);
+    uint32_t row_bytes = get32(d + DESC_FIXED + 8), n_tokens = get32(d + DESC_FIXED + 12), len = 0;
+    if (of != round || n > p->max_slots || row_bytes != l->row_bytes || n_tokens > l->max_tokens) {
+        event = fail(l, HF_EV_BAD_DESC, 0, "descriptor %u holds round %u, n_entries=%u row_bytes=%u "
+                     "n_tokens=%u: not this round's, or breaks the layout", index, of, n, row_bytes,
+                     n_tokens);
+    } else {
+        uint64_t t0 = hf_now_ns();
+        uint64_t deadline = t0 + (uint64_t)(deadline_ms ? deadline_ms : l->default_deadline_ms) * 1000000u;
+        l->sent = 1;
+        event = send_round(l, round, index, n, n_tokens, deadline);
+        if (event == HF_EV_OK)
+            event = recv_reply(l, round, deadline, t0 + (uint64_t)p->spin_us * 1000u, &len);
+        if (event == HF_EV_OK)
+            event = unpack_drafts(l, p, d, n, len);
+        l->net_ns = hf_now_ns() - t0;
+    }
+    status = event == HF_EV_OK ? ST_OK : event == HF_EV_TIMEOUT ? ST_TIMEOUT : ST_ERROR;
     l->round = round;
-    l->answer = hf_answer(p, round, status, event == HF_EV_OK ? l->image : NULL);
+    l->answer = answer(p, round, status, event == HF_EV_OK ? l->image : NULL, seen);
     return event;
 }
 
