@@ -368,11 +368,12 @@ class ProxyEnd(_End):
     """The proxy's side: take rounds in order, answer each exactly once or drop the
     answer as late. One thread (the proxy loop) uses it.
 
-    The critical path is two native calls (``hf_take``, ``hf_answer``): the wait, the
-    heartbeat, the claim, the drafts, the release and every proxy counter and histogram
-    are in C, so after a release only the return to the loop stands between the proxy
-    and its wait for the next round. Drafts are packed into a private slot-shaped image first and copied in after the
-    claim, so a late answer never touches a slot.
+    ``next_round`` and ``complete`` are one native call each (``hf_take``, ``hf_answer``:
+    the wait, the heartbeat, the claim, the drafts, the release and every proxy counter
+    and histogram are in C), for a proxy whose network round is in Python (the ofl
+    transports); on TCP the whole round is one call, :class:`~remote_dspark.tcp_round.
+    TcpRounds`, over this end. Drafts are packed into a private slot-shaped image first
+    and copied in after the claim, so a late answer never touches a slot.
 
     Invariants: ``next`` is the next round to take; every round before it was returned
     by ``next_round`` or had been claimed by someone else when the proxy reached it.

@@ -1,0 +1,85 @@
+"""The proxy loop in this process, one ``step`` at a time, against a real worker: what
+Python does around the native round (the breaker, the counters, dropping a connection)."""
+
+from __future__ import annotations
+
+import pytest
+
+from remote_dspark import native, ring, shm, streamsync, wire
+from remote_dspark.breaker import State
+from remote_dspark.config import RemoteConfig
+from remote_dspark.proxy_proc import ProxyLoop
+from remote_dspark.ring import Outcome
+from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
+
+NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
+
+
+class Rig:
+    def __init__(self, lib, worker, drafter, **env):
+        base = {"VLLM_DSPARK_REMOTE": f"tcp://127.0.0.1:{worker.port}",
+                "VLLM_DSPARK_REMOTE_IDENTITY": drafter.drafter_identity.hex(),
+                "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": drafter.markov_identity.hex(),
+                "VLLM_DSPARK_REMOTE_POLICY": "capacity", "VLLM_DSPARK_REMOTE_ASYNC_SPIN_US": "50",
+                "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000"}
+        base.update(env)
+        self.region = shm.Region.create(shm.Layout(4, 4, 4, 3, 64))
+        self.eng = ring.EngineEnd(self.region, lib)
+        self.sync = streamsync.HostFlagSync(self.region, lib)
+        self.loop = ProxyLoop(self.region, lib, RemoteConfig.from_env(base), engine_id=1, environ=base)
+        self.loop.connect()
+
+    def round(self, entries=NEW, deadline_ms=0) -> ring.RoundDrafts:
+        r = self.eng.reserve(1)
+        self.eng.write_descriptor(r, entries, deadline_ms)
+        self.sync.signal(r)
+        self.loop.step(2.0)
+        assert self.eng.released() == r
+        return self.eng.drafts(r)
+
+    def counters(self) -> dict:
+        return self.loop.end.counters.snapshot().counters
+
+    def close(self):
+        self.loop.rounds.detach()
+        self.loop.link.close()
+        self.region.close()
+
+
+@pytest.fixture
+def rig(lib, worker, drafter):
+    r = Rig(lib, worker, drafter, VLLM_DSPARK_REMOTE_TRIP="2", VLLM_DSPARK_REMOTE_COOLDOWN="2")
+    yield r
+    r.close()
+
+
+def test_rounds_go_through_the_native_round_and_are_counted(rig):
+    d = rig.round()
+    assert d.outcome == Outcome.OK and d.tokens == ((2, 3, 4),)
+    c = rig.counters()
+    assert (c["rounds_ok"], c["attempts"]) == (1, 1) and rig.loop.link.attempts == 1
+
+
+def test_idle_ticks_do_not_spend_the_breakers_cooldown(rig, drafter):
+    drafter.gate.clear()
+    assert [rig.round(deadline_ms=20).outcome for _ in range(2)] == [Outcome.TIMEOUT] * 2
+    store = rig.loop.breaker.breaker.store
+    assert store.state == State.OPEN and store.cooldown_left == 2
+    for _ in range(5):
+        rig.loop.step(0.001)            # no round: the breaker is asked once, for the next
+    assert [rig.round().outcome for _ in range(2)] == [Outcome.BREAKER_SKIP] * 2
+    drafter.gate.set()
+    assert rig.round().outcome == Outcome.OK          # the probe
+    assert store.state == State.CLOSED and store.probes == 1
+    assert rig.region.header_words(native.load()).breaker().state == State.CLOSED   # in the region
+    c = rig.counters()   # the timed-out rounds' replies came while the probe waited: late
+    assert (c["attempts"], c["rounds_breaker_skip"], c["rounds_late"]) == (3, 2, 2)
+
+
+def test_a_lost_connection_is_dropped_and_rounds_go_target_only_until_it_is_back(rig, worker):
+    assert rig.round().outcome == Outcome.OK
+    worker.stop()
+    assert rig.round().outcome == Outcome.ERROR       # the send or the reply fails
+    assert not rig.loop.link.connected and not rig.loop.rounds.attached
+    assert rig.round().outcome == Outcome.ERROR       # no connection: at once, not sent
+    assert rig.counters()["attempts"] == 2
