@@ -15,10 +15,11 @@ host, from seeing a round to releasing it, two ctypes calls with a Python loop b
 them took 0.9 us on back-to-back rounds but 4.5 us on a round after an idle gap, and 32
 us while a Python thread of the engine kept its other CPUs busy; the stream's poll of
 ``released`` turns every microsecond of that into up to ten (docs/design.md, "The
-proxy's round in C").
+proxy's round is one native call").
 
 A round not sent (no connection, the breaker open, or a caller that answers at once) is
-answered by the same call with the status it is given, so it too never enters Python.
+answered by the same call with the status it is given, so it too never enters Python;
+one call answers any number of those in a row (``at_once_max``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
  * layout is not known here; Python (remote_dspark.shm) computes it once and passes the
- * addresses of the words and the geometry of the drafts slots (struct hf_ring).
+ * addresses of the words and the geometry of the drafts slots (struct hf_ring). The one
+ * exception is hf_round, the proxy's round on a TCP socket: it knows the wire's frame
+ * formats (remote_dspark/wire.py) and where a descriptor keeps the ROUND payload
+ * (shm.DESC_FIXED); tests/test_tcp_round.py checks both against the Python side.
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
  * claim word is a compare-and-swap, counters are relaxed fetch-adds. Everything a
