@@ -20,9 +20,9 @@ LAYOUT = shm.Layout(depth=4, max_slots=4, row_bytes=8, num_spec=4, max_tokens=32
 
 
 class Rig:
-    def __init__(self, lib):
+    def __init__(self, lib, layout=LAYOUT):
         self.lib = lib
-        self.region = shm.Region.create(LAYOUT)
+        self.region = shm.Region.create(layout)
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
         self.end = ring.ProxyEnd(self.region, lib, spin_us=50)
@@ -205,3 +205,15 @@ def test_one_call_answers_the_waiting_rounds_at_once_up_to_its_bound(rig, at_onc
     assert (s.count, s.round, s.event) == (count, rs[count - 1], RoundEvent.AT_ONCE)
     assert rig.eng.released() == rs[count - 1] and rig.nothing_sent()
     assert rig.end.counters.snapshot().counters["rounds_error"] == count
+
+
+def test_a_send_the_worker_never_reads_loses_the_connection_at_the_round_deadline(lib):
+    big = shm.Layout(depth=4, max_slots=4, row_bytes=1 << 20, num_spec=4, max_tokens=32)
+    rig = Rig(lib, big)   # 4 MiB of rows: more than the socket pair buffers
+    try:
+        r = rig.gather(slots=(0, 1, 2, 3), deadline_ms=50)
+        s = rig.serve()
+        assert (s.event, s.why) == (RoundEvent.LOST, f"send of round {r} stalled past its deadline")
+        assert 0.05 <= s.net_s < 2.0 and rig.eng.drafts(r).outcome == Outcome.ERROR
+    finally:
+        rig.close()
