@@ -122,13 +122,13 @@ class ProxyLoop:
             if rnd is not None:
                 self.serve(rnd)
             return
-        if sock is None:
-            if self.rounds.attached:
+        epoch = 0 if sock is None else self.link.epoch   # the connection the call will use
+        if epoch != self._attached_epoch:
+            if sock is None:
                 self.rounds.detach()
-            self._attached_epoch = 0
-        elif self._attached_epoch != self.link.epoch:
-            self.rounds.attach(sock.fileno())
-            self._attached_epoch = self.link.epoch
+            else:
+                self.rounds.attach(sock.fileno())
+            self._attached_epoch = epoch
         if sock is not None and self._allow is None:
             # Asked once per round that reaches the network's door, as RemoteLink.round
             # does; kept across idle ticks until a round uses it.
