@@ -65,18 +65,21 @@ def test_cuda_table_shows_after_idle_figures_and_the_target():
     """The CUDA report's table, from a report as make_report writes it (no GPU needed)."""
     from remote_dspark.bench import handoff_cuda
 
-    def row(mode, hog, med, p99, idle):
+    def row(mode, hog, med, p99, idle, slow=3):
         return {"mode": mode, "hog": hog, "timed_in": "CUDA events", "median_us": med, "p99_us": p99,
-                "max_us": p99 * 2, "after_idle": idle,
+                "max_us": p99 * 2, "after_idle": idle, "rounds": 10, "over_target": slow,
                 "x_floor": {"median_us": round(med / 5, 2), "p99_us": round(p99 / 6, 2), "max_us": 1}}
     report = {"device": "GPU X", "rounds": 10, "warmup": 2, "spin_us": 1000, "nap_us": 0,
               "pinning": "not pinned",
               "rows": [row("c_peer", False, 5.0, 6.0, {"median_us": 5.5, "p99_us": 6.5}),
                        row("process", False, 6.0, 7.0, {"median_us": 7.25, "p99_us": 15.5}),
                        row("e2e", False, 900.0, 1000.0, None)],
-              "targets": {"process_median_ratio_max": 1.2, "process_p99_us_max": 7.0, "met": True}}
+              "targets": {"process_median_ratio_max": 1.2, "process_p99_us_max": 7.0, "met": True,
+                          "floor_p99_us_max": 6.0}}
+    report["rows"][1]["over_target"] = 1
     lines = handoff_cuda.format_table(report).splitlines()
     by_mode = {line[:28].strip(): line for line in lines}
-    assert by_mode["proxy loop, own process"].endswith("7.25/15.50")
-    assert by_mode["round to loopback worker"].rstrip().endswith("-")
-    assert lines[-1].endswith("1.2x, 7.00 us, met")
+    assert by_mode["proxy loop, own process"].split()[-2:] == ["7.25/15.50", "1/10"]
+    assert by_mode["round to loopback worker"].split()[-2:] == ["-", "3/10"]
+    assert lines[-2].endswith("1.2x, 7.00 us, met")
+    assert lines[-1] == "(the floor's own p99, worst of the two: 6.00 us)"

@@ -104,6 +104,7 @@ class Row:
     latency: Stats
     gil_wait: Stats | None   # only for rows timed in C
     after_idle: Stats | None = None   # CUDA rows: each batch's first round (see handoff_cuda)
+    slow: int | None = None           # CUDA rows: rounds over the p99 target
 
 
 @dataclass(frozen=True)
