@@ -83,3 +83,34 @@ def test_cuda_table_shows_after_idle_figures_and_the_target():
     assert by_mode["round to loopback worker"].split()[-2:] == ["-", "3/10"]
     assert lines[-2].endswith("1.2x, 7.00 us, met")
     assert lines[-1] == "(the floor's own p99, worst of the two: 6.00 us)"
+
+
+INTERRUPTS = """\
+           CPU0       CPU1       CPU2       CPU3
+  0:         40          0          0          0   IO-APIC    2-edge      timer
+ 24:          0          0          0       4560   PCI-MSIX-0000:00:01.0 1-edge virtio0-req
+ 25:          7          0          0          0   PCI-MSIX-0000:00:02.0 0-edge eth0-rx-0
+LOC:      10644      20000      30000      90000   Local timer interrupts
+CAL:        336        100        900       5000   Function call interrupts
+"""
+
+
+def test_device_interrupts_counts_numbered_lines_only(tmp_path):
+    path = tmp_path / "interrupts"
+    path.write_text(INTERRUPTS)
+    assert handoff.device_interrupts(str(path)) == {0: 47, 1: 0, 2: 0, 3: 4560}
+    assert handoff.device_interrupts(str(tmp_path / "missing")) == {}
+
+
+def test_the_peer_goes_to_the_last_cpu_without_device_interrupts(tmp_path, monkeypatch):
+    """CPU 3 serves a device's interrupts (as on the Firecracker VM of the H200, where
+    they made the stream miss its poll): the peer takes CPU 2, the engine the rest."""
+    path = tmp_path / "interrupts"
+    path.write_text(INTERRUPTS)
+    monkeypatch.setattr(handoff.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(handoff, "_siblings", lambda cpu: {cpu})
+    pins = handoff.Pinning.plan(True, str(path))
+    assert (pins.peer, pins.engine) == ({2}, {0, 1, 3})
+    quiet = handoff.Pinning.plan(True, str(tmp_path / "missing"))   # nothing known: the last
+    assert (quiet.peer, quiet.engine) == ({3}, {0, 1, 2})
+    assert handoff.Pinning.plan(False, str(path)) == handoff.Pinning(None, None)

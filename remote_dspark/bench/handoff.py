@@ -75,7 +75,8 @@ def add_parser(sub) -> None:
                    help="set the engine's GIL switch interval (default 0: the interpreter's)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not give the peer a CPU of its own (default: the peer process or "
-                        "thread runs on the last CPU, the engine's threads on the others)")
+                        "thread runs on the CPU that has served the fewest device interrupts, "
+                        "the engine's threads on the others)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: the CPU stand-in, timed in C (default); cuda: the engine stream's "
                         "hand-off on the registered region, timed by CUDA events, plus a whole round "
@@ -134,14 +135,18 @@ class Pinning:
     engine: frozenset[int] | None
 
     @classmethod
-    def plan(cls, pin: bool) -> "Pinning":
-        """The last CPU for the peer; the others for the engine, less the peer's
+    def plan(cls, pin: bool, interrupts: str = "/proc/interrupts") -> "Pinning":
+        """For the peer, the CPU that has served the fewest device interrupts (the last
+        of those): an interrupt in the middle of a hand-off makes the stream miss its
+        poll of ``released`` (see handoff.md). The others for the engine, less the peer's
         hyper-thread siblings where enough CPUs remain (a busy sibling slows the peer)."""
         cpus = sorted(os.sched_getaffinity(0))
         if not pin or len(cpus) < 2:
             return cls(None, None)
-        peer = cpus[-1]
-        engine = [c for c in cpus[:-1] if c not in _siblings(peer)] or cpus[:-1]
+        irqs = device_interrupts(interrupts)
+        peer = min(reversed(cpus), key=lambda c: irqs.get(c, 0))
+        others = [c for c in cpus if c != peer]
+        engine = [c for c in others if c not in _siblings(peer)] or others
         return cls(frozenset([peer]), frozenset(engine))
 
     @contextlib.contextmanager
@@ -160,6 +165,30 @@ class Pinning:
         if self.peer is None:
             return "not pinned"
         return f"peer on CPU {sorted(self.peer)}, engine on CPU {sorted(self.engine)}"
+
+
+def device_interrupts(path: str = "/proc/interrupts") -> dict[int, int]:
+    """Per CPU, the device interrupts it has served since boot: the numbered lines of
+    ``path`` (a NIC's queues, a block device), not the CPU's own (timer, IPIs). Empty
+    when the file cannot be read."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    if not lines:
+        return {}
+    cpus = [int(c[3:]) for c in lines[0].split() if c.startswith("CPU") and c[3:].isdigit()]
+    out = dict.fromkeys(cpus, 0)
+    for line in lines[1:]:
+        name, _, rest = line.partition(":")
+        if not name.strip().isdigit():
+            continue
+        for cpu, count in zip(cpus, rest.split()):
+            if not count.isdigit():
+                break
+            out[cpu] += int(count)
+    return out
 
 
 def _siblings(cpu: int) -> set[int]:
