@@ -214,25 +214,26 @@ def run(args) -> int:
         sys.setswitchinterval(args.switch_interval_us / 1e6)
     opts = Options(args.rounds, args.warmup, args.spin_us, args.nap_us, args.hold_gil_us, args.pin,
                    args.idle_us)
+    pins = Pinning.plan(opts.pin)   # once: the table says where the rows ran
     if args.device == "cuda":
         from . import handoff_cuda as impl
         impl.main_check()
-        report = impl.make_report(opts, impl.run_all(opts))
+        report = impl.make_report(opts, pins, impl.run_all(opts, pins))
     else:
         impl = sys.modules[__name__]
-        report = make_report(opts, run_all(opts))
+        report = make_report(opts, pins, run_all(opts, pins))
     print(json.dumps(report, indent=2) if args.json else impl.format_table(report))
     return 0
 
 
-def run_all(opts: Options, modes=None, runners=None, label: str = "handoff rows") -> list[Row]:
+def run_all(opts: Options, pins: Pinning, modes=None, runners=None,
+            label: str = "handoff rows") -> list[Row]:
     """Every row of ``modes`` (default: this module's), each without and then with the
     hog, with the engine's threads kept off the peer's CPU (the hog must never share it)."""
     from .. import native
     from ..progress import Progress
     modes, runners = modes or MODES, runners or RUNNERS
     lib = native.load()
-    pins = Pinning.plan(opts.pin)
     plan = [(m, hog) for hog in (False, True) for m in modes]
     rows = []
     with pins.engine_threads():
@@ -428,7 +429,7 @@ class GilHog:
 # --------------------------------------------------------------------------- report
 
 
-def make_report(opts: Options, rows: list[Row]) -> dict:
+def make_report(opts: Options, pins: Pinning, rows: list[Row]) -> dict:
     floor = {r.hog: r.latency for r in rows if r.mode == "c_peer"}
     out_rows = []
     for r in rows:
@@ -443,7 +444,7 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
             "spin_us": opts.spin_us, "nap_us": opts.nap_us, "hold_gil_us": opts.hold_gil_us,
             "idle_us": opts.idle_us,
             "cpus": os.cpu_count(),
-            "pinning": Pinning.plan(opts.pin).describe(),
+            "pinning": pins.describe(),
             "switch_interval_us": round(sys.getswitchinterval() * 1e6),
             "rows": out_rows, "targets": targets(rows)}
 

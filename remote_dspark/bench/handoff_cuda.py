@@ -39,8 +39,8 @@ TARGET_RATIO = 1.3
 TARGET_P99_US = 10.0
 
 
-def run_all(opts: Options) -> list[Row]:
-    return handoff.run_all(opts, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
+def run_all(opts: Options, pins: Pinning) -> list[Row]:
+    return handoff.run_all(opts, pins, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
 
 
 def _elapsed_ns(pairs) -> list[int]:
@@ -136,7 +136,7 @@ RUNNERS = {"c_peer": partial(_region_row, "c_peer"), "process": partial(_region_
            "thread": partial(_region_row, "thread"), "e2e": _e2e_row}
 
 
-def make_report(opts: Options, rows: list[Row]) -> dict:
+def make_report(opts: Options, pins: Pinning, rows: list[Row]) -> dict:
     import torch
     floor = {r.hog: r.latency for r in rows if r.mode == "c_peer"}
     out = []
@@ -158,7 +158,7 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
     targets["floor_p99_us_max"] = max(f.p99_us for f in floor.values())   # the same test, for the floor
     return {"bench": "handoff", "device": torch.cuda.get_device_name(), "rounds": opts.rounds,
             "warmup": opts.warmup, "spin_us": opts.spin_us, "nap_us": opts.nap_us, "cpus": os.cpu_count(),
-            "pinning": Pinning.plan(opts.pin).describe(), "rows": out, "targets": targets}
+            "pinning": pins.describe(), "rows": out, "targets": targets}
 
 
 def format_table(report: dict) -> str:
