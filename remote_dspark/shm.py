@@ -13,7 +13,8 @@ Region (offsets in bytes)::
     offset                  size            part
     0                       P               header page
     P                       P               hand-off words page
-    2P                      D x desc        descriptor ring, desc = align(24 + 20 S + 4 T, L)
+    2P                      D x desc        descriptor ring, desc = align(8 + M(S) + 4 T, L),
+                                            M(n) = wire.round_meta_bytes(n) = 20 + 20 n
     staging_at (P-aligned)  D x stage       staging rows, stage = align(S R, P): each depth
                                             slot page-aligned (registered with CUDA later)
     drafts_at               D x drafts      drafts slots (see below)
@@ -56,13 +57,15 @@ compared cyclically, so a run may start near 2^32 and wrap)::
     P+0x400 4     probe        engine stream: the CUDA self-test's write (startup only)
     P+0x480 4     probe_ack    engine thread: the self-test's answer to the stream
 
-Descriptor of round r (depth slot r % D), written by the engine before gathered = r,
-in exactly the wire ROUND layout, so the proxy sends it straight from the region::
+Descriptor of round r (depth slot r % D), written by the engine (or, for metadata
+that lives on the device, by its stream) before gathered = r: the round id, then the
+wire ROUND payload without its rows, compact for the round's n entries, so the proxy
+sends it as one block straight from the region and the rows from the staging slot::
 
     +0                4       round
-    +8                16      wire.ROUND_FIXED: deadline_ms, n_entries, row_bytes, n_tokens
-    +24               20 S    wire.ROUND_ENTRY x S: slot, flags, n_out, position, n_tok
-    +24 + 20 S        4 T     tokens, i32
+    +8                M(n)    wire.ROUND_FIXED, then slots, positions, n_out, flags [n],
+                              offsets [n + 1] (u32 each; wire.round_sections)
+    +8 + M(n)         4 T'    tokens, i32 (T' = n_tokens <= T)
 
 Drafts slot of round r (depth slot r % D), written by whoever claimed r, then
 published by its release store of ``released``::
@@ -106,7 +109,7 @@ from typing import Callable, Mapping
 from . import wire
 
 MAGIC = b"DSPKSHM1"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 LINE = 128
 MAX_DEPTH = 64
 
@@ -126,10 +129,9 @@ W_GATHERED_NS = 0x180       # up to 0x180 + 8 x MAX_DEPTH = 0x380
 W_PROBE = 0x400
 W_PROBE_ACK = 0x480
 
-# Descriptor slot.
+# Descriptor slot: the round id, then the ROUND payload without rows.
 DESC_ROUND = 0
 DESC_FIXED = 8
-DESC_ENTRIES = DESC_FIXED + wire.ROUND_FIXED.size
 
 # Drafts slot header.
 DRAFTS_HEAD = struct.Struct("<IIII")  # round, status, n_entries, flags
@@ -299,7 +301,7 @@ class Layout:
         o = {}
         o["words_at"] = P
         o["desc_at"] = 2 * P
-        o["desc_stride"] = align(DESC_ENTRIES + wire.ROUND_ENTRY.size * S + 4 * self.max_tokens, LINE)
+        o["desc_stride"] = align(DESC_FIXED + wire.round_meta_bytes(S) + 4 * self.max_tokens, LINE)
         o["staging_at"] = align(o["desc_at"] + self.depth * o["desc_stride"], P)
         o["staging_stride"] = align(S * self.row_bytes, P)
         o["drafts_at"] = o["staging_at"] + self.depth * o["staging_stride"]
@@ -331,10 +333,6 @@ class Layout:
 
     def desc(self, index: int) -> int:
         return self.desc_at + index * self.desc_stride
-
-    def desc_tokens(self) -> int:
-        """Offset of the token block inside a descriptor slot."""
-        return DESC_ENTRIES + wire.ROUND_ENTRY.size * self.max_slots
 
     def staging(self, index: int) -> int:
         return self.staging_at + index * self.staging_stride

@@ -23,24 +23,34 @@ row_format (u8), want_margin (u8).
 HELLO_ACK payload: accept (u8), reason code (u8), reason length (u16), the worker's
 drafter and Markov identities (32 B each), then the reason (UTF-8, <= MAX_REASON).
 
-ROUND payload, laid out so the proxy sends the staging rows straight from the shared
-region (one iovec for the head, one memoryview for all rows, one for the tokens)::
+ROUND payload (protocol 2): the engine's own batch layout, each section one array laid
+end to end, so encoding is copying whole arrays into place and decoding is taking views
+(``round_sections`` gives every offset)::
 
-    fixed   deadline_ms u32, n_entries u32, row_bytes u32, n_tokens u32
-    entries n_entries x (slot u32, flags u16, n_out u16, position u32, n_tok u32)
-    rows    n_entries x row_bytes   (opaque bytes, entry order)
-    tokens  n_tokens x i32          (each entry's n_tok tokens, entry order)
+    fixed     deadline_ms u32, n_entries u32, row_bytes u32, n_tokens u32
+    slots     n x u32                 the entry's slot, < the session's max_slots, unique
+    positions n x u32                 the position of the entry's first token
+    n_out     n x u32                 drafts wanted, <= MAX_N_OUT
+    flags     n x u32                 bit 0: FLAG_NEW_GEN
+    offsets   (n + 1) x u32           entry i owns tokens[offsets[i]:offsets[i + 1]]:
+                                      offsets[0] = 0, non-decreasing, offsets[n] = n_tokens
+    tokens    n_tokens x i32          flat, entry order (as vLLM's query_start_loc)
+    rows      n x row_bytes           opaque bytes, entry order
 
-An entry's tokens are the ones accepted since its previous round, starting at
-``position``; with ``FLAG_NEW_GEN`` they are the slot's whole context and replace
-whatever the worker had for it.
+Every section but the rows is 4-byte aligned, so the proxy sends the first seven as one
+block straight from its descriptor and the rows straight from the staging slot (one
+``sendmsg``, nothing copied). An entry's tokens are the ones accepted since its
+previous round, starting at ``positions[i]``; with ``FLAG_NEW_GEN`` they are the slot's
+whole context and replace whatever the worker had for it.
 
-DRAFTS payload::
+DRAFTS payload (protocol 2)::
 
-    fixed   n_entries u32, width u16, flags u16 (bit 0: margins present)
-    entries n_entries x (slot u32, count u16, status u16)
-    tokens  n_entries x width x i32
-    margins n_entries x width x f32   (only with DRAFTS_MARGINS)
+    fixed     n_entries u32, width u16, flags u16 (bit 0: margins present)
+    slots     n x u32                 ROUND's slots, in ROUND's order
+    counts    n x u16                 <= width
+    statuses  n x u16                 STATUS_OK or STATUS_RESYNC
+    tokens    n x width x i32         row i: entry i's drafts, zero past counts[i]
+    margins   n x width x f32         only with DRAFTS_MARGINS
 
 ``status`` is ``STATUS_OK`` or ``STATUS_RESYNC`` (the worker has no window for the slot,
 or a gap in its positions: the engine must re-announce the slot with NEW_GEN).
@@ -50,12 +60,19 @@ BYE has an empty payload.
 
 from __future__ import annotations
 
+import array
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+# Sections are read as native arrays (memoryview casts, numpy views): little-endian hosts only.
+if sys.byteorder != "little":
+    raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; "
+                      "this host is big-endian")
+
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 HELLO, HELLO_ACK, ROUND, DRAFTS, BYE = 1, 2, 3, 4, 5
 FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE"}
@@ -79,16 +96,14 @@ HEADER = struct.Struct("<4sHHIQI")
 _HELLO = struct.Struct("<32s32sQIIHBB")
 _ACK = struct.Struct("<BBH32s32s")
 ROUND_FIXED = struct.Struct("<IIII")
-ROUND_ENTRY = struct.Struct("<IHHII")
 _DRAFTS_FIXED = struct.Struct("<IHH")
-_DRAFTS_ENTRY = struct.Struct("<IHH")
 
 # The largest payload each frame type may announce (the header is refused above it).
 _TYPE_CAP = {
     HELLO: _HELLO.size,
     HELLO_ACK: _ACK.size + MAX_REASON,
     ROUND: MAX_PAYLOAD,
-    DRAFTS: _DRAFTS_FIXED.size + MAX_ENTRIES * (_DRAFTS_ENTRY.size + 8 * MAX_N_OUT),
+    DRAFTS: _DRAFTS_FIXED.size + MAX_ENTRIES * (8 + 8 * MAX_N_OUT),
     BYE: 0,
 }
 
@@ -233,11 +248,54 @@ def decode_hello_ack(payload) -> HelloAck:
 
 # --------------------------------------------------------------------------- ROUND
 
+ROUND_ARRAYS = ("slots", "positions", "n_out", "flags", "offsets")   # u32 each, in order
+
+
+@dataclass(frozen=True)
+class RoundSections:
+    """Byte offsets of a ROUND payload's sections (``round_sections``). ``meta`` is the
+    fixed part and the five entry arrays; ``tokens`` starts there; ``rows`` follow the
+    tokens; ``size`` is the whole payload."""
+
+    n: int
+    n_tokens: int
+    row_bytes: int
+    slots: int
+    positions: int
+    n_out: int
+    flags: int
+    offsets: int
+    tokens: int
+    rows: int
+    size: int
+
+    @property
+    def meta(self) -> int:
+        return self.tokens
+
+
+def round_meta_bytes(n: int) -> int:
+    """Bytes of a ROUND's fixed part and entry arrays for ``n`` entries (the tokens
+    start there)."""
+    return ROUND_FIXED.size + 4 * (5 * n + 1)
+
+
+def round_sections(n: int, n_tokens: int, row_bytes: int) -> RoundSections:
+    """Where each section of a ROUND payload of ``n`` entries and ``n_tokens`` tokens is."""
+    at = ROUND_FIXED.size
+    slots, positions, n_out, flags = at, at + 4 * n, at + 8 * n, at + 12 * n
+    offsets = at + 16 * n
+    tokens = round_meta_bytes(n)
+    rows = tokens + 4 * n_tokens
+    return RoundSections(n, n_tokens, row_bytes, slots, positions, n_out, flags, offsets, tokens,
+                         rows, rows + n * row_bytes)
+
 
 @dataclass(frozen=True)
 class Entry:
-    """One slot of a round. ``tokens`` are those accepted since the slot's previous
-    round (from ``position`` on), or its whole context when ``new_gen``."""
+    """One slot of a round, as a record (the slow convenience: tests and simple clients;
+    the engine and the worker move whole arrays). ``tokens`` are those accepted since the
+    slot's previous round (from ``position`` on), or its whole context when ``new_gen``."""
 
     slot: int
     n_out: int
@@ -248,58 +306,86 @@ class Entry:
 
 @dataclass(frozen=True)
 class Round:
+    """A decoded ROUND: every array a view of the payload (``memoryview`` cast to u32,
+    tokens to i32), valid while the payload is."""
+
     round_id: int
     deadline_ms: int
-    entries: Sequence[Entry]
-    rows: bytes | memoryview  # n_entries x row_bytes, entry order
     row_bytes: int
+    slots: Sequence[int]
+    positions: Sequence[int]
+    n_out: Sequence[int]
+    flags: Sequence[int]
+    offsets: Sequence[int]
+    tokens: Sequence[int]
+    rows: memoryview          # n x row_bytes, entry order
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def entries(self) -> list[Entry]:
+        """The round as records (slow: a loop over entries; tests and tools)."""
+        o = self.offsets
+        return [Entry(self.slots[i], self.n_out[i], self.positions[i], list(self.tokens[o[i]:o[i + 1]]),
+                      bool(self.flags[i] & FLAG_NEW_GEN)) for i in range(len(self))]
 
 
-def round_head(round_id: int, session: int, deadline_ms: int, entries: Sequence[Entry],
-               row_bytes: int) -> tuple[bytes, bytes]:
-    """The parts of a ROUND frame that are not rows: (header + fixed + entry table,
-    tokens). The caller sends ``head, rows, tokens`` in one ``sendmsg``, the rows being
-    a memoryview of the staging slot, so they are never copied in Python.
+def encode_round_entries(round_id: int, session: int, deadline_ms: int, entries: Sequence[Entry],
+                         rows, row_bytes: int) -> bytes:
+    """A whole ROUND frame from records (the slow reference encoder: tests and simple
+    clients; it walks the entries).
 
     Raises:
-        ValueError: an entry breaks a cap (the engine side's bug, not the peer's).
+        ValueError: an entry breaks a cap, or ``rows`` is not entries x row_bytes.
     """
-    n = len(entries)
+    offsets = [0]
+    for e in entries:
+        offsets.append(offsets[-1] + len(e.tokens))
+    return encode_round(round_id, session, deadline_ms,
+                        slots=[e.slot for e in entries], positions=[e.position for e in entries],
+                        n_out=[e.n_out for e in entries],
+                        flags=[FLAG_NEW_GEN if e.new_gen else 0 for e in entries], offsets=offsets,
+                        tokens=[t for e in entries for t in e.tokens], rows=rows, row_bytes=row_bytes)
+
+
+def encode_round(round_id: int, session: int, deadline_ms: int, *, slots, positions, n_out, flags,
+                 offsets, tokens, rows, row_bytes: int) -> bytes:
+    """A whole ROUND frame from its arrays (any int sequences; ``rows`` bytes-like).
+
+    Raises:
+        ValueError: the arrays disagree on their lengths or break a cap.
+    """
+    n = len(slots)
     _check(n <= MAX_ENTRIES, f"{n} entries over the cap {MAX_ENTRIES}")
     _check(row_bytes <= MAX_ROW_BYTES, f"row_bytes {row_bytes} over the cap {MAX_ROW_BYTES}")
-    table = bytearray(ROUND_FIXED.size + n * ROUND_ENTRY.size)
-    n_tokens = 0
-    tokens: list[int] = []
-    for i, e in enumerate(entries):
-        _check(0 <= e.n_out <= MAX_N_OUT, f"slot {e.slot}: n_out {e.n_out} over {MAX_N_OUT}")
-        ROUND_ENTRY.pack_into(table, ROUND_FIXED.size + i * ROUND_ENTRY.size, e.slot,
-                               FLAG_NEW_GEN if e.new_gen else 0, e.n_out, e.position, len(e.tokens))
-        tokens.extend(e.tokens)
-        n_tokens += len(e.tokens)
-    _check(n_tokens <= MAX_TOKENS, f"{n_tokens} tokens over the cap {MAX_TOKENS}")
-    ROUND_FIXED.pack_into(table, 0, deadline_ms, n, row_bytes, n_tokens)
-    tok = struct.pack(f"<{n_tokens}i", *tokens)
-    payload_len = len(table) + n * row_bytes + len(tok)
-    _check(payload_len <= MAX_PAYLOAD, f"ROUND of {payload_len} bytes over the cap {MAX_PAYLOAD}")
-    return encode_header(ROUND, payload_len, session, round_id) + bytes(table), tok
-
-
-def round_parts(round_id: int, session: int, deadline_ms: int, entries: Sequence[Entry], rows,
-                row_bytes: int) -> list:
-    """A ROUND frame as the buffers of one ``sendmsg``: head, rows (as given), tokens."""
-    head, tok = round_head(round_id, session, deadline_ms, entries, row_bytes)
-    _check(len(rows) == len(entries) * row_bytes, "rows do not match entries x row_bytes")
-    return [head, rows, tok]
-
-
-def encode_round(r: Round, session: int) -> bytes:
-    """The whole ROUND frame as one bytes object (tests and simple clients)."""
-    return b"".join(bytes(p) for p in round_parts(r.round_id, session, r.deadline_ms, r.entries,
-                                                   r.rows, r.row_bytes))
+    _check(len(positions) == len(n_out) == len(flags) == n and len(offsets) == n + 1,
+           "ROUND arrays disagree on the entry count")
+    _check(len(tokens) <= MAX_TOKENS, f"{len(tokens)} tokens over the cap {MAX_TOKENS}")
+    _check(offsets[0] == 0 and offsets[-1] == len(tokens), "offsets must run from 0 to len(tokens)")
+    _check(len(rows) == n * row_bytes, "rows do not match entries x row_bytes")
+    _check(max(n_out, default=0) <= MAX_N_OUT, f"n_out over {MAX_N_OUT}")
+    sec = round_sections(n, len(tokens), row_bytes)
+    _check(sec.size <= MAX_PAYLOAD, f"ROUND of {sec.size} bytes over the cap {MAX_PAYLOAD}")
+    meta = array.array("I", [deadline_ms, n, row_bytes, len(tokens)])
+    for part in (slots, positions, n_out, flags, offsets):
+        meta.extend(part)
+    return (encode_header(ROUND, sec.size, session, round_id) + meta.tobytes()
+            + array.array("i", tokens).tobytes() + bytes(rows))
 
 
 def decode_round(hdr: Header, payload) -> Round:
-    mv = memoryview(payload)
+    """Check a ROUND payload and return views of its arrays.
+
+    Every rule of the contract is checked here, with C-speed builtins over the arrays
+    (no loop over entries in Python): the sizes against the caps and the payload's
+    length, known flags, ``n_out`` caps, and offsets that run from 0 to ``n_tokens``
+    without going back. What only the receiver knows (its slot range, unique slots) is
+    the receiver's to check.
+
+    Raises:
+        ProtocolError: naming the field that broke the contract.
+    """
+    mv = memoryview(payload).cast("B")
     if len(mv) < ROUND_FIXED.size:
         raise ProtocolError(f"ROUND payload of {len(mv)} bytes, under {ROUND_FIXED.size}")
     deadline_ms, n, row_bytes, n_tokens = ROUND_FIXED.unpack_from(mv)
@@ -309,36 +395,57 @@ def decode_round(hdr: Header, payload) -> Round:
         raise ProtocolError(f"ROUND row_bytes {row_bytes} over the cap {MAX_ROW_BYTES}")
     if n_tokens > MAX_TOKENS:
         raise ProtocolError(f"ROUND with {n_tokens} tokens over the cap {MAX_TOKENS}")
-    rows_at = ROUND_FIXED.size + n * ROUND_ENTRY.size
-    tok_at = rows_at + n * row_bytes
-    if len(mv) != tok_at + 4 * n_tokens:
-        raise ProtocolError(f"ROUND payload of {len(mv)} bytes, its fields say {tok_at + 4 * n_tokens}")
-    all_tokens = struct.unpack_from(f"<{n_tokens}i", mv, tok_at)
-    entries = []
-    cursor = 0
-    for i in range(n):
-        slot, flags, n_out, position, n_tok = ROUND_ENTRY.unpack_from(
-            mv, ROUND_FIXED.size + i * ROUND_ENTRY.size)
-        if flags & ~FLAG_NEW_GEN:
-            raise ProtocolError(f"ROUND entry {i}: unknown flags {flags:#x}")
-        if n_out > MAX_N_OUT:
-            raise ProtocolError(f"ROUND entry {i}: n_out {n_out} over the cap {MAX_N_OUT}")
-        if n_tok > n_tokens - cursor:
-            raise ProtocolError(f"ROUND entry {i}: {n_tok} tokens past the token block")
-        entries.append(Entry(slot, n_out, position, all_tokens[cursor:cursor + n_tok],
-                             bool(flags & FLAG_NEW_GEN)))
-        cursor += n_tok
-    if cursor != n_tokens:
-        raise ProtocolError(f"ROUND entries use {cursor} of {n_tokens} tokens")
-    return Round(hdr.round, deadline_ms, entries, mv[rows_at:tok_at], row_bytes)
+    sec = round_sections(n, n_tokens, row_bytes)
+    if len(mv) != sec.size:
+        raise ProtocolError(f"ROUND payload of {len(mv)} bytes, its fields say {sec.size}")
+    u32 = mv[ROUND_FIXED.size:sec.tokens].cast("I")
+    slots, positions, n_out, flags = (u32[k * n:(k + 1) * n] for k in range(4))
+    offsets = u32[4 * n:]
+    if n and max(flags) & ~FLAG_NEW_GEN:
+        raise ProtocolError(f"ROUND flags: unknown bits {max(flags) & ~FLAG_NEW_GEN:#x}")
+    if n and max(n_out) > MAX_N_OUT:
+        raise ProtocolError(f"ROUND n_out: {max(n_out)} over the cap {MAX_N_OUT}")
+    if offsets[0] != 0 or offsets[n] != n_tokens:
+        raise ProtocolError(f"ROUND offsets run from {offsets[0]} to {offsets[n]}, "
+                            f"expected 0 to n_tokens={n_tokens}")
+    if n > 1 and offsets.tolist() != sorted(offsets):
+        raise ProtocolError("ROUND offsets go back: an entry with a negative token count")
+    return Round(hdr.round, deadline_ms, row_bytes, slots, positions, n_out, flags, offsets,
+                 mv[sec.tokens:sec.rows].cast("i"), mv[sec.rows:sec.size])
 
 
 # --------------------------------------------------------------------------- DRAFTS
 
 
 @dataclass(frozen=True)
+class DraftsSections:
+    """Byte offsets of a DRAFTS payload's sections (``drafts_sections``)."""
+
+    n: int
+    width: int
+    slots: int
+    counts: int
+    statuses: int
+    tokens: int
+    margins: int      # == size when there are no margins
+    size: int
+
+
+def drafts_sections(n: int, width: int, margins: bool) -> DraftsSections:
+    """Where each section of a DRAFTS payload is."""
+    slots = _DRAFTS_FIXED.size
+    counts = slots + 4 * n
+    statuses = counts + 2 * n
+    tokens = statuses + 2 * n
+    marg = tokens + 4 * n * width
+    return DraftsSections(n, width, slots, counts, statuses, tokens, marg,
+                          marg + (4 * n * width if margins else 0))
+
+
+@dataclass(frozen=True)
 class Drafts:
-    """The worker's answer: per entry (ROUND order) up to ``width`` tokens."""
+    """The worker's answer, per entry in ROUND order: ``counts[i]`` of row i's ``width``
+    tokens are drafts. Decoded, every array is a view of the payload."""
 
     round_id: int
     slots: Sequence[int]
@@ -353,22 +460,30 @@ class Drafts:
 
 
 def encode_drafts(d: Drafts, session: int) -> bytes:
+    """A whole DRAFTS frame from any sequences (the worker writes arrays in place with
+    ``drafts_sections`` instead)."""
     n = len(d.slots)
     _check(n <= MAX_ENTRIES and 0 <= d.width <= MAX_N_OUT, "DRAFTS over its caps")
     _check(len(d.counts) == n == len(d.statuses) and len(d.tokens) == n * d.width,
            "DRAFTS fields disagree on the entry count")
-    parts = [_DRAFTS_FIXED.pack(n, d.width, DRAFTS_MARGINS if d.margins is not None else 0)]
-    parts.extend(_DRAFTS_ENTRY.pack(s, c, st) for s, c, st in zip(d.slots, d.counts, d.statuses))
-    parts.append(struct.pack(f"<{n * d.width}i", *d.tokens))
+    parts = [_DRAFTS_FIXED.pack(n, d.width, DRAFTS_MARGINS if d.margins is not None else 0),
+             array.array("I", d.slots).tobytes(), array.array("H", d.counts).tobytes(),
+             array.array("H", d.statuses).tobytes(), array.array("i", d.tokens).tobytes()]
     if d.margins is not None:
         _check(len(d.margins) == n * d.width, "DRAFTS margins do not match tokens")
-        parts.append(struct.pack(f"<{n * d.width}f", *d.margins))
+        parts.append(array.array("f", d.margins).tobytes())
     payload = b"".join(parts)
     return encode_header(DRAFTS, len(payload), session, d.round_id) + payload
 
 
 def decode_drafts(hdr: Header, payload) -> Drafts:
-    mv = memoryview(payload)
+    """Check a DRAFTS payload (caps, length, counts <= width, known statuses) and return
+    views of its arrays.
+
+    Raises:
+        ProtocolError: naming the field that broke the contract.
+    """
+    mv = memoryview(payload).cast("B")
     if len(mv) < _DRAFTS_FIXED.size:
         raise ProtocolError(f"DRAFTS payload of {len(mv)} bytes, under {_DRAFTS_FIXED.size}")
     n, width, flags = _DRAFTS_FIXED.unpack_from(mv)
@@ -377,22 +492,18 @@ def decode_drafts(hdr: Header, payload) -> Drafts:
     if flags & ~DRAFTS_MARGINS:
         raise ProtocolError(f"DRAFTS unknown flags {flags:#x}")
     has_m = bool(flags & DRAFTS_MARGINS)
-    tok_at = _DRAFTS_FIXED.size + n * _DRAFTS_ENTRY.size
-    want = tok_at + 4 * n * width * (2 if has_m else 1)
-    if len(mv) != want:
-        raise ProtocolError(f"DRAFTS payload of {len(mv)} bytes, its fields say {want}")
-    slots, counts, statuses = [], [], []
-    for i in range(n):
-        s, c, st = _DRAFTS_ENTRY.unpack_from(mv, _DRAFTS_FIXED.size + i * _DRAFTS_ENTRY.size)
-        if c > width or st > STATUS_RESYNC:
-            raise ProtocolError(f"DRAFTS entry {i}: count {c} (width {width}), status {st}")
-        slots.append(s)
-        counts.append(c)
-        statuses.append(st)
-    tokens = struct.unpack_from(f"<{n * width}i", mv, tok_at)
-    margins = (struct.unpack_from(f"<{n * width}f", mv, tok_at + 4 * n * width)
-               if has_m else None)
-    return Drafts(hdr.round, slots, counts, statuses, width, tokens, margins)
+    sec = drafts_sections(n, width, has_m)
+    if len(mv) != sec.size:
+        raise ProtocolError(f"DRAFTS payload of {len(mv)} bytes, its fields say {sec.size}")
+    counts = mv[sec.counts:sec.statuses].cast("H")
+    statuses = mv[sec.statuses:sec.tokens].cast("H")
+    if n and max(counts) > width:
+        raise ProtocolError(f"DRAFTS counts: {max(counts)} over the width {width}")
+    if n and max(statuses) > STATUS_RESYNC:
+        raise ProtocolError(f"DRAFTS statuses: unknown status {max(statuses)}")
+    return Drafts(hdr.round, mv[sec.slots:sec.counts].cast("I"), counts, statuses, width,
+                  mv[sec.tokens:sec.margins].cast("i"),
+                  mv[sec.margins:sec.size].cast("f") if has_m else None)
 
 
 def encode_bye(session: int = 0) -> bytes:
