@@ -205,9 +205,14 @@ class EngineEnd(_End):
             raise RuntimeError(f"unreserve({round_id}): the last reserved round is {self._last}")
         self._last = seq_add(round_id, -1)
 
-    def write_descriptor(self, round_id: int, entries: Sequence[wire.Entry],
-                         deadline_ms: int = 0) -> None:
-        """Write round ``round_id``'s descriptor (wire ROUND layout) into its slot.
+    def descriptor_addr(self, round_id: int) -> int:
+        """This process's address of ``round_id``'s descriptor slot (the engine writes
+        the wire ROUND payload, rows excepted, at ``+ shm.DESC_FIXED``)."""
+        return self.region.addr(self.layout.desc(round_id & self._mask))
+
+    def write_entries(self, round_id: int, entries: Sequence[wire.Entry], deadline_ms: int = 0) -> None:
+        """Write ``round_id``'s descriptor from records (the slow convenience for tests and
+        tools: it walks the entries; the engine writes whole arrays in place).
 
         Raises:
             ValueError: the entries do not fit the layout (count, n_out, tokens) or a
@@ -216,19 +221,17 @@ class EngineEnd(_End):
         lay = self.layout
         if len(entries) > lay.max_slots:
             raise ValueError(f"round {round_id}: {len(entries)} entries over max_slots={lay.max_slots}")
-        for e in entries:
-            if e.n_out > lay.num_spec:
-                raise ValueError(f"slot {e.slot}: n_out {e.n_out} over num_spec={lay.num_spec}")
-        head, tokens = wire.round_head(round_id, 0, deadline_ms, entries, lay.row_bytes)
-        if len(tokens) > 4 * lay.max_tokens:
-            raise ValueError(f"round {round_id}: {len(tokens) // 4} tokens over "
-                             f"max_tokens={lay.max_tokens}")
-        table = head[wire.HEADER.size:]
+        if sum(len(e.tokens) for e in entries) > lay.max_tokens:
+            raise ValueError(f"round {round_id}: tokens over max_tokens={lay.max_tokens}")
+        if any(e.n_out > lay.num_spec for e in entries):
+            raise ValueError(f"round {round_id}: an n_out over num_spec={lay.num_spec}")
+        # Encoded without rows (they go to the staging slot), then given the layout's row size.
+        payload = bytearray(wire.encode_round_entries(round_id, 0, deadline_ms, entries, b"", 0)
+                            [wire.HEADER.size:])
+        struct.pack_into("<I", payload, 8, lay.row_bytes)
         with self.region.descriptor(round_id & self._mask) as d:
             struct.pack_into("<I", d, shm.DESC_ROUND, round_id)
-            d[shm.DESC_FIXED:shm.DESC_FIXED + len(table)] = table
-            at = lay.desc_tokens()
-            d[at:at + len(tokens)] = tokens
+            d[shm.DESC_FIXED:shm.DESC_FIXED + len(payload)] = payload
 
     def staging(self, round_id: int) -> memoryview:
         """The staging rows of ``round_id``'s depth slot (max_slots x row_bytes)."""
