@@ -181,7 +181,7 @@ def print_report(stats: dict, engine) -> None:
         print(f"  pos {i}: {a:>8} of {o:>8} offered ({a / o * 100 if o else 0:5.1f}%)")
     sim = engine.sim
     print(f"tokens decoded: {sim.tokens} in {sim.rounds} rounds ({sim.tokens / max(1, sim.rounds):.1f} per round "
-          f"over {len(sim.slots)} slots, {sim.tokens / max(1, sim.rounds * len(sim.slots)):.2f} per slot)")
+          f"over {sim.n_slots} slots, {sim.tokens / max(1, sim.rounds * sim.n_slots):.2f} per slot)")
     sup = stats.get("supervisor")
     if sup:
         r = sup["restarts"]

@@ -23,7 +23,6 @@ torch is imported here (the engine side); nothing the proxy imports imports this
 from __future__ import annotations
 
 import bisect
-import ctypes
 import json
 import logging
 import os
@@ -31,17 +30,15 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-with warnings.catch_warnings():
-    # The CPU wheel warns at import when numpy is absent; the engine side never uses it.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    import torch
+import numpy as np
+import torch
 
 from . import native, ring, shm, streamsync, transport, wire
+from .batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta, as_bytes, empty_drafts, gather_rows_host, host_meta, to_drafts, write_meta
 from .breaker import Breaker
 from .client import DraftClient
 from .config import RemoteConfig
@@ -51,7 +48,6 @@ from .supervisor import Down, Lifecycle, Spent, Supervisor, Up, proxy_environmen
 
 log = logging.getLogger("remote_dspark.engine")
 
-CONTEXT_TOKENS = 64          # NEW_GEN sends at most this many trailing context tokens
 STALL_ROUNDS = 3             # watchdog releases in a row that mark a live proxy stalled
 DEPTH = 4                    # rounds the engine may enqueue ahead of the proxy
 PROXY_START_S = 5.0          # a proxy that has not beaten this long after its spawn is stalled
@@ -69,39 +65,6 @@ _FROM_LINK = {LinkOutcome.OK: "ok", LinkOutcome.TIMEOUT: "timeout", LinkOutcome.
 
 class RemoteRoundFailed(RuntimeError):
     """A capacity round failed with ``ON_FAIL=raise`` (synchronous rounds only)."""
-
-
-@dataclass
-class Batch:
-    """One drafting round.
-
-    ``slots[i]`` is entry i's slot; ``tokens[i]`` the tokens it accepted since its
-    previous round, starting at ``positions[i]`` (with ``new_gen[i]``: its whole context,
-    positions[i] = 0); ``rows[row_index[i]]`` its row of the engine tensor ``rows``
-    (``row_bytes`` bytes, any dtype). ``n_out`` per entry, or None for the n_out table.
-    """
-
-    slots: Sequence[int]
-    tokens: Sequence[Sequence[int]]
-    positions: Sequence[int]
-    new_gen: Sequence[bool]
-    rows: torch.Tensor
-    row_index: torch.Tensor
-    n_out: Sequence[int] | None = None
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-
-@dataclass
-class Drafts:
-    tokens: torch.Tensor                 # [n, num_spec] int32, zero past counts
-    counts: torch.Tensor                 # [n] int32
-    margins: torch.Tensor | None         # [n, num_spec] float32, when asked for
-    source: str                          # "remote", "local" or "none" (target-only)
-    outcome: str                         # the remote round's outcome (OUTCOMES)
-    resync: tuple[int, ...] = ()         # slots the drafter lost: send them with NEW_GEN
-    resync_all: bool = False             # a new proxy/connection: re-announce every slot
 
 
 @dataclass
@@ -146,13 +109,13 @@ class EngineStats:
         self.latency_buckets[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
         self.latency_sum_s += seconds
 
-    def record(self, outcome: str, counts: Sequence[int], resyncs: int) -> None:
+    def record(self, outcome: str, counts: np.ndarray, resyncs: int) -> None:
         """One remote round's outcome and, when it is ok, the drafts it brought."""
         self.rounds[outcome] += 1
         self.resyncs += resyncs
         if outcome == "ok":
-            self.drafts += sum(1 for c in counts if c)
-            self.draft_tokens += sum(counts)
+            self.drafts += int(np.count_nonzero(counts))
+            self.draft_tokens += int(counts.sum())
 
 
 # --------------------------------------------------------------------------- the facade
@@ -183,6 +146,7 @@ class RemoteDSpark:
         self.environ = dict(os.environ if environ is None else environ)
         self.engine_id = engine_id if engine_id is not None else int.from_bytes(os.urandom(8), "little")
         self.depth = depth
+        self.max_tokens = max_slots * (CONTEXT_TOKENS + num_spec + 1)
         self.device = device
         self.mode = ("process" if cfg.async_proxy == "process" else "thread") if cfg.async_mode else "sync"
         self.stats_ = EngineStats(accepted_at=[0] * num_spec, offered_at=[0] * num_spec,
@@ -268,21 +232,14 @@ class RemoteDSpark:
 
     # ------------------------------------------------------------------ rounds
 
-    def entries(self, batch: Batch) -> list[wire.Entry]:
-        n = len(batch)
-        if n > self.max_slots:
-            raise ValueError(f"batch of {n} slots over max_slots={self.max_slots}")
-        default = self._n_out_for(n)
-        out = []
-        for i in range(n):
-            toks = list(batch.tokens[i])
-            pos = batch.positions[i]
-            if batch.new_gen[i] and len(toks) > CONTEXT_TOKENS:
-                pos += len(toks) - CONTEXT_TOKENS
-                toks = toks[-CONTEXT_TOKENS:]
-            n_out = default if batch.n_out is None else min(batch.n_out[i], self.num_spec)
-            out.append(wire.Entry(int(batch.slots[i]), n_out, pos, toks, bool(batch.new_gen[i])))
-        return out
+    def meta(self, batch: Batch) -> HostMeta:
+        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``).
+
+        Raises:
+            ValueError: naming the field that is wrong.
+        """
+        return host_meta(batch, max_slots=self.max_slots, num_spec=self.num_spec,
+                         max_tokens=self.max_tokens, n_out_default=self._n_out_for(len(batch)))
 
     def _n_out_for(self, n: int) -> int:
         t = self.n_out_table
@@ -290,20 +247,11 @@ class RemoteDSpark:
             return self.num_spec
         return t[min(n, len(t) - 1)]
 
-    def check_rows(self, batch: Batch) -> None:
-        """Raises ValueError unless each row of ``batch.rows`` is ``row_bytes`` bytes."""
-        rows = batch.rows
-        per_row = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
-        if per_row != self.row_bytes:
-            raise ValueError(f"rows of {per_row} bytes, RemoteDSpark was built for row_bytes={self.row_bytes}")
-        if len(batch.row_index) != len(batch):
-            raise ValueError(f"{len(batch.row_index)} row indices for {len(batch)} slots")
-
-    def gather_rows(self, batch: Batch) -> torch.Tensor:
-        """The batch's rows, [n, row_bytes] uint8 (the torch path: index_select)."""
-        self.check_rows(batch)
-        from .gather import as_bytes
-        return as_bytes(batch.rows).index_select(0, batch.row_index.to(batch.rows.device))
+    @property
+    def wait_cpu_s(self) -> float:
+        """The engine thread's CPU seconds spent inside its waits for a round's release
+        (async modes on the CPU: that wait spins by design); 0 in sync mode."""
+        return getattr(self._path, "wait_cpu_s", 0.0)
 
     def round(self, batch: Batch) -> Drafts:
         """Draft for ``batch`` under the policy.
@@ -317,10 +265,10 @@ class RemoteDSpark:
         local = self.local_drafter(batch) if policy == "shadow" else None
         self._round_id = (self._round_id + 1) & 0xFFFFFFFF
         t0 = time.monotonic()
-        remote = self._path.round(self._round_id, batch, self.entries(batch))
+        remote = self._path.round(self._round_id, batch)
         st = self.stats_
         st.observe_latency(time.monotonic() - t0)
-        st.record(remote.outcome, remote.counts.tolist(), len(remote.resync))
+        st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
         ok = remote.outcome == "ok"
         if policy == "shadow":
             if ok:
@@ -348,7 +296,7 @@ class RemoteDSpark:
             raise RuntimeError("RemoteDSpark.launch() before start() or after close()")
         if self.mode == "sync" or self.device != "cuda":
             raise RuntimeError("launch() is for asynchronous rounds on CUDA; use round()")
-        return self._path.launch(batch, self.entries(batch))
+        return self._path.launch(batch)
 
     def _local_drafts(self, local, remote: Drafts) -> Drafts:
         tokens, counts = local
@@ -428,30 +376,15 @@ class RemoteDSpark:
             log.warning("remote DSpark: cannot write %s: %s", path, e)
 
 
-def _empty(n: int, k: int, outcome: str, margins: bool) -> Drafts:
-    return Drafts(torch.zeros(n, k, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
-                  torch.zeros(n, k, dtype=torch.float32) if margins else None, "none", outcome)
-
-
-def _to_drafts(n: int, k: int, counts, statuses, tokens_rows, margin_rows, outcome: str,
-               slots: Sequence[int]) -> Drafts:
-    tok = torch.zeros(n, k, dtype=torch.int32)
-    cnt = torch.zeros(n, dtype=torch.int32)
-    mar = torch.zeros(n, k, dtype=torch.float32) if margin_rows is not None else None
-    resync = []
-    for i in range(min(n, len(counts))):
-        c = min(counts[i], k)
-        cnt[i] = c
-        if c:
-            tok[i, :c] = torch.tensor(tokens_rows[i][:c], dtype=torch.int32)
-            if mar is not None:
-                mar[i, :c] = torch.tensor(margin_rows[i][:c], dtype=torch.float32)
-        if statuses[i] == wire.STATUS_RESYNC:
-            resync.append(int(slots[i]))
-    return Drafts(tok, cnt, mar, "remote", outcome, tuple(resync))
-
-
 # --------------------------------------------------------------------------- paths
+
+
+def _to_host(batch: Batch) -> Batch:
+    """``batch`` with its metadata copied to the host (a blocking round: the sync path)."""
+    cpu = {f: (None if getattr(batch, f) is None else getattr(batch, f).cpu())
+           for f in ("slots", "tokens", "token_offsets", "positions", "new_gen", "n_out")}
+    return Batch(rows=batch.rows, row_index=batch.row_index, **cpu)
+
 
 
 class _SyncPath:
@@ -467,6 +400,11 @@ class _SyncPath:
                                backoff_max_ms=cfg.backoff_max_ms, breaker=Breaker(cfg.trip, cfg.cooldown),
                                environ=rd.environ)
         self._epoch = 0
+        # One send buffer for every round: header, fixed part, entry arrays, tokens; the
+        # rows are gathered into their own buffer (the frame's second part).
+        self._send = np.zeros(wire.HEADER.size + wire.round_meta_bytes(rd.max_slots) + 4 * rd.max_tokens,
+                              dtype=np.uint8)
+        self._rows = np.zeros((rd.max_slots, rd.row_bytes), dtype=np.uint8)
 
     def start(self) -> None:
         try:
@@ -479,30 +417,49 @@ class _SyncPath:
             self.link.start_reconnecting()
         self._epoch = self.link.epoch
 
-    def round(self, round_id: int, batch: Batch, entries: list[wire.Entry]) -> Drafts:
+    def round(self, round_id: int, batch: Batch) -> Drafts:
+        """One network round: the ROUND written into the send buffer (arrays copied into
+        place, rows by one ``np.take``), sent as two buffers, DRAFTS read as views."""
         rd = self.rd
-        picked = rd.gather_rows(batch).cpu().contiguous()
-        # A view of the tensor's bytes for sendmsg (no copy, no numpy); ``picked`` lives
-        # until the round is sent.
-        rows = memoryview((ctypes.c_char * picked.numel()).from_address(picked.data_ptr())).cast("B")
-        result = self.link.round_entries(round_id, entries, rows, rd.row_bytes, rd.cfg.timeout_ms)
+        meta = rd.meta(batch if not batch.meta_on_device else _to_host(batch))
+        n, k = meta.n, rd.num_spec
+        rows = self._rows[:n]
+        if batch.rows.device.type == "cpu":
+            gather_rows_host(batch, self._rows, rd.row_bytes)
+        else:   # a blocking round anyway: gather on the device, one copy to the host
+            rows[:] = as_bytes(batch.rows, rd.row_bytes).index_select(
+                0, batch.row_index.to(batch.rows.device)).cpu().numpy()
+        size = write_meta(self._send[wire.HEADER.size:], meta, deadline_ms=rd.cfg.timeout_ms,
+                          row_bytes=rd.row_bytes)
+        wire.pack_header_into(self._send, wire.ROUND, size + n * rd.row_bytes, self.link.session, round_id)
+        parts = (memoryview(self._send)[:wire.HEADER.size + size], memoryview(rows).cast("B"))
+        result = self.link.round(round_id, parts, rd.cfg.timeout_ms)
         outcome = _FROM_LINK[result.outcome]
-        n, k = len(batch), rd.num_spec
         d = result.drafts
-        if d is not None and list(d.slots) != [e.slot for e in entries]:
-            log.error("remote DSpark: round %d: the worker answered for other slots; dropped", round_id)
-            d, outcome = None, "error"
-        if d is None:
-            out = _empty(n, k, outcome, rd.cfg.want_margin)
+        if d is not None:
+            out = self._drafts(round_id, meta, d, outcome)
         else:
-            out = _to_drafts(n, k, d.counts, d.statuses, [d.row(i) for i in range(n)],
-                             None if d.margins is None else
-                             [d.margins[i * d.width:(i + 1) * d.width] for i in range(n)],
-                             outcome, batch.slots)
+            out = empty_drafts(n, k, outcome, rd.cfg.want_margin)
         if self.link.epoch != self._epoch:
             self._epoch = self.link.epoch
             out.resync_all = self._epoch > 1
         return out
+
+    def _drafts(self, round_id: int, meta: HostMeta, d: wire.Drafts, outcome: str) -> Drafts:
+        """The worker's DRAFTS as ``Drafts``, or an empty ERROR answer when they do not
+        fit the round (other entries, other slots, wider than num_spec)."""
+        rd, n = self.rd, meta.n
+        slots = np.frombuffer(d.slots, dtype=np.uint32)
+        if len(slots) != n or not np.array_equal(slots, meta.slots) or d.width > rd.num_spec:
+            log.error("remote DSpark: round %d: the worker answered %d entries x %d for slots that are "
+                      "not the round's (%d entries, num_spec %d); dropped", round_id, len(slots), d.width,
+                      n, rd.num_spec)
+            return empty_drafts(n, rd.num_spec, "error", rd.cfg.want_margin)
+        counts = np.frombuffer(d.counts, dtype=np.uint16)
+        tokens = np.frombuffer(d.tokens, dtype=np.int32).reshape(n, d.width)
+        margins = None if d.margins is None else np.frombuffer(d.margins, dtype=np.float32).reshape(n, d.width)
+        return to_drafts(rd.num_spec, meta.slots, counts, np.frombuffer(d.statuses, dtype=np.uint16), tokens,
+                         margins, outcome, rd.cfg.want_margin)
 
     def stats(self) -> dict:
         b = self.link.breaker.store
@@ -529,8 +486,8 @@ class _AsyncPath:
         self.rd = rd
         cfg = rd.cfg
         self.lib = native.load(rd.environ)
-        max_tokens = rd.max_slots * (CONTEXT_TOKENS + rd.num_spec + 1)
-        self.region = shm.Region.create(shm.Layout(rd.depth, rd.max_slots, rd.row_bytes, rd.num_spec, max_tokens))
+        self.region = shm.Region.create(shm.Layout(rd.depth, rd.max_slots, rd.row_bytes, rd.num_spec,
+                                                   rd.max_tokens))
         lay = self.region.layout
         try:
             self.end = ring.EngineEnd(self.region, self.lib)
@@ -542,21 +499,21 @@ class _AsyncPath:
             self.sync = streamsync.HostFlagSync(
                 self.region, self.lib, backend=rd.device, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us,
                 hold_gil_us=HOLD_GIL_US if rd.mode == "process" and rd.device == "cpu" else 0)
+            self._host = [_HostViews(self.region, i) for i in range(rd.depth)]
             if rd.device == "cuda":
                 view = self.sync.backend.device_view
                 self._staging = [view(lay.staging(i), (rd.max_slots, rd.row_bytes), torch.uint8)
                                  for i in range(rd.depth)]
+                self._desc = [view(lay.desc(i) + shm.DESC_FIXED, ((lay.desc_stride - shm.DESC_FIXED) // 4,),
+                                   torch.int32) for i in range(rd.depth)]
                 self._tokens = [view(lay.drafts(i) + lay.d_tokens, (rd.max_slots, rd.num_spec), torch.int32)
                                 for i in range(rd.depth)]
                 self._counts = [view(lay.drafts(i) + shm.D_COUNTS, (rd.max_slots,), torch.int32)
                                 for i in range(rd.depth)]
-            else:
-                self._staging = [torch.frombuffer(self.end.staging(i), dtype=torch.uint8).view(
-                    rd.max_slots, rd.row_bytes) for i in range(rd.depth)]
             from .gather import choose
             self._gather = choose(cfg.fused_gather, rd.device)
         except BaseException:
-            self._staging = self._tokens = self._counts = []
+            self._drop_views()
             self.region.close()
             raise
         self.supervisor: Supervisor | None = None
@@ -565,15 +522,23 @@ class _AsyncPath:
         self._switch_interval: float | None = None
         self._resync_all = False
         self._resync: set[int] = set()    # CUDA: slots lost in rounds collected since the last launch
-        self._pending: list[tuple[int, Sequence[int]]] = []   # CUDA: launched, not yet collected
+        self._pending: list[int] = []     # CUDA: rounds launched, not yet collected
         self._watchdog_run = 0            # watchdog releases in a row (stall detection)
         self._last_session = 0
         self._thread_started_ns = 0
         self._thread_lost = False
         self.max_wait_s = 0.0             # longest hand-off wait of the engine thread (CPU)
+        self.wait_cpu_s = 0.0             # the engine thread's CPU inside those waits (they spin)
 
+    _host: list = []
+    _staging: list = []
+    _desc: list = []
     _tokens: list = []
     _counts: list = []
+
+    def _drop_views(self) -> None:
+        """Forget every view of the region (numpy and device), so it can be unmapped."""
+        self._host = self._staging = self._desc = self._tokens = self._counts = []
 
     # ------------------------------------------------------------------ proxies
 
@@ -680,77 +645,144 @@ class _AsyncPath:
             time.sleep(0.005)
         return True
 
-    def _hand_over(self, batch: Batch, entries: list[wire.Entry]) -> int:
+    def _hand_over(self, batch: Batch) -> tuple[int, HostMeta | None]:
         """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
-        the stream (or, on the CPU, this thread) wait for ``released``: the round id."""
+        the stream (or, on the CPU, this thread) wait for ``released``: the round id and
+        the host metadata (None when it stayed on the device)."""
         rd, cfg = self.rd, self.rd.cfg
-        rd.check_rows(batch)
+        on_device = batch.meta_on_device
+        if on_device and rd.device != "cuda":
+            raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
+        meta = None if on_device else rd.meta(batch)
         r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (rd.depth + 1))
+        i = r & (rd.depth - 1)
         try:
             self._collect()
-            self.end.write_descriptor(r, entries, deadline_ms=cfg.timeout_ms)
-            self._gather(batch.rows, batch.row_index.to(batch.rows.device), self._staging[r & (rd.depth - 1)])
+            views = self._host[i]
+            views.round_word[0] = r
+            if meta is None:
+                self._write_device_meta(batch, i, cfg.timeout_ms)
+            else:
+                write_meta(views.desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=rd.row_bytes)
+            if rd.device == "cpu":
+                gather_rows_host(batch, views.staging, rd.row_bytes)
+            else:
+                as_bytes(batch.rows, rd.row_bytes)   # checks the row size
+                self._gather(batch.rows, batch.row_index.to(batch.rows.device), self._staging[i])
         except BaseException:
             self.end.unreserve(r)   # never gathered: no hole in the round sequence
             raise
         self.sync.signal(r)
-        return r
+        return r, meta
 
-    def round(self, round_id_unused: int, batch: Batch, entries: list[wire.Entry]) -> Drafts:
+    def _write_device_meta(self, batch: Batch, i: int, deadline_ms: int) -> None:
+        """Copy metadata that lives on the device into descriptor ``i`` in stream order:
+        one copy per section, no host sync. The sizes come from the tensors' shapes; the
+        values are checked by the proxy where they land (a bad round is answered
+        target-only and counted ``rounds_bad_desc``). NEW_GEN contexts are sent whole
+        (cutting them needs their lengths on the host).
+
+        Raises:
+            ValueError: shapes that disagree, or more tokens than the region holds.
+        """
+        rd = self.rd
+        n, t = len(batch), int(batch.tokens.shape[0])
+        if n > rd.max_slots or t > rd.max_tokens:
+            raise ValueError(f"a batch of {n} entries and {t} tokens over max_slots={rd.max_slots} "
+                             f"or max_tokens={rd.max_tokens}")
+        for name, want in (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n)):
+            got = getattr(batch, name)
+            if got is not None and tuple(got.shape) != (want,):
+                raise ValueError(f"{name}: shape {tuple(got.shape)}, expected [{want}]")
+        sec = wire.round_sections(n, t, rd.row_bytes)
+        self._host[i].desc[:16].view(np.uint32)[:] = (deadline_ms, n, rd.row_bytes, t)
+        d = self._desc[i]
+        at = wire.ROUND_FIXED.size // 4
+        d[at:at + n].copy_(batch.slots, non_blocking=True)
+        d[at + n:at + 2 * n].copy_(batch.positions, non_blocking=True)
+        if batch.n_out is None:
+            d[at + 2 * n:at + 3 * n].fill_(min(rd._n_out_for(n), rd.num_spec))
+        else:
+            d[at + 2 * n:at + 3 * n].copy_(batch.n_out.clamp(max=rd.num_spec), non_blocking=True)
+        d[at + 3 * n:at + 4 * n].copy_(batch.new_gen, non_blocking=True)   # True -> FLAG_NEW_GEN (1)
+        d[at + 4 * n:at + 5 * n + 1].copy_(batch.token_offsets, non_blocking=True)
+        d[sec.tokens // 4:sec.tokens // 4 + t].copy_(batch.tokens, non_blocking=True)
+
+    def round(self, round_id_unused: int, batch: Batch) -> Drafts:
         """The CPU stand-in: this thread waits for the release (the watchdog bounds it)."""
         rd, cfg = self.rd, self.rd.cfg
         n = len(batch)
         if self._no_proxy():
-            return _empty(n, rd.num_spec, "no_proxy", cfg.want_margin)
+            return empty_drafts(n, rd.num_spec, "no_proxy", cfg.want_margin)
         t0 = time.monotonic()
-        r = self._hand_over(batch, entries)
+        r, meta = self._hand_over(batch)
         if rd.device == "cuda":
             self.sync.wait(r, 0)
             torch.cuda.current_stream().synchronize()
         else:
             limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0   # far past the watchdog: a broken ring
-            if not self.sync.wait(r, limit_s):
+            c0 = time.thread_time()
+            released = self.sync.wait(r, limit_s)
+            self.wait_cpu_s += time.thread_time() - c0
+            if not released:
                 raise RuntimeError(f"round {r} was not released within {limit_s:.3f} s "
                                    f"(watchdog {cfg.watchdog_ms} ms)")
         self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
-        d = self.end.drafts(r)
-        outcome = _FROM_RING[d.outcome]
-        self._watchdog_run = self._watchdog_run + 1 if d.outcome == Outcome.WATCHDOG else 0
-        out = (_to_drafts(n, rd.num_spec, d.counts, d.statuses, d.tokens, d.margins, outcome, batch.slots)
-               if d.counts else _empty(n, rd.num_spec, outcome, cfg.want_margin))
+        outcome, out = self._answer(r, n)
+        self._watchdog_run = self._watchdog_run + 1 if outcome == "watchdog" else 0
         if self._resync_all:
             self._resync_all = False
             out.resync_all = True
         return out
 
-    def launch(self, batch: Batch, entries: list[wire.Entry]) -> Launched:
+    def _answer(self, r: int, n: int) -> tuple[str, Drafts]:
+        """Released round ``r``'s answer as ``Drafts``: views of its drafts slot, one
+        copy per array.
+
+        Raises:
+            RuntimeError: the slot holds another round (read after it was reused).
+        """
+        rd, v = self.rd, self._host[r & (self.rd.depth - 1)]
+        rnd, status, got, flags = v.head.tolist()
+        if rnd != r:
+            raise RuntimeError(f"drafts slot {r & (rd.depth - 1)} holds round {rnd}, expected {r}: "
+                               "read after the slot was reused")
+        outcome = _FROM_RING[Outcome(status)]
+        if not got:   # an empty answer (timeout, error, watchdog, ...): its arrays are stale
+            return outcome, empty_drafts(n, rd.num_spec, outcome, rd.cfg.want_margin)
+        slots = v.desc[wire.ROUND_FIXED.size:wire.ROUND_FIXED.size + 4 * got].view(np.uint32)
+        return outcome, to_drafts(rd.num_spec, slots, v.counts[:got], v.statuses[:got], v.tokens[:got],
+                                  v.margins[:got] if flags & shm.DRAFTS_MARGINS else None, outcome,
+                                  rd.cfg.want_margin)
+
+    def launch(self, batch: Batch) -> Launched:
         rd = self.rd
         n, k = len(batch), rd.num_spec
         resync, self._resync = tuple(sorted(self._resync)), set()
         resync_all, self._resync_all = self._resync_all, False
         if self._no_proxy():
-            rd.stats_.record("no_proxy", (), 0)
+            rd.stats_.record("no_proxy", np.zeros(0, dtype=np.int32), 0)
             zeros = torch.zeros(n, k, dtype=torch.int32, device="cuda")
             return Launched(0, zeros, zeros[:, 0].clone(), resync, resync_all)
-        r = self._hand_over(batch, entries)
+        r, _ = self._hand_over(batch)
         self.sync.wait(r, 0)
         i = r & (rd.depth - 1)
         counts = self._counts[i][:n].clone()
         live = torch.arange(k, device="cuda").unsqueeze(0) < counts.unsqueeze(1)
         tokens = torch.where(live, self._tokens[i][:n], 0)
-        self._pending.append((r, list(batch.slots)))
+        self._pending.append(r)
         return Launched(r, tokens, counts, resync, resync_all)
 
     def _collect(self) -> None:
-        """Count the outcome of every launched round released by now (engine thread)."""
+        """Count the outcome of every launched round released by now (engine thread);
+        the slots the worker lost are read from the round's own descriptor."""
         released = self.end.released()
-        while self._pending and ring.seq_geq(released, self._pending[0][0]):
-            r, slots = self._pending.pop(0)
-            d = self.end.drafts(r)
-            lost = [s for s, st in zip(slots, d.statuses) if st == wire.STATUS_RESYNC]
-            self._resync.update(lost)
-            self.rd.stats_.record(_FROM_RING[d.outcome], d.counts, len(lost))
-            self._watchdog_run = self._watchdog_run + 1 if d.outcome == Outcome.WATCHDOG else 0
+        while self._pending and ring.seq_geq(released, self._pending[0]):
+            r = self._pending.pop(0)
+            outcome, d = self._answer(r, int(self._host[r & (self.rd.depth - 1)].head[2]))
+            self._resync.update(d.resync)
+            self.rd.stats_.record(outcome, d.counts.numpy(), len(d.resync))
+            self._watchdog_run = self._watchdog_run + 1 if outcome == "watchdog" else 0
 
     def stats(self) -> dict:
         proxy = self.region.proxy_counters(self.lib).snapshot()
@@ -793,8 +825,30 @@ class _AsyncPath:
             self._drain(time.monotonic() + self.rd.cfg.watchdog_ms / 1000.0 + 1.0)
             torch.cuda.current_stream().synchronize()
             self._collect()
-        self._staging = self._tokens = self._counts = []
+        self._drop_views()
         self.region.close()
+
+
+class _HostViews:
+    """numpy views of one depth slot of the region: the descriptor's payload area, the
+    staging rows and the drafts slot's arrays. Dropped before the region is unmapped."""
+
+    def __init__(self, region: shm.Region, i: int):
+        lay = region.layout
+        S, K = lay.max_slots, lay.num_spec
+
+        def arr(offset: int, count: int, dtype) -> np.ndarray:
+            return np.frombuffer(region.view(offset, count * np.dtype(dtype).itemsize), dtype=dtype)
+
+        self.round_word = arr(lay.desc(i) + shm.DESC_ROUND, 1, np.uint32)
+        self.desc = arr(lay.desc(i) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED, np.uint8)
+        self.staging = arr(lay.staging(i), S * lay.row_bytes, np.uint8).reshape(S, lay.row_bytes)
+        d = lay.drafts(i)
+        self.head = arr(d, 4, np.uint32)   # round, status, n_entries, flags (shm.DRAFTS_HEAD)
+        self.counts = arr(d + shm.D_COUNTS, S, np.int32)
+        self.statuses = arr(d + lay.d_entry_status, S, np.int32)
+        self.tokens = arr(d + lay.d_tokens, S * K, np.int32).reshape(S, K)
+        self.margins = arr(d + lay.d_margins, S * K, np.float32).reshape(S, K)
 
 
 def _hist(h: shm.Histogram) -> dict:

@@ -38,17 +38,18 @@ class DemoEngine:
     steps: list[StepRecord] = field(default_factory=list)
 
     def __post_init__(self):
-        n = len(self.sim.slots)
+        n = self.sim.n_slots
         elems = max(1, self.rd.row_bytes // 4)
         # The engine tensor whose rows are gathered each round (hidden states, say).
         self.hidden = torch.randn(n, elems, dtype=torch.float32)
         self.row_index = torch.arange(n, dtype=torch.int64)
 
     def batch(self) -> Batch:
-        entries = self.sim.entries()
-        return Batch(slots=[e.slot for e in entries], tokens=[e.tokens for e in entries],
-                     positions=[e.position for e in entries], new_gen=[e.new_gen for e in entries],
-                     rows=self.hidden, row_index=self.row_index)
+        """This round's batch as an engine builds it: tensors over the slots' arrays."""
+        a = self.sim.arrays()
+        return Batch(slots=torch.from_numpy(a.slots), tokens=torch.from_numpy(a.tokens),
+                     token_offsets=torch.from_numpy(a.offsets), positions=torch.from_numpy(a.positions),
+                     new_gen=torch.from_numpy(a.new_gen), rows=self.hidden, row_index=self.row_index)
 
     def step(self) -> Drafts:
         batch = self.batch()
@@ -56,18 +57,15 @@ class DemoEngine:
         out = self.rd.round(batch)
         seconds = time.monotonic() - t0
         # Sent whatever the outcome: a slot the drafter did not see comes back RESYNC.
-        self.sim.sent()
+        self.sim.mark_sent()
         if out.resync_all:
             self.sim.reannounce()
         elif out.resync:
             self.sim.reannounce(out.resync)
-        counts = out.counts.tolist()
-        tokens = out.tokens.tolist()
-        drafts = [tokens[i][:counts[i]] for i in range(len(counts))]
-        before_acc, before_off = list(self.sim.accepted_at), list(self.sim.offered_at)
-        accepted = self.sim.verify(drafts)
-        self.rd.record_accepted([a - b for a, b in zip(self.sim.accepted_at, before_acc)],
-                                [a - b for a, b in zip(self.sim.offered_at, before_off)])
+        before_acc, before_off = self.sim.accepted_at.copy(), self.sim.offered_at.copy()
+        accepted = self.sim.verify(out.tokens.numpy(), out.counts.numpy())
+        self.rd.record_accepted((self.sim.accepted_at - before_acc).tolist(),
+                                (self.sim.offered_at - before_off).tolist())
         self.steps.append(StepRecord(seconds, out.outcome, accepted))
         return out
 

@@ -166,9 +166,9 @@ class RemoteLink:
 
     def round_entries(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
                       deadline_ms: int) -> RoundResult:
-        """:meth:`round` for entries and rows held by the caller (synchronous rounds)."""
-        return self.round(round_id, wire.round_parts(round_id, self.session, deadline_ms, entries,
-                                                     rows, row_bytes), deadline_ms)
+        """:meth:`round` for records (the slow convenience for tests and tools)."""
+        frame = wire.encode_round_entries(round_id, self.session, deadline_ms, entries, rows, row_bytes)
+        return self.round(round_id, (frame,), deadline_ms)
 
     def round(self, round_id: int, parts: Sequence, deadline_ms: int) -> RoundResult:
         """Send the ROUND frame ``parts`` (buffers, sent uncopied) and wait for its

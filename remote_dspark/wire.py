@@ -158,6 +158,11 @@ def encode_header(ftype: int, payload_len: int, session: int = 0, round_id: int 
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, ftype, payload_len, session, round_id & 0xFFFFFFFF)
 
 
+def pack_header_into(buf, ftype: int, payload_len: int, session: int = 0, round_id: int = 0) -> None:
+    """``encode_header`` written at the start of ``buf`` (a send buffer reused per round)."""
+    HEADER.pack_into(buf, 0, MAGIC, PROTOCOL_VERSION, ftype, payload_len, session, round_id & 0xFFFFFFFF)
+
+
 def decode_header(buf) -> Header:
     """Check a header. Raises ProtocolError before the caller allocates the payload."""
     if len(buf) != HEADER.size:

@@ -52,7 +52,7 @@ ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 
 
 def batch(new=True, slots=(0, 1), tokens=((1,), (3,)), positions=(0, 0)):
-    return Batch(list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS,
+    return Batch.from_lists(list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS,
                  torch.arange(len(slots)))
 
 

@@ -46,7 +46,7 @@ ROWS = torch.arange(32, dtype=torch.float32).reshape(8, 4)
 
 
 def batch(new=True, tokens=((1,), (3,)), positions=(0, 0)):
-    return Batch([0, 1], [list(t) for t in tokens], list(positions), [new, new], ROWS.cuda(),
+    return Batch.from_lists([0, 1], [list(t) for t in tokens], list(positions), [new, new], ROWS.cuda(),
                  torch.tensor([0, 1], device="cuda"))
 
 

@@ -119,11 +119,11 @@ def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
                   for _ in range(total)]
         with RemoteDSpark(RemoteConfig.from_env(env), num_spec=num_spec, max_slots=slots, row_bytes=row_bytes,
                           device="cuda", environ=env) as rd:
-            first = Batch(list(range(slots)), [[1, 2]] * slots, [0] * slots, [True] * slots, rows, index)
+            first = Batch.from_lists(list(range(slots)), [[1, 2]] * slots, [0] * slots, [True] * slots, rows, index)
             rd.launch(first)
             stream.synchronize()
             for i, (start, stop) in enumerate(events):
-                batch = Batch(list(range(slots)), [[3]] * slots, [2 + i] * slots, [False] * slots, rows, index)
+                batch = Batch.from_lists(list(range(slots)), [[3]] * slots, [2 + i] * slots, [False] * slots, rows, index)
                 start.record(stream)
                 rd.launch(batch)
                 stop.record(stream)

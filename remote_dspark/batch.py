@@ -1,0 +1,261 @@
+"""A round's batch as the engine holds it, and the few whole-array copies that move it.
+
+A :class:`Batch` is the engine's own layout (as vLLM's input batch): ``slots`` [n],
+``tokens`` flattened with ``token_offsets`` [n + 1] (entry i owns
+``tokens[token_offsets[i]:token_offsets[i + 1]]``, like ``query_start_loc``),
+``positions`` [n], ``new_gen`` [n], the engine tensor ``rows`` with ``row_index`` [n],
+and optionally ``n_out`` [n]. Every field is an int (or bool) tensor, on the CPU or on
+the device; :meth:`Batch.from_lists` takes Python lists and converts them once (the
+slow convenience).
+
+The wire's ROUND payload is exactly these arrays laid end to end (``wire.round_sections``),
+so a round is:
+
+- host metadata: checked and cut as numpy arrays (:func:`host_meta`, vectorized; a bad
+  field is a ``ValueError`` naming it), then written with one slice assignment per
+  section into the region's descriptor or the synchronous send buffer (:func:`write_meta`);
+- metadata on the device: copied section by section into the registered descriptor in
+  stream order (``engine``), never read back by the host; the proxy checks it where it
+  lands, and a bad round is answered target-only and counted;
+- the rows: one ``np.take`` into the staging slot on the CPU (numpy's copy runs on the
+  calling thread: the engine's small copies never fan out to torch's intra-op pool and
+  compete with the proxy and the worker for cores), one gather launch on the device;
+- the answer: numpy views of the drafts slot (or of the DRAFTS payload), one copy per
+  array into the ``Drafts`` tensors (:func:`to_drafts`).
+
+No function here loops over entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from . import wire
+import torch
+
+CONTEXT_TOKENS = 64          # a NEW_GEN entry sends at most this many trailing context tokens
+
+assert wire.FLAG_NEW_GEN == 1   # a bool array is the flags section as it is
+_META_FIELDS = ("slots", "token_offsets", "positions", "new_gen", "n_out", "tokens")
+
+
+@dataclass
+class Batch:
+    """One drafting round (see the module docstring for the layout).
+
+    ``tokens`` of entry i are those it accepted since its previous round, the first at
+    ``positions[i]``; with ``new_gen[i]`` they are its whole context (positions[i] is
+    then the position of the first of them, usually 0) and only the last
+    ``CONTEXT_TOKENS`` are sent. ``rows[row_index[i]]`` is its row of the engine tensor
+    (``row_bytes`` bytes, any dtype). ``n_out[i]`` drafts are asked for (capped at
+    ``num_spec``), or the engine's n_out table's value for the batch size when None.
+    """
+
+    slots: "torch.Tensor"
+    tokens: "torch.Tensor"
+    token_offsets: "torch.Tensor"
+    positions: "torch.Tensor"
+    new_gen: "torch.Tensor"
+    rows: "torch.Tensor"
+    row_index: "torch.Tensor"
+    n_out: "torch.Tensor | None" = None
+
+    def __post_init__(self):
+        for name in _META_FIELDS + ("row_index",):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                setattr(self, name, torch.as_tensor(value, dtype=torch.bool if name == "new_gen" else torch.int64))
+
+    @classmethod
+    def from_lists(cls, slots: Sequence[int], tokens: Sequence[Sequence[int]], positions: Sequence[int],
+                   new_gen: Sequence[bool], rows: "torch.Tensor", row_index, n_out: Sequence[int] | None = None
+                   ) -> "Batch":
+        """A batch from per-entry Python lists (the slow convenience: it walks them once)."""
+        lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+        offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.fromiter((t for ts in tokens for t in ts), dtype=np.int64, count=int(offsets[-1]))
+        return cls(torch.as_tensor(slots, dtype=torch.int64), torch.from_numpy(flat), torch.from_numpy(offsets),
+                   torch.as_tensor(positions, dtype=torch.int64), torch.as_tensor(new_gen, dtype=torch.bool),
+                   rows, torch.as_tensor(row_index, dtype=torch.int64),
+                   None if n_out is None else torch.as_tensor(n_out, dtype=torch.int64))
+
+    def __len__(self) -> int:
+        return int(self.slots.shape[0])
+
+    @property
+    def meta_on_device(self) -> bool:
+        """True when any metadata tensor lives on an accelerator (an engine whose
+        accepted tokens are still on the GPU)."""
+        return any(t is not None and t.device.type != "cpu" for t in (getattr(self, f) for f in _META_FIELDS))
+
+
+@dataclass(frozen=True)
+class HostMeta:
+    """A batch's metadata on the host, checked, NEW_GEN contexts cut: the ROUND's arrays."""
+
+    slots: np.ndarray          # [n] int64
+    positions: np.ndarray      # [n] int64
+    n_out: np.ndarray | int    # [n] int64, 0..num_spec; or one value for every entry
+    new_gen: np.ndarray        # [n] bool: the wire's flags (FLAG_NEW_GEN is bit 0, so True is it)
+    offsets: np.ndarray        # [n + 1] int64
+    tokens: np.ndarray         # [T] any int dtype
+
+    @property
+    def n(self) -> int:
+        return int(self.slots.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _np(t, name: str, n: int | None) -> np.ndarray:
+    a = t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+    if a.ndim != 1 or (n is not None and a.shape[0] != n):
+        want = "1-D" if n is None else f"[{n}]"
+        raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {want}")
+    return a
+
+
+def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int) -> HostMeta:
+    """Check ``batch``'s metadata (on the host) and cut its NEW_GEN contexts: a few
+    whole-array operations (each costs microseconds, so the common case takes the
+    fewest: no NEW_GEN entry means no cut to compute).
+
+    Raises:
+        ValueError: naming the field: ``slots`` out of 0..max_slots-1 or repeated,
+            negative ``positions`` or ``n_out``, ``token_offsets`` that do not run from
+            0 to len(tokens) without going back, lengths that disagree, too many tokens.
+    """
+    slots = _np(batch.slots, "slots", None).astype(np.int64, copy=False)
+    n = slots.shape[0]
+    if n > max_slots:
+        raise ValueError(f"slots: a batch of {n} entries over max_slots={max_slots}")
+    if n and slots.view(np.uint64).max() >= max_slots:   # a negative slot is huge as uint64
+        bad = slots[(slots < 0) | (slots >= max_slots)][0]
+        raise ValueError(f"slots: {bad} out of 0..{max_slots - 1}")
+    if n and np.bincount(slots, minlength=max_slots).max() > 1:
+        raise ValueError(f"slots: {int(np.bincount(slots).argmax())} repeated in one batch")
+    positions = _np(batch.positions, "positions", n).astype(np.int64, copy=False)
+    if n and positions.min() < 0:
+        raise ValueError(f"positions: negative position {positions.min()} "
+                         f"(entry {int(positions.argmin())})")
+    new_gen = _np(batch.new_gen, "new_gen", n).astype(bool, copy=False)
+    offsets = _np(batch.token_offsets, "token_offsets", n + 1).astype(np.int64, copy=False)
+    tokens = _np(batch.tokens, "tokens", None)
+    if offsets[0] != 0 or offsets[-1] != tokens.shape[0]:
+        raise ValueError(f"token_offsets: run from {offsets[0]} to {offsets[-1]}, expected 0 to "
+                         f"len(tokens)={tokens.shape[0]}")
+    lengths = np.diff(offsets)
+    if n and lengths.min() < 0:
+        raise ValueError(f"token_offsets: not non-decreasing (entry {int(lengths.argmin())})")
+    if batch.n_out is None:
+        n_out: np.ndarray | int = min(n_out_default, num_spec)   # one value for every entry
+    else:
+        n_out = _np(batch.n_out, "n_out", n).astype(np.int64, copy=False)
+        if n and n_out.min() < 0:
+            raise ValueError(f"n_out: negative value {n_out.min()} (entry {int(n_out.argmin())})")
+        n_out = np.minimum(n_out, num_spec)
+    if new_gen.any():
+        cut = np.where(new_gen, np.maximum(lengths - CONTEXT_TOKENS, 0), 0)
+        if cut.any():   # keep each long NEW_GEN context's last CONTEXT_TOKENS tokens
+            keep = lengths - cut
+            new_offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(keep, out=new_offsets[1:])
+            take = np.repeat(offsets[:-1] + cut - new_offsets[:-1], keep) + np.arange(new_offsets[-1])
+            tokens, offsets, positions = tokens[take], new_offsets, positions + cut
+    if tokens.shape[0] > max_tokens:
+        raise ValueError(f"tokens: {tokens.shape[0]} in one round (NEW_GEN contexts cut to "
+                         f"{CONTEXT_TOKENS}) over the region's max_tokens={max_tokens}")
+    return HostMeta(slots, positions, n_out, new_gen, offsets, tokens)
+
+
+def write_meta(dst: np.ndarray, meta: HostMeta, *, deadline_ms: int, row_bytes: int) -> int:
+    """Write the ROUND payload's fixed part, entry arrays and tokens (rows excepted) into
+    ``dst`` (a uint8 array: a descriptor slot's payload area, or the send buffer past the
+    header): one slice assignment per section. Returns the bytes written."""
+    n, t = meta.n, meta.n_tokens
+    sec = wire.round_sections(n, t, row_bytes)
+    u32 = dst[:sec.tokens].view(np.uint32)
+    u32[:4] = (deadline_ms, n, row_bytes, t)
+    at = wire.ROUND_FIXED.size // 4
+    for arr in (meta.slots, meta.positions, meta.n_out, meta.new_gen):
+        u32[at:at + n] = arr
+        at += n
+    u32[at:at + n + 1] = meta.offsets
+    dst[sec.tokens:sec.rows].view(np.int32)[:] = meta.tokens
+    return sec.rows
+
+
+def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int) -> None:
+    """``out[i] = bytes of rows[row_index[i]]`` for a CPU ``rows`` tensor: one ``np.take``
+    on this thread.
+
+    Raises:
+        ValueError: rows of another size than ``row_bytes``, or a row index out of range.
+    """
+    src = as_bytes(batch.rows, row_bytes).numpy()
+    n = len(batch)
+    index = _np(batch.row_index, "row_index", n)
+    if n and (index.min() < 0 or index.max() >= src.shape[0]):
+        raise ValueError(f"row_index: values must be in 0..{src.shape[0] - 1}, got "
+                         f"{index.min()}..{index.max()}")
+    np.take(src, index, axis=0, out=out[:n], mode="clip")   # in range, so clip only skips buffering
+
+
+def as_bytes(rows: "torch.Tensor", row_bytes: int | None = None) -> "torch.Tensor":
+    """``rows`` as ``[N, row_bytes]`` uint8 (each row must be contiguous within itself).
+
+    Raises:
+        ValueError: rows of another size than ``row_bytes``.
+    """
+    flat = rows.reshape(rows.shape[0], -1)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = flat.view(torch.uint8)
+    if row_bytes is not None and out.shape[1] != row_bytes:
+        raise ValueError(f"rows: {out.shape[1]} bytes per row, RemoteDSpark was built for "
+                         f"row_bytes={row_bytes}")
+    return out
+
+
+@dataclass
+class Drafts:
+    tokens: "torch.Tensor"               # [n, num_spec] int32, zero past counts
+    counts: "torch.Tensor"               # [n] int32
+    margins: "torch.Tensor | None"       # [n, num_spec] float32, when asked for
+    source: str                          # "remote", "local" or "none" (target-only)
+    outcome: str                         # the remote round's outcome (engine.OUTCOMES)
+    resync: tuple[int, ...] = ()         # slots the drafter lost: send them with NEW_GEN
+    resync_all: bool = False             # a new proxy/connection: re-announce every slot
+
+
+def empty_drafts(n: int, k: int, outcome: str, margins: bool) -> Drafts:
+    return Drafts(torch.zeros(n, k, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
+                  torch.zeros(n, k, dtype=torch.float32) if margins else None, "none", outcome)
+
+
+def to_drafts(k: int, slots: np.ndarray, counts: np.ndarray, statuses: np.ndarray, tokens: np.ndarray,
+              margins: np.ndarray | None, outcome: str, want_margin: bool) -> Drafts:
+    """``Drafts`` from an answer's arrays (views of a drafts slot or of a DRAFTS payload):
+    ``counts``/``statuses`` [n], ``tokens``/``margins`` [n, width <= k]. One copy per
+    array; tokens and margins past each count are zeroed whatever the source held there;
+    RESYNC slots come from the status mask."""
+    n, width = tokens.shape
+    full = not n or counts.min() == width    # the common case: nothing past a count to clear
+    live = None if full else np.arange(width) < counts[:, None]
+    tok = np.zeros((n, k), dtype=np.int32)
+    np.copyto(tok[:, :width], tokens, where=True if full else live)
+    mar = None
+    if want_margin:
+        mar = np.zeros((n, k), dtype=np.float32)
+        if margins is not None:
+            np.copyto(mar[:, :width], margins, where=True if full else live)
+    lost = slots[statuses == wire.STATUS_RESYNC]
+    return Drafts(torch.from_numpy(tok), torch.from_numpy(counts.astype(np.int32)),
+                  None if mar is None else torch.from_numpy(mar), "remote", outcome,
+                  tuple(lost.tolist()))

@@ -1,0 +1,158 @@
+"""The engine's batch path equals a slow per-entry reference: metadata checked and cut,
+written byte for byte as the wire's ROUND, and answers turned into ``Drafts`` value for
+value. Bad fields are refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from remote_dspark import wire
+from remote_dspark.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_meta, to_drafts, write_meta
+from remote_dspark.engine import torch
+from remote_dspark.sim import SimEngine
+
+MAX_SLOTS, K, ROW_BYTES = 16, 4, 8
+ROWS = torch.arange(MAX_SLOTS * 2, dtype=torch.float32).reshape(MAX_SLOTS, 2)   # 8 bytes a row
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(0, MAX_SLOTS))
+    slots = draw(st.permutations(range(MAX_SLOTS)))[:n]
+    tokens = [draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=CONTEXT_TOKENS + 8)) for _ in range(n)]
+    positions = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    new_gen = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    n_out = draw(st.none() | st.lists(st.integers(0, 2 * K), min_size=n, max_size=n))
+    row_index = draw(st.lists(st.integers(0, MAX_SLOTS - 1), min_size=n, max_size=n))
+    return Batch.from_lists(slots, tokens, positions, new_gen, ROWS, row_index, n_out), tokens
+
+
+def reference_entries(batch: Batch, tokens, default_n_out: int) -> list[wire.Entry]:
+    """The first version's per-entry rule: a NEW_GEN context keeps its last
+    CONTEXT_TOKENS tokens and its position moves with the cut; n_out capped at K."""
+    out = []
+    for i in range(len(batch)):
+        toks, pos, new = list(tokens[i]), int(batch.positions[i]), bool(batch.new_gen[i])
+        if new and len(toks) > CONTEXT_TOKENS:
+            pos += len(toks) - CONTEXT_TOKENS
+            toks = toks[-CONTEXT_TOKENS:]
+        n_out = default_n_out if batch.n_out is None else min(int(batch.n_out[i]), K)
+        out.append(wire.Entry(int(batch.slots[i]), n_out, pos, toks, new))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_round_bytes_equal_the_per_entry_reference(case):
+    batch, tokens = case
+    meta = host_meta(batch, max_slots=MAX_SLOTS, num_spec=K, max_tokens=10_000, n_out_default=3)
+    buf = np.zeros(wire.round_meta_bytes(MAX_SLOTS) + 4 * 10_000, dtype=np.uint8)
+    size = write_meta(buf, meta, deadline_ms=77, row_bytes=ROW_BYTES)
+    rows = np.zeros((MAX_SLOTS, ROW_BYTES), dtype=np.uint8)
+    gather_rows_host(batch, rows, ROW_BYTES)
+    want_rows = b"".join(ROWS[int(i)].numpy().tobytes() for i in batch.row_index)
+    want = wire.encode_round_entries(5, 0, 77, reference_entries(batch, tokens, 3), want_rows, ROW_BYTES)
+    assert bytes(buf[:size]) + rows[:len(batch)].tobytes() == want[wire.HEADER.size:]
+
+
+@st.composite
+def answers(draw):
+    n = draw(st.integers(0, MAX_SLOTS))
+    width = draw(st.integers(0, K))
+    counts = draw(st.lists(st.integers(0, width), min_size=n, max_size=n))
+    statuses = draw(st.lists(st.sampled_from([wire.STATUS_OK, wire.STATUS_RESYNC]), min_size=n, max_size=n))
+    tokens = draw(st.lists(st.integers(-2**31, 2**31 - 1), min_size=n * width, max_size=n * width))
+    margins = draw(st.none() | st.lists(st.floats(0, 1, width=32), min_size=n * width, max_size=n * width))
+    slots = draw(st.permutations(range(MAX_SLOTS)))[:n]
+    return slots, counts, statuses, width, tokens, margins
+
+
+@settings(max_examples=150, deadline=None)
+@given(answers(), st.booleans())
+def test_drafts_equal_the_per_entry_reference(answer, want_margin):
+    slots, counts, statuses, width, tokens, margins = answer
+    n = len(slots)
+    d = to_drafts(K, np.array(slots, dtype=np.int64), np.array(counts, dtype=np.uint16),
+                  np.array(statuses, dtype=np.uint16), np.array(tokens, dtype=np.int32).reshape(n, width),
+                  None if margins is None else np.array(margins, dtype=np.float32).reshape(n, width),
+                  "ok", want_margin)
+    assert d.tokens.dtype == torch.int32 and tuple(d.tokens.shape) == (n, K)
+    for i in range(n):   # the slow reference: row by row, nothing past a count
+        c = counts[i]
+        assert d.tokens[i].tolist() == tokens[i * width:i * width + c] + [0] * (K - c)
+        if want_margin:
+            m = [0.0] * K if margins is None else \
+                [float(np.float32(x)) for x in margins[i * width:i * width + c]] + [0.0] * (K - c)
+            assert d.margins[i].tolist() == m
+    assert d.counts.tolist() == counts and (d.margins is None) == (not want_margin)
+    assert d.resync == tuple(s for s, st_ in zip(slots, statuses) if st_ == wire.STATUS_RESYNC)
+
+
+def meta_of(**kw):
+    base = dict(slots=[0, 1], tokens=[[1], [2, 3]], positions=[0, 4], new_gen=[False, False],
+                rows=ROWS, row_index=[0, 1])
+    base.update(kw)
+    return Batch.from_lists(**base)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(slots=[0, MAX_SLOTS]), "slots: 16 out of 0..15"),
+    (dict(slots=[-1, 1]), "slots: -1 out of"),
+    (dict(slots=[3, 3]), "slots: 3 repeated"),
+    (dict(positions=[0, -5]), "positions: negative position -5"),
+    (dict(n_out=[1, -1]), "n_out: negative"),
+    (dict(new_gen=[False]), "new_gen: shape (1,)"),
+])
+def test_bad_fields_are_named(kw, field):
+    with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
+        host_meta(meta_of(**kw), max_slots=MAX_SLOTS, num_spec=K, max_tokens=100, n_out_default=K)
+
+
+def with_offsets(offsets, tokens=(1, 2, 3)) -> Batch:
+    good = meta_of()
+    return Batch(good.slots, torch.tensor(tokens), torch.tensor(offsets), good.positions, good.new_gen, ROWS,
+                 good.row_index)
+
+
+@pytest.mark.parametrize("offsets, why", [
+    ([0, 2, 2], "token_offsets: run from 0 to 2, expected 0 to len"),
+    ([1, 2, 3], "token_offsets: run from 1 to 3"),
+    ([0, 3, 1, 3], "token_offsets: shape"),
+    ([0, 4, 3], "token_offsets: not non-decreasing"),
+])
+def test_bad_offsets_are_named(offsets, why):
+    with pytest.raises(ValueError, match=why):
+        host_meta(with_offsets(offsets), max_slots=MAX_SLOTS, num_spec=K, max_tokens=100, n_out_default=K)
+
+
+def test_token_cap_row_index_and_row_size_are_named():
+    good = meta_of()
+    with pytest.raises(ValueError, match="tokens: 3 in one round"):
+        host_meta(good, max_slots=MAX_SLOTS, num_spec=K, max_tokens=2, n_out_default=K)
+    with pytest.raises(ValueError, match="row_index: values must be in 0..15"):
+        gather_rows_host(meta_of(row_index=[0, 16]), np.zeros((MAX_SLOTS, ROW_BYTES), np.uint8), ROW_BYTES)
+    with pytest.raises(ValueError, match="rows: 8 bytes per row, RemoteDSpark was built for row_bytes=4"):
+        gather_rows_host(good, np.zeros((MAX_SLOTS, 4), np.uint8), 4)
+
+
+def test_sim_arrays_are_each_slots_unsent_tokens():
+    sim = SimEngine(6, 3, seed=3, prompt=5, length=(8, 12))
+    first = sim.arrays()
+    assert first.new_gen.all() and (first.positions == 0).all()
+    for s in range(6):
+        assert first.tokens[first.offsets[s]:first.offsets[s + 1]].tolist() == sim.truth[s, :5].tolist()
+    sim.mark_sent()
+    truth_next = np.stack([sim.truth[s, 5:5 + 3] for s in range(6)])
+    counts = np.array([3, 2, 0, 3, 1, 3])
+    wrong = truth_next.copy()
+    wrong[3, 1] += 1                               # slot 3: the second draft is wrong
+    assert sim.verify(wrong, counts) == 3 + 2 + 0 + 1 + 1 + 3
+    assert sim.accepted_at.tolist() == [5, 3, 2] and sim.offered_at.tolist() == [5, 4, 2]
+    sim.reannounce([4])
+    nxt = sim.arrays()
+    assert nxt.new_gen.tolist() == [False, False, False, False, True, False]
+    for s, got in enumerate([4, 3, 1, 2, 2, 4]):   # accepted + the target's own token
+        assert nxt.offsets[s + 1] - nxt.offsets[s] == (5 + got if s == 4 else got)
+        assert nxt.positions[s] == (0 if s == 4 else 5)
