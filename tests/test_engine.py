@@ -147,14 +147,15 @@ def test_policies_that_keep_a_local_drafter_need_one(worker, tmp_path):
 
 def test_n_out_table_sets_each_entry(worker, tmp_path):
     with make(env_for(worker.port, tmp_path), n_out_table=[0, 3, 1, 1, 1]) as rd:
-        assert [e.n_out for e in rd.entries(batch())] == [1, 1]
+        assert rd.meta(batch()).n_out == 1      # the table's value for 2 entries, for each
         assert rd.round(batch()).counts.tolist() == [1, 1]
 
 
 def test_new_gen_context_is_trimmed_with_its_position(worker, tmp_path):
     with make(env_for(worker.port, tmp_path)) as rd:
-        e = rd.entries(batch(tokens=(list(range(100)), (1,))))[0]
-        assert len(e.tokens) == 64 and e.position == 36 and e.tokens[0] == 36
+        m = rd.meta(batch(tokens=(list(range(100)), (1,))))
+        assert m.offsets.tolist() == [0, 64, 65] and m.positions.tolist() == [36, 0]
+        assert m.tokens[:64].tolist() == list(range(36, 100))
 
 
 def test_stats_file_and_log_line(worker, tmp_path, caplog):

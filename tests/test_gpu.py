@@ -115,6 +115,37 @@ def test_rounds_deliver_the_workers_drafts_into_device_tensors(worker, tmp_path)
     assert rd.stats()["rounds"]["ok"] == 4
 
 
+def on_device(b: Batch) -> Batch:
+    """``b`` with every metadata tensor on the GPU (an engine whose tokens never left it)."""
+    return Batch(b.slots.cuda(), b.tokens.cuda(), b.token_offsets.cuda(), b.positions.cuda(), b.new_gen.cuda(),
+                 b.rows, b.row_index, None if b.n_out is None else b.n_out.cuda())
+
+
+def test_metadata_on_the_device_reaches_the_worker_in_stream_order(worker, tmp_path):
+    with make(worker, tmp_path) as rd:
+        first = on_device(batch())
+        assert first.meta_on_device
+        out = rd.launch(first)
+        assert out.tokens.tolist() == [[2, 3, 4], [4, 1, 2]] and out.counts.tolist() == [3, 3]
+        out = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
+        assert out.tokens.tolist() == [[3, 4, 1], [1, 2, 3]]
+
+
+def test_bad_metadata_on_the_device_is_target_only_and_counted(worker, tmp_path):
+    """The host cannot check values it never reads: the proxy does, where they land."""
+    with make(worker, tmp_path) as rd:
+        rd.launch(batch())
+        b = on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
+        b.slots = torch.tensor([1, 1], device="cuda")          # one slot twice
+        out = rd.launch(b)
+        assert out.counts.tolist() == [0, 0]
+        good = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
+        torch.cuda.synchronize()
+        assert good.counts.tolist() == [3, 3]
+        st = rd.stats()
+        assert st["proxy_counters"]["rounds_bad_desc"] == 1 and st["rounds"]["error"] == 1
+
+
 def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):
     """The stream resumes within the watchdog deadline (here: at once, released by the
     supervisor as soon as it sees the death), with zero drafts."""
