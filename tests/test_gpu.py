@@ -142,6 +142,7 @@ def test_bad_metadata_on_the_device_is_target_only_and_counted(worker, tmp_path)
         good = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
         torch.cuda.synchronize()
         assert good.counts.tolist() == [3, 3]
+        rd.launch(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))   # collects both
         st = rd.stats()
         assert st["proxy_counters"]["rounds_bad_desc"] == 1 and st["rounds"]["error"] == 1
 
