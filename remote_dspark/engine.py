@@ -510,6 +510,7 @@ class _AsyncPath:
                                 for i in range(rd.depth)]
                 self._counts = [view(lay.drafts(i) + shm.D_COUNTS, (rd.max_slots,), torch.int32)
                                 for i in range(rd.depth)]
+                self._columns = torch.arange(rd.num_spec, device="cuda").unsqueeze(0)
             from .gather import choose
             self._gather = choose(cfg.fused_gather, rd.device)
         except BaseException:
@@ -768,20 +769,27 @@ class _AsyncPath:
         self.sync.wait(r, 0)
         i = r & (rd.depth - 1)
         counts = self._counts[i][:n].clone()
-        live = torch.arange(k, device="cuda").unsqueeze(0) < counts.unsqueeze(1)
-        tokens = torch.where(live, self._tokens[i][:n], 0)
+        # An empty answer (timeout, watchdog, ...) zeroes only the counts: mask the rest.
+        tokens = torch.where(self._columns < counts.unsqueeze(1), self._tokens[i][:n], 0)
         self._pending.append(r)
         return Launched(r, tokens, counts, resync, resync_all)
 
     def _collect(self) -> None:
         """Count the outcome of every launched round released by now (engine thread);
-        the slots the worker lost are read from the round's own descriptor."""
+        the slots the worker lost are read from the round's own descriptor. No tensor
+        is built: a few numpy reads of the drafts slot per round."""
         released = self.end.released()
         while self._pending and ring.seq_geq(released, self._pending[0]):
             r = self._pending.pop(0)
-            outcome, d = self._answer(r, int(self._host[r & (self.rd.depth - 1)].head[2]))
-            self._resync.update(d.resync)
-            self.rd.stats_.record(outcome, d.counts.numpy(), len(d.resync))
+            v = self._host[r & (self.rd.depth - 1)]
+            rnd, status, got, _ = v.head.tolist()
+            if rnd != r:
+                raise RuntimeError(f"drafts slot of round {r} holds round {rnd}: read after reuse")
+            outcome = _FROM_RING[Outcome(status)]
+            slots = v.desc[wire.ROUND_FIXED.size:wire.ROUND_FIXED.size + 4 * got].view(np.uint32)
+            lost = slots[v.statuses[:got] == wire.STATUS_RESYNC].tolist()
+            self._resync.update(lost)
+            self.rd.stats_.record(outcome, v.counts[:got], len(lost))
             self._watchdog_run = self._watchdog_run + 1 if outcome == "watchdog" else 0
 
     def stats(self) -> dict:
