@@ -4,6 +4,7 @@ keeps its heavy imports inside the function that runs it."""
 
 def add_parsers(sub) -> None:
     """Register every benchmark's subcommand."""
-    from . import handoff
+    from . import handoff, round
 
     handoff.add_parser(sub)
+    round.add_parser(sub)
