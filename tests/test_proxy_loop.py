@@ -31,7 +31,7 @@ class Rig:
 
     def round(self, entries=NEW, deadline_ms=0) -> ring.RoundDrafts:
         r = self.eng.reserve(1)
-        self.eng.write_descriptor(r, entries, deadline_ms)
+        self.eng.write_entries(r, entries, deadline_ms)
         self.sync.signal(r)
         self.loop.step(2.0)
         assert self.eng.released() == r

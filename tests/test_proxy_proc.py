@@ -53,7 +53,7 @@ class Engine:
 
     def round(self, entries, timeout_s=5.0):
         r = self.end.reserve(timeout_s)
-        self.end.write_descriptor(r, entries, deadline_ms=1000)
+        self.end.write_entries(r, entries, deadline_ms=1000)
         self.end.staging(r)[:4 * len(entries)] = bytes(4 * len(entries))
         assert self.sync.handoff(r, timeout_s).ok
         return self.end.drafts(r)
