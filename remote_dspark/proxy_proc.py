@@ -164,7 +164,7 @@ class ProxyLoop:
             self.link.drop(f"round {s.round} on {self.cfg.endpoint} failed: {s.why}")
         elif ev is RoundEvent.BAD_REPLY:
             log.error("proxy: round %d: worker reply refused: %s", s.round, s.why)
-        elif ev is RoundEvent.BAD_DESC:
+        elif ev is RoundEvent.BAD_DESC and s.released:
             log.error("proxy: round %d: %s", s.round, s.why)
         self.breaker.flush()
 
@@ -173,9 +173,10 @@ class ProxyLoop:
             fields = rnd.fields()
             parts = rnd.wire_parts(self.session, fields)
         except ValueError as e:  # a descriptor that breaks a rule: answer it empty, unsent
-            log.error("proxy: round %d: %s", rnd.round, e)
-            self.end.counters.add("rounds_bad_desc")
-            self.end.complete(rnd, None, Outcome.ERROR)
+            # False: the watchdog answered it first (its descriptor may be reused already)
+            if self.end.complete(rnd, None, Outcome.ERROR):
+                log.error("proxy: round %d: %s", rnd.round, e)
+                self.end.counters.add("rounds_bad_desc")
             return
         deadline_ms = fields[0] or self.cfg.timeout_ms
         attempts, late = self.link.attempts, self.link.late

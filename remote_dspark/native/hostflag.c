@@ -3,9 +3,11 @@
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
  * layout is not known here; Python (remote_dspark.shm) computes it once and passes the
  * addresses of the words and the geometry of the drafts slots (struct hf_ring). The one
- * exception is hf_round, the proxy's round on a TCP socket: it knows the wire's frame
- * formats (remote_dspark/wire.py) and where a descriptor keeps the ROUND payload
- * (shm.DESC_FIXED); tests/test_tcp_round.py checks both against the Python side.
+ * exception is hf_round, the proxy's round on a TCP socket, with its descriptor check
+ * and DRAFTS reader (hf_check_desc, hf_unpack: the same code, for a proxy whose network
+ * round is in Python): they know the wire's frame formats (remote_dspark/wire.py,
+ * protocol 2) and where a descriptor keeps the ROUND payload (shm.DESC_FIXED);
+ * tests/test_tcp_round.py checks both against the Python side.
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
  * claim word is a compare-and-swap, counters are relaxed fetch-adds. Everything a
@@ -917,9 +919,7 @@ static int64_t round_once(struct hf_proxy *p, struct hf_link *l, uint64_t idle_n
     struct round_view v;
     uint32_t len = 0;
     event = check_desc(p, l, round, &v);
-    if (event == HF_EV_BAD_DESC) {   /* nothing sent: the round is answered ERROR at once */
-        count(p, p->c_bad_desc, 1);
-    } else {
+    if (event == HF_EV_OK) {   /* a bad descriptor is not sent: answered ERROR at once */
         uint64_t t0 = hf_now_ns();
         uint32_t ms = v.deadline_ms ? v.deadline_ms : l->default_deadline_ms;
         uint64_t deadline = t0 + (uint64_t)ms * 1000000u;
@@ -934,6 +934,10 @@ static int64_t round_once(struct hf_proxy *p, struct hf_link *l, uint64_t idle_n
     status = event == HF_EV_OK ? ST_OK : event == HF_EV_TIMEOUT ? ST_TIMEOUT : ST_ERROR;
     l->round = round;
     l->answer = answer(p, round, status, event == HF_EV_OK ? l->image : NULL, seen);
+    /* After the release: bookkeeping never delays it. Only a round this call answered:
+     * one the watchdog answered first may have had its descriptor reused meanwhile. */
+    if (event == HF_EV_BAD_DESC && l->answer == HF_OK)
+        count(p, p->c_bad_desc, 1);
     return event;
 }
 
