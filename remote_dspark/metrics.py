@@ -77,6 +77,12 @@ class RemoteDSparkCollector(Collector):
         yield rounds
         yield _counter("attempts", "Rounds sent to the remote drafter (the breaker and back-off send none).",
                        s.get("attempts", 0))
+        # The proxy's own counter (no proxy, no such rounds: 0), beside the outcomes it
+        # refines: each of these rounds is also counted under outcome="error".
+        yield _counter("rounds_bad_desc", "Rounds whose descriptor (the engine's metadata, perhaps written by "
+                       "a GPU stream) broke the layout or the wire's rules: answered target-only, never sent; "
+                       "also counted under rounds_total{outcome=\"error\"}.",
+                       s.get("proxy_counters", {}).get("rounds_bad_desc", 0))
         yield _histogram("round_latency_seconds", "Engine-side time of a round, hand-off and network included.",
                          s["round_latency"])
         if "handoff_latency" in s:

@@ -10,10 +10,12 @@ Per round, on a TCP connection (and whenever there is none): one native call,
 waits for the DRAFTS, checks and writes them and releases the round, so no Python runs
 between a round's ``gathered`` and its ``released``; the loop asks the breaker before
 the call and does the accounting after it. On an ofl transport the same steps run in
-Python: wait (in C, GIL released: spin ``ASYNC_SPIN_US``, then nap ``ASYNC_NAP_US``; 0 =
-pure spin), read the descriptor, ask the breaker, send the ROUND from the region,
-receive DRAFTS within the deadline, then claim, write, release and count in one native
-call. A round the watchdog answered first is dropped and counted late.
+Python, with no loop over entries: wait (in C, GIL released: spin ``ASYNC_SPIN_US``,
+then nap ``ASYNC_NAP_US``; 0 = pure spin), check the descriptor (in C, as ``hf_round``
+does; a bad one is answered ERROR unsent and counted ``rounds_bad_desc``), ask the
+breaker, send the ROUND from the region, receive DRAFTS within the deadline, check and
+unpack them (in C, ``hf_round``'s reader), then claim, write, release and count in one
+native call. A round the watchdog answered first is dropped and counted late.
 
 The process exits when the engine dies (PR_SET_PDEATHSIG, and the parent pid checked
 every idle tick in case the engine died before the request took effect), on SIGTERM
@@ -162,18 +164,21 @@ class ProxyLoop:
             self.link.drop(f"round {s.round} on {self.cfg.endpoint} failed: {s.why}")
         elif ev is RoundEvent.BAD_REPLY:
             log.error("proxy: round %d: worker reply refused: %s", s.round, s.why)
-        elif ev is RoundEvent.BAD_DESC:
+        elif ev is RoundEvent.BAD_DESC and s.released:
             log.error("proxy: round %d: %s", s.round, s.why)
         self.breaker.flush()
 
     def serve(self, rnd: ProxyRound) -> None:
         try:
-            deadline_ms = rnd.fields()[0] or self.cfg.timeout_ms
-            parts = rnd.wire_parts(self.session)
-        except ValueError as e:  # a descriptor that breaks the layout: answer it empty
-            log.error("proxy: round %d: %s", rnd.round, e)
-            self.end.complete(rnd, None, Outcome.ERROR)
+            fields = rnd.fields()
+            parts = rnd.wire_parts(self.session, fields)
+        except ValueError as e:  # a descriptor that breaks a rule: answer it empty, unsent
+            # False: the watchdog answered it first (its descriptor may be reused already)
+            if self.end.complete(rnd, None, Outcome.ERROR):
+                log.error("proxy: round %d: %s", rnd.round, e)
+                self.end.counters.add("rounds_bad_desc")
             return
+        deadline_ms = fields[0] or self.cfg.timeout_ms
         attempts, late = self.link.attempts, self.link.late
         result = self.link.round(rnd.round, parts, deadline_ms)
         if self.link.attempts != attempts:

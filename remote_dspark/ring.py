@@ -324,42 +324,44 @@ class ProxyRound:
         self._end = end
 
     def fields(self) -> tuple[int, int, int, int]:
-        """(deadline_ms, n_entries, row_bytes, n_tokens), checked against the layout.
+        """(deadline_ms, n_entries, row_bytes, n_tokens) of a descriptor checked whole, in
+        C (``hf_check_desc``: the round id, the sizes, the offsets, every entry's slot,
+        n_out and flags), so it may be sent as it is.
 
         Raises:
-            ValueError: the descriptor is not this round's or breaks the layout.
+            ValueError: the descriptor is not this round's or breaks a rule, naming the
+                field (and the entry).
         """
-        lay = self._end.layout
+        self._end.check_descriptor(self.round)
         with self._end.region.descriptor(self.index) as d:
-            rnd, = struct.unpack_from("<I", d, shm.DESC_ROUND)
-            f = wire.ROUND_FIXED.unpack_from(d, shm.DESC_FIXED)
-        _, n, row_bytes, n_tokens = f
-        if rnd != self.round:
-            raise ValueError(f"descriptor slot {self.index} holds round {rnd}, not {self.round}")
-        if n > lay.max_slots or row_bytes != lay.row_bytes or n_tokens > lay.max_tokens:
-            raise ValueError(f"round {self.round}: descriptor n_entries={n} row_bytes="
-                             f"{row_bytes} n_tokens={n_tokens} break the layout {lay}")
-        return f
+            return wire.ROUND_FIXED.unpack_from(d, shm.DESC_FIXED)
 
-    def wire_parts(self, session: int) -> list:
-        """The ROUND frame as buffers for one ``sendmsg``: the wire header, then views of
-        the region (fixed part and entry table, rows, tokens); no row is copied."""
-        _, n, row_bytes, n_tokens = self.fields()
+    def wire_parts(self, session: int, fields: tuple[int, int, int, int] | None = None) -> list:
+        """The ROUND frame as buffers for one ``sendmsg``: the wire header, a view of the
+        descriptor's block (fixed part, entry arrays, tokens) and a view of the staging
+        rows; nothing is copied. ``fields``: what ``fields()`` just returned, to spare
+        checking the descriptor twice.
+
+        Raises:
+            ValueError: the descriptor breaks a rule (``fields``).
+        """
+        _, n, row_bytes, n_tokens = fields if fields is not None else self.fields()
         region, lay = self._end.region, self._end.layout
-        table = region.view(lay.desc(self.index) + shm.DESC_FIXED,
-                            wire.ROUND_FIXED.size + n * wire.ROUND_ENTRY.size)
+        block = region.view(lay.desc(self.index) + shm.DESC_FIXED,
+                            wire.round_meta_bytes(n) + 4 * n_tokens)
         rows = region.view(lay.staging(self.index), n * row_bytes)
-        tokens = region.view(lay.desc(self.index) + lay.desc_tokens(), 4 * n_tokens)
-        length = len(table) + len(rows) + len(tokens)
-        return [wire.encode_header(wire.ROUND, length, session, self.round), table, rows, tokens]
+        return [wire.encode_header(wire.ROUND, len(block) + len(rows), session, self.round), block, rows]
 
     def slots(self) -> tuple[int, ...]:
-        """The slot id of each entry, in order."""
+        """The slot id of each entry, in order.
+
+        Raises:
+            ValueError: the descriptor breaks a rule (``fields``).
+        """
         n = self.fields()[1]
-        with self._end.region.descriptor(self.index) as d:
-            at = shm.DESC_ENTRIES
-            return tuple(e[0] for e in wire.ROUND_ENTRY.iter_unpack(
-                d[at:at + n * wire.ROUND_ENTRY.size]))
+        at = self._end.layout.desc(self.index) + shm.DESC_FIXED + wire.ROUND_FIXED.size
+        with self._end.region.view(at, 4 * n) as raw, raw.cast("I") as slots:
+            return tuple(slots)
 
     def pending(self) -> bool:
         """True while nobody has claimed the round. A proxy that sent the round and then
@@ -375,8 +377,10 @@ class ProxyEnd(_End):
     the wait, the heartbeat, the claim, the drafts, the release and every proxy counter
     and histogram are in C), for a proxy whose network round is in Python (the ofl
     transports); on TCP the whole round is one call, :class:`~remote_dspark.tcp_round.
-    TcpRounds`, over this end. Drafts are packed into a private slot-shaped image first
-    and copied in after the claim, so a late answer never touches a slot.
+    TcpRounds`, over this end. Descriptors are checked and drafts unpacked by the same C
+    as ``hf_round``'s (``hf_check_desc``, ``hf_unpack``): drafts go into a private
+    slot-shaped image first and are copied in after the claim, so a late answer never
+    touches a slot.
 
     Invariants: ``next`` is the next round to take; every round before it was returned
     by ``next_round`` or had been claimed by someone else when the proxy reached it.
@@ -391,13 +395,14 @@ class ProxyEnd(_End):
         offs = shm.PROXY_COUNTERS.offsets
         self._bounds = (ctypes.c_uint64 * len(shm.LATENCY_BOUNDS_NS))(*shm.LATENCY_BOUNDS_NS)
         self._seen = (ctypes.c_uint64 * lay.depth)()
+        self._stamps = (ctypes.c_uint32 * lay.max_slots)()
         self._image = (ctypes.c_char * lay.drafts_stride)()
-        self._image_view = memoryview(self._image).cast("B")
         self._image_addr = ctypes.addressof(self._image)
         self._state = native.ProxyState(
             ring=self._geom, heartbeat=region.addr(shm.OFF_HEARTBEAT),
             counters=self.counters.base,
             bounds=ctypes.addressof(self._bounds), seen_ns=ctypes.addressof(self._seen),
+            stamps=ctypes.addressof(self._stamps),
             publish_timeout_ns=PUBLISH_TIMEOUT_NS, n_bounds=len(shm.LATENCY_BOUNDS_NS),
             next=seq_add(self.claimed(), 1), spin_us=spin_us, nap_us=nap_us,
             c_outcome=(ctypes.c_uint32 * 4)(*(offs[_PROXY_COUNTER[o]] // 8 for o in sorted(_PROXY_COUNTER))),
@@ -405,8 +410,14 @@ class ProxyEnd(_End):
             c_draft_tokens=offs["draft_tokens"] // 8, h_round=offs["round_latency"] // 8,
             h_handoff=offs["handoff_latency"] // 8, d_counts=shm.D_COUNTS,
             d_entry_status=lay.d_entry_status, d_tokens=lay.d_tokens, d_margins=lay.d_margins,
-            num_spec=lay.num_spec, max_slots=lay.max_slots)
+            num_spec=lay.num_spec, max_slots=lay.max_slots, c_bad_desc=offs["rounds_bad_desc"] // 8)
         self._state_addr = ctypes.addressof(self._state)
+        # This end's own link, for the checks of a round sent by Python (ofl): its receive
+        # buffer grows to the largest DRAFTS payload seen.
+        self._rx = (ctypes.c_char * 0)()
+        self._rx_view = memoryview(self._rx).cast("B")
+        self._link = self.new_link(0, 0)
+        self._link_addr = ctypes.addressof(self._link)
         self.header.set_proxy_pid(os.getpid() if pid is None else pid)
 
     @property
@@ -427,6 +438,27 @@ class ProxyEnd(_End):
     def image_addr(self) -> int:
         """The address of the private drafts image ``hf_answer`` copies from."""
         return self._image_addr
+
+    def new_link(self, rx: int, rx_cap: int, *, session: int = 0,
+                 default_deadline_ms: int = 0) -> native.LinkState:
+        """A ``struct hf_link`` over this end's region (descriptors, staging, the drafts
+        image) with the receive buffer ``rx`` of ``rx_cap`` bytes; no connection yet."""
+        lay, region = self.layout, self.region
+        return native.LinkState(
+            desc=region.addr(lay.desc(0)), staging=region.addr(lay.staging(0)), image=self._image_addr,
+            rx=rx, desc_stride=lay.desc_stride, staging_stride=lay.staging_stride, session=session,
+            row_bytes=lay.row_bytes, max_tokens=lay.max_tokens, rx_cap=rx_cap,
+            max_entries=wire.MAX_ENTRIES, max_n_out=wire.MAX_N_OUT,
+            default_deadline_ms=default_deadline_ms, fd=-1)
+
+    def check_descriptor(self, round_id: int) -> None:
+        """Check ``round_id``'s descriptor as ``hf_round`` does before sending it.
+
+        Raises:
+            ValueError: it breaks a rule, naming the field (and the entry).
+        """
+        if self._lib.check_desc(self._state_addr, self._link_addr, round_id) != 0:
+            raise ValueError(f"round {round_id}: {self._link.why.decode(errors='replace')}")
 
     def next_round(self, timeout_s: float) -> ProxyRound | None:
         """Beat, then wait (GIL released, spin then nap) for the next gathered round
@@ -488,31 +520,21 @@ class ProxyEnd(_End):
         return True
 
     def _pack_checked(self, rnd: ProxyRound, d: wire.Drafts) -> None:
-        lay, K, img = self.layout, self.layout.num_spec, self._image_view
-        n = len(d.slots)
+        """The DRAFTS payload of ``d`` into this end's receive buffer (one copy), then
+        ``hf_unpack``: the checks and the unpacking of ``hf_round``, into the image.
+
+        Raises:
+            ValueError: ``d`` is not ``rnd``'s, breaks the wire's rules or does not fit
+                the round (the C reader's verdict).
+        """
         if d.round_id != rnd.round:
             raise ValueError(f"drafts for round {d.round_id}, expected {rnd.round}")
-        if tuple(d.slots) != rnd.slots():
-            raise ValueError(f"round {rnd.round}: drafts for slots {tuple(d.slots)[:8]}..., "
-                             f"the round has {rnd.slots()[:8]}...")
-        if d.width > K:
-            raise ValueError(f"round {rnd.round}: drafts width {d.width} over num_spec={K}")
-        flags = shm.DRAFTS_MARGINS if d.margins is not None else 0
-        struct.pack_into("<II", img, shm.D_N, n, flags)
-        struct.pack_into(f"<{n}i", img, shm.D_COUNTS, *d.counts)
-        struct.pack_into(f"<{n}i", img, lay.d_entry_status, *d.statuses)
-        struct.pack_into(f"<{n * K}i", img, lay.d_tokens, *_widen(d.tokens, n, d.width, K, 0))
-        if d.margins is not None:
-            struct.pack_into(f"<{n * K}f", img, lay.d_margins, *_widen(d.margins, n, d.width, K, 0.0))
-
-
-def _widen(flat: Sequence, n: int, width: int, to: int, fill) -> Sequence:
-    """``n`` rows of ``width`` values, each padded with ``fill`` to ``to`` values."""
-    if width == to:
-        return flat
-    pad = (fill,) * (to - width)
-    out: list = []
-    for i in range(n):
-        out.extend(flat[i * width:(i + 1) * width])
-        out.extend(pad)
-    return out
+        payload = memoryview(wire.encode_drafts(d, 0))[wire.HEADER.size:]
+        if len(payload) > len(self._rx):
+            self._rx_view.release()
+            self._rx = (ctypes.c_char * len(payload))()
+            self._rx_view = memoryview(self._rx).cast("B")
+            self._link.rx, self._link.rx_cap = ctypes.addressof(self._rx), len(payload)
+        self._rx_view[:len(payload)] = payload
+        if self._lib.unpack(self._state_addr, self._link_addr, rnd.round, len(payload)) != 0:
+            raise ValueError(f"round {rnd.round}: {self._link.why.decode(errors='replace')}")

@@ -182,7 +182,10 @@ class CounterBlock:
 # Written by the proxy only (its loop thread).
 PROXY_COUNTERS = CounterBlock(
     counters=("rounds_ok", "rounds_timeout", "rounds_error", "rounds_breaker_skip",
-              "rounds_late", "attempts", "drafts", "draft_tokens", "reconnects"),
+              "rounds_late", "attempts", "drafts", "draft_tokens", "reconnects",
+              # Rounds whose descriptor broke the layout or the wire's rules: answered
+              # ERROR (so also in rounds_error) without being sent.
+              "rounds_bad_desc"),
     histograms=("round_latency", "handoff_latency"))
 
 # Written by the engine side; the writer of each counter:

@@ -1,10 +1,13 @@
 """The proxy's round on a TCP connection as one native call (``hf_round``).
 
 From the moment a round is gathered until it is released the proxy runs no Python:
-``hf_round`` takes the round, sends its ROUND frame straight from the region (header,
-descriptor table, staging rows, tokens: one ``sendmsg``), waits for the DRAFTS (spinning
-on the socket for ``ASYNC_SPIN_US``, then in ``ppoll``), checks them by the wire's rules
-and against the round's entries, writes them and publishes ``released``. Python decides
+``hf_round`` takes the round, checks its descriptor (the engine's metadata, perhaps
+written by a GPU stream: every size, offset, slot, n_out and flag; a bad one is answered
+ERROR, counted ``rounds_bad_desc`` and not sent), sends its ROUND frame straight from
+the region (header, the descriptor's block, the staging rows: one ``sendmsg``), waits
+for the DRAFTS (spinning on the socket for ``ASYNC_SPIN_US``, then in ``ppoll``), checks
+them by the wire's rules and against the round's entries, writes them (each row widened
+to num_spec, zero past its count) and publishes ``released``. Python decides
 before the call whether the round may use the network (the connection, the breaker's
 ``allow``) and does the accounting after it (the breaker, the attempts and late
 counters, the log, dropping a broken connection), when the engine already has its
@@ -43,7 +46,7 @@ class RoundEvent(enum.IntEnum):
     LOST = 3        # the connection broke (send, receive, closed, BYE): answered ERROR
     PROTOCOL = 4    # the reply broke the wire contract: answered ERROR
     BAD_REPLY = 5   # well-formed drafts that do not fit the round: answered ERROR
-    BAD_DESC = 6    # the descriptor breaks the layout: answered ERROR, nothing sent
+    BAD_DESC = 6    # the descriptor breaks a rule: answered ERROR, nothing sent, counted rounds_bad_desc
 
 
 _EVENTS = tuple(RoundEvent)
@@ -72,15 +75,10 @@ class TcpRounds:
     """
 
     def __init__(self, end: ProxyEnd, *, session: int, default_deadline_ms: int):
-        lay, region = end.layout, end.region
         self._end = end
         self._rx = (ctypes.c_char * DRAFTS_CAP)()
-        self._state = native.LinkState(
-            desc=region.addr(lay.desc(0)), staging=region.addr(lay.staging(0)), image=end.image_addr,
-            rx=ctypes.addressof(self._rx), desc_stride=lay.desc_stride, staging_stride=lay.staging_stride,
-            session=session, desc_tokens=lay.desc_tokens(), row_bytes=lay.row_bytes,
-            max_tokens=lay.max_tokens, rx_cap=DRAFTS_CAP, max_entries=wire.MAX_ENTRIES,
-            max_n_out=wire.MAX_N_OUT, default_deadline_ms=default_deadline_ms, fd=-1)
+        self._state = end.new_link(ctypes.addressof(self._rx), DRAFTS_CAP, session=session,
+                                   default_deadline_ms=default_deadline_ms)
         self._addr = ctypes.addressof(self._state)
 
     def attach(self, fd: int) -> None:

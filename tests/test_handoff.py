@@ -71,7 +71,7 @@ def make_region(depth=4, max_slots=8, row_bytes=16, num_spec=4, max_tokens=64) -
 def test_round_crosses_and_comes_back_with_its_drafts(lib):
     """The child rebuilds the ROUND frame from the region's bytes (wire_parts), decodes it
     with the wire module and answers drafts computed from what it decoded."""
-    with make_region() as region:
+    with make_region(max_slots=16) as region:
         eng = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
         code = proxy_code(region.fd, """
@@ -84,10 +84,10 @@ def test_round_crosses_and_comes_back_with_its_drafts(lib):
             rows = bytes(r.rows)
             k = region.layout.num_spec
             toks = []
-            for i, e in enumerate(r.entries):
+            for i, e in enumerate(r.entries()):
                 row = rows[i * r.row_bytes:(i + 1) * r.row_bytes]
                 toks += [e.slot * 1000 + sum(e.tokens) + row[j] for j in range(k)]
-            d = wire.Drafts(rnd.round, [e.slot for e in r.entries], [e.n_out for e in r.entries],
+            d = wire.Drafts(rnd.round, [e.slot for e in r.entries()], [e.n_out for e in r.entries()],
                             [wire.STATUS_OK, wire.STATUS_RESYNC], k, toks, [0.25] * len(toks))
             del r, rows
             print(json.dumps({"session": hdr.session, "round": hdr.round,
@@ -97,7 +97,7 @@ def test_round_crosses_and_comes_back_with_its_drafts(lib):
         entries = [wire.Entry(5, 4, 10, [1, 2, 3]), wire.Entry(9, 2, 0, [7], new_gen=True)]
         with child(code, lib, (region.fd,)) as proc:
             r = eng.reserve(1)
-            eng.write_descriptor(r, entries, deadline_ms=50)
+            eng.write_entries(r, entries, deadline_ms=50)
             with eng.staging(r) as rows:
                 rows[:32] = bytes(range(32))
             h = sync.handoff(r, CHILD_TIMEOUT_S)
@@ -140,7 +140,7 @@ def test_watchdog_releases_an_unanswered_round_once_and_drops_the_late_reply(lib
                 os.close(took_w)
                 took_w = -1
                 r = eng.reserve(1)
-                eng.write_descriptor(r, [wire.Entry(3, 4, 0, [1])])
+                eng.write_entries(r, [wire.Entry(3, 4, 0, [1])])
                 sync.signal(r)
                 assert select.select([took], [], [], CHILD_TIMEOUT_S)[0] and took.read(1) == b"1"
                 wd = eng.start_watchdog(30)
@@ -180,7 +180,7 @@ def test_rounds_wrap_around_2_to_the_32(lib):
         with child(code, lib, (region.fd,)) as proc:
             for _ in range(n):
                 r = eng.reserve(1)
-                eng.write_descriptor(r, [wire.Entry(1, 1, 0, [])])
+                eng.write_entries(r, [wire.Entry(1, 1, 0, [])])
                 assert sync.handoff(r, CHILD_TIMEOUT_S).ok
                 d = eng.drafts(r)
                 assert d.outcome is Outcome.OK and d.tokens == ((r & 0x7FFFFFFF,),)
@@ -211,7 +211,12 @@ def test_thousands_of_rounds_with_a_randomly_slow_peer(lib):
                     if ring.seq_geq(end.claimed(), {last}):
                         break
                     continue
-                slots = rnd.slots()  # read at once, as a proxy sending the round would
+                try:
+                    slots = rnd.slots()  # read at once, as a proxy sending the round would
+                except ValueError:   # the watchdog answered it and its slot was reused already
+                    assert not rnd.pending() and not end.complete(rnd, None, ring.Outcome.ERROR)
+                    late += 1
+                    continue
                 if rng.random() < 0.03:
                     time.sleep(rng.uniform(0, 2 * {wd_ms} / 1000))  # the slow remote
                 toks = [(rnd.round * 7 + s) & 0x7FFFFFFF for s in slots for _ in range(4)]
@@ -242,7 +247,7 @@ def test_thousands_of_rounds_with_a_randomly_slow_peer(lib):
                 while pending and ring.seq_geq(eng.released(), pending[0][0]):
                     check_oldest()  # before round r reuses the slot of r - depth
                 slots = list(range(i % 3 + 1))
-                eng.write_descriptor(r, [wire.Entry(s, 4, i, [i]) for s in slots])
+                eng.write_entries(r, [wire.Entry(s, 4, i, [i]) for s in slots])
                 sync.signal(r)
                 pending.append((r, slots))
             assert sync.wait(last, CHILD_TIMEOUT_S)
@@ -272,7 +277,7 @@ def test_orphaned_claim_is_released_by_the_engine_once_the_proxy_is_dead(lib):
         """)
         with child(code, lib, (region.fd,)) as proc:
             r = eng.reserve(1)
-            eng.write_descriptor(r, [])
+            eng.write_entries(r, [])
             sync.signal(r)
             assert proc.wait(CHILD_TIMEOUT_S) == 0  # the proxy is known dead
         wd = eng.start_watchdog(10)
@@ -310,10 +315,10 @@ def test_proxy_refuses_drafts_that_do_not_fit_before_claiming(lib):
         eng = ring.EngineEnd(region, lib)
         end = ring.ProxyEnd(region, lib)
         r = eng.reserve(1)
-        eng.write_descriptor(r, [wire.Entry(3, 4, 0, [])])
+        eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
         streamsync.HostFlagSync(region, lib).signal(r)
         rnd = end.next_round(1)
-        with pytest.raises(ValueError, match="slots"):
+        with pytest.raises(ValueError, match="entry 0: drafts for slot 4, the round has slot 3"):
             end.complete(rnd, wire.Drafts(r, [4], [1], [0], 4, [1, 0, 0, 0]))
         with pytest.raises(ValueError, match="width 5 over num_spec=4"):
             end.complete(rnd, wire.Drafts(r, [3], [1], [0], 5, [1, 0, 0, 0, 0]))
@@ -342,7 +347,7 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
         got = {}
         for r, d in answers.items():
             assert eng.reserve(1) == r
-            eng.write_descriptor(r, [wire.Entry(s, 4, 0, []) for s in d.slots])
+            eng.write_entries(r, [wire.Entry(s, 4, 0, []) for s in d.slots])
             sync.signal(r)
             rnd = end.next_round(1)
             assert rnd.round == r and end.next == r + 1

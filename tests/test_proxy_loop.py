@@ -3,6 +3,8 @@ Python does around the native round (the breaker, the counters, dropping a conne
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from remote_dspark import native, ring, shm, streamsync, wire
@@ -31,7 +33,7 @@ class Rig:
 
     def round(self, entries=NEW, deadline_ms=0) -> ring.RoundDrafts:
         r = self.eng.reserve(1)
-        self.eng.write_descriptor(r, entries, deadline_ms)
+        self.eng.write_entries(r, entries, deadline_ms)
         self.sync.signal(r)
         self.loop.step(2.0)
         assert self.eng.released() == r
@@ -83,3 +85,28 @@ def test_a_lost_connection_is_dropped_and_rounds_go_target_only_until_it_is_back
     assert not rig.loop.link.connected and not rig.loop.rounds.attached
     assert rig.round().outcome == Outcome.ERROR       # no connection: at once, not sent
     assert rig.counters()["attempts"] == 2
+
+
+def test_the_python_round_checks_and_unpacks_in_c_as_the_native_one(rig):
+    """The ofl path (``serve``: the round sent by Python) over the same connection: a
+    good round's drafts land; a bad descriptor is answered ERROR, never sent, counted."""
+    def take(entries, corrupt_slot=None):
+        r = rig.eng.reserve(1)
+        rig.eng.write_entries(r, entries)
+        if corrupt_slot is not None:   # the second entry's slot := the first's
+            at = rig.region.layout.desc(r & (rig.region.layout.depth - 1)) + shm.DESC_FIXED
+            with rig.region.view(at, wire.round_meta_bytes(len(entries))) as d:
+                struct.pack_into("<I", d, wire.round_sections(len(entries), 0, 4).slots + 4, corrupt_slot)
+        rig.sync.signal(r)
+        rnd = rig.loop.end.next_round(2.0)
+        assert rnd is not None and rnd.round == r
+        rig.loop.serve(rnd)
+        assert rig.eng.released() == r
+        return rig.eng.drafts(r)
+
+    d = take(NEW)
+    assert d.outcome == Outcome.OK and d.tokens == ((2, 3, 4),)
+    d = take([wire.Entry(0, 3, 1, ()), wire.Entry(2, 3, 0, (), new_gen=True)], corrupt_slot=0)
+    assert d.outcome == Outcome.ERROR and d.counts == ()
+    c = rig.counters()
+    assert (c["rounds_ok"], c["rounds_error"], c["rounds_bad_desc"], c["attempts"]) == (1, 1, 1, 1)

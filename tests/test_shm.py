@@ -199,7 +199,7 @@ def _forged(size: int, header: bytes, seal: bool = True) -> int:
 
 
 @pytest.mark.parametrize("case,match", [
-    ("version", "layout version 2, this side reads version 1"),
+    ("version", f"layout version {shm.LAYOUT_VERSION + 1}, this side reads version {shm.LAYOUT_VERSION}"),
     ("size", f"file size {LAYOUT.size + LAYOUT.page_size} bytes, its header's layout needs {LAYOUT.size}"),
     ("magic", "magic b'NOTAREGN', expected b'DSPKSHM1'"),
     ("total", f"header total_size 4096, its sizes need {LAYOUT.size}"),
@@ -209,7 +209,7 @@ def test_attach_in_a_child_refuses_a_region_that_does_not_match(case, match):
     head = bytearray(LAYOUT.header_bytes())
     size = LAYOUT.size
     if case == "version":
-        struct.pack_into("<I", head, 8, 2)
+        struct.pack_into("<I", head, 8, shm.LAYOUT_VERSION + 1)
     elif case == "size":
         size += LAYOUT.page_size
     elif case == "magic":

@@ -9,6 +9,7 @@ import struct
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from remote_dspark import ring, shm, streamsync, wire
 from remote_dspark.ring import Outcome
@@ -31,11 +32,20 @@ class Rig:
         self.worker.settimeout(2.0)
         self.rounds.attach(self.proxy_sock.fileno())
 
-    def gather(self, slots=(3,), deadline_ms=0, rows=None) -> int:
+    def gather(self, slots=(3,), deadline_ms=0, rows=None, entries=None, corrupt=None) -> int:
+        """Write a round (``entries``, or one per slot) and gather it; ``corrupt(d, n,
+        n_tokens)`` may then write into the descriptor's ROUND payload ``d``."""
         r = self.eng.reserve(1)
-        self.eng.write_descriptor(r, [wire.Entry(s, 4, 10 + s, [s, s + 1]) for s in slots], deadline_ms)
+        if entries is None:
+            entries = [wire.Entry(s, 4, 10 + s, [s, s + 1]) for s in slots]
+        self.eng.write_entries(r, entries, deadline_ms)
         if rows is not None:
-            self.eng.staging(r)[:len(rows)] = rows
+            with self.eng.staging(r) as staging:
+                staging[:len(rows)] = rows
+        if corrupt is not None:
+            at = self.region.layout.desc(r & (self.region.layout.depth - 1)) + shm.DESC_FIXED
+            with self.region.view(at, self.region.layout.desc_stride - shm.DESC_FIXED) as d:
+                corrupt(d, len(entries), sum(len(e.tokens) for e in entries))
         self.sync.signal(r)
         return r
 
@@ -50,10 +60,27 @@ class Rig:
         assert served is not None
         return served
 
-    def sent_round(self) -> wire.Round:
-        hdr = wire.decode_header(self.worker.recv(wire.HEADER.size, socket.MSG_WAITALL))
+    def sent_frame(self) -> bytes:
+        head = self.worker.recv(wire.HEADER.size, socket.MSG_WAITALL)
+        hdr = wire.decode_header(head)
         assert hdr.type == wire.ROUND and hdr.session == SESSION
-        return wire.decode_round(hdr, self.worker.recv(hdr.payload_len, socket.MSG_WAITALL))
+        return head + self.worker.recv(hdr.payload_len, socket.MSG_WAITALL)
+
+    def sent_round(self) -> wire.Round:
+        frame = self.sent_frame()
+        return wire.decode_round(wire.decode_header(frame[:wire.HEADER.size]), frame[wire.HEADER.size:])
+
+    def raw_drafts(self, r) -> tuple:
+        """The drafts slot of ``r`` as written: (status, n, flags, counts, statuses,
+        tokens [n][K], margins [n][K] or None), every row whole (past the counts too)."""
+        lay, K = self.region.layout, self.region.layout.num_spec
+        with self.region.drafts(r & (lay.depth - 1)) as d:
+            rnd, status, n, flags = shm.DRAFTS_HEAD.unpack_from(d, 0)
+            assert rnd == r
+            rows = lambda fmt, at: [list(struct.unpack_from(f"<{K}{fmt}", d, at + 4 * K * i)) for i in range(n)]
+            return (status, n, flags, list(struct.unpack_from(f"<{n}i", d, shm.D_COUNTS)),
+                    list(struct.unpack_from(f"<{n}i", d, lay.d_entry_status)), rows("i", lay.d_tokens),
+                    rows("f", lay.d_margins) if flags & shm.DRAFTS_MARGINS else None)
 
     def nothing_sent(self) -> bool:
         self.worker.settimeout(0)
@@ -84,8 +111,10 @@ def test_a_round_goes_out_from_the_region_and_its_drafts_come_back(rig):
     s = rig.serve()
     assert (s.round, s.event, s.sent, s.released, s.late, s.why) == (r, RoundEvent.OK, True, True, 0, "")
     sent = rig.sent_round()
-    assert (sent.round_id, sent.deadline_ms, bytes(sent.rows)) == (r, 700, bytes(range(16)))
-    assert [(e.slot, e.position, tuple(e.tokens)) for e in sent.entries] == [(3, 13, (3, 4)), (1, 11, (1, 2))]
+    assert (sent.round_id, sent.deadline_ms, sent.row_bytes, bytes(sent.rows)) == (r, 700, 8, bytes(range(16)))
+    assert (list(sent.slots), list(sent.positions), list(sent.n_out), list(sent.flags)) == (
+        [3, 1], [13, 11], [4, 4], [0, 0])
+    assert (list(sent.offsets), list(sent.tokens)) == ([0, 2, 4], [3, 4, 1, 2])
     d = rig.eng.drafts(r)
     assert d.outcome == Outcome.OK and d.counts == (2, 1)
     assert d.tokens == ((100, 101), (102,)) and d.margins == ((0.25, 0.25), (0.25,))
@@ -113,6 +142,13 @@ def _frame(ftype, payload=b"", r=1, magic=b"DSPW", version=wire.PROTOCOL_VERSION
     return wire.HEADER.pack(magic, version, ftype, len(payload), SESSION, r) + payload
 
 
+def _patched(frame: bytes, at: int, fmt: str, value: int) -> bytes:
+    """``frame`` with ``value`` written at payload offset ``at``."""
+    out = bytearray(frame)
+    struct.pack_into(fmt, out, wire.HEADER.size + at, value)
+    return bytes(out)
+
+
 BAD_REPLIES = {
     "bad magic": (lambda rig, r: _frame(wire.DRAFTS, r=r, magic=b"XXXX"), RoundEvent.PROTOCOL, "bad magic"),
     "version": (lambda rig, r: _frame(wire.DRAFTS, r=r, version=9), RoundEvent.PROTOCOL, "protocol version 9"),
@@ -124,6 +160,14 @@ BAD_REPLIES = {
     "short": (lambda rig, r: _frame(wire.DRAFTS, rig.reply(r)[wire.HEADER.size:-4], r=r),
               RoundEvent.PROTOCOL, "its fields say"),
     "count over width": (lambda rig, r: rig.reply(r, counts=[3]), RoundEvent.PROTOCOL, "count 3 (width 2)"),
+    "unknown status": (lambda rig, r: _patched(rig.reply(r), 8 + 4 + 2, "<H", 2), RoundEvent.PROTOCOL,
+                       "entry 0: count 2 (width 2), status 2"),
+    "unknown flags": (lambda rig, r: _patched(rig.reply(r), 6, "<H", 2), RoundEvent.PROTOCOL,
+                      "unknown flags 0x2"),
+    "over the caps": (lambda rig, r: _patched(rig.reply(r), 0, "<I", wire.MAX_ENTRIES + 1), RoundEvent.PROTOCOL,
+                      f"{wire.MAX_ENTRIES + 1} entries x 2 over the caps"),
+    "under the fixed part": (lambda rig, r: _frame(wire.DRAFTS, b"\0" * 7, r=r), RoundEvent.PROTOCOL,
+                             "payload of 7 bytes, under 8"),
     "wrong slot": (lambda rig, r: rig.reply(r, slots=(2,)), RoundEvent.BAD_REPLY, "slot 2, the round has slot 3"),
     "wrong entries": (lambda rig, r: rig.reply(r, slots=(3, 2)), RoundEvent.BAD_REPLY, "2 entries, the round has 1"),
     "too wide": (lambda rig, r: rig.reply(r, width=5), RoundEvent.BAD_REPLY, "width 5 over num_spec=4"),
@@ -215,5 +259,137 @@ def test_a_send_the_worker_never_reads_loses_the_connection_at_the_round_deadlin
         s = rig.serve()
         assert (s.event, s.why) == (RoundEvent.LOST, f"send of round {r} stalled past its deadline")
         assert 0.05 <= s.net_s < 2.0 and rig.eng.drafts(r).outcome == Outcome.ERROR
+    finally:
+        rig.close()
+
+
+# --------------------------------------------------------------------------- bad descriptors
+
+TWO = [wire.Entry(3, 4, 10, [1, 2]), wire.Entry(1, 2, 0, [5, 6], new_gen=True)]   # n = 2, 4 tokens
+_SEC = wire.round_sections(2, 4, LAYOUT.row_bytes)
+
+
+def _u32(at):
+    return lambda value: lambda d, n, t: struct.pack_into("<I", d, at, value)
+
+
+# Each rule of hf_round's descriptor check: the field corrupted (offsets from
+# wire.round_sections, relative to the descriptor's ROUND payload), and the why.
+BAD_DESCS = {
+    "n_entries": (_u32(4)(LAYOUT.max_slots + 1), f"n_entries 5 over max_slots={LAYOUT.max_slots}"),
+    "row_bytes": (_u32(8)(LAYOUT.row_bytes + 1), "row_bytes 9, the layout's is 8"),
+    "n_tokens": (_u32(12)(LAYOUT.max_tokens + 1), f"n_tokens 33 over max_tokens={LAYOUT.max_tokens}"),
+    "offsets[0]": (_u32(_SEC.offsets)(1), "offsets run from 1 to 4, expected 0 to n_tokens=4"),
+    "offsets[n]": (_u32(_SEC.offsets + 8)(3), "offsets run from 0 to 3, expected 0 to n_tokens=4"),
+    "offsets back": (_u32(_SEC.offsets + 4)(5), "entry 1: offsets go back (5, then 4)"),
+    "slot range": (_u32(_SEC.slots + 4)(LAYOUT.max_slots), "entry 1: slot 4 not below max_slots=4"),
+    "slot twice": (_u32(_SEC.slots + 4)(3), "entry 1: slot 3 twice in the round"),
+    "n_out": (_u32(_SEC.n_out)(LAYOUT.num_spec + 1), "entry 0: n_out 5 over num_spec=4"),
+    "flags": (_u32(_SEC.flags + 4)(3), "entry 1: flags 0x3, only NEW_GEN (1) is known"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DESCS))
+def test_a_bad_descriptor_is_answered_error_unsent_and_counted_and_the_connection_kept(rig, case):
+    corrupt, why = BAD_DESCS[case]
+    r = rig.gather(entries=TWO, corrupt=corrupt)
+    s = rig.serve()
+    assert (s.event, s.sent, s.released, s.why) == (RoundEvent.BAD_DESC, False, True, why)
+    assert rig.nothing_sent() and rig.eng.drafts(r).outcome == Outcome.ERROR
+    c = rig.end.counters.snapshot().counters
+    assert (c["rounds_bad_desc"], c["rounds_error"], c["attempts"]) == (1, 1, 0)
+    r2 = rig.gather(entries=TWO)   # the same slots, checked again: no stale "twice"
+    rig.worker.sendall(rig.reply(r2, slots=(3, 1)))
+    assert rig.serve().event == RoundEvent.OK and rig.sent_round().round_id == r2
+    # The ofl path's check is the same C, with the same verdict.
+    r3 = rig.gather(entries=TWO, corrupt=corrupt)
+    rnd = rig.end.next_round(1)
+    assert rnd.round == r3
+    with pytest.raises(ValueError, match=f"round {r3}: " + why.replace("(", r"\(").replace(")", r"\)")):
+        rnd.wire_parts(SESSION)
+    assert rig.end.complete(rnd, None, Outcome.ERROR)
+
+
+def test_the_round_id_is_checked_first(rig):
+    r = rig.gather(entries=TWO, corrupt=lambda d, n, t: struct.pack_into("<I", d, 0x10, 99))
+    with rig.region.descriptor(r & (LAYOUT.depth - 1)) as d:
+        struct.pack_into("<I", d, shm.DESC_ROUND, r + 4)
+    s = rig.serve()
+    assert s.why == f"descriptor {r & (LAYOUT.depth - 1)} holds round {r + 4}, not round {r}"
+    assert rig.end.counters.snapshot().counters["rounds_bad_desc"] == 1
+
+
+# --------------------------------------------------------------------------- properties
+
+PROP = shm.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
+_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def rounds(draw):
+    """(deadline_ms, entries, rows) of a valid round of PROP."""
+    n = draw(st.integers(0, PROP.max_slots))
+    slots = draw(st.permutations(range(PROP.max_slots)))[:n]
+    budget, entries = PROP.max_tokens, []
+    for slot in slots:
+        toks = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=min(budget, 8)))
+        budget -= len(toks)
+        entries.append(wire.Entry(slot, draw(st.integers(0, PROP.num_spec)), draw(st.integers(0, 2**32 - 1)),
+                                  toks, draw(st.booleans())))
+    return draw(st.integers(0, 60_000)), entries, draw(st.binary(min_size=n * PROP.row_bytes,
+                                                                 max_size=n * PROP.row_bytes))
+
+
+@st.composite
+def replies(draw, n):
+    """(width, counts, statuses, tokens, margins or None) of a valid DRAFTS for n entries;
+    the tokens past each count are not zero (the proxy must zero them)."""
+    width = draw(st.integers(0, PROP.num_spec))
+    counts = draw(st.lists(st.integers(0, width), min_size=n, max_size=n))
+    statuses = draw(st.lists(st.sampled_from([wire.STATUS_OK, wire.STATUS_RESYNC]), min_size=n, max_size=n))
+    tokens = draw(st.lists(st.integers(-2**31, 2**31 - 1), min_size=n * width, max_size=n * width))
+    margins = draw(st.none() | st.lists(_f32, min_size=n * width, max_size=n * width))
+    return width, counts, statuses, tokens, margins
+
+
+def expected_slot(n, width, counts, statuses, tokens, margins):
+    """The slow reference: what the drafts slot must hold (rows widened to num_spec,
+    zero past each count)."""
+    K = PROP.num_spec
+
+    def rows(flat):
+        return [list(flat[i * width:i * width + counts[i]]) + [0] * (K - counts[i]) for i in range(n)]
+    return (Outcome.OK, n, int(margins is not None), counts, statuses, rows(tokens),
+            None if margins is None else rows(margins))
+
+
+@pytest.mark.parametrize("path", ["hf_round", "ofl"])
+def test_random_valid_rounds_go_out_exactly_and_their_drafts_land_exactly(lib, path):
+    rig = Rig(lib, PROP)
+    try:
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(data=st.data())
+        def check(data):
+            deadline_ms, entries, rows = data.draw(rounds())
+            width, counts, statuses, tokens, margins = data.draw(replies(len(entries)))
+            r = rig.gather(entries=entries, deadline_ms=deadline_ms, rows=rows)
+            want = wire.encode_round_entries(r, SESSION, deadline_ms, entries, rows, PROP.row_bytes)
+            reply = wire.encode_drafts(wire.Drafts(r, [e.slot for e in entries], counts, statuses, width,
+                                                   tokens, margins), SESSION)
+            if path == "hf_round":
+                rig.worker.sendall(reply)
+                s = rig.serve()
+                assert (s.event, s.why) == (RoundEvent.OK, "")
+                assert rig.sent_frame() == want
+            else:
+                rnd = rig.end.next_round(1)
+                parts = rnd.wire_parts(SESSION)
+                assert b"".join(bytes(p) for p in parts) == want
+                for p in parts[1:]:
+                    p.release()
+                hdr = wire.decode_header(reply[:wire.HEADER.size])
+                assert rig.end.complete(rnd, wire.decode_drafts(hdr, reply[wire.HEADER.size:]))
+            assert rig.raw_drafts(r) == expected_slot(len(entries), width, counts, statuses, tokens, margins)
+        check()
     finally:
         rig.close()

@@ -18,11 +18,12 @@ sizes of the structs mirrored here (``hf_sizeof``) and lock-free 32- and 64-bit 
 
 Calls that may wait (``wait_geq``, ``wait_at``, ``handoff``, ``publish``,
 ``release_empty``, ``take``, ``answer``, ``serve``, ``watchdog_stop``) go through
-``ctypes.CDLL``, which releases the GIL for the call. The short ones (loads, stores, claim, counters) go
-through ``ctypes.PyDLL`` and keep it: releasing the GIL for 20 ns of work would invite
-another thread to take it for a whole switch interval. ``wait_geq_holding`` and
-``handoff_holding`` are the same C functions bound to keep the GIL, for waits the
-caller bounds to microseconds (``streamsync``'s hold).
+``ctypes.CDLL``, which releases the GIL for the call. The short ones (loads, stores, claim,
+counters, and the proxy's checks of one round: ``check_desc``, ``unpack``) go through
+``ctypes.PyDLL`` and keep it: releasing the GIL for 20 ns of work would invite another
+thread to take it for a whole switch interval. ``wait_geq_holding`` and
+``handoff_holding`` are the same C functions bound to keep the GIL, for waits the caller
+bounds to microseconds (``streamsync``'s hold).
 
 The C layer returns status codes; ``check`` is the one place that turns them into
 exceptions. This module imports nothing beyond the standard library (the proxy process
@@ -47,7 +48,7 @@ ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-ABI_VERSION = 4
+ABI_VERSION = 5
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -97,6 +98,7 @@ class ProxyState(ctypes.Structure):
         ("counters", ctypes.c_void_p),
         ("bounds", ctypes.c_void_p),
         ("seen_ns", ctypes.c_void_p),
+        ("stamps", ctypes.c_void_p),
         ("publish_timeout_ns", ctypes.c_uint64),
         ("n_bounds", ctypes.c_uint32),
         ("next", ctypes.c_uint32),
@@ -114,13 +116,16 @@ class ProxyState(ctypes.Structure):
         ("d_margins", ctypes.c_uint32),
         ("num_spec", ctypes.c_uint32),
         ("max_slots", ctypes.c_uint32),
+        ("c_bad_desc", ctypes.c_uint32),
+        ("stamp_gen", ctypes.c_uint32),
     ]
 
 
 class LinkState(ctypes.Structure):
     """``struct hf_link``: one proxy's worker connection for ``hf_round`` (its region
     geometry, the receive state kept across rounds, and what the last call did). Filled
-    by ``remote_dspark.tcp_round.TcpRounds``."""
+    by ``remote_dspark.ring.ProxyEnd.new_link`` (``TcpRounds`` for ``hf_round``; the end's
+    own for ``hf_check_desc`` and ``hf_unpack`` on the ofl path)."""
 
     _fields_ = [
         ("desc", ctypes.c_void_p),
@@ -130,7 +135,6 @@ class LinkState(ctypes.Structure):
         ("desc_stride", ctypes.c_uint64),
         ("staging_stride", ctypes.c_uint64),
         ("session", ctypes.c_uint64),
-        ("desc_tokens", ctypes.c_uint32),
         ("row_bytes", ctypes.c_uint32),
         ("max_tokens", ctypes.c_uint32),
         ("rx_cap", ctypes.c_uint32),
@@ -179,6 +183,8 @@ _FUNCS = {
     "take": ("hf_take", ctypes.c_int64, (_P, _U64), True),
     "answer": ("hf_answer", _I, (_P, _U32, _U32, _P), True),
     "round": ("hf_round", ctypes.c_int64, (_P, _P, _U64), True),
+    "check_desc": ("hf_check_desc", _I, (_P, _P, _U32), False),
+    "unpack": ("hf_unpack", _I, (_P, _P, _U32, _U32), False),
     "publish": ("hf_publish", _I, (_P, _U32, _U64), True),
     "release_empty": ("hf_release_empty", _I, (_RING, _U32, _U32, _U64), True),
     "serve": ("hf_serve", _I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),

@@ -3,9 +3,11 @@
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
  * layout is not known here; Python (remote_dspark.shm) computes it once and passes the
  * addresses of the words and the geometry of the drafts slots (struct hf_ring). The one
- * exception is hf_round, the proxy's round on a TCP socket: it knows the wire's frame
- * formats (remote_dspark/wire.py) and where a descriptor keeps the ROUND payload
- * (shm.DESC_FIXED); tests/test_tcp_round.py checks both against the Python side.
+ * exception is hf_round, the proxy's round on a TCP socket, with its descriptor check
+ * and DRAFTS reader (hf_check_desc, hf_unpack: the same code, for a proxy whose network
+ * round is in Python): they know the wire's frame formats (remote_dspark/wire.py,
+ * protocol 2) and where a descriptor keeps the ROUND payload (shm.DESC_FIXED);
+ * tests/test_tcp_round.py checks both against the Python side.
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
  * claim word is a compare-and-swap, counters are relaxed fetch-adds. Everything a
@@ -33,7 +35,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#define HF_ABI 4
+#define HF_ABI 5
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -247,6 +249,7 @@ struct hf_proxy {
     uint64_t *counters;           /* the proxy counters block (word indexes below) */
     const uint64_t *bounds;       /* histogram bucket upper bounds (ns), ascending */
     uint64_t *seen_ns;            /* [depth], private: when each taken round was seen */
+    uint32_t *stamps;             /* [max_slots], private: the check that last saw each slot */
     uint64_t publish_timeout_ns;  /* how long to wait for the previous claimer's release */
     uint32_t n_bounds;            /* a histogram is n_bounds + 1 buckets, then the sum */
     uint32_t next;                /* the next round to take */
@@ -256,6 +259,8 @@ struct hf_proxy {
     uint32_t h_round, h_handoff;  /* round_latency, handoff_latency histograms */
     uint32_t d_counts, d_entry_status, d_tokens, d_margins;   /* drafts slot offsets */
     uint32_t num_spec, max_slots;
+    uint32_t c_bad_desc;          /* rounds_bad_desc */
+    uint32_t stamp_gen;           /* the last descriptor check's stamp (0: none yet) */
 };
 
 /* One proxy's connection to the worker, for hf_round: the proxy's whole round in C.
@@ -264,13 +269,12 @@ struct hf_proxy {
  * The receive state lives here across calls, so a reply that comes after its round's
  * deadline stays in step (and is dropped as late) instead of breaking the stream. */
 struct hf_link {
-    const uint8_t *desc;          /* descriptor 0 (the ROUND table and tokens are sent from it) */
+    const uint8_t *desc;          /* descriptor 0 (the ROUND payload but its rows is sent from it) */
     const uint8_t *staging;       /* staging slot 0 (the rows are sent from it) */
     uint8_t *image;               /* the proxy's private drafts image, hf_answer's */
     uint8_t *rx;                  /* the DRAFTS payload buffer, rx_cap bytes */
     uint64_t desc_stride, staging_stride;
     uint64_t session;             /* the proxy's session, in every ROUND header */
-    uint32_t desc_tokens;         /* offset of a descriptor's tokens */
     uint32_t row_bytes, max_tokens;
     uint32_t rx_cap;              /* the largest DRAFTS payload the wire allows */
     uint32_t max_entries, max_n_out;   /* wire caps of a DRAFTS frame */
@@ -546,14 +550,27 @@ int hf_watchdog_stop(void *handle)
 enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
        HF_EV_BAD_DESC };
 
-/* The wire contract's fixed parts (remote_dspark/wire.py): the header, DRAFTS' own
- * fields, and where a descriptor keeps the ROUND payload's fixed part and entries. */
-enum { W_HEADER = 24, W_VERSION = 1, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5, W_TYPES = 5,
-       W_ENTRY = 16, W_DRAFTS_FIXED = 8, W_DRAFTS_ENTRY = 8, DESC_FIXED = 8, W_ROUND_FIXED = 16 };
+/* The wire contract's fixed parts (remote_dspark/wire.py, protocol 2): the header, the
+ * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
+ * (shm.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must keep. */
+enum { W_HEADER = 24, W_VERSION = 2, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
+       W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
+       DESC_FIXED = 8 };
+#define W_MAX_PAYLOAD (64ull << 20)
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_ERROR = 2 };   /* ring.Outcome */
 
 static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
 static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
+
+/* Bytes of a ROUND's fixed part and entry arrays (wire.round_meta_bytes). */
+static inline uint64_t round_meta(uint32_t n) { return W_ROUND_FIXED + 4u * (5u * (uint64_t)n + 1); }
+
+/* A checked descriptor: the ROUND's fixed fields and where its arrays are. */
+struct round_view {
+    const uint8_t *payload;       /* the ROUND payload (descriptor + DESC_FIXED) */
+    uint32_t deadline_ms, n, row_bytes, n_tokens;
+    const uint8_t *slots, *positions, *n_out, *flags, *offsets;
+};
 
 /* Record what broke (l->why, l->err) and return `event`. */
 static int fail(struct hf_link *l, int event, int err, const char *fmt, ...)
@@ -588,30 +605,27 @@ static int ready(int fd, short events, uint64_t deadline_ns)
     }
 }
 
-/* Send the ROUND frame: the header, then the descriptor's fixed part and entries, the
- * staging rows and the descriptor's tokens, straight from the region. A frame cannot be
- * taken back once in part on the wire, so a send that cannot finish by the round's
- * deadline loses the connection. */
-static int send_round(struct hf_link *l, uint32_t round, uint32_t index, uint32_t n,
-                      uint32_t n_tokens, uint64_t deadline_ns)
+/* Send the ROUND frame: the header, the descriptor's block (fixed part, entry arrays,
+ * tokens) and the staging rows, straight from the region. A frame cannot be taken back
+ * once in part on the wire, so a send that cannot finish by the round's deadline loses
+ * the connection. */
+static int send_round(struct hf_link *l, uint32_t round, uint32_t index, const struct round_view *v,
+                      uint64_t deadline_ns)
 {
-    const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride;
-    uint64_t table = W_ROUND_FIXED + (uint64_t)W_ENTRY * n, rows = (uint64_t)n * l->row_bytes;
-    uint64_t tokens = 4u * (uint64_t)n_tokens;
-    uint32_t len = (uint32_t)(table + rows + tokens), version = W_VERSION | (W_ROUND << 16);
+    uint64_t block = round_meta(v->n) + 4u * (uint64_t)v->n_tokens, rows = (uint64_t)v->n * l->row_bytes;
+    uint32_t len = (uint32_t)(block + rows), version = W_VERSION | (W_ROUND << 16);
     uint8_t hdr[W_HEADER];
     memcpy(hdr, "DSPW", 4);
     memcpy(hdr + 4, &version, 4);
     memcpy(hdr + 8, &len, 4);
     memcpy(hdr + 12, &l->session, 8);
     memcpy(hdr + 20, &round, 4);
-    struct iovec iov[4] = {
+    struct iovec iov[3] = {
         { hdr, W_HEADER },
-        { (void *)(d + DESC_FIXED), table },
+        { (void *)v->payload, block },
         { (void *)(l->staging + (uint64_t)index * l->staging_stride), rows },
-        { (void *)(d + l->desc_tokens), tokens },
     };
-    struct msghdr msg = { .msg_iov = iov, .msg_iovlen = 4 };
+    struct msghdr msg = { .msg_iov = iov, .msg_iovlen = 3 };
     for (;;) {
         while (msg.msg_iovlen && msg.msg_iov->iov_len == 0) {
             msg.msg_iov++;
@@ -715,59 +729,162 @@ static int recv_reply(struct hf_link *l, uint32_t round, uint64_t deadline_ns,
     }
 }
 
-/* Check the DRAFTS payload in rx (the wire's rules, then against the round's entries)
- * and write it into the drafts image, each row widened to num_spec with zeros. */
-static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const uint8_t *d,
-                         uint32_t n_round, uint32_t len)
+/* Check round `round`'s descriptor before a byte of it is sent or trusted: its
+ * metadata may have been written by a GPU stream the host never checked. The rules are
+ * the wire's (wire.decode_round) plus the region's (its slot range and sizes) and the
+ * receiver's (unique slots). HF_EV_OK with *v filled, or HF_EV_BAD_DESC naming the field
+ * and entry in l->why. */
+static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, struct round_view *v)
+{
+    uint32_t index = round & (p->ring.depth - 1);
+    const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride, *f = d + DESC_FIXED;
+    uint32_t of = get32(d);
+    v->payload = f;
+    v->deadline_ms = get32(f);
+    v->n = get32(f + 4);
+    v->row_bytes = get32(f + 8);
+    v->n_tokens = get32(f + 12);
+    if (of != round)
+        return fail(l, HF_EV_BAD_DESC, 0, "descriptor %u holds round %u, not round %u", index, of, round);
+    if (v->n > p->max_slots)
+        return fail(l, HF_EV_BAD_DESC, 0, "n_entries %u over max_slots=%u", v->n, p->max_slots);
+    if (v->row_bytes != l->row_bytes)
+        return fail(l, HF_EV_BAD_DESC, 0, "row_bytes %u, the layout's is %u", v->row_bytes, l->row_bytes);
+    if (v->n_tokens > l->max_tokens)
+        return fail(l, HF_EV_BAD_DESC, 0, "n_tokens %u over max_tokens=%u", v->n_tokens, l->max_tokens);
+    uint64_t size = round_meta(v->n) + 4u * (uint64_t)v->n_tokens + (uint64_t)v->n * v->row_bytes;
+    if (size > W_MAX_PAYLOAD)
+        return fail(l, HF_EV_BAD_DESC, 0, "ROUND of %llu bytes over the cap %llu",
+                    (unsigned long long)size, (unsigned long long)W_MAX_PAYLOAD);
+    uint64_t n4 = 4u * (uint64_t)v->n;
+    v->slots = f + W_ROUND_FIXED;
+    v->positions = v->slots + n4;
+    v->n_out = v->positions + n4;
+    v->flags = v->n_out + n4;
+    v->offsets = v->flags + n4;
+    uint32_t first = get32(v->offsets), last = get32(v->offsets + n4);
+    if (first != 0 || last != v->n_tokens)
+        return fail(l, HF_EV_BAD_DESC, 0, "offsets run from %u to %u, expected 0 to n_tokens=%u",
+                    first, last, v->n_tokens);
+    /* Unique slots without clearing anything: a slot is taken in this check when its stamp
+     * holds this check's number. Numbers are the proxy's own count of checks, not round
+     * ids: a fresh array is zeros (round 0) and round ids recur; on the count's wrap the
+     * array is cleared once. */
+    uint32_t gen = ++p->stamp_gen;
+    if (gen == 0) {
+        memset(p->stamps, 0, 4u * (uint64_t)p->max_slots);
+        gen = p->stamp_gen = 1;
+    }
+    for (uint32_t e = 0; e < v->n; e++) {
+        uint32_t slot = get32(v->slots + 4u * e), n_out = get32(v->n_out + 4u * e);
+        uint32_t flags = get32(v->flags + 4u * e), at = get32(v->offsets + 4u * e);
+        uint32_t next = get32(v->offsets + 4u * (e + 1));
+        if (next < at)
+            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: offsets go back (%u, then %u)", e, at, next);
+        if (slot >= p->max_slots)
+            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: slot %u not below max_slots=%u", e, slot,
+                        p->max_slots);
+        if (p->stamps[slot] == gen)
+            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: slot %u twice in the round", e, slot);
+        p->stamps[slot] = gen;
+        if (n_out > p->num_spec)
+            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: n_out %u over num_spec=%u", e, n_out,
+                        p->num_spec);
+        if (flags & ~(uint32_t)W_NEW_GEN)
+            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: flags %#x, only NEW_GEN (1) is known", e, flags);
+    }
+    return HF_EV_OK;
+}
+
+/* Copy entry rows of `width` 32-bit values into rows of K, `count` values each and the
+ * rest zero, so the engine may copy the whole block. One memcpy when the rows are full. */
+static void widen(uint8_t *dst, const uint8_t *src, const uint8_t *counts, uint32_t n,
+                  uint32_t width, uint32_t K, int full)
+{
+    if (full) {
+        memcpy(dst, src, 4u * (uint64_t)n * K);
+        return;
+    }
+    for (uint32_t e = 0; e < n; e++) {
+        uint64_t k = get16(counts + 2u * e);
+        uint8_t *row = dst + 4u * (uint64_t)K * e;
+        memcpy(row, src + 4u * (uint64_t)width * e, 4u * k);
+        memset(row + 4u * k, 0, 4u * (K - k));
+    }
+}
+
+/* Check the DRAFTS payload in rx (the wire's rules, then against round view v) and write
+ * it into the drafts image: counts and statuses as i32, each row widened to num_spec. */
+static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
+                         uint32_t len)
 {
     const uint8_t *b = l->rx;
+    if (len > l->rx_cap)
+        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes exceeds the cap %u", len, l->rx_cap);
     if (len < W_DRAFTS_FIXED)
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes, under %u", len, W_DRAFTS_FIXED);
     uint32_t n = get32(b), width = get16(b + 4), flags = get16(b + 6), K = p->num_spec;
     if (n > l->max_entries || width > l->max_n_out)
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS of %u entries x %u over the caps", n, width);
-    if (flags & ~1u)
+    if (flags & ~(uint32_t)W_MARGINS)
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS unknown flags %#x", flags);
-    uint64_t tok_at = W_DRAFTS_FIXED + (uint64_t)W_DRAFTS_ENTRY * n, grid = 4u * (uint64_t)n * width;
-    uint64_t want = tok_at + grid * ((flags & 1) ? 2 : 1);
+    uint64_t grid = 4u * (uint64_t)n * width;
+    const uint8_t *slots = b + W_DRAFTS_FIXED, *counts = slots + 4u * (uint64_t)n;
+    const uint8_t *statuses = counts + 2u * (uint64_t)n, *tokens = statuses + 2u * (uint64_t)n;
+    uint64_t want = (uint64_t)(tokens - b) + grid * ((flags & W_MARGINS) ? 2 : 1);
     if (len != want)
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes, its fields say %llu", len,
                     (unsigned long long)want);
+    int full = width == K;
     for (uint32_t e = 0; e < n; e++) {
-        const uint8_t *en = b + W_DRAFTS_FIXED + (uint64_t)W_DRAFTS_ENTRY * e;
-        if (get16(en + 4) > width || get16(en + 6) > 1)
-            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS entry %u: count %u (width %u), status %u", e,
-                        get16(en + 4), width, get16(en + 6));
+        uint32_t c = get16(counts + 2u * e), st = get16(statuses + 2u * e);
+        if (c > width || st > W_RESYNC)
+            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS entry %u: count %u (width %u), status %u", e, c,
+                        width, st);
+        full &= c == width;
     }
-    if (n != n_round)
-        return fail(l, HF_EV_BAD_REPLY, 0, "drafts for %u entries, the round has %u", n, n_round);
-    const uint8_t *entries = d + DESC_FIXED + W_ROUND_FIXED;
-    for (uint32_t e = 0; e < n; e++) {
-        uint32_t got = get32(b + W_DRAFTS_FIXED + (uint64_t)W_DRAFTS_ENTRY * e);
-        uint32_t want_slot = get32(entries + (uint64_t)W_ENTRY * e);
-        if (got != want_slot)
-            return fail(l, HF_EV_BAD_REPLY, 0, "entry %u: drafts for slot %u, the round has slot %u",
-                        e, got, want_slot);
-    }
+    if (n != v->n)
+        return fail(l, HF_EV_BAD_REPLY, 0, "drafts for %u entries, the round has %u", n, v->n);
+    if (memcmp(slots, v->slots, 4u * (uint64_t)n) != 0)
+        for (uint32_t e = 0; e < n; e++)
+            if (get32(slots + 4u * e) != get32(v->slots + 4u * e))
+                return fail(l, HF_EV_BAD_REPLY, 0, "entry %u: drafts for slot %u, the round has slot %u",
+                            e, get32(slots + 4u * e), get32(v->slots + 4u * e));
     if (width > K)
         return fail(l, HF_EV_BAD_REPLY, 0, "drafts width %u over num_spec=%u", width, K);
     uint8_t *img = l->image;
     memcpy(img + p->ring.d_zero, &n, 4);
     memcpy(img + p->ring.d_zero + 4, &flags, 4);
     for (uint32_t e = 0; e < n; e++) {
-        const uint8_t *en = b + W_DRAFTS_FIXED + (uint64_t)W_DRAFTS_ENTRY * e;
-        int32_t count = get16(en + 4), status = get16(en + 6);
-        memcpy(img + p->d_counts + 4u * e, &count, 4);
-        memcpy(img + p->d_entry_status + 4u * e, &status, 4);
-        uint64_t row = 4u * (uint64_t)K * e, src = 4u * (uint64_t)width * e;
-        memcpy(img + p->d_tokens + row, b + tok_at + src, 4u * width);
-        memset(img + p->d_tokens + row + 4u * width, 0, 4u * (K - width));
-        if (flags & 1) {
-            memcpy(img + p->d_margins + row, b + tok_at + grid + src, 4u * width);
-            memset(img + p->d_margins + row + 4u * width, 0, 4u * (K - width));
-        }
+        int32_t c = get16(counts + 2u * e), st = get16(statuses + 2u * e);
+        memcpy(img + p->d_counts + 4u * e, &c, 4);
+        memcpy(img + p->d_entry_status + 4u * e, &st, 4);
     }
+    widen(img + p->d_tokens, tokens, counts, n, width, K, full);
+    if (flags & W_MARGINS)
+        widen(img + p->d_margins, tokens + grid, counts, n, width, K, full);
     return HF_EV_OK;
+}
+
+/* Check `round`'s descriptor (check_desc) for a caller that sends the round itself (the
+ * ofl transports): HF_EV_OK, or HF_EV_BAD_DESC with l->why. Counts nothing. */
+int hf_check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round)
+{
+    struct round_view v;
+    l->why[0] = 0;
+    return check_desc(p, l, round, &v);
+}
+
+/* hf_round's reader of a DRAFTS reply, for a caller that received it itself: the `len`
+ * bytes of payload in l->rx are checked against `round`'s descriptor (checked again
+ * first) and written into l->image for hf_answer. HF_EV_OK, or HF_EV_BAD_DESC,
+ * HF_EV_PROTOCOL or HF_EV_BAD_REPLY with l->why. Counts nothing. */
+int hf_unpack(struct hf_proxy *p, struct hf_link *l, uint32_t round, uint32_t len)
+{
+    struct round_view v;
+    l->why[0] = 0;
+    int event = check_desc(p, l, round, &v);
+    return event == HF_EV_OK ? unpack_drafts(l, p, &v, len) : event;
 }
 
 static void clear_results(struct hf_link *l)
@@ -799,27 +916,28 @@ static int64_t round_once(struct hf_proxy *p, struct hf_link *l, uint64_t idle_n
         return event;
     }
     clear_results(l);
-    const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride;
-    uint32_t of = get32(d), deadline_ms = get32(d + DESC_FIXED), n = get32(d + DESC_FIXED + 4);
-    uint32_t row_bytes = get32(d + DESC_FIXED + 8), n_tokens = get32(d + DESC_FIXED + 12), len = 0;
-    if (of != round || n > p->max_slots || row_bytes != l->row_bytes || n_tokens > l->max_tokens) {
-        event = fail(l, HF_EV_BAD_DESC, 0, "descriptor %u holds round %u, n_entries=%u row_bytes=%u "
-                     "n_tokens=%u: not this round's, or breaks the layout", index, of, n, row_bytes,
-                     n_tokens);
-    } else {
+    struct round_view v;
+    uint32_t len = 0;
+    event = check_desc(p, l, round, &v);
+    if (event == HF_EV_OK) {   /* a bad descriptor is not sent: answered ERROR at once */
         uint64_t t0 = hf_now_ns();
-        uint64_t deadline = t0 + (uint64_t)(deadline_ms ? deadline_ms : l->default_deadline_ms) * 1000000u;
+        uint32_t ms = v.deadline_ms ? v.deadline_ms : l->default_deadline_ms;
+        uint64_t deadline = t0 + (uint64_t)ms * 1000000u;
         l->sent = 1;
-        event = send_round(l, round, index, n, n_tokens, deadline);
+        event = send_round(l, round, index, &v, deadline);
         if (event == HF_EV_OK)
             event = recv_reply(l, round, deadline, t0 + (uint64_t)p->spin_us * 1000u, &len);
         if (event == HF_EV_OK)
-            event = unpack_drafts(l, p, d, n, len);
+            event = unpack_drafts(l, p, &v, len);
         l->net_ns = hf_now_ns() - t0;
     }
     status = event == HF_EV_OK ? ST_OK : event == HF_EV_TIMEOUT ? ST_TIMEOUT : ST_ERROR;
     l->round = round;
     l->answer = answer(p, round, status, event == HF_EV_OK ? l->image : NULL, seen);
+    /* After the release: bookkeeping never delays it. Only a round this call answered:
+     * one the watchdog answered first may have had its descriptor reused meanwhile. */
+    if (event == HF_EV_BAD_DESC && l->answer == HF_OK)
+        count(p, p->c_bad_desc, 1);
     return event;
 }
 
