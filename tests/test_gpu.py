@@ -86,7 +86,7 @@ def test_stream_hand_off_on_the_registered_region(lib):
         proxy = ring.ProxyEnd(region, lib, spin_us=100, nap_us=50)
         staging = sync.backend.device_view(region.layout.staging(1), (8, 16), torch.uint8)
         r = end.reserve(1.0)
-        end.write_descriptor(r, [wire.Entry(0, 3, 0, (1,), True)], deadline_ms=50)
+        end.write_entries(r, [wire.Entry(0, 3, 0, (1,), True)], deadline_ms=50)
         rows = torch.randint(0, 256, (8, 16), dtype=torch.uint8, device="cuda")
         want = bytes(rows[5].tolist())   # read now: a copy after the wait would wait for it
         gather.fused_gather(rows, torch.tensor([5], device="cuda"), staging)
