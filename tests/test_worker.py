@@ -1,4 +1,6 @@
-"""The reference worker: HELLO checks, windows per session and slot, bad frames, stop."""
+"""The reference worker over loopback sockets: HELLO checks, windows per session and
+slot, drafts and margins, bad frames (one connection dropped, the rest served), stop.
+The round logic against a per-entry reference, property-tested: test_worker_rounds.py."""
 
 import os
 import signal
@@ -38,9 +40,9 @@ def connect(w, session=1, **kw):
     return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
 
 
-def do_round(c, rid, entries, n_rows=None):
-    n = len(entries) if n_rows is None else n_rows
-    return c.round(rid, wire.round_parts(rid, c.session, 1000, entries, bytes(4 * n), 4), 1000)
+def do_round(c, rid, entries, rows=None):
+    rows = bytes(4 * len(entries)) if rows is None else rows
+    return c.round(rid, [wire.encode_round_entries(rid, c.session, 1000, entries, rows, 4)], 1000)
 
 
 def test_client_gets_drafts_and_margins(worker):
@@ -134,7 +136,7 @@ def test_random_bytes_close_that_connection_and_the_worker_serves_on(worker):
 
 
 @pytest.mark.parametrize("frame", [
-    wire.encode_round(wire.Round(1, 50, [wire.Entry(0, 3, 0, (1,), True)], bytes(4), 4), 1),  # before HELLO
+    wire.encode_round_entries(1, 1, 50, [wire.Entry(0, 3, 0, (1,), True)], bytes(4), 4),  # before HELLO
     wire.encode_header(wire.ROUND, wire.MAX_PAYLOAD + 1),                                      # oversized
 ])
 def test_bad_first_frames_drop_the_connection(worker, frame):
