@@ -42,7 +42,7 @@ import numpy as np
 
 from . import wire
 from .drafter import (BatchedDrafter, DraftBatch, MarkovDrafter, PerEntryDrafterLike, as_batched,  # noqa: F401
-                      check_result, default_drafter_identity, load_drafter)
+                      check_result, default_drafter_identity, empty_result, load_drafter)
 from .transport import DeadlineExceeded, Disconnected, FrameChannel
 from .transport.tcp import TcpStream
 
@@ -351,7 +351,6 @@ class Worker:
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
             chan.send(self._ack(code, reason, hdr.session))
             return None
-        chan.send(self._ack(code, reason, hdr.session))
         session = Session(hdr.session, hello.max_slots, hello.num_spec, hello.want_margin,
                           Windows(hello.max_slots, self.window))
         with self._lock:
@@ -365,6 +364,8 @@ class Worker:
             self._engines[hello.engine_id] = session
             while len(self._engines) > self.max_engines:
                 self._engines.popitem(last=False)[1].windows.forget_all()
+        # Only now the ACK: once the engine side has it, the old windows are gone.
+        chan.send(self._ack(code, reason, hdr.session))
         log.info("session %#x of engine %#x: %d slots, num_spec %d", hdr.session, hello.engine_id,
                  hello.max_slots, hello.num_spec)
         return session
@@ -389,7 +390,9 @@ class Worker:
         rows = np.frombuffer(rnd.rows, np.uint8).reshape(n, rnd.row_bytes)
         batch = DraftBatch(ctx, ctx_offsets, np.minimum(n_out if all_ok else n_out[ok], width).astype(np.int32),
                            rows if all_ok else rows[ok], session.want_margin, width)
-        result = check_result(self._batched.draft_batch(batch), batch)
+        # No drafting entries (an empty round, or every slot to re-announce): no call.
+        result = (check_result(self._batched.draft_batch(batch), batch) if len(batch)
+                  else empty_result(0, width, session.want_margin))
         reply, out = _drafts_frame(hdr.session, rnd.round_id, n, width, session.want_margin)
         out.slots[:] = slots
         out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
