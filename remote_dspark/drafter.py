@@ -12,7 +12,8 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
 * ``result.tokens`` is ``[n, width]`` int32, row i holds ``counts[i]`` drafts then zeros;
 * ``0 <= counts[i] <= batch.n_out[i]`` (a draft may end early: fewer is always fine);
 * ``result.margins`` is ``[n, width]`` float32 (zeros past counts) when
-  ``batch.want_margin``, else it may be None.
+  ``batch.want_margin``, else it may be None (a drafter without margins always returns
+  None: the DRAFTS then has no margins section, which the engine reads as "none").
 
 The old per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens,
 margins)``) is still served through :class:`PerEntryDrafter`, the slow path: one Python
@@ -205,11 +206,11 @@ def load_drafter(spec: str | None, markov_path: str | None = None,
 def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
     """The drafter's answer, held to the contract: shapes checked; counts clamped to
     0..n_out; tokens and margins zeroed past counts (so a sloppy drafter cannot put
-    junk on the wire).
+    junk on the wire). Margins are None unless the batch asked for them; a drafter that
+    has none to give returns None and the reply carries no margins section.
 
     Raises:
-        ValueError: naming the field whose shape is wrong, or margins missing although
-        the batch asked for them.
+        ValueError: naming the field whose shape is wrong.
     """
     n, width = len(batch), batch.width
     tokens, counts, margins = np.asarray(result.tokens), np.asarray(result.counts), result.margins
@@ -220,9 +221,7 @@ def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
     counts = np.clip(counts, 0, batch.n_out).astype(np.int32)
     live = np.arange(width) < counts[:, None]
     tokens = np.where(live, tokens, 0).astype(np.int32, copy=False)
-    if batch.want_margin:
-        if margins is None:
-            raise ValueError("drafter result margins: None, but the batch asked for margins")
+    if batch.want_margin and margins is not None:
         margins = np.asarray(margins)
         if margins.shape != (n, width):
             raise ValueError(f"drafter result margins: shape {margins.shape}, expected {(n, width)}")

@@ -393,7 +393,7 @@ class Worker:
         # No drafting entries (an empty round, or every slot to re-announce): no call.
         result = (check_result(self._batched.draft_batch(batch), batch) if len(batch)
                   else empty_result(0, width, session.want_margin))
-        reply, out = _drafts_frame(hdr.session, rnd.round_id, n, width, session.want_margin)
+        reply, out = _drafts_frame(hdr.session, rnd.round_id, n, width, result.margins is not None)
         out.slots[:] = slots
         out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
         where = slice(None) if all_ok else ok

@@ -326,3 +326,47 @@ def test_new_session_drops_the_old_windows_even_while_the_old_connection_lives(w
         new.close()
     finally:
         old.close()
+
+
+PLUGIN = """
+import numpy as np
+from remote_dspark.drafter import DraftResult
+class Batched:
+    drafter_identity = b"d" * 32
+    markov_identity = b"m" * 32
+    def draft_batch(self, batch):
+        return DraftResult(np.full((len(batch), batch.width), 5, np.int32), batch.n_out.copy())
+class PerEntry:
+    drafter_identity = b"d" * 32
+    markov_identity = b"m" * 32
+    def draft(self, context, n_out, row):
+        return [5] * n_out, []
+"""
+
+
+@pytest.mark.parametrize("factory", ["Batched", "PerEntry"])
+def test_worker_command_serves_either_kind_of_plugin_drafter(tmp_path, factory):
+    (tmp_path / "cliplugin.py").write_text(PLUGIN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0",
+                             "--drafter", f"cliplugin:{factory}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[1].strip() == f"VLLM_DSPARK_REMOTE_IDENTITY={'64' * 32}"
+        port = int(lines[0].rsplit(":", 1)[1])
+        c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"),
+                                wire.Hello(b"d" * 32, b"m" * 32, 1, 4, 0, 3, want_margin=True), 1, 5.0)
+        d = c.round(1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(2, 2, 0, (1,), True)], b"", 0)], 5000)
+        assert d.row(0) == [5, 5]
+        # Margins were asked for: the per-entry path pads missing ones with zeros; a
+        # batched drafter without margins sends none.
+        assert (list(d.margins) if d.margins is not None else None) == \
+            ([0.0, 0.0] if factory == "PerEntry" else None)
+        c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
