@@ -15,7 +15,7 @@ re-announces it.
 
 A round is handled without a Python loop over its entries: the ROUND's sections are
 read as numpy arrays in place; a session's windows are one ring array
-(:class:`Windows`: ``[max_slots, window]`` tokens plus per-slot counters) updated with
+(:class:`Windows`: ``[max_slots, 2 * window]`` tokens plus per-slot counters) updated with
 scatter writes for all entries at once (a round names each slot at most once, so the
 writes never collide); the contexts go to the drafter as one ragged ``(tokens,
 offsets)`` pair (:class:`~remote_dspark.drafter.DraftBatch`), and the DRAFTS reply is
@@ -39,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from . import wire
 from .drafter import (BatchedDrafter, DraftBatch, MarkovDrafter, PerEntryDrafterLike, as_batched,  # noqa: F401
@@ -61,12 +62,15 @@ class Windows:
 
     Arrays (index: slot)::
 
-        ring      [max_slots, window] int32  token j of the slot (since its NEW_GEN) at j % window
+        ring      [max_slots, 2 * window] int32  token j of the slot (since its NEW_GEN) at
+                                             columns j % window and j % window + window
         written   [max_slots] int64          tokens written since the slot's NEW_GEN
         next_pos  [max_slots] int64          the position the slot's next token must have
         known     [max_slots] bool           the slot has a window
 
-    The slot's window is its last ``min(written, window)`` tokens, oldest first. A slot
+    The slot's window is its last ``min(written, window)`` tokens, oldest first: each
+    token is written twice so that any window is ``window`` consecutive cells of the row
+    (read for all entries with one gather, :meth:`advance`). A slot
     that is not ``known`` has no window; its other fields are stale and never read.
     ``lock`` serializes :meth:`advance` with :meth:`forget_all` (called from another
     connection's thread when a new session of the engine replaces this one).
@@ -76,7 +80,12 @@ class Windows:
         if window < 1:
             raise ValueError(f"window {window}: must be >= 1")
         self.max_slots, self.window = max_slots, window
-        self.ring = np.zeros((max_slots, window), np.int32)
+        self.ring = np.zeros((max_slots, 2 * window), np.int32)
+        # Every span of ``window`` consecutive ring cells, as a read-only view: the span
+        # at ``slot * 2 * window + start`` is a window starting at column ``start``.
+        flat = self.ring.reshape(-1)
+        self._spans = as_strided(flat, (flat.size - window + 1, window), (flat.itemsize, flat.itemsize),
+                                 writeable=False)
         self.written = np.zeros(max_slots, np.int64)
         self.next_pos = np.zeros(max_slots, np.int64)
         self.known = np.zeros(max_slots, bool)
@@ -135,18 +144,23 @@ class Windows:
             j = np.arange(len(tokens)) - offsets[entry]             # its index within the entry
             keep = ok[entry] & (j >= lens[entry] - W)
             e = entry[keep]
-            self.ring[slots[e], (base[e] + j[keep]) % W] = tokens[keep]
+            rs, cols, kept = slots[e], (base[e] + j[keep]) % W, tokens[keep]
+            self.ring[rs, cols] = kept
+            self.ring[rs, cols + W] = kept
             ok_slots = slots[ok]
             self.written[ok_slots] = written[ok]
             self.next_pos[ok_slots] = positions[ok] + lens[ok]
-            # The contexts: each ok entry's last min(written, W) tokens, oldest first.
-            fill = np.minimum(written[ok], W)
+            # The contexts: each ok entry's last min(written, W) tokens, oldest first. The
+            # oldest sits at ring column (written - fill) % W; the W columns from there are
+            # one span of the doubled row (one gather of m spans, no arithmetic per token);
+            # the columns past ``fill`` of windows not yet full are then dropped.
+            written = written[ok]
+            fill = np.minimum(written, W)
+            start = (written - fill) % W
+            ctx = self._spans[ok_slots * (2 * W) + start]
+            ctx = ctx.reshape(-1) if bool((fill == W).all()) else ctx[np.arange(W) < fill[:, None]]
             ctx_offsets = np.zeros(len(fill) + 1, np.int64)
             np.cumsum(fill, out=ctx_offsets[1:])
-            owner = np.repeat(np.arange(len(fill)), fill)          # context token -> ok entry
-            c = np.arange(int(ctx_offsets[-1])) - ctx_offsets[owner]
-            start = written[ok] - fill
-            ctx = self.ring[ok_slots[owner], (start[owner] + c) % W]
         return ok, ctx, ctx_offsets
 
     def window_of(self, slot: int) -> list[int] | None:
