@@ -70,8 +70,8 @@ class Windows:
 
     The slot's window is its last ``min(written, window)`` tokens, oldest first: each
     token is written twice so that any window is ``window`` consecutive cells of the row
-    (read for all entries with one gather, :meth:`advance`). A slot
-    that is not ``known`` has no window; its other fields are stale and never read.
+    (read for all entries with one gather, :meth:`advance`). A slot that is not
+    ``known`` has no window; its other fields are stale and never read.
     ``lock`` serializes :meth:`advance` with :meth:`forget_all` (called from another
     connection's thread when a new session of the engine replaces this one).
     """
