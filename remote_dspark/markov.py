@@ -18,7 +18,21 @@ that engine and worker must agree on)::
 
 Drafting is greedy: from the last k tokens take the most frequent next token, append,
 repeat; the top1-top2 margin is the probability gap between the two most frequent next
-tokens. An unseen context ends the draft early (fewer than n_out tokens).
+tokens. An unseen context ends the draft early (fewer than n_out tokens), and so does a
+context shorter than k.
+
+Two ways to draft, equal value for value (the tests hold them to it):
+
+* :meth:`MarkovModel.draft`: one context, a dict lookup per token (the reference).
+* :meth:`MarkovModel.draft_batch`: all entries of a round at once with numpy (imported
+  on first use, so importing this module never loads it). The table becomes arrays
+  read straight from the cache bytes: one row per context (in the file's sorted order),
+  its most frequent next token, its margin, and its *successor* row, the row of the
+  context that drafting moves to after emitting that token (or none). Finding an
+  entry's first row is one ``searchsorted`` over sorted keys: a mixed-radix int64 over
+  the context tokens when the token range to the power k fits in 63 bits (the built-in
+  model: 128**2), else fixed-width big-endian byte keys (exact for any model). After
+  that, each draft step is one gather through the successor array for all entries.
 
 With no file the worker uses :func:`builtin_model`: order 2, built from text of the
 :class:`SyntheticLanguage` that the demo engine's target speaks, so drafts are right
@@ -32,7 +46,10 @@ import struct
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:  # numpy is imported on first use of draft_batch only
+    import numpy as np
 
 MAGIC = b"DSMK"
 VERSION = 1
@@ -64,6 +81,7 @@ class MarkovModel:
         self.table = table
         self._bytes = self._encode()
         self.identity = hashlib.sha256(self._bytes).digest()
+        self._arrays: _Arrays | None = None    # draft_batch's tables, built on first use
 
     # ------------------------------------------------------------------ building
 
@@ -121,6 +139,9 @@ class MarkovModel:
             ctx, pairs, total = vals[:order], vals[order:-1], vals[-1]
             toks = tuple(t for t, c in zip(pairs[0::2], pairs[1::2]) if c > 0)
             cnts = tuple(c for c in pairs[1::2] if c > 0)
+            if not cnts or total < sum(cnts):
+                raise ValueError(f"{name}: record {i} (context {tuple(ctx)}): counts {cnts} "
+                                 f"and total {total}: a context needs a next token and total >= counts")
             table[tuple(ctx)] = Next(toks, cnts, total)
         model = cls(order, top, table)
         if model._bytes != bytes(data):
@@ -152,6 +173,68 @@ class MarkovModel:
             margins.append((nxt.counts[0] - second) / nxt.total)
             window = window[1:] + [nxt.tokens[0]]
         return tokens, margins
+
+    def draft_batch(self, tokens: "np.ndarray", offsets: "np.ndarray", n_out: "np.ndarray",
+                    width: int) -> tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
+        """:meth:`draft` for n entries at once, with no loop over entries.
+
+        Args:
+            tokens: [T] int32, the entries' contexts laid end to end.
+            offsets: [n + 1] ints: entry i's context is ``tokens[offsets[i]:offsets[i + 1]]``.
+            n_out: [n] ints in 0..width, drafts wanted per entry.
+            width: the result's second dimension.
+
+        Returns:
+            (drafts [n, width] int32, counts [n] int32, margins [n, width] float32), row i
+            equal to ``draft(context_i, n_out[i])`` (margins as float32), zero past counts[i].
+            drafts and margins are transposed views (step-major underneath).
+        """
+        import numpy as np
+
+        a = self._arrays or self._build_arrays()
+        k = self.order
+        offsets = np.asarray(offsets, dtype=np.int64)
+        n_out = np.asarray(n_out)
+        tokens = np.asarray(tokens)
+        if len(tokens) < k:        # every context is short; keep the gathers below in bounds
+            tokens = np.zeros(k, np.int32)
+        ends = offsets[1:]
+        short = (ends - offsets[:-1]) < k               # too little context: no draft
+        # The last k tokens of each entry, one column each (a short entry's columns are
+        # junk from its neighbours, never used: ``short`` marks it unseen).
+        row = a.find([tokens[ends - (k - j)] for j in range(k)], short)
+        steps = np.empty((width, len(n_out)), np.int64)     # step-major: each step one row
+        for s in range(width):                          # one pass per draft step, all entries
+            steps[s] = row
+            row = a.succ[row]
+        steps[np.arange(width)[:, None] >= n_out] = a.none
+        # Past an unseen context a row stays ``none`` (its successor is itself, its token
+        # and margin 0), so the live steps are a prefix and the count is how many there are.
+        counts = np.count_nonzero(steps != a.none, axis=0).astype(np.int32)
+        return a.first[steps].T, counts, a.margin[steps].T
+
+    def _build_arrays(self) -> "_Arrays":
+        import numpy as np
+
+        k, top = self.order, self.top
+        # The records as laid out in the cache (k context words, top (token, count)
+        # pairs, the total): one row of i32 words each, read in place.
+        words = np.frombuffer(self._bytes, "<i4", offset=_HEAD.size).reshape(-1, k + 2 * top + 1)
+        ctx = np.ascontiguousarray(words[:, :k])
+        first = words[:, k].astype(np.int32)
+        c0 = words[:, k + 1].view("<u4").astype(np.float64)
+        c1 = words[:, k + 3].view("<u4").astype(np.float64) if top > 1 else np.zeros(len(ctx))
+        total = words[:, -1].view("<u4").astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            margin = ((c0 - c1) / total).astype(np.float32)
+        arrays = _Arrays(ctx)
+        succ = arrays.find([ctx[:, j] for j in range(1, k)] + [first])
+        none = arrays.none
+        arrays.first = np.append(first, np.int32(0))
+        arrays.margin = np.append(margin, np.float32(0))
+        arrays.succ = np.append(succ, none)
+        self._arrays = arrays
+        return arrays
 
 
 class SyntheticLanguage:
@@ -192,6 +275,90 @@ class SyntheticLanguage:
             state = splitmix64(state)
             out.append(self.next_token(out[-2], out[-1], u, state))
         return out
+
+
+# Small key spaces (the built-in model's 128**2) also get a direct index: key -> row.
+DENSE_MAX = 1 << 20
+
+
+class _Arrays:
+    """``draft_batch``'s view of the table: sorted keys to find a context's row, and per
+    row (plus a sentinel row ``none`` = number of contexts: token 0, margin 0, successor
+    itself) the first next token, its margin and the successor row.
+
+    Keys: ``radix`` mode when (max - min + 1) ** order of the context tokens fits in 63
+    bits (the key is the context in that mixed radix, int64; with a key space of at most
+    ``DENSE_MAX`` a direct key -> row array replaces the search), else ``bytes`` mode
+    (the context as fixed-width big-endian bytes, biased so that memcmp order is signed
+    order). Invariant: ``ctx`` rows come in the cache file's order, sorted by context as
+    signed ints, so both key forms are sorted without a sort.
+    """
+
+    def __init__(self, ctx: "np.ndarray"):
+        import numpy as np
+
+        self.np = np
+        self.none = len(ctx)
+        self.order = ctx.shape[1]
+        self.dense = None
+        self.first = self.margin = self.succ = None   # set by MarkovModel._build_arrays
+        if self.none == 0:
+            self.mode = "empty"
+            return
+        self.lo, hi = int(ctx.min()), int(ctx.max())
+        self.radix = hi - self.lo + 1
+        if self.radix ** self.order < 1 << 63:
+            self.mode = "radix"
+            self.keys = self._radix_keys([ctx[:, j] for j in range(self.order)])[0]
+            assert bool(np.all(self.keys[1:] > self.keys[:-1])), "Markov contexts not sorted"
+            if self.radix ** self.order <= DENSE_MAX:
+                # One extra slot, at key radix**order, for contexts with unknown tokens.
+                self.dense = np.full(self.radix ** self.order + 1, self.none, np.int64)
+                self.dense[self.keys] = np.arange(self.none)
+        else:
+            self.mode = "bytes"
+            self.keys = self._byte_keys([ctx[:, j] for j in range(self.order)])
+
+    def _radix_keys(self, cols) -> tuple["np.ndarray", "np.ndarray"]:
+        """(keys, unknown): Horner over the columns; ``unknown`` where a token is outside
+        lo..hi (its key is junk)."""
+        np = self.np
+        key = unknown = None
+        for col in cols:
+            d = np.subtract(col, self.lo, dtype=np.int64)
+            out = d.view(np.uint64) >= self.radix          # below lo wraps to huge
+            unknown = out if unknown is None else unknown | out
+            key = d if key is None else key * self.radix + d
+        return key, unknown
+
+    def _byte_keys(self, cols) -> "np.ndarray":
+        np = self.np
+        biased = np.empty((len(cols[0]), self.order), ">u4")
+        for j, col in enumerate(cols):
+            biased[:, j] = np.add(col, 1 << 31, dtype=np.int64)
+        return biased.view(np.dtype((np.void, 4 * self.order))).ravel()
+
+    def find(self, cols, unseen: "np.ndarray | None" = None) -> "np.ndarray":
+        """The row of each context, ``none`` where unseen (or ``unseen`` says so).
+        ``cols``: ``order`` arrays of m tokens each, oldest first."""
+        np = self.np
+        m = len(cols[0])
+        if self.mode == "empty":
+            return np.full(m, self.none, np.int64)
+        if self.mode == "radix":
+            key, unknown = self._radix_keys(cols)
+            if unseen is not None:
+                unknown |= unseen
+            if self.dense is not None:
+                return self.dense[np.where(unknown, len(self.dense) - 1, key)]
+        else:
+            key = self._byte_keys(cols)
+            unknown = unseen if unseen is not None else np.zeros(m, bool)
+        pos = np.searchsorted(self.keys, key)
+        np.minimum(pos, self.none - 1, out=pos)
+        hit = self.keys[pos] == key
+        hit &= ~unknown
+        return np.where(hit, pos, self.none)
 
 
 def _record(order: int, top: int) -> struct.Struct:

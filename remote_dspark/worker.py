@@ -10,7 +10,16 @@ Windows are kept per (engine, session, slot): the last ``window`` tokens of each
 and the position the next token must have. A new session of the same engine (a
 respawned proxy) replaces the old session's windows; a NEW_GEN entry rebuilds a slot;
 an entry for a slot the worker does not know, or with a gap in its positions, is
-answered with ``STATUS_RESYNC`` and no drafts, so the engine re-announces it.
+answered with ``STATUS_RESYNC`` and no drafts, and the slot is forgotten, so the engine
+re-announces it.
+
+A round is handled without a Python loop over its entries: the ROUND's sections are
+read as numpy arrays in place; a session's windows are one ring array
+(:class:`Windows`: ``[max_slots, 2 * window]`` tokens plus per-slot counters) updated with
+scatter writes for all entries at once (a round names each slot at most once, so the
+writes never collide); the contexts go to the drafter as one ragged ``(tokens,
+offsets)`` pair (:class:`~remote_dspark.drafter.DraftBatch`), and the DRAFTS reply is
+written from the result's arrays into one buffer at ``wire.drafts_sections`` offsets.
 
 Memory is bounded: ``max_engines`` engines (least recently seen dropped first), HELLO's
 ``max_slots`` (capped by the worker's own) slots per session, ``window`` tokens per slot,
@@ -19,20 +28,22 @@ and the wire caps on every frame.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import logging
 import os
 import selectors
 import socket
+import struct
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from . import wire
-from .markov import MarkovModel, builtin_model
+from .drafter import (BatchedDrafter, DraftBatch, MarkovDrafter, PerEntryDrafterLike, as_batched,  # noqa: F401
+                      check_result, default_drafter_identity, empty_result, load_drafter)
 from .transport import DeadlineExceeded, Disconnected, FrameChannel
 from .transport.tcp import TcpStream
 
@@ -40,68 +51,125 @@ log = logging.getLogger("remote_dspark.worker")
 
 DEFAULT_LISTEN = "127.0.0.1:18620"
 
+# The old name of the per-entry drafter protocol (still accepted: drafter.as_batched).
+Drafter = PerEntryDrafterLike
 
-class Drafter(Protocol):
-    """What the worker needs of a drafter; ``--drafter module:factory`` supplies one.
+_DRAFTS_FIXED = struct.Struct("<IHH")     # DRAFTS' fixed part: n_entries, width, flags (wire.py)
 
-    ``factory()`` returns an object with the two 32-byte identities the engine must
-    match and a ``draft`` method called once per entry of every round.
+
+class Windows:
+    """One session's windows: a ring of the last ``window`` tokens per slot.
+
+    Arrays (index: slot)::
+
+        ring      [max_slots, 2 * window] int32  token j of the slot (since its NEW_GEN) at
+                                             columns j % window and j % window + window
+        written   [max_slots] int64          tokens written since the slot's NEW_GEN
+        next_pos  [max_slots] int64          the position the slot's next token must have
+        known     [max_slots] bool           the slot has a window
+
+    The slot's window is its last ``min(written, window)`` tokens, oldest first: each
+    token is written twice so that any window is ``window`` consecutive cells of the row
+    (read for all entries with one gather, :meth:`advance`). A slot that is not
+    ``known`` has no window; its other fields are stale and never read.
+    ``lock`` serializes :meth:`advance` with :meth:`forget_all` (called from another
+    connection's thread when a new session of the engine replaces this one).
     """
 
-    drafter_identity: bytes
-    markov_identity: bytes
+    def __init__(self, max_slots: int, window: int):
+        if window < 1:
+            raise ValueError(f"window {window}: must be >= 1")
+        self.max_slots, self.window = max_slots, window
+        self.ring = np.zeros((max_slots, 2 * window), np.int32)
+        # Every span of ``window`` consecutive ring cells, as a read-only view: the span
+        # at ``slot * 2 * window + start`` is a window starting at column ``start``.
+        flat = self.ring.reshape(-1)
+        self._spans = as_strided(flat, (flat.size - window + 1, window), (flat.itemsize, flat.itemsize),
+                                 writeable=False)
+        self.written = np.zeros(max_slots, np.int64)
+        self.next_pos = np.zeros(max_slots, np.int64)
+        self.known = np.zeros(max_slots, bool)
+        self.lock = threading.Lock()
 
-    def draft(self, context: Sequence[int], n_out: int, row: memoryview) -> tuple[list[int], list[float]]:
-        """Up to ``n_out`` tokens following ``context`` and their top1-top2 margins.
-        ``row`` is the slot's opaque engine row for this round."""
+    def forget_all(self) -> None:
+        with self.lock:
+            self.known[:] = False
 
+    def check_slots(self, slots: np.ndarray) -> None:
+        """Raises wire.ProtocolError naming the entry: a slot outside the session, or a
+        slot named twice in one round (the scatter writes rely on unique slots)."""
+        if not len(slots):
+            return
+        over = slots >= self.max_slots
+        if over.any():
+            i = int(np.argmax(over))
+            raise wire.ProtocolError(f"ROUND slots[{i}]: slot {int(slots[i])} outside the session's "
+                                     f"{self.max_slots} slots")
+        seen = np.bincount(slots, minlength=self.max_slots)
+        if seen.max() > 1:
+            slot = int(np.argmax(seen > 1))
+            first, second = np.flatnonzero(slots == slot)[:2]
+            raise wire.ProtocolError(f"ROUND slots[{second}]: slot {slot} already named by entry {first} "
+                                     "of this round")
 
-class MarkovDrafter:
-    """The default drafter: greedy drafting from a :class:`MarkovModel`."""
+    def advance(self, slots: np.ndarray, positions: np.ndarray, new_gen: np.ndarray,
+                offsets: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Apply a round's entries to their slots' windows, all at once.
 
-    def __init__(self, model: MarkovModel, drafter_identity: bytes | None = None):
-        self.model = model
-        self.markov_identity = model.identity
-        self.drafter_identity = drafter_identity or default_drafter_identity(model)
+        Per entry: NEW_GEN replaces the slot's window with its tokens; an entry for a known
+        slot at the slot's next position appends its tokens; either way the next position
+        becomes ``position + len(tokens)``. Any other entry (unknown slot, gap) forgets the
+        slot and gets no context (the engine must re-announce it).
 
-    def draft(self, context, n_out, row):
-        return self.model.draft(context, n_out)
+        Args: the round's arrays (slots unique and in range: :meth:`check_slots`);
+            slots, positions, offsets int64, new_gen bool, tokens int32.
 
+        Returns:
+            (ok [n] bool, context tokens [T] int32, context offsets [m + 1] int64): the
+            contexts (each slot's window after the round) of the ``ok`` entries, in entry
+            order.
+        """
+        W = self.window
+        n = len(slots)
+        lens = offsets[1:] - offsets[:-1]
+        with self.lock:
+            ok = new_gen | (self.known[slots] & (positions == self.next_pos[slots]))
+            self.known[slots[~ok]] = False
+            self.known[slots[new_gen]] = True
+            base = np.where(new_gen, 0, self.written[slots])      # tokens already in the window
+            written = base + lens
+            # Scatter the ok entries' tokens into the rings: of each entry only its last W
+            # tokens (earlier ones would be overwritten: one write per ring cell).
+            entry = np.repeat(np.arange(n), lens)                  # the entry of each round token
+            j = np.arange(len(tokens)) - offsets[entry]             # its index within the entry
+            keep = ok[entry] & (j >= lens[entry] - W)
+            e = entry[keep]
+            rs, cols, kept = slots[e], (base[e] + j[keep]) % W, tokens[keep]
+            self.ring[rs, cols] = kept
+            self.ring[rs, cols + W] = kept
+            ok_slots = slots[ok]
+            self.written[ok_slots] = written[ok]
+            self.next_pos[ok_slots] = positions[ok] + lens[ok]
+            # The contexts: each ok entry's last min(written, W) tokens, oldest first. The
+            # oldest sits at ring column (written - fill) % W; the W columns from there are
+            # one span of the doubled row (one gather of m spans, no arithmetic per token);
+            # the columns past ``fill`` of windows not yet full are then dropped.
+            written = written[ok]
+            fill = np.minimum(written, W)
+            start = (written - fill) % W
+            ctx = self._spans[ok_slots * (2 * W) + start]
+            ctx = ctx.reshape(-1) if bool((fill == W).all()) else ctx[np.arange(W) < fill[:, None]]
+            ctx_offsets = np.zeros(len(fill) + 1, np.int64)
+            np.cumsum(fill, out=ctx_offsets[1:])
+        return ok, ctx, ctx_offsets
 
-def default_drafter_identity(model: MarkovModel) -> bytes:
-    return hashlib.sha256(f"remote-dspark markov drafter v1 order={model.order}".encode()).digest()
-
-
-def load_drafter(spec: str | None, markov_path: str | None = None, identity: bytes | None = None) -> Drafter:
-    """The drafter named by ``module:factory``, or the Markov drafter.
-
-    Raises: ValueError naming the spec or file that could not be used.
-    """
-    if spec:
-        mod_name, sep, attr = spec.partition(":")
-        if not sep or not mod_name or not attr:
-            raise ValueError(f"--drafter {spec!r}: expected MODULE:FACTORY")
-        try:
-            factory = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--drafter {spec!r}: {e}") from e
-        drafter = factory()
-        for name in ("drafter_identity", "markov_identity"):
-            value = getattr(drafter, name, None)
-            if not isinstance(value, bytes) or len(value) != 32:
-                raise ValueError(f"--drafter {spec!r}: {name} must be 32 bytes, got {value!r}")
-        return drafter
-    try:
-        model = MarkovModel.load(markov_path) if markov_path else builtin_model()
-    except OSError as e:
-        raise ValueError(f"--markov {markov_path!r}: {e}") from e
-    return MarkovDrafter(model, identity)
-
-
-@dataclass
-class _Slot:
-    tokens: deque
-    next_position: int
+    def window_of(self, slot: int) -> list[int] | None:
+        """The slot's window, oldest first, or None (slow: tests and tools)."""
+        if not self.known[slot]:
+            return None
+        fill = min(int(self.written[slot]), self.window)
+        start = int(self.written[slot]) - fill
+        return [int(self.ring[slot, (start + c) % self.window]) for c in range(fill)]
 
 
 @dataclass
@@ -109,7 +177,8 @@ class Session:
     session: int
     max_slots: int
     num_spec: int
-    slots: dict[int, _Slot] = field(default_factory=dict)
+    want_margin: bool
+    windows: Windows
 
 
 @dataclass
@@ -127,10 +196,13 @@ class Worker:
     """The server. ``start()`` binds and serves in background threads; ``stop()`` ends
     everything (sends BYE to every open connection) and returns when all threads did."""
 
-    def __init__(self, drafter: Drafter, host: str = "127.0.0.1", port: int = 18620, *,
+    def __init__(self, drafter: BatchedDrafter | Drafter, host: str = "127.0.0.1", port: int = 18620, *,
                  window: int = 64, max_slots: int = wire.MAX_ENTRIES, max_engines: int = 64,
                  max_connections: int = 64, idle_timeout_s: float = 300.0):
-        self.drafter = drafter
+        if window < 1:
+            raise ValueError(f"window {window}: must be >= 1")
+        self.drafter = drafter                   # as given (its identities are checked at HELLO)
+        self._batched = as_batched(drafter)      # what rounds call
         self.host, self.port = host, port
         self.window = window
         self.max_slots = max_slots
@@ -264,6 +336,8 @@ class Worker:
             log.warning("connection %s: bad frame, closing it: %s", peer, e)
         except (Disconnected, DeadlineExceeded):
             pass
+        except Exception:   # the drafter (or this worker) failed: this connection only, loudly
+            log.exception("connection %s: failed serving a round; closing it", peer)
         finally:
             if self._stopping.is_set():
                 self._send_quietly(chan, wire.encode_bye(session.session if session else 0))
@@ -291,8 +365,8 @@ class Worker:
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
             chan.send(self._ack(code, reason, hdr.session))
             return None
-        chan.send(self._ack(code, reason, hdr.session))
-        session = Session(hdr.session, hello.max_slots, hello.num_spec)
+        session = Session(hdr.session, hello.max_slots, hello.num_spec, hello.want_margin,
+                          Windows(hello.max_slots, self.window))
         with self._lock:
             # A new session of the same engine (a respawned proxy) replaces the old one:
             # its windows go now, not when its connection closes; an old connection that
@@ -300,10 +374,12 @@ class Worker:
             # beyond max_engines loses its windows the same way.
             old = self._engines.pop(hello.engine_id, None)
             if old is not None:
-                old.slots.clear()
+                old.windows.forget_all()
             self._engines[hello.engine_id] = session
             while len(self._engines) > self.max_engines:
-                self._engines.popitem(last=False)[1].slots.clear()
+                self._engines.popitem(last=False)[1].windows.forget_all()
+        # Only now the ACK: once the engine side has it, the old windows are gone.
+        chan.send(self._ack(code, reason, hdr.session))
         log.info("session %#x of engine %#x: %d slots, num_spec %d", hdr.session, hello.engine_id,
                  hello.max_slots, hello.num_spec)
         return session
@@ -313,45 +389,38 @@ class Worker:
             wire.HelloAck(code, self.drafter.drafter_identity, self.drafter.markov_identity, reason), session)
 
     def _round(self, session: Session, hdr: wire.Header, payload) -> bytes:
+        """One ROUND in, its DRAFTS frame out; no Python loop over the entries."""
         rnd = wire.decode_round(hdr, payload)
-        n = len(rnd.entries)
-        width = min(max((e.n_out for e in rnd.entries), default=0), session.num_spec)
-        counts, statuses, tokens = [0] * n, [wire.STATUS_OK] * n, [0] * (n * width)
-        margins = [0.0] * (n * width)
-        for i, e in enumerate(rnd.entries):
-            if e.slot >= session.max_slots:
-                raise wire.ProtocolError(f"slot {e.slot} outside the session's {session.max_slots}")
-            context = self._advance(session, e)
-            if context is None:
-                statuses[i] = wire.STATUS_RESYNC
-                continue
-            row = rnd.rows[i * rnd.row_bytes:(i + 1) * rnd.row_bytes]
-            draft, margin = self.drafter.draft(context, min(e.n_out, width), row)
-            draft, margin = draft[:width], margin[:width]
-            counts[i] = len(draft)
-            tokens[i * width:i * width + len(draft)] = draft
-            margins[i * width:i * width + len(margin)] = margin
+        n = len(rnd)
+        slots = np.frombuffer(rnd.slots, np.uint32).astype(np.int64)
+        n_out = np.frombuffer(rnd.n_out, np.uint32)
+        session.windows.check_slots(slots)
+        ok, ctx, ctx_offsets = session.windows.advance(
+            slots, np.frombuffer(rnd.positions, np.uint32).astype(np.int64),
+            (np.frombuffer(rnd.flags, np.uint32) & wire.FLAG_NEW_GEN) != 0,
+            np.frombuffer(rnd.offsets, np.uint32).astype(np.int64), np.frombuffer(rnd.tokens, np.int32))
+        width = min(int(n_out.max()) if n else 0, session.num_spec)
+        all_ok = bool(ok.all())
+        rows = np.frombuffer(rnd.rows, np.uint8).reshape(n, rnd.row_bytes)
+        batch = DraftBatch(ctx, ctx_offsets, np.minimum(n_out if all_ok else n_out[ok], width).astype(np.int32),
+                           rows if all_ok else rows[ok], session.want_margin, width)
+        # No drafting entries (an empty round, or every slot to re-announce): no call.
+        result = (check_result(self._batched.draft_batch(batch), batch) if len(batch)
+                  else empty_result(0, width, session.want_margin))
+        reply, out = _drafts_frame(hdr.session, rnd.round_id, n, width, result.margins is not None)
+        out.slots[:] = slots
+        out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
+        where = slice(None) if all_ok else ok
+        out.counts[where] = result.counts
+        out.tokens[where] = result.tokens
+        if out.margins is not None:
+            out.margins[where] = result.margins
         with self._lock:
             self.stats.rounds += 1
             self.stats.entries += n
-            self.stats.resyncs += statuses.count(wire.STATUS_RESYNC)
-            self.stats.draft_tokens += sum(counts)
-        return wire.encode_drafts(wire.Drafts(rnd.round_id, [e.slot for e in rnd.entries], counts,
-                                              statuses, width, tokens, margins), hdr.session)
-
-    def _advance(self, session: Session, e: wire.Entry) -> Sequence[int] | None:
-        """Apply an entry to its slot's window; the context to draft from, or None
-        when the slot must be re-announced."""
-        slot = session.slots.get(e.slot)
-        if e.new_gen:
-            slot = session.slots[e.slot] = _Slot(deque(e.tokens, maxlen=self.window), 0)
-        elif slot is None or e.position != slot.next_position:
-            session.slots.pop(e.slot, None)
-            return None
-        else:
-            slot.tokens.extend(e.tokens)
-        slot.next_position = e.position + len(e.tokens)
-        return list(slot.tokens)
+            self.stats.resyncs += n - int(np.count_nonzero(ok))
+            self.stats.draft_tokens += int(result.counts.sum())
+        return reply
 
     @staticmethod
     def _send_quietly(chan: FrameChannel, frame: bytes) -> None:
@@ -359,6 +428,34 @@ class Worker:
             chan.send(frame)
         except Disconnected:
             pass
+
+
+@dataclass
+class _DraftsArrays:
+    """Writable views of a DRAFTS frame's sections (``_drafts_frame``)."""
+
+    slots: np.ndarray       # [n] u32
+    counts: np.ndarray      # [n] u16
+    statuses: np.ndarray    # [n] u16
+    tokens: np.ndarray      # [n, width] i32
+    margins: np.ndarray | None   # [n, width] f32
+
+
+def _drafts_frame(session: int, round_id: int, n: int, width: int, margins: bool) -> tuple[bytearray, _DraftsArrays]:
+    """A whole zeroed DRAFTS frame (header and fixed part written) and views of its
+    sections, at ``wire.drafts_sections`` offsets, for the caller to fill."""
+    sec = wire.drafts_sections(n, width, margins)
+    at = wire.HEADER.size
+    frame = bytearray(at + sec.size)
+    frame[:at] = wire.encode_header(wire.DRAFTS, sec.size, session, round_id)
+    _DRAFTS_FIXED.pack_into(frame, at, n, width, wire.DRAFTS_MARGINS if margins else 0)
+
+    def view(dtype, offset: int, count: int) -> np.ndarray:
+        return np.frombuffer(frame, dtype, count, at + offset)
+    return frame, _DraftsArrays(
+        view(np.uint32, sec.slots, n), view(np.uint16, sec.counts, n), view(np.uint16, sec.statuses, n),
+        view(np.int32, sec.tokens, n * width).reshape(n, width),
+        view(np.float32, sec.margins, n * width).reshape(n, width) if margins else None)
 
 
 def parse_listen(raw: str) -> tuple[str, int]:

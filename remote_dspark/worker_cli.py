@@ -22,7 +22,9 @@ def add_parser(sub) -> None:
                    help=f"address to listen on (default {DEFAULT_LISTEN}; only loopback unless you say otherwise)")
     p.add_argument("--markov", metavar="FILE", help="Markov cache file (default: the built-in model)")
     p.add_argument("--drafter", metavar="MODULE:FACTORY",
-                   help="use FACTORY() from MODULE as the drafter instead of the Markov model")
+                   help="use FACTORY() from MODULE (imported by name from sys.path) as the drafter instead "
+                        "of the Markov model: an object with draft_batch(batch) (one call per round, "
+                        "remote_dspark/drafter.py) or, the slow path, draft(context, n_out, row) per entry")
     p.add_argument("--identity", metavar="HEX64", help="drafter identity to require (default: derived from the model)")
     p.add_argument("--window", type=int, default=64, help="tokens kept per slot (default 64)")
     p.add_argument("--max-slots", type=int, default=wire.MAX_ENTRIES, help="slots allowed per session")

@@ -1,4 +1,6 @@
-"""The reference worker: HELLO checks, windows per session and slot, bad frames, stop."""
+"""The reference worker over loopback sockets: HELLO checks, windows per session and
+slot, drafts and margins, bad frames (one connection dropped, the rest served), stop.
+The round logic against a per-entry reference, property-tested: test_worker_rounds.py."""
 
 import os
 import signal
@@ -38,9 +40,9 @@ def connect(w, session=1, **kw):
     return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
 
 
-def do_round(c, rid, entries, n_rows=None):
-    n = len(entries) if n_rows is None else n_rows
-    return c.round(rid, wire.round_parts(rid, c.session, 1000, entries, bytes(4 * n), 4), 1000)
+def do_round(c, rid, entries, rows=None):
+    rows = bytes(4 * len(entries)) if rows is None else rows
+    return c.round(rid, [wire.encode_round_entries(rid, c.session, 1000, entries, rows, 4)], 1000)
 
 
 def test_client_gets_drafts_and_margins(worker):
@@ -134,7 +136,7 @@ def test_random_bytes_close_that_connection_and_the_worker_serves_on(worker):
 
 
 @pytest.mark.parametrize("frame", [
-    wire.encode_round(wire.Round(1, 50, [wire.Entry(0, 3, 0, (1,), True)], bytes(4), 4), 1),  # before HELLO
+    wire.encode_round_entries(1, 1, 50, [wire.Entry(0, 3, 0, (1,), True)], bytes(4), 4),  # before HELLO
     wire.encode_header(wire.ROUND, wire.MAX_PAYLOAD + 1),                                      # oversized
 ])
 def test_bad_first_frames_drop_the_connection(worker, frame):
@@ -147,13 +149,76 @@ def test_bad_first_frames_drop_the_connection(worker, frame):
         s.close()
 
 
-def test_slot_outside_the_session_drops_the_connection(worker):
+@pytest.mark.parametrize("entries", [
+    [wire.Entry(5, 3, 0, (1,), new_gen=True)],                                          # slot >= max_slots
+    [wire.Entry(1, 3, 0, (1,), new_gen=True), wire.Entry(1, 3, 0, (2,), new_gen=True)],  # slot twice
+])
+def test_bad_slots_drop_that_connection_and_the_worker_serves_on(worker, entries):
+    healthy = connect(worker, session=10, engine_id=7, max_slots=2)
     c = connect(worker, max_slots=2)
     try:
         with pytest.raises(Disconnected):
-            do_round(c, 1, [wire.Entry(5, 3, 0, (1,), new_gen=True)])
+            do_round(c, 1, entries)
+        assert until(lambda: worker.stats.bad_frames == 1)
+        assert do_round(healthy, 1, [wire.Entry(1, 2, 0, (3,), new_gen=True)]).row(0) == [4, 5]
     finally:
         c.close()
+        healthy.close()
+
+
+def test_margins_only_when_asked_and_n_out_zero(worker):
+    c = connect(worker, want_margin=False)
+    try:
+        d = do_round(c, 1, [wire.Entry(0, 0, 0, (1,), new_gen=True), wire.Entry(1, 2, 0, (4,), new_gen=True)])
+        assert d.margins is None and d.width == 2 and list(d.counts) == [0, 2]
+        assert list(d.tokens) == [0, 0, 5, 1]
+        d = do_round(c, 2, [wire.Entry(0, 0, 1, (2,))])                  # nothing wanted: width 0
+        assert d.width == 0 and list(d.counts) == [0] and list(d.statuses) == [wire.STATUS_OK]
+        assert do_round(c, 3, []).slots.tolist() == []                    # an empty round
+    finally:
+        c.close()
+
+
+def test_width_is_capped_by_num_spec_and_windows_wrap(worker):
+    c = connect(worker, num_spec=2)                  # the worker's window is 8 tokens
+    try:
+        d = do_round(c, 1, [wire.Entry(3, 5, 100, tuple(range(1, 6)) * 3, new_gen=True)])
+        assert d.width == 2 and d.row(0) == [1, 2]     # window ...1 2 3 4 5 -> 1 2
+        d = do_round(c, 2, [wire.Entry(3, 2, 115, (1, 2, 3, 4, 5, 1, 2, 3, 4, 9))])
+        assert d.row(0) == []                          # 9 is never followed: no draft, still OK
+        assert list(d.statuses) == [wire.STATUS_OK]
+        d = do_round(c, 3, [wire.Entry(3, 2, 125, (1,))])
+        assert d.row(0) == [2, 3]
+    finally:
+        c.close()
+
+
+def test_batched_plugin_drafter_gets_contexts_and_rows(tmp_path, monkeypatch):
+    (tmp_path / "batchplugin.py").write_text(
+        "import numpy as np\n"
+        "from remote_dspark.drafter import DraftResult\n"
+        "class B:\n"
+        "    drafter_identity = b'd' * 32\n"
+        "    markov_identity = b'm' * 32\n"
+        "    def draft_batch(self, batch):\n"
+        "        # draft: the context's length, then the row's first byte, every step\n"
+        "        n = len(batch)\n"
+        "        lens = np.diff(batch.offsets).astype(np.int32)\n"
+        "        tokens = np.repeat(lens[:, None] * 100 + batch.rows[:, :1], batch.width, axis=1)\n"
+        "        return DraftResult(tokens.astype(np.int32), batch.n_out.copy(),\n"
+        "                           np.full((n, batch.width), 0.25, np.float32))\n"
+        "def make():\n"
+        "    return B()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with Worker(load_drafter("batchplugin:make"), "127.0.0.1", 0, window=3) as w:
+        c = connect(w)
+        try:
+            d = do_round(c, 1, [wire.Entry(0, 2, 0, (1, 2, 3, 4), True), wire.Entry(4, 1, 0, (), True)],
+                         rows=bytes([7, 0, 0, 0, 9, 0, 0, 0]))
+            assert d.row(0) == [307, 307] and d.row(1) == [9]
+            assert list(d.margins) == [0.25, 0.25, 0.25, 0.0]
+        finally:
+            c.close()
 
 
 def test_version_mismatch_gets_a_refusal_then_close(worker):
@@ -261,3 +326,47 @@ def test_new_session_drops_the_old_windows_even_while_the_old_connection_lives(w
         new.close()
     finally:
         old.close()
+
+
+PLUGIN = """
+import numpy as np
+from remote_dspark.drafter import DraftResult
+class Batched:
+    drafter_identity = b"d" * 32
+    markov_identity = b"m" * 32
+    def draft_batch(self, batch):
+        return DraftResult(np.full((len(batch), batch.width), 5, np.int32), batch.n_out.copy())
+class PerEntry:
+    drafter_identity = b"d" * 32
+    markov_identity = b"m" * 32
+    def draft(self, context, n_out, row):
+        return [5] * n_out, []
+"""
+
+
+@pytest.mark.parametrize("factory", ["Batched", "PerEntry"])
+def test_worker_command_serves_either_kind_of_plugin_drafter(tmp_path, factory):
+    (tmp_path / "cliplugin.py").write_text(PLUGIN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0",
+                             "--drafter", f"cliplugin:{factory}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[1].strip() == f"VLLM_DSPARK_REMOTE_IDENTITY={'64' * 32}"
+        port = int(lines[0].rsplit(":", 1)[1])
+        c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"),
+                                wire.Hello(b"d" * 32, b"m" * 32, 1, 4, 0, 3, want_margin=True), 1, 5.0)
+        d = c.round(1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(2, 2, 0, (1,), True)], b"", 0)], 5000)
+        assert d.row(0) == [5, 5]
+        # Margins were asked for: the per-entry path pads missing ones with zeros; a
+        # batched drafter without margins sends none.
+        assert (list(d.margins) if d.margins is not None else None) == \
+            ([0.0, 0.0] if factory == "PerEntry" else None)
+        c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()

@@ -1,0 +1,231 @@
+"""Drafters as the worker calls them: one batched call per round.
+
+The worker hands a drafter every drafting entry of a round at once, as arrays
+(:class:`DraftBatch`: the contexts as one ragged ``(tokens, offsets)`` pair, the drafts
+wanted, the engine's opaque rows) and takes back arrays (:class:`DraftResult`:
+``[n, width]`` tokens and margins, ``[n]`` counts). A neural drafter runs ``width``
+batched forward passes over all n entries, one per draft step; the Markov drafter does
+the same with array lookups (:meth:`MarkovModel.draft_batch`).
+
+Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for safety):
+
+* ``result.tokens`` is ``[n, width]`` int32, row i holds ``counts[i]`` drafts then zeros;
+* ``0 <= counts[i] <= batch.n_out[i]`` (a draft may end early: fewer is always fine);
+* ``result.margins`` is ``[n, width]`` float32 (zeros past counts) when
+  ``batch.want_margin``, else it may be None (a drafter without margins always returns
+  None: the DRAFTS then has no margins section, which the engine reads as "none").
+
+The old per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens,
+margins)``) is still served through :class:`PerEntryDrafter`, the slow path: one Python
+call per entry. :func:`as_batched` picks the path for any drafter, and
+:func:`load_drafter` (``--drafter MODULE:FACTORY``) returns a batched drafter either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .markov import MarkovModel, builtin_model
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """One round's drafting entries (those the worker has a window for), entry order.
+
+    Invariants: ``offsets[0] == 0``, non-decreasing, ``offsets[n] == len(tokens)``;
+    ``0 <= n_out[i] <= width``; ``rows`` is ``[n, row_bytes]``.
+    """
+
+    tokens: np.ndarray        # [T] int32: each entry's context (its last ``window`` tokens), flat
+    offsets: np.ndarray       # [n + 1] int64: entry i's context is tokens[offsets[i]:offsets[i + 1]]
+    n_out: np.ndarray         # [n] int32, drafts wanted (0..width)
+    rows: np.ndarray          # [n, row_bytes] uint8, the engine's opaque rows
+    want_margin: bool
+    width: int                # k: the result's second dimension
+
+    def __len__(self) -> int:
+        return len(self.n_out)
+
+    def context(self, i: int) -> np.ndarray:
+        """Entry i's context (the slow per-entry view: adapters and tests)."""
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    tokens: np.ndarray                # [n, width] int32, zero past counts
+    counts: np.ndarray                # [n] int32, <= n_out
+    margins: np.ndarray | None = None  # [n, width] float32, zero past counts, when want_margin
+
+
+class BatchedDrafter(Protocol):
+    """What the worker needs of a drafter: the two 32-byte identities the engine must
+    match, and one call per round."""
+
+    drafter_identity: bytes
+    markov_identity: bytes
+
+    def draft_batch(self, batch: DraftBatch) -> DraftResult: ...
+
+
+class PerEntryDrafterLike(Protocol):
+    """The old protocol, served through :class:`PerEntryDrafter` (the slow path)."""
+
+    drafter_identity: bytes
+    markov_identity: bytes
+
+    def draft(self, context: Sequence[int], n_out: int, row: memoryview) -> tuple[list[int], list[float]]:
+        """Up to ``n_out`` tokens following ``context`` and their top1-top2 margins."""
+
+
+def empty_result(n: int, width: int, want_margin: bool) -> DraftResult:
+    """No drafts for n entries (zeros of the right shapes)."""
+    return DraftResult(np.zeros((n, width), np.int32), np.zeros(n, np.int32),
+                       np.zeros((n, width), np.float32) if want_margin else None)
+
+
+class PerEntryDrafter:
+    """A per-entry drafter behind the batched protocol: the slow path, one Python call of
+    ``drafter.draft(context, n_out, row)`` per entry (``context`` a list of ints, ``row``
+    a memoryview of the entry's row bytes). Returned drafts are cut to ``n_out``; missing
+    margins are zeros."""
+
+    def __init__(self, drafter: PerEntryDrafterLike):
+        self.inner = drafter
+        self.drafter_identity = drafter.drafter_identity
+        self.markov_identity = drafter.markov_identity
+
+    def draft_batch(self, batch: DraftBatch) -> DraftResult:
+        out = empty_result(len(batch), batch.width, batch.want_margin)
+        n_out = batch.n_out.tolist()
+        for i in range(len(batch)):          # the slow path: a loop over entries, by design
+            tokens, margins = self.inner.draft(batch.context(i).tolist(), n_out[i], batch.rows[i].data)
+            tokens = list(tokens)[:n_out[i]]
+            out.tokens[i, :len(tokens)] = tokens
+            out.counts[i] = len(tokens)
+            if out.margins is not None:
+                margins = list(margins)[:len(tokens)]
+                out.margins[i, :len(margins)] = margins
+        return out
+
+
+class MarkovDrafter:
+    """The default drafter: greedy drafting from a :class:`MarkovModel`, batched
+    (:meth:`MarkovModel.draft_batch`) and per entry (``draft``, the reference)."""
+
+    def __init__(self, model: MarkovModel, drafter_identity: bytes | None = None):
+        self.model = model
+        self.markov_identity = model.identity
+        self.drafter_identity = drafter_identity or default_drafter_identity(model)
+
+    def draft(self, context, n_out, row):
+        return self.model.draft(context, n_out)
+
+    def draft_batch(self, batch: DraftBatch) -> DraftResult:
+        tokens, counts, margins = self.model.draft_batch(batch.tokens, batch.offsets, batch.n_out, batch.width)
+        return DraftResult(tokens, counts, margins if batch.want_margin else None)
+
+
+def default_drafter_identity(model: MarkovModel) -> bytes:
+    return hashlib.sha256(f"remote-dspark markov drafter v1 order={model.order}".encode()).digest()
+
+
+def as_batched(drafter) -> BatchedDrafter:
+    """``drafter`` itself when it has ``draft_batch``, else :class:`PerEntryDrafter`
+    around its ``draft``.
+
+    A class whose ``draft`` is defined below (in a subclass of) the class defining its
+    ``draft_batch`` goes through ``draft``: a subclass that overrides only the per-entry
+    method (a test drafter that gates or alters drafts) is never silently bypassed.
+
+    Raises:
+        TypeError: the object has neither method.
+    """
+    if isinstance(drafter, PerEntryDrafter):
+        return drafter
+    has_draft = callable(getattr(drafter, "draft", None))
+    if callable(getattr(drafter, "draft_batch", None)):
+        if not (has_draft and _defined_below(type(drafter), "draft", "draft_batch")):
+            return drafter
+    if has_draft:
+        return PerEntryDrafter(drafter)
+    raise TypeError(f"{type(drafter).__name__} has neither draft_batch(batch) nor draft(context, n_out, row)")
+
+
+def _defined_below(cls: type, name: str, other: str) -> bool:
+    """True when the class defining ``name`` is a strict subclass of the one defining
+    ``other`` (both looked up along the MRO)."""
+    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+    other_owner = next((c for c in cls.__mro__ if other in vars(c)), None)
+    return owner is not None and other_owner is not None and owner is not other_owner \
+        and issubclass(owner, other_owner)
+
+
+def load_drafter(spec: str | None, markov_path: str | None = None,
+                 identity: bytes | None = None) -> BatchedDrafter:
+    """The drafter named by ``MODULE:FACTORY`` (``--drafter``; ``FACTORY()`` returns a
+    batched or a per-entry drafter), or the Markov drafter (``--markov`` file, else the
+    built-in model). Batched either way (:func:`as_batched`).
+
+    ``MODULE`` is imported by name with :func:`importlib.import_module` (the operator's
+    own code on ``sys.path``; nothing is evaluated from the spec itself).
+
+    Raises: ValueError naming the spec or file that could not be used.
+    """
+    if spec:
+        mod_name, sep, attr = spec.partition(":")
+        if not sep or not mod_name or not attr:
+            raise ValueError(f"--drafter {spec!r}: expected MODULE:FACTORY")
+        try:
+            factory = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--drafter {spec!r}: {e}") from e
+        if not callable(factory):
+            raise ValueError(f"--drafter {spec!r}: {attr} is not callable")
+        drafter = factory()
+        for name in ("drafter_identity", "markov_identity"):
+            value = getattr(drafter, name, None)
+            if not isinstance(value, bytes) or len(value) != 32:
+                raise ValueError(f"--drafter {spec!r}: {name} must be 32 bytes, got {value!r}")
+        try:
+            return as_batched(drafter)
+        except TypeError as e:
+            raise ValueError(f"--drafter {spec!r}: {e}") from e
+    try:
+        model = MarkovModel.load(markov_path) if markov_path else builtin_model()
+    except OSError as e:
+        raise ValueError(f"--markov {markov_path!r}: {e}") from e
+    return MarkovDrafter(model, identity)
+
+
+def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
+    """The drafter's answer, held to the contract: shapes checked; counts clamped to
+    0..n_out; tokens and margins zeroed past counts (so a sloppy drafter cannot put
+    junk on the wire). Margins are None unless the batch asked for them; a drafter that
+    has none to give returns None and the reply carries no margins section.
+
+    Raises:
+        ValueError: naming the field whose shape is wrong.
+    """
+    n, width = len(batch), batch.width
+    tokens, counts, margins = np.asarray(result.tokens), np.asarray(result.counts), result.margins
+    if tokens.shape != (n, width):
+        raise ValueError(f"drafter result tokens: shape {tokens.shape}, expected {(n, width)}")
+    if counts.shape != (n,):
+        raise ValueError(f"drafter result counts: shape {counts.shape}, expected {(n,)}")
+    counts = np.clip(counts, 0, batch.n_out).astype(np.int32)
+    live = np.arange(width) < counts[:, None]
+    tokens = np.where(live, tokens, 0).astype(np.int32, copy=False)
+    if batch.want_margin and margins is not None:
+        margins = np.asarray(margins)
+        if margins.shape != (n, width):
+            raise ValueError(f"drafter result margins: shape {margins.shape}, expected {(n, width)}")
+        margins = np.where(live, margins, 0).astype(np.float32, copy=False)
+    else:
+        margins = None
+    return DraftResult(tokens, counts, margins)
