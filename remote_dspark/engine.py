@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -659,19 +660,21 @@ class _AsyncPath:
         i = r & (rd.depth - 1)
         try:
             self._collect()
-            views = self._host[i]
-            views.round_word[0] = r
+            self._host[i].round_word[0] = r
             if meta is None:
                 self._write_device_meta(batch, i, cfg.timeout_ms)
             else:
-                write_meta(views.desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=rd.row_bytes)
+                write_meta(self._host[i].desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=rd.row_bytes)
             if rd.device == "cpu":
-                gather_rows_host(batch, views.staging, rd.row_bytes)
+                gather_rows_host(batch, self._host[i].staging, rd.row_bytes)
             else:
                 as_bytes(batch.rows, rd.row_bytes)   # checks the row size
                 self._gather(batch.rows, batch.row_index.to(batch.rows.device), self._staging[i])
-        except BaseException:
+        except BaseException as e:
             self.end.unreserve(r)   # never gathered: no hole in the round sequence
+            # The callees' frames hold views of the region; a caller keeping this traceback
+            # must not keep the region from being unmapped at close().
+            traceback.clear_frames(e.__traceback__)
             raise
         self.sync.signal(r)
         return r, meta

@@ -14,7 +14,8 @@ TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire",
               "remote_dspark.worker", "remote_dspark.markov", "remote_dspark.sim", "remote_dspark.cli",
               "remote_dspark.bench.handoff", "remote_dspark.drafter"]
 HEAVY = ("torch", "numpy", "prometheus_client")
-NUMPY_OK = {"remote_dspark.worker", "remote_dspark.drafter"}   # the worker side: numpy by design
+# numpy by design: the worker side, and the simulated engine (it keeps its slots in arrays).
+NUMPY_OK = {"remote_dspark.worker", "remote_dspark.drafter", "remote_dspark.sim"}
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -20,7 +20,7 @@ def rounds(draw):
         wire.Entry, slot=u32, n_out=st.integers(0, wire.MAX_N_OUT), position=u32,
         tokens=st.lists(i32, max_size=20).map(tuple), new_gen=st.booleans()), max_size=12))
     rows = draw(st.binary(min_size=len(entries) * row_bytes, max_size=len(entries) * row_bytes))
-    return wire.Round(draw(u32), draw(u32), entries, rows, row_bytes)
+    return draw(u32), draw(u32), entries, rows, row_bytes
 
 
 @st.composite
@@ -62,29 +62,44 @@ def test_hello_ack_round_trip(code, d, m, reason):
 
 @given(rounds(), st.integers(0, 2**64 - 1))
 def test_round_round_trip(r, session):
-    hdr, payload = split(wire.encode_round(r, session))
+    round_id, deadline_ms, entries, rows, row_bytes = r
+    hdr, payload = split(wire.encode_round_entries(round_id, session, deadline_ms, entries, rows, row_bytes))
     back = wire.decode_round(hdr, payload)
-    assert (back.round_id, back.deadline_ms, back.row_bytes) == (r.round_id, r.deadline_ms, r.row_bytes)
-    assert list(back.entries) == list(r.entries)
-    assert bytes(back.rows) == r.rows
+    assert (back.round_id, back.deadline_ms, back.row_bytes) == (round_id, deadline_ms, row_bytes)
+    assert back.entries() == [wire.Entry(e.slot, e.n_out, e.position, list(e.tokens), e.new_gen) for e in entries]
+    assert bytes(back.rows) == rows and len(back) == len(entries)
+
+
+def test_round_sections_are_the_arrays_end_to_end():
+    """The layout the engine, the proxy's C and the worker all index: u32 arrays, then
+    the tokens, then the rows, every section but the rows 4-byte aligned."""
+    entries = [wire.Entry(3, 5, 10, (1, 2)), wire.Entry(7, 4, 0, (4, 5, 6), new_gen=True)]
+    frame = wire.encode_round_entries(11, 5, 50, entries, bytes(range(2 * 3)), 3)
+    payload = frame[wire.HEADER.size:]
+    sec = wire.round_sections(2, 5, 3)
+    assert struct.unpack_from("<4I", payload) == (50, 2, 3, 5)
+    assert struct.unpack_from("<2I", payload, sec.slots) == (3, 7)
+    assert struct.unpack_from("<2I", payload, sec.positions) == (10, 0)
+    assert struct.unpack_from("<2I", payload, sec.n_out) == (5, 4)
+    assert struct.unpack_from("<2I", payload, sec.flags) == (0, wire.FLAG_NEW_GEN)
+    assert struct.unpack_from("<3I", payload, sec.offsets) == (0, 2, 5)
+    assert struct.unpack_from("<5i", payload, sec.tokens) == (1, 2, 4, 5, 6)
+    assert payload[sec.rows:] == bytes(range(6)) and sec.size == len(payload)
+    assert sec.tokens == wire.round_meta_bytes(2) and sec.tokens % 4 == 0
 
 
 @given(drafts())
 def test_drafts_round_trip(d):
     hdr, payload = split(wire.encode_drafts(d, 3))
     back = wire.decode_drafts(hdr, payload)
-    assert back == wire.Drafts(d.round_id, list(d.slots), list(d.counts), list(d.statuses), d.width,
-                               tuple(d.tokens), d.margins)
+    assert (back.round_id, back.width) == (d.round_id, d.width)
+    assert (list(back.slots), list(back.counts), list(back.statuses)) == (list(d.slots), d.counts, d.statuses)
+    assert list(back.tokens) == list(d.tokens)
+    assert (back.margins is None) == (d.margins is None)
+    if d.margins is not None:
+        assert list(back.margins) == list(d.margins)
     assert [back.row(i) for i in range(len(d.slots))] == \
         [list(d.tokens[i * d.width:i * d.width + c]) for i, c in enumerate(d.counts)]
-
-
-def test_round_head_sends_rows_uncopied():
-    """The proxy sends head + a memoryview of the staging rows + tokens: same bytes."""
-    entries = [wire.Entry(3, 5, 10, (1, 2)), wire.Entry(7, 5, 0, (4, 5, 6), new_gen=True)]
-    rows = bytearray(range(2 * 16))
-    head, tok = wire.round_head(11, 5, 50, entries, 16)
-    assert head + bytes(memoryview(rows)) + tok == wire.encode_round(wire.Round(11, 50, entries, bytes(rows), 16), 5)
 
 
 class _Bytes:
@@ -189,14 +204,54 @@ def test_header_checks():
         wire.decode_header(good[:5])
 
 
-def test_round_entry_tokens_past_block_refused():
-    r = wire.Round(1, 50, [wire.Entry(0, 5, 0, (1, 2, 3))], b"", 0)
-    frame = bytearray(wire.encode_round(r, 1))
-    # Say the entry has 4 tokens while the block holds 3.
-    at = wire.HEADER.size + wire.ROUND_FIXED.size + 12
-    struct.pack_into("<I", frame, at, 4)
-    with pytest.raises(wire.ProtocolError, match="past the token block"):
-        read_frame(bytes(frame))
+def round_payload(entries, row_bytes=0) -> bytearray:
+    return bytearray(wire.encode_round_entries(1, 1, 50, entries, bytes(len(entries) * row_bytes),
+                                               row_bytes)[wire.HEADER.size:])
+
+
+@pytest.mark.parametrize("section, index, value, why", [
+    ("offsets", 1, 4, "offsets go back"),                  # entry 0 claims 4 of the 3 tokens before entry 1's
+    ("offsets", 0, 1, "offsets run from 1 to 3"),
+    ("offsets", 2, 2, "offsets run from 0 to 2, expected 0 to n_tokens=3"),
+    ("flags", 1, 2, "unknown bits 0x2"),
+    ("n_out", 0, wire.MAX_N_OUT + 1, f"n_out: {wire.MAX_N_OUT + 1} over the cap"),
+])
+def test_round_field_rules_are_protocol_errors(section, index, value, why):
+    entries = [wire.Entry(0, 5, 0, (1, 2)), wire.Entry(1, 5, 0, (3,))]
+    payload = round_payload(entries)
+    struct.pack_into("<I", payload, getattr(wire.round_sections(2, 3, 0), section) + 4 * index, value)
+    hdr = wire.decode_header(wire.encode_header(wire.ROUND, len(payload)))
+    with pytest.raises(wire.ProtocolError, match=why):
+        wire.decode_round(hdr, payload)
+
+
+def test_round_length_must_match_its_fields():
+    payload = round_payload([wire.Entry(0, 5, 0, (1, 2, 3))], row_bytes=4)
+    hdr = wire.decode_header(wire.encode_header(wire.ROUND, len(payload) - 1))
+    with pytest.raises(wire.ProtocolError, match="its fields say"):
+        wire.decode_round(hdr, payload[:-1])
+
+
+def test_a_protocol_1_peer_is_refused_by_version():
+    frame = bytearray(wire.encode_bye())
+    struct.pack_into("<H", frame, 4, 1)
+    with pytest.raises(wire.VersionMismatch, match="protocol version 1, this side speaks 2"):
+        wire.decode_header(bytes(frame))
+
+
+def test_drafts_field_rules_are_protocol_errors():
+    d = wire.Drafts(1, [0, 1], [1, 2], [0, 1], 2, [5, 6, 7, 8])
+    payload = bytearray(wire.encode_drafts(d, 1)[wire.HEADER.size:])
+    sec = wire.drafts_sections(2, 2, False)
+    hdr = wire.decode_header(wire.encode_header(wire.DRAFTS, len(payload)))
+    bad = bytearray(payload)
+    struct.pack_into("<H", bad, sec.counts + 2, 3)
+    with pytest.raises(wire.ProtocolError, match="counts: 3 over the width 2"):
+        wire.decode_drafts(hdr, bad)
+    bad = bytearray(payload)
+    struct.pack_into("<H", bad, sec.statuses, 7)
+    with pytest.raises(wire.ProtocolError, match="unknown status 7"):
+        wire.decode_drafts(hdr, bad)
 
 
 @pytest.mark.parametrize("raw,ok", [("ab" * 32, True), ("0x" + "AB" * 32, True), (" " + "0" * 64 + " ", True),
@@ -211,6 +266,8 @@ def test_parse_hex32(raw, ok):
 
 def test_encoder_refuses_caps():
     with pytest.raises(ValueError, match="n_out"):
-        wire.round_head(1, 1, 50, [wire.Entry(0, wire.MAX_N_OUT + 1, 0, ())], 0)
+        wire.encode_round_entries(1, 1, 50, [wire.Entry(0, wire.MAX_N_OUT + 1, 0, ())], b"", 0)
+    with pytest.raises(ValueError, match="rows do not match"):
+        wire.encode_round_entries(1, 1, 50, [wire.Entry(0, 1, 0, ())], b"xy", 4)
     with pytest.raises(ValueError, match="num_spec"):
         wire.encode_hello(wire.Hello(bytes(32), bytes(32), 1, 4, 0, 0), 1)
