@@ -90,7 +90,9 @@ class Batch:
     def meta_on_device(self) -> bool:
         """True when any metadata tensor lives on an accelerator (an engine whose
         accepted tokens are still on the GPU)."""
-        return any(t is not None and t.device.type != "cpu" for t in (getattr(self, f) for f in _META_FIELDS))
+        n_out = self.n_out
+        return not (self.slots.is_cpu and self.tokens.is_cpu and self.token_offsets.is_cpu
+                    and self.positions.is_cpu and self.new_gen.is_cpu and (n_out is None or n_out.is_cpu))
 
 
 @dataclass(frozen=True)
@@ -191,16 +193,29 @@ def write_meta(dst: np.ndarray, meta: HostMeta, *, deadline_ms: int, row_bytes: 
     return sec.rows
 
 
-def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int) -> None:
-    """``out[i] = bytes of rows[row_index[i]]`` for a CPU ``rows`` tensor: one ``np.take``
-    on this thread.
+def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, out_addr: int = 0) -> None:
+    """``out[i] = bytes of rows[row_index[i]]`` for a CPU ``rows`` tensor, on this
+    thread: with ``lib`` (the native library) one C copy loop into ``out_addr`` (the
+    address of ``out``), else one ``np.take``.
 
     Raises:
         ValueError: rows of another size than ``row_bytes``, or a row index out of range.
     """
-    src = as_bytes(batch.rows, row_bytes).numpy()
+    src = as_bytes(batch.rows, row_bytes)
     n = len(batch)
+    if lib is not None:
+        index = batch.row_index
+        if index.dtype != torch.int64 or not index.is_contiguous():
+            index = index.to(torch.int64).contiguous()
+        if index.shape != (n,):
+            raise ValueError(f"row_index: shape {tuple(index.shape)}, expected [{n}]")
+        done = lib.gather_rows(out_addr, src.data_ptr(), src.stride(0), src.shape[0], index.data_ptr(), n,
+                               row_bytes)
+        if done != n:
+            raise ValueError(f"row_index: {int(index[done])} (entry {done}) outside 0..{src.shape[0] - 1}")
+        return
     index = _np(batch.row_index, "row_index", n)
+    src = src.numpy()
     if n and (index.min() < 0 or index.max() >= src.shape[0]):
         raise ValueError(f"row_index: values must be in 0..{src.shape[0] - 1}, got "
                          f"{index.min()}..{index.max()}")
@@ -240,22 +255,27 @@ def empty_drafts(n: int, k: int, outcome: str, margins: bool) -> Drafts:
 
 
 def to_drafts(k: int, slots: np.ndarray, counts: np.ndarray, statuses: np.ndarray, tokens: np.ndarray,
-              margins: np.ndarray | None, outcome: str, want_margin: bool) -> Drafts:
+              margins: np.ndarray | None, outcome: str, want_margin: bool, *, clean: bool = False) -> Drafts:
     """``Drafts`` from an answer's arrays (views of a drafts slot or of a DRAFTS payload):
     ``counts``/``statuses`` [n], ``tokens``/``margins`` [n, width <= k]. One copy per
-    array; tokens and margins past each count are zeroed whatever the source held there;
-    RESYNC slots come from the status mask."""
+    array; tokens and margins past each count are zeroed whatever the source held there,
+    unless ``clean`` says the source already holds zeros there (a drafts slot the proxy
+    filled: ``hf_unpack`` zeroes each row past its count); RESYNC slots come from the
+    status mask, computed only when there is one."""
     n, width = tokens.shape
-    full = not n or counts.min() == width    # the common case: nothing past a count to clear
+    full = clean or not n or counts.min() == width    # nothing past a count to clear
     live = None if full else np.arange(width) < counts[:, None]
-    tok = np.zeros((n, k), dtype=np.int32)
-    np.copyto(tok[:, :width], tokens, where=True if full else live)
-    mar = None
-    if want_margin:
-        mar = np.zeros((n, k), dtype=np.float32)
-        if margins is not None:
-            np.copyto(mar[:, :width], margins, where=True if full else live)
-    lost = slots[statuses == wire.STATUS_RESYNC]
+
+    def widened(src: np.ndarray | None, dtype) -> np.ndarray:
+        if src is not None and full and width == k:
+            return np.array(src, dtype=dtype)          # the common case: one copy
+        out = np.zeros((n, k), dtype=dtype)
+        if src is not None:
+            np.copyto(out[:, :width], src, where=True if full else live)
+        return out
+
+    tok = widened(tokens, np.int32)
+    mar = widened(margins, np.float32) if want_margin else None
+    lost = slots[statuses == wire.STATUS_RESYNC].tolist() if statuses.any() else ()
     return Drafts(torch.from_numpy(tok), torch.from_numpy(counts.astype(np.int32)),
-                  None if mar is None else torch.from_numpy(mar), "remote", outcome,
-                  tuple(lost.tolist()))
+                  None if mar is None else torch.from_numpy(mar), "remote", outcome, tuple(lost))

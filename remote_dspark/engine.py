@@ -666,7 +666,8 @@ class _AsyncPath:
             else:
                 write_meta(self._host[i].desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=rd.row_bytes)
             if rd.device == "cpu":
-                gather_rows_host(batch, self._host[i].staging, rd.row_bytes)
+                gather_rows_host(batch, self._host[i].staging, rd.row_bytes, self.lib,
+                                 self.region.addr(self.region.layout.staging(i)))
             else:
                 as_bytes(batch.rows, rd.row_bytes)   # checks the row size
                 self._gather(batch.rows, batch.row_index.to(batch.rows.device), self._staging[i])
@@ -757,7 +758,7 @@ class _AsyncPath:
         slots = v.desc[wire.ROUND_FIXED.size:wire.ROUND_FIXED.size + 4 * got].view(np.uint32)
         return outcome, to_drafts(rd.num_spec, slots, v.counts[:got], v.statuses[:got], v.tokens[:got],
                                   v.margins[:got] if flags & shm.DRAFTS_MARGINS else None, outcome,
-                                  rd.cfg.want_margin)
+                                  rd.cfg.want_margin, clean=True)
 
     def launch(self, batch: Batch) -> Launched:
         rd = self.rd

@@ -35,7 +35,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#define HF_ABI 5
+#define HF_ABI 6
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -81,6 +81,21 @@ static void nap_ns(uint64_t ns)
 
 /* The ABI this file implements; the loader refuses a library built from another one. */
 int hf_abi_version(void) { return HF_ABI; }
+
+/* The engine's row gather on the CPU: dst[i] = src row idx[i] (row_bytes each), for
+ * i < n. A plain copy loop on the calling thread: the engine's copies must not fan out
+ * to a thread pool competing with the proxy and the worker for the cores. Returns n, or
+ * the first i whose index is outside 0..src_rows-1 (rows before it are copied). */
+uint32_t hf_gather_rows(uint8_t *dst, const uint8_t *src, uint64_t src_stride, uint64_t src_rows,
+                        const int64_t *idx, uint32_t n, uint32_t row_bytes)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        if (idx[i] < 0 || (uint64_t)idx[i] >= src_rows)
+            return i;
+        memcpy(dst + (uint64_t)i * row_bytes, src + (uint64_t)idx[i] * src_stride, row_bytes);
+    }
+    return n;
+}
 
 /* Bit 0: 32-bit words are always lock-free; bit 1: 64-bit words are. The loader needs 3:
  * a word that falls back to a lock is not shared safely between processes. */
