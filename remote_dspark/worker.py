@@ -133,28 +133,39 @@ class Windows:
         n = len(slots)
         lens = offsets[1:] - offsets[:-1]
         with self.lock:
-            ok = new_gen | (self.known[slots] & (positions == self.next_pos[slots]))
-            self.known[slots[~ok]] = False
-            self.known[slots[new_gen]] = True
-            base = np.where(new_gen, 0, self.written[slots])      # tokens already in the window
+            any_new = bool(new_gen.any())
+            ok = self.known[slots] & (positions == self.next_pos[slots])
+            if any_new:
+                ok |= new_gen
+            # The steady state (every entry continues its window) skips every mask below.
+            all_ok = bool(ok.all())
+            if not all_ok:
+                self.known[slots[~ok]] = False
+            if any_new:
+                self.known[slots[new_gen]] = True
+            base = np.where(new_gen, 0, self.written[slots]) if any_new else self.written[slots]
             written = base + lens
             # Scatter the ok entries' tokens into the rings: of each entry only its last W
             # tokens (earlier ones would be overwritten: one write per ring cell).
             entry = np.repeat(np.arange(n), lens)                  # the entry of each round token
             j = np.arange(len(tokens)) - offsets[entry]             # its index within the entry
-            keep = ok[entry] & (j >= lens[entry] - W)
-            e = entry[keep]
-            rs, cols, kept = slots[e], (base[e] + j[keep]) % W, tokens[keep]
+            if all_ok and (not n or lens.max() <= W):
+                e, jk, kept = entry, j, tokens
+            else:
+                keep = ok[entry] & (j >= lens[entry] - W)
+                e, jk, kept = entry[keep], j[keep], tokens[keep]
+            rs, cols = slots[e], (base[e] + jk) % W
             self.ring[rs, cols] = kept
             self.ring[rs, cols + W] = kept
-            ok_slots = slots[ok]
-            self.written[ok_slots] = written[ok]
-            self.next_pos[ok_slots] = positions[ok] + lens[ok]
+            ok_slots = slots if all_ok else slots[ok]
+            if not all_ok:
+                written, positions, lens = written[ok], positions[ok], lens[ok]
+            self.written[ok_slots] = written
+            self.next_pos[ok_slots] = positions + lens
             # The contexts: each ok entry's last min(written, W) tokens, oldest first. The
             # oldest sits at ring column (written - fill) % W; the W columns from there are
             # one span of the doubled row (one gather of m spans, no arithmetic per token);
             # the columns past ``fill`` of windows not yet full are then dropped.
-            written = written[ok]
             fill = np.minimum(written, W)
             start = (written - fill) % W
             ctx = self._spans[ok_slots * (2 * W) + start]
