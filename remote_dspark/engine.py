@@ -511,7 +511,6 @@ class _AsyncPath:
                                 for i in range(rd.depth)]
                 self._counts = [view(lay.drafts(i) + shm.D_COUNTS, (rd.max_slots,), torch.int32)
                                 for i in range(rd.depth)]
-                self._columns = torch.arange(rd.num_spec, device="cuda").unsqueeze(0)
             from .gather import choose
             self._gather = choose(cfg.fused_gather, rd.device)
         except BaseException:
@@ -670,7 +669,10 @@ class _AsyncPath:
                                  self.region.addr(self.region.layout.staging(i)))
             else:
                 as_bytes(batch.rows, rd.row_bytes)   # checks the row size
-                self._gather(batch.rows, batch.row_index.to(batch.rows.device), self._staging[i])
+                index = batch.row_index
+                if index.device != batch.rows.device:
+                    index = index.to(batch.rows.device)
+                self._gather(batch.rows, index, self._staging[i])
         except BaseException as e:
             self.end.unreserve(r)   # never gathered: no hole in the round sequence
             # The callees' frames hold views of the region; a caller keeping this traceback
@@ -772,9 +774,10 @@ class _AsyncPath:
         r, _ = self._hand_over(batch)
         self.sync.wait(r, 0)
         i = r & (rd.depth - 1)
+        # Copies in stream order (the slot is reused DEPTH rounds later). Every answer
+        # leaves the tokens block zero past each count (ring.geometry, hf_unpack): no mask.
         counts = self._counts[i][:n].clone()
-        # An empty answer (timeout, watchdog, ...) zeroes only the counts: mask the rest.
-        tokens = torch.where(self._columns < counts.unsqueeze(1), self._tokens[i][:n], 0)
+        tokens = self._tokens[i][:n].clone()
         self._pending.append(r)
         return Launched(r, tokens, counts, resync, resync_all)
 

@@ -80,7 +80,9 @@ def geometry(region: shm.Region) -> native.RingGeom:
         claim=region.addr(lay.claim), gathered_ns=region.addr(lay.gathered_ns(0)),
         drafts=region.addr(lay.drafts(0)), drafts_stride=lay.drafts_stride, depth=lay.depth,
         d_round=shm.D_ROUND, d_status=shm.D_STATUS, d_zero=shm.D_N,
-        zero_bytes=shm.D_COUNTS + 4 * lay.max_slots - shm.D_N)
+        # An empty answer clears the tokens too, so the engine can copy a slot's tokens
+        # block as it is whatever answered it (an OK answer is zero past each count).
+        zero_bytes=lay.d_tokens + 4 * lay.max_slots * lay.num_spec - shm.D_N)
 
 
 class _End:
@@ -189,6 +191,9 @@ class EngineEnd(_End):
             RingFull: still ``depth`` rounds in flight at the deadline (counted).
         """
         r = seq_add(self._last, 1)
+        if seq_geq(self.released(), seq_add(r, -self.layout.depth)):
+            self._last = r    # room now: no wait, and the GIL is never handed to another thread
+            return r
         rc = self._lib.wait_geq(self._released, seq_add(r, -self.layout.depth), spin_us,
                                 nap_us, native.deadline_ns(timeout_s))
         if check(rc, "reserve a round") is Status.TIMEOUT:

@@ -80,7 +80,8 @@ published by its release store of ``released``::
     mg = align(tk + 4 S K, L)  4 S K   margins, f32 [S][K]
     stride = align(mg + 4 S K, L)
 
-An empty answer (watchdog, no proxy, timeout) zeroes +8 up to the end of counts.
+An empty answer (watchdog, no proxy, timeout) zeroes +8 up to the end of tokens, and an
+OK answer's rows are zero past each count, so the tokens block is always clean.
 
 Counters blocks: u64 words, relaxed atomic adds through the native library, one writer
 per block (per counter in the engine block, named in ``ENGINE_COUNTERS``). A histogram

@@ -177,3 +177,18 @@ def test_native_row_gather_names_the_bad_index(lib):
         gather_rows_host(meta_of(row_index=[3, 16]), out, ROW_BYTES, lib, out.ctypes.data)
     with pytest.raises(ValueError, match=r"row_index: -1 \(entry 0\)"):
         gather_rows_host(meta_of(row_index=[-1, 0]), out, ROW_BYTES, lib, out.ctypes.data)
+
+
+def test_an_empty_answer_clears_the_tokens_block(lib):
+    """launch() copies a drafts slot's tokens as they are: an empty answer (no proxy,
+    watchdog, orphan, timeout) must leave no stale tokens behind."""
+    from remote_dspark import ring, shm
+    with shm.Region.create(shm.Layout(2, 4, 8, 3, 16)) as region:
+        end = ring.EngineEnd(region, lib)
+        lay = region.layout
+        r = end.reserve(1.0)
+        tokens = region.view(lay.drafts(r & 1) + lay.d_tokens, 4 * 4 * 3)
+        tokens[:] = b"\xff" * len(tokens)          # what an earlier round left there
+        end.release_no_proxy(r)
+        assert bytes(tokens) == bytes(len(tokens))
+        tokens.release()
