@@ -5,7 +5,8 @@ A :class:`Batch` is the engine's own layout (as vLLM's input batch): ``slots`` [
 ``tokens[token_offsets[i]:token_offsets[i + 1]]``, like ``query_start_loc``),
 ``positions`` [n], ``new_gen`` [n], the engine tensor ``rows`` with ``row_index`` [n],
 and optionally ``n_out`` [n]. Every field is an int (or bool) tensor, on the CPU or on
-the device; :meth:`Batch.from_lists` takes Python lists and converts them once (the
+the device, or a numpy array on the host (as an engine keeps numpy views of its pinned
+CPU tensors); :meth:`Batch.from_lists` takes Python lists and converts them once (the
 slow convenience).
 
 The wire's ROUND payload is exactly these arrays laid end to end (``wire.round_sections``),
@@ -54,20 +55,20 @@ class Batch:
     ``num_spec``), or the engine's n_out table's value for the batch size when None.
     """
 
-    slots: "torch.Tensor"
-    tokens: "torch.Tensor"
-    token_offsets: "torch.Tensor"
-    positions: "torch.Tensor"
-    new_gen: "torch.Tensor"
+    slots: "torch.Tensor | np.ndarray"
+    tokens: "torch.Tensor | np.ndarray"
+    token_offsets: "torch.Tensor | np.ndarray"
+    positions: "torch.Tensor | np.ndarray"
+    new_gen: "torch.Tensor | np.ndarray"
     rows: "torch.Tensor"
-    row_index: "torch.Tensor"
-    n_out: "torch.Tensor | None" = None
+    row_index: "torch.Tensor | np.ndarray"
+    n_out: "torch.Tensor | np.ndarray | None" = None
 
     def __post_init__(self):
-        for name in _META_FIELDS + ("row_index",):
+        for name in _META_FIELDS + ("row_index",):   # anything else (lists): numpy, once
             value = getattr(self, name)
-            if value is not None and not isinstance(value, torch.Tensor):
-                setattr(self, name, torch.as_tensor(value, dtype=torch.bool if name == "new_gen" else torch.int64))
+            if value is not None and not isinstance(value, (torch.Tensor, np.ndarray)):
+                setattr(self, name, np.asarray(value, dtype=bool if name == "new_gen" else np.int64))
 
     @classmethod
     def from_lists(cls, slots: Sequence[int], tokens: Sequence[Sequence[int]], positions: Sequence[int],
@@ -78,10 +79,9 @@ class Batch:
         offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         flat = np.fromiter((t for ts in tokens for t in ts), dtype=np.int64, count=int(offsets[-1]))
-        return cls(torch.as_tensor(slots, dtype=torch.int64), torch.from_numpy(flat), torch.from_numpy(offsets),
-                   torch.as_tensor(positions, dtype=torch.int64), torch.as_tensor(new_gen, dtype=torch.bool),
-                   rows, torch.as_tensor(row_index, dtype=torch.int64),
-                   None if n_out is None else torch.as_tensor(n_out, dtype=torch.int64))
+        return cls(np.asarray(slots, dtype=np.int64), flat, offsets, np.asarray(positions, dtype=np.int64),
+                   np.asarray(new_gen, dtype=bool), rows, row_index,
+                   None if n_out is None else np.asarray(n_out, dtype=np.int64))
 
     def __len__(self) -> int:
         return int(self.slots.shape[0])
@@ -90,9 +90,10 @@ class Batch:
     def meta_on_device(self) -> bool:
         """True when any metadata tensor lives on an accelerator (an engine whose
         accepted tokens are still on the GPU)."""
-        n_out = self.n_out
-        return not (self.slots.is_cpu and self.tokens.is_cpu and self.token_offsets.is_cpu
-                    and self.positions.is_cpu and self.new_gen.is_cpu and (n_out is None or n_out.is_cpu))
+        for t in (self.slots, self.tokens, self.token_offsets, self.positions, self.new_gen, self.n_out):
+            if isinstance(t, torch.Tensor) and not t.is_cpu:
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -205,12 +206,16 @@ def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, ou
     n = len(batch)
     if lib is not None:
         index = batch.row_index
-        if index.dtype != torch.int64 or not index.is_contiguous():
-            index = index.to(torch.int64).contiguous()
-        if index.shape != (n,):
+        if isinstance(index, torch.Tensor):
+            if index.dtype != torch.int64 or not index.is_contiguous():
+                index = index.to(torch.int64).contiguous()
+            addr = index.data_ptr()
+        else:
+            index = np.ascontiguousarray(index, dtype=np.int64)
+            addr = index.ctypes.data
+        if tuple(index.shape) != (n,):
             raise ValueError(f"row_index: shape {tuple(index.shape)}, expected [{n}]")
-        done = lib.gather_rows(out_addr, src.data_ptr(), src.stride(0), src.shape[0], index.data_ptr(), n,
-                               row_bytes)
+        done = lib.gather_rows(out_addr, src.data_ptr(), src.stride(0), src.shape[0], addr, n, row_bytes)
         if done != n:
             raise ValueError(f"row_index: {int(index[done])} (entry {done}) outside 0..{src.shape[0] - 1}")
         return

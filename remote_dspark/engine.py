@@ -382,7 +382,7 @@ class RemoteDSpark:
 
 def _to_host(batch: Batch) -> Batch:
     """``batch`` with its metadata copied to the host (a blocking round: the sync path)."""
-    cpu = {f: (None if getattr(batch, f) is None else getattr(batch, f).cpu())
+    cpu = {f: (getattr(batch, f).cpu() if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f))
            for f in ("slots", "tokens", "token_offsets", "positions", "new_gen", "n_out")}
     return Batch(rows=batch.rows, row_index=batch.row_index, **cpu)
 
@@ -429,7 +429,7 @@ class _SyncPath:
             gather_rows_host(batch, self._rows, rd.row_bytes)
         else:   # a blocking round anyway: gather on the device, one copy to the host
             rows[:] = as_bytes(batch.rows, rd.row_bytes).index_select(
-                0, batch.row_index.to(batch.rows.device)).cpu().numpy()
+                0, torch.as_tensor(batch.row_index, device=batch.rows.device)).cpu().numpy()
         size = write_meta(self._send[wire.HEADER.size:], meta, deadline_ms=rd.cfg.timeout_ms,
                           row_bytes=rd.row_bytes)
         wire.pack_header_into(self._send, wire.ROUND, size + n * rd.row_bytes, self.link.session, round_id)
@@ -670,8 +670,8 @@ class _AsyncPath:
             else:
                 as_bytes(batch.rows, rd.row_bytes)   # checks the row size
                 index = batch.row_index
-                if index.device != batch.rows.device:
-                    index = index.to(batch.rows.device)
+                if not isinstance(index, torch.Tensor) or index.device != batch.rows.device:
+                    index = torch.as_tensor(index, device=batch.rows.device)
                 self._gather(batch.rows, index, self._staging[i])
         except BaseException as e:
             self.end.unreserve(r)   # never gathered: no hole in the round sequence
@@ -705,15 +705,18 @@ class _AsyncPath:
         self._host[i].desc[:16].view(np.uint32)[:] = (deadline_ms, n, rd.row_bytes, t)
         d = self._desc[i]
         at = wire.ROUND_FIXED.size // 4
-        d[at:at + n].copy_(batch.slots, non_blocking=True)
-        d[at + n:at + 2 * n].copy_(batch.positions, non_blocking=True)
+
+        def put(lo: int, hi: int, src) -> None:   # a host field of a mixed batch: from its array
+            d[lo:hi].copy_(torch.as_tensor(src), non_blocking=True)
+        put(at, at + n, batch.slots)
+        put(at + n, at + 2 * n, batch.positions)
         if batch.n_out is None:
             d[at + 2 * n:at + 3 * n].fill_(min(rd._n_out_for(n), rd.num_spec))
         else:
-            d[at + 2 * n:at + 3 * n].copy_(batch.n_out.clamp(max=rd.num_spec), non_blocking=True)
-        d[at + 3 * n:at + 4 * n].copy_(batch.new_gen, non_blocking=True)   # True -> FLAG_NEW_GEN (1)
-        d[at + 4 * n:at + 5 * n + 1].copy_(batch.token_offsets, non_blocking=True)
-        d[sec.tokens // 4:sec.tokens // 4 + t].copy_(batch.tokens, non_blocking=True)
+            put(at + 2 * n, at + 3 * n, torch.as_tensor(batch.n_out).clamp(max=rd.num_spec))
+        put(at + 3 * n, at + 4 * n, batch.new_gen)          # True -> FLAG_NEW_GEN (1)
+        put(at + 4 * n, at + 5 * n + 1, batch.token_offsets)
+        put(sec.tokens // 4, sec.tokens // 4 + t, batch.tokens)
 
     def round(self, round_id_unused: int, batch: Batch) -> Drafts:
         """The CPU stand-in: this thread waits for the release (the watchdog bounds it)."""
