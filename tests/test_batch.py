@@ -55,6 +55,16 @@ def test_round_bytes_equal_the_per_entry_reference(case):
     want_rows = b"".join(ROWS[int(i)].numpy().tobytes() for i in batch.row_index)
     want = wire.encode_round_entries(5, 0, 77, reference_entries(batch, tokens, 3), want_rows, ROW_BYTES)
     assert bytes(buf[:size]) + rows[:len(batch)].tobytes() == want[wire.HEADER.size:]
+    # The same batch as int32 tensors (an engine's own dtypes) writes the same bytes.
+    as_tensors = Batch(*(torch.from_numpy(getattr(batch, f).astype(np.int32)) if f != "new_gen" else
+                         torch.from_numpy(batch.new_gen) for f in ("slots", "tokens", "token_offsets", "positions",
+                                                                   "new_gen")),
+                       ROWS, torch.from_numpy(batch.row_index),
+                       None if batch.n_out is None else torch.from_numpy(batch.n_out.astype(np.int32)))
+    again = np.zeros_like(buf)
+    meta = host_meta(as_tensors, max_slots=MAX_SLOTS, num_spec=K, max_tokens=10_000, n_out_default=3)
+    assert write_meta(again, meta, deadline_ms=77, row_bytes=ROW_BYTES) == size
+    assert bytes(again[:size]) == bytes(buf[:size])
 
 
 @st.composite
