@@ -646,7 +646,7 @@ class _AsyncPath:
             time.sleep(0.005)
         return True
 
-    def _hand_over(self, batch: Batch) -> tuple[int, HostMeta | None]:
+    def _hand_over(self, batch: Batch, stream: int | None = None) -> tuple[int, HostMeta | None]:
         """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
         the stream (or, on the CPU, this thread) wait for ``released``: the round id and
         the host metadata (None when it stayed on the device)."""
@@ -679,7 +679,7 @@ class _AsyncPath:
             # must not keep the region from being unmapped at close().
             traceback.clear_frames(e.__traceback__)
             raise
-        self.sync.signal(r)
+        self.sync.signal(r, stream)
         return r, meta
 
     def _write_device_meta(self, batch: Batch, i: int, deadline_ms: int) -> None:
@@ -774,8 +774,9 @@ class _AsyncPath:
             rd.stats_.record("no_proxy", np.zeros(0, dtype=np.int32), 0)
             zeros = torch.zeros(n, k, dtype=torch.int32, device="cuda")
             return Launched(0, zeros, zeros[:, 0].clone(), resync, resync_all)
-        r, _ = self._hand_over(batch)
-        self.sync.wait(r, 0)
+        stream = torch.cuda.current_stream().cuda_stream   # once: each lookup costs microseconds
+        r, _ = self._hand_over(batch, stream)
+        self.sync.wait(r, 0, stream)
         i = r & (rd.depth - 1)
         # Copies in stream order (the slot is reused DEPTH rounds later). Every answer
         # leaves the tokens block zero past each count (ring.geometry, hf_unpack): no mask.

@@ -161,12 +161,12 @@ class CudaBackend:
         (cyclic). For benchmarks that hold the stream until a whole sequence is queued."""
         self._drv.wait_value32(self._stream(), self.device_base + offset, value)
 
-    def signal(self, round_id: int) -> None:
-        self._drv.write_value32(self._stream(), self._gathered, round_id)
+    def signal(self, round_id: int, stream: int | None = None) -> None:
+        self._drv.write_value32(stream or self._stream(), self._gathered, round_id)
 
-    def wait(self, round_id: int, deadline_ns: int) -> bool:
+    def wait(self, round_id: int, deadline_ns: int, stream: int | None = None) -> bool:
         """Enqueue the stream's wait; the native watchdog bounds it (no deadline here)."""
-        self._drv.wait_value32(self._stream(), self._released, round_id)
+        self._drv.wait_value32(stream or self._stream(), self._released, round_id)
         return True
 
     def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
@@ -209,13 +209,20 @@ class HostFlagSync:
             raise ValueError(f"hold_gil_us={hold_gil_us}: must be >= 0")
         self.backend = make(region, lib, spin_us, nap_us, hold_gil_us)
 
-    def signal(self, round_id: int) -> None:
-        """Round ``round_id``'s rows are in staging: publish ``gathered``."""
-        self.backend.signal(round_id)
+    def signal(self, round_id: int, stream: int | None = None) -> None:
+        """Round ``round_id``'s rows are in staging: publish ``gathered``. ``stream``: the
+        CUDA stream's raw handle when the caller has it (default: the current stream)."""
+        if stream is None:
+            self.backend.signal(round_id)
+        else:
+            self.backend.signal(round_id, stream)
 
-    def wait(self, round_id: int, timeout_s: float) -> bool:
-        """Wait until ``released >= round_id``; False at the deadline."""
-        return self.backend.wait(round_id, native.deadline_ns(timeout_s))
+    def wait(self, round_id: int, timeout_s: float, stream: int | None = None) -> bool:
+        """Wait until ``released >= round_id``; False at the deadline. On CUDA the wait is
+        enqueued on ``stream`` (default: the current stream) and this returns at once."""
+        if stream is None:
+            return self.backend.wait(round_id, native.deadline_ns(timeout_s))
+        return self.backend.wait(round_id, native.deadline_ns(timeout_s), stream)
 
     def handoff(self, round_id: int, timeout_s: float) -> Handoff:
         """``signal`` then ``wait``, timed by the backend."""

@@ -117,8 +117,10 @@ def test_rounds_deliver_the_workers_drafts_into_device_tensors(worker, tmp_path)
 
 def on_device(b: Batch) -> Batch:
     """``b`` with every metadata tensor on the GPU (an engine whose tokens never left it)."""
-    return Batch(b.slots.cuda(), b.tokens.cuda(), b.token_offsets.cuda(), b.positions.cuda(), b.new_gen.cuda(),
-                 b.rows, b.row_index, None if b.n_out is None else b.n_out.cuda())
+    def cuda(x):
+        return torch.as_tensor(x).cuda()
+    return Batch(cuda(b.slots), cuda(b.tokens), cuda(b.token_offsets), cuda(b.positions), cuda(b.new_gen),
+                 b.rows, b.row_index, None if b.n_out is None else cuda(b.n_out))
 
 
 def test_metadata_on_the_device_reaches_the_worker_in_stream_order(worker, tmp_path):

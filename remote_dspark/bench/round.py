@@ -137,7 +137,7 @@ def add_parser(sub) -> None:
                    help="cpu (default); cuda: also the launch row, rows on the GPU")
     p.add_argument("--device-metadata", action="store_true",
                    help="with --device cuda: the batch's metadata tensors (slots, tokens, offsets, "
-                        "positions, new_gen, row_index) on the GPU too (default: on the host)")
+                        "positions, new_gen) on the GPU too (default: on the host; row_index is always where the rows are)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (and nothing else) on stdout; progress stays on stderr")
     p.set_defaults(func=run)
@@ -408,7 +408,8 @@ class Feeder:
         gen = torch.Generator().manual_seed(seed)
         self.rows = torch.randint(0, 256, (slots, row_bytes), dtype=torch.uint8, generator=gen).to(device)
         self.slot_ids = torch.arange(slots, dtype=torch.int32).to(metadata_device)
-        self.row_index = torch.arange(slots, dtype=torch.int64).to(metadata_device)
+        # Where the rows are, as an engine's gather index is (from its query_start_loc).
+        self.row_index = torch.arange(slots, dtype=torch.int64).to(device)
 
     def next_batch(self):
         """This round's batch: NEW_GEN slots with their prompt from position 0, the others
