@@ -6,6 +6,10 @@ address (``cuMemHostGetDevicePointer``), and the stream memory operations
 driver has them). The calls act on the calling thread's current context: torch's
 primary context, made current by any CUDA work torch did on this thread first.
 
+Also timing events (``cuEventCreate`` / ``Record`` / ``Synchronize`` / ``ElapsedTime``)
+for the benchmarks: torch's ``Event.record`` releases the GIL, so under a GIL-hogging
+thread each record costs a switch interval; these keep it.
+
 Nothing here imports torch; the stream is passed as its raw handle
 (``torch.cuda.current_stream().cuda_stream``).
 """
@@ -45,6 +49,12 @@ class Driver:
         self._wait32 = self._bind(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"),
                                   c_void_p, c_uint64, c_uint32, c_uint)
         self._name = self._bind(("cuGetErrorName",), c_int, ctypes.POINTER(ctypes.c_char_p))
+        self._ev_create = self._bind(("cuEventCreate",), ctypes.POINTER(c_void_p), c_uint)
+        self._ev_record = self._bind(("cuEventRecord",), c_void_p, c_void_p)
+        self._ev_sync = self._bind(("cuEventSynchronize",), c_void_p)
+        self._ev_elapsed = self._bind(("cuEventElapsedTime_v2", "cuEventElapsedTime"),
+                                      ctypes.POINTER(ctypes.c_float), c_void_p, c_void_p)
+        self._ev_destroy = self._bind(("cuEventDestroy_v2", "cuEventDestroy"), c_void_p)
 
     def _bind(self, names: tuple[str, ...], *argtypes):
         for name in names:
@@ -84,3 +94,26 @@ class Driver:
     def wait_value32(self, stream: int, dptr: int, value: int) -> None:
         self._check(self._wait32(stream, dptr, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ),
                     "cuStreamWaitValue32")
+
+    # ------------------------------------------------------------------ timing events
+
+    def event_create(self) -> int:
+        """A timing event (default flags) of the current context; ``event_destroy`` it."""
+        ev = c_void_p()
+        self._check(self._ev_create(ctypes.byref(ev), 0), "cuEventCreate")
+        return ev.value
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self._ev_record(event, stream), "cuEventRecord")
+
+    def event_synchronize(self, event: int) -> None:
+        """Wait (GIL kept: a benchmark's own wait) until ``event`` has happened."""
+        self._check(self._ev_sync(event), "cuEventSynchronize")
+
+    def event_elapsed_ns(self, start: int, stop: int) -> int:
+        ms = ctypes.c_float()
+        self._check(self._ev_elapsed(ctypes.byref(ms), start, stop), "cuEventElapsedTime")
+        return int(ms.value * 1e6)
+
+    def event_destroy(self, event: int) -> None:
+        self._check(self._ev_destroy(event), "cuEventDestroy")

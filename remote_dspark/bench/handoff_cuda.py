@@ -43,8 +43,26 @@ def run_all(opts: Options, pins: Pinning) -> list[Row]:
     return handoff.run_all(opts, pins, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
 
 
-def _elapsed_ns(pairs) -> list[int]:
-    return [int(a.elapsed_time(b) * 1e6) for a, b in pairs]
+class _Events:
+    """``total`` pairs of timing events through the driver, whose calls keep the GIL:
+    torch's ``Event.record`` releases it, and under the hog each release costs the
+    enqueueing thread a switch interval (a 2000-round row took tens of seconds)."""
+
+    def __init__(self, total: int):
+        from ..cuda_driver import Driver
+        self.drv = Driver()
+        self.pairs = [(self.drv.event_create(), self.drv.event_create()) for _ in range(total)]
+
+    def elapsed_ns(self, skip: int) -> list[int]:
+        return [self.drv.event_elapsed_ns(a, b) for a, b in self.pairs[skip:]]
+
+    def __enter__(self) -> "_Events":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for pair in self.pairs:
+            for ev in pair:
+                self.drv.event_destroy(ev)
 
 
 def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
@@ -63,14 +81,14 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
         gate = layout.words_at + shm.W_PROBE_ACK
         token = (lib.load32(region.addr(gate)) + 1) & 0xFFFFFFFF
         stream = torch.cuda.current_stream()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(total)]
+        handle = stream.cuda_stream
         if mode == "thread":
             end = ring.ProxyEnd(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us)
             peer = PeerThread(lambda: serve_loop(end, total, ROUND_TIMEOUT_S), pins)
         else:
             peer = Peer(mode, region.fd, total, opts, pins, lib)
-        with peer:
+        with _Events(total) as events, peer:
+            drv = events.drv
             # Chunks of CHUNK rounds, each queued behind its own gate value and let go once
             # queued: a stream can hold only so many queued operations (a blocked stream
             # with a full queue would block the enqueueing thread, and so the gate).
@@ -79,17 +97,17 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
                 for first in range(0, total, CHUNK):
                     sync.backend.wait_word(gate, token + first // CHUNK)
                     for r in range(first + 1, min(first + CHUNK, total) + 1):
-                        start, stop = events[r - 1]
-                        start.record(stream)
-                        sync.signal(r)
-                        sync.wait(r, 0)
-                        stop.record(stream)
+                        start, stop = events.pairs[r - 1]
+                        drv.event_record(start, handle)
+                        sync.signal(r, handle)
+                        sync.wait(r, 0, handle)
+                        drv.event_record(stop, handle)
                     opened = token + first // CHUNK
                     lib.store32(region.addr(gate), opened & 0xFFFFFFFF)
             finally:
                 lib.store32(region.addr(gate), (opened + total) & 0xFFFFFFFF)   # whatever happened
             stream.synchronize()
-        lat = _elapsed_ns(events[opts.warmup:])
+            lat = events.elapsed_ns(opts.warmup)
     idle = [ns for i, ns in enumerate(lat) if (opts.warmup + i) % CHUNK == 0]
     return Row(mode, hog, "CUDA events", Stats.of(lat), None, Stats.of(idle) if idle else None, _slow(lat))
 
@@ -115,20 +133,21 @@ def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
         rows = torch.randn(slots, row_bytes // 4, device="cuda")
         index = torch.arange(slots, device="cuda")
         stream = torch.cuda.current_stream()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(total)]
-        with RemoteDSpark(RemoteConfig.from_env(env), num_spec=num_spec, max_slots=slots, row_bytes=row_bytes,
-                          device="cuda", environ=env) as rd:
+        handle = stream.cuda_stream
+        with _Events(total) as events, RemoteDSpark(RemoteConfig.from_env(env), num_spec=num_spec,
+                                                    max_slots=slots, row_bytes=row_bytes, device="cuda",
+                                                    environ=env) as rd:
+            drv = events.drv
             first = Batch.from_lists(list(range(slots)), [[1, 2]] * slots, [0] * slots, [True] * slots, rows, index)
             rd.launch(first)
             stream.synchronize()
-            for i, (start, stop) in enumerate(events):
+            for i, (start, stop) in enumerate(events.pairs):
                 batch = Batch.from_lists(list(range(slots)), [[3]] * slots, [2 + i] * slots, [False] * slots, rows, index)
-                start.record(stream)
+                drv.event_record(start, handle)
                 rd.launch(batch)
-                stop.record(stream)
-                stop.synchronize()   # one round at a time, as an engine step would
-        lat = _elapsed_ns(events[opts.warmup:])
+                drv.event_record(stop, handle)
+                drv.event_synchronize(stop)   # one round at a time, as an engine step would
+            lat = events.elapsed_ns(opts.warmup)
     return Row("e2e", hog, "CUDA events", Stats.of(lat), None, slow=_slow(lat))
 
 
