@@ -395,7 +395,10 @@ class PeerThread:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
-        self._thread.join(ROUND_TIMEOUT_S)
+        # Past the peer's own longest wait (ROUND_TIMEOUT_S): after a failure of the body
+        # the thread is still waiting for rounds that never come, and the region it reads
+        # must not be unmapped under it.
+        self._thread.join(2 * ROUND_TIMEOUT_S)
         if exc_type is None and (self._error or self._thread.is_alive()):
             raise RuntimeError(f"thread peer failed: {self._error or 'still running'}")
 
