@@ -89,6 +89,8 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
             peer = Peer(mode, region.fd, total, opts, pins, lib)
         with _Events(total) as events, peer:
             drv = events.drv
+            if mode == "thread":
+                _wait_in_native_wait(region, lib)
             # Chunks of CHUNK rounds, each queued behind its own gate value and let go once
             # queued: a stream can hold only so many queued operations (a blocked stream
             # with a full queue would block the enqueueing thread, and so the gate).
@@ -110,6 +112,23 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
             lat = events.elapsed_ns(opts.warmup)
     idle = [ns for i, ns in enumerate(lat) if (opts.warmup + i) % CHUNK == 0]
     return Row(mode, hog, "CUDA events", Stats.of(lat), None, Stats.of(idle) if idle else None, _slow(lat))
+
+
+def _wait_in_native_wait(region, lib, timeout_s: float = 10.0) -> None:
+    """Wait (GIL released) until the thread peer has beaten the heartbeat, that is until
+    it is inside its one native call that answers every round of the row. The enqueueing
+    below keeps the GIL through driver calls that block while the stream's queue is full;
+    a peer that still needed the GIL to start would then leave the queue full for good,
+    and only the watchdog would move it."""
+    import time
+
+    from .. import shm
+    beat = region.addr(shm.OFF_HEARTBEAT)
+    end = time.monotonic() + timeout_s
+    while lib.load64(beat) == 0:
+        if time.monotonic() > end:
+            raise RuntimeError(f"the thread peer did not start within {timeout_s}s")
+        time.sleep(0.001)
 
 
 def _slow(lat_ns: list[int]) -> int:
