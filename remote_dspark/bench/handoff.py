@@ -358,19 +358,26 @@ class Peer:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
-        proc = self._proc
-        try:
-            rc = proc.wait(timeout=ROUND_TIMEOUT_S if exc_type is None else 0.5)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            err = proc.stderr.read()
-            proc.stderr.close()
+        rc, err = reap(self._proc, ROUND_TIMEOUT_S if exc_type is None else 0.5)
         if exc_type is None and rc != 0:
             raise RuntimeError(f"peer {self._cmd[3]} exited {rc}: {err.strip()}")
+
+
+def reap(proc: subprocess.Popen, wait_s: float) -> tuple[int | None, str]:
+    """Wait up to ``wait_s`` for a peer process, kill it if it is still there (it is
+    always gone after this); its exit status (None when it had to be killed) and its
+    stderr (a text pipe)."""
+    try:
+        rc = proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        err = proc.stderr.read()
+        proc.stderr.close()
+    return rc, err
 
 
 class PeerThread:

@@ -74,6 +74,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from .handoff import reap
+
 MODES = ("floor", "sync", "thread", "process", "draft")
 CUDA_MODES = MODES + ("launch",)
 ENGINE_MODES = ("sync", "thread", "process")
@@ -330,16 +332,7 @@ class FloorPeer:
         proc, self.proc = self.proc, None
         if proc is None:
             return ""
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            err = proc.stderr.read()
-            proc.stderr.close()
+        _, err = reap(proc, wait_s)
         return f"exit {proc.returncode}: {err.strip()}" if proc.returncode else ""
 
     def __exit__(self, exc_type, *_) -> None:
