@@ -40,6 +40,7 @@ import torch
 CONTEXT_TOKENS = 64          # a NEW_GEN entry sends at most this many trailing context tokens
 
 assert wire.FLAG_NEW_GEN == 1   # a bool array is the flags section as it is
+U32_MAX, I32_MIN, I32_MAX = 2**32 - 1, -2**31, 2**31 - 1
 _META_FIELDS = ("slots", "token_offsets", "positions", "new_gen", "n_out", "tokens")
 
 
@@ -144,12 +145,14 @@ def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n
     if n and np.bincount(slots, minlength=max_slots).max() > 1:
         raise ValueError(f"slots: {int(np.bincount(slots).argmax())} repeated in one batch")
     positions = _np(batch.positions, "positions", n).astype(np.int64, copy=False)
-    if n and positions.min() < 0:
-        raise ValueError(f"positions: negative position {positions.min()} "
-                         f"(entry {int(positions.argmin())})")
+    if n and positions.view(np.uint64).max() > U32_MAX:   # negative, or past the wire's u32
+        bad = int(np.argmax((positions < 0) | (positions > U32_MAX)))
+        raise ValueError(f"positions: {positions[bad]} (entry {bad}) outside 0..{U32_MAX}")
     new_gen = _np(batch.new_gen, "new_gen", n).astype(bool, copy=False)
     offsets = _np(batch.token_offsets, "token_offsets", n + 1).astype(np.int64, copy=False)
     tokens = _np(batch.tokens, "tokens", None)
+    if tokens.dtype.itemsize > 4 and tokens.size and (tokens.min() < I32_MIN or tokens.max() > I32_MAX):
+        raise ValueError(f"tokens: values outside the wire's int32 ({tokens.min()}..{tokens.max()})")
     if offsets[0] != 0 or offsets[-1] != tokens.shape[0]:
         raise ValueError(f"token_offsets: run from {offsets[0]} to {offsets[-1]}, expected 0 to "
                          f"len(tokens)={tokens.shape[0]}")
@@ -194,6 +197,76 @@ def write_meta(dst: np.ndarray, meta: HostMeta, *, deadline_ms: int, row_bytes: 
     return sec.rows
 
 
+def check_meta_shapes(batch: Batch, max_slots: int) -> int:
+    """The entry count of a batch whose metadata is not read on the host: its shapes
+    checked (they are known without a sync).
+
+    Raises:
+        ValueError: naming the field whose shape disagrees, or too many entries or tokens.
+    """
+    n, t = len(batch), int(batch.tokens.shape[0])
+    if n > max_slots or t > wire.MAX_TOKENS:
+        raise ValueError(f"a batch of {n} entries and {t} tokens over max_slots={max_slots} "
+                         f"or the wire's {wire.MAX_TOKENS} tokens")
+    for name, want in (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n)):
+        got = getattr(batch, name)
+        if got is not None and tuple(got.shape) != (want,):
+            raise ValueError(f"{name}: shape {tuple(got.shape)}, expected [{want}]")
+    return n
+
+
+def write_meta_in_stream(batch: Batch, d: "torch.Tensor", *, max_slots: int, num_spec: int, max_tokens: int,
+                         n_out_default: int) -> None:
+    """Write ``batch``'s ROUND arrays and ``n_tokens`` into ``d``, an int32 tensor over a
+    descriptor's payload area with room for ``max_tokens + 1`` tokens, with tensor
+    operations only: on the device they run in stream order and the host never reads a
+    value (no sync). NEW_GEN contexts are cut to their last CONTEXT_TOKENS as
+    :func:`host_meta` cuts them, so the wire carries the same round. No value is
+    trusted: every index stays in range whatever the metadata holds (a token that is
+    dropped, or that the offsets cannot place, lands in the spare cell past
+    ``max_tokens``; a slot out of range becomes ``max_slots``; offsets that do not run
+    from 0 to len(tokens) make ``n_tokens`` ``max_tokens + 1``), so a bad round is
+    refused where it lands (the proxy's descriptor check). Positions and tokens are
+    written as the wire's 32 bits. The caller writes deadline, n and row_bytes
+    (``d[0:3]``) and has checked the shapes (:func:`check_meta_shapes`)."""
+    n, t = len(batch), int(batch.tokens.shape[0])
+    if not n:
+        d[3:4] = 0 if t == 0 else max_tokens + 1
+        return
+    dev = d.device
+
+    def on_dev(x, dtype):   # a field of a mixed batch may still be on the host
+        return torch.as_tensor(x).to(dev, dtype, non_blocking=True)
+    slots = on_dev(batch.slots, torch.int64)
+    offsets = on_dev(batch.token_offsets, torch.int64)
+    new_gen = on_dev(batch.new_gen, torch.bool)
+    lengths = offsets[1:] - offsets[:-1]
+    cut = torch.where(new_gen, (lengths - CONTEXT_TOKENS).clamp(min=0), 0)
+    kept = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(lengths - cut, 0, out=kept[1:])          # the offsets after the cut
+    at = wire.ROUND_FIXED.size // 4
+    d[at:at + n] = torch.where((slots < 0) | (slots >= max_slots), max_slots, slots)
+    d[at + n:at + 2 * n] = on_dev(batch.positions, torch.int64) + cut
+    if batch.n_out is None:
+        d[at + 2 * n:at + 3 * n] = min(n_out_default, num_spec)
+    else:
+        d[at + 2 * n:at + 3 * n] = on_dev(batch.n_out, torch.int64).clamp(max=num_spec)
+    d[at + 3 * n:at + 4 * n] = new_gen                     # True -> FLAG_NEW_GEN (1)
+    d[at + 4 * n:at + 5 * n + 1] = kept
+    whole = (offsets[:1] == 0) & (offsets[n:] == t)
+    d[3:4] = torch.where(whole, kept[n:], max_tokens + 1)  # n_tokens
+    if t:
+        # Token j of entry e (the last offset at or before j) goes to kept[e] + its index
+        # in the entry - cut[e]; one dropped or unplaceable, to the spare cell.
+        j = torch.arange(t, device=dev)
+        e = torch.searchsorted(offsets[1:], j, right=True).clamp(max=n - 1)
+        within = j - offsets[e] - cut[e]
+        dest = kept[e] + within
+        dest = torch.where((within >= 0) & (dest >= 0) & (dest < max_tokens), dest, max_tokens)
+        tok_at = wire.round_meta_bytes(n) // 4
+        d[tok_at:tok_at + max_tokens + 1].scatter_(0, dest, on_dev(batch.tokens, torch.int32))
+
+
 def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, out_addr: int = 0) -> None:
     """``out[i] = bytes of rows[row_index[i]]`` for a CPU ``rows`` tensor, on this
     thread: with ``lib`` (the native library) one C copy loop into ``out_addr`` (the
@@ -202,11 +275,15 @@ def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, ou
     Raises:
         ValueError: rows of another size than ``row_bytes``, or a row index out of range.
     """
+    if not batch.rows.is_cpu:
+        raise ValueError(f"rows: on {batch.rows.device}, but RemoteDSpark runs on the CPU")
     src = as_bytes(batch.rows, row_bytes)
     n = len(batch)
     if lib is not None:
         index = batch.row_index
         if isinstance(index, torch.Tensor):
+            if not index.is_cpu:
+                index = index.cpu()   # the C loop reads it on the host
             if index.dtype != torch.int64 or not index.is_contiguous():
                 index = index.to(torch.int64).contiguous()
             addr = index.data_ptr()

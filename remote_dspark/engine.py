@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from . import native, ring, shm, streamsync, transport, wire
-from .batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta, as_bytes, empty_drafts, gather_rows_host, host_meta, to_drafts, write_meta
+from .batch import (CONTEXT_TOKENS, Batch, Drafts, HostMeta, as_bytes, check_meta_shapes, empty_drafts,
+                    gather_rows_host, host_meta, to_drafts, write_meta, write_meta_in_stream)
 from .breaker import Breaker
 from .client import DraftClient
 from .config import RemoteConfig
@@ -683,40 +684,17 @@ class _AsyncPath:
         return r, meta
 
     def _write_device_meta(self, batch: Batch, i: int, deadline_ms: int) -> None:
-        """Copy metadata that lives on the device into descriptor ``i`` in stream order:
-        one copy per section, no host sync. The sizes come from the tensors' shapes; the
-        values are checked by the proxy where they land (a bad round is answered
-        target-only and counted ``rounds_bad_desc``). NEW_GEN contexts are sent whole
-        (cutting them needs their lengths on the host).
+        """Write metadata that lives on the device into descriptor ``i`` in stream order
+        (``batch.write_meta_in_stream``), with no host sync; the fixed part is the host's.
 
         Raises:
-            ValueError: shapes that disagree, or more tokens than the region holds.
+            ValueError: shapes that disagree, or more entries or tokens than a round holds.
         """
         rd = self.rd
-        n, t = len(batch), int(batch.tokens.shape[0])
-        if n > rd.max_slots or t > rd.max_tokens:
-            raise ValueError(f"a batch of {n} entries and {t} tokens over max_slots={rd.max_slots} "
-                             f"or max_tokens={rd.max_tokens}")
-        for name, want in (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n)):
-            got = getattr(batch, name)
-            if got is not None and tuple(got.shape) != (want,):
-                raise ValueError(f"{name}: shape {tuple(got.shape)}, expected [{want}]")
-        sec = wire.round_sections(n, t, rd.row_bytes)
-        self._host[i].desc[:16].view(np.uint32)[:] = (deadline_ms, n, rd.row_bytes, t)
-        d = self._desc[i]
-        at = wire.ROUND_FIXED.size // 4
-
-        def put(lo: int, hi: int, src) -> None:   # a host field of a mixed batch: from its array
-            d[lo:hi].copy_(torch.as_tensor(src), non_blocking=True)
-        put(at, at + n, batch.slots)
-        put(at + n, at + 2 * n, batch.positions)
-        if batch.n_out is None:
-            d[at + 2 * n:at + 3 * n].fill_(min(rd._n_out_for(n), rd.num_spec))
-        else:
-            put(at + 2 * n, at + 3 * n, torch.as_tensor(batch.n_out).clamp(max=rd.num_spec))
-        put(at + 3 * n, at + 4 * n, batch.new_gen)          # True -> FLAG_NEW_GEN (1)
-        put(at + 4 * n, at + 5 * n + 1, batch.token_offsets)
-        put(sec.tokens // 4, sec.tokens // 4 + t, batch.tokens)
+        n = check_meta_shapes(batch, rd.max_slots)
+        self._host[i].desc[:16].view(np.uint32)[:] = (deadline_ms, n, rd.row_bytes, 0)
+        write_meta_in_stream(batch, self._desc[i], max_slots=rd.max_slots, num_spec=rd.num_spec,
+                             max_tokens=rd.max_tokens, n_out_default=rd._n_out_for(n))
 
     def round(self, round_id_unused: int, batch: Batch) -> Drafts:
         """The CPU stand-in: this thread waits for the release (the watchdog bounds it)."""
@@ -745,23 +723,28 @@ class _AsyncPath:
             out.resync_all = True
         return out
 
-    def _answer(self, r: int, n: int) -> tuple[str, Drafts]:
-        """Released round ``r``'s answer as ``Drafts``: views of its drafts slot, one
-        copy per array.
+    def _head(self, r: int) -> tuple[str, int, int]:
+        """Released round ``r``'s outcome, entry count and flags, from its drafts slot.
+        (No view is bound here: a caller keeping the exception must not keep the region.)
 
         Raises:
             RuntimeError: the slot holds another round (read after it was reused).
         """
-        rd, v = self.rd, self._host[r & (self.rd.depth - 1)]
-        rnd, status, got, flags = v.head.tolist()
+        rnd, status, got, flags = self._host[r & (self.rd.depth - 1)].head.tolist()
         if rnd != r:
-            raise RuntimeError(f"drafts slot {r & (rd.depth - 1)} holds round {rnd}, expected {r}: "
+            raise RuntimeError(f"drafts slot {r & (self.rd.depth - 1)} holds round {rnd}, expected {r}: "
                                "read after the slot was reused")
-        outcome = _FROM_RING[Outcome(status)]
-        if not got:   # an empty answer (timeout, error, watchdog, ...): its arrays are stale
+        return _FROM_RING[Outcome(status)], got, flags
+
+    def _answer(self, r: int, n: int) -> tuple[str, Drafts]:
+        """Released round ``r``'s answer as ``Drafts``: views of its drafts slot, one
+        copy per array. Raises as ``_head``."""
+        rd = self.rd
+        outcome, got, flags = self._head(r)
+        if not got:   # an empty answer (timeout, error, watchdog, ...)
             return outcome, empty_drafts(n, rd.num_spec, outcome, rd.cfg.want_margin)
-        slots = v.desc[wire.ROUND_FIXED.size:wire.ROUND_FIXED.size + 4 * got].view(np.uint32)
-        return outcome, to_drafts(rd.num_spec, slots, v.counts[:got], v.statuses[:got], v.tokens[:got],
+        v = self._host[r & (rd.depth - 1)]
+        return outcome, to_drafts(rd.num_spec, v.slots(got), v.counts[:got], v.statuses[:got], v.tokens[:got],
                                   v.margins[:got] if flags & shm.DRAFTS_MARGINS else None, outcome,
                                   rd.cfg.want_margin, clean=True)
 
@@ -792,13 +775,9 @@ class _AsyncPath:
         released = self.end.released()
         while self._pending and ring.seq_geq(released, self._pending[0]):
             r = self._pending.pop(0)
+            outcome, got, _ = self._head(r)
             v = self._host[r & (self.rd.depth - 1)]
-            rnd, status, got, _ = v.head.tolist()
-            if rnd != r:
-                raise RuntimeError(f"drafts slot of round {r} holds round {rnd}: read after reuse")
-            outcome = _FROM_RING[Outcome(status)]
-            slots = v.desc[wire.ROUND_FIXED.size:wire.ROUND_FIXED.size + 4 * got].view(np.uint32)
-            lost = slots[v.statuses[:got] == wire.STATUS_RESYNC].tolist()
+            lost = v.slots(got)[v.statuses[:got] == wire.STATUS_RESYNC].tolist()
             self._resync.update(lost)
             self.rd.stats_.record(outcome, v.counts[:got], len(lost))
             self._watchdog_run = self._watchdog_run + 1 if outcome == "watchdog" else 0
@@ -868,6 +847,10 @@ class _HostViews:
         self.statuses = arr(d + lay.d_entry_status, S, np.int32)
         self.tokens = arr(d + lay.d_tokens, S * K, np.int32).reshape(S, K)
         self.margins = arr(d + lay.d_margins, S * K, np.float32).reshape(S, K)
+
+    def slots(self, n: int) -> np.ndarray:
+        """The round's slots, as its descriptor holds them (the wire's slots section)."""
+        return self.desc[wire.ROUND_FIXED.size:wire.ROUND_FIXED.size + 4 * n].view(np.uint32)
 
 
 def _hist(h: shm.Histogram) -> dict:

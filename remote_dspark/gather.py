@@ -18,20 +18,13 @@ from __future__ import annotations
 
 import logging
 
+from .batch import as_bytes
 from .engine import torch
 
 log = logging.getLogger("remote_dspark.gather")
 
 BLOCK = 1024
 ENGINE_DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "uint8", "float8_e4m3fn")
-
-
-def as_bytes(rows: "torch.Tensor") -> "torch.Tensor":
-    """``rows`` as ``[N, row_bytes]`` uint8 (rows must be contiguous within themselves)."""
-    flat = rows.reshape(rows.shape[0], -1)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    return flat.view(torch.uint8)
 
 
 def torch_gather(rows, index, out) -> None:

@@ -210,11 +210,6 @@ class EngineEnd(_End):
             raise RuntimeError(f"unreserve({round_id}): the last reserved round is {self._last}")
         self._last = seq_add(round_id, -1)
 
-    def descriptor_addr(self, round_id: int) -> int:
-        """This process's address of ``round_id``'s descriptor slot (the engine writes
-        the wire ROUND payload, rows excepted, at ``+ shm.DESC_FIXED``)."""
-        return self.region.addr(self.layout.desc(round_id & self._mask))
-
     def write_entries(self, round_id: int, entries: Sequence[wire.Entry], deadline_ms: int = 0) -> None:
         """Write ``round_id``'s descriptor from records (the slow convenience for tests and
         tools: it walks the entries; the engine writes whole arrays in place).

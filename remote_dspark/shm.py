@@ -13,7 +13,7 @@ Region (offsets in bytes)::
     offset                  size            part
     0                       P               header page
     P                       P               hand-off words page
-    2P                      D x desc        descriptor ring, desc = align(8 + M(S) + 4 T, L),
+    2P                      D x desc        descriptor ring, desc = align(8 + M(S) + 4 (T + 1), L),
                                             M(n) = wire.round_meta_bytes(n) = 20 + 20 n
     staging_at (P-aligned)  D x stage       staging rows, stage = align(S R, P): each depth
                                             slot page-aligned (registered with CUDA later)
@@ -305,7 +305,9 @@ class Layout:
         o = {}
         o["words_at"] = P
         o["desc_at"] = 2 * P
-        o["desc_stride"] = align(DESC_FIXED + wire.round_meta_bytes(S) + 4 * self.max_tokens, LINE)
+        # One token cell past T: metadata on the device is cut in stream order by a
+        # scatter whose dropped tokens land there (never sent: n_tokens <= T).
+        o["desc_stride"] = align(DESC_FIXED + wire.round_meta_bytes(S) + 4 * (self.max_tokens + 1), LINE)
         o["staging_at"] = align(o["desc_at"] + self.depth * o["desc_stride"], P)
         o["staging_stride"] = align(S * self.row_bytes, P)
         o["drafts_at"] = o["staging_at"] + self.depth * o["staging_stride"]

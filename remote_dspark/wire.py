@@ -96,14 +96,14 @@ HEADER = struct.Struct("<4sHHIQI")
 _HELLO = struct.Struct("<32s32sQIIHBB")
 _ACK = struct.Struct("<BBH32s32s")
 ROUND_FIXED = struct.Struct("<IIII")
-_DRAFTS_FIXED = struct.Struct("<IHH")
+DRAFTS_FIXED = struct.Struct("<IHH")
 
 # The largest payload each frame type may announce (the header is refused above it).
 _TYPE_CAP = {
     HELLO: _HELLO.size,
     HELLO_ACK: _ACK.size + MAX_REASON,
     ROUND: MAX_PAYLOAD,
-    DRAFTS: _DRAFTS_FIXED.size + MAX_ENTRIES * (8 + 8 * MAX_N_OUT),
+    DRAFTS: DRAFTS_FIXED.size + MAX_ENTRIES * (8 + 8 * MAX_N_OUT),
     BYE: 0,
 }
 
@@ -438,7 +438,7 @@ class DraftsSections:
 
 def drafts_sections(n: int, width: int, margins: bool) -> DraftsSections:
     """Where each section of a DRAFTS payload is."""
-    slots = _DRAFTS_FIXED.size
+    slots = DRAFTS_FIXED.size
     counts = slots + 4 * n
     statuses = counts + 2 * n
     tokens = statuses + 2 * n
@@ -471,7 +471,7 @@ def encode_drafts(d: Drafts, session: int) -> bytes:
     _check(n <= MAX_ENTRIES and 0 <= d.width <= MAX_N_OUT, "DRAFTS over its caps")
     _check(len(d.counts) == n == len(d.statuses) and len(d.tokens) == n * d.width,
            "DRAFTS fields disagree on the entry count")
-    parts = [_DRAFTS_FIXED.pack(n, d.width, DRAFTS_MARGINS if d.margins is not None else 0),
+    parts = [DRAFTS_FIXED.pack(n, d.width, DRAFTS_MARGINS if d.margins is not None else 0),
              array.array("I", d.slots).tobytes(), array.array("H", d.counts).tobytes(),
              array.array("H", d.statuses).tobytes(), array.array("i", d.tokens).tobytes()]
     if d.margins is not None:
@@ -489,9 +489,9 @@ def decode_drafts(hdr: Header, payload) -> Drafts:
         ProtocolError: naming the field that broke the contract.
     """
     mv = memoryview(payload).cast("B")
-    if len(mv) < _DRAFTS_FIXED.size:
-        raise ProtocolError(f"DRAFTS payload of {len(mv)} bytes, under {_DRAFTS_FIXED.size}")
-    n, width, flags = _DRAFTS_FIXED.unpack_from(mv)
+    if len(mv) < DRAFTS_FIXED.size:
+        raise ProtocolError(f"DRAFTS payload of {len(mv)} bytes, under {DRAFTS_FIXED.size}")
+    n, width, flags = DRAFTS_FIXED.unpack_from(mv)
     if n > MAX_ENTRIES or width > MAX_N_OUT:
         raise ProtocolError(f"DRAFTS of {n} entries x {width} over the caps")
     if flags & ~DRAFTS_MARGINS:

@@ -32,7 +32,6 @@ import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -54,7 +53,6 @@ DEFAULT_LISTEN = "127.0.0.1:18620"
 # The old name of the per-entry drafter protocol (still accepted: drafter.as_batched).
 Drafter = PerEntryDrafterLike
 
-_DRAFTS_FIXED = struct.Struct("<IHH")     # DRAFTS' fixed part: n_entries, width, flags (wire.py)
 
 
 class Windows:
@@ -459,7 +457,7 @@ def _drafts_frame(session: int, round_id: int, n: int, width: int, margins: bool
     at = wire.HEADER.size
     frame = bytearray(at + sec.size)
     frame[:at] = wire.encode_header(wire.DRAFTS, sec.size, session, round_id)
-    _DRAFTS_FIXED.pack_into(frame, at, n, width, wire.DRAFTS_MARGINS if margins else 0)
+    wire.DRAFTS_FIXED.pack_into(frame, at, n, width, wire.DRAFTS_MARGINS if margins else 0)
 
     def view(dtype, offset: int, count: int) -> np.ndarray:
         return np.frombuffer(frame, dtype, count, at + offset)

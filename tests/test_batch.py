@@ -111,7 +111,9 @@ def meta_of(**kw):
     (dict(slots=[0, MAX_SLOTS]), "slots: 16 out of 0..15"),
     (dict(slots=[-1, 1]), "slots: -1 out of"),
     (dict(slots=[3, 3]), "slots: 3 repeated"),
-    (dict(positions=[0, -5]), "positions: negative position -5"),
+    (dict(positions=[0, -5]), "positions: -5 (entry 1) outside 0..4294967295"),
+    (dict(positions=[2**32, 0]), "positions: 4294967296 (entry 0) outside"),
+    (dict(tokens=[[1], [2, 2**31]]), "tokens: values outside the wire's int32"),
     (dict(n_out=[1, -1]), "n_out: negative"),
     (dict(new_gen=[False]), "new_gen: shape (1,)"),
 ])
@@ -202,3 +204,72 @@ def test_an_empty_answer_clears_the_tokens_block(lib):
         end.release_no_proxy(r)
         assert bytes(tokens) == bytes(len(tokens))
         tokens.release()
+
+
+# --------------------------------------------------------------------------- metadata on the device
+
+def region_rig(lib):
+    from remote_dspark import ring, shm
+    region = shm.Region.create(shm.Layout(2, MAX_SLOTS, ROW_BYTES, K, 10_000))
+    return region, ring.EngineEnd(region, lib), ring.ProxyEnd(region, lib)
+
+
+def write_in_stream(region, r: int, batch: Batch) -> None:
+    """What launch() does for metadata on the device, with a CPU tensor over the region
+    standing in for the device view (the same tensor operations, run at once)."""
+    from remote_dspark import shm
+    from remote_dspark.batch import check_meta_shapes, write_meta_in_stream
+    lay = region.layout
+    area = region.view(lay.desc(r & 1) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED)
+    struct_view = np.frombuffer(region.view(lay.desc(r & 1), 4), np.uint32)
+    struct_view[0] = r
+    d = torch.frombuffer(area, dtype=torch.int32)
+    n = check_meta_shapes(batch, MAX_SLOTS)
+    np.frombuffer(area, np.uint32, 3)[:] = (77, n, ROW_BYTES)
+    write_meta_in_stream(batch, d, max_slots=MAX_SLOTS, num_spec=K, max_tokens=lay.max_tokens, n_out_default=3)
+    del d, struct_view, area
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches())
+def test_metadata_written_in_stream_equals_the_host_path(lib, case):
+    """The device path (tensor ops, no host read) writes the very bytes host_meta +
+    write_meta write, NEW_GEN cut included, and the proxy's C check accepts them."""
+    from remote_dspark import shm
+    batch, _ = case
+    region, end, proxy = region_rig(lib)
+    try:
+        r = end.reserve(1.0)
+        write_in_stream(region, r, batch)
+        lay = region.layout
+        meta = host_meta(batch, max_slots=MAX_SLOTS, num_spec=K, max_tokens=lay.max_tokens, n_out_default=3)
+        want = np.zeros(lay.desc_stride, np.uint8)
+        size = write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
+        got = bytes(region.view(lay.desc(r & 1) + shm.DESC_FIXED, size))
+        assert got == bytes(want[:size])
+        proxy.check_descriptor(r)
+    finally:
+        region.close()
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(slots=[0, MAX_SLOTS + 5]), "slot 16"),                         # out of range: refused
+    (dict(slots=[-1, 1]), "slot 16"),
+    (dict(slots=[2, 2]), "twice"),
+    (dict(token_offsets=[0, 1, 2]), "n_tokens 10001 over max_tokens"),   # does not end at len(tokens)
+    (dict(token_offsets=[1, 1, 3]), "n_tokens 10001 over max_tokens"),   # does not start at 0
+    (dict(token_offsets=[0, 4, 3]), "offsets"),                          # goes back: refused by the C
+])
+def test_bad_metadata_in_stream_is_refused_where_it_lands(lib, change, why):
+    from remote_dspark.batch import Batch as B
+    base = dict(slots=[0, 1], tokens=[1, 2, 3], token_offsets=[0, 1, 3], positions=[0, 4], new_gen=[False, False])
+    base.update(change)
+    batch = B(**{k: torch.tensor(v) for k, v in base.items()}, rows=ROWS, row_index=torch.tensor([0, 1]))
+    region, end, proxy = region_rig(lib)
+    try:
+        r = end.reserve(1.0)
+        write_in_stream(region, r, batch)
+        with pytest.raises(ValueError, match=why):
+            proxy.check_descriptor(r)
+    finally:
+        region.close()

@@ -133,6 +133,17 @@ def test_metadata_on_the_device_reaches_the_worker_in_stream_order(worker, tmp_p
         assert out.tokens.tolist() == [[3, 4, 1], [1, 2, 3]]
 
 
+def test_a_long_new_gen_context_on_the_device_is_cut_as_on_the_host(worker, tmp_path):
+    """100 context tokens exceed the region's per-round budget (max_slots x 70) unless
+    cut to the last 64 in stream order, as the host path cuts them."""
+    long = [1, 2, 3, 4] * 25
+    with make(worker, tmp_path) as rd:
+        out = rd.launch(on_device(batch(tokens=(long, (3,)))))
+        assert out.counts.tolist() == [3, 3] and out.tokens.tolist() == [[1, 2, 3], [4, 1, 2]]
+        out = rd.launch(on_device(batch(new=False, tokens=((1,), (4,)), positions=(100, 1))))
+        assert out.tokens.tolist() == [[2, 3, 4], [1, 2, 3]]   # the window continued at 100
+
+
 def test_bad_metadata_on_the_device_is_target_only_and_counted(worker, tmp_path):
     """The host cannot check values it never reads: the proxy does, where they land."""
     with make(worker, tmp_path) as rd:
