@@ -5,7 +5,7 @@ rows[index[i]]`` for i < len(index), where ``out`` is ``[>= n, row_bytes]`` uint
 GPU: a device view of the registered staging slot, so the rows land in host memory the
 proxy reads):
 
-- the torch path: ``index_select`` then a copy (two kernels, one temporary);
+- the torch path: one ``index_select`` into ``out`` (one kernel, byte-wise);
 - the fused path: one Triton launch that reads each selected row and writes it straight
   into ``out``, 64-bit offsets throughout, in 4-byte words when the rows allow it.
 
@@ -28,9 +28,10 @@ ENGINE_DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "uint8", "f
 
 
 def torch_gather(rows, index, out) -> None:
+    """One ``index_select`` written straight into ``out`` (no temporary, one kernel)."""
     n = index.numel()
     if n:
-        out[:n].copy_(as_bytes(rows).index_select(0, index), non_blocking=True)
+        torch.index_select(as_bytes(rows), 0, index, out=out[:n])
 
 
 _kernel = None
