@@ -221,13 +221,13 @@ def write_in_stream(region, r: int, batch: Batch) -> None:
     from remote_dspark.batch import check_meta_shapes, write_meta_in_stream
     lay = region.layout
     area = region.view(lay.desc(r & 1) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED)
-    struct_view = np.frombuffer(region.view(lay.desc(r & 1), 4), np.uint32)
-    struct_view[0] = r
+    round_word = np.frombuffer(region.view(lay.desc(r & 1), 4), np.uint32)
+    round_word[0] = r
     d = torch.frombuffer(area, dtype=torch.int32)
     n = check_meta_shapes(batch, MAX_SLOTS)
     np.frombuffer(area, np.uint32, 3)[:] = (77, n, ROW_BYTES)
     write_meta_in_stream(batch, d, max_slots=MAX_SLOTS, num_spec=K, max_tokens=lay.max_tokens, n_out_default=3)
-    del d, struct_view, area
+    del d, round_word, area   # no view may outlive the region
 
 
 @settings(max_examples=100, deadline=None)
