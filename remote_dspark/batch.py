@@ -132,8 +132,9 @@ def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n
 
     Raises:
         ValueError: naming the field: ``slots`` out of 0..max_slots-1 or repeated,
-            negative ``positions`` or ``n_out``, ``token_offsets`` that do not run from
-            0 to len(tokens) without going back, lengths that disagree, too many tokens.
+            ``positions`` outside the wire's u32, ``tokens`` outside its i32, a negative
+            ``n_out``, ``token_offsets`` that do not run from 0 to len(tokens) without
+            going back, lengths that disagree, too many tokens.
     """
     slots = _np(batch.slots, "slots", None).astype(np.int64, copy=False)
     n = slots.shape[0]
