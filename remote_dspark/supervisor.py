@@ -300,20 +300,32 @@ def proxy_environment(environ: Mapping[str, str], hostflag_lib: str) -> dict[str
     native library; the proxy is told its path, so it never compiles anything."""
     env = {k: v for k, v in environ.items() if k in _PASS_ENV or k.startswith(_PASS_PREFIX)}
     env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = hostflag_lib
-    # The package must be importable by the new interpreter exactly as it is here
-    # (installed, or run from a source tree).
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
+# The proxy's first lines, run by an isolated interpreter (``-I``: neither the working
+# directory, PYTHONPATH nor the user site is on sys.path, so a planted ``argparse.py``
+# runs nowhere). The root this package was imported from goes after the standard library
+# and before any other install, so the proxy runs exactly the engine's code and a file in
+# that root can never shadow a standard module (the proxy imports nothing else).
+_BOOTSTRAP = """\
+import sys
+root = sys.argv.pop(1)
+at = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))), len(sys.path))
+sys.path.insert(at, root)
+from remote_dspark.proxy_proc import main
+sys.exit(main())
+"""
+PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
 def spawn_proxy(fd: int, *, engine_id: int, env: Mapping[str, str]) -> subprocess.Popen:
-    """Start ``python -m remote_dspark.proxy_proc`` with the region's fd and nothing else."""
+    """Start the proxy (``remote_dspark.proxy_proc``) in an isolated interpreter, working
+    directory ``/``, with the region's fd and nothing else."""
     return subprocess.Popen(
-        [sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(fd),
+        [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, PACKAGE_ROOT, "--fd", str(fd),
          "--engine-id", f"{engine_id:x}", "--parent", str(os.getpid())],
-        pass_fds=(fd,), env=dict(env), stdin=subprocess.DEVNULL, close_fds=True)
+        pass_fds=(fd,), env=dict(env), cwd="/", stdin=subprocess.DEVNULL, close_fds=True)
 
 
 def _process_facts(pid: int | None) -> tuple[int, float]:

@@ -130,6 +130,32 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
         eng.close()
 
 
+def test_planted_modules_never_run_in_the_proxy(lib, worker, tmp_path, monkeypatch):
+    """An engine started from a directory holding ``argparse.py`` (or with one on
+    PYTHONPATH) must not run it in its proxies: the proxy's interpreter is isolated and
+    works from ``/``."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    marker = tmp_path / "planted-code-ran"
+    for name in ("argparse", "threading", "signal"):
+        (planted / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r})\nraise SystemExit(9)\n")
+    monkeypatch.chdir(planted)
+    env = env_for(worker, lib)
+    env["PYTHONPATH"] = str(planted)
+    eng = Engine(lib)
+    proc = spawn_proxy(eng.region.fd, engine_id=7, env=env)
+    try:
+        assert until(lambda: eng.end.header.proxy_pid == proc.pid or proc.poll() is not None)
+        d = eng.round([wire.Entry(0, 3, 0, (1,), new_gen=True)])
+        assert d.outcome == Outcome.OK and d.tokens == ((2, 3, 4),)
+        assert os.readlink(f"/proc/{proc.pid}/cwd") == "/"
+        assert not marker.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+        eng.close()
+
+
 def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
     """A stand-in engine spawns the proxy and is SIGKILLed: the proxy follows it."""
     code = (
