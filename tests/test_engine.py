@@ -291,6 +291,20 @@ def test_failed_start_cleans_up_what_it_started(worker, tmp_path):
     assert not _children()
 
 
+def test_a_named_native_library_that_is_not_hostflag_fails_start(worker, tmp_path):
+    """A configuration error, raised at start naming the variable: never a quiet fall
+    back to synchronous rounds."""
+    import subprocess
+    src = tmp_path / "other.c"
+    src.write_text("int other(void) { return 0; }\n")
+    so = tmp_path / "other.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True, timeout=60)
+    rd = make(async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_HOSTFLAG_LIB=str(so)))
+    with pytest.raises(ValueError, match="VLLM_DSPARK_REMOTE_HOSTFLAG_LIB=.*not a hostflag library"):
+        rd.start()
+    assert rd.mode == "process" and not _children()
+
+
 def test_bad_rows_leave_no_hole_in_the_round_sequence(worker, tmp_path):
     with make(async_env(worker.port, tmp_path, "process")) as rd:
         bad = batch()

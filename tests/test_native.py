@@ -52,7 +52,9 @@ def test_without_either_the_source_is_built_once_into_the_cache(tmp_path, monkey
     env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(tmp_path)}  # no .so there
     built = native.locate(env, cache_dir=cache)
     assert os.path.dirname(built) == str(cache) and built.endswith(".so")
-    assert os.listdir(cache) == [os.path.basename(built)]  # no temporary left
+    # The library and its recorded sha256, no temporary left; the directory is private.
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(built), os.path.basename(built)[:-3] + ".sha256"])
+    assert os.stat(cache).st_mode & 0o777 == 0o700
 
     def no_compiler(*a, **k):
         raise AssertionError("rebuilt an up-to-date library")
@@ -100,7 +102,7 @@ def test_concurrent_builds_from_several_processes_agree(tmp_path):
             assert p.returncode == 0, err
             outs.append(out.strip())
     assert len(set(outs)) == 1
-    assert os.listdir(cache) == [os.path.basename(outs[0])]
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(outs[0]), os.path.basename(outs[0])[:-3] + ".sha256"])
 
 
 def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = None) -> str:
@@ -118,7 +120,7 @@ def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = N
 
 def test_a_library_without_lock_free_words_is_refused(tmp_path):
     path = _fake_library(tmp_path, native.ABI_VERSION, 1)
-    with pytest.raises(NativeError, match=rf"{path}: 32/64-bit atomics are not lock-free"):
+    with pytest.raises(ValueError, match=rf"{native.ENV_LIB}=.*{path}: 32/64-bit atomics are not lock-free"):
         native.load({native.ENV_LIB: path})
 
 
@@ -133,6 +135,64 @@ def test_a_library_of_another_abi_is_refused(tmp_path):
     path = _fake_library(tmp_path, 99, native.LOCK_FREE_ALL)
     with pytest.raises(NativeError, match=f"hostflag ABI 99, this package binds {native.ABI_VERSION}"):
         native.Native(path)
+
+
+def test_a_named_library_of_another_abi_is_a_configuration_error(tmp_path):
+    path = _fake_library(tmp_path, 99, native.LOCK_FREE_ALL)
+    with pytest.raises(ValueError, match=rf"{native.ENV_LIB}=.*hostflag ABI 99"):
+        native.load({native.ENV_LIB: path}, cache_dir=tmp_path / "cache")
+
+
+def test_an_ofl_dir_copy_of_another_abi_is_replaced_by_the_own_build(tmp_path, caplog):
+    """The contract's default location holds a library built from another source: one
+    warning, and this package's build is used (never a fall back to sync rounds)."""
+    ofl = tmp_path / "ofl"
+    ofl.mkdir()
+    shutil.copy(_fake_library(tmp_path, 99, native.LOCK_FREE_ALL), ofl / native.OFL_LIB_NAME)
+    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(ofl)}
+    loaded = native.load(env, cache_dir=tmp_path / "cache")
+    assert os.path.dirname(loaded.path) == str(tmp_path / "cache")
+    assert [r.getMessage() for r in caplog.records if "own build" in r.getMessage()] != []
+
+
+# --------------------------------------------------------------------------- the cache, trusted or not
+
+
+def built_into(cache) -> str:
+    return native.locate({"PATH": os.environ["PATH"]}, cache_dir=cache)
+
+
+def test_a_cache_others_can_write_is_never_used(tmp_path):
+    """A library planted under the expected name in a directory others can write is not
+    loaded: the build goes into a fresh private directory."""
+    name = os.path.basename(built_into(tmp_path / "mine"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    planted = _fake_library(tmp_path, native.ABI_VERSION, native.LOCK_FREE_ALL)
+    shutil.copy(planted, shared / name)
+    built = built_into(shared)
+    assert os.path.dirname(built) != str(shared)
+    assert os.stat(os.path.dirname(built)).st_mode & 0o777 == 0o700
+    shutil.rmtree(os.path.dirname(built))
+
+
+def test_a_cached_build_whose_hash_is_not_the_recorded_one_is_rebuilt(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    built = built_into(cache)
+    good = open(built, "rb").read()
+    shutil.copy(_fake_library(tmp_path, native.ABI_VERSION, native.LOCK_FREE_ALL), built)   # swapped in place
+    assert built_into(cache) == built
+    assert open(built, "rb").read() == good
+
+
+def test_a_cached_build_that_is_a_link_is_not_followed(tmp_path):
+    cache = tmp_path / "cache"
+    built = built_into(cache)
+    elsewhere = tmp_path / "elsewhere.so"
+    shutil.move(built, elsewhere)
+    os.symlink(elsewhere, built)
+    assert built_into(cache) == built and not os.path.islink(built)
 
 
 def test_a_library_that_is_not_hostflag_is_refused(tmp_path):
