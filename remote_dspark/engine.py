@@ -23,6 +23,7 @@ torch is imported here (the engine side); nothing the proxy imports imports this
 from __future__ import annotations
 
 import bisect
+import enum
 import json
 import logging
 import os
@@ -63,6 +64,18 @@ _FROM_RING = {Outcome.OK: "ok", Outcome.TIMEOUT: "timeout", Outcome.ERROR: "erro
               Outcome.NO_PROXY: "no_proxy", Outcome.ORPHAN: "orphan"}
 _FROM_LINK = {LinkOutcome.OK: "ok", LinkOutcome.TIMEOUT: "timeout", LinkOutcome.ERROR: "error",
               LinkOutcome.BREAKER_SKIP: "breaker_skip", LinkOutcome.BACKOFF: "error"}
+
+
+class EngineState(enum.Enum):
+    """``RemoteDSpark``'s lifecycle: new -> started -> closed (a failed start closes)."""
+
+    NEW = "new"
+    STARTED = "started"
+    CLOSED = "closed"
+
+
+class RemoteClosed(RuntimeError):
+    """A round asked of a ``RemoteDSpark`` that is closed."""
 
 
 class RemoteRoundFailed(RuntimeError):
@@ -154,8 +167,7 @@ class RemoteDSpark:
         self.stats_ = EngineStats(accepted_at=[0] * num_spec, offered_at=[0] * num_spec,
                                   shadow_agree_at=[0] * num_spec, shadow_compared_at=[0] * num_spec)
         self._round_id = 0
-        self._started = False
-        self._closed = False
+        self.state = EngineState.NEW
         self._path: _SyncPath | _AsyncPath | None = None
         self._final_path_stats: dict | None = None
         self._lock = threading.Lock()   # the path's stats and its close
@@ -167,13 +179,16 @@ class RemoteDSpark:
         """Open the path to the remote drafter.
 
         Raises:
+            RuntimeError: ``start()`` again, or after ``close()`` (it runs once).
             ValueError, native.NativeError: a configuration or build problem.
             TransportError, Refused: only with ``STRICT_START=1``, when the first
                 connect + HELLO fails.
         """
+        if self.state is not EngineState.NEW:
+            raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
         cfg = self.cfg
-        transport.check_ready(cfg.endpoint, self.environ)   # an ofl endpoint needs its library now
         try:
+            transport.check_ready(cfg.endpoint, self.environ)   # an ofl endpoint needs its library now
             if cfg.metrics_port:
                 from .metrics import Exporter
                 self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
@@ -193,8 +208,15 @@ class RemoteDSpark:
         except BaseException:
             self.close()   # nothing started stays running: exporter, proxy, watchdog, region
             raise
-        self._started = True
+        self.state = EngineState.STARTED
         return self
+
+    def _check_started(self, what: str) -> None:
+        if self.state is EngineState.STARTED:
+            return
+        if self.state is EngineState.CLOSED:
+            raise RemoteClosed(f"RemoteDSpark.{what}() after close()")
+        raise RuntimeError(f"RemoteDSpark.{what}() before start()")
 
     def _probe_connection(self) -> None:
         """STRICT_START in async mode: connect + HELLO once from here, so a bad endpoint
@@ -215,9 +237,9 @@ class RemoteDSpark:
 
     def close(self) -> None:
         """Stop the proxy and the watchdog, write the final stats file. Idempotent."""
-        if self._closed:
+        if self.state is EngineState.CLOSED:
             return
-        self._closed = True
+        self.state = EngineState.CLOSED
         if self.exporter is not None:
             self.exporter.close()
         if self._path is not None:
@@ -260,9 +282,9 @@ class RemoteDSpark:
 
         Raises:
             RemoteRoundFailed: capacity with ON_FAIL=raise and a failed remote round.
+            RemoteClosed: after ``close()``; RuntimeError: before ``start()``.
         """
-        if not self._started or self._closed:
-            raise RuntimeError("RemoteDSpark.round() before start() or after close()")
+        self._check_started("round")
         policy = self.cfg.policy
         local = self.local_drafter(batch) if policy == "shadow" else None
         self._round_id = (self._round_id + 1) & 0xFFFFFFFF
@@ -294,8 +316,7 @@ class RemoteDSpark:
         network. The round's outcome is counted once it is released, at a later launch
         or ``stats()``; slots the worker lost come back in a later ``Launched.resync``.
         """
-        if not self._started or self._closed:
-            raise RuntimeError("RemoteDSpark.launch() before start() or after close()")
+        self._check_started("launch")
         if self.mode == "sync" or self.device != "cuda":
             raise RuntimeError("launch() is for asynchronous rounds on CUDA; use round()")
         return self._path.launch(batch)

@@ -13,7 +13,7 @@ import pytest
 from helpers import until
 
 from remote_dspark.config import RemoteConfig
-from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed, torch
+from remote_dspark.engine import Batch, RemoteClosed, RemoteDSpark, RemoteRoundFailed, torch
 from remote_dspark.markov import MarkovModel
 from remote_dspark.transport import TransportError
 from remote_dspark.worker import MarkovDrafter, Worker
@@ -288,6 +288,28 @@ def test_failed_start_cleans_up_what_it_started(worker, tmp_path):
         rd = make(env)
         with pytest.raises(ValueError, match="VLLM_DSPARK_REMOTE_METRICS_PORT"):
             rd.start()
+    assert not _children()
+
+
+@pytest.mark.parametrize("mode", ["sync", "process"])
+def test_start_runs_once_and_a_closed_engine_refuses_rounds(worker, tmp_path, mode):
+    """start() again (or after close) raises naming the state and starts nothing more;
+    a round after close() raises RemoteClosed."""
+    env = env_for(worker.port, tmp_path) if mode == "sync" else async_env(worker.port, tmp_path, "process")
+    rd = make(env)
+    with pytest.raises(RuntimeError, match=r"round\(\) before start\(\)"):
+        rd.round(batch())
+    rd.start()
+    children = _children()
+    with pytest.raises(RuntimeError, match="start\\(\\) on a started RemoteDSpark: it runs once"):
+        rd.start()
+    assert _children() == children and rd.round(batch()).outcome == "ok"
+    rd.close()
+    rd.close()                                    # idempotent
+    with pytest.raises(RemoteClosed, match=r"round\(\) after close\(\)"):
+        rd.round(batch())
+    with pytest.raises(RuntimeError, match="start\\(\\) on a closed RemoteDSpark"):
+        rd.start()
     assert not _children()
 
 
