@@ -62,10 +62,10 @@ class DraftClient:
             raise
         return cls(chan, session, ack)
 
-    def send(self, parts: Sequence) -> None:
+    def send(self, parts: Sequence, deadline: float | None = None) -> None:
         """Send one frame given as buffers (e.g. a ROUND whose rows and tokens are views
-        of the shared region: they go out uncopied)."""
-        self.chan.send(*parts)
+        of the shared region: they go out uncopied), by ``deadline``."""
+        self.chan.send(*parts, deadline=deadline)
 
     def recv_drafts(self, round_id: int, deadline: float) -> wire.Drafts:
         """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
@@ -86,7 +86,7 @@ class DraftClient:
         """One synchronous round within ``deadline_ms``: send the ROUND frame ``parts``,
         return its DRAFTS."""
         deadline = time.monotonic() + deadline_ms / 1000.0
-        self.send(parts)
+        self.send(parts, deadline)   # a send that misses it breaks the connection
         return self.recv_drafts(round_id, deadline)
 
     def close(self) -> None:

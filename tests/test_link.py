@@ -105,3 +105,43 @@ def test_close_stops_the_connector(drafter):
     link.close()
     assert not link._connector.is_alive()
     assert link.round_entries(1, NEW, b"", 0, 10).outcome == Outcome.BACKOFF
+
+
+def test_a_worker_that_reads_slowly_cannot_hold_a_round_past_its_deadline(drafter):
+    """The whole send is bounded by the round's deadline, not each send call: a peer that
+    takes 16 KB at a time would otherwise hold the caller for seconds (CONNECT_TIMEOUT_MS
+    per call). The connection is dropped: part of the frame is on the wire."""
+    import socket
+    import threading
+    import time
+    stop = threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def slow_worker():
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(5)
+            hdr = wire.decode_header(conn.recv(wire.HEADER.size, socket.MSG_WAITALL))
+            conn.recv(hdr.payload_len, socket.MSG_WAITALL)
+            conn.sendall(wire.encode_hello_ack(wire.HelloAck(wire.ACCEPT, drafter.drafter_identity,
+                                                             drafter.markov_identity), hdr.session))
+            while not stop.is_set() and conn.recv(16384):
+                stop.wait(0.05)
+    t = threading.Thread(target=slow_worker, daemon=True)
+    t.start()
+    hello = wire.Hello(drafter.drafter_identity, drafter.markov_identity, 1, 128, 65536, 3)
+    link = RemoteLink(parse_endpoint(f"tcp://127.0.0.1:{server.getsockname()[1]}"), hello, session=5,
+                      connect_timeout_ms=10_000, backoff_ms=60_000, backoff_max_ms=60_000, breaker=Breaker(3, 2))
+    try:
+        link.connect()
+        entries = [wire.Entry(i, 3, 0, (1,), new_gen=True) for i in range(128)]
+        t0 = time.monotonic()
+        r = link.round_entries(1, entries, bytes(128 * 65536), 65536, 200)   # 8 MiB against a trickle
+        took = time.monotonic() - t0
+        assert r.outcome == Outcome.ERROR and not link.connected
+        assert took < 3.0, f"the round held its caller {took:.1f} s (its deadline: 0.2 s)"
+    finally:
+        stop.set()
+        link.close()
+        server.close()
+        t.join(10)

@@ -139,7 +139,7 @@ STAND_IN_OFL = textwrap.dedent('''
     class Conn:
         def __init__(self, sock):
             self.sock = sock
-        def sendmsg(self, buffers):
+        def sendmsg(self, buffers, deadline=None):
             for b in buffers:
                 self.sock.sendall(b)
         def recv_into(self, view, timeout_s):

@@ -116,7 +116,7 @@ class _Bytes:
         self.data = self.data[n:]
         return n
 
-    def sendmsg(self, buffers):
+    def sendmsg(self, buffers, deadline=None):
         pass
 
     def close(self):

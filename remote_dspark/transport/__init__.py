@@ -106,12 +106,13 @@ class ByteStream(Protocol):
     """What every transport provides (the ofl adapter wraps its module to this).
 
     ``sendmsg`` sends all bytes of ``buffers`` in order (buffers may be memoryviews of
-    shared memory: they are not copied). ``recv_into`` reads at least one byte into
+    shared memory: they are not copied), by ``deadline`` (a ``time.monotonic()``
+    instant, or None) where the transport can bound a send. ``recv_into`` reads at least one byte into
     ``view`` within ``timeout_s`` and returns how many; 0 means the peer closed. It
     raises ``TimeoutError`` at the deadline and ``OSError`` when the link breaks.
     """
 
-    def sendmsg(self, buffers: Sequence) -> None: ...
+    def sendmsg(self, buffers: Sequence, deadline: float | None = None) -> None: ...
 
     def recv_into(self, view: memoryview, timeout_s: float) -> int: ...
 
@@ -135,9 +136,15 @@ class FrameChannel:
         self._got = 0                          # bytes of the current frame read so far
         self._header: wire.Header | None = None  # the current frame's header, once whole
 
-    def send(self, *buffers) -> None:
+    def send(self, *buffers, deadline: float | None = None) -> None:
+        """Send one frame given as buffers, whole, by ``deadline``.
+
+        Raises:
+            Disconnected: the send failed or missed its deadline; part of the frame may
+                be on the wire, so the connection must be dropped.
+        """
         try:
-            self.stream.sendmsg(buffers)
+            self.stream.sendmsg(buffers, deadline)
         except OSError as e:
             raise Disconnected(f"send failed: {e}") from e
 

@@ -82,7 +82,8 @@ class OflStream:
             raise TransportError(f"ofl connect to {endpoint} failed: {e}") from e
         return cls(conn)
 
-    def sendmsg(self, buffers: Sequence) -> None:
+    def sendmsg(self, buffers: Sequence, deadline: float | None = None) -> None:
+        # The ofl interface has no send timeout: its own flow control bounds a send.
         self.conn.sendmsg(list(buffers))
 
     def recv_into(self, view: memoryview, timeout_s: float) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import socket
+import time
 from typing import Sequence
 
 from . import TransportError
@@ -30,11 +31,25 @@ class TcpStream:
             raise TransportError(f"connect to {host}:{port} failed: {e}") from e
         return cls(sock, send_timeout_s=timeout_s)
 
-    def sendmsg(self, buffers: Sequence) -> None:
-        # Frames are sent whole even if the kernel takes them in pieces.
+    def sendmsg(self, buffers: Sequence, deadline: float | None = None) -> None:
+        """Send the buffers whole, even if the kernel takes them in pieces. ``deadline``
+        (a ``time.monotonic()`` instant) bounds the whole send, not each call: a peer that
+        reads a little at a time cannot hold the caller past it.
+
+        Raises:
+            TimeoutError: the send did not finish by ``deadline`` (or a call waited
+                ``send_timeout_s``): part of the frame may be on the wire.
+            OSError: the connection broke.
+        """
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        self.sock.settimeout(self.send_timeout_s)
         while views:
+            timeout = self.send_timeout_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the send did not finish by its deadline")
+                timeout = min(timeout, left)
+            self.sock.settimeout(timeout)
             sent = self.sock.sendmsg(views)
             while sent and views:
                 if sent >= len(views[0]):
