@@ -53,7 +53,7 @@ log = logging.getLogger("remote_dspark.engine")
 
 STALL_ROUNDS = 3             # watchdog releases in a row that mark a live proxy stalled
 DEPTH = 4                    # rounds the engine may enqueue ahead of the proxy
-PROXY_START_S = 5.0          # a proxy that has not beaten this long after its spawn is stalled
+PROXY_START_S = 5.0          # a new proxy's start, past its first connect attempt (CONNECT_TIMEOUT_MS)
 HOLD_GIL_US = 50             # process mode: spin this long holding the GIL before releasing it
 STALL_SLACK_MS = 100         # heartbeat silence past max(WATCHDOG_MS, TIMEOUT_MS) + this: stalled
 
@@ -575,7 +575,7 @@ class _AsyncPath:
                 lambda session: self._spawn(session, env), respawns=cfg.async_respawns,
                 reset_s=cfg.async_respawn_reset_s, stalled=self._stalled, on_change=self._on_change)
             self.supervisor.start()
-        limit_s = self.rd.cfg.connect_timeout_ms / 1000.0 + PROXY_START_S
+        limit_s = self._start_limit_s()
         if not self.wait_serving(limit_s):
             log.warning("remote DSpark: no proxy serving %.1f s after start; rounds are target-only "
                         "until one does", limit_s)
@@ -623,12 +623,20 @@ class _AsyncPath:
             self.end.release_no_proxy(r)
             r = ring.seq_add(r, 1)
 
+    def _start_limit_s(self) -> float:
+        """How long a new proxy may take to beat first: its interpreter's start plus its
+        first connect attempt."""
+        return self.rd.cfg.connect_timeout_ms / 1000.0 + PROXY_START_S
+
     def _stalled(self, up: Up) -> bool:
         """From the supervisor's thread: is the live proxy ``up`` no longer serving?"""
         now = time.monotonic_ns()
         beat = self.end.header.heartbeat_ns
         if beat < up.since * 1e9:   # no beat from this proxy yet: it is still starting
-            return now - up.since * 1e9 > PROXY_START_S * 1e9
+            # It beats first after its first connect attempt, which may take the whole
+            # CONNECT_TIMEOUT_MS (a worker that accepts and never answers): still connecting
+            # is not stalled.
+            return now - up.since * 1e9 > self._start_limit_s() * 1e9
         if self._watchdog_run >= STALL_ROUNDS:
             return True
         # A live proxy beats at least every idle tick and after every round, and a round

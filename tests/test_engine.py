@@ -226,6 +226,24 @@ def test_watchdog_releases_a_round_the_worker_answers_too_late(worker, tmp_path)
         assert until(lambda: rd.stats()["late"] == 1)   # the proxy's reply came after the watchdog
 
 
+def test_a_proxy_still_connecting_is_not_stalled(tmp_path, monkeypatch):
+    """A worker that accepts and never answers HELLO: the proxy's first connect takes the
+    whole CONNECT_TIMEOUT_MS, longer than a start is otherwise given. It is not killed as
+    stalled (which would spend the respawn budget on a worker's fault): it starts serving,
+    target-only, once the attempt fails."""
+    import socket
+    from remote_dspark import engine
+    monkeypatch.setattr(engine, "PROXY_START_S", 0.3)
+    with socket.create_server(("127.0.0.1", 0)) as silent:   # accepts (backlog), never answers
+        env = async_env(silent.getsockname()[1], tmp_path, "process", VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS="1500",
+                        VLLM_DSPARK_REMOTE_BACKOFF_MS="60000", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000")
+        with make(env) as rd:
+            sup = rd._path.supervisor
+            first = sup.up.pid
+            assert until(lambda: rd.round(batch()).outcome == "error", timeout=10)   # served, target-only
+            assert sup.up is not None and sup.up.pid == first and sum(sup.restarts.values()) == 0
+
+
 def test_stalled_proxy_is_killed_and_replaced(worker, tmp_path):
     env = async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")
     with make(env) as rd:
