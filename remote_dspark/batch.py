@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from . import wire
-import torch
 
 CONTEXT_TOKENS = 64          # a NEW_GEN entry sends at most this many trailing context tokens
 

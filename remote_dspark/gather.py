@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from .batch import as_bytes
-from .engine import torch
 
 log = logging.getLogger("remote_dspark.gather")
 
