@@ -77,6 +77,8 @@ import hashlib
 import ipaddress
 import math
 import os
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping
 
@@ -307,6 +309,30 @@ class RemoteConfig:
     def keeps_local_drafter(self) -> bool:
         """shadow and resilience run the local drafter beside the remote one."""
         return self.policy in ("shadow", "resilience")
+
+    def to_json(self) -> str:
+        """This configuration, as the engine hands it to its proxy (never re-parsed from
+        the environment there, so the two cannot differ)."""
+        d = dataclasses.asdict(self)
+        d["drafter_identity"] = self.drafter_identity.hex()
+        d["markov_identity"] = self.markov_identity.hex()
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RemoteConfig":
+        """The configuration ``to_json`` wrote (the engine's, already validated).
+
+        Raises:
+            ValueError: not such a document (a missing or unknown field, bad JSON).
+        """
+        try:
+            d = json.loads(text)
+            d["endpoint"] = Endpoint(**d["endpoint"])
+            d["drafter_identity"] = bytes.fromhex(d["drafter_identity"])
+            d["markov_identity"] = bytes.fromhex(d["markov_identity"])
+            return cls(**d)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"not a RemoteConfig document: {e}") from e
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "RemoteConfig":

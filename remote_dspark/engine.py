@@ -595,7 +595,7 @@ class _AsyncPath:
 
     def _spawn(self, session: int, env: Mapping[str, str]):
         self.end.header.set_session(session)
-        return spawn_proxy(self.region.fd, engine_id=self.rd.engine_id, env=env)
+        return spawn_proxy(self.region.fd, cfg=self.rd.cfg, engine_id=self.rd.engine_id, env=env)
 
     def _on_change(self, state: Lifecycle) -> None:
         """From the supervisor's thread. A lost proxy's rounds are answered at once."""

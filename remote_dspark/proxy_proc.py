@@ -1,7 +1,8 @@
 """The proxy: take rounds from the region, send them to the remote drafter, answer them.
 
-``python -m remote_dspark.proxy_proc --fd N --engine-id HEX --parent PID`` is the proxy
-process the supervisor spawns (torch-, numpy- and prometheus_client-free: a test reads
+``remote_dspark.proxy_proc --fd N --handover M --parent PID`` is the proxy process the
+supervisor spawns (``supervisor.spawn_proxy``: the engine's configuration and id come
+through the hand-over pipe, never from the environment) (torch-, numpy- and prometheus_client-free: a test reads
 the child's loaded modules). :class:`ProxyLoop` is the loop itself; thread mode runs the
 same loop as a thread of the engine, for comparison.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -204,12 +206,39 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(0)
 
 
+HANDOVER_CAP = 1 << 20   # the engine's hand-over document: its configuration and id (bytes)
+
+
+def read_handover(fd: int) -> tuple[RemoteConfig, int]:
+    """The engine's validated configuration and its engine id, from the pipe it wrote them
+    into before the spawn (and closed): never re-parsed from the environment, so the
+    proxy cannot disagree with its engine.
+
+    Raises:
+        ValueError: not the engine's document (too long, not JSON, fields missing).
+    """
+    chunks, size = [], 0
+    with os.fdopen(fd, "rb", closefd=True) as f:
+        while chunk := f.read(65536):
+            size += len(chunk)
+            if size > HANDOVER_CAP:
+                raise ValueError(f"hand-over fd {fd}: over {HANDOVER_CAP} bytes")
+            chunks.append(chunk)
+    try:
+        doc = json.loads(b"".join(chunks))
+        return RemoteConfig.from_json(json.dumps(doc["config"])), int(doc["engine_id"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"hand-over fd {fd}: not the engine's document ({e})") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote_dspark.proxy_proc",
-                                description="The remote drafter's proxy process (spawned by the engine's "
-                                            "supervisor; configuration from VLLM_DSPARK_REMOTE_*).")
+                                description="The remote drafter's proxy process, spawned by the engine's "
+                                            "supervisor: the region's fd, and a pipe holding the engine's "
+                                            "configuration and id.")
     p.add_argument("--fd", type=int, required=True, help="the region's memfd, inherited")
-    p.add_argument("--engine-id", type=lambda s: int(s, 16), required=True, help="the engine's id (hex)")
+    p.add_argument("--handover", type=int, required=True,
+                   help="a pipe's read end, inherited: the engine's configuration and id (JSON)")
     p.add_argument("--parent", type=int, required=True, help="the engine's pid")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s proxy[{os.getpid()}] %(levelname)s %(message)s")
@@ -218,13 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
     try:
-        cfg = RemoteConfig.from_env()
+        cfg, engine_id = read_handover(args.handover)
         lib = native.load()
         region = shm.Region.attach(args.fd)
-    except (ValueError, native.NativeError) as e:
+    except (ValueError, OSError, native.NativeError) as e:
         print(f"proxy: cannot start: {e}", file=sys.stderr)
         return EXIT_ATTACH
-    loop = ProxyLoop(region, lib, cfg, engine_id=args.engine_id)
+    loop = ProxyLoop(region, lib, cfg, engine_id=engine_id)
     loop.run(lambda: stop.is_set() or os.getppid() != args.parent)
     return 0
 

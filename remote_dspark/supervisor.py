@@ -23,6 +23,7 @@ engine side at once.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import os
 import select
@@ -319,13 +320,46 @@ sys.exit(main())
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-def spawn_proxy(fd: int, *, engine_id: int, env: Mapping[str, str]) -> subprocess.Popen:
+def handover_pipe(cfg, engine_id: int) -> int:
+    """A pipe holding the engine's validated configuration (``RemoteConfig``) and id, its
+    write end closed: the read end, for the proxy to inherit (``--handover``). The
+    document is written whole before the proxy starts (it fits the pipe's buffer), so
+    neither side ever waits on the other.
+
+    Raises:
+        OSError: no pipe, or a document too large for one.
+    """
+    doc = json.dumps({"engine_id": engine_id, "config": json.loads(cfg.to_json())}).encode()
+    if len(doc) >= 65536:
+        raise OSError(f"the proxy's hand-over document is {len(doc)} bytes, over a pipe's buffer")
+    r, w = os.pipe()
+    try:
+        os.write(w, doc)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return r
+
+
+def spawn_proxy(fd: int, *, cfg, engine_id: int, env: Mapping[str, str]) -> subprocess.Popen:
     """Start the proxy (``remote_dspark.proxy_proc``) in an isolated interpreter, working
-    directory ``/``, with the region's fd and nothing else."""
-    return subprocess.Popen(
-        [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, PACKAGE_ROOT, "--fd", str(fd),
-         "--engine-id", f"{engine_id:x}", "--parent", str(os.getpid())],
-        pass_fds=(fd,), env=dict(env), cwd="/", stdin=subprocess.DEVNULL, close_fds=True)
+    directory ``/``, with the region's fd and the hand-over pipe (``handover_pipe``):
+    neither the configuration nor the engine id is on its command line or re-parsed from
+    its environment.
+
+    Raises:
+        OSError: the pipe or the process could not be made.
+    """
+    r = handover_pipe(cfg, engine_id)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, PACKAGE_ROOT, "--fd", str(fd), "--handover", str(r),
+             "--parent", str(os.getpid())],
+            pass_fds=(fd, r), env=dict(env), cwd="/", stdin=subprocess.DEVNULL, close_fds=True)
+    finally:
+        os.close(r)
 
 
 def _process_facts(pid: int | None) -> tuple[int, float]:

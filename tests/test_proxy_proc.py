@@ -13,7 +13,8 @@ import pytest
 from remote_dspark import ring, shm, streamsync, wire
 from remote_dspark.markov import MarkovModel
 from remote_dspark.ring import Outcome
-from remote_dspark.supervisor import proxy_environment, spawn_proxy
+from remote_dspark.config import RemoteConfig
+from remote_dspark.supervisor import handover_pipe, proxy_environment, spawn_proxy
 from remote_dspark.worker import MarkovDrafter, Worker
 from helpers import until
 
@@ -42,6 +43,10 @@ def env_for(worker, lib, **extra):
     return proxy_environment(base, lib.path)
 
 
+def spawn(fd, env, engine_id=7):
+    return spawn_proxy(fd, cfg=RemoteConfig.from_env(env), engine_id=engine_id, env=env)
+
+
 class Engine:
     """The engine side of the tests: one region, the ring's producer, the CPU hand-off."""
 
@@ -66,7 +71,7 @@ class Engine:
 
 def test_proxy_process_serves_rounds_through_the_region(lib, worker):
     eng = Engine(lib)
-    proc = spawn_proxy(eng.region.fd, engine_id=7, env=env_for(worker, lib))
+    proc = spawn(eng.region.fd, env_for(worker, lib))
     try:
         assert until(lambda: eng.end.header.proxy_pid == proc.pid)
         d = eng.round([wire.Entry(0, 3, 0, (1,), new_gen=True), wire.Entry(5, 2, 0, (3,), new_gen=True)])
@@ -94,7 +99,7 @@ def test_proxy_without_worker_answers_target_only_and_breaker_state_lands_in_the
     worker.stop()   # nothing listens: every round is answered empty, never left hanging
     env = env_for(worker, lib, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
                   VLLM_DSPARK_REMOTE_BACKOFF_MS="60000", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000")
-    proc = spawn_proxy(eng.region.fd, engine_id=7, env=env)
+    proc = spawn(eng.region.fd, env)
     try:
         for _ in range(3):
             d = eng.round([wire.Entry(0, 3, 0, (1,), new_gen=True)])
@@ -112,10 +117,12 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
     eng = Engine(lib)
     env = env_for(worker, lib)
     env["PYTHONPROFILEIMPORTTIME"] = "1"
+    handover = handover_pipe(RemoteConfig.from_env(env), 7)
     proc = subprocess.Popen(
         [sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(eng.region.fd),
-         "--engine-id", "7", "--parent", str(os.getpid())],
-        pass_fds=(eng.region.fd,), env=env, stderr=subprocess.PIPE, text=True)
+         "--handover", str(handover), "--parent", str(os.getpid())],
+        pass_fds=(eng.region.fd, handover), env=env, stderr=subprocess.PIPE, text=True)
+    os.close(handover)
     try:
         assert eng.round([wire.Entry(0, 1, 0, (1,), new_gen=True)]).tokens == ((2,),)
         proc.send_signal(signal.SIGTERM)
@@ -128,6 +135,38 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
         proc.kill()
         proc.wait()
         eng.close()
+
+
+def test_the_proxy_takes_the_engines_configuration_not_the_environment(lib, worker):
+    """The engine hands over its validated RemoteConfig and id: an environment that says
+    otherwise (here: one the contract refuses, and other identities) changes nothing."""
+    env = env_for(worker, lib)
+    cfg = RemoteConfig.from_env(env)
+    env.update(VLLM_DSPARK_REMOTE_TIMEOUT_MS="soon", VLLM_DSPARK_REMOTE_IDENTITY="00" * 32)
+    eng = Engine(lib)
+    proc = spawn_proxy(eng.region.fd, cfg=cfg, engine_id=7, env=env)
+    try:
+        d = eng.round([wire.Entry(0, 3, 0, (1,), new_gen=True)])
+        assert d.outcome == Outcome.OK and d.tokens == ((2, 3, 4),)
+    finally:
+        proc.kill()
+        proc.wait()
+        eng.close()
+
+
+def test_a_bad_handover_is_refused_with_status_3(lib, worker):
+    eng = Engine(lib)
+    r, w = os.pipe()
+    os.write(w, b'{"engine_id": 1}')
+    os.close(w)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(eng.region.fd),
+                               "--handover", str(r), "--parent", str(os.getpid())], pass_fds=(eng.region.fd, r),
+                              env=env_for(worker, lib), capture_output=True, text=True, timeout=30)
+    finally:
+        os.close(r)
+        eng.close()
+    assert proc.returncode == 3 and "hand-over fd" in proc.stderr and "not the engine's document" in proc.stderr
 
 
 def test_planted_modules_never_run_in_the_proxy(lib, worker, tmp_path, monkeypatch):
@@ -143,7 +182,7 @@ def test_planted_modules_never_run_in_the_proxy(lib, worker, tmp_path, monkeypat
     env = env_for(worker, lib)
     env["PYTHONPATH"] = str(planted)
     eng = Engine(lib)
-    proc = spawn_proxy(eng.region.fd, engine_id=7, env=env)
+    proc = spawn(eng.region.fd, env)
     try:
         assert until(lambda: eng.end.header.proxy_pid == proc.pid or proc.poll() is not None)
         d = eng.round([wire.Entry(0, 3, 0, (1,), new_gen=True)])
@@ -163,7 +202,8 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
         "from remote_dspark import shm\n"
         "from remote_dspark.supervisor import spawn_proxy\n"
         "r = shm.Region.create(shm.Layout(4, 8, 4, 3, 64))\n"
-        "p = spawn_proxy(r.fd, engine_id=1, env=dict(os.environ))\n"
+        "from remote_dspark.config import RemoteConfig\n"
+        "p = spawn_proxy(r.fd, cfg=RemoteConfig.from_env(), engine_id=1, env=dict(os.environ))\n"
         "print(p.pid, flush=True)\n"
         "sys.stdin.read()\n")
     engine = subprocess.Popen([sys.executable, "-c", code], env=env_for(worker, lib), stdin=subprocess.PIPE,
@@ -195,10 +235,13 @@ def test_proxy_refuses_a_bad_fd_with_status_3(lib, worker, tmp_path):
     path = tmp_path / "not-a-region"
     path.write_bytes(b"x" * 8192)
     fd = os.open(path, os.O_RDWR)
+    env = env_for(worker, lib)
+    handover = handover_pipe(RemoteConfig.from_env(env), 1)
     try:
-        proc = subprocess.run([sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(fd), "--engine-id", "1",
-                               "--parent", str(os.getpid())], pass_fds=(fd,), env=env_for(worker, lib),
+        proc = subprocess.run([sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(fd), "--handover",
+                               str(handover), "--parent", str(os.getpid())], pass_fds=(fd, handover), env=env,
                               capture_output=True, text=True, timeout=30)
     finally:
         os.close(fd)
+        os.close(handover)
     assert proc.returncode == 3 and "magic" in proc.stderr
