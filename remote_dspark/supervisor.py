@@ -290,9 +290,11 @@ class Supervisor:
             self._set(Spent(now))
 
 
-# What a proxy inherits of the engine's environment: the contract's variables and what an
-# interpreter needs to start. Nothing else (no CUDA_*, no LD_PRELOAD of the engine's).
-_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "XDG_CACHE_HOME")
+# What a proxy inherits of the engine's environment: the contract's variables, what an
+# interpreter needs to start, and where the dynamic loader finds an ofl transport's
+# libraries (LD_LIBRARY_PATH: libofl.so and its RDMA dependencies). Nothing else (no
+# CUDA_*, no LD_PRELOAD of the engine's, no PYTHON*: the interpreter is isolated anyway).
+_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "XDG_CACHE_HOME", "LD_LIBRARY_PATH")
 _PASS_PREFIX = "VLLM_DSPARK_"
 
 

@@ -43,6 +43,14 @@ def env_for(worker, lib, **extra):
     return proxy_environment(base, lib.path)
 
 
+def test_the_proxy_environment_is_an_allowlist():
+    env = proxy_environment({"PATH": "/bin", "LD_LIBRARY_PATH": "/opt/ofl/lib", "LD_PRELOAD": "/evil.so",
+                             "PYTHONPATH": "/planted", "CUDA_VISIBLE_DEVICES": "0", "VLLM_DSPARK_REMOTE_TRIP": "2",
+                             "SECRET_TOKEN": "x"}, "/lib/hostflag.so")
+    assert env == {"PATH": "/bin", "LD_LIBRARY_PATH": "/opt/ofl/lib", "VLLM_DSPARK_REMOTE_TRIP": "2",
+                   "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB": "/lib/hostflag.so"}
+
+
 def spawn(fd, env, engine_id=7):
     return spawn_proxy(fd, cfg=RemoteConfig.from_env(env), engine_id=engine_id, env=env)
 
