@@ -546,7 +546,10 @@ class _AsyncPath:
         self._resync_all = False
         self._resync: set[int] = set()    # CUDA: slots lost in rounds collected since the last launch
         self._pending: list[int] = []     # CUDA: rounds launched, not yet collected
-        self._watchdog_run = 0            # watchdog releases in a row (stall detection)
+        # When the engine thread saw each of the last STALL_ROUNDS rounds in a row that the
+        # watchdog answered (empty after any other outcome). Its one writer is the engine
+        # thread; the supervisor's stall verdict only reads it (one tuple: one atomic read).
+        self._watchdog_seen: tuple[float, ...] = ()
         self._last_session = 0
         self._thread_started_ns = 0
         self._thread_lost = False
@@ -603,7 +606,6 @@ class _AsyncPath:
             self.end.release_orphans()
             self._drain(time.monotonic() + self.rd.cfg.watchdog_ms / 1000.0)
         elif isinstance(state, Up):
-            self._watchdog_run = 0
             self._resync_all = self._last_session != 0
             self._last_session = state.session
 
@@ -623,6 +625,11 @@ class _AsyncPath:
             self.end.release_no_proxy(r)
             r = ring.seq_add(r, 1)
 
+    def _count_watchdog(self, outcome: str) -> None:
+        """Engine thread: one more round in a row the watchdog answered, or the end of a run."""
+        seen = self._watchdog_seen
+        self._watchdog_seen = (seen + (time.monotonic(),))[-STALL_ROUNDS:] if outcome == "watchdog" else ()
+
     def _start_limit_s(self) -> float:
         """How long a new proxy may take to beat first: its interpreter's start plus its
         first connect attempt."""
@@ -637,7 +644,8 @@ class _AsyncPath:
             # CONNECT_TIMEOUT_MS (a worker that accepts and never answers): still connecting
             # is not stalled.
             return now - up.since * 1e9 > self._start_limit_s() * 1e9
-        if self._watchdog_run >= STALL_ROUNDS:
+        seen = self._watchdog_seen
+        if len(seen) >= STALL_ROUNDS and seen[0] >= up.since:   # all of them during this proxy's life
             return True
         # A live proxy beats at least every idle tick and after every round, and a round
         # keeps it off the heartbeat for at most TIMEOUT_MS (its network wait).
@@ -746,7 +754,7 @@ class _AsyncPath:
                                    f"(watchdog {cfg.watchdog_ms} ms)")
         self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
         outcome, out = self._answer(r, n)
-        self._watchdog_run = self._watchdog_run + 1 if outcome == "watchdog" else 0
+        self._count_watchdog(outcome)
         if self._resync_all:
             self._resync_all = False
             out.resync_all = True
@@ -809,7 +817,7 @@ class _AsyncPath:
             lost = v.slots(got)[v.statuses[:got] == wire.STATUS_RESYNC].tolist()
             self._resync.update(lost)
             self.rd.stats_.record(outcome, v.counts[:got], len(lost))
-            self._watchdog_run = self._watchdog_run + 1 if outcome == "watchdog" else 0
+            self._count_watchdog(outcome)
 
     def stats(self) -> dict:
         proxy = self.region.proxy_counters(self.lib).snapshot()

@@ -226,6 +226,25 @@ def test_watchdog_releases_a_round_the_worker_answers_too_late(worker, tmp_path)
         assert until(lambda: rd.stats()["late"] == 1)   # the proxy's reply came after the watchdog
 
 
+def test_only_watchdog_rounds_of_the_live_proxy_make_it_stalled(worker, tmp_path):
+    """The stall verdict counts rounds the watchdog answered in a row, all seen during
+    the live proxy's life: a run that began under its predecessor is not its fault. The
+    engine thread alone writes the run; the supervisor only reads it."""
+    with make(async_env(worker.port, tmp_path, "process")) as rd:
+        path, up = rd._path, rd._path.supervisor.up
+        assert not path._stalled(up)
+        path._watchdog_seen = (up.since - 0.5, up.since + 0.1, up.since + 0.2)   # began before it
+        assert not path._stalled(up)
+        path._watchdog_seen = (up.since + 0.1, up.since + 0.2, up.since + 0.3)
+        assert path._stalled(up)
+        path._count_watchdog("ok")                                             # a served round ends a run
+        assert path._watchdog_seen == () and not path._stalled(up)
+        for _ in range(5):
+            path._count_watchdog("watchdog")
+        assert len(path._watchdog_seen) == 3 and path._stalled(up)
+        path._watchdog_seen = ()
+
+
 def test_a_proxy_still_connecting_is_not_stalled(tmp_path, monkeypatch):
     """A worker that accepts and never answers HELLO: the proxy's first connect takes the
     whole CONNECT_TIMEOUT_MS, longer than a start is otherwise given. It is not killed as
