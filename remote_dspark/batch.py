@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from . import wire
+from .outcome import Outcome
 
 CONTEXT_TOKENS = 64          # a NEW_GEN entry sends at most this many trailing context tokens
 
@@ -327,18 +328,18 @@ class Drafts:
     counts: "torch.Tensor"               # [n] int32
     margins: "torch.Tensor | None"       # [n, num_spec] float32, when asked for
     source: str                          # "remote", "local" or "none" (target-only)
-    outcome: str                         # the remote round's outcome (engine.OUTCOMES)
+    outcome: Outcome                     # the remote round's outcome
     resync: tuple[int, ...] = ()         # slots the drafter lost: send them with NEW_GEN
     resync_all: bool = False             # a new proxy/connection: re-announce every slot
 
 
-def empty_drafts(n: int, k: int, outcome: str, margins: bool) -> Drafts:
+def empty_drafts(n: int, k: int, outcome: Outcome, margins: bool) -> Drafts:
     return Drafts(torch.zeros(n, k, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
                   torch.zeros(n, k, dtype=torch.float32) if margins else None, "none", outcome)
 
 
 def to_drafts(k: int, slots: np.ndarray, counts: np.ndarray, statuses: np.ndarray, tokens: np.ndarray,
-              margins: np.ndarray | None, outcome: str, want_margin: bool, *, clean: bool = False) -> Drafts:
+              margins: np.ndarray | None, outcome: Outcome, want_margin: bool, *, clean: bool = False) -> Drafts:
     """``Drafts`` from an answer's arrays (views of a drafts slot or of a DRAFTS payload):
     ``counts``/``statuses`` [n], ``tokens``/``margins`` [n, width <= k]. One copy per
     array; tokens and margins past each count are zeroed whatever the source held there,

@@ -19,6 +19,8 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from .outcome import RoundEvent
+
 
 class State(enum.IntEnum):
     CLOSED = 0
@@ -43,9 +45,17 @@ class BreakerRecord:
     probes: int = 0
 
 
+# The breaker's verdict on each network event, for every path (the sync link, the ofl
+# round and the native TCP round): a worker that answered, even with drafts that do not
+# fit the round, is reachable; a silence or a broken connection is a failure; a round that
+# never reached the network says nothing.
+SUCCESS = frozenset({RoundEvent.OK, RoundEvent.BAD_REPLY})
+FAILURE = frozenset({RoundEvent.TIMEOUT, RoundEvent.LOST, RoundEvent.PROTOCOL})
+
+
 class Breaker:
-    """Ask :meth:`allow` once per round; report the attempt with :meth:`success` or
-    :meth:`failure`. Not thread-safe: one proxy owns it.
+    """Ask :meth:`allow` once per round; report what the attempt did with
+    :meth:`observe`. Not thread-safe: one proxy owns it.
 
     Invariants: ``cooldown_left > 0`` only while OPEN; ``failures < trip`` while CLOSED.
     """
@@ -71,6 +81,13 @@ class Breaker:
             s.state = State.PROBING
             s.probes += 1
         return True
+
+    def observe(self, event: RoundEvent) -> None:
+        """The one place an attempt's event becomes a success, a failure or nothing."""
+        if event in SUCCESS:
+            self.success()
+        elif event in FAILURE:
+            self.failure()
 
     def success(self) -> None:
         self.store.failures = 0

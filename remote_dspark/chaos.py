@@ -31,8 +31,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .progress import Progress
+
+if TYPE_CHECKING:
+    from .engine import Stats
 
 FAULTS = ("kill_proxy", "stall_proxy", "restart_worker", "late_worker", "garbage")
 WAIT_SLACK_S = 0.010
@@ -62,7 +66,7 @@ class ChaosResult:
     seed: int
     rounds: int
     faults: dict[str, int]
-    stats: dict
+    stats: Stats | None
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -83,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"\nchaos: {result.rounds} rounds in {args.seconds:g} s, seed {seed}; faults: "
               + ", ".join(f"{k} {v}" for k, v in result.faults.items()))
-        r = result.stats["rounds"]
-        print("rounds: " + ", ".join(f"{k} {v}" for k, v in r.items() if v))
+        print("rounds: " + ", ".join(f"{o.label} {n}" for o, n in result.stats.rounds.items() if n))
         for c in result.checks:
             print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
     return 0 if result.ok else 1
@@ -116,7 +119,7 @@ def run_chaos(seconds: float, *, seed: int, slots: int = 64, respawns: int = 4, 
         rd = RemoteDSpark(cfg, num_spec=5, max_slots=slots, row_bytes=64, environ=env).start()
         try:
             engine = DemoEngine(rd, SimEngine(slots, 5, seed=seed))
-            sup = rd._path.supervisor
+            sup = rd.supervisor
             plan = _Plan(rng, reset_s)
             bar = Progress(int(seconds), "chaos seconds") if progress else None
             start = time.monotonic()
@@ -199,7 +202,7 @@ def _resume(pid: int) -> None:
 
 def _cont(rd) -> None:
     """Never leave a stopped proxy behind (close must be able to end it)."""
-    up = rd._path.supervisor.up if rd._path is not None and rd._path.supervisor else None
+    up = rd.supervisor.live if rd.supervisor is not None else None
     if up:
         _resume(up.pid)
 
@@ -235,32 +238,30 @@ def _zombies() -> list[int]:
 
 def _checks(res: ChaosResult, cfg, respawns: int, closed_cleanly: bool, fds_before: set[str]) -> list[Check]:
     st = res.stats
-    rounds = st["rounds"]
-    total = rounds["total"]
-    pc, ec = st["proxy_counters"], st["engine_counters"]
+    total = st.total_rounds
+    pc, ec = st.handoff.proxy_counters, st.handoff.engine_counters
     by_proxy = pc["rounds_ok"] + pc["rounds_timeout"] + pc["rounds_error"] + pc["rounds_breaker_skip"]
     releases = by_proxy + ec["watchdog_releases"] + ec["no_proxy_rounds"] + ec["orphan_releases"]
-    ring = st["ring"]
-    sup = st["supervisor"]
-    losses = sum(sup["restarts"].values())
-    respawned = sup["spawns"] - 1
-    allowed = respawns * (1 + sup["budget_restored"])
+    ring = st.handoff
+    sup = st.supervisor
+    losses = sum(sup.restarts.values())
+    respawned = sup.spawns - 1
+    allowed = respawns * (1 + sup.budget_restored)
     limit = cfg.watchdog_ms / 1000 + WAIT_SLACK_S
     leaked = sorted(_fds() - fds_before)
     return [
-        Check("every round released exactly once", releases == total and ring["released"] == ring["gathered"],
+        Check("every round released exactly once", releases == total and ring.released == ring.gathered,
               f"{total} rounds; released by proxy {by_proxy}, watchdog {ec['watchdog_releases']}, no proxy "
               f"{ec['no_proxy_rounds']}, orphan {ec['orphan_releases']} (sum {releases}); ring released "
-              f"{ring['released']} gathered {ring['gathered']}"),
-        Check("no round waited past the watchdog + 10 ms", st["max_wait_s"] <= limit,
-              f"longest wait {st['max_wait_s'] * 1e3:.1f} ms, limit {limit * 1e3:.0f} ms"),
-        Check("respawns within the budget", respawned <= allowed and sup["budget_left"] >= 0
+              f"{ring.released} gathered {ring.gathered}"),
+        Check("no round waited past the watchdog + 10 ms", ring.max_wait_s <= limit,
+              f"longest wait {ring.max_wait_s * 1e3:.1f} ms, limit {limit * 1e3:.0f} ms"),
+        Check("respawns within the budget", respawned <= allowed and sup.budget_left >= 0
               and respawned <= losses,
-              f"{losses} proxies lost, {respawned} respawned, budget {respawns} restored {sup['budget_restored']} times"),
-        Check("the budget came back after the reset window", sup["budget_restored"] >= 1 or losses == 0,
-              f"restored {sup['budget_restored']} times, {sup['budget_left']} left at the end"),
-        Check("outcome counters add up to the rounds", sum(v for k, v in rounds.items() if k != "total") == total
-              == res.rounds, f"{res.rounds} steps, {total} counted"),
+              f"{losses} proxies lost, {respawned} respawned, budget {respawns} restored {sup.budget_restored} times"),
+        Check("the budget came back after the reset window", sup.budget_restored >= 1 or losses == 0,
+              f"restored {sup.budget_restored} times, {sup.budget_left} left at the end"),
+        Check("outcome counters add up to the rounds", total == res.rounds, f"{res.rounds} steps, {total} counted"),
         Check("no zombie, no leaked fd or memfd", not _zombies() and not leaked and not _memfds(),
               f"zombies {_zombies()}, leaked fds {leaked}, memfds {_memfds()}"),
         Check("the engine closed cleanly", closed_cleanly, "close() returned" if closed_cleanly else "close() failed"),

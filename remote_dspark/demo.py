@@ -17,6 +17,7 @@ import signal
 import tempfile
 import time
 
+from .outcome import Outcome
 from .progress import Progress
 
 
@@ -103,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _note(rd) -> str:
-    sup = rd.stats().get("supervisor") if rd.mode == "process" else None
-    return f"proxy {sup['state']}, budget {sup['budget_left']}" if sup else ""
+    sup = rd.supervisor.stats() if rd.supervisor is not None else None
+    return f"proxy {sup.state}, budget {sup.budget_left}" if sup else ""
 
 
 KILL_WAIT_S = 30.0   # how long the demo waits for the supervisor to react to a kill
@@ -124,15 +125,15 @@ def _kill_proxy(rd, last: int | None) -> int | None:
 
 
 def _supervisor_state(rd, *, past: int | None):
-    """The supervisor's state once it is past proxy ``past`` (a later proxy is up, or
-    none will be) and not between a loss and a respawn, or after KILL_WAIT_S; None
-    outside process mode."""
-    from .supervisor import Down, Up
-    sup = rd._path.supervisor if rd.mode == "process" else None
+    """The supervisor's state once it is past proxy ``past`` (a later proxy serves, or
+    none will) and not between a loss and a serving successor, or after KILL_WAIT_S;
+    None outside process mode."""
+    from .supervisor import Down, Starting, Up
+    sup = rd.supervisor
     deadline = time.monotonic() + KILL_WAIT_S
     while sup is not None:
         state = sup.state
-        settled = not isinstance(state, Down) and not (isinstance(state, Up) and state.pid == past)
+        settled = not isinstance(state, (Down, Starting)) and not (isinstance(state, Up) and state.pid == past)
         if settled or time.monotonic() >= deadline:
             return state
         time.sleep(0.005)
@@ -141,7 +142,7 @@ def _supervisor_state(rd, *, past: int | None):
 
 def _local_drafter(num_spec: int):
     """The engine's own drafter for shadow/resilience: the built-in Markov model, locally."""
-    from .engine import torch
+    import torch
     from .markov import builtin_model
     model = builtin_model()
 
@@ -167,25 +168,25 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def print_report(stats: dict, engine) -> None:
-    rounds = stats["rounds"]
-    total = rounds["total"]
+def print_report(stats, engine) -> None:
+    """``stats``: the engine's ``Stats``; ``engine``: the ``DemoEngine`` that ran."""
+    total = stats.total_rounds
     print(f"\nrounds by outcome ({total} rounds)")
-    for k, v in rounds.items():
-        if k != "total" and (v or k == "ok"):
-            print(f"  {k:<14}{v:>8}  {v / max(1, total) * 100:5.1f}%")
-    print(f"  {'late replies':<14}{stats.get('late', 0):>8}")
+    for outcome, n in stats.rounds.items():
+        if n or outcome is Outcome.OK:
+            print(f"  {outcome.label:<14}{n:>8}  {n / max(1, total) * 100:5.1f}%")
+    print(f"  {'late replies':<14}{stats.link.late:>8}")
     lat = [s.seconds for s in engine.steps]
     print("round latency (ms, engine side): " + "  ".join(
         f"{name} {percentile(lat, q) * 1e3:.3f}" for name, q in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))))
     print("accepted drafts by position")
-    for i, (a, o) in enumerate(zip(stats["accepted_at"], stats["offered_at"])):
+    for i, (a, o) in enumerate(zip(stats.accepted_at, stats.offered_at)):
         print(f"  pos {i}: {a:>8} of {o:>8} offered ({a / o * 100 if o else 0:5.1f}%)")
     sim = engine.sim
     print(f"tokens decoded: {sim.tokens} in {sim.rounds} rounds ({sim.tokens / max(1, sim.rounds):.1f} per round "
           f"over {sim.n_slots} slots, {sim.tokens / max(1, sim.rounds * sim.n_slots):.2f} per slot)")
-    sup = stats.get("supervisor")
+    sup = stats.supervisor
     if sup:
-        r = sup["restarts"]
-        print(f"proxy: {sup['spawns']} started, restarts exit={r['exit']} signal={r['signal']} stall={r['stall']}; "
-              f"respawn budget left {sup['budget_left']} (state: {sup['state']})")
+        r = sup.restarts
+        print(f"proxy: {sup.spawns} started, restarts exit={r['exit']} signal={r['signal']} stall={r['stall']}; "
+              f"respawn budget left {sup.budget_left} (state: {sup.state})")

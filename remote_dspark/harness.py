@@ -20,14 +20,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .engine import Batch, Drafts, RemoteDSpark, torch
+import torch
+
+from .engine import Batch, Drafts, RemoteDSpark
+from .outcome import Outcome
 from .sim import SimEngine
 
 
 @dataclass
 class StepRecord:
     seconds: float
-    outcome: str
+    outcome: Outcome
     accepted: int
 
 

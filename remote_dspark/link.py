@@ -15,35 +15,27 @@ eagerly.
 
 from __future__ import annotations
 
-import enum
 import logging
+import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from . import wire
 from .breaker import Breaker
 from .client import DraftClient
+from .outcome import DROPS_CONNECTION, OUTCOME_OF, Outcome, RoundEvent
 from .transport import DeadlineExceeded, Endpoint, TransportError
 from .transport.tcp import TcpStream
 
 log = logging.getLogger("remote_dspark.link")
 
 
-class Outcome(str, enum.Enum):
-    OK = "ok"
-    TIMEOUT = "timeout"            # no reply within the round's deadline
-    ERROR = "error"                # the connection broke or the reply broke the contract
-    BREAKER_SKIP = "breaker_skip"  # the breaker is open: no network this round
-    BACKOFF = "backoff"            # no connection (reconnecting): no network this round
-
-
 @dataclass(frozen=True)
 class RoundResult:
     outcome: Outcome
+    event: RoundEvent              # AT_ONCE: not sent (no connection, or the breaker open)
     drafts: wire.Drafts | None = None
-    seconds: float = 0.0           # network time of an attempt (0 when none was made)
 
 
 class RemoteLink:
@@ -172,25 +164,39 @@ class RemoteLink:
 
     def round(self, round_id: int, parts: Sequence, deadline_ms: int) -> RoundResult:
         """Send the ROUND frame ``parts`` (buffers, sent uncopied) and wait for its
-        DRAFTS within ``deadline_ms``; never raises for a remote failure."""
+        DRAFTS within ``deadline_ms``; never raises for a remote failure. No connection
+        is an ERROR, unsent; the breaker hears every attempt's event."""
         client = self._client
         if client is None:
-            return RoundResult(Outcome.BACKOFF)
+            return RoundResult(Outcome.ERROR, RoundEvent.AT_ONCE)
         if not self.breaker.allow():
-            return RoundResult(Outcome.BREAKER_SKIP)
+            return RoundResult(Outcome.BREAKER_SKIP, RoundEvent.AT_ONCE)
         self.attempts += 1
-        t0 = time.monotonic()
+        drafts, why = None, ""
         try:
             drafts = client.round(round_id, parts, deadline_ms)
+            event = RoundEvent.OK
         except DeadlineExceeded:
-            self.breaker.failure()
-            return RoundResult(Outcome.TIMEOUT, seconds=time.monotonic() - t0)
-        except (TransportError, wire.ProtocolError) as e:
-            self.breaker.failure()
-            self.drop(f"round {round_id} on {self.endpoint} failed: {e}")
-            return RoundResult(Outcome.ERROR, seconds=time.monotonic() - t0)
-        self.breaker.success()
-        return RoundResult(Outcome.OK, drafts, time.monotonic() - t0)
+            event = RoundEvent.TIMEOUT
+        except wire.ProtocolError as e:
+            event, why = RoundEvent.PROTOCOL, str(e)
+        except TransportError as e:
+            event, why = RoundEvent.LOST, str(e)
+        self.breaker.observe(event)
+        if event in DROPS_CONNECTION:
+            self.drop(f"round {round_id} on {self.endpoint} failed: {why}")
+        return RoundResult(OUTCOME_OF[event], event, drafts)
+
+    def interrupt(self) -> None:
+        """Wake a round in flight on another thread (the engine is closing): a TCP
+        connection is shut down, not closed, so that round ends at once (LOST) and its
+        descriptor stays valid until the round's own thread drops it."""
+        sock = self.tcp_socket()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass   # already down
 
     def close(self) -> None:
         """Say BYE and stop reconnecting. Idempotent."""

@@ -8,7 +8,7 @@ engine's own counters and the supervisor's state, when Prometheus scrapes. The r
 outlives every proxy, so its counters are monotonic across respawns; the one per-process
 fact that is not (CPU time) is carried by the supervisor from each dead proxy's rusage.
 
-Every number comes from :meth:`RemoteDSpark.stats`, the same dict the JSON stats file
+Every number comes from :meth:`RemoteDSpark.stats`, the same record the JSON stats file
 and the ``LOG_EVERY`` line show, so the three never disagree.
 
 Names: prefix ``dspark_remote_``, base units (seconds, bytes), ``_total`` on counters,
@@ -24,8 +24,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from .engine.stats import Histogram
+
 PREFIX = "dspark_remote_"
-OUTCOMES = ("ok", "timeout", "error", "breaker_skip", "no_proxy", "watchdog", "orphan", "late")
 BREAKER_STATES = ("closed", "open", "probing")
 CAUSES = ("exit", "signal", "stall")
 
@@ -38,14 +39,14 @@ def _gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, .
     return GaugeMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
 
 
-def _histogram(name: str, doc: str, hist: dict) -> HistogramMetricFamily:
-    """From a non-cumulative ``{"bounds", "buckets" (last: +Inf), "sum"}``."""
+def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
+    """From a non-cumulative :class:`Histogram` (its last bucket: +Inf)."""
     fam = HistogramMetricFamily(PREFIX + name, doc)
     running, buckets = 0, []
-    for bound, count in zip(list(hist["bounds"]) + [float("inf")], hist["buckets"]):
+    for bound, count in zip(list(hist.bounds) + [float("inf")], hist.buckets):
         running += count
         buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-    fam.add_metric([], buckets, hist["sum"])
+    fam.add_metric([], buckets, hist.sum)
     return fam
 
 
@@ -63,34 +64,36 @@ class RemoteDSparkCollector(Collector):
         s = rd.stats()
         cfg = rd.cfg
         info = InfoMetricFamily(PREFIX[:-1], "Remote drafter configuration: policy, mode, endpoint and identities.")
-        info.add_metric([], {"policy": cfg.policy, "mode": s["mode"], "endpoint": str(cfg.endpoint),
+        info.add_metric([], {"policy": cfg.policy, "mode": s.mode, "endpoint": str(cfg.endpoint),
                              "drafter_identity": cfg.drafter_identity.hex(),
                              "markov_identity": cfg.markov_identity.hex()})
         yield info
 
+        link, handoff, sup = s.link, s.handoff, s.supervisor
         rounds = _counter("rounds", "Drafting rounds by outcome. late counts replies that came after their "
                           "round had been answered without them (its deadline passed, or the watchdog "
                           "answered it); that round is also counted under its own outcome.",
                           labels=("outcome",))
-        for outcome in OUTCOMES:
-            rounds.add_metric([outcome], s.get("late", 0) if outcome == "late" else s["rounds"][outcome])
+        for outcome, n in s.rounds.items():
+            rounds.add_metric([outcome.label], n)
+        rounds.add_metric(["late"], link.late)
         yield rounds
         yield _counter("attempts", "Rounds sent to the remote drafter (the breaker and back-off send none).",
-                       s.get("attempts", 0))
+                       link.attempts)
         # The proxy's own counter (no proxy, no such rounds: 0), beside the outcomes it
         # refines: each of these rounds is also counted under outcome="error".
         yield _counter("rounds_bad_desc", "Rounds whose descriptor (the engine's metadata, perhaps written by "
                        "a GPU stream) broke the layout or the wire's rules: answered target-only, never sent; "
                        "also counted under rounds_total{outcome=\"error\"}.",
-                       s.get("proxy_counters", {}).get("rounds_bad_desc", 0))
+                       handoff.proxy_counters["rounds_bad_desc"] if handoff else 0)
         yield _histogram("round_latency_seconds", "Engine-side time of a round, hand-off and network included.",
-                         s["round_latency"])
-        if "handoff_latency" in s:
+                         s.round_latency)
+        if handoff:
             yield _histogram("handoff_latency_seconds", "From the engine's store of gathered to the proxy "
-                             "seeing the round.", s["handoff_latency"])
-        yield _counter("drafts", "Entries the remote drafter answered with at least one token.", s["drafts"])
-        yield _counter("draft_tokens", "Draft tokens returned by the remote drafter.", s["draft_tokens"])
-        yield _counter("resyncs", "Slots the worker asked to have re-announced (NEW_GEN).", s["resyncs"])
+                             "seeing the round.", handoff.handoff_latency)
+        yield _counter("drafts", "Entries the remote drafter answered with at least one token.", s.drafts)
+        yield _counter("draft_tokens", "Draft tokens returned by the remote drafter.", s.draft_tokens)
+        yield _counter("resyncs", "Slots the worker asked to have re-announced (NEW_GEN).", s.resyncs)
 
         accepted = _counter("accepted_tokens_by_position", "Draft tokens the engine accepted, by draft position.",
                             labels=("position",))
@@ -100,43 +103,40 @@ class RemoteDSparkCollector(Collector):
                          labels=("position",))
         compared = _counter("shadow_compared", "Shadow: positions where both drafters drafted.",
                             labels=("position",))
-        for i in range(len(s["accepted_at"])):
-            accepted.add_metric([str(i)], s["accepted_at"][i])
-            offered.add_metric([str(i)], s["offered_at"][i])
-            agree.add_metric([str(i)], s["shadow_agree_at"][i])
-            compared.add_metric([str(i)], s["shadow_compared_at"][i])
-        yield _counter("accepted_tokens", "Draft tokens the engine accepted.", sum(s["accepted_at"]))
+        for i in range(len(s.accepted_at)):
+            accepted.add_metric([str(i)], s.accepted_at[i])
+            offered.add_metric([str(i)], s.offered_at[i])
+            agree.add_metric([str(i)], s.shadow_agree_at[i])
+            compared.add_metric([str(i)], s.shadow_compared_at[i])
+        yield _counter("accepted_tokens", "Draft tokens the engine accepted.", sum(s.accepted_at))
         yield from (accepted, offered, agree, compared)
-        yield _histogram("margin_ratio", "Top1-top2 probability margin of the remote drafts (shadow).", s["margin"])
+        yield _histogram("margin_ratio", "Top1-top2 probability margin of the remote drafts (shadow).", s.margin)
 
-        breaker = s.get("breaker", {"state": 0, "trips": 0, "probes": 0})
         state = _gauge("breaker_state", "1 for the breaker's current state, 0 for the others.", labels=("state",))
         for i, name in enumerate(BREAKER_STATES):
-            state.add_metric([name], 1.0 if breaker["state"] == i else 0.0)
+            state.add_metric([name], 1.0 if link.breaker.state == i else 0.0)
         yield state
-        yield _counter("breaker_trips", "Times the breaker opened.", breaker["trips"])
-        yield _counter("breaker_probes", "Probe rounds sent after a cooldown.", breaker["probes"])
-        yield _counter("reconnects", "Connections to the worker made after the first.", s.get("reconnects", 0))
+        yield _counter("breaker_trips", "Times the breaker opened.", link.breaker.trips)
+        yield _counter("breaker_probes", "Probe rounds sent after a cooldown.", link.breaker.probes)
+        yield _counter("reconnects", "Connections to the worker made after the first.", link.reconnects)
 
-        if "session" in s:
+        if handoff:
             yield _gauge("session_id", "Low 32 bits of the current proxy session (changes on every new proxy).",
-                         s["session"] & 0xFFFFFFFF)
-        sup = s.get("supervisor")
-        if s["mode"] != "sync":
-            up = (sup["state"] == "up") if sup else s.get("proxy_thread_alive", False)
+                         handoff.session & 0xFFFFFFFF)
+            up = sup.state == "up" if sup else bool(handoff.proxy_thread_alive)
             yield _gauge("proxy_up", "1 while a proxy (process or thread) is serving rounds.", 1.0 if up else 0.0)
         if sup:
             restarts = _counter("proxy_restarts", "Proxies lost, by cause: exit, signal, stall (killed by the "
                                 "supervisor).", labels=("cause",))
             for cause in CAUSES:
-                restarts.add_metric([cause], sup["restarts"][cause])
+                restarts.add_metric([cause], sup.restarts[cause])
             yield restarts
-            yield _gauge("respawn_budget_left", "New proxies the supervisor may still start.", sup["budget_left"])
+            yield _gauge("respawn_budget_left", "New proxies the supervisor may still start.", sup.budget_left)
             yield _counter("respawn_budget_restores", "Times a proxy served RESPAWN_RESET_S and the full "
-                           "budget came back.", sup["budget_restored"])
+                           "budget came back.", sup.budget_restored)
             yield _gauge("proxy_resident_memory_bytes", "Resident memory of the live proxy process.",
-                         sup["proxy_rss_bytes"])
-            yield _counter("proxy_cpu_seconds", "CPU time of all proxy processes so far.", sup["proxy_cpu_seconds"])
+                         sup.proxy_rss_bytes)
+            yield _counter("proxy_cpu_seconds", "CPU time of all proxy processes so far.", sup.proxy_cpu_seconds)
 
 
 class Exporter:

@@ -38,21 +38,16 @@ from typing import Callable, Mapping
 from . import native, shm, wire
 from .breaker import Breaker, BreakerRecord
 from .config import RemoteConfig
-from .link import Outcome as LinkOutcome, RemoteLink
-from .ring import Outcome, ProxyEnd, ProxyRound
-from .tcp_round import RoundEvent, Served, TcpRounds
+from .link import RemoteLink
+from .outcome import DROPS_CONNECTION, Outcome, RoundEvent
+from .ring import ProxyEnd, ProxyRound
+from .tcp_round import Served, TcpRounds
 
 log = logging.getLogger("remote_dspark.proxy")
 
 IDLE_TICK_S = 0.05     # how often an idle proxy beats and checks its parent and stop flag
 AT_ONCE_MAX = 1 << 20  # rounds answered target-only in one native call (bounded by the tick)
 EXIT_ATTACH = 3        # the region could not be attached (or the library loaded)
-
-_RING_OUTCOME = {LinkOutcome.OK: Outcome.OK, LinkOutcome.TIMEOUT: Outcome.TIMEOUT,
-                 LinkOutcome.ERROR: Outcome.ERROR, LinkOutcome.BREAKER_SKIP: Outcome.BREAKER_SKIP,
-                 # No connection (reconnecting): target-only, counted with the errors.
-                 LinkOutcome.BACKOFF: Outcome.ERROR}
-
 
 class RegionBreaker:
     """The breaker, its state kept in the region's breaker block (the proxy is its only
@@ -150,17 +145,14 @@ class ProxyLoop:
 
     def _account(self, s: Served) -> None:
         """After a native round (released already): the breaker, counters and log."""
-        ev, breaker = s.event, self.breaker.breaker
+        ev = s.event
         if s.sent:
             self.link.attempts += 1
             self.end.counters.add("attempts")
         if s.late:   # replies to rounds this proxy had given up on
             self.end.counters.add("rounds_late", s.late)
-        if ev in (RoundEvent.OK, RoundEvent.BAD_REPLY):
-            breaker.success()
-        elif ev in (RoundEvent.TIMEOUT, RoundEvent.LOST, RoundEvent.PROTOCOL):
-            breaker.failure()
-        if ev in (RoundEvent.LOST, RoundEvent.PROTOCOL):
+        self.breaker.breaker.observe(ev)
+        if ev in DROPS_CONNECTION:
             self.rounds.detach()
             self._attached_epoch = 0
             self.link.drop(f"round {s.round} on {self.cfg.endpoint} failed: {s.why}")
@@ -188,9 +180,8 @@ class ProxyLoop:
         if self.link.late != late:   # replies to rounds this proxy had given up on
             self.end.counters.add("rounds_late", self.link.late - late)
         self.breaker.flush()
-        outcome = _RING_OUTCOME[result.outcome]
         try:
-            self.end.complete(rnd, result.drafts, outcome)
+            self.end.complete(rnd, result.drafts, result.outcome)
         except ValueError as e:  # drafts that do not fit the round (a worker bug)
             log.error("proxy: round %d: worker reply refused: %s", rnd.round, e)
             self.end.complete(rnd, None, Outcome.ERROR)

@@ -30,7 +30,6 @@ This module imports only the standard library and the package's own torch-free m
 from __future__ import annotations
 
 import ctypes
-import enum
 import os
 import struct
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Sequence
 
 from . import native, shm, wire
 from .native import Status, check
+from .outcome import Outcome
 
 MASK = 0xFFFFFFFF
 PUBLISH_TIMEOUT_NS = 1_000_000_000  # how long a claimer waits for the previous one
@@ -50,18 +50,6 @@ def seq_geq(a: int, b: int) -> bool:
 
 def seq_add(a: int, n: int) -> int:
     return (a + n) & MASK
-
-
-class Outcome(enum.IntEnum):
-    """The status word of a drafts slot: how the round was answered."""
-
-    OK = 0            # the proxy's drafts (possibly none)
-    TIMEOUT = 1       # proxy: the remote did not answer within the round's deadline
-    ERROR = 2         # proxy: a connection or protocol error
-    BREAKER_SKIP = 3  # proxy: the breaker is open, no network
-    WATCHDOG = 4      # the engine's native watchdog
-    NO_PROXY = 5      # the engine, with no proxy up
-    ORPHAN = 6        # the engine, for a round a dead proxy had claimed
 
 
 _PROXY_COUNTER = {Outcome.OK: "rounds_ok", Outcome.TIMEOUT: "rounds_timeout",

@@ -122,7 +122,7 @@ class CudaBackend:
         self._region = region
         self._host = region.base
         self.device_base = self._drv.host_register(self._host, region.layout.size)
-        region.add_close_hook(self._unregister)
+        region.add_close_hook(self.unregister)
         lay = region.layout
         self._gathered = self.device_base + lay.gathered
         self._released = self.device_base + lay.released
@@ -172,7 +172,9 @@ class CudaBackend:
     def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
         raise NotImplementedError("the CUDA backend times hand-offs with CUDA events (bench handoff --device cuda)")
 
-    def _unregister(self) -> None:
+    def unregister(self) -> None:
+        """Unpin the region (idempotent). The region's close runs it too, but the engine
+        calls it at close from its own thread, where torch's context is current."""
         if self._host:
             host, self._host = self._host, 0
             self._drv.host_unregister(host)
@@ -223,6 +225,12 @@ class HostFlagSync:
         if stream is None:
             return self.backend.wait(round_id, native.deadline_ns(timeout_s))
         return self.backend.wait(round_id, native.deadline_ns(timeout_s), stream)
+
+    def unregister(self) -> None:
+        """CUDA: unpin the region now (idempotent); nothing on the CPU."""
+        unregister = getattr(self.backend, "unregister", None)
+        if unregister is not None:
+            unregister()
 
     def handoff(self, round_id: int, timeout_s: float) -> Handoff:
         """``signal`` then ``wait``, timed by the backend."""

@@ -9,15 +9,22 @@ Why a pidfd, not polling: the kernel makes the pidfd readable the instant the ch
 exits, so a watcher thread sleeping in ``select`` sees death at once, and can also wake
 every ``tick`` to check for stalls and the budget's reset window.
 
-The lifecycle is one typed value (:data:`Lifecycle`) and the restart decision is made in
-one place (:meth:`Supervisor._lost`):
+The lifecycle is one typed value (:data:`Lifecycle`), changed only under the
+supervisor's lock by :meth:`Supervisor._set`, which also tells ``on_change``; the
+restart decision is made in one place (:meth:`Supervisor._lost`):
 
-    Up --exit/signal/stall--> budget left? --yes--> Up (new proxy, new session)
-                                           --no---> Spent (target-only from now on)
+    Starting --serving--> Up
+    Starting --exit/signal/no beat within the start limit--+
+    Up --exit/signal/stall---------------------------------+--> Down --budget left?
+         --yes--> Starting (new proxy, new session)
+         --no---> Spent (target-only from now on)
     any --close()--> Closed
 
-While the state is not :class:`Up` every round is target-only and released by the
-engine side at once.
+A proxy is Starting from its spawn until it serves (the host's ``serving`` predicate:
+it has beaten, i.e. made its first connection attempt, which may take the whole
+CONNECT_TIMEOUT_MS); only an Up proxy can be judged stalled. A worker that is down or
+hung is the proxy's business (back-off, breaker), never a proxy loss. While no proxy is
+serving every round is target-only and released by the engine side at once.
 """
 
 from __future__ import annotations
@@ -47,10 +54,17 @@ class Cause(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class Up:
+class Starting:
     pid: int
     session: int
     since: float                 # monotonic time of the spawn
+
+
+@dataclass(frozen=True)
+class Up:
+    pid: int
+    session: int
+    since: float                 # monotonic time of the spawn (not of the first beat)
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,7 @@ class Closed:
     pass
 
 
-Lifecycle = Union[Up, Down, Spent, Closed]
+Lifecycle = Union[Starting, Up, Down, Spent, Closed]
 
 
 class RestartBudget:
@@ -82,7 +96,7 @@ class RestartBudget:
         self.reset_s = reset_s
         self.restored = 0         # times the reset window gave the budget back
 
-    def observe(self, up: Up, now: float) -> None:
+    def observe(self, up: "Up", now: float) -> None:
         if self.reset_s and self.left < self.full and now - up.since >= self.reset_s:
             self.left = self.full
             self.restored += 1
@@ -109,21 +123,26 @@ class SupervisorStats:
 
 class Supervisor:
     """Owns the proxy process. ``spawn(session)`` starts one and returns its Popen;
-    ``stalled(up)`` says whether a live proxy has stopped serving; ``on_change(state)``
-    hears every lifecycle change (from the watcher thread).
+    ``serving(starting)`` says whether a new proxy serves yet; ``stalled(up)`` whether a
+    serving one has stopped; ``on_change(state)`` hears every lifecycle change (from the
+    thread that made it, under the lock, in order). A proxy that does not serve within
+    ``start_limit_s`` of its spawn is killed (a stall).
 
     Invariants: at most one proxy process is alive; every process spawned is reaped
-    (no zombie) by the watcher or by :meth:`close`; ``state`` changes only under
-    ``_lock``.
+    (no zombie) by the watcher or by :meth:`close`; ``state`` changes only in ``_set``,
+    under ``_lock``.
     """
 
     def __init__(self, spawn: Callable[[int], subprocess.Popen], *, respawns: int, reset_s: float,
+                 serving: Callable[[Starting], bool] | None = None, start_limit_s: float = 10.0,
                  stalled: Callable[[Up], bool] | None = None,
                  on_change: Callable[[Lifecycle], None] | None = None,
                  tick_s: float = 0.02, new_session: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self._spawn_fn = spawn
         self.budget = RestartBudget(respawns, reset_s)
+        self._serving = serving or (lambda starting: True)
+        self.start_limit_s = start_limit_s
         self._stalled = stalled or (lambda up: False)
         self._on_change = on_change or (lambda state: None)
         self.tick_s = tick_s
@@ -154,14 +173,14 @@ class Supervisor:
         failure: list[BaseException] = []
 
         def first() -> None:
-            try:
-                with self._lock:
+            with self._lock:
+                try:
                     self._spawn()
-            except BaseException as e:
-                failure.append(e)
-                self.state = Spent(self._clock())
-            finally:
-                started.set()
+                except BaseException as e:
+                    failure.append(e)
+                    self._set(Spent(self._clock()))
+                finally:
+                    started.set()
             if not failure:
                 self._watch()
 
@@ -190,8 +209,15 @@ class Supervisor:
 
     @property
     def up(self) -> Up | None:
+        """The serving proxy, if any."""
         state = self.state
         return state if isinstance(state, Up) else None
+
+    @property
+    def live(self) -> Starting | Up | None:
+        """The live proxy, serving or still starting, if any."""
+        state = self.state
+        return state if isinstance(state, (Starting, Up)) else None
 
     def stats(self) -> SupervisorStats:
         # Under the lock: the live proxy's CPU time and the dead ones' sum must not both
@@ -207,6 +233,8 @@ class Supervisor:
     # ------------------------------------------------------------------ internals
 
     def _set(self, state: Lifecycle) -> None:
+        """The one transition: under ``_lock`` (asserted), then ``on_change``."""
+        assert self._lock.locked(), "a supervisor transition outside its lock"
         self.state = state
         self._on_change(state)
 
@@ -217,7 +245,7 @@ class Supervisor:
         self._pidfd = os.pidfd_open(proc.pid)
         self._kill_cause = None
         self.spawns += 1
-        self._set(Up(proc.pid, session, self._clock()))
+        self._set(Starting(proc.pid, session, self._clock()))
 
     def _close_pidfd(self) -> None:
         if self._pidfd >= 0:
@@ -234,7 +262,7 @@ class Supervisor:
                 try:
                     if self._pidfd in ready:
                         self._reap_and_decide()
-                    elif isinstance(self.state, Up):
+                    elif isinstance(self.state, (Starting, Up)):
                         self._check_live(self.state)
                 except Exception:
                     # Supervision must not end silently with a proxy marked up: give up
@@ -247,12 +275,24 @@ class Supervisor:
                     self._set(Spent(self._clock()))
                     return
 
-    def _check_live(self, up: Up) -> None:
-        self.budget.observe(up, self._clock())
-        if self._kill_cause is None and self._stalled(up):
-            log.warning("proxy pid %d stalled; killing it", up.pid)
-            self._kill_cause = Cause.STALL
-            _signal(self._proc, signal.SIGKILL)
+    def _check_live(self, live: Starting | Up) -> None:
+        if self._kill_cause is not None:   # killed already: its exit is on the way
+            return
+        now = self._clock()
+        if isinstance(live, Starting):
+            if self._serving(live):
+                self._set(Up(live.pid, live.session, live.since))
+            elif now - live.since > self.start_limit_s:
+                self._kill(live.pid, f"did not serve within {self.start_limit_s:.1f} s of its start")
+            return
+        self.budget.observe(live, now)
+        if self._stalled(live):
+            self._kill(live.pid, "stalled")
+
+    def _kill(self, pid: int, why: str) -> None:
+        log.warning("proxy pid %d %s; killing it", pid, why)
+        self._kill_cause = Cause.STALL
+        _signal(self._proc, signal.SIGKILL)
 
     def _reap_and_decide(self) -> None:
         proc = self._proc

@@ -28,25 +28,13 @@ one call answers any number of those in a row (``at_once_max``).
 from __future__ import annotations
 
 import ctypes
-import enum
 from typing import NamedTuple
 
 from . import native, wire
-from .ring import Outcome, ProxyEnd, seq_add
+from .outcome import Outcome, RoundEvent
+from .ring import ProxyEnd, seq_add
 
 DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)
-
-
-class RoundEvent(enum.IntEnum):
-    """What ``hf_round`` did with the round it took (the C ``HF_EV_*``)."""
-
-    OK = 0          # sent, answered with its drafts
-    AT_ONCE = 1     # not sent: answered with the status it was given
-    TIMEOUT = 2     # sent, no reply by the deadline: answered TIMEOUT, connection kept
-    LOST = 3        # the connection broke (send, receive, closed, BYE): answered ERROR
-    PROTOCOL = 4    # the reply broke the wire contract: answered ERROR
-    BAD_REPLY = 5   # well-formed drafts that do not fit the round: answered ERROR
-    BAD_DESC = 6    # the descriptor breaks a rule: answered ERROR, nothing sent, counted rounds_bad_desc
 
 
 _EVENTS = tuple(RoundEvent)

@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
     if not gpu:
         return
     try:
-        from remote_dspark.engine import torch
+        import torch
         available = torch.cuda.is_available()
     except ImportError:
         available = False

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from remote_dspark import wire
 from remote_dspark.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_meta, to_drafts, write_meta
-from remote_dspark.engine import torch
+import torch
 from remote_dspark.sim import SimEngine
 
 MAX_SLOTS, K, ROW_BYTES = 16, 4, 8

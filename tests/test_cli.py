@@ -44,18 +44,19 @@ def test_demo_kill_proxy_every_spends_the_budget():
 
 def test_a_due_kill_waits_for_the_killed_proxys_successor(monkeypatch):
     """The supervisor may still show the proxy killed last (not reaped yet), then none
-    (respawning): the kill lands on the next proxy, never on a corpse."""
+    (respawning), then its successor starting: the kill lands on the next proxy once it
+    serves, never on a corpse or a proxy still starting."""
     from types import SimpleNamespace
 
     from remote_dspark import demo
-    from remote_dspark.supervisor import Cause, Down, Spent, Up
-    states = iter([Up(11, 1, 0.0), Up(11, 1, 0.0), Down(Cause.SIGNAL, 0.0), Up(12, 2, 0.0)])
+    from remote_dspark.supervisor import Cause, Down, Spent, Starting, Up
+    states = iter([Up(11, 1, 0.0), Up(11, 1, 0.0), Down(Cause.SIGNAL, 0.0), Starting(12, 2, 0.0), Up(12, 2, 0.0)])
 
     class Sup:
         @property
         def state(self):
             return next(states)
-    rd = SimpleNamespace(mode="process", _path=SimpleNamespace(supervisor=Sup()))
+    rd = SimpleNamespace(mode="process", supervisor=Sup())
     killed = []
     monkeypatch.setattr(demo.os, "kill", lambda pid, sig: killed.append(pid))
     assert demo._kill_proxy(rd, 11) == 12 and killed == [12]

@@ -13,7 +13,10 @@ import pytest
 from helpers import until
 
 from remote_dspark.config import RemoteConfig
-from remote_dspark.engine import Batch, RemoteClosed, RemoteDSpark, RemoteRoundFailed, torch
+import torch
+
+from remote_dspark.outcome import Outcome
+from remote_dspark.engine import Batch, RemoteClosed, RemoteDSpark, RemoteRoundFailed
 from remote_dspark.markov import MarkovModel
 from remote_dspark.transport import TransportError
 from remote_dspark.worker import MarkovDrafter, Worker
@@ -76,7 +79,7 @@ def dead_port():
 def test_sync_capacity_round_returns_device_tensors(worker, tmp_path):
     with make(env_for(worker.port, tmp_path)) as rd:
         out = rd.round(batch())
-        assert out.source == "remote" and out.outcome == "ok"
+        assert out.source == "remote" and out.outcome is Outcome.OK
         assert out.tokens.dtype == torch.int32 and out.tokens.tolist() == [[2, 3, 4], [4, 1, 2]]
         assert out.counts.tolist() == [3, 3]
         out = rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
@@ -130,8 +133,8 @@ def test_shadow_uses_local_and_records_agreement_and_margins(worker, tmp_path):
         out = rd.round(batch())
         assert out.source == "local" and out.tokens[:, 0].tolist() == [2, 4]
         st = rd.stats()
-        assert st["shadow_compared_at"] == [2, 2, 2] and st["shadow_agree_at"] == [2, 0, 0]
-        assert sum(st["margin"]["buckets"]) == 6    # WANT_MARGIN defaults to 1 in shadow
+        assert st.shadow_compared_at == (2, 2, 2) and st.shadow_agree_at == (2, 0, 0)
+        assert st.margin.count == 6    # WANT_MARGIN defaults to 1 in shadow
 
 
 def test_shadow_use_remote(worker, tmp_path):
@@ -166,7 +169,7 @@ def test_stats_file_and_log_line(worker, tmp_path, caplog):
         lines = [r.getMessage() for r in caplog.records if "rounds" in r.getMessage()]
         assert lines == ["remote DSpark: 2 rounds (ok=2); late 0; budget -"]
         on_disk = json.loads((tmp_path / "stats.json").read_text())
-        assert on_disk["rounds"]["ok"] == 2 == rd.stats()["rounds"]["ok"]
+        assert on_disk["rounds"]["ok"] == 2 == rd.stats().rounds[Outcome.OK]
     assert [f.name for f in tmp_path.iterdir()] == ["stats.json"]   # no temp file left
 
 
@@ -187,26 +190,26 @@ def test_thread_mode_round_and_switch_interval(worker, tmp_path):
 
 def test_process_mode_respawn_no_proxy_rounds_and_resync_all(worker, tmp_path):
     with make(async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS="1")) as rd:
-        assert rd.round(batch()).outcome == "ok"
-        sup = rd._path.supervisor
-        first = sup.up
+        assert rd.round(batch()).outcome is Outcome.OK
+        sup = rd.supervisor
+        first = sup.live
         os.kill(first.pid, signal.SIGKILL)
         assert until(lambda: sup.up is not None and sup.up.pid != first.pid)
         # Until the new proxy serves, rounds are answered here at once (no_proxy); its
         # worker session has no windows, so the engine is told to re-announce every slot.
         outs = [rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))]
         end = time.monotonic() + 10
-        while outs[-1].outcome == "no_proxy" and time.monotonic() < end:
+        while outs[-1].outcome is Outcome.NO_PROXY and time.monotonic() < end:
             outs.append(rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
-        assert outs[-1].outcome == "ok" and outs[-1].resync_all
-        assert rd.round(batch()).outcome == "ok"
+        assert outs[-1].outcome is Outcome.OK and outs[-1].resync_all
+        assert rd.round(batch()).outcome is Outcome.OK
         st = rd.stats()
-        assert st["supervisor"]["restarts"]["signal"] == 1 and st["supervisor"]["budget_left"] == 0
+        assert st.supervisor.restarts["signal"] == 1 and st.supervisor.budget_left == 0
         os.kill(sup.up.pid, signal.SIGKILL)
         assert until(lambda: sup.stats().state == "spent")
         t0 = time.monotonic()
         out = rd.round(batch())
-        assert out.outcome == "no_proxy" and out.source == "none"
+        assert out.outcome is Outcome.NO_PROXY and out.source == "none"
         assert time.monotonic() - t0 < rd.cfg.watchdog_ms / 1000   # released at once, not by the watchdog
     assert not _zombies()
 
@@ -215,15 +218,15 @@ def test_watchdog_releases_a_round_the_worker_answers_too_late(worker, tmp_path)
     env = async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000",
                     VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")
     with make(env) as rd:
-        assert rd.round(batch()).outcome == "ok"
+        assert rd.round(batch()).outcome is Outcome.OK
         worker.reply_delay_s = 0.3
         t0 = time.monotonic()
         out = rd.round(batch())
         waited = time.monotonic() - t0
-        assert out.outcome == "watchdog" and out.counts.tolist() == [0, 0]
+        assert out.outcome is Outcome.WATCHDOG and out.counts.tolist() == [0, 0]
         assert 0.1 <= waited < 0.3
         worker.reply_delay_s = 0.0
-        assert until(lambda: rd.stats()["late"] == 1)   # the proxy's reply came after the watchdog
+        assert until(lambda: rd.stats().link.late == 1)   # the proxy's reply came after the watchdog
 
 
 def test_only_watchdog_rounds_of_the_live_proxy_make_it_stalled(worker, tmp_path):
@@ -231,18 +234,19 @@ def test_only_watchdog_rounds_of_the_live_proxy_make_it_stalled(worker, tmp_path
     the live proxy's life: a run that began under its predecessor is not its fault. The
     engine thread alone writes the run; the supervisor only reads it."""
     with make(async_env(worker.port, tmp_path, "process")) as rd:
-        path, up = rd._path, rd._path.supervisor.up
-        assert not path._stalled(up)
-        path._watchdog_seen = (up.since - 0.5, up.since + 0.1, up.since + 0.2)   # began before it
-        assert not path._stalled(up)
-        path._watchdog_seen = (up.since + 0.1, up.since + 0.2, up.since + 0.3)
-        assert path._stalled(up)
-        path._count_watchdog("ok")                                             # a served round ends a run
-        assert path._watchdog_seen == () and not path._stalled(up)
+        assert until(lambda: rd.supervisor.up is not None)
+        path, host, up = rd._path, rd._host, rd.supervisor.up
+        assert not host._stalled(up)
+        path.watchdog_seen = (up.since - 0.5, up.since + 0.1, up.since + 0.2)   # began before it
+        assert not host._stalled(up)
+        path.watchdog_seen = (up.since + 0.1, up.since + 0.2, up.since + 0.3)
+        assert host._stalled(up)
+        path._count_watchdog(Outcome.OK)                                       # a served round ends a run
+        assert path.watchdog_seen == () and not host._stalled(up)
         for _ in range(5):
-            path._count_watchdog("watchdog")
-        assert len(path._watchdog_seen) == 3 and path._stalled(up)
-        path._watchdog_seen = ()
+            path._count_watchdog(Outcome.WATCHDOG)
+        assert len(path.watchdog_seen) == 3 and host._stalled(up)
+        path.watchdog_seen = ()
 
 
 def test_a_proxy_still_connecting_is_not_stalled(tmp_path, monkeypatch):
@@ -251,38 +255,39 @@ def test_a_proxy_still_connecting_is_not_stalled(tmp_path, monkeypatch):
     stalled (which would spend the respawn budget on a worker's fault): it starts serving,
     target-only, once the attempt fails."""
     import socket
-    from remote_dspark import engine
-    monkeypatch.setattr(engine, "PROXY_START_S", 0.3)
+    from remote_dspark.engine import proxy_host
+    monkeypatch.setattr(proxy_host, "PROXY_START_S", 0.3)
     with socket.create_server(("127.0.0.1", 0)) as silent:   # accepts (backlog), never answers
         env = async_env(silent.getsockname()[1], tmp_path, "process", VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS="1500",
                         VLLM_DSPARK_REMOTE_BACKOFF_MS="60000", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000")
         with make(env) as rd:
-            sup = rd._path.supervisor
-            first = sup.up.pid
-            assert until(lambda: rd.round(batch()).outcome == "error", timeout=10)   # served, target-only
-            assert sup.up is not None and sup.up.pid == first and sum(sup.restarts.values()) == 0
+            sup = rd.supervisor
+            first = sup.live.pid
+            assert until(lambda: rd.round(batch()).outcome is Outcome.ERROR, timeout=10)   # served, target-only
+            assert until(lambda: sup.up is not None) and sup.up.pid == first and sum(sup.restarts.values()) == 0
 
 
 def test_stalled_proxy_is_killed_and_replaced(worker, tmp_path):
     env = async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")
     with make(env) as rd:
-        assert rd.round(batch()).outcome == "ok"
-        sup = rd._path.supervisor
-        stopped = sup.up.pid
+        assert rd.round(batch()).outcome is Outcome.OK
+        sup = rd.supervisor
+        stopped = sup.live.pid
         os.kill(stopped, signal.SIGSTOP)
         try:
             # The engine keeps drafting: the first round waits for the watchdog, a later
             # one finds the heartbeat silent with a round pending and the proxy is killed.
             outcomes = []
             assert until(lambda: outcomes.append(rd.round(batch()).outcome) or sup.restarts["stall"] == 1)
-            assert outcomes[0] == "watchdog" and set(outcomes) <= {"watchdog", "no_proxy", "orphan", "ok"}
+            assert outcomes[0] is Outcome.WATCHDOG
+            assert set(outcomes) <= {Outcome.WATCHDOG, Outcome.NO_PROXY, Outcome.ORPHAN, Outcome.OK}
             assert until(lambda: sup.up is not None) and sup.up.pid != stopped
         finally:
             try:
                 os.kill(stopped, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        assert until(lambda: rd.round(batch()).outcome == "ok", timeout=5)
+        assert until(lambda: rd.round(batch()).outcome is Outcome.OK, timeout=5)
 
 
 def _zombies():
@@ -340,7 +345,7 @@ def test_start_runs_once_and_a_closed_engine_refuses_rounds(worker, tmp_path, mo
     children = _children()
     with pytest.raises(RuntimeError, match="start\\(\\) on a started RemoteDSpark: it runs once"):
         rd.start()
-    assert _children() == children and rd.round(batch()).outcome == "ok"
+    assert _children() == children and rd.round(batch()).outcome is Outcome.OK
     rd.close()
     rd.close()                                    # idempotent
     with pytest.raises(RemoteClosed, match=r"round\(\) after close\(\)"):
@@ -370,9 +375,9 @@ def test_bad_rows_leave_no_hole_in_the_round_sequence(worker, tmp_path):
         bad.row_index = torch.tensor([0, 99])
         with pytest.raises(ValueError, match="row_index"):
             rd.round(bad)
-        assert rd.round(batch()).outcome == "ok"
-        ring = rd.stats()["ring"]
-        assert ring["gathered"] == ring["released"] == 1
+        assert rd.round(batch()).outcome is Outcome.OK
+        ring = rd.stats().handoff
+        assert ring.gathered == ring.released == 1
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -384,10 +389,10 @@ def test_a_dead_proxy_thread_means_target_only_rounds_at_once(worker, tmp_path, 
             raise RuntimeError("proxy bug")
     monkeypatch.setattr(tcp_round.TcpRounds, "serve", broken)
     with make(async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")) as rd:
-        assert rd.round(batch()).outcome == "watchdog"      # the round the thread died on
-        assert until(lambda: not rd._path._thread.is_alive())
+        assert rd.round(batch()).outcome is Outcome.WATCHDOG      # the round the thread died on
+        assert until(lambda: not rd._host._thread.is_alive())
         t0 = time.monotonic()
-        assert [rd.round(batch()).outcome for _ in range(3)] == ["no_proxy"] * 3
+        assert [rd.round(batch()).outcome for _ in range(3)] == [Outcome.NO_PROXY] * 3
         assert time.monotonic() - t0 < 0.1
     assert [r.getMessage() for r in caplog.records if "proxy thread died" in r.getMessage()] != []
 

@@ -15,7 +15,10 @@ from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtu
 
 from remote_dspark import gather, ring, shm, streamsync, wire
 from remote_dspark.config import RemoteConfig
-from remote_dspark.engine import Batch, RemoteDSpark, torch
+import torch
+
+from remote_dspark.outcome import Outcome
+from remote_dspark.engine import Batch, RemoteDSpark
 from remote_dspark.worker import MarkovDrafter
 
 pytestmark = pytest.mark.gpu
@@ -110,9 +113,9 @@ def test_rounds_deliver_the_workers_drafts_into_device_tensors(worker, tmp_path)
         out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
         assert out.tokens.tolist() == [[3, 4, 1], [1, 2, 3]]
         d = rd.round(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))
-        assert d.outcome == "ok" and d.tokens.tolist() == [[4, 1, 2], [2, 3, 4]]
+        assert d.outcome is Outcome.OK and d.tokens.tolist() == [[4, 1, 2], [2, 3, 4]]
         rd.launch(batch())
-    assert rd.stats()["rounds"]["ok"] == 4
+    assert rd.stats().rounds[Outcome.OK] == 4
 
 
 def on_device(b: Batch) -> Batch:
@@ -157,7 +160,7 @@ def test_bad_metadata_on_the_device_is_target_only_and_counted(worker, tmp_path)
         assert good.counts.tolist() == [3, 3]
         rd.launch(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))   # collects both
         st = rd.stats()
-        assert st["proxy_counters"]["rounds_bad_desc"] == 1 and st["rounds"]["error"] == 1
+        assert st.handoff.proxy_counters["rounds_bad_desc"] == 1 and st.rounds[Outcome.ERROR] == 1
 
 
 def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):
@@ -166,7 +169,7 @@ def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):
     with make(worker, tmp_path) as rd:
         rd.launch(batch())
         torch.cuda.synchronize()
-        sup = rd._path.supervisor
+        sup = rd.supervisor
         drafter.gate.clear()                          # the proxy will sit in its network wait
         out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
         done = torch.cuda.Event()

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from remote_dspark import native, ring, shm, streamsync, wire
-from remote_dspark.ring import Outcome, seq_add
+from remote_dspark.outcome import Outcome
+from remote_dspark.ring import seq_add
 
 REPO = str(Path(__file__).resolve().parents[1])
 CHILD_TIMEOUT_S = 20

@@ -6,7 +6,8 @@ import pytest
 
 from remote_dspark import wire
 from remote_dspark.breaker import Breaker, State
-from remote_dspark.link import Outcome, RemoteLink
+from remote_dspark.link import RemoteLink
+from remote_dspark.outcome import Outcome, RoundEvent
 from remote_dspark.transport import TransportError, parse_endpoint
 from remote_dspark.worker import Worker
 from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
@@ -27,7 +28,7 @@ def test_ok_round(worker, drafter):
     link.connect()
     try:
         r = link.round_entries(1, NEW, b"", 0, 1000)
-        assert r.outcome == Outcome.OK and r.drafts.row(0) == [2, 3, 4] and r.seconds > 0
+        assert (r.outcome, r.event) == (Outcome.OK, RoundEvent.OK) and r.drafts.row(0) == [2, 3, 4]
         assert (link.epoch, link.attempts) == (1, 1)
     finally:
         link.close()
@@ -71,8 +72,10 @@ def test_lost_worker_means_backoff_rounds_then_reconnect_and_resync(drafter):
     try:
         assert link.round_entries(1, NEW, b"", 0, 1000).outcome == Outcome.OK
         w.stop()
-        assert link.round_entries(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 1000).outcome == Outcome.ERROR
-        assert link.round_entries(3, NEW, b"", 0, 1000).outcome == Outcome.BACKOFF
+        lost = link.round_entries(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 1000)
+        assert (lost.outcome, lost.event) == (Outcome.ERROR, RoundEvent.LOST)
+        unsent = link.round_entries(3, NEW, b"", 0, 1000)   # no connection: not sent
+        assert (unsent.outcome, unsent.event) == (Outcome.ERROR, RoundEvent.AT_ONCE)
         w = Worker(drafter, "127.0.0.1", port).start()
         assert until(lambda: link.connected)
         assert (link.epoch, link.reconnects) == (2, 1)
@@ -104,7 +107,8 @@ def test_close_stops_the_connector(drafter):
     link.start_reconnecting()
     link.close()
     assert not link._connector.is_alive()
-    assert link.round_entries(1, NEW, b"", 0, 10).outcome == Outcome.BACKOFF
+    r = link.round_entries(1, NEW, b"", 0, 10)
+    assert (r.outcome, r.event, link.attempts) == (Outcome.ERROR, RoundEvent.AT_ONCE, 0)
 
 
 def test_a_worker_that_reads_slowly_cannot_hold_a_round_past_its_deadline(drafter):

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark import dashboard
 from remote_dspark.config import RemoteConfig
+from remote_dspark.outcome import Outcome
 from remote_dspark.engine import RemoteDSpark
 from remote_dspark.harness import DemoEngine, WorkerProcess
 from remote_dspark.metrics import Exporter
@@ -67,7 +68,7 @@ def value(text: str, name: str, **labels) -> float:
 
 
 def kill_proxy(rd):
-    sup = rd._path.supervisor
+    sup = rd.supervisor
     pid = sup.up.pid
     os.kill(pid, signal.SIGKILL)
     assert until(lambda: sup.up is not None and sup.up.pid != pid)
@@ -86,7 +87,7 @@ def run(worker):
         kill_proxy(rd)
         for _ in range(40):
             engine.step()
-        assert until(lambda: engine.step().outcome == "ok")
+        assert until(lambda: engine.step().outcome is Outcome.OK)
         yield rd, before, scrape(rd)
     finally:
         rd.close()
@@ -96,7 +97,7 @@ def test_exposition_counts_the_rounds_and_the_respawn(run):
     rd, before, after = run
     st = rd.stats()
     for outcome in ("ok", "no_proxy", "watchdog", "timeout", "error"):
-        assert value(after, "dspark_remote_rounds_total", outcome=outcome) == st["rounds"][outcome]
+        assert value(after, "dspark_remote_rounds_total", outcome=outcome) == st.rounds[Outcome[outcome.upper()]]
     assert value(before, "dspark_remote_rounds_total", outcome="ok") == 40
     assert value(after, "dspark_remote_proxy_restarts_total", cause="signal") == 1
     assert value(after, "dspark_remote_proxy_restarts_total", cause="stall") == 0
@@ -104,9 +105,9 @@ def test_exposition_counts_the_rounds_and_the_respawn(run):
     assert value(after, "dspark_remote_proxy_up") == 1
     assert value(after, "dspark_remote_breaker_state", state="closed") == 1
     assert value(after, "dspark_remote_breaker_state", state="open") == 0
-    assert value(after, "dspark_remote_round_latency_seconds_count") == st["rounds"]["total"]
-    assert value(after, "dspark_remote_draft_tokens_total") == st["draft_tokens"] > 0
-    assert value(after, "dspark_remote_accepted_tokens_total") == sum(st["accepted_at"]) > 0
+    assert value(after, "dspark_remote_round_latency_seconds_count") == st.total_rounds
+    assert value(after, "dspark_remote_draft_tokens_total") == st.draft_tokens > 0
+    assert value(after, "dspark_remote_accepted_tokens_total") == sum(st.accepted_at) > 0
     info = [k for k in samples(after) if k[0] == "dspark_remote_info"][0]
     assert dict(info[1])["mode"] == "process" and dict(info[1])["policy"] == "capacity"
 
@@ -231,7 +232,7 @@ def test_real_prometheus_scrapes_the_engine(worker, tmp_path):
         kill_proxy(rd)
         for _ in range(30):
             engine.step()
-        ok = rd.stats()["rounds"]["ok"]
+        ok = rd.stats().rounds[Outcome.OK]
         assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', ok), timeout=30)
         assert until(lambda: scraped('dspark_remote_proxy_restarts_total{cause="signal"}', 1), timeout=30)
         # Every dashboard query returns data from this run.

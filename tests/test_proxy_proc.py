@@ -12,7 +12,7 @@ import pytest
 
 from remote_dspark import ring, shm, streamsync, wire
 from remote_dspark.markov import MarkovModel
-from remote_dspark.ring import Outcome
+from remote_dspark.outcome import Outcome
 from remote_dspark.config import RemoteConfig
 from remote_dspark.supervisor import handover_pipe, proxy_environment, spawn_proxy
 from remote_dspark.worker import MarkovDrafter, Worker

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from remote_dspark.supervisor import Cause, Closed, Spent, Supervisor
+from remote_dspark.supervisor import Cause, Closed, Spent, Starting, Supervisor, Up
 from helpers import until
 
 CHILD = "import sys, time\ncode = int(sys.argv[1])\nif code >= 0: sys.exit(code)\ntime.sleep(120)\n"
@@ -55,12 +55,13 @@ def test_sigkill_is_seen_and_a_new_proxy_with_a_new_session_starts(spawner):
     sup = Supervisor(spawner, respawns=2, reset_s=0, on_change=changes.append)
     sup.start()
     try:
+        assert until(lambda: sup.up is not None)
         first = sup.up
         os.kill(first.pid, signal.SIGKILL)
         assert until(lambda: sup.up is not None and sup.up.pid != first.pid)
         assert sup.up.session != first.session and sup.restarts[Cause.SIGNAL] == 1
         assert sup.budget.left == 1 and spawner.procs[0].returncode == -signal.SIGKILL   # reaped
-        assert [type(c).__name__ for c in changes] == ["Up", "Down", "Up"]
+        assert [type(c).__name__ for c in changes] == ["Starting", "Up", "Down", "Starting", "Up"]
     finally:
         sup.close()
 
@@ -81,7 +82,7 @@ def test_stalled_proxy_is_killed_and_counted_as_stall(spawner):
     sup = Supervisor(spawner, respawns=1, reset_s=0, stalled=lambda up: up.pid in stall_pid)
     sup.start()
     try:
-        first = sup.up
+        first = sup.live
         stall_pid.append(first.pid)
         assert until(lambda: sup.restarts[Cause.STALL] == 1 and sup.up is not None)
         assert spawner.procs[0].returncode == -signal.SIGKILL and sup.up.pid != first.pid
@@ -119,7 +120,7 @@ def test_reset_window_restores_the_full_budget(spawner):
     sup = Supervisor(spawner, respawns=2, reset_s=100, clock=lambda: now[0])
     sup.start()
     try:
-        os.kill(sup.up.pid, signal.SIGKILL)
+        os.kill(sup.live.pid, signal.SIGKILL)
         assert until(lambda: sup.spawns == 2 and sup.up is not None)
         assert sup.budget.left == 1
         now[0] = 99.0
@@ -184,8 +185,49 @@ def test_proxies_are_spawned_by_the_watcher_thread(spawner):
     sup = Supervisor(spawn, respawns=1, reset_s=0)
     sup.start()
     try:
-        os.kill(sup.up.pid, signal.SIGKILL)
+        os.kill(sup.live.pid, signal.SIGKILL)
         assert until(lambda: sup.spawns == 2)
         assert forked_by == ["proxy-supervisor"] * 2
     finally:
         sup.close()
+
+
+def test_a_starting_proxy_is_up_only_once_it_serves_and_is_never_judged_stalled(spawner):
+    """Until ``serving`` says so the proxy is Starting (e.g. still connecting to a silent
+    worker): the stall check is not asked, no budget is spent; then it is Up."""
+    serving, judged, changes = [], [], []
+    sup = Supervisor(spawner, respawns=1, reset_s=0, serving=lambda st: bool(serving),
+                     stalled=lambda up: judged.append(up) or False, start_limit_s=60, on_change=changes.append)
+    sup.start()
+    try:
+        assert isinstance(sup.state, Starting) and sup.up is None
+        assert until(lambda: len(changes) == 1, timeout=0.3) and not judged   # a few ticks as Starting
+        serving.append(True)
+        assert until(lambda: sup.up is not None and judged)
+        assert [type(c) for c in changes] == [Starting, Up] and changes[1].pid == changes[0].pid
+        assert (sup.spawns, sum(sup.restarts.values()), sup.budget.left) == (1, 0, 1)
+    finally:
+        sup.close()
+
+
+def test_a_proxy_that_never_serves_is_killed_at_the_start_limit(spawner):
+    sup = Supervisor(spawner, respawns=1, reset_s=0, serving=lambda st: st.pid != spawner.procs[0].pid,
+                     start_limit_s=0.2)
+    sup.start()
+    try:
+        assert until(lambda: sup.up is not None)
+        assert spawner.procs[0].returncode == -signal.SIGKILL and sup.restarts[Cause.STALL] == 1
+    finally:
+        sup.close()
+
+
+def test_a_first_spawn_failure_is_a_transition_too(spawner):
+    changes = []
+
+    def spawn(session):
+        raise OSError("no proxy today")
+    sup = Supervisor(spawn, respawns=1, reset_s=0, on_change=changes.append)
+    with pytest.raises(OSError, match="no proxy today"):
+        sup.start()
+    assert isinstance(sup.state, Spent) and [type(c) for c in changes] == [Spent]
+    sup.close()

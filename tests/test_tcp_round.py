@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from remote_dspark import ring, shm, streamsync, wire
-from remote_dspark.ring import Outcome
-from remote_dspark.tcp_round import RoundEvent, TcpRounds
+from remote_dspark.outcome import Outcome
+from remote_dspark.outcome import RoundEvent
+from remote_dspark.tcp_round import TcpRounds
 from helpers import until
 
 SESSION = 0xC0FFEE

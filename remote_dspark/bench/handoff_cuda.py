@@ -226,7 +226,7 @@ def format_table(report: dict) -> str:
 def main_check() -> None:
     """Raises a clear error when there is no GPU to run on."""
     try:
-        from ..engine import torch
+        import torch
     except ImportError as e:
         raise ValueError("--device cuda needs torch with CUDA") from e
     if not torch.cuda.is_available():

@@ -496,7 +496,7 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str) -> 
             if i >= opts.warmup:
                 lat.append(t1 - t0)
                 cpu.append(max(0, (c1 - c0) - round((w1 - w0) * 1e9)))
-                outcomes[out.outcome] += 1
+                outcomes[out.outcome.label] += 1
     not_ok = rounds - outcomes["ok"]
     return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes))
 
@@ -529,11 +529,11 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str) -> Row:
                 pairs.append((ev0, ev1))
                 cpu.append(c1 - c0)
                 wall.append(t1 - t0)
-        outcomes = dict(rd.stats()["rounds"])   # launched rounds are counted once collected
+        counted = rd.stats().rounds   # launched rounds are counted once collected
     lat = [int(a.elapsed_time(b) * 1e6) for a, b in pairs]
-    total = outcomes.pop("total", 0)
-    not_ok = total - outcomes.get("ok", 0)
-    return Row("launch", slots, rounds, lat, cpu, not_ok, {k: v for k, v in outcomes.items() if v},
+    outcomes = {o.label: n for o, n in counted.items() if n}
+    not_ok = sum(counted.values()) - outcomes.get("ok", 0)
+    return Row("launch", slots, rounds, lat, cpu, not_ok, outcomes,
                extra={"launch_wall_p50_ms": _ms(pct(wall, 0.5)), "launch_wall_p99_ms": _ms(pct(wall, 0.99)),
                       "launch_cpu_p99_ms": _ms(pct(cpu, 0.99)),
                       "outcomes_over": "every launched round, warm-up included"})

@@ -1,0 +1,21 @@
+"""The engine side: ``RemoteDSpark`` and what a round takes and gives.
+
+    facade      RemoteDSpark: the policies, the lifecycle, rounds and launches, stats()
+    spec        Spec: the configuration and the round's shape, shared by the parts below
+    sync_path   ASYNC=0: the engine thread's own network round
+    handoff     ASYNC=1: the region, the round hand-off and the engine's own answers
+    proxy_host  the proxy as a thread or a supervised process; which one serves
+    stats       EngineCounts (the engine thread's counting) and Stats (the one record)
+    lifecycle   EngineState, RemoteClosed, Users (when the region may be freed)
+
+torch is imported here; nothing the proxy imports imports this package.
+"""
+
+from ..batch import Batch, Drafts
+from .facade import RemoteDSpark
+from .handoff import Launched
+from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed
+from .stats import Stats
+
+__all__ = ["Batch", "Drafts", "EngineState", "Launched", "RemoteClosed", "RemoteDSpark", "RemoteRoundFailed",
+           "Stats"]

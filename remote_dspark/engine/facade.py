@@ -1,0 +1,354 @@
+"""``RemoteDSpark``: the engine-facing facade.
+
+    rd = RemoteDSpark(cfg, num_spec=5, max_slots=256, row_bytes=..., local_drafter=...)
+    rd.start()              # region, native library, watchdog, proxy, HELLO
+    out = rd.round(batch)   # Drafts(tokens [n, k] int32, counts [n], margins?)
+    rd.stats()              # what the JSON file, the log line and /metrics show
+    rd.close()
+
+Three policies (``POLICY``): *shadow* (the local drafter drives; the remote one is asked
+too and compared position by position), *resilience* (the remote drives; the local one
+answers when it fails) and *capacity* (the remote only; a failure is a target-only round,
+or raises with ``ON_FAIL=raise``).
+
+Three ways to run a round: synchronous (``ASYNC=0``: the engine thread does the network
+round within ``TIMEOUT_MS``), and, for capacity, asynchronous through the shared region
+with the proxy as a thread of the engine (``ASYNC_PROXY=thread``) or as a supervised
+child process (``process``). On the CPU the engine thread hands a round over and waits for
+its release inside the native library (GIL released); the watchdog bounds that wait.
+
+torch is imported here (the engine side); nothing the proxy imports imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .. import native, transport, wire
+from ..batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
+from ..client import DraftClient
+from ..config import RemoteConfig
+from ..outcome import Outcome
+from ..supervisor import Supervisor
+from ..statsfile import write_json_atomic
+from .handoff import AsyncPath, Launched
+from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed, Users
+from .proxy_host import ProxyHost
+from .spec import Spec
+from .stats import EngineCounts, LinkStats, Stats
+from .sync_path import SyncPath
+
+log = logging.getLogger("remote_dspark.engine")
+
+DEPTH = 4                    # rounds the engine may enqueue ahead of the proxy
+CLOSE_S = 1.5                # close: how long rounds in flight have to leave (close returns within 2 s)
+
+LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]   # -> (tokens [n, k], counts [n])
+
+
+class RemoteDSpark:
+    """See the module docstring. One engine thread calls ``round`` / ``launch``;
+    ``stats`` and ``close`` may be called from any thread."""
+
+    def __init__(self, cfg: RemoteConfig, *, num_spec: int, max_slots: int, row_bytes: int,
+                 device: str = "cpu", local_drafter: LocalDrafter | None = None,
+                 n_out_table: Sequence[int] | None = None, environ: Mapping[str, str] | None = None,
+                 engine_id: int | None = None, depth: int = DEPTH):
+        if cfg.keeps_local_drafter and local_drafter is None:
+            raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
+        for name, value, hi in (("num_spec", num_spec, wire.MAX_N_OUT), ("max_slots", max_slots, wire.MAX_ENTRIES),
+                                ("row_bytes", row_bytes, wire.MAX_ROW_BYTES)):
+            if not 1 <= value <= hi:
+                raise ValueError(f"{name}={value}: must be in 1..{hi} (the wire contract's cap)")
+        mode = ("process" if cfg.async_proxy == "process" else "thread") if cfg.async_mode else "sync"
+        self.spec = Spec(cfg, num_spec, max_slots, row_bytes, max_slots * (CONTEXT_TOKENS + num_spec + 1), depth,
+                         device, mode, engine_id if engine_id is not None else int.from_bytes(os.urandom(8), "little"),
+                         dict(os.environ if environ is None else environ), n_out_table)
+        self.local_drafter = local_drafter
+        self.counts = EngineCounts(num_spec)
+        self.state = EngineState.NEW
+        self._path: SyncPath | AsyncPath | None = None
+        self._host: ProxyHost | None = None
+        self._users: Users | None = None
+        self._final: Stats | None = None
+        self._lock = threading.Lock()   # state changes, and stats() against close()
+        self.exporter = None
+
+    # The facts callers read.
+    cfg = property(lambda self: self.spec.cfg)
+    num_spec = property(lambda self: self.spec.num_spec)
+    max_slots = property(lambda self: self.spec.max_slots)
+    row_bytes = property(lambda self: self.spec.row_bytes)
+    device = property(lambda self: self.spec.device)
+    engine_id = property(lambda self: self.spec.engine_id)
+
+    @property
+    def mode(self) -> str:
+        """The mode running: "sync", "thread" or "process" (sync after a failed self-test)."""
+        return self.spec.mode
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        """Process mode: the proxy's supervisor (for tools that watch or fault it)."""
+        return self._host.supervisor if self._host is not None else None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "RemoteDSpark":
+        """Open the path to the remote drafter.
+
+        Raises:
+            RuntimeError: ``start()`` again, or after ``close()`` (it runs once).
+            ValueError, native.NativeError: a configuration or build problem.
+            TransportError, Refused: only with ``STRICT_START=1``, when the first
+                connect + HELLO fails.
+        """
+        with self._lock:
+            if self.state is not EngineState.NEW:
+                raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
+            self.state = EngineState.STARTED   # a close() from now on tears down what exists
+        cfg = self.cfg
+        try:
+            transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
+            if cfg.metrics_port:
+                from ..metrics import Exporter
+                self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
+            if cfg.strict_start and self.mode != "sync":
+                self._probe_connection()
+            self._open_path()
+        except BaseException:
+            self.close()   # nothing started stays running: exporter, proxy, watchdog, region
+            raise
+        return self
+
+    def _open_path(self) -> None:
+        if self.mode != "sync":
+            try:
+                path = AsyncPath(self.spec, self.counts)
+            except (OSError, native.NativeError, RuntimeError) as e:
+                log.warning("remote DSpark: the async hand-off failed its self-test (%s); "
+                            "falling back to synchronous rounds", e)
+                self.spec = dataclasses.replace(self.spec, mode="sync")
+            else:
+                self._path, self._users = path, path.users
+                self._host = ProxyHost(self.spec, path)
+                self._host.start()
+                return
+        path = SyncPath(self.spec)
+        self._path, self._users = path, Users(path.close)
+        path.start()
+
+    def _probe_connection(self) -> None:
+        """STRICT_START in async mode: connect + HELLO once from here, so a bad endpoint
+        or identity fails the engine's start, not later in a proxy.
+
+        Raises: TransportError, Refused, wire.ProtocolError.
+        """
+        cfg = self.cfg
+        DraftClient.connect(cfg.endpoint, self.spec.hello(), int.from_bytes(os.urandom(8), "little") or 1,
+                            cfg.connect_timeout_ms / 1000.0, self.spec.environ).close()
+
+    def register_metrics(self, registry) -> None:
+        """Add this engine's metrics to ``registry`` (an engine that serves /metrics)."""
+        from ..metrics import RemoteDSparkCollector
+        registry.register(RemoteDSparkCollector(self))
+
+    def close(self) -> None:
+        """Stop the proxy, answer every round in flight (target-only), write the final
+        stats file; within 2 s whatever the proxy or the worker is doing. Idempotent;
+        any thread.
+
+        Rounds in flight are not waited for: each is released here, through the claim
+        the watchdog uses, and its thread leaves the region before anything is unmapped
+        (``lifecycle.Users``: the last user out frees it)."""
+        with self._lock:
+            if self.state in (EngineState.CLOSING, EngineState.CLOSED):
+                return
+            was, self.state = self.state, EngineState.CLOSING
+        try:
+            if self.exporter is not None:
+                self.exporter.close()
+            if was is EngineState.STARTED and self._users is not None:
+                self._fence()
+        finally:
+            with self._lock:
+                self._final = self._snapshot()
+                self.state = EngineState.CLOSED
+            if self._users is not None:
+                self._users.leave()   # the owner: frees now, or when the last round leaves
+            self._write_stats_file()
+
+    def _fence(self) -> None:
+        users, path, deadline = self._users, self._path, time.monotonic() + CLOSE_S
+        users.shut()
+        if isinstance(path, SyncPath):
+            path.fence()
+            if not users.wait_alone(deadline):
+                log.warning("remote DSpark: close: a round still in flight after %.1f s", CLOSE_S)
+            return
+        proxy_gone = self._host.stop()
+        while True:
+            path.fence(proxy_gone)
+            if users.wait_alone(min(deadline, time.monotonic() + 0.005)):
+                break
+            if time.monotonic() >= deadline:
+                log.warning("remote DSpark: close: %d users of the region still inside after %.1f s; the "
+                            "last one out unmaps it", users.inside, CLOSE_S)
+                break
+        path.finish()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ rounds
+
+    def meta(self, batch: Batch) -> HostMeta:
+        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``).
+
+        Raises:
+            ValueError: naming the field that is wrong.
+        """
+        return self.spec.meta(batch)
+
+    @property
+    def wait_cpu_s(self) -> float:
+        """The engine thread's CPU seconds spent inside its waits for a round's release
+        (async modes on the CPU: that wait spins by design); 0 in sync mode."""
+        return getattr(self._path, "wait_cpu_s", 0.0)
+
+    def _enter(self, what: str) -> None:
+        """A round's way in: it may touch the path until ``_users.leave()``."""
+        if self.state is EngineState.STARTED and self._users.enter():
+            return
+        if self.state is EngineState.NEW:
+            raise RuntimeError(f"RemoteDSpark.{what}() before start()")
+        raise RemoteClosed(f"RemoteDSpark.{what}() after close()")
+
+    def round(self, batch: Batch) -> Drafts:
+        """Draft for ``batch`` under the policy.
+
+        Raises:
+            RemoteRoundFailed: capacity with ON_FAIL=raise and a failed remote round.
+            RemoteClosed: after (or during) ``close()``; RuntimeError: before ``start()``.
+        """
+        self._enter("round")
+        try:
+            return self._round(batch)
+        finally:
+            self._users.leave()
+
+    def _round(self, batch: Batch) -> Drafts:
+        policy = self.cfg.policy
+        local = self.local_drafter(batch) if policy == "shadow" else None
+        t0 = time.monotonic()
+        remote = self._path.round(batch)
+        st = self.counts
+        st.observe_latency(time.monotonic() - t0)
+        st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
+        ok = remote.outcome is Outcome.OK
+        if policy == "shadow":
+            if ok:
+                self._compare(local, remote)
+            use_remote = ok and self.cfg.shadow_use == "remote"
+            out = remote if use_remote else self._local_drafts(local, remote)
+        elif policy == "resilience":
+            out = remote if ok else self._local_drafts(self.local_drafter(batch), remote)
+        else:
+            if not ok and self.cfg.on_fail == "raise":
+                raise RemoteRoundFailed(f"remote round failed: {remote.outcome.label}")
+            out = remote
+        st.source(out.source)
+        self._maybe_log()
+        return out
+
+    def launch(self, batch: Batch) -> Launched:
+        """Capacity, asynchronous, on CUDA: enqueue the round on the current stream and
+        return at once. ``tokens`` / ``counts`` are device tensors valid in stream order
+        (after the stream's wait for the round's release); the CPU never waits for the
+        network. The round's outcome is counted once it is released, at a later launch
+        or ``stats()``; slots the worker lost come back in a later ``Launched.resync``.
+        """
+        if self.mode == "sync" or self.device != "cuda":
+            raise RuntimeError("launch() is for asynchronous rounds on CUDA; use round()")
+        self._enter("launch")
+        try:
+            return self._path.launch(batch)
+        finally:
+            self._users.leave()
+
+    def _local_drafts(self, local, remote: Drafts) -> Drafts:
+        tokens, counts = local
+        return Drafts(tokens.to(torch.int32), counts.to(torch.int32), None, "local", remote.outcome,
+                      remote.resync, remote.resync_all)
+
+    def _compare(self, local, remote: Drafts) -> None:
+        """Shadow statistics: per position, does the remote draft equal the local one
+        (where both drafted that far); and the remote's margins."""
+        ltok, lcnt = local
+        st = self.counts
+        both = torch.minimum(lcnt.to(torch.int32), remote.counts)
+        same = ltok.to(torch.int32) == remote.tokens
+        live = torch.arange(self.num_spec).unsqueeze(0) < both.unsqueeze(1)
+        st.add_at(st.shadow_compared_at, live.sum(0).numpy())
+        st.add_at(st.shadow_agree_at, (same & live).sum(0).numpy())
+        if remote.margins is not None:
+            drafted = torch.arange(self.num_spec).unsqueeze(0) < remote.counts.unsqueeze(1)
+            st.margins(remote.margins[drafted].numpy())
+
+    def record_accepted(self, accepted: Sequence[int], offered: Sequence[int]) -> None:
+        """The engine reports how many drafts it accepted (and was offered) per position."""
+        k = min(self.num_spec, len(accepted))
+        self.counts.add_at(self.counts.accepted_at, np.asarray(accepted[:k]))
+        self.counts.add_at(self.counts.offered_at, np.asarray(offered[:k]))
+
+    # ------------------------------------------------------------------ statistics
+
+    def stats(self) -> Stats:
+        """Every number the JSON file, the log line and the metrics show (one record;
+        after ``close()`` the final one)."""
+        with self._lock:
+            return self._final if self._final is not None else self._snapshot()
+
+    def _snapshot(self) -> Stats:
+        """Under ``_lock``: the path is open (close sets ``_final`` before it leaves)."""
+        path, host = self._path, self._host
+        st, mode, policy = self.counts, self.mode, self.cfg.policy
+        if isinstance(path, AsyncPath):
+            return st.snapshot(mode=mode, policy=policy, link=path.link_stats(),
+                               handoff=path.handoff_stats(host.thread_alive), supervisor=host.supervisor_stats())
+        if isinstance(path, SyncPath):
+            return st.snapshot(mode=mode, policy=policy, link=path.link_stats(), connected=path.link.connected)
+        return st.snapshot(mode=mode, policy=policy, link=LinkStats.none())
+
+    def _maybe_log(self) -> None:
+        every = self.cfg.log_every
+        total = sum(self.counts.rounds.values())
+        if every and total % every == 0:
+            s = self.stats()
+            sup = s.supervisor
+            log.info("remote DSpark: %d rounds (%s); late %d; budget %s", total,
+                     " ".join(f"{o.label}={n}" for o, n in s.rounds.items() if n), s.link.late,
+                     sup.budget_left if sup else "-")
+            self._write_stats_file()
+
+    def _write_stats_file(self) -> None:
+        path = self.cfg.stats_file
+        if not path:
+            return
+        try:
+            write_json_atomic(path, self.stats().to_json())
+        except (OSError, ValueError) as e:
+            log.warning("remote DSpark: cannot write %s: %s", path, e)

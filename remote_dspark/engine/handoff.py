@@ -1,0 +1,357 @@
+"""``ASYNC=1``: the engine's half of the round hand-off through the shared region.
+
+A round is reserved, its descriptor and rows written into a depth slot, ``gathered``
+published (by this thread on the CPU, by the stream on CUDA), and the answer read from
+the slot's drafts once ``released`` says so. Who answers is not this module's business:
+the proxy host (:mod:`.proxy_host`) runs the proxy; this module answers a round itself
+only when no proxy serves (at once, target-only), when a proxy was lost (its rounds),
+and when the engine closes (every round still in flight).
+
+Building :class:`AsyncPath` is the self-test: the native library loads, the region
+maps, the watchdog starts, and on CUDA the region registers and the stream's hand-off
+answers a probe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from .. import native, ring, shm, streamsync, wire
+from ..batch import (Batch, Drafts, HostMeta, as_bytes, check_meta_shapes, empty_drafts, gather_rows_host,
+                     to_drafts, write_meta, write_meta_in_stream)
+from ..outcome import Outcome
+from .lifecycle import Users
+from .spec import Spec
+from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
+
+log = logging.getLogger("remote_dspark.engine")
+
+STALL_ROUNDS = 3             # watchdog releases in a row that mark a live proxy stalled
+HOLD_GIL_US = 50             # process mode: spin this long holding the GIL before releasing it
+
+
+class Launched:
+    """A round enqueued on the stream (see ``RemoteDSpark.launch``)."""
+
+    __slots__ = ("round", "tokens", "counts", "resync", "resync_all")
+
+    def __init__(self, round_id: int, tokens: torch.Tensor, counts: torch.Tensor, resync: tuple[int, ...],
+                 resync_all: bool):
+        self.round = round_id        # 0: not sent (no proxy serving): zero drafts
+        self.tokens = tokens         # [n, num_spec] int32 on the device; zero past counts
+        self.counts = counts         # [n] int32 on the device
+        self.resync = resync         # slots lost by the worker in earlier rounds
+        self.resync_all = resync_all  # a new proxy: every slot must be re-announced
+
+
+class AsyncPath:
+    """The region, its views and the engine's end of the ring. Used by the engine thread
+    (rounds), the proxy host's threads (answers for a lost proxy) and ``close``; each
+    enters :attr:`users` first, and the last to leave unmaps the region."""
+
+    def __init__(self, spec: Spec, counts: EngineCounts):
+        self.spec = spec
+        self.counts = counts
+        cfg = spec.cfg
+        self.lib = native.load(spec.environ)
+        self.region = shm.Region.create(shm.Layout(spec.depth, spec.max_slots, spec.row_bytes, spec.num_spec,
+                                                   spec.max_tokens))
+        self.users = Users(self._free)
+        lay = self.region.layout
+        try:
+            self.end = ring.EngineEnd(self.region, self.lib)
+            self.watchdog = self.end.start_watchdog(cfg.watchdog_ms)
+            # Process mode on the CPU: the proxy answers within microseconds, so the
+            # engine thread keeps its GIL for the first 50 us of the wait and, in the
+            # common case, never hands it to another engine thread mid-round
+            # (docs/handoff.md). Thread mode must release it at once: its proxy needs it.
+            self.sync = streamsync.HostFlagSync(
+                self.region, self.lib, backend=spec.device, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us,
+                hold_gil_us=HOLD_GIL_US if spec.mode == "process" and spec.device == "cpu" else 0)
+            self._host = [_HostViews(self.region, i) for i in range(spec.depth)]
+            if spec.device == "cuda":
+                view = self.sync.backend.device_view
+                self._staging = [view(lay.staging(i), (spec.max_slots, spec.row_bytes), torch.uint8)
+                                 for i in range(spec.depth)]
+                self._desc = [view(lay.desc(i) + shm.DESC_FIXED, ((lay.desc_stride - shm.DESC_FIXED) // 4,),
+                                   torch.int32) for i in range(spec.depth)]
+                self._tokens = [view(lay.drafts(i) + lay.d_tokens, (spec.max_slots, spec.num_spec), torch.int32)
+                                for i in range(spec.depth)]
+                self._counts = [view(lay.drafts(i) + shm.D_COUNTS, (spec.max_slots,), torch.int32)
+                                for i in range(spec.depth)]
+            from ..gather import choose
+            self._gather = choose(cfg.fused_gather, spec.device)
+        except BaseException:
+            self._free()
+            raise
+        self.serving_session = lambda: 0  # the proxy host's: the serving proxy's session, 0 if none
+        self._served_session = 0          # the session of the last round handed to a proxy
+        self._resync: set[int] = set()    # CUDA: slots lost in rounds collected since the last launch
+        self._pending: list[int] = []     # CUDA: rounds launched, not yet collected
+        # When the engine thread saw each of the last STALL_ROUNDS rounds in a row that the
+        # watchdog answered (empty after any other outcome). Its one writer is the engine
+        # thread; the proxy host's stall verdict only reads it (one tuple: one atomic read).
+        self.watchdog_seen: tuple[float, ...] = ()
+        self.max_wait_s = 0.0             # longest hand-off wait of the engine thread (CPU)
+        self.wait_cpu_s = 0.0             # the engine thread's CPU inside those waits (they spin)
+
+    _host: list = []
+    _staging: list = []
+    _desc: list = []
+    _tokens: list = []
+    _counts: list = []
+
+    def _free(self) -> None:
+        """The last user left: forget every view of the region (numpy and device), stop
+        the watchdog (a close hook) and unmap."""
+        self._host = self._staging = self._desc = self._tokens = self._counts = []
+        self.region.close()
+
+    # ------------------------------------------------------------------ rounds
+
+    def _proxy(self) -> tuple[bool, bool]:
+        """Engine thread, before a round: (a proxy serves, it is a new one). No proxy:
+        counted, and the round is answered here at once. A new proxy (another session
+        than the last round's) has a new connection, on which the worker holds no window:
+        its first round says resync_all."""
+        session = self.serving_session()
+        if not session:
+            self.end.counters.add("no_proxy_rounds")
+            return False, False
+        new = self._served_session not in (0, session)
+        self._served_session = session
+        return True, new
+
+    def _hand_over(self, batch: Batch, stream: int | None = None) -> tuple[int, HostMeta | None]:
+        """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
+        the stream (or, on the CPU, this thread) wait for ``released``: the round id and
+        the host metadata (None when it stayed on the device)."""
+        spec, cfg = self.spec, self.spec.cfg
+        on_device = batch.meta_on_device
+        if on_device and spec.device != "cuda":
+            raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
+        meta = None if on_device else spec.meta(batch)
+        r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (spec.depth + 1))
+        i = r & (spec.depth - 1)
+        try:
+            self._collect()
+            self._host[i].round_word[0] = r
+            if meta is None:
+                self._write_device_meta(batch, i, cfg.timeout_ms)
+            else:
+                write_meta(self._host[i].desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=spec.row_bytes)
+            if spec.device == "cpu":
+                gather_rows_host(batch, self._host[i].staging, spec.row_bytes, self.lib,
+                                 self.region.addr(self.region.layout.staging(i)))
+            else:
+                as_bytes(batch.rows, spec.row_bytes)   # checks the row size
+                index = batch.row_index
+                if not isinstance(index, torch.Tensor) or index.device != batch.rows.device:
+                    index = torch.as_tensor(index, device=batch.rows.device)
+                self._gather(batch.rows, index, self._staging[i])
+        except BaseException as e:
+            self.end.unreserve(r)   # never gathered: no hole in the round sequence
+            # The callees' frames hold views of the region; a caller keeping this traceback
+            # must not keep the region from being unmapped at close().
+            traceback.clear_frames(e.__traceback__)
+            raise
+        self.sync.signal(r, stream)
+        return r, meta
+
+    def _write_device_meta(self, batch: Batch, i: int, deadline_ms: int) -> None:
+        """Write metadata that lives on the device into descriptor ``i`` in stream order
+        (``batch.write_meta_in_stream``), with no host sync; the fixed part is the host's.
+
+        Raises:
+            ValueError: shapes that disagree, or more entries or tokens than a round holds.
+        """
+        spec = self.spec
+        n = check_meta_shapes(batch, spec.max_slots)
+        self._host[i].desc[:16].view(np.uint32)[:] = (deadline_ms, n, spec.row_bytes, 0)
+        write_meta_in_stream(batch, self._desc[i], max_slots=spec.max_slots, num_spec=spec.num_spec,
+                             max_tokens=spec.max_tokens, n_out_default=spec.n_out_for(n))
+
+    def round(self, batch: Batch) -> Drafts:
+        """The CPU stand-in: this thread waits for the release (the watchdog bounds it)."""
+        spec, cfg = self.spec, self.spec.cfg
+        n = len(batch)
+        serving, resync_all = self._proxy()
+        if not serving:
+            return empty_drafts(n, spec.num_spec, Outcome.NO_PROXY, cfg.want_margin)
+        t0 = time.monotonic()
+        r, meta = self._hand_over(batch)
+        if spec.device == "cuda":
+            self.sync.wait(r, 0)
+            torch.cuda.current_stream().synchronize()
+        else:
+            limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0   # far past the watchdog: a broken ring
+            c0 = time.thread_time()
+            released = self.sync.wait(r, limit_s)
+            self.wait_cpu_s += time.thread_time() - c0
+            if not released:
+                raise RuntimeError(f"round {r} was not released within {limit_s:.3f} s "
+                                   f"(watchdog {cfg.watchdog_ms} ms)")
+        self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
+        outcome, out = self._answer(r, n)
+        self._count_watchdog(outcome)
+        out.resync_all = resync_all
+        return out
+
+    def _head(self, r: int) -> tuple[Outcome, int, int]:
+        """Released round ``r``'s outcome, entry count and flags, from its drafts slot.
+        (No view is bound here: a caller keeping the exception must not keep the region.)
+
+        Raises:
+            RuntimeError: the slot holds another round (read after it was reused).
+        """
+        rnd, status, got, flags = self._host[r & (self.spec.depth - 1)].head.tolist()
+        if rnd != r:
+            raise RuntimeError(f"drafts slot {r & (self.spec.depth - 1)} holds round {rnd}, expected {r}: "
+                               "read after the slot was reused")
+        return Outcome(status), got, flags
+
+    def _answer(self, r: int, n: int) -> tuple[Outcome, Drafts]:
+        """Released round ``r``'s answer as ``Drafts``: views of its drafts slot, one
+        copy per array. Raises as ``_head``."""
+        spec = self.spec
+        outcome, got, flags = self._head(r)
+        if not got:   # an empty answer (timeout, error, watchdog, ...)
+            return outcome, empty_drafts(n, spec.num_spec, outcome, spec.cfg.want_margin)
+        v = self._host[r & (spec.depth - 1)]
+        return outcome, to_drafts(spec.num_spec, v.slots(got), v.counts[:got], v.statuses[:got], v.tokens[:got],
+                                  v.margins[:got] if flags & shm.DRAFTS_MARGINS else None, outcome,
+                                  spec.cfg.want_margin, clean=True)
+
+    def _count_watchdog(self, outcome: Outcome) -> None:
+        """Engine thread: one more round in a row the watchdog answered, or the end of a run."""
+        seen = self.watchdog_seen
+        self.watchdog_seen = ((seen + (time.monotonic(),))[-STALL_ROUNDS:] if outcome is Outcome.WATCHDOG
+                              else ())
+
+    def launch(self, batch: Batch) -> Launched:
+        spec = self.spec
+        n, k = len(batch), spec.num_spec
+        resync, self._resync = tuple(sorted(self._resync)), set()
+        serving, resync_all = self._proxy()
+        if not serving:
+            self.counts.record(Outcome.NO_PROXY, np.zeros(0, dtype=np.int32), 0)
+            zeros = torch.zeros(n, k, dtype=torch.int32, device="cuda")
+            return Launched(0, zeros, zeros[:, 0].clone(), resync, False)
+        stream = torch.cuda.current_stream().cuda_stream   # once: each lookup costs microseconds
+        r, _ = self._hand_over(batch, stream)
+        self.sync.wait(r, 0, stream)
+        i = r & (spec.depth - 1)
+        # Copies in stream order (the slot is reused DEPTH rounds later). Every answer
+        # leaves the tokens block zero past each count (ring.geometry, hf_unpack): no mask.
+        counts = self._counts[i][:n].clone()
+        tokens = self._tokens[i][:n].clone()
+        self._pending.append(r)
+        return Launched(r, tokens, counts, resync, resync_all)
+
+    def _collect(self) -> None:
+        """Count the outcome of every launched round released by now (engine thread);
+        the slots the worker lost are read from the round's own descriptor. No tensor
+        is built: a few numpy reads of the drafts slot per round."""
+        released = self.end.released()
+        while self._pending and ring.seq_geq(released, self._pending[0]):
+            r = self._pending.pop(0)
+            outcome, got, _ = self._head(r)
+            v = self._host[r & (self.spec.depth - 1)]
+            lost = v.slots(got)[v.statuses[:got] == wire.STATUS_RESYNC].tolist()
+            self._resync.update(lost)
+            self.counts.record(outcome, v.counts[:got], len(lost))
+            self._count_watchdog(outcome)
+
+    def collect(self) -> None:
+        """``stats()`` on CUDA: count the launched rounds released by now."""
+        self._collect()
+
+    # ------------------------------------------------------------------ answers without a proxy
+
+    def drain(self, deadline: float) -> None:
+        """Answer (no proxy) every round handed over so far, each once its stream has
+        gathered it, until ``deadline``. Rounds not gathered by then are the watchdog's.
+        Only gathered rounds are answered: the stream has finished with the drafts slot
+        such a round reuses. A round a live proxy claimed first is left to it."""
+        r = ring.seq_add(self.end.released(), 1)
+        while ring.seq_geq(self.end.last, r):
+            left = deadline - time.monotonic()
+            rc = self.lib.wait_geq(self.region.addr(self.region.layout.gathered), r, 100, 100,
+                                   native.deadline_ns(max(left, 0.0)))
+            if rc != native.Status.OK:
+                return
+            self.end.release_no_proxy(r)
+            r = ring.seq_add(r, 1)
+
+    def fence(self, proxy_dead: bool) -> None:
+        """Closing (any thread; the proxy stopped or stopping): answer every round
+        gathered by now, target-only, through the claim the watchdog uses. With the
+        proxy known dead its claimed rounds are released too (orphans); a live claimer's
+        round is left to it (it answers within its deadline)."""
+        if proxy_dead:
+            self.end.release_orphans()
+        gathered = self.end.gathered()
+        while ring.seq_geq(gathered, r := ring.seq_add(self.end.released(), 1)):
+            # Only the round right after ``released``, so the claim never waits on a
+            # live claimer's release: a claimed round stops the pass until it is answered.
+            if ring.seq_geq(self.end.claimed(), r) or not self.end.release_no_proxy(r):
+                return
+
+    def finish(self) -> None:
+        """Closing, on the closing thread, once the proxy is stopped: on CUDA answer what
+        the stream still waits for, let it finish, count the last rounds and unpin the
+        region here, where torch's context is current."""
+        if self.spec.device != "cuda":
+            return
+        self.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0 + 1.0)
+        torch.cuda.current_stream().synchronize()
+        self._collect()
+        self.sync.unregister()
+
+    # ------------------------------------------------------------------ statistics
+
+    def link_stats(self) -> LinkStats:
+        proxy = self.region.proxy_counters(self.lib).snapshot().counters
+        b = self.end.header.breaker()
+        return LinkStats(proxy["attempts"], proxy["rounds_late"], proxy["reconnects"],
+                         BreakerStats(b.state, b.trips, b.probes))
+
+    def handoff_stats(self, proxy_thread_alive: bool | None) -> HandoffStats:
+        proxy = self.region.proxy_counters(self.lib).snapshot()
+        engine = self.region.engine_counters(self.lib).snapshot()
+        return HandoffStats(dict(proxy.counters), dict(engine.counters),
+                            Histogram.from_region(proxy.histograms["handoff_latency"]),
+                            Histogram.from_region(proxy.histograms["round_latency"]),
+                            self.end.header.session, self.max_wait_s, self.end.gathered(), self.end.released(),
+                            proxy_thread_alive)
+
+
+class _HostViews:
+    """numpy views of one depth slot of the region: the descriptor's payload area, the
+    staging rows and the drafts slot's arrays. Dropped before the region is unmapped."""
+
+    def __init__(self, region: shm.Region, i: int):
+        lay = region.layout
+        S, K = lay.max_slots, lay.num_spec
+
+        def arr(offset: int, count: int, dtype) -> np.ndarray:
+            return np.frombuffer(region.view(offset, count * np.dtype(dtype).itemsize), dtype=dtype)
+
+        self.round_word = arr(lay.desc(i) + shm.DESC_ROUND, 1, np.uint32)
+        self.desc = arr(lay.desc(i) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED, np.uint8)
+        self.staging = arr(lay.staging(i), S * lay.row_bytes, np.uint8).reshape(S, lay.row_bytes)
+        d = lay.drafts(i)
+        self.head = arr(d, 4, np.uint32)   # round, status, n_entries, flags (shm.DRAFTS_HEAD)
+        self.counts = arr(d + shm.D_COUNTS, S, np.int32)
+        self.statuses = arr(d + lay.d_entry_status, S, np.int32)
+        self.tokens = arr(d + lay.d_tokens, S * K, np.int32).reshape(S, K)
+        self.margins = arr(d + lay.d_margins, S * K, np.float32).reshape(S, K)
+
+    def slots(self, n: int) -> np.ndarray:
+        """The round's slots, as its descriptor holds them (the wire's slots section)."""
+        return self.desc[wire.ROUND_FIXED.size:wire.ROUND_FIXED.size + 4 * n].view(np.uint32)

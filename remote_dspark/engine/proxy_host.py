@@ -1,0 +1,178 @@
+"""The proxy host: runs the proxy for an :class:`~.handoff.AsyncPath`, as a thread of
+the engine (``ASYNC_PROXY=thread``) or as a supervised child process (``process``), and
+says which proxy serves.
+
+A proxy serves once it has beaten since it started: it beats first after its first
+connection attempt, which may take the whole CONNECT_TIMEOUT_MS. Until then rounds are
+answered by the engine at once, target-only. In process mode that one rule is the
+supervisor's ``serving`` predicate (Starting -> Up), and the stall verdict, owned by the
+supervisor's thread, reads only what the engine thread wrote (``watchdog_seen``) and the
+region's heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+from ..supervisor import (Down, Lifecycle, Spent, Starting, Supervisor, SupervisorStats, Up, proxy_environment,
+                          spawn_proxy)
+from .handoff import STALL_ROUNDS, AsyncPath
+from .spec import Spec
+
+log = logging.getLogger("remote_dspark.engine")
+
+PROXY_START_S = 5.0          # a new proxy's start, past its first connect attempt (CONNECT_TIMEOUT_MS)
+STALL_SLACK_MS = 100         # heartbeat silence past max(WATCHDOG_MS, TIMEOUT_MS) + this: stalled
+STOP_S = 0.5                 # close: how long a proxy process has to exit on SIGTERM before SIGKILL
+
+
+class ProxyHost:
+    def __init__(self, spec: Spec, path: AsyncPath):
+        self.spec = spec
+        self.path = path
+        self.supervisor: Supervisor | None = None
+        self._thread: threading.Thread | None = None
+        self._loop = None                 # thread mode: the proxy loop
+        self._stop = threading.Event()
+        self._thread_started_ns = 0
+        self._thread_lost = False
+        self._switch_interval: float | None = None
+        path.serving_session = self.serving_session
+
+    @property
+    def start_limit_s(self) -> float:
+        """How long a new proxy may take to serve: its interpreter's start plus its first
+        connect attempt."""
+        return self.spec.cfg.connect_timeout_ms / 1000.0 + PROXY_START_S
+
+    def start(self) -> None:
+        if self.spec.mode == "thread":
+            self._start_thread()
+        else:
+            env = proxy_environment(self.spec.environ, self.path.lib.path)
+            cfg = self.spec.cfg
+            self.supervisor = Supervisor(
+                lambda session: self._spawn(session, env), respawns=cfg.async_respawns,
+                reset_s=cfg.async_respawn_reset_s, serving=self._beaten, start_limit_s=self.start_limit_s,
+                stalled=self._stalled, on_change=self._on_change)
+            self.supervisor.start()
+        limit_s = self.start_limit_s
+        if not self._wait_serving(limit_s):
+            log.warning("remote DSpark: no proxy serving %.1f s after start; rounds are target-only "
+                        "until one does", limit_s)
+
+    def _start_thread(self) -> None:
+        from ..proxy_proc import ProxyLoop
+        us = self.spec.cfg.switch_interval_us
+        if us:
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(us / 1e6)
+        path = self.path
+        path.end.header.set_session(int.from_bytes(os.urandom(8), "little") or 1)
+        self._loop = ProxyLoop(path.region, path.lib, self.spec.cfg, engine_id=self.spec.engine_id,
+                               environ=self.spec.environ)
+        self._thread = threading.Thread(target=self._run_thread, name="remote-dspark-proxy", daemon=True)
+        self._thread_started_ns = time.monotonic_ns()
+        self._thread.start()
+
+    def _run_thread(self) -> None:
+        """The proxy thread: a user of the region until its loop ends (it may outlive
+        ``close``, inside a connect: then it is the one that unmaps)."""
+        users = self.path.users
+        if not users.enter():
+            return
+        try:
+            self._loop.run(self._stop.is_set)
+        finally:
+            self._loop = None
+            users.leave()
+
+    def _spawn(self, session: int, env):
+        self.path.end.header.set_session(session)
+        return spawn_proxy(self.path.region.fd, cfg=self.spec.cfg, engine_id=self.spec.engine_id, env=env)
+
+    # ------------------------------------------------------------------ which proxy serves
+
+    def _beaten(self, live: Starting | Up) -> bool:
+        """The rule for "serving": the proxy has beaten since its spawn."""
+        return self.path.end.header.heartbeat_ns >= live.since * 1e9
+
+    def serving_session(self) -> int:
+        """Engine thread, every round: the session of the proxy that serves, 0 if none."""
+        if self.supervisor is not None:
+            live = self.supervisor.state
+            if isinstance(live, Up) or (isinstance(live, Starting) and self._beaten(live)):
+                return live.session
+            return 0
+        if not self._thread.is_alive():
+            if not self._thread_lost:
+                self._thread_lost = True
+                log.error("remote DSpark: the proxy thread died; every round is target-only from now on")
+            return 0
+        header = self.path.end.header
+        return header.session if header.heartbeat_ns >= self._thread_started_ns else 0
+
+    def _wait_serving(self, timeout_s: float) -> bool:
+        """Wait (bounded) for the first proxy to serve, so the first rounds reach it."""
+        deadline = time.monotonic() + timeout_s
+        while not self.serving_session():
+            if time.monotonic() > deadline or isinstance(getattr(self.supervisor, "state", None), Spent):
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _stalled(self, up: Up) -> bool:
+        """From the supervisor's thread: has the serving proxy ``up`` stopped serving?"""
+        path = self.path
+        seen = path.watchdog_seen
+        if len(seen) >= STALL_ROUNDS and seen[0] >= up.since:   # all of them during this proxy's life
+            return True
+        # A live proxy beats at least every idle tick and after every round, and a round
+        # keeps it off the heartbeat for at most TIMEOUT_MS (its network wait).
+        cfg = self.spec.cfg
+        silent_ms = max(cfg.watchdog_ms, cfg.timeout_ms) + STALL_SLACK_MS
+        pending = path.end.gathered() != path.end.released()
+        return pending and time.monotonic_ns() - path.end.header.heartbeat_ns > silent_ms * 1_000_000
+
+    def _on_change(self, state: Lifecycle) -> None:
+        """From the supervisor's thread: a lost proxy's rounds are answered at once."""
+        if isinstance(state, (Down, Spent)):
+            users = self.path.users
+            if not users.enter():   # closing: close() answers them
+                return
+            try:
+                self.path.end.release_orphans()
+                self.path.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0)
+            finally:
+                users.leave()
+
+    # ------------------------------------------------------------------ closing
+
+    def stop(self) -> bool:
+        """Closing: stop the proxy, within about ``STOP_S``; True when it is known gone
+        (its claimed rounds may then be released as orphans). A proxy thread inside a
+        connect may outlive this: it leaves the region when its loop ends."""
+        if self.supervisor is not None:
+            self.supervisor.close(STOP_S)
+            return True
+        if self._thread is None:   # never started
+            return True
+        self._stop.set()
+        loop = self._loop
+        if loop is not None:
+            loop.link.interrupt()   # a round waiting on the network ends now
+        self._thread.join(STOP_S)
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+        return not self._thread.is_alive()
+
+    def supervisor_stats(self) -> SupervisorStats | None:
+        return self.supervisor.stats() if self.supervisor is not None else None
+
+    @property
+    def thread_alive(self) -> bool | None:
+        return self._thread.is_alive() if self._thread is not None else None

@@ -1,0 +1,45 @@
+"""What every part of the engine side agrees on: the configuration, the round's shape
+and the engine's identity (one frozen value, built once by ``RemoteDSpark``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .. import wire
+from ..batch import Batch, HostMeta, host_meta
+from ..config import RemoteConfig
+
+
+@dataclass(frozen=True)
+class Spec:
+    cfg: RemoteConfig
+    num_spec: int
+    max_slots: int
+    row_bytes: int
+    max_tokens: int
+    depth: int                   # rounds the engine may enqueue ahead of the proxy
+    device: str                  # "cpu" or "cuda"
+    mode: str                    # "sync", "thread" or "process"
+    engine_id: int
+    environ: Mapping[str, str]
+    n_out_table: Sequence[int] | None = None
+
+    def n_out_for(self, n: int) -> int:
+        """The default n_out of a round of ``n`` entries (the table's, else num_spec)."""
+        t = self.n_out_table
+        return self.num_spec if t is None else t[min(n, len(t) - 1)]
+
+    def meta(self, batch: Batch) -> HostMeta:
+        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``).
+
+        Raises:
+            ValueError: naming the field that is wrong.
+        """
+        return host_meta(batch, max_slots=self.max_slots, num_spec=self.num_spec, max_tokens=self.max_tokens,
+                         n_out_default=self.n_out_for(len(batch)))
+
+    def hello(self) -> wire.Hello:
+        cfg = self.cfg
+        return wire.Hello(cfg.drafter_identity, cfg.markov_identity, self.engine_id, self.max_slots,
+                          self.row_bytes, self.num_spec, want_margin=cfg.want_margin)

@@ -1,0 +1,112 @@
+"""``ASYNC=0``: the engine thread does the network round itself, within ``TIMEOUT_MS``
+(the send included), over a :class:`~remote_dspark.link.RemoteLink`."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from .. import wire
+from ..batch import Batch, Drafts, HostMeta, as_bytes, empty_drafts, gather_rows_host, to_drafts, write_meta
+from ..breaker import Breaker
+from ..link import RemoteLink
+from ..outcome import Outcome
+from .spec import Spec
+from .stats import BreakerStats, LinkStats
+
+log = logging.getLogger("remote_dspark.engine")
+
+
+def to_host(batch: Batch) -> Batch:
+    """``batch`` with its metadata copied to the host (a blocking round: the sync path)."""
+    cpu = {f: (getattr(batch, f).cpu() if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f))
+           for f in ("slots", "tokens", "token_offsets", "positions", "new_gen", "n_out")}
+    return Batch(rows=batch.rows, row_index=batch.row_index, **cpu)
+
+
+class SyncPath:
+    """One connection, one send buffer for every round (header, fixed part, entry
+    arrays, tokens) and one rows buffer (the frame's second part)."""
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        cfg = spec.cfg
+        self.link = RemoteLink(cfg.endpoint, spec.hello(), int.from_bytes(os.urandom(8), "little") or 1,
+                               connect_timeout_ms=cfg.connect_timeout_ms, backoff_ms=cfg.backoff_ms,
+                               backoff_max_ms=cfg.backoff_max_ms, breaker=Breaker(cfg.trip, cfg.cooldown),
+                               environ=spec.environ)
+        self._epoch = 0
+        self._round_id = 0
+        self._send = np.zeros(wire.HEADER.size + wire.round_meta_bytes(spec.max_slots) + 4 * spec.max_tokens,
+                              dtype=np.uint8)
+        self._rows = np.zeros((spec.max_slots, spec.row_bytes), dtype=np.uint8)
+
+    def start(self) -> None:
+        try:
+            self.link.connect()
+        except Exception as e:
+            if self.spec.cfg.strict_start:
+                raise
+            log.warning("remote DSpark: first connection to %s failed (%s); rounds are target-only "
+                        "until a reconnect succeeds", self.spec.cfg.endpoint, e)
+            self.link.start_reconnecting()
+        self._epoch = self.link.epoch
+
+    def round(self, batch: Batch) -> Drafts:
+        """One network round: the ROUND written into the send buffer (arrays copied into
+        place, rows by one gather), sent as two buffers, DRAFTS read as views."""
+        spec = self.spec
+        self._round_id = round_id = (self._round_id + 1) & 0xFFFFFFFF
+        meta = spec.meta(batch if not batch.meta_on_device else to_host(batch))
+        n = meta.n
+        rows = self._rows[:n]
+        if batch.rows.device.type == "cpu":
+            gather_rows_host(batch, self._rows, spec.row_bytes)
+        else:   # a blocking round anyway: gather on the device, one copy to the host
+            rows[:] = as_bytes(batch.rows, spec.row_bytes).index_select(
+                0, torch.as_tensor(batch.row_index, device=batch.rows.device)).cpu().numpy()
+        size = write_meta(self._send[wire.HEADER.size:], meta, deadline_ms=spec.cfg.timeout_ms,
+                          row_bytes=spec.row_bytes)
+        wire.pack_header_into(self._send, wire.ROUND, size + n * spec.row_bytes, self.link.session, round_id)
+        parts = (memoryview(self._send)[:wire.HEADER.size + size], memoryview(rows).cast("B"))
+        result = self.link.round(round_id, parts, spec.cfg.timeout_ms)
+        d = result.drafts
+        if d is not None:
+            out = self._drafts(round_id, meta, d, result.outcome)
+        else:
+            out = empty_drafts(n, spec.num_spec, result.outcome, spec.cfg.want_margin)
+        if self.link.epoch != self._epoch:
+            self._epoch = self.link.epoch
+            out.resync_all = self._epoch > 1
+        return out
+
+    def _drafts(self, round_id: int, meta: HostMeta, d: wire.Drafts, outcome: Outcome) -> Drafts:
+        """The worker's DRAFTS as ``Drafts``, or an empty ERROR answer when they do not
+        fit the round (other entries, other slots, wider than num_spec)."""
+        spec, n = self.spec, meta.n
+        slots = np.frombuffer(d.slots, dtype=np.uint32)
+        if len(slots) != n or not np.array_equal(slots, meta.slots) or d.width > spec.num_spec:
+            log.error("remote DSpark: round %d: the worker answered %d entries x %d for slots that are "
+                      "not the round's (%d entries, num_spec %d); dropped", round_id, len(slots), d.width,
+                      n, spec.num_spec)
+            return empty_drafts(n, spec.num_spec, Outcome.ERROR, spec.cfg.want_margin)
+        counts = np.frombuffer(d.counts, dtype=np.uint16)
+        tokens = np.frombuffer(d.tokens, dtype=np.int32).reshape(n, d.width)
+        margins = None if d.margins is None else np.frombuffer(d.margins, dtype=np.float32).reshape(n, d.width)
+        return to_drafts(spec.num_spec, meta.slots, counts, np.frombuffer(d.statuses, dtype=np.uint16), tokens,
+                         margins, outcome, spec.cfg.want_margin)
+
+    def link_stats(self) -> LinkStats:
+        b = self.link.breaker.store
+        return LinkStats(self.link.attempts, self.link.late, self.link.reconnects,
+                         BreakerStats(int(b.state), b.trips, b.probes))
+
+    def fence(self) -> None:
+        """Closing: a round in flight on the engine thread ends at once (LOST)."""
+        self.link.interrupt()
+
+    def close(self) -> None:
+        self.link.close()
