@@ -331,17 +331,20 @@ class Supervisor:
 
 
 # What a proxy inherits of the engine's environment: the contract's variables, what an
-# interpreter needs to start, and where the dynamic loader finds an ofl transport's
-# libraries (LD_LIBRARY_PATH: libofl.so and its RDMA dependencies). Nothing else (no
-# CUDA_*, no LD_PRELOAD of the engine's, no PYTHON*: the interpreter is isolated anyway).
+# interpreter needs to start, and what an ofl transport needs: where the dynamic loader
+# finds libofl.so and its RDMA dependencies (LD_LIBRARY_PATH), the ofl library's own
+# settings (OFL_*), and the RDMA stack's: rdma-core's verbs and providers (RDMAV_*,
+# IBV_*, MLX5_*), libfabric (FI_*) and UCX (UCX_*), which choose devices, ports and
+# queue sizes. Nothing else: no CUDA_*, no LD_PRELOAD of the engine's, no PYTHON* (the
+# interpreter is isolated anyway).
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "XDG_CACHE_HOME", "LD_LIBRARY_PATH")
-_PASS_PREFIX = "VLLM_DSPARK_"
+_PASS_PREFIXES = ("VLLM_DSPARK_", "OFL_", "RDMAV_", "IBV_", "MLX5_", "FI_", "UCX_")
 
 
 def proxy_environment(environ: Mapping[str, str], hostflag_lib: str) -> dict[str, str]:
     """The proxy's minimal environment. The engine has already located (or built) the
     native library; the proxy is told its path, so it never compiles anything."""
-    env = {k: v for k, v in environ.items() if k in _PASS_ENV or k.startswith(_PASS_PREFIX)}
+    env = {k: v for k, v in environ.items() if k in _PASS_ENV or k.startswith(_PASS_PREFIXES)}
     env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = hostflag_lib
     return env
 

@@ -155,6 +155,19 @@ def test_an_ofl_dir_copy_of_another_abi_is_replaced_by_the_own_build(tmp_path, c
     assert [r.getMessage() for r in caplog.records if "own build" in r.getMessage()] != []
 
 
+def test_an_ofl_dir_copy_others_may_write_is_never_loaded(lib, tmp_path, caplog):
+    """The contract's default location, writable by others: its library could be anyone's
+    (its constructor would run at dlopen). One warning, and this package's build."""
+    ofl = tmp_path / "ofl"
+    ofl.mkdir()
+    shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
+    os.chmod(ofl, 0o777)
+    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(ofl)}
+    loaded = native.load(env, cache_dir=tmp_path / "cache")
+    assert os.path.dirname(loaded.path) == str(tmp_path / "cache")
+    assert any("written by others" in r.getMessage() for r in caplog.records)
+
+
 # --------------------------------------------------------------------------- the cache, trusted or not
 
 

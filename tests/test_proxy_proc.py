@@ -44,10 +44,12 @@ def env_for(worker, lib, **extra):
 
 
 def test_the_proxy_environment_is_an_allowlist():
-    env = proxy_environment({"PATH": "/bin", "LD_LIBRARY_PATH": "/opt/ofl/lib", "LD_PRELOAD": "/evil.so",
-                             "PYTHONPATH": "/planted", "CUDA_VISIBLE_DEVICES": "0", "VLLM_DSPARK_REMOTE_TRIP": "2",
-                             "SECRET_TOKEN": "x"}, "/lib/hostflag.so")
-    assert env == {"PATH": "/bin", "LD_LIBRARY_PATH": "/opt/ofl/lib", "VLLM_DSPARK_REMOTE_TRIP": "2",
+    transport = {"LD_LIBRARY_PATH": "/opt/ofl/lib", "OFL_LOG": "1", "RDMAV_FORK_SAFE": "1", "IBV_FORK_SAFE": "1",
+                 "MLX5_SINGLE_THREADED": "1", "FI_PROVIDER": "verbs", "UCX_NET_DEVICES": "mlx5_0:1"}
+    env = proxy_environment({"PATH": "/bin", "LD_PRELOAD": "/evil.so", "PYTHONPATH": "/planted",
+                             "CUDA_VISIBLE_DEVICES": "0", "VLLM_DSPARK_REMOTE_TRIP": "2", "SECRET_TOKEN": "x",
+                             "XFI_PROVIDER": "x", **transport}, "/lib/hostflag.so")
+    assert env == {"PATH": "/bin", "VLLM_DSPARK_REMOTE_TRIP": "2", **transport,
                    "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB": "/lib/hostflag.so"}
 
 

@@ -1,5 +1,6 @@
 """Endpoints, the TCP transport's deadlines, and the ofl adapter's loader."""
 
+import os
 import socket
 import textwrap
 import threading
@@ -200,3 +201,34 @@ def test_ofl_module_without_connect_is_refused(tmp_path):
     with pytest.raises(ValueError, match="VLLM_DSPARK_REMOTE_OFL_DIR=.*no connect"):
         transport.check_ready(parse_endpoint("o1tcp://127.0.0.1:1"),
                               {"VLLM_DSPARK_REMOTE_OFL_DIR": str(tmp_path)})
+
+
+@pytest.mark.parametrize("target", ["dir", "ofl.py", "libofl.so"])
+def test_ofl_code_others_may_write_is_never_imported(tmp_path, target):
+    """A directory or file of OFL_DIR that others may write could hold anyone's code:
+    refused before ofl.py runs, naming the variable and the culprit."""
+    ofl = tmp_path / "ofl"
+    ofl.mkdir(mode=0o755)
+    ran = tmp_path / "ran"
+    (ofl / "ofl.py").write_text(f"open({str(ran)!r}, 'w').close()\n" + STAND_IN_OFL)
+    (ofl / "libofl.so").write_bytes(b"")
+    os.chmod(ofl if target == "dir" else ofl / target, 0o777 if target == "dir" else 0o666)
+    with pytest.raises(ValueError, match=r"VLLM_DSPARK_REMOTE_OFL_DIR=.*refusing to load .*written by others"):
+        transport.ofl.load_ofl(str(ofl))
+    assert not ran.exists()
+    os.chmod(ofl, 0o755)
+    for f in ("ofl.py", "libofl.so"):
+        os.chmod(ofl / f, 0o644)
+    transport.ofl.load_ofl(str(ofl))   # the same files, trusted now: loaded
+    assert ran.exists()
+
+
+def test_an_ofl_module_that_is_a_link_is_refused(tmp_path):
+    real = tmp_path / "elsewhere.py"
+    real.write_text(STAND_IN_OFL)
+    ofl = tmp_path / "ofl"
+    ofl.mkdir()
+    (ofl / "ofl.py").symlink_to(real)
+    (ofl / "libofl.so").write_bytes(b"")
+    with pytest.raises(ValueError, match="ofl.py.*not a regular file"):
+        transport.ofl.load_ofl(str(ofl))

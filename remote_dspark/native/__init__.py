@@ -55,6 +55,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
+from ..trust import untrusted_because
+
 log = logging.getLogger("remote_dspark.native")
 
 ENV_LIB = "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"
@@ -420,9 +422,12 @@ def load(environ: Mapping[str, str] | None = None,
             raise ValueError(f"{ENV_LIB}={named!r}: {e}") from e
     ofl_dir = (env.get(ENV_OFL_DIR) or "").strip()
     if ofl_dir and path == os.path.join(ofl_dir, OFL_LIB_NAME):
+        why = untrusted_because(path)
         try:
-            return Native(path)
+            if why is None:
+                return Native(path)
         except NativeError as e:
-            log.warning("%s: %s; using this package's own build of %s", ENV_OFL_DIR, e, SOURCE.name)
-            path = str(build(Path(cache_dir) if cache_dir is not None else default_cache_dir(env), env))
+            why = str(e)
+        log.warning("%s: %s; using this package's own build of %s", ENV_OFL_DIR, why, SOURCE.name)
+        path = str(build(Path(cache_dir) if cache_dir is not None else default_cache_dir(env), env))
     return Native(path)

@@ -27,6 +27,7 @@ import os
 from types import ModuleType
 from typing import Sequence
 
+from ..trust import untrusted_because
 from . import ENV_OFL_DIR, Endpoint, TransportError
 
 _loaded: dict[str, ModuleType] = {}
@@ -49,6 +50,10 @@ def load_ofl(directory: str) -> ModuleType:
     missing = [f for f in ("ofl.py", "libofl.so") if not os.path.isfile(os.path.join(directory, f))]
     if missing:
         raise ValueError(f"{ENV_OFL_DIR}={directory!r}: missing {' and '.join(missing)}")
+    for f in ("ofl.py", "libofl.so"):
+        why = untrusted_because(os.path.join(directory, f))
+        if why:
+            raise ValueError(f"{ENV_OFL_DIR}={directory!r}: refusing to load {f}: {why}")
     key = os.path.realpath(directory)
     if key in _loaded:
         return _loaded[key]
