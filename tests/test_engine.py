@@ -408,3 +408,26 @@ def _children():
     import psutil
     return [p for p in psutil.Process().children(recursive=True) if p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE and "proxy_proc" in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_stats_is_one_typed_record_whose_parts_follow_the_mode(worker, tmp_path, mode):
+    """What metrics, the file, the log line, the demo and chaos read: typed parts that
+    exist exactly in the modes that have them, never keys to guess; the file is the
+    record's document, and after close() the record is final."""
+    env = env_for(worker.port, tmp_path) if mode == "sync" else async_env(worker.port, tmp_path, mode)
+    with make(env) as rd:
+        assert rd.round(batch()).outcome is Outcome.OK
+        st = rd.stats()
+        assert (st.mode, st.rounds[Outcome.OK], st.total_rounds, st.link.attempts) == (mode, 1, 1, 1)
+        assert (st.connected is not None) == (mode == "sync")
+        assert (st.handoff is not None) == (mode != "sync") and (st.supervisor is not None) == (mode == "process")
+        if mode == "thread":
+            assert st.handoff.proxy_thread_alive is True
+        with pytest.raises(AttributeError):
+            st.mode = "other"   # frozen: a snapshot, never a live view
+    final = rd.stats()
+    assert final is rd.stats() and final.total_rounds == 1
+    doc = json.loads((tmp_path / "stats.json").read_text())
+    assert doc == json.loads(json.dumps(final.to_json()))
+    assert doc["rounds"] == {o.label: int(o is Outcome.OK) for o in Outcome} | {"total": 1}
