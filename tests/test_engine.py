@@ -260,11 +260,17 @@ def test_a_proxy_still_connecting_is_not_stalled(tmp_path, monkeypatch):
     with socket.create_server(("127.0.0.1", 0)) as silent:   # accepts (backlog), never answers
         env = async_env(silent.getsockname()[1], tmp_path, "process", VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS="1500",
                         VLLM_DSPARK_REMOTE_BACKOFF_MS="60000", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000")
-        with make(env) as rd:
+        rd = make(env)
+        t0 = time.monotonic()
+        rd.start()
+        try:
+            assert time.monotonic() - t0 < 1.5 + 1.0   # start(): CONNECT_TIMEOUT_MS + 1 s at most
             sup = rd.supervisor
             first = sup.live.pid
             assert until(lambda: rd.round(batch()).outcome is Outcome.ERROR, timeout=10)   # served, target-only
             assert until(lambda: sup.up is not None) and sup.up.pid == first and sum(sup.restarts.values()) == 0
+        finally:
+            rd.close()
 
 
 def test_stalled_proxy_is_killed_and_replaced(worker, tmp_path):

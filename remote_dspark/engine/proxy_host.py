@@ -27,6 +27,7 @@ log = logging.getLogger("remote_dspark.engine")
 
 PROXY_START_S = 5.0          # a new proxy's start, past its first connect attempt (CONNECT_TIMEOUT_MS)
 STALL_SLACK_MS = 100         # heartbeat silence past max(WATCHDOG_MS, TIMEOUT_MS) + this: stalled
+START_WAIT_SLACK_S = 1.0     # start() waits for the first proxy at most CONNECT_TIMEOUT_MS + this
 STOP_S = 0.5                 # close: how long a proxy process has to exit on SIGTERM before SIGKILL
 
 
@@ -60,7 +61,9 @@ class ProxyHost:
                 reset_s=cfg.async_respawn_reset_s, serving=self._beaten, start_limit_s=self.start_limit_s,
                 stalled=self._stalled, on_change=self._on_change)
             self.supervisor.start()
-        limit_s = self.start_limit_s
+        # A new proxy serves after its first connect attempt: a hung worker holds start()
+        # for CONNECT_TIMEOUT_MS, and 1 s more is the proxy's own start.
+        limit_s = self.spec.cfg.connect_timeout_ms / 1000.0 + START_WAIT_SLACK_S
         if not self._wait_serving(limit_s):
             log.warning("remote DSpark: no proxy serving %.1f s after start; rounds are target-only "
                         "until one does", limit_s)
