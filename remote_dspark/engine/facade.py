@@ -82,6 +82,7 @@ class RemoteDSpark:
         self._users: Users | None = None
         self._final: Stats | None = None
         self._lock = threading.Lock()   # state changes, and stats() against close()
+        self._start_lock = threading.Lock()   # start() and close() one at a time
         self.exporter = None
 
     # The facts callers read.
@@ -113,22 +114,25 @@ class RemoteDSpark:
             TransportError, Refused: only with ``STRICT_START=1``, when the first
                 connect + HELLO fails.
         """
-        with self._lock:
-            if self.state is not EngineState.NEW:
-                raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
-            self.state = EngineState.STARTED   # a close() from now on tears down what exists
-        cfg = self.cfg
-        try:
-            transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
-            if cfg.metrics_port:
-                from ..metrics import Exporter
-                self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
-            if cfg.strict_start and self.mode != "sync":
-                self._probe_connection()
-            self._open_path()
-        except BaseException:
-            self.close()   # nothing started stays running: exporter, proxy, watchdog, region
-            raise
+        with self._start_lock:
+            with self._lock:
+                if self.state is not EngineState.NEW:
+                    raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
+                self.state = EngineState.STARTING
+            cfg = self.cfg
+            try:
+                transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
+                if cfg.metrics_port:
+                    from ..metrics import Exporter
+                    self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
+                if cfg.strict_start and self.mode != "sync":
+                    self._probe_connection()
+                self._open_path()
+            except BaseException:
+                self._close()   # nothing started stays running: exporter, proxy, watchdog, region
+                raise
+            with self._lock:
+                self.state = EngineState.STARTED
         return self
 
     def _open_path(self) -> None:
@@ -171,14 +175,18 @@ class RemoteDSpark:
         Rounds in flight are not waited for: each is released here, through the claim
         the watchdog uses, and its thread leaves the region before anything is unmapped
         (``lifecycle.Users``: the last user out frees it)."""
+        with self._start_lock:   # a start in progress ends first (within its own deadlines)
+            self._close()
+
+    def _close(self) -> None:
         with self._lock:
             if self.state in (EngineState.CLOSING, EngineState.CLOSED):
                 return
-            was, self.state = self.state, EngineState.CLOSING
+            self.state = EngineState.CLOSING
         try:
             if self.exporter is not None:
                 self.exporter.close()
-            if was is EngineState.STARTED and self._users is not None:
+            if self._users is not None:
                 self._fence()
         finally:
             with self._lock:
@@ -233,8 +241,8 @@ class RemoteDSpark:
         """A round's way in: it may touch the path until ``_users.leave()``."""
         if self.state is EngineState.STARTED and self._users.enter():
             return
-        if self.state is EngineState.NEW:
-            raise RuntimeError(f"RemoteDSpark.{what}() before start()")
+        if self.state in (EngineState.NEW, EngineState.STARTING):
+            raise RuntimeError(f"RemoteDSpark.{what}() before start() returned")
         raise RemoteClosed(f"RemoteDSpark.{what}() after close()")
 
     def round(self, batch: Batch) -> Drafts:

@@ -21,9 +21,11 @@ from typing import Callable
 
 
 class EngineState(enum.Enum):
-    """``RemoteDSpark``: new -> started -> closing -> closed (a failed start closes)."""
+    """``RemoteDSpark``: new -> starting -> started -> closing -> closed (a failed start
+    closes). Rounds are taken only while started."""
 
     NEW = "new"
+    STARTING = "starting"
     STARTED = "started"
     CLOSING = "closing"
     CLOSED = "closed"
