@@ -32,7 +32,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from typing import Callable, Mapping
 
 from . import native, shm, wire
@@ -234,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s proxy[{os.getpid()}] %(levelname)s %(message)s")
     _die_with_parent(args.parent)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # A plain flag: the handler takes no lock. (An Event's set() would: a second SIGTERM,
+    # e.g. the parent-death one right behind the supervisor's own, arriving while the
+    # first handler holds it, deadlocks the proxy until its SIGKILL.)
+    stopping = [False]
+    signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__(0, True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
     try:
         cfg, engine_id = read_handover(args.handover)
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"proxy: cannot start: {e}", file=sys.stderr)
         return EXIT_ATTACH
     loop = ProxyLoop(region, lib, cfg, engine_id=engine_id)
-    loop.run(lambda: stop.is_set() or os.getppid() != args.parent)
+    loop.run(lambda: stopping[0] or os.getppid() != args.parent)
     return 0
 
 

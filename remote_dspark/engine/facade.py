@@ -289,10 +289,10 @@ class RemoteDSpark:
         network. The round's outcome is counted once it is released, at a later launch
         or ``stats()``; slots the worker lost come back in a later ``Launched.resync``.
         """
-        if self.mode == "sync" or self.device != "cuda":
-            raise RuntimeError("launch() is for asynchronous rounds on CUDA; use round()")
         self._enter("launch")
         try:
+            if self.mode == "sync" or self.device != "cuda":
+                raise RuntimeError("launch() is for asynchronous rounds on CUDA; use round()")
             return self._path.launch(batch)
         finally:
             self._users.leave()
