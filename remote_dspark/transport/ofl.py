@@ -27,7 +27,8 @@ import os
 from types import ModuleType
 from typing import Sequence
 
-from . import ENV_OFL_DIR, Endpoint, TransportError
+from .endpoint import ENV_OFL_DIR, Endpoint
+from .errors import TransportError
 
 _loaded: dict[str, ModuleType] = {}
 
