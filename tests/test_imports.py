@@ -10,6 +10,7 @@ import pytest
 TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire", "remote_dspark.transport",
               "remote_dspark.transport.tcp", "remote_dspark.transport.ofl", "remote_dspark.client",
               "remote_dspark.link", "remote_dspark.breaker", "remote_dspark.config", "remote_dspark.shm",
+              "remote_dspark.shm_layout", "remote_dspark.shm_words",
               "remote_dspark.native", "remote_dspark.ring", "remote_dspark.streamsync", "remote_dspark.supervisor",
               "remote_dspark.worker", "remote_dspark.markov", "remote_dspark.sim", "remote_dspark.cli",
               "remote_dspark.bench.handoff", "remote_dspark.drafter", "remote_dspark.transport.endpoint",

@@ -251,9 +251,9 @@ def run_all(opts: Options, pins: Pinning, modes=None, runners=None,
 
 def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     """A row over the region: HostFlagSync's hand-off, timed in C, to ``mode``'s peer."""
-    from .. import ring, shm, streamsync
+    from .. import ring, shm, shm_layout, streamsync
     total = opts.warmup + opts.rounds
-    layout = shm.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
+    layout = shm_layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
     with shm.Region.create(layout) as region:
         engine = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us,
