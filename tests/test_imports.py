@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire", "remote_dspark.transport",
+TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire", "remote_dspark.wire_frame",
+              "remote_dspark.wire_round", "remote_dspark.wire_drafts", "remote_dspark.transport",
               "remote_dspark.transport.tcp", "remote_dspark.transport.ofl", "remote_dspark.client",
               "remote_dspark.link", "remote_dspark.breaker", "remote_dspark.config", "remote_dspark.shm",
               "remote_dspark.shm_layout", "remote_dspark.shm_words",
