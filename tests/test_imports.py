@@ -14,12 +14,12 @@ TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire",
               "remote_dspark.shm",
               "remote_dspark.shm_layout", "remote_dspark.shm_words",
               "remote_dspark.native", "remote_dspark.ring", "remote_dspark.streamsync", "remote_dspark.supervisor",
-              "remote_dspark.worker", "remote_dspark.markov", "remote_dspark.sim", "remote_dspark.cli",
+              "remote_dspark.worker", "remote_dspark.worker_windows", "remote_dspark.markov", "remote_dspark.sim", "remote_dspark.cli",
               "remote_dspark.bench.handoff", "remote_dspark.drafter", "remote_dspark.transport.endpoint",
               "remote_dspark.transport.errors"]
 HEAVY = ("torch", "numpy", "prometheus_client")
 # numpy by design: the worker side, and the simulated engine (it keeps its slots in arrays).
-NUMPY_OK = {"remote_dspark.worker", "remote_dspark.drafter", "remote_dspark.sim"}
+NUMPY_OK = {"remote_dspark.worker", "remote_dspark.worker_windows", "remote_dspark.drafter", "remote_dspark.sim"}
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
