@@ -27,8 +27,8 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from . import handoff
-from .handoff import ROUND_TIMEOUT_S, Options, Peer, PeerThread, Pinning, Row, Stats
+from .handoff_peers import Peer, PeerThread, Pinning, run_rows
+from .handoff_types import ROUND_TIMEOUT_S, Options, Row, Stats
 
 CUDA_MODES = ("c_peer", "process", "thread", "e2e")
 DESCRIBE = {"c_peer": "C peer process (floor)", "process": "proxy loop, own process",
@@ -40,7 +40,7 @@ TARGET_P99_US = 10.0
 
 
 def run_all(opts: Options, pins: Pinning) -> list[Row]:
-    return handoff.run_all(opts, pins, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
+    return run_rows(opts, pins, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
 
 
 class _Events:

@@ -74,7 +74,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .handoff import reap
+from .handoff_peers import reap
 
 MODES = ("floor", "sync", "thread", "process", "draft")
 CUDA_MODES = MODES + ("launch",)
