@@ -16,7 +16,9 @@ TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire",
               "remote_dspark.native", "remote_dspark.ring", "remote_dspark.streamsync", "remote_dspark.supervisor",
               "remote_dspark.worker", "remote_dspark.worker_windows", "remote_dspark.markov", "remote_dspark.sim", "remote_dspark.cli",
               "remote_dspark.bench.handoff", "remote_dspark.bench.handoff_peers",
-              "remote_dspark.bench.handoff_types", "remote_dspark.drafter", "remote_dspark.transport.endpoint",
+              "remote_dspark.bench.handoff_types", "remote_dspark.bench.round",
+              "remote_dspark.bench.round_options", "remote_dspark.bench.round_report", "remote_dspark.bench.round_floor",
+              "remote_dspark.bench.round_feeder", "remote_dspark.drafter", "remote_dspark.transport.endpoint",
               "remote_dspark.transport.errors"]
 HEAVY = ("torch", "numpy", "prometheus_client")
 # numpy by design: the worker side, and the simulated engine (it keeps its slots in arrays).
