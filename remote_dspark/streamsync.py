@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple
 
-from . import native, shm
+from . import native, shm, shm_layout
 from .native import Status, check
 
 
@@ -133,7 +133,7 @@ class CudaBackend:
 
     def _self_test(self) -> None:
         lay, lib = self._region.layout, self._lib
-        probe, ack = lay.words_at + shm.W_PROBE, lay.words_at + shm.W_PROBE_ACK
+        probe, ack = lay.words_at + shm_layout.W_PROBE, lay.words_at + shm_layout.W_PROBE_ACK
         token = (lib.load32(self._region.addr(probe)) + 1) & 0xFFFFFFFF or 1
         stream = self._torch.cuda.current_stream()
         self._drv.write_value32(stream.cuda_stream, self.device_base + probe, token)

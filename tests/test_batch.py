@@ -194,8 +194,8 @@ def test_native_row_gather_names_the_bad_index(lib):
 def test_an_empty_answer_clears_the_tokens_block(lib):
     """launch() copies a drafts slot's tokens as they are: an empty answer (no proxy,
     watchdog, orphan, timeout) must leave no stale tokens behind."""
-    from remote_dspark import ring, shm
-    with shm.Region.create(shm.Layout(2, 4, 8, 3, 16)) as region:
+    from remote_dspark import ring, shm, shm_layout
+    with shm.Region.create(shm_layout.Layout(2, 4, 8, 3, 16)) as region:
         end = ring.EngineEnd(region, lib)
         lay = region.layout
         r = end.reserve(1.0)
@@ -209,18 +209,18 @@ def test_an_empty_answer_clears_the_tokens_block(lib):
 # --------------------------------------------------------------------------- metadata on the device
 
 def region_rig(lib):
-    from remote_dspark import ring, shm
-    region = shm.Region.create(shm.Layout(2, MAX_SLOTS, ROW_BYTES, K, 10_000))
+    from remote_dspark import ring, shm, shm_layout
+    region = shm.Region.create(shm_layout.Layout(2, MAX_SLOTS, ROW_BYTES, K, 10_000))
     return region, ring.EngineEnd(region, lib), ring.ProxyEnd(region, lib)
 
 
 def write_in_stream(region, r: int, batch: Batch) -> None:
     """What launch() does for metadata on the device, with a CPU tensor over the region
     standing in for the device view (the same tensor operations, run at once)."""
-    from remote_dspark import shm
+    from remote_dspark import shm_layout
     from remote_dspark.batch import check_meta_shapes, write_meta_in_stream
     lay = region.layout
-    area = region.view(lay.desc(r & 1) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED)
+    area = region.view(lay.desc(r & 1) + shm_layout.DESC_FIXED, lay.desc_stride - shm_layout.DESC_FIXED)
     round_word = np.frombuffer(region.view(lay.desc(r & 1), 4), np.uint32)
     round_word[0] = r
     d = torch.frombuffer(area, dtype=torch.int32)
@@ -235,7 +235,7 @@ def write_in_stream(region, r: int, batch: Batch) -> None:
 def test_metadata_written_in_stream_equals_the_host_path(lib, case):
     """The device path (tensor ops, no host read) writes the very bytes host_meta +
     write_meta write, NEW_GEN cut included, and the proxy's C check accepts them."""
-    from remote_dspark import shm
+    from remote_dspark import shm_layout
     batch, _ = case
     region, end, proxy = region_rig(lib)
     try:
@@ -245,7 +245,7 @@ def test_metadata_written_in_stream_equals_the_host_path(lib, case):
         meta = host_meta(batch, max_slots=MAX_SLOTS, num_spec=K, max_tokens=lay.max_tokens, n_out_default=3)
         want = np.zeros(lay.desc_stride, np.uint8)
         size = write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
-        got = bytes(region.view(lay.desc(r & 1) + shm.DESC_FIXED, size))
+        got = bytes(region.view(lay.desc(r & 1) + shm_layout.DESC_FIXED, size))
         assert got == bytes(want[:size])
         proxy.check_descriptor(r)
     finally:

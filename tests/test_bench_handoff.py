@@ -9,7 +9,7 @@ import json
 import pytest
 
 from remote_dspark.bench import add_parsers
-from remote_dspark.bench import handoff
+from remote_dspark.bench import handoff, handoff_peers
 
 
 
@@ -98,8 +98,8 @@ CAL:        336        100        900       5000   Function call interrupts
 def test_device_interrupts_counts_numbered_lines_only(tmp_path):
     path = tmp_path / "interrupts"
     path.write_text(INTERRUPTS)
-    assert handoff.device_interrupts(str(path)) == {0: 47, 1: 0, 2: 0, 3: 4560}
-    assert handoff.device_interrupts(str(tmp_path / "missing")) == {}
+    assert handoff_peers.device_interrupts(str(path)) == {0: 47, 1: 0, 2: 0, 3: 4560}
+    assert handoff_peers.device_interrupts(str(tmp_path / "missing")) == {}
 
 
 def test_the_peer_goes_to_the_last_cpu_without_device_interrupts(tmp_path, monkeypatch):
@@ -107,10 +107,10 @@ def test_the_peer_goes_to_the_last_cpu_without_device_interrupts(tmp_path, monke
     they made the stream miss its poll): the peer takes CPU 2, the engine the rest."""
     path = tmp_path / "interrupts"
     path.write_text(INTERRUPTS)
-    monkeypatch.setattr(handoff.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(handoff, "_siblings", lambda cpu: {cpu})
-    pins = handoff.Pinning.plan(True, str(path))
+    monkeypatch.setattr(handoff_peers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(handoff_peers, "_siblings", lambda cpu: {cpu})
+    pins = handoff_peers.Pinning.plan(True, str(path))
     assert (pins.peer, pins.engine) == ({2}, {0, 1, 3})
-    quiet = handoff.Pinning.plan(True, str(tmp_path / "missing"))   # nothing known: the last
+    quiet = handoff_peers.Pinning.plan(True, str(tmp_path / "missing"))   # nothing known: the last
     assert (quiet.peer, quiet.engine) == ({3}, {0, 1, 2})
-    assert handoff.Pinning.plan(False, str(path)) == handoff.Pinning(None, None)
+    assert handoff_peers.Pinning.plan(False, str(path)) == handoff_peers.Pinning(None, None)

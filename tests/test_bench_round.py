@@ -11,7 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from remote_dspark import cli, wire
-from remote_dspark.bench import add_parsers
+from remote_dspark.bench import (
+    add_parsers,
+    round_feeder,
+    round_floor,
+    round_options,
+    round_report,
+)
 from remote_dspark.bench import round as rb
 
 ROW_KEYS = {"mode", "slots", "p50_ms", "p99_ms", "x_floor", "engine_cpu_ms"}
@@ -49,19 +55,19 @@ def children(monkeypatch) -> list[subprocess.Popen]:
 def test_round_is_registered_with_its_defaults():
     args = parse(["round"])
     assert args.func is rb.run
-    opts = rb.options(args)
-    assert opts.slots == rb.SWEEP == (64, 256, 1024, 4096)   # no --slots: the sweep
-    assert (opts.num_spec, opts.row_bytes, opts.rounds, opts.modes) == (5, 1024, 500, rb.MODES)
-    assert rb.options(parse(["round", "--no-sweep"])).slots == (256,)
-    assert rb.options(parse(["round", "--slots", "8,64"])).slots == (8, 64)
-    picked = rb.options(parse(["round", "--slots", "8", "--modes", "process,floor"]))
+    opts = round_options.options(args)
+    assert opts.slots == round_options.SWEEP == (64, 256, 1024, 4096)   # no --slots: the sweep
+    assert (opts.num_spec, opts.row_bytes, opts.rounds, opts.modes) == (5, 1024, 500, round_options.MODES)
+    assert round_options.options(parse(["round", "--no-sweep"])).slots == (256,)
+    assert round_options.options(parse(["round", "--slots", "8,64"])).slots == (8, 64)
+    picked = round_options.options(parse(["round", "--slots", "8", "--modes", "process,floor"]))
     assert picked.modes == ("floor", "process")   # table order
 
 
 def test_big_rounds_measure_fewer_rounds():
-    opts = rb.options(parse(["round"]))
-    assert [opts.rounds_for(s) for s in rb.SWEEP] == [500, 500, 125, 50]
-    assert rb.options(parse(["round", "--rounds", "5"])).rounds_for(4096) == 5
+    opts = round_options.options(parse(["round"]))
+    assert [opts.rounds_for(s) for s in round_options.SWEEP] == [500, 500, 125, 50]
+    assert round_options.options(parse(["round", "--rounds", "5"])).rounds_for(4096) == 5
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -126,12 +132,12 @@ def test_tiny_full_run_reports_every_cpu_row(lib, capfd, children, monkeypatch):
     assert rc == 0, err
     report = json.loads(out)   # nothing else on stdout: not the worker's, not the proxy's
     rows = {r["mode"]: r for r in report["rows"]}
-    assert list(rows) == list(rb.MODES) and all(r["slots"] == 8 for r in rows.values())
+    assert list(rows) == list(round_options.MODES) and all(r["slots"] == 8 for r in rows.values())
     for mode, r in rows.items():
         assert ROW_KEYS <= set(r), mode
         assert 0 < r["p50_ms"] <= r["p99_ms"], mode
         assert r["x_floor"] is not None, mode
-    for mode in rb.ENGINE_MODES:
+    for mode in round_options.ENGINE_MODES:
         assert rows[mode]["not_ok"] == 0, (mode, rows[mode]["outcomes"])
         assert rows[mode]["engine_cpu_ms"] is not None and rows[mode]["engine_cpu_ms"] >= 0
     assert rows["sync"]["x_sync"] is None
@@ -141,21 +147,21 @@ def test_tiny_full_run_reports_every_cpu_row(lib, capfd, children, monkeypatch):
 
 def test_the_floor_peer_is_ended_when_the_run_fails(children, monkeypatch):
     procs = children
-    opts = rb.options(parse(["round", "--slots", "8", "--rounds", "50", "--warmup", "1"]))
+    opts = round_options.options(parse(["round", "--slots", "8", "--rounds", "50", "--warmup", "1"]))
 
-    row = rb.floor_row(opts, 8)   # a whole row: the peer answers every round and exits 0
+    row = round_floor.floor_row(opts, 8)   # a whole row: the peer answers every round and exits 0
     assert len(row.lat_ns) == 50 and [p.returncode for p in procs] == [0]
 
-    real, calls = rb._recv_exactly, []
+    real, calls = round_floor._recv_exactly, []
 
     def failing(conn, view):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
         real(conn, view)
-    monkeypatch.setattr(rb, "_recv_exactly", failing)
+    monkeypatch.setattr(round_floor, "_recv_exactly", failing)
     with pytest.raises(RuntimeError, match="boom"):
-        rb.floor_row(opts, 8)
+        round_floor.floor_row(opts, 8)
     assert len(procs) == 2 and procs[1].returncode is not None   # ended (waited for) in the finally
 
 
@@ -163,7 +169,7 @@ def test_the_floor_peer_is_ended_when_the_run_fails(children, monkeypatch):
 
 
 def test_feeder_announces_then_continues_and_reannounces_lost_slots():
-    f = rb.Feeder(4, 8)
+    f = round_feeder.Feeder(4, 8)
     b = f.next_batch()
     assert b.token_offsets.tolist() == [0, 16, 32, 48, 64] and len(b.tokens) == 64
     assert b.new_gen.tolist() == [True] * 4 and b.positions.tolist() == [0] * 4
@@ -204,7 +210,7 @@ def test_goals_and_the_table_from_a_report():
             _row("draft", 256, 0.05, x_floor=0.12),
             _row("process", 4096, 30.0, x_floor=3.0, x_sync=1.0, cpu=1.0, not_ok=0, outcomes={"ok": 10}),
             _row("draft", 4096, 0.4, x_floor=0.1)]
-    t = rb.targets(rows)
+    t = round_report.targets(rows)
     assert {k: v["met"] for k, v in t.items()} == {
         "process_x_floor": True, "process_x_sync": True, "process_engine_cpu_ms": False, "draft_ms": True,
         "process_linear": True, "draft_linear": True}
@@ -214,9 +220,9 @@ def test_goals_and_the_table_from_a_report():
                          "omp_num_threads": None, "cpu_count": 2, "affinity_cpus": 2, "device": "cpu",
                          "device_metadata": False},
               "rows": rows, "targets": t}
-    lines = rb.format_table(report).splitlines()
+    lines = round_report.format_table(report).splitlines()
     assert "OMP_NUM_THREADS=unset" in lines[1] and "torch threads 2" in lines[1]
-    assert "256 slots ROUND 270,380 + DRAFTS 7,200" in rb.format_table(report)
+    assert "256 slots ROUND 270,380 + DRAFTS 7,200" in round_report.format_table(report)
     proc = [line for line in lines if "proxy process" in line and line.lstrip().startswith("256")]
     assert proc and proc[0].endswith("2 NOT OK: timeout 2")
     assert any(line.startswith("goal process engine CPU") and line.endswith("NOT met") for line in lines)

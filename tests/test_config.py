@@ -1,4 +1,4 @@
-"""The environment contract (remote_dspark.config): one case per variable and rule.
+"""The environment contract (remote_dspark.config, config_env): one case per variable and rule.
 
 Every test passes its own environ dict; the process environment is never read.
 """
@@ -10,10 +10,9 @@ import hashlib
 
 import pytest
 
-from remote_dspark import config
-from remote_dspark.config import (CAP_MASKING_DEPTH_MODES, ENV_ENDPOINT, POLICIES, RemoteConfig,
-                                  apply_cost_overrides, describe, markov_identity_from_env,
-                                  n_out_table, remote_requested)
+from remote_dspark import config_env
+from remote_dspark.config import CAP_MASKING_DEPTH_MODES, RemoteConfig, apply_cost_overrides, describe, n_out_table
+from remote_dspark.config_env import ENV_ENDPOINT, POLICIES, markov_identity_from_env, remote_requested
 
 P = "VLLM_DSPARK_REMOTE_"
 IDENT = "ab" * 32
@@ -81,9 +80,9 @@ def test_public_constants():
 
 
 def test_docstring_table_names_every_variable():
-    for name in config.VARIABLES:
+    for name in config_env.VARIABLES:
         short = name.replace(P, "REMOTE_", 1) if name.startswith(P) else name
-        assert f"\n{short} " in config.__doc__, name
+        assert f"\n{short} " in config_env.__doc__, name
 
 
 # --- defaults ----------------------------------------------------------------------------
@@ -347,8 +346,8 @@ def test_describe_rows_cover_the_contract_in_order():
     env = env_of(TIMEOUT_MS="80", FUSED_GATHER="0", ROUND_MS="1,2")
     rows = describe(RemoteConfig.from_env(env), env)
     names = [r[0] for r in rows]
-    assert names[:len(config.VARIABLES)] == list(config.VARIABLES)
-    assert names[len(config.VARIABLES):] == ["watchdog_ms", "keeps_local_drafter", "bind"]
+    assert names[:len(config_env.VARIABLES)] == list(config_env.VARIABLES)
+    assert names[len(config_env.VARIABLES):] == ["watchdog_ms", "keeps_local_drafter", "bind"]
     by = {r[0]: r[1:] for r in rows}
     assert by[ENV_ENDPOINT] == ("tcp://127.0.0.1:18620", "env")
     assert by[P + "IDENTITY"] == (IDENT, "env")

@@ -13,7 +13,7 @@ import pytest
 from helpers import COUNTING as MODEL
 from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
 
-from remote_dspark import gather, ring, shm, streamsync, wire
+from remote_dspark import gather, ring, shm, shm_layout, streamsync, wire
 from remote_dspark.config import RemoteConfig
 import torch
 
@@ -82,7 +82,7 @@ def test_choose_auto_picks_the_fused_path_on_cuda():
 
 def test_stream_hand_off_on_the_registered_region(lib):
     """The stream writes gathered; a CPU peer here answers; the stream's wait ends."""
-    with shm.Region.create(shm.Layout(4, 8, 16, 3, 64)) as region:
+    with shm.Region.create(shm_layout.Layout(4, 8, 16, 3, 64)) as region:
         end = ring.EngineEnd(region, lib)
         end.start_watchdog(2000)
         sync = streamsync.HostFlagSync(region, lib, backend="cuda")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from remote_dspark import native, ring, shm, streamsync, wire
+from remote_dspark import native, ring, shm, shm_layout, streamsync, wire
 from remote_dspark.outcome import Outcome
 from remote_dspark.ring import seq_add
 
@@ -66,7 +66,7 @@ def proxy_code(fd: int, body: str) -> str:
 
 
 def make_region(depth=4, max_slots=8, row_bytes=16, num_spec=4, max_tokens=64) -> shm.Region:
-    return shm.Region.create(shm.Layout(depth, max_slots, row_bytes, num_spec, max_tokens))
+    return shm.Region.create(shm_layout.Layout(depth, max_slots, row_bytes, num_spec, max_tokens))
 
 
 def test_round_crosses_and_comes_back_with_its_drafts(lib):

@@ -7,16 +7,23 @@ import sys
 
 import pytest
 
-TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire", "remote_dspark.transport",
+TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire", "remote_dspark.wire_frame",
+              "remote_dspark.wire_round", "remote_dspark.wire_drafts", "remote_dspark.transport",
               "remote_dspark.transport.tcp", "remote_dspark.transport.ofl", "remote_dspark.client",
-              "remote_dspark.link", "remote_dspark.breaker", "remote_dspark.config", "remote_dspark.shm",
+              "remote_dspark.link", "remote_dspark.breaker", "remote_dspark.config", "remote_dspark.config_env",
+              "remote_dspark.shm",
+              "remote_dspark.shm_layout", "remote_dspark.shm_words",
               "remote_dspark.native", "remote_dspark.ring", "remote_dspark.streamsync", "remote_dspark.supervisor",
-              "remote_dspark.worker", "remote_dspark.markov", "remote_dspark.sim", "remote_dspark.cli",
-              "remote_dspark.bench.handoff", "remote_dspark.drafter", "remote_dspark.outcome",
-              "remote_dspark.statsfile", "remote_dspark.tcp_round"]
+              "remote_dspark.worker", "remote_dspark.worker_windows", "remote_dspark.markov", "remote_dspark.sim",
+              "remote_dspark.cli", "remote_dspark.bench.handoff", "remote_dspark.bench.handoff_peers",
+              "remote_dspark.bench.handoff_types", "remote_dspark.bench.round",
+              "remote_dspark.bench.round_options", "remote_dspark.bench.round_report", "remote_dspark.bench.round_floor",
+              "remote_dspark.bench.round_feeder", "remote_dspark.drafter", "remote_dspark.transport.endpoint",
+              "remote_dspark.transport.errors", "remote_dspark.outcome", "remote_dspark.statsfile",
+              "remote_dspark.tcp_round", "remote_dspark.trust"]
 HEAVY = ("torch", "numpy", "prometheus_client")
 # numpy by design: the worker side, and the simulated engine (it keeps its slots in arrays).
-NUMPY_OK = {"remote_dspark.worker", "remote_dspark.drafter", "remote_dspark.sim"}
+NUMPY_OK = {"remote_dspark.worker", "remote_dspark.worker_windows", "remote_dspark.drafter", "remote_dspark.sim"}
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from remote_dspark import native, ring, shm, streamsync, wire
+from remote_dspark import native, ring, shm, shm_layout, streamsync, wire
 from remote_dspark.breaker import State
 from remote_dspark.config import RemoteConfig
 from remote_dspark.proxy_proc import ProxyLoop
@@ -25,7 +25,7 @@ class Rig:
                 "VLLM_DSPARK_REMOTE_POLICY": "capacity", "VLLM_DSPARK_REMOTE_ASYNC_SPIN_US": "50",
                 "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000"}
         base.update(env)
-        self.region = shm.Region.create(shm.Layout(4, 4, 4, 3, 64))
+        self.region = shm.Region.create(shm_layout.Layout(4, 4, 4, 3, 64))
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
         self.loop = ProxyLoop(self.region, lib, RemoteConfig.from_env(base), engine_id=1, environ=base)
@@ -94,7 +94,7 @@ def test_the_python_round_checks_and_unpacks_in_c_as_the_native_one(rig):
         r = rig.eng.reserve(1)
         rig.eng.write_entries(r, entries)
         if corrupt_slot is not None:   # the second entry's slot := the first's
-            at = rig.region.layout.desc(r & (rig.region.layout.depth - 1)) + shm.DESC_FIXED
+            at = rig.region.layout.desc(r & (rig.region.layout.depth - 1)) + shm_layout.DESC_FIXED
             with rig.region.view(at, wire.round_meta_bytes(len(entries))) as d:
                 struct.pack_into("<I", d, wire.round_sections(len(entries), 0, 4).slots + 4, corrupt_slot)
         rig.sync.signal(r)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from remote_dspark import ring, shm, streamsync, wire
+from remote_dspark import ring, shm, shm_layout, streamsync, wire
 from remote_dspark.markov import MarkovModel
 from remote_dspark.outcome import Outcome
 from remote_dspark.config import RemoteConfig
@@ -61,7 +61,7 @@ class Engine:
     """The engine side of the tests: one region, the ring's producer, the CPU hand-off."""
 
     def __init__(self, lib, session=0x1234):
-        self.region = shm.Region.create(shm.Layout(4, 8, 4, 3, 64))
+        self.region = shm.Region.create(shm_layout.Layout(4, 8, 4, 3, 64))
         self.end = ring.EngineEnd(self.region, lib)
         self.end.header.set_session(session)
         self.sync = streamsync.HostFlagSync(self.region, lib, spin_us=100, nap_us=50)
@@ -209,9 +209,9 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
     """A stand-in engine spawns the proxy and is SIGKILLed: the proxy follows it."""
     code = (
         "import os, sys\n"
-        "from remote_dspark import shm\n"
+        "from remote_dspark import shm, shm_layout\n"
         "from remote_dspark.supervisor import spawn_proxy\n"
-        "r = shm.Region.create(shm.Layout(4, 8, 4, 3, 64))\n"
+        "r = shm.Region.create(shm_layout.Layout(4, 8, 4, 3, 64))\n"
         "from remote_dspark.config import RemoteConfig\n"
         "p = spawn_proxy(r.fd, cfg=RemoteConfig.from_env(), engine_id=1, env=dict(os.environ))\n"
         "print(p.pid, flush=True)\n"

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from remote_dspark import shm
-from remote_dspark.shm import Layout, Region
+from remote_dspark import shm, shm_layout, shm_words
+from remote_dspark.shm import Region
+from remote_dspark.shm_layout import Layout
 from test_handoff import REPO, child, finish
 
 
@@ -22,17 +23,17 @@ LAYOUT = Layout(depth=4, max_slots=16, row_bytes=300, num_spec=5, max_tokens=100
 
 def parts(lay: Layout) -> list[tuple[str, int, int]]:
     """(name, offset, size) of every part and hand-off word, for overlap checks."""
-    out = [("header", 0, shm.HEADER.size), ("session", shm.OFF_SESSION, 8),
-           ("engine_pid", shm.OFF_ENGINE_PID, 4), ("proxy_pid", shm.OFF_PROXY_PID, 4),
-           ("heartbeat", shm.OFF_HEARTBEAT, 8), ("breaker", shm.OFF_BREAKER, 32),
+    out = [("header", 0, shm_layout.HEADER.size), ("session", shm_layout.OFF_SESSION, 8),
+           ("engine_pid", shm_layout.OFF_ENGINE_PID, 4), ("proxy_pid", shm_layout.OFF_PROXY_PID, 4),
+           ("heartbeat", shm_layout.OFF_HEARTBEAT, 8), ("breaker", shm_layout.OFF_BREAKER, 32),
            ("gathered", lay.gathered, 4), ("released", lay.released, 4),
            ("claim", lay.claim, 4), ("gathered_ns", lay.gathered_ns(0), 8 * lay.depth)]
     for i in range(lay.depth):
         out += [(f"desc{i}", lay.desc(i), lay.desc_stride),
                 (f"staging{i}", lay.staging(i), lay.max_slots * lay.row_bytes),
                 (f"drafts{i}", lay.drafts(i), lay.drafts_stride)]
-    out += [("proxy_counters", lay.proxy_counters_at, shm.PROXY_COUNTERS.size),
-            ("engine_counters", lay.engine_counters_at, shm.ENGINE_COUNTERS.size)]
+    out += [("proxy_counters", lay.proxy_counters_at, shm_layout.PROXY_COUNTERS.size),
+            ("engine_counters", lay.engine_counters_at, shm_layout.ENGINE_COUNTERS.size)]
     return out
 
 
@@ -43,13 +44,13 @@ def test_layout_parts_are_disjoint_aligned_and_inside(lay):
         assert at + size <= bt, f"{a} overlaps {b}"
     assert spans[-1][1] + spans[-1][2] <= lay.size and lay.size % lay.page_size == 0
     words = [lay.gathered, lay.released, lay.claim, lay.gathered_ns(0)]
-    assert len({w // shm.LINE for w in words}) == len(words)  # one 128-byte line each
+    assert len({w // shm_layout.LINE for w in words}) == len(words)  # one 128-byte line each
     for i in range(lay.depth):
         assert lay.staging(i) % lay.page_size == 0  # CUDA registration
-        assert lay.drafts(i) % shm.LINE == 0 and lay.desc(i) % shm.LINE == 0
-    for off in (shm.D_COUNTS, lay.d_entry_status, lay.d_tokens, lay.d_margins):
-        assert off % shm.LINE == 0
-    assert lay.proxy_counters_at % shm.LINE == 0 and lay.engine_counters_at % shm.LINE == 0
+        assert lay.drafts(i) % shm_layout.LINE == 0 and lay.desc(i) % shm_layout.LINE == 0
+    for off in (shm_layout.D_COUNTS, lay.d_entry_status, lay.d_tokens, lay.d_margins):
+        assert off % shm_layout.LINE == 0
+    assert lay.proxy_counters_at % shm_layout.LINE == 0 and lay.engine_counters_at % shm_layout.LINE == 0
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -70,7 +71,7 @@ def test_layout_refuses_bad_sizes_naming_them(field, value, match):
 def test_create_writes_the_header_and_attach_reads_it_back():
     with Region.create(LAYOUT) as region:
         assert region.layout.size == os.fstat(region.fd).st_size
-        with region.view(0, shm.HEADER.size) as head:
+        with region.view(0, shm_layout.HEADER.size) as head:
             assert bytes(head) == LAYOUT.header_bytes()
         with Region.attach(os.dup(region.fd)) as other:
             assert other.layout == LAYOUT
@@ -85,7 +86,7 @@ def test_header_words(lib):
         assert words.engine_pid == os.getpid() and words.proxy_pid == 0
         words.set_session(2**63 + 5)
         words.beat(123)
-        state = shm.BreakerState(1, 3, 250, 7, 2)
+        state = shm_words.BreakerState(1, 3, 250, 7, 2)
         words.set_breaker(state)
         assert (words.session, words.heartbeat_ns, words.breaker()) == (2**63 + 5, 123, state)
 
@@ -199,7 +200,7 @@ def _forged(size: int, header: bytes, seal: bool = True) -> int:
 
 
 @pytest.mark.parametrize("case,match", [
-    ("version", f"layout version {shm.LAYOUT_VERSION + 1}, this side reads version {shm.LAYOUT_VERSION}"),
+    ("version", f"layout version {shm_layout.LAYOUT_VERSION + 1}, this side reads version {shm_layout.LAYOUT_VERSION}"),
     ("size", f"file size {LAYOUT.size + LAYOUT.page_size} bytes, its header's layout needs {LAYOUT.size}"),
     ("magic", "magic b'NOTAREGN', expected b'DSPKSHM1'"),
     ("total", f"header total_size 4096, its sizes need {LAYOUT.size}"),
@@ -209,7 +210,7 @@ def test_attach_in_a_child_refuses_a_region_that_does_not_match(case, match):
     head = bytearray(LAYOUT.header_bytes())
     size = LAYOUT.size
     if case == "version":
-        struct.pack_into("<I", head, 8, shm.LAYOUT_VERSION + 1)
+        struct.pack_into("<I", head, 8, shm_layout.LAYOUT_VERSION + 1)
     elif case == "size":
         size += LAYOUT.page_size
     elif case == "magic":

@@ -11,14 +11,13 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from remote_dspark import ring, shm, streamsync, wire
-from remote_dspark.outcome import Outcome
-from remote_dspark.outcome import RoundEvent
+from remote_dspark import ring, shm, shm_layout, streamsync, wire
+from remote_dspark.outcome import Outcome, RoundEvent
 from remote_dspark.tcp_round import TcpRounds
 from helpers import until
 
 SESSION = 0xC0FFEE
-LAYOUT = shm.Layout(depth=4, max_slots=4, row_bytes=8, num_spec=4, max_tokens=32)
+LAYOUT = shm_layout.Layout(depth=4, max_slots=4, row_bytes=8, num_spec=4, max_tokens=32)
 
 
 class Rig:
@@ -44,8 +43,8 @@ class Rig:
             with self.eng.staging(r) as staging:
                 staging[:len(rows)] = rows
         if corrupt is not None:
-            at = self.region.layout.desc(r & (self.region.layout.depth - 1)) + shm.DESC_FIXED
-            with self.region.view(at, self.region.layout.desc_stride - shm.DESC_FIXED) as d:
+            at = self.region.layout.desc(r & (self.region.layout.depth - 1)) + shm_layout.DESC_FIXED
+            with self.region.view(at, self.region.layout.desc_stride - shm_layout.DESC_FIXED) as d:
                 corrupt(d, len(entries), sum(len(e.tokens) for e in entries))
         self.sync.signal(r)
         return r
@@ -76,12 +75,12 @@ class Rig:
         tokens [n][K], margins [n][K] or None), every row whole (past the counts too)."""
         lay, K = self.region.layout, self.region.layout.num_spec
         with self.region.drafts(r & (lay.depth - 1)) as d:
-            rnd, status, n, flags = shm.DRAFTS_HEAD.unpack_from(d, 0)
+            rnd, status, n, flags = shm_layout.DRAFTS_HEAD.unpack_from(d, 0)
             assert rnd == r
             rows = lambda fmt, at: [list(struct.unpack_from(f"<{K}{fmt}", d, at + 4 * K * i)) for i in range(n)]
-            return (status, n, flags, list(struct.unpack_from(f"<{n}i", d, shm.D_COUNTS)),
+            return (status, n, flags, list(struct.unpack_from(f"<{n}i", d, shm_layout.D_COUNTS)),
                     list(struct.unpack_from(f"<{n}i", d, lay.d_entry_status)), rows("i", lay.d_tokens),
-                    rows("f", lay.d_margins) if flags & shm.DRAFTS_MARGINS else None)
+                    rows("f", lay.d_margins) if flags & shm_layout.DRAFTS_MARGINS else None)
 
     def nothing_sent(self) -> bool:
         self.worker.settimeout(0)
@@ -203,7 +202,7 @@ def test_a_closed_connection_is_lost(rig, how, why):
 def test_a_descriptor_that_is_not_the_rounds_is_answered_without_sending(rig):
     r = rig.gather()
     with rig.region.descriptor(r & (LAYOUT.depth - 1)) as d:
-        struct.pack_into("<I", d, shm.DESC_ROUND, r + 4)
+        struct.pack_into("<I", d, shm_layout.DESC_ROUND, r + 4)
     s = rig.serve()
     assert (s.event, s.sent) == (RoundEvent.BAD_DESC, False) and f"holds round {r + 4}" in s.why
     assert rig.nothing_sent() and rig.eng.drafts(r).outcome == Outcome.ERROR
@@ -253,7 +252,7 @@ def test_one_call_answers_the_waiting_rounds_at_once_up_to_its_bound(rig, at_onc
 
 
 def test_a_send_the_worker_never_reads_loses_the_connection_at_the_round_deadline(lib):
-    big = shm.Layout(depth=4, max_slots=4, row_bytes=1 << 20, num_spec=4, max_tokens=32)
+    big = shm_layout.Layout(depth=4, max_slots=4, row_bytes=1 << 20, num_spec=4, max_tokens=32)
     rig = Rig(lib, big)   # 4 MiB of rows: more than the socket pair buffers
     try:
         r = rig.gather(slots=(0, 1, 2, 3), deadline_ms=50)
@@ -314,7 +313,7 @@ def test_a_bad_descriptor_is_answered_error_unsent_and_counted_and_the_connectio
 def test_the_round_id_is_checked_first(rig):
     r = rig.gather(entries=TWO, corrupt=lambda d, n, t: struct.pack_into("<I", d, 0x10, 99))
     with rig.region.descriptor(r & (LAYOUT.depth - 1)) as d:
-        struct.pack_into("<I", d, shm.DESC_ROUND, r + 4)
+        struct.pack_into("<I", d, shm_layout.DESC_ROUND, r + 4)
     s = rig.serve()
     assert s.why == f"descriptor {r & (LAYOUT.depth - 1)} holds round {r + 4}, not round {r}"
     assert rig.end.counters.snapshot().counters["rounds_bad_desc"] == 1
@@ -322,7 +321,7 @@ def test_the_round_id_is_checked_first(rig):
 
 # --------------------------------------------------------------------------- properties
 
-PROP = shm.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
+PROP = shm_layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
 _f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
 

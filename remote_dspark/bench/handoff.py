@@ -20,24 +20,21 @@ By default the peer runs on a CPU of its own and the engine's threads on the oth
 keeps its GIL for its first ``--hold-gil-us`` (the thread row cannot: its peer needs the
 GIL). docs/handoff.md shows what each changes on a 2-core machine.
 
-Every peer answers exactly warm-up + N rounds and exits; every process this starts is
-ended before the row returns.
+The peers, their pinning and the GIL hog are in :mod:`.handoff_peers`: every peer answers
+exactly warm-up + N rounds, and every process a row starts is ended before it returns.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
-from pathlib import Path
-from typing import Callable
+
+from .handoff_peers import Peer, PeerThread, Pinning, run_rows
+from .handoff_types import HOLD_GIL_US, ROUND_TIMEOUT_S, Options, Row, Stats
 
 MODES = ("process", "thread", "c_peer", "pipe", "pyflag")
 DESCRIBE = {
@@ -47,11 +44,8 @@ DESCRIBE = {
     "pipe": "multiprocessing.Pipe",
     "pyflag": "py shm flag+sched_yield",
 }
-ROUND_TIMEOUT_S = 30.0   # generous: a hog row waits up to a switch interval per call
-HOLD_GIL_US = 50
 TARGET_P99_US = 10.0
 TARGET_WORST_RATIO = 100.0
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def add_parser(sub) -> None:
@@ -85,126 +79,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-@dataclass(frozen=True)
-class Stats:
-    median_us: float
-    p99_us: float
-    max_us: float
-
-    @classmethod
-    def of(cls, ns: list[int]) -> "Stats":
-        s = sorted(ns)
-        return cls(s[len(s) // 2] / 1e3, s[max(0, math.ceil(0.99 * len(s)) - 1)] / 1e3, s[-1] / 1e3)
-
-
-@dataclass(frozen=True)
-class Row:
-    mode: str
-    hog: bool
-    timed_in: str            # "C" or "Python"
-    latency: Stats
-    gil_wait: Stats | None   # only for rows timed in C
-    after_idle: Stats | None = None   # CUDA rows: each batch's first round (see handoff_cuda)
-    slow: int | None = None           # CUDA rows: rounds over the p99 target
-
-
-@dataclass(frozen=True)
-class Options:
-    rounds: int
-    warmup: int
-    spin_us: int
-    nap_us: int
-    hold_gil_us: int = HOLD_GIL_US
-    pin: bool = True
-    idle_us: int = 0
-
-    def pause(self) -> None:
-        """The gap before a round (``--idle-us``)."""
-        if self.idle_us:
-            time.sleep(self.idle_us / 1e6)
-
-
-@dataclass(frozen=True)
-class Pinning:
-    """Which CPUs the peer and the engine run on. The peer spins (ASYNC_NAP_US=0), so it
-    is given a core of its own, as a deployment gives the proxy one; without that, on a
-    small machine the spinning peer, the engine thread and a GIL hog share fewer cores
-    than they need and the scheduler's time slices (milliseconds) show up as latency."""
-
-    peer: frozenset[int] | None      # None: not pinned
-    engine: frozenset[int] | None
-
-    @classmethod
-    def plan(cls, pin: bool, interrupts: str = "/proc/interrupts") -> "Pinning":
-        """For the peer, the CPU that has served the fewest device interrupts (the last
-        of those): an interrupt in the middle of a hand-off makes the stream miss its
-        poll of ``released`` (see handoff.md). The others for the engine, less the peer's
-        hyper-thread siblings where enough CPUs remain (a busy sibling slows the peer)."""
-        cpus = sorted(os.sched_getaffinity(0))
-        if not pin or len(cpus) < 2:
-            return cls(None, None)
-        irqs = device_interrupts(interrupts)
-        peer = min(reversed(cpus), key=lambda c: irqs.get(c, 0))
-        others = [c for c in cpus if c != peer]
-        engine = [c for c in others if c not in _siblings(peer)] or others
-        return cls(frozenset([peer]), frozenset(engine))
-
-    @contextlib.contextmanager
-    def engine_threads(self):
-        """Keep this thread, and the threads it starts meanwhile (the hog, the thread
-        peer, the CUDA driver's), on the engine's CPUs; restored on exit."""
-        before = os.sched_getaffinity(0)
-        try:
-            if self.engine is not None:
-                os.sched_setaffinity(0, self.engine)
-            yield
-        finally:
-            os.sched_setaffinity(0, before)
-
-    def describe(self) -> str:
-        if self.peer is None:
-            return "not pinned"
-        return f"peer on CPU {sorted(self.peer)}, engine on CPU {sorted(self.engine)}"
-
-
-def device_interrupts(path: str = "/proc/interrupts") -> dict[int, int]:
-    """Per CPU, the device interrupts it has served since boot: the numbered lines of
-    ``path`` (a NIC's queues, a block device), not the CPU's own (timer, IPIs). Empty
-    when the file cannot be read."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return {}
-    if not lines:
-        return {}
-    cpus = [int(c[3:]) for c in lines[0].split() if c.startswith("CPU") and c[3:].isdigit()]
-    out = dict.fromkeys(cpus, 0)
-    for line in lines[1:]:
-        name, _, rest = line.partition(":")
-        if not name.strip().isdigit():
-            continue
-        for cpu, count in zip(cpus, rest.split()):
-            if not count.isdigit():
-                break
-            out[cpu] += int(count)
-    return out
-
-
-def _siblings(cpu: int) -> set[int]:
-    """The CPUs sharing ``cpu``'s core (from sysfs; empty when unknown)."""
-    try:
-        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-            text = f.read().strip()
-    except OSError:
-        return set()
-    out: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def run(args) -> int:
     if args.rounds < 1 or args.warmup < 0 or args.hold_gil_us < 0 or args.idle_us < 0:
         raise ValueError(f"--rounds={args.rounds} --warmup={args.warmup} --hold-gil-us="
@@ -230,20 +104,7 @@ def run_all(opts: Options, pins: Pinning, modes=None, runners=None,
             label: str = "handoff rows") -> list[Row]:
     """Every row of ``modes`` (default: this module's), each without and then with the
     hog, with the engine's threads kept off the peer's CPU (the hog must never share it)."""
-    from .. import native
-    from ..progress import Progress
-    modes, runners = modes or MODES, runners or RUNNERS
-    lib = native.load()
-    plan = [(m, hog) for hog in (False, True) for m in modes]
-    rows = []
-    with pins.engine_threads():
-        bar = Progress(len(plan), label)
-        for i, (mode, hog) in enumerate(plan):
-            bar.update(i, f"{mode}{' +hog' if hog else ''}")
-            with GilHog(hog):
-                rows.append(runners[mode](lib, opts, pins, hog))
-        bar.update(len(plan))
-    return rows
+    return run_rows(opts, pins, modes or MODES, runners or RUNNERS, label)
 
 
 # --------------------------------------------------------------------------- rows
@@ -251,9 +112,9 @@ def run_all(opts: Options, pins: Pinning, modes=None, runners=None,
 
 def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     """A row over the region: HostFlagSync's hand-off, timed in C, to ``mode``'s peer."""
-    from .. import ring, shm, streamsync
+    from .. import ring, shm, shm_layout, streamsync
     total = opts.warmup + opts.rounds
-    layout = shm.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
+    layout = shm_layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
     with shm.Region.create(layout) as region:
         engine = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us,
@@ -331,109 +192,6 @@ def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
 
 RUNNERS = {"process": partial(_region_row, "process"), "thread": partial(_region_row, "thread"),
            "c_peer": partial(_region_row, "c_peer"), "pipe": _pipe_row, "pyflag": _pyflag_row}
-PEER_MODE = {"process": "loop", "c_peer": "c", "pipe": "pipe", "pyflag": "pyflag"}
-
-
-class Peer:
-    """The answering interpreter of one row, given ``fd`` and nothing else. Ended on exit:
-    waited for (it answers exactly ``total`` rounds), killed if it outstays that."""
-
-    _proc: subprocess.Popen | None = None
-
-    def __init__(self, mode: str, fd: int, total: int, opts: Options, pins: Pinning, lib):
-        self._cpus = pins.peer
-        env = dict(os.environ)
-        env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = lib.path  # the engine's build, no rebuild
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        self._cmd = [sys.executable, "-m", "remote_dspark.bench.handoff_peer", PEER_MODE[mode],
-                     "--fd", str(fd), "--rounds", str(total), "--spin-us", str(opts.spin_us),
-                     "--nap-us", str(opts.nap_us), "--timeout-s", str(ROUND_TIMEOUT_S)]
-        self._fd, self._env = fd, env
-
-    def __enter__(self) -> "Peer":
-        self._proc = subprocess.Popen(self._cmd, pass_fds=(self._fd,), env=self._env,
-                                      stderr=subprocess.PIPE, text=True)
-        if self._cpus is not None:
-            os.sched_setaffinity(self._proc.pid, self._cpus)
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        rc, err = reap(self._proc, ROUND_TIMEOUT_S if exc_type is None else 0.5)
-        if exc_type is None and rc != 0:
-            raise RuntimeError(f"peer {self._cmd[3]} exited {rc}: {err.strip()}")
-
-
-def reap(proc: subprocess.Popen, wait_s: float) -> tuple[int | None, str]:
-    """Wait up to ``wait_s`` for a peer process, kill it if it is still there (it is
-    always gone after this); its exit status (None when it had to be killed) and its
-    stderr (a text pipe)."""
-    try:
-        rc = proc.wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        err = proc.stderr.read()
-        proc.stderr.close()
-    return rc, err
-
-
-class PeerThread:
-    """Thread mode: the peer loop as a Python thread of this process."""
-
-    def __init__(self, target: Callable[[], None], pins: Pinning):
-        self._target = target
-        self._cpus = pins.peer
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="handoff-peer", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            if self._cpus is not None:
-                os.sched_setaffinity(0, self._cpus)  # this thread only
-            self._target()
-        except BaseException as e:  # reported by __exit__
-            self._error = e
-
-    def __enter__(self) -> "PeerThread":
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        # Past the peer's own longest wait (ROUND_TIMEOUT_S): after a failure of the body
-        # the thread is still waiting for rounds that never come, and the region it reads
-        # must not be unmapped under it.
-        self._thread.join(2 * ROUND_TIMEOUT_S)
-        if exc_type is None and (self._error or self._thread.is_alive()):
-            raise RuntimeError(f"thread peer failed: {self._error or 'still running'}")
-
-
-class GilHog:
-    """A Python thread that only computes, holding the GIL whenever it can."""
-
-    def __init__(self, on: bool):
-        self._on = on
-        self._running = False
-        self._thread: threading.Thread | None = None
-
-    def _spin(self) -> None:
-        n = 0
-        while self._running:
-            n += 1
-
-    def __enter__(self) -> "GilHog":
-        if self._on:
-            self._running = True
-            self._thread = threading.Thread(target=self._spin, name="gil-hog", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *_) -> None:
-        self._running = False
-        if self._thread is not None:
-            self._thread.join()
 
 
 # --------------------------------------------------------------------------- report

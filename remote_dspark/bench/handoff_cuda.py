@@ -27,8 +27,8 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from . import handoff
-from .handoff import ROUND_TIMEOUT_S, Options, Peer, PeerThread, Pinning, Row, Stats
+from .handoff_peers import Peer, PeerThread, Pinning, run_rows
+from .handoff_types import ROUND_TIMEOUT_S, Options, Row, Stats
 
 CUDA_MODES = ("c_peer", "process", "thread", "e2e")
 DESCRIBE = {"c_peer": "C peer process (floor)", "process": "proxy loop, own process",
@@ -40,7 +40,7 @@ TARGET_P99_US = 10.0
 
 
 def run_all(opts: Options, pins: Pinning) -> list[Row]:
-    return handoff.run_all(opts, pins, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
+    return run_rows(opts, pins, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
 
 
 class _Events:
@@ -70,15 +70,15 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     stream runs them, so the CPU's enqueueing (and its waits for the GIL) is not measured."""
     import torch
 
-    from .. import ring, shm, streamsync
+    from .. import ring, shm, shm_layout, streamsync
     from .handoff_peer import serve_loop
     total = opts.warmup + opts.rounds
-    layout = shm.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
+    layout = shm_layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
     with shm.Region.create(layout) as region:
         engine = ring.EngineEnd(region, lib)
         engine.start_watchdog(1000)   # no stream stays parked if a peer dies
         sync = streamsync.HostFlagSync(region, lib, backend="cuda")
-        gate = layout.words_at + shm.W_PROBE_ACK
+        gate = layout.words_at + shm_layout.W_PROBE_ACK
         token = (lib.load32(region.addr(gate)) + 1) & 0xFFFFFFFF
         stream = torch.cuda.current_stream()
         handle = stream.cuda_stream
@@ -122,8 +122,8 @@ def _wait_in_native_wait(region, lib, timeout_s: float = 10.0) -> None:
     and only the watchdog would move it."""
     import time
 
-    from .. import shm
-    beat = region.addr(shm.OFF_HEARTBEAT)
+    from .. import shm_layout
+    beat = region.addr(shm_layout.OFF_HEARTBEAT)
     end = time.monotonic() + timeout_s
     while lib.load64(beat) == 0:
         if time.monotonic() > end:

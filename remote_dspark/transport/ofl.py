@@ -28,7 +28,8 @@ from types import ModuleType
 from typing import Sequence
 
 from ..trust import untrusted_because
-from . import ENV_OFL_DIR, Endpoint, TransportError
+from .endpoint import ENV_OFL_DIR, Endpoint
+from .errors import TransportError
 
 _loaded: dict[str, ModuleType] = {}
 

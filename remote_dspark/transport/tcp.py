@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Sequence
 
-from . import TransportError
+from .errors import TransportError
 
 
 class TcpStream:

@@ -1,0 +1,51 @@
+"""The hand-off benchmark's options (:class:`Options`), figures (:class:`Stats`,
+:class:`Row`) and timeouts, shared by its CPU rows (:mod:`.handoff`), its CUDA rows
+(:mod:`.handoff_cuda`) and their peers (:mod:`.handoff_peers`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+ROUND_TIMEOUT_S = 30.0   # generous: a hog row waits up to a switch interval per call
+HOLD_GIL_US = 50
+
+
+@dataclass(frozen=True)
+class Stats:
+    median_us: float
+    p99_us: float
+    max_us: float
+
+    @classmethod
+    def of(cls, ns: list[int]) -> "Stats":
+        s = sorted(ns)
+        return cls(s[len(s) // 2] / 1e3, s[max(0, math.ceil(0.99 * len(s)) - 1)] / 1e3, s[-1] / 1e3)
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str
+    hog: bool
+    timed_in: str            # "C" or "Python"
+    latency: Stats
+    gil_wait: Stats | None   # only for rows timed in C
+    after_idle: Stats | None = None   # CUDA rows: each batch's first round (see handoff_cuda)
+    slow: int | None = None           # CUDA rows: rounds over the p99 target
+
+
+@dataclass(frozen=True)
+class Options:
+    rounds: int
+    warmup: int
+    spin_us: int
+    nap_us: int
+    hold_gil_us: int = HOLD_GIL_US
+    pin: bool = True
+    idle_us: int = 0
+
+    def pause(self) -> None:
+        """The gap before a round (``--idle-us``)."""
+        if self.idle_us:
+            time.sleep(self.idle_us / 1e6)
