@@ -39,7 +39,7 @@ from .breaker import Breaker, BreakerRecord
 from .config import RemoteConfig
 from .link import RemoteLink
 from .outcome import DROPS_CONNECTION, Outcome, RoundEvent
-from .ring import ProxyEnd, ProxyRound
+from .ring_proxy import ProxyEnd, ProxyRound
 from .tcp_round import Served, TcpRounds
 
 log = logging.getLogger("remote_dspark.proxy")

@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 from . import native, wire
 from .outcome import Outcome, RoundEvent
-from .ring import ProxyEnd, seq_add
+from .ring import seq_add
+from .ring_proxy import ProxyEnd
 
 DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)
 

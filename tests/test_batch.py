@@ -209,9 +209,9 @@ def test_an_empty_answer_clears_the_tokens_block(lib):
 # --------------------------------------------------------------------------- metadata on the device
 
 def region_rig(lib):
-    from remote_dspark import ring, shm, shm_layout
+    from remote_dspark import ring, ring_proxy, shm, shm_layout
     region = shm.Region.create(shm_layout.Layout(2, MAX_SLOTS, ROW_BYTES, K, 10_000))
-    return region, ring.EngineEnd(region, lib), ring.ProxyEnd(region, lib)
+    return region, ring.EngineEnd(region, lib), ring_proxy.ProxyEnd(region, lib)
 
 
 def write_in_stream(region, r: int, batch: Batch) -> None:

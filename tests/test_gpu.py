@@ -13,7 +13,7 @@ import pytest
 from helpers import COUNTING as MODEL
 from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
 
-from remote_dspark import gather, ring, shm, shm_layout, streamsync, wire
+from remote_dspark import gather, ring, ring_proxy, shm, shm_layout, streamsync, wire
 from remote_dspark.config import RemoteConfig
 import torch
 
@@ -86,7 +86,7 @@ def test_stream_hand_off_on_the_registered_region(lib):
         end = ring.EngineEnd(region, lib)
         end.start_watchdog(2000)
         sync = streamsync.HostFlagSync(region, lib, backend="cuda")
-        proxy = ring.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        proxy = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50)
         staging = sync.backend.device_view(region.layout.staging(1), (8, 16), torch.uint8)
         r = end.reserve(1.0)
         end.write_entries(r, [wire.Entry(0, 3, 0, (1,), True)], deadline_ms=50)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from remote_dspark import native, ring, shm, shm_layout, streamsync, wire
+from remote_dspark import native, ring, ring_proxy, shm, shm_layout, streamsync, wire
 from remote_dspark.outcome import Outcome
 from remote_dspark.ring import seq_add
 
@@ -58,10 +58,10 @@ def proxy_code(fd: int, body: str) -> str:
     """A child's program: attach the region on ``fd``, make a ProxyEnd, run ``body``."""
     return textwrap.dedent(f"""
         import json, os, random, sys
-        from remote_dspark import native, ring, shm, wire
+        from remote_dspark import native, ring, ring_proxy, shm, wire
         lib = native.load()
         region = shm.Region.attach({fd})
-        end = ring.ProxyEnd(region, lib, spin_us=200, nap_us=50)
+        end = ring_proxy.ProxyEnd(region, lib, spin_us=200, nap_us=50)
     """) + textwrap.dedent(body)
 
 
@@ -314,7 +314,7 @@ def test_back_pressure_when_depth_rounds_are_in_flight(lib):
 def test_proxy_refuses_drafts_that_do_not_fit_before_claiming(lib):
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring.ProxyEnd(region, lib)
+        end = ring_proxy.ProxyEnd(region, lib)
         r = eng.reserve(1)
         eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
         streamsync.HostFlagSync(region, lib).signal(r)
@@ -336,7 +336,7 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
     of only the round's entries, the release and every proxy counter and histogram."""
     with make_region(depth=2) as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        end = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50)
         sync = streamsync.HostFlagSync(region, lib)
         assert end.next_round(0.001) is None   # nothing gathered: a timeout, and a beat
         beat = end.header.heartbeat_ns
@@ -379,7 +379,7 @@ def test_a_wait_that_outlasts_its_gil_hold_releases_the_gil(lib):
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=100, nap_us=50, hold_gil_us=2000)
-        peer = ring.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        peer = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50)
         errors = []
 
         def answer(n):

@@ -13,9 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "remote_dspark"
 MAX_LINES = 450
-# Over the limit today, being split by their owner; each must leave this set once it is
-# under the limit (the test fails while a name here is stale).
-NOT_YET = {"remote_dspark/ring.py"}
 
 
 def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
@@ -130,16 +127,8 @@ def line_counts() -> dict[str, int]:
 
 
 def test_no_module_is_over_the_line_limit():
-    over = {name: n for name, n in line_counts().items() if n > MAX_LINES and name not in NOT_YET}
+    over = {name: n for name, n in line_counts().items() if n > MAX_LINES}
     assert not over, f"over {MAX_LINES} lines (split by concern): {over}"
-
-
-def test_the_known_exceptions_are_still_exceptions():
-    counts = line_counts()
-    gone = sorted(name for name in NOT_YET if name not in counts)
-    assert not gone, f"NOT_YET names files that no longer exist, remove them: {gone}"
-    under = {name: counts[name] for name in NOT_YET if counts[name] <= MAX_LINES}
-    assert not under, f"now within {MAX_LINES} lines, remove them from NOT_YET: {under}"
 
 
 # --- import cycles ----------------------------------------------------------------------

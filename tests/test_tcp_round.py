@@ -11,7 +11,7 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from remote_dspark import ring, shm, shm_layout, streamsync, wire
+from remote_dspark import ring, ring_proxy, shm, shm_layout, streamsync, wire
 from remote_dspark.outcome import Outcome, RoundEvent
 from remote_dspark.tcp_round import TcpRounds
 from helpers import until
@@ -26,7 +26,7 @@ class Rig:
         self.region = shm.Region.create(layout)
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
-        self.end = ring.ProxyEnd(self.region, lib, spin_us=50)
+        self.end = ring_proxy.ProxyEnd(self.region, lib, spin_us=50)
         self.rounds = TcpRounds(self.end, session=SESSION, default_deadline_ms=2000)
         self.proxy_sock, self.worker = socket.socketpair()
         self.worker.settimeout(2.0)

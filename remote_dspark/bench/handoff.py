@@ -3,7 +3,7 @@
 Rows, each without and with a GIL-hogging Python thread in the engine process:
 
 ``process``  the native hand-off (``streamsync.HostFlagSync``, CPU backend) answered by
-             the project's proxy loop (``ring.ProxyEnd``) in its own interpreter;
+             the project's proxy loop (``ring_proxy.ProxyEnd``) in its own interpreter;
 ``thread``   the same loop as a Python thread of the engine (thread mode);
 ``c_peer``   a C loop in another process answering the same words: the floor;
 ``pipe``     a ``multiprocessing.Pipe`` ping-pong with another interpreter;
@@ -138,9 +138,9 @@ def _region_peer(mode: str, region, total: int, opts: Options, pins: Pinning, li
     """The peer of a region row: the proxy loop as a thread (thread mode), else a process."""
     if mode != "thread":
         return Peer(mode, region.fd, total, opts, pins, lib)
-    from .. import ring
+    from .. import ring_proxy
     from .handoff_peer import serve_loop
-    end = ring.ProxyEnd(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us)
+    end = ring_proxy.ProxyEnd(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us)
     return PeerThread(lambda: serve_loop(end, total, ROUND_TIMEOUT_S), pins)
 
 

@@ -70,7 +70,7 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     stream runs them, so the CPU's enqueueing (and its waits for the GIL) is not measured."""
     import torch
 
-    from .. import ring, shm, shm_layout, streamsync
+    from .. import ring, ring_proxy, shm, shm_layout, streamsync
     from .handoff_peer import serve_loop
     total = opts.warmup + opts.rounds
     layout = shm_layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
@@ -83,7 +83,7 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
         stream = torch.cuda.current_stream()
         handle = stream.cuda_stream
         if mode == "thread":
-            end = ring.ProxyEnd(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us)
+            end = ring_proxy.ProxyEnd(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us)
             peer = PeerThread(lambda: serve_loop(end, total, ROUND_TIMEOUT_S), pins)
         else:
             peer = Peer(mode, region.fd, total, opts, pins, lib)

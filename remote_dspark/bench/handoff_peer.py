@@ -51,10 +51,10 @@ def serve_loop(end, count: int, timeout_s: float) -> None:
 
 
 def _region_peer(args) -> None:
-    from .. import native, ring, shm
+    from .. import native, ring, ring_proxy, shm
     lib = native.load()
     with shm.Region.attach(args.fd) as region:
-        end = ring.ProxyEnd(region, lib, spin_us=args.spin_us, nap_us=args.nap_us)
+        end = ring_proxy.ProxyEnd(region, lib, spin_us=args.spin_us, nap_us=args.nap_us)
         if args.mode == "loop":
             serve_loop(end, args.rounds, args.timeout_s)
             return

@@ -106,7 +106,7 @@ class RingGeom(ctypes.Structure):
 
 class ProxyState(ctypes.Structure):
     """``struct hf_proxy``: one proxy's view of a region (its ring, its counters block
-    and the rounds it has taken). Filled by ``remote_dspark.ring.ProxyEnd``."""
+    and the rounds it has taken). Filled by ``remote_dspark.ring_proxy.ProxyEnd``."""
 
     _fields_ = [
         ("ring", RingGeom),
@@ -140,7 +140,7 @@ class ProxyState(ctypes.Structure):
 class LinkState(ctypes.Structure):
     """``struct hf_link``: one proxy's worker connection for ``hf_round`` (its region
     geometry, the receive state kept across rounds, and what the last call did). Filled
-    by ``remote_dspark.ring.ProxyEnd.new_link`` (``TcpRounds`` for ``hf_round``; the end's
+    by ``remote_dspark.ring_proxy.ProxyEnd.new_link`` (``TcpRounds`` for ``hf_round``; the end's
     own for ``hf_check_desc`` and ``hf_unpack`` on the ofl path)."""
 
     _fields_ = [

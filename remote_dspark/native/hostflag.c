@@ -254,7 +254,7 @@ int hf_serve(const struct hf_ring *ring, uint32_t first, uint32_t count, uint32_
 enum { HF_PROXY_OUTCOMES = 4 };   /* ring.Outcome OK, TIMEOUT, ERROR, BREAKER_SKIP */
 
 /* One proxy's view of one region, in the proxy's process: the ring, its counters block,
- * and the rounds it has taken. Filled by remote_dspark.ring.ProxyEnd; one thread uses it.
+ * and the rounds it has taken. Filled by remote_dspark.ring_proxy.ProxyEnd; one thread uses it.
  * The proxy's whole critical path is two calls: hf_take, then (after the network)
  * hf_answer, which claims, writes, publishes and counts, so after a release only the
  * return to the proxy's loop stands between it and the wait for the next round. */
