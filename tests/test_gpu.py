@@ -176,7 +176,7 @@ def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):
         done.record()
         assert until(lambda: rd._path.end.gathered() == rd._path.end.last)
         t0 = time.monotonic()
-        os.kill(sup.up.pid, signal.SIGKILL)
+        os.kill(sup.live.pid, signal.SIGKILL)
         assert until(done.query, timeout=rd.cfg.watchdog_ms / 1000 + 0.05)
         waited = time.monotonic() - t0
         assert waited <= rd.cfg.watchdog_ms / 1000 + 0.01

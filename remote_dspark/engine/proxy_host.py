@@ -120,9 +120,11 @@ class ProxyHost:
         return header.session if header.heartbeat_ns >= self._thread_started_ns else 0
 
     def _wait_serving(self, timeout_s: float) -> bool:
-        """Wait (bounded) for the first proxy to serve, so the first rounds reach it."""
+        """Wait (bounded) for the first proxy to serve, so the first rounds reach it (in
+        process mode until the supervisor says Up: its state agrees from the start)."""
         deadline = time.monotonic() + timeout_s
-        while not self.serving_session():
+        sup = self.supervisor
+        while not (sup.up is not None if sup is not None else self.serving_session()):
             if time.monotonic() > deadline or isinstance(getattr(self.supervisor, "state", None), Spent):
                 return False
             time.sleep(0.005)
