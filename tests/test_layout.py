@@ -155,3 +155,36 @@ def test_the_graph_sees_lazy_relative_and_submodule_imports(tmp_path):
     assert cycles(graph) == [["p.a", "p.sub", "p.b", "p.a"]]
     (pkg / "b.py").write_text("x = 1\n")
     assert cycles(import_graph(tmp_path, "p")) == []
+
+
+# --- the documented layers --------------------------------------------------------------
+
+DESIGN = ROOT / "docs" / "design.md"
+
+
+def documented_layers() -> list[tuple[str, list[str]]]:
+    """The ```layers block of docs/design.md: (layer, dotted module names), bottom first."""
+    text = DESIGN.read_text()
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    layers = []
+    for line in block.strip().splitlines():
+        name, _, modules = line.partition(":")
+        layers.append((name.strip(), [m if m == PACKAGE else f"{PACKAGE}.{m}" for m in modules.split()]))
+    return layers
+
+
+def test_the_design_documents_every_module_once():
+    listed = [m for _, modules in documented_layers() for m in modules]
+    assert len(listed) == len(set(listed)), "listed twice: " + str(sorted({m for m in listed if listed.count(m) > 1}))
+    actual = set(module_files())
+    assert set(listed) == actual, (f"docs/design.md's layers lack {sorted(actual - set(listed))} and list "
+                                   f"{sorted(set(listed) - actual)}, which do not exist")
+
+
+def test_no_import_goes_up_a_layer():
+    layer_of = {m: i for i, (_, modules) in enumerate(documented_layers()) for m in modules}
+    names = [name for name, _ in documented_layers()]
+    up = sorted(f"{m} ({names[layer_of[m]]}) imports {d} ({names[layer_of[d]]})"
+                for m, deps in import_graph().items() for d in deps
+                if m in layer_of and d in layer_of and layer_of[d] > layer_of[m])
+    assert not up, "imports that go up a layer: " + "; ".join(up)
