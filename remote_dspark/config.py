@@ -87,6 +87,23 @@ class RemoteConfig:
         """shadow and resilience run the local drafter beside the remote one."""
         return self.policy in ("shadow", "resilience")
 
+    def warnings(self) -> list[str]:
+        """Settings the contract accepts but that cannot work as meant, each naming its
+        variables (logged at start, shown by ``check-config``). Parsing itself stays the
+        contract's: no upper bounds."""
+        if not self.async_mode:
+            return []
+        out = []
+        if self.async_nap_us >= self.watchdog_ms * 1000:
+            out.append(f"{_P}ASYNC_NAP_US={self.async_nap_us} is at or above the watchdog deadline "
+                       f"({self.watchdog_ms} ms, {_P}ASYNC_WATCHDOG_MS): an idle proxy naps through whole "
+                       "rounds, which the watchdog then answers target-only")
+        if self.async_watchdog_ms and self.async_watchdog_ms <= self.timeout_ms:
+            out.append(f"{_P}ASYNC_WATCHDOG_MS={self.async_watchdog_ms} is at or below {_P}TIMEOUT_MS="
+                       f"{self.timeout_ms}: the watchdog answers rounds the worker would still answer in "
+                       "time, and three in a row read as a stalled proxy")
+        return out
+
     def to_json(self) -> str:
         """This configuration, as the engine hands it to its proxy (never re-parsed from
         the environment there, so the two cannot differ)."""

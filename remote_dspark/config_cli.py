@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"check-config: {e}", file=sys.stderr)
         return 2
+    for warning in cfg.warnings():
+        print(f"check-config: warning: {warning}", file=sys.stderr)
     rows = describe(cfg, env)
     if args.json:
         out = {name: value for name, value, source in rows if source != "derived"}

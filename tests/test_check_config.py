@@ -102,3 +102,33 @@ def test_help_explains(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "engine startup" in text and "VLLM_DSPARK_REMOTE_OFL_DIR" in text and "--json" in text
+
+
+@pytest.mark.parametrize("settings,names", [
+    ({"ASYNC_NAP_US": "2147483647"}, ("ASYNC_NAP_US=2147483647", "ASYNC_WATCHDOG_MS")),
+    ({"ASYNC_NAP_US": "200000"}, ("ASYNC_NAP_US=200000", "200 ms")),          # the derived 200 ms deadline
+    ({"ASYNC_WATCHDOG_MS": "50"}, ("ASYNC_WATCHDOG_MS=50", "TIMEOUT_MS=50")),
+    ({"ASYNC_WATCHDOG_MS": "30", "TIMEOUT_MS": "80"}, ("ASYNC_WATCHDOG_MS=30", "TIMEOUT_MS=80")),
+])
+def test_settings_that_cannot_work_are_named_but_accepted(env, capsys, settings, names):
+    """The contract parses them (no upper bounds); check-config still succeeds, with a
+    warning naming the variables."""
+    env.setenv(P + "ASYNC", "1")
+    env.setenv(P + "POLICY", "capacity")
+    for k, v in settings.items():
+        env.setenv(P + k, v)
+    assert check_config() == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and all(P + n.split("=")[0] in warnings[0] and n in warnings[0] for n in names
+                                      if n[0].isupper()), warnings
+
+
+@pytest.mark.parametrize("settings", [{}, {"ASYNC_NAP_US": "199999"}, {"ASYNC_WATCHDOG_MS": "51"},
+                                      {"ASYNC": "0", "ASYNC_NAP_US": "2147483647"}])
+def test_settings_that_work_have_no_warning(env, capsys, settings):
+    env.setenv(P + "ASYNC", "1")
+    env.setenv(P + "POLICY", "capacity")
+    for k, v in settings.items():
+        env.setenv(P + k, v)
+    assert check_config() == 0
+    assert "warning" not in capsys.readouterr().err

@@ -437,3 +437,12 @@ def test_stats_is_one_typed_record_whose_parts_follow_the_mode(worker, tmp_path,
     doc = json.loads((tmp_path / "stats.json").read_text())
     assert doc == json.loads(json.dumps(final.to_json()))
     assert doc["rounds"] == {o.label: int(o is Outcome.OK) for o in Outcome} | {"total": 1}
+
+
+def test_start_warns_about_settings_that_cannot_work(worker, tmp_path, caplog):
+    env = async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_TIMEOUT_MS="300",
+                    VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="300")
+    with caplog.at_level(logging.WARNING, logger="remote_dspark.engine"), make(env) as rd:
+        assert rd.round(batch()).outcome is Outcome.OK   # accepted, and working
+    said = [r.getMessage() for r in caplog.records if "ASYNC_WATCHDOG_MS=300" in r.getMessage()]
+    assert len(said) == 1 and "VLLM_DSPARK_REMOTE_TIMEOUT_MS=300" in said[0]

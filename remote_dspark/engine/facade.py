@@ -120,6 +120,8 @@ class RemoteDSpark:
                     raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
                 self.state = EngineState.STARTING
             cfg = self.cfg
+            for warning in cfg.warnings():
+                log.warning("remote DSpark: %s", warning)
             try:
                 transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
                 if cfg.metrics_port:
