@@ -424,6 +424,8 @@ def test_stats_is_one_typed_record_whose_parts_follow_the_mode(worker, tmp_path,
     env = env_for(worker.port, tmp_path) if mode == "sync" else async_env(worker.port, tmp_path, mode)
     with make(env) as rd:
         assert rd.round(batch()).outcome is Outcome.OK
+        # A proxy counts its attempt after it released the round: bounded wait for it.
+        assert until(lambda: rd.stats().link.attempts == 1)
         st = rd.stats()
         assert (st.mode, st.rounds[Outcome.OK], st.total_rounds, st.link.attempts) == (mode, 1, 1, 1)
         assert (st.connected is not None) == (mode == "sync")
