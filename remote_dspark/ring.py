@@ -154,7 +154,7 @@ class EngineEnd(RingEnd):
         self.counters = region.engine_counters(lib)
         self.header = region.header_words(lib)
         if start is not None:
-            for word in (self._gathered, self._claim, self._released):
+            for word in (self._gathered, self._claim, self._released, region.addr(region.layout.wake)):
                 lib.store32(word, start & MASK)
         self._last = self.gathered()
 

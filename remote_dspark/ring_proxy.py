@@ -112,7 +112,9 @@ class ProxyEnd(RingEnd):
             c_draft_tokens=offs["draft_tokens"] // 8, h_round=offs["round_latency"] // 8,
             h_handoff=offs["handoff_latency"] // 8, d_counts=shm.D_COUNTS,
             d_entry_status=lay.d_entry_status, d_tokens=lay.d_tokens, d_margins=lay.d_margins,
-            num_spec=lay.num_spec, max_slots=lay.max_slots, c_bad_desc=offs["rounds_bad_desc"] // 8)
+            num_spec=lay.num_spec, max_slots=lay.max_slots, c_bad_desc=offs["rounds_bad_desc"] // 8,
+            # With nap_us 0 an idle proxy sleeps on the engine's ``published`` word.
+            wake=region.addr(lay.wake))
         self._state_addr = ctypes.addressof(self._state)
         # This end's own link, for the checks of a round sent by Python (ofl): its receive
         # buffer grows to the largest DRAFTS payload seen.

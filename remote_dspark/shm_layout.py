@@ -54,6 +54,11 @@ compared cyclically, so a run may start near 2^32 and wrap)::
                                each depth slot's gather (0 = unknown, e.g. a GPU stream)
     P+0x400 4     probe        engine stream: the CUDA self-test's write (startup only)
     P+0x480 4     probe_ack    engine thread: the self-test's answer to the stream
+    P+0x500 4     published    engine CPU, before the stream writes gathered: the last
+                               round handed over (a futex word: the idle proxy sleeps on it)
+    P+0x504 4     sleeping     proxy: 1 while it sleeps on published (the engine wakes it)
+    P+0x580 4     standby_go   supervisor: nonzero promotes the standby proxy (its futex)
+    P+0x584 4     standby_pid  standby proxy: its pid once it is ready (0: none ready)
 
 Descriptor of round r (depth slot r % D), written by the engine (or, for metadata
 that lives on the device, by its stream) before gathered = r: the round id, then the
@@ -103,7 +108,7 @@ from dataclasses import dataclass, field
 from . import wire
 
 MAGIC = b"DSPKSHM1"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 LINE = 128
 MAX_DEPTH = 64
 
@@ -122,6 +127,9 @@ W_CLAIM = 0x100
 W_GATHERED_NS = 0x180       # up to 0x180 + 8 x MAX_DEPTH = 0x380
 W_PROBE = 0x400
 W_PROBE_ACK = 0x480
+W_WAKE = 0x500              # [published, sleeping] (hostflag.c, "sleeping when idle")
+W_STANDBY_GO = 0x580
+W_STANDBY_PID = 0x584
 
 # Descriptor slot: the round id, then the ROUND payload without rows.
 DESC_ROUND = 0
@@ -263,6 +271,19 @@ class Layout:
     @property
     def claim(self) -> int:
         return self.words_at + W_CLAIM
+
+    @property
+    def wake(self) -> int:
+        """The wake words: published, then sleeping."""
+        return self.words_at + W_WAKE
+
+    @property
+    def standby_go(self) -> int:
+        return self.words_at + W_STANDBY_GO
+
+    @property
+    def standby_pid(self) -> int:
+        return self.words_at + W_STANDBY_PID
 
     def gathered_ns(self, index: int) -> int:
         return self.words_at + W_GATHERED_NS + 8 * index

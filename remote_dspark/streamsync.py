@@ -52,6 +52,7 @@ class CpuBackend:
         self._gathered = region.addr(lay.gathered)
         self._released = region.addr(lay.released)
         self._gathered_ns = region.addr(lay.gathered_ns(0))
+        self._wake = region.addr(lay.wake)
         self._mask = lay.depth - 1
         self._spin, self._nap = spin_us, nap_us
         self._hold_ns = hold_gil_us * 1000
@@ -62,7 +63,7 @@ class CpuBackend:
         return min(deadline_ns, self._lib.now_ns() + self._hold_ns)
 
     def signal(self, round_id: int) -> None:
-        self._lib.signal(self._gathered, self._gathered_ns + 8 * (round_id & self._mask), round_id)
+        self._lib.signal(self._gathered, self._gathered_ns + 8 * (round_id & self._mask), round_id, self._wake)
 
     def wait(self, round_id: int, deadline_ns: int) -> bool:
         lib, rc = self._lib, Status.TIMEOUT
@@ -78,13 +79,13 @@ class CpuBackend:
         stamp = self._gathered_ns + 8 * (round_id & self._mask)
         if self._hold_ns:
             rc = lib.handoff_holding(self._gathered, stamp, self._released, round_id, self._spin,
-                                     0, self._held_until(deadline_ns), out)
+                                     0, self._held_until(deadline_ns), out, self._wake)
             if rc == Status.TIMEOUT:  # go on waiting with the GIL released
                 rc = lib.wait_at(self._released, round_id, self._spin, self._nap, deadline_ns,
                                  out + 8)
         else:
             rc = lib.handoff(self._gathered, stamp, self._released, round_id, self._spin,
-                             self._nap, deadline_ns, out)
+                             self._nap, deadline_ns, out, self._wake)
         return Handoff(check(rc, f"hand off round {round_id}") is Status.OK,
                        self._out[0], self._out[1])
 
@@ -126,6 +127,7 @@ class CudaBackend:
         lay = region.layout
         self._gathered = self.device_base + lay.gathered
         self._released = self.device_base + lay.released
+        self._wake = region.addr(lay.wake)
         self._self_test()
 
     def _stream(self) -> int:
@@ -162,6 +164,9 @@ class CudaBackend:
         self._drv.wait_value32(self._stream(), self.device_base + offset, value)
 
     def signal(self, round_id: int, stream: int | None = None) -> None:
+        """Announce the round from the CPU (a sleeping proxy wakes and spins until the
+        stream gets there), then enqueue the stream's store of ``gathered``."""
+        self._lib.announce(self._wake, round_id)
         self._drv.write_value32(stream or self._stream(), self._gathered, round_id)
 
     def wait(self, round_id: int, deadline_ns: int, stream: int | None = None) -> bool:

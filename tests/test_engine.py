@@ -448,3 +448,21 @@ def test_start_warns_about_settings_that_cannot_work(worker, tmp_path, caplog):
         assert rd.round(batch()).outcome is Outcome.OK   # accepted, and working
     said = [r.getMessage() for r in caplog.records if "ASYNC_WATCHDOG_MS=300" in r.getMessage()]
     assert len(said) == 1 and "VLLM_DSPARK_REMOTE_TIMEOUT_MS=300" in said[0]
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_an_idle_engine_costs_no_core_and_its_next_round_is_served(worker, tmp_path, mode):
+    """At defaults (ASYNC_NAP_US=0) the proxy used to spin a whole core while the engine
+    had nothing to draft; now it sleeps on the engine's ``published`` word. A loose bound
+    over an idle second (the exact figure is the benchmark's), then a round is ok."""
+    import psutil
+    with make(async_env(worker.port, tmp_path, mode)) as rd:
+        for _ in range(20):
+            assert rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))).outcome is not None
+        proc = psutil.Process(rd.supervisor.live.pid) if mode == "process" else psutil.Process()
+        c0, t0 = proc.cpu_times(), time.monotonic()
+        time.sleep(1.5)
+        c1, dt = proc.cpu_times(), time.monotonic() - t0
+        busy = (c1.user + c1.system - c0.user - c0.system) / dt
+        assert busy < 0.25, f"{mode}: {busy:.0%} of a core while idle"
+        assert rd.round(batch()).outcome is Outcome.OK

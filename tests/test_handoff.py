@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from helpers import until
 
 from remote_dspark import native, ring, ring_proxy, shm, shm_layout, streamsync, wire
 from remote_dspark.outcome import Outcome
@@ -409,3 +410,59 @@ def test_unknown_sync_backend_is_refused(lib):
     with make_region() as region:
         with pytest.raises(ValueError, match="backend='rocm'"):
             streamsync.HostFlagSync(region, lib, backend="rocm")
+
+
+# --------------------------------------------------------------------------- sleeping when idle
+
+
+def _sleeping(region, lib) -> int:
+    return lib.load32(region.addr(region.layout.wake) + 4)
+
+
+def test_an_idle_proxy_sleeps_and_a_handed_over_round_wakes_it(lib):
+    """nap_us 0: after its spin the proxy sleeps on ``published`` (says so in
+    ``sleeping``); the engine's announce wakes it, and the round is taken at once (far
+    sooner than the wait's own deadline)."""
+    with make_region() as region:
+        eng = ring.EngineEnd(region, lib)
+        end = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=0)
+        sync = streamsync.HostFlagSync(region, lib)
+        taken = []
+        t = threading.Thread(target=lambda: taken.append(end.next_round(30.0)))
+        t.start()
+        try:
+            assert until(lambda: _sleeping(region, lib) == 1, timeout=5)
+            r = eng.reserve(1)
+            eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
+            t0 = time.monotonic()
+            sync.signal(r)
+            t.join(5.0)
+            assert not t.is_alive() and taken[0].round == r and time.monotonic() - t0 < 5.0
+            assert _sleeping(region, lib) == 0
+        finally:
+            lib.announce(region.addr(region.layout.wake), 0xFFFFFFFF)   # never leave the thread asleep
+            t.join(5.0)
+
+
+def test_a_round_handed_over_but_not_gathered_keeps_the_proxy_awake(lib):
+    """The CPU runs ahead of the stream: with ``published`` ahead of ``gathered`` the
+    proxy never sleeps, however long the stream takes, and takes the round the moment
+    it is gathered (not at the watchdog)."""
+    with make_region() as region:
+        eng = ring.EngineEnd(region, lib)
+        end = ring_proxy.ProxyEnd(region, lib, spin_us=50, nap_us=0)
+        r = eng.reserve(1)
+        eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
+        lib.announce(region.addr(region.layout.wake), r)   # the CPU's part; the "stream" is late
+        taken = []
+        t = threading.Thread(target=lambda: taken.append(end.next_round(30.0)))
+        t.start()
+        try:
+            looks = [_sleeping(region, lib) for _ in range(2000) if not time.sleep(0.0001)]
+            assert set(looks) == {0}   # spinning all along, never asleep
+            lib.signal(region.addr(region.layout.gathered), 0, r, 0)
+            t.join(5.0)
+            assert not t.is_alive() and taken[0].round == r
+        finally:
+            lib.signal(region.addr(region.layout.gathered), 0, r, 0)
+            t.join(5.0)

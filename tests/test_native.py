@@ -268,7 +268,7 @@ def test_handoff_times_itself_in_c(lib):
     gathered, released, stamp = word(0), word(5), ctypes.c_uint64(0)
     out = (ctypes.c_uint64 * 2)()
     rc = lib.handoff(addr(gathered), addr(stamp), addr(released), 5, 0, 0,
-                     native.deadline_ns(1), ctypes.addressof(out))
+                     native.deadline_ns(1), ctypes.addressof(out), None)
     assert rc == Status.OK and gathered.value == 5
     assert stamp.value == out[0] <= out[1]
 

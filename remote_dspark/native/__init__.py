@@ -64,7 +64,7 @@ ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-ABI_VERSION = 6
+ABI_VERSION = 8
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -134,6 +134,8 @@ class ProxyState(ctypes.Structure):
         ("max_slots", ctypes.c_uint32),
         ("c_bad_desc", ctypes.c_uint32),
         ("stamp_gen", ctypes.c_uint32),
+        ("wake", ctypes.c_void_p),
+        ("idle", ctypes.c_uint32),
     ]
 
 
@@ -188,14 +190,17 @@ _FUNCS = {
     "store64": ("hf_store64", None, (_P, _U64), False),
     "add64": ("hf_add64", None, (_P, _U64), False),
     "snapshot64": ("hf_snapshot64", None, (_P, _P, _U32), False),
-    "signal": ("hf_signal", None, (_P, _P, _U32), False),
+    "signal": ("hf_signal", None, (_P, _P, _U32, _P), False),
+    "announce": ("hf_announce", None, (_P, _U32), False),
+    "standby_wait": ("hf_standby_wait", _U32, (_P, _U64), True),
+    "wake": ("hf_wake", None, (_P, _U32), False),
     "claim": ("hf_claim", _I, (_P, _U32), False),
     "zero_drafts": ("hf_zero_drafts", None, (_RING, _U32, _U32), False),
     "wait_geq": ("hf_wait_geq", _I, (_P, _U32, _U32, _U32, _U64), True),
     "wait_geq_holding": ("hf_wait_geq", _I, (_P, _U32, _U32, _U32, _U64), False),
     "wait_at": ("hf_wait_at", _I, (_P, _U32, _U32, _U32, _U64, _P), True),
-    "handoff": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), True),
-    "handoff_holding": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P), False),
+    "handoff": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P, _P), True),
+    "handoff_holding": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P, _P), False),
     "take": ("hf_take", ctypes.c_int64, (_P, _U64), True),
     "answer": ("hf_answer", _I, (_P, _U32, _U32, _P), True),
     "round": ("hf_round", ctypes.c_int64, (_P, _P, _U64), True),

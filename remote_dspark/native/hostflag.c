@@ -32,10 +32,14 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
-#define HF_ABI 6
+#define HF_ABI 8
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -148,6 +152,70 @@ int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t
     }
 }
 
+/* ------------------------------------------------------------------ sleeping when idle
+ *
+ * The wake words, adjacent in the region's words page: wake[0] `published`, the last
+ * round the engine's CPU handed over (written before the stream, or the CPU stand-in,
+ * writes `gathered`), and wake[1] `sleeping`, 1 while the proxy sleeps on `published`.
+ * Both sides use sequentially consistent accesses in the order that loses no wake-up:
+ * the engine stores published then loads sleeping; the proxy stores sleeping then loads
+ * published. One of them sees the other's store: the engine wakes a sleeper, or the
+ * proxy sees the new round and does not sleep (and FUTEX_WAIT itself re-checks the
+ * word). The futex is shared (no FUTEX_PRIVATE_FLAG): both processes map the memfd. */
+
+static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout)
+{
+    return syscall(SYS_futex, word, op, value, timeout, NULL, 0);
+}
+
+/* Engine: round `round` is handed over; wake the proxy only if it said it sleeps (a
+ * store and a load on the fast path, a syscall only on a wake-up). */
+void hf_announce(uint32_t *wake, uint32_t round)
+{
+    __atomic_store_n(&wake[0], round, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&wake[1], __ATOMIC_SEQ_CST))
+        futex(&wake[0], FUTEX_WAKE, INT_MAX, NULL);
+}
+
+/* Sleep on `word` while it holds `seen`, until deadline_ns at the latest. */
+static void futex_sleep(uint32_t *word, uint32_t seen, uint64_t deadline_ns)
+{
+    uint64_t now = hf_now_ns();
+    if (now >= deadline_ns)
+        return;
+    uint64_t left = deadline_ns - now;
+    struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
+    futex(word, FUTEX_WAIT, seen, &ts);   /* woken, changed (EAGAIN), timed out or EINTR */
+}
+
+/* Proxy: announce, re-check, sleep until a round is handed over (or deadline_ns). */
+static void sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadline_ns)
+{
+    __atomic_store_n(&wake[1], 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&wake[0], __ATOMIC_SEQ_CST) == seen)
+        futex_sleep(&wake[0], seen, deadline_ns);
+    __atomic_store_n(&wake[1], 0, __ATOMIC_RELAXED);
+}
+
+/* A standby proxy: sleep while *word is 0, until deadline_ns; the word's value. The
+ * supervisor stores the word (release) and wakes it (hf_wake) to promote the standby. */
+uint32_t hf_standby_wait(uint32_t *word, uint64_t deadline_ns)
+{
+    uint32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    if (!v) {
+        futex_sleep(word, 0, deadline_ns);
+        v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    }
+    return v;
+}
+
+/* Store `value` into a futex word and wake whoever sleeps on it. */
+void hf_wake(uint32_t *word, uint32_t value)
+{
+    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    futex(word, FUTEX_WAKE, INT_MAX, NULL);
+}
+
 /* hf_wait_geq, and the CLOCK_MONOTONIC time of the look that ended it in *seen_ns. */
 int hf_wait_at(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us,
                uint64_t deadline_ns, uint64_t *seen_ns)
@@ -157,9 +225,12 @@ int hf_wait_at(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t 
     return rc;
 }
 
-/* Stream side on the CPU: record when, publish `gathered = round`. */
-void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round)
+/* Stream side on the CPU: announce the round (`wake`, may be NULL), record when,
+ * publish `gathered = round`. */
+void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round, uint32_t *wake)
 {
+    if (wake)
+        hf_announce(wake, round);
     if (gathered_ns)
         __atomic_store_n(gathered_ns, hf_now_ns(), __ATOMIC_RELAXED);
     __atomic_store_n(gathered, round, __ATOMIC_RELEASE);
@@ -170,8 +241,10 @@ void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round)
  * the caller's wait for its GIL afterwards is not part of the measure. */
 int hf_handoff(uint32_t *gathered, uint64_t *gathered_ns, const uint32_t *released,
                uint32_t round, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns,
-               uint64_t *out_ns)
+               uint64_t *out_ns, uint32_t *wake)
 {
+    if (wake)
+        hf_announce(wake, round);
     uint64_t t0 = hf_now_ns();
     if (gathered_ns)
         __atomic_store_n(gathered_ns, t0, __ATOMIC_RELAXED);
@@ -276,6 +349,8 @@ struct hf_proxy {
     uint32_t num_spec, max_slots;
     uint32_t c_bad_desc;          /* rounds_bad_desc */
     uint32_t stamp_gen;           /* the last descriptor check's stamp (0: none yet) */
+    uint32_t *wake;               /* the wake words [published, sleeping], or NULL: never sleep */
+    uint32_t idle;                /* private: the last wait ended asleep, with nothing handed over */
 };
 
 /* One proxy's connection to the worker, for hf_round: the proxy's whole round in C.
@@ -332,6 +407,39 @@ static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
     __atomic_fetch_add(&p->counters[word], n, __ATOMIC_RELAXED);
 }
 
+/* Wait until round r is gathered, or deadline. Spin spin_us; then nap nap_us between
+ * looks when nap_us > 0; with nap_us == 0 sleep on `published` once nothing is handed
+ * over beyond what was served. While a round is handed over but not gathered yet (the
+ * stream is a step behind the CPU), never sleep: keep spinning, however long. */
+static int wait_round(struct hf_proxy *p, uint32_t r, uint64_t deadline)
+{
+    if (p->nap_us || !p->wake)
+        return hf_wait_geq(p->ring.gathered, r, p->spin_us, p->nap_us, deadline);
+    for (;;) {
+        /* No spin when the last wait ended asleep with nothing handed over: an idle
+         * proxy's periodic returns (its heartbeat, its parent check) cost no spin. */
+        uint64_t spin_end = hf_now_ns() + (p->idle ? 0 : (uint64_t)p->spin_us * 1000u);
+        int rc = hf_wait_geq(p->ring.gathered, r, 0, 0, spin_end < deadline ? spin_end : deadline);
+        if (rc == HF_OK) {
+            p->idle = 0;
+            return rc;
+        }
+        if (rc != HF_TIMEOUT)
+            return rc;
+        uint32_t published = __atomic_load_n(&p->wake[0], __ATOMIC_SEQ_CST);
+        if (cyc_geq(published, r)) {
+            p->idle = 0;    /* handed over, not gathered yet: spin, never sleep */
+        } else {
+            if (hf_now_ns() >= deadline)
+                return HF_TIMEOUT;
+            sleep_until_published(p->wake, published, deadline);
+            p->idle = !cyc_geq(__atomic_load_n(&p->wake[0], __ATOMIC_ACQUIRE), r);
+        }
+        if (hf_now_ns() >= deadline)
+            return cyc_geq(__atomic_load_n(p->ring.gathered, __ATOMIC_ACQUIRE), r) ? HF_OK : HF_TIMEOUT;
+    }
+}
+
 /* Beat, then wait up to timeout_ns for the next gathered round nobody has claimed;
  * rounds another claimer answered meanwhile are skipped, never returned. Returns the
  * round id (0 .. 2^32-1) and when it was seen in *seen, or -HF_TIMEOUT. */
@@ -341,7 +449,7 @@ static int64_t take(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
     __atomic_store_n(p->heartbeat, now, __ATOMIC_RELEASE);
     for (;;) {
         uint32_t r = p->next;
-        int rc = hf_wait_geq(p->ring.gathered, r, p->spin_us, p->nap_us, deadline);
+        int rc = wait_round(p, r, deadline);
         if (rc != HF_OK)
             return -(int64_t)rc;
         uint32_t claim = __atomic_load_n(p->ring.claim, __ATOMIC_ACQUIRE);
