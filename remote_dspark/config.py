@@ -76,6 +76,7 @@ class RemoteConfig:
     # Beyond the reference contract: the standalone Prometheus exporter.
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
+    async_standby: bool = True
 
     @property
     def watchdog_ms(self) -> int:

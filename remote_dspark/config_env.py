@@ -65,6 +65,8 @@ VLLM_DSPARK_SAMPLED_TOP32      0                 the engine's sampled top-32 swi
 REMOTE_METRICS_PORT            0 (off)           serve /metrics on this port (an engine with its
                                                  own /metrics registers the collector instead)
 REMOTE_METRICS_ADDR            127.0.0.1         the exporter's address; loopback unless set
+REMOTE_ASYNC_STANDBY           1                 process mode: keep a warm standby proxy that
+                                                 takes over in milliseconds (0 = none)
 =============================  ================  ==============================================
 
 Each variable is one ``_Var`` of ``_VARS`` (its parser and default); :mod:`.config`
@@ -255,6 +257,7 @@ _VARS: tuple[_Var, ...] = (
     _Var("VLLM_DSPARK_SAMPLED_TOP32", "sampled_top32", _flag, False),
     _Var(_P + "METRICS_PORT", "metrics_port", _port, 0),
     _Var(_P + "METRICS_ADDR", "metrics_addr", _ip, "127.0.0.1"),
+    _Var(_P + "ASYNC_STANDBY", "async_standby", _flag, True),
 )
 
 VARIABLES: tuple[str, ...] = tuple(v.name for v in _VARS)

@@ -1,7 +1,7 @@
 """The proxy: take rounds from the region, send them to the remote drafter, answer them.
 
 ``remote_dspark.proxy_proc --fd N --handover M --parent PID`` is the proxy process the
-supervisor spawns (``supervisor.spawn_proxy``: the engine's configuration and id come
+supervisor spawns (``proxy_spawn.spawn_proxy``: the engine's configuration and id come
 through the hand-over pipe, never from the environment) (torch-, numpy- and prometheus_client-free: a test reads
 the child's loaded modules). :class:`ProxyLoop` is the loop itself; thread mode runs the
 same loop as a thread of the engine, for comparison.
@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handover", type=int, required=True,
                    help="a pipe's read end, inherited: the engine's configuration and id (JSON)")
     p.add_argument("--parent", type=int, required=True, help="the engine's pid")
+    p.add_argument("--standby", action="store_true",
+                   help="start as the warm standby: ready, asleep, until the supervisor promotes it")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s proxy[{os.getpid()}] %(levelname)s %(message)s")
     _die_with_parent(args.parent)
@@ -246,9 +248,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, native.NativeError) as e:
         print(f"proxy: cannot start: {e}", file=sys.stderr)
         return EXIT_ATTACH
+    def should_stop() -> bool:
+        return stopping[0] or os.getppid() != args.parent
+    if args.standby and not wait_for_promotion(region, lib, should_stop):
+        return 0
     loop = ProxyLoop(region, lib, cfg, engine_id=engine_id)
-    loop.run(lambda: stopping[0] or os.getppid() != args.parent)
+    loop.run(should_stop)
     return 0
+
+
+def wait_for_promotion(region: shm.Region, lib: native.Native, should_stop: Callable[[], bool]) -> bool:
+    """A standby proxy: interpreter started, imports done, library loaded, region mapped.
+    Say so (``standby_pid``), then sleep on ``standby_go`` until the supervisor stores this
+    pid there (promoted: True) or the proxy should stop (False). Until then it takes no
+    proxy role: it has not attached as the region's proxy, connected or said HELLO."""
+    me, lay = os.getpid(), region.layout
+    lib.store32(region.addr(lay.standby_pid), me)
+    go = region.addr(lay.standby_go)
+    while not should_stop():
+        if lib.standby_wait(go, me, native.deadline_ns(IDLE_TICK_S)) == me:
+            return True
+    return False
 
 
 if __name__ == "__main__":

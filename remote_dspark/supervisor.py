@@ -1,9 +1,7 @@
 """The supervisor: spawn the proxy process, see it die or stall, respawn it under a budget.
 
-Why a fresh interpreter (``sys.executable -m remote_dspark.proxy_proc``), never fork or
-multiprocessing: forking a CUDA-initialised engine is undefined, and multiprocessing's
-spawn re-imports the engine's ``__main__`` (torch with it, 3.6 s). The memfd region is
-the only thing the child inherits (``pass_fds``); its environment is minimal.
+How a proxy process is started (an isolated interpreter, its environment, the
+configuration hand-over) is :mod:`.proxy_spawn`'s; this module only decides when.
 
 Why a pidfd, not polling: the kernel makes the pidfd readable the instant the child
 exits, so a watcher thread sleeping in ``select`` sees death at once, and can also wake
@@ -30,19 +28,19 @@ serving every round is target-only and released by the engine side at once.
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Mapping, Union
+from typing import Callable, Union
+
+from .proxy_spawn import signal_proc, terminate
+from .standby import Standby, StandbyHooks
 
 log = logging.getLogger("remote_dspark.supervisor")
 
@@ -119,6 +117,9 @@ class SupervisorStats:
     budget_restored: int
     proxy_rss_bytes: int         # the live proxy's resident memory (0 when none)
     proxy_cpu_seconds: float     # CPU time of every proxy so far, the live one included
+    standby: str = "off"         # the warm standby: off, none, starting or ready
+    standby_spawns: int = 0
+    standby_failures: int = 0    # standbys that died before their promotion
 
 
 class Supervisor:
@@ -128,9 +129,14 @@ class Supervisor:
     thread that made it, under the lock, in order). A proxy that does not serve within
     ``start_limit_s`` of its spawn is killed (a stall).
 
-    Invariants: at most one proxy process is alive; every process spawned is reaped
-    (no zombie) by the watcher or by :meth:`close`; ``state`` changes only in ``_set``,
-    under ``_lock``.
+    With ``standby`` hooks it keeps a warm standby (:mod:`.standby`) while a proxy is up
+    and the budget allows a respawn, and a loss promotes it instead of starting a
+    process: a promotion is a respawn (it takes from the budget), a standby's own death
+    is not.
+
+    Invariants: at most one proxy process serves; every process spawned (standbys too)
+    is reaped (no zombie) by the watcher or by :meth:`close`; ``state`` changes only in
+    ``_set``, under ``_lock``.
     """
 
     def __init__(self, spawn: Callable[[int], subprocess.Popen], *, respawns: int, reset_s: float,
@@ -138,8 +144,9 @@ class Supervisor:
                  stalled: Callable[[Up], bool] | None = None,
                  on_change: Callable[[Lifecycle], None] | None = None,
                  tick_s: float = 0.02, new_session: Callable[[], int] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 standby: StandbyHooks | None = None, clock: Callable[[], float] = time.monotonic):
         self._spawn_fn = spawn
+        self.standby = Standby(standby, clock) if standby is not None else None
         self.budget = RestartBudget(respawns, reset_s)
         self._serving = serving or (lambda starting: True)
         self.start_limit_s = start_limit_s
@@ -202,7 +209,10 @@ class Supervisor:
         if self._watcher is not None:
             self._watcher.join(timeout_s + 1.0)
         if proc is not None:
-            _terminate(proc, timeout_s)
+            terminate(proc, timeout_s)
+        if self.standby is not None:
+            with self._lock:
+                self.standby.close(timeout_s)
         self._close_pidfd()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -225,10 +235,13 @@ class Supervisor:
         with self._lock:
             state = self.state
             rss, cpu = _process_facts(getattr(state, "pid", None))
+            sb = self.standby
             return SupervisorStats(type(state).__name__.lower(), getattr(state, "pid", None),
                                    getattr(state, "session", None), self.spawns,
                                    {c.value: self.restarts[c] for c in Cause}, self.budget.left,
-                                   self.budget.restored, rss, self.dead_cpu_s + cpu)
+                                   self.budget.restored, rss,
+                                   self.dead_cpu_s + cpu + (sb.dead_cpu_s if sb else 0.0),
+                                   sb.state if sb else "off", sb.spawns if sb else 0, sb.failures if sb else 0)
 
     # ------------------------------------------------------------------ internals
 
@@ -253,8 +266,9 @@ class Supervisor:
             self._pidfd = -1
 
     def _watch(self) -> None:
+        sb = self.standby
         while not isinstance(self.state, Closed):
-            fds = [self._wake_r] + ([self._pidfd] if self._pidfd >= 0 else [])
+            fds = [fd for fd in (self._wake_r, self._pidfd, sb.pidfd if sb else -1) if fd >= 0]
             ready, _, _ = select.select(fds, [], [], self.tick_s)
             with self._lock:
                 if isinstance(self.state, Closed):
@@ -264,14 +278,23 @@ class Supervisor:
                         self._reap_and_decide()
                     elif isinstance(self.state, (Starting, Up)):
                         self._check_live(self.state)
+                    if sb is not None:
+                        if sb.pidfd in ready:
+                            sb.died()
+                        # A standby is kept while a proxy serves and a loss could be
+                        # replaced (the budget has one more respawn), never before
+                        # the first proxy serves (they would share the start's CPU).
+                        sb.keep(isinstance(self.state, Up) and self.budget.left > 0)
                 except Exception:
                     # Supervision must not end silently with a proxy marked up: give up
                     # on proxies (target-only rounds), loudly, and keep nothing running.
                     log.exception("the proxy supervisor failed; every round is target-only from now on")
                     if self._proc is not None:
-                        _terminate(self._proc, 1.0)
+                        terminate(self._proc, 1.0)
                         self._proc = None
                     self._close_pidfd()
+                    if sb is not None:
+                        sb.close(1.0)
                     self._set(Spent(self._clock()))
                     return
 
@@ -292,7 +315,7 @@ class Supervisor:
     def _kill(self, pid: int, why: str) -> None:
         log.warning("proxy pid %d %s; killing it", pid, why)
         self._kill_cause = Cause.STALL
-        _signal(self._proc, signal.SIGKILL)
+        signal_proc(self._proc, signal.SIGKILL)
 
     def _reap_and_decide(self) -> None:
         proc = self._proc
@@ -321,90 +344,28 @@ class Supervisor:
             log.error("proxy lost (%s, status %s) and the respawn budget (%d) is spent: every round is "
                       "target-only from now on", cause.value, returncode, self.budget.full)
             return
-        log.warning("proxy lost (%s, status %s); respawning (%d left)", cause.value, returncode,
-                    self.budget.left)
+        promoted = self._promote()
+        log.warning("proxy lost (%s, status %s); %s (%d respawns left)", cause.value, returncode,
+                    "the standby takes over" if promoted else "respawning", self.budget.left)
+        if promoted:
+            return
         try:
             self._spawn()
         except OSError as e:
             log.error("could not respawn the proxy: %s", e)
             self._set(Spent(now))
 
-
-# What a proxy inherits of the engine's environment: the contract's variables, what an
-# interpreter needs to start, and what an ofl transport needs: where the dynamic loader
-# finds libofl.so and its RDMA dependencies (LD_LIBRARY_PATH), the ofl library's own
-# settings (OFL_*), and the RDMA stack's: rdma-core's verbs and providers (RDMAV_*,
-# IBV_*, MLX5_*), libfabric (FI_*) and UCX (UCX_*), which choose devices, ports and
-# queue sizes. Nothing else: no CUDA_*, no LD_PRELOAD of the engine's, no PYTHON* (the
-# interpreter is isolated anyway).
-_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "XDG_CACHE_HOME", "LD_LIBRARY_PATH")
-_PASS_PREFIXES = ("VLLM_DSPARK_", "OFL_", "RDMAV_", "IBV_", "MLX5_", "FI_", "UCX_")
-
-
-def proxy_environment(environ: Mapping[str, str], hostflag_lib: str) -> dict[str, str]:
-    """The proxy's minimal environment. The engine has already located (or built) the
-    native library; the proxy is told its path, so it never compiles anything."""
-    env = {k: v for k, v in environ.items() if k in _PASS_ENV or k.startswith(_PASS_PREFIXES)}
-    env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = hostflag_lib
-    return env
-
-
-# The proxy's first lines, run by an isolated interpreter (``-I``: neither the working
-# directory, PYTHONPATH nor the user site is on sys.path, so a planted ``argparse.py``
-# runs nowhere). The root this package was imported from goes after the standard library
-# and before any other install, so the proxy runs exactly the engine's code and a file in
-# that root can never shadow a standard module (the proxy imports nothing else).
-_BOOTSTRAP = """\
-import sys
-root = sys.argv.pop(1)
-at = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))), len(sys.path))
-sys.path.insert(at, root)
-from remote_dspark.proxy_proc import main
-sys.exit(main())
-"""
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-def handover_pipe(cfg, engine_id: int) -> int:
-    """A pipe holding the engine's validated configuration (``RemoteConfig``) and id, its
-    write end closed: the read end, for the proxy to inherit (``--handover``). The
-    document is written whole before the proxy starts (it fits the pipe's buffer), so
-    neither side ever waits on the other.
-
-    Raises:
-        OSError: no pipe, or a document too large for one.
-    """
-    doc = json.dumps({"engine_id": engine_id, "config": json.loads(cfg.to_json())}).encode()
-    if len(doc) >= 65536:
-        raise OSError(f"the proxy's hand-over document is {len(doc)} bytes, over a pipe's buffer")
-    r, w = os.pipe()
-    try:
-        os.write(w, doc)
-    except BaseException:
-        os.close(r)
-        raise
-    finally:
-        os.close(w)
-    return r
-
-
-def spawn_proxy(fd: int, *, cfg, engine_id: int, env: Mapping[str, str]) -> subprocess.Popen:
-    """Start the proxy (``remote_dspark.proxy_proc``) in an isolated interpreter, working
-    directory ``/``, with the region's fd and the hand-over pipe (``handover_pipe``):
-    neither the configuration nor the engine id is on its command line or re-parsed from
-    its environment.
-
-    Raises:
-        OSError: the pipe or the process could not be made.
-    """
-    r = handover_pipe(cfg, engine_id)
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, PACKAGE_ROOT, "--fd", str(fd), "--handover", str(r),
-             "--parent", str(os.getpid())],
-            pass_fds=(fd, r), env=dict(env), cwd="/", stdin=subprocess.DEVNULL, close_fds=True)
-    finally:
-        os.close(r)
+    def _promote(self) -> bool:
+        """Make the standby the proxy, with a new session; False when there is none."""
+        session = self._new_session()
+        taken = self.standby.take(session) if self.standby is not None else None
+        if taken is None:
+            return False
+        self._proc, self._pidfd = taken
+        self._kill_cause = None
+        self.spawns += 1
+        self._set(Starting(self._proc.pid, session, self._clock()))
+        return True
 
 
 def _process_facts(pid: int | None) -> tuple[int, float]:
@@ -419,20 +380,3 @@ def _process_facts(pid: int | None) -> tuple[int, float]:
             return p.memory_info().rss, t.user + t.system
     except psutil.Error:
         return 0, 0.0
-
-
-def _signal(proc: subprocess.Popen | None, sig: int) -> None:
-    if proc is not None and proc.returncode is None:
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-
-def _terminate(proc: subprocess.Popen, timeout_s: float) -> None:
-    _signal(proc, signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        _signal(proc, signal.SIGKILL)
-        proc.wait()

@@ -35,7 +35,16 @@ from .outcome import Outcome, RoundEvent
 from .ring import seq_add
 from .ring_proxy import ProxyEnd
 
-DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)
+DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)   # the wire's: no DRAFTS payload is larger
+
+
+def rx_cap(end: ProxyEnd) -> int:
+    """The largest DRAFTS payload a round of ``end``'s region can be answered with (every
+    entry, num_spec wide, margins): a longer reply breaks the contract before it is read,
+    and the buffer stays small (a 64-slot region's is 3 KB, not the wire's megabytes), so
+    a proxy builds it in microseconds when it starts, or is promoted."""
+    lay = end.layout
+    return min(DRAFTS_CAP, wire.drafts_sections(lay.max_slots, lay.num_spec, True).size)
 
 
 _EVENTS = tuple(RoundEvent)
@@ -65,8 +74,9 @@ class TcpRounds:
 
     def __init__(self, end: ProxyEnd, *, session: int, default_deadline_ms: int):
         self._end = end
-        self._rx = (ctypes.c_char * DRAFTS_CAP)()
-        self._state = end.new_link(ctypes.addressof(self._rx), DRAFTS_CAP, session=session,
+        cap = rx_cap(end)
+        self._rx = (ctypes.c_char * cap)()
+        self._state = end.new_link(ctypes.addressof(self._rx), cap, session=session,
                                    default_deadline_ms=default_deadline_ms)
         self._addr = ctypes.addressof(self._state)
 

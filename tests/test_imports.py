@@ -20,7 +20,8 @@ TORCH_FREE = ["remote_dspark", "remote_dspark.proxy_proc", "remote_dspark.wire",
               "remote_dspark.bench.round_options", "remote_dspark.bench.round_report", "remote_dspark.bench.round_floor",
               "remote_dspark.bench.round_feeder", "remote_dspark.drafter", "remote_dspark.transport.endpoint",
               "remote_dspark.transport.errors", "remote_dspark.outcome", "remote_dspark.statsfile",
-              "remote_dspark.tcp_round", "remote_dspark.trust"]
+              "remote_dspark.tcp_round", "remote_dspark.trust", "remote_dspark.standby",
+              "remote_dspark.proxy_spawn", "remote_dspark.bench.failover"]
 HEAVY = ("torch", "numpy", "prometheus_client")
 # numpy by design: the worker side, and the simulated engine (it keeps its slots in arrays).
 NUMPY_OK = {"remote_dspark.worker", "remote_dspark.worker_windows", "remote_dspark.drafter", "remote_dspark.sim"}

@@ -14,7 +14,7 @@ from remote_dspark import ring, shm, shm_layout, streamsync, wire
 from remote_dspark.markov import MarkovModel
 from remote_dspark.outcome import Outcome
 from remote_dspark.config import RemoteConfig
-from remote_dspark.supervisor import handover_pipe, proxy_environment, spawn_proxy
+from remote_dspark.proxy_spawn import handover_pipe, proxy_environment, spawn_proxy
 from remote_dspark.worker import MarkovDrafter, Worker
 from helpers import until
 
@@ -210,7 +210,7 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
     code = (
         "import os, sys\n"
         "from remote_dspark import shm, shm_layout\n"
-        "from remote_dspark.supervisor import spawn_proxy\n"
+        "from remote_dspark.proxy_spawn import spawn_proxy\n"
         "r = shm.Region.create(shm_layout.Layout(4, 8, 4, 3, 64))\n"
         "from remote_dspark.config import RemoteConfig\n"
         "p = spawn_proxy(r.fd, cfg=RemoteConfig.from_env(), engine_id=1, env=dict(os.environ))\n"

@@ -231,3 +231,74 @@ def test_a_first_spawn_failure_is_a_transition_too(spawner):
         sup.start()
     assert isinstance(sup.state, Spent) and [type(c) for c in changes] == [Spent]
     sup.close()
+
+
+# --------------------------------------------------------------------------- the warm standby
+
+
+class Standbys:
+    """Stand-in standbys (the same child script) and what the supervisor asked of them."""
+
+    def __init__(self, spawner: Spawner):
+        self.spawner = spawner
+        self.pids: list[int] = []
+        self.promoted: list[tuple[int, int]] = []
+
+    def hooks(self):
+        from remote_dspark.standby import StandbyHooks
+
+        def spawn():
+            proc = self.spawner(None)
+            self.pids.append(proc.pid)
+            return proc
+        return StandbyHooks(spawn, lambda pid, session: self.promoted.append((pid, session)), lambda pid: True)
+
+
+def test_a_lost_proxy_is_replaced_by_the_standby_and_a_new_standby_starts(spawner):
+    sb = Standbys(spawner)
+    sup = Supervisor(spawner, respawns=2, reset_s=0, standby=sb.hooks())
+    sup.start()
+    try:
+        assert until(lambda: sup.up is not None and sup.stats().standby == "ready")
+        first, standby = sup.up.pid, sb.pids[0]
+        os.kill(first, signal.SIGKILL)
+        assert until(lambda: sup.up is not None and sup.up.pid == standby)
+        assert sb.promoted == [(standby, sup.up.session)] and sup.up.session != spawner.sessions[0]
+        assert until(lambda: len(sb.pids) == 2 and sup.stats().standby == "ready")   # the next one
+        st = sup.stats()
+        assert (st.budget_left, st.restarts["signal"], st.spawns, st.standby_spawns) == (1, 1, 2, 2)
+    finally:
+        sup.close()
+    assert all(p.poll() is not None for p in spawner.procs)   # proxies and standbys all ended
+
+
+def test_a_standby_that_dies_is_replaced_without_spending_the_budget_and_given_up_after_three(spawner, caplog):
+    sb = Standbys(spawner)
+    sup = Supervisor(spawner, respawns=2, reset_s=0, standby=sb.hooks())
+    sup.start()
+    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
+        try:
+            for n in range(1, 4):
+                assert until(lambda: len(sb.pids) == n, timeout=15)   # the back-off doubles: 0.5, 1 s
+                os.kill(sb.pids[-1], signal.SIGKILL)
+                assert until(lambda: sup.stats().standby_failures == n)
+            assert until(lambda: sup.stats().standby == "off")
+            st = sup.stats()
+            assert (st.budget_left, sum(st.restarts.values()), st.state) == (2, 0, "up")
+        finally:
+            sup.close()
+    assert len(sb.pids) == 3 and sum("no standby from now on" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_no_standby_is_kept_once_a_loss_could_not_be_replaced(spawner):
+    sb = Standbys(spawner)
+    sup = Supervisor(spawner, respawns=1, reset_s=0, standby=sb.hooks())
+    sup.start()
+    try:
+        assert until(lambda: sup.stats().standby == "ready")
+        os.kill(sup.up.pid, signal.SIGKILL)          # the one respawn: the standby takes over
+        assert until(lambda: sup.up is not None and sup.up.pid == sb.pids[0])
+        assert until(lambda: sup.stats().budget_left == 0)
+        assert sup.stats().standby == "none" and len(sb.pids) == 1   # none kept: nothing could use it
+    finally:
+        sup.close()

@@ -119,6 +119,7 @@ class RemoteDSpark:
                 if self.state is not EngineState.NEW:
                     raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
                 self.state = EngineState.STARTING
+            started_at = time.monotonic()
             cfg = self.cfg
             for warning in cfg.warnings():
                 log.warning("remote DSpark: %s", warning)
@@ -129,7 +130,7 @@ class RemoteDSpark:
                     self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
                 if cfg.strict_start and self.mode != "sync":
                     self._probe_connection()
-                self._open_path()
+                self._open_path(started_at)
             except BaseException:
                 self._close()   # nothing started stays running: exporter, proxy, watchdog, region
                 raise
@@ -137,7 +138,7 @@ class RemoteDSpark:
                 self.state = EngineState.STARTED
         return self
 
-    def _open_path(self) -> None:
+    def _open_path(self, started_at: float) -> None:
         if self.mode != "sync":
             try:
                 path = AsyncPath(self.spec, self.counts)
@@ -148,7 +149,7 @@ class RemoteDSpark:
             else:
                 self._path, self._users = path, path.users
                 self._host = ProxyHost(self.spec, path)
-                self._host.start()
+                self._host.start(started_at)
                 return
         path = SyncPath(self.spec)
         self._path, self._users = path, Users(path.close)

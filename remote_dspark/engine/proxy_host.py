@@ -18,15 +18,17 @@ import sys
 import threading
 import time
 
-from ..supervisor import (Down, Lifecycle, Spent, Starting, Supervisor, SupervisorStats, Up, proxy_environment,
-                          spawn_proxy)
+from ..proxy_proc import IDLE_TICK_S, ProxyLoop
+from ..proxy_spawn import proxy_environment, spawn_proxy
+from ..standby import StandbyHooks
+from ..supervisor import Down, Lifecycle, Spent, Starting, Supervisor, SupervisorStats, Up
 from .handoff import STALL_ROUNDS, AsyncPath
 from .spec import Spec
 
 log = logging.getLogger("remote_dspark.engine")
 
 PROXY_START_S = 5.0          # a new proxy's start, past its first connect attempt (CONNECT_TIMEOUT_MS)
-STALL_SLACK_MS = 100         # heartbeat silence past max(WATCHDOG_MS, TIMEOUT_MS) + this: stalled
+STALL_SLACK_MS = 50          # heartbeat silence past max(TIMEOUT_MS, the idle tick) + this, a round pending: stalled
 START_WAIT_SLACK_S = 1.0     # start() waits for the first proxy at most CONNECT_TIMEOUT_MS + this
 STOP_S = 0.5                 # close: how long a proxy process has to exit on SIGTERM before SIGKILL
 
@@ -50,26 +52,29 @@ class ProxyHost:
         connect attempt."""
         return self.spec.cfg.connect_timeout_ms / 1000.0 + PROXY_START_S
 
-    def start(self) -> None:
+    def start(self, started_at: float) -> None:
+        """Start the proxy and wait for it to serve until ``started_at`` (the engine's
+        start, monotonic) + CONNECT_TIMEOUT_MS + 1 s at most."""
         if self.spec.mode == "thread":
             self._start_thread()
         else:
             env = proxy_environment(self.spec.environ, self.path.lib.path)
             cfg = self.spec.cfg
+            standby = StandbyHooks(lambda: self._spawn(None, env), self._promote,
+                                   self._standby_ready) if cfg.async_standby else None
             self.supervisor = Supervisor(
                 lambda session: self._spawn(session, env), respawns=cfg.async_respawns,
                 reset_s=cfg.async_respawn_reset_s, serving=self._beaten, start_limit_s=self.start_limit_s,
-                stalled=self._stalled, on_change=self._on_change)
+                stalled=self._stalled, on_change=self._on_change, standby=standby)
             self.supervisor.start()
         # A new proxy serves after its first connect attempt: a hung worker holds start()
         # for CONNECT_TIMEOUT_MS, and 1 s more is the proxy's own start.
         limit_s = self.spec.cfg.connect_timeout_ms / 1000.0 + START_WAIT_SLACK_S
-        if not self._wait_serving(limit_s):
+        if not self._wait_serving(started_at + limit_s - time.monotonic()):
             log.warning("remote DSpark: no proxy serving %.1f s after start; rounds are target-only "
                         "until one does", limit_s)
 
     def _start_thread(self) -> None:
-        from ..proxy_proc import ProxyLoop
         us = self.spec.cfg.switch_interval_us
         if us:
             self._switch_interval = sys.getswitchinterval()
@@ -94,9 +99,23 @@ class ProxyHost:
             self._loop = None
             users.leave()
 
-    def _spawn(self, session: int, env):
+    def _spawn(self, session: int | None, env):
+        """A proxy for ``session``, or (None) a standby, which gets its session when it is
+        promoted."""
+        if session is not None:
+            self.path.end.header.set_session(session)
+        return spawn_proxy(self.path.region.fd, cfg=self.spec.cfg, engine_id=self.spec.engine_id, env=env,
+                           standby=session is None)
+
+    def _promote(self, pid: int, session: int) -> None:
+        """From the supervisor's thread: the standby ``pid`` becomes the proxy of ``session``."""
+        region, lib = self.path.region, self.path.lib
         self.path.end.header.set_session(session)
-        return spawn_proxy(self.path.region.fd, cfg=self.spec.cfg, engine_id=self.spec.engine_id, env=env)
+        lib.wake(region.addr(region.layout.standby_go), pid)
+
+    def _standby_ready(self, pid: int) -> bool:
+        region = self.path.region
+        return self.path.lib.load32(region.addr(region.layout.standby_pid)) == pid
 
     # ------------------------------------------------------------------ which proxy serves
 
@@ -136,24 +155,29 @@ class ProxyHost:
         seen = path.watchdog_seen
         if len(seen) >= STALL_ROUNDS and seen[0] >= up.since:   # all of them during this proxy's life
             return True
-        # A live proxy beats at least every idle tick and after every round, and a round
-        # keeps it off the heartbeat for at most TIMEOUT_MS (its network wait).
+        # A serving proxy beats at least every idle tick, when it sees a round and after
+        # it: one network wait (TIMEOUT_MS) is the longest it is silent with a round pending.
         cfg = self.spec.cfg
-        silent_ms = max(cfg.watchdog_ms, cfg.timeout_ms) + STALL_SLACK_MS
+        silent_ms = max(cfg.timeout_ms, IDLE_TICK_S * 1000) + STALL_SLACK_MS
         pending = path.end.gathered() != path.end.released()
         return pending and time.monotonic_ns() - path.end.header.heartbeat_ns > silent_ms * 1_000_000
 
     def _on_change(self, state: Lifecycle) -> None:
-        """From the supervisor's thread: a lost proxy's rounds are answered at once."""
-        if isinstance(state, (Down, Spent)):
-            users = self.path.users
-            if not users.enter():   # closing: close() answers them
-                return
-            try:
+        """From the supervisor's thread, under its lock: a lost proxy's rounds are
+        answered at once: those it held (orphans) as soon as it is down, so its successor
+        can release later rounds; those handed over and not taken (no proxy) once the
+        successor is on its way (a promoted standby is woken first) or none will come."""
+        if not isinstance(state, (Down, Starting, Spent)):
+            return
+        users = self.path.users
+        if not users.enter():   # closing: close() answers them
+            return
+        try:
+            if isinstance(state, Down):
                 self.path.end.release_orphans()
-                self.path.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0)
-            finally:
-                users.leave()
+            self.path.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0)
+        finally:
+            users.leave()
 
     # ------------------------------------------------------------------ closing
 

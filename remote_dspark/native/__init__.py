@@ -192,7 +192,7 @@ _FUNCS = {
     "snapshot64": ("hf_snapshot64", None, (_P, _P, _U32), False),
     "signal": ("hf_signal", None, (_P, _P, _U32, _P), False),
     "announce": ("hf_announce", None, (_P, _U32), False),
-    "standby_wait": ("hf_standby_wait", _U32, (_P, _U64), True),
+    "standby_wait": ("hf_standby_wait", _U32, (_P, _U32, _U64), True),
     "wake": ("hf_wake", None, (_P, _U32), False),
     "claim": ("hf_claim", _I, (_P, _U32), False),
     "zero_drafts": ("hf_zero_drafts", None, (_RING, _U32, _U32), False),

@@ -197,13 +197,14 @@ static void sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadli
     __atomic_store_n(&wake[1], 0, __ATOMIC_RELAXED);
 }
 
-/* A standby proxy: sleep while *word is 0, until deadline_ns; the word's value. The
- * supervisor stores the word (release) and wakes it (hf_wake) to promote the standby. */
-uint32_t hf_standby_wait(uint32_t *word, uint64_t deadline_ns)
+/* A standby proxy: sleep while *word is not `me` (its pid), until deadline_ns; the
+ * word's value. The supervisor promotes a standby by storing its pid there and waking
+ * it (hf_wake); a pid, not a flag, so the word never needs resetting for the next one. */
+uint32_t hf_standby_wait(uint32_t *word, uint32_t me, uint64_t deadline_ns)
 {
     uint32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-    if (!v) {
-        futex_sleep(word, 0, deadline_ns);
+    if (v != me) {
+        futex_sleep(word, v, deadline_ns);
         v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     }
     return v;
@@ -458,6 +459,9 @@ static int64_t take(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
             continue;
         }
         *seen = hf_now_ns();
+        /* Beat again on seeing it: a serving proxy is silent at most one network wait
+         * (TIMEOUT_MS) between beats, however long it idled before the round came. */
+        __atomic_store_n(p->heartbeat, *seen, __ATOMIC_RELEASE);
         p->next = r + 1;
         return r;
     }
