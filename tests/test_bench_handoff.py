@@ -114,3 +114,18 @@ def test_the_peer_goes_to_the_last_cpu_without_device_interrupts(tmp_path, monke
     quiet = handoff_peers.Pinning.plan(True, str(tmp_path / "missing"))   # nothing known: the last
     assert (quiet.peer, quiet.engine) == ({3}, {0, 1, 2})
     assert handoff_peers.Pinning.plan(False, str(path)) == handoff_peers.Pinning(None, None)
+
+
+def test_region_rows_report_the_rounds_after_an_idle_gap_apart():
+    """Every IDLE_EVERY-th round of a region row follows an idle gap (the peer sleeps):
+    its wake-up is reported on its own, never mixed into the back-to-back figures."""
+    from remote_dspark.bench import handoff
+    from remote_dspark.bench.handoff_peers import Pinning
+    from remote_dspark.bench.handoff_types import Options
+    opts = Options(rounds=2 * handoff.IDLE_EVERY, warmup=2, spin_us=50, nap_us=0, pin=False)
+    pins = Pinning(None, None)
+    rows = handoff.run_all(opts, pins, modes=("process",))
+    assert [r.after_idle is not None for r in rows] == [True, True]
+    report = handoff.make_report(opts, pins, rows)
+    assert all(r["after_idle"]["median_us"] > 0 for r in report["rows"])
+    assert "after idle p50/p99" in handoff.format_table(report)

@@ -100,6 +100,10 @@ def run(args) -> int:
     return 0
 
 
+IDLE_EVERY = 50              # every 50th measured round of a region row comes after an idle gap
+IDLE_GAP_S = 0.005           # longer than the default spin (1 ms): the peer sleeps through it
+
+
 def run_all(opts: Options, pins: Pinning, modes=None, runners=None,
             label: str = "handoff rows") -> list[Row]:
     """Every row of ``modes`` (default: this module's), each without and then with the
@@ -119,19 +123,27 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
         engine = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=opts.spin_us, nap_us=opts.nap_us,
                                        hold_gil_us=0 if mode == "thread" else opts.hold_gil_us)
-        lat, gil = [], []
-        with _region_peer(mode, region, total, opts, pins, lib):
-            for i in range(total):
-                opts.pause()
+        lat, gil, idle = [], [], []
+        with _region_peer(mode, region, total + total // IDLE_EVERY, opts, pins, lib):
+            for i in range(total + total // IDLE_EVERY):
+                # Every IDLE_EVERY-th measured round comes after an idle gap long enough
+                # for the peer to fall asleep (past its spin): the wake-up, counted apart.
+                after_idle = i >= opts.warmup and (i - opts.warmup) % IDLE_EVERY == IDLE_EVERY - 1
+                if after_idle:
+                    time.sleep(IDLE_GAP_S)
+                else:
+                    opts.pause()
                 r = engine.try_reserve()  # never full: one round in flight at a time
                 h = sync.handoff(r, ROUND_TIMEOUT_S)
                 back = time.monotonic_ns()
                 if not h.ok:
                     raise RuntimeError(f"{mode}: round {r} not released in {ROUND_TIMEOUT_S}s")
-                if i >= opts.warmup:
+                if after_idle:
+                    idle.append(h.latency_ns)
+                elif i >= opts.warmup:
                     lat.append(h.latency_ns)
                     gil.append(back - h.released_ns)
-    return Row(mode, hog, "C", Stats.of(lat), Stats.of(gil))
+    return Row(mode, hog, "C", Stats.of(lat), Stats.of(gil), Stats.of(idle) if idle else None)
 
 
 def _region_peer(mode: str, region, total: int, opts: Options, pins: Pinning, lib):
@@ -206,7 +218,8 @@ def make_report(opts: Options, pins: Pinning, rows: list[Row]) -> dict:
              "x_floor": None if f is None else {
                  k: round(getattr(r.latency, k) / max(getattr(f, k), 1e-3), 1)
                  for k in ("median_us", "p99_us", "max_us")},
-             "gil_wait": None if r.gil_wait is None else asdict(r.gil_wait)}
+             "gil_wait": None if r.gil_wait is None else asdict(r.gil_wait),
+             "after_idle": None if r.after_idle is None else asdict(r.after_idle)}
         out_rows.append(d)
     return {"bench": "handoff", "rounds": opts.rounds, "warmup": opts.warmup,
             "spin_us": opts.spin_us, "nap_us": opts.nap_us, "hold_gil_us": opts.hold_gil_us,
@@ -239,7 +252,7 @@ def _gap(report: dict) -> str:
 
 def format_table(report: dict) -> str:
     head = (f"{'mode':<26}{'hog':<5}{'median':>9}{'p99':>10}{'max':>11}"
-            f"{'x floor p50/p99/max':>24}   gil wait p50/p99/max")
+            f"{'x floor p50/p99/max':>24}{'after idle p50/p99':>21}   gil wait p50/p99/max")
     lines = [f"hand-off round trip, {report['rounds']} rounds per row (+{report['warmup']} warm-up), "
              f"us; {_gap(report)}spin {report['spin_us']} us, nap {report['nap_us']} us, GIL hold "
              f"{report['hold_gil_us']} us (process peers), {report['cpus']} CPUs, "
@@ -250,9 +263,13 @@ def format_table(report: dict) -> str:
         g = r["gil_wait"]
         gs = ("(in the figures: timed in Python)" if g is None else
               f"{g['median_us']:.1f}/{g['p99_us']:.1f}/{g['max_us']:.1f}")
+        a = r["after_idle"]
+        ids = "-" if a is None else f"{a['median_us']:.1f}/{a['p99_us']:.1f}"
         lines.append(f"{DESCRIBE[r['mode']]:<26}{'yes' if r['hog'] else 'no':<5}"
                      f"{r['median_us']:>9.2f}{r['p99_us']:>10.2f}{r['max_us']:>11.1f}"
-                     f"{xs:>24}   {gs}")
+                     f"{xs:>24}{ids:>21}   {gs}")
+    lines.append(f"after idle: every {IDLE_EVERY}th round comes {IDLE_GAP_S * 1e3:g} ms after the one before "
+                 "(the peer has spun its ASYNC_SPIN_US and sleeps): its wake-up, not in the other columns")
     t = report["targets"]
     if "process_p99_us" in t:
         lines.append(f"target process p99 <= {TARGET_P99_US:g} us (with and without hog): "

@@ -31,7 +31,7 @@ class Row:
     timed_in: str            # "C" or "Python"
     latency: Stats
     gil_wait: Stats | None   # only for rows timed in C
-    after_idle: Stats | None = None   # CUDA rows: each batch's first round (see handoff_cuda)
+    after_idle: Stats | None = None   # rounds after an idle gap (the peer's wake-up; see run_all, handoff_cuda)
     slow: int | None = None           # CUDA rows: rounds over the p99 target
 
 
