@@ -143,6 +143,8 @@ class RemoteConfig:
             raw = _raw(env, var.name)
             if raw:
                 values[var.name] = var.parse(raw, var.name)
+            elif var.blank_is_value and env.get(var.name):
+                values[var.name] = var.parse(env[var.name], var.name)   # raises: blanks are no choice
             elif callable(var.default):
                 values[var.name] = var.default(var.name, env, values)
             else:

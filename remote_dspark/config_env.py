@@ -60,8 +60,11 @@ REMOTE_N_OUT                   auto              auto | 0: ReqEntry.n_out, see :
 REMOTE_LOG_EVERY               1024              rounds between stats log lines (0 = off)
 REMOTE_STATS_FILE              /tmp/dsv41-       JSON stats written by rank 0
                                remote-dspark.json
-VLLM_DSPARK_SAMPLED_TOP32      0                 the engine's sampled top-32 switch, carried in
-                                                 ``RemoteConfig.sampled_top32``
+VLLM_DSPARK_SAMPLED_TOP32      0                 the engine's sampled top-32 switch: accepted
+                                                 and carried (``RemoteConfig.sampled_top32``)
+                                                 for compatibility; no effect here (the remote
+                                                 drafter drafts greedily, and how the engine
+                                                 samples its verify is the engine's own)
 REMOTE_METRICS_PORT            0 (off)           serve /metrics on this port (an engine with its
                                                  own /metrics registers the collector instead)
 REMOTE_METRICS_ADDR            127.0.0.1         the exporter's address; loopback unless set
@@ -208,6 +211,9 @@ class _Var:
     # default that depends on them, or raises for a required variable.
     default: Any = None
     show: Callable[[Any], str] = _show
+    # The reference's choices take the default only when unset or empty: a value of
+    # blanks is a value, and not one of the choices (it raises).
+    blank_is_value: bool = False
 
 
 _GATHER = {"auto": None, "1": True, "0": False}
@@ -219,7 +225,7 @@ _VARS: tuple[_Var, ...] = (
          _required("the drafter's endpoint, SCHEME://HOST:PORT")),
     _Var(_P + "BIND", None, check_bind),
     _Var(ENV_OFL_DIR, None, _text),
-    _Var(_P + "POLICY", "policy", _choice(*POLICIES), "shadow"),
+    _Var(_P + "POLICY", "policy", _choice(*POLICIES), "shadow", blank_is_value=True),
     _Var(_P + "IDENTITY", "drafter_identity", wire.parse_hex32,
          _required("the 64-hex drafter identity (offload/dspark/spark/tools/identity.py "
                    "over lane S2's DSPARK_COPY_DONE.json)")),
@@ -230,17 +236,17 @@ _VARS: tuple[_Var, ...] = (
     _Var(_P + "CONNECT_TIMEOUT_MS", "connect_timeout_ms", _int(1), 1000),
     _Var(_P + "BACKOFF_MS", "backoff_ms", _int(1), 1000),
     _Var(_P + "BACKOFF_MAX_MS", "backoff_max_ms", _int(1), 30000),
-    _Var(_P + "ON_FAIL", "on_fail", _choice("target_only", "raise"), "target_only"),
+    _Var(_P + "ON_FAIL", "on_fail", _choice("target_only", "raise"), "target_only", blank_is_value=True),
     _Var(_P + "TRIP", "trip", _int(0), 3),
     _Var(_P + "COOLDOWN", "cooldown", _int(1), 256),
     _Var(_P + "STRICT_START", "strict_start", _flag, False),
-    _Var(_P + "SHADOW_USE", "shadow_use", _choice("local", "remote"), "local"),
+    _Var(_P + "SHADOW_USE", "shadow_use", _choice("local", "remote"), "local", blank_is_value=True),
     _Var(_P + "WANT_MARGIN", "want_margin", _flag,
          lambda name, env, values: values[_P + "POLICY"] == "shadow"),
     _Var(_P + "DRAFT_MS", "remote_draft_ms", _one_ms),
     _Var(_P + "ROUND_MS", "remote_round_ms", _ms_list),
     _Var(_P + "ASYNC", "async_mode", _flag, False),
-    _Var(_P + "ASYNC_PROXY", "async_proxy", _choice("thread", "process"), "thread"),
+    _Var(_P + "ASYNC_PROXY", "async_proxy", _choice("thread", "process"), "thread", blank_is_value=True),
     _Var(_P + "HOSTFLAG_LIB", "hostflag_lib", _text, ""),
     _Var(_P + "ASYNC_NAP_US", "async_nap_us", _int(0), 0),
     _Var(_P + "ASYNC_SPIN_US", "async_spin_us", _int(0), 1000),
@@ -250,8 +256,8 @@ _VARS: tuple[_Var, ...] = (
     _Var(_P + "SWITCH_INTERVAL_US", "switch_interval_us", _int(0), 500),
     _Var(_P + "FUSED_GATHER", "fused_gather",
          lambda raw, name: _GATHER[_gather_word(raw, name)], None,
-         show=lambda v: next(k for k, g in _GATHER.items() if g is v)),
-    _Var(_P + "N_OUT", "n_out", _choice("auto", "0"), "auto"),
+         show=lambda v: next(k for k, g in _GATHER.items() if g is v), blank_is_value=True),
+    _Var(_P + "N_OUT", "n_out", _choice("auto", "0"), "auto", blank_is_value=True),
     _Var(_P + "LOG_EVERY", "log_every", _int(0), 1024),
     _Var(_P + "STATS_FILE", "stats_file", _text, "/tmp/dsv41-remote-dspark.json"),
     _Var("VLLM_DSPARK_SAMPLED_TOP32", "sampled_top32", _flag, False),

@@ -111,13 +111,21 @@ def test_default_endpoint_has_no_bind():
     assert cfg.endpoint.bind is None
 
 
-@pytest.mark.parametrize("name,default", [("TIMEOUT_MS", 50), ("POLICY", "shadow"),
-                                          ("ASYNC", False), ("STATS_FILE", "/tmp/dsv41-remote-dspark.json")],
-                         ids=["int", "choice", "flag", "text"])
+@pytest.mark.parametrize("name,default", [("TIMEOUT_MS", 50), ("ASYNC", False),
+                                          ("STATS_FILE", "/tmp/dsv41-remote-dspark.json")],
+                         ids=["int", "flag", "text"])
 def test_blank_value_counts_as_unset(name, default):
-    field = {"TIMEOUT_MS": "timeout_ms", "POLICY": "policy", "ASYNC": "async_mode",
-             "STATS_FILE": "stats_file"}[name]
+    field = {"TIMEOUT_MS": "timeout_ms", "ASYNC": "async_mode", "STATS_FILE": "stats_file"}[name]
     assert getattr(cfg_of(**{name: "  "}), field) == default
+
+
+@pytest.mark.parametrize("name", ["POLICY", "ON_FAIL", "SHADOW_USE", "ASYNC_PROXY", "FUSED_GATHER", "N_OUT"])
+def test_a_blank_choice_raises_as_in_the_reference(name):
+    """The reference takes a choice's default only when it is unset or empty; blanks are
+    a value, and none of the choices."""
+    with pytest.raises(ValueError, match=rf"{P}{name}='  ': expected one of"):
+        cfg_of(**{name: "  "})
+    assert cfg_of(**{name: ""}) == cfg_of()   # empty: the default
 
 
 @pytest.mark.parametrize("policy,expected", [("shadow", True), ("resilience", False), ("capacity", False)])
