@@ -4,6 +4,7 @@ while the stream waits. Elsewhere these are skipped, with the reason (conftest.p
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -197,3 +198,29 @@ def test_watchdog_releases_the_stream_when_nobody_answers(worker, drafter, tmp_p
         assert rd.cfg.watchdog_ms / 1000 - 0.01 <= waited <= rd.cfg.watchdog_ms / 1000 + 0.05
         assert out.counts.tolist() == [0, 0]
         drafter.gate.set()
+
+
+def test_launch_after_a_failed_self_test_runs_the_round_synchronously(worker, tmp_path, monkeypatch):
+    """The async hand-off fails its self-test: the engine falls back to sync rounds, and
+    launch() still works: a completed round, same shapes, on the rows' device."""
+    from remote_dspark.engine import facade
+
+    def broken(*a, **k):
+        raise RuntimeError("self-test failed (forced)")
+    monkeypatch.setattr(facade, "AsyncPath", broken)
+    with make(worker, tmp_path) as rd:
+        assert rd.mode == "sync"
+        out = rd.launch(batch())
+        assert out.tokens.device.type == "cuda" and out.tokens.shape == (2, 3) and out.counts.shape == (2,)
+        assert out.tokens.tolist() == [[2, 3, 4], [4, 1, 2]] and out.counts.tolist() == [3, 3]
+        assert out.round == 1 and rd.stats().rounds[Outcome.OK] == 1
+
+
+def test_launch_writes_the_stats_file_every_log_every_rounds(worker, tmp_path):
+    """Stats on every path: launch() alone (no close) keeps a whole stats file."""
+    with make(worker, tmp_path, VLLM_DSPARK_REMOTE_LOG_EVERY="4") as rd:
+        for i in range(8):
+            rd.launch(batch(new=i == 0, tokens=((2,), (4,)) if i else ((1,), (3,)), positions=(i, i)))
+        torch.cuda.synchronize()
+        doc = json.loads((tmp_path / "stats.json").read_text())
+        assert doc["mode"] == "process" and doc["rounds"]["total"] >= 3   # launched rounds count once collected

@@ -50,6 +50,7 @@ log = logging.getLogger("remote_dspark.engine")
 
 DEPTH = 4                    # rounds the engine may enqueue ahead of the proxy
 CLOSE_S = 1.5                # close: how long rounds in flight have to leave (close returns within 2 s)
+STATS_FILE_MIN_S = 2.0       # the stats file is rewritten every LOG_EVERY rounds, at most this often
 
 LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]   # -> (tokens [n, k], counts [n])
 
@@ -81,6 +82,8 @@ class RemoteDSpark:
         self._host: ProxyHost | None = None
         self._users: Users | None = None
         self._final: Stats | None = None
+        self._rounds = 0                 # rounds and launches asked (engine thread)
+        self._stats_written_at = -STATS_FILE_MIN_S
         self._lock = threading.Lock()   # state changes, and stats() against close()
         self._start_lock = threading.Lock()   # start() and close() one at a time
         self.exporter = None
@@ -282,23 +285,38 @@ class RemoteDSpark:
                 raise RemoteRoundFailed(f"remote round failed: {remote.outcome.label}")
             out = remote
         st.source(out.source)
-        self._maybe_log()
+        self._rounds_done()
         return out
 
     def launch(self, batch: Batch) -> Launched:
         """Capacity, asynchronous, on CUDA: enqueue the round on the current stream and
         return at once. ``tokens`` / ``counts`` are device tensors valid in stream order
         (after the stream's wait for the round's release); the CPU never waits for the
-        network. The round's outcome is counted once it is released, at a later launch
-        or ``stats()``; slots the worker lost come back in a later ``Launched.resync``.
+        network. The round's outcome is counted once it is released, at a later launch;
+        slots the worker lost come back in a later ``Launched.resync``. In sync mode
+        (``ASYNC=0``, or after a failed self-test) the round runs now, blocking, and comes
+        back completed with the same shapes, on the rows' device.
         """
         self._enter("launch")
         try:
-            if self.mode == "sync" or self.device != "cuda":
-                raise RuntimeError("launch() is for asynchronous rounds on CUDA; use round()")
-            return self._path.launch(batch)
+            if self.device != "cuda":
+                raise RuntimeError("launch() is for rounds on CUDA (device='cuda'); use round()")
+            if isinstance(self._path, SyncPath):
+                return self._launch_sync(batch)
+            launched = self._path.launch(batch)
+            self._rounds_done()
+            return launched
         finally:
             self._users.leave()
+
+    def _launch_sync(self, batch: Batch) -> Launched:
+        """``launch()`` in sync mode (``ASYNC=0``, or after a failed self-test): the round
+        runs now, blocking, and comes back completed, with the shapes and on the device
+        an asynchronous launch gives."""
+        out = self._round(batch)
+        device = batch.rows.device
+        return Launched(self._path.round_id, out.tokens.to(device), out.counts.to(device), out.resync,
+                        out.resync_all)
 
     def _local_drafts(self, local, remote: Drafts) -> Drafts:
         tokens, counts = local
@@ -344,15 +362,21 @@ class RemoteDSpark:
             return st.snapshot(mode=mode, policy=policy, link=path.link_stats(), connected=path.link.connected)
         return st.snapshot(mode=mode, policy=policy, link=LinkStats.none())
 
-    def _maybe_log(self) -> None:
+    def _rounds_done(self) -> None:
+        """Engine thread, after every round or launch: the log line every LOG_EVERY of
+        them, and the stats file then too, at most every STATS_FILE_MIN_S."""
+        self._rounds += 1
         every = self.cfg.log_every
-        total = sum(self.counts.rounds.values())
-        if every and total % every == 0:
-            s = self.stats()
-            sup = s.supervisor
-            log.info("remote DSpark: %d rounds (%s); late %d; budget %s", total,
-                     " ".join(f"{o.label}={n}" for o, n in s.rounds.items() if n), s.link.late,
-                     sup.budget_left if sup else "-")
+        if not every or self._rounds % every:
+            return
+        s = self.stats()
+        sup = s.supervisor
+        log.info("remote DSpark: %d rounds (%s); late %d; budget %s", s.total_rounds,
+                 " ".join(f"{o.label}={n}" for o, n in s.rounds.items() if n), s.link.late,
+                 sup.budget_left if sup else "-")
+        now = time.monotonic()
+        if now - self._stats_written_at >= STATS_FILE_MIN_S:
+            self._stats_written_at = now
             self._write_stats_file()
 
     def _write_stats_file(self) -> None:

@@ -267,10 +267,6 @@ class AsyncPath:
             self.counts.record(outcome, v.counts[:got], len(lost))
             self._count_watchdog(outcome)
 
-    def collect(self) -> None:
-        """``stats()`` on CUDA: count the launched rounds released by now."""
-        self._collect()
-
     # ------------------------------------------------------------------ answers without a proxy
 
     def drain(self, deadline: float) -> None:

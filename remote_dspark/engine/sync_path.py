@@ -99,6 +99,11 @@ class SyncPath:
         return to_drafts(spec.num_spec, meta.slots, counts, np.frombuffer(d.statuses, dtype=np.uint16), tokens,
                          margins, outcome, spec.cfg.want_margin)
 
+    @property
+    def round_id(self) -> int:
+        """The last round's id (0: none yet)."""
+        return self._round_id
+
     def link_stats(self) -> LinkStats:
         b = self.link.breaker.store
         return LinkStats(self.link.attempts, self.link.late, self.link.reconnects,
