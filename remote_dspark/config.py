@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from .config_env import (  # noqa: F401
     remote_requested,
 )
 from .transport.endpoint import Endpoint
+
+log = logging.getLogger("remote_dspark.config")
 
 CAP_MASKING_DEPTH_MODES = ("conf", "confb", "confr")
 
@@ -248,6 +251,9 @@ def apply_cost_overrides(cfg: RemoteConfig, environ: MutableMapping[str, str] | 
     if cfg.remote_draft_ms is not None:
         changed["VLLM_DSPARK_DRAFT_MS"] = _show(cfg.remote_draft_ms)
     env.update(changed)
+    if changed:
+        log.info("remote DSpark: the depth policy's cost inputs: %s",
+                 " ".join(f"{k}={v}" for k, v in changed.items()))
     return changed
 
 

@@ -132,3 +132,26 @@ def test_settings_that_work_have_no_warning(env, capsys, settings):
         env.setenv(P + k, v)
     assert check_config() == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_depth_policy_facts_show_n_out_and_the_cost_overrides_without_writing(env, capsys):
+    env.setenv(P + "POLICY", "capacity")
+    env.setenv(P + "DRAFT_MS", "1.5")
+    env.setenv(P + "ROUND_MS", "1,2,3,4,5,6")
+    assert check_config("--json", "--depth-policy", "conf", "--dense-cap", "0,5,5,3") == 0
+    derived = json.loads(capsys.readouterr().out)["derived"]
+    assert derived["n_out"] == "by request count 0,5,5,3" and derived["n_out_reason"] == "cap by request count"
+    assert derived["cost_overrides"] == "VLLM_DSPARK_ROUND_MS=1,2,3,4,5,6 VLLM_DSPARK_DRAFT_MS=1.5"
+    assert "VLLM_DSPARK_ROUND_MS" not in os.environ and "VLLM_DSPARK_DRAFT_MS" not in os.environ   # a dry run
+
+
+def test_depth_policy_that_needs_the_remote_costs_is_refused(env, capsys):
+    env.setenv(P + "POLICY", "capacity")
+    assert check_config("--depth-policy", "conf") == 2
+    assert "needs both VLLM_DSPARK_REMOTE_DRAFT_MS" in capsys.readouterr().err
+
+
+def test_no_depth_policy_sends_every_position(env, capsys):
+    assert check_config("--json", "--num-spec", "5") == 0
+    derived = json.loads(capsys.readouterr().out)["derived"]
+    assert derived["n_out"] == "all 5" and derived["cost_overrides"] == "none"

@@ -148,10 +148,32 @@ def test_policies_that_keep_a_local_drafter_need_one(worker, tmp_path):
         make(env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="resilience"))
 
 
-def test_n_out_table_sets_each_entry(worker, tmp_path):
-    with make(env_for(worker.port, tmp_path), n_out_table=[0, 3, 1, 1, 1]) as rd:
-        assert rd.meta(batch()).n_out == 1      # the table's value for 2 entries, for each
-        assert rd.round(batch()).counts.tolist() == [1, 1]
+@pytest.mark.parametrize("policy,depth,n_out,counts", [
+    ("capacity", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), None, [1, 1]),   # 2 requests: cap 1
+    ("capacity", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), "0", [3, 3]),    # N_OUT=0: all
+    ("capacity", dict(depth_mode="fixed", dense_cap=[0, 3, 1, 1, 1]), None, [3, 3]),  # not cap-masking
+    ("capacity", dict(depth_mode="conf", depth_file="/x", dense_cap=[0, 3, 1]), None, [3, 3]),
+    ("capacity", dict(depth_mode="conf"), None, [3, 3]),                               # no schedule
+    ("shadow", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), None, [3, 3]),     # compares all
+])
+def test_n_out_follows_the_schedule_by_request_count(worker, tmp_path, policy, depth, n_out, counts):
+    """The engine's depth-policy facts set each round's n_out (config.n_out_table's rules),
+    as the worker sees it on the wire; the reason is in stats()."""
+    env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY=policy,
+                  **({"VLLM_DSPARK_REMOTE_N_OUT": n_out} if n_out else {}))
+    kw = {"local_drafter": local_drafter} if policy == "shadow" else {}
+    with make(env, **depth, **kw) as rd:
+        remote = rd.round(batch())
+        if policy == "shadow":
+            assert rd.stats().shadow_compared_at == (2, 2, 2)   # the remote drafted every position
+        else:
+            assert remote.counts.tolist() == counts
+        st = rd.stats()
+        assert (st.n_out_table is not None) == (counts == [1, 1] and policy != "shadow") and st.n_out_reason
+        b = batch()
+        b.n_out = torch.tensor([2, 2])                            # a batch's own n_out wins
+        if policy != "shadow":
+            assert rd.round(b).counts.tolist() == [2, 2]
 
 
 def test_new_gen_context_is_trimmed_with_its_position(worker, tmp_path):

@@ -8,14 +8,21 @@
     stats       EngineCounts (the engine thread's counting) and Stats (the one record)
     lifecycle   EngineState, RemoteClosed, Users (when the region may be freed)
 
+Before it builds its depth policy, on every rank, an engine calls
+``apply_cost_overrides(cfg, depth_policy_on=..., depth_mode=..., num_spec=..., depth_file=...)``
+(it writes the remote round's costs into ``os.environ``, or the mapping given, and raises
+before writing anything on a combination the contract refuses); ``RemoteDSpark`` copies
+its environment and could reach no one later.
+
 torch is imported here; nothing the proxy imports imports this package.
 """
 
 from ..batch import Batch, Drafts
+from ..config import apply_cost_overrides
 from .facade import RemoteDSpark
 from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed
 from .stats import Stats
 
-__all__ = ["Batch", "Drafts", "EngineState", "Launched", "RemoteClosed", "RemoteDSpark", "RemoteRoundFailed",
+__all__ = ["Batch", "Drafts", "EngineState", "apply_cost_overrides", "Launched", "RemoteClosed", "RemoteDSpark", "RemoteRoundFailed",
            "Stats"]

@@ -35,7 +35,7 @@ import torch
 from .. import native, transport, wire
 from ..batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
 from ..client import DraftClient
-from ..config import RemoteConfig
+from ..config import RemoteConfig, n_out_table
 from ..outcome import Outcome
 from ..supervisor import Supervisor
 from ..statsfile import write_json_atomic
@@ -61,7 +61,8 @@ class RemoteDSpark:
 
     def __init__(self, cfg: RemoteConfig, *, num_spec: int, max_slots: int, row_bytes: int,
                  device: str = "cpu", local_drafter: LocalDrafter | None = None,
-                 n_out_table: Sequence[int] | None = None, environ: Mapping[str, str] | None = None,
+                 depth_mode: str | None = None, depth_file: str | None = None,
+                 dense_cap: Sequence[int] | None = None, environ: Mapping[str, str] | None = None,
                  engine_id: int | None = None, depth: int = DEPTH):
         if cfg.keeps_local_drafter and local_drafter is None:
             raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
@@ -72,9 +73,14 @@ class RemoteDSpark:
             if not 1 <= value <= hi:
                 raise ValueError(f"{name}={value}: must be in 1..{hi} (the wire contract's cap)")
         mode = ("process" if cfg.async_proxy == "process" else "thread") if cfg.async_mode else "sync"
+        # n_out by schedule: each round's default n_out from its number of requests, when
+        # the depth policy masks the positions past its cap (config.n_out_table's rules;
+        # shadow and N_OUT=0 always send every position). A batch's own n_out wins.
+        table, self.n_out_reason = n_out_table(cfg, num_spec, depth_mode or "", depth_file,
+                                               list(dense_cap) if dense_cap is not None else None)
         self.spec = Spec(cfg, num_spec, max_slots, row_bytes, max_slots * (CONTEXT_TOKENS + num_spec + 1), depth,
                          device, mode, engine_id if engine_id is not None else int.from_bytes(os.urandom(8), "little"),
-                         dict(os.environ if environ is None else environ), n_out_table)
+                         dict(os.environ if environ is None else environ), table)
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)
         self.state = EngineState.NEW
@@ -126,6 +132,8 @@ class RemoteDSpark:
             cfg = self.cfg
             for warning in cfg.warnings():
                 log.warning("remote DSpark: %s", warning)
+            log.info("remote DSpark: n_out %s (%s)", "by request count" if self.spec.n_out_table else
+                     f"= num_spec ({self.num_spec})", self.n_out_reason)
             try:
                 transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
                 if cfg.metrics_port:
@@ -353,14 +361,16 @@ class RemoteDSpark:
 
     def _snapshot(self) -> Stats:
         """Under ``_lock``: the path is open (close sets ``_final`` before it leaves)."""
-        path, host = self._path, self._host
-        st, mode, policy = self.counts, self.mode, self.cfg.policy
+        path, host, table = self._path, self._host, self.spec.n_out_table
+        common = {"mode": self.mode, "policy": self.cfg.policy, "n_out_reason": self.n_out_reason,
+                  "n_out_table": tuple(table) if table is not None else None}
+        st = self.counts
         if isinstance(path, AsyncPath):
-            return st.snapshot(mode=mode, policy=policy, link=path.link_stats(),
-                               handoff=path.handoff_stats(host.thread_alive), supervisor=host.supervisor_stats())
+            return st.snapshot(**common, link=path.link_stats(), handoff=path.handoff_stats(host.thread_alive),
+                               supervisor=host.supervisor_stats())
         if isinstance(path, SyncPath):
-            return st.snapshot(mode=mode, policy=policy, link=path.link_stats(), connected=path.link.connected)
-        return st.snapshot(mode=mode, policy=policy, link=LinkStats.none())
+            return st.snapshot(**common, link=path.link_stats(), connected=path.link.connected)
+        return st.snapshot(**common, link=LinkStats.none())
 
     def _rounds_done(self) -> None:
         """Engine thread, after every round or launch: the log line every LOG_EVERY of

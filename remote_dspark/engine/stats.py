@@ -100,6 +100,8 @@ class Stats:
     connected: bool | None = None          # sync mode
     handoff: HandoffStats | None = None    # thread and process modes
     supervisor: SupervisorStats | None = None   # process mode
+    n_out_table: tuple[int, ...] | None = None  # each round's n_out by request count (None: num_spec)
+    n_out_reason: str = ""                 # why (config.n_out_table)
 
     @property
     def total_rounds(self) -> int:
@@ -168,11 +170,12 @@ class EngineCounts:
         self.margin_sum += float(values.sum())
 
     def snapshot(self, *, mode: str, policy: str, link: LinkStats, connected: bool | None = None,
-                 handoff: HandoffStats | None = None, supervisor: SupervisorStats | None = None) -> Stats:
+                 handoff: HandoffStats | None = None, supervisor: SupervisorStats | None = None,
+                 n_out_table: tuple[int, ...] | None = None, n_out_reason: str = "") -> Stats:
         return Stats(mode, policy, dict(self.rounds), dict(self.sources),
                      Histogram(LATENCY_BOUNDS_S, tuple(self.latency_buckets), self.latency_sum_s),
                      self.drafts, self.draft_tokens, self.resyncs, tuple(self.accepted_at.tolist()),
                      tuple(self.offered_at.tolist()), tuple(self.shadow_agree_at.tolist()),
                      tuple(self.shadow_compared_at.tolist()),
                      Histogram(MARGIN_BOUNDS, tuple(self.margin_buckets), self.margin_sum),
-                     link, connected, handoff, supervisor)
+                     link, connected, handoff, supervisor, n_out_table, n_out_reason)
