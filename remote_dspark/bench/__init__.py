@@ -4,7 +4,8 @@ keeps its heavy imports inside the function that runs it."""
 
 def add_parsers(sub) -> None:
     """Register every benchmark's subcommand."""
-    from . import handoff, round
+    from . import handoff, round, worker_hostile
 
     handoff.add_parser(sub)
     round.add_parser(sub)
+    worker_hostile.add_parser(sub)
