@@ -97,14 +97,14 @@ def run_chaos(seconds: float, *, seed: int, slots: int = 64, respawns: int = 4, 
               progress: bool = False) -> ChaosResult:
     from .config import RemoteConfig
     from .engine import RemoteDSpark
-    from .harness import DemoEngine, WorkerProcess
+    from .harness import DemoEngine, WorkerProcess, worker_limits
     from .sim import SimEngine
 
     rng = random.Random(seed)
     fds_before = _fds()
     faults = dict.fromkeys(FAULTS, 0)
     timers: list[threading.Timer] = []
-    worker = WorkerProcess(late_ms=120)
+    worker = WorkerProcess(late_ms=120, extra=worker_limits(slots, 64))
     closed_cleanly = False
     engine = None
     try:

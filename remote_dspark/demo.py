@@ -64,10 +64,11 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .config import RemoteConfig
     from .engine import RemoteDSpark
-    from .harness import DemoEngine, WorkerProcess
+    from .harness import DemoEngine, WorkerProcess, worker_limits
     from .sim import SimEngine
 
-    with WorkerProcess() as worker, tempfile.TemporaryDirectory() as tmp:
+    with WorkerProcess(extra=worker_limits(args.slots, args.row_bytes)) as worker, \
+            tempfile.TemporaryDirectory() as tmp:
         env = worker.env(
             VLLM_DSPARK_REMOTE_POLICY=args.policy, VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(args.timeout_ms),
             VLLM_DSPARK_REMOTE_ASYNC="0" if args.mode == "sync" else "1",

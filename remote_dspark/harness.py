@@ -76,6 +76,14 @@ class DemoEngine:
 START_TIMEOUT_S = 30.0
 
 
+def worker_limits(max_slots: int, row_bytes: int) -> tuple[str, ...]:
+    """``remote-dspark worker`` arguments that let an engine of ``max_slots`` slots and
+    ``row_bytes`` rows in (the worker's own limits, at least their defaults)."""
+    from .worker_limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS
+    return ("--max-slots", str(max(max_slots, DEFAULT_MAX_SLOTS)),
+            "--max-row-bytes", str(max(row_bytes, DEFAULT_MAX_ROW_BYTES)))
+
+
 class WorkerProcess:
     """``remote-dspark worker --chaos`` on 127.0.0.1, as a child process.
 

@@ -1,10 +1,17 @@
 """The reference remote drafter: a ``tcp://`` server speaking the wire contract.
 
-One thread per connection (at most ``max_connections``), an accept loop woken by a
-self-pipe so ``stop()`` (and SIGTERM in the CLI) ends it at once. Per connection:
-HELLO first (identities checked, refused with a reason on mismatch), then ROUND frames
-answered with DRAFTS, until BYE, a closed socket, or a bad frame, which closes that
-connection only, with one log line.
+An accept loop (:class:`~remote_dspark.worker_admission.Admission`, one thread with a
+selector, woken by a self-pipe so ``stop()`` and SIGTERM end it at once) holds every
+connection until it has said HELLO, under the HELLO's own small cap and a HELLO
+deadline, in a pool of its own where the oldest makes room for a newcomer. A whole
+HELLO gets a served connection and its thread, or a "busy" refusal when
+``max_connections`` are served. Per served connection: the HELLO is checked
+(identities, this worker's :class:`~remote_dspark.worker_limits.Limits`, a place among
+the engines: :class:`~remote_dspark.worker_sessions.Sessions`), each refusal with its
+reason; then ROUND frames are answered with DRAFTS until BYE, a closed socket, or a bad
+frame, which closes that connection only, with one log line. A served connection may
+idle between frames for as long as it likes (TCP keepalive finds a dead peer); a frame,
+once begun, must be whole within ``frame_timeout_s``.
 
 Windows are kept per (engine, session, slot): the last ``window`` tokens of each slot
 and the position the next token must have. A new session of the same engine (a
@@ -20,20 +27,22 @@ the contexts go to the drafter as one ragged ``(tokens, offsets)`` pair
 (:class:`~remote_dspark.drafter.DraftBatch`), and the DRAFTS reply is written from the
 result's arrays into one buffer at ``wire.drafts_sections`` offsets.
 
-Memory is bounded: ``max_engines`` engines (least recently seen dropped first), HELLO's
-``max_slots`` (capped by the worker's own) slots per session, ``window`` tokens per slot,
-and the wire caps on every frame.
+Memory is bounded by this worker's own numbers, never by what a peer announces (the
+bounds are written out in docs/design.md, "The reference worker"): ``max_pending``
+pre-HELLO connections of one HELLO frame each; ``max_connections`` served connections,
+each with one receive buffer (filled as bytes arrive, never beyond its session's frame
+cap) and one round's arrays; ``max_engines`` sessions of ``max_slots`` x ``window``
+tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +52,9 @@ from .drafter import (BatchedDrafter, DraftBatch, MarkovDrafter, PerEntryDrafter
                       check_result, default_drafter_identity, empty_result, load_drafter)
 from .transport import DeadlineExceeded, Disconnected, FrameChannel
 from .transport.tcp import TcpStream
+from .worker_admission import Admission
+from .worker_limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits
+from .worker_sessions import RECENT_S, Session, Sessions
 from .worker_windows import Windows
 
 log = logging.getLogger("remote_dspark.worker")
@@ -54,19 +66,15 @@ Drafter = PerEntryDrafterLike
 
 
 @dataclass
-class Session:
-    session: int
-    max_slots: int
-    num_spec: int
-    want_margin: bool
-    windows: Windows
-
-
-@dataclass
 class WorkerStats:
-    connections: int = 0
-    refused: int = 0
-    bad_frames: int = 0
+    connections: int = 0      # connections served (a whole HELLO given a thread)
+    refused: int = 0          # HELLOs refused: identities, version, limits
+    busy: int = 0             # HELLOs refused busy: no served connection or no engine place free
+    evicted: int = 0          # sessions evicted for a newcomer (least recently served, idle >= recent_s)
+    bad_frames: int = 0       # connections dropped for a frame that breaks the contract
+    stalled: int = 0          # connections dropped for a frame not whole within frame_timeout_s
+    hello_timeouts: int = 0   # connections dropped for no HELLO within hello_timeout_s
+    displaced: int = 0        # pre-HELLO connections dropped to make room for a newer one
     rounds: int = 0
     entries: int = 0
     resyncs: int = 0
@@ -75,33 +83,48 @@ class WorkerStats:
 
 class Worker:
     """The server. ``start()`` binds and serves in background threads; ``stop()`` ends
-    everything (sends BYE to every open connection) and returns when all threads did."""
+    everything (sends BYE to every open connection) and returns when all threads did.
+
+    Its own limits (``max_slots``, ``max_row_bytes``, ``max_round_tokens``,
+    ``max_round_bytes``: :class:`~remote_dspark.worker_limits.Limits`) refuse a HELLO
+    beyond them; admission (``max_pending``, ``hello_timeout_s``) and places
+    (``max_connections`` served connections, ``max_engines`` sessions, none evicted
+    within ``recent_s`` of its last round) are described in the module docstring.
+    """
 
     def __init__(self, drafter: BatchedDrafter | Drafter, host: str = "127.0.0.1", port: int = 18620, *,
-                 window: int = 64, max_slots: int = wire.MAX_ENTRIES, max_engines: int = 64,
-                 max_connections: int = 64, idle_timeout_s: float = 300.0):
+                 window: int = 64, max_slots: int = DEFAULT_MAX_SLOTS, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+                 max_round_tokens: int | None = None, max_round_bytes: int | None = None,
+                 max_engines: int = 32, max_connections: int = 32, max_pending: int = 128,
+                 hello_timeout_s: float = 2.0, frame_timeout_s: float = 10.0, recent_s: float = RECENT_S):
         if window < 1:
             raise ValueError(f"window {window}: must be >= 1")
+        if max_connections < 1 or max_pending < 1:
+            raise ValueError(f"max_connections {max_connections}, max_pending {max_pending}: must be >= 1")
+        if not (hello_timeout_s > 0 and frame_timeout_s > 0):
+            raise ValueError(f"hello_timeout_s {hello_timeout_s}, frame_timeout_s {frame_timeout_s}: must be > 0")
         self.drafter = drafter                   # as given (its identities are checked at HELLO)
         self._batched = as_batched(drafter)      # what rounds call
         self.host, self.port = host, port
         self.window = window
+        self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes)
         self.max_slots = max_slots
-        self.max_engines = max_engines
         self.max_connections = max_connections
-        self.idle_timeout_s = idle_timeout_s
+        self.max_pending = max_pending
+        self.hello_timeout_s = hello_timeout_s
+        self.frame_timeout_s = frame_timeout_s
         self.stats = WorkerStats()
         # Fault injection (``remote-dspark worker --chaos``): answer every round this
         # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
         self.reply_delay_s = 0.0
         self.garble = 0
-        self._engines: OrderedDict[int, Session] = OrderedDict()  # engine id -> session
-        self._lock = threading.Lock()          # guards _engines, _conns, stats
-        self._conns: set[socket.socket] = set()
+        self._sessions = Sessions(max_engines, recent_s)
+        self._lock = threading.Lock()          # guards _conns, _threads, stats
+        self._conns: set[socket.socket] = set()  # served connections (after HELLO)
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
-        self._listener: socket.socket | None = None
+        self._admission: Admission | None = None
         self._acceptor: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -116,8 +139,11 @@ class Worker:
             raise ValueError(f"--listen {self.host}:{self.port}: {e.strerror}") from e
         sock.listen(128)
         self.port = sock.getsockname()[1]
-        self._listener = sock
-        self._acceptor = threading.Thread(target=self._accept_loop, name="worker-accept", daemon=True)
+        self._admission = Admission(sock, self._wake_r, max_pending=self.max_pending,
+                                    hello_timeout_s=self.hello_timeout_s, on_hello=self._on_hello,
+                                    on_version=self._on_version, count=self._count)
+        self._acceptor = threading.Thread(target=self._admission.run, args=(self._stopping,),
+                                          name="worker-accept", daemon=True)
         self._acceptor.start()
         return self
 
@@ -147,55 +173,71 @@ class Worker:
     def __exit__(self, *exc):
         self.stop()
 
-    # ------------------------------------------------------------------ accept
+    def admission(self):
+        """The front door's statistics (:class:`~remote_dspark.worker_admission.AdmissionStats`)."""
+        return self._admission.statistics() if self._admission else None
 
-    def _accept_loop(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._listener, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        try:
-            while not self._stopping.is_set():
-                for key, _ in sel.select():
-                    if key.fileobj is not self._listener or self._stopping.is_set():
-                        continue
-                    try:
-                        conn, peer = self._listener.accept()
-                    except OSError:
-                        continue
-                    self._admit(conn, peer)
-        finally:
-            sel.close()
-            self._listener.close()
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
 
-    def _admit(self, conn: socket.socket, peer) -> None:
+    # ------------------------------------------------------------------ admission (the accept thread)
+
+    def _on_hello(self, conn: socket.socket, peer, hdr: wire.Header, payload: bytes) -> None:
+        """A whole HELLO from the pre-HELLO pool: a served connection and its thread, or
+        "busy" when ``max_connections`` are served (answered from here, not blocking:
+        the ack fits any fresh socket's send buffer)."""
+        if self._stopping.is_set():
+            conn.close()
+            return
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
-            if len(self._conns) >= self.max_connections:
-                log.warning("refusing connection from %s: %d connections open", peer, len(self._conns))
-                conn.close()
-                return
-            self._conns.add(conn)
-            self.stats.connections += 1
-            t = threading.Thread(target=self._serve, args=(conn, peer), name=f"worker-conn-{peer}", daemon=True)
-            self._threads.append(t)
+            busy = len(self._conns) >= self.max_connections
+            if busy:
+                self.stats.busy += 1
+            else:
+                self._conns.add(conn)
+                self.stats.connections += 1
+                t = threading.Thread(target=self._serve, args=(conn, peer, hdr, payload),
+                                     name=f"worker-conn-{peer}", daemon=True)
+                self._threads.append(t)
+        if busy:
+            reason = (f"busy: {self.max_connections} connections served (--max-connections); "
+                      "try again later")
+            log.warning("refused HELLO of session %#x from %s: %s", hdr.session, peer, reason)
+            self._answer_and_close(conn, self._ack(wire.REFUSE_LIMITS, reason, hdr.session))
+            return
         t.start()
 
-    # ------------------------------------------------------------------ one connection
+    def _on_version(self, conn: socket.socket, peer, e: wire.VersionMismatch) -> None:
+        self._count("bad_frames")
+        log.warning("connection %s: %s; refused", peer, e)
+        self._answer_and_close(conn, self._ack(wire.REFUSE_VERSION, str(e), 0))
 
-    def _serve(self, conn: socket.socket, peer) -> None:
+    @staticmethod
+    def _answer_and_close(conn: socket.socket, frame: bytes) -> None:
+        try:
+            conn.send(frame)       # non-blocking: what does not fit is not waited for
+        except OSError:
+            pass
+        conn.close()
+
+    # ------------------------------------------------------------------ one served connection
+
+    def _serve(self, conn: socket.socket, peer, hello_hdr: wire.Header, hello_payload: bytes) -> None:
+        conn.setblocking(True)
         chan = FrameChannel(TcpStream(conn))
         session: Session | None = None
         try:
-            while not self._stopping.is_set():
-                hdr, payload = chan.recv_frame(time.monotonic() + self.idle_timeout_s)
+            session = self._hello(chan, hello_hdr, hello_payload, conn)
+            if session is None:
+                return
+            while not self._stopping.is_set() and not session.evicted:
+                # No deadline between frames (an engine may idle for minutes; keepalive
+                # finds a dead one); a frame, once begun, within frame_timeout_s.
+                hdr, payload = chan.recv_frame(math.inf, self.frame_timeout_s)
                 if hdr.type == wire.BYE:
                     return
-                if session is None:
-                    if hdr.type != wire.HELLO:
-                        raise wire.ProtocolError(f"{hdr.name} before HELLO")
-                    session = self._hello(chan, hdr, payload)
-                    if session is None:
-                        return
                 elif hdr.type == wire.ROUND:
                     reply = self._round(session, hdr, payload)
                     if self.reply_delay_s:
@@ -204,29 +246,35 @@ class Worker:
                         self.garble -= 1
                         reply = os.urandom(len(reply))
                     chan.send(reply)
+                    self._sessions.served(session)
                 else:
                     raise wire.ProtocolError(f"unexpected {hdr.name} from the engine side")
         except wire.VersionMismatch as e:
-            with self._lock:
-                self.stats.bad_frames += 1
+            self._count("bad_frames")
             log.warning("connection %s: %s; refused", peer, e)
             self._send_quietly(chan, self._ack(wire.REFUSE_VERSION, str(e), 0))
         except wire.ProtocolError as e:
-            with self._lock:
-                self.stats.bad_frames += 1
+            self._count("bad_frames")
             log.warning("connection %s: bad frame, closing it: %s", peer, e)
-        except (Disconnected, DeadlineExceeded):
+        except DeadlineExceeded as e:
+            self._count("stalled")
+            log.warning("connection %s: a frame not whole within %.1f s (%s); closing it", peer,
+                        self.frame_timeout_s, e)
+        except Disconnected:
             pass
         except Exception:   # the drafter (or this worker) failed: this connection only, loudly
             log.exception("connection %s: failed serving a round; closing it", peer)
         finally:
-            if self._stopping.is_set():
+            if self._stopping.is_set() or (session is not None and session.evicted):
                 self._send_quietly(chan, wire.encode_bye(session.session if session else 0))
             chan.close()
+            if session is not None:
+                self._sessions.drop(session)
             with self._lock:
                 self._conns.discard(conn)
 
-    def _hello(self, chan: FrameChannel, hdr: wire.Header, payload) -> Session | None:
+    def _hello(self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
+               ) -> Session | None:
         hello = wire.decode_hello(payload)
         code, reason = wire.ACCEPT, ""
         if hello.drafter_identity != self.drafter.drafter_identity:
@@ -237,28 +285,30 @@ class Worker:
             code = wire.REFUSE_MARKOV
             reason = (f"Markov identity mismatch: engine {hello.markov_identity.hex()}, "
                       f"worker {self.drafter.markov_identity.hex()} (VLLM_DSPARK_REMOTE_MARKOV_IDENTITY)")
-        elif hello.max_slots > self.max_slots:
-            code = wire.REFUSE_LIMITS
-            reason = f"max_slots {hello.max_slots} over this worker's {self.max_slots}"
+        elif (over := self.limits.refusal(hello)) is not None:    # this worker's own limits
+            code, reason = wire.REFUSE_LIMITS, over
         if code != wire.ACCEPT:
-            with self._lock:
-                self.stats.refused += 1
+            self._count("refused")
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
             chan.send(self._ack(code, reason, hdr.session))
             return None
         session = Session(hdr.session, hello.max_slots, hello.num_spec, hello.want_margin,
-                          Windows(hello.max_slots, self.window))
-        with self._lock:
-            # A new session of the same engine (a respawned proxy) replaces the old one:
-            # its windows go now, not when its connection closes; an old connection that
-            # still sends rounds gets RESYNC for every slot. The least recently seen engine
-            # beyond max_engines loses its windows the same way.
-            old = self._engines.pop(hello.engine_id, None)
-            if old is not None:
-                old.windows.forget_all()
-            self._engines[hello.engine_id] = session
-            while len(self._engines) > self.max_engines:
-                self._engines.popitem(last=False)[1].windows.forget_all()
+                          Windows(hello.max_slots, self.window), row_bytes=hello.row_bytes,
+                          engine_id=hello.engine_id, conn=conn)
+        # A place among the engines: the engine's own (a new session replaces the old
+        # one's windows), a free one, or the least recently served one's if it has idled
+        # recent_s; else "busy" (worker_sessions).
+        busy, evicted = self._sessions.admit(session)
+        if busy is not None:
+            self._count("busy")
+            log.warning("refused HELLO of session %#x of engine %#x: %s", hdr.session, hello.engine_id, busy)
+            chan.send(self._ack(wire.REFUSE_LIMITS, busy, hdr.session))
+            return None
+        if evicted is not None:
+            self._count("evicted")
+            log.info("engine %#x (session %#x) evicted for engine %#x: served least recently", evicted.engine_id,
+                     evicted.session, hello.engine_id)
+        chan.max_payload = self.limits.frame_cap(hello)
         # Only now the ACK: once the engine side has it, the old windows are gone.
         chan.send(self._ack(code, reason, hdr.session))
         log.info("session %#x of engine %#x: %d slots, num_spec %d", hdr.session, hello.engine_id,
@@ -272,6 +322,11 @@ class Worker:
     def _round(self, session: Session, hdr: wire.Header, payload) -> bytes:
         """One ROUND in, its DRAFTS frame out; no Python loop over the entries."""
         rnd = wire.decode_round(hdr, payload)
+        if session.row_bytes is not None and rnd.row_bytes != session.row_bytes:
+            raise wire.ProtocolError(f"ROUND row_bytes {rnd.row_bytes}, the session said {session.row_bytes}")
+        if len(rnd.tokens) > self.limits.max_round_tokens:
+            raise wire.ProtocolError(f"ROUND of {len(rnd.tokens)} tokens, over this worker's "
+                                     f"{self.limits.max_round_tokens} (--max-round-tokens)")
         n = len(rnd)
         slots = np.frombuffer(rnd.slots, np.uint32).astype(np.int64)
         n_out = np.frombuffer(rnd.n_out, np.uint32)

@@ -10,6 +10,10 @@ import threading
 
 from . import wire
 from .worker import DEFAULT_LISTEN, Worker, load_drafter, parse_listen
+from .worker_limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, TOKENS_PER_SLOT, Limits
+from .worker_sessions import RECENT_S
+
+_DEFAULT_ROUND_BYTES = Limits().max_round_bytes
 
 
 def add_parser(sub) -> None:
@@ -27,8 +31,42 @@ def add_parser(sub) -> None:
                         "remote_dspark/drafter.py) or, the slow path, draft(context, n_out, row) per entry")
     p.add_argument("--identity", metavar="HEX64", help="drafter identity to require (default: derived from the model)")
     p.add_argument("--window", type=int, default=64, help="tokens kept per slot (default 64)")
-    p.add_argument("--max-slots", type=int, default=wire.MAX_ENTRIES, help="slots allowed per session")
-    p.add_argument("--max-connections", type=int, default=64, help="connections served at once")
+    lim = p.add_argument_group(
+        "limits", "This worker's own limits: a HELLO beyond them is refused with the reason, and after HELLO "
+                  "every frame is capped by the smaller of these and what the session's HELLO allows. The "
+                  "defaults serve a real engine with room to spare; the wire itself allows 4096 slots, 1 MiB "
+                  "rows and 64 MiB frames, which no peer gets to announce into this worker's memory.")
+    lim.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS,
+                     help=f"slots one engine may announce (default {DEFAULT_MAX_SLOTS}: an engine batches "
+                          f"256-1024 sequences; the wire allows {wire.MAX_ENTRIES})")
+    lim.add_argument("--max-row-bytes", type=int, default=DEFAULT_MAX_ROW_BYTES,
+                     help=f"bytes of engine row per slot (default {DEFAULT_MAX_ROW_BYTES}: a 4096-wide bf16 "
+                          "hidden state)")
+    lim.add_argument("--max-round-tokens", type=int, default=None,
+                     help=f"tokens in one ROUND (default {TOKENS_PER_SLOT} per slot of --max-slots, "
+                          f"{TOKENS_PER_SLOT * DEFAULT_MAX_SLOTS} at the default: an engine sends at most 64 "
+                          "context tokens of a new slot, or num_spec + 1 accepted ones)")
+    lim.add_argument("--max-round-bytes", type=int, default=None,
+                     help="bytes of one ROUND payload (default: the largest round of the three limits above, "
+                          f"{_DEFAULT_ROUND_BYTES} bytes (8.5 MiB) at their defaults); also each served "
+                          "connection's receive buffer at most")
+    adm = p.add_argument_group(
+        "admission", "Until it says HELLO a connection holds no thread, only a place in a pool of its own; "
+                     "the oldest makes room for a newcomer, so silent sockets never keep a HELLO out. "
+                     "Served connections are never closed for idling; TCP keepalive finds dead peers.")
+    adm.add_argument("--hello-timeout-ms", type=int, default=2000,
+                     help="a connection that has not said HELLO by then is dropped (default 2000)")
+    adm.add_argument("--max-pending", type=int, default=128,
+                     help="connections waiting for their HELLO (default 128); when full, the oldest is dropped")
+    adm.add_argument("--max-connections", type=int, default=32,
+                     help="connections served at once, a thread each (default 32); a HELLO beyond them is "
+                          "refused busy")
+    adm.add_argument("--max-engines", type=int, default=32,
+                     help="engines with windows (default 32); a newcomer evicts the least recently served "
+                          f"one, unless that one was served within the last {RECENT_S:g} s: then it is "
+                          "refused busy")
+    adm.add_argument("--frame-timeout-ms", type=int, default=10000,
+                     help="a frame, once its header is in, must be whole by then (default 10000)")
     p.add_argument("--chaos", action="store_true",
                    help="fault injection for chaos runs: SIGUSR1 toggles answering every round "
                         "--late-ms late, SIGUSR2 garbles the next reply")
@@ -39,13 +77,17 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     host, port = parse_listen(args.listen)
-    for name in ("window", "max_slots", "max_connections"):
+    for name in ("window", "max_slots", "max_connections", "max_engines", "max_pending", "hello_timeout_ms",
+                 "frame_timeout_ms"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     identity = wire.parse_hex32(args.identity, "--identity") if args.identity else None
     drafter = load_drafter(args.drafter, args.markov, identity)
     worker = Worker(drafter, host, port, window=args.window, max_slots=args.max_slots,
-                    max_connections=args.max_connections)
+                    max_row_bytes=args.max_row_bytes, max_round_tokens=args.max_round_tokens,
+                    max_round_bytes=args.max_round_bytes, max_connections=args.max_connections,
+                    max_engines=args.max_engines, max_pending=args.max_pending,
+                    hello_timeout_s=args.hello_timeout_ms / 1000, frame_timeout_s=args.frame_timeout_ms / 1000)
     if args.chaos:  # before the first line: a chaos driver signals as soon as it reads it
         def toggle_late(*_):
             worker.reply_delay_s = 0.0 if worker.reply_delay_s else args.late_ms / 1000.0
@@ -65,5 +107,6 @@ def run(args: argparse.Namespace) -> int:
     worker.stop()
     s = worker.stats
     print(f"worker stopped: {s.connections} connections, {s.rounds} rounds, {s.draft_tokens} draft tokens, "
-          f"{s.refused} refused, {s.bad_frames} bad frames", file=sys.stderr)
+          f"{s.refused} refused, {s.busy} busy, {s.evicted} evicted, {s.bad_frames} bad frames, "
+          f"{s.stalled} stalled, {s.hello_timeouts} without HELLO, {s.displaced} displaced", file=sys.stderr)
     return 0

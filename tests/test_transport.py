@@ -89,6 +89,45 @@ def test_deadline_mid_frame_resumes_the_same_frame(listener):
         chan.close()
 
 
+def test_the_receive_buffer_grows_as_bytes_arrive_and_the_channel_cap_holds(listener):
+    """A header announcing a large payload allocates nothing until the bytes come; a
+    large frame that comes in pieces is whole and right; over ``max_payload`` is refused
+    on the header; ``frame_timeout_s`` bounds a frame once begun."""
+    chan = transport.connect(parse_endpoint(f"tcp://127.0.0.1:{listener.getsockname()[1]}"), 1.0)
+    peer, _ = listener.accept()
+    try:
+        assert chan.stream.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        payload = bytes(range(256)) * 4096                      # 1 MiB
+        peer.sendall(wire.encode_header(wire.ROUND, len(payload), 1, 1) + payload[:10])
+        with pytest.raises(DeadlineExceeded):
+            chan.recv_frame(time.monotonic() + 0.05)
+        assert len(chan._buf) < 64 << 10                        # nothing allocated for the rest
+        sender = threading.Thread(target=lambda: [peer.sendall(payload[i:i + 65536]) or time.sleep(0.001)
+                                                  for i in range(10, len(payload), 65536)])
+        sender.start()
+        hdr, got = chan.recv_frame(time.monotonic() + 5)
+        sender.join(5)
+        assert hdr.payload_len == len(payload) and bytes(got) == payload
+        chan.max_payload = 1000
+        peer.sendall(wire.encode_header(wire.ROUND, 1001, 1, 2))
+        with pytest.raises(wire.ProtocolError, match="ROUND payload of 1001 bytes exceeds this connection's cap 1000"):
+            chan.recv_frame(time.monotonic() + 1)
+    finally:
+        peer.close()
+        chan.close()
+    chan = transport.connect(parse_endpoint(f"tcp://127.0.0.1:{listener.getsockname()[1]}"), 1.0)
+    peer, _ = listener.accept()
+    try:
+        peer.sendall(wire.encode_header(wire.ROUND, 100, 1, 1) + bytes(10))
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            chan.recv_frame(float("inf"), frame_timeout_s=0.1)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        peer.close()
+        chan.close()
+
+
 def test_tcp_bind_address_is_used(listener):
     chan = transport.connect(parse_endpoint(f"tcp://127.0.0.1:{listener.getsockname()[1]}?bind=127.0.0.2"), 1.0)
     peer, addr = listener.accept()

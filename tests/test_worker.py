@@ -250,12 +250,11 @@ def test_stop_says_bye_to_open_connections():
 def test_connection_cap():
     with Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, max_connections=1) as w:
         c = connect(w)
-        s = raw_connection(w)
         try:
-            assert closed_by_peer(s)           # over the cap: closed at once
+            with pytest.raises(Refused, match="^busy: "):   # over the cap: a HELLO is refused busy
+                connect(w, session=2, engine_id=7)
             assert do_round(c, 1, [wire.Entry(0, 1, 0, (1,), True)]).row(0) == [2]
         finally:
-            s.close()
             c.close()
 
 

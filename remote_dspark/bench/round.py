@@ -275,8 +275,8 @@ def run_all(opts: Options) -> list[Row]:
         worker = None
         stats_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="remote-dspark-bench-round."))
         if any(m in ENGINE_MODES or m == "launch" for m in opts.modes):
-            from ..harness import WorkerProcess
-            worker = stack.enter_context(WorkerProcess())
+            from ..harness import WorkerProcess, worker_limits
+            worker = stack.enter_context(WorkerProcess(extra=worker_limits(max(opts.slots), opts.row_bytes)))
         for i, (slots, mode) in enumerate(plan):
             bar.update(i, f"{mode} {slots} slots")
             if mode == "floor":

@@ -9,6 +9,7 @@ contract's caps and a per-round deadline. Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Mapping, Protocol, Sequence
@@ -38,19 +39,27 @@ class ByteStream(Protocol):
 class FrameChannel:
     """Whole frames over a :class:`ByteStream`, with caps checked before allocation.
 
-    Frames are read into one receive buffer that grows to the largest frame seen (never
-    beyond ``wire.MAX_PAYLOAD``); the returned payload view is valid until the next
-    ``recv_frame``. A deadline that passes mid-frame keeps what was read: the next
-    ``recv_frame`` resumes the same frame, so a reply that comes late stays in step
-    (and is then dropped as late by its round id) instead of breaking the stream.
+    A header is checked against its type's cap and this channel's ``max_payload`` (a
+    receiver's own, smaller cap: the worker sets its session's) before a byte of payload
+    is read. Payloads are read into one receive buffer kept for the channel's life,
+    which grows as the payload's bytes arrive (never ahead of them: a peer that
+    announces a large frame and stalls costs nothing) up to the largest frame seen; the
+    returned payload view is valid until the next ``recv_frame``. A deadline that passes
+    mid-frame keeps what was read: the next ``recv_frame`` resumes the same frame, so a
+    reply that comes late stays in step (and is then dropped as late by its round id)
+    instead of breaking the stream.
     """
 
-    def __init__(self, stream: ByteStream):
+    GROW_MIN = 64 << 10        # the receive buffer's first growth past its 4 KiB
+
+    def __init__(self, stream: ByteStream, max_payload: int = wire.MAX_PAYLOAD):
         self.stream = stream
+        self.max_payload = max_payload
         self._hdr = bytearray(wire.HEADER.size)
         self._buf = bytearray(4096)
-        self._got = 0                          # bytes of the current frame read so far
+        self._got = 0                          # bytes of the current header, then payload, read so far
         self._header: wire.Header | None = None  # the current frame's header, once whole
+        self._frame_deadline = math.inf        # the current frame's own deadline (frame_timeout_s)
 
     def send(self, *buffers, deadline: float | None = None) -> None:
         """Send one frame given as buffers, whole, by ``deadline``.
@@ -64,25 +73,41 @@ class FrameChannel:
         except OSError as e:
             raise Disconnected(f"send failed: {e}") from e
 
-    def recv_frame(self, deadline: float) -> tuple[wire.Header, memoryview]:
-        """Read one frame by ``deadline`` (a ``time.monotonic()`` instant).
+    def recv_frame(self, deadline: float, frame_timeout_s: float | None = None) -> tuple[wire.Header, memoryview]:
+        """Read one frame by ``deadline`` (a ``time.monotonic()`` instant; ``math.inf``:
+        no limit). With ``frame_timeout_s`` a frame, once its header is in, must be whole
+        within that many seconds whatever ``deadline`` says.
 
         Raises:
             DeadlineExceeded, Disconnected, wire.ProtocolError.
         """
         if self._header is None:
             self._fill(memoryview(self._hdr), deadline)
+            self._got = 0
             header = wire.decode_header(self._hdr)
-            if header.payload_len > len(self._buf):
-                self._buf = bytearray(header.payload_len)
-            self._header, self._got = header, 0
+            if header.payload_len > self.max_payload:
+                raise wire.ProtocolError(f"{header.name} payload of {header.payload_len} bytes exceeds this "
+                                         f"connection's cap {self.max_payload}")
+            self._header = header
+            self._frame_deadline = math.inf if frame_timeout_s is None else time.monotonic() + frame_timeout_s
         header = self._header
-        view = memoryview(self._buf)[:header.payload_len]
-        self._fill(view, deadline)
+        size = header.payload_len
+        deadline = min(deadline, self._frame_deadline)
+        while self._got < size:
+            if self._got == len(self._buf):
+                self._grow(min(size, max(2 * len(self._buf), self.GROW_MIN)))
+            self._fill(memoryview(self._buf)[:min(size, len(self._buf))], deadline)
         self._header, self._got = None, 0
-        return header, view
+        return header, memoryview(self._buf)[:size]
+
+    def _grow(self, size: int) -> None:
+        """A larger receive buffer holding what the current payload has so far."""
+        buf = bytearray(size)
+        buf[:self._got] = memoryview(self._buf)[:self._got]
+        self._buf = buf
 
     def _fill(self, view: memoryview, deadline: float) -> None:
+        """Read into ``view`` from ``self._got`` until it is full."""
         want = len(view)
         while self._got < want:
             left = deadline - time.monotonic()
@@ -97,7 +122,6 @@ class FrameChannel:
             if n == 0:
                 raise Disconnected("peer closed the connection")
             self._got += n
-        self._got = 0
 
     def close(self) -> None:
         self.stream.close()

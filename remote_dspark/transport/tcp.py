@@ -1,5 +1,12 @@
-"""The contract's TCP stub transport: one stream socket, TCP_NODELAY, a connect
-timeout, an optional bind address, per-call receive deadlines."""
+"""The contract's TCP stub transport: one stream socket, TCP_NODELAY, TCP keepalive, a
+connect timeout, an optional bind address, per-call receive deadlines.
+
+Keepalive on both ends (the engine's connecting socket here, the worker's accepted ones
+in :mod:`remote_dspark.worker_admission`): a connection may idle for minutes between
+rounds and is never closed for that, so a peer that died without a FIN (power, a cable,
+a frozen VM) is found by the kernel's probes: after ``KEEPALIVE_IDLE_S`` of silence,
+``KEEPALIVE_COUNT`` probes ``KEEPALIVE_INTERVAL_S`` apart, so about a minute.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,19 @@ import time
 from typing import Sequence
 
 from .errors import TransportError
+
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
+
+
+def enable_keepalive(sock: socket.socket) -> None:
+    """SO_KEEPALIVE with this module's timing, where the platform has the knobs (probed,
+    not version-checked: Linux names the idle time TCP_KEEPIDLE, macOS TCP_KEEPALIVE)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
+    for opt, value in ((idle, KEEPALIVE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+                       (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_COUNT)):
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 class TcpStream:
@@ -29,6 +49,7 @@ class TcpStream:
                                             source_address=(bind, 0) if bind else None)
         except OSError as e:
             raise TransportError(f"connect to {host}:{port} failed: {e}") from e
+        enable_keepalive(sock)
         return cls(sock, send_timeout_s=timeout_s)
 
     def sendmsg(self, buffers: Sequence, deadline: float | None = None) -> None:
