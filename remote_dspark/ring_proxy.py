@@ -89,7 +89,7 @@ class ProxyEnd(RingEnd):
     """
 
     def __init__(self, region: shm.Region, lib: native.Native, *, spin_us: int = 1000,
-                 nap_us: int = 0, pid: int | None = None):
+                 nap_us: int = 0, pid: int | None = None, vocab_size: int = 0):
         super().__init__(region, lib)
         lay = self.layout
         self.counters = region.proxy_counters(lib)
@@ -112,7 +112,8 @@ class ProxyEnd(RingEnd):
             c_draft_tokens=offs["draft_tokens"] // 8, h_round=offs["round_latency"] // 8,
             h_handoff=offs["handoff_latency"] // 8, d_counts=shm.D_COUNTS,
             d_entry_status=lay.d_entry_status, d_tokens=lay.d_tokens, d_margins=lay.d_margins,
-            num_spec=lay.num_spec, max_slots=lay.max_slots, c_bad_desc=offs["rounds_bad_desc"] // 8)
+            num_spec=lay.num_spec, max_slots=lay.max_slots, c_bad_desc=offs["rounds_bad_desc"] // 8,
+            vocab_size=vocab_size)
         self._state_addr = ctypes.addressof(self._state)
         # This end's own link, for the checks of a round sent by Python (ofl): its receive
         # buffer grows to the largest DRAFTS payload seen.

@@ -21,12 +21,13 @@ LAYOUT = shm_layout.Layout(depth=4, max_slots=4, row_bytes=8, num_spec=4, max_to
 
 
 class Rig:
-    def __init__(self, lib, layout=LAYOUT):
+    def __init__(self, lib, layout=LAYOUT, **session):
+        """``session``: the ProxyEnd's terms of the session (``vocab_size``)."""
         self.lib = lib
         self.region = shm.Region.create(layout)
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
-        self.end = ring_proxy.ProxyEnd(self.region, lib, spin_us=50)
+        self.end = ring_proxy.ProxyEnd(self.region, lib, spin_us=50, **session)
         self.rounds = TcpRounds(self.end, session=SESSION, default_deadline_ms=2000)
         self.proxy_sock, self.worker = socket.socketpair()
         self.worker.settimeout(2.0)
@@ -308,6 +309,25 @@ def test_a_bad_descriptor_is_answered_error_unsent_and_counted_and_the_connectio
     with pytest.raises(ValueError, match=f"round {r3}: " + why.replace("(", r"\(").replace(")", r"\)")):
         rnd.wire_parts(SESSION)
     assert rig.end.complete(rnd, None, Outcome.ERROR)
+
+
+@pytest.mark.parametrize("token", [1000, -1])
+def test_a_descriptor_token_outside_the_vocabulary_is_answered_error_unsent_and_counted(lib, token):
+    """Metadata written on the device is never read by the host (batch.write_meta_in_stream),
+    so its token ids meet the vocabulary here, in the proxy's descriptor check."""
+    rig = Rig(lib, vocab_size=1000)   # the rig's honest drafts are ids 100..
+    try:
+        r = rig.gather(entries=TWO, corrupt=lambda d, n, t: struct.pack_into("<i", d, _SEC.tokens + 8, token))
+        s = rig.serve()
+        assert (s.event, s.sent, s.released) == (RoundEvent.BAD_DESC, False, True)
+        assert s.why == f"tokens: {token} (token 2) outside 0..999, the vocabulary"
+        assert rig.nothing_sent() and rig.eng.drafts(r).outcome == Outcome.ERROR
+        assert rig.end.counters.snapshot().counters["rounds_bad_desc"] == 1
+        r2 = rig.gather(entries=TWO)   # ids 1, 2, 5, 6: inside the vocabulary
+        rig.worker.sendall(rig.reply(r2, slots=(3, 1)))
+        assert rig.serve().event == RoundEvent.OK and rig.sent_round().round_id == r2
+    finally:
+        rig.close()
 
 
 def test_the_round_id_is_checked_first(rig):

@@ -77,6 +77,7 @@ class ProxyHost:
         path = self.path
         path.end.header.set_session(int.from_bytes(os.urandom(8), "little") or 1)
         self._loop = ProxyLoop(path.region, path.lib, self.spec.cfg, engine_id=self.spec.engine_id,
+                               vocab_size=self.spec.vocab_size,
                                environ=self.spec.environ)
         self._thread = threading.Thread(target=self._run_thread, name="remote-dspark-proxy", daemon=True)
         self._thread_started_ns = time.monotonic_ns()
@@ -96,7 +97,8 @@ class ProxyHost:
 
     def _spawn(self, session: int, env):
         self.path.end.header.set_session(session)
-        return spawn_proxy(self.path.region.fd, cfg=self.spec.cfg, engine_id=self.spec.engine_id, env=env)
+        return spawn_proxy(self.path.region.fd, cfg=self.spec.cfg, engine_id=self.spec.engine_id, env=env,
+                           vocab_size=self.spec.vocab_size)
 
     # ------------------------------------------------------------------ which proxy serves
 

@@ -6,7 +6,7 @@
  * exception is hf_round, the proxy's round on a TCP socket, with its descriptor check
  * and DRAFTS reader (hf_check_desc, hf_unpack: the same code, for a proxy whose network
  * round is in Python): they know the wire's frame formats (remote_dspark/wire.py,
- * protocol 2) and where a descriptor keeps the ROUND payload (shm.DESC_FIXED);
+ * protocol 3) and where a descriptor keeps the ROUND payload (shm.DESC_FIXED);
  * tests/test_tcp_round.py checks both against the Python side.
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
@@ -35,7 +35,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#define HF_ABI 6
+#define HF_ABI 7
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -276,6 +276,7 @@ struct hf_proxy {
     uint32_t num_spec, max_slots;
     uint32_t c_bad_desc;          /* rounds_bad_desc */
     uint32_t stamp_gen;           /* the last descriptor check's stamp (0: none yet) */
+    uint32_t vocab_size;          /* the engine's vocabulary (HELLO's): token ids 0..vocab_size-1; 0 unknown */
 };
 
 /* One proxy's connection to the worker, for hf_round: the proxy's whole round in C.
@@ -565,10 +566,10 @@ int hf_watchdog_stop(void *handle)
 enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
        HF_EV_BAD_DESC };
 
-/* The wire contract's fixed parts (remote_dspark/wire.py, protocol 2): the header, the
+/* The wire contract's fixed parts (remote_dspark/wire.py, protocol 3): the header, the
  * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
  * (shm.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must keep. */
-enum { W_HEADER = 24, W_VERSION = 2, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
+enum { W_HEADER = 24, W_VERSION = 3, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
        DESC_FIXED = 8 };
 #define W_MAX_PAYLOAD (64ull << 20)
@@ -807,6 +808,17 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
                         p->num_spec);
         if (flags & ~(uint32_t)W_NEW_GEN)
             return fail(l, HF_EV_BAD_DESC, 0, "entry %u: flags %#x, only NEW_GEN (1) is known", e, flags);
+    }
+    /* Token ids in the engine's vocabulary, when it is known: batch.host_meta's rule, for
+     * metadata written on the device that no host ever read (batch.write_meta_in_stream). */
+    if (p->vocab_size) {
+        const uint8_t *tokens = f + round_meta(v->n);
+        for (uint32_t j = 0; j < v->n_tokens; j++) {
+            int32_t t = (int32_t)get32(tokens + 4u * j);
+            if (t < 0 || (uint32_t)t >= p->vocab_size)
+                return fail(l, HF_EV_BAD_DESC, 0, "tokens: %d (token %u) outside 0..%u, the vocabulary", t, j,
+                            p->vocab_size - 1);
+        }
     }
     return HF_EV_OK;
 }
