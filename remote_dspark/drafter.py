@@ -11,9 +11,11 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
 
 * ``result.tokens`` is ``[n, width]`` int32, row i holds ``counts[i]`` drafts then zeros;
 * ``0 <= counts[i] <= batch.n_out[i]`` (a draft may end early: fewer is always fine);
-* ``result.margins`` is ``[n, width]`` float32 (zeros past counts) when
-  ``batch.want_margin``, else it may be None (a drafter without margins always returns
-  None: the DRAFTS then has no margins section, which the engine reads as "none").
+* ``result.margins`` is ``[n, width]`` float32 in [0, 1] (zeros past counts) when
+  ``batch.want_margin``, else it may be None. A drafter without margins returns None
+  and the worker sends zeros when they were asked for: the engine refuses a DRAFTS whose
+  margins section is not exactly what its HELLO asked (``engine.reply``);
+* draft token ids are in ``0..vocab_size-1`` of the engine (its HELLO says the size).
 
 A drafter may say its vocabulary size (``vocab_size``: its largest token id + 1; an
 optional attribute, None or 0 when unknown, read with :func:`vocab_size_of`): the worker
@@ -230,8 +232,9 @@ def load_drafter(spec: str | None, markov_path: str | None = None,
 def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
     """The drafter's answer, held to the contract: shapes checked; counts clamped to
     0..n_out; tokens and margins zeroed past counts (so a sloppy drafter cannot put
-    junk on the wire). Margins are None unless the batch asked for them; a drafter that
-    has none to give returns None and the reply carries no margins section.
+    junk on the wire). Margins are None unless the batch asked for them, and present
+    when it did (zeros from a drafter that has none to give: the engine refuses a reply
+    whose margins section is not what it asked for).
 
     Raises:
         ValueError: naming the field whose shape is wrong.
@@ -250,6 +253,8 @@ def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
         if margins.shape != (n, width):
             raise ValueError(f"drafter result margins: shape {margins.shape}, expected {(n, width)}")
         margins = np.where(live, margins, 0).astype(np.float32, copy=False)
+    elif batch.want_margin:
+        margins = np.zeros((n, width), np.float32)
     else:
         margins = None
     return DraftResult(tokens, counts, margins)

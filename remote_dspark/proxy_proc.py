@@ -75,8 +75,9 @@ class ProxyLoop:
     def __init__(self, region: shm.Region, lib: native.Native, cfg: RemoteConfig, *, engine_id: int,
                  vocab_size: int = 0, environ: Mapping[str, str] | None = None):
         self.cfg = cfg
+        # The session's terms (HELLO) are what every reply is held to, in C (hf_unpack).
         self.end = ProxyEnd(region, lib, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us,
-                            vocab_size=vocab_size)
+                            vocab_size=vocab_size, want_margin=cfg.want_margin)
         self.session = self.end.header.session
         self.breaker = RegionBreaker(cfg, self.end.header)
         lay = region.layout
@@ -175,7 +176,9 @@ class ProxyLoop:
             return
         deadline_ms = fields[0] or self.cfg.timeout_ms
         attempts, late = self.link.attempts, self.link.late
-        result = self.link.round(rnd.round, parts, deadline_ms)
+        # The reply is held to hf_round's rules inside the round (hf_unpack), so a broken
+        # one is the round's event there: PROTOCOL drops the connection, as on TCP.
+        result = self.link.round(rnd.round, parts, deadline_ms, lambda d: self.end.check_reply(rnd, d))
         if self.link.attempts != attempts:
             self.end.counters.add("attempts")
         if self.link.late != late:   # replies to rounds this proxy had given up on
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote_dspark.proxy_proc",
                                 description="The remote drafter's proxy process, spawned by the engine's "
                                             "supervisor: the region's fd, and a pipe holding the engine's "
-                                            "configuration and id.")
+                                            "configuration, id and vocabulary size.")
     p.add_argument("--fd", type=int, required=True, help="the region's memfd, inherited")
     p.add_argument("--handover", type=int, required=True,
                    help="a pipe's read end, inherited: the engine's configuration, id and vocabulary size (JSON)")

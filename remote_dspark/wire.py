@@ -26,10 +26,12 @@ HELLO payload (``_HELLO``, 88 bytes; protocol 3)::
         84    4 vocab_size     the engine's vocabulary (token ids 0..vocab_size-1), <=
                                MAX_VOCAB; 0: unknown. A worker whose drafter's vocabulary
                                is larger refuses the HELLO (REFUSE_DRAFTER, both sizes in
-                               the reason).
+                               the reason); the engine refuses draft tokens outside it.
 
 HELLO_ACK payload: accept (u8), reason code (u8), reason length (u16), the worker's
-drafter and Markov identities (32 B each), then the reason (UTF-8, <= MAX_REASON).
+drafter and Markov identities (32 B each), then the reason (UTF-8, <= MAX_REASON). The
+header's session is the HELLO's; an accepting worker's identities are the HELLO's (the
+engine side refuses any other answer: ``client.DraftClient.connect``).
 
 BYE has an empty payload.
 """
@@ -50,6 +52,7 @@ from .wire_frame import (  # noqa: F401
     _HELLO,
     ACCEPT,
     BYE,
+    BadReply,
     DRAFTS,
     DRAFTS_FIXED,
     DRAFTS_MARGINS,

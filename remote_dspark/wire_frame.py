@@ -73,6 +73,12 @@ class ProtocolError(Exception):
     """A frame that breaks the contract. The connection it came on must be dropped."""
 
 
+class BadReply(ProtocolError):
+    """A well-formed DRAFTS that does not answer the round asked (other entries, other
+    slots): the round is an ERROR (``RoundEvent.BAD_REPLY``) and the connection is kept.
+    Every other broken rule of a reply is a plain :class:`ProtocolError`, which drops it."""
+
+
 class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version (``version`` is what it sent)."""
 
