@@ -126,16 +126,24 @@ def _np(t, name: str, n: int | None) -> np.ndarray:
     return a
 
 
-def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int) -> HostMeta:
+def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int,
+              vocab_size: int = 0) -> HostMeta:
     """Check ``batch``'s metadata (on the host) and cut its NEW_GEN contexts: a few
     whole-array operations (each costs microseconds, so the common case takes the
     fewest: no NEW_GEN entry means no cut to compute).
 
+    ``vocab_size`` (0: unknown) bounds the token ids. Metadata on the device
+    (:func:`write_meta_in_stream`) is not read here, so it cannot be refused here: the
+    proxy's descriptor check (``check_desc`` in ``native/hostflag.c``) refuses a round
+    with a token id outside the vocabulary instead, answering it ERROR, unsent, counted
+    ``rounds_bad_desc``.
+
     Raises:
         ValueError: naming the field: ``slots`` out of 0..max_slots-1 or repeated,
-            ``positions`` outside the wire's u32, ``tokens`` outside its i32, a negative
-            ``n_out``, ``token_offsets`` that do not run from 0 to len(tokens) without
-            going back, lengths that disagree, too many tokens.
+            ``positions`` outside the wire's u32, ``tokens`` outside its i32 (or outside
+            0..vocab_size-1), a negative ``n_out``, ``token_offsets`` that do not run
+            from 0 to len(tokens) without going back, lengths that disagree, too many
+            tokens.
     """
     slots = _np(batch.slots, "slots", None).astype(np.int64, copy=False)
     n = slots.shape[0]
@@ -155,6 +163,9 @@ def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n
     tokens = _np(batch.tokens, "tokens", None)
     if tokens.dtype.itemsize > 4 and tokens.size and (tokens.min() < I32_MIN or tokens.max() > I32_MAX):
         raise ValueError(f"tokens: values outside the wire's int32 ({tokens.min()}..{tokens.max()})")
+    if vocab_size and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(np.argmax((tokens < 0) | (tokens >= vocab_size)))
+        raise ValueError(f"tokens: {tokens[bad]} (token {bad}) outside 0..{vocab_size - 1}, the vocabulary")
     if offsets[0] != 0 or offsets[-1] != tokens.shape[0]:
         raise ValueError(f"token_offsets: run from {offsets[0]} to {offsets[-1]}, expected 0 to "
                          f"len(tokens)={tokens.shape[0]}")
@@ -228,7 +239,10 @@ def write_meta_in_stream(batch: Batch, d: "torch.Tensor", *, max_slots: int, num
     dropped, or that the offsets cannot place, lands in the spare cell past
     ``max_tokens``; a slot out of range becomes ``max_slots``; offsets that do not run
     from 0 to len(tokens) make ``n_tokens`` ``max_tokens + 1``), so a bad round is
-    refused where it lands (the proxy's descriptor check). Positions and tokens are
+    refused where it lands (the proxy's descriptor check). Token ids are not checked
+    against the vocabulary here either (that needs a host sync): the descriptor check
+    refuses a round with one outside ``0..vocab_size-1`` (answered ERROR, unsent,
+    counted ``rounds_bad_desc``), as :func:`host_meta` would. Positions and tokens are
     written as the wire's 32 bits. The caller writes deadline, n and row_bytes
     (``d[0:3]``) and has checked the shapes (:func:`check_meta_shapes`)."""
     n, t = len(batch), int(batch.tokens.shape[0])

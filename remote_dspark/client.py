@@ -3,12 +3,19 @@
 Used by the proxy process and by synchronous rounds alike; torch-free. A reply to a
 round that is no longer pending (its deadline passed earlier) is counted as late and
 dropped; any other surprise is a protocol error, and the caller drops the connection.
+
+What is checked here, before a reply goes further: the HELLO_ACK answers this HELLO (its
+session) and, accepting, names the identities the HELLO asked for (a worker serving
+another drafter or Markov model is never used); a DRAFTS is of this session and of the
+round waited for. Its content is the caller's ``check`` (``engine.reply.check_reply``
+in sync mode, ``hf_unpack`` on the proxy's ofl round); ``hf_round`` makes the same
+header checks in C (``recv_reply``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from . import wire
 from .transport import Disconnected, Endpoint, FrameChannel, connect
@@ -45,7 +52,8 @@ class DraftClient:
         Raises:
             Refused: the worker said no (identity, version, limits).
             TransportError: no connection or no answer in time.
-            wire.ProtocolError: the answer was not a HELLO_ACK.
+            wire.ProtocolError: the answer was not a HELLO_ACK of this session, or it
+                accepted with other identities than the HELLO's.
         """
         deadline = time.monotonic() + timeout_s
         chan = connect(endpoint, timeout_s, environ)
@@ -57,6 +65,13 @@ class DraftClient:
             ack = wire.decode_hello_ack(payload)
             if not ack.accepted:
                 raise Refused(ack.code, ack.reason)
+            if hdr.session != session:
+                raise wire.ProtocolError(f"HELLO_ACK of session {hdr.session:#x} in answer to session {session:#x}")
+            for what, asked, got in (("drafter", hello.drafter_identity, ack.drafter_identity),
+                                     ("Markov", hello.markov_identity, ack.markov_identity)):
+                if got != asked:
+                    raise wire.ProtocolError(f"HELLO_ACK accepts with {what} identity {bytes(got).hex()}, "
+                                             f"the engine asked for {bytes(asked).hex()}")
         except BaseException:
             chan.close()
             raise
@@ -69,25 +84,38 @@ class DraftClient:
 
     def recv_drafts(self, round_id: int, deadline: float) -> wire.Drafts:
         """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
-        rounds. Raises: DeadlineExceeded, Disconnected, wire.ProtocolError."""
+        rounds. Raises: DeadlineExceeded, Disconnected, wire.ProtocolError.
+
+        The header rules mirror ``recv_reply`` in ``native/hostflag.c`` (same order,
+        same words for the session)."""
         while True:
             hdr, payload = self.chan.recv_frame(deadline)
             if hdr.type == wire.BYE:
                 raise Disconnected("the worker said BYE")
             if hdr.type != wire.DRAFTS:
                 raise wire.ProtocolError(f"{hdr.name} where DRAFTS was expected")
+            if hdr.session != self.session:
+                raise wire.ProtocolError(f"DRAFTS of session {hdr.session:#x} on session "
+                                         f"{self.session:#x}'s connection")
             if hdr.round == round_id:
                 return wire.decode_drafts(hdr, payload)
             if not cyclic_before(hdr.round, round_id):
                 raise wire.ProtocolError(f"DRAFTS for round {hdr.round}, which was never sent")
             self.late += 1
 
-    def round(self, round_id: int, parts: Sequence, deadline_ms: int) -> wire.Drafts:
+    def round(self, round_id: int, parts: Sequence, deadline_ms: int,
+              check: Callable[[wire.Drafts], None] | None = None) -> wire.Drafts:
         """One synchronous round within ``deadline_ms``: send the ROUND frame ``parts``,
-        return its DRAFTS."""
+        return its DRAFTS once ``check`` (what the round asked) accepts them.
+
+        Raises: DeadlineExceeded, Disconnected, wire.ProtocolError (wire.BadReply from
+        ``check``: the drafts do not answer the round)."""
         deadline = time.monotonic() + deadline_ms / 1000.0
         self.send(parts, deadline)   # a send that misses it breaks the connection
-        return self.recv_drafts(round_id, deadline)
+        drafts = self.recv_drafts(round_id, deadline)
+        if check is not None:
+            check(drafts)
+        return drafts
 
     def close(self) -> None:
         try:

@@ -11,9 +11,17 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
 
 * ``result.tokens`` is ``[n, width]`` int32, row i holds ``counts[i]`` drafts then zeros;
 * ``0 <= counts[i] <= batch.n_out[i]`` (a draft may end early: fewer is always fine);
-* ``result.margins`` is ``[n, width]`` float32 (zeros past counts) when
-  ``batch.want_margin``, else it may be None (a drafter without margins always returns
-  None: the DRAFTS then has no margins section, which the engine reads as "none").
+* ``result.margins`` is ``[n, width]`` float32 in [0, 1] (zeros past counts) when
+  ``batch.want_margin``, else it may be None. A drafter without margins returns None
+  and the worker sends zeros when they were asked for: the engine refuses a DRAFTS whose
+  margins section is not exactly what its HELLO asked (``engine.reply``);
+* draft token ids are in ``0..vocab_size-1`` of the engine (its HELLO says the size).
+
+A drafter may say its vocabulary size (``vocab_size``: its largest token id + 1; an
+optional attribute, None or 0 when unknown, read with :func:`vocab_size_of`): the worker
+refuses the HELLO of an engine whose vocabulary is smaller, since its drafts could name
+tokens the engine does not have (a drafter may have the smaller vocabulary of the same
+tokenizer).
 
 The old per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens,
 margins)``) is still served through :class:`PerEntryDrafter`, the slow path: one Python
@@ -65,7 +73,8 @@ class DraftResult:
 
 class BatchedDrafter(Protocol):
     """What the worker needs of a drafter: the two 32-byte identities the engine must
-    match, and one call per round."""
+    match, and one call per round. Optionally ``vocab_size`` (see the module docstring;
+    :func:`vocab_size_of` reads it)."""
 
     drafter_identity: bytes
     markov_identity: bytes
@@ -81,6 +90,20 @@ class PerEntryDrafterLike(Protocol):
 
     def draft(self, context: Sequence[int], n_out: int, row: memoryview) -> tuple[list[int], list[float]]:
         """Up to ``n_out`` tokens following ``context`` and their top1-top2 margins."""
+
+
+def vocab_size_of(drafter) -> int:
+    """``drafter``'s vocabulary size (its optional ``vocab_size``), 0 when it does not say.
+
+    Raises:
+        ValueError: a ``vocab_size`` that is not a non-negative int.
+    """
+    size = getattr(drafter, "vocab_size", None)
+    if size is None:
+        return 0
+    if not isinstance(size, int) or size < 0:
+        raise ValueError(f"drafter vocab_size {size!r}: expected a non-negative int or None")
+    return size
 
 
 def empty_result(n: int, width: int, want_margin: bool) -> DraftResult:
@@ -99,6 +122,7 @@ class PerEntryDrafter:
         self.inner = drafter
         self.drafter_identity = drafter.drafter_identity
         self.markov_identity = drafter.markov_identity
+        self.vocab_size = getattr(drafter, "vocab_size", None)
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
         out = empty_result(len(batch), batch.width, batch.want_margin)
@@ -122,6 +146,7 @@ class MarkovDrafter:
         self.model = model
         self.markov_identity = model.identity
         self.drafter_identity = drafter_identity or default_drafter_identity(model)
+        self.vocab_size = model.vocab_size or None   # its largest token id + 1
 
     def draft(self, context, n_out, row):
         return self.model.draft(context, n_out)
@@ -193,8 +218,9 @@ def load_drafter(spec: str | None, markov_path: str | None = None,
             if not isinstance(value, bytes) or len(value) != 32:
                 raise ValueError(f"--drafter {spec!r}: {name} must be 32 bytes, got {value!r}")
         try:
+            vocab_size_of(drafter)
             return as_batched(drafter)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ValueError(f"--drafter {spec!r}: {e}") from e
     try:
         model = MarkovModel.load(markov_path) if markov_path else builtin_model()
@@ -206,8 +232,9 @@ def load_drafter(spec: str | None, markov_path: str | None = None,
 def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
     """The drafter's answer, held to the contract: shapes checked; counts clamped to
     0..n_out; tokens and margins zeroed past counts (so a sloppy drafter cannot put
-    junk on the wire). Margins are None unless the batch asked for them; a drafter that
-    has none to give returns None and the reply carries no margins section.
+    junk on the wire). Margins are None unless the batch asked for them, and present
+    when it did (zeros from a drafter that has none to give: the engine refuses a reply
+    whose margins section is not what it asked for).
 
     Raises:
         ValueError: naming the field whose shape is wrong.
@@ -226,6 +253,8 @@ def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
         if margins.shape != (n, width):
             raise ValueError(f"drafter result margins: shape {margins.shape}, expected {(n, width)}")
         margins = np.where(live, margins, 0).astype(np.float32, copy=False)
+    elif batch.want_margin:
+        margins = np.zeros((n, width), np.float32)
     else:
         margins = None
     return DraftResult(tokens, counts, margins)

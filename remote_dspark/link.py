@@ -162,10 +162,16 @@ class RemoteLink:
         frame = wire.encode_round_entries(round_id, self.session, deadline_ms, entries, rows, row_bytes)
         return self.round(round_id, (frame,), deadline_ms)
 
-    def round(self, round_id: int, parts: Sequence, deadline_ms: int) -> RoundResult:
+    def round(self, round_id: int, parts: Sequence, deadline_ms: int,
+              check: Callable[[wire.Drafts], None] | None = None) -> RoundResult:
         """Send the ROUND frame ``parts`` (buffers, sent uncopied) and wait for its
         DRAFTS within ``deadline_ms``; never raises for a remote failure. No connection
-        is an ERROR, unsent; the breaker hears every attempt's event."""
+        is an ERROR, unsent; the breaker hears every attempt's event.
+
+        ``check`` holds the drafts to what the round asked before they are returned: its
+        ``wire.BadReply`` is ``BAD_REPLY`` (ERROR, the connection kept), any other
+        ``wire.ProtocolError`` is ``PROTOCOL`` (ERROR, the connection dropped), as
+        ``hf_round`` answers the same replies; either way no drafts are returned."""
         client = self._client
         if client is None:
             return RoundResult(Outcome.ERROR, RoundEvent.AT_ONCE)
@@ -174,10 +180,12 @@ class RemoteLink:
         self.attempts += 1
         drafts, why = None, ""
         try:
-            drafts = client.round(round_id, parts, deadline_ms)
+            drafts = client.round(round_id, parts, deadline_ms, check)
             event = RoundEvent.OK
         except DeadlineExceeded:
             event = RoundEvent.TIMEOUT
+        except wire.BadReply as e:
+            event, why = RoundEvent.BAD_REPLY, str(e)
         except wire.ProtocolError as e:
             event, why = RoundEvent.PROTOCOL, str(e)
         except TransportError as e:
@@ -185,6 +193,8 @@ class RemoteLink:
         self.breaker.observe(event)
         if event in DROPS_CONNECTION:
             self.drop(f"round {round_id} on {self.endpoint} failed: {why}")
+        elif event is RoundEvent.BAD_REPLY:
+            self._note_failure(f"round {round_id} on {self.endpoint}: worker reply refused: {why}")
         return RoundResult(OUTCOME_OF[event], event, drafts)
 
     def interrupt(self) -> None:

@@ -82,6 +82,9 @@ class MarkovModel:
         self._bytes = self._encode()
         self.identity = hashlib.sha256(self._bytes).digest()
         self._arrays: _Arrays | None = None    # draft_batch's tables, built on first use
+        # The largest token id the model knows (contexts and next tokens) + 1: its
+        # vocabulary as far as it can tell (0 for an empty model: unknown).
+        self.vocab_size = max((max(ctx + nxt.tokens) for ctx, nxt in table.items()), default=-1) + 1
 
     # ------------------------------------------------------------------ building
 

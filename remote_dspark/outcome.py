@@ -42,7 +42,7 @@ class RoundEvent(enum.IntEnum):
     TIMEOUT = 2     # sent, no reply by the deadline: the connection is kept
     LOST = 3        # the connection broke (send, receive, closed, BYE)
     PROTOCOL = 4    # the reply broke the wire contract: the connection is dropped
-    BAD_REPLY = 5   # well-formed drafts that do not fit the round: the connection is kept
+    BAD_REPLY = 5   # well-formed drafts for other entries or slots than the round's: the connection is kept
     BAD_DESC = 6    # the engine's descriptor breaks a rule: nothing sent (rounds_bad_desc)
 
 

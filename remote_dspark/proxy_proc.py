@@ -1,10 +1,11 @@
 """The proxy: take rounds from the region, send them to the remote drafter, answer them.
 
 ``remote_dspark.proxy_proc --fd N --handover M --parent PID`` is the proxy process the
-supervisor spawns (``proxy_spawn.spawn_proxy``: the engine's configuration and id come
-through the hand-over pipe, never from the environment) (torch-, numpy- and prometheus_client-free: a test reads
-the child's loaded modules). :class:`ProxyLoop` is the loop itself; thread mode runs the
-same loop as a thread of the engine, for comparison.
+supervisor spawns (``proxy_spawn.spawn_proxy``: the engine's configuration, id and
+vocabulary size come through the hand-over pipe, never from the environment) (torch-,
+numpy- and prometheus_client-free: a test reads the child's loaded modules).
+:class:`ProxyLoop` is the loop itself; thread mode runs the same loop as a thread of the
+engine, for comparison.
 
 Per round, on a TCP connection (and whenever there is none): one native call,
 ``hf_round`` (:mod:`.tcp_round`), takes the round, sends it straight from the region,
@@ -32,7 +33,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 from . import native, shm, wire
 from .breaker import Breaker, BreakerRecord
@@ -72,14 +73,16 @@ class ProxyLoop:
     it is checked at least every ``IDLE_TICK_S``."""
 
     def __init__(self, region: shm.Region, lib: native.Native, cfg: RemoteConfig, *, engine_id: int,
-                 environ: Mapping[str, str] | None = None):
+                 vocab_size: int = 0, environ: Mapping[str, str] | None = None):
         self.cfg = cfg
-        self.end = ProxyEnd(region, lib, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us)
+        # The session's terms (HELLO) are what every reply is held to, in C (hf_unpack).
+        self.end = ProxyEnd(region, lib, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us,
+                            vocab_size=vocab_size, want_margin=cfg.want_margin)
         self.session = self.end.header.session
         self.breaker = RegionBreaker(cfg, self.end.header)
         lay = region.layout
         hello = wire.Hello(cfg.drafter_identity, cfg.markov_identity, engine_id, lay.max_slots,
-                           lay.row_bytes, lay.num_spec, want_margin=cfg.want_margin)
+                           lay.row_bytes, lay.num_spec, want_margin=cfg.want_margin, vocab_size=vocab_size)
         self.link = RemoteLink(cfg.endpoint, hello, self.session, connect_timeout_ms=cfg.connect_timeout_ms,
                                backoff_ms=cfg.backoff_ms, backoff_max_ms=cfg.backoff_max_ms,
                                breaker=self.breaker.breaker, environ=environ, on_connect=self._connected)
@@ -173,7 +176,9 @@ class ProxyLoop:
             return
         deadline_ms = fields[0] or self.cfg.timeout_ms
         attempts, late = self.link.attempts, self.link.late
-        result = self.link.round(rnd.round, parts, deadline_ms)
+        # The reply is held to hf_round's rules inside the round (hf_unpack), so a broken
+        # one is the round's event there: PROTOCOL drops the connection, as on TCP.
+        result = self.link.round(rnd.round, parts, deadline_ms, lambda d: self.end.check_reply(rnd, d))
         if self.link.attempts != attempts:
             self.end.counters.add("attempts")
         if self.link.late != late:   # replies to rounds this proxy had given up on
@@ -196,13 +201,21 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(0)
 
 
-HANDOVER_CAP = 1 << 20   # the engine's hand-over document: its configuration and id (bytes)
+HANDOVER_CAP = 1 << 20   # the engine's hand-over document: its configuration, id, vocabulary (bytes)
 
 
-def read_handover(fd: int) -> tuple[RemoteConfig, int]:
-    """The engine's validated configuration and its engine id, from the pipe it wrote them
-    into before the spawn (and closed): never re-parsed from the environment, so the
-    proxy cannot disagree with its engine.
+class Handover(NamedTuple):
+    """What the engine hands its proxy (``proxy_spawn.handover_pipe`` writes it)."""
+
+    cfg: RemoteConfig
+    engine_id: int
+    vocab_size: int          # the engine's vocabulary, for HELLO and the reply checks; 0: unknown
+
+
+def read_handover(fd: int) -> Handover:
+    """The engine's validated configuration, its engine id and its vocabulary size, from
+    the pipe it wrote them into before the spawn (and closed): never re-parsed from the
+    environment, so the proxy cannot disagree with its engine.
 
     Raises:
         ValueError: not the engine's document (too long, not JSON, fields missing).
@@ -216,7 +229,10 @@ def read_handover(fd: int) -> tuple[RemoteConfig, int]:
             chunks.append(chunk)
     try:
         doc = json.loads(b"".join(chunks))
-        return RemoteConfig.from_json(json.dumps(doc["config"])), int(doc["engine_id"])
+        vocab_size = int(doc["vocab_size"])
+        if not 0 <= vocab_size <= wire.MAX_VOCAB:
+            raise ValueError(f"vocab_size {vocab_size} not in 0..{wire.MAX_VOCAB}")
+        return Handover(RemoteConfig.from_json(json.dumps(doc["config"])), int(doc["engine_id"]), vocab_size)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"hand-over fd {fd}: not the engine's document ({e})") from e
 
@@ -225,10 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote_dspark.proxy_proc",
                                 description="The remote drafter's proxy process, spawned by the engine's "
                                             "supervisor: the region's fd, and a pipe holding the engine's "
-                                            "configuration and id.")
+                                            "configuration, id and vocabulary size.")
     p.add_argument("--fd", type=int, required=True, help="the region's memfd, inherited")
     p.add_argument("--handover", type=int, required=True,
-                   help="a pipe's read end, inherited: the engine's configuration and id (JSON)")
+                   help="a pipe's read end, inherited: the engine's configuration, id and vocabulary size (JSON)")
     p.add_argument("--parent", type=int, required=True, help="the engine's pid")
     p.add_argument("--standby", action="store_true",
                    help="start as the warm standby: ready, asleep, until the supervisor promotes it")
@@ -242,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__(0, True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
     try:
-        cfg, engine_id = read_handover(args.handover)
+        handover = read_handover(args.handover)
         lib = native.load()
         region = shm.Region.attach(args.fd)
     except (ValueError, OSError, native.NativeError) as e:
@@ -252,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return stopping[0] or os.getppid() != args.parent
     if args.standby and not wait_for_promotion(region, lib, should_stop):
         return 0
-    loop = ProxyLoop(region, lib, cfg, engine_id=engine_id)
+    loop = ProxyLoop(region, lib, handover.cfg, engine_id=handover.engine_id, vocab_size=handover.vocab_size)
     loop.run(should_stop)
     return 0
 

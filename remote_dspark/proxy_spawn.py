@@ -53,16 +53,18 @@ sys.exit(main())
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-def handover_pipe(cfg, engine_id: int) -> int:
-    """A pipe holding the engine's validated configuration (``RemoteConfig``) and id, its
-    write end closed: the read end, for the proxy to inherit (``--handover``). The
-    document is written whole before the proxy starts (it fits the pipe's buffer), so
-    neither side ever waits on the other.
+def handover_pipe(cfg, engine_id: int, vocab_size: int = 0) -> int:
+    """A pipe holding the engine's validated configuration (``RemoteConfig``), its id and
+    its vocabulary size (0: unknown), its write end closed: the read end, for the proxy to
+    inherit (``--handover``; ``proxy_proc.read_handover``). The document is written whole
+    before the proxy starts (it fits the pipe's buffer), so neither side ever waits on the
+    other.
 
     Raises:
         OSError: no pipe, or a document too large for one.
     """
-    doc = json.dumps({"engine_id": engine_id, "config": json.loads(cfg.to_json())}).encode()
+    doc = json.dumps({"engine_id": engine_id, "vocab_size": vocab_size,
+                      "config": json.loads(cfg.to_json())}).encode()
     if len(doc) >= 65536:
         raise OSError(f"the proxy's hand-over document is {len(doc)} bytes, over a pipe's buffer")
     r, w = os.pipe()
@@ -76,7 +78,7 @@ def handover_pipe(cfg, engine_id: int) -> int:
     return r
 
 
-def spawn_proxy(fd: int, *, cfg, engine_id: int, env: Mapping[str, str],
+def spawn_proxy(fd: int, *, cfg, engine_id: int, env: Mapping[str, str], vocab_size: int = 0,
                 standby: bool = False) -> subprocess.Popen:
     """Start the proxy (``remote_dspark.proxy_proc``) in an isolated interpreter, working
     directory ``/``, with the region's fd and the hand-over pipe (``handover_pipe``):
@@ -87,7 +89,7 @@ def spawn_proxy(fd: int, *, cfg, engine_id: int, env: Mapping[str, str],
     Raises:
         OSError: the pipe or the process could not be made.
     """
-    r = handover_pipe(cfg, engine_id)
+    r = handover_pipe(cfg, engine_id, vocab_size)
     try:
         return subprocess.Popen(
             [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, PACKAGE_ROOT, "--fd", str(fd), "--handover", str(r),

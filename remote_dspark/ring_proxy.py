@@ -9,7 +9,7 @@ import os
 
 from . import native, shm, wire
 from .native import Status, check
-from .outcome import Outcome
+from .outcome import Outcome, RoundEvent
 from .ring import PUBLISH_TIMEOUT_NS, RingEnd, seq_add, seq_geq
 
 _PROXY_COUNTER = {Outcome.OK: "rounds_ok", Outcome.TIMEOUT: "rounds_timeout",
@@ -89,7 +89,7 @@ class ProxyEnd(RingEnd):
     """
 
     def __init__(self, region: shm.Region, lib: native.Native, *, spin_us: int = 1000,
-                 nap_us: int = 0, pid: int | None = None):
+                 nap_us: int = 0, pid: int | None = None, vocab_size: int = 0, want_margin: bool = False):
         super().__init__(region, lib)
         lay = self.layout
         self.counters = region.proxy_counters(lib)
@@ -113,6 +113,7 @@ class ProxyEnd(RingEnd):
             h_handoff=offs["handoff_latency"] // 8, d_counts=shm.D_COUNTS,
             d_entry_status=lay.d_entry_status, d_tokens=lay.d_tokens, d_margins=lay.d_margins,
             num_spec=lay.num_spec, max_slots=lay.max_slots, c_bad_desc=offs["rounds_bad_desc"] // 8,
+            vocab_size=vocab_size, want_margin=int(want_margin),
             # With nap_us 0 an idle proxy sleeps on the engine's ``published`` word.
             wake=region.addr(lay.wake))
         self._state_addr = ctypes.addressof(self._state)
@@ -122,6 +123,7 @@ class ProxyEnd(RingEnd):
         self._rx_view = memoryview(self._rx).cast("B")
         self._link = self.new_link(0, 0)
         self._link_addr = ctypes.addressof(self._link)
+        self._checked: wire.Drafts | None = None   # the drafts check_reply left in the image
         self.header.set_proxy_pid(os.getpid() if pid is None else pid)
 
     @property
@@ -205,6 +207,29 @@ class ProxyEnd(RingEnd):
                                "not release it; the engine must release_orphans")
         return False   # LATE, counted
 
+    def check_reply(self, rnd: ProxyRound, d: wire.Drafts) -> None:
+        """Hold ``d`` to ``hf_round``'s rules for ``rnd`` (``hf_unpack``) before the round
+        is answered, for a caller that received the reply itself (the ofl round: a
+        ``check`` of ``RemoteLink.round``). A round claimed by someone else meanwhile is
+        not checked (``complete`` drops its answer as late).
+
+        Raises:
+            wire.BadReply: well-formed drafts of other entries or slots (the connection
+                is kept).
+            wire.ProtocolError: any other broken rule (the connection is dropped).
+        """
+        self._checked = None
+        if not rnd.pending():
+            return
+        try:
+            self._pack_checked(rnd, d)
+        except _Refused as e:
+            if rnd.pending():   # nobody claimed it, so its descriptor is intact: a bad reply
+                error = wire.BadReply if e.event == RoundEvent.BAD_REPLY else wire.ProtocolError
+                raise error(str(e)) from None
+            return
+        self._checked = d   # the image holds d now: complete() need not unpack it again
+
     def _pack(self, rnd: ProxyRound, d: wire.Drafts) -> bool:
         """Write ``d`` into the private drafts image, validated against the round; False
         when the round was claimed by someone else meanwhile (its descriptor may be reused
@@ -215,6 +240,9 @@ class ProxyEnd(RingEnd):
         """
         if not rnd.pending():
             return False
+        if self._checked is d and d.round_id == rnd.round:
+            self._checked = None
+            return True
         try:
             self._pack_checked(rnd, d)
         except ValueError:
@@ -224,21 +252,39 @@ class ProxyEnd(RingEnd):
         return True
 
     def _pack_checked(self, rnd: ProxyRound, d: wire.Drafts) -> None:
-        """The DRAFTS payload of ``d`` into this end's receive buffer (one copy), then
-        ``hf_unpack``: the checks and the unpacking of ``hf_round``, into the image.
+        """The DRAFTS payload of ``d`` re-encoded (one copy), then ``unpack``.
 
         Raises:
-            ValueError: ``d`` is not ``rnd``'s, breaks the wire's rules or does not fit
-                the round (the C reader's verdict).
+            _Refused: ``d`` is not ``rnd``'s, breaks the wire's rules or does not fit
+                the round (the C reader's verdict, its event attached).
         """
         if d.round_id != rnd.round:
-            raise ValueError(f"drafts for round {d.round_id}, expected {rnd.round}")
-        payload = memoryview(wire.encode_drafts(d, 0))[wire.HEADER.size:]
-        if len(payload) > len(self._rx):
+            raise _Refused(RoundEvent.PROTOCOL, f"drafts for round {d.round_id}, expected {rnd.round}")
+        event, why = self.unpack(rnd.round, memoryview(wire.encode_drafts(d, 0))[wire.HEADER.size:])
+        if event != RoundEvent.OK:
+            raise _Refused(event, f"round {rnd.round}: {why}")
+
+    def unpack(self, round_id: int, payload) -> tuple[RoundEvent, str]:
+        """``hf_unpack``, the C reader of ``hf_round``, on a DRAFTS ``payload`` (bytes-like,
+        no header) for ``round_id``: its descriptor checked again, the payload checked by
+        the wire's rules and against the round and the session's terms, and, when OK,
+        unpacked into the private drafts image. Returns the event (OK, PROTOCOL,
+        BAD_REPLY, BAD_DESC) and why ("" when OK). The binding of the C reply check that
+        the tests hold to its Python twin, ``engine.reply.check_reply``."""
+        payload = memoryview(payload).cast("B")
+        if len(payload) > len(self._rx):   # the receive buffer grows to the largest payload seen
             self._rx_view.release()
             self._rx = (ctypes.c_char * len(payload))()
             self._rx_view = memoryview(self._rx).cast("B")
             self._link.rx, self._link.rx_cap = ctypes.addressof(self._rx), len(payload)
         self._rx_view[:len(payload)] = payload
-        if self._lib.unpack(self._state_addr, self._link_addr, rnd.round, len(payload)) != 0:
-            raise ValueError(f"round {rnd.round}: {self._link.why.decode(errors='replace')}")
+        event = RoundEvent(self._lib.unpack(self._state_addr, self._link_addr, round_id, len(payload)))
+        return event, "" if event == RoundEvent.OK else self._link.why.decode(errors="replace")
+
+
+class _Refused(ValueError):
+    """``hf_unpack`` refused a reply; ``event`` says how (PROTOCOL, BAD_REPLY, BAD_DESC)."""
+
+    def __init__(self, event: RoundEvent, why: str):
+        super().__init__(why)
+        self.event = event

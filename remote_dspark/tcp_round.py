@@ -6,7 +6,8 @@ written by a GPU stream: every size, offset, slot, n_out and flag; a bad one is 
 ERROR, counted ``rounds_bad_desc`` and not sent), sends its ROUND frame straight from
 the region (header, the descriptor's block, the staging rows: one ``sendmsg``), waits
 for the DRAFTS (spinning on the socket for ``ASYNC_SPIN_US``, then in ``ppoll``), checks
-them by the wire's rules and against the round's entries, writes them (each row widened
+them by the wire's rules, against the round's entries and the session's terms (the reply
+rule of ``engine.reply``, written in C), writes them (each row widened
 to num_spec, zero past its count) and publishes ``released``. Python decides
 before the call whether the round may use the network (the connection, the breaker's
 ``allow``) and does the accounting after it (the breaker, the attempts and late

@@ -11,13 +11,27 @@ header, the caps and the errors in :mod:`~remote_dspark.wire_frame`, ROUND in
 handshake here. This module is the contract's one namespace: every name of it is
 ``wire.X``, whichever part defines it.
 
-HELLO payload (``_HELLO``, 84 bytes): drafter identity (32 B), Markov identity (32 B),
-engine id (u64: stays the same across the engine's proxy respawns, so the worker can
-drop an old session's windows), max_slots (u32), row_bytes (u32), num_spec (u16),
-row_format (u8), want_margin (u8).
+HELLO payload (``_HELLO``, 88 bytes; protocol 3)::
+
+    offset size field
+         0   32 drafter identity
+        32   32 Markov identity
+        64    8 engine id      stays the same across the engine's proxy respawns, so the
+                               worker can drop an old session's windows
+        72    4 max_slots      1..MAX_ENTRIES
+        76    4 row_bytes      <= MAX_ROW_BYTES
+        80    2 num_spec       1..MAX_N_OUT
+        82    1 row_format
+        83    1 want_margin    0 or 1
+        84    4 vocab_size     the engine's vocabulary (token ids 0..vocab_size-1), <=
+                               MAX_VOCAB; 0: unknown. A worker whose drafter's vocabulary
+                               is larger refuses the HELLO (REFUSE_DRAFTER, both sizes in
+                               the reason); the engine refuses draft tokens outside it.
 
 HELLO_ACK payload: accept (u8), reason code (u8), reason length (u16), the worker's
-drafter and Markov identities (32 B each), then the reason (UTF-8, <= MAX_REASON).
+drafter and Markov identities (32 B each), then the reason (UTF-8, <= MAX_REASON). The
+header's session is the HELLO's; an accepting worker's identities are the HELLO's (the
+engine side refuses any other answer: ``client.DraftClient.connect``).
 
 BYE has an empty payload.
 """
@@ -38,6 +52,7 @@ from .wire_frame import (  # noqa: F401
     _HELLO,
     ACCEPT,
     BYE,
+    BadReply,
     DRAFTS,
     DRAFTS_FIXED,
     DRAFTS_MARGINS,
@@ -53,6 +68,7 @@ from .wire_frame import (  # noqa: F401
     MAX_REASON,
     MAX_ROW_BYTES,
     MAX_TOKENS,
+    MAX_VOCAB,
     PROTOCOL_VERSION,
     REFUSE_DRAFTER,
     REFUSE_LIMITS,
@@ -115,6 +131,7 @@ class Hello:
     num_spec: int
     row_format: int = 0
     want_margin: bool = False
+    vocab_size: int = 0          # 0: unknown
 
 
 def encode_hello(h: Hello, session: int) -> bytes:
@@ -122,15 +139,16 @@ def encode_hello(h: Hello, session: int) -> bytes:
     _check(0 < h.max_slots <= MAX_ENTRIES, f"max_slots {h.max_slots} not in 1..{MAX_ENTRIES}")
     _check(0 <= h.row_bytes <= MAX_ROW_BYTES, f"row_bytes {h.row_bytes} over {MAX_ROW_BYTES}")
     _check(0 < h.num_spec <= MAX_N_OUT, f"num_spec {h.num_spec} not in 1..{MAX_N_OUT}")
+    _check(0 <= h.vocab_size <= MAX_VOCAB, f"vocab_size {h.vocab_size} not in 0..{MAX_VOCAB}")
     payload = _HELLO.pack(h.drafter_identity, h.markov_identity, h.engine_id, h.max_slots,
-                          h.row_bytes, h.num_spec, h.row_format, int(h.want_margin))
+                          h.row_bytes, h.num_spec, h.row_format, int(h.want_margin), h.vocab_size)
     return encode_header(HELLO, len(payload), session) + payload
 
 
 def decode_hello(payload) -> Hello:
     if len(payload) != _HELLO.size:
         raise ProtocolError(f"HELLO payload of {len(payload)} bytes, expected {_HELLO.size}")
-    d, m, engine_id, max_slots, row_bytes, num_spec, row_format, want = _HELLO.unpack(payload)
+    d, m, engine_id, max_slots, row_bytes, num_spec, row_format, want, vocab = _HELLO.unpack(payload)
     if not 0 < max_slots <= MAX_ENTRIES:
         raise ProtocolError(f"HELLO max_slots {max_slots} not in 1..{MAX_ENTRIES}")
     if row_bytes > MAX_ROW_BYTES:
@@ -139,7 +157,9 @@ def decode_hello(payload) -> Hello:
         raise ProtocolError(f"HELLO num_spec {num_spec} not in 1..{MAX_N_OUT}")
     if want > 1:
         raise ProtocolError(f"HELLO want_margin {want} is not 0 or 1")
-    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, bool(want))
+    if vocab > MAX_VOCAB:
+        raise ProtocolError(f"HELLO vocab_size {vocab} over the cap {MAX_VOCAB}")
+    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, bool(want), vocab)
 
 
 @dataclass(frozen=True)

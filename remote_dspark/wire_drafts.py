@@ -1,17 +1,26 @@
 """``wire_drafts``: the DRAFTS frame, the worker's answer (part of the wire contract,
 :mod:`remote_dspark.wire`).
 
-DRAFTS payload (protocol 2)::
+DRAFTS payload (protocol 2; unchanged in 3)::
 
     fixed     n_entries u32, width u16, flags u16 (bit 0: margins present)
     slots     n x u32                 ROUND's slots, in ROUND's order
-    counts    n x u16                 <= width
+    counts    n x u16                 <= width, <= the entry's n_out; 0 with RESYNC
     statuses  n x u16                 STATUS_OK or STATUS_RESYNC
-    tokens    n x width x i32         row i: entry i's drafts, zero past counts[i]
-    margins   n x width x f32         only with DRAFTS_MARGINS
+    tokens    n x width x i32         row i: entry i's drafts, zero past counts[i];
+                                      each counted one in 0..vocab_size-1 (HELLO)
+    margins   n x width x f32         exactly when HELLO's want_margin: each counted
+                                      one finite, in [0, 1]
 
 ``status`` is ``STATUS_OK`` or ``STATUS_RESYNC`` (the worker has no window for the slot,
 or a gap in its positions: the engine must re-announce the slot with NEW_GEN).
+
+:func:`decode_drafts` checks what the frame alone tells (caps, length, counts <= width,
+known statuses). Whether the reply answers the round that was asked (its session and
+round in the header, its entries and slots, width <= num_spec, the counts, token ids
+and margins above) is checked by the engine before anything is delivered, by one rule
+written twice: ``engine.reply.check_reply`` (sync mode) and ``unpack_drafts`` in
+``native/hostflag.c`` (the proxy's rounds, both transports).
 """
 
 from __future__ import annotations

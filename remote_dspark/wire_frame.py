@@ -27,7 +27,7 @@ if sys.byteorder != "little":
                       "this host is big-endian")
 
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3         # 3: HELLO carries the engine's vocabulary size
 
 HELLO, HELLO_ACK, ROUND, DRAFTS, BYE = 1, 2, 3, 4, 5
 FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE"}
@@ -46,9 +46,10 @@ MAX_ROW_BYTES = 1 << 20
 MAX_N_OUT = 64
 MAX_TOKENS = 1 << 22          # all tokens of one ROUND (NEW_GEN contexts included)
 MAX_REASON = 512
+MAX_VOCAB = 1 << 31           # token ids are i32: a vocabulary of at most 2^31 ids
 
 HEADER = struct.Struct("<4sHHIQI")
-_HELLO = struct.Struct("<32s32sQIIHBB")
+_HELLO = struct.Struct("<32s32sQIIHBBI")
 _ACK = struct.Struct("<BBH32s32s")
 ROUND_FIXED = struct.Struct("<IIII")
 DRAFTS_FIXED = struct.Struct("<IHH")
@@ -70,6 +71,12 @@ def frame_cap(ftype: int) -> int:
 
 class ProtocolError(Exception):
     """A frame that breaks the contract. The connection it came on must be dropped."""
+
+
+class BadReply(ProtocolError):
+    """A well-formed DRAFTS that does not answer the round asked (other entries, other
+    slots): the round is an ERROR (``RoundEvent.BAD_REPLY``) and the connection is kept.
+    Every other broken rule of a reply is a plain :class:`ProtocolError`, which drops it."""
 
 
 class VersionMismatch(ProtocolError):

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import wire
 from .drafter import (BatchedDrafter, DraftBatch, MarkovDrafter, PerEntryDrafterLike, as_batched,  # noqa: F401
-                      check_result, default_drafter_identity, empty_result, load_drafter)
+                      check_result, default_drafter_identity, empty_result, load_drafter, vocab_size_of)
 from .transport import DeadlineExceeded, Disconnected, FrameChannel
 from .transport.tcp import TcpStream
 from .worker_admission import Admission
@@ -285,6 +285,10 @@ class Worker:
             code = wire.REFUSE_MARKOV
             reason = (f"Markov identity mismatch: engine {hello.markov_identity.hex()}, "
                       f"worker {self.drafter.markov_identity.hex()} (VLLM_DSPARK_REMOTE_MARKOV_IDENTITY)")
+        elif hello.vocab_size and vocab_size_of(self.drafter) > hello.vocab_size:
+            code = wire.REFUSE_DRAFTER   # its drafts could name tokens the engine does not have
+            reason = (f"vocabulary mismatch: the drafter's vocabulary is {vocab_size_of(self.drafter)} tokens, "
+                      f"over the engine's {hello.vocab_size}")
         elif (over := self.limits.refusal(hello)) is not None:    # this worker's own limits
             code, reason = wire.REFUSE_LIMITS, over
         if code != wire.ACCEPT:

@@ -33,7 +33,7 @@ def no_parked_stream():
     assert done.wait(20), "the GPU is still busy: a stream was left parked"
 
 
-def make(worker, tmp_path, **kw):
+def make(worker, tmp_path, *, vocab_size=None, **kw):
     d = MarkovDrafter(MODEL)
     env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
                VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
@@ -43,7 +43,7 @@ def make(worker, tmp_path, **kw):
                VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="300")
     env.update(kw)
     return RemoteDSpark(RemoteConfig.from_env(env), num_spec=3, max_slots=8, row_bytes=16, device="cuda",
-                        environ=env)
+                        environ=env, vocab_size=vocab_size)
 
 
 ROWS = torch.arange(32, dtype=torch.float32).reshape(8, 4)
@@ -155,6 +155,24 @@ def test_bad_metadata_on_the_device_is_target_only_and_counted(worker, tmp_path)
         b = on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
         b.slots = torch.tensor([1, 1], device="cuda")          # one slot twice
         out = rd.launch(b)
+        assert out.counts.tolist() == [0, 0]
+        good = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
+        torch.cuda.synchronize()
+        assert good.counts.tolist() == [3, 3]
+        rd.launch(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))   # collects both
+        st = rd.stats()
+        assert st.handoff.proxy_counters["rounds_bad_desc"] == 1 and st.rounds[Outcome.ERROR] == 1
+
+
+def test_a_token_outside_the_vocabulary_raises_on_the_host_and_is_target_only_on_the_device(worker, tmp_path):
+    """``vocab_size`` bounds the engine's token ids: host metadata raises before anything
+    is handed over; device metadata, never read on the host, is refused by the proxy's
+    descriptor check (ERROR, unsent, rounds_bad_desc)."""
+    with make(worker, tmp_path, vocab_size=5) as rd:   # the COUNTING model's ids are 1..4
+        rd.launch(batch())
+        with pytest.raises(ValueError, match=r"tokens: 5 \(token 1\) outside 0\.\.4"):
+            rd.launch(batch(new=False, tokens=((2,), (5,)), positions=(1, 1)))
+        out = rd.launch(on_device(batch(new=False, tokens=((2,), (5,)), positions=(1, 1))))
         assert out.counts.tolist() == [0, 0]
         good = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
         torch.cuda.synchronize()

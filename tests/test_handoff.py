@@ -55,14 +55,15 @@ def finish(proc: subprocess.Popen) -> str:
     return out
 
 
-def proxy_code(fd: int, body: str) -> str:
-    """A child's program: attach the region on ``fd``, make a ProxyEnd, run ``body``."""
+def proxy_code(fd: int, body: str, want_margin: bool = False) -> str:
+    """A child's program: attach the region on ``fd``, make a ProxyEnd (of a session that
+    asked for margins or not), run ``body``."""
     return textwrap.dedent(f"""
         import json, os, random, sys
         from remote_dspark import native, ring, ring_proxy, shm, wire
         lib = native.load()
         region = shm.Region.attach({fd})
-        end = ring_proxy.ProxyEnd(region, lib, spin_us=200, nap_us=50)
+        end = ring_proxy.ProxyEnd(region, lib, spin_us=200, nap_us=50, want_margin={want_margin})
     """) + textwrap.dedent(body)
 
 
@@ -89,13 +90,13 @@ def test_round_crosses_and_comes_back_with_its_drafts(lib):
             for i, e in enumerate(r.entries()):
                 row = rows[i * r.row_bytes:(i + 1) * r.row_bytes]
                 toks += [e.slot * 1000 + sum(e.tokens) + row[j] for j in range(k)]
-            d = wire.Drafts(rnd.round, [e.slot for e in r.entries()], [e.n_out for e in r.entries()],
+            d = wire.Drafts(rnd.round, [e.slot for e in r.entries()], [r.entries()[0].n_out, 0],
                             [wire.STATUS_OK, wire.STATUS_RESYNC], k, toks, [0.25] * len(toks))
             del r, rows
             print(json.dumps({"session": hdr.session, "round": hdr.round,
                               "ok": end.complete(rnd, d)}))
             region.close()
-        """)
+        """, want_margin=True)
         entries = [wire.Entry(5, 4, 10, [1, 2, 3]), wire.Entry(9, 2, 0, [7], new_gen=True)]
         with child(code, lib, (region.fd,)) as proc:
             r = eng.reserve(1)
@@ -108,13 +109,12 @@ def test_round_crosses_and_comes_back_with_its_drafts(lib):
         assert got == {"session": 77, "round": r, "ok": True}
         d = eng.drafts(r)
         assert d.outcome is Outcome.OK
-        assert d.counts == (4, 2)
+        assert d.counts == (4, 0)
         assert d.statuses == (wire.STATUS_OK, wire.STATUS_RESYNC)
-        assert d.tokens == (tuple(5000 + 6 + j for j in range(4)),
-                            tuple(9000 + 7 + 16 + j for j in range(2)))
-        assert d.margins == ((0.25,) * 4, (0.25,) * 2)
+        assert d.tokens == (tuple(5000 + 6 + j for j in range(4)), ())
+        assert d.margins == ((0.25,) * 4, ())
         snap = region.proxy_counters(lib).snapshot()
-        assert snap.counters["rounds_ok"] == 1 and snap.counters["draft_tokens"] == 6
+        assert snap.counters["rounds_ok"] == 1 and snap.counters["draft_tokens"] == 4
         assert snap.histograms["round_latency"].count == 1
 
 
@@ -337,15 +337,15 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
     of only the round's entries, the release and every proxy counter and histogram."""
     with make_region(depth=2) as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        end = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50, want_margin=True)
         sync = streamsync.HostFlagSync(region, lib)
         assert end.next_round(0.001) is None   # nothing gathered: a timeout, and a beat
         beat = end.header.heartbeat_ns
         assert beat > 0
-        answers = {1: wire.Drafts(1, [3, 4, 5], [2, 0, 4], [0, 0, wire.STATUS_RESYNC], 4,
+        answers = {1: wire.Drafts(1, [3, 4, 5], [2, 0, 4], [0, wire.STATUS_RESYNC, 0], 4,
                                   [1, 2, 0, 0, 0, 0, 0, 0, 9, 8, 7, 6], [0.5] * 12),
-                   2: wire.Drafts(2, [7], [0], [0], 4, [0] * 4),
-                   3: wire.Drafts(3, [6], [1], [0], 2, [42, 0])}   # round 1's slot, fewer entries
+                   2: wire.Drafts(2, [7], [0], [0], 4, [0] * 4, [0.0] * 4),
+                   3: wire.Drafts(3, [6], [1], [0], 2, [42, 0], [0.75, 0])}   # round 1's slot, fewer entries
         got = {}
         for r, d in answers.items():
             assert eng.reserve(1) == r
@@ -357,9 +357,9 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
             got[r] = eng.drafts(r)
         assert end.header.heartbeat_ns > beat
         assert (got[1].counts, got[1].statuses, got[1].tokens) == (
-            (2, 0, 4), (0, 0, wire.STATUS_RESYNC), ((1, 2), (), (9, 8, 7, 6)))
+            (2, 0, 4), (0, wire.STATUS_RESYNC, 0), ((1, 2), (), (9, 8, 7, 6)))
         assert got[1].margins == ((0.5, 0.5), (), (0.5,) * 4)
-        assert (got[3].counts, got[3].tokens, got[3].margins) == ((1,), ((42,),), None)
+        assert (got[3].counts, got[3].tokens, got[3].margins) == ((1,), ((42,),), ((0.75,),))
         snap = end.counters.snapshot()
         assert snap.counters["rounds_ok"] == 3
         assert (snap.counters["drafts"], snap.counters["draft_tokens"]) == (3, 7)

@@ -21,12 +21,13 @@ LAYOUT = shm_layout.Layout(depth=4, max_slots=4, row_bytes=8, num_spec=4, max_to
 
 
 class Rig:
-    def __init__(self, lib, layout=LAYOUT):
+    def __init__(self, lib, layout=LAYOUT, **session):
+        """``session``: the ProxyEnd's terms of the session (``vocab_size``, ``want_margin``)."""
         self.lib = lib
         self.region = shm.Region.create(layout)
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
-        self.end = ring_proxy.ProxyEnd(self.region, lib, spin_us=50)
+        self.end = ring_proxy.ProxyEnd(self.region, lib, spin_us=50, **session)
         self.rounds = TcpRounds(self.end, session=SESSION, default_deadline_ms=2000)
         self.proxy_sock, self.worker = socket.socketpair()
         self.worker.settimeout(2.0)
@@ -105,7 +106,16 @@ def rig(lib):
     r.close()
 
 
-def test_a_round_goes_out_from_the_region_and_its_drafts_come_back(rig):
+@pytest.fixture
+def rig_m(lib):
+    """A rig whose session asked for margins."""
+    r = Rig(lib, want_margin=True)
+    yield r
+    r.close()
+
+
+def test_a_round_goes_out_from_the_region_and_its_drafts_come_back(rig_m):
+    rig = rig_m
     r = rig.gather(slots=(3, 1), deadline_ms=700, rows=bytes(range(16)))
     rig.worker.sendall(rig.reply(r, slots=(3, 1), width=2, counts=[2, 1], margins=True))
     s = rig.serve()
@@ -170,7 +180,7 @@ BAD_REPLIES = {
                              "payload of 7 bytes, under 8"),
     "wrong slot": (lambda rig, r: rig.reply(r, slots=(2,)), RoundEvent.BAD_REPLY, "slot 2, the round has slot 3"),
     "wrong entries": (lambda rig, r: rig.reply(r, slots=(3, 2)), RoundEvent.BAD_REPLY, "2 entries, the round has 1"),
-    "too wide": (lambda rig, r: rig.reply(r, width=5), RoundEvent.BAD_REPLY, "width 5 over num_spec=4"),
+    "too wide": (lambda rig, r: rig.reply(r, width=5), RoundEvent.PROTOCOL, "width 5 over num_spec=4"),
 }
 
 
@@ -310,6 +320,25 @@ def test_a_bad_descriptor_is_answered_error_unsent_and_counted_and_the_connectio
     assert rig.end.complete(rnd, None, Outcome.ERROR)
 
 
+@pytest.mark.parametrize("token", [1000, -1])
+def test_a_descriptor_token_outside_the_vocabulary_is_answered_error_unsent_and_counted(lib, token):
+    """Metadata written on the device is never read by the host (batch.write_meta_in_stream),
+    so its token ids meet the vocabulary here, in the proxy's descriptor check."""
+    rig = Rig(lib, vocab_size=1000)   # the rig's honest drafts are ids 100..
+    try:
+        r = rig.gather(entries=TWO, corrupt=lambda d, n, t: struct.pack_into("<i", d, _SEC.tokens + 8, token))
+        s = rig.serve()
+        assert (s.event, s.sent, s.released) == (RoundEvent.BAD_DESC, False, True)
+        assert s.why == f"tokens: {token} (token 2) outside 0..999, the vocabulary"
+        assert rig.nothing_sent() and rig.eng.drafts(r).outcome == Outcome.ERROR
+        assert rig.end.counters.snapshot().counters["rounds_bad_desc"] == 1
+        r2 = rig.gather(entries=TWO)   # ids 1, 2, 5, 6: inside the vocabulary
+        rig.worker.sendall(rig.reply(r2, slots=(3, 1)))
+        assert rig.serve().event == RoundEvent.OK and rig.sent_round().round_id == r2
+    finally:
+        rig.close()
+
+
 def test_the_round_id_is_checked_first(rig):
     r = rig.gather(entries=TWO, corrupt=lambda d, n, t: struct.pack_into("<I", d, 0x10, 99))
     with rig.region.descriptor(r & (LAYOUT.depth - 1)) as d:
@@ -341,14 +370,19 @@ def rounds(draw):
 
 
 @st.composite
-def replies(draw, n):
-    """(width, counts, statuses, tokens, margins or None) of a valid DRAFTS for n entries;
-    the tokens past each count are not zero (the proxy must zero them)."""
+def replies(draw, entries):
+    """(width, counts, statuses, tokens, margins or None) of a valid DRAFTS for the round's
+    entries (counts within each n_out, none with RESYNC, counted tokens non-negative and
+    margins in [0, 1]); what lies past each count is anything (the proxy must zero it)."""
+    n = len(entries)
     width = draw(st.integers(0, PROP.num_spec))
-    counts = draw(st.lists(st.integers(0, width), min_size=n, max_size=n))
     statuses = draw(st.lists(st.sampled_from([wire.STATUS_OK, wire.STATUS_RESYNC]), min_size=n, max_size=n))
-    tokens = draw(st.lists(st.integers(-2**31, 2**31 - 1), min_size=n * width, max_size=n * width))
-    margins = draw(st.none() | st.lists(_f32, min_size=n * width, max_size=n * width))
+    counts = [draw(st.integers(0, min(width, e.n_out))) if s == wire.STATUS_OK else 0
+              for e, s in zip(entries, statuses)]
+    live = [j < counts[i] for i in range(n) for j in range(width)]
+    tokens = [draw(st.integers(0, 2**31 - 1) if c else st.integers(-2**31, 2**31 - 1)) for c in live]
+    with_margins = draw(st.booleans())
+    margins = [draw(st.floats(0, 1, width=32) if c else _f32) for c in live] if with_margins else None
     return width, counts, statuses, tokens, margins
 
 
@@ -365,13 +399,14 @@ def expected_slot(n, width, counts, statuses, tokens, margins):
 
 @pytest.mark.parametrize("path", ["hf_round", "ofl"])
 def test_random_valid_rounds_go_out_exactly_and_their_drafts_land_exactly(lib, path):
-    rig = Rig(lib, PROP)
+    rigs = {m: Rig(lib, PROP, want_margin=m) for m in (False, True)}   # sessions without and with margins
     try:
         @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
         @given(data=st.data())
         def check(data):
             deadline_ms, entries, rows = data.draw(rounds())
-            width, counts, statuses, tokens, margins = data.draw(replies(len(entries)))
+            width, counts, statuses, tokens, margins = data.draw(replies(entries))
+            rig = rigs[margins is not None]
             r = rig.gather(entries=entries, deadline_ms=deadline_ms, rows=rows)
             want = wire.encode_round_entries(r, SESSION, deadline_ms, entries, rows, PROP.row_bytes)
             reply = wire.encode_drafts(wire.Drafts(r, [e.slot for e in entries], counts, statuses, width,
@@ -392,4 +427,5 @@ def test_random_valid_rounds_go_out_exactly_and_their_drafts_land_exactly(lib, p
             assert rig.raw_drafts(r) == expected_slot(len(entries), width, counts, statuses, tokens, margins)
         check()
     finally:
-        rig.close()
+        for rig in rigs.values():
+            rig.close()

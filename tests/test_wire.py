@@ -165,7 +165,7 @@ def test_corrupted_drafts_fields_are_protocol_errors(d, data):
         pass
 
 
-@pytest.mark.parametrize("ftype,cap", [(wire.HELLO, 84), (wire.BYE, 0), (wire.ROUND, wire.MAX_PAYLOAD)])
+@pytest.mark.parametrize("ftype,cap", [(wire.HELLO, 88), (wire.BYE, 0), (wire.ROUND, wire.MAX_PAYLOAD)])
 def test_oversized_frame_refused_before_allocation(ftype, cap):
     stream = _Bytes(wire.encode_header(ftype, cap + 1) + b"x" * 64)
     with pytest.raises(wire.ProtocolError, match="exceeds the cap"):
@@ -235,7 +235,7 @@ def test_round_length_must_match_its_fields():
 def test_a_protocol_1_peer_is_refused_by_version():
     frame = bytearray(wire.encode_bye())
     struct.pack_into("<H", frame, 4, 1)
-    with pytest.raises(wire.VersionMismatch, match="protocol version 1, this side speaks 2"):
+    with pytest.raises(wire.VersionMismatch, match="protocol version 1, this side speaks 3"):
         wire.decode_header(bytes(frame))
 
 

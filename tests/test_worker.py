@@ -358,10 +358,9 @@ def test_worker_command_serves_either_kind_of_plugin_drafter(tmp_path, factory):
                                 wire.Hello(b"d" * 32, b"m" * 32, 1, 4, 0, 3, want_margin=True), 1, 5.0)
         d = c.round(1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(2, 2, 0, (1,), True)], b"", 0)], 5000)
         assert d.row(0) == [5, 5]
-        # Margins were asked for: the per-entry path pads missing ones with zeros; a
-        # batched drafter without margins sends none.
-        assert (list(d.margins) if d.margins is not None else None) == \
-            ([0.0, 0.0] if factory == "PerEntry" else None)
+        # Margins were asked for: a drafter without any (either kind) sends zeros, since
+        # the engine refuses a reply whose margins are not what its HELLO asked for.
+        assert list(d.margins) == [0.0, 0.0]
         c.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0

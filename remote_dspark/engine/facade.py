@@ -63,7 +63,17 @@ class RemoteDSpark:
                  device: str = "cpu", local_drafter: LocalDrafter | None = None,
                  depth_mode: str | None = None, depth_file: str | None = None,
                  dense_cap: Sequence[int] | None = None, environ: Mapping[str, str] | None = None,
-                 engine_id: int | None = None, depth: int = DEPTH):
+                 engine_id: int | None = None, depth: int = DEPTH, vocab_size: int | None = None):
+        """``vocab_size``: the target model's vocabulary (token ids 0..vocab_size-1), or
+        None when unknown. It goes to the worker in HELLO (0 there when unknown; a worker
+        whose drafter's vocabulary is larger refuses) and bounds every token id: a batch's
+        (``ValueError`` naming ``tokens``) and a reply's (the round is an ERROR).
+        ``depth_mode``, ``depth_file``, ``dense_cap``: the engine's depth-policy facts
+        (as ``config.n_out_table`` takes them), which set each round's n_out.
+
+        Raises:
+            ValueError: an argument out of range, naming it.
+        """
         if cfg.keeps_local_drafter and local_drafter is None:
             raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
         if device not in ("cpu", "cuda"):
@@ -72,6 +82,9 @@ class RemoteDSpark:
                                 ("row_bytes", row_bytes, wire.MAX_ROW_BYTES)):
             if not 1 <= value <= hi:
                 raise ValueError(f"{name}={value}: must be in 1..{hi} (the wire contract's cap)")
+        if vocab_size is not None and (not hasattr(vocab_size, "__index__") or isinstance(vocab_size, bool)
+                                       or not 1 <= vocab_size <= wire.MAX_VOCAB):
+            raise ValueError(f"vocab_size={vocab_size!r}: must be None (unknown) or an int in 1..{wire.MAX_VOCAB}")
         mode = ("process" if cfg.async_proxy == "process" else "thread") if cfg.async_mode else "sync"
         # n_out by schedule: each round's default n_out from its number of requests, when
         # the depth policy masks the positions past its cap (config.n_out_table's rules;
@@ -80,7 +93,7 @@ class RemoteDSpark:
                                                list(dense_cap) if dense_cap is not None else None)
         self.spec = Spec(cfg, num_spec, max_slots, row_bytes, max_slots * (CONTEXT_TOKENS + num_spec + 1), depth,
                          device, mode, engine_id if engine_id is not None else int.from_bytes(os.urandom(8), "little"),
-                         dict(os.environ if environ is None else environ), table)
+                         dict(os.environ if environ is None else environ), table, int(vocab_size or 0))
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)
         self.state = EngineState.NEW
@@ -101,6 +114,7 @@ class RemoteDSpark:
     row_bytes = property(lambda self: self.spec.row_bytes)
     device = property(lambda self: self.spec.device)
     engine_id = property(lambda self: self.spec.engine_id)
+    vocab_size = property(lambda self: self.spec.vocab_size or None)
 
     @property
     def mode(self) -> str:

@@ -82,6 +82,7 @@ class ProxyHost:
         path = self.path
         path.end.header.set_session(int.from_bytes(os.urandom(8), "little") or 1)
         self._loop = ProxyLoop(path.region, path.lib, self.spec.cfg, engine_id=self.spec.engine_id,
+                               vocab_size=self.spec.vocab_size,
                                environ=self.spec.environ)
         self._thread = threading.Thread(target=self._run_thread, name="remote-dspark-proxy", daemon=True)
         self._thread_started_ns = time.monotonic_ns()
@@ -105,7 +106,7 @@ class ProxyHost:
         if session is not None:
             self.path.end.header.set_session(session)
         return spawn_proxy(self.path.region.fd, cfg=self.spec.cfg, engine_id=self.spec.engine_id, env=env,
-                           standby=session is None)
+                           vocab_size=self.spec.vocab_size, standby=session is None)
 
     def _promote(self, pid: int, session: int) -> None:
         """From the supervisor's thread: the standby ``pid`` becomes the proxy of ``session``."""

@@ -24,6 +24,7 @@ class Spec:
     engine_id: int
     environ: Mapping[str, str]
     n_out_table: Sequence[int] | None = None
+    vocab_size: int = 0          # the engine's vocabulary (token ids 0..vocab_size-1); 0: unknown
 
     def n_out_for(self, n: int) -> int:
         """The default n_out of a round of ``n`` entries (the table's, else num_spec)."""
@@ -37,9 +38,9 @@ class Spec:
             ValueError: naming the field that is wrong.
         """
         return host_meta(batch, max_slots=self.max_slots, num_spec=self.num_spec, max_tokens=self.max_tokens,
-                         n_out_default=self.n_out_for(len(batch)))
+                         n_out_default=self.n_out_for(len(batch)), vocab_size=self.vocab_size)
 
     def hello(self) -> wire.Hello:
         cfg = self.cfg
         return wire.Hello(cfg.drafter_identity, cfg.markov_identity, self.engine_id, self.max_slots,
-                          self.row_bytes, self.num_spec, want_margin=cfg.want_margin)
+                          self.row_bytes, self.num_spec, want_margin=cfg.want_margin, vocab_size=self.vocab_size)

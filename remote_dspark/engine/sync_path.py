@@ -14,6 +14,7 @@ from ..batch import Batch, Drafts, HostMeta, as_bytes, empty_drafts, gather_rows
 from ..breaker import Breaker
 from ..link import RemoteLink
 from ..outcome import Outcome
+from .reply import Asked, check_reply
 from .spec import Spec
 from .stats import BreakerStats, LinkStats
 
@@ -72,10 +73,13 @@ class SyncPath:
                           row_bytes=spec.row_bytes)
         wire.pack_header_into(self._send, wire.ROUND, size + n * spec.row_bytes, self.link.session, round_id)
         parts = (memoryview(self._send)[:wire.HEADER.size + size], memoryview(rows).cast("B"))
-        result = self.link.round(round_id, parts, spec.cfg.timeout_ms)
+        asked = Asked(meta.slots, meta.n_out, spec.num_spec, spec.vocab_size, spec.cfg.want_margin)
+        # The reply is held to what was asked inside the round, so a broken rule is the
+        # round's event (PROTOCOL drops the connection, BAD_REPLY keeps it), never drafts.
+        result = self.link.round(round_id, parts, spec.cfg.timeout_ms, lambda d: check_reply(d, asked))
         d = result.drafts
         if d is not None:
-            out = self._drafts(round_id, meta, d, result.outcome)
+            out = self._drafts(meta, d, result.outcome)
         else:
             out = empty_drafts(n, spec.num_spec, result.outcome, spec.cfg.want_margin)
         if self.link.epoch != self._epoch:
@@ -83,16 +87,9 @@ class SyncPath:
             out.resync_all = self._epoch > 1
         return out
 
-    def _drafts(self, round_id: int, meta: HostMeta, d: wire.Drafts, outcome: Outcome) -> Drafts:
-        """The worker's DRAFTS as ``Drafts``, or an empty ERROR answer when they do not
-        fit the round (other entries, other slots, wider than num_spec)."""
+    def _drafts(self, meta: HostMeta, d: wire.Drafts, outcome: Outcome) -> Drafts:
+        """The worker's DRAFTS, checked already (``check_reply``), as ``Drafts``."""
         spec, n = self.spec, meta.n
-        slots = np.frombuffer(d.slots, dtype=np.uint32)
-        if len(slots) != n or not np.array_equal(slots, meta.slots) or d.width > spec.num_spec:
-            log.error("remote DSpark: round %d: the worker answered %d entries x %d for slots that are "
-                      "not the round's (%d entries, num_spec %d); dropped", round_id, len(slots), d.width,
-                      n, spec.num_spec)
-            return empty_drafts(n, spec.num_spec, Outcome.ERROR, spec.cfg.want_margin)
         counts = np.frombuffer(d.counts, dtype=np.uint16)
         tokens = np.frombuffer(d.tokens, dtype=np.int32).reshape(n, d.width)
         margins = None if d.margins is None else np.frombuffer(d.margins, dtype=np.float32).reshape(n, d.width)

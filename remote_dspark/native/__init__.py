@@ -64,7 +64,7 @@ ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-ABI_VERSION = 8
+ABI_VERSION = 9
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -134,6 +134,8 @@ class ProxyState(ctypes.Structure):
         ("max_slots", ctypes.c_uint32),
         ("c_bad_desc", ctypes.c_uint32),
         ("stamp_gen", ctypes.c_uint32),
+        ("vocab_size", ctypes.c_uint32),
+        ("want_margin", ctypes.c_uint32),
         ("wake", ctypes.c_void_p),
         ("idle", ctypes.c_uint32),
     ]

@@ -6,7 +6,7 @@
  * exception is hf_round, the proxy's round on a TCP socket, with its descriptor check
  * and DRAFTS reader (hf_check_desc, hf_unpack: the same code, for a proxy whose network
  * round is in Python): they know the wire's frame formats (remote_dspark/wire.py,
- * protocol 2) and where a descriptor keeps the ROUND payload (shm.DESC_FIXED);
+ * protocol 3) and where a descriptor keeps the ROUND payload (shm.DESC_FIXED);
  * tests/test_tcp_round.py checks both against the Python side.
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
@@ -24,6 +24,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
@@ -39,7 +40,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define HF_ABI 8
+#define HF_ABI 9
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -350,6 +351,8 @@ struct hf_proxy {
     uint32_t num_spec, max_slots;
     uint32_t c_bad_desc;          /* rounds_bad_desc */
     uint32_t stamp_gen;           /* the last descriptor check's stamp (0: none yet) */
+    uint32_t vocab_size;          /* the engine's vocabulary (HELLO's): token ids 0..vocab_size-1; 0 unknown */
+    uint32_t want_margin;         /* 1: HELLO asked for margins, so every DRAFTS carries them */
     uint32_t *wake;               /* the wake words [published, sleeping], or NULL: never sleep */
     uint32_t idle;                /* private: the last wait ended asleep, with nothing handed over */
 };
@@ -677,10 +680,10 @@ int hf_watchdog_stop(void *handle)
 enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
        HF_EV_BAD_DESC };
 
-/* The wire contract's fixed parts (remote_dspark/wire.py, protocol 2): the header, the
+/* The wire contract's fixed parts (remote_dspark/wire.py, protocol 3): the header, the
  * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
  * (shm.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must keep. */
-enum { W_HEADER = 24, W_VERSION = 2, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
+enum { W_HEADER = 24, W_VERSION = 3, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
        DESC_FIXED = 8 };
 #define W_MAX_PAYLOAD (64ull << 20)
@@ -829,6 +832,8 @@ static int recv_reply(struct hf_link *l, uint32_t round, uint64_t deadline_ns,
             return rc == 0 ? HF_EV_TIMEOUT : -rc;
         uint16_t version = get16(l->hdr + 4), type = get16(l->hdr + 6);
         uint32_t plen = get32(l->hdr + 8), of = get32(l->hdr + 20);
+        uint64_t session;
+        memcpy(&session, l->hdr + 12, 8);
         if (memcmp(l->hdr, "DSPW", 4) != 0)
             return fail(l, HF_EV_PROTOCOL, 0, "bad magic %02x%02x%02x%02x", l->hdr[0], l->hdr[1],
                         l->hdr[2], l->hdr[3]);
@@ -839,6 +844,11 @@ static int recv_reply(struct hf_link *l, uint32_t round, uint64_t deadline_ns,
             return fail(l, HF_EV_LOST, 0, "the worker said BYE");
         if (type != W_DRAFTS)
             return fail(l, HF_EV_PROTOCOL, 0, "frame type %u where DRAFTS was expected", type);
+        /* Mirrors client.DraftClient.recv_drafts: a reply of another session is never this
+         * round's, nor a late one of this connection's. */
+        if (session != l->session)
+            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS of session %#llx on session %#llx's connection",
+                        (unsigned long long)session, (unsigned long long)l->session);
         if (plen > l->rx_cap)
             return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes exceeds the cap %u", plen,
                         l->rx_cap);
@@ -920,6 +930,17 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
         if (flags & ~(uint32_t)W_NEW_GEN)
             return fail(l, HF_EV_BAD_DESC, 0, "entry %u: flags %#x, only NEW_GEN (1) is known", e, flags);
     }
+    /* Token ids in the engine's vocabulary, when it is known: batch.host_meta's rule, for
+     * metadata written on the device that no host ever read (batch.write_meta_in_stream). */
+    if (p->vocab_size) {
+        const uint8_t *tokens = f + round_meta(v->n);
+        for (uint32_t j = 0; j < v->n_tokens; j++) {
+            int32_t t = (int32_t)get32(tokens + 4u * j);
+            if (t < 0 || (uint32_t)t >= p->vocab_size)
+                return fail(l, HF_EV_BAD_DESC, 0, "tokens: %d (token %u) outside 0..%u, the vocabulary", t, j,
+                            p->vocab_size - 1);
+        }
+    }
     return HF_EV_OK;
 }
 
@@ -940,8 +961,45 @@ static void widen(uint8_t *dst, const uint8_t *src, const uint8_t *counts, uint3
     }
 }
 
-/* Check the DRAFTS payload in rx (the wire's rules, then against round view v) and write
- * it into the drafts image: counts and statuses as i32, each row widened to num_spec. */
+/* What a reply's entries must be beyond the frame's own rules, checked before anything
+ * is delivered. THE RULE HAS A PYTHON TWIN: remote_dspark/engine/reply.py (check_reply,
+ * sync mode) makes the same checks in the same order with the same words, and
+ * tests/test_reply_check.py runs the same replies through both and holds their verdicts
+ * equal. Per entry, in order: count <= the round's n_out; a RESYNC entry has no drafts;
+ * every counted token in 0..vocab_size-1 (0..INT32_MAX when the vocabulary is unknown);
+ * with margins, every counted margin in [0, 1] (NaN fails both comparisons). */
+static int check_entries(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
+                         uint32_t n, uint32_t width, const uint8_t *counts, const uint8_t *statuses,
+                         const uint8_t *tokens, const uint8_t *margins)
+{
+    int64_t top = p->vocab_size ? (int64_t)p->vocab_size - 1 : INT32_MAX;
+    for (uint32_t e = 0; e < n; e++) {
+        uint32_t c = get16(counts + 2u * e), n_out = get32(v->n_out + 4u * e);
+        uint64_t row = (uint64_t)width * e;
+        if (c > n_out)
+            return fail(l, HF_EV_PROTOCOL, 0, "entry %u: %u drafts, the round asked for %u", e, c, n_out);
+        if (c && get16(statuses + 2u * e) == W_RESYNC)
+            return fail(l, HF_EV_PROTOCOL, 0, "entry %u: RESYNC with %u drafts", e, c);
+        for (uint32_t j = 0; j < c; j++) {
+            int32_t t = (int32_t)get32(tokens + 4u * (row + j));
+            if (t < 0 || t > top)
+                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft token %d outside 0..%lld", e, t,
+                            (long long)top);
+        }
+        for (uint32_t j = 0; margins && j < c; j++) {
+            float m;
+            memcpy(&m, margins + 4u * (row + j), 4);
+            if (!(m >= 0.0f && m <= 1.0f))   /* printed as Python prints it: NaN unsigned */
+                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: margin %g not in [0, 1]", e,
+                            m != m ? (double)NAN : (double)m);
+        }
+    }
+    return HF_EV_OK;
+}
+
+/* Check the DRAFTS payload in rx (the wire's rules, then against round view v and what
+ * the session asked: check_entries) and write it into the drafts image: counts and
+ * statuses as i32, each row widened to num_spec. */
 static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
                          uint32_t len)
 {
@@ -977,8 +1035,17 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const stru
             if (get32(slots + 4u * e) != get32(v->slots + 4u * e))
                 return fail(l, HF_EV_BAD_REPLY, 0, "entry %u: drafts for slot %u, the round has slot %u",
                             e, get32(slots + 4u * e), get32(v->slots + 4u * e));
+    /* From here the reply breaks what the session asked (HELLO) or what the round asked:
+     * a protocol error (the connection is dropped), as in engine/reply.py. */
     if (width > K)
-        return fail(l, HF_EV_BAD_REPLY, 0, "drafts width %u over num_spec=%u", width, K);
+        return fail(l, HF_EV_PROTOCOL, 0, "drafts width %u over num_spec=%u", width, K);
+    if (!(flags & W_MARGINS) != !p->want_margin)
+        return fail(l, HF_EV_PROTOCOL, 0, p->want_margin ? "DRAFTS without margins, the session asked for them"
+                                                          : "DRAFTS with margins, the session did not ask for them");
+    int event = check_entries(l, p, v, n, width, counts, statuses, tokens,
+                              (flags & W_MARGINS) ? tokens + grid : NULL);
+    if (event != HF_EV_OK)
+        return event;
     uint8_t *img = l->image;
     memcpy(img + p->ring.d_zero, &n, 4);
     memcpy(img + p->ring.d_zero + 4, &flags, 4);
