@@ -223,9 +223,9 @@ def test_launch_after_a_failed_self_test_runs_the_round_synchronously(worker, tm
     launch() still works: a completed round, same shapes, on the rows' device."""
     from remote_dspark.engine import facade
 
-    def broken(*a, **k):
+    def broken(self, *a, **k):
         raise RuntimeError("self-test failed (forced)")
-    monkeypatch.setattr(facade, "AsyncPath", broken)
+    monkeypatch.setattr(facade.AsyncPath, "__init__", broken)
     with make(worker, tmp_path) as rd:
         assert rd.mode == "sync"
         out = rd.launch(batch())
