@@ -124,19 +124,23 @@ class RemoteDSpark:
             for warning in cfg.warnings():
                 log.warning("remote DSpark: %s", warning)
             try:
-                transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
-                if cfg.metrics_port:
-                    from ..metrics import Exporter
-                    self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
-                if cfg.strict_start and self.mode != "sync":
-                    self._probe_connection()
-                self._open_path(started_at)
+                self._open(started_at)
             except BaseException:
                 self._close()   # nothing started stays running: exporter, proxy, watchdog, region
                 raise
             with self._lock:
                 self.state = EngineState.STARTED
         return self
+
+    def _open(self, started_at: float) -> None:
+        cfg = self.cfg
+        transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
+        if cfg.metrics_port:
+            from ..metrics import Exporter
+            self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
+        if cfg.strict_start and self.mode != "sync":
+            self._probe_connection()
+        self._open_path(started_at)
 
     def _open_path(self, started_at: float) -> None:
         if self.mode != "sync":
