@@ -7,6 +7,7 @@
     proxy_host  the proxy as a thread or a supervised process; which one serves
     stats       EngineCounts (the engine thread's counting) and Stats (the one record)
     lifecycle   EngineState, RemoteClosed, Users (when the region may be freed)
+    ranks       tensor parallelism: rank 0 opens the path, the others take its broadcast answers
 
 torch is imported here; nothing the proxy imports imports this package.
 """

@@ -17,6 +17,10 @@ with the proxy as a thread of the engine (``ASYNC_PROXY=thread``) or as a superv
 child process (``process``). On the CPU the engine thread hands a round over and waits for
 its release inside the native library (GIL released); the watchdog bounds that wait.
 
+With ``tp_group`` (a torch.distributed group) every tensor-parallel rank builds one:
+rank 0 of the group opens the path, the others open nothing and take rank 0's answer
+(``engine.ranks``); ``launch()`` is not offered there.
+
 torch is imported here (the engine side); nothing the proxy imports imports this module.
 """
 
@@ -42,6 +46,7 @@ from ..statsfile import write_json_atomic
 from .handoff import AsyncPath, Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed, Users
 from .proxy_host import ProxyHost
+from .ranks import Ranks, shares_failure
 from .spec import Spec
 from .stats import EngineCounts, LinkStats, Stats
 from .sync_path import SyncPath
@@ -61,7 +66,7 @@ class RemoteDSpark:
     def __init__(self, cfg: RemoteConfig, *, num_spec: int, max_slots: int, row_bytes: int,
                  device: str = "cpu", local_drafter: LocalDrafter | None = None,
                  n_out_table: Sequence[int] | None = None, environ: Mapping[str, str] | None = None,
-                 engine_id: int | None = None, depth: int = DEPTH):
+                 engine_id: int | None = None, depth: int = DEPTH, tp_group=None):
         if cfg.keeps_local_drafter and local_drafter is None:
             raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
         if device not in ("cpu", "cuda"):
@@ -84,6 +89,8 @@ class RemoteDSpark:
         self._lock = threading.Lock()   # state changes, and stats() against close()
         self._start_lock = threading.Lock()   # start() and close() one at a time
         self.exporter = None
+        # Tensor parallel (engine.ranks): rank 0 of tp_group opens the path, the others follow it.
+        self._ranks = Ranks(tp_group) if tp_group is not None else None
 
     # The facts callers read.
     cfg = property(lambda self: self.spec.cfg)
@@ -113,6 +120,8 @@ class RemoteDSpark:
             ValueError, native.NativeError: a configuration or build problem.
             TransportError, Refused: only with ``STRICT_START=1``, when the first
                 connect + HELLO fails.
+            With a ``tp_group``: ValueError when the configuration differs across its
+                ranks, and whatever rank 0 raised, on every rank.
         """
         with self._start_lock:
             with self._lock:
@@ -124,7 +133,12 @@ class RemoteDSpark:
             for warning in cfg.warnings():
                 log.warning("remote DSpark: %s", warning)
             try:
-                self._open(started_at)
+                if self._ranks is None:
+                    self._open(started_at)
+                else:   # tensor parallel: every rank compares its config, rank 0 opens, the others follow
+                    follower = self._ranks.start(self.spec, lambda: self._open(started_at), lambda: self.mode)
+                    if follower is not None:
+                        self.spec, self._path, self._users = follower.spec, follower, Users(follower.close)
             except BaseException:
                 self._close()   # nothing started stays running: exporter, proxy, watchdog, region
                 raise
@@ -206,7 +220,7 @@ class RemoteDSpark:
     def _fence(self) -> None:
         users, path, deadline = self._users, self._path, time.monotonic() + CLOSE_S
         users.shut()
-        if isinstance(path, SyncPath):
+        if not isinstance(path, AsyncPath):   # sync, or a tensor-parallel rank other than 0 (FollowerPath)
             path.fence()
             if not users.wait_alone(deadline):
                 log.warning("remote DSpark: close: a round still in flight after %.1f s", CLOSE_S)
@@ -252,12 +266,14 @@ class RemoteDSpark:
             raise RuntimeError(f"RemoteDSpark.{what}() before start() returned")
         raise RemoteClosed(f"RemoteDSpark.{what}() after close()")
 
+    @shares_failure
     def round(self, batch: Batch) -> Drafts:
         """Draft for ``batch`` under the policy.
 
         Raises:
             RemoteRoundFailed: capacity with ON_FAIL=raise and a failed remote round.
             RemoteClosed: after (or during) ``close()``; RuntimeError: before ``start()``.
+            With a ``tp_group``, whatever rank 0 raised before its answer went out, on every rank.
         """
         self._enter("round")
         try:
@@ -269,7 +285,7 @@ class RemoteDSpark:
         policy = self.cfg.policy
         local = self.local_drafter(batch) if policy == "shadow" else None
         t0 = time.monotonic()
-        remote = self._path.round(batch)
+        remote = self._path.round(batch) if self._ranks is None else self._ranks.share(self._path, batch)
         st = self.counts
         st.observe_latency(time.monotonic() - t0)
         st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
@@ -295,7 +311,13 @@ class RemoteDSpark:
         (after the stream's wait for the round's release); the CPU never waits for the
         network. The round's outcome is counted once it is released, at a later launch
         or ``stats()``; slots the worker lost come back in a later ``Launched.resync``.
+
+        Raises:
+            NotImplementedError: with a ``tp_group`` (use ``round()``).
         """
+        if self._ranks is not None:
+            raise NotImplementedError("RemoteDSpark.launch() with a tp_group: the drafts would have to reach the "
+                                      "other ranks in stream order; use round()")
         self._enter("launch")
         try:
             if self.mode == "sync" or self.device != "cuda":
@@ -361,7 +383,7 @@ class RemoteDSpark:
 
     def _write_stats_file(self) -> None:
         path = self.cfg.stats_file
-        if not path:
+        if not path or (self._ranks is not None and not self._ranks.leader):   # tensor parallel: rank 0 writes it
             return
         try:
             write_json_atomic(path, self.stats().to_json())
