@@ -480,7 +480,7 @@ def test_an_idle_engine_costs_no_core_and_its_next_round_is_served(worker, tmp_p
     had nothing to draft; now it sleeps on the engine's ``published`` word. A loose bound
     over an idle second (the exact figure is the benchmark's), then a round is ok."""
     import psutil
-    with make(async_env(worker.port, tmp_path, mode)) as rd:
+    with make(async_env(worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_ASYNC_NAP_US="0")) as rd:   # the default
         for _ in range(20):
             assert rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))).outcome is not None
         if mode == "process":

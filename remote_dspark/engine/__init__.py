@@ -7,6 +7,7 @@
     proxy_host  the proxy as a thread or a supervised process; which one serves
     stats       EngineCounts (the engine thread's counting) and Stats (the one record)
     lifecycle   EngineState, RemoteClosed, Users (when the region may be freed)
+    ranks       tensor parallelism: rank 0 opens the path, the others take its broadcast answers
 
 Before it builds its depth policy, on every rank, an engine calls
 ``apply_cost_overrides(cfg, depth_policy_on=..., depth_mode=..., num_spec=..., depth_file=...)``

@@ -17,6 +17,10 @@ with the proxy as a thread of the engine (``ASYNC_PROXY=thread``) or as a superv
 child process (``process``). On the CPU the engine thread hands a round over and waits for
 its release inside the native library (GIL released); the watchdog bounds that wait.
 
+With ``tp_group`` (a torch.distributed group) every tensor-parallel rank builds one:
+rank 0 of the group opens the path, the others open nothing and take rank 0's answer
+(``engine.ranks``); ``launch()`` is not offered there.
+
 torch is imported here (the engine side); nothing the proxy imports imports this module.
 """
 
@@ -42,6 +46,7 @@ from ..statsfile import write_json_atomic
 from .handoff import AsyncPath, Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed, Users
 from .proxy_host import ProxyHost
+from .ranks import Ranks, shares_failure
 from .spec import Spec
 from .stats import EngineCounts, LinkStats, Stats
 from .sync_path import SyncPath
@@ -63,13 +68,16 @@ class RemoteDSpark:
                  device: str = "cpu", local_drafter: LocalDrafter | None = None,
                  depth_mode: str | None = None, depth_file: str | None = None,
                  dense_cap: Sequence[int] | None = None, environ: Mapping[str, str] | None = None,
-                 engine_id: int | None = None, depth: int = DEPTH, vocab_size: int | None = None):
+                 engine_id: int | None = None, depth: int = DEPTH, vocab_size: int | None = None,
+                 tp_group=None):
         """``vocab_size``: the target model's vocabulary (token ids 0..vocab_size-1), or
         None when unknown. It goes to the worker in HELLO (0 there when unknown; a worker
         whose drafter's vocabulary is larger refuses) and bounds every token id: a batch's
         (``ValueError`` naming ``tokens``) and a reply's (the round is an ERROR).
         ``depth_mode``, ``depth_file``, ``dense_cap``: the engine's depth-policy facts
         (as ``config.n_out_table`` takes them), which set each round's n_out.
+        ``tp_group``: a tensor-parallel process group; only its rank 0 talks to the remote
+        drafter, and every rank gets the same drafts (``engine.ranks``).
 
         Raises:
             ValueError: an argument out of range, naming it.
@@ -106,6 +114,8 @@ class RemoteDSpark:
         self._lock = threading.Lock()   # state changes, and stats() against close()
         self._start_lock = threading.Lock()   # start() and close() one at a time
         self.exporter = None
+        # Tensor parallel (engine.ranks): rank 0 of tp_group opens the path, the others follow it.
+        self._ranks = Ranks(tp_group) if tp_group is not None else None
 
     # The facts callers read.
     cfg = property(lambda self: self.spec.cfg)
@@ -136,6 +146,8 @@ class RemoteDSpark:
             ValueError, native.NativeError: a configuration or build problem.
             TransportError, Refused: only with ``STRICT_START=1``, when the first
                 connect + HELLO fails.
+            With a ``tp_group``: ValueError when the configuration differs across its
+                ranks, and whatever rank 0 raised, on every rank.
         """
         with self._start_lock:
             with self._lock:
@@ -149,19 +161,28 @@ class RemoteDSpark:
             log.info("remote DSpark: n_out %s (%s)", "by request count" if self.spec.n_out_table else
                      f"= num_spec ({self.num_spec})", self.n_out_reason)
             try:
-                transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
-                if cfg.metrics_port:
-                    from ..metrics import Exporter
-                    self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
-                if cfg.strict_start and self.mode != "sync":
-                    self._probe_connection()
-                self._open_path(started_at)
+                if self._ranks is None:
+                    self._open(started_at)
+                else:   # tensor parallel: every rank compares its config, rank 0 opens, the others follow
+                    follower = self._ranks.start(self.spec, lambda: self._open(started_at), lambda: self.mode)
+                    if follower is not None:
+                        self.spec, self._path, self._users = follower.spec, follower, Users(follower.close)
             except BaseException:
                 self._close()   # nothing started stays running: exporter, proxy, watchdog, region
                 raise
             with self._lock:
                 self.state = EngineState.STARTED
         return self
+
+    def _open(self, started_at: float) -> None:
+        cfg = self.cfg
+        transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
+        if cfg.metrics_port:
+            from ..metrics import Exporter
+            self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
+        if cfg.strict_start and self.mode != "sync":
+            self._probe_connection()
+        self._open_path(started_at)
 
     def _open_path(self, started_at: float) -> None:
         if self.mode != "sync":
@@ -227,7 +248,7 @@ class RemoteDSpark:
     def _fence(self) -> None:
         users, path, deadline = self._users, self._path, time.monotonic() + CLOSE_S
         users.shut()
-        if isinstance(path, SyncPath):
+        if not isinstance(path, AsyncPath):   # sync, or a tensor-parallel rank other than 0 (FollowerPath)
             path.fence()
             if not users.wait_alone(deadline):
                 log.warning("remote DSpark: close: a round still in flight after %.1f s", CLOSE_S)
@@ -273,12 +294,14 @@ class RemoteDSpark:
             raise RuntimeError(f"RemoteDSpark.{what}() before start() returned")
         raise RemoteClosed(f"RemoteDSpark.{what}() after close()")
 
+    @shares_failure
     def round(self, batch: Batch) -> Drafts:
         """Draft for ``batch`` under the policy.
 
         Raises:
             RemoteRoundFailed: capacity with ON_FAIL=raise and a failed remote round.
             RemoteClosed: after (or during) ``close()``; RuntimeError: before ``start()``.
+            With a ``tp_group``, whatever rank 0 raised before its answer went out, on every rank.
         """
         self._enter("round")
         try:
@@ -290,7 +313,7 @@ class RemoteDSpark:
         policy = self.cfg.policy
         local = self.local_drafter(batch) if policy == "shadow" else None
         t0 = time.monotonic()
-        remote = self._path.round(batch)
+        remote = self._path.round(batch) if self._ranks is None else self._ranks.share(self._path, batch)
         st = self.counts
         st.observe_latency(time.monotonic() - t0)
         st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
@@ -318,7 +341,13 @@ class RemoteDSpark:
         slots the worker lost come back in a later ``Launched.resync``. In sync mode
         (``ASYNC=0``, or after a failed self-test) the round runs now, blocking, and comes
         back completed with the same shapes, on the rows' device.
+
+        Raises:
+            NotImplementedError: with a ``tp_group`` (use ``round()``).
         """
+        if self._ranks is not None:
+            raise NotImplementedError("RemoteDSpark.launch() with a tp_group: the drafts would have to reach the "
+                                      "other ranks in stream order; use round()")
         self._enter("launch")
         try:
             if self.device != "cuda":
@@ -405,7 +434,7 @@ class RemoteDSpark:
 
     def _write_stats_file(self) -> None:
         path = self.cfg.stats_file
-        if not path:
+        if not path or (self._ranks is not None and not self._ranks.leader):   # tensor parallel: rank 0 writes it
             return
         try:
             write_json_atomic(path, self.stats().to_json())

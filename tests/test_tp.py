@@ -1,0 +1,341 @@
+"""Tensor-parallel ranks (issue 18, item 6): ``RemoteDSpark(..., tp_group=...)`` on two
+gloo ranks, each a process of its own, around one loopback worker in the test process.
+
+The ranks are forked from the test process: torch is imported here already, and a fresh
+interpreter would spend seconds importing it again. Each rank makes itself a session
+leader, so whatever it starts (a proxy, a standby) ends with it: the test kills each
+rank's session at the end whatever happened. Every wait is bounded: a rank has
+RANK_LIMIT_S (then it dumps its stacks and exits), a collective GROUP_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from remote_dspark.config import RemoteConfig
+from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed, facade
+from remote_dspark.engine.stats import LinkStats
+from remote_dspark.markov import MarkovModel
+from remote_dspark.outcome import Outcome
+from remote_dspark.worker import MarkovDrafter, Worker
+
+MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+K = 3
+ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+RANK_LIMIT_S = 15.0          # one rank, fork to exit
+GROUP_TIMEOUT_S = 10         # a collective that waits longer raises
+FORK = multiprocessing.get_context("fork")
+
+
+@pytest.fixture
+def worker():
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
+    yield w
+    w.stop()
+
+
+def dead_port() -> int:
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
+    port = w.port
+    w.stop()
+    return port
+
+
+def env_for(port: int, tmp_path, **kw) -> dict:
+    d = MarkovDrafter(MODEL)
+    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
+               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
+               VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+               VLLM_DSPARK_REMOTE_BACKOFF_MS="20", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40")
+    env.update(kw)
+    return env
+
+
+def batch(new=True, slots=(0, 1), tokens=((1,), (3,)), positions=(0, 0)) -> Batch:
+    return Batch.from_lists(list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS,
+                            torch.arange(len(slots)))
+
+
+def run_ranks(tmp_path, scenario, envs: list[dict]) -> list[dict]:
+    """``scenario(rank, group, env, tmp_path)`` on ranks 0 and 1 of a gloo group; each
+    rank's result (a dict; ``crash`` holds a traceback that escaped the scenario)."""
+    procs = [FORK.Process(target=_rank_main, args=(rank, scenario, envs[rank], tmp_path), daemon=True)
+             for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + RANK_LIMIT_S + 2
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    finally:
+        for p in procs:
+            _end_session(p)
+    assert not hung, f"ranks {hung} did not end within {RANK_LIMIT_S} s (stacks on stderr)"
+    results = []
+    for rank in (0, 1):
+        out = tmp_path / f"rank{rank}.json"
+        assert out.exists(), f"rank {rank} wrote no result (exit code {procs[rank].exitcode})"
+        results.append(json.loads(out.read_text()))
+        assert "crash" not in results[-1], f"rank {rank}:\n{results[-1]['crash']}"
+    return results
+
+
+def _end_session(p) -> None:
+    """The rank and everything it started (its session), then reap it."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    p.join(5.0)
+    if p.is_alive():   # not yet its own session leader when killed
+        p.kill()
+        p.join(5.0)
+
+
+def _rank_main(rank: int, scenario, env: dict, tmp_path) -> None:
+    os.setsid()
+    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
+    try:
+        store = dist.FileStore(str(tmp_path / "store"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        group = dist.new_group([0, 1], backend="gloo")   # not the default group: the engine takes any
+        result = scenario(rank, group, env, tmp_path)
+    except BaseException:
+        result = {"crash": traceback.format_exc()}
+    (tmp_path / f"rank{rank}.json").write_text(json.dumps(result))
+    faulthandler.cancel_dump_traceback_later()
+
+
+def make(env, group, **kw) -> RemoteDSpark:
+    kw.setdefault("num_spec", K)
+    kw.setdefault("max_slots", 4)
+    kw.setdefault("row_bytes", 8)
+    return RemoteDSpark(RemoteConfig.from_env(env), environ=env, tp_group=group, **kw)
+
+
+def failure(e: BaseException) -> dict:
+    return {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+            "notes": getattr(e, "__notes__", [])}
+
+
+def own_resources() -> dict:
+    """What this process holds: child processes (a proxy, a standby) and memfd regions."""
+    children = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/children") as f:
+            children += f.read().split()
+    memfds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            memfds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    return {"children": len(children), "memfds": memfds}
+
+
+# --------------------------------------------------------------------------- scenarios (run in a rank)
+
+
+def drafts_and_roles(rank, group, env, tmp_path) -> dict:
+    writes = []
+    write = facade.write_json_atomic
+    facade.write_json_atomic = lambda path, doc: (writes.append(path), write(path, doc))
+    rd = make(env, group).start()
+    try:
+        outs = [rd.round(batch()), rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))]
+        held = own_resources()
+        try:
+            rd.launch(batch())
+            launch = None
+        except Exception as e:
+            launch = failure(e)
+        st = rd.stats()
+    finally:
+        rd.close()
+    return {"drafts": [[o.tokens.tolist(), o.counts.tolist(), o.outcome.label, o.source] for o in outs],
+            "held": held, "supervisor": rd.supervisor is not None, "mode": st.mode, "launch": launch,
+            "rounds_ok": st.rounds[Outcome.OK], "handoff": st.handoff is not None,
+            "stats_supervisor": st.supervisor is not None, "link_empty": st.link == LinkStats.none(),
+            "writes": len(writes)}
+
+
+def round_failures(rank, group, env, tmp_path) -> dict:
+    out = {}
+    with make(env, group) as rd:
+        for name, b in (("bad_slot", batch(slots=(0, 9))), ("dead_worker", batch())):
+            try:
+                rd.round(b)
+                out[name] = None
+            except Exception as e:
+                out[name] = failure(e)
+                out[name]["is_round_failed"] = isinstance(e, RemoteRoundFailed)
+        out["rounds"] = {o.label: n for o, n in rd.stats().rounds.items() if n}
+    return out
+
+
+def start_failure(rank, group, env, tmp_path) -> dict:
+    rd = make(env, group)
+    try:
+        rd.start()
+        return {"started": True}
+    except Exception as e:
+        return {"started": False, "error": failure(e), "state": rd.state.value, "held": own_resources()}
+    finally:
+        rd.close()
+
+
+def bad_batch_then_in_step(rank, group, env, tmp_path) -> dict:
+    with make(env, group) as rd:
+        try:
+            rd.round(batch(slots=(0, 9)))
+            error = None
+        except Exception as e:
+            error = failure(e)
+        good = rd.round(batch())
+        return {"error": error, "good": [good.tokens.tolist(), good.outcome.label]}
+
+
+def local_drafter_on_every_rank(rank, group, env, tmp_path) -> dict:
+    calls = []
+
+    def local(b):
+        calls.append(len(b))
+        n = len(b)
+        return torch.full((n, K), 7 + rank, dtype=torch.int32), torch.full((n,), K, dtype=torch.int32)
+    with make(env, group, local_drafter=local) as rd:
+        out = rd.round(batch())
+    return {"calls": calls, "source": out.source, "tokens": out.tokens.tolist(), "outcome": out.outcome.label}
+
+
+def shadow_on_every_rank(rank, group, env, tmp_path) -> dict:
+    calls = []
+
+    def local(b):
+        calls.append(len(b))
+        return torch.tensor([[2, 0, 0], [4, 0, 0]], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32)
+    with make(env, group, local_drafter=local) as rd:
+        out = rd.round(batch())
+        st = rd.stats()
+    return {"calls": calls, "source": out.source, "tokens": out.tokens.tolist(), "margins": out.margins.tolist(),
+            "agree": st.shadow_agree_at, "compared": st.shadow_compared_at, "margin_count": st.margin.count}
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("mode", ["sync", "process"])
+def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp_path, mode):
+    extra = {"VLLM_DSPARK_REMOTE_ASYNC": "1", "VLLM_DSPARK_REMOTE_ASYNC_PROXY": "process"} if mode == "process" else {}
+    env = env_for(worker.port, tmp_path, **extra)
+    r0, r1 = run_ranks(tmp_path, drafts_and_roles, [env, env])
+    assert r0["drafts"] == r1["drafts"]
+    assert r0["drafts"][0] == [[[2, 3, 4], [4, 1, 2]], [3, 3], "ok", "remote"]
+    assert r0["drafts"][1][0] == [[3, 4, 1], [1, 2, 3]]
+    assert worker.stats.connections == 1            # rank 0's connection (sync) or its proxy's, only
+    assert r0["mode"] == r1["mode"] == mode          # rank 1 reports the mode rank 0 runs
+    if mode == "process":
+        assert r0["supervisor"] and r0["held"]["memfds"] >= 1 and r0["held"]["children"] >= 1
+    assert r1["held"] == {"children": 0, "memfds": 0} and not r1["supervisor"]
+    # rank 1's statistics: its own engine-side counts, nothing of a path
+    assert r1["rounds_ok"] == r0["rounds_ok"] == 2
+    assert not r1["handoff"] and not r1["stats_supervisor"] and r1["link_empty"]
+    assert r0["writes"] >= 1 and r1["writes"] == 0
+    written = json.loads((tmp_path / "stats.json").read_text())
+    assert written["mode"] == mode and (written["supervisor"] is not None) == (mode == "process")
+    for r in (r0, r1):
+        assert r["launch"]["type"] == "builtins.NotImplementedError" and "tp_group" in r["launch"]["message"]
+
+
+def test_a_failed_round_on_rank0_raises_on_every_rank(tmp_path):
+    env = env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_ON_FAIL="raise")
+    r0, r1 = run_ranks(tmp_path, round_failures, [env, env])
+    for name in ("bad_slot", "dead_worker"):
+        assert r0[name] is not None and r1[name] is not None, name
+        assert (r1[name]["type"], r1[name]["message"]) == (r0[name]["type"], r0[name]["message"])
+    assert r0["bad_slot"]["type"] == "builtins.ValueError" and "slots: 9" in r0["bad_slot"]["message"]
+    assert any("rank 0" in note for note in r1["bad_slot"]["notes"])
+    assert r0["dead_worker"]["is_round_failed"] and r1["dead_worker"]["is_round_failed"]
+    assert r1["rounds"] == r0["rounds"] == {"error": 1}
+
+
+def test_a_strict_start_failure_on_rank0_raises_on_every_rank(tmp_path):
+    env = env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_STRICT_START="1", VLLM_DSPARK_REMOTE_ASYNC="1",
+                  VLLM_DSPARK_REMOTE_ASYNC_PROXY="process")
+    r0, r1 = run_ranks(tmp_path, start_failure, [env, env])
+    assert not r0["started"] and not r1["started"]
+    assert r0["error"]["type"] == r1["error"]["type"] == "remote_dspark.transport.errors.TransportError"
+    assert r0["error"]["message"] == r1["error"]["message"]
+    assert r0["state"] == r1["state"] == "closed"
+    assert r0["held"] == r1["held"] == {"children": 0, "memfds": 0}
+
+
+def test_a_bad_batch_raises_on_every_rank_and_the_ranks_stay_in_step(worker, tmp_path):
+    env = env_for(worker.port, tmp_path)
+    r0, r1 = run_ranks(tmp_path, bad_batch_then_in_step, [env, env])
+    assert r0["error"]["type"] == r1["error"]["type"] == "builtins.ValueError"
+    assert r0["error"]["message"] == r1["error"]["message"] == "slots: 9 out of 0..3"
+    assert r0["good"] == r1["good"] == [[[2, 3, 4], [4, 1, 2]], "ok"]
+
+
+def test_configs_that_differ_across_ranks_raise_on_every_rank(worker, tmp_path):
+    envs = [env_for(worker.port, tmp_path), env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_TIMEOUT_MS="80")]
+    r0, r1 = run_ranks(tmp_path, start_failure, envs)
+    for r in (r0, r1):
+        assert not r["started"] and r["error"]["type"] == "builtins.ValueError"
+        assert "rank 1: VLLM_DSPARK_REMOTE_TIMEOUT_MS" in r["error"]["message"]
+    assert r0["error"]["message"] == r1["error"]["message"]
+    assert worker.stats.connections == 0           # rank 0 compared before it opened anything
+
+
+def test_the_policy_runs_on_every_rank_over_rank0s_answer(tmp_path):
+    """Resilience with the worker down: every rank runs its own local drafter in the same
+    round (a tensor-parallel drafter's collectives stay in step)."""
+    env = env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_POLICY="resilience")
+    r0, r1 = run_ranks(tmp_path, local_drafter_on_every_rank, [env, env])
+    for rank, r in enumerate((r0, r1)):
+        assert r["calls"] == [2] and r["source"] == "local" and r["outcome"] == "error"
+        assert r["tokens"] == [[7 + rank] * K] * 2
+
+
+def test_shadow_margins_reach_every_rank_and_each_rank_compares(worker, tmp_path):
+    env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="shadow", VLLM_DSPARK_REMOTE_SHADOW_USE="remote")
+    r0, r1 = run_ranks(tmp_path, shadow_on_every_rank, [env, env])
+    assert r0 == r1
+    assert r0["calls"] == [2] and r0["source"] == "remote" and r0["tokens"] == [[2, 3, 4], [4, 1, 2]]
+    assert r0["agree"] == [2, 0, 0] and r0["compared"] == [2, 2, 2] and r0["margin_count"] == 6
+    assert len(r0["margins"]) == 2 and all(m > 0 for m in r0["margins"][0])
+
+
+# --------------------------------------------------------------------------- the ERROR record (in process)
+
+
+def test_an_error_record_rebuilds_the_class_its_arguments_and_attributes():
+    from remote_dspark.client import Refused
+    from remote_dspark.engine.ranks import error_from_record, error_record
+    e = error_from_record(error_record(Refused(3, "identity mismatch")), rank=1)
+    assert type(e) is Refused and str(e) == "identity mismatch" and (e.code, e.reason) == (3, "identity mismatch")
+    assert e.__notes__ == ["raised on rank 0 of the tp_group; broadcast to rank 1"]
+    e = error_from_record(error_record(RemoteRoundFailed("remote round failed: error")), rank=1)
+    assert type(e) is RemoteRoundFailed and str(e) == "remote round failed: error"
+
+
+def test_an_error_record_of_a_class_not_loaded_here_is_a_runtime_error():
+    from remote_dspark.engine.ranks import error_from_record
+    raw = json.dumps({"type": "not_loaded_here:Boom", "args": ["x"], "attrs": {}, "message": "x"}).encode()
+    e = error_from_record(raw, rank=1)
+    assert type(e) is RuntimeError and str(e) == "not_loaded_here.Boom: x"
