@@ -28,7 +28,7 @@ from .spec import Spec
 log = logging.getLogger("remote_dspark.engine")
 
 PROXY_START_S = 5.0          # a new proxy's start, past its first connect attempt (CONNECT_TIMEOUT_MS)
-STALL_SLACK_MS = 50          # heartbeat silence past max(TIMEOUT_MS, the idle tick) + this, a round pending: stalled
+STALL_SLACK_MS = 100         # heartbeat silence past max(TIMEOUT_MS, the idle tick) + this, a round pending: stalled
 START_WAIT_SLACK_S = 1.0     # start() waits for the first proxy at most CONNECT_TIMEOUT_MS + this
 STOP_S = 0.5                 # close: how long a proxy process has to exit on SIGTERM before SIGKILL
 
