@@ -110,7 +110,9 @@ class RemoteDSparkCollector(Collector):
             compared.add_metric([str(i)], s.shadow_compared_at[i])
         yield _counter("accepted_tokens", "Draft tokens the engine accepted.", sum(s.accepted_at))
         yield from (accepted, offered, agree, compared)
-        yield _histogram("margin_ratio", "Top1-top2 probability margin of the remote drafts (shadow).", s.margin)
+        if rd.cfg.want_margin:   # margins are asked for (WANT_MARGIN): else absent, not zero
+            yield _histogram("margin_ratio", "Top1-top2 probability margin of the remote drafts (shadow).",
+                             s.margin)
 
         state = _gauge("breaker_state", "1 for the breaker's current state, 0 for the others.", labels=("state",))
         for i, name in enumerate(BREAKER_STATES):

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 from helpers import until
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark import dashboard
@@ -246,4 +247,22 @@ def test_real_prometheus_scrapes_the_engine(worker, tmp_path):
             prom.kill()
             prom.wait()
         log.close()
+        rd.close()
+
+
+@pytest.mark.parametrize("want", ["0", "1"])
+def test_margins_on_request_only(worker, tmp_path, want):
+    """WANT_MARGIN=0: the worker sends DRAFTS without margins, Drafts.margins is None and
+    the margin metric is absent (not zero); WANT_MARGIN=1: margins, and the metric."""
+    from remote_dspark.engine import Batch
+    env = dict(engine_env(worker), VLLM_DSPARK_REMOTE_WANT_MARGIN=want, VLLM_DSPARK_REMOTE_ASYNC="0",
+               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "s.json"))
+    rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env).start()
+    try:
+        b = Batch.from_lists([0], [[1]], [0], [True], torch.zeros(1, 4), torch.tensor([0]))
+        out = rd.round(b)
+        assert out.outcome is Outcome.OK and (out.margins is None) == (want == "0")
+        names = {fam.name for fam in text_string_to_metric_families(scrape(rd))}
+        assert ("dspark_remote_margin_ratio" in names) == (want == "1")
+    finally:
         rd.close()
