@@ -1,0 +1,89 @@
+"""How an engine drives RemoteDSpark, end to end, runnable as it is:
+
+    python examples/engine_step.py          # starts its own loopback worker
+
+A toy "engine" decodes a cyclic language (token t is followed by t + 1 mod 16) for four
+requests; each step it asks the remote drafter for drafts, verifies them against its
+own next tokens, reports what it accepted and re-announces any slot the worker lost.
+docs/integration.md explains each step; tests/test_integration_example.py runs this.
+"""
+
+import os
+
+import torch
+
+from remote_dspark.config import RemoteConfig
+from remote_dspark.engine import Batch, RemoteDSpark, apply_cost_overrides
+from remote_dspark.markov import MarkovModel
+from remote_dspark.outcome import Outcome
+from remote_dspark.worker import MarkovDrafter, Worker
+
+K, SLOTS, VOCAB, STEPS = 4, 4, 16, 30
+
+
+def target_next(token: int) -> int:
+    """The target model, as far as this toy is concerned."""
+    return (token + 1) % VOCAB
+
+
+def main() -> int:
+    # The remote drafter: on another machine in a deployment; here a loopback worker.
+    drafter = MarkovDrafter(MarkovModel.from_tokens([t % VOCAB for t in range(4 * VOCAB)], order=1, top=1))
+    worker = Worker(drafter, "127.0.0.1", 0).start()
+    try:
+        env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
+                   VLLM_DSPARK_REMOTE_IDENTITY=drafter.drafter_identity.hex(),
+                   VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=drafter.markov_identity.hex(),
+                   VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC="1",
+                   VLLM_DSPARK_REMOTE_ASYNC_PROXY="process", VLLM_DSPARK_REMOTE_STATS_FILE="",
+                   VLLM_DSPARK_REMOTE_LOG_EVERY="0")
+        # 1. Early, on every rank, before the engine builds its depth policy: the remote
+        #    round's costs go into the environment (here the depth policy is off: nothing).
+        cfg = RemoteConfig.from_env(env)
+        apply_cost_overrides(cfg, env, depth_policy_on=False, num_spec=K)
+        # 2. One RemoteDSpark per engine (per rank with tp_group=...), started once.
+        hidden = torch.randn(SLOTS, 8)                      # the rows the drafter may read
+        rd = RemoteDSpark(cfg, num_spec=K, max_slots=SLOTS, row_bytes=hidden[0].numel() * 4,
+                          vocab_size=VOCAB, environ=env).start()
+        try:
+            return run(rd, hidden)
+        finally:
+            rd.close()                                       # 3. within 2 s, whatever the remote does
+    finally:
+        worker.stop()
+
+
+def run(rd: RemoteDSpark, hidden: torch.Tensor) -> int:
+    seqs = [[s * 3 % VOCAB] for s in range(SLOTS)]           # each request's tokens so far (its prompt)
+    sent = [0] * SLOTS                                        # how many of them the worker has seen
+    accepted_total = 0
+    for _ in range(STEPS):
+        # A step's batch, one entry per slot: the tokens since its last round (a NEW_GEN
+        # entry, sent = 0, carries the whole context), the position of the first of them,
+        # and where the slot's row is.
+        batch = Batch.from_lists(list(range(SLOTS)), [seqs[s][sent[s]:] for s in range(SLOTS)], sent,
+                                 [sent[s] == 0 for s in range(SLOTS)], hidden, torch.arange(SLOTS))
+        out = rd.round(batch)                                # drafts [SLOTS, K], counts [SLOTS]
+        sent = [len(q) for q in seqs]
+        accepted, offered = [0] * K, [0] * K
+        for s in range(SLOTS):
+            for i in range(int(out.counts[s])):              # verify: the matching prefix is accepted
+                offered[i] += 1
+                if int(out.tokens[s, i]) != target_next(seqs[s][-1]):
+                    break
+                accepted[i] += 1
+                seqs[s].append(int(out.tokens[s, i]))
+                accepted_total += 1
+            seqs[s].append(target_next(seqs[s][-1]))         # and the target's own next token
+        rd.record_accepted(accepted, offered)
+        # Slots the worker lost (a new worker, a new proxy) are announced again, whole.
+        for s in range(SLOTS):
+            if out.resync_all or s in out.resync:
+                sent[s] = 0
+    st = rd.stats()
+    print(f"{st.total_rounds} rounds ({st.rounds[Outcome.OK]} ok), {accepted_total} drafts accepted, mode {st.mode}")
+    return 0 if accepted_total > STEPS else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
