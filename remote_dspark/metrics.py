@@ -29,6 +29,7 @@ from .engine.stats import Histogram
 PREFIX = "dspark_remote_"
 BREAKER_STATES = ("closed", "open", "probing")
 CAUSES = ("exit", "signal", "stall")
+STANDBY_STATES = ("off", "none", "starting", "ready")
 
 
 def _counter(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
@@ -139,6 +140,13 @@ class RemoteDSparkCollector(Collector):
             yield _gauge("proxy_resident_memory_bytes", "Resident memory of the live proxy process.",
                          sup.proxy_rss_bytes)
             yield _counter("proxy_cpu_seconds", "CPU time of all proxy processes so far.", sup.proxy_cpu_seconds)
+            standby = _gauge("standby_state", "1 for the warm standby proxy's current state (off: none is kept, "
+                             "by ASYNC_STANDBY=0 or after repeated failures), 0 for the others.", labels=("state",))
+            for name in STANDBY_STATES:
+                standby.add_metric([name], 1.0 if sup.standby == name else 0.0)
+            yield standby
+            yield _counter("standby_failures", "Standby proxies that died before their promotion (never from "
+                           "the respawn budget).", sup.standby_failures)
 
 
 class Exporter:

@@ -111,6 +111,9 @@ def test_exposition_counts_the_rounds_and_the_respawn(run):
     assert value(after, "dspark_remote_accepted_tokens_total") == sum(st.accepted_at) > 0
     info = [k for k in samples(after) if k[0] == "dspark_remote_info"][0]
     assert dict(info[1])["mode"] == "process" and dict(info[1])["policy"] == "capacity"
+    states = {x: value(after, "dspark_remote_standby_state", state=x) for x in ("off", "none", "starting", "ready")}
+    assert sorted(states.values()) == [0.0, 0.0, 0.0, 1.0] and states["off"] == 0.0   # one state, a standby kept
+    assert value(after, "dspark_remote_standby_failures_total") == 0
 
 
 def test_counters_stay_monotonic_across_the_respawn(run):
