@@ -30,6 +30,8 @@ from .transport.tcp import TcpStream
 
 log = logging.getLogger("remote_dspark.link")
 
+CLOSE_JOIN_S = 0.2   # close(): how long it waits for a connector thread
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -109,6 +111,13 @@ class RemoteLink:
             self._connecting = False
 
     def _install(self, client: DraftClient) -> None:
+        with self._lock:
+            closed = self._closed.is_set()   # closed while this connection was made
+            if closed:
+                self._connecting = False
+        if closed:
+            client.close()
+            return
         with self._lock:
             # From here a failed round may start a new connector at once, even while the
             # thread that made this connection is still finishing.
@@ -216,4 +225,6 @@ class RemoteLink:
         if client is not None:
             client.close()
         if self._connector is not None:
-            self._connector.join(self.connect_timeout_s + 1.0)
+            # Bounded: a connector inside a connect to a silent worker ends by itself (a
+            # daemon thread; it closes what it made once it sees the link closed).
+            self._connector.join(CLOSE_JOIN_S)

@@ -157,6 +157,7 @@ class EngineEnd(RingEnd):
             for word in (self._gathered, self._claim, self._released, region.addr(region.layout.wake)):
                 lib.store32(word, start & MASK)
         self._last = self.gathered()
+        self._watchdog: Watchdog | None = None
 
     @property
     def last(self) -> int:
@@ -267,6 +268,15 @@ class EngineEnd(RingEnd):
         """Release the rounds a dead claimer holds (claimed, never released), empty with
         status ORPHAN; returns how many. Only once the proxy is known dead (its pidfd or
         waitpid said so): a live claimer may still be writing those drafts slots."""
+        wd = self._watchdog
+        if wd is not None and wd.running:   # under the watchdog's lock: its claim cannot interleave
+            n = self._lib.watchdog_release_orphans(wd._handle, Outcome.ORPHAN)
+            if n < 0:
+                check(-n, "release orphaned rounds")
+                raise RuntimeError(f"orphaned rounds: released word stuck at {self.released()}")
+            if n:
+                self.counters.add("orphan_releases", n)
+            return n
         n = 0
         rel, claim = self.released(), self.claimed()
         while not seq_geq(rel, claim):
@@ -295,4 +305,5 @@ class EngineEnd(RingEnd):
         poll = poll_us * 1000 if poll_us else min(max(limit // 10, 50_000), 5_000_000)
         wd = Watchdog(self._lib, self._geom, self.counters.addr("watchdog_releases"), limit, poll)
         self.region.add_close_hook(wd.stop)
+        self._watchdog = wd
         return wd

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import subprocess
 import time
 from dataclasses import dataclass
@@ -106,6 +107,9 @@ class Standby:
         now the caller's; None when there is no standby."""
         proc, pidfd = self.proc, self.pidfd
         if proc is None:
+            return None
+        if select.select([pidfd], [], [], 0)[0]:   # dead already (its exit not yet seen): not promoted
+            self.died()
             return None
         self.proc, self.pidfd = None, -1
         self._hooks.promote(proc.pid, session)

@@ -181,6 +181,9 @@ class Supervisor:
 
         def first() -> None:
             with self._lock:
+                if isinstance(self.state, Closed):   # closed while this thread was starting
+                    started.set()
+                    return
                 try:
                     self._spawn()
                 except BaseException as e:
@@ -274,13 +277,14 @@ class Supervisor:
                 if isinstance(self.state, Closed):
                     return
                 try:
+                    # A standby dead at the same time as the proxy is reaped first: never promoted.
+                    if sb is not None and sb.pidfd >= 0 and sb.pidfd in ready:
+                        sb.died()
                     if self._pidfd in ready:
                         self._reap_and_decide()
                     elif isinstance(self.state, (Starting, Up)):
                         self._check_live(self.state)
                     if sb is not None:
-                        if sb.pidfd in ready:
-                            sb.died()
                         # A standby is kept while a proxy serves and a loss could be
                         # replaced (the budget has one more respawn), never before
                         # the first proxy serves (they would share the start's CPU).

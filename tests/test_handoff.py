@@ -466,3 +466,36 @@ def test_a_round_handed_over_but_not_gathered_keeps_the_proxy_awake(lib):
         finally:
             lib.signal(region.addr(region.layout.gathered), 0, r, 0)
             t.join(5.0)
+
+
+def test_release_orphans_beside_a_busy_watchdog_finds_none_and_never_fails(lib):
+    """No proxy at all: the watchdog answers every round. release_orphans (a proxy loss, a
+    close) runs beside it under the watchdog's own lock, so a watchdog claim in flight is
+    never taken for a dead claimer's (it used to be, and raised, ending supervision)."""
+    with make_region() as region:
+        eng = ring.EngineEnd(region, lib)
+        wd = eng.start_watchdog(1, poll_us=50)
+        gathered, wake = region.addr(region.layout.gathered), region.addr(region.layout.wake)
+        stop, found, errors = threading.Event(), [], []
+
+        def engine():
+            while not stop.is_set():
+                try:
+                    r = eng.reserve(1.0)
+                except ring.RingFull:
+                    continue
+                lib.signal(gathered, 0, r, wake)
+        t = threading.Thread(target=engine)
+        t.start()
+        try:
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                try:
+                    found.append(eng.release_orphans())
+                except RuntimeError as e:
+                    errors.append(str(e))
+        finally:
+            stop.set()
+            t.join(5.0)
+            wd.stop()
+        assert errors == [] and sum(found) == 0 and eng.counters.snapshot().counters["watchdog_releases"] > 10

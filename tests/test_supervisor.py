@@ -302,3 +302,21 @@ def test_no_standby_is_kept_once_a_loss_could_not_be_replaced(spawner):
         assert sup.stats().standby == "none" and len(sb.pids) == 1   # none kept: nothing could use it
     finally:
         sup.close()
+
+
+def test_a_standby_dead_with_the_proxy_is_never_promoted(spawner):
+    """A correlated kill (the proxy and the standby at once): the dead standby is not taken
+    for the proxy and charges no second respawn; a fresh proxy is started instead."""
+    sb = Standbys(spawner)
+    sup = Supervisor(spawner, respawns=3, reset_s=0, standby=sb.hooks())
+    sup.start()
+    try:
+        assert until(lambda: sup.stats().standby == "ready")
+        proxy, standby = sup.up.pid, sb.pids[0]
+        os.kill(standby, signal.SIGKILL)
+        os.kill(proxy, signal.SIGKILL)
+        assert until(lambda: sup.up is not None and sup.up.pid not in (proxy, standby))
+        st = sup.stats()
+        assert sb.promoted == [] and (st.budget_left, st.restarts["signal"], st.standby_failures) == (2, 1, 1)
+    finally:
+        sup.close()

@@ -257,12 +257,12 @@ class RemoteDSpark:
         while True:
             path.fence(proxy_gone)
             if users.wait_alone(min(deadline, time.monotonic() + 0.005)):
-                break
+                path.finish()   # nobody inside: the stream may be finished and the region unpinned
+                return
             if time.monotonic() >= deadline:
                 log.warning("remote DSpark: close: %d users of the region still inside after %.1f s; the "
                             "last one out unmaps it", users.inside, CLOSE_S)
-                break
-        path.finish()
+                return
 
     def __enter__(self):
         return self.start()

@@ -278,8 +278,8 @@ class AsyncPath:
         gathered it, until ``deadline``. Rounds not gathered by then are the watchdog's.
         Only gathered rounds are answered: the stream has finished with the drafts slot
         such a round reuses. A round a live proxy claimed first is left to it."""
-        r = ring.seq_add(self.end.released(), 1)
-        while ring.seq_geq(self.end.last, r):
+        r, last = ring.seq_add(self.end.released(), 1), self.end.last   # what was handed over by now only:
+        while ring.seq_geq(last, r):                                     # later rounds are a new proxy's
             left = deadline - time.monotonic()
             rc = self.lib.wait_geq(self.region.addr(self.region.layout.gathered), r, 100, 100,
                                    native.deadline_ns(max(left, 0.0)))
@@ -309,7 +309,7 @@ class AsyncPath:
         if self.spec.device != "cuda":
             return
         self.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0 + 1.0)
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.synchronize()   # every stream of the device: close() may come from another thread
         self._collect()
         self.sync.unregister()
 

@@ -105,6 +105,10 @@ class ProxyHost:
         promoted."""
         if session is not None:
             self.path.end.header.set_session(session)
+        else:   # a standby: no promotion word, no ready word of an earlier one (a reused pid)
+            region, lib = self.path.region, self.path.lib
+            lib.store32(region.addr(region.layout.standby_go), 0)
+            lib.store32(region.addr(region.layout.standby_pid), 0)
         return spawn_proxy(self.path.region.fd, cfg=self.spec.cfg, engine_id=self.spec.engine_id, env=env,
                            vocab_size=self.spec.vocab_size, standby=session is None)
 
@@ -176,6 +180,8 @@ class ProxyHost:
         try:
             if isinstance(state, Down):
                 self.path.end.release_orphans()
+                # A proxy killed asleep leaves ``sleeping`` set: every round would pay a wake.
+                self.path.lib.store32(self.path.region.addr(self.path.region.layout.wake) + 4, 0)
             self.path.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0)
         finally:
             users.leave()

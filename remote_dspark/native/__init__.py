@@ -64,7 +64,7 @@ ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-ABI_VERSION = 9
+ABI_VERSION = 10
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -213,6 +213,7 @@ _FUNCS = {
     "serve": ("hf_serve", _I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),
     "watchdog_start": ("hf_watchdog_start", _P, (_RING, _P, _U32, _U64, _U64), False),
     "watchdog_stop": ("hf_watchdog_stop", _I, (_P,), True),
+    "watchdog_release_orphans": ("hf_watchdog_release_orphans", _I, (_P, _U32), True),
     "gather_rows": ("hf_gather_rows", _U32, (_P, _P, _U64, _U64, _P, _U32, _U32), False),
 }
 

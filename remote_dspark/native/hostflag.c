@@ -40,7 +40,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define HF_ABI 9
+#define HF_ABI 10
 
 enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
 
@@ -657,6 +657,31 @@ void *hf_watchdog_start(const struct hf_ring *ring, uint64_t *counter, uint32_t 
         return NULL;
     }
     return w;
+}
+
+/* Release the rounds a dead claimer holds (claim ahead of released), empty with
+ * `status`, under the watchdog's lock, so its own claim can never come between the
+ * reads of released and claim. The number released, or -HF_STATE when released will not
+ * move (a broken ring). Only once the claimer is known dead. */
+int hf_watchdog_release_orphans(void *handle, uint32_t status)
+{
+    struct hf_watch *w = handle;
+    const struct hf_ring *ring = &w->ring;
+    int n = 0, rc = HF_OK;
+    pthread_mutex_lock(&w->mu);
+    for (;;) {
+        uint32_t rel = __atomic_load_n(ring->released, __ATOMIC_ACQUIRE);
+        uint32_t claim = __atomic_load_n(ring->claim, __ATOMIC_ACQUIRE);
+        if (cyc_geq(rel, claim))
+            break;
+        hf_zero_drafts(ring, rel + 1, status);
+        rc = hf_publish(ring->released, rel + 1, hf_now_ns() + 1000000000u);
+        if (rc != HF_OK)
+            break;
+        n++;
+    }
+    pthread_mutex_unlock(&w->mu);
+    return rc == HF_OK ? n : -rc;
 }
 
 /* Stop and join the watchdog thread, free it. */
