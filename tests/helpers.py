@@ -1,5 +1,6 @@
 """Small helpers the tests import by name."""
 
+import os
 import time
 
 import pytest
@@ -56,3 +57,18 @@ def worker(drafter):
     yield w
     drafter.gate.set()
     w.stop()
+
+
+def env_for(port: int, tmp_path, **kw) -> dict:
+    """An engine's environment for a loopback worker of COUNTING on ``port``: capacity,
+    stats into ``tmp_path``, short back-offs; ``kw`` overrides or adds variables."""
+    from remote_dspark.worker import MarkovDrafter
+    d = MarkovDrafter(COUNTING)
+    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
+               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
+               VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+               VLLM_DSPARK_REMOTE_BACKOFF_MS="20", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40")
+    env.update(kw)
+    return env

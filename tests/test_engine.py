@@ -10,18 +10,17 @@ import sys
 import time
 
 import pytest
-from helpers import until
+from helpers import COUNTING, env_for, until
 
 from remote_dspark.config import RemoteConfig
 import torch
 
 from remote_dspark.outcome import Outcome
 from remote_dspark.engine import Batch, RemoteClosed, RemoteDSpark, RemoteRoundFailed
-from remote_dspark.markov import MarkovModel
 from remote_dspark.transport import TransportError
 from remote_dspark.worker import MarkovDrafter, Worker
 
-MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+MODEL = COUNTING
 K = 3
 
 
@@ -32,16 +31,6 @@ def worker():
     w.stop()
 
 
-def env_for(port, tmp_path, **kw):
-    d = MarkovDrafter(MODEL)
-    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
-               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
-               VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-               VLLM_DSPARK_REMOTE_BACKOFF_MS="20", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40")
-    env.update(kw)
-    return env
 
 
 def make(env, **kw):

@@ -148,20 +148,25 @@ def test_a_long_new_gen_context_on_the_device_is_cut_as_on_the_host(worker, tmp_
         assert out.tokens.tolist() == [[2, 3, 4], [1, 2, 3]]   # the window continued at 100
 
 
+def refused_then_served(rd, bad: Batch) -> None:
+    """``bad`` (device metadata the proxy's descriptor check refuses) comes back empty and
+    counted (ERROR, rounds_bad_desc), and the next good round is served."""
+    assert rd.launch(bad).counts.tolist() == [0, 0]
+    good = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
+    torch.cuda.synchronize()
+    assert good.counts.tolist() == [3, 3]
+    rd.launch(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))   # collects both
+    st = rd.stats()
+    assert st.handoff.proxy_counters["rounds_bad_desc"] == 1 and st.rounds[Outcome.ERROR] == 1
+
+
 def test_bad_metadata_on_the_device_is_target_only_and_counted(worker, tmp_path):
     """The host cannot check values it never reads: the proxy does, where they land."""
     with make(worker, tmp_path) as rd:
         rd.launch(batch())
         b = on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
         b.slots = torch.tensor([1, 1], device="cuda")          # one slot twice
-        out = rd.launch(b)
-        assert out.counts.tolist() == [0, 0]
-        good = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
-        torch.cuda.synchronize()
-        assert good.counts.tolist() == [3, 3]
-        rd.launch(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))   # collects both
-        st = rd.stats()
-        assert st.handoff.proxy_counters["rounds_bad_desc"] == 1 and st.rounds[Outcome.ERROR] == 1
+        refused_then_served(rd, b)
 
 
 def test_a_token_outside_the_vocabulary_raises_on_the_host_and_is_target_only_on_the_device(worker, tmp_path):
@@ -172,14 +177,7 @@ def test_a_token_outside_the_vocabulary_raises_on_the_host_and_is_target_only_on
         rd.launch(batch())
         with pytest.raises(ValueError, match=r"tokens: 5 \(token 1\) outside 0\.\.4"):
             rd.launch(batch(new=False, tokens=((2,), (5,)), positions=(1, 1)))
-        out = rd.launch(on_device(batch(new=False, tokens=((2,), (5,)), positions=(1, 1))))
-        assert out.counts.tolist() == [0, 0]
-        good = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
-        torch.cuda.synchronize()
-        assert good.counts.tolist() == [3, 3]
-        rd.launch(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))   # collects both
-        st = rd.stats()
-        assert st.handoff.proxy_counters["rounds_bad_desc"] == 1 and st.rounds[Outcome.ERROR] == 1
+        refused_then_served(rd, on_device(batch(new=False, tokens=((2,), (5,)), positions=(1, 1))))
 
 
 def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):

@@ -22,15 +22,16 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import COUNTING, env_for
 
 from remote_dspark.config import RemoteConfig
 from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed, facade
 from remote_dspark.engine.stats import LinkStats
-from remote_dspark.markov import MarkovModel
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import MarkovDrafter, Worker
 
-MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+
+MODEL = COUNTING
 K = 3
 ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 RANK_LIMIT_S = 15.0          # one rank, fork to exit
@@ -52,16 +53,6 @@ def dead_port() -> int:
     return port
 
 
-def env_for(port: int, tmp_path, **kw) -> dict:
-    d = MarkovDrafter(MODEL)
-    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
-               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
-               VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-               VLLM_DSPARK_REMOTE_BACKOFF_MS="20", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40")
-    env.update(kw)
-    return env
 
 
 def batch(new=True, slots=(0, 1), tokens=((1,), (3,)), positions=(0, 0)) -> Batch:
