@@ -55,6 +55,16 @@ class DraftBatch:
     rows: np.ndarray          # [n, row_bytes] uint8, the engine's opaque rows
     want_margin: bool
     width: int                # k: the result's second dimension
+    # Where each context comes from, for drafters that keep state per slot across rounds
+    # (a KV cache: remote_dspark.lm). A slot's stream is (session, slots[i], gens[i]): the
+    # worker never reuses a session number, and bumps a slot's generation at every
+    # NEW_GEN, so within one stream tokens are only ever appended. ``lengths[i]`` is how
+    # many tokens the stream has had (>= the context, its last ``window`` of them). None
+    # when the batch was not built by a worker (benchmarks, tests): no state to reuse.
+    session: int = 0
+    slots: np.ndarray | None = None     # [n] int64
+    gens: np.ndarray | None = None      # [n] int64
+    lengths: np.ndarray | None = None   # [n] int64
 
     def __len__(self) -> int:
         return len(self.n_out)

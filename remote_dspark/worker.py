@@ -335,15 +335,18 @@ class Worker:
         slots = np.frombuffer(rnd.slots, np.uint32).astype(np.int64)
         n_out = np.frombuffer(rnd.n_out, np.uint32)
         session.windows.check_slots(slots)
-        ok, ctx, ctx_offsets = session.windows.advance(
+        adv = session.windows.advance(
             slots, np.frombuffer(rnd.positions, np.uint32).astype(np.int64),
             (np.frombuffer(rnd.flags, np.uint32) & wire.FLAG_NEW_GEN) != 0,
             np.frombuffer(rnd.offsets, np.uint32).astype(np.int64), np.frombuffer(rnd.tokens, np.int32))
+        ok = adv.ok
         width = min(int(n_out.max()) if n else 0, session.num_spec)
         all_ok = bool(ok.all())
         rows = np.frombuffer(rnd.rows, np.uint8).reshape(n, rnd.row_bytes)
-        batch = DraftBatch(ctx, ctx_offsets, np.minimum(n_out if all_ok else n_out[ok], width).astype(np.int32),
-                           rows if all_ok else rows[ok], session.want_margin, width)
+        batch = DraftBatch(adv.tokens, adv.offsets,
+                           np.minimum(n_out if all_ok else n_out[ok], width).astype(np.int32),
+                           rows if all_ok else rows[ok], session.want_margin, width,
+                           session=session.windows.serial, slots=adv.slots, gens=adv.gens, lengths=adv.lengths)
         # No drafting entries (an empty round, or every slot to re-announce): no call.
         result = (check_result(self._batched.draft_batch(batch), batch) if len(batch)
                   else empty_result(0, width, session.want_margin))

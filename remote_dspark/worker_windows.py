@@ -8,12 +8,30 @@ back as every entry's context with one gather: no Python loop over the entries.
 
 from __future__ import annotations
 
+import itertools
 import threading
+
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import wire
+
+_SERIALS = itertools.count(1)   # Windows.serial: never reused in a process's life
+
+
+@dataclass(frozen=True)
+class Advanced:
+    """What :meth:`Windows.advance` made of a round: which entries have a window, and the
+    windows of those (``m`` of the round's ``n`` entries, in entry order)."""
+
+    ok: np.ndarray        # [n] bool: the entry's slot has a window (else: RESYNC)
+    tokens: np.ndarray    # [T] int32: the m contexts, each the slot's window after the round
+    offsets: np.ndarray   # [m + 1] int64
+    slots: np.ndarray     # [m] int64
+    gens: np.ndarray      # [m] int64: the slots' generations (Windows.gen)
+    lengths: np.ndarray   # [m] int64: tokens each slot has had since its NEW_GEN
 
 
 class Windows:
@@ -24,6 +42,7 @@ class Windows:
         ring      [max_slots, 2 * window] int32  token j of the slot (since its NEW_GEN) at
                                              columns j % window and j % window + window
         written   [max_slots] int64          tokens written since the slot's NEW_GEN
+        gen       [max_slots] int64          NEW_GENs the slot has had (a drafter's cache key)
         next_pos  [max_slots] int64          the position the slot's next token must have
         known     [max_slots] bool           the slot has a window
 
@@ -45,7 +64,9 @@ class Windows:
         flat = self.ring.reshape(-1)
         self._spans = as_strided(flat, (flat.size - window + 1, window), (flat.itemsize, flat.itemsize),
                                  writeable=False)
+        self.serial = next(_SERIALS)
         self.written = np.zeros(max_slots, np.int64)
+        self.gen = np.zeros(max_slots, np.int64)
         self.next_pos = np.zeros(max_slots, np.int64)
         self.known = np.zeros(max_slots, bool)
         self.lock = threading.Lock()
@@ -72,7 +93,7 @@ class Windows:
                                      "of this round")
 
     def advance(self, slots: np.ndarray, positions: np.ndarray, new_gen: np.ndarray,
-                offsets: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                offsets: np.ndarray, tokens: np.ndarray) -> Advanced:
         """Apply a round's entries to their slots' windows, all at once.
 
         Per entry: NEW_GEN replaces the slot's window with its tokens; an entry for a known
@@ -83,10 +104,7 @@ class Windows:
         Args: the round's arrays (slots unique and in range: :meth:`check_slots`);
             slots, positions, offsets int64, new_gen bool, tokens int32.
 
-        Returns:
-            (ok [n] bool, context tokens [T] int32, context offsets [m + 1] int64): the
-            contexts (each slot's window after the round) of the ``ok`` entries, in entry
-            order.
+        Returns: the ``ok`` entries and their contexts (:class:`Advanced`).
         """
         W = self.window
         n = len(slots)
@@ -102,6 +120,7 @@ class Windows:
                 self.known[slots[~ok]] = False
             if any_new:
                 self.known[slots[new_gen]] = True
+                self.gen[slots[new_gen]] += 1
             base = np.where(new_gen, 0, self.written[slots]) if any_new else self.written[slots]
             written = base + lens
             # Scatter the ok entries' tokens into the rings: of each entry only its last W
@@ -131,7 +150,8 @@ class Windows:
             ctx = ctx.reshape(-1) if bool((fill == W).all()) else ctx[np.arange(W) < fill[:, None]]
             ctx_offsets = np.zeros(len(fill) + 1, np.int64)
             np.cumsum(fill, out=ctx_offsets[1:])
-        return ok, ctx, ctx_offsets
+            gens = self.gen[ok_slots]
+        return Advanced(ok, ctx, ctx_offsets, ok_slots, gens, written)
 
     def window_of(self, slot: int) -> list[int] | None:
         """The slot's window, oldest first, or None (slow: tests and tools)."""
