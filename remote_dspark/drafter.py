@@ -17,6 +17,10 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
   margins section is not exactly what its HELLO asked (``engine.reply``);
 * draft token ids are in ``0..vocab_size-1`` of the engine (its HELLO says the size).
 
+A drafter that keeps state per slot across rounds (a KV cache) keys it by the stream
+the batch names (``session``, ``slots``, ``gens``, ``lengths``) and may report it with
+``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics).
+
 A drafter may say its vocabulary size (``vocab_size``: its largest token id + 1; an
 optional attribute, None or 0 when unknown, read with :func:`vocab_size_of`): the worker
 refuses the HELLO of an engine whose vocabulary is smaller, since its drafts could name
@@ -100,6 +104,23 @@ class PerEntryDrafterLike(Protocol):
 
     def draft(self, context: Sequence[int], n_out: int, row: memoryview) -> tuple[list[int], list[float]]:
         """Up to ``n_out`` tokens following ``context`` and their top1-top2 margins."""
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """A drafter's per-slot state, for the worker's metrics (optional ``cache_info()``)."""
+
+    slots: int       # streams with cached state now
+    capacity: int    # the most streams it keeps (the least recently used is dropped beyond)
+    bytes: int       # memory the cache holds
+    hits: int        # entries drafted from cached state (monotonic)
+    misses: int      # entries that encoded their whole context (monotonic)
+
+
+def cache_info_of(drafter) -> CacheInfo | None:
+    """``drafter.cache_info()`` when it keeps per-slot state, else None."""
+    info = getattr(drafter, "cache_info", None)
+    return info() if callable(info) else None
 
 
 def vocab_size_of(drafter) -> int:
