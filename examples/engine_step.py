@@ -37,52 +37,59 @@ def main() -> int:
                    VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC="1",
                    VLLM_DSPARK_REMOTE_ASYNC_PROXY="process", VLLM_DSPARK_REMOTE_STATS_FILE="",
                    VLLM_DSPARK_REMOTE_LOG_EVERY="0")
-        # 1. Early, on every rank, before the engine builds its depth policy: the remote
-        #    round's costs go into the environment (here the depth policy is off: nothing).
-        cfg = RemoteConfig.from_env(env)
-        apply_cost_overrides(cfg, env, depth_policy_on=False, num_spec=K)
-        # 2. One RemoteDSpark per engine (per rank with tp_group=...), started once.
-        hidden = torch.randn(SLOTS, 8)                      # the rows the drafter may read
-        rd = RemoteDSpark(cfg, num_spec=K, max_slots=SLOTS, row_bytes=hidden[0].numel() * 4,
-                          vocab_size=VOCAB, environ=env).start()
-        try:
-            return run(rd, hidden)
-        finally:
-            rd.close()                                       # 3. within 2 s, whatever the remote does
+        return engine(env)
     finally:
         worker.stop()
 
 
-def run(rd: RemoteDSpark, hidden: torch.Tensor) -> int:
-    seqs = [[s * 3 % VOCAB] for s in range(SLOTS)]           # each request's tokens so far (its prompt)
-    sent = [0] * SLOTS                                        # how many of them the worker has seen
-    accepted_total = 0
-    for _ in range(STEPS):
-        # A step's batch, one entry per slot: the tokens since its last round (a NEW_GEN
-        # entry, sent = 0, carries the whole context), the position of the first of them,
-        # and where the slot's row is.
-        batch = Batch.from_lists(list(range(SLOTS)), [seqs[s][sent[s]:] for s in range(SLOTS)], sent,
-                                 [sent[s] == 0 for s in range(SLOTS)], hidden, torch.arange(SLOTS))
-        out = rd.round(batch)                                # drafts [SLOTS, K], counts [SLOTS]
-        sent = [len(q) for q in seqs]
-        accepted, offered = [0] * K, [0] * K
-        for s in range(SLOTS):
-            for i in range(int(out.counts[s])):              # verify: the matching prefix is accepted
-                offered[i] += 1
-                if int(out.tokens[s, i]) != target_next(seqs[s][-1]):
-                    break
-                accepted[i] += 1
-                seqs[s].append(int(out.tokens[s, i]))
-                accepted_total += 1
-            seqs[s].append(target_next(seqs[s][-1]))         # and the target's own next token
-        rd.record_accepted(accepted, offered)
-        # Slots the worker lost (a new worker, a new proxy) are announced again, whole.
-        for s in range(SLOTS):
-            if out.resync_all or s in out.resync:
-                sent[s] = 0
-    st = rd.stats()
-    print(f"{st.total_rounds} rounds ({st.rounds[Outcome.OK]} ok), {accepted_total} drafts accepted, mode {st.mode}")
-    return 0 if accepted_total > STEPS else 1
+def engine(env: dict[str, str]) -> int:
+    # 1. Early, on every rank, before the engine builds its depth policy: the remote
+    #    round's costs go into the environment (here the depth policy is off: nothing).
+    cfg = RemoteConfig.from_env(env)                  # a ValueError names a bad variable
+    apply_cost_overrides(cfg, env, depth_policy_on=False, num_spec=K)
+    # 2. One RemoteDSpark per engine (per rank with tp_group=...), started once.
+    hidden = torch.randn(SLOTS, 8)                    # the rows the drafter may read
+    rd = RemoteDSpark(cfg, num_spec=K, max_slots=SLOTS, row_bytes=hidden[0].numel() * 4,
+                      vocab_size=VOCAB, environ=env).start()
+    try:
+        seqs = [[s * 3 % VOCAB] for s in range(SLOTS)]    # each request's tokens so far
+        sent = [0] * SLOTS                                  # how many the worker has seen
+        accepted_total = 0
+        for _ in range(STEPS):
+            # 3. Each step, one entry per request: the tokens since its last round (0 sent:
+            #    a NEW_GEN entry with the whole context), their first position, its row.
+            batch = Batch.from_lists(list(range(SLOTS)), [q[n:] for q, n in zip(seqs, sent)], sent,
+                                     [n == 0 for n in sent], hidden, torch.arange(SLOTS))
+            out = rd.round(batch)                           # drafts [SLOTS, K], counts [SLOTS]
+            sent = [len(q) for q in seqs]
+            accepted, offered = verify(seqs, out)
+            accepted_total += sum(accepted)
+            # 4. After verifying: what was accepted, and the slots the worker lost (a new
+            #    worker, a new proxy), announced again whole next round.
+            rd.record_accepted(accepted, offered)
+            sent = [0 if out.resync_all or s in out.resync else n for s, n in enumerate(sent)]
+        st = rd.stats()
+        print(f"{st.total_rounds} rounds ({st.rounds[Outcome.OK]} ok), {accepted_total} drafts accepted, "
+              f"mode {st.mode}")
+        return 0 if accepted_total > STEPS else 1
+    finally:
+        rd.close()                                    # 5. within 2 s, whatever the remote does
+
+
+def verify(seqs: list[list[int]], out) -> tuple[list[int], list[int]]:
+    """The target's verification, as far as this toy goes: each slot accepts the drafts
+    that match its next tokens, then appends the target's own next token. Returns the
+    accepted and offered counts per draft position."""
+    accepted, offered = [0] * K, [0] * K
+    for s, seq in enumerate(seqs):
+        for i in range(int(out.counts[s])):
+            offered[i] += 1
+            if int(out.tokens[s, i]) != target_next(seq[-1]):
+                break
+            accepted[i] += 1
+            seq.append(int(out.tokens[s, i]))
+        seq.append(target_next(seq[-1]))
+    return accepted, offered
 
 
 if __name__ == "__main__":

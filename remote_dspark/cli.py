@@ -10,7 +10,8 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's parser (each from the module that owns its work)."""
     parser = argparse.ArgumentParser(
         prog="remote-dspark",
         description="Run a speculative-decoding drafter on another machine without stalling the engine.")
@@ -29,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     from .bench import add_parsers as add_bench_parsers
     add_bench_parsers(bench_sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
