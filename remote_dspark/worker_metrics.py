@@ -103,7 +103,8 @@ class WorkerCollector(Collector):
         yield limit
         yield _counter("accepted_connections", "TCP connections accepted (before HELLO).",
                        adm.accepted if adm else 0)
-        yield _counter("served_connections", "Connections served: a whole HELLO accepted and given a thread.",
+        yield _counter("served_connections", "Connections given a thread: a whole HELLO not refused busy at the door "
+                       "(its identities, vocabulary and limits are checked there: refusals included).",
                        s.connections)
         refusals = _counter("hello_refusals", "HELLOs refused, by reason: drafter or markov (identity mismatch), "
                             "vocab (the drafter's vocabulary is over the engine's), limits (beyond this worker's "
