@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from .engine.stats import Histogram
+from .histogram import Histogram
 
 PREFIX = "dspark_remote_"
 BREAKER_STATES = ("closed", "open", "probing")
@@ -43,11 +43,7 @@ def _gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, .
 def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
     """From a non-cumulative :class:`Histogram` (its last bucket: +Inf)."""
     fam = HistogramMetricFamily(PREFIX + name, doc)
-    running, buckets = 0, []
-    for bound, count in zip(list(hist.bounds) + [float("inf")], hist.buckets):
-        running += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-    fam.add_metric([], buckets, hist.sum)
+    fam.add_metric([], hist.cumulative(), hist.sum)
     return fam
 
 

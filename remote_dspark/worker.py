@@ -55,6 +55,7 @@ from .transport.tcp import TcpStream
 from .worker_admission import Admission
 from .worker_limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits
 from .worker_sessions import RECENT_S, Session, Sessions
+from .worker_stats import REFUSAL_REASONS, Health, WorkerStats  # noqa: F401
 from .worker_windows import Windows
 
 log = logging.getLogger("remote_dspark.worker")
@@ -63,22 +64,6 @@ DEFAULT_LISTEN = "127.0.0.1:18620"
 
 # The old name of the per-entry drafter protocol (still accepted: drafter.as_batched).
 Drafter = PerEntryDrafterLike
-
-
-@dataclass
-class WorkerStats:
-    connections: int = 0      # connections served (a whole HELLO given a thread)
-    refused: int = 0          # HELLOs refused: identities, version, limits
-    busy: int = 0             # HELLOs refused busy: no served connection or no engine place free
-    evicted: int = 0          # sessions evicted for a newcomer (least recently served, idle >= recent_s)
-    bad_frames: int = 0       # connections dropped for a frame that breaks the contract
-    stalled: int = 0          # connections dropped for a frame not whole within frame_timeout_s
-    hello_timeouts: int = 0   # connections dropped for no HELLO within hello_timeout_s
-    displaced: int = 0        # pre-HELLO connections dropped to make room for a newer one
-    rounds: int = 0
-    entries: int = 0
-    resyncs: int = 0
-    draft_tokens: int = 0
 
 
 class Worker:
@@ -90,13 +75,18 @@ class Worker:
     beyond them; admission (``max_pending``, ``hello_timeout_s``) and places
     (``max_connections`` served connections, ``max_engines`` sessions, none evicted
     within ``recent_s`` of its last round) are described in the module docstring.
+
+    ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
+    ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
+    (:mod:`~remote_dspark.worker_metrics`, which needs prometheus_client: imported only then).
     """
 
     def __init__(self, drafter: BatchedDrafter | Drafter, host: str = "127.0.0.1", port: int = 18620, *,
                  window: int = 64, max_slots: int = DEFAULT_MAX_SLOTS, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
                  max_round_tokens: int | None = None, max_round_bytes: int | None = None,
                  max_engines: int = 32, max_connections: int = 32, max_pending: int = 128,
-                 hello_timeout_s: float = 2.0, frame_timeout_s: float = 10.0, recent_s: float = RECENT_S):
+                 hello_timeout_s: float = 2.0, frame_timeout_s: float = 10.0, recent_s: float = RECENT_S,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1"):
         if window < 1:
             raise ValueError(f"window {window}: must be >= 1")
         if max_connections < 1 or max_pending < 1:
@@ -114,6 +104,9 @@ class Worker:
         self.hello_timeout_s = hello_timeout_s
         self.frame_timeout_s = frame_timeout_s
         self.stats = WorkerStats()
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self._metrics = None                   # worker_metrics.MetricsServer while started with a metrics port
+        self._started = time.monotonic()
         # Fault injection (``remote-dspark worker --chaos``): answer every round this
         # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
         self.reply_delay_s = 0.0
@@ -139,6 +132,15 @@ class Worker:
             raise ValueError(f"--listen {self.host}:{self.port}: {e.strerror}") from e
         sock.listen(128)
         self.port = sock.getsockname()[1]
+        self._started = time.monotonic()
+        if self.metrics_port is not None:
+            from .worker_metrics import MetricsServer   # lazily: prometheus_client only when asked for
+            try:
+                self._metrics = MetricsServer(self, self.metrics_host, self.metrics_port)
+            except BaseException:
+                sock.close()
+                raise
+            self.metrics_port = self._metrics.port
         self._admission = Admission(sock, self._wake_r, max_pending=self.max_pending,
                                     hello_timeout_s=self.hello_timeout_s, on_hello=self._on_hello,
                                     on_version=self._on_version, count=self._count)
@@ -166,6 +168,8 @@ class Worker:
             t.join(timeout_s)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self._metrics is not None:   # last: /healthz says "stopping" (503) while the rest stops
+            self._metrics.close(timeout_s)
 
     def __enter__(self):
         return self.start()
@@ -177,9 +181,30 @@ class Worker:
         """The front door's statistics (:class:`~remote_dspark.worker_admission.AdmissionStats`)."""
         return self._admission.statistics() if self._admission else None
 
+    def statistics(self) -> WorkerStats:
+        """A consistent copy of :attr:`stats` (taken under the lock)."""
+        with self._lock:
+            return self.stats.copy()
+
+    def served_now(self) -> int:
+        """Connections served at this moment."""
+        with self._lock:
+            return len(self._conns)
+
+    def health(self) -> Health:
+        with self._lock:
+            served, connections, rounds = len(self._conns), self.stats.connections, self.stats.rounds
+        serving = not self._stopping.is_set()
+        return Health("serving" if serving else "stopping", time.monotonic() - self._started, connections,
+                      rounds, served, serving and served < self.max_connections)
+
     def _count(self, name: str) -> None:
         with self._lock:
             setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _refuse(self, reason: str) -> None:
+        with self._lock:
+            self.stats.refusals[reason] += 1
 
     # ------------------------------------------------------------------ admission (the accept thread)
 
@@ -194,7 +219,7 @@ class Worker:
             self._threads = [t for t in self._threads if t.is_alive()]
             busy = len(self._conns) >= self.max_connections
             if busy:
-                self.stats.busy += 1
+                self.stats.refusals["busy"] += 1
             else:
                 self._conns.add(conn)
                 self.stats.connections += 1
@@ -210,7 +235,7 @@ class Worker:
         t.start()
 
     def _on_version(self, conn: socket.socket, peer, e: wire.VersionMismatch) -> None:
-        self._count("bad_frames")
+        self._refuse("version")
         log.warning("connection %s: %s; refused", peer, e)
         self._answer_and_close(conn, self._ack(wire.REFUSE_VERSION, str(e), 0))
 
@@ -239,6 +264,7 @@ class Worker:
                 if hdr.type == wire.BYE:
                     return
                 elif hdr.type == wire.ROUND:
+                    t0 = time.perf_counter()
                     reply = self._round(session, hdr, payload)
                     if self.reply_delay_s:
                         time.sleep(self.reply_delay_s)
@@ -247,6 +273,9 @@ class Worker:
                         reply = os.urandom(len(reply))
                     chan.send(reply)
                     self._sessions.served(session)
+                    took = time.perf_counter() - t0
+                    with self._lock:
+                        self.stats.round_seconds.observe(took)
                 else:
                     raise wire.ProtocolError(f"unexpected {hdr.name} from the engine side")
         except wire.VersionMismatch as e:
@@ -276,23 +305,23 @@ class Worker:
     def _hello(self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
                ) -> Session | None:
         hello = wire.decode_hello(payload)
-        code, reason = wire.ACCEPT, ""
+        code, reason, why = wire.ACCEPT, "", ""
         if hello.drafter_identity != self.drafter.drafter_identity:
-            code = wire.REFUSE_DRAFTER
+            code, why = wire.REFUSE_DRAFTER, "drafter"
             reason = (f"drafter identity mismatch: engine {hello.drafter_identity.hex()}, "
                       f"worker {self.drafter.drafter_identity.hex()} (VLLM_DSPARK_REMOTE_IDENTITY)")
         elif hello.markov_identity != self.drafter.markov_identity:
-            code = wire.REFUSE_MARKOV
+            code, why = wire.REFUSE_MARKOV, "markov"
             reason = (f"Markov identity mismatch: engine {hello.markov_identity.hex()}, "
                       f"worker {self.drafter.markov_identity.hex()} (VLLM_DSPARK_REMOTE_MARKOV_IDENTITY)")
         elif hello.vocab_size and vocab_size_of(self.drafter) > hello.vocab_size:
-            code = wire.REFUSE_DRAFTER   # its drafts could name tokens the engine does not have
+            code, why = wire.REFUSE_DRAFTER, "vocab"   # its drafts could name tokens the engine does not have
             reason = (f"vocabulary mismatch: the drafter's vocabulary is {vocab_size_of(self.drafter)} tokens, "
                       f"over the engine's {hello.vocab_size}")
         elif (over := self.limits.refusal(hello)) is not None:    # this worker's own limits
-            code, reason = wire.REFUSE_LIMITS, over
+            code, reason, why = wire.REFUSE_LIMITS, over, "limits"
         if code != wire.ACCEPT:
-            self._count("refused")
+            self._refuse(why)
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
             chan.send(self._ack(code, reason, hdr.session))
             return None
@@ -304,7 +333,7 @@ class Worker:
         # recent_s; else "busy" (worker_sessions).
         busy, evicted = self._sessions.admit(session)
         if busy is not None:
-            self._count("busy")
+            self._refuse("busy")
             log.warning("refused HELLO of session %#x of engine %#x: %s", hdr.session, hello.engine_id, busy)
             chan.send(self._ack(wire.REFUSE_LIMITS, busy, hdr.session))
             return None
@@ -348,8 +377,14 @@ class Worker:
                            rows if all_ok else rows[ok], session.want_margin, width,
                            session=session.windows.serial, slots=adv.slots, gens=adv.gens, lengths=adv.lengths)
         # No drafting entries (an empty round, or every slot to re-announce): no call.
-        result = (check_result(self._batched.draft_batch(batch), batch) if len(batch)
-                  else empty_result(0, width, session.want_margin))
+        drafting = None
+        if len(batch):
+            t0 = time.perf_counter()
+            result = self._batched.draft_batch(batch)
+            drafting = time.perf_counter() - t0
+            result = check_result(result, batch)
+        else:
+            result = empty_result(0, width, session.want_margin)
         reply, out = _drafts_frame(hdr.session, rnd.round_id, n, width, result.margins is not None)
         out.slots[:] = slots
         out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
@@ -363,6 +398,8 @@ class Worker:
             self.stats.entries += n
             self.stats.resyncs += n - int(np.count_nonzero(ok))
             self.stats.draft_tokens += int(result.counts.sum())
+            if drafting is not None:
+                self.stats.drafting_seconds.observe(drafting)
         return reply
 
     @staticmethod

@@ -71,6 +71,13 @@ def add_parser(sub) -> None:
                    help="fault injection for chaos runs: SIGUSR1 toggles answering every round "
                         "--late-ms late, SIGUSR2 garbles the next reply")
     p.add_argument("--late-ms", type=int, default=200, help="the delay SIGUSR1 switches on (default 200)")
+    mon = p.add_argument_group(
+        "metrics", "/metrics (Prometheus), /healthz and /readyz on a small HTTP server of their own; needs "
+                   "prometheus_client (the worker extra). Off unless --metrics-port is given.")
+    mon.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                     help="serve them on PORT (0: any free port; the address is printed at start)")
+    mon.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                     help="address to serve them on (default 127.0.0.1: only loopback unless you say otherwise)")
     p.set_defaults(func=run)
 
 
@@ -87,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
                     max_row_bytes=args.max_row_bytes, max_round_tokens=args.max_round_tokens,
                     max_round_bytes=args.max_round_bytes, max_connections=args.max_connections,
                     max_engines=args.max_engines, max_pending=args.max_pending,
-                    hello_timeout_s=args.hello_timeout_ms / 1000, frame_timeout_s=args.frame_timeout_ms / 1000)
+                    hello_timeout_s=args.hello_timeout_ms / 1000, frame_timeout_s=args.frame_timeout_ms / 1000,
+                    metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     if args.chaos:  # before the first line: a chaos driver signals as soon as it reads it
         def toggle_late(*_):
             worker.reply_delay_s = 0.0 if worker.reply_delay_s else args.late_ms / 1000.0
@@ -103,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"remote-dspark worker listening on tcp://{host}:{worker.port}", flush=True)
     print(f"  VLLM_DSPARK_REMOTE_IDENTITY={drafter.drafter_identity.hex()}", flush=True)
     print(f"  VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={drafter.markov_identity.hex()}", flush=True)
+    if args.metrics_port is not None:   # after the identities: harness.WorkerProcess reads those three lines first
+        mhost = f"[{worker.metrics_host}]" if ":" in worker.metrics_host else worker.metrics_host
+        print(f"  metrics on http://{mhost}:{worker.metrics_port}/metrics (and /healthz, /readyz)", flush=True)
     done.wait()
     worker.stop()
     s = worker.stats

@@ -16,30 +16,12 @@ from typing import Mapping
 import numpy as np
 
 from .. import shm
+from ..histogram import Histogram  # noqa: F401  (re-exported: engine.handoff, tests)
 from ..outcome import Outcome
 from ..supervisor import SupervisorStats
 
 LATENCY_BOUNDS_S = tuple(b / 1e9 for b in shm.LATENCY_BOUNDS_NS)
 MARGIN_BOUNDS = tuple(i / 10 for i in range(1, 11))
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """Upper bounds and per-bucket counts (one more bucket than bounds: +Inf), and the
-    sum of the observed values. Not cumulative."""
-
-    bounds: tuple[float, ...]
-    buckets: tuple[int, ...]
-    sum: float
-
-    @property
-    def count(self) -> int:
-        return sum(self.buckets)
-
-    @classmethod
-    def from_region(cls, h: shm.Histogram) -> "Histogram":
-        """A region histogram (nanoseconds) in seconds."""
-        return cls(tuple(b / 1e9 for b in h.bounds_ns), tuple(h.buckets), h.sum_ns / 1e9)
 
 
 @dataclass(frozen=True)

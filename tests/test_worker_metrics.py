@@ -1,0 +1,401 @@
+"""The watchable worker (issue 16 item 4): ``--metrics-port`` serves /metrics, /healthz
+and /readyz; the exposition counts exactly what happened; promtool accepts it; the
+dashboard's worker row names only exposed metrics and, scraped by a real Prometheus,
+every one of its queries returns data. Loopback only; every wait bounded; every worker
+and process stopped by its test."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import numpy as np
+import pytest
+from helpers import gated_drafter, until
+from prometheus_client.parser import text_string_to_metric_families
+
+from remote_dspark import dashboard, wire
+from remote_dspark.client import DraftClient, Refused
+from remote_dspark.drafter import CacheInfo
+from remote_dspark.markov import MarkovModel
+from remote_dspark.transport import parse_endpoint
+from remote_dspark.worker import MarkovDrafter, Worker
+from remote_dspark.worker_stats import REFUSAL_REASONS
+
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+NEED_TOOLS = "promtool and prometheus come with Debian's 'prometheus' package (scripts/ensure-prometheus)"
+
+# 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; its vocabulary is 6 (ids 0..5).
+MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
+
+
+class CachedDrafter(MarkovDrafter):
+    """A Markov drafter that reports a (made-up) per-slot cache, as a KV-cache drafter would."""
+
+    info = CacheInfo(slots=3, capacity=16, bytes=4096, hits=7, misses=2)
+
+    def cache_info(self) -> CacheInfo:
+        return self.info
+
+
+def make(drafter=None, **kw) -> Worker:
+    return Worker(drafter or MarkovDrafter(MODEL), "127.0.0.1", 0, window=8, metrics_port=0, **kw).start()
+
+
+def hello(w, **kw) -> wire.Hello:
+    fields = dict(drafter_identity=w.drafter.drafter_identity, markov_identity=w.drafter.markov_identity,
+                  engine_id=42, max_slots=8, row_bytes=4, num_spec=3)
+    fields.update(kw)
+    return wire.Hello(**fields)
+
+
+def connect(w, session=1, **kw) -> DraftClient:
+    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
+
+
+def do_round(c, rid, entries):
+    return c.round(rid, [wire.encode_round_entries(rid, c.session, 1000, entries, bytes(4 * len(entries)), 4)], 2000)
+
+
+def get(w, path: str) -> tuple[int, str]:
+    """(status, body) of GET ``path`` on the worker's metrics server."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def scrape(w) -> str:
+    status, body = get(w, "/metrics")
+    assert status == 200
+    return body
+
+
+def samples(text: str) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(text: str, name: str, **labels) -> float:
+    return samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+def refused(w, served: int = 0, **kw) -> int:
+    """Say HELLO with ``kw``; the refusal's code. Waits until the worker serves ``served``
+    connections again (the refused one gone: the test's worker serves one at a time)."""
+    with pytest.raises(Refused) as e:
+        connect(w, **kw)
+    assert until(lambda: w.served_now() == served, timeout=5)
+    return e.value.code
+
+
+def version_refused(w) -> int:
+    """A HELLO of another protocol version: the ack's type (the worker then closes)."""
+    frame = bytearray(wire.encode_hello(hello(w), 1))
+    frame[4:6] = (99).to_bytes(2, "little")
+    with socket.create_connection(("127.0.0.1", w.port), timeout=5) as s:
+        s.sendall(frame)
+        data = b""
+        while len(data) < wire.HEADER.size:
+            chunk = s.recv(4096)
+            assert chunk
+            data += chunk
+    return wire.decode_header(data[:wire.HEADER.size]).type
+
+
+# --------------------------------------------------------------------------- the exposition
+
+
+@pytest.fixture(scope="module")
+def known():
+    """One worker (one served connection at most), after known HELLOs and N rounds:
+    (worker, N, entries, resyncs, draft tokens, the scrape)."""
+    w = make(max_slots=8, max_connections=1)
+    try:
+        assert refused(w, drafter_identity=b"\x01" * 32) == wire.REFUSE_DRAFTER
+        assert refused(w, markov_identity=b"\x02" * 32) == wire.REFUSE_MARKOV
+        assert refused(w, vocab_size=3) == wire.REFUSE_DRAFTER          # the model's vocabulary is 6
+        assert refused(w, max_slots=16) == wire.REFUSE_LIMITS           # over --max-slots 8
+        assert version_refused(w) == wire.HELLO_ACK
+        c = connect(w)
+        assert refused(w, served=1, session=2, engine_id=43) == wire.REFUSE_LIMITS   # busy: the one place is taken
+        n, entries, resyncs, tokens = 5, 0, 0, 0
+        for rid in range(1, n + 1):
+            # Slots 0 and 1 re-announced every round; slot 5 never: RESYNC every time.
+            d = do_round(c, rid, [wire.Entry(0, 2, 0, (1,), True), wire.Entry(1, 3, 0, (2, 3), True),
+                                  wire.Entry(5, 2, 4, (4,), False)])
+            assert list(d.statuses) == [wire.STATUS_OK, wire.STATUS_OK, wire.STATUS_RESYNC]
+            entries, resyncs, tokens = entries + 3, resyncs + 1, tokens + int(np.asarray(d.counts).sum())
+        assert tokens == 5 * (2 + 3)
+        # The round histogram is observed just after the DRAFTS is sent: wait for it.
+        assert until(lambda: value(scrape(w), "dspark_worker_round_duration_seconds_count") == n, timeout=5)
+        yield w, n, entries, resyncs, tokens, scrape(w)
+        c.close()
+    finally:
+        w.stop()
+
+
+def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
+    w, n, entries, resyncs, tokens, text = known
+    for reason in REFUSAL_REASONS:   # one of each, each counted once under its own reason
+        assert value(text, "dspark_worker_hello_refusals_total", reason=reason) == 1, reason
+    assert w.stats.refused == 5 and w.stats.busy == 1                 # the old fields, from the same counts
+    # Given a thread: the accepted one and the four refused there (identities, vocab, limits);
+    # the version and the busy refusal are answered at the door.
+    assert value(text, "dspark_worker_served_connections_total") == 5
+    assert value(text, "dspark_worker_accepted_connections_total") == 7
+    assert value(text, "dspark_worker_connections", state="served") == 1
+    assert value(text, "dspark_worker_connections", state="pending") == 0
+    assert value(text, "dspark_worker_connections_limit", state="served") == 1
+    assert value(text, "dspark_worker_bad_frames_total") == 0         # a version refusal is no bad frame
+    for name in ("stalled_connections", "hello_timeouts", "displaced_connections", "evicted_sessions"):
+        assert value(text, f"dspark_worker_{name}_total") == 0, name
+    assert value(text, "dspark_worker_rounds_total") == n
+    assert value(text, "dspark_worker_entries_total") == entries == 15
+    assert value(text, "dspark_worker_resyncs_total") == resyncs == 5
+    assert value(text, "dspark_worker_draft_tokens_total") == tokens
+    for hist in ("round_duration_seconds", "drafting_duration_seconds"):
+        assert value(text, f"dspark_worker_{hist}_count") == n
+        assert value(text, f"dspark_worker_{hist}_bucket", le="+Inf") == n
+        assert value(text, f"dspark_worker_{hist}_sum") > 0
+    info = [dict(k[1]) for k in samples(text) if k[0] == "dspark_worker_info"]
+    assert info == [{"drafter": "MarkovDrafter", "drafter_identity": w.drafter.drafter_identity.hex(),
+                     "markov_identity": w.drafter.markov_identity.hex(), "vocab_size": "6"}]
+    # The Markov drafter keeps no per-slot state: no cache metrics at all (not zeros).
+    assert not [k for k in samples(text) if k[0].startswith("dspark_worker_cache_")]
+
+
+def test_promtool_accepts_the_worker_exposition(known):
+    assert PROMTOOL, NEED_TOOLS
+    w = make(CachedDrafter(MODEL))
+    try:
+        for text in (known[-1], scrape(w)):   # with and without the cache's families
+            out = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0 and out.stdout.strip() == "" and out.stderr.strip() == "", \
+                out.stdout + out.stderr
+    finally:
+        w.stop()
+
+
+def test_cache_occupancy_comes_from_the_drafters_cache_info():
+    d = CachedDrafter(MODEL)
+    w = make(d)
+    try:
+        text = scrape(w)
+        assert value(text, "dspark_worker_cache_slots") == 3
+        assert value(text, "dspark_worker_cache_capacity_slots") == 16
+        assert value(text, "dspark_worker_cache_bytes") == 4096
+        assert value(text, "dspark_worker_cache_hits_total") == 7
+        assert value(text, "dspark_worker_cache_misses_total") == 2
+        d.info = CacheInfo(slots=4, capacity=16, bytes=8192, hits=9, misses=3)   # read at scrape time
+        text = scrape(w)
+        assert value(text, "dspark_worker_cache_slots") == 4 and value(text, "dspark_worker_cache_hits_total") == 9
+    finally:
+        w.stop()
+
+
+# --------------------------------------------------------------------------- health
+
+
+def test_healthz_and_readyz_while_serving_and_404_for_anything_else():
+    w = make(max_connections=1)
+    try:
+        status, body = get(w, "/healthz")
+        doc = json.loads(body)
+        assert status == 200 and doc["state"] == "serving" and doc["ready"] is True
+        assert doc["connections"] == 0 and doc["rounds"] == 0 and doc["uptime_s"] >= 0
+        assert get(w, "/readyz")[0] == 200
+        c = connect(w)
+        try:
+            do_round(c, 1, [wire.Entry(0, 2, 0, (1,), True)])
+            # Every served connection in use: alive (healthz) but not ready for another engine.
+            status, body = get(w, "/healthz")
+            assert status == 200 and json.loads(body)["rounds"] == 1 and json.loads(body)["served_now"] == 1
+            assert get(w, "/readyz")[0] == 503
+        finally:
+            c.close()
+        assert until(lambda: get(w, "/readyz")[0] == 200, timeout=5)
+        for path in ("/", "/metric", "/metrics/x", "/healthz/more"):
+            assert get(w, path)[0] == 404, path
+    finally:
+        w.stop()
+
+
+def test_healthz_is_503_once_stop_begins_and_refused_after_it():
+    d = gated_drafter(MODEL)
+    w = Worker(d, "127.0.0.1", 0, window=8, metrics_port=0).start()
+    c = connect(w)
+    stopper = threading.Thread(target=w.stop, daemon=True)
+    rounder = threading.Thread(target=lambda: _quietly(do_round, c, 1, [wire.Entry(0, 2, 0, (1,), True)]),
+                               daemon=True)
+    try:
+        assert get(w, "/healthz")[0] == 200
+        d.gate.clear()                       # the round waits in the drafter, so stop() waits for it
+        rounder.start()
+        assert until(lambda: w.served_now() == 1 and w.stats.rounds == 0, timeout=5)
+        stopper.start()
+        assert until(lambda: get(w, "/healthz")[0] == 503, timeout=5)
+        status, body = get(w, "/healthz")
+        assert json.loads(body)["state"] == "stopping" and get(w, "/readyz")[0] == 503
+    finally:
+        d.gate.set()
+        if stopper.ident is None:   # failed before stop began
+            w.stop()
+        stopper.join(15)
+        rounder.join(15)
+        c.close()
+    assert not stopper.is_alive()
+    with pytest.raises(urllib.error.URLError):
+        get(w, "/healthz")
+
+
+def _quietly(fn, *args):
+    try:
+        fn(*args)
+    except Exception:
+        pass
+
+
+def test_a_metrics_port_in_use_is_a_clear_error_and_nothing_is_left_listening():
+    w = make()
+    try:
+        with pytest.raises(ValueError, match=f"--metrics-port {w.metrics_port} on 127.0.0.1"):
+            Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, metrics_port=w.metrics_port).start()
+        with pytest.raises(ValueError, match="--metrics-port 70000: expected 0..65535"):
+            Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, metrics_port=70000).start()
+    finally:
+        w.stop()
+
+
+def test_the_plain_worker_never_imports_prometheus_client():
+    code = ("import sys\nfrom remote_dspark.worker import Worker, MarkovDrafter\nfrom remote_dspark.markov import "
+            "builtin_model\nw = Worker(MarkovDrafter(builtin_model()), '127.0.0.1', 0).start()\nw.stop()\n"
+            "print('prometheus_client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_worker_command_prints_its_metrics_address_and_serves_it():
+    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0",
+                             "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, text=True)
+    lines: list[str] = []   # read by a thread (a buffered pipe and select() do not mix); bounded waits
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        assert until(lambda: len(lines) >= 4 or proc.poll() is not None, timeout=30), lines
+        assert len(lines) >= 4, f"the worker exited after {lines}"
+        assert lines[0].startswith("remote-dspark worker listening on tcp://127.0.0.1:")
+        m = re.match(r"  metrics on http://127\.0\.0\.1:(\d+)/metrics \(and /healthz, /readyz\)$", lines[3])
+        assert m, lines
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/healthz", timeout=5) as r:
+            assert r.status == 200 and json.loads(r.read())["state"] == "serving"
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/metrics", timeout=5) as r:
+            assert "dspark_worker_rounds_total 0.0" in r.read().decode()
+    finally:
+        proc.terminate()
+        try:
+            assert proc.wait(15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            reader.join(5)
+            proc.stdout.close()
+
+
+# --------------------------------------------------------------------------- the dashboard's worker row
+
+
+def worker_queries() -> list[str]:
+    return [e for e in dashboard.queries() if "dspark_worker_" in e]
+
+
+def test_the_dashboard_has_a_worker_row_of_worker_panels():
+    panels = json.loads(dashboard.text())["panels"]
+    rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
+    assert [panels[i]["title"] for i in rows] == ["Worker"]
+    below = panels[rows[0] + 1:]
+    assert below and all("dspark_worker_" in t["expr"] for p in below for t in p["targets"])
+    assert all("dspark_worker_" not in t["expr"] for p in panels[:rows[0]] for t in p["targets"])
+    exprs = " ".join(worker_queries())
+    for q in ("0.5", "0.99"):
+        for hist in ("round_duration_seconds", "drafting_duration_seconds"):
+            assert (f"histogram_quantile({q}, sum by (le) (rate(dspark_worker_{hist}_bucket[$__rate_interval])))"
+                    in exprs)
+
+
+def test_every_worker_metric_the_dashboard_names_is_exposed():
+    w = make(CachedDrafter(MODEL))
+    try:
+        exposed = {k[0] for k in samples(scrape(w))}
+    finally:
+        w.stop()
+    named = {m for e in worker_queries() for m in re.findall(r"dspark_worker_[a-z_]+", e)}
+    assert len(named) >= 10 and sorted(named - exposed) == []
+
+
+def prom_query(port: int, expr: str) -> list:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_path):
+    assert PROMETHEUS, NEED_TOOLS
+    w = make(CachedDrafter(MODEL))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "prometheus.yml").write_text(json.dumps({
+        "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "worker", "static_configs": [
+            {"targets": [f"127.0.0.1:{w.metrics_port}"]}]}]}))
+    log = open(tmp_path / "prometheus.log", "w")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    c = connect(w)
+    try:
+        def has_data(expr: str) -> bool:
+            try:
+                return bool(prom_query(port, expr.replace("$__rate_interval", "5s")))
+            except OSError:
+                return False
+
+        def rounds_and_data() -> bool:   # rounds keep coming, so every rate has two samples in its window
+            do_round(c, rounds_and_data.rid, [wire.Entry(0, 2, 0, (1,), True)])
+            rounds_and_data.rid += 1
+            return all(has_data(e) for e in worker_queries())
+        rounds_and_data.rid = 1
+        assert until(rounds_and_data, timeout=30, step=0.1), \
+            ([e for e in worker_queries() if not has_data(e)], (tmp_path / "prometheus.log").read_text()[-2000:])
+    finally:
+        c.close()
+        prom.terminate()
+        try:
+            prom.wait(10)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+            prom.wait()
+        log.close()
+        w.stop()
