@@ -86,7 +86,7 @@ class DraftClient:
         """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
         rounds. Raises: DeadlineExceeded, Disconnected, wire.ProtocolError.
 
-        The header rules mirror ``recv_reply`` in ``native/hostflag.c`` (same order,
+        The header rules mirror ``recv_reply`` in ``native/tcp_round.c`` (same order,
         same words for the session)."""
         while True:
             hdr, payload = self.chan.recv_frame(deadline)

@@ -1,5 +1,5 @@
 """One rule for a worker's reply, written twice: ``engine.reply.check_reply`` (Python,
-sync mode) and ``hf_unpack`` / ``recv_reply`` in ``native/hostflag.c`` (the proxy's
+sync mode) and ``hf_unpack`` / ``recv_reply`` in ``native/tcp_round.c`` (the proxy's
 rounds). The same replies, crafted and fuzzed, go through both; the verdicts must agree,
 and the engine side's decoders must never raise anything but ``wire.ProtocolError``."""
 
