@@ -10,13 +10,12 @@ import sys
 import time
 
 import pytest
+import torch
 from helpers import COUNTING, env_for, until
 
 from remote_dspark.config import RemoteConfig
-import torch
-
-from remote_dspark.outcome import Outcome
 from remote_dspark.engine import Batch, RemoteClosed, RemoteDSpark, RemoteRoundFailed
+from remote_dspark.outcome import Outcome
 from remote_dspark.transport import TransportError
 from remote_dspark.worker import MarkovDrafter, Worker
 
@@ -266,6 +265,7 @@ def test_a_proxy_still_connecting_is_not_stalled(tmp_path, monkeypatch):
     stalled (which would spend the respawn budget on a worker's fault): it starts serving,
     target-only, once the attempt fails."""
     import socket
+
     from remote_dspark.engine import proxy_host
     monkeypatch.setattr(proxy_host, "PROXY_START_S", 1.0)   # below CONNECT_TIMEOUT_MS, room for a loaded machine
     with socket.create_server(("127.0.0.1", 0)) as silent:   # accepts (backlog), never answers

@@ -3,6 +3,7 @@ reconnect with back-off."""
 
 
 import pytest
+from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
 
 from remote_dspark import wire
 from remote_dspark.breaker import Breaker, State
@@ -10,7 +11,7 @@ from remote_dspark.link import RemoteLink
 from remote_dspark.outcome import Outcome, RoundEvent
 from remote_dspark.transport import TransportError, parse_endpoint
 from remote_dspark.worker import Worker
-from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
+
 
 def make_link(port, drafter, trip=3, cooldown=2, backoff_ms=20):
     hello = wire.Hello(drafter.drafter_identity, drafter.markov_identity, 1, 4, 0, 3)

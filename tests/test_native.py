@@ -10,11 +10,10 @@ import struct
 import subprocess
 
 import pytest
+from test_handoff import CHILD_TIMEOUT_S, child
 
 from remote_dspark import native, wire
 from remote_dspark.native import NativeError, Status, check
-from test_handoff import CHILD_TIMEOUT_S, child
-
 
 
 def word(value: int) -> ctypes.c_uint32:

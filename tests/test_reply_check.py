@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from remote_dspark import ring, ring_proxy, shm, shm_layout, streamsync, wire
 from remote_dspark.client import DraftClient

@@ -30,7 +30,6 @@ from remote_dspark.engine.stats import LinkStats
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import MarkovDrafter, Worker
 
-
 MODEL = COUNTING
 K = 3
 ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)

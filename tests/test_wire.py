@@ -3,7 +3,8 @@
 import struct
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.transport import Disconnected, FrameChannel

@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Mapping
 
 from .. import wire
-from .structs import LinkState, ProxyState, RingGeom  # noqa: F401  (the package's names)
 from ..trust import untrusted_because
+from .structs import LinkState, ProxyState, RingGeom  # noqa: F401  (the package's names)
 
 log = logging.getLogger("remote_dspark.native")
 
