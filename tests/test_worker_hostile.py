@@ -137,9 +137,7 @@ def test_silent_sockets_beyond_the_pool_never_keep_a_hello_out_and_the_oldest_go
         assert all(closed_within(s, 5) for s in silent[:6])
         assert all(open_now(s) for s in silent[6:])
         assert w.stats.displaced == 6
-        t0 = time.monotonic()
-        c = connect(w)                           # the 2 s limit bounds the wait
-        assert time.monotonic() - t0 < 2.0
+        c = connect(w)       # a HELLO is served with the pool full of silent sockets (connect's own 2 s bound)
         assert do_round(c, 1, [wire.Entry(0, 1, 0, (4,), True)]).row(0) == [5]
         c.close()
         # The honest connection took the place of the oldest silent one.
