@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import COUNTING, env_for, until
 
+from remote_dspark import wire
 from remote_dspark.config import RemoteConfig
 from remote_dspark.engine import Batch, RemoteClosed, RemoteDSpark, RemoteRoundFailed
 from remote_dspark.outcome import Outcome
@@ -325,6 +326,66 @@ def test_ofl_endpoint_without_its_library_fails_start(tmp_path, mode):
     with pytest.raises(ValueError, match="VLLM_DSPARK_REMOTE_OFL_DIR"):
         rd.start()
     assert not _children()
+
+
+# A stand-in for lane O1's ofl module: the interface transport/ofl.py names, over loopback
+# TCP. It logs each call beside itself, so the test sees that the rounds went through it.
+FAKE_OFL = """
+import os, socket
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls.log")
+
+
+def _log(what):
+    with open(LOG, "a") as f:
+        f.write(what + "\\n")
+
+
+class Conn:
+    def __init__(self, sock):
+        self.sock = sock
+
+    def sendmsg(self, buffers):
+        _log("sendmsg %d" % sum(memoryview(b).nbytes for b in buffers))
+        for b in buffers:
+            self.sock.sendall(b)
+
+    def recv_into(self, view, timeout_s):
+        self.sock.settimeout(timeout_s)
+        return self.sock.recv_into(view)
+
+    def close(self):
+        self.sock.close()
+
+
+def connect(host, port, *, mode, bind, timeout_s, lib):
+    _log("connect %s %s" % (mode, os.path.basename(lib)))
+    return Conn(socket.create_connection((host, port), timeout=timeout_s))
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_rounds_are_served_end_to_end_through_an_ofl_module(worker, tmp_path, mode):
+    """An o1tcp:// endpoint: the ofl module from OFL_DIR (a directory only this user can
+    write, as the trust rules ask) carries HELLO and every round; in the async modes the
+    proxy's Python round (``ProxyLoop.serve``) sends them, checked and unpacked in C."""
+    ofl = tmp_path / "ofl"
+    ofl.mkdir(mode=0o700)
+    (ofl / "ofl.py").write_text(FAKE_OFL)
+    (ofl / "libofl.so").write_bytes(b"")
+    env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE=f"o1tcp://127.0.0.1:{worker.port}",
+                  VLLM_DSPARK_REMOTE_OFL_DIR=str(ofl))
+    if mode != "sync":
+        env.update(VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY=mode)
+    with make(env) as rd:
+        assert rd.mode == mode
+        first = rd.round(batch())
+        assert (first.outcome, first.tokens.tolist()) == (Outcome.OK, [[2, 3, 4], [4, 1, 2]])
+        out = rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
+        assert (out.outcome, out.tokens.tolist()) == (Outcome.OK, [[3, 4, 1], [1, 2, 3]])
+    calls = (ofl / "calls.log").read_text().splitlines()
+    assert calls[0] == "connect tcp libofl.so"
+    sends = [int(c.split()[1]) for c in calls if c.startswith("sendmsg")]
+    assert len(sends) >= 3 and sends[0] == wire.HEADER.size + 88   # HELLO, then both rounds
 
 
 @pytest.mark.parametrize("proxy", ["thread", "process"])
