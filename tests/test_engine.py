@@ -24,13 +24,6 @@ MODEL = COUNTING
 K = 3
 
 
-@pytest.fixture
-def worker():
-    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
-    yield w
-    w.stop()
-
-
 
 
 def make(env, **kw):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from helpers import COUNTING as MODEL
-from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
+from helpers import until
 
 from remote_dspark import gather, ring, ring_proxy, shm, shm_layout, streamsync, wire
 from remote_dspark.config import RemoteConfig

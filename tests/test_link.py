@@ -3,7 +3,7 @@ reconnect with back-off."""
 
 
 import pytest
-from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
+from helpers import until
 
 from remote_dspark import wire
 from remote_dspark.breaker import Breaker, State

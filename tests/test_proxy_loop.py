@@ -6,7 +6,6 @@ from __future__ import annotations
 import struct
 
 import pytest
-from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
 
 from remote_dspark import native, ring, shm, shm_layout, streamsync, wire
 from remote_dspark.breaker import State

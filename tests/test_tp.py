@@ -38,13 +38,6 @@ GROUP_TIMEOUT_S = 10         # a collective that waits longer raises
 FORK = multiprocessing.get_context("fork")
 
 
-@pytest.fixture
-def worker():
-    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
-    yield w
-    w.stop()
-
-
 def dead_port() -> int:
     w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
     port = w.port
