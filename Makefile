@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(BIN)/remote-dspark demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	@./scripts/ensure-prometheus
 	$(BIN)/python -m pytest -q -rs
 

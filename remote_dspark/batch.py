@@ -134,7 +134,7 @@ def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n
 
     ``vocab_size`` (0: unknown) bounds the token ids. Metadata on the device
     (:func:`write_meta_in_stream`) is not read here, so it cannot be refused here: the
-    proxy's descriptor check (``check_desc`` in ``native/hostflag.c``) refuses a round
+    proxy's descriptor check (``check_desc`` in ``native/tcp_round.c``) refuses a round
     with a token id outside the vocabulary instead, answering it ERROR, unsent, counted
     ``rounds_bad_desc``.
 

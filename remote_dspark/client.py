@@ -30,11 +30,6 @@ class Refused(Exception):
         self.reason = reason
 
 
-def cyclic_before(a: int, b: int) -> bool:
-    """True when u32 sequence number ``a`` comes before ``b`` (wrap safe)."""
-    return ((a - b) & 0xFFFFFFFF) >= 0x80000000
-
-
 class DraftClient:
     """One HELLO'd connection. Not thread-safe: one round in flight at a time."""
 
@@ -86,7 +81,7 @@ class DraftClient:
         """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
         rounds. Raises: DeadlineExceeded, Disconnected, wire.ProtocolError.
 
-        The header rules mirror ``recv_reply`` in ``native/hostflag.c`` (same order,
+        The header rules mirror ``recv_reply`` in ``native/tcp_round.c`` (same order,
         same words for the session)."""
         while True:
             hdr, payload = self.chan.recv_frame(deadline)
@@ -99,7 +94,7 @@ class DraftClient:
                                          f"{self.session:#x}'s connection")
             if hdr.round == round_id:
                 return wire.decode_drafts(hdr, payload)
-            if not cyclic_before(hdr.round, round_id):
+            if wire.seq_geq(hdr.round, round_id):
                 raise wire.ProtocolError(f"DRAFTS for round {hdr.round}, which was never sent")
             self.late += 1
 

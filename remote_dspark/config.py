@@ -21,6 +21,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import wire
+
 # remote_requested, POLICIES, VARIABLES, ENV_MARKOV_CACHE and markov_identity_from_env
 # are re-exported: this module is the contract's public path.
 from .config_env import (  # noqa: F401
@@ -107,6 +109,13 @@ class RemoteConfig:
                        f"{self.timeout_ms}: the watchdog answers rounds the worker would still answer in "
                        "time, and three in a row read as a stalled proxy")
         return out
+
+    def hello(self, engine_id: int, *, max_slots: int, row_bytes: int, num_spec: int,
+              vocab_size: int = 0) -> wire.Hello:
+        """The HELLO of a session of this configuration: its identities and margins, the
+        engine's id and vocabulary, the region's sizes."""
+        return wire.Hello(self.drafter_identity, self.markov_identity, engine_id, max_slots, row_bytes, num_spec,
+                          want_margin=self.want_margin, vocab_size=vocab_size)
 
     def to_json(self) -> str:
         """This configuration, as the engine hands it to its proxy (never re-parsed from

@@ -144,6 +144,7 @@ def _supervisor_state(rd, *, past: int | None):
 def _local_drafter(num_spec: int):
     """The engine's own drafter for shadow/resilience: the built-in Markov model, locally."""
     import torch
+
     from .markov import builtin_model
     model = builtin_model()
 

@@ -81,8 +81,8 @@ class ProxyLoop:
         self.session = self.end.header.session
         self.breaker = RegionBreaker(cfg, self.end.header)
         lay = region.layout
-        hello = wire.Hello(cfg.drafter_identity, cfg.markov_identity, engine_id, lay.max_slots,
-                           lay.row_bytes, lay.num_spec, want_margin=cfg.want_margin, vocab_size=vocab_size)
+        hello = cfg.hello(engine_id, max_slots=lay.max_slots, row_bytes=lay.row_bytes, num_spec=lay.num_spec,
+                          vocab_size=vocab_size)
         self.link = RemoteLink(cfg.endpoint, hello, self.session, connect_timeout_ms=cfg.connect_timeout_ms,
                                backoff_ms=cfg.backoff_ms, backoff_max_ms=cfg.backoff_max_ms,
                                breaker=self.breaker.breaker, environ=environ, on_connect=self._connected)

@@ -40,18 +40,10 @@ from typing import Sequence
 from . import native, shm, wire
 from .native import Status, check
 from .outcome import Outcome
+from .wire import seq_add, seq_geq  # noqa: F401  (ring.seq_*: the round ids' arithmetic)
 
 MASK = 0xFFFFFFFF
 PUBLISH_TIMEOUT_NS = 1_000_000_000  # how long a claimer waits for the previous one
-
-
-def seq_geq(a: int, b: int) -> bool:
-    """a >= b for 32-bit sequence numbers (cyclic: wrap safe)."""
-    return ((a - b) & MASK) < 0x80000000
-
-
-def seq_add(a: int, n: int) -> int:
-    return (a + n) & MASK
 
 
 
@@ -128,9 +120,21 @@ class Watchdog:
             raise OSError(err, f"cannot start the watchdog thread: {os.strerror(err)}")
         self._handle = handle
 
-    @property
-    def running(self) -> bool:
-        return self._handle is not None
+    def release_orphans(self, status: int) -> int | None:
+        """Release a dead claimer's rounds (``EngineEnd.release_orphans``) under the
+        thread's lock, so its own claim cannot come between the reads of released and
+        claim; None once the thread is stopped (the caller releases them itself).
+
+        Raises:
+            RuntimeError: the released word does not move (a broken ring).
+        """
+        if self._handle is None:
+            return None
+        n = self._lib.watchdog_release_orphans(self._handle, status)
+        if n < 0:
+            check(-n, "release orphaned rounds")
+            raise RuntimeError("orphaned rounds: the released word does not move")
+        return n
 
     def stop(self) -> None:
         """Stop and join the thread. Idempotent."""
@@ -268,12 +272,8 @@ class EngineEnd(RingEnd):
         """Release the rounds a dead claimer holds (claimed, never released), empty with
         status ORPHAN; returns how many. Only once the proxy is known dead (its pidfd or
         waitpid said so): a live claimer may still be writing those drafts slots."""
-        wd = self._watchdog
-        if wd is not None and wd.running:   # under the watchdog's lock: its claim cannot interleave
-            n = self._lib.watchdog_release_orphans(wd._handle, Outcome.ORPHAN)
-            if n < 0:
-                check(-n, "release orphaned rounds")
-                raise RuntimeError(f"orphaned rounds: released word stuck at {self.released()}")
+        n = self._watchdog.release_orphans(Outcome.ORPHAN) if self._watchdog is not None else None
+        if n is not None:
             if n:
                 self.counters.add("orphan_releases", n)
             return n

@@ -13,7 +13,6 @@ This module imports only the standard library (the proxy is torch- and numpy-fre
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import types
 from collections.abc import Mapping
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 from .shm_layout import (
     LATENCY_BOUNDS_NS,
     OFF_BREAKER,
-    OFF_ENGINE_PID,
     OFF_HEARTBEAT,
     OFF_PROXY_PID,
     OFF_SESSION,
@@ -71,12 +69,6 @@ class Counters:
     def add(self, name: str, n: int = 1) -> None:
         self._lib.add64(self._addr[name], n)
 
-    def observe(self, name: str, ns: int) -> None:
-        """Count one latency ``ns`` in histogram ``name``."""
-        base = self._addr[name]
-        self._lib.add64(base + 8 * bisect.bisect_left(LATENCY_BOUNDS_NS, ns), 1)
-        self._lib.add64(base + 8 * (len(LATENCY_BOUNDS_NS) + 1), max(ns, 0))
-
     def snapshot(self) -> Snapshot:
         words = (ctypes.c_uint64 * self._block.words)()
         self._lib.snapshot64(self._base, ctypes.addressof(words), self._block.words)
@@ -107,7 +99,6 @@ class HeaderWords:
         self._lib = lib
         self._region = region
         self._session = region.addr(OFF_SESSION)
-        self._engine_pid = region.addr(OFF_ENGINE_PID)
         self._proxy_pid = region.addr(OFF_PROXY_PID)
         self._heartbeat = region.addr(OFF_HEARTBEAT)
         self._breaker = region.addr(OFF_BREAKER)
@@ -120,10 +111,6 @@ class HeaderWords:
         self._lib.store64(self._session, session)
 
     @property
-    def engine_pid(self) -> int:
-        return self._lib.load32(self._engine_pid)
-
-    @property
     def proxy_pid(self) -> int:
         return self._lib.load32(self._proxy_pid)
 
@@ -133,9 +120,6 @@ class HeaderWords:
     @property
     def heartbeat_ns(self) -> int:
         return self._lib.load64(self._heartbeat)
-
-    def beat(self, now_ns: int) -> None:  # proxy
-        self._lib.store64(self._heartbeat, now_ns)
 
     def breaker(self) -> BreakerState:
         b, lib = self._breaker, self._lib

@@ -114,6 +114,7 @@ class CudaBackend:
     def __init__(self, region: shm.Region, lib: native.Native, spin_us: int, nap_us: int,
                  hold_gil_us: int):
         import torch
+
         from .cuda_driver import Driver
         self._torch = torch
         torch.cuda.init()

@@ -37,8 +37,9 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
+from . import wire
 from .proxy_spawn import signal_proc, terminate
 from .standby import Standby, StandbyHooks
 
@@ -81,7 +82,7 @@ class Closed:
     pass
 
 
-Lifecycle = Union[Starting, Up, Down, Spent, Closed]
+Lifecycle = Starting | Up | Down | Spent | Closed
 
 
 class RestartBudget:
@@ -153,7 +154,7 @@ class Supervisor:
         self._stalled = stalled or (lambda up: False)
         self._on_change = on_change or (lambda state: None)
         self.tick_s = tick_s
-        self._new_session = new_session or (lambda: int.from_bytes(os.urandom(8), "little") or 1)
+        self._new_session = new_session or wire.random_id
         self._clock = clock
         self.state: Lifecycle = Down(Cause.EXIT, clock())
         self.restarts: Counter[Cause] = Counter()
@@ -376,7 +377,7 @@ def _process_facts(pid: int | None) -> tuple[int, float]:
     """(resident bytes, CPU seconds) of a live proxy; (0, 0.0) when there is none."""
     if pid is None:
         return 0, 0.0
-    import psutil   # engine side only; the proxy never imports the supervisor
+    import psutil  # engine side only; the proxy never imports the supervisor
     try:
         p = psutil.Process(pid)
         with p.oneshot():

@@ -52,7 +52,6 @@ from .wire_frame import (  # noqa: F401
     _HELLO,
     ACCEPT,
     BYE,
-    BadReply,
     DRAFTS,
     DRAFTS_FIXED,
     DRAFTS_MARGINS,
@@ -79,6 +78,7 @@ from .wire_frame import (  # noqa: F401
     ROUND_FIXED,
     STATUS_OK,
     STATUS_RESYNC,
+    BadReply,
     Header,
     ProtocolError,
     VersionMismatch,
@@ -87,6 +87,9 @@ from .wire_frame import (  # noqa: F401
     encode_header,
     frame_cap,
     pack_header_into,
+    random_id,
+    seq_add,
+    seq_geq,
 )
 from .wire_round import (  # noqa: F401
     ROUND_ARRAYS,

@@ -17,6 +17,7 @@ structs' fixed parts are here because the caps are made of them.
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 from dataclasses import dataclass
@@ -123,6 +124,21 @@ def decode_header(buf) -> Header:
     if length > cap:
         raise ProtocolError(f"{FRAME_NAMES[ftype]} payload of {length} bytes exceeds the cap {cap}")
     return Header(ftype, length, session, round_id)
+
+
+def seq_geq(a: int, b: int) -> bool:
+    """a >= b for u32 sequence numbers (round ids): cyclic, so wrap safe."""
+    return ((a - b) & 0xFFFFFFFF) < 0x80000000
+
+
+def seq_add(a: int, n: int) -> int:
+    """The u32 sequence number ``n`` after ``a`` (``n`` may be negative)."""
+    return (a + n) & 0xFFFFFFFF
+
+
+def random_id() -> int:
+    """A random non-zero u64: a session (new for every proxy process) or an engine id."""
+    return int.from_bytes(os.urandom(8), "little") or 1
 
 
 def _check(ok: bool, what: str) -> None:

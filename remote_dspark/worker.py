@@ -48,8 +48,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import wire
-from .drafter import (BatchedDrafter, DraftBatch, MarkovDrafter, PerEntryDrafterLike, as_batched,  # noqa: F401
-                      check_result, default_drafter_identity, empty_result, load_drafter, vocab_size_of)
+from .drafter import (  # noqa: F401
+    BatchedDrafter,
+    DraftBatch,
+    MarkovDrafter,
+    PerEntryDrafterLike,
+    as_batched,
+    check_result,
+    default_drafter_identity,
+    empty_result,
+    load_drafter,
+    vocab_size_of,
+)
 from .transport import DeadlineExceeded, Disconnected, FrameChannel
 from .transport.tcp import TcpStream
 from .worker_admission import Admission

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-
 from dataclasses import dataclass
 
 import numpy as np

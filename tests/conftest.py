@@ -4,6 +4,10 @@ import os
 
 import pytest
 
+# A loopback worker of helpers.COUNTING for every test that asks for ``worker`` (and its
+# gated ``drafter``), unless its module defines a worker of its own.
+from helpers import drafter, worker  # noqa: F401  (fixtures, shared by name)
+
 from remote_dspark import native
 
 

@@ -44,7 +44,7 @@ COUNTING = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 
 @pytest.fixture
 def drafter():
-    """A gated drafter of the COUNTING model (import this fixture by name to use it)."""
+    """A gated drafter of the COUNTING model (a fixture of every test: conftest imports it)."""
     d = gated_drafter(COUNTING)
     yield d
     d.gate.set()

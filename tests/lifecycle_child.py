@@ -24,11 +24,10 @@ from collections import Counter
 
 faulthandler.enable()   # a SIGSEGV prints every thread's Python stack to stderr
 
+import torch
 from helpers import COUNTING  # tests/ is on PYTHONPATH
 
 from remote_dspark.config import RemoteConfig
-import torch
-
 from remote_dspark.engine import Batch, Drafts, RemoteClosed, RemoteDSpark
 from remote_dspark.worker import MarkovDrafter, Worker
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_meta, to_drafts, write_meta
-import torch
 from remote_dspark.sim import SimEngine
 
 MAX_SLOTS, K, ROW_BYTES = 16, 4, 8

@@ -8,10 +8,7 @@ import json
 
 import pytest
 
-from remote_dspark.bench import add_parsers
-from remote_dspark.bench import handoff, handoff_peers
-
-
+from remote_dspark.bench import add_parsers, handoff, handoff_peers
 
 ROWS = {(m, hog) for m in handoff.MODES for hog in (False, True)}
 

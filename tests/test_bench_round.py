@@ -203,7 +203,8 @@ def _row(mode, slots, p50, **kw):
 
 
 def test_goals_and_the_table_from_a_report():
-    rows = [_row("floor", 256, 0.4, x_floor=1.0) | {"round_bytes": 270380, "drafts_bytes": 7200}, _row("sync", 256, 1.0, x_floor=2.5, cpu=0.9, not_ok=0,
+    rows = [_row("floor", 256, 0.4, x_floor=1.0) | {"round_bytes": 270380, "drafts_bytes": 7200},
+            _row("sync", 256, 1.0, x_floor=2.5, cpu=0.9, not_ok=0,
                                                            outcomes={"ok": 10}),
             _row("process", 256, 1.1, x_floor=2.75, x_sync=1.1, cpu=0.5, not_ok=2,
                  outcomes={"ok": 8, "timeout": 2}),

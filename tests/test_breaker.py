@@ -24,7 +24,8 @@ def test_closed_stays_closed_below_trip():
 
 def test_success_resets_consecutive_failures():
     b = Breaker(3, 4)
-    b.failure(); b.failure(); b.success(); b.failure(); b.failure()
+    for call in (b.failure, b.failure, b.success, b.failure, b.failure):
+        call()
     assert b.state == State.CLOSED
 
 
@@ -41,7 +42,8 @@ def test_open_skips_exactly_cooldown_rounds_then_probes():
 
 def test_probe_success_closes():
     b = tripped(cooldown=1)
-    b.allow(); b.allow()
+    b.allow()
+    b.allow()
     b.success()
     assert b.state == State.CLOSED and b.store.failures == 0
     assert b.allow()
@@ -49,7 +51,8 @@ def test_probe_success_closes():
 
 def test_probe_failure_reopens_for_a_full_cooldown():
     b = tripped(cooldown=2)
-    b.allow(); b.allow(); b.allow()
+    for _ in range(3):
+        b.allow()
     b.failure()
     assert b.state == State.OPEN and b.store.trips == 2 and b.store.cooldown_left == 2
     assert [b.allow() for _ in range(3)] == [False, False, True]
@@ -67,7 +70,8 @@ def test_state_lives_in_the_store_across_owners():
     """A respawned proxy builds a new Breaker over the same store and carries on."""
     store = BreakerRecord()
     first = Breaker(2, 3, store)
-    first.failure(); first.failure()
+    first.failure()
+    first.failure()
     second = Breaker(2, 3, store)
     assert second.state == State.OPEN and [second.allow() for _ in range(4)] == [False, False, False, True]
 
@@ -92,4 +96,5 @@ def test_every_event_has_one_verdict(event):
     b.observe(RoundEvent.TIMEOUT)            # one failure on record
     b.observe(event)
     after = (b.state, b.store.failures)
-    assert after == {"success": (State.CLOSED, 0), "failure": (State.OPEN, 0), "none": (State.CLOSED, 1)}[VERDICT[event]]
+    expected = {"success": (State.CLOSED, 0), "failure": (State.OPEN, 0), "none": (State.CLOSED, 1)}
+    assert after == expected[VERDICT[event]]

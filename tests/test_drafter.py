@@ -8,10 +8,18 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from remote_dspark.drafter import (DraftBatch, DraftResult, MarkovDrafter, PerEntryDrafter, as_batched,
-                                   check_result, load_drafter)
+from remote_dspark.drafter import (
+    DraftBatch,
+    DraftResult,
+    MarkovDrafter,
+    PerEntryDrafter,
+    as_batched,
+    check_result,
+    load_drafter,
+)
 from remote_dspark.markov import MarkovModel, builtin_model
 
 

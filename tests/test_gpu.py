@@ -11,15 +11,14 @@ import threading
 import time
 
 import pytest
+import torch
 from helpers import COUNTING as MODEL
-from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
+from helpers import until
 
 from remote_dspark import gather, ring, ring_proxy, shm, shm_layout, streamsync, wire
 from remote_dspark.config import RemoteConfig
-import torch
-
-from remote_dspark.outcome import Outcome
 from remote_dspark.engine import Batch, RemoteDSpark
+from remote_dspark.outcome import Outcome
 from remote_dspark.worker import MarkovDrafter
 
 pytestmark = pytest.mark.gpu

@@ -131,6 +131,16 @@ def test_no_module_is_over_the_line_limit():
     assert not over, f"over {MAX_LINES} lines (split by concern): {over}"
 
 
+MAX_C_LINES = 650
+
+
+def test_no_c_file_is_over_its_line_limit():
+    files = sorted((ROOT / "remote_dspark" / "native").glob("*.[ch]"))
+    assert {p.name for p in files} >= {"hostflag.c", "tcp_round.c", "hostflag.h"}
+    over = {p.name: n for p in files if (n := len(p.read_text().splitlines())) > MAX_C_LINES}
+    assert not over, f"over {MAX_C_LINES} lines (split by concern): {over}"
+
+
 # --- import cycles ----------------------------------------------------------------------
 
 

@@ -13,16 +13,16 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from helpers import until
 import torch
+from helpers import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark import dashboard
 from remote_dspark.config import RemoteConfig
-from remote_dspark.outcome import Outcome
 from remote_dspark.engine import RemoteDSpark
 from remote_dspark.harness import DemoEngine, WorkerProcess
 from remote_dspark.metrics import Exporter
+from remote_dspark.outcome import Outcome
 from remote_dspark.sim import SimEngine
 
 PROMTOOL = shutil.which("promtool")

@@ -6,14 +6,14 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import struct
 import subprocess
 
 import pytest
-
-from remote_dspark import native
-from remote_dspark.native import NativeError, Status, check
 from test_handoff import CHILD_TIMEOUT_S, child
 
+from remote_dspark import native, wire
+from remote_dspark.native import NativeError, Status, check
 
 
 def word(value: int) -> ctypes.c_uint32:
@@ -135,6 +135,34 @@ def test_a_library_of_another_abi_is_refused(tmp_path):
     path = _fake_library(tmp_path, 99, native.LOCK_FREE_ALL)
     with pytest.raises(NativeError, match=f"hostflag ABI 99, this package binds {native.ABI_VERSION}"):
         native.Native(path)
+
+
+# A value of each wire constant the C round uses that is not the wire's.
+DRIFTED = {"HEADER": struct.Struct("<4sHHIQII"), "MAGIC": b"DSPX", "PROTOCOL_VERSION": 4, "ROUND": 6,
+           "DRAFTS": 7, "BYE": 8, "ROUND_FIXED": struct.Struct("<IIIII"), "DRAFTS_FIXED": struct.Struct("<IHHI"),
+           "FLAG_NEW_GEN": 2, "DRAFTS_MARGINS": 2, "STATUS_RESYNC": 2, "MAX_PAYLOAD": 32 << 20}
+
+
+def test_the_library_reports_the_wire_constants_of_wire_py(lib):
+    assert [name for name, _ in native.WIRE_CONSTANTS] == list(DRIFTED)
+    out = (ctypes.c_uint64 * 32)()
+    fn = ctypes.CDLL(lib.path).hf_wire_constants
+    fn.restype = ctypes.c_uint32
+    assert fn(out, 32) == len(native.WIRE_CONSTANTS)
+    assert list(out[:len(DRIFTED)]) == [expected() for _, expected in native.WIRE_CONSTANTS]
+    assert out[1].to_bytes(4, "little") == wire.MAGIC
+
+
+@pytest.mark.parametrize("name", list(DRIFTED))
+def test_a_wire_constant_that_drifts_from_the_library_refuses_it_naming_both_values(lib, monkeypatch, name):
+    """A wire.py whose constant is not the one the C round was built with (a protocol
+    change in one language only) is refused at load, naming the constant."""
+    before = dict(native.WIRE_CONSTANTS)[name]()
+    monkeypatch.setattr(wire, name, DRIFTED[name])
+    after = dict(native.WIRE_CONSTANTS)[name]()
+    assert after != before
+    with pytest.raises(NativeError, match=rf"wire constant {name} is {before} in C, {after} in remote_dspark.wire"):
+        native.Native(lib.path)
 
 
 def test_a_named_library_of_another_abi_is_a_configuration_error(tmp_path):

@@ -10,9 +10,8 @@ import pytest
 from remote_dspark import native, ring, shm, shm_layout, streamsync, wire
 from remote_dspark.breaker import State
 from remote_dspark.config import RemoteConfig
-from remote_dspark.proxy_proc import ProxyLoop
 from remote_dspark.outcome import Outcome
-from helpers import drafter, until, worker  # noqa: F401 (drafter, worker: fixtures)
+from remote_dspark.proxy_proc import ProxyLoop
 
 NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
 

@@ -8,26 +8,18 @@ import signal
 import subprocess
 import sys
 
-import pytest
+from helpers import until
 
 from remote_dspark import ring, shm, shm_layout, streamsync, wire
+from remote_dspark.config import RemoteConfig
 from remote_dspark.markov import MarkovModel
 from remote_dspark.outcome import Outcome
-from remote_dspark.config import RemoteConfig
 from remote_dspark.proxy_spawn import handover_pipe, proxy_environment, spawn_proxy
-from remote_dspark.worker import MarkovDrafter, Worker
-from helpers import until
+from remote_dspark.worker import MarkovDrafter
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 HEAVY = ("torch", "numpy", "prometheus_client")
 
-
-
-@pytest.fixture
-def worker():
-    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
-    yield w
-    w.stop()
 
 
 def env_for(worker, lib, **extra):

@@ -1,5 +1,5 @@
 """One rule for a worker's reply, written twice: ``engine.reply.check_reply`` (Python,
-sync mode) and ``hf_unpack`` / ``recv_reply`` in ``native/hostflag.c`` (the proxy's
+sync mode) and ``hf_unpack`` / ``recv_reply`` in ``native/tcp_round.c`` (the proxy's
 rounds). The same replies, crafted and fuzzed, go through both; the verdicts must agree,
 and the engine side's decoders must never raise anything but ``wire.ProtocolError``."""
 
@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from remote_dspark import ring, ring_proxy, shm, shm_layout, streamsync, wire
 from remote_dspark.client import DraftClient

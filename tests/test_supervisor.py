@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import until
 
 from remote_dspark.supervisor import Cause, Closed, Spent, Starting, Supervisor, Up
-from helpers import until
 
 CHILD = "import sys, time\ncode = int(sys.argv[1])\nif code >= 0: sys.exit(code)\ntime.sleep(120)\n"
 
@@ -279,9 +279,9 @@ def test_a_standby_that_dies_is_replaced_without_spending_the_budget_and_given_u
     with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
         try:
             for n in range(1, 4):
-                assert until(lambda: len(sb.pids) == n, timeout=15)   # the back-off doubles: 0.5, 1 s
+                assert until(lambda n=n: len(sb.pids) == n, timeout=15)   # the back-off doubles: 0.5, 1 s
                 os.kill(sb.pids[-1], signal.SIGKILL)
-                assert until(lambda: sup.stats().standby_failures == n)
+                assert until(lambda n=n: sup.stats().standby_failures == n)
             assert until(lambda: sup.stats().standby == "off")
             st = sup.stats()
             assert (st.budget_left, sum(st.restarts.values()), st.state) == (2, 0, "up")

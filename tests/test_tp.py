@@ -30,20 +30,12 @@ from remote_dspark.engine.stats import LinkStats
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import MarkovDrafter, Worker
 
-
 MODEL = COUNTING
 K = 3
 ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 RANK_LIMIT_S = 15.0          # one rank, fork to exit
 GROUP_TIMEOUT_S = 10         # a collective that waits longer raises
 FORK = multiprocessing.get_context("fork")
-
-
-@pytest.fixture
-def worker():
-    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
-    yield w
-    w.stop()
 
 
 def dead_port() -> int:

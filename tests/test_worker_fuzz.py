@@ -8,6 +8,7 @@ import socket
 import threading
 
 import pytest
+from helpers import until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,6 @@ from remote_dspark.client import DraftClient
 from remote_dspark.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.worker import MarkovDrafter, Worker
-from helpers import until
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
 MAX_CONNECTIONS, MAX_PENDING = 4, 8

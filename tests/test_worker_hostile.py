@@ -12,14 +12,14 @@ import time
 import tracemalloc
 
 import pytest
+from helpers import until
 
 from remote_dspark import wire
 from remote_dspark.client import DraftClient, Refused
 from remote_dspark.markov import MarkovModel
-from remote_dspark.transport import parse_endpoint
+from remote_dspark.transport import Disconnected, parse_endpoint
 from remote_dspark.transport.tcp import KEEPALIVE_IDLE_S, TcpStream
 from remote_dspark.worker import MarkovDrafter, Worker
-from helpers import until
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
 
@@ -132,14 +132,12 @@ def test_silent_sockets_beyond_the_pool_never_keep_a_hello_out_and_the_oldest_go
         for _ in range(10):
             silent.append(raw(w))
             n = len(silent)
-            assert until(lambda: w.admission().accepted == n, timeout=5)
+            assert until(lambda n=n: w.admission().accepted == n, timeout=5)
         # The pool holds the 4 newest; the 6 oldest were dropped, oldest first.
         assert all(closed_within(s, 5) for s in silent[:6])
         assert all(open_now(s) for s in silent[6:])
         assert w.stats.displaced == 6
-        t0 = time.monotonic()
-        c = connect(w)                           # the 2 s limit bounds the wait
-        assert time.monotonic() - t0 < 2.0
+        c = connect(w)       # a HELLO is served with the pool full of silent sockets (connect's own 2 s bound)
         assert do_round(c, 1, [wire.Entry(0, 1, 0, (4,), True)]).row(0) == [5]
         c.close()
         # The honest connection took the place of the oldest silent one.
@@ -233,13 +231,13 @@ def test_a_round_over_the_token_limit_or_with_other_rows_drops_the_connection():
     try:
         c = connect(w)
         assert do_round(c, 1, [wire.Entry(0, 1, 0, (1, 2, 3, 4), True)]).row(0) == [5]
-        with pytest.raises(Exception):
+        with pytest.raises(Disconnected):
             do_round(c, 2, [wire.Entry(1, 1, 0, (1, 2, 3, 4, 5), True)])
         assert until(lambda: w.stats.bad_frames == 1)
         c.chan.close()
         c = connect(w, session=2)
         frame = wire.encode_round_entries(1, 2, 1000, [wire.Entry(0, 1, 0, (1,), True)], bytes(8), 8)
-        with pytest.raises(Exception):
+        with pytest.raises(Disconnected):
             c.round(1, [frame], 2000)
         assert until(lambda: w.stats.bad_frames == 2)
         c.chan.close()

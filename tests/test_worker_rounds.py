@@ -14,7 +14,8 @@ from collections import deque
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.drafter import MarkovDrafter, PerEntryDrafter

@@ -105,7 +105,8 @@ def measure_idle(worker, slots: int, idle_s: float) -> dict:
         t1 = time.perf_counter()
         out = engine.step()
         first_ms = (time.perf_counter() - t1) * 1e3
-        return {"seconds": dt, "watchdog_ms": rd.cfg.watchdog_ms, "proxy_core": (p1.user + p1.system - p0.user - p0.system) / dt,
+        return {"seconds": dt, "watchdog_ms": rd.cfg.watchdog_ms,
+                "proxy_core": (p1.user + p1.system - p0.user - p0.system) / dt,
                 "engine_core": (e1.user + e1.system - e0.user - e0.system) / dt,
                 "first_round_ms": first_ms, "first_round_outcome": out.outcome.label}
     finally:

@@ -180,6 +180,7 @@ def _pipe_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
 
 def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     import mmap
+
     from .handoff_peer import FLAG, FLAG_BYTES, PING, PONG, pyflag_wait
     total, lat = opts.warmup + opts.rounds, []
     fd = os.memfd_create("remote-dspark-pyflag")

@@ -161,7 +161,8 @@ def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
             rd.launch(first)
             stream.synchronize()
             for i, (start, stop) in enumerate(events.pairs):
-                batch = Batch.from_lists(list(range(slots)), [[3]] * slots, [2 + i] * slots, [False] * slots, rows, index)
+                batch = Batch.from_lists(list(range(slots)), [[3]] * slots, [2 + i] * slots, [False] * slots,
+                                         rows, index)
                 drv.event_record(start, handle)
                 rd.launch(batch)
                 drv.event_record(stop, handle)

@@ -113,7 +113,8 @@ def add_parser(sub) -> None:
                    help="cpu (default); cuda: also the launch row, rows on the GPU")
     p.add_argument("--device-metadata", action="store_true",
                    help="with --device cuda: the batch's metadata tensors (slots, tokens, offsets, "
-                        "positions, new_gen) on the GPU too (default: on the host; row_index is always where the rows are)")
+                        "positions, new_gen) on the GPU too (default: on the host; row_index is always "
+                        "where the rows are)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (and nothing else) on stdout; progress stays on stderr")
     p.set_defaults(func=run)

@@ -30,7 +30,8 @@ def drafts_bytes(slots: int, num_spec: int) -> int:
 # It connects to the bench, then COUNT times reads exactly IN bytes and writes OUT bytes.
 FLOOR_PEER = r"""
 import socket, sys
-port, n_in, n_out, count, timeout_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+port, n_in, n_out, count = map(int, sys.argv[1:5])
+timeout_s = float(sys.argv[5])
 s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 buf = memoryview(bytearray(n_in))
@@ -69,7 +70,7 @@ class FloorPeer:
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             try:
                 conn, _ = lsock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 raise RuntimeError(f"the floor peer did not connect within {START_TIMEOUT_S:g} s: "
                                    f"{self._end(0.0)}") from None
             conn.settimeout(ROUND_TIMEOUT_S)

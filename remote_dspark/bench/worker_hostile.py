@@ -236,11 +236,16 @@ class RssSampler:
         self._thread.join(5)
 
 
+def honest(identities: tuple[bytes, bytes]) -> wire.Hello:
+    """The HELLO of an honest engine (256 slots of 1 KB rows, 5 drafts)."""
+    return wire.Hello(*identities, HONEST_ENGINE_ID, 256, 1024, 5)
+
+
 def honest_hello(port: int, identities: tuple[bytes, bytes], session: int) -> dict:
     """One honest connect + HELLO + HELLO_ACK, timed; the connection is closed after."""
     from ..client import DraftClient, Refused
     from ..transport import TransportError, parse_endpoint
-    hello = wire.Hello(*identities, HONEST_ENGINE_ID, 256, 1024, 5)
+    hello = honest(identities)
     t0 = time.perf_counter()
     try:
         c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"), hello, session, HONEST_TIMEOUT_S)
@@ -259,7 +264,7 @@ def warm_up(port: int, identities: tuple[bytes, bytes]) -> None:
     from ..client import DraftClient
     from ..transport import parse_endpoint
     c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"),
-                            wire.Hello(*identities, HONEST_ENGINE_ID, 256, 1024, 5), 1, HONEST_TIMEOUT_S)
+                            honest(identities), 1, HONEST_TIMEOUT_S)
     try:
         entries = [wire.Entry(i, 5, 0, (1, 2, 3), new_gen=True) for i in range(256)]
         c.round(1, [wire.encode_round_entries(1, 1, 5000, entries, bytes(256 * 1024), 1024)], 5000)

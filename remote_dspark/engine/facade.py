@@ -41,8 +41,8 @@ from ..batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
 from ..client import DraftClient
 from ..config import RemoteConfig, n_out_table
 from ..outcome import Outcome
-from ..supervisor import Supervisor
 from ..statsfile import write_json_atomic
+from ..supervisor import Supervisor
 from .handoff import AsyncPath, Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed, Users
 from .proxy_host import ProxyHost
@@ -100,7 +100,7 @@ class RemoteDSpark:
         table, self.n_out_reason = n_out_table(cfg, num_spec, depth_mode or "", depth_file,
                                                list(dense_cap) if dense_cap is not None else None)
         self.spec = Spec(cfg, num_spec, max_slots, row_bytes, max_slots * (CONTEXT_TOKENS + num_spec + 1), depth,
-                         device, mode, engine_id if engine_id is not None else int.from_bytes(os.urandom(8), "little"),
+                         device, mode, engine_id if engine_id is not None else wire.random_id(),
                          dict(os.environ if environ is None else environ), table, int(vocab_size or 0))
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)
@@ -208,7 +208,7 @@ class RemoteDSpark:
         Raises: TransportError, Refused, wire.ProtocolError.
         """
         cfg = self.cfg
-        DraftClient.connect(cfg.endpoint, self.spec.hello(), int.from_bytes(os.urandom(8), "little") or 1,
+        DraftClient.connect(cfg.endpoint, self.spec.hello(), wire.random_id(),
                             cfg.connect_timeout_ms / 1000.0, self.spec.environ).close()
 
     def register_metrics(self, registry) -> None:

@@ -22,8 +22,18 @@ import numpy as np
 import torch
 
 from .. import native, ring, shm, streamsync, wire
-from ..batch import (Batch, Drafts, HostMeta, as_bytes, check_meta_shapes, empty_drafts, gather_rows_host,
-                     to_drafts, write_meta, write_meta_in_stream)
+from ..batch import (
+    Batch,
+    Drafts,
+    HostMeta,
+    as_bytes,
+    check_meta_shapes,
+    empty_drafts,
+    gather_rows_host,
+    to_drafts,
+    write_meta,
+    write_meta_in_stream,
+)
 from ..outcome import Outcome
 from .lifecycle import Users
 from .spec import Spec

@@ -13,11 +13,11 @@ region's heartbeat.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
 
+from .. import wire
 from ..proxy_proc import IDLE_TICK_S, ProxyLoop
 from ..proxy_spawn import proxy_environment, spawn_proxy
 from ..standby import StandbyHooks
@@ -80,7 +80,7 @@ class ProxyHost:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(us / 1e6)
         path = self.path
-        path.end.header.set_session(int.from_bytes(os.urandom(8), "little") or 1)
+        path.end.header.set_session(wire.random_id())
         self._loop = ProxyLoop(path.region, path.lib, self.spec.cfg, engine_id=self.spec.engine_id,
                                vocab_size=self.spec.vocab_size,
                                environ=self.spec.environ)

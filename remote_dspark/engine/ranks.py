@@ -78,7 +78,7 @@ class Ranks:
     """
 
     def __init__(self, group):
-        import torch.distributed as dist   # here only: an engine without a tp_group never loads it
+        import torch.distributed as dist  # here only: an engine without a tp_group never loads it
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)

@@ -41,6 +41,5 @@ class Spec:
                          n_out_default=self.n_out_for(len(batch)), vocab_size=self.vocab_size)
 
     def hello(self) -> wire.Hello:
-        cfg = self.cfg
-        return wire.Hello(cfg.drafter_identity, cfg.markov_identity, self.engine_id, self.max_slots,
-                          self.row_bytes, self.num_spec, want_margin=cfg.want_margin, vocab_size=self.vocab_size)
+        return self.cfg.hello(self.engine_id, max_slots=self.max_slots, row_bytes=self.row_bytes,
+                              num_spec=self.num_spec, vocab_size=self.vocab_size)

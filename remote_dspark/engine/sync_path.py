@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
@@ -35,7 +34,7 @@ class SyncPath:
     def __init__(self, spec: Spec):
         self.spec = spec
         cfg = spec.cfg
-        self.link = RemoteLink(cfg.endpoint, spec.hello(), int.from_bytes(os.urandom(8), "little") or 1,
+        self.link = RemoteLink(cfg.endpoint, spec.hello(), wire.random_id(),
                                connect_timeout_ms=cfg.connect_timeout_ms, backoff_ms=cfg.backoff_ms,
                                backoff_max_ms=cfg.backoff_max_ms, breaker=Breaker(cfg.trip, cfg.cooldown),
                                environ=spec.environ)

@@ -1,4 +1,5 @@
-"""``native``: the hand-off primitives of ``hostflag.c``, found or built, then loaded.
+"""``native``: the hand-off primitives of ``hostflag.c`` and ``tcp_round.c`` (one library,
+with ``hostflag.h`` between them), found or built, then loaded.
 
 Which library is loaded (``load``), first match wins:
 
@@ -8,10 +9,11 @@ Which library is loaded (``load``), first match wins:
 2. ``libdsv41_hostflag.so`` in ``VLLM_DSPARK_REMOTE_OFL_DIR``, when that file exists and
    passes the probes below; a copy built from another source is refused with one warning
    and this package's own build is used instead;
-3. ``hostflag.c`` (next to this file) compiled with ``cc -O2 -shared -fPIC -pthread``
-   at first use into the cache directory (``$XDG_CACHE_HOME/remote-dspark``, else
-   ``~/.cache/remote-dspark``), named by the sha256 of the source and the command, so
-   an edited source is rebuilt and an unchanged one never is. Each builder writes a
+3. ``hostflag.c`` and ``tcp_round.c`` (next to this file) compiled together with
+   ``cc -O2 -shared -fPIC -pthread`` at first use into the cache directory
+   (``$XDG_CACHE_HOME/remote-dspark``, else ``~/.cache/remote-dspark``), named by the
+   sha256 of the sources, the header and the command, so an edited source is rebuilt
+   and an unchanged one never is. Each builder writes a
    temporary file of its own and renames it into place (atomic), so several processes
    may build at once and every one of them loads a complete library.
 
@@ -23,8 +25,10 @@ engine) is never used: the library is built into a fresh private directory inste
 file that fails it is rebuilt. The cache directory is created 0700.
 
 At load the library must report the ABI this module binds (``hf_abi_version``), the
-sizes of the structs mirrored here (``hf_sizeof``) and lock-free 32- and 64-bit atomics
-(``hf_lock_free``): a word behind a lock is not safely shared by two processes.
+sizes of the structs mirrored here (``hf_sizeof``), the wire constants its TCP round
+uses (``hf_wire_constants``, each equal to :mod:`remote_dspark.wire`'s: see
+``WIRE_CONSTANTS``) and lock-free 32- and 64-bit atomics (``hf_lock_free``): a word
+behind a lock is not safely shared by two processes.
 
 Calls that may wait (``wait_geq``, ``wait_at``, ``handoff``, ``publish``,
 ``release_empty``, ``take``, ``answer``, ``serve``, ``watchdog_stop``) go through
@@ -55,7 +59,9 @@ import time
 from pathlib import Path
 from typing import Mapping
 
+from .. import wire
 from ..trust import untrusted_because
+from .structs import LinkState, ProxyState, RingGeom  # noqa: F401  (the package's names)
 
 log = logging.getLogger("remote_dspark.native")
 
@@ -63,8 +69,27 @@ ENV_LIB = "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"
 ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
+SOURCES = (SOURCE, SOURCE.with_name("tcp_round.c"))   # compiled together into one library
+HEADERS = (SOURCE.with_name("hostflag.h"),)
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-ABI_VERSION = 10
+ABI_VERSION = 11
+
+# The wire constants the C round uses, in hf_wire_constants' order, each with its value
+# in remote_dspark.wire (read at load, not at import: a test may change one).
+WIRE_CONSTANTS = (
+    ("HEADER", lambda: wire.HEADER.size),
+    ("MAGIC", lambda: int.from_bytes(wire.MAGIC, "little")),
+    ("PROTOCOL_VERSION", lambda: wire.PROTOCOL_VERSION),
+    ("ROUND", lambda: wire.ROUND),
+    ("DRAFTS", lambda: wire.DRAFTS),
+    ("BYE", lambda: wire.BYE),
+    ("ROUND_FIXED", lambda: wire.ROUND_FIXED.size),
+    ("DRAFTS_FIXED", lambda: wire.DRAFTS_FIXED.size),
+    ("FLAG_NEW_GEN", lambda: wire.FLAG_NEW_GEN),
+    ("DRAFTS_MARGINS", lambda: wire.DRAFTS_MARGINS),
+    ("STATUS_RESYNC", lambda: wire.STATUS_RESYNC),
+    ("MAX_PAYLOAD", lambda: wire.MAX_PAYLOAD),
+)
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -82,100 +107,6 @@ class Status(enum.IntEnum):
 
 class NativeError(RuntimeError):
     """The native library cannot be built or loaded, or broke its protocol."""
-
-
-class RingGeom(ctypes.Structure):
-    """``struct hf_ring``: this process's addresses of one region's words and drafts
-    slots. Filled by ``remote_dspark.ring`` from the region's layout."""
-
-    _fields_ = [
-        ("gathered", ctypes.c_void_p),
-        ("released", ctypes.c_void_p),
-        ("claim", ctypes.c_void_p),
-        ("gathered_ns", ctypes.c_void_p),
-        ("drafts", ctypes.c_void_p),
-        ("drafts_stride", ctypes.c_uint64),
-        ("depth", ctypes.c_uint32),
-        ("d_round", ctypes.c_uint32),
-        ("d_status", ctypes.c_uint32),
-        ("d_zero", ctypes.c_uint32),
-        ("zero_bytes", ctypes.c_uint32),
-        ("pad", ctypes.c_uint32),
-    ]
-
-
-class ProxyState(ctypes.Structure):
-    """``struct hf_proxy``: one proxy's view of a region (its ring, its counters block
-    and the rounds it has taken). Filled by ``remote_dspark.ring_proxy.ProxyEnd``."""
-
-    _fields_ = [
-        ("ring", RingGeom),
-        ("heartbeat", ctypes.c_void_p),
-        ("counters", ctypes.c_void_p),
-        ("bounds", ctypes.c_void_p),
-        ("seen_ns", ctypes.c_void_p),
-        ("stamps", ctypes.c_void_p),
-        ("publish_timeout_ns", ctypes.c_uint64),
-        ("n_bounds", ctypes.c_uint32),
-        ("next", ctypes.c_uint32),
-        ("spin_us", ctypes.c_uint32),
-        ("nap_us", ctypes.c_uint32),
-        ("c_outcome", ctypes.c_uint32 * 4),
-        ("c_late", ctypes.c_uint32),
-        ("c_drafts", ctypes.c_uint32),
-        ("c_draft_tokens", ctypes.c_uint32),
-        ("h_round", ctypes.c_uint32),
-        ("h_handoff", ctypes.c_uint32),
-        ("d_counts", ctypes.c_uint32),
-        ("d_entry_status", ctypes.c_uint32),
-        ("d_tokens", ctypes.c_uint32),
-        ("d_margins", ctypes.c_uint32),
-        ("num_spec", ctypes.c_uint32),
-        ("max_slots", ctypes.c_uint32),
-        ("c_bad_desc", ctypes.c_uint32),
-        ("stamp_gen", ctypes.c_uint32),
-        ("vocab_size", ctypes.c_uint32),
-        ("want_margin", ctypes.c_uint32),
-        ("wake", ctypes.c_void_p),
-        ("idle", ctypes.c_uint32),
-    ]
-
-
-class LinkState(ctypes.Structure):
-    """``struct hf_link``: one proxy's worker connection for ``hf_round`` (its region
-    geometry, the receive state kept across rounds, and what the last call did). Filled
-    by ``remote_dspark.ring_proxy.ProxyEnd.new_link`` (``TcpRounds`` for ``hf_round``; the end's
-    own for ``hf_check_desc`` and ``hf_unpack`` on the ofl path)."""
-
-    _fields_ = [
-        ("desc", ctypes.c_void_p),
-        ("staging", ctypes.c_void_p),
-        ("image", ctypes.c_void_p),
-        ("rx", ctypes.c_void_p),
-        ("desc_stride", ctypes.c_uint64),
-        ("staging_stride", ctypes.c_uint64),
-        ("session", ctypes.c_uint64),
-        ("row_bytes", ctypes.c_uint32),
-        ("max_tokens", ctypes.c_uint32),
-        ("rx_cap", ctypes.c_uint32),
-        ("max_entries", ctypes.c_uint32),
-        ("max_n_out", ctypes.c_uint32),
-        ("default_deadline_ms", ctypes.c_uint32),
-        ("fd", ctypes.c_int32),
-        ("send", ctypes.c_uint32),
-        ("at_once", ctypes.c_uint32),
-        ("at_once_max", ctypes.c_uint32),
-        ("got", ctypes.c_uint32),
-        ("hdr", ctypes.c_uint8 * 24),
-        ("served", ctypes.c_uint32),
-        ("round", ctypes.c_uint32),
-        ("late", ctypes.c_uint32),
-        ("sent", ctypes.c_uint32),
-        ("answer", ctypes.c_int32),
-        ("err", ctypes.c_int32),
-        ("net_ns", ctypes.c_uint64),
-        ("why", ctypes.c_char * 200),
-    ]
 
 
 _P, _U32, _U64, _I = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
@@ -272,17 +203,36 @@ class Native:
         abi.restype = lock_free.restype = ctypes.c_int
         if abi() != ABI_VERSION:
             raise NativeError(f"{self.path}: hostflag ABI {abi()}, this package binds "
-                              f"{ABI_VERSION}; rebuild it from {SOURCE}")
+                              f"{ABI_VERSION}; rebuild it from {SOURCE.parent}")
         sizeof.restype, sizeof.argtypes = ctypes.c_uint64, (ctypes.c_int,)
         for which, mirror in enumerate((RingGeom, ProxyState, LinkState)):
             if sizeof(which) != ctypes.sizeof(mirror):
                 raise NativeError(f"{self.path}: struct {mirror.__name__} is {sizeof(which)} bytes "
-                                  f"in C, {ctypes.sizeof(mirror)} in ctypes; rebuild it from {SOURCE}")
+                                  f"in C, {ctypes.sizeof(mirror)} in ctypes; rebuild it from {SOURCE.parent}")
         self.lock_free = lock_free()
         if self.lock_free != LOCK_FREE_ALL:
             raise NativeError(f"{self.path}: 32/64-bit atomics are not lock-free on this "
                               f"platform (hf_lock_free() = {self.lock_free}); the region's "
                               "words cannot be shared between processes")
+        self._check_wire(lib)
+
+    def _check_wire(self, lib) -> None:
+        """Refuse a library whose wire constants are not :mod:`remote_dspark.wire`'s,
+        naming the first that differs and both values."""
+        try:
+            fn = lib.hf_wire_constants
+        except AttributeError as e:
+            raise NativeError(f"{self.path} reports no wire constants: {e}") from e
+        fn.restype, fn.argtypes = ctypes.c_uint32, (ctypes.c_void_p, ctypes.c_uint32)
+        out = (ctypes.c_uint64 * len(WIRE_CONSTANTS))()
+        have = fn(out, len(out))
+        if have != len(WIRE_CONSTANTS):
+            raise NativeError(f"{self.path}: reports {have} wire constants, this package checks "
+                              f"{len(WIRE_CONSTANTS)}; rebuild it from {SOURCE.parent}")
+        for (name, expected), value in zip(WIRE_CONSTANTS, out):
+            if value != expected():
+                raise NativeError(f"{self.path}: wire constant {name} is {value} in C, {expected()} in "
+                                  f"remote_dspark.wire; rebuild it from {SOURCE.parent}")
 
     def __repr__(self) -> str:
         return f"Native({self.path!r})"
@@ -358,7 +308,7 @@ def _trusted_build(target: Path) -> bool:
 
 
 def build(cache_dir: Path, environ: Mapping[str, str]) -> Path:
-    """Compile ``hostflag.c`` into ``cache_dir`` unless a trusted build of this source is
+    """Compile ``SOURCES`` into ``cache_dir`` unless a trusted build of these sources is
     already there (see the module docstring); returns its path. Safe when several
     processes build at once. A ``cache_dir`` that cannot be trusted is not used: the
     build goes into a fresh private directory.
@@ -367,8 +317,10 @@ def build(cache_dir: Path, environ: Mapping[str, str]) -> Path:
         NativeError: no compiler, a failed build, no directory to build into.
     """
     compiler = (environ.get("CC") or "cc").strip()
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + "\0".join((compiler,) + CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    key = hashlib.sha256(digest.digest() + "\0".join((compiler,) + CFLAGS).encode()).hexdigest()[:16]
     try:
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
@@ -392,10 +344,10 @@ def build(cache_dir: Path, environ: Mapping[str, str]) -> Path:
         raise NativeError(f"cannot build {SOURCE.name} into {cache_dir}: {e}") from e
     record = tmp + ".sha256"
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
                               text=True, timeout=120)
         if proc.returncode != 0:
-            raise NativeError(f"{cc} failed to build {SOURCE} (exit {proc.returncode}):\n"
+            raise NativeError(f"{cc} failed to build {SOURCE.parent} (exit {proc.returncode}):\n"
                               f"{proc.stderr.strip()}")
         os.chmod(tmp, 0o755)
         with open(tmp, "rb") as f, open(record, "w") as r:

@@ -1,13 +1,11 @@
-/* hostflag.c: the hand-off primitives shared by the engine and the proxy process.
+/* hostflag.c: the hand-off primitives shared by the engine and the proxy process: the
+ * ring's words, the CPU hand-off, sleeping when idle, the proxy's take and answer, and
+ * the watchdog. The proxy's round on a TCP socket is in tcp_round.c; what both files
+ * share (the structs Python mirrors, the status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
  * layout is not known here; Python (remote_dspark.shm) computes it once and passes the
- * addresses of the words and the geometry of the drafts slots (struct hf_ring). The one
- * exception is hf_round, the proxy's round on a TCP socket, with its descriptor check
- * and DRAFTS reader (hf_check_desc, hf_unpack: the same code, for a proxy whose network
- * round is in Python): they know the wire's frame formats (remote_dspark/wire.py,
- * protocol 3) and where a descriptor keeps the ROUND payload (shm.DESC_FIXED);
- * tests/test_tcp_round.py checks both against the Python side.
+ * addresses of the words and the geometry of the drafts slots (struct hf_ring).
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
  * claim word is a compare-and-swap, counters are relaxed fetch-adds. Everything a
@@ -17,59 +15,17 @@
  * Sequence words are 32-bit and compared cyclically: a >= b iff (int32_t)(a - b) >= 0,
  * so a run may start near 2^32 and wrap (the ring depth is a power of two, so
  * round % depth stays continuous across the wrap).
- *
- * Status codes: HF_OK, HF_TIMEOUT (deadline passed), HF_LATE (the round was already
- * claimed), HF_ORDER (the previous round is not claimed yet: a caller bug), HF_STATE
- * (a word holds a value its protocol forbids), HF_NOMEM, HF_SYS (errno is set).
+ * *
+ * Status codes: hostflag.h.
  */
-#define _GNU_SOURCE
-#include <errno.h>
+#include "hostflag.h"
+
 #include <math.h>
-#include <poll.h>
 #include <pthread.h>
-#include <sched.h>
-#include <stdarg.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <stdio.h>
-#include <string.h>
-#include <limits.h>
 #include <linux/futex.h>
-#include <sys/socket.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
-
-#define HF_ABI 10
-
-enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
-
-/* Where the words and the drafts slots of one region are, in this process. */
-struct hf_ring {
-    uint32_t *gathered;      /* engine stream: last round gathered into staging */
-    uint32_t *released;      /* claimer: last round whose drafts are published */
-    uint32_t *claim;         /* CAS: last round claimed by the proxy, watchdog or engine */
-    uint64_t *gathered_ns;   /* [depth] CLOCK_MONOTONIC ns of each slot's gather; 0 = unknown */
-    uint8_t *drafts;         /* drafts slot 0 */
-    uint64_t drafts_stride;  /* bytes between drafts slots */
-    uint32_t depth;          /* ring depth, a power of two */
-    uint32_t d_round;        /* offset of the slot's round word */
-    uint32_t d_status;       /* offset of the slot's status word */
-    uint32_t d_zero;         /* first byte zeroed for an empty answer (n_entries, flags, counts) */
-    uint32_t zero_bytes;     /* how many bytes from d_zero */
-    uint32_t pad;
-};
-
-static inline int cyc_geq(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
-
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
 
 uint64_t hf_now_ns(void)
 {
@@ -326,69 +282,6 @@ int hf_serve(const struct hf_ring *ring, uint32_t first, uint32_t count, uint32_
 
 /* ------------------------------------------------------------------ the proxy's side */
 
-enum { HF_PROXY_OUTCOMES = 4 };   /* ring.Outcome OK, TIMEOUT, ERROR, BREAKER_SKIP */
-
-/* One proxy's view of one region, in the proxy's process: the ring, its counters block,
- * and the rounds it has taken. Filled by remote_dspark.ring_proxy.ProxyEnd; one thread uses it.
- * The proxy's whole critical path is two calls: hf_take, then (after the network)
- * hf_answer, which claims, writes, publishes and counts, so after a release only the
- * return to the proxy's loop stands between it and the wait for the next round. */
-struct hf_proxy {
-    struct hf_ring ring;
-    uint64_t *heartbeat;          /* header word: CLOCK_MONOTONIC ns of the last take */
-    uint64_t *counters;           /* the proxy counters block (word indexes below) */
-    const uint64_t *bounds;       /* histogram bucket upper bounds (ns), ascending */
-    uint64_t *seen_ns;            /* [depth], private: when each taken round was seen */
-    uint32_t *stamps;             /* [max_slots], private: the check that last saw each slot */
-    uint64_t publish_timeout_ns;  /* how long to wait for the previous claimer's release */
-    uint32_t n_bounds;            /* a histogram is n_bounds + 1 buckets, then the sum */
-    uint32_t next;                /* the next round to take */
-    uint32_t spin_us, nap_us;     /* hf_wait_geq's, for the wait for a round */
-    uint32_t c_outcome[HF_PROXY_OUTCOMES];   /* rounds_ok .. rounds_breaker_skip */
-    uint32_t c_late, c_drafts, c_draft_tokens;
-    uint32_t h_round, h_handoff;  /* round_latency, handoff_latency histograms */
-    uint32_t d_counts, d_entry_status, d_tokens, d_margins;   /* drafts slot offsets */
-    uint32_t num_spec, max_slots;
-    uint32_t c_bad_desc;          /* rounds_bad_desc */
-    uint32_t stamp_gen;           /* the last descriptor check's stamp (0: none yet) */
-    uint32_t vocab_size;          /* the engine's vocabulary (HELLO's): token ids 0..vocab_size-1; 0 unknown */
-    uint32_t want_margin;         /* 1: HELLO asked for margins, so every DRAFTS carries them */
-    uint32_t *wake;               /* the wake words [published, sleeping], or NULL: never sleep */
-    uint32_t idle;                /* private: the last wait ended asleep, with nothing handed over */
-};
-
-/* One proxy's connection to the worker, for hf_round: the proxy's whole round in C.
- * Python connects and says HELLO, then hands the socket over and reads nothing more
- * from it; it sets fd, send and at_once(_max) before each call and reads the results after.
- * The receive state lives here across calls, so a reply that comes after its round's
- * deadline stays in step (and is dropped as late) instead of breaking the stream. */
-struct hf_link {
-    const uint8_t *desc;          /* descriptor 0 (the ROUND payload but its rows is sent from it) */
-    const uint8_t *staging;       /* staging slot 0 (the rows are sent from it) */
-    uint8_t *image;               /* the proxy's private drafts image, hf_answer's */
-    uint8_t *rx;                  /* the DRAFTS payload buffer, rx_cap bytes */
-    uint64_t desc_stride, staging_stride;
-    uint64_t session;             /* the proxy's session, in every ROUND header */
-    uint32_t row_bytes, max_tokens;
-    uint32_t rx_cap;              /* the largest DRAFTS payload the wire allows */
-    uint32_t max_entries, max_n_out;   /* wire caps of a DRAFTS frame */
-    uint32_t default_deadline_ms; /* a descriptor's deadline 0 means this */
-    int32_t fd;                   /* the worker connection (HELLO done, non-blocking), or -1 */
-    uint32_t send;                /* 1: the breaker lets this round use the network */
-    uint32_t at_once;             /* the status of a round answered without the network */
-    uint32_t at_once_max;         /* how many such rounds one call may answer */
-    uint32_t got;                 /* bytes of the current reply frame read (header, payload) */
-    uint8_t hdr[24];              /* the current reply frame's header */
-    uint32_t served;              /* results: the rounds answered, */
-    uint32_t round;               /* the last one, */
-    uint32_t late;                /* replies to earlier rounds dropped, */
-    uint32_t sent;                /* 1 when the round went on the network, */
-    int32_t answer;               /* hf_answer's status (HF_LATE: another claimer was first), */
-    int32_t err;                  /* errno of a failed send or receive, */
-    uint64_t net_ns;              /* the time from the send to the reply or giving up, */
-    char why[200];                /* and what broke (any event but OK and AT_ONCE). */
-};
-
 /* The sizes of the structs Python mirrors with ctypes; the loader compares them. */
 uint64_t hf_sizeof(int which)
 {
@@ -406,10 +299,6 @@ static void observe(const struct hf_proxy *p, uint32_t hist, uint64_t ns)
     __atomic_fetch_add(&h[p->n_bounds + 1], ns, __ATOMIC_RELAXED);
 }
 
-static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
-{
-    __atomic_fetch_add(&p->counters[word], n, __ATOMIC_RELAXED);
-}
 
 /* Wait until round r is gathered, or deadline. Spin spin_us; then nap nap_us between
  * looks when nap_us > 0; with nap_us == 0 sleep on `published` once nothing is handed
@@ -447,7 +336,7 @@ static int wait_round(struct hf_proxy *p, uint32_t r, uint64_t deadline)
 /* Beat, then wait up to timeout_ns for the next gathered round nobody has claimed;
  * rounds another claimer answered meanwhile are skipped, never returned. Returns the
  * round id (0 .. 2^32-1) and when it was seen in *seen, or -HF_TIMEOUT. */
-static int64_t take(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
+int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
 {
     uint64_t now = hf_now_ns(), deadline = now + timeout_ns;
     __atomic_store_n(p->heartbeat, now, __ATOMIC_RELEASE);
@@ -470,11 +359,11 @@ static int64_t take(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
     }
 }
 
-/* take, for a caller that answers with hf_answer: the seen time is kept for it. */
+/* hf_take_seen, for a caller that answers with hf_answer: the seen time is kept for it. */
 int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
 {
     uint64_t seen = 0;
-    int64_t r = take(p, timeout_ns, &seen);
+    int64_t r = hf_take_seen(p, timeout_ns, &seen);
     if (r >= 0)
         p->seen_ns[r & (p->ring.depth - 1)] = seen;
     return r;
@@ -499,8 +388,8 @@ static int publish_within(uint32_t *released, uint32_t round, uint64_t timeout_n
  * it the answer is empty. HF_LATE (counted rounds_late): another claimer answered it;
  * HF_TIMEOUT: claimed and written, but round - 1 was not released in time; HF_STATE: a
  * status that is not the proxy's, or an image with more entries than the slot holds. */
-static int answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
-                  uint64_t seen)
+int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
+                   uint64_t seen)
 {
     const struct hf_ring *ring = &p->ring;
     uint32_t n = 0, flags = 0, answered = 0;
@@ -557,11 +446,11 @@ static int answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uin
     return HF_OK;
 }
 
-/* answer, for a caller that took the round with hf_take. */
+/* hf_answer_seen, for a caller that took the round with hf_take. */
 int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image)
 {
     uint64_t *seen = &p->seen_ns[round & (p->ring.depth - 1)];
-    int rc = answer(p, round, status, image, *seen);
+    int rc = hf_answer_seen(p, round, status, image, *seen);
     if (rc == HF_OK)
         *seen = 0;
     return rc;
@@ -697,493 +586,4 @@ int hf_watchdog_stop(void *handle)
     pthread_mutex_destroy(&w->mu);
     free(w);
     return err ? HF_SYS : HF_OK;
-}
-
-/* ------------------------------------------------------------------ the proxy's round on TCP */
-
-/* What hf_round did with the round it took (ring.RoundEvent mirrors these). */
-enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
-       HF_EV_BAD_DESC };
-
-/* The wire contract's fixed parts (remote_dspark/wire.py, protocol 3): the header, the
- * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
- * (shm.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must keep. */
-enum { W_HEADER = 24, W_VERSION = 3, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
-       W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
-       DESC_FIXED = 8 };
-#define W_MAX_PAYLOAD (64ull << 20)
-enum { ST_OK = 0, ST_TIMEOUT = 1, ST_ERROR = 2 };   /* ring.Outcome */
-
-static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
-static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
-
-/* Bytes of a ROUND's fixed part and entry arrays (wire.round_meta_bytes). */
-static inline uint64_t round_meta(uint32_t n) { return W_ROUND_FIXED + 4u * (5u * (uint64_t)n + 1); }
-
-/* A checked descriptor: the ROUND's fixed fields and where its arrays are. */
-struct round_view {
-    const uint8_t *payload;       /* the ROUND payload (descriptor + DESC_FIXED) */
-    uint32_t deadline_ms, n, row_bytes, n_tokens;
-    const uint8_t *slots, *positions, *n_out, *flags, *offsets;
-};
-
-/* Record what broke (l->why, l->err) and return `event`. */
-static int fail(struct hf_link *l, int event, int err, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static int fail(struct hf_link *l, int event, int err, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(l->why, sizeof l->why, fmt, ap);
-    va_end(ap);
-    l->err = err;
-    return event;
-}
-
-/* Wait for `events` on fd until deadline_ns: 1 ready (or in error: the next call says
- * which), 0 deadline, -1 poll failed (errno). */
-static int ready(int fd, short events, uint64_t deadline_ns)
-{
-    for (;;) {
-        uint64_t now = hf_now_ns();
-        if (now >= deadline_ns)
-            return 0;
-        uint64_t left = deadline_ns - now;
-        struct timespec ts = { (time_t)(left / 1000000000u), (long)(left % 1000000000u) };
-        struct pollfd pfd = { fd, events, 0 };
-        int rc = ppoll(&pfd, 1, &ts, NULL);
-        if (rc > 0)
-            return 1;
-        if (rc < 0 && errno != EINTR)
-            return -1;
-    }
-}
-
-/* Send the ROUND frame: the header, the descriptor's block (fixed part, entry arrays,
- * tokens) and the staging rows, straight from the region. A frame cannot be taken back
- * once in part on the wire, so a send that cannot finish by the round's deadline loses
- * the connection. */
-static int send_round(struct hf_link *l, uint32_t round, uint32_t index, const struct round_view *v,
-                      uint64_t deadline_ns)
-{
-    uint64_t block = round_meta(v->n) + 4u * (uint64_t)v->n_tokens, rows = (uint64_t)v->n * l->row_bytes;
-    uint32_t len = (uint32_t)(block + rows), version = W_VERSION | (W_ROUND << 16);
-    uint8_t hdr[W_HEADER];
-    memcpy(hdr, "DSPW", 4);
-    memcpy(hdr + 4, &version, 4);
-    memcpy(hdr + 8, &len, 4);
-    memcpy(hdr + 12, &l->session, 8);
-    memcpy(hdr + 20, &round, 4);
-    struct iovec iov[3] = {
-        { hdr, W_HEADER },
-        { (void *)v->payload, block },
-        { (void *)(l->staging + (uint64_t)index * l->staging_stride), rows },
-    };
-    struct msghdr msg = { .msg_iov = iov, .msg_iovlen = 3 };
-    for (;;) {
-        while (msg.msg_iovlen && msg.msg_iov->iov_len == 0) {
-            msg.msg_iov++;
-            msg.msg_iovlen--;
-        }
-        if (!msg.msg_iovlen)
-            return HF_EV_OK;
-        ssize_t k = sendmsg(l->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int w = ready(l->fd, POLLOUT, deadline_ns);
-            if (w > 0)
-                continue;
-            if (w == 0)
-                return fail(l, HF_EV_LOST, 0, "send of round %u stalled past its deadline", round);
-        }
-        if (k < 0)
-            return fail(l, HF_EV_LOST, errno, "send failed: %s", strerror(errno));
-        for (size_t sent = (size_t)k; sent; ) {
-            size_t take = sent < msg.msg_iov->iov_len ? sent : msg.msg_iov->iov_len;
-            msg.msg_iov->iov_base = (uint8_t *)msg.msg_iov->iov_base + take;
-            msg.msg_iov->iov_len -= take;
-            sent -= take;
-            if (msg.msg_iov->iov_len == 0) {
-                msg.msg_iov++;
-                msg.msg_iovlen--;
-            }
-        }
-    }
-}
-
-/* Read the current frame up to `want` bytes (header, then payload into rx): spin on the
- * socket until spin_until_ns, then poll. 1 done, 0 deadline (what was read is kept),
- * or -HF_EV_LOST. */
-static int fill(struct hf_link *l, uint32_t want, uint64_t deadline_ns, uint64_t spin_until_ns)
-{
-    while (l->got < want) {
-        int in_header = l->got < W_HEADER;
-        uint8_t *dst = in_header ? l->hdr + l->got : l->rx + (l->got - W_HEADER);
-        size_t room = (in_header ? W_HEADER : want) - l->got;
-        ssize_t k = recv(l->fd, dst, room, MSG_DONTWAIT);
-        if (k > 0) {
-            l->got += (uint32_t)k;
-            continue;
-        }
-        if (k == 0)
-            return -fail(l, HF_EV_LOST, 0, "the worker closed the connection");
-        if (errno == EINTR)
-            continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return -fail(l, HF_EV_LOST, errno, "receive failed: %s", strerror(errno));
-        if (hf_now_ns() < spin_until_ns) {
-            cpu_relax();
-            continue;
-        }
-        int w = ready(l->fd, POLLIN, deadline_ns);
-        if (w == 0)
-            return 0;
-        if (w < 0)
-            return -fail(l, HF_EV_LOST, errno, "poll failed: %s", strerror(errno));
-    }
-    return 1;
-}
-
-/* Wait for the DRAFTS of `round` (dropping, and counting, replies to earlier rounds);
- * its payload is then in rx and its length in *len. */
-static int recv_reply(struct hf_link *l, uint32_t round, uint64_t deadline_ns,
-                      uint64_t spin_until_ns, uint32_t *len)
-{
-    for (;;) {
-        int rc = fill(l, W_HEADER, deadline_ns, spin_until_ns);
-        if (rc <= 0)
-            return rc == 0 ? HF_EV_TIMEOUT : -rc;
-        uint16_t version = get16(l->hdr + 4), type = get16(l->hdr + 6);
-        uint32_t plen = get32(l->hdr + 8), of = get32(l->hdr + 20);
-        uint64_t session;
-        memcpy(&session, l->hdr + 12, 8);
-        if (memcmp(l->hdr, "DSPW", 4) != 0)
-            return fail(l, HF_EV_PROTOCOL, 0, "bad magic %02x%02x%02x%02x", l->hdr[0], l->hdr[1],
-                        l->hdr[2], l->hdr[3]);
-        if (version != W_VERSION)
-            return fail(l, HF_EV_PROTOCOL, 0, "protocol version %u, this side speaks %u", version,
-                        W_VERSION);
-        if (type == W_BYE)
-            return fail(l, HF_EV_LOST, 0, "the worker said BYE");
-        if (type != W_DRAFTS)
-            return fail(l, HF_EV_PROTOCOL, 0, "frame type %u where DRAFTS was expected", type);
-        /* Mirrors client.DraftClient.recv_drafts: a reply of another session is never this
-         * round's, nor a late one of this connection's. */
-        if (session != l->session)
-            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS of session %#llx on session %#llx's connection",
-                        (unsigned long long)session, (unsigned long long)l->session);
-        if (plen > l->rx_cap)
-            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes exceeds the cap %u", plen,
-                        l->rx_cap);
-        rc = fill(l, W_HEADER + plen, deadline_ns, spin_until_ns);
-        if (rc <= 0)
-            return rc == 0 ? HF_EV_TIMEOUT : -rc;
-        l->got = 0;
-        if (of == round) {
-            *len = plen;
-            return HF_EV_OK;
-        }
-        if (cyc_geq(of, round))
-            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS for round %u, which was never sent", of);
-        l->late++;
-    }
-}
-
-/* Check round `round`'s descriptor before a byte of it is sent or trusted: its
- * metadata may have been written by a GPU stream the host never checked. The rules are
- * the wire's (wire.decode_round) plus the region's (its slot range and sizes) and the
- * receiver's (unique slots). HF_EV_OK with *v filled, or HF_EV_BAD_DESC naming the field
- * and entry in l->why. */
-static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, struct round_view *v)
-{
-    uint32_t index = round & (p->ring.depth - 1);
-    const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride, *f = d + DESC_FIXED;
-    uint32_t of = get32(d);
-    v->payload = f;
-    v->deadline_ms = get32(f);
-    v->n = get32(f + 4);
-    v->row_bytes = get32(f + 8);
-    v->n_tokens = get32(f + 12);
-    if (of != round)
-        return fail(l, HF_EV_BAD_DESC, 0, "descriptor %u holds round %u, not round %u", index, of, round);
-    if (v->n > p->max_slots)
-        return fail(l, HF_EV_BAD_DESC, 0, "n_entries %u over max_slots=%u", v->n, p->max_slots);
-    if (v->row_bytes != l->row_bytes)
-        return fail(l, HF_EV_BAD_DESC, 0, "row_bytes %u, the layout's is %u", v->row_bytes, l->row_bytes);
-    if (v->n_tokens > l->max_tokens)
-        return fail(l, HF_EV_BAD_DESC, 0, "n_tokens %u over max_tokens=%u", v->n_tokens, l->max_tokens);
-    uint64_t size = round_meta(v->n) + 4u * (uint64_t)v->n_tokens + (uint64_t)v->n * v->row_bytes;
-    if (size > W_MAX_PAYLOAD)
-        return fail(l, HF_EV_BAD_DESC, 0, "ROUND of %llu bytes over the cap %llu",
-                    (unsigned long long)size, (unsigned long long)W_MAX_PAYLOAD);
-    uint64_t n4 = 4u * (uint64_t)v->n;
-    v->slots = f + W_ROUND_FIXED;
-    v->positions = v->slots + n4;
-    v->n_out = v->positions + n4;
-    v->flags = v->n_out + n4;
-    v->offsets = v->flags + n4;
-    uint32_t first = get32(v->offsets), last = get32(v->offsets + n4);
-    if (first != 0 || last != v->n_tokens)
-        return fail(l, HF_EV_BAD_DESC, 0, "offsets run from %u to %u, expected 0 to n_tokens=%u",
-                    first, last, v->n_tokens);
-    /* Unique slots without clearing anything: a slot is taken in this check when its stamp
-     * holds this check's number. Numbers are the proxy's own count of checks, not round
-     * ids: a fresh array is zeros (round 0) and round ids recur; on the count's wrap the
-     * array is cleared once. */
-    uint32_t gen = ++p->stamp_gen;
-    if (gen == 0) {
-        memset(p->stamps, 0, 4u * (uint64_t)p->max_slots);
-        gen = p->stamp_gen = 1;
-    }
-    for (uint32_t e = 0; e < v->n; e++) {
-        uint32_t slot = get32(v->slots + 4u * e), n_out = get32(v->n_out + 4u * e);
-        uint32_t flags = get32(v->flags + 4u * e), at = get32(v->offsets + 4u * e);
-        uint32_t next = get32(v->offsets + 4u * (e + 1));
-        if (next < at)
-            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: offsets go back (%u, then %u)", e, at, next);
-        if (slot >= p->max_slots)
-            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: slot %u not below max_slots=%u", e, slot,
-                        p->max_slots);
-        if (p->stamps[slot] == gen)
-            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: slot %u twice in the round", e, slot);
-        p->stamps[slot] = gen;
-        if (n_out > p->num_spec)
-            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: n_out %u over num_spec=%u", e, n_out,
-                        p->num_spec);
-        if (flags & ~(uint32_t)W_NEW_GEN)
-            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: flags %#x, only NEW_GEN (1) is known", e, flags);
-    }
-    /* Token ids in the engine's vocabulary, when it is known: batch.host_meta's rule, for
-     * metadata written on the device that no host ever read (batch.write_meta_in_stream). */
-    if (p->vocab_size) {
-        const uint8_t *tokens = f + round_meta(v->n);
-        for (uint32_t j = 0; j < v->n_tokens; j++) {
-            int32_t t = (int32_t)get32(tokens + 4u * j);
-            if (t < 0 || (uint32_t)t >= p->vocab_size)
-                return fail(l, HF_EV_BAD_DESC, 0, "tokens: %d (token %u) outside 0..%u, the vocabulary", t, j,
-                            p->vocab_size - 1);
-        }
-    }
-    return HF_EV_OK;
-}
-
-/* Copy entry rows of `width` 32-bit values into rows of K, `count` values each and the
- * rest zero, so the engine may copy the whole block. One memcpy when the rows are full. */
-static void widen(uint8_t *dst, const uint8_t *src, const uint8_t *counts, uint32_t n,
-                  uint32_t width, uint32_t K, int full)
-{
-    if (full) {
-        memcpy(dst, src, 4u * (uint64_t)n * K);
-        return;
-    }
-    for (uint32_t e = 0; e < n; e++) {
-        uint64_t k = get16(counts + 2u * e);
-        uint8_t *row = dst + 4u * (uint64_t)K * e;
-        memcpy(row, src + 4u * (uint64_t)width * e, 4u * k);
-        memset(row + 4u * k, 0, 4u * (K - k));
-    }
-}
-
-/* What a reply's entries must be beyond the frame's own rules, checked before anything
- * is delivered. THE RULE HAS A PYTHON TWIN: remote_dspark/engine/reply.py (check_reply,
- * sync mode) makes the same checks in the same order with the same words, and
- * tests/test_reply_check.py runs the same replies through both and holds their verdicts
- * equal. Per entry, in order: count <= the round's n_out; a RESYNC entry has no drafts;
- * every counted token in 0..vocab_size-1 (0..INT32_MAX when the vocabulary is unknown);
- * with margins, every counted margin in [0, 1] (NaN fails both comparisons). */
-static int check_entries(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
-                         uint32_t n, uint32_t width, const uint8_t *counts, const uint8_t *statuses,
-                         const uint8_t *tokens, const uint8_t *margins)
-{
-    int64_t top = p->vocab_size ? (int64_t)p->vocab_size - 1 : INT32_MAX;
-    for (uint32_t e = 0; e < n; e++) {
-        uint32_t c = get16(counts + 2u * e), n_out = get32(v->n_out + 4u * e);
-        uint64_t row = (uint64_t)width * e;
-        if (c > n_out)
-            return fail(l, HF_EV_PROTOCOL, 0, "entry %u: %u drafts, the round asked for %u", e, c, n_out);
-        if (c && get16(statuses + 2u * e) == W_RESYNC)
-            return fail(l, HF_EV_PROTOCOL, 0, "entry %u: RESYNC with %u drafts", e, c);
-        for (uint32_t j = 0; j < c; j++) {
-            int32_t t = (int32_t)get32(tokens + 4u * (row + j));
-            if (t < 0 || t > top)
-                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft token %d outside 0..%lld", e, t,
-                            (long long)top);
-        }
-        for (uint32_t j = 0; margins && j < c; j++) {
-            float m;
-            memcpy(&m, margins + 4u * (row + j), 4);
-            if (!(m >= 0.0f && m <= 1.0f))   /* printed as Python prints it: NaN unsigned */
-                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: margin %g not in [0, 1]", e,
-                            m != m ? (double)NAN : (double)m);
-        }
-    }
-    return HF_EV_OK;
-}
-
-/* Check the DRAFTS payload in rx (the wire's rules, then against round view v and what
- * the session asked: check_entries) and write it into the drafts image: counts and
- * statuses as i32, each row widened to num_spec. */
-static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
-                         uint32_t len)
-{
-    const uint8_t *b = l->rx;
-    if (len > l->rx_cap)
-        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes exceeds the cap %u", len, l->rx_cap);
-    if (len < W_DRAFTS_FIXED)
-        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes, under %u", len, W_DRAFTS_FIXED);
-    uint32_t n = get32(b), width = get16(b + 4), flags = get16(b + 6), K = p->num_spec;
-    if (n > l->max_entries || width > l->max_n_out)
-        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS of %u entries x %u over the caps", n, width);
-    if (flags & ~(uint32_t)W_MARGINS)
-        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS unknown flags %#x", flags);
-    uint64_t grid = 4u * (uint64_t)n * width;
-    const uint8_t *slots = b + W_DRAFTS_FIXED, *counts = slots + 4u * (uint64_t)n;
-    const uint8_t *statuses = counts + 2u * (uint64_t)n, *tokens = statuses + 2u * (uint64_t)n;
-    uint64_t want = (uint64_t)(tokens - b) + grid * ((flags & W_MARGINS) ? 2 : 1);
-    if (len != want)
-        return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes, its fields say %llu", len,
-                    (unsigned long long)want);
-    int full = width == K;
-    for (uint32_t e = 0; e < n; e++) {
-        uint32_t c = get16(counts + 2u * e), st = get16(statuses + 2u * e);
-        if (c > width || st > W_RESYNC)
-            return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS entry %u: count %u (width %u), status %u", e, c,
-                        width, st);
-        full &= c == width;
-    }
-    if (n != v->n)
-        return fail(l, HF_EV_BAD_REPLY, 0, "drafts for %u entries, the round has %u", n, v->n);
-    if (memcmp(slots, v->slots, 4u * (uint64_t)n) != 0)
-        for (uint32_t e = 0; e < n; e++)
-            if (get32(slots + 4u * e) != get32(v->slots + 4u * e))
-                return fail(l, HF_EV_BAD_REPLY, 0, "entry %u: drafts for slot %u, the round has slot %u",
-                            e, get32(slots + 4u * e), get32(v->slots + 4u * e));
-    /* From here the reply breaks what the session asked (HELLO) or what the round asked:
-     * a protocol error (the connection is dropped), as in engine/reply.py. */
-    if (width > K)
-        return fail(l, HF_EV_PROTOCOL, 0, "drafts width %u over num_spec=%u", width, K);
-    if (!(flags & W_MARGINS) != !p->want_margin)
-        return fail(l, HF_EV_PROTOCOL, 0, p->want_margin ? "DRAFTS without margins, the session asked for them"
-                                                          : "DRAFTS with margins, the session did not ask for them");
-    int event = check_entries(l, p, v, n, width, counts, statuses, tokens,
-                              (flags & W_MARGINS) ? tokens + grid : NULL);
-    if (event != HF_EV_OK)
-        return event;
-    uint8_t *img = l->image;
-    memcpy(img + p->ring.d_zero, &n, 4);
-    memcpy(img + p->ring.d_zero + 4, &flags, 4);
-    for (uint32_t e = 0; e < n; e++) {
-        int32_t c = get16(counts + 2u * e), st = get16(statuses + 2u * e);
-        memcpy(img + p->d_counts + 4u * e, &c, 4);
-        memcpy(img + p->d_entry_status + 4u * e, &st, 4);
-    }
-    widen(img + p->d_tokens, tokens, counts, n, width, K, full);
-    if (flags & W_MARGINS)
-        widen(img + p->d_margins, tokens + grid, counts, n, width, K, full);
-    return HF_EV_OK;
-}
-
-/* Check `round`'s descriptor (check_desc) for a caller that sends the round itself (the
- * ofl transports): HF_EV_OK, or HF_EV_BAD_DESC with l->why. Counts nothing. */
-int hf_check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round)
-{
-    struct round_view v;
-    l->why[0] = 0;
-    return check_desc(p, l, round, &v);
-}
-
-/* hf_round's reader of a DRAFTS reply, for a caller that received it itself: the `len`
- * bytes of payload in l->rx are checked against `round`'s descriptor (checked again
- * first) and written into l->image for hf_answer. HF_EV_OK, or HF_EV_BAD_DESC,
- * HF_EV_PROTOCOL or HF_EV_BAD_REPLY with l->why. Counts nothing. */
-int hf_unpack(struct hf_proxy *p, struct hf_link *l, uint32_t round, uint32_t len)
-{
-    struct round_view v;
-    l->why[0] = 0;
-    int event = check_desc(p, l, round, &v);
-    return event == HF_EV_OK ? unpack_drafts(l, p, &v, len) : event;
-}
-
-static void clear_results(struct hf_link *l)
-{
-    l->late = l->sent = 0;
-    l->err = 0;
-    l->net_ns = 0;
-    l->why[0] = 0;
-}
-
-/* One round: take the next (as hf_take), send it and wait for its DRAFTS when the link
- * has a connection and `send` is set, answer it (as hf_answer). The result fields are
- * only touched once a round is taken. */
-static int64_t round_once(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
-{
-    int fd = l->fd, send = fd >= 0 && l->send;   /* read before the wait, not after */
-    uint32_t status = l->at_once;
-    uint64_t seen = 0;
-    int64_t taken = take(p, idle_ns, &seen);
-    if (taken < 0)
-        return taken;
-    uint32_t round = (uint32_t)taken, index = round & (p->ring.depth - 1);
-    int event = HF_EV_AT_ONCE;
-    if (!send) {   /* nothing but the ring's words and the drafts slot before the release */
-        int rc = answer(p, round, status, NULL, seen);
-        clear_results(l);
-        l->round = round;
-        l->answer = rc;
-        return event;
-    }
-    clear_results(l);
-    struct round_view v;
-    uint32_t len = 0;
-    event = check_desc(p, l, round, &v);
-    if (event == HF_EV_OK) {   /* a bad descriptor is not sent: answered ERROR at once */
-        uint64_t t0 = hf_now_ns();
-        uint32_t ms = v.deadline_ms ? v.deadline_ms : l->default_deadline_ms;
-        uint64_t deadline = t0 + (uint64_t)ms * 1000000u;
-        l->sent = 1;
-        event = send_round(l, round, index, &v, deadline);
-        if (event == HF_EV_OK)
-            event = recv_reply(l, round, deadline, t0 + (uint64_t)p->spin_us * 1000u, &len);
-        if (event == HF_EV_OK)
-            event = unpack_drafts(l, p, &v, len);
-        l->net_ns = hf_now_ns() - t0;
-    }
-    status = event == HF_EV_OK ? ST_OK : event == HF_EV_TIMEOUT ? ST_TIMEOUT : ST_ERROR;
-    l->round = round;
-    l->answer = answer(p, round, status, event == HF_EV_OK ? l->image : NULL, seen);
-    /* After the release: bookkeeping never delays it. Only a round this call answered:
-     * one the watchdog answered first may have had its descriptor reused meanwhile. */
-    if (event == HF_EV_BAD_DESC && l->answer == HF_OK)
-        count(p, p->c_bad_desc, 1);
-    return event;
-}
-
-/* The proxy's round, without returning to the caller between a round's `gathered` and
- * its `released`. Returns -HF_TIMEOUT when no round came within idle_ns, else the
- * HF_EV_* of the last round served, with that round in l->round and hf_answer's status
- * in l->answer (HF_LATE: another claimer answered first, counted rounds_late). A round
- * not sent is answered with l->at_once; a failed one with TIMEOUT (no reply by its
- * deadline: the connection is kept) or ERROR.
- *
- * Rounds answered at once need nothing from the caller in between, so one call answers
- * up to l->at_once_max of them (l->served counts them) and returns at the first round
- * that is not, at an hf_answer failure, or once idle_ns have passed and no further
- * round is waiting. */
-int64_t hf_round(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
-{
-    uint64_t end = hf_now_ns() + idle_ns;
-    int64_t event = round_once(p, l, idle_ns);
-    l->served = event >= 0;
-    while (event == HF_EV_AT_ONCE && (l->answer == HF_OK || l->answer == HF_LATE)
-           && l->served < l->at_once_max) {
-        uint64_t now = hf_now_ns();
-        int64_t next = round_once(p, l, now < end ? end - now : 0);
-        if (next < 0)
-            break;
-        event = next;
-        l->served++;
-    }
-    return event;
 }

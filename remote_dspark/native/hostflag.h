@@ -1,0 +1,130 @@
+/* hostflag.h: what the two files of the hostflag library share (hostflag.c: the
+ * hand-off, the proxy's take and answer, the watchdog; tcp_round.c: the proxy's round on
+ * a TCP socket, its descriptor check and DRAFTS reader, and the wire constants it uses).
+ * The library's ABI (HF_ABI) covers both; remote_dspark/native/__init__.py builds them
+ * together, mirrors the structs below with ctypes and checks their sizes at load.
+ *
+ * Status codes: HF_OK, HF_TIMEOUT (deadline passed), HF_LATE (the round was already
+ * claimed), HF_ORDER (the previous round is not claimed yet: a caller bug), HF_STATE
+ * (a word holds a value its protocol forbids), HF_NOMEM, HF_SYS (errno is set).
+ */
+#ifndef HOSTFLAG_H
+#define HOSTFLAG_H
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define HF_ABI 11   /* 11: two source files; hf_wire_constants */
+
+/* Not exported: shared between the library's files only. */
+#define HF_INTERNAL __attribute__((visibility("hidden")))
+
+enum { HF_OK = 0, HF_TIMEOUT = 1, HF_LATE = 2, HF_ORDER = 3, HF_STATE = 4, HF_NOMEM = 5, HF_SYS = 6 };
+
+/* Where the words and the drafts slots of one region are, in this process. */
+struct hf_ring {
+    uint32_t *gathered;      /* engine stream: last round gathered into staging */
+    uint32_t *released;      /* claimer: last round whose drafts are published */
+    uint32_t *claim;         /* CAS: last round claimed by the proxy, watchdog or engine */
+    uint64_t *gathered_ns;   /* [depth] CLOCK_MONOTONIC ns of each slot's gather; 0 = unknown */
+    uint8_t *drafts;         /* drafts slot 0 */
+    uint64_t drafts_stride;  /* bytes between drafts slots */
+    uint32_t depth;          /* ring depth, a power of two */
+    uint32_t d_round;        /* offset of the slot's round word */
+    uint32_t d_status;       /* offset of the slot's status word */
+    uint32_t d_zero;         /* first byte zeroed for an empty answer (n_entries, flags, counts) */
+    uint32_t zero_bytes;     /* how many bytes from d_zero */
+    uint32_t pad;
+};
+
+static inline int cyc_geq(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+enum { HF_PROXY_OUTCOMES = 4 };   /* ring.Outcome OK, TIMEOUT, ERROR, BREAKER_SKIP */
+
+/* One proxy's view of one region, in the proxy's process: the ring, its counters block,
+ * and the rounds it has taken. Filled by remote_dspark.ring_proxy.ProxyEnd; one thread uses it.
+ * The proxy's whole critical path is two calls: hf_take, then (after the network)
+ * hf_answer, which claims, writes, publishes and counts, so after a release only the
+ * return to the proxy's loop stands between it and the wait for the next round. */
+struct hf_proxy {
+    struct hf_ring ring;
+    uint64_t *heartbeat;          /* header word: CLOCK_MONOTONIC ns of the last take */
+    uint64_t *counters;           /* the proxy counters block (word indexes below) */
+    const uint64_t *bounds;       /* histogram bucket upper bounds (ns), ascending */
+    uint64_t *seen_ns;            /* [depth], private: when each taken round was seen */
+    uint32_t *stamps;             /* [max_slots], private: the check that last saw each slot */
+    uint64_t publish_timeout_ns;  /* how long to wait for the previous claimer's release */
+    uint32_t n_bounds;            /* a histogram is n_bounds + 1 buckets, then the sum */
+    uint32_t next;                /* the next round to take */
+    uint32_t spin_us, nap_us;     /* hf_wait_geq's, for the wait for a round */
+    uint32_t c_outcome[HF_PROXY_OUTCOMES];   /* rounds_ok .. rounds_breaker_skip */
+    uint32_t c_late, c_drafts, c_draft_tokens;
+    uint32_t h_round, h_handoff;  /* round_latency, handoff_latency histograms */
+    uint32_t d_counts, d_entry_status, d_tokens, d_margins;   /* drafts slot offsets */
+    uint32_t num_spec, max_slots;
+    uint32_t c_bad_desc;          /* rounds_bad_desc */
+    uint32_t stamp_gen;           /* the last descriptor check's stamp (0: none yet) */
+    uint32_t vocab_size;          /* the engine's vocabulary (HELLO's): token ids 0..vocab_size-1; 0 unknown */
+    uint32_t want_margin;         /* 1: HELLO asked for margins, so every DRAFTS carries them */
+    uint32_t *wake;               /* the wake words [published, sleeping], or NULL: never sleep */
+    uint32_t idle;                /* private: the last wait ended asleep, with nothing handed over */
+};
+
+/* One proxy's connection to the worker, for hf_round: the proxy's whole round in C.
+ * Python connects and says HELLO, then hands the socket over and reads nothing more
+ * from it; it sets fd, send and at_once(_max) before each call and reads the results after.
+ * The receive state lives here across calls, so a reply that comes after its round's
+ * deadline stays in step (and is dropped as late) instead of breaking the stream. */
+struct hf_link {
+    const uint8_t *desc;          /* descriptor 0 (the ROUND payload but its rows is sent from it) */
+    const uint8_t *staging;       /* staging slot 0 (the rows are sent from it) */
+    uint8_t *image;               /* the proxy's private drafts image, hf_answer's */
+    uint8_t *rx;                  /* the DRAFTS payload buffer, rx_cap bytes */
+    uint64_t desc_stride, staging_stride;
+    uint64_t session;             /* the proxy's session, in every ROUND header */
+    uint32_t row_bytes, max_tokens;
+    uint32_t rx_cap;              /* the largest DRAFTS payload the wire allows */
+    uint32_t max_entries, max_n_out;   /* wire caps of a DRAFTS frame */
+    uint32_t default_deadline_ms; /* a descriptor's deadline 0 means this */
+    int32_t fd;                   /* the worker connection (HELLO done, non-blocking), or -1 */
+    uint32_t send;                /* 1: the breaker lets this round use the network */
+    uint32_t at_once;             /* the status of a round answered without the network */
+    uint32_t at_once_max;         /* how many such rounds one call may answer */
+    uint32_t got;                 /* bytes of the current reply frame read (header, payload) */
+    uint8_t hdr[24];              /* the current reply frame's header */
+    uint32_t served;              /* results: the rounds answered, */
+    uint32_t round;               /* the last one, */
+    uint32_t late;                /* replies to earlier rounds dropped, */
+    uint32_t sent;                /* 1 when the round went on the network, */
+    int32_t answer;               /* hf_answer's status (HF_LATE: another claimer was first), */
+    int32_t err;                  /* errno of a failed send or receive, */
+    uint64_t net_ns;              /* the time from the send to the reply or giving up, */
+    char why[200];                /* and what broke (any event but OK and AT_ONCE). */
+};
+
+static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
+{
+    __atomic_fetch_add(&p->counters[word], n, __ATOMIC_RELAXED);
+}
+
+/* hostflag.c, for tcp_round.c. */
+uint64_t hf_now_ns(void);
+int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns);
+HF_INTERNAL int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen);
+HF_INTERNAL int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
+                               uint64_t seen);
+
+#endif

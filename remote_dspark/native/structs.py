@@ -1,0 +1,101 @@
+"""``native.structs``: the ctypes mirrors of the structs in ``hostflag.h``. The loader
+(:mod:`remote_dspark.native`) compares each one's size with the library's ``hf_sizeof``
+at load; a field added on one side only is refused there."""
+
+from __future__ import annotations
+
+import ctypes
+
+
+class RingGeom(ctypes.Structure):
+    """``struct hf_ring``: this process's addresses of one region's words and drafts
+    slots. Filled by ``remote_dspark.ring`` from the region's layout."""
+
+    _fields_ = [
+        ("gathered", ctypes.c_void_p),
+        ("released", ctypes.c_void_p),
+        ("claim", ctypes.c_void_p),
+        ("gathered_ns", ctypes.c_void_p),
+        ("drafts", ctypes.c_void_p),
+        ("drafts_stride", ctypes.c_uint64),
+        ("depth", ctypes.c_uint32),
+        ("d_round", ctypes.c_uint32),
+        ("d_status", ctypes.c_uint32),
+        ("d_zero", ctypes.c_uint32),
+        ("zero_bytes", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class ProxyState(ctypes.Structure):
+    """``struct hf_proxy``: one proxy's view of a region (its ring, its counters block
+    and the rounds it has taken). Filled by ``remote_dspark.ring_proxy.ProxyEnd``."""
+
+    _fields_ = [
+        ("ring", RingGeom),
+        ("heartbeat", ctypes.c_void_p),
+        ("counters", ctypes.c_void_p),
+        ("bounds", ctypes.c_void_p),
+        ("seen_ns", ctypes.c_void_p),
+        ("stamps", ctypes.c_void_p),
+        ("publish_timeout_ns", ctypes.c_uint64),
+        ("n_bounds", ctypes.c_uint32),
+        ("next", ctypes.c_uint32),
+        ("spin_us", ctypes.c_uint32),
+        ("nap_us", ctypes.c_uint32),
+        ("c_outcome", ctypes.c_uint32 * 4),
+        ("c_late", ctypes.c_uint32),
+        ("c_drafts", ctypes.c_uint32),
+        ("c_draft_tokens", ctypes.c_uint32),
+        ("h_round", ctypes.c_uint32),
+        ("h_handoff", ctypes.c_uint32),
+        ("d_counts", ctypes.c_uint32),
+        ("d_entry_status", ctypes.c_uint32),
+        ("d_tokens", ctypes.c_uint32),
+        ("d_margins", ctypes.c_uint32),
+        ("num_spec", ctypes.c_uint32),
+        ("max_slots", ctypes.c_uint32),
+        ("c_bad_desc", ctypes.c_uint32),
+        ("stamp_gen", ctypes.c_uint32),
+        ("vocab_size", ctypes.c_uint32),
+        ("want_margin", ctypes.c_uint32),
+        ("wake", ctypes.c_void_p),
+        ("idle", ctypes.c_uint32),
+    ]
+
+
+class LinkState(ctypes.Structure):
+    """``struct hf_link``: one proxy's worker connection for ``hf_round`` (its region
+    geometry, the receive state kept across rounds, and what the last call did). Filled
+    by ``remote_dspark.ring_proxy.ProxyEnd.new_link`` (``TcpRounds`` for ``hf_round``; the end's
+    own for ``hf_check_desc`` and ``hf_unpack`` on the ofl path)."""
+
+    _fields_ = [
+        ("desc", ctypes.c_void_p),
+        ("staging", ctypes.c_void_p),
+        ("image", ctypes.c_void_p),
+        ("rx", ctypes.c_void_p),
+        ("desc_stride", ctypes.c_uint64),
+        ("staging_stride", ctypes.c_uint64),
+        ("session", ctypes.c_uint64),
+        ("row_bytes", ctypes.c_uint32),
+        ("max_tokens", ctypes.c_uint32),
+        ("rx_cap", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("max_n_out", ctypes.c_uint32),
+        ("default_deadline_ms", ctypes.c_uint32),
+        ("fd", ctypes.c_int32),
+        ("send", ctypes.c_uint32),
+        ("at_once", ctypes.c_uint32),
+        ("at_once_max", ctypes.c_uint32),
+        ("got", ctypes.c_uint32),
+        ("hdr", ctypes.c_uint8 * 24),
+        ("served", ctypes.c_uint32),
+        ("round", ctypes.c_uint32),
+        ("late", ctypes.c_uint32),
+        ("sent", ctypes.c_uint32),
+        ("answer", ctypes.c_int32),
+        ("err", ctypes.c_int32),
+        ("net_ns", ctypes.c_uint64),
+        ("why", ctypes.c_char * 200),
+    ]
