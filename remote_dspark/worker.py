@@ -144,7 +144,7 @@ class Worker:
         self.port = sock.getsockname()[1]
         self._started = time.monotonic()
         if self.metrics_port is not None:
-            from .worker_metrics import MetricsServer   # lazily: prometheus_client only when asked for
+            from .worker_metrics import MetricsServer  # lazily: prometheus_client only when asked for
             try:
                 self._metrics = MetricsServer(self, self.metrics_host, self.metrics_port)
             except BaseException:

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from remote_dspark.cli import build_parser
 from remote_dspark.config_env import ENV_ENDPOINT, ENV_MARKOV_CACHE, VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-DOCS = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+DOCS = {p.relative_to(ROOT).as_posix(): p.read_text()
+        for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
 
 
 def python_blocks(text: str) -> list[str]:
