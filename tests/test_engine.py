@@ -365,8 +365,10 @@ def test_rounds_are_served_end_to_end_through_an_ofl_module(worker, tmp_path, mo
     ofl.mkdir(mode=0o700)
     (ofl / "ofl.py").write_text(FAKE_OFL)
     (ofl / "libofl.so").write_bytes(b"")
+    # A generous deadline: this checks the path, and the proxy's Python round over a
+    # Python socket may take tens of ms on a loaded 2-core machine.
     env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE=f"o1tcp://127.0.0.1:{worker.port}",
-                  VLLM_DSPARK_REMOTE_OFL_DIR=str(ofl))
+                  VLLM_DSPARK_REMOTE_OFL_DIR=str(ofl), VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000")
     if mode != "sync":
         env.update(VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY=mode)
     with make(env) as rd:
