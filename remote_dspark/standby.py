@@ -104,7 +104,9 @@ class Standby:
 
     def take(self, session: int) -> tuple[subprocess.Popen, int] | None:
         """Promote the standby to be the proxy of ``session``: its process and pidfd,
-        now the caller's; None when there is no standby."""
+        now the caller's; None when there is no standby. One that has exited is never
+        promoted; one whose SIGKILL is still pending looks alive to any check, and if
+        promoted is lost like any proxy."""
         proc, pidfd = self.proc, self.pidfd
         if proc is None:
             return None
