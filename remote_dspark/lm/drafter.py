@@ -151,7 +151,7 @@ class LMDrafter:
         c = self.model.config
         kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
         if len(hit_e):
-            kv[hit_d, ..., :tw - 1] = self.cache.pool[hit_rows, ..., :tw - 1]
+            kv[hit_d, :, :, :, :tw - 1] = self.cache.pool[hit_rows, :, :, :, :tw - 1]
         steps = torch.arange(q, device=self.device)
         positions = base_d[:, None] + steps
         write_pos = torch.where(steps < take_d[:, None], positions, tw - 1)
@@ -165,7 +165,7 @@ class LMDrafter:
             out_margin.append(margin)
             pos = pos + 1
         if len(back_e):
-            self.cache.pool[back_rows, ..., :tw - 1] = kv[back_d, ..., :tw - 1]
+            self.cache.pool[back_rows, :, :, :, :tw - 1] = kv[back_d, :, :, :, :tw - 1]
         out = torch.cat([torch.stack(out_tok, 1).float(), torch.stack(out_margin, 1)], 1).cpu().numpy()  # the one out
         return out[:, :width].astype(np.int32), out[:, width:]
 

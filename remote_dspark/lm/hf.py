@@ -7,10 +7,10 @@ imported only here.
 
 A round re-encodes every entry's window: one left-padded batch with its
 ``attention_mask`` and ``position_ids``, then ``width - 1`` greedy steps on the model's
-own ``past_key_values`` (one forward over all entries per step). Nothing is kept across
-rounds: a cache per slot for any architecture (its cache classes, rotary or learned
-positions, sliding windows) is out of scope here; the built-in model's drafter
-(:mod:`remote_dspark.lm.drafter`) keeps one.
+own KV cache (``past_key_values``; ``cache`` in transformers 5), one forward over all
+entries per step. Nothing is kept across rounds: a cache per slot for any architecture
+(its cache classes, rotary or learned positions, sliding windows) is out of scope here;
+the built-in model's drafter (:mod:`remote_dspark.lm.drafter`) keeps one.
 
 Identities: the drafter identity is the sha256 of ``config.json`` and the weight files
 (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth`` and their index files) in name order,
@@ -21,6 +21,7 @@ worker compares at HELLO is ``config.vocab_size``.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import threading
 from pathlib import Path
 
@@ -84,6 +85,10 @@ class HFDrafter:
         self.drafter_identity = identity
         self.markov_identity = MARKOV_NONE
         self._lock = threading.Lock()       # the worker's connection threads share one drafter
+        # The KV cache's argument and output name: ``cache`` in transformers 5, before it
+        # ``past_key_values`` (probed, not version-checked).
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
         n, width = len(batch), batch.width
@@ -108,8 +113,8 @@ class HFDrafter:
             for _ in range(1, width):                  # one batched forward per draft step
                 last = last + 1
                 mask = torch.cat([mask, torch.ones_like(last)], 1)
-                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=last,
-                                 past_key_values=out.past_key_values, use_cache=True)
+                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=last, use_cache=True,
+                                 **{self._cache_arg: getattr(out, self._cache_arg)})
                 token, margin = top2(out.logits[:, -1, :self.vocab_size])
                 tokens.append(token)
                 margins.append(margin)
