@@ -253,6 +253,9 @@ def test_load_drafter_builds_the_model_drafters_and_names_bad_flags(tmp_path):
         load_drafter("lm", lm_cache_slots=-1)
     with pytest.raises(ValueError, match="--lm-device 'tpu'"):
         load_drafter("lm", lm_device="tpu")
+    with pytest.raises(ValueError, match="window 600 .--window.: the model has 512 positions"):
+        load_drafter("lm", lm_device="cpu", window=600)
+    assert load_drafter("lm", lm_device="cpu", lm_cache_slots=0, window=400).max_tokens == 512
     with pytest.raises(ValueError, match="--markov"):
         load_drafter("lm", "some.markov")
     with pytest.raises(ValueError, match="--hf-model .* --drafter 'mod:f'"):
@@ -320,10 +323,16 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir):
-    d = load_drafter(None, hf_model=str(hf_dir), lm_device="cpu")
+@pytest.fixture(scope="module")
+def hf_drafter(hf_dir):
+    return load_drafter(None, hf_model=str(hf_dir), lm_device="cpu")
+
+
+def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
+    from remote_dspark.lm.hf import dir_identity
+    d = hf_drafter
     assert d.vocab_size == 128 and d.markov_identity == bytes(32)
-    assert d.drafter_identity == load_drafter(None, hf_model=str(hf_dir), lm_device="cpu").drafter_identity
+    assert d.drafter_identity == dir_identity(hf_dir) and len(d.drafter_identity) == 32
     contexts = [[1], [4, 5, 6, 7, 8, 9, 10], [], [3, 3], list(range(20, 40))]
     n_out = [3, 2, 3, 0, 3]
     got = d.draft_batch(batch_of(contexts, n_out, 3))
@@ -337,8 +346,8 @@ def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir):
     assert compared >= 6
 
 
-def test_hf_model_serves_a_round_through_a_worker(hf_dir):
-    d = load_drafter(None, hf_model=str(hf_dir), lm_device="cpu")
+def test_hf_model_serves_a_round_through_a_worker(hf_drafter):
+    d = hf_drafter
     with Worker(d, "127.0.0.1", 0, window=16) as w:
         c = connect(w.port, hello(d, vocab_size=128))
         try:

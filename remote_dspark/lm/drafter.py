@@ -75,9 +75,10 @@ class LMDrafter:
         device: ``"auto"`` (default: CUDA when present), ``"cpu"``, ``"cuda"``...
         cache_slots: streams cached at most (the least recently used is dropped beyond);
             0: no cache, every round re-encodes every context.
-        window: the worker's ``--window``: ``max_tokens`` defaults to ``2 * window + 16``,
-            so a stream re-encoded from its window has ``window`` more tokens of room
-            before its next re-encode, with 16 draft positions besides.
+        window: the worker's ``--window``: ``max_tokens`` defaults to ``2 * window + 16``
+            (at most the model's positions), so a stream re-encoded from its window has
+            ``window`` more tokens of room before its next re-encode, with 16 draft
+            positions besides.
         max_tokens: positions of a cache row (at most the model's ``max_positions``).
     """
 
@@ -85,7 +86,10 @@ class LMDrafter:
                  cache_slots: int = 1024, window: int = 64, max_tokens: int | None = None):
         model = model or TinyLM()
         c = model.config
-        self.max_tokens = max_tokens or 2 * window + 16
+        if window + 16 > c.max_positions:
+            raise ValueError(f"window {window} (--window): the model has {c.max_positions} positions, "
+                             "for a window and 16 drafts at least")
+        self.max_tokens = max_tokens or min(2 * window + 16, c.max_positions)
         if not 2 <= self.max_tokens <= c.max_positions:
             raise ValueError(f"max_tokens {self.max_tokens}: must be in 2..{c.max_positions} (the model's positions)")
         if cache_slots < 0:
