@@ -173,6 +173,20 @@ def test_a_stream_past_its_window_keeps_drafting_within_its_row():
     assert cached.cache_info().hits > 0
 
 
+def test_a_long_row_beside_a_long_re_encode_stays_within_the_models_positions():
+    """Padding of a hit with a large base never reaches past the learned positions."""
+    d = LMDrafter(TinyLM(LMConfig(max_positions=64)), device="cpu", cache_slots=2, window=24)   # 64-token rows
+    ctx = list(range(24))
+
+    def round_of(lengths, gens):
+        return d.draft_batch(batch_of([ctx] * 2, [2, 2], 2, session=1, slots=np.arange(2),
+                                      gens=np.array(gens, np.int64), lengths=np.array(lengths, np.int64)))
+    round_of([24, 24], [1, 1])
+    for length in range(30, 62, 6):                 # slot 0 appends (its base grows), slot 1 is re-encoded
+        assert round_of([length, 24], [1, length]).counts.tolist() == [2, 2]
+    assert d.cache_info().hits == 6
+
+
 def test_the_cache_keeps_its_bound_and_drops_the_least_recently_used():
     d = LMDrafter(device="cpu", cache_slots=3, window=8)
     size = d.cache_info().bytes

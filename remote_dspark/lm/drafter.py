@@ -157,8 +157,11 @@ class LMDrafter:
         if len(hit_e):
             kv[hit_d, :, :, :, :tw - 1] = self.cache.pool[hit_rows, :, :, :, :tw - 1]
         steps = torch.arange(q, device=self.device)
-        positions = base_d[:, None] + steps
-        write_pos = torch.where(steps < take_d[:, None], positions, tw - 1)
+        valid = steps < take_d[:, None]
+        # Padding sits at position 0 (inside the model's positions, whatever the row's
+        # base) and writes its K/V to the trash column; its outputs are never read.
+        positions = torch.where(valid, base_d[:, None] + steps, 0)
+        write_pos = torch.where(valid, positions, tw - 1)
         h = self.model.forward_kv(tok_d, positions, kv, write_pos)
         token, margin = top2(self.model.logits(h[torch.arange(n, device=self.device), take_d - 1]))
         out_tok, out_margin = [token], [margin]
