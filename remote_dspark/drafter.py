@@ -30,7 +30,9 @@ tokenizer).
 The old per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens,
 margins)``) is still served through :class:`PerEntryDrafter`, the slow path: one Python
 call per entry. :func:`as_batched` picks the path for any drafter, and
-:func:`load_drafter` (``--drafter MODULE:FACTORY``) returns a batched drafter either way.
+:func:`load_drafter` (``--drafter MODULE:FACTORY``) returns a batched drafter either way;
+it also builds the model drafters of :mod:`remote_dspark.lm` (``--drafter lm``,
+``--hf-model DIR``), importing torch only for them.
 """
 
 from __future__ import annotations
@@ -222,21 +224,42 @@ def _defined_below(cls: type, name: str, other: str) -> bool:
         and issubclass(owner, other_owner)
 
 
-def load_drafter(spec: str | None, markov_path: str | None = None,
-                 identity: bytes | None = None) -> BatchedDrafter:
-    """The drafter named by ``MODULE:FACTORY`` (``--drafter``; ``FACTORY()`` returns a
-    batched or a per-entry drafter), or the Markov drafter (``--markov`` file, else the
-    built-in model). Batched either way (:func:`as_batched`).
+# Drafters built in by name (``--drafter NAME``). The model drafters are plug-ins like any
+# MODULE:FACTORY, imported by name only when asked for: this module and the Markov worker
+# stay torch-free, and remote_dspark.lm, which builds on this module's types, is never
+# imported by it (no import cycle).
+MARKOV, LM = "markov", "lm"
+
+
+def load_drafter(spec: str | None, markov_path: str | None = None, identity: bytes | None = None, *,
+                 hf_model: str | None = None, lm_device: str | None = None, lm_cache_slots: int = 1024,
+                 window: int = 64) -> BatchedDrafter:
+    """The drafter ``--drafter`` names: ``markov`` (the default: the ``--markov`` file,
+    else the built-in model), ``lm`` (the built-in torch model, :mod:`remote_dspark.lm`,
+    on ``lm_device`` with ``lm_cache_slots`` cached streams and rows sized for the
+    worker's ``window``), or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a
+    per-entry drafter); ``hf_model`` (``--hf-model DIR``) is a transformers model from that
+    local directory. Batched either way (:func:`as_batched`). ``identity`` replaces the
+    drafter identity of the Markov and model drafters.
 
     ``MODULE`` is imported by name with :func:`importlib.import_module` (the operator's
     own code on ``sys.path``; nothing is evaluated from the spec itself).
 
-    Raises: ValueError naming the spec or file that could not be used.
+    Raises: ValueError naming the spec, flag or file that could not be used.
     """
-    if spec:
+    if hf_model is not None or spec == LM:
+        if hf_model is not None and spec not in (None, LM):
+            raise ValueError(f"--hf-model {hf_model!r} with --drafter {spec!r}: give one of them")
+        if markov_path:
+            raise ValueError(f"--markov {markov_path!r}: only for the Markov drafter")
+        drafter = _model_drafter(hf_model, lm_device, lm_cache_slots, window)
+        if identity is not None:
+            drafter.drafter_identity = identity
+        return drafter
+    if spec and spec != MARKOV:
         mod_name, sep, attr = spec.partition(":")
         if not sep or not mod_name or not attr:
-            raise ValueError(f"--drafter {spec!r}: expected MODULE:FACTORY")
+            raise ValueError(f"--drafter {spec!r}: expected {MARKOV}, {LM} or MODULE:FACTORY")
         try:
             factory = getattr(importlib.import_module(mod_name), attr)
         except (ImportError, AttributeError) as e:
@@ -258,6 +281,27 @@ def load_drafter(spec: str | None, markov_path: str | None = None,
     except OSError as e:
         raise ValueError(f"--markov {markov_path!r}: {e}") from e
     return MarkovDrafter(model, identity)
+
+
+def _model_drafter(hf_model: str | None, device: str | None, cache_slots: int, window: int) -> BatchedDrafter:
+    """The built-in LM drafter, or the transformers one of ``hf_model``.
+
+    Raises: ValueError naming the flag (torch missing, a bad device or cache size)."""
+    if cache_slots < 0:
+        raise ValueError(f"--lm-cache-slots {cache_slots}: must be >= 0 (0: no cache)")
+    if device not in (None, "auto", "cpu", "cuda"):
+        raise ValueError(f"--lm-device {device!r}: expected auto, cpu or cuda")
+    flag = f"--hf-model {hf_model!r}" if hf_model is not None else f"--drafter {LM}"
+    try:
+        lm = importlib.import_module("remote_dspark.lm")
+    except ImportError as e:
+        raise ValueError(f"{flag}: {e} (pip install remote-dspark[lm])") from e
+    try:
+        if hf_model is not None:
+            return lm.hf_drafter(hf_model, device)
+        return lm.builtin_drafter(device, cache_slots, window)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"{flag} (--lm-device {device or 'auto'}): {e}") from e
 
 
 def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:

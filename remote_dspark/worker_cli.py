@@ -25,10 +25,11 @@ def add_parser(sub) -> None:
     p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                    help=f"address to listen on (default {DEFAULT_LISTEN}; only loopback unless you say otherwise)")
     p.add_argument("--markov", metavar="FILE", help="Markov cache file (default: the built-in model)")
-    p.add_argument("--drafter", metavar="MODULE:FACTORY",
-                   help="use FACTORY() from MODULE (imported by name from sys.path) as the drafter instead "
-                        "of the Markov model: an object with draft_batch(batch) (one call per round, "
-                        "remote_dspark/drafter.py) or, the slow path, draft(context, n_out, row) per entry")
+    p.add_argument("--drafter", metavar="markov|lm|MODULE:FACTORY",
+                   help="markov (the default), lm (the built-in torch model, see 'model drafters' below), or "
+                        "FACTORY() from MODULE (imported by name from sys.path): an object with draft_batch(batch) "
+                        "(one call per round, remote_dspark/drafter.py) or, the slow path, "
+                        "draft(context, n_out, row) per entry")
     p.add_argument("--identity", metavar="HEX64", help="drafter identity to require (default: derived from the model)")
     p.add_argument("--window", type=int, default=64, help="tokens kept per slot (default 64)")
     lim = p.add_argument_group(
@@ -67,6 +68,18 @@ def add_parser(sub) -> None:
                           "refused busy")
     adm.add_argument("--frame-timeout-ms", type=int, default=10000,
                      help="a frame, once its header is in, must be whole by then (default 10000)")
+    lm = p.add_argument_group(
+        "model drafters", "Greedy drafts from a causal LM in torch (the lm extra; transformers for --hf-model: the "
+                          "hf extra). Their Markov identity is zeros; the drafter identity is the model's sha256.")
+    lm.add_argument("--hf-model", metavar="DIR",
+                    help="draft with the transformers causal LM saved in this local directory (never downloaded); "
+                         "each round re-encodes every window")
+    lm.add_argument("--lm-device", default="auto", metavar="{auto,cpu,cuda}",
+                    help="where the model runs (default auto: CUDA in bf16 when present, else CPU in float32)")
+    lm.add_argument("--lm-cache-slots", type=int, default=1024, metavar="N",
+                    help="--drafter lm: streams whose KV cache is kept across rounds (default 1024; the least "
+                         "recently used is dropped beyond; 0: none). Preallocated: N x 147456 bytes in float32 "
+                         "at the default --window 64 (rows of 2 x window + 16 tokens)")
     p.add_argument("--chaos", action="store_true",
                    help="fault injection for chaos runs: SIGUSR1 toggles answering every round "
                         "--late-ms late, SIGUSR2 garbles the next reply")
@@ -89,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     identity = wire.parse_hex32(args.identity, "--identity") if args.identity else None
-    drafter = load_drafter(args.drafter, args.markov, identity)
+    drafter = load_drafter(args.drafter, args.markov, identity, hf_model=args.hf_model, lm_device=args.lm_device,
+                           lm_cache_slots=args.lm_cache_slots, window=args.window)
     worker = Worker(drafter, host, port, window=args.window, max_slots=args.max_slots,
                     max_row_bytes=args.max_row_bytes, max_round_tokens=args.max_round_tokens,
                     max_round_bytes=args.max_round_bytes, max_connections=args.max_connections,

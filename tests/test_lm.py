@@ -1,0 +1,372 @@
+"""The torch model drafter (remote_dspark.lm, issue 16): batched drafts against one entry
+at a time, the KV cache against re-encoding through the worker's own windows, the cache's
+bound, identities, the HELLO's vocabulary rule, transformers models, the command line.
+CPU float32 throughout."""
+
+import argparse
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from remote_dspark import wire, worker_cli
+from remote_dspark.client import DraftClient, Refused
+from remote_dspark.drafter import CacheInfo, DraftBatch, load_drafter
+from remote_dspark.lm.drafter import LMDrafter
+from remote_dspark.lm.model import LMConfig, TinyLM
+from remote_dspark.transport import parse_endpoint
+from remote_dspark.worker import Worker
+from remote_dspark.worker_windows import Windows
+
+ROOT = Path(__file__).resolve().parents[1]
+TIE = 1e-4      # below this top1 - top2 margin, padding's rounding may flip the greedy choice
+PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)     # re-encodes every round
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny forwards: torch's intra-op pool only adds contention on a small machine
+    (restored after each test, for the rest of the suite)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def batch_of(contexts, n_out, width, want_margin=True, **stream):
+    offsets = np.zeros(len(contexts) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(c) for c in contexts])
+    tokens = np.concatenate([np.asarray(c, np.int32) for c in contexts]) if contexts else np.zeros(0, np.int32)
+    return DraftBatch(tokens, offsets, np.asarray(n_out, np.int32), np.zeros((len(contexts), 0), np.uint8),
+                      want_margin, width, **stream)
+
+
+def agreeing_prefix(ref_tokens, ref_margins, tokens) -> tuple[list, list]:
+    """Both drafts up to the first near-tie of the reference (where a flip is allowed)."""
+    k = next((i for i, m in enumerate(ref_margins) if m <= TIE), len(ref_margins))
+    return list(ref_tokens[:k]), list(tokens[:k])
+
+
+def assert_same_drafts(got, want):
+    """Two results agree: counts equal, drafts equal up to each entry's first near-tie."""
+    assert list(got.counts) == list(want.counts)
+    for i, count in enumerate(want.counts.tolist()):
+        a, b = agreeing_prefix(want.tokens[i, :count].tolist(), want.margins[i, :count].tolist(),
+                               got.tokens[i, :count].tolist())
+        assert a == b, f"entry {i}"
+
+
+# --- batched against one entry at a time ---------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 127), max_size=30), st.integers(0, 4)), min_size=1, max_size=6),
+       st.integers(1, 4))
+def test_batched_drafts_equal_greedy_decoding_one_entry_at_a_time(entries, width):
+    contexts = [c for c, _ in entries] + [[7]]          # a length-1 context in every batch
+    n_out = [min(k, width) for _, k in entries] + [width]
+    got = PLAIN.draft_batch(batch_of(contexts, n_out, width))
+    assert got.tokens.shape == (len(contexts), width) and got.margins.dtype == np.float32
+    for i, (context, k) in enumerate(zip(contexts, n_out)):
+        want = k if context else 0          # an empty context gets no drafts
+        assert got.counts[i] == want
+        assert not got.tokens[i, want:].any() and not got.margins[i, want:].any()
+        if want:
+            tokens, margins = PLAIN.greedy_one(context, want)
+            a, b = agreeing_prefix(tokens, margins, got.tokens[i, :want].tolist())
+            assert a == b, f"entry {i}: context {context}"
+            k_tie = len(a)
+            np.testing.assert_allclose(got.margins[i, :k_tie], margins[:k_tie], atol=1e-4)
+    assert ((got.margins >= 0) & (got.margins <= 1)).all()
+
+
+def test_no_margins_unless_asked_and_an_empty_batch():
+    assert PLAIN.draft_batch(batch_of([[1, 2]], [2], 2, want_margin=False)).margins is None
+    empty = PLAIN.draft_batch(batch_of([], [], 3))
+    assert empty.tokens.shape == (0, 3) and len(empty.counts) == 0
+
+
+# --- the cache against re-encoding, through the worker's own windows -----------------------
+
+
+class Engine:
+    """A scripted engine side of one session: the ROUND arrays the worker would decode,
+    through a real ``Windows``, made into the worker's DraftBatch."""
+
+    def __init__(self, window: int, max_slots: int = 6):
+        self.windows = Windows(max_slots, window)
+        self.next = {}          # slot -> next position
+
+    def batch(self, entries, width):
+        """entries: (slot, tokens, new_gen, gap) records; returns the batch and ok mask."""
+        slots = np.array([e[0] for e in entries], np.int64)
+        positions = np.array([0 if e[2] else self.next.get(e[0], 0) + (5 if e[3] else 0) for e in entries], np.int64)
+        new_gen = np.array([e[2] for e in entries], bool)
+        lens = [len(e[1]) for e in entries]
+        offsets = np.zeros(len(entries) + 1, np.int64)
+        offsets[1:] = np.cumsum(lens)
+        tokens = np.concatenate([np.asarray(e[1], np.int32) for e in entries])
+        adv = self.windows.advance(slots, positions, new_gen, offsets, tokens)
+        for (slot, toks, _, _), pos in zip(entries, positions.tolist()):
+            self.next[slot] = pos + len(toks)
+        m = len(adv.slots)
+        return DraftBatch(adv.tokens, adv.offsets, np.full(m, width, np.int32), np.zeros((m, 0), np.uint8), True,
+                          width, session=self.windows.serial, slots=adv.slots, gens=adv.gens,
+                          lengths=adv.lengths), adv.ok
+
+
+def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_and_sessions():
+    window, width = 12, 3
+    cached = LMDrafter(device="cpu", cache_slots=4, window=window)     # 6 slots, 4 rows: evictions too
+    rng = np.random.default_rng(5)
+    engine, had, known = Engine(window), {}, set()
+    compared = 0
+    for rnd in range(60):
+        if rnd in (25, 45):                        # a new session (a respawned proxy): nothing carries over
+            engine, had, known = Engine(window), {}, set()
+        entries = []
+        for slot in rng.choice(6, size=rng.integers(1, 5), replace=False).tolist():
+            grow = int(rng.integers(0, 4))
+            if slot not in known or had[slot] + grow > window or rng.random() < 0.1:
+                ctx = rng.integers(0, 128, int(rng.integers(1, window + 1))).tolist()
+                entries.append((slot, ctx, True, False))        # NEW_GEN
+                had[slot] = len(ctx)
+                known.add(slot)
+            elif rng.random() < 0.08:
+                entries.append((slot, [1], False, True))        # a gap: RESYNC, the slot forgotten
+                known.discard(slot)
+            else:
+                entries.append((slot, rng.integers(0, 128, grow).tolist(), False, False))
+                had[slot] += grow
+        batch, ok = engine.batch(entries, width)
+        assert all(ok[i] == (not e[3]) for i, e in enumerate(entries))
+        if len(batch):
+            assert int(batch.lengths.max()) <= window          # every stream within its window
+            assert_same_drafts(cached.draft_batch(batch), PLAIN.draft_batch(batch))
+            compared += len(batch)
+    info = cached.cache_info()
+    assert compared > 100 and info.hits > 30 and info.misses > 10
+    assert info.slots <= info.capacity == 4
+
+
+def test_a_stream_past_its_window_keeps_drafting_within_its_row():
+    window, width = 4, 2
+    cached = LMDrafter(device="cpu", cache_slots=2, window=window)
+    engine = Engine(window, max_slots=2)
+    rng = np.random.default_rng(1)
+    batch, _ = engine.batch([(0, [3, 4], True, False)], width)
+    cached.draft_batch(batch)
+    for _ in range(20):                             # 60 tokens through a 4-token window, 10-token rows
+        batch, ok = engine.batch([(0, rng.integers(0, 128, 3).tolist(), False, False)], width)
+        got = cached.draft_batch(batch)
+        assert ok.all() and got.counts.tolist() == [width]
+        assert ((got.tokens >= 0) & (got.tokens < 128)).all()
+    assert cached.max_tokens == 2 * window + 16
+    assert cached.cache_info().hits > 0
+
+
+def test_a_long_row_beside_a_long_re_encode_stays_within_the_models_positions():
+    """Padding of a hit with a large base never reaches past the learned positions."""
+    d = LMDrafter(TinyLM(LMConfig(max_positions=64)), device="cpu", cache_slots=2, window=24)   # 64-token rows
+    ctx = list(range(24))
+
+    def round_of(lengths, gens):
+        return d.draft_batch(batch_of([ctx] * 2, [2, 2], 2, session=1, slots=np.arange(2),
+                                      gens=np.array(gens, np.int64), lengths=np.array(lengths, np.int64)))
+    round_of([24, 24], [1, 1])
+    for length in range(30, 62, 6):                 # slot 0 appends (its base grows), slot 1 is re-encoded
+        assert round_of([length, 24], [1, length]).counts.tolist() == [2, 2]
+    assert d.cache_info().hits == 6
+
+
+def test_the_cache_keeps_its_bound_and_drops_the_least_recently_used():
+    d = LMDrafter(device="cpu", cache_slots=3, window=8)
+    size = d.cache_info().bytes
+    c = LMConfig()
+    assert size == 3 * c.n_layers * 2 * c.n_heads * d.max_tokens * c.head_dim * 4
+
+    def round_of(slots, lengths):
+        n = len(slots)
+        b = batch_of([[5] * k for k in lengths], [2] * n, 2, session=1, slots=np.array(slots, np.int64),
+                     gens=np.ones(n, np.int64), lengths=np.array(lengths, np.int64))
+        before = d.cache_info()
+        d.draft_batch(b)
+        after = d.cache_info()
+        assert after.slots <= after.capacity == 3 and after.bytes == size
+        return after.hits - before.hits, after.misses - before.misses
+
+    for slot in range(3):
+        assert round_of([slot], [2]) == (0, 1)
+    assert round_of([1], [3]) == (1, 0)             # slot 1 used again: 0 is now the oldest
+    assert round_of([3], [2]) == (0, 1)             # a newcomer takes slot 0's row
+    assert round_of([0], [3]) == (0, 1)             # gone: encoded from the start
+    assert round_of([1, 3], [4, 3]) == (2, 0)
+    assert round_of([0, 1, 2, 3], [4, 5, 3, 4]) == (3, 1)    # more entries than rows: one left without
+    assert d.cache_info().slots == 3
+
+
+# --- identity, vocabulary, the HELLO -------------------------------------------------------
+
+
+def test_identity_is_deterministic_and_changes_with_a_weight():
+    d = LMDrafter(device="cpu", cache_slots=0)
+    assert d.drafter_identity == LMDrafter(device="cpu", cache_slots=0).drafter_identity == TinyLM().identity()
+    assert len(d.drafter_identity) == 32 and d.markov_identity == bytes(32) and d.vocab_size == 128
+    model = TinyLM()
+    with torch.no_grad():
+        model.blocks[1].fc2.weight[0, 0] += 1e-3
+    assert model.identity() != d.drafter_identity
+    assert TinyLM(LMConfig(seed=1)).identity() != d.drafter_identity
+
+
+def hello(drafter, **kw):
+    fields = dict(engine_id=7, max_slots=8, row_bytes=0, num_spec=3, want_margin=True)
+    fields.update(kw)
+    return wire.Hello(drafter.drafter_identity, drafter.markov_identity, **fields)
+
+
+def connect(port: int, h: wire.Hello, session: int = 1) -> DraftClient:
+    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"), h, session, 5.0)
+
+
+def test_a_worker_refuses_an_engine_with_a_smaller_vocabulary_and_serves_the_same_one():
+    d = LMDrafter(device="cpu", cache_slots=8, window=8)
+    with Worker(d, "127.0.0.1", 0, window=8) as w:
+        with pytest.raises(Refused, match="vocabulary .* 128 tokens, over the engine's 100") as e:
+            connect(w.port, hello(d, vocab_size=100))
+        assert e.value.code == wire.REFUSE_DRAFTER
+        c = connect(w.port, hello(d, vocab_size=128))
+        try:
+            entries = [wire.Entry(2, 3, 0, (1, 2, 3), new_gen=True), wire.Entry(5, 1, 0, (9,), new_gen=True)]
+            got = c.round(1, [wire.encode_round_entries(1, 1, 1000, entries, b"", 0)], 5000)
+            assert got.row(0) == d.greedy_one([1, 2, 3], 3)[0] and got.row(1) == d.greedy_one([9], 1)[0]
+            got = c.round(2, [wire.encode_round_entries(2, 1, 1000, [wire.Entry(2, 3, 3, (4,))], b"", 0)], 5000)
+            assert got.row(0) == d.greedy_one([1, 2, 3, 4], 3)[0]
+        finally:
+            c.close()
+    assert d.cache_info().hits == 1
+
+
+# --- load_drafter and the command line -----------------------------------------------------
+
+
+def test_load_drafter_builds_the_model_drafters_and_names_bad_flags(tmp_path):
+    d = load_drafter("lm", lm_device="cpu", lm_cache_slots=5, window=8)
+    assert isinstance(d, LMDrafter) and d.cache_info().capacity == 5 and d.max_tokens == 32
+    assert load_drafter("lm", identity=b"i" * 32, lm_device="cpu", lm_cache_slots=0).drafter_identity == b"i" * 32
+    assert load_drafter("lm", lm_device="cpu", lm_cache_slots=0).cache_info() == CacheInfo(0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="--lm-cache-slots -1"):
+        load_drafter("lm", lm_cache_slots=-1)
+    with pytest.raises(ValueError, match="--lm-device 'tpu'"):
+        load_drafter("lm", lm_device="tpu")
+    with pytest.raises(ValueError, match="window 600 .--window.: the model has 512 positions"):
+        load_drafter("lm", lm_device="cpu", window=600)
+    assert load_drafter("lm", lm_device="cpu", lm_cache_slots=0, window=400).max_tokens == 512
+    with pytest.raises(ValueError, match="--markov"):
+        load_drafter("lm", "some.markov")
+    with pytest.raises(ValueError, match="--hf-model .* --drafter 'mod:f'"):
+        load_drafter("mod:f", hf_model=str(tmp_path))
+    with pytest.raises(ValueError, match=f"--hf-model '{tmp_path / 'none'}'.*not a local directory"):
+        load_drafter(None, hf_model=str(tmp_path / "none"))
+    assert load_drafter("markov").markov_identity != bytes(32)
+
+
+def test_worker_cli_refuses_bad_model_flags_naming_them():
+    parser = argparse.ArgumentParser()
+    worker_cli.add_parser(parser.add_subparsers())
+    for flags, name in ((["--lm-cache-slots", "-2"], "--lm-cache-slots"), (["--lm-device", "gpu"], "--lm-device")):
+        args = parser.parse_args(["worker", "--listen", "127.0.0.1:0", "--drafter", "lm", *flags])
+        with pytest.raises(ValueError, match=name):
+            worker_cli.run(args)
+
+
+def lines_of(proc) -> "queue.Queue[str]":
+    """The process's stdout lines, read on a thread (so every wait for one is bounded)."""
+    q: queue.Queue[str] = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line)
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def test_worker_command_with_the_lm_drafter_serves_a_round():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0",
+                             "--drafter", "lm", "--lm-device", "cpu", "--lm-cache-slots", "8", "--window", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    try:
+        q = lines_of(proc)
+        lines = [q.get(timeout=60) for _ in range(3)]
+        assert lines[0].startswith("remote-dspark worker listening on tcp://127.0.0.1:")
+        d = LMDrafter(device="cpu", cache_slots=0)
+        assert lines[1].strip() == f"VLLM_DSPARK_REMOTE_IDENTITY={d.drafter_identity.hex()}"
+        assert lines[2].strip() == f"VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={'00' * 32}"
+        c = connect(int(lines[0].rsplit(":", 1)[1]), hello(d, vocab_size=128))
+        got = c.round(1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(0, 2, 0, (5, 6), True)], b"", 0)], 10000)
+        assert got.row(0) == d.greedy_one([5, 6], 2)[0]
+        c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+# --- transformers models -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                                     initializer_range=0.5, bos_token_id=0, eos_token_id=0)  # clear greedy choices
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_drafter(hf_dir):
+    return load_drafter(None, hf_model=str(hf_dir), lm_device="cpu")
+
+
+def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
+    from remote_dspark.lm.hf import dir_identity
+    d = hf_drafter
+    assert d.vocab_size == 128 and d.markov_identity == bytes(32)
+    assert d.drafter_identity == dir_identity(hf_dir) and len(d.drafter_identity) == 32
+    contexts = [[1], [4, 5, 6, 7, 8, 9, 10], [], [3, 3], list(range(20, 40))]
+    n_out = [3, 2, 3, 0, 3]
+    got = d.draft_batch(batch_of(contexts, n_out, 3))
+    assert got.counts.tolist() == [3, 2, 0, 0, 3]
+    compared = 0
+    for i, context in enumerate(contexts):          # each entry alone: no padding
+        alone = d.draft_batch(batch_of([context], got.counts[i:i + 1], 3))
+        a, b = agreeing_prefix(alone.tokens[0].tolist(), alone.margins[0].tolist(), got.tokens[i].tolist())
+        assert a == b, f"entry {i}"
+        compared += len(a)
+    assert compared >= 6
+
+
+def test_hf_model_serves_a_round_through_a_worker(hf_drafter):
+    d = hf_drafter
+    with Worker(d, "127.0.0.1", 0, window=16) as w:
+        c = connect(w.port, hello(d, vocab_size=128))
+        try:
+            got = c.round(1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(1, 3, 0, (7, 8), True)], b"", 0)],
+                          10000)
+            assert got.row(0) == d.draft_batch(batch_of([[7, 8]], [3], 3)).tokens[0].tolist()
+        finally:
+            c.close()
