@@ -9,6 +9,7 @@ STAMP  := $(VENV)/.installed
 # `pip install torch==2.13.0` resolves to the CPU wheel kept on this workplace's disk.
 # A GPU host sets TORCH_SPEC to the build it wants (or installs torch itself first).
 TORCH_SPEC ?= torch==2.13.0
+# The tests also load a tiny transformers model (the hf extra: --hf-model), so it is installed too.
 
 .PHONY: demo test install clean
 
@@ -17,7 +18,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install --quiet '$(TORCH_SPEC)'
-	$(BIN)/pip install --quiet -e '.[engine,test]'
+	$(BIN)/pip install --quiet -e '.[engine,test,hf]'
 	@touch $@
 
 install: $(STAMP)

@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
                    help="process: supervised proxy process (default); thread: proxy thread; sync: no proxy")
     p.add_argument("--policy", choices=("capacity", "resilience", "shadow"), default="capacity",
                    help="drafting policy (async modes are capacity only)")
+    p.add_argument("--drafter", choices=("markov", "lm"), default="markov",
+                   help="the worker's drafter: the built-in Markov model (default) or the built-in tiny "
+                        "causal LM (needs torch in the worker: remote-dspark[lm]; CUDA when present)")
     p.add_argument("--kill-proxy-every", type=positive, metavar="N", help="SIGKILL the proxy every N rounds")
     p.add_argument("--respawns", type=int, default=3, help="respawn budget (VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS)")
     p.add_argument("--timeout-ms", type=positive, default=50, help="per-round deadline (default 50)")
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from .harness import DemoEngine, WorkerProcess, worker_limits
     from .sim import SimEngine
 
-    with WorkerProcess(extra=worker_limits(args.slots, args.row_bytes)) as worker, \
+    drafter = ("--drafter", "lm") if args.drafter == "lm" else ()
+    with WorkerProcess(extra=(*worker_limits(args.slots, args.row_bytes), *drafter)) as worker, \
             tempfile.TemporaryDirectory() as tmp:
         env = worker.env(
             VLLM_DSPARK_REMOTE_POLICY=args.policy, VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(args.timeout_ms),
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             VLLM_DSPARK_REMOTE_LOG_EVERY="0", VLLM_DSPARK_REMOTE_METRICS_PORT=str(args.metrics_port))
         cfg = RemoteConfig.from_env(env)
         print(f"worker on {cfg.endpoint} (pid {worker.proc.pid}); engine: {args.slots} slots, "
-              f"num_spec {args.num_spec}, mode {args.mode}, policy {args.policy}")
+              f"num_spec {args.num_spec}, mode {args.mode}, policy {args.policy}, drafter {args.drafter}")
         if cfg.metrics_port:
             print(f"metrics on http://{cfg.metrics_addr}:{cfg.metrics_port}/metrics")
         sim = SimEngine(args.slots, args.num_spec)

@@ -43,7 +43,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -64,6 +63,7 @@ from .transport import DeadlineExceeded, Disconnected, FrameChannel
 from .transport.tcp import TcpStream
 from .worker_admission import Admission
 from .worker_limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits
+from .worker_reply import drafts_frame
 from .worker_sessions import RECENT_S, Session, Sessions
 from .worker_stats import REFUSAL_REASONS, Health, WorkerStats  # noqa: F401
 from .worker_windows import Windows
@@ -395,7 +395,7 @@ class Worker:
             result = check_result(result, batch)
         else:
             result = empty_result(0, width, session.want_margin)
-        reply, out = _drafts_frame(hdr.session, rnd.round_id, n, width, result.margins is not None)
+        reply, out = drafts_frame(hdr.session, rnd.round_id, n, width, result.margins is not None)
         out.slots[:] = slots
         out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
         where = slice(None) if all_ok else ok
@@ -418,34 +418,6 @@ class Worker:
             chan.send(frame)
         except Disconnected:
             pass
-
-
-@dataclass
-class _DraftsArrays:
-    """Writable views of a DRAFTS frame's sections (``_drafts_frame``)."""
-
-    slots: np.ndarray       # [n] u32
-    counts: np.ndarray      # [n] u16
-    statuses: np.ndarray    # [n] u16
-    tokens: np.ndarray      # [n, width] i32
-    margins: np.ndarray | None   # [n, width] f32
-
-
-def _drafts_frame(session: int, round_id: int, n: int, width: int, margins: bool) -> tuple[bytearray, _DraftsArrays]:
-    """A whole zeroed DRAFTS frame (header and fixed part written) and views of its
-    sections, at ``wire.drafts_sections`` offsets, for the caller to fill."""
-    sec = wire.drafts_sections(n, width, margins)
-    at = wire.HEADER.size
-    frame = bytearray(at + sec.size)
-    frame[:at] = wire.encode_header(wire.DRAFTS, sec.size, session, round_id)
-    wire.DRAFTS_FIXED.pack_into(frame, at, n, width, wire.DRAFTS_MARGINS if margins else 0)
-
-    def view(dtype, offset: int, count: int) -> np.ndarray:
-        return np.frombuffer(frame, dtype, count, at + offset)
-    return frame, _DraftsArrays(
-        view(np.uint32, sec.slots, n), view(np.uint16, sec.counts, n), view(np.uint16, sec.statuses, n),
-        view(np.int32, sec.tokens, n * width).reshape(n, width),
-        view(np.float32, sec.margins, n * width).reshape(n, width) if margins else None)
 
 
 def parse_listen(raw: str) -> tuple[str, int]:

@@ -216,13 +216,16 @@ def test_goals_and_the_table_from_a_report():
         "process_x_floor": True, "process_x_sync": True, "process_engine_cpu_ms": False, "draft_ms": True,
         "process_linear": True, "draft_linear": True}
     assert t["process_linear"]["value"] == round((30.0 / 4096) / (1.1 / 256), 2)
+    # With the model drafter the one goal is the whole round's time.
+    lm = round_report.targets(rows, "lm")
+    assert list(lm) == ["lm_process_ms"] and lm["lm_process_ms"]["value"] == 1.1 and lm["lm_process_ms"]["met"]
     report = {"config": {"num_spec": 5, "row_bytes": 1024, "rounds": 10, "warmup": 1, "tokens_per_entry": 3,
                          "prompt_tokens": 16, "timeout_ms": 1000, "torch_num_threads": 2,
                          "omp_num_threads": None, "cpu_count": 2, "affinity_cpus": 2, "device": "cpu",
-                         "device_metadata": False},
+                         "device_metadata": False, "drafter": "markov"},
               "rows": rows, "targets": t}
     lines = round_report.format_table(report).splitlines()
-    assert "OMP_NUM_THREADS=unset" in lines[1] and "torch threads 2" in lines[1]
+    assert "OMP_NUM_THREADS=unset" in lines[1] and "torch threads 2" in lines[1] and "drafter markov" in lines[1]
     assert "256 slots ROUND 270,380 + DRAFTS 7,200" in round_report.format_table(report)
     proc = [line for line in lines if "proxy process" in line and line.lstrip().startswith("256")]
     assert proc and proc[0].endswith("2 NOT OK: timeout 2")

@@ -4,9 +4,10 @@ keeps its heavy imports inside the function that runs it."""
 
 def add_parsers(sub) -> None:
     """Register every benchmark's subcommand."""
-    from . import failover, handoff, round, worker_hostile
+    from . import drafter, failover, handoff, round, worker_hostile
 
     handoff.add_parser(sub)
     round.add_parser(sub)
     failover.add_parser(sub)
     worker_hostile.add_parser(sub)
+    drafter.add_parser(sub)

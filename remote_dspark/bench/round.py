@@ -51,6 +51,11 @@ cores. The goals (met / NOT met; never asserted): at 256 slots process p50 <= 3x
 and <= 1.2x sync, process engine CPU <= 0.3 ms, draft <= 0.1 ms, and the per-slot cost
 of process and draft at 4096 slots within 2x of theirs at 256.
 
+With ``--drafter lm`` the worker serves the built-in model drafter (``remote_dspark.lm``,
+on the GPU when it sees one, its per-slot KV cache on) and the ``draft`` row times that
+drafter on whole contexts (no cache); the one goal is then the whole process round:
+p50 <= 2 ms at 256 slots.
+
 Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
 Every child process this starts (floor peer, worker, proxy) is ended before the run
 returns, whatever happens.
@@ -115,6 +120,10 @@ def add_parser(sub) -> None:
                    help="with --device cuda: the batch's metadata tensors (slots, tokens, offsets, "
                         "positions, new_gen) on the GPU too (default: on the host; row_index is always "
                         "where the rows are)")
+    p.add_argument("--drafter", choices=("markov", "lm"), default="markov",
+                   help="the worker's drafter: the built-in Markov model (default) or the built-in tiny causal "
+                        "LM (CUDA when present; the draft row then times it, and the goal is the whole round's "
+                        "time)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (and nothing else) on stdout; progress stays on stderr")
     p.set_defaults(func=run)
@@ -220,13 +229,18 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str) -> Row:
 
 
 def draft_row(opts: Options, slots: int) -> Row:
-    """``MarkovDrafter(builtin_model()).draft_batch`` on ``slots`` contexts of 64 tokens,
+    """``MarkovDrafter(builtin_model()).draft_batch`` (or the built-in model drafter's,
+    ``--drafter lm``: no cache, every context encoded) on ``slots`` contexts of 64 tokens,
     rotating through DRAFT_BATCHES batches of different contexts."""
     import numpy as np
 
     from ..drafter import DraftBatch, MarkovDrafter
     from ..markov import builtin_model
-    drafter = MarkovDrafter(builtin_model())
+    if opts.drafter == "lm":
+        from ..lm import builtin_drafter
+        drafter = builtin_drafter()
+    else:
+        drafter = MarkovDrafter(builtin_model())
     text = np.asarray(_text(2), dtype=np.int32)
     rng = np.random.default_rng(2)
     k, n = opts.num_spec, slots
@@ -277,7 +291,9 @@ def run_all(opts: Options) -> list[Row]:
         stats_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="remote-dspark-bench-round."))
         if any(m in ENGINE_MODES or m == "launch" for m in opts.modes):
             from ..harness import WorkerProcess, worker_limits
-            worker = stack.enter_context(WorkerProcess(extra=worker_limits(max(opts.slots), opts.row_bytes)))
+            drafter = ("--drafter", "lm") if opts.drafter == "lm" else ()
+            worker = stack.enter_context(WorkerProcess(extra=(*worker_limits(max(opts.slots), opts.row_bytes),
+                                                              *drafter)))
         for i, (slots, mode) in enumerate(plan):
             bar.update(i, f"{mode} {slots} slots")
             if mode == "floor":

@@ -37,6 +37,7 @@ GOAL_X_SYNC = 1.2
 GOAL_ENGINE_CPU_MS = 0.3
 GOAL_DRAFT_MS = 0.1
 GOAL_LINEAR = 2.0
+GOAL_LM_PROCESS_MS = 2.0       # with --drafter lm: a whole process round at GOAL_SLOTS
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Options:
     timeout_ms: int
     device: str
     device_metadata: bool
+    drafter: str = "markov"       # the worker's: markov, or lm (the built-in model)
 
     def rounds_for(self, slots: int) -> int:
         """Measured rounds of a row at ``slots``: all of them up to GOAL_SLOTS, fewer above."""
@@ -116,4 +118,4 @@ def options(args) -> Options:
             raise ValueError(f"--modes {args.modes!r}: no mode named")
     modes = [m for m in CUDA_MODES if m in modes]   # table order, each once
     return Options(tuple(slots), args.num_spec, args.row_bytes, args.rounds, args.warmup, tuple(modes),
-                   args.timeout_ms, args.device, args.device_metadata)
+                   args.timeout_ms, args.device, args.device_metadata, getattr(args, "drafter", "markov"))

@@ -13,6 +13,7 @@ from .round_options import (
     GOAL_DRAFT_MS,
     GOAL_ENGINE_CPU_MS,
     GOAL_LINEAR,
+    GOAL_LM_PROCESS_MS,
     GOAL_SLOTS,
     GOAL_X_FLOOR,
     GOAL_X_SYNC,
@@ -74,21 +75,28 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
     config = {"bench": "round", "slots": list(opts.slots), "num_spec": opts.num_spec, "row_bytes": opts.row_bytes,
               "rounds": opts.rounds, "rounds_by_slots": {str(s): opts.rounds_for(s) for s in opts.slots},
               "warmup": opts.warmup, "modes": list(opts.modes), "timeout_ms": opts.timeout_ms,
-              "device": opts.device, "device_metadata": opts.device_metadata,
+              "device": opts.device, "device_metadata": opts.device_metadata, "drafter": opts.drafter,
               "tokens_per_entry": STEP_TOKENS, "prompt_tokens": PROMPT_TOKENS, "draft_context_tokens": CONTEXT_TOKENS,
               **_threads()}
-    return {"config": config, "rows": out_rows, "targets": targets(out_rows)}
+    return {"config": config, "rows": out_rows, "targets": targets(out_rows, opts.drafter)}
 
 
 def _goal(value: float | None, limit: float, what: str) -> dict:
     return {"what": what, "value": value, "limit": limit, "met": value is not None and value <= limit}
 
 
-def targets(rows: list[dict]) -> dict:
-    """The goals that this run's rows can say something about (the others are absent)."""
+def targets(rows: list[dict], drafter: str = "markov") -> dict:
+    """The goals that this run's rows can say something about (the others are absent).
+    With the model drafter (``lm``) the drafting dominates the round: its goal is the
+    whole round's time, and the floor and Markov drafting goals do not apply."""
     by = {(r["mode"], r["slots"]): r for r in rows}
     g, out = GOAL_SLOTS, {}
     proc = by.get(("process", g))
+    if drafter == "lm":
+        if proc is not None:
+            out["lm_process_ms"] = _goal(proc["p50_ms"], GOAL_LM_PROCESS_MS,
+                                         f"process p50 with the model drafter at {g} slots, ms")
+        return out
     if proc is not None and proc["x_floor"] is not None:
         out["process_x_floor"] = _goal(proc["x_floor"], GOAL_X_FLOOR, f"process p50 / floor p50 at {g} slots")
     if proc is not None and proc["x_sync"] is not None:
@@ -120,7 +128,7 @@ def format_table(report: dict) -> str:
         f"carries {c['tokens_per_entry']} tokens per entry (2 accepted + 1 target), the first announces every "
         f"slot with a {c['prompt_tokens']}-token prompt (warm-up); TIMEOUT_MS={c['timeout_ms']}",
         f"engine: torch threads {c['torch_num_threads']}, OMP_NUM_THREADS={c['omp_num_threads'] or 'unset'}, "
-        f"{c['cpu_count']} CPUs ({c['affinity_cpus']} usable); device {c['device']}"
+        f"{c['cpu_count']} CPUs ({c['affinity_cpus']} usable); device {c['device']}; drafter {c['drafter']}"
         + (f", metadata on {'the GPU' if c['device_metadata'] else 'the host'}" if c["device"] == "cuda" else ""),
     ]
     head = (f"{'slots':>6}  {'mode':<25}{'rounds':>7}{'p50':>10}{'p99':>10}{'x floor':>9}{'x sync':>8}"

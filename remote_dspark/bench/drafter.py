@@ -1,0 +1,216 @@
+"""``remote-dspark bench drafter``: the built-in model drafter's rounds, three ways.
+
+For each device (CPU, and the GPU when there is one: side by side in one run) and each
+entry count (``--entries``, default 1, 16, 64 and 256), the same rounds are drafted:
+
+``per-entry``   one ``draft_batch`` call per entry (what a drafter without the batched
+                protocol costs: n forward passes per draft step), no cache;
+``batched``     one call for all entries, each context encoded whole (no cache);
+``cached``      one call for all entries, the per-slot KV cache on: each entry encodes only
+                the tokens its slot gained since the last round.
+
+The rounds are the worker's own (its :class:`~remote_dspark.worker_windows.Windows`
+builds them): the first announces every slot with a 16-token prompt of the synthetic
+language and is never measured; every later one appends 3 tokens per slot (2 accepted
+drafts and the target's own), so contexts grow to the worker's window (64) and past it.
+``--num-spec`` drafts per entry, no margins. A row's figures: the median and p99 of the
+round, and draft tokens per second at the median. The ratios (``batched`` over
+``per-entry``, ``cached`` over ``batched``) compare rows of this run. The goal (never
+asserted): on CUDA, batched >= 20x per-entry at 256 entries.
+
+Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+PROMPT_TOKENS = 16
+STEP_TOKENS = 3
+WINDOW = 64
+GOAL_ENTRIES = 256
+GOAL_BATCHED_X = 20.0
+MODES = ("per-entry", "batched", "cached")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("drafter", help="the model drafter: per entry vs batched, cache vs none, CPU and GPU",
+                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--entries", default="1,16,64,256", metavar="N[,N...]",
+                   help="entries per round (default 1,16,64,256)")
+    p.add_argument("--devices", default=None, metavar="D[,D...]",
+                   help="cpu and/or cuda (default: cpu, and cuda when torch sees a GPU)")
+    p.add_argument("--num-spec", type=int, default=5, help="k: drafts per entry (default 5)")
+    p.add_argument("--rounds", type=int, default=20, help="measured rounds per row (default 20; per-entry rows "
+                                                          "above 16 entries measure fewer: the rounds column)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured rounds after the announcing one (default 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
+    p.set_defaults(func=run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    entries: tuple[int, ...]
+    devices: tuple[str, ...]
+    num_spec: int
+    rounds: int
+    warmup: int
+
+
+def options(args) -> Options:
+    """Raises: ValueError naming the bad argument."""
+    import torch
+
+    from .. import wire
+    try:
+        entries = tuple(int(x) for x in args.entries.split(","))
+    except ValueError:
+        raise ValueError(f"--entries {args.entries!r}: expected comma-separated integers") from None
+    for n in entries:
+        if not 1 <= n <= wire.MAX_ENTRIES:
+            raise ValueError(f"--entries {n}: must be in 1..{wire.MAX_ENTRIES}")
+    if args.devices is None:
+        devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    else:
+        devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
+        for d in devices:
+            if d not in ("cpu", "cuda"):
+                raise ValueError(f"--devices {args.devices!r}: unknown device {d!r}; choose cpu or cuda")
+            if d == "cuda" and not torch.cuda.is_available():
+                raise ValueError("--devices cuda: torch sees no CUDA device here")
+        if not devices:
+            raise ValueError(f"--devices {args.devices!r}: no device named")
+    if not 1 <= args.num_spec <= wire.MAX_N_OUT:
+        raise ValueError(f"--num-spec {args.num_spec}: must be in 1..{wire.MAX_N_OUT}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup}: must be >= 0")
+    return Options(entries, devices, args.num_spec, args.rounds, args.warmup)
+
+
+def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3) -> list:
+    """``rounds`` DraftBatches for ``n`` slots as a worker hands them to its drafter: the
+    first announces every slot (NEW_GEN, a prompt), each later one appends STEP_TOKENS
+    tokens per slot; the stream fields (session, slots, gens, lengths) are the worker's."""
+    import numpy as np
+
+    from ..drafter import DraftBatch
+    from ..markov import SyntheticLanguage
+    from ..worker_windows import Windows
+    text = np.asarray(SyntheticLanguage().text(1 << 14, seed=seed), np.int32)
+    starts = np.random.default_rng(seed).integers(0, len(text) - 1, n)
+    windows = Windows(n, WINDOW)
+    slots = np.arange(n, dtype=np.int64)
+    had = np.zeros(n, np.int64)
+    rows, n_out = np.zeros((n, 0), np.uint8), np.full(n, num_spec, np.int32)
+    out = []
+    for r in range(rounds):
+        step = PROMPT_TOKENS if r == 0 else STEP_TOKENS
+        at = (starts[:, None] + had[:, None] + np.arange(step)[None, :]).ravel() % len(text)
+        offsets = np.arange(0, (n + 1) * step, step, dtype=np.int64)
+        adv = windows.advance(slots, had.copy(), np.full(n, r == 0), offsets, text[at])
+        had += step
+        out.append(DraftBatch(adv.tokens, adv.offsets, n_out, rows, False, num_spec, session=windows.serial,
+                              slots=adv.slots, gens=adv.gens, lengths=adv.lengths))
+    return out
+
+
+def _no_stream(batch):
+    return dataclasses.replace(batch, slots=None, gens=None, lengths=None)
+
+
+def _one(batch, i: int):
+    """Entry ``i`` of ``batch`` alone, no stream fields (the per-entry path)."""
+    import numpy as np
+    ctx = batch.context(i)
+    return dataclasses.replace(batch, tokens=ctx, offsets=np.array([0, len(ctx)], np.int64),
+                               n_out=batch.n_out[i:i + 1], rows=batch.rows[i:i + 1], session=0, slots=None,
+                               gens=None, lengths=None)
+
+
+def measure(drafter, batches: list, mode: str, skip: int) -> list[int]:
+    """Nanoseconds of each round past the first ``skip`` (all of them are drafted)."""
+    out = []
+    for r, b in enumerate(batches):
+        t0 = time.perf_counter_ns()
+        if mode == "per-entry":
+            for i in range(len(b)):
+                drafter.draft_batch(_one(b, i))
+        else:
+            drafter.draft_batch(b if mode == "cached" else _no_stream(b))
+        if r >= skip:
+            out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def _pct(ns: list[int], q: float) -> float:
+    s = sorted(ns)
+    return s[min(len(s) - 1, int(q * len(s)))] / 1e6
+
+
+def run_rows(opts: Options) -> list[dict]:
+    from ..lm import builtin_drafter
+    from ..progress import Progress
+    plan = [(d, n, m) for d in opts.devices for n in opts.entries for m in MODES]
+    bar = Progress(len(plan), "drafter rows")
+    rows = []
+    for i, (device, n, mode) in enumerate(plan):
+        bar.update(i, f"{device} {n} entries {mode}")
+        measured = opts.rounds if mode != "per-entry" or n <= 16 else max(3, opts.rounds * 16 // n)
+        skip = 1 + opts.warmup
+        # A fresh drafter per row: the cached row starts cold (its announcing round fills it).
+        drafter = builtin_drafter(device=device)
+        ns = measure(drafter, worker_rounds(n, skip + measured, opts.num_spec), mode, skip)
+        p50 = _pct(ns, 0.5)
+        rows.append({"device": device, "entries": n, "mode": mode, "rounds": measured, "p50_ms": round(p50, 4),
+                     "p99_ms": round(_pct(ns, 0.99), 4),
+                     "tokens_per_s": round(n * opts.num_spec / (p50 / 1e3)) if p50 else None})
+    bar.update(len(plan))
+    return rows
+
+
+def make_report(opts: Options, rows: list[dict]) -> dict:
+    by = {(r["device"], r["entries"], r["mode"]): r for r in rows}
+    ratios = []
+    for device in opts.devices:
+        for n in opts.entries:
+            per, bat, cac = (by[(device, n, m)]["p50_ms"] for m in MODES)
+            ratios.append({"device": device, "entries": n, "batched_x_per_entry": round(per / bat, 2),
+                           "cached_x_batched": round(bat / cac, 2)})
+    goals = []
+    for r in ratios:
+        if r["device"] == "cuda" and r["entries"] == GOAL_ENTRIES:
+            goals.append({"goal": f"batched / per-entry at {GOAL_ENTRIES} entries on cuda >= {GOAL_BATCHED_X:g}x",
+                          "value": r["batched_x_per_entry"], "met": r["batched_x_per_entry"] >= GOAL_BATCHED_X})
+    return {"config": dataclasses.asdict(opts) | {"window": WINDOW, "prompt_tokens": PROMPT_TOKENS,
+                                                  "step_tokens": STEP_TOKENS},
+            "rows": rows, "ratios": ratios, "goals": goals}
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    lines = [f"model drafter rounds, k={c['num_spec']}, window {c['window']}: a {c['prompt_tokens']}-token prompt "
+             f"per slot, then {c['step_tokens']} tokens per slot per round; ms per round",
+             f"{'device':>6}  {'entries':>7}  {'mode':<10} {'rounds':>6} {'p50':>9} {'p99':>9} {'tokens/s':>11}",
+             "-" * 66]
+    for r in report["rows"]:
+        lines.append(f"{r['device']:>6}  {r['entries']:>7}  {r['mode']:<10} {r['rounds']:>6} {r['p50_ms']:>9.3f} "
+                     f"{r['p99_ms']:>9.3f} {r['tokens_per_s'] or 0:>11,}")
+    lines.append("")
+    for r in report["ratios"]:
+        lines.append(f"{r['device']:>6} {r['entries']:>5} entries: batched {r['batched_x_per_entry']}x per-entry, "
+                     f"cached {r['cached_x_batched']}x batched")
+    for g in report["goals"]:
+        lines.append(f"goal {g['goal']}: {g['value']}x, {'met' if g['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    opts = options(args)
+    report = make_report(opts, run_rows(opts))
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
