@@ -371,3 +371,38 @@ def test_hf_model_serves_a_round_through_a_worker(hf_drafter):
             assert got.row(0) == d.draft_batch(batch_of([[7, 8]], [3], 3)).tokens[0].tolist()
         finally:
             c.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bf16_the_cache_drafts_what_re_encoding_drafts_and_the_cpu_agrees_on_clear_choices():
+    """The CUDA path (bf16 model and pool): cached rounds through the worker's windows draft
+    what re-encoding drafts on the same device, and what the CPU float32 drafter drafts
+    wherever its choice is clear (bf16's rounding may flip a choice whose margin is small)."""
+    window, width = 16, 4
+    cuda = LMDrafter(device="cuda", cache_slots=8, window=window)
+    plain = LMDrafter(device="cuda", cache_slots=0, window=window)
+    assert cuda.dtype == torch.bfloat16 and cuda.drafter_identity == PLAIN.drafter_identity
+    rng = np.random.default_rng(9)
+    engine, had = Engine(window), {}
+    agree = compared = 0
+    for _ in range(20):
+        entries = []
+        for slot in range(6):
+            if slot not in had or had[slot] + 3 > window:
+                ctx = rng.integers(0, 128, 8).tolist()
+                entries.append((slot, ctx, True, False))
+                had[slot] = len(ctx)
+            else:
+                entries.append((slot, rng.integers(0, 128, 3).tolist(), False, False))
+                had[slot] += 3
+        batch, _ = engine.batch(entries, width)
+        got, same_device, cpu = cuda.draft_batch(batch), plain.draft_batch(batch), PLAIN.draft_batch(batch)
+        assert got.counts.tolist() == same_device.counts.tolist() == cpu.counts.tolist()
+        for i in range(len(batch)):
+            k = next((j for j, m in enumerate(cpu.margins[i]) if m <= 0.05), width)
+            agree += got.tokens[i, :k].tolist() == cpu.tokens[i, :k].tolist()
+            compared += 1
+            j = next((j for j, m in enumerate(same_device.margins[i]) if m <= 0.02), width)
+            assert got.tokens[i, :j].tolist() == same_device.tokens[i, :j].tolist()
+    assert cuda.cache_info().hits > 50
+    assert agree >= 0.95 * compared
