@@ -29,8 +29,8 @@ No function here loops over entries.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -57,14 +57,14 @@ class Batch:
     ``num_spec``), or the engine's n_out table's value for the batch size when None.
     """
 
-    slots: "torch.Tensor | np.ndarray"
-    tokens: "torch.Tensor | np.ndarray"
-    token_offsets: "torch.Tensor | np.ndarray"
-    positions: "torch.Tensor | np.ndarray"
-    new_gen: "torch.Tensor | np.ndarray"
-    rows: "torch.Tensor"
-    row_index: "torch.Tensor | np.ndarray"
-    n_out: "torch.Tensor | np.ndarray | None" = None
+    slots: torch.Tensor | np.ndarray
+    tokens: torch.Tensor | np.ndarray
+    token_offsets: torch.Tensor | np.ndarray
+    positions: torch.Tensor | np.ndarray
+    new_gen: torch.Tensor | np.ndarray
+    rows: torch.Tensor
+    row_index: torch.Tensor | np.ndarray
+    n_out: torch.Tensor | np.ndarray | None = None
 
     def __post_init__(self):
         for name in _META_FIELDS + ("row_index",):   # anything else (lists): numpy, once
@@ -74,8 +74,8 @@ class Batch:
 
     @classmethod
     def from_lists(cls, slots: Sequence[int], tokens: Sequence[Sequence[int]], positions: Sequence[int],
-                   new_gen: Sequence[bool], rows: "torch.Tensor", row_index, n_out: Sequence[int] | None = None
-                   ) -> "Batch":
+                   new_gen: Sequence[bool], rows: torch.Tensor, row_index, n_out: Sequence[int] | None = None
+                   ) -> Batch:
         """A batch from per-entry Python lists (the slow convenience: it walks them once)."""
         lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
         offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
@@ -228,7 +228,7 @@ def check_meta_shapes(batch: Batch, max_slots: int) -> int:
     return n
 
 
-def write_meta_in_stream(batch: Batch, d: "torch.Tensor", *, max_slots: int, num_spec: int, max_tokens: int,
+def write_meta_in_stream(batch: Batch, d: torch.Tensor, *, max_slots: int, num_spec: int, max_tokens: int,
                          n_out_default: int) -> None:
     """Write ``batch``'s ROUND arrays and ``n_tokens`` into ``d``, an int32 tensor over a
     descriptor's payload area with room for ``max_tokens + 1`` tokens, with tensor
@@ -320,7 +320,7 @@ def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, ou
     np.take(src, index, axis=0, out=out[:n], mode="clip")   # in range, so clip only skips buffering
 
 
-def as_bytes(rows: "torch.Tensor", row_bytes: int | None = None) -> "torch.Tensor":
+def as_bytes(rows: torch.Tensor, row_bytes: int | None = None) -> torch.Tensor:
     """``rows`` as ``[N, row_bytes]`` uint8 (each row must be contiguous within itself).
 
     Raises:
@@ -338,9 +338,9 @@ def as_bytes(rows: "torch.Tensor", row_bytes: int | None = None) -> "torch.Tenso
 
 @dataclass
 class Drafts:
-    tokens: "torch.Tensor"               # [n, num_spec] int32, zero past counts
-    counts: "torch.Tensor"               # [n] int32
-    margins: "torch.Tensor | None"       # [n, num_spec] float32, when asked for
+    tokens: torch.Tensor               # [n, num_spec] int32, zero past counts
+    counts: torch.Tensor               # [n] int32
+    margins: torch.Tensor | None       # [n, num_spec] float32, when asked for
     source: str                          # "remote", "local" or "none" (target-only)
     outcome: Outcome                     # the remote round's outcome
     resync: tuple[int, ...] = ()         # slots the drafter lost: send them with NEW_GEN

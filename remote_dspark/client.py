@@ -15,7 +15,7 @@ header checks in C (``recv_reply``).
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from . import wire
 from .transport import Disconnected, Endpoint, FrameChannel, connect
@@ -41,7 +41,7 @@ class DraftClient:
 
     @classmethod
     def connect(cls, endpoint: Endpoint, hello: wire.Hello, session: int, timeout_s: float,
-                environ: Mapping[str, str] | None = None) -> "DraftClient":
+                environ: Mapping[str, str] | None = None) -> DraftClient:
         """Connect and say HELLO, both within ``timeout_s``.
 
         Raises:

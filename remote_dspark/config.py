@@ -126,7 +126,7 @@ class RemoteConfig:
         return json.dumps(d)
 
     @classmethod
-    def from_json(cls, text: str) -> "RemoteConfig":
+    def from_json(cls, text: str) -> RemoteConfig:
         """The configuration ``to_json`` wrote (the engine's, already validated).
 
         Raises:
@@ -142,7 +142,7 @@ class RemoteConfig:
             raise ValueError(f"not a RemoteConfig document: {e}") from e
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "RemoteConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RemoteConfig:
         """Read and check the whole contract.
 
         Raises:

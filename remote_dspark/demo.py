@@ -36,7 +36,9 @@ def add_parser(sub) -> None:
                         "causal LM (needs torch in the worker: remote-dspark[lm]; CUDA when present)")
     p.add_argument("--kill-proxy-every", type=positive, metavar="N", help="SIGKILL the proxy every N rounds")
     p.add_argument("--respawns", type=int, default=3, help="respawn budget (VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS)")
-    p.add_argument("--timeout-ms", type=positive, default=50, help="per-round deadline (default 50)")
+    p.add_argument("--timeout-ms", type=positive, default=None,
+                   help="per-round deadline (default 50; 1000 with --drafter lm, whose rounds on a small CPU "
+                        "take tens of ms)")
     p.add_argument("--row-bytes", type=positive, default=256, help="row bytes per slot (default 256)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT while the demo runs")
@@ -59,6 +61,8 @@ def positive(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.mode != "sync" and args.policy != "capacity":
         raise ValueError(f"--policy {args.policy} needs --mode sync (async rounds are capacity only)")
+    if args.timeout_ms is None:
+        args.timeout_ms = 1000 if args.drafter == "lm" else 50
     if args.respawns < 0:
         raise ValueError(f"--respawns {args.respawns}: must be >= 0")
     if not 0 <= args.metrics_port <= 65535:

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

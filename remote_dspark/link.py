@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from . import wire
 from .breaker import Breaker

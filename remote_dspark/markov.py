@@ -44,9 +44,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # numpy is imported on first use of draft_batch only
     import numpy as np
@@ -89,7 +90,7 @@ class MarkovModel:
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def from_tokens(cls, tokens: Iterable[int], order: int = 2, top: int = 4) -> "MarkovModel":
+    def from_tokens(cls, tokens: Iterable[int], order: int = 2, top: int = 4) -> MarkovModel:
         counts: dict[tuple[int, ...], Counter] = defaultdict(Counter)
         window: list[int] = []
         for t in tokens:
@@ -121,7 +122,7 @@ class MarkovModel:
         return b"".join(parts)
 
     @classmethod
-    def from_bytes(cls, data: bytes, name: str = "Markov cache") -> "MarkovModel":
+    def from_bytes(cls, data: bytes, name: str = "Markov cache") -> MarkovModel:
         """Raises: ValueError naming ``name`` when the bytes are not a valid cache."""
         if len(data) < _HEAD.size:
             raise ValueError(f"{name}: {len(data)} bytes, too short for a Markov cache")
@@ -152,7 +153,7 @@ class MarkovModel:
         return model
 
     @classmethod
-    def load(cls, path: str) -> "MarkovModel":
+    def load(cls, path: str) -> MarkovModel:
         with open(path, "rb") as f:
             return cls.from_bytes(f.read(), path)
 
@@ -177,8 +178,8 @@ class MarkovModel:
             window = window[1:] + [nxt.tokens[0]]
         return tokens, margins
 
-    def draft_batch(self, tokens: "np.ndarray", offsets: "np.ndarray", n_out: "np.ndarray",
-                    width: int) -> tuple["np.ndarray", "np.ndarray", "np.ndarray"]:
+    def draft_batch(self, tokens: np.ndarray, offsets: np.ndarray, n_out: np.ndarray,
+                    width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`draft` for n entries at once, with no loop over entries.
 
         Args:
@@ -216,7 +217,7 @@ class MarkovModel:
         counts = np.count_nonzero(steps != a.none, axis=0).astype(np.int32)
         return a.first[steps].T, counts, a.margin[steps].T
 
-    def _build_arrays(self) -> "_Arrays":
+    def _build_arrays(self) -> _Arrays:
         import numpy as np
 
         k, top = self.order, self.top
@@ -297,7 +298,7 @@ class _Arrays:
     signed ints, so both key forms are sorted without a sort.
     """
 
-    def __init__(self, ctx: "np.ndarray"):
+    def __init__(self, ctx: np.ndarray):
         import numpy as np
 
         self.np = np
@@ -322,7 +323,7 @@ class _Arrays:
             self.mode = "bytes"
             self.keys = self._byte_keys([ctx[:, j] for j in range(self.order)])
 
-    def _radix_keys(self, cols) -> tuple["np.ndarray", "np.ndarray"]:
+    def _radix_keys(self, cols) -> tuple[np.ndarray, np.ndarray]:
         """(keys, unknown): Horner over the columns; ``unknown`` where a token is outside
         lo..hi (its key is junk)."""
         np = self.np
@@ -334,14 +335,14 @@ class _Arrays:
             key = d if key is None else key * self.radix + d
         return key, unknown
 
-    def _byte_keys(self, cols) -> "np.ndarray":
+    def _byte_keys(self, cols) -> np.ndarray:
         np = self.np
         biased = np.empty((len(cols[0]), self.order), ">u4")
         for j, col in enumerate(cols):
             biased[:, j] = np.add(col, 1 << 31, dtype=np.int64)
         return biased.view(np.dtype((np.void, 4 * self.order))).ravel()
 
-    def find(self, cols, unseen: "np.ndarray | None" = None) -> "np.ndarray":
+    def find(self, cols, unseen: np.ndarray | None = None) -> np.ndarray:
         """The row of each context, ``none`` where unseen (or ``unseen`` says so).
         ``cols``: ``order`` arrays of m tokens each, oldest first."""
         np = self.np

@@ -33,7 +33,8 @@ import logging
 import os
 import signal
 import sys
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from . import native, shm, wire
 from .breaker import Breaker, BreakerRecord

@@ -15,8 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 # What a proxy inherits of the engine's environment: the contract's variables, what an
 # interpreter needs to start, and what an ofl transport needs: where the dynamic loader

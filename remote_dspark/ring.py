@@ -34,8 +34,8 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from . import native, shm, wire
 from .native import Status, check

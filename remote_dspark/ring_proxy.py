@@ -20,7 +20,7 @@ class ProxyRound:
 
     __slots__ = ("round", "index", "_end")
 
-    def __init__(self, end: "ProxyEnd", round_id: int, index: int):
+    def __init__(self, end: ProxyEnd, round_id: int, index: int):
         self.round = round_id
         self.index = index
         self._end = end

@@ -66,7 +66,7 @@ class Region:
     layout: Layout
 
     @classmethod
-    def create(cls, layout: Layout, name: str = "remote-dspark") -> "Region":
+    def create(cls, layout: Layout, name: str = "remote-dspark") -> Region:
         """Make, size, seal, map and pre-fault a new region; write its header.
 
         Raises:
@@ -87,7 +87,7 @@ class Region:
         return self
 
     @classmethod
-    def attach(cls, fd: int) -> "Region":
+    def attach(cls, fd: int) -> Region:
         """Map a region created by another process and check it. On success the Region
         owns ``fd`` (made close-on-exec again); on failure the caller still does.
 
@@ -160,7 +160,7 @@ class Region:
     def engine_counters(self, lib) -> Counters:
         return Counters(self, lib, ENGINE_COUNTERS, self.layout.engine_counters_at)
 
-    def header_words(self, lib) -> "HeaderWords":
+    def header_words(self, lib) -> HeaderWords:
         return HeaderWords(self, lib)
 
     def add_close_hook(self, hook: Callable[[], None]) -> None:
@@ -192,7 +192,7 @@ class Region:
             fd, self._fd = self._fd, -1
             os.close(fd)
 
-    def __enter__(self) -> "Region":
+    def __enter__(self) -> Region:
         return self
 
     def __exit__(self, *exc) -> None:

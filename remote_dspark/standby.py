@@ -25,8 +25,8 @@ import os
 import select
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .proxy_spawn import terminate
 

@@ -36,8 +36,8 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from . import wire
 from .proxy_spawn import signal_proc, terminate
@@ -95,7 +95,7 @@ class RestartBudget:
         self.reset_s = reset_s
         self.restored = 0         # times the reset window gave the budget back
 
-    def observe(self, up: "Up", now: float) -> None:
+    def observe(self, up: Up, now: float) -> None:
         if self.reset_s and self.left < self.full and now - up.since >= self.reset_s:
             self.left = self.full
             self.restored += 1

@@ -132,7 +132,7 @@ class Worker:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "Worker":
+    def start(self) -> Worker:
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -44,8 +44,8 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from . import wire
 from .transport.tcp import enable_keepalive

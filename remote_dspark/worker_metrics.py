@@ -33,8 +33,8 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
@@ -147,7 +147,7 @@ class WorkerCollector(Collector):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: "_Server"
+    server: _Server
 
     def do_GET(self) -> None:   # noqa: N802 (http.server's name)
         path = self.path.split("?", 1)[0]

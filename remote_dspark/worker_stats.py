@@ -50,7 +50,7 @@ class WorkerStats:
         """HELLOs refused busy."""
         return self.refusals["busy"]
 
-    def copy(self) -> "WorkerStats":
+    def copy(self) -> WorkerStats:
         """A copy that shares nothing mutable (the histograms as counters of their own)."""
         def hist(h: HistogramCounter) -> HistogramCounter:
             c = HistogramCounter(h.bounds)

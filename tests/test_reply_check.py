@@ -45,7 +45,7 @@ class Both:
         self.entries: list[wire.Entry] = []
         self.decoded = False   # the last py() verdict came from check_reply, past the frame's own rules
 
-    def ask(self, entries) -> "Both":
+    def ask(self, entries) -> Both:
         self.eng.write_entries(self.r, entries)
         self.entries = list(entries)
         return self

@@ -56,7 +56,7 @@ class _Events:
     def elapsed_ns(self, skip: int) -> list[int]:
         return [self.drv.event_elapsed_ns(a, b) for a, b in self.pairs[skip:]]
 
-    def __enter__(self) -> "_Events":
+    def __enter__(self) -> _Events:
         return self
 
     def __exit__(self, *exc) -> None:

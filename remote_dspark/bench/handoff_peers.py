@@ -36,7 +36,7 @@ class Pinning:
     engine: frozenset[int] | None
 
     @classmethod
-    def plan(cls, pin: bool, interrupts: str = "/proc/interrupts") -> "Pinning":
+    def plan(cls, pin: bool, interrupts: str = "/proc/interrupts") -> Pinning:
         """For the peer, the CPU that has served the fewest device interrupts (the last
         of those): an interrupt in the middle of a hand-off makes the stream miss its
         poll of ``released`` (see handoff.md). The others for the engine, less the peer's
@@ -140,7 +140,7 @@ class Peer:
                      "--nap-us", str(opts.nap_us), "--timeout-s", str(ROUND_TIMEOUT_S)]
         self._fd, self._env = fd, env
 
-    def __enter__(self) -> "Peer":
+    def __enter__(self) -> Peer:
         self._proc = subprocess.Popen(self._cmd, pass_fds=(self._fd,), env=self._env,
                                       stderr=subprocess.PIPE, text=True)
         if self._cpus is not None:
@@ -187,7 +187,7 @@ class PeerThread:
         except BaseException as e:  # reported by __exit__
             self._error = e
 
-    def __enter__(self) -> "PeerThread":
+    def __enter__(self) -> PeerThread:
         self._thread.start()
         return self
 
@@ -213,7 +213,7 @@ class GilHog:
         while self._running:
             n += 1
 
-    def __enter__(self) -> "GilHog":
+    def __enter__(self) -> GilHog:
         if self._on:
             self._running = True
             self._thread = threading.Thread(target=self._spin, name="gil-hog", daemon=True)

@@ -19,7 +19,7 @@ class Stats:
     max_us: float
 
     @classmethod
-    def of(cls, ns: list[int]) -> "Stats":
+    def of(cls, ns: list[int]) -> Stats:
         s = sorted(ns)
         return cls(s[len(s) // 2] / 1e3, s[max(0, math.ceil(0.99 * len(s)) - 1)] / 1e3, s[-1] / 1e3)
 

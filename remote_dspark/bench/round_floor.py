@@ -57,7 +57,7 @@ class FloorPeer:
         self.proc: subprocess.Popen | None = None
         self.conn: socket.socket | None = None
 
-    def __enter__(self) -> "FloorPeer":
+    def __enter__(self) -> FloorPeer:
         n_in, n_out, count = self.args
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:

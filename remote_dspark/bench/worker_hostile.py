@@ -107,7 +107,7 @@ class Hostiles:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-hostiles", daemon=True)
 
-    def start(self) -> "Hostiles":
+    def start(self) -> Hostiles:
         self.sweep()
         self._thread.start()
         return self

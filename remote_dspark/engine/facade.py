@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -138,7 +138,7 @@ class RemoteDSpark:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "RemoteDSpark":
+    def start(self) -> RemoteDSpark:
         """Open the path to the remote drafter.
 
         Raises:

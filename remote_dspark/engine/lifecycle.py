@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class EngineState(enum.Enum):

@@ -51,7 +51,7 @@ import functools
 import hashlib
 import json
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -98,7 +98,7 @@ class Ranks:
 
     # ------------------------------------------------------------------ start
 
-    def start(self, spec: Spec, open_path: Callable[[], None], mode: Callable[[], str]) -> "FollowerPath | None":
+    def start(self, spec: Spec, open_path: Callable[[], None], mode: Callable[[], str]) -> FollowerPath | None:
         """Every rank: compare the configuration; then rank 0 runs ``open_path`` and says
         how it went (``mode()`` once open), the others learn it. Returns None on rank 0,
         the rank's :class:`FollowerPath` elsewhere.

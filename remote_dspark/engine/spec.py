@@ -3,8 +3,8 @@ and the engine's identity (one frozen value, built once by ``RemoteDSpark``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from .. import wire
 from ..batch import Batch, HostMeta, host_meta

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import numpy as np
 
@@ -41,7 +41,7 @@ class LinkStats:
     breaker: BreakerStats
 
     @classmethod
-    def none(cls) -> "LinkStats":
+    def none(cls) -> LinkStats:
         """No path open (a start that failed early)."""
         return cls(0, 0, 0, BreakerStats(0, 0, 0))
 

@@ -48,7 +48,7 @@ def dir_identity(path: Path) -> bytes:
     return h.digest()
 
 
-def load_hf(model_dir: str, device: str | torch.device | None = None) -> "HFDrafter":
+def load_hf(model_dir: str, device: str | torch.device | None = None) -> HFDrafter:
     """The drafter of the transformers causal LM saved in ``model_dir``.
 
     Raises:

@@ -56,8 +56,8 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from .. import wire
 from ..trust import untrusted_because

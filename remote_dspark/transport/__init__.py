@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from .. import wire
 from .endpoint import ENV_OFL_DIR, SCHEMES, Endpoint, check_bind, parse_endpoint  # noqa: F401 (re-exported)

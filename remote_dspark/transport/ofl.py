@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Sequence
 
 from ..trust import untrusted_because
 from .endpoint import ENV_OFL_DIR, Endpoint
@@ -79,7 +79,7 @@ class OflStream:
         self.conn = conn
 
     @classmethod
-    def connect(cls, module: ModuleType, endpoint: Endpoint, timeout_s: float) -> "OflStream":
+    def connect(cls, module: ModuleType, endpoint: Endpoint, timeout_s: float) -> OflStream:
         mode = {"o1tcp": "tcp", "o1rdma": "rdma"}[endpoint.scheme]
         try:
             conn = module.connect(endpoint.host, endpoint.port, mode=mode, bind=endpoint.bind,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from .errors import TransportError
 
@@ -42,7 +42,7 @@ class TcpStream:
         self.send_timeout_s = send_timeout_s
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout_s: float, bind: str | None = None) -> "TcpStream":
+    def connect(cls, host: str, port: int, timeout_s: float, bind: str | None = None) -> TcpStream:
         """Raises: TransportError when the connection is not made within ``timeout_s``."""
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s,
