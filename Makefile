@@ -28,6 +28,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	@./scripts/ensure-prometheus
 	$(BIN)/python -m pytest -q -rs
 

@@ -31,12 +31,17 @@ def main() -> int:
     drafter = MarkovDrafter(MarkovModel.from_tokens([t % VOCAB for t in range(4 * VOCAB)], order=1, top=1))
     worker = Worker(drafter, "127.0.0.1", 0).start()
     try:
-        env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
-                   VLLM_DSPARK_REMOTE_IDENTITY=drafter.drafter_identity.hex(),
-                   VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=drafter.markov_identity.hex(),
-                   VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC="1",
-                   VLLM_DSPARK_REMOTE_ASYNC_PROXY="process", VLLM_DSPARK_REMOTE_STATS_FILE="",
-                   VLLM_DSPARK_REMOTE_LOG_EVERY="0")
+        env = dict(
+            os.environ,
+            VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
+            VLLM_DSPARK_REMOTE_IDENTITY=drafter.drafter_identity.hex(),
+            VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=drafter.markov_identity.hex(),
+            VLLM_DSPARK_REMOTE_POLICY="capacity",
+            VLLM_DSPARK_REMOTE_ASYNC="1",
+            VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+            VLLM_DSPARK_REMOTE_STATS_FILE="",
+            VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        )
         return engine(env)
     finally:
         worker.stop()
@@ -45,22 +50,29 @@ def main() -> int:
 def engine(env: dict[str, str]) -> int:
     # 1. Early, on every rank, before the engine builds its depth policy: the remote
     #    round's costs go into the environment (here the depth policy is off: nothing).
-    cfg = RemoteConfig.from_env(env)                  # a ValueError names a bad variable
+    cfg = RemoteConfig.from_env(env)  # a ValueError names a bad variable
     apply_cost_overrides(cfg, env, depth_policy_on=False, num_spec=K)
     # 2. One RemoteDSpark per engine (per rank with tp_group=...), started once.
-    hidden = torch.randn(SLOTS, 8)                    # the rows the drafter may read
-    rd = RemoteDSpark(cfg, num_spec=K, max_slots=SLOTS, row_bytes=hidden[0].numel() * 4,
-                      vocab_size=VOCAB, environ=env).start()
+    hidden = torch.randn(SLOTS, 8)  # the rows the drafter may read
+    rd = RemoteDSpark(
+        cfg, num_spec=K, max_slots=SLOTS, row_bytes=hidden[0].numel() * 4, vocab_size=VOCAB, environ=env
+    ).start()
     try:
-        seqs = [[s * 3 % VOCAB] for s in range(SLOTS)]    # each request's tokens so far
-        sent = [0] * SLOTS                                  # how many the worker has seen
+        seqs = [[s * 3 % VOCAB] for s in range(SLOTS)]  # each request's tokens so far
+        sent = [0] * SLOTS  # how many the worker has seen
         accepted_total = 0
         for _ in range(STEPS):
             # 3. Each step, one entry per request: the tokens since its last round (0 sent:
             #    a NEW_GEN entry with the whole context), their first position, its row.
-            batch = Batch.from_lists(list(range(SLOTS)), [q[n:] for q, n in zip(seqs, sent)], sent,
-                                     [n == 0 for n in sent], hidden, torch.arange(SLOTS))
-            out = rd.round(batch)                           # drafts [SLOTS, K], counts [SLOTS]
+            batch = Batch.from_lists(
+                list(range(SLOTS)),
+                [q[n:] for q, n in zip(seqs, sent)],
+                sent,
+                [n == 0 for n in sent],
+                hidden,
+                torch.arange(SLOTS),
+            )
+            out = rd.round(batch)  # drafts [SLOTS, K], counts [SLOTS]
             sent = [len(q) for q in seqs]
             accepted, offered = verify(seqs, out)
             accepted_total += sum(accepted)
@@ -69,11 +81,12 @@ def engine(env: dict[str, str]) -> int:
             rd.record_accepted(accepted, offered)
             sent = [0 if out.resync_all or s in out.resync else n for s, n in enumerate(sent)]
         st = rd.stats()
-        print(f"{st.total_rounds} rounds ({st.rounds[Outcome.OK]} ok), {accepted_total} drafts accepted, "
-              f"mode {st.mode}")
+        print(
+            f"{st.total_rounds} rounds ({st.rounds[Outcome.OK]} ok), {accepted_total} drafts accepted, mode {st.mode}"
+        )
         return 0 if accepted_total > STEPS else 1
     finally:
-        rd.close()                                    # 5. within 2 s, whatever the remote does
+        rd.close()  # 5. within 2 s, whatever the remote does
 
 
 def verify(seqs: list[list[int]], out) -> tuple[list[int], list[int]]:

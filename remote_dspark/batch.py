@@ -38,10 +38,10 @@ import torch
 from . import wire
 from .outcome import Outcome
 
-CONTEXT_TOKENS = 64          # a NEW_GEN entry sends at most this many trailing context tokens
+CONTEXT_TOKENS = 64  # a NEW_GEN entry sends at most this many trailing context tokens
 
-assert wire.FLAG_NEW_GEN == 1   # a bool array is the flags section as it is
-U32_MAX, I32_MIN, I32_MAX = 2**32 - 1, -2**31, 2**31 - 1
+assert wire.FLAG_NEW_GEN == 1  # a bool array is the flags section as it is
+U32_MAX, I32_MIN, I32_MAX = 2**32 - 1, -(2**31), 2**31 - 1
 _META_FIELDS = ("slots", "token_offsets", "positions", "new_gen", "n_out", "tokens")
 
 
@@ -67,23 +67,37 @@ class Batch:
     n_out: torch.Tensor | np.ndarray | None = None
 
     def __post_init__(self):
-        for name in _META_FIELDS + ("row_index",):   # anything else (lists): numpy, once
+        for name in _META_FIELDS + ("row_index",):  # anything else (lists): numpy, once
             value = getattr(self, name)
             if value is not None and not isinstance(value, (torch.Tensor, np.ndarray)):
                 setattr(self, name, np.asarray(value, dtype=bool if name == "new_gen" else np.int64))
 
     @classmethod
-    def from_lists(cls, slots: Sequence[int], tokens: Sequence[Sequence[int]], positions: Sequence[int],
-                   new_gen: Sequence[bool], rows: torch.Tensor, row_index, n_out: Sequence[int] | None = None
-                   ) -> Batch:
+    def from_lists(
+        cls,
+        slots: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[int],
+        new_gen: Sequence[bool],
+        rows: torch.Tensor,
+        row_index,
+        n_out: Sequence[int] | None = None,
+    ) -> Batch:
         """A batch from per-entry Python lists (the slow convenience: it walks them once)."""
         lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
         offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         flat = np.fromiter((t for ts in tokens for t in ts), dtype=np.int64, count=int(offsets[-1]))
-        return cls(np.asarray(slots, dtype=np.int64), flat, offsets, np.asarray(positions, dtype=np.int64),
-                   np.asarray(new_gen, dtype=bool), rows, row_index,
-                   None if n_out is None else np.asarray(n_out, dtype=np.int64))
+        return cls(
+            np.asarray(slots, dtype=np.int64),
+            flat,
+            offsets,
+            np.asarray(positions, dtype=np.int64),
+            np.asarray(new_gen, dtype=bool),
+            rows,
+            row_index,
+            None if n_out is None else np.asarray(n_out, dtype=np.int64),
+        )
 
     def __len__(self) -> int:
         return int(self.slots.shape[0])
@@ -102,12 +116,12 @@ class Batch:
 class HostMeta:
     """A batch's metadata on the host, checked, NEW_GEN contexts cut: the ROUND's arrays."""
 
-    slots: np.ndarray          # [n] int64
-    positions: np.ndarray      # [n] int64
-    n_out: np.ndarray | int    # [n] int64, 0..num_spec; or one value for every entry
-    new_gen: np.ndarray        # [n] bool: the wire's flags (FLAG_NEW_GEN is bit 0, so True is it)
-    offsets: np.ndarray        # [n + 1] int64
-    tokens: np.ndarray         # [T] any int dtype
+    slots: np.ndarray  # [n] int64
+    positions: np.ndarray  # [n] int64
+    n_out: np.ndarray | int  # [n] int64, 0..num_spec; or one value for every entry
+    new_gen: np.ndarray  # [n] bool: the wire's flags (FLAG_NEW_GEN is bit 0, so True is it)
+    offsets: np.ndarray  # [n + 1] int64
+    tokens: np.ndarray  # [T] any int dtype
 
     @property
     def n(self) -> int:
@@ -126,8 +140,9 @@ def _np(t, name: str, n: int | None) -> np.ndarray:
     return a
 
 
-def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int,
-              vocab_size: int = 0) -> HostMeta:
+def host_meta(
+    batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int, vocab_size: int = 0
+) -> HostMeta:
     """Check ``batch``'s metadata (on the host) and cut its NEW_GEN contexts: a few
     whole-array operations (each costs microseconds, so the common case takes the
     fewest: no NEW_GEN entry means no cut to compute).
@@ -149,13 +164,13 @@ def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n
     n = slots.shape[0]
     if n > max_slots:
         raise ValueError(f"slots: a batch of {n} entries over max_slots={max_slots}")
-    if n and slots.view(np.uint64).max() >= max_slots:   # a negative slot is huge as uint64
+    if n and slots.view(np.uint64).max() >= max_slots:  # a negative slot is huge as uint64
         bad = slots[(slots < 0) | (slots >= max_slots)][0]
         raise ValueError(f"slots: {bad} out of 0..{max_slots - 1}")
     if n and np.bincount(slots, minlength=max_slots).max() > 1:
         raise ValueError(f"slots: {int(np.bincount(slots).argmax())} repeated in one batch")
     positions = _np(batch.positions, "positions", n).astype(np.int64, copy=False)
-    if n and positions.view(np.uint64).max() > U32_MAX:   # negative, or past the wire's u32
+    if n and positions.view(np.uint64).max() > U32_MAX:  # negative, or past the wire's u32
         bad = int(np.argmax((positions < 0) | (positions > U32_MAX)))
         raise ValueError(f"positions: {positions[bad]} (entry {bad}) outside 0..{U32_MAX}")
     new_gen = _np(batch.new_gen, "new_gen", n).astype(bool, copy=False)
@@ -167,13 +182,14 @@ def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n
         bad = int(np.argmax((tokens < 0) | (tokens >= vocab_size)))
         raise ValueError(f"tokens: {tokens[bad]} (token {bad}) outside 0..{vocab_size - 1}, the vocabulary")
     if offsets[0] != 0 or offsets[-1] != tokens.shape[0]:
-        raise ValueError(f"token_offsets: run from {offsets[0]} to {offsets[-1]}, expected 0 to "
-                         f"len(tokens)={tokens.shape[0]}")
+        raise ValueError(
+            f"token_offsets: run from {offsets[0]} to {offsets[-1]}, expected 0 to len(tokens)={tokens.shape[0]}"
+        )
     lengths = np.diff(offsets)
     if n and lengths.min() < 0:
         raise ValueError(f"token_offsets: not non-decreasing (entry {int(lengths.argmin())})")
     if batch.n_out is None:
-        n_out: np.ndarray | int = min(n_out_default, num_spec)   # one value for every entry
+        n_out: np.ndarray | int = min(n_out_default, num_spec)  # one value for every entry
     else:
         n_out = _np(batch.n_out, "n_out", n).astype(np.int64, copy=False)
         if n and n_out.min() < 0:
@@ -181,15 +197,17 @@ def host_meta(batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n
         n_out = np.minimum(n_out, num_spec)
     if new_gen.any():
         cut = np.where(new_gen, np.maximum(lengths - CONTEXT_TOKENS, 0), 0)
-        if cut.any():   # keep each long NEW_GEN context's last CONTEXT_TOKENS tokens
+        if cut.any():  # keep each long NEW_GEN context's last CONTEXT_TOKENS tokens
             keep = lengths - cut
             new_offsets = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(keep, out=new_offsets[1:])
             take = np.repeat(offsets[:-1] + cut - new_offsets[:-1], keep) + np.arange(new_offsets[-1])
             tokens, offsets, positions = tokens[take], new_offsets, positions + cut
     if tokens.shape[0] > max_tokens:
-        raise ValueError(f"tokens: {tokens.shape[0]} in one round (NEW_GEN contexts cut to "
-                         f"{CONTEXT_TOKENS}) over the region's max_tokens={max_tokens}")
+        raise ValueError(
+            f"tokens: {tokens.shape[0]} in one round (NEW_GEN contexts cut to "
+            f"{CONTEXT_TOKENS}) over the region's max_tokens={max_tokens}"
+        )
     return HostMeta(slots, positions, n_out, new_gen, offsets, tokens)
 
 
@@ -199,14 +217,14 @@ def write_meta(dst: np.ndarray, meta: HostMeta, *, deadline_ms: int, row_bytes: 
     header): one slice assignment per section. Returns the bytes written."""
     n, t = meta.n, meta.n_tokens
     sec = wire.round_sections(n, t, row_bytes)
-    u32 = dst[:sec.tokens].view(np.uint32)
+    u32 = dst[: sec.tokens].view(np.uint32)
     u32[:4] = (deadline_ms, n, row_bytes, t)
     at = wire.ROUND_FIXED.size // 4
     for arr in (meta.slots, meta.positions, meta.n_out, meta.new_gen):
-        u32[at:at + n] = arr
+        u32[at : at + n] = arr
         at += n
-    u32[at:at + n + 1] = meta.offsets
-    dst[sec.tokens:sec.rows].view(np.int32)[:] = meta.tokens
+    u32[at : at + n + 1] = meta.offsets
+    dst[sec.tokens : sec.rows].view(np.int32)[:] = meta.tokens
     return sec.rows
 
 
@@ -219,8 +237,9 @@ def check_meta_shapes(batch: Batch, max_slots: int) -> int:
     """
     n, t = len(batch), int(batch.tokens.shape[0])
     if n > max_slots or t > wire.MAX_TOKENS:
-        raise ValueError(f"a batch of {n} entries and {t} tokens over max_slots={max_slots} "
-                         f"or the wire's {wire.MAX_TOKENS} tokens")
+        raise ValueError(
+            f"a batch of {n} entries and {t} tokens over max_slots={max_slots} or the wire's {wire.MAX_TOKENS} tokens"
+        )
     for name, want in (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n)):
         got = getattr(batch, name)
         if got is not None and tuple(got.shape) != (want,):
@@ -228,8 +247,9 @@ def check_meta_shapes(batch: Batch, max_slots: int) -> int:
     return n
 
 
-def write_meta_in_stream(batch: Batch, d: torch.Tensor, *, max_slots: int, num_spec: int, max_tokens: int,
-                         n_out_default: int) -> None:
+def write_meta_in_stream(
+    batch: Batch, d: torch.Tensor, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int
+) -> None:
     """Write ``batch``'s ROUND arrays and ``n_tokens`` into ``d``, an int32 tensor over a
     descriptor's payload area with room for ``max_tokens + 1`` tokens, with tensor
     operations only: on the device they run in stream order and the host never reads a
@@ -251,24 +271,25 @@ def write_meta_in_stream(batch: Batch, d: torch.Tensor, *, max_slots: int, num_s
         return
     dev = d.device
 
-    def on_dev(x, dtype):   # a field of a mixed batch may still be on the host
+    def on_dev(x, dtype):  # a field of a mixed batch may still be on the host
         return torch.as_tensor(x).to(dev, dtype, non_blocking=True)
+
     slots = on_dev(batch.slots, torch.int64)
     offsets = on_dev(batch.token_offsets, torch.int64)
     new_gen = on_dev(batch.new_gen, torch.bool)
     lengths = offsets[1:] - offsets[:-1]
     cut = torch.where(new_gen, (lengths - CONTEXT_TOKENS).clamp(min=0), 0)
     kept = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(lengths - cut, 0, out=kept[1:])          # the offsets after the cut
+    torch.cumsum(lengths - cut, 0, out=kept[1:])  # the offsets after the cut
     at = wire.ROUND_FIXED.size // 4
-    d[at:at + n] = torch.where((slots < 0) | (slots >= max_slots), max_slots, slots)
-    d[at + n:at + 2 * n] = on_dev(batch.positions, torch.int64) + cut
+    d[at : at + n] = torch.where((slots < 0) | (slots >= max_slots), max_slots, slots)
+    d[at + n : at + 2 * n] = on_dev(batch.positions, torch.int64) + cut
     if batch.n_out is None:
-        d[at + 2 * n:at + 3 * n] = min(n_out_default, num_spec)
+        d[at + 2 * n : at + 3 * n] = min(n_out_default, num_spec)
     else:
-        d[at + 2 * n:at + 3 * n] = on_dev(batch.n_out, torch.int64).clamp(max=num_spec)
-    d[at + 3 * n:at + 4 * n] = new_gen                     # True -> FLAG_NEW_GEN (1)
-    d[at + 4 * n:at + 5 * n + 1] = kept
+        d[at + 2 * n : at + 3 * n] = on_dev(batch.n_out, torch.int64).clamp(max=num_spec)
+    d[at + 3 * n : at + 4 * n] = new_gen  # True -> FLAG_NEW_GEN (1)
+    d[at + 4 * n : at + 5 * n + 1] = kept
     whole = (offsets[:1] == 0) & (offsets[n:] == t)
     d[3:4] = torch.where(whole, kept[n:], max_tokens + 1)  # n_tokens
     if t:
@@ -280,7 +301,7 @@ def write_meta_in_stream(batch: Batch, d: torch.Tensor, *, max_slots: int, num_s
         dest = kept[e] + within
         dest = torch.where((within >= 0) & (dest >= 0) & (dest < max_tokens), dest, max_tokens)
         tok_at = wire.round_meta_bytes(n) // 4
-        d[tok_at:tok_at + max_tokens + 1].scatter_(0, dest, on_dev(batch.tokens, torch.int32))
+        d[tok_at : tok_at + max_tokens + 1].scatter_(0, dest, on_dev(batch.tokens, torch.int32))
 
 
 def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, out_addr: int = 0) -> None:
@@ -299,7 +320,7 @@ def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, ou
         index = batch.row_index
         if isinstance(index, torch.Tensor):
             if not index.is_cpu:
-                index = index.cpu()   # the C loop reads it on the host
+                index = index.cpu()  # the C loop reads it on the host
             if index.dtype != torch.int64 or not index.is_contiguous():
                 index = index.to(torch.int64).contiguous()
             addr = index.data_ptr()
@@ -315,9 +336,8 @@ def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, ou
     index = _np(batch.row_index, "row_index", n)
     src = src.numpy()
     if n and (index.min() < 0 or index.max() >= src.shape[0]):
-        raise ValueError(f"row_index: values must be in 0..{src.shape[0] - 1}, got "
-                         f"{index.min()}..{index.max()}")
-    np.take(src, index, axis=0, out=out[:n], mode="clip")   # in range, so clip only skips buffering
+        raise ValueError(f"row_index: values must be in 0..{src.shape[0] - 1}, got {index.min()}..{index.max()}")
+    np.take(src, index, axis=0, out=out[:n], mode="clip")  # in range, so clip only skips buffering
 
 
 def as_bytes(rows: torch.Tensor, row_bytes: int | None = None) -> torch.Tensor:
@@ -331,29 +351,43 @@ def as_bytes(rows: torch.Tensor, row_bytes: int | None = None) -> torch.Tensor:
         flat = flat.contiguous()
     out = flat.view(torch.uint8)
     if row_bytes is not None and out.shape[1] != row_bytes:
-        raise ValueError(f"rows: {out.shape[1]} bytes per row, RemoteDSpark was built for "
-                         f"row_bytes={row_bytes}")
+        raise ValueError(f"rows: {out.shape[1]} bytes per row, RemoteDSpark was built for row_bytes={row_bytes}")
     return out
 
 
 @dataclass
 class Drafts:
-    tokens: torch.Tensor               # [n, num_spec] int32, zero past counts
-    counts: torch.Tensor               # [n] int32
-    margins: torch.Tensor | None       # [n, num_spec] float32, when asked for
-    source: str                          # "remote", "local" or "none" (target-only)
-    outcome: Outcome                     # the remote round's outcome
-    resync: tuple[int, ...] = ()         # slots the drafter lost: send them with NEW_GEN
-    resync_all: bool = False             # a new proxy/connection: re-announce every slot
+    tokens: torch.Tensor  # [n, num_spec] int32, zero past counts
+    counts: torch.Tensor  # [n] int32
+    margins: torch.Tensor | None  # [n, num_spec] float32, when asked for
+    source: str  # "remote", "local" or "none" (target-only)
+    outcome: Outcome  # the remote round's outcome
+    resync: tuple[int, ...] = ()  # slots the drafter lost: send them with NEW_GEN
+    resync_all: bool = False  # a new proxy/connection: re-announce every slot
 
 
 def empty_drafts(n: int, k: int, outcome: Outcome, margins: bool) -> Drafts:
-    return Drafts(torch.zeros(n, k, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
-                  torch.zeros(n, k, dtype=torch.float32) if margins else None, "none", outcome)
+    return Drafts(
+        torch.zeros(n, k, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int32),
+        torch.zeros(n, k, dtype=torch.float32) if margins else None,
+        "none",
+        outcome,
+    )
 
 
-def to_drafts(k: int, slots: np.ndarray, counts: np.ndarray, statuses: np.ndarray, tokens: np.ndarray,
-              margins: np.ndarray | None, outcome: Outcome, want_margin: bool, *, clean: bool = False) -> Drafts:
+def to_drafts(
+    k: int,
+    slots: np.ndarray,
+    counts: np.ndarray,
+    statuses: np.ndarray,
+    tokens: np.ndarray,
+    margins: np.ndarray | None,
+    outcome: Outcome,
+    want_margin: bool,
+    *,
+    clean: bool = False,
+) -> Drafts:
     """``Drafts`` from an answer's arrays (views of a drafts slot or of a DRAFTS payload):
     ``counts``/``statuses`` [n], ``tokens``/``margins`` [n, width <= k]. One copy per
     array; tokens and margins past each count are zeroed whatever the source held there,
@@ -361,12 +395,12 @@ def to_drafts(k: int, slots: np.ndarray, counts: np.ndarray, statuses: np.ndarra
     filled: ``hf_unpack`` zeroes each row past its count); RESYNC slots come from the
     status mask, computed only when there is one."""
     n, width = tokens.shape
-    full = clean or not n or counts.min() == width    # nothing past a count to clear
+    full = clean or not n or counts.min() == width  # nothing past a count to clear
     live = None if full else np.arange(width) < counts[:, None]
 
     def widened(src: np.ndarray | None, dtype) -> np.ndarray:
         if src is not None and full and width == k:
-            return np.array(src, dtype=dtype)          # the common case: one copy
+            return np.array(src, dtype=dtype)  # the common case: one copy
         out = np.zeros((n, k), dtype=dtype)
         if src is not None:
             np.copyto(out[:, :width], src, where=True if full else live)
@@ -375,5 +409,11 @@ def to_drafts(k: int, slots: np.ndarray, counts: np.ndarray, statuses: np.ndarra
     tok = widened(tokens, np.int32)
     mar = widened(margins, np.float32) if want_margin else None
     lost = slots[statuses == wire.STATUS_RESYNC].tolist() if statuses.any() else ()
-    return Drafts(torch.from_numpy(tok), torch.from_numpy(counts.astype(np.int32)),
-                  None if mar is None else torch.from_numpy(mar), "remote", outcome, tuple(lost))
+    return Drafts(
+        torch.from_numpy(tok),
+        torch.from_numpy(counts.astype(np.int32)),
+        None if mar is None else torch.from_numpy(mar),
+        "remote",
+        outcome,
+        tuple(lost),
+    )

@@ -30,10 +30,10 @@ class State(enum.IntEnum):
 
 class BreakerStore(Protocol):
     state: int
-    failures: int        # consecutive failed attempts while closed
-    cooldown_left: int   # rounds still to skip while open
-    trips: int           # times the breaker opened (monotonic)
-    probes: int          # probe rounds sent (monotonic)
+    failures: int  # consecutive failed attempts while closed
+    cooldown_left: int  # rounds still to skip while open
+    trips: int  # times the breaker opened (monotonic)
+    probes: int  # probe rounds sent (monotonic)
 
 
 @dataclass

@@ -43,8 +43,12 @@ WAIT_SLACK_S = 0.010
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("chaos", help="kill, stall and garble the proxy and worker under load; check nothing is lost",
-                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "chaos",
+        help="kill, stall and garble the proxy and worker under load; check nothing is lost",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--seconds", type=float, default=60.0, help="how long to run (default 60)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock; printed)")
     p.add_argument("--slots", type=int, default=64, help="request slots (default 64)")
@@ -79,22 +83,36 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--seconds, --slots, --respawns and --reset-s must be positive")
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     seed = args.seed if args.seed is not None else int(time.time())
-    result = run_chaos(args.seconds, seed=seed, slots=args.slots, respawns=args.respawns,
-                       reset_s=args.reset_s, progress=True)
+    result = run_chaos(
+        args.seconds, seed=seed, slots=args.slots, respawns=args.respawns, reset_s=args.reset_s, progress=True
+    )
     if args.json:
-        print(json.dumps({"seed": result.seed, "rounds": result.rounds, "faults": result.faults,
-                          "ok": result.ok, "checks": [c.__dict__ for c in result.checks]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "seed": result.seed,
+                    "rounds": result.rounds,
+                    "faults": result.faults,
+                    "ok": result.ok,
+                    "checks": [c.__dict__ for c in result.checks],
+                },
+                indent=1,
+            )
+        )
     else:
-        print(f"\nchaos: {result.rounds} rounds in {args.seconds:g} s, seed {seed}; faults: "
-              + ", ".join(f"{k} {v}" for k, v in result.faults.items()))
+        print(
+            f"\nchaos: {result.rounds} rounds in {args.seconds:g} s, seed {seed}; faults: "
+            + ", ".join(f"{k} {v}" for k, v in result.faults.items())
+        )
         print("rounds: " + ", ".join(f"{o.label} {n}" for o, n in result.stats.rounds.items() if n))
         for c in result.checks:
             print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
     return 0 if result.ok else 1
 
 
-def run_chaos(seconds: float, *, seed: int, slots: int = 64, respawns: int = 4, reset_s: int = 2,
-              progress: bool = False) -> ChaosResult:
+def run_chaos(
+    seconds: float, *, seed: int, slots: int = 64, respawns: int = 4, reset_s: int = 2, progress: bool = False
+) -> ChaosResult:
     from .config import RemoteConfig
     from .engine import RemoteDSpark
     from .harness import DemoEngine, WorkerProcess, worker_limits
@@ -108,13 +126,20 @@ def run_chaos(seconds: float, *, seed: int, slots: int = 64, respawns: int = 4, 
     closed_cleanly = False
     engine = None
     try:
-        env = worker.env(VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC="1",
-                         VLLM_DSPARK_REMOTE_ASYNC_PROXY="process", VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS=str(respawns),
-                         VLLM_DSPARK_REMOTE_ASYNC_RESPAWN_RESET_S=str(reset_s),
-                         VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20", VLLM_DSPARK_REMOTE_BACKOFF_MS="50",
-                         VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="200", VLLM_DSPARK_REMOTE_TRIP="3",
-                         VLLM_DSPARK_REMOTE_COOLDOWN="16", VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-                         VLLM_DSPARK_REMOTE_STATS_FILE="")
+        env = worker.env(
+            VLLM_DSPARK_REMOTE_POLICY="capacity",
+            VLLM_DSPARK_REMOTE_ASYNC="1",
+            VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+            VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS=str(respawns),
+            VLLM_DSPARK_REMOTE_ASYNC_RESPAWN_RESET_S=str(reset_s),
+            VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+            VLLM_DSPARK_REMOTE_BACKOFF_MS="50",
+            VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="200",
+            VLLM_DSPARK_REMOTE_TRIP="3",
+            VLLM_DSPARK_REMOTE_COOLDOWN="16",
+            VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+            VLLM_DSPARK_REMOTE_STATS_FILE="",
+        )
         cfg = RemoteConfig.from_env(env)
         rd = RemoteDSpark(cfg, num_spec=5, max_slots=slots, row_bytes=64, environ=env).start()
         try:
@@ -213,7 +238,7 @@ def _send_garbage(port: int, rng: random.Random) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
             s.sendall(rng.randbytes(512))
     except OSError:
-        pass   # the worker may be restarting
+        pass  # the worker may be restarting
 
 
 def _fds() -> set[str]:
@@ -233,6 +258,7 @@ def _memfds() -> list[str]:
 
 def _zombies() -> list[int]:
     import psutil
+
     return [p.pid for p in psutil.Process().children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE]
 
 
@@ -250,19 +276,33 @@ def _checks(res: ChaosResult, cfg, respawns: int, closed_cleanly: bool, fds_befo
     limit = cfg.watchdog_ms / 1000 + WAIT_SLACK_S
     leaked = sorted(_fds() - fds_before)
     return [
-        Check("every round released exactly once", releases == total and ring.released == ring.gathered,
-              f"{total} rounds; released by proxy {by_proxy}, watchdog {ec['watchdog_releases']}, no proxy "
-              f"{ec['no_proxy_rounds']}, orphan {ec['orphan_releases']} (sum {releases}); ring released "
-              f"{ring.released} gathered {ring.gathered}"),
-        Check("no round waited past the watchdog + 10 ms", ring.max_wait_s <= limit,
-              f"longest wait {ring.max_wait_s * 1e3:.1f} ms, limit {limit * 1e3:.0f} ms"),
-        Check("respawns within the budget", respawned <= allowed and sup.budget_left >= 0
-              and respawned <= losses,
-              f"{losses} proxies lost, {respawned} respawned, budget {respawns} restored {sup.budget_restored} times"),
-        Check("the budget came back after the reset window", sup.budget_restored >= 1 or losses == 0,
-              f"restored {sup.budget_restored} times, {sup.budget_left} left at the end"),
+        Check(
+            "every round released exactly once",
+            releases == total and ring.released == ring.gathered,
+            f"{total} rounds; released by proxy {by_proxy}, watchdog {ec['watchdog_releases']}, no proxy "
+            f"{ec['no_proxy_rounds']}, orphan {ec['orphan_releases']} (sum {releases}); ring released "
+            f"{ring.released} gathered {ring.gathered}",
+        ),
+        Check(
+            "no round waited past the watchdog + 10 ms",
+            ring.max_wait_s <= limit,
+            f"longest wait {ring.max_wait_s * 1e3:.1f} ms, limit {limit * 1e3:.0f} ms",
+        ),
+        Check(
+            "respawns within the budget",
+            respawned <= allowed and sup.budget_left >= 0 and respawned <= losses,
+            f"{losses} proxies lost, {respawned} respawned, budget {respawns} restored {sup.budget_restored} times",
+        ),
+        Check(
+            "the budget came back after the reset window",
+            sup.budget_restored >= 1 or losses == 0,
+            f"restored {sup.budget_restored} times, {sup.budget_left} left at the end",
+        ),
         Check("outcome counters add up to the rounds", total == res.rounds, f"{res.rounds} steps, {total} counted"),
-        Check("no zombie, no leaked fd or memfd", not _zombies() and not leaked and not _memfds(),
-              f"zombies {_zombies()}, leaked fds {leaked}, memfds {_memfds()}"),
+        Check(
+            "no zombie, no leaked fd or memfd",
+            not _zombies() and not leaked and not _memfds(),
+            f"zombies {_zombies()}, leaked fds {leaked}, memfds {_memfds()}",
+        ),
         Check("the engine closed cleanly", closed_cleanly, "close() returned" if closed_cleanly else "close() failed"),
     ]

@@ -14,10 +14,12 @@ def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's parser (each from the module that owns its work)."""
     parser = argparse.ArgumentParser(
         prog="remote-dspark",
-        description="Run a speculative-decoding drafter on another machine without stalling the engine.")
+        description="Run a speculative-decoding drafter on another machine without stalling the engine.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     from . import chaos, config_cli, dashboard, demo, markov_cli, worker_cli
+
     worker_cli.add_parser(sub)
     demo.add_parser(sub)
     chaos.add_parser(sub)
@@ -25,10 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     markov_cli.add_parser(sub)
     dashboard.add_parser(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks that print figures and ratios measured in one run",
-                           description="Benchmarks. Each prints its figures side by side; --json for machines.")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks that print figures and ratios measured in one run",
+        description="Benchmarks. Each prints its figures side by side; --json for machines.",
+    )
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     from .bench import add_parsers as add_bench_parsers
+
     add_bench_parsers(bench_sub)
     return parser
 

@@ -40,8 +40,14 @@ class DraftClient:
         self.late = 0
 
     @classmethod
-    def connect(cls, endpoint: Endpoint, hello: wire.Hello, session: int, timeout_s: float,
-                environ: Mapping[str, str] | None = None) -> DraftClient:
+    def connect(
+        cls,
+        endpoint: Endpoint,
+        hello: wire.Hello,
+        session: int,
+        timeout_s: float,
+        environ: Mapping[str, str] | None = None,
+    ) -> DraftClient:
         """Connect and say HELLO, both within ``timeout_s``.
 
         Raises:
@@ -62,11 +68,15 @@ class DraftClient:
                 raise Refused(ack.code, ack.reason)
             if hdr.session != session:
                 raise wire.ProtocolError(f"HELLO_ACK of session {hdr.session:#x} in answer to session {session:#x}")
-            for what, asked, got in (("drafter", hello.drafter_identity, ack.drafter_identity),
-                                     ("Markov", hello.markov_identity, ack.markov_identity)):
+            for what, asked, got in (
+                ("drafter", hello.drafter_identity, ack.drafter_identity),
+                ("Markov", hello.markov_identity, ack.markov_identity),
+            ):
                 if got != asked:
-                    raise wire.ProtocolError(f"HELLO_ACK accepts with {what} identity {bytes(got).hex()}, "
-                                             f"the engine asked for {bytes(asked).hex()}")
+                    raise wire.ProtocolError(
+                        f"HELLO_ACK accepts with {what} identity {bytes(got).hex()}, "
+                        f"the engine asked for {bytes(asked).hex()}"
+                    )
         except BaseException:
             chan.close()
             raise
@@ -90,23 +100,25 @@ class DraftClient:
             if hdr.type != wire.DRAFTS:
                 raise wire.ProtocolError(f"{hdr.name} where DRAFTS was expected")
             if hdr.session != self.session:
-                raise wire.ProtocolError(f"DRAFTS of session {hdr.session:#x} on session "
-                                         f"{self.session:#x}'s connection")
+                raise wire.ProtocolError(
+                    f"DRAFTS of session {hdr.session:#x} on session {self.session:#x}'s connection"
+                )
             if hdr.round == round_id:
                 return wire.decode_drafts(hdr, payload)
             if wire.seq_geq(hdr.round, round_id):
                 raise wire.ProtocolError(f"DRAFTS for round {hdr.round}, which was never sent")
             self.late += 1
 
-    def round(self, round_id: int, parts: Sequence, deadline_ms: int,
-              check: Callable[[wire.Drafts], None] | None = None) -> wire.Drafts:
+    def round(
+        self, round_id: int, parts: Sequence, deadline_ms: int, check: Callable[[wire.Drafts], None] | None = None
+    ) -> wire.Drafts:
         """One synchronous round within ``deadline_ms``: send the ROUND frame ``parts``,
         return its DRAFTS once ``check`` (what the round asked) accepts them.
 
         Raises: DeadlineExceeded, Disconnected, wire.ProtocolError (wire.BadReply from
         ``check``: the drafts do not answer the round)."""
         deadline = time.monotonic() + deadline_ms / 1000.0
-        self.send(parts, deadline)   # a send that misses it breaks the connection
+        self.send(parts, deadline)  # a send that misses it breaks the connection
         drafts = self.recv_drafts(round_id, deadline)
         if check is not None:
             check(drafts)

@@ -48,7 +48,7 @@ CAP_MASKING_DEPTH_MODES = ("conf", "confb", "confr")
 class RemoteConfig:
     """The validated contract (see config_env's docstring for each variable)."""
 
-    endpoint: Endpoint                    # with REMOTE_BIND merged into options["bind"]
+    endpoint: Endpoint  # with REMOTE_BIND merged into options["bind"]
     policy: str
     drafter_identity: bytes
     markov_identity: bytes
@@ -73,7 +73,7 @@ class RemoteConfig:
     async_proxy: str = "thread"
     async_respawns: int = 3
     async_respawn_reset_s: int = 3600
-    fused_gather: bool | None = None      # None = auto
+    fused_gather: bool | None = None  # None = auto
     n_out: str = "auto"
     trip: int = 3
     cooldown: int = 256
@@ -101,21 +101,34 @@ class RemoteConfig:
             return []
         out = []
         if self.async_nap_us >= self.watchdog_ms * 1000:
-            out.append(f"{_P}ASYNC_NAP_US={self.async_nap_us} is at or above the watchdog deadline "
-                       f"({self.watchdog_ms} ms, {_P}ASYNC_WATCHDOG_MS): an idle proxy naps through whole "
-                       "rounds, which the watchdog then answers target-only")
+            out.append(
+                f"{_P}ASYNC_NAP_US={self.async_nap_us} is at or above the watchdog deadline "
+                f"({self.watchdog_ms} ms, {_P}ASYNC_WATCHDOG_MS): an idle proxy naps through whole "
+                "rounds, which the watchdog then answers target-only"
+            )
         if self.async_watchdog_ms and self.async_watchdog_ms <= self.timeout_ms:
-            out.append(f"{_P}ASYNC_WATCHDOG_MS={self.async_watchdog_ms} is at or below {_P}TIMEOUT_MS="
-                       f"{self.timeout_ms}: the watchdog answers rounds the worker would still answer in "
-                       "time, and three in a row read as a stalled proxy")
+            out.append(
+                f"{_P}ASYNC_WATCHDOG_MS={self.async_watchdog_ms} is at or below {_P}TIMEOUT_MS="
+                f"{self.timeout_ms}: the watchdog answers rounds the worker would still answer in "
+                "time, and three in a row read as a stalled proxy"
+            )
         return out
 
-    def hello(self, engine_id: int, *, max_slots: int, row_bytes: int, num_spec: int,
-              vocab_size: int = 0) -> wire.Hello:
+    def hello(
+        self, engine_id: int, *, max_slots: int, row_bytes: int, num_spec: int, vocab_size: int = 0
+    ) -> wire.Hello:
         """The HELLO of a session of this configuration: its identities and margins, the
         engine's id and vocabulary, the region's sizes."""
-        return wire.Hello(self.drafter_identity, self.markov_identity, engine_id, max_slots, row_bytes, num_spec,
-                          want_margin=self.want_margin, vocab_size=vocab_size)
+        return wire.Hello(
+            self.drafter_identity,
+            self.markov_identity,
+            engine_id,
+            max_slots,
+            row_bytes,
+            num_spec,
+            want_margin=self.want_margin,
+            vocab_size=vocab_size,
+        )
 
     def to_json(self) -> str:
         """This configuration, as the engine hands it to its proxy (never re-parsed from
@@ -156,7 +169,7 @@ class RemoteConfig:
             if raw:
                 values[var.name] = var.parse(raw, var.name)
             elif var.blank_is_value and env.get(var.name):
-                values[var.name] = var.parse(env[var.name], var.name)   # raises: blanks are no choice
+                values[var.name] = var.parse(env[var.name], var.name)  # raises: blanks are no choice
             elif callable(var.default):
                 values[var.name] = var.default(var.name, env, values)
             else:
@@ -171,21 +184,23 @@ def _merge_bind(endpoint: Endpoint, bind: str | None) -> None:
     if not bind:
         return
     if endpoint.options.get("bind", bind) != bind:
-        raise ValueError(f"{_P}BIND={bind!r} conflicts with {ENV_ENDPOINT}'s "
-                         f"?bind={endpoint.options['bind']!r}")
+        raise ValueError(f"{_P}BIND={bind!r} conflicts with {ENV_ENDPOINT}'s ?bind={endpoint.options['bind']!r}")
     endpoint.options["bind"] = bind
 
 
 def _check_rules(cfg: RemoteConfig) -> None:
     if cfg.async_mode and cfg.policy != "capacity":
-        raise ValueError(f"{_P}ASYNC=1 needs {_P}POLICY=capacity, got {cfg.policy!r} "
-                         "(resilience and shadow decide on the host every round)")
+        raise ValueError(
+            f"{_P}ASYNC=1 needs {_P}POLICY=capacity, got {cfg.policy!r} "
+            "(resilience and shadow decide on the host every round)"
+        )
     if cfg.async_mode and cfg.on_fail == "raise":
-        raise ValueError(f"{_P}ASYNC=1 cannot raise on a failed round (the host never waits "
-                         f"for it): {_P}ON_FAIL='raise', use target_only")
+        raise ValueError(
+            f"{_P}ASYNC=1 cannot raise on a failed round (the host never waits "
+            f"for it): {_P}ON_FAIL='raise', use target_only"
+        )
     if cfg.backoff_max_ms < cfg.backoff_ms:
-        raise ValueError(f"{_P}BACKOFF_MAX_MS={cfg.backoff_max_ms} is below "
-                         f"{_P}BACKOFF_MS={cfg.backoff_ms}")
+        raise ValueError(f"{_P}BACKOFF_MAX_MS={cfg.backoff_max_ms} is below {_P}BACKOFF_MS={cfg.backoff_ms}")
 
 
 def describe(cfg: RemoteConfig, environ: Mapping[str, str] | None = None) -> list[tuple[str, str, str]]:
@@ -199,15 +214,22 @@ def describe(cfg: RemoteConfig, environ: Mapping[str, str] | None = None) -> lis
     for var in _VARS:
         value = var.show(getattr(cfg, var.field)) if var.field else _raw(env, var.name)
         rows.append((var.name, value, "env" if _raw(env, var.name) else "default"))
-    rows += [("watchdog_ms", str(cfg.watchdog_ms), "derived"),
-             ("keeps_local_drafter", _show(cfg.keeps_local_drafter), "derived"),
-             ("bind", cfg.endpoint.bind or "", "derived")]
+    rows += [
+        ("watchdog_ms", str(cfg.watchdog_ms), "derived"),
+        ("keeps_local_drafter", _show(cfg.keeps_local_drafter), "derived"),
+        ("bind", cfg.endpoint.bind or "", "derived"),
+    ]
     return rows
 
 
-def apply_cost_overrides(cfg: RemoteConfig, environ: MutableMapping[str, str] | None = None,
-                         depth_policy_on: bool = False, depth_mode: str | None = None,
-                         num_spec: int = 5, depth_file: str | None = None) -> dict[str, str]:
+def apply_cost_overrides(
+    cfg: RemoteConfig,
+    environ: MutableMapping[str, str] | None = None,
+    depth_policy_on: bool = False,
+    depth_mode: str | None = None,
+    num_spec: int = 5,
+    depth_file: str | None = None,
+) -> dict[str, str]:
     """Make the remote round cost an explicit input of the depth policy (CONTRACT 10).
 
     Writes ``VLLM_DSPARK_DRAFT_MS`` / ``VLLM_DSPARK_ROUND_MS`` into ``environ`` before the
@@ -233,41 +255,47 @@ def apply_cost_overrides(cfg: RemoteConfig, environ: MutableMapping[str, str] | 
             raise ValueError(
                 f"remote DSpark ({cfg.policy}): VLLM_DSPARK_DEPTH_POLICY=confr:<rows ms> carries "
                 "its own step table (measured with the local drafter), which the remote cost "
-                f"inputs cannot replace; use conf or confb with {_P}DRAFT_MS / {_P}ROUND_MS")
-        missing = [name for name, value in ((_P + "DRAFT_MS", cfg.remote_draft_ms),
-                                            (_P + "ROUND_MS", cfg.remote_round_ms))
-                   if value is None]
+                f"inputs cannot replace; use conf or confb with {_P}DRAFT_MS / {_P}ROUND_MS"
+            )
+        missing = [
+            name
+            for name, value in ((_P + "DRAFT_MS", cfg.remote_draft_ms), (_P + "ROUND_MS", cfg.remote_round_ms))
+            if value is None
+        ]
         if missing:
             raise ValueError(
                 f"remote DSpark ({cfg.policy}) with VLLM_DSPARK_DEPTH_POLICY on ({depth_mode}) needs "
                 f"both {_P}DRAFT_MS (measured remote round, ms) and {_P}ROUND_MS (verify-only "
                 f"table, ms by depth 0..k): missing {' and '.join(missing)}. The live "
                 "VLLM_DSPARK_ROUND_MS includes the local drafter, so a partial override "
-                "mixes two cost models")
+                "mixes two cost models"
+            )
     changed: dict[str, str] = {}
     table = cfg.remote_round_ms
     if table is not None:
         name, text = _P + "ROUND_MS", _show(table)
         if len(table) != num_spec + 1:
-            raise ValueError(f"{name}={text!r}: {len(table)} values, expected {num_spec + 1} "
-                             f"(verify ms for depth 0..{num_spec})")
+            raise ValueError(
+                f"{name}={text!r}: {len(table)} values, expected {num_spec + 1} (verify ms for depth 0..{num_spec})"
+            )
         if any(v <= 0 for v in table):
             raise ValueError(f"{name}={text!r}: verify times must be > 0 ms")
         if any(b < a for a, b in zip(table, table[1:])):
-            raise ValueError(f"{name}={text!r}: must be non-decreasing with the depth "
-                             "(more live rows never verify faster)")
+            raise ValueError(
+                f"{name}={text!r}: must be non-decreasing with the depth (more live rows never verify faster)"
+            )
         changed["VLLM_DSPARK_ROUND_MS"] = text
     if cfg.remote_draft_ms is not None:
         changed["VLLM_DSPARK_DRAFT_MS"] = _show(cfg.remote_draft_ms)
     env.update(changed)
     if changed:
-        log.info("remote DSpark: the depth policy's cost inputs: %s",
-                 " ".join(f"{k}={v}" for k, v in changed.items()))
+        log.info("remote DSpark: the depth policy's cost inputs: %s", " ".join(f"{k}={v}" for k, v in changed.items()))
     return changed
 
 
-def n_out_table(cfg: RemoteConfig, num_spec: int, depth_mode: str, depth_file: str | None,
-                dense_cap: list[int] | None) -> tuple[list[int] | None, str]:
+def n_out_table(
+    cfg: RemoteConfig, num_spec: int, depth_mode: str, depth_file: str | None, dense_cap: list[int] | None
+) -> tuple[list[int] | None, str]:
     """ReqEntry.n_out by request count (CONTRACT 6.3), or None (always all N positions),
     with the reason.
 

@@ -30,21 +30,38 @@ overrides the engine's apply_cost_overrides() call would write into the environm
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("check-config", help="validate the VLLM_DSPARK_REMOTE* environment and print it",
-                       description=_DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true",
-                   help='print one JSON object {variable: value, ..., "derived": {name: value}}; '
-                        'values are strings as the environment spells them ("" = unset)')
-    p.add_argument("--depth-policy", metavar="MODE", default=None,
-                   help="the engine's VLLM_DSPARK_DEPTH_POLICY mode (fixed, conf, confb, confr, ...): "
-                        "show n_out by request count and the cost overrides it needs (default: off)")
-    p.add_argument("--num-spec", type=int, default=None,
-                   help="the engine's k, drafts per entry (default 5 with the other depth options)")
+    p = sub.add_parser(
+        "check-config",
+        help="validate the VLLM_DSPARK_REMOTE* environment and print it",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object {variable: value, ..., "derived": {name: value}}; '
+        'values are strings as the environment spells them ("" = unset)',
+    )
+    p.add_argument(
+        "--depth-policy",
+        metavar="MODE",
+        default=None,
+        help="the engine's VLLM_DSPARK_DEPTH_POLICY mode (fixed, conf, confb, confr, ...): "
+        "show n_out by request count and the cost overrides it needs (default: off)",
+    )
+    p.add_argument(
+        "--num-spec",
+        type=int,
+        default=None,
+        help="the engine's k, drafts per entry (default 5 with the other depth options)",
+    )
     p.add_argument("--depth-file", default=None, help="the engine's VLLM_DSPARK_DEPTH_FILE, if any")
-    p.add_argument("--dense-cap", default=None, metavar="C1,C2,...",
-                   help="the dynamic speculation schedule by request count (index 0 unused), "
-                        "comma-separated, e.g. 0,5,5,4,3")
+    p.add_argument(
+        "--dense-cap",
+        default=None,
+        metavar="C1,C2,...",
+        help="the dynamic speculation schedule by request count (index 0 unused), comma-separated, e.g. 0,5,5,4,3",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -67,11 +84,19 @@ def _depth_rows(cfg: RemoteConfig, env, args: argparse.Namespace) -> list[tuple[
         except ValueError:
             raise ValueError(f"--dense-cap={args.dense_cap!r}: not comma-separated integers") from None
     table, why = n_out_table(cfg, args.num_spec, args.depth_policy or "", args.depth_file, cap)
-    rows = [("n_out", "by request count " + ",".join(map(str, table)) if table else f"all {args.num_spec}",
-             "derived"), ("n_out_reason", why, "derived")]
+    rows = [
+        ("n_out", "by request count " + ",".join(map(str, table)) if table else f"all {args.num_spec}", "derived"),
+        ("n_out_reason", why, "derived"),
+    ]
     dry = dict(env)
-    written = apply_cost_overrides(cfg, dry, depth_policy_on=args.depth_policy is not None,
-                                   depth_mode=args.depth_policy, num_spec=args.num_spec, depth_file=args.depth_file)
+    written = apply_cost_overrides(
+        cfg,
+        dry,
+        depth_policy_on=args.depth_policy is not None,
+        depth_mode=args.depth_policy,
+        num_spec=args.num_spec,
+        depth_file=args.depth_file,
+    )
     rows.append(("cost_overrides", " ".join(f"{k}={v}" for k, v in written.items()) or "none", "derived"))
     return rows
 
@@ -97,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
         out["derived"] = {name: value for name, value, source in rows if source == "derived"}
         print(json.dumps(out, indent=2))
     else:
-        print(_table([("VARIABLE", "VALUE", "SOURCE")]
-                     + [(name, value or "-", source) for name, value, source in rows]))
+        print(
+            _table([("VARIABLE", "VALUE", "SOURCE")] + [(name, value or "-", source) for name, value, source in rows])
+        )
     return 0
 
 

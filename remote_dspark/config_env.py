@@ -107,7 +107,7 @@ def _raw(env: Mapping[str, str], name: str) -> str:
 # --- the parsing layer: parse(text, variable), text stripped and non-blank, the same
 # --- argument order as wire.parse_hex32, check_bind and parse_endpoint -----------------
 
-INT_MAX = 2**31 - 1   # every count and duration fits a signed 32-bit word (wire, C library)
+INT_MAX = 2**31 - 1  # every count and duration fits a signed 32-bit word (wire, C library)
 
 
 def _int(lo: int, hi: int = INT_MAX) -> Callable[[str, str], int]:
@@ -121,6 +121,7 @@ def _int(lo: int, hi: int = INT_MAX) -> Callable[[str, str], int]:
         if value > hi:
             raise ValueError(f"{name}={raw!r}: must be <= {hi}")
         return value
+
     return parse
 
 
@@ -130,6 +131,7 @@ def _choice(*choices: str) -> Callable[[str, str], str]:
         if value not in choices:
             raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
         return value
+
     return parse
 
 
@@ -184,6 +186,7 @@ def _text(raw: str, name: str) -> str:
 def _required(what: str) -> Callable[..., Any]:
     def default(name: str, env: Mapping[str, str], values: dict[str, Any]) -> Any:
         raise ValueError(f"{name} is required: {what}")
+
     return default
 
 
@@ -205,7 +208,7 @@ def _show(value: Any) -> str:
 @dataclass(frozen=True)
 class _Var:
     name: str
-    field: str | None          # the RemoteConfig field it sets; None: read by another module
+    field: str | None  # the RemoteConfig field it sets; None: read by another module
     parse: Callable[[str, str], Any]
     # The value when unset; a callable (name, environ, values parsed so far) computes a
     # default that depends on them, or raises for a required variable.
@@ -221,17 +224,25 @@ _gather_word = _choice(*_GATHER)
 
 # In the order of the module docstring; a default callable may only read variables above it.
 _VARS: tuple[_Var, ...] = (
-    _Var(ENV_ENDPOINT, "endpoint", parse_endpoint,
-         _required("the drafter's endpoint, SCHEME://HOST:PORT")),
+    _Var(ENV_ENDPOINT, "endpoint", parse_endpoint, _required("the drafter's endpoint, SCHEME://HOST:PORT")),
     _Var(_P + "BIND", None, check_bind),
     _Var(ENV_OFL_DIR, None, _text),
     _Var(_P + "POLICY", "policy", _choice(*POLICIES), "shadow", blank_is_value=True),
-    _Var(_P + "IDENTITY", "drafter_identity", wire.parse_hex32,
-         _required("the 64-hex drafter identity (offload/dspark/spark/tools/identity.py "
-                   "over lane S2's DSPARK_COPY_DONE.json)")),
+    _Var(
+        _P + "IDENTITY",
+        "drafter_identity",
+        wire.parse_hex32,
+        _required(
+            "the 64-hex drafter identity (offload/dspark/spark/tools/identity.py over lane S2's DSPARK_COPY_DONE.json)"
+        ),
+    ),
     _Var(ENV_MARKOV_CACHE, None, _text),
-    _Var(_P + "MARKOV_IDENTITY", "markov_identity", wire.parse_hex32,
-         lambda name, env, values: markov_identity_from_env(env)),
+    _Var(
+        _P + "MARKOV_IDENTITY",
+        "markov_identity",
+        wire.parse_hex32,
+        lambda name, env, values: markov_identity_from_env(env),
+    ),
     _Var(_P + "TIMEOUT_MS", "timeout_ms", _int(1), 50),
     _Var(_P + "CONNECT_TIMEOUT_MS", "connect_timeout_ms", _int(1), 1000),
     _Var(_P + "BACKOFF_MS", "backoff_ms", _int(1), 1000),
@@ -241,8 +252,7 @@ _VARS: tuple[_Var, ...] = (
     _Var(_P + "COOLDOWN", "cooldown", _int(1), 256),
     _Var(_P + "STRICT_START", "strict_start", _flag, False),
     _Var(_P + "SHADOW_USE", "shadow_use", _choice("local", "remote"), "local", blank_is_value=True),
-    _Var(_P + "WANT_MARGIN", "want_margin", _flag,
-         lambda name, env, values: values[_P + "POLICY"] == "shadow"),
+    _Var(_P + "WANT_MARGIN", "want_margin", _flag, lambda name, env, values: values[_P + "POLICY"] == "shadow"),
     _Var(_P + "DRAFT_MS", "remote_draft_ms", _one_ms),
     _Var(_P + "ROUND_MS", "remote_round_ms", _ms_list),
     _Var(_P + "ASYNC", "async_mode", _flag, False),
@@ -254,9 +264,14 @@ _VARS: tuple[_Var, ...] = (
     _Var(_P + "ASYNC_RESPAWNS", "async_respawns", _int(0), 3),
     _Var(_P + "ASYNC_RESPAWN_RESET_S", "async_respawn_reset_s", _int(0), 3600),
     _Var(_P + "SWITCH_INTERVAL_US", "switch_interval_us", _int(0), 500),
-    _Var(_P + "FUSED_GATHER", "fused_gather",
-         lambda raw, name: _GATHER[_gather_word(raw, name)], None,
-         show=lambda v: next(k for k, g in _GATHER.items() if g is v), blank_is_value=True),
+    _Var(
+        _P + "FUSED_GATHER",
+        "fused_gather",
+        lambda raw, name: _GATHER[_gather_word(raw, name)],
+        None,
+        show=lambda v: next(k for k, g in _GATHER.items() if g is v),
+        blank_is_value=True,
+    ),
     _Var(_P + "N_OUT", "n_out", _choice("auto", "0"), "auto", blank_is_value=True),
     _Var(_P + "LOG_EVERY", "log_every", _int(0), 1024),
     _Var(_P + "STATS_FILE", "stats_file", _text, "/tmp/dsv41-remote-dspark.json"),
@@ -283,5 +298,4 @@ def markov_identity_from_env(environ: Mapping[str, str] | None = None) -> bytes:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).digest()
     except OSError as e:
-        raise ValueError(f"{ENV_MARKOV_CACHE}={path!r} unreadable ({e}); set "
-                         f"{_P}MARKOV_IDENTITY explicitly") from e
+        raise ValueError(f"{ENV_MARKOV_CACHE}={path!r} unreadable ({e}); set {_P}MARKOV_IDENTITY explicitly") from e

@@ -21,7 +21,7 @@ from ctypes import c_int, c_size_t, c_uint, c_uint32, c_uint64, c_void_p
 
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
-CU_STREAM_WAIT_VALUE_GEQ = 0x0      # (int32_t)(*addr - value) >= 0: cyclic, like the ring
+CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0: cyclic, like the ring
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # with a memory barrier before the write
 
 
@@ -42,18 +42,22 @@ class Driver:
             raise CudaError(f"no CUDA driver ({path}): {e}") from e
         self._register = self._bind(("cuMemHostRegister_v2", "cuMemHostRegister"), c_void_p, c_size_t, c_uint)
         self._unregister = self._bind(("cuMemHostUnregister",), c_void_p)
-        self._devptr = self._bind(("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
-                                  ctypes.POINTER(c_uint64), c_void_p, c_uint)
-        self._write32 = self._bind(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"),
-                                   c_void_p, c_uint64, c_uint32, c_uint)
-        self._wait32 = self._bind(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"),
-                                  c_void_p, c_uint64, c_uint32, c_uint)
+        self._devptr = self._bind(
+            ("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"), ctypes.POINTER(c_uint64), c_void_p, c_uint
+        )
+        self._write32 = self._bind(
+            ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), c_void_p, c_uint64, c_uint32, c_uint
+        )
+        self._wait32 = self._bind(
+            ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), c_void_p, c_uint64, c_uint32, c_uint
+        )
         self._name = self._bind(("cuGetErrorName",), c_int, ctypes.POINTER(ctypes.c_char_p))
         self._ev_create = self._bind(("cuEventCreate",), ctypes.POINTER(c_void_p), c_uint)
         self._ev_record = self._bind(("cuEventRecord",), c_void_p, c_void_p)
         self._ev_sync = self._bind(("cuEventSynchronize",), c_void_p)
-        self._ev_elapsed = self._bind(("cuEventElapsedTime_v2", "cuEventElapsedTime"),
-                                      ctypes.POINTER(ctypes.c_float), c_void_p, c_void_p)
+        self._ev_elapsed = self._bind(
+            ("cuEventElapsedTime_v2", "cuEventElapsedTime"), ctypes.POINTER(ctypes.c_float), c_void_p, c_void_p
+        )
         self._ev_destroy = self._bind(("cuEventDestroy_v2", "cuEventDestroy"), c_void_p)
 
     def _bind(self, names: tuple[str, ...], *argtypes):
@@ -74,8 +78,10 @@ class Driver:
 
     def host_register(self, addr: int, size: int) -> int:
         """Pin and map ``size`` bytes at ``addr``; returns their device address."""
-        self._check(self._register(addr, size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
-                    f"cuMemHostRegister({size} bytes)")
+        self._check(
+            self._register(addr, size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
+            f"cuMemHostRegister({size} bytes)",
+        )
         dptr = c_uint64()
         try:
             self._check(self._devptr(ctypes.byref(dptr), addr, 0), "cuMemHostGetDevicePointer")
@@ -88,12 +94,12 @@ class Driver:
         self._check(self._unregister(addr), "cuMemHostUnregister")
 
     def write_value32(self, stream: int, dptr: int, value: int) -> None:
-        self._check(self._write32(stream, dptr, value & 0xFFFFFFFF, CU_STREAM_WRITE_VALUE_DEFAULT),
-                    "cuStreamWriteValue32")
+        self._check(
+            self._write32(stream, dptr, value & 0xFFFFFFFF, CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32"
+        )
 
     def wait_value32(self, stream: int, dptr: int, value: int) -> None:
-        self._check(self._wait32(stream, dptr, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ),
-                    "cuStreamWaitValue32")
+        self._check(self._wait32(stream, dptr, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
 
     # ------------------------------------------------------------------ timing events
 

@@ -25,9 +25,12 @@ def queries(dashboard: dict | None = None) -> list[str]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("dashboard", help="print the Grafana dashboard JSON",
-                       description="Print the Grafana dashboard (import it in Grafana: Dashboards > New > "
-                                   "Import). Pick the Prometheus datasource in its 'datasource' variable.")
+    p = sub.add_parser(
+        "dashboard",
+        help="print the Grafana dashboard JSON",
+        description="Print the Grafana dashboard (import it in Grafana: Dashboards > New > "
+        "Import). Pick the Prometheus datasource in its 'datasource' variable.",
+    )
     p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of standard output")
     p.set_defaults(func=run)
 

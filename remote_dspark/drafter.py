@@ -56,12 +56,12 @@ class DraftBatch:
     ``0 <= n_out[i] <= width``; ``rows`` is ``[n, row_bytes]``.
     """
 
-    tokens: np.ndarray        # [T] int32: each entry's context (its last ``window`` tokens), flat
-    offsets: np.ndarray       # [n + 1] int64: entry i's context is tokens[offsets[i]:offsets[i + 1]]
-    n_out: np.ndarray         # [n] int32, drafts wanted (0..width)
-    rows: np.ndarray          # [n, row_bytes] uint8, the engine's opaque rows
+    tokens: np.ndarray  # [T] int32: each entry's context (its last ``window`` tokens), flat
+    offsets: np.ndarray  # [n + 1] int64: entry i's context is tokens[offsets[i]:offsets[i + 1]]
+    n_out: np.ndarray  # [n] int32, drafts wanted (0..width)
+    rows: np.ndarray  # [n, row_bytes] uint8, the engine's opaque rows
     want_margin: bool
-    width: int                # k: the result's second dimension
+    width: int  # k: the result's second dimension
     # Where each context comes from, for drafters that keep state per slot across rounds
     # (a KV cache: remote_dspark.lm). A slot's stream is (session, slots[i], gens[i]): the
     # worker never reuses a session number, and bumps a slot's generation at every
@@ -69,22 +69,22 @@ class DraftBatch:
     # many tokens the stream has had (>= the context, its last ``window`` of them). None
     # when the batch was not built by a worker (benchmarks, tests): no state to reuse.
     session: int = 0
-    slots: np.ndarray | None = None     # [n] int64
-    gens: np.ndarray | None = None      # [n] int64
-    lengths: np.ndarray | None = None   # [n] int64
+    slots: np.ndarray | None = None  # [n] int64
+    gens: np.ndarray | None = None  # [n] int64
+    lengths: np.ndarray | None = None  # [n] int64
 
     def __len__(self) -> int:
         return len(self.n_out)
 
     def context(self, i: int) -> np.ndarray:
         """Entry i's context (the slow per-entry view: adapters and tests)."""
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
 
 @dataclass(frozen=True)
 class DraftResult:
-    tokens: np.ndarray                # [n, width] int32, zero past counts
-    counts: np.ndarray                # [n] int32, <= n_out
+    tokens: np.ndarray  # [n, width] int32, zero past counts
+    counts: np.ndarray  # [n] int32, <= n_out
     margins: np.ndarray | None = None  # [n, width] float32, zero past counts, when want_margin
 
 
@@ -113,11 +113,11 @@ class PerEntryDrafterLike(Protocol):
 class CacheInfo:
     """A drafter's per-slot state, for the worker's metrics (optional ``cache_info()``)."""
 
-    slots: int       # streams with cached state now
-    capacity: int    # the most streams it keeps (the least recently used is dropped beyond)
-    bytes: int       # memory the cache holds
-    hits: int        # entries drafted from cached state (monotonic)
-    misses: int      # entries that encoded their whole context (monotonic)
+    slots: int  # streams with cached state now
+    capacity: int  # the most streams it keeps (the least recently used is dropped beyond)
+    bytes: int  # memory the cache holds
+    hits: int  # entries drafted from cached state (monotonic)
+    misses: int  # entries that encoded their whole context (monotonic)
 
 
 def cache_info_of(drafter) -> CacheInfo | None:
@@ -142,8 +142,9 @@ def vocab_size_of(drafter) -> int:
 
 def empty_result(n: int, width: int, want_margin: bool) -> DraftResult:
     """No drafts for n entries (zeros of the right shapes)."""
-    return DraftResult(np.zeros((n, width), np.int32), np.zeros(n, np.int32),
-                       np.zeros((n, width), np.float32) if want_margin else None)
+    return DraftResult(
+        np.zeros((n, width), np.int32), np.zeros(n, np.int32), np.zeros((n, width), np.float32) if want_margin else None
+    )
 
 
 class PerEntryDrafter:
@@ -161,14 +162,14 @@ class PerEntryDrafter:
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
         out = empty_result(len(batch), batch.width, batch.want_margin)
         n_out = batch.n_out.tolist()
-        for i in range(len(batch)):          # the slow path: a loop over entries, by design
+        for i in range(len(batch)):  # the slow path: a loop over entries, by design
             tokens, margins = self.inner.draft(batch.context(i).tolist(), n_out[i], batch.rows[i].data)
-            tokens = list(tokens)[:n_out[i]]
-            out.tokens[i, :len(tokens)] = tokens
+            tokens = list(tokens)[: n_out[i]]
+            out.tokens[i, : len(tokens)] = tokens
             out.counts[i] = len(tokens)
             if out.margins is not None:
-                margins = list(margins)[:len(tokens)]
-                out.margins[i, :len(margins)] = margins
+                margins = list(margins)[: len(tokens)]
+                out.margins[i, : len(margins)] = margins
         return out
 
 
@@ -180,7 +181,7 @@ class MarkovDrafter:
         self.model = model
         self.markov_identity = model.identity
         self.drafter_identity = drafter_identity or default_drafter_identity(model)
-        self.vocab_size = model.vocab_size or None   # its largest token id + 1
+        self.vocab_size = model.vocab_size or None  # its largest token id + 1
 
     def draft(self, context, n_out, row):
         return self.model.draft(context, n_out)
@@ -221,8 +222,7 @@ def _defined_below(cls: type, name: str, other: str) -> bool:
     ``other`` (both looked up along the MRO)."""
     owner = next((c for c in cls.__mro__ if name in vars(c)), None)
     other_owner = next((c for c in cls.__mro__ if other in vars(c)), None)
-    return owner is not None and other_owner is not None and owner is not other_owner \
-        and issubclass(owner, other_owner)
+    return owner is not None and other_owner is not None and owner is not other_owner and issubclass(owner, other_owner)
 
 
 # Drafters built in by name (``--drafter NAME``). The model drafters are plug-ins like any
@@ -232,9 +232,16 @@ def _defined_below(cls: type, name: str, other: str) -> bool:
 MARKOV, LM = "markov", "lm"
 
 
-def load_drafter(spec: str | None, markov_path: str | None = None, identity: bytes | None = None, *,
-                 hf_model: str | None = None, lm_device: str | None = None, lm_cache_slots: int = 1024,
-                 window: int = 64) -> BatchedDrafter:
+def load_drafter(
+    spec: str | None,
+    markov_path: str | None = None,
+    identity: bytes | None = None,
+    *,
+    hf_model: str | None = None,
+    lm_device: str | None = None,
+    lm_cache_slots: int = 1024,
+    window: int = 64,
+) -> BatchedDrafter:
     """The drafter ``--drafter`` names: ``markov`` (the default: the ``--markov`` file,
     else the built-in model), ``lm`` (the built-in torch model, :mod:`remote_dspark.lm`,
     on ``lm_device`` with ``lm_cache_slots`` cached streams and rows sized for the

@@ -52,6 +52,7 @@ def _triton_kernel():
             r = tl.load(idx + row).to(tl.int64)
             v = tl.load(src + r * src_stride + offs, mask=mask)
             tl.store(dst + row * row_words + offs, v, mask=mask)
+
         _kernel = gather_rows
     return _kernel
 
@@ -96,8 +97,9 @@ def self_check(device="cuda", rows: int = 97, row_bytes: int = 1000) -> None:
                 torch_gather(src, index, a)
                 fused_gather(src, index, b)
                 if not torch.equal(a, b):
-                    raise RuntimeError(f"fused gather differs from the torch path for {name} rows of "
-                                       f"{per_row * elem} bytes, {n} rows")
+                    raise RuntimeError(
+                        f"fused gather differs from the torch path for {name} rows of {per_row * elem} bytes, {n} rows"
+                    )
 
 
 def choose(setting: bool | None, device: str):

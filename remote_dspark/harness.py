@@ -50,9 +50,15 @@ class DemoEngine:
     def batch(self) -> Batch:
         """This round's batch as an engine builds it: tensors over the slots' arrays."""
         a = self.sim.arrays()
-        return Batch(slots=torch.from_numpy(a.slots), tokens=torch.from_numpy(a.tokens),
-                     token_offsets=torch.from_numpy(a.offsets), positions=torch.from_numpy(a.positions),
-                     new_gen=torch.from_numpy(a.new_gen), rows=self.hidden, row_index=self.row_index)
+        return Batch(
+            slots=torch.from_numpy(a.slots),
+            tokens=torch.from_numpy(a.tokens),
+            token_offsets=torch.from_numpy(a.offsets),
+            positions=torch.from_numpy(a.positions),
+            new_gen=torch.from_numpy(a.new_gen),
+            rows=self.hidden,
+            row_index=self.row_index,
+        )
 
     def step(self) -> Drafts:
         batch = self.batch()
@@ -67,8 +73,9 @@ class DemoEngine:
             self.sim.reannounce(out.resync)
         before_acc, before_off = self.sim.accepted_at.copy(), self.sim.offered_at.copy()
         accepted = self.sim.verify(out.tokens.numpy(), out.counts.numpy())
-        self.rd.record_accepted((self.sim.accepted_at - before_acc).tolist(),
-                                (self.sim.offered_at - before_off).tolist())
+        self.rd.record_accepted(
+            (self.sim.accepted_at - before_acc).tolist(), (self.sim.offered_at - before_off).tolist()
+        )
         self.steps.append(StepRecord(seconds, out.outcome, accepted))
         return out
 
@@ -80,8 +87,13 @@ def worker_limits(max_slots: int, row_bytes: int) -> tuple[str, ...]:
     """``remote-dspark worker`` arguments that let an engine of ``max_slots`` slots and
     ``row_bytes`` rows in (the worker's own limits, at least their defaults)."""
     from .worker_limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS
-    return ("--max-slots", str(max(max_slots, DEFAULT_MAX_SLOTS)),
-            "--max-row-bytes", str(max(row_bytes, DEFAULT_MAX_ROW_BYTES)))
+
+    return (
+        "--max-slots",
+        str(max(max_slots, DEFAULT_MAX_SLOTS)),
+        "--max-row-bytes",
+        str(max(row_bytes, DEFAULT_MAX_ROW_BYTES)),
+    )
 
 
 class WorkerProcess:
@@ -97,7 +109,7 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self.identity = ""
         self.markov_identity = ""
-        self._lock = threading.RLock()   # a signal never reaches a worker that is starting
+        self._lock = threading.RLock()  # a signal never reaches a worker that is starting
         self.start()
 
     def start(self) -> None:
@@ -105,9 +117,23 @@ class WorkerProcess:
         # block it); its tail explains a failed start.
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "remote_dspark", "worker", "--listen", f"127.0.0.1:{self.port}", "--chaos",
-             "--late-ms", str(self.late_ms), *self.extra],
-            stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, text=True)
+            [
+                sys.executable,
+                "-m",
+                "remote_dspark",
+                "worker",
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--chaos",
+                "--late-ms",
+                str(self.late_ms),
+                *self.extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
         first = self._line()
         if not first.startswith("remote-dspark worker listening on tcp://"):
             self.log.seek(0)
@@ -128,8 +154,11 @@ class WorkerProcess:
     def env(self, **overrides: str) -> dict[str, str]:
         """An engine environment pointing at this worker."""
         env = dict(os.environ)
-        env.update(VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{self.port}", VLLM_DSPARK_REMOTE_IDENTITY=self.identity,
-                   VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=self.markov_identity)
+        env.update(
+            VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{self.port}",
+            VLLM_DSPARK_REMOTE_IDENTITY=self.identity,
+            VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=self.markov_identity,
+        )
         env.update(overrides)
         return env
 

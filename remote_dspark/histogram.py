@@ -19,8 +19,25 @@ from dataclasses import dataclass
 
 # Seconds, 50 us to 10 s: a worker's round is 0.1-1 ms for the Markov drafter on loopback,
 # tens of milliseconds for a neural one; a round past the engine's deadline still lands.
-WORKER_SECONDS_BOUNDS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
-                         1.0, 2.5, 5.0, 10.0)
+WORKER_SECONDS_BOUNDS = (
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ from .transport.tcp import TcpStream
 
 log = logging.getLogger("remote_dspark.link")
 
-CLOSE_JOIN_S = 0.2   # close(): how long it waits for a connector thread
+CLOSE_JOIN_S = 0.2  # close(): how long it waits for a connector thread
 
 
 @dataclass(frozen=True)
 class RoundResult:
     outcome: Outcome
-    event: RoundEvent              # AT_ONCE: not sent (no connection, or the breaker open)
+    event: RoundEvent  # AT_ONCE: not sent (no connection, or the breaker open)
     drafts: wire.Drafts | None = None
 
 
@@ -47,9 +47,19 @@ class RemoteLink:
     only while there is no client and the link is open.
     """
 
-    def __init__(self, endpoint: Endpoint, hello: wire.Hello, session: int, *, connect_timeout_ms: int,
-                 backoff_ms: int, backoff_max_ms: int, breaker: Breaker,
-                 environ: Mapping[str, str] | None = None, on_connect: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        hello: wire.Hello,
+        session: int,
+        *,
+        connect_timeout_ms: int,
+        backoff_ms: int,
+        backoff_max_ms: int,
+        breaker: Breaker,
+        environ: Mapping[str, str] | None = None,
+        on_connect: Callable[[], None] | None = None,
+    ):
         self.endpoint = endpoint
         self.hello = hello
         self.session = session
@@ -59,16 +69,16 @@ class RemoteLink:
         self.breaker = breaker
         self.environ = environ
         self.on_connect = on_connect
-        self.epoch = 0               # successful HELLOs so far
-        self.reconnects = 0          # successful HELLOs after the first
-        self.attempts = 0            # rounds that used the network
+        self.epoch = 0  # successful HELLOs so far
+        self.reconnects = 0  # successful HELLOs after the first
+        self.attempts = 0  # rounds that used the network
         self.last_error = ""
-        self._late_closed = 0        # late replies counted on connections now closed
+        self._late_closed = 0  # late replies counted on connections now closed
         self._client: DraftClient | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._connector: threading.Thread | None = None
-        self._connecting = False     # a connector thread owns the next connection (under _lock)
+        self._connecting = False  # a connector thread owns the next connection (under _lock)
         self._delay_ms = backoff_ms
 
     # ------------------------------------------------------------------ connection
@@ -80,8 +90,7 @@ class RemoteLink:
             Refused, TransportError, wire.ProtocolError: the first try failed; the
             caller decides (STRICT_START raises, otherwise :meth:`start_reconnecting`).
         """
-        client = DraftClient.connect(self.endpoint, self.hello, self.session, self.connect_timeout_s,
-                                     self.environ)
+        client = DraftClient.connect(self.endpoint, self.hello, self.session, self.connect_timeout_s, self.environ)
         self._install(client)
 
     def start_reconnecting(self) -> None:
@@ -96,9 +105,10 @@ class RemoteLink:
     def _reconnect_loop(self) -> None:
         while not self._closed.wait(self._delay_ms / 1000.0):
             try:
-                client = DraftClient.connect(self.endpoint, self.hello, self.session, self.connect_timeout_s,
-                                             self.environ)
-            except Exception as e:   # whatever it is, this thread must go on retrying
+                client = DraftClient.connect(
+                    self.endpoint, self.hello, self.session, self.connect_timeout_s, self.environ
+                )
+            except Exception as e:  # whatever it is, this thread must go on retrying
                 self._note_failure(f"reconnect to {self.endpoint} failed: {e}")
                 self._delay_ms = min(2 * self._delay_ms, self.backoff_max_ms)
                 continue
@@ -112,7 +122,7 @@ class RemoteLink:
 
     def _install(self, client: DraftClient) -> None:
         with self._lock:
-            closed = self._closed.is_set()   # closed while this connection was made
+            closed = self._closed.is_set()  # closed while this connection was made
             if closed:
                 self._connecting = False
         if closed:
@@ -165,14 +175,16 @@ class RemoteLink:
 
     # ------------------------------------------------------------------ rounds
 
-    def round_entries(self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int,
-                      deadline_ms: int) -> RoundResult:
+    def round_entries(
+        self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int, deadline_ms: int
+    ) -> RoundResult:
         """:meth:`round` for records (the slow convenience for tests and tools)."""
         frame = wire.encode_round_entries(round_id, self.session, deadline_ms, entries, rows, row_bytes)
         return self.round(round_id, (frame,), deadline_ms)
 
-    def round(self, round_id: int, parts: Sequence, deadline_ms: int,
-              check: Callable[[wire.Drafts], None] | None = None) -> RoundResult:
+    def round(
+        self, round_id: int, parts: Sequence, deadline_ms: int, check: Callable[[wire.Drafts], None] | None = None
+    ) -> RoundResult:
         """Send the ROUND frame ``parts`` (buffers, sent uncopied) and wait for its
         DRAFTS within ``deadline_ms``; never raises for a remote failure. No connection
         is an ERROR, unsent; the breaker hears every attempt's event.
@@ -215,7 +227,7 @@ class RemoteLink:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass   # already down
+                pass  # already down
 
     def close(self) -> None:
         """Say BYE and stop reconnecting. Idempotent."""

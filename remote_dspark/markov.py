@@ -61,7 +61,7 @@ _HEAD = struct.Struct("<4sHHHHI")
 
 @dataclass(frozen=True)
 class Next:
-    tokens: tuple[int, ...]   # most frequent first
+    tokens: tuple[int, ...]  # most frequent first
     counts: tuple[int, ...]
     total: int
 
@@ -82,7 +82,7 @@ class MarkovModel:
         self.table = table
         self._bytes = self._encode()
         self.identity = hashlib.sha256(self._bytes).digest()
-        self._arrays: _Arrays | None = None    # draft_batch's tables, built on first use
+        self._arrays: _Arrays | None = None  # draft_batch's tables, built on first use
         # The largest token id the model knows (contexts and next tokens) + 1: its
         # vocabulary as far as it can tell (0 for an empty model: unknown).
         self.vocab_size = max((max(ctx + nxt.tokens) for ctx, nxt in table.items()), default=-1) + 1
@@ -144,8 +144,10 @@ class MarkovModel:
             toks = tuple(t for t, c in zip(pairs[0::2], pairs[1::2]) if c > 0)
             cnts = tuple(c for c in pairs[1::2] if c > 0)
             if not cnts or total < sum(cnts):
-                raise ValueError(f"{name}: record {i} (context {tuple(ctx)}): counts {cnts} "
-                                 f"and total {total}: a context needs a next token and total >= counts")
+                raise ValueError(
+                    f"{name}: record {i} (context {tuple(ctx)}): counts {cnts} "
+                    f"and total {total}: a context needs a next token and total >= counts"
+                )
             table[tuple(ctx)] = Next(toks, cnts, total)
         model = cls(order, top, table)
         if model._bytes != bytes(data):
@@ -165,7 +167,7 @@ class MarkovModel:
 
     def draft(self, context: Sequence[int], n_out: int) -> tuple[list[int], list[float]]:
         """Up to ``n_out`` greedy tokens after ``context``, with top1-top2 margins."""
-        window = list(context[-self.order:])
+        window = list(context[-self.order :])
         tokens: list[int] = []
         margins: list[float] = []
         while len(tokens) < n_out and len(window) == self.order:
@@ -178,8 +180,9 @@ class MarkovModel:
             window = window[1:] + [nxt.tokens[0]]
         return tokens, margins
 
-    def draft_batch(self, tokens: np.ndarray, offsets: np.ndarray, n_out: np.ndarray,
-                    width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def draft_batch(
+        self, tokens: np.ndarray, offsets: np.ndarray, n_out: np.ndarray, width: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`draft` for n entries at once, with no loop over entries.
 
         Args:
@@ -200,15 +203,15 @@ class MarkovModel:
         offsets = np.asarray(offsets, dtype=np.int64)
         n_out = np.asarray(n_out)
         tokens = np.asarray(tokens)
-        if len(tokens) < k:        # every context is short; keep the gathers below in bounds
+        if len(tokens) < k:  # every context is short; keep the gathers below in bounds
             tokens = np.zeros(k, np.int32)
         ends = offsets[1:]
-        short = (ends - offsets[:-1]) < k               # too little context: no draft
+        short = (ends - offsets[:-1]) < k  # too little context: no draft
         # The last k tokens of each entry, one column each (a short entry's columns are
         # junk from its neighbours, never used: ``short`` marks it unseen).
         row = a.find([tokens[ends - (k - j)] for j in range(k)], short)
-        steps = np.empty((width, len(n_out)), np.int64)     # step-major: each step one row
-        for s in range(width):                          # one pass per draft step, all entries
+        steps = np.empty((width, len(n_out)), np.int64)  # step-major: each step one row
+        for s in range(width):  # one pass per draft step, all entries
             steps[s] = row
             row = a.succ[row]
         steps[np.arange(width)[:, None] >= n_out] = a.none
@@ -305,19 +308,19 @@ class _Arrays:
         self.none = len(ctx)
         self.order = ctx.shape[1]
         self.dense = None
-        self.first = self.margin = self.succ = None   # set by MarkovModel._build_arrays
+        self.first = self.margin = self.succ = None  # set by MarkovModel._build_arrays
         if self.none == 0:
             self.mode = "empty"
             return
         self.lo, hi = int(ctx.min()), int(ctx.max())
         self.radix = hi - self.lo + 1
-        if self.radix ** self.order < 1 << 63:
+        if self.radix**self.order < 1 << 63:
             self.mode = "radix"
             self.keys = self._radix_keys([ctx[:, j] for j in range(self.order)])[0]
             assert bool(np.all(self.keys[1:] > self.keys[:-1])), "Markov contexts not sorted"
-            if self.radix ** self.order <= DENSE_MAX:
+            if self.radix**self.order <= DENSE_MAX:
                 # One extra slot, at key radix**order, for contexts with unknown tokens.
-                self.dense = np.full(self.radix ** self.order + 1, self.none, np.int64)
+                self.dense = np.full(self.radix**self.order + 1, self.none, np.int64)
                 self.dense[self.keys] = np.arange(self.none)
         else:
             self.mode = "bytes"
@@ -330,7 +333,7 @@ class _Arrays:
         key = unknown = None
         for col in cols:
             d = np.subtract(col, self.lo, dtype=np.int64)
-            out = d.view(np.uint64) >= self.radix          # below lo wraps to huge
+            out = d.view(np.uint64) >= self.radix  # below lo wraps to huge
             unknown = out if unknown is None else unknown | out
             key = d if key is None else key * self.radix + d
         return key, unknown
@@ -395,6 +398,7 @@ def read_tokens(path: str) -> list[int]:
         except ValueError as e:
             raise ValueError(f"{path}: not whitespace-separated integers ({e})") from e
     if len(data) % 4:
-        raise ValueError(f"{path}: {len(data)} bytes is not a whole number of int32 tokens "
-                         "(use a .txt file for text tokens)")
+        raise ValueError(
+            f"{path}: {len(data)} bytes is not a whole number of int32 tokens (use a .txt file for text tokens)"
+        )
     return list(struct.unpack(f"<{len(data) // 4}i", data))

@@ -29,8 +29,12 @@ class Progress:
             self._last_draw = now
             bar = "#" * (self.width * done // self.total)
             end = "\n" if done == self.total else ""
-            print(f"\r{self.label} [{bar:<{self.width}}] {done}/{self.total} {note}", end=end,
-                  file=self.stream, flush=True)
+            print(
+                f"\r{self.label} [{bar:<{self.width}}] {done}/{self.total} {note}",
+                end=end,
+                file=self.stream,
+                flush=True,
+            )
         else:
             tenth = 10 * done // self.total
             if tenth != self._last_tenth:

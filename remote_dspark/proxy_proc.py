@@ -46,9 +46,10 @@ from .tcp_round import Served, TcpRounds
 
 log = logging.getLogger("remote_dspark.proxy")
 
-IDLE_TICK_S = 0.05     # how often an idle proxy beats and checks its parent and stop flag
+IDLE_TICK_S = 0.05  # how often an idle proxy beats and checks its parent and stop flag
 AT_ONCE_MAX = 1 << 20  # rounds answered target-only in one native call (bounded by the tick)
-EXIT_ATTACH = 3        # the region could not be attached (or the library loaded)
+EXIT_ATTACH = 3  # the region could not be attached (or the library loaded)
+
 
 class RegionBreaker:
     """The breaker, its state kept in the region's breaker block (the proxy is its only
@@ -57,8 +58,9 @@ class RegionBreaker:
     def __init__(self, cfg: RemoteConfig, header: shm.HeaderWords):
         self._header = header
         s = header.breaker()
-        self.breaker = Breaker(cfg.trip, cfg.cooldown,
-                               BreakerRecord(s.state, s.consecutive_failures, s.cooldown_left, s.trips, s.probes))
+        self.breaker = Breaker(
+            cfg.trip, cfg.cooldown, BreakerRecord(s.state, s.consecutive_failures, s.cooldown_left, s.trips, s.probes)
+        )
         self._written = s
 
     def flush(self) -> None:
@@ -73,23 +75,46 @@ class ProxyLoop:
     """One proxy over one region. ``run(should_stop)`` until ``should_stop()`` is true;
     it is checked at least every ``IDLE_TICK_S``."""
 
-    def __init__(self, region: shm.Region, lib: native.Native, cfg: RemoteConfig, *, engine_id: int,
-                 vocab_size: int = 0, environ: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        region: shm.Region,
+        lib: native.Native,
+        cfg: RemoteConfig,
+        *,
+        engine_id: int,
+        vocab_size: int = 0,
+        environ: Mapping[str, str] | None = None,
+    ):
         self.cfg = cfg
         # The session's terms (HELLO) are what every reply is held to, in C (hf_unpack).
-        self.end = ProxyEnd(region, lib, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us,
-                            vocab_size=vocab_size, want_margin=cfg.want_margin)
+        self.end = ProxyEnd(
+            region,
+            lib,
+            spin_us=cfg.async_spin_us,
+            nap_us=cfg.async_nap_us,
+            vocab_size=vocab_size,
+            want_margin=cfg.want_margin,
+        )
         self.session = self.end.header.session
         self.breaker = RegionBreaker(cfg, self.end.header)
         lay = region.layout
-        hello = cfg.hello(engine_id, max_slots=lay.max_slots, row_bytes=lay.row_bytes, num_spec=lay.num_spec,
-                          vocab_size=vocab_size)
-        self.link = RemoteLink(cfg.endpoint, hello, self.session, connect_timeout_ms=cfg.connect_timeout_ms,
-                               backoff_ms=cfg.backoff_ms, backoff_max_ms=cfg.backoff_max_ms,
-                               breaker=self.breaker.breaker, environ=environ, on_connect=self._connected)
+        hello = cfg.hello(
+            engine_id, max_slots=lay.max_slots, row_bytes=lay.row_bytes, num_spec=lay.num_spec, vocab_size=vocab_size
+        )
+        self.link = RemoteLink(
+            cfg.endpoint,
+            hello,
+            self.session,
+            connect_timeout_ms=cfg.connect_timeout_ms,
+            backoff_ms=cfg.backoff_ms,
+            backoff_max_ms=cfg.backoff_max_ms,
+            breaker=self.breaker.breaker,
+            environ=environ,
+            on_connect=self._connected,
+        )
         self.rounds = TcpRounds(self.end, session=self.session, default_deadline_ms=cfg.timeout_ms)
-        self._attached_epoch = 0      # the link epoch whose socket ``rounds`` holds (0: none)
-        self._allow: bool | None = None   # the breaker's word for the next round, once asked
+        self._attached_epoch = 0  # the link epoch whose socket ``rounds`` holds (0: none)
+        self._allow: bool | None = None  # the breaker's word for the next round, once asked
 
     def _connected(self) -> None:
         if self.link.epoch > 1:
@@ -100,9 +125,8 @@ class ProxyLoop:
         background (rounds meanwhile are answered at once, target-only)."""
         try:
             self.link.connect()
-        except Exception as e:   # refused, unreachable, no ofl library: keep serving
-            log.warning("proxy: first connection to %s failed (%s); retrying with back-off",
-                        self.cfg.endpoint, e)
+        except Exception as e:  # refused, unreachable, no ofl library: keep serving
+            log.warning("proxy: first connection to %s failed (%s); retrying with back-off", self.cfg.endpoint, e)
             self.link.start_reconnecting()
 
     def run(self, should_stop: Callable[[], bool]) -> None:
@@ -119,12 +143,12 @@ class ProxyLoop:
     def step(self, timeout_s: float) -> None:
         """Beat, wait up to ``timeout_s`` for the next round and answer it."""
         sock = self.link.tcp_socket()
-        if sock is None and self.link.connected:   # a transport of its own (ofl)
+        if sock is None and self.link.connected:  # a transport of its own (ofl)
             rnd = self.end.next_round(timeout_s)
             if rnd is not None:
                 self.serve(rnd)
             return
-        epoch = 0 if sock is None else self.link.epoch   # the connection the call will use
+        epoch = 0 if sock is None else self.link.epoch  # the connection the call will use
         if epoch != self._attached_epoch:
             if sock is None:
                 self.rounds.detach()
@@ -137,9 +161,12 @@ class ProxyLoop:
             self._allow = self.breaker.breaker.allow()
         # With no connection every round is answered at once (target-only) and counted in
         # C: the call answers them all until the idle tick, for the reconnect to be seen.
-        served = self.rounds.serve(timeout_s, send=bool(self._allow) and sock is not None,
-                                   at_once=Outcome.ERROR if sock is None else Outcome.BREAKER_SKIP,
-                                   at_once_max=AT_ONCE_MAX if sock is None else 1)
+        served = self.rounds.serve(
+            timeout_s,
+            send=bool(self._allow) and sock is not None,
+            at_once=Outcome.ERROR if sock is None else Outcome.BREAKER_SKIP,
+            at_once_max=AT_ONCE_MAX if sock is None else 1,
+        )
         if served is None:
             return
         if sock is not None and served.event is not RoundEvent.BAD_DESC:
@@ -152,7 +179,7 @@ class ProxyLoop:
         if s.sent:
             self.link.attempts += 1
             self.end.counters.add("attempts")
-        if s.late:   # replies to rounds this proxy had given up on
+        if s.late:  # replies to rounds this proxy had given up on
             self.end.counters.add("rounds_late", s.late)
         self.breaker.breaker.observe(ev)
         if ev in DROPS_CONNECTION:
@@ -182,7 +209,7 @@ class ProxyLoop:
         result = self.link.round(rnd.round, parts, deadline_ms, lambda d: self.end.check_reply(rnd, d))
         if self.link.attempts != attempts:
             self.end.counters.add("attempts")
-        if self.link.late != late:   # replies to rounds this proxy had given up on
+        if self.link.late != late:  # replies to rounds this proxy had given up on
             self.end.counters.add("rounds_late", self.link.late - late)
         self.breaker.flush()
         try:
@@ -202,7 +229,7 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(0)
 
 
-HANDOVER_CAP = 1 << 20   # the engine's hand-over document: its configuration, id, vocabulary (bytes)
+HANDOVER_CAP = 1 << 20  # the engine's hand-over document: its configuration, id, vocabulary (bytes)
 
 
 class Handover(NamedTuple):
@@ -210,7 +237,7 @@ class Handover(NamedTuple):
 
     cfg: RemoteConfig
     engine_id: int
-    vocab_size: int          # the engine's vocabulary, for HELLO and the reply checks; 0: unknown
+    vocab_size: int  # the engine's vocabulary, for HELLO and the reply checks; 0: unknown
 
 
 def read_handover(fd: int) -> Handover:
@@ -239,16 +266,25 @@ def read_handover(fd: int) -> Handover:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m remote_dspark.proxy_proc",
-                                description="The remote drafter's proxy process, spawned by the engine's "
-                                            "supervisor: the region's fd, and a pipe holding the engine's "
-                                            "configuration, id and vocabulary size.")
+    p = argparse.ArgumentParser(
+        prog="python -m remote_dspark.proxy_proc",
+        description="The remote drafter's proxy process, spawned by the engine's "
+        "supervisor: the region's fd, and a pipe holding the engine's "
+        "configuration, id and vocabulary size.",
+    )
     p.add_argument("--fd", type=int, required=True, help="the region's memfd, inherited")
-    p.add_argument("--handover", type=int, required=True,
-                   help="a pipe's read end, inherited: the engine's configuration, id and vocabulary size (JSON)")
+    p.add_argument(
+        "--handover",
+        type=int,
+        required=True,
+        help="a pipe's read end, inherited: the engine's configuration, id and vocabulary size (JSON)",
+    )
     p.add_argument("--parent", type=int, required=True, help="the engine's pid")
-    p.add_argument("--standby", action="store_true",
-                   help="start as the warm standby: ready, asleep, until the supervisor promotes it")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="start as the warm standby: ready, asleep, until the supervisor promotes it",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s proxy[{os.getpid()}] %(levelname)s %(message)s")
     _die_with_parent(args.parent)
@@ -257,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     # first handler holds it, deadlocks the proxy until its SIGKILL.)
     stopping = [False]
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__(0, True))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the engine's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     try:
         handover = read_handover(args.handover)
         lib = native.load()
@@ -265,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, native.NativeError) as e:
         print(f"proxy: cannot start: {e}", file=sys.stderr)
         return EXIT_ATTACH
+
     def should_stop() -> bool:
         return stopping[0] or os.getppid() != args.parent
+
     if args.standby and not wait_for_promotion(region, lib, should_stop):
         return 0
     loop = ProxyLoop(region, lib, handover.cfg, engine_id=handover.engine_id, vocab_size=handover.vocab_size)

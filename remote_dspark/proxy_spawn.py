@@ -63,8 +63,7 @@ def handover_pipe(cfg, engine_id: int, vocab_size: int = 0) -> int:
     Raises:
         OSError: no pipe, or a document too large for one.
     """
-    doc = json.dumps({"engine_id": engine_id, "vocab_size": vocab_size,
-                      "config": json.loads(cfg.to_json())}).encode()
+    doc = json.dumps({"engine_id": engine_id, "vocab_size": vocab_size, "config": json.loads(cfg.to_json())}).encode()
     if len(doc) >= 65536:
         raise OSError(f"the proxy's hand-over document is {len(doc)} bytes, over a pipe's buffer")
     r, w = os.pipe()
@@ -78,8 +77,9 @@ def handover_pipe(cfg, engine_id: int, vocab_size: int = 0) -> int:
     return r
 
 
-def spawn_proxy(fd: int, *, cfg, engine_id: int, env: Mapping[str, str], vocab_size: int = 0,
-                standby: bool = False) -> subprocess.Popen:
+def spawn_proxy(
+    fd: int, *, cfg, engine_id: int, env: Mapping[str, str], vocab_size: int = 0, standby: bool = False
+) -> subprocess.Popen:
     """Start the proxy (``remote_dspark.proxy_proc``) in an isolated interpreter, working
     directory ``/``, with the region's fd and the hand-over pipe (``handover_pipe``):
     neither the configuration nor the engine id is on its command line or re-parsed from
@@ -92,9 +92,27 @@ def spawn_proxy(fd: int, *, cfg, engine_id: int, env: Mapping[str, str], vocab_s
     r = handover_pipe(cfg, engine_id, vocab_size)
     try:
         return subprocess.Popen(
-            [sys.executable, "-I", "-u", "-c", _BOOTSTRAP, PACKAGE_ROOT, "--fd", str(fd), "--handover", str(r),
-             "--parent", str(os.getpid()), *(["--standby"] if standby else [])],
-            pass_fds=(fd, r), env=dict(env), cwd="/", stdin=subprocess.DEVNULL, close_fds=True)
+            [
+                sys.executable,
+                "-I",
+                "-u",
+                "-c",
+                _BOOTSTRAP,
+                PACKAGE_ROOT,
+                "--fd",
+                str(fd),
+                "--handover",
+                str(r),
+                "--parent",
+                str(os.getpid()),
+                *(["--standby"] if standby else []),
+            ],
+            pass_fds=(fd, r),
+            env=dict(env),
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
     finally:
         os.close(r)
 

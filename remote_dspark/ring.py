@@ -46,8 +46,6 @@ MASK = 0xFFFFFFFF
 PUBLISH_TIMEOUT_NS = 1_000_000_000  # how long a claimer waits for the previous one
 
 
-
-
 class RingFull(TimeoutError):
     """``depth`` rounds are in flight and none was released in time."""
 
@@ -56,13 +54,20 @@ def geometry(region: shm.Region) -> native.RingGeom:
     """The native library's view of ``region``'s words and drafts slots."""
     lay = region.layout
     return native.RingGeom(
-        gathered=region.addr(lay.gathered), released=region.addr(lay.released),
-        claim=region.addr(lay.claim), gathered_ns=region.addr(lay.gathered_ns(0)),
-        drafts=region.addr(lay.drafts(0)), drafts_stride=lay.drafts_stride, depth=lay.depth,
-        d_round=shm.D_ROUND, d_status=shm.D_STATUS, d_zero=shm.D_N,
+        gathered=region.addr(lay.gathered),
+        released=region.addr(lay.released),
+        claim=region.addr(lay.claim),
+        gathered_ns=region.addr(lay.gathered_ns(0)),
+        drafts=region.addr(lay.drafts(0)),
+        drafts_stride=lay.drafts_stride,
+        depth=lay.depth,
+        d_round=shm.D_ROUND,
+        d_status=shm.D_STATUS,
+        d_zero=shm.D_N,
         # An empty answer clears the tokens too, so the engine can copy a slot's tokens
         # block as it is whatever answered it (an OK answer is zero past each count).
-        zero_bytes=lay.d_tokens + 4 * lay.max_slots * lay.num_spec - shm.D_N)
+        zero_bytes=lay.d_tokens + 4 * lay.max_slots * lay.num_spec - shm.D_N,
+    )
 
 
 class RingEnd:
@@ -89,7 +94,6 @@ class RingEnd:
         return self._lib.load32(self._claim)
 
 
-
 # --------------------------------------------------------------------------- engine
 
 
@@ -99,9 +103,9 @@ class RoundDrafts:
 
     round: int
     outcome: Outcome
-    counts: tuple[int, ...]                 # per entry; () for an empty answer
-    statuses: tuple[int, ...]               # per entry: wire.STATUS_OK / STATUS_RESYNC
-    tokens: tuple[tuple[int, ...], ...]     # per entry, counts[i] tokens
+    counts: tuple[int, ...]  # per entry; () for an empty answer
+    statuses: tuple[int, ...]  # per entry: wire.STATUS_OK / STATUS_RESYNC
+    tokens: tuple[tuple[int, ...], ...]  # per entry, counts[i] tokens
     margins: tuple[tuple[float, ...], ...] | None
 
 
@@ -110,11 +114,9 @@ class Watchdog:
 
     _handle = None
 
-    def __init__(self, lib: native.Native, geom: native.RingGeom, counter_addr: int,
-                 limit_ns: int, poll_ns: int):
+    def __init__(self, lib: native.Native, geom: native.RingGeom, counter_addr: int, limit_ns: int, poll_ns: int):
         self._lib = lib
-        handle = lib.watchdog_start(ctypes.byref(geom), counter_addr, Outcome.WATCHDOG,
-                                    limit_ns, poll_ns)
+        handle = lib.watchdog_start(ctypes.byref(geom), counter_addr, Outcome.WATCHDOG, limit_ns, poll_ns)
         if not handle:
             err = ctypes.get_errno()
             raise OSError(err, f"cannot start the watchdog thread: {os.strerror(err)}")
@@ -185,14 +187,16 @@ class EngineEnd(RingEnd):
         """
         r = seq_add(self._last, 1)
         if seq_geq(self.released(), seq_add(r, -self.layout.depth)):
-            self._last = r    # room now: no wait, and the GIL is never handed to another thread
+            self._last = r  # room now: no wait, and the GIL is never handed to another thread
             return r
-        rc = self._lib.wait_geq(self._released, seq_add(r, -self.layout.depth), spin_us,
-                                nap_us, native.deadline_ns(timeout_s))
+        rc = self._lib.wait_geq(
+            self._released, seq_add(r, -self.layout.depth), spin_us, nap_us, native.deadline_ns(timeout_s)
+        )
         if check(rc, "reserve a round") is Status.TIMEOUT:
             self.counters.add("ring_full")
-            raise RingFull(f"round {r}: {self.layout.depth} rounds in flight, released is "
-                           f"{self.released()} after {timeout_s}s")
+            raise RingFull(
+                f"round {r}: {self.layout.depth} rounds in flight, released is {self.released()} after {timeout_s}s"
+            )
         self._last = r
         return r
 
@@ -219,12 +223,11 @@ class EngineEnd(RingEnd):
         if any(e.n_out > lay.num_spec for e in entries):
             raise ValueError(f"round {round_id}: an n_out over num_spec={lay.num_spec}")
         # Encoded without rows (they go to the staging slot), then given the layout's row size.
-        payload = bytearray(wire.encode_round_entries(round_id, 0, deadline_ms, entries, b"", 0)
-                            [wire.HEADER.size:])
+        payload = bytearray(wire.encode_round_entries(round_id, 0, deadline_ms, entries, b"", 0)[wire.HEADER.size :])
         struct.pack_into("<I", payload, 8, lay.row_bytes)
         with self.region.descriptor(round_id & self._mask) as d:
             struct.pack_into("<I", d, shm.DESC_ROUND, round_id)
-            d[shm.DESC_FIXED:shm.DESC_FIXED + len(payload)] = payload
+            d[shm.DESC_FIXED : shm.DESC_FIXED + len(payload)] = payload
 
     def staging(self, round_id: int) -> memoryview:
         """The staging rows of ``round_id``'s depth slot (max_slots x row_bytes)."""
@@ -242,28 +245,36 @@ class EngineEnd(RingEnd):
         with self.region.drafts(round_id & self._mask) as d:
             rnd, status, n, flags = shm.DRAFTS_HEAD.unpack_from(d, 0)
             if rnd != round_id:
-                raise RuntimeError(f"drafts slot {round_id & self._mask} holds round {rnd}, "
-                                   f"expected {round_id}: read after the slot was reused")
+                raise RuntimeError(
+                    f"drafts slot {round_id & self._mask} holds round {rnd}, "
+                    f"expected {round_id}: read after the slot was reused"
+                )
             counts = struct.unpack_from(f"<{n}i", d, shm.D_COUNTS)
             statuses = struct.unpack_from(f"<{n}i", d, lay.d_entry_status)
             toks = struct.unpack_from(f"<{n * K}i", d, lay.d_tokens)
-            marg = (struct.unpack_from(f"<{n * K}f", d, lay.d_margins)
-                    if flags & shm.DRAFTS_MARGINS else None)
+            marg = struct.unpack_from(f"<{n * K}f", d, lay.d_margins) if flags & shm.DRAFTS_MARGINS else None
         rows = range(n)
         return RoundDrafts(
-            round_id, Outcome(status), counts, statuses,
-            tuple(toks[i * K:i * K + counts[i]] for i in rows),
-            None if marg is None else tuple(marg[i * K:i * K + counts[i]] for i in rows))
+            round_id,
+            Outcome(status),
+            counts,
+            statuses,
+            tuple(toks[i * K : i * K + counts[i]] for i in rows),
+            None if marg is None else tuple(marg[i * K : i * K + counts[i]] for i in rows),
+        )
 
     def release_no_proxy(self, round_id: int) -> bool:
         """Answer ``round_id`` empty (NO_PROXY) and release it, when no proxy is up.
         False when somebody else answered it first."""
-        rc = self._lib.release_empty(self._geom_ref, round_id, Outcome.NO_PROXY,
-                                     native.deadline_ns(PUBLISH_TIMEOUT_NS / 1e9))
+        rc = self._lib.release_empty(
+            self._geom_ref, round_id, Outcome.NO_PROXY, native.deadline_ns(PUBLISH_TIMEOUT_NS / 1e9)
+        )
         status = check(rc, f"release round {round_id} (no proxy)")
         if status is Status.TIMEOUT:
-            raise RuntimeError(f"round {seq_add(round_id, -1)}'s claimer never released it; "
-                               "call release_orphans once that proxy is known dead")
+            raise RuntimeError(
+                f"round {seq_add(round_id, -1)}'s claimer never released it; "
+                "call release_orphans once that proxy is known dead"
+            )
         if status is Status.OK:
             self.counters.add("no_proxy_rounds")
         return status is Status.OK
@@ -282,8 +293,10 @@ class EngineEnd(RingEnd):
         while not seq_geq(rel, claim):
             r = seq_add(rel, 1)
             self._lib.zero_drafts(self._geom_ref, r, Outcome.ORPHAN)
-            if check(self._lib.publish(self._released, r, native.deadline_ns(1.0)),
-                     f"release orphaned round {r}") is not Status.OK:
+            if (
+                check(self._lib.publish(self._released, r, native.deadline_ns(1.0)), f"release orphaned round {r}")
+                is not Status.OK
+            ):
                 raise RuntimeError(f"round {r}: released word stuck at {self.released()}")
             rel, n = r, n + 1
         if n:

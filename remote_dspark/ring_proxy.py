@@ -12,8 +12,13 @@ from .native import Status, check
 from .outcome import Outcome, RoundEvent
 from .ring import PUBLISH_TIMEOUT_NS, RingEnd, seq_add, seq_geq
 
-_PROXY_COUNTER = {Outcome.OK: "rounds_ok", Outcome.TIMEOUT: "rounds_timeout",
-                  Outcome.ERROR: "rounds_error", Outcome.BREAKER_SKIP: "rounds_breaker_skip"}
+_PROXY_COUNTER = {
+    Outcome.OK: "rounds_ok",
+    Outcome.TIMEOUT: "rounds_timeout",
+    Outcome.ERROR: "rounds_error",
+    Outcome.BREAKER_SKIP: "rounds_breaker_skip",
+}
+
 
 class ProxyRound:
     """A round the proxy took from the ring. Its views are the region's own bytes."""
@@ -49,8 +54,7 @@ class ProxyRound:
         """
         _, n, row_bytes, n_tokens = fields if fields is not None else self.fields()
         region, lay = self._end.region, self._end.layout
-        block = region.view(lay.desc(self.index) + shm.DESC_FIXED,
-                            wire.round_meta_bytes(n) + 4 * n_tokens)
+        block = region.view(lay.desc(self.index) + shm.DESC_FIXED, wire.round_meta_bytes(n) + 4 * n_tokens)
         rows = region.view(lay.staging(self.index), n * row_bytes)
         return [wire.encode_header(wire.ROUND, len(block) + len(rows), session, self.round), block, rows]
 
@@ -88,8 +92,17 @@ class ProxyEnd(RingEnd):
     by ``next_round`` or had been claimed by someone else when the proxy reached it.
     """
 
-    def __init__(self, region: shm.Region, lib: native.Native, *, spin_us: int = 1000,
-                 nap_us: int = 0, pid: int | None = None, vocab_size: int = 0, want_margin: bool = False):
+    def __init__(
+        self,
+        region: shm.Region,
+        lib: native.Native,
+        *,
+        spin_us: int = 1000,
+        nap_us: int = 0,
+        pid: int | None = None,
+        vocab_size: int = 0,
+        want_margin: bool = False,
+    ):
         super().__init__(region, lib)
         lay = self.layout
         self.counters = region.proxy_counters(lib)
@@ -101,21 +114,35 @@ class ProxyEnd(RingEnd):
         self._image = (ctypes.c_char * lay.drafts_stride)()
         self._image_addr = ctypes.addressof(self._image)
         self._state = native.ProxyState(
-            ring=self._geom, heartbeat=region.addr(shm.OFF_HEARTBEAT),
+            ring=self._geom,
+            heartbeat=region.addr(shm.OFF_HEARTBEAT),
             counters=self.counters.base,
-            bounds=ctypes.addressof(self._bounds), seen_ns=ctypes.addressof(self._seen),
+            bounds=ctypes.addressof(self._bounds),
+            seen_ns=ctypes.addressof(self._seen),
             stamps=ctypes.addressof(self._stamps),
-            publish_timeout_ns=PUBLISH_TIMEOUT_NS, n_bounds=len(shm.LATENCY_BOUNDS_NS),
-            next=seq_add(self.claimed(), 1), spin_us=spin_us, nap_us=nap_us,
+            publish_timeout_ns=PUBLISH_TIMEOUT_NS,
+            n_bounds=len(shm.LATENCY_BOUNDS_NS),
+            next=seq_add(self.claimed(), 1),
+            spin_us=spin_us,
+            nap_us=nap_us,
             c_outcome=(ctypes.c_uint32 * 4)(*(offs[_PROXY_COUNTER[o]] // 8 for o in sorted(_PROXY_COUNTER))),
-            c_late=offs["rounds_late"] // 8, c_drafts=offs["drafts"] // 8,
-            c_draft_tokens=offs["draft_tokens"] // 8, h_round=offs["round_latency"] // 8,
-            h_handoff=offs["handoff_latency"] // 8, d_counts=shm.D_COUNTS,
-            d_entry_status=lay.d_entry_status, d_tokens=lay.d_tokens, d_margins=lay.d_margins,
-            num_spec=lay.num_spec, max_slots=lay.max_slots, c_bad_desc=offs["rounds_bad_desc"] // 8,
-            vocab_size=vocab_size, want_margin=int(want_margin),
+            c_late=offs["rounds_late"] // 8,
+            c_drafts=offs["drafts"] // 8,
+            c_draft_tokens=offs["draft_tokens"] // 8,
+            h_round=offs["round_latency"] // 8,
+            h_handoff=offs["handoff_latency"] // 8,
+            d_counts=shm.D_COUNTS,
+            d_entry_status=lay.d_entry_status,
+            d_tokens=lay.d_tokens,
+            d_margins=lay.d_margins,
+            num_spec=lay.num_spec,
+            max_slots=lay.max_slots,
+            c_bad_desc=offs["rounds_bad_desc"] // 8,
+            vocab_size=vocab_size,
+            want_margin=int(want_margin),
             # With nap_us 0 an idle proxy sleeps on the engine's ``published`` word.
-            wake=region.addr(lay.wake))
+            wake=region.addr(lay.wake),
+        )
         self._state_addr = ctypes.addressof(self._state)
         # This end's own link, for the checks of a round sent by Python (ofl): its receive
         # buffer grows to the largest DRAFTS payload seen.
@@ -123,7 +150,7 @@ class ProxyEnd(RingEnd):
         self._rx_view = memoryview(self._rx).cast("B")
         self._link = self.new_link(0, 0)
         self._link_addr = ctypes.addressof(self._link)
-        self._checked: wire.Drafts | None = None   # the drafts check_reply left in the image
+        self._checked: wire.Drafts | None = None  # the drafts check_reply left in the image
         self.header.set_proxy_pid(os.getpid() if pid is None else pid)
 
     @property
@@ -145,17 +172,26 @@ class ProxyEnd(RingEnd):
         """The address of the private drafts image ``hf_answer`` copies from."""
         return self._image_addr
 
-    def new_link(self, rx: int, rx_cap: int, *, session: int = 0,
-                 default_deadline_ms: int = 0) -> native.LinkState:
+    def new_link(self, rx: int, rx_cap: int, *, session: int = 0, default_deadline_ms: int = 0) -> native.LinkState:
         """A ``struct hf_link`` over this end's region (descriptors, staging, the drafts
         image) with the receive buffer ``rx`` of ``rx_cap`` bytes; no connection yet."""
         lay, region = self.layout, self.region
         return native.LinkState(
-            desc=region.addr(lay.desc(0)), staging=region.addr(lay.staging(0)), image=self._image_addr,
-            rx=rx, desc_stride=lay.desc_stride, staging_stride=lay.staging_stride, session=session,
-            row_bytes=lay.row_bytes, max_tokens=lay.max_tokens, rx_cap=rx_cap,
-            max_entries=wire.MAX_ENTRIES, max_n_out=wire.MAX_N_OUT,
-            default_deadline_ms=default_deadline_ms, fd=-1)
+            desc=region.addr(lay.desc(0)),
+            staging=region.addr(lay.staging(0)),
+            image=self._image_addr,
+            rx=rx,
+            desc_stride=lay.desc_stride,
+            staging_stride=lay.staging_stride,
+            session=session,
+            row_bytes=lay.row_bytes,
+            max_tokens=lay.max_tokens,
+            rx_cap=rx_cap,
+            max_entries=wire.MAX_ENTRIES,
+            max_n_out=wire.MAX_N_OUT,
+            default_deadline_ms=default_deadline_ms,
+            fd=-1,
+        )
 
     def check_descriptor(self, round_id: int) -> None:
         """Check ``round_id``'s descriptor as ``hf_round`` does before sending it.
@@ -172,12 +208,11 @@ class ProxyEnd(RingEnd):
         never sent."""
         r = self._lib.take(self._state_addr, int(timeout_s * 1e9) if timeout_s > 0 else 0)
         if r < 0:
-            check(-r, "take a round")   # TIMEOUT: the wait has no other failure
+            check(-r, "take a round")  # TIMEOUT: the wait has no other failure
             return None
         return ProxyRound(self, r, r & self._mask)
 
-    def complete(self, rnd: ProxyRound, drafts: wire.Drafts | None = None,
-                 outcome: Outcome = Outcome.OK) -> bool:
+    def complete(self, rnd: ProxyRound, drafts: wire.Drafts | None = None, outcome: Outcome = Outcome.OK) -> bool:
         """Answer ``rnd`` and release it: ``drafts`` with OK, or empty (``drafts`` None,
         or any failure outcome); counted in the proxy's block. True when released; False
         when another claimer (the watchdog) answered it first: the answer is dropped and
@@ -203,9 +238,11 @@ class ProxyEnd(RingEnd):
             return True
         status = check(rc, f"answer round {r}")
         if status is Status.TIMEOUT:
-            raise RuntimeError(f"round {r} is claimed but round {seq_add(r, -1)}'s claimer did "
-                               "not release it; the engine must release_orphans")
-        return False   # LATE, counted
+            raise RuntimeError(
+                f"round {r} is claimed but round {seq_add(r, -1)}'s claimer did "
+                "not release it; the engine must release_orphans"
+            )
+        return False  # LATE, counted
 
     def check_reply(self, rnd: ProxyRound, d: wire.Drafts) -> None:
         """Hold ``d`` to ``hf_round``'s rules for ``rnd`` (``hf_unpack``) before the round
@@ -224,11 +261,11 @@ class ProxyEnd(RingEnd):
         try:
             self._pack_checked(rnd, d)
         except _Refused as e:
-            if rnd.pending():   # nobody claimed it, so its descriptor is intact: a bad reply
+            if rnd.pending():  # nobody claimed it, so its descriptor is intact: a bad reply
                 error = wire.BadReply if e.event == RoundEvent.BAD_REPLY else wire.ProtocolError
                 raise error(str(e)) from None
             return
-        self._checked = d   # the image holds d now: complete() need not unpack it again
+        self._checked = d  # the image holds d now: complete() need not unpack it again
 
     def _pack(self, rnd: ProxyRound, d: wire.Drafts) -> bool:
         """Write ``d`` into the private drafts image, validated against the round; False
@@ -246,7 +283,7 @@ class ProxyEnd(RingEnd):
         try:
             self._pack_checked(rnd, d)
         except ValueError:
-            if rnd.pending():   # nobody claimed it, so its descriptor is intact: a bad reply
+            if rnd.pending():  # nobody claimed it, so its descriptor is intact: a bad reply
                 raise
             return False
         return True
@@ -260,7 +297,7 @@ class ProxyEnd(RingEnd):
         """
         if d.round_id != rnd.round:
             raise _Refused(RoundEvent.PROTOCOL, f"drafts for round {d.round_id}, expected {rnd.round}")
-        event, why = self.unpack(rnd.round, memoryview(wire.encode_drafts(d, 0))[wire.HEADER.size:])
+        event, why = self.unpack(rnd.round, memoryview(wire.encode_drafts(d, 0))[wire.HEADER.size :])
         if event != RoundEvent.OK:
             raise _Refused(event, f"round {rnd.round}: {why}")
 
@@ -272,12 +309,12 @@ class ProxyEnd(RingEnd):
         BAD_REPLY, BAD_DESC) and why ("" when OK). The binding of the C reply check that
         the tests hold to its Python twin, ``engine.reply.check_reply``."""
         payload = memoryview(payload).cast("B")
-        if len(payload) > len(self._rx):   # the receive buffer grows to the largest payload seen
+        if len(payload) > len(self._rx):  # the receive buffer grows to the largest payload seen
             self._rx_view.release()
             self._rx = (ctypes.c_char * len(payload))()
             self._rx_view = memoryview(self._rx).cast("B")
             self._link.rx, self._link.rx_cap = ctypes.addressof(self._rx), len(payload)
-        self._rx_view[:len(payload)] = payload
+        self._rx_view[: len(payload)] = payload
         event = RoundEvent(self._lib.unpack(self._state_addr, self._link_addr, round_id, len(payload)))
         return event, "" if event == RoundEvent.OK else self._link.why.decode(errors="replace")
 

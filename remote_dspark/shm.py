@@ -79,7 +79,7 @@ class Region:
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
             self._map(self._fd, layout)
             self._prefault()
-            self._mm[0:HEADER.size] = layout.header_bytes()
+            self._mm[0 : HEADER.size] = layout.header_bytes()
             struct.pack_into("<I", self._mm, OFF_ENGINE_PID, os.getpid())
         except BaseException:
             self.close()
@@ -99,7 +99,7 @@ class Region:
         try:
             layout = _check_file(fd)
             self._map(fd, layout)
-            if self._mm[0:HEADER.size] != layout.header_bytes():
+            if self._mm[0 : HEADER.size] != layout.header_bytes():
                 raise ValueError(f"region fd {fd}: header changed while attaching")
         except BaseException:
             self.close()
@@ -110,8 +110,7 @@ class Region:
 
     def _map(self, fd: int, layout: Layout) -> None:
         self.layout = layout
-        self._mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED,
-                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mm = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._buf = memoryview(self._mm)
         # The address only: the ctypes object (an export of the mapping) dies at once.
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
@@ -143,7 +142,7 @@ class Region:
         before ``close``."""
         if self._buf is None:
             raise ValueError("region is closed")
-        return self._buf[offset:offset + size]
+        return self._buf[offset : offset + size]
 
     def descriptor(self, index: int) -> memoryview:
         return self.view(self.layout.desc(index), self.layout.desc_stride)
@@ -184,8 +183,7 @@ class Region:
             try:
                 self._mm.close()
             except BufferError as e:
-                raise BufferError("Region.close(): views of the region are still alive; "
-                                  "release them first") from e
+                raise BufferError("Region.close(): views of the region are still alive; release them first") from e
             self._mm = None
             self.base = 0
         if self._fd >= 0:
@@ -215,8 +213,7 @@ def _check_file(fd: int) -> Layout:
     if magic != MAGIC:
         raise ValueError(f"region fd {fd}: magic {magic!r}, expected {MAGIC!r}")
     if version != LAYOUT_VERSION:
-        raise ValueError(f"region fd {fd}: layout version {version}, this side reads "
-                         f"version {LAYOUT_VERSION}")
+        raise ValueError(f"region fd {fd}: layout version {version}, this side reads version {LAYOUT_VERSION}")
     if page != mmap.PAGESIZE:
         raise ValueError(f"region fd {fd}: page size {page}, this process has {mmap.PAGESIZE}")
     try:
@@ -226,8 +223,7 @@ def _check_file(fd: int) -> Layout:
     if total != layout.size:
         raise ValueError(f"region fd {fd}: header total_size {total}, its sizes need {layout.size}")
     if size != layout.size:
-        raise ValueError(f"region fd {fd}: file size {size} bytes, its header's layout "
-                         f"needs {layout.size}")
+        raise ValueError(f"region fd {fd}: file size {size} bytes, its header's layout needs {layout.size}")
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if seals & SEALS != SEALS:
         raise ValueError(f"region fd {fd}: seals {seals:#x}, expected shrink, grow and seal")

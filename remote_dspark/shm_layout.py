@@ -124,10 +124,10 @@ OFF_BREAKER = 0x180
 W_GATHERED = 0x000
 W_RELEASED = 0x080
 W_CLAIM = 0x100
-W_GATHERED_NS = 0x180       # up to 0x180 + 8 x MAX_DEPTH = 0x380
+W_GATHERED_NS = 0x180  # up to 0x180 + 8 x MAX_DEPTH = 0x380
 W_PROBE = 0x400
 W_PROBE_ACK = 0x480
-W_WAKE = 0x500              # [published, sleeping] (hostflag.c, "sleeping when idle")
+W_WAKE = 0x500  # [published, sleeping] (hostflag.c, "sleeping when idle")
 W_STANDBY_GO = 0x580
 W_STANDBY_PID = 0x584
 
@@ -143,9 +143,26 @@ DRAFTS_MARGINS = 1
 
 # Histogram bucket upper bounds (ns), shared by every latency histogram.
 LATENCY_BOUNDS_NS = (
-    1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000, 200_000, 500_000,
-    1_000_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000, 50_000_000,
-    100_000_000, 200_000_000, 500_000_000, 1_000_000_000)
+    1_000,
+    2_000,
+    5_000,
+    10_000,
+    20_000,
+    50_000,
+    100_000,
+    200_000,
+    500_000,
+    1_000_000,
+    2_000_000,
+    5_000_000,
+    10_000_000,
+    20_000_000,
+    50_000_000,
+    100_000_000,
+    200_000_000,
+    500_000_000,
+    1_000_000_000,
+)
 
 
 def align(n: int, to: int) -> int:
@@ -180,12 +197,22 @@ class CounterBlock:
 
 # Written by the proxy only (its loop thread).
 PROXY_COUNTERS = CounterBlock(
-    counters=("rounds_ok", "rounds_timeout", "rounds_error", "rounds_breaker_skip",
-              "rounds_late", "attempts", "drafts", "draft_tokens", "reconnects",
-              # Rounds whose descriptor broke the layout or the wire's rules: answered
-              # ERROR (so also in rounds_error) without being sent.
-              "rounds_bad_desc"),
-    histograms=("round_latency", "handoff_latency"))
+    counters=(
+        "rounds_ok",
+        "rounds_timeout",
+        "rounds_error",
+        "rounds_breaker_skip",
+        "rounds_late",
+        "attempts",
+        "drafts",
+        "draft_tokens",
+        "reconnects",
+        # Rounds whose descriptor broke the layout or the wire's rules: answered
+        # ERROR (so also in rounds_error) without being sent.
+        "rounds_bad_desc",
+    ),
+    histograms=("round_latency", "handoff_latency"),
+)
 
 # Written by the engine side; the writer of each counter:
 #   watchdog_releases  the native watchdog thread
@@ -193,8 +220,7 @@ PROXY_COUNTERS = CounterBlock(
 #                      and the supervisor (rounds a lost proxy left; atomic adds)
 #   orphan_releases    the supervisor (rounds a dead proxy had claimed)
 #   ring_full          the engine thread (reserve refused: DEPTH rounds in flight)
-ENGINE_COUNTERS = CounterBlock(
-    counters=("watchdog_releases", "no_proxy_rounds", "orphan_releases", "ring_full"))
+ENGINE_COUNTERS = CounterBlock(counters=("watchdog_releases", "no_proxy_rounds", "orphan_releases", "ring_full"))
 
 
 # --------------------------------------------------------------------------- layout
@@ -231,8 +257,10 @@ class Layout:
     def __post_init__(self):
         _in_range("depth", self.depth, 1, MAX_DEPTH)
         if self.depth & (self.depth - 1):
-            raise ValueError(f"depth={self.depth}: must be a power of two (round % depth "
-                             "must stay continuous when the 32-bit round id wraps)")
+            raise ValueError(
+                f"depth={self.depth}: must be a power of two (round % depth "
+                "must stay continuous when the 32-bit round id wraps)"
+            )
         _in_range("max_slots", self.max_slots, 1, wire.MAX_ENTRIES)
         _in_range("row_bytes", self.row_bytes, 1, wire.MAX_ROW_BYTES)
         _in_range("num_spec", self.num_spec, 1, wire.MAX_N_OUT)
@@ -299,8 +327,18 @@ class Layout:
 
     def header_bytes(self) -> bytes:
         """The creator fields, as ``create`` writes them at offset 0."""
-        return HEADER.pack(MAGIC, LAYOUT_VERSION, self.page_size, self.depth, self.max_slots,
-                           self.row_bytes, self.num_spec, self.max_tokens, 0, self.size)
+        return HEADER.pack(
+            MAGIC,
+            LAYOUT_VERSION,
+            self.page_size,
+            self.depth,
+            self.max_slots,
+            self.row_bytes,
+            self.num_spec,
+            self.max_tokens,
+            0,
+            self.size,
+        )
 
 
 def _in_range(name: str, value: int, lo: int, hi: int) -> None:

@@ -78,13 +78,13 @@ class Counters:
         hists = {}
         for n in self._block.histograms:
             i = offs[n] // 8
-            hists[n] = Histogram(LATENCY_BOUNDS_NS, tuple(words[i:i + nb]), words[i + nb])
+            hists[n] = Histogram(LATENCY_BOUNDS_NS, tuple(words[i : i + nb]), words[i + nb])
         return Snapshot(types.MappingProxyType(counters), types.MappingProxyType(hists))
 
 
 @dataclass(frozen=True)
 class BreakerState:
-    state: int               # 0 closed, 1 open, 2 probing
+    state: int  # 0 closed, 1 open, 2 probing
     consecutive_failures: int
     cooldown_left: int
     trips: int
@@ -123,8 +123,7 @@ class HeaderWords:
 
     def breaker(self) -> BreakerState:
         b, lib = self._breaker, self._lib
-        return BreakerState(lib.load32(b), lib.load32(b + 4), lib.load32(b + 8),
-                            lib.load64(b + 16), lib.load64(b + 24))
+        return BreakerState(lib.load32(b), lib.load32(b + 4), lib.load32(b + 8), lib.load64(b + 16), lib.load64(b + 24))
 
     def set_breaker(self, s: BreakerState) -> None:  # proxy
         b, lib = self._breaker, self._lib

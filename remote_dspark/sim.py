@@ -27,11 +27,11 @@ from .markov import SyntheticLanguage, splitmix64
 class RoundArrays:
     """One round's metadata as an engine hands it over (host arrays)."""
 
-    slots: np.ndarray        # [n] int64
-    tokens: np.ndarray       # [T] int64, flat
-    offsets: np.ndarray      # [n + 1] int64
-    positions: np.ndarray    # [n] int64
-    new_gen: np.ndarray      # [n] bool
+    slots: np.ndarray  # [n] int64
+    tokens: np.ndarray  # [T] int64, flat
+    offsets: np.ndarray  # [n + 1] int64
+    positions: np.ndarray  # [n] int64
+    new_gen: np.ndarray  # [n] bool
 
 
 class SimEngine:
@@ -42,8 +42,16 @@ class SimEngine:
     every slot.
     """
 
-    def __init__(self, max_slots: int, num_spec: int, *, seed: int = 1, prompt: int = 16,
-                 length: tuple[int, int] = (64, 256), language: SyntheticLanguage | None = None):
+    def __init__(
+        self,
+        max_slots: int,
+        num_spec: int,
+        *,
+        seed: int = 1,
+        prompt: int = 16,
+        length: tuple[int, int] = (64, 256),
+        language: SyntheticLanguage | None = None,
+    ):
         self.num_spec = num_spec
         self.lang = language or SyntheticLanguage()
         self.prompt = prompt
@@ -52,17 +60,17 @@ class SimEngine:
         self._seed = seed
         width = prompt + length[1] + num_spec + 1
         self.truth = np.zeros((max_slots, width), dtype=np.int64)
-        self.end = np.zeros(max_slots, dtype=np.int64)       # where each generation stops
-        self.done = np.zeros(max_slots, dtype=np.int64)      # tokens decoded (the context)
-        self.sent = np.zeros(max_slots, dtype=np.int64)      # of those, seen by the drafter
+        self.end = np.zeros(max_slots, dtype=np.int64)  # where each generation stops
+        self.done = np.zeros(max_slots, dtype=np.int64)  # tokens decoded (the context)
+        self.sent = np.zeros(max_slots, dtype=np.int64)  # of those, seen by the drafter
         self.announced = np.zeros(max_slots, dtype=bool)
-        for slot in range(max_slots):   # a new request per slot
+        for slot in range(max_slots):  # a new request per slot
             self._new_generation(slot)
         self.rounds = 0
         self.tokens = 0
         self.generations = 0
-        self.accepted_at = np.zeros(num_spec, dtype=np.int64)   # drafts accepted at position i
-        self.offered_at = np.zeros(num_spec, dtype=np.int64)    # drafts offered at position i
+        self.accepted_at = np.zeros(num_spec, dtype=np.int64)  # drafts accepted at position i
+        self.offered_at = np.zeros(num_spec, dtype=np.int64)  # drafts offered at position i
 
     def _rand(self) -> int:
         self._seed = splitmix64(self._seed)
@@ -118,13 +126,13 @@ class SimEngine:
         truth_next = np.take_along_axis(self.truth, self.done[:, None] + cols, axis=1)
         match = (tokens[:, :k] == truth_next) & (cols < counts[:, None])
         accepted = np.cumprod(match, axis=1).sum(axis=1)
-        offered = np.minimum(counts, accepted + 1)     # up to and including the first miss
+        offered = np.minimum(counts, accepted + 1)  # up to and including the first miss
         self.accepted_at += (cols < accepted[:, None]).sum(axis=0)
         self.offered_at += (cols < offered[:, None]).sum(axis=0)
         self.done += accepted + 1
         self.tokens += int((accepted + 1).sum())
         finished = np.flatnonzero(self.done >= self.end)
-        for slot in finished.tolist():   # the slots whose request finished: a new one each
+        for slot in finished.tolist():  # the slots whose request finished: a new one each
             self._new_generation(slot)
         self.generations += len(finished)
         self.rounds += 1

@@ -32,8 +32,8 @@ from .proxy_spawn import terminate
 
 log = logging.getLogger("remote_dspark.supervisor")
 
-GIVE_UP_AFTER = 3            # standbys dying in a row before none is kept
-BACKOFF_S = 0.5              # before the next standby after one died; doubles each time
+GIVE_UP_AFTER = 3  # standbys dying in a row before none is kept
+BACKOFF_S = 0.5  # before the next standby after one died; doubles each time
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ class StandbyHooks:
     """The engine side's part: start a standby process, promote one, see one ready."""
 
     spawn: Callable[[], subprocess.Popen]
-    promote: Callable[[int, int], None]      # (pid, session)
-    ready: Callable[[int], bool]             # pid -> has it said it is ready
+    promote: Callable[[int, int], None]  # (pid, session)
+    ready: Callable[[int], bool]  # pid -> has it said it is ready
 
 
 class Standby:
@@ -54,12 +54,12 @@ class Standby:
         self.proc: subprocess.Popen | None = None
         self.pidfd = -1
         self.spawns = 0
-        self.failures = 0           # deaths before promotion, in all
+        self.failures = 0  # deaths before promotion, in all
         self._in_a_row = 0
         self._retry_at = 0.0
         self._ready_seen = False
         self.given_up = False
-        self.dead_cpu_s = 0.0       # CPU seconds of standbys that died unpromoted
+        self.dead_cpu_s = 0.0  # CPU seconds of standbys that died unpromoted
 
     @property
     def state(self) -> str:
@@ -110,7 +110,7 @@ class Standby:
         proc, pidfd = self.proc, self.pidfd
         if proc is None:
             return None
-        if select.select([pidfd], [], [], 0)[0]:   # dead already (its exit not yet seen): not promoted
+        if select.select([pidfd], [], [], 0)[0]:  # dead already (its exit not yet seen): not promoted
             self.died()
             return None
         self.proc, self.pidfd = None, -1
@@ -127,8 +127,12 @@ class Standby:
         self._in_a_row += 1
         if self._in_a_row >= GIVE_UP_AFTER:
             self.given_up = True
-            log.error("standby proxy: %d in a row failed (the last %s); no standby from now on: a lost proxy "
-                      "is replaced by a fresh start", self._in_a_row, why)
+            log.error(
+                "standby proxy: %d in a row failed (the last %s); no standby from now on: a lost proxy "
+                "is replaced by a fresh start",
+                self._in_a_row,
+                why,
+            )
             return
         delay = BACKOFF_S * 2 ** (self._in_a_row - 1)
         log.warning("standby proxy %s; another in %.1f s", why, delay)

@@ -34,7 +34,7 @@ import stat
 __all__ = ["UnsafePath", "write_json_atomic"]
 
 MODE = 0o644
-_TRIES = 8   # temporary names tried before giving up (each one random: a clash is a plant)
+_TRIES = 8  # temporary names tried before giving up (each one random: a clash is a plant)
 
 
 class UnsafePath(OSError):
@@ -42,8 +42,9 @@ class UnsafePath(OSError):
     ``errno`` says what kind of refusal, ``filename`` is the path, the message says why."""
 
 
-def write_json_atomic(path: str | os.PathLike, doc, *, indent: int | None = 1, default=None,
-                      fsync: bool = False) -> None:
+def write_json_atomic(
+    path: str | os.PathLike, doc, *, indent: int | None = 1, default=None, fsync: bool = False
+) -> None:
     """Replace ``path`` with ``doc`` as JSON (``json.dumps(doc, indent=, default=)``),
     mode 0644, atomically; see the module docstring for what is refused.
 
@@ -73,8 +74,12 @@ def write_json_atomic(path: str | os.PathLike, doc, *, indent: int | None = 1, d
 
 def _check_directory(st: os.stat_result, directory: str, path: str) -> None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise UnsafePath(errno.EPERM, f"refusing to write the stats file: its directory {directory} is writable "
-                         f"by others (mode {stat.S_IMODE(st.st_mode):04o}) without the sticky bit", path)
+        raise UnsafePath(
+            errno.EPERM,
+            f"refusing to write the stats file: its directory {directory} is writable "
+            f"by others (mode {stat.S_IMODE(st.st_mode):04o}) without the sticky bit",
+            path,
+        )
 
 
 def _check_target(dfd: int, name: str, path: str) -> None:
@@ -86,18 +91,25 @@ def _check_target(dfd: int, name: str, path: str) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePath(errno.ELOOP, "refusing to write the stats file: the path is a symbolic link", path)
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafePath(errno.EEXIST, "refusing to write the stats file: the path is not a regular file "
-                         f"({stat.filemode(st.st_mode)})", path)
+        raise UnsafePath(
+            errno.EEXIST,
+            f"refusing to write the stats file: the path is not a regular file ({stat.filemode(st.st_mode)})",
+            path,
+        )
     euid = os.geteuid()
     if st.st_uid != euid:
-        raise UnsafePath(errno.EPERM, f"refusing to write the stats file: the path is owned by uid {st.st_uid}, "
-                         f"not by this process's euid {euid}", path)
+        raise UnsafePath(
+            errno.EPERM,
+            f"refusing to write the stats file: the path is owned by uid {st.st_uid}, "
+            f"not by this process's euid {euid}",
+            path,
+        )
 
 
 def _write_and_replace(dfd: int, name: str, data: bytes, fsync: bool) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(_TRIES):
-        tmp = f".{name[:200]}.{os.urandom(6).hex()}.tmp"   # within NAME_MAX
+        tmp = f".{name[:200]}.{os.urandom(6).hex()}.tmp"  # within NAME_MAX
         try:
             fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
             break
@@ -107,10 +119,10 @@ def _write_and_replace(dfd: int, name: str, data: bytes, fsync: bool) -> None:
         raise FileExistsError(errno.EEXIST, f"no free temporary name after {_TRIES} tries", name)
     try:
         try:
-            os.fchmod(fd, MODE)   # explicit: the umask narrowed the creation mode
+            os.fchmod(fd, MODE)  # explicit: the umask narrowed the creation mode
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if fsync:
                 os.fsync(fd)
         finally:

@@ -30,7 +30,7 @@ class Handoff(NamedTuple):
     """One hand-off. Timestamps are CLOCK_MONOTONIC ns taken by the backend (in C on the
     CPU): the store of ``gathered`` and the first look that saw ``released >= round``."""
 
-    ok: bool              # False: the deadline passed first
+    ok: bool  # False: the deadline passed first
     gathered_ns: int
     released_ns: int
 
@@ -45,8 +45,7 @@ class CpuBackend:
     With ``hold_gil_us`` > 0 a wait first spins that long keeping the GIL, then goes on
     with it released (see ``HostFlagSync``)."""
 
-    def __init__(self, region: shm.Region, lib: native.Native, spin_us: int, nap_us: int,
-                 hold_gil_us: int):
+    def __init__(self, region: shm.Region, lib: native.Native, spin_us: int, nap_us: int, hold_gil_us: int):
         lay = region.layout
         self._lib = lib
         self._gathered = region.addr(lay.gathered)
@@ -68,8 +67,7 @@ class CpuBackend:
     def wait(self, round_id: int, deadline_ns: int) -> bool:
         lib, rc = self._lib, Status.TIMEOUT
         if self._hold_ns:
-            rc = lib.wait_geq_holding(self._released, round_id, self._spin, 0,
-                                      self._held_until(deadline_ns))
+            rc = lib.wait_geq_holding(self._released, round_id, self._spin, 0, self._held_until(deadline_ns))
         if rc == Status.TIMEOUT:
             rc = lib.wait_geq(self._released, round_id, self._spin, self._nap, deadline_ns)
         return check(rc, f"wait for round {round_id}") is Status.OK
@@ -78,16 +76,24 @@ class CpuBackend:
         lib, out = self._lib, self._out_addr
         stamp = self._gathered_ns + 8 * (round_id & self._mask)
         if self._hold_ns:
-            rc = lib.handoff_holding(self._gathered, stamp, self._released, round_id, self._spin,
-                                     0, self._held_until(deadline_ns), out, self._wake)
+            rc = lib.handoff_holding(
+                self._gathered,
+                stamp,
+                self._released,
+                round_id,
+                self._spin,
+                0,
+                self._held_until(deadline_ns),
+                out,
+                self._wake,
+            )
             if rc == Status.TIMEOUT:  # go on waiting with the GIL released
-                rc = lib.wait_at(self._released, round_id, self._spin, self._nap, deadline_ns,
-                                 out + 8)
+                rc = lib.wait_at(self._released, round_id, self._spin, self._nap, deadline_ns, out + 8)
         else:
-            rc = lib.handoff(self._gathered, stamp, self._released, round_id, self._spin,
-                             self._nap, deadline_ns, out, self._wake)
-        return Handoff(check(rc, f"hand off round {round_id}") is Status.OK,
-                       self._out[0], self._out[1])
+            rc = lib.handoff(
+                self._gathered, stamp, self._released, round_id, self._spin, self._nap, deadline_ns, out, self._wake
+            )
+        return Handoff(check(rc, f"hand off round {round_id}") is Status.OK, self._out[0], self._out[1])
 
 
 class CudaBackend:
@@ -111,14 +117,14 @@ class CudaBackend:
 
     SELF_TEST_S = 5.0
 
-    def __init__(self, region: shm.Region, lib: native.Native, spin_us: int, nap_us: int,
-                 hold_gil_us: int):
+    def __init__(self, region: shm.Region, lib: native.Native, spin_us: int, nap_us: int, hold_gil_us: int):
         import torch
 
         from .cuda_driver import Driver
+
         self._torch = torch
         torch.cuda.init()
-        torch.zeros(1, device="cuda")           # makes torch's primary context current here
+        torch.zeros(1, device="cuda")  # makes torch's primary context current here
         self._drv = Driver()
         self._lib = lib
         self._region = region
@@ -144,7 +150,7 @@ class CudaBackend:
         done = self._torch.cuda.Event()
         done.record(stream)
         seen = lib.wait_geq(self._region.addr(probe), token, 100, 100, native.deadline_ns(self.SELF_TEST_S))
-        lib.store32(self._region.addr(ack), token)     # always: the stream must not stay parked
+        lib.store32(self._region.addr(ack), token)  # always: the stream must not stay parked
         done.synchronize()
         if seen != Status.OK:
             raise RuntimeError("CUDA hand-off self-test: the stream's write never reached host memory")
@@ -154,9 +160,15 @@ class CudaBackend:
         torch = self._torch
         typestr = {torch.uint8: "|u1", torch.int32: "<i4", torch.float32: "<f4"}[dtype]
 
-        class _Mapped:   # __cuda_array_interface__ v3: a view, not a copy
-            __cuda_array_interface__ = {"shape": shape, "typestr": typestr, "version": 3,
-                                        "data": (self.device_base + offset, False), "strides": None}
+        class _Mapped:  # __cuda_array_interface__ v3: a view, not a copy
+            __cuda_array_interface__ = {
+                "shape": shape,
+                "typestr": typestr,
+                "version": 3,
+                "data": (self.device_base + offset, False),
+                "strides": None,
+            }
+
         return torch.as_tensor(_Mapped(), device="cuda")
 
     def wait_word(self, offset: int, value: int) -> None:
@@ -207,8 +219,16 @@ class HostFlagSync:
         ValueError: an unknown backend, or a negative hold.
     """
 
-    def __init__(self, region: shm.Region, lib: native.Native, *, backend: str = "cpu",
-                 spin_us: int = 1000, nap_us: int = 0, hold_gil_us: int = 0):
+    def __init__(
+        self,
+        region: shm.Region,
+        lib: native.Native,
+        *,
+        backend: str = "cpu",
+        spin_us: int = 1000,
+        nap_us: int = 0,
+        hold_gil_us: int = 0,
+    ):
         try:
             make = BACKENDS[backend]
         except KeyError:
@@ -241,4 +261,3 @@ class HostFlagSync:
     def handoff(self, round_id: int, timeout_s: float) -> Handoff:
         """``signal`` then ``wait``, timed by the backend."""
         return self.backend.handoff(round_id, native.deadline_ns(timeout_s))
-

@@ -47,34 +47,34 @@ log = logging.getLogger("remote_dspark.supervisor")
 
 
 class Cause(str, enum.Enum):
-    EXIT = "exit"       # the proxy exited by itself
-    SIGNAL = "signal"   # killed by a signal it did not ask for (OOM killer, chaos, ...)
-    STALL = "stall"     # alive but not serving: the supervisor killed it
+    EXIT = "exit"  # the proxy exited by itself
+    SIGNAL = "signal"  # killed by a signal it did not ask for (OOM killer, chaos, ...)
+    STALL = "stall"  # alive but not serving: the supervisor killed it
 
 
 @dataclass(frozen=True)
 class Starting:
     pid: int
     session: int
-    since: float                 # monotonic time of the spawn
+    since: float  # monotonic time of the spawn
 
 
 @dataclass(frozen=True)
 class Up:
     pid: int
     session: int
-    since: float                 # monotonic time of the spawn (not of the first beat)
+    since: float  # monotonic time of the spawn (not of the first beat)
 
 
 @dataclass(frozen=True)
 class Down:
     cause: Cause
-    since: float                 # between a loss and the next spawn
+    since: float  # between a loss and the next spawn
 
 
 @dataclass(frozen=True)
 class Spent:
-    since: float                 # the budget ran out: target-only for good
+    since: float  # the budget ran out: target-only for good
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class RestartBudget:
         self.full = respawns
         self.left = respawns
         self.reset_s = reset_s
-        self.restored = 0         # times the reset window gave the budget back
+        self.restored = 0  # times the reset window gave the budget back
 
     def observe(self, up: Up, now: float) -> None:
         if self.reset_s and self.left < self.full and now - up.since >= self.reset_s:
@@ -113,14 +113,14 @@ class SupervisorStats:
     pid: int | None
     session: int | None
     spawns: int
-    restarts: dict[str, int]     # by cause
+    restarts: dict[str, int]  # by cause
     budget_left: int
     budget_restored: int
-    proxy_rss_bytes: int         # the live proxy's resident memory (0 when none)
-    proxy_cpu_seconds: float     # CPU time of every proxy so far, the live one included
-    standby: str = "off"         # the warm standby: off, none, starting or ready
+    proxy_rss_bytes: int  # the live proxy's resident memory (0 when none)
+    proxy_cpu_seconds: float  # CPU time of every proxy so far, the live one included
+    standby: str = "off"  # the warm standby: off, none, starting or ready
     standby_spawns: int = 0
-    standby_failures: int = 0    # standbys that died before their promotion
+    standby_failures: int = 0  # standbys that died before their promotion
 
 
 class Supervisor:
@@ -140,12 +140,21 @@ class Supervisor:
     ``_set``, under ``_lock``.
     """
 
-    def __init__(self, spawn: Callable[[int], subprocess.Popen], *, respawns: int, reset_s: float,
-                 serving: Callable[[Starting], bool] | None = None, start_limit_s: float = 10.0,
-                 stalled: Callable[[Up], bool] | None = None,
-                 on_change: Callable[[Lifecycle], None] | None = None,
-                 tick_s: float = 0.02, new_session: Callable[[], int] | None = None,
-                 standby: StandbyHooks | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        spawn: Callable[[int], subprocess.Popen],
+        *,
+        respawns: int,
+        reset_s: float,
+        serving: Callable[[Starting], bool] | None = None,
+        start_limit_s: float = 10.0,
+        stalled: Callable[[Up], bool] | None = None,
+        on_change: Callable[[Lifecycle], None] | None = None,
+        tick_s: float = 0.02,
+        new_session: Callable[[], int] | None = None,
+        standby: StandbyHooks | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._spawn_fn = spawn
         self.standby = Standby(standby, clock) if standby is not None else None
         self.budget = RestartBudget(respawns, reset_s)
@@ -159,10 +168,10 @@ class Supervisor:
         self.state: Lifecycle = Down(Cause.EXIT, clock())
         self.restarts: Counter[Cause] = Counter()
         self.spawns = 0
-        self.dead_cpu_s = 0.0                   # CPU seconds of the proxies that have exited
+        self.dead_cpu_s = 0.0  # CPU seconds of the proxies that have exited
         self._proc: subprocess.Popen | None = None
         self._pidfd = -1
-        self._kill_cause: Cause | None = None   # why the supervisor itself killed the proxy
+        self._kill_cause: Cause | None = None  # why the supervisor itself killed the proxy
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._watcher: threading.Thread | None = None
@@ -182,7 +191,7 @@ class Supervisor:
 
         def first() -> None:
             with self._lock:
-                if isinstance(self.state, Closed):   # closed while this thread was starting
+                if isinstance(self.state, Closed):  # closed while this thread was starting
                     started.set()
                     return
                 try:
@@ -240,12 +249,20 @@ class Supervisor:
             state = self.state
             rss, cpu = _process_facts(getattr(state, "pid", None))
             sb = self.standby
-            return SupervisorStats(type(state).__name__.lower(), getattr(state, "pid", None),
-                                   getattr(state, "session", None), self.spawns,
-                                   {c.value: self.restarts[c] for c in Cause}, self.budget.left,
-                                   self.budget.restored, rss,
-                                   self.dead_cpu_s + cpu + (sb.dead_cpu_s if sb else 0.0),
-                                   sb.state if sb else "off", sb.spawns if sb else 0, sb.failures if sb else 0)
+            return SupervisorStats(
+                type(state).__name__.lower(),
+                getattr(state, "pid", None),
+                getattr(state, "session", None),
+                self.spawns,
+                {c.value: self.restarts[c] for c in Cause},
+                self.budget.left,
+                self.budget.restored,
+                rss,
+                self.dead_cpu_s + cpu + (sb.dead_cpu_s if sb else 0.0),
+                sb.state if sb else "off",
+                sb.spawns if sb else 0,
+                sb.failures if sb else 0,
+            )
 
     # ------------------------------------------------------------------ internals
 
@@ -304,7 +321,7 @@ class Supervisor:
                     return
 
     def _check_live(self, live: Starting | Up) -> None:
-        if self._kill_cause is not None:   # killed already: its exit is on the way
+        if self._kill_cause is not None:  # killed already: its exit is on the way
             return
         now = self._clock()
         if isinstance(live, Starting):
@@ -330,7 +347,7 @@ class Supervisor:
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = returncode = os.waitstatus_to_exitcode(status)
             self.dead_cpu_s += usage.ru_utime + usage.ru_stime
-        except ChildProcessError:   # reaped elsewhere (SIGCHLD ignored): exited, status unknown
+        except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): exited, status unknown
             proc.returncode = returncode = 0
         self._close_pidfd()
         self._proc = None
@@ -346,12 +363,22 @@ class Supervisor:
         self._set(Down(cause, now))
         if not self.budget.take():
             self._set(Spent(now))
-            log.error("proxy lost (%s, status %s) and the respawn budget (%d) is spent: every round is "
-                      "target-only from now on", cause.value, returncode, self.budget.full)
+            log.error(
+                "proxy lost (%s, status %s) and the respawn budget (%d) is spent: every round is "
+                "target-only from now on",
+                cause.value,
+                returncode,
+                self.budget.full,
+            )
             return
         promoted = self._promote()
-        log.warning("proxy lost (%s, status %s); %s (%d respawns left)", cause.value, returncode,
-                    "the standby takes over" if promoted else "respawning", self.budget.left)
+        log.warning(
+            "proxy lost (%s, status %s); %s (%d respawns left)",
+            cause.value,
+            returncode,
+            "the standby takes over" if promoted else "respawning",
+            self.budget.left,
+        )
         if promoted:
             return
         try:
@@ -378,6 +405,7 @@ def _process_facts(pid: int | None) -> tuple[int, float]:
     if pid is None:
         return 0, 0.0
     import psutil  # engine side only; the proxy never imports the supervisor
+
     try:
         p = psutil.Process(pid)
         with p.oneshot():

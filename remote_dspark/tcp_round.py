@@ -36,7 +36,7 @@ from .outcome import Outcome, RoundEvent
 from .ring import seq_add
 from .ring_proxy import ProxyEnd
 
-DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)   # the wire's: no DRAFTS payload is larger
+DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)  # the wire's: no DRAFTS payload is larger
 
 
 def rx_cap(end: ProxyEnd) -> int:
@@ -55,14 +55,14 @@ class Served(NamedTuple):
     """One round served by :meth:`TcpRounds.serve` (a tuple: it is built on the proxy's
     way back to its wait, where every microsecond can land on the next round)."""
 
-    count: int          # rounds answered by the call (more than one only at once)
-    round: int          # the last of them
+    count: int  # rounds answered by the call (more than one only at once)
+    round: int  # the last of them
     event: RoundEvent
-    sent: bool          # the ROUND went on the wire (an attempt)
-    released: bool      # this answer was published (False: another claimer was first, counted late)
-    late: int           # replies to earlier rounds dropped while waiting
-    net_s: float        # send to reply, or to giving up
-    why: str            # what broke, for every event but OK and AT_ONCE
+    sent: bool  # the ROUND went on the wire (an attempt)
+    released: bool  # this answer was published (False: another claimer was first, counted late)
+    late: int  # replies to earlier rounds dropped while waiting
+    net_s: float  # send to reply, or to giving up
+    why: str  # what broke, for every event but OK and AT_ONCE
 
 
 class TcpRounds:
@@ -77,8 +77,9 @@ class TcpRounds:
         self._end = end
         cap = rx_cap(end)
         self._rx = (ctypes.c_char * cap)()
-        self._state = end.new_link(ctypes.addressof(self._rx), cap, session=session,
-                                   default_deadline_ms=default_deadline_ms)
+        self._state = end.new_link(
+            ctypes.addressof(self._rx), cap, session=session, default_deadline_ms=default_deadline_ms
+        )
         self._addr = ctypes.addressof(self._state)
 
     def attach(self, fd: int) -> None:
@@ -112,11 +113,21 @@ class TcpRounds:
         timeout_ns = int(timeout_s * 1e9) if timeout_s > 0 else 0
         rc = self._end.lib.round(self._end.state_addr, self._addr, timeout_ns)
         if rc < 0:
-            native.check(-rc, "take a round")   # TIMEOUT: the wait has no other failure
+            native.check(-rc, "take a round")  # TIMEOUT: the wait has no other failure
             return None
         answer = st.answer
         if answer and native.check(answer, f"answer round {st.round}") is native.Status.TIMEOUT:
-            raise RuntimeError(f"round {st.round} is claimed but round {seq_add(st.round, -1)}'s "
-                               "claimer did not release it; the engine must release_orphans")
-        return Served(st.served, st.round, _EVENTS[rc], st.sent == 1, answer == 0, st.late, st.net_ns / 1e9,
-                      st.why.decode(errors="replace") if rc > RoundEvent.AT_ONCE else "")
+            raise RuntimeError(
+                f"round {st.round} is claimed but round {seq_add(st.round, -1)}'s "
+                "claimer did not release it; the engine must release_orphans"
+            )
+        return Served(
+            st.served,
+            st.round,
+            _EVENTS[rc],
+            st.sent == 1,
+            answer == 0,
+            st.late,
+            st.net_ns / 1e9,
+            st.why.decode(errors="replace") if rc > RoundEvent.AT_ONCE else "",
+        )

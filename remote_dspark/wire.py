@@ -134,7 +134,7 @@ class Hello:
     num_spec: int
     row_format: int = 0
     want_margin: bool = False
-    vocab_size: int = 0          # 0: unknown
+    vocab_size: int = 0  # 0: unknown
 
 
 def encode_hello(h: Hello, session: int) -> bytes:
@@ -143,8 +143,17 @@ def encode_hello(h: Hello, session: int) -> bytes:
     _check(0 <= h.row_bytes <= MAX_ROW_BYTES, f"row_bytes {h.row_bytes} over {MAX_ROW_BYTES}")
     _check(0 < h.num_spec <= MAX_N_OUT, f"num_spec {h.num_spec} not in 1..{MAX_N_OUT}")
     _check(0 <= h.vocab_size <= MAX_VOCAB, f"vocab_size {h.vocab_size} not in 0..{MAX_VOCAB}")
-    payload = _HELLO.pack(h.drafter_identity, h.markov_identity, h.engine_id, h.max_slots,
-                          h.row_bytes, h.num_spec, h.row_format, int(h.want_margin), h.vocab_size)
+    payload = _HELLO.pack(
+        h.drafter_identity,
+        h.markov_identity,
+        h.engine_id,
+        h.max_slots,
+        h.row_bytes,
+        h.num_spec,
+        h.row_format,
+        int(h.want_margin),
+        h.vocab_size,
+    )
     return encode_header(HELLO, len(payload), session) + payload
 
 
@@ -179,8 +188,7 @@ class HelloAck:
 
 def encode_hello_ack(a: HelloAck, session: int) -> bytes:
     reason = a.reason.encode("utf-8")[:MAX_REASON]
-    payload = _ACK.pack(int(a.code == ACCEPT), a.code, len(reason),
-                        a.drafter_identity, a.markov_identity) + reason
+    payload = _ACK.pack(int(a.code == ACCEPT), a.code, len(reason), a.drafter_identity, a.markov_identity) + reason
     return encode_header(HELLO_ACK, len(payload), session) + payload
 
 
@@ -192,7 +200,7 @@ def decode_hello_ack(payload) -> HelloAck:
         raise ProtocolError(f"HELLO_ACK reason length {n} does not match the payload")
     if accept != (code == ACCEPT) or code > REFUSE_MALFORMED:
         raise ProtocolError(f"HELLO_ACK accept={accept} with reason code {code}")
-    reason = bytes(payload[_ACK.size:]).decode("utf-8", errors="replace")
+    reason = bytes(payload[_ACK.size :]).decode("utf-8", errors="replace")
     return HelloAck(code, d, m, reason)
 
 

@@ -53,7 +53,7 @@ class DraftsSections:
     counts: int
     statuses: int
     tokens: int
-    margins: int      # == size when there are no margins
+    margins: int  # == size when there are no margins
     size: int
 
 
@@ -64,8 +64,7 @@ def drafts_sections(n: int, width: int, margins: bool) -> DraftsSections:
     statuses = counts + 2 * n
     tokens = statuses + 2 * n
     marg = tokens + 4 * n * width
-    return DraftsSections(n, width, slots, counts, statuses, tokens, marg,
-                          marg + (4 * n * width if margins else 0))
+    return DraftsSections(n, width, slots, counts, statuses, tokens, marg, marg + (4 * n * width if margins else 0))
 
 
 @dataclass(frozen=True)
@@ -78,11 +77,11 @@ class Drafts:
     counts: Sequence[int]
     statuses: Sequence[int]
     width: int
-    tokens: Sequence[int]                   # n x width, row-major; past count: 0
+    tokens: Sequence[int]  # n x width, row-major; past count: 0
     margins: Sequence[float] | None = None  # n x width, when margins were asked for
 
     def row(self, i: int) -> list[int]:
-        return list(self.tokens[i * self.width:i * self.width + self.counts[i]])
+        return list(self.tokens[i * self.width : i * self.width + self.counts[i]])
 
 
 def encode_drafts(d: Drafts, session: int) -> bytes:
@@ -90,11 +89,17 @@ def encode_drafts(d: Drafts, session: int) -> bytes:
     ``drafts_sections`` instead)."""
     n = len(d.slots)
     _check(n <= MAX_ENTRIES and 0 <= d.width <= MAX_N_OUT, "DRAFTS over its caps")
-    _check(len(d.counts) == n == len(d.statuses) and len(d.tokens) == n * d.width,
-           "DRAFTS fields disagree on the entry count")
-    parts = [DRAFTS_FIXED.pack(n, d.width, DRAFTS_MARGINS if d.margins is not None else 0),
-             array.array("I", d.slots).tobytes(), array.array("H", d.counts).tobytes(),
-             array.array("H", d.statuses).tobytes(), array.array("i", d.tokens).tobytes()]
+    _check(
+        len(d.counts) == n == len(d.statuses) and len(d.tokens) == n * d.width,
+        "DRAFTS fields disagree on the entry count",
+    )
+    parts = [
+        DRAFTS_FIXED.pack(n, d.width, DRAFTS_MARGINS if d.margins is not None else 0),
+        array.array("I", d.slots).tobytes(),
+        array.array("H", d.counts).tobytes(),
+        array.array("H", d.statuses).tobytes(),
+        array.array("i", d.tokens).tobytes(),
+    ]
     if d.margins is not None:
         _check(len(d.margins) == n * d.width, "DRAFTS margins do not match tokens")
         parts.append(array.array("f", d.margins).tobytes())
@@ -121,12 +126,18 @@ def decode_drafts(hdr: Header, payload) -> Drafts:
     sec = drafts_sections(n, width, has_m)
     if len(mv) != sec.size:
         raise ProtocolError(f"DRAFTS payload of {len(mv)} bytes, its fields say {sec.size}")
-    counts = mv[sec.counts:sec.statuses].cast("H")
-    statuses = mv[sec.statuses:sec.tokens].cast("H")
+    counts = mv[sec.counts : sec.statuses].cast("H")
+    statuses = mv[sec.statuses : sec.tokens].cast("H")
     if n and max(counts) > width:
         raise ProtocolError(f"DRAFTS counts: {max(counts)} over the width {width}")
     if n and max(statuses) > STATUS_RESYNC:
         raise ProtocolError(f"DRAFTS statuses: unknown status {max(statuses)}")
-    return Drafts(hdr.round, mv[sec.slots:sec.counts].cast("I"), counts, statuses, width,
-                  mv[sec.tokens:sec.margins].cast("i"),
-                  mv[sec.margins:sec.size].cast("f") if has_m else None)
+    return Drafts(
+        hdr.round,
+        mv[sec.slots : sec.counts].cast("I"),
+        counts,
+        statuses,
+        width,
+        mv[sec.tokens : sec.margins].cast("i"),
+        mv[sec.margins : sec.size].cast("f") if has_m else None,
+    )

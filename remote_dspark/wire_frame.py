@@ -24,11 +24,10 @@ from dataclasses import dataclass
 
 # Sections are read as native arrays (memoryview casts, numpy views): little-endian hosts only.
 if sys.byteorder != "little":
-    raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; "
-                      "this host is big-endian")
+    raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; this host is big-endian")
 
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 3         # 3: HELLO carries the engine's vocabulary size
+PROTOCOL_VERSION = 3  # 3: HELLO carries the engine's vocabulary size
 
 HELLO, HELLO_ACK, ROUND, DRAFTS, BYE = 1, 2, 3, 4, 5
 FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE"}
@@ -45,9 +44,9 @@ MAX_PAYLOAD = 64 << 20
 MAX_ENTRIES = 4096
 MAX_ROW_BYTES = 1 << 20
 MAX_N_OUT = 64
-MAX_TOKENS = 1 << 22          # all tokens of one ROUND (NEW_GEN contexts included)
+MAX_TOKENS = 1 << 22  # all tokens of one ROUND (NEW_GEN contexts included)
 MAX_REASON = 512
-MAX_VOCAB = 1 << 31           # token ids are i32: a vocabulary of at most 2^31 ids
+MAX_VOCAB = 1 << 31  # token ids are i32: a vocabulary of at most 2^31 ids
 
 HEADER = struct.Struct("<4sHHIQI")
 _HELLO = struct.Struct("<32s32sQIIHBBI")

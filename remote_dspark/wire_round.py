@@ -42,7 +42,7 @@ from .wire_frame import (
     encode_header,
 )
 
-ROUND_ARRAYS = ("slots", "positions", "n_out", "flags", "offsets")   # u32 each, in order
+ROUND_ARRAYS = ("slots", "positions", "n_out", "flags", "offsets")  # u32 each, in order
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,9 @@ def round_sections(n: int, n_tokens: int, row_bytes: int) -> RoundSections:
     offsets = at + 16 * n
     tokens = round_meta_bytes(n)
     rows = tokens + 4 * n_tokens
-    return RoundSections(n, n_tokens, row_bytes, slots, positions, n_out, flags, offsets, tokens,
-                         rows, rows + n * row_bytes)
+    return RoundSections(
+        n, n_tokens, row_bytes, slots, positions, n_out, flags, offsets, tokens, rows, rows + n * row_bytes
+    )
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Round:
     flags: Sequence[int]
     offsets: Sequence[int]
     tokens: Sequence[int]
-    rows: memoryview          # n x row_bytes, entry order
+    rows: memoryview  # n x row_bytes, entry order
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -120,12 +121,21 @@ class Round:
     def entries(self) -> list[Entry]:
         """The round as records (slow: a loop over entries; tests and tools)."""
         o = self.offsets
-        return [Entry(self.slots[i], self.n_out[i], self.positions[i], list(self.tokens[o[i]:o[i + 1]]),
-                      bool(self.flags[i] & FLAG_NEW_GEN)) for i in range(len(self))]
+        return [
+            Entry(
+                self.slots[i],
+                self.n_out[i],
+                self.positions[i],
+                list(self.tokens[o[i] : o[i + 1]]),
+                bool(self.flags[i] & FLAG_NEW_GEN),
+            )
+            for i in range(len(self))
+        ]
 
 
-def encode_round_entries(round_id: int, session: int, deadline_ms: int, entries: Sequence[Entry],
-                         rows, row_bytes: int) -> bytes:
+def encode_round_entries(
+    round_id: int, session: int, deadline_ms: int, entries: Sequence[Entry], rows, row_bytes: int
+) -> bytes:
     """A whole ROUND frame from records (the slow reference encoder: tests and simple
     clients; it walks the entries).
 
@@ -135,15 +145,35 @@ def encode_round_entries(round_id: int, session: int, deadline_ms: int, entries:
     offsets = [0]
     for e in entries:
         offsets.append(offsets[-1] + len(e.tokens))
-    return encode_round(round_id, session, deadline_ms,
-                        slots=[e.slot for e in entries], positions=[e.position for e in entries],
-                        n_out=[e.n_out for e in entries],
-                        flags=[FLAG_NEW_GEN if e.new_gen else 0 for e in entries], offsets=offsets,
-                        tokens=[t for e in entries for t in e.tokens], rows=rows, row_bytes=row_bytes)
+    return encode_round(
+        round_id,
+        session,
+        deadline_ms,
+        slots=[e.slot for e in entries],
+        positions=[e.position for e in entries],
+        n_out=[e.n_out for e in entries],
+        flags=[FLAG_NEW_GEN if e.new_gen else 0 for e in entries],
+        offsets=offsets,
+        tokens=[t for e in entries for t in e.tokens],
+        rows=rows,
+        row_bytes=row_bytes,
+    )
 
 
-def encode_round(round_id: int, session: int, deadline_ms: int, *, slots, positions, n_out, flags,
-                 offsets, tokens, rows, row_bytes: int) -> bytes:
+def encode_round(
+    round_id: int,
+    session: int,
+    deadline_ms: int,
+    *,
+    slots,
+    positions,
+    n_out,
+    flags,
+    offsets,
+    tokens,
+    rows,
+    row_bytes: int,
+) -> bytes:
     """A whole ROUND frame from its arrays (any int sequences; ``rows`` bytes-like).
 
     Raises:
@@ -152,8 +182,10 @@ def encode_round(round_id: int, session: int, deadline_ms: int, *, slots, positi
     n = len(slots)
     _check(n <= MAX_ENTRIES, f"{n} entries over the cap {MAX_ENTRIES}")
     _check(row_bytes <= MAX_ROW_BYTES, f"row_bytes {row_bytes} over the cap {MAX_ROW_BYTES}")
-    _check(len(positions) == len(n_out) == len(flags) == n and len(offsets) == n + 1,
-           "ROUND arrays disagree on the entry count")
+    _check(
+        len(positions) == len(n_out) == len(flags) == n and len(offsets) == n + 1,
+        "ROUND arrays disagree on the entry count",
+    )
     _check(len(tokens) <= MAX_TOKENS, f"{len(tokens)} tokens over the cap {MAX_TOKENS}")
     _check(offsets[0] == 0 and offsets[-1] == len(tokens), "offsets must run from 0 to len(tokens)")
     _check(len(rows) == n * row_bytes, "rows do not match entries x row_bytes")
@@ -163,8 +195,12 @@ def encode_round(round_id: int, session: int, deadline_ms: int, *, slots, positi
     meta = array.array("I", [deadline_ms, n, row_bytes, len(tokens)])
     for part in (slots, positions, n_out, flags, offsets):
         meta.extend(part)
-    return (encode_header(ROUND, sec.size, session, round_id) + meta.tobytes()
-            + array.array("i", tokens).tobytes() + bytes(rows))
+    return (
+        encode_header(ROUND, sec.size, session, round_id)
+        + meta.tobytes()
+        + array.array("i", tokens).tobytes()
+        + bytes(rows)
+    )
 
 
 def decode_round(hdr: Header, payload) -> Round:
@@ -192,17 +228,26 @@ def decode_round(hdr: Header, payload) -> Round:
     sec = round_sections(n, n_tokens, row_bytes)
     if len(mv) != sec.size:
         raise ProtocolError(f"ROUND payload of {len(mv)} bytes, its fields say {sec.size}")
-    u32 = mv[ROUND_FIXED.size:sec.tokens].cast("I")
-    slots, positions, n_out, flags = (u32[k * n:(k + 1) * n] for k in range(4))
-    offsets = u32[4 * n:]
+    u32 = mv[ROUND_FIXED.size : sec.tokens].cast("I")
+    slots, positions, n_out, flags = (u32[k * n : (k + 1) * n] for k in range(4))
+    offsets = u32[4 * n :]
     if n and max(flags) & ~FLAG_NEW_GEN:
         raise ProtocolError(f"ROUND flags: unknown bits {max(flags) & ~FLAG_NEW_GEN:#x}")
     if n and max(n_out) > MAX_N_OUT:
         raise ProtocolError(f"ROUND n_out: {max(n_out)} over the cap {MAX_N_OUT}")
     if offsets[0] != 0 or offsets[n] != n_tokens:
-        raise ProtocolError(f"ROUND offsets run from {offsets[0]} to {offsets[n]}, "
-                            f"expected 0 to n_tokens={n_tokens}")
+        raise ProtocolError(f"ROUND offsets run from {offsets[0]} to {offsets[n]}, expected 0 to n_tokens={n_tokens}")
     if n > 1 and offsets.tolist() != sorted(offsets):
         raise ProtocolError("ROUND offsets go back: an entry with a negative token count")
-    return Round(hdr.round, deadline_ms, row_bytes, slots, positions, n_out, flags, offsets,
-                 mv[sec.tokens:sec.rows].cast("i"), mv[sec.rows:sec.size])
+    return Round(
+        hdr.round,
+        deadline_ms,
+        row_bytes,
+        slots,
+        positions,
+        n_out,
+        flags,
+        offsets,
+        mv[sec.tokens : sec.rows].cast("i"),
+        mv[sec.rows : sec.size],
+    )

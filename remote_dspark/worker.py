@@ -47,23 +47,21 @@ import time
 import numpy as np
 
 from . import wire
-from .drafter import (  # noqa: F401
+from .drafter import (  # noqa: F401  (the worker's drafters, re-exported)
     BatchedDrafter,
     DraftBatch,
     MarkovDrafter,
     PerEntryDrafterLike,
     as_batched,
     check_result,
-    default_drafter_identity,
     empty_result,
     load_drafter,
-    vocab_size_of,
 )
 from .transport import DeadlineExceeded, Disconnected, FrameChannel
 from .transport.tcp import TcpStream
 from .worker_admission import Admission
-from .worker_limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits
-from .worker_reply import drafts_frame
+from .worker_limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
+from .worker_round import drafting_batch, reply_frame
 from .worker_sessions import RECENT_S, Session, Sessions
 from .worker_stats import REFUSAL_REASONS, Health, WorkerStats  # noqa: F401
 from .worker_windows import Windows
@@ -91,20 +89,34 @@ class Worker:
     (:mod:`~remote_dspark.worker_metrics`, which needs prometheus_client: imported only then).
     """
 
-    def __init__(self, drafter: BatchedDrafter | Drafter, host: str = "127.0.0.1", port: int = 18620, *,
-                 window: int = 64, max_slots: int = DEFAULT_MAX_SLOTS, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
-                 max_round_tokens: int | None = None, max_round_bytes: int | None = None,
-                 max_engines: int = 32, max_connections: int = 32, max_pending: int = 128,
-                 hello_timeout_s: float = 2.0, frame_timeout_s: float = 10.0, recent_s: float = RECENT_S,
-                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        drafter: BatchedDrafter | Drafter,
+        host: str = "127.0.0.1",
+        port: int = 18620,
+        *,
+        window: int = 64,
+        max_slots: int = DEFAULT_MAX_SLOTS,
+        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+        max_round_tokens: int | None = None,
+        max_round_bytes: int | None = None,
+        max_engines: int = 32,
+        max_connections: int = 32,
+        max_pending: int = 128,
+        hello_timeout_s: float = 2.0,
+        frame_timeout_s: float = 10.0,
+        recent_s: float = RECENT_S,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+    ):
         if window < 1:
             raise ValueError(f"window {window}: must be >= 1")
         if max_connections < 1 or max_pending < 1:
             raise ValueError(f"max_connections {max_connections}, max_pending {max_pending}: must be >= 1")
         if not (hello_timeout_s > 0 and frame_timeout_s > 0):
             raise ValueError(f"hello_timeout_s {hello_timeout_s}, frame_timeout_s {frame_timeout_s}: must be > 0")
-        self.drafter = drafter                   # as given (its identities are checked at HELLO)
-        self._batched = as_batched(drafter)      # what rounds call
+        self.drafter = drafter  # as given (its identities are checked at HELLO)
+        self._batched = as_batched(drafter)  # what rounds call
         self.host, self.port = host, port
         self.window = window
         self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes)
@@ -115,14 +127,14 @@ class Worker:
         self.frame_timeout_s = frame_timeout_s
         self.stats = WorkerStats()
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
-        self._metrics = None                   # worker_metrics.MetricsServer while started with a metrics port
+        self._metrics = None  # worker_metrics.MetricsServer while started with a metrics port
         self._started = time.monotonic()
         # Fault injection (``remote-dspark worker --chaos``): answer every round this
         # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
         self.reply_delay_s = 0.0
         self.garble = 0
         self._sessions = Sessions(max_engines, recent_s)
-        self._lock = threading.Lock()          # guards _conns, _threads, stats
+        self._lock = threading.Lock()  # guards _conns, _threads, stats
         self._conns: set[socket.socket] = set()  # served connections (after HELLO)
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -145,17 +157,25 @@ class Worker:
         self._started = time.monotonic()
         if self.metrics_port is not None:
             from .worker_metrics import MetricsServer  # lazily: prometheus_client only when asked for
+
             try:
                 self._metrics = MetricsServer(self, self.metrics_host, self.metrics_port)
             except BaseException:
                 sock.close()
                 raise
             self.metrics_port = self._metrics.port
-        self._admission = Admission(sock, self._wake_r, max_pending=self.max_pending,
-                                    hello_timeout_s=self.hello_timeout_s, on_hello=self._on_hello,
-                                    on_version=self._on_version, count=self._count)
-        self._acceptor = threading.Thread(target=self._admission.run, args=(self._stopping,),
-                                          name="worker-accept", daemon=True)
+        self._admission = Admission(
+            sock,
+            self._wake_r,
+            max_pending=self.max_pending,
+            hello_timeout_s=self.hello_timeout_s,
+            on_hello=self._on_hello,
+            on_version=self._on_version,
+            count=self._count,
+        )
+        self._acceptor = threading.Thread(
+            target=self._admission.run, args=(self._stopping,), name="worker-accept", daemon=True
+        )
         self._acceptor.start()
         return self
 
@@ -178,7 +198,7 @@ class Worker:
             t.join(timeout_s)
         os.close(self._wake_r)
         os.close(self._wake_w)
-        if self._metrics is not None:   # last: /healthz says "stopping" (503) while the rest stops
+        if self._metrics is not None:  # last: /healthz says "stopping" (503) while the rest stops
             self._metrics.close(timeout_s)
 
     def __enter__(self):
@@ -205,8 +225,14 @@ class Worker:
         with self._lock:
             served, connections, rounds = len(self._conns), self.stats.connections, self.stats.rounds
         serving = not self._stopping.is_set()
-        return Health("serving" if serving else "stopping", time.monotonic() - self._started, connections,
-                      rounds, served, serving and served < self.max_connections)
+        return Health(
+            "serving" if serving else "stopping",
+            time.monotonic() - self._started,
+            connections,
+            rounds,
+            served,
+            serving and served < self.max_connections,
+        )
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -233,12 +259,12 @@ class Worker:
             else:
                 self._conns.add(conn)
                 self.stats.connections += 1
-                t = threading.Thread(target=self._serve, args=(conn, peer, hdr, payload),
-                                     name=f"worker-conn-{peer}", daemon=True)
+                t = threading.Thread(
+                    target=self._serve, args=(conn, peer, hdr, payload), name=f"worker-conn-{peer}", daemon=True
+                )
                 self._threads.append(t)
         if busy:
-            reason = (f"busy: {self.max_connections} connections served (--max-connections); "
-                      "try again later")
+            reason = f"busy: {self.max_connections} connections served (--max-connections); try again later"
             log.warning("refused HELLO of session %#x from %s: %s", hdr.session, peer, reason)
             self._answer_and_close(conn, self._ack(wire.REFUSE_LIMITS, reason, hdr.session))
             return
@@ -252,7 +278,7 @@ class Worker:
     @staticmethod
     def _answer_and_close(conn: socket.socket, frame: bytes) -> None:
         try:
-            conn.send(frame)       # non-blocking: what does not fit is not waited for
+            conn.send(frame)  # non-blocking: what does not fit is not waited for
         except OSError:
             pass
         conn.close()
@@ -297,11 +323,12 @@ class Worker:
             log.warning("connection %s: bad frame, closing it: %s", peer, e)
         except DeadlineExceeded as e:
             self._count("stalled")
-            log.warning("connection %s: a frame not whole within %.1f s (%s); closing it", peer,
-                        self.frame_timeout_s, e)
+            log.warning(
+                "connection %s: a frame not whole within %.1f s (%s); closing it", peer, self.frame_timeout_s, e
+            )
         except Disconnected:
             pass
-        except Exception:   # the drafter (or this worker) failed: this connection only, loudly
+        except Exception:  # the drafter (or this worker) failed: this connection only, loudly
             log.exception("connection %s: failed serving a round; closing it", peer)
         finally:
             if self._stopping.is_set() or (session is not None and session.evicted):
@@ -312,32 +339,26 @@ class Worker:
             with self._lock:
                 self._conns.discard(conn)
 
-    def _hello(self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
-               ) -> Session | None:
+    def _hello(
+        self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
+    ) -> Session | None:
         hello = wire.decode_hello(payload)
-        code, reason, why = wire.ACCEPT, "", ""
-        if hello.drafter_identity != self.drafter.drafter_identity:
-            code, why = wire.REFUSE_DRAFTER, "drafter"
-            reason = (f"drafter identity mismatch: engine {hello.drafter_identity.hex()}, "
-                      f"worker {self.drafter.drafter_identity.hex()} (VLLM_DSPARK_REMOTE_IDENTITY)")
-        elif hello.markov_identity != self.drafter.markov_identity:
-            code, why = wire.REFUSE_MARKOV, "markov"
-            reason = (f"Markov identity mismatch: engine {hello.markov_identity.hex()}, "
-                      f"worker {self.drafter.markov_identity.hex()} (VLLM_DSPARK_REMOTE_MARKOV_IDENTITY)")
-        elif hello.vocab_size and vocab_size_of(self.drafter) > hello.vocab_size:
-            code, why = wire.REFUSE_DRAFTER, "vocab"   # its drafts could name tokens the engine does not have
-            reason = (f"vocabulary mismatch: the drafter's vocabulary is {vocab_size_of(self.drafter)} tokens, "
-                      f"over the engine's {hello.vocab_size}")
-        elif (over := self.limits.refusal(hello)) is not None:    # this worker's own limits
-            code, reason, why = wire.REFUSE_LIMITS, over, "limits"
+        code, reason, why = hello_refusal(self.drafter, self.limits, hello)
         if code != wire.ACCEPT:
             self._refuse(why)
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
             chan.send(self._ack(code, reason, hdr.session))
             return None
-        session = Session(hdr.session, hello.max_slots, hello.num_spec, hello.want_margin,
-                          Windows(hello.max_slots, self.window), row_bytes=hello.row_bytes,
-                          engine_id=hello.engine_id, conn=conn)
+        session = Session(
+            hdr.session,
+            hello.max_slots,
+            hello.num_spec,
+            hello.want_margin,
+            Windows(hello.max_slots, self.window),
+            row_bytes=hello.row_bytes,
+            engine_id=hello.engine_id,
+            conn=conn,
+        )
         # A place among the engines: the engine's own (a new session replaces the old
         # one's windows), a free one, or the least recently served one's if it has idled
         # recent_s; else "busy" (worker_sessions).
@@ -349,43 +370,33 @@ class Worker:
             return None
         if evicted is not None:
             self._count("evicted")
-            log.info("engine %#x (session %#x) evicted for engine %#x: served least recently", evicted.engine_id,
-                     evicted.session, hello.engine_id)
+            log.info(
+                "engine %#x (session %#x) evicted for engine %#x: served least recently",
+                evicted.engine_id,
+                evicted.session,
+                hello.engine_id,
+            )
         chan.max_payload = self.limits.frame_cap(hello)
         # Only now the ACK: once the engine side has it, the old windows are gone.
         chan.send(self._ack(code, reason, hdr.session))
-        log.info("session %#x of engine %#x: %d slots, num_spec %d", hdr.session, hello.engine_id,
-                 hello.max_slots, hello.num_spec)
+        log.info(
+            "session %#x of engine %#x: %d slots, num_spec %d",
+            hdr.session,
+            hello.engine_id,
+            hello.max_slots,
+            hello.num_spec,
+        )
         return session
 
     def _ack(self, code: int, reason: str, session: int) -> bytes:
         return wire.encode_hello_ack(
-            wire.HelloAck(code, self.drafter.drafter_identity, self.drafter.markov_identity, reason), session)
+            wire.HelloAck(code, self.drafter.drafter_identity, self.drafter.markov_identity, reason), session
+        )
 
     def _round(self, session: Session, hdr: wire.Header, payload) -> bytes:
         """One ROUND in, its DRAFTS frame out; no Python loop over the entries."""
         rnd = wire.decode_round(hdr, payload)
-        if session.row_bytes is not None and rnd.row_bytes != session.row_bytes:
-            raise wire.ProtocolError(f"ROUND row_bytes {rnd.row_bytes}, the session said {session.row_bytes}")
-        if len(rnd.tokens) > self.limits.max_round_tokens:
-            raise wire.ProtocolError(f"ROUND of {len(rnd.tokens)} tokens, over this worker's "
-                                     f"{self.limits.max_round_tokens} (--max-round-tokens)")
-        n = len(rnd)
-        slots = np.frombuffer(rnd.slots, np.uint32).astype(np.int64)
-        n_out = np.frombuffer(rnd.n_out, np.uint32)
-        session.windows.check_slots(slots)
-        adv = session.windows.advance(
-            slots, np.frombuffer(rnd.positions, np.uint32).astype(np.int64),
-            (np.frombuffer(rnd.flags, np.uint32) & wire.FLAG_NEW_GEN) != 0,
-            np.frombuffer(rnd.offsets, np.uint32).astype(np.int64), np.frombuffer(rnd.tokens, np.int32))
-        ok = adv.ok
-        width = min(int(n_out.max()) if n else 0, session.num_spec)
-        all_ok = bool(ok.all())
-        rows = np.frombuffer(rnd.rows, np.uint8).reshape(n, rnd.row_bytes)
-        batch = DraftBatch(adv.tokens, adv.offsets,
-                           np.minimum(n_out if all_ok else n_out[ok], width).astype(np.int32),
-                           rows if all_ok else rows[ok], session.want_margin, width,
-                           session=session.windows.serial, slots=adv.slots, gens=adv.gens, lengths=adv.lengths)
+        slots, ok, width, batch = drafting_batch(session, rnd, self.limits)
         # No drafting entries (an empty round, or every slot to re-announce): no call.
         drafting = None
         if len(batch):
@@ -395,14 +406,8 @@ class Worker:
             result = check_result(result, batch)
         else:
             result = empty_result(0, width, session.want_margin)
-        reply, out = drafts_frame(hdr.session, rnd.round_id, n, width, result.margins is not None)
-        out.slots[:] = slots
-        out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
-        where = slice(None) if all_ok else ok
-        out.counts[where] = result.counts
-        out.tokens[where] = result.tokens
-        if out.margins is not None:
-            out.margins[where] = result.margins
+        reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result)
+        n = len(slots)
         with self._lock:
             self.stats.rounds += 1
             self.stats.entries += n

@@ -64,19 +64,19 @@ class _Pending:
     deadline: float
     buf: bytearray
     got: int = 0
-    need: int = wire.HEADER.size         # the header, then the whole HELLO frame
+    need: int = wire.HEADER.size  # the header, then the whole HELLO frame
     header: wire.Header | None = None
 
 
 @dataclass(frozen=True)
 class AdmissionStats:
-    pending: int        # connections in the pool now
-    accepted: int       # connections accepted
-    handed: int         # whole HELLOs handed over
+    pending: int  # connections in the pool now
+    accepted: int  # connections accepted
+    handed: int  # whole HELLOs handed over
     hello_timeouts: int
-    displaced: int      # dropped to make room for a newer connection (pool full, or out of descriptors)
-    bad_frames: int     # anything but a HELLO, or a header over the HELLO's cap
-    closed: int         # the peer closed (or reset) before its HELLO was whole
+    displaced: int  # dropped to make room for a newer connection (pool full, or out of descriptors)
+    bad_frames: int  # anything but a HELLO, or a header over the HELLO's cap
+    closed: int  # the peer closed (or reset) before its HELLO was whole
 
 
 class Admission:
@@ -88,9 +88,18 @@ class Admission:
     ``count(name)`` is told of each drop, by the name of its counter.
     """
 
-    def __init__(self, listener: socket.socket, wake_fd: int, *, max_pending: int, hello_timeout_s: float,
-                 on_hello: Callable, on_version: Callable, count: Callable[[str], None] = lambda name: None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        listener: socket.socket,
+        wake_fd: int,
+        *,
+        max_pending: int,
+        hello_timeout_s: float,
+        on_hello: Callable,
+        on_version: Callable,
+        count: Callable[[str], None] = lambda name: None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if max_pending < 1:
             raise ValueError(f"max_pending {max_pending}: must be >= 1")
         if not hello_timeout_s > 0:
@@ -100,10 +109,10 @@ class Admission:
         self.max_pending = max_pending
         self.hello_timeout_s = hello_timeout_s
         self.on_hello, self.on_version, self.count, self.clock = on_hello, on_version, count, clock
-        self._pool: OrderedDict[int, _Pending] = OrderedDict()   # fd -> pending, oldest first
+        self._pool: OrderedDict[int, _Pending] = OrderedDict()  # fd -> pending, oldest first
         self._sel: selectors.BaseSelector | None = None
         self._n = dict(accepted=0, handed=0, hello_timeouts=0, displaced=0, bad_frames=0, closed=0)
-        self._last_error = -math.inf       # when an accept error was last logged
+        self._last_error = -math.inf  # when an accept error was last logged
 
     def statistics(self) -> AdmissionStats:
         return AdmissionStats(len(self._pool), **self._n)
@@ -155,7 +164,7 @@ class Admission:
                 if now - self._last_error >= 10.0:
                     self._last_error = now
                     log.warning("accept failed: %s", e)
-                time.sleep(0.01)   # nothing of ours to free: let served connections end
+                time.sleep(0.01)  # nothing of ours to free: let served connections end
                 return
             self._n["accepted"] += 1
             try:
@@ -174,7 +183,7 @@ class Admission:
 
     def _read(self, p: _Pending) -> None:
         try:
-            n = p.sock.recv_into(memoryview(p.buf)[p.got:p.need])
+            n = p.sock.recv_into(memoryview(p.buf)[p.got : p.need])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -185,7 +194,7 @@ class Admission:
         p.got += n
         if p.header is None and p.got == wire.HEADER.size:
             try:
-                hdr = wire.decode_header(p.buf[:wire.HEADER.size])
+                hdr = wire.decode_header(p.buf[: wire.HEADER.size])
             except wire.VersionMismatch as e:
                 self._remove(p)
                 self.on_version(p.sock, p.peer, e)
@@ -200,7 +209,7 @@ class Admission:
         if p.header is not None and p.got == p.need:
             self._remove(p)
             self._n["handed"] += 1
-            self.on_hello(p.sock, p.peer, p.header, bytes(p.buf[wire.HEADER.size:p.need]))
+            self.on_hello(p.sock, p.peer, p.header, bytes(p.buf[wire.HEADER.size : p.need]))
 
     def _expire(self) -> None:
         now = self.clock()
@@ -216,7 +225,7 @@ class Admission:
         self._drop(p, "bad_frames")
 
     def _drop(self, p: _Pending, counter: str) -> None:
-        self._n[counter] += 1          # counted before the close: whoever sees it closed sees it counted
+        self._n[counter] += 1  # counted before the close: whoever sees it closed sees it counted
         if counter != "closed":
             self.count(counter)
         self._remove(p)

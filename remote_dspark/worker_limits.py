@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import wire
+from .drafter import vocab_size_of
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192
@@ -49,11 +50,17 @@ class Limits:
         if self.max_round_tokens is None:
             object.__setattr__(self, "max_round_tokens", min(wire.MAX_TOKENS, TOKENS_PER_SLOT * self.max_slots))
         if self.max_round_bytes is None:
-            object.__setattr__(self, "max_round_bytes", min(wire.MAX_PAYLOAD, largest_round(
-                self.max_slots, self.max_round_tokens, self.max_row_bytes)))
-        for name, low, high in (("max_slots", 1, wire.MAX_ENTRIES), ("max_row_bytes", 0, wire.MAX_ROW_BYTES),
-                                ("max_round_tokens", 0, wire.MAX_TOKENS),
-                                ("max_round_bytes", wire.ROUND_FIXED.size + 4, wire.MAX_PAYLOAD)):
+            object.__setattr__(
+                self,
+                "max_round_bytes",
+                min(wire.MAX_PAYLOAD, largest_round(self.max_slots, self.max_round_tokens, self.max_row_bytes)),
+            )
+        for name, low, high in (
+            ("max_slots", 1, wire.MAX_ENTRIES),
+            ("max_row_bytes", 0, wire.MAX_ROW_BYTES),
+            ("max_round_tokens", 0, wire.MAX_TOKENS),
+            ("max_round_bytes", wire.ROUND_FIXED.size + 4, wire.MAX_PAYLOAD),
+        ):
             value = getattr(self, name)
             if not low <= value <= high:
                 raise ValueError(f"{name} {value}: not in {low}..{high} (--{name.replace('_', '-')})")
@@ -67,11 +74,49 @@ class Limits:
             why.append(f"row_bytes {hello.row_bytes} over this worker's {self.max_row_bytes} (--max-row-bytes)")
         rows = largest_round(hello.max_slots, 0, hello.row_bytes)
         if rows > self.max_round_bytes:
-            why.append(f"a round of {hello.max_slots} rows of {hello.row_bytes} bytes is {rows} bytes, over this "
-                       f"worker's {self.max_round_bytes} (--max-round-bytes)")
+            why.append(
+                f"a round of {hello.max_slots} rows of {hello.row_bytes} bytes is {rows} bytes, over this "
+                f"worker's {self.max_round_bytes} (--max-round-bytes)"
+            )
         return "; ".join(why) or None
 
     def frame_cap(self, hello: wire.Hello) -> int:
         """The largest payload a session of ``hello`` may send: the smaller of the worker's
         round cap and a round of the session's slots and rows with the worker's tokens."""
         return min(self.max_round_bytes, largest_round(hello.max_slots, self.max_round_tokens, hello.row_bytes))
+
+
+def hello_refusal(drafter, limits: Limits, hello: wire.Hello) -> tuple[int, str, str]:
+    """Whether a worker serving ``drafter`` under ``limits`` takes ``hello``: ``(code,
+    reason, why)``, ``code`` ``wire.ACCEPT`` (and empty strings) or the refusal's code,
+    its reason for the engine's log and ``why``, the metrics' label (drafter, markov,
+    vocab, limits). Busy is decided later, among the engines (worker_sessions)."""
+    if hello.drafter_identity != drafter.drafter_identity:
+        return (
+            wire.REFUSE_DRAFTER,
+            (
+                f"drafter identity mismatch: engine {hello.drafter_identity.hex()}, "
+                f"worker {drafter.drafter_identity.hex()} (VLLM_DSPARK_REMOTE_IDENTITY)"
+            ),
+            "drafter",
+        )
+    if hello.markov_identity != drafter.markov_identity:
+        return (
+            wire.REFUSE_MARKOV,
+            (
+                f"Markov identity mismatch: engine {hello.markov_identity.hex()}, "
+                f"worker {drafter.markov_identity.hex()} (VLLM_DSPARK_REMOTE_MARKOV_IDENTITY)"
+            ),
+            "markov",
+        )
+    vocab = vocab_size_of(drafter)
+    if hello.vocab_size and vocab > hello.vocab_size:  # its drafts could name tokens the engine does not have
+        return (
+            wire.REFUSE_DRAFTER,
+            (f"vocabulary mismatch: the drafter's vocabulary is {vocab} tokens, over the engine's {hello.vocab_size}"),
+            "vocab",
+        )
+    over = limits.refusal(hello)
+    if over is not None:
+        return wire.REFUSE_LIMITS, over, "limits"
+    return wire.ACCEPT, "", ""

@@ -73,7 +73,7 @@ class WorkerCollector(Collector):
         self.start_time = time.time() if start_time is None else start_time
 
     def describe(self):
-        return []   # families depend on the drafter (cache or not): skip the register-time collect
+        return []  # families depend on the drafter (cache or not): skip the register-time collect
 
     def collect(self) -> Iterator:
         w = self.worker
@@ -84,61 +84,93 @@ class WorkerCollector(Collector):
             vocab = vocab_size_of(drafter)
         except ValueError:
             vocab = 0
-        info = InfoMetricFamily(PREFIX[:-1], "The worker's drafter: its class, identities and vocabulary size "
-                                "(0: it does not say).")
-        info.add_metric([], {"drafter": type(drafter).__name__, "drafter_identity": drafter.drafter_identity.hex(),
-                             "markov_identity": drafter.markov_identity.hex(), "vocab_size": str(vocab)})
+        info = InfoMetricFamily(
+            PREFIX[:-1], "The worker's drafter: its class, identities and vocabulary size (0: it does not say)."
+        )
+        info.add_metric(
+            [],
+            {
+                "drafter": type(drafter).__name__,
+                "drafter_identity": drafter.drafter_identity.hex(),
+                "markov_identity": drafter.markov_identity.hex(),
+                "vocab_size": str(vocab),
+            },
+        )
         yield info
         yield _gauge("start_time_seconds", "When the worker started, seconds since the Unix epoch.", self.start_time)
 
-        conns = _gauge("connections", "Connections now, by state: pending (accepted, no HELLO yet: the pre-HELLO "
-                       "pool) and served (a HELLO accepted, a thread each).", labels=("state",))
+        conns = _gauge(
+            "connections",
+            "Connections now, by state: pending (accepted, no HELLO yet: the pre-HELLO "
+            "pool) and served (a HELLO accepted, a thread each).",
+            labels=("state",),
+        )
         conns.add_metric(["pending"], adm.pending if adm else 0)
         conns.add_metric(["served"], w.served_now())
         yield conns
-        limit = _gauge("connections_limit", "The most connections of each state (--max-pending, "
-                       "--max-connections).", labels=("state",))
+        limit = _gauge(
+            "connections_limit",
+            "The most connections of each state (--max-pending, --max-connections).",
+            labels=("state",),
+        )
         limit.add_metric(["pending"], w.max_pending)
         limit.add_metric(["served"], w.max_connections)
         yield limit
-        yield _counter("accepted_connections", "TCP connections accepted (before HELLO).",
-                       adm.accepted if adm else 0)
-        yield _counter("served_connections", "Connections given a thread: a whole HELLO not refused busy at the door "
-                       "(its identities, vocabulary and limits are checked there: refusals included).",
-                       s.connections)
-        refusals = _counter("hello_refusals", "HELLOs refused, by reason: drafter or markov (identity mismatch), "
-                            "vocab (the drafter's vocabulary is over the engine's), limits (beyond this worker's "
-                            "limits), version (another protocol version), busy (no served connection or no "
-                            "engine place free).", labels=("reason",))
+        yield _counter("accepted_connections", "TCP connections accepted (before HELLO).", adm.accepted if adm else 0)
+        yield _counter(
+            "served_connections",
+            "Connections given a thread: a whole HELLO not refused busy at the door "
+            "(its identities, vocabulary and limits are checked there: refusals included).",
+            s.connections,
+        )
+        refusals = _counter(
+            "hello_refusals",
+            "HELLOs refused, by reason: drafter or markov (identity mismatch), "
+            "vocab (the drafter's vocabulary is over the engine's), limits (beyond this worker's "
+            "limits), version (another protocol version), busy (no served connection or no "
+            "engine place free).",
+            labels=("reason",),
+        )
         for reason in REFUSAL_REASONS:
             refusals.add_metric([reason], s.refusals[reason])
         yield refusals
         yield _counter("bad_frames", "Connections dropped for a frame that breaks the contract.", s.bad_frames)
-        yield _counter("stalled_connections", "Connections dropped for a frame not whole within "
-                       "--frame-timeout-ms.", s.stalled)
-        yield _counter("hello_timeouts", "Connections dropped for no HELLO within --hello-timeout-ms.",
-                       s.hello_timeouts)
-        yield _counter("displaced_connections", "Pre-HELLO connections dropped to make room for a newer one.",
-                       s.displaced)
-        yield _counter("evicted_sessions", "Sessions evicted for a newcomer (least recently served, idle a "
-                       "minute or more).", s.evicted)
+        yield _counter(
+            "stalled_connections", "Connections dropped for a frame not whole within --frame-timeout-ms.", s.stalled
+        )
+        yield _counter(
+            "hello_timeouts", "Connections dropped for no HELLO within --hello-timeout-ms.", s.hello_timeouts
+        )
+        yield _counter(
+            "displaced_connections", "Pre-HELLO connections dropped to make room for a newer one.", s.displaced
+        )
+        yield _counter(
+            "evicted_sessions",
+            "Sessions evicted for a newcomer (least recently served, idle a minute or more).",
+            s.evicted,
+        )
 
         yield _counter("rounds", "ROUND frames answered.", s.rounds)
         yield _counter("entries", "Entries of the rounds answered.", s.entries)
-        yield _counter("resyncs", "Entries answered RESYNC (no window for the slot, or a gap in its positions).",
-                       s.resyncs)
+        yield _counter(
+            "resyncs", "Entries answered RESYNC (no window for the slot, or a gap in its positions).", s.resyncs
+        )
         yield _counter("draft_tokens", "Draft tokens sent.", s.draft_tokens)
-        yield _histogram("round_duration_seconds", "From a whole ROUND received to its DRAFTS sent.",
-                         s.round_seconds.snapshot())
-        yield _histogram("drafting_duration_seconds", "Time inside the drafter's draft_batch, per round that "
-                         "had entries to draft.", s.drafting_seconds.snapshot())
+        yield _histogram(
+            "round_duration_seconds", "From a whole ROUND received to its DRAFTS sent.", s.round_seconds.snapshot()
+        )
+        yield _histogram(
+            "drafting_duration_seconds",
+            "Time inside the drafter's draft_batch, per round that had entries to draft.",
+            s.drafting_seconds.snapshot(),
+        )
 
         try:
             cache = cache_info_of(drafter)
-        except Exception:   # a plug-in's bug must not cost the other metrics
+        except Exception:  # a plug-in's bug must not cost the other metrics
             log.exception("drafter.cache_info() failed; cache metrics left out of this scrape")
             cache = None
-        if cache is not None:   # absent (not zero) for a drafter without per-slot state
+        if cache is not None:  # absent (not zero) for a drafter without per-slot state
             yield _gauge("cache_slots", "Streams with cached drafter state now.", cache.slots)
             yield _gauge("cache_capacity_slots", "The most streams the drafter's cache keeps.", cache.capacity)
             yield _gauge("cache_bytes", "Memory the drafter's cache holds.", cache.bytes)
@@ -149,7 +181,7 @@ class WorkerCollector(Collector):
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
-    def do_GET(self) -> None:   # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             code, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry)
@@ -166,12 +198,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format, *args) -> None:   # a scrape every few seconds: no log line each
+    def log_message(self, format, *args) -> None:  # a scrape every few seconds: no log line each
         pass
 
 
 class _Server(ThreadingHTTPServer):
-    daemon_threads = True      # a stuck client never holds the worker's exit
+    daemon_threads = True  # a stuck client never holds the worker's exit
     registry: CollectorRegistry
     worker: object
 
@@ -188,7 +220,7 @@ class MetricsServer:
     def __init__(self, worker, host: str = "127.0.0.1", port: int = 0):
         if not 0 <= port <= 65535:
             raise ValueError(f"--metrics-port {port}: expected 0..65535")
-        self.registry = CollectorRegistry(auto_describe=False)   # its own: never the global default registry
+        self.registry = CollectorRegistry(auto_describe=False)  # its own: never the global default registry
         self.registry.register(WorkerCollector(worker))
         cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6}) if ":" in host else _Server
         try:
@@ -198,14 +230,15 @@ class MetricsServer:
         self._server.registry, self._server.worker = self.registry, worker
         self.host, self.port = host, self._server.server_address[1]
         self._closed = False
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="worker-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="worker-metrics", daemon=True
+        )
         self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
         if self._closed:
             return
         self._closed = True
-        self._server.shutdown()      # returns within poll_interval: serve_forever only dispatches
+        self._server.shutdown()  # returns within poll_interval: serve_forever only dispatches
         self._server.server_close()
         self._thread.join(timeout_s)

@@ -34,10 +34,10 @@ class Session:
     num_spec: int
     want_margin: bool
     windows: Windows
-    row_bytes: int | None = None       # the HELLO's; None: not checked (tests that drive rounds directly)
+    row_bytes: int | None = None  # the HELLO's; None: not checked (tests that drive rounds directly)
     engine_id: int = 0
-    last_served: float = 0.0           # monotonic: its HELLO, then the end of every round it was answered
-    evicted: bool = False              # a newcomer took its place; its connection says BYE and closes
+    last_served: float = 0.0  # monotonic: its HELLO, then the end of every round it was answered
+    evicted: bool = False  # a newcomer took its place; its connection says BYE and closes
     conn: socket.socket | None = None  # its connection (shut down on eviction), when it has one
 
 
@@ -83,16 +83,18 @@ class Sessions:
                 victim = min(self._by_engine.values(), key=lambda s: s.last_served)
                 idle = now - victim.last_served
                 if idle < self.recent_s:
-                    return (f"busy: all {self.max_engines} engine places are held by engines served within the "
-                            f"last {self.recent_s:g} s (the least recently served {idle:.1f} s ago; "
-                            "--max-engines); try again later"), None
+                    return (
+                        f"busy: all {self.max_engines} engine places are held by engines served within the "
+                        f"last {self.recent_s:g} s (the least recently served {idle:.1f} s ago; "
+                        "--max-engines); try again later"
+                    ), None
                 del self._by_engine[victim.engine_id]
                 victim.evicted = True
                 victim.windows.forget_all()
             new.last_served = now
             self._by_engine[new.engine_id] = new
         if victim is not None and victim.conn is not None:
-            try:   # wakes its thread out of recv: it says BYE and closes
+            try:  # wakes its thread out of recv: it says BYE and closes
                 victim.conn.shutdown(socket.SHUT_RD)
             except OSError:
                 pass

@@ -26,18 +26,18 @@ class WorkerStats:
     tests read them). Written under ``Worker._lock``; read a consistent copy with
     :meth:`Worker.statistics`."""
 
-    connections: int = 0      # connections served (a whole HELLO given a thread)
+    connections: int = 0  # connections served (a whole HELLO given a thread)
     refusals: dict = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))  # HELLOs refused, by reason
-    evicted: int = 0          # sessions evicted for a newcomer (least recently served, idle >= recent_s)
-    bad_frames: int = 0       # connections dropped for a frame that breaks the contract
-    stalled: int = 0          # connections dropped for a frame not whole within frame_timeout_s
-    hello_timeouts: int = 0   # connections dropped for no HELLO within hello_timeout_s
-    displaced: int = 0        # pre-HELLO connections dropped to make room for a newer one
+    evicted: int = 0  # sessions evicted for a newcomer (least recently served, idle >= recent_s)
+    bad_frames: int = 0  # connections dropped for a frame that breaks the contract
+    stalled: int = 0  # connections dropped for a frame not whole within frame_timeout_s
+    hello_timeouts: int = 0  # connections dropped for no HELLO within hello_timeout_s
+    displaced: int = 0  # pre-HELLO connections dropped to make room for a newer one
     rounds: int = 0
     entries: int = 0
     resyncs: int = 0
     draft_tokens: int = 0
-    round_seconds: HistogramCounter = field(default_factory=HistogramCounter)     # a whole ROUND in to its DRAFTS sent
+    round_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a whole ROUND in to its DRAFTS sent
     drafting_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # inside draft_batch
 
     @property
@@ -52,21 +52,27 @@ class WorkerStats:
 
     def copy(self) -> WorkerStats:
         """A copy that shares nothing mutable (the histograms as counters of their own)."""
+
         def hist(h: HistogramCounter) -> HistogramCounter:
             c = HistogramCounter(h.bounds)
             c.buckets[:], c.sum = h.buckets, h.sum
             return c
-        return replace(self, refusals=dict(self.refusals), round_seconds=hist(self.round_seconds),
-                       drafting_seconds=hist(self.drafting_seconds))
+
+        return replace(
+            self,
+            refusals=dict(self.refusals),
+            round_seconds=hist(self.round_seconds),
+            drafting_seconds=hist(self.drafting_seconds),
+        )
 
 
 @dataclass(frozen=True)
 class Health:
     """What ``/healthz`` and ``/readyz`` answer (``worker_metrics``)."""
 
-    state: str               # serving, or stopping (from the moment stop() begins)
+    state: str  # serving, or stopping (from the moment stop() begins)
     uptime_s: float
-    connections: int         # served so far
+    connections: int  # served so far
     rounds: int
-    served_now: int          # connections served at this moment
-    ready: bool              # serving with a served connection free (a HELLO now would not be busy)
+    served_now: int  # connections served at this moment
+    ready: bool  # serving with a served connection free (a HELLO now would not be busy)

@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from . import wire
 
-_SERIALS = itertools.count(1)   # Windows.serial: never reused in a process's life
+_SERIALS = itertools.count(1)  # Windows.serial: never reused in a process's life
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,12 @@ class Advanced:
     """What :meth:`Windows.advance` made of a round: which entries have a window, and the
     windows of those (``m`` of the round's ``n`` entries, in entry order)."""
 
-    ok: np.ndarray        # [n] bool: the entry's slot has a window (else: RESYNC)
-    tokens: np.ndarray    # [T] int32: the m contexts, each the slot's window after the round
-    offsets: np.ndarray   # [m + 1] int64
-    slots: np.ndarray     # [m] int64
-    gens: np.ndarray      # [m] int64: the slots' generations (Windows.gen)
-    lengths: np.ndarray   # [m] int64: tokens each slot has had since its NEW_GEN
+    ok: np.ndarray  # [n] bool: the entry's slot has a window (else: RESYNC)
+    tokens: np.ndarray  # [T] int32: the m contexts, each the slot's window after the round
+    offsets: np.ndarray  # [m + 1] int64
+    slots: np.ndarray  # [m] int64
+    gens: np.ndarray  # [m] int64: the slots' generations (Windows.gen)
+    lengths: np.ndarray  # [m] int64: tokens each slot has had since its NEW_GEN
 
 
 class Windows:
@@ -61,8 +61,9 @@ class Windows:
         # Every span of ``window`` consecutive ring cells, as a read-only view: the span
         # at ``slot * 2 * window + start`` is a window starting at column ``start``.
         flat = self.ring.reshape(-1)
-        self._spans = as_strided(flat, (flat.size - window + 1, window), (flat.itemsize, flat.itemsize),
-                                 writeable=False)
+        self._spans = as_strided(
+            flat, (flat.size - window + 1, window), (flat.itemsize, flat.itemsize), writeable=False
+        )
         self.serial = next(_SERIALS)
         self.written = np.zeros(max_slots, np.int64)
         self.gen = np.zeros(max_slots, np.int64)
@@ -82,17 +83,18 @@ class Windows:
         over = slots >= self.max_slots
         if over.any():
             i = int(np.argmax(over))
-            raise wire.ProtocolError(f"ROUND slots[{i}]: slot {int(slots[i])} outside the session's "
-                                     f"{self.max_slots} slots")
+            raise wire.ProtocolError(
+                f"ROUND slots[{i}]: slot {int(slots[i])} outside the session's {self.max_slots} slots"
+            )
         seen = np.bincount(slots, minlength=self.max_slots)
         if seen.max() > 1:
             slot = int(np.argmax(seen > 1))
             first, second = np.flatnonzero(slots == slot)[:2]
-            raise wire.ProtocolError(f"ROUND slots[{second}]: slot {slot} already named by entry {first} "
-                                     "of this round")
+            raise wire.ProtocolError(f"ROUND slots[{second}]: slot {slot} already named by entry {first} of this round")
 
-    def advance(self, slots: np.ndarray, positions: np.ndarray, new_gen: np.ndarray,
-                offsets: np.ndarray, tokens: np.ndarray) -> Advanced:
+    def advance(
+        self, slots: np.ndarray, positions: np.ndarray, new_gen: np.ndarray, offsets: np.ndarray, tokens: np.ndarray
+    ) -> Advanced:
         """Apply a round's entries to their slots' windows, all at once.
 
         Per entry: NEW_GEN replaces the slot's window with its tokens; an entry for a known
@@ -124,8 +126,8 @@ class Windows:
             written = base + lens
             # Scatter the ok entries' tokens into the rings: of each entry only its last W
             # tokens (earlier ones would be overwritten: one write per ring cell).
-            entry = np.repeat(np.arange(n), lens)                  # the entry of each round token
-            j = np.arange(len(tokens)) - offsets[entry]             # its index within the entry
+            entry = np.repeat(np.arange(n), lens)  # the entry of each round token
+            j = np.arange(len(tokens)) - offsets[entry]  # its index within the entry
             if all_ok and (not n or lens.max() <= W):
                 e, jk, kept = entry, j, tokens
             else:

@@ -15,8 +15,10 @@ from remote_dspark import native
 def lib(tmp_path_factory) -> native.Native:
     """The hostflag library, built once per test session into the session's temporary
     directory (never ~/.cache)."""
-    return native.load(environ={"PATH": os.environ.get("PATH", os.defpath)},
-                       cache_dir=tmp_path_factory.getbasetemp() / "hostflag-cache")
+    return native.load(
+        environ={"PATH": os.environ.get("PATH", os.defpath)},
+        cache_dir=tmp_path_factory.getbasetemp() / "hostflag-cache",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
         return
     try:
         import torch
+
         available = torch.cuda.is_available()
     except ImportError:
         available = False

@@ -18,7 +18,6 @@ def until(cond, timeout: float = 10.0, step: float = 0.005) -> bool:
     return bool(cond())
 
 
-
 def gated_drafter(model, wait_s: float = 10.0):
     """A Markov drafter that drafts only while its ``gate`` is set (bounded wait): clear
     the gate to make the worker answer late on purpose."""
@@ -35,6 +34,7 @@ def gated_drafter(model, wait_s: float = 10.0):
         def draft(self, context, n_out, row):
             self.gate.wait(wait_s)
             return super().draft(context, n_out, row)
+
     return GatedDrafter()
 
 
@@ -63,12 +63,19 @@ def env_for(port: int, tmp_path, **kw) -> dict:
     """An engine's environment for a loopback worker of COUNTING on ``port``: capacity,
     stats into ``tmp_path``, short back-offs; ``kw`` overrides or adds variables."""
     from remote_dspark.worker import MarkovDrafter
+
     d = MarkovDrafter(COUNTING)
-    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
-               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
-               VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-               VLLM_DSPARK_REMOTE_BACKOFF_MS="20", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40")
+    env = dict(
+        os.environ,
+        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+        VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
+        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
+        VLLM_DSPARK_REMOTE_POLICY="capacity",
+        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+        VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"),
+        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        VLLM_DSPARK_REMOTE_BACKOFF_MS="20",
+        VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40",
+    )
     env.update(kw)
     return env

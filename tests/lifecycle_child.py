@@ -22,7 +22,7 @@ import time
 import traceback
 from collections import Counter
 
-faulthandler.enable()   # a SIGSEGV prints every thread's Python stack to stderr
+faulthandler.enable()  # a SIGSEGV prints every thread's Python stack to stderr
 
 import torch
 from helpers import COUNTING  # tests/ is on PYTHONPATH
@@ -31,22 +31,28 @@ from remote_dspark.config import RemoteConfig
 from remote_dspark.engine import Batch, Drafts, RemoteClosed, RemoteDSpark
 from remote_dspark.worker import MarkovDrafter, Worker
 
-CYCLE_LIMIT_S = 20.0     # one cycle, start to end: past this the child dumps its stacks and exits
-JOIN_S = 5.0             # a thread's end after close() (close itself is allowed CLOSE_DEADLINE_S)
-FIRST_ROUND_S = 5.0      # the round thread's first answer after start()
-MAX_DELAY_S = 0.005      # close() comes this long at most after the first answer (uniform)
+CYCLE_LIMIT_S = 20.0  # one cycle, start to end: past this the child dumps its stacks and exits
+JOIN_S = 5.0  # a thread's end after close() (close itself is allowed CLOSE_DEADLINE_S)
+FIRST_ROUND_S = 5.0  # the round thread's first answer after start()
+MAX_DELAY_S = 0.005  # close() comes this long at most after the first answer (uniform)
 ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 
 
 def environment(mode: str, port: int, tmp: str) -> dict[str, str]:
     """As tests/test_engine.py builds it: capacity, the modes' switches, a stats file."""
     d = MarkovDrafter(COUNTING)
-    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
-               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
-               VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-               VLLM_DSPARK_REMOTE_STATS_FILE=os.path.join(tmp, "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-               VLLM_DSPARK_REMOTE_BACKOFF_MS="20", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40")
+    env = dict(
+        os.environ,
+        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+        VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
+        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
+        VLLM_DSPARK_REMOTE_POLICY="capacity",
+        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+        VLLM_DSPARK_REMOTE_STATS_FILE=os.path.join(tmp, "stats.json"),
+        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        VLLM_DSPARK_REMOTE_BACKOFF_MS="20",
+        VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40",
+    )
     if mode == "sync":
         env["VLLM_DSPARK_REMOTE_ASYNC"] = "0"
     else:
@@ -82,10 +88,10 @@ class Rounds(threading.Thread):
     def __init__(self, rd: RemoteDSpark):
         super().__init__(name="rounds", daemon=True)
         self.rd = rd
-        self.outcomes: Counter = Counter()   # Drafts.outcome, or "RemoteClosed"
+        self.outcomes: Counter = Counter()  # Drafts.outcome, or "RemoteClosed"
         self.errors: list[str] = []
-        self.answered = threading.Event()   # a first round came back (or the thread ended)
-        self.inside = False                 # between the call of round() and its return
+        self.answered = threading.Event()  # a first round came back (or the thread ended)
+        self.inside = False  # between the call of round() and its return
 
     def run(self) -> None:
         while True:
@@ -152,7 +158,7 @@ def close_round(rd: RemoteDSpark, rng: random.Random, summary: dict, tmp: str) -
     if not rounds.answered.wait(FIRST_ROUND_S):
         errors.append(f"no first round within {FIRST_ROUND_S} s")
     time.sleep(rng.uniform(0, MAX_DELAY_S))
-    summary["in_flight_at_close"] += rounds.inside   # counted, never required: timing
+    summary["in_flight_at_close"] += rounds.inside  # counted, never required: timing
     close_s = timed_close(rd, errors)
     summary["close_s"].append(round(close_s, 4))
     rounds.join(JOIN_S)
@@ -185,7 +191,7 @@ def stats_close(rd: RemoteDSpark, rng: random.Random, summary: dict, tmp: str) -
     rounds.join(JOIN_S)
     if rounds.is_alive():
         errors.append(f"the round thread did not end within {JOIN_S} s of close()")
-    time.sleep(0.01)   # a few more scrapes after the round thread's end
+    time.sleep(0.01)  # a few more scrapes after the round thread's end
     scraper.stop.set()
     scraper.join(JOIN_S)
     if scraper.is_alive():
@@ -211,8 +217,10 @@ def stats_close(rd: RemoteDSpark, rng: random.Random, summary: dict, tmp: str) -
     with open(os.path.join(tmp, "stats.json")) as f:
         final = json.load(f)
     if json.loads(json.dumps(end.to_json())) != final:
-        errors.append(f"stats() after close() is not the final stats file: rounds {end.to_json()['rounds']} "
-                      f"vs the file's {final.get('rounds')}")
+        errors.append(
+            f"stats() after close() is not the final stats file: rounds {end.to_json()['rounds']} "
+            f"vs the file's {final.get('rounds')}"
+        )
     return errors
 
 
@@ -236,8 +244,9 @@ def closed(rd: RemoteDSpark, rng: random.Random, summary: dict, tmp: str) -> lis
         if e is None:
             errors.append(f"start() after close() ({name}) returned")
         elif not isinstance(e, RuntimeError) or "closed" not in str(e):
-            errors.append(f"start() after close() ({name}) did not raise RuntimeError naming the state "
-                          "'closed': " + text(e))
+            errors.append(
+                f"start() after close() ({name}) did not raise RuntimeError naming the state 'closed': " + text(e)
+            )
     return errors
 
 
@@ -248,9 +257,19 @@ def main() -> int:
     scenario, mode, cycles, seed, tmp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     run = SCENARIOS[scenario]
     rng = random.Random(seed)
-    summary = {"scenario": scenario, "mode": mode, "seed": seed, "cycles": 0, "failed_cycles": 0,
-               "close_s": [], "close_max_s": 0.0, "outcomes": Counter(), "in_flight_at_close": 0,
-               "scrapes": 0, "failures": []}
+    summary = {
+        "scenario": scenario,
+        "mode": mode,
+        "seed": seed,
+        "cycles": 0,
+        "failed_cycles": 0,
+        "close_s": [],
+        "close_max_s": 0.0,
+        "outcomes": Counter(),
+        "in_flight_at_close": 0,
+        "scrapes": 0,
+        "failures": [],
+    }
     w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0).start()
     try:
         env = environment(mode, w.port, tmp)
@@ -259,7 +278,7 @@ def main() -> int:
             rd = make(env)
             _, e = attempt(rd.start)
             errors = ["start() raised: " + text(e)] if e is not None else run(rd, rng, summary, tmp)
-            attempt(rd.close)   # a cycle that failed half-way: nothing left running
+            attempt(rd.close)  # a cycle that failed half-way: nothing left running
             faulthandler.cancel_dump_traceback_later()
             summary["cycles"] += 1
             if errors:

@@ -24,10 +24,10 @@ from remote_dspark.config import RemoteConfig
 from remote_dspark.engine import Batch, RemoteDSpark
 from remote_dspark.outcome import Outcome
 
-K = 3                   # num_spec
-VOCAB = 100             # the engine's vocabulary in the cases that give one
-HONEST = 7              # every honest draft token
-N_OUT = (1, 2)          # what the test's rounds ask of their two entries
+K = 3  # num_spec
+VOCAB = 100  # the engine's vocabulary in the cases that give one
+HONEST = 7  # every honest draft token
+N_OUT = (1, 2)  # what the test's rounds ask of their two entries
 DRAFTER_ID, MARKOV_ID = b"d" * 32, b"m" * 32
 
 
@@ -88,7 +88,7 @@ class ScriptedWorker:
                 make = self.replies.pop(0) if self.replies else drafts
                 conn.sendall(make(rnd, hello, session))
             else:
-                return   # BYE
+                return  # BYE
 
     def close(self) -> None:
         self._stop.set()
@@ -111,8 +111,19 @@ def honest_ack(hello: wire.Hello, session: int, *, ack_session: int | None = Non
     return wire.encode_hello_ack(wire.HelloAck(**ack), session if ack_session is None else ack_session)
 
 
-def drafts(rnd: wire.Round, hello: wire.Hello, session: int, *, width=None, counts=None, statuses=None,
-           token=HONEST, margin=0.5, margins=None, round_id=None) -> bytes:
+def drafts(
+    rnd: wire.Round,
+    hello: wire.Hello,
+    session: int,
+    *,
+    width=None,
+    counts=None,
+    statuses=None,
+    token=HONEST,
+    margin=0.5,
+    margins=None,
+    round_id=None,
+) -> bytes:
     """The DRAFTS for ``rnd``: honest by default (every entry drafts its n_out tokens
     ``HONEST``, margins exactly when the HELLO asked); each keyword breaks one rule."""
     n_out = list(rnd.n_out)
@@ -122,50 +133,87 @@ def drafts(rnd: wire.Round, hello: wire.Hello, session: int, *, width=None, coun
     grid = [token if j < counts[i] else 0 for i in range(n) for j in range(width)]
     want = hello.want_margin if margins is None else margins
     marg = [margin if j < counts[i] else 0.0 for i in range(n) for j in range(width)] if want else None
-    d = wire.Drafts(rnd.round_id if round_id is None else round_id, list(rnd.slots), counts,
-                    statuses or [wire.STATUS_OK] * n, width, grid, marg)
+    d = wire.Drafts(
+        rnd.round_id if round_id is None else round_id,
+        list(rnd.slots),
+        counts,
+        statuses or [wire.STATUS_OK] * n,
+        width,
+        grid,
+        marg,
+    )
     return wire.encode_drafts(d, session)
 
 
 # name: (bad frames, engine keywords, environment). Each breaks one rule of the contract.
 CASES = {
-    "token over the vocabulary": ({"replies": [lambda r, h, s: drafts(r, h, s, token=VOCAB)]},
-                                  {"vocab_size": VOCAB}, {}),
+    "token over the vocabulary": (
+        {"replies": [lambda r, h, s: drafts(r, h, s, token=VOCAB)]},
+        {"vocab_size": VOCAB},
+        {},
+    ),
     "negative token": ({"replies": [lambda r, h, s: drafts(r, h, s, token=-3)]}, {}, {}),
     "count over n_out": ({"replies": [lambda r, h, s: drafts(r, h, s, counts=[2, 2])]}, {}, {}),
     "width over num_spec": ({"replies": [lambda r, h, s: drafts(r, h, s, width=K + 1)]}, {}, {}),
-    "RESYNC with drafts": ({"replies": [lambda r, h, s: drafts(r, h, s, statuses=[wire.STATUS_RESYNC,
-                                                                                   wire.STATUS_OK])]}, {}, {}),
-    "margins missing when asked": ({"replies": [lambda r, h, s: drafts(r, h, s, margins=False)]}, {},
-                                   {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"}),
-    "margins not asked for": ({"replies": [lambda r, h, s: drafts(r, h, s, margins=True)]}, {},
-                              {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "0"}),
-    "NaN margin": ({"replies": [lambda r, h, s: drafts(r, h, s, margin=math.nan)]}, {},
-                   {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"}),
-    "margin over 1": ({"replies": [lambda r, h, s: drafts(r, h, s, margin=1.5)]}, {},
-                      {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"}),
-    "negative margin": ({"replies": [lambda r, h, s: drafts(r, h, s, margin=-0.25)]}, {},
-                        {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"}),
+    "RESYNC with drafts": (
+        {"replies": [lambda r, h, s: drafts(r, h, s, statuses=[wire.STATUS_RESYNC, wire.STATUS_OK])]},
+        {},
+        {},
+    ),
+    "margins missing when asked": (
+        {"replies": [lambda r, h, s: drafts(r, h, s, margins=False)]},
+        {},
+        {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"},
+    ),
+    "margins not asked for": (
+        {"replies": [lambda r, h, s: drafts(r, h, s, margins=True)]},
+        {},
+        {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "0"},
+    ),
+    "NaN margin": (
+        {"replies": [lambda r, h, s: drafts(r, h, s, margin=math.nan)]},
+        {},
+        {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"},
+    ),
+    "margin over 1": (
+        {"replies": [lambda r, h, s: drafts(r, h, s, margin=1.5)]},
+        {},
+        {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"},
+    ),
+    "negative margin": (
+        {"replies": [lambda r, h, s: drafts(r, h, s, margin=-0.25)]},
+        {},
+        {"VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"},
+    ),
     "another session": ({"replies": [lambda r, h, s: drafts(r, h, s ^ 0x5A5A)]}, {}, {}),
     "a round never sent": ({"replies": [lambda r, h, s: drafts(r, h, s, round_id=r.round_id + 7)]}, {}, {}),
-    "HELLO_ACK of another drafter": ({"acks": [lambda h, s: honest_ack(h, s, drafter_identity=b"x" * 32)]},
-                                     {}, {}),
-    "HELLO_ACK of another Markov model": ({"acks": [lambda h, s: honest_ack(h, s, markov_identity=b"y" * 32)]},
-                                          {}, {}),
+    "HELLO_ACK of another drafter": ({"acks": [lambda h, s: honest_ack(h, s, drafter_identity=b"x" * 32)]}, {}, {}),
+    "HELLO_ACK of another Markov model": ({"acks": [lambda h, s: honest_ack(h, s, markov_identity=b"y" * 32)]}, {}, {}),
     "HELLO_ACK of another session": ({"acks": [lambda h, s: honest_ack(h, s, ack_session=s + 1)]}, {}, {}),
 }
 
-MODE_ENV = {"sync": {}, "thread": {"VLLM_DSPARK_REMOTE_ASYNC": "1", "VLLM_DSPARK_REMOTE_ASYNC_PROXY": "thread"},
-            "process": {"VLLM_DSPARK_REMOTE_ASYNC": "1", "VLLM_DSPARK_REMOTE_ASYNC_PROXY": "process"}}
+MODE_ENV = {
+    "sync": {},
+    "thread": {"VLLM_DSPARK_REMOTE_ASYNC": "1", "VLLM_DSPARK_REMOTE_ASYNC_PROXY": "thread"},
+    "process": {"VLLM_DSPARK_REMOTE_ASYNC": "1", "VLLM_DSPARK_REMOTE_ASYNC_PROXY": "process"},
+}
 
 
 def environment(port: int, tmp_path, mode: str, env_extra: dict) -> dict:
-    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-               VLLM_DSPARK_REMOTE_IDENTITY=DRAFTER_ID.hex(), VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=MARKOV_ID.hex(),
-               VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
-               VLLM_DSPARK_REMOTE_TRIP="0", VLLM_DSPARK_REMOTE_BACKOFF_MS="20",
-               VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-               VLLM_DSPARK_REMOTE_LOG_EVERY="0", VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"))
+    env = dict(
+        os.environ,
+        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+        VLLM_DSPARK_REMOTE_IDENTITY=DRAFTER_ID.hex(),
+        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=MARKOV_ID.hex(),
+        VLLM_DSPARK_REMOTE_POLICY="capacity",
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+        VLLM_DSPARK_REMOTE_TRIP="0",
+        VLLM_DSPARK_REMOTE_BACKOFF_MS="20",
+        VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40",
+        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"),
+    )
     env.update(MODE_ENV[mode])
     env.update(env_extra)
     return env
@@ -177,8 +225,15 @@ def engine(port: int, tmp_path, mode: str, env_extra: dict, **kw) -> RemoteDSpar
 
 
 def batch() -> Batch:
-    return Batch.from_lists([0, 1], [[1], [3]], [0, 0], [True, True], torch.zeros(2, 8, dtype=torch.uint8),
-                            torch.arange(2), n_out=list(N_OUT))
+    return Batch.from_lists(
+        [0, 1],
+        [[1], [3]],
+        [0, 0],
+        [True, True],
+        torch.zeros(2, 8, dtype=torch.uint8),
+        torch.arange(2),
+        n_out=list(N_OUT),
+    )
 
 
 def first_ok(rd: RemoteDSpark, limit_s: float = 15.0):
@@ -200,7 +255,7 @@ def test_a_reply_that_breaks_the_contract_delivers_nothing_and_the_engine_reconn
             assert out.outcome is Outcome.ERROR and out.source == "none"
             assert not out.counts.any() and not out.tokens.any()
             assert out.margins is None or not out.margins.any()
-            ok = first_ok(rd)   # the engine keeps serving: an honest reply is delivered
+            ok = first_ok(rd)  # the engine keeps serving: an honest reply is delivered
             assert ok is not None, f"no round answered OK after the bad {case}"
             assert ok.counts.tolist() == list(N_OUT)
             assert ok.tokens.tolist() == [[HONEST, 0, 0], [HONEST, HONEST, 0]]
@@ -235,11 +290,12 @@ def test_the_python_round_of_the_ofl_transports_refuses_the_same_replies(lib, tm
         loop.serve(rnd)
         assert eng.released() == r
         return eng.drafts(r)
+
     try:
         loop.connect()
         d = ofl_round()
         assert (d.outcome, d.counts) == (Outcome.ERROR, ())
-        assert until(lambda: loop.link.connected and worker.connections >= 2)   # dropped, then back
+        assert until(lambda: loop.link.connected and worker.connections >= 2)  # dropped, then back
         d = ofl_round()
         assert (d.outcome, d.counts, d.tokens) == (Outcome.OK, N_OUT, ((HONEST,), (HONEST, HONEST)))
     finally:
@@ -268,7 +324,7 @@ def test_hello_carries_the_vocabulary_size_in_every_mode(tmp_path, mode):
     try:
         with engine(worker.port, tmp_path, mode, {}, vocab_size=VOCAB) as rd:
             assert first_ok(rd) is not None
-        with engine(worker.port, tmp_path, mode, {}) as rd:   # unknown: 0 on the wire
+        with engine(worker.port, tmp_path, mode, {}) as rd:  # unknown: 0 on the wire
             assert first_ok(rd) is not None
         assert [h.vocab_size for h in worker.hellos] == [VOCAB, 0]
     finally:
@@ -280,17 +336,18 @@ def test_host_token_ids_outside_the_vocabulary_raise_naming_tokens_before_anythi
     try:
         with engine(worker.port, tmp_path, "sync", {}, vocab_size=VOCAB) as rd:
             for bad in (VOCAB, -1):
-                b = Batch.from_lists([0, 1], [[1], [bad]], [0, 0], [True, True], torch.zeros(2, 8, dtype=torch.uint8),
-                                     torch.arange(2))
+                b = Batch.from_lists(
+                    [0, 1], [[1], [bad]], [0, 0], [True, True], torch.zeros(2, 8, dtype=torch.uint8), torch.arange(2)
+                )
                 with pytest.raises(ValueError, match=rf"tokens: {bad} \(token 1\) outside 0\.\.{VOCAB - 1}"):
                     rd.round(b)
             assert rd.stats().total_rounds == 0
-        assert worker.connections == 1   # HELLO only: no ROUND reached the worker
+        assert worker.connections == 1  # HELLO only: no ROUND reached the worker
     finally:
         worker.close()
 
 
-@pytest.mark.parametrize("bad", [0, -5, (1 << 31) + 1, 1.5])   # ids are i32: at most 2^31 of them
+@pytest.mark.parametrize("bad", [0, -5, (1 << 31) + 1, 1.5])  # ids are i32: at most 2^31 of them
 def test_a_vocabulary_size_out_of_range_is_refused(tmp_path, bad):
     with pytest.raises(ValueError, match=r"vocab_size=.*must be None \(unknown\) or an int in 1\.\.2147483648"):
         engine(1, tmp_path, "sync", {}, vocab_size=bad)
@@ -302,7 +359,7 @@ def test_the_worker_refuses_an_engine_with_a_smaller_vocabulary(tmp_path):
     from remote_dspark.transport import parse_endpoint
     from remote_dspark.worker import MarkovDrafter, Worker
 
-    model = MarkovModel.from_tokens([1, 2, 3, 40] * 10, order=1, top=2)   # ids up to 40
+    model = MarkovModel.from_tokens([1, 2, 3, 40] * 10, order=1, top=2)  # ids up to 40
     d = MarkovDrafter(model)
     assert d.vocab_size == 41
     w = Worker(d, "127.0.0.1", 0).start()
@@ -311,6 +368,7 @@ def test_the_worker_refuses_an_engine_with_a_smaller_vocabulary(tmp_path):
 
         def hello(vocab):
             return wire.Hello(d.drafter_identity, d.markov_identity, 1, 4, 0, 3, vocab_size=vocab)
+
         with pytest.raises(Refused) as e:
             DraftClient.connect(endpoint, hello(40), 1, 5.0)
         assert e.value.code == wire.REFUSE_DRAFTER and "41" in e.value.reason and "40" in e.value.reason
@@ -331,8 +389,11 @@ def test_an_engine_that_says_its_vocabulary_is_refused_by_a_larger_drafter_at_st
     d = MarkovDrafter(MarkovModel.from_tokens([1, 2, 3, 40] * 10, order=1, top=2))
     w = Worker(d, "127.0.0.1", 0).start()
     try:
-        env = {"VLLM_DSPARK_REMOTE_STRICT_START": "1", "VLLM_DSPARK_REMOTE_IDENTITY": d.drafter_identity.hex(),
-               "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": d.markov_identity.hex()}
+        env = {
+            "VLLM_DSPARK_REMOTE_STRICT_START": "1",
+            "VLLM_DSPARK_REMOTE_IDENTITY": d.drafter_identity.hex(),
+            "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": d.markov_identity.hex(),
+        }
         rd = engine(w.port, tmp_path, "sync", env, vocab_size=32)
         with pytest.raises(Refused, match="41 tokens, over the engine's 32"):
             rd.start()

@@ -15,14 +15,14 @@ from remote_dspark.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_me
 from remote_dspark.sim import SimEngine
 
 MAX_SLOTS, K, ROW_BYTES = 16, 4, 8
-ROWS = torch.arange(MAX_SLOTS * 2, dtype=torch.float32).reshape(MAX_SLOTS, 2)   # 8 bytes a row
+ROWS = torch.arange(MAX_SLOTS * 2, dtype=torch.float32).reshape(MAX_SLOTS, 2)  # 8 bytes a row
 
 
 @st.composite
 def batches(draw):
     n = draw(st.integers(0, MAX_SLOTS))
     slots = draw(st.permutations(range(MAX_SLOTS)))[:n]
-    tokens = [draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=CONTEXT_TOKENS + 8)) for _ in range(n)]
+    tokens = [draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=CONTEXT_TOKENS + 8)) for _ in range(n)]
     positions = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
     new_gen = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     n_out = draw(st.none() | st.lists(st.integers(0, 2 * K), min_size=n, max_size=n))
@@ -55,13 +55,17 @@ def test_round_bytes_equal_the_per_entry_reference(case):
     gather_rows_host(batch, rows, ROW_BYTES)
     want_rows = b"".join(ROWS[int(i)].numpy().tobytes() for i in batch.row_index)
     want = wire.encode_round_entries(5, 0, 77, reference_entries(batch, tokens, 3), want_rows, ROW_BYTES)
-    assert bytes(buf[:size]) + rows[:len(batch)].tobytes() == want[wire.HEADER.size:]
+    assert bytes(buf[:size]) + rows[: len(batch)].tobytes() == want[wire.HEADER.size :]
     # The same batch as int32 tensors (an engine's own dtypes) writes the same bytes.
-    as_tensors = Batch(*(torch.from_numpy(getattr(batch, f).astype(np.int32)) if f != "new_gen" else
-                         torch.from_numpy(batch.new_gen) for f in ("slots", "tokens", "token_offsets", "positions",
-                                                                   "new_gen")),
-                       ROWS, torch.from_numpy(batch.row_index),
-                       None if batch.n_out is None else torch.from_numpy(batch.n_out.astype(np.int32)))
+    as_tensors = Batch(
+        *(
+            torch.from_numpy(getattr(batch, f).astype(np.int32)) if f != "new_gen" else torch.from_numpy(batch.new_gen)
+            for f in ("slots", "tokens", "token_offsets", "positions", "new_gen")
+        ),
+        ROWS,
+        torch.from_numpy(batch.row_index),
+        None if batch.n_out is None else torch.from_numpy(batch.n_out.astype(np.int32)),
+    )
     again = np.zeros_like(buf)
     meta = host_meta(as_tensors, max_slots=MAX_SLOTS, num_spec=K, max_tokens=10_000, n_out_default=3)
     assert write_meta(again, meta, deadline_ms=77, row_bytes=ROW_BYTES) == size
@@ -74,7 +78,7 @@ def answers(draw):
     width = draw(st.integers(0, K))
     counts = draw(st.lists(st.integers(0, width), min_size=n, max_size=n))
     statuses = draw(st.lists(st.sampled_from([wire.STATUS_OK, wire.STATUS_RESYNC]), min_size=n, max_size=n))
-    tokens = draw(st.lists(st.integers(-2**31, 2**31 - 1), min_size=n * width, max_size=n * width))
+    tokens = draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n * width, max_size=n * width))
     margins = draw(st.none() | st.lists(st.floats(0, 1, width=32), min_size=n * width, max_size=n * width))
     slots = draw(st.permutations(range(MAX_SLOTS)))[:n]
     return slots, counts, statuses, width, tokens, margins
@@ -85,39 +89,52 @@ def answers(draw):
 def test_drafts_equal_the_per_entry_reference(answer, want_margin):
     slots, counts, statuses, width, tokens, margins = answer
     n = len(slots)
-    d = to_drafts(K, np.array(slots, dtype=np.int64), np.array(counts, dtype=np.uint16),
-                  np.array(statuses, dtype=np.uint16), np.array(tokens, dtype=np.int32).reshape(n, width),
-                  None if margins is None else np.array(margins, dtype=np.float32).reshape(n, width),
-                  "ok", want_margin)
+    d = to_drafts(
+        K,
+        np.array(slots, dtype=np.int64),
+        np.array(counts, dtype=np.uint16),
+        np.array(statuses, dtype=np.uint16),
+        np.array(tokens, dtype=np.int32).reshape(n, width),
+        None if margins is None else np.array(margins, dtype=np.float32).reshape(n, width),
+        "ok",
+        want_margin,
+    )
     assert d.tokens.dtype == torch.int32 and tuple(d.tokens.shape) == (n, K)
-    for i in range(n):   # the slow reference: row by row, nothing past a count
+    for i in range(n):  # the slow reference: row by row, nothing past a count
         c = counts[i]
-        assert d.tokens[i].tolist() == tokens[i * width:i * width + c] + [0] * (K - c)
+        assert d.tokens[i].tolist() == tokens[i * width : i * width + c] + [0] * (K - c)
         if want_margin:
-            m = [0.0] * K if margins is None else \
-                [float(np.float32(x)) for x in margins[i * width:i * width + c]] + [0.0] * (K - c)
+            m = (
+                [0.0] * K
+                if margins is None
+                else [float(np.float32(x)) for x in margins[i * width : i * width + c]] + [0.0] * (K - c)
+            )
             assert d.margins[i].tolist() == m
     assert d.counts.tolist() == counts and (d.margins is None) == (not want_margin)
     assert d.resync == tuple(s for s, st_ in zip(slots, statuses) if st_ == wire.STATUS_RESYNC)
 
 
 def meta_of(**kw):
-    base = dict(slots=[0, 1], tokens=[[1], [2, 3]], positions=[0, 4], new_gen=[False, False],
-                rows=ROWS, row_index=[0, 1])
+    base = dict(
+        slots=[0, 1], tokens=[[1], [2, 3]], positions=[0, 4], new_gen=[False, False], rows=ROWS, row_index=[0, 1]
+    )
     base.update(kw)
     return Batch.from_lists(**base)
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(slots=[0, MAX_SLOTS]), "slots: 16 out of 0..15"),
-    (dict(slots=[-1, 1]), "slots: -1 out of"),
-    (dict(slots=[3, 3]), "slots: 3 repeated"),
-    (dict(positions=[0, -5]), "positions: -5 (entry 1) outside 0..4294967295"),
-    (dict(positions=[2**32, 0]), "positions: 4294967296 (entry 0) outside"),
-    (dict(tokens=[[1], [2, 2**31]]), "tokens: values outside the wire's int32"),
-    (dict(n_out=[1, -1]), "n_out: negative"),
-    (dict(new_gen=[False]), "new_gen: shape (1,)"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(slots=[0, MAX_SLOTS]), "slots: 16 out of 0..15"),
+        (dict(slots=[-1, 1]), "slots: -1 out of"),
+        (dict(slots=[3, 3]), "slots: 3 repeated"),
+        (dict(positions=[0, -5]), "positions: -5 (entry 1) outside 0..4294967295"),
+        (dict(positions=[2**32, 0]), "positions: 4294967296 (entry 0) outside"),
+        (dict(tokens=[[1], [2, 2**31]]), "tokens: values outside the wire's int32"),
+        (dict(n_out=[1, -1]), "n_out: negative"),
+        (dict(new_gen=[False]), "new_gen: shape (1,)"),
+    ],
+)
 def test_bad_fields_are_named(kw, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
         host_meta(meta_of(**kw), max_slots=MAX_SLOTS, num_spec=K, max_tokens=100, n_out_default=K)
@@ -125,16 +142,20 @@ def test_bad_fields_are_named(kw, field):
 
 def with_offsets(offsets, tokens=(1, 2, 3)) -> Batch:
     good = meta_of()
-    return Batch(good.slots, torch.tensor(tokens), torch.tensor(offsets), good.positions, good.new_gen, ROWS,
-                 good.row_index)
+    return Batch(
+        good.slots, torch.tensor(tokens), torch.tensor(offsets), good.positions, good.new_gen, ROWS, good.row_index
+    )
 
 
-@pytest.mark.parametrize("offsets, why", [
-    ([0, 2, 2], "token_offsets: run from 0 to 2, expected 0 to len"),
-    ([1, 2, 3], "token_offsets: run from 1 to 3"),
-    ([0, 3, 1, 3], "token_offsets: shape"),
-    ([0, 4, 3], "token_offsets: not non-decreasing"),
-])
+@pytest.mark.parametrize(
+    "offsets, why",
+    [
+        ([0, 2, 2], "token_offsets: run from 0 to 2, expected 0 to len"),
+        ([1, 2, 3], "token_offsets: run from 1 to 3"),
+        ([0, 3, 1, 3], "token_offsets: shape"),
+        ([0, 4, 3], "token_offsets: not non-decreasing"),
+    ],
+)
 def test_bad_offsets_are_named(offsets, why):
     with pytest.raises(ValueError, match=why):
         host_meta(with_offsets(offsets), max_slots=MAX_SLOTS, num_spec=K, max_tokens=100, n_out_default=K)
@@ -155,18 +176,18 @@ def test_sim_arrays_are_each_slots_unsent_tokens():
     first = sim.arrays()
     assert first.new_gen.all() and (first.positions == 0).all()
     for s in range(6):
-        assert first.tokens[first.offsets[s]:first.offsets[s + 1]].tolist() == sim.truth[s, :5].tolist()
+        assert first.tokens[first.offsets[s] : first.offsets[s + 1]].tolist() == sim.truth[s, :5].tolist()
     sim.mark_sent()
-    truth_next = np.stack([sim.truth[s, 5:5 + 3] for s in range(6)])
+    truth_next = np.stack([sim.truth[s, 5 : 5 + 3] for s in range(6)])
     counts = np.array([3, 2, 0, 3, 1, 3])
     wrong = truth_next.copy()
-    wrong[3, 1] += 1                               # slot 3: the second draft is wrong
+    wrong[3, 1] += 1  # slot 3: the second draft is wrong
     assert sim.verify(wrong, counts) == 3 + 2 + 0 + 1 + 1 + 3
     assert sim.accepted_at.tolist() == [5, 3, 2] and sim.offered_at.tolist() == [5, 4, 2]
     sim.reannounce([4])
     nxt = sim.arrays()
     assert nxt.new_gen.tolist() == [False, False, False, False, True, False]
-    for s, got in enumerate([4, 3, 1, 2, 2, 4]):   # accepted + the target's own token
+    for s, got in enumerate([4, 3, 1, 2, 2, 4]):  # accepted + the target's own token
         assert nxt.offsets[s + 1] - nxt.offsets[s] == (5 + got if s == 4 else got)
         assert nxt.positions[s] == (0 if s == 4 else 5)
 
@@ -175,8 +196,13 @@ def test_sim_arrays_are_each_slots_unsent_tokens():
 @given(st.lists(st.integers(0, MAX_SLOTS - 1), max_size=MAX_SLOTS))
 def test_native_row_gather_equals_numpy(lib, index):
     """The engine's C copy loop (process and thread modes) moves the same bytes as np.take."""
-    b = meta_of(slots=list(range(len(index))), tokens=[[]] * len(index), positions=[0] * len(index),
-                new_gen=[False] * len(index), row_index=index)
+    b = meta_of(
+        slots=list(range(len(index))),
+        tokens=[[]] * len(index),
+        positions=[0] * len(index),
+        new_gen=[False] * len(index),
+        row_index=index,
+    )
     want = np.zeros((MAX_SLOTS, ROW_BYTES), np.uint8)
     got = np.zeros((MAX_SLOTS, ROW_BYTES), np.uint8)
     gather_rows_host(b, want, ROW_BYTES)
@@ -196,12 +222,13 @@ def test_an_empty_answer_clears_the_tokens_block(lib):
     """launch() copies a drafts slot's tokens as they are: an empty answer (no proxy,
     watchdog, orphan, timeout) must leave no stale tokens behind."""
     from remote_dspark import ring, shm, shm_layout
+
     with shm.Region.create(shm_layout.Layout(2, 4, 8, 3, 16)) as region:
         end = ring.EngineEnd(region, lib)
         lay = region.layout
         r = end.reserve(1.0)
         tokens = region.view(lay.drafts(r & 1) + lay.d_tokens, 4 * 4 * 3)
-        tokens[:] = b"\xff" * len(tokens)          # what an earlier round left there
+        tokens[:] = b"\xff" * len(tokens)  # what an earlier round left there
         end.release_no_proxy(r)
         assert bytes(tokens) == bytes(len(tokens))
         tokens.release()
@@ -209,8 +236,10 @@ def test_an_empty_answer_clears_the_tokens_block(lib):
 
 # --------------------------------------------------------------------------- metadata on the device
 
+
 def region_rig(lib):
     from remote_dspark import ring, ring_proxy, shm, shm_layout
+
     region = shm.Region.create(shm_layout.Layout(2, MAX_SLOTS, ROW_BYTES, K, 10_000))
     return region, ring.EngineEnd(region, lib), ring_proxy.ProxyEnd(region, lib)
 
@@ -220,6 +249,7 @@ def write_in_stream(region, r: int, batch: Batch) -> None:
     standing in for the device view (the same tensor operations, run at once)."""
     from remote_dspark import shm_layout
     from remote_dspark.batch import check_meta_shapes, write_meta_in_stream
+
     lay = region.layout
     area = region.view(lay.desc(r & 1) + shm_layout.DESC_FIXED, lay.desc_stride - shm_layout.DESC_FIXED)
     round_word = np.frombuffer(region.view(lay.desc(r & 1), 4), np.uint32)
@@ -228,7 +258,7 @@ def write_in_stream(region, r: int, batch: Batch) -> None:
     n = check_meta_shapes(batch, MAX_SLOTS)
     np.frombuffer(area, np.uint32, 3)[:] = (77, n, ROW_BYTES)
     write_meta_in_stream(batch, d, max_slots=MAX_SLOTS, num_spec=K, max_tokens=lay.max_tokens, n_out_default=3)
-    del d, round_word, area   # no view may outlive the region
+    del d, round_word, area  # no view may outlive the region
 
 
 @settings(max_examples=100, deadline=None)
@@ -237,6 +267,7 @@ def test_metadata_written_in_stream_equals_the_host_path(lib, case):
     """The device path (tensor ops, no host read) writes the very bytes host_meta +
     write_meta write, NEW_GEN cut included, and the proxy's C check accepts them."""
     from remote_dspark import shm_layout
+
     batch, _ = case
     region, end, proxy = region_rig(lib)
     try:
@@ -253,16 +284,20 @@ def test_metadata_written_in_stream_equals_the_host_path(lib, case):
         region.close()
 
 
-@pytest.mark.parametrize("change, why", [
-    (dict(slots=[0, MAX_SLOTS + 5]), "slot 16"),                         # out of range: refused
-    (dict(slots=[-1, 1]), "slot 16"),
-    (dict(slots=[2, 2]), "twice"),
-    (dict(token_offsets=[0, 1, 2]), "n_tokens 10001 over max_tokens"),   # does not end at len(tokens)
-    (dict(token_offsets=[1, 1, 3]), "n_tokens 10001 over max_tokens"),   # does not start at 0
-    (dict(token_offsets=[0, 4, 3]), "offsets"),                          # goes back: refused by the C
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (dict(slots=[0, MAX_SLOTS + 5]), "slot 16"),  # out of range: refused
+        (dict(slots=[-1, 1]), "slot 16"),
+        (dict(slots=[2, 2]), "twice"),
+        (dict(token_offsets=[0, 1, 2]), "n_tokens 10001 over max_tokens"),  # does not end at len(tokens)
+        (dict(token_offsets=[1, 1, 3]), "n_tokens 10001 over max_tokens"),  # does not start at 0
+        (dict(token_offsets=[0, 4, 3]), "offsets"),  # goes back: refused by the C
+    ],
+)
 def test_bad_metadata_in_stream_is_refused_where_it_lands(lib, change, why):
     from remote_dspark.batch import Batch as B
+
     base = dict(slots=[0, 1], tokens=[1, 2, 3], token_offsets=[0, 1, 3], positions=[0, 4], new_gen=[False, False])
     base.update(change)
     batch = B(**{k: torch.tensor(v) for k, v in base.items()}, rows=ROWS, row_index=torch.tensor([0, 1]))

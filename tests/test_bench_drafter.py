@@ -26,16 +26,35 @@ def test_rounds_are_the_workers_own_streams():
 
 
 def test_bad_arguments_name_the_flag(capsys):
-    for argv, culprit in ((["--entries", "0"], "--entries 0"), (["--entries", "a"], "--entries 'a'"),
-                          (["--devices", "tpu"], "unknown device 'tpu'"), (["--rounds", "0"], "--rounds 0"),
-                          (["--num-spec", "0"], "--num-spec 0")):
+    for argv, culprit in (
+        (["--entries", "0"], "--entries 0"),
+        (["--entries", "a"], "--entries 'a'"),
+        (["--devices", "tpu"], "unknown device 'tpu'"),
+        (["--rounds", "0"], "--rounds 0"),
+        (["--num-spec", "0"], "--num-spec 0"),
+    ):
         assert cli.main(["bench", "drafter", *argv]) == 2
         assert culprit in capsys.readouterr().err
 
 
 def test_a_tiny_run_reports_every_row_and_its_ratios(capsys):
-    rc = cli.main(["bench", "drafter", "--entries", "1,4", "--devices", "cpu", "--rounds", "2", "--warmup", "0",
-                   "--num-spec", "3", "--json"])
+    rc = cli.main(
+        [
+            "bench",
+            "drafter",
+            "--entries",
+            "1,4",
+            "--devices",
+            "cpu",
+            "--rounds",
+            "2",
+            "--warmup",
+            "0",
+            "--num-spec",
+            "3",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     report = json.loads(out)
@@ -46,6 +65,7 @@ def test_a_tiny_run_reports_every_row_and_its_ratios(capsys):
         assert r["tokens_per_s"] == pytest.approx(n * 3 / (r["p50_ms"] / 1e3), rel=0.01)
     for ratio in report["ratios"]:
         key = ("cpu", ratio["entries"])
-        assert ratio["batched_x_per_entry"] == round(rows[key + ("per-entry",)]["p50_ms"]
-                                                     / rows[key + ("batched",)]["p50_ms"], 2)
-    assert report["goals"] == []     # the goal is a CUDA one
+        assert ratio["batched_x_per_entry"] == round(
+            rows[key + ("per-entry",)]["p50_ms"] / rows[key + ("batched",)]["p50_ms"], 2
+        )
+    assert report["goals"] == []  # the goal is a CUDA one

@@ -27,7 +27,7 @@ def test_handoff_is_registered_with_its_options():
 
 def test_idle_gap_is_reported_and_a_negative_one_refused(lib, capsys, monkeypatch):
     monkeypatch.setenv("VLLM_DSPARK_REMOTE_HOSTFLAG_LIB", lib.path)
-    monkeypatch.setattr(handoff, "MODES", ("c_peer",))   # one row is enough here
+    monkeypatch.setattr(handoff, "MODES", ("c_peer",))  # one row is enough here
     assert handoff.run(parse(["handoff", "--rounds", "3", "--warmup", "0", "--idle-us", "200"])) == 0
     out = capsys.readouterr().out
     assert "200 us idle before each round" in out.splitlines()[0]
@@ -46,15 +46,18 @@ def test_tiny_run_reports_every_row(lib, capsys, monkeypatch):
         assert r["median_us"] <= r["p99_us"] <= r["max_us"]
         assert (r["gil_wait"] is None) == (r["timed_in"] == "Python")
         assert set(r["x_floor"]) == {"median_us", "p99_us", "max_us"}
-    assert set(report["targets"]) == {"process_p99_us", "process_p99_met",
-                                      "hog_worst_ratio_thread_over_process", "hog_worst_ratio_met"}
+    assert set(report["targets"]) == {
+        "process_p99_us",
+        "process_p99_met",
+        "hog_worst_ratio_thread_over_process",
+        "hog_worst_ratio_met",
+    }
     assert err.count("handoff rows: ") == len(ROWS) + 1  # progress on stderr, a line per row
 
     table = handoff.format_table(report).splitlines()
     mode_of = {d: m for m, d in handoff.DESCRIBE.items()}
     body = [line for line in table if line[:26].strip() in mode_of]
-    assert sorted((mode_of[line[:26].strip()], line[26:31].strip() == "yes") for line in body) \
-        == sorted(ROWS)
+    assert sorted((mode_of[line[:26].strip()], line[26:31].strip() == "yes") for line in body) == sorted(ROWS)
     assert any(line.startswith("target process p99") for line in table)
 
 
@@ -63,16 +66,33 @@ def test_cuda_table_shows_after_idle_figures_and_the_target():
     from remote_dspark.bench import handoff_cuda
 
     def row(mode, hog, med, p99, idle, slow=3):
-        return {"mode": mode, "hog": hog, "timed_in": "CUDA events", "median_us": med, "p99_us": p99,
-                "max_us": p99 * 2, "after_idle": idle, "rounds": 10, "over_target": slow,
-                "x_floor": {"median_us": round(med / 5, 2), "p99_us": round(p99 / 6, 2), "max_us": 1}}
-    report = {"device": "GPU X", "rounds": 10, "warmup": 2, "spin_us": 1000, "nap_us": 0,
-              "pinning": "not pinned",
-              "rows": [row("c_peer", False, 5.0, 6.0, {"median_us": 5.5, "p99_us": 6.5}),
-                       row("process", False, 6.0, 7.0, {"median_us": 7.25, "p99_us": 15.5}),
-                       row("e2e", False, 900.0, 1000.0, None)],
-              "targets": {"process_median_ratio_max": 1.2, "process_p99_us_max": 7.0, "met": True,
-                          "floor_p99_us_max": 6.0}}
+        return {
+            "mode": mode,
+            "hog": hog,
+            "timed_in": "CUDA events",
+            "median_us": med,
+            "p99_us": p99,
+            "max_us": p99 * 2,
+            "after_idle": idle,
+            "rounds": 10,
+            "over_target": slow,
+            "x_floor": {"median_us": round(med / 5, 2), "p99_us": round(p99 / 6, 2), "max_us": 1},
+        }
+
+    report = {
+        "device": "GPU X",
+        "rounds": 10,
+        "warmup": 2,
+        "spin_us": 1000,
+        "nap_us": 0,
+        "pinning": "not pinned",
+        "rows": [
+            row("c_peer", False, 5.0, 6.0, {"median_us": 5.5, "p99_us": 6.5}),
+            row("process", False, 6.0, 7.0, {"median_us": 7.25, "p99_us": 15.5}),
+            row("e2e", False, 900.0, 1000.0, None),
+        ],
+        "targets": {"process_median_ratio_max": 1.2, "process_p99_us_max": 7.0, "met": True, "floor_p99_us_max": 6.0},
+    }
     report["rows"][1]["over_target"] = 1
     lines = handoff_cuda.format_table(report).splitlines()
     by_mode = {line[:28].strip(): line for line in lines}
@@ -108,7 +128,7 @@ def test_the_peer_goes_to_the_last_cpu_without_device_interrupts(tmp_path, monke
     monkeypatch.setattr(handoff_peers, "_siblings", lambda cpu: {cpu})
     pins = handoff_peers.Pinning.plan(True, str(path))
     assert (pins.peer, pins.engine) == ({2}, {0, 1, 3})
-    quiet = handoff_peers.Pinning.plan(True, str(tmp_path / "missing"))   # nothing known: the last
+    quiet = handoff_peers.Pinning.plan(True, str(tmp_path / "missing"))  # nothing known: the last
     assert (quiet.peer, quiet.engine) == ({3}, {0, 1, 2})
     assert handoff_peers.Pinning.plan(False, str(path)) == handoff_peers.Pinning(None, None)
 
@@ -119,6 +139,7 @@ def test_region_rows_report_the_rounds_after_an_idle_gap_apart():
     from remote_dspark.bench import handoff
     from remote_dspark.bench.handoff_peers import Pinning
     from remote_dspark.bench.handoff_types import Options
+
     opts = Options(rounds=2 * handoff.IDLE_EVERY, warmup=2, spin_us=50, nap_us=0, pin=False)
     pins = Pinning(None, None)
     rows = handoff.run_all(opts, pins, modes=("process",))

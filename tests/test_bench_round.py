@@ -45,6 +45,7 @@ def children(monkeypatch) -> list[subprocess.Popen]:
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             procs.append(self)
+
     monkeypatch.setattr(subprocess, "Popen", Recorded)
     return procs
 
@@ -56,12 +57,12 @@ def test_round_is_registered_with_its_defaults():
     args = parse(["round"])
     assert args.func is rb.run
     opts = round_options.options(args)
-    assert opts.slots == round_options.SWEEP == (64, 256, 1024, 4096)   # no --slots: the sweep
+    assert opts.slots == round_options.SWEEP == (64, 256, 1024, 4096)  # no --slots: the sweep
     assert (opts.num_spec, opts.row_bytes, opts.rounds, opts.modes) == (5, 1024, 500, round_options.MODES)
     assert round_options.options(parse(["round", "--no-sweep"])).slots == (256,)
     assert round_options.options(parse(["round", "--slots", "8,64"])).slots == (8, 64)
     picked = round_options.options(parse(["round", "--slots", "8", "--modes", "process,floor"]))
-    assert picked.modes == ("floor", "process")   # table order
+    assert picked.modes == ("floor", "process")  # table order
 
 
 def test_big_rounds_measure_fewer_rounds():
@@ -70,41 +71,43 @@ def test_big_rounds_measure_fewer_rounds():
     assert round_options.options(parse(["round", "--rounds", "5"])).rounds_for(4096) == 5
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--slots", "0"], "--slots 0: must be in 1..4096"),
-    (["--slots", "5000"], "--slots 5000: must be in 1..4096"),
-    (["--slots", "abc"], "--slots 'abc': expected an integer"),
-    (["--slots", "8,8"], "appears twice"),
-    (["--slots", "8", "--sweep"], "--slots 8 with --sweep"),
-    (["--modes", "nonsense"], "--modes 'nonsense': unknown mode 'nonsense'"),
-    (["--modes", "floor,launch"], "--modes launch: only with --device cuda"),
-    (["--modes", ","], "no mode named"),
-    (["--num-spec", "0"], "--num-spec 0"),
-    (["--num-spec", str(wire.MAX_N_OUT + 1)], f"--num-spec {wire.MAX_N_OUT + 1}"),
-    (["--row-bytes", "0"], "--row-bytes 0"),
-    (["--row-bytes", "65536"], "over the wire's"),          # 4096 x 64 KiB rows > MAX_PAYLOAD
-    (["--rounds", "0"], "--rounds 0: must be >= 1"),
-    (["--warmup", "0"], "--warmup 0: must be >= 1"),
-    (["--timeout-ms", "0"], "--timeout-ms 0"),
-    (["--device-metadata"], "--device-metadata: only with --device cuda"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--slots", "0"], "--slots 0: must be in 1..4096"),
+        (["--slots", "5000"], "--slots 5000: must be in 1..4096"),
+        (["--slots", "abc"], "--slots 'abc': expected an integer"),
+        (["--slots", "8,8"], "appears twice"),
+        (["--slots", "8", "--sweep"], "--slots 8 with --sweep"),
+        (["--modes", "nonsense"], "--modes 'nonsense': unknown mode 'nonsense'"),
+        (["--modes", "floor,launch"], "--modes launch: only with --device cuda"),
+        (["--modes", ","], "no mode named"),
+        (["--num-spec", "0"], "--num-spec 0"),
+        (["--num-spec", str(wire.MAX_N_OUT + 1)], f"--num-spec {wire.MAX_N_OUT + 1}"),
+        (["--row-bytes", "0"], "--row-bytes 0"),
+        (["--row-bytes", "65536"], "over the wire's"),  # 4096 x 64 KiB rows > MAX_PAYLOAD
+        (["--rounds", "0"], "--rounds 0: must be >= 1"),
+        (["--warmup", "0"], "--warmup 0: must be >= 1"),
+        (["--timeout-ms", "0"], "--timeout-ms 0"),
+        (["--device-metadata"], "--device-metadata: only with --device cuda"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_argument(argv, says, capsys, monkeypatch):
     started = []
     monkeypatch.setattr(rb, "run_all", lambda opts: started.append(opts) or [])
     rc, out, err = bench(argv, capsys)
     assert rc == 2
     assert says in err and err.startswith("remote-dspark bench: ")
-    assert out == "" and started == []   # refused before anything started
+    assert out == "" and started == []  # refused before anything started
 
 
 # --------------------------------------------------------------------------- runs
 
 
 def test_tiny_floor_run_prints_only_json_on_stdout(capfd, children):
-    rc, out, err = bench(["--slots", "8,16", "--rounds", "5", "--warmup", "2", "--modes", "floor", "--json"],
-                         capfd)
+    rc, out, err = bench(["--slots", "8,16", "--rounds", "5", "--warmup", "2", "--modes", "floor", "--json"], capfd)
     assert rc == 0
-    report = json.loads(out)   # the whole of stdout is the JSON object
+    report = json.loads(out)  # the whole of stdout is the JSON object
     assert set(report) == {"config", "rows", "targets"}
     assert [(r["mode"], r["slots"]) for r in report["rows"]] == [("floor", 8), ("floor", 16)]
     for r in report["rows"]:
@@ -116,21 +119,20 @@ def test_tiny_floor_run_prints_only_json_on_stdout(capfd, children):
     c = report["config"]
     assert (c["slots"], c["rounds"], c["warmup"], c["tokens_per_entry"]) == ([8, 16], 5, 2, 3)
     assert {"torch_num_threads", "omp_num_threads", "cpu_count"} <= set(c)
-    assert report["targets"] == {}   # nothing at 256 slots: no goal can be judged
-    assert "round rows: " in err     # progress on stderr
-    assert len(children) == 2 and [p.returncode for p in children] == [0, 0]   # a peer per row, ended
+    assert report["targets"] == {}  # nothing at 256 slots: no goal can be judged
+    assert "round rows: " in err  # progress on stderr
+    assert len(children) == 2 and [p.returncode for p in children] == [0, 0]  # a peer per row, ended
 
 
 def test_tiny_full_run_reports_every_cpu_row(lib, capfd, children, monkeypatch):
     """Every CPU row against the reference worker (needs the engine and worker rewrites)."""
-    monkeypatch.setenv("VLLM_DSPARK_REMOTE_HOSTFLAG_LIB", lib.path)   # no build in ~/.cache
+    monkeypatch.setenv("VLLM_DSPARK_REMOTE_HOSTFLAG_LIB", lib.path)  # no build in ~/.cache
     try:
         rc, out, err = bench(["--slots", "8", "--rounds", "5", "--json"], capfd)
-    finally:   # whatever happened, every child (worker, proxies, floor peer) is gone
-        assert children and all(p.poll() is not None for p in children), \
-            [p.args for p in children if p.poll() is None]
+    finally:  # whatever happened, every child (worker, proxies, floor peer) is gone
+        assert children and all(p.poll() is not None for p in children), [p.args for p in children if p.poll() is None]
     assert rc == 0, err
-    report = json.loads(out)   # nothing else on stdout: not the worker's, not the proxy's
+    report = json.loads(out)  # nothing else on stdout: not the worker's, not the proxy's
     rows = {r["mode"]: r for r in report["rows"]}
     assert list(rows) == list(round_options.MODES) and all(r["slots"] == 8 for r in rows.values())
     for mode, r in rows.items():
@@ -149,7 +151,7 @@ def test_the_floor_peer_is_ended_when_the_run_fails(children, monkeypatch):
     procs = children
     opts = round_options.options(parse(["round", "--slots", "8", "--rounds", "50", "--warmup", "1"]))
 
-    row = round_floor.floor_row(opts, 8)   # a whole row: the peer answers every round and exits 0
+    row = round_floor.floor_row(opts, 8)  # a whole row: the peer answers every round and exits 0
     assert len(row.lat_ns) == 50 and [p.returncode for p in procs] == [0]
 
     real, calls = round_floor._recv_exactly, []
@@ -159,10 +161,11 @@ def test_the_floor_peer_is_ended_when_the_run_fails(children, monkeypatch):
         if len(calls) == 3:
             raise RuntimeError("boom")
         real(conn, view)
+
     monkeypatch.setattr(round_floor, "_recv_exactly", failing)
     with pytest.raises(RuntimeError, match="boom"):
         round_floor.floor_row(opts, 8)
-    assert len(procs) == 2 and procs[1].returncode is not None   # ended (waited for) in the finally
+    assert len(procs) == 2 and procs[1].returncode is not None  # ended (waited for) in the finally
 
 
 # --------------------------------------------------------------------------- the feeder
@@ -180,7 +183,7 @@ def test_feeder_announces_then_continues_and_reannounces_lost_slots():
     b = f.next_batch()
     assert b.token_offsets.tolist() == [0, 3, 6, 9, 12] and b.positions.tolist() == [16] * 4
     assert b.new_gen.tolist() == [False] * 4
-    text, start = f.text.tolist(), int(f.offset[0])   # slot 0's stretch of the text (it wraps)
+    text, start = f.text.tolist(), int(f.offset[0])  # slot 0's stretch of the text (it wraps)
     assert [text[(start + i) % len(text)] for i in range(16)] == prompt0
     assert [text[(start + i) % len(text)] for i in range(16, 19)] == b.tokens[:3].tolist()
     f.after(SimpleNamespace(resync=(2,), resync_all=False))
@@ -197,33 +200,62 @@ def test_feeder_announces_then_continues_and_reannounces_lost_slots():
 
 
 def _row(mode, slots, p50, **kw):
-    return {"mode": mode, "slots": slots, "rounds": 10, "p50_ms": p50, "p99_ms": p50 * 2,
-            "x_floor": kw.get("x_floor"), "x_sync": kw.get("x_sync"), "engine_cpu_ms": kw.get("cpu"),
-            "not_ok": kw.get("not_ok"), **({"outcomes": kw["outcomes"]} if "outcomes" in kw else {})}
+    return {
+        "mode": mode,
+        "slots": slots,
+        "rounds": 10,
+        "p50_ms": p50,
+        "p99_ms": p50 * 2,
+        "x_floor": kw.get("x_floor"),
+        "x_sync": kw.get("x_sync"),
+        "engine_cpu_ms": kw.get("cpu"),
+        "not_ok": kw.get("not_ok"),
+        **({"outcomes": kw["outcomes"]} if "outcomes" in kw else {}),
+    }
 
 
 def test_goals_and_the_table_from_a_report():
-    rows = [_row("floor", 256, 0.4, x_floor=1.0) | {"round_bytes": 270380, "drafts_bytes": 7200},
-            _row("sync", 256, 1.0, x_floor=2.5, cpu=0.9, not_ok=0,
-                                                           outcomes={"ok": 10}),
-            _row("process", 256, 1.1, x_floor=2.75, x_sync=1.1, cpu=0.5, not_ok=2,
-                 outcomes={"ok": 8, "timeout": 2}),
-            _row("draft", 256, 0.05, x_floor=0.12),
-            _row("process", 4096, 30.0, x_floor=3.0, x_sync=1.0, cpu=1.0, not_ok=0, outcomes={"ok": 10}),
-            _row("draft", 4096, 0.4, x_floor=0.1)]
+    rows = [
+        _row("floor", 256, 0.4, x_floor=1.0) | {"round_bytes": 270380, "drafts_bytes": 7200},
+        _row("sync", 256, 1.0, x_floor=2.5, cpu=0.9, not_ok=0, outcomes={"ok": 10}),
+        _row("process", 256, 1.1, x_floor=2.75, x_sync=1.1, cpu=0.5, not_ok=2, outcomes={"ok": 8, "timeout": 2}),
+        _row("draft", 256, 0.05, x_floor=0.12),
+        _row("process", 4096, 30.0, x_floor=3.0, x_sync=1.0, cpu=1.0, not_ok=0, outcomes={"ok": 10}),
+        _row("draft", 4096, 0.4, x_floor=0.1),
+    ]
     t = round_report.targets(rows)
     assert {k: v["met"] for k, v in t.items()} == {
-        "process_x_floor": True, "process_x_sync": True, "process_engine_cpu_ms": False, "draft_ms": True,
-        "process_linear": True, "draft_linear": True}
+        "process_x_floor": True,
+        "process_x_sync": True,
+        "process_engine_cpu_ms": False,
+        "draft_ms": True,
+        "process_linear": True,
+        "draft_linear": True,
+    }
     assert t["process_linear"]["value"] == round((30.0 / 4096) / (1.1 / 256), 2)
     # With the model drafter the one goal is the whole round's time.
     lm = round_report.targets(rows, "lm")
     assert list(lm) == ["lm_process_ms"] and lm["lm_process_ms"]["value"] == 1.1 and lm["lm_process_ms"]["met"]
-    report = {"config": {"num_spec": 5, "row_bytes": 1024, "rounds": 10, "warmup": 1, "tokens_per_entry": 3,
-                         "prompt_tokens": 16, "timeout_ms": 1000, "torch_num_threads": 2,
-                         "omp_num_threads": None, "cpu_count": 2, "affinity_cpus": 2, "device": "cpu",
-                         "device_metadata": False, "drafter": "markov"},
-              "rows": rows, "targets": t}
+    report = {
+        "config": {
+            "num_spec": 5,
+            "row_bytes": 1024,
+            "rounds": 10,
+            "warmup": 1,
+            "tokens_per_entry": 3,
+            "prompt_tokens": 16,
+            "timeout_ms": 1000,
+            "torch_num_threads": 2,
+            "omp_num_threads": None,
+            "cpu_count": 2,
+            "affinity_cpus": 2,
+            "device": "cpu",
+            "device_metadata": False,
+            "drafter": "markov",
+        },
+        "rows": rows,
+        "targets": t,
+    }
     lines = round_report.format_table(report).splitlines()
     assert "OMP_NUM_THREADS=unset" in lines[1] and "torch threads 2" in lines[1] and "drafter markov" in lines[1]
     assert "256 slots ROUND 270,380 + DRAFTS 7,200" in round_report.format_table(report)

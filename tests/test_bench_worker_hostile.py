@@ -33,8 +33,25 @@ def test_bad_arguments_are_refused(argv, why, capsys):
 
 
 def test_tiny_run_reports_its_figures_and_ends_the_worker(capfd):
-    rc = cli.main(["bench", "worker-hostile", "--header-peers", "2", "--hello-peers", "1", "--silent-peers", "3",
-                   "--honest", "2", "--interval-ms", "50", "--settle-ms", "100", "--json"])
+    rc = cli.main(
+        [
+            "bench",
+            "worker-hostile",
+            "--header-peers",
+            "2",
+            "--hello-peers",
+            "1",
+            "--silent-peers",
+            "3",
+            "--honest",
+            "2",
+            "--interval-ms",
+            "50",
+            "--settle-ms",
+            "100",
+            "--json",
+        ]
+    )
     out, _ = capfd.readouterr()
     assert rc == 0
     r = json.loads(out)

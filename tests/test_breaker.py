@@ -85,15 +85,21 @@ def test_bad_parameters(trip, cooldown):
 # What each network event means to the breaker, written out here rather than read from
 # the module: a worker that answered (even unfittingly) is reachable; silence or a broken
 # connection is a failure; a round that never reached the network says nothing.
-VERDICT = {RoundEvent.OK: "success", RoundEvent.BAD_REPLY: "success", RoundEvent.TIMEOUT: "failure",
-           RoundEvent.LOST: "failure", RoundEvent.PROTOCOL: "failure", RoundEvent.AT_ONCE: "none",
-           RoundEvent.BAD_DESC: "none"}
+VERDICT = {
+    RoundEvent.OK: "success",
+    RoundEvent.BAD_REPLY: "success",
+    RoundEvent.TIMEOUT: "failure",
+    RoundEvent.LOST: "failure",
+    RoundEvent.PROTOCOL: "failure",
+    RoundEvent.AT_ONCE: "none",
+    RoundEvent.BAD_DESC: "none",
+}
 
 
 @pytest.mark.parametrize("event", list(RoundEvent))
 def test_every_event_has_one_verdict(event):
     b = Breaker(trip=2, cooldown=4)
-    b.observe(RoundEvent.TIMEOUT)            # one failure on record
+    b.observe(RoundEvent.TIMEOUT)  # one failure on record
     b.observe(event)
     after = (b.state, b.store.failures)
     expected = {"success": (State.CLOSED, 0), "failure": (State.OPEN, 0), "none": (State.CLOSED, 1)}

@@ -104,12 +104,15 @@ def test_help_explains(capsys):
     assert "engine startup" in text and "VLLM_DSPARK_REMOTE_OFL_DIR" in text and "--json" in text
 
 
-@pytest.mark.parametrize("settings,names", [
-    ({"ASYNC_NAP_US": "2147483647"}, ("ASYNC_NAP_US=2147483647", "ASYNC_WATCHDOG_MS")),
-    ({"ASYNC_NAP_US": "200000"}, ("ASYNC_NAP_US=200000", "200 ms")),          # the derived 200 ms deadline
-    ({"ASYNC_WATCHDOG_MS": "50"}, ("ASYNC_WATCHDOG_MS=50", "TIMEOUT_MS=50")),
-    ({"ASYNC_WATCHDOG_MS": "30", "TIMEOUT_MS": "80"}, ("ASYNC_WATCHDOG_MS=30", "TIMEOUT_MS=80")),
-])
+@pytest.mark.parametrize(
+    "settings,names",
+    [
+        ({"ASYNC_NAP_US": "2147483647"}, ("ASYNC_NAP_US=2147483647", "ASYNC_WATCHDOG_MS")),
+        ({"ASYNC_NAP_US": "200000"}, ("ASYNC_NAP_US=200000", "200 ms")),  # the derived 200 ms deadline
+        ({"ASYNC_WATCHDOG_MS": "50"}, ("ASYNC_WATCHDOG_MS=50", "TIMEOUT_MS=50")),
+        ({"ASYNC_WATCHDOG_MS": "30", "TIMEOUT_MS": "80"}, ("ASYNC_WATCHDOG_MS=30", "TIMEOUT_MS=80")),
+    ],
+)
 def test_settings_that_cannot_work_are_named_but_accepted(env, capsys, settings, names):
     """The contract parses them (no upper bounds); check-config still succeeds, with a
     warning naming the variables."""
@@ -119,12 +122,15 @@ def test_settings_that_cannot_work_are_named_but_accepted(env, capsys, settings,
         env.setenv(P + k, v)
     assert check_config() == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and all(P + n.split("=")[0] in warnings[0] and n in warnings[0] for n in names
-                                      if n[0].isupper()), warnings
+    assert len(warnings) == 1 and all(
+        P + n.split("=")[0] in warnings[0] and n in warnings[0] for n in names if n[0].isupper()
+    ), warnings
 
 
-@pytest.mark.parametrize("settings", [{}, {"ASYNC_NAP_US": "199999"}, {"ASYNC_WATCHDOG_MS": "51"},
-                                      {"ASYNC": "0", "ASYNC_NAP_US": "2147483647"}])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"ASYNC_NAP_US": "199999"}, {"ASYNC_WATCHDOG_MS": "51"}, {"ASYNC": "0", "ASYNC_NAP_US": "2147483647"}],
+)
 def test_settings_that_work_have_no_warning(env, capsys, settings):
     env.setenv(P + "ASYNC", "1")
     env.setenv(P + "POLICY", "capacity")
@@ -142,7 +148,7 @@ def test_depth_policy_facts_show_n_out_and_the_cost_overrides_without_writing(en
     derived = json.loads(capsys.readouterr().out)["derived"]
     assert derived["n_out"] == "by request count 0,5,5,3" and derived["n_out_reason"] == "cap by request count"
     assert derived["cost_overrides"] == "VLLM_DSPARK_ROUND_MS=1,2,3,4,5,6 VLLM_DSPARK_DRAFT_MS=1.5"
-    assert "VLLM_DSPARK_ROUND_MS" not in os.environ and "VLLM_DSPARK_DRAFT_MS" not in os.environ   # a dry run
+    assert "VLLM_DSPARK_ROUND_MS" not in os.environ and "VLLM_DSPARK_DRAFT_MS" not in os.environ  # a dry run
 
 
 def test_depth_policy_that_needs_the_remote_costs_is_refused(env, capsys):

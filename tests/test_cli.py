@@ -12,14 +12,18 @@ from remote_dspark.markov import MarkovModel, builtin_model
 
 def run_cli(*args, timeout=120):
     """The installed command in its own process (it starts workers and proxies)."""
-    return subprocess.run([sys.executable, "-m", "remote_dspark", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "remote_dspark", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def outcome_counts(out: str) -> dict[str, int]:
     section = out.split("rounds by outcome", 1)[1].split("round latency", 1)[0]
-    return {line.split()[0]: int(line.split()[1]) for line in section.splitlines()[1:] if line.strip()
-            and not line.strip().startswith("late")}
+    return {
+        line.split()[0]: int(line.split()[1])
+        for line in section.splitlines()[1:]
+        if line.strip() and not line.strip().startswith("late")
+    }
 
 
 def test_demo_drafts_through_the_proxy_process():
@@ -50,18 +54,20 @@ def test_a_due_kill_waits_for_the_killed_proxys_successor(monkeypatch):
 
     from remote_dspark import demo
     from remote_dspark.supervisor import Cause, Down, Spent, Starting, Up
+
     states = iter([Up(11, 1, 0.0), Up(11, 1, 0.0), Down(Cause.SIGNAL, 0.0), Starting(12, 2, 0.0), Up(12, 2, 0.0)])
 
     class Sup:
         @property
         def state(self):
             return next(states)
+
     rd = SimpleNamespace(mode="process", supervisor=Sup())
     killed = []
     monkeypatch.setattr(demo.os, "kill", lambda pid, sig: killed.append(pid))
     assert demo._kill_proxy(rd, 11) == 12 and killed == [12]
     states = iter([Spent(0.0)])
-    assert demo._kill_proxy(rd, 12) == 12 and killed == [12]   # budget spent: nothing to kill
+    assert demo._kill_proxy(rd, 12) == 12 and killed == [12]  # budget spent: nothing to kill
 
 
 @pytest.mark.parametrize("mode", ["sync", "thread"])
@@ -72,10 +78,9 @@ def test_demo_other_modes(mode):
 
 
 def test_chaos_short_run_passes_every_check():
-    out = run_cli("chaos", "--seconds", "6", "--seed", "3", "--slots", "16", "--reset-s", "1", "--json",
-                  timeout=180)
+    out = run_cli("chaos", "--seconds", "6", "--seed", "3", "--slots", "16", "--reset-s", "1", "--json", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-    report = json.loads(out.stdout[out.stdout.index("{"):])
+    report = json.loads(out.stdout[out.stdout.index("{") :])
     assert report["ok"] and len(report["checks"]) == 7
     assert all(n >= 1 for n in report["faults"].values()), report["faults"]
 
@@ -92,6 +97,7 @@ def test_markov_build_writes_a_cache_whose_sha256_is_printed(tmp_path, capsys):
 
 def test_markov_binary_tokens_and_round_trip(tmp_path):
     import struct
+
     path = tmp_path / "tokens.bin"
     path.write_bytes(struct.pack("<8i", 5, 6, 7, 5, 6, 7, 5, 6))
     assert main(["markov", "build", str(path), "-o", str(tmp_path / "m.bin")]) == 0
@@ -100,9 +106,14 @@ def test_markov_binary_tokens_and_round_trip(tmp_path):
     assert m.draft([5, 6], 2)[0] == [7, 5]
 
 
-@pytest.mark.parametrize("content,why", [(b"1 2 x", "not whitespace-separated integers"),
-                                         (b"\x01\x02\x03", "not a whole number of int32"),
-                                         (b"1", "need more than --order 2")])
+@pytest.mark.parametrize(
+    "content,why",
+    [
+        (b"1 2 x", "not whitespace-separated integers"),
+        (b"\x01\x02\x03", "not a whole number of int32"),
+        (b"1", "need more than --order 2"),
+    ],
+)
 def test_markov_build_bad_input_exits_2_naming_the_file(tmp_path, capsys, content, why):
     path = tmp_path / ("t.txt" if b" " in content or content == b"1" else "t.bin")
     path.write_bytes(content)
@@ -111,9 +122,14 @@ def test_markov_build_bad_input_exits_2_naming_the_file(tmp_path, capsys, conten
     assert str(path) in err and why in err
 
 
-@pytest.mark.parametrize("mutate,why", [(lambda b: b"XXXX" + b[4:], "bad magic"),
-                                        (lambda b: b[:-1], "header says"),
-                                        (lambda b: b[:6] + b"\x00\x00" + b[8:], "order 0")])
+@pytest.mark.parametrize(
+    "mutate,why",
+    [
+        (lambda b: b"XXXX" + b[4:], "bad magic"),
+        (lambda b: b[:-1], "header says"),
+        (lambda b: b[:6] + b"\x00\x00" + b[8:], "order 0"),
+    ],
+)
 def test_corrupt_markov_cache_is_refused(mutate, why):
     with pytest.raises(ValueError, match=why):
         MarkovModel.from_bytes(mutate(builtin_model().to_bytes()), "cache")
@@ -127,8 +143,9 @@ def test_bad_arguments_exit_2_with_usage():
 
 
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "remote_dspark", "--help"], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "remote_dspark", "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     for command in ("worker", "demo", "chaos", "check-config", "markov", "bench"):
         assert command in out
 

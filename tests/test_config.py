@@ -33,18 +33,35 @@ def env_of(**overrides: str) -> dict[str, str]:
 # --- the dataclass keeps the reference's shape --------------------------------------------
 
 REFERENCE_FIELDS = [
-    ("endpoint", dataclasses.MISSING), ("policy", dataclasses.MISSING),
-    ("drafter_identity", dataclasses.MISSING), ("markov_identity", dataclasses.MISSING),
-    ("timeout_ms", dataclasses.MISSING), ("connect_timeout_ms", dataclasses.MISSING),
-    ("backoff_ms", dataclasses.MISSING), ("backoff_max_ms", dataclasses.MISSING),
-    ("on_fail", dataclasses.MISSING), ("strict_start", dataclasses.MISSING),
-    ("shadow_use", dataclasses.MISSING), ("want_margin", dataclasses.MISSING),
-    ("remote_draft_ms", dataclasses.MISSING), ("remote_round_ms", dataclasses.MISSING),
-    ("log_every", dataclasses.MISSING), ("stats_file", dataclasses.MISSING),
-    ("async_mode", False), ("switch_interval_us", 500), ("hostflag_lib", ""),
-    ("async_nap_us", 0), ("async_spin_us", 1000), ("async_watchdog_ms", 0),
-    ("async_proxy", "thread"), ("async_respawns", 3), ("async_respawn_reset_s", 3600),
-    ("fused_gather", None), ("n_out", "auto"), ("trip", 3), ("cooldown", 256),
+    ("endpoint", dataclasses.MISSING),
+    ("policy", dataclasses.MISSING),
+    ("drafter_identity", dataclasses.MISSING),
+    ("markov_identity", dataclasses.MISSING),
+    ("timeout_ms", dataclasses.MISSING),
+    ("connect_timeout_ms", dataclasses.MISSING),
+    ("backoff_ms", dataclasses.MISSING),
+    ("backoff_max_ms", dataclasses.MISSING),
+    ("on_fail", dataclasses.MISSING),
+    ("strict_start", dataclasses.MISSING),
+    ("shadow_use", dataclasses.MISSING),
+    ("want_margin", dataclasses.MISSING),
+    ("remote_draft_ms", dataclasses.MISSING),
+    ("remote_round_ms", dataclasses.MISSING),
+    ("log_every", dataclasses.MISSING),
+    ("stats_file", dataclasses.MISSING),
+    ("async_mode", False),
+    ("switch_interval_us", 500),
+    ("hostflag_lib", ""),
+    ("async_nap_us", 0),
+    ("async_spin_us", 1000),
+    ("async_watchdog_ms", 0),
+    ("async_proxy", "thread"),
+    ("async_respawns", 3),
+    ("async_respawn_reset_s", 3600),
+    ("fused_gather", None),
+    ("n_out", "auto"),
+    ("trip", 3),
+    ("cooldown", 256),
     ("sampled_top32", False),
 ]
 # This project's additions, after the reference's fields and with defaults, so code
@@ -57,10 +74,15 @@ def test_dataclass_fields_and_defaults_match_reference():
     assert got == REFERENCE_FIELDS + ADDED_FIELDS
 
 
-@pytest.mark.parametrize("var,raw,why", [
-    ("METRICS_PORT", "70000", "0..65535"), ("METRICS_PORT", "-1", "must be >= 0"),
-    ("METRICS_PORT", "http", "not an integer"), ("METRICS_ADDR", "localhost", "not an IP address"),
-])
+@pytest.mark.parametrize(
+    "var,raw,why",
+    [
+        ("METRICS_PORT", "70000", "0..65535"),
+        ("METRICS_PORT", "-1", "must be >= 0"),
+        ("METRICS_PORT", "http", "not an integer"),
+        ("METRICS_ADDR", "localhost", "not an IP address"),
+    ],
+)
 def test_metrics_exporter_variables(var, raw, why):
     with pytest.raises(ValueError) as e:
         cfg_of(**{var: raw})
@@ -88,15 +110,34 @@ def test_docstring_table_names_every_variable():
 # --- defaults ----------------------------------------------------------------------------
 
 DEFAULTS = {
-    "policy": "shadow", "markov_identity": bytes(32), "timeout_ms": 50,
-    "connect_timeout_ms": 1000, "backoff_ms": 1000, "backoff_max_ms": 30000,
-    "on_fail": "target_only", "strict_start": False, "shadow_use": "local",
-    "want_margin": True, "remote_draft_ms": None, "remote_round_ms": None, "log_every": 1024,
-    "stats_file": "/tmp/dsv41-remote-dspark.json", "async_mode": False,
-    "switch_interval_us": 500, "hostflag_lib": "", "async_nap_us": 0, "async_spin_us": 1000,
-    "async_watchdog_ms": 0, "async_proxy": "thread", "async_respawns": 3,
-    "async_respawn_reset_s": 3600, "fused_gather": None, "n_out": "auto", "trip": 3,
-    "cooldown": 256, "sampled_top32": False,
+    "policy": "shadow",
+    "markov_identity": bytes(32),
+    "timeout_ms": 50,
+    "connect_timeout_ms": 1000,
+    "backoff_ms": 1000,
+    "backoff_max_ms": 30000,
+    "on_fail": "target_only",
+    "strict_start": False,
+    "shadow_use": "local",
+    "want_margin": True,
+    "remote_draft_ms": None,
+    "remote_round_ms": None,
+    "log_every": 1024,
+    "stats_file": "/tmp/dsv41-remote-dspark.json",
+    "async_mode": False,
+    "switch_interval_us": 500,
+    "hostflag_lib": "",
+    "async_nap_us": 0,
+    "async_spin_us": 1000,
+    "async_watchdog_ms": 0,
+    "async_proxy": "thread",
+    "async_respawns": 3,
+    "async_respawn_reset_s": 3600,
+    "fused_gather": None,
+    "n_out": "auto",
+    "trip": 3,
+    "cooldown": 256,
+    "sampled_top32": False,
 }
 
 
@@ -111,9 +152,11 @@ def test_default_endpoint_has_no_bind():
     assert cfg.endpoint.bind is None
 
 
-@pytest.mark.parametrize("name,default", [("TIMEOUT_MS", 50), ("ASYNC", False),
-                                          ("STATS_FILE", "/tmp/dsv41-remote-dspark.json")],
-                         ids=["int", "flag", "text"])
+@pytest.mark.parametrize(
+    "name,default",
+    [("TIMEOUT_MS", 50), ("ASYNC", False), ("STATS_FILE", "/tmp/dsv41-remote-dspark.json")],
+    ids=["int", "flag", "text"],
+)
 def test_blank_value_counts_as_unset(name, default):
     field = {"TIMEOUT_MS": "timeout_ms", "ASYNC": "async_mode", "STATS_FILE": "stats_file"}[name]
     assert getattr(cfg_of(**{name: "  "}), field) == default
@@ -125,7 +168,7 @@ def test_a_blank_choice_raises_as_in_the_reference(name):
     a value, and none of the choices."""
     with pytest.raises(ValueError, match=rf"{P}{name}='  ': expected one of"):
         cfg_of(**{name: "  "})
-    assert cfg_of(**{name: ""}) == cfg_of()   # empty: the default
+    assert cfg_of(**{name: ""}) == cfg_of()  # empty: the default
 
 
 @pytest.mark.parametrize("policy,expected", [("shadow", True), ("resilience", False), ("capacity", False)])
@@ -157,8 +200,7 @@ GOOD = [
 ]
 
 
-@pytest.mark.parametrize("name,raw,field,expected", GOOD,
-                         ids=[f"{n}={r.strip()}" for n, r, _, _ in GOOD])
+@pytest.mark.parametrize("name,raw,field,expected", GOOD, ids=[f"{n}={r.strip()}" for n, r, _, _ in GOOD])
 def test_good_value(name, raw, field, expected):
     assert getattr(cfg_of(**{name: raw}), field) == expected
 
@@ -170,33 +212,56 @@ def test_sampled_top32_read_from_its_own_variable():
 
 # --- bad values: every one names the variable and the value ------------------------------
 
-INT_VARS = [("TIMEOUT_MS", 1), ("CONNECT_TIMEOUT_MS", 1), ("BACKOFF_MS", 1),
-            ("BACKOFF_MAX_MS", 1), ("TRIP", 0), ("COOLDOWN", 1), ("ASYNC_NAP_US", 0),
-            ("ASYNC_SPIN_US", 0), ("ASYNC_WATCHDOG_MS", 0), ("ASYNC_RESPAWNS", 0),
-            ("ASYNC_RESPAWN_RESET_S", 0), ("SWITCH_INTERVAL_US", 0), ("LOG_EVERY", 0)]
+INT_VARS = [
+    ("TIMEOUT_MS", 1),
+    ("CONNECT_TIMEOUT_MS", 1),
+    ("BACKOFF_MS", 1),
+    ("BACKOFF_MAX_MS", 1),
+    ("TRIP", 0),
+    ("COOLDOWN", 1),
+    ("ASYNC_NAP_US", 0),
+    ("ASYNC_SPIN_US", 0),
+    ("ASYNC_WATCHDOG_MS", 0),
+    ("ASYNC_RESPAWNS", 0),
+    ("ASYNC_RESPAWN_RESET_S", 0),
+    ("SWITCH_INTERVAL_US", 0),
+    ("LOG_EVERY", 0),
+]
 
 BAD = (
-    [(P + n, "1.5") for n, _ in INT_VARS]                     # not an integer
-    + [(P + n, str(lo - 1)) for n, lo in INT_VARS]            # below the bound
+    [(P + n, "1.5") for n, _ in INT_VARS]  # not an integer
+    + [(P + n, str(lo - 1)) for n, lo in INT_VARS]  # below the bound
     + [
-        (ENV_ENDPOINT, "127.0.0.1:18620"), (ENV_ENDPOINT, "udp://h:1"), (ENV_ENDPOINT, "tcp://h:0"),
-        (ENV_ENDPOINT, "tcp://h:port"), (ENV_ENDPOINT, "tcp://h:1?bind=eth0", "?bind='eth0'"),
+        (ENV_ENDPOINT, "127.0.0.1:18620"),
+        (ENV_ENDPOINT, "udp://h:1"),
+        (ENV_ENDPOINT, "tcp://h:0"),
+        (ENV_ENDPOINT, "tcp://h:port"),
+        (ENV_ENDPOINT, "tcp://h:1?bind=eth0", "?bind='eth0'"),
         (ENV_ENDPOINT, "tcp://h:1?mtu=9000"),
-        (P + "BIND", "10.0.0"), (P + "BIND", "fe80::1"),
+        (P + "BIND", "10.0.0"),
+        (P + "BIND", "fe80::1"),
         (P + "POLICY", "Fast"),
-        (P + "IDENTITY", "abc"), (P + "IDENTITY", "zz" * 32),
-        (P + "MARKOV_IDENTITY", "12"), (P + "MARKOV_IDENTITY", "g" * 64),
+        (P + "IDENTITY", "abc"),
+        (P + "IDENTITY", "zz" * 32),
+        (P + "MARKOV_IDENTITY", "12"),
+        (P + "MARKOV_IDENTITY", "g" * 64),
         (P + "ON_FAIL", "Retry"),
         (P + "STRICT_START", "maybe"),
         (P + "SHADOW_USE", "Both"),
         (P + "WANT_MARGIN", "2"),
-        (P + "DRAFT_MS", "1,2"), (P + "DRAFT_MS", "-1"), (P + "DRAFT_MS", "nan"),
-        (P + "DRAFT_MS", "fast"), (P + "DRAFT_MS", ","),
-        (P + "ROUND_MS", "1,x"), (P + "ROUND_MS", "1,-2"), (P + "ROUND_MS", "1,inf"),
+        (P + "DRAFT_MS", "1,2"),
+        (P + "DRAFT_MS", "-1"),
+        (P + "DRAFT_MS", "nan"),
+        (P + "DRAFT_MS", "fast"),
+        (P + "DRAFT_MS", ","),
+        (P + "ROUND_MS", "1,x"),
+        (P + "ROUND_MS", "1,-2"),
+        (P + "ROUND_MS", "1,inf"),
         (P + "ROUND_MS", " , "),
         (P + "ASYNC", "sure"),
         (P + "ASYNC_PROXY", "Fork"),
-        (P + "FUSED_GATHER", "Maybe"), (P + "FUSED_GATHER", "2"),
+        (P + "FUSED_GATHER", "Maybe"),
+        (P + "FUSED_GATHER", "2"),
         (P + "N_OUT", "5"),
         ("VLLM_DSPARK_SAMPLED_TOP32", "top"),
     ]
@@ -206,7 +271,7 @@ BAD = (
 @pytest.mark.parametrize("case", BAD, ids=[f"{c[0].replace(P, '')}={c[1]}" for c in BAD])
 def test_bad_value_names_variable_and_value(case):
     name, raw = case[:2]
-    shown = case[2] if len(case) > 2 else f"={raw.strip()!r}"   # the offending part
+    shown = case[2] if len(case) > 2 else f"={raw.strip()!r}"  # the offending part
     with pytest.raises(ValueError) as e:
         RemoteConfig.from_env(dict(BASE, **{name: raw}))
     assert str(e.value).startswith(name)
@@ -220,6 +285,7 @@ def test_choice_error_keeps_raw_case(name):
 
 
 # --- required variables ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("raw", [None, "", "   "], ids=["unset", "empty", "blank"])
 def test_endpoint_required(raw):
@@ -250,6 +316,7 @@ def test_identity_parsed():
 
 # --- bind --------------------------------------------------------------------------------
 
+
 def test_bind_variable_sets_endpoint_bind():
     assert cfg_of(BIND="10.202.28.2").endpoint.bind == "10.202.28.2"
 
@@ -260,14 +327,12 @@ def test_bind_in_endpoint_query():
 
 
 def test_bind_variable_agreeing_with_query():
-    env = dict(BASE, **{ENV_ENDPOINT: "tcp://10.202.28.1:18620?bind=10.202.28.2",
-                        P + "BIND": "10.202.28.2"})
+    env = dict(BASE, **{ENV_ENDPOINT: "tcp://10.202.28.1:18620?bind=10.202.28.2", P + "BIND": "10.202.28.2"})
     assert RemoteConfig.from_env(env).endpoint.bind == "10.202.28.2"
 
 
 def test_bind_conflict_names_both_values():
-    env = dict(BASE, **{ENV_ENDPOINT: "tcp://10.202.28.1:18620?bind=10.202.28.2",
-                        P + "BIND": "10.202.28.3"})
+    env = dict(BASE, **{ENV_ENDPOINT: "tcp://10.202.28.1:18620?bind=10.202.28.2", P + "BIND": "10.202.28.3"})
     with pytest.raises(ValueError) as e:
         RemoteConfig.from_env(env)
     msg = str(e.value)
@@ -275,6 +340,7 @@ def test_bind_conflict_names_both_values():
 
 
 # --- cross-field rules -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy", ["shadow", "resilience"])
 def test_async_needs_capacity(policy):
@@ -305,6 +371,7 @@ def test_backoff_max_equal_to_backoff_accepted():
 
 # --- Markov identity ---------------------------------------------------------------------
 
+
 def test_markov_identity_unset_is_zeros():
     assert markov_identity_from_env({}) == bytes(32)
 
@@ -329,16 +396,18 @@ def test_markov_cache_unreadable_names_variable_and_path(tmp_path, kind):
 
 
 def test_markov_identity_override_wins_over_cache(tmp_path):
-    env = dict(BASE, VLLM_DSPARK_MARKOV_CACHE=str(tmp_path / "unreadable"),
-               **{P + "MARKOV_IDENTITY": "12" * 32})
+    env = dict(BASE, VLLM_DSPARK_MARKOV_CACHE=str(tmp_path / "unreadable"), **{P + "MARKOV_IDENTITY": "12" * 32})
     assert RemoteConfig.from_env(env).markov_identity == bytes([0x12]) * 32
 
 
 # --- properties --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("timeout,watchdog,expected", [("50", "0", 200), ("20", "0", 200),
-                                                       ("100", "0", 400), ("100", "75", 75)],
-                         ids=["auto-floor", "auto-floor-small", "auto-4x", "explicit"])
+
+@pytest.mark.parametrize(
+    "timeout,watchdog,expected",
+    [("50", "0", 200), ("20", "0", 200), ("100", "0", 400), ("100", "75", 75)],
+    ids=["auto-floor", "auto-floor-small", "auto-4x", "explicit"],
+)
 def test_watchdog_ms(timeout, watchdog, expected):
     assert cfg_of(TIMEOUT_MS=timeout, ASYNC_WATCHDOG_MS=watchdog).watchdog_ms == expected
 
@@ -350,12 +419,13 @@ def test_keeps_local_drafter(policy, expected):
 
 # --- describe ----------------------------------------------------------------------------
 
+
 def test_describe_rows_cover_the_contract_in_order():
     env = env_of(TIMEOUT_MS="80", FUSED_GATHER="0", ROUND_MS="1,2")
     rows = describe(RemoteConfig.from_env(env), env)
     names = [r[0] for r in rows]
-    assert names[:len(config_env.VARIABLES)] == list(config_env.VARIABLES)
-    assert names[len(config_env.VARIABLES):] == ["watchdog_ms", "keeps_local_drafter", "bind"]
+    assert names[: len(config_env.VARIABLES)] == list(config_env.VARIABLES)
+    assert names[len(config_env.VARIABLES) :] == ["watchdog_ms", "keeps_local_drafter", "bind"]
     by = {r[0]: r[1:] for r in rows}
     assert by[ENV_ENDPOINT] == ("tcp://127.0.0.1:18620", "env")
     assert by[P + "IDENTITY"] == (IDENT, "env")
@@ -397,11 +467,15 @@ def test_costs_depth_policy_off_needs_none():
     assert env == {}
 
 
-@pytest.mark.parametrize("draft,round_ms,missing", [
-    (None, None, [P + "DRAFT_MS", P + "ROUND_MS"]),
-    ("2", None, [P + "ROUND_MS"]),
-    (None, ROUND6, [P + "DRAFT_MS"]),
-], ids=["both", "round", "draft"])
+@pytest.mark.parametrize(
+    "draft,round_ms,missing",
+    [
+        (None, None, [P + "DRAFT_MS", P + "ROUND_MS"]),
+        ("2", None, [P + "ROUND_MS"]),
+        (None, ROUND6, [P + "DRAFT_MS"]),
+    ],
+    ids=["both", "round", "draft"],
+)
 @pytest.mark.parametrize("policy", ["capacity", "resilience"])
 def test_costs_depth_policy_needs_both(policy, draft, round_ms, missing):
     env = {"KEEP": "1"}
@@ -419,35 +493,36 @@ def test_costs_fixed_without_depth_file_needs_none():
 
 def test_costs_fixed_with_depth_file_needs_both():
     with pytest.raises(ValueError, match="missing"):
-        apply_cost_overrides(costs(draft="2"), {}, depth_policy_on=True, depth_mode="fixed",
-                             depth_file="/tmp/depth")
+        apply_cost_overrides(costs(draft="2"), {}, depth_policy_on=True, depth_mode="fixed", depth_file="/tmp/depth")
 
 
 def test_costs_confr_refused():
     env: dict[str, str] = {}
     with pytest.raises(ValueError, match="confr"):
-        apply_cost_overrides(costs(draft="2", round_ms=ROUND6), env, depth_policy_on=True,
-                             depth_mode="confr")
+        apply_cost_overrides(costs(draft="2", round_ms=ROUND6), env, depth_policy_on=True, depth_mode="confr")
     assert env == {}
 
 
-@pytest.mark.parametrize("round_ms,why", [("1,2,3", "3 values, expected 6"),
-                                          ("0,1,2,3,4,5", "> 0 ms"),
-                                          ("1,2,3,2,4,5", "non-decreasing")],
-                         ids=["wrong-length", "non-positive", "decreasing"])
+@pytest.mark.parametrize(
+    "round_ms,why",
+    [("1,2,3", "3 values, expected 6"), ("0,1,2,3,4,5", "> 0 ms"), ("1,2,3,2,4,5", "non-decreasing")],
+    ids=["wrong-length", "non-positive", "decreasing"],
+)
 def test_costs_round_table_rules(round_ms, why):
     env = {"KEEP": "1"}
     with pytest.raises(ValueError) as e:
-        apply_cost_overrides(costs(draft="2", round_ms=round_ms), env, depth_policy_on=True,
-                             depth_mode="conf", num_spec=5)
+        apply_cost_overrides(
+            costs(draft="2", round_ms=round_ms), env, depth_policy_on=True, depth_mode="conf", num_spec=5
+        )
     assert f"{P}ROUND_MS={round_ms!r}" in str(e.value) and why in str(e.value)
     assert env == {"KEEP": "1"}  # DRAFT_MS was valid and is still not written
 
 
 def test_costs_written_into_given_environ():
     env = {"KEEP": "1", "VLLM_DSPARK_ROUND_MS": "9,9,9,9,9,9"}
-    changed = apply_cost_overrides(costs("resilience", draft="2.5", round_ms="1,1.5,2,2,3,4"), env,
-                                   depth_policy_on=True, depth_mode="confb")
+    changed = apply_cost_overrides(
+        costs("resilience", draft="2.5", round_ms="1,1.5,2,2,3,4"), env, depth_policy_on=True, depth_mode="confb"
+    )
     assert changed == {"VLLM_DSPARK_ROUND_MS": "1,1.5,2,2,3,4", "VLLM_DSPARK_DRAFT_MS": "2.5"}
     assert env == dict(changed, KEEP="1")
 
@@ -469,16 +544,19 @@ def test_costs_num_spec_sets_expected_length():
 CAP = [0, 5, 4, 2, 1]
 
 
-@pytest.mark.parametrize("policy,n_out,mode,depth_file,cap,reason", [
-    ("shadow", "auto", "conf", None, CAP, "shadow compares every position"),
-    ("capacity", "0", "conf", None, CAP, f"{P}N_OUT=0"),
-    ("capacity", "auto", "fixed", None, CAP, "does not mask positions"),
-    ("capacity", "auto", "conf", "/tmp/depth", CAP, "VLLM_DSPARK_DEPTH_FILE"),
-    ("capacity", "auto", "conf", None, None, "no dynamic speculation schedule"),
-    ("capacity", "auto", "conf", None, [], "no dynamic speculation schedule"),
-    ("resilience", "auto", "conf", None, [0, 5, 7, 5], "never caps below N"),
-], ids=["shadow", "n_out-0", "non-masking-mode", "depth-file", "no-schedule", "empty-schedule",
-        "never-caps"])
+@pytest.mark.parametrize(
+    "policy,n_out,mode,depth_file,cap,reason",
+    [
+        ("shadow", "auto", "conf", None, CAP, "shadow compares every position"),
+        ("capacity", "0", "conf", None, CAP, f"{P}N_OUT=0"),
+        ("capacity", "auto", "fixed", None, CAP, "does not mask positions"),
+        ("capacity", "auto", "conf", "/tmp/depth", CAP, "VLLM_DSPARK_DEPTH_FILE"),
+        ("capacity", "auto", "conf", None, None, "no dynamic speculation schedule"),
+        ("capacity", "auto", "conf", None, [], "no dynamic speculation schedule"),
+        ("resilience", "auto", "conf", None, [0, 5, 7, 5], "never caps below N"),
+    ],
+    ids=["shadow", "n_out-0", "non-masking-mode", "depth-file", "no-schedule", "empty-schedule", "never-caps"],
+)
 def test_n_out_none(policy, n_out, mode, depth_file, cap, reason):
     cfg = cfg_of(POLICY=policy, N_OUT=n_out)
     table, why = n_out_table(cfg, 5, mode, depth_file, cap)

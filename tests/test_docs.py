@@ -14,8 +14,9 @@ from remote_dspark.config_env import ENV_ENDPOINT, ENV_MARKOV_CACHE, VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-DOCS = {p.relative_to(ROOT).as_posix(): p.read_text()
-        for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+DOCS = {
+    p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+}
 
 
 def python_blocks(text: str) -> list[str]:
@@ -51,8 +52,9 @@ def subcommands(parser: argparse.ArgumentParser, prefix: str = "") -> set[str]:
 def test_every_command_the_docs_run_exists():
     known = subcommands(build_parser())
     for doc, text in DOCS.items():
-        for cmd in re.findall(r"`remote-dspark ((?:bench )?[a-z][a-z-]*)|^\$? ?remote-dspark ((?:bench )?[a-z][a-z-]*)",
-                              text, re.M):
+        for cmd in re.findall(
+            r"`remote-dspark ((?:bench )?[a-z][a-z-]*)|^\$? ?remote-dspark ((?:bench )?[a-z][a-z-]*)", text, re.M
+        ):
             cmd = "".join(cmd)
             assert cmd in known, f"{doc} runs remote-dspark {cmd}, which is no command"
 

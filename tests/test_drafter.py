@@ -35,7 +35,7 @@ MODELS = {
     "dense": _model(2, 3, list(range(6)), 1),
     "dense-order1": _model(1, 1, [0, 1, 2, 3], 2),
     "radix": _model(2, 2, [-5, 0, 7, 3000, 99_999], 3),
-    "bytes": _model(3, 4, [-2**31, -7, 0, 5, 2**31 - 1], 4),
+    "bytes": _model(3, 4, [-(2**31), -7, 0, 5, 2**31 - 1], 4),
     "empty": MarkovModel.from_tokens([1, 2], order=2, top=2),
 }
 
@@ -45,8 +45,13 @@ def test_the_models_cover_every_lookup_mode():
     for name, m in MODELS.items():
         m.draft_batch(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int32), 3)
         modes[name] = (m._arrays.mode, m._arrays.dense is not None)
-    assert modes == {"dense": ("radix", True), "dense-order1": ("radix", True), "radix": ("radix", False),
-                     "bytes": ("bytes", False), "empty": ("empty", False)}
+    assert modes == {
+        "dense": ("radix", True),
+        "dense-order1": ("radix", True),
+        "radix": ("radix", False),
+        "bytes": ("bytes", False),
+        "empty": ("empty", False),
+    }
 
 
 def _contexts(model):
@@ -54,9 +59,14 @@ def _contexts(model):
     outside its vocabulary and short or empty contexts mixed in."""
     known = sorted(model.table) or [(0,) * model.order]
     vocab = sorted({t for ctx in known for t in ctx})
-    return st.lists(st.one_of(st.sampled_from(known).map(list), st.sampled_from(vocab).map(lambda t: [t]),
-                              st.integers(-2**31, 2**31 - 1).map(lambda t: [t])), max_size=4) \
-        .map(lambda parts: [t for p in parts for t in p])
+    return st.lists(
+        st.one_of(
+            st.sampled_from(known).map(list),
+            st.sampled_from(vocab).map(lambda t: [t]),
+            st.integers(-(2**31), 2**31 - 1).map(lambda t: [t]),
+        ),
+        max_size=4,
+    ).map(lambda parts: [t for p in parts for t in p])
 
 
 @settings(max_examples=40, deadline=None)
@@ -83,21 +93,25 @@ def test_draft_batch_on_the_builtin_model_follows_its_text():
     text = np.array(__import__("remote_dspark.markov").markov.SyntheticLanguage().text(5000), np.int32)
     starts = rng.integers(0, 4000, 64)
     lens = rng.integers(0, 12, 64)
-    contexts = [text[s:s + n].tolist() for s, n in zip(starts, lens)]
+    contexts = [text[s : s + n].tolist() for s, n in zip(starts, lens)]
     offsets = np.cumsum([0] + [len(c) for c in contexts])
-    got_t, got_c, _ = model.draft_batch(np.array([t for c in contexts for t in c], np.int32), offsets,
-                                        np.full(64, 5, np.int32), 5)
-    assert got_c.sum() > 100          # the text's contexts are mostly known
+    got_t, got_c, _ = model.draft_batch(
+        np.array([t for c in contexts for t in c], np.int32), offsets, np.full(64, 5, np.int32), 5
+    )
+    assert got_c.sum() > 100  # the text's contexts are mostly known
     for i, ctx in enumerate(contexts):
-        assert got_t[i, :got_c[i]].tolist() == model.draft(ctx, 5)[0]
+        assert got_t[i, : got_c[i]].tolist() == model.draft(ctx, 5)[0]
 
 
 def _batch(contexts, n_out, width, want_margin=True, row_bytes=2):
-    return DraftBatch(np.array([t for c in contexts for t in c], np.int32),
-                      np.cumsum([0] + [len(c) for c in contexts]).astype(np.int64),
-                      np.array(n_out, np.int32),
-                      np.arange(len(contexts) * row_bytes, dtype=np.uint8).reshape(len(contexts), row_bytes),
-                      want_margin, width)
+    return DraftBatch(
+        np.array([t for c in contexts for t in c], np.int32),
+        np.cumsum([0] + [len(c) for c in contexts]).astype(np.int64),
+        np.array(n_out, np.int32),
+        np.arange(len(contexts) * row_bytes, dtype=np.uint8).reshape(len(contexts), row_bytes),
+        want_margin,
+        width,
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -124,7 +138,7 @@ def test_the_adapter_passes_context_and_row_and_cuts_to_n_out():
 
         def draft(self, context, n_out, row):
             calls.append((context, n_out, bytes(row)))
-            return [7, 8, 9, 10], [0.5]            # too many tokens, too few margins
+            return [7, 8, 9, 10], [0.5]  # too many tokens, too few margins
 
     out = PerEntryDrafter(Sloppy()).draft_batch(_batch([[1, 2], [], [3]], [2, 0, 3], 3))
     assert calls == [([1, 2], 2, b"\x00\x01"), ([], 0, b"\x02\x03"), ([3], 3, b"\x04\x05")]
@@ -154,7 +168,7 @@ def test_as_batched_picks_the_batched_path_unless_a_subclass_overrides_draft():
     assert as_batched(b) is b
     m = MarkovDrafter(MODELS["dense"])
     assert as_batched(m) is m and isinstance(as_batched(_Both(MODELS["dense"])), _Both)
-    gated = as_batched(_GatedDraft(MODELS["dense"]))    # its own draft must not be bypassed
+    gated = as_batched(_GatedDraft(MODELS["dense"]))  # its own draft must not be bypassed
     assert isinstance(gated, PerEntryDrafter) and gated.drafter_identity == m.drafter_identity
     with pytest.raises(TypeError, match="neither draft_batch"):
         as_batched(object())
@@ -174,8 +188,9 @@ def test_check_result_clamps_zeroes_and_names_bad_shapes():
         check_result(DraftResult(np.zeros((2, 3), np.int32), np.zeros(2, np.int32), np.zeros(2)), batch)
     # Asked for margins, a drafter without any gives zeros: the engine refuses a reply
     # whose margins section is not what its HELLO asked for.
-    assert check_result(DraftResult(np.zeros((2, 3), np.int32), np.zeros(2, np.int32), None),
-                        batch).margins.tolist() == [[0, 0, 0], [0, 0, 0]]
+    assert check_result(
+        DraftResult(np.zeros((2, 3), np.int32), np.zeros(2, np.int32), None), batch
+    ).margins.tolist() == [[0, 0, 0], [0, 0, 0]]
     assert check_result(sloppy, _batch([[1], [2]], [1, 2], 3, want_margin=False)).margins is None
 
 
@@ -196,7 +211,8 @@ def test_load_drafter_accepts_batched_and_per_entry_factories(tmp_path, monkeypa
         "class Neither:\n"
         "    drafter_identity = b'd' * 32\n"
         "    markov_identity = b'm' * 32\n"
-        "NOT_CALLABLE = 3\n")
+        "NOT_CALLABLE = 3\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert type(load_drafter("batchdrafter:B")).__name__ == "B"
     assert isinstance(load_drafter("batchdrafter:E"), PerEntryDrafter)
@@ -208,15 +224,17 @@ def test_load_drafter_accepts_batched_and_per_entry_factories(tmp_path, monkeypa
 
 
 def test_markov_module_does_not_load_numpy_until_draft_batch():
-    code = ("import sys\nfrom remote_dspark.markov import builtin_model\nm = builtin_model()\n"
-            "m.draft([0, 1], 3)\nassert 'numpy' not in sys.modules\n"
-            "import numpy as np\nm.draft_batch(np.zeros(2, np.int32), np.array([0, 2]), np.array([3]), 3)\n")
+    code = (
+        "import sys\nfrom remote_dspark.markov import builtin_model\nm = builtin_model()\n"
+        "m.draft([0, 1], 3)\nassert 'numpy' not in sys.modules\n"
+        "import numpy as np\nm.draft_batch(np.zeros(2, np.int32), np.array([0, 2]), np.array([3]), 3)\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_a_cache_record_without_next_tokens_is_refused():
     good = bytearray(MODELS["dense-order1"].to_bytes())
     # First record: context (1 word), top=1 pair (token, count), total. Zero the count.
-    good[16 + 8:16 + 12] = bytes(4)
+    good[16 + 8 : 16 + 12] = bytes(4)
     with pytest.raises(ValueError, match="record 0"):
         MarkovModel.from_bytes(bytes(good))

@@ -24,8 +24,6 @@ MODEL = COUNTING
 K = 3
 
 
-
-
 def make(env, **kw):
     kw.setdefault("num_spec", K)
     kw.setdefault("max_slots", 4)
@@ -37,8 +35,9 @@ ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 
 
 def batch(new=True, slots=(0, 1), tokens=((1,), (3,)), positions=(0, 0)):
-    return Batch.from_lists(list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS,
-                 torch.arange(len(slots)))
+    return Batch.from_lists(
+        list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS, torch.arange(len(slots))
+    )
 
 
 def local_drafter(b):
@@ -51,8 +50,6 @@ def dead_port():
     port = w.port
     w.stop()
     return port
-
-
 
 
 # --------------------------------------------------------------------------- synchronous
@@ -75,6 +72,7 @@ def test_sync_rows_reach_the_worker(tmp_path):
         def draft(self, context, n_out, row):
             seen.append(bytes(row))
             return super().draft(context, n_out, row)
+
     with Worker(RowDrafter(MODEL), "127.0.0.1", 0) as w, make(env_for(w.port, tmp_path)) as rd:
         b = batch()
         b.row_index = torch.tensor([2, 0])
@@ -102,26 +100,30 @@ def test_strict_start_raises_when_the_worker_is_down(tmp_path):
 
 
 def test_resilience_falls_back_to_the_local_drafter(tmp_path):
-    with make(env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_POLICY="resilience"),
-              local_drafter=local_drafter) as rd:
+    with make(
+        env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_POLICY="resilience"), local_drafter=local_drafter
+    ) as rd:
         out = rd.round(batch())
         assert out.source == "local" and out.tokens.tolist() == [[9, 9, 9]] * 2
 
 
 def test_shadow_uses_local_and_records_agreement_and_margins(worker, tmp_path):
-    def half_right(b):   # agrees with the worker at position 0 only
+    def half_right(b):  # agrees with the worker at position 0 only
         return torch.tensor([[2, 0, 0], [4, 0, 0]], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32)
+
     with make(env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="shadow"), local_drafter=half_right) as rd:
         out = rd.round(batch())
         assert out.source == "local" and out.tokens[:, 0].tolist() == [2, 4]
         st = rd.stats()
         assert st.shadow_compared_at == (2, 2, 2) and st.shadow_agree_at == (2, 0, 0)
-        assert st.margin.count == 6    # WANT_MARGIN defaults to 1 in shadow
+        assert st.margin.count == 6  # WANT_MARGIN defaults to 1 in shadow
 
 
 def test_shadow_use_remote(worker, tmp_path):
-    with make(env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="shadow",
-                      VLLM_DSPARK_REMOTE_SHADOW_USE="remote"), local_drafter=local_drafter) as rd:
+    with make(
+        env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="shadow", VLLM_DSPARK_REMOTE_SHADOW_USE="remote"),
+        local_drafter=local_drafter,
+    ) as rd:
         assert rd.round(batch()).source == "remote"
 
 
@@ -130,30 +132,37 @@ def test_policies_that_keep_a_local_drafter_need_one(worker, tmp_path):
         make(env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY="resilience"))
 
 
-@pytest.mark.parametrize("policy,depth,n_out,counts", [
-    ("capacity", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), None, [1, 1]),   # 2 requests: cap 1
-    ("capacity", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), "0", [3, 3]),    # N_OUT=0: all
-    ("capacity", dict(depth_mode="fixed", dense_cap=[0, 3, 1, 1, 1]), None, [3, 3]),  # not cap-masking
-    ("capacity", dict(depth_mode="conf", depth_file="/x", dense_cap=[0, 3, 1]), None, [3, 3]),
-    ("capacity", dict(depth_mode="conf"), None, [3, 3]),                               # no schedule
-    ("shadow", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), None, [3, 3]),     # compares all
-])
+@pytest.mark.parametrize(
+    "policy,depth,n_out,counts",
+    [
+        ("capacity", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), None, [1, 1]),  # 2 requests: cap 1
+        ("capacity", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), "0", [3, 3]),  # N_OUT=0: all
+        ("capacity", dict(depth_mode="fixed", dense_cap=[0, 3, 1, 1, 1]), None, [3, 3]),  # not cap-masking
+        ("capacity", dict(depth_mode="conf", depth_file="/x", dense_cap=[0, 3, 1]), None, [3, 3]),
+        ("capacity", dict(depth_mode="conf"), None, [3, 3]),  # no schedule
+        ("shadow", dict(depth_mode="conf", dense_cap=[0, 3, 1, 1, 1]), None, [3, 3]),  # compares all
+    ],
+)
 def test_n_out_follows_the_schedule_by_request_count(worker, tmp_path, policy, depth, n_out, counts):
     """The engine's depth-policy facts set each round's n_out (config.n_out_table's rules),
     as the worker sees it on the wire; the reason is in stats()."""
-    env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_POLICY=policy,
-                  **({"VLLM_DSPARK_REMOTE_N_OUT": n_out} if n_out else {}))
+    env = env_for(
+        worker.port,
+        tmp_path,
+        VLLM_DSPARK_REMOTE_POLICY=policy,
+        **({"VLLM_DSPARK_REMOTE_N_OUT": n_out} if n_out else {}),
+    )
     kw = {"local_drafter": local_drafter} if policy == "shadow" else {}
     with make(env, **depth, **kw) as rd:
         remote = rd.round(batch())
         if policy == "shadow":
-            assert rd.stats().shadow_compared_at == (2, 2, 2)   # the remote drafted every position
+            assert rd.stats().shadow_compared_at == (2, 2, 2)  # the remote drafted every position
         else:
             assert remote.counts.tolist() == counts
         st = rd.stats()
         assert (st.n_out_table is not None) == (counts == [1, 1] and policy != "shadow") and st.n_out_reason
         b = batch()
-        b.n_out = torch.tensor([2, 2])                            # a batch's own n_out wins
+        b.n_out = torch.tensor([2, 2])  # a batch's own n_out wins
         if policy != "shadow":
             assert rd.round(b).counts.tolist() == [2, 2]
 
@@ -174,7 +183,7 @@ def test_stats_file_and_log_line(worker, tmp_path, caplog):
         assert lines == ["remote DSpark: 2 rounds (ok=2); late 0; budget -"]
         on_disk = json.loads((tmp_path / "stats.json").read_text())
         assert on_disk["rounds"]["ok"] == 2 == rd.stats().rounds[Outcome.OK]
-    assert [f.name for f in tmp_path.iterdir()] == ["stats.json"]   # no temp file left
+    assert [f.name for f in tmp_path.iterdir()] == ["stats.json"]  # no temp file left
 
 
 # --------------------------------------------------------------------------- async
@@ -211,14 +220,19 @@ def test_process_mode_respawn_no_proxy_rounds_and_resync_all(worker, tmp_path):
         assert st.supervisor.restarts["signal"] == 1 and st.supervisor.budget_left == 0
         os.kill(sup.up.pid, signal.SIGKILL)
         assert until(lambda: sup.stats().state == "spent")
-        out = rd.round(batch())   # released at once (NO_PROXY), not left to the watchdog (WATCHDOG)
+        out = rd.round(batch())  # released at once (NO_PROXY), not left to the watchdog (WATCHDOG)
         assert out.outcome is Outcome.NO_PROXY and out.source == "none"
     assert not _zombies()
 
 
 def test_watchdog_releases_a_round_the_worker_answers_too_late(worker, tmp_path):
-    env = async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000",
-                    VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")
+    env = async_env(
+        worker.port,
+        tmp_path,
+        "process",
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000",
+        VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100",
+    )
     with make(env) as rd:
         assert rd.round(batch()).outcome is Outcome.OK
         worker.reply_delay_s = 0.3
@@ -226,9 +240,9 @@ def test_watchdog_releases_a_round_the_worker_answers_too_late(worker, tmp_path)
         out = rd.round(batch())
         waited = time.monotonic() - t0
         assert out.outcome is Outcome.WATCHDOG and out.counts.tolist() == [0, 0]
-        assert waited >= 0.1   # answered by the watchdog at its limit, not before
+        assert waited >= 0.1  # answered by the watchdog at its limit, not before
         worker.reply_delay_s = 0.0
-        assert until(lambda: rd.stats().link.late == 1)   # the proxy's reply came after the watchdog
+        assert until(lambda: rd.stats().link.late == 1)  # the proxy's reply came after the watchdog
 
 
 def test_only_watchdog_rounds_of_the_live_proxy_make_it_stalled(worker, tmp_path):
@@ -239,11 +253,11 @@ def test_only_watchdog_rounds_of_the_live_proxy_make_it_stalled(worker, tmp_path
         assert until(lambda: rd.supervisor.up is not None)
         path, host, up = rd._path, rd._host, rd.supervisor.up
         assert not host._stalled(up)
-        path.watchdog_seen = (up.since - 0.5, up.since + 0.1, up.since + 0.2)   # began before it
+        path.watchdog_seen = (up.since - 0.5, up.since + 0.1, up.since + 0.2)  # began before it
         assert not host._stalled(up)
         path.watchdog_seen = (up.since + 0.1, up.since + 0.2, up.since + 0.3)
         assert host._stalled(up)
-        path._count_watchdog(Outcome.OK)                                       # a served round ends a run
+        path._count_watchdog(Outcome.OK)  # a served round ends a run
         assert path.watchdog_seen == () and not host._stalled(up)
         for _ in range(5):
             path._count_watchdog(Outcome.WATCHDOG)
@@ -259,16 +273,23 @@ def test_a_proxy_still_connecting_is_not_stalled(tmp_path, monkeypatch):
     import socket
 
     from remote_dspark.engine import proxy_host
-    monkeypatch.setattr(proxy_host, "PROXY_START_S", 1.0)   # below CONNECT_TIMEOUT_MS, room for a loaded machine
-    with socket.create_server(("127.0.0.1", 0)) as silent:   # accepts (backlog), never answers
-        env = async_env(silent.getsockname()[1], tmp_path, "process", VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS="1500",
-                        VLLM_DSPARK_REMOTE_BACKOFF_MS="60000", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000")
+
+    monkeypatch.setattr(proxy_host, "PROXY_START_S", 1.0)  # below CONNECT_TIMEOUT_MS, room for a loaded machine
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
+        env = async_env(
+            silent.getsockname()[1],
+            tmp_path,
+            "process",
+            VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS="1500",
+            VLLM_DSPARK_REMOTE_BACKOFF_MS="60000",
+            VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000",
+        )
         rd = make(env)
         rd.start()
         try:
             sup = rd.supervisor
             first = sup.live.pid
-            assert until(lambda: rd.round(batch()).outcome is Outcome.ERROR, timeout=10)   # served, target-only
+            assert until(lambda: rd.round(batch()).outcome is Outcome.ERROR, timeout=10)  # served, target-only
             assert until(lambda: sup.up is not None) and sup.up.pid == first, (first, sup.stats())
             assert sum(sup.restarts.values()) == 0, sup.stats()
         finally:
@@ -367,8 +388,13 @@ def test_rounds_are_served_end_to_end_through_an_ofl_module(worker, tmp_path, mo
     (ofl / "libofl.so").write_bytes(b"")
     # A generous deadline: this checks the path, and the proxy's Python round over a
     # Python socket may take tens of ms on a loaded 2-core machine.
-    env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE=f"o1tcp://127.0.0.1:{worker.port}",
-                  VLLM_DSPARK_REMOTE_OFL_DIR=str(ofl), VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000")
+    env = env_for(
+        worker.port,
+        tmp_path,
+        VLLM_DSPARK_REMOTE=f"o1tcp://127.0.0.1:{worker.port}",
+        VLLM_DSPARK_REMOTE_OFL_DIR=str(ofl),
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+    )
     if mode != "sync":
         env.update(VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY=mode)
     with make(env) as rd:
@@ -380,7 +406,7 @@ def test_rounds_are_served_end_to_end_through_an_ofl_module(worker, tmp_path, mo
     calls = (ofl / "calls.log").read_text().splitlines()
     assert calls[0] == "connect tcp libofl.so"
     sends = [int(c.split()[1]) for c in calls if c.startswith("sendmsg")]
-    assert len(sends) >= 3 and sends[0] == wire.HEADER.size + 88   # HELLO, then both rounds
+    assert len(sends) >= 3 and sends[0] == wire.HEADER.size + 88  # HELLO, then both rounds
 
 
 @pytest.mark.parametrize("proxy", ["thread", "process"])
@@ -393,11 +419,11 @@ def test_strict_start_raises_in_async_modes_and_leaves_nothing_running(tmp_path,
 
 def test_failed_start_cleans_up_what_it_started(worker, tmp_path):
     import socket
+
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        env = async_env(worker.port, tmp_path, "process",
-                        VLLM_DSPARK_REMOTE_METRICS_PORT=str(taken.getsockname()[1]))
+        env = async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_METRICS_PORT=str(taken.getsockname()[1]))
         rd = make(env)
         with pytest.raises(ValueError, match="VLLM_DSPARK_REMOTE_METRICS_PORT"):
             rd.start()
@@ -418,7 +444,7 @@ def test_start_runs_once_and_a_closed_engine_refuses_rounds(worker, tmp_path, mo
         rd.start()
     assert _children() == children and rd.round(batch()).outcome is Outcome.OK
     rd.close()
-    rd.close()                                    # idempotent
+    rd.close()  # idempotent
     with pytest.raises(RemoteClosed, match=r"round\(\) after close\(\)"):
         rd.round(batch())
     with pytest.raises(RuntimeError, match="start\\(\\) on a closed RemoteDSpark"):
@@ -430,6 +456,7 @@ def test_a_named_native_library_that_is_not_hostflag_fails_start(worker, tmp_pat
     """A configuration error, raised at start naming the variable: never a quiet fall
     back to synchronous rounds."""
     import subprocess
+
     src = tmp_path / "other.c"
     src.write_text("int other(void) { return 0; }\n")
     so = tmp_path / "other.so"
@@ -455,20 +482,28 @@ def test_bad_rows_leave_no_hole_in_the_round_sequence(worker, tmp_path):
 def test_a_dead_proxy_thread_means_target_only_rounds_at_once(worker, tmp_path, monkeypatch, caplog):
     from remote_dspark import tcp_round
 
-    def broken(self, timeout_s, **_):   # dies holding a round it took
+    def broken(self, timeout_s, **_):  # dies holding a round it took
         if self._end.next_round(timeout_s) is not None:
             raise RuntimeError("proxy bug")
+
     monkeypatch.setattr(tcp_round.TcpRounds, "serve", broken)
     with make(async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")) as rd:
-        assert rd.round(batch()).outcome is Outcome.WATCHDOG      # the round the thread died on
+        assert rd.round(batch()).outcome is Outcome.WATCHDOG  # the round the thread died on
         assert until(lambda: not rd._host._thread.is_alive())
         # At once: answered NO_PROXY by the engine, not left to the watchdog (WATCHDOG).
         assert [rd.round(batch()).outcome for _ in range(3)] == [Outcome.NO_PROXY] * 3
     assert [r.getMessage() for r in caplog.records if "proxy thread died" in r.getMessage()] != []
 
 
-@pytest.mark.parametrize("kw,why", [({"num_spec": 0}, "num_spec=0"), ({"max_slots": 5000}, "max_slots=5000"),
-                                    ({"row_bytes": 0}, "row_bytes=0"), ({"device": "tpu"}, "device='tpu'")])
+@pytest.mark.parametrize(
+    "kw,why",
+    [
+        ({"num_spec": 0}, "num_spec=0"),
+        ({"max_slots": 5000}, "max_slots=5000"),
+        ({"row_bytes": 0}, "row_bytes=0"),
+        ({"device": "tpu"}, "device='tpu'"),
+    ],
+)
 def test_bad_engine_parameters(tmp_path, kw, why):
     with pytest.raises(ValueError, match=why):
         make(env_for(1, tmp_path), **kw)
@@ -476,8 +511,12 @@ def test_bad_engine_parameters(tmp_path, kw, why):
 
 def _children():
     import psutil
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE and "proxy_proc" in " ".join(p.cmdline())]
+
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "proxy_proc" in " ".join(p.cmdline())
+    ]
 
 
 @pytest.mark.parametrize("mode", ["sync", "thread", "process"])
@@ -497,7 +536,7 @@ def test_stats_is_one_typed_record_whose_parts_follow_the_mode(worker, tmp_path,
         if mode == "thread":
             assert st.handoff.proxy_thread_alive is True
         with pytest.raises(AttributeError):
-            st.mode = "other"   # frozen: a snapshot, never a live view
+            st.mode = "other"  # frozen: a snapshot, never a live view
     final = rd.stats()
     assert final is rd.stats() and final.total_rounds == 1
     doc = json.loads((tmp_path / "stats.json").read_text())
@@ -506,10 +545,11 @@ def test_stats_is_one_typed_record_whose_parts_follow_the_mode(worker, tmp_path,
 
 
 def test_start_warns_about_settings_that_cannot_work(worker, tmp_path, caplog):
-    env = async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_TIMEOUT_MS="300",
-                    VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="300")
+    env = async_env(
+        worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_TIMEOUT_MS="300", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="300"
+    )
     with caplog.at_level(logging.WARNING, logger="remote_dspark.engine"), make(env) as rd:
-        assert rd.round(batch()).outcome is Outcome.OK   # accepted, and working
+        assert rd.round(batch()).outcome is Outcome.OK  # accepted, and working
     said = [r.getMessage() for r in caplog.records if "ASYNC_WATCHDOG_MS=300" in r.getMessage()]
     assert len(said) == 1 and "VLLM_DSPARK_REMOTE_TIMEOUT_MS=300" in said[0]
 
@@ -520,27 +560,30 @@ def test_an_idle_engine_costs_no_core_and_its_next_round_is_served(worker, tmp_p
     had nothing to draft; now, after its spin, it sleeps on the engine's ``published``
     word and says so in the region's ``sleeping`` word (the CPU figure is the
     benchmark's). The engine's next round wakes it, and is served."""
-    with make(async_env(worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_ASYNC_NAP_US="0")) as rd:   # the default
+    with make(async_env(worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_ASYNC_NAP_US="0")) as rd:  # the default
         for _ in range(20):
             assert rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))).outcome is not None
         path = rd._path
-        sleeping = path.region.addr(path.region.layout.wake) + 4   # wake words: [published, sleeping]
+        sleeping = path.region.addr(path.region.layout.wake) + 4  # wake words: [published, sleeping]
         assert until(lambda: path.lib.load32(sleeping) == 1)
         assert rd.round(batch()).outcome is Outcome.OK
-
 
 
 def test_the_standby_takes_over_a_killed_proxy_with_a_new_session(worker, tmp_path):
     """Process mode keeps a warm standby: a SIGKILL promotes it (new session, slots
     re-announced), the next standby starts, and close() ends both: no zombie, no fd."""
-    def open_files():   # what the engine side opens (the in-process worker's sockets and epolls aside)
+
+    def open_files():  # what the engine side opens (the in-process worker's sockets and epolls aside)
         def what(fd):
             try:
                 return os.readlink(f"/proc/self/fd/{fd}")
             except OSError:
                 return "gone"
-        return {fd for fd in os.listdir("/proc/self/fd") if what(fd).startswith(("/memfd:", "anon_inode:[pidfd]",
-                                                                                  "pipe:"))}
+
+        return {
+            fd for fd in os.listdir("/proc/self/fd") if what(fd).startswith(("/memfd:", "anon_inode:[pidfd]", "pipe:"))
+        }
+
     fds = open_files()
     with make(async_env(worker.port, tmp_path, "process")) as rd:
         sup = rd.supervisor
@@ -548,7 +591,7 @@ def test_the_standby_takes_over_a_killed_proxy_with_a_new_session(worker, tmp_pa
         assert until(lambda: sup.stats().standby == "ready")
         first, standby = sup.up, sup.standby.proc.pid
         os.kill(first.pid, signal.SIGKILL)
-        assert until(lambda: sup.stats().restarts["signal"] == 1)   # reaped: no round reaches it any more
+        assert until(lambda: sup.stats().restarts["signal"] == 1)  # reaped: no round reaches it any more
         step = batch(new=False, tokens=((2,), (4,)), positions=(1, 1))
         outs = [rd.round(step)]
         assert until(lambda: outs.append(rd.round(step)) or outs[-1].outcome is Outcome.OK)
@@ -556,13 +599,13 @@ def test_the_standby_takes_over_a_killed_proxy_with_a_new_session(worker, tmp_pa
         # The first round handed to the new proxy says resync_all (its connection is new:
         # the worker has no window), whatever its outcome; it comes by the first ok one.
         first_ok = next(i for i, o in enumerate(outs) if o.outcome is Outcome.OK)
-        assert any(o.resync_all for o in outs[:first_ok + 1]), [(o.outcome, o.resync_all) for o in outs]
+        assert any(o.resync_all for o in outs[: first_ok + 1]), [(o.outcome, o.resync_all) for o in outs]
         assert until(lambda: sup.stats().standby == "ready" and getattr(sup.standby.proc, "pid", standby) != standby)
         st = sup.stats()
         assert (st.restarts["signal"], st.standby_spawns, st.standby_failures) == (1, 2, 0)
         pids = [sup.live.pid, sup.standby.proc.pid]
     left = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in open_files() - fds}
-    assert not _zombies() and not left, left   # no memfd, pidfd or pipe left
+    assert not _zombies() and not left, left  # no memfd, pidfd or pipe left
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -23,6 +23,7 @@ from remote_dspark.worker import MarkovDrafter
 
 pytestmark = pytest.mark.gpu
 
+
 @pytest.fixture(autouse=True)
 def no_parked_stream():
     """After every test the device drains within a bound: no stream is left waiting."""
@@ -34,23 +35,38 @@ def no_parked_stream():
 
 def make(worker, tmp_path, *, vocab_size=None, **kw):
     d = MarkovDrafter(MODEL)
-    env = dict(os.environ, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
-               VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
-               VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(), VLLM_DSPARK_REMOTE_POLICY="capacity",
-               VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
-               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"), VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-               VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="300")
+    env = dict(
+        os.environ,
+        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
+        VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
+        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
+        VLLM_DSPARK_REMOTE_POLICY="capacity",
+        VLLM_DSPARK_REMOTE_ASYNC="1",
+        VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+        VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"),
+        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000",
+        VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="300",
+    )
     env.update(kw)
-    return RemoteDSpark(RemoteConfig.from_env(env), num_spec=3, max_slots=8, row_bytes=16, device="cuda",
-                        environ=env, vocab_size=vocab_size)
+    return RemoteDSpark(
+        RemoteConfig.from_env(env),
+        num_spec=3,
+        max_slots=8,
+        row_bytes=16,
+        device="cuda",
+        environ=env,
+        vocab_size=vocab_size,
+    )
 
 
 ROWS = torch.arange(32, dtype=torch.float32).reshape(8, 4)
 
 
 def batch(new=True, tokens=((1,), (3,)), positions=(0, 0)):
-    return Batch.from_lists([0, 1], [list(t) for t in tokens], list(positions), [new, new], ROWS.cuda(),
-                 torch.tensor([0, 1], device="cuda"))
+    return Batch.from_lists(
+        [0, 1], [list(t) for t in tokens], list(positions), [new, new], ROWS.cuda(), torch.tensor([0, 1], device="cuda")
+    )
 
 
 # --------------------------------------------------------------------------- gather
@@ -61,7 +77,7 @@ def test_fused_gather_equals_the_torch_path_on_every_dtype():
 
 
 def test_fused_gather_uses_64_bit_offsets():
-    rows = torch.zeros((1 << 19) + 64, 4096, dtype=torch.uint8, device="cuda")   # 2.1 GB: offsets past 2^31
+    rows = torch.zeros((1 << 19) + 64, 4096, dtype=torch.uint8, device="cuda")  # 2.1 GB: offsets past 2^31
     rows[-64:] = torch.randint(0, 256, (64, 4096), dtype=torch.uint8, device="cuda")
     index = torch.arange(rows.shape[0] - 64, rows.shape[0], device="cuda").flip(0)
     a = torch.zeros(64, 4096, dtype=torch.uint8, device="cuda")
@@ -91,7 +107,7 @@ def test_stream_hand_off_on_the_registered_region(lib):
         r = end.reserve(1.0)
         end.write_entries(r, [wire.Entry(0, 3, 0, (1,), True)], deadline_ms=50)
         rows = torch.randint(0, 256, (8, 16), dtype=torch.uint8, device="cuda")
-        want = bytes(rows[5].tolist())   # read now: a copy after the wait would wait for it
+        want = bytes(rows[5].tolist())  # read now: a copy after the wait would wait for it
         gather.fused_gather(rows, torch.tensor([5], device="cuda"), staging)
         sync.signal(r)
         sync.wait(r, 0)
@@ -99,8 +115,8 @@ def test_stream_hand_off_on_the_registered_region(lib):
         done.record()
         rnd = proxy.next_round(5.0)
         assert rnd is not None and rnd.round == r
-        assert bytes(region.staging(1)[:16]) == want   # the rows reached host memory
-        assert not done.query()                        # the stream still waits for released
+        assert bytes(region.staging(1)[:16]) == want  # the rows reached host memory
+        assert not done.query()  # the stream still waits for released
         proxy.complete(rnd, wire.Drafts(r, [0], [2], [0], 3, (7, 8, 0)))
         done.synchronize()
 
@@ -120,10 +136,20 @@ def test_rounds_deliver_the_workers_drafts_into_device_tensors(worker, tmp_path)
 
 def on_device(b: Batch) -> Batch:
     """``b`` with every metadata tensor on the GPU (an engine whose tokens never left it)."""
+
     def cuda(x):
         return torch.as_tensor(x).cuda()
-    return Batch(cuda(b.slots), cuda(b.tokens), cuda(b.token_offsets), cuda(b.positions), cuda(b.new_gen),
-                 b.rows, b.row_index, None if b.n_out is None else cuda(b.n_out))
+
+    return Batch(
+        cuda(b.slots),
+        cuda(b.tokens),
+        cuda(b.token_offsets),
+        cuda(b.positions),
+        cuda(b.new_gen),
+        b.rows,
+        b.row_index,
+        None if b.n_out is None else cuda(b.n_out),
+    )
 
 
 def test_metadata_on_the_device_reaches_the_worker_in_stream_order(worker, tmp_path):
@@ -144,7 +170,7 @@ def test_a_long_new_gen_context_on_the_device_is_cut_as_on_the_host(worker, tmp_
         out = rd.launch(on_device(batch(tokens=(long, (3,)))))
         assert out.counts.tolist() == [3, 3] and out.tokens.tolist() == [[1, 2, 3], [4, 1, 2]]
         out = rd.launch(on_device(batch(new=False, tokens=((1,), (4,)), positions=(100, 1))))
-        assert out.tokens.tolist() == [[2, 3, 4], [1, 2, 3]]   # the window continued at 100
+        assert out.tokens.tolist() == [[2, 3, 4], [1, 2, 3]]  # the window continued at 100
 
 
 def refused_then_served(rd, bad: Batch) -> None:
@@ -154,7 +180,7 @@ def refused_then_served(rd, bad: Batch) -> None:
     good = rd.launch(on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))))
     torch.cuda.synchronize()
     assert good.counts.tolist() == [3, 3]
-    rd.launch(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))   # collects both
+    rd.launch(batch(new=False, tokens=((3,), (1,)), positions=(2, 2)))  # collects both
     st = rd.stats()
     assert st.handoff.proxy_counters["rounds_bad_desc"] == 1 and st.rounds[Outcome.ERROR] == 1
 
@@ -164,7 +190,7 @@ def test_bad_metadata_on_the_device_is_target_only_and_counted(worker, tmp_path)
     with make(worker, tmp_path) as rd:
         rd.launch(batch())
         b = on_device(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
-        b.slots = torch.tensor([1, 1], device="cuda")          # one slot twice
+        b.slots = torch.tensor([1, 1], device="cuda")  # one slot twice
         refused_then_served(rd, b)
 
 
@@ -172,7 +198,7 @@ def test_a_token_outside_the_vocabulary_raises_on_the_host_and_is_target_only_on
     """``vocab_size`` bounds the engine's token ids: host metadata raises before anything
     is handed over; device metadata, never read on the host, is refused by the proxy's
     descriptor check (ERROR, unsent, rounds_bad_desc)."""
-    with make(worker, tmp_path, vocab_size=5) as rd:   # the COUNTING model's ids are 1..4
+    with make(worker, tmp_path, vocab_size=5) as rd:  # the COUNTING model's ids are 1..4
         rd.launch(batch())
         with pytest.raises(ValueError, match=r"tokens: 5 \(token 1\) outside 0\.\.4"):
             rd.launch(batch(new=False, tokens=((2,), (5,)), positions=(1, 1)))
@@ -186,7 +212,7 @@ def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):
         rd.launch(batch())
         torch.cuda.synchronize()
         sup = rd.supervisor
-        drafter.gate.clear()                          # the proxy will sit in its network wait
+        drafter.gate.clear()  # the proxy will sit in its network wait
         out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
         done = torch.cuda.Event()
         done.record()
@@ -205,7 +231,7 @@ def test_watchdog_releases_the_stream_when_nobody_answers(worker, drafter, tmp_p
     with make(worker, tmp_path) as rd:
         rd.launch(batch())
         torch.cuda.synchronize()
-        drafter.gate.clear()                          # the proxy waits on the worker (TIMEOUT 2 s)
+        drafter.gate.clear()  # the proxy waits on the worker (TIMEOUT 2 s)
         t0 = time.monotonic()
         out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
         torch.cuda.synchronize()
@@ -222,6 +248,7 @@ def test_launch_after_a_failed_self_test_runs_the_round_synchronously(worker, tm
 
     def broken(self, *a, **k):
         raise RuntimeError("self-test failed (forced)")
+
     monkeypatch.setattr(facade.AsyncPath, "__init__", broken)
     with make(worker, tmp_path) as rd:
         assert rd.mode == "sync"
@@ -238,4 +265,4 @@ def test_launch_writes_the_stats_file_every_log_every_rounds(worker, tmp_path):
             rd.launch(batch(new=i == 0, tokens=((2,), (4,)) if i else ((1,), (3,)), positions=(i, i)))
         torch.cuda.synchronize()
         doc = json.loads((tmp_path / "stats.json").read_text())
-        assert doc["mode"] == "process" and doc["rounds"]["total"] >= 3   # launched rounds count once collected
+        assert doc["mode"] == "process" and doc["rounds"]["total"] >= 3  # launched rounds count once collected

@@ -39,8 +39,7 @@ def child(code: str, lib: native.Native | None = None, fds: tuple[int, ...] = ()
         env[native.ENV_LIB] = lib.path
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.PIPE)
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], pass_fds=fds,
-                            env=env, text=True, **popen)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], pass_fds=fds, env=env, text=True, **popen)
     try:
         yield proc
     finally:
@@ -77,7 +76,9 @@ def test_round_crosses_and_comes_back_with_its_drafts(lib):
     with make_region(max_slots=16) as region:
         eng = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
-        code = proxy_code(region.fd, """
+        code = proxy_code(
+            region.fd,
+            """
             rnd = end.next_round(10)
             parts = rnd.wire_parts(session=77)
             frame = b"".join(bytes(p) for p in parts)
@@ -96,7 +97,9 @@ def test_round_crosses_and_comes_back_with_its_drafts(lib):
             print(json.dumps({"session": hdr.session, "round": hdr.round,
                               "ok": end.complete(rnd, d)}))
             region.close()
-        """, want_margin=True)
+        """,
+            want_margin=True,
+        )
         entries = [wire.Entry(5, 4, 10, [1, 2, 3]), wire.Entry(9, 2, 0, [7], new_gen=True)]
         with child(code, lib, (region.fd,)) as proc:
             r = eng.reserve(1)
@@ -127,7 +130,9 @@ def test_watchdog_releases_an_unanswered_round_once_and_drops_the_late_reply(lib
     with make_region() as region, os.fdopen(took_r, "rb", 0) as took:
         eng = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
-        code = proxy_code(region.fd, f"""
+        code = proxy_code(
+            region.fd,
+            f"""
             rnd = end.next_round(10)
             os.write({took_w}, b"1")
             rc = lib.wait_geq(region.addr(region.layout.released), rnd.round, 100, 100,
@@ -136,7 +141,8 @@ def test_watchdog_releases_an_unanswered_round_once_and_drops_the_late_reply(lib
             d = wire.Drafts(rnd.round, list(rnd.slots()), [1], [0], 4, [42, 0, 0, 0])
             print(json.dumps({{"ok": end.complete(rnd, d),
                               "late": end.counters.snapshot().counters["rounds_late"]}}))
-        """)
+        """,
+        )
         try:
             with child(code, lib, (region.fd, took_w)) as proc:
                 os.close(took_w)
@@ -171,13 +177,16 @@ def test_rounds_wrap_around_2_to_the_32(lib):
     with make_region(depth=4) as region:
         eng = ring.EngineEnd(region, lib, start=start)
         sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50, hold_gil_us=50)
-        code = proxy_code(region.fd, f"""
+        code = proxy_code(
+            region.fd,
+            f"""
             for _ in range({n}):
                 rnd = end.next_round(10)
                 d = wire.Drafts(rnd.round, list(rnd.slots()), [1], [0], 4,
                                 [rnd.round & 0x7FFFFFFF, 0, 0, 0])
                 assert end.complete(rnd, d)
-        """)
+        """,
+        )
         seen = []
         with child(code, lib, (region.fd,)) as proc:
             for _ in range(n):
@@ -203,7 +212,9 @@ def test_thousands_of_rounds_with_a_randomly_slow_peer(lib):
     with make_region(depth=depth) as region:
         eng = ring.EngineEnd(region, lib, start=start)
         sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
-        code = proxy_code(region.fd, f"""
+        code = proxy_code(
+            region.fd,
+            f"""
             import time
             rng = random.Random(7)
             ok = late = 0
@@ -228,7 +239,8 @@ def test_thousands_of_rounds_with_a_randomly_slow_peer(lib):
                 else:
                     late += 1
             print(json.dumps({{"ok": ok, "late": late}}))
-        """)
+        """,
+        )
         tally = {Outcome.OK: 0, Outcome.WATCHDOG: 0}
         pending: deque = deque()
 
@@ -272,11 +284,14 @@ def test_orphaned_claim_is_released_by_the_engine_once_the_proxy_is_dead(lib):
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=200, nap_us=50)
-        code = proxy_code(region.fd, """
+        code = proxy_code(
+            region.fd,
+            """
             rnd = end.next_round(10)
             assert lib.claim(region.addr(region.layout.claim), rnd.round) == 0
             os._exit(0)  # dies holding the claim
-        """)
+        """,
+        )
         with child(code, lib, (region.fd,)) as proc:
             r = eng.reserve(1)
             eng.write_entries(r, [])
@@ -339,13 +354,16 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
         eng = ring.EngineEnd(region, lib)
         end = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50, want_margin=True)
         sync = streamsync.HostFlagSync(region, lib)
-        assert end.next_round(0.001) is None   # nothing gathered: a timeout, and a beat
+        assert end.next_round(0.001) is None  # nothing gathered: a timeout, and a beat
         beat = end.header.heartbeat_ns
         assert beat > 0
-        answers = {1: wire.Drafts(1, [3, 4, 5], [2, 0, 4], [0, wire.STATUS_RESYNC, 0], 4,
-                                  [1, 2, 0, 0, 0, 0, 0, 0, 9, 8, 7, 6], [0.5] * 12),
-                   2: wire.Drafts(2, [7], [0], [0], 4, [0] * 4, [0.0] * 4),
-                   3: wire.Drafts(3, [6], [1], [0], 2, [42, 0], [0.75, 0])}   # round 1's slot, fewer entries
+        answers = {
+            1: wire.Drafts(
+                1, [3, 4, 5], [2, 0, 4], [0, wire.STATUS_RESYNC, 0], 4, [1, 2, 0, 0, 0, 0, 0, 0, 9, 8, 7, 6], [0.5] * 12
+            ),
+            2: wire.Drafts(2, [7], [0], [0], 4, [0] * 4, [0.0] * 4),
+            3: wire.Drafts(3, [6], [1], [0], 2, [42, 0], [0.75, 0]),
+        }  # round 1's slot, fewer entries
         got = {}
         for r, d in answers.items():
             assert eng.reserve(1) == r
@@ -357,19 +375,22 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
             got[r] = eng.drafts(r)
         assert end.header.heartbeat_ns > beat
         assert (got[1].counts, got[1].statuses, got[1].tokens) == (
-            (2, 0, 4), (0, wire.STATUS_RESYNC, 0), ((1, 2), (), (9, 8, 7, 6)))
+            (2, 0, 4),
+            (0, wire.STATUS_RESYNC, 0),
+            ((1, 2), (), (9, 8, 7, 6)),
+        )
         assert got[1].margins == ((0.5, 0.5), (), (0.5,) * 4)
         assert (got[3].counts, got[3].tokens, got[3].margins) == ((1,), ((42,),), ((0.75,),))
         snap = end.counters.snapshot()
         assert snap.counters["rounds_ok"] == 3
         assert (snap.counters["drafts"], snap.counters["draft_tokens"]) == (3, 7)
-        for name in ("round_latency", "handoff_latency"):   # CPU signal stamps gathered_ns
+        for name in ("round_latency", "handoff_latency"):  # CPU signal stamps gathered_ns
             assert snap.histograms[name].count == 3 and snap.histograms[name].sum_ns > 0
         r = eng.reserve(1)
         sync.signal(r)
         rnd = end.next_round(1)
         assert lib.answer(end._state_addr, r, Outcome.WATCHDOG, None) == native.Status.STATE
-        assert eng.claimed() == 3   # refused before claiming
+        assert eng.claimed() == 3  # refused before claiming
         assert end.complete(rnd, None, Outcome.TIMEOUT)
         assert end.counters.snapshot().counters["rounds_timeout"] == 1
 
@@ -435,11 +456,11 @@ def test_an_idle_proxy_sleeps_and_a_handed_over_round_wakes_it(lib):
             r = eng.reserve(1)
             eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
             sync.signal(r)
-            t.join(20.0)   # woken: a proxy left asleep would wait out its 30 s
+            t.join(20.0)  # woken: a proxy left asleep would wait out its 30 s
             assert not t.is_alive() and taken[0].round == r
             assert _sleeping(region, lib) == 0
         finally:
-            lib.announce(region.addr(region.layout.wake), 0xFFFFFFFF)   # never leave the thread asleep
+            lib.announce(region.addr(region.layout.wake), 0xFFFFFFFF)  # never leave the thread asleep
             t.join(5.0)
 
 
@@ -452,13 +473,13 @@ def test_a_round_handed_over_but_not_gathered_keeps_the_proxy_awake(lib):
         end = ring_proxy.ProxyEnd(region, lib, spin_us=50, nap_us=0)
         r = eng.reserve(1)
         eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
-        lib.announce(region.addr(region.layout.wake), r)   # the CPU's part; the "stream" is late
+        lib.announce(region.addr(region.layout.wake), r)  # the CPU's part; the "stream" is late
         taken = []
         t = threading.Thread(target=lambda: taken.append(end.next_round(30.0)))
         t.start()
         try:
             looks = [_sleeping(region, lib) for _ in range(2000) if not time.sleep(0.0001)]
-            assert set(looks) == {0}   # spinning all along, never asleep
+            assert set(looks) == {0}  # spinning all along, never asleep
             lib.signal(region.addr(region.layout.gathered), 0, r, 0)
             t.join(5.0)
             assert not t.is_alive() and taken[0].round == r
@@ -484,6 +505,7 @@ def test_release_orphans_beside_a_busy_watchdog_finds_none_and_never_fails(lib):
                 except ring.RingFull:
                     continue
                 lib.signal(gathered, 0, r, wake)
+
         t = threading.Thread(target=engine)
         t.start()
         try:

@@ -38,7 +38,7 @@ def proxy_closure() -> list[str]:
     package's modules the roots reach through any import statement."""
     layers = documented_layers()
     names = [name for name, _ in layers]
-    modules = {m for _, mods in layers[:names.index("proxy") + 1] for m in mods}
+    modules = {m for _, mods in layers[: names.index("proxy") + 1] for m in mods}
     graph, reached, todo = import_graph(), set(), list(ROOTS)
     while todo:
         module = todo.pop()
@@ -51,8 +51,14 @@ def proxy_closure() -> list[str]:
 def test_the_proxy_closure_imports_no_torch_numpy_or_prometheus():
     modules = proxy_closure()
     # The derivation itself: the roots, what the proxy loop uses, both transports.
-    assert {*ROOTS, f"{PACKAGE}.native", f"{PACKAGE}.tcp_round", f"{PACKAGE}.transport.ofl",
-            f"{PACKAGE}.wire", f"{PACKAGE}.supervisor"} <= set(modules)
+    assert {
+        *ROOTS,
+        f"{PACKAGE}.native",
+        f"{PACKAGE}.tcp_round",
+        f"{PACKAGE}.transport.ofl",
+        f"{PACKAGE}.wire",
+        f"{PACKAGE}.supervisor",
+    } <= set(modules)
     code = CHILD.format(root=str(ROOT), modules=modules, heavy=HEAVY)
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

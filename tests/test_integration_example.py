@@ -9,8 +9,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_integration_example_runs():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "engine_step.py")], capture_output=True,
-                         text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "engine_step.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("30 rounds (30 ok), ") and "mode process" in line, line

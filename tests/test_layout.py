@@ -51,7 +51,7 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, set[str
                 edges.update(known(alias.name) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1])
+                    base = ".".join(here.split(".")[: len(here.split(".")) - node.level + 1])
                     base = f"{base}.{node.module}" if node.module else base
                 else:
                     base = node.module
@@ -73,7 +73,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     on_stack: set[str] = set()
     found: list[set[str]] = []
 
-    def visit(v: str) -> None:   # Tarjan's algorithm; the graph is a few dozen modules
+    def visit(v: str) -> None:  # Tarjan's algorithm; the graph is a few dozen modules
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
@@ -122,8 +122,7 @@ def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 
 def line_counts() -> dict[str, int]:
-    return {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
-            for path in module_files().values()}
+    return {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in module_files().values()}
 
 
 def test_no_module_is_over_the_line_limit():
@@ -160,8 +159,7 @@ def test_the_graph_sees_lazy_relative_and_submodule_imports(tmp_path):
     (pkg / "b.py").write_text("import os\nx = 1\n\ndef late():\n    from . import a\n")
     (pkg / "c.py").write_text("from p.sub import helper\nfrom . import b\n")
     graph = import_graph(tmp_path, "p")
-    assert graph == {"p": set(), "p.a": {"p.sub"}, "p.sub": {"p.b"}, "p.b": {"p.a"},
-                     "p.c": {"p.sub", "p.b"}}
+    assert graph == {"p": set(), "p.a": {"p.sub"}, "p.sub": {"p.b"}, "p.b": {"p.a"}, "p.c": {"p.sub", "p.b"}}
     assert cycles(graph) == [["p.a", "p.sub", "p.b", "p.a"]]
     (pkg / "b.py").write_text("x = 1\n")
     assert cycles(import_graph(tmp_path, "p")) == []
@@ -187,14 +185,19 @@ def test_the_design_documents_every_module_once():
     listed = [m for _, modules in documented_layers() for m in modules]
     assert len(listed) == len(set(listed)), "listed twice: " + str(sorted({m for m in listed if listed.count(m) > 1}))
     actual = set(module_files())
-    assert set(listed) == actual, (f"docs/design.md's layers lack {sorted(actual - set(listed))} and list "
-                                   f"{sorted(set(listed) - actual)}, which do not exist")
+    assert set(listed) == actual, (
+        f"docs/design.md's layers lack {sorted(actual - set(listed))} and list "
+        f"{sorted(set(listed) - actual)}, which do not exist"
+    )
 
 
 def test_no_import_goes_up_a_layer():
     layer_of = {m: i for i, (_, modules) in enumerate(documented_layers()) for m in modules}
     names = [name for name, _ in documented_layers()]
-    up = sorted(f"{m} ({names[layer_of[m]]}) imports {d} ({names[layer_of[d]]})"
-                for m, deps in import_graph().items() for d in deps
-                if m in layer_of and d in layer_of and layer_of[d] > layer_of[m])
+    up = sorted(
+        f"{m} ({names[layer_of[m]]}) imports {d} ({names[layer_of[d]]})"
+        for m, deps in import_graph().items()
+        for d in deps
+        if m in layer_of and d in layer_of and layer_of[d] > layer_of[m]
+    )
     assert not up, "imports that go up a layer: " + "; ".join(up)

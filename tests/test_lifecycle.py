@@ -29,9 +29,9 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 CHILD = TESTS / "lifecycle_child.py"
 MODES = ("sync", "thread", "process")
-CYCLES = 25                 # the bug report's number: one SIGSEGV in two runs of 25 (thread mode)
-CLOSE_DEADLINE_S = 2.0      # the API's: close() returns within 2 s
-CHILD_LIMIT_S = 90.0        # the whole child (a cycle alone is cut at 20 s, with its stacks)
+CYCLES = 25  # the bug report's number: one SIGSEGV in two runs of 25 (thread mode)
+CLOSE_DEADLINE_S = 2.0  # the API's: close() returns within 2 s
+CHILD_LIMIT_S = 90.0  # the whole child (a cycle alone is cut at 20 s, with its stacks)
 
 
 def run_child(tmp_path: Path, scenario: str, mode: str, cycles: int) -> dict:
@@ -40,32 +40,37 @@ def run_child(tmp_path: Path, scenario: str, mode: str, cycles: int) -> dict:
     or a signal, with the child's stderr."""
     seed = random.randrange(2**32)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
-    proc = subprocess.Popen([sys.executable, str(CHILD), scenario, mode, str(cycles), str(seed), str(tmp_path)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), scenario, mode, str(cycles), str(seed), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=CHILD_LIMIT_S)
     except subprocess.TimeoutExpired:
         _kill_session(proc.pid)
         out, err = proc.communicate(timeout=10)
-        pytest.fail(f"{scenario}/{mode} (seed {seed}): the child did not end within {CHILD_LIMIT_S} s\n"
-                    f"{_tail(err)}")
+        pytest.fail(f"{scenario}/{mode} (seed {seed}): the child did not end within {CHILD_LIMIT_S} s\n{_tail(err)}")
     finally:
         _kill_session(proc.pid)
-    summaries = [line[len("SUMMARY "):] for line in out.splitlines() if line.startswith("SUMMARY ")]
+    summaries = [line[len("SUMMARY ") :] for line in out.splitlines() if line.startswith("SUMMARY ")]
     summary = json.loads(summaries[-1]) if summaries else None
     rc = proc.returncode
     how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
-    assert rc == 0, (f"{scenario}/{mode} (seed {seed}): the child ended with {how}\n"
-                     f"summary: {summary}\nstderr:\n{_tail(err)}")
+    assert rc == 0, (
+        f"{scenario}/{mode} (seed {seed}): the child ended with {how}\nsummary: {summary}\nstderr:\n{_tail(err)}"
+    )
     assert summary is not None, f"{scenario}/{mode}: no SUMMARY line\nstdout:\n{_tail(out)}"
-    print(f"{scenario}/{mode}: {summary}")   # in_flight_at_close and close times, for the record
+    print(f"{scenario}/{mode}: {summary}")  # in_flight_at_close and close times, for the record
     return summary
 
 
 def _kill_session(pid: int) -> None:
     try:
-        os.killpg(pid, signal.SIGKILL)   # the child's session: it and anything it left
+        os.killpg(pid, signal.SIGKILL)  # the child's session: it and anything it left
     except ProcessLookupError:
         pass
 
@@ -91,7 +96,7 @@ def test_close_while_another_thread_runs_rounds(tmp_path, mode):
     assert s["cycles"] == CYCLES and s["failed_cycles"] == 0, s["failures"]
     _check_closes(s)
     assert set(s["outcomes"]) <= {*(o.label for o in Outcome), "RemoteClosed"}, s["outcomes"]
-    assert s["outcomes"]["RemoteClosed"] == CYCLES   # every round thread ended by it
+    assert s["outcomes"]["RemoteClosed"] == CYCLES  # every round thread ended by it
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,7 +1,6 @@
 """The proxy's network side against a real worker: timeouts, late replies, breaker,
 reconnect with back-off."""
 
-
 import pytest
 from helpers import until
 
@@ -15,13 +14,18 @@ from remote_dspark.worker import Worker
 
 def make_link(port, drafter, trip=3, cooldown=2, backoff_ms=20):
     hello = wire.Hello(drafter.drafter_identity, drafter.markov_identity, 1, 4, 0, 3)
-    return RemoteLink(parse_endpoint(f"tcp://127.0.0.1:{port}"), hello, session=5, connect_timeout_ms=500,
-                      backoff_ms=backoff_ms, backoff_max_ms=4 * backoff_ms, breaker=Breaker(trip, cooldown))
+    return RemoteLink(
+        parse_endpoint(f"tcp://127.0.0.1:{port}"),
+        hello,
+        session=5,
+        connect_timeout_ms=500,
+        backoff_ms=backoff_ms,
+        backoff_max_ms=4 * backoff_ms,
+        breaker=Breaker(trip, cooldown),
+    )
 
 
 NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
-
-
 
 
 def test_ok_round(worker, drafter):
@@ -58,7 +62,7 @@ def test_breaker_opens_after_trip_timeouts_and_probes_after_cooldown(worker, dra
         assert outcomes == [Outcome.TIMEOUT] * 2 and link.breaker.state == State.OPEN
         assert [link.round_entries(i, NEW, b"", 0, 20).outcome for i in (3, 4)] == [Outcome.BREAKER_SKIP] * 2
         drafter.gate.set()
-        assert link.round_entries(5, NEW, b"", 0, 2000).outcome == Outcome.OK    # the probe
+        assert link.round_entries(5, NEW, b"", 0, 2000).outcome == Outcome.OK  # the probe
         assert link.breaker.state == State.CLOSED and link.breaker.store.probes == 1
         assert link.attempts == 3
     finally:
@@ -75,12 +79,12 @@ def test_lost_worker_means_backoff_rounds_then_reconnect_and_resync(drafter):
         w.stop()
         lost = link.round_entries(2, [wire.Entry(0, 3, 1, (2,))], b"", 0, 1000)
         assert (lost.outcome, lost.event) == (Outcome.ERROR, RoundEvent.LOST)
-        unsent = link.round_entries(3, NEW, b"", 0, 1000)   # no connection: not sent
+        unsent = link.round_entries(3, NEW, b"", 0, 1000)  # no connection: not sent
         assert (unsent.outcome, unsent.event) == (Outcome.ERROR, RoundEvent.AT_ONCE)
         w = Worker(drafter, "127.0.0.1", port).start()
         assert until(lambda: link.connected)
         assert (link.epoch, link.reconnects) == (2, 1)
-        r = link.round_entries(4, [wire.Entry(0, 3, 2, (3,))], b"", 0, 1000)   # the new worker lost the window
+        r = link.round_entries(4, [wire.Entry(0, 3, 2, (3,))], b"", 0, 1000)  # the new worker lost the window
         assert r.outcome == Outcome.OK and list(r.drafts.statuses) == [wire.STATUS_RESYNC]
     finally:
         link.close()
@@ -118,6 +122,7 @@ def test_a_worker_that_reads_slowly_cannot_hold_a_round_past_its_deadline(drafte
     per call). The connection is dropped: part of the frame is on the wire."""
     import socket
     import threading
+
     stop = threading.Event()
     server = socket.create_server(("127.0.0.1", 0))
 
@@ -127,21 +132,32 @@ def test_a_worker_that_reads_slowly_cannot_hold_a_round_past_its_deadline(drafte
             conn.settimeout(5)
             hdr = wire.decode_header(conn.recv(wire.HEADER.size, socket.MSG_WAITALL))
             conn.recv(hdr.payload_len, socket.MSG_WAITALL)
-            conn.sendall(wire.encode_hello_ack(wire.HelloAck(wire.ACCEPT, drafter.drafter_identity,
-                                                             drafter.markov_identity), hdr.session))
+            conn.sendall(
+                wire.encode_hello_ack(
+                    wire.HelloAck(wire.ACCEPT, drafter.drafter_identity, drafter.markov_identity), hdr.session
+                )
+            )
             while not stop.is_set() and (chunk := conn.recv(16384)):
                 read[0] += len(chunk)
                 stop.wait(0.05)
-    read = [0]   # bytes of the ROUND the worker has read
+
+    read = [0]  # bytes of the ROUND the worker has read
     t = threading.Thread(target=slow_worker, daemon=True)
     t.start()
     hello = wire.Hello(drafter.drafter_identity, drafter.markov_identity, 1, 128, 65536, 3)
-    link = RemoteLink(parse_endpoint(f"tcp://127.0.0.1:{server.getsockname()[1]}"), hello, session=5,
-                      connect_timeout_ms=10_000, backoff_ms=60_000, backoff_max_ms=60_000, breaker=Breaker(3, 2))
+    link = RemoteLink(
+        parse_endpoint(f"tcp://127.0.0.1:{server.getsockname()[1]}"),
+        hello,
+        session=5,
+        connect_timeout_ms=10_000,
+        backoff_ms=60_000,
+        backoff_max_ms=60_000,
+        breaker=Breaker(3, 2),
+    )
     try:
         link.connect()
         entries = [wire.Entry(i, 3, 0, (1,), new_gen=True) for i in range(128)]
-        r = link.round_entries(1, entries, bytes(128 * 65536), 65536, 200)   # 8 MiB against a trickle
+        r = link.round_entries(1, entries, bytes(128 * 65536), 65536, 200)  # 8 MiB against a trickle
         # Given up at the round's deadline, the connection dropped: not held until the
         # worker had read the frame (25 s at its pace).
         assert (r.outcome, r.event, link.connected) == (Outcome.ERROR, RoundEvent.LOST, False)

@@ -28,8 +28,8 @@ from remote_dspark.worker import Worker
 from remote_dspark.worker_windows import Windows
 
 ROOT = Path(__file__).resolve().parents[1]
-TIE = 1e-4      # below this top1 - top2 margin, padding's rounding may flip the greedy choice
-PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)     # re-encodes every round
+TIE = 1e-4  # below this top1 - top2 margin, padding's rounding may flip the greedy choice
+PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)  # re-encodes every round
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +46,15 @@ def batch_of(contexts, n_out, width, want_margin=True, **stream):
     offsets = np.zeros(len(contexts) + 1, np.int64)
     offsets[1:] = np.cumsum([len(c) for c in contexts])
     tokens = np.concatenate([np.asarray(c, np.int32) for c in contexts]) if contexts else np.zeros(0, np.int32)
-    return DraftBatch(tokens, offsets, np.asarray(n_out, np.int32), np.zeros((len(contexts), 0), np.uint8),
-                      want_margin, width, **stream)
+    return DraftBatch(
+        tokens,
+        offsets,
+        np.asarray(n_out, np.int32),
+        np.zeros((len(contexts), 0), np.uint8),
+        want_margin,
+        width,
+        **stream,
+    )
 
 
 def agreeing_prefix(ref_tokens, ref_margins, tokens) -> tuple[list, list]:
@@ -60,8 +67,9 @@ def assert_same_drafts(got, want):
     """Two results agree: counts equal, drafts equal up to each entry's first near-tie."""
     assert list(got.counts) == list(want.counts)
     for i, count in enumerate(want.counts.tolist()):
-        a, b = agreeing_prefix(want.tokens[i, :count].tolist(), want.margins[i, :count].tolist(),
-                               got.tokens[i, :count].tolist())
+        a, b = agreeing_prefix(
+            want.tokens[i, :count].tolist(), want.margins[i, :count].tolist(), got.tokens[i, :count].tolist()
+        )
         assert a == b, f"entry {i}"
 
 
@@ -69,15 +77,17 @@ def assert_same_drafts(got, want):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 127), max_size=30), st.integers(0, 4)), min_size=1, max_size=6),
-       st.integers(1, 4))
+@given(
+    st.lists(st.tuples(st.lists(st.integers(0, 127), max_size=30), st.integers(0, 4)), min_size=1, max_size=6),
+    st.integers(1, 4),
+)
 def test_batched_drafts_equal_greedy_decoding_one_entry_at_a_time(entries, width):
-    contexts = [c for c, _ in entries] + [[7]]          # a length-1 context in every batch
+    contexts = [c for c, _ in entries] + [[7]]  # a length-1 context in every batch
     n_out = [min(k, width) for _, k in entries] + [width]
     got = PLAIN.draft_batch(batch_of(contexts, n_out, width))
     assert got.tokens.shape == (len(contexts), width) and got.margins.dtype == np.float32
     for i, (context, k) in enumerate(zip(contexts, n_out)):
-        want = k if context else 0          # an empty context gets no drafts
+        want = k if context else 0  # an empty context gets no drafts
         assert got.counts[i] == want
         assert not got.tokens[i, want:].any() and not got.margins[i, want:].any()
         if want:
@@ -104,7 +114,7 @@ class Engine:
 
     def __init__(self, window: int, max_slots: int = 6):
         self.windows = Windows(max_slots, window)
-        self.next = {}          # slot -> next position
+        self.next = {}  # slot -> next position
 
     def batch(self, entries, width):
         """entries: (slot, tokens, new_gen, gap) records; returns the batch and ok mask."""
@@ -119,30 +129,39 @@ class Engine:
         for (slot, toks, _, _), pos in zip(entries, positions.tolist()):
             self.next[slot] = pos + len(toks)
         m = len(adv.slots)
-        return DraftBatch(adv.tokens, adv.offsets, np.full(m, width, np.int32), np.zeros((m, 0), np.uint8), True,
-                          width, session=self.windows.serial, slots=adv.slots, gens=adv.gens,
-                          lengths=adv.lengths), adv.ok
+        return DraftBatch(
+            adv.tokens,
+            adv.offsets,
+            np.full(m, width, np.int32),
+            np.zeros((m, 0), np.uint8),
+            True,
+            width,
+            session=self.windows.serial,
+            slots=adv.slots,
+            gens=adv.gens,
+            lengths=adv.lengths,
+        ), adv.ok
 
 
 def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_and_sessions():
     window, width = 12, 3
-    cached = LMDrafter(device="cpu", cache_slots=4, window=window)     # 6 slots, 4 rows: evictions too
+    cached = LMDrafter(device="cpu", cache_slots=4, window=window)  # 6 slots, 4 rows: evictions too
     rng = np.random.default_rng(5)
     engine, had, known = Engine(window), {}, set()
     compared = 0
     for rnd in range(60):
-        if rnd in (25, 45):                        # a new session (a respawned proxy): nothing carries over
+        if rnd in (25, 45):  # a new session (a respawned proxy): nothing carries over
             engine, had, known = Engine(window), {}, set()
         entries = []
         for slot in rng.choice(6, size=rng.integers(1, 5), replace=False).tolist():
             grow = int(rng.integers(0, 4))
             if slot not in known or had[slot] + grow > window or rng.random() < 0.1:
                 ctx = rng.integers(0, 128, int(rng.integers(1, window + 1))).tolist()
-                entries.append((slot, ctx, True, False))        # NEW_GEN
+                entries.append((slot, ctx, True, False))  # NEW_GEN
                 had[slot] = len(ctx)
                 known.add(slot)
             elif rng.random() < 0.08:
-                entries.append((slot, [1], False, True))        # a gap: RESYNC, the slot forgotten
+                entries.append((slot, [1], False, True))  # a gap: RESYNC, the slot forgotten
                 known.discard(slot)
             else:
                 entries.append((slot, rng.integers(0, 128, grow).tolist(), False, False))
@@ -150,7 +169,7 @@ def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_a
         batch, ok = engine.batch(entries, width)
         assert all(ok[i] == (not e[3]) for i, e in enumerate(entries))
         if len(batch):
-            assert int(batch.lengths.max()) <= window          # every stream within its window
+            assert int(batch.lengths.max()) <= window  # every stream within its window
             assert_same_drafts(cached.draft_batch(batch), PLAIN.draft_batch(batch))
             compared += len(batch)
     info = cached.cache_info()
@@ -165,7 +184,7 @@ def test_a_stream_past_its_window_keeps_drafting_within_its_row():
     rng = np.random.default_rng(1)
     batch, _ = engine.batch([(0, [3, 4], True, False)], width)
     cached.draft_batch(batch)
-    for _ in range(20):                             # 60 tokens through a 4-token window, 10-token rows
+    for _ in range(20):  # 60 tokens through a 4-token window, 10-token rows
         batch, ok = engine.batch([(0, rng.integers(0, 128, 3).tolist(), False, False)], width)
         got = cached.draft_batch(batch)
         assert ok.all() and got.counts.tolist() == [width]
@@ -176,14 +195,24 @@ def test_a_stream_past_its_window_keeps_drafting_within_its_row():
 
 def test_a_long_row_beside_a_long_re_encode_stays_within_the_models_positions():
     """Padding of a hit with a large base never reaches past the learned positions."""
-    d = LMDrafter(TinyLM(LMConfig(max_positions=64)), device="cpu", cache_slots=2, window=24)   # 64-token rows
+    d = LMDrafter(TinyLM(LMConfig(max_positions=64)), device="cpu", cache_slots=2, window=24)  # 64-token rows
     ctx = list(range(24))
 
     def round_of(lengths, gens):
-        return d.draft_batch(batch_of([ctx] * 2, [2, 2], 2, session=1, slots=np.arange(2),
-                                      gens=np.array(gens, np.int64), lengths=np.array(lengths, np.int64)))
+        return d.draft_batch(
+            batch_of(
+                [ctx] * 2,
+                [2, 2],
+                2,
+                session=1,
+                slots=np.arange(2),
+                gens=np.array(gens, np.int64),
+                lengths=np.array(lengths, np.int64),
+            )
+        )
+
     round_of([24, 24], [1, 1])
-    for length in range(30, 62, 6):                 # slot 0 appends (its base grows), slot 1 is re-encoded
+    for length in range(30, 62, 6):  # slot 0 appends (its base grows), slot 1 is re-encoded
         assert round_of([length, 24], [1, length]).counts.tolist() == [2, 2]
     assert d.cache_info().hits == 6
 
@@ -196,8 +225,15 @@ def test_the_cache_keeps_its_bound_and_drops_the_least_recently_used():
 
     def round_of(slots, lengths):
         n = len(slots)
-        b = batch_of([[5] * k for k in lengths], [2] * n, 2, session=1, slots=np.array(slots, np.int64),
-                     gens=np.ones(n, np.int64), lengths=np.array(lengths, np.int64))
+        b = batch_of(
+            [[5] * k for k in lengths],
+            [2] * n,
+            2,
+            session=1,
+            slots=np.array(slots, np.int64),
+            gens=np.ones(n, np.int64),
+            lengths=np.array(lengths, np.int64),
+        )
         before = d.cache_info()
         d.draft_batch(b)
         after = d.cache_info()
@@ -206,11 +242,11 @@ def test_the_cache_keeps_its_bound_and_drops_the_least_recently_used():
 
     for slot in range(3):
         assert round_of([slot], [2]) == (0, 1)
-    assert round_of([1], [3]) == (1, 0)             # slot 1 used again: 0 is now the oldest
-    assert round_of([3], [2]) == (0, 1)             # a newcomer takes slot 0's row
-    assert round_of([0], [3]) == (0, 1)             # gone: encoded from the start
+    assert round_of([1], [3]) == (1, 0)  # slot 1 used again: 0 is now the oldest
+    assert round_of([3], [2]) == (0, 1)  # a newcomer takes slot 0's row
+    assert round_of([0], [3]) == (0, 1)  # gone: encoded from the start
     assert round_of([1, 3], [4, 3]) == (2, 0)
-    assert round_of([0, 1, 2, 3], [4, 5, 3, 4]) == (3, 1)    # more entries than rows: one left without
+    assert round_of([0, 1, 2, 3], [4, 5, 3, 4]) == (3, 1)  # more entries than rows: one left without
     assert d.cache_info().slots == 3
 
 
@@ -296,15 +332,36 @@ def lines_of(proc) -> "queue.Queue[str]":
     def pump():
         for line in proc.stdout:
             q.put(line)
+
     threading.Thread(target=pump, daemon=True).start()
     return q
 
 
 def test_worker_command_with_the_lm_drafter_serves_a_round():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
-    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0",
-                             "--drafter", "lm", "--lm-device", "cpu", "--lm-cache-slots", "8", "--window", "16"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "remote_dspark",
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--drafter",
+            "lm",
+            "--lm-device",
+            "cpu",
+            "--lm-cache-slots",
+            "8",
+            "--window",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         q = lines_of(proc)
         lines = [q.get(timeout=60) for _ in range(3)]
@@ -332,8 +389,16 @@ def hf_dir(tmp_path_factory):
     transformers = pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
     path = tmp_path_factory.mktemp("tiny-gpt2")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                     initializer_range=0.5, bos_token_id=0, eos_token_id=0)  # clear greedy choices
+    config = transformers.GPT2Config(
+        vocab_size=128,
+        n_positions=64,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        initializer_range=0.5,
+        bos_token_id=0,
+        eos_token_id=0,
+    )  # clear greedy choices
     transformers.GPT2LMHeadModel(config).save_pretrained(path)
     return path
 
@@ -345,6 +410,7 @@ def hf_drafter(hf_dir):
 
 def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     from remote_dspark.lm.hf import dir_identity
+
     d = hf_drafter
     assert d.vocab_size == 128 and d.markov_identity == bytes(32)
     assert d.drafter_identity == dir_identity(hf_dir) and len(d.drafter_identity) == 32
@@ -353,8 +419,8 @@ def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     got = d.draft_batch(batch_of(contexts, n_out, 3))
     assert got.counts.tolist() == [3, 2, 0, 0, 3]
     compared = 0
-    for i, context in enumerate(contexts):          # each entry alone: no padding
-        alone = d.draft_batch(batch_of([context], got.counts[i:i + 1], 3))
+    for i, context in enumerate(contexts):  # each entry alone: no padding
+        alone = d.draft_batch(batch_of([context], got.counts[i : i + 1], 3))
         a, b = agreeing_prefix(alone.tokens[0].tolist(), alone.margins[0].tolist(), got.tokens[i].tolist())
         assert a == b, f"entry {i}"
         compared += len(a)
@@ -366,8 +432,9 @@ def test_hf_model_serves_a_round_through_a_worker(hf_drafter):
     with Worker(d, "127.0.0.1", 0, window=16) as w:
         c = connect(w.port, hello(d, vocab_size=128))
         try:
-            got = c.round(1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(1, 3, 0, (7, 8), True)], b"", 0)],
-                          10000)
+            got = c.round(
+                1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(1, 3, 0, (7, 8), True)], b"", 0)], 10000
+            )
             assert got.row(0) == d.draft_batch(batch_of([[7, 8]], [3], 3)).tokens[0].tolist()
         finally:
             c.close()

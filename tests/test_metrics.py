@@ -43,10 +43,15 @@ def free_port() -> int:
 
 
 def engine_env(worker, **kw):
-    settings = dict(VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC="1",
-                    VLLM_DSPARK_REMOTE_ASYNC_PROXY="process", VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-                    VLLM_DSPARK_REMOTE_STATS_FILE="", VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-                    VLLM_DSPARK_REMOTE_METRICS_PORT=str(free_port()))
+    settings = dict(
+        VLLM_DSPARK_REMOTE_POLICY="capacity",
+        VLLM_DSPARK_REMOTE_ASYNC="1",
+        VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+        VLLM_DSPARK_REMOTE_STATS_FILE="",
+        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        VLLM_DSPARK_REMOTE_METRICS_PORT=str(free_port()),
+    )
     settings.update(kw)
     return worker.env(**settings)
 
@@ -112,7 +117,7 @@ def test_exposition_counts_the_rounds_and_the_respawn(run):
     info = [k for k in samples(after) if k[0] == "dspark_remote_info"][0]
     assert dict(info[1])["mode"] == "process" and dict(info[1])["policy"] == "capacity"
     states = {x: value(after, "dspark_remote_standby_state", state=x) for x in ("off", "none", "starting", "ready")}
-    assert sorted(states.values()) == [0.0, 0.0, 0.0, 1.0] and states["off"] == 0.0   # one state, a standby kept
+    assert sorted(states.values()) == [0.0, 0.0, 0.0, 1.0] and states["off"] == 0.0  # one state, a standby kept
     assert value(after, "dspark_remote_standby_failures_total") == 0
 
 
@@ -145,7 +150,7 @@ def test_stats_file_and_exposition_show_the_same_numbers(worker, tmp_path):
         for _ in range(10):
             engine.step()
         text = scrape(rd)
-        rd._write_stats_file()
+        rd._report.write(rd.stats())
         on_disk = json.loads((tmp_path / "s.json").read_text())
         assert value(text, "dspark_remote_rounds_total", outcome="ok") == on_disk["rounds"]["ok"] == 10
         assert value(text, "dspark_remote_draft_tokens_total") == on_disk["draft_tokens"]
@@ -171,16 +176,25 @@ def test_dashboard_is_valid_grafana_json():
     assert (var["name"], var["type"], var["query"]) == ("datasource", "datasource", "prometheus")
     assert len(d["panels"]) >= 8 and len({p["id"] for p in d["panels"]}) == len(d["panels"])
     for p in d["panels"]:
-        if p["type"] == "row":   # a row groups the panels below it (the worker's); it has no query
+        if p["type"] == "row":  # a row groups the panels below it (the worker's); it has no query
             continue
         assert p["datasource"]["uid"] == "${datasource}" and p["targets"] and set(p["gridPos"]) == {"x", "y", "w", "h"}
 
 
 def test_dashboard_queries_pass_promtool(tmp_path):
     assert PROMTOOL, NEED_TOOLS
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:query_{i}", "expr": rate_window(e)} for i, e in enumerate(dashboard.queries())]}]}
-    path = tmp_path / "rules.json"   # JSON is YAML
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:query_{i}", "expr": rate_window(e)}
+                    for i, e in enumerate(dashboard.queries())
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "rules.json"  # JSON is YAML
     path.write_text(json.dumps(rules))
     out = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -188,6 +202,7 @@ def test_dashboard_queries_pass_promtool(tmp_path):
 
 def test_every_metric_the_dashboard_names_is_exposed(run):
     import re
+
     exposed = {k[0] for k in samples(run[2])}
     named = {m for e in dashboard.queries() for m in re.findall(r"dspark_remote_[a-z_]+", e)}
     assert named and sorted(named - exposed) == []
@@ -195,6 +210,7 @@ def test_every_metric_the_dashboard_names_is_exposed(run):
 
 def test_dashboard_command_prints_it(capsys):
     from remote_dspark.cli import main
+
     assert main(["dashboard"]) == 0
     assert json.loads(capsys.readouterr().out)["uid"] == "remote-dspark"
 
@@ -215,26 +231,42 @@ def test_real_prometheus_scrapes_the_engine(worker, tmp_path):
     env = engine_env(worker)
     rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env).start()
     port = free_port()
-    (tmp_path / "prometheus.yml").write_text(json.dumps({
-        "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "engine", "static_configs": [
-            {"targets": [f"127.0.0.1:{rd.exporter.port}"]}]}]}))
+    (tmp_path / "prometheus.yml").write_text(
+        json.dumps(
+            {
+                "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {"job_name": "engine", "static_configs": [{"targets": [f"127.0.0.1:{rd.exporter.port}"]}]}
+                ],
+            }
+        )
+    )
     log = open(tmp_path / "prometheus.log", "w")
-    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    prom = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     engine = DemoEngine(rd, SimEngine(8, 4))
     try:
+
         def scraped(expr, want):
             try:
                 r = prom_query(port, expr)
             except OSError:
                 return False
             return bool(r) and float(r[0]["value"][1]) >= want
+
         for _ in range(30):
             engine.step()
-        assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', 30), timeout=30), \
-            (tmp_path / "prometheus.log").read_text()[-2000:]
+        assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', 30), timeout=30), (
+            tmp_path / "prometheus.log"
+        ).read_text()[-2000:]
         kill_proxy(rd)
         for _ in range(30):
             engine.step()
@@ -244,8 +276,9 @@ def test_real_prometheus_scrapes_the_engine(worker, tmp_path):
         # Every engine query of the dashboard returns data from this run (the worker's row:
         # tests/test_worker_metrics.py).
         engine_queries = [e for e in dashboard.queries() if "dspark_worker_" not in e]
-        assert until(lambda: all(prom_query(port, rate_window(e, "5s")) for e in engine_queries), timeout=30), \
-            [e for e in engine_queries if not prom_query(port, rate_window(e, "5s"))]
+        assert until(lambda: all(prom_query(port, rate_window(e, "5s")) for e in engine_queries), timeout=30), [
+            e for e in engine_queries if not prom_query(port, rate_window(e, "5s"))
+        ]
     finally:
         prom.terminate()
         try:
@@ -262,8 +295,13 @@ def test_margins_on_request_only(worker, tmp_path, want):
     """WANT_MARGIN=0: the worker sends DRAFTS without margins, Drafts.margins is None and
     the margin metric is absent (not zero); WANT_MARGIN=1: margins, and the metric."""
     from remote_dspark.engine import Batch
-    env = dict(engine_env(worker), VLLM_DSPARK_REMOTE_WANT_MARGIN=want, VLLM_DSPARK_REMOTE_ASYNC="0",
-               VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "s.json"))
+
+    env = dict(
+        engine_env(worker),
+        VLLM_DSPARK_REMOTE_WANT_MARGIN=want,
+        VLLM_DSPARK_REMOTE_ASYNC="0",
+        VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "s.json"),
+    )
     rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env).start()
     try:
         b = Batch.from_lists([0], [[1]], [0], [True], torch.zeros(1, 4), torch.tensor([0]))

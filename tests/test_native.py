@@ -90,8 +90,12 @@ def test_concurrent_builds_from_several_processes_agree(tmp_path):
         sys.stdin.readline()
         print(native.load(environ={{"PATH": {os.environ["PATH"]!r}}}, cache_dir={str(cache)!r}).path)
     """
-    with child(code, stdin=subprocess.PIPE) as a, child(code, stdin=subprocess.PIPE) as b, \
-            child(code, stdin=subprocess.PIPE) as c, child(code, stdin=subprocess.PIPE) as d:
+    with (
+        child(code, stdin=subprocess.PIPE) as a,
+        child(code, stdin=subprocess.PIPE) as b,
+        child(code, stdin=subprocess.PIPE) as c,
+        child(code, stdin=subprocess.PIPE) as d,
+    ):
         procs = (a, b, c, d)
         for p in procs:
             p.stdin.write("go\n")
@@ -109,12 +113,13 @@ def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = N
     ring, link = ctypes.sizeof(native.RingGeom), ctypes.sizeof(native.LinkState)
     proxy = ctypes.sizeof(native.ProxyState) if proxy_size is None else proxy_size
     src = tmp_path / "fake.c"
-    src.write_text(f"int hf_abi_version(void) {{ return {abi}; }}\n"
-                   f"int hf_lock_free(void) {{ return {lock_free}; }}\n"
-                   f"unsigned long long hf_sizeof(int w) {{ return w == 0 ? {ring} : w == 1 ? {proxy} : {link}; }}\n")
+    src.write_text(
+        f"int hf_abi_version(void) {{ return {abi}; }}\n"
+        f"int hf_lock_free(void) {{ return {lock_free}; }}\n"
+        f"unsigned long long hf_sizeof(int w) {{ return w == 0 ? {ring} : w == 1 ? {proxy} : {link}; }}\n"
+    )
     out = tmp_path / f"fake-{abi}-{lock_free}-{proxy}.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True,
-                   timeout=CHILD_TIMEOUT_S)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True, timeout=CHILD_TIMEOUT_S)
     return str(out)
 
 
@@ -138,9 +143,20 @@ def test_a_library_of_another_abi_is_refused(tmp_path):
 
 
 # A value of each wire constant the C round uses that is not the wire's.
-DRIFTED = {"HEADER": struct.Struct("<4sHHIQII"), "MAGIC": b"DSPX", "PROTOCOL_VERSION": 4, "ROUND": 6,
-           "DRAFTS": 7, "BYE": 8, "ROUND_FIXED": struct.Struct("<IIIII"), "DRAFTS_FIXED": struct.Struct("<IHHI"),
-           "FLAG_NEW_GEN": 2, "DRAFTS_MARGINS": 2, "STATUS_RESYNC": 2, "MAX_PAYLOAD": 32 << 20}
+DRIFTED = {
+    "HEADER": struct.Struct("<4sHHIQII"),
+    "MAGIC": b"DSPX",
+    "PROTOCOL_VERSION": 4,
+    "ROUND": 6,
+    "DRAFTS": 7,
+    "BYE": 8,
+    "ROUND_FIXED": struct.Struct("<IIIII"),
+    "DRAFTS_FIXED": struct.Struct("<IHHI"),
+    "FLAG_NEW_GEN": 2,
+    "DRAFTS_MARGINS": 2,
+    "STATUS_RESYNC": 2,
+    "MAX_PAYLOAD": 32 << 20,
+}
 
 
 def test_the_library_reports_the_wire_constants_of_wire_py(lib):
@@ -149,7 +165,7 @@ def test_the_library_reports_the_wire_constants_of_wire_py(lib):
     fn = ctypes.CDLL(lib.path).hf_wire_constants
     fn.restype = ctypes.c_uint32
     assert fn(out, 32) == len(native.WIRE_CONSTANTS)
-    assert list(out[:len(DRIFTED)]) == [expected() for _, expected in native.WIRE_CONSTANTS]
+    assert list(out[: len(DRIFTED)]) == [expected() for _, expected in native.WIRE_CONSTANTS]
     assert out[1].to_bytes(4, "little") == wire.MAGIC
 
 
@@ -222,7 +238,7 @@ def test_a_cached_build_whose_hash_is_not_the_recorded_one_is_rebuilt(tmp_path, 
     cache = tmp_path / "cache"
     built = built_into(cache)
     good = open(built, "rb").read()
-    shutil.copy(_fake_library(tmp_path, native.ABI_VERSION, native.LOCK_FREE_ALL), built)   # swapped in place
+    shutil.copy(_fake_library(tmp_path, native.ABI_VERSION, native.LOCK_FREE_ALL), built)  # swapped in place
     assert built_into(cache) == built
     assert open(built, "rb").read() == good
 
@@ -275,7 +291,7 @@ def test_wait_geq_is_cyclic_and_times_out(lib):
 
 def test_claim_is_in_order_and_exactly_once_across_the_wrap(lib):
     c = word(2**32 - 1)
-    assert lib.claim(addr(c), 1) == Status.ORDER   # round 0 not claimed yet
+    assert lib.claim(addr(c), 1) == Status.ORDER  # round 0 not claimed yet
     assert lib.claim(addr(c), 0) == Status.OK
     assert lib.claim(addr(c), 0) == Status.LATE
     assert lib.claim(addr(c), 2**32 - 1) == Status.LATE
@@ -295,8 +311,9 @@ def test_publish_waits_for_the_previous_round_and_never_goes_back(lib):
 def test_handoff_times_itself_in_c(lib):
     gathered, released, stamp = word(0), word(5), ctypes.c_uint64(0)
     out = (ctypes.c_uint64 * 2)()
-    rc = lib.handoff(addr(gathered), addr(stamp), addr(released), 5, 0, 0,
-                     native.deadline_ns(1), ctypes.addressof(out), None)
+    rc = lib.handoff(
+        addr(gathered), addr(stamp), addr(released), 5, 0, 0, native.deadline_ns(1), ctypes.addressof(out), None
+    )
     assert rc == Status.OK and gathered.value == 5
     assert stamp.value == out[0] <= out[1]
 

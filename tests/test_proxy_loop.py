@@ -18,11 +18,14 @@ NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
 
 class Rig:
     def __init__(self, lib, worker, drafter, **env):
-        base = {"VLLM_DSPARK_REMOTE": f"tcp://127.0.0.1:{worker.port}",
-                "VLLM_DSPARK_REMOTE_IDENTITY": drafter.drafter_identity.hex(),
-                "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": drafter.markov_identity.hex(),
-                "VLLM_DSPARK_REMOTE_POLICY": "capacity", "VLLM_DSPARK_REMOTE_ASYNC_SPIN_US": "50",
-                "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000"}
+        base = {
+            "VLLM_DSPARK_REMOTE": f"tcp://127.0.0.1:{worker.port}",
+            "VLLM_DSPARK_REMOTE_IDENTITY": drafter.drafter_identity.hex(),
+            "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": drafter.markov_identity.hex(),
+            "VLLM_DSPARK_REMOTE_POLICY": "capacity",
+            "VLLM_DSPARK_REMOTE_ASYNC_SPIN_US": "50",
+            "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000",
+        }
         base.update(env)
         self.region = shm.Region.create(shm_layout.Layout(4, 4, 4, 3, 64))
         self.eng = ring.EngineEnd(self.region, lib)
@@ -67,32 +70,33 @@ def test_idle_ticks_do_not_spend_the_breakers_cooldown(rig, drafter):
     store = rig.loop.breaker.breaker.store
     assert store.state == State.OPEN and store.cooldown_left == 2
     for _ in range(5):
-        rig.loop.step(0.001)            # no round: the breaker is asked once, for the next
+        rig.loop.step(0.001)  # no round: the breaker is asked once, for the next
     assert [rig.round().outcome for _ in range(2)] == [Outcome.BREAKER_SKIP] * 2
     drafter.gate.set()
-    assert rig.round().outcome == Outcome.OK          # the probe
+    assert rig.round().outcome == Outcome.OK  # the probe
     assert store.state == State.CLOSED and store.probes == 1
-    assert rig.region.header_words(native.load()).breaker().state == State.CLOSED   # in the region
-    c = rig.counters()   # the timed-out rounds' replies came while the probe waited: late
+    assert rig.region.header_words(native.load()).breaker().state == State.CLOSED  # in the region
+    c = rig.counters()  # the timed-out rounds' replies came while the probe waited: late
     assert (c["attempts"], c["rounds_breaker_skip"], c["rounds_late"]) == (3, 2, 2)
 
 
 def test_a_lost_connection_is_dropped_and_rounds_go_target_only_until_it_is_back(rig, worker):
     assert rig.round().outcome == Outcome.OK
     worker.stop()
-    assert rig.round().outcome == Outcome.ERROR       # the send or the reply fails
+    assert rig.round().outcome == Outcome.ERROR  # the send or the reply fails
     assert not rig.loop.link.connected and not rig.loop.rounds.attached
-    assert rig.round().outcome == Outcome.ERROR       # no connection: at once, not sent
+    assert rig.round().outcome == Outcome.ERROR  # no connection: at once, not sent
     assert rig.counters()["attempts"] == 2
 
 
 def test_the_python_round_checks_and_unpacks_in_c_as_the_native_one(rig):
     """The ofl path (``serve``: the round sent by Python) over the same connection: a
     good round's drafts land; a bad descriptor is answered ERROR, never sent, counted."""
+
     def take(entries, corrupt_slot=None):
         r = rig.eng.reserve(1)
         rig.eng.write_entries(r, entries)
-        if corrupt_slot is not None:   # the second entry's slot := the first's
+        if corrupt_slot is not None:  # the second entry's slot := the first's
             at = rig.region.layout.desc(r & (rig.region.layout.depth - 1)) + shm_layout.DESC_FIXED
             with rig.region.view(at, wire.round_meta_bytes(len(entries))) as d:
                 struct.pack_into("<I", d, wire.round_sections(len(entries), 0, 4).slots + 4, corrupt_slot)

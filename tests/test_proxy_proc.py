@@ -21,28 +21,50 @@ MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 HEAVY = ("torch", "numpy", "prometheus_client")
 
 
-
 def env_for(worker, lib, **extra):
     d = MarkovDrafter(MODEL)
-    base = {"PATH": os.environ["PATH"],
-            "VLLM_DSPARK_REMOTE": f"tcp://127.0.0.1:{worker.port}",
-            "VLLM_DSPARK_REMOTE_IDENTITY": d.drafter_identity.hex(),
-            "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": d.markov_identity.hex(),
-            "VLLM_DSPARK_REMOTE_POLICY": "capacity",
-            "VLLM_DSPARK_REMOTE_ASYNC_NAP_US": "50",   # do not burn a CI core while idle
-            "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "1000"}
+    base = {
+        "PATH": os.environ["PATH"],
+        "VLLM_DSPARK_REMOTE": f"tcp://127.0.0.1:{worker.port}",
+        "VLLM_DSPARK_REMOTE_IDENTITY": d.drafter_identity.hex(),
+        "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": d.markov_identity.hex(),
+        "VLLM_DSPARK_REMOTE_POLICY": "capacity",
+        "VLLM_DSPARK_REMOTE_ASYNC_NAP_US": "50",  # do not burn a CI core while idle
+        "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "1000",
+    }
     base.update(extra)
     return proxy_environment(base, lib.path)
 
 
 def test_the_proxy_environment_is_an_allowlist():
-    transport = {"LD_LIBRARY_PATH": "/opt/ofl/lib", "OFL_LOG": "1", "RDMAV_FORK_SAFE": "1", "IBV_FORK_SAFE": "1",
-                 "MLX5_SINGLE_THREADED": "1", "FI_PROVIDER": "verbs", "UCX_NET_DEVICES": "mlx5_0:1"}
-    env = proxy_environment({"PATH": "/bin", "LD_PRELOAD": "/evil.so", "PYTHONPATH": "/planted",
-                             "CUDA_VISIBLE_DEVICES": "0", "VLLM_DSPARK_REMOTE_TRIP": "2", "SECRET_TOKEN": "x",
-                             "XFI_PROVIDER": "x", **transport}, "/lib/hostflag.so")
-    assert env == {"PATH": "/bin", "VLLM_DSPARK_REMOTE_TRIP": "2", **transport,
-                   "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB": "/lib/hostflag.so"}
+    transport = {
+        "LD_LIBRARY_PATH": "/opt/ofl/lib",
+        "OFL_LOG": "1",
+        "RDMAV_FORK_SAFE": "1",
+        "IBV_FORK_SAFE": "1",
+        "MLX5_SINGLE_THREADED": "1",
+        "FI_PROVIDER": "verbs",
+        "UCX_NET_DEVICES": "mlx5_0:1",
+    }
+    env = proxy_environment(
+        {
+            "PATH": "/bin",
+            "LD_PRELOAD": "/evil.so",
+            "PYTHONPATH": "/planted",
+            "CUDA_VISIBLE_DEVICES": "0",
+            "VLLM_DSPARK_REMOTE_TRIP": "2",
+            "SECRET_TOKEN": "x",
+            "XFI_PROVIDER": "x",
+            **transport,
+        },
+        "/lib/hostflag.so",
+    )
+    assert env == {
+        "PATH": "/bin",
+        "VLLM_DSPARK_REMOTE_TRIP": "2",
+        **transport,
+        "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB": "/lib/hostflag.so",
+    }
 
 
 def spawn(fd, env, engine_id=7):
@@ -61,14 +83,12 @@ class Engine:
     def round(self, entries, timeout_s=5.0):
         r = self.end.reserve(timeout_s)
         self.end.write_entries(r, entries, deadline_ms=1000)
-        self.end.staging(r)[:4 * len(entries)] = bytes(4 * len(entries))
+        self.end.staging(r)[: 4 * len(entries)] = bytes(4 * len(entries))
         assert self.sync.handoff(r, timeout_s).ok
         return self.end.drafts(r)
 
     def close(self):
         self.region.close()
-
-
 
 
 def test_proxy_process_serves_rounds_through_the_region(lib, worker):
@@ -98,9 +118,14 @@ def test_proxy_process_serves_rounds_through_the_region(lib, worker):
 def test_proxy_without_worker_answers_target_only_and_breaker_state_lands_in_the_region(lib, worker):
     eng = Engine(lib)
     port = worker.port
-    worker.stop()   # nothing listens: every round is answered empty, never left hanging
-    env = env_for(worker, lib, VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-                  VLLM_DSPARK_REMOTE_BACKOFF_MS="60000", VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000")
+    worker.stop()  # nothing listens: every round is answered empty, never left hanging
+    env = env_for(
+        worker,
+        lib,
+        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+        VLLM_DSPARK_REMOTE_BACKOFF_MS="60000",
+        VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="60000",
+    )
     proc = spawn(eng.region.fd, env)
     try:
         for _ in range(3):
@@ -121,9 +146,22 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
     env["PYTHONPROFILEIMPORTTIME"] = "1"
     handover = handover_pipe(RemoteConfig.from_env(env), 7)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(eng.region.fd),
-         "--handover", str(handover), "--parent", str(os.getpid())],
-        pass_fds=(eng.region.fd, handover), env=env, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "remote_dspark.proxy_proc",
+            "--fd",
+            str(eng.region.fd),
+            "--handover",
+            str(handover),
+            "--parent",
+            str(os.getpid()),
+        ],
+        pass_fds=(eng.region.fd, handover),
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     os.close(handover)
     try:
         assert eng.round([wire.Entry(0, 1, 0, (1,), new_gen=True)]).tokens == ((2,),)
@@ -162,9 +200,24 @@ def test_a_bad_handover_is_refused_with_status_3(lib, worker):
     os.write(w, b'{"engine_id": 1}')
     os.close(w)
     try:
-        proc = subprocess.run([sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(eng.region.fd),
-                               "--handover", str(r), "--parent", str(os.getpid())], pass_fds=(eng.region.fd, r),
-                              env=env_for(worker, lib), capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "remote_dspark.proxy_proc",
+                "--fd",
+                str(eng.region.fd),
+                "--handover",
+                str(r),
+                "--parent",
+                str(os.getpid()),
+            ],
+            pass_fds=(eng.region.fd, r),
+            env=env_for(worker, lib),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     finally:
         os.close(r)
         eng.close()
@@ -207,9 +260,11 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
         "from remote_dspark.config import RemoteConfig\n"
         "p = spawn_proxy(r.fd, cfg=RemoteConfig.from_env(), engine_id=1, env=dict(os.environ))\n"
         "print(p.pid, flush=True)\n"
-        "sys.stdin.read()\n")
-    engine = subprocess.Popen([sys.executable, "-c", code], env=env_for(worker, lib), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+        "sys.stdin.read()\n"
+    )
+    engine = subprocess.Popen(
+        [sys.executable, "-c", code], env=env_for(worker, lib), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     proxy_pid = None
     try:
         proxy_pid = int(engine.stdout.readline())
@@ -219,9 +274,10 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
         def gone():
             try:
                 with open(f"/proc/{proxy_pid}/stat") as f:
-                    return f.read().split(")")[1].split()[0] == "Z"   # exited; awaiting init's reap
+                    return f.read().split(")")[1].split()[0] == "Z"  # exited; awaiting init's reap
             except FileNotFoundError:
                 return True
+
         assert until(gone)
     finally:
         engine.kill()
@@ -240,9 +296,24 @@ def test_proxy_refuses_a_bad_fd_with_status_3(lib, worker, tmp_path):
     env = env_for(worker, lib)
     handover = handover_pipe(RemoteConfig.from_env(env), 1)
     try:
-        proc = subprocess.run([sys.executable, "-m", "remote_dspark.proxy_proc", "--fd", str(fd), "--handover",
-                               str(handover), "--parent", str(os.getpid())], pass_fds=(fd, handover), env=env,
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "remote_dspark.proxy_proc",
+                "--fd",
+                str(fd),
+                "--handover",
+                str(handover),
+                "--parent",
+                str(os.getpid()),
+            ],
+            pass_fds=(fd, handover),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     finally:
         os.close(fd)
         os.close(handover)

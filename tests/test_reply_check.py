@@ -27,7 +27,7 @@ SESSION = 0x5E55
 VOCAB = 100
 LAYOUT = shm_layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
 K = LAYOUT.num_spec
-TERMS = [(v, m) for v in (0, VOCAB) for m in (False, True)]   # (vocab_size, want_margin) of a session
+TERMS = [(v, m) for v in (0, VOCAB) for m in (False, True)]  # (vocab_size, want_margin) of a session
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -41,9 +41,9 @@ class Both:
         self.region = shm.Region.create(LAYOUT)
         self.eng = ring.EngineEnd(self.region, lib)
         self.end = ring_proxy.ProxyEnd(self.region, lib, vocab_size=vocab_size, want_margin=want_margin)
-        self.r = self.eng.reserve(1)   # one round id, its descriptor rewritten per case
+        self.r = self.eng.reserve(1)  # one round id, its descriptor rewritten per case
         self.entries: list[wire.Entry] = []
-        self.decoded = False   # the last py() verdict came from check_reply, past the frame's own rules
+        self.decoded = False  # the last py() verdict came from check_reply, past the frame's own rules
 
     def ask(self, entries) -> Both:
         self.eng.write_entries(self.r, entries)
@@ -54,9 +54,13 @@ class Both:
         return self.end.unpack(self.r, payload)
 
     def py(self, payload: bytes) -> tuple[RoundEvent, str]:
-        asked = Asked(np.array([e.slot for e in self.entries], dtype=np.int64),
-                      np.array([e.n_out for e in self.entries], dtype=np.int64), K, self.vocab_size,
-                      self.want_margin)
+        asked = Asked(
+            np.array([e.slot for e in self.entries], dtype=np.int64),
+            np.array([e.n_out for e in self.entries], dtype=np.int64),
+            K,
+            self.vocab_size,
+            self.want_margin,
+        )
         self.decoded = False
         try:
             d = wire.decode_drafts(wire.Header(wire.DRAFTS, len(payload), SESSION, self.r), payload)
@@ -80,7 +84,7 @@ def both(lib):
         b.close()
 
 
-ENTRIES = [wire.Entry(3, 2, 0, [1]), wire.Entry(1, 3, 5, [2, 4])]   # n_out 2 and 3
+ENTRIES = [wire.Entry(3, 2, 0, [1]), wire.Entry(1, 3, 5, [2, 4])]  # n_out 2 and 3
 
 
 def payload(slots=(3, 1), counts=(2, 3), statuses=(0, 0), width=3, tokens=None, margins=None, flags=None) -> bytes:
@@ -94,9 +98,10 @@ def payload(slots=(3, 1), counts=(2, 3), statuses=(0, 0), width=3, tokens=None, 
     for (i, j), v in (margins or {}).items():
         mar[i * width + j] = v
     with_margins = margins is not False if flags is None else bool(flags)
-    d = wire.Drafts(1, list(slots), list(counts), list(statuses), width, tok,
-                    mar if with_margins and margins is not False else None)
-    return wire.encode_drafts(d, SESSION)[wire.HEADER.size:]
+    d = wire.Drafts(
+        1, list(slots), list(counts), list(statuses), width, tok, mar if with_margins and margins is not False else None
+    )
+    return wire.encode_drafts(d, SESSION)[wire.HEADER.size :]
 
 
 R = wire.STATUS_RESYNC
@@ -105,44 +110,93 @@ NAN = float("nan")
 CASES = {
     "honest": ((VOCAB, True), payload(), RoundEvent.OK, ""),
     "honest, no margins asked": ((VOCAB, False), payload(margins=False), RoundEvent.OK, ""),
-    "fewer entries": ((0, True), payload(slots=(3,), counts=(2,), statuses=(0,)), RoundEvent.BAD_REPLY,
-                      "drafts for 1 entries, the round has 2"),
-    "another slot": ((0, True), payload(slots=(3, 2)), RoundEvent.BAD_REPLY,
-                     "entry 1: drafts for slot 2, the round has slot 1"),
+    "fewer entries": (
+        (0, True),
+        payload(slots=(3,), counts=(2,), statuses=(0,)),
+        RoundEvent.BAD_REPLY,
+        "drafts for 1 entries, the round has 2",
+    ),
+    "another slot": (
+        (0, True),
+        payload(slots=(3, 2)),
+        RoundEvent.BAD_REPLY,
+        "entry 1: drafts for slot 2, the round has slot 1",
+    ),
     "wider than num_spec": ((0, True), payload(width=5), RoundEvent.PROTOCOL, "drafts width 5 over num_spec=4"),
-    "margins missing": ((0, True), payload(margins=False), RoundEvent.PROTOCOL,
-                        "DRAFTS without margins, the session asked for them"),
-    "margins not asked": ((0, False), payload(), RoundEvent.PROTOCOL,
-                          "DRAFTS with margins, the session did not ask for them"),
-    "count over n_out": ((0, True), payload(counts=(3, 3)), RoundEvent.PROTOCOL,
-                         "entry 0: 3 drafts, the round asked for 2"),
-    "RESYNC with drafts": ((0, True), payload(statuses=(0, R)), RoundEvent.PROTOCOL,
-                           "entry 1: RESYNC with 3 drafts"),
+    "margins missing": (
+        (0, True),
+        payload(margins=False),
+        RoundEvent.PROTOCOL,
+        "DRAFTS without margins, the session asked for them",
+    ),
+    "margins not asked": (
+        (0, False),
+        payload(),
+        RoundEvent.PROTOCOL,
+        "DRAFTS with margins, the session did not ask for them",
+    ),
+    "count over n_out": (
+        (0, True),
+        payload(counts=(3, 3)),
+        RoundEvent.PROTOCOL,
+        "entry 0: 3 drafts, the round asked for 2",
+    ),
+    "RESYNC with drafts": ((0, True), payload(statuses=(0, R)), RoundEvent.PROTOCOL, "entry 1: RESYNC with 3 drafts"),
     "RESYNC without drafts": ((0, True), payload(counts=(2, 0), statuses=(0, R)), RoundEvent.OK, ""),
-    "token = vocab_size": ((VOCAB, True), payload(tokens={(1, 2): VOCAB}), RoundEvent.PROTOCOL,
-                           "entry 1: draft token 100 outside 0..99"),
+    "token = vocab_size": (
+        (VOCAB, True),
+        payload(tokens={(1, 2): VOCAB}),
+        RoundEvent.PROTOCOL,
+        "entry 1: draft token 100 outside 0..99",
+    ),
     "token vocab_size - 1": ((VOCAB, True), payload(tokens={(1, 2): VOCAB - 1}), RoundEvent.OK, ""),
-    "negative token, vocabulary unknown": ((0, True), payload(tokens={(0, 0): -1}), RoundEvent.PROTOCOL,
-                                           "entry 0: draft token -1 outside 0..2147483647"),
+    "negative token, vocabulary unknown": (
+        (0, True),
+        payload(tokens={(0, 0): -1}),
+        RoundEvent.PROTOCOL,
+        "entry 0: draft token -1 outside 0..2147483647",
+    ),
     "large token, vocabulary unknown": ((0, True), payload(tokens={(0, 0): 2**31 - 1}), RoundEvent.OK, ""),
     "bad token past the count": ((VOCAB, True), payload(counts=(1, 3), tokens={(0, 1): -9}), RoundEvent.OK, ""),
-    "NaN margin": ((0, True), payload(margins={(1, 2): NAN}), RoundEvent.PROTOCOL,
-                   "entry 1: margin nan not in [0, 1]"),
-    "negative NaN margin": ((0, True), payload(margins={(1, 0): -NAN}), RoundEvent.PROTOCOL,
-                            "entry 1: margin nan not in [0, 1]"),
-    "infinite margin": ((0, True), payload(margins={(0, 1): math.inf}), RoundEvent.PROTOCOL,
-                        "entry 0: margin inf not in [0, 1]"),
-    "negative margin": ((0, True), payload(margins={(0, 0): -0.25}), RoundEvent.PROTOCOL,
-                        "entry 0: margin -0.25 not in [0, 1]"),
-    "margin over 1": ((0, True), payload(margins={(0, 0): 1.5}), RoundEvent.PROTOCOL,
-                      "entry 0: margin 1.5 not in [0, 1]"),
+    "NaN margin": ((0, True), payload(margins={(1, 2): NAN}), RoundEvent.PROTOCOL, "entry 1: margin nan not in [0, 1]"),
+    "negative NaN margin": (
+        (0, True),
+        payload(margins={(1, 0): -NAN}),
+        RoundEvent.PROTOCOL,
+        "entry 1: margin nan not in [0, 1]",
+    ),
+    "infinite margin": (
+        (0, True),
+        payload(margins={(0, 1): math.inf}),
+        RoundEvent.PROTOCOL,
+        "entry 0: margin inf not in [0, 1]",
+    ),
+    "negative margin": (
+        (0, True),
+        payload(margins={(0, 0): -0.25}),
+        RoundEvent.PROTOCOL,
+        "entry 0: margin -0.25 not in [0, 1]",
+    ),
+    "margin over 1": (
+        (0, True),
+        payload(margins={(0, 0): 1.5}),
+        RoundEvent.PROTOCOL,
+        "entry 0: margin 1.5 not in [0, 1]",
+    ),
     "margins 0 and 1": ((0, True), payload(margins={(0, 0): 0.0, (0, 1): 1.0}), RoundEvent.OK, ""),
     "NaN past the count": ((0, True), payload(counts=(1, 3), margins={(0, 1): NAN}), RoundEvent.OK, ""),
-    "the first entry that breaks a rule": ((VOCAB, True), payload(counts=(2, 3), statuses=(0, R),
-                                                                  margins={(0, 1): 2.0}),
-                                           RoundEvent.PROTOCOL, "entry 0: margin 2 not in [0, 1]"),
-    "its first rule": ((VOCAB, True), payload(tokens={(1, 0): VOCAB}, margins={(1, 0): NAN}),
-                       RoundEvent.PROTOCOL, "entry 1: draft token 100 outside 0..99"),
+    "the first entry that breaks a rule": (
+        (VOCAB, True),
+        payload(counts=(2, 3), statuses=(0, R), margins={(0, 1): 2.0}),
+        RoundEvent.PROTOCOL,
+        "entry 0: margin 2 not in [0, 1]",
+    ),
+    "its first rule": (
+        (VOCAB, True),
+        payload(tokens={(1, 0): VOCAB}, margins={(1, 0): NAN}),
+        RoundEvent.PROTOCOL,
+        "entry 1: draft token 100 outside 0..99",
+    ),
     "a frame rule first": ((0, True), payload(counts=(4, 3), width=3), RoundEvent.PROTOCOL, None),
 }
 
@@ -153,7 +207,7 @@ def test_the_c_and_the_python_check_give_every_reply_the_same_verdict(both, case
     b = both[terms].ask(ENTRIES)
     c, py = b.c(body), b.py(body)
     assert c[0] == py[0] == event, (c, py)
-    if why is not None:   # the frame's own rules are worded by each reader; the reply's, alike
+    if why is not None:  # the frame's own rules are worded by each reader; the reply's, alike
         assert c[1] == py[1] == why
 
 
@@ -181,9 +235,10 @@ class Wire:
         self.rounds = TcpRounds(self.end, session=SESSION, default_deadline_ms=2000)
         self.c_sock, self.c_peer = socket.socketpair()
         self.rounds.attach(self.c_sock.fileno())
-        self.py_sock, self.py_peer = tcp_pair()   # TcpStream wants TCP (TCP_NODELAY)
-        self.client = DraftClient(FrameChannel(TcpStream(self.py_sock)), SESSION,
-                                  wire.HelloAck(wire.ACCEPT, b"d" * 32, b"m" * 32))
+        self.py_sock, self.py_peer = tcp_pair()  # TcpStream wants TCP (TCP_NODELAY)
+        self.client = DraftClient(
+            FrameChannel(TcpStream(self.py_sock)), SESSION, wire.HelloAck(wire.ACCEPT, b"d" * 32, b"m" * 32)
+        )
 
     def verdicts(self, frames) -> tuple[tuple[RoundEvent, str, int], tuple[RoundEvent, str, int]]:
         """``frames(r)`` (the bytes the worker sends for round r) through both readers:
@@ -194,7 +249,7 @@ class Wire:
         data = frames(r)
         self.c_peer.sendall(data)
         s = self.rounds.serve(2.0, send=True, at_once=0)
-        self.c_peer.recv(1 << 16)   # the ROUND the C round sent
+        self.c_peer.recv(1 << 16)  # the ROUND the C round sent
         self.py_peer.sendall(data)
         late = self.client.late
         try:
@@ -218,13 +273,24 @@ def _drafts(r, session=SESSION, round_id=None) -> bytes:
 HEADER_CASES = {
     "this round": (lambda r: _drafts(r), RoundEvent.OK, "", 0),
     "a late reply first": (lambda r: _drafts(r, round_id=r - 1) + _drafts(r), RoundEvent.OK, "", 1),
-    "another session": (lambda r: _drafts(r, session=SESSION + 1), RoundEvent.PROTOCOL,
-                        f"DRAFTS of session {SESSION + 1:#x} on session {SESSION:#x}'s connection", 0),
-    "a round never sent": (lambda r: _drafts(r, round_id=r + 3), RoundEvent.PROTOCOL,
-                           "DRAFTS for round {}, which was never sent", 0),
-    "a late reply of another session": (lambda r: _drafts(r, session=7, round_id=r - 1) + _drafts(r),
-                                        RoundEvent.PROTOCOL, "DRAFTS of session 0x7 on session "
-                                        f"{SESSION:#x}'s connection", 0),
+    "another session": (
+        lambda r: _drafts(r, session=SESSION + 1),
+        RoundEvent.PROTOCOL,
+        f"DRAFTS of session {SESSION + 1:#x} on session {SESSION:#x}'s connection",
+        0,
+    ),
+    "a round never sent": (
+        lambda r: _drafts(r, round_id=r + 3),
+        RoundEvent.PROTOCOL,
+        "DRAFTS for round {}, which was never sent",
+        0,
+    ),
+    "a late reply of another session": (
+        lambda r: _drafts(r, session=7, round_id=r - 1) + _drafts(r),
+        RoundEvent.PROTOCOL,
+        f"DRAFTS of session 0x7 on session {SESSION:#x}'s connection",
+        0,
+    ),
 }
 
 
@@ -256,18 +322,32 @@ def valid_reply(draw):
     counts = [draw(st.integers(0, min(width, e.n_out))) if s == 0 else 0 for e, s in zip(entries, statuses)]
     top = vocab - 1 if vocab else 2**31 - 1
     tokens = [draw(st.integers(0, top)) if j < counts[i] else 0 for i in range(n) for j in range(width)]
-    margins = [draw(st.floats(0, 1, width=32)) if j < counts[i] else 0.0 for i in range(n)
-               for j in range(width)] if want else None
-    return terms, entries, dict(slots=[e.slot for e in entries], counts=counts, statuses=statuses, width=width,
-                                tokens=tokens, margins=margins)
+    margins = (
+        [draw(st.floats(0, 1, width=32)) if j < counts[i] else 0.0 for i in range(n) for j in range(width)]
+        if want
+        else None
+    )
+    return (
+        terms,
+        entries,
+        dict(
+            slots=[e.slot for e in entries],
+            counts=counts,
+            statuses=statuses,
+            width=width,
+            tokens=tokens,
+            margins=margins,
+        ),
+    )
 
 
 def encoded(f: dict) -> bytes:
-    return wire.encode_drafts(wire.Drafts(1, f["slots"], f["counts"], f["statuses"], f["width"], f["tokens"],
-                                          f["margins"]), SESSION)[wire.HEADER.size:]
+    return wire.encode_drafts(
+        wire.Drafts(1, f["slots"], f["counts"], f["statuses"], f["width"], f["tokens"], f["margins"]), SESSION
+    )[wire.HEADER.size :]
 
 
-SPECIAL_TOKENS = [-1, -2**31, VOCAB - 1, VOCAB, VOCAB + 1, 2**31 - 1]
+SPECIAL_TOKENS = [-1, -(2**31), VOCAB - 1, VOCAB, VOCAB + 1, 2**31 - 1]
 SPECIAL_MARGINS = [math.nan, -math.nan, math.inf, -math.inf, -0.0, 0.0, 1.0, 1.0000001, -1e-30, 2.0]
 
 
@@ -293,6 +373,7 @@ def perturbed(draw, f: dict) -> dict:
 
         def grow(flat, fill):
             return [flat[i * width + j] if j < width else fill for i in range(n) for j in range(w)]
+
         f["tokens"] = grow(f["tokens"], 0)
         f["margins"] = None if f["margins"] is None else grow(f["margins"], 0.0)
         f["width"] = w
@@ -303,8 +384,8 @@ def perturbed(draw, f: dict) -> dict:
     elif how == "entries" and n:
         for k in ("slots", "counts", "statuses"):
             f[k] = f[k][:-1]
-        f["tokens"] = f["tokens"][:(n - 1) * width]
-        f["margins"] = None if f["margins"] is None else f["margins"][:(n - 1) * width]
+        f["tokens"] = f["tokens"][: (n - 1) * width]
+        f["margins"] = None if f["margins"] is None else f["margins"][: (n - 1) * width]
     return f
 
 
@@ -316,16 +397,22 @@ def mutated(draw, body: bytes) -> bytes:
     for _ in range(draw(st.integers(1, 4))):
         how = draw(st.sampled_from(["flip", "flip", "flip", "word", "cut", "grow"]))
         if how == "cut" and out:
-            del out[draw(st.integers(0, len(out) - 1)):]
+            del out[draw(st.integers(0, len(out) - 1)) :]
         elif how == "grow":
             out += draw(st.binary(min_size=1, max_size=8))
         elif out:
             i = draw(st.integers(0, len(out) - 1))
             if how == "flip":
                 out[i] ^= draw(st.integers(1, 255))
-            else:   # a whole 32-bit word: a token, a margin (NaN, inf, ...), a count pair
-                out[i:i + 4] = struct.pack("<I", draw(st.sampled_from(
-                    [0xFFFFFFFF, 0x7FC00000, 0x7F800000, 0xFF800000, 0x3F800001, 0x80000000, 100, 5])))
+            else:  # a whole 32-bit word: a token, a margin (NaN, inf, ...), a count pair
+                out[i : i + 4] = struct.pack(
+                    "<I",
+                    draw(
+                        st.sampled_from(
+                            [0xFFFFFFFF, 0x7FC00000, 0x7F800000, 0xFF800000, 0x3F800001, 0x80000000, 100, 5]
+                        )
+                    ),
+                )
     return bytes(out)
 
 
@@ -336,13 +423,14 @@ def test_fuzz_replies_get_the_same_verdict_from_c_and_python(both, data):
     b = both[terms].ask(entries)
     body = encoded(fields)
     assert b.c(body) == b.py(body) == (RoundEvent.OK, "")
-    bad = data.draw(st.one_of(perturbed(fields).map(encoded), perturbed(fields).map(encoded), mutated(body),
-                              st.binary(max_size=96)))
-    c, py = b.c(bad), b.py(bad)   # py raises nothing but ProtocolError (anything else fails here)
+    bad = data.draw(
+        st.one_of(perturbed(fields).map(encoded), perturbed(fields).map(encoded), mutated(body), st.binary(max_size=96))
+    )
+    c, py = b.c(bad), b.py(bad)  # py raises nothing but ProtocolError (anything else fails here)
     assert c[0] in (RoundEvent.OK, RoundEvent.PROTOCOL, RoundEvent.BAD_REPLY)
     assert c[0] == py[0], (c, py)
     event(f"{c[0].name}, {'the reply rules' if b.decoded else 'the frame rules'}")
-    if b.decoded:   # past the frame's own rules (each reader words those), the words agree too
+    if b.decoded:  # past the frame's own rules (each reader words those), the words agree too
         assert c[1] == py[1]
 
 
@@ -359,25 +447,37 @@ def test_fuzz_every_engine_side_decoder_raises_only_protocol_errors(head, body):
     _only_protocol_errors(wire.decode_header, head)
     _only_protocol_errors(wire.decode_hello_ack, body)
     hdr = wire.Header(wire.DRAFTS, len(body), SESSION, 1)
-    _only_protocol_errors(lambda: check_reply(wire.decode_drafts(hdr, body),
-                                              Asked(np.arange(3), 2, K, VOCAB, True)))
+    _only_protocol_errors(lambda: check_reply(wire.decode_drafts(hdr, body), Asked(np.arange(3), 2, K, VOCAB, True)))
 
 
 @given(data=st.data())
 @FUZZ
 def test_fuzz_mutated_valid_frames_raise_only_protocol_errors(data):
-    ack = wire.encode_hello_ack(wire.HelloAck(data.draw(st.sampled_from([wire.ACCEPT, wire.REFUSE_LIMITS])),
-                                              b"d" * 32, b"m" * 32, data.draw(st.text(max_size=20))), SESSION)
-    frame = data.draw(st.sampled_from([ack, wire.encode_bye(SESSION),
-                                       wire.encode_header(wire.DRAFTS, len(payload()), SESSION, 1) + payload()]))
+    ack = wire.encode_hello_ack(
+        wire.HelloAck(
+            data.draw(st.sampled_from([wire.ACCEPT, wire.REFUSE_LIMITS])),
+            b"d" * 32,
+            b"m" * 32,
+            data.draw(st.text(max_size=20)),
+        ),
+        SESSION,
+    )
+    frame = data.draw(
+        st.sampled_from(
+            [ack, wire.encode_bye(SESSION), wire.encode_header(wire.DRAFTS, len(payload()), SESSION, 1) + payload()]
+        )
+    )
     bad = data.draw(mutated(frame))
     try:
-        hdr = wire.decode_header(bad[:wire.HEADER.size])
+        hdr = wire.decode_header(bad[: wire.HEADER.size])
     except wire.ProtocolError:
         return
-    body = bad[wire.HEADER.size:]
+    body = bad[wire.HEADER.size :]
     if hdr.type == wire.HELLO_ACK:
         _only_protocol_errors(wire.decode_hello_ack, body)
     elif hdr.type == wire.DRAFTS:
-        _only_protocol_errors(lambda: check_reply(wire.decode_drafts(hdr, body),
-                                                  Asked(np.array([3, 1]), np.array([2, 3]), K, VOCAB, True)))
+        _only_protocol_errors(
+            lambda: check_reply(
+                wire.decode_drafts(hdr, body), Asked(np.array([3, 1]), np.array([2, 3]), K, VOCAB, True)
+            )
+        )

@@ -19,17 +19,28 @@ LAYOUT = Layout(depth=4, max_slots=16, row_bytes=300, num_spec=5, max_tokens=100
 
 def parts(lay: Layout) -> list[tuple[str, int, int]]:
     """(name, offset, size) of every part and hand-off word, for overlap checks."""
-    out = [("header", 0, shm_layout.HEADER.size), ("session", shm_layout.OFF_SESSION, 8),
-           ("engine_pid", shm_layout.OFF_ENGINE_PID, 4), ("proxy_pid", shm_layout.OFF_PROXY_PID, 4),
-           ("heartbeat", shm_layout.OFF_HEARTBEAT, 8), ("breaker", shm_layout.OFF_BREAKER, 32),
-           ("gathered", lay.gathered, 4), ("released", lay.released, 4),
-           ("claim", lay.claim, 4), ("gathered_ns", lay.gathered_ns(0), 8 * lay.depth)]
+    out = [
+        ("header", 0, shm_layout.HEADER.size),
+        ("session", shm_layout.OFF_SESSION, 8),
+        ("engine_pid", shm_layout.OFF_ENGINE_PID, 4),
+        ("proxy_pid", shm_layout.OFF_PROXY_PID, 4),
+        ("heartbeat", shm_layout.OFF_HEARTBEAT, 8),
+        ("breaker", shm_layout.OFF_BREAKER, 32),
+        ("gathered", lay.gathered, 4),
+        ("released", lay.released, 4),
+        ("claim", lay.claim, 4),
+        ("gathered_ns", lay.gathered_ns(0), 8 * lay.depth),
+    ]
     for i in range(lay.depth):
-        out += [(f"desc{i}", lay.desc(i), lay.desc_stride),
-                (f"staging{i}", lay.staging(i), lay.max_slots * lay.row_bytes),
-                (f"drafts{i}", lay.drafts(i), lay.drafts_stride)]
-    out += [("proxy_counters", lay.proxy_counters_at, shm_layout.PROXY_COUNTERS.size),
-            ("engine_counters", lay.engine_counters_at, shm_layout.ENGINE_COUNTERS.size)]
+        out += [
+            (f"desc{i}", lay.desc(i), lay.desc_stride),
+            (f"staging{i}", lay.staging(i), lay.max_slots * lay.row_bytes),
+            (f"drafts{i}", lay.drafts(i), lay.drafts_stride),
+        ]
+    out += [
+        ("proxy_counters", lay.proxy_counters_at, shm_layout.PROXY_COUNTERS.size),
+        ("engine_counters", lay.engine_counters_at, shm_layout.ENGINE_COUNTERS.size),
+    ]
     return out
 
 
@@ -49,14 +60,17 @@ def test_layout_parts_are_disjoint_aligned_and_inside(lay):
     assert lay.proxy_counters_at % shm_layout.LINE == 0 and lay.engine_counters_at % shm_layout.LINE == 0
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("depth", 3, "depth=3: must be a power of two"),
-    ("depth", 128, r"depth=128: must be an integer in 1\.\.64"),
-    ("max_slots", 0, "max_slots=0"),
-    ("row_bytes", 0, "row_bytes=0"),
-    ("num_spec", 65, "num_spec=65"),
-    ("max_tokens", -1, "max_tokens=-1"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("depth", 3, "depth=3: must be a power of two"),
+        ("depth", 128, r"depth=128: must be an integer in 1\.\.64"),
+        ("max_slots", 0, "max_slots=0"),
+        ("row_bytes", 0, "row_bytes=0"),
+        ("num_spec", 65, "num_spec=65"),
+        ("max_tokens", -1, "max_tokens=-1"),
+    ],
+)
 def test_layout_refuses_bad_sizes_naming_them(field, value, match):
     kw = dict(depth=4, max_slots=8, row_bytes=16, num_spec=4, max_tokens=8)
     kw[field] = value
@@ -78,7 +92,7 @@ def test_create_writes_the_header_and_attach_reads_it_back():
 
 def test_header_words(lib):
     with Region.create(LAYOUT) as region:
-        with region.view(0, shm_layout.OFF_ENGINE_PID + 4) as head:   # the creator's pid
+        with region.view(0, shm_layout.OFF_ENGINE_PID + 4) as head:  # the creator's pid
             assert struct.unpack_from("<I", head, shm_layout.OFF_ENGINE_PID)[0] == os.getpid()
         words = region.header_words(lib)
         assert words.proxy_pid == 0 and words.heartbeat_ns == 0
@@ -88,7 +102,7 @@ def test_header_words(lib):
         assert (words.session, words.breaker()) == (2**63 + 5, state)
         before = lib.now_ns()
         end = ring_proxy.ProxyEnd(region, lib, pid=4321)
-        assert end.next_round(0.001) is None   # the proxy's wait beats, round or not
+        assert end.next_round(0.001) is None  # the proxy's wait beats, round or not
         assert words.proxy_pid == 4321 and before <= words.heartbeat_ns <= lib.now_ns()
 
 
@@ -100,6 +114,7 @@ def test_sealed_memfd_cannot_shrink_or_grow():
             os.ftruncate(region.fd, LAYOUT.size + LAYOUT.page_size)
         with pytest.raises(PermissionError):  # F_SEAL_SEAL: no further seals either
             import fcntl
+
             fcntl.fcntl(region.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
 
 
@@ -115,7 +130,7 @@ def _mapping_rss_kb(base: int) -> int:
         lines = f.read().splitlines()
     for i, line in enumerate(lines):
         if line.split("-", 1)[0] == f"{base:x}":
-            return next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
+            return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
     raise AssertionError(f"no mapping at {base:#x}")
 
 
@@ -192,6 +207,7 @@ ATTACH = """
 
 def _forged(size: int, header: bytes, seal: bool = True) -> int:
     import fcntl
+
     fd = os.memfd_create("forged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     os.pwrite(fd, header, 0)
@@ -200,13 +216,19 @@ def _forged(size: int, header: bytes, seal: bool = True) -> int:
     return fd
 
 
-@pytest.mark.parametrize("case,match", [
-    ("version", f"layout version {shm_layout.LAYOUT_VERSION + 1}, this side reads version {shm_layout.LAYOUT_VERSION}"),
-    ("size", f"file size {LAYOUT.size + LAYOUT.page_size} bytes, its header's layout needs {LAYOUT.size}"),
-    ("magic", "magic b'NOTAREGN', expected b'DSPKSHM1'"),
-    ("total", f"header total_size 4096, its sizes need {LAYOUT.size}"),
-    ("unsealed", "seals 0x0, expected shrink, grow and seal"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        (
+            "version",
+            f"layout version {shm_layout.LAYOUT_VERSION + 1}, this side reads version {shm_layout.LAYOUT_VERSION}",
+        ),
+        ("size", f"file size {LAYOUT.size + LAYOUT.page_size} bytes, its header's layout needs {LAYOUT.size}"),
+        ("magic", "magic b'NOTAREGN', expected b'DSPKSHM1'"),
+        ("total", f"header total_size 4096, its sizes need {LAYOUT.size}"),
+        ("unsealed", "seals 0x0, expected shrink, grow and seal"),
+    ],
+)
 def test_attach_in_a_child_refuses_a_region_that_does_not_match(case, match):
     head = bytearray(LAYOUT.header_bytes())
     size = LAYOUT.size
@@ -246,4 +268,3 @@ def test_counters_histograms_and_snapshot(lib):
         with pytest.raises(TypeError):
             snap.counters["rounds_ok"] = 0  # frozen
         assert region.engine_counters(lib).snapshot().counters["watchdog_releases"] == 0
-

@@ -48,10 +48,10 @@ def test_replaces_the_users_own_file(tmp_path):
 def test_the_file_is_mode_0644_whatever_the_umask(tmp_path, umask, mask):
     umask(mask)
     p = tmp_path / "stats.json"
-    write_json_atomic(p, {"a": 1})            # created
+    write_json_atomic(p, {"a": 1})  # created
     assert mode(p) == 0o644
     p.chmod(0o600)
-    write_json_atomic(p, {"a": 2})            # replaced
+    write_json_atomic(p, {"a": 2})  # replaced
     assert mode(p) == 0o644 and json.loads(p.read_text()) == {"a": 2}
 
 
@@ -96,7 +96,7 @@ def test_a_directory_at_the_path_is_refused(tmp_path):
 
 def test_a_fifo_at_the_path_is_refused_without_opening_it(tmp_path):
     f = tmp_path / "stats.json"
-    os.mkfifo(f)   # opening it for writing would block: the refusal never opens it
+    os.mkfifo(f)  # opening it for writing would block: the refusal never opens it
     with pytest.raises(UnsafePath, match="not a regular file"):
         write_json_atomic(f, {"a": 1})
     assert stat.S_ISFIFO(os.lstat(f).st_mode) and entries(tmp_path) == ["stats.json"]
@@ -120,7 +120,7 @@ def test_a_directory_others_may_write_needs_the_sticky_bit(tmp_path, dir_mode):
     d.mkdir()
     d.chmod(dir_mode)
     p = d / "stats.json"
-    if dir_mode & stat.S_ISVTX:   # like /tmp: allowed
+    if dir_mode & stat.S_ISVTX:  # like /tmp: allowed
         write_json_atomic(p, {"a": 1})
         assert json.loads(p.read_text()) == {"a": 1} and mode(p) == 0o644
     else:
@@ -167,7 +167,7 @@ def test_the_temporary_file_is_removed_when_writing_fails(tmp_path, monkeypatch,
         return fd
 
     def failing_write(fd, data):
-        assert entries(tmp_path) == sorted(["stats.json", *made])   # it exists while written
+        assert entries(tmp_path) == sorted(["stats.json", *made])  # it exists while written
         raise exc
 
     monkeypatch.setattr(statsfile.os, "open", spy_open)
@@ -184,6 +184,7 @@ def test_the_temporary_file_is_removed_when_the_replace_fails(tmp_path, monkeypa
 
     def failing_replace(*a, **kw):
         raise PermissionError(errno.EPERM, "Operation not permitted")
+
     monkeypatch.setattr(statsfile.os, "replace", failing_replace)
     with pytest.raises(PermissionError):
         write_json_atomic(p, {"a": 1})

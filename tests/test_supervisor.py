@@ -37,8 +37,6 @@ class Spawner:
                 p.wait()
 
 
-
-
 @pytest.fixture
 def spawner():
     s = Spawner()
@@ -60,7 +58,7 @@ def test_sigkill_is_seen_and_a_new_proxy_with_a_new_session_starts(spawner):
         os.kill(first.pid, signal.SIGKILL)
         assert until(lambda: sup.up is not None and sup.up.pid != first.pid)
         assert sup.up.session != first.session and sup.restarts[Cause.SIGNAL] == 1
-        assert sup.budget.left == 1 and spawner.procs[0].returncode == -signal.SIGKILL   # reaped
+        assert sup.budget.left == 1 and spawner.procs[0].returncode == -signal.SIGKILL  # reaped
         assert [type(c).__name__ for c in changes] == ["Starting", "Up", "Down", "Starting", "Up"]
     finally:
         sup.close()
@@ -124,7 +122,7 @@ def test_reset_window_restores_the_full_budget(spawner):
         assert until(lambda: sup.spawns == 2 and sup.up is not None)
         assert sup.budget.left == 1
         now[0] = 99.0
-        assert not until(lambda: sup.budget.left == 2, timeout=0.1)   # not yet served 100 s
+        assert not until(lambda: sup.budget.left == 2, timeout=0.1)  # not yet served 100 s
         now[0] = 100.0
         assert until(lambda: sup.budget.left == 2) and sup.budget.restored == 1
     finally:
@@ -141,16 +139,23 @@ def test_close_leaves_no_zombie_and_no_fd(spawner):
     with pytest.raises(ChildProcessError):
         os.waitpid(proc.pid, os.WNOHANG)
     assert open_fds() == before
-    sup.close()   # idempotent
+    sup.close()  # idempotent
 
 
 def test_close_kills_a_child_that_ignores_sigterm(spawner):
     def spawn(session):
-        proc = subprocess.Popen([sys.executable, "-c",
-                                 "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                                 "print('ready', flush=True)\ntime.sleep(120)\n"], stdout=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('ready', flush=True)\ntime.sleep(120)\n",
+            ],
+            stdout=subprocess.PIPE,
+        )
         spawner.procs.append(proc)
         return proc
+
     sup = Supervisor(spawn, respawns=0, reset_s=0)
     sup.start()
     proc = spawner.procs[0]
@@ -163,12 +168,13 @@ def test_close_kills_a_child_that_ignores_sigterm(spawner):
 def test_a_failing_callback_ends_supervision_loudly_not_silently(spawner, caplog):
     def broken(up):
         raise RuntimeError("stall check bug")
+
     sup = Supervisor(spawner, respawns=3, reset_s=0, stalled=broken)
     with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
         sup.start()
         try:
             assert until(lambda: isinstance(sup.state, Spent))
-            assert spawner.procs[0].poll() is not None          # no proxy left running
+            assert spawner.procs[0].poll() is not None  # no proxy left running
         finally:
             sup.close()
     assert any("supervisor failed" in r.getMessage() for r in caplog.records)
@@ -177,11 +183,13 @@ def test_a_failing_callback_ends_supervision_loudly_not_silently(spawner, caplog
 def test_proxies_are_spawned_by_the_watcher_thread(spawner):
     """The parent-death signal follows the forking thread: it must be the long-lived one."""
     import threading
+
     forked_by = []
 
     def spawn(session):
         forked_by.append(threading.current_thread().name)
         return spawner(session)
+
     sup = Supervisor(spawn, respawns=1, reset_s=0)
     sup.start()
     try:
@@ -196,12 +204,19 @@ def test_a_starting_proxy_is_up_only_once_it_serves_and_is_never_judged_stalled(
     """Until ``serving`` says so the proxy is Starting (e.g. still connecting to a silent
     worker): the stall check is not asked, no budget is spent; then it is Up."""
     serving, judged, changes = [], [], []
-    sup = Supervisor(spawner, respawns=1, reset_s=0, serving=lambda st: bool(serving),
-                     stalled=lambda up: judged.append(up) or False, start_limit_s=60, on_change=changes.append)
+    sup = Supervisor(
+        spawner,
+        respawns=1,
+        reset_s=0,
+        serving=lambda st: bool(serving),
+        stalled=lambda up: judged.append(up) or False,
+        start_limit_s=60,
+        on_change=changes.append,
+    )
     sup.start()
     try:
         assert isinstance(sup.state, Starting) and sup.up is None
-        assert until(lambda: len(changes) == 1, timeout=0.3) and not judged   # a few ticks as Starting
+        assert until(lambda: len(changes) == 1, timeout=0.3) and not judged  # a few ticks as Starting
         serving.append(True)
         assert until(lambda: sup.up is not None and judged)
         assert [type(c) for c in changes] == [Starting, Up] and changes[1].pid == changes[0].pid
@@ -211,8 +226,9 @@ def test_a_starting_proxy_is_up_only_once_it_serves_and_is_never_judged_stalled(
 
 
 def test_a_proxy_that_never_serves_is_killed_at_the_start_limit(spawner):
-    sup = Supervisor(spawner, respawns=1, reset_s=0, serving=lambda st: st.pid != spawner.procs[0].pid,
-                     start_limit_s=0.2)
+    sup = Supervisor(
+        spawner, respawns=1, reset_s=0, serving=lambda st: st.pid != spawner.procs[0].pid, start_limit_s=0.2
+    )
     sup.start()
     try:
         assert until(lambda: sup.up is not None)
@@ -226,6 +242,7 @@ def test_a_first_spawn_failure_is_a_transition_too(spawner):
 
     def spawn(session):
         raise OSError("no proxy today")
+
     sup = Supervisor(spawn, respawns=1, reset_s=0, on_change=changes.append)
     with pytest.raises(OSError, match="no proxy today"):
         sup.start()
@@ -260,6 +277,7 @@ class Standbys:
             proc = self.spawner(None)
             self.pids.append(proc.pid)
             return proc
+
         return StandbyHooks(spawn, lambda pid, session: self.promoted.append((pid, session)), lambda pid: True)
 
 
@@ -273,12 +291,12 @@ def test_a_lost_proxy_is_replaced_by_the_standby_and_a_new_standby_starts(spawne
         os.kill(first, signal.SIGKILL)
         assert until(lambda: sup.up is not None and sup.up.pid == standby)
         assert sb.promoted == [(standby, sup.up.session)] and sup.up.session != spawner.sessions[0]
-        assert until(lambda: len(sb.pids) == 2 and sup.stats().standby == "ready")   # the next one
+        assert until(lambda: len(sb.pids) == 2 and sup.stats().standby == "ready")  # the next one
         st = sup.stats()
         assert (st.budget_left, st.restarts["signal"], st.spawns, st.standby_spawns) == (1, 1, 2, 2)
     finally:
         sup.close()
-    assert all(p.poll() is not None for p in spawner.procs)   # proxies and standbys all ended
+    assert all(p.poll() is not None for p in spawner.procs)  # proxies and standbys all ended
 
 
 def test_a_standby_that_dies_is_replaced_without_spending_the_budget_and_given_up_after_three(spawner, caplog):
@@ -288,7 +306,7 @@ def test_a_standby_that_dies_is_replaced_without_spending_the_budget_and_given_u
     with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
         try:
             for n in range(1, 4):
-                assert until(lambda n=n: len(sb.pids) == n, timeout=15)   # the back-off doubles: 0.5, 1 s
+                assert until(lambda n=n: len(sb.pids) == n, timeout=15)  # the back-off doubles: 0.5, 1 s
                 os.kill(sb.pids[-1], signal.SIGKILL)
                 assert until(lambda n=n: sup.stats().standby_failures == n)
             assert until(lambda: sup.stats().standby == "off")
@@ -305,10 +323,10 @@ def test_no_standby_is_kept_once_a_loss_could_not_be_replaced(spawner):
     sup.start()
     try:
         assert until(lambda: sup.stats().standby == "ready")
-        os.kill(sup.up.pid, signal.SIGKILL)          # the one respawn: the standby takes over
+        os.kill(sup.up.pid, signal.SIGKILL)  # the one respawn: the standby takes over
         assert until(lambda: sup.up is not None and sup.up.pid == sb.pids[0])
         assert until(lambda: sup.stats().budget_left == 0)
-        assert sup.stats().standby == "none" and len(sb.pids) == 1   # none kept: nothing could use it
+        assert sup.stats().standby == "none" and len(sb.pids) == 1  # none kept: nothing could use it
     finally:
         sup.close()
 

@@ -43,7 +43,7 @@ class Rig:
         self.eng.write_entries(r, entries, deadline_ms)
         if rows is not None:
             with self.eng.staging(r) as staging:
-                staging[:len(rows)] = rows
+                staging[: len(rows)] = rows
         if corrupt is not None:
             at = self.region.layout.desc(r & (self.region.layout.depth - 1)) + shm_layout.DESC_FIXED
             with self.region.view(at, self.region.layout.desc_stride - shm_layout.DESC_FIXED) as d:
@@ -53,8 +53,15 @@ class Rig:
 
     def reply(self, r, slots=(3,), width=2, counts=None, margins=False) -> bytes:
         n = len(slots)
-        d = wire.Drafts(r, list(slots), counts or [width] * n, [wire.STATUS_OK] * n, width,
-                        list(range(100, 100 + n * width)), [0.25] * (n * width) if margins else None)
+        d = wire.Drafts(
+            r,
+            list(slots),
+            counts or [width] * n,
+            [wire.STATUS_OK] * n,
+            width,
+            list(range(100, 100 + n * width)),
+            [0.25] * (n * width) if margins else None,
+        )
         return wire.encode_drafts(d, SESSION)
 
     def serve(self, send=True, at_once=Outcome.BREAKER_SKIP):
@@ -70,7 +77,7 @@ class Rig:
 
     def sent_round(self) -> wire.Round:
         frame = self.sent_frame()
-        return wire.decode_round(wire.decode_header(frame[:wire.HEADER.size]), frame[wire.HEADER.size:])
+        return wire.decode_round(wire.decode_header(frame[: wire.HEADER.size]), frame[wire.HEADER.size :])
 
     def raw_drafts(self, r) -> tuple:
         """The drafts slot of ``r`` as written: (status, n, flags, counts, statuses,
@@ -79,11 +86,19 @@ class Rig:
         with self.region.drafts(r & (lay.depth - 1)) as d:
             rnd, status, n, flags = shm_layout.DRAFTS_HEAD.unpack_from(d, 0)
             assert rnd == r
+
             def rows(fmt, at):
                 return [list(struct.unpack_from(f"<{K}{fmt}", d, at + 4 * K * i)) for i in range(n)]
-            return (status, n, flags, list(struct.unpack_from(f"<{n}i", d, shm_layout.D_COUNTS)),
-                    list(struct.unpack_from(f"<{n}i", d, lay.d_entry_status)), rows("i", lay.d_tokens),
-                    rows("f", lay.d_margins) if flags & shm_layout.DRAFTS_MARGINS else None)
+
+            return (
+                status,
+                n,
+                flags,
+                list(struct.unpack_from(f"<{n}i", d, shm_layout.D_COUNTS)),
+                list(struct.unpack_from(f"<{n}i", d, lay.d_entry_status)),
+                rows("i", lay.d_tokens),
+                rows("f", lay.d_margins) if flags & shm_layout.DRAFTS_MARGINS else None,
+            )
 
     def nothing_sent(self) -> bool:
         self.worker.settimeout(0)
@@ -125,7 +140,11 @@ def test_a_round_goes_out_from_the_region_and_its_drafts_come_back(rig_m):
     sent = rig.sent_round()
     assert (sent.round_id, sent.deadline_ms, sent.row_bytes, bytes(sent.rows)) == (r, 700, 8, bytes(range(16)))
     assert (list(sent.slots), list(sent.positions), list(sent.n_out), list(sent.flags)) == (
-        [3, 1], [13, 11], [4, 4], [0, 0])
+        [3, 1],
+        [13, 11],
+        [4, 4],
+        [0, 0],
+    )
     assert (list(sent.offsets), list(sent.tokens)) == ([0, 2, 4], [3, 4, 1, 2])
     d = rig.eng.drafts(r)
     assert d.outcome == Outcome.OK and d.counts == (2, 1)
@@ -140,7 +159,7 @@ def test_a_timeout_keeps_the_stream_in_step_and_late_replies_are_dropped_and_cou
     assert s.event == RoundEvent.TIMEOUT and rig.eng.drafts(r1).outcome == Outcome.TIMEOUT
     late = rig.reply(r1)
     r2 = rig.gather(deadline_ms=30)
-    rig.worker.sendall(late[:10])   # round 1's reply begins, then the deadline passes mid-frame
+    rig.worker.sendall(late[:10])  # round 1's reply begins, then the deadline passes mid-frame
     assert rig.serve().event == RoundEvent.TIMEOUT
     r3 = rig.gather()
     rig.worker.sendall(late[10:] + rig.reply(r2) + rig.reply(r3))
@@ -167,19 +186,33 @@ BAD_REPLIES = {
     "bye": (lambda rig, r: wire.encode_bye(SESSION), RoundEvent.LOST, "said BYE"),
     "not drafts": (lambda rig, r: _frame(wire.HELLO_ACK, r=r), RoundEvent.PROTOCOL, "where DRAFTS was expected"),
     "never sent": (lambda rig, r: rig.reply(r + 5), RoundEvent.PROTOCOL, "round {}, which was never sent"),
-    "over the cap": (lambda rig, r: wire.encode_header(wire.DRAFTS, 1 << 30, SESSION, r),
-                     RoundEvent.PROTOCOL, "exceeds the cap"),
-    "short": (lambda rig, r: _frame(wire.DRAFTS, rig.reply(r)[wire.HEADER.size:-4], r=r),
-              RoundEvent.PROTOCOL, "its fields say"),
+    "over the cap": (
+        lambda rig, r: wire.encode_header(wire.DRAFTS, 1 << 30, SESSION, r),
+        RoundEvent.PROTOCOL,
+        "exceeds the cap",
+    ),
+    "short": (
+        lambda rig, r: _frame(wire.DRAFTS, rig.reply(r)[wire.HEADER.size : -4], r=r),
+        RoundEvent.PROTOCOL,
+        "its fields say",
+    ),
     "count over width": (lambda rig, r: rig.reply(r, counts=[3]), RoundEvent.PROTOCOL, "count 3 (width 2)"),
-    "unknown status": (lambda rig, r: _patched(rig.reply(r), 8 + 4 + 2, "<H", 2), RoundEvent.PROTOCOL,
-                       "entry 0: count 2 (width 2), status 2"),
-    "unknown flags": (lambda rig, r: _patched(rig.reply(r), 6, "<H", 2), RoundEvent.PROTOCOL,
-                      "unknown flags 0x2"),
-    "over the caps": (lambda rig, r: _patched(rig.reply(r), 0, "<I", wire.MAX_ENTRIES + 1), RoundEvent.PROTOCOL,
-                      f"{wire.MAX_ENTRIES + 1} entries x 2 over the caps"),
-    "under the fixed part": (lambda rig, r: _frame(wire.DRAFTS, b"\0" * 7, r=r), RoundEvent.PROTOCOL,
-                             "payload of 7 bytes, under 8"),
+    "unknown status": (
+        lambda rig, r: _patched(rig.reply(r), 8 + 4 + 2, "<H", 2),
+        RoundEvent.PROTOCOL,
+        "entry 0: count 2 (width 2), status 2",
+    ),
+    "unknown flags": (lambda rig, r: _patched(rig.reply(r), 6, "<H", 2), RoundEvent.PROTOCOL, "unknown flags 0x2"),
+    "over the caps": (
+        lambda rig, r: _patched(rig.reply(r), 0, "<I", wire.MAX_ENTRIES + 1),
+        RoundEvent.PROTOCOL,
+        f"{wire.MAX_ENTRIES + 1} entries x 2 over the caps",
+    ),
+    "under the fixed part": (
+        lambda rig, r: _frame(wire.DRAFTS, b"\0" * 7, r=r),
+        RoundEvent.PROTOCOL,
+        "payload of 7 bytes, under 8",
+    ),
     "wrong slot": (lambda rig, r: rig.reply(r, slots=(2,)), RoundEvent.BAD_REPLY, "slot 2, the round has slot 3"),
     "wrong entries": (lambda rig, r: rig.reply(r, slots=(3, 2)), RoundEvent.BAD_REPLY, "2 entries, the round has 1"),
     "too wide": (lambda rig, r: rig.reply(r, width=5), RoundEvent.PROTOCOL, "width 5 over num_spec=4"),
@@ -198,8 +231,9 @@ def test_a_bad_reply_is_answered_error_and_says_why(rig, case):
     assert rig.end.counters.snapshot().counters["rounds_error"] == 1
 
 
-@pytest.mark.parametrize("how,why", [("close", "send failed: Broken pipe"),
-                                     ("shut_wr", "the worker closed the connection")])
+@pytest.mark.parametrize(
+    "how,why", [("close", "send failed: Broken pipe"), ("shut_wr", "the worker closed the connection")]
+)
 def test_a_closed_connection_is_lost(rig, how, why):
     r = rig.gather()
     if how == "close":
@@ -225,7 +259,7 @@ def test_a_round_not_sent_is_answered_at_once_with_the_status_given(rig, attache
     if not attached:
         rig.rounds.detach()
     r = rig.gather()
-    s = rig.serve(send=attached is False, at_once=Outcome.BREAKER_SKIP)   # detached: never sent
+    s = rig.serve(send=attached is False, at_once=Outcome.BREAKER_SKIP)  # detached: never sent
     assert (s.event, s.sent, s.released) == (RoundEvent.AT_ONCE, False, True)
     assert rig.nothing_sent() and rig.eng.drafts(r).outcome == Outcome.BREAKER_SKIP
     with pytest.raises(ValueError, match="at_once=<Outcome.WATCHDOG: 4>"):
@@ -240,9 +274,10 @@ def test_a_reply_after_the_watchdog_answered_is_dropped_as_late(rig):
     rig.eng.start_watchdog(20)
     r = rig.gather(deadline_ms=5000)
 
-    def worker():   # replies once the watchdog has released the round
+    def worker():  # replies once the watchdog has released the round
         if until(lambda: rig.eng.released() == r, timeout=5.0):
             rig.worker.sendall(rig.reply(r))
+
     t = threading.Thread(target=worker)
     t.start()
     try:
@@ -265,19 +300,19 @@ def test_one_call_answers_the_waiting_rounds_at_once_up_to_its_bound(rig, at_onc
 
 def test_a_send_the_worker_never_reads_loses_the_connection_at_the_round_deadline(lib):
     big = shm_layout.Layout(depth=4, max_slots=4, row_bytes=1 << 20, num_spec=4, max_tokens=32)
-    rig = Rig(lib, big)   # 4 MiB of rows: more than the socket pair buffers
+    rig = Rig(lib, big)  # 4 MiB of rows: more than the socket pair buffers
     try:
         r = rig.gather(slots=(0, 1, 2, 3), deadline_ms=50)
         s = rig.serve()
         assert (s.event, s.why) == (RoundEvent.LOST, f"send of round {r} stalled past its deadline")
-        assert s.net_s >= 0.05 and rig.eng.drafts(r).outcome == Outcome.ERROR   # given up at the deadline, not before
+        assert s.net_s >= 0.05 and rig.eng.drafts(r).outcome == Outcome.ERROR  # given up at the deadline, not before
     finally:
         rig.close()
 
 
 # --------------------------------------------------------------------------- bad descriptors
 
-TWO = [wire.Entry(3, 4, 10, [1, 2]), wire.Entry(1, 2, 0, [5, 6], new_gen=True)]   # n = 2, 4 tokens
+TWO = [wire.Entry(3, 4, 10, [1, 2]), wire.Entry(1, 2, 0, [5, 6], new_gen=True)]  # n = 2, 4 tokens
 _SEC = wire.round_sections(2, 4, LAYOUT.row_bytes)
 
 
@@ -310,7 +345,7 @@ def test_a_bad_descriptor_is_answered_error_unsent_and_counted_and_the_connectio
     assert rig.nothing_sent() and rig.eng.drafts(r).outcome == Outcome.ERROR
     c = rig.end.counters.snapshot().counters
     assert (c["rounds_bad_desc"], c["rounds_error"], c["attempts"]) == (1, 1, 0)
-    r2 = rig.gather(entries=TWO)   # the same slots, checked again: no stale "twice"
+    r2 = rig.gather(entries=TWO)  # the same slots, checked again: no stale "twice"
     rig.worker.sendall(rig.reply(r2, slots=(3, 1)))
     assert rig.serve().event == RoundEvent.OK and rig.sent_round().round_id == r2
     # The ofl path's check is the same C, with the same verdict.
@@ -326,7 +361,7 @@ def test_a_bad_descriptor_is_answered_error_unsent_and_counted_and_the_connectio
 def test_a_descriptor_token_outside_the_vocabulary_is_answered_error_unsent_and_counted(lib, token):
     """Metadata written on the device is never read by the host (batch.write_meta_in_stream),
     so its token ids meet the vocabulary here, in the proxy's descriptor check."""
-    rig = Rig(lib, vocab_size=1000)   # the rig's honest drafts are ids 100..
+    rig = Rig(lib, vocab_size=1000)  # the rig's honest drafts are ids 100..
     try:
         r = rig.gather(entries=TWO, corrupt=lambda d, n, t: struct.pack_into("<i", d, _SEC.tokens + 8, token))
         s = rig.serve()
@@ -334,7 +369,7 @@ def test_a_descriptor_token_outside_the_vocabulary_is_answered_error_unsent_and_
         assert s.why == f"tokens: {token} (token 2) outside 0..999, the vocabulary"
         assert rig.nothing_sent() and rig.eng.drafts(r).outcome == Outcome.ERROR
         assert rig.end.counters.snapshot().counters["rounds_bad_desc"] == 1
-        r2 = rig.gather(entries=TWO)   # ids 1, 2, 5, 6: inside the vocabulary
+        r2 = rig.gather(entries=TWO)  # ids 1, 2, 5, 6: inside the vocabulary
         rig.worker.sendall(rig.reply(r2, slots=(3, 1)))
         assert rig.serve().event == RoundEvent.OK and rig.sent_round().round_id == r2
     finally:
@@ -363,12 +398,18 @@ def rounds(draw):
     slots = draw(st.permutations(range(PROP.max_slots)))[:n]
     budget, entries = PROP.max_tokens, []
     for slot in slots:
-        toks = draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=min(budget, 8)))
+        toks = draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=min(budget, 8)))
         budget -= len(toks)
-        entries.append(wire.Entry(slot, draw(st.integers(0, PROP.num_spec)), draw(st.integers(0, 2**32 - 1)),
-                                  toks, draw(st.booleans())))
-    return draw(st.integers(0, 60_000)), entries, draw(st.binary(min_size=n * PROP.row_bytes,
-                                                                 max_size=n * PROP.row_bytes))
+        entries.append(
+            wire.Entry(
+                slot, draw(st.integers(0, PROP.num_spec)), draw(st.integers(0, 2**32 - 1)), toks, draw(st.booleans())
+            )
+        )
+    return (
+        draw(st.integers(0, 60_000)),
+        entries,
+        draw(st.binary(min_size=n * PROP.row_bytes, max_size=n * PROP.row_bytes)),
+    )
 
 
 @st.composite
@@ -379,10 +420,11 @@ def replies(draw, entries):
     n = len(entries)
     width = draw(st.integers(0, PROP.num_spec))
     statuses = draw(st.lists(st.sampled_from([wire.STATUS_OK, wire.STATUS_RESYNC]), min_size=n, max_size=n))
-    counts = [draw(st.integers(0, min(width, e.n_out))) if s == wire.STATUS_OK else 0
-              for e, s in zip(entries, statuses)]
+    counts = [
+        draw(st.integers(0, min(width, e.n_out))) if s == wire.STATUS_OK else 0 for e, s in zip(entries, statuses)
+    ]
     live = [j < counts[i] for i in range(n) for j in range(width)]
-    tokens = [draw(st.integers(0, 2**31 - 1) if c else st.integers(-2**31, 2**31 - 1)) for c in live]
+    tokens = [draw(st.integers(0, 2**31 - 1) if c else st.integers(-(2**31), 2**31 - 1)) for c in live]
     with_margins = draw(st.booleans())
     margins = [draw(st.floats(0, 1, width=32) if c else _f32) for c in live] if with_margins else None
     return width, counts, statuses, tokens, margins
@@ -394,15 +436,24 @@ def expected_slot(n, width, counts, statuses, tokens, margins):
     K = PROP.num_spec
 
     def rows(flat):
-        return [list(flat[i * width:i * width + counts[i]]) + [0] * (K - counts[i]) for i in range(n)]
-    return (Outcome.OK, n, int(margins is not None), counts, statuses, rows(tokens),
-            None if margins is None else rows(margins))
+        return [list(flat[i * width : i * width + counts[i]]) + [0] * (K - counts[i]) for i in range(n)]
+
+    return (
+        Outcome.OK,
+        n,
+        int(margins is not None),
+        counts,
+        statuses,
+        rows(tokens),
+        None if margins is None else rows(margins),
+    )
 
 
 @pytest.mark.parametrize("path", ["hf_round", "ofl"])
 def test_random_valid_rounds_go_out_exactly_and_their_drafts_land_exactly(lib, path):
-    rigs = {m: Rig(lib, PROP, want_margin=m) for m in (False, True)}   # sessions without and with margins
+    rigs = {m: Rig(lib, PROP, want_margin=m) for m in (False, True)}  # sessions without and with margins
     try:
+
         @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
         @given(data=st.data())
         def check(data):
@@ -411,8 +462,9 @@ def test_random_valid_rounds_go_out_exactly_and_their_drafts_land_exactly(lib, p
             rig = rigs[margins is not None]
             r = rig.gather(entries=entries, deadline_ms=deadline_ms, rows=rows)
             want = wire.encode_round_entries(r, SESSION, deadline_ms, entries, rows, PROP.row_bytes)
-            reply = wire.encode_drafts(wire.Drafts(r, [e.slot for e in entries], counts, statuses, width,
-                                                   tokens, margins), SESSION)
+            reply = wire.encode_drafts(
+                wire.Drafts(r, [e.slot for e in entries], counts, statuses, width, tokens, margins), SESSION
+            )
             if path == "hf_round":
                 rig.worker.sendall(reply)
                 s = rig.serve()
@@ -424,9 +476,10 @@ def test_random_valid_rounds_go_out_exactly_and_their_drafts_land_exactly(lib, p
                 assert b"".join(bytes(p) for p in parts) == want
                 for p in parts[1:]:
                     p.release()
-                hdr = wire.decode_header(reply[:wire.HEADER.size])
-                assert rig.end.complete(rnd, wire.decode_drafts(hdr, reply[wire.HEADER.size:]))
+                hdr = wire.decode_header(reply[: wire.HEADER.size])
+                assert rig.end.complete(rnd, wire.decode_drafts(hdr, reply[wire.HEADER.size :]))
             assert rig.raw_drafts(r) == expected_slot(len(entries), width, counts, statuses, tokens, margins)
+
         check()
     finally:
         for rig in rigs.values():

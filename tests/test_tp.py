@@ -25,7 +25,7 @@ import torch.distributed as dist
 from helpers import COUNTING, env_for
 
 from remote_dspark.config import RemoteConfig
-from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed, facade
+from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed, report
 from remote_dspark.engine.stats import LinkStats
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import MarkovDrafter, Worker
@@ -33,8 +33,8 @@ from remote_dspark.worker import MarkovDrafter, Worker
 MODEL = COUNTING
 K = 3
 ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
-RANK_LIMIT_S = 15.0          # one rank, fork to exit
-GROUP_TIMEOUT_S = 10         # a collective that waits longer raises
+RANK_LIMIT_S = 15.0  # one rank, fork to exit
+GROUP_TIMEOUT_S = 10  # a collective that waits longer raises
 FORK = multiprocessing.get_context("fork")
 
 
@@ -45,18 +45,18 @@ def dead_port() -> int:
     return port
 
 
-
-
 def batch(new=True, slots=(0, 1), tokens=((1,), (3,)), positions=(0, 0)) -> Batch:
-    return Batch.from_lists(list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS,
-                            torch.arange(len(slots)))
+    return Batch.from_lists(
+        list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS, torch.arange(len(slots))
+    )
 
 
 def run_ranks(tmp_path, scenario, envs: list[dict]) -> list[dict]:
     """``scenario(rank, group, env, tmp_path)`` on ranks 0 and 1 of a gloo group; each
     rank's result (a dict; ``crash`` holds a traceback that escaped the scenario)."""
-    procs = [FORK.Process(target=_rank_main, args=(rank, scenario, envs[rank], tmp_path), daemon=True)
-             for rank in (0, 1)]
+    procs = [
+        FORK.Process(target=_rank_main, args=(rank, scenario, envs[rank], tmp_path), daemon=True) for rank in (0, 1)
+    ]
     for p in procs:
         p.start()
     try:
@@ -84,7 +84,7 @@ def _end_session(p) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     p.join(5.0)
-    if p.is_alive():   # not yet its own session leader when killed
+    if p.is_alive():  # not yet its own session leader when killed
         p.kill()
         p.join(5.0)
 
@@ -94,9 +94,10 @@ def _rank_main(rank: int, scenario, env: dict, tmp_path) -> None:
     faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
     try:
         store = dist.FileStore(str(tmp_path / "store"), 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-        group = dist.new_group([0, 1], backend="gloo")   # not the default group: the engine takes any
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=GROUP_TIMEOUT_S)
+        )
+        group = dist.new_group([0, 1], backend="gloo")  # not the default group: the engine takes any
         result = scenario(rank, group, env, tmp_path)
     except BaseException:
         result = {"crash": traceback.format_exc()}
@@ -112,8 +113,11 @@ def make(env, group, **kw) -> RemoteDSpark:
 
 
 def failure(e: BaseException) -> dict:
-    return {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
-            "notes": getattr(e, "__notes__", [])}
+    return {
+        "type": f"{type(e).__module__}.{type(e).__qualname__}",
+        "message": str(e),
+        "notes": getattr(e, "__notes__", []),
+    }
 
 
 def own_resources() -> dict:
@@ -136,8 +140,8 @@ def own_resources() -> dict:
 
 def drafts_and_roles(rank, group, env, tmp_path) -> dict:
     writes = []
-    write = facade.write_json_atomic
-    facade.write_json_atomic = lambda path, doc: (writes.append(path), write(path, doc))
+    write = report.write_json_atomic
+    report.write_json_atomic = lambda path, doc: (writes.append(path), write(path, doc))
     rd = make(env, group).start()
     try:
         outs = [rd.round(batch()), rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))]
@@ -150,11 +154,18 @@ def drafts_and_roles(rank, group, env, tmp_path) -> dict:
         st = rd.stats()
     finally:
         rd.close()
-    return {"drafts": [[o.tokens.tolist(), o.counts.tolist(), o.outcome.label, o.source] for o in outs],
-            "held": held, "supervisor": rd.supervisor is not None, "mode": st.mode, "launch": launch,
-            "rounds_ok": st.rounds[Outcome.OK], "handoff": st.handoff is not None,
-            "stats_supervisor": st.supervisor is not None, "link_empty": st.link == LinkStats.none(),
-            "writes": len(writes)}
+    return {
+        "drafts": [[o.tokens.tolist(), o.counts.tolist(), o.outcome.label, o.source] for o in outs],
+        "held": held,
+        "supervisor": rd.supervisor is not None,
+        "mode": st.mode,
+        "launch": launch,
+        "rounds_ok": st.rounds[Outcome.OK],
+        "handoff": st.handoff is not None,
+        "stats_supervisor": st.supervisor is not None,
+        "link_empty": st.link == LinkStats.none(),
+        "writes": len(writes),
+    }
 
 
 def round_failures(rank, group, env, tmp_path) -> dict:
@@ -200,6 +211,7 @@ def local_drafter_on_every_rank(rank, group, env, tmp_path) -> dict:
         calls.append(len(b))
         n = len(b)
         return torch.full((n, K), 7 + rank, dtype=torch.int32), torch.full((n,), K, dtype=torch.int32)
+
     with make(env, group, local_drafter=local) as rd:
         out = rd.round(batch())
     return {"calls": calls, "source": out.source, "tokens": out.tokens.tolist(), "outcome": out.outcome.label}
@@ -211,11 +223,19 @@ def shadow_on_every_rank(rank, group, env, tmp_path) -> dict:
     def local(b):
         calls.append(len(b))
         return torch.tensor([[2, 0, 0], [4, 0, 0]], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32)
+
     with make(env, group, local_drafter=local) as rd:
         out = rd.round(batch())
         st = rd.stats()
-    return {"calls": calls, "source": out.source, "tokens": out.tokens.tolist(), "margins": out.margins.tolist(),
-            "agree": st.shadow_agree_at, "compared": st.shadow_compared_at, "margin_count": st.margin.count}
+    return {
+        "calls": calls,
+        "source": out.source,
+        "tokens": out.tokens.tolist(),
+        "margins": out.margins.tolist(),
+        "agree": st.shadow_agree_at,
+        "compared": st.shadow_compared_at,
+        "margin_count": st.margin.count,
+    }
 
 
 # --------------------------------------------------------------------------- tests
@@ -229,8 +249,8 @@ def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp
     assert r0["drafts"] == r1["drafts"]
     assert r0["drafts"][0] == [[[2, 3, 4], [4, 1, 2]], [3, 3], "ok", "remote"]
     assert r0["drafts"][1][0] == [[3, 4, 1], [1, 2, 3]]
-    assert worker.stats.connections == 1            # rank 0's connection (sync) or its proxy's, only
-    assert r0["mode"] == r1["mode"] == mode          # rank 1 reports the mode rank 0 runs
+    assert worker.stats.connections == 1  # rank 0's connection (sync) or its proxy's, only
+    assert r0["mode"] == r1["mode"] == mode  # rank 1 reports the mode rank 0 runs
     if mode == "process":
         assert r0["supervisor"] and r0["held"]["memfds"] >= 1 and r0["held"]["children"] >= 1
     assert r1["held"] == {"children": 0, "memfds": 0} and not r1["supervisor"]
@@ -257,8 +277,13 @@ def test_a_failed_round_on_rank0_raises_on_every_rank(tmp_path):
 
 
 def test_a_strict_start_failure_on_rank0_raises_on_every_rank(tmp_path):
-    env = env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_STRICT_START="1", VLLM_DSPARK_REMOTE_ASYNC="1",
-                  VLLM_DSPARK_REMOTE_ASYNC_PROXY="process")
+    env = env_for(
+        dead_port(),
+        tmp_path,
+        VLLM_DSPARK_REMOTE_STRICT_START="1",
+        VLLM_DSPARK_REMOTE_ASYNC="1",
+        VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+    )
     r0, r1 = run_ranks(tmp_path, start_failure, [env, env])
     assert not r0["started"] and not r1["started"]
     assert r0["error"]["type"] == r1["error"]["type"] == "remote_dspark.transport.errors.TransportError"
@@ -282,7 +307,7 @@ def test_configs_that_differ_across_ranks_raise_on_every_rank(worker, tmp_path):
         assert not r["started"] and r["error"]["type"] == "builtins.ValueError"
         assert "rank 1: VLLM_DSPARK_REMOTE_TIMEOUT_MS" in r["error"]["message"]
     assert r0["error"]["message"] == r1["error"]["message"]
-    assert worker.stats.connections == 0           # rank 0 compared before it opened anything
+    assert worker.stats.connections == 0  # rank 0 compared before it opened anything
 
 
 def test_the_policy_runs_on_every_rank_over_rank0s_answer(tmp_path):
@@ -310,6 +335,7 @@ def test_shadow_margins_reach_every_rank_and_each_rank_compares(worker, tmp_path
 def test_an_error_record_rebuilds_the_class_its_arguments_and_attributes():
     from remote_dspark.client import Refused
     from remote_dspark.engine.ranks import error_from_record, error_record
+
     e = error_from_record(error_record(Refused(3, "identity mismatch")), rank=1)
     assert type(e) is Refused and str(e) == "identity mismatch" and (e.code, e.reason) == (3, "identity mismatch")
     assert e.__notes__ == ["raised on rank 0 of the tp_group; broadcast to rank 1"]
@@ -319,6 +345,7 @@ def test_an_error_record_rebuilds_the_class_its_arguments_and_attributes():
 
 def test_an_error_record_of_a_class_not_loaded_here_is_a_runtime_error():
     from remote_dspark.engine.ranks import error_from_record
+
     raw = json.dumps({"type": "not_loaded_here:Boom", "args": ["x"], "attrs": {}, "message": "x"}).encode()
     e = error_from_record(raw, rank=1)
     assert type(e) is RuntimeError and str(e) == "not_loaded_here.Boom: x"

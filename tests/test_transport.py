@@ -12,30 +12,36 @@ from remote_dspark import transport, wire
 from remote_dspark.transport import DeadlineExceeded, Disconnected, TransportError, parse_endpoint
 
 
-@pytest.mark.parametrize("raw,scheme,host,port,bind", [
-    ("tcp://127.0.0.1:18620", "tcp", "127.0.0.1", 18620, None),
-    ("o1rdma://10.202.28.1:18620?bind=10.202.28.2", "o1rdma", "10.202.28.1", 18620, "10.202.28.2"),
-    ("O1TCP://drafter.local:1/", "o1tcp", "drafter.local", 1, None),
-    ("tcp://[::1]:65535", "tcp", "::1", 65535, None),
-])
+@pytest.mark.parametrize(
+    "raw,scheme,host,port,bind",
+    [
+        ("tcp://127.0.0.1:18620", "tcp", "127.0.0.1", 18620, None),
+        ("o1rdma://10.202.28.1:18620?bind=10.202.28.2", "o1rdma", "10.202.28.1", 18620, "10.202.28.2"),
+        ("O1TCP://drafter.local:1/", "o1tcp", "drafter.local", 1, None),
+        ("tcp://[::1]:65535", "tcp", "::1", 65535, None),
+    ],
+)
 def test_parse_endpoint(raw, scheme, host, port, bind):
     ep = parse_endpoint(raw)
     assert (ep.scheme, ep.host, ep.port, ep.bind) == (scheme, host, port, bind)
     assert parse_endpoint(str(ep)) == ep
 
 
-@pytest.mark.parametrize("raw,why", [
-    ("127.0.0.1:18620", "SCHEME://"),
-    ("udp://127.0.0.1:1", "unknown scheme 'udp'"),
-    ("tcp://:18620", "host"),
-    ("tcp://host", "missing :PORT"),
-    ("tcp://host:0", "port 0 outside 1..65535"),
-    ("tcp://host:65536", "port 65536 outside"),
-    ("tcp://host:http", "port 'http' is not a number"),
-    ("tcp://host:1?bind=not-an-ip", "not an IPv4 address"),
-    ("tcp://host:1?color=red", "unknown option 'color'"),
-    ("tcp://[::1:1", "bracketed"),
-])
+@pytest.mark.parametrize(
+    "raw,why",
+    [
+        ("127.0.0.1:18620", "SCHEME://"),
+        ("udp://127.0.0.1:1", "unknown scheme 'udp'"),
+        ("tcp://:18620", "host"),
+        ("tcp://host", "missing :PORT"),
+        ("tcp://host:0", "port 0 outside 1..65535"),
+        ("tcp://host:65536", "port 65536 outside"),
+        ("tcp://host:http", "port 'http' is not a number"),
+        ("tcp://host:1?bind=not-an-ip", "not an IPv4 address"),
+        ("tcp://host:1?color=red", "unknown option 'color'"),
+        ("tcp://[::1:1", "bracketed"),
+    ],
+)
 def test_parse_endpoint_errors_name_variable_and_value(raw, why):
     with pytest.raises(ValueError) as e:
         parse_endpoint(raw)
@@ -58,7 +64,7 @@ def test_tcp_deadline_and_disconnect(listener):
         assert chan.stream.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         with pytest.raises(DeadlineExceeded):
             chan.recv_frame(time.monotonic() + 0.05)
-        peer.sendall(wire.encode_bye(7)[:10])   # half a header, then close
+        peer.sendall(wire.encode_bye(7)[:10])  # half a header, then close
         peer.close()
         with pytest.raises(Disconnected):
             chan.recv_frame(time.monotonic() + 1.0)
@@ -73,7 +79,7 @@ def test_deadline_mid_frame_resumes_the_same_frame(listener):
     try:
         first = wire.encode_drafts(wire.Drafts(1, [0], [2], [0], 2, (7, 8)), 3)
         second = wire.encode_drafts(wire.Drafts(2, [0], [1], [0], 2, (9, 0)), 3)
-        for cut in (5, wire.HEADER.size + 3):          # inside the header, inside the payload
+        for cut in (5, wire.HEADER.size + 3):  # inside the header, inside the payload
             peer.sendall(first[:cut])
             with pytest.raises(DeadlineExceeded):
                 chan.recv_frame(time.monotonic() + 0.05)
@@ -95,13 +101,16 @@ def test_the_receive_buffer_grows_as_bytes_arrive_and_the_channel_cap_holds(list
     peer, _ = listener.accept()
     try:
         assert chan.stream.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-        payload = bytes(range(256)) * 4096                      # 1 MiB
+        payload = bytes(range(256)) * 4096  # 1 MiB
         peer.sendall(wire.encode_header(wire.ROUND, len(payload), 1, 1) + payload[:10])
         with pytest.raises(DeadlineExceeded):
             chan.recv_frame(time.monotonic() + 0.05)
-        assert len(chan._buf) < 64 << 10                        # nothing allocated for the rest
-        sender = threading.Thread(target=lambda: [peer.sendall(payload[i:i + 65536]) or time.sleep(0.001)
-                                                  for i in range(10, len(payload), 65536)])
+        assert len(chan._buf) < 64 << 10  # nothing allocated for the rest
+        sender = threading.Thread(
+            target=lambda: [
+                peer.sendall(payload[i : i + 65536]) or time.sleep(0.001) for i in range(10, len(payload), 65536)
+            ]
+        )
         sender.start()
         hdr, got = chan.recv_frame(time.monotonic() + 5)
         sender.join(5)
@@ -117,7 +126,7 @@ def test_the_receive_buffer_grows_as_bytes_arrive_and_the_channel_cap_holds(list
     peer, _ = listener.accept()
     try:
         peer.sendall(wire.encode_header(wire.ROUND, 100, 1, 1) + bytes(10))
-        with pytest.raises(DeadlineExceeded):   # no deadline: only the frame's own timeout can end the wait
+        with pytest.raises(DeadlineExceeded):  # no deadline: only the frame's own timeout can end the wait
             chan.recv_frame(float("inf"), frame_timeout_s=0.1)
     finally:
         peer.close()
@@ -168,7 +177,7 @@ def test_sendmsg_sends_memoryviews_whole(listener):
         chan.close()
 
 
-STAND_IN_OFL = textwrap.dedent('''
+STAND_IN_OFL = textwrap.dedent("""
     import socket
     calls = []
 
@@ -187,7 +196,7 @@ STAND_IN_OFL = textwrap.dedent('''
     def connect(host, port, *, mode, bind, timeout_s, lib):
         calls.append((host, port, mode, bind, lib))
         return Conn(socket.create_connection((host, port), timeout=timeout_s))
-''')
+""")
 
 
 def test_ofl_adapter_loads_stand_in_and_carries_frames(tmp_path, listener):
@@ -209,13 +218,16 @@ def test_ofl_adapter_loads_stand_in_and_carries_frames(tmp_path, listener):
         chan.close()
 
 
-@pytest.mark.parametrize("files,why", [
-    (None, "is not set"),
-    ("nodir", "not a directory"),
-    ((), "missing ofl.py and libofl.so"),
-    (("ofl.py",), "missing libofl.so"),
-    (("libofl.so",), "missing ofl.py"),
-])
+@pytest.mark.parametrize(
+    "files,why",
+    [
+        (None, "is not set"),
+        ("nodir", "not a directory"),
+        ((), "missing ofl.py and libofl.so"),
+        (("ofl.py",), "missing libofl.so"),
+        (("libofl.so",), "missing ofl.py"),
+    ],
+)
 def test_ofl_missing_pieces_fail_at_start_naming_the_variable(tmp_path, files, why):
     if files is None:
         env = {}
@@ -234,8 +246,7 @@ def test_ofl_module_without_connect_is_refused(tmp_path):
     (tmp_path / "ofl.py").write_text("x = 1\n")
     (tmp_path / "libofl.so").write_bytes(b"")
     with pytest.raises(ValueError, match="VLLM_DSPARK_REMOTE_OFL_DIR=.*no connect"):
-        transport.check_ready(parse_endpoint("o1tcp://127.0.0.1:1"),
-                              {"VLLM_DSPARK_REMOTE_OFL_DIR": str(tmp_path)})
+        transport.check_ready(parse_endpoint("o1tcp://127.0.0.1:1"), {"VLLM_DSPARK_REMOTE_OFL_DIR": str(tmp_path)})
 
 
 @pytest.mark.parametrize("target", ["dir", "ofl.py", "libofl.so"])
@@ -254,7 +265,7 @@ def test_ofl_code_others_may_write_is_never_imported(tmp_path, target):
     os.chmod(ofl, 0o755)
     for f in ("ofl.py", "libofl.so"):
         os.chmod(ofl / f, 0o644)
-    transport.ofl.load_ofl(str(ofl))   # the same files, trusted now: loaded
+    transport.ofl.load_ofl(str(ofl))  # the same files, trusted now: loaded
     assert ran.exists()
 
 

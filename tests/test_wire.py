@@ -17,9 +17,19 @@ i32 = st.integers(-(2**31), 2**31 - 1)
 @st.composite
 def rounds(draw):
     row_bytes = draw(st.integers(0, 64))
-    entries = draw(st.lists(st.builds(
-        wire.Entry, slot=u32, n_out=st.integers(0, wire.MAX_N_OUT), position=u32,
-        tokens=st.lists(i32, max_size=20).map(tuple), new_gen=st.booleans()), max_size=12))
+    entries = draw(
+        st.lists(
+            st.builds(
+                wire.Entry,
+                slot=u32,
+                n_out=st.integers(0, wire.MAX_N_OUT),
+                position=u32,
+                tokens=st.lists(i32, max_size=20).map(tuple),
+                new_gen=st.booleans(),
+            ),
+            max_size=12,
+        )
+    )
     rows = draw(st.binary(min_size=len(entries) * row_bytes, max_size=len(entries) * row_bytes))
     return draw(u32), draw(u32), entries, rows, row_bytes
 
@@ -31,21 +41,35 @@ def drafts(draw):
     counts = draw(st.lists(st.integers(0, width), min_size=n, max_size=n))
     tokens = draw(st.lists(i32, min_size=n * width, max_size=n * width))
     margins = draw(st.none() | st.lists(st.floats(0, 1, width=32), min_size=n * width, max_size=n * width))
-    return wire.Drafts(draw(u32), draw(st.lists(u32, min_size=n, max_size=n)), counts,
-                       draw(st.lists(st.sampled_from([wire.STATUS_OK, wire.STATUS_RESYNC]), min_size=n, max_size=n)),
-                       width, tuple(tokens), None if margins is None else tuple(margins))
+    return wire.Drafts(
+        draw(u32),
+        draw(st.lists(u32, min_size=n, max_size=n)),
+        counts,
+        draw(st.lists(st.sampled_from([wire.STATUS_OK, wire.STATUS_RESYNC]), min_size=n, max_size=n)),
+        width,
+        tuple(tokens),
+        None if margins is None else tuple(margins),
+    )
 
 
 def split(frame: bytes):
-    hdr = wire.decode_header(frame[:wire.HEADER.size])
-    payload = frame[wire.HEADER.size:]
+    hdr = wire.decode_header(frame[: wire.HEADER.size])
+    payload = frame[wire.HEADER.size :]
     assert hdr.payload_len == len(payload)
     return hdr, payload
 
 
-@given(ident, ident, st.integers(0, 2**64 - 1), st.integers(1, wire.MAX_ENTRIES),
-       st.integers(0, wire.MAX_ROW_BYTES), st.integers(1, wire.MAX_N_OUT), st.integers(0, 255),
-       st.booleans(), st.integers(0, 2**64 - 1))
+@given(
+    ident,
+    ident,
+    st.integers(0, 2**64 - 1),
+    st.integers(1, wire.MAX_ENTRIES),
+    st.integers(0, wire.MAX_ROW_BYTES),
+    st.integers(1, wire.MAX_N_OUT),
+    st.integers(0, 255),
+    st.booleans(),
+    st.integers(0, 2**64 - 1),
+)
 def test_hello_round_trip(d, m, engine, slots, row_bytes, num_spec, fmt, margin, session):
     h = wire.Hello(d, m, engine, slots, row_bytes, num_spec, fmt, margin)
     hdr, payload = split(wire.encode_hello(h, session))
@@ -76,7 +100,7 @@ def test_round_sections_are_the_arrays_end_to_end():
     the tokens, then the rows, every section but the rows 4-byte aligned."""
     entries = [wire.Entry(3, 5, 10, (1, 2)), wire.Entry(7, 4, 0, (4, 5, 6), new_gen=True)]
     frame = wire.encode_round_entries(11, 5, 50, entries, bytes(range(2 * 3)), 3)
-    payload = frame[wire.HEADER.size:]
+    payload = frame[wire.HEADER.size :]
     sec = wire.round_sections(2, 5, 3)
     assert struct.unpack_from("<4I", payload) == (50, 2, 3, 5)
     assert struct.unpack_from("<2I", payload, sec.slots) == (3, 7)
@@ -85,7 +109,7 @@ def test_round_sections_are_the_arrays_end_to_end():
     assert struct.unpack_from("<2I", payload, sec.flags) == (0, wire.FLAG_NEW_GEN)
     assert struct.unpack_from("<3I", payload, sec.offsets) == (0, 2, 5)
     assert struct.unpack_from("<5i", payload, sec.tokens) == (1, 2, 4, 5, 6)
-    assert payload[sec.rows:] == bytes(range(6)) and sec.size == len(payload)
+    assert payload[sec.rows :] == bytes(range(6)) and sec.size == len(payload)
     assert sec.tokens == wire.round_meta_bytes(2) and sec.tokens % 4 == 0
 
 
@@ -99,8 +123,9 @@ def test_drafts_round_trip(d):
     assert (back.margins is None) == (d.margins is None)
     if d.margins is not None:
         assert list(back.margins) == list(d.margins)
-    assert [back.row(i) for i in range(len(d.slots))] == \
-        [list(d.tokens[i * d.width:i * d.width + c]) for i, c in enumerate(d.counts)]
+    assert [back.row(i) for i in range(len(d.slots))] == [
+        list(d.tokens[i * d.width : i * d.width + c]) for i, c in enumerate(d.counts)
+    ]
 
 
 class _Bytes:
@@ -127,11 +152,13 @@ class _Bytes:
 def read_frame(data: bytes):
     """Decode one frame from raw bytes through the real channel (caps included)."""
     hdr, payload = FrameChannel(_Bytes(data)).recv_frame(float("inf"))
-    decode = {wire.HELLO: lambda: wire.decode_hello(payload),
-              wire.HELLO_ACK: lambda: wire.decode_hello_ack(payload),
-              wire.ROUND: lambda: wire.decode_round(hdr, payload),
-              wire.DRAFTS: lambda: wire.decode_drafts(hdr, payload),
-              wire.BYE: lambda: None}[hdr.type]
+    decode = {
+        wire.HELLO: lambda: wire.decode_hello(payload),
+        wire.HELLO_ACK: lambda: wire.decode_hello_ack(payload),
+        wire.ROUND: lambda: wire.decode_round(hdr, payload),
+        wire.DRAFTS: lambda: wire.decode_drafts(hdr, payload),
+        wire.BYE: lambda: None,
+    }[hdr.type]
     return decode()
 
 
@@ -145,8 +172,7 @@ def test_arbitrary_bytes_raise_only_protocol_errors(data):
 
 
 @settings(max_examples=300)
-@given(st.sampled_from([wire.HELLO, wire.HELLO_ACK, wire.ROUND, wire.DRAFTS]), st.binary(max_size=200),
-       u32, u32)
+@given(st.sampled_from([wire.HELLO, wire.HELLO_ACK, wire.ROUND, wire.DRAFTS]), st.binary(max_size=200), u32, u32)
 def test_valid_header_arbitrary_payload_raises_only_protocol_errors(ftype, payload, session, rnd):
     frame = wire.encode_header(ftype, len(payload), session, rnd) + payload
     try:
@@ -210,17 +236,21 @@ def test_header_checks():
 
 
 def round_payload(entries, row_bytes=0) -> bytearray:
-    return bytearray(wire.encode_round_entries(1, 1, 50, entries, bytes(len(entries) * row_bytes),
-                                               row_bytes)[wire.HEADER.size:])
+    return bytearray(
+        wire.encode_round_entries(1, 1, 50, entries, bytes(len(entries) * row_bytes), row_bytes)[wire.HEADER.size :]
+    )
 
 
-@pytest.mark.parametrize("section, index, value, why", [
-    ("offsets", 1, 4, "offsets go back"),                  # entry 0 claims 4 of the 3 tokens before entry 1's
-    ("offsets", 0, 1, "offsets run from 1 to 3"),
-    ("offsets", 2, 2, "offsets run from 0 to 2, expected 0 to n_tokens=3"),
-    ("flags", 1, 2, "unknown bits 0x2"),
-    ("n_out", 0, wire.MAX_N_OUT + 1, f"n_out: {wire.MAX_N_OUT + 1} over the cap"),
-])
+@pytest.mark.parametrize(
+    "section, index, value, why",
+    [
+        ("offsets", 1, 4, "offsets go back"),  # entry 0 claims 4 of the 3 tokens before entry 1's
+        ("offsets", 0, 1, "offsets run from 1 to 3"),
+        ("offsets", 2, 2, "offsets run from 0 to 2, expected 0 to n_tokens=3"),
+        ("flags", 1, 2, "unknown bits 0x2"),
+        ("n_out", 0, wire.MAX_N_OUT + 1, f"n_out: {wire.MAX_N_OUT + 1} over the cap"),
+    ],
+)
 def test_round_field_rules_are_protocol_errors(section, index, value, why):
     entries = [wire.Entry(0, 5, 0, (1, 2)), wire.Entry(1, 5, 0, (3,))]
     payload = round_payload(entries)
@@ -246,7 +276,7 @@ def test_a_protocol_1_peer_is_refused_by_version():
 
 def test_drafts_field_rules_are_protocol_errors():
     d = wire.Drafts(1, [0, 1], [1, 2], [0, 1], 2, [5, 6, 7, 8])
-    payload = bytearray(wire.encode_drafts(d, 1)[wire.HEADER.size:])
+    payload = bytearray(wire.encode_drafts(d, 1)[wire.HEADER.size :])
     sec = wire.drafts_sections(2, 2, False)
     hdr = wire.decode_header(wire.encode_header(wire.DRAFTS, len(payload)))
     bad = bytearray(payload)
@@ -259,8 +289,17 @@ def test_drafts_field_rules_are_protocol_errors():
         wire.decode_drafts(hdr, bad)
 
 
-@pytest.mark.parametrize("raw,ok", [("ab" * 32, True), ("0x" + "AB" * 32, True), (" " + "0" * 64 + " ", True),
-                                    ("ab" * 31, False), ("zz" * 32, False), ("", False)])
+@pytest.mark.parametrize(
+    "raw,ok",
+    [
+        ("ab" * 32, True),
+        ("0x" + "AB" * 32, True),
+        (" " + "0" * 64 + " ", True),
+        ("ab" * 31, False),
+        ("zz" * 32, False),
+        ("", False),
+    ],
+)
 def test_parse_hex32(raw, ok):
     if ok:
         assert len(wire.parse_hex32(raw, "VAR")) == 32

@@ -30,8 +30,15 @@ def worker():
 
 
 def hello(w, **kw):
-    fields = dict(drafter_identity=w.drafter.drafter_identity, markov_identity=w.drafter.markov_identity,
-                  engine_id=42, max_slots=8, row_bytes=4, num_spec=3, want_margin=True)
+    fields = dict(
+        drafter_identity=w.drafter.drafter_identity,
+        markov_identity=w.drafter.markov_identity,
+        engine_id=42,
+        max_slots=8,
+        row_bytes=4,
+        num_spec=3,
+        want_margin=True,
+    )
     fields.update(kw)
     return wire.Hello(**fields)
 
@@ -76,7 +83,7 @@ def test_new_session_of_same_engine_drops_old_windows(worker):
     first = connect(worker, session=1)
     do_round(first, 1, [wire.Entry(0, 3, 0, (1, 2), new_gen=True)])
     first.close()
-    second = connect(worker, session=2)          # the respawned proxy of engine 42
+    second = connect(worker, session=2)  # the respawned proxy of engine 42
     try:
         d = do_round(second, 1, [wire.Entry(0, 3, 2, (3,))])
         assert list(d.statuses) == [wire.STATUS_RESYNC]
@@ -89,8 +96,9 @@ def test_new_session_of_same_engine_drops_old_windows(worker):
         second.close()
 
 
-@pytest.mark.parametrize("field,code", [("drafter_identity", wire.REFUSE_DRAFTER),
-                                        ("markov_identity", wire.REFUSE_MARKOV)])
+@pytest.mark.parametrize(
+    "field,code", [("drafter_identity", wire.REFUSE_DRAFTER), ("markov_identity", wire.REFUSE_MARKOV)]
+)
 def test_wrong_identity_is_refused_with_reason(worker, field, code):
     with pytest.raises(Refused) as e:
         connect(worker, **{field: b"\x01" * 32})
@@ -117,8 +125,6 @@ def closed_by_peer(s: socket.socket) -> bool:
         return True
 
 
-
-
 def test_random_bytes_close_that_connection_and_the_worker_serves_on(worker):
     healthy = connect(worker, session=10)
     garbage = raw_connection(worker)
@@ -135,10 +141,13 @@ def test_random_bytes_close_that_connection_and_the_worker_serves_on(worker):
         healthy.close()
 
 
-@pytest.mark.parametrize("frame", [
-    wire.encode_round_entries(1, 1, 50, [wire.Entry(0, 3, 0, (1,), True)], bytes(4), 4),  # before HELLO
-    wire.encode_header(wire.ROUND, wire.MAX_PAYLOAD + 1),                                      # oversized
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        wire.encode_round_entries(1, 1, 50, [wire.Entry(0, 3, 0, (1,), True)], bytes(4), 4),  # before HELLO
+        wire.encode_header(wire.ROUND, wire.MAX_PAYLOAD + 1),  # oversized
+    ],
+)
 def test_bad_first_frames_drop_the_connection(worker, frame):
     s = raw_connection(worker)
     try:
@@ -149,10 +158,13 @@ def test_bad_first_frames_drop_the_connection(worker, frame):
         s.close()
 
 
-@pytest.mark.parametrize("entries", [
-    [wire.Entry(5, 3, 0, (1,), new_gen=True)],                                          # slot >= max_slots
-    [wire.Entry(1, 3, 0, (1,), new_gen=True), wire.Entry(1, 3, 0, (2,), new_gen=True)],  # slot twice
-])
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [wire.Entry(5, 3, 0, (1,), new_gen=True)],  # slot >= max_slots
+        [wire.Entry(1, 3, 0, (1,), new_gen=True), wire.Entry(1, 3, 0, (2,), new_gen=True)],  # slot twice
+    ],
+)
 def test_bad_slots_drop_that_connection_and_the_worker_serves_on(worker, entries):
     healthy = connect(worker, session=10, engine_id=7, max_slots=2)
     c = connect(worker, max_slots=2)
@@ -172,20 +184,20 @@ def test_margins_only_when_asked_and_n_out_zero(worker):
         d = do_round(c, 1, [wire.Entry(0, 0, 0, (1,), new_gen=True), wire.Entry(1, 2, 0, (4,), new_gen=True)])
         assert d.margins is None and d.width == 2 and list(d.counts) == [0, 2]
         assert list(d.tokens) == [0, 0, 5, 1]
-        d = do_round(c, 2, [wire.Entry(0, 0, 1, (2,))])                  # nothing wanted: width 0
+        d = do_round(c, 2, [wire.Entry(0, 0, 1, (2,))])  # nothing wanted: width 0
         assert d.width == 0 and list(d.counts) == [0] and list(d.statuses) == [wire.STATUS_OK]
-        assert do_round(c, 3, []).slots.tolist() == []                    # an empty round
+        assert do_round(c, 3, []).slots.tolist() == []  # an empty round
     finally:
         c.close()
 
 
 def test_width_is_capped_by_num_spec_and_windows_wrap(worker):
-    c = connect(worker, num_spec=2)                  # the worker's window is 8 tokens
+    c = connect(worker, num_spec=2)  # the worker's window is 8 tokens
     try:
         d = do_round(c, 1, [wire.Entry(3, 5, 100, tuple(range(1, 6)) * 3, new_gen=True)])
-        assert d.width == 2 and d.row(0) == [1, 2]     # window ...1 2 3 4 5 -> 1 2
+        assert d.width == 2 and d.row(0) == [1, 2]  # window ...1 2 3 4 5 -> 1 2
         d = do_round(c, 2, [wire.Entry(3, 2, 115, (1, 2, 3, 4, 5, 1, 2, 3, 4, 9))])
-        assert d.row(0) == []                          # 9 is never followed: no draft, still OK
+        assert d.row(0) == []  # 9 is never followed: no draft, still OK
         assert list(d.statuses) == [wire.STATUS_OK]
         d = do_round(c, 3, [wire.Entry(3, 2, 125, (1,))])
         assert d.row(0) == [2, 3]
@@ -208,13 +220,18 @@ def test_batched_plugin_drafter_gets_contexts_and_rows(tmp_path, monkeypatch):
         "        return DraftResult(tokens.astype(np.int32), batch.n_out.copy(),\n"
         "                           np.full((n, batch.width), 0.25, np.float32))\n"
         "def make():\n"
-        "    return B()\n")
+        "    return B()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with Worker(load_drafter("batchplugin:make"), "127.0.0.1", 0, window=3) as w:
         c = connect(w)
         try:
-            d = do_round(c, 1, [wire.Entry(0, 2, 0, (1, 2, 3, 4), True), wire.Entry(4, 1, 0, (), True)],
-                         rows=bytes([7, 0, 0, 0, 9, 0, 0, 0]))
+            d = do_round(
+                c,
+                1,
+                [wire.Entry(0, 2, 0, (1, 2, 3, 4), True), wire.Entry(4, 1, 0, (), True)],
+                rows=bytes([7, 0, 0, 0, 9, 0, 0, 0]),
+            )
             assert d.row(0) == [307, 307] and d.row(1) == [9]
             assert list(d.margins) == [0.25, 0.25, 0.25, 0.0]
         finally:
@@ -232,7 +249,7 @@ def test_version_mismatch_gets_a_refusal_then_close(worker):
             chunk = s.recv(4096)
             assert chunk
             data += chunk
-        hdr = wire.decode_header(data[:wire.HEADER.size])
+        hdr = wire.decode_header(data[: wire.HEADER.size])
         assert hdr.type == wire.HELLO_ACK
     finally:
         s.close()
@@ -251,7 +268,7 @@ def test_connection_cap():
     with Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, max_connections=1) as w:
         c = connect(w)
         try:
-            with pytest.raises(Refused, match="^busy: "):   # over the cap: a HELLO is refused busy
+            with pytest.raises(Refused, match="^busy: "):  # over the cap: a HELLO is refused busy
                 connect(w, session=2, engine_id=7)
             assert do_round(c, 1, [wire.Entry(0, 1, 0, (1,), True)]).row(0) == [2]
         finally:
@@ -268,15 +285,20 @@ def test_load_drafter_plugin_and_errors(tmp_path, monkeypatch):
         "def make():\n"
         "    return D()\n"
         "def bad():\n"
-        "    return object()\n")
+        "    return object()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     d = load_drafter("mydrafter:make")
     with Worker(d, "127.0.0.1", 0) as w:
         c = connect(w)
-        assert do_round(c, 1, [wire.Entry(0, 2, 0, (1,), True)]).row(0) == [4, 4]   # row_bytes=4
+        assert do_round(c, 1, [wire.Entry(0, 2, 0, (1,), True)]).row(0) == [4, 4]  # row_bytes=4
         c.close()
-    for spec, why in [("mydrafter", "MODULE:FACTORY"), ("nosuchmod:make", "nosuchmod"),
-                      ("mydrafter:nothing", "nothing"), ("mydrafter:bad", "drafter_identity must be 32 bytes")]:
+    for spec, why in [
+        ("mydrafter", "MODULE:FACTORY"),
+        ("nosuchmod:make", "nosuchmod"),
+        ("mydrafter:nothing", "nothing"),
+        ("mydrafter:bad", "drafter_identity must be 32 bytes"),
+    ]:
         with pytest.raises(ValueError, match=why):
             load_drafter(spec)
     with pytest.raises(ValueError, match="--markov"):
@@ -290,8 +312,12 @@ def test_parse_listen_errors(raw):
 
 
 def test_worker_command_prints_identities_and_stops_on_sigterm():
-    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
         assert lines[0].startswith("remote-dspark worker listening on tcp://127.0.0.1:")
@@ -300,8 +326,9 @@ def test_worker_command_prints_identities_and_stops_on_sigterm():
         assert lines[1].strip().startswith("VLLM_DSPARK_REMOTE_IDENTITY=")
         port = int(lines[0].rsplit(":", 1)[1])
         ident = bytes.fromhex(lines[1].split("=")[1].strip())
-        c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"),
-                                wire.Hello(ident, model.identity, 1, 4, 0, 2), 1, 5.0)
+        c = DraftClient.connect(
+            parse_endpoint(f"tcp://127.0.0.1:{port}"), wire.Hello(ident, model.identity, 1, 4, 0, 2), 1, 5.0
+        )
         proc.send_signal(signal.SIGTERM)
         hdr, _ = c.chan.recv_frame(time.monotonic() + 5)
         assert hdr.type == wire.BYE
@@ -319,7 +346,7 @@ def test_new_session_drops_the_old_windows_even_while_the_old_connection_lives(w
     old = connect(worker, session=1)
     try:
         do_round(old, 1, [wire.Entry(0, 3, 0, (1, 2), new_gen=True)])
-        new = connect(worker, session=2)          # same engine, a respawned proxy
+        new = connect(worker, session=2)  # same engine, a respawned proxy
         d = do_round(old, 2, [wire.Entry(0, 3, 2, (3,))])
         assert list(d.statuses) == [wire.STATUS_RESYNC]
         new.close()
@@ -347,15 +374,32 @@ class PerEntry:
 def test_worker_command_serves_either_kind_of_plugin_drafter(tmp_path, factory):
     (tmp_path / "cliplugin.py").write_text(PLUGIN)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
-    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0",
-                             "--drafter", f"cliplugin:{factory}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "remote_dspark",
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--drafter",
+            f"cliplugin:{factory}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
         assert lines[1].strip() == f"VLLM_DSPARK_REMOTE_IDENTITY={'64' * 32}"
         port = int(lines[0].rsplit(":", 1)[1])
-        c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"),
-                                wire.Hello(b"d" * 32, b"m" * 32, 1, 4, 0, 3, want_margin=True), 1, 5.0)
+        c = DraftClient.connect(
+            parse_endpoint(f"tcp://127.0.0.1:{port}"),
+            wire.Hello(b"d" * 32, b"m" * 32, 1, 4, 0, 3, want_margin=True),
+            1,
+            5.0,
+        )
         d = c.round(1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(2, 2, 0, (1,), True)], b"", 0)], 5000)
         assert d.row(0) == [5, 5]
         # Margins were asked for: a drafter without any (either kind) sends zeros, since

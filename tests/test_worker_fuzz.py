@@ -24,20 +24,32 @@ MAX_CONNECTIONS, MAX_PENDING = 4, 8
 
 @pytest.fixture(scope="module")
 def worker():
-    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, window=8, max_slots=16, max_row_bytes=64,
-               max_connections=MAX_CONNECTIONS, max_engines=2, max_pending=MAX_PENDING,
-               hello_timeout_s=0.5, frame_timeout_s=0.5).start()
+    w = Worker(
+        MarkovDrafter(MODEL),
+        "127.0.0.1",
+        0,
+        window=8,
+        max_slots=16,
+        max_row_bytes=64,
+        max_connections=MAX_CONNECTIONS,
+        max_engines=2,
+        max_pending=MAX_PENDING,
+        hello_timeout_s=0.5,
+        frame_timeout_s=0.5,
+    ).start()
     yield w
     w.stop()
 
 
 def _hello_frame(w, engine_id: int, max_slots: int, row_bytes: int, session: int) -> bytes:
-    return wire.encode_hello(wire.Hello(w.drafter.drafter_identity, w.drafter.markov_identity, engine_id,
-                                        max_slots, row_bytes, 3), session)
+    return wire.encode_hello(
+        wire.Hello(w.drafter.drafter_identity, w.drafter.markov_identity, engine_id, max_slots, row_bytes, 3), session
+    )
 
 
-ENTRY = st.tuples(st.integers(0, 8), st.integers(0, 4), st.integers(0, 3),
-                  st.lists(st.integers(-1, 9), max_size=6), st.booleans())
+ENTRY = st.tuples(
+    st.integers(0, 8), st.integers(0, 4), st.integers(0, 3), st.lists(st.integers(-1, 9), max_size=6), st.booleans()
+)
 
 
 @st.composite
@@ -52,8 +64,12 @@ def conversations(draw) -> list[bytes]:
     for rid in range(draw(st.integers(0, 3))):
         entries = draw(st.lists(ENTRY, max_size=6, unique_by=lambda e: e[0]))
         parts.append(("round", rid, entries, row_bytes))
-    mutations = draw(st.lists(st.tuples(st.sampled_from(["flip", "length", "cut", "none"]),
-                                        st.integers(0, 10**6), st.integers(0, 255)), max_size=4))
+    mutations = draw(
+        st.lists(
+            st.tuples(st.sampled_from(["flip", "length", "cut", "none"]), st.integers(0, 10**6), st.integers(0, 255)),
+            max_size=4,
+        )
+    )
     return [("plan", parts, mutations)]
 
 
@@ -67,10 +83,11 @@ def _realise(w, conv) -> list[bytes]:
             frames.append(bytearray(_hello_frame(w, *p[1:])))
         else:
             _, rid, entries, row_bytes = p
-            es = [wire.Entry(slot, n_out, pos, tuple(t for t in toks if t >= 0), new)
-                  for slot, n_out, pos, toks, new in entries]
-            frames.append(bytearray(wire.encode_round_entries(rid, 0, 100, es, bytes(len(es) * row_bytes),
-                                                              row_bytes)))
+            es = [
+                wire.Entry(slot, n_out, pos, tuple(t for t in toks if t >= 0), new)
+                for slot, n_out, pos, toks, new in entries
+            ]
+            frames.append(bytearray(wire.encode_round_entries(rid, 0, 100, es, bytes(len(es) * row_bytes), row_bytes)))
     for kind, at, value in mutations:
         f = frames[at % len(frames)]
         if kind == "flip" and f:
@@ -79,7 +96,7 @@ def _realise(w, conv) -> list[bytes]:
             fields = wire.HEADER.unpack_from(f)
             wire.HEADER.pack_into(f, 0, *fields[:3], value * 4099 + at, *fields[4:])
         elif kind == "cut" and f:
-            del f[at % len(f):]
+            del f[at % len(f) :]
     return [bytes(f) for f in frames]
 
 
@@ -93,7 +110,7 @@ def _within_bounds(w) -> bool:
 def test_hostile_bytes_never_kill_the_worker_nor_grow_it(worker, convs):
     socks = []
     try:
-        for conv in convs:           # a few peers at once, each its own conversation
+        for conv in convs:  # a few peers at once, each its own conversation
             s = socket.create_connection(("127.0.0.1", worker.port), timeout=2)
             socks.append(s)
             for chunk in _realise(worker, conv):
@@ -101,7 +118,7 @@ def test_hostile_bytes_never_kill_the_worker_nor_grow_it(worker, convs):
                     s.sendall(chunk)
                 except OSError:
                     break
-        for s in socks:              # read what comes back, briefly
+        for s in socks:  # read what comes back, briefly
             s.settimeout(0.05)
             try:
                 while s.recv(65536):

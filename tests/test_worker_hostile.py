@@ -36,8 +36,14 @@ def worker():
 
 
 def hello(w, **kw) -> wire.Hello:
-    fields = dict(drafter_identity=w.drafter.drafter_identity, markov_identity=w.drafter.markov_identity,
-                  engine_id=42, max_slots=8, row_bytes=4, num_spec=3)
+    fields = dict(
+        drafter_identity=w.drafter.drafter_identity,
+        markov_identity=w.drafter.markov_identity,
+        engine_id=42,
+        max_slots=8,
+        row_bytes=4,
+        num_spec=3,
+    )
     fields.update(kw)
     return wire.Hello(**fields)
 
@@ -87,23 +93,26 @@ def test_a_huge_header_before_hello_is_dropped_without_allocating_it(worker, cap
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 4 << 20                       # nothing near the 64 MiB announced
+    assert peak < 4 << 20  # nothing near the 64 MiB announced
     assert until(lambda: worker.stats.bad_frames == 1)
-    assert worker.stats.connections == 0        # never a served connection, never a thread
+    assert worker.stats.connections == 0  # never a served connection, never a thread
     assert f"ROUND of {wire.MAX_PAYLOAD} bytes before HELLO" in caplog.text
 
 
-@pytest.mark.parametrize("frame,what", [
-    (wire.encode_header(wire.DRAFTS, wire.frame_cap(wire.DRAFTS)), "DRAFTS of"),  # announced, never sent
-    (wire.encode_bye(), "BYE of 0 bytes before HELLO"),
-    (wire.encode_header(wire.HELLO_ACK, 16), "HELLO_ACK of 16 bytes before HELLO"),
-    (wire.encode_header(wire.HELLO, wire.frame_cap(wire.HELLO) + 1), "exceeds the cap"),
-])
+@pytest.mark.parametrize(
+    "frame,what",
+    [
+        (wire.encode_header(wire.DRAFTS, wire.frame_cap(wire.DRAFTS)), "DRAFTS of"),  # announced, never sent
+        (wire.encode_bye(), "BYE of 0 bytes before HELLO"),
+        (wire.encode_header(wire.HELLO_ACK, 16), "HELLO_ACK of 16 bytes before HELLO"),
+        (wire.encode_header(wire.HELLO, wire.frame_cap(wire.HELLO) + 1), "exceeds the cap"),
+    ],
+)
 def test_anything_but_a_hello_first_drops_the_connection_with_one_line(worker, caplog, frame, what):
     s = raw(worker)
     try:
         s.sendall(frame)
-        assert closed_within(s, 5)              # at once: the payload is never waited for
+        assert closed_within(s, 5)  # at once: the payload is never waited for
     finally:
         s.close()
     assert until(lambda: worker.admission().bad_frames == 1)
@@ -117,7 +126,7 @@ def test_hello_deadline_closes_a_silent_connection():
     try:
         assert closed_within(s, 5)
         assert w.stats.hello_timeouts == 1 and w.admission().pending == 0
-        c = connect(w)                           # an honest HELLO in time is served
+        c = connect(w)  # an honest HELLO in time is served
         assert do_round(c, 1, [wire.Entry(0, 2, 0, (1,), True)]).row(0) == [2, 3]
         c.close()
     finally:
@@ -137,7 +146,7 @@ def test_silent_sockets_beyond_the_pool_never_keep_a_hello_out_and_the_oldest_go
         assert all(closed_within(s, 5) for s in silent[:6])
         assert all(open_now(s) for s in silent[6:])
         assert w.stats.displaced == 6
-        c = connect(w)       # a HELLO is served with the pool full of silent sockets (connect's own 2 s bound)
+        c = connect(w)  # a HELLO is served with the pool full of silent sockets (connect's own 2 s bound)
         assert do_round(c, 1, [wire.Entry(0, 1, 0, (4,), True)]).row(0) == [5]
         c.close()
         # The honest connection took the place of the oldest silent one.
@@ -158,7 +167,7 @@ def test_busy_when_served_connections_are_at_their_maximum():
         assert e.value.code == wire.REFUSE_LIMITS
         assert e.value.reason.startswith("busy:") and "--max-connections" in e.value.reason
         assert w.stats.busy == 1
-        assert do_round(a, 1, [wire.Entry(0, 1, 0, (1,), True)]).row(0) == [2]   # still served
+        assert do_round(a, 1, [wire.Entry(0, 1, 0, (1,), True)]).row(0) == [2]  # still served
         a.close()
         assert until(lambda: not w._conns)
         b = connect(w, session=2, engine_id=43)  # the place is free again
@@ -187,11 +196,14 @@ def test_served_and_connecting_sockets_have_keepalive():
 # --------------------------------------------------------------------------- the worker's limits
 
 
-@pytest.mark.parametrize("kw,fields,why", [
-    ({"max_slots": 4}, {"max_slots": 8}, "max_slots 8 over this worker's 4 (--max-slots)"),
-    ({"max_row_bytes": 2}, {"row_bytes": 4}, "row_bytes 4 over this worker's 2 (--max-row-bytes)"),
-    ({"max_round_bytes": 64}, {"max_slots": 8, "row_bytes": 4}, "over this worker's 64 (--max-round-bytes)"),
-])
+@pytest.mark.parametrize(
+    "kw,fields,why",
+    [
+        ({"max_slots": 4}, {"max_slots": 8}, "max_slots 8 over this worker's 4 (--max-slots)"),
+        ({"max_row_bytes": 2}, {"row_bytes": 4}, "row_bytes 4 over this worker's 2 (--max-row-bytes)"),
+        ({"max_round_bytes": 64}, {"max_slots": 8, "row_bytes": 4}, "over this worker's 64 (--max-round-bytes)"),
+    ],
+)
 def test_hello_beyond_the_workers_limits_is_refused_with_the_limits_reason(kw, fields, why):
     w = make(**kw)
     try:
@@ -210,8 +222,8 @@ def test_after_hello_the_cap_is_the_sessions_and_a_stalled_header_costs_nothing(
         cap = wire.round_sections(8, w.limits.max_round_tokens, 4).size
         tracemalloc.start()
         try:
-            c.chan.send(wire.encode_header(wire.ROUND, cap, c.session, 1))   # announced, then stalled
-            assert closed_within(c.chan.stream.sock, 5)                   # at the frame timeout
+            c.chan.send(wire.encode_header(wire.ROUND, cap, c.session, 1))  # announced, then stalled
+            assert closed_within(c.chan.stream.sock, 5)  # at the frame timeout
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
@@ -262,7 +274,7 @@ def test_a_flood_of_new_engine_ids_never_evicts_an_engine_served_recently():
             assert e.value.code == wire.REFUSE_LIMITS and e.value.reason.startswith("busy:")
             assert "--max-engines" in e.value.reason
         assert w.stats.busy == 10 and w.stats.evicted == 0
-        d = do_round(a, 2, [wire.Entry(0, 3, 2, (3,))])          # A's window is still there
+        d = do_round(a, 2, [wire.Entry(0, 3, 2, (3,))])  # A's window is still there
         assert list(d.statuses) == [wire.STATUS_OK] and d.row(0) == [4, 5, 1]
     finally:
         for c in clients:
@@ -273,12 +285,12 @@ def test_a_flood_of_new_engine_ids_never_evicts_an_engine_served_recently():
 def test_eviction_takes_the_least_recently_served_engine_not_the_first_to_say_hello():
     w = make(max_engines=2, recent_s=0.2)
     try:
-        a = connect(w, session=1, engine_id=1)       # says HELLO first ...
+        a = connect(w, session=1, engine_id=1)  # says HELLO first ...
         b = connect(w, session=2, engine_id=2)
         do_round(b, 1, [wire.Entry(0, 3, 0, (1,), True)])
         time.sleep(0.3)
-        assert do_round(a, 1, [wire.Entry(0, 3, 0, (1, 2), True)]).row(0) == [3, 4, 5]   # ... served last
-        time.sleep(0.3)                               # both idle longer than recent_s now
+        assert do_round(a, 1, [wire.Entry(0, 3, 0, (1, 2), True)]).row(0) == [3, 4, 5]  # ... served last
+        time.sleep(0.3)  # both idle longer than recent_s now
         c = connect(w, session=3, engine_id=3)
         assert w.stats.evicted == 1
         hdr, _ = b.chan.recv_frame(time.monotonic() + 5)  # B lost its place: BYE, then closed
@@ -299,16 +311,21 @@ def test_a_closed_connection_gives_its_engine_place_back():
         do_round(a, 1, [wire.Entry(0, 3, 0, (1,), True)])
         a.close()
         assert until(lambda: len(w._sessions) == 0)
-        b = connect(w, session=2, engine_id=2)       # served at once, no eviction, no busy
+        b = connect(w, session=2, engine_id=2)  # served at once, no eviction, no busy
         assert w.stats.busy == 0 and w.stats.evicted == 0
         b.close()
     finally:
         w.stop()
 
 
-@pytest.mark.parametrize("kw,why", [({"max_slots": 5000}, "max_slots 5000: not in 1..4096 (--max-slots)"),
-                                    ({"max_row_bytes": -1}, "max_row_bytes -1"),
-                                    ({"max_round_bytes": 4}, "max_round_bytes 4")])
+@pytest.mark.parametrize(
+    "kw,why",
+    [
+        ({"max_slots": 5000}, "max_slots 5000: not in 1..4096 (--max-slots)"),
+        ({"max_row_bytes": -1}, "max_row_bytes -1"),
+        ({"max_round_bytes": 4}, "max_round_bytes 4"),
+    ],
+)
 def test_limits_out_of_the_wires_range_are_refused_naming_the_option(kw, why):
     with pytest.raises(ValueError, match=re.escape(why)):
         Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, **kw)

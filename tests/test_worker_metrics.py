@@ -52,8 +52,14 @@ def make(drafter=None, **kw) -> Worker:
 
 
 def hello(w, **kw) -> wire.Hello:
-    fields = dict(drafter_identity=w.drafter.drafter_identity, markov_identity=w.drafter.markov_identity,
-                  engine_id=42, max_slots=8, row_bytes=4, num_spec=3)
+    fields = dict(
+        drafter_identity=w.drafter.drafter_identity,
+        markov_identity=w.drafter.markov_identity,
+        engine_id=42,
+        max_slots=8,
+        row_bytes=4,
+        num_spec=3,
+    )
     fields.update(kw)
     return wire.Hello(**fields)
 
@@ -113,7 +119,7 @@ def version_refused(w) -> int:
             chunk = s.recv(4096)
             assert chunk
             data += chunk
-    return wire.decode_header(data[:wire.HEADER.size]).type
+    return wire.decode_header(data[: wire.HEADER.size]).type
 
 
 # --------------------------------------------------------------------------- the exposition
@@ -127,16 +133,19 @@ def known():
     try:
         assert refused(w, drafter_identity=b"\x01" * 32) == wire.REFUSE_DRAFTER
         assert refused(w, markov_identity=b"\x02" * 32) == wire.REFUSE_MARKOV
-        assert refused(w, vocab_size=3) == wire.REFUSE_DRAFTER          # the model's vocabulary is 6
-        assert refused(w, max_slots=16) == wire.REFUSE_LIMITS           # over --max-slots 8
+        assert refused(w, vocab_size=3) == wire.REFUSE_DRAFTER  # the model's vocabulary is 6
+        assert refused(w, max_slots=16) == wire.REFUSE_LIMITS  # over --max-slots 8
         assert version_refused(w) == wire.HELLO_ACK
         c = connect(w)
-        assert refused(w, served=1, session=2, engine_id=43) == wire.REFUSE_LIMITS   # busy: the one place is taken
+        assert refused(w, served=1, session=2, engine_id=43) == wire.REFUSE_LIMITS  # busy: the one place is taken
         n, entries, resyncs, tokens = 5, 0, 0, 0
         for rid in range(1, n + 1):
             # Slots 0 and 1 re-announced every round; slot 5 never: RESYNC every time.
-            d = do_round(c, rid, [wire.Entry(0, 2, 0, (1,), True), wire.Entry(1, 3, 0, (2, 3), True),
-                                  wire.Entry(5, 2, 4, (4,), False)])
+            d = do_round(
+                c,
+                rid,
+                [wire.Entry(0, 2, 0, (1,), True), wire.Entry(1, 3, 0, (2, 3), True), wire.Entry(5, 2, 4, (4,), False)],
+            )
             assert list(d.statuses) == [wire.STATUS_OK, wire.STATUS_OK, wire.STATUS_RESYNC]
             entries, resyncs, tokens = entries + 3, resyncs + 1, tokens + int(np.asarray(d.counts).sum())
         assert tokens == 5 * (2 + 3)
@@ -150,9 +159,9 @@ def known():
 
 def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
     w, n, entries, resyncs, tokens, text = known
-    for reason in REFUSAL_REASONS:   # one of each, each counted once under its own reason
+    for reason in REFUSAL_REASONS:  # one of each, each counted once under its own reason
         assert value(text, "dspark_worker_hello_refusals_total", reason=reason) == 1, reason
-    assert w.stats.refused == 5 and w.stats.busy == 1                 # the old fields, from the same counts
+    assert w.stats.refused == 5 and w.stats.busy == 1  # the old fields, from the same counts
     # Given a thread: the accepted one and the four refused there (identities, vocab, limits);
     # the version and the busy refusal are answered at the door.
     assert value(text, "dspark_worker_served_connections_total") == 5
@@ -160,7 +169,7 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
     assert value(text, "dspark_worker_connections", state="served") == 1
     assert value(text, "dspark_worker_connections", state="pending") == 0
     assert value(text, "dspark_worker_connections_limit", state="served") == 1
-    assert value(text, "dspark_worker_bad_frames_total") == 0         # a version refusal is no bad frame
+    assert value(text, "dspark_worker_bad_frames_total") == 0  # a version refusal is no bad frame
     for name in ("stalled_connections", "hello_timeouts", "displaced_connections", "evicted_sessions"):
         assert value(text, f"dspark_worker_{name}_total") == 0, name
     assert value(text, "dspark_worker_rounds_total") == n
@@ -172,8 +181,14 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
         assert value(text, f"dspark_worker_{hist}_bucket", le="+Inf") == n
         assert value(text, f"dspark_worker_{hist}_sum") > 0
     info = [dict(k[1]) for k in samples(text) if k[0] == "dspark_worker_info"]
-    assert info == [{"drafter": "MarkovDrafter", "drafter_identity": w.drafter.drafter_identity.hex(),
-                     "markov_identity": w.drafter.markov_identity.hex(), "vocab_size": "6"}]
+    assert info == [
+        {
+            "drafter": "MarkovDrafter",
+            "drafter_identity": w.drafter.drafter_identity.hex(),
+            "markov_identity": w.drafter.markov_identity.hex(),
+            "vocab_size": "6",
+        }
+    ]
     # The Markov drafter keeps no per-slot state: no cache metrics at all (not zeros).
     assert not [k for k in samples(text) if k[0].startswith("dspark_worker_cache_")]
 
@@ -182,11 +197,11 @@ def test_promtool_accepts_the_worker_exposition(known):
     assert PROMTOOL, NEED_TOOLS
     w = make(CachedDrafter(MODEL))
     try:
-        for text in (known[-1], scrape(w)):   # with and without the cache's families
-            out = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
-                                 timeout=60)
-            assert out.returncode == 0 and out.stdout.strip() == "" and out.stderr.strip() == "", \
+        for text in (known[-1], scrape(w)):  # with and without the cache's families
+            out = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and out.stdout.strip() == "" and out.stderr.strip() == "", (
                 out.stdout + out.stderr
+            )
     finally:
         w.stop()
 
@@ -201,7 +216,7 @@ def test_cache_occupancy_comes_from_the_drafters_cache_info():
         assert value(text, "dspark_worker_cache_bytes") == 4096
         assert value(text, "dspark_worker_cache_hits_total") == 7
         assert value(text, "dspark_worker_cache_misses_total") == 2
-        d.info = CacheInfo(slots=4, capacity=16, bytes=8192, hits=9, misses=3)   # read at scrape time
+        d.info = CacheInfo(slots=4, capacity=16, bytes=8192, hits=9, misses=3)  # read at scrape time
         text = scrape(w)
         assert value(text, "dspark_worker_cache_slots") == 4 and value(text, "dspark_worker_cache_hits_total") == 9
     finally:
@@ -240,11 +255,10 @@ def test_healthz_is_503_once_stop_begins_and_refused_after_it():
     w = Worker(d, "127.0.0.1", 0, window=8, metrics_port=0).start()
     c = connect(w)
     stopper = threading.Thread(target=w.stop, daemon=True)
-    rounder = threading.Thread(target=lambda: _quietly(do_round, c, 1, [wire.Entry(0, 2, 0, (1,), True)]),
-                               daemon=True)
+    rounder = threading.Thread(target=lambda: _quietly(do_round, c, 1, [wire.Entry(0, 2, 0, (1,), True)]), daemon=True)
     try:
         assert get(w, "/healthz")[0] == 200
-        d.gate.clear()                       # the round waits in the drafter, so stop() waits for it
+        d.gate.clear()  # the round waits in the drafter, so stop() waits for it
         rounder.start()
         assert until(lambda: w.served_now() == 1 and w.stats.rounds == 0, timeout=5)
         stopper.start()
@@ -253,7 +267,7 @@ def test_healthz_is_503_once_stop_begins_and_refused_after_it():
         assert json.loads(body)["state"] == "stopping" and get(w, "/readyz")[0] == 503
     finally:
         d.gate.set()
-        if stopper.ident is None:   # failed before stop began
+        if stopper.ident is None:  # failed before stop began
             w.stop()
         stopper.join(15)
         rounder.join(15)
@@ -282,9 +296,11 @@ def test_a_metrics_port_in_use_is_a_clear_error_and_nothing_is_left_listening():
 
 
 def test_the_plain_worker_never_imports_prometheus_client():
-    code = ("import sys\nfrom remote_dspark.worker import Worker, MarkovDrafter\nfrom remote_dspark.markov import "
-            "builtin_model\nw = Worker(MarkovDrafter(builtin_model()), '127.0.0.1', 0).start()\nw.stop()\n"
-            "print('prometheus_client' in sys.modules)")
+    code = (
+        "import sys\nfrom remote_dspark.worker import Worker, MarkovDrafter\nfrom remote_dspark.markov import "
+        "builtin_model\nw = Worker(MarkovDrafter(builtin_model()), '127.0.0.1', 0).start()\nw.stop()\n"
+        "print('prometheus_client' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 
@@ -293,10 +309,14 @@ def test_the_plain_worker_never_imports_prometheus_client():
 
 
 def test_worker_command_prints_its_metrics_address_and_serves_it():
-    proc = subprocess.Popen([sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0",
-                             "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            stdin=subprocess.DEVNULL, text=True)
-    lines: list[str] = []   # read by a thread (a buffered pipe and select() do not mix); bounded waits
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    lines: list[str] = []  # read by a thread (a buffered pipe and select() do not mix); bounded waits
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
     try:
@@ -332,14 +352,15 @@ def test_the_dashboard_has_a_worker_row_of_worker_panels():
     panels = json.loads(dashboard.text())["panels"]
     rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
     assert [panels[i]["title"] for i in rows] == ["Worker"]
-    below = panels[rows[0] + 1:]
+    below = panels[rows[0] + 1 :]
     assert below and all("dspark_worker_" in t["expr"] for p in below for t in p["targets"])
-    assert all("dspark_worker_" not in t["expr"] for p in panels[:rows[0]] for t in p["targets"])
+    assert all("dspark_worker_" not in t["expr"] for p in panels[: rows[0]] for t in p["targets"])
     exprs = " ".join(worker_queries())
     for q in ("0.5", "0.99"):
         for hist in ("round_duration_seconds", "drafting_duration_seconds"):
-            assert (f"histogram_quantile({q}, sum by (le) (rate(dspark_worker_{hist}_bucket[$__rate_interval])))"
-                    in exprs)
+            assert (
+                f"histogram_quantile({q}, sum by (le) (rate(dspark_worker_{hist}_bucket[$__rate_interval])))" in exprs
+            )
 
 
 def test_every_worker_metric_the_dashboard_names_is_exposed():
@@ -366,29 +387,46 @@ def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (tmp_path / "prometheus.yml").write_text(json.dumps({
-        "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "worker", "static_configs": [
-            {"targets": [f"127.0.0.1:{w.metrics_port}"]}]}]}))
+    (tmp_path / "prometheus.yml").write_text(
+        json.dumps(
+            {
+                "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {"job_name": "worker", "static_configs": [{"targets": [f"127.0.0.1:{w.metrics_port}"]}]}
+                ],
+            }
+        )
+    )
     log = open(tmp_path / "prometheus.log", "w")
-    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    prom = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     c = connect(w)
     try:
+
         def has_data(expr: str) -> bool:
             try:
                 return bool(prom_query(port, expr.replace("$__rate_interval", "5s")))
             except OSError:
                 return False
 
-        def rounds_and_data() -> bool:   # rounds keep coming, so every rate has two samples in its window
+        def rounds_and_data() -> bool:  # rounds keep coming, so every rate has two samples in its window
             do_round(c, rounds_and_data.rid, [wire.Entry(0, 2, 0, (1,), True)])
             rounds_and_data.rid += 1
             return all(has_data(e) for e in worker_queries())
+
         rounds_and_data.rid = 1
-        assert until(rounds_and_data, timeout=30, step=0.1), \
-            ([e for e in worker_queries() if not has_data(e)], (tmp_path / "prometheus.log").read_text()[-2000:])
+        assert until(rounds_and_data, timeout=30, step=0.1), (
+            [e for e in worker_queries() if not has_data(e)],
+            (tmp_path / "prometheus.log").read_text()[-2000:],
+        )
     finally:
         c.close()
         prom.terminate()

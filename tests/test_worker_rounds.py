@@ -24,7 +24,7 @@ from remote_dspark.worker import Session, Worker
 from remote_dspark.worker_windows import Windows
 
 MAX_SLOTS = 6
-VOCAB = 5          # tokens 0..4 in the models; rounds also carry 5..6 and -1 (outside)
+VOCAB = 5  # tokens 0..4 in the models; rounds also carry 5..6 and -1 (outside)
 
 
 def _model(order, seed):
@@ -52,7 +52,7 @@ class Reference:
 
     def __init__(self, model, window, num_spec):
         self.model, self.window, self.num_spec = model, window, num_spec
-        self.slots = {}          # slot -> [deque of tokens, next position]
+        self.slots = {}  # slot -> [deque of tokens, next position]
 
     def round(self, entries):
         width = min(max((e.n_out for e in entries), default=0), self.num_spec)
@@ -75,13 +75,14 @@ class Reference:
         return width, statuses, contexts, drafts
 
 
-ENTRY = st.tuples(st.booleans(),                                  # new_gen
-                  st.booleans(),                                  # continue the slot's positions
-                  st.integers(0, 12),                             # else this position
-                  st.lists(st.sampled_from([0, 1, 2, 3, 4, 0, 1, 2, 5, 6, -1]), max_size=7),
-                  st.integers(0, 4))                              # n_out
-ROUND = st.lists(st.tuples(st.integers(0, MAX_SLOTS - 1), ENTRY), max_size=MAX_SLOTS,
-                 unique_by=lambda se: se[0])
+ENTRY = st.tuples(
+    st.booleans(),  # new_gen
+    st.booleans(),  # continue the slot's positions
+    st.integers(0, 12),  # else this position
+    st.lists(st.sampled_from([0, 1, 2, 3, 4, 0, 1, 2, 5, 6, -1]), max_size=7),
+    st.integers(0, 4),
+)  # n_out
+ROUND = st.lists(st.tuples(st.integers(0, MAX_SLOTS - 1), ENTRY), max_size=MAX_SLOTS, unique_by=lambda se: se[0])
 
 
 def _entries(ref, drawn):
@@ -96,7 +97,7 @@ def _entries(ref, drawn):
 def _frame(round_id, entries, row_bytes=3):
     rows = bytes(range(len(entries) * row_bytes))
     frame = wire.encode_round_entries(round_id, 9, 100, entries, rows, row_bytes)
-    return wire.decode_header(frame[:wire.HEADER.size]), frame[wire.HEADER.size:]
+    return wire.decode_header(frame[: wire.HEADER.size]), frame[wire.HEADER.size :]
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +108,20 @@ def worker_pool():
         w = Worker(drafter, "127.0.0.1", 0, window=window)
         workers.append(w)
         return w
+
     yield make
-    for w in workers:        # never started: stop() only closes the wake pipe
+    for w in workers:  # never started: stop() only closes the wake pipe
         w.stop()
 
 
 @settings(max_examples=60, deadline=None)
-@given(model_i=st.integers(0, 1), window=st.integers(1, 5), num_spec=st.integers(1, 3),
-       want_margin=st.booleans(), rounds=st.lists(ROUND, min_size=1, max_size=5))
+@given(
+    model_i=st.integers(0, 1),
+    window=st.integers(1, 5),
+    num_spec=st.integers(1, 3),
+    want_margin=st.booleans(),
+    rounds=st.lists(ROUND, min_size=1, max_size=5),
+)
 def test_rounds_match_the_per_entry_reference(worker_pool, model_i, window, num_spec, want_margin, rounds):
     model = MODELS[model_i]
     drafter = RecordingDrafter(model)
@@ -127,7 +134,7 @@ def test_rounds_match_the_per_entry_reference(worker_pool, model_i, window, num_
         drafter.contexts = []
         hdr, payload = _frame(rid, entries)
         reply = w._round(session, hdr, payload)
-        d = wire.decode_drafts(wire.decode_header(reply[:wire.HEADER.size]), reply[wire.HEADER.size:])
+        d = wire.decode_drafts(wire.decode_header(reply[: wire.HEADER.size]), reply[wire.HEADER.size :])
         assert d.round_id == rid and d.width == width
         assert list(d.slots) == [e.slot for e in entries]
         assert list(d.statuses) == statuses
@@ -135,10 +142,11 @@ def test_rounds_match_the_per_entry_reference(worker_pool, model_i, window, num_
         assert (d.margins is not None) == want_margin
         for i, (tokens, margins) in enumerate(drafts):
             assert d.row(i) == tokens
-            assert list(d.tokens[i * width:(i + 1) * width]) == tokens + [0] * (width - len(tokens))
+            assert list(d.tokens[i * width : (i + 1) * width]) == tokens + [0] * (width - len(tokens))
             if want_margin:
-                assert list(d.margins[i * width:(i + 1) * width]) == \
-                    [float(np.float32(m)) for m in margins] + [0.0] * (width - len(margins))
+                assert list(d.margins[i * width : (i + 1) * width]) == [float(np.float32(m)) for m in margins] + [
+                    0.0
+                ] * (width - len(margins))
         for slot in range(MAX_SLOTS):
             want = list(ref.slots[slot][0]) if slot in ref.slots else None
             assert session.windows.window_of(slot) == want
@@ -176,8 +184,13 @@ def test_a_per_entry_drafter_gets_the_same_answers(worker_pool, window, rounds):
         assert seen == [(c, bytes(range(3 * i, 3 * i + 3))) for c, i in zip(contexts, ok)]
 
 
-@pytest.mark.parametrize("slots,why", [([0, 3, 0], r"slots\[2\]: slot 0 already named by entry 0"),
-                                       ([1, MAX_SLOTS], rf"slots\[1\]: slot {MAX_SLOTS} outside")])
+@pytest.mark.parametrize(
+    "slots,why",
+    [
+        ([0, 3, 0], r"slots\[2\]: slot 0 already named by entry 0"),
+        ([1, MAX_SLOTS], rf"slots\[1\]: slot {MAX_SLOTS} outside"),
+    ],
+)
 def test_bad_slots_are_protocol_errors_before_any_window_changes(worker_pool, slots, why):
     w = worker_pool(MarkovDrafter(MODELS[0]), 4)
     session = Session(9, MAX_SLOTS, 3, False, Windows(MAX_SLOTS, 4))
@@ -194,7 +207,7 @@ def test_long_new_gen_and_long_appends_keep_the_last_window_tokens(worker_pool):
     assert session.windows.window_of(2) == [7, 8, 9] and session.windows.next_pos[2] == 20
     w._round(session, *_frame(2, [wire.Entry(2, 0, 20, [40, 41, 42, 43, 44])]))
     assert session.windows.window_of(2) == [42, 43, 44] and session.windows.next_pos[2] == 25
-    w._round(session, *_frame(3, [wire.Entry(2, 0, 25, [])]))       # nothing accepted: same window
+    w._round(session, *_frame(3, [wire.Entry(2, 0, 25, [])]))  # nothing accepted: same window
     assert session.windows.window_of(2) == [42, 43, 44]
-    w._round(session, *_frame(4, []))                                # an empty round is fine
+    w._round(session, *_frame(4, []))  # an empty round is fine
     assert session.windows.window_of(2) == [42, 43, 44]

@@ -37,15 +37,28 @@ MODES = ("per-entry", "batched", "cached")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("drafter", help="the model drafter: per entry vs batched, cache vs none, CPU and GPU",
-                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--entries", default="1,16,64,256", metavar="N[,N...]",
-                   help="entries per round (default 1,16,64,256)")
-    p.add_argument("--devices", default=None, metavar="D[,D...]",
-                   help="cpu and/or cuda (default: cpu, and cuda when torch sees a GPU)")
+    p = sub.add_parser(
+        "drafter",
+        help="the model drafter: per entry vs batched, cache vs none, CPU and GPU",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--entries", default="1,16,64,256", metavar="N[,N...]", help="entries per round (default 1,16,64,256)"
+    )
+    p.add_argument(
+        "--devices",
+        default=None,
+        metavar="D[,D...]",
+        help="cpu and/or cuda (default: cpu, and cuda when torch sees a GPU)",
+    )
     p.add_argument("--num-spec", type=int, default=5, help="k: drafts per entry (default 5)")
-    p.add_argument("--rounds", type=int, default=20, help="measured rounds per row (default 20; per-entry rows "
-                                                          "above 16 entries measure fewer: the rounds column)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=20,
+        help="measured rounds per row (default 20; per-entry rows above 16 entries measure fewer: the rounds column)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="unmeasured rounds after the announcing one (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.set_defaults(func=run)
@@ -65,6 +78,7 @@ def options(args) -> Options:
     import torch
 
     from .. import wire
+
     try:
         entries = tuple(int(x) for x in args.entries.split(","))
     except ValueError:
@@ -101,6 +115,7 @@ def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3) -> list:
     from ..drafter import DraftBatch
     from ..markov import SyntheticLanguage
     from ..worker_windows import Windows
+
     text = np.asarray(SyntheticLanguage().text(1 << 14, seed=seed), np.int32)
     starts = np.random.default_rng(seed).integers(0, len(text) - 1, n)
     windows = Windows(n, WINDOW)
@@ -114,8 +129,20 @@ def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3) -> list:
         offsets = np.arange(0, (n + 1) * step, step, dtype=np.int64)
         adv = windows.advance(slots, had.copy(), np.full(n, r == 0), offsets, text[at])
         had += step
-        out.append(DraftBatch(adv.tokens, adv.offsets, n_out, rows, False, num_spec, session=windows.serial,
-                              slots=adv.slots, gens=adv.gens, lengths=adv.lengths))
+        out.append(
+            DraftBatch(
+                adv.tokens,
+                adv.offsets,
+                n_out,
+                rows,
+                False,
+                num_spec,
+                session=windows.serial,
+                slots=adv.slots,
+                gens=adv.gens,
+                lengths=adv.lengths,
+            )
+        )
     return out
 
 
@@ -126,10 +153,19 @@ def _no_stream(batch):
 def _one(batch, i: int):
     """Entry ``i`` of ``batch`` alone, no stream fields (the per-entry path)."""
     import numpy as np
+
     ctx = batch.context(i)
-    return dataclasses.replace(batch, tokens=ctx, offsets=np.array([0, len(ctx)], np.int64),
-                               n_out=batch.n_out[i:i + 1], rows=batch.rows[i:i + 1], session=0, slots=None,
-                               gens=None, lengths=None)
+    return dataclasses.replace(
+        batch,
+        tokens=ctx,
+        offsets=np.array([0, len(ctx)], np.int64),
+        n_out=batch.n_out[i : i + 1],
+        rows=batch.rows[i : i + 1],
+        session=0,
+        slots=None,
+        gens=None,
+        lengths=None,
+    )
 
 
 def measure(drafter, batches: list, mode: str, skip: int) -> list[int]:
@@ -155,6 +191,7 @@ def _pct(ns: list[int], q: float) -> float:
 def run_rows(opts: Options) -> list[dict]:
     from ..lm import builtin_drafter
     from ..progress import Progress
+
     plan = [(d, n, m) for d in opts.devices for n in opts.entries for m in MODES]
     bar = Progress(len(plan), "drafter rows")
     rows = []
@@ -166,9 +203,17 @@ def run_rows(opts: Options) -> list[dict]:
         drafter = builtin_drafter(device=device)
         ns = measure(drafter, worker_rounds(n, skip + measured, opts.num_spec), mode, skip)
         p50 = _pct(ns, 0.5)
-        rows.append({"device": device, "entries": n, "mode": mode, "rounds": measured, "p50_ms": round(p50, 4),
-                     "p99_ms": round(_pct(ns, 0.99), 4),
-                     "tokens_per_s": round(n * opts.num_spec / (p50 / 1e3)) if p50 else None})
+        rows.append(
+            {
+                "device": device,
+                "entries": n,
+                "mode": mode,
+                "rounds": measured,
+                "p50_ms": round(p50, 4),
+                "p99_ms": round(_pct(ns, 0.99), 4),
+                "tokens_per_s": round(n * opts.num_spec / (p50 / 1e3)) if p50 else None,
+            }
+        )
     bar.update(len(plan))
     return rows
 
@@ -179,31 +224,52 @@ def make_report(opts: Options, rows: list[dict]) -> dict:
     for device in opts.devices:
         for n in opts.entries:
             per, bat, cac = (by[(device, n, m)]["p50_ms"] for m in MODES)
-            ratios.append({"device": device, "entries": n, "batched_x_per_entry": round(per / bat, 2),
-                           "cached_x_batched": round(bat / cac, 2)})
+            ratios.append(
+                {
+                    "device": device,
+                    "entries": n,
+                    "batched_x_per_entry": round(per / bat, 2),
+                    "cached_x_batched": round(bat / cac, 2),
+                }
+            )
     goals = []
     for r in ratios:
         if r["device"] == "cuda" and r["entries"] == GOAL_ENTRIES:
-            goals.append({"goal": f"batched / per-entry at {GOAL_ENTRIES} entries on cuda >= {GOAL_BATCHED_X:g}x",
-                          "value": r["batched_x_per_entry"], "met": r["batched_x_per_entry"] >= GOAL_BATCHED_X})
-    return {"config": dataclasses.asdict(opts) | {"window": WINDOW, "prompt_tokens": PROMPT_TOKENS,
-                                                  "step_tokens": STEP_TOKENS},
-            "rows": rows, "ratios": ratios, "goals": goals}
+            goals.append(
+                {
+                    "goal": f"batched / per-entry at {GOAL_ENTRIES} entries on cuda >= {GOAL_BATCHED_X:g}x",
+                    "value": r["batched_x_per_entry"],
+                    "met": r["batched_x_per_entry"] >= GOAL_BATCHED_X,
+                }
+            )
+    return {
+        "config": dataclasses.asdict(opts)
+        | {"window": WINDOW, "prompt_tokens": PROMPT_TOKENS, "step_tokens": STEP_TOKENS},
+        "rows": rows,
+        "ratios": ratios,
+        "goals": goals,
+    }
 
 
 def format_table(report: dict) -> str:
     c = report["config"]
-    lines = [f"model drafter rounds, k={c['num_spec']}, window {c['window']}: a {c['prompt_tokens']}-token prompt "
-             f"per slot, then {c['step_tokens']} tokens per slot per round; ms per round",
-             f"{'device':>6}  {'entries':>7}  {'mode':<10} {'rounds':>6} {'p50':>9} {'p99':>9} {'tokens/s':>11}",
-             "-" * 66]
+    lines = [
+        f"model drafter rounds, k={c['num_spec']}, window {c['window']}: a {c['prompt_tokens']}-token prompt "
+        f"per slot, then {c['step_tokens']} tokens per slot per round; ms per round",
+        f"{'device':>6}  {'entries':>7}  {'mode':<10} {'rounds':>6} {'p50':>9} {'p99':>9} {'tokens/s':>11}",
+        "-" * 66,
+    ]
     for r in report["rows"]:
-        lines.append(f"{r['device']:>6}  {r['entries']:>7}  {r['mode']:<10} {r['rounds']:>6} {r['p50_ms']:>9.3f} "
-                     f"{r['p99_ms']:>9.3f} {r['tokens_per_s'] or 0:>11,}")
+        lines.append(
+            f"{r['device']:>6}  {r['entries']:>7}  {r['mode']:<10} {r['rounds']:>6} {r['p50_ms']:>9.3f} "
+            f"{r['p99_ms']:>9.3f} {r['tokens_per_s'] or 0:>11,}"
+        )
     lines.append("")
     for r in report["ratios"]:
-        lines.append(f"{r['device']:>6} {r['entries']:>5} entries: batched {r['batched_x_per_entry']}x per-entry, "
-                     f"cached {r['cached_x_batched']}x batched")
+        lines.append(
+            f"{r['device']:>6} {r['entries']:>5} entries: batched {r['batched_x_per_entry']}x per-entry, "
+            f"cached {r['cached_x_batched']}x batched"
+        )
     for g in report["goals"]:
         lines.append(f"goal {g['goal']}: {g['value']}x, {'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)

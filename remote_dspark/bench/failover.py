@@ -25,11 +25,11 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 
-GOAL_IDLE_CORE = 0.02            # idle CPU of the proxy and of the engine process
-GOAL_KILL_P50_MS = 10.0          # SIGKILL -> first ok round, with the standby
-GOAL_STALL_SLACK_MS = 20.0       # SIGSTOP -> first ok round within the watchdog + this
-SETTLE_S = 10.0                  # the most a row waits for a steady engine before a fault
-ROUND_LIMIT_S = 10.0             # the most a measure waits for an ok round
+GOAL_IDLE_CORE = 0.02  # idle CPU of the proxy and of the engine process
+GOAL_KILL_P50_MS = 10.0  # SIGKILL -> first ok round, with the standby
+GOAL_STALL_SLACK_MS = 20.0  # SIGSTOP -> first ok round within the watchdog + this
+SETTLE_S = 10.0  # the most a row waits for a steady engine before a fault
+ROUND_LIMIT_S = 10.0  # the most a measure waits for an ok round
 
 
 @dataclass
@@ -49,9 +49,11 @@ class Row:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("failover", help="idle CPU, and SIGKILL / SIGSTOP of the proxy to the next ok round, "
-                                        "with the warm standby and without",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "failover",
+        help="idle CPU, and SIGKILL / SIGSTOP of the proxy to the next ok round, with the warm standby and without",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--kills", type=int, default=10, help="SIGKILLs per row (default 10)")
     p.add_argument("--stalls", type=int, default=5, help="SIGSTOPs per row (default 5)")
     p.add_argument("--idle-s", type=float, default=3.0, help="the idle measure's length, seconds (default 3)")
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kills < 1 or args.stalls < 0 or args.idle_s <= 0 or not 1 <= args.slots <= 4096:
         raise ValueError("--kills >= 1, --stalls >= 0, --idle-s > 0 and --slots in 1..4096")
     from ..harness import WorkerProcess
+
     worker = WorkerProcess()
     try:
         idle = measure_idle(worker, args.slots, args.idle_s)
@@ -83,16 +86,23 @@ def _engine(worker, slots: int, standby: bool):
     from ..engine import RemoteDSpark
     from ..harness import DemoEngine
     from ..sim import SimEngine
-    env = worker.env(VLLM_DSPARK_REMOTE_POLICY="capacity", VLLM_DSPARK_REMOTE_ASYNC="1",
-                     VLLM_DSPARK_REMOTE_ASYNC_PROXY="process", VLLM_DSPARK_REMOTE_STATS_FILE="",
-                     VLLM_DSPARK_REMOTE_LOG_EVERY="0", VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS="1000000",
-                     VLLM_DSPARK_REMOTE_ASYNC_STANDBY="1" if standby else "0")
+
+    env = worker.env(
+        VLLM_DSPARK_REMOTE_POLICY="capacity",
+        VLLM_DSPARK_REMOTE_ASYNC="1",
+        VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+        VLLM_DSPARK_REMOTE_STATS_FILE="",
+        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS="1000000",
+        VLLM_DSPARK_REMOTE_ASYNC_STANDBY="1" if standby else "0",
+    )
     rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=5, max_slots=slots, row_bytes=64, environ=env).start()
     return rd, DemoEngine(rd, SimEngine(slots, 5, seed=1))
 
 
 def measure_idle(worker, slots: int, idle_s: float) -> dict:
     import psutil
+
     rd, engine = _engine(worker, slots, True)
     try:
         for _ in range(20):
@@ -105,16 +115,21 @@ def measure_idle(worker, slots: int, idle_s: float) -> dict:
         t1 = time.perf_counter()
         out = engine.step()
         first_ms = (time.perf_counter() - t1) * 1e3
-        return {"seconds": dt, "watchdog_ms": rd.cfg.watchdog_ms,
-                "proxy_core": (p1.user + p1.system - p0.user - p0.system) / dt,
-                "engine_core": (e1.user + e1.system - e0.user - e0.system) / dt,
-                "first_round_ms": first_ms, "first_round_outcome": out.outcome.label}
+        return {
+            "seconds": dt,
+            "watchdog_ms": rd.cfg.watchdog_ms,
+            "proxy_core": (p1.user + p1.system - p0.user - p0.system) / dt,
+            "engine_core": (e1.user + e1.system - e0.user - e0.system) / dt,
+            "first_round_ms": first_ms,
+            "first_round_outcome": out.outcome.label,
+        }
     finally:
         rd.close()
 
 
 def measure_faults(worker, slots: int, kind: str, count: int, standby: bool) -> Row:
     from ..outcome import Outcome
+
     rd, engine = _engine(worker, slots, standby)
     row = Row(kind, standby, [])
     try:
@@ -138,6 +153,7 @@ def measure_faults(worker, slots: int, kind: str, count: int, standby: bool) -> 
 def _settle(rd, engine, standby: bool) -> None:
     """Rounds until a proxy serves them (and a standby is ready), bounded."""
     from ..outcome import Outcome
+
     sup, end = rd.supervisor, time.monotonic() + SETTLE_S
     while time.monotonic() < end:
         ok = engine.step().outcome is Outcome.OK
@@ -156,21 +172,37 @@ def _resume(pid: int) -> None:
 
 def report(idle: dict, rows: list[Row], as_json: bool) -> None:
     watchdog_ms = idle["watchdog_ms"]
-    goals = [("idle proxy CPU <= 2% of a core", idle["proxy_core"] <= GOAL_IDLE_CORE),
-             ("idle engine process CPU <= 2% of a core", idle["engine_core"] <= GOAL_IDLE_CORE)]
+    goals = [
+        ("idle proxy CPU <= 2% of a core", idle["proxy_core"] <= GOAL_IDLE_CORE),
+        ("idle engine process CPU <= 2% of a core", idle["engine_core"] <= GOAL_IDLE_CORE),
+    ]
     for r in rows:
         if r.standby and r.name == "kill":
             goals.append((f"SIGKILL -> ok p50 <= {GOAL_KILL_P50_MS:g} ms with the standby", r.p50 <= GOAL_KILL_P50_MS))
         if r.standby and r.name == "stall":
-            goals.append((f"SIGSTOP -> ok within the watchdog ({watchdog_ms} ms) + {GOAL_STALL_SLACK_MS:g} ms",
-                           r.worst <= watchdog_ms + GOAL_STALL_SLACK_MS))
+            goals.append(
+                (
+                    f"SIGSTOP -> ok within the watchdog ({watchdog_ms} ms) + {GOAL_STALL_SLACK_MS:g} ms",
+                    r.worst <= watchdog_ms + GOAL_STALL_SLACK_MS,
+                )
+            )
     if as_json:
-        print(json.dumps({"idle": idle, "rows": [asdict(r) | {"p50_ms": r.p50, "max_ms": r.worst} for r in rows],
-                          "goals": {name: met for name, met in goals}}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "idle": idle,
+                    "rows": [asdict(r) | {"p50_ms": r.p50, "max_ms": r.worst} for r in rows],
+                    "goals": {name: met for name, met in goals},
+                },
+                indent=1,
+            )
+        )
         return
-    print(f"idle {idle['seconds']:.1f} s: proxy {idle['proxy_core'] * 100:.2f}% of a core, engine process "
-          f"{idle['engine_core'] * 100:.2f}%; the first round after it {idle['first_round_ms']:.2f} ms "
-          f"({idle['first_round_outcome']})")
+    print(
+        f"idle {idle['seconds']:.1f} s: proxy {idle['proxy_core'] * 100:.2f}% of a core, engine process "
+        f"{idle['engine_core'] * 100:.2f}%; the first round after it {idle['first_round_ms']:.2f} ms "
+        f"({idle['first_round_outcome']})"
+    )
     print(f"{'fault':<8}{'standby':<9}{'n':>4}{'p50 ms':>10}{'max ms':>10}   (fault -> first ok round)")
     for r in rows:
         print(f"{r.name:<8}{'on' if r.standby else 'off':<9}{len(r.samples_ms):>4}{r.p50:>10.1f}{r.worst:>10.1f}")

@@ -28,7 +28,7 @@ import struct
 import sys
 import time
 
-PING, PONG = 0, 64          # pyflag words, on separate lines
+PING, PONG = 0, 64  # pyflag words, on separate lines
 FLAG = struct.Struct("<I")
 FLAG_BYTES = 128
 
@@ -41,6 +41,7 @@ def serve_loop(end, count: int, timeout_s: float) -> None:
     """
     from ..ring import Outcome
     from ..tcp_round import TcpRounds
+
     rounds = TcpRounds(end, session=0, default_deadline_ms=1)
     left = count
     while left:
@@ -52,6 +53,7 @@ def serve_loop(end, count: int, timeout_s: float) -> None:
 
 def _region_peer(args) -> None:
     from .. import native, ring, ring_proxy, shm
+
     lib = native.load()
     with shm.Region.attach(args.fd) as region:
         end = ring_proxy.ProxyEnd(region, lib, spin_us=args.spin_us, nap_us=args.nap_us)
@@ -59,14 +61,16 @@ def _region_peer(args) -> None:
             serve_loop(end, args.rounds, args.timeout_s)
             return
         geom = ring.geometry(region)
-        rc = lib.serve(geom, end.next, args.rounds, ring.Outcome.OK, args.spin_us,
-                       args.nap_us, int(args.timeout_s * 1e9))
+        rc = lib.serve(
+            geom, end.next, args.rounds, ring.Outcome.OK, args.spin_us, args.nap_us, int(args.timeout_s * 1e9)
+        )
         if native.check(rc, "C peer") is not native.Status.OK:
             raise TimeoutError(f"C peer: no round within {args.timeout_s}s")
 
 
 def _pipe_peer(args) -> None:
     from multiprocessing.connection import Connection
+
     conn = Connection(args.fd)
     for _ in range(args.rounds):
         if not conn.poll(args.timeout_s):

@@ -32,7 +32,7 @@ class Pinning:
     small machine the spinning peer, the engine thread and a GIL hog share fewer cores
     than they need and the scheduler's time slices (milliseconds) show up as latency."""
 
-    peer: frozenset[int] | None      # None: not pinned
+    peer: frozenset[int] | None  # None: not pinned
     engine: frozenset[int] | None
 
     @classmethod
@@ -111,6 +111,7 @@ def run_rows(opts: Options, pins: Pinning, modes, runners, label: str) -> list[R
     hog, with the engine's threads kept off the peer's CPU (the hog must never share it)."""
     from .. import native
     from ..progress import Progress
+
     lib = native.load()
     plan = [(m, hog) for hog in (False, True) for m in modes]
     rows = []
@@ -135,14 +136,26 @@ class Peer:
         env = dict(os.environ)
         env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = lib.path  # the engine's build, no rebuild
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        self._cmd = [sys.executable, "-m", "remote_dspark.bench.handoff_peer", PEER_MODE[mode],
-                     "--fd", str(fd), "--rounds", str(total), "--spin-us", str(opts.spin_us),
-                     "--nap-us", str(opts.nap_us), "--timeout-s", str(ROUND_TIMEOUT_S)]
+        self._cmd = [
+            sys.executable,
+            "-m",
+            "remote_dspark.bench.handoff_peer",
+            PEER_MODE[mode],
+            "--fd",
+            str(fd),
+            "--rounds",
+            str(total),
+            "--spin-us",
+            str(opts.spin_us),
+            "--nap-us",
+            str(opts.nap_us),
+            "--timeout-s",
+            str(ROUND_TIMEOUT_S),
+        ]
         self._fd, self._env = fd, env
 
     def __enter__(self) -> Peer:
-        self._proc = subprocess.Popen(self._cmd, pass_fds=(self._fd,), env=self._env,
-                                      stderr=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(self._cmd, pass_fds=(self._fd,), env=self._env, stderr=subprocess.PIPE, text=True)
         if self._cpus is not None:
             os.sched_setaffinity(self._proc.pid, self._cpus)
         return self

@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import dataclass
 
-ROUND_TIMEOUT_S = 30.0   # generous: a hog row waits up to a switch interval per call
+ROUND_TIMEOUT_S = 30.0  # generous: a hog row waits up to a switch interval per call
 HOLD_GIL_US = 50
 
 
@@ -28,11 +28,11 @@ class Stats:
 class Row:
     mode: str
     hog: bool
-    timed_in: str            # "C" or "Python"
+    timed_in: str  # "C" or "Python"
     latency: Stats
-    gil_wait: Stats | None   # only for rows timed in C
-    after_idle: Stats | None = None   # rounds after an idle gap (the peer's wake-up; see run_all, handoff_cuda)
-    slow: int | None = None           # CUDA rows: rounds over the p99 target
+    gil_wait: Stats | None  # only for rows timed in C
+    after_idle: Stats | None = None  # rounds after an idle gap (the peer's wake-up; see run_all, handoff_cuda)
+    slow: int | None = None  # CUDA rows: rounds over the p99 target
 
 
 @dataclass(frozen=True)

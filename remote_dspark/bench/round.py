@@ -89,43 +89,83 @@ from .round_report import Row, _ms, format_table, make_report, pct
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("round", help="one drafting round end to end (sync / thread / process) "
-                                     "next to the TCP floor and the drafter alone",
-                       description=__doc__.split("\n\n")[0] + " Rows: floor, sync, thread, process, "
-                       "draft (and launch with --device cuda); see the module docstring.")
-    p.add_argument("--slots", default=None, metavar="S[,S...]",
-                   help="entries per round, 1..4096 (the wire's cap), or a comma-separated list. "
-                        f"Default: a sweep over {', '.join(map(str, SWEEP))} (see --sweep)")
-    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
-                   help="--sweep: the rows at 64, 256, 1024 and 4096 slots (the default when "
-                        f"--slots is not given); --no-sweep: {DEFAULT_SLOTS} slots only")
+    p = sub.add_parser(
+        "round",
+        help="one drafting round end to end (sync / thread / process) next to the TCP floor and the drafter alone",
+        description=__doc__.split("\n\n")[0] + " Rows: floor, sync, thread, process, "
+        "draft (and launch with --device cuda); see the module docstring.",
+    )
+    p.add_argument(
+        "--slots",
+        default=None,
+        metavar="S[,S...]",
+        help="entries per round, 1..4096 (the wire's cap), or a comma-separated list. "
+        f"Default: a sweep over {', '.join(map(str, SWEEP))} (see --sweep)",
+    )
+    p.add_argument(
+        "--sweep",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--sweep: the rows at 64, 256, 1024 and 4096 slots (the default when "
+        f"--slots is not given); --no-sweep: {DEFAULT_SLOTS} slots only",
+    )
     p.add_argument("--num-spec", type=int, default=5, help="k: drafts per entry (default 5)")
-    p.add_argument("--row-bytes", type=int, default=1024,
-                   help="bytes of engine row per entry, sent with the round (default 1024)")
-    p.add_argument("--rounds", type=int, default=500,
-                   help="measured rounds per row (default 500); above 256 slots a row measures "
-                        f"N x 256 / slots of them, at least {MIN_ROUNDS}")
-    p.add_argument("--warmup", type=int, default=10,
-                   help="unmeasured rounds first, >= 1: the first round announces every slot "
-                        "(default 10)")
-    p.add_argument("--modes", default=None, metavar="MODE[,MODE...]",
-                   help=f"rows to run, comma-separated, from {', '.join(CUDA_MODES)} (default: "
-                        f"{','.join(MODES)}, plus launch with --device cuda)")
-    p.add_argument("--timeout-ms", type=int, default=TIMEOUT_MS,
-                   help=f"the engine rows' VLLM_DSPARK_REMOTE_TIMEOUT_MS (default {TIMEOUT_MS}: "
-                        "generous, so large rounds are not timeouts)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (default); cuda: also the launch row, rows on the GPU")
-    p.add_argument("--device-metadata", action="store_true",
-                   help="with --device cuda: the batch's metadata tensors (slots, tokens, offsets, "
-                        "positions, new_gen) on the GPU too (default: on the host; row_index is always "
-                        "where the rows are)")
-    p.add_argument("--drafter", choices=("markov", "lm"), default="markov",
-                   help="the worker's drafter: the built-in Markov model (default) or the built-in tiny causal "
-                        "LM (CUDA when present; the draft row then times it, and the goal is the whole round's "
-                        "time)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (and nothing else) on stdout; progress stays on stderr")
+    p.add_argument(
+        "--row-bytes", type=int, default=1024, help="bytes of engine row per entry, sent with the round (default 1024)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=500,
+        help="measured rounds per row (default 500); above 256 slots a row measures "
+        f"N x 256 / slots of them, at least {MIN_ROUNDS}",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="unmeasured rounds first, >= 1: the first round announces every slot (default 10)",
+    )
+    p.add_argument(
+        "--modes",
+        default=None,
+        metavar="MODE[,MODE...]",
+        help=f"rows to run, comma-separated, from {', '.join(CUDA_MODES)} (default: "
+        f"{','.join(MODES)}, plus launch with --device cuda)",
+    )
+    p.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=TIMEOUT_MS,
+        help=f"the engine rows' VLLM_DSPARK_REMOTE_TIMEOUT_MS (default {TIMEOUT_MS}: "
+        "generous, so large rounds are not timeouts)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default); cuda: also the launch row, rows on the GPU",
+    )
+    p.add_argument(
+        "--device-metadata",
+        action="store_true",
+        help="with --device cuda: the batch's metadata tensors (slots, tokens, offsets, "
+        "positions, new_gen) on the GPU too (default: on the host; row_index is always "
+        "where the rows are)",
+    )
+    p.add_argument(
+        "--drafter",
+        choices=("markov", "lm"),
+        default="markov",
+        help="the worker's drafter: the built-in Markov model (default) or the built-in tiny causal "
+        "LM (CUDA when present; the draft row then times it, and the goal is the whole round's "
+        "time)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (and nothing else) on stdout; progress stays on stderr",
+    )
     p.set_defaults(func=run)
 
 
@@ -134,10 +174,13 @@ def add_parser(sub) -> None:
 
 def engine_env(worker, mode: str, timeout_ms: int, stats_dir: str) -> dict[str, str]:
     """The engine environment of an engine row against ``worker`` (a WorkerProcess)."""
-    env = {"VLLM_DSPARK_REMOTE_POLICY": "capacity", "VLLM_DSPARK_REMOTE_TIMEOUT_MS": str(timeout_ms),
-           "VLLM_DSPARK_REMOTE_LOG_EVERY": "0",
-           "VLLM_DSPARK_REMOTE_STATS_FILE": os.path.join(stats_dir, f"stats-{mode}.json"),
-           "VLLM_DSPARK_REMOTE_ASYNC": "0" if mode == "sync" else "1"}
+    env = {
+        "VLLM_DSPARK_REMOTE_POLICY": "capacity",
+        "VLLM_DSPARK_REMOTE_TIMEOUT_MS": str(timeout_ms),
+        "VLLM_DSPARK_REMOTE_LOG_EVERY": "0",
+        "VLLM_DSPARK_REMOTE_STATS_FILE": os.path.join(stats_dir, f"stats-{mode}.json"),
+        "VLLM_DSPARK_REMOTE_ASYNC": "0" if mode == "sync" else "1",
+    }
     if mode != "sync":
         env["VLLM_DSPARK_REMOTE_ASYNC_PROXY"] = mode
     return worker.env(**env)
@@ -148,14 +191,22 @@ def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device:
     """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process), closed on exit."""
     from ..config import RemoteConfig
     from ..engine import RemoteDSpark
+
     env = engine_env(worker, mode, opts.timeout_ms, stats_dir)
-    rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=opts.num_spec, max_slots=slots,
-                      row_bytes=opts.row_bytes, device=device, environ=env)
+    rd = RemoteDSpark(
+        RemoteConfig.from_env(env),
+        num_spec=opts.num_spec,
+        max_slots=slots,
+        row_bytes=opts.row_bytes,
+        device=device,
+        environ=env,
+    )
     try:
         rd.start()
         if rd.mode != mode:
-            raise RuntimeError(f"{mode}: the engine runs {rd.mode} rounds (its async hand-off failed "
-                               "its self-test; see the log)")
+            raise RuntimeError(
+                f"{mode}: the engine runs {rd.mode} rounds (its async hand-off failed its self-test; see the log)"
+            )
         yield rd
     finally:
         rd.close()
@@ -164,10 +215,11 @@ def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device:
 def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str) -> Row:
     """``rd.round(batch)`` rounds: wall time, the engine thread's CPU outside the wait."""
     from collections import Counter
+
     rounds = opts.rounds_for(slots)
     feeder = Feeder(slots, opts.row_bytes)
     lat, cpu, outcomes = [], [], Counter()
-    spins = mode != "sync"   # async rounds wait spinning: their wait's CPU is taken out
+    spins = mode != "sync"  # async rounds wait spinning: their wait's CPU is taken out
     with engine(worker, opts, mode, slots, stats_dir) as rd:
         for i in range(opts.warmup + rounds):
             batch = feeder.next_batch()
@@ -192,9 +244,9 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str) -> Row:
     drafts (CUDA events around ``launch()``, recorded on an idle stream) and the CPU inside
     ``launch()``. The stream is synchronized after every round, outside the figures."""
     import torch
+
     rounds = opts.rounds_for(slots)
-    feeder = Feeder(slots, opts.row_bytes, device="cuda",
-                    metadata_device="cuda" if opts.device_metadata else "cpu")
+    feeder = Feeder(slots, opts.row_bytes, device="cuda", metadata_device="cuda" if opts.device_metadata else "cpu")
     stream = torch.cuda.current_stream()
     pairs, cpu, wall = [], [], []
     with engine(worker, opts, "process", slots, stats_dir, device="cuda") as rd:
@@ -215,14 +267,25 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str) -> Row:
                 pairs.append((ev0, ev1))
                 cpu.append(c1 - c0)
                 wall.append(t1 - t0)
-        counted = rd.stats().rounds   # launched rounds are counted once collected
+        counted = rd.stats().rounds  # launched rounds are counted once collected
     lat = [int(a.elapsed_time(b) * 1e6) for a, b in pairs]
     outcomes = {o.label: n for o, n in counted.items() if n}
     not_ok = sum(counted.values()) - outcomes.get("ok", 0)
-    return Row("launch", slots, rounds, lat, cpu, not_ok, outcomes,
-               extra={"launch_wall_p50_ms": _ms(pct(wall, 0.5)), "launch_wall_p99_ms": _ms(pct(wall, 0.99)),
-                      "launch_cpu_p99_ms": _ms(pct(cpu, 0.99)),
-                      "outcomes_over": "every launched round, warm-up included"})
+    return Row(
+        "launch",
+        slots,
+        rounds,
+        lat,
+        cpu,
+        not_ok,
+        outcomes,
+        extra={
+            "launch_wall_p50_ms": _ms(pct(wall, 0.5)),
+            "launch_wall_p99_ms": _ms(pct(wall, 0.99)),
+            "launch_cpu_p99_ms": _ms(pct(cpu, 0.99)),
+            "outcomes_over": "every launched round, warm-up included",
+        },
+    )
 
 
 # --------------------------------------------------------------------------- the drafter
@@ -236,8 +299,10 @@ def draft_row(opts: Options, slots: int) -> Row:
 
     from ..drafter import DraftBatch, MarkovDrafter
     from ..markov import builtin_model
+
     if opts.drafter == "lm":
         from ..lm import builtin_drafter
+
         drafter = builtin_drafter()
     else:
         drafter = MarkovDrafter(builtin_model())
@@ -251,8 +316,16 @@ def draft_row(opts: Options, slots: int) -> Row:
     for _ in range(DRAFT_BATCHES):
         start = rng.integers(0, len(text), n, dtype=np.int64)
         at = (start[:, None] + np.arange(CONTEXT_TOKENS, dtype=np.int64)[None, :]).ravel() % len(text)
-        batches.append(DraftBatch(tokens=np.ascontiguousarray(text[at]), offsets=offsets, n_out=n_out,
-                                  rows=rows, want_margin=False, width=k))
+        batches.append(
+            DraftBatch(
+                tokens=np.ascontiguousarray(text[at]),
+                offsets=offsets,
+                n_out=n_out,
+                rows=rows,
+                want_margin=False,
+                width=k,
+            )
+        )
     rounds = opts.rounds_for(slots)
     lat = []
     for i in range(opts.warmup + rounds):
@@ -269,9 +342,10 @@ def draft_row(opts: Options, slots: int) -> Row:
 
 
 def run(args) -> int:
-    opts = options(args)   # every argument checked before anything starts
+    opts = options(args)  # every argument checked before anything starts
     if opts.device == "cuda":
         import torch
+
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here")
     rows = run_all(opts)
@@ -283,6 +357,7 @@ def run(args) -> int:
 def run_all(opts: Options) -> list[Row]:
     """Every row of ``opts.modes`` at every slot count; every child ended before returning."""
     from ..progress import Progress
+
     plan = [(s, m) for s in opts.slots for m in opts.modes]
     rows: list[Row] = []
     bar = Progress(len(plan), "round rows")
@@ -291,9 +366,11 @@ def run_all(opts: Options) -> list[Row]:
         stats_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="remote-dspark-bench-round."))
         if any(m in ENGINE_MODES or m == "launch" for m in opts.modes):
             from ..harness import WorkerProcess, worker_limits
+
             drafter = ("--drafter", "lm") if opts.drafter == "lm" else ()
-            worker = stack.enter_context(WorkerProcess(extra=(*worker_limits(max(opts.slots), opts.row_bytes),
-                                                              *drafter)))
+            worker = stack.enter_context(
+                WorkerProcess(extra=(*worker_limits(max(opts.slots), opts.row_bytes), *drafter))
+            )
         for i, (slots, mode) in enumerate(plan):
             bar.update(i, f"{mode} {slots} slots")
             if mode == "floor":

@@ -25,12 +25,12 @@ class Feeder:
     16-token prompt at a new stretch of text: the context is synthetic anyway).
     """
 
-    def __init__(self, slots: int, row_bytes: int, *, device: str = "cpu", metadata_device: str = "cpu",
-                 seed: int = 1):
+    def __init__(self, slots: int, row_bytes: int, *, device: str = "cpu", metadata_device: str = "cpu", seed: int = 1):
         import numpy as np
         import torch
 
         from ..markov import splitmix64
+
         self.n = slots
         self.text = np.asarray(_text(seed), dtype=np.int32)
         self.rng = np.random.default_rng(splitmix64(seed) & 0xFFFFFFFF)
@@ -54,6 +54,7 @@ class Feeder:
         import torch
 
         from ..engine import Batch
+
         ng = self.new_gen
         start = np.where(ng, 0, self.position)
         count = np.where(ng, PROMPT_TOKENS, STEP_TOKENS)
@@ -64,13 +65,21 @@ class Feeder:
         tokens = self.text[at % len(self.text)]
         self._sent = start + count
         dev, t = self.meta_device, torch.from_numpy
-        return Batch(slots=self.slot_ids, tokens=t(tokens).to(dev), token_offsets=t(offsets).to(dev),
-                     positions=t(start.astype(np.int32)).to(dev), new_gen=t(ng.copy()).to(dev),
-                     rows=self.rows, row_index=self.row_index, n_out=None)
+        return Batch(
+            slots=self.slot_ids,
+            tokens=t(tokens).to(dev),
+            token_offsets=t(offsets).to(dev),
+            positions=t(start.astype(np.int32)).to(dev),
+            new_gen=t(ng.copy()).to(dev),
+            rows=self.rows,
+            row_index=self.row_index,
+            n_out=None,
+        )
 
     def after(self, out) -> None:
         """The round was sent (whatever its outcome): advance; re-announce lost slots."""
         import numpy as np
+
         self.position = self._sent
         self.new_gen = np.zeros(self.n, dtype=bool)
         lost = np.asarray(out.resync, dtype=np.int64)
@@ -83,4 +92,5 @@ class Feeder:
 
 def _text(seed: int) -> list[int]:
     from ..markov import SyntheticLanguage
+
     return SyntheticLanguage().text(TEXT_TOKENS, seed=seed)

@@ -17,12 +17,14 @@ from .round_report import Row
 def round_bytes(slots: int, row_bytes: int) -> int:
     """A steady-state ROUND frame's bytes: header, sections, STEP_TOKENS tokens per entry."""
     from .. import wire
+
     return wire.HEADER.size + wire.round_sections(slots, STEP_TOKENS * slots, row_bytes).size
 
 
 def drafts_bytes(slots: int, num_spec: int) -> int:
     """A DRAFTS frame's bytes for ``slots`` entries of ``num_spec`` drafts, no margins."""
     from .. import wire
+
     return wire.HEADER.size + wire.drafts_sections(slots, num_spec, margins=False).size
 
 
@@ -65,14 +67,27 @@ class FloorPeer:
             lsock.listen(1)
             lsock.settimeout(START_TIMEOUT_S)
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", FLOOR_PEER, str(lsock.getsockname()[1]), str(n_in), str(n_out),
-                 str(count), str(ROUND_TIMEOUT_S)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                [
+                    sys.executable,
+                    "-c",
+                    FLOOR_PEER,
+                    str(lsock.getsockname()[1]),
+                    str(n_in),
+                    str(n_out),
+                    str(count),
+                    str(ROUND_TIMEOUT_S),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             try:
                 conn, _ = lsock.accept()
             except TimeoutError:
-                raise RuntimeError(f"the floor peer did not connect within {START_TIMEOUT_S:g} s: "
-                                   f"{self._end(0.0)}") from None
+                raise RuntimeError(
+                    f"the floor peer did not connect within {START_TIMEOUT_S:g} s: {self._end(0.0)}"
+                ) from None
             conn.settimeout(ROUND_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.conn = conn

@@ -18,15 +18,15 @@ DESCRIBE = {
     "launch": "launch(), CUDA, process",
 }
 SWEEP = (64, 256, 1024, 4096)
-DEFAULT_SLOTS = 256            # with --no-sweep
-PROMPT_TOKENS = 16             # a NEW_GEN entry's context
-STEP_TOKENS = 3                # a steady entry: 2 accepted drafts + the target's token
-CONTEXT_TOKENS = 64            # the draft row's context per entry
-TEXT_TOKENS = 1 << 14          # synthetic-language text the feeder reads from (wraps)
-MIN_ROUNDS = 50                # the fewest measured rounds of a row above 256 slots
-DRAFT_BATCHES = 8              # the draft row rotates through this many different batches
-ROUND_TIMEOUT_S = 30.0         # the floor: no round takes this long unless a side is gone
-START_TIMEOUT_S = 10.0         # the floor peer connects within this
+DEFAULT_SLOTS = 256  # with --no-sweep
+PROMPT_TOKENS = 16  # a NEW_GEN entry's context
+STEP_TOKENS = 3  # a steady entry: 2 accepted drafts + the target's token
+CONTEXT_TOKENS = 64  # the draft row's context per entry
+TEXT_TOKENS = 1 << 14  # synthetic-language text the feeder reads from (wraps)
+MIN_ROUNDS = 50  # the fewest measured rounds of a row above 256 slots
+DRAFT_BATCHES = 8  # the draft row rotates through this many different batches
+ROUND_TIMEOUT_S = 30.0  # the floor: no round takes this long unless a side is gone
+START_TIMEOUT_S = 10.0  # the floor peer connects within this
 TIMEOUT_MS = 1000
 
 # The goals, checked at GOAL_SLOTS (and LINEAR_AT against GOAL_SLOTS).
@@ -37,7 +37,7 @@ GOAL_X_SYNC = 1.2
 GOAL_ENGINE_CPU_MS = 0.3
 GOAL_DRAFT_MS = 0.1
 GOAL_LINEAR = 2.0
-GOAL_LM_PROCESS_MS = 2.0       # with --drafter lm: a whole process round at GOAL_SLOTS
+GOAL_LM_PROCESS_MS = 2.0  # with --drafter lm: a whole process round at GOAL_SLOTS
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Options:
     timeout_ms: int
     device: str
     device_metadata: bool
-    drafter: str = "markov"       # the worker's: markov, or lm (the built-in model)
+    drafter: str = "markov"  # the worker's: markov, or lm (the built-in model)
 
     def rounds_for(self, slots: int) -> int:
         """Measured rounds of a row at ``slots``: all of them up to GOAL_SLOTS, fewer above."""
@@ -73,6 +73,7 @@ def options(args) -> Options:
     Raises: ValueError naming the bad argument and the rule it breaks.
     """
     from .. import wire
+
     if args.slots is not None and args.sweep:
         raise ValueError(f"--slots {args.slots} with --sweep: give one or the other")
     if args.slots is not None:
@@ -81,8 +82,7 @@ def options(args) -> Options:
         slots = list(SWEEP) if args.sweep in (None, True) else [DEFAULT_SLOTS]
     for s in slots:
         if not 1 <= s <= wire.MAX_ENTRIES:
-            raise ValueError(f"--slots {s}: must be in 1..{wire.MAX_ENTRIES} (the wire's cap on "
-                             "entries per round)")
+            raise ValueError(f"--slots {s}: must be in 1..{wire.MAX_ENTRIES} (the wire's cap on entries per round)")
     if len(set(slots)) != len(slots):
         raise ValueError(f"--slots {args.slots}: a slot count appears twice")
     if not 1 <= args.num_spec <= wire.MAX_N_OUT:
@@ -92,13 +92,16 @@ def options(args) -> Options:
     for s in slots:
         size = wire.round_sections(s, s * PROMPT_TOKENS, args.row_bytes).size
         if size > wire.MAX_PAYLOAD:
-            raise ValueError(f"--row-bytes {args.row_bytes} at {s} slots: a ROUND of {size} bytes is over "
-                             f"the wire's {wire.MAX_PAYLOAD}-byte cap")
+            raise ValueError(
+                f"--row-bytes {args.row_bytes} at {s} slots: a ROUND of {size} bytes is over "
+                f"the wire's {wire.MAX_PAYLOAD}-byte cap"
+            )
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}: must be >= 1")
     if args.warmup < 1:
-        raise ValueError(f"--warmup {args.warmup}: must be >= 1 (the first round announces every "
-                         "slot: never a steady-state figure)")
+        raise ValueError(
+            f"--warmup {args.warmup}: must be >= 1 (the first round announces every slot: never a steady-state figure)"
+        )
     if args.timeout_ms < 1:
         raise ValueError(f"--timeout-ms {args.timeout_ms}: must be >= 1")
     if args.device_metadata and args.device != "cuda":
@@ -112,10 +115,19 @@ def options(args) -> Options:
             if m == "launch" and args.device != "cuda":
                 raise ValueError("--modes launch: only with --device cuda")
             if m not in allowed:
-                raise ValueError(f"--modes {args.modes!r}: unknown mode {m!r}; choose from "
-                                 f"{', '.join(allowed)}")
+                raise ValueError(f"--modes {args.modes!r}: unknown mode {m!r}; choose from {', '.join(allowed)}")
         if not modes:
             raise ValueError(f"--modes {args.modes!r}: no mode named")
-    modes = [m for m in CUDA_MODES if m in modes]   # table order, each once
-    return Options(tuple(slots), args.num_spec, args.row_bytes, args.rounds, args.warmup, tuple(modes),
-                   args.timeout_ms, args.device, args.device_metadata, getattr(args, "drafter", "markov"))
+    modes = [m for m in CUDA_MODES if m in modes]  # table order, each once
+    return Options(
+        tuple(slots),
+        args.num_spec,
+        args.row_bytes,
+        args.rounds,
+        args.warmup,
+        tuple(modes),
+        args.timeout_ms,
+        args.device,
+        args.device_metadata,
+        getattr(args, "drafter", "markov"),
+    )

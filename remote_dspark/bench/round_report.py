@@ -30,10 +30,10 @@ class Row:
     slots: int
     rounds: int
     lat_ns: list[int]
-    cpu_ns: list[int] | None = None     # engine thread CPU per round (engine rows, launch)
-    not_ok: int | None = None           # engine rows: measured rounds whose outcome is not "ok"
-    outcomes: dict | None = None        # engine rows: measured rounds by outcome
-    extra: dict | None = None           # floor: byte counts; launch: CPU inside launch()
+    cpu_ns: list[int] | None = None  # engine thread CPU per round (engine rows, launch)
+    not_ok: int | None = None  # engine rows: measured rounds whose outcome is not "ok"
+    outcomes: dict | None = None  # engine rows: measured rounds by outcome
+    extra: dict | None = None  # floor: byte counts; launch: CPU inside launch()
 
 
 def pct(values: list[int], q: float) -> float:
@@ -48,8 +48,13 @@ def _ms(ns: float) -> float:
 
 def _threads() -> dict:
     import torch
-    return {"torch_num_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "cpu_count": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0))}
+
+    return {
+        "torch_num_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+    }
 
 
 def make_report(opts: Options, rows: list[Row]) -> dict:
@@ -58,13 +63,19 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
     for r in rows:
         f, s = p50.get(("floor", r.slots)), p50.get(("sync", r.slots))
         mine = p50[(r.mode, r.slots)]
-        d = {"mode": r.mode, "slots": r.slots, "rounds": r.rounds,
-             "p50_ms": _ms(mine), "p99_ms": _ms(pct(r.lat_ns, 0.99)),
-             "x_floor": None if f is None else round(mine / max(f, 1), 2),
-             "x_sync": (round(mine / max(s, 1), 2) if s is not None and r.mode in ("thread", "process", "launch")
-                        else None),
-             "engine_cpu_ms": None if r.cpu_ns is None else _ms(pct(r.cpu_ns, 0.5)),
-             "not_ok": r.not_ok}
+        d = {
+            "mode": r.mode,
+            "slots": r.slots,
+            "rounds": r.rounds,
+            "p50_ms": _ms(mine),
+            "p99_ms": _ms(pct(r.lat_ns, 0.99)),
+            "x_floor": None if f is None else round(mine / max(f, 1), 2),
+            "x_sync": (
+                round(mine / max(s, 1), 2) if s is not None and r.mode in ("thread", "process", "launch") else None
+            ),
+            "engine_cpu_ms": None if r.cpu_ns is None else _ms(pct(r.cpu_ns, 0.5)),
+            "not_ok": r.not_ok,
+        }
         if r.cpu_ns is not None:
             d["engine_cpu_mean_ms"] = _ms(sum(r.cpu_ns) / len(r.cpu_ns))
         if r.outcomes is not None:
@@ -72,12 +83,24 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
         if r.extra:
             d.update(r.extra)
         out_rows.append(d)
-    config = {"bench": "round", "slots": list(opts.slots), "num_spec": opts.num_spec, "row_bytes": opts.row_bytes,
-              "rounds": opts.rounds, "rounds_by_slots": {str(s): opts.rounds_for(s) for s in opts.slots},
-              "warmup": opts.warmup, "modes": list(opts.modes), "timeout_ms": opts.timeout_ms,
-              "device": opts.device, "device_metadata": opts.device_metadata, "drafter": opts.drafter,
-              "tokens_per_entry": STEP_TOKENS, "prompt_tokens": PROMPT_TOKENS, "draft_context_tokens": CONTEXT_TOKENS,
-              **_threads()}
+    config = {
+        "bench": "round",
+        "slots": list(opts.slots),
+        "num_spec": opts.num_spec,
+        "row_bytes": opts.row_bytes,
+        "rounds": opts.rounds,
+        "rounds_by_slots": {str(s): opts.rounds_for(s) for s in opts.slots},
+        "warmup": opts.warmup,
+        "modes": list(opts.modes),
+        "timeout_ms": opts.timeout_ms,
+        "device": opts.device,
+        "device_metadata": opts.device_metadata,
+        "drafter": opts.drafter,
+        "tokens_per_entry": STEP_TOKENS,
+        "prompt_tokens": PROMPT_TOKENS,
+        "draft_context_tokens": CONTEXT_TOKENS,
+        **_threads(),
+    }
     return {"config": config, "rows": out_rows, "targets": targets(out_rows, opts.drafter)}
 
 
@@ -94,16 +117,18 @@ def targets(rows: list[dict], drafter: str = "markov") -> dict:
     proc = by.get(("process", g))
     if drafter == "lm":
         if proc is not None:
-            out["lm_process_ms"] = _goal(proc["p50_ms"], GOAL_LM_PROCESS_MS,
-                                         f"process p50 with the model drafter at {g} slots, ms")
+            out["lm_process_ms"] = _goal(
+                proc["p50_ms"], GOAL_LM_PROCESS_MS, f"process p50 with the model drafter at {g} slots, ms"
+            )
         return out
     if proc is not None and proc["x_floor"] is not None:
         out["process_x_floor"] = _goal(proc["x_floor"], GOAL_X_FLOOR, f"process p50 / floor p50 at {g} slots")
     if proc is not None and proc["x_sync"] is not None:
         out["process_x_sync"] = _goal(proc["x_sync"], GOAL_X_SYNC, f"process p50 / sync p50 at {g} slots")
     if proc is not None:
-        out["process_engine_cpu_ms"] = _goal(proc["engine_cpu_ms"], GOAL_ENGINE_CPU_MS,
-                                             f"process engine CPU per round at {g} slots, ms")
+        out["process_engine_cpu_ms"] = _goal(
+            proc["engine_cpu_ms"], GOAL_ENGINE_CPU_MS, f"process engine CPU per round at {g} slots, ms"
+        )
     draft = by.get(("draft", g))
     if draft is not None:
         out["draft_ms"] = _goal(draft["p50_ms"], GOAL_DRAFT_MS, f"draft p50 at {g} slots, ms")
@@ -111,8 +136,9 @@ def targets(rows: list[dict], drafter: str = "markov") -> dict:
         lo, hi = by.get((mode, g)), by.get((mode, LINEAR_AT))
         if lo is not None and hi is not None:
             ratio = (hi["p50_ms"] / LINEAR_AT) / max(lo["p50_ms"] / g, 1e-9)
-            out[f"{mode}_linear"] = _goal(round(ratio, 2), GOAL_LINEAR,
-                                          f"{mode} per-slot p50 at {LINEAR_AT} slots / at {g} slots")
+            out[f"{mode}_linear"] = _goal(
+                round(ratio, 2), GOAL_LINEAR, f"{mode} per-slot p50 at {LINEAR_AT} slots / at {g} slots"
+            )
     return out
 
 
@@ -131,24 +157,39 @@ def format_table(report: dict) -> str:
         f"{c['cpu_count']} CPUs ({c['affinity_cpus']} usable); device {c['device']}; drafter {c['drafter']}"
         + (f", metadata on {'the GPU' if c['device_metadata'] else 'the host'}" if c["device"] == "cuda" else ""),
     ]
-    head = (f"{'slots':>6}  {'mode':<25}{'rounds':>7}{'p50':>10}{'p99':>10}{'x floor':>9}{'x sync':>8}"
-            f"{'engine cpu':>12}  not ok")
+    head = (
+        f"{'slots':>6}  {'mode':<25}{'rounds':>7}{'p50':>10}{'p99':>10}{'x floor':>9}{'x sync':>8}"
+        f"{'engine cpu':>12}  not ok"
+    )
     lines += [head, "-" * len(head)]
     for r in report["rows"]:
-        flag = "-" if r["not_ok"] is None else (
-            "0" if not r["not_ok"] else
-            f"{r['not_ok']} NOT OK: " + ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()) if k != "ok"))
-        lines.append(f"{r['slots']:>6}  {DESCRIBE[r['mode']]:<25}{r['rounds']:>7}{r['p50_ms']:>10.3f}"
-                     f"{r['p99_ms']:>10.3f}{_f(r['x_floor'], '.2f', 9)}{_f(r['x_sync'], '.2f', 8)}"
-                     f"{_f(r['engine_cpu_ms'], '.3f', 12)}  {flag}")
+        flag = (
+            "-"
+            if r["not_ok"] is None
+            else (
+                "0"
+                if not r["not_ok"]
+                else f"{r['not_ok']} NOT OK: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()) if k != "ok")
+            )
+        )
+        lines.append(
+            f"{r['slots']:>6}  {DESCRIBE[r['mode']]:<25}{r['rounds']:>7}{r['p50_ms']:>10.3f}"
+            f"{r['p99_ms']:>10.3f}{_f(r['x_floor'], '.2f', 9)}{_f(r['x_sync'], '.2f', 8)}"
+            f"{_f(r['engine_cpu_ms'], '.3f', 12)}  {flag}"
+        )
     floors = [r for r in report["rows"] if r["mode"] == "floor"]
     if floors:
-        lines.append("floor bytes: " + "; ".join(
-            f"{r['slots']} slots ROUND {r['round_bytes']:,} + DRAFTS {r['drafts_bytes']:,}" for r in floors))
+        lines.append(
+            "floor bytes: "
+            + "; ".join(f"{r['slots']} slots ROUND {r['round_bytes']:,} + DRAFTS {r['drafts_bytes']:,}" for r in floors)
+        )
     for r in report["rows"]:
         if r["mode"] == "launch":
-            lines.append(f"launch at {r['slots']} slots: CPU inside launch() p50 {r['engine_cpu_ms']:.3f} / p99 "
-                         f"{r['launch_cpu_p99_ms']:.3f} ms, wall inside launch() p50 {r['launch_wall_p50_ms']:.3f} ms")
+            lines.append(
+                f"launch at {r['slots']} slots: CPU inside launch() p50 {r['engine_cpu_ms']:.3f} / p99 "
+                f"{r['launch_cpu_p99_ms']:.3f} ms, wall inside launch() p50 {r['launch_wall_p50_ms']:.3f} ms"
+            )
     for t in report["targets"].values():
         v = "not measured" if t["value"] is None else f"{t['value']:g}"
         lines.append(f"goal {t['what']} <= {t['limit']:g}: {v}, {'met' if t['met'] else 'NOT met'}")

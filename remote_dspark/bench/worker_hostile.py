@@ -50,25 +50,44 @@ HONEST_ENGINE_ID = 0xC0FFEE
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("worker-hostile", help="the reference worker under hostile peers: its RSS growth "
-                                              "and an honest engine's HELLO latency",
-                       description=__doc__.split("\n\n")[0] + " Kinds of peer: header, hello, silent; "
-                       "see the module docstring.")
-    p.add_argument("--header-peers", type=int, default=40,
-                   help="peers that send a 64 MiB ROUND header before HELLO, then stall (default 40)")
-    p.add_argument("--hello-peers", type=int, default=16,
-                   help="peers that say HELLO, then a header of the largest round their session may "
-                        "send, then stall (default 16)")
-    p.add_argument("--silent-peers", type=int, default=200,
-                   help="peers that connect and say nothing (default 200)")
+    p = sub.add_parser(
+        "worker-hostile",
+        help="the reference worker under hostile peers: its RSS growth and an honest engine's HELLO latency",
+        description=__doc__.split("\n\n")[0] + " Kinds of peer: header, hello, silent; see the module docstring.",
+    )
+    p.add_argument(
+        "--header-peers",
+        type=int,
+        default=40,
+        help="peers that send a 64 MiB ROUND header before HELLO, then stall (default 40)",
+    )
+    p.add_argument(
+        "--hello-peers",
+        type=int,
+        default=16,
+        help="peers that say HELLO, then a header of the largest round their session may send, then stall (default 16)",
+    )
+    p.add_argument("--silent-peers", type=int, default=200, help="peers that connect and say nothing (default 200)")
     p.add_argument("--honest", type=int, default=5, help="honest HELLOs timed while they are open (default 5)")
     p.add_argument("--interval-ms", type=int, default=500, help="between honest HELLOs (default 500)")
-    p.add_argument("--settle-ms", type=int, default=1000,
-                   help="after the hostile peers are first opened, before the first honest HELLO (default 1000)")
-    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
-                   help="an extra argument for `remote-dspark worker` (repeatable), e.g. --worker-arg=--max-pending=64")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (and nothing else) on stdout; progress stays on stderr")
+    p.add_argument(
+        "--settle-ms",
+        type=int,
+        default=1000,
+        help="after the hostile peers are first opened, before the first honest HELLO (default 1000)",
+    )
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra argument for `remote-dspark worker` (repeatable), e.g. --worker-arg=--max-pending=64",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (and nothing else) on stdout; progress stays on stderr",
+    )
     p.set_defaults(func=run)
 
 
@@ -90,9 +109,9 @@ class Kind:
     name: str
     want: int
     socks: list = field(default_factory=list)
-    opened: int = 0       # connections made (the first ones and the re-openings)
-    dropped: int = 0      # of them, closed by the worker
-    failed: int = 0       # openings that failed (connect, or the HELLO refused / unanswered)
+    opened: int = 0  # connections made (the first ones and the re-openings)
+    dropped: int = 0  # of them, closed by the worker
+    failed: int = 0  # openings that failed (connect, or the HELLO refused / unanswered)
 
 
 class Hostiles:
@@ -143,7 +162,7 @@ class Hostiles:
                 kind.opened += 1
                 if s is None:
                     kind.failed += 1
-                    break          # the worker does not take more now: try at the next sweep
+                    break  # the worker does not take more now: try at the next sweep
                 kind.socks.append(s)
 
     def _open(self, kind: str) -> socket.socket | None:
@@ -157,8 +176,11 @@ class Hostiles:
             elif kind == "hello":
                 self._next_engine += 1
                 session = self._next_engine
-                s.sendall(wire.encode_hello(wire.Hello(*self.identities, self._next_engine, HOSTILE_SLOTS,
-                                                       HOSTILE_ROW_BYTES, 5), session))
+                s.sendall(
+                    wire.encode_hello(
+                        wire.Hello(*self.identities, self._next_engine, HOSTILE_SLOTS, HOSTILE_ROW_BYTES, 5), session
+                    )
+                )
                 ack = _read_ack(s)
                 if ack is None or not ack.accepted:
                     why = "no answer" if ack is None else ack.reason.split(":")[0][:60]
@@ -198,7 +220,7 @@ def _read_ack(s: socket.socket) -> wire.HelloAck | None:
                 if hdr.type != wire.HELLO_ACK:
                     return None
                 need += hdr.payload_len
-        return wire.decode_hello_ack(data[wire.HEADER.size:])
+        return wire.decode_hello_ack(data[wire.HEADER.size :])
     except (OSError, wire.ProtocolError):
         return None
 
@@ -211,6 +233,7 @@ class RssSampler:
 
     def __init__(self, pid: int):
         import psutil
+
         self.proc = psutil.Process(pid)
         self.peak = self.now()
         self._stop = threading.Event()
@@ -221,6 +244,7 @@ class RssSampler:
 
     def _run(self) -> None:
         import psutil
+
         while not self._stop.wait(SAMPLE_S):
             try:
                 self.peak = max(self.peak, self.now())
@@ -245,6 +269,7 @@ def honest_hello(port: int, identities: tuple[bytes, bytes], session: int) -> di
     """One honest connect + HELLO + HELLO_ACK, timed; the connection is closed after."""
     from ..client import DraftClient, Refused
     from ..transport import TransportError, parse_endpoint
+
     hello = honest(identities)
     t0 = time.perf_counter()
     try:
@@ -263,8 +288,8 @@ def warm_up(port: int, identities: tuple[bytes, bytes]) -> None:
     the baseline RSS is taken. Raises RuntimeError when it is not served."""
     from ..client import DraftClient
     from ..transport import parse_endpoint
-    c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"),
-                            honest(identities), 1, HONEST_TIMEOUT_S)
+
+    c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"), honest(identities), 1, HONEST_TIMEOUT_S)
     try:
         entries = [wire.Entry(i, 5, 0, (1, 2, 3), new_gen=True) for i in range(256)]
         c.round(1, [wire.encode_round_entries(1, 1, 5000, entries, bytes(256 * 1024), 1024)], 5000)
@@ -278,6 +303,7 @@ def _ms(t0: float) -> float:
 
 def measure(args) -> dict:
     from ..harness import WorkerProcess
+
     counts = {"header": args.header_peers, "hello": args.hello_peers, "silent": args.silent_peers}
     with WorkerProcess(extra=tuple(args.worker_arg)) as worker:
         identities = (bytes.fromhex(worker.identity), bytes.fromhex(worker.markov_identity))
@@ -297,8 +323,12 @@ def measure(args) -> dict:
                 for i in range(args.honest):
                     open_at.append(sum(hostiles.open_now().values()))
                     attempts.append(honest_hello(worker.port, identities, 100 + i))
-                    print(f"worker-hostile: honest HELLO {i + 1}/{args.honest}: {attempts[-1]['ms']} ms "
-                          f"{'ok' if attempts[-1]['ok'] else attempts[-1]['error']}", file=sys.stderr, flush=True)
+                    print(
+                        f"worker-hostile: honest HELLO {i + 1}/{args.honest}: {attempts[-1]['ms']} ms "
+                        f"{'ok' if attempts[-1]['ok'] else attempts[-1]['error']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     time.sleep(args.interval_ms / 1000)
             finally:
                 hostiles.stop()
@@ -306,15 +336,18 @@ def measure(args) -> dict:
     return make_report(args, counts, hostiles, base, sampler.peak, attempts, open_at, alive)
 
 
-def make_report(args, counts, hostiles: Hostiles, base: int, peak: int, attempts: list[dict],
-                open_at: list[int], alive: bool) -> dict:
+def make_report(
+    args, counts, hostiles: Hostiles, base: int, peak: int, attempts: list[dict], open_at: list[int], alive: bool
+) -> dict:
     mib = 1 << 20
     growth = (peak - base) / mib
     served = [a["ms"] for a in attempts if a["ok"]]
     worst = max(a["ms"] for a in attempts)
     return {
-        "peers": {k.name: {"want": k.want, "opened": k.opened, "dropped_by_worker": k.dropped,
-                           "failed_to_open": k.failed} for k in hostiles.kinds.values()},
+        "peers": {
+            k.name: {"want": k.want, "opened": k.opened, "dropped_by_worker": k.dropped, "failed_to_open": k.failed}
+            for k in hostiles.kinds.values()
+        },
         "hello_refusals": hostiles.refusals,
         "hostile_open_at_honest_hello": open_at,
         "rss_base_mib": round(base / mib, 1),
@@ -338,8 +371,9 @@ def format_report(r: dict) -> str:
     if r["hello_refusals"]:
         lines.append(f"hello peers refused: {r['hello_refusals']}")
     lines.append(f"hostile sockets open at each honest HELLO: {r['hostile_open_at_honest_hello']}")
-    lines.append(f"worker RSS: {r['rss_base_mib']} MiB before, peak {r['rss_peak_mib']} MiB: "
-                 f"growth {r['rss_growth_mib']} MiB")
+    lines.append(
+        f"worker RSS: {r['rss_base_mib']} MiB before, peak {r['rss_peak_mib']} MiB: growth {r['rss_growth_mib']} MiB"
+    )
     for i, a in enumerate(r["honest"], 1):
         lines.append(f"honest HELLO {i}: {a['ms']:>8} ms  {'ok' if a['ok'] else a['error']}")
     lines.append(f"worker alive at the end: {r['worker_alive']}")

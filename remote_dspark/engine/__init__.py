@@ -25,5 +25,14 @@ from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed
 from .stats import Stats
 
-__all__ = ["Batch", "Drafts", "EngineState", "apply_cost_overrides", "Launched", "RemoteClosed", "RemoteDSpark",
-           "RemoteRoundFailed", "Stats"]
+__all__ = [
+    "Batch",
+    "Drafts",
+    "EngineState",
+    "apply_cost_overrides",
+    "Launched",
+    "RemoteClosed",
+    "RemoteDSpark",
+    "RemoteRoundFailed",
+    "Stats",
+]

@@ -40,11 +40,10 @@ from .. import native, transport, wire
 from ..batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
 from ..client import DraftClient
 from ..config import RemoteConfig, n_out_table
-from ..outcome import Outcome
-from ..statsfile import write_json_atomic
 from ..supervisor import Supervisor
+from . import policies, report
 from .handoff import AsyncPath, Launched
-from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed, Users
+from .lifecycle import EngineState, RemoteClosed, Users
 from .proxy_host import ProxyHost
 from .ranks import Ranks, shares_failure
 from .spec import Spec
@@ -53,23 +52,34 @@ from .sync_path import SyncPath
 
 log = logging.getLogger("remote_dspark.engine")
 
-DEPTH = 4                    # rounds the engine may enqueue ahead of the proxy
-CLOSE_S = 1.5                # close: how long rounds in flight have to leave (close returns within 2 s)
-STATS_FILE_MIN_S = 2.0       # the stats file is rewritten every LOG_EVERY rounds, at most this often
+DEPTH = 4  # rounds the engine may enqueue ahead of the proxy
+CLOSE_S = 1.5  # close: how long rounds in flight have to leave (close returns within 2 s)
 
-LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]   # -> (tokens [n, k], counts [n])
+LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]  # -> (tokens [n, k], counts [n])
 
 
 class RemoteDSpark:
     """See the module docstring. One engine thread calls ``round`` / ``launch``;
     ``stats`` and ``close`` may be called from any thread."""
 
-    def __init__(self, cfg: RemoteConfig, *, num_spec: int, max_slots: int, row_bytes: int,
-                 device: str = "cpu", local_drafter: LocalDrafter | None = None,
-                 depth_mode: str | None = None, depth_file: str | None = None,
-                 dense_cap: Sequence[int] | None = None, environ: Mapping[str, str] | None = None,
-                 engine_id: int | None = None, depth: int = DEPTH, vocab_size: int | None = None,
-                 tp_group=None):
+    def __init__(
+        self,
+        cfg: RemoteConfig,
+        *,
+        num_spec: int,
+        max_slots: int,
+        row_bytes: int,
+        device: str = "cpu",
+        local_drafter: LocalDrafter | None = None,
+        depth_mode: str | None = None,
+        depth_file: str | None = None,
+        dense_cap: Sequence[int] | None = None,
+        environ: Mapping[str, str] | None = None,
+        engine_id: int | None = None,
+        depth: int = DEPTH,
+        vocab_size: int | None = None,
+        tp_group=None,
+    ):
         """``vocab_size``: the target model's vocabulary (token ids 0..vocab_size-1), or
         None when unknown. It goes to the worker in HELLO (0 there when unknown; a worker
         whose drafter's vocabulary is larger refuses) and bounds every token id: a batch's
@@ -86,22 +96,40 @@ class RemoteDSpark:
             raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
-        for name, value, hi in (("num_spec", num_spec, wire.MAX_N_OUT), ("max_slots", max_slots, wire.MAX_ENTRIES),
-                                ("row_bytes", row_bytes, wire.MAX_ROW_BYTES)):
+        for name, value, hi in (
+            ("num_spec", num_spec, wire.MAX_N_OUT),
+            ("max_slots", max_slots, wire.MAX_ENTRIES),
+            ("row_bytes", row_bytes, wire.MAX_ROW_BYTES),
+        ):
             if not 1 <= value <= hi:
                 raise ValueError(f"{name}={value}: must be in 1..{hi} (the wire contract's cap)")
-        if vocab_size is not None and (not hasattr(vocab_size, "__index__") or isinstance(vocab_size, bool)
-                                       or not 1 <= vocab_size <= wire.MAX_VOCAB):
+        if vocab_size is not None and (
+            not hasattr(vocab_size, "__index__")
+            or isinstance(vocab_size, bool)
+            or not 1 <= vocab_size <= wire.MAX_VOCAB
+        ):
             raise ValueError(f"vocab_size={vocab_size!r}: must be None (unknown) or an int in 1..{wire.MAX_VOCAB}")
         mode = ("process" if cfg.async_proxy == "process" else "thread") if cfg.async_mode else "sync"
         # n_out by schedule: each round's default n_out from its number of requests, when
         # the depth policy masks the positions past its cap (config.n_out_table's rules;
         # shadow and N_OUT=0 always send every position). A batch's own n_out wins.
-        table, self.n_out_reason = n_out_table(cfg, num_spec, depth_mode or "", depth_file,
-                                               list(dense_cap) if dense_cap is not None else None)
-        self.spec = Spec(cfg, num_spec, max_slots, row_bytes, max_slots * (CONTEXT_TOKENS + num_spec + 1), depth,
-                         device, mode, engine_id if engine_id is not None else wire.random_id(),
-                         dict(os.environ if environ is None else environ), table, int(vocab_size or 0))
+        table, self.n_out_reason = n_out_table(
+            cfg, num_spec, depth_mode or "", depth_file, list(dense_cap) if dense_cap is not None else None
+        )
+        self.spec = Spec(
+            cfg,
+            num_spec,
+            max_slots,
+            row_bytes,
+            max_slots * (CONTEXT_TOKENS + num_spec + 1),
+            depth,
+            device,
+            mode,
+            engine_id if engine_id is not None else wire.random_id(),
+            dict(os.environ if environ is None else environ),
+            table,
+            int(vocab_size or 0),
+        )
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)
         self.state = EngineState.NEW
@@ -109,13 +137,13 @@ class RemoteDSpark:
         self._host: ProxyHost | None = None
         self._users: Users | None = None
         self._final: Stats | None = None
-        self._rounds = 0                 # rounds and launches asked (engine thread)
-        self._stats_written_at = -STATS_FILE_MIN_S
-        self._lock = threading.Lock()   # state changes, and stats() against close()
-        self._start_lock = threading.Lock()   # start() and close() one at a time
+        self._lock = threading.Lock()  # state changes, and stats() against close()
+        self._start_lock = threading.Lock()  # start() and close() one at a time
         self.exporter = None
         # Tensor parallel (engine.ranks): rank 0 of tp_group opens the path, the others follow it.
         self._ranks = Ranks(tp_group) if tp_group is not None else None
+        # Tensor parallel: rank 0 writes the stats file (who that is, start() learns).
+        self._report = report.Report(cfg.log_every, cfg.stats_file, lambda: self._ranks is None or self._ranks.leader)
 
     # The facts callers read.
     cfg = property(lambda self: self.spec.cfg)
@@ -158,17 +186,20 @@ class RemoteDSpark:
             cfg = self.cfg
             for warning in cfg.warnings():
                 log.warning("remote DSpark: %s", warning)
-            log.info("remote DSpark: n_out %s (%s)", "by request count" if self.spec.n_out_table else
-                     f"= num_spec ({self.num_spec})", self.n_out_reason)
+            log.info(
+                "remote DSpark: n_out %s (%s)",
+                "by request count" if self.spec.n_out_table else f"= num_spec ({self.num_spec})",
+                self.n_out_reason,
+            )
             try:
                 if self._ranks is None:
                     self._open(started_at)
-                else:   # tensor parallel: every rank compares its config, rank 0 opens, the others follow
+                else:  # tensor parallel: every rank compares its config, rank 0 opens, the others follow
                     follower = self._ranks.start(self.spec, lambda: self._open(started_at), lambda: self.mode)
                     if follower is not None:
                         self.spec, self._path, self._users = follower.spec, follower, Users(follower.close)
             except BaseException:
-                self._close()   # nothing started stays running: exporter, proxy, watchdog, region
+                self._close()  # nothing started stays running: exporter, proxy, watchdog, region
                 raise
             with self._lock:
                 self.state = EngineState.STARTED
@@ -176,9 +207,10 @@ class RemoteDSpark:
 
     def _open(self, started_at: float) -> None:
         cfg = self.cfg
-        transport.check_ready(cfg.endpoint, self.spec.environ)   # an ofl endpoint needs its library now
+        transport.check_ready(cfg.endpoint, self.spec.environ)  # an ofl endpoint needs its library now
         if cfg.metrics_port:
             from ..metrics import Exporter
+
             self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
         if cfg.strict_start and self.mode != "sync":
             self._probe_connection()
@@ -189,8 +221,9 @@ class RemoteDSpark:
             try:
                 path = AsyncPath(self.spec, self.counts)
             except (OSError, native.NativeError, RuntimeError) as e:
-                log.warning("remote DSpark: the async hand-off failed its self-test (%s); "
-                            "falling back to synchronous rounds", e)
+                log.warning(
+                    "remote DSpark: the async hand-off failed its self-test (%s); falling back to synchronous rounds", e
+                )
                 self.spec = dataclasses.replace(self.spec, mode="sync")
             else:
                 self._path, self._users = path, path.users
@@ -208,12 +241,14 @@ class RemoteDSpark:
         Raises: TransportError, Refused, wire.ProtocolError.
         """
         cfg = self.cfg
-        DraftClient.connect(cfg.endpoint, self.spec.hello(), wire.random_id(),
-                            cfg.connect_timeout_ms / 1000.0, self.spec.environ).close()
+        DraftClient.connect(
+            cfg.endpoint, self.spec.hello(), wire.random_id(), cfg.connect_timeout_ms / 1000.0, self.spec.environ
+        ).close()
 
     def register_metrics(self, registry) -> None:
         """Add this engine's metrics to ``registry`` (an engine that serves /metrics)."""
         from ..metrics import RemoteDSparkCollector
+
         registry.register(RemoteDSparkCollector(self))
 
     def close(self) -> None:
@@ -224,7 +259,7 @@ class RemoteDSpark:
         Rounds in flight are not waited for: each is released here, through the claim
         the watchdog uses, and its thread leaves the region before anything is unmapped
         (``lifecycle.Users``: the last user out frees it)."""
-        with self._start_lock:   # a start in progress ends first (within its own deadlines)
+        with self._start_lock:  # a start in progress ends first (within its own deadlines)
             self._close()
 
     def _close(self) -> None:
@@ -242,13 +277,13 @@ class RemoteDSpark:
                 self._final = self._snapshot()
                 self.state = EngineState.CLOSED
             if self._users is not None:
-                self._users.leave()   # the owner: frees now, or when the last round leaves
-            self._write_stats_file()
+                self._users.leave()  # the owner: frees now, or when the last round leaves
+            self._report.write(self.stats())
 
     def _fence(self) -> None:
         users, path, deadline = self._users, self._path, time.monotonic() + CLOSE_S
         users.shut()
-        if not isinstance(path, AsyncPath):   # sync, or a tensor-parallel rank other than 0 (FollowerPath)
+        if not isinstance(path, AsyncPath):  # sync, or a tensor-parallel rank other than 0 (FollowerPath)
             path.fence()
             if not users.wait_alone(deadline):
                 log.warning("remote DSpark: close: a round still in flight after %.1f s", CLOSE_S)
@@ -257,11 +292,15 @@ class RemoteDSpark:
         while True:
             path.fence(proxy_gone)
             if users.wait_alone(min(deadline, time.monotonic() + 0.005)):
-                path.finish()   # nobody inside: the stream may be finished and the region unpinned
+                path.finish()  # nobody inside: the stream may be finished and the region unpinned
                 return
             if time.monotonic() >= deadline:
-                log.warning("remote DSpark: close: %d users of the region still inside after %.1f s; the "
-                            "last one out unmaps it", users.inside, CLOSE_S)
+                log.warning(
+                    "remote DSpark: close: %d users of the region still inside after %.1f s; the "
+                    "last one out unmaps it",
+                    users.inside,
+                    CLOSE_S,
+                )
                 return
 
     def __enter__(self):
@@ -317,20 +356,9 @@ class RemoteDSpark:
         st = self.counts
         st.observe_latency(time.monotonic() - t0)
         st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
-        ok = remote.outcome is Outcome.OK
-        if policy == "shadow":
-            if ok:
-                self._compare(local, remote)
-            use_remote = ok and self.cfg.shadow_use == "remote"
-            out = remote if use_remote else self._local_drafts(local, remote)
-        elif policy == "resilience":
-            out = remote if ok else self._local_drafts(self.local_drafter(batch), remote)
-        else:
-            if not ok and self.cfg.on_fail == "raise":
-                raise RemoteRoundFailed(f"remote round failed: {remote.outcome.label}")
-            out = remote
+        out = policies.choose(self.cfg, st, self.num_spec, remote, local, lambda: self.local_drafter(batch))
         st.source(out.source)
-        self._rounds_done()
+        self._report.round_done(self.stats)
         return out
 
     def launch(self, batch: Batch) -> Launched:
@@ -346,8 +374,10 @@ class RemoteDSpark:
             NotImplementedError: with a ``tp_group`` (use ``round()``).
         """
         if self._ranks is not None:
-            raise NotImplementedError("RemoteDSpark.launch() with a tp_group: the drafts would have to reach the "
-                                      "other ranks in stream order; use round()")
+            raise NotImplementedError(
+                "RemoteDSpark.launch() with a tp_group: the drafts would have to reach the "
+                "other ranks in stream order; use round()"
+            )
         self._enter("launch")
         try:
             if self.device != "cuda":
@@ -355,7 +385,7 @@ class RemoteDSpark:
             if isinstance(self._path, SyncPath):
                 return self._launch_sync(batch)
             launched = self._path.launch(batch)
-            self._rounds_done()
+            self._report.round_done(self.stats)
             return launched
         finally:
             self._users.leave()
@@ -366,27 +396,7 @@ class RemoteDSpark:
         an asynchronous launch gives."""
         out = self._round(batch)
         device = batch.rows.device
-        return Launched(self._path.round_id, out.tokens.to(device), out.counts.to(device), out.resync,
-                        out.resync_all)
-
-    def _local_drafts(self, local, remote: Drafts) -> Drafts:
-        tokens, counts = local
-        return Drafts(tokens.to(torch.int32), counts.to(torch.int32), None, "local", remote.outcome,
-                      remote.resync, remote.resync_all)
-
-    def _compare(self, local, remote: Drafts) -> None:
-        """Shadow statistics: per position, does the remote draft equal the local one
-        (where both drafted that far); and the remote's margins."""
-        ltok, lcnt = local
-        st = self.counts
-        both = torch.minimum(lcnt.to(torch.int32), remote.counts)
-        same = ltok.to(torch.int32) == remote.tokens
-        live = torch.arange(self.num_spec).unsqueeze(0) < both.unsqueeze(1)
-        st.add_at(st.shadow_compared_at, live.sum(0).numpy())
-        st.add_at(st.shadow_agree_at, (same & live).sum(0).numpy())
-        if remote.margins is not None:
-            drafted = torch.arange(self.num_spec).unsqueeze(0) < remote.counts.unsqueeze(1)
-            st.margins(remote.margins[drafted].numpy())
+        return Launched(self._path.round_id, out.tokens.to(device), out.counts.to(device), out.resync, out.resync_all)
 
     def record_accepted(self, accepted: Sequence[int], offered: Sequence[int]) -> None:
         """The engine reports how many drafts it accepted (and was offered) per position."""
@@ -405,38 +415,20 @@ class RemoteDSpark:
     def _snapshot(self) -> Stats:
         """Under ``_lock``: the path is open (close sets ``_final`` before it leaves)."""
         path, host, table = self._path, self._host, self.spec.n_out_table
-        common = {"mode": self.mode, "policy": self.cfg.policy, "n_out_reason": self.n_out_reason,
-                  "n_out_table": tuple(table) if table is not None else None}
+        common = {
+            "mode": self.mode,
+            "policy": self.cfg.policy,
+            "n_out_reason": self.n_out_reason,
+            "n_out_table": tuple(table) if table is not None else None,
+        }
         st = self.counts
         if isinstance(path, AsyncPath):
-            return st.snapshot(**common, link=path.link_stats(), handoff=path.handoff_stats(host.thread_alive),
-                               supervisor=host.supervisor_stats())
+            return st.snapshot(
+                **common,
+                link=path.link_stats(),
+                handoff=path.handoff_stats(host.thread_alive),
+                supervisor=host.supervisor_stats(),
+            )
         if isinstance(path, SyncPath):
             return st.snapshot(**common, link=path.link_stats(), connected=path.link.connected)
         return st.snapshot(**common, link=LinkStats.none())
-
-    def _rounds_done(self) -> None:
-        """Engine thread, after every round or launch: the log line every LOG_EVERY of
-        them, and the stats file then too, at most every STATS_FILE_MIN_S."""
-        self._rounds += 1
-        every = self.cfg.log_every
-        if not every or self._rounds % every:
-            return
-        s = self.stats()
-        sup = s.supervisor
-        log.info("remote DSpark: %d rounds (%s); late %d; budget %s", s.total_rounds,
-                 " ".join(f"{o.label}={n}" for o, n in s.rounds.items() if n), s.link.late,
-                 sup.budget_left if sup else "-")
-        now = time.monotonic()
-        if now - self._stats_written_at >= STATS_FILE_MIN_S:
-            self._stats_written_at = now
-            self._write_stats_file()
-
-    def _write_stats_file(self) -> None:
-        path = self.cfg.stats_file
-        if not path or (self._ranks is not None and not self._ranks.leader):   # tensor parallel: rank 0 writes it
-            return
-        try:
-            write_json_atomic(path, self.stats().to_json())
-        except (OSError, ValueError) as e:
-            log.warning("remote DSpark: cannot write %s: %s", path, e)

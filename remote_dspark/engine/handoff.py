@@ -41,8 +41,8 @@ from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStat
 
 log = logging.getLogger("remote_dspark.engine")
 
-STALL_ROUNDS = 3             # watchdog releases in a row that mark a live proxy stalled
-HOLD_GIL_US = 50             # process mode: spin this long holding the GIL before releasing it
+STALL_ROUNDS = 3  # watchdog releases in a row that mark a live proxy stalled
+HOLD_GIL_US = 50  # process mode: spin this long holding the GIL before releasing it
 
 
 class Launched:
@@ -50,12 +50,13 @@ class Launched:
 
     __slots__ = ("round", "tokens", "counts", "resync", "resync_all")
 
-    def __init__(self, round_id: int, tokens: torch.Tensor, counts: torch.Tensor, resync: tuple[int, ...],
-                 resync_all: bool):
-        self.round = round_id        # 0: not sent (no proxy serving): zero drafts
-        self.tokens = tokens         # [n, num_spec] int32 on the device; zero past counts
-        self.counts = counts         # [n] int32 on the device
-        self.resync = resync         # slots lost by the worker in earlier rounds
+    def __init__(
+        self, round_id: int, tokens: torch.Tensor, counts: torch.Tensor, resync: tuple[int, ...], resync_all: bool
+    ):
+        self.round = round_id  # 0: not sent (no proxy serving): zero drafts
+        self.tokens = tokens  # [n, num_spec] int32 on the device; zero past counts
+        self.counts = counts  # [n] int32 on the device
+        self.resync = resync  # slots lost by the worker in earlier rounds
         self.resync_all = resync_all  # a new proxy: every slot must be re-announced
 
 
@@ -69,8 +70,9 @@ class AsyncPath:
         self.counts = counts
         cfg = spec.cfg
         self.lib = native.load(spec.environ)
-        self.region = shm.Region.create(shm.Layout(spec.depth, spec.max_slots, spec.row_bytes, spec.num_spec,
-                                                   spec.max_tokens))
+        self.region = shm.Region.create(
+            shm.Layout(spec.depth, spec.max_slots, spec.row_bytes, spec.num_spec, spec.max_tokens)
+        )
         self.users = Users(self._free)
         lay = self.region.layout
         try:
@@ -81,34 +83,46 @@ class AsyncPath:
             # common case, never hands it to another engine thread mid-round
             # (docs/handoff.md). Thread mode must release it at once: its proxy needs it.
             self.sync = streamsync.HostFlagSync(
-                self.region, self.lib, backend=spec.device, spin_us=cfg.async_spin_us, nap_us=cfg.async_nap_us,
-                hold_gil_us=HOLD_GIL_US if spec.mode == "process" and spec.device == "cpu" else 0)
+                self.region,
+                self.lib,
+                backend=spec.device,
+                spin_us=cfg.async_spin_us,
+                nap_us=cfg.async_nap_us,
+                hold_gil_us=HOLD_GIL_US if spec.mode == "process" and spec.device == "cpu" else 0,
+            )
             self._host = [_HostViews(self.region, i) for i in range(spec.depth)]
             if spec.device == "cuda":
                 view = self.sync.backend.device_view
-                self._staging = [view(lay.staging(i), (spec.max_slots, spec.row_bytes), torch.uint8)
-                                 for i in range(spec.depth)]
-                self._desc = [view(lay.desc(i) + shm.DESC_FIXED, ((lay.desc_stride - shm.DESC_FIXED) // 4,),
-                                   torch.int32) for i in range(spec.depth)]
-                self._tokens = [view(lay.drafts(i) + lay.d_tokens, (spec.max_slots, spec.num_spec), torch.int32)
-                                for i in range(spec.depth)]
-                self._counts = [view(lay.drafts(i) + shm.D_COUNTS, (spec.max_slots,), torch.int32)
-                                for i in range(spec.depth)]
+                self._staging = [
+                    view(lay.staging(i), (spec.max_slots, spec.row_bytes), torch.uint8) for i in range(spec.depth)
+                ]
+                self._desc = [
+                    view(lay.desc(i) + shm.DESC_FIXED, ((lay.desc_stride - shm.DESC_FIXED) // 4,), torch.int32)
+                    for i in range(spec.depth)
+                ]
+                self._tokens = [
+                    view(lay.drafts(i) + lay.d_tokens, (spec.max_slots, spec.num_spec), torch.int32)
+                    for i in range(spec.depth)
+                ]
+                self._counts = [
+                    view(lay.drafts(i) + shm.D_COUNTS, (spec.max_slots,), torch.int32) for i in range(spec.depth)
+                ]
             from ..gather import choose
+
             self._gather = choose(cfg.fused_gather, spec.device)
         except BaseException:
             self._free()
             raise
         self.serving_session = lambda: 0  # the proxy host's: the serving proxy's session, 0 if none
-        self._served_session = 0          # the session of the last round handed to a proxy
-        self._resync: set[int] = set()    # CUDA: slots lost in rounds collected since the last launch
-        self._pending: list[int] = []     # CUDA: rounds launched, not yet collected
+        self._served_session = 0  # the session of the last round handed to a proxy
+        self._resync: set[int] = set()  # CUDA: slots lost in rounds collected since the last launch
+        self._pending: list[int] = []  # CUDA: rounds launched, not yet collected
         # When the engine thread saw each of the last STALL_ROUNDS rounds in a row that the
         # watchdog answered (empty after any other outcome). Its one writer is the engine
         # thread; the proxy host's stall verdict only reads it (one tuple: one atomic read).
         self.watchdog_seen: tuple[float, ...] = ()
-        self.max_wait_s = 0.0             # longest hand-off wait of the engine thread (CPU)
-        self.wait_cpu_s = 0.0             # the engine thread's CPU inside those waits (they spin)
+        self.max_wait_s = 0.0  # longest hand-off wait of the engine thread (CPU)
+        self.wait_cpu_s = 0.0  # the engine thread's CPU inside those waits (they spin)
 
     _host: list = []
     _staging: list = []
@@ -160,16 +174,21 @@ class AsyncPath:
             else:
                 write_meta(self._host[i].desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=spec.row_bytes)
             if spec.device == "cpu":
-                gather_rows_host(batch, self._host[i].staging, spec.row_bytes, self.lib,
-                                 self.region.addr(self.region.layout.staging(i)))
+                gather_rows_host(
+                    batch,
+                    self._host[i].staging,
+                    spec.row_bytes,
+                    self.lib,
+                    self.region.addr(self.region.layout.staging(i)),
+                )
             else:
-                as_bytes(batch.rows, spec.row_bytes)   # checks the row size
+                as_bytes(batch.rows, spec.row_bytes)  # checks the row size
                 index = batch.row_index
                 if not isinstance(index, torch.Tensor) or index.device != batch.rows.device:
                     index = torch.as_tensor(index, device=batch.rows.device)
                 self._gather(batch.rows, index, self._staging[i])
         except BaseException as e:
-            self.end.unreserve(r)   # never gathered: no hole in the round sequence
+            self.end.unreserve(r)  # never gathered: no hole in the round sequence
             # The callees' frames hold views of the region; a caller keeping this traceback
             # must not keep the region from being unmapped at close().
             traceback.clear_frames(e.__traceback__)
@@ -187,8 +206,14 @@ class AsyncPath:
         spec = self.spec
         n = check_meta_shapes(batch, spec.max_slots)
         self._host[i].desc[:16].view(np.uint32)[:] = (deadline_ms, n, spec.row_bytes, 0)
-        write_meta_in_stream(batch, self._desc[i], max_slots=spec.max_slots, num_spec=spec.num_spec,
-                             max_tokens=spec.max_tokens, n_out_default=spec.n_out_for(n))
+        write_meta_in_stream(
+            batch,
+            self._desc[i],
+            max_slots=spec.max_slots,
+            num_spec=spec.num_spec,
+            max_tokens=spec.max_tokens,
+            n_out_default=spec.n_out_for(n),
+        )
 
     def round(self, batch: Batch) -> Drafts:
         """The CPU stand-in: this thread waits for the release (the watchdog bounds it)."""
@@ -203,13 +228,12 @@ class AsyncPath:
             self.sync.wait(r, 0)
             torch.cuda.current_stream().synchronize()
         else:
-            limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0   # far past the watchdog: a broken ring
+            limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0  # far past the watchdog: a broken ring
             c0 = time.thread_time()
             released = self.sync.wait(r, limit_s)
             self.wait_cpu_s += time.thread_time() - c0
             if not released:
-                raise RuntimeError(f"round {r} was not released within {limit_s:.3f} s "
-                                   f"(watchdog {cfg.watchdog_ms} ms)")
+                raise RuntimeError(f"round {r} was not released within {limit_s:.3f} s (watchdog {cfg.watchdog_ms} ms)")
         self.max_wait_s = max(self.max_wait_s, time.monotonic() - t0)
         outcome, out = self._answer(r, n)
         self._count_watchdog(outcome)
@@ -225,8 +249,10 @@ class AsyncPath:
         """
         rnd, status, got, flags = self._host[r & (self.spec.depth - 1)].head.tolist()
         if rnd != r:
-            raise RuntimeError(f"drafts slot {r & (self.spec.depth - 1)} holds round {rnd}, expected {r}: "
-                               "read after the slot was reused")
+            raise RuntimeError(
+                f"drafts slot {r & (self.spec.depth - 1)} holds round {rnd}, expected {r}: "
+                "read after the slot was reused"
+            )
         return Outcome(status), got, flags
 
     def _answer(self, r: int, n: int) -> tuple[Outcome, Drafts]:
@@ -234,18 +260,25 @@ class AsyncPath:
         copy per array. Raises as ``_head``."""
         spec = self.spec
         outcome, got, flags = self._head(r)
-        if not got:   # an empty answer (timeout, error, watchdog, ...)
+        if not got:  # an empty answer (timeout, error, watchdog, ...)
             return outcome, empty_drafts(n, spec.num_spec, outcome, spec.cfg.want_margin)
         v = self._host[r & (spec.depth - 1)]
-        return outcome, to_drafts(spec.num_spec, v.slots(got), v.counts[:got], v.statuses[:got], v.tokens[:got],
-                                  v.margins[:got] if flags & shm.DRAFTS_MARGINS else None, outcome,
-                                  spec.cfg.want_margin, clean=True)
+        return outcome, to_drafts(
+            spec.num_spec,
+            v.slots(got),
+            v.counts[:got],
+            v.statuses[:got],
+            v.tokens[:got],
+            v.margins[:got] if flags & shm.DRAFTS_MARGINS else None,
+            outcome,
+            spec.cfg.want_margin,
+            clean=True,
+        )
 
     def _count_watchdog(self, outcome: Outcome) -> None:
         """Engine thread: one more round in a row the watchdog answered, or the end of a run."""
         seen = self.watchdog_seen
-        self.watchdog_seen = ((seen + (time.monotonic(),))[-STALL_ROUNDS:] if outcome is Outcome.WATCHDOG
-                              else ())
+        self.watchdog_seen = (seen + (time.monotonic(),))[-STALL_ROUNDS:] if outcome is Outcome.WATCHDOG else ()
 
     def launch(self, batch: Batch) -> Launched:
         spec = self.spec
@@ -256,7 +289,7 @@ class AsyncPath:
             self.counts.record(Outcome.NO_PROXY, np.zeros(0, dtype=np.int32), 0)
             zeros = torch.zeros(n, k, dtype=torch.int32, device="cuda")
             return Launched(0, zeros, zeros[:, 0].clone(), resync, False)
-        stream = torch.cuda.current_stream().cuda_stream   # once: each lookup costs microseconds
+        stream = torch.cuda.current_stream().cuda_stream  # once: each lookup costs microseconds
         r, _ = self._hand_over(batch, stream)
         self.sync.wait(r, 0, stream)
         i = r & (spec.depth - 1)
@@ -288,11 +321,12 @@ class AsyncPath:
         gathered it, until ``deadline``. Rounds not gathered by then are the watchdog's.
         Only gathered rounds are answered: the stream has finished with the drafts slot
         such a round reuses. A round a live proxy claimed first is left to it."""
-        r, last = ring.seq_add(self.end.released(), 1), self.end.last   # what was handed over by now only:
-        while ring.seq_geq(last, r):                                     # later rounds are a new proxy's
+        r, last = ring.seq_add(self.end.released(), 1), self.end.last  # what was handed over by now only:
+        while ring.seq_geq(last, r):  # later rounds are a new proxy's
             left = deadline - time.monotonic()
-            rc = self.lib.wait_geq(self.region.addr(self.region.layout.gathered), r, 100, 100,
-                                   native.deadline_ns(max(left, 0.0)))
+            rc = self.lib.wait_geq(
+                self.region.addr(self.region.layout.gathered), r, 100, 100, native.deadline_ns(max(left, 0.0))
+            )
             if rc != native.Status.OK:
                 return
             self.end.release_no_proxy(r)
@@ -319,7 +353,7 @@ class AsyncPath:
         if self.spec.device != "cuda":
             return
         self.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0 + 1.0)
-        torch.cuda.synchronize()   # every stream of the device: close() may come from another thread
+        torch.cuda.synchronize()  # every stream of the device: close() may come from another thread
         self._collect()
         self.sync.unregister()
 
@@ -328,17 +362,24 @@ class AsyncPath:
     def link_stats(self) -> LinkStats:
         proxy = self.region.proxy_counters(self.lib).snapshot().counters
         b = self.end.header.breaker()
-        return LinkStats(proxy["attempts"], proxy["rounds_late"], proxy["reconnects"],
-                         BreakerStats(b.state, b.trips, b.probes))
+        return LinkStats(
+            proxy["attempts"], proxy["rounds_late"], proxy["reconnects"], BreakerStats(b.state, b.trips, b.probes)
+        )
 
     def handoff_stats(self, proxy_thread_alive: bool | None) -> HandoffStats:
         proxy = self.region.proxy_counters(self.lib).snapshot()
         engine = self.region.engine_counters(self.lib).snapshot()
-        return HandoffStats(dict(proxy.counters), dict(engine.counters),
-                            Histogram.from_region(proxy.histograms["handoff_latency"]),
-                            Histogram.from_region(proxy.histograms["round_latency"]),
-                            self.end.header.session, self.max_wait_s, self.end.gathered(), self.end.released(),
-                            proxy_thread_alive)
+        return HandoffStats(
+            dict(proxy.counters),
+            dict(engine.counters),
+            Histogram.from_region(proxy.histograms["handoff_latency"]),
+            Histogram.from_region(proxy.histograms["round_latency"]),
+            self.end.header.session,
+            self.max_wait_s,
+            self.end.gathered(),
+            self.end.released(),
+            proxy_thread_alive,
+        )
 
 
 class _HostViews:
@@ -356,7 +397,7 @@ class _HostViews:
         self.desc = arr(lay.desc(i) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED, np.uint8)
         self.staging = arr(lay.staging(i), S * lay.row_bytes, np.uint8).reshape(S, lay.row_bytes)
         d = lay.drafts(i)
-        self.head = arr(d, 4, np.uint32)   # round, status, n_entries, flags (shm.DRAFTS_HEAD)
+        self.head = arr(d, 4, np.uint32)  # round, status, n_entries, flags (shm.DRAFTS_HEAD)
         self.counts = arr(d + shm.D_COUNTS, S, np.int32)
         self.statuses = arr(d + lay.d_entry_status, S, np.int32)
         self.tokens = arr(d + lay.d_tokens, S * K, np.int32).reshape(S, K)
@@ -364,4 +405,4 @@ class _HostViews:
 
     def slots(self, n: int) -> np.ndarray:
         """The round's slots, as its descriptor holds them (the wire's slots section)."""
-        return self.desc[wire.ROUND_FIXED.size:wire.ROUND_FIXED.size + 4 * n].view(np.uint32)
+        return self.desc[wire.ROUND_FIXED.size : wire.ROUND_FIXED.size + 4 * n].view(np.uint32)

@@ -45,7 +45,7 @@ class Users:
 
     def __init__(self, free: Callable[[], None]):
         self._free = free
-        self._count = 1              # the owner
+        self._count = 1  # the owner
         self._open = True
         self._cond = threading.Condition(threading.Lock())
 

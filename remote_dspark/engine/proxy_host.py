@@ -27,10 +27,10 @@ from .spec import Spec
 
 log = logging.getLogger("remote_dspark.engine")
 
-PROXY_START_S = 5.0          # a new proxy's start, past its first connect attempt (CONNECT_TIMEOUT_MS)
-STALL_SLACK_MS = 100         # heartbeat silence past max(TIMEOUT_MS, the idle tick) + this, a round pending: stalled
-START_WAIT_SLACK_S = 1.0     # start() waits for the first proxy at most CONNECT_TIMEOUT_MS + this
-STOP_S = 0.5                 # close: how long a proxy process has to exit on SIGTERM before SIGKILL
+PROXY_START_S = 5.0  # a new proxy's start, past its first connect attempt (CONNECT_TIMEOUT_MS)
+STALL_SLACK_MS = 100  # heartbeat silence past max(TIMEOUT_MS, the idle tick) + this, a round pending: stalled
+START_WAIT_SLACK_S = 1.0  # start() waits for the first proxy at most CONNECT_TIMEOUT_MS + this
+STOP_S = 0.5  # close: how long a proxy process has to exit on SIGTERM before SIGKILL
 
 
 class ProxyHost:
@@ -39,7 +39,7 @@ class ProxyHost:
         self.path = path
         self.supervisor: Supervisor | None = None
         self._thread: threading.Thread | None = None
-        self._loop = None                 # thread mode: the proxy loop
+        self._loop = None  # thread mode: the proxy loop
         self._stop = threading.Event()
         self._thread_started_ns = 0
         self._thread_lost = False
@@ -60,19 +60,29 @@ class ProxyHost:
         else:
             env = proxy_environment(self.spec.environ, self.path.lib.path)
             cfg = self.spec.cfg
-            standby = StandbyHooks(lambda: self._spawn(None, env), self._promote,
-                                   self._standby_ready) if cfg.async_standby else None
+            standby = (
+                StandbyHooks(lambda: self._spawn(None, env), self._promote, self._standby_ready)
+                if cfg.async_standby
+                else None
+            )
             self.supervisor = Supervisor(
-                lambda session: self._spawn(session, env), respawns=cfg.async_respawns,
-                reset_s=cfg.async_respawn_reset_s, serving=self._beaten, start_limit_s=self.start_limit_s,
-                stalled=self._stalled, on_change=self._on_change, standby=standby)
+                lambda session: self._spawn(session, env),
+                respawns=cfg.async_respawns,
+                reset_s=cfg.async_respawn_reset_s,
+                serving=self._beaten,
+                start_limit_s=self.start_limit_s,
+                stalled=self._stalled,
+                on_change=self._on_change,
+                standby=standby,
+            )
             self.supervisor.start()
         # A new proxy serves after its first connect attempt: a hung worker holds start()
         # for CONNECT_TIMEOUT_MS, and 1 s more is the proxy's own start.
         limit_s = self.spec.cfg.connect_timeout_ms / 1000.0 + START_WAIT_SLACK_S
         if not self._wait_serving(started_at + limit_s - time.monotonic()):
-            log.warning("remote DSpark: no proxy serving %.1f s after start; rounds are target-only "
-                        "until one does", limit_s)
+            log.warning(
+                "remote DSpark: no proxy serving %.1f s after start; rounds are target-only until one does", limit_s
+            )
 
     def _start_thread(self) -> None:
         us = self.spec.cfg.switch_interval_us
@@ -81,9 +91,14 @@ class ProxyHost:
             sys.setswitchinterval(us / 1e6)
         path = self.path
         path.end.header.set_session(wire.random_id())
-        self._loop = ProxyLoop(path.region, path.lib, self.spec.cfg, engine_id=self.spec.engine_id,
-                               vocab_size=self.spec.vocab_size,
-                               environ=self.spec.environ)
+        self._loop = ProxyLoop(
+            path.region,
+            path.lib,
+            self.spec.cfg,
+            engine_id=self.spec.engine_id,
+            vocab_size=self.spec.vocab_size,
+            environ=self.spec.environ,
+        )
         self._thread = threading.Thread(target=self._run_thread, name="remote-dspark-proxy", daemon=True)
         self._thread_started_ns = time.monotonic_ns()
         self._thread.start()
@@ -105,12 +120,18 @@ class ProxyHost:
         promoted."""
         if session is not None:
             self.path.end.header.set_session(session)
-        else:   # a standby: no promotion word, no ready word of an earlier one (a reused pid)
+        else:  # a standby: no promotion word, no ready word of an earlier one (a reused pid)
             region, lib = self.path.region, self.path.lib
             lib.store32(region.addr(region.layout.standby_go), 0)
             lib.store32(region.addr(region.layout.standby_pid), 0)
-        return spawn_proxy(self.path.region.fd, cfg=self.spec.cfg, engine_id=self.spec.engine_id, env=env,
-                           vocab_size=self.spec.vocab_size, standby=session is None)
+        return spawn_proxy(
+            self.path.region.fd,
+            cfg=self.spec.cfg,
+            engine_id=self.spec.engine_id,
+            env=env,
+            vocab_size=self.spec.vocab_size,
+            standby=session is None,
+        )
 
     def _promote(self, pid: int, session: int) -> None:
         """From the supervisor's thread: the standby ``pid`` becomes the proxy of ``session``."""
@@ -158,7 +179,7 @@ class ProxyHost:
         """From the supervisor's thread: has the serving proxy ``up`` stopped serving?"""
         path = self.path
         seen = path.watchdog_seen
-        if len(seen) >= STALL_ROUNDS and seen[0] >= up.since:   # all of them during this proxy's life
+        if len(seen) >= STALL_ROUNDS and seen[0] >= up.since:  # all of them during this proxy's life
             return True
         # A serving proxy beats at least every idle tick, when it sees a round and after
         # it: one network wait (TIMEOUT_MS) is the longest it is silent with a round pending.
@@ -175,7 +196,7 @@ class ProxyHost:
         if not isinstance(state, (Down, Starting, Spent)):
             return
         users = self.path.users
-        if not users.enter():   # closing: close() answers them
+        if not users.enter():  # closing: close() answers them
             return
         try:
             if isinstance(state, Down):
@@ -195,12 +216,12 @@ class ProxyHost:
         if self.supervisor is not None:
             self.supervisor.close(STOP_S)
             return True
-        if self._thread is None:   # never started
+        if self._thread is None:  # never started
             return True
         self._stop.set()
         loop = self._loop
         if loop is not None:
-            loop.link.interrupt()   # a round waiting on the network ends now
+            loop.link.interrupt()  # a round waiting on the network ends now
         self._thread.join(STOP_S)
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)

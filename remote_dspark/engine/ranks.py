@@ -65,8 +65,8 @@ SOURCES = ("remote", "local", "none")
 STARTED, DRAFTS, ERROR = 1, 2, 3
 KIND_NAMES = {STARTED: "STARTED", DRAFTS: "DRAFTS", ERROR: "ERROR"}
 HEADER_WORDS = 8
-_VARIABLE = {v.field: v.name for v in _VARS if v.field}   # a config field -> the variable that sets it
-_SIMPLE = (str, int, float, bool, type(None))             # what an ERROR record carries as it is
+_VARIABLE = {v.field: v.name for v in _VARS if v.field}  # a config field -> the variable that sets it
+_SIMPLE = (str, int, float, bool, type(None))  # what an ERROR record carries as it is
 
 
 class Ranks:
@@ -79,17 +79,18 @@ class Ranks:
 
     def __init__(self, group):
         import torch.distributed as dist  # here only: an engine without a tp_group never loads it
+
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
         if self.rank < 0:
             raise ValueError("tp_group: this process is not one of its ranks")
         self.size = dist.get_world_size(group)
-        self._src = dist.get_process_group_ranks(group)[0]   # broadcast's src is a global rank
+        self._src = dist.get_process_group_ranks(group)[0]  # broadcast's src is a global rank
         # NCCL moves CUDA tensors only; every other backend here (gloo) takes CPU tensors.
         nccl = dist.get_backend(group) == "nccl"
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self._owed = False   # rank 0 inside a round whose record has not gone out yet
+        self._owed = False  # rank 0 inside a round whose record has not gone out yet
 
     @property
     def leader(self) -> bool:
@@ -129,10 +130,15 @@ class Ranks:
         table = torch.stack(everyone).cpu()
         differ = table != table[0]
         if bool(differ.any()):
-            which = "; ".join(f"rank {r}: " + ", ".join(names[i] for i in differ[r].nonzero().flatten().tolist())
-                              for r in range(self.size) if bool(differ[r].any()))
-            raise ValueError(f"tp_group: the remote DSpark configuration differs across the ranks ({which} "
-                             "differ from rank 0's); every rank must read the same environment")
+            which = "; ".join(
+                f"rank {r}: " + ", ".join(names[i] for i in differ[r].nonzero().flatten().tolist())
+                for r in range(self.size)
+                if bool(differ[r].any())
+            )
+            raise ValueError(
+                f"tp_group: the remote DSpark configuration differs across the ranks ({which} "
+                "differ from rank 0's); every rank must read the same environment"
+            )
 
     # ------------------------------------------------------------------ rounds
 
@@ -145,7 +151,7 @@ class Ranks:
             return fn(*args, **kwargs)
         except BaseException as e:
             if self._owed:
-                self._owed = False   # never twice, even if this broadcast fails
+                self._owed = False  # never twice, even if this broadcast fails
                 self._send_error(e)
             raise
         finally:
@@ -171,13 +177,15 @@ class Ranks:
         header, body = self._receive(DRAFTS)
         _, got, k, outcome, source, resync_all, n_resync, margins = header
         if got != n:
-            raise ValueError(f"tp_group rank {self.rank}: a batch of {n} entries, but rank 0's had {got}: "
-                             "every rank must pass the same batch")
+            raise ValueError(
+                f"tp_group rank {self.rank}: a batch of {n} entries, but rank 0's had {got}: "
+                "every rank must pass the same batch"
+            )
         body = body.cpu()
         at = got * k
-        tokens, counts = body[:at].view(got, k), body[at:at + got]
-        resync = tuple(body[at + got:at + got + n_resync].tolist())
-        mar = body[at + got + n_resync:].view(torch.float32).view(got, k) if margins else None
+        tokens, counts = body[:at].view(got, k), body[at : at + got]
+        resync = tuple(body[at + got : at + got + n_resync].tolist())
+        mar = body[at + got + n_resync :].view(torch.float32).view(got, k) if margins else None
         return Drafts(tokens, counts, mar, SOURCES[source], Outcome(outcome), resync, bool(resync_all))
 
     # ------------------------------------------------------------------ records
@@ -187,11 +195,20 @@ class Ranks:
         self._dist.broadcast(t, src=self._src, group=self.group)
         return t
 
-    def _send(self, kind: int, n: int = 0, k: int = 0, outcome: int = 0, source: int = 0, resync_all: int = 0,
-              n_resync: int = 0, margins: int = 0, body: torch.Tensor | None = None) -> None:
-        self._broadcast(torch.tensor([kind, n, k, outcome, source, resync_all, n_resync, margins],
-                                     dtype=torch.int64))
-        if body is not None and body.numel():   # the receivers size it from the header (an empty one: no call)
+    def _send(
+        self,
+        kind: int,
+        n: int = 0,
+        k: int = 0,
+        outcome: int = 0,
+        source: int = 0,
+        resync_all: int = 0,
+        n_resync: int = 0,
+        margins: int = 0,
+        body: torch.Tensor | None = None,
+    ) -> None:
+        self._broadcast(torch.tensor([kind, n, k, outcome, source, resync_all, n_resync, margins], dtype=torch.int64))
+        if body is not None and body.numel():  # the receivers size it from the header (an empty one: no call)
             self._broadcast(body)
 
     def _send_drafts(self, d: Drafts) -> None:
@@ -200,8 +217,17 @@ class Ranks:
         if d.margins is not None:
             parts.append(d.margins.to(torch.float32).reshape(-1).view(torch.int32))
         body = torch.cat([p.to("cpu", torch.int32) for p in parts])
-        self._send(DRAFTS, n, k, int(d.outcome), SOURCES.index(d.source), int(d.resync_all), len(d.resync),
-                   int(d.margins is not None), body)
+        self._send(
+            DRAFTS,
+            n,
+            k,
+            int(d.outcome),
+            SOURCES.index(d.source),
+            int(d.resync_all),
+            len(d.resync),
+            int(d.margins is not None),
+            body,
+        )
 
     def _send_error(self, e: BaseException) -> None:
         raw = error_record(e)
@@ -224,9 +250,11 @@ class Ranks:
             if body.numel():
                 body = self._broadcast(body)
         if kind != want:
-            raise RuntimeError(f"tp_group rank {self.rank}: rank 0 sent a {KIND_NAMES.get(kind, kind)} record "
-                               f"where a {KIND_NAMES[want]} was due: the ranks' start()/round() calls are out "
-                               "of step")
+            raise RuntimeError(
+                f"tp_group rank {self.rank}: rank 0 sent a {KIND_NAMES.get(kind, kind)} record "
+                f"where a {KIND_NAMES[want]} was due: the ranks' start()/round() calls are out "
+                "of step"
+            )
         return header, body
 
 
@@ -235,7 +263,7 @@ class FollowerPath:
 
     def __init__(self, ranks: Ranks, spec: Spec):
         self.ranks = ranks
-        self.spec = spec          # rank 0's mode: the mode its answers come from
+        self.spec = spec  # rank 0's mode: the mode its answers come from
 
     def round(self, batch: Batch) -> Drafts:
         return self.ranks.receive_drafts(len(batch))
@@ -260,17 +288,23 @@ def shares_failure(method):
         if ranks is None or not ranks.leader:
             return method(engine, *args, **kwargs)
         return ranks.lead(method, engine, *args, **kwargs)
+
     return wrapper
 
 
 def config_digests(spec: Spec) -> tuple[list[str], list[int]]:
     """(names, digests): every configuration field and the round's shape, named by the
     variable that sets it (or the constructor argument), each with a 64-bit digest."""
-    doc = json.loads(spec.cfg.to_json()) | {"num_spec": spec.num_spec, "max_slots": spec.max_slots,
-                                             "row_bytes": spec.row_bytes}
+    doc = json.loads(spec.cfg.to_json()) | {
+        "num_spec": spec.num_spec,
+        "max_slots": spec.max_slots,
+        "row_bytes": spec.row_bytes,
+    }
     fields = sorted(doc)
-    digests = [int.from_bytes(hashlib.sha256(json.dumps(doc[f], sort_keys=True).encode()).digest()[:8], "little",
-                              signed=True) for f in fields]
+    digests = [
+        int.from_bytes(hashlib.sha256(json.dumps(doc[f], sort_keys=True).encode()).digest()[:8], "little", signed=True)
+        for f in fields
+    ]
     return [_VARIABLE.get(f, f) for f in fields], digests
 
 
@@ -280,8 +314,9 @@ def error_record(e: BaseException) -> bytes:
     cls = type(e)
     args = list(e.args) if all(isinstance(a, _SIMPLE) for a in e.args) else [str(e)]
     attrs = {k: v for k, v in vars(e).items() if not k.startswith("_") and isinstance(v, _SIMPLE)}
-    return json.dumps({"type": f"{cls.__module__}:{cls.__qualname__}", "args": args, "attrs": attrs,
-                       "message": str(e)}).encode()
+    return json.dumps(
+        {"type": f"{cls.__module__}:{cls.__qualname__}", "args": args, "attrs": attrs, "message": str(e)}
+    ).encode()
 
 
 def error_from_record(raw: bytes, rank: int) -> BaseException:
@@ -297,7 +332,7 @@ def error_from_record(raw: bytes, rank: int) -> BaseException:
     if isinstance(cls, type) and issubclass(cls, BaseException):
         try:
             exc = cls(*args)
-        except Exception:   # a constructor that takes other arguments (Refused(code, reason))
+        except Exception:  # a constructor that takes other arguments (Refused(code, reason))
             try:
                 exc = cls.__new__(cls)
                 exc.args = args

@@ -40,11 +40,11 @@ I32_MAX = (1 << 31) - 1
 class Asked:
     """What one round asked of the worker: what its reply is held to."""
 
-    slots: np.ndarray          # [n] the round's slots, entry order
-    n_out: np.ndarray | int    # [n] drafts asked per entry, or one value for all
-    num_spec: int              # the session's (HELLO) widest row
-    vocab_size: int            # the engine's vocabulary (HELLO); 0: unknown
-    want_margin: bool          # the session asked for margins (HELLO)
+    slots: np.ndarray  # [n] the round's slots, entry order
+    n_out: np.ndarray | int  # [n] drafts asked per entry, or one value for all
+    num_spec: int  # the session's (HELLO) widest row
+    vocab_size: int  # the engine's vocabulary (HELLO); 0: unknown
+    want_margin: bool  # the session asked for margins (HELLO)
 
 
 def check_reply(d: wire.Drafts, asked: Asked) -> None:
@@ -66,8 +66,11 @@ def check_reply(d: wire.Drafts, asked: Asked) -> None:
     if width > asked.num_spec:
         raise wire.ProtocolError(f"drafts width {width} over num_spec={asked.num_spec}")
     if (d.margins is not None) != asked.want_margin:
-        raise wire.ProtocolError("DRAFTS without margins, the session asked for them" if asked.want_margin
-                                 else "DRAFTS with margins, the session did not ask for them")
+        raise wire.ProtocolError(
+            "DRAFTS without margins, the session asked for them"
+            if asked.want_margin
+            else "DRAFTS with margins, the session did not ask for them"
+        )
     if not n:
         return
     counts = np.asarray(d.counts, dtype=np.int64)
@@ -85,7 +88,7 @@ def check_reply(d: wire.Drafts, asked: Asked) -> None:
         bad |= bad_margin.any(axis=1)
     if not bad.any():
         return
-    e = int(np.argmax(bad))   # the first entry that breaks a rule; then its first rule, as in C
+    e = int(np.argmax(bad))  # the first entry that breaks a rule; then its first rule, as in C
     if over[e]:
         raise wire.ProtocolError(f"entry {e}: {counts[e]} drafts, the round asked for {n_out[e]}")
     if resync[e]:

@@ -18,13 +18,13 @@ class Spec:
     max_slots: int
     row_bytes: int
     max_tokens: int
-    depth: int                   # rounds the engine may enqueue ahead of the proxy
-    device: str                  # "cpu" or "cuda"
-    mode: str                    # "sync", "thread" or "process"
+    depth: int  # rounds the engine may enqueue ahead of the proxy
+    device: str  # "cpu" or "cuda"
+    mode: str  # "sync", "thread" or "process"
     engine_id: int
     environ: Mapping[str, str]
     n_out_table: Sequence[int] | None = None
-    vocab_size: int = 0          # the engine's vocabulary (token ids 0..vocab_size-1); 0: unknown
+    vocab_size: int = 0  # the engine's vocabulary (token ids 0..vocab_size-1); 0: unknown
 
     def n_out_for(self, n: int) -> int:
         """The default n_out of a round of ``n`` entries (the table's, else num_spec)."""
@@ -37,9 +37,20 @@ class Spec:
         Raises:
             ValueError: naming the field that is wrong.
         """
-        return host_meta(batch, max_slots=self.max_slots, num_spec=self.num_spec, max_tokens=self.max_tokens,
-                         n_out_default=self.n_out_for(len(batch)), vocab_size=self.vocab_size)
+        return host_meta(
+            batch,
+            max_slots=self.max_slots,
+            num_spec=self.num_spec,
+            max_tokens=self.max_tokens,
+            n_out_default=self.n_out_for(len(batch)),
+            vocab_size=self.vocab_size,
+        )
 
     def hello(self) -> wire.Hello:
-        return self.cfg.hello(self.engine_id, max_slots=self.max_slots, row_bytes=self.row_bytes,
-                              num_spec=self.num_spec, vocab_size=self.vocab_size)
+        return self.cfg.hello(
+            self.engine_id,
+            max_slots=self.max_slots,
+            row_bytes=self.row_bytes,
+            num_spec=self.num_spec,
+            vocab_size=self.vocab_size,
+        )

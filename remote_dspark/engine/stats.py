@@ -26,7 +26,7 @@ MARGIN_BOUNDS = tuple(i / 10 for i in range(1, 11))
 
 @dataclass(frozen=True)
 class BreakerStats:
-    state: int                   # breaker.State: 0 closed, 1 open, 2 probing
+    state: int  # breaker.State: 0 closed, 1 open, 2 probing
     trips: int
     probes: int
 
@@ -35,9 +35,9 @@ class BreakerStats:
 class LinkStats:
     """The connection to the worker: the sync path's own, or the proxy's (from the region)."""
 
-    attempts: int                # rounds sent (the breaker and a missing connection send none)
-    late: int                    # replies that came after their round was answered without them
-    reconnects: int              # connections made after the first
+    attempts: int  # rounds sent (the breaker and a missing connection send none)
+    late: int  # replies that came after their round was answered without them
+    reconnects: int  # connections made after the first
     breaker: BreakerStats
 
     @classmethod
@@ -52,38 +52,38 @@ class HandoffStats:
 
     proxy_counters: Mapping[str, int]
     engine_counters: Mapping[str, int]
-    handoff_latency: Histogram   # the engine's store of gathered to the proxy seeing the round
+    handoff_latency: Histogram  # the engine's store of gathered to the proxy seeing the round
     proxy_round_latency: Histogram
-    session: int                 # the current proxy's session (0: none yet)
-    max_wait_s: float            # the engine thread's longest wait for a release (CPU)
+    session: int  # the current proxy's session (0: none yet)
+    max_wait_s: float  # the engine thread's longest wait for a release (CPU)
     gathered: int
     released: int
-    proxy_thread_alive: bool | None   # thread mode: is the proxy thread alive; else None
+    proxy_thread_alive: bool | None  # thread mode: is the proxy thread alive; else None
 
 
 @dataclass(frozen=True)
 class Stats:
     """Everything ``RemoteDSpark`` counts, at one moment."""
 
-    mode: str                    # sync, thread or process (the mode actually running)
+    mode: str  # sync, thread or process (the mode actually running)
     policy: str
-    rounds: Mapping[Outcome, int]   # every outcome, zeros included
-    sources: Mapping[str, int]   # remote / local / none: whose drafts the engine got
+    rounds: Mapping[Outcome, int]  # every outcome, zeros included
+    sources: Mapping[str, int]  # remote / local / none: whose drafts the engine got
     round_latency: Histogram
-    drafts: int                  # entries answered with at least one token
+    drafts: int  # entries answered with at least one token
     draft_tokens: int
-    resyncs: int                 # slots the worker asked to have re-announced
-    accepted_at: tuple[int, ...]   # per draft position
+    resyncs: int  # slots the worker asked to have re-announced
+    accepted_at: tuple[int, ...]  # per draft position
     offered_at: tuple[int, ...]
     shadow_agree_at: tuple[int, ...]
     shadow_compared_at: tuple[int, ...]
     margin: Histogram
     link: LinkStats
-    connected: bool | None = None          # sync mode
-    handoff: HandoffStats | None = None    # thread and process modes
-    supervisor: SupervisorStats | None = None   # process mode
+    connected: bool | None = None  # sync mode
+    handoff: HandoffStats | None = None  # thread and process modes
+    supervisor: SupervisorStats | None = None  # process mode
     n_out_table: tuple[int, ...] | None = None  # each round's n_out by request count (None: num_spec)
-    n_out_reason: str = ""                 # why (config.n_out_table)
+    n_out_reason: str = ""  # why (config.n_out_table)
 
     @property
     def total_rounds(self) -> int:
@@ -127,7 +127,7 @@ class EngineCounts:
     def add_at(counter: np.ndarray, values) -> None:
         """Add ``values`` (one per position, at most num_spec) to a per-position counter."""
         values = np.asarray(values, dtype=np.int64)
-        counter[:len(values)] += values
+        counter[: len(values)] += values
 
     def observe_latency(self, seconds: float) -> None:
         self.latency_buckets[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
@@ -151,13 +151,36 @@ class EngineCounts:
             self.margin_buckets[int(i)] += int(n)
         self.margin_sum += float(values.sum())
 
-    def snapshot(self, *, mode: str, policy: str, link: LinkStats, connected: bool | None = None,
-                 handoff: HandoffStats | None = None, supervisor: SupervisorStats | None = None,
-                 n_out_table: tuple[int, ...] | None = None, n_out_reason: str = "") -> Stats:
-        return Stats(mode, policy, dict(self.rounds), dict(self.sources),
-                     Histogram(LATENCY_BOUNDS_S, tuple(self.latency_buckets), self.latency_sum_s),
-                     self.drafts, self.draft_tokens, self.resyncs, tuple(self.accepted_at.tolist()),
-                     tuple(self.offered_at.tolist()), tuple(self.shadow_agree_at.tolist()),
-                     tuple(self.shadow_compared_at.tolist()),
-                     Histogram(MARGIN_BOUNDS, tuple(self.margin_buckets), self.margin_sum),
-                     link, connected, handoff, supervisor, n_out_table, n_out_reason)
+    def snapshot(
+        self,
+        *,
+        mode: str,
+        policy: str,
+        link: LinkStats,
+        connected: bool | None = None,
+        handoff: HandoffStats | None = None,
+        supervisor: SupervisorStats | None = None,
+        n_out_table: tuple[int, ...] | None = None,
+        n_out_reason: str = "",
+    ) -> Stats:
+        return Stats(
+            mode,
+            policy,
+            dict(self.rounds),
+            dict(self.sources),
+            Histogram(LATENCY_BOUNDS_S, tuple(self.latency_buckets), self.latency_sum_s),
+            self.drafts,
+            self.draft_tokens,
+            self.resyncs,
+            tuple(self.accepted_at.tolist()),
+            tuple(self.offered_at.tolist()),
+            tuple(self.shadow_agree_at.tolist()),
+            tuple(self.shadow_compared_at.tolist()),
+            Histogram(MARGIN_BOUNDS, tuple(self.margin_buckets), self.margin_sum),
+            link,
+            connected,
+            handoff,
+            supervisor,
+            n_out_table,
+            n_out_reason,
+        )

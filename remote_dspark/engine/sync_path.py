@@ -22,8 +22,10 @@ log = logging.getLogger("remote_dspark.engine")
 
 def to_host(batch: Batch) -> Batch:
     """``batch`` with its metadata copied to the host (a blocking round: the sync path)."""
-    cpu = {f: (getattr(batch, f).cpu() if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f))
-           for f in ("slots", "tokens", "token_offsets", "positions", "new_gen", "n_out")}
+    cpu = {
+        f: (getattr(batch, f).cpu() if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f))
+        for f in ("slots", "tokens", "token_offsets", "positions", "new_gen", "n_out")
+    }
     return Batch(rows=batch.rows, row_index=batch.row_index, **cpu)
 
 
@@ -34,14 +36,21 @@ class SyncPath:
     def __init__(self, spec: Spec):
         self.spec = spec
         cfg = spec.cfg
-        self.link = RemoteLink(cfg.endpoint, spec.hello(), wire.random_id(),
-                               connect_timeout_ms=cfg.connect_timeout_ms, backoff_ms=cfg.backoff_ms,
-                               backoff_max_ms=cfg.backoff_max_ms, breaker=Breaker(cfg.trip, cfg.cooldown),
-                               environ=spec.environ)
+        self.link = RemoteLink(
+            cfg.endpoint,
+            spec.hello(),
+            wire.random_id(),
+            connect_timeout_ms=cfg.connect_timeout_ms,
+            backoff_ms=cfg.backoff_ms,
+            backoff_max_ms=cfg.backoff_max_ms,
+            breaker=Breaker(cfg.trip, cfg.cooldown),
+            environ=spec.environ,
+        )
         self._epoch = 0
         self._round_id = 0
-        self._send = np.zeros(wire.HEADER.size + wire.round_meta_bytes(spec.max_slots) + 4 * spec.max_tokens,
-                              dtype=np.uint8)
+        self._send = np.zeros(
+            wire.HEADER.size + wire.round_meta_bytes(spec.max_slots) + 4 * spec.max_tokens, dtype=np.uint8
+        )
         self._rows = np.zeros((spec.max_slots, spec.row_bytes), dtype=np.uint8)
 
     def start(self) -> None:
@@ -50,8 +59,11 @@ class SyncPath:
         except Exception as e:
             if self.spec.cfg.strict_start:
                 raise
-            log.warning("remote DSpark: first connection to %s failed (%s); rounds are target-only "
-                        "until a reconnect succeeds", self.spec.cfg.endpoint, e)
+            log.warning(
+                "remote DSpark: first connection to %s failed (%s); rounds are target-only until a reconnect succeeds",
+                self.spec.cfg.endpoint,
+                e,
+            )
             self.link.start_reconnecting()
         self._epoch = self.link.epoch
 
@@ -65,13 +77,18 @@ class SyncPath:
         rows = self._rows[:n]
         if batch.rows.device.type == "cpu":
             gather_rows_host(batch, self._rows, spec.row_bytes)
-        else:   # a blocking round anyway: gather on the device, one copy to the host
-            rows[:] = as_bytes(batch.rows, spec.row_bytes).index_select(
-                0, torch.as_tensor(batch.row_index, device=batch.rows.device)).cpu().numpy()
-        size = write_meta(self._send[wire.HEADER.size:], meta, deadline_ms=spec.cfg.timeout_ms,
-                          row_bytes=spec.row_bytes)
+        else:  # a blocking round anyway: gather on the device, one copy to the host
+            rows[:] = (
+                as_bytes(batch.rows, spec.row_bytes)
+                .index_select(0, torch.as_tensor(batch.row_index, device=batch.rows.device))
+                .cpu()
+                .numpy()
+            )
+        size = write_meta(
+            self._send[wire.HEADER.size :], meta, deadline_ms=spec.cfg.timeout_ms, row_bytes=spec.row_bytes
+        )
         wire.pack_header_into(self._send, wire.ROUND, size + n * spec.row_bytes, self.link.session, round_id)
-        parts = (memoryview(self._send)[:wire.HEADER.size + size], memoryview(rows).cast("B"))
+        parts = (memoryview(self._send)[: wire.HEADER.size + size], memoryview(rows).cast("B"))
         asked = Asked(meta.slots, meta.n_out, spec.num_spec, spec.vocab_size, spec.cfg.want_margin)
         # The reply is held to what was asked inside the round, so a broken rule is the
         # round's event (PROTOCOL drops the connection, BAD_REPLY keeps it), never drafts.
@@ -92,8 +109,16 @@ class SyncPath:
         counts = np.frombuffer(d.counts, dtype=np.uint16)
         tokens = np.frombuffer(d.tokens, dtype=np.int32).reshape(n, d.width)
         margins = None if d.margins is None else np.frombuffer(d.margins, dtype=np.float32).reshape(n, d.width)
-        return to_drafts(spec.num_spec, meta.slots, counts, np.frombuffer(d.statuses, dtype=np.uint16), tokens,
-                         margins, outcome, spec.cfg.want_margin)
+        return to_drafts(
+            spec.num_spec,
+            meta.slots,
+            counts,
+            np.frombuffer(d.statuses, dtype=np.uint16),
+            tokens,
+            margins,
+            outcome,
+            spec.cfg.want_margin,
+        )
 
     @property
     def round_id(self) -> int:
@@ -102,8 +127,9 @@ class SyncPath:
 
     def link_stats(self) -> LinkStats:
         b = self.link.breaker.store
-        return LinkStats(self.link.attempts, self.link.late, self.link.reconnects,
-                         BreakerStats(int(b.state), b.trips, b.probes))
+        return LinkStats(
+            self.link.attempts, self.link.late, self.link.reconnects, BreakerStats(int(b.state), b.trips, b.probes)
+        )
 
     def fence(self) -> None:
         """Closing: a round in flight on the engine thread ends at once (LOST)."""

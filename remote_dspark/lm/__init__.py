@@ -16,10 +16,12 @@ from __future__ import annotations
 def builtin_drafter(device: str | None = None, cache_slots: int = 1024, window: int = 64):
     """The built-in model's :class:`~remote_dspark.lm.drafter.LMDrafter`."""
     from .drafter import LMDrafter
+
     return LMDrafter(device=device, cache_slots=cache_slots, window=window)
 
 
 def hf_drafter(model_dir: str, device: str | None = None):
     """A :class:`~remote_dspark.lm.hf.HFDrafter` of the transformers model in ``model_dir``."""
     from .hf import load_hf
+
     return load_hf(model_dir, device)

@@ -39,24 +39,28 @@ import torch
 
 from ..drafter import CacheInfo
 
-_KEEP = np.iinfo(np.int64).max    # a row in use this round: never chosen for a newcomer
+_KEEP = np.iinfo(np.int64).max  # a row in use this round: never chosen for a newcomer
 
 
 @dataclass(frozen=True)
 class Plan:
     """What a round encodes, per entry (entry order)."""
 
-    rows: np.ndarray    # [n] int64: the entry's pool row, -1: none (no cache, or no room)
-    base: np.ndarray    # [n] int64: positions kept from the row (0: encode from position 0)
-    take: np.ndarray    # [n] int64: tokens to encode, the context's last ``take``
-    hit: np.ndarray     # [n] bool: drafted from cached state
+    rows: np.ndarray  # [n] int64: the entry's pool row, -1: none (no cache, or no room)
+    base: np.ndarray  # [n] int64: positions kept from the row (0: encode from position 0)
+    take: np.ndarray  # [n] int64: tokens to encode, the context's last ``take``
+    hit: np.ndarray  # [n] bool: drafted from cached state
 
 
 def uncached_plan(ctx_lens: np.ndarray, width: int, max_tokens: int) -> Plan:
     """Every entry re-encoded from position 0 (a batch with no stream names)."""
     n = len(ctx_lens)
-    return Plan(np.full(n, -1, np.int64), np.zeros(n, np.int64),
-                np.minimum(ctx_lens, max_tokens - width).astype(np.int64), np.zeros(n, bool))
+    return Plan(
+        np.full(n, -1, np.int64),
+        np.zeros(n, np.int64),
+        np.minimum(ctx_lens, max_tokens - width).astype(np.int64),
+        np.zeros(n, bool),
+    )
 
 
 class SlotCache:
@@ -66,8 +70,16 @@ class SlotCache:
     names it, and only it; ``0 <= fill <= max_tokens``.
     """
 
-    def __init__(self, capacity: int, layers: int, heads: int, head_dim: int, max_tokens: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        capacity: int,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        max_tokens: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         if capacity < 1 or max_tokens < 2:
             raise ValueError(f"cache capacity {capacity}, max_tokens {max_tokens}: must be >= 1 and >= 2")
         self.capacity, self.max_tokens = capacity, max_tokens
@@ -78,16 +90,22 @@ class SlotCache:
         self.length = np.zeros(capacity, np.int64)
         self.fill = np.zeros(capacity, np.int64)
         self.used = np.full(capacity, -1, np.int64)
-        self._maps: dict[int, np.ndarray] = {}    # session -> [slots] row of each slot, -1: none
+        self._maps: dict[int, np.ndarray] = {}  # session -> [slots] row of each slot, -1: none
         self._tick = 0
         self.hits = self.misses = 0
 
     def info(self) -> CacheInfo:
-        return CacheInfo(int(np.count_nonzero(self.owner_session >= 0)), self.capacity,
-                         self.pool.numel() * self.pool.element_size(), self.hits, self.misses)
+        return CacheInfo(
+            int(np.count_nonzero(self.owner_session >= 0)),
+            self.capacity,
+            self.pool.numel() * self.pool.element_size(),
+            self.hits,
+            self.misses,
+        )
 
-    def plan(self, session: int, slots: np.ndarray, gens: np.ndarray, lengths: np.ndarray,
-             ctx_lens: np.ndarray, width: int) -> Plan:
+    def plan(
+        self, session: int, slots: np.ndarray, gens: np.ndarray, lengths: np.ndarray, ctx_lens: np.ndarray, width: int
+    ) -> Plan:
         """Rows for a round's entries (a row per stream, the least recently used given to
         newcomers) and what each must encode; the rows' bookkeeping is set to the state
         after the round (:meth:`forget` undoes it for a round that failed).
@@ -100,14 +118,19 @@ class SlotCache:
         ok = rows >= 0
         r = rows[ok]
         new = lengths[ok] - self.length[r]
-        ok_r = ((self.gen[r] == gens[ok]) & (new >= 0) & (new <= ctx_lens[ok]) & (self.fill[r] > 0)
-                & (self.fill[r] + np.maximum(new, 1) + width <= self.max_tokens))
+        ok_r = (
+            (self.gen[r] == gens[ok])
+            & (new >= 0)
+            & (new <= ctx_lens[ok])
+            & (self.fill[r] > 0)
+            & (self.fill[r] + np.maximum(new, 1) + width <= self.max_tokens)
+        )
         hit = np.zeros(len(rows), bool)
         hit[ok] = ok_r
         base = np.zeros(len(rows), np.int64)
         take = np.minimum(ctx_lens, self.max_tokens - width).astype(np.int64)
         h, rh, nh = np.flatnonzero(hit), r[ok_r], new[ok_r]
-        base[h] = self.fill[rh] - (nh == 0)     # no new token: the last one again (its logits)
+        base[h] = self.fill[rh] - (nh == 0)  # no new token: the last one again (its logits)
         take[h] = np.maximum(nh, 1)
         have = rows >= 0
         self.gen[rows[have]] = np.where(ctx_lens[have] > 0, gens[have], -1)
@@ -131,7 +154,7 @@ class SlotCache:
         if m is None or len(m) < top:
             grown = np.full(max(top, 2 * len(m) if m is not None else 16), -1, np.int64)
             if m is not None:
-                grown[:len(m)] = m
+                grown[: len(m)] = m
             m = self._maps[session] = grown
         rows = m[slots]
         need = np.flatnonzero(rows < 0)
@@ -139,11 +162,11 @@ class SlotCache:
             return rows
         key = self.used.copy()
         key[rows[rows >= 0]] = _KEEP
-        got = np.argsort(key, kind="stable")[:len(need)]
+        got = np.argsort(key, kind="stable")[: len(need)]
         got = got[key[got] != _KEEP]
         self._evict(got)
-        self._maps[session] = m       # again: _evict drops a map it empties, this one included
-        need = need[:len(got)]
+        self._maps[session] = m  # again: _evict drops a map it empties, this one included
+        need = need[: len(got)]
         self.owner_session[got] = session
         self.owner_slot[got] = slots[need]
         self.gen[got] = -1

@@ -32,7 +32,7 @@ from ..drafter import CacheInfo, DraftBatch, DraftResult, empty_result
 from .cache import Plan, SlotCache, uncached_plan
 from .model import TinyLM
 
-MARKOV_NONE = bytes(32)     # the contract's Markov identity of a drafter without a Markov model
+MARKOV_NONE = bytes(32)  # the contract's Markov identity of a drafter without a Markov model
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -62,8 +62,11 @@ def greedy_result(batch: DraftBatch, ctx_lens: np.ndarray, tokens: np.ndarray, m
     width)`` drafts each (none for an empty context), zeros past the counts."""
     counts = np.where(ctx_lens > 0, np.minimum(batch.n_out, batch.width), 0).astype(np.int32)
     live = np.arange(batch.width) < counts[:, None]
-    return DraftResult(np.where(live, tokens, 0).astype(np.int32), counts,
-                       np.where(live, margins, 0).astype(np.float32) if batch.want_margin else None)
+    return DraftResult(
+        np.where(live, tokens, 0).astype(np.int32),
+        counts,
+        np.where(live, margins, 0).astype(np.float32) if batch.want_margin else None,
+    )
 
 
 class LMDrafter:
@@ -82,13 +85,22 @@ class LMDrafter:
         max_tokens: positions of a cache row (at most the model's ``max_positions``).
     """
 
-    def __init__(self, model: TinyLM | None = None, *, device: str | torch.device | None = None,
-                 cache_slots: int = 1024, window: int = 64, max_tokens: int | None = None):
+    def __init__(
+        self,
+        model: TinyLM | None = None,
+        *,
+        device: str | torch.device | None = None,
+        cache_slots: int = 1024,
+        window: int = 64,
+        max_tokens: int | None = None,
+    ):
         model = model or TinyLM()
         c = model.config
         if window + 16 > c.max_positions:
-            raise ValueError(f"window {window} (--window): the model has {c.max_positions} positions, "
-                             "for a window and 16 drafts at least")
+            raise ValueError(
+                f"window {window} (--window): the model has {c.max_positions} positions, "
+                "for a window and 16 drafts at least"
+            )
         self.max_tokens = max_tokens or min(2 * window + 16, c.max_positions)
         if not 2 <= self.max_tokens <= c.max_positions:
             raise ValueError(f"max_tokens {self.max_tokens}: must be in 2..{c.max_positions} (the model's positions)")
@@ -101,8 +113,11 @@ class LMDrafter:
         self.vocab_size = c.vocab_size
         self.model = model.to(self.device, self.dtype).eval()
         self._kv_shape = (c.n_layers, 2, c.n_heads)
-        self.cache = (SlotCache(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device,
-                                self.dtype) if cache_slots else None)
+        self.cache = (
+            SlotCache(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
+            if cache_slots
+            else None
+        )
         self._lock = threading.Lock()
 
     def cache_info(self) -> CacheInfo:
@@ -123,9 +138,14 @@ class LMDrafter:
         cached = self.cache is not None and batch.slots is not None
         with self._lock, torch.inference_mode():
             if cached:
-                plan = self.cache.plan(batch.session, np.asarray(batch.slots, np.int64),
-                                       np.asarray(batch.gens, np.int64), np.asarray(batch.lengths, np.int64),
-                                       ctx_lens, width)
+                plan = self.cache.plan(
+                    batch.session,
+                    np.asarray(batch.slots, np.int64),
+                    np.asarray(batch.gens, np.int64),
+                    np.asarray(batch.lengths, np.int64),
+                    ctx_lens,
+                    width,
+                )
             else:
                 plan = uncached_plan(ctx_lens, width, self.max_tokens)
             try:
@@ -136,26 +156,25 @@ class LMDrafter:
                 raise
         return greedy_result(batch, ctx_lens, tokens, margins)
 
-    def _draft(self, batch: DraftBatch, plan: Plan, has_ctx: np.ndarray, width: int
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def _draft(self, batch: DraftBatch, plan: Plan, has_ctx: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         n = len(plan.take)
-        take = np.maximum(plan.take, 1)            # an empty context: one dummy token, no drafts counted
+        take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
         q = int(take.max())
         src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
         idx = (batch.offsets[1:] - take)[:, None] + np.arange(q)
         tok = np.where(np.arange(q) < take[:, None], src[np.clip(idx, 0, len(src) - 1)], 0)
         lens = plan.base + take
-        tw = int(lens.max()) + width             # positions up to lens + width - 2, and the trash column
+        tw = int(lens.max()) + width  # positions up to lens + width - 2, and the trash column
         hit_e = np.flatnonzero(plan.hit)
         back_e = np.flatnonzero((plan.rows >= 0) & has_ctx)
         parts = [tok.ravel(), plan.base, take, hit_e, plan.rows[hit_e], back_e, plan.rows[back_e]]
-        ints = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)   # the one copy in
+        ints = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)  # the one copy in
         tok_d, base_d, take_d, hit_d, hit_rows, back_d, back_rows = torch.split(ints, [len(p) for p in parts])
         tok_d = tok_d.view(n, q)
         c = self.model.config
         kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
         if len(hit_e):
-            kv[hit_d, :, :, :, :tw - 1] = self.cache.pool[hit_rows, :, :, :, :tw - 1]
+            kv[hit_d, :, :, :, : tw - 1] = self.cache.pool[hit_rows, :, :, :, : tw - 1]
         steps = torch.arange(q, device=self.device)
         valid = steps < take_d[:, None]
         # Padding sits at position 0 (inside the model's positions, whatever the row's
@@ -166,13 +185,13 @@ class LMDrafter:
         token, margin = top2(self.model.logits(h[torch.arange(n, device=self.device), take_d - 1]))
         out_tok, out_margin = [token], [margin]
         pos = (base_d + take_d)[:, None]
-        for _ in range(1, width):                  # one batched forward per draft step
+        for _ in range(1, width):  # one batched forward per draft step
             token, margin = top2(self.model.logits(self.model.forward_kv(token[:, None], pos, kv, pos)[:, 0]))
             out_tok.append(token)
             out_margin.append(margin)
             pos = pos + 1
         if len(back_e):
-            self.cache.pool[back_rows, :, :, :, :tw - 1] = kv[back_d, :, :, :, :tw - 1]
+            self.cache.pool[back_rows, :, :, :, : tw - 1] = kv[back_d, :, :, :, : tw - 1]
         out = torch.cat([torch.stack(out_tok, 1).float(), torch.stack(out_margin, 1)], 1).cpu().numpy()  # the one out
         return out[:, :width].astype(np.int32), out[:, width:]
 

@@ -37,8 +37,9 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 def dir_identity(path: Path) -> bytes:
     """sha256 of ``config.json`` and the weight files of ``path`` (module docstring)."""
     h = hashlib.sha256(b"remote-dspark hf drafter v1\0")
-    names = sorted(p.name for p in path.iterdir()
-                   if p.is_file() and (p.name == "config.json" or p.name.endswith(_WEIGHTS)))
+    names = sorted(
+        p.name for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.name.endswith(_WEIGHTS))
+    )
     for name in names:
         f = path / name
         h.update(f"\0{name}:{f.stat().st_size}\0".encode())
@@ -57,8 +58,10 @@ def load_hf(model_dir: str, device: str | torch.device | None = None) -> HFDraft
     """
     path = Path(model_dir)
     if not path.is_dir():
-        raise ValueError(f"--hf-model {model_dir!r}: not a local directory (a model is never downloaded; "
-                         "save it with save_pretrained first)")
+        raise ValueError(
+            f"--hf-model {model_dir!r}: not a local directory (a model is never downloaded; "
+            "save it with save_pretrained first)"
+        )
     try:
         import transformers
     except ImportError as e:
@@ -84,7 +87,7 @@ class HFDrafter:
         self.vocab_size = vocab_size
         self.drafter_identity = identity
         self.markov_identity = MARKOV_NONE
-        self._lock = threading.Lock()       # the worker's connection threads share one drafter
+        self._lock = threading.Lock()  # the worker's connection threads share one drafter
         # The KV cache's argument and output name: ``cache`` in transformers 5, before it
         # ``past_key_values`` (probed, not version-checked).
         params = inspect.signature(model.forward).parameters
@@ -95,27 +98,32 @@ class HFDrafter:
         if n == 0 or width == 0:
             return empty_result(n, width, batch.want_margin)
         ctx_lens = np.diff(batch.offsets).astype(np.int64)
-        take = np.maximum(ctx_lens, 1)                 # an empty context: one dummy token, no drafts
+        take = np.maximum(ctx_lens, 1)  # an empty context: one dummy token, no drafts
         s = int(take.max())
         cols = np.arange(s)
-        valid = cols >= (s - take)[:, None]            # left padding
+        valid = cols >= (s - take)[:, None]  # left padding
         src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
         idx = np.clip(batch.offsets[1:, None] - s + cols, 0, len(src) - 1)
         tok = np.where(valid, src[idx], 0)
-        ints = torch.from_numpy(np.stack([tok, valid]).astype(np.int64)).to(self.device)   # the one copy in
+        ints = torch.from_numpy(np.stack([tok, valid]).astype(np.int64)).to(self.device)  # the one copy in
         ids, mask = ints[0], ints[1]
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         with self._lock, torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-            token, margin = top2(out.logits[:, -1, :self.vocab_size])
+            token, margin = top2(out.logits[:, -1, : self.vocab_size])
             tokens, margins = [token], [margin]
             last = pos[:, -1:]
-            for _ in range(1, width):                  # one batched forward per draft step
+            for _ in range(1, width):  # one batched forward per draft step
                 last = last + 1
                 mask = torch.cat([mask, torch.ones_like(last)], 1)
-                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=last, use_cache=True,
-                                 **{self._cache_arg: getattr(out, self._cache_arg)})
-                token, margin = top2(out.logits[:, -1, :self.vocab_size])
+                out = self.model(
+                    input_ids=token[:, None],
+                    attention_mask=mask,
+                    position_ids=last,
+                    use_cache=True,
+                    **{self._cache_arg: getattr(out, self._cache_arg)},
+                )
+                token, margin = top2(out.logits[:, -1, : self.vocab_size])
                 tokens.append(token)
                 margins.append(margin)
             res = torch.cat([torch.stack(tokens, 1).float(), torch.stack(margins, 1)], 1).cpu().numpy()

@@ -39,9 +39,9 @@ class LMConfig:
     n_layers: int = 2
     n_heads: int = 4
     d_ff: int = 256
-    max_positions: int = 512   # learned positions 0..max_positions-1
-    seed: int = 0              # the in-code initialisation
-    init_std: float = 0.5      # embedding scale: logits spread enough for clear greedy choices
+    max_positions: int = 512  # learned positions 0..max_positions-1
+    seed: int = 0  # the in-code initialisation
+    init_std: float = 0.5  # embedding scale: logits spread enough for clear greedy choices
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
@@ -69,7 +69,7 @@ class Block(nn.Module):
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, s, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(n, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return q, k, v                                    # each [n, heads, s, head_dim]
+        return q, k, v  # each [n, heads, s, head_dim]
 
     def _out(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         n, _, s, _ = att.shape
@@ -80,8 +80,9 @@ class Block(nn.Module):
         q, k, v = self._qkv(x)
         return self._out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
-    def forward_kv(self, x: torch.Tensor, kv: torch.Tensor, write_pos: torch.Tensor,
-                   mask: torch.Tensor) -> torch.Tensor:
+    def forward_kv(
+        self, x: torch.Tensor, kv: torch.Tensor, write_pos: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """``kv`` is this layer's ``[n, 2, heads, T, head_dim]`` (a view: written in place)."""
         q, k, v = self._qkv(x)
         rows = torch.arange(len(x), device=x.device)[:, None].expand_as(write_pos)
@@ -100,11 +101,11 @@ class TinyLM(nn.Module):
         self.pos = nn.Embedding(c.max_positions, c.d_model)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.ln_f = nn.LayerNorm(c.d_model)
-        with torch.no_grad():             # seeded, whatever torch's global generator holds
+        with torch.no_grad():  # seeded, whatever torch's global generator holds
             for name, p in self.named_parameters():
                 if name.endswith("bias"):
                     p.zero_()
-                elif p.dim() == 1:        # LayerNorm scales
+                elif p.dim() == 1:  # LayerNorm scales
                     p.fill_(1.0)
                 elif name in ("emb.weight", "pos.weight"):
                     p.normal_(0.0, c.init_std if name == "emb.weight" else 0.5, generator=gen)
@@ -126,14 +127,15 @@ class TinyLM(nn.Module):
             x = block(x)
         return self.logits(self.ln_f(x))
 
-    def forward_kv(self, tokens: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
-                   write_pos: torch.Tensor) -> torch.Tensor:
+    def forward_kv(
+        self, tokens: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, write_pos: torch.Tensor
+    ) -> torch.Tensor:
         """[n, Q] tokens at ``positions`` against ``kv`` [n, layers, 2, heads, T, head_dim];
         each query's K/V land at ``write_pos`` (``T - 1``, the trash column, for padding).
         Returns the final hidden states [n, Q, d_model] (normalised: :meth:`logits`)."""
         trash = kv.shape[4] - 1
         keys = torch.arange(kv.shape[4], device=tokens.device)
-        mask = ((keys <= positions[..., None]) & (keys < trash))[:, None]    # [n, 1, Q, T]
+        mask = ((keys <= positions[..., None]) & (keys < trash))[:, None]  # [n, 1, Q, T]
         x = self._embed(tokens, positions)
         for layer, block in enumerate(self.blocks):
             x = block.forward_kv(x, kv[:, layer], write_pos, mask)

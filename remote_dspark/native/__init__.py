@@ -69,7 +69,7 @@ ENV_LIB = "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"
 ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = Path(__file__).with_name("hostflag.c")
-SOURCES = (SOURCE, SOURCE.with_name("tcp_round.c"))   # compiled together into one library
+SOURCES = (SOURCE, SOURCE.with_name("tcp_round.c"))  # compiled together into one library
 HEADERS = (SOURCE.with_name("hostflag.h"),)
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 ABI_VERSION = 11
@@ -97,12 +97,12 @@ class Status(enum.IntEnum):
     """The C library's status codes (hostflag.c)."""
 
     OK = 0
-    TIMEOUT = 1   # the deadline passed
-    LATE = 2      # the round was already claimed by someone else
-    ORDER = 3     # the previous round is not claimed yet (a caller bug)
-    STATE = 4     # a word holds a value its protocol forbids
+    TIMEOUT = 1  # the deadline passed
+    LATE = 2  # the round was already claimed by someone else
+    ORDER = 3  # the previous round is not claimed yet (a caller bug)
+    STATE = 4  # a word holds a value its protocol forbids
     NOMEM = 5
-    SYS = 6       # errno is set
+    SYS = 6  # errno is set
 
 
 class NativeError(RuntimeError):
@@ -202,18 +202,23 @@ class Native:
             raise NativeError(f"{self.path} is not a hostflag library: {e}") from e
         abi.restype = lock_free.restype = ctypes.c_int
         if abi() != ABI_VERSION:
-            raise NativeError(f"{self.path}: hostflag ABI {abi()}, this package binds "
-                              f"{ABI_VERSION}; rebuild it from {SOURCE.parent}")
+            raise NativeError(
+                f"{self.path}: hostflag ABI {abi()}, this package binds {ABI_VERSION}; rebuild it from {SOURCE.parent}"
+            )
         sizeof.restype, sizeof.argtypes = ctypes.c_uint64, (ctypes.c_int,)
         for which, mirror in enumerate((RingGeom, ProxyState, LinkState)):
             if sizeof(which) != ctypes.sizeof(mirror):
-                raise NativeError(f"{self.path}: struct {mirror.__name__} is {sizeof(which)} bytes "
-                                  f"in C, {ctypes.sizeof(mirror)} in ctypes; rebuild it from {SOURCE.parent}")
+                raise NativeError(
+                    f"{self.path}: struct {mirror.__name__} is {sizeof(which)} bytes "
+                    f"in C, {ctypes.sizeof(mirror)} in ctypes; rebuild it from {SOURCE.parent}"
+                )
         self.lock_free = lock_free()
         if self.lock_free != LOCK_FREE_ALL:
-            raise NativeError(f"{self.path}: 32/64-bit atomics are not lock-free on this "
-                              f"platform (hf_lock_free() = {self.lock_free}); the region's "
-                              "words cannot be shared between processes")
+            raise NativeError(
+                f"{self.path}: 32/64-bit atomics are not lock-free on this "
+                f"platform (hf_lock_free() = {self.lock_free}); the region's "
+                "words cannot be shared between processes"
+            )
         self._check_wire(lib)
 
     def _check_wire(self, lib) -> None:
@@ -227,12 +232,16 @@ class Native:
         out = (ctypes.c_uint64 * len(WIRE_CONSTANTS))()
         have = fn(out, len(out))
         if have != len(WIRE_CONSTANTS):
-            raise NativeError(f"{self.path}: reports {have} wire constants, this package checks "
-                              f"{len(WIRE_CONSTANTS)}; rebuild it from {SOURCE.parent}")
+            raise NativeError(
+                f"{self.path}: reports {have} wire constants, this package checks "
+                f"{len(WIRE_CONSTANTS)}; rebuild it from {SOURCE.parent}"
+            )
         for (name, expected), value in zip(WIRE_CONSTANTS, out):
             if value != expected():
-                raise NativeError(f"{self.path}: wire constant {name} is {value} in C, {expected()} in "
-                                  f"remote_dspark.wire; rebuild it from {SOURCE.parent}")
+                raise NativeError(
+                    f"{self.path}: wire constant {name} is {value} in C, {expected()} in "
+                    f"remote_dspark.wire; rebuild it from {SOURCE.parent}"
+                )
 
     def __repr__(self) -> str:
         return f"Native({self.path!r})"
@@ -326,8 +335,12 @@ def build(cache_dir: Path, environ: Mapping[str, str]) -> Path:
     except OSError as e:
         raise NativeError(f"cannot build {SOURCE.name} into {cache_dir}: {e}") from e
     if not trusted_cache(cache_dir):
-        log.warning("%s is not a private directory of this user (someone else's, or writable by "
-                    "others): building %s into a fresh private directory instead", cache_dir, SOURCE.name)
+        log.warning(
+            "%s is not a private directory of this user (someone else's, or writable by "
+            "others): building %s into a fresh private directory instead",
+            cache_dir,
+            SOURCE.name,
+        )
         cache_dir = Path(tempfile.mkdtemp(prefix="remote-dspark-hostflag-"))
     target = cache_dir / f"hostflag-{key}.so"
     if _trusted_build(target):
@@ -336,7 +349,8 @@ def build(cache_dir: Path, environ: Mapping[str, str]) -> Path:
     if cc is None:
         raise NativeError(
             f"cannot build {SOURCE.name}: no C compiler {compiler!r} on PATH. Install one "
-            f"(e.g. gcc) or set {ENV_LIB} to a built {OFL_LIB_NAME}")
+            f"(e.g. gcc) or set {ENV_LIB} to a built {OFL_LIB_NAME}"
+        )
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".hostflag-{key}.", suffix=".so.tmp", dir=cache_dir)
         os.close(fd)
@@ -344,11 +358,9 @@ def build(cache_dir: Path, environ: Mapping[str, str]) -> Path:
         raise NativeError(f"cannot build {SOURCE.name} into {cache_dir}: {e}") from e
     record = tmp + ".sha256"
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            raise NativeError(f"{cc} failed to build {SOURCE.parent} (exit {proc.returncode}):\n"
-                              f"{proc.stderr.strip()}")
+            raise NativeError(f"{cc} failed to build {SOURCE.parent} (exit {proc.returncode}):\n{proc.stderr.strip()}")
         os.chmod(tmp, 0o755)
         with open(tmp, "rb") as f, open(record, "w") as r:
             r.write(hashlib.sha256(f.read()).hexdigest() + "\n")
@@ -363,8 +375,7 @@ def build(cache_dir: Path, environ: Mapping[str, str]) -> Path:
     return target
 
 
-def load(environ: Mapping[str, str] | None = None,
-         cache_dir: str | os.PathLike | None = None) -> Native:
+def load(environ: Mapping[str, str] | None = None, cache_dir: str | os.PathLike | None = None) -> Native:
     """Locate (or build) and load the library, by the rules in the module docstring.
 
     Raises:

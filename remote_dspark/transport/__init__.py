@@ -51,16 +51,16 @@ class FrameChannel:
     instead of breaking the stream.
     """
 
-    GROW_MIN = 64 << 10        # the receive buffer's first growth past its 4 KiB
+    GROW_MIN = 64 << 10  # the receive buffer's first growth past its 4 KiB
 
     def __init__(self, stream: ByteStream, max_payload: int = wire.MAX_PAYLOAD):
         self.stream = stream
         self.max_payload = max_payload
         self._hdr = bytearray(wire.HEADER.size)
         self._buf = bytearray(4096)
-        self._got = 0                          # bytes of the current header, then payload, read so far
+        self._got = 0  # bytes of the current header, then payload, read so far
         self._header: wire.Header | None = None  # the current frame's header, once whole
-        self._frame_deadline = math.inf        # the current frame's own deadline (frame_timeout_s)
+        self._frame_deadline = math.inf  # the current frame's own deadline (frame_timeout_s)
 
     def send(self, *buffers, deadline: float | None = None) -> None:
         """Send one frame given as buffers, whole, by ``deadline``.
@@ -87,8 +87,10 @@ class FrameChannel:
             self._got = 0
             header = wire.decode_header(self._hdr)
             if header.payload_len > self.max_payload:
-                raise wire.ProtocolError(f"{header.name} payload of {header.payload_len} bytes exceeds this "
-                                         f"connection's cap {self.max_payload}")
+                raise wire.ProtocolError(
+                    f"{header.name} payload of {header.payload_len} bytes exceeds this "
+                    f"connection's cap {self.max_payload}"
+                )
             self._header = header
             self._frame_deadline = math.inf if frame_timeout_s is None else time.monotonic() + frame_timeout_s
         header = self._header
@@ -97,14 +99,14 @@ class FrameChannel:
         while self._got < size:
             if self._got == len(self._buf):
                 self._grow(min(size, max(2 * len(self._buf), self.GROW_MIN)))
-            self._fill(memoryview(self._buf)[:min(size, len(self._buf))], deadline)
+            self._fill(memoryview(self._buf)[: min(size, len(self._buf))], deadline)
         self._header, self._got = None, 0
         return header, memoryview(self._buf)[:size]
 
     def _grow(self, size: int) -> None:
         """A larger receive buffer holding what the current payload has so far."""
         buf = bytearray(size)
-        buf[:self._got] = memoryview(self._buf)[:self._got]
+        buf[: self._got] = memoryview(self._buf)[: self._got]
         self._buf = buf
 
     def _fill(self, view: memoryview, deadline: float) -> None:
@@ -115,7 +117,7 @@ class FrameChannel:
             if left <= 0:
                 raise DeadlineExceeded(f"deadline passed with {self._got} of {want} bytes read")
             try:
-                n = self.stream.recv_into(view[self._got:], left)
+                n = self.stream.recv_into(view[self._got :], left)
             except TimeoutError as e:
                 raise DeadlineExceeded(f"deadline passed with {self._got} of {want} bytes read") from e
             except OSError as e:
@@ -137,8 +139,10 @@ def connect(endpoint: Endpoint, timeout_s: float, environ: Mapping[str, str] | N
     """
     if endpoint.scheme == "tcp":
         from .tcp import TcpStream
+
         return FrameChannel(TcpStream.connect(endpoint.host, endpoint.port, timeout_s, endpoint.bind))
     from .ofl import OflStream, load_ofl
+
     env = os.environ if environ is None else environ
     module = load_ofl(env.get(ENV_OFL_DIR, ""))
     return FrameChannel(OflStream.connect(module, endpoint, timeout_s))
@@ -152,5 +156,6 @@ def check_ready(endpoint: Endpoint, environ: Mapping[str, str] | None = None) ->
     """
     if endpoint.scheme != "tcp":
         from .ofl import load_ofl
+
         env = os.environ if environ is None else environ
         load_ofl(env.get(ENV_OFL_DIR, ""))

@@ -44,8 +44,10 @@ def load_ofl(directory: str) -> ModuleType:
     """
     directory = directory.strip()
     if not directory:
-        raise ValueError(f"{ENV_OFL_DIR} is not set: o1tcp:// and o1rdma:// endpoints need "
-                         "the directory holding ofl.py and libofl.so")
+        raise ValueError(
+            f"{ENV_OFL_DIR} is not set: o1tcp:// and o1rdma:// endpoints need "
+            "the directory holding ofl.py and libofl.so"
+        )
     if not os.path.isdir(directory):
         raise ValueError(f"{ENV_OFL_DIR}={directory!r}: not a directory")
     missing = [f for f in ("ofl.py", "libofl.so") if not os.path.isfile(os.path.join(directory, f))]
@@ -58,8 +60,9 @@ def load_ofl(directory: str) -> ModuleType:
     key = os.path.realpath(directory)
     if key in _loaded:
         return _loaded[key]
-    spec = importlib.util.spec_from_file_location(f"_remote_dspark_ofl_{len(_loaded)}",
-                                                  os.path.join(directory, "ofl.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"_remote_dspark_ofl_{len(_loaded)}", os.path.join(directory, "ofl.py")
+    )
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -82,8 +85,9 @@ class OflStream:
     def connect(cls, module: ModuleType, endpoint: Endpoint, timeout_s: float) -> OflStream:
         mode = {"o1tcp": "tcp", "o1rdma": "rdma"}[endpoint.scheme]
         try:
-            conn = module.connect(endpoint.host, endpoint.port, mode=mode, bind=endpoint.bind,
-                                  timeout_s=timeout_s, lib=module.LIB_PATH)
+            conn = module.connect(
+                endpoint.host, endpoint.port, mode=mode, bind=endpoint.bind, timeout_s=timeout_s, lib=module.LIB_PATH
+            )
         except OSError as e:
             raise TransportError(f"ofl connect to {endpoint} failed: {e}") from e
         return cls(conn)

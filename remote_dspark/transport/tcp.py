@@ -25,8 +25,11 @@ def enable_keepalive(sock: socket.socket) -> None:
     not version-checked: Linux names the idle time TCP_KEEPIDLE, macOS TCP_KEEPALIVE)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
-    for opt, value in ((idle, KEEPALIVE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
-                       (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_COUNT)):
+    for opt, value in (
+        (idle, KEEPALIVE_IDLE_S),
+        (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+        (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_COUNT),
+    ):
         if opt is not None:
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
@@ -45,8 +48,7 @@ class TcpStream:
     def connect(cls, host: str, port: int, timeout_s: float, bind: str | None = None) -> TcpStream:
         """Raises: TransportError when the connection is not made within ``timeout_s``."""
         try:
-            sock = socket.create_connection((host, port), timeout=timeout_s,
-                                            source_address=(bind, 0) if bind else None)
+            sock = socket.create_connection((host, port), timeout=timeout_s, source_address=(bind, 0) if bind else None)
         except OSError as e:
             raise TransportError(f"connect to {host}:{port} failed: {e}") from e
         enable_keepalive(sock)
