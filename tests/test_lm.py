@@ -442,12 +442,14 @@ def test_hf_model_serves_a_round_through_a_worker(hf_drafter):
 
 @pytest.mark.gpu
 def test_on_cuda_in_bf16_the_cache_drafts_what_re_encoding_drafts_and_the_cpu_agrees_on_clear_choices():
-    """The CUDA path (bf16 model and pool): cached rounds through the worker's windows draft
-    what re-encoding drafts on the same device, and what the CPU float32 drafter drafts
-    wherever its choice is clear (bf16's rounding may flip a choice whose margin is small)."""
+    """The CUDA path (bf16 model and pool, the draft steps as CUDA graphs): cached rounds
+    through the worker's windows draft what eager re-encoding drafts on the same device,
+    and what the CPU float32 drafter drafts wherever its choice is clear (bf16's rounding
+    may flip a choice whose margin is small)."""
     window, width = 16, 4
     cuda = LMDrafter(device="cuda", cache_slots=8, window=window)
-    plain = LMDrafter(device="cuda", cache_slots=0, window=window)
+    plain = LMDrafter(device="cuda", cache_slots=0, window=window, graphs=False)
+    assert cuda._graphs is not None and plain._graphs is None
     assert cuda.dtype == torch.bfloat16 and cuda.drafter_identity == PLAIN.drafter_identity
     rng = np.random.default_rng(9)
     engine, had = Engine(window), {}

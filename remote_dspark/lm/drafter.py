@@ -30,6 +30,7 @@ import torch
 
 from ..drafter import CacheInfo, DraftBatch, DraftResult, empty_result
 from .cache import Plan, SlotCache, uncached_plan
+from .graphs import DecodeGraphs, draft_steps, top2
 from .model import TinyLM
 
 MARKOV_NONE = bytes(32)  # the contract's Markov identity of a drafter without a Markov model
@@ -49,12 +50,6 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: torch sees no CUDA device here")
     return dev
-
-
-def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy token and its softmax margin (top1 - top2, float32) per row."""
-    top = torch.softmax(logits.float(), -1).topk(2, dim=-1)
-    return top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
 
 
 def greedy_result(batch: DraftBatch, ctx_lens: np.ndarray, tokens: np.ndarray, margins: np.ndarray) -> DraftResult:
@@ -83,6 +78,8 @@ class LMDrafter:
             ``window`` more tokens of room before its next re-encode, with 16 draft
             positions besides.
         max_tokens: positions of a cache row (at most the model's ``max_positions``).
+        graphs: on CUDA, the draft steps as CUDA graphs (:mod:`.graphs`; False: eager,
+            the same arithmetic launched op by op).
     """
 
     def __init__(
@@ -93,6 +90,7 @@ class LMDrafter:
         cache_slots: int = 1024,
         window: int = 64,
         max_tokens: int | None = None,
+        graphs: bool = True,
     ):
         model = model or TinyLM()
         c = model.config
@@ -116,6 +114,11 @@ class LMDrafter:
         self.cache = (
             SlotCache(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
             if cache_slots
+            else None
+        )
+        self._graphs = (
+            DecodeGraphs(self.model, self._kv_shape, self.max_tokens + 1, c.head_dim, self.device, self.dtype)
+            if graphs and self.device.type == "cuda"
             else None
         )
         self._lock = threading.Lock()
@@ -172,7 +175,14 @@ class LMDrafter:
         tok_d, base_d, take_d, hit_d, hit_rows, back_d, back_rows = torch.split(ints, [len(p) for p in parts])
         tok_d = tok_d.view(n, q)
         c = self.model.config
-        kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
+        bucket = None
+        if self._graphs is not None:  # the steps' graph, captured before the buffer holds this round
+            bucket = self._graphs.bucket(n)
+            self._graphs.prepare(bucket, width)
+            tw = self.max_tokens + 1
+            kv = bucket.kv[:n]  # stale past each entry's positions: masked, never read
+        else:
+            kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
         if len(hit_e):
             kv[hit_d, :, :, :, : tw - 1] = self.cache.pool[hit_rows, :, :, :, : tw - 1]
         steps = torch.arange(q, device=self.device)
@@ -183,16 +193,14 @@ class LMDrafter:
         write_pos = torch.where(valid, positions, tw - 1)
         h = self.model.forward_kv(tok_d, positions, kv, write_pos)
         token, margin = top2(self.model.logits(h[torch.arange(n, device=self.device), take_d - 1]))
-        out_tok, out_margin = [token], [margin]
         pos = (base_d + take_d)[:, None]
-        for _ in range(1, width):  # one batched forward per draft step
-            token, margin = top2(self.model.logits(self.model.forward_kv(token[:, None], pos, kv, pos)[:, 0]))
-            out_tok.append(token)
-            out_margin.append(margin)
-            pos = pos + 1
+        if bucket is not None and width > 1:
+            toks, margins = self._graphs.replay(bucket, n, token, pos, width)
+        else:  # one batched forward per draft step
+            toks, margins = draft_steps(self.model, token, pos, kv, width - 1)
         if len(back_e):
             self.cache.pool[back_rows, :, :, :, : tw - 1] = kv[back_d, :, :, :, : tw - 1]
-        out = torch.cat([torch.stack(out_tok, 1).float(), torch.stack(out_margin, 1)], 1).cpu().numpy()  # the one out
+        out = torch.cat([token[:, None].float(), toks.float(), margin[:, None], margins], 1).cpu().numpy()  # one out
         return out[:, :width].astype(np.int32), out[:, width:]
 
     def greedy_one(self, context, n: int) -> tuple[list[int], list[float]]:
