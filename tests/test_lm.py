@@ -143,9 +143,12 @@ class Engine:
         ), adv.ok
 
 
-def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_and_sessions():
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
+def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_and_sessions(graphs):
+    """Also on the static buffers the GPU's graphs use (run eagerly here): what a buffer
+    holds from earlier rounds past an entry's positions is never read."""
     window, width = 12, 3
-    cached = LMDrafter(device="cpu", cache_slots=4, window=window)  # 6 slots, 4 rows: evictions too
+    cached = LMDrafter(device="cpu", cache_slots=4, window=window, graphs=graphs)  # 6 slots, 4 rows: evictions too
     rng = np.random.default_rng(5)
     engine, had, known = Engine(window), {}, set()
     compared = 0

@@ -78,8 +78,9 @@ class LMDrafter:
             ``window`` more tokens of room before its next re-encode, with 16 draft
             positions besides.
         max_tokens: positions of a cache row (at most the model's ``max_positions``).
-        graphs: on CUDA, the draft steps as CUDA graphs (:mod:`.graphs`; False: eager,
-            the same arithmetic launched op by op).
+        graphs: the draft steps on static buffers, replayed as CUDA graphs on CUDA
+            (:mod:`.graphs`). None (default): on CUDA only; False: eager, the same
+            arithmetic launched op by op; True: also on the CPU (run eagerly: tests).
     """
 
     def __init__(
@@ -90,7 +91,7 @@ class LMDrafter:
         cache_slots: int = 1024,
         window: int = 64,
         max_tokens: int | None = None,
-        graphs: bool = True,
+        graphs: bool | None = None,
     ):
         model = model or TinyLM()
         c = model.config
@@ -118,7 +119,7 @@ class LMDrafter:
         )
         self._graphs = (
             DecodeGraphs(self.model, self._kv_shape, self.max_tokens + 1, c.head_dim, self.device, self.dtype)
-            if graphs and self.device.type == "cuda"
+            if graphs or (graphs is None and self.device.type == "cuda")
             else None
         )
         self._lock = threading.Lock()

@@ -13,6 +13,9 @@ outputs are never read.
 
 A graph is captured before the round that first needs it touches the buffer (the capture
 runs the steps on whatever the buffer holds), so a capture never clobbers live K/V.
+
+On the CPU (``capture`` False: tests) the same static buffers are used and the steps run
+eagerly, so the buffer's rules (stale positions are never read) are checked without a GPU.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ class DecodeGraphs:
         self.model, self.kv_shape, self.positions, self.head_dim = model, kv_shape, positions, head_dim
         self.device, self.dtype = device, dtype
         self.buckets: dict[int, Bucket] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.capture = torch.device(device).type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def bucket(self, n: int) -> Bucket:
         rows = max(MIN_ROWS, 1 << (n - 1).bit_length())
@@ -81,7 +85,7 @@ class DecodeGraphs:
         """Capture ``b``'s graph of ``width - 1`` steps if it has none: before the round
         writes into ``b.kv``."""
         steps = width - 1
-        if steps < 1 or steps in b.graphs:
+        if not self.capture or steps < 1 or steps in b.graphs:
             return
         b.token.zero_()
         b.pos.zero_()
@@ -102,6 +106,9 @@ class DecodeGraphs:
         b.token[n:] = 0
         b.pos[:n] = pos
         b.pos[n:] = 0
+        if not self.capture:
+            toks, margins = draft_steps(self.model, b.token, b.pos, b.kv, width - 1)
+            return toks[:n], margins[:n]
         graph, toks, margins = b.graphs[width - 1]
         graph.replay()
         return toks[:n], margins[:n]
