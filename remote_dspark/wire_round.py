@@ -1,8 +1,8 @@
 """``wire_round``: the ROUND frame (part of the wire contract, :mod:`remote_dspark.wire`).
 
-ROUND payload (protocol 2): the engine's own batch layout, each section one array laid
-end to end, so encoding is copying whole arrays into place and decoding is taking views
-(``round_sections`` gives every offset)::
+ROUND payload (unchanged since protocol 2; the protocol is 3): the engine's own batch
+layout, each section one array laid end to end, so encoding is copying whole arrays into
+place and decoding is taking views (``round_sections`` gives every offset)::
 
     fixed     deadline_ms u32, n_entries u32, row_bytes u32, n_tokens u32
     slots     n x u32                 the entry's slot, < the session's max_slots, unique

@@ -1,5 +1,6 @@
 """The docs say what the code does: the README's example is the example the suite runs,
-and every extra, command, variable and link the README and docs/ name exists."""
+and every extra, command, variable, link (with its heading), package file, metric and
+worker option the README and docs/ name exists."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import re
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from remote_dspark.cli import build_parser
@@ -66,7 +68,110 @@ def test_every_variable_the_docs_name_is_in_the_contract():
             assert var in contract, f"{doc} names {var}, which the environment contract does not have"
 
 
+def anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a document's headings."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M):
+        out.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
+    return out
+
+
 def test_every_relative_link_resolves():
     for doc, text in DOCS.items():
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
-            assert (ROOT / doc).parent.joinpath(target).exists(), f"{doc} links {target}"
+        for target, anchor in re.findall(r"\]\(([^)#:]*)(?:#([^)]*))?\)", text):
+            path = (ROOT / doc).parent.joinpath(target) if target else ROOT / doc
+            assert path.exists(), f"{doc} links {target}"
+            if anchor and path.suffix == ".md":
+                assert anchor in anchors(path.read_text()), f"{doc} links {target}#{anchor}, no such heading"
+
+
+# --- names the docs use ---------------------------------------------------------------
+
+
+NOT_THE_PACKAGES = {"argparse.py"}  # named as a file a user might plant, not one of ours
+
+
+def test_every_package_path_the_docs_name_exists():
+    """``remote_dspark/...``, ``native/x.c`` and ``shm_layout.py``-style names: a file
+    moved or renamed without the docs fails here."""
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "remote_dspark").rglob("*") if p.is_file()}
+    names = {Path(f).name for f in files}
+    for doc, text in DOCS.items():
+        for path in set(re.findall(r"\bremote_dspark/[\w/.*-]*\w", text)):
+            hits = [f for f in files if Path(f).match(path) or f == path or f.startswith(path + "/")]
+            assert hits, f"{doc} names {path}, which does not exist"
+        for name in set(re.findall(r"`(?:native/)?([a-z_]+\.(?:py|c|h))`", text)) - NOT_THE_PACKAGES:
+            assert name in names, f"{doc} names {name}, which no file of the package is"
+
+
+def _families(collector) -> set[str]:
+    """Every name a scrape shows for the collector's families: the family's own and its
+    samples' (``_total``, ``_bucket``, ``_info`` ...)."""
+    out = set()
+    for fam in collector.collect():
+        out.add(fam.name)
+        out.update(s.name for s in fam.samples)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exposed() -> set[str]:
+    """The metric names a process-mode engine (margins asked for) and a worker with a
+    cache expose, collected from their real collectors."""
+    from remote_dspark.config import RemoteConfig
+    from remote_dspark.drafter import CacheInfo, MarkovDrafter
+    from remote_dspark.engine import RemoteDSpark
+    from remote_dspark.markov import MarkovModel
+    from remote_dspark.metrics import RemoteDSparkCollector
+    from remote_dspark.worker import Worker
+    from remote_dspark.worker_metrics import WorkerCollector
+
+    class Cached(MarkovDrafter):
+        def cache_info(self) -> CacheInfo:
+            return CacheInfo(slots=1, capacity=2, bytes=3, hits=4, misses=5)
+
+    drafter = Cached(MarkovModel.from_tokens([1, 2, 3] * 10, order=1, top=1))
+    worker = Worker(drafter, "127.0.0.1", 0, metrics_port=0).start()
+    try:
+        env = dict(
+            VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
+            VLLM_DSPARK_REMOTE_IDENTITY=drafter.drafter_identity.hex(),
+            VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=drafter.markov_identity.hex(),
+            VLLM_DSPARK_REMOTE_POLICY="capacity",
+            VLLM_DSPARK_REMOTE_WANT_MARGIN="1",
+            VLLM_DSPARK_REMOTE_ASYNC="1",
+            VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+            VLLM_DSPARK_REMOTE_STATS_FILE="",
+            VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        )
+        rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=2, max_slots=4, row_bytes=4, environ=env).start()
+        try:
+            names = _families(RemoteDSparkCollector(rd))
+        finally:
+            rd.close()
+        return names | _families(WorkerCollector(worker))
+    finally:
+        worker.stop()
+
+
+def test_every_metric_the_docs_name_is_exposed(exposed):
+    assert {"dspark_remote_rounds_total", "dspark_worker_round_duration_seconds_bucket"} <= exposed
+    for doc, text in DOCS.items():
+        for name in set(re.findall(r"\bdspark_(?:remote|worker)_[a-z0-9_]*[a-z0-9]", text)):
+            assert name in exposed, f"{doc} names the metric {name}, which nothing exposes"
+
+
+def test_every_worker_option_the_docs_name_exists():
+    """Options the docs give ``remote-dspark worker`` (in its command lines, and every
+    option named in a sentence about the worker's limits) are the parser's."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    worker_opts = {o for a in sub.choices["worker"]._actions for o in a.option_strings}
+    for doc, text in DOCS.items():
+        named = set()
+        for line in re.findall(r"remote-dspark worker\b([^\n`]*)", text):
+            named |= set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line))
+        for para in re.split(r"\n\s*\n", text):
+            if re.search(r"\bworker\b", para, re.I) and not re.search(r"remote-dspark (?!worker)[a-z]", para):
+                named |= set(re.findall(r"`(--(?:max|hello|frame|lm|hf|metrics|window|drafter)[a-z-]*)", para))
+        assert not named - worker_opts, f"{doc} gives the worker {sorted(named - worker_opts)}, which it lacks"

@@ -18,7 +18,7 @@ setting. Medians, p99 and max in microseconds; ``--json`` for machines.
 By default the peer runs on a CPU of its own and the engine's threads on the others
 (``--no-pin`` lets them share), and where the peer is another process the engine's wait
 keeps its GIL for its first ``--hold-gil-us`` (the thread row cannot: its peer needs the
-GIL). docs/handoff.md shows what each changes on a 2-core machine.
+GIL). docs/benchmarks.md shows what each changes on a 2-core machine.
 
 The peers, their pinning and the GIL hog are in :mod:`.handoff_peers`: every peer answers
 exactly warm-up + N rounds, and every process a row starts is ended before it returns.

@@ -39,7 +39,7 @@ class Pinning:
     def plan(cls, pin: bool, interrupts: str = "/proc/interrupts") -> Pinning:
         """For the peer, the CPU that has served the fewest device interrupts (the last
         of those): an interrupt in the middle of a hand-off makes the stream miss its
-        poll of ``released`` (see handoff.md). The others for the engine, less the peer's
+        poll of ``released`` (docs/benchmarks.md, "The tail on the H200"). The others for the engine, less the peer's
         hyper-thread siblings where enough CPUs remain (a busy sibling slows the peer)."""
         cpus = sorted(os.sched_getaffinity(0))
         if not pin or len(cpus) < 2:

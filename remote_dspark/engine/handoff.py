@@ -81,7 +81,7 @@ class AsyncPath:
             # Process mode on the CPU: the proxy answers within microseconds, so the
             # engine thread keeps its GIL for the first 50 us of the wait and, in the
             # common case, never hands it to another engine thread mid-round
-            # (docs/handoff.md). Thread mode must release it at once: its proxy needs it.
+            # (docs/benchmarks.md). Thread mode must release it at once: its proxy needs it.
             self.sync = streamsync.HostFlagSync(
                 self.region,
                 self.lib,
