@@ -25,7 +25,9 @@ A drafter may say its vocabulary size (``vocab_size``: its largest token id + 1;
 optional attribute, None or 0 when unknown, read with :func:`vocab_size_of`): the worker
 refuses the HELLO of an engine whose vocabulary is smaller, since its drafts could name
 tokens the engine does not have (a drafter may have the smaller vocabulary of the same
-tokenizer).
+tokenizer). It may also say the most drafts per entry it can make (``max_width``, an
+optional int): the worker refuses a HELLO whose ``num_spec`` is over it, so that no round
+fails for its width.
 
 The old per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens,
 margins)``) is still served through :class:`PerEntryDrafter`, the slow path: one Python
@@ -306,10 +308,11 @@ def _model_drafter(hf_model: str | None, device: str | None, cache_slots: int, w
         raise ValueError(f"{flag}: {e} (pip install remote-dspark[lm])") from e
     try:
         if hf_model is not None:
-            return lm.hf_drafter(hf_model, device)
+            return lm.hf_drafter(hf_model, device, window)
         return lm.builtin_drafter(device, cache_slots, window)
     except (ImportError, ValueError) as e:
-        raise ValueError(f"{flag} (--lm-device {device or 'auto'}): {e}") from e
+        why = str(e).removeprefix(f"{flag}: ")  # the loader's own messages name the flag already
+        raise ValueError(f"{flag} (--lm-device {device or 'auto'}): {why}") from e
 
 
 def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:

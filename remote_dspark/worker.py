@@ -329,6 +329,7 @@ class Worker:
         except Disconnected:
             pass
         except Exception:  # the drafter (or this worker) failed: this connection only, loudly
+            self._count("round_failures")
             log.exception("connection %s: failed serving a round; closing it", peer)
         finally:
             if self._stopping.is_set() or (session is not None and session.evicted):

@@ -137,7 +137,8 @@ def add_parser(sub) -> None:
         type=int,
         default=1024,
         metavar="N",
-        help="--drafter lm: streams whose KV cache is kept across rounds (default 1024; the least "
+        help="--drafter lm (not --hf-model, which re-encodes every window each round): streams whose KV "
+        "cache is kept across rounds (default 1024; the least "
         "recently used is dropped beyond; 0: none). Preallocated: N x 147456 bytes in float32 "
         "at the default --window 64 (rows of 2 x window + 16 tokens)",
     )

@@ -119,4 +119,14 @@ def hello_refusal(drafter, limits: Limits, hello: wire.Hello) -> tuple[int, str,
     over = limits.refusal(hello)
     if over is not None:
         return wire.REFUSE_LIMITS, over, "limits"
+    widest = getattr(drafter, "max_width", None)  # a drafter's own bound on drafts per entry
+    if widest is not None and hello.num_spec > widest:
+        return (
+            wire.REFUSE_LIMITS,
+            (
+                f"num_spec {hello.num_spec} is over the drafter's {widest} drafts per entry "
+                "(a model drafter's row holds a window and that many: a smaller --window leaves more)"
+            ),
+            "limits",
+        )
     return wire.ACCEPT, "", ""

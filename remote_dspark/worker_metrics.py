@@ -136,6 +136,11 @@ class WorkerCollector(Collector):
         yield refusals
         yield _counter("bad_frames", "Connections dropped for a frame that breaks the contract.", s.bad_frames)
         yield _counter(
+            "round_failures",
+            "Connections dropped because drafting or answering a round raised (the drafter's bug; logged).",
+            s.round_failures,
+        )
+        yield _counter(
             "stalled_connections", "Connections dropped for a frame not whole within --frame-timeout-ms.", s.stalled
         )
         yield _counter(
@@ -178,8 +183,13 @@ class WorkerCollector(Collector):
             yield _counter("cache_misses", "Entries that encoded their whole context.", cache.misses)
 
 
+MAX_REQUESTS = 16  # requests served at once; more connections are closed unanswered
+REQUEST_TIMEOUT_S = 5.0  # a request not whole by then is dropped (a slow client holds one thread, briefly)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    timeout = REQUEST_TIMEOUT_S
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         path = self.path.split("?", 1)[0]
@@ -203,9 +213,32 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Server(ThreadingHTTPServer):
+    """A thread per request, at most MAX_REQUESTS at once (a flood of half-sent requests
+    holds at most that many threads, each for REQUEST_TIMEOUT_S)."""
+
     daemon_threads = True  # a stuck client never holds the worker's exit
     registry: CollectorRegistry
     worker: object
+
+    def __init__(self, *args, **kw):
+        self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
+        super().__init__(*args, **kw)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed, unanswered
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class MetricsServer:

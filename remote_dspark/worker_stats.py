@@ -31,6 +31,7 @@ class WorkerStats:
     evicted: int = 0  # sessions evicted for a newcomer (least recently served, idle >= recent_s)
     bad_frames: int = 0  # connections dropped for a frame that breaks the contract
     stalled: int = 0  # connections dropped for a frame not whole within frame_timeout_s
+    round_failures: int = 0  # connections dropped because drafting (or answering) a round raised
     hello_timeouts: int = 0  # connections dropped for no HELLO within hello_timeout_s
     displaced: int = 0  # pre-HELLO connections dropped to make room for a newer one
     rounds: int = 0

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,7 @@ from remote_dspark.client import DraftClient, Refused
 from remote_dspark.drafter import CacheInfo, DraftBatch, load_drafter
 from remote_dspark.lm.drafter import LMDrafter
 from remote_dspark.lm.model import LMConfig, TinyLM
-from remote_dspark.transport import parse_endpoint
+from remote_dspark.transport import Disconnected, parse_endpoint
 from remote_dspark.worker import Worker
 from remote_dspark.worker_windows import Windows
 
@@ -295,6 +296,41 @@ def test_a_worker_refuses_an_engine_with_a_smaller_vocabulary_and_serves_the_sam
     assert d.cache_info().hits == 1
 
 
+def test_a_hello_wider_than_a_row_holds_is_refused_and_a_drafter_failure_is_counted():
+    """num_spec over the drafter's max_width (what a row holds past a window) is refused at
+    HELLO, naming it; a round whose drafting raises costs its connection, counted."""
+    d = LMDrafter(device="cpu", cache_slots=8, window=8)  # rows of 32: max_width 24
+    assert d.max_width == d.max_tokens - 8 == 24
+    with Worker(d, "127.0.0.1", 0, window=8) as w:
+        with pytest.raises(Refused, match="num_spec 25 is over the drafter's 24") as e:
+            connect(w.port, hello(d, num_spec=25))
+        assert e.value.code == wire.REFUSE_LIMITS and w.statistics().refusals["limits"] == 1
+        c = connect(w.port, hello(d, num_spec=24))
+        d.draft_batch = lambda batch: 1 / 0  # a drafter's bug
+        try:
+            with pytest.raises(Disconnected):
+                c.round(
+                    1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(2, 3, 0, (1,), new_gen=True)], b"", 0)], 5000
+                )
+        finally:
+            c.close()
+        assert until(lambda: w.statistics().round_failures == 1)
+
+
+def test_a_row_kept_short_by_a_wide_round_is_not_a_hit():
+    """A row re-encoded for a wide round keeps only the tokens that left room for it; a
+    narrower round next must not draft from that shorter history (it re-encodes)."""
+    window = 16
+    cached = LMDrafter(device="cpu", cache_slots=4, window=window)  # rows of 48 tokens
+    engine = Engine(window)
+    ctx = list(range(3, 15))  # 12 tokens: a row for a width of 40 keeps 8
+    first, _ = engine.batch([(0, ctx, True, False)], 40)
+    assert cached.draft_batch(first).counts.tolist() == [40]
+    second, _ = engine.batch([(0, [20], False, False)], 2)
+    assert_same_drafts(cached.draft_batch(second), PLAIN.draft_batch(second))
+    assert cached.cache_info().hits == 0
+
+
 # --- load_drafter and the command line -----------------------------------------------------
 
 
@@ -408,14 +444,16 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_drafter(hf_dir):
-    return load_drafter(None, hf_model=str(hf_dir), lm_device="cpu")
+    return load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=16)
 
 
 def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     from remote_dspark.lm.hf import dir_identity
 
     d = hf_drafter
-    assert d.vocab_size == 128 and d.markov_identity == bytes(32)
+    assert d.vocab_size == 128 and d.markov_identity == bytes(32) and d.max_width == 64 - 16
+    with pytest.raises(ValueError, match=r"^--hf-model .* \(--lm-device cpu\): the model has 64 positions, fewer"):
+        load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=64)
     assert d.drafter_identity == dir_identity(hf_dir) and len(d.drafter_identity) == 32
     contexts = [[1], [4, 5, 6, 7, 8, 9, 10], [], [3, 3], list(range(20, 40))]
     n_out = [3, 2, 3, 0, 3]

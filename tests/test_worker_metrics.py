@@ -437,3 +437,32 @@ def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_
             prom.wait()
         log.close()
         w.stop()
+
+
+def test_slow_clients_hold_at_most_the_request_cap_and_are_dropped_after_the_request_timeout(monkeypatch):
+    """Half-sent requests hold at most MAX_REQUESTS threads (a connection beyond them is
+    closed unanswered) and each only until REQUEST_TIMEOUT_S; then scrapes are served."""
+    from remote_dspark import worker_metrics
+
+    monkeypatch.setattr(worker_metrics, "MAX_REQUESTS", 3)
+    monkeypatch.setattr(worker_metrics._Handler, "timeout", 0.5)
+    w = make()
+    slow = []
+    try:
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", w.metrics_port), timeout=5)
+            s.sendall(b"GET /metr")  # never finished
+            slow.append(s)
+        assert until(lambda: w._metrics._server._slots._value == 0, timeout=5)
+        extra = socket.create_connection(("127.0.0.1", w.metrics_port), timeout=5)
+        extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b""  # closed unanswered: the cap is full
+        extra.close()
+        for s in slow:  # each dropped by the server after the request timeout
+            s.settimeout(5)
+            assert s.recv(100) == b""
+        assert until(lambda: get(w, "/healthz")[0] == 200, timeout=5)
+    finally:
+        for s in slow:
+            s.close()
+        w.stop()

@@ -19,7 +19,9 @@ A stream is ``(session, slot, gen)`` (:class:`remote_dspark.drafter.DraftBatch`)
 row of ``(session, slot)`` is found through one array per session (slot -> row, -1:
 none). An entry's row is a hit iff its gen matches, ``length <= lengths[i]``, the new
 tokens ``lengths[i] - length`` are all in the context, and they fit with the round's
-drafts (``fill + new + width <= max_tokens``). A hit encodes only the new tokens at
+drafts (``fill + new + width <= max_tokens``), and they hold at least what a re-encode
+would (``fill + new >= min(context, max_tokens - width)``: a row kept short by a wider
+round is not a hit). A hit encodes only the new tokens at
 positions ``fill...`` (with no new token it re-encodes the last one, whose logits were
 not kept); a miss re-encodes the context from position 0, its last ``max_tokens -
 width`` tokens at most. A stream that outgrows its row is thus re-encoded from its
@@ -96,7 +98,7 @@ class SlotCache:
 
     def info(self) -> CacheInfo:
         return CacheInfo(
-            int(np.count_nonzero(self.owner_session >= 0)),
+            int(np.count_nonzero((self.owner_session >= 0) & (self.gen >= 0))),  # rows with usable state
             self.capacity,
             self.pool.numel() * self.pool.element_size(),
             self.hits,
@@ -124,6 +126,8 @@ class SlotCache:
             & (new <= ctx_lens[ok])
             & (self.fill[r] > 0)
             & (self.fill[r] + np.maximum(new, 1) + width <= self.max_tokens)
+            # at least what re-encoding would encode (a row kept short by a wider round)
+            & (self.fill[r] + new >= np.minimum(ctx_lens[ok], self.max_tokens - width))
         )
         hit = np.zeros(len(rows), bool)
         hit[ok] = ok_r

@@ -23,6 +23,7 @@ share one drafter; a lock serializes rounds (a GPU runs them one after another a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -76,7 +77,9 @@ class LMDrafter:
         window: the worker's ``--window``: ``max_tokens`` defaults to ``2 * window + 16``
             (at most the model's positions), so a stream re-encoded from its window has
             ``window`` more tokens of room before its next re-encode, with 16 draft
-            positions besides.
+            positions besides. ``max_width`` (``max_tokens - window``) is the widest round
+            a row holds beside a whole window: the worker refuses a HELLO whose
+            ``num_spec`` is wider.
         max_tokens: positions of a cache row (at most the model's ``max_positions``).
         graphs: the draft steps on static buffers, replayed as CUDA graphs on CUDA
             (:mod:`.graphs`). None (default): on CUDA only; False: eager, the same
@@ -101,8 +104,14 @@ class LMDrafter:
                 "for a window and 16 drafts at least"
             )
         self.max_tokens = max_tokens or min(2 * window + 16, c.max_positions)
-        if not 2 <= self.max_tokens <= c.max_positions:
-            raise ValueError(f"max_tokens {self.max_tokens}: must be in 2..{c.max_positions} (the model's positions)")
+        if not window < self.max_tokens <= c.max_positions:
+            raise ValueError(
+                f"max_tokens {self.max_tokens}: must be in {window + 1}..{c.max_positions} "
+                "(more than the window; the model's positions)"
+            )
+        # The widest round a row holds beside a whole window: the worker refuses a HELLO
+        # whose num_spec is wider (worker_limits.hello_refusal), so no round fails for it.
+        self.max_width = self.max_tokens - window
         if cache_slots < 0:
             raise ValueError(f"cache_slots {cache_slots}: must be >= 0")
         self.device = pick_device(device)
@@ -125,10 +134,12 @@ class LMDrafter:
         self._lock = threading.Lock()
 
     def cache_info(self) -> CacheInfo:
-        if self.cache is None:
-            return CacheInfo(0, 0, 0, 0, 0)
+        """The cache's streams and counts; ``bytes`` also counts the static working
+        buffers of the draft steps (:mod:`.graphs`), which grow with the largest round."""
         with self._lock:
-            return self.cache.info()
+            info = self.cache.info() if self.cache is not None else CacheInfo(0, 0, 0, 0, 0)
+            extra = self._graphs.nbytes() if self._graphs is not None else 0
+        return dataclasses.replace(info, bytes=info.bytes + extra)
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
         """Drafts for every entry (module docstring). Raises: ValueError for a width that

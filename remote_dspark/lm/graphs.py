@@ -67,6 +67,10 @@ class DecodeGraphs:
         self.capture = torch.device(device).type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
+    def nbytes(self) -> int:
+        """The static buffers' memory (the graphs' own intermediates not counted)."""
+        return sum(t.numel() * t.element_size() for b in self.buckets.values() for t in (b.kv, b.token, b.pos))
+
     def bucket(self, n: int) -> Bucket:
         rows = max(MIN_ROWS, 1 << (n - 1).bit_length())
         b = self.buckets.get(rows)

@@ -49,11 +49,14 @@ def dir_identity(path: Path) -> bytes:
     return h.digest()
 
 
-def load_hf(model_dir: str, device: str | torch.device | None = None) -> HFDrafter:
-    """The drafter of the transformers causal LM saved in ``model_dir``.
+def load_hf(model_dir: str, device: str | torch.device | None = None, window: int = 64) -> HFDrafter:
+    """The drafter of the transformers causal LM saved in ``model_dir``, for contexts of
+    ``window`` tokens: its ``max_width`` is what the model's positions leave past a window
+    (the worker refuses a HELLO whose num_spec is wider).
 
     Raises:
-        ValueError: ``model_dir`` is not a local directory, or transformers cannot load it.
+        ValueError: ``model_dir`` is not a local directory, transformers cannot load it,
+            or its positions cannot hold a window and a draft.
         ImportError: transformers is not installed (the ``hf`` extra).
     """
     path = Path(model_dir)
@@ -72,8 +75,16 @@ def load_hf(model_dir: str, device: str | torch.device | None = None) -> HFDraft
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"--hf-model {model_dir!r}: {e}") from e
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and window + 1 > positions:
+        raise ValueError(
+            f"--hf-model {model_dir!r}: the model has {positions} positions, fewer than a window of "
+            f"{window} (--window) and one draft"
+        )
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return HFDrafter(model.to(dev, dtype).eval(), int(config.vocab_size), dir_identity(path), dev)
+    drafter = HFDrafter(model.to(dev, dtype).eval(), int(config.vocab_size), dir_identity(path), dev)
+    drafter.max_width = positions - window if positions is not None else None
+    return drafter
 
 
 class HFDrafter:
@@ -87,6 +98,7 @@ class HFDrafter:
         self.vocab_size = vocab_size
         self.drafter_identity = identity
         self.markov_identity = MARKOV_NONE
+        self.max_width: int | None = None  # drafts per entry the positions leave (load_hf sets it)
         self._lock = threading.Lock()  # the worker's connection threads share one drafter
         # The KV cache's argument and output name: ``cache`` in transformers 5, before it
         # ``past_key_values`` (probed, not version-checked).
