@@ -31,7 +31,7 @@ import torch
 
 from ..drafter import CacheInfo, DraftBatch, DraftResult, empty_result
 from .cache import Plan, SlotCache, uncached_plan
-from .graphs import DecodeGraphs, draft_steps, top2
+from .graphs import RoundGraphs, draft_steps, top2
 from .model import TinyLM
 
 MARKOV_NONE = bytes(32)  # the contract's Markov identity of a drafter without a Markov model
@@ -127,7 +127,7 @@ class LMDrafter:
             else None
         )
         self._graphs = (
-            DecodeGraphs(self.model, self._kv_shape, self.max_tokens + 1, c.head_dim, self.device, self.dtype)
+            RoundGraphs(self.model, self._kv_shape, self.max_tokens + 1, c.head_dim, self.device, self.dtype)
             if graphs or (graphs is None and self.device.type == "cuda")
             else None
         )
@@ -178,25 +178,24 @@ class LMDrafter:
         src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
         idx = (batch.offsets[1:] - take)[:, None] + np.arange(q)
         tok = np.where(np.arange(q) < take[:, None], src[np.clip(idx, 0, len(src) - 1)], 0)
-        lens = plan.base + take
-        tw = int(lens.max()) + width  # positions up to lens + width - 2, and the trash column
         hit_e = np.flatnonzero(plan.hit)
         back_e = np.flatnonzero((plan.rows >= 0) & has_ctx)
+        pool = self.cache.pool if self.cache is not None else None
+        if self._graphs is not None:  # the round as one graph (lm.graphs)
+            out = self._graphs.run(
+                tok, plan.base, take, width, pool, (hit_e, plan.rows[hit_e]), (back_e, plan.rows[back_e])
+            )
+            return out[:, :width].astype(np.int32), out[:, width:]
+        lens = plan.base + take
+        tw = int(lens.max()) + width  # positions up to lens + width - 2, and the trash column
         parts = [tok.ravel(), plan.base, take, hit_e, plan.rows[hit_e], back_e, plan.rows[back_e]]
         ints = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)  # the one copy in
         tok_d, base_d, take_d, hit_d, hit_rows, back_d, back_rows = torch.split(ints, [len(p) for p in parts])
         tok_d = tok_d.view(n, q)
         c = self.model.config
-        bucket = None
-        if self._graphs is not None:  # the steps' graph, captured before the buffer holds this round
-            bucket = self._graphs.bucket(n)
-            self._graphs.prepare(bucket, width)
-            tw = self.max_tokens + 1
-            kv = bucket.kv[:n]  # stale past each entry's positions: masked, never read
-        else:
-            kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
+        kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
         if len(hit_e):
-            kv[hit_d, :, :, :, : tw - 1] = self.cache.pool[hit_rows, :, :, :, : tw - 1]
+            kv[hit_d, :, :, :, : tw - 1] = pool[hit_rows, :, :, :, : tw - 1]
         steps = torch.arange(q, device=self.device)
         valid = steps < take_d[:, None]
         # Padding sits at position 0 (inside the model's positions, whatever the row's
@@ -205,13 +204,9 @@ class LMDrafter:
         write_pos = torch.where(valid, positions, tw - 1)
         h = self.model.forward_kv(tok_d, positions, kv, write_pos)
         token, margin = top2(self.model.logits(h[torch.arange(n, device=self.device), take_d - 1]))
-        pos = (base_d + take_d)[:, None]
-        if bucket is not None and width > 1:
-            toks, margins = self._graphs.replay(bucket, n, token, pos, width)
-        else:  # one batched forward per draft step
-            toks, margins = draft_steps(self.model, token, pos, kv, width - 1)
+        toks, margins = draft_steps(self.model, token, (base_d + take_d)[:, None], kv, width - 1)
         if len(back_e):
-            self.cache.pool[back_rows, :, :, :, : tw - 1] = kv[back_d, :, :, :, : tw - 1]
+            pool[back_rows, :, :, :, : tw - 1] = kv[back_d, :, :, :, : tw - 1]
         out = torch.cat([token[:, None].float(), toks.float(), margin[:, None], margins], 1).cpu().numpy()  # one out
         return out[:, :width].astype(np.int32), out[:, width:]
 
