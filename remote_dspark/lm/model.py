@@ -86,9 +86,8 @@ class Block(nn.Module):
         """``kv`` is this layer's ``[n, 2, heads, T, head_dim]`` (a view: written in place)."""
         q, k, v = self._qkv(x)
         rows = torch.arange(len(x), device=x.device)[:, None].expand_as(write_pos)
-        # [n, T, heads, head_dim] views of the buffer: one scatter per tensor, every query.
-        kv[:, 0].transpose(1, 2)[rows, write_pos] = k.transpose(1, 2)
-        kv[:, 1].transpose(1, 2)[rows, write_pos] = v.transpose(1, 2)
+        # An [n, T, 2, heads, head_dim] view of the buffer: one scatter of K and V, every query.
+        kv.permute(0, 3, 1, 2, 4)[rows, write_pos] = torch.stack((k, v), 2).transpose(1, 3)
         return self._out(x, F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask))
 
 
