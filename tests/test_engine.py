@@ -615,3 +615,21 @@ def test_the_standby_can_be_switched_off(worker, tmp_path):
     with make(async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_ASYNC_STANDBY="0")) as rd:
         assert rd.round(batch()).outcome is Outcome.OK
         assert rd.supervisor.standby is None and rd.stats().supervisor.standby == "off"
+
+
+def test_a_slow_set_up_before_the_spawn_does_not_eat_the_wait_for_the_proxy(worker, tmp_path, monkeypatch):
+    """The wait for the first proxy counts from its spawn: an engine whose own set-up (on a
+    GPU, the hand-off's self-test compiling its kernel) outlasts CONNECT_TIMEOUT_MS + 1 s
+    still starts with a proxy serving, and its first round reaches the worker."""
+    from remote_dspark.engine import facade, proxy_host
+
+    monkeypatch.setattr(proxy_host, "START_WAIT_SLACK_S", 0.2)
+
+    class SlowSelfTest(facade.AsyncPath):
+        def __init__(self, *args, **kw):
+            time.sleep(1.0)  # longer than the whole wait: CONNECT_TIMEOUT_MS 500 + 0.2 s
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(facade, "AsyncPath", SlowSelfTest)
+    with make(async_env(worker.port, tmp_path, "process", VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS="500")) as rd:
+        assert rd.round(batch()).outcome is Outcome.OK

@@ -182,7 +182,6 @@ class RemoteDSpark:
                 if self.state is not EngineState.NEW:
                     raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
                 self.state = EngineState.STARTING
-            started_at = time.monotonic()
             cfg = self.cfg
             for warning in cfg.warnings():
                 log.warning("remote DSpark: %s", warning)
@@ -193,9 +192,9 @@ class RemoteDSpark:
             )
             try:
                 if self._ranks is None:
-                    self._open(started_at)
+                    self._open()
                 else:  # tensor parallel: every rank compares its config, rank 0 opens, the others follow
-                    follower = self._ranks.start(self.spec, lambda: self._open(started_at), lambda: self.mode)
+                    follower = self._ranks.start(self.spec, lambda: self._open(), lambda: self.mode)
                     if follower is not None:
                         self.spec, self._path, self._users = follower.spec, follower, Users(follower.close)
             except BaseException:
@@ -205,7 +204,7 @@ class RemoteDSpark:
                 self.state = EngineState.STARTED
         return self
 
-    def _open(self, started_at: float) -> None:
+    def _open(self) -> None:
         cfg = self.cfg
         transport.check_ready(cfg.endpoint, self.spec.environ)  # an ofl endpoint needs its library now
         if cfg.metrics_port:
@@ -214,9 +213,9 @@ class RemoteDSpark:
             self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
         if cfg.strict_start and self.mode != "sync":
             self._probe_connection()
-        self._open_path(started_at)
+        self._open_path()
 
-    def _open_path(self, started_at: float) -> None:
+    def _open_path(self) -> None:
         if self.mode != "sync":
             try:
                 path = AsyncPath(self.spec, self.counts)
@@ -228,7 +227,7 @@ class RemoteDSpark:
             else:
                 self._path, self._users = path, path.users
                 self._host = ProxyHost(self.spec, path)
-                self._host.start(started_at)
+                self._host.start()
                 return
         path = SyncPath(self.spec)
         self._path, self._users = path, Users(path.close)

@@ -52,9 +52,11 @@ class ProxyHost:
         connect attempt."""
         return self.spec.cfg.connect_timeout_ms / 1000.0 + PROXY_START_S
 
-    def start(self, started_at: float) -> None:
-        """Start the proxy and wait for it to serve until ``started_at`` (the engine's
-        start, monotonic) + CONNECT_TIMEOUT_MS + 1 s at most."""
+    def start(self) -> None:
+        """Start the proxy and wait for it to serve, CONNECT_TIMEOUT_MS + 1 s at most from
+        now: the engine's own set-up before (the hand-off's self-test, a Triton compile on
+        a cold cache) is not the proxy's time."""
+        spawned_at = time.monotonic()
         if self.spec.mode == "thread":
             self._start_thread()
         else:
@@ -79,9 +81,9 @@ class ProxyHost:
         # A new proxy serves after its first connect attempt: a hung worker holds start()
         # for CONNECT_TIMEOUT_MS, and 1 s more is the proxy's own start.
         limit_s = self.spec.cfg.connect_timeout_ms / 1000.0 + START_WAIT_SLACK_S
-        if not self._wait_serving(started_at + limit_s - time.monotonic()):
+        if not self._wait_serving(spawned_at + limit_s - time.monotonic()):
             log.warning(
-                "remote DSpark: no proxy serving %.1f s after start; rounds are target-only until one does", limit_s
+                "remote DSpark: no proxy serving %.1f s after its start; rounds are target-only until one does", limit_s
             )
 
     def _start_thread(self) -> None:
