@@ -21,10 +21,10 @@ import threading
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from .histogram import Histogram
+from .prom import Families
 
 PREFIX = "dspark_remote_"
 BREAKER_STATES = ("closed", "open", "probing")
@@ -32,19 +32,8 @@ CAUSES = ("exit", "signal", "stall")
 STANDBY_STATES = ("off", "none", "starting", "ready")
 
 
-def _counter(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
-    return CounterMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
-
-
-def _gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
-
-
-def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
-    """From a non-cumulative :class:`Histogram` (its last bucket: +Inf)."""
-    fam = HistogramMetricFamily(PREFIX + name, doc)
-    fam.add_metric([], hist.cumulative(), hist.sum)
-    return fam
+_f = Families(PREFIX)
+_counter, _gauge, _histogram = _f.counter, _f.gauge, _f.histogram
 
 
 class RemoteDSparkCollector(Collector):

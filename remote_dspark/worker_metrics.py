@@ -37,11 +37,11 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from .drafter import cache_info_of, vocab_size_of
-from .histogram import Histogram
+from .prom import Families
 from .worker_stats import REFUSAL_REASONS
 
 log = logging.getLogger("remote_dspark.worker")
@@ -50,18 +50,8 @@ PREFIX = "dspark_worker_"
 PATHS = ("/metrics", "/healthz", "/readyz")
 
 
-def _counter(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
-    return CounterMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
-
-
-def _gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
-
-
-def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
-    fam = HistogramMetricFamily(PREFIX + name, doc)
-    fam.add_metric([], hist.cumulative(), hist.sum)
-    return fam
+_f = Families(PREFIX)
+_counter, _gauge, _histogram = _f.counter, _f.gauge, _f.histogram
 
 
 class WorkerCollector(Collector):

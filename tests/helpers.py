@@ -1,7 +1,14 @@
 """Small helpers the tests import by name."""
 
+import contextlib
+import json
 import os
+import shutil
+import socket
+import subprocess
 import time
+import urllib.parse
+import urllib.request
 
 import pytest
 
@@ -79,3 +86,53 @@ def env_for(port: int, tmp_path, **kw) -> dict:
     )
     env.update(kw)
     return env
+
+
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+NEED_TOOLS = "promtool and prometheus come with Debian's 'prometheus' package (scripts/ensure-prometheus)"
+
+
+@contextlib.contextmanager
+def prometheus(tmp_path, job: str, target_port: int):
+    """A real Prometheus on loopback scraping ``127.0.0.1:target_port`` every 200 ms;
+    yields ``query(expr) -> result list`` (OSError while it is not up yet). Ended (and
+    its log closed) on exit."""
+    assert PROMETHEUS, NEED_TOOLS
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = {
+        "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+    def query(expr: str) -> list:
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    try:
+        yield query
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,7 +13,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import until
+from helpers import NEED_TOOLS, PROMTOOL, prometheus, until
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark import dashboard
@@ -24,10 +23,6 @@ from remote_dspark.harness import DemoEngine, WorkerProcess
 from remote_dspark.metrics import Exporter
 from remote_dspark.outcome import Outcome
 from remote_dspark.sim import SimEngine
-
-PROMTOOL = shutil.which("promtool")
-PROMETHEUS = shutil.which("prometheus")
-NEED_TOOLS = "promtool and prometheus come with Debian's 'prometheus' package (scripts/ensure-prometheus)"
 
 
 @pytest.fixture(scope="module")
@@ -218,75 +213,38 @@ def test_dashboard_command_prints_it(capsys):
 # --------------------------------------------------------------------------- real Prometheus
 
 
-def prom_query(port: int, expr: str) -> list:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 def test_real_prometheus_scrapes_the_engine(worker, tmp_path):
-    assert PROMETHEUS, NEED_TOOLS
     env = engine_env(worker)
     rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env).start()
-    port = free_port()
-    (tmp_path / "prometheus.yml").write_text(
-        json.dumps(
-            {
-                "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
-                "scrape_configs": [
-                    {"job_name": "engine", "static_configs": [{"targets": [f"127.0.0.1:{rd.exporter.port}"]}]}
-                ],
-            }
-        )
-    )
-    log = open(tmp_path / "prometheus.log", "w")
-    prom = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     engine = DemoEngine(rd, SimEngine(8, 4))
     try:
+        with prometheus(tmp_path, "engine", rd.exporter.port) as query:
 
-        def scraped(expr, want):
-            try:
-                r = prom_query(port, expr)
-            except OSError:
-                return False
-            return bool(r) and float(r[0]["value"][1]) >= want
+            def scraped(expr, want):
+                try:
+                    r = query(expr)
+                except OSError:
+                    return False
+                return bool(r) and float(r[0]["value"][1]) >= want
 
-        for _ in range(30):
-            engine.step()
-        assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', 30), timeout=30), (
-            tmp_path / "prometheus.log"
-        ).read_text()[-2000:]
-        kill_proxy(rd)
-        for _ in range(30):
-            engine.step()
-        ok = rd.stats().rounds[Outcome.OK]
-        assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', ok), timeout=30)
-        assert until(lambda: scraped('dspark_remote_proxy_restarts_total{cause="signal"}', 1), timeout=30)
-        # Every engine query of the dashboard returns data from this run (the worker's row:
-        # tests/test_worker_metrics.py).
-        engine_queries = [e for e in dashboard.queries() if "dspark_worker_" not in e]
-        assert until(lambda: all(prom_query(port, rate_window(e, "5s")) for e in engine_queries), timeout=30), [
-            e for e in engine_queries if not prom_query(port, rate_window(e, "5s"))
-        ]
+            for _ in range(30):
+                engine.step()
+            assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', 30), timeout=30), (
+                tmp_path / "prometheus.log"
+            ).read_text()[-2000:]
+            kill_proxy(rd)
+            for _ in range(30):
+                engine.step()
+            ok = rd.stats().rounds[Outcome.OK]
+            assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', ok), timeout=30)
+            assert until(lambda: scraped('dspark_remote_proxy_restarts_total{cause="signal"}', 1), timeout=30)
+            # Every engine query of the dashboard returns data from this run (the worker's
+            # row: tests/test_worker_metrics.py).
+            engine_queries = [e for e in dashboard.queries() if "dspark_worker_" not in e]
+            assert until(lambda: all(query(rate_window(e, "5s")) for e in engine_queries), timeout=30), [
+                e for e in engine_queries if not query(rate_window(e, "5s"))
+            ]
     finally:
-        prom.terminate()
-        try:
-            prom.wait(10)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait()
-        log.close()
         rd.close()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from helpers import gated_drafter, until
+from helpers import NEED_TOOLS, PROMTOOL, gated_drafter, prometheus, until
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark import dashboard, wire
@@ -29,10 +28,6 @@ from remote_dspark.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.worker import MarkovDrafter, Worker
 from remote_dspark.worker_stats import REFUSAL_REASONS
-
-PROMTOOL = shutil.which("promtool")
-PROMETHEUS = shutil.which("prometheus")
-NEED_TOOLS = "promtool and prometheus come with Debian's 'prometheus' package (scripts/ensure-prometheus)"
 
 # 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; its vocabulary is 6 (ids 0..5).
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
@@ -373,69 +368,30 @@ def test_every_worker_metric_the_dashboard_names_is_exposed():
     assert len(named) >= 10 and sorted(named - exposed) == []
 
 
-def prom_query(port: int, expr: str) -> list:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_path):
-    assert PROMETHEUS, NEED_TOOLS
     w = make(CachedDrafter(MODEL))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (tmp_path / "prometheus.yml").write_text(
-        json.dumps(
-            {
-                "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
-                "scrape_configs": [
-                    {"job_name": "worker", "static_configs": [{"targets": [f"127.0.0.1:{w.metrics_port}"]}]}
-                ],
-            }
-        )
-    )
-    log = open(tmp_path / "prometheus.log", "w")
-    prom = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     c = connect(w)
     try:
+        with prometheus(tmp_path, "worker", w.metrics_port) as query:
 
-        def has_data(expr: str) -> bool:
-            try:
-                return bool(prom_query(port, expr.replace("$__rate_interval", "5s")))
-            except OSError:
-                return False
+            def has_data(expr: str) -> bool:
+                try:
+                    return bool(query(expr.replace("$__rate_interval", "5s")))
+                except OSError:
+                    return False
 
-        def rounds_and_data() -> bool:  # rounds keep coming, so every rate has two samples in its window
-            do_round(c, rounds_and_data.rid, [wire.Entry(0, 2, 0, (1,), True)])
-            rounds_and_data.rid += 1
-            return all(has_data(e) for e in worker_queries())
+            def rounds_and_data() -> bool:  # rounds keep coming, so every rate has two samples in its window
+                do_round(c, rounds_and_data.rid, [wire.Entry(0, 2, 0, (1,), True)])
+                rounds_and_data.rid += 1
+                return all(has_data(e) for e in worker_queries())
 
-        rounds_and_data.rid = 1
-        assert until(rounds_and_data, timeout=30, step=0.1), (
-            [e for e in worker_queries() if not has_data(e)],
-            (tmp_path / "prometheus.log").read_text()[-2000:],
-        )
+            rounds_and_data.rid = 1
+            assert until(rounds_and_data, timeout=30, step=0.1), (
+                [e for e in worker_queries() if not has_data(e)],
+                (tmp_path / "prometheus.log").read_text()[-2000:],
+            )
     finally:
         c.close()
-        prom.terminate()
-        try:
-            prom.wait(10)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait()
-        log.close()
         w.stop()
 
 
