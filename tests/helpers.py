@@ -12,7 +12,10 @@ import urllib.request
 
 import pytest
 
+from remote_dspark import wire
+from remote_dspark.client import DraftClient
 from remote_dspark.markov import MarkovModel
+from remote_dspark.transport import parse_endpoint
 from remote_dspark.worker import Worker
 
 
@@ -136,3 +139,28 @@ def prometheus(tmp_path, job: str, target_port: int):
             proc.kill()
             proc.wait()
         log.close()
+
+
+# A HELLO'd client of a Worker ``w`` (4-byte rows, 8 slots, num_spec 3), and one round on it.
+
+
+def hello(w, **kw) -> wire.Hello:
+    """A HELLO for worker ``w``'s drafter; ``kw`` overrides fields."""
+    fields = dict(
+        drafter_identity=w.drafter.drafter_identity,
+        markov_identity=w.drafter.markov_identity,
+        engine_id=42,
+        max_slots=8,
+        row_bytes=4,
+        num_spec=3,
+    )
+    fields.update(kw)
+    return wire.Hello(**fields)
+
+
+def connect(w, session=1, **kw) -> DraftClient:
+    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
+
+
+def do_round(c, rid, entries):
+    return c.round(rid, [wire.encode_round_entries(rid, c.session, 1000, entries, bytes(4 * len(entries)), 4)], 2000)

@@ -12,12 +12,12 @@ import time
 import tracemalloc
 
 import pytest
-from helpers import until
+from helpers import connect, do_round, until
 
 from remote_dspark import wire
-from remote_dspark.client import DraftClient, Refused
+from remote_dspark.client import Refused
 from remote_dspark.markov import MarkovModel
-from remote_dspark.transport import Disconnected, parse_endpoint
+from remote_dspark.transport import Disconnected
 from remote_dspark.transport.tcp import KEEPALIVE_IDLE_S, TcpStream
 from remote_dspark.worker import MarkovDrafter, Worker
 
@@ -33,27 +33,6 @@ def worker():
     w = make()
     yield w
     w.stop()
-
-
-def hello(w, **kw) -> wire.Hello:
-    fields = dict(
-        drafter_identity=w.drafter.drafter_identity,
-        markov_identity=w.drafter.markov_identity,
-        engine_id=42,
-        max_slots=8,
-        row_bytes=4,
-        num_spec=3,
-    )
-    fields.update(kw)
-    return wire.Hello(**fields)
-
-
-def connect(w, session=1, **kw) -> DraftClient:
-    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
-
-
-def do_round(c, rid, entries):
-    return c.round(rid, [wire.encode_round_entries(rid, c.session, 1000, entries, bytes(4 * len(entries)), 4)], 2000)
 
 
 def raw(w) -> socket.socket:

@@ -18,14 +18,13 @@ import urllib.request
 
 import numpy as np
 import pytest
-from helpers import NEED_TOOLS, PROMTOOL, gated_drafter, prometheus, until
+from helpers import NEED_TOOLS, PROMTOOL, connect, do_round, gated_drafter, hello, prometheus, until
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark import dashboard, wire
-from remote_dspark.client import DraftClient, Refused
+from remote_dspark.client import Refused
 from remote_dspark.drafter import CacheInfo
 from remote_dspark.markov import MarkovModel
-from remote_dspark.transport import parse_endpoint
 from remote_dspark.worker import MarkovDrafter, Worker
 from remote_dspark.worker_stats import REFUSAL_REASONS
 
@@ -44,27 +43,6 @@ class CachedDrafter(MarkovDrafter):
 
 def make(drafter=None, **kw) -> Worker:
     return Worker(drafter or MarkovDrafter(MODEL), "127.0.0.1", 0, window=8, metrics_port=0, **kw).start()
-
-
-def hello(w, **kw) -> wire.Hello:
-    fields = dict(
-        drafter_identity=w.drafter.drafter_identity,
-        markov_identity=w.drafter.markov_identity,
-        engine_id=42,
-        max_slots=8,
-        row_bytes=4,
-        num_spec=3,
-    )
-    fields.update(kw)
-    return wire.Hello(**fields)
-
-
-def connect(w, session=1, **kw) -> DraftClient:
-    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
-
-
-def do_round(c, rid, entries):
-    return c.round(rid, [wire.encode_round_entries(rid, c.session, 1000, entries, bytes(4 * len(entries)), 4)], 2000)
 
 
 def get(w, path: str) -> tuple[int, str]:
