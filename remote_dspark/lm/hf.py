@@ -29,18 +29,23 @@ import numpy as np
 import torch
 
 from ..drafter import DraftBatch, DraftResult, empty_result
+from ..trust import untrusted_because
 from .drafter import MARKOV_NONE, greedy_result, pick_device, top2
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
+def model_files(path: Path) -> list[str]:
+    """``config.json`` and the weight files of ``path``, sorted: what is loaded and hashed."""
+    return sorted(
+        p.name for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.name.endswith(_WEIGHTS))
+    )
+
+
 def dir_identity(path: Path) -> bytes:
     """sha256 of ``config.json`` and the weight files of ``path`` (module docstring)."""
     h = hashlib.sha256(b"remote-dspark hf drafter v1\0")
-    names = sorted(
-        p.name for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.name.endswith(_WEIGHTS))
-    )
-    for name in names:
+    for name in model_files(path):
         f = path / name
         h.update(f"\0{name}:{f.stat().st_size}\0".encode())
         with open(f, "rb") as src:
@@ -65,6 +70,14 @@ def load_hf(model_dir: str, device: str | torch.device | None = None, window: in
             f"--hf-model {model_dir!r}: not a local directory (a model is never downloaded; "
             "save it with save_pretrained first)"
         )
+    files = model_files(path)
+    if "config.json" not in files:
+        raise ValueError(f"--hf-model {model_dir!r}: no config.json (save the model with save_pretrained)")
+    # A weight file may be a pickle: the files are held to the rule for loaded code (trust).
+    for name in files:
+        why = untrusted_because(str(path / name))
+        if why is not None:
+            raise ValueError(f"--hf-model {model_dir!r}: not loaded: {why}")
     try:
         import transformers
     except ImportError as e:
