@@ -13,10 +13,11 @@ import os
 import torch
 
 from remote_dspark.config import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.engine import Batch, RemoteDSpark, apply_cost_overrides
-from remote_dspark.markov import MarkovModel
 from remote_dspark.outcome import Outcome
-from remote_dspark.worker import MarkovDrafter, Worker
+from remote_dspark.worker import Worker
 
 K, SLOTS, VOCAB, STEPS = 4, 4, 16, 30
 

@@ -1,23 +1,11 @@
-"""The proxy: take rounds from the region, send them to the remote drafter, answer them.
+"""The proxy process: ``python -m remote_dspark.proxy_proc --fd N --handover M --parent
+PID``, as :func:`remote_dspark.proxy.spawn.spawn_proxy` starts it. It reads the
+engine's hand-over (:mod:`remote_dspark.proxy.handover`), maps the region, and runs
+:class:`~remote_dspark.proxy.loop.ProxyLoop` until told to stop; a standby first waits,
+ready and asleep, for its promotion.
 
-``remote_dspark.proxy_proc --fd N --handover M --parent PID`` is the proxy process the
-supervisor spawns (``proxy_spawn.spawn_proxy``: the engine's configuration, id and
-vocabulary size come through the hand-over pipe, never from the environment) (torch-,
-numpy- and prometheus_client-free: a test reads the child's loaded modules).
-:class:`ProxyLoop` is the loop itself; thread mode runs the same loop as a thread of the
-engine, for comparison.
-
-Per round, on a TCP connection (and whenever there is none): one native call,
-``hf_round`` (:mod:`.tcp_round`), takes the round, sends it straight from the region,
-waits for the DRAFTS, checks and writes them and releases the round, so no Python runs
-between a round's ``gathered`` and its ``released``; the loop asks the breaker before
-the call and does the accounting after it. On an ofl transport the same steps run in
-Python, with no loop over entries: wait (in C, GIL released: spin ``ASYNC_SPIN_US``,
-then nap ``ASYNC_NAP_US``; 0 = pure spin), check the descriptor (in C, as ``hf_round``
-does; a bad one is answered ERROR unsent and counted ``rounds_bad_desc``), ask the
-breaker, send the ROUND from the region, receive DRAFTS within the deadline, check and
-unpack them (in C, ``hf_round``'s reader), then claim, write, release and count in one
-native call. A round the watchdog answered first is dropped and counted late.
+Torch-, numpy- and prometheus_client-free (a test reads the child's loaded modules), so
+it starts in tens of milliseconds.
 
 The process exits when the engine dies (PR_SET_PDEATHSIG, and the parent pid checked
 every idle tick in case the engine died before the request took effect), on SIGTERM
@@ -28,195 +16,20 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable
 
-from . import native, shm, wire
-from .breaker import Breaker, BreakerRecord
-from .config import RemoteConfig
-from .link import RemoteLink
-from .outcome import DROPS_CONNECTION, Outcome, RoundEvent
-from .ring_proxy import ProxyEnd, ProxyRound
-from .tcp_round import Served, TcpRounds
+from . import native
+from .proxy import handover
+from .proxy.loop import IDLE_TICK_S, ProxyLoop
+from .region import shm
 
 log = logging.getLogger("remote_dspark.proxy")
 
-IDLE_TICK_S = 0.05  # how often an idle proxy beats and checks its parent and stop flag
-AT_ONCE_MAX = 1 << 20  # rounds answered target-only in one native call (bounded by the tick)
 EXIT_ATTACH = 3  # the region could not be attached (or the library loaded)
-
-
-class RegionBreaker:
-    """The breaker, its state kept in the region's breaker block (the proxy is its only
-    writer), so a respawned proxy resumes it and the engine exports it."""
-
-    def __init__(self, cfg: RemoteConfig, header: shm.HeaderWords):
-        self._header = header
-        s = header.breaker()
-        self.breaker = Breaker(
-            cfg.trip, cfg.cooldown, BreakerRecord(s.state, s.consecutive_failures, s.cooldown_left, s.trips, s.probes)
-        )
-        self._written = s
-
-    def flush(self) -> None:
-        r = self.breaker.store
-        s = shm.BreakerState(int(r.state), r.failures, r.cooldown_left, r.trips, r.probes)
-        if s != self._written:
-            self._header.set_breaker(s)
-            self._written = s
-
-
-class ProxyLoop:
-    """One proxy over one region. ``run(should_stop)`` until ``should_stop()`` is true;
-    it is checked at least every ``IDLE_TICK_S``."""
-
-    def __init__(
-        self,
-        region: shm.Region,
-        lib: native.Native,
-        cfg: RemoteConfig,
-        *,
-        engine_id: int,
-        vocab_size: int = 0,
-        environ: Mapping[str, str] | None = None,
-    ):
-        self.cfg = cfg
-        # The session's terms (HELLO) are what every reply is held to, in C (hf_unpack).
-        self.end = ProxyEnd(
-            region,
-            lib,
-            spin_us=cfg.async_spin_us,
-            nap_us=cfg.async_nap_us,
-            vocab_size=vocab_size,
-            want_margin=cfg.want_margin,
-        )
-        self.session = self.end.header.session
-        self.breaker = RegionBreaker(cfg, self.end.header)
-        lay = region.layout
-        hello = cfg.hello(
-            engine_id, max_slots=lay.max_slots, row_bytes=lay.row_bytes, num_spec=lay.num_spec, vocab_size=vocab_size
-        )
-        self.link = RemoteLink(
-            cfg.endpoint,
-            hello,
-            self.session,
-            connect_timeout_ms=cfg.connect_timeout_ms,
-            backoff_ms=cfg.backoff_ms,
-            backoff_max_ms=cfg.backoff_max_ms,
-            breaker=self.breaker.breaker,
-            environ=environ,
-            on_connect=self._connected,
-        )
-        self.rounds = TcpRounds(self.end, session=self.session, default_deadline_ms=cfg.timeout_ms)
-        self._attached_epoch = 0  # the link epoch whose socket ``rounds`` holds (0: none)
-        self._allow: bool | None = None  # the breaker's word for the next round, once asked
-
-    def _connected(self) -> None:
-        if self.link.epoch > 1:
-            self.end.counters.add("reconnects")
-
-    def connect(self) -> None:
-        """First connection, within CONNECT_TIMEOUT_MS; on failure, reconnect in the
-        background (rounds meanwhile are answered at once, target-only)."""
-        try:
-            self.link.connect()
-        except Exception as e:  # refused, unreachable, no ofl library: keep serving
-            log.warning("proxy: first connection to %s failed (%s); retrying with back-off", self.cfg.endpoint, e)
-            self.link.start_reconnecting()
-
-    def run(self, should_stop: Callable[[], bool]) -> None:
-        # The first beat says "serving": only after the first connection attempt, so the
-        # engine answers rounds itself (target-only, at once) while this proxy starts.
-        self.connect()
-        try:
-            while not should_stop():
-                self.step(IDLE_TICK_S)
-        finally:
-            self.rounds.detach()
-            self.link.close()
-
-    def step(self, timeout_s: float) -> None:
-        """Beat, wait up to ``timeout_s`` for the next round and answer it."""
-        sock = self.link.tcp_socket()
-        if sock is None and self.link.connected:  # a transport of its own (ofl)
-            rnd = self.end.next_round(timeout_s)
-            if rnd is not None:
-                self.serve(rnd)
-            return
-        epoch = 0 if sock is None else self.link.epoch  # the connection the call will use
-        if epoch != self._attached_epoch:
-            if sock is None:
-                self.rounds.detach()
-            else:
-                self.rounds.attach(sock.fileno())
-            self._attached_epoch = epoch
-        if sock is not None and self._allow is None:
-            # Asked once per round that reaches the network's door, as RemoteLink.round
-            # does; kept across idle ticks until a round uses it.
-            self._allow = self.breaker.breaker.allow()
-        # With no connection every round is answered at once (target-only) and counted in
-        # C: the call answers them all until the idle tick, for the reconnect to be seen.
-        served = self.rounds.serve(
-            timeout_s,
-            send=bool(self._allow) and sock is not None,
-            at_once=Outcome.ERROR if sock is None else Outcome.BREAKER_SKIP,
-            at_once_max=AT_ONCE_MAX if sock is None else 1,
-        )
-        if served is None:
-            return
-        if sock is not None and served.event is not RoundEvent.BAD_DESC:
-            self._allow = None
-        self._account(served)
-
-    def _account(self, s: Served) -> None:
-        """After a native round (released already): the breaker, counters and log."""
-        ev = s.event
-        if s.sent:
-            self.link.attempts += 1
-            self.end.counters.add("attempts")
-        if s.late:  # replies to rounds this proxy had given up on
-            self.end.counters.add("rounds_late", s.late)
-        self.breaker.breaker.observe(ev)
-        if ev in DROPS_CONNECTION:
-            self.rounds.detach()
-            self._attached_epoch = 0
-            self.link.drop(f"round {s.round} on {self.cfg.endpoint} failed: {s.why}")
-        elif ev is RoundEvent.BAD_REPLY:
-            log.error("proxy: round %d: worker reply refused: %s", s.round, s.why)
-        elif ev is RoundEvent.BAD_DESC and s.released:
-            log.error("proxy: round %d: %s", s.round, s.why)
-        self.breaker.flush()
-
-    def serve(self, rnd: ProxyRound) -> None:
-        try:
-            fields = rnd.fields()
-            parts = rnd.wire_parts(self.session, fields)
-        except ValueError as e:  # a descriptor that breaks a rule: answer it empty, unsent
-            # False: the watchdog answered it first (its descriptor may be reused already)
-            if self.end.complete(rnd, None, Outcome.ERROR):
-                log.error("proxy: round %d: %s", rnd.round, e)
-                self.end.counters.add("rounds_bad_desc")
-            return
-        deadline_ms = fields[0] or self.cfg.timeout_ms
-        attempts, late = self.link.attempts, self.link.late
-        # The reply is held to hf_round's rules inside the round (hf_unpack), so a broken
-        # one is the round's event there: PROTOCOL drops the connection, as on TCP.
-        result = self.link.round(rnd.round, parts, deadline_ms, lambda d: self.end.check_reply(rnd, d))
-        if self.link.attempts != attempts:
-            self.end.counters.add("attempts")
-        if self.link.late != late:  # replies to rounds this proxy had given up on
-            self.end.counters.add("rounds_late", self.link.late - late)
-        self.breaker.flush()
-        try:
-            self.end.complete(rnd, result.drafts, result.outcome)
-        except ValueError as e:  # drafts that do not fit the round (a worker bug)
-            log.error("proxy: round %d: worker reply refused: %s", rnd.round, e)
-            self.end.complete(rnd, None, Outcome.ERROR)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -227,42 +40,6 @@ def _die_with_parent(parent: int) -> None:
         log.warning("proxy: prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
     if os.getppid() != parent:
         sys.exit(0)
-
-
-HANDOVER_CAP = 1 << 20  # the engine's hand-over document: its configuration, id, vocabulary (bytes)
-
-
-class Handover(NamedTuple):
-    """What the engine hands its proxy (``proxy_spawn.handover_pipe`` writes it)."""
-
-    cfg: RemoteConfig
-    engine_id: int
-    vocab_size: int  # the engine's vocabulary, for HELLO and the reply checks; 0: unknown
-
-
-def read_handover(fd: int) -> Handover:
-    """The engine's validated configuration, its engine id and its vocabulary size, from
-    the pipe it wrote them into before the spawn (and closed): never re-parsed from the
-    environment, so the proxy cannot disagree with its engine.
-
-    Raises:
-        ValueError: not the engine's document (too long, not JSON, fields missing).
-    """
-    chunks, size = [], 0
-    with os.fdopen(fd, "rb", closefd=True) as f:
-        while chunk := f.read(65536):
-            size += len(chunk)
-            if size > HANDOVER_CAP:
-                raise ValueError(f"hand-over fd {fd}: over {HANDOVER_CAP} bytes")
-            chunks.append(chunk)
-    try:
-        doc = json.loads(b"".join(chunks))
-        vocab_size = int(doc["vocab_size"])
-        if not 0 <= vocab_size <= wire.MAX_VOCAB:
-            raise ValueError(f"vocab_size {vocab_size} not in 0..{wire.MAX_VOCAB}")
-        return Handover(RemoteConfig.from_json(json.dumps(doc["config"])), int(doc["engine_id"]), vocab_size)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"hand-over fd {fd}: not the engine's document ({e})") from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__(0, True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     try:
-        handover = read_handover(args.handover)
+        given = handover.read(args.handover)
         lib = native.load()
         region = shm.Region.attach(args.fd)
     except (ValueError, OSError, native.NativeError) as e:
@@ -307,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.standby and not wait_for_promotion(region, lib, should_stop):
         return 0
-    loop = ProxyLoop(region, lib, handover.cfg, engine_id=handover.engine_id, vocab_size=handover.vocab_size)
+    loop = ProxyLoop(region, lib, given.cfg, engine_id=given.engine_id, vocab_size=given.vocab_size)
     loop.run(should_stop)
     return 0
 

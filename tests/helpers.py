@@ -13,9 +13,9 @@ import urllib.request
 import pytest
 
 from remote_dspark import wire
-from remote_dspark.client import DraftClient
-from remote_dspark.markov import MarkovModel
+from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
+from remote_dspark.transport.client import DraftClient
 from remote_dspark.worker import Worker
 
 
@@ -33,7 +33,7 @@ def gated_drafter(model, wait_s: float = 10.0):
     the gate to make the worker answer late on purpose."""
     import threading
 
-    from remote_dspark.worker import MarkovDrafter
+    from remote_dspark.drafter import MarkovDrafter
 
     class GatedDrafter(MarkovDrafter):
         def __init__(self):
@@ -72,7 +72,7 @@ def worker(drafter):
 def env_for(port: int, tmp_path, **kw) -> dict:
     """An engine's environment for a loopback worker of COUNTING on ``port``: capacity,
     stats into ``tmp_path``, short back-offs; ``kw`` overrides or adds variables."""
-    from remote_dspark.worker import MarkovDrafter
+    from remote_dspark.drafter import MarkovDrafter
 
     d = MarkovDrafter(COUNTING)
     env = dict(

@@ -27,9 +27,10 @@ faulthandler.enable()  # a SIGSEGV prints every thread's Python stack to stderr
 import torch
 from helpers import COUNTING  # tests/ is on PYTHONPATH
 
-from remote_dspark.config import RemoteConfig
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, Drafts, RemoteClosed, RemoteDSpark
-from remote_dspark.worker import MarkovDrafter, Worker
+from remote_dspark.worker import Worker
 
 CYCLE_LIMIT_S = 20.0  # one cycle, start to end: past this the child dumps its stacks and exits
 JOIN_S = 5.0  # a thread's end after close() (close itself is allowed CLOSE_DEADLINE_S)

@@ -20,7 +20,7 @@ import torch
 from helpers import until
 
 from remote_dspark import wire
-from remote_dspark.config import RemoteConfig
+from remote_dspark.config.api import RemoteConfig
 from remote_dspark.engine import Batch, RemoteDSpark
 from remote_dspark.outcome import Outcome
 
@@ -270,13 +270,13 @@ def test_a_reply_that_breaks_the_contract_delivers_nothing_and_the_engine_reconn
 def test_the_python_round_of_the_ofl_transports_refuses_the_same_replies(lib, tmp_path, case):
     """The ofl round (``ProxyLoop.serve``: the network in Python, the reply held to the C
     rule by ``ProxyEnd.check_reply`` inside the link's round) over the same worker."""
-    from remote_dspark import ring, shm, shm_layout, streamsync
-    from remote_dspark.proxy_proc import ProxyLoop
+    from remote_dspark.proxy.loop import ProxyLoop
+    from remote_dspark.region import layout, ring, shm, streamsync
 
     script, kw, env_extra = CASES[case]
     worker = ScriptedWorker(**script)
     env = environment(worker.port, tmp_path, "process", env_extra)
-    region = shm.Region.create(shm_layout.Layout(4, 4, 8, K, 64))
+    region = shm.Region.create(layout.Layout(4, 4, 8, K, 64))
     loop = ProxyLoop(region, lib, RemoteConfig.from_env(env), engine_id=1, environ=env, **kw)
     eng, sync = ring.EngineEnd(region, lib), streamsync.HostFlagSync(region, lib)
     entries = [wire.Entry(0, N_OUT[0], 0, [1], True), wire.Entry(1, N_OUT[1], 0, [3], True)]
@@ -354,10 +354,11 @@ def test_a_vocabulary_size_out_of_range_is_refused(tmp_path, bad):
 
 
 def test_the_worker_refuses_an_engine_with_a_smaller_vocabulary(tmp_path):
-    from remote_dspark.client import DraftClient, Refused
-    from remote_dspark.markov import MarkovModel
+    from remote_dspark.drafter import MarkovDrafter
+    from remote_dspark.drafter.markov import MarkovModel
     from remote_dspark.transport import parse_endpoint
-    from remote_dspark.worker import MarkovDrafter, Worker
+    from remote_dspark.transport.client import DraftClient, Refused
+    from remote_dspark.worker import Worker
 
     model = MarkovModel.from_tokens([1, 2, 3, 40] * 10, order=1, top=2)  # ids up to 40
     d = MarkovDrafter(model)
@@ -382,9 +383,10 @@ def test_the_worker_refuses_an_engine_with_a_smaller_vocabulary(tmp_path):
 
 def test_an_engine_that_says_its_vocabulary_is_refused_by_a_larger_drafter_at_start(tmp_path):
     """Through the engine: STRICT_START makes the refusal the start's error, with the reason."""
-    from remote_dspark.client import Refused
-    from remote_dspark.markov import MarkovModel
-    from remote_dspark.worker import MarkovDrafter, Worker
+    from remote_dspark.drafter import MarkovDrafter
+    from remote_dspark.drafter.markov import MarkovModel
+    from remote_dspark.transport.client import Refused
+    from remote_dspark.worker import Worker
 
     d = MarkovDrafter(MarkovModel.from_tokens([1, 2, 3, 40] * 10, order=1, top=2))
     w = Worker(d, "127.0.0.1", 0).start()

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_dspark import wire
-from remote_dspark.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_meta, to_drafts, write_meta
-from remote_dspark.sim import SimEngine
+from remote_dspark.demo.sim import SimEngine
+from remote_dspark.engine.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_meta, to_drafts, write_meta
 
 MAX_SLOTS, K, ROW_BYTES = 16, 4, 8
 ROWS = torch.arange(MAX_SLOTS * 2, dtype=torch.float32).reshape(MAX_SLOTS, 2)  # 8 bytes a row
@@ -221,9 +221,9 @@ def test_native_row_gather_names_the_bad_index(lib):
 def test_an_empty_answer_clears_the_tokens_block(lib):
     """launch() copies a drafts slot's tokens as they are: an empty answer (no proxy,
     watchdog, orphan, timeout) must leave no stale tokens behind."""
-    from remote_dspark import ring, shm, shm_layout
+    from remote_dspark.region import layout, ring, shm
 
-    with shm.Region.create(shm_layout.Layout(2, 4, 8, 3, 16)) as region:
+    with shm.Region.create(layout.Layout(2, 4, 8, 3, 16)) as region:
         end = ring.EngineEnd(region, lib)
         lay = region.layout
         r = end.reserve(1.0)
@@ -238,20 +238,21 @@ def test_an_empty_answer_clears_the_tokens_block(lib):
 
 
 def region_rig(lib):
-    from remote_dspark import ring, ring_proxy, shm, shm_layout
+    from remote_dspark.proxy import ring_end
+    from remote_dspark.region import layout, ring, shm
 
-    region = shm.Region.create(shm_layout.Layout(2, MAX_SLOTS, ROW_BYTES, K, 10_000))
-    return region, ring.EngineEnd(region, lib), ring_proxy.ProxyEnd(region, lib)
+    region = shm.Region.create(layout.Layout(2, MAX_SLOTS, ROW_BYTES, K, 10_000))
+    return region, ring.EngineEnd(region, lib), ring_end.ProxyEnd(region, lib)
 
 
 def write_in_stream(region, r: int, batch: Batch) -> None:
     """What launch() does for metadata on the device, with a CPU tensor over the region
     standing in for the device view (the same tensor operations, run at once)."""
-    from remote_dspark import shm_layout
-    from remote_dspark.batch import check_meta_shapes, write_meta_in_stream
+    from remote_dspark.engine.batch import check_meta_shapes, write_meta_in_stream
+    from remote_dspark.region import layout
 
     lay = region.layout
-    area = region.view(lay.desc(r & 1) + shm_layout.DESC_FIXED, lay.desc_stride - shm_layout.DESC_FIXED)
+    area = region.view(lay.desc(r & 1) + layout.DESC_FIXED, lay.desc_stride - layout.DESC_FIXED)
     round_word = np.frombuffer(region.view(lay.desc(r & 1), 4), np.uint32)
     round_word[0] = r
     d = torch.frombuffer(area, dtype=torch.int32)
@@ -266,7 +267,7 @@ def write_in_stream(region, r: int, batch: Batch) -> None:
 def test_metadata_written_in_stream_equals_the_host_path(lib, case):
     """The device path (tensor ops, no host read) writes the very bytes host_meta +
     write_meta write, NEW_GEN cut included, and the proxy's C check accepts them."""
-    from remote_dspark import shm_layout
+    from remote_dspark.region import layout
 
     batch, _ = case
     region, end, proxy = region_rig(lib)
@@ -277,7 +278,7 @@ def test_metadata_written_in_stream_equals_the_host_path(lib, case):
         meta = host_meta(batch, max_slots=MAX_SLOTS, num_spec=K, max_tokens=lay.max_tokens, n_out_default=3)
         want = np.zeros(lay.desc_stride, np.uint8)
         size = write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
-        got = bytes(region.view(lay.desc(r & 1) + shm_layout.DESC_FIXED, size))
+        got = bytes(region.view(lay.desc(r & 1) + layout.DESC_FIXED, size))
         assert got == bytes(want[:size])
         proxy.check_descriptor(r)
     finally:
@@ -296,7 +297,7 @@ def test_metadata_written_in_stream_equals_the_host_path(lib, case):
     ],
 )
 def test_bad_metadata_in_stream_is_refused_where_it_lands(lib, change, why):
-    from remote_dspark.batch import Batch as B
+    from remote_dspark.engine.batch import Batch as B
 
     base = dict(slots=[0, 1], tokens=[1, 2, 3], token_offsets=[0, 1, 3], positions=[0, 4], new_gen=[False, False])
     base.update(change)

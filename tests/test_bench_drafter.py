@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from remote_dspark import cli
 from remote_dspark.bench import drafter as bd
+from remote_dspark.cli import main as cli
 
 
 def test_rounds_are_the_workers_own_streams():

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from remote_dspark.bench import add_parsers, handoff, handoff_peers
+from remote_dspark.bench import add_parsers
+from remote_dspark.bench.handoff import peers as handoff_peers
+from remote_dspark.bench.handoff import run as handoff
 
 ROWS = {(m, hog) for m in handoff.MODES for hog in (False, True)}
 
@@ -63,7 +65,7 @@ def test_tiny_run_reports_every_row(lib, capsys, monkeypatch):
 
 def test_cuda_table_shows_after_idle_figures_and_the_target():
     """The CUDA report's table, from a report as make_report writes it (no GPU needed)."""
-    from remote_dspark.bench import handoff_cuda
+    from remote_dspark.bench.handoff import cuda as handoff_cuda
 
     def row(mode, hog, med, p99, idle, slow=3):
         return {
@@ -136,9 +138,9 @@ def test_the_peer_goes_to_the_last_cpu_without_device_interrupts(tmp_path, monke
 def test_region_rows_report_the_rounds_after_an_idle_gap_apart():
     """Every IDLE_EVERY-th round of a region row follows an idle gap (the peer sleeps):
     its wake-up is reported on its own, never mixed into the back-to-back figures."""
-    from remote_dspark.bench import handoff
-    from remote_dspark.bench.handoff_peers import Pinning
-    from remote_dspark.bench.handoff_types import Options
+    from remote_dspark.bench.handoff import run as handoff
+    from remote_dspark.bench.handoff.peers import Pinning
+    from remote_dspark.bench.handoff.types import Options
 
     opts = Options(rounds=2 * handoff.IDLE_EVERY, warmup=2, spin_us=50, nap_us=0, pin=False)
     pins = Pinning(None, None)

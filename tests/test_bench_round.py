@@ -10,15 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from remote_dspark import cli, wire
-from remote_dspark.bench import (
-    add_parsers,
-    round_feeder,
-    round_floor,
-    round_options,
-    round_report,
-)
-from remote_dspark.bench import round as rb
+from remote_dspark import wire
+from remote_dspark.bench import add_parsers
+from remote_dspark.bench.round import feeder as round_feeder
+from remote_dspark.bench.round import floor as round_floor
+from remote_dspark.bench.round import options as round_options
+from remote_dspark.bench.round import report as round_report
+from remote_dspark.bench.round import run as rb
+from remote_dspark.cli import main as cli
 
 ROW_KEYS = {"mode", "slots", "p50_ms", "p99_ms", "x_floor", "engine_cpu_ms"}
 

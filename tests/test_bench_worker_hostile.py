@@ -9,9 +9,9 @@ import json
 import psutil
 import pytest
 
-from remote_dspark import cli
 from remote_dspark.bench import add_parsers
 from remote_dspark.bench import worker_hostile as wh
+from remote_dspark.cli import main as cli
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

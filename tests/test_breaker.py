@@ -2,8 +2,8 @@
 
 import pytest
 
-from remote_dspark.breaker import Breaker, BreakerRecord, State
 from remote_dspark.outcome import RoundEvent
+from remote_dspark.transport.breaker import Breaker, BreakerRecord, State
 
 
 def tripped(trip=3, cooldown=4):

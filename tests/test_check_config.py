@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from remote_dspark import config_cli
+from remote_dspark.cli import check_config as check_config_cli
 
 P = "VLLM_DSPARK_REMOTE_"
 IDENT = "ab" * 32
@@ -27,7 +27,7 @@ def env(monkeypatch):
 
 def check_config(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="remote-dspark")
-    config_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    check_config_cli.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["check-config", *argv])
     return args.func(args)
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from remote_dspark.cli import main
-from remote_dspark.markov import MarkovModel, builtin_model
+from remote_dspark.cli.main import main
+from remote_dspark.drafter.markov import MarkovModel, builtin_model
 
 
 def run_cli(*args, timeout=120):
@@ -52,8 +52,8 @@ def test_a_due_kill_waits_for_the_killed_proxys_successor(monkeypatch):
     serves, never on a corpse or a proxy still starting."""
     from types import SimpleNamespace
 
-    from remote_dspark import demo
-    from remote_dspark.supervisor import Cause, Down, Spent, Starting, Up
+    from remote_dspark.demo import demo
+    from remote_dspark.supervise.supervisor import Cause, Down, Spent, Starting, Up
 
     states = iter([Up(11, 1, 0.0), Up(11, 1, 0.0), Down(Cause.SIGNAL, 0.0), Starting(12, 2, 0.0), Up(12, 2, 0.0)])
 

@@ -10,9 +10,9 @@ import hashlib
 
 import pytest
 
-from remote_dspark import config_env
-from remote_dspark.config import CAP_MASKING_DEPTH_MODES, RemoteConfig, apply_cost_overrides, describe, n_out_table
-from remote_dspark.config_env import ENV_ENDPOINT, POLICIES, markov_identity_from_env, remote_requested
+from remote_dspark.config import env as config_env
+from remote_dspark.config.api import CAP_MASKING_DEPTH_MODES, RemoteConfig, apply_cost_overrides, describe, n_out_table
+from remote_dspark.config.env import ENV_ENDPOINT, POLICIES, markov_identity_from_env, remote_requested
 
 P = "VLLM_DSPARK_REMOTE_"
 IDENT = "ab" * 32

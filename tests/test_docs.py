@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from remote_dspark.cli import build_parser
-from remote_dspark.config_env import ENV_ENDPOINT, ENV_MARKOV_CACHE, VARIABLES
+from remote_dspark.cli.main import build_parser
+from remote_dspark.config.env import ENV_ENDPOINT, ENV_MARKOV_CACHE, VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -118,13 +118,13 @@ def _families(collector) -> set[str]:
 def exposed() -> set[str]:
     """The metric names a process-mode engine (margins asked for) and a worker with a
     cache expose, collected from their real collectors."""
-    from remote_dspark.config import RemoteConfig
+    from remote_dspark.config.api import RemoteConfig
     from remote_dspark.drafter import CacheInfo, MarkovDrafter
+    from remote_dspark.drafter.markov import MarkovModel
     from remote_dspark.engine import RemoteDSpark
-    from remote_dspark.markov import MarkovModel
-    from remote_dspark.metrics import RemoteDSparkCollector
+    from remote_dspark.engine.metrics import RemoteDSparkCollector
     from remote_dspark.worker import Worker
-    from remote_dspark.worker_metrics import WorkerCollector
+    from remote_dspark.worker.metrics import WorkerCollector
 
     class Cached(MarkovDrafter):
         def cache_info(self) -> CacheInfo:

@@ -11,16 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remote_dspark.drafter import (
+from remote_dspark.drafter.contract import (
     DraftBatch,
     DraftResult,
-    MarkovDrafter,
     PerEntryDrafter,
     as_batched,
     check_result,
-    load_drafter,
 )
-from remote_dspark.markov import MarkovModel, builtin_model
+from remote_dspark.drafter.markov import MarkovDrafter, MarkovModel, SyntheticLanguage, builtin_model
+from remote_dspark.worker.drafters import load_drafter
 
 
 def _model(order, top, alphabet, seed, n=400):
@@ -90,7 +89,7 @@ def test_draft_batch_equals_per_entry_draft(data, name, width):
 def test_draft_batch_on_the_builtin_model_follows_its_text():
     model = builtin_model()
     rng = np.random.default_rng(0)
-    text = np.array(__import__("remote_dspark.markov").markov.SyntheticLanguage().text(5000), np.int32)
+    text = np.array(SyntheticLanguage().text(5000), np.int32)
     starts = rng.integers(0, 4000, 64)
     lens = rng.integers(0, 12, 64)
     contexts = [text[s : s + n].tolist() for s, n in zip(starts, lens)]
@@ -225,7 +224,7 @@ def test_load_drafter_accepts_batched_and_per_entry_factories(tmp_path, monkeypa
 
 def test_markov_module_does_not_load_numpy_until_draft_batch():
     code = (
-        "import sys\nfrom remote_dspark.markov import builtin_model\nm = builtin_model()\n"
+        "import sys\nfrom remote_dspark.drafter.markov import builtin_model\nm = builtin_model()\n"
         "m.draft([0, 1], 3)\nassert 'numpy' not in sys.modules\n"
         "import numpy as np\nm.draft_batch(np.zeros(2, np.int32), np.array([0, 2]), np.array([3]), 3)\n"
     )

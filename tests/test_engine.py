@@ -14,11 +14,12 @@ import torch
 from helpers import COUNTING, env_for, until
 
 from remote_dspark import wire
-from remote_dspark.config import RemoteConfig
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, RemoteClosed, RemoteDSpark, RemoteRoundFailed
 from remote_dspark.outcome import Outcome
 from remote_dspark.transport import TransportError
-from remote_dspark.worker import MarkovDrafter, Worker
+from remote_dspark.worker import Worker
 
 MODEL = COUNTING
 K = 3
@@ -480,7 +481,7 @@ def test_bad_rows_leave_no_hole_in_the_round_sequence(worker, tmp_path):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_proxy_thread_means_target_only_rounds_at_once(worker, tmp_path, monkeypatch, caplog):
-    from remote_dspark import tcp_round
+    from remote_dspark.proxy import tcp_round
 
     def broken(self, timeout_s, **_):  # dies holding a round it took
         if self._end.next_round(timeout_s) is not None:

@@ -15,11 +15,13 @@ import torch
 from helpers import COUNTING as MODEL
 from helpers import until
 
-from remote_dspark import gather, ring, ring_proxy, shm, shm_layout, streamsync, wire
-from remote_dspark.config import RemoteConfig
-from remote_dspark.engine import Batch, RemoteDSpark
+from remote_dspark import wire
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.engine import Batch, RemoteDSpark, gather
 from remote_dspark.outcome import Outcome
-from remote_dspark.worker import MarkovDrafter
+from remote_dspark.proxy import ring_end
+from remote_dspark.region import layout, ring, shm, streamsync
 
 pytestmark = pytest.mark.gpu
 
@@ -98,11 +100,11 @@ def test_choose_auto_picks_the_fused_path_on_cuda():
 
 def test_stream_hand_off_on_the_registered_region(lib):
     """The stream writes gathered; a CPU peer here answers; the stream's wait ends."""
-    with shm.Region.create(shm_layout.Layout(4, 8, 16, 3, 64)) as region:
+    with shm.Region.create(layout.Layout(4, 8, 16, 3, 64)) as region:
         end = ring.EngineEnd(region, lib)
         end.start_watchdog(2000)
         sync = streamsync.HostFlagSync(region, lib, backend="cuda")
-        proxy = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        proxy = ring_end.ProxyEnd(region, lib, spin_us=100, nap_us=50)
         staging = sync.backend.device_view(region.layout.staging(1), (8, 16), torch.uint8)
         r = end.reserve(1.0)
         end.write_entries(r, [wire.Entry(0, 3, 0, (1,), True)], deadline_ms=50)

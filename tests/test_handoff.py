@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 from helpers import until
 
-from remote_dspark import native, ring, ring_proxy, shm, shm_layout, streamsync, wire
+from remote_dspark import native, wire
 from remote_dspark.outcome import Outcome
-from remote_dspark.ring import seq_add
+from remote_dspark.proxy import ring_end
+from remote_dspark.region import layout, ring, shm, streamsync
+from remote_dspark.region.ring import seq_add
 
 REPO = str(Path(__file__).resolve().parents[1])
 CHILD_TIMEOUT_S = 20
@@ -59,15 +61,17 @@ def proxy_code(fd: int, body: str, want_margin: bool = False) -> str:
     asked for margins or not), run ``body``."""
     return textwrap.dedent(f"""
         import json, os, random, sys
-        from remote_dspark import native, ring, ring_proxy, shm, wire
+        from remote_dspark import native, wire
+        from remote_dspark.proxy import ring_end
+        from remote_dspark.region import ring, shm
         lib = native.load()
         region = shm.Region.attach({fd})
-        end = ring_proxy.ProxyEnd(region, lib, spin_us=200, nap_us=50, want_margin={want_margin})
+        end = ring_end.ProxyEnd(region, lib, spin_us=200, nap_us=50, want_margin={want_margin})
     """) + textwrap.dedent(body)
 
 
 def make_region(depth=4, max_slots=8, row_bytes=16, num_spec=4, max_tokens=64) -> shm.Region:
-    return shm.Region.create(shm_layout.Layout(depth, max_slots, row_bytes, num_spec, max_tokens))
+    return shm.Region.create(layout.Layout(depth, max_slots, row_bytes, num_spec, max_tokens))
 
 
 def test_round_crosses_and_comes_back_with_its_drafts(lib):
@@ -330,7 +334,7 @@ def test_back_pressure_when_depth_rounds_are_in_flight(lib):
 def test_proxy_refuses_drafts_that_do_not_fit_before_claiming(lib):
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring_proxy.ProxyEnd(region, lib)
+        end = ring_end.ProxyEnd(region, lib)
         r = eng.reserve(1)
         eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
         streamsync.HostFlagSync(region, lib).signal(r)
@@ -352,7 +356,7 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
     of only the round's entries, the release and every proxy counter and histogram."""
     with make_region(depth=2) as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50, want_margin=True)
+        end = ring_end.ProxyEnd(region, lib, spin_us=100, nap_us=50, want_margin=True)
         sync = streamsync.HostFlagSync(region, lib)
         assert end.next_round(0.001) is None  # nothing gathered: a timeout, and a beat
         beat = end.header.heartbeat_ns
@@ -401,7 +405,7 @@ def test_a_wait_that_outlasts_its_gil_hold_releases_the_gil(lib):
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(region, lib, spin_us=100, nap_us=50, hold_gil_us=2000)
-        peer = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=50)
+        peer = ring_end.ProxyEnd(region, lib, spin_us=100, nap_us=50)
         errors = []
 
         def answer(n):
@@ -446,7 +450,7 @@ def test_an_idle_proxy_sleeps_and_a_handed_over_round_wakes_it(lib):
     sooner than the wait's own deadline)."""
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring_proxy.ProxyEnd(region, lib, spin_us=100, nap_us=0)
+        end = ring_end.ProxyEnd(region, lib, spin_us=100, nap_us=0)
         sync = streamsync.HostFlagSync(region, lib)
         taken = []
         t = threading.Thread(target=lambda: taken.append(end.next_round(30.0)))
@@ -470,7 +474,7 @@ def test_a_round_handed_over_but_not_gathered_keeps_the_proxy_awake(lib):
     it is gathered (not at the watchdog)."""
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring_proxy.ProxyEnd(region, lib, spin_us=50, nap_us=0)
+        end = ring_end.ProxyEnd(region, lib, spin_us=50, nap_us=0)
         r = eng.reserve(1)
         eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
         lib.announce(region.addr(region.layout.wake), r)  # the CPU's part; the "stream" is late

@@ -2,9 +2,9 @@
 standard library, so it starts in tens of milliseconds for a respawn.
 
 One check, in one fresh interpreter (``python -I``, the worktree first on its path),
-over modules derived from the package rather than listed: every module of the layers at
-and below ``proxy`` in docs/design.md (the layering the design promises torch-free), and
-every module ``remote_dspark`` and ``remote_dspark.proxy_proc`` reach through their
+over modules derived from the package rather than listed: every module of the parts
+``proxy_proc`` may import, directly or through others (docs/design.md's parts block),
+and every module ``remote_dspark`` and ``remote_dspark.proxy_proc`` reach through their
 imports, lazy ones included (``test_layout.import_graph``).
 """
 
@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from test_layout import PACKAGE, ROOT, documented_layers, import_graph
+from test_layout import PACKAGE, ROOT, documented_parts, import_graph, module_files, part_of
 
 HEAVY = ("torch", "numpy", "prometheus_client")
 ROOTS = (PACKAGE, f"{PACKAGE}.proxy_proc")
@@ -34,11 +34,16 @@ print(json.dumps(pulled))
 
 
 def proxy_closure() -> list[str]:
-    """The modules the proxy process may load: the layers up to ``proxy``, and the
-    package's modules the roots reach through any import statement."""
-    layers = documented_layers()
-    names = [name for name, _ in layers]
-    modules = {m for _, mods in layers[: names.index("proxy") + 1] for m in mods}
+    """The modules the proxy process may load: every module of the parts ``proxy_proc``
+    may import (transitively), and the package's modules the roots reach through any
+    import statement."""
+    allowed, parts, todo = documented_parts(), set(), ["proxy_proc"]
+    while todo:
+        part = todo.pop()
+        if part not in parts:
+            parts.add(part)
+            todo.extend(allowed[part])
+    modules = {m for m in module_files() if part_of(m) in parts}
     graph, reached, todo = import_graph(), set(), list(ROOTS)
     while todo:
         module = todo.pop()
@@ -54,10 +59,10 @@ def test_the_proxy_closure_imports_no_torch_numpy_or_prometheus():
     assert {
         *ROOTS,
         f"{PACKAGE}.native",
-        f"{PACKAGE}.tcp_round",
+        f"{PACKAGE}.proxy.tcp_round",
+        f"{PACKAGE}.proxy.spawn",
         f"{PACKAGE}.transport.ofl",
         f"{PACKAGE}.wire",
-        f"{PACKAGE}.supervisor",
     } <= set(modules)
     code = CHILD.format(root=str(ROOT), modules=modules, heavy=HEAVY)
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)

@@ -1,8 +1,10 @@
-"""The package's layout (issue 14): no module over MAX_LINES lines, no import cycle.
+"""The package's layout: the parts of docs/design.md and what each may import, no import
+cycle, no private name imported across modules, and no module over MAX_LINES lines.
 
-Both are read from the source, not from an imported package: the import graph is built
-with ``ast`` from every ``.py`` under ``remote_dspark/``, with every import statement an
-edge wherever it sits (a lazy import inside a function is still a dependency).
+All of it is read from the source, not from an imported package: the import graph is
+built with ``ast`` from every ``.py`` under ``remote_dspark/``, with every import
+statement an edge wherever it sits (a lazy import inside a function is still a
+dependency), and so is every ``import_module("remote_dspark...")`` with a literal name.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, set[str
         here = module if path.name == "__init__.py" else module.rpartition(".")[0]
         edges = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
+            if dynamic := _import_module_literal(node):
+                edges.add(known(dynamic) if dynamic.split(".")[0] == package else None)
+            elif isinstance(node, ast.Import):
                 edges.update(known(alias.name) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
@@ -62,6 +66,28 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, set[str
         edges.discard(module)
         graph[module] = edges
     return graph
+
+
+def _import_module_literal(node: ast.AST) -> str | None:
+    """The name in ``import_module("a.b")`` or ``importlib.import_module("a.b")`` (a
+    string literal), else None."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    value = node.args[0].value
+    return value if name == "import_module" and isinstance(value, str) else None
+
+
+def private_imports(root: Path = ROOT, package: str = PACKAGE) -> list[str]:
+    """``from <module of the package> import _name`` anywhere in the package: a private
+    name used outside the module that owns it."""
+    found = []
+    for module, path in module_files(root, package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == package):
+                found += [f"{module} imports {alias.name}" for alias in node.names if alias.name.startswith("_")]
+    return sorted(found)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -165,39 +191,97 @@ def test_the_graph_sees_lazy_relative_and_submodule_imports(tmp_path):
     assert cycles(import_graph(tmp_path, "p")) == []
 
 
-# --- the documented layers --------------------------------------------------------------
+# --- the parts and what each may import ----------------------------------------------
 
 DESIGN = ROOT / "docs" / "design.md"
 
 
-def documented_layers() -> list[tuple[str, list[str]]]:
-    """The ```layers block of docs/design.md: (layer, dotted module names), bottom first."""
-    text = DESIGN.read_text()
-    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
-    layers = []
+def documented_parts(text: str | None = None) -> dict[str, set[str]]:
+    """The ```parts block of docs/design.md: part -> the parts it may import."""
+    text = DESIGN.read_text() if text is None else text
+    block = text.split("```parts\n", 1)[1].split("```", 1)[0]
+    parts = {}
     for line in block.strip().splitlines():
-        name, _, modules = line.partition(":")
-        layers.append((name.strip(), [m if m == PACKAGE else f"{PACKAGE}.{m}" for m in modules.split()]))
-    return layers
+        name, _, allowed = line.partition(":")
+        parts[name.strip()] = set(allowed.split())
+    return parts
 
 
-def test_the_design_documents_every_module_once():
-    listed = [m for _, modules in documented_layers() for m in modules]
-    assert len(listed) == len(set(listed)), "listed twice: " + str(sorted({m for m in listed if listed.count(m) > 1}))
-    actual = set(module_files())
-    assert set(listed) == actual, (
-        f"docs/design.md's layers lack {sorted(actual - set(listed))} and list "
-        f"{sorted(set(listed) - actual)}, which do not exist"
-    )
+def part_of(module: str) -> str:
+    """A module's part: its folder (or top-level module) under the package; the package
+    itself is its own part."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else names[0]
 
 
-def test_no_import_goes_up_a_layer():
-    layer_of = {m: i for i, (_, modules) in enumerate(documented_layers()) for m in modules}
-    names = [name for name, _ in documented_layers()]
-    up = sorted(
-        f"{m} ({names[layer_of[m]]}) imports {d} ({names[layer_of[d]]})"
-        for m, deps in import_graph().items()
+def part_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """part -> the other parts its modules import."""
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        out.setdefault(part_of(module), set()).update(part_of(d) for d in deps)
+    return {part: deps - {part} for part, deps in out.items()}
+
+
+def forbidden_imports(graph: dict[str, set[str]], parts: dict[str, set[str]]) -> list[str]:
+    """Every import between parts that the block does not allow."""
+    return sorted(
+        f"{m} imports {d}"
+        for m, deps in graph.items()
         for d in deps
-        if m in layer_of and d in layer_of and layer_of[d] > layer_of[m]
+        if part_of(m) != part_of(d) and part_of(d) not in parts.get(part_of(m), set())
     )
-    assert not up, "imports that go up a layer: " + "; ".join(up)
+
+
+def test_the_design_lists_every_part_once():
+    block = DESIGN.read_text().split("```parts\n", 1)[1].split("```", 1)[0]
+    names = [line.partition(":")[0].strip() for line in block.strip().splitlines()]
+    assert len(names) == len(set(names)), f"listed twice: {sorted({n for n in names if names.count(n) > 1})}"
+    actual = {part_of(m) for m in module_files()} - {PACKAGE}
+    assert set(names) == actual, (
+        f"docs/design.md's parts lack {sorted(actual - set(names))} and list {sorted(set(names) - actual)}, "
+        "which do not exist"
+    )
+    unknown = {p: sorted(allowed - set(names)) for p, allowed in documented_parts().items() if allowed - set(names)}
+    assert not unknown, f"parts allowed to import parts that do not exist: {unknown}"
+
+
+def test_no_part_imports_a_part_it_may_not():
+    bad = forbidden_imports(import_graph(), documented_parts())
+    assert not bad, "imports the parts block does not allow: " + "; ".join(bad)
+
+
+def test_the_parts_are_layers():
+    """The allowed imports have no cycle, so the parts stack in layers."""
+    found = cycles(documented_parts())
+    assert not found, "parts that may import each other: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_allowed_imports_are_the_ones_used():
+    """Each part's list is what it imports, no more: a stale allowance would let an
+    import in unnoticed."""
+    used = part_graph(import_graph())
+    loose = {p: sorted(allowed - used.get(p, set())) for p, allowed in documented_parts().items()}
+    loose = {p: extra for p, extra in loose.items() if extra and p != "integrations"}
+    assert not loose, f"allowed but not imported: {loose}"
+
+
+def test_no_private_name_is_imported_from_another_module():
+    found = private_imports()
+    assert not found, "private names used outside their module: " + "; ".join(found)
+
+
+def test_the_checks_see_dynamic_imports_forbidden_parts_and_private_names(tmp_path):
+    """The checkers themselves, on a small package: an ``import_module`` literal is an
+    edge, an import the block does not allow is named, a private import is found."""
+    pkg = tmp_path / "q"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("import importlib\n\ndef f():\n    return importlib.import_module('q.high')\n")
+    (pkg / "high.py").write_text("from .low.a import _hidden\n")
+    graph = import_graph(tmp_path, "q")
+    assert graph["q.low.a"] == {"q.high"} and graph["q.high"] == {"q.low.a"}
+    parts = documented_parts("```parts\nlow:\nhigh: low\n```\n")
+    assert forbidden_imports(graph, parts) == ["q.low.a imports q.high"]
+    assert private_imports(tmp_path, "q") == ["q.high imports _hidden"]
+    assert cycles(parts) == [] and cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]

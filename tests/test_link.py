@@ -5,10 +5,10 @@ import pytest
 from helpers import until
 
 from remote_dspark import wire
-from remote_dspark.breaker import Breaker, State
-from remote_dspark.link import RemoteLink
 from remote_dspark.outcome import Outcome, RoundEvent
 from remote_dspark.transport import TransportError, parse_endpoint
+from remote_dspark.transport.breaker import Breaker, State
+from remote_dspark.transport.link import RemoteLink
 from remote_dspark.worker import Worker
 
 

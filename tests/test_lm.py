@@ -1,4 +1,4 @@
-"""The torch model drafter (remote_dspark.lm, issue 16): batched drafts against one entry
+"""The torch model drafter (remote_dspark.drafter.lm, issue 16): batched drafts against one entry
 at a time, the KV cache against re-encoding through the worker's own windows, the cache's
 bound, identities, the HELLO's vocabulary rule, transformers models, the command line.
 CPU float32 throughout."""
@@ -19,14 +19,16 @@ from helpers import until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remote_dspark import wire, worker_cli
-from remote_dspark.client import DraftClient, Refused
-from remote_dspark.drafter import CacheInfo, DraftBatch, load_drafter
-from remote_dspark.lm.drafter import LMDrafter
-from remote_dspark.lm.model import LMConfig, TinyLM
+from remote_dspark import wire
+from remote_dspark.cli import worker as worker_cli
+from remote_dspark.drafter.contract import CacheInfo, DraftBatch
+from remote_dspark.drafter.lm.drafter import LMDrafter
+from remote_dspark.drafter.lm.model import LMConfig, TinyLM
 from remote_dspark.transport import Disconnected, parse_endpoint
+from remote_dspark.transport.client import DraftClient, Refused
 from remote_dspark.worker import Worker
-from remote_dspark.worker_windows import Windows
+from remote_dspark.worker.drafters import load_drafter
+from remote_dspark.worker.windows import Windows
 
 ROOT = Path(__file__).resolve().parents[1]
 TIE = 1e-4  # below this top1 - top2 margin, padding's rounding may flip the greedy choice
@@ -426,7 +428,7 @@ def test_worker_command_with_the_lm_drafter_serves_a_round():
 def test_hf_model_files_others_may_write_are_never_loaded(tmp_path):
     """A weight file may be a pickle: a model directory or file others can write is refused
     before transformers is imported (and a directory without config.json, plainly)."""
-    from remote_dspark.lm.hf import load_hf
+    from remote_dspark.drafter.lm.hf import load_hf
 
     model = tmp_path / "model"
     model.mkdir(mode=0o700)
@@ -468,7 +470,7 @@ def hf_drafter(hf_dir):
 
 
 def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
-    from remote_dspark.lm.hf import dir_identity
+    from remote_dspark.drafter.lm.hf import dir_identity
 
     d = hf_drafter
     assert d.vocab_size == 128 and d.markov_identity == bytes(32) and d.max_width == 64 - 16

@@ -16,13 +16,13 @@ import torch
 from helpers import NEED_TOOLS, PROMTOOL, prometheus, until
 from prometheus_client.parser import text_string_to_metric_families
 
-from remote_dspark import dashboard
-from remote_dspark.config import RemoteConfig
+from remote_dspark.cli import dashboard
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.demo.harness import DemoEngine, WorkerProcess
+from remote_dspark.demo.sim import SimEngine
 from remote_dspark.engine import RemoteDSpark
-from remote_dspark.harness import DemoEngine, WorkerProcess
-from remote_dspark.metrics import Exporter
+from remote_dspark.engine.metrics import Exporter
 from remote_dspark.outcome import Outcome
-from remote_dspark.sim import SimEngine
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def test_every_metric_the_dashboard_names_is_exposed(run):
 
 
 def test_dashboard_command_prints_it(capsys):
-    from remote_dspark.cli import main
+    from remote_dspark.cli.main import main
 
     assert main(["dashboard"]) == 0
     assert json.loads(capsys.readouterr().out)["uid"] == "remote-dspark"

@@ -7,11 +7,12 @@ import struct
 
 import pytest
 
-from remote_dspark import native, ring, shm, shm_layout, streamsync, wire
-from remote_dspark.breaker import State
-from remote_dspark.config import RemoteConfig
+from remote_dspark import native, wire
+from remote_dspark.config.api import RemoteConfig
 from remote_dspark.outcome import Outcome
-from remote_dspark.proxy_proc import ProxyLoop
+from remote_dspark.proxy.loop import ProxyLoop
+from remote_dspark.region import layout, ring, shm, streamsync
+from remote_dspark.transport.breaker import State
 
 NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
 
@@ -27,7 +28,7 @@ class Rig:
             "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000",
         }
         base.update(env)
-        self.region = shm.Region.create(shm_layout.Layout(4, 4, 4, 3, 64))
+        self.region = shm.Region.create(layout.Layout(4, 4, 4, 3, 64))
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
         self.loop = ProxyLoop(self.region, lib, RemoteConfig.from_env(base), engine_id=1, environ=base)
@@ -97,7 +98,7 @@ def test_the_python_round_checks_and_unpacks_in_c_as_the_native_one(rig):
         r = rig.eng.reserve(1)
         rig.eng.write_entries(r, entries)
         if corrupt_slot is not None:  # the second entry's slot := the first's
-            at = rig.region.layout.desc(r & (rig.region.layout.depth - 1)) + shm_layout.DESC_FIXED
+            at = rig.region.layout.desc(r & (rig.region.layout.depth - 1)) + layout.DESC_FIXED
             with rig.region.view(at, wire.round_meta_bytes(len(entries))) as d:
                 struct.pack_into("<I", d, wire.round_sections(len(entries), 0, 4).slots + 4, corrupt_slot)
         rig.sync.signal(r)

@@ -10,12 +10,14 @@ import sys
 
 from helpers import until
 
-from remote_dspark import ring, shm, shm_layout, streamsync, wire
-from remote_dspark.config import RemoteConfig
-from remote_dspark.markov import MarkovModel
+from remote_dspark import wire
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.outcome import Outcome
-from remote_dspark.proxy_spawn import handover_pipe, proxy_environment, spawn_proxy
-from remote_dspark.worker import MarkovDrafter
+from remote_dspark.proxy import handover
+from remote_dspark.proxy.spawn import proxy_environment, spawn_proxy
+from remote_dspark.region import layout, ring, shm, streamsync
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 HEAVY = ("torch", "numpy", "prometheus_client")
@@ -75,7 +77,7 @@ class Engine:
     """The engine side of the tests: one region, the ring's producer, the CPU hand-off."""
 
     def __init__(self, lib, session=0x1234):
-        self.region = shm.Region.create(shm_layout.Layout(4, 8, 4, 3, 64))
+        self.region = shm.Region.create(layout.Layout(4, 8, 4, 3, 64))
         self.end = ring.EngineEnd(self.region, lib)
         self.end.header.set_session(session)
         self.sync = streamsync.HostFlagSync(self.region, lib, spin_us=100, nap_us=50)
@@ -144,7 +146,7 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
     eng = Engine(lib)
     env = env_for(worker, lib)
     env["PYTHONPROFILEIMPORTTIME"] = "1"
-    handover = handover_pipe(RemoteConfig.from_env(env), 7)
+    handover_fd = handover.write(RemoteConfig.from_env(env), 7)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -153,23 +155,23 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
             "--fd",
             str(eng.region.fd),
             "--handover",
-            str(handover),
+            str(handover_fd),
             "--parent",
             str(os.getpid()),
         ],
-        pass_fds=(eng.region.fd, handover),
+        pass_fds=(eng.region.fd, handover_fd),
         env=env,
         stderr=subprocess.PIPE,
         text=True,
     )
-    os.close(handover)
+    os.close(handover_fd)
     try:
         assert eng.round([wire.Entry(0, 1, 0, (1,), new_gen=True)]).tokens == ((2,),)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=10)
         imported = {line.split("|")[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
         # (-m runs the module itself as __main__; what it imports shows up by name)
-        assert {"remote_dspark.ring", "remote_dspark.link", "remote_dspark.shm"} <= imported
+        assert {"remote_dspark.region.ring", "remote_dspark.transport.link", "remote_dspark.region.shm"} <= imported
         assert not [m for m in imported if m.split(".")[0] in HEAVY]
     finally:
         proc.kill()
@@ -254,9 +256,9 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
     """A stand-in engine spawns the proxy and is SIGKILLed: the proxy follows it."""
     code = (
         "import os, sys\n"
-        "from remote_dspark import shm, shm_layout\n"
-        "from remote_dspark.proxy_spawn import spawn_proxy\n"
-        "r = shm.Region.create(shm_layout.Layout(4, 8, 4, 3, 64))\n"
+        "from remote_dspark.region import layout, shm\n"
+        "from remote_dspark.proxy.spawn import spawn_proxy\n"
+        "r = shm.Region.create(layout.Layout(4, 8, 4, 3, 64))\n"
         "from remote_dspark.config import RemoteConfig\n"
         "p = spawn_proxy(r.fd, cfg=RemoteConfig.from_env(), engine_id=1, env=dict(os.environ))\n"
         "print(p.pid, flush=True)\n"
@@ -294,7 +296,7 @@ def test_proxy_refuses_a_bad_fd_with_status_3(lib, worker, tmp_path):
     path.write_bytes(b"x" * 8192)
     fd = os.open(path, os.O_RDWR)
     env = env_for(worker, lib)
-    handover = handover_pipe(RemoteConfig.from_env(env), 1)
+    handover_fd = handover.write(RemoteConfig.from_env(env), 1)
     try:
         proc = subprocess.run(
             [
@@ -304,11 +306,11 @@ def test_proxy_refuses_a_bad_fd_with_status_3(lib, worker, tmp_path):
                 "--fd",
                 str(fd),
                 "--handover",
-                str(handover),
+                str(handover_fd),
                 "--parent",
                 str(os.getpid()),
             ],
-            pass_fds=(fd, handover),
+            pass_fds=(fd, handover_fd),
             env=env,
             capture_output=True,
             text=True,
@@ -316,5 +318,5 @@ def test_proxy_refuses_a_bad_fd_with_status_3(lib, worker, tmp_path):
         )
     finally:
         os.close(fd)
-        os.close(handover)
+        os.close(handover_fd)
     assert proc.returncode == 3 and "magic" in proc.stderr

@@ -15,17 +15,19 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from remote_dspark import ring, ring_proxy, shm, shm_layout, streamsync, wire
-from remote_dspark.client import DraftClient
+from remote_dspark import wire
 from remote_dspark.engine.reply import Asked, check_reply
 from remote_dspark.outcome import RoundEvent
-from remote_dspark.tcp_round import TcpRounds
+from remote_dspark.proxy import ring_end
+from remote_dspark.proxy.tcp_round import TcpRounds
+from remote_dspark.region import layout, ring, shm, streamsync
 from remote_dspark.transport import FrameChannel
+from remote_dspark.transport.client import DraftClient
 from remote_dspark.transport.tcp import TcpStream
 
 SESSION = 0x5E55
 VOCAB = 100
-LAYOUT = shm_layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
+LAYOUT = layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
 K = LAYOUT.num_spec
 TERMS = [(v, m) for v in (0, VOCAB) for m in (False, True)]  # (vocab_size, want_margin) of a session
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
@@ -40,7 +42,7 @@ class Both:
         self.vocab_size, self.want_margin = vocab_size, want_margin
         self.region = shm.Region.create(LAYOUT)
         self.eng = ring.EngineEnd(self.region, lib)
-        self.end = ring_proxy.ProxyEnd(self.region, lib, vocab_size=vocab_size, want_margin=want_margin)
+        self.end = ring_end.ProxyEnd(self.region, lib, vocab_size=vocab_size, want_margin=want_margin)
         self.r = self.eng.reserve(1)  # one round id, its descriptor rewritten per case
         self.entries: list[wire.Entry] = []
         self.decoded = False  # the last py() verdict came from check_reply, past the frame's own rules
@@ -231,7 +233,7 @@ class Wire:
         self.region = shm.Region.create(LAYOUT)
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
-        self.end = ring_proxy.ProxyEnd(self.region, lib, spin_us=50, want_margin=True)
+        self.end = ring_end.ProxyEnd(self.region, lib, spin_us=50, want_margin=True)
         self.rounds = TcpRounds(self.end, session=SESSION, default_deadline_ms=2000)
         self.c_sock, self.c_peer = socket.socketpair()
         self.rounds.attach(self.c_sock.fileno())

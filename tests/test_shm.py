@@ -10,9 +10,11 @@ import struct
 import pytest
 from test_handoff import child, finish
 
-from remote_dspark import ring_proxy, shm, shm_layout, shm_words
-from remote_dspark.shm import Region
-from remote_dspark.shm_layout import Layout
+from remote_dspark.proxy import ring_end
+from remote_dspark.region import layout, shm
+from remote_dspark.region import words as region_words
+from remote_dspark.region.layout import Layout
+from remote_dspark.region.shm import Region
 
 LAYOUT = Layout(depth=4, max_slots=16, row_bytes=300, num_spec=5, max_tokens=100)
 
@@ -20,12 +22,12 @@ LAYOUT = Layout(depth=4, max_slots=16, row_bytes=300, num_spec=5, max_tokens=100
 def parts(lay: Layout) -> list[tuple[str, int, int]]:
     """(name, offset, size) of every part and hand-off word, for overlap checks."""
     out = [
-        ("header", 0, shm_layout.HEADER.size),
-        ("session", shm_layout.OFF_SESSION, 8),
-        ("engine_pid", shm_layout.OFF_ENGINE_PID, 4),
-        ("proxy_pid", shm_layout.OFF_PROXY_PID, 4),
-        ("heartbeat", shm_layout.OFF_HEARTBEAT, 8),
-        ("breaker", shm_layout.OFF_BREAKER, 32),
+        ("header", 0, layout.HEADER.size),
+        ("session", layout.OFF_SESSION, 8),
+        ("engine_pid", layout.OFF_ENGINE_PID, 4),
+        ("proxy_pid", layout.OFF_PROXY_PID, 4),
+        ("heartbeat", layout.OFF_HEARTBEAT, 8),
+        ("breaker", layout.OFF_BREAKER, 32),
         ("gathered", lay.gathered, 4),
         ("released", lay.released, 4),
         ("claim", lay.claim, 4),
@@ -38,8 +40,8 @@ def parts(lay: Layout) -> list[tuple[str, int, int]]:
             (f"drafts{i}", lay.drafts(i), lay.drafts_stride),
         ]
     out += [
-        ("proxy_counters", lay.proxy_counters_at, shm_layout.PROXY_COUNTERS.size),
-        ("engine_counters", lay.engine_counters_at, shm_layout.ENGINE_COUNTERS.size),
+        ("proxy_counters", lay.proxy_counters_at, layout.PROXY_COUNTERS.size),
+        ("engine_counters", lay.engine_counters_at, layout.ENGINE_COUNTERS.size),
     ]
     return out
 
@@ -51,13 +53,13 @@ def test_layout_parts_are_disjoint_aligned_and_inside(lay):
         assert at + size <= bt, f"{a} overlaps {b}"
     assert spans[-1][1] + spans[-1][2] <= lay.size and lay.size % lay.page_size == 0
     words = [lay.gathered, lay.released, lay.claim, lay.gathered_ns(0)]
-    assert len({w // shm_layout.LINE for w in words}) == len(words)  # one 128-byte line each
+    assert len({w // layout.LINE for w in words}) == len(words)  # one 128-byte line each
     for i in range(lay.depth):
         assert lay.staging(i) % lay.page_size == 0  # CUDA registration
-        assert lay.drafts(i) % shm_layout.LINE == 0 and lay.desc(i) % shm_layout.LINE == 0
-    for off in (shm_layout.D_COUNTS, lay.d_entry_status, lay.d_tokens, lay.d_margins):
-        assert off % shm_layout.LINE == 0
-    assert lay.proxy_counters_at % shm_layout.LINE == 0 and lay.engine_counters_at % shm_layout.LINE == 0
+        assert lay.drafts(i) % layout.LINE == 0 and lay.desc(i) % layout.LINE == 0
+    for off in (layout.D_COUNTS, lay.d_entry_status, lay.d_tokens, lay.d_margins):
+        assert off % layout.LINE == 0
+    assert lay.proxy_counters_at % layout.LINE == 0 and lay.engine_counters_at % layout.LINE == 0
 
 
 @pytest.mark.parametrize(
@@ -81,7 +83,7 @@ def test_layout_refuses_bad_sizes_naming_them(field, value, match):
 def test_create_writes_the_header_and_attach_reads_it_back():
     with Region.create(LAYOUT) as region:
         assert region.layout.size == os.fstat(region.fd).st_size
-        with region.view(0, shm_layout.HEADER.size) as head:
+        with region.view(0, layout.HEADER.size) as head:
             assert bytes(head) == LAYOUT.header_bytes()
         with Region.attach(os.dup(region.fd)) as other:
             assert other.layout == LAYOUT
@@ -92,16 +94,16 @@ def test_create_writes_the_header_and_attach_reads_it_back():
 
 def test_header_words(lib):
     with Region.create(LAYOUT) as region:
-        with region.view(0, shm_layout.OFF_ENGINE_PID + 4) as head:  # the creator's pid
-            assert struct.unpack_from("<I", head, shm_layout.OFF_ENGINE_PID)[0] == os.getpid()
+        with region.view(0, layout.OFF_ENGINE_PID + 4) as head:  # the creator's pid
+            assert struct.unpack_from("<I", head, layout.OFF_ENGINE_PID)[0] == os.getpid()
         words = region.header_words(lib)
         assert words.proxy_pid == 0 and words.heartbeat_ns == 0
         words.set_session(2**63 + 5)
-        state = shm_words.BreakerState(1, 3, 250, 7, 2)
+        state = region_words.BreakerState(1, 3, 250, 7, 2)
         words.set_breaker(state)
         assert (words.session, words.breaker()) == (2**63 + 5, state)
         before = lib.now_ns()
-        end = ring_proxy.ProxyEnd(region, lib, pid=4321)
+        end = ring_end.ProxyEnd(region, lib, pid=4321)
         assert end.next_round(0.001) is None  # the proxy's wait beats, round or not
         assert words.proxy_pid == 4321 and before <= words.heartbeat_ns <= lib.now_ns()
 
@@ -185,7 +187,7 @@ def test_attach_makes_the_passed_fd_close_on_exec_again():
     with Region.create(LAYOUT) as region:
         code = f"""
             import os
-            from remote_dspark import shm
+            from remote_dspark.region import shm
             assert os.get_inheritable({region.fd})  # as pass_fds leaves it
             with shm.Region.attach({region.fd}):
                 print(os.get_inheritable({region.fd}))
@@ -196,7 +198,7 @@ def test_attach_makes_the_passed_fd_close_on_exec_again():
 
 ATTACH = """
     import sys
-    from remote_dspark import shm
+    from remote_dspark.region import shm
     try:
         shm.Region.attach({fd}).close()
     except ValueError as e:
@@ -221,7 +223,7 @@ def _forged(size: int, header: bytes, seal: bool = True) -> int:
     [
         (
             "version",
-            f"layout version {shm_layout.LAYOUT_VERSION + 1}, this side reads version {shm_layout.LAYOUT_VERSION}",
+            f"layout version {layout.LAYOUT_VERSION + 1}, this side reads version {layout.LAYOUT_VERSION}",
         ),
         ("size", f"file size {LAYOUT.size + LAYOUT.page_size} bytes, its header's layout needs {LAYOUT.size}"),
         ("magic", "magic b'NOTAREGN', expected b'DSPKSHM1'"),
@@ -233,7 +235,7 @@ def test_attach_in_a_child_refuses_a_region_that_does_not_match(case, match):
     head = bytearray(LAYOUT.header_bytes())
     size = LAYOUT.size
     if case == "version":
-        struct.pack_into("<I", head, 8, shm_layout.LAYOUT_VERSION + 1)
+        struct.pack_into("<I", head, 8, layout.LAYOUT_VERSION + 1)
     elif case == "size":
         size += LAYOUT.page_size
     elif case == "magic":
@@ -257,7 +259,7 @@ def test_counters_histograms_and_snapshot(lib):
         c.add("draft_tokens", 9)
         # A histogram as hostflag.c's observe() lays it out: a count per bucket (le each
         # bound, then +Inf), then the sum; here 500, 1000, 1001 and 7e9 ns.
-        base, n_buckets = c.addr("handoff_latency"), len(shm_words.LATENCY_BOUNDS_NS) + 1
+        base, n_buckets = c.addr("handoff_latency"), len(region_words.LATENCY_BOUNDS_NS) + 1
         for bucket, n in ((0, 2), (1, 1), (n_buckets - 1, 1), (n_buckets, 500 + 1_000 + 1_001 + 7_000_000_000)):
             lib.add64(base + 8 * bucket, n)
         snap = c.snapshot()

@@ -10,8 +10,8 @@ import stat
 
 import pytest
 
-from remote_dspark import statsfile
-from remote_dspark.statsfile import UnsafePath, write_json_atomic
+from remote_dspark.engine import statsfile
+from remote_dspark.engine.statsfile import UnsafePath, write_json_atomic
 
 
 def entries(d) -> list[str]:

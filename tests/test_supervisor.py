@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import until
 
-from remote_dspark.supervisor import Cause, Closed, Spent, Starting, Supervisor, Up
+from remote_dspark.supervise.supervisor import Cause, Closed, Spent, Starting, Supervisor, Up
 
 CHILD = "import sys, time\ncode = int(sys.argv[1])\nif code >= 0: sys.exit(code)\ntime.sleep(120)\n"
 
@@ -92,7 +92,7 @@ def test_stalled_proxy_is_killed_and_counted_as_stall(spawner):
 def test_spent_budget_logs_one_error_and_stays_spent(spawner, caplog):
     spawner.codes = [1, 1, 1]
     sup = Supervisor(spawner, respawns=2, reset_s=0)
-    with caplog.at_level(logging.WARNING, logger="remote_dspark.supervisor"):
+    with caplog.at_level(logging.WARNING, logger="remote_dspark.supervise.supervisor"):
         sup.start()
         try:
             assert until(lambda: isinstance(sup.state, Spent))
@@ -170,7 +170,7 @@ def test_a_failing_callback_ends_supervision_loudly_not_silently(spawner, caplog
         raise RuntimeError("stall check bug")
 
     sup = Supervisor(spawner, respawns=3, reset_s=0, stalled=broken)
-    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
+    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervise.supervisor"):
         sup.start()
         try:
             assert until(lambda: isinstance(sup.state, Spent))
@@ -271,7 +271,7 @@ class Standbys:
         self.promoted: list[tuple[int, int]] = []
 
     def hooks(self):
-        from remote_dspark.standby import StandbyHooks
+        from remote_dspark.supervise.standby import StandbyHooks
 
         def spawn():
             proc = self.spawner(None)
@@ -303,7 +303,7 @@ def test_a_standby_that_dies_is_replaced_without_spending_the_budget_and_given_u
     sb = Standbys(spawner)
     sup = Supervisor(spawner, respawns=2, reset_s=0, standby=sb.hooks())
     sup.start()
-    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
+    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervise.supervisor"):
         try:
             for n in range(1, 4):
                 assert until(lambda n=n: len(sb.pids) == n, timeout=15)  # the back-off doubles: 0.5, 1 s

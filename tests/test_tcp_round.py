@@ -13,12 +13,14 @@ from helpers import until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from remote_dspark import ring, ring_proxy, shm, shm_layout, streamsync, wire
+from remote_dspark import wire
 from remote_dspark.outcome import Outcome, RoundEvent
-from remote_dspark.tcp_round import TcpRounds
+from remote_dspark.proxy import ring_end
+from remote_dspark.proxy.tcp_round import TcpRounds
+from remote_dspark.region import layout, ring, shm, streamsync
 
 SESSION = 0xC0FFEE
-LAYOUT = shm_layout.Layout(depth=4, max_slots=4, row_bytes=8, num_spec=4, max_tokens=32)
+LAYOUT = layout.Layout(depth=4, max_slots=4, row_bytes=8, num_spec=4, max_tokens=32)
 
 
 class Rig:
@@ -28,7 +30,7 @@ class Rig:
         self.region = shm.Region.create(layout)
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
-        self.end = ring_proxy.ProxyEnd(self.region, lib, spin_us=50, **session)
+        self.end = ring_end.ProxyEnd(self.region, lib, spin_us=50, **session)
         self.rounds = TcpRounds(self.end, session=SESSION, default_deadline_ms=2000)
         self.proxy_sock, self.worker = socket.socketpair()
         self.worker.settimeout(2.0)
@@ -45,8 +47,8 @@ class Rig:
             with self.eng.staging(r) as staging:
                 staging[: len(rows)] = rows
         if corrupt is not None:
-            at = self.region.layout.desc(r & (self.region.layout.depth - 1)) + shm_layout.DESC_FIXED
-            with self.region.view(at, self.region.layout.desc_stride - shm_layout.DESC_FIXED) as d:
+            at = self.region.layout.desc(r & (self.region.layout.depth - 1)) + layout.DESC_FIXED
+            with self.region.view(at, self.region.layout.desc_stride - layout.DESC_FIXED) as d:
                 corrupt(d, len(entries), sum(len(e.tokens) for e in entries))
         self.sync.signal(r)
         return r
@@ -84,7 +86,7 @@ class Rig:
         tokens [n][K], margins [n][K] or None), every row whole (past the counts too)."""
         lay, K = self.region.layout, self.region.layout.num_spec
         with self.region.drafts(r & (lay.depth - 1)) as d:
-            rnd, status, n, flags = shm_layout.DRAFTS_HEAD.unpack_from(d, 0)
+            rnd, status, n, flags = layout.DRAFTS_HEAD.unpack_from(d, 0)
             assert rnd == r
 
             def rows(fmt, at):
@@ -94,10 +96,10 @@ class Rig:
                 status,
                 n,
                 flags,
-                list(struct.unpack_from(f"<{n}i", d, shm_layout.D_COUNTS)),
+                list(struct.unpack_from(f"<{n}i", d, layout.D_COUNTS)),
                 list(struct.unpack_from(f"<{n}i", d, lay.d_entry_status)),
                 rows("i", lay.d_tokens),
-                rows("f", lay.d_margins) if flags & shm_layout.DRAFTS_MARGINS else None,
+                rows("f", lay.d_margins) if flags & layout.DRAFTS_MARGINS else None,
             )
 
     def nothing_sent(self) -> bool:
@@ -248,7 +250,7 @@ def test_a_closed_connection_is_lost(rig, how, why):
 def test_a_descriptor_that_is_not_the_rounds_is_answered_without_sending(rig):
     r = rig.gather()
     with rig.region.descriptor(r & (LAYOUT.depth - 1)) as d:
-        struct.pack_into("<I", d, shm_layout.DESC_ROUND, r + 4)
+        struct.pack_into("<I", d, layout.DESC_ROUND, r + 4)
     s = rig.serve()
     assert (s.event, s.sent) == (RoundEvent.BAD_DESC, False) and f"holds round {r + 4}" in s.why
     assert rig.nothing_sent() and rig.eng.drafts(r).outcome == Outcome.ERROR
@@ -299,7 +301,7 @@ def test_one_call_answers_the_waiting_rounds_at_once_up_to_its_bound(rig, at_onc
 
 
 def test_a_send_the_worker_never_reads_loses_the_connection_at_the_round_deadline(lib):
-    big = shm_layout.Layout(depth=4, max_slots=4, row_bytes=1 << 20, num_spec=4, max_tokens=32)
+    big = layout.Layout(depth=4, max_slots=4, row_bytes=1 << 20, num_spec=4, max_tokens=32)
     rig = Rig(lib, big)  # 4 MiB of rows: more than the socket pair buffers
     try:
         r = rig.gather(slots=(0, 1, 2, 3), deadline_ms=50)
@@ -379,7 +381,7 @@ def test_a_descriptor_token_outside_the_vocabulary_is_answered_error_unsent_and_
 def test_the_round_id_is_checked_first(rig):
     r = rig.gather(entries=TWO, corrupt=lambda d, n, t: struct.pack_into("<I", d, 0x10, 99))
     with rig.region.descriptor(r & (LAYOUT.depth - 1)) as d:
-        struct.pack_into("<I", d, shm_layout.DESC_ROUND, r + 4)
+        struct.pack_into("<I", d, layout.DESC_ROUND, r + 4)
     s = rig.serve()
     assert s.why == f"descriptor {r & (LAYOUT.depth - 1)} holds round {r + 4}, not round {r}"
     assert rig.end.counters.snapshot().counters["rounds_bad_desc"] == 1
@@ -387,7 +389,7 @@ def test_the_round_id_is_checked_first(rig):
 
 # --------------------------------------------------------------------------- properties
 
-PROP = shm_layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
+PROP = layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
 _f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
 

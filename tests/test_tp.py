@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from helpers import COUNTING, env_for
 
-from remote_dspark.config import RemoteConfig
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed, report
 from remote_dspark.engine.stats import LinkStats
 from remote_dspark.outcome import Outcome
-from remote_dspark.worker import MarkovDrafter, Worker
+from remote_dspark.worker import Worker
 
 MODEL = COUNTING
 K = 3
@@ -333,8 +334,8 @@ def test_shadow_margins_reach_every_rank_and_each_rank_compares(worker, tmp_path
 
 
 def test_an_error_record_rebuilds_the_class_its_arguments_and_attributes():
-    from remote_dspark.client import Refused
     from remote_dspark.engine.ranks import error_from_record, error_record
+    from remote_dspark.transport.client import Refused
 
     e = error_from_record(error_record(Refused(3, "identity mismatch")), rank=1)
     assert type(e) is Refused and str(e) == "identity mismatch" and (e.code, e.reason) == (3, "identity mismatch")

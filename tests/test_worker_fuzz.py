@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remote_dspark import wire
-from remote_dspark.client import DraftClient
-from remote_dspark.markov import MarkovModel
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
-from remote_dspark.worker import MarkovDrafter, Worker
+from remote_dspark.transport.client import DraftClient
+from remote_dspark.worker import Worker
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
 MAX_CONNECTIONS, MAX_PENDING = 4, 8

@@ -15,11 +15,12 @@ import pytest
 from helpers import connect, do_round, until
 
 from remote_dspark import wire
-from remote_dspark.client import Refused
-from remote_dspark.markov import MarkovModel
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import Disconnected
+from remote_dspark.transport.client import Refused
 from remote_dspark.transport.tcp import KEEPALIVE_IDLE_S, TcpStream
-from remote_dspark.worker import MarkovDrafter, Worker
+from remote_dspark.worker import Worker
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
 

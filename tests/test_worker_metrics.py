@@ -21,12 +21,14 @@ import pytest
 from helpers import NEED_TOOLS, PROMTOOL, connect, do_round, gated_drafter, hello, prometheus, until
 from prometheus_client.parser import text_string_to_metric_families
 
-from remote_dspark import dashboard, wire
-from remote_dspark.client import Refused
-from remote_dspark.drafter import CacheInfo
-from remote_dspark.markov import MarkovModel
-from remote_dspark.worker import MarkovDrafter, Worker
-from remote_dspark.worker_stats import REFUSAL_REASONS
+from remote_dspark import wire
+from remote_dspark.cli import dashboard
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.contract import CacheInfo
+from remote_dspark.drafter.markov import MarkovModel
+from remote_dspark.transport.client import Refused
+from remote_dspark.worker import Worker
+from remote_dspark.worker.stats import REFUSAL_REASONS
 
 # 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; its vocabulary is 6 (ids 0..5).
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
@@ -270,8 +272,8 @@ def test_a_metrics_port_in_use_is_a_clear_error_and_nothing_is_left_listening():
 
 def test_the_plain_worker_never_imports_prometheus_client():
     code = (
-        "import sys\nfrom remote_dspark.worker import Worker, MarkovDrafter\nfrom remote_dspark.markov import "
-        "builtin_model\nw = Worker(MarkovDrafter(builtin_model()), '127.0.0.1', 0).start()\nw.stop()\n"
+        "import sys\nfrom remote_dspark.worker import Worker\nfrom remote_dspark.drafter.markov import "
+        "MarkovDrafter, builtin_model\nw = Worker(MarkovDrafter(builtin_model()), '127.0.0.1', 0).start()\nw.stop()\n"
         "print('prometheus_client' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -376,7 +378,7 @@ def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_
 def test_slow_clients_hold_at_most_the_request_cap_and_are_dropped_after_the_request_timeout(monkeypatch):
     """Half-sent requests hold at most MAX_REQUESTS threads (a connection beyond them is
     closed unanswered) and each only until REQUEST_TIMEOUT_S; then scrapes are served."""
-    from remote_dspark import worker_metrics
+    from remote_dspark.worker import metrics as worker_metrics
 
     monkeypatch.setattr(worker_metrics, "MAX_REQUESTS", 3)
     monkeypatch.setattr(worker_metrics._Handler, "timeout", 0.5)

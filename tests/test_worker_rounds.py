@@ -18,10 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_dspark import wire
-from remote_dspark.drafter import MarkovDrafter, PerEntryDrafter
-from remote_dspark.markov import MarkovModel
-from remote_dspark.worker import Session, Worker
-from remote_dspark.worker_windows import Windows
+from remote_dspark.drafter.contract import PerEntryDrafter
+from remote_dspark.drafter.markov import MarkovDrafter, MarkovModel
+from remote_dspark.worker import Worker
+from remote_dspark.worker.sessions import Session
+from remote_dspark.worker.windows import Windows
 
 MAX_SLOTS = 6
 VOCAB = 5  # tokens 0..4 in the models; rounds also carry 5..6 and -1 (outside)

@@ -4,10 +4,12 @@ keeps its heavy imports inside the function that runs it."""
 
 def add_parsers(sub) -> None:
     """Register every benchmark's subcommand."""
-    from . import drafter, failover, handoff, round, worker_hostile
+    from . import drafter, failover, worker_hostile
+    from .handoff import run as handoff
+    from .round import run as bench_round
 
     handoff.add_parser(sub)
-    round.add_parser(sub)
+    bench_round.add_parser(sub)
     failover.add_parser(sub)
     worker_hostile.add_parser(sub)
     drafter.add_parser(sub)

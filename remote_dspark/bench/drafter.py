@@ -9,7 +9,7 @@ entry count (``--entries``, default 1, 16, 64 and 256), the same rounds are draf
 ``cached``      one call for all entries, the per-slot KV cache on: each entry encodes only
                 the tokens its slot gained since the last round.
 
-The rounds are the worker's own (its :class:`~remote_dspark.worker_windows.Windows`
+The rounds are the worker's own (its :class:`~remote_dspark.worker.windows.Windows`
 builds them): the first announces every slot with a 16-token prompt of the synthetic
 language and is never measured; every later one appends 3 tokens per slot (2 accepted
 drafts and the target's own), so contexts grow to the worker's window (64) and past it.
@@ -114,9 +114,9 @@ def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3) -> list:
     tokens per slot; the stream fields (session, slots, gens, lengths) are the worker's."""
     import numpy as np
 
-    from ..drafter import DraftBatch
-    from ..markov import SyntheticLanguage
-    from ..worker_windows import Windows
+    from ..drafter.contract import DraftBatch
+    from ..drafter.markov import SyntheticLanguage
+    from ..worker.windows import Windows
 
     text = np.asarray(SyntheticLanguage().text(1 << 14, seed=seed), np.int32)
     starts = np.random.default_rng(seed).integers(0, len(text) - 1, n)
@@ -191,7 +191,7 @@ def _pct(ns: list[int], q: float) -> float:
 
 
 def run_rows(opts: Options) -> list[dict]:
-    from ..lm import builtin_drafter
+    from ..drafter.lm import builtin_drafter
     from ..progress import Progress
 
     plan = [(d, n, m) for d in opts.devices for n in opts.entries for m in MODES]

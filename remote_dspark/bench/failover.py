@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kills < 1 or args.stalls < 0 or args.idle_s <= 0 or not 1 <= args.slots <= 4096:
         raise ValueError("--kills >= 1, --stalls >= 0, --idle-s > 0 and --slots in 1..4096")
-    from ..harness import WorkerProcess
+    from ..demo.harness import WorkerProcess
 
     worker = WorkerProcess()
     try:
@@ -82,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine(worker, slots: int, standby: bool):
-    from ..config import RemoteConfig
+    from ..config.api import RemoteConfig
+    from ..demo.harness import DemoEngine
+    from ..demo.sim import SimEngine
     from ..engine import RemoteDSpark
-    from ..harness import DemoEngine
-    from ..sim import SimEngine
 
     env = worker.env(
         VLLM_DSPARK_REMOTE_POLICY="capacity",

@@ -267,8 +267,8 @@ def honest(identities: tuple[bytes, bytes]) -> wire.Hello:
 
 def honest_hello(port: int, identities: tuple[bytes, bytes], session: int) -> dict:
     """One honest connect + HELLO + HELLO_ACK, timed; the connection is closed after."""
-    from ..client import DraftClient, Refused
     from ..transport import TransportError, parse_endpoint
+    from ..transport.client import DraftClient, Refused
 
     hello = honest(identities)
     t0 = time.perf_counter()
@@ -286,8 +286,8 @@ def honest_hello(port: int, identities: tuple[bytes, bytes], session: int) -> di
 def warm_up(port: int, identities: tuple[bytes, bytes]) -> None:
     """One honest connection with one round: the worker's round path is loaded before
     the baseline RSS is taken. Raises RuntimeError when it is not served."""
-    from ..client import DraftClient
     from ..transport import parse_endpoint
+    from ..transport.client import DraftClient
 
     c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"), honest(identities), 1, HONEST_TIMEOUT_S)
     try:
@@ -302,7 +302,7 @@ def _ms(t0: float) -> float:
 
 
 def measure(args) -> dict:
-    from ..harness import WorkerProcess
+    from ..demo.harness import WorkerProcess
 
     counts = {"header": args.header_peers, "hello": args.hello_peers, "silent": args.silent_peers}
     with WorkerProcess(extra=tuple(args.worker_arg)) as worker:

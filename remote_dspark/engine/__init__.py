@@ -18,8 +18,8 @@ its environment and could reach no one later.
 torch is imported here; nothing the proxy imports imports this package.
 """
 
-from ..batch import Batch, Drafts
-from ..config import apply_cost_overrides
+from ..config.api import apply_cost_overrides
+from .batch import Batch, Drafts
 from .facade import RemoteDSpark
 from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed

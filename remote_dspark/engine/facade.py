@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from .. import native, transport, wire
-from ..batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
-from ..client import DraftClient
-from ..config import RemoteConfig, n_out_table
-from ..supervisor import Supervisor
+from ..config.api import RemoteConfig, n_out_table
+from ..supervise.supervisor import Supervisor
+from ..transport.client import DraftClient
 from . import policies, report
+from .batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
 from .handoff import AsyncPath, Launched
 from .lifecycle import EngineState, RemoteClosed, Users
 from .proxy_host import ProxyHost
@@ -208,7 +208,7 @@ class RemoteDSpark:
         cfg = self.cfg
         transport.check_ready(cfg.endpoint, self.spec.environ)  # an ofl endpoint needs its library now
         if cfg.metrics_port:
-            from ..metrics import Exporter
+            from .metrics import Exporter
 
             self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
         if cfg.strict_start and self.mode != "sync":
@@ -246,7 +246,7 @@ class RemoteDSpark:
 
     def register_metrics(self, registry) -> None:
         """Add this engine's metrics to ``registry`` (an engine that serves /metrics)."""
-        from ..metrics import RemoteDSparkCollector
+        from .metrics import RemoteDSparkCollector
 
         registry.register(RemoteDSparkCollector(self))
 

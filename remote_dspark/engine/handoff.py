@@ -21,8 +21,10 @@ import traceback
 import numpy as np
 import torch
 
-from .. import native, ring, shm, streamsync, wire
-from ..batch import (
+from .. import native, wire
+from ..outcome import Outcome
+from ..region import ring, shm, streamsync
+from .batch import (
     Batch,
     Drafts,
     HostMeta,
@@ -34,7 +36,6 @@ from ..batch import (
     write_meta,
     write_meta_in_stream,
 )
-from ..outcome import Outcome
 from .lifecycle import Users
 from .spec import Spec
 from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
@@ -107,7 +108,7 @@ class AsyncPath:
                 self._counts = [
                     view(lay.drafts(i) + shm.D_COUNTS, (spec.max_slots,), torch.int32) for i in range(spec.depth)
                 ]
-            from ..gather import choose
+            from .gather import choose
 
             self._gather = choose(cfg.fused_gather, spec.device)
         except BaseException:

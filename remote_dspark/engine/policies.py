@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..batch import Drafts
-from ..config import RemoteConfig
+from ..config.api import RemoteConfig
 from ..outcome import Outcome
+from .batch import Drafts
 from .lifecycle import RemoteRoundFailed
 from .stats import EngineCounts
 

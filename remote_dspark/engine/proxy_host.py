@@ -18,10 +18,10 @@ import threading
 import time
 
 from .. import wire
-from ..proxy_proc import IDLE_TICK_S, ProxyLoop
-from ..proxy_spawn import proxy_environment, spawn_proxy
-from ..standby import StandbyHooks
-from ..supervisor import Down, Lifecycle, Spent, Starting, Supervisor, SupervisorStats, Up
+from ..proxy.loop import IDLE_TICK_S, ProxyLoop
+from ..proxy.spawn import proxy_environment, spawn_proxy
+from ..supervise.standby import StandbyHooks
+from ..supervise.supervisor import Down, Lifecycle, Spent, Starting, Supervisor, SupervisorStats, Up
 from .handoff import STALL_ROUNDS, AsyncPath
 from .spec import Spec
 

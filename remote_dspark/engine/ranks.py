@@ -55,9 +55,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..batch import Batch, Drafts
-from ..config_env import _VARS
+from ..config.env import TABLE
 from ..outcome import Outcome
+from .batch import Batch, Drafts
 from .spec import Spec
 
 MODES = ("sync", "thread", "process")
@@ -65,7 +65,7 @@ SOURCES = ("remote", "local", "none")
 STARTED, DRAFTS, ERROR = 1, 2, 3
 KIND_NAMES = {STARTED: "STARTED", DRAFTS: "DRAFTS", ERROR: "ERROR"}
 HEADER_WORDS = 8
-_VARIABLE = {v.field: v.name for v in _VARS if v.field}  # a config field -> the variable that sets it
+_VARIABLE = {v.field: v.name for v in TABLE if v.field}  # a config field -> the variable that sets it
 _SIMPLE = (str, int, float, bool, type(None))  # what an ERROR record carries as it is
 
 

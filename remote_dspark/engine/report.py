@@ -8,8 +8,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..statsfile import write_json_atomic
 from .stats import Stats
+from .statsfile import write_json_atomic
 
 log = logging.getLogger("remote_dspark.engine")
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .. import wire
-from ..batch import Batch, HostMeta, host_meta
-from ..config import RemoteConfig
+from ..config.api import RemoteConfig
+from .batch import Batch, HostMeta, host_meta
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import shm
 from ..histogram import Histogram  # noqa: F401  (re-exported: engine.handoff, tests)
 from ..outcome import Outcome
-from ..supervisor import SupervisorStats
+from ..region import shm
+from ..supervise.supervisor import SupervisorStats
 
 LATENCY_BOUNDS_S = tuple(b / 1e9 for b in shm.LATENCY_BOUNDS_NS)
 MARGIN_BOUNDS = tuple(i / 10 for i in range(1, 11))

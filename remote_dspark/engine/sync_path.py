@@ -1,5 +1,5 @@
 """``ASYNC=0``: the engine thread does the network round itself, within ``TIMEOUT_MS``
-(the send included), over a :class:`~remote_dspark.link.RemoteLink`."""
+(the send included), over a :class:`~remote_dspark.transport.link.RemoteLink`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from .. import wire
-from ..batch import Batch, Drafts, HostMeta, as_bytes, empty_drafts, gather_rows_host, to_drafts, write_meta
-from ..breaker import Breaker
-from ..link import RemoteLink
 from ..outcome import Outcome
+from ..transport.breaker import Breaker
+from ..transport.link import RemoteLink
+from .batch import Batch, Drafts, HostMeta, as_bytes, empty_drafts, gather_rows_host, to_drafts, write_meta
 from .reply import Asked, check_reply
 from .spec import Spec
 from .stats import BreakerStats, LinkStats

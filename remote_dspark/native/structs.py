@@ -9,7 +9,7 @@ import ctypes
 
 class RingGeom(ctypes.Structure):
     """``struct hf_ring``: this process's addresses of one region's words and drafts
-    slots. Filled by ``remote_dspark.ring`` from the region's layout."""
+    slots. Filled by ``remote_dspark.region.ring`` from the region's layout."""
 
     _fields_ = [
         ("gathered", ctypes.c_void_p),
@@ -29,7 +29,7 @@ class RingGeom(ctypes.Structure):
 
 class ProxyState(ctypes.Structure):
     """``struct hf_proxy``: one proxy's view of a region (its ring, its counters block
-    and the rounds it has taken). Filled by ``remote_dspark.ring_proxy.ProxyEnd``."""
+    and the rounds it has taken). Filled by ``remote_dspark.proxy.ring_end.ProxyEnd``."""
 
     _fields_ = [
         ("ring", RingGeom),
@@ -67,7 +67,7 @@ class ProxyState(ctypes.Structure):
 class LinkState(ctypes.Structure):
     """``struct hf_link``: one proxy's worker connection for ``hf_round`` (its region
     geometry, the receive state kept across rounds, and what the last call did). Filled
-    by ``remote_dspark.ring_proxy.ProxyEnd.new_link`` (``TcpRounds`` for ``hf_round``; the end's
+    by ``remote_dspark.proxy.ring_end.ProxyEnd.new_link`` (``TcpRounds`` for ``hf_round``; the end's
     own for ``hf_check_desc`` and ``hf_unpack`` on the ofl path)."""
 
     _fields_ = [

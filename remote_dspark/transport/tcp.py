@@ -2,7 +2,7 @@
 connect timeout, an optional bind address, per-call receive deadlines.
 
 Keepalive on both ends (the engine's connecting socket here, the worker's accepted ones
-in :mod:`remote_dspark.worker_admission`): a connection may idle for minutes between
+in :mod:`remote_dspark.worker.admission`): a connection may idle for minutes between
 rounds and is never closed for that, so a peer that died without a FIN (power, a cable,
 a frozen VM) is found by the kernel's probes: after ``KEEPALIVE_IDLE_S`` of silence,
 ``KEEPALIVE_COUNT`` probes ``KEEPALIVE_INTERVAL_S`` apart, so about a minute.

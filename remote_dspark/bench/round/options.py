@@ -1,0 +1,133 @@
+"""``bench round``'s options: its rows, slot counts, token counts, timeouts and goals
+(:mod:`.round` has the command and what each row measures), and :func:`options`, which
+checks the parsed arguments before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("floor", "sync", "thread", "process", "draft")
+CUDA_MODES = MODES + ("launch",)
+ENGINE_MODES = ("sync", "thread", "process")
+DESCRIBE = {
+    "floor": "TCP ping-pong (floor)",
+    "sync": "round(), ASYNC=0",
+    "thread": "round(), proxy thread",
+    "process": "round(), proxy process",
+    "draft": "draft_batch() alone",
+    "launch": "launch(), CUDA, process",
+}
+SWEEP = (64, 256, 1024, 4096)
+DEFAULT_SLOTS = 256  # with --no-sweep
+PROMPT_TOKENS = 16  # a NEW_GEN entry's context
+STEP_TOKENS = 3  # a steady entry: 2 accepted drafts + the target's token
+CONTEXT_TOKENS = 64  # the draft row's context per entry
+TEXT_TOKENS = 1 << 14  # synthetic-language text the feeder reads from (wraps)
+MIN_ROUNDS = 50  # the fewest measured rounds of a row above 256 slots
+DRAFT_BATCHES = 8  # the draft row rotates through this many different batches
+ROUND_TIMEOUT_S = 30.0  # the floor: no round takes this long unless a side is gone
+START_TIMEOUT_S = 10.0  # the floor peer connects within this
+TIMEOUT_MS = 1000
+
+# The goals, checked at GOAL_SLOTS (and LINEAR_AT against GOAL_SLOTS).
+GOAL_SLOTS = 256
+LINEAR_AT = 4096
+GOAL_X_FLOOR = 3.0
+GOAL_X_SYNC = 1.2
+GOAL_ENGINE_CPU_MS = 0.3
+GOAL_DRAFT_MS = 0.1
+GOAL_LINEAR = 2.0
+GOAL_LM_PROCESS_MS = 2.0  # with --drafter lm: a whole process round at GOAL_SLOTS
+
+
+@dataclass(frozen=True)
+class Options:
+    slots: tuple[int, ...]
+    num_spec: int
+    row_bytes: int
+    rounds: int
+    warmup: int
+    modes: tuple[str, ...]
+    timeout_ms: int
+    device: str
+    device_metadata: bool
+    drafter: str = "markov"  # the worker's: markov, or lm (the built-in model)
+
+    def rounds_for(self, slots: int) -> int:
+        """Measured rounds of a row at ``slots``: all of them up to GOAL_SLOTS, fewer above."""
+        if slots <= GOAL_SLOTS:
+            return self.rounds
+        return min(self.rounds, max(MIN_ROUNDS, self.rounds * GOAL_SLOTS // slots))
+
+
+def _ints(raw: str, name: str) -> list[int]:
+    try:
+        return [int(x) for x in raw.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} {raw!r}: expected an integer or comma-separated integers") from None
+
+
+def options(args) -> Options:
+    """The run's options from the parsed arguments.
+
+    Raises: ValueError naming the bad argument and the rule it breaks.
+    """
+    from ... import wire
+
+    if args.slots is not None and args.sweep:
+        raise ValueError(f"--slots {args.slots} with --sweep: give one or the other")
+    if args.slots is not None:
+        slots = _ints(args.slots, "--slots")
+    else:
+        slots = list(SWEEP) if args.sweep in (None, True) else [DEFAULT_SLOTS]
+    for s in slots:
+        if not 1 <= s <= wire.MAX_ENTRIES:
+            raise ValueError(f"--slots {s}: must be in 1..{wire.MAX_ENTRIES} (the wire's cap on entries per round)")
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"--slots {args.slots}: a slot count appears twice")
+    if not 1 <= args.num_spec <= wire.MAX_N_OUT:
+        raise ValueError(f"--num-spec {args.num_spec}: must be in 1..{wire.MAX_N_OUT} (the wire's cap)")
+    if not 1 <= args.row_bytes <= wire.MAX_ROW_BYTES:
+        raise ValueError(f"--row-bytes {args.row_bytes}: must be in 1..{wire.MAX_ROW_BYTES} (the wire's cap)")
+    for s in slots:
+        size = wire.round_sections(s, s * PROMPT_TOKENS, args.row_bytes).size
+        if size > wire.MAX_PAYLOAD:
+            raise ValueError(
+                f"--row-bytes {args.row_bytes} at {s} slots: a ROUND of {size} bytes is over "
+                f"the wire's {wire.MAX_PAYLOAD}-byte cap"
+            )
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: must be >= 1")
+    if args.warmup < 1:
+        raise ValueError(
+            f"--warmup {args.warmup}: must be >= 1 (the first round announces every slot: never a steady-state figure)"
+        )
+    if args.timeout_ms < 1:
+        raise ValueError(f"--timeout-ms {args.timeout_ms}: must be >= 1")
+    if args.device_metadata and args.device != "cuda":
+        raise ValueError("--device-metadata: only with --device cuda")
+    allowed = CUDA_MODES if args.device == "cuda" else MODES
+    if args.modes is None:
+        modes = list(allowed)
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        for m in modes:
+            if m == "launch" and args.device != "cuda":
+                raise ValueError("--modes launch: only with --device cuda")
+            if m not in allowed:
+                raise ValueError(f"--modes {args.modes!r}: unknown mode {m!r}; choose from {', '.join(allowed)}")
+        if not modes:
+            raise ValueError(f"--modes {args.modes!r}: no mode named")
+    modes = [m for m in CUDA_MODES if m in modes]  # table order, each once
+    return Options(
+        tuple(slots),
+        args.num_spec,
+        args.row_bytes,
+        args.rounds,
+        args.warmup,
+        tuple(modes),
+        args.timeout_ms,
+        args.device,
+        args.device_metadata,
+        getattr(args, "drafter", "markov"),
+    )

@@ -1,0 +1,385 @@
+"""``remote-dspark bench round``: one drafting round, end to end, next to its floors.
+
+For a round of S entries (``--slots``), k drafts each (``--num-spec``) and ``--row-bytes``
+bytes of engine row per entry, each row times N rounds (``--rounds``, after ``--warmup``
+unmeasured ones) in one run, so the figures sit side by side:
+
+``floor``    the raw transport floor: the byte counts of a steady-state ROUND and of its
+             DRAFTS ping-ponged over ONE loopback TCP connection (127.0.0.1,
+             TCP_NODELAY both ends) between this process and a stdlib-only child that
+             reads exactly the ROUND's bytes and writes back the DRAFTS' bytes.
+             ROUND = ``wire.HEADER.size + wire.round_sections(S, 3 S, row_bytes).size``
+             (a steady round carries 3 tokens per entry: 2 accepted drafts + the
+             target's own token), DRAFTS = ``wire.HEADER.size + wire.drafts_sections(S,
+             k, margins=False).size``. Timed from the first byte sent to the last byte
+             received. Nothing is encoded, decoded or drafted: what no round can beat.
+``sync``     ``RemoteDSpark.round(batch)``, policy capacity, ``ASYNC=0``: the engine
+             thread does the network round itself.
+``thread``   the same with ``ASYNC=1, ASYNC_PROXY=thread``: the proxy is a thread of
+             the engine process, the hand-off goes through the shared region.
+``process``  the same with ``ASYNC=1, ASYNC_PROXY=process``: the supervised torch-free
+             proxy process (the production path).
+``draft``    the worker's drafting alone: ``MarkovDrafter(builtin_model()).draft_batch``
+             on S contexts of 64 tokens of the synthetic language (what the worker's
+             drafter sees in steady state), k drafts each, no margins.
+``launch``   (``--device cuda`` only) ``RemoteDSpark.launch(batch)`` in process mode with
+             the rows on the GPU: p50/p99 are the time from the launch's start until the
+             stream holds the drafts (CUDA events recorded around ``launch()`` on an idle
+             stream), ``engine_cpu_ms`` the engine thread's CPU inside ``launch()``.
+
+The three engine rows drive the reference worker (``remote-dspark worker``, built-in
+Markov drafter) on loopback, one worker for the whole run, and a new ``RemoteDSpark`` per
+row (``start()`` ... ``close()``), with ``TIMEOUT_MS`` = ``--timeout-ms`` (default 1000,
+so a 4096-entry round is never a timeout). A round whose ``Drafts.outcome`` is not "ok"
+is counted in the row's ``not_ok`` (its time is still in the figures); the table flags it.
+
+Batches are built the way an engine builds them, outside the timed region, by
+:class:`~remote_dspark.bench.round.feeder.Feeder` (its module says how); the first
+round announces every slot and is always a warm-up round.
+
+``engine_cpu_ms`` is the median, over the measured rounds, of the engine thread's CPU
+per round (``time.thread_time()`` around ``round()``). For thread and process the wait
+for the round's release spins by design, so its own CPU (``rd.wait_cpu_s``, cumulative,
+kept by the engine) is taken out: what remains is the CPU the round costs the engine.
+For sync it is reported as is (its wait is a blocking receive).
+
+Every row has p50 and p99 in ms, ``x_floor`` (p50 over the floor's p50 at the same slot
+count) and, for thread / process / launch, ``x_sync``. Without ``--slots`` the run
+sweeps 64, 256, 1024 and 4096 slots so the growth shows; above 256 slots a row measures
+fewer rounds (N x 256 / S, at least 50: the ``rounds`` column) to stay near a minute on 2
+cores. The goals (met / NOT met; never asserted): at 256 slots process p50 <= 3x floor
+and <= 1.2x sync, process engine CPU <= 0.3 ms, draft <= 0.1 ms, and the per-slot cost
+of process and draft at 4096 slots within 2x of theirs at 256.
+
+With ``--drafter lm`` the worker serves the built-in model drafter (``remote_dspark.drafter.lm``,
+on the GPU when it sees one, its per-slot KV cache on) and the ``draft`` row times that
+drafter on whole contexts (no cache); the one goal is then the whole process round:
+p50 <= 2 ms at 256 slots.
+
+Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
+Every child process this starts (floor peer, worker, proxy) is ended before the run
+returns, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+import time
+
+from .feeder import Feeder, synthetic_text
+from .floor import floor_row
+from .options import (
+    CONTEXT_TOKENS,
+    CUDA_MODES,
+    DEFAULT_SLOTS,
+    DRAFT_BATCHES,
+    ENGINE_MODES,
+    MIN_ROUNDS,
+    MODES,
+    SWEEP,
+    TIMEOUT_MS,
+    Options,
+    options,
+)
+from .report import Row, format_table, make_report, ns_to_ms, pct
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "round",
+        help="one drafting round end to end (sync / thread / process) next to the TCP floor and the drafter alone",
+        description=__doc__.split("\n\n")[0] + " Rows: floor, sync, thread, process, "
+        "draft (and launch with --device cuda); see the module docstring.",
+    )
+    p.add_argument(
+        "--slots",
+        default=None,
+        metavar="S[,S...]",
+        help="entries per round, 1..4096 (the wire's cap), or a comma-separated list. "
+        f"Default: a sweep over {', '.join(map(str, SWEEP))} (see --sweep)",
+    )
+    p.add_argument(
+        "--sweep",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--sweep: the rows at 64, 256, 1024 and 4096 slots (the default when "
+        f"--slots is not given); --no-sweep: {DEFAULT_SLOTS} slots only",
+    )
+    p.add_argument("--num-spec", type=int, default=5, help="k: drafts per entry (default 5)")
+    p.add_argument(
+        "--row-bytes", type=int, default=1024, help="bytes of engine row per entry, sent with the round (default 1024)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=500,
+        help="measured rounds per row (default 500); above 256 slots a row measures "
+        f"N x 256 / slots of them, at least {MIN_ROUNDS}",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="unmeasured rounds first, >= 1: the first round announces every slot (default 10)",
+    )
+    p.add_argument(
+        "--modes",
+        default=None,
+        metavar="MODE[,MODE...]",
+        help=f"rows to run, comma-separated, from {', '.join(CUDA_MODES)} (default: "
+        f"{','.join(MODES)}, plus launch with --device cuda)",
+    )
+    p.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=TIMEOUT_MS,
+        help=f"the engine rows' VLLM_DSPARK_REMOTE_TIMEOUT_MS (default {TIMEOUT_MS}: "
+        "generous, so large rounds are not timeouts)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default); cuda: also the launch row, rows on the GPU",
+    )
+    p.add_argument(
+        "--device-metadata",
+        action="store_true",
+        help="with --device cuda: the batch's metadata tensors (slots, tokens, offsets, "
+        "positions, new_gen) on the GPU too (default: on the host; row_index is always "
+        "where the rows are)",
+    )
+    p.add_argument(
+        "--drafter",
+        choices=("markov", "lm"),
+        default="markov",
+        help="the worker's drafter: the built-in Markov model (default) or the built-in tiny causal "
+        "LM (CUDA when present; the draft row then times it, and the goal is the whole round's "
+        "time)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (and nothing else) on stdout; progress stays on stderr",
+    )
+    p.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------- engine rows
+
+
+def engine_env(worker, mode: str, timeout_ms: int, stats_dir: str) -> dict[str, str]:
+    """The engine environment of an engine row against ``worker`` (a WorkerProcess)."""
+    env = {
+        "VLLM_DSPARK_REMOTE_POLICY": "capacity",
+        "VLLM_DSPARK_REMOTE_TIMEOUT_MS": str(timeout_ms),
+        "VLLM_DSPARK_REMOTE_LOG_EVERY": "0",
+        "VLLM_DSPARK_REMOTE_STATS_FILE": os.path.join(stats_dir, f"stats-{mode}.json"),
+        "VLLM_DSPARK_REMOTE_ASYNC": "0" if mode == "sync" else "1",
+    }
+    if mode != "sync":
+        env["VLLM_DSPARK_REMOTE_ASYNC_PROXY"] = mode
+    return worker.env(**env)
+
+
+@contextlib.contextmanager
+def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device: str = "cpu"):
+    """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process), closed on exit."""
+    from ...config.api import RemoteConfig
+    from ...engine import RemoteDSpark
+
+    env = engine_env(worker, mode, opts.timeout_ms, stats_dir)
+    rd = RemoteDSpark(
+        RemoteConfig.from_env(env),
+        num_spec=opts.num_spec,
+        max_slots=slots,
+        row_bytes=opts.row_bytes,
+        device=device,
+        environ=env,
+    )
+    try:
+        rd.start()
+        if rd.mode != mode:
+            raise RuntimeError(
+                f"{mode}: the engine runs {rd.mode} rounds (its async hand-off failed its self-test; see the log)"
+            )
+        yield rd
+    finally:
+        rd.close()
+
+
+def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str) -> Row:
+    """``rd.round(batch)`` rounds: wall time, the engine thread's CPU outside the wait."""
+    from collections import Counter
+
+    rounds = opts.rounds_for(slots)
+    feeder = Feeder(slots, opts.row_bytes)
+    lat, cpu, outcomes = [], [], Counter()
+    spins = mode != "sync"  # async rounds wait spinning: their wait's CPU is taken out
+    with engine(worker, opts, mode, slots, stats_dir) as rd:
+        for i in range(opts.warmup + rounds):
+            batch = feeder.next_batch()
+            w0 = rd.wait_cpu_s if spins else 0.0
+            c0 = time.thread_time_ns()
+            t0 = time.perf_counter_ns()
+            out = rd.round(batch)
+            t1 = time.perf_counter_ns()
+            c1 = time.thread_time_ns()
+            w1 = rd.wait_cpu_s if spins else 0.0
+            feeder.after(out)
+            if i >= opts.warmup:
+                lat.append(t1 - t0)
+                cpu.append(max(0, (c1 - c0) - round((w1 - w0) * 1e9)))
+                outcomes[out.outcome.label] += 1
+    not_ok = rounds - outcomes["ok"]
+    return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes))
+
+
+def launch_row(worker, opts: Options, slots: int, stats_dir: str) -> Row:
+    """``rd.launch(batch)`` on CUDA, process mode: the time until the stream holds the
+    drafts (CUDA events around ``launch()``, recorded on an idle stream) and the CPU inside
+    ``launch()``. The stream is synchronized after every round, outside the figures."""
+    import torch
+
+    rounds = opts.rounds_for(slots)
+    feeder = Feeder(slots, opts.row_bytes, device="cuda", metadata_device="cuda" if opts.device_metadata else "cpu")
+    stream = torch.cuda.current_stream()
+    pairs, cpu, wall = [], [], []
+    with engine(worker, opts, "process", slots, stats_dir, device="cuda") as rd:
+        for i in range(opts.warmup + rounds):
+            batch = feeder.next_batch()
+            stream.synchronize()
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter_ns()
+            c0 = time.thread_time_ns()
+            ev0.record(stream)
+            launched = rd.launch(batch)
+            ev1.record(stream)
+            c1 = time.thread_time_ns()
+            t1 = time.perf_counter_ns()
+            stream.synchronize()
+            feeder.after(launched)
+            if i >= opts.warmup:
+                pairs.append((ev0, ev1))
+                cpu.append(c1 - c0)
+                wall.append(t1 - t0)
+        counted = rd.stats().rounds  # launched rounds are counted once collected
+    lat = [int(a.elapsed_time(b) * 1e6) for a, b in pairs]
+    outcomes = {o.label: n for o, n in counted.items() if n}
+    not_ok = sum(counted.values()) - outcomes.get("ok", 0)
+    return Row(
+        "launch",
+        slots,
+        rounds,
+        lat,
+        cpu,
+        not_ok,
+        outcomes,
+        extra={
+            "launch_wall_p50_ms": ns_to_ms(pct(wall, 0.5)),
+            "launch_wall_p99_ms": ns_to_ms(pct(wall, 0.99)),
+            "launch_cpu_p99_ms": ns_to_ms(pct(cpu, 0.99)),
+            "outcomes_over": "every launched round, warm-up included",
+        },
+    )
+
+
+# --------------------------------------------------------------------------- the drafter
+
+
+def draft_row(opts: Options, slots: int) -> Row:
+    """``MarkovDrafter(builtin_model()).draft_batch`` (or the built-in model drafter's,
+    ``--drafter lm``: no cache, every context encoded) on ``slots`` contexts of 64 tokens,
+    rotating through DRAFT_BATCHES batches of different contexts."""
+    import numpy as np
+
+    from ...drafter.contract import DraftBatch
+    from ...drafter.markov import MarkovDrafter, builtin_model
+
+    if opts.drafter == "lm":
+        from ...drafter.lm import builtin_drafter
+
+        drafter = builtin_drafter()
+    else:
+        drafter = MarkovDrafter(builtin_model())
+    text = np.asarray(synthetic_text(2), dtype=np.int32)
+    rng = np.random.default_rng(2)
+    k, n = opts.num_spec, slots
+    offsets = np.arange(0, (n + 1) * CONTEXT_TOKENS, CONTEXT_TOKENS, dtype=np.int64)
+    rows = np.zeros((n, opts.row_bytes), dtype=np.uint8)
+    n_out = np.full(n, k, dtype=np.int32)
+    batches = []
+    for _ in range(DRAFT_BATCHES):
+        start = rng.integers(0, len(text), n, dtype=np.int64)
+        at = (start[:, None] + np.arange(CONTEXT_TOKENS, dtype=np.int64)[None, :]).ravel() % len(text)
+        batches.append(
+            DraftBatch(
+                tokens=np.ascontiguousarray(text[at]),
+                offsets=offsets,
+                n_out=n_out,
+                rows=rows,
+                want_margin=False,
+                width=k,
+            )
+        )
+    rounds = opts.rounds_for(slots)
+    lat = []
+    for i in range(opts.warmup + rounds):
+        b = batches[i % DRAFT_BATCHES]
+        t0 = time.perf_counter_ns()
+        drafter.draft_batch(b)
+        t1 = time.perf_counter_ns()
+        if i >= opts.warmup:
+            lat.append(t1 - t0)
+    return Row("draft", slots, rounds, lat)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(args) -> int:
+    opts = options(args)  # every argument checked before anything starts
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here")
+    rows = run_all(opts)
+    report = make_report(opts, rows)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
+
+
+def run_all(opts: Options) -> list[Row]:
+    """Every row of ``opts.modes`` at every slot count; every child ended before returning."""
+    from ...progress import Progress
+
+    plan = [(s, m) for s in opts.slots for m in opts.modes]
+    rows: list[Row] = []
+    bar = Progress(len(plan), "round rows")
+    with contextlib.ExitStack() as stack:
+        worker = None
+        stats_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="remote-dspark-bench-round."))
+        if any(m in ENGINE_MODES or m == "launch" for m in opts.modes):
+            from ...demo.harness import WorkerProcess, worker_limits
+
+            drafter = ("--drafter", "lm") if opts.drafter == "lm" else ()
+            worker = stack.enter_context(
+                WorkerProcess(extra=(*worker_limits(max(opts.slots), opts.row_bytes), *drafter))
+            )
+        for i, (slots, mode) in enumerate(plan):
+            bar.update(i, f"{mode} {slots} slots")
+            if mode == "floor":
+                rows.append(floor_row(opts, slots))
+            elif mode == "draft":
+                rows.append(draft_row(opts, slots))
+            elif mode == "launch":
+                rows.append(launch_row(worker, opts, slots, stats_dir))
+            else:
+                rows.append(engine_row(worker, opts, mode, slots, stats_dir))
+        bar.update(len(plan))
+    return rows

@@ -1,0 +1,133 @@
+"""``remote-dspark check-config``: validate this process's environment as the engine would.
+
+It runs the same checks as engine startup (:meth:`RemoteConfig.from_env` and the
+transport's readiness check, so an ofl endpoint needs its library directory) and prints
+every variable of the contract with its resolved value and where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .. import transport
+from ..config.api import RemoteConfig, apply_cost_overrides, describe, n_out_table
+
+_DESCRIPTION = """\
+Check the VLLM_DSPARK_REMOTE* environment exactly as engine startup does: every value
+is parsed and validated, cross-field rules are applied, and an o1tcp:// or o1rdma://
+endpoint must find ofl.py and libofl.so in VLLM_DSPARK_REMOTE_OFL_DIR. Prints each
+variable with its resolved value (identities in hex, values spelled as the environment
+would; '-' = unset) and its source (env or default), then derived values. Exits 0 when
+the configuration would start, 2 with the reason on stderr when it would not.
+
+Given the engine's depth-policy facts (--depth-policy, --num-spec, --depth-file,
+--dense-cap), it also shows each round's n_out by request count (and why), and the cost
+overrides the engine's apply_cost_overrides() call would write into the environment
+(nothing is written here), or why that call would refuse."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "check-config",
+        help="validate the VLLM_DSPARK_REMOTE* environment and print it",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object {variable: value, ..., "derived": {name: value}}; '
+        'values are strings as the environment spells them ("" = unset)',
+    )
+    p.add_argument(
+        "--depth-policy",
+        metavar="MODE",
+        default=None,
+        help="the engine's VLLM_DSPARK_DEPTH_POLICY mode (fixed, conf, confb, confr, ...): "
+        "show n_out by request count and the cost overrides it needs (default: off)",
+    )
+    p.add_argument(
+        "--num-spec",
+        type=int,
+        default=None,
+        help="the engine's k, drafts per entry (default 5 with the other depth options)",
+    )
+    p.add_argument("--depth-file", default=None, help="the engine's VLLM_DSPARK_DEPTH_FILE, if any")
+    p.add_argument(
+        "--dense-cap",
+        default=None,
+        metavar="C1,C2,...",
+        help="the dynamic speculation schedule by request count (index 0 unused), comma-separated, e.g. 0,5,5,4,3",
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def _depth_rows(cfg: RemoteConfig, env, args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """Derived rows for the depth policy's facts: n_out, and the cost overrides it would write.
+
+    Raises:
+        ValueError: a bad --dense-cap, or a combination apply_cost_overrides refuses.
+    """
+    if not any(v is not None for v in (args.depth_policy, args.num_spec, args.depth_file, args.dense_cap)):
+        return []
+    args.num_spec = 5 if args.num_spec is None else args.num_spec
+    if args.num_spec < 1:
+        raise ValueError(f"--num-spec={args.num_spec}: must be >= 1")
+    cap = None
+    if args.dense_cap:
+        try:
+            cap = [int(c) for c in args.dense_cap.split(",")]
+        except ValueError:
+            raise ValueError(f"--dense-cap={args.dense_cap!r}: not comma-separated integers") from None
+    table, why = n_out_table(cfg, args.num_spec, args.depth_policy or "", args.depth_file, cap)
+    rows = [
+        ("n_out", "by request count " + ",".join(map(str, table)) if table else f"all {args.num_spec}", "derived"),
+        ("n_out_reason", why, "derived"),
+    ]
+    dry = dict(env)
+    written = apply_cost_overrides(
+        cfg,
+        dry,
+        depth_policy_on=args.depth_policy is not None,
+        depth_mode=args.depth_policy,
+        num_spec=args.num_spec,
+        depth_file=args.depth_file,
+    )
+    rows.append(("cost_overrides", " ".join(f"{k}={v}" for k, v in written.items()) or "none", "derived"))
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    env = os.environ
+    try:
+        cfg = RemoteConfig.from_env(env)
+        transport.check_ready(cfg.endpoint, env)
+    except ValueError as e:
+        print(f"check-config: {e}", file=sys.stderr)
+        return 2
+    for warning in cfg.warnings():
+        print(f"check-config: warning: {warning}", file=sys.stderr)
+    rows = describe(cfg, env)
+    try:
+        rows += _depth_rows(cfg, env, args)
+    except ValueError as e:
+        print(f"check-config: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {name: value for name, value, source in rows if source != "derived"}
+        out["derived"] = {name: value for name, value, source in rows if source == "derived"}
+        print(json.dumps(out, indent=2))
+    else:
+        print(
+            _table([("VARIABLE", "VALUE", "SOURCE")] + [(name, value or "-", source) for name, value, source in rows])
+        )
+    return 0
+
+
+def _table(rows: list[tuple[str, str, str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows)

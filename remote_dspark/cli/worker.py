@@ -1,0 +1,244 @@
+"""``remote-dspark worker``: run the reference remote drafter."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from .. import wire
+from ..worker.drafters import load_drafter
+from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, TOKENS_PER_SLOT, Limits
+from ..worker.server import DEFAULT_LISTEN, Worker, parse_listen
+from ..worker.sessions import RECENT_S
+
+_DEFAULT_ROUND_BYTES = Limits().max_round_bytes
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="run the reference remote drafter (tcp://) on loopback",
+        description="Serve drafts over the wire contract. Prints the drafter and Markov "
+        "identities at start: copy them into the engine's VLLM_DSPARK_REMOTE_IDENTITY "
+        "and VLLM_DSPARK_REMOTE_MARKOV_IDENTITY. Stops cleanly on SIGTERM or Ctrl-C.",
+    )
+    p.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"address to listen on (default {DEFAULT_LISTEN}; only loopback unless you say otherwise)",
+    )
+    p.add_argument("--markov", metavar="FILE", help="Markov cache file (default: the built-in model)")
+    p.add_argument(
+        "--drafter",
+        metavar="markov|lm|MODULE:FACTORY",
+        help="markov (the default), lm (the built-in torch model, see 'model drafters' below), or "
+        "FACTORY() from MODULE (imported by name from sys.path): an object with draft_batch(batch) "
+        "(one call per round, remote_dspark/drafter.py) or, the slow path, "
+        "draft(context, n_out, row) per entry",
+    )
+    p.add_argument("--identity", metavar="HEX64", help="drafter identity to require (default: derived from the model)")
+    p.add_argument("--window", type=int, default=64, help="tokens kept per slot (default 64)")
+    lim = p.add_argument_group(
+        "limits",
+        "This worker's own limits: a HELLO beyond them is refused with the reason, and after HELLO "
+        "every frame is capped by the smaller of these and what the session's HELLO allows. The "
+        "defaults serve a real engine with room to spare; the wire itself allows 4096 slots, 1 MiB "
+        "rows and 64 MiB frames, which no peer gets to announce into this worker's memory.",
+    )
+    lim.add_argument(
+        "--max-slots",
+        type=int,
+        default=DEFAULT_MAX_SLOTS,
+        help=f"slots one engine may announce (default {DEFAULT_MAX_SLOTS}: an engine batches "
+        f"256-1024 sequences; the wire allows {wire.MAX_ENTRIES})",
+    )
+    lim.add_argument(
+        "--max-row-bytes",
+        type=int,
+        default=DEFAULT_MAX_ROW_BYTES,
+        help=f"bytes of engine row per slot (default {DEFAULT_MAX_ROW_BYTES}: a 4096-wide bf16 hidden state)",
+    )
+    lim.add_argument(
+        "--max-round-tokens",
+        type=int,
+        default=None,
+        help=f"tokens in one ROUND (default {TOKENS_PER_SLOT} per slot of --max-slots, "
+        f"{TOKENS_PER_SLOT * DEFAULT_MAX_SLOTS} at the default: an engine sends at most 64 "
+        "context tokens of a new slot, or num_spec + 1 accepted ones)",
+    )
+    lim.add_argument(
+        "--max-round-bytes",
+        type=int,
+        default=None,
+        help="bytes of one ROUND payload (default: the largest round of the three limits above, "
+        f"{_DEFAULT_ROUND_BYTES} bytes (8.5 MiB) at their defaults); also each served "
+        "connection's receive buffer at most",
+    )
+    adm = p.add_argument_group(
+        "admission",
+        "Until it says HELLO a connection holds no thread, only a place in a pool of its own; "
+        "the oldest makes room for a newcomer, so silent sockets never keep a HELLO out. "
+        "Served connections are never closed for idling; TCP keepalive finds dead peers.",
+    )
+    adm.add_argument(
+        "--hello-timeout-ms",
+        type=int,
+        default=2000,
+        help="a connection that has not said HELLO by then is dropped (default 2000)",
+    )
+    adm.add_argument(
+        "--max-pending",
+        type=int,
+        default=128,
+        help="connections waiting for their HELLO (default 128); when full, the oldest is dropped",
+    )
+    adm.add_argument(
+        "--max-connections",
+        type=int,
+        default=32,
+        help="connections served at once, a thread each (default 32); a HELLO beyond them is refused busy",
+    )
+    adm.add_argument(
+        "--max-engines",
+        type=int,
+        default=32,
+        help="engines with windows (default 32); a newcomer evicts the least recently served "
+        f"one, unless that one was served within the last {RECENT_S:g} s: then it is "
+        "refused busy",
+    )
+    adm.add_argument(
+        "--frame-timeout-ms",
+        type=int,
+        default=10000,
+        help="a frame, once its header is in, must be whole by then (default 10000)",
+    )
+    lm = p.add_argument_group(
+        "model drafters",
+        "Greedy drafts from a causal LM in torch (the lm extra; transformers for --hf-model: the "
+        "hf extra). Their Markov identity is zeros; the drafter identity is the model's sha256.",
+    )
+    lm.add_argument(
+        "--hf-model",
+        metavar="DIR",
+        help="draft with the transformers causal LM saved in this local directory (never downloaded); "
+        "each round re-encodes every window",
+    )
+    lm.add_argument(
+        "--lm-device",
+        default="auto",
+        metavar="{auto,cpu,cuda}",
+        help="where the model runs (default auto: CUDA in bf16 when present, else CPU in float32)",
+    )
+    lm.add_argument(
+        "--lm-cache-slots",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="--drafter lm (not --hf-model, which re-encodes every window each round): streams whose KV "
+        "cache is kept across rounds (default 1024; the least "
+        "recently used is dropped beyond; 0: none). Preallocated: N x 147456 bytes in float32 "
+        "at the default --window 64 (rows of 2 x window + 16 tokens)",
+    )
+    p.add_argument(
+        "--chaos",
+        action="store_true",
+        help="fault injection for chaos runs: SIGUSR1 toggles answering every round "
+        "--late-ms late, SIGUSR2 garbles the next reply",
+    )
+    p.add_argument("--late-ms", type=int, default=200, help="the delay SIGUSR1 switches on (default 200)")
+    mon = p.add_argument_group(
+        "metrics",
+        "/metrics (Prometheus), /healthz and /readyz on a small HTTP server of their own; needs "
+        "prometheus_client (the worker extra). Off unless --metrics-port is given.",
+    )
+    mon.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve them on PORT (0: any free port; the address is printed at start)",
+    )
+    mon.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address to serve them on (default 127.0.0.1: only loopback unless you say otherwise)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    host, port = parse_listen(args.listen)
+    for name in (
+        "window",
+        "max_slots",
+        "max_connections",
+        "max_engines",
+        "max_pending",
+        "hello_timeout_ms",
+        "frame_timeout_ms",
+    ):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    identity = wire.parse_hex32(args.identity, "--identity") if args.identity else None
+    drafter = load_drafter(
+        args.drafter,
+        args.markov,
+        identity,
+        hf_model=args.hf_model,
+        lm_device=args.lm_device,
+        lm_cache_slots=args.lm_cache_slots,
+        window=args.window,
+    )
+    worker = Worker(
+        drafter,
+        host,
+        port,
+        window=args.window,
+        max_slots=args.max_slots,
+        max_row_bytes=args.max_row_bytes,
+        max_round_tokens=args.max_round_tokens,
+        max_round_bytes=args.max_round_bytes,
+        max_connections=args.max_connections,
+        max_engines=args.max_engines,
+        max_pending=args.max_pending,
+        hello_timeout_s=args.hello_timeout_ms / 1000,
+        frame_timeout_s=args.frame_timeout_ms / 1000,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+    )
+    if args.chaos:  # before the first line: a chaos driver signals as soon as it reads it
+
+        def toggle_late(*_):
+            worker.reply_delay_s = 0.0 if worker.reply_delay_s else args.late_ms / 1000.0
+
+        def garble(*_):
+            worker.garble += 1
+
+        signal.signal(signal.SIGUSR1, toggle_late)
+        signal.signal(signal.SIGUSR2, garble)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    worker.start()
+    print(f"remote-dspark worker listening on tcp://{host}:{worker.port}", flush=True)
+    print(f"  VLLM_DSPARK_REMOTE_IDENTITY={drafter.drafter_identity.hex()}", flush=True)
+    print(f"  VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={drafter.markov_identity.hex()}", flush=True)
+    if args.metrics_port is not None:  # after the identities: harness.WorkerProcess reads those three lines first
+        mhost = f"[{worker.metrics_host}]" if ":" in worker.metrics_host else worker.metrics_host
+        print(f"  metrics on http://{mhost}:{worker.metrics_port}/metrics (and /healthz, /readyz)", flush=True)
+    done.wait()
+    worker.stop()
+    s = worker.stats
+    print(
+        f"worker stopped: {s.connections} connections, {s.rounds} rounds, {s.draft_tokens} draft tokens, "
+        f"{s.refused} refused, {s.busy} busy, {s.evicted} evicted, {s.bad_frames} bad frames, "
+        f"{s.stalled} stalled, {s.hello_timeouts} without HELLO, {s.displaced} displaced",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,19 @@
+"""The environment contract, engine side: :class:`RemoteConfig` (:mod:`.api`: every
+variable read and checked at once, the cross-field rules, the depth policy's inputs)
+over the variables' table (:mod:`.env`: each variable's name, default and parsing)."""
+
+from .api import RemoteConfig, apply_cost_overrides, describe, n_out_table
+from .env import ENV_ENDPOINT, ENV_MARKOV_CACHE, POLICIES, VARIABLES, markov_identity_from_env, remote_requested
+
+__all__ = [
+    "ENV_ENDPOINT",
+    "ENV_MARKOV_CACHE",
+    "POLICIES",
+    "VARIABLES",
+    "RemoteConfig",
+    "apply_cost_overrides",
+    "describe",
+    "markov_identity_from_env",
+    "n_out_table",
+    "remote_requested",
+]

@@ -1,0 +1,204 @@
+"""A simulated engine on torch CPU over :class:`RemoteDSpark`, and the reference worker
+as a child process: what the demo, the chaos command and the benchmarks drive.
+
+:class:`DemoEngine` turns :class:`~remote_dspark.sim.SimEngine`'s slots into batches
+(rows are a real engine tensor), runs ``RemoteDSpark.round``, verifies the drafts
+against the target, reports accepted tokens per position and re-announces the slots the
+drafter lost. :class:`WorkerProcess` runs ``remote-dspark worker`` on loopback so it can
+be killed, restarted, slowed down and made to send garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine import Batch, Drafts, RemoteDSpark
+from ..outcome import Outcome
+from .sim import SimEngine
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    outcome: Outcome
+    accepted: int
+
+
+@dataclass
+class DemoEngine:
+    rd: RemoteDSpark
+    sim: SimEngine
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        n = self.sim.n_slots
+        elems = max(1, self.rd.row_bytes // 4)
+        # The engine tensor whose rows are gathered each round (hidden states, say).
+        self.hidden = torch.randn(n, elems, dtype=torch.float32)
+        self.row_index = torch.arange(n, dtype=torch.int64)
+
+    def batch(self) -> Batch:
+        """This round's batch as an engine builds it: tensors over the slots' arrays."""
+        a = self.sim.arrays()
+        return Batch(
+            slots=torch.from_numpy(a.slots),
+            tokens=torch.from_numpy(a.tokens),
+            token_offsets=torch.from_numpy(a.offsets),
+            positions=torch.from_numpy(a.positions),
+            new_gen=torch.from_numpy(a.new_gen),
+            rows=self.hidden,
+            row_index=self.row_index,
+        )
+
+    def step(self) -> Drafts:
+        batch = self.batch()
+        t0 = time.monotonic()
+        out = self.rd.round(batch)
+        seconds = time.monotonic() - t0
+        # Sent whatever the outcome: a slot the drafter did not see comes back RESYNC.
+        self.sim.mark_sent()
+        if out.resync_all:
+            self.sim.reannounce()
+        elif out.resync:
+            self.sim.reannounce(out.resync)
+        before_acc, before_off = self.sim.accepted_at.copy(), self.sim.offered_at.copy()
+        accepted = self.sim.verify(out.tokens.numpy(), out.counts.numpy())
+        self.rd.record_accepted(
+            (self.sim.accepted_at - before_acc).tolist(), (self.sim.offered_at - before_off).tolist()
+        )
+        self.steps.append(StepRecord(seconds, out.outcome, accepted))
+        return out
+
+
+START_TIMEOUT_S = 30.0
+
+
+def worker_limits(max_slots: int, row_bytes: int) -> tuple[str, ...]:
+    """``remote-dspark worker`` arguments that let an engine of ``max_slots`` slots and
+    ``row_bytes`` rows in (the worker's own limits, at least their defaults)."""
+    from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS
+
+    return (
+        "--max-slots",
+        str(max(max_slots, DEFAULT_MAX_SLOTS)),
+        "--max-row-bytes",
+        str(max(row_bytes, DEFAULT_MAX_ROW_BYTES)),
+    )
+
+
+class WorkerProcess:
+    """``remote-dspark worker --chaos`` on 127.0.0.1, as a child process.
+
+    Raises (at start): RuntimeError with the worker's stderr when it does not come up.
+    """
+
+    def __init__(self, port: int = 0, *, late_ms: int = 200, extra: tuple[str, ...] = ()):
+        self.port = port
+        self.late_ms = late_ms
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+        self.identity = ""
+        self.markov_identity = ""
+        self._lock = threading.RLock()  # a signal never reaches a worker that is starting
+        self.start()
+
+    def start(self) -> None:
+        # The worker's log goes to a file, never a pipe nobody reads (a full pipe would
+        # block it); its tail explains a failed start.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "remote_dspark",
+                "worker",
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--chaos",
+                "--late-ms",
+                str(self.late_ms),
+                *self.extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        first = self._line()
+        if not first.startswith("remote-dspark worker listening on tcp://"):
+            self.log.seek(0)
+            why = self.log.read()[-2000:]
+            self.stop()
+            raise RuntimeError(f"the worker did not start: {why}")
+        self.port = int(first.rsplit(":", 1)[1])
+        # The identities follow the first line at once (printed together).
+        self.identity = self.proc.stdout.readline().strip().split("=", 1)[1]
+        self.markov_identity = self.proc.stdout.readline().strip().split("=", 1)[1]
+        self.proc.stdout.close()
+
+    def _line(self, timeout_s: float = START_TIMEOUT_S) -> str:
+        """The worker's first line of stdout, or "" if none comes in time."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        return self.proc.stdout.readline() if ready else ""
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        """An engine environment pointing at this worker."""
+        env = dict(os.environ)
+        env.update(
+            VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{self.port}",
+            VLLM_DSPARK_REMOTE_IDENTITY=self.identity,
+            VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=self.markov_identity,
+        )
+        env.update(overrides)
+        return env
+
+    def signal(self, sig: int) -> None:
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.send_signal(sig)
+
+    def answer_late(self) -> None:
+        """Toggle answering every round ``late_ms`` late."""
+        self.signal(signal.SIGUSR1)
+
+    def garble_next(self) -> None:
+        self.signal(signal.SIGUSR2)
+
+    def restart(self) -> None:
+        """Kill it (SIGKILL, no BYE) and start a new one on the same port."""
+        with self._lock:
+            self.kill()
+            self.start()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.log.close()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,32 @@
+"""Drafters as the worker calls them: the contract (:mod:`.contract`: one batched call
+per round, arrays in and out), the Markov drafter (:mod:`.markov`) and the torch model
+drafters (:mod:`.lm`, imported only when one is asked for)."""
+
+from .contract import (
+    BatchedDrafter,
+    CacheInfo,
+    DraftBatch,
+    DraftResult,
+    PerEntryDrafter,
+    as_batched,
+    cache_info_of,
+    check_result,
+    empty_result,
+    vocab_size_of,
+)
+from .markov import MarkovDrafter, MarkovModel
+
+__all__ = [
+    "BatchedDrafter",
+    "CacheInfo",
+    "DraftBatch",
+    "DraftResult",
+    "MarkovDrafter",
+    "MarkovModel",
+    "PerEntryDrafter",
+    "as_batched",
+    "cache_info_of",
+    "check_result",
+    "empty_result",
+    "vocab_size_of",
+]

@@ -1,0 +1,235 @@
+"""Drafters as the worker calls them: one batched call per round.
+
+The worker hands a drafter every drafting entry of a round at once, as arrays
+(:class:`DraftBatch`: the contexts as one ragged ``(tokens, offsets)`` pair, the drafts
+wanted, the engine's opaque rows) and takes back arrays (:class:`DraftResult`:
+``[n, width]`` tokens and margins, ``[n]`` counts). A neural drafter runs ``width``
+batched forward passes over all n entries, one per draft step; the Markov drafter does
+the same with array lookups (:meth:`MarkovModel.draft_batch`).
+
+Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for safety):
+
+* ``result.tokens`` is ``[n, width]`` int32, row i holds ``counts[i]`` drafts then zeros;
+* ``0 <= counts[i] <= batch.n_out[i]`` (a draft may end early: fewer is always fine);
+* ``result.margins`` is ``[n, width]`` float32 in [0, 1] (zeros past counts) when
+  ``batch.want_margin``, else it may be None. A drafter without margins returns None
+  and the worker sends zeros when they were asked for: the engine refuses a DRAFTS whose
+  margins section is not exactly what its HELLO asked (``engine.reply``);
+* draft token ids are in ``0..vocab_size-1`` of the engine (its HELLO says the size).
+
+A drafter that keeps state per slot across rounds (a KV cache) keys it by the stream
+the batch names (``session``, ``slots``, ``gens``, ``lengths``) and may report it with
+``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics).
+
+A drafter may say its vocabulary size (``vocab_size``: its largest token id + 1; an
+optional attribute, None or 0 when unknown, read with :func:`vocab_size_of`): the worker
+refuses the HELLO of an engine whose vocabulary is smaller, since its drafts could name
+tokens the engine does not have (a drafter may have the smaller vocabulary of the same
+tokenizer). It may also say the most drafts per entry it can make (``max_width``, an
+optional int): the worker refuses a HELLO whose ``num_spec`` is over it, so that no round
+fails for its width.
+
+A per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens, margins)``)
+is served through :class:`PerEntryDrafter`, the slow path: one Python call per entry.
+:func:`as_batched` picks the path for any drafter. The worker builds the drafter its
+flags name (:mod:`remote_dspark.worker.drafters`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the arrays are numpy's; the functions that make them import it, so
+    import numpy as np  # this package (and the Markov model) imports without numpy
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """One round's drafting entries (those the worker has a window for), entry order.
+
+    Invariants: ``offsets[0] == 0``, non-decreasing, ``offsets[n] == len(tokens)``;
+    ``0 <= n_out[i] <= width``; ``rows`` is ``[n, row_bytes]``.
+    """
+
+    tokens: np.ndarray  # [T] int32: each entry's context (its last ``window`` tokens), flat
+    offsets: np.ndarray  # [n + 1] int64: entry i's context is tokens[offsets[i]:offsets[i + 1]]
+    n_out: np.ndarray  # [n] int32, drafts wanted (0..width)
+    rows: np.ndarray  # [n, row_bytes] uint8, the engine's opaque rows
+    want_margin: bool
+    width: int  # k: the result's second dimension
+    # Where each context comes from, for drafters that keep state per slot across rounds
+    # (a KV cache: remote_dspark.drafter.lm). A slot's stream is (session, slots[i], gens[i]): the
+    # worker never reuses a session number, and bumps a slot's generation at every
+    # NEW_GEN, so within one stream tokens are only ever appended. ``lengths[i]`` is how
+    # many tokens the stream has had (>= the context, its last ``window`` of them). None
+    # when the batch was not built by a worker (benchmarks, tests): no state to reuse.
+    session: int = 0
+    slots: np.ndarray | None = None  # [n] int64
+    gens: np.ndarray | None = None  # [n] int64
+    lengths: np.ndarray | None = None  # [n] int64
+
+    def __len__(self) -> int:
+        return len(self.n_out)
+
+    def context(self, i: int) -> np.ndarray:
+        """Entry i's context (the slow per-entry view: adapters and tests)."""
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    tokens: np.ndarray  # [n, width] int32, zero past counts
+    counts: np.ndarray  # [n] int32, <= n_out
+    margins: np.ndarray | None = None  # [n, width] float32, zero past counts, when want_margin
+
+
+class BatchedDrafter(Protocol):
+    """What the worker needs of a drafter: the two 32-byte identities the engine must
+    match, and one call per round. Optionally ``vocab_size`` (see the module docstring;
+    :func:`vocab_size_of` reads it)."""
+
+    drafter_identity: bytes
+    markov_identity: bytes
+
+    def draft_batch(self, batch: DraftBatch) -> DraftResult: ...
+
+
+class PerEntryDrafterLike(Protocol):
+    """The old protocol, served through :class:`PerEntryDrafter` (the slow path)."""
+
+    drafter_identity: bytes
+    markov_identity: bytes
+
+    def draft(self, context: Sequence[int], n_out: int, row: memoryview) -> tuple[list[int], list[float]]:
+        """Up to ``n_out`` tokens following ``context`` and their top1-top2 margins."""
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """A drafter's per-slot state, for the worker's metrics (optional ``cache_info()``)."""
+
+    slots: int  # streams with cached state now
+    capacity: int  # the most streams it keeps (the least recently used is dropped beyond)
+    bytes: int  # memory the cache holds
+    hits: int  # entries drafted from cached state (monotonic)
+    misses: int  # entries that encoded their whole context (monotonic)
+
+
+def cache_info_of(drafter) -> CacheInfo | None:
+    """``drafter.cache_info()`` when it keeps per-slot state, else None."""
+    info = getattr(drafter, "cache_info", None)
+    return info() if callable(info) else None
+
+
+def vocab_size_of(drafter) -> int:
+    """``drafter``'s vocabulary size (its optional ``vocab_size``), 0 when it does not say.
+
+    Raises:
+        ValueError: a ``vocab_size`` that is not a non-negative int.
+    """
+    size = getattr(drafter, "vocab_size", None)
+    if size is None:
+        return 0
+    if not isinstance(size, int) or size < 0:
+        raise ValueError(f"drafter vocab_size {size!r}: expected a non-negative int or None")
+    return size
+
+
+def empty_result(n: int, width: int, want_margin: bool) -> DraftResult:
+    """No drafts for n entries (zeros of the right shapes)."""
+    import numpy as np
+
+    return DraftResult(
+        np.zeros((n, width), np.int32), np.zeros(n, np.int32), np.zeros((n, width), np.float32) if want_margin else None
+    )
+
+
+class PerEntryDrafter:
+    """A per-entry drafter behind the batched protocol: the slow path, one Python call of
+    ``drafter.draft(context, n_out, row)`` per entry (``context`` a list of ints, ``row``
+    a memoryview of the entry's row bytes). Returned drafts are cut to ``n_out``; missing
+    margins are zeros."""
+
+    def __init__(self, drafter: PerEntryDrafterLike):
+        self.inner = drafter
+        self.drafter_identity = drafter.drafter_identity
+        self.markov_identity = drafter.markov_identity
+        self.vocab_size = getattr(drafter, "vocab_size", None)
+
+    def draft_batch(self, batch: DraftBatch) -> DraftResult:
+        out = empty_result(len(batch), batch.width, batch.want_margin)
+        n_out = batch.n_out.tolist()
+        for i in range(len(batch)):  # the slow path: a loop over entries, by design
+            tokens, margins = self.inner.draft(batch.context(i).tolist(), n_out[i], batch.rows[i].data)
+            tokens = list(tokens)[: n_out[i]]
+            out.tokens[i, : len(tokens)] = tokens
+            out.counts[i] = len(tokens)
+            if out.margins is not None:
+                margins = list(margins)[: len(tokens)]
+                out.margins[i, : len(margins)] = margins
+        return out
+
+
+def as_batched(drafter) -> BatchedDrafter:
+    """``drafter`` itself when it has ``draft_batch``, else :class:`PerEntryDrafter`
+    around its ``draft``.
+
+    A class whose ``draft`` is defined below (in a subclass of) the class defining its
+    ``draft_batch`` goes through ``draft``: a subclass that overrides only the per-entry
+    method (a test drafter that gates or alters drafts) is never silently bypassed.
+
+    Raises:
+        TypeError: the object has neither method.
+    """
+    if isinstance(drafter, PerEntryDrafter):
+        return drafter
+    has_draft = callable(getattr(drafter, "draft", None))
+    if callable(getattr(drafter, "draft_batch", None)):
+        if not (has_draft and _defined_below(type(drafter), "draft", "draft_batch")):
+            return drafter
+    if has_draft:
+        return PerEntryDrafter(drafter)
+    raise TypeError(f"{type(drafter).__name__} has neither draft_batch(batch) nor draft(context, n_out, row)")
+
+
+def _defined_below(cls: type, name: str, other: str) -> bool:
+    """True when the class defining ``name`` is a strict subclass of the one defining
+    ``other`` (both looked up along the MRO)."""
+    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+    other_owner = next((c for c in cls.__mro__ if other in vars(c)), None)
+    return owner is not None and other_owner is not None and owner is not other_owner and issubclass(owner, other_owner)
+
+
+def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
+    """The drafter's answer, held to the contract: shapes checked; counts clamped to
+    0..n_out; tokens and margins zeroed past counts (so a sloppy drafter cannot put
+    junk on the wire). Margins are None unless the batch asked for them, and present
+    when it did (zeros from a drafter that has none to give: the engine refuses a reply
+    whose margins section is not what it asked for).
+
+    Raises:
+        ValueError: naming the field whose shape is wrong.
+    """
+    import numpy as np
+
+    n, width = len(batch), batch.width
+    tokens, counts, margins = np.asarray(result.tokens), np.asarray(result.counts), result.margins
+    if tokens.shape != (n, width):
+        raise ValueError(f"drafter result tokens: shape {tokens.shape}, expected {(n, width)}")
+    if counts.shape != (n,):
+        raise ValueError(f"drafter result counts: shape {counts.shape}, expected {(n,)}")
+    counts = np.clip(counts, 0, batch.n_out).astype(np.int32)
+    live = np.arange(width) < counts[:, None]
+    tokens = np.where(live, tokens, 0).astype(np.int32, copy=False)
+    if batch.want_margin and margins is not None:
+        margins = np.asarray(margins)
+        if margins.shape != (n, width):
+            raise ValueError(f"drafter result margins: shape {margins.shape}, expected {(n, width)}")
+        margins = np.where(live, margins, 0).astype(np.float32, copy=False)
+    elif batch.want_margin:
+        margins = np.zeros((n, width), np.float32)
+    else:
+        margins = None
+    return DraftResult(tokens, counts, margins)

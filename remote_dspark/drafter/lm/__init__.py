@@ -1,0 +1,27 @@
+"""Model drafters for the worker (issue 16): torch, imported only when asked for.
+
+* :func:`builtin_drafter` (``remote-dspark worker --drafter lm``): the tiny built-in
+  transformer (:mod:`.model`) behind the batched drafter with its per-stream KV cache
+  (:mod:`.drafter`, :mod:`.cache`);
+* :func:`hf_drafter` (``--hf-model DIR``): a transformers causal LM from a local
+  directory (:mod:`.hf`; the ``hf`` extra).
+
+``import remote_dspark`` and the Markov worker never import this package: the worker's
+``load_drafter`` imports it by name for these drafters only.
+"""
+
+from __future__ import annotations
+
+
+def builtin_drafter(device: str | None = None, cache_slots: int = 1024, window: int = 64):
+    """The built-in model's :class:`~remote_dspark.drafter.lm.drafter.LMDrafter`."""
+    from .drafter import LMDrafter
+
+    return LMDrafter(device=device, cache_slots=cache_slots, window=window)
+
+
+def hf_drafter(model_dir: str, device: str | None = None, window: int = 64):
+    """A :class:`~remote_dspark.drafter.lm.hf.HFDrafter` of the transformers model in ``model_dir``."""
+    from .hf import load_hf
+
+    return load_hf(model_dir, device, window)

@@ -1,0 +1,191 @@
+"""The model drafter's KV cache: one preallocated pool, a row per stream, kept across rounds.
+
+Layout (one tensor on the model's device, in its dtype)::
+
+    pool  [capacity, layers, 2 (K, V), heads, max_tokens, head_dim]
+
+so its memory is fixed at start: ``capacity x layers x 2 x heads x max_tokens x head_dim
+x dtype bytes`` (the built-in model, 1024 rows of 144 tokens: 151 MB in float32, 75 MB in
+bf16). Per row, in arrays indexed by row (no object per stream)::
+
+    owner_session, owner_slot  the stream's key (session -1: the row is free)
+    gen        the slot's generation when cached (-1: matches nothing)
+    length     tokens the stream had when cached
+    fill       positions of the row in use: the stream's last ``fill`` tokens up to
+               ``length``, at positions 0..fill-1
+    used       the round that last used it (least recently used goes first)
+
+A stream is ``(session, slot, gen)`` (:class:`remote_dspark.drafter.DraftBatch`); the
+row of ``(session, slot)`` is found through one array per session (slot -> row, -1:
+none). An entry's row is a hit iff its gen matches, ``length <= lengths[i]``, the new
+tokens ``lengths[i] - length`` are all in the context, and they fit with the round's
+drafts (``fill + new + width <= max_tokens``), and they hold at least what a re-encode
+would (``fill + new >= min(context, max_tokens - width)``: a row kept short by a wider
+round is not a hit). A hit encodes only the new tokens at
+positions ``fill...`` (with no new token it re-encodes the last one, whose logits were
+not kept); a miss re-encodes the context from position 0, its last ``max_tokens -
+width`` tokens at most. A stream that outgrows its row is thus re-encoded from its
+current window: while a stream fits the worker's window the cache equals re-encoding,
+and past it a row drafts from up to ``max_tokens`` tokens of history. Draft tokens are
+written into the row during a round but never counted in ``fill``.
+
+Not thread-safe: the drafter holds its lock around :meth:`SlotCache.plan` and the round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..contract import CacheInfo
+
+_KEEP = np.iinfo(np.int64).max  # a row in use this round: never chosen for a newcomer
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a round encodes, per entry (entry order)."""
+
+    rows: np.ndarray  # [n] int64: the entry's pool row, -1: none (no cache, or no room)
+    base: np.ndarray  # [n] int64: positions kept from the row (0: encode from position 0)
+    take: np.ndarray  # [n] int64: tokens to encode, the context's last ``take``
+    hit: np.ndarray  # [n] bool: drafted from cached state
+
+
+def uncached_plan(ctx_lens: np.ndarray, width: int, max_tokens: int) -> Plan:
+    """Every entry re-encoded from position 0 (a batch with no stream names)."""
+    n = len(ctx_lens)
+    return Plan(
+        np.full(n, -1, np.int64),
+        np.zeros(n, np.int64),
+        np.minimum(ctx_lens, max_tokens - width).astype(np.int64),
+        np.zeros(n, bool),
+    )
+
+
+class SlotCache:
+    """The pool and its rows' bookkeeping (module docstring).
+
+    Invariants: a row is owned by at most one ``(session, slot)`` and that session's map
+    names it, and only it; ``0 <= fill <= max_tokens``.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        max_tokens: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        if capacity < 1 or max_tokens < 2:
+            raise ValueError(f"cache capacity {capacity}, max_tokens {max_tokens}: must be >= 1 and >= 2")
+        self.capacity, self.max_tokens = capacity, max_tokens
+        self.pool = torch.zeros((capacity, layers, 2, heads, max_tokens, head_dim), device=device, dtype=dtype)
+        self.owner_session = np.full(capacity, -1, np.int64)
+        self.owner_slot = np.zeros(capacity, np.int64)
+        self.gen = np.full(capacity, -1, np.int64)
+        self.length = np.zeros(capacity, np.int64)
+        self.fill = np.zeros(capacity, np.int64)
+        self.used = np.full(capacity, -1, np.int64)
+        self._maps: dict[int, np.ndarray] = {}  # session -> [slots] row of each slot, -1: none
+        self._tick = 0
+        self.hits = self.misses = 0
+
+    def info(self) -> CacheInfo:
+        return CacheInfo(
+            int(np.count_nonzero((self.owner_session >= 0) & (self.gen >= 0))),  # rows with usable state
+            self.capacity,
+            self.pool.numel() * self.pool.element_size(),
+            self.hits,
+            self.misses,
+        )
+
+    def plan(
+        self, session: int, slots: np.ndarray, gens: np.ndarray, lengths: np.ndarray, ctx_lens: np.ndarray, width: int
+    ) -> Plan:
+        """Rows for a round's entries (a row per stream, the least recently used given to
+        newcomers) and what each must encode; the rows' bookkeeping is set to the state
+        after the round (:meth:`forget` undoes it for a round that failed).
+
+        Args: the batch's stream fields and each context's length (int64 arrays), the
+            round's width (< max_tokens).
+        """
+        self._tick += 1
+        rows = self._rows_of(session, slots)
+        ok = rows >= 0
+        r = rows[ok]
+        new = lengths[ok] - self.length[r]
+        ok_r = (
+            (self.gen[r] == gens[ok])
+            & (new >= 0)
+            & (new <= ctx_lens[ok])
+            & (self.fill[r] > 0)
+            & (self.fill[r] + np.maximum(new, 1) + width <= self.max_tokens)
+            # at least what re-encoding would encode (a row kept short by a wider round)
+            & (self.fill[r] + new >= np.minimum(ctx_lens[ok], self.max_tokens - width))
+        )
+        hit = np.zeros(len(rows), bool)
+        hit[ok] = ok_r
+        base = np.zeros(len(rows), np.int64)
+        take = np.minimum(ctx_lens, self.max_tokens - width).astype(np.int64)
+        h, rh, nh = np.flatnonzero(hit), r[ok_r], new[ok_r]
+        base[h] = self.fill[rh] - (nh == 0)  # no new token: the last one again (its logits)
+        take[h] = np.maximum(nh, 1)
+        have = rows >= 0
+        self.gen[rows[have]] = np.where(ctx_lens[have] > 0, gens[have], -1)
+        self.length[rows[have]] = lengths[have]
+        self.fill[rows[have]] = base[have] + take[have]
+        self.used[rows[have]] = self._tick
+        n_hit = len(h)
+        self.hits += n_hit
+        self.misses += len(rows) - n_hit
+        return Plan(rows, base, take, hit)
+
+    def forget(self, rows: np.ndarray) -> None:
+        """The rows' cached state is not to be used (a round that failed midway)."""
+        self.gen[rows[rows >= 0]] = -1
+
+    def _rows_of(self, session: int, slots: np.ndarray) -> np.ndarray:
+        """Each slot's row, newcomers given free or least recently used rows (not one
+        used by this round); -1 for those left without (more entries than rows)."""
+        m = self._maps.get(session)
+        top = int(slots.max()) + 1 if len(slots) else 0
+        if m is None or len(m) < top:
+            grown = np.full(max(top, 2 * len(m) if m is not None else 16), -1, np.int64)
+            if m is not None:
+                grown[: len(m)] = m
+            m = self._maps[session] = grown
+        rows = m[slots]
+        need = np.flatnonzero(rows < 0)
+        if not len(need):
+            return rows
+        key = self.used.copy()
+        key[rows[rows >= 0]] = _KEEP
+        got = np.argsort(key, kind="stable")[: len(need)]
+        got = got[key[got] != _KEEP]
+        self._evict(got)
+        self._maps[session] = m  # again: _evict drops a map it empties, this one included
+        need = need[: len(got)]
+        self.owner_session[got] = session
+        self.owner_slot[got] = slots[need]
+        self.gen[got] = -1
+        m[slots[need]] = got
+        rows[need] = got
+        return rows
+
+    def _evict(self, got: np.ndarray) -> None:
+        """Drop the rows' old owners from their sessions' maps (a loop over the few
+        distinct sessions among them), and a map left empty with them."""
+        owned = got[self.owner_session[got] >= 0]
+        for s in np.unique(self.owner_session[owned]).tolist():
+            old = owned[self.owner_session[owned] == s]
+            m = self._maps[s]
+            m[self.owner_slot[old]] = -1
+            if not (m >= 0).any():
+                del self._maps[s]
+        self.owner_session[got] = -1

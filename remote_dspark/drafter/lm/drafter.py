@@ -1,0 +1,227 @@
+"""The batched model drafter: greedy drafts from a causal LM, with a KV cache per stream.
+
+One round (:meth:`LMDrafter.draft_batch`) is, for its n entries at once:
+
+1. a plan (:meth:`remote_dspark.drafter.lm.cache.SlotCache.plan`, numpy): each entry's pool row,
+   the positions kept from it and the tokens to encode (all of a context on a miss, the
+   new ones on a hit);
+2. one host-to-device copy of every integer the round needs (padded tokens, positions,
+   rows), packed into one array;
+3. a working KV buffer ``[n, layers, 2, heads, T, head_dim]`` filled from the hit rows
+   (one gather), one forward over the padded ragged batch, then ``width - 1`` batched
+   greedy steps (one forward over all n entries each), the drafts' K/V written into the
+   buffer as they go;
+4. the encoded rows written back to the pool (one scatter; positions past each row's
+   ``fill``, the drafts', are dead) and one device-to-host copy of tokens and margins.
+
+No Python loop over entries: the loops are over draft steps and layers. Margins are the
+softmax's top1 - top2 (float32). On CUDA the model and the pool are bf16, on CPU float32.
+
+Threads: the worker serves each engine's connection on its own thread, and all of them
+share one drafter; a lock serializes rounds (a GPU runs them one after another anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import torch
+
+from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
+from .cache import Plan, SlotCache, uncached_plan
+from .graphs import RoundGraphs, draft_steps, top2
+from .model import TinyLM
+
+MARKOV_NONE = bytes(32)  # the contract's Markov identity of a drafter without a Markov model
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    """``None``/``"auto"``: CUDA when present, else the CPU.
+
+    Raises: ValueError for CUDA asked for where there is none, or a name torch does not know.
+    """
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r}: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA device here")
+    return dev
+
+
+def greedy_result(batch: DraftBatch, ctx_lens: np.ndarray, tokens: np.ndarray, margins: np.ndarray) -> DraftResult:
+    """The round's answer from ``width`` greedy steps for every entry: ``min(n_out,
+    width)`` drafts each (none for an empty context), zeros past the counts."""
+    counts = np.where(ctx_lens > 0, np.minimum(batch.n_out, batch.width), 0).astype(np.int32)
+    live = np.arange(batch.width) < counts[:, None]
+    return DraftResult(
+        np.where(live, tokens, 0).astype(np.int32),
+        counts,
+        np.where(live, margins, 0).astype(np.float32) if batch.want_margin else None,
+    )
+
+
+class LMDrafter:
+    """Greedy drafting from a :class:`~remote_dspark.drafter.lm.model.TinyLM` (the built-in one by
+    default), batched, with a KV cache per stream kept across rounds.
+
+    Args:
+        model: the model (float32 weights: its identity is taken before any cast).
+        device: ``"auto"`` (default: CUDA when present), ``"cpu"``, ``"cuda"``...
+        cache_slots: streams cached at most (the least recently used is dropped beyond);
+            0: no cache, every round re-encodes every context.
+        window: the worker's ``--window``: ``max_tokens`` defaults to ``2 * window + 16``
+            (at most the model's positions), so a stream re-encoded from its window has
+            ``window`` more tokens of room before its next re-encode, with 16 draft
+            positions besides. ``max_width`` (``max_tokens - window``) is the widest round
+            a row holds beside a whole window: the worker refuses a HELLO whose
+            ``num_spec`` is wider.
+        max_tokens: positions of a cache row (at most the model's ``max_positions``).
+        graphs: the draft steps on static buffers, replayed as CUDA graphs on CUDA
+            (:mod:`.graphs`). None (default): on CUDA only; False: eager, the same
+            arithmetic launched op by op; True: also on the CPU (run eagerly: tests).
+    """
+
+    def __init__(
+        self,
+        model: TinyLM | None = None,
+        *,
+        device: str | torch.device | None = None,
+        cache_slots: int = 1024,
+        window: int = 64,
+        max_tokens: int | None = None,
+        graphs: bool | None = None,
+    ):
+        model = model or TinyLM()
+        c = model.config
+        if window + 16 > c.max_positions:
+            raise ValueError(
+                f"window {window} (--window): the model has {c.max_positions} positions, "
+                "for a window and 16 drafts at least"
+            )
+        self.max_tokens = max_tokens or min(2 * window + 16, c.max_positions)
+        if not window < self.max_tokens <= c.max_positions:
+            raise ValueError(
+                f"max_tokens {self.max_tokens}: must be in {window + 1}..{c.max_positions} "
+                "(more than the window; the model's positions)"
+            )
+        # The widest round a row holds beside a whole window: the worker refuses a HELLO
+        # whose num_spec is wider (worker_limits.hello_refusal), so no round fails for it.
+        self.max_width = self.max_tokens - window
+        if cache_slots < 0:
+            raise ValueError(f"cache_slots {cache_slots}: must be >= 0")
+        self.device = pick_device(device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.drafter_identity = model.identity()
+        self.markov_identity = MARKOV_NONE
+        self.vocab_size = c.vocab_size
+        self.model = model.to(self.device, self.dtype).eval()
+        self._kv_shape = (c.n_layers, 2, c.n_heads)
+        self.cache = (
+            SlotCache(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
+            if cache_slots
+            else None
+        )
+        self._graphs = (
+            RoundGraphs(self.model, self._kv_shape, self.max_tokens + 1, c.head_dim, self.device, self.dtype)
+            if graphs or (graphs is None and self.device.type == "cuda")
+            else None
+        )
+        self._lock = threading.Lock()
+
+    def cache_info(self) -> CacheInfo:
+        """The cache's streams and counts; ``bytes`` also counts the static working
+        buffers of the draft steps (:mod:`.graphs`), which grow with the largest round."""
+        with self._lock:
+            info = self.cache.info() if self.cache is not None else CacheInfo(0, 0, 0, 0, 0)
+            extra = self._graphs.nbytes() if self._graphs is not None else 0
+        return dataclasses.replace(info, bytes=info.bytes + extra)
+
+    def draft_batch(self, batch: DraftBatch) -> DraftResult:
+        """Drafts for every entry (module docstring). Raises: ValueError for a width that
+        leaves no room in a row (``width >= max_tokens``)."""
+        n, width = len(batch), batch.width
+        if n == 0 or width == 0:
+            return empty_result(n, width, batch.want_margin)
+        if width >= self.max_tokens:
+            raise ValueError(f"width {width}: no room in a {self.max_tokens}-token row (max_tokens)")
+        ctx_lens = np.diff(batch.offsets).astype(np.int64)
+        cached = self.cache is not None and batch.slots is not None
+        with self._lock, torch.inference_mode():
+            if cached:
+                plan = self.cache.plan(
+                    batch.session,
+                    np.asarray(batch.slots, np.int64),
+                    np.asarray(batch.gens, np.int64),
+                    np.asarray(batch.lengths, np.int64),
+                    ctx_lens,
+                    width,
+                )
+            else:
+                plan = uncached_plan(ctx_lens, width, self.max_tokens)
+            try:
+                tokens, margins = self._draft(batch, plan, ctx_lens > 0, width)
+            except BaseException:
+                if cached:
+                    self.cache.forget(plan.rows)
+                raise
+        return greedy_result(batch, ctx_lens, tokens, margins)
+
+    def _draft(self, batch: DraftBatch, plan: Plan, has_ctx: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        n = len(plan.take)
+        take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
+        q = int(take.max())
+        src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
+        idx = (batch.offsets[1:] - take)[:, None] + np.arange(q)
+        tok = np.where(np.arange(q) < take[:, None], src[np.clip(idx, 0, len(src) - 1)], 0)
+        hit_e = np.flatnonzero(plan.hit)
+        back_e = np.flatnonzero((plan.rows >= 0) & has_ctx)
+        pool = self.cache.pool if self.cache is not None else None
+        if self._graphs is not None:  # the round as one graph (lm.graphs)
+            out = self._graphs.run(
+                tok, plan.base, take, width, pool, (hit_e, plan.rows[hit_e]), (back_e, plan.rows[back_e])
+            )
+            return out[:, :width].astype(np.int32), out[:, width:]
+        lens = plan.base + take
+        tw = int(lens.max()) + width  # positions up to lens + width - 2, and the trash column
+        parts = [tok.ravel(), plan.base, take, hit_e, plan.rows[hit_e], back_e, plan.rows[back_e]]
+        ints = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)  # the one copy in
+        tok_d, base_d, take_d, hit_d, hit_rows, back_d, back_rows = torch.split(ints, [len(p) for p in parts])
+        tok_d = tok_d.view(n, q)
+        c = self.model.config
+        kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
+        if len(hit_e):
+            kv[hit_d, :, :, :, : tw - 1] = pool[hit_rows, :, :, :, : tw - 1]
+        steps = torch.arange(q, device=self.device)
+        valid = steps < take_d[:, None]
+        # Padding sits at position 0 (inside the model's positions, whatever the row's
+        # base) and writes its K/V to the trash column; its outputs are never read.
+        positions = torch.where(valid, base_d[:, None] + steps, 0)
+        write_pos = torch.where(valid, positions, tw - 1)
+        h = self.model.forward_kv(tok_d, positions, kv, write_pos)
+        token, margin = top2(self.model.logits(h[torch.arange(n, device=self.device), take_d - 1]))
+        toks, margins = draft_steps(self.model, token, (base_d + take_d)[:, None], kv, width - 1)
+        if len(back_e):
+            pool[back_rows, :, :, :, : tw - 1] = kv[back_d, :, :, :, : tw - 1]
+        out = torch.cat([token[:, None].float(), toks.float(), margin[:, None], margins], 1).cpu().numpy()  # one out
+        return out[:, :width].astype(np.int32), out[:, width:]
+
+    def greedy_one(self, context, n: int) -> tuple[list[int], list[float]]:
+        """The reference: ``n`` greedy tokens after ``context`` alone (no padding, no cache;
+        the whole sequence re-encoded per token) and their margins. Equal to
+        :meth:`draft_batch` up to float rounding for contexts of at most ``max_tokens -
+        width`` tokens."""
+        seq = [int(t) for t in context]
+        tokens, margins = [], []
+        with torch.inference_mode():
+            for _ in range(n):
+                x = torch.tensor([seq], dtype=torch.long, device=self.device)
+                token, margin = top2(self.model(x)[:, -1])
+                tokens.append(int(token))
+                margins.append(float(margin))
+                seq.append(tokens[-1])
+        return tokens, margins

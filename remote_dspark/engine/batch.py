@@ -1,0 +1,419 @@
+"""A round's batch as the engine holds it, and the few whole-array copies that move it.
+
+A :class:`Batch` is the engine's own layout (as vLLM's input batch): ``slots`` [n],
+``tokens`` flattened with ``token_offsets`` [n + 1] (entry i owns
+``tokens[token_offsets[i]:token_offsets[i + 1]]``, like ``query_start_loc``),
+``positions`` [n], ``new_gen`` [n], the engine tensor ``rows`` with ``row_index`` [n],
+and optionally ``n_out`` [n]. Every field is an int (or bool) tensor, on the CPU or on
+the device, or a numpy array on the host (as an engine keeps numpy views of its pinned
+CPU tensors); :meth:`Batch.from_lists` takes Python lists and converts them once (the
+slow convenience).
+
+The wire's ROUND payload is exactly these arrays laid end to end (``wire.round_sections``),
+so a round is:
+
+- host metadata: checked and cut as numpy arrays (:func:`host_meta`, vectorized; a bad
+  field is a ``ValueError`` naming it), then written with one slice assignment per
+  section into the region's descriptor or the synchronous send buffer (:func:`write_meta`);
+- metadata on the device: copied section by section into the registered descriptor in
+  stream order (``engine``), never read back by the host; the proxy checks it where it
+  lands, and a bad round is answered target-only and counted;
+- the rows: one ``np.take`` into the staging slot on the CPU (numpy's copy runs on the
+  calling thread: the engine's small copies never fan out to torch's intra-op pool and
+  compete with the proxy and the worker for cores), one gather launch on the device;
+- the answer: numpy views of the drafts slot (or of the DRAFTS payload), one copy per
+  array into the ``Drafts`` tensors (:func:`to_drafts`).
+
+No function here loops over entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import wire
+from ..outcome import Outcome
+
+CONTEXT_TOKENS = 64  # a NEW_GEN entry sends at most this many trailing context tokens
+
+assert wire.FLAG_NEW_GEN == 1  # a bool array is the flags section as it is
+U32_MAX, I32_MIN, I32_MAX = 2**32 - 1, -(2**31), 2**31 - 1
+_META_FIELDS = ("slots", "token_offsets", "positions", "new_gen", "n_out", "tokens")
+
+
+@dataclass
+class Batch:
+    """One drafting round (see the module docstring for the layout).
+
+    ``tokens`` of entry i are those it accepted since its previous round, the first at
+    ``positions[i]``; with ``new_gen[i]`` they are its whole context (positions[i] is
+    then the position of the first of them, usually 0) and only the last
+    ``CONTEXT_TOKENS`` are sent. ``rows[row_index[i]]`` is its row of the engine tensor
+    (``row_bytes`` bytes, any dtype). ``n_out[i]`` drafts are asked for (capped at
+    ``num_spec``), or the engine's n_out table's value for the batch size when None.
+    """
+
+    slots: torch.Tensor | np.ndarray
+    tokens: torch.Tensor | np.ndarray
+    token_offsets: torch.Tensor | np.ndarray
+    positions: torch.Tensor | np.ndarray
+    new_gen: torch.Tensor | np.ndarray
+    rows: torch.Tensor
+    row_index: torch.Tensor | np.ndarray
+    n_out: torch.Tensor | np.ndarray | None = None
+
+    def __post_init__(self):
+        for name in _META_FIELDS + ("row_index",):  # anything else (lists): numpy, once
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (torch.Tensor, np.ndarray)):
+                setattr(self, name, np.asarray(value, dtype=bool if name == "new_gen" else np.int64))
+
+    @classmethod
+    def from_lists(
+        cls,
+        slots: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[int],
+        new_gen: Sequence[bool],
+        rows: torch.Tensor,
+        row_index,
+        n_out: Sequence[int] | None = None,
+    ) -> Batch:
+        """A batch from per-entry Python lists (the slow convenience: it walks them once)."""
+        lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+        offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.fromiter((t for ts in tokens for t in ts), dtype=np.int64, count=int(offsets[-1]))
+        return cls(
+            np.asarray(slots, dtype=np.int64),
+            flat,
+            offsets,
+            np.asarray(positions, dtype=np.int64),
+            np.asarray(new_gen, dtype=bool),
+            rows,
+            row_index,
+            None if n_out is None else np.asarray(n_out, dtype=np.int64),
+        )
+
+    def __len__(self) -> int:
+        return int(self.slots.shape[0])
+
+    @property
+    def meta_on_device(self) -> bool:
+        """True when any metadata tensor lives on an accelerator (an engine whose
+        accepted tokens are still on the GPU)."""
+        for t in (self.slots, self.tokens, self.token_offsets, self.positions, self.new_gen, self.n_out):
+            if isinstance(t, torch.Tensor) and not t.is_cpu:
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class HostMeta:
+    """A batch's metadata on the host, checked, NEW_GEN contexts cut: the ROUND's arrays."""
+
+    slots: np.ndarray  # [n] int64
+    positions: np.ndarray  # [n] int64
+    n_out: np.ndarray | int  # [n] int64, 0..num_spec; or one value for every entry
+    new_gen: np.ndarray  # [n] bool: the wire's flags (FLAG_NEW_GEN is bit 0, so True is it)
+    offsets: np.ndarray  # [n + 1] int64
+    tokens: np.ndarray  # [T] any int dtype
+
+    @property
+    def n(self) -> int:
+        return int(self.slots.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _np(t, name: str, n: int | None) -> np.ndarray:
+    a = t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+    if a.ndim != 1 or (n is not None and a.shape[0] != n):
+        want = "1-D" if n is None else f"[{n}]"
+        raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {want}")
+    return a
+
+
+def host_meta(
+    batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int, vocab_size: int = 0
+) -> HostMeta:
+    """Check ``batch``'s metadata (on the host) and cut its NEW_GEN contexts: a few
+    whole-array operations (each costs microseconds, so the common case takes the
+    fewest: no NEW_GEN entry means no cut to compute).
+
+    ``vocab_size`` (0: unknown) bounds the token ids. Metadata on the device
+    (:func:`write_meta_in_stream`) is not read here, so it cannot be refused here: the
+    proxy's descriptor check (``check_desc`` in ``native/tcp_round.c``) refuses a round
+    with a token id outside the vocabulary instead, answering it ERROR, unsent, counted
+    ``rounds_bad_desc``.
+
+    Raises:
+        ValueError: naming the field: ``slots`` out of 0..max_slots-1 or repeated,
+            ``positions`` outside the wire's u32, ``tokens`` outside its i32 (or outside
+            0..vocab_size-1), a negative ``n_out``, ``token_offsets`` that do not run
+            from 0 to len(tokens) without going back, lengths that disagree, too many
+            tokens.
+    """
+    slots = _np(batch.slots, "slots", None).astype(np.int64, copy=False)
+    n = slots.shape[0]
+    if n > max_slots:
+        raise ValueError(f"slots: a batch of {n} entries over max_slots={max_slots}")
+    if n and slots.view(np.uint64).max() >= max_slots:  # a negative slot is huge as uint64
+        bad = slots[(slots < 0) | (slots >= max_slots)][0]
+        raise ValueError(f"slots: {bad} out of 0..{max_slots - 1}")
+    if n and np.bincount(slots, minlength=max_slots).max() > 1:
+        raise ValueError(f"slots: {int(np.bincount(slots).argmax())} repeated in one batch")
+    positions = _np(batch.positions, "positions", n).astype(np.int64, copy=False)
+    if n and positions.view(np.uint64).max() > U32_MAX:  # negative, or past the wire's u32
+        bad = int(np.argmax((positions < 0) | (positions > U32_MAX)))
+        raise ValueError(f"positions: {positions[bad]} (entry {bad}) outside 0..{U32_MAX}")
+    new_gen = _np(batch.new_gen, "new_gen", n).astype(bool, copy=False)
+    offsets = _np(batch.token_offsets, "token_offsets", n + 1).astype(np.int64, copy=False)
+    tokens = _np(batch.tokens, "tokens", None)
+    if tokens.dtype.itemsize > 4 and tokens.size and (tokens.min() < I32_MIN or tokens.max() > I32_MAX):
+        raise ValueError(f"tokens: values outside the wire's int32 ({tokens.min()}..{tokens.max()})")
+    if vocab_size and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(np.argmax((tokens < 0) | (tokens >= vocab_size)))
+        raise ValueError(f"tokens: {tokens[bad]} (token {bad}) outside 0..{vocab_size - 1}, the vocabulary")
+    if offsets[0] != 0 or offsets[-1] != tokens.shape[0]:
+        raise ValueError(
+            f"token_offsets: run from {offsets[0]} to {offsets[-1]}, expected 0 to len(tokens)={tokens.shape[0]}"
+        )
+    lengths = np.diff(offsets)
+    if n and lengths.min() < 0:
+        raise ValueError(f"token_offsets: not non-decreasing (entry {int(lengths.argmin())})")
+    if batch.n_out is None:
+        n_out: np.ndarray | int = min(n_out_default, num_spec)  # one value for every entry
+    else:
+        n_out = _np(batch.n_out, "n_out", n).astype(np.int64, copy=False)
+        if n and n_out.min() < 0:
+            raise ValueError(f"n_out: negative value {n_out.min()} (entry {int(n_out.argmin())})")
+        n_out = np.minimum(n_out, num_spec)
+    if new_gen.any():
+        cut = np.where(new_gen, np.maximum(lengths - CONTEXT_TOKENS, 0), 0)
+        if cut.any():  # keep each long NEW_GEN context's last CONTEXT_TOKENS tokens
+            keep = lengths - cut
+            new_offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(keep, out=new_offsets[1:])
+            take = np.repeat(offsets[:-1] + cut - new_offsets[:-1], keep) + np.arange(new_offsets[-1])
+            tokens, offsets, positions = tokens[take], new_offsets, positions + cut
+    if tokens.shape[0] > max_tokens:
+        raise ValueError(
+            f"tokens: {tokens.shape[0]} in one round (NEW_GEN contexts cut to "
+            f"{CONTEXT_TOKENS}) over the region's max_tokens={max_tokens}"
+        )
+    return HostMeta(slots, positions, n_out, new_gen, offsets, tokens)
+
+
+def write_meta(dst: np.ndarray, meta: HostMeta, *, deadline_ms: int, row_bytes: int) -> int:
+    """Write the ROUND payload's fixed part, entry arrays and tokens (rows excepted) into
+    ``dst`` (a uint8 array: a descriptor slot's payload area, or the send buffer past the
+    header): one slice assignment per section. Returns the bytes written."""
+    n, t = meta.n, meta.n_tokens
+    sec = wire.round_sections(n, t, row_bytes)
+    u32 = dst[: sec.tokens].view(np.uint32)
+    u32[:4] = (deadline_ms, n, row_bytes, t)
+    at = wire.ROUND_FIXED.size // 4
+    for arr in (meta.slots, meta.positions, meta.n_out, meta.new_gen):
+        u32[at : at + n] = arr
+        at += n
+    u32[at : at + n + 1] = meta.offsets
+    dst[sec.tokens : sec.rows].view(np.int32)[:] = meta.tokens
+    return sec.rows
+
+
+def check_meta_shapes(batch: Batch, max_slots: int) -> int:
+    """The entry count of a batch whose metadata is not read on the host: its shapes
+    checked (they are known without a sync).
+
+    Raises:
+        ValueError: naming the field whose shape disagrees, or too many entries or tokens.
+    """
+    n, t = len(batch), int(batch.tokens.shape[0])
+    if n > max_slots or t > wire.MAX_TOKENS:
+        raise ValueError(
+            f"a batch of {n} entries and {t} tokens over max_slots={max_slots} or the wire's {wire.MAX_TOKENS} tokens"
+        )
+    for name, want in (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n)):
+        got = getattr(batch, name)
+        if got is not None and tuple(got.shape) != (want,):
+            raise ValueError(f"{name}: shape {tuple(got.shape)}, expected [{want}]")
+    return n
+
+
+def write_meta_in_stream(
+    batch: Batch, d: torch.Tensor, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int
+) -> None:
+    """Write ``batch``'s ROUND arrays and ``n_tokens`` into ``d``, an int32 tensor over a
+    descriptor's payload area with room for ``max_tokens + 1`` tokens, with tensor
+    operations only: on the device they run in stream order and the host never reads a
+    value (no sync). NEW_GEN contexts are cut to their last CONTEXT_TOKENS as
+    :func:`host_meta` cuts them, so the wire carries the same round. No value is
+    trusted: every index stays in range whatever the metadata holds (a token that is
+    dropped, or that the offsets cannot place, lands in the spare cell past
+    ``max_tokens``; a slot out of range becomes ``max_slots``; offsets that do not run
+    from 0 to len(tokens) make ``n_tokens`` ``max_tokens + 1``), so a bad round is
+    refused where it lands (the proxy's descriptor check). Token ids are not checked
+    against the vocabulary here either (that needs a host sync): the descriptor check
+    refuses a round with one outside ``0..vocab_size-1`` (answered ERROR, unsent,
+    counted ``rounds_bad_desc``), as :func:`host_meta` would. Positions and tokens are
+    written as the wire's 32 bits. The caller writes deadline, n and row_bytes
+    (``d[0:3]``) and has checked the shapes (:func:`check_meta_shapes`)."""
+    n, t = len(batch), int(batch.tokens.shape[0])
+    if not n:
+        d[3:4] = 0 if t == 0 else max_tokens + 1
+        return
+    dev = d.device
+
+    def on_dev(x, dtype):  # a field of a mixed batch may still be on the host
+        return torch.as_tensor(x).to(dev, dtype, non_blocking=True)
+
+    slots = on_dev(batch.slots, torch.int64)
+    offsets = on_dev(batch.token_offsets, torch.int64)
+    new_gen = on_dev(batch.new_gen, torch.bool)
+    lengths = offsets[1:] - offsets[:-1]
+    cut = torch.where(new_gen, (lengths - CONTEXT_TOKENS).clamp(min=0), 0)
+    kept = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(lengths - cut, 0, out=kept[1:])  # the offsets after the cut
+    at = wire.ROUND_FIXED.size // 4
+    d[at : at + n] = torch.where((slots < 0) | (slots >= max_slots), max_slots, slots)
+    d[at + n : at + 2 * n] = on_dev(batch.positions, torch.int64) + cut
+    if batch.n_out is None:
+        d[at + 2 * n : at + 3 * n] = min(n_out_default, num_spec)
+    else:
+        d[at + 2 * n : at + 3 * n] = on_dev(batch.n_out, torch.int64).clamp(max=num_spec)
+    d[at + 3 * n : at + 4 * n] = new_gen  # True -> FLAG_NEW_GEN (1)
+    d[at + 4 * n : at + 5 * n + 1] = kept
+    whole = (offsets[:1] == 0) & (offsets[n:] == t)
+    d[3:4] = torch.where(whole, kept[n:], max_tokens + 1)  # n_tokens
+    if t:
+        # Token j of entry e (the last offset at or before j) goes to kept[e] + its index
+        # in the entry - cut[e]; one dropped or unplaceable, to the spare cell.
+        j = torch.arange(t, device=dev)
+        e = torch.searchsorted(offsets[1:], j, right=True).clamp(max=n - 1)
+        within = j - offsets[e] - cut[e]
+        dest = kept[e] + within
+        dest = torch.where((within >= 0) & (dest >= 0) & (dest < max_tokens), dest, max_tokens)
+        tok_at = wire.round_meta_bytes(n) // 4
+        d[tok_at : tok_at + max_tokens + 1].scatter_(0, dest, on_dev(batch.tokens, torch.int32))
+
+
+def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, out_addr: int = 0) -> None:
+    """``out[i] = bytes of rows[row_index[i]]`` for a CPU ``rows`` tensor, on this
+    thread: with ``lib`` (the native library) one C copy loop into ``out_addr`` (the
+    address of ``out``), else one ``np.take``.
+
+    Raises:
+        ValueError: rows of another size than ``row_bytes``, or a row index out of range.
+    """
+    if not batch.rows.is_cpu:
+        raise ValueError(f"rows: on {batch.rows.device}, but RemoteDSpark runs on the CPU")
+    src = as_bytes(batch.rows, row_bytes)
+    n = len(batch)
+    if lib is not None:
+        index = batch.row_index
+        if isinstance(index, torch.Tensor):
+            if not index.is_cpu:
+                index = index.cpu()  # the C loop reads it on the host
+            if index.dtype != torch.int64 or not index.is_contiguous():
+                index = index.to(torch.int64).contiguous()
+            addr = index.data_ptr()
+        else:
+            index = np.ascontiguousarray(index, dtype=np.int64)
+            addr = index.ctypes.data
+        if tuple(index.shape) != (n,):
+            raise ValueError(f"row_index: shape {tuple(index.shape)}, expected [{n}]")
+        done = lib.gather_rows(out_addr, src.data_ptr(), src.stride(0), src.shape[0], addr, n, row_bytes)
+        if done != n:
+            raise ValueError(f"row_index: {int(index[done])} (entry {done}) outside 0..{src.shape[0] - 1}")
+        return
+    index = _np(batch.row_index, "row_index", n)
+    src = src.numpy()
+    if n and (index.min() < 0 or index.max() >= src.shape[0]):
+        raise ValueError(f"row_index: values must be in 0..{src.shape[0] - 1}, got {index.min()}..{index.max()}")
+    np.take(src, index, axis=0, out=out[:n], mode="clip")  # in range, so clip only skips buffering
+
+
+def as_bytes(rows: torch.Tensor, row_bytes: int | None = None) -> torch.Tensor:
+    """``rows`` as ``[N, row_bytes]`` uint8 (each row must be contiguous within itself).
+
+    Raises:
+        ValueError: rows of another size than ``row_bytes``.
+    """
+    flat = rows.reshape(rows.shape[0], -1)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = flat.view(torch.uint8)
+    if row_bytes is not None and out.shape[1] != row_bytes:
+        raise ValueError(f"rows: {out.shape[1]} bytes per row, RemoteDSpark was built for row_bytes={row_bytes}")
+    return out
+
+
+@dataclass
+class Drafts:
+    tokens: torch.Tensor  # [n, num_spec] int32, zero past counts
+    counts: torch.Tensor  # [n] int32
+    margins: torch.Tensor | None  # [n, num_spec] float32, when asked for
+    source: str  # "remote", "local" or "none" (target-only)
+    outcome: Outcome  # the remote round's outcome
+    resync: tuple[int, ...] = ()  # slots the drafter lost: send them with NEW_GEN
+    resync_all: bool = False  # a new proxy/connection: re-announce every slot
+
+
+def empty_drafts(n: int, k: int, outcome: Outcome, margins: bool) -> Drafts:
+    return Drafts(
+        torch.zeros(n, k, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int32),
+        torch.zeros(n, k, dtype=torch.float32) if margins else None,
+        "none",
+        outcome,
+    )
+
+
+def to_drafts(
+    k: int,
+    slots: np.ndarray,
+    counts: np.ndarray,
+    statuses: np.ndarray,
+    tokens: np.ndarray,
+    margins: np.ndarray | None,
+    outcome: Outcome,
+    want_margin: bool,
+    *,
+    clean: bool = False,
+) -> Drafts:
+    """``Drafts`` from an answer's arrays (views of a drafts slot or of a DRAFTS payload):
+    ``counts``/``statuses`` [n], ``tokens``/``margins`` [n, width <= k]. One copy per
+    array; tokens and margins past each count are zeroed whatever the source held there,
+    unless ``clean`` says the source already holds zeros there (a drafts slot the proxy
+    filled: ``hf_unpack`` zeroes each row past its count); RESYNC slots come from the
+    status mask, computed only when there is one."""
+    n, width = tokens.shape
+    full = clean or not n or counts.min() == width  # nothing past a count to clear
+    live = None if full else np.arange(width) < counts[:, None]
+
+    def widened(src: np.ndarray | None, dtype) -> np.ndarray:
+        if src is not None and full and width == k:
+            return np.array(src, dtype=dtype)  # the common case: one copy
+        out = np.zeros((n, k), dtype=dtype)
+        if src is not None:
+            np.copyto(out[:, :width], src, where=True if full else live)
+        return out
+
+    tok = widened(tokens, np.int32)
+    mar = widened(margins, np.float32) if want_margin else None
+    lost = slots[statuses == wire.STATUS_RESYNC].tolist() if statuses.any() else ()
+    return Drafts(
+        torch.from_numpy(tok),
+        torch.from_numpy(counts.astype(np.int32)),
+        None if mar is None else torch.from_numpy(mar),
+        "remote",
+        outcome,
+        tuple(lost),
+    )

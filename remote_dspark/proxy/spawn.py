@@ -1,0 +1,111 @@
+"""How a proxy process starts: an isolated interpreter, working directory ``/``, an
+allowlisted environment, the region's fd and the engine's configuration handed over
+through a pipe. :mod:`.supervisor` decides when; this module says how.
+
+Why a fresh interpreter, never fork or multiprocessing: forking a CUDA-initialised
+engine is undefined, and multiprocessing's spawn re-imports the engine's ``__main__``
+(torch with it, 3.6 s). The memfd region and the hand-over pipe are the only things the
+child inherits (``pass_fds``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from . import handover
+
+# What a proxy inherits of the engine's environment: the contract's variables, what an
+# interpreter needs to start, and what an ofl transport needs: where the dynamic loader
+# finds libofl.so and its RDMA dependencies (LD_LIBRARY_PATH), the ofl library's own
+# settings (OFL_*), and the RDMA stack's: rdma-core's verbs and providers (RDMAV_*,
+# IBV_*, MLX5_*), libfabric (FI_*) and UCX (UCX_*), which choose devices, ports and
+# queue sizes. Nothing else: no CUDA_*, no LD_PRELOAD of the engine's, no PYTHON* (the
+# interpreter is isolated anyway).
+_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TZ", "XDG_CACHE_HOME", "LD_LIBRARY_PATH")
+_PASS_PREFIXES = ("VLLM_DSPARK_", "OFL_", "RDMAV_", "IBV_", "MLX5_", "FI_", "UCX_")
+
+
+def proxy_environment(environ: Mapping[str, str], hostflag_lib: str) -> dict[str, str]:
+    """The proxy's minimal environment. The engine has already located (or built) the
+    native library; the proxy is told its path, so it never compiles anything."""
+    env = {k: v for k, v in environ.items() if k in _PASS_ENV or k.startswith(_PASS_PREFIXES)}
+    env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = hostflag_lib
+    return env
+
+
+# The proxy's first lines, run by an isolated interpreter (``-I``: neither the working
+# directory, PYTHONPATH nor the user site is on sys.path, so a planted ``argparse.py``
+# runs nowhere). The root this package was imported from goes after the standard library
+# and before any other install, so the proxy runs exactly the engine's code and a file in
+# that root can never shadow a standard module (the proxy imports nothing else).
+_BOOTSTRAP = """\
+import sys
+root = sys.argv.pop(1)
+at = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))), len(sys.path))
+sys.path.insert(at, root)
+from remote_dspark.proxy_proc import main
+sys.exit(main())
+"""
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding remote_dspark/
+
+
+def spawn_proxy(
+    fd: int, *, cfg, engine_id: int, env: Mapping[str, str], vocab_size: int = 0, standby: bool = False
+) -> subprocess.Popen:
+    """Start the proxy (``remote_dspark.proxy_proc``) in an isolated interpreter, working
+    directory ``/``, with the region's fd and the hand-over pipe (:func:`.handover.write`):
+    neither the configuration nor the engine id is on its command line or re-parsed from
+    its environment. ``standby``: it waits, ready and asleep, for its promotion
+    (``remote_dspark.proxy_proc.wait_for_promotion``).
+
+    Raises:
+        OSError: the pipe or the process could not be made.
+    """
+    r = handover.write(cfg, engine_id, vocab_size)
+    try:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-I",
+                "-u",
+                "-c",
+                _BOOTSTRAP,
+                PACKAGE_ROOT,
+                "--fd",
+                str(fd),
+                "--handover",
+                str(r),
+                "--parent",
+                str(os.getpid()),
+                *(["--standby"] if standby else []),
+            ],
+            pass_fds=(fd, r),
+            env=dict(env),
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
+    finally:
+        os.close(r)
+
+
+def signal_proc(proc: subprocess.Popen | None, sig: int) -> None:
+    if proc is not None and proc.returncode is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float) -> None:
+    signal_proc(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        signal_proc(proc, signal.SIGKILL)
+        proc.wait()

@@ -1,0 +1,132 @@
+"""The engine side of one connection to the remote drafter: HELLO, then rounds.
+
+Used by the proxy process and by synchronous rounds alike; torch-free. A reply to a
+round that is no longer pending (its deadline passed earlier) is counted as late and
+dropped; any other surprise is a protocol error, and the caller drops the connection.
+
+What is checked here, before a reply goes further: the HELLO_ACK answers this HELLO (its
+session) and, accepting, names the identities the HELLO asked for (a worker serving
+another drafter or Markov model is never used); a DRAFTS is of this session and of the
+round waited for. Its content is the caller's ``check`` (``engine.reply.check_reply``
+in sync mode, ``hf_unpack`` on the proxy's ofl round); ``hf_round`` makes the same
+header checks in C (``recv_reply``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from .. import wire
+from . import Disconnected, Endpoint, FrameChannel, connect
+
+
+class Refused(Exception):
+    """The worker refused HELLO; ``code`` is a ``wire.REFUSE_*`` and ``reason`` its words."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class DraftClient:
+    """One HELLO'd connection. Not thread-safe: one round in flight at a time."""
+
+    def __init__(self, chan: FrameChannel, session: int, ack: wire.HelloAck):
+        self.chan = chan
+        self.session = session
+        self.ack = ack
+        self.late = 0
+
+    @classmethod
+    def connect(
+        cls,
+        endpoint: Endpoint,
+        hello: wire.Hello,
+        session: int,
+        timeout_s: float,
+        environ: Mapping[str, str] | None = None,
+    ) -> DraftClient:
+        """Connect and say HELLO, both within ``timeout_s``.
+
+        Raises:
+            Refused: the worker said no (identity, version, limits).
+            TransportError: no connection or no answer in time.
+            wire.ProtocolError: the answer was not a HELLO_ACK of this session, or it
+                accepted with other identities than the HELLO's.
+        """
+        deadline = time.monotonic() + timeout_s
+        chan = connect(endpoint, timeout_s, environ)
+        try:
+            chan.send(wire.encode_hello(hello, session))
+            hdr, payload = chan.recv_frame(deadline)
+            if hdr.type != wire.HELLO_ACK:
+                raise wire.ProtocolError(f"{hdr.name} in answer to HELLO")
+            ack = wire.decode_hello_ack(payload)
+            if not ack.accepted:
+                raise Refused(ack.code, ack.reason)
+            if hdr.session != session:
+                raise wire.ProtocolError(f"HELLO_ACK of session {hdr.session:#x} in answer to session {session:#x}")
+            for what, asked, got in (
+                ("drafter", hello.drafter_identity, ack.drafter_identity),
+                ("Markov", hello.markov_identity, ack.markov_identity),
+            ):
+                if got != asked:
+                    raise wire.ProtocolError(
+                        f"HELLO_ACK accepts with {what} identity {bytes(got).hex()}, "
+                        f"the engine asked for {bytes(asked).hex()}"
+                    )
+        except BaseException:
+            chan.close()
+            raise
+        return cls(chan, session, ack)
+
+    def send(self, parts: Sequence, deadline: float | None = None) -> None:
+        """Send one frame given as buffers (e.g. a ROUND whose rows and tokens are views
+        of the shared region: they go out uncopied), by ``deadline``."""
+        self.chan.send(*parts, deadline=deadline)
+
+    def recv_drafts(self, round_id: int, deadline: float) -> wire.Drafts:
+        """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
+        rounds. Raises: DeadlineExceeded, Disconnected, wire.ProtocolError.
+
+        The header rules mirror ``recv_reply`` in ``native/tcp_round.c`` (same order,
+        same words for the session)."""
+        while True:
+            hdr, payload = self.chan.recv_frame(deadline)
+            if hdr.type == wire.BYE:
+                raise Disconnected("the worker said BYE")
+            if hdr.type != wire.DRAFTS:
+                raise wire.ProtocolError(f"{hdr.name} where DRAFTS was expected")
+            if hdr.session != self.session:
+                raise wire.ProtocolError(
+                    f"DRAFTS of session {hdr.session:#x} on session {self.session:#x}'s connection"
+                )
+            if hdr.round == round_id:
+                return wire.decode_drafts(hdr, payload)
+            if wire.seq_geq(hdr.round, round_id):
+                raise wire.ProtocolError(f"DRAFTS for round {hdr.round}, which was never sent")
+            self.late += 1
+
+    def round(
+        self, round_id: int, parts: Sequence, deadline_ms: int, check: Callable[[wire.Drafts], None] | None = None
+    ) -> wire.Drafts:
+        """One synchronous round within ``deadline_ms``: send the ROUND frame ``parts``,
+        return its DRAFTS once ``check`` (what the round asked) accepts them.
+
+        Raises: DeadlineExceeded, Disconnected, wire.ProtocolError (wire.BadReply from
+        ``check``: the drafts do not answer the round)."""
+        deadline = time.monotonic() + deadline_ms / 1000.0
+        self.send(parts, deadline)  # a send that misses it breaks the connection
+        drafts = self.recv_drafts(round_id, deadline)
+        if check is not None:
+            check(drafts)
+        return drafts
+
+    def close(self) -> None:
+        try:
+            self.chan.send(wire.encode_bye(self.session))
+        except Disconnected:
+            pass
+        self.chan.close()

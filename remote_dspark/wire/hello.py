@@ -1,0 +1,155 @@
+"""The handshake: HELLO, HELLO_ACK and BYE (part of the wire contract,
+:mod:`remote_dspark.wire`).
+
+HELLO payload (``HELLO_STRUCT``, 88 bytes; protocol 3)::
+
+    offset size field
+         0   32 drafter identity
+        32   32 Markov identity
+        64    8 engine id      stays the same across the engine's proxy respawns, so the
+                               worker can drop an old session's windows
+        72    4 max_slots      1..MAX_ENTRIES
+        76    4 row_bytes      <= MAX_ROW_BYTES
+        80    2 num_spec       1..MAX_N_OUT
+        82    1 row_format
+        83    1 want_margin    0 or 1
+        84    4 vocab_size     the engine's vocabulary (token ids 0..vocab_size-1), <=
+                               MAX_VOCAB; 0: unknown. A worker whose drafter's vocabulary
+                               is larger refuses the HELLO (REFUSE_DRAFTER, both sizes in
+                               the reason); the engine refuses draft tokens outside it.
+
+HELLO_ACK payload: accept (u8), reason code (u8), reason length (u16), the worker's
+drafter and Markov identities (32 B each), then the reason (UTF-8, <= MAX_REASON). The
+header's session is the HELLO's; an accepting worker's identities are the HELLO's (the
+engine side refuses any other answer: ``client.DraftClient.connect``).
+
+BYE has an empty payload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .frame import (
+    ACCEPT,
+    ACK_STRUCT,
+    BYE,
+    HELLO,
+    HELLO_ACK,
+    HELLO_STRUCT,
+    MAX_ENTRIES,
+    MAX_N_OUT,
+    MAX_REASON,
+    MAX_ROW_BYTES,
+    MAX_VOCAB,
+    REFUSE_MALFORMED,
+    ProtocolError,
+    encode_header,
+    require,
+)
+
+
+def parse_hex32(raw: str, name: str) -> bytes:
+    """Parse a 64-hex-digit identity; ``name`` (the variable or option) is in the error.
+
+    Raises:
+        ValueError: naming ``name`` and the value, when it is not 64 hex digits.
+    """
+    text = raw.strip().lower()
+    if text.startswith("0x"):
+        text = text[2:]
+    if len(text) != 64:
+        raise ValueError(f"{name}={raw!r}: expected 64 hex digits (32 bytes), got {len(text)}")
+    try:
+        return bytes.fromhex(text)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r}: not hexadecimal") from e
+
+
+# --------------------------------------------------------------------------- HELLO
+
+
+@dataclass(frozen=True)
+class Hello:
+    drafter_identity: bytes
+    markov_identity: bytes
+    engine_id: int
+    max_slots: int
+    row_bytes: int
+    num_spec: int
+    row_format: int = 0
+    want_margin: bool = False
+    vocab_size: int = 0  # 0: unknown
+
+
+def encode_hello(h: Hello, session: int) -> bytes:
+    require(len(h.drafter_identity) == 32 and len(h.markov_identity) == 32, "identities are 32 bytes")
+    require(0 < h.max_slots <= MAX_ENTRIES, f"max_slots {h.max_slots} not in 1..{MAX_ENTRIES}")
+    require(0 <= h.row_bytes <= MAX_ROW_BYTES, f"row_bytes {h.row_bytes} over {MAX_ROW_BYTES}")
+    require(0 < h.num_spec <= MAX_N_OUT, f"num_spec {h.num_spec} not in 1..{MAX_N_OUT}")
+    require(0 <= h.vocab_size <= MAX_VOCAB, f"vocab_size {h.vocab_size} not in 0..{MAX_VOCAB}")
+    payload = HELLO_STRUCT.pack(
+        h.drafter_identity,
+        h.markov_identity,
+        h.engine_id,
+        h.max_slots,
+        h.row_bytes,
+        h.num_spec,
+        h.row_format,
+        int(h.want_margin),
+        h.vocab_size,
+    )
+    return encode_header(HELLO, len(payload), session) + payload
+
+
+def decode_hello(payload) -> Hello:
+    if len(payload) != HELLO_STRUCT.size:
+        raise ProtocolError(f"HELLO payload of {len(payload)} bytes, expected {HELLO_STRUCT.size}")
+    d, m, engine_id, max_slots, row_bytes, num_spec, row_format, want, vocab = HELLO_STRUCT.unpack(payload)
+    if not 0 < max_slots <= MAX_ENTRIES:
+        raise ProtocolError(f"HELLO max_slots {max_slots} not in 1..{MAX_ENTRIES}")
+    if row_bytes > MAX_ROW_BYTES:
+        raise ProtocolError(f"HELLO row_bytes {row_bytes} over the cap {MAX_ROW_BYTES}")
+    if not 0 < num_spec <= MAX_N_OUT:
+        raise ProtocolError(f"HELLO num_spec {num_spec} not in 1..{MAX_N_OUT}")
+    if want > 1:
+        raise ProtocolError(f"HELLO want_margin {want} is not 0 or 1")
+    if vocab > MAX_VOCAB:
+        raise ProtocolError(f"HELLO vocab_size {vocab} over the cap {MAX_VOCAB}")
+    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, bool(want), vocab)
+
+
+@dataclass(frozen=True)
+class HelloAck:
+    code: int
+    drafter_identity: bytes
+    markov_identity: bytes
+    reason: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.code == ACCEPT
+
+
+def encode_hello_ack(a: HelloAck, session: int) -> bytes:
+    reason = a.reason.encode("utf-8")[:MAX_REASON]
+    payload = (
+        ACK_STRUCT.pack(int(a.code == ACCEPT), a.code, len(reason), a.drafter_identity, a.markov_identity) + reason
+    )
+    return encode_header(HELLO_ACK, len(payload), session) + payload
+
+
+def decode_hello_ack(payload) -> HelloAck:
+    if len(payload) < ACK_STRUCT.size:
+        raise ProtocolError(f"HELLO_ACK payload of {len(payload)} bytes, under {ACK_STRUCT.size}")
+    accept, code, n, d, m = ACK_STRUCT.unpack_from(payload)
+    if len(payload) != ACK_STRUCT.size + n:
+        raise ProtocolError(f"HELLO_ACK reason length {n} does not match the payload")
+    if accept != (code == ACCEPT) or code > REFUSE_MALFORMED:
+        raise ProtocolError(f"HELLO_ACK accept={accept} with reason code {code}")
+    reason = bytes(payload[ACK_STRUCT.size :]).decode("utf-8", errors="replace")
+    return HelloAck(code, d, m, reason)
+
+
+def encode_bye(session: int = 0) -> bytes:
+    return encode_header(BYE, 0, session)

@@ -1,0 +1,10 @@
+"""The reference remote drafter: a ``tcp://`` server speaking the wire contract
+(:class:`~.server.Worker`), with its parts: the front door (:mod:`.admission`), its
+limits and the HELLO's checks (:mod:`.limits`), the engines it holds places for
+(:mod:`.sessions`) and their windows (:mod:`.windows`), a round as arrays
+(:mod:`.round`), its numbers (:mod:`.stats`) and their exposition (:mod:`.metrics`), and
+the drafter its flags name (:mod:`.drafters`)."""
+
+from .server import Worker
+
+__all__ = ["Worker"]

@@ -1,0 +1,237 @@
+"""The worker's front door: accepting connections and reading their HELLO (issue 15).
+
+One thread, one selector, no thread per connection until it has said HELLO. The
+selector holds the listening socket, the stop pipe and every connection that has not
+said HELLO yet (the pre-HELLO pool, non-blocking sockets). Per connection the pool keeps
+a fixed buffer the size of one HELLO frame and reads at most that frame, never a byte
+of what follows; so before HELLO the worker never allocates what a header announces.
+
+Rules, each with its reason:
+
+- **Only a HELLO, under the HELLO's own cap.** The header is checked as soon as its 24
+  bytes are in: another frame type, a bad magic or a length over the HELLO's cap drops
+  the connection with one log line (``bad_frames``). Another protocol version is
+  answered with a REFUSE_VERSION ack, then closed.
+- **A HELLO deadline** (``hello_timeout_s``, 2 s): an honest engine sends its HELLO right
+  after connecting, so a connection still silent then is dropped (``hello_timeouts``).
+- **The pool has its own size** (``max_pending``): a new connection that finds it full
+  makes room by dropping the oldest connection in it (``displaced``). So silent sockets
+  can never keep a HELLO out: to push a connection out before its HELLO is read, an
+  attacker must open ``max_pending`` connections between the moment that connection is
+  accepted and the next turn of this loop, which reads the pool before it accepts more
+  (at most ``max_pending // 2`` accepts a turn). No limit per source address: an
+  attacker may share the engine's host.
+- **A whole HELLO is handed over** (``on_hello``): the worker decides there, busy or
+  served; this loop never waits for a served connection.
+
+Why a selector and not a thread per connection: a silent socket costs a thread for the
+length of the HELLO deadline otherwise, and a pool of hundreds of threads started and
+ended by whoever can connect is a thread-creation flood; here it costs one descriptor
+and one small buffer. A served connection (after HELLO) keeps its own thread: it runs
+the drafter, which may take a while, and their number is bounded (``max_connections``).
+
+Out of descriptors (EMFILE) the oldest pre-HELLO connection is dropped to make room, so
+the listener keeps being served.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import selectors
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .. import wire
+from ..transport.tcp import enable_keepalive
+
+log = logging.getLogger("remote_dspark.worker")
+
+HELLO_FRAME = wire.HEADER.size + wire.frame_cap(wire.HELLO)
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A connection that has not said HELLO yet."""
+
+    sock: socket.socket
+    peer: object
+    deadline: float
+    buf: bytearray
+    got: int = 0
+    need: int = wire.HEADER.size  # the header, then the whole HELLO frame
+    header: wire.Header | None = None
+
+
+@dataclass(frozen=True)
+class AdmissionStats:
+    pending: int  # connections in the pool now
+    accepted: int  # connections accepted
+    handed: int  # whole HELLOs handed over
+    hello_timeouts: int
+    displaced: int  # dropped to make room for a newer connection (pool full, or out of descriptors)
+    bad_frames: int  # anything but a HELLO, or a header over the HELLO's cap
+    closed: int  # the peer closed (or reset) before its HELLO was whole
+
+
+class Admission:
+    """The accept loop and the pre-HELLO pool (``run`` is the loop; one thread).
+
+    ``on_hello(sock, peer, header, payload)`` gets each whole HELLO (the socket still
+    non-blocking; the callee owns it from then on). ``on_version(sock, peer, error)`` gets
+    a connection whose header speaks another protocol version (its owner from then on).
+    ``count(name)`` is told of each drop, by the name of its counter.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        wake_fd: int,
+        *,
+        max_pending: int,
+        hello_timeout_s: float,
+        on_hello: Callable,
+        on_version: Callable,
+        count: Callable[[str], None] = lambda name: None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_pending < 1:
+            raise ValueError(f"max_pending {max_pending}: must be >= 1")
+        if not hello_timeout_s > 0:
+            raise ValueError(f"hello_timeout_s {hello_timeout_s}: must be > 0")
+        self.listener = listener
+        self.wake_fd = wake_fd
+        self.max_pending = max_pending
+        self.hello_timeout_s = hello_timeout_s
+        self.on_hello, self.on_version, self.count, self.clock = on_hello, on_version, count, clock
+        self._pool: OrderedDict[int, _Pending] = OrderedDict()  # fd -> pending, oldest first
+        self._sel: selectors.BaseSelector | None = None
+        self._n = dict(accepted=0, handed=0, hello_timeouts=0, displaced=0, bad_frames=0, closed=0)
+        self._last_error = -math.inf  # when an accept error was last logged
+
+    def statistics(self) -> AdmissionStats:
+        return AdmissionStats(len(self._pool), **self._n)
+
+    def run(self, stopping: threading.Event) -> None:
+        """Serve until ``stopping`` is set and the wake fd is readable; closes the
+        listener and every pre-HELLO connection on the way out."""
+        self.listener.setblocking(False)
+        self._sel = sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ)
+        sel.register(self.wake_fd, selectors.EVENT_READ)
+        try:
+            while not stopping.is_set():
+                oldest = next(iter(self._pool.values()), None)
+                timeout = None if oldest is None else max(0.0, oldest.deadline - self.clock())
+                accept = False
+                # The pool first, then new connections: a HELLO already here is never
+                # displaced by connections accepted after it in the same turn.
+                for key, _ in sel.select(timeout):
+                    if key.data is not None:
+                        self._read(key.data)
+                    elif key.fileobj is self.listener:
+                        accept = True
+                if stopping.is_set():
+                    break
+                if accept:
+                    self._accept_some()
+                self._expire()
+        finally:
+            for p in list(self._pool.values()):
+                self._remove(p)
+                p.sock.close()
+            sel.close()
+            self.listener.close()
+
+    # ------------------------------------------------------------------ the pool
+
+    def _accept_some(self) -> None:
+        for _ in range(max(1, self.max_pending // 2)):
+            try:
+                sock, peer = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._pool:
+                    self._drop(next(iter(self._pool.values())), "displaced")
+                    continue
+                now = self.clock()
+                if now - self._last_error >= 10.0:
+                    self._last_error = now
+                    log.warning("accept failed: %s", e)
+                time.sleep(0.01)  # nothing of ours to free: let served connections end
+                return
+            self._n["accepted"] += 1
+            try:
+                sock.setblocking(False)
+                enable_keepalive(sock)
+            except OSError:
+                sock.close()
+                continue
+            if len(self._pool) >= self.max_pending:
+                oldest = next(iter(self._pool.values()))
+                log.debug("pre-HELLO pool full (%d): dropping the oldest, %s", self.max_pending, oldest.peer)
+                self._drop(oldest, "displaced")
+            p = _Pending(sock, peer, self.clock() + self.hello_timeout_s, bytearray(HELLO_FRAME))
+            self._pool[sock.fileno()] = p
+            self._sel.register(sock, selectors.EVENT_READ, p)
+
+    def _read(self, p: _Pending) -> None:
+        try:
+            n = p.sock.recv_into(memoryview(p.buf)[p.got : p.need])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        if n == 0:
+            self._drop(p, "closed")
+            return
+        p.got += n
+        if p.header is None and p.got == wire.HEADER.size:
+            try:
+                hdr = wire.decode_header(p.buf[: wire.HEADER.size])
+            except wire.VersionMismatch as e:
+                self._remove(p)
+                self.on_version(p.sock, p.peer, e)
+                return
+            except wire.ProtocolError as e:
+                self._bad(p, str(e))
+                return
+            if hdr.type != wire.HELLO:
+                self._bad(p, f"{hdr.name} of {hdr.payload_len} bytes before HELLO")
+                return
+            p.header, p.need = hdr, wire.HEADER.size + hdr.payload_len
+        if p.header is not None and p.got == p.need:
+            self._remove(p)
+            self._n["handed"] += 1
+            self.on_hello(p.sock, p.peer, p.header, bytes(p.buf[wire.HEADER.size : p.need]))
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._pool:
+            oldest = next(iter(self._pool.values()))
+            if oldest.deadline > now:
+                return
+            log.debug("connection %s: no HELLO within %.1f s; dropped", oldest.peer, self.hello_timeout_s)
+            self._drop(oldest, "hello_timeouts")
+
+    def _bad(self, p: _Pending, why: str) -> None:
+        log.warning("connection %s: %s; dropped", p.peer, why)
+        self._drop(p, "bad_frames")
+
+    def _drop(self, p: _Pending, counter: str) -> None:
+        self._n[counter] += 1  # counted before the close: whoever sees it closed sees it counted
+        if counter != "closed":
+            self.count(counter)
+        self._remove(p)
+        p.sock.close()
+
+    def _remove(self, p: _Pending) -> None:
+        """Out of the pool and the selector (the socket stays open)."""
+        del self._pool[p.sock.fileno()]
+        self._sel.unregister(p.sock)

@@ -1,0 +1,132 @@
+"""The worker's own limits on what one engine may announce and send (issue 15).
+
+The wire's caps (:mod:`remote_dspark.wire.frame`) are what any peer may say: 4096 slots,
+1 MiB rows, 64 MiB frames. A worker serving real engines needs far less, and a peer's
+own HELLO is no bound on memory (a hostile peer announces the most). So the worker has
+its own limits: a HELLO beyond them is refused (``REFUSE_LIMITS``, the reason names the
+value, the limit and its option), and after HELLO every frame's cap is the smaller of
+the worker's round cap and the largest round the session's HELLO allows
+(:meth:`Limits.frame_cap`).
+
+Defaults, for a real engine with headroom: 1024 slots (an engine batches 256-1024
+sequences; the wire allows 4096), 8192-byte rows (a 4096-wide bf16 hidden state per
+slot), 128 tokens per slot in one round (an engine sends at most the last 64 context
+tokens of a NEW_GEN and ``num_spec + 1`` accepted tokens otherwise, ``num_spec`` <= 63),
+and a round's bytes capped at the largest round of those three: 8.5 MiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import wire
+from ..drafter.contract import vocab_size_of
+
+DEFAULT_MAX_SLOTS = 1024
+DEFAULT_MAX_ROW_BYTES = 8192
+TOKENS_PER_SLOT = 128
+
+
+def largest_round(slots: int, tokens: int, row_bytes: int) -> int:
+    """The payload of a ROUND of ``slots`` entries, ``tokens`` tokens and ``row_bytes`` rows."""
+    return wire.round_sections(slots, tokens, row_bytes).size
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The worker's limits. ``max_round_tokens`` defaults to ``TOKENS_PER_SLOT`` per slot
+    of ``max_slots``, ``max_round_bytes`` to the largest round of the other three.
+
+    Raises (at construction): ValueError naming the limit and its value, when it is out
+    of the wire's range.
+    """
+
+    max_slots: int = DEFAULT_MAX_SLOTS
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
+    max_round_tokens: int | None = None
+    max_round_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.max_round_tokens is None:
+            object.__setattr__(self, "max_round_tokens", min(wire.MAX_TOKENS, TOKENS_PER_SLOT * self.max_slots))
+        if self.max_round_bytes is None:
+            object.__setattr__(
+                self,
+                "max_round_bytes",
+                min(wire.MAX_PAYLOAD, largest_round(self.max_slots, self.max_round_tokens, self.max_row_bytes)),
+            )
+        for name, low, high in (
+            ("max_slots", 1, wire.MAX_ENTRIES),
+            ("max_row_bytes", 0, wire.MAX_ROW_BYTES),
+            ("max_round_tokens", 0, wire.MAX_TOKENS),
+            ("max_round_bytes", wire.ROUND_FIXED.size + 4, wire.MAX_PAYLOAD),
+        ):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"{name} {value}: not in {low}..{high} (--{name.replace('_', '-')})")
+
+    def refusal(self, hello: wire.Hello) -> str | None:
+        """Why ``hello`` is beyond these limits (each value, limit and option), or None."""
+        why = []
+        if hello.max_slots > self.max_slots:
+            why.append(f"max_slots {hello.max_slots} over this worker's {self.max_slots} (--max-slots)")
+        if hello.row_bytes > self.max_row_bytes:
+            why.append(f"row_bytes {hello.row_bytes} over this worker's {self.max_row_bytes} (--max-row-bytes)")
+        rows = largest_round(hello.max_slots, 0, hello.row_bytes)
+        if rows > self.max_round_bytes:
+            why.append(
+                f"a round of {hello.max_slots} rows of {hello.row_bytes} bytes is {rows} bytes, over this "
+                f"worker's {self.max_round_bytes} (--max-round-bytes)"
+            )
+        return "; ".join(why) or None
+
+    def frame_cap(self, hello: wire.Hello) -> int:
+        """The largest payload a session of ``hello`` may send: the smaller of the worker's
+        round cap and a round of the session's slots and rows with the worker's tokens."""
+        return min(self.max_round_bytes, largest_round(hello.max_slots, self.max_round_tokens, hello.row_bytes))
+
+
+def hello_refusal(drafter, limits: Limits, hello: wire.Hello) -> tuple[int, str, str]:
+    """Whether a worker serving ``drafter`` under ``limits`` takes ``hello``: ``(code,
+    reason, why)``, ``code`` ``wire.ACCEPT`` (and empty strings) or the refusal's code,
+    its reason for the engine's log and ``why``, the metrics' label (drafter, markov,
+    vocab, limits). Busy is decided later, among the engines (worker_sessions)."""
+    if hello.drafter_identity != drafter.drafter_identity:
+        return (
+            wire.REFUSE_DRAFTER,
+            (
+                f"drafter identity mismatch: engine {hello.drafter_identity.hex()}, "
+                f"worker {drafter.drafter_identity.hex()} (VLLM_DSPARK_REMOTE_IDENTITY)"
+            ),
+            "drafter",
+        )
+    if hello.markov_identity != drafter.markov_identity:
+        return (
+            wire.REFUSE_MARKOV,
+            (
+                f"Markov identity mismatch: engine {hello.markov_identity.hex()}, "
+                f"worker {drafter.markov_identity.hex()} (VLLM_DSPARK_REMOTE_MARKOV_IDENTITY)"
+            ),
+            "markov",
+        )
+    vocab = vocab_size_of(drafter)
+    if hello.vocab_size and vocab > hello.vocab_size:  # its drafts could name tokens the engine does not have
+        return (
+            wire.REFUSE_DRAFTER,
+            (f"vocabulary mismatch: the drafter's vocabulary is {vocab} tokens, over the engine's {hello.vocab_size}"),
+            "vocab",
+        )
+    over = limits.refusal(hello)
+    if over is not None:
+        return wire.REFUSE_LIMITS, over, "limits"
+    widest = getattr(drafter, "max_width", None)  # a drafter's own bound on drafts per entry
+    if widest is not None and hello.num_spec > widest:
+        return (
+            wire.REFUSE_LIMITS,
+            (
+                f"num_spec {hello.num_spec} is over the drafter's {widest} drafts per entry "
+                "(a model drafter's row holds a window and that many: a smaller --window leaves more)"
+            ),
+            "limits",
+        )
+    return wire.ACCEPT, "", ""

@@ -1,0 +1,267 @@
+"""A watchable worker: ``/metrics``, ``/healthz`` and ``/readyz`` (``remote-dspark worker
+--metrics-port PORT``).
+
+One small HTTP server (``http.server.ThreadingHTTPServer``, a daemon thread, a thread
+per request) that :class:`~remote_dspark.worker.Worker` starts in ``start()`` when it has
+a metrics port and closes at the end of ``stop()``. It listens on loopback unless told
+otherwise (``--metrics-host``): like the worker's own port, nothing here is
+authenticated.
+
+- ``/metrics``: Prometheus text exposition from :class:`WorkerCollector`, a custom
+  collector read at scrape time. Every number has one owner and is only read here: the
+  worker's :class:`~remote_dspark.worker.stats.WorkerStats` (a consistent copy taken
+  under its lock), the admission loop's pool size, the drafter's ``cache_info()``. The
+  round path never does anything for the metrics beyond what the stats already cost.
+- ``/healthz``: 200 and a small JSON body (:class:`~remote_dspark.worker.stats.Health`)
+  while the worker serves; 503 from the moment ``stop()`` begins until the server closes
+  at its end (then connections are refused).
+- ``/readyz``: as ``/healthz``, and 503 too while every served connection is in use (a
+  HELLO now would be refused busy): for a load balancer in front of several workers.
+- anything else: 404.
+
+Names as the engine's (:mod:`remote_dspark.engine.metrics`), with their own prefix
+``dspark_worker_``: base units, ``_total`` on counters, labels of low cardinality
+(``state``, ``reason``). prometheus_client is the ``worker`` extra's and is imported only
+with this module, which the worker imports only when a metrics port is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from ..drafter.contract import cache_info_of, vocab_size_of
+from ..prom.families import Families
+from .stats import REFUSAL_REASONS
+
+log = logging.getLogger("remote_dspark.worker")
+
+PREFIX = "dspark_worker_"
+PATHS = ("/metrics", "/healthz", "/readyz")
+
+
+_f = Families(PREFIX)
+_counter, _gauge, _histogram = _f.counter, _f.gauge, _f.histogram
+
+
+class WorkerCollector(Collector):
+    """Reads a worker's numbers at every scrape (duck-typed: ``statistics()``,
+    ``admission()``, ``served_now()``, ``drafter``, ``max_pending``, ``max_connections``)."""
+
+    def __init__(self, worker, start_time: float | None = None):
+        self.worker = worker
+        self.start_time = time.time() if start_time is None else start_time
+
+    def describe(self):
+        return []  # families depend on the drafter (cache or not): skip the register-time collect
+
+    def collect(self) -> Iterator:
+        w = self.worker
+        s = w.statistics()
+        adm = w.admission()
+        drafter = w.drafter
+        try:
+            vocab = vocab_size_of(drafter)
+        except ValueError:
+            vocab = 0
+        info = InfoMetricFamily(
+            PREFIX[:-1], "The worker's drafter: its class, identities and vocabulary size (0: it does not say)."
+        )
+        info.add_metric(
+            [],
+            {
+                "drafter": type(drafter).__name__,
+                "drafter_identity": drafter.drafter_identity.hex(),
+                "markov_identity": drafter.markov_identity.hex(),
+                "vocab_size": str(vocab),
+            },
+        )
+        yield info
+        yield _gauge("start_time_seconds", "When the worker started, seconds since the Unix epoch.", self.start_time)
+
+        conns = _gauge(
+            "connections",
+            "Connections now, by state: pending (accepted, no HELLO yet: the pre-HELLO "
+            "pool) and served (a HELLO accepted, a thread each).",
+            labels=("state",),
+        )
+        conns.add_metric(["pending"], adm.pending if adm else 0)
+        conns.add_metric(["served"], w.served_now())
+        yield conns
+        limit = _gauge(
+            "connections_limit",
+            "The most connections of each state (--max-pending, --max-connections).",
+            labels=("state",),
+        )
+        limit.add_metric(["pending"], w.max_pending)
+        limit.add_metric(["served"], w.max_connections)
+        yield limit
+        yield _counter("accepted_connections", "TCP connections accepted (before HELLO).", adm.accepted if adm else 0)
+        yield _counter(
+            "served_connections",
+            "Connections given a thread: a whole HELLO not refused busy at the door "
+            "(its identities, vocabulary and limits are checked there: refusals included).",
+            s.connections,
+        )
+        refusals = _counter(
+            "hello_refusals",
+            "HELLOs refused, by reason: drafter or markov (identity mismatch), "
+            "vocab (the drafter's vocabulary is over the engine's), limits (beyond this worker's "
+            "limits), version (another protocol version), busy (no served connection or no "
+            "engine place free).",
+            labels=("reason",),
+        )
+        for reason in REFUSAL_REASONS:
+            refusals.add_metric([reason], s.refusals[reason])
+        yield refusals
+        yield _counter("bad_frames", "Connections dropped for a frame that breaks the contract.", s.bad_frames)
+        yield _counter(
+            "round_failures",
+            "Connections dropped because drafting or answering a round raised (the drafter's bug; logged).",
+            s.round_failures,
+        )
+        yield _counter(
+            "stalled_connections", "Connections dropped for a frame not whole within --frame-timeout-ms.", s.stalled
+        )
+        yield _counter(
+            "hello_timeouts", "Connections dropped for no HELLO within --hello-timeout-ms.", s.hello_timeouts
+        )
+        yield _counter(
+            "displaced_connections", "Pre-HELLO connections dropped to make room for a newer one.", s.displaced
+        )
+        yield _counter(
+            "evicted_sessions",
+            "Sessions evicted for a newcomer (least recently served, idle a minute or more).",
+            s.evicted,
+        )
+
+        yield _counter("rounds", "ROUND frames answered.", s.rounds)
+        yield _counter("entries", "Entries of the rounds answered.", s.entries)
+        yield _counter(
+            "resyncs", "Entries answered RESYNC (no window for the slot, or a gap in its positions).", s.resyncs
+        )
+        yield _counter("draft_tokens", "Draft tokens sent.", s.draft_tokens)
+        yield _histogram(
+            "round_duration_seconds", "From a whole ROUND received to its DRAFTS sent.", s.round_seconds.snapshot()
+        )
+        yield _histogram(
+            "drafting_duration_seconds",
+            "Time inside the drafter's draft_batch, per round that had entries to draft.",
+            s.drafting_seconds.snapshot(),
+        )
+
+        try:
+            cache = cache_info_of(drafter)
+        except Exception:  # a plug-in's bug must not cost the other metrics
+            log.exception("drafter.cache_info() failed; cache metrics left out of this scrape")
+            cache = None
+        if cache is not None:  # absent (not zero) for a drafter without per-slot state
+            yield _gauge("cache_slots", "Streams with cached drafter state now.", cache.slots)
+            yield _gauge("cache_capacity_slots", "The most streams the drafter's cache keeps.", cache.capacity)
+            yield _gauge("cache_bytes", "Memory the drafter's cache holds.", cache.bytes)
+            yield _counter("cache_hits", "Entries drafted from cached state.", cache.hits)
+            yield _counter("cache_misses", "Entries that encoded their whole context.", cache.misses)
+
+
+MAX_REQUESTS = 16  # requests served at once; more connections are closed unanswered
+REQUEST_TIMEOUT_S = 5.0  # a request not whole by then is dropped (a slow client holds one thread, briefly)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = REQUEST_TIMEOUT_S
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            code, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry)
+        elif path in ("/healthz", "/readyz"):
+            h = self.server.worker.health()
+            ok = h.state == "serving" and (path == "/healthz" or h.ready)
+            code, ctype = (200 if ok else 503), "application/json"
+            body = (json.dumps(dataclasses.asdict(h)) + "\n").encode()
+        else:
+            code, ctype, body = 404, "text/plain; charset=utf-8", f"not found; try {', '.join(PATHS)}\n".encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args) -> None:  # a scrape every few seconds: no log line each
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per request, at most MAX_REQUESTS at once (a flood of half-sent requests
+    holds at most that many threads, each for REQUEST_TIMEOUT_S)."""
+
+    daemon_threads = True  # a stuck client never holds the worker's exit
+    registry: CollectorRegistry
+    worker: object
+
+    def __init__(self, *args, **kw):
+        self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
+        super().__init__(*args, **kw)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed, unanswered
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class MetricsServer:
+    """``/metrics``, ``/healthz`` and ``/readyz`` of ``worker`` on ``host:port`` (0: any
+    free port; :attr:`port` is the bound one), served from a daemon thread until
+    :meth:`close` (idempotent, bounded).
+
+    Raises:
+        ValueError: the address cannot be bound, naming ``--metrics-port`` and the host.
+    """
+
+    def __init__(self, worker, host: str = "127.0.0.1", port: int = 0):
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--metrics-port {port}: expected 0..65535")
+        self.registry = CollectorRegistry(auto_describe=False)  # its own: never the global default registry
+        self.registry.register(WorkerCollector(worker))
+        cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6}) if ":" in host else _Server
+        try:
+            self._server = cls((host, port), _Handler)
+        except OSError as e:
+            raise ValueError(f"--metrics-port {port} on {host}: {e.strerror}") from e
+        self._server.registry, self._server.worker = self.registry, worker
+        self.host, self.port = host, self._server.server_address[1]
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="worker-metrics", daemon=True
+        )
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()  # returns within poll_interval: serve_forever only dispatches
+        self._server.server_close()
+        self._thread.join(timeout_s)

@@ -1,0 +1,109 @@
+"""One round at the worker, as arrays: the ROUND's sections applied to the session's
+windows and handed to the drafter as one :class:`~remote_dspark.drafter.DraftBatch`
+(:func:`drafting_batch`), and the drafter's result written into the DRAFTS frame
+(:func:`reply_frame`: the frame allocated whole, its sections writable numpy views at
+``wire.drafts_sections`` offsets). No Python loop over the entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import wire
+from ..drafter.contract import DraftBatch, DraftResult
+from .limits import Limits
+from .sessions import Session
+
+
+@dataclass
+class DraftsArrays:
+    """Writable views of a DRAFTS frame's sections (:func:`drafts_frame`)."""
+
+    slots: np.ndarray  # [n] u32
+    counts: np.ndarray  # [n] u16
+    statuses: np.ndarray  # [n] u16
+    tokens: np.ndarray  # [n, width] i32
+    margins: np.ndarray | None  # [n, width] f32
+
+
+def drafts_frame(session: int, round_id: int, n: int, width: int, margins: bool) -> tuple[bytearray, DraftsArrays]:
+    """A whole zeroed DRAFTS frame (header and fixed part written) and views of its
+    sections, at ``wire.drafts_sections`` offsets, for the caller to fill."""
+    sec = wire.drafts_sections(n, width, margins)
+    at = wire.HEADER.size
+    frame = bytearray(at + sec.size)
+    frame[:at] = wire.encode_header(wire.DRAFTS, sec.size, session, round_id)
+    wire.DRAFTS_FIXED.pack_into(frame, at, n, width, wire.DRAFTS_MARGINS if margins else 0)
+
+    def view(dtype, offset: int, count: int) -> np.ndarray:
+        return np.frombuffer(frame, dtype, count, at + offset)
+
+    return frame, DraftsArrays(
+        view(np.uint32, sec.slots, n),
+        view(np.uint16, sec.counts, n),
+        view(np.uint16, sec.statuses, n),
+        view(np.int32, sec.tokens, n * width).reshape(n, width),
+        view(np.float32, sec.margins, n * width).reshape(n, width) if margins else None,
+    )
+
+
+def reply_frame(
+    session: int, round_id: int, slots: np.ndarray, ok: np.ndarray, width: int, result: DraftResult
+) -> bytearray:
+    """The DRAFTS frame of a round of ``slots``: RESYNC where not ``ok``, else the
+    drafter's result (its rows are the ``ok`` entries, in entry order)."""
+    reply, out = drafts_frame(session, round_id, len(slots), width, result.margins is not None)
+    out.slots[:] = slots
+    out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
+    where = slice(None) if bool(ok.all()) else ok
+    out.counts[where] = result.counts
+    out.tokens[where] = result.tokens
+    if out.margins is not None:
+        out.margins[where] = result.margins
+    return reply
+
+
+def drafting_batch(session: Session, rnd: wire.Round, limits: Limits) -> tuple[np.ndarray, np.ndarray, int, DraftBatch]:
+    """Apply a decoded ROUND to ``session``'s windows. Returns ``(slots [n] int64, ok [n]
+    bool, width, batch)``: the round's slots, which of them have a window (else RESYNC),
+    the drafts' width (``n_out`` at most, ``num_spec`` at most) and the drafter's batch of
+    the ``ok`` entries, each naming its stream (session serial, slot, generation, length).
+
+    Raises: wire.ProtocolError naming what breaks the session's HELLO or this worker's
+    limits, or a slot outside the session or named twice.
+    """
+    if session.row_bytes is not None and rnd.row_bytes != session.row_bytes:
+        raise wire.ProtocolError(f"ROUND row_bytes {rnd.row_bytes}, the session said {session.row_bytes}")
+    if len(rnd.tokens) > limits.max_round_tokens:
+        raise wire.ProtocolError(
+            f"ROUND of {len(rnd.tokens)} tokens, over this worker's {limits.max_round_tokens} (--max-round-tokens)"
+        )
+    n = len(rnd)
+    slots = np.frombuffer(rnd.slots, np.uint32).astype(np.int64)
+    n_out = np.frombuffer(rnd.n_out, np.uint32)
+    session.windows.check_slots(slots)
+    adv = session.windows.advance(
+        slots,
+        np.frombuffer(rnd.positions, np.uint32).astype(np.int64),
+        (np.frombuffer(rnd.flags, np.uint32) & wire.FLAG_NEW_GEN) != 0,
+        np.frombuffer(rnd.offsets, np.uint32).astype(np.int64),
+        np.frombuffer(rnd.tokens, np.int32),
+    )
+    ok = adv.ok
+    width = min(int(n_out.max()) if n else 0, session.num_spec)
+    all_ok = bool(ok.all())
+    rows = np.frombuffer(rnd.rows, np.uint8).reshape(n, rnd.row_bytes)
+    batch = DraftBatch(
+        adv.tokens,
+        adv.offsets,
+        np.minimum(n_out if all_ok else n_out[ok], width).astype(np.int32),
+        rows if all_ok else rows[ok],
+        session.want_margin,
+        width,
+        session=session.windows.serial,
+        slots=adv.slots,
+        gens=adv.gens,
+        lengths=adv.lengths,
+    )
+    return slots, ok, width, batch

@@ -1,0 +1,432 @@
+"""The reference remote drafter: a ``tcp://`` server speaking the wire contract.
+
+An accept loop (:class:`~remote_dspark.worker.admission.Admission`, one thread with a
+selector, woken by a self-pipe so ``stop()`` and SIGTERM end it at once) holds every
+connection until it has said HELLO, under the HELLO's own small cap and a HELLO
+deadline, in a pool of its own where the oldest makes room for a newcomer. A whole
+HELLO gets a served connection and its thread, or a "busy" refusal when
+``max_connections`` are served. Per served connection: the HELLO is checked
+(identities, this worker's :class:`~remote_dspark.worker.limits.Limits`, a place among
+the engines: :class:`~remote_dspark.worker.sessions.Sessions`), each refusal with its
+reason; then ROUND frames are answered with DRAFTS until BYE, a closed socket, or a bad
+frame, which closes that connection only, with one log line. A served connection may
+idle between frames for as long as it likes (TCP keepalive finds a dead peer); a frame,
+once begun, must be whole within ``frame_timeout_s``.
+
+Windows are kept per (engine, session, slot): the last ``window`` tokens of each slot
+and the position the next token must have. A new session of the same engine (a
+respawned proxy) replaces the old session's windows; a NEW_GEN entry rebuilds a slot;
+an entry for a slot the worker does not know, or with a gap in its positions, is
+answered with ``STATUS_RESYNC`` and no drafts, and the slot is forgotten, so the engine
+re-announces it.
+
+A round is handled without a Python loop over its entries: the ROUND's sections are
+read as numpy arrays in place; a session's windows
+(:class:`~remote_dspark.worker.windows.Windows`) are updated for all entries at once;
+the contexts go to the drafter as one ragged ``(tokens, offsets)`` pair
+(:class:`~remote_dspark.drafter.DraftBatch`), and the DRAFTS reply is written from the
+result's arrays into one buffer at ``wire.drafts_sections`` offsets.
+
+Memory is bounded by this worker's own numbers, never by what a peer announces (the
+bounds are written out in docs/design.md, "The reference worker"): ``max_pending``
+pre-HELLO connections of one HELLO frame each; ``max_connections`` served connections,
+each with one receive buffer (filled as bytes arrive, never beyond its session's frame
+cap) and one round's arrays; ``max_engines`` sessions of ``max_slots`` x ``window``
+tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+
+from .. import wire
+from ..drafter.contract import (
+    BatchedDrafter,
+    PerEntryDrafterLike,
+    as_batched,
+    check_result,
+    empty_result,
+)
+from ..transport import DeadlineExceeded, Disconnected, FrameChannel
+from ..transport.tcp import TcpStream
+from .admission import Admission
+from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
+from .round import drafting_batch, reply_frame
+from .sessions import RECENT_S, Session, Sessions
+from .stats import REFUSAL_REASONS, Health, WorkerStats  # noqa: F401
+from .windows import Windows
+
+log = logging.getLogger("remote_dspark.worker")
+
+DEFAULT_LISTEN = "127.0.0.1:18620"
+
+# The old name of the per-entry drafter protocol (still accepted: drafter.as_batched).
+Drafter = PerEntryDrafterLike
+
+
+class Worker:
+    """The server. ``start()`` binds and serves in background threads; ``stop()`` ends
+    everything (sends BYE to every open connection) and returns when all threads did.
+
+    Its own limits (``max_slots``, ``max_row_bytes``, ``max_round_tokens``,
+    ``max_round_bytes``: :class:`~remote_dspark.worker.limits.Limits`) refuse a HELLO
+    beyond them; admission (``max_pending``, ``hello_timeout_s``) and places
+    (``max_connections`` served connections, ``max_engines`` sessions, none evicted
+    within ``recent_s`` of its last round) are described in the module docstring.
+
+    ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
+    ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
+    (:mod:`~remote_dspark.worker.metrics`, which needs prometheus_client: imported only then).
+    """
+
+    def __init__(
+        self,
+        drafter: BatchedDrafter | Drafter,
+        host: str = "127.0.0.1",
+        port: int = 18620,
+        *,
+        window: int = 64,
+        max_slots: int = DEFAULT_MAX_SLOTS,
+        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+        max_round_tokens: int | None = None,
+        max_round_bytes: int | None = None,
+        max_engines: int = 32,
+        max_connections: int = 32,
+        max_pending: int = 128,
+        hello_timeout_s: float = 2.0,
+        frame_timeout_s: float = 10.0,
+        recent_s: float = RECENT_S,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+    ):
+        if window < 1:
+            raise ValueError(f"window {window}: must be >= 1")
+        if max_connections < 1 or max_pending < 1:
+            raise ValueError(f"max_connections {max_connections}, max_pending {max_pending}: must be >= 1")
+        if not (hello_timeout_s > 0 and frame_timeout_s > 0):
+            raise ValueError(f"hello_timeout_s {hello_timeout_s}, frame_timeout_s {frame_timeout_s}: must be > 0")
+        self.drafter = drafter  # as given (its identities are checked at HELLO)
+        self._batched = as_batched(drafter)  # what rounds call
+        self.host, self.port = host, port
+        self.window = window
+        self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes)
+        self.max_slots = max_slots
+        self.max_connections = max_connections
+        self.max_pending = max_pending
+        self.hello_timeout_s = hello_timeout_s
+        self.frame_timeout_s = frame_timeout_s
+        self.stats = WorkerStats()
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self._metrics = None  # worker_metrics.MetricsServer while started with a metrics port
+        self._started = time.monotonic()
+        # Fault injection (``remote-dspark worker --chaos``): answer every round this
+        # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
+        self.reply_delay_s = 0.0
+        self.garble = 0
+        self._sessions = Sessions(max_engines, recent_s)
+        self._lock = threading.Lock()  # guards _conns, _threads, stats
+        self._conns: set[socket.socket] = set()  # served connections (after HELLO)
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self._admission: Admission | None = None
+        self._acceptor: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Worker:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise ValueError(f"--listen {self.host}:{self.port}: {e.strerror}") from e
+        sock.listen(128)
+        self.port = sock.getsockname()[1]
+        self._started = time.monotonic()
+        if self.metrics_port is not None:
+            from .metrics import MetricsServer  # lazily: prometheus_client only when asked for
+
+            try:
+                self._metrics = MetricsServer(self, self.metrics_host, self.metrics_port)
+            except BaseException:
+                sock.close()
+                raise
+            self.metrics_port = self._metrics.port
+        self._admission = Admission(
+            sock,
+            self._wake_r,
+            max_pending=self.max_pending,
+            hello_timeout_s=self.hello_timeout_s,
+            on_hello=self._on_hello,
+            on_version=self._on_version,
+            count=self._count,
+        )
+        self._acceptor = threading.Thread(
+            target=self._admission.run, args=(self._stopping,), name="worker-accept", daemon=True
+        )
+        self._acceptor.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        os.write(self._wake_w, b"x")
+        if self._acceptor:
+            self._acceptor.join(timeout_s)
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            # Wakes the connection's thread out of recv; it says BYE and closes.
+            try:
+                c.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        for t in list(self._threads):
+            t.join(timeout_s)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self._metrics is not None:  # last: /healthz says "stopping" (503) while the rest stops
+            self._metrics.close(timeout_s)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def admission(self):
+        """The front door's statistics (:class:`~remote_dspark.worker.admission.AdmissionStats`)."""
+        return self._admission.statistics() if self._admission else None
+
+    def statistics(self) -> WorkerStats:
+        """A consistent copy of :attr:`stats` (taken under the lock)."""
+        with self._lock:
+            return self.stats.copy()
+
+    def served_now(self) -> int:
+        """Connections served at this moment."""
+        with self._lock:
+            return len(self._conns)
+
+    def health(self) -> Health:
+        with self._lock:
+            served, connections, rounds = len(self._conns), self.stats.connections, self.stats.rounds
+        serving = not self._stopping.is_set()
+        return Health(
+            "serving" if serving else "stopping",
+            time.monotonic() - self._started,
+            connections,
+            rounds,
+            served,
+            serving and served < self.max_connections,
+        )
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _refuse(self, reason: str) -> None:
+        with self._lock:
+            self.stats.refusals[reason] += 1
+
+    # ------------------------------------------------------------------ admission (the accept thread)
+
+    def _on_hello(self, conn: socket.socket, peer, hdr: wire.Header, payload: bytes) -> None:
+        """A whole HELLO from the pre-HELLO pool: a served connection and its thread, or
+        "busy" when ``max_connections`` are served (answered from here, not blocking:
+        the ack fits any fresh socket's send buffer)."""
+        if self._stopping.is_set():
+            conn.close()
+            return
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            busy = len(self._conns) >= self.max_connections
+            if busy:
+                self.stats.refusals["busy"] += 1
+            else:
+                self._conns.add(conn)
+                self.stats.connections += 1
+                t = threading.Thread(
+                    target=self._serve, args=(conn, peer, hdr, payload), name=f"worker-conn-{peer}", daemon=True
+                )
+                self._threads.append(t)
+        if busy:
+            reason = f"busy: {self.max_connections} connections served (--max-connections); try again later"
+            log.warning("refused HELLO of session %#x from %s: %s", hdr.session, peer, reason)
+            self._answer_and_close(conn, self._ack(wire.REFUSE_LIMITS, reason, hdr.session))
+            return
+        t.start()
+
+    def _on_version(self, conn: socket.socket, peer, e: wire.VersionMismatch) -> None:
+        self._refuse("version")
+        log.warning("connection %s: %s; refused", peer, e)
+        self._answer_and_close(conn, self._ack(wire.REFUSE_VERSION, str(e), 0))
+
+    @staticmethod
+    def _answer_and_close(conn: socket.socket, frame: bytes) -> None:
+        try:
+            conn.send(frame)  # non-blocking: what does not fit is not waited for
+        except OSError:
+            pass
+        conn.close()
+
+    # ------------------------------------------------------------------ one served connection
+
+    def _serve(self, conn: socket.socket, peer, hello_hdr: wire.Header, hello_payload: bytes) -> None:
+        conn.setblocking(True)
+        chan = FrameChannel(TcpStream(conn))
+        session: Session | None = None
+        try:
+            session = self._hello(chan, hello_hdr, hello_payload, conn)
+            if session is None:
+                return
+            while not self._stopping.is_set() and not session.evicted:
+                # No deadline between frames (an engine may idle for minutes; keepalive
+                # finds a dead one); a frame, once begun, within frame_timeout_s.
+                hdr, payload = chan.recv_frame(math.inf, self.frame_timeout_s)
+                if hdr.type == wire.BYE:
+                    return
+                elif hdr.type == wire.ROUND:
+                    t0 = time.perf_counter()
+                    reply = self._round(session, hdr, payload)
+                    if self.reply_delay_s:
+                        time.sleep(self.reply_delay_s)
+                    if self.garble > 0:
+                        self.garble -= 1
+                        reply = os.urandom(len(reply))
+                    chan.send(reply)
+                    self._sessions.served(session)
+                    took = time.perf_counter() - t0
+                    with self._lock:
+                        self.stats.round_seconds.observe(took)
+                else:
+                    raise wire.ProtocolError(f"unexpected {hdr.name} from the engine side")
+        except wire.VersionMismatch as e:
+            self._count("bad_frames")
+            log.warning("connection %s: %s; refused", peer, e)
+            self._send_quietly(chan, self._ack(wire.REFUSE_VERSION, str(e), 0))
+        except wire.ProtocolError as e:
+            self._count("bad_frames")
+            log.warning("connection %s: bad frame, closing it: %s", peer, e)
+        except DeadlineExceeded as e:
+            self._count("stalled")
+            log.warning(
+                "connection %s: a frame not whole within %.1f s (%s); closing it", peer, self.frame_timeout_s, e
+            )
+        except Disconnected:
+            pass
+        except Exception:  # the drafter (or this worker) failed: this connection only, loudly
+            self._count("round_failures")
+            log.exception("connection %s: failed serving a round; closing it", peer)
+        finally:
+            if self._stopping.is_set() or (session is not None and session.evicted):
+                self._send_quietly(chan, wire.encode_bye(session.session if session else 0))
+            chan.close()
+            if session is not None:
+                self._sessions.drop(session)
+            with self._lock:
+                self._conns.discard(conn)
+
+    def _hello(
+        self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
+    ) -> Session | None:
+        hello = wire.decode_hello(payload)
+        code, reason, why = hello_refusal(self.drafter, self.limits, hello)
+        if code != wire.ACCEPT:
+            self._refuse(why)
+            log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
+            chan.send(self._ack(code, reason, hdr.session))
+            return None
+        session = Session(
+            hdr.session,
+            hello.max_slots,
+            hello.num_spec,
+            hello.want_margin,
+            Windows(hello.max_slots, self.window),
+            row_bytes=hello.row_bytes,
+            engine_id=hello.engine_id,
+            conn=conn,
+        )
+        # A place among the engines: the engine's own (a new session replaces the old
+        # one's windows), a free one, or the least recently served one's if it has idled
+        # recent_s; else "busy" (worker_sessions).
+        busy, evicted = self._sessions.admit(session)
+        if busy is not None:
+            self._refuse("busy")
+            log.warning("refused HELLO of session %#x of engine %#x: %s", hdr.session, hello.engine_id, busy)
+            chan.send(self._ack(wire.REFUSE_LIMITS, busy, hdr.session))
+            return None
+        if evicted is not None:
+            self._count("evicted")
+            log.info(
+                "engine %#x (session %#x) evicted for engine %#x: served least recently",
+                evicted.engine_id,
+                evicted.session,
+                hello.engine_id,
+            )
+        chan.max_payload = self.limits.frame_cap(hello)
+        # Only now the ACK: once the engine side has it, the old windows are gone.
+        chan.send(self._ack(code, reason, hdr.session))
+        log.info(
+            "session %#x of engine %#x: %d slots, num_spec %d",
+            hdr.session,
+            hello.engine_id,
+            hello.max_slots,
+            hello.num_spec,
+        )
+        return session
+
+    def _ack(self, code: int, reason: str, session: int) -> bytes:
+        return wire.encode_hello_ack(
+            wire.HelloAck(code, self.drafter.drafter_identity, self.drafter.markov_identity, reason), session
+        )
+
+    def _round(self, session: Session, hdr: wire.Header, payload) -> bytes:
+        """One ROUND in, its DRAFTS frame out; no Python loop over the entries."""
+        rnd = wire.decode_round(hdr, payload)
+        slots, ok, width, batch = drafting_batch(session, rnd, self.limits)
+        # No drafting entries (an empty round, or every slot to re-announce): no call.
+        drafting = None
+        if len(batch):
+            t0 = time.perf_counter()
+            result = self._batched.draft_batch(batch)
+            drafting = time.perf_counter() - t0
+            result = check_result(result, batch)
+        else:
+            result = empty_result(0, width, session.want_margin)
+        reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result)
+        n = len(slots)
+        with self._lock:
+            self.stats.rounds += 1
+            self.stats.entries += n
+            self.stats.resyncs += n - int(np.count_nonzero(ok))
+            self.stats.draft_tokens += int(result.counts.sum())
+            if drafting is not None:
+                self.stats.drafting_seconds.observe(drafting)
+        return reply
+
+    @staticmethod
+    def _send_quietly(chan: FrameChannel, frame: bytes) -> None:
+        try:
+            chan.send(frame)
+        except Disconnected:
+            pass
+
+
+def parse_listen(raw: str) -> tuple[str, int]:
+    """``HOST:PORT`` for ``--listen``. Raises: ValueError naming the value."""
+    host, sep, port_s = raw.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ValueError(f"--listen {raw!r}: expected HOST:PORT with PORT in 0..65535")
+    return host, int(port_s)

@@ -1,0 +1,111 @@
+"""The engines a worker holds windows for, and who gets a place when they are full.
+
+One :class:`Session` per accepted HELLO; :class:`Sessions` maps each engine id to its
+latest session. A session leaves when its connection ends (every new connection starts
+with a new HELLO and the engine re-announces all its slots, so a closed connection's
+windows are never read again), when a new session of its engine replaces it (a respawned
+proxy), or when a newcomer evicts it.
+
+A newcomer that finds all ``max_engines`` places taken evicts the least recently served
+session, unless that one was served within ``recent_s`` (a minute): then every place is
+in use and the newcomer is refused "busy" instead. So a flood of HELLOs with fresh
+engine ids can never wipe the windows of an engine being served, whatever their order;
+it can only be told to come back. An evicted session's connection is shut down: its
+thread says BYE and closes it, and the engine reconnects and says HELLO again.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .windows import Windows
+
+RECENT_S = 60.0
+
+
+@dataclass(eq=False)
+class Session:
+    session: int
+    max_slots: int
+    num_spec: int
+    want_margin: bool
+    windows: Windows
+    row_bytes: int | None = None  # the HELLO's; None: not checked (tests that drive rounds directly)
+    engine_id: int = 0
+    last_served: float = 0.0  # monotonic: its HELLO, then the end of every round it was answered
+    evicted: bool = False  # a newcomer took its place; its connection says BYE and closes
+    conn: socket.socket | None = None  # its connection (shut down on eviction), when it has one
+
+
+class Sessions:
+    """Engine id -> its latest session, at most ``max_engines`` of them.
+
+    Invariants: every session here has ``evicted`` False; a session is here from its
+    accepted HELLO until its connection ends, its engine's next HELLO replaces it, or a
+    newcomer evicts it. ``admit`` and ``drop`` take the lock; ``served`` is one store.
+    """
+
+    def __init__(self, max_engines: int, recent_s: float = RECENT_S, clock: Callable[[], float] = time.monotonic):
+        if max_engines < 1:
+            raise ValueError(f"max_engines {max_engines}: must be >= 1")
+        self.max_engines = max_engines
+        self.recent_s = recent_s
+        self.clock = clock
+        self._by_engine: dict[int, Session] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._by_engine)
+
+    def get(self, engine_id: int) -> Session | None:
+        return self._by_engine.get(engine_id)
+
+    def admit(self, new: Session) -> tuple[str | None, Session | None]:
+        """Give ``new`` its engine's place. Returns ``(busy, evicted)``: ``busy`` is the
+        refusal's reason when there is no place (``new`` is then not admitted), ``evicted``
+        the session that made room for it, if one did.
+
+        A new session of the same engine replaces the old one at once: its windows go
+        now, not when its connection closes (an old connection that still sends rounds
+        gets RESYNC for every slot).
+        """
+        with self._lock:
+            now = self.clock()
+            victim = None
+            old = self._by_engine.pop(new.engine_id, None)
+            if old is not None:
+                old.windows.forget_all()
+            elif len(self._by_engine) >= self.max_engines:
+                victim = min(self._by_engine.values(), key=lambda s: s.last_served)
+                idle = now - victim.last_served
+                if idle < self.recent_s:
+                    return (
+                        f"busy: all {self.max_engines} engine places are held by engines served within the "
+                        f"last {self.recent_s:g} s (the least recently served {idle:.1f} s ago; "
+                        "--max-engines); try again later"
+                    ), None
+                del self._by_engine[victim.engine_id]
+                victim.evicted = True
+                victim.windows.forget_all()
+            new.last_served = now
+            self._by_engine[new.engine_id] = new
+        if victim is not None and victim.conn is not None:
+            try:  # wakes its thread out of recv: it says BYE and closes
+                victim.conn.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        return None, victim
+
+    def served(self, session: Session) -> None:
+        """``session`` was just answered a round (one float store: no lock)."""
+        session.last_served = self.clock()
+
+    def drop(self, session: Session) -> None:
+        """``session``'s connection ended: it leaves, unless it was replaced already."""
+        with self._lock:
+            if self._by_engine.get(session.engine_id) is session:
+                del self._by_engine[session.engine_id]

@@ -1,0 +1,79 @@
+"""The worker's counters and its health, as :class:`~remote_dspark.worker.Worker` keeps them.
+
+:class:`WorkerStats` is the one owner of every number the worker counts: its stop line,
+``remote-dspark worker --metrics-port`` (:mod:`~remote_dspark.worker.metrics`, read at
+scrape time) and the tests all read these fields, and nothing counts them twice. The
+round path adds to it under the worker's one lock: a few integer additions and, per
+round, one fixed-bucket observation into each histogram (no per-entry work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..histogram import HistogramCounter
+
+# Why a HELLO was refused, each refusal counted once under one (low cardinality: the
+# metrics' ``reason`` label): the drafter or Markov identity differs, the drafter's
+# vocabulary is over the engine's, the HELLO is beyond this worker's limits, another
+# protocol version, or busy (no served connection or no engine place free).
+REFUSAL_REASONS = ("drafter", "markov", "vocab", "limits", "version", "busy")
+
+
+@dataclass
+class WorkerStats:
+    """The worker's counters: their one owner (``stop``'s line, ``worker_metrics`` and the
+    tests read them). Written under ``Worker._lock``; read a consistent copy with
+    :meth:`Worker.statistics`."""
+
+    connections: int = 0  # connections served (a whole HELLO given a thread)
+    refusals: dict = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))  # HELLOs refused, by reason
+    evicted: int = 0  # sessions evicted for a newcomer (least recently served, idle >= recent_s)
+    bad_frames: int = 0  # connections dropped for a frame that breaks the contract
+    stalled: int = 0  # connections dropped for a frame not whole within frame_timeout_s
+    round_failures: int = 0  # connections dropped because drafting (or answering) a round raised
+    hello_timeouts: int = 0  # connections dropped for no HELLO within hello_timeout_s
+    displaced: int = 0  # pre-HELLO connections dropped to make room for a newer one
+    rounds: int = 0
+    entries: int = 0
+    resyncs: int = 0
+    draft_tokens: int = 0
+    round_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a whole ROUND in to its DRAFTS sent
+    drafting_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # inside draft_batch
+
+    @property
+    def refused(self) -> int:
+        """HELLOs refused for anything but busy: identities, vocabulary, limits, version."""
+        return sum(n for reason, n in self.refusals.items() if reason != "busy")
+
+    @property
+    def busy(self) -> int:
+        """HELLOs refused busy."""
+        return self.refusals["busy"]
+
+    def copy(self) -> WorkerStats:
+        """A copy that shares nothing mutable (the histograms as counters of their own)."""
+
+        def hist(h: HistogramCounter) -> HistogramCounter:
+            c = HistogramCounter(h.bounds)
+            c.buckets[:], c.sum = h.buckets, h.sum
+            return c
+
+        return replace(
+            self,
+            refusals=dict(self.refusals),
+            round_seconds=hist(self.round_seconds),
+            drafting_seconds=hist(self.drafting_seconds),
+        )
+
+
+@dataclass(frozen=True)
+class Health:
+    """What ``/healthz`` and ``/readyz`` answer (``worker_metrics``)."""
+
+    state: str  # serving, or stopping (from the moment stop() begins)
+    uptime_s: float
+    connections: int  # served so far
+    rounds: int
+    served_now: int  # connections served at this moment
+    ready: bool  # serving with a served connection free (a HELLO now would not be busy)
