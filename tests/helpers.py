@@ -6,17 +6,49 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+import textwrap
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from remote_dspark import wire
+from remote_dspark import native, wire
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.transport.client import DraftClient
 from remote_dspark.worker import Worker
+
+# The repository (the package's root) and the tests' own folder (helpers.py, conftest.py).
+REPO = str(Path(__file__).resolve().parents[1])
+TESTS = Path(__file__).resolve().parent
+CHILD_TIMEOUT_S = 20
+
+
+@contextlib.contextmanager
+def child(code: str, lib: native.Native | None = None, fds: tuple[int, ...] = (), **popen):
+    """Run ``code`` in a fresh interpreter (``-c``) with ``fds`` passed; yields the Popen.
+    The child is killed and reaped on the way out, whatever happened."""
+    env = {"PATH": os.environ.get("PATH", os.defpath), "PYTHONPATH": REPO}
+    if lib is not None:
+        env[native.ENV_LIB] = lib.path
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], pass_fds=fds, env=env, text=True, **popen)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=CHILD_TIMEOUT_S)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    """Wait (bounded) for the child to exit 0; its stdout."""
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    assert proc.returncode == 0, f"child exited {proc.returncode}: {err}"
+    return out
 
 
 def until(cond, timeout: float = 10.0, step: float = 0.005) -> bool:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from helpers import REPO
 
 from remote_dspark.cli.main import build_parser
 from remote_dspark.config.env import ENV_ENDPOINT, ENV_MARKOV_CACHE, VARIABLES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(REPO)
 README = (ROOT / "README.md").read_text()
 DOCS = {
     p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -5,7 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
+ROOT = Path(REPO)
 
 
 def test_the_integration_example_runs():

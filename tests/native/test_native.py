@@ -10,7 +10,7 @@ import struct
 import subprocess
 
 import pytest
-from test_handoff import CHILD_TIMEOUT_S, child
+from helpers import CHILD_TIMEOUT_S, child
 
 from remote_dspark import native, wire
 from remote_dspark.native import NativeError, Status, check

@@ -239,7 +239,7 @@ def test_real_prometheus_scrapes_the_engine(worker, tmp_path):
             assert until(lambda: scraped('dspark_remote_rounds_total{outcome="ok"}', ok), timeout=30)
             assert until(lambda: scraped('dspark_remote_proxy_restarts_total{cause="signal"}', 1), timeout=30)
             # Every engine query of the dashboard returns data from this run (the worker's
-            # row: tests/test_worker_metrics.py).
+            # row: tests/worker/test_worker_metrics.py).
             engine_queries = [e for e in dashboard.queries() if "dspark_worker_" not in e]
             assert until(lambda: all(query(rate_window(e, "5s")) for e in engine_queries), timeout=30), [
                 e for e in engine_queries if not query(rate_window(e, "5s"))

@@ -7,53 +7,22 @@ every wait has a deadline; nothing sleeps hoping another process got somewhere.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import select
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 from collections import deque
-from pathlib import Path
 
 import pytest
-from helpers import until
+from helpers import CHILD_TIMEOUT_S, child, finish, until
 
 from remote_dspark import native, wire
 from remote_dspark.outcome import Outcome
 from remote_dspark.proxy import ring_end
 from remote_dspark.region import layout, ring, shm, streamsync
 from remote_dspark.region.ring import seq_add
-
-REPO = str(Path(__file__).resolve().parents[1])
-CHILD_TIMEOUT_S = 20
-
-
-@contextlib.contextmanager
-def child(code: str, lib: native.Native | None = None, fds: tuple[int, ...] = (), **popen):
-    """Run ``code`` in a fresh interpreter (``-c``) with ``fds`` passed; yields the Popen.
-    The child is killed and reaped on the way out, whatever happened."""
-    env = {"PATH": os.environ.get("PATH", os.defpath), "PYTHONPATH": REPO}
-    if lib is not None:
-        env[native.ENV_LIB] = lib.path
-    popen.setdefault("stdout", subprocess.PIPE)
-    popen.setdefault("stderr", subprocess.PIPE)
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], pass_fds=fds, env=env, text=True, **popen)
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.communicate(timeout=CHILD_TIMEOUT_S)
-
-
-def finish(proc: subprocess.Popen) -> str:
-    """Wait (bounded) for the child to exit 0; its stdout."""
-    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
-    assert proc.returncode == 0, f"child exited {proc.returncode}: {err}"
-    return out
 
 
 def proxy_code(fd: int, body: str, want_margin: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""The child process of tests/test_lifecycle.py: one lifecycle scenario of ``RemoteDSpark``
+"""The child process of tests/engine/test_lifecycle.py: one lifecycle scenario of ``RemoteDSpark``
 against its own loopback worker, in its own process, so a crash (SIGSEGV) is the test's
 failure and not the test run's end.
 
@@ -40,7 +40,7 @@ ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 
 
 def environment(mode: str, port: int, tmp: str) -> dict[str, str]:
-    """As tests/test_engine.py builds it: capacity, the modes' switches, a stats file."""
+    """As tests/engine/test_engine.py builds it: capacity, the modes' switches, a stats file."""
     d = MarkovDrafter(COUNTING)
     env = dict(
         os.environ,

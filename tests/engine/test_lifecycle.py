@@ -2,7 +2,7 @@
 close() while another thread runs rounds, stats() scraped while close() runs, and what a
 closed engine answers.
 
-Each scenario runs in a child process (tests/lifecycle_child.py) with its own loopback
+Each scenario runs in a child process (tests/engine/lifecycle_child.py) with its own loopback
 worker, so a crash there (SIGSEGV: a wait reading a region close() unmapped) fails the
 test with the child's stacks instead of ending the test run. The child checks each cycle
 and prints a ``SUMMARY {json}`` line; the test asserts on its exit status and summary.
@@ -22,12 +22,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO, TESTS
 
 from remote_dspark.outcome import Outcome
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
-CHILD = TESTS / "lifecycle_child.py"
+CHILD = Path(__file__).resolve().with_name("lifecycle_child.py")
 MODES = ("sync", "thread", "process")
 CYCLES = 25  # the bug report's number: one SIGSEGV in two runs of 25 (thread mode)
 CLOSE_DEADLINE_S = 2.0  # the API's: close() returns within 2 s

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import until
+from helpers import REPO, until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +30,7 @@ from remote_dspark.worker import Worker
 from remote_dspark.worker.drafters import load_drafter
 from remote_dspark.worker.windows import Windows
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(REPO)
 TIE = 1e-4  # below this top1 - top2 margin, padding's rounding may flip the greedy choice
 PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)  # re-encodes every round
 

@@ -8,7 +8,7 @@ import os
 import struct
 
 import pytest
-from test_handoff import child, finish
+from helpers import child, finish
 
 from remote_dspark.proxy import ring_end
 from remote_dspark.region import layout, shm
