@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # The engine side needs torch. On a machine without a GPU this must be the CPU build:
-# `pip install torch==2.13.0` resolves to the CPU wheel kept on this workplace's disk.
+# `pip install torch==2.13.0` takes the CPU wheel where one is provided locally.
 # A GPU host sets TORCH_SPEC to the build it wants (or installs torch itself first).
 TORCH_SPEC ?= torch==2.13.0
 # The tests also load a tiny transformers model (the hf extra: --hf-model), so it is installed too.

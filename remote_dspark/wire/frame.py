@@ -27,7 +27,7 @@ if sys.byteorder != "little":
     raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; this host is big-endian")
 
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 3  # 3: HELLO carries the engine's vocabulary size
+PROTOCOL_VERSION = 3  # what each version changed: docs/design.md, "Versions"
 
 HELLO, HELLO_ACK, ROUND, DRAFTS, BYE = 1, 2, 3, 4, 5
 FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE"}

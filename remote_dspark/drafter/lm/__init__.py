@@ -1,4 +1,4 @@
-"""Model drafters for the worker (issue 16): torch, imported only when asked for.
+"""Model drafters for the worker: torch, imported only when one is asked for.
 
 * :func:`builtin_drafter` (``remote-dspark worker --drafter lm``): the tiny built-in
   transformer (:mod:`.model`) behind the batched drafter with its per-stream KV cache
@@ -6,8 +6,8 @@
 * :func:`hf_drafter` (``--hf-model DIR``): a transformers causal LM from a local
   directory (:mod:`.hf`; the ``hf`` extra).
 
-``import remote_dspark`` and the Markov worker never import this package: the worker's
-``load_drafter`` imports it by name for these drafters only.
+``import remote_dspark`` and the Markov worker never import this package: the worker
+(:func:`remote_dspark.worker.drafters.load_drafter`) imports it for these drafters only.
 """
 
 from __future__ import annotations
