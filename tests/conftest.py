@@ -3,12 +3,10 @@
 import os
 
 import pytest
-
-# A loopback worker of helpers.COUNTING for every test that asks for ``worker`` (and its
-# gated ``drafter``), unless its module defines a worker of its own.
-from helpers import drafter, worker  # noqa: F401  (fixtures, shared by name)
+from helpers import COUNTING, gated_drafter
 
 from remote_dspark import native
+from remote_dspark.worker import Worker
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +17,25 @@ def lib(tmp_path_factory) -> native.Native:
         environ={"PATH": os.environ.get("PATH", os.defpath)},
         cache_dir=tmp_path_factory.getbasetemp() / "hostflag-cache",
     )
+
+
+# A loopback worker of helpers.COUNTING for every test that asks for ``worker`` (and its
+# gated ``drafter``), unless its module defines a worker of its own.
+@pytest.fixture
+def drafter():
+    """A gated drafter of the COUNTING model: clear its ``gate`` to hold drafts back."""
+    d = gated_drafter(COUNTING)
+    yield d
+    d.gate.set()
+
+
+@pytest.fixture
+def worker(drafter):
+    """A reference worker on loopback serving ``drafter``; stopped after the test."""
+    w = Worker(drafter, "127.0.0.1", 0).start()
+    yield w
+    drafter.gate.set()
+    w.stop()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,13 +13,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from remote_dspark import native, wire
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.transport.client import DraftClient
-from remote_dspark.worker import Worker
 
 # The repository (the package's root) and the tests' own folder (helpers.py, conftest.py).
 REPO = str(Path(__file__).resolve().parents[1])
@@ -82,23 +79,6 @@ def gated_drafter(model, wait_s: float = 10.0):
 
 # 1 -> 2 -> 3 -> 4 -> 1 ...: drafts a test can predict.
 COUNTING = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
-
-
-@pytest.fixture
-def drafter():
-    """A gated drafter of the COUNTING model (a fixture of every test: conftest imports it)."""
-    d = gated_drafter(COUNTING)
-    yield d
-    d.gate.set()
-
-
-@pytest.fixture
-def worker(drafter):
-    """A reference worker on loopback serving ``drafter``; stopped after the test."""
-    w = Worker(drafter, "127.0.0.1", 0).start()
-    yield w
-    drafter.gate.set()
-    w.stop()
 
 
 def env_for(port: int, tmp_path, **kw) -> dict:
