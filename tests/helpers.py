@@ -1,8 +1,10 @@
 """Small helpers the tests import by name."""
 
 import contextlib
+import io
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -46,6 +48,29 @@ def finish(proc: subprocess.Popen) -> str:
     out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 0, f"child exited {proc.returncode}: {err}"
     return out
+
+
+def readline_within(stream, timeout_s: float, what: str = "a line"):
+    """One line from a child's pipe ``stream`` (text or binary, as the stream is), waited
+    for at most ``timeout_s`` seconds in all; at end of file, what came before it (as
+    ``readline``). An AssertionError names ``what`` when no whole line comes in time.
+    It reads the pipe's descriptor a byte at a time, so the stream's own buffer stays
+    empty: read that stream only this way or with ``communicate``, which reads the
+    descriptor too."""
+    fd = stream.fileno()
+    end = time.monotonic() + timeout_s
+    got = bytearray()
+    while not got.endswith(b"\n"):
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"waited {timeout_s} s for {what}; got {bytes(got)!r} and no end of line")
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        got += byte
+    if isinstance(stream, io.TextIOBase):
+        return got.decode(stream.encoding, stream.errors)
+    return bytes(got)
 
 
 def until(cond, timeout: float = 10.0, step: float = 0.005) -> bool:
@@ -149,7 +174,7 @@ def prometheus(tmp_path, job: str, target_port: int):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            proc.wait(10)
         log.close()
 
 

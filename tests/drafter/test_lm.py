@@ -418,7 +418,7 @@ def test_worker_command_with_the_lm_drafter_serves_a_round():
         assert proc.wait(timeout=20) == 0
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         proc.stdout.close()
 
 

@@ -311,7 +311,7 @@ def test_worker_command_prints_its_metrics_address_and_serves_it():
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout=10)
             reader.join(5)
             proc.stdout.close()
 
