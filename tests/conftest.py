@@ -39,8 +39,8 @@ def worker(drafter):
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run on a machine with CUDA (the device machine); elsewhere they are
-    skipped with the reason, which `make test` prints (-rs)."""
+    """GPU tests run where torch sees a CUDA device; elsewhere they are skipped with the
+    reason, which `make test` prints (-rs)."""
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:
         return
@@ -51,6 +51,6 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:
         available = False
     if not available:
-        skip = pytest.mark.skip(reason="needs an NVIDIA GPU: run `python3 -m pytest -m gpu` on the device machine")
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA; run `python3 -m pytest -m gpu` on a GPU host")
         for item in gpu:
             item.add_marker(skip)

@@ -1,4 +1,4 @@
-"""The torch model drafter (remote_dspark.drafter.lm, issue 16): batched drafts against one entry
+"""The torch model drafter (remote_dspark.drafter.lm): batched drafts against one entry
 at a time, the KV cache against re-encoding through the worker's own windows, the cache's
 bound, identities, the HELLO's vocabulary rule, transformers models, the command line.
 CPU float32 throughout."""

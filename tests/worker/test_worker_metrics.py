@@ -1,4 +1,4 @@
-"""The watchable worker (issue 16 item 4): ``--metrics-port`` serves /metrics, /healthz
+"""The watchable worker: ``--metrics-port`` serves /metrics, /healthz
 and /readyz; the exposition counts exactly what happened; promtool accepts it; the
 dashboard's worker row names only exposed metrics and, scraped by a real Prometheus,
 every one of its queries returns data. Loopback only; every wait bounded; every worker
@@ -136,7 +136,7 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
     w, n, entries, resyncs, tokens, text = known
     for reason in REFUSAL_REASONS:  # one of each, each counted once under its own reason
         assert value(text, "dspark_worker_hello_refusals_total", reason=reason) == 1, reason
-    assert w.stats.refused == 5 and w.stats.busy == 1  # the old fields, from the same counts
+    assert w.stats.refused == 5 and w.stats.busy == 1  # WorkerStats agrees, from the same counts
     # Given a thread: the accepted one and the four refused there (identities, vocab, limits);
     # the version and the busy refusal are answered at the door.
     assert value(text, "dspark_worker_served_connections_total") == 5
