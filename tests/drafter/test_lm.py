@@ -378,6 +378,7 @@ def lines_of(proc) -> "queue.Queue[str]":
     return q
 
 
+@pytest.mark.slow
 def test_worker_command_with_the_lm_drafter_serves_a_round():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
     proc = subprocess.Popen(
@@ -469,6 +470,7 @@ def hf_drafter(hf_dir):
     return load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=16)
 
 
+@pytest.mark.slow
 def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     from remote_dspark.drafter.lm.hf import dir_identity
 
@@ -490,6 +492,7 @@ def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     assert compared >= 6
 
 
+@pytest.mark.slow
 def test_hf_model_serves_a_round_through_a_worker(hf_drafter):
     d = hf_drafter
     with Worker(d, "127.0.0.1", 0, window=16) as w:

@@ -348,6 +348,7 @@ def test_every_worker_metric_the_dashboard_names_is_exposed():
     assert len(named) >= 10 and sorted(named - exposed) == []
 
 
+@pytest.mark.slow
 def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_path):
     w = make(CachedDrafter(MODEL))
     c = connect(w)
