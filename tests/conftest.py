@@ -3,12 +3,10 @@
 import os
 
 import pytest
-
-# A loopback worker of helpers.COUNTING for every test that asks for ``worker`` (and its
-# gated ``drafter``), unless its module defines a worker of its own.
-from helpers import drafter, worker  # noqa: F401  (fixtures, shared by name)
+from helpers import COUNTING, gated_drafter
 
 from remote_dspark import native
+from remote_dspark.worker import Worker
 
 
 @pytest.fixture(scope="session")
@@ -21,9 +19,28 @@ def lib(tmp_path_factory) -> native.Native:
     )
 
 
+# A loopback worker of helpers.COUNTING for every test that asks for ``worker`` (and its
+# gated ``drafter``), unless its module defines a worker of its own.
+@pytest.fixture
+def drafter():
+    """A gated drafter of the COUNTING model: clear its ``gate`` to hold drafts back."""
+    d = gated_drafter(COUNTING)
+    yield d
+    d.gate.set()
+
+
+@pytest.fixture
+def worker(drafter):
+    """A reference worker on loopback serving ``drafter``; stopped after the test."""
+    w = Worker(drafter, "127.0.0.1", 0).start()
+    yield w
+    drafter.gate.set()
+    w.stop()
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run on a machine with CUDA (the device machine); elsewhere they are
-    skipped with the reason, which `make test` prints (-rs)."""
+    """GPU tests run where torch sees a CUDA device; elsewhere they are skipped with the
+    reason, which `make test` prints (-rs)."""
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:
         return
@@ -34,6 +51,6 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:
         available = False
     if not available:
-        skip = pytest.mark.skip(reason="needs an NVIDIA GPU: run `python3 -m pytest -m gpu` on the device machine")
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CUDA; run `python3 -m pytest -m gpu` on a GPU host")
         for item in gpu:
             item.add_marker(skip)

@@ -1,8 +1,10 @@
 """Small helpers the tests import by name."""
 
 import contextlib
+import io
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -13,13 +15,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from remote_dspark import native, wire
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.transport.client import DraftClient
-from remote_dspark.worker import Worker
 
 # The repository (the package's root) and the tests' own folder (helpers.py, conftest.py).
 REPO = str(Path(__file__).resolve().parents[1])
@@ -49,6 +48,29 @@ def finish(proc: subprocess.Popen) -> str:
     out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 0, f"child exited {proc.returncode}: {err}"
     return out
+
+
+def readline_within(stream, timeout_s: float, what: str = "a line"):
+    """One line from a child's pipe ``stream`` (text or binary, as the stream is), waited
+    for at most ``timeout_s`` seconds in all; at end of file, what came before it (as
+    ``readline``). An AssertionError names ``what`` when no whole line comes in time.
+    It reads the pipe's descriptor a byte at a time, so the stream's own buffer stays
+    empty: read that stream only this way or with ``communicate``, which reads the
+    descriptor too."""
+    fd = stream.fileno()
+    end = time.monotonic() + timeout_s
+    got = bytearray()
+    while not got.endswith(b"\n"):
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"waited {timeout_s} s for {what}; got {bytes(got)!r} and no end of line")
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        got += byte
+    if isinstance(stream, io.TextIOBase):
+        return got.decode(stream.encoding, stream.errors)
+    return bytes(got)
 
 
 def until(cond, timeout: float = 10.0, step: float = 0.005) -> bool:
@@ -82,23 +104,6 @@ def gated_drafter(model, wait_s: float = 10.0):
 
 # 1 -> 2 -> 3 -> 4 -> 1 ...: drafts a test can predict.
 COUNTING = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
-
-
-@pytest.fixture
-def drafter():
-    """A gated drafter of the COUNTING model (a fixture of every test: conftest imports it)."""
-    d = gated_drafter(COUNTING)
-    yield d
-    d.gate.set()
-
-
-@pytest.fixture
-def worker(drafter):
-    """A reference worker on loopback serving ``drafter``; stopped after the test."""
-    w = Worker(drafter, "127.0.0.1", 0).start()
-    yield w
-    drafter.gate.set()
-    w.stop()
 
 
 def env_for(port: int, tmp_path, **kw) -> dict:
@@ -169,7 +174,7 @@ def prometheus(tmp_path, job: str, target_port: int):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            proc.wait(10)
         log.close()
 
 

@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import REPO
 
 ROOT = Path(REPO)
 
 
+@pytest.mark.slow
 def test_the_integration_example_runs():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "engine_step.py")],

@@ -26,6 +26,7 @@ def outcome_counts(out: str) -> dict[str, int]:
     }
 
 
+@pytest.mark.slow
 def test_demo_drafts_through_the_proxy_process():
     out = run_cli("demo", "--rounds", "60", "--slots", "16")
     assert out.returncode == 0, out.stderr
@@ -36,6 +37,7 @@ def test_demo_drafts_through_the_proxy_process():
     assert "proxy: 1 started" in out.stdout and "respawn budget left 3" in out.stdout
 
 
+@pytest.mark.slow
 def test_demo_kill_proxy_every_spends_the_budget():
     out = run_cli("demo", "--rounds", "150", "--slots", "8", "--kill-proxy-every", "30", "--respawns", "2")
     assert out.returncode == 0, out.stderr
@@ -70,6 +72,7 @@ def test_a_due_kill_waits_for_the_killed_proxys_successor(monkeypatch):
     assert demo._kill_proxy(rd, 12) == 12 and killed == [12]  # budget spent: nothing to kill
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "thread"])
 def test_demo_other_modes(mode):
     out = run_cli("demo", "--rounds", "30", "--slots", "8", "--mode", mode)
@@ -77,6 +80,7 @@ def test_demo_other_modes(mode):
     assert outcome_counts(out.stdout) == {"ok": 30}
 
 
+@pytest.mark.slow
 def test_chaos_short_run_passes_every_check():
     out = run_cli("chaos", "--seconds", "6", "--seed", "3", "--slots", "16", "--reset-s", "1", "--json", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr

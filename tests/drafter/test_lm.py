@@ -1,4 +1,4 @@
-"""The torch model drafter (remote_dspark.drafter.lm, issue 16): batched drafts against one entry
+"""The torch model drafter (remote_dspark.drafter.lm): batched drafts against one entry
 at a time, the KV cache against re-encoding through the worker's own windows, the cache's
 bound, identities, the HELLO's vocabulary rule, transformers models, the command line.
 CPU float32 throughout."""
@@ -378,6 +378,7 @@ def lines_of(proc) -> "queue.Queue[str]":
     return q
 
 
+@pytest.mark.slow
 def test_worker_command_with_the_lm_drafter_serves_a_round():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
     proc = subprocess.Popen(
@@ -418,7 +419,7 @@ def test_worker_command_with_the_lm_drafter_serves_a_round():
         assert proc.wait(timeout=20) == 0
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         proc.stdout.close()
 
 
@@ -469,6 +470,7 @@ def hf_drafter(hf_dir):
     return load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=16)
 
 
+@pytest.mark.slow
 def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     from remote_dspark.drafter.lm.hf import dir_identity
 
@@ -490,6 +492,7 @@ def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     assert compared >= 6
 
 
+@pytest.mark.slow
 def test_hf_model_serves_a_round_through_a_worker(hf_drafter):
     d = hf_drafter
     with Worker(d, "127.0.0.1", 0, window=16) as w:

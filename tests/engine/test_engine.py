@@ -343,7 +343,7 @@ def test_ofl_endpoint_without_its_library_fails_start(tmp_path, mode):
     assert not _children()
 
 
-# A stand-in for lane O1's ofl module: the interface transport/ofl.py names, over loopback
+# A stand-in ofl module: the interface transport/ofl.py names, over loopback
 # TCP. It logs each call beside itself, so the test sees that the rounds went through it.
 FAKE_OFL = """
 import os, socket
@@ -557,10 +557,10 @@ def test_start_warns_about_settings_that_cannot_work(worker, tmp_path, caplog):
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_an_idle_engine_costs_no_core_and_its_next_round_is_served(worker, tmp_path, mode):
-    """At defaults (ASYNC_NAP_US=0) the proxy used to spin a whole core while the engine
-    had nothing to draft; now, after its spin, it sleeps on the engine's ``published``
-    word and says so in the region's ``sleeping`` word (the CPU figure is the
-    benchmark's). The engine's next round wakes it, and is served."""
+    """At defaults (ASYNC_NAP_US=0) a proxy whose engine has nothing to draft does not
+    spin a whole core: after its spin, it sleeps on the engine's ``published`` word and
+    says so in the region's ``sleeping`` word (the CPU figure is the benchmark's). The
+    engine's next round wakes it, and is served."""
     with make(async_env(worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_ASYNC_NAP_US="0")) as rd:  # the default
         for _ in range(20):
             assert rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))).outcome is not None

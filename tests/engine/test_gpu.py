@@ -1,4 +1,4 @@
-"""The GPU path, on a machine with CUDA (the device machine): the fused gather, the
+"""The GPU path, on a machine with CUDA: the fused gather, the
 stream hand-off on the registered region, rounds into device tensors, and a killed proxy
 while the stream waits. Elsewhere these are skipped, with the reason (conftest.py)."""
 

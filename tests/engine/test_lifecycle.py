@@ -85,6 +85,7 @@ def _check_closes(s: dict) -> None:
 # --------------------------------------------------------------------------- close() against round()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_close_while_another_thread_runs_rounds(tmp_path, mode):
     """CYCLES times: start; a thread calls round() in a loop; after a short random delay
@@ -98,6 +99,7 @@ def test_close_while_another_thread_runs_rounds(tmp_path, mode):
     assert s["outcomes"]["RemoteClosed"] == CYCLES  # every round thread ended by it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_stats_scraped_while_close_runs(tmp_path, mode):
     """CYCLES times: rounds in one thread, stats() in a loop in another, close() from
@@ -113,6 +115,7 @@ def test_stats_scraped_while_close_runs(tmp_path, mode):
 # --------------------------------------------------------------------------- a closed engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_closed_engine(tmp_path, mode):
     """close() twice is fine; round() and launch() after close raise RemoteClosed; start()

@@ -213,6 +213,7 @@ def test_dashboard_command_prints_it(capsys):
 # --------------------------------------------------------------------------- real Prometheus
 
 
+@pytest.mark.slow
 def test_real_prometheus_scrapes_the_engine(worker, tmp_path):
     env = engine_env(worker)
     rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env).start()

@@ -236,6 +236,7 @@ class Wire:
         self.end = ring_end.ProxyEnd(self.region, lib, spin_us=50, want_margin=True)
         self.rounds = TcpRounds(self.end, session=SESSION, default_deadline_ms=2000)
         self.c_sock, self.c_peer = socket.socketpair()
+        self.c_peer.settimeout(5.0)  # bounds the read of the ROUND the C round sends
         self.rounds.attach(self.c_sock.fileno())
         self.py_sock, self.py_peer = tcp_pair()  # TcpStream wants TCP (TCP_NODELAY)
         self.client = DraftClient(

@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks (issue 18, item 6): ``RemoteDSpark(..., tp_group=...)`` on two
+"""Tensor-parallel ranks: ``RemoteDSpark(..., tp_group=...)`` on two
 gloo ranks, each a process of its own, around one loopback worker in the test process.
 
 The ranks are forked from the test process: torch is imported here already, and a fresh

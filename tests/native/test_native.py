@@ -256,7 +256,7 @@ def test_a_library_that_is_not_hostflag_is_refused(tmp_path):
     src = tmp_path / "other.c"
     src.write_text("int other(void) { return 0; }\n")
     out = tmp_path / "other.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True, timeout=CHILD_TIMEOUT_S)
     with pytest.raises(NativeError, match="is not a hostflag library"):
         native.Native(str(out))
 

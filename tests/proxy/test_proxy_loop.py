@@ -81,6 +81,7 @@ def test_idle_ticks_do_not_spend_the_breakers_cooldown(rig, drafter):
     assert (c["attempts"], c["rounds_breaker_skip"], c["rounds_late"]) == (3, 2, 2)
 
 
+@pytest.mark.slow
 def test_a_lost_connection_is_dropped_and_rounds_go_target_only_until_it_is_back(rig, worker):
     assert rig.round().outcome == Outcome.OK
     worker.stop()

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from helpers import until
+from helpers import readline_within, until
 
 from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
@@ -113,7 +113,7 @@ def test_proxy_process_serves_rounds_through_the_region(lib, worker):
         assert proc.wait(timeout=10) == 0
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         eng.close()
 
 
@@ -137,7 +137,7 @@ def test_proxy_without_worker_answers_target_only_and_breaker_state_lands_in_the
         assert snap.counters["rounds_error"] == 3 and snap.counters["attempts"] == 0
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         eng.close()
 
 
@@ -175,7 +175,7 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
         assert not [m for m in imported if m.split(".")[0] in HEAVY]
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         eng.close()
 
 
@@ -192,7 +192,7 @@ def test_the_proxy_takes_the_engines_configuration_not_the_environment(lib, work
         assert d.outcome == Outcome.OK and d.tokens == ((2, 3, 4),)
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         eng.close()
 
 
@@ -248,7 +248,7 @@ def test_planted_modules_never_run_in_the_proxy(lib, worker, tmp_path, monkeypat
         assert not marker.exists()
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         eng.close()
 
 
@@ -269,9 +269,9 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
     )
     proxy_pid = None
     try:
-        proxy_pid = int(engine.stdout.readline())
+        proxy_pid = int(readline_within(engine.stdout, 30, "the stand-in engine's proxy pid"))
         engine.kill()
-        engine.wait()
+        engine.wait(timeout=10)
 
         def gone():
             try:
@@ -283,7 +283,7 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
         assert until(gone)
     finally:
         engine.kill()
-        engine.wait()
+        engine.wait(timeout=10)
         if proxy_pid is not None:
             try:
                 os.kill(proxy_pid, signal.SIGKILL)

@@ -464,7 +464,7 @@ def test_a_round_handed_over_but_not_gathered_keeps_the_proxy_awake(lib):
 def test_release_orphans_beside_a_busy_watchdog_finds_none_and_never_fails(lib):
     """No proxy at all: the watchdog answers every round. release_orphans (a proxy loss, a
     close) runs beside it under the watchdog's own lock, so a watchdog claim in flight is
-    never taken for a dead claimer's (it used to be, and raised, ending supervision)."""
+    never taken for a dead claimer's (which would raise, ending supervision)."""
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
         wd = eng.start_watchdog(1, poll_us=50)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import until
+from helpers import CHILD_TIMEOUT_S, readline_within, until
 
 from remote_dspark.supervise.supervisor import Cause, Closed, Spent, Starting, Supervisor, Up
 
@@ -34,7 +34,7 @@ class Spawner:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+                p.wait(timeout=10)
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_close_kills_a_child_that_ignores_sigterm(spawner):
     sup = Supervisor(spawn, respawns=0, reset_s=0)
     sup.start()
     proc = spawner.procs[0]
-    assert proc.stdout.readline() == b"ready\n"
+    assert readline_within(proc.stdout, CHILD_TIMEOUT_S, "the child's 'ready'") == b"ready\n"
     sup.close(timeout_s=0.2)
     proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL

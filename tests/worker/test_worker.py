@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from helpers import until
+from helpers import readline_within, until
 
 from remote_dspark import wire
 from remote_dspark.drafter import MarkovDrafter
@@ -322,7 +322,7 @@ def test_worker_command_prints_identities_and_stops_on_sigterm():
         text=True,
     )
     try:
-        lines = [proc.stdout.readline() for _ in range(3)]
+        lines = [readline_within(proc.stdout, 30, "the worker's address and identities") for _ in range(3)]
         assert lines[0].startswith("remote-dspark worker listening on tcp://127.0.0.1:")
         model = builtin_model()
         assert lines[2].strip() == f"VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={model.identity.hex()}"
@@ -337,10 +337,10 @@ def test_worker_command_prints_identities_and_stops_on_sigterm():
         assert hdr.type == wire.BYE
         c.chan.close()
         assert proc.wait(timeout=10) == 0
-        assert "worker stopped: 1 connections" in proc.stderr.read()
+        assert "worker stopped: 1 connections" in proc.communicate(timeout=10)[1]
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         proc.stdout.close()
         proc.stderr.close()
 
@@ -394,7 +394,7 @@ def test_worker_command_serves_either_kind_of_plugin_drafter(tmp_path, factory):
         env=env,
     )
     try:
-        lines = [proc.stdout.readline() for _ in range(3)]
+        lines = [readline_within(proc.stdout, 30, "the worker's address and identities") for _ in range(3)]
         assert lines[1].strip() == f"VLLM_DSPARK_REMOTE_IDENTITY={'64' * 32}"
         port = int(lines[0].rsplit(":", 1)[1])
         c = DraftClient.connect(
@@ -413,5 +413,5 @@ def test_worker_command_serves_either_kind_of_plugin_drafter(tmp_path, factory):
         assert proc.wait(timeout=10) == 0
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=10)
         proc.stdout.close()

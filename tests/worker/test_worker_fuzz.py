@@ -106,6 +106,7 @@ def _within_bounds(w) -> bool:
     return len(w._conns) <= MAX_CONNECTIONS and adm.pending <= MAX_PENDING and len(w._sessions) <= 2
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(convs=st.lists(conversations(), min_size=1, max_size=4))
 def test_hostile_bytes_never_kill_the_worker_nor_grow_it(worker, convs):

@@ -1,4 +1,4 @@
-"""The reference worker under hostile peers (issue 15): nothing but a small HELLO is read
+"""The reference worker under hostile peers: nothing but a small HELLO is read
 before HELLO, the worker's own limits, admission that favours whoever says HELLO, and
 places among the engines by least recent service. All on 127.0.0.1; every wait is
 bounded and every socket and worker is closed. Memory as RSS is the benchmark's

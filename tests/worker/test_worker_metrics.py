@@ -1,4 +1,4 @@
-"""The watchable worker (issue 16 item 4): ``--metrics-port`` serves /metrics, /healthz
+"""The watchable worker: ``--metrics-port`` serves /metrics, /healthz
 and /readyz; the exposition counts exactly what happened; promtool accepts it; the
 dashboard's worker row names only exposed metrics and, scraped by a real Prometheus,
 every one of its queries returns data. Loopback only; every wait bounded; every worker
@@ -136,7 +136,7 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
     w, n, entries, resyncs, tokens, text = known
     for reason in REFUSAL_REASONS:  # one of each, each counted once under its own reason
         assert value(text, "dspark_worker_hello_refusals_total", reason=reason) == 1, reason
-    assert w.stats.refused == 5 and w.stats.busy == 1  # the old fields, from the same counts
+    assert w.stats.refused == 5 and w.stats.busy == 1  # WorkerStats agrees, from the same counts
     # Given a thread: the accepted one and the four refused there (identities, vocab, limits);
     # the version and the busy refusal are answered at the door.
     assert value(text, "dspark_worker_served_connections_total") == 5
@@ -311,7 +311,7 @@ def test_worker_command_prints_its_metrics_address_and_serves_it():
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout=10)
             reader.join(5)
             proc.stdout.close()
 
@@ -348,6 +348,7 @@ def test_every_worker_metric_the_dashboard_names_is_exposed():
     assert len(named) >= 10 and sorted(named - exposed) == []
 
 
+@pytest.mark.slow
 def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_path):
     w = make(CachedDrafter(MODEL))
     c = connect(w)

@@ -3,7 +3,7 @@
 Random rounds (unique slots, NEW_GEN or continuing entries, positions that continue or
 gap, empty token lists, n_out 0..k, windows small enough to wrap) go through
 ``Worker._round`` (decode, windows, one batched drafter call, DRAFTS written in place)
-on one session, several rounds in a row; the reference is the worker's old per-entry
+on one session, several rounds in a row; the reference is per-entry
 logic (a deque per slot) with per-entry ``MarkovModel.draft``. Statuses, the contexts
 the drafter saw, the windows left behind, drafts, counts and margins must all agree.
 No sockets here: test_worker.py covers the connection side.
