@@ -208,6 +208,19 @@ def test_a_scrape_is_the_table_walked_over_the_engines_record(run):
     assert [f[0] for f in families_in(after)] == [c[0] for c in CONTRACT if c[0] != "dspark_remote_margin_ratio"]
 
 
+def test_a_thread_mode_scrape_has_the_hand_offs_rows_and_not_the_supervisors(worker):
+    env = engine_env(worker, VLLM_DSPARK_REMOTE_ASYNC_PROXY="thread", VLLM_DSPARK_REMOTE_WANT_MARGIN="1")
+    with RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env) as rd:
+        engine = DemoEngine(rd, SimEngine(8, 4))
+        assert until(lambda: engine.step().outcome is Outcome.OK)
+        text = scrape(rd)
+        assert families_in(text) == families_of(TABLE, read(rd))
+        supervisors = ("proxy_restarts", "respawn_", "proxy_resident", "proxy_cpu", "standby_")
+        want = [c[0] for c in CONTRACT if not c[0].removeprefix("dspark_remote_").startswith(supervisors)]
+        assert [f[0] for f in families_in(text)] == want
+        assert value(text, "dspark_remote_proxy_up") == 1  # the proxy thread is alive
+
+
 # --------------------------------------------------------------------------- dashboard
 
 
