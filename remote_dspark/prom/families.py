@@ -47,7 +47,7 @@ class Family(Generic[R]):
     - info: the label values, in the order of ``labels``.
 
     ``name`` is as exposed, less the prefix and less the ``_total`` that prometheus_client
-    adds to a counter; an info family's name ends in ``info`` (exposed ``<prefix>info``).
+    adds to a counter; an info row's name is ``info`` or ends in ``_info``, as exposed.
     ``when(record)`` false leaves the family out of that scrape: absent, not zero, for a
     number the record does not have (no supervisor, margins not asked for, no cache).
     """
@@ -66,6 +66,9 @@ class Family(Generic[R]):
             raise ValueError(f"metric {self.name}: a histogram row takes no labels")
         if self.kind == INFO and not (self.labels and (self.name == "info" or self.name.endswith("_info"))):
             raise ValueError(f"metric {self.name}: an info row has labels and a name ending in info")
+
+
+# A constructor per kind, so that a table reads kind, name, help, value, labels, when.
 
 
 def counter(name: str, doc: str, value: Callable[[R], Any], labels: tuple[str, ...] = (), when=None) -> Family[R]:
