@@ -201,3 +201,32 @@ def connect(w, session=1, **kw) -> DraftClient:
 
 def do_round(c, rid, entries):
     return c.round(rid, [wire.encode_round_entries(rid, c.session, 1000, entries, bytes(4 * len(entries)), 4)], 2000)
+
+
+# What a scrape shows of a metric table (remote_dspark.prom.families), family by family.
+
+
+def families_in(text: str) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """Each family of an exposition as ``(name, type, help, label names)``, in order, the
+    name as its ``# TYPE`` line writes it (a counter's with ``_total``); ``le`` is a
+    histogram's own and left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for fam in text_string_to_metric_families(text):
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        labels = {k for s in fam.samples for k in s.labels} - ({"le"} if fam.type == "histogram" else set())
+        out.append((name, fam.type, fam.documentation, tuple(sorted(labels))))
+    return out
+
+
+def families_of(table, record=None) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """What :func:`families_in` should find in a scrape of ``record``: ``table``'s rows
+    whose ``when`` holds for it (every row when ``record`` is None). An info family is a
+    gauge in the text format."""
+    out = []
+    for row in table.rows:
+        if record is None or row.when is None or row.when(record):
+            name = table.prefix + row.name + ("_total" if row.kind == "counter" else "")
+            out.append((name, "gauge" if row.kind == "info" else row.kind, row.help, tuple(sorted(row.labels))))
+    return out

@@ -1,4 +1,5 @@
-"""Prometheus metrics: a collector read at scrape time, and a loopback exporter.
+"""Prometheus metrics: the engine's table of families, its collector read at scrape
+time, and a loopback exporter.
 
 Why a custom collector and not prometheus_client's multiprocess mode: multiprocess
 mode keeps a file per pid for ever, and a proxy that respawns all day would pile them
@@ -9,7 +10,10 @@ outlives every proxy, so its counters are monotonic across respawns; the one per
 fact that is not (CPU time) is carried by the supervisor from each dead proxy's rusage.
 
 Every number comes from :meth:`RemoteDSpark.stats`, the same record the JSON stats file
-and the ``LOG_EVERY`` line show, so the three never disagree.
+and the ``LOG_EVERY`` line show, so the three never disagree. The families are
+:data:`TABLE`, one row each (:mod:`remote_dspark.prom.families`): its kind, name, help,
+labels, how its value comes from a :class:`Scrape` (that record and the configuration)
+and when it is there; the collector walks it over one :class:`Scrape` per scrape.
 
 Names: prefix ``dspark_remote_``, base units (seconds, bytes), ``_total`` on counters,
 labels of low cardinality (outcome, cause, state, position < num_spec).
@@ -18,13 +22,13 @@ labels of low cardinality (outcome, cause, state, position < num_spec).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import InfoMetricFamily
-from prometheus_client.registry import Collector
 
-from ..prom.families import Families
+from ..config.api import RemoteConfig
+from ..prom.families import Table, TableCollector, counter, gauge, histogram, info, one_hot
+from .stats import Stats
 
 PREFIX = "dspark_remote_"
 BREAKER_STATES = ("closed", "open", "probing")
@@ -32,142 +36,189 @@ CAUSES = ("exit", "signal", "stall")
 STANDBY_STATES = ("off", "none", "starting", "ready")
 
 
-_f = Families(PREFIX)
-_counter, _gauge, _histogram = _f.counter, _f.gauge, _f.histogram
+@dataclass(frozen=True)
+class Scrape:
+    """What one scrape reads: the engine's one stats record and its configuration."""
+
+    stats: Stats
+    cfg: RemoteConfig
 
 
-class RemoteDSparkCollector(Collector):
-    """Reads ``rd.stats()`` at every scrape. Register it in the engine's registry."""
+def _handoff(r: Scrape) -> bool:  # the asynchronous modes: the region's families
+    return r.stats.handoff is not None
 
-    def __init__(self, rd):
-        self.rd = rd
 
-    def describe(self):
-        return []  # families are known only from a live engine; skip the register-time collect
+def _supervised(r: Scrape) -> bool:  # process mode: the supervisor's families
+    return r.stats.supervisor is not None
 
-    def collect(self) -> Iterator:
-        rd = self.rd
-        s = rd.stats()
-        cfg = rd.cfg
-        info = InfoMetricFamily(PREFIX[:-1], "Remote drafter configuration: policy, mode, endpoint and identities.")
-        info.add_metric(
-            [],
-            {
-                "policy": cfg.policy,
-                "mode": s.mode,
-                "endpoint": str(cfg.endpoint),
-                "drafter_identity": cfg.drafter_identity.hex(),
-                "markov_identity": cfg.markov_identity.hex(),
-            },
-        )
-        yield info
 
-        link, handoff, sup = s.link, s.handoff, s.supervisor
-        rounds = _counter(
+def _proxy_up(r: Scrape) -> float:
+    sup, handoff = r.stats.supervisor, r.stats.handoff
+    return 1.0 if (sup.state == "up" if sup else bool(handoff.proxy_thread_alive)) else 0.0
+
+
+def _by_position(counts: tuple[int, ...]) -> dict[str, int]:
+    return {str(i): n for i, n in enumerate(counts)}
+
+
+TABLE: Table[Scrape] = Table(
+    PREFIX,
+    (
+        info(
+            "info",
+            "Remote drafter configuration: policy, mode, endpoint and identities.",
+            ("policy", "mode", "endpoint", "drafter_identity", "markov_identity"),
+            lambda r: (
+                r.cfg.policy,
+                r.stats.mode,
+                str(r.cfg.endpoint),
+                r.cfg.drafter_identity.hex(),
+                r.cfg.markov_identity.hex(),
+            ),
+        ),
+        counter(
             "rounds",
             "Drafting rounds by outcome. late counts replies that came after their "
             "round had been answered without them (its deadline passed, or the watchdog "
             "answered it); that round is also counted under its own outcome.",
+            lambda r: {o.label: n for o, n in r.stats.rounds.items()} | {"late": r.stats.link.late},
             labels=("outcome",),
-        )
-        for outcome, n in s.rounds.items():
-            rounds.add_metric([outcome.label], n)
-        rounds.add_metric(["late"], link.late)
-        yield rounds
-        yield _counter(
-            "attempts", "Rounds sent to the remote drafter (the breaker and back-off send none).", link.attempts
-        )
+        ),
+        counter(
+            "attempts",
+            "Rounds sent to the remote drafter (the breaker and back-off send none).",
+            lambda r: r.stats.link.attempts,
+        ),
         # The proxy's own counter (no proxy, no such rounds: 0), beside the outcomes it
         # refines: each of these rounds is also counted under outcome="error".
-        yield _counter(
+        counter(
             "rounds_bad_desc",
             "Rounds whose descriptor (the engine's metadata, perhaps written by "
             "a GPU stream) broke the layout or the wire's rules: answered target-only, never sent; "
             'also counted under rounds_total{outcome="error"}.',
-            handoff.proxy_counters["rounds_bad_desc"] if handoff else 0,
-        )
-        yield _histogram(
-            "round_latency_seconds", "Engine-side time of a round, hand-off and network included.", s.round_latency
-        )
-        if handoff:
-            yield _histogram(
-                "handoff_latency_seconds",
-                "From the engine's store of gathered to the proxy seeing the round.",
-                handoff.handoff_latency,
-            )
-        yield _counter("drafts", "Entries the remote drafter answered with at least one token.", s.drafts)
-        yield _counter("draft_tokens", "Draft tokens returned by the remote drafter.", s.draft_tokens)
-        yield _counter("resyncs", "Slots the worker asked to have re-announced (NEW_GEN).", s.resyncs)
+            lambda r: r.stats.handoff.proxy_counters["rounds_bad_desc"] if r.stats.handoff else 0,
+        ),
+        histogram(
+            "round_latency_seconds",
+            "Engine-side time of a round, hand-off and network included.",
+            lambda r: r.stats.round_latency,
+        ),
+        histogram(
+            "handoff_latency_seconds",
+            "From the engine's store of gathered to the proxy seeing the round.",
+            lambda r: r.stats.handoff.handoff_latency,
+            when=_handoff,
+        ),
+        counter("drafts", "Entries the remote drafter answered with at least one token.", lambda r: r.stats.drafts),
+        counter("draft_tokens", "Draft tokens returned by the remote drafter.", lambda r: r.stats.draft_tokens),
+        counter("resyncs", "Slots the worker asked to have re-announced (NEW_GEN).", lambda r: r.stats.resyncs),
+        counter("accepted_tokens", "Draft tokens the engine accepted.", lambda r: sum(r.stats.accepted_at)),
+        counter(
+            "accepted_tokens_by_position",
+            "Draft tokens the engine accepted, by draft position.",
+            lambda r: _by_position(r.stats.accepted_at),
+            labels=("position",),
+        ),
+        counter(
+            "offered_tokens_by_position",
+            "Draft tokens the engine verified, by draft position.",
+            lambda r: _by_position(r.stats.offered_at),
+            labels=("position",),
+        ),
+        counter(
+            "shadow_agree",
+            "Shadow: positions where the remote draft equals the local one.",
+            lambda r: _by_position(r.stats.shadow_agree_at),
+            labels=("position",),
+        ),
+        counter(
+            "shadow_compared",
+            "Shadow: positions where both drafters drafted.",
+            lambda r: _by_position(r.stats.shadow_compared_at),
+            labels=("position",),
+        ),
+        histogram(
+            "margin_ratio",
+            "Top1-top2 probability margin of the remote drafts (shadow).",
+            lambda r: r.stats.margin,
+            when=lambda r: r.cfg.want_margin,  # margins are asked for (WANT_MARGIN): else absent, not zero
+        ),
+        gauge(
+            "breaker_state",
+            "1 for the breaker's current state, 0 for the others.",
+            lambda r: one_hot(BREAKER_STATES, BREAKER_STATES[r.stats.link.breaker.state]),
+            labels=("state",),
+        ),
+        counter("breaker_trips", "Times the breaker opened.", lambda r: r.stats.link.breaker.trips),
+        counter("breaker_probes", "Probe rounds sent after a cooldown.", lambda r: r.stats.link.breaker.probes),
+        counter("reconnects", "Connections to the worker made after the first.", lambda r: r.stats.link.reconnects),
+        gauge(
+            "session_id",
+            "Low 32 bits of the current proxy session (changes on every new proxy).",
+            lambda r: r.stats.handoff.session & 0xFFFFFFFF,
+            when=_handoff,
+        ),
+        gauge("proxy_up", "1 while a proxy (process or thread) is serving rounds.", _proxy_up, when=_handoff),
+        counter(
+            "proxy_restarts",
+            "Proxies lost, by cause: exit, signal, stall (killed by the supervisor).",
+            lambda r: {cause: r.stats.supervisor.restarts[cause] for cause in CAUSES},
+            labels=("cause",),
+            when=_supervised,
+        ),
+        gauge(
+            "respawn_budget_left",
+            "New proxies the supervisor may still start.",
+            lambda r: r.stats.supervisor.budget_left,
+            when=_supervised,
+        ),
+        counter(
+            "respawn_budget_restores",
+            "Times a proxy served RESPAWN_RESET_S and the full budget came back.",
+            lambda r: r.stats.supervisor.budget_restored,
+            when=_supervised,
+        ),
+        gauge(
+            "proxy_resident_memory_bytes",
+            "Resident memory of the live proxy process.",
+            lambda r: r.stats.supervisor.proxy_rss_bytes,
+            when=_supervised,
+        ),
+        counter(
+            "proxy_cpu_seconds",
+            "CPU time of all proxy processes so far.",
+            lambda r: r.stats.supervisor.proxy_cpu_seconds,
+            when=_supervised,
+        ),
+        gauge(
+            "standby_state",
+            "1 for the warm standby proxy's current state (off: none is kept, "
+            "by ASYNC_STANDBY=0 or after repeated failures), 0 for the others.",
+            lambda r: one_hot(STANDBY_STATES, r.stats.supervisor.standby),
+            labels=("state",),
+            when=_supervised,
+        ),
+        counter(
+            "standby_failures",
+            "Standby proxies that died before their promotion (never from the respawn budget).",
+            lambda r: r.stats.supervisor.standby_failures,
+            when=_supervised,
+        ),
+    ),
+)
 
-        accepted = _counter(
-            "accepted_tokens_by_position", "Draft tokens the engine accepted, by draft position.", labels=("position",)
-        )
-        offered = _counter(
-            "offered_tokens_by_position", "Draft tokens the engine verified, by draft position.", labels=("position",)
-        )
-        agree = _counter(
-            "shadow_agree", "Shadow: positions where the remote draft equals the local one.", labels=("position",)
-        )
-        compared = _counter("shadow_compared", "Shadow: positions where both drafters drafted.", labels=("position",))
-        for i in range(len(s.accepted_at)):
-            accepted.add_metric([str(i)], s.accepted_at[i])
-            offered.add_metric([str(i)], s.offered_at[i])
-            agree.add_metric([str(i)], s.shadow_agree_at[i])
-            compared.add_metric([str(i)], s.shadow_compared_at[i])
-        yield _counter("accepted_tokens", "Draft tokens the engine accepted.", sum(s.accepted_at))
-        yield from (accepted, offered, agree, compared)
-        if rd.cfg.want_margin:  # margins are asked for (WANT_MARGIN): else absent, not zero
-            yield _histogram("margin_ratio", "Top1-top2 probability margin of the remote drafts (shadow).", s.margin)
 
-        state = _gauge("breaker_state", "1 for the breaker's current state, 0 for the others.", labels=("state",))
-        for i, name in enumerate(BREAKER_STATES):
-            state.add_metric([name], 1.0 if link.breaker.state == i else 0.0)
-        yield state
-        yield _counter("breaker_trips", "Times the breaker opened.", link.breaker.trips)
-        yield _counter("breaker_probes", "Probe rounds sent after a cooldown.", link.breaker.probes)
-        yield _counter("reconnects", "Connections to the worker made after the first.", link.reconnects)
+def read(rd) -> Scrape:
+    """The record of one scrape of ``rd`` (a :class:`~remote_dspark.engine.RemoteDSpark`)."""
+    return Scrape(rd.stats(), rd.cfg)
 
-        if handoff:
-            yield _gauge(
-                "session_id",
-                "Low 32 bits of the current proxy session (changes on every new proxy).",
-                handoff.session & 0xFFFFFFFF,
-            )
-            up = sup.state == "up" if sup else bool(handoff.proxy_thread_alive)
-            yield _gauge("proxy_up", "1 while a proxy (process or thread) is serving rounds.", 1.0 if up else 0.0)
-        if sup:
-            restarts = _counter(
-                "proxy_restarts",
-                "Proxies lost, by cause: exit, signal, stall (killed by the supervisor).",
-                labels=("cause",),
-            )
-            for cause in CAUSES:
-                restarts.add_metric([cause], sup.restarts[cause])
-            yield restarts
-            yield _gauge("respawn_budget_left", "New proxies the supervisor may still start.", sup.budget_left)
-            yield _counter(
-                "respawn_budget_restores",
-                "Times a proxy served RESPAWN_RESET_S and the full budget came back.",
-                sup.budget_restored,
-            )
-            yield _gauge(
-                "proxy_resident_memory_bytes", "Resident memory of the live proxy process.", sup.proxy_rss_bytes
-            )
-            yield _counter("proxy_cpu_seconds", "CPU time of all proxy processes so far.", sup.proxy_cpu_seconds)
-            standby = _gauge(
-                "standby_state",
-                "1 for the warm standby proxy's current state (off: none is kept, "
-                "by ASYNC_STANDBY=0 or after repeated failures), 0 for the others.",
-                labels=("state",),
-            )
-            for name in STANDBY_STATES:
-                standby.add_metric([name], 1.0 if sup.standby == name else 0.0)
-            yield standby
-            yield _counter(
-                "standby_failures",
-                "Standby proxies that died before their promotion (never from the respawn budget).",
-                sup.standby_failures,
-            )
+
+class RemoteDSparkCollector(TableCollector):
+    """Reads ``rd.stats()`` at every scrape and walks :data:`TABLE` over it. Register it
+    in the engine's registry."""
+
+    def __init__(self, rd):
+        super().__init__(TABLE, lambda: read(rd))
 
 
 class Exporter:

@@ -8,10 +8,12 @@ otherwise (``--metrics-host``): like the worker's own port, nothing here is
 authenticated.
 
 - ``/metrics``: Prometheus text exposition from :class:`WorkerCollector`, a custom
-  collector read at scrape time. Every number has one owner and is only read here: the
-  worker's :class:`~remote_dspark.worker.stats.WorkerStats` (a consistent copy taken
-  under its lock), the admission loop's pool size, the drafter's ``cache_info()``. The
-  round path never does anything for the metrics beyond what the stats already cost.
+  collector read at scrape time: it walks :data:`TABLE`, one row per family
+  (:mod:`remote_dspark.prom.families`), over one :class:`Scrape`. Every number has one
+  owner and is only read here: the worker's :class:`~remote_dspark.worker.stats.WorkerStats`
+  (a consistent copy taken under its lock), the admission loop's pool size, the drafter's
+  ``cache_info()``. The round path never does anything for the metrics beyond what the
+  stats already cost.
 - ``/healthz``: 200 and a small JSON body (:class:`~remote_dspark.worker.stats.Health`)
   while the worker serves; 503 from the moment ``stop()`` begins until the server closes
   at its end (then connections are refused).
@@ -33,16 +35,15 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import InfoMetricFamily
-from prometheus_client.registry import Collector
 
-from ..drafter.contract import cache_info_of, vocab_size_of
-from ..prom.families import Families
-from .stats import REFUSAL_REASONS
+from ..drafter.contract import CacheInfo, cache_info_of, vocab_size_of
+from ..prom.families import Table, TableCollector, counter, gauge, histogram, info
+from .admission import AdmissionStats
+from .stats import REFUSAL_REASONS, WorkerStats
 
 log = logging.getLogger("remote_dspark.worker")
 
@@ -50,127 +51,167 @@ PREFIX = "dspark_worker_"
 PATHS = ("/metrics", "/healthz", "/readyz")
 
 
-_f = Families(PREFIX)
-_counter, _gauge, _histogram = _f.counter, _f.gauge, _f.histogram
+@dataclass(frozen=True)
+class Scrape:
+    """What one scrape reads, each number from its one owner: the worker's stats (a
+    consistent copy), the admission loop's pool (None before it runs), the drafter's
+    identity and cache (None: it keeps no per-slot state, or its ``cache_info()`` failed)."""
+
+    stats: WorkerStats
+    admission: AdmissionStats | None
+    served_now: int
+    max_pending: int
+    max_connections: int
+    start_time: float
+    drafter: str  # the drafter's class name
+    drafter_identity: bytes
+    markov_identity: bytes
+    vocab_size: int  # 0: the drafter does not say (or says something that is no size)
+    cache: CacheInfo | None
 
 
-class WorkerCollector(Collector):
-    """Reads a worker's numbers at every scrape (duck-typed: ``statistics()``,
+def read(worker, start_time: float) -> Scrape:
+    """The record of one scrape of ``worker`` (duck-typed: ``statistics()``,
     ``admission()``, ``served_now()``, ``drafter``, ``max_pending``, ``max_connections``)."""
+    drafter = worker.drafter
+    try:
+        vocab = vocab_size_of(drafter)
+    except ValueError:
+        vocab = 0
+    try:
+        cache = cache_info_of(drafter)
+    except Exception:  # a plug-in's bug must not cost the other metrics
+        log.exception("drafter.cache_info() failed; cache metrics left out of this scrape")
+        cache = None
+    return Scrape(
+        stats=worker.statistics(),
+        admission=worker.admission(),
+        served_now=worker.served_now(),
+        max_pending=worker.max_pending,
+        max_connections=worker.max_connections,
+        start_time=start_time,
+        drafter=type(drafter).__name__,
+        drafter_identity=drafter.drafter_identity,
+        markov_identity=drafter.markov_identity,
+        vocab_size=vocab,
+        cache=cache,
+    )
 
-    def __init__(self, worker, start_time: float | None = None):
-        self.worker = worker
-        self.start_time = time.time() if start_time is None else start_time
 
-    def describe(self):
-        return []  # families depend on the drafter (cache or not): skip the register-time collect
+def _cached(r: Scrape) -> bool:  # absent (not zero) for a drafter without per-slot state
+    return r.cache is not None
 
-    def collect(self) -> Iterator:
-        w = self.worker
-        s = w.statistics()
-        adm = w.admission()
-        drafter = w.drafter
-        try:
-            vocab = vocab_size_of(drafter)
-        except ValueError:
-            vocab = 0
-        info = InfoMetricFamily(
-            PREFIX[:-1], "The worker's drafter: its class, identities and vocabulary size (0: it does not say)."
-        )
-        info.add_metric(
-            [],
-            {
-                "drafter": type(drafter).__name__,
-                "drafter_identity": drafter.drafter_identity.hex(),
-                "markov_identity": drafter.markov_identity.hex(),
-                "vocab_size": str(vocab),
-            },
-        )
-        yield info
-        yield _gauge("start_time_seconds", "When the worker started, seconds since the Unix epoch.", self.start_time)
 
-        conns = _gauge(
+TABLE: Table[Scrape] = Table(
+    PREFIX,
+    (
+        info(
+            "info",
+            "The worker's drafter: its class, identities and vocabulary size (0: it does not say).",
+            ("drafter", "drafter_identity", "markov_identity", "vocab_size"),
+            lambda r: (r.drafter, r.drafter_identity.hex(), r.markov_identity.hex(), str(r.vocab_size)),
+        ),
+        gauge("start_time_seconds", "When the worker started, seconds since the Unix epoch.", lambda r: r.start_time),
+        gauge(
             "connections",
             "Connections now, by state: pending (accepted, no HELLO yet: the pre-HELLO "
             "pool) and served (a HELLO accepted, a thread each).",
+            lambda r: {"pending": r.admission.pending if r.admission else 0, "served": r.served_now},
             labels=("state",),
-        )
-        conns.add_metric(["pending"], adm.pending if adm else 0)
-        conns.add_metric(["served"], w.served_now())
-        yield conns
-        limit = _gauge(
+        ),
+        gauge(
             "connections_limit",
             "The most connections of each state (--max-pending, --max-connections).",
+            lambda r: {"pending": r.max_pending, "served": r.max_connections},
             labels=("state",),
-        )
-        limit.add_metric(["pending"], w.max_pending)
-        limit.add_metric(["served"], w.max_connections)
-        yield limit
-        yield _counter("accepted_connections", "TCP connections accepted (before HELLO).", adm.accepted if adm else 0)
-        yield _counter(
+        ),
+        counter(
+            "accepted_connections",
+            "TCP connections accepted (before HELLO).",
+            lambda r: r.admission.accepted if r.admission else 0,
+        ),
+        counter(
             "served_connections",
             "Connections given a thread: a whole HELLO not refused busy at the door "
             "(its identities, vocabulary and limits are checked there: refusals included).",
-            s.connections,
-        )
-        refusals = _counter(
+            lambda r: r.stats.connections,
+        ),
+        counter(
             "hello_refusals",
             "HELLOs refused, by reason: drafter or markov (identity mismatch), "
             "vocab (the drafter's vocabulary is over the engine's), limits (beyond this worker's "
             "limits), version (another protocol version), busy (no served connection or no "
             "engine place free).",
+            lambda r: {reason: r.stats.refusals[reason] for reason in REFUSAL_REASONS},
             labels=("reason",),
-        )
-        for reason in REFUSAL_REASONS:
-            refusals.add_metric([reason], s.refusals[reason])
-        yield refusals
-        yield _counter("bad_frames", "Connections dropped for a frame that breaks the contract.", s.bad_frames)
-        yield _counter(
+        ),
+        counter(
+            "bad_frames", "Connections dropped for a frame that breaks the contract.", lambda r: r.stats.bad_frames
+        ),
+        counter(
             "round_failures",
             "Connections dropped because drafting or answering a round raised (the drafter's bug; logged).",
-            s.round_failures,
-        )
-        yield _counter(
-            "stalled_connections", "Connections dropped for a frame not whole within --frame-timeout-ms.", s.stalled
-        )
-        yield _counter(
-            "hello_timeouts", "Connections dropped for no HELLO within --hello-timeout-ms.", s.hello_timeouts
-        )
-        yield _counter(
-            "displaced_connections", "Pre-HELLO connections dropped to make room for a newer one.", s.displaced
-        )
-        yield _counter(
+            lambda r: r.stats.round_failures,
+        ),
+        counter(
+            "stalled_connections",
+            "Connections dropped for a frame not whole within --frame-timeout-ms.",
+            lambda r: r.stats.stalled,
+        ),
+        counter(
+            "hello_timeouts",
+            "Connections dropped for no HELLO within --hello-timeout-ms.",
+            lambda r: r.stats.hello_timeouts,
+        ),
+        counter(
+            "displaced_connections",
+            "Pre-HELLO connections dropped to make room for a newer one.",
+            lambda r: r.stats.displaced,
+        ),
+        counter(
             "evicted_sessions",
             "Sessions evicted for a newcomer (least recently served, idle a minute or more).",
-            s.evicted,
-        )
-
-        yield _counter("rounds", "ROUND frames answered.", s.rounds)
-        yield _counter("entries", "Entries of the rounds answered.", s.entries)
-        yield _counter(
-            "resyncs", "Entries answered RESYNC (no window for the slot, or a gap in its positions).", s.resyncs
-        )
-        yield _counter("draft_tokens", "Draft tokens sent.", s.draft_tokens)
-        yield _histogram(
-            "round_duration_seconds", "From a whole ROUND received to its DRAFTS sent.", s.round_seconds.snapshot()
-        )
-        yield _histogram(
+            lambda r: r.stats.evicted,
+        ),
+        counter("rounds", "ROUND frames answered.", lambda r: r.stats.rounds),
+        counter("entries", "Entries of the rounds answered.", lambda r: r.stats.entries),
+        counter(
+            "resyncs",
+            "Entries answered RESYNC (no window for the slot, or a gap in its positions).",
+            lambda r: r.stats.resyncs,
+        ),
+        counter("draft_tokens", "Draft tokens sent.", lambda r: r.stats.draft_tokens),
+        histogram(
+            "round_duration_seconds",
+            "From a whole ROUND received to its DRAFTS sent.",
+            lambda r: r.stats.round_seconds.snapshot(),
+        ),
+        histogram(
             "drafting_duration_seconds",
             "Time inside the drafter's draft_batch, per round that had entries to draft.",
-            s.drafting_seconds.snapshot(),
-        )
+            lambda r: r.stats.drafting_seconds.snapshot(),
+        ),
+        gauge("cache_slots", "Streams with cached drafter state now.", lambda r: r.cache.slots, when=_cached),
+        gauge(
+            "cache_capacity_slots",
+            "The most streams the drafter's cache keeps.",
+            lambda r: r.cache.capacity,
+            when=_cached,
+        ),
+        gauge("cache_bytes", "Memory the drafter's cache holds.", lambda r: r.cache.bytes, when=_cached),
+        counter("cache_hits", "Entries drafted from cached state.", lambda r: r.cache.hits, when=_cached),
+        counter("cache_misses", "Entries that encoded their whole context.", lambda r: r.cache.misses, when=_cached),
+    ),
+)
 
-        try:
-            cache = cache_info_of(drafter)
-        except Exception:  # a plug-in's bug must not cost the other metrics
-            log.exception("drafter.cache_info() failed; cache metrics left out of this scrape")
-            cache = None
-        if cache is not None:  # absent (not zero) for a drafter without per-slot state
-            yield _gauge("cache_slots", "Streams with cached drafter state now.", cache.slots)
-            yield _gauge("cache_capacity_slots", "The most streams the drafter's cache keeps.", cache.capacity)
-            yield _gauge("cache_bytes", "Memory the drafter's cache holds.", cache.bytes)
-            yield _counter("cache_hits", "Entries drafted from cached state.", cache.hits)
-            yield _counter("cache_misses", "Entries that encoded their whole context.", cache.misses)
+
+class WorkerCollector(TableCollector):
+    """Reads a worker's numbers at every scrape (:func:`read`) and walks :data:`TABLE`
+    over them."""
+
+    def __init__(self, worker, start_time: float | None = None):
+        start_time = time.time() if start_time is None else start_time
+        super().__init__(TABLE, lambda: read(worker, start_time))
 
 
 MAX_REQUESTS = 16  # requests served at once; more connections are closed unanswered

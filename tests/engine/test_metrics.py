@@ -1,5 +1,6 @@
-"""Metrics: the exposition after known rounds and respawns, promtool, the dashboard's
-queries, and a real Prometheus server scraping the demo engine on loopback."""
+"""Metrics: the exposition after known rounds and respawns, the table of families it is
+walked from, promtool, the dashboard's queries, and a real Prometheus server scraping
+the demo engine on loopback."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import NEED_TOOLS, PROMTOOL, prometheus, until
+from helpers import NEED_TOOLS, PROMTOOL, families_in, families_of, prometheus, until
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark.cli import dashboard
@@ -21,7 +22,7 @@ from remote_dspark.config.api import RemoteConfig
 from remote_dspark.demo.harness import DemoEngine, WorkerProcess
 from remote_dspark.demo.sim import SimEngine
 from remote_dspark.engine import RemoteDSpark
-from remote_dspark.engine.metrics import Exporter
+from remote_dspark.engine.metrics import TABLE, Exporter, read
 from remote_dspark.outcome import Outcome
 
 
@@ -157,6 +158,69 @@ def test_promtool_accepts_the_exposition(run, tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "" and out.stderr.strip() == "", out.stdout + out.stderr
 
 
+# --------------------------------------------------------------------------- the table
+
+# Every family an engine exposes (process mode, margins asked for), in order: its name
+# as its "# TYPE" line writes it, its type and its label names, which the dashboard
+# queries. A row dropped from metrics.TABLE, renamed, retyped or relabelled fails here.
+CONTRACT = [
+    ("dspark_remote_info", "gauge", ("drafter_identity", "endpoint", "markov_identity", "mode", "policy")),
+    ("dspark_remote_rounds_total", "counter", ("outcome",)),
+    ("dspark_remote_attempts_total", "counter", ()),
+    ("dspark_remote_rounds_bad_desc_total", "counter", ()),
+    ("dspark_remote_round_latency_seconds", "histogram", ()),
+    ("dspark_remote_handoff_latency_seconds", "histogram", ()),
+    ("dspark_remote_drafts_total", "counter", ()),
+    ("dspark_remote_draft_tokens_total", "counter", ()),
+    ("dspark_remote_resyncs_total", "counter", ()),
+    ("dspark_remote_accepted_tokens_total", "counter", ()),
+    ("dspark_remote_accepted_tokens_by_position_total", "counter", ("position",)),
+    ("dspark_remote_offered_tokens_by_position_total", "counter", ("position",)),
+    ("dspark_remote_shadow_agree_total", "counter", ("position",)),
+    ("dspark_remote_shadow_compared_total", "counter", ("position",)),
+    ("dspark_remote_margin_ratio", "histogram", ()),
+    ("dspark_remote_breaker_state", "gauge", ("state",)),
+    ("dspark_remote_breaker_trips_total", "counter", ()),
+    ("dspark_remote_breaker_probes_total", "counter", ()),
+    ("dspark_remote_reconnects_total", "counter", ()),
+    ("dspark_remote_session_id", "gauge", ()),
+    ("dspark_remote_proxy_up", "gauge", ()),
+    ("dspark_remote_proxy_restarts_total", "counter", ("cause",)),
+    ("dspark_remote_respawn_budget_left", "gauge", ()),
+    ("dspark_remote_respawn_budget_restores_total", "counter", ()),
+    ("dspark_remote_proxy_resident_memory_bytes", "gauge", ()),
+    ("dspark_remote_proxy_cpu_seconds_total", "counter", ()),
+    ("dspark_remote_standby_state", "gauge", ("state",)),
+    ("dspark_remote_standby_failures_total", "counter", ()),
+]
+
+
+def test_the_table_is_the_contract():
+    assert [(name, kind, labels) for name, kind, _, labels in families_of(TABLE)] == CONTRACT
+
+
+def test_a_scrape_is_the_table_walked_over_the_engines_record(run):
+    """Every row whose family the record has is in the scrape, with its type, help and
+    labels, in the table's order, and nothing else is: process mode without margins
+    asked for is every row but the margin histogram."""
+    rd, _, after = run
+    assert families_in(after) == families_of(TABLE, read(rd))
+    assert [f[0] for f in families_in(after)] == [c[0] for c in CONTRACT if c[0] != "dspark_remote_margin_ratio"]
+
+
+def test_a_thread_mode_scrape_has_the_hand_offs_rows_and_not_the_supervisors(worker):
+    env = engine_env(worker, VLLM_DSPARK_REMOTE_ASYNC_PROXY="thread", VLLM_DSPARK_REMOTE_WANT_MARGIN="1")
+    with RemoteDSpark(RemoteConfig.from_env(env), num_spec=4, max_slots=8, row_bytes=16, environ=env) as rd:
+        engine = DemoEngine(rd, SimEngine(8, 4))
+        assert until(lambda: engine.step().outcome is Outcome.OK)
+        text = scrape(rd)
+        assert families_in(text) == families_of(TABLE, read(rd))
+        supervisors = ("proxy_restarts", "respawn_", "proxy_resident", "proxy_cpu", "standby_")
+        want = [c[0] for c in CONTRACT if not c[0].removeprefix("dspark_remote_").startswith(supervisors)]
+        assert [f[0] for f in families_in(text)] == want
+        assert value(text, "dspark_remote_proxy_up") == 1  # the proxy thread is alive
+
+
 # --------------------------------------------------------------------------- dashboard
 
 
@@ -266,7 +330,11 @@ def test_margins_on_request_only(worker, tmp_path, want):
         b = Batch.from_lists([0], [[1]], [0], [True], torch.zeros(1, 4), torch.tensor([0]))
         out = rd.round(b)
         assert out.outcome is Outcome.OK and (out.margins is None) == (want == "0")
-        names = {fam.name for fam in text_string_to_metric_families(scrape(rd))}
+        text = scrape(rd)
+        names = {fam.name for fam in text_string_to_metric_families(text)}
         assert ("dspark_remote_margin_ratio" in names) == (want == "1")
+        # Sync mode: the hand-off's and the supervisor's rows are left out, every other is there.
+        assert families_in(text) == families_of(TABLE, read(rd))
+        assert "dspark_remote_proxy_up" not in names and "dspark_remote_proxy_restarts" not in names
     finally:
         rd.close()

@@ -1,8 +1,8 @@
-"""The watchable worker: ``--metrics-port`` serves /metrics, /healthz
-and /readyz; the exposition counts exactly what happened; promtool accepts it; the
-dashboard's worker row names only exposed metrics and, scraped by a real Prometheus,
-every one of its queries returns data. Loopback only; every wait bounded; every worker
-and process stopped by its test."""
+"""The watchable worker: ``--metrics-port`` serves /metrics, /healthz and /readyz; the
+exposition counts exactly what happened and is the table of families walked over the
+worker's record; promtool accepts it; the dashboard's worker row names only exposed
+metrics and, scraped by a real Prometheus, every one of its queries returns data.
+Loopback only; every wait bounded; every worker and process stopped by its test."""
 
 from __future__ import annotations
 
@@ -18,7 +18,18 @@ import urllib.request
 
 import numpy as np
 import pytest
-from helpers import NEED_TOOLS, PROMTOOL, connect, do_round, gated_drafter, hello, prometheus, until
+from helpers import (
+    NEED_TOOLS,
+    PROMTOOL,
+    connect,
+    do_round,
+    families_in,
+    families_of,
+    gated_drafter,
+    hello,
+    prometheus,
+    until,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark import wire
@@ -28,6 +39,7 @@ from remote_dspark.drafter.contract import CacheInfo
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
+from remote_dspark.worker.metrics import TABLE, read
 from remote_dspark.worker.stats import REFUSAL_REASONS
 
 # 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; its vocabulary is 6 (ids 0..5).
@@ -136,7 +148,7 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
     w, n, entries, resyncs, tokens, text = known
     for reason in REFUSAL_REASONS:  # one of each, each counted once under its own reason
         assert value(text, "dspark_worker_hello_refusals_total", reason=reason) == 1, reason
-    assert w.stats.refused == 5 and w.stats.busy == 1  # WorkerStats agrees, from the same counts
+    assert w.stats.refused == 5 and w.stats.busy == 1  # the derived fields, from the same counts
     # Given a thread: the accepted one and the four refused there (identities, vocab, limits);
     # the version and the busy refusal are answered at the door.
     assert value(text, "dspark_worker_served_connections_total") == 5
@@ -194,6 +206,63 @@ def test_cache_occupancy_comes_from_the_drafters_cache_info():
         d.info = CacheInfo(slots=4, capacity=16, bytes=8192, hits=9, misses=3)  # read at scrape time
         text = scrape(w)
         assert value(text, "dspark_worker_cache_slots") == 4 and value(text, "dspark_worker_cache_hits_total") == 9
+    finally:
+        w.stop()
+
+
+# --------------------------------------------------------------------------- the table
+
+# Every family a worker exposes (its drafter with a cache), in order: its name as its
+# "# TYPE" line writes it, its type and its label names, which the dashboard's worker row
+# queries. A row dropped from metrics.TABLE, renamed, retyped or relabelled fails here.
+CONTRACT = [
+    ("dspark_worker_info", "gauge", ("drafter", "drafter_identity", "markov_identity", "vocab_size")),
+    ("dspark_worker_start_time_seconds", "gauge", ()),
+    ("dspark_worker_connections", "gauge", ("state",)),
+    ("dspark_worker_connections_limit", "gauge", ("state",)),
+    ("dspark_worker_accepted_connections_total", "counter", ()),
+    ("dspark_worker_served_connections_total", "counter", ()),
+    ("dspark_worker_hello_refusals_total", "counter", ("reason",)),
+    ("dspark_worker_bad_frames_total", "counter", ()),
+    ("dspark_worker_round_failures_total", "counter", ()),
+    ("dspark_worker_stalled_connections_total", "counter", ()),
+    ("dspark_worker_hello_timeouts_total", "counter", ()),
+    ("dspark_worker_displaced_connections_total", "counter", ()),
+    ("dspark_worker_evicted_sessions_total", "counter", ()),
+    ("dspark_worker_rounds_total", "counter", ()),
+    ("dspark_worker_entries_total", "counter", ()),
+    ("dspark_worker_resyncs_total", "counter", ()),
+    ("dspark_worker_draft_tokens_total", "counter", ()),
+    ("dspark_worker_round_duration_seconds", "histogram", ()),
+    ("dspark_worker_drafting_duration_seconds", "histogram", ()),
+    ("dspark_worker_cache_slots", "gauge", ()),
+    ("dspark_worker_cache_capacity_slots", "gauge", ()),
+    ("dspark_worker_cache_bytes", "gauge", ()),
+    ("dspark_worker_cache_hits_total", "counter", ()),
+    ("dspark_worker_cache_misses_total", "counter", ()),
+]
+
+
+def test_the_table_is_the_contract():
+    assert [(name, kind, labels) for name, kind, _, labels in families_of(TABLE)] == CONTRACT
+
+
+class BrokenCacheDrafter(MarkovDrafter):
+    def cache_info(self) -> CacheInfo:
+        raise RuntimeError("a plug-in's bug")
+
+
+@pytest.mark.parametrize("drafter_class", [MarkovDrafter, CachedDrafter, BrokenCacheDrafter])
+def test_a_scrape_is_the_table_walked_over_the_workers_record(drafter_class):
+    """Every row whose family the record has is in the scrape, with its type, help and
+    labels, in the table's order, and nothing else is: the cache's rows only for a
+    drafter whose cache_info() answers."""
+    w = make(drafter_class(MODEL))
+    try:
+        text = scrape(w)
+        assert families_in(text) == families_of(TABLE, read(w, 0.0))
+        cached = drafter_class is CachedDrafter
+        assert [f[0] for f in families_in(text)] == [c[0] for c in CONTRACT if cached or "_cache_" not in c[0]]
     finally:
         w.stop()
 
