@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..proxy.spawn import terminate
+from ..proxy.spawn import reap, terminate
 
 log = logging.getLogger("remote_dspark.supervise.supervisor")
 
@@ -59,7 +59,7 @@ class Standby:
         self._retry_at = 0.0
         self._ready_seen = False
         self.given_up = False
-        self.dead_cpu_s = 0.0  # CPU seconds of standbys that died unpromoted
+        self.dead_cpu_s = 0.0  # CPU seconds of standbys reaped unpromoted
 
     @property
     def state(self) -> str:
@@ -93,12 +93,7 @@ class Standby:
     def died(self) -> None:
         """Its pidfd is readable: reap it and plan the next one."""
         proc = self.proc
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            self.dead_cpu_s += usage.ru_utime + usage.ru_stime
-        except ChildProcessError:
-            proc.returncode = 0
+        self.dead_cpu_s += reap(proc, self.pidfd)
         self._forget()
         self._failed(f"exited with status {proc.returncode}")
 
@@ -142,10 +137,9 @@ class Standby:
         proc = self.proc
         if proc is None:
             return
-        terminate(proc, timeout_s)
+        self.dead_cpu_s += terminate(proc, self.pidfd, timeout_s)
         self._forget()
 
     def _forget(self) -> None:
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
+        """Its process was reaped, its pidfd closed with it."""
         self.proc, self.pidfd, self._ready_seen = None, -1, False

@@ -1,7 +1,8 @@
 """The supervisor: spawn the proxy process, see it die or stall, respawn it under a budget.
 
 How a proxy process is started (an isolated interpreter, its environment, the
-configuration hand-over) is :mod:`.proxy_spawn`'s; this module only decides when.
+configuration hand-over) and how it is signalled and reaped is
+:mod:`remote_dspark.proxy.spawn`'s; this module only decides when.
 
 Why a pidfd, not polling: the kernel makes the pidfd readable the instant the child
 exits, so a watcher thread sleeping in ``select`` sees death at once, and can also wake
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
-from ..proxy.spawn import signal_proc, terminate
+from ..proxy.spawn import reap, signal_child, terminate
 from .standby import Standby, StandbyHooks
 
 log = logging.getLogger("remote_dspark.supervise.supervisor")
@@ -217,16 +218,17 @@ class Supervisor:
             if isinstance(self.state, Closed):
                 return
             self._set(Closed())
-            proc = self._proc
+            proc, pidfd = self._take_proc()
         os.write(self._wake_w, b"x")
         if self._watcher is not None:
             self._watcher.join(timeout_s + 1.0)
         if proc is not None:
-            terminate(proc, timeout_s)
+            cpu_s = terminate(proc, pidfd, timeout_s)
+            with self._lock:
+                self.dead_cpu_s += cpu_s
         if self.standby is not None:
             with self._lock:
                 self.standby.close(timeout_s)
-        self._close_pidfd()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -281,10 +283,11 @@ class Supervisor:
         self.spawns += 1
         self._set(Starting(proc.pid, session, self._clock()))
 
-    def _close_pidfd(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+    def _take_proc(self) -> tuple[subprocess.Popen | None, int]:
+        """The proxy process and its pidfd, the caller's to reap from now on."""
+        proc, pidfd = self._proc, self._pidfd
+        self._proc, self._pidfd = None, -1
+        return proc, pidfd
 
     def _watch(self) -> None:
         sb = self.standby
@@ -311,10 +314,9 @@ class Supervisor:
                     # Supervision must not end silently with a proxy marked up: give up
                     # on proxies (target-only rounds), loudly, and keep nothing running.
                     log.exception("the proxy supervisor failed; every round is target-only from now on")
-                    if self._proc is not None:
-                        terminate(self._proc, 1.0)
-                        self._proc = None
-                    self._close_pidfd()
+                    proc, pidfd = self._take_proc()
+                    if proc is not None:
+                        self.dead_cpu_s += terminate(proc, pidfd, 1.0)
                     if sb is not None:
                         sb.close(1.0)
                     self._set(Spent(self._clock()))
@@ -337,20 +339,14 @@ class Supervisor:
     def _kill(self, pid: int, why: str) -> None:
         log.warning("proxy pid %d %s; killing it", pid, why)
         self._kill_cause = Cause.STALL
-        signal_proc(self._proc, signal.SIGKILL)
+        signal_child(self._pidfd, signal.SIGKILL)
 
     def _reap_and_decide(self) -> None:
-        proc = self._proc
-        # The pidfd is readable: this does not block. wait4 rather than Popen.wait, for
-        # the dead proxy's final CPU time (kept, so the exported counter never drops).
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = returncode = os.waitstatus_to_exitcode(status)
-            self.dead_cpu_s += usage.ru_utime + usage.ru_stime
-        except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): exited, status unknown
-            proc.returncode = returncode = 0
-        self._close_pidfd()
-        self._proc = None
+        # The pidfd is readable: reaping does not block. Its final CPU time is kept, so
+        # the exported counter never drops.
+        proc, pidfd = self._take_proc()
+        self.dead_cpu_s += reap(proc, pidfd)
+        returncode = proc.returncode
         cause = self._kill_cause or (Cause.SIGNAL if returncode < 0 else Cause.EXIT)
         self._lost(cause, returncode)
 

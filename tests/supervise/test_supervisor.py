@@ -237,6 +237,30 @@ def test_a_proxy_that_never_serves_is_killed_at_the_start_limit(spawner):
         sup.close()
 
 
+def test_the_cpu_counter_keeps_the_proxy_reaped_at_close():
+    """The live proxy's CPU time is counted while it runs and, once close() has reaped
+    it, from its rusage: the counter never steps back."""
+    burner = "import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
+    procs = []
+
+    def spawn(session):
+        procs.append(subprocess.Popen([sys.executable, "-c", burner]))
+        return procs[-1]
+
+    sup = Supervisor(spawn, respawns=0, reset_s=0)
+    sup.start()
+    try:
+        assert until(lambda: sup.stats().proxy_cpu_seconds >= 0.2)
+        before = sup.stats().proxy_cpu_seconds
+    finally:
+        sup.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert sup.stats().proxy_cpu_seconds >= before
+
+
 def test_a_first_spawn_failure_is_a_transition_too(spawner):
     changes = []
 
