@@ -261,7 +261,7 @@ class Supervisor:
                 self.budget.restored,
                 rss,
                 self.dead_cpu_s + cpu + (sb.dead_cpu_s if sb else 0.0),
-                sb.state if sb else "off",
+                sb.state.phase.value if sb else "off",
                 sb.spawns if sb else 0,
                 sb.failures if sb else 0,
             )
