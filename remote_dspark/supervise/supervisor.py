@@ -13,11 +13,17 @@ supervisor's lock by :meth:`Supervisor._set`, which also tells ``on_change``; th
 restart decision is made in one place (:meth:`Supervisor._lost`):
 
     Starting --serving--> Up
-    Starting --exit/signal/no beat within the start limit--+
-    Up --exit/signal/stall---------------------------------+--> Down --budget left?
+    Starting --no beat within the start limit--> Killing(stall)
+    Up --stall--> Killing(stall)
+    Starting, Up --exit/signal---+
+    Killing --its exit-----------+--> Down (the cause) --budget left?
          --yes--> Starting (new proxy, new session)
          --no---> Spent (target-only from now on)
     any --close()--> Closed
+
+A proxy the supervisor kills is ``Killing`` from its SIGKILL to its exit: the state
+carries the proxy and the cause, so its exit is a loss of that cause, not of the signal
+the supervisor sent; it is not judged again and serves no round meanwhile.
 
 A proxy is Starting from its spawn until it serves (the host's ``serving`` predicate:
 it has beaten, i.e. made its first connection attempt, which may take the whole
@@ -68,6 +74,22 @@ class Up:
 
 
 @dataclass(frozen=True)
+class Killing:
+    """The supervisor has SIGKILLed ``proxy`` and waits for its exit, a loss of ``cause``."""
+
+    proxy: Starting | Up  # the proxy being killed, as it was
+    cause: Cause
+
+    @property
+    def pid(self) -> int:
+        return self.proxy.pid
+
+    @property
+    def session(self) -> int:
+        return self.proxy.session
+
+
+@dataclass(frozen=True)
 class Down:
     cause: Cause
     since: float  # between a loss and the next spawn
@@ -83,7 +105,7 @@ class Closed:
     pass
 
 
-Lifecycle = Starting | Up | Down | Spent | Closed
+Lifecycle = Starting | Up | Killing | Down | Spent | Closed
 
 
 class RestartBudget:
@@ -172,7 +194,6 @@ class Supervisor:
         self.dead_cpu_s = 0.0  # CPU seconds of the proxies that have exited
         self._proc: subprocess.Popen | None = None
         self._pidfd = -1
-        self._kill_cause: Cause | None = None  # why the supervisor itself killed the proxy
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._watcher: threading.Thread | None = None
@@ -279,7 +300,6 @@ class Supervisor:
         proc = self._spawn_fn(session)
         self._proc = proc
         self._pidfd = os.pidfd_open(proc.pid)
-        self._kill_cause = None
         self.spawns += 1
         self._set(Starting(proc.pid, session, self._clock()))
 
@@ -306,10 +326,13 @@ class Supervisor:
                     elif isinstance(self.state, (Starting, Up)):
                         self._check_live(self.state)
                     if sb is not None:
-                        # A standby is kept while a proxy serves and a loss could be
-                        # replaced (the budget has one more respawn), never before
+                        # A standby is kept while a proxy serves (or is being killed
+                        # from serving: the standby is its replacement) and a loss could
+                        # be replaced (the budget has one more respawn), never before
                         # the first proxy serves (they would share the start's CPU).
-                        sb.keep(isinstance(self.state, Up) and self.budget.left > 0)
+                        state = self.state
+                        serving = state.proxy if isinstance(state, Killing) else state
+                        sb.keep(isinstance(serving, Up) and self.budget.left > 0)
                 except Exception:
                     # Supervision must not end silently with a proxy marked up: give up
                     # on proxies (target-only rounds), loudly, and keep nothing running.
@@ -323,22 +346,20 @@ class Supervisor:
                     return
 
     def _check_live(self, live: Starting | Up) -> None:
-        if self._kill_cause is not None:  # killed already: its exit is on the way
-            return
         now = self._clock()
         if isinstance(live, Starting):
             if self._serving(live):
                 self._set(Up(live.pid, live.session, live.since))
             elif now - live.since > self.start_limit_s:
-                self._kill(live.pid, f"did not serve within {self.start_limit_s:.1f} s of its start")
+                self._kill(live, f"did not serve within {self.start_limit_s:.1f} s of its start")
             return
         self.budget.observe(live, now)
         if self._stalled(live):
-            self._kill(live.pid, "stalled")
+            self._kill(live, "stalled")
 
-    def _kill(self, pid: int, why: str) -> None:
-        log.warning("proxy pid %d %s; killing it", pid, why)
-        self._kill_cause = Cause.STALL
+    def _kill(self, live: Starting | Up, why: str) -> None:
+        log.warning("proxy pid %d %s; killing it", live.pid, why)
+        self._set(Killing(live, Cause.STALL))
         signal_child(self._pidfd, signal.SIGKILL)
 
     def _reap_and_decide(self) -> None:
@@ -346,15 +367,19 @@ class Supervisor:
         # the exported counter never drops.
         proc, pidfd = self._take_proc()
         self.dead_cpu_s += reap(proc, pidfd)
-        returncode = proc.returncode
-        cause = self._kill_cause or (Cause.SIGNAL if returncode < 0 else Cause.EXIT)
-        self._lost(cause, returncode)
+        state = self.state
+        if isinstance(state, Killing):  # the supervisor's own kill: the cause it killed for
+            self._lost(state.proxy, state.cause, proc.returncode)
+        elif proc.returncode < 0:  # a signal it did not ask for
+            self._lost(state, Cause.SIGNAL, proc.returncode)
+        else:
+            self._lost(state, Cause.EXIT, proc.returncode)
 
-    def _lost(self, cause: Cause, returncode: int) -> None:
+    def _lost(self, proxy: Starting | Up, cause: Cause, returncode: int) -> None:
         """The one place that decides whether a lost proxy is replaced."""
         now = self._clock()
-        if isinstance(self.state, Up):
-            self.budget.observe(self.state, now)
+        if isinstance(proxy, Up):
+            self.budget.observe(proxy, now)
         self.restarts[cause] += 1
         self._set(Down(cause, now))
         if not self.budget.take():
@@ -390,7 +415,6 @@ class Supervisor:
         if taken is None:
             return False
         self._proc, self._pidfd = taken
-        self._kill_cause = None
         self.spawns += 1
         self._set(Starting(self._proc.pid, session, self._clock()))
         return True
