@@ -325,10 +325,12 @@ def exited(pid: int) -> bool:
 
 
 class Standbys:
-    """Stand-in standbys (the same child script) and what the supervisor asked of them."""
+    """Stand-in standbys (the same child script) and what the supervisor asked of them;
+    each says it is ready at once, or (``ready`` False) never."""
 
-    def __init__(self, spawner: Spawner):
+    def __init__(self, spawner: Spawner, ready: bool = True):
         self.spawner = spawner
+        self.ready = ready
         self.pids: list[int] = []
         self.promoted: list[tuple[int, int]] = []
 
@@ -340,7 +342,7 @@ class Standbys:
             self.pids.append(proc.pid)
             return proc
 
-        return StandbyHooks(spawn, lambda pid, session: self.promoted.append((pid, session)), lambda pid: True)
+        return StandbyHooks(spawn, lambda pid, session: self.promoted.append((pid, session)), lambda pid: self.ready)
 
 
 def test_a_lost_proxy_is_replaced_by_the_standby_and_a_new_standby_starts(spawner):
@@ -362,7 +364,9 @@ def test_a_lost_proxy_is_replaced_by_the_standby_and_a_new_standby_starts(spawne
 
 
 def test_a_standby_that_dies_is_replaced_without_spending_the_budget_and_given_up_after_three(spawner, caplog):
-    sb = Standbys(spawner)
+    # They never say they are ready: one seen ready would end the run of deaths, and
+    # whether the watcher sees it before the kill lands would be a race.
+    sb = Standbys(spawner, ready=False)
     sup = Supervisor(spawner, respawns=2, reset_s=0, standby=sb.hooks())
     sup.start()
     with caplog.at_level(logging.ERROR, logger="remote_dspark.supervise.supervisor"):
