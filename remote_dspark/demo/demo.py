@@ -181,13 +181,13 @@ def _supervisor_state(rd, *, past: int | None):
     """The supervisor's state once it is past proxy ``past`` (a later proxy serves, or
     none will) and not between a loss and a serving successor, or after KILL_WAIT_S;
     None outside process mode."""
-    from ..supervise.supervisor import Down, Starting, Up
+    from ..supervise.supervisor import Down, Killing, Starting, Up
 
     sup = rd.supervisor
     deadline = time.monotonic() + KILL_WAIT_S
     while sup is not None:
         state = sup.state
-        settled = not isinstance(state, (Down, Starting)) and not (isinstance(state, Up) and state.pid == past)
+        settled = not isinstance(state, (Killing, Down, Starting)) and not (isinstance(state, Up) and state.pid == past)
         if settled or time.monotonic() >= deadline:
             return state
         time.sleep(0.005)

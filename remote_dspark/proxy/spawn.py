@@ -1,6 +1,8 @@
 """How a proxy process starts: an isolated interpreter, working directory ``/``, an
 allowlisted environment, the region's fd and the engine's configuration handed over
-through a pipe. :mod:`.supervisor` decides when; this module says how.
+through a pipe; and how it ends: signalled through its pidfd and reaped with ``wait4``
+(:func:`reap`). :mod:`remote_dspark.supervise.supervisor` decides when; this module says
+how.
 
 Why a fresh interpreter, never fork or multiprocessing: forking a CUDA-initialised
 engine is undefined, and multiprocessing's spawn re-imports the engine's ``__main__``
@@ -11,6 +13,7 @@ child inherits (``pass_fds``).
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -94,18 +97,42 @@ def spawn_proxy(
         os.close(r)
 
 
-def signal_proc(proc: subprocess.Popen | None, sig: int) -> None:
-    if proc is not None and proc.returncode is None:
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-
-def terminate(proc: subprocess.Popen, timeout_s: float) -> None:
-    signal_proc(proc, signal.SIGTERM)
+def signal_child(pidfd: int, sig: int) -> None:
+    """Send ``sig`` to the child whose pidfd is ``pidfd``: to exactly that process (a
+    pidfd never names a recycled pid), and without reaping it, where ``Popen.send_signal``
+    polls first and so may reap a child that has just exited, its rusage lost to the
+    reaper. A child that has exited (a zombie, or already reaped) is no error."""
     try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        signal_proc(proc, signal.SIGKILL)
-        proc.wait()
+        signal.pidfd_send_signal(pidfd, sig)
+    except ProcessLookupError:
+        pass
+
+
+def reap(proc: subprocess.Popen, pidfd: int, timeout_s: float = 0.0) -> float:
+    """Reap ``proc``: wait at most ``timeout_s`` for its exit (its pidfd readable),
+    SIGKILL it if it has not exited by then, and collect it with ``wait4``, so no zombie
+    is left and its final CPU time is known. Sets ``proc.returncode``, closes ``pidfd``
+    (it is this function's from the call on) and returns the child's CPU seconds, user
+    plus system; 0.0 when it was reaped elsewhere (SIGCHLD ignored), its status then
+    unknown and taken as 0. With ``timeout_s`` 0 the caller has seen it exit.
+    """
+    try:
+        if not select.select([pidfd], [], [], timeout_s)[0]:
+            signal_child(pidfd, signal.SIGKILL)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except ChildProcessError:
+            if proc.returncode is None:
+                proc.returncode = 0
+            return 0.0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return usage.ru_utime + usage.ru_stime
+    finally:
+        os.close(pidfd)
+
+
+def terminate(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
+    """Ask ``proc`` to exit (SIGTERM), then :func:`reap` it: SIGKILL past ``timeout_s``.
+    Its CPU seconds."""
+    signal_child(pidfd, signal.SIGTERM)
+    return reap(proc, pidfd, timeout_s)

@@ -16,10 +16,20 @@ watcher thread (and ``close``). A standby that dies before its promotion is repl
 without touching the respawn budget, after a back-off of its own; after
 ``GIVE_UP_AFTER`` deaths in a row (a planted module, a broken library: it would never
 work) none is kept, and one error line says why.
+
+Its lifecycle is one value (:data:`StandbyState`), changed only by :meth:`Standby._to`;
+the process and its pidfd are carried by the states that have one:
+
+    Idle --spawn--> Starting --says it is ready--> Ready
+    Idle --spawn failed--+
+    Starting --exit------+--> the GIVE_UP_AFTER-th in a row? --yes--> GivenUp
+    Ready --exit---------+                                    --no---> Idle (a back-off)
+    Starting, Ready --promoted, or stopped--> Idle (no back-off)
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import select
@@ -27,13 +37,71 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..proxy.spawn import terminate
+from ..proxy.spawn import reap, terminate
 
 log = logging.getLogger("remote_dspark.supervise.supervisor")
 
 GIVE_UP_AFTER = 3  # standbys dying in a row before none is kept
 BACKOFF_S = 0.5  # before the next standby after one died; doubles each time
+
+
+class Phase(str, enum.Enum):
+    """A standby state's name, as the supervisor's stats and the metrics say it."""
+
+    NONE = "none"
+    STARTING = "starting"
+    READY = "ready"
+    OFF = "off"
+
+
+@dataclass(frozen=True)
+class Idle:
+    """No standby process: the next one starts once ``retry_at`` (monotonic) has passed."""
+
+    in_a_row: int = 0  # standbys that died unpromoted since the last one that was ready
+    retry_at: float = 0.0  # the back-off after a death; 0.0: at once
+    phase: ClassVar[Phase] = Phase.NONE
+
+
+@dataclass(frozen=True)
+class Starting:
+    """Spawned, not yet asleep on its futex word; a death now continues the run."""
+
+    proc: subprocess.Popen
+    pidfd: int
+    in_a_row: int
+    phase: ClassVar[Phase] = Phase.STARTING
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Asleep on ``standby_go``, ready to be promoted; its readiness ends the run of deaths."""
+
+    proc: subprocess.Popen
+    pidfd: int
+    in_a_row: ClassVar[int] = 0
+    phase: ClassVar[Phase] = Phase.READY
+
+
+@dataclass(frozen=True)
+class GivenUp:
+    """GIVE_UP_AFTER standbys died in a row: none is kept from now on."""
+
+    why: str  # the last failure
+    phase: ClassVar[Phase] = Phase.OFF
+
+
+StandbyState = Idle | Starting | Ready | GivenUp
+
+# The transitions :meth:`Standby._to` allows, from each state.
+_NEXT: dict[type, tuple[type, ...]] = {
+    Idle: (Starting, Idle, GivenUp),
+    Starting: (Ready, Idle, GivenUp),
+    Ready: (Idle, GivenUp),
+    GivenUp: (),
+}
 
 
 @dataclass(frozen=True)
@@ -46,106 +114,101 @@ class StandbyHooks:
 
 
 class Standby:
-    """At most one standby process, with its pidfd."""
+    """At most one standby process, with its pidfd, in its :data:`StandbyState`."""
 
     def __init__(self, hooks: StandbyHooks, clock: Callable[[], float] = time.monotonic):
         self._hooks = hooks
         self._clock = clock
-        self.proc: subprocess.Popen | None = None
-        self.pidfd = -1
+        self.state: StandbyState = Idle()
         self.spawns = 0
-        self.failures = 0  # deaths before promotion, in all
-        self._in_a_row = 0
-        self._retry_at = 0.0
-        self._ready_seen = False
-        self.given_up = False
-        self.dead_cpu_s = 0.0  # CPU seconds of standbys that died unpromoted
+        self.failures = 0  # deaths before promotion (and failed spawns), in all
+        self.dead_cpu_s = 0.0  # CPU seconds of standbys reaped unpromoted
 
     @property
-    def state(self) -> str:
-        """off (given up), none, starting or ready."""
-        if self.given_up:
-            return "off"
-        if self.proc is None:
-            return "none"
-        return "ready" if self._ready_seen or self._hooks.ready(self.proc.pid) else "starting"
+    def proc(self) -> subprocess.Popen | None:
+        """The standby process, while one is kept."""
+        state = self.state
+        return state.proc if isinstance(state, (Starting, Ready)) else None
+
+    @property
+    def pidfd(self) -> int:
+        """The standby's pidfd, for the watcher's ``select``; -1 while none is kept."""
+        state = self.state
+        return state.pidfd if isinstance(state, (Starting, Ready)) else -1
 
     def keep(self, wanted: bool) -> None:
         """Each watcher tick: start a standby when one is wanted and none is kept (after
-        the back-off), stop the one kept when none is wanted (the budget is spent)."""
+        the back-off), see a starting one ready, stop the one kept when none is wanted
+        (the budget is spent)."""
+        state = self.state
         if not wanted:
             self._stop()
-            return
-        if self.proc is not None:
-            if not self._ready_seen and self._hooks.ready(self.proc.pid):
-                self._ready_seen, self._in_a_row = True, 0
-            return
-        if self.given_up or self._clock() < self._retry_at:
-            return
-        try:
-            proc = self._hooks.spawn()
-        except OSError as e:
-            self._failed(f"could not start: {e}")
-            return
-        self.proc, self.pidfd, self._ready_seen = proc, os.pidfd_open(proc.pid), False
-        self.spawns += 1
+        elif isinstance(state, Starting):
+            if self._hooks.ready(state.proc.pid):
+                self._to(Ready(state.proc, state.pidfd))
+        elif isinstance(state, Idle) and self._clock() >= state.retry_at:
+            self._start(state.in_a_row)
 
     def died(self) -> None:
         """Its pidfd is readable: reap it and plan the next one."""
-        proc = self.proc
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            self.dead_cpu_s += usage.ru_utime + usage.ru_stime
-        except ChildProcessError:
-            proc.returncode = 0
-        self._forget()
-        self._failed(f"exited with status {proc.returncode}")
+        state = self.state
+        assert isinstance(state, (Starting, Ready)), f"a standby death seen while {state.phase.value}"
+        self.dead_cpu_s += reap(state.proc, state.pidfd)
+        self._failed(state.in_a_row, f"exited with status {state.proc.returncode}")
 
     def take(self, session: int) -> tuple[subprocess.Popen, int] | None:
         """Promote the standby to be the proxy of ``session``: its process and pidfd,
-        now the caller's; None when there is no standby. One that has exited is never
-        promoted; one whose SIGKILL is still pending looks alive to any check, and if
-        promoted is lost like any proxy."""
-        proc, pidfd = self.proc, self.pidfd
-        if proc is None:
+        the caller's from now on; None when there is no standby. One that has exited is
+        never promoted; one whose SIGKILL is still pending looks alive to any check, and
+        if promoted is lost like any proxy."""
+        state = self.state
+        if not isinstance(state, (Starting, Ready)):
             return None
-        if select.select([pidfd], [], [], 0)[0]:  # dead already (its exit not yet seen): not promoted
+        if select.select([state.pidfd], [], [], 0)[0]:  # dead already (its exit not yet seen): not promoted
             self.died()
             return None
-        self.proc, self.pidfd = None, -1
-        self._hooks.promote(proc.pid, session)
-        return proc, pidfd
+        self._to(Idle(state.in_a_row))
+        self._hooks.promote(state.proc.pid, session)
+        return state.proc, state.pidfd
 
     def close(self, timeout_s: float) -> None:
         self._stop(timeout_s)
 
     # ------------------------------------------------------------------ internals
 
-    def _failed(self, why: str) -> None:
+    def _to(self, state: StandbyState) -> None:
+        """The one transition, checked against :data:`_NEXT`."""
+        assert type(state) in _NEXT[type(self.state)], f"standby {self.state.phase.value} -> {state.phase.value}"
+        self.state = state
+
+    def _start(self, in_a_row: int) -> None:
+        try:
+            proc = self._hooks.spawn()
+        except OSError as e:
+            self._failed(in_a_row, f"could not start: {e}")
+            return
+        self._to(Starting(proc, os.pidfd_open(proc.pid), in_a_row))
+        self.spawns += 1
+
+    def _failed(self, in_a_row: int, why: str) -> None:
+        """A standby died unpromoted (or could not start), the ``in_a_row``-th before it."""
         self.failures += 1
-        self._in_a_row += 1
-        if self._in_a_row >= GIVE_UP_AFTER:
-            self.given_up = True
+        in_a_row += 1
+        if in_a_row >= GIVE_UP_AFTER:
+            self._to(GivenUp(why))
             log.error(
                 "standby proxy: %d in a row failed (the last %s); no standby from now on: a lost proxy "
                 "is replaced by a fresh start",
-                self._in_a_row,
+                in_a_row,
                 why,
             )
             return
-        delay = BACKOFF_S * 2 ** (self._in_a_row - 1)
+        delay = BACKOFF_S * 2 ** (in_a_row - 1)
         log.warning("standby proxy %s; another in %.1f s", why, delay)
-        self._retry_at = self._clock() + delay
+        self._to(Idle(in_a_row, self._clock() + delay))
 
     def _stop(self, timeout_s: float = 1.0) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        terminate(proc, timeout_s)
-        self._forget()
-
-    def _forget(self) -> None:
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-        self.proc, self.pidfd, self._ready_seen = None, -1, False
+        state = self.state
+        if isinstance(state, (Starting, Ready)):
+            self.dead_cpu_s += terminate(state.proc, state.pidfd, timeout_s)
+            self._to(Idle(state.in_a_row))

@@ -1,7 +1,8 @@
 """The supervisor: spawn the proxy process, see it die or stall, respawn it under a budget.
 
 How a proxy process is started (an isolated interpreter, its environment, the
-configuration hand-over) is :mod:`.proxy_spawn`'s; this module only decides when.
+configuration hand-over) and how it is signalled and reaped is
+:mod:`remote_dspark.proxy.spawn`'s; this module only decides when.
 
 Why a pidfd, not polling: the kernel makes the pidfd readable the instant the child
 exits, so a watcher thread sleeping in ``select`` sees death at once, and can also wake
@@ -12,11 +13,17 @@ supervisor's lock by :meth:`Supervisor._set`, which also tells ``on_change``; th
 restart decision is made in one place (:meth:`Supervisor._lost`):
 
     Starting --serving--> Up
-    Starting --exit/signal/no beat within the start limit--+
-    Up --exit/signal/stall---------------------------------+--> Down --budget left?
+    Starting --no beat within the start limit--> Killing(stall)
+    Up --stall--> Killing(stall)
+    Starting, Up --exit/signal---+
+    Killing --its exit-----------+--> Down (the cause) --budget left?
          --yes--> Starting (new proxy, new session)
          --no---> Spent (target-only from now on)
     any --close()--> Closed
+
+A proxy the supervisor kills is ``Killing`` from its SIGKILL to its exit: the state
+carries the proxy and the cause, so its exit is a loss of that cause, not of the signal
+the supervisor sent; it is not judged again and serves no round meanwhile.
 
 A proxy is Starting from its spawn until it serves (the host's ``serving`` predicate:
 it has beaten, i.e. made its first connection attempt, which may take the whole
@@ -40,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
-from ..proxy.spawn import signal_proc, terminate
+from ..proxy.spawn import reap, signal_child, terminate
 from .standby import Standby, StandbyHooks
 
 log = logging.getLogger("remote_dspark.supervise.supervisor")
@@ -67,6 +74,22 @@ class Up:
 
 
 @dataclass(frozen=True)
+class Killing:
+    """The supervisor has SIGKILLed ``proxy`` and waits for its exit, a loss of ``cause``."""
+
+    proxy: Starting | Up  # the proxy being killed, as it was
+    cause: Cause
+
+    @property
+    def pid(self) -> int:
+        return self.proxy.pid
+
+    @property
+    def session(self) -> int:
+        return self.proxy.session
+
+
+@dataclass(frozen=True)
 class Down:
     cause: Cause
     since: float  # between a loss and the next spawn
@@ -82,7 +105,7 @@ class Closed:
     pass
 
 
-Lifecycle = Starting | Up | Down | Spent | Closed
+Lifecycle = Starting | Up | Killing | Down | Spent | Closed
 
 
 class RestartBudget:
@@ -171,7 +194,6 @@ class Supervisor:
         self.dead_cpu_s = 0.0  # CPU seconds of the proxies that have exited
         self._proc: subprocess.Popen | None = None
         self._pidfd = -1
-        self._kill_cause: Cause | None = None  # why the supervisor itself killed the proxy
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._watcher: threading.Thread | None = None
@@ -217,16 +239,17 @@ class Supervisor:
             if isinstance(self.state, Closed):
                 return
             self._set(Closed())
-            proc = self._proc
+            proc, pidfd = self._take_proc()
         os.write(self._wake_w, b"x")
         if self._watcher is not None:
             self._watcher.join(timeout_s + 1.0)
         if proc is not None:
-            terminate(proc, timeout_s)
+            cpu_s = terminate(proc, pidfd, timeout_s)
+            with self._lock:
+                self.dead_cpu_s += cpu_s
         if self.standby is not None:
             with self._lock:
                 self.standby.close(timeout_s)
-        self._close_pidfd()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -259,7 +282,7 @@ class Supervisor:
                 self.budget.restored,
                 rss,
                 self.dead_cpu_s + cpu + (sb.dead_cpu_s if sb else 0.0),
-                sb.state if sb else "off",
+                sb.state.phase.value if sb else "off",
                 sb.spawns if sb else 0,
                 sb.failures if sb else 0,
             )
@@ -277,14 +300,14 @@ class Supervisor:
         proc = self._spawn_fn(session)
         self._proc = proc
         self._pidfd = os.pidfd_open(proc.pid)
-        self._kill_cause = None
         self.spawns += 1
         self._set(Starting(proc.pid, session, self._clock()))
 
-    def _close_pidfd(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+    def _take_proc(self) -> tuple[subprocess.Popen | None, int]:
+        """The proxy process and its pidfd, the caller's to reap from now on."""
+        proc, pidfd = self._proc, self._pidfd
+        self._proc, self._pidfd = None, -1
+        return proc, pidfd
 
     def _watch(self) -> None:
         sb = self.standby
@@ -303,62 +326,60 @@ class Supervisor:
                     elif isinstance(self.state, (Starting, Up)):
                         self._check_live(self.state)
                     if sb is not None:
-                        # A standby is kept while a proxy serves and a loss could be
-                        # replaced (the budget has one more respawn), never before
+                        # A standby is kept while a proxy serves (or is being killed
+                        # from serving: the standby is its replacement) and a loss could
+                        # be replaced (the budget has one more respawn), never before
                         # the first proxy serves (they would share the start's CPU).
-                        sb.keep(isinstance(self.state, Up) and self.budget.left > 0)
+                        state = self.state
+                        serving = state.proxy if isinstance(state, Killing) else state
+                        sb.keep(isinstance(serving, Up) and self.budget.left > 0)
                 except Exception:
                     # Supervision must not end silently with a proxy marked up: give up
                     # on proxies (target-only rounds), loudly, and keep nothing running.
                     log.exception("the proxy supervisor failed; every round is target-only from now on")
-                    if self._proc is not None:
-                        terminate(self._proc, 1.0)
-                        self._proc = None
-                    self._close_pidfd()
+                    proc, pidfd = self._take_proc()
+                    if proc is not None:
+                        self.dead_cpu_s += terminate(proc, pidfd, 1.0)
                     if sb is not None:
                         sb.close(1.0)
                     self._set(Spent(self._clock()))
                     return
 
     def _check_live(self, live: Starting | Up) -> None:
-        if self._kill_cause is not None:  # killed already: its exit is on the way
-            return
         now = self._clock()
         if isinstance(live, Starting):
             if self._serving(live):
                 self._set(Up(live.pid, live.session, live.since))
             elif now - live.since > self.start_limit_s:
-                self._kill(live.pid, f"did not serve within {self.start_limit_s:.1f} s of its start")
+                self._kill(live, f"did not serve within {self.start_limit_s:.1f} s of its start")
             return
         self.budget.observe(live, now)
         if self._stalled(live):
-            self._kill(live.pid, "stalled")
+            self._kill(live, "stalled")
 
-    def _kill(self, pid: int, why: str) -> None:
-        log.warning("proxy pid %d %s; killing it", pid, why)
-        self._kill_cause = Cause.STALL
-        signal_proc(self._proc, signal.SIGKILL)
+    def _kill(self, live: Starting | Up, why: str) -> None:
+        log.warning("proxy pid %d %s; killing it", live.pid, why)
+        self._set(Killing(live, Cause.STALL))
+        signal_child(self._pidfd, signal.SIGKILL)
 
     def _reap_and_decide(self) -> None:
-        proc = self._proc
-        # The pidfd is readable: this does not block. wait4 rather than Popen.wait, for
-        # the dead proxy's final CPU time (kept, so the exported counter never drops).
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = returncode = os.waitstatus_to_exitcode(status)
-            self.dead_cpu_s += usage.ru_utime + usage.ru_stime
-        except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): exited, status unknown
-            proc.returncode = returncode = 0
-        self._close_pidfd()
-        self._proc = None
-        cause = self._kill_cause or (Cause.SIGNAL if returncode < 0 else Cause.EXIT)
-        self._lost(cause, returncode)
+        # The pidfd is readable: reaping does not block. Its final CPU time is kept, so
+        # the exported counter never drops.
+        proc, pidfd = self._take_proc()
+        self.dead_cpu_s += reap(proc, pidfd)
+        state = self.state
+        if isinstance(state, Killing):  # the supervisor's own kill: the cause it killed for
+            self._lost(state.proxy, state.cause, proc.returncode)
+        elif proc.returncode < 0:  # a signal it did not ask for
+            self._lost(state, Cause.SIGNAL, proc.returncode)
+        else:
+            self._lost(state, Cause.EXIT, proc.returncode)
 
-    def _lost(self, cause: Cause, returncode: int) -> None:
+    def _lost(self, proxy: Starting | Up, cause: Cause, returncode: int) -> None:
         """The one place that decides whether a lost proxy is replaced."""
         now = self._clock()
-        if isinstance(self.state, Up):
-            self.budget.observe(self.state, now)
+        if isinstance(proxy, Up):
+            self.budget.observe(proxy, now)
         self.restarts[cause] += 1
         self._set(Down(cause, now))
         if not self.budget.take():
@@ -394,7 +415,6 @@ class Supervisor:
         if taken is None:
             return False
         self._proc, self._pidfd = taken
-        self._kill_cause = None
         self.spawns += 1
         self._set(Starting(self._proc.pid, session, self._clock()))
         return True

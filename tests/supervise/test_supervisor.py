@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import CHILD_TIMEOUT_S, readline_within, until
 
-from remote_dspark.supervise.supervisor import Cause, Closed, Spent, Starting, Supervisor, Up
+from remote_dspark.supervise.supervisor import Cause, Closed, Down, Killing, Spent, Starting, Supervisor, Up
 
 CHILD = "import sys, time\ncode = int(sys.argv[1])\nif code >= 0: sys.exit(code)\ntime.sleep(120)\n"
 
@@ -237,6 +237,68 @@ def test_a_proxy_that_never_serves_is_killed_at_the_start_limit(spawner):
         sup.close()
 
 
+@pytest.mark.parametrize("served", [True, False], ids=["stalled", "never-served"])
+def test_a_proxy_the_supervisor_kills_is_killing_with_its_pid_and_cause_until_it_exits(spawner, served):
+    """A stalled proxy (Up), or one that never served (Starting): Killing carries it and
+    the cause from the SIGKILL (it is still alive then) to its exit, which is a loss of
+    that cause, not of the signal."""
+    changes, alive_when_killing = [], []
+
+    def on_change(state):
+        changes.append(state)
+        if isinstance(state, Killing):
+            alive_when_killing.append(not exited(state.pid))
+
+    def first(pid):
+        return pid == spawner.procs[0].pid
+
+    sup = Supervisor(
+        spawner,
+        respawns=1,
+        reset_s=0,
+        serving=lambda st: served or not first(st.pid),
+        start_limit_s=0.2,
+        stalled=lambda up: first(up.pid),
+        on_change=on_change,
+    )
+    sup.start()
+    try:
+        assert until(lambda: sup.up is not None and not first(sup.up.pid))
+    finally:
+        sup.close()
+    killing = next(c for c in changes if isinstance(c, Killing))
+    victim = Up if served else Starting
+    assert [type(c) for c in changes] == [Starting, *([Up] if served else []), Killing, Down, Starting, Up, Closed]
+    assert isinstance(killing.proxy, victim) and killing.proxy == changes[changes.index(killing) - 1]
+    assert (killing.pid, killing.session, killing.cause) == (spawner.procs[0].pid, spawner.sessions[0], Cause.STALL)
+    assert alive_when_killing == [True] and spawner.procs[0].returncode == -signal.SIGKILL
+    assert changes[changes.index(killing) + 1].cause is Cause.STALL and sup.restarts == {Cause.STALL: 1}
+
+
+def test_the_cpu_counter_keeps_the_proxy_reaped_at_close():
+    """The live proxy's CPU time is counted while it runs and, once close() has reaped
+    it, from its rusage: the counter never steps back."""
+    burner = "import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
+    procs = []
+
+    def spawn(session):
+        procs.append(subprocess.Popen([sys.executable, "-c", burner]))
+        return procs[-1]
+
+    sup = Supervisor(spawn, respawns=0, reset_s=0)
+    sup.start()
+    try:
+        assert until(lambda: sup.stats().proxy_cpu_seconds >= 0.2)
+        before = sup.stats().proxy_cpu_seconds
+    finally:
+        sup.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert sup.stats().proxy_cpu_seconds >= before
+
+
 def test_a_first_spawn_failure_is_a_transition_too(spawner):
     changes = []
 
@@ -263,10 +325,12 @@ def exited(pid: int) -> bool:
 
 
 class Standbys:
-    """Stand-in standbys (the same child script) and what the supervisor asked of them."""
+    """Stand-in standbys (the same child script) and what the supervisor asked of them;
+    each says it is ready at once, or (``ready`` False) never."""
 
-    def __init__(self, spawner: Spawner):
+    def __init__(self, spawner: Spawner, ready: bool = True):
         self.spawner = spawner
+        self.ready = ready
         self.pids: list[int] = []
         self.promoted: list[tuple[int, int]] = []
 
@@ -278,7 +342,7 @@ class Standbys:
             self.pids.append(proc.pid)
             return proc
 
-        return StandbyHooks(spawn, lambda pid, session: self.promoted.append((pid, session)), lambda pid: True)
+        return StandbyHooks(spawn, lambda pid, session: self.promoted.append((pid, session)), lambda pid: self.ready)
 
 
 def test_a_lost_proxy_is_replaced_by_the_standby_and_a_new_standby_starts(spawner):
@@ -300,7 +364,9 @@ def test_a_lost_proxy_is_replaced_by_the_standby_and_a_new_standby_starts(spawne
 
 
 def test_a_standby_that_dies_is_replaced_without_spending_the_budget_and_given_up_after_three(spawner, caplog):
-    sb = Standbys(spawner)
+    # They never say they are ready: one seen ready would end the run of deaths, and
+    # whether the watcher sees it before the kill lands would be a race.
+    sb = Standbys(spawner, ready=False)
     sup = Supervisor(spawner, respawns=2, reset_s=0, standby=sb.hooks())
     sup.start()
     with caplog.at_level(logging.ERROR, logger="remote_dspark.supervise.supervisor"):
@@ -351,5 +417,22 @@ def test_a_standby_dead_with_the_proxy_is_never_promoted(spawner):
         st = sup.stats()
         assert standby not in [pid for pid, _ in sb.promoted]
         assert (st.budget_left, st.restarts["signal"], st.standby_failures) == (2, 1, 1)
+    finally:
+        sup.close()
+
+
+def test_a_stalled_proxy_is_replaced_by_the_standby(spawner):
+    """The standby is kept while the proxy it replaces is being killed: the kill's exit
+    promotes it, as a SIGKILL from outside does."""
+    sb = Standbys(spawner)
+    stall = []
+    sup = Supervisor(spawner, respawns=2, reset_s=0, stalled=lambda up: up.pid in stall, standby=sb.hooks())
+    sup.start()
+    try:
+        assert until(lambda: sup.up is not None and sup.stats().standby == "ready")
+        first, standby = sup.up.pid, sb.pids[0]
+        stall.append(first)
+        assert until(lambda: sup.up is not None and sup.up.pid == standby)
+        assert sb.promoted == [(standby, sup.up.session)] and sup.restarts == {Cause.STALL: 1}
     finally:
         sup.close()
