@@ -1,8 +1,9 @@
 /* hostflag.h: what the two files of the hostflag library share (hostflag.c: the
  * hand-off, the proxy's take and answer, the watchdog; tcp_round.c: the proxy's round on
  * a TCP socket, its descriptor check and DRAFTS reader, and the wire constants it uses).
- * The library's ABI (HF_ABI) covers both; remote_dspark/native/__init__.py builds them
- * together, mirrors the structs below with ctypes and checks their sizes at load.
+ * The library's ABI (HF_ABI) covers both; remote_dspark/native/build.py builds them
+ * together, native/structs.py mirrors the structs below with ctypes and
+ * native/binding.py checks their sizes at load.
  *
  * Status codes: HF_OK, HF_TIMEOUT (deadline passed), HF_LATE (the round was already
  * claimed), HF_ORDER (the previous round is not claimed yet: a caller bug), HF_STATE

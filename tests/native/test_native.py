@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import subprocess
+from pathlib import Path
 
 import pytest
 from helpers import CHILD_TIMEOUT_S, child
@@ -64,9 +65,27 @@ def test_without_either_the_source_is_built_once_into_the_cache(tmp_path, monkey
     assert native.Native(built).lock_free is not None
 
 
+def test_origin_decides_once_what_locate_and_load_use(lib, tmp_path):
+    """Each of the three sources, as ``origin`` reports it; ``locate`` returns its path
+    and ``load`` loads that file."""
+    ofl, cache = tmp_path / "ofl", tmp_path / "cache"
+    ofl.mkdir()
+    shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
+    path = os.environ["PATH"]
+    named = {native.ENV_LIB: lib.path, native.ENV_OFL_DIR: str(ofl)}
+    in_ofl = {"PATH": path, native.ENV_OFL_DIR: str(ofl)}
+    built = {"PATH": path, native.ENV_OFL_DIR: str(tmp_path)}  # no .so there
+    assert native.origin(named, cache) == native.Origin(lib.path, native.ENV_LIB, lib.path)
+    assert native.origin(in_ofl, cache) == native.Origin(str(ofl / native.OFL_LIB_NAME), native.ENV_OFL_DIR, str(ofl))
+    own = native.origin(built, cache)
+    assert own.variable is None and os.path.dirname(own.path) == str(cache)
+    for env in (named, in_ofl, built):
+        assert native.locate(env, cache) == native.load(env, cache).path == native.origin(env, cache).path
+
+
 def test_cache_dir_follows_xdg_then_home(tmp_path):
-    assert native.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == native.Path("/x/remote-dspark")
-    assert native.default_cache_dir({"HOME": "/h"}) == native.Path("/h/.cache/remote-dspark")
+    assert native.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/remote-dspark")
+    assert native.default_cache_dir({"HOME": "/h"}) == Path("/h/.cache/remote-dspark")
 
 
 def test_no_compiler_is_a_clear_error(tmp_path):
