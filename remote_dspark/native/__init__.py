@@ -22,7 +22,6 @@ from .binding import (
 )
 from .build import (
     ENV_LIB,
-    ENV_OFL_DIR,
     OFL_LIB_NAME,
     Origin,
     default_cache_dir,
@@ -36,7 +35,6 @@ from .structs import LinkState, ProxyState, RingGeom
 __all__ = [
     "ABI_VERSION",
     "ENV_LIB",
-    "ENV_OFL_DIR",
     "LOCK_FREE_ALL",
     "OFL_LIB_NAME",
     "WIRE_CONSTANTS",

@@ -37,13 +37,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..transport.endpoint import ENV_OFL_DIR
 from ..trust import untrusted_because
 from .binding import SOURCE_DIR, Native, NativeError
 
 log = logging.getLogger("remote_dspark.native")
 
 ENV_LIB = "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"
-ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = SOURCE_DIR / "hostflag.c"
 SOURCES = (SOURCE, SOURCE_DIR / "tcp_round.c")  # compiled together into one library

@@ -15,6 +15,7 @@ from helpers import CHILD_TIMEOUT_S, child
 
 from remote_dspark import native, wire
 from remote_dspark.native import NativeError, Status, check
+from remote_dspark.transport import ENV_OFL_DIR
 
 
 def word(value: int) -> ctypes.c_uint32:
@@ -37,20 +38,20 @@ def test_named_library_wins_over_the_ofl_dir(lib, tmp_path):
     ofl = tmp_path / "ofl"
     ofl.mkdir()
     shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
-    env = {native.ENV_LIB: lib.path, native.ENV_OFL_DIR: str(ofl)}
+    env = {native.ENV_LIB: lib.path, ENV_OFL_DIR: str(ofl)}
     assert native.locate(env, cache_dir=tmp_path / "cache") == lib.path
 
 
 def test_ofl_dir_copy_is_used_when_present(lib, tmp_path):
     shutil.copy(lib.path, tmp_path / native.OFL_LIB_NAME)
-    loaded = native.load({native.ENV_OFL_DIR: str(tmp_path)}, cache_dir=tmp_path / "cache")
+    loaded = native.load({ENV_OFL_DIR: str(tmp_path)}, cache_dir=tmp_path / "cache")
     assert loaded.path == str(tmp_path / native.OFL_LIB_NAME)
     assert not (tmp_path / "cache").exists()  # nothing was built
 
 
 def test_without_either_the_source_is_built_once_into_the_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(tmp_path)}  # no .so there
+    env = {"PATH": os.environ["PATH"], ENV_OFL_DIR: str(tmp_path)}  # no .so there
     built = native.locate(env, cache_dir=cache)
     assert os.path.dirname(built) == str(cache) and built.endswith(".so")
     # The library and its recorded sha256, no temporary left; the directory is private.
@@ -72,11 +73,11 @@ def test_origin_decides_once_what_locate_and_load_use(lib, tmp_path):
     ofl.mkdir()
     shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
     path = os.environ["PATH"]
-    named = {native.ENV_LIB: lib.path, native.ENV_OFL_DIR: str(ofl)}
-    in_ofl = {"PATH": path, native.ENV_OFL_DIR: str(ofl)}
-    built = {"PATH": path, native.ENV_OFL_DIR: str(tmp_path)}  # no .so there
+    named = {native.ENV_LIB: lib.path, ENV_OFL_DIR: str(ofl)}
+    in_ofl = {"PATH": path, ENV_OFL_DIR: str(ofl)}
+    built = {"PATH": path, ENV_OFL_DIR: str(tmp_path)}  # no .so there
     assert native.origin(named, cache) == native.Origin(lib.path, native.ENV_LIB, lib.path)
-    assert native.origin(in_ofl, cache) == native.Origin(str(ofl / native.OFL_LIB_NAME), native.ENV_OFL_DIR, str(ofl))
+    assert native.origin(in_ofl, cache) == native.Origin(str(ofl / native.OFL_LIB_NAME), ENV_OFL_DIR, str(ofl))
     own = native.origin(built, cache)
     assert own.variable is None and os.path.dirname(own.path) == str(cache)
     for env in (named, in_ofl, built):
@@ -212,7 +213,7 @@ def test_an_ofl_dir_copy_of_another_abi_is_replaced_by_the_own_build(tmp_path, c
     ofl = tmp_path / "ofl"
     ofl.mkdir()
     shutil.copy(_fake_library(tmp_path, 99, native.LOCK_FREE_ALL), ofl / native.OFL_LIB_NAME)
-    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(ofl)}
+    env = {"PATH": os.environ["PATH"], ENV_OFL_DIR: str(ofl)}
     loaded = native.load(env, cache_dir=tmp_path / "cache")
     assert os.path.dirname(loaded.path) == str(tmp_path / "cache")
     assert [r.getMessage() for r in caplog.records if "own build" in r.getMessage()] != []
@@ -225,7 +226,7 @@ def test_an_ofl_dir_copy_others_may_write_is_never_loaded(lib, tmp_path, caplog)
     ofl.mkdir()
     shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
     os.chmod(ofl, 0o777)
-    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(ofl)}
+    env = {"PATH": os.environ["PATH"], ENV_OFL_DIR: str(ofl)}
     loaded = native.load(env, cache_dir=tmp_path / "cache")
     assert os.path.dirname(loaded.path) == str(tmp_path / "cache")
     assert any("written by others" in r.getMessage() for r in caplog.records)
