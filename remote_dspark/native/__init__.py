@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .binding import (
     ABI_VERSION,
+    CODE_TABLES,
     LOCK_FREE_ALL,
     WIRE_CONSTANTS,
     Native,
@@ -34,6 +35,7 @@ from .structs import LinkState, ProxyState, RingGeom
 
 __all__ = [
     "ABI_VERSION",
+    "CODE_TABLES",
     "ENV_LIB",
     "LOCK_FREE_ALL",
     "OFL_LIB_NAME",

@@ -2,10 +2,12 @@
 checks that refuse a library this package does not bind.
 
 At load the library must report the ABI this module binds (``hf_abi_version``), the
-sizes of the structs mirrored in :mod:`.structs` (``hf_sizeof``), the wire constants its
-TCP round uses (``hf_wire_constants``, each equal to :mod:`remote_dspark.wire`'s: see
-``WIRE_CONSTANTS``) and lock-free 32- and 64-bit atomics (``hf_lock_free``): a word
-behind a lock is not safely shared by two processes.
+sizes of the structs mirrored in :mod:`.structs` (``hf_sizeof``), lock-free 32- and
+64-bit atomics (``hf_lock_free``: a word behind a lock is not safely shared by two
+processes), and every value it shares with Python equal to Python's: the wire constants
+its TCP round uses (``hf_wire_constants``, see ``WIRE_CONSTANTS``) and its codes
+(``hf_codes``, see ``CODE_TABLES``: ``Status``, and :mod:`remote_dspark.outcome`'s
+``Outcome`` and ``RoundEvent``). A refusal names the value and both sides of it.
 
 Calls that may wait (``wait_geq``, ``wait_at``, ``handoff``, ``publish``,
 ``release_empty``, ``take``, ``answer``, ``serve``, ``watchdog_stop``) go through
@@ -25,14 +27,15 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import os
 import time
 from pathlib import Path
 
-from .. import wire
+from .. import outcome, wire
 from .structs import LinkState, ProxyState, RingGeom
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -110,6 +113,22 @@ _FUNCS = {
 }
 
 
+# The codes C and Python share, by hf_codes' table number: what a refusal calls one, where
+# Python keeps them, that enum (looked up at load, not at import: a test may stand in
+# another) and the members C reports, in its order. C's codes beyond these would be ones
+# Python cannot name, so a table of another length is refused too.
+CODE_TABLES = (
+    ("status code", "remote_dspark.native.Status", lambda: Status, tuple(Status.__members__)),
+    ("outcome", "remote_dspark.outcome.Outcome", lambda: outcome.Outcome, ("OK", "TIMEOUT", "ERROR", "BREAKER_SKIP")),
+    (
+        "round event",
+        "remote_dspark.outcome.RoundEvent",
+        lambda: outcome.RoundEvent,
+        tuple(outcome.RoundEvent.__members__),
+    ),
+)
+
+
 def check(rc: int, what: str) -> Status:
     """Map a status code to the outcome a caller handles (OK, TIMEOUT, LATE) or raise.
 
@@ -161,7 +180,8 @@ class Native:
 
     def _probe(self, lib) -> None:
         """Refuse a library of another ABI, with structs of other sizes than their ctypes
-        mirrors, or without lock-free words (probed, not assumed from the build)."""
+        mirrors, without lock-free words (probed, not assumed from the build), or with
+        shared constants or codes that are not Python's."""
         try:
             abi, lock_free, sizeof = lib.hf_abi_version, lib.hf_lock_free, lib.hf_sizeof
         except AttributeError as e:
@@ -185,28 +205,39 @@ class Native:
                 f"platform (hf_lock_free() = {self.lock_free}); the region's "
                 "words cannot be shared between processes"
             )
-        self._check_wire(lib)
+        self._check_shared(lib)
 
-    def _check_wire(self, lib) -> None:
-        """Refuse a library whose wire constants are not :mod:`remote_dspark.wire`'s,
-        naming the first that differs and both values."""
+    def _check_shared(self, lib) -> None:
+        """Refuse a library whose wire constants or codes are not Python's, naming the
+        first that differs and both values."""
         try:
-            fn = lib.hf_wire_constants
+            wire_constants, codes = lib.hf_wire_constants, lib.hf_codes
         except AttributeError as e:
-            raise NativeError(f"{self.path} reports no wire constants: {e}") from e
-        fn.restype, fn.argtypes = ctypes.c_uint32, (ctypes.c_void_p, ctypes.c_uint32)
-        out = (ctypes.c_uint64 * len(WIRE_CONSTANTS))()
-        have = fn(out, len(out))
-        if have != len(WIRE_CONSTANTS):
+            raise NativeError(f"{self.path} reports no shared constants: {e}") from e
+        wire_constants.restype, wire_constants.argtypes = ctypes.c_uint32, (ctypes.c_void_p, ctypes.c_uint32)
+        codes.restype, codes.argtypes = ctypes.c_uint32, (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)
+        expected = [(name, value()) for name, value in WIRE_CONSTANTS]
+        self._compare("wire constant", "remote_dspark.wire", expected, wire_constants)
+        for table, (what, where, enum_of, names) in enumerate(CODE_TABLES):
+            members = enum_of()
+            expected = [(name, getattr(members, name, None)) for name in names]
+            self._compare(what, where, expected, functools.partial(codes, table))
+
+    def _compare(self, what: str, where: str, expected: list[tuple[str, int | None]], report) -> None:
+        """Refuse the library unless ``report(out, n)`` (one of its tables) has exactly
+        ``expected``'s values, in order; ``what`` and ``where`` name them in the refusal."""
+        out = (ctypes.c_uint64 * len(expected))()
+        have = report(out, len(out))
+        if have != len(expected):
             raise NativeError(
-                f"{self.path}: reports {have} wire constants, this package checks "
-                f"{len(WIRE_CONSTANTS)}; rebuild it from {SOURCE_DIR}"
+                f"{self.path}: reports {have} {what}s, this package checks {len(expected)}; "
+                f"rebuild it from {SOURCE_DIR}"
             )
-        for (name, expected), value in zip(WIRE_CONSTANTS, out):
-            if value != expected():
+        for (name, value), in_c in zip(expected, out):
+            if value is None or in_c != value:
+                in_python = f"absent from {where}" if value is None else f"{int(value)} in {where}"
                 raise NativeError(
-                    f"{self.path}: wire constant {name} is {value} in C, {expected()} in "
-                    f"remote_dspark.wire; rebuild it from {SOURCE_DIR}"
+                    f"{self.path}: {what} {name} is {in_c} in C, {in_python}; rebuild it from {SOURCE_DIR}"
                 )
 
     def __repr__(self) -> str:

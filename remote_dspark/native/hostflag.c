@@ -394,7 +394,7 @@ int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const ui
     const struct hf_ring *ring = &p->ring;
     uint32_t n = 0, flags = 0, answered = 0;
     uint64_t tokens = 0;
-    if (status >= HF_PROXY_OUTCOMES || (image && status != 0))
+    if (status >= HF_PROXY_OUTCOMES || (image && status != ST_OK))
         return HF_STATE;
     if (image) {
         memcpy(&n, image + ring->d_zero, 4);

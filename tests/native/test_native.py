@@ -4,6 +4,7 @@ primitives' contracts (cyclic comparison, claim, publish, waits) on plain words.
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 import shutil
 import struct
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 from helpers import CHILD_TIMEOUT_S, child
 
-from remote_dspark import native, wire
-from remote_dspark.native import NativeError, Status, check
+from remote_dspark import native, outcome, wire
+from remote_dspark.native import NativeError, Status, binding, check
+from remote_dspark.outcome import Outcome, RoundEvent
 from remote_dspark.transport import ENV_OFL_DIR
 
 
@@ -198,6 +200,73 @@ def test_a_wire_constant_that_drifts_from_the_library_refuses_it_naming_both_val
     after = dict(native.WIRE_CONSTANTS)[name]()
     assert after != before
     with pytest.raises(NativeError, match=rf"wire constant {name} is {before} in C, {after} in remote_dspark.wire"):
+        native.Native(lib.path)
+
+
+def test_the_library_reports_the_codes_python_mirrors(lib):
+    """hf_codes: each table in C's order equals its Python enum; an unknown table is empty."""
+    fn = ctypes.CDLL(lib.path).hf_codes
+    fn.restype, fn.argtypes = ctypes.c_uint32, (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)
+    out = (ctypes.c_uint64 * 32)()
+    tables = {what: [getattr(enum_of(), name) for name in names] for what, _, enum_of, names in native.CODE_TABLES}
+    assert tables == {
+        "status code": list(Status),
+        "outcome": [Outcome.OK, Outcome.TIMEOUT, Outcome.ERROR, Outcome.BREAKER_SKIP],
+        "round event": list(RoundEvent),
+    }
+    for table, expected in enumerate(tables.values()):
+        assert fn(table, out, 32) == len(expected)
+        assert list(out[: len(expected)]) == expected
+    assert fn(len(tables), out, 32) == 0
+
+
+def drifted(codes: type[enum.IntEnum], name: str) -> type[enum.IntEnum]:
+    """``codes`` with member ``name`` 100 higher: the same enum changed in Python only."""
+    values = {m.name: m.value + (100 if m.name == name else 0) for m in codes}
+    return enum.IntEnum(codes.__name__, values)
+
+
+@pytest.mark.parametrize("name", [m.name for m in Status])
+def test_a_status_code_that_drifts_from_the_library_refuses_it_naming_both_values(lib, monkeypatch, name):
+    monkeypatch.setattr(binding, "Status", drifted(Status, name))
+    value = Status[name].value
+    with pytest.raises(
+        NativeError, match=rf"status code {name} is {value} in C, {value + 100} in remote_dspark.native.Status"
+    ):
+        native.Native(lib.path)
+
+
+@pytest.mark.parametrize("name", ["OK", "TIMEOUT", "ERROR", "BREAKER_SKIP"])
+def test_an_outcome_that_drifts_from_the_library_refuses_it_naming_both_values(lib, monkeypatch, name):
+    monkeypatch.setattr(outcome, "Outcome", drifted(Outcome, name))
+    value = Outcome[name].value
+    with pytest.raises(
+        NativeError, match=rf"outcome {name} is {value} in C, {value + 100} in remote_dspark.outcome.Outcome"
+    ):
+        native.Native(lib.path)
+
+
+@pytest.mark.parametrize("name", [m.name for m in RoundEvent])
+def test_a_round_event_that_drifts_from_the_library_refuses_it_naming_both_values(lib, monkeypatch, name):
+    monkeypatch.setattr(outcome, "RoundEvent", drifted(RoundEvent, name))
+    value = RoundEvent[name].value
+    with pytest.raises(
+        NativeError, match=rf"round event {name} is {value} in C, {value + 100} in remote_dspark.outcome.RoundEvent"
+    ):
+        native.Native(lib.path)
+
+
+def test_a_code_python_lacks_or_c_lacks_refuses_the_library(lib, monkeypatch):
+    """A member renamed in Python only, and a table of another length (a code added on
+    one side only), are refused too."""
+    renamed = {m.name if m is not RoundEvent.LOST else "GONE": m.value for m in RoundEvent}
+    monkeypatch.setattr(outcome, "RoundEvent", enum.IntEnum("RoundEvent", renamed))
+    with pytest.raises(NativeError, match=r"round event LOST is 3 in C, absent from remote_dspark.outcome.RoundEvent"):
+        native.Native(lib.path)
+    monkeypatch.undo()
+    what, where, enum_of, names = native.CODE_TABLES[1]
+    monkeypatch.setattr(binding, "CODE_TABLES", (native.CODE_TABLES[0], (what, where, enum_of, names + ("WATCHDOG",))))
+    with pytest.raises(NativeError, match=r"reports 4 outcomes, this package checks 5"):
         native.Native(lib.path)
 
 
