@@ -4,8 +4,8 @@
  * share (the structs Python mirrors, the status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
- * layout is not known here; Python (remote_dspark.shm) computes it once and passes the
- * addresses of the words and the geometry of the drafts slots (struct hf_ring).
+ * layout is not known here; Python (remote_dspark.region.layout) computes it once and
+ * passes the addresses of the words and the geometry of the drafts slots (struct hf_ring).
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
  * claim word is a compare-and-swap, counters are relaxed fetch-adds. Everything a

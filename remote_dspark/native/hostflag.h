@@ -63,7 +63,8 @@ enum { ST_OK = 0, ST_TIMEOUT = 1, ST_ERROR = 2, ST_BREAKER_SKIP = 3,
        HF_PROXY_OUTCOMES = ST_BREAKER_SKIP + 1 };
 
 /* One proxy's view of one region, in the proxy's process: the ring, its counters block,
- * and the rounds it has taken. Filled by remote_dspark.ring_proxy.ProxyEnd; one thread uses it.
+ * and the rounds it has taken. Filled by remote_dspark.proxy.ring_end.ProxyEnd; one
+ * thread uses it.
  * The proxy's whole critical path is two calls: hf_take, then (after the network)
  * hf_answer, which claims, writes, publishes and counts, so after a release only the
  * return to the proxy's loop stands between it and the wait for the next round. */
