@@ -4,8 +4,8 @@
  * share (the structs Python mirrors, the status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
- * layout is not known here; Python (remote_dspark.shm) computes it once and passes the
- * addresses of the words and the geometry of the drafts slots (struct hf_ring).
+ * layout is not known here; Python (remote_dspark.region.layout) computes it once and
+ * passes the addresses of the words and the geometry of the drafts slots (struct hf_ring).
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
  * claim word is a compare-and-swap, counters are relaxed fetch-adds. Everything a
@@ -394,7 +394,7 @@ int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const ui
     const struct hf_ring *ring = &p->ring;
     uint32_t n = 0, flags = 0, answered = 0;
     uint64_t tokens = 0;
-    if (status >= HF_PROXY_OUTCOMES || (image && status != 0))
+    if (status >= HF_PROXY_OUTCOMES || (image && status != ST_OK))
         return HF_STATE;
     if (image) {
         memcpy(&n, image + ring->d_zero, 4);

@@ -1,12 +1,17 @@
 /* hostflag.h: what the two files of the hostflag library share (hostflag.c: the
  * hand-off, the proxy's take and answer, the watchdog; tcp_round.c: the proxy's round on
  * a TCP socket, its descriptor check and DRAFTS reader, and the wire constants it uses).
- * The library's ABI (HF_ABI) covers both; remote_dspark/native/__init__.py builds them
- * together, mirrors the structs below with ctypes and checks their sizes at load.
+ * The library's ABI (HF_ABI) covers both; remote_dspark/native/build.py builds them
+ * together, native/structs.py mirrors the structs below with ctypes and
+ * native/binding.py checks their sizes at load.
  *
  * Status codes: HF_OK, HF_TIMEOUT (deadline passed), HF_LATE (the round was already
  * claimed), HF_ORDER (the previous round is not claimed yet: a caller bug), HF_STATE
  * (a word holds a value its protocol forbids), HF_NOMEM, HF_SYS (errno is set).
+ *
+ * The codes Python mirrors (the status codes, the drafts statuses a proxy writes, and
+ * tcp_round.c's HF_EV_* events) are reported by hf_codes, and the loader refuses a
+ * library whose values are not Python's.
  */
 #ifndef HOSTFLAG_H
 #define HOSTFLAG_H
@@ -18,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 11   /* 11: two source files; hf_wire_constants */
+#define HF_ABI 12   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -52,10 +57,14 @@ static inline void cpu_relax(void)
 #endif
 }
 
-enum { HF_PROXY_OUTCOMES = 4 };   /* ring.Outcome OK, TIMEOUT, ERROR, BREAKER_SKIP */
+/* The drafts statuses a proxy writes (outcome.Outcome OK .. BREAKER_SKIP); the engine's
+ * own (WATCHDOG, NO_PROXY, ORPHAN) reach the library as arguments from Python. */
+enum { ST_OK = 0, ST_TIMEOUT = 1, ST_ERROR = 2, ST_BREAKER_SKIP = 3,
+       HF_PROXY_OUTCOMES = ST_BREAKER_SKIP + 1 };
 
 /* One proxy's view of one region, in the proxy's process: the ring, its counters block,
- * and the rounds it has taken. Filled by remote_dspark.ring_proxy.ProxyEnd; one thread uses it.
+ * and the rounds it has taken. Filled by remote_dspark.proxy.ring_end.ProxyEnd; one
+ * thread uses it.
  * The proxy's whole critical path is two calls: hf_take, then (after the network)
  * hf_answer, which claims, writes, publishes and counts, so after a release only the
  * return to the proxy's loop stands between it and the wait for the next round. */

@@ -1,6 +1,6 @@
-"""``native.structs``: the ctypes mirrors of the structs in ``hostflag.h``. The loader
-(:mod:`remote_dspark.native`) compares each one's size with the library's ``hf_sizeof``
-at load; a field added on one side only is refused there."""
+"""``native.structs``: the ctypes mirrors of the structs in ``hostflag.h``. The binding
+(:mod:`remote_dspark.native.binding`) compares each one's size with the library's
+``hf_sizeof`` at load; a field added on one side only is refused there."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 /* tcp_round.c: the proxy's round on a TCP socket (hf_round), its descriptor check and
- * DRAFTS reader (hf_check_desc, hf_unpack), and the wire constants they use
- * (hf_wire_constants, which the loader holds equal to remote_dspark/wire.py). */
+ * DRAFTS reader (hf_check_desc, hf_unpack), and what they share with Python: the wire
+ * constants they use (hf_wire_constants, which the loader holds equal to
+ * remote_dspark/wire/) and the library's codes (hf_codes, held equal to
+ * native.binding's and outcome.py's enums). */
 #include "hostflag.h"
 
 #include <math.h>
@@ -9,20 +11,29 @@
 #include <stdio.h>
 #include <sys/socket.h>
 
-/* What hf_round did with the round it took (ring.RoundEvent mirrors these). */
+/* What hf_round did with the round it took (outcome.RoundEvent mirrors these). */
 enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
        HF_EV_BAD_DESC };
 
-/* The wire contract's fixed parts (remote_dspark/wire.py, protocol 3): the header, the
+/* The wire contract's fixed parts (remote_dspark/wire/, protocol 3): the header, the
  * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
- * (shm.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must keep. Each
- * wire constant is reported by hf_wire_constants, and the loader refuses a library whose
- * values are not wire.py's. */
+ * (region.layout.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must
+ * keep. Each wire constant is reported by hf_wire_constants, and the loader refuses a
+ * library whose values are not remote_dspark.wire's. */
 enum { W_HEADER = 24, W_VERSION = 3, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
        DESC_FIXED = 8 };
 #define W_MAGIC "DSPW"
 #define W_MAX_PAYLOAD (64ull << 20)
+
+/* The first n of `count` values into out (a loader's probe may ask for fewer or more
+ * than there are); returns count. */
+static uint32_t report(const uint64_t *all, uint32_t count, uint64_t *out, uint32_t n)
+{
+    for (uint32_t i = 0; i < n && i < count; i++)
+        out[i] = all[i];
+    return count;
+}
 
 /* The wire constants this file uses, in the order of native.WIRE_CONSTANTS (HEADER's
  * size, MAGIC as a little-endian u32, PROTOCOL_VERSION, ROUND, DRAFTS, BYE, ROUND_FIXED,
@@ -34,12 +45,26 @@ uint32_t hf_wire_constants(uint64_t *out, uint32_t n)
     memcpy(&magic, W_MAGIC, 4);
     const uint64_t all[] = { W_HEADER, magic, W_VERSION, W_ROUND, W_DRAFTS, W_BYE, W_ROUND_FIXED,
                              W_DRAFTS_FIXED, W_NEW_GEN, W_MARGINS, W_RESYNC, W_MAX_PAYLOAD };
-    uint32_t count = sizeof all / sizeof all[0];
-    for (uint32_t i = 0; i < n && i < count; i++)
-        out[i] = all[i];
-    return count;
+    return report(all, sizeof all / sizeof all[0], out, n);
 }
-enum { ST_OK = 0, ST_TIMEOUT = 1, ST_ERROR = 2 };   /* ring.Outcome */
+
+/* The codes Python mirrors, by table, in the order of native.binding.CODE_TABLES:
+ * 0 the status codes (native.Status), 1 the drafts statuses a proxy writes
+ * (outcome.Outcome OK .. BREAKER_SKIP), 2 hf_round's events (outcome.RoundEvent). The
+ * first n of table `which` into out; returns how many it has (0: no such table). */
+uint32_t hf_codes(uint32_t which, uint64_t *out, uint32_t n)
+{
+    static const uint64_t status[] = { HF_OK, HF_TIMEOUT, HF_LATE, HF_ORDER, HF_STATE, HF_NOMEM, HF_SYS };
+    static const uint64_t outcome[] = { ST_OK, ST_TIMEOUT, ST_ERROR, ST_BREAKER_SKIP };
+    static const uint64_t event[] = { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL,
+                                      HF_EV_BAD_REPLY, HF_EV_BAD_DESC };
+    switch (which) {
+    case 0: return report(status, sizeof status / sizeof status[0], out, n);
+    case 1: return report(outcome, sizeof outcome / sizeof outcome[0], out, n);
+    case 2: return report(event, sizeof event / sizeof event[0], out, n);
+    default: return 0;
+    }
+}
 
 static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
 static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
 SCHEMES = ("tcp", "o1tcp", "o1rdma")
+# Lane O1's directory: ``ofl.py`` and ``libofl.so`` for the ofl endpoints (:mod:`.ofl`),
+# and the contract's default place of a built ``libdsv41_hostflag.so`` (``native.build``).
 ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 
 

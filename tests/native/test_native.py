@@ -4,16 +4,20 @@ primitives' contracts (cyclic comparison, claim, publish, waits) on plain words.
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 import shutil
 import struct
 import subprocess
+from pathlib import Path
 
 import pytest
 from helpers import CHILD_TIMEOUT_S, child
 
-from remote_dspark import native, wire
-from remote_dspark.native import NativeError, Status, check
+from remote_dspark import native, outcome, wire
+from remote_dspark.native import NativeError, Status, binding, check
+from remote_dspark.outcome import Outcome, RoundEvent
+from remote_dspark.transport import ENV_OFL_DIR
 
 
 def word(value: int) -> ctypes.c_uint32:
@@ -36,20 +40,20 @@ def test_named_library_wins_over_the_ofl_dir(lib, tmp_path):
     ofl = tmp_path / "ofl"
     ofl.mkdir()
     shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
-    env = {native.ENV_LIB: lib.path, native.ENV_OFL_DIR: str(ofl)}
+    env = {native.ENV_LIB: lib.path, ENV_OFL_DIR: str(ofl)}
     assert native.locate(env, cache_dir=tmp_path / "cache") == lib.path
 
 
 def test_ofl_dir_copy_is_used_when_present(lib, tmp_path):
     shutil.copy(lib.path, tmp_path / native.OFL_LIB_NAME)
-    loaded = native.load({native.ENV_OFL_DIR: str(tmp_path)}, cache_dir=tmp_path / "cache")
+    loaded = native.load({ENV_OFL_DIR: str(tmp_path)}, cache_dir=tmp_path / "cache")
     assert loaded.path == str(tmp_path / native.OFL_LIB_NAME)
     assert not (tmp_path / "cache").exists()  # nothing was built
 
 
 def test_without_either_the_source_is_built_once_into_the_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(tmp_path)}  # no .so there
+    env = {"PATH": os.environ["PATH"], ENV_OFL_DIR: str(tmp_path)}  # no .so there
     built = native.locate(env, cache_dir=cache)
     assert os.path.dirname(built) == str(cache) and built.endswith(".so")
     # The library and its recorded sha256, no temporary left; the directory is private.
@@ -64,9 +68,27 @@ def test_without_either_the_source_is_built_once_into_the_cache(tmp_path, monkey
     assert native.Native(built).lock_free is not None
 
 
+def test_origin_decides_once_what_locate_and_load_use(lib, tmp_path):
+    """Each of the three sources, as ``origin`` reports it; ``locate`` returns its path
+    and ``load`` loads that file."""
+    ofl, cache = tmp_path / "ofl", tmp_path / "cache"
+    ofl.mkdir()
+    shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
+    path = os.environ["PATH"]
+    named = {native.ENV_LIB: lib.path, ENV_OFL_DIR: str(ofl)}
+    in_ofl = {"PATH": path, ENV_OFL_DIR: str(ofl)}
+    built = {"PATH": path, ENV_OFL_DIR: str(tmp_path)}  # no .so there
+    assert native.origin(named, cache) == native.Origin(lib.path, native.ENV_LIB, lib.path)
+    assert native.origin(in_ofl, cache) == native.Origin(str(ofl / native.OFL_LIB_NAME), ENV_OFL_DIR, str(ofl))
+    own = native.origin(built, cache)
+    assert own.variable is None and os.path.dirname(own.path) == str(cache)
+    for env in (named, in_ofl, built):
+        assert native.locate(env, cache) == native.load(env, cache).path == native.origin(env, cache).path
+
+
 def test_cache_dir_follows_xdg_then_home(tmp_path):
-    assert native.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == native.Path("/x/remote-dspark")
-    assert native.default_cache_dir({"HOME": "/h"}) == native.Path("/h/.cache/remote-dspark")
+    assert native.default_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/remote-dspark")
+    assert native.default_cache_dir({"HOME": "/h"}) == Path("/h/.cache/remote-dspark")
 
 
 def test_no_compiler_is_a_clear_error(tmp_path):
@@ -181,6 +203,73 @@ def test_a_wire_constant_that_drifts_from_the_library_refuses_it_naming_both_val
         native.Native(lib.path)
 
 
+def test_the_library_reports_the_codes_python_mirrors(lib):
+    """hf_codes: each table in C's order equals its Python enum; an unknown table is empty."""
+    fn = ctypes.CDLL(lib.path).hf_codes
+    fn.restype, fn.argtypes = ctypes.c_uint32, (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)
+    out = (ctypes.c_uint64 * 32)()
+    tables = {what: [getattr(enum_of(), name) for name in names] for what, _, enum_of, names in native.CODE_TABLES}
+    assert tables == {
+        "status code": list(Status),
+        "outcome": [Outcome.OK, Outcome.TIMEOUT, Outcome.ERROR, Outcome.BREAKER_SKIP],
+        "round event": list(RoundEvent),
+    }
+    for table, expected in enumerate(tables.values()):
+        assert fn(table, out, 32) == len(expected)
+        assert list(out[: len(expected)]) == expected
+    assert fn(len(tables), out, 32) == 0
+
+
+def drifted(codes: type[enum.IntEnum], name: str) -> type[enum.IntEnum]:
+    """``codes`` with member ``name`` 100 higher: the same enum changed in Python only."""
+    values = {m.name: m.value + (100 if m.name == name else 0) for m in codes}
+    return enum.IntEnum(codes.__name__, values)
+
+
+@pytest.mark.parametrize("name", [m.name for m in Status])
+def test_a_status_code_that_drifts_from_the_library_refuses_it_naming_both_values(lib, monkeypatch, name):
+    monkeypatch.setattr(binding, "Status", drifted(Status, name))
+    value = Status[name].value
+    with pytest.raises(
+        NativeError, match=rf"status code {name} is {value} in C, {value + 100} in remote_dspark.native.Status"
+    ):
+        native.Native(lib.path)
+
+
+@pytest.mark.parametrize("name", ["OK", "TIMEOUT", "ERROR", "BREAKER_SKIP"])
+def test_an_outcome_that_drifts_from_the_library_refuses_it_naming_both_values(lib, monkeypatch, name):
+    monkeypatch.setattr(outcome, "Outcome", drifted(Outcome, name))
+    value = Outcome[name].value
+    with pytest.raises(
+        NativeError, match=rf"outcome {name} is {value} in C, {value + 100} in remote_dspark.outcome.Outcome"
+    ):
+        native.Native(lib.path)
+
+
+@pytest.mark.parametrize("name", [m.name for m in RoundEvent])
+def test_a_round_event_that_drifts_from_the_library_refuses_it_naming_both_values(lib, monkeypatch, name):
+    monkeypatch.setattr(outcome, "RoundEvent", drifted(RoundEvent, name))
+    value = RoundEvent[name].value
+    with pytest.raises(
+        NativeError, match=rf"round event {name} is {value} in C, {value + 100} in remote_dspark.outcome.RoundEvent"
+    ):
+        native.Native(lib.path)
+
+
+def test_a_code_python_lacks_or_c_lacks_refuses_the_library(lib, monkeypatch):
+    """A member renamed in Python only, and a table of another length (a code added on
+    one side only), are refused too."""
+    renamed = {m.name if m is not RoundEvent.LOST else "GONE": m.value for m in RoundEvent}
+    monkeypatch.setattr(outcome, "RoundEvent", enum.IntEnum("RoundEvent", renamed))
+    with pytest.raises(NativeError, match=r"round event LOST is 3 in C, absent from remote_dspark.outcome.RoundEvent"):
+        native.Native(lib.path)
+    monkeypatch.undo()
+    what, where, enum_of, names = native.CODE_TABLES[1]
+    monkeypatch.setattr(binding, "CODE_TABLES", (native.CODE_TABLES[0], (what, where, enum_of, names + ("WATCHDOG",))))
+    with pytest.raises(NativeError, match=r"reports 4 outcomes, this package checks 5"):
+        native.Native(lib.path)
+
+
 def test_a_named_library_of_another_abi_is_a_configuration_error(tmp_path):
     path = _fake_library(tmp_path, 99, native.LOCK_FREE_ALL)
     with pytest.raises(ValueError, match=rf"{native.ENV_LIB}=.*hostflag ABI 99"):
@@ -193,7 +282,7 @@ def test_an_ofl_dir_copy_of_another_abi_is_replaced_by_the_own_build(tmp_path, c
     ofl = tmp_path / "ofl"
     ofl.mkdir()
     shutil.copy(_fake_library(tmp_path, 99, native.LOCK_FREE_ALL), ofl / native.OFL_LIB_NAME)
-    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(ofl)}
+    env = {"PATH": os.environ["PATH"], ENV_OFL_DIR: str(ofl)}
     loaded = native.load(env, cache_dir=tmp_path / "cache")
     assert os.path.dirname(loaded.path) == str(tmp_path / "cache")
     assert [r.getMessage() for r in caplog.records if "own build" in r.getMessage()] != []
@@ -206,7 +295,7 @@ def test_an_ofl_dir_copy_others_may_write_is_never_loaded(lib, tmp_path, caplog)
     ofl.mkdir()
     shutil.copy(lib.path, ofl / native.OFL_LIB_NAME)
     os.chmod(ofl, 0o777)
-    env = {"PATH": os.environ["PATH"], native.ENV_OFL_DIR: str(ofl)}
+    env = {"PATH": os.environ["PATH"], ENV_OFL_DIR: str(ofl)}
     loaded = native.load(env, cache_dir=tmp_path / "cache")
     assert os.path.dirname(loaded.path) == str(tmp_path / "cache")
     assert any("written by others" in r.getMessage() for r in caplog.records)
