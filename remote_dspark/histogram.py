@@ -9,7 +9,7 @@ its owner observes and snapshots it under the lock that already guards its other
 counters.
 
 Lowest layer on purpose: the engine (``engine.stats``, ``metrics``) and the worker
-(``worker``, ``worker_metrics``) both use it, and neither side imports the other.
+(``worker``, ``worker.metrics``) both use it, and neither side imports the other.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ NOT_THE_PACKAGES = {"argparse.py"}  # named as a file a user might plant, not on
 
 
 def test_every_package_path_the_docs_name_exists():
-    """``remote_dspark/...``, ``native/x.c`` and ``shm_layout.py``-style names: a file
+    """``remote_dspark/...``, ``native/x.c`` and ``layout.py``-style names: a file
     moved or renamed without the docs fails here."""
     files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "remote_dspark").rglob("*") if p.is_file()}
     names = {Path(f).name for f in files}

@@ -32,7 +32,7 @@ CAP_MASKING_DEPTH_MODES = ("conf", "confb", "confr")
 
 @dataclass
 class RemoteConfig:
-    """The validated contract (see config_env's docstring for each variable)."""
+    """The validated contract (see config.env's docstring for each variable)."""
 
     endpoint: Endpoint  # with REMOTE_BIND merged into options["bind"]
     policy: str
@@ -190,7 +190,7 @@ def _check_rules(cfg: RemoteConfig) -> None:
 
 
 def describe(cfg: RemoteConfig, environ: Mapping[str, str] | None = None) -> list[tuple[str, str, str]]:
-    """Rows ``(variable, value, source)`` for every variable, in the order of config_env's table.
+    """Rows ``(variable, value, source)`` for every variable, in the order of config.env's table.
 
     ``value`` is spelled as the environment would ("" = unset, identities in hex);
     ``source`` is ``env`` or ``default``. Derived values follow with source ``derived``.

@@ -87,6 +87,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import wire
+from ..native.build import ENV_LIB
 from ..transport.endpoint import ENV_OFL_DIR, check_bind, parse_endpoint
 
 POLICIES = ("shadow", "resilience", "capacity")
@@ -255,7 +256,7 @@ TABLE: tuple[Var, ...] = (
     Var(PREFIX + "ROUND_MS", "remote_round_ms", _ms_list),
     Var(PREFIX + "ASYNC", "async_mode", _flag, False),
     Var(PREFIX + "ASYNC_PROXY", "async_proxy", _choice("thread", "process"), "thread", blank_is_value=True),
-    Var(PREFIX + "HOSTFLAG_LIB", "hostflag_lib", _text, ""),
+    Var(ENV_LIB, "hostflag_lib", _text, ""),
     Var(PREFIX + "ASYNC_NAP_US", "async_nap_us", _int(0), 0),
     Var(PREFIX + "ASYNC_SPIN_US", "async_spin_us", _int(0), 1000),
     Var(PREFIX + "ASYNC_WATCHDOG_MS", "async_watchdog_ms", _int(0), 0),

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from .. import native
 from . import handover
 
 # What a proxy inherits of the engine's environment: the contract's variables, what an
@@ -37,7 +38,7 @@ def proxy_environment(environ: Mapping[str, str], hostflag_lib: str) -> dict[str
     """The proxy's minimal environment. The engine has already located (or built) the
     native library; the proxy is told its path, so it never compiles anything."""
     env = {k: v for k, v in environ.items() if k in _PASS_ENV or k.startswith(_PASS_PREFIXES)}
-    env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = hostflag_lib
+    env[native.ENV_LIB] = hostflag_lib
     return env
 
 

@@ -1,4 +1,4 @@
-"""``shm_layout``: the byte layout of the region the engine and its proxy share
+"""``region.layout``: the byte layout of the region the engine and its proxy share
 (:mod:`remote_dspark.region.shm` maps it).
 
 The layout is computed in one place (``Layout``) from five sizes: ``depth`` (D,
@@ -74,7 +74,7 @@ Drafts slot of round r (depth slot r % D), written by whoever claimed r, then
 published by its release store of ``released``::
 
     +0                4       round the answer is for
-    +4                4       status: ring.Outcome (ok, timeout, error, watchdog, ...)
+    +4                4       status: outcome.Outcome (ok, timeout, error, watchdog, ...)
     +8                4       n_entries
     +12               4       flags: bit 0, margins present
     +128              4 S     counts, i32 per entry

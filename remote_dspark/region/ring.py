@@ -25,7 +25,7 @@ Invariants:
   * A reply after another claimer answered the round is dropped and counted ``late``.
 
 Here: the words, the engine's end and the watchdog; the proxy's end is
-:mod:`.ring_proxy`. Both import only the standard library and the package's own
+:mod:`remote_dspark.proxy.ring_end`. Both import only the standard library and the package's own
 torch-free modules.
 """
 

@@ -1,4 +1,4 @@
-"""``shm_words``: the region's live words, as this process reads and writes them.
+"""``region.words``: the region's live words, as this process reads and writes them.
 
 The header's mutable words (:class:`HeaderWords`: session, pids, heartbeat, the
 breaker's state) and the counters blocks (:class:`Counters`: counters and latency
@@ -86,7 +86,7 @@ class BreakerState:
 
 class HeaderWords:
     """The header's mutable words, each read and written atomically through the native
-    library. Writers as in the header table of shm_layout's docstring."""
+    library. Writers as in the header table of region.layout's docstring."""
 
     def __init__(self, region, lib):
         self._lib = lib

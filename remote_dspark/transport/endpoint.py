@@ -1,7 +1,7 @@
 """Endpoints: ``SCHEME://HOST:PORT[?bind=IPV4]``, parsed and checked.
 
 An endpoint is ``tcp://HOST:PORT`` (the contract's TCP stub, :mod:`.tcp`) or
-``o1tcp://`` / ``o1rdma://`` (lane O1's ofl library, :mod:`.ofl`, loaded from the
+``o1tcp://`` / ``o1rdma://`` (the ofl library, :mod:`.ofl`, loaded from the
 directory ``ENV_OFL_DIR`` names), each with an optional ``?bind=IPV4`` naming this
 side's address.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
 SCHEMES = ("tcp", "o1tcp", "o1rdma")
-# Lane O1's directory: ``ofl.py`` and ``libofl.so`` for the ofl endpoints (:mod:`.ofl`),
+# The ofl directory: ``ofl.py`` and ``libofl.so`` for the ofl endpoints (:mod:`.ofl`),
 # and the contract's default place of a built ``libdsv41_hostflag.so`` (``native.build``).
 ENV_OFL_DIR = "VLLM_DSPARK_REMOTE_OFL_DIR"
 

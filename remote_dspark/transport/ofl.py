@@ -1,4 +1,5 @@
-"""The ofl adapter: ``o1tcp://`` and ``o1rdma://`` through lane O1's ofl library.
+"""The ofl adapter: ``o1tcp://`` and ``o1rdma://`` through the ofl library
+(a Python adapter module and ``libofl.so``, provided beside the engine).
 
 ``VLLM_DSPARK_REMOTE_OFL_DIR`` names a directory holding ``ofl.py`` and ``libofl.so``.
 The adapter loads ``ofl.py`` as a module (under a private name, so it never shadows

@@ -1,4 +1,4 @@
-"""``wire_drafts``: the DRAFTS frame, the worker's answer (part of the wire contract,
+"""``wire.drafts``: the DRAFTS frame, the worker's answer (part of the wire contract,
 :mod:`remote_dspark.wire`).
 
 DRAFTS payload (protocol 2; unchanged in 3)::

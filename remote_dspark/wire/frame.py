@@ -1,4 +1,4 @@
-"""``wire_frame``: the frame header, the contract's numbers and caps, and its errors
+"""``wire.frame``: the frame header, the contract's numbers and caps, and its errors
 (part of the wire contract, :mod:`remote_dspark.wire`).
 
 Header (``HEADER``, 24 bytes)::

@@ -1,4 +1,4 @@
-"""``wire_round``: the ROUND frame (part of the wire contract, :mod:`remote_dspark.wire`).
+"""``wire.round``: the ROUND frame (part of the wire contract, :mod:`remote_dspark.wire`).
 
 ROUND payload (unchanged since protocol 2; the protocol is 3): the engine's own batch
 layout, each section one array laid end to end, so encoding is copying whole arrays into

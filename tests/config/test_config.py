@@ -1,4 +1,4 @@
-"""The environment contract (remote_dspark.config, config_env): one case per variable and rule.
+"""The environment contract (remote_dspark.config, config.env): one case per variable and rule.
 
 Every test passes its own environ dict; the process environment is never read.
 """

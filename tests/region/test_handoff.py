@@ -31,6 +31,7 @@ def proxy_code(fd: int, body: str, want_margin: bool = False) -> str:
     return textwrap.dedent(f"""
         import json, os, random, sys
         from remote_dspark import native, wire
+        from remote_dspark.outcome import Outcome
         from remote_dspark.proxy import ring_end
         from remote_dspark.region import ring, shm
         lib = native.load()
@@ -200,7 +201,7 @@ def test_thousands_of_rounds_with_a_randomly_slow_peer(lib):
                 try:
                     slots = rnd.slots()  # read at once, as a proxy sending the round would
                 except ValueError:   # the watchdog answered it and its slot was reused already
-                    assert not rnd.pending() and not end.complete(rnd, None, ring.Outcome.ERROR)
+                    assert not rnd.pending() and not end.complete(rnd, None, Outcome.ERROR)
                     late += 1
                     continue
                 if rng.random() < 0.03:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
+from ... import native
 from .peers import Peer, PeerThread, Pinning, run_rows
 from .types import ROUND_TIMEOUT_S, Options, Row, Stats
 
@@ -161,7 +162,7 @@ def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
             VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
             VLLM_DSPARK_REMOTE_STATS_FILE="",
             VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-            VLLM_DSPARK_REMOTE_HOSTFLAG_LIB=lib.path,
+            **{native.ENV_LIB: lib.path},
         )
         rows = torch.randn(slots, row_bytes // 4, device="cuda")
         index = torch.arange(slots, device="cuda")

@@ -39,8 +39,8 @@ def serve_loop(end, count: int, timeout_s: float) -> None:
     Raises:
         TimeoutError: no round came within ``timeout_s``.
     """
+    from ...outcome import Outcome
     from ...proxy.tcp_round import TcpRounds
-    from ...region.ring import Outcome
 
     rounds = TcpRounds(end, session=0, default_deadline_ms=1)
     left = count
@@ -53,6 +53,7 @@ def serve_loop(end, count: int, timeout_s: float) -> None:
 
 def _region_peer(args) -> None:
     from ... import native
+    from ...outcome import Outcome
     from ...proxy import ring_end
     from ...region import ring, shm
 
@@ -63,9 +64,7 @@ def _region_peer(args) -> None:
             serve_loop(end, args.rounds, args.timeout_s)
             return
         geom = ring.geometry(region)
-        rc = lib.serve(
-            geom, end.next, args.rounds, ring.Outcome.OK, args.spin_us, args.nap_us, int(args.timeout_s * 1e9)
-        )
+        rc = lib.serve(geom, end.next, args.rounds, Outcome.OK, args.spin_us, args.nap_us, int(args.timeout_s * 1e9))
         if native.check(rc, "C peer") is not native.Status.OK:
             raise TimeoutError(f"C peer: no round within {args.timeout_s}s")
 

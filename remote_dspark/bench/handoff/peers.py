@@ -1,5 +1,5 @@
 """What a hand-off row runs against, for the CPU rows (:mod:`.handoff`) and the CUDA
-rows (:mod:`.handoff_cuda`) alike: the peer that answers it (another interpreter,
+rows (:mod:`remote_dspark.bench.handoff.cuda`) alike: the peer that answers it (another interpreter,
 :class:`Peer`, always reaped by :func:`reap`; or a thread of this one,
 :class:`PeerThread`), the CPUs each side runs on (:class:`Pinning`), the GIL hog, and
 the loop that runs a set of rows under them (:func:`run_rows`).
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ... import native
 from .types import ROUND_TIMEOUT_S, Options, Row
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
@@ -109,7 +110,6 @@ def _siblings(cpu: int) -> set[int]:
 def run_rows(opts: Options, pins: Pinning, modes, runners, label: str) -> list[Row]:
     """Every row of ``modes`` (run by ``runners[mode]``), each without and then with the
     hog, with the engine's threads kept off the peer's CPU (the hog must never share it)."""
-    from ... import native
     from ...progress import Progress
 
     lib = native.load()
@@ -134,7 +134,7 @@ class Peer:
     def __init__(self, mode: str, fd: int, total: int, opts: Options, pins: Pinning, lib):
         self._cpus = pins.peer
         env = dict(os.environ)
-        env["VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"] = lib.path  # the engine's build, no rebuild
+        env[native.ENV_LIB] = lib.path  # the engine's build, no rebuild
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
         self._cmd = [
             sys.executable,

@@ -20,7 +20,7 @@ By default the peer runs on a CPU of its own and the engine's threads on the oth
 keeps its GIL for its first ``--hold-gil-us`` (the thread row cannot: its peer needs the
 GIL). docs/benchmarks.md shows what each changes on a 2-core machine.
 
-The peers, their pinning and the GIL hog are in :mod:`.handoff_peers`: every peer answers
+The peers, their pinning and the GIL hog are in :mod:`remote_dspark.bench.handoff.peers`: every peer answers
 exactly warm-up + N rounds, and every process a row starts is ended before it returns.
 """
 

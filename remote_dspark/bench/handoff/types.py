@@ -1,6 +1,6 @@
 """The hand-off benchmark's options (:class:`Options`), figures (:class:`Stats`,
 :class:`Row`) and timeouts, shared by its CPU rows (:mod:`.handoff`), its CUDA rows
-(:mod:`.handoff_cuda`) and their peers (:mod:`.handoff_peers`)."""
+(:mod:`remote_dspark.bench.handoff.cuda`) and their peers (:mod:`remote_dspark.bench.handoff.peers`)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Row:
     timed_in: str  # "C" or "Python"
     latency: Stats
     gil_wait: Stats | None  # only for rows timed in C
-    after_idle: Stats | None = None  # rounds after an idle gap (the peer's wake-up; see run_all, handoff_cuda)
+    after_idle: Stats | None = None  # rounds after an idle gap (the peer's wake-up; see run_all, bench.handoff.cuda)
     slow: int | None = None  # CUDA rows: rounds over the p99 target
 
 

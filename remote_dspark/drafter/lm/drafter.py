@@ -110,7 +110,7 @@ class LMDrafter:
                 "(more than the window; the model's positions)"
             )
         # The widest round a row holds beside a whole window: the worker refuses a HELLO
-        # whose num_spec is wider (worker_limits.hello_refusal), so no round fails for it.
+        # whose num_spec is wider (worker.limits.hello_refusal), so no round fails for it.
         self.max_width = self.max_tokens - window
         if cache_slots < 0:
             raise ValueError(f"cache_slots {cache_slots}: must be >= 0")
