@@ -21,6 +21,10 @@ restart decision is made in one place (:meth:`Supervisor._lost`):
          --no---> Spent (target-only from now on)
     any --close()--> Closed
 
+The process itself (its Popen and pidfd, a :class:`Child`) is held by the state that has
+a proxy (Starting, Up, Killing) and by nothing else: the transition out of those states
+hands it to whoever reaps it.
+
 A proxy the supervisor kills is ``Killing`` from its SIGKILL to its exit: the state
 carries the proxy and the cause, so its exit is a loss of that cause, not of the signal
 the supervisor sent; it is not judged again and serves no round meanwhile.
@@ -60,17 +64,38 @@ class Cause(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Child:
+    """A proxy process: its handle and its pidfd. The state that holds it owns it; whoever
+    takes it out of the state (the exit handler, ``close``) reaps it."""
+
+    proc: subprocess.Popen
+    pidfd: int
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass(frozen=True)
 class Starting:
-    pid: int
+    child: Child
     session: int
     since: float  # monotonic time of the spawn
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
 
 
 @dataclass(frozen=True)
 class Up:
-    pid: int
+    child: Child
     session: int
     since: float  # monotonic time of the spawn (not of the first beat)
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
 
 
 @dataclass(frozen=True)
@@ -79,6 +104,10 @@ class Killing:
 
     proxy: Starting | Up  # the proxy being killed, as it was
     cause: Cause
+
+    @property
+    def child(self) -> Child:
+        return self.proxy.child
 
     @property
     def pid(self) -> int:
@@ -192,8 +221,6 @@ class Supervisor:
         self.restarts: Counter[Cause] = Counter()
         self.spawns = 0
         self.dead_cpu_s = 0.0  # CPU seconds of the proxies that have exited
-        self._proc: subprocess.Popen | None = None
-        self._pidfd = -1
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._watcher: threading.Thread | None = None
@@ -238,13 +265,13 @@ class Supervisor:
         with self._lock:
             if isinstance(self.state, Closed):
                 return
+            child = self._child()
             self._set(Closed())
-            proc, pidfd = self._take_proc()
         os.write(self._wake_w, b"x")
         if self._watcher is not None:
             self._watcher.join(timeout_s + 1.0)
-        if proc is not None:
-            cpu_s = terminate(proc, pidfd, timeout_s)
+        if child is not None:
+            cpu_s = terminate(child.proc, child.pidfd, timeout_s)
             with self._lock:
                 self.dead_cpu_s += cpu_s
         if self.standby is not None:
@@ -298,21 +325,25 @@ class Supervisor:
     def _spawn(self) -> None:
         session = self._new_session()
         proc = self._spawn_fn(session)
-        self._proc = proc
-        self._pidfd = os.pidfd_open(proc.pid)
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except OSError:  # no fd left: a process nobody could watch is ended now
+            proc.kill()
+            proc.wait()
+            raise
         self.spawns += 1
-        self._set(Starting(proc.pid, session, self._clock()))
+        self._set(Starting(Child(proc, pidfd), session, self._clock()))
 
-    def _take_proc(self) -> tuple[subprocess.Popen | None, int]:
-        """The proxy process and its pidfd, the caller's to reap from now on."""
-        proc, pidfd = self._proc, self._pidfd
-        self._proc, self._pidfd = None, -1
-        return proc, pidfd
+    def _child(self) -> Child | None:
+        """The proxy process the state holds (starting, up or being killed), if any."""
+        state = self.state
+        return state.child if isinstance(state, (Starting, Up, Killing)) else None
 
     def _watch(self) -> None:
         sb = self.standby
         while not isinstance(self.state, Closed):
-            fds = [fd for fd in (self._wake_r, self._pidfd, sb.pidfd if sb else -1) if fd >= 0]
+            child = self._child()
+            fds = [fd for fd in (self._wake_r, child.pidfd if child else -1, sb.pidfd if sb else -1) if fd >= 0]
             ready, _, _ = select.select(fds, [], [], self.tick_s)
             with self._lock:
                 if isinstance(self.state, Closed):
@@ -321,8 +352,8 @@ class Supervisor:
                     # A standby dead at the same time as the proxy is reaped first: never promoted.
                     if sb is not None and sb.pidfd >= 0 and sb.pidfd in ready:
                         sb.died()
-                    if self._pidfd in ready:
-                        self._reap_and_decide()
+                    if child is not None and child.pidfd in ready:
+                        self._reap_and_decide(child)
                     elif isinstance(self.state, (Starting, Up)):
                         self._check_live(self.state)
                     if sb is not None:
@@ -337,19 +368,19 @@ class Supervisor:
                     # Supervision must not end silently with a proxy marked up: give up
                     # on proxies (target-only rounds), loudly, and keep nothing running.
                     log.exception("the proxy supervisor failed; every round is target-only from now on")
-                    proc, pidfd = self._take_proc()
-                    if proc is not None:
-                        self.dead_cpu_s += terminate(proc, pidfd, 1.0)
+                    child = self._child()
+                    self._set(Spent(self._clock()))
+                    if child is not None:
+                        self.dead_cpu_s += terminate(child.proc, child.pidfd, 1.0)
                     if sb is not None:
                         sb.close(1.0)
-                    self._set(Spent(self._clock()))
                     return
 
     def _check_live(self, live: Starting | Up) -> None:
         now = self._clock()
         if isinstance(live, Starting):
             if self._serving(live):
-                self._set(Up(live.pid, live.session, live.since))
+                self._set(Up(live.child, live.session, live.since))
             elif now - live.since > self.start_limit_s:
                 self._kill(live, f"did not serve within {self.start_limit_s:.1f} s of its start")
             return
@@ -360,14 +391,14 @@ class Supervisor:
     def _kill(self, live: Starting | Up, why: str) -> None:
         log.warning("proxy pid %d %s; killing it", live.pid, why)
         self._set(Killing(live, Cause.STALL))
-        signal_child(self._pidfd, signal.SIGKILL)
+        signal_child(live.child.pidfd, signal.SIGKILL)
 
-    def _reap_and_decide(self) -> None:
+    def _reap_and_decide(self, child: Child) -> None:
         # The pidfd is readable: reaping does not block. Its final CPU time is kept, so
-        # the exported counter never drops.
-        proc, pidfd = self._take_proc()
-        self.dead_cpu_s += reap(proc, pidfd)
-        state = self.state
+        # the exported counter never drops. The state leaves the child right after, in
+        # _lost (Down).
+        self.dead_cpu_s += reap(child.proc, child.pidfd)
+        proc, state = child.proc, self.state
         if isinstance(state, Killing):  # the supervisor's own kill: the cause it killed for
             self._lost(state.proxy, state.cause, proc.returncode)
         elif proc.returncode < 0:  # a signal it did not ask for
@@ -414,9 +445,8 @@ class Supervisor:
         taken = self.standby.take(session) if self.standby is not None else None
         if taken is None:
             return False
-        self._proc, self._pidfd = taken
         self.spawns += 1
-        self._set(Starting(self._proc.pid, session, self._clock()))
+        self._set(Starting(Child(*taken), session, self._clock()))
         return True
 
 

@@ -57,7 +57,18 @@ def test_a_due_kill_waits_for_the_killed_proxys_successor(monkeypatch):
     from remote_dspark.demo import demo
     from remote_dspark.supervise.supervisor import Cause, Down, Spent, Starting, Up
 
-    states = iter([Up(11, 1, 0.0), Up(11, 1, 0.0), Down(Cause.SIGNAL, 0.0), Starting(12, 2, 0.0), Up(12, 2, 0.0)])
+    def child(pid):
+        return SimpleNamespace(pid=pid)
+
+    states = iter(
+        [
+            Up(child(11), 1, 0.0),
+            Up(child(11), 1, 0.0),
+            Down(Cause.SIGNAL, 0.0),
+            Starting(child(12), 2, 0.0),
+            Up(child(12), 2, 0.0),
+        ]
+    )
 
     class Sup:
         @property
