@@ -60,15 +60,12 @@ from .admission import Admission
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
 from .round import drafting_batch, reply_frame
 from .sessions import RECENT_S, Session, Sessions
-from .stats import REFUSAL_REASONS, Health, WorkerStats  # noqa: F401
+from .stats import Health, WorkerStats
 from .windows import Windows
 
 log = logging.getLogger("remote_dspark.worker")
 
 DEFAULT_LISTEN = "127.0.0.1:18620"
-
-# The old name of the per-entry drafter protocol (still accepted: drafter.as_batched).
-Drafter = PerEntryDrafterLike
 
 
 class Worker:
@@ -88,7 +85,7 @@ class Worker:
 
     def __init__(
         self,
-        drafter: BatchedDrafter | Drafter,
+        drafter: BatchedDrafter | PerEntryDrafterLike,
         host: str = "127.0.0.1",
         port: int = 18620,
         *,
@@ -124,7 +121,7 @@ class Worker:
         self.frame_timeout_s = frame_timeout_s
         self.stats = WorkerStats()
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
-        self._metrics = None  # worker_metrics.MetricsServer while started with a metrics port
+        self._metrics = None  # metrics.MetricsServer while started with a metrics port
         self._started = time.monotonic()
         # Fault injection (``remote-dspark worker --chaos``): answer every round this
         # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
@@ -359,7 +356,7 @@ class Worker:
         )
         # A place among the engines: the engine's own (a new session replaces the old
         # one's windows), a free one, or the least recently served one's if it has idled
-        # recent_s; else "busy" (worker_sessions).
+        # recent_s; else "busy" (Sessions.admit).
         busy, evicted = self._sessions.admit(session)
         if busy is not None:
             self._refuse("busy")
