@@ -43,6 +43,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -77,6 +78,9 @@ class Worker:
     beyond them; admission (``max_pending``, ``hello_timeout_s``) and places
     (``max_connections`` served connections, ``max_engines`` sessions, none evicted
     within ``recent_s`` of its last round) are described in the module docstring.
+    ``sessions_clock`` (``time.monotonic``) dates those places' HELLOs and rounds, and
+    ``recent_s`` is measured on it (:class:`~remote_dspark.worker.sessions.Sessions`): a
+    test passes a fake one and advances it.
 
     ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
     ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
@@ -100,6 +104,7 @@ class Worker:
         hello_timeout_s: float = 2.0,
         frame_timeout_s: float = 10.0,
         recent_s: float = RECENT_S,
+        sessions_clock: Callable[[], float] = time.monotonic,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
     ):
@@ -127,7 +132,7 @@ class Worker:
         # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
         self.reply_delay_s = 0.0
         self.garble = 0
-        self._sessions = Sessions(max_engines, recent_s)
+        self._sessions = Sessions(max_engines, recent_s, sessions_clock)
         self._lock = threading.Lock()  # guards _conns, _threads, stats
         self._conns: set[socket.socket] = set()  # served connections (after HELLO)
         self._threads: list[threading.Thread] = []
