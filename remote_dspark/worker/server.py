@@ -58,6 +58,7 @@ from ..drafter.contract import (
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
 from ..transport.tcp import TcpStream
 from .admission import Admission
+from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
 from .round import drafting_batch, reply_frame
 from .sessions import RECENT_S, Session, Sessions
@@ -81,6 +82,10 @@ class Worker:
     ``sessions_clock`` (``time.monotonic``) dates those places' HELLOs and rounds, and
     ``recent_s`` is measured on it (:class:`~remote_dspark.worker.sessions.Sessions`): a
     test passes a fake one and advances it.
+
+    ``faults`` (None: none) makes replies late or garbled on purpose, for chaos runs and
+    tests (:class:`~remote_dspark.worker.faults.Faults`, changed from any thread or a
+    signal handler while the worker serves).
 
     ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
     ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
@@ -107,6 +112,7 @@ class Worker:
         sessions_clock: Callable[[], float] = time.monotonic,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        faults: Faults | None = None,
     ):
         if window < 1:
             raise ValueError(f"window {window}: must be >= 1")
@@ -128,10 +134,7 @@ class Worker:
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self._metrics = None  # metrics.MetricsServer while started with a metrics port
         self._started = time.monotonic()
-        # Fault injection (``remote-dspark worker --chaos``): answer every round this
-        # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
-        self.reply_delay_s = 0.0
-        self.garble = 0
+        self.faults = faults
         self._sessions = Sessions(max_engines, recent_s, sessions_clock)
         self._lock = threading.Lock()  # guards _conns, _threads, stats
         self._conns: set[socket.socket] = set()  # served connections (after HELLO)
@@ -301,11 +304,8 @@ class Worker:
                 elif hdr.type == wire.ROUND:
                     t0 = time.perf_counter()
                     reply = self._round(session, hdr, payload)
-                    if self.reply_delay_s:
-                        time.sleep(self.reply_delay_s)
-                    if self.garble > 0:
-                        self.garble -= 1
-                        reply = os.urandom(len(reply))
+                    if self.faults is not None:
+                        reply = self.faults.apply(reply)
                     chan.send(reply)
                     self._sessions.served(session)
                     took = time.perf_counter() - t0
