@@ -7,6 +7,7 @@ from helpers import COUNTING, gated_drafter
 
 from remote_dspark import native
 from remote_dspark.worker import Worker
+from remote_dspark.worker.faults import Faults
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +32,9 @@ def drafter():
 
 @pytest.fixture
 def worker(drafter):
-    """A reference worker on loopback serving ``drafter``; stopped after the test."""
-    w = Worker(drafter, "127.0.0.1", 0).start()
+    """A reference worker on loopback serving ``drafter``, with ``faults`` a test may
+    inject (none until it does); stopped after the test."""
+    w = Worker(drafter, "127.0.0.1", 0, faults=Faults()).start()
     yield w
     drafter.gate.set()
     w.stop()

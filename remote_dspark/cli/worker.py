@@ -10,6 +10,7 @@ import threading
 
 from .. import wire
 from ..worker.drafters import load_drafter
+from ..worker.faults import LATE_S, Faults
 from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, TOKENS_PER_SLOT, Limits
 from ..worker.server import DEFAULT_LISTEN, Worker, parse_listen
 from ..worker.sessions import RECENT_S
@@ -149,7 +150,8 @@ def add_parser(sub) -> None:
         help="fault injection for chaos runs: SIGUSR1 toggles answering every round "
         "--late-ms late, SIGUSR2 garbles the next reply",
     )
-    p.add_argument("--late-ms", type=int, default=200, help="the delay SIGUSR1 switches on (default 200)")
+    late_ms = round(LATE_S * 1000)
+    p.add_argument("--late-ms", type=int, default=late_ms, help=f"the delay SIGUSR1 switches on (default {late_ms})")
     mon = p.add_argument_group(
         "metrics",
         "/metrics (Prometheus), /healthz and /readyz on a small HTTP server of their own; needs "
@@ -195,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         lm_cache_slots=args.lm_cache_slots,
         window=args.window,
     )
+    faults = Faults(late_s=args.late_ms / 1000) if args.chaos else None
     worker = Worker(
         drafter,
         host,
@@ -211,17 +214,12 @@ def run(args: argparse.Namespace) -> int:
         frame_timeout_s=args.frame_timeout_ms / 1000,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        faults=faults,
     )
-    if args.chaos:  # before the first line: a chaos driver signals as soon as it reads it
-
-        def toggle_late(*_):
-            worker.reply_delay_s = 0.0 if worker.reply_delay_s else args.late_ms / 1000.0
-
-        def garble(*_):
-            worker.garble += 1
-
-        signal.signal(signal.SIGUSR1, toggle_late)
-        signal.signal(signal.SIGUSR2, garble)
+    if faults is not None:  # before the first line: a chaos driver signals as soon as it reads it
+        # Faults' changes take no lock, so they are safe in a signal handler (faults.py).
+        signal.signal(signal.SIGUSR1, lambda *_: faults.toggle_late())
+        signal.signal(signal.SIGUSR2, lambda *_: faults.garble_next())
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

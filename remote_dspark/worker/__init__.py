@@ -2,8 +2,9 @@
 (:class:`~.server.Worker`), with its parts: the front door (:mod:`.admission`), its
 limits and the HELLO's checks (:mod:`.limits`), the engines it holds places for
 (:mod:`.sessions`) and their windows (:mod:`.windows`), a round as arrays
-(:mod:`.round`), its numbers (:mod:`.stats`) and their exposition (:mod:`.metrics`), and
-the drafter its flags name (:mod:`.drafters`)."""
+(:mod:`.round`), its numbers (:mod:`.stats`) and their exposition (:mod:`.metrics`), the
+drafter its flags name (:mod:`.drafters`) and the faults it may be told to inject
+(:mod:`.faults`)."""
 
 from .server import Worker
 

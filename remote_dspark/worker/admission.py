@@ -1,4 +1,4 @@
-"""The worker's front door: accepting connections and reading their HELLO (issue 15).
+"""The worker's front door: accepting connections and reading their HELLO.
 
 One thread, one selector, no thread per connection until it has said HELLO. The
 selector holds the listening socket, the stop pipe and every connection that has not

@@ -1,4 +1,4 @@
-"""The worker's own limits on what one engine may announce and send (issue 15).
+"""The worker's own limits on what one engine may announce and send.
 
 The wire's caps (:mod:`remote_dspark.wire.frame`) are what any peer may say: 4096 slots,
 1 MiB rows, 64 MiB frames. A worker serving real engines needs far less, and a peer's
@@ -90,7 +90,8 @@ def hello_refusal(drafter, limits: Limits, hello: wire.Hello) -> tuple[int, str,
     """Whether a worker serving ``drafter`` under ``limits`` takes ``hello``: ``(code,
     reason, why)``, ``code`` ``wire.ACCEPT`` (and empty strings) or the refusal's code,
     its reason for the engine's log and ``why``, the metrics' label (drafter, markov,
-    vocab, limits). Busy is decided later, among the engines (worker_sessions)."""
+    vocab, limits). Busy is decided later, among the engines
+    (:class:`~remote_dspark.worker.sessions.Sessions`)."""
     if hello.drafter_identity != drafter.drafter_identity:
         return (
             wire.REFUSE_DRAFTER,

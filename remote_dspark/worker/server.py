@@ -43,6 +43,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -57,18 +58,16 @@ from ..drafter.contract import (
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
 from ..transport.tcp import TcpStream
 from .admission import Admission
+from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
 from .round import drafting_batch, reply_frame
 from .sessions import RECENT_S, Session, Sessions
-from .stats import REFUSAL_REASONS, Health, WorkerStats  # noqa: F401
+from .stats import Health, WorkerStats
 from .windows import Windows
 
 log = logging.getLogger("remote_dspark.worker")
 
 DEFAULT_LISTEN = "127.0.0.1:18620"
-
-# The old name of the per-entry drafter protocol (still accepted: drafter.as_batched).
-Drafter = PerEntryDrafterLike
 
 
 class Worker:
@@ -80,6 +79,13 @@ class Worker:
     beyond them; admission (``max_pending``, ``hello_timeout_s``) and places
     (``max_connections`` served connections, ``max_engines`` sessions, none evicted
     within ``recent_s`` of its last round) are described in the module docstring.
+    ``sessions_clock`` (``time.monotonic``) dates those places' HELLOs and rounds, and
+    ``recent_s`` is measured on it (:class:`~remote_dspark.worker.sessions.Sessions`): a
+    test passes a fake one and advances it.
+
+    ``faults`` (None: none) makes replies late or garbled on purpose, for chaos runs and
+    tests (:class:`~remote_dspark.worker.faults.Faults`, changed from any thread or a
+    signal handler while the worker serves).
 
     ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
     ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
@@ -88,7 +94,7 @@ class Worker:
 
     def __init__(
         self,
-        drafter: BatchedDrafter | Drafter,
+        drafter: BatchedDrafter | PerEntryDrafterLike,
         host: str = "127.0.0.1",
         port: int = 18620,
         *,
@@ -103,8 +109,10 @@ class Worker:
         hello_timeout_s: float = 2.0,
         frame_timeout_s: float = 10.0,
         recent_s: float = RECENT_S,
+        sessions_clock: Callable[[], float] = time.monotonic,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        faults: Faults | None = None,
     ):
         if window < 1:
             raise ValueError(f"window {window}: must be >= 1")
@@ -124,13 +132,10 @@ class Worker:
         self.frame_timeout_s = frame_timeout_s
         self.stats = WorkerStats()
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
-        self._metrics = None  # worker_metrics.MetricsServer while started with a metrics port
+        self._metrics = None  # metrics.MetricsServer while started with a metrics port
         self._started = time.monotonic()
-        # Fault injection (``remote-dspark worker --chaos``): answer every round this
-        # late, and garble the next ``garble`` replies (random bytes for a DRAFTS frame).
-        self.reply_delay_s = 0.0
-        self.garble = 0
-        self._sessions = Sessions(max_engines, recent_s)
+        self.faults = faults
+        self._sessions = Sessions(max_engines, recent_s, sessions_clock)
         self._lock = threading.Lock()  # guards _conns, _threads, stats
         self._conns: set[socket.socket] = set()  # served connections (after HELLO)
         self._threads: list[threading.Thread] = []
@@ -299,11 +304,8 @@ class Worker:
                 elif hdr.type == wire.ROUND:
                     t0 = time.perf_counter()
                     reply = self._round(session, hdr, payload)
-                    if self.reply_delay_s:
-                        time.sleep(self.reply_delay_s)
-                    if self.garble > 0:
-                        self.garble -= 1
-                        reply = os.urandom(len(reply))
+                    if self.faults is not None:
+                        reply = self.faults.apply(reply)
                     chan.send(reply)
                     self._sessions.served(session)
                     took = time.perf_counter() - t0
@@ -359,7 +361,7 @@ class Worker:
         )
         # A place among the engines: the engine's own (a new session replaces the old
         # one's windows), a free one, or the least recently served one's if it has idled
-        # recent_s; else "busy" (worker_sessions).
+        # recent_s; else "busy" (Sessions.admit).
         busy, evicted = self._sessions.admit(session)
         if busy is not None:
             self._refuse("busy")

@@ -36,7 +36,7 @@ class Session:
     windows: Windows
     row_bytes: int | None = None  # the HELLO's; None: not checked (tests that drive rounds directly)
     engine_id: int = 0
-    last_served: float = 0.0  # monotonic: its HELLO, then the end of every round it was answered
+    last_served: float = 0.0  # Sessions.clock: its HELLO, then the end of every round it was answered
     evicted: bool = False  # a newcomer took its place; its connection says BYE and closes
     conn: socket.socket | None = None  # its connection (shut down on eviction), when it has one
 
@@ -47,6 +47,9 @@ class Sessions:
     Invariants: every session here has ``evicted`` False; a session is here from its
     accepted HELLO until its connection ends, its engine's next HELLO replaces it, or a
     newcomer evicts it. ``admit`` and ``drop`` take the lock; ``served`` is one store.
+
+    ``clock`` (``time.monotonic`` by default) dates every HELLO and round; ``recent_s``
+    is measured on it, so a test that advances a fake clock decides who is recent.
     """
 
     def __init__(self, max_engines: int, recent_s: float = RECENT_S, clock: Callable[[], float] = time.monotonic):

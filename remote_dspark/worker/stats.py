@@ -22,7 +22,7 @@ REFUSAL_REASONS = ("drafter", "markov", "vocab", "limits", "version", "busy")
 
 @dataclass
 class WorkerStats:
-    """The worker's counters: their one owner (``stop``'s line, ``worker_metrics`` and the
+    """The worker's counters: their one owner (``stop``'s line, :mod:`.metrics` and the
     tests read them). Written under ``Worker._lock``; read a consistent copy with
     :meth:`Worker.statistics`."""
 
@@ -69,7 +69,7 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class Health:
-    """What ``/healthz`` and ``/readyz`` answer (``worker_metrics``)."""
+    """What ``/healthz`` and ``/readyz`` answer (:mod:`.metrics`)."""
 
     state: str  # serving, or stopping (from the moment stop() begins)
     uptime_s: float

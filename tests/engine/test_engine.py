@@ -236,13 +236,13 @@ def test_watchdog_releases_a_round_the_worker_answers_too_late(worker, tmp_path)
     )
     with make(env) as rd:
         assert rd.round(batch()).outcome is Outcome.OK
-        worker.reply_delay_s = 0.3
+        worker.faults.set_delay(0.3)
         t0 = time.monotonic()
         out = rd.round(batch())
         waited = time.monotonic() - t0
         assert out.outcome is Outcome.WATCHDOG and out.counts.tolist() == [0, 0]
         assert waited >= 0.1  # answered by the watchdog at its limit, not before
-        worker.reply_delay_s = 0.0
+        worker.faults.set_delay(0.0)
         assert until(lambda: rd.stats().link.late == 1)  # the proxy's reply came after the watchdog
 
 

@@ -21,6 +21,8 @@ from remote_dspark.transport import Disconnected
 from remote_dspark.transport.client import Refused
 from remote_dspark.transport.tcp import KEEPALIVE_IDLE_S, TcpStream
 from remote_dspark.worker import Worker
+from remote_dspark.worker.sessions import Session, Sessions
+from remote_dspark.worker.windows import Windows
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
 
@@ -262,15 +264,47 @@ def test_a_flood_of_new_engine_ids_never_evicts_an_engine_served_recently():
         w.stop()
 
 
+def test_sessions_evict_the_least_recently_served_only_once_it_idled_recent_s():
+    now = [100.0]
+    sessions = Sessions(2, recent_s=60, clock=lambda: now[0])
+
+    def new(engine_id: int) -> Session:
+        return Session(engine_id, 4, 3, False, Windows(4, 8), engine_id=engine_id)
+
+    a, b = new(1), new(2)
+    assert sessions.admit(a) == (None, None) and sessions.admit(b) == (None, None)  # both at 100
+    now[0] = 130.0
+    sessions.served(a)
+    now[0] = 159.9  # B idled 59.9 s: still recent
+    busy, evicted = sessions.admit(new(3))
+    assert busy.startswith("busy: all 2 engine places") and evicted is None and len(sessions) == 2
+    now[0] = 160.0  # B idled recent_s: it makes room; A (served at 130) stays
+    c = new(3)
+    assert sessions.admit(c) == (None, b)
+    assert b.evicted and sessions.get(2) is None and sessions.get(3) is c and c.last_served == 160.0
+    busy, _ = sessions.admit(new(4))  # A idled 30 s, C none
+    assert busy is not None and not a.evicted
+
+
+def served_at(w: Worker, engine_id: int, when: float) -> bool:
+    """The worker's thread has dated engine ``engine_id``'s last round (it does so just
+    after sending the reply) at ``when``."""
+    return until(lambda: w._sessions.get(engine_id).last_served == when)
+
+
 def test_eviction_takes_the_least_recently_served_engine_not_the_first_to_say_hello():
-    w = make(max_engines=2, recent_s=0.2)
+    now = [0.0]
+    w = make(max_engines=2, recent_s=0.2, sessions_clock=lambda: now[0])
     try:
         a = connect(w, session=1, engine_id=1)  # says HELLO first ...
         b = connect(w, session=2, engine_id=2)
+        now[0] = 0.3
         do_round(b, 1, [wire.Entry(0, 3, 0, (1,), True)])
-        time.sleep(0.3)
+        assert served_at(w, 2, 0.3)
+        now[0] = 0.6
         assert do_round(a, 1, [wire.Entry(0, 3, 0, (1, 2), True)]).row(0) == [3, 4, 5]  # ... served last
-        time.sleep(0.3)  # both idle longer than recent_s now
+        assert served_at(w, 1, 0.6)
+        now[0] = 0.9  # both idle longer than recent_s now
         c = connect(w, session=3, engine_id=3)
         assert w.stats.evicted == 1
         hdr, _ = b.chan.recv_frame(time.monotonic() + 5)  # B lost its place: BYE, then closed
