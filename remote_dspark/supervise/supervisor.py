@@ -38,7 +38,6 @@ serving every round is target-only and released by the engine side at once.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import select
@@ -53,88 +52,9 @@ from dataclasses import dataclass
 from .. import wire
 from ..proxy.spawn import reap, signal_child, terminate
 from .standby import Standby, StandbyHooks
+from .states import Cause, Child, Closed, Down, Killing, Lifecycle, Spent, Starting, Up
 
 log = logging.getLogger("remote_dspark.supervise.supervisor")
-
-
-class Cause(str, enum.Enum):
-    EXIT = "exit"  # the proxy exited by itself
-    SIGNAL = "signal"  # killed by a signal it did not ask for (OOM killer, chaos, ...)
-    STALL = "stall"  # alive but not serving: the supervisor killed it
-
-
-@dataclass(frozen=True)
-class Child:
-    """A proxy process: its handle and its pidfd. The state that holds it owns it; whoever
-    takes it out of the state (the exit handler, ``close``) reaps it."""
-
-    proc: subprocess.Popen
-    pidfd: int
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-
-@dataclass(frozen=True)
-class Starting:
-    child: Child
-    session: int
-    since: float  # monotonic time of the spawn
-
-    @property
-    def pid(self) -> int:
-        return self.child.pid
-
-
-@dataclass(frozen=True)
-class Up:
-    child: Child
-    session: int
-    since: float  # monotonic time of the spawn (not of the first beat)
-
-    @property
-    def pid(self) -> int:
-        return self.child.pid
-
-
-@dataclass(frozen=True)
-class Killing:
-    """The supervisor has SIGKILLed ``proxy`` and waits for its exit, a loss of ``cause``."""
-
-    proxy: Starting | Up  # the proxy being killed, as it was
-    cause: Cause
-
-    @property
-    def child(self) -> Child:
-        return self.proxy.child
-
-    @property
-    def pid(self) -> int:
-        return self.proxy.pid
-
-    @property
-    def session(self) -> int:
-        return self.proxy.session
-
-
-@dataclass(frozen=True)
-class Down:
-    cause: Cause
-    since: float  # between a loss and the next spawn
-
-
-@dataclass(frozen=True)
-class Spent:
-    since: float  # the budget ran out: target-only for good
-
-
-@dataclass(frozen=True)
-class Closed:
-    pass
-
-
-Lifecycle = Starting | Up | Killing | Down | Spent | Closed
 
 
 class RestartBudget:
