@@ -1,6 +1,7 @@
 """The engine side: ``RemoteDSpark`` and what a round takes and gives.
 
     facade      RemoteDSpark: the policies, the lifecycle, rounds and launches, stats()
+    mode        Mode: sync, thread or process, decided once from the configuration
     spec        Spec: the configuration and the round's shape, shared by the parts below
     sync_path   ASYNC=0: the engine thread's own network round
     handoff     ASYNC=1: the region, the round hand-off and the engine's own answers
@@ -23,6 +24,7 @@ from .batch import Batch, Drafts
 from .facade import RemoteDSpark
 from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed
+from .mode import Mode
 from .stats import Stats
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "EngineState",
     "apply_cost_overrides",
     "Launched",
+    "Mode",
     "RemoteClosed",
     "RemoteDSpark",
     "RemoteRoundFailed",

@@ -16,6 +16,7 @@ round within ``TIMEOUT_MS``), and, for capacity, asynchronous through the shared
 with the proxy as a thread of the engine (``ASYNC_PROXY=thread``) or as a supervised
 child process (``process``). On the CPU the engine thread hands a round over and waits for
 its release inside the native library (GIL released); the watchdog bounds that wait.
+The mode (``engine.mode.Mode``) is decided once from the configuration.
 
 With ``tp_group`` (a torch.distributed group) every tensor-parallel rank builds one:
 rank 0 of the group opens the path, the others open nothing and take rank 0's answer
@@ -44,6 +45,7 @@ from . import policies, report
 from .batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
 from .handoff import AsyncPath, Launched
 from .lifecycle import EngineState, RemoteClosed, Users
+from .mode import Mode
 from .proxy_host import ProxyHost
 from .ranks import Ranks, shares_failure
 from .spec import Spec
@@ -109,7 +111,6 @@ class RemoteDSpark:
             or not 1 <= vocab_size <= wire.MAX_VOCAB
         ):
             raise ValueError(f"vocab_size={vocab_size!r}: must be None (unknown) or an int in 1..{wire.MAX_VOCAB}")
-        mode = ("process" if cfg.async_proxy == "process" else "thread") if cfg.async_mode else "sync"
         # n_out by schedule: each round's default n_out from its number of requests, when
         # the depth policy masks the positions past its cap (config.n_out_table's rules;
         # shadow and N_OUT=0 always send every position). A batch's own n_out wins.
@@ -124,7 +125,7 @@ class RemoteDSpark:
             max_slots * (CONTEXT_TOKENS + num_spec + 1),
             depth,
             device,
-            mode,
+            Mode.of(cfg),
             engine_id if engine_id is not None else wire.random_id(),
             dict(os.environ if environ is None else environ),
             table,
@@ -155,8 +156,9 @@ class RemoteDSpark:
     vocab_size = property(lambda self: self.spec.vocab_size or None)
 
     @property
-    def mode(self) -> str:
-        """The mode running: "sync", "thread" or "process" (sync after a failed self-test)."""
+    def mode(self) -> Mode:
+        """The mode running: sync, thread or process (sync after a failed self-test; on a
+        tensor-parallel rank other than 0, rank 0's)."""
         return self.spec.mode
 
     @property
@@ -211,19 +213,19 @@ class RemoteDSpark:
             from .metrics import Exporter
 
             self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
-        if cfg.strict_start and self.mode != "sync":
+        if cfg.strict_start and self.mode.handoff:
             self._probe_connection()
         self._open_path()
 
     def _open_path(self) -> None:
-        if self.mode != "sync":
+        if self.mode.handoff:
             try:
                 path = AsyncPath(self.spec, self.counts)
             except (OSError, native.NativeError, RuntimeError) as e:
                 log.warning(
                     "remote DSpark: the async hand-off failed its self-test (%s); falling back to synchronous rounds", e
                 )
-                self.spec = dataclasses.replace(self.spec, mode="sync")
+                self.spec = dataclasses.replace(self.spec, mode=Mode.SYNC)
             else:
                 self._path, self._users = path, path.users
                 self._host = ProxyHost(self.spec, path)
@@ -415,7 +417,7 @@ class RemoteDSpark:
         """Under ``_lock``: the path is open (close sets ``_final`` before it leaves)."""
         path, host, table = self._path, self._host, self.spec.n_out_table
         common = {
-            "mode": self.mode,
+            "mode": self.mode.value,
             "policy": self.cfg.policy,
             "n_out_reason": self.n_out_reason,
             "n_out_table": tuple(table) if table is not None else None,

@@ -37,6 +37,7 @@ from .batch import (
     write_meta_in_stream,
 )
 from .lifecycle import Users
+from .mode import Mode
 from .spec import Spec
 from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
 
@@ -89,7 +90,7 @@ class AsyncPath:
                 backend=spec.device,
                 spin_us=cfg.async_spin_us,
                 nap_us=cfg.async_nap_us,
-                hold_gil_us=HOLD_GIL_US if spec.mode == "process" and spec.device == "cpu" else 0,
+                hold_gil_us=HOLD_GIL_US if spec.mode is Mode.PROCESS and spec.device == "cpu" else 0,
             )
             self._host = [_HostViews(self.region, i) for i in range(spec.depth)]
             if spec.device == "cuda":

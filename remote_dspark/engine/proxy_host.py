@@ -23,6 +23,7 @@ from ..proxy.spawn import proxy_environment, spawn_proxy
 from ..supervise.standby import StandbyHooks
 from ..supervise.supervisor import Down, Lifecycle, Spent, Starting, Supervisor, SupervisorStats, Up
 from .handoff import STALL_ROUNDS, AsyncPath
+from .mode import Mode
 from .spec import Spec
 
 log = logging.getLogger("remote_dspark.engine")
@@ -57,7 +58,7 @@ class ProxyHost:
         now: the engine's own set-up before (the hand-off's self-test, a Triton compile on
         a cold cache) is not the proxy's time."""
         spawned_at = time.monotonic()
-        if self.spec.mode == "thread":
+        if self.spec.mode is Mode.THREAD:
             self._start_thread()
         else:
             env = proxy_environment(self.spec.environ, self.path.lib.path)

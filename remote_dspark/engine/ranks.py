@@ -58,9 +58,10 @@ import torch
 from ..config.env import TABLE
 from ..outcome import Outcome
 from .batch import Batch, Drafts
+from .mode import Mode
 from .spec import Spec
 
-MODES = ("sync", "thread", "process")
+MODES = tuple(Mode)  # a STARTED record's mode, by its index here
 SOURCES = ("remote", "local", "none")
 STARTED, DRAFTS, ERROR = 1, 2, 3
 KIND_NAMES = {STARTED: "STARTED", DRAFTS: "DRAFTS", ERROR: "ERROR"}
@@ -99,7 +100,7 @@ class Ranks:
 
     # ------------------------------------------------------------------ start
 
-    def start(self, spec: Spec, open_path: Callable[[], None], mode: Callable[[], str]) -> FollowerPath | None:
+    def start(self, spec: Spec, open_path: Callable[[], None], mode: Callable[[], Mode]) -> FollowerPath | None:
         """Every rank: compare the configuration; then rank 0 runs ``open_path`` and says
         how it went (``mode()`` once open), the others learn it. Returns None on rank 0,
         the rank's :class:`FollowerPath` elsewhere.

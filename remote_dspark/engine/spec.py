@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .. import wire
 from ..config.api import RemoteConfig
 from .batch import Batch, HostMeta, host_meta
+from .mode import Mode
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class Spec:
     max_tokens: int
     depth: int  # rounds the engine may enqueue ahead of the proxy
     device: str  # "cpu" or "cuda"
-    mode: str  # "sync", "thread" or "process"
+    mode: Mode  # the mode running (the configured one, or sync after a failed self-test)
     engine_id: int
     environ: Mapping[str, str]
     n_out_table: Sequence[int] | None = None
