@@ -46,7 +46,7 @@ from .batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
 from .handoff import AsyncPath, Launched
 from .lifecycle import EngineState, RemoteClosed, Users
 from .mode import Mode
-from .proxy_host import ProxyHost
+from .proxy_host import ProxyHost, host_for
 from .ranks import Ranks, shares_failure
 from .spec import Spec
 from .stats import EngineCounts, LinkStats, Stats
@@ -228,7 +228,7 @@ class RemoteDSpark:
                 self.spec = dataclasses.replace(self.spec, mode=Mode.SYNC)
             else:
                 self._path, self._users = path, path.users
-                self._host = ProxyHost(self.spec, path)
+                self._host = host_for(self.spec, path)
                 self._host.start()
                 return
         path = SyncPath(self.spec)

@@ -1,6 +1,7 @@
-"""The proxy host: runs the proxy for an :class:`~.handoff.AsyncPath`, as a thread of
-the engine (``ASYNC_PROXY=thread``) or as a supervised child process (``process``), and
-says which proxy serves.
+"""The proxy hosts: run the proxy for a :class:`~.handoff.AsyncPath`, as a thread of the
+engine (:class:`ThreadHost`, ``ASYNC_PROXY=thread``) or as a supervised child process
+(:class:`ProcessHost`, ``process``), and say which proxy serves. :func:`host_for` picks
+one by the mode; both answer the one interface of :class:`ProxyHost`.
 
 A proxy serves once it has beaten since it started: it beats first after its first
 connection attempt, which may take the whole CONNECT_TIMEOUT_MS. Until then rounds are
@@ -12,6 +13,7 @@ region's heartbeat.
 
 from __future__ import annotations
 
+import abc
 import logging
 import sys
 import threading
@@ -34,17 +36,15 @@ START_WAIT_SLACK_S = 1.0  # start() waits for the first proxy at most CONNECT_TI
 STOP_S = 0.5  # close: how long a proxy process has to exit on SIGTERM before SIGKILL
 
 
-class ProxyHost:
+class ProxyHost(abc.ABC):
+    """What the async path asks of whoever runs its proxy: start it (and wait, bounded,
+    for it to serve), say every round which proxy serves, stop it at close."""
+
+    supervisor: Supervisor | None = None  # the process host's (for tools that watch or fault it)
+
     def __init__(self, spec: Spec, path: AsyncPath):
         self.spec = spec
         self.path = path
-        self.supervisor: Supervisor | None = None
-        self._thread: threading.Thread | None = None
-        self._loop = None  # thread mode: the proxy loop
-        self._stop = threading.Event()
-        self._thread_started_ns = 0
-        self._thread_lost = False
-        self._switch_interval: float | None = None
         path.serving_session = self.serving_session
 
     @property
@@ -58,27 +58,7 @@ class ProxyHost:
         now: the engine's own set-up before (the hand-off's self-test, a Triton compile on
         a cold cache) is not the proxy's time."""
         spawned_at = time.monotonic()
-        if self.spec.mode is Mode.THREAD:
-            self._start_thread()
-        else:
-            env = proxy_environment(self.spec.environ, self.path.lib.path)
-            cfg = self.spec.cfg
-            standby = (
-                StandbyHooks(lambda: self._spawn(None, env), self._promote, self._standby_ready)
-                if cfg.async_standby
-                else None
-            )
-            self.supervisor = Supervisor(
-                lambda session: self._spawn(session, env),
-                respawns=cfg.async_respawns,
-                reset_s=cfg.async_respawn_reset_s,
-                serving=self._beaten,
-                start_limit_s=self.start_limit_s,
-                stalled=self._stalled,
-                on_change=self._on_change,
-                standby=standby,
-            )
-            self.supervisor.start()
+        self._launch()
         # A new proxy serves after its first connect attempt: a hung worker holds start()
         # for CONNECT_TIMEOUT_MS, and 1 s more is the proxy's own start.
         limit_s = self.spec.cfg.connect_timeout_ms / 1000.0 + START_WAIT_SLACK_S
@@ -87,7 +67,60 @@ class ProxyHost:
                 "remote DSpark: no proxy serving %.1f s after its start; rounds are target-only until one does", limit_s
             )
 
-    def _start_thread(self) -> None:
+    def _wait_serving(self, timeout_s: float) -> bool:
+        """Wait (bounded) for the first proxy to serve, so the first rounds reach it."""
+        deadline = time.monotonic() + timeout_s
+        while not self._first_serving():
+            if time.monotonic() > deadline or self._hopeless():
+                return False
+            time.sleep(0.005)
+        return True
+
+    @abc.abstractmethod
+    def _launch(self) -> None:
+        """Start the proxy (without waiting for it)."""
+
+    @abc.abstractmethod
+    def _first_serving(self) -> bool:
+        """``start()``'s wait is over: the first proxy serves."""
+
+    def _hopeless(self) -> bool:
+        """``start()``'s wait is over: no proxy will serve."""
+        return False
+
+    @abc.abstractmethod
+    def serving_session(self) -> int:
+        """Engine thread, every round: the session of the proxy that serves, 0 if none."""
+
+    @abc.abstractmethod
+    def stop(self) -> bool:
+        """Closing: stop the proxy, within about ``STOP_S``; True when it is known gone
+        (its claimed rounds may then be released as orphans)."""
+
+    def supervisor_stats(self) -> SupervisorStats | None:
+        """The supervisor's record (process mode), for ``stats()``."""
+        return None
+
+    @property
+    def thread_alive(self) -> bool | None:
+        """Whether the proxy thread lives (thread mode, once started), for ``stats()``."""
+        return None
+
+
+class ThreadHost(ProxyHost):
+    """The proxy as a thread of the engine: its own loop over the region, in this
+    interpreter. It serves once it has beaten since the thread started."""
+
+    def __init__(self, spec: Spec, path: AsyncPath):
+        super().__init__(spec, path)
+        self._thread: threading.Thread | None = None  # started by start()
+        self._loop: ProxyLoop | None = None  # the thread's loop while it runs
+        self._stop = threading.Event()
+        self._thread_started_ns = 0
+        self._thread_lost = False
+        self._switch_interval: float | None = None  # the interpreter's, to restore at stop
+
+    def _launch(self) -> None:
         us = self.spec.cfg.switch_interval_us
         if us:
             self._switch_interval = sys.getswitchinterval()
@@ -117,6 +150,62 @@ class ProxyHost:
         finally:
             self._loop = None
             users.leave()
+
+    def _first_serving(self) -> bool:
+        return bool(self.serving_session())
+
+    def serving_session(self) -> int:
+        if not self._thread.is_alive():
+            if not self._thread_lost:
+                self._thread_lost = True
+                log.error("remote DSpark: the proxy thread died; every round is target-only from now on")
+            return 0
+        header = self.path.end.header
+        return header.session if header.heartbeat_ns >= self._thread_started_ns else 0
+
+    def stop(self) -> bool:
+        """A proxy thread inside a connect may outlive this: it leaves the region when
+        its loop ends."""
+        if self._thread is None:  # never started
+            return True
+        self._stop.set()
+        loop = self._loop
+        if loop is not None:
+            loop.link.interrupt()  # a round waiting on the network ends now
+        self._thread.join(STOP_S)
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+        return not self._thread.is_alive()
+
+    @property
+    def thread_alive(self) -> bool | None:
+        return self._thread.is_alive() if self._thread is not None else None
+
+
+class ProcessHost(ProxyHost):
+    """The proxy as a child process under a :class:`Supervisor` (respawns, the stall
+    verdict, the warm standby). Whether a proxy serves is the supervisor's ``serving``
+    predicate (Starting -> Up)."""
+
+    def _launch(self) -> None:
+        env = proxy_environment(self.spec.environ, self.path.lib.path)
+        cfg = self.spec.cfg
+        standby = (
+            StandbyHooks(lambda: self._spawn(None, env), self._promote, self._standby_ready)
+            if cfg.async_standby
+            else None
+        )
+        self.supervisor = Supervisor(
+            lambda session: self._spawn(session, env),
+            respawns=cfg.async_respawns,
+            reset_s=cfg.async_respawn_reset_s,
+            serving=self._beaten,
+            start_limit_s=self.start_limit_s,
+            stalled=self._stalled,
+            on_change=self._on_change,
+            standby=standby,
+        )
+        self.supervisor.start()
 
     def _spawn(self, session: int | None, env):
         """A proxy for ``session``, or (None) a standby, which gets its session when it is
@@ -153,30 +242,17 @@ class ProxyHost:
         return self.path.end.header.heartbeat_ns >= live.since * 1e9
 
     def serving_session(self) -> int:
-        """Engine thread, every round: the session of the proxy that serves, 0 if none."""
-        if self.supervisor is not None:
-            live = self.supervisor.state
-            if isinstance(live, Up) or (isinstance(live, Starting) and self._beaten(live)):
-                return live.session
-            return 0
-        if not self._thread.is_alive():
-            if not self._thread_lost:
-                self._thread_lost = True
-                log.error("remote DSpark: the proxy thread died; every round is target-only from now on")
-            return 0
-        header = self.path.end.header
-        return header.session if header.heartbeat_ns >= self._thread_started_ns else 0
+        live = self.supervisor.state
+        if isinstance(live, Up) or (isinstance(live, Starting) and self._beaten(live)):
+            return live.session
+        return 0
 
-    def _wait_serving(self, timeout_s: float) -> bool:
-        """Wait (bounded) for the first proxy to serve, so the first rounds reach it (in
-        process mode until the supervisor says Up: its state agrees from the start)."""
-        deadline = time.monotonic() + timeout_s
-        sup = self.supervisor
-        while not (sup.up is not None if sup is not None else self.serving_session()):
-            if time.monotonic() > deadline or isinstance(getattr(self.supervisor, "state", None), Spent):
-                return False
-            time.sleep(0.005)
-        return True
+    def _first_serving(self) -> bool:
+        """Until the supervisor says Up: its state agrees from the start."""
+        return self.supervisor.up is not None
+
+    def _hopeless(self) -> bool:
+        return isinstance(self.supervisor.state, Spent)
 
     def _stalled(self, up: Up) -> bool:
         """From the supervisor's thread: has the serving proxy ``up`` stopped serving?"""
@@ -213,26 +289,23 @@ class ProxyHost:
     # ------------------------------------------------------------------ closing
 
     def stop(self) -> bool:
-        """Closing: stop the proxy, within about ``STOP_S``; True when it is known gone
-        (its claimed rounds may then be released as orphans). A proxy thread inside a
-        connect may outlive this: it leaves the region when its loop ends."""
-        if self.supervisor is not None:
-            self.supervisor.close(STOP_S)
+        if self.supervisor is None:  # never started
             return True
-        if self._thread is None:  # never started
-            return True
-        self._stop.set()
-        loop = self._loop
-        if loop is not None:
-            loop.link.interrupt()  # a round waiting on the network ends now
-        self._thread.join(STOP_S)
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-        return not self._thread.is_alive()
+        self.supervisor.close(STOP_S)
+        return True
 
     def supervisor_stats(self) -> SupervisorStats | None:
         return self.supervisor.stats() if self.supervisor is not None else None
 
-    @property
-    def thread_alive(self) -> bool | None:
-        return self._thread.is_alive() if self._thread is not None else None
+
+def host_for(spec: Spec, path: AsyncPath) -> ProxyHost:
+    """The host of ``spec``'s mode (thread or process) for ``path``.
+
+    Raises:
+        ValueError: a mode that runs no proxy (sync).
+    """
+    if spec.mode is Mode.THREAD:
+        return ThreadHost(spec, path)
+    if spec.mode is Mode.PROCESS:
+        return ProcessHost(spec, path)
+    raise ValueError(f"{spec.mode} mode runs no proxy")
