@@ -3,7 +3,9 @@
     facade      RemoteDSpark: the policies, the lifecycle, rounds and launches, stats()
     mode        Mode: sync, thread or process, decided once from the configuration
     spec        Spec: the configuration and the round's shape, shared by the parts below
+    path        the one interface of a round path, whatever the mode
     sync_path   ASYNC=0: the engine thread's own network round
+    async_path  ASYNC=1: the hand-off and the proxy host serving it, as one path
     handoff     ASYNC=1: the region, the round hand-off and the engine's own answers
     proxy_host  the proxy as a thread or a supervised process; which one serves
     stats       EngineCounts (the engine thread's counting) and Stats (the one record)

@@ -15,8 +15,9 @@ Three ways to run a round: synchronous (``ASYNC=0``: the engine thread does the 
 round within ``TIMEOUT_MS``), and, for capacity, asynchronous through the shared region
 with the proxy as a thread of the engine (``ASYNC_PROXY=thread``) or as a supervised
 child process (``process``). On the CPU the engine thread hands a round over and waits for
-its release inside the native library (GIL released); the watchdog bounds that wait.
-The mode (``engine.mode.Mode``) is decided once from the configuration.
+its release inside the native library (GIL released); the watchdog bounds that wait. The
+mode (``engine.mode.Mode``) is decided once from the configuration, and ``start()`` opens
+the one round path of that mode (``engine.path``); the facade only calls it.
 
 With ``tp_group`` (a torch.distributed group) every tensor-parallel rank builds one:
 rank 0 of the group opens the path, the others open nothing and take rank 0's answer
@@ -42,14 +43,15 @@ from ..config.api import RemoteConfig, n_out_table
 from ..supervise.supervisor import Supervisor
 from ..transport.client import DraftClient
 from . import policies, report
+from .async_path import AsyncPath
 from .batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
-from .handoff import AsyncPath, Launched
-from .lifecycle import EngineState, RemoteClosed, Users
+from .handoff import Launched
+from .lifecycle import EngineState, RemoteClosed
 from .mode import Mode
-from .proxy_host import ProxyHost, host_for
+from .path import NothingOpen, Path
 from .ranks import Ranks, shares_failure
 from .spec import Spec
-from .stats import EngineCounts, LinkStats, Stats
+from .stats import EngineCounts, Stats
 from .sync_path import SyncPath
 
 log = logging.getLogger("remote_dspark.engine")
@@ -58,6 +60,37 @@ DEPTH = 4  # rounds the engine may enqueue ahead of the proxy
 CLOSE_S = 1.5  # close: how long rounds in flight have to leave (close returns within 2 s)
 
 LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]  # -> (tokens [n, k], counts [n])
+
+
+def check_arguments(
+    cfg: RemoteConfig,
+    local_drafter: LocalDrafter | None,
+    device: str,
+    num_spec: int,
+    max_slots: int,
+    row_bytes: int,
+    vocab_size: int | None,
+) -> None:
+    """``RemoteDSpark``'s arguments against the policy and the wire contract's caps.
+
+    Raises:
+        ValueError: an argument out of range, naming it.
+    """
+    if cfg.keeps_local_drafter and local_drafter is None:
+        raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
+    for name, value, hi in (
+        ("num_spec", num_spec, wire.MAX_N_OUT),
+        ("max_slots", max_slots, wire.MAX_ENTRIES),
+        ("row_bytes", row_bytes, wire.MAX_ROW_BYTES),
+    ):
+        if not 1 <= value <= hi:
+            raise ValueError(f"{name}={value}: must be in 1..{hi} (the wire contract's cap)")
+    if vocab_size is not None and (
+        not hasattr(vocab_size, "__index__") or isinstance(vocab_size, bool) or not 1 <= vocab_size <= wire.MAX_VOCAB
+    ):
+        raise ValueError(f"vocab_size={vocab_size!r}: must be None (unknown) or an int in 1..{wire.MAX_VOCAB}")
 
 
 class RemoteDSpark:
@@ -94,23 +127,7 @@ class RemoteDSpark:
         Raises:
             ValueError: an argument out of range, naming it.
         """
-        if cfg.keeps_local_drafter and local_drafter is None:
-            raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
-        for name, value, hi in (
-            ("num_spec", num_spec, wire.MAX_N_OUT),
-            ("max_slots", max_slots, wire.MAX_ENTRIES),
-            ("row_bytes", row_bytes, wire.MAX_ROW_BYTES),
-        ):
-            if not 1 <= value <= hi:
-                raise ValueError(f"{name}={value}: must be in 1..{hi} (the wire contract's cap)")
-        if vocab_size is not None and (
-            not hasattr(vocab_size, "__index__")
-            or isinstance(vocab_size, bool)
-            or not 1 <= vocab_size <= wire.MAX_VOCAB
-        ):
-            raise ValueError(f"vocab_size={vocab_size!r}: must be None (unknown) or an int in 1..{wire.MAX_VOCAB}")
+        check_arguments(cfg, local_drafter, device, num_spec, max_slots, row_bytes, vocab_size)
         # n_out by schedule: each round's default n_out from its number of requests, when
         # the depth policy masks the positions past its cap (config.n_out_table's rules;
         # shadow and N_OUT=0 always send every position). A batch's own n_out wins.
@@ -134,9 +151,7 @@ class RemoteDSpark:
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)
         self.state = EngineState.NEW
-        self._path: SyncPath | AsyncPath | None = None
-        self._host: ProxyHost | None = None
-        self._users: Users | None = None
+        self._path: Path = NothingOpen()  # the one way to the remote drafter, picked at start
         self._final: Stats | None = None
         self._lock = threading.Lock()  # state changes, and stats() against close()
         self._start_lock = threading.Lock()  # start() and close() one at a time
@@ -164,7 +179,7 @@ class RemoteDSpark:
     @property
     def supervisor(self) -> Supervisor | None:
         """Process mode: the proxy's supervisor (for tools that watch or fault it)."""
-        return self._host.supervisor if self._host is not None else None
+        return self._path.supervisor
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -198,7 +213,7 @@ class RemoteDSpark:
                 else:  # tensor parallel: every rank compares its config, rank 0 opens, the others follow
                     follower = self._ranks.start(self.spec, lambda: self._open(), lambda: self.mode)
                     if follower is not None:
-                        self.spec, self._path, self._users = follower.spec, follower, Users(follower.close)
+                        self.spec, self._path = follower.spec, follower
             except BaseException:
                 self._close()  # nothing started stays running: exporter, proxy, watchdog, region
                 raise
@@ -215,25 +230,21 @@ class RemoteDSpark:
             self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
         if cfg.strict_start and self.mode.handoff:
             self._probe_connection()
-        self._open_path()
+        self._path = self._build_path()
+        self._path.start()  # a failure here closes the path with the engine
 
-    def _open_path(self) -> None:
+    def _build_path(self) -> Path:
+        """The path of the mode: the async one when its self-test passes, else sync (and
+        the engine runs sync from now on)."""
         if self.mode.handoff:
             try:
-                path = AsyncPath(self.spec, self.counts)
+                return AsyncPath(self.spec, self.counts)
             except (OSError, native.NativeError, RuntimeError) as e:
                 log.warning(
                     "remote DSpark: the async hand-off failed its self-test (%s); falling back to synchronous rounds", e
                 )
                 self.spec = dataclasses.replace(self.spec, mode=Mode.SYNC)
-            else:
-                self._path, self._users = path, path.users
-                self._host = host_for(self.spec, path)
-                self._host.start()
-                return
-        path = SyncPath(self.spec)
-        self._path, self._users = path, Users(path.close)
-        path.start()
+        return SyncPath(self.spec)
 
     def _probe_connection(self) -> None:
         """STRICT_START in async mode: connect + HELLO once from here, so a bad endpoint
@@ -271,38 +282,13 @@ class RemoteDSpark:
         try:
             if self.exporter is not None:
                 self.exporter.close()
-            if self._users is not None:
-                self._fence()
+            self._path.stop(CLOSE_S)
         finally:
             with self._lock:
                 self._final = self._snapshot()
                 self.state = EngineState.CLOSED
-            if self._users is not None:
-                self._users.leave()  # the owner: frees now, or when the last round leaves
+            self._path.users.leave()  # the owner: frees now, or when the last round leaves
             self._report.write(self.stats())
-
-    def _fence(self) -> None:
-        users, path, deadline = self._users, self._path, time.monotonic() + CLOSE_S
-        users.shut()
-        if not isinstance(path, AsyncPath):  # sync, or a tensor-parallel rank other than 0 (FollowerPath)
-            path.fence()
-            if not users.wait_alone(deadline):
-                log.warning("remote DSpark: close: a round still in flight after %.1f s", CLOSE_S)
-            return
-        proxy_gone = self._host.stop()
-        while True:
-            path.fence(proxy_gone)
-            if users.wait_alone(min(deadline, time.monotonic() + 0.005)):
-                path.finish()  # nobody inside: the stream may be finished and the region unpinned
-                return
-            if time.monotonic() >= deadline:
-                log.warning(
-                    "remote DSpark: close: %d users of the region still inside after %.1f s; the "
-                    "last one out unmaps it",
-                    users.inside,
-                    CLOSE_S,
-                )
-                return
 
     def __enter__(self):
         return self.start()
@@ -324,11 +310,11 @@ class RemoteDSpark:
     def wait_cpu_s(self) -> float:
         """The engine thread's CPU seconds spent inside its waits for a round's release
         (async modes on the CPU: that wait spins by design); 0 in sync mode."""
-        return getattr(self._path, "wait_cpu_s", 0.0)
+        return self._path.wait_cpu_s
 
     def _enter(self, what: str) -> None:
-        """A round's way in: it may touch the path until ``_users.leave()``."""
-        if self.state is EngineState.STARTED and self._users.enter():
+        """A round's way in: it may touch the path until its ``users.leave()``."""
+        if self.state is EngineState.STARTED and self._path.users.enter():
             return
         if self.state in (EngineState.NEW, EngineState.STARTING):
             raise RuntimeError(f"RemoteDSpark.{what}() before start() returned")
@@ -345,11 +331,15 @@ class RemoteDSpark:
         """
         self._enter("round")
         try:
-            return self._round(batch)
+            out = self._round(batch)
+            self._report.round_done(self.stats)
+            return out
         finally:
-            self._users.leave()
+            self._path.users.leave()
 
     def _round(self, batch: Batch) -> Drafts:
+        """The policy's round: the remote answer (rank 0's under tensor parallelism), the
+        local drafter where the policy asks for it, counted."""
         policy = self.cfg.policy
         local = self.local_drafter(batch) if policy == "shadow" else None
         t0 = time.monotonic()
@@ -359,7 +349,6 @@ class RemoteDSpark:
         st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
         out = policies.choose(self.cfg, st, self.num_spec, remote, local, lambda: self.local_drafter(batch))
         st.source(out.source)
-        self._report.round_done(self.stats)
         return out
 
     def launch(self, batch: Batch) -> Launched:
@@ -383,21 +372,11 @@ class RemoteDSpark:
         try:
             if self.device != "cuda":
                 raise RuntimeError("launch() is for rounds on CUDA (device='cuda'); use round()")
-            if isinstance(self._path, SyncPath):
-                return self._launch_sync(batch)
-            launched = self._path.launch(batch)
+            launched = self._path.launch(batch, self._round)
             self._report.round_done(self.stats)
             return launched
         finally:
-            self._users.leave()
-
-    def _launch_sync(self, batch: Batch) -> Launched:
-        """``launch()`` in sync mode (``ASYNC=0``, or after a failed self-test): the round
-        runs now, blocking, and comes back completed, with the shapes and on the device
-        an asynchronous launch gives."""
-        out = self._round(batch)
-        device = batch.rows.device
-        return Launched(self._path.round_id, out.tokens.to(device), out.counts.to(device), out.resync, out.resync_all)
+            self._path.users.leave()
 
     def record_accepted(self, accepted: Sequence[int], offered: Sequence[int]) -> None:
         """The engine reports how many drafts it accepted (and was offered) per position."""
@@ -415,21 +394,11 @@ class RemoteDSpark:
 
     def _snapshot(self) -> Stats:
         """Under ``_lock``: the path is open (close sets ``_final`` before it leaves)."""
-        path, host, table = self._path, self._host, self.spec.n_out_table
-        common = {
-            "mode": self.mode.value,
-            "policy": self.cfg.policy,
-            "n_out_reason": self.n_out_reason,
-            "n_out_table": tuple(table) if table is not None else None,
-        }
-        st = self.counts
-        if isinstance(path, AsyncPath):
-            return st.snapshot(
-                **common,
-                link=path.link_stats(),
-                handoff=path.handoff_stats(host.thread_alive),
-                supervisor=host.supervisor_stats(),
-            )
-        if isinstance(path, SyncPath):
-            return st.snapshot(**common, link=path.link_stats(), connected=path.link.connected)
-        return st.snapshot(**common, link=LinkStats.none())
+        table = self.spec.n_out_table
+        return self.counts.snapshot(
+            mode=self.mode.value,
+            policy=self.cfg.policy,
+            path=self._path.stats(),
+            n_out_reason=self.n_out_reason,
+            n_out_table=tuple(table) if table is not None else None,
+        )

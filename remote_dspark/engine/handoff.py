@@ -7,7 +7,7 @@ the proxy host (:mod:`.proxy_host`) runs the proxy; this module answers a round 
 only when no proxy serves (at once, target-only), when a proxy was lost (its rounds),
 and when the engine closes (every round still in flight).
 
-Building :class:`AsyncPath` is the self-test: the native library loads, the region
+Building :class:`Handoff` is the self-test: the native library loads, the region
 maps, the watchdog starts, and on CUDA the region registers and the stream's hand-off
 answers a probe.
 """
@@ -62,7 +62,7 @@ class Launched:
         self.resync_all = resync_all  # a new proxy: every slot must be re-announced
 
 
-class AsyncPath:
+class Handoff:
     """The region, its views and the engine's end of the ring. Used by the engine thread
     (rounds), the proxy host's threads (answers for a lost proxy) and ``close``; each
     enters :attr:`users` first, and the last to leave unmaps the region."""

@@ -15,9 +15,12 @@ nobody waits on a peer it cannot hurry.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger("remote_dspark.engine")
 
 
 class EngineState(enum.Enum):
@@ -84,3 +87,14 @@ class Users:
     def inside(self) -> int:
         """Users other than the owner (a reading, for logs and tests)."""
         return self._count - 1
+
+
+def stop_in_caller(users: Users, interrupt: Callable[[], None], limit_s: float) -> None:
+    """Close a path whose round runs on its caller's thread (sync, a tensor-parallel
+    rank other than 0): shut the door, ``interrupt`` the round in flight, wait at most
+    ``limit_s`` for it to leave. The owner's own leave is the caller's."""
+    deadline = time.monotonic() + limit_s
+    users.shut()
+    interrupt()
+    if not users.wait_alone(deadline):
+        log.warning("remote DSpark: close: a round still in flight after %.1f s", limit_s)

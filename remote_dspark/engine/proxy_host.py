@@ -1,4 +1,4 @@
-"""The proxy hosts: run the proxy for a :class:`~.handoff.AsyncPath`, as a thread of the
+"""The proxy hosts: run the proxy for a :class:`~.handoff.Handoff`, as a thread of the
 engine (:class:`ThreadHost`, ``ASYNC_PROXY=thread``) or as a supervised child process
 (:class:`ProcessHost`, ``process``), and say which proxy serves. :func:`host_for` picks
 one by the mode; both answer the one interface of :class:`ProxyHost`.
@@ -24,7 +24,7 @@ from ..proxy.loop import IDLE_TICK_S, ProxyLoop
 from ..proxy.spawn import proxy_environment, spawn_proxy
 from ..supervise.standby import StandbyHooks
 from ..supervise.supervisor import Down, Lifecycle, Spent, Starting, Supervisor, SupervisorStats, Up
-from .handoff import STALL_ROUNDS, AsyncPath
+from .handoff import STALL_ROUNDS, Handoff
 from .mode import Mode
 from .spec import Spec
 
@@ -42,7 +42,7 @@ class ProxyHost(abc.ABC):
 
     supervisor: Supervisor | None = None  # the process host's (for tools that watch or fault it)
 
-    def __init__(self, spec: Spec, path: AsyncPath):
+    def __init__(self, spec: Spec, path: Handoff):
         self.spec = spec
         self.path = path
         path.serving_session = self.serving_session
@@ -111,7 +111,7 @@ class ThreadHost(ProxyHost):
     """The proxy as a thread of the engine: its own loop over the region, in this
     interpreter. It serves once it has beaten since the thread started."""
 
-    def __init__(self, spec: Spec, path: AsyncPath):
+    def __init__(self, spec: Spec, path: Handoff):
         super().__init__(spec, path)
         self._thread: threading.Thread | None = None  # started by start()
         self._loop: ProxyLoop | None = None  # the thread's loop while it runs
@@ -298,7 +298,7 @@ class ProcessHost(ProxyHost):
         return self.supervisor.stats() if self.supervisor is not None else None
 
 
-def host_for(spec: Spec, path: AsyncPath) -> ProxyHost:
+def host_for(spec: Spec, path: Handoff) -> ProxyHost:
     """The host of ``spec``'s mode (thread or process) for ``path``.
 
     Raises:

@@ -58,7 +58,9 @@ import torch
 from ..config.env import TABLE
 from ..outcome import Outcome
 from .batch import Batch, Drafts
+from .handoff import Launched
 from .mode import Mode
+from .path import NothingOpen
 from .spec import Spec
 
 MODES = tuple(Mode)  # a STARTED record's mode, by its index here
@@ -259,22 +261,21 @@ class Ranks:
         return header, body
 
 
-class FollowerPath:
-    """A rank other than 0's path: nothing opened; a round is rank 0's answer."""
+class FollowerPath(NothingOpen):
+    """A rank other than 0's path: nothing opened; a round is rank 0's answer. Closing
+    has nothing to interrupt: a round here waits in a collective, bounded by the group's
+    timeout (``close()`` returns anyway; the round leaves when rank 0's record comes)."""
 
     def __init__(self, ranks: Ranks, spec: Spec):
+        super().__init__()
         self.ranks = ranks
         self.spec = spec  # rank 0's mode: the mode its answers come from
 
     def round(self, batch: Batch) -> Drafts:
         return self.ranks.receive_drafts(len(batch))
 
-    def fence(self) -> None:
-        """Nothing to interrupt: a round here waits in a collective, bounded by the group's
-        timeout (``close()`` returns anyway; the round leaves when rank 0's record comes)."""
-
-    def close(self) -> None:
-        """Nothing was opened."""
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts]) -> Launched:
+        raise NotImplementedError("launch() with a tp_group: use round()")
 
 
 def shares_failure(method):

@@ -42,7 +42,8 @@ class LinkStats:
 
     @classmethod
     def none(cls) -> LinkStats:
-        """No path open (a start that failed early)."""
+        """No link of this engine's own: no path open (before start, a start that failed
+        early), or a tensor-parallel rank other than 0."""
         return cls(0, 0, 0, BreakerStats(0, 0, 0))
 
 
@@ -59,6 +60,17 @@ class HandoffStats:
     gathered: int
     released: int
     proxy_thread_alive: bool | None  # thread mode: is the proxy thread alive; else None
+
+
+@dataclass(frozen=True)
+class PathStats:
+    """What the round path adds to a :class:`Stats`: its link, and the parts only its
+    mode has (``connected`` sync, ``handoff`` thread and process, ``supervisor`` process)."""
+
+    link: LinkStats
+    connected: bool | None = None
+    handoff: HandoffStats | None = None
+    supervisor: SupervisorStats | None = None
 
 
 @dataclass(frozen=True)
@@ -156,10 +168,7 @@ class EngineCounts:
         *,
         mode: str,
         policy: str,
-        link: LinkStats,
-        connected: bool | None = None,
-        handoff: HandoffStats | None = None,
-        supervisor: SupervisorStats | None = None,
+        path: PathStats,
         n_out_table: tuple[int, ...] | None = None,
         n_out_reason: str = "",
     ) -> Stats:
@@ -177,10 +186,10 @@ class EngineCounts:
             tuple(self.shadow_agree_at.tolist()),
             tuple(self.shadow_compared_at.tolist()),
             Histogram(MARGIN_BOUNDS, tuple(self.margin_buckets), self.margin_sum),
-            link,
-            connected,
-            handoff,
-            supervisor,
+            path.link,
+            path.connected,
+            path.handoff,
+            path.supervisor,
             n_out_table,
             n_out_reason,
         )

@@ -4,18 +4,22 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from .. import wire
 from ..outcome import Outcome
+from ..supervise.supervisor import Supervisor
 from ..transport.breaker import Breaker
 from ..transport.link import RemoteLink
 from .batch import Batch, Drafts, HostMeta, as_bytes, empty_drafts, gather_rows_host, to_drafts, write_meta
+from .handoff import Launched
+from .lifecycle import Users, stop_in_caller
 from .reply import Asked, check_reply
 from .spec import Spec
-from .stats import BreakerStats, LinkStats
+from .stats import BreakerStats, LinkStats, PathStats
 
 log = logging.getLogger("remote_dspark.engine")
 
@@ -31,7 +35,11 @@ def to_host(batch: Batch) -> Batch:
 
 class SyncPath:
     """One connection, one send buffer for every round (header, fixed part, entry
-    arrays, tokens) and one rows buffer (the frame's second part)."""
+    arrays, tokens) and one rows buffer (the frame's second part). Its users are the
+    connection's: the last out closes it."""
+
+    supervisor: Supervisor | None = None  # no proxy
+    wait_cpu_s = 0.0  # a round waits on its socket, not spinning on a release
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -52,6 +60,7 @@ class SyncPath:
             wire.HEADER.size + wire.round_meta_bytes(spec.max_slots) + 4 * spec.max_tokens, dtype=np.uint8
         )
         self._rows = np.zeros((spec.max_slots, spec.row_bytes), dtype=np.uint8)
+        self.users = Users(self.link.close)
 
     def start(self) -> None:
         try:
@@ -120,20 +129,22 @@ class SyncPath:
             spec.cfg.want_margin,
         )
 
-    @property
-    def round_id(self) -> int:
-        """The last round's id (0: none yet)."""
-        return self._round_id
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts]) -> Launched:
+        """``launch()`` in sync mode (``ASYNC=0``, or after a failed self-test): the round
+        (``answer``) runs now, blocking, and comes back completed, with the shapes and on
+        the device an asynchronous launch gives, under the id of its ROUND."""
+        out = answer(batch)
+        device = batch.rows.device
+        return Launched(self._round_id, out.tokens.to(device), out.counts.to(device), out.resync, out.resync_all)
 
-    def link_stats(self) -> LinkStats:
+    def stop(self, limit_s: float) -> None:
+        """A round in flight on the engine thread ends at once (LOST): its socket is shut
+        down under it."""
+        stop_in_caller(self.users, self.link.interrupt, limit_s)
+
+    def stats(self) -> PathStats:
         b = self.link.breaker.store
-        return LinkStats(
+        link = LinkStats(
             self.link.attempts, self.link.late, self.link.reconnects, BreakerStats(int(b.state), b.trips, b.probes)
         )
-
-    def fence(self) -> None:
-        """Closing: a round in flight on the engine thread ends at once (LOST)."""
-        self.link.interrupt()
-
-    def close(self) -> None:
-        self.link.close()
+        return PathStats(link, connected=self.link.connected)

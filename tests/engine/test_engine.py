@@ -252,7 +252,7 @@ def test_only_watchdog_rounds_of_the_live_proxy_make_it_stalled(worker, tmp_path
     engine thread alone writes the run; the supervisor only reads it."""
     with make(async_env(worker.port, tmp_path, "process")) as rd:
         assert until(lambda: rd.supervisor.up is not None)
-        path, host, up = rd._path, rd._host, rd.supervisor.up
+        path, host, up = rd._path.handoff, rd._path.host, rd.supervisor.up
         assert not host._stalled(up)
         path.watchdog_seen = (up.since - 0.5, up.since + 0.1, up.since + 0.2)  # began before it
         assert not host._stalled(up)
@@ -490,7 +490,7 @@ def test_a_dead_proxy_thread_means_target_only_rounds_at_once(worker, tmp_path, 
     monkeypatch.setattr(tcp_round.TcpRounds, "serve", broken)
     with make(async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="100")) as rd:
         assert rd.round(batch()).outcome is Outcome.WATCHDOG  # the round the thread died on
-        assert until(lambda: not rd._host._thread.is_alive())
+        assert until(lambda: rd.stats().handoff.proxy_thread_alive is False)
         # At once: answered NO_PROXY by the engine, not left to the watchdog (WATCHDOG).
         assert [rd.round(batch()).outcome for _ in range(3)] == [Outcome.NO_PROXY] * 3
     assert [r.getMessage() for r in caplog.records if "proxy thread died" in r.getMessage()] != []
@@ -564,7 +564,7 @@ def test_an_idle_engine_costs_no_core_and_its_next_round_is_served(worker, tmp_p
     with make(async_env(worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_ASYNC_NAP_US="0")) as rd:  # the default
         for _ in range(20):
             assert rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))).outcome is not None
-        path = rd._path
+        path = rd._path.handoff
         sleeping = path.region.addr(path.region.layout.wake) + 4  # wake words: [published, sleeping]
         assert until(lambda: path.lib.load32(sleeping) == 1)
         assert rd.round(batch()).outcome is Outcome.OK

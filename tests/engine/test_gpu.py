@@ -218,7 +218,8 @@ def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):
         out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
         done = torch.cuda.Event()
         done.record()
-        assert until(lambda: rd._path.end.gathered() == rd._path.end.last)
+        end = rd._path.handoff.end
+        assert until(lambda: end.gathered() == end.last)
         t0 = time.monotonic()
         os.kill(sup.live.pid, signal.SIGKILL)
         assert until(done.query, timeout=rd.cfg.watchdog_ms / 1000 + 0.05)

@@ -13,7 +13,7 @@ from helpers import env_for
 
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.engine import Mode, RemoteDSpark
-from remote_dspark.engine.handoff import AsyncPath
+from remote_dspark.engine.handoff import Handoff
 from remote_dspark.engine.proxy_host import ProcessHost, ThreadHost, host_for
 
 
@@ -23,7 +23,7 @@ def handoff(port: int, tmp_path, mode: Mode, **kw):
     path; the region is unmapped on the way out."""
     env = env_for(port, tmp_path, **mode.variables(), **kw)
     rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=3, max_slots=4, row_bytes=8, environ=env)
-    path = AsyncPath(rd.spec, rd.counts)
+    path = Handoff(rd.spec, rd.counts)
     try:
         yield rd.spec, path
     finally:
