@@ -106,26 +106,28 @@ def gated_drafter(model, wait_s: float = 10.0):
 COUNTING = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 
 
-def env_for(port: int, tmp_path, **kw) -> dict:
-    """An engine's environment for a loopback worker of COUNTING on ``port``: capacity,
-    stats into ``tmp_path``, short back-offs; ``kw`` overrides or adds variables."""
+def env_for(port: int, tmp_path, mode=None, **kw) -> dict:
+    """An engine's environment for a loopback worker of COUNTING on ``port``
+    (``harness.engine_env``): capacity, stats into ``tmp_path``, ``mode``'s switches (a
+    ``Mode``, or None), a short nap and short back-offs; ``kw`` overrides or adds variables."""
+    from remote_dspark.demo.harness import engine_env
     from remote_dspark.drafter import MarkovDrafter
 
     d = MarkovDrafter(COUNTING)
-    env = dict(
-        os.environ,
-        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-        VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
-        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
-        VLLM_DSPARK_REMOTE_POLICY="capacity",
-        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-        VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"),
-        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-        VLLM_DSPARK_REMOTE_BACKOFF_MS="20",
-        VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40",
+    settings = {
+        "VLLM_DSPARK_REMOTE_ASYNC_NAP_US": "20",
+        "VLLM_DSPARK_REMOTE_BACKOFF_MS": "20",
+        "VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS": "40",
+    }
+    settings.update(kw)
+    return engine_env(
+        port,
+        d.drafter_identity.hex(),
+        d.markov_identity.hex(),
+        mode,
+        stats_file=str(tmp_path / "stats.json"),
+        **settings,
     )
-    env.update(kw)
-    return env
 
 
 PROMTOOL = shutil.which("promtool")

@@ -85,14 +85,10 @@ def _engine(worker, slots: int, standby: bool):
     from ..config.api import RemoteConfig
     from ..demo.harness import DemoEngine
     from ..demo.sim import SimEngine
-    from ..engine import RemoteDSpark
+    from ..engine import Mode, RemoteDSpark
 
     env = worker.env(
-        VLLM_DSPARK_REMOTE_POLICY="capacity",
-        VLLM_DSPARK_REMOTE_ASYNC="1",
-        VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
-        VLLM_DSPARK_REMOTE_STATS_FILE="",
-        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        Mode.PROCESS,
         VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS="1000000",
         VLLM_DSPARK_REMOTE_ASYNC_STANDBY="1" if standby else "0",
     )

@@ -5,7 +5,9 @@ as a child process: what the demo, the chaos command and the benchmarks drive.
 (rows are a real engine tensor), runs ``RemoteDSpark.round``, verifies the drafts
 against the target, reports accepted tokens per position and re-announces the slots the
 drafter lost. :class:`WorkerProcess` runs ``remote-dspark worker`` on loopback so it can
-be killed, restarted, slowed down and made to send garbage.
+be killed, restarted, slowed down and made to send garbage. :func:`engine_env` is the
+environment of an engine against such a loopback worker, for the demo, the benchmarks and
+the tests alike.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import Batch, Drafts, RemoteDSpark
+from ..engine import Batch, Drafts, Mode, RemoteDSpark
 from ..outcome import Outcome
 from .sim import SimEngine
 
@@ -81,6 +83,35 @@ class DemoEngine:
 
 
 START_TIMEOUT_S = 30.0
+
+
+def engine_env(
+    port: int,
+    identity: str,
+    markov_identity: str,
+    mode: Mode | None = None,
+    *,
+    stats_file: str = "",
+    **variables: str,
+) -> dict[str, str]:
+    """The environment of an engine against a worker on 127.0.0.1:``port`` whose drafter
+    has ``identity`` and ``markov_identity`` (hex): this process's environment, then the
+    capacity policy, no periodic log line, the stats file ``stats_file`` (blank: the
+    contract's default path), ``mode``'s switches (None: whatever the environment says),
+    and last ``variables`` (full names), which win over all of it."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
+        VLLM_DSPARK_REMOTE_IDENTITY=identity,
+        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=markov_identity,
+        VLLM_DSPARK_REMOTE_POLICY="capacity",
+        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+        VLLM_DSPARK_REMOTE_STATS_FILE=stats_file,
+    )
+    if mode is not None:
+        env.update(mode.variables())
+    env.update(variables)
+    return env
 
 
 def worker_limits(max_slots: int, row_bytes: int) -> tuple[str, ...]:
@@ -151,16 +182,9 @@ class WorkerProcess:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         return self.proc.stdout.readline() if ready else ""
 
-    def env(self, **overrides: str) -> dict[str, str]:
-        """An engine environment pointing at this worker."""
-        env = dict(os.environ)
-        env.update(
-            VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{self.port}",
-            VLLM_DSPARK_REMOTE_IDENTITY=self.identity,
-            VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=self.markov_identity,
-        )
-        env.update(overrides)
-        return env
+    def env(self, mode: Mode | None = None, *, stats_file: str = "", **variables: str) -> dict[str, str]:
+        """An engine environment pointing at this worker (see :func:`engine_env`)."""
+        return engine_env(self.port, self.identity, self.markov_identity, mode, stats_file=stats_file, **variables)
 
     def signal(self, sig: int) -> None:
         with self._lock:

@@ -21,15 +21,16 @@ import threading
 import time
 import traceback
 from collections import Counter
+from pathlib import Path
 
 faulthandler.enable()  # a SIGSEGV prints every thread's Python stack to stderr
 
 import torch
-from helpers import COUNTING  # tests/ is on PYTHONPATH
+from helpers import COUNTING, env_for  # tests/ is on PYTHONPATH
 
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.engine import Batch, Drafts, RemoteClosed, RemoteDSpark
+from remote_dspark.engine import Batch, Drafts, Mode, RemoteClosed, RemoteDSpark
 from remote_dspark.worker import Worker
 
 CYCLE_LIMIT_S = 20.0  # one cycle, start to end: past this the child dumps its stacks and exits
@@ -37,28 +38,6 @@ JOIN_S = 5.0  # a thread's end after close() (close itself is allowed CLOSE_DEAD
 FIRST_ROUND_S = 5.0  # the round thread's first answer after start()
 MAX_DELAY_S = 0.005  # close() comes this long at most after the first answer (uniform)
 ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
-
-
-def environment(mode: str, port: int, tmp: str) -> dict[str, str]:
-    """As tests/engine/test_engine.py builds it: capacity, the modes' switches, a stats file."""
-    d = MarkovDrafter(COUNTING)
-    env = dict(
-        os.environ,
-        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-        VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
-        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
-        VLLM_DSPARK_REMOTE_POLICY="capacity",
-        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-        VLLM_DSPARK_REMOTE_STATS_FILE=os.path.join(tmp, "stats.json"),
-        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-        VLLM_DSPARK_REMOTE_BACKOFF_MS="20",
-        VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40",
-    )
-    if mode == "sync":
-        env["VLLM_DSPARK_REMOTE_ASYNC"] = "0"
-    else:
-        env.update(VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY=mode)
-    return env
 
 
 def make(env: dict[str, str]) -> RemoteDSpark:
@@ -273,7 +252,7 @@ def main() -> int:
     }
     w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0).start()
     try:
-        env = environment(mode, w.port, tmp)
+        env = env_for(w.port, Path(tmp), Mode(mode))  # as the tests in the parent build it
         for i in range(cycles):
             faulthandler.dump_traceback_later(CYCLE_LIMIT_S, exit=True)
             rd = make(env)

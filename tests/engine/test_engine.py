@@ -16,7 +16,7 @@ from helpers import COUNTING, env_for, until
 from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.engine import Batch, RemoteClosed, RemoteDSpark, RemoteRoundFailed
+from remote_dspark.engine import Batch, Mode, RemoteClosed, RemoteDSpark, RemoteRoundFailed
 from remote_dspark.outcome import Outcome
 from remote_dspark.transport import TransportError
 from remote_dspark.worker import Worker
@@ -191,7 +191,7 @@ def test_stats_file_and_log_line(worker, tmp_path, caplog):
 
 
 def async_env(port, tmp_path, proxy, **kw):
-    return env_for(port, tmp_path, VLLM_DSPARK_REMOTE_ASYNC="1", VLLM_DSPARK_REMOTE_ASYNC_PROXY=proxy, **kw)
+    return env_for(port, tmp_path, Mode(proxy), **kw)
 
 
 def test_thread_mode_round_and_switch_interval(worker, tmp_path):

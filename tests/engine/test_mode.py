@@ -7,6 +7,7 @@ import json
 import pytest
 
 from remote_dspark.config.api import RemoteConfig
+from remote_dspark.demo.harness import engine_env
 from remote_dspark.engine import Mode, RemoteDSpark
 
 BASE = {
@@ -53,3 +54,19 @@ def test_the_modes_are_the_contracts_strings():
     st = RemoteDSpark(cfg, num_spec=3, max_slots=4, row_bytes=8, environ=BASE).stats()
     assert type(st.mode) is str and st.mode == "process"
     assert json.loads(json.dumps(st.to_json()))["mode"] == "process"
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_the_loopback_environment_asks_for_the_mode_it_is_given(mode, monkeypatch):
+    """``harness.engine_env``, which the demo, the benchmarks and the tests build their
+    engines' environments with: the mode given wins over this process's environment,
+    and the variables given win over everything."""
+    monkeypatch.setenv("VLLM_DSPARK_REMOTE_ASYNC", "1" if mode is Mode.SYNC else "0")
+    env = engine_env(1234, "ab" * 32, "cd" * 32, mode, VLLM_DSPARK_REMOTE_TIMEOUT_MS="80")
+    cfg = RemoteConfig.from_env(env)
+    assert Mode.of(cfg) is mode
+    assert (cfg.policy, cfg.log_every, cfg.timeout_ms) == ("capacity", 0, 80)
+    assert cfg.stats_file == RemoteConfig.from_env(BASE).stats_file  # blank: the contract's default
+    assert (env["VLLM_DSPARK_REMOTE"], env["VLLM_DSPARK_REMOTE_IDENTITY"]) == ("tcp://127.0.0.1:1234", "ab" * 32)
+    overridden = engine_env(1, "ab" * 32, "cd" * 32, mode, **Mode.SYNC.variables())
+    assert Mode.of(RemoteConfig.from_env(overridden)) is Mode.SYNC

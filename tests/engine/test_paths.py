@@ -27,7 +27,7 @@ def batch() -> Batch:
 
 @pytest.mark.parametrize("mode", list(Mode))
 def test_the_facade_reads_its_path_before_start_while_started_and_after_close(worker, tmp_path, mode):
-    rd = make(env_for(worker.port, tmp_path, **mode.variables()))
+    rd = make(env_for(worker.port, tmp_path, mode))
     # Before start() nothing is open: no supervisor, no wait, no link, no mode's parts.
     st = rd.stats()
     assert (rd.supervisor, rd.wait_cpu_s) == (None, 0.0)
@@ -52,7 +52,7 @@ def test_a_sync_launch_is_the_whole_round_now_completed_as_a_launch(worker, tmp_
     """``launch()`` on the sync path (ASYNC=0, or a failed self-test on CUDA) runs the
     facade's round now and gives it back as a launch would: the ROUND's id, the drafts
     on the rows' device."""
-    spec = make(env_for(worker.port, tmp_path, **Mode.SYNC.variables())).spec
+    spec = make(env_for(worker.port, tmp_path, Mode.SYNC)).spec
     path = SyncPath(spec)
     path.start()
     try:

@@ -21,7 +21,7 @@ from remote_dspark.engine.proxy_host import ProcessHost, ThreadHost, host_for
 def handoff(port: int, tmp_path, mode: Mode, **kw):
     """The region's hand-off of an engine of ``mode`` (not started): its spec and its
     path; the region is unmapped on the way out."""
-    env = env_for(port, tmp_path, **mode.variables(), **kw)
+    env = env_for(port, tmp_path, mode, **kw)
     rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=3, max_slots=4, row_bytes=8, environ=env)
     path = Handoff(rd.spec, rd.counts)
     try:

@@ -172,27 +172,18 @@ def add_parser(sub) -> None:
 # --------------------------------------------------------------------------- engine rows
 
 
-def engine_env(worker, mode: str, timeout_ms: int, stats_dir: str) -> dict[str, str]:
-    """The engine environment of an engine row against ``worker`` (a WorkerProcess)."""
-    env = {
-        "VLLM_DSPARK_REMOTE_POLICY": "capacity",
-        "VLLM_DSPARK_REMOTE_TIMEOUT_MS": str(timeout_ms),
-        "VLLM_DSPARK_REMOTE_LOG_EVERY": "0",
-        "VLLM_DSPARK_REMOTE_STATS_FILE": os.path.join(stats_dir, f"stats-{mode}.json"),
-        "VLLM_DSPARK_REMOTE_ASYNC": "0" if mode == "sync" else "1",
-    }
-    if mode != "sync":
-        env["VLLM_DSPARK_REMOTE_ASYNC_PROXY"] = mode
-    return worker.env(**env)
-
-
 @contextlib.contextmanager
 def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device: str = "cpu"):
-    """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process), closed on exit."""
+    """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process) against
+    ``worker`` (a WorkerProcess), closed on exit."""
     from ...config.api import RemoteConfig
-    from ...engine import RemoteDSpark
+    from ...engine import Mode, RemoteDSpark
 
-    env = engine_env(worker, mode, opts.timeout_ms, stats_dir)
+    env = worker.env(
+        Mode(mode),
+        stats_file=os.path.join(stats_dir, f"stats-{mode}.json"),
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(opts.timeout_ms),
+    )
     rd = RemoteDSpark(
         RemoteConfig.from_env(env),
         num_spec=opts.num_spec,
