@@ -26,7 +26,7 @@ from helpers import COUNTING, env_for
 
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.engine import Batch, RemoteDSpark, RemoteRoundFailed, report
+from remote_dspark.engine import Batch, Mode, RemoteDSpark, RemoteRoundFailed, report
 from remote_dspark.engine.stats import LinkStats
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
@@ -244,8 +244,7 @@ def shadow_on_every_rank(rank, group, env, tmp_path) -> dict:
 
 @pytest.mark.parametrize("mode", ["sync", "process"])
 def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp_path, mode):
-    extra = {"VLLM_DSPARK_REMOTE_ASYNC": "1", "VLLM_DSPARK_REMOTE_ASYNC_PROXY": "process"} if mode == "process" else {}
-    env = env_for(worker.port, tmp_path, **extra)
+    env = env_for(worker.port, tmp_path, Mode(mode))
     r0, r1 = run_ranks(tmp_path, drafts_and_roles, [env, env])
     assert r0["drafts"] == r1["drafts"]
     assert r0["drafts"][0] == [[[2, 3, 4], [4, 1, 2]], [3, 3], "ok", "remote"]
@@ -278,13 +277,7 @@ def test_a_failed_round_on_rank0_raises_on_every_rank(tmp_path):
 
 
 def test_a_strict_start_failure_on_rank0_raises_on_every_rank(tmp_path):
-    env = env_for(
-        dead_port(),
-        tmp_path,
-        VLLM_DSPARK_REMOTE_STRICT_START="1",
-        VLLM_DSPARK_REMOTE_ASYNC="1",
-        VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
-    )
+    env = env_for(dead_port(), tmp_path, Mode.PROCESS, VLLM_DSPARK_REMOTE_STRICT_START="1")
     r0, r1 = run_ranks(tmp_path, start_failure, [env, env])
     assert not r0["started"] and not r1["started"]
     assert r0["error"]["type"] == r1["error"]["type"] == "remote_dspark.transport.errors.TransportError"
