@@ -1,5 +1,6 @@
 """The package's layout: the parts of docs/design.md and what each may import, no import
-cycle, no private name imported across modules, and no module over MAX_LINES lines.
+cycle, no private name imported across modules, no module over MAX_LINES lines and no
+function over MAX_FUNCTION_LINES (argparse builders excepted).
 
 All of it is read from the source, not from an imported package: the import graph is
 built with ``ast`` from every ``.py`` under ``remote_dspark/``, with every import
@@ -285,3 +286,26 @@ def test_the_checks_see_dynamic_imports_forbidden_parts_and_private_names(tmp_pa
     assert forbidden_imports(graph, parts) == ["q.low.a imports q.high"]
     assert private_imports(tmp_path, "q") == ["q.high imports _hidden"]
     assert cycles(parts) == [] and cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+
+
+# --- function size ----------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 80
+# argparse builders: one add_argument after another, long by nature and flat
+PARSER_BUILDERS = ("add_parser", "add_parsers", "build_parser")
+
+
+def long_functions(root: Path = ROOT, package: str = PACKAGE) -> dict[str, int]:
+    out = {}
+    for module, path in module_files(root, package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in PARSER_BUILDERS:
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out[f"{module}.{node.name}"] = n
+    return out
+
+
+def test_no_function_is_over_the_line_limit():
+    over = long_functions()
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split by concern): {over}"
