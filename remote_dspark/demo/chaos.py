@@ -115,6 +115,7 @@ def run_chaos(
 ) -> ChaosResult:
     from ..config.api import RemoteConfig
     from ..engine import RemoteDSpark
+    from ..engine.mode import Mode
     from .harness import DemoEngine, WorkerProcess, worker_limits
     from .sim import SimEngine
 
@@ -127,9 +128,7 @@ def run_chaos(
     engine = None
     try:
         env = worker.env(
-            VLLM_DSPARK_REMOTE_POLICY="capacity",
-            VLLM_DSPARK_REMOTE_ASYNC="1",
-            VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+            Mode.PROCESS,
             VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS=str(respawns),
             VLLM_DSPARK_REMOTE_ASYNC_RESPAWN_RESET_S=str(reset_s),
             VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",

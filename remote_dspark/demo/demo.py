@@ -88,7 +88,10 @@ def positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.mode != "sync" and args.policy != "capacity":
+    from ..engine.mode import Mode
+
+    mode = Mode(args.mode)
+    if mode.handoff and args.policy != "capacity":
         raise ValueError(f"--policy {args.policy} needs --mode sync (async rounds are capacity only)")
     if args.timeout_ms is None:
         args.timeout_ms = 1000 if args.drafter == "lm" else 50
@@ -110,10 +113,9 @@ def run(args: argparse.Namespace) -> int:
         tempfile.TemporaryDirectory() as tmp,
     ):
         env = worker.env(
+            mode,
             VLLM_DSPARK_REMOTE_POLICY=args.policy,
             VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(args.timeout_ms),
-            VLLM_DSPARK_REMOTE_ASYNC="0" if args.mode == "sync" else "1",
-            VLLM_DSPARK_REMOTE_ASYNC_PROXY="thread" if args.mode == "thread" else "process",
             VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS=str(args.respawns),
             # A 2-core laptop: let the idle proxy nap after 1 ms of spinning.
             VLLM_DSPARK_REMOTE_ASYNC_NAP_US=os.environ.get("VLLM_DSPARK_REMOTE_ASYNC_NAP_US", "20"),
