@@ -289,11 +289,11 @@ class Supervisor:
                     # on proxies (target-only rounds), loudly, and keep nothing running.
                     log.exception("the proxy supervisor failed; every round is target-only from now on")
                     child = self._child()
-                    self._set(Spent(self._clock()))
                     if child is not None:
                         self.dead_cpu_s += terminate(child.proc, child.pidfd, 1.0)
                     if sb is not None:
                         sb.close(1.0)
+                    self._set(Spent(self._clock()))  # after the ends: Spent means none is left
                     return
 
     def _check_live(self, live: Starting | Up) -> None:
