@@ -81,12 +81,12 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     from .peer import serve_loop
 
     total = opts.warmup + opts.rounds
-    layout = layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
-    with shm.Region.create(layout) as region:
+    lay = layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
+    with shm.Region.create(lay) as region:
         engine = ring.EngineEnd(region, lib)
         engine.start_watchdog(1000)  # no stream stays parked if a peer dies
         sync = streamsync.HostFlagSync(region, lib, backend="cuda")
-        gate = layout.words_at + layout.W_PROBE_ACK
+        gate = lay.words_at + layout.W_PROBE_ACK
         token = (lib.load32(region.addr(gate)) + 1) & 0xFFFFFFFF
         stream = torch.cuda.current_stream()
         handle = stream.cuda_stream

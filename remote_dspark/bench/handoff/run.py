@@ -150,8 +150,8 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     from ...region import layout, ring, shm, streamsync
 
     total = opts.warmup + opts.rounds
-    layout = layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
-    with shm.Region.create(layout) as region:
+    lay = layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
+    with shm.Region.create(lay) as region:
         engine = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(
             region,
