@@ -176,3 +176,39 @@ def test_every_worker_option_the_docs_name_exists():
             if re.search(r"\bworker\b", para, re.I) and not re.search(r"remote-dspark (?!worker)[a-z]", para):
                 named |= set(re.findall(r"`(--(?:max|hello|frame|lm|hf|metrics|window|drafter)[a-z-]*)", para))
         assert not named - worker_opts, f"{doc} gives the worker {sorted(named - worker_opts)}, which it lacks"
+
+
+def mod_references(path: Path, module: str, is_package: bool) -> list[tuple[str, str]]:
+    """``(reference, the module it names)`` for every ``:mod:`` reference in a module's
+    source, relative ones resolved against the module's package."""
+    here = module if is_package else module.rpartition(".")[0]
+    out = []
+    for ref in re.findall(r":mod:`~?([\w.]+)`", path.read_text()):
+        name = ref.lstrip(".")
+        if name != ref:  # relative: one dot is the module's own package
+            parts = here.split(".")
+            parts = parts[: len(parts) - (len(ref) - len(name)) + 1]
+            name = ".".join(parts + ([name] if name else []))
+        out.append((ref, name))
+    return out
+
+
+def test_every_module_reference_in_the_package_resolves(tmp_path):
+    """A ``:mod:`` reference in a docstring names a module of the package: a module moved
+    or renamed without its references fails here."""
+    from test_layout import module_files
+
+    files = module_files()
+    broken = [
+        f"{module}: {ref}"
+        for module, path in files.items()
+        for ref, name in mod_references(path, module, path.name == "__init__.py")
+        if name.split(".")[0] == "remote_dspark" and name not in files
+    ]
+    assert not broken, "module references to nothing: " + "; ".join(broken)
+    # The check itself: a relative reference that names nothing is caught.
+    (tmp_path / "m.py").write_text('"""See :mod:`.gone` and :mod:`~remote_dspark.wire`."""\n')
+    assert mod_references(tmp_path / "m.py", "remote_dspark.proxy.m", False) == [
+        (".gone", "remote_dspark.proxy.gone"),
+        ("remote_dspark.wire", "remote_dspark.wire"),
+    ]

@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
         metavar="markov|lm|MODULE:FACTORY",
         help="markov (the default), lm (the built-in torch model, see 'model drafters' below), or "
         "FACTORY() from MODULE (imported by name from sys.path): an object with draft_batch(batch) "
-        "(one call per round, remote_dspark/drafter.py) or, the slow path, "
+        "(one call per round, remote_dspark/drafter/contract.py) or, the slow path, "
         "draft(context, n_out, row) per entry",
     )
     p.add_argument("--identity", metavar="HEX64", help="drafter identity to require (default: derived from the model)")

@@ -4,12 +4,14 @@ over the variables' table (:mod:`.env`: each variable's name, default and parsin
 
 from .api import RemoteConfig, apply_cost_overrides, describe, n_out_table
 from .env import ENV_ENDPOINT, ENV_MARKOV_CACHE, POLICIES, VARIABLES, markov_identity_from_env, remote_requested
+from .mode import Mode
 
 __all__ = [
     "ENV_ENDPOINT",
     "ENV_MARKOV_CACHE",
     "POLICIES",
     "VARIABLES",
+    "Mode",
     "RemoteConfig",
     "apply_cost_overrides",
     "describe",

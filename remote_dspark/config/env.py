@@ -72,8 +72,8 @@ REMOTE_ASYNC_STANDBY           1                 process mode: keep a warm stand
                                                  takes over in milliseconds (0 = none)
 =============================  ================  ==============================================
 
-Each variable is one ``Var`` of ``TABLE`` (its parser and default); :mod:`.config`
-builds ``RemoteConfig`` from them and is the only other reader of the underscore names.
+Each variable is one ``Var`` of ``TABLE`` (its parser and default); :mod:`.api` builds
+``RemoteConfig`` from them.
 """
 
 from __future__ import annotations

@@ -114,8 +114,8 @@ def run_chaos(
     seconds: float, *, seed: int, slots: int = 64, respawns: int = 4, reset_s: int = 2, progress: bool = False
 ) -> ChaosResult:
     from ..config.api import RemoteConfig
+    from ..config.mode import Mode
     from ..engine import RemoteDSpark
-    from ..engine.mode import Mode
     from .harness import DemoEngine, WorkerProcess, worker_limits
     from .sim import SimEngine
 

@@ -17,6 +17,7 @@ import signal
 import tempfile
 import time
 
+from ..config.mode import Mode
 from ..outcome import Outcome
 from ..progress import Progress
 
@@ -88,8 +89,6 @@ def positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..engine.mode import Mode
-
     mode = Mode(args.mode)
     if mode.handoff and args.policy != "capacity":
         raise ValueError(f"--policy {args.policy} needs --mode sync (async rounds are capacity only)")

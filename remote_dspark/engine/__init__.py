@@ -22,11 +22,11 @@ torch is imported here; nothing the proxy imports imports this package.
 """
 
 from ..config.api import apply_cost_overrides
+from ..config.mode import Mode
 from .batch import Batch, Drafts
 from .facade import RemoteDSpark
 from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed
-from .mode import Mode
 from .stats import Stats
 
 __all__ = [

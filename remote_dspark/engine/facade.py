@@ -16,7 +16,7 @@ round within ``TIMEOUT_MS``), and, for capacity, asynchronous through the shared
 with the proxy as a thread of the engine (``ASYNC_PROXY=thread``) or as a supervised
 child process (``process``). On the CPU the engine thread hands a round over and waits for
 its release inside the native library (GIL released); the watchdog bounds that wait. The
-mode (``engine.mode.Mode``) is decided once from the configuration, and ``start()`` opens
+mode (``config.mode.Mode``) is decided once from the configuration, and ``start()`` opens
 the one round path of that mode (``engine.path``); the facade only calls it.
 
 With ``tp_group`` (a torch.distributed group) every tensor-parallel rank builds one:
@@ -40,6 +40,7 @@ import torch
 
 from .. import native, transport, wire
 from ..config.api import RemoteConfig, n_out_table
+from ..config.mode import Mode
 from ..supervise.supervisor import Supervisor
 from ..transport.client import DraftClient
 from . import policies, report
@@ -47,7 +48,6 @@ from .async_path import AsyncPath
 from .batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
 from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed
-from .mode import Mode
 from .path import NothingOpen, Path
 from .ranks import Ranks, shares_failure
 from .spec import Spec

@@ -22,7 +22,7 @@ import torch
 
 from .batch import as_bytes
 
-log = logging.getLogger("remote_dspark.engine.gather")
+log = logging.getLogger("remote_dspark.gather")
 
 BLOCK = 1024
 ENGINE_DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "uint8", "float8_e4m3fn")

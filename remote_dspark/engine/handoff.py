@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .. import native, wire
+from ..config.mode import Mode
 from ..outcome import Outcome
 from ..region import ring, shm, streamsync
 from .batch import (
@@ -37,7 +38,6 @@ from .batch import (
     write_meta_in_stream,
 )
 from .lifecycle import Users
-from .mode import Mode
 from .spec import Spec
 from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
 

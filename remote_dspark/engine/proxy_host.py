@@ -20,12 +20,12 @@ import threading
 import time
 
 from .. import wire
+from ..config.mode import Mode
 from ..proxy.loop import IDLE_TICK_S, ProxyLoop
 from ..proxy.spawn import proxy_environment, spawn_proxy
 from ..supervise.standby import StandbyHooks
 from ..supervise.supervisor import Down, Lifecycle, Spent, Starting, Supervisor, SupervisorStats, Up
 from .handoff import STALL_ROUNDS, Handoff
-from .mode import Mode
 from .spec import Spec
 
 log = logging.getLogger("remote_dspark.engine")

@@ -56,10 +56,10 @@ from collections.abc import Callable
 import torch
 
 from ..config.env import TABLE
+from ..config.mode import Mode
 from ..outcome import Outcome
 from .batch import Batch, Drafts
 from .handoff import Launched
-from .mode import Mode
 from .path import NothingOpen
 from .spec import Spec
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from .. import wire
 from ..config.api import RemoteConfig
+from ..config.mode import Mode
 from .batch import Batch, HostMeta, host_meta
-from .mode import Mode
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The proxy's end of the ring (see :mod:`.ring` for the protocol and its invariants):
+"""The proxy's end of the ring (see :mod:`remote_dspark.region.ring` for the protocol and its invariants):
 take the next gathered round, read its descriptor where it lies, answer it once.
 Torch-free: the proxy process imports it."""
 

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 from ..proxy.spawn import reap, terminate
 
-log = logging.getLogger("remote_dspark.supervise.supervisor")
+log = logging.getLogger("remote_dspark.supervisor")
 
 GIVE_UP_AFTER = 3  # standbys dying in a row before none is kept
 BACKOFF_S = 0.5  # before the next standby after one died; doubles each time
@@ -187,7 +187,14 @@ class Standby:
         except OSError as e:
             self._failed(in_a_row, f"could not start: {e}")
             return
-        self._to(Starting(proc, os.pidfd_open(proc.pid), in_a_row))
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except OSError as e:  # no fd left: a process nobody could watch is ended now
+            proc.kill()
+            proc.wait()
+            self._failed(in_a_row, f"could not watch it: {e}")
+            return
+        self._to(Starting(proc, pidfd, in_a_row))
         self.spawns += 1
 
     def _failed(self, in_a_row: int, why: str) -> None:

@@ -38,6 +38,7 @@ serving every round is target-only and released by the engine side at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -54,7 +55,7 @@ from ..proxy.spawn import reap, signal_child, terminate
 from .standby import Standby, StandbyHooks
 from .states import Cause, Child, Closed, Down, Killing, Lifecycle, Spent, Starting, Up
 
-log = logging.getLogger("remote_dspark.supervise.supervisor")
+log = logging.getLogger("remote_dspark.supervisor")
 
 
 class RestartBudget:
@@ -288,13 +289,27 @@ class Supervisor:
                     # Supervision must not end silently with a proxy marked up: give up
                     # on proxies (target-only rounds), loudly, and keep nothing running.
                     log.exception("the proxy supervisor failed; every round is target-only from now on")
-                    child = self._child()
-                    if child is not None:
-                        self.dead_cpu_s += terminate(child.proc, child.pidfd, 1.0)
-                    if sb is not None:
-                        sb.close(1.0)
-                    self._set(Spent(self._clock()))  # after the ends: Spent means none is left
+                    self._give_up(sb)
                     return
+
+    def _give_up(self, sb: Standby | None) -> None:
+        """End the proxy and the standby, then say Spent (Spent means none is left
+        running), whatever the ending raises: a failure here must not leave a proxy marked
+        up with no watcher."""
+        child = self._child()
+        try:
+            if child is not None:
+                self.dead_cpu_s += terminate(child.proc, child.pidfd, 1.0)
+            if sb is not None:
+                sb.close(1.0)
+        except Exception:
+            log.exception("ending the proxy after the supervisor's failure")
+            if child is not None and child.proc.poll() is None:
+                child.proc.kill()  # through the pid: its pidfd may be what failed
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(1.0)
+        finally:
+            self._set(Spent(self._clock()))
 
     def _check_live(self, live: Starting | Up) -> None:
         now = self._clock()

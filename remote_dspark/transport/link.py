@@ -28,7 +28,7 @@ from .breaker import Breaker
 from .client import DraftClient
 from .tcp import TcpStream
 
-log = logging.getLogger("remote_dspark.transport.link")
+log = logging.getLogger("remote_dspark.link")
 
 CLOSE_JOIN_S = 0.2  # close(): how long it waits for a connector thread
 

@@ -102,7 +102,7 @@ def test_a_standby_starts_is_seen_ready_and_is_taken(sb, children):
 
 
 def test_deaths_before_ready_back_off_and_three_in_a_row_give_up(sb, children, now, caplog):
-    with caplog.at_level(logging.WARNING, logger="remote_dspark.supervise.supervisor"):
+    with caplog.at_level(logging.WARNING, logger="remote_dspark.supervisor"):
         sb.keep(True)
         dead = kill_and_see_it_die(sb)
         assert_reaped(dead)
@@ -143,6 +143,19 @@ def test_a_failed_spawn_counts_as_a_death(sb, children, now):
     children.spawn_error = OSError("no standby today")
     sb.keep(True)
     assert sb.state == Idle(1, now[0] + standby.BACKOFF_S) and (sb.spawns, sb.failures) == (0, 1)
+
+
+def test_a_standby_that_cannot_be_watched_is_ended_and_counts_as_a_death(sb, children, monkeypatch):
+    """No pidfd for a new standby (no fd left): the process is killed and reaped at once,
+    never left running unwatched, and the failure counts like a death."""
+
+    def no_fd(pid):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(standby.os, "pidfd_open", no_fd)
+    sb.keep(True)
+    assert isinstance(sb.state, Idle) and sb.state.in_a_row == 1 and sb.failures == 1
+    assert_reaped(children.procs[0])
 
 
 def test_a_standby_not_wanted_is_stopped_and_reaped(sb, children):

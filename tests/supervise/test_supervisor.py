@@ -92,7 +92,7 @@ def test_stalled_proxy_is_killed_and_counted_as_stall(spawner):
 def test_spent_budget_logs_one_error_and_stays_spent(spawner, caplog):
     spawner.codes = [1, 1, 1]
     sup = Supervisor(spawner, respawns=2, reset_s=0)
-    with caplog.at_level(logging.WARNING, logger="remote_dspark.supervise.supervisor"):
+    with caplog.at_level(logging.WARNING, logger="remote_dspark.supervisor"):
         sup.start()
         try:
             assert until(lambda: isinstance(sup.state, Spent))
@@ -170,7 +170,7 @@ def test_a_failing_callback_ends_supervision_loudly_not_silently(spawner, caplog
         raise RuntimeError("stall check bug")
 
     sup = Supervisor(spawner, respawns=3, reset_s=0, stalled=broken)
-    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervise.supervisor"):
+    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
         sup.start()
         try:
             assert until(lambda: isinstance(sup.state, Spent))
@@ -178,6 +178,29 @@ def test_a_failing_callback_ends_supervision_loudly_not_silently(spawner, caplog
         finally:
             sup.close()
     assert any("supervisor failed" in r.getMessage() for r in caplog.records)
+
+
+def test_supervision_that_fails_while_ending_its_proxy_still_ends_spent(spawner, caplog, monkeypatch):
+    """The failure path's own ending raises (the proxy's pidfd gone bad): the proxy is
+    killed through its pid all the same, and the supervisor says Spent, never Up."""
+    from remote_dspark.supervise import supervisor as module
+
+    def broken_stall(up):
+        raise RuntimeError("stall check bug")
+
+    def broken_terminate(proc, pidfd, timeout_s):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(module, "terminate", broken_terminate)
+    sup = Supervisor(spawner, respawns=3, reset_s=0, stalled=broken_stall)
+    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
+        sup.start()
+        try:
+            assert until(lambda: isinstance(sup.state, Spent))
+            assert spawner.procs[0].wait(10) is not None  # killed, not left running
+        finally:
+            sup.close()
+    assert any("ending the proxy" in r.getMessage() for r in caplog.records)
 
 
 def test_proxies_are_spawned_by_the_watcher_thread(spawner):
@@ -369,7 +392,7 @@ def test_a_standby_that_dies_is_replaced_without_spending_the_budget_and_given_u
     sb = Standbys(spawner, ready=False)
     sup = Supervisor(spawner, respawns=2, reset_s=0, standby=sb.hooks())
     sup.start()
-    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervise.supervisor"):
+    with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
         try:
             for n in range(1, 4):
                 assert until(lambda n=n: len(sb.pids) == n, timeout=15)  # the back-off doubles: 0.5, 1 s

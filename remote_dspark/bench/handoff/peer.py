@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         MODES[args.mode](args)
     except TimeoutError as e:
-        print(f"handoff_peer {args.mode}: {e}", file=sys.stderr)
+        print(f"bench handoff peer {args.mode}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,5 +1,5 @@
-"""What a hand-off row runs against, for the CPU rows (:mod:`.handoff`) and the CUDA
-rows (:mod:`remote_dspark.bench.handoff.cuda`) alike: the peer that answers it (another interpreter,
+"""What a hand-off row runs against, for the CPU rows (:mod:`.run`) and the CUDA rows
+(:mod:`.cuda`) alike: the peer that answers it (another interpreter,
 :class:`Peer`, always reaped by :func:`reap`; or a thread of this one,
 :class:`PeerThread`), the CPUs each side runs on (:class:`Pinning`), the GIL hog, and
 the loop that runs a set of rows under them (:func:`run_rows`).

@@ -1,6 +1,6 @@
 """The hand-off benchmark's options (:class:`Options`), figures (:class:`Stats`,
-:class:`Row`) and timeouts, shared by its CPU rows (:mod:`.handoff`), its CUDA rows
-(:mod:`remote_dspark.bench.handoff.cuda`) and their peers (:mod:`remote_dspark.bench.handoff.peers`)."""
+:class:`Row`) and timeouts, shared by its CPU rows (:mod:`.run`), its CUDA rows (:mod:`.cuda`) and their peers
+(:mod:`.peers`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``bench round``'s floor row: the byte counts of a steady ROUND and of its DRAFTS
 ping-ponged over one loopback TCP connection with a stdlib-only child (see
-:mod:`.round`): nothing encoded, decoded or drafted, what no round can beat."""
+:mod:`.run`): nothing encoded, decoded or drafted, what no round can beat."""
 
 from __future__ import annotations
 

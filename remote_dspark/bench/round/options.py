@@ -1,5 +1,5 @@
 """``bench round``'s options: its rows, slot counts, token counts, timeouts and goals
-(:mod:`.round` has the command and what each row measures), and :func:`options`, which
+(:mod:`.run` has the command and what each row measures), and :func:`options`, which
 checks the parsed arguments before anything starts."""
 
 from __future__ import annotations

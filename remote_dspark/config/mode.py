@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from ..config.api import RemoteConfig
+from .api import RemoteConfig
 
 
 class Mode(str, enum.Enum):
