@@ -106,28 +106,29 @@ def gated_drafter(model, wait_s: float = 10.0):
 COUNTING = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 
 
+def drafter_env(drafter, port: int, mode=None, *, stats_file: str = "", **kw) -> dict:
+    """``harness.engine_env`` for a loopback worker of ``drafter`` on ``port``: its
+    identities, capacity, no log line, ``mode``'s switches (a ``Mode``, or None), ``kw``
+    last."""
+    from remote_dspark.demo.harness import engine_env
+
+    hexes = drafter.drafter_identity.hex(), drafter.markov_identity.hex()
+    return engine_env(port, *hexes, mode, stats_file=stats_file, **kw)
+
+
 def env_for(port: int, tmp_path, mode=None, **kw) -> dict:
     """An engine's environment for a loopback worker of COUNTING on ``port``
-    (``harness.engine_env``): capacity, stats into ``tmp_path``, ``mode``'s switches (a
-    ``Mode``, or None), a short nap and short back-offs; ``kw`` overrides or adds variables."""
-    from remote_dspark.demo.harness import engine_env
+    (:func:`drafter_env`): stats into ``tmp_path``, a short nap and short back-offs; ``kw``
+    overrides or adds variables."""
     from remote_dspark.drafter import MarkovDrafter
 
-    d = MarkovDrafter(COUNTING)
     settings = {
         "VLLM_DSPARK_REMOTE_ASYNC_NAP_US": "20",
         "VLLM_DSPARK_REMOTE_BACKOFF_MS": "20",
         "VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS": "40",
     }
     settings.update(kw)
-    return engine_env(
-        port,
-        d.drafter_identity.hex(),
-        d.markov_identity.hex(),
-        mode,
-        stats_file=str(tmp_path / "stats.json"),
-        **settings,
-    )
+    return drafter_env(MarkovDrafter(COUNTING), port, mode, stats_file=str(tmp_path / "stats.json"), **settings)
 
 
 PROMTOOL = shutil.which("promtool")

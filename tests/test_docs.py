@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from helpers import REPO
+from helpers import REPO, drafter_env
 
 from remote_dspark.cli.main import build_parser
 from remote_dspark.config.env import ENV_ENDPOINT, ENV_MARKOV_CACHE, VARIABLES
@@ -119,6 +119,7 @@ def _families(collector) -> set[str]:
 def exposed() -> set[str]:
     """The metric names a process-mode engine (margins asked for) and a worker with a
     cache expose, collected from their real collectors."""
+    from remote_dspark.config import Mode
     from remote_dspark.config.api import RemoteConfig
     from remote_dspark.drafter import CacheInfo, MarkovDrafter
     from remote_dspark.drafter.markov import MarkovModel
@@ -134,17 +135,7 @@ def exposed() -> set[str]:
     drafter = Cached(MarkovModel.from_tokens([1, 2, 3] * 10, order=1, top=1))
     worker = Worker(drafter, "127.0.0.1", 0, metrics_port=0).start()
     try:
-        env = dict(
-            VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
-            VLLM_DSPARK_REMOTE_IDENTITY=drafter.drafter_identity.hex(),
-            VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=drafter.markov_identity.hex(),
-            VLLM_DSPARK_REMOTE_POLICY="capacity",
-            VLLM_DSPARK_REMOTE_WANT_MARGIN="1",
-            VLLM_DSPARK_REMOTE_ASYNC="1",
-            VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
-            VLLM_DSPARK_REMOTE_STATS_FILE="",
-            VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-        )
+        env = drafter_env(drafter, worker.port, Mode.PROCESS, VLLM_DSPARK_REMOTE_WANT_MARGIN="1")
         rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=2, max_slots=4, row_bytes=4, environ=env).start()
         try:
             names = _families(RemoteDSparkCollector(rd))

@@ -11,7 +11,6 @@ BAD_REPLY-class answers, none of them here), and the next honest reply is delive
 from __future__ import annotations
 
 import math
-import os
 import socket
 import threading
 
@@ -20,7 +19,9 @@ import torch
 from helpers import until
 
 from remote_dspark import wire
+from remote_dspark.config import Mode
 from remote_dspark.config.api import RemoteConfig
+from remote_dspark.demo.harness import engine_env
 from remote_dspark.engine import Batch, RemoteDSpark
 from remote_dspark.outcome import Outcome
 
@@ -192,31 +193,18 @@ CASES = {
     "HELLO_ACK of another session": ({"acks": [lambda h, s: honest_ack(h, s, ack_session=s + 1)]}, {}, {}),
 }
 
-MODE_ENV = {
-    "sync": {},
-    "thread": {"VLLM_DSPARK_REMOTE_ASYNC": "1", "VLLM_DSPARK_REMOTE_ASYNC_PROXY": "thread"},
-    "process": {"VLLM_DSPARK_REMOTE_ASYNC": "1", "VLLM_DSPARK_REMOTE_ASYNC_PROXY": "process"},
-}
-
 
 def environment(port: int, tmp_path, mode: str, env_extra: dict) -> dict:
-    env = dict(
-        os.environ,
-        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{port}",
-        VLLM_DSPARK_REMOTE_IDENTITY=DRAFTER_ID.hex(),
-        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=MARKOV_ID.hex(),
-        VLLM_DSPARK_REMOTE_POLICY="capacity",
+    settings = dict(
         VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
         VLLM_DSPARK_REMOTE_TRIP="0",
         VLLM_DSPARK_REMOTE_BACKOFF_MS="20",
         VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="40",
         VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-        VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"),
     )
-    env.update(MODE_ENV[mode])
-    env.update(env_extra)
-    return env
+    settings.update(env_extra)
+    stats = str(tmp_path / "stats.json")
+    return engine_env(port, DRAFTER_ID.hex(), MARKOV_ID.hex(), Mode(mode), stats_file=stats, **settings)
 
 
 def engine(port: int, tmp_path, mode: str, env_extra: dict, **kw) -> RemoteDSpark:

@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 from helpers import COUNTING as MODEL
-from helpers import until
+from helpers import drafter_env, until
 
 from remote_dspark import wire
+from remote_dspark.config import Mode
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, RemoteDSpark, gather
@@ -36,17 +37,11 @@ def no_parked_stream():
 
 
 def make(worker, tmp_path, *, vocab_size=None, **kw):
-    d = MarkovDrafter(MODEL)
-    env = dict(
-        os.environ,
-        VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
-        VLLM_DSPARK_REMOTE_IDENTITY=d.drafter_identity.hex(),
-        VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=d.markov_identity.hex(),
-        VLLM_DSPARK_REMOTE_POLICY="capacity",
-        VLLM_DSPARK_REMOTE_ASYNC="1",
-        VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
-        VLLM_DSPARK_REMOTE_STATS_FILE=str(tmp_path / "stats.json"),
-        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+    env = drafter_env(
+        MarkovDrafter(MODEL),
+        worker.port,
+        Mode.PROCESS,
+        stats_file=str(tmp_path / "stats.json"),
         VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000",
         VLLM_DSPARK_REMOTE_ASYNC_WATCHDOG_MS="300",
     )

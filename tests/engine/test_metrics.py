@@ -18,6 +18,7 @@ from helpers import NEED_TOOLS, PROMTOOL, families_in, families_of, prometheus, 
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark.cli import dashboard
+from remote_dspark.config import Mode
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.demo.harness import DemoEngine, WorkerProcess
 from remote_dspark.demo.sim import SimEngine
@@ -39,17 +40,10 @@ def free_port() -> int:
 
 
 def engine_env(worker, **kw):
-    settings = dict(
-        VLLM_DSPARK_REMOTE_POLICY="capacity",
-        VLLM_DSPARK_REMOTE_ASYNC="1",
-        VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
-        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-        VLLM_DSPARK_REMOTE_STATS_FILE="",
-        VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-        VLLM_DSPARK_REMOTE_METRICS_PORT=str(free_port()),
-    )
+    """A process-mode engine of ``worker`` exporting metrics on a free port; ``kw`` last."""
+    settings = dict(VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20", VLLM_DSPARK_REMOTE_METRICS_PORT=str(free_port()))
     settings.update(kw)
-    return worker.env(**settings)
+    return worker.env(Mode.PROCESS, **settings)
 
 
 def scrape(rd) -> str:

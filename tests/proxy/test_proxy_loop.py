@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+from helpers import drafter_env
 
 from remote_dspark import native, wire
 from remote_dspark.config.api import RemoteConfig
@@ -19,15 +20,8 @@ NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
 
 class Rig:
     def __init__(self, lib, worker, drafter, **env):
-        base = {
-            "VLLM_DSPARK_REMOTE": f"tcp://127.0.0.1:{worker.port}",
-            "VLLM_DSPARK_REMOTE_IDENTITY": drafter.drafter_identity.hex(),
-            "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": drafter.markov_identity.hex(),
-            "VLLM_DSPARK_REMOTE_POLICY": "capacity",
-            "VLLM_DSPARK_REMOTE_ASYNC_SPIN_US": "50",
-            "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000",
-        }
-        base.update(env)
+        settings = {"VLLM_DSPARK_REMOTE_ASYNC_SPIN_US": "50", "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000"}
+        base = drafter_env(drafter, worker.port, **{**settings, **env})
         self.region = shm.Region.create(layout.Layout(4, 4, 4, 3, 64))
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from helpers import readline_within, until
+from helpers import drafter_env, readline_within, until
 
 from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
@@ -24,17 +24,11 @@ HEAVY = ("torch", "numpy", "prometheus_client")
 
 
 def env_for(worker, lib, **extra):
-    d = MarkovDrafter(MODEL)
-    base = {
-        "PATH": os.environ["PATH"],
-        "VLLM_DSPARK_REMOTE": f"tcp://127.0.0.1:{worker.port}",
-        "VLLM_DSPARK_REMOTE_IDENTITY": d.drafter_identity.hex(),
-        "VLLM_DSPARK_REMOTE_MARKOV_IDENTITY": d.markov_identity.hex(),
-        "VLLM_DSPARK_REMOTE_POLICY": "capacity",
+    settings = {
         "VLLM_DSPARK_REMOTE_ASYNC_NAP_US": "50",  # do not burn a CI core while idle
         "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "1000",
     }
-    base.update(extra)
+    base = drafter_env(MarkovDrafter(MODEL), worker.port, **{**settings, **extra})
     return proxy_environment(base, lib.path)
 
 
