@@ -233,3 +233,22 @@ def families_of(table, record=None) -> list[tuple[str, str, str, tuple[str, ...]
             name = table.prefix + row.name + ("_total" if row.kind == "counter" else "")
             out.append((name, "gauge" if row.kind == "info" else row.kind, row.help, tuple(sorted(row.labels))))
     return out
+
+
+# An exposition's samples, by (name, sorted labels).
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """Every sample of a Prometheus text exposition: ``(name, sorted label items) -> value``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(text: str, name: str, **labels) -> float:
+    """One sample's value; KeyError when the exposition lacks it."""
+    return samples(text)[(name, tuple(sorted(labels.items())))]

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import NEED_TOOLS, PROMTOOL, families_in, families_of, prometheus, until
+from helpers import NEED_TOOLS, PROMTOOL, families_in, families_of, prometheus, samples, until, value
 from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark.cli import dashboard
@@ -49,18 +49,6 @@ def engine_env(worker, **kw):
 def scrape(rd) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{rd.exporter.port}/metrics", timeout=10) as r:
         return r.read().decode()
-
-
-def samples(text: str) -> dict[tuple, float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(text: str, name: str, **labels) -> float:
-    return samples(text)[(name, tuple(sorted(labels.items())))]
 
 
 def kill_proxy(rd):

@@ -28,9 +28,10 @@ from helpers import (
     gated_drafter,
     hello,
     prometheus,
+    samples,
     until,
+    value,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 from remote_dspark import wire
 from remote_dspark.cli import dashboard
@@ -72,18 +73,6 @@ def scrape(w) -> str:
     status, body = get(w, "/metrics")
     assert status == 200
     return body
-
-
-def samples(text: str) -> dict[tuple, float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(text: str, name: str, **labels) -> float:
-    return samples(text)[(name, tuple(sorted(labels.items())))]
 
 
 def refused(w, served: int = 0, **kw) -> int:
