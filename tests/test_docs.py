@@ -203,3 +203,26 @@ def test_every_module_reference_in_the_package_resolves(tmp_path):
         (".gone", "remote_dspark.proxy.gone"),
         ("remote_dspark.wire", "remote_dspark.wire"),
     ]
+
+
+def test_the_readme_tree_names_only_what_exists():
+    """README's tree of the package: every folder it shows exists and every module it
+    lists beside a folder is a module (or a folder) of it."""
+    block = README.split("The package's folders are its parts", 1)[1].split("```", 2)[1]
+    package = Path(REPO) / "remote_dspark"
+    for line in block.strip().splitlines():
+        columns = re.split(r"\s{2,}", line.strip())
+        folders = [c for c in columns if c.endswith("/") and " " not in c]
+        for folder in folders:
+            here = package if folder == "remote_dspark/" else package / folder
+            assert here.is_dir(), f"README's tree shows {folder}, which is not a folder of the package"
+        if len(columns) < 2 or columns[1] in folders:
+            continue
+        here = package if columns[0] == "remote_dspark/" else package / columns[0]
+        for word in columns[1].split():
+            if word.startswith("("):
+                break
+            if word != "..." and "*" not in word:
+                assert (here / f"{word}.py").exists() or (here / word).is_dir(), (
+                    f"README's tree lists {here.name}/{word}"
+                )
