@@ -116,7 +116,7 @@ def _families(collector) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def exposed() -> set[str]:
+def exposed(tmp_path_factory) -> set[str]:
     """The metric names a process-mode engine (margins asked for) and a worker with a
     cache expose, collected from their real collectors."""
     from remote_dspark.config import Mode
@@ -135,7 +135,8 @@ def exposed() -> set[str]:
     drafter = Cached(MarkovModel.from_tokens([1, 2, 3] * 10, order=1, top=1))
     worker = Worker(drafter, "127.0.0.1", 0, metrics_port=0).start()
     try:
-        env = drafter_env(drafter, worker.port, Mode.PROCESS, VLLM_DSPARK_REMOTE_WANT_MARGIN="1")
+        stats = str(tmp_path_factory.mktemp("exposed") / "stats.json")
+        env = drafter_env(drafter, worker.port, Mode.PROCESS, stats_file=stats, VLLM_DSPARK_REMOTE_WANT_MARGIN="1")
         rd = RemoteDSpark(RemoteConfig.from_env(env), num_spec=2, max_slots=4, row_bytes=4, environ=env).start()
         try:
             names = _families(RemoteDSparkCollector(rd))

@@ -136,8 +136,6 @@ def run_chaos(
             VLLM_DSPARK_REMOTE_BACKOFF_MAX_MS="200",
             VLLM_DSPARK_REMOTE_TRIP="3",
             VLLM_DSPARK_REMOTE_COOLDOWN="16",
-            VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-            VLLM_DSPARK_REMOTE_STATS_FILE="",
         )
         cfg = RemoteConfig.from_env(env)
         rd = RemoteDSpark(cfg, num_spec=5, max_slots=slots, row_bytes=64, environ=env).start()

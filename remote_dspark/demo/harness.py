@@ -141,6 +141,10 @@ class WorkerProcess:
         self.identity = ""
         self.markov_identity = ""
         self._lock = threading.RLock()  # a signal never reaches a worker that is starting
+        # The stats files of the engines pointed at this worker: never the contract's
+        # shared default path. Removed when this object goes (its finalizer), not at
+        # stop(): an engine may still close, and write its last stats, after the worker.
+        self._files = tempfile.TemporaryDirectory(prefix="remote-dspark-worker-")
         self.start()
 
     def start(self) -> None:
@@ -182,8 +186,10 @@ class WorkerProcess:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         return self.proc.stdout.readline() if ready else ""
 
-    def env(self, mode: Mode | None = None, *, stats_file: str = "", **variables: str) -> dict[str, str]:
-        """An engine environment pointing at this worker (see :func:`engine_env`)."""
+    def env(self, mode: Mode | None = None, *, stats_file: str | None = None, **variables: str) -> dict[str, str]:
+        """An engine environment pointing at this worker (see :func:`engine_env`); the
+        stats file is ``stats_file``, else one in a directory of this object's own."""
+        stats_file = os.path.join(self._files.name, "stats.json") if stats_file is None else stats_file
         return engine_env(self.port, self.identity, self.markov_identity, mode, stats_file=stats_file, **variables)
 
     def signal(self, sig: int) -> None:

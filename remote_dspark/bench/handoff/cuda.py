@@ -148,6 +148,7 @@ def _slow(lat_ns: list[int]) -> int:
 def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     import torch
 
+    from ...config import Mode
     from ...config.api import RemoteConfig
     from ...demo.harness import WorkerProcess
     from ...engine import Batch, RemoteDSpark
@@ -156,14 +157,7 @@ def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     # A whole round is milliseconds (and tens of them under the GIL hog): fewer rounds.
     total = opts.warmup + min(opts.rounds, E2E_ROUNDS)
     with WorkerProcess() as worker:
-        env = worker.env(
-            VLLM_DSPARK_REMOTE_POLICY="capacity",
-            VLLM_DSPARK_REMOTE_ASYNC="1",
-            VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
-            VLLM_DSPARK_REMOTE_STATS_FILE="",
-            VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-            **{native.ENV_LIB: lib.path},
-        )
+        env = worker.env(Mode.PROCESS, **{native.ENV_LIB: lib.path})
         rows = torch.randn(slots, row_bytes // 4, device="cuda")
         index = torch.arange(slots, device="cuda")
         stream = torch.cuda.current_stream()
