@@ -358,7 +358,8 @@ class RemoteDSpark:
         network. The round's outcome is counted once it is released, at a later launch;
         slots the worker lost come back in a later ``Launched.resync``. In sync mode
         (``ASYNC=0``, or after a failed self-test) the round runs now, blocking, and comes
-        back completed with the same shapes, on the rows' device.
+        back completed with the same shapes, on the rows' device (the current CUDA device
+        for a batch without rows).
 
         Raises:
             NotImplementedError: with a ``tp_group`` (use ``round()``).
