@@ -27,7 +27,9 @@ refuses the HELLO of an engine whose vocabulary is smaller, since its drafts cou
 tokens the engine does not have (a drafter may have the smaller vocabulary of the same
 tokenizer). It may also say the most drafts per entry it can make (``max_width``, an
 optional int): the worker refuses a HELLO whose ``num_spec`` is over it, so that no round
-fails for its width.
+fails for its width. A drafter that reads the engine's rows says so (``needs_rows``, an
+optional bool, False when absent, read with :func:`needs_rows_of`): the worker refuses
+the HELLO of an engine that sends none (``row_bytes=0``), whose rows would all be empty.
 
 A per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens, margins)``)
 is served through :class:`PerEntryDrafter`, the slow path: one Python call per entry.
@@ -137,6 +139,18 @@ def vocab_size_of(drafter) -> int:
     return size
 
 
+def needs_rows_of(drafter) -> bool:
+    """``drafter``'s optional ``needs_rows``: True when it reads the engine's rows.
+
+    Raises:
+        ValueError: a ``needs_rows`` that is not a bool.
+    """
+    needs = getattr(drafter, "needs_rows", False)
+    if not isinstance(needs, bool):
+        raise ValueError(f"drafter needs_rows {needs!r}: expected a bool")
+    return needs
+
+
 def empty_result(n: int, width: int, want_margin: bool) -> DraftResult:
     """No drafts for n entries (zeros of the right shapes)."""
     import numpy as np
@@ -157,6 +171,7 @@ class PerEntryDrafter:
         self.drafter_identity = drafter.drafter_identity
         self.markov_identity = drafter.markov_identity
         self.vocab_size = getattr(drafter, "vocab_size", None)
+        self.needs_rows = getattr(drafter, "needs_rows", False)
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
         out = empty_result(len(batch), batch.width, batch.want_margin)

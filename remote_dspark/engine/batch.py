@@ -3,8 +3,9 @@
 A :class:`Batch` is the engine's own layout (as vLLM's input batch): ``slots`` [n],
 ``tokens`` flattened with ``token_offsets`` [n + 1] (entry i owns
 ``tokens[token_offsets[i]:token_offsets[i + 1]]``, like ``query_start_loc``),
-``positions`` [n], ``new_gen`` [n], the engine tensor ``rows`` with ``row_index`` [n],
-and optionally ``n_out`` [n]. Every field is an int (or bool) tensor, on the CPU or on
+``positions`` [n], ``new_gen`` [n], the engine tensor ``rows`` with ``row_index`` [n]
+(both None for an engine built with ``row_bytes=0``: no rows; :func:`has_rows`), and
+optionally ``n_out`` [n]. Every field is an int (or bool) tensor, on the CPU or on
 the device, or a numpy array on the host (as an engine keeps numpy views of its pinned
 CPU tensors); :meth:`Batch.from_lists` takes Python lists and converts them once (the
 slow convenience).
@@ -53,7 +54,8 @@ class Batch:
     ``positions[i]``; with ``new_gen[i]`` they are its whole context (positions[i] is
     then the position of the first of them, usually 0) and only the last
     ``CONTEXT_TOKENS`` are sent. ``rows[row_index[i]]`` is its row of the engine tensor
-    (``row_bytes`` bytes, any dtype). ``n_out[i]`` drafts are asked for (capped at
+    (``row_bytes`` bytes, any dtype); an engine of ``row_bytes=0`` takes a batch
+    without ``rows`` and ``row_index``. ``n_out[i]`` drafts are asked for (capped at
     ``num_spec``), or the engine's n_out table's value for the batch size when None.
     """
 
@@ -62,8 +64,8 @@ class Batch:
     token_offsets: torch.Tensor | np.ndarray
     positions: torch.Tensor | np.ndarray
     new_gen: torch.Tensor | np.ndarray
-    rows: torch.Tensor
-    row_index: torch.Tensor | np.ndarray
+    rows: torch.Tensor | None = None
+    row_index: torch.Tensor | np.ndarray | None = None
     n_out: torch.Tensor | np.ndarray | None = None
 
     def __post_init__(self):
@@ -79,8 +81,8 @@ class Batch:
         tokens: Sequence[Sequence[int]],
         positions: Sequence[int],
         new_gen: Sequence[bool],
-        rows: torch.Tensor,
-        row_index,
+        rows: torch.Tensor | None = None,
+        row_index=None,
         n_out: Sequence[int] | None = None,
     ) -> Batch:
         """A batch from per-entry Python lists (the slow convenience: it walks them once)."""
@@ -302,6 +304,26 @@ def write_meta_in_stream(
         dest = torch.where((within >= 0) & (dest >= 0) & (dest < max_tokens), dest, max_tokens)
         tok_at = wire.round_meta_bytes(n) // 4
         d[tok_at : tok_at + max_tokens + 1].scatter_(0, dest, on_dev(batch.tokens, torch.int32))
+
+
+def has_rows(batch: Batch, row_bytes: int) -> bool:
+    """Whether ``batch`` has rows to gather, held to the engine's ``row_bytes``: an engine
+    of ``row_bytes`` > 0 needs ``rows`` and ``row_index``, one of ``row_bytes=0`` takes
+    neither (nothing is gathered, no kernel launched).
+
+    Raises:
+        ValueError: naming ``rows`` or ``row_index``, given to a rowless engine or
+            missing for one with rows.
+    """
+    given = [name for name in ("rows", "row_index") if getattr(batch, name) is not None]
+    if row_bytes == 0:
+        if given:
+            raise ValueError(f"{given[0]}: given, but RemoteDSpark was built with row_bytes=0 (no rows); pass None")
+        return False
+    for name in ("rows", "row_index"):
+        if name not in given:
+            raise ValueError(f"{name}: None, but RemoteDSpark was built for row_bytes={row_bytes}")
+    return True
 
 
 def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, out_addr: int = 0) -> None:

@@ -80,13 +80,13 @@ def check_arguments(
         raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
-    for name, value, hi in (
-        ("num_spec", num_spec, wire.MAX_N_OUT),
-        ("max_slots", max_slots, wire.MAX_ENTRIES),
-        ("row_bytes", row_bytes, wire.MAX_ROW_BYTES),
+    for name, value, lo, hi in (
+        ("num_spec", num_spec, 1, wire.MAX_N_OUT),
+        ("max_slots", max_slots, 1, wire.MAX_ENTRIES),
+        ("row_bytes", row_bytes, 0, wire.MAX_ROW_BYTES),  # 0: no rows (batches carry none)
     ):
-        if not 1 <= value <= hi:
-            raise ValueError(f"{name}={value}: must be in 1..{hi} (the wire contract's cap)")
+        if not lo <= value <= hi:
+            raise ValueError(f"{name}={value}: must be in {lo}..{hi} (the wire contract's cap)")
     if vocab_size is not None and (
         not hasattr(vocab_size, "__index__") or isinstance(vocab_size, bool) or not 1 <= vocab_size <= wire.MAX_VOCAB
     ):
@@ -358,7 +358,8 @@ class RemoteDSpark:
         network. The round's outcome is counted once it is released, at a later launch;
         slots the worker lost come back in a later ``Launched.resync``. In sync mode
         (``ASYNC=0``, or after a failed self-test) the round runs now, blocking, and comes
-        back completed with the same shapes, on the rows' device.
+        back completed with the same shapes, on the rows' device (the current CUDA device
+        for a batch without rows).
 
         Raises:
             NotImplementedError: with a ``tp_group`` (use ``round()``).

@@ -33,6 +33,7 @@ from .batch import (
     check_meta_shapes,
     empty_drafts,
     gather_rows_host,
+    has_rows,
     to_drafts,
     write_meta,
     write_meta_in_stream,
@@ -95,8 +96,9 @@ class Handoff:
             self._host = [_HostViews(self.region, i) for i in range(spec.depth)]
             if spec.device == "cuda":
                 view = self.sync.backend.device_view
-                self._staging = [
-                    view(lay.staging(i), (spec.max_slots, spec.row_bytes), torch.uint8) for i in range(spec.depth)
+                self._staging = [  # none without rows (a zero-width view would alias the drafts slot)
+                    view(lay.staging(i), (spec.max_slots, spec.row_bytes), torch.uint8)
+                    for i in range(spec.depth if spec.row_bytes else 0)
                 ]
                 self._desc = [
                     view(lay.desc(i) + shm.DESC_FIXED, ((lay.desc_stride - shm.DESC_FIXED) // 4,), torch.int32)
@@ -175,7 +177,9 @@ class Handoff:
                 self._write_device_meta(batch, i, cfg.timeout_ms)
             else:
                 write_meta(self._host[i].desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=spec.row_bytes)
-            if spec.device == "cpu":
+            if not has_rows(batch, spec.row_bytes):
+                pass  # an engine without rows: no staging, nothing to gather
+            elif spec.device == "cpu":
                 gather_rows_host(
                     batch,
                     self._host[i].staging,

@@ -14,7 +14,17 @@ from ..outcome import Outcome
 from ..supervise.supervisor import Supervisor
 from ..transport.breaker import Breaker
 from ..transport.link import RemoteLink
-from .batch import Batch, Drafts, HostMeta, as_bytes, empty_drafts, gather_rows_host, to_drafts, write_meta
+from .batch import (
+    Batch,
+    Drafts,
+    HostMeta,
+    as_bytes,
+    empty_drafts,
+    gather_rows_host,
+    has_rows,
+    to_drafts,
+    write_meta,
+)
 from .handoff import Launched
 from .lifecycle import Users, stop_in_caller
 from .reply import Asked, check_reply
@@ -84,7 +94,9 @@ class SyncPath:
         meta = spec.meta(batch if not batch.meta_on_device else to_host(batch))
         n = meta.n
         rows = self._rows[:n]
-        if batch.rows.device.type == "cpu":
+        if not has_rows(batch, spec.row_bytes):
+            pass  # an engine without rows: an empty rows part
+        elif batch.rows.device.type == "cpu":
             gather_rows_host(batch, self._rows, spec.row_bytes)
         else:  # a blocking round anyway: gather on the device, one copy to the host
             rows[:] = (
@@ -97,7 +109,7 @@ class SyncPath:
             self._send[wire.HEADER.size :], meta, deadline_ms=spec.cfg.timeout_ms, row_bytes=spec.row_bytes
         )
         wire.pack_header_into(self._send, wire.ROUND, size + n * spec.row_bytes, self.link.session, round_id)
-        parts = (memoryview(self._send)[: wire.HEADER.size + size], memoryview(rows).cast("B"))
+        parts = (memoryview(self._send)[: wire.HEADER.size + size], memoryview(rows.reshape(-1)))  # a view
         asked = Asked(meta.slots, meta.n_out, spec.num_spec, spec.vocab_size, spec.cfg.want_margin)
         # The reply is held to what was asked inside the round, so a broken rule is the
         # round's event (PROTOCOL drops the connection, BAD_REPLY keeps it), never drafts.
@@ -134,7 +146,7 @@ class SyncPath:
         (``answer``) runs now, blocking, and comes back completed, with the shapes and on
         the device an asynchronous launch gives, under the id of its ROUND."""
         out = answer(batch)
-        device = batch.rows.device
+        device = batch.rows.device if batch.rows is not None else torch.device(self.spec.device)
         return Launched(self._round_id, out.tokens.to(device), out.counts.to(device), out.resync, out.resync_all)
 
     def stop(self, limit_s: float) -> None:

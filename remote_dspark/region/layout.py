@@ -14,7 +14,9 @@ Region (offsets in bytes)::
     2P                      D x desc        descriptor ring, desc = align(8 + M(S) + 4 (T + 1), L),
                                             M(n) = wire.round_meta_bytes(n) = 20 + 20 n
     staging_at (P-aligned)  D x stage       staging rows, stage = align(S R, P): each depth
-                                            slot page-aligned (registered with CUDA later)
+                                            slot page-aligned (registered with CUDA later);
+                                            R = 0 (an engine without rows): no staging,
+                                            stage = 0 and drafts_at = staging_at
     drafts_at               D x drafts      drafts slots (see below)
     proxy_counters_at       PROXY_BLOCK     written by the proxy only
     engine_counters_at      ENGINE_BLOCK    written by the engine side only
@@ -262,7 +264,7 @@ class Layout:
                 "must stay continuous when the 32-bit round id wraps)"
             )
         _in_range("max_slots", self.max_slots, 1, wire.MAX_ENTRIES)
-        _in_range("row_bytes", self.row_bytes, 1, wire.MAX_ROW_BYTES)
+        _in_range("row_bytes", self.row_bytes, 0, wire.MAX_ROW_BYTES)
         _in_range("num_spec", self.num_spec, 1, wire.MAX_N_OUT)
         _in_range("max_tokens", self.max_tokens, 0, wire.MAX_TOKENS)
         if self.page_size < 4096 or self.page_size & (self.page_size - 1):

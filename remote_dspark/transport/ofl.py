@@ -95,7 +95,8 @@ class OflStream:
 
     def sendmsg(self, buffers: Sequence, deadline: float | None = None) -> None:
         # The ofl interface has no send timeout: its own flow control bounds a send.
-        self.conn.sendmsg(list(buffers))
+        # Empty buffers (the rows of an engine without rows) are not handed to it.
+        self.conn.sendmsg([b for b in buffers if memoryview(b).nbytes])
 
     def recv_into(self, view: memoryview, timeout_s: float) -> int:
         return self.conn.recv_into(view, timeout_s)

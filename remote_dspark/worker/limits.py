@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import wire
-from ..drafter.contract import vocab_size_of
+from ..drafter.contract import needs_rows_of, vocab_size_of
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192
@@ -120,6 +120,14 @@ def hello_refusal(drafter, limits: Limits, hello: wire.Hello) -> tuple[int, str,
     over = limits.refusal(hello)
     if over is not None:
         return wire.REFUSE_LIMITS, over, "limits"
+    # A drafter's own bound, as max_width below: the engine drafts for the right model but
+    # sends less than this drafter serves (an identity is no mismatch: REFUSE_LIMITS).
+    if hello.row_bytes == 0 and needs_rows_of(drafter):
+        return (
+            wire.REFUSE_LIMITS,
+            f"row_bytes 0 (no rows), but the drafter {type(drafter).__name__} reads the engine's rows (needs_rows)",
+            "limits",
+        )
     widest = getattr(drafter, "max_width", None)  # a drafter's own bound on drafts per entry
     if widest is not None and hello.num_spec > widest:
         return (

@@ -501,7 +501,8 @@ def test_a_dead_proxy_thread_means_target_only_rounds_at_once(worker, tmp_path, 
     [
         ({"num_spec": 0}, "num_spec=0"),
         ({"max_slots": 5000}, "max_slots=5000"),
-        ({"row_bytes": 0}, "row_bytes=0"),
+        ({"row_bytes": -1}, "row_bytes=-1"),  # 0 is an engine without rows
+        ({"row_bytes": (1 << 20) + 1}, "row_bytes=1048577"),
         ({"device": "tpu"}, "device='tpu'"),
     ],
 )

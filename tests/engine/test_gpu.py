@@ -36,7 +36,7 @@ def no_parked_stream():
     assert done.wait(20), "the GPU is still busy: a stream was left parked"
 
 
-def make(worker, tmp_path, *, vocab_size=None, **kw):
+def make(worker, tmp_path, *, vocab_size=None, row_bytes=16, **kw):
     env = drafter_env(
         MarkovDrafter(MODEL),
         worker.port,
@@ -50,7 +50,7 @@ def make(worker, tmp_path, *, vocab_size=None, **kw):
         RemoteConfig.from_env(env),
         num_spec=3,
         max_slots=8,
-        row_bytes=16,
+        row_bytes=row_bytes,
         device="cuda",
         environ=env,
         vocab_size=vocab_size,
@@ -254,6 +254,33 @@ def test_launch_after_a_failed_self_test_runs_the_round_synchronously(worker, tm
         assert out.tokens.device.type == "cuda" and out.tokens.shape == (2, 3) and out.counts.shape == (2,)
         assert out.tokens.tolist() == [[2, 3, 4], [4, 1, 2]] and out.counts.tolist() == [3, 3]
         assert out.round == 1 and rd.stats().rounds[Outcome.OK] == 1
+
+
+@pytest.mark.parametrize("mode", ["process", "sync"])
+def test_an_engine_without_rows_launches_with_nothing_gathered(worker, tmp_path, monkeypatch, mode):
+    """``row_bytes=0`` on CUDA: no staging view, no gather launched; launch() drafts in
+    stream order (metadata on the host or on the device), and synchronously after a failed
+    self-test, on the device."""
+    from remote_dspark.engine import facade
+
+    def no_gather(*a, **k):
+        raise AssertionError("a gather was launched for an engine without rows")
+
+    def broken(self, *a, **k):
+        raise RuntimeError("self-test failed (forced)")
+
+    monkeypatch.setattr(gather, "torch_gather", no_gather)
+    if mode == "sync":
+        monkeypatch.setattr(facade.AsyncPath, "__init__", broken)
+    with make(worker, tmp_path, row_bytes=0, VLLM_DSPARK_REMOTE_FUSED_GATHER="0") as rd:
+        assert rd.mode == mode
+        first = Batch.from_lists([0, 1], [[1], [3]], [0, 0], [True, True])
+        out = rd.launch(first if mode == "sync" else on_device(first))
+        assert out.tokens.is_cuda and out.tokens.tolist() == [[2, 3, 4], [4, 1, 2]]
+        out = rd.launch(Batch.from_lists([0, 1], [[2], [4]], [1, 1], [False, False]))
+        assert out.counts.is_cuda and out.tokens.tolist() == [[3, 4, 1], [1, 2, 3]]
+        with pytest.raises(ValueError, match="rows: given, but RemoteDSpark was built with row_bytes=0"):
+            rd.launch(batch())
 
 
 def test_launch_writes_the_stats_file_every_log_every_rounds(worker, tmp_path):

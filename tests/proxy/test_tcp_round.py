@@ -155,6 +155,37 @@ def test_a_round_goes_out_from_the_region_and_its_drafts_come_back(rig_m):
     assert (c["rounds_ok"], c["drafts"], c["draft_tokens"]) == (1, 2, 3)
 
 
+@pytest.mark.parametrize("path", ["hf_round", "ofl"])
+def test_a_round_of_an_engine_without_rows_goes_out_with_an_empty_rows_section(lib, path):
+    """``row_bytes=0``: no staging in the region; the frame is the descriptor's block alone
+    (in C, an empty rows iovec; in Python, an empty rows view)."""
+    rig = Rig(lib, layout.Layout(depth=4, max_slots=4, row_bytes=0, num_spec=4, max_tokens=32))
+    try:
+        r = rig.gather(slots=(3, 1), deadline_ms=700)
+        entries = [wire.Entry(s, 4, 10 + s, [s, s + 1]) for s in (3, 1)]
+        want = wire.encode_round_entries(r, SESSION, 700, entries, b"", 0)
+        reply = rig.reply(r, slots=(3, 1), width=2, counts=[2, 1])
+        if path == "hf_round":
+            rig.worker.sendall(reply)
+            s = rig.serve()
+            assert (s.event, s.sent, s.released, s.why) == (RoundEvent.OK, True, True, "")
+            assert rig.sent_frame() == want
+        else:
+            rnd = rig.end.next_round(1)
+            parts = rnd.wire_parts(SESSION)
+            assert b"".join(bytes(p) for p in parts) == want and parts[-1].nbytes == 0
+            for p in parts[1:]:
+                p.release()
+            hdr = wire.decode_header(reply[: wire.HEADER.size])
+            assert rig.end.complete(rnd, wire.decode_drafts(hdr, reply[wire.HEADER.size :]))
+        sent = wire.decode_round(wire.decode_header(want[: wire.HEADER.size]), want[wire.HEADER.size :])
+        assert (sent.row_bytes, bytes(sent.rows), list(sent.slots)) == (0, b"", [3, 1])
+        d = rig.eng.drafts(r)
+        assert d.outcome == Outcome.OK and d.counts == (2, 1) and d.tokens == ((100, 101), (102,))
+    finally:
+        rig.close()
+
+
 def test_a_timeout_keeps_the_stream_in_step_and_late_replies_are_dropped_and_counted(rig):
     r1 = rig.gather(deadline_ms=30)
     s = rig.serve()

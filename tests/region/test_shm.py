@@ -62,13 +62,31 @@ def test_layout_parts_are_disjoint_aligned_and_inside(lay):
     assert lay.proxy_counters_at % layout.LINE == 0 and lay.engine_counters_at % layout.LINE == 0
 
 
+def test_a_layout_without_rows_has_no_staging_and_its_offsets_line_up():
+    lay = Layout(depth=4, max_slots=16, row_bytes=0, num_spec=5, max_tokens=100)
+    with_rows = Layout(depth=4, max_slots=16, row_bytes=1, num_spec=5, max_tokens=100)  # one page per slot
+    assert lay.staging_stride == 0 and lay.drafts_at == lay.staging_at == with_rows.staging_at
+    assert [lay.staging(i) for i in range(lay.depth)] == [lay.staging_at] * lay.depth
+    assert lay.size == with_rows.size - lay.depth * lay.page_size
+    assert lay.drafts_at - with_rows.drafts_at == lay.proxy_counters_at - with_rows.proxy_counters_at
+    spans = sorted((p for p in parts(lay) if p[2]), key=lambda p: p[1])  # staging is empty
+    for (a, at, size), (b, bt, _) in zip(spans, spans[1:]):
+        assert at + size <= bt, f"{a} overlaps {b}"
+    assert spans[-1][1] + spans[-1][2] <= lay.size
+    with Region.create(lay) as region, Region.attach(os.dup(region.fd)) as other:
+        assert other.layout == lay
+        with region.staging(3) as rows:
+            assert rows.nbytes == 0
+
+
 @pytest.mark.parametrize(
     "field,value,match",
     [
         ("depth", 3, "depth=3: must be a power of two"),
         ("depth", 128, r"depth=128: must be an integer in 1\.\.64"),
         ("max_slots", 0, "max_slots=0"),
-        ("row_bytes", 0, "row_bytes=0"),
+        ("row_bytes", -1, "row_bytes=-1"),  # 0 is a region without staging
+        ("row_bytes", (1 << 20) + 1, "row_bytes=1048577"),
         ("num_spec", 65, "num_spec=65"),
         ("max_tokens", -1, "max_tokens=-1"),
     ],

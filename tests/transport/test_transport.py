@@ -10,6 +10,7 @@ import pytest
 
 from remote_dspark import transport, wire
 from remote_dspark.transport import DeadlineExceeded, Disconnected, TransportError, parse_endpoint
+from remote_dspark.transport.ofl import OflStream
 
 
 @pytest.mark.parametrize(
@@ -216,6 +217,19 @@ def test_ofl_adapter_loads_stand_in_and_carries_frames(tmp_path, listener):
     finally:
         peer.close()
         chan.close()
+
+
+def test_ofl_adapter_hands_the_library_no_empty_buffer():
+    """An engine without rows sends an empty rows part: the ofl library never sees it."""
+    got = []
+
+    class Conn:
+        def sendmsg(self, buffers):
+            got.append([bytes(b) for b in buffers])
+
+    rows = memoryview(bytearray(8))[:0]
+    OflStream(Conn()).sendmsg([b"head", memoryview(b"block"), rows])
+    assert got == [[b"head", b"block"]]
 
 
 @pytest.mark.parametrize(

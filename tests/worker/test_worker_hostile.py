@@ -16,6 +16,7 @@ from helpers import connect, do_round, until
 
 from remote_dspark import wire
 from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.contract import PerEntryDrafter, needs_rows_of
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import Disconnected
 from remote_dspark.transport.client import Refused
@@ -195,6 +196,45 @@ def test_hello_beyond_the_workers_limits_is_refused_with_the_limits_reason(kw, f
         assert w.stats.refused == 1 and w.stats.busy == 0
     finally:
         w.stop()
+
+
+class RowsDrafter(MarkovDrafter):
+    needs_rows = True  # reads the engine's rows
+
+
+@pytest.mark.parametrize("drafter", [RowsDrafter(MODEL), PerEntryDrafter(RowsDrafter(MODEL))])
+def test_a_drafter_that_needs_rows_refuses_an_engine_without_them(drafter):
+    w = Worker(drafter, "127.0.0.1", 0, window=8).start()
+    try:
+        with pytest.raises(Refused) as e:
+            connect(w, row_bytes=0)
+        assert e.value.code == wire.REFUSE_LIMITS
+        assert "row_bytes 0 (no rows), but the drafter " in e.value.reason and "needs_rows" in e.value.reason
+        assert w.stats.refused == 1 and w.statistics().refusals["limits"] == 1
+        c = connect(w, session=2, row_bytes=4)  # with rows: served
+        try:
+            assert do_round(c, 1, [wire.Entry(0, 3, 0, (1,), new_gen=True)]).row(0) == [2, 3, 4]
+        finally:
+            c.close()
+    finally:
+        w.stop()
+
+
+def test_a_drafter_that_does_not_need_rows_serves_an_engine_without_them(worker):
+    c = connect(worker, row_bytes=0)
+    try:
+        rnd = wire.encode_round_entries(1, c.session, 1000, [wire.Entry(0, 3, 0, (1,), new_gen=True)], b"", 0)
+        assert c.round(1, [rnd], 2000).row(0) == [2, 3, 4]
+    finally:
+        c.close()
+
+
+def test_a_needs_rows_that_is_not_a_bool_is_named():
+    class Odd(MarkovDrafter):
+        needs_rows = "yes"
+
+    with pytest.raises(ValueError, match="drafter needs_rows 'yes': expected a bool"):
+        needs_rows_of(Odd(MODEL))
 
 
 def test_after_hello_the_cap_is_the_sessions_and_a_stalled_header_costs_nothing():
