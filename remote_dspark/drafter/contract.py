@@ -30,6 +30,11 @@ optional int): the worker refuses a HELLO whose ``num_spec`` is over it, so that
 fails for its width. A drafter that reads the engine's rows says so (``needs_rows``, an
 optional bool, False when absent, read with :func:`needs_rows_of`): the worker refuses
 the HELLO of an engine that sends none (``row_bytes=0``), whose rows would all be empty.
+A model drafter says its position table (``max_positions``, an optional int, read with
+:func:`max_positions_of`): the worker refuses a HELLO whose window and ``num_spec`` could
+never fit in it, and gives no drafts to an entry whose context (at its absolute position,
+``DraftBatch.positions``) and width pass it (:meth:`DraftBatch.beyond`): the drafter
+never sees such an entry.
 
 A per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens, margins)``)
 is served through :class:`PerEntryDrafter`, the slow path: one Python call per entry.
@@ -39,6 +44,7 @@ flags name (:mod:`remote_dspark.worker.drafters`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -71,6 +77,11 @@ class DraftBatch:
     slots: np.ndarray | None = None  # [n] int64
     gens: np.ndarray | None = None  # [n] int64
     lengths: np.ndarray | None = None  # [n] int64
+    # The absolute position of each entry's first context token in its sequence (the
+    # worker's windows keep it through appends, NEW_GEN and RESYNC); a model drafter
+    # encodes entry i's context at positions[i], positions[i] + 1, ... None: each context
+    # starts at position 0 (a batch not built by a worker).
+    positions: np.ndarray | None = None  # [n] int64
 
     def __len__(self) -> int:
         return len(self.n_out)
@@ -78,6 +89,47 @@ class DraftBatch:
     def context(self, i: int) -> np.ndarray:
         """Entry i's context (the slow per-entry view: adapters and tests)."""
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    def starts(self) -> np.ndarray:
+        """[n] int64: each context's first position (``positions``, zeros when None)."""
+        import numpy as np
+
+        return np.zeros(len(self), np.int64) if self.positions is None else np.asarray(self.positions, np.int64)
+
+    def beyond(self, max_positions: int | None) -> np.ndarray:
+        """[n] bool: the entries whose context and ``width`` drafts pass a position table
+        of ``max_positions`` (``positions[i] + len(context) + width > max_positions``):
+        they get no drafts, never wrapped or clamped positions. All False for None (no
+        table) and for empty contexts (no drafts anyway)."""
+        import numpy as np
+
+        lens = np.diff(self.offsets)
+        if max_positions is None:
+            return np.zeros(len(self), bool)
+        return (lens > 0) & (self.starts() + lens + self.width > max_positions)
+
+    def subset(self, keep: np.ndarray) -> DraftBatch:
+        """The batch of the ``keep`` entries ([n] bool), in entry order."""
+        import numpy as np
+
+        lens = np.diff(self.offsets)
+        offsets = np.zeros(int(keep.sum()) + 1, np.int64)
+        np.cumsum(lens[keep], out=offsets[1:])
+
+        def pick(a):
+            return None if a is None else np.asarray(a)[keep]
+
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens[np.repeat(keep, lens)],
+            offsets=offsets,
+            n_out=self.n_out[keep],
+            rows=self.rows[keep],
+            slots=pick(self.slots),
+            gens=pick(self.gens),
+            lengths=pick(self.lengths),
+            positions=pick(self.positions),
+        )
 
 
 @dataclass(frozen=True)
@@ -123,6 +175,19 @@ def cache_info_of(drafter) -> CacheInfo | None:
     """``drafter.cache_info()`` when it keeps per-slot state, else None."""
     info = getattr(drafter, "cache_info", None)
     return info() if callable(info) else None
+
+
+def max_positions_of(drafter) -> int | None:
+    """``drafter``'s position table (its optional ``max_positions``: the most positions
+    its model encodes), None when it has none (position-free, or rotary with no bound).
+
+    Raises:
+        ValueError: a ``max_positions`` that is not a positive int.
+    """
+    size = getattr(drafter, "max_positions", None)
+    if size is not None and (not isinstance(size, int) or size < 1):
+        raise ValueError(f"drafter max_positions {size!r}: expected a positive int or None")
+    return size
 
 
 def vocab_size_of(drafter) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import wire
-from ..drafter.contract import needs_rows_of, vocab_size_of
+from ..drafter.contract import max_positions_of, needs_rows_of, vocab_size_of
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192
@@ -86,8 +86,11 @@ class Limits:
         return min(self.max_round_bytes, largest_round(hello.max_slots, self.max_round_tokens, hello.row_bytes))
 
 
-def hello_refusal(drafter, limits: Limits, hello: wire.Hello) -> tuple[int, str, str]:
-    """Whether a worker serving ``drafter`` under ``limits`` takes ``hello``: ``(code,
+def hello_refusal(drafter, limits: Limits, hello: wire.Hello, window: int = 0) -> tuple[int, str, str]:
+    """Whether a worker serving ``drafter`` under ``limits`` and its ``window`` takes
+    ``hello`` (a window and ``num_spec`` drafts past the drafter's position table could
+    never fit at any position: refused; one that fits at the start fits until an entry's
+    position passes it, which gets no drafts, :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`): ``(code,
     reason, why)``, ``code`` ``wire.ACCEPT`` (and empty strings) or the refusal's code,
     its reason for the engine's log and ``why``, the metrics' label (drafter, markov,
     vocab, limits). Busy is decided later, among the engines
@@ -126,6 +129,16 @@ def hello_refusal(drafter, limits: Limits, hello: wire.Hello) -> tuple[int, str,
         return (
             wire.REFUSE_LIMITS,
             f"row_bytes 0 (no rows), but the drafter {type(drafter).__name__} reads the engine's rows (needs_rows)",
+            "limits",
+        )
+    table = max_positions_of(drafter)
+    if table is not None and window + hello.num_spec > table:
+        return (
+            wire.REFUSE_LIMITS,
+            (
+                f"a window of {window} tokens (--window) and num_spec {hello.num_spec} drafts need "
+                f"{window + hello.num_spec} positions, over the drafter model's {table}"
+            ),
             "limits",
         )
     widest = getattr(drafter, "max_width", None)  # a drafter's own bound on drafts per entry

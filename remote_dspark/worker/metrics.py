@@ -180,6 +180,12 @@ TABLE: Table[Scrape] = Table(
             "Entries answered RESYNC (no window for the slot, or a gap in its positions).",
             lambda r: r.stats.resyncs,
         ),
+        counter(
+            "entries_beyond_positions",
+            "Entries answered with no drafts because their context (at its absolute position) "
+            "and the round's width pass the drafter model's position table.",
+            lambda r: r.stats.beyond_positions,
+        ),
         counter("draft_tokens", "Draft tokens sent.", lambda r: r.stats.draft_tokens),
         histogram(
             "round_duration_seconds",

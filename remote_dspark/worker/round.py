@@ -49,14 +49,22 @@ def drafts_frame(session: int, round_id: int, n: int, width: int, margins: bool)
 
 
 def reply_frame(
-    session: int, round_id: int, slots: np.ndarray, ok: np.ndarray, width: int, result: DraftResult
+    session: int,
+    round_id: int,
+    slots: np.ndarray,
+    ok: np.ndarray,
+    width: int,
+    result: DraftResult,
+    drafted: np.ndarray | None = None,
 ) -> bytearray:
     """The DRAFTS frame of a round of ``slots``: RESYNC where not ``ok``, else the
-    drafter's result (its rows are the ``ok`` entries, in entry order)."""
+    drafter's result (its rows are the ``drafted`` entries, in entry order: ``ok`` when
+    None; an ``ok`` entry not drafted is answered OK with no drafts)."""
     reply, out = drafts_frame(session, round_id, len(slots), width, result.margins is not None)
     out.slots[:] = slots
     out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
-    where = slice(None) if bool(ok.all()) else ok
+    drafted = ok if drafted is None else drafted
+    where = slice(None) if bool(drafted.all()) else drafted
     out.counts[where] = result.counts
     out.tokens[where] = result.tokens
     if out.margins is not None:
@@ -64,11 +72,16 @@ def reply_frame(
     return reply
 
 
-def drafting_batch(session: Session, rnd: wire.Round, limits: Limits) -> tuple[np.ndarray, np.ndarray, int, DraftBatch]:
+def drafting_batch(
+    session: Session, rnd: wire.Round, limits: Limits, max_positions: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, DraftBatch]:
     """Apply a decoded ROUND to ``session``'s windows. Returns ``(slots [n] int64, ok [n]
-    bool, width, batch)``: the round's slots, which of them have a window (else RESYNC),
+    bool, drafted [n] bool, width, batch)``: the round's slots, which of them have a
+    window (else RESYNC), which of those are drafted (the others' context and width pass
+    the drafter's position table ``max_positions``: no drafts, never wrapped positions),
     the drafts' width (``n_out`` at most, ``num_spec`` at most) and the drafter's batch of
-    the ``ok`` entries, each naming its stream (session serial, slot, generation, length).
+    the ``drafted`` entries, each naming its stream (session serial, slot, generation,
+    length) and its context's absolute position.
 
     Raises: wire.ProtocolError naming what breaks the session's HELLO or this worker's
     limits, or a slot outside the session or named twice.
@@ -105,5 +118,11 @@ def drafting_batch(session: Session, rnd: wire.Round, limits: Limits) -> tuple[n
         slots=adv.slots,
         gens=adv.gens,
         lengths=adv.lengths,
+        positions=adv.starts,
     )
-    return slots, ok, width, batch
+    beyond = batch.beyond(max_positions)
+    if not beyond.any():
+        return slots, ok, ok, width, batch
+    drafted = ok.copy()
+    drafted[ok] = ~beyond
+    return slots, ok, drafted, width, batch.subset(~beyond)

@@ -54,6 +54,7 @@ from ..drafter.contract import (
     as_batched,
     check_result,
     empty_result,
+    max_positions_of,
 )
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
 from ..transport.tcp import TcpStream
@@ -122,6 +123,7 @@ class Worker:
             raise ValueError(f"hello_timeout_s {hello_timeout_s}, frame_timeout_s {frame_timeout_s}: must be > 0")
         self.drafter = drafter  # as given (its identities are checked at HELLO)
         self._batched = as_batched(drafter)  # what rounds call
+        self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
         self.host, self.port = host, port
         self.window = window
         self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes)
@@ -343,7 +345,7 @@ class Worker:
         self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
     ) -> Session | None:
         hello = wire.decode_hello(payload)
-        code, reason, why = hello_refusal(self.drafter, self.limits, hello)
+        code, reason, why = hello_refusal(self.drafter, self.limits, hello, self.window)
         if code != wire.ACCEPT:
             self._refuse(why)
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
@@ -396,7 +398,7 @@ class Worker:
     def _round(self, session: Session, hdr: wire.Header, payload) -> bytes:
         """One ROUND in, its DRAFTS frame out; no Python loop over the entries."""
         rnd = wire.decode_round(hdr, payload)
-        slots, ok, width, batch = drafting_batch(session, rnd, self.limits)
+        slots, ok, drafted, width, batch = drafting_batch(session, rnd, self.limits, self._max_positions)
         # No drafting entries (an empty round, or every slot to re-announce): no call.
         drafting = None
         if len(batch):
@@ -406,12 +408,13 @@ class Worker:
             result = check_result(result, batch)
         else:
             result = empty_result(0, width, session.want_margin)
-        reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result)
+        reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result, drafted)
         n = len(slots)
         with self._lock:
             self.stats.rounds += 1
             self.stats.entries += n
             self.stats.resyncs += n - int(np.count_nonzero(ok))
+            self.stats.beyond_positions += int(np.count_nonzero(ok)) - len(batch)
             self.stats.draft_tokens += int(result.counts.sum())
             if drafting is not None:
                 self.stats.drafting_seconds.observe(drafting)

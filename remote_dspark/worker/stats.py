@@ -37,6 +37,7 @@ class WorkerStats:
     rounds: int = 0
     entries: int = 0
     resyncs: int = 0
+    beyond_positions: int = 0  # entries given no drafts: their context and width pass the model's positions
     draft_tokens: int = 0
     round_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a whole ROUND in to its DRAFTS sent
     drafting_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # inside draft_batch

@@ -31,6 +31,7 @@ class Advanced:
     slots: np.ndarray  # [m] int64
     gens: np.ndarray  # [m] int64: the slots' generations (Windows.gen)
     lengths: np.ndarray  # [m] int64: tokens each slot has had since its NEW_GEN
+    starts: np.ndarray  # [m] int64: the absolute position of each context's first token
 
 
 class Windows:
@@ -99,7 +100,8 @@ class Windows:
 
         Per entry: NEW_GEN replaces the slot's window with its tokens; an entry for a known
         slot at the slot's next position appends its tokens; either way the next position
-        becomes ``position + len(tokens)``. Any other entry (unknown slot, gap) forgets the
+        becomes ``position + len(tokens)``, so each context's first token is at
+        ``next_pos - len(context)`` (``starts``). Any other entry (unknown slot, gap) forgets the
         slot and gets no context (the engine must re-announce it).
 
         Args: the round's arrays (slots unique and in range: :meth:`check_slots`);
@@ -152,7 +154,9 @@ class Windows:
             ctx_offsets = np.zeros(len(fill) + 1, np.int64)
             np.cumsum(fill, out=ctx_offsets[1:])
             gens = self.gen[ok_slots]
-        return Advanced(ok, ctx, ctx_offsets, ok_slots, gens, written)
+        # A slot's tokens sit at consecutive positions (appends continue next_pos, a
+        # NEW_GEN starts at its own): its window ends where the next token will go.
+        return Advanced(ok, ctx, ctx_offsets, ok_slots, gens, written, positions + lens - fill)
 
     def window_of(self, slot: int) -> list[int] | None:
         """The slot's window, oldest first, or None (slow: tests and tools)."""

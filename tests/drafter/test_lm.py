@@ -120,16 +120,20 @@ class Engine:
         self.next = {}  # slot -> next position
 
     def batch(self, entries, width):
-        """entries: (slot, tokens, new_gen, gap) records; returns the batch and ok mask."""
+        """entries: (slot, tokens, new_gen, gap[, position of a NEW_GEN, 0 by default])
+        records; returns the batch and ok mask."""
         slots = np.array([e[0] for e in entries], np.int64)
-        positions = np.array([0 if e[2] else self.next.get(e[0], 0) + (5 if e[3] else 0) for e in entries], np.int64)
+        positions = np.array(
+            [(e[4] if len(e) > 4 else 0) if e[2] else self.next.get(e[0], 0) + (5 if e[3] else 0) for e in entries],
+            np.int64,
+        )
         new_gen = np.array([e[2] for e in entries], bool)
         lens = [len(e[1]) for e in entries]
         offsets = np.zeros(len(entries) + 1, np.int64)
         offsets[1:] = np.cumsum(lens)
         tokens = np.concatenate([np.asarray(e[1], np.int32) for e in entries])
         adv = self.windows.advance(slots, positions, new_gen, offsets, tokens)
-        for (slot, toks, _, _), pos in zip(entries, positions.tolist()):
+        for (slot, toks, *_), pos in zip(entries, positions.tolist()):
             self.next[slot] = pos + len(toks)
         m = len(adv.slots)
         return DraftBatch(
@@ -143,6 +147,7 @@ class Engine:
             slots=adv.slots,
             gens=adv.gens,
             lengths=adv.lengths,
+            positions=adv.starts,
         ), adv.ok
 
 
@@ -181,6 +186,48 @@ def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_a
     info = cached.cache_info()
     assert compared > 100 and info.hits > 30 and info.misses > 10
     assert info.slots <= info.capacity == 4
+
+
+STREAM_OP = st.tuples(
+    st.integers(0, 3),  # slot
+    st.sampled_from(["append", "append", "append", "new_gen", "gap"]),
+    st.integers(0, 300),  # a NEW_GEN's position
+    st.lists(st.integers(0, 127), max_size=14),  # tokens (a NEW_GEN's: up to twice the window)
+)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
+@settings(max_examples=15, deadline=None)
+@given(rounds=st.lists(st.lists(STREAM_OP, min_size=1, max_size=4, unique_by=lambda op: op[0]), max_size=12))
+def test_cached_drafts_equal_a_fresh_encode_of_the_window_at_its_true_positions(graphs, rounds):
+    """Streams through a real ``Windows`` (appends, NEW_GENs anywhere in a sequence, gaps
+    that RESYNC, contexts longer than the window): every context is at its absolute
+    position, and the cache drafts what encoding the window's tokens afresh at those
+    positions drafts. Rows of ``window + width`` tokens hold exactly the window, so a
+    slid window is re-encoded: at its true positions, not from 0."""
+    window, width = 6, 2
+    cached = LMDrafter(device="cpu", cache_slots=3, window=window, max_tokens=window + width, graphs=graphs)
+    engine, true_next = Engine(window, max_slots=4), {}
+    for ops in rounds:
+        entries = []
+        for slot, kind, at, tokens in ops:
+            if kind == "new_gen" or slot not in true_next:
+                entries.append((slot, tokens or [1], True, False, at))
+                true_next[slot] = at + len(tokens or [1])
+            elif kind == "gap":
+                entries.append((slot, [2], False, True))
+                del true_next[slot]
+            else:
+                entries.append((slot, tokens[:3], False, False))
+                true_next[slot] += len(tokens[:3])
+        batch, _ = engine.batch(entries, width)
+        ends = [true_next[slot] for slot in batch.slots.tolist()]
+        assert (batch.positions + np.diff(batch.offsets)).tolist() == ends
+        got = cached.draft_batch(batch)
+        for i in range(len(batch)):
+            tokens, margins = PLAIN.greedy_one(batch.context(i), width, int(batch.positions[i]))
+            a, b = agreeing_prefix(tokens, margins, got.tokens[i].tolist())
+            assert a == b, f"entry {i}"
 
 
 def test_a_stream_past_its_window_keeps_drafting_within_its_row():

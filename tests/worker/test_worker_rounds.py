@@ -41,10 +41,11 @@ class RecordingDrafter(MarkovDrafter):
 
     def __init__(self, model):
         super().__init__(model)
-        self.contexts = []
+        self.contexts, self.positions = [], []
 
     def draft_batch(self, batch):
         self.contexts = [batch.context(i).tolist() for i in range(len(batch))]
+        self.positions = batch.positions.tolist()
         return super().draft_batch(batch)
 
 
@@ -54,10 +55,12 @@ class Reference:
     def __init__(self, model, window, num_spec):
         self.model, self.window, self.num_spec = model, window, num_spec
         self.slots = {}  # slot -> [deque of tokens, next position]
+        self.starts = []  # the last round's OK entries: each context's first position
 
     def round(self, entries):
         width = min(max((e.n_out for e in entries), default=0), self.num_spec)
         statuses, contexts, drafts = [], [], []
+        self.starts = []
         for e in entries:
             slot = self.slots.get(e.slot)
             if e.new_gen:
@@ -70,6 +73,7 @@ class Reference:
             else:
                 slot[0].extend(e.tokens)
             slot[1] = e.position + len(e.tokens)
+            self.starts.append(slot[1] - len(slot[0]))
             statuses.append(wire.STATUS_OK)
             contexts.append(list(slot[0]))
             drafts.append(self.model.draft(list(slot[0]), min(e.n_out, width)))
@@ -132,7 +136,7 @@ def test_rounds_match_the_per_entry_reference(worker_pool, model_i, window, num_
     for rid, drawn in enumerate(rounds, 1):
         entries = _entries(ref, drawn)
         width, statuses, contexts, drafts = ref.round(entries)
-        drafter.contexts = []
+        drafter.contexts, drafter.positions = [], []
         hdr, payload = _frame(rid, entries)
         reply = w._round(session, hdr, payload)
         d = wire.decode_drafts(wire.decode_header(reply[: wire.HEADER.size]), reply[wire.HEADER.size :])
@@ -140,6 +144,7 @@ def test_rounds_match_the_per_entry_reference(worker_pool, model_i, window, num_
         assert list(d.slots) == [e.slot for e in entries]
         assert list(d.statuses) == statuses
         assert drafter.contexts == contexts
+        assert drafter.positions == (ref.starts if contexts else [])
         assert (d.margins is not None) == want_margin
         for i, (tokens, margins) in enumerate(drafts):
             assert d.row(i) == tokens
@@ -153,6 +158,49 @@ def test_rounds_match_the_per_entry_reference(worker_pool, model_i, window, num_
             assert session.windows.window_of(slot) == want
             if want is not None:
                 assert session.windows.next_pos[slot] == ref.slots[slot][1]
+
+
+class TableDrafter(RecordingDrafter):
+    """A drafter whose model has ``max_positions`` positions."""
+
+    def __init__(self, model, max_positions):
+        super().__init__(model)
+        self.max_positions = max_positions
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    window=st.integers(1, 5),
+    num_spec=st.integers(1, 3),
+    table=st.integers(6, 20),
+    rounds=st.lists(ROUND, min_size=1, max_size=5),
+)
+def test_an_entry_past_the_position_table_gets_no_drafts_and_is_counted(worker_pool, window, num_spec, table, rounds):
+    """An OK entry whose context (at its true position) and the round's width pass the
+    drafter's position table is answered OK with no drafts, never shown to the drafter,
+    and counted; the others are drafted as ever."""
+    model = MODELS[0]
+    drafter = TableDrafter(model, table)
+    w = worker_pool(drafter, window)
+    session = Session(9, MAX_SLOTS, num_spec, False, Windows(MAX_SLOTS, window))
+    ref = Reference(model, window, num_spec)
+    beyond = 0
+    for rid, drawn in enumerate(rounds, 1):
+        entries = _entries(ref, drawn)
+        width, statuses, contexts, drafts = ref.round(entries)
+        past = [bool(c) and start + len(c) + width > table for c, start in zip(contexts, ref.starts)]
+        beyond += sum(past)
+        drafter.contexts, drafter.positions = [], []
+        reply = w._round(session, *_frame(rid, entries))
+        d = wire.decode_drafts(wire.decode_header(reply[: wire.HEADER.size]), reply[wire.HEADER.size :])
+        assert list(d.statuses) == statuses
+        assert drafter.contexts == [c for c, p in zip(contexts, past) if not p]
+        assert drafter.positions == [s for s, p in zip(ref.starts, past) if not p]
+        ok_past = iter(past)
+        for i, status in enumerate(statuses):
+            want = drafts[i][0] if status == wire.STATUS_OK and not next(ok_past) else []
+            assert d.row(i) == want
+        assert w.stats.beyond_positions == beyond
 
 
 @settings(max_examples=25, deadline=None)

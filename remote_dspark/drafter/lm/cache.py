@@ -11,22 +11,26 @@ bf16). Per row, in arrays indexed by row (no object per stream)::
     owner_session, owner_slot  the stream's key (session -1: the row is free)
     gen        the slot's generation when cached (-1: matches nothing)
     length     tokens the stream had when cached
-    fill       positions of the row in use: the stream's last ``fill`` tokens up to
-               ``length``, at positions 0..fill-1
+    fill       columns of the row in use: the stream's last ``fill`` tokens up to
+               ``length``, at columns 0..fill-1
+    origin     the absolute position of the row's column 0 (column c holds the token
+               at position origin + c: its true position, whatever the row's start)
     used       the round that last used it (least recently used goes first)
 
 A stream is ``(session, slot, gen)`` (:class:`remote_dspark.drafter.DraftBatch`); the
 row of ``(session, slot)`` is found through one array per session (slot -> row, -1:
 none). An entry's row is a hit iff its gen matches, ``length <= lengths[i]``, the new
 tokens ``lengths[i] - length`` are all in the context, and they fit with the round's
-drafts (``fill + new + width <= max_tokens``), and they hold at least what a re-encode
+drafts (``fill + new + width <= max_tokens``), they hold at least what a re-encode
 would (``fill + new >= min(context, max_tokens - width)``: a row kept short by a wider
-round is not a hit). A hit encodes only the new tokens at
-positions ``fill...`` (with no new token it re-encodes the last one, whose logits were
-not kept); a miss re-encodes the context from position 0, its last ``max_tokens -
-width`` tokens at most. A stream that outgrows its row is thus re-encoded from its
-current window: while a stream fits the worker's window the cache equals re-encoding,
-and past it a row drafts from up to ``max_tokens`` tokens of history. Draft tokens are
+round is not a hit), and the context ends where the row's new tokens end
+(``origin + fill + new``: the same positions). A hit encodes only the new tokens at
+columns ``fill...`` (with no new token it re-encodes the last one, whose logits were
+not kept); a miss re-encodes the context from column 0, its last ``max_tokens -
+width`` tokens at most, at their true positions (``origin`` the first's). A stream that
+outgrows its row is thus re-encoded from its current window (at its true positions):
+while a stream fits the worker's window the cache equals re-encoding, and past it a row
+drafts from up to ``max_tokens`` tokens of history. Draft tokens are
 written into the row during a round but never counted in ``fill``.
 
 Not thread-safe: the drafter holds its lock around :meth:`SlotCache.plan` and the round.
@@ -49,20 +53,18 @@ class Plan:
     """What a round encodes, per entry (entry order)."""
 
     rows: np.ndarray  # [n] int64: the entry's pool row, -1: none (no cache, or no room)
-    base: np.ndarray  # [n] int64: positions kept from the row (0: encode from position 0)
+    base: np.ndarray  # [n] int64: columns kept from the row (0: encode from column 0)
     take: np.ndarray  # [n] int64: tokens to encode, the context's last ``take``
     hit: np.ndarray  # [n] bool: drafted from cached state
+    origin: np.ndarray  # [n] int64: the absolute position of the row's column 0
 
 
-def uncached_plan(ctx_lens: np.ndarray, width: int, max_tokens: int) -> Plan:
-    """Every entry re-encoded from position 0 (a batch with no stream names)."""
+def uncached_plan(ctx_lens: np.ndarray, width: int, max_tokens: int, starts: np.ndarray) -> Plan:
+    """Every entry re-encoded from column 0 at its true positions (a batch with no
+    stream names; ``starts``: each context's first position)."""
     n = len(ctx_lens)
-    return Plan(
-        np.full(n, -1, np.int64),
-        np.zeros(n, np.int64),
-        np.minimum(ctx_lens, max_tokens - width).astype(np.int64),
-        np.zeros(n, bool),
-    )
+    take = np.minimum(ctx_lens, max_tokens - width).astype(np.int64)
+    return Plan(np.full(n, -1, np.int64), np.zeros(n, np.int64), take, np.zeros(n, bool), starts + ctx_lens - take)
 
 
 class SlotCache:
@@ -91,6 +93,7 @@ class SlotCache:
         self.gen = np.full(capacity, -1, np.int64)
         self.length = np.zeros(capacity, np.int64)
         self.fill = np.zeros(capacity, np.int64)
+        self.origin = np.zeros(capacity, np.int64)
         self.used = np.full(capacity, -1, np.int64)
         self._maps: dict[int, np.ndarray] = {}  # session -> [slots] row of each slot, -1: none
         self._tick = 0
@@ -106,14 +109,22 @@ class SlotCache:
         )
 
     def plan(
-        self, session: int, slots: np.ndarray, gens: np.ndarray, lengths: np.ndarray, ctx_lens: np.ndarray, width: int
+        self,
+        session: int,
+        slots: np.ndarray,
+        gens: np.ndarray,
+        lengths: np.ndarray,
+        ctx_lens: np.ndarray,
+        width: int,
+        starts: np.ndarray | None,
     ) -> Plan:
         """Rows for a round's entries (a row per stream, the least recently used given to
         newcomers) and what each must encode; the rows' bookkeeping is set to the state
         after the round (:meth:`forget` undoes it for a round that failed).
 
         Args: the batch's stream fields and each context's length (int64 arrays), the
-            round's width (< max_tokens).
+            round's width (< max_tokens), each context's first position (int64; None:
+            a batch without positions, each row's column c at position c).
         """
         self._tick += 1
         rows = self._rows_of(session, slots)
@@ -129,6 +140,10 @@ class SlotCache:
             # at least what re-encoding would encode (a row kept short by a wider round)
             & (self.fill[r] + new >= np.minimum(ctx_lens[ok], self.max_tokens - width))
         )
+        if starts is not None:  # the new tokens continue the row's positions
+            ok_r &= self.origin[r] + self.fill[r] + new == starts[ok] + ctx_lens[ok]
+        else:  # no positions: every row's column c at position c
+            starts = np.zeros(len(rows), np.int64)
         hit = np.zeros(len(rows), bool)
         hit[ok] = ok_r
         base = np.zeros(len(rows), np.int64)
@@ -136,15 +151,18 @@ class SlotCache:
         h, rh, nh = np.flatnonzero(hit), r[ok_r], new[ok_r]
         base[h] = self.fill[rh] - (nh == 0)  # no new token: the last one again (its logits)
         take[h] = np.maximum(nh, 1)
+        origin = starts + ctx_lens - take
+        origin[h] = self.origin[rh]
         have = rows >= 0
         self.gen[rows[have]] = np.where(ctx_lens[have] > 0, gens[have], -1)
         self.length[rows[have]] = lengths[have]
         self.fill[rows[have]] = base[have] + take[have]
+        self.origin[rows[have]] = origin[have]
         self.used[rows[have]] = self._tick
         n_hit = len(h)
         self.hits += n_hit
         self.misses += len(rows) - n_hit
-        return Plan(rows, base, take, hit)
+        return Plan(rows, base, take, hit, origin)
 
     def forget(self, rows: np.ndarray) -> None:
         """The rows' cached state is not to be used (a round that failed midway)."""

@@ -112,6 +112,7 @@ class LMDrafter:
         # The widest round a row holds beside a whole window: the worker refuses a HELLO
         # whose num_spec is wider (worker.limits.hello_refusal), so no round fails for it.
         self.max_width = self.max_tokens - window
+        self.max_positions = c.max_positions  # an entry past them gets no drafts (the worker's rule)
         if cache_slots < 0:
             raise ValueError(f"cache_slots {cache_slots}: must be >= 0")
         self.device = pick_device(device)
@@ -142,14 +143,19 @@ class LMDrafter:
         return dataclasses.replace(info, bytes=info.bytes + extra)
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
-        """Drafts for every entry (module docstring). Raises: ValueError for a width that
-        leaves no room in a row (``width >= max_tokens``)."""
+        """Drafts for every entry (module docstring), each context at its true positions.
+        Raises: ValueError for a width that leaves no room in a row (``width >=
+        max_tokens``), or an entry past the position table (the worker drops those:
+        :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`)."""
         n, width = len(batch), batch.width
         if n == 0 or width == 0:
             return empty_result(n, width, batch.want_margin)
         if width >= self.max_tokens:
             raise ValueError(f"width {width}: no room in a {self.max_tokens}-token row (max_tokens)")
+        if batch.beyond(self.max_positions).any():
+            raise ValueError(f"an entry's context and {width} drafts pass the model's {self.max_positions} positions")
         ctx_lens = np.diff(batch.offsets).astype(np.int64)
+        starts = np.where(ctx_lens > 0, batch.starts(), 0)  # an empty context: no drafts, any valid position
         cached = self.cache is not None and batch.slots is not None
         with self._lock, torch.inference_mode():
             if cached:
@@ -160,9 +166,10 @@ class LMDrafter:
                     np.asarray(batch.lengths, np.int64),
                     ctx_lens,
                     width,
+                    None if batch.positions is None else starts,
                 )
             else:
-                plan = uncached_plan(ctx_lens, width, self.max_tokens)
+                plan = uncached_plan(ctx_lens, width, self.max_tokens, starts)
             try:
                 tokens, margins = self._draft(batch, plan, ctx_lens > 0, width)
             except BaseException:
@@ -183,14 +190,14 @@ class LMDrafter:
         pool = self.cache.pool if self.cache is not None else None
         if self._graphs is not None:  # the round as one graph (lm.graphs)
             out = self._graphs.run(
-                tok, plan.base, take, width, pool, (hit_e, plan.rows[hit_e]), (back_e, plan.rows[back_e])
+                tok, plan.base, take, plan.origin, width, pool, (hit_e, plan.rows[hit_e]), (back_e, plan.rows[back_e])
             )
             return out[:, :width].astype(np.int32), out[:, width:]
         lens = plan.base + take
         tw = int(lens.max()) + width  # positions up to lens + width - 2, and the trash column
-        parts = [tok.ravel(), plan.base, take, hit_e, plan.rows[hit_e], back_e, plan.rows[back_e]]
+        parts = [tok.ravel(), plan.base, take, plan.origin, hit_e, plan.rows[hit_e], back_e, plan.rows[back_e]]
         ints = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)  # the one copy in
-        tok_d, base_d, take_d, hit_d, hit_rows, back_d, back_rows = torch.split(ints, [len(p) for p in parts])
+        tok_d, base_d, take_d, origin_d, hit_d, hit_rows, back_d, back_rows = torch.split(ints, [len(p) for p in parts])
         tok_d = tok_d.view(n, q)
         c = self.model.config
         kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
@@ -198,21 +205,22 @@ class LMDrafter:
             kv[hit_d, :, :, :, : tw - 1] = pool[hit_rows, :, :, :, : tw - 1]
         steps = torch.arange(q, device=self.device)
         valid = steps < take_d[:, None]
-        # Padding sits at position 0 (inside the model's positions, whatever the row's
-        # base) and writes its K/V to the trash column; its outputs are never read.
+        # Padding sits at column 0 (the row's first position, inside the model's
+        # positions) and writes its K/V to the trash column; its outputs are never read.
         positions = torch.where(valid, base_d[:, None] + steps, 0)
         write_pos = torch.where(valid, positions, tw - 1)
-        h = self.model.forward_kv(tok_d, positions, kv, write_pos)
+        h = self.model.forward_kv(tok_d, positions, kv, write_pos, origin_d)
         token, margin = top2(self.model.logits(h[torch.arange(n, device=self.device), take_d - 1]))
-        toks, margins = draft_steps(self.model, token, (base_d + take_d)[:, None], kv, width - 1)
+        toks, margins = draft_steps(self.model, token, (base_d + take_d)[:, None], kv, width - 1, origin_d)
         if len(back_e):
             pool[back_rows, :, :, :, : tw - 1] = kv[back_d, :, :, :, : tw - 1]
         out = torch.cat([token[:, None].float(), toks.float(), margin[:, None], margins], 1).cpu().numpy()  # one out
         return out[:, :width].astype(np.int32), out[:, width:]
 
-    def greedy_one(self, context, n: int) -> tuple[list[int], list[float]]:
-        """The reference: ``n`` greedy tokens after ``context`` alone (no padding, no cache;
-        the whole sequence re-encoded per token) and their margins. Equal to
+    def greedy_one(self, context, n: int, start: int = 0) -> tuple[list[int], list[float]]:
+        """The reference: ``n`` greedy tokens after ``context`` alone, its first token at
+        position ``start`` (no padding, no cache; the whole sequence re-encoded per token)
+        and their margins. Equal to
         :meth:`draft_batch` up to float rounding for contexts of at most ``max_tokens -
         width`` tokens."""
         seq = [int(t) for t in context]
@@ -220,7 +228,7 @@ class LMDrafter:
         with torch.inference_mode():
             for _ in range(n):
                 x = torch.tensor([seq], dtype=torch.long, device=self.device)
-                token, margin = top2(self.model(x)[:, -1])
+                token, margin = top2(self.model(x, start)[:, -1])
                 tokens.append(int(token))
                 margins.append(float(margin))
                 seq.append(tokens[-1])

@@ -9,7 +9,7 @@ and replayed. Its shapes must then be fixed:
   the rows past the round's entries encode token 0 at position 0 and are never read;
 * queries: the most tokens an entry encodes, rounded up to a power of two (at least
   ``MIN_QUERIES``: a steady round encodes the few tokens accepted since the last one);
-  padding queries sit at position 0 and write their K/V to the trash column;
+  padding queries sit at column 0 and write their K/V to the trash column;
 * the working KV buffer: one per row bucket, ``max_tokens + 1`` positions wide (the last
   one the trash column). What it holds from earlier rounds past an entry's positions is
   masked and never read, so it is never cleared.
@@ -43,14 +43,15 @@ def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
 
 
-def draft_steps(model, token: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, steps: int):
-    """``steps`` greedy steps after ``token`` [n] at ``pos`` [n, 1]: each step's K/V written
-    into ``kv`` at its position. Returns (tokens [n, steps], margins [n, steps])."""
+def draft_steps(model, token: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, steps: int, origin: torch.Tensor):
+    """``steps`` greedy steps after ``token`` [n] at column ``pos`` [n, 1] (absolute
+    position ``origin + pos``): each step's K/V written into ``kv`` at its column.
+    Returns (tokens [n, steps], margins [n, steps])."""
     if steps < 1:
         return token.new_zeros((len(token), 0)), torch.zeros((len(token), 0), device=token.device)
     toks, margins = [], []
     for _ in range(steps):
-        token, margin = top2(model.logits(model.forward_kv(token[:, None], pos, kv, pos)[:, 0]))
+        token, margin = top2(model.logits(model.forward_kv(token[:, None], pos, kv, pos, origin)[:, 0]))
         toks.append(token)
         margins.append(margin)
         pos = pos + 1
@@ -88,12 +89,14 @@ class RoundGraphs:
         tok: np.ndarray,
         base: np.ndarray,
         take: np.ndarray,
+        origin: np.ndarray,
         width: int,
         pool: torch.Tensor | None,
         hits: tuple[np.ndarray, np.ndarray],
         backs: tuple[np.ndarray, np.ndarray],
     ) -> np.ndarray:
-        """One round: entry i encodes ``tok[i, :take[i]]`` at positions ``base[i]...``,
+        """One round: entry i encodes ``tok[i, :take[i]]`` at columns ``base[i]...`` (its
+        row's column 0 at absolute position ``origin[i]``),
         after its pool row's K/V (``hits``: entries and their rows) are gathered; then
         ``width - 1`` greedy steps; the encoded rows written back (``backs``). Returns
         ``[n, 2 * width]`` float32: the drafts, then their margins."""
@@ -107,7 +110,7 @@ class RoundGraphs:
         key = (queries, width)
         if self.capture and key not in b.graphs and rows * queries <= MAX_CAPTURED_TOKENS:
             self._capture(b, queries, width)
-        host = self._inputs(rows, queries, tok, base, take)
+        host = self._inputs(rows, queries, tok, base, take, origin)
         hit_e, hit_rows = hits
         back_e, back_rows = backs
         parts = [host, hit_e, hit_rows, back_e, back_rows]
@@ -126,9 +129,11 @@ class RoundGraphs:
             pool[back_r] = b.kv[back_d, :, :, :, :trash]
         return out[:n].cpu().numpy()  # the one copy down
 
-    def _inputs(self, rows: int, queries: int, tok: np.ndarray, base: np.ndarray, take: np.ndarray) -> np.ndarray:
-        """The round's padded integers, one array: tokens, positions and write positions
-        ``[rows, queries]`` each, then each row's last query ``[rows]``."""
+    def _inputs(
+        self, rows: int, queries: int, tok: np.ndarray, base: np.ndarray, take: np.ndarray, origin: np.ndarray
+    ) -> np.ndarray:
+        """The round's padded integers, one array: tokens, columns and write columns
+        ``[rows, queries]`` each, then each row's last query and its origin ``[rows]``."""
         n, q = tok.shape
         steps = np.arange(queries)
         valid = steps < take[:, None]
@@ -137,24 +142,25 @@ class RoundGraphs:
         out[1, :n] = np.where(valid, base[:, None] + steps, 0)
         out[2] = self.positions - 1  # padding (and the rows past n) write to the trash column
         out[2, :n] = np.where(valid, out[1, :n], self.positions - 1)
-        last = np.zeros(rows, np.int64)
-        last[:n] = take - 1
-        return np.concatenate([out.ravel(), last])
+        last = np.zeros((2, rows), np.int64)
+        last[0, :n] = take - 1
+        last[1, :n] = origin
+        return np.concatenate([out.ravel(), last.ravel()])
 
     def _round(self, kv: torch.Tensor, inp: torch.Tensor, rows: int, queries: int, width: int) -> torch.Tensor:
         """The round on the buffer: ``[rows, 2 * width]`` float32, drafts then margins."""
         grid = rows * queries
         tok, pos, write = (inp[i * grid : (i + 1) * grid].view(rows, queries) for i in range(3))
-        last = inp[3 * grid :]
+        last, origin = inp[3 * grid : 3 * grid + rows], inp[3 * grid + rows :]
         every = torch.arange(rows, device=kv.device)
-        h = self.model.forward_kv(tok, pos, kv, write)
+        h = self.model.forward_kv(tok, pos, kv, write, origin)
         token, margin = top2(self.model.logits(h[every, last]))
-        toks, margins = draft_steps(self.model, token, pos[every, last][:, None] + 1, kv, width - 1)
+        toks, margins = draft_steps(self.model, token, pos[every, last][:, None] + 1, kv, width - 1, origin)
         return torch.cat([token[:, None].float(), toks.float(), margin[:, None], margins], 1)
 
     def _capture(self, b: Bucket, queries: int, width: int) -> None:
         rows = len(b.kv)
-        inp = torch.zeros(3 * rows * queries + rows, dtype=torch.long, device=self.device)
+        inp = torch.zeros(3 * rows * queries + 2 * rows, dtype=torch.long, device=self.device)
         inp[2 * rows * queries : 3 * rows * queries] = self.positions - 1  # writes to the trash column only
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

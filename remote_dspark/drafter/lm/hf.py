@@ -6,16 +6,19 @@ architectures transformers itself ships). transformers is the optional ``hf`` ex
 imported only here.
 
 A round re-encodes every entry's window: one left-padded batch with its
-``attention_mask`` and ``position_ids``, then ``width - 1`` greedy steps on the model's
-own KV cache (``past_key_values``; ``cache`` in transformers 5), one forward over all
-entries per step. Nothing is kept across rounds: a cache per slot for any architecture
-(its cache classes, rotary or learned positions, sliding windows) is out of scope here;
-the built-in model's drafter (:mod:`remote_dspark.drafter.lm.drafter`) keeps one.
+``attention_mask`` and ``position_ids`` (each context at its true positions,
+``DraftBatch.positions``; padding at the context's first position, masked out), then
+``width - 1`` greedy steps on the model's own KV cache (``past_key_values``; ``cache``
+in transformers 5), one forward over all entries per step. Nothing is kept across
+rounds: a cache per slot for any architecture (its cache classes, rotary or learned
+positions, sliding windows) is out of scope here; the built-in model's drafter
+(:mod:`remote_dspark.drafter.lm.drafter`) keeps one.
 
 Identities: the drafter identity is the sha256 of ``config.json`` and the weight files
 (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth`` and their index files) in name order,
 each as its name, size and bytes; the Markov identity is zeros. The vocabulary size the
-worker compares at HELLO is ``config.vocab_size``.
+worker compares at HELLO is ``config.vocab_size``; its position table (``max_positions``)
+is ``config.max_position_embeddings`` (None where the config has none).
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def load_hf(model_dir: str, device: str | torch.device | None = None, window: in
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     drafter = HFDrafter(model.to(dev, dtype).eval(), int(config.vocab_size), dir_identity(path), dev)
     drafter.max_width = positions - window if positions is not None else None
+    drafter.max_positions = positions
     return drafter
 
 
@@ -112,6 +116,7 @@ class HFDrafter:
         self.drafter_identity = identity
         self.markov_identity = MARKOV_NONE
         self.max_width: int | None = None  # drafts per entry the positions leave (load_hf sets it)
+        self.max_positions: int | None = None  # the model's position table (load_hf sets it)
         self._lock = threading.Lock()  # the worker's connection threads share one drafter
         # The KV cache's argument and output name: ``cache`` in transformers 5, before it
         # ``past_key_values`` (probed, not version-checked).
@@ -119,9 +124,13 @@ class HFDrafter:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
+        """Raises: ValueError for an entry past the position table (the worker drops
+        those: :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`)."""
         n, width = len(batch), batch.width
         if n == 0 or width == 0:
             return empty_result(n, width, batch.want_margin)
+        if batch.beyond(self.max_positions).any():
+            raise ValueError(f"an entry's context and {width} drafts pass the model's {self.max_positions} positions")
         ctx_lens = np.diff(batch.offsets).astype(np.int64)
         take = np.maximum(ctx_lens, 1)  # an empty context: one dummy token, no drafts
         s = int(take.max())
@@ -132,7 +141,8 @@ class HFDrafter:
         tok = np.where(valid, src[idx], 0)
         ints = torch.from_numpy(np.stack([tok, valid]).astype(np.int64)).to(self.device)  # the one copy in
         ids, mask = ints[0], ints[1]
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        first = torch.from_numpy(np.where(ctx_lens > 0, batch.starts(), 0)).to(self.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0) + first[:, None]  # padding: the first position
         with self._lock, torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
             token, margin = top2(out.logits[:, -1, : self.vocab_size])

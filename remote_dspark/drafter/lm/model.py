@@ -8,13 +8,16 @@ shape drafts through the same code.
 
 Two forwards over the same weights:
 
-* :meth:`TinyLM.forward`: plain causal attention over whole sequences (the reference,
+* :meth:`TinyLM.forward`: plain causal attention over whole sequences from a given
+  absolute position (the reference,
   :meth:`remote_dspark.drafter.lm.drafter.LMDrafter.greedy_one`);
-* :meth:`TinyLM.forward_kv`: queries at given positions against an external KV buffer
+* :meth:`TinyLM.forward_kv`: queries at given columns against an external KV buffer
   ``[n, layers, 2, heads, T, head_dim]`` (the drafter's working copy of its cache rows,
   :mod:`remote_dspark.drafter.lm.cache`). Each query's K and V are written at its
   ``write_pos`` first (padding writes go to a trash column, the buffer's last), then it
-  attends to every key at a position <= its own, the trash column excluded.
+  attends to every key at a column <= its own, the trash column excluded. A row's column
+  c holds the token at absolute position ``origin + c`` (its learned position embedding;
+  attention itself is position-free), so a row keeps its tokens' true positions.
 
 The drafter identity is the sha256 of the configuration (JSON, sorted keys) and every
 parameter's float32 CPU bytes in name order (:meth:`TinyLM.identity`).
@@ -119,23 +122,29 @@ class TinyLM(nn.Module):
         """Head over final hidden states (already normalised), float32."""
         return (h @ self.emb.weight.T).float()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[n, S] tokens at positions 0..S-1 -> [n, S, vocab] float32 logits (no cache)."""
-        x = self._embed(tokens, torch.arange(tokens.shape[1], device=tokens.device))
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """[n, S] tokens at positions start..start+S-1 -> [n, S, vocab] float32 logits (no cache)."""
+        x = self._embed(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
         return self.logits(self.ln_f(x))
 
     def forward_kv(
-        self, tokens: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, write_pos: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv: torch.Tensor,
+        write_pos: torch.Tensor,
+        origin: torch.Tensor,
     ) -> torch.Tensor:
-        """[n, Q] tokens at ``positions`` against ``kv`` [n, layers, 2, heads, T, head_dim];
-        each query's K/V land at ``write_pos`` (``T - 1``, the trash column, for padding).
-        Returns the final hidden states [n, Q, d_model] (normalised: :meth:`logits`)."""
+        """[n, Q] tokens at columns ``positions`` against ``kv`` [n, layers, 2, heads, T,
+        head_dim], row i's column c at absolute position ``origin[i] + c``; each query's
+        K/V land at ``write_pos`` (``T - 1``, the trash column, for padding). Returns the
+        final hidden states [n, Q, d_model] (normalised: :meth:`logits`)."""
         trash = kv.shape[4] - 1
         keys = torch.arange(kv.shape[4], device=tokens.device)
         mask = ((keys <= positions[..., None]) & (keys < trash))[:, None]  # [n, 1, Q, T]
-        x = self._embed(tokens, positions)
+        x = self._embed(tokens, positions + origin[:, None])
         for layer, block in enumerate(self.blocks):
             x = block.forward_kv(x, kv[:, layer], write_pos, mask)
         return self.ln_f(x)
