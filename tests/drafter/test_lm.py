@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -588,3 +589,83 @@ def test_on_cuda_in_bf16_the_cache_drafts_what_re_encoding_drafts_and_the_cpu_ag
             assert got.tokens[i, :j].tolist() == same_device.tokens[i, :j].tolist()
     assert cuda.cache_info().hits > 50
     assert agree >= 0.95 * compared
+
+
+# --- positions: true ones, and the model's table ---------------------------------------------
+
+
+def hf_greedy(model, tokens, start: int, n: int) -> list[int]:
+    """The model's own greedy continuation of ``tokens`` placed at positions ``start...``
+    (no padding, no cache: the whole sequence encoded per token)."""
+    seq = [int(t) for t in tokens]
+    with torch.inference_mode():
+        for _ in range(n):
+            ids = torch.tensor([seq])
+            pos = torch.arange(start, start + len(seq))[None]
+            seq.append(int(model(input_ids=ids, position_ids=pos).logits[0, -1].argmax()))
+    return seq[len(tokens) :]
+
+
+@pytest.mark.slow
+def test_hf_drafts_through_a_worker_are_the_models_own_continuation_at_true_positions(hf_dir):
+    """The tiny GPT-2 as drafter and as target: along a sequence three windows long, the
+    worker's drafts are what the model itself continues the window with, the window's
+    tokens at their positions in the sequence; numbered from the window's start instead
+    (as if the sequence began there), the model continues otherwise."""
+    window, k = 8, 3
+    d = load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=window)
+    seq = np.random.default_rng(3).integers(0, 128, 3 * window).tolist()
+    with Worker(d, "127.0.0.1", 0, window=window) as w:
+        c = connect(w.port, hello(d, vocab_size=128, num_spec=k))
+        try:
+            differ, at = 0, 0
+            for rid, end in enumerate(range(window, len(seq) + 1, 2), 1):
+                entry = wire.Entry(1, k, at, tuple(seq[at:end]), new_gen=at == 0)
+                got = c.round(rid, [wire.encode_round_entries(rid, 1, 1000, [entry], b"", 0)], 10000)
+                start = end - window
+                assert got.row(0) == hf_greedy(d.model, seq[start:end], start, k), f"at {end}"
+                differ += start > 0 and hf_greedy(d.model, seq[start:end], 0, k) != got.row(0)
+                at = end
+        finally:
+            c.close()
+    assert start == 2 * window and differ >= 4
+
+
+@pytest.mark.slow
+def test_a_hello_whose_window_and_drafts_pass_the_models_positions_is_refused_naming_both(hf_drafter):
+    d = hf_drafter  # a window of 16, 64 positions
+    assert d.max_positions == 64
+    with Worker(d, "127.0.0.1", 0, window=16) as w:
+        why = r"a window of 16 tokens .* num_spec 49 drafts need 65 positions, .*'s 64$"
+        with pytest.raises(Refused, match=why) as e:
+            connect(w.port, hello(d, vocab_size=128, num_spec=49))
+        assert e.value.code == wire.REFUSE_LIMITS and w.statistics().refusals["limits"] == 1
+        connect(w.port, hello(d, vocab_size=128, num_spec=48)).close()
+
+
+def test_an_entry_past_the_models_positions_gets_no_drafts_counted_and_the_rest_are_drafted():
+    """The built-in model of 64 positions: an entry whose context ends within them with
+    room for the round's drafts is drafted at its true positions; one whose drafts would
+    pass them is answered with none (never wrapped), and counted in the worker's metric."""
+    from helpers import value
+
+    d = LMDrafter(TinyLM(LMConfig(max_positions=64)), device="cpu", cache_slots=4, window=16)
+    ctx, late = list(range(10, 20)), list(range(30, 37))
+    with Worker(d, "127.0.0.1", 0, window=16, metrics_port=0) as w:
+        c = connect(w.port, hello(d, vocab_size=128))
+        try:
+            entries = [wire.Entry(0, 3, 40, tuple(ctx), new_gen=True), wire.Entry(1, 3, 55, tuple(late), new_gen=True)]
+            got = c.round(1, [wire.encode_round_entries(1, 1, 1000, entries, b"", 0)], 5000)
+            assert list(got.statuses) == [wire.STATUS_OK] * 2  # ends at 50 + 3 drafts; at 62 + 3 > 64
+            assert got.row(0) == d.greedy_one(ctx, 3, 40)[0] and got.row(1) == []
+            more = tuple(range(50, 62))
+            got = c.round(2, [wire.encode_round_entries(2, 1, 1000, [wire.Entry(0, 3, 50, more)], b"", 0)], 5000)
+            assert list(got.statuses) == [wire.STATUS_OK] and got.row(0) == []
+            with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        finally:
+            c.close()
+        assert w.statistics().beyond_positions == 2
+        assert value(text, "dspark_worker_entries_beyond_positions_total") == 2
+    with pytest.raises(ValueError, match="pass the model's 64 positions"):  # the drafter alone: never wrapped
+        d.draft_batch(batch_of([late], [3], 3, positions=np.array([55], np.int64)))
