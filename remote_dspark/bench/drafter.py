@@ -143,6 +143,7 @@ def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3) -> list:
                 slots=adv.slots,
                 gens=adv.gens,
                 lengths=adv.lengths,
+                positions=adv.starts,
             )
         )
     return out
@@ -167,6 +168,7 @@ def _one(batch, i: int):
         slots=None,
         gens=None,
         lengths=None,
+        positions=None if batch.positions is None else batch.positions[i : i + 1],
     )
 
 
