@@ -59,12 +59,13 @@ class Plan:
     origin: np.ndarray  # [n] int64: the absolute position of the row's column 0
 
 
-def uncached_plan(ctx_lens: np.ndarray, width: int, max_tokens: int, starts: np.ndarray) -> Plan:
+def uncached_plan(ctx_lens: np.ndarray, width: int, max_tokens: int, starts: np.ndarray | None) -> Plan:
     """Every entry re-encoded from column 0 at its true positions (a batch with no
-    stream names; ``starts``: each context's first position)."""
+    stream names; ``starts``: each context's first position, None: as :meth:`SlotCache.plan`)."""
     n = len(ctx_lens)
     take = np.minimum(ctx_lens, max_tokens - width).astype(np.int64)
-    return Plan(np.full(n, -1, np.int64), np.zeros(n, np.int64), take, np.zeros(n, bool), starts + ctx_lens - take)
+    origin = np.zeros(n, np.int64) if starts is None else starts + ctx_lens - take
+    return Plan(np.full(n, -1, np.int64), np.zeros(n, np.int64), take, np.zeros(n, bool), origin)
 
 
 class SlotCache:
@@ -124,7 +125,8 @@ class SlotCache:
 
         Args: the batch's stream fields and each context's length (int64 arrays), the
             round's width (< max_tokens), each context's first position (int64; None:
-            a batch without positions, each row's column c at position c).
+            a batch without positions, numbered from the row's start: column c at
+            position c, and no check that a row's positions continue).
         """
         self._tick += 1
         rows = self._rows_of(session, slots)
@@ -142,8 +144,6 @@ class SlotCache:
         )
         if starts is not None:  # the new tokens continue the row's positions
             ok_r &= self.origin[r] + self.fill[r] + new == starts[ok] + ctx_lens[ok]
-        else:  # no positions: every row's column c at position c
-            starts = np.zeros(len(rows), np.int64)
         hit = np.zeros(len(rows), bool)
         hit[ok] = ok_r
         base = np.zeros(len(rows), np.int64)
@@ -151,7 +151,7 @@ class SlotCache:
         h, rh, nh = np.flatnonzero(hit), r[ok_r], new[ok_r]
         base[h] = self.fill[rh] - (nh == 0)  # no new token: the last one again (its logits)
         take[h] = np.maximum(nh, 1)
-        origin = starts + ctx_lens - take
+        origin = np.zeros(len(rows), np.int64) if starts is None else starts + ctx_lens - take
         origin[h] = self.origin[rh]
         have = rows >= 0
         self.gen[rows[have]] = np.where(ctx_lens[have] > 0, gens[have], -1)

@@ -155,7 +155,8 @@ class LMDrafter:
         if batch.beyond(self.max_positions).any():
             raise ValueError(f"an entry's context and {width} drafts pass the model's {self.max_positions} positions")
         ctx_lens = np.diff(batch.offsets).astype(np.int64)
-        starts = np.where(ctx_lens > 0, batch.starts(), 0)  # an empty context: no drafts, any valid position
+        # An empty context: no drafts, any valid position. None: numbered from each row's start.
+        starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
         cached = self.cache is not None and batch.slots is not None
         with self._lock, torch.inference_mode():
             if cached:
@@ -166,7 +167,7 @@ class LMDrafter:
                     np.asarray(batch.lengths, np.int64),
                     ctx_lens,
                     width,
-                    None if batch.positions is None else starts,
+                    starts,
                 )
             else:
                 plan = uncached_plan(ctx_lens, width, self.max_tokens, starts)
