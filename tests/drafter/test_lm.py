@@ -1,6 +1,6 @@
 """The torch model drafter (remote_dspark.drafter.lm): batched drafts against one entry
 at a time, the KV cache against re-encoding through the worker's own windows, the cache's
-bound, identities, the HELLO's vocabulary rule, transformers models, the command line.
+bound, identities, the HELLO's vocabulary rule, the model's position table, the command line.
 CPU float32 throughout."""
 
 import argparse
@@ -19,63 +19,21 @@ import torch
 from helpers import REPO, until
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lm_common import agreeing_prefix, assert_same_drafts, batch_of, connect, hello
 
 from remote_dspark import wire
 from remote_dspark.cli import worker as worker_cli
 from remote_dspark.drafter.contract import CacheInfo, DraftBatch
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.model import LMConfig, TinyLM
-from remote_dspark.transport import Disconnected, parse_endpoint
-from remote_dspark.transport.client import DraftClient, Refused
+from remote_dspark.transport import Disconnected
+from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
 from remote_dspark.worker.drafters import load_drafter
 from remote_dspark.worker.windows import Windows
 
 ROOT = Path(REPO)
-TIE = 1e-4  # below this top1 - top2 margin, padding's rounding may flip the greedy choice
 PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)  # re-encodes every round
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny forwards: torch's intra-op pool only adds contention on a small machine
-    (restored after each test, for the rest of the suite)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def batch_of(contexts, n_out, width, want_margin=True, **stream):
-    offsets = np.zeros(len(contexts) + 1, np.int64)
-    offsets[1:] = np.cumsum([len(c) for c in contexts])
-    tokens = np.concatenate([np.asarray(c, np.int32) for c in contexts]) if contexts else np.zeros(0, np.int32)
-    return DraftBatch(
-        tokens,
-        offsets,
-        np.asarray(n_out, np.int32),
-        np.zeros((len(contexts), 0), np.uint8),
-        want_margin,
-        width,
-        **stream,
-    )
-
-
-def agreeing_prefix(ref_tokens, ref_margins, tokens) -> tuple[list, list]:
-    """Both drafts up to the first near-tie of the reference (where a flip is allowed)."""
-    k = next((i for i, m in enumerate(ref_margins) if m <= TIE), len(ref_margins))
-    return list(ref_tokens[:k]), list(tokens[:k])
-
-
-def assert_same_drafts(got, want):
-    """Two results agree: counts equal, drafts equal up to each entry's first near-tie."""
-    assert list(got.counts) == list(want.counts)
-    for i, count in enumerate(want.counts.tolist()):
-        a, b = agreeing_prefix(
-            want.tokens[i, :count].tolist(), want.margins[i, :count].tolist(), got.tokens[i, :count].tolist()
-        )
-        assert a == b, f"entry {i}"
-
 
 # --- batched against one entry at a time ---------------------------------------------------
 
@@ -318,16 +276,6 @@ def test_identity_is_deterministic_and_changes_with_a_weight():
     assert TinyLM(LMConfig(seed=1)).identity() != d.drafter_identity
 
 
-def hello(drafter, **kw):
-    fields = dict(engine_id=7, max_slots=8, row_bytes=0, num_spec=3, want_margin=True)
-    fields.update(kw)
-    return wire.Hello(drafter.drafter_identity, drafter.markov_identity, **fields)
-
-
-def connect(port: int, h: wire.Hello, session: int = 1) -> DraftClient:
-    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"), h, session, 5.0)
-
-
 def test_a_worker_refuses_an_engine_with_a_smaller_vocabulary_and_serves_the_same_one():
     d = LMDrafter(device="cpu", cache_slots=8, window=8)
     with Worker(d, "127.0.0.1", 0, window=8) as w:
@@ -471,89 +419,6 @@ def test_worker_command_with_the_lm_drafter_serves_a_round():
         proc.stdout.close()
 
 
-# --- transformers models -------------------------------------------------------------------
-
-
-def test_hf_model_files_others_may_write_are_never_loaded(tmp_path):
-    """A weight file may be a pickle: a model directory or file others can write is refused
-    before transformers is imported (and a directory without config.json, plainly)."""
-    from remote_dspark.drafter.lm.hf import load_hf
-
-    model = tmp_path / "model"
-    model.mkdir(mode=0o700)
-    with pytest.raises(ValueError, match="no config.json"):
-        load_hf(str(model), "cpu")
-    (model / "config.json").write_text("{}")
-    (model / "pytorch_model.bin").write_bytes(b"planted")
-    os.chmod(model / "pytorch_model.bin", 0o666)
-    with pytest.raises(ValueError, match=r"not loaded: file .*pytorch_model.bin may be written by others"):
-        load_hf(str(model), "cpu")
-    os.chmod(model / "pytorch_model.bin", 0o644)
-    os.chmod(model, 0o777)
-    with pytest.raises(ValueError, match=r"not loaded: directory .* may be written by others"):
-        load_hf(str(model), "cpu")
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    transformers = pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
-    path = tmp_path_factory.mktemp("tiny-gpt2")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=128,
-        n_positions=64,
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        initializer_range=0.5,
-        bos_token_id=0,
-        eos_token_id=0,
-    )  # clear greedy choices
-    transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def hf_drafter(hf_dir):
-    return load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=16)
-
-
-@pytest.mark.slow
-def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
-    from remote_dspark.drafter.lm.hf import dir_identity
-
-    d = hf_drafter
-    assert d.vocab_size == 128 and d.markov_identity == bytes(32) and d.max_width == 64 - 16
-    with pytest.raises(ValueError, match=r"^--hf-model .* \(--lm-device cpu\): the model has 64 positions, fewer"):
-        load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=64)
-    assert d.drafter_identity == dir_identity(hf_dir) and len(d.drafter_identity) == 32
-    contexts = [[1], [4, 5, 6, 7, 8, 9, 10], [], [3, 3], list(range(20, 40))]
-    n_out = [3, 2, 3, 0, 3]
-    got = d.draft_batch(batch_of(contexts, n_out, 3))
-    assert got.counts.tolist() == [3, 2, 0, 0, 3]
-    compared = 0
-    for i, context in enumerate(contexts):  # each entry alone: no padding
-        alone = d.draft_batch(batch_of([context], got.counts[i : i + 1], 3))
-        a, b = agreeing_prefix(alone.tokens[0].tolist(), alone.margins[0].tolist(), got.tokens[i].tolist())
-        assert a == b, f"entry {i}"
-        compared += len(a)
-    assert compared >= 6
-
-
-@pytest.mark.slow
-def test_hf_model_serves_a_round_through_a_worker(hf_drafter):
-    d = hf_drafter
-    with Worker(d, "127.0.0.1", 0, window=16) as w:
-        c = connect(w.port, hello(d, vocab_size=128))
-        try:
-            got = c.round(
-                1, [wire.encode_round_entries(1, 1, 1000, [wire.Entry(1, 3, 0, (7, 8), True)], b"", 0)], 10000
-            )
-            assert got.row(0) == d.draft_batch(batch_of([[7, 8]], [3], 3)).tokens[0].tolist()
-        finally:
-            c.close()
-
-
 @pytest.mark.gpu
 def test_on_cuda_in_bf16_the_cache_drafts_what_re_encoding_drafts_and_the_cpu_agrees_on_clear_choices():
     """The CUDA path (bf16 model and pool, the draft steps as CUDA graphs): cached rounds
@@ -589,58 +454,6 @@ def test_on_cuda_in_bf16_the_cache_drafts_what_re_encoding_drafts_and_the_cpu_ag
             assert got.tokens[i, :j].tolist() == same_device.tokens[i, :j].tolist()
     assert cuda.cache_info().hits > 50
     assert agree >= 0.95 * compared
-
-
-# --- positions: true ones, and the model's table ---------------------------------------------
-
-
-def hf_greedy(model, tokens, start: int, n: int) -> list[int]:
-    """The model's own greedy continuation of ``tokens`` placed at positions ``start...``
-    (no padding, no cache: the whole sequence encoded per token)."""
-    seq = [int(t) for t in tokens]
-    with torch.inference_mode():
-        for _ in range(n):
-            ids = torch.tensor([seq])
-            pos = torch.arange(start, start + len(seq))[None]
-            seq.append(int(model(input_ids=ids, position_ids=pos).logits[0, -1].argmax()))
-    return seq[len(tokens) :]
-
-
-@pytest.mark.slow
-def test_hf_drafts_through_a_worker_are_the_models_own_continuation_at_true_positions(hf_dir):
-    """The tiny GPT-2 as drafter and as target: along a sequence three windows long, the
-    worker's drafts are what the model itself continues the window with, the window's
-    tokens at their positions in the sequence; numbered from the window's start instead
-    (as if the sequence began there), the model continues otherwise."""
-    window, k = 8, 3
-    d = load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=window)
-    seq = np.random.default_rng(3).integers(0, 128, 3 * window).tolist()
-    with Worker(d, "127.0.0.1", 0, window=window) as w:
-        c = connect(w.port, hello(d, vocab_size=128, num_spec=k))
-        try:
-            differ, at = 0, 0
-            for rid, end in enumerate(range(window, len(seq) + 1, 2), 1):
-                entry = wire.Entry(1, k, at, tuple(seq[at:end]), new_gen=at == 0)
-                got = c.round(rid, [wire.encode_round_entries(rid, 1, 1000, [entry], b"", 0)], 10000)
-                start = end - window
-                assert got.row(0) == hf_greedy(d.model, seq[start:end], start, k), f"at {end}"
-                differ += start > 0 and hf_greedy(d.model, seq[start:end], 0, k) != got.row(0)
-                at = end
-        finally:
-            c.close()
-    assert start == 2 * window and differ >= 4
-
-
-@pytest.mark.slow
-def test_a_hello_whose_window_and_drafts_pass_the_models_positions_is_refused_naming_both(hf_drafter):
-    d = hf_drafter  # a window of 16, 64 positions
-    assert d.max_positions == 64
-    with Worker(d, "127.0.0.1", 0, window=16) as w:
-        why = r"a window of 16 tokens .* num_spec 49 drafts need 65 positions, .*'s 64$"
-        with pytest.raises(Refused, match=why) as e:
-            connect(w.port, hello(d, vocab_size=128, num_spec=49))
-        assert e.value.code == wire.REFUSE_LIMITS and w.statistics().refusals["limits"] == 1
-        connect(w.port, hello(d, vocab_size=128, num_spec=48)).close()
 
 
 def test_an_entry_past_the_models_positions_gets_no_drafts_counted_and_the_rest_are_drafted():
