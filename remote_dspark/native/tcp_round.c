@@ -308,7 +308,7 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
             return fail(l, HF_EV_BAD_DESC, 0, "entry %u: flags %#x, only NEW_GEN (1) is known", e, flags);
     }
     /* Token ids in the engine's vocabulary, when it is known: batch.host_meta's rule, for
-     * metadata written on the device that no host ever read (batch.write_meta_in_stream). */
+     * metadata written on the device that no host ever read (device_meta.write_meta_in_stream). */
     if (p->vocab_size) {
         const uint8_t *tokens = f + round_meta(v->n);
         for (uint32_t j = 0; j < v->n_tokens; j++) {
