@@ -4,15 +4,20 @@ any HELLO_ACK to what a default worker takes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import env_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.engine import Batch, Mode, RemoteDSpark
+from remote_dspark.engine.batch import host_meta, write_meta
+from remote_dspark.engine.device_meta import write_meta_in_stream
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
 
@@ -86,3 +91,43 @@ def test_the_worker_gets_the_smaller_of_its_window_and_the_engines_cap(tmp_path,
             assert m.offsets.tolist() == [0, sent, sent + 1] and m.positions.tolist() == [10 + 300 - sent, 0]
             assert rd.round(long_batch()).outcome is Outcome.OK
     assert drafter.contexts == [LONG[-sent:], [3]]
+
+
+# --------------------------------------------------------------------------- the cut, host and device
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 300),
+    st.lists(st.tuples(st.integers(0, 400), st.booleans(), st.integers(0, 2**20)), min_size=1, max_size=SLOTS),
+)
+def test_both_paths_cut_to_the_context_given_with_the_first_sent_tokens_position(lib, context, entries):
+    """host_meta and the device path (tensor ops over the descriptor, run on the CPU
+    here) cut each NEW_GEN context to its last ``context`` tokens, the position moved to
+    the first token sent, and write the same bytes."""
+    from remote_dspark.region import layout, shm
+
+    tokens = [list(range(1000 * i, 1000 * i + n)) for i, (n, _, _) in enumerate(entries)]
+    new_gen = [new for _, new, _ in entries]
+    positions = [p for _, _, p in entries]
+    batch = Batch.from_lists(list(range(len(entries))), tokens, positions, new_gen, ROWS, list(range(len(entries))))
+    meta = host_meta(batch, max_slots=SLOTS, num_spec=K, max_tokens=2000, n_out_default=K, context_tokens=context)
+    for i, (toks, new, pos) in enumerate(zip(tokens, new_gen, positions)):
+        cut = max(len(toks) - context, 0) if new else 0
+        assert meta.tokens[meta.offsets[i] : meta.offsets[i + 1]].tolist() == toks[cut:]
+        assert meta.positions[i] == pos + cut
+    region = shm.Region.create(layout.Layout(2, SLOTS, 8, K, 2000))
+    try:
+        lay = region.layout
+        area = region.view(lay.desc(0) + layout.DESC_FIXED, lay.desc_stride - layout.DESC_FIXED)
+        d = torch.frombuffer(area, dtype=torch.int32)
+        np.frombuffer(area, np.uint32, 3)[:] = (77, len(batch), 8)
+        write_meta_in_stream(
+            batch, d, max_slots=SLOTS, num_spec=K, max_tokens=2000, n_out_default=K, context_tokens=context
+        )
+        want = np.zeros(lay.desc_stride, np.uint8)
+        size = write_meta(want, meta, deadline_ms=77, row_bytes=8)
+        assert bytes(area[:size]) == bytes(want[:size])
+        del d, area
+    finally:
+        region.close()
