@@ -42,13 +42,7 @@ def add_parser(sub) -> None:
         "draft(context, n_out, row) per entry",
     )
     p.add_argument("--identity", metavar="HEX64", help="drafter identity to require (default: derived from the model)")
-    p.add_argument(
-        "--window",
-        type=int,
-        default=DEFAULT_WINDOW,
-        help=f"tokens kept per slot (default {DEFAULT_WINDOW}); HELLO_ACK tells the engine, which sends "
-        "NEW_GEN contexts of at most this many",
-    )
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens kept per slot (default 64), in HELLO_ACK")
     lim = p.add_argument_group(
         "limits",
         "This worker's own limits: a HELLO beyond them is refused with the reason, and after HELLO "
