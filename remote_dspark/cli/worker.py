@@ -11,7 +11,7 @@ import threading
 from .. import wire
 from ..worker.drafters import load_drafter
 from ..worker.faults import LATE_S, Faults
-from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, TOKENS_PER_SLOT, Limits
+from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, DEFAULT_WINDOW, Limits, tokens_per_slot
 from ..worker.server import DEFAULT_LISTEN, Worker, parse_listen
 from ..worker.sessions import RECENT_S
 
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
         "draft(context, n_out, row) per entry",
     )
     p.add_argument("--identity", metavar="HEX64", help="drafter identity to require (default: derived from the model)")
-    p.add_argument("--window", type=int, default=64, help="tokens kept per slot (default 64)")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens kept per slot (default 64), in HELLO_ACK")
     lim = p.add_argument_group(
         "limits",
         "This worker's own limits: a HELLO beyond them is refused with the reason, and after HELLO "
@@ -67,9 +67,9 @@ def add_parser(sub) -> None:
         "--max-round-tokens",
         type=int,
         default=None,
-        help=f"tokens in one ROUND (default {TOKENS_PER_SLOT} per slot of --max-slots, "
-        f"{TOKENS_PER_SLOT * DEFAULT_MAX_SLOTS} at the default: an engine sends at most 64 "
-        "context tokens of a new slot, or num_spec + 1 accepted ones)",
+        help=f"tokens in one ROUND (default --window + {tokens_per_slot(0)} per slot of --max-slots, "
+        f"{tokens_per_slot(DEFAULT_WINDOW) * DEFAULT_MAX_SLOTS} at the defaults: an engine sends at most "
+        "--window context tokens of a new slot (HELLO_ACK tells it), or num_spec + 1 accepted ones)",
     )
     lim.add_argument(
         "--max-round-bytes",

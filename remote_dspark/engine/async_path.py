@@ -37,6 +37,10 @@ class AsyncPath:
     def wait_cpu_s(self) -> float:
         return self.handoff.wait_cpu_s
 
+    @property
+    def acked_context(self) -> int:
+        return self.handoff.acked_context()
+
     def start(self) -> None:
         self.host.start()
 

@@ -17,7 +17,7 @@ so a round is:
   field is a ``ValueError`` naming it), then written with one slice assignment per
   section into the region's descriptor or the synchronous send buffer (:func:`write_meta`);
 - metadata on the device: copied section by section into the registered descriptor in
-  stream order (``engine``), never read back by the host; the proxy checks it where it
+  stream order (:mod:`.device_meta`), never read back by the host; the proxy checks it where it
   lands, and a bad round is answered target-only and counted;
 - the rows: one ``np.take`` into the staging slot on the CPU (numpy's copy runs on the
   calling thread: the engine's small copies never fan out to torch's intra-op pool and
@@ -39,7 +39,7 @@ import torch
 from .. import wire
 from ..outcome import Outcome
 
-CONTEXT_TOKENS = 64  # a NEW_GEN entry sends at most this many trailing context tokens
+CONTEXT_TOKENS = wire.DEFAULT_CONTEXT  # the default cut of a NEW_GEN context (RemoteDSpark's context_tokens)
 
 assert wire.FLAG_NEW_GEN == 1  # a bool array is the flags section as it is
 U32_MAX, I32_MIN, I32_MAX = 2**32 - 1, -(2**31), 2**31 - 1
@@ -53,9 +53,10 @@ class Batch:
     ``tokens`` of entry i are those it accepted since its previous round, the first at
     ``positions[i]``; with ``new_gen[i]`` they are its whole context (positions[i] is
     then the position of the first of them, usually 0) and only the last
-    ``CONTEXT_TOKENS`` are sent. ``rows[row_index[i]]`` is its row of the engine tensor
-    (``row_bytes`` bytes, any dtype); an engine of ``row_bytes=0`` takes a batch
-    without ``rows`` and ``row_index``. ``n_out[i]`` drafts are asked for (capped at
+    ``context_tokens`` are sent (the engine's cap, or less: what the worker keeps).
+    ``rows[row_index[i]]`` is its row of the engine tensor (``row_bytes`` bytes, any
+    dtype); an engine of ``row_bytes=0`` takes a batch without ``rows`` and
+    ``row_index``. ``n_out[i]`` drafts are asked for (capped at
     ``num_spec``), or the engine's n_out table's value for the batch size when None.
     """
 
@@ -143,14 +144,22 @@ def _np(t, name: str, n: int | None) -> np.ndarray:
 
 
 def host_meta(
-    batch: Batch, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int, vocab_size: int = 0
+    batch: Batch,
+    *,
+    max_slots: int,
+    num_spec: int,
+    max_tokens: int,
+    n_out_default: int,
+    vocab_size: int = 0,
+    context_tokens: int = CONTEXT_TOKENS,
 ) -> HostMeta:
-    """Check ``batch``'s metadata (on the host) and cut its NEW_GEN contexts: a few
+    """Check ``batch``'s metadata (on the host) and cut its NEW_GEN contexts to their last
+    ``context_tokens`` (each cut entry's position moves to its first token sent): a few
     whole-array operations (each costs microseconds, so the common case takes the
     fewest: no NEW_GEN entry means no cut to compute).
 
     ``vocab_size`` (0: unknown) bounds the token ids. Metadata on the device
-    (:func:`write_meta_in_stream`) is not read here, so it cannot be refused here: the
+    (``device_meta.write_meta_in_stream``) is not read here, so it cannot be refused here: the
     proxy's descriptor check (``check_desc`` in ``native/tcp_round.c``) refuses a round
     with a token id outside the vocabulary instead, answering it ERROR, unsent, counted
     ``rounds_bad_desc``.
@@ -198,8 +207,8 @@ def host_meta(
             raise ValueError(f"n_out: negative value {n_out.min()} (entry {int(n_out.argmin())})")
         n_out = np.minimum(n_out, num_spec)
     if new_gen.any():
-        cut = np.where(new_gen, np.maximum(lengths - CONTEXT_TOKENS, 0), 0)
-        if cut.any():  # keep each long NEW_GEN context's last CONTEXT_TOKENS tokens
+        cut = np.where(new_gen, np.maximum(lengths - context_tokens, 0), 0)
+        if cut.any():  # keep each long NEW_GEN context's last context_tokens tokens
             keep = lengths - cut
             new_offsets = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(keep, out=new_offsets[1:])
@@ -208,7 +217,7 @@ def host_meta(
     if tokens.shape[0] > max_tokens:
         raise ValueError(
             f"tokens: {tokens.shape[0]} in one round (NEW_GEN contexts cut to "
-            f"{CONTEXT_TOKENS}) over the region's max_tokens={max_tokens}"
+            f"{context_tokens}) over the region's max_tokens={max_tokens}"
         )
     return HostMeta(slots, positions, n_out, new_gen, offsets, tokens)
 
@@ -228,82 +237,6 @@ def write_meta(dst: np.ndarray, meta: HostMeta, *, deadline_ms: int, row_bytes: 
     u32[at : at + n + 1] = meta.offsets
     dst[sec.tokens : sec.rows].view(np.int32)[:] = meta.tokens
     return sec.rows
-
-
-def check_meta_shapes(batch: Batch, max_slots: int) -> int:
-    """The entry count of a batch whose metadata is not read on the host: its shapes
-    checked (they are known without a sync).
-
-    Raises:
-        ValueError: naming the field whose shape disagrees, or too many entries or tokens.
-    """
-    n, t = len(batch), int(batch.tokens.shape[0])
-    if n > max_slots or t > wire.MAX_TOKENS:
-        raise ValueError(
-            f"a batch of {n} entries and {t} tokens over max_slots={max_slots} or the wire's {wire.MAX_TOKENS} tokens"
-        )
-    for name, want in (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n)):
-        got = getattr(batch, name)
-        if got is not None and tuple(got.shape) != (want,):
-            raise ValueError(f"{name}: shape {tuple(got.shape)}, expected [{want}]")
-    return n
-
-
-def write_meta_in_stream(
-    batch: Batch, d: torch.Tensor, *, max_slots: int, num_spec: int, max_tokens: int, n_out_default: int
-) -> None:
-    """Write ``batch``'s ROUND arrays and ``n_tokens`` into ``d``, an int32 tensor over a
-    descriptor's payload area with room for ``max_tokens + 1`` tokens, with tensor
-    operations only: on the device they run in stream order and the host never reads a
-    value (no sync). NEW_GEN contexts are cut to their last CONTEXT_TOKENS as
-    :func:`host_meta` cuts them, so the wire carries the same round. No value is
-    trusted: every index stays in range whatever the metadata holds (a token that is
-    dropped, or that the offsets cannot place, lands in the spare cell past
-    ``max_tokens``; a slot out of range becomes ``max_slots``; offsets that do not run
-    from 0 to len(tokens) make ``n_tokens`` ``max_tokens + 1``), so a bad round is
-    refused where it lands (the proxy's descriptor check). Token ids are not checked
-    against the vocabulary here either (that needs a host sync): the descriptor check
-    refuses a round with one outside ``0..vocab_size-1`` (answered ERROR, unsent,
-    counted ``rounds_bad_desc``), as :func:`host_meta` would. Positions and tokens are
-    written as the wire's 32 bits. The caller writes deadline, n and row_bytes
-    (``d[0:3]``) and has checked the shapes (:func:`check_meta_shapes`)."""
-    n, t = len(batch), int(batch.tokens.shape[0])
-    if not n:
-        d[3:4] = 0 if t == 0 else max_tokens + 1
-        return
-    dev = d.device
-
-    def on_dev(x, dtype):  # a field of a mixed batch may still be on the host
-        return torch.as_tensor(x).to(dev, dtype, non_blocking=True)
-
-    slots = on_dev(batch.slots, torch.int64)
-    offsets = on_dev(batch.token_offsets, torch.int64)
-    new_gen = on_dev(batch.new_gen, torch.bool)
-    lengths = offsets[1:] - offsets[:-1]
-    cut = torch.where(new_gen, (lengths - CONTEXT_TOKENS).clamp(min=0), 0)
-    kept = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(lengths - cut, 0, out=kept[1:])  # the offsets after the cut
-    at = wire.ROUND_FIXED.size // 4
-    d[at : at + n] = torch.where((slots < 0) | (slots >= max_slots), max_slots, slots)
-    d[at + n : at + 2 * n] = on_dev(batch.positions, torch.int64) + cut
-    if batch.n_out is None:
-        d[at + 2 * n : at + 3 * n] = min(n_out_default, num_spec)
-    else:
-        d[at + 2 * n : at + 3 * n] = on_dev(batch.n_out, torch.int64).clamp(max=num_spec)
-    d[at + 3 * n : at + 4 * n] = new_gen  # True -> FLAG_NEW_GEN (1)
-    d[at + 4 * n : at + 5 * n + 1] = kept
-    whole = (offsets[:1] == 0) & (offsets[n:] == t)
-    d[3:4] = torch.where(whole, kept[n:], max_tokens + 1)  # n_tokens
-    if t:
-        # Token j of entry e (the last offset at or before j) goes to kept[e] + its index
-        # in the entry - cut[e]; one dropped or unplaceable, to the spare cell.
-        j = torch.arange(t, device=dev)
-        e = torch.searchsorted(offsets[1:], j, right=True).clamp(max=n - 1)
-        within = j - offsets[e] - cut[e]
-        dest = kept[e] + within
-        dest = torch.where((within >= 0) & (dest >= 0) & (dest < max_tokens), dest, max_tokens)
-        tok_at = wire.round_meta_bytes(n) // 4
-        d[tok_at : tok_at + max_tokens + 1].scatter_(0, dest, on_dev(batch.tokens, torch.int32))
 
 
 def has_rows(batch: Batch, row_bytes: int) -> bool:

@@ -70,6 +70,7 @@ def check_arguments(
     max_slots: int,
     row_bytes: int,
     vocab_size: int | None,
+    context_tokens: int = CONTEXT_TOKENS,
 ) -> None:
     """``RemoteDSpark``'s arguments against the policy and the wire contract's caps.
 
@@ -87,6 +88,14 @@ def check_arguments(
     ):
         if not lo <= value <= hi:
             raise ValueError(f"{name}={value}: must be in {lo}..{hi} (the wire contract's cap)")
+    # A round holds max_slots x (context + num_spec + 1) tokens at most (the region's
+    # max_tokens), which the wire caps at MAX_TOKENS.
+    most = wire.MAX_TOKENS // max_slots - num_spec - 1
+    if isinstance(context_tokens, bool) or not hasattr(context_tokens, "__index__") or not 1 <= context_tokens <= most:
+        raise ValueError(
+            f"context_tokens={context_tokens!r}: must be an int in 1..{most} (max_slots={max_slots} x "
+            f"(context_tokens + num_spec + 1) tokens in a round, within the wire contract's {wire.MAX_TOKENS})"
+        )
     if vocab_size is not None and (
         not hasattr(vocab_size, "__index__") or isinstance(vocab_size, bool) or not 1 <= vocab_size <= wire.MAX_VOCAB
     ):
@@ -114,6 +123,7 @@ class RemoteDSpark:
         depth: int = DEPTH,
         vocab_size: int | None = None,
         tp_group=None,
+        context_tokens: int = CONTEXT_TOKENS,
     ):
         """``vocab_size``: the target model's vocabulary (token ids 0..vocab_size-1), or
         None when unknown. It goes to the worker in HELLO (0 there when unknown; a worker
@@ -123,11 +133,16 @@ class RemoteDSpark:
         (as ``config.n_out_table`` takes them), which set each round's n_out.
         ``tp_group``: a tensor-parallel process group; only its rank 0 talks to the remote
         drafter, and every rank gets the same drafts (``engine.ranks``).
+        ``context_tokens``: the engine's cap on a NEW_GEN context (its last tokens sent,
+        the position moved to the first of them); it sizes a round (``max_slots x
+        (context_tokens + num_spec + 1)`` tokens). A context is cut to the smaller of the
+        cap and the window the worker's HELLO_ACK names, and before any HELLO_ACK to the
+        smaller of the cap and a default worker's 64 (``Spec.context_cut``).
 
         Raises:
             ValueError: an argument out of range, naming it.
         """
-        check_arguments(cfg, local_drafter, device, num_spec, max_slots, row_bytes, vocab_size)
+        check_arguments(cfg, local_drafter, device, num_spec, max_slots, row_bytes, vocab_size, context_tokens)
         # n_out by schedule: each round's default n_out from its number of requests, when
         # the depth policy masks the positions past its cap (config.n_out_table's rules;
         # shadow and N_OUT=0 always send every position). A batch's own n_out wins.
@@ -139,7 +154,7 @@ class RemoteDSpark:
             num_spec,
             max_slots,
             row_bytes,
-            max_slots * (CONTEXT_TOKENS + num_spec + 1),
+            max_slots * (context_tokens + num_spec + 1),
             depth,
             device,
             Mode.of(cfg),
@@ -147,6 +162,7 @@ class RemoteDSpark:
             dict(os.environ if environ is None else environ),
             table,
             int(vocab_size or 0),
+            int(context_tokens),
         )
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)
@@ -169,6 +185,7 @@ class RemoteDSpark:
     device = property(lambda self: self.spec.device)
     engine_id = property(lambda self: self.spec.engine_id)
     vocab_size = property(lambda self: self.spec.vocab_size or None)
+    context_tokens = property(lambda self: self.spec.context_tokens)
 
     @property
     def mode(self) -> Mode:
@@ -299,12 +316,13 @@ class RemoteDSpark:
     # ------------------------------------------------------------------ rounds
 
     def meta(self, batch: Batch) -> HostMeta:
-        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``).
+        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``), its
+        NEW_GEN contexts as the next round's would be (``Spec.context_cut``).
 
         Raises:
             ValueError: naming the field that is wrong.
         """
-        return self.spec.meta(batch)
+        return self.spec.meta(batch, self._path.acked_context)
 
     @property
     def wait_cpu_s(self) -> float:

@@ -30,14 +30,13 @@ from .batch import (
     Drafts,
     HostMeta,
     as_bytes,
-    check_meta_shapes,
     empty_drafts,
     gather_rows_host,
     has_rows,
     to_drafts,
     write_meta,
-    write_meta_in_stream,
 )
+from .device_meta import check_meta_shapes, write_meta_in_stream
 from .lifecycle import Users
 from .spec import Spec
 from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
@@ -167,14 +166,15 @@ class Handoff:
         on_device = batch.meta_on_device
         if on_device and spec.device != "cuda":
             raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
-        meta = None if on_device else spec.meta(batch)
+        acked = self.acked_context()
+        meta = None if on_device else spec.meta(batch, acked)
         r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (spec.depth + 1))
         i = r & (spec.depth - 1)
         try:
             self._collect()
             self._host[i].round_word[0] = r
             if meta is None:
-                self._write_device_meta(batch, i, cfg.timeout_ms)
+                self._write_device_meta(batch, i, cfg.timeout_ms, spec.context_cut(acked))
             else:
                 write_meta(self._host[i].desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=spec.row_bytes)
             if not has_rows(batch, spec.row_bytes):
@@ -202,9 +202,15 @@ class Handoff:
         self.sync.signal(r, stream)
         return r, meta
 
-    def _write_device_meta(self, batch: Batch, i: int, deadline_ms: int) -> None:
+    def acked_context(self) -> int:
+        """The context the serving proxy's worker named in its HELLO_ACK: the region's
+        ``context_tokens`` word (the proxy its one writer, read atomically); 0 while no
+        proxy has had one on its connection (``Spec.context_cut``)."""
+        return self.end.header.context_tokens
+
+    def _write_device_meta(self, batch: Batch, i: int, deadline_ms: int, context_tokens: int) -> None:
         """Write metadata that lives on the device into descriptor ``i`` in stream order
-        (``batch.write_meta_in_stream``), with no host sync; the fixed part is the host's.
+        (``device_meta.write_meta_in_stream``), with no host sync; the fixed part is the host's.
 
         Raises:
             ValueError: shapes that disagree, or more entries or tokens than a round holds.
@@ -219,6 +225,7 @@ class Handoff:
             num_spec=spec.num_spec,
             max_tokens=spec.max_tokens,
             n_out_default=spec.n_out_for(n),
+            context_tokens=context_tokens,
         )
 
     def round(self, batch: Batch) -> Drafts:

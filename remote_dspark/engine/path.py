@@ -32,6 +32,11 @@ class Path(Protocol):
     def wait_cpu_s(self) -> float:
         """The engine thread's CPU seconds inside its waits for a round's release."""
 
+    @property
+    def acked_context(self) -> int:
+        """The context tokens per slot the worker's HELLO_ACK named, for the connection
+        the next round goes out on; 0 while none has (``Spec.context_cut``)."""
+
     def start(self) -> None:
         """Open what the path needs (a connection, the proxy); once, before any round."""
 
@@ -59,6 +64,7 @@ class NothingOpen:
 
     supervisor: Supervisor | None = None
     wait_cpu_s = 0.0
+    acked_context = 0  # no HELLO_ACK here
 
     def __init__(self) -> None:
         self.users = Users(lambda: None)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .. import wire
 from ..config.api import RemoteConfig
 from ..config.mode import Mode
-from .batch import Batch, HostMeta, host_meta
+from .batch import CONTEXT_TOKENS, Batch, HostMeta, host_meta
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,28 @@ class Spec:
     environ: Mapping[str, str]
     n_out_table: Sequence[int] | None = None
     vocab_size: int = 0  # the engine's vocabulary (token ids 0..vocab_size-1); 0: unknown
+    context_tokens: int = CONTEXT_TOKENS  # the engine's cap on a NEW_GEN context (sizes max_tokens)
+
+    def context_cut(self, acked: int) -> int:
+        """The tokens a NEW_GEN context is cut to, given ``acked``: what the worker's
+        HELLO_ACK said it keeps per slot, 0 while no HELLO_ACK has come.
+
+        With one, the smaller of it and the engine's cap. Before one, the smaller of the
+        cap and ``wire.DEFAULT_CONTEXT``: the worker is not known yet, and one with the
+        default window takes a round of at most that many context tokens per slot (its
+        token limit follows its window); a round over a worker's limit is a protocol
+        error that drops the connection, so the engine never sends more than any default
+        worker takes until a worker has said it takes more."""
+        return min(self.context_tokens, acked if acked > 0 else wire.DEFAULT_CONTEXT)
 
     def n_out_for(self, n: int) -> int:
         """The default n_out of a round of ``n`` entries (the table's, else num_spec)."""
         t = self.n_out_table
         return self.num_spec if t is None else t[min(n, len(t) - 1)]
 
-    def meta(self, batch: Batch) -> HostMeta:
-        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``).
+    def meta(self, batch: Batch, acked: int = 0) -> HostMeta:
+        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``), its
+        NEW_GEN contexts to :meth:`context_cut` of ``acked``.
 
         Raises:
             ValueError: naming the field that is wrong.
@@ -45,6 +59,7 @@ class Spec:
             max_tokens=self.max_tokens,
             n_out_default=self.n_out_for(len(batch)),
             vocab_size=self.vocab_size,
+            context_tokens=self.context_cut(acked),
         )
 
     def hello(self) -> wire.Hello:

@@ -51,6 +51,12 @@ class SyncPath:
     supervisor: Supervisor | None = None  # no proxy
     wait_cpu_s = 0.0  # a round waits on its socket, not spinning on a release
 
+    @property
+    def acked_context(self) -> int:
+        """The link's: its connection's HELLO_ACK (only this thread drops a connection,
+        so the round cut with it goes out on that connection or on none)."""
+        return self.link.context_tokens
+
     def __init__(self, spec: Spec):
         self.spec = spec
         cfg = spec.cfg
@@ -91,7 +97,7 @@ class SyncPath:
         place, rows by one gather), sent as two buffers, DRAFTS read as views."""
         spec = self.spec
         self._round_id = round_id = (self._round_id + 1) & 0xFFFFFFFF
-        meta = spec.meta(batch if not batch.meta_on_device else to_host(batch))
+        meta = spec.meta(batch if not batch.meta_on_device else to_host(batch), self.link.context_tokens)
         n = meta.n
         rows = self._rows[:n]
         if not has_rows(batch, spec.row_bytes):

@@ -80,6 +80,11 @@ class ProxyLoop:
             want_margin=cfg.want_margin,
         )
         self.session = self.end.header.session
+        # The region's context_tokens word (this proxy its one writer): 0 until this
+        # proxy's own worker has answered HELLO (a word left by a proxy before it names
+        # that one's worker), then each connection's HELLO_ACK, stored before a round can
+        # go out on it, and 0 again when it is dropped (RemoteLink's on_context).
+        self.end.header.set_context_tokens(0)
         self.breaker = RegionBreaker(cfg, self.end.header)
         lay = region.layout
         hello = cfg.hello(
@@ -95,6 +100,7 @@ class ProxyLoop:
             breaker=self.breaker.breaker,
             environ=environ,
             on_connect=self._connected,
+            on_context=self.end.header.set_context_tokens,
         )
         self.rounds = TcpRounds(self.end, session=self.session, default_deadline_ms=cfg.timeout_ms)
         self._attached_epoch = 0  # the link epoch whose socket ``rounds`` holds (0: none)

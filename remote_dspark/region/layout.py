@@ -37,6 +37,10 @@ Header page (all little-endian)::
     0x080  8    session               engine (supervisor), before it spawns a proxy
     0x088  4    engine_pid            creator
     0x100  4    proxy_pid             proxy, when it attaches
+    0x104  4    context_tokens        proxy: the context its worker keeps per slot (HELLO_ACK),
+                                      stored on each connection before a round goes out on
+                                      it; 0 from attach and after a drop (no HELLO_ACK).
+                                      The engine reads it for each round's NEW_GEN cut.
     0x108  8    heartbeat_ns          proxy (CLOCK_MONOTONIC ns of its last beat)
     0x180  4    breaker state         proxy  (0 closed, 1 open, 2 probing)
     0x184  4    consecutive failures  proxy
@@ -110,7 +114,7 @@ from dataclasses import dataclass, field
 from .. import wire
 
 MAGIC = b"DSPKSHM1"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 LINE = 128
 MAX_DEPTH = 64
 
@@ -119,6 +123,7 @@ HEADER = struct.Struct("<8sIIIIIIIIQ")  # magic .. max_tokens, pad, total_size
 OFF_SESSION = 0x080
 OFF_ENGINE_PID = 0x088
 OFF_PROXY_PID = 0x100
+OFF_CONTEXT = 0x104
 OFF_HEARTBEAT = 0x108
 OFF_BREAKER = 0x180
 

@@ -1,7 +1,7 @@
 """``region.words``: the region's live words, as this process reads and writes them.
 
-The header's mutable words (:class:`HeaderWords`: session, pids, heartbeat, the
-breaker's state) and the counters blocks (:class:`Counters`: counters and latency
+The header's mutable words (:class:`HeaderWords`: session, pids, the negotiated context,
+heartbeat, the breaker's state) and the counters blocks (:class:`Counters`: counters and latency
 histograms, read back as a frozen :class:`Snapshot`). Every word is read and written
 atomically through the native library (counters with relaxed atomic adds), one writer
 per word as in :mod:`~remote_dspark.region.layout`'s tables. Each accessor takes a mapped
@@ -18,7 +18,15 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .layout import LATENCY_BOUNDS_NS, OFF_BREAKER, OFF_HEARTBEAT, OFF_PROXY_PID, OFF_SESSION, CounterBlock
+from .layout import (
+    LATENCY_BOUNDS_NS,
+    OFF_BREAKER,
+    OFF_CONTEXT,
+    OFF_HEARTBEAT,
+    OFF_PROXY_PID,
+    OFF_SESSION,
+    CounterBlock,
+)
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,7 @@ class HeaderWords:
         self._region = region
         self._session = region.addr(OFF_SESSION)
         self._proxy_pid = region.addr(OFF_PROXY_PID)
+        self._context = region.addr(OFF_CONTEXT)
         self._heartbeat = region.addr(OFF_HEARTBEAT)
         self._breaker = region.addr(OFF_BREAKER)
 
@@ -109,6 +118,14 @@ class HeaderWords:
 
     def set_proxy_pid(self, pid: int) -> None:  # proxy
         self._lib.store32(self._proxy_pid, pid)
+
+    @property
+    def context_tokens(self) -> int:
+        """The context the proxy's worker keeps per slot (its HELLO_ACK); 0: none yet."""
+        return self._lib.load32(self._context)
+
+    def set_context_tokens(self, n: int) -> None:  # proxy
+        self._lib.store32(self._context, n)
 
     @property
     def heartbeat_ns(self) -> int:

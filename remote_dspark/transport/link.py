@@ -10,7 +10,9 @@ A round never waits for a connection: while there is none, rounds are target-onl
 Every new connection is a new HELLO, after which the worker has no windows for this
 engine: the first round on it is answered with RESYNC for every slot and the engine
 re-announces them (NEW_GEN). ``epoch`` counts connections so callers can do that
-eagerly.
+eagerly. Each HELLO_ACK names the context the worker keeps per slot
+(``context_tokens``: the connection's, 0 while there is none); ``on_context`` hears it
+before a round can go out on the connection, and hears 0 when the connection is dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class RemoteLink:
         breaker: Breaker,
         environ: Mapping[str, str] | None = None,
         on_connect: Callable[[], None] | None = None,
+        on_context: Callable[[int], None] | None = None,
     ):
         self.endpoint = endpoint
         self.hello = hello
@@ -69,6 +72,7 @@ class RemoteLink:
         self.breaker = breaker
         self.environ = environ
         self.on_connect = on_connect
+        self.on_context = on_context
         self.epoch = 0  # successful HELLOs so far
         self.reconnects = 0  # successful HELLOs after the first
         self.attempts = 0  # rounds that used the network
@@ -128,6 +132,8 @@ class RemoteLink:
         if closed:
             client.close()
             return
+        if self.on_context is not None:  # before any round can take this connection
+            self.on_context(client.ack.context_tokens)
         with self._lock:
             # From here a failed round may start a new connector at once, even while the
             # thread that made this connection is still finishing.
@@ -149,6 +155,8 @@ class RemoteLink:
                 self._late_closed += client.late
         if client is not None:
             client.chan.close()
+            if self.on_context is not None:  # before the next connection's
+                self.on_context(0)
         self._note_failure(why)
         self.start_reconnecting()
 
@@ -160,6 +168,12 @@ class RemoteLink:
     @property
     def connected(self) -> bool:
         return self._client is not None
+
+    @property
+    def context_tokens(self) -> int:
+        """The context tokens per slot the connection's HELLO_ACK named; 0: no connection."""
+        client = self._client
+        return client.ack.context_tokens if client is not None else 0
 
     def tcp_socket(self):
         """The connection's socket when it is a TCP one (HELLO done), else None."""

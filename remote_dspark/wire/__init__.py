@@ -29,6 +29,7 @@ from .frame import (
     HELLO_ACK,
     HELLO_STRUCT,
     MAGIC,
+    MAX_CONTEXT,
     MAX_ENTRIES,
     MAX_N_OUT,
     MAX_PAYLOAD,
@@ -60,6 +61,7 @@ from .frame import (
     seq_geq,
 )
 from .hello import (
+    DEFAULT_CONTEXT,
     Hello,
     HelloAck,
     decode_hello,
@@ -102,6 +104,8 @@ __all__ = [
     "Hello",
     "HelloAck",
     "MAGIC",
+    "MAX_CONTEXT",
+    "DEFAULT_CONTEXT",
     "MAX_ENTRIES",
     "MAX_N_OUT",
     "MAX_PAYLOAD",

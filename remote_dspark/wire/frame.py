@@ -27,7 +27,7 @@ if sys.byteorder != "little":
     raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; this host is big-endian")
 
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 3  # what each version changed: docs/design.md, "Versions"
+PROTOCOL_VERSION = 4  # what each version changed: docs/design.md, "Versions"
 
 HELLO, HELLO_ACK, ROUND, DRAFTS, BYE = 1, 2, 3, 4, 5
 FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE"}
@@ -46,11 +46,12 @@ MAX_ROW_BYTES = 1 << 20
 MAX_N_OUT = 64
 MAX_TOKENS = 1 << 22  # all tokens of one ROUND (NEW_GEN contexts included)
 MAX_REASON = 512
+MAX_CONTEXT = MAX_TOKENS  # context tokens a worker keeps per slot (HELLO_ACK): at most one round's
 MAX_VOCAB = 1 << 31  # token ids are i32: a vocabulary of at most 2^31 ids
 
 HEADER = struct.Struct("<4sHHIQI")
 HELLO_STRUCT = struct.Struct("<32s32sQIIHBBI")
-ACK_STRUCT = struct.Struct("<BBH32s32s")
+ACK_STRUCT = struct.Struct("<BBH32s32sI")
 ROUND_FIXED = struct.Struct("<IIII")
 DRAFTS_FIXED = struct.Struct("<IHH")
 

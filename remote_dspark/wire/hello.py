@@ -18,10 +18,22 @@ HELLO payload (``HELLO_STRUCT``, 88 bytes; protocol 3)::
                                is larger refuses the HELLO (REFUSE_DRAFTER, both sizes in
                                the reason); the engine refuses draft tokens outside it.
 
-HELLO_ACK payload: accept (u8), reason code (u8), reason length (u16), the worker's
-drafter and Markov identities (32 B each), then the reason (UTF-8, <= MAX_REASON). The
-header's session is the HELLO's; an accepting worker's identities are the HELLO's (the
-engine side refuses any other answer: ``client.DraftClient.connect``).
+HELLO_ACK payload (``ACK_STRUCT``, 72 bytes, then the reason; protocol 4)::
+
+    offset size field
+         0    1 accept          1 when the code is ACCEPT, else 0
+         1    1 reason code     ACCEPT or a REFUSE_*
+         2    2 reason length   <= MAX_REASON
+         4   32 drafter identity
+        36   32 Markov identity
+        68    4 context_tokens  the context tokens the worker keeps per slot (its
+                                window): 1..MAX_CONTEXT when accepting, <= MAX_CONTEXT
+                                otherwise. The engine cuts a NEW_GEN context to the
+                                smaller of this and its own cap.
+        72    n reason          UTF-8
+
+The header's session is the HELLO's; an accepting worker's identities are the HELLO's
+(the engine side refuses any other answer: ``client.DraftClient.connect``).
 
 BYE has an empty payload.
 """
@@ -37,6 +49,7 @@ from .frame import (
     HELLO,
     HELLO_ACK,
     HELLO_STRUCT,
+    MAX_CONTEXT,
     MAX_ENTRIES,
     MAX_N_OUT,
     MAX_REASON,
@@ -67,6 +80,9 @@ def parse_hex32(raw: str, name: str) -> bytes:
 
 
 # --------------------------------------------------------------------------- HELLO
+
+# The context a HelloAck names unless told otherwise: a worker's default --window.
+DEFAULT_CONTEXT = 64
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,7 @@ class HelloAck:
     drafter_identity: bytes
     markov_identity: bytes
     reason: str = ""
+    context_tokens: int = DEFAULT_CONTEXT  # the worker's window: context tokens it keeps per slot
 
     @property
     def accepted(self) -> bool:
@@ -132,9 +149,14 @@ class HelloAck:
 
 
 def encode_hello_ack(a: HelloAck, session: int) -> bytes:
+    low = 1 if a.code == ACCEPT else 0
+    require(low <= a.context_tokens <= MAX_CONTEXT, f"context_tokens {a.context_tokens} not in {low}..{MAX_CONTEXT}")
     reason = a.reason.encode("utf-8")[:MAX_REASON]
     payload = (
-        ACK_STRUCT.pack(int(a.code == ACCEPT), a.code, len(reason), a.drafter_identity, a.markov_identity) + reason
+        ACK_STRUCT.pack(
+            int(a.code == ACCEPT), a.code, len(reason), a.drafter_identity, a.markov_identity, a.context_tokens
+        )
+        + reason
     )
     return encode_header(HELLO_ACK, len(payload), session) + payload
 
@@ -142,13 +164,18 @@ def encode_hello_ack(a: HelloAck, session: int) -> bytes:
 def decode_hello_ack(payload) -> HelloAck:
     if len(payload) < ACK_STRUCT.size:
         raise ProtocolError(f"HELLO_ACK payload of {len(payload)} bytes, under {ACK_STRUCT.size}")
-    accept, code, n, d, m = ACK_STRUCT.unpack_from(payload)
+    accept, code, n, d, m, context = ACK_STRUCT.unpack_from(payload)
     if len(payload) != ACK_STRUCT.size + n:
         raise ProtocolError(f"HELLO_ACK reason length {n} does not match the payload")
     if accept != (code == ACCEPT) or code > REFUSE_MALFORMED:
         raise ProtocolError(f"HELLO_ACK accept={accept} with reason code {code}")
+    if context > MAX_CONTEXT or (accept and context == 0):
+        raise ProtocolError(
+            f"HELLO_ACK context_tokens {context} not in {1 if accept else 0}..{MAX_CONTEXT}"
+            + (" (an accepting worker keeps at least one token per slot)" if accept else "")
+        )
     reason = bytes(payload[ACK_STRUCT.size :]).decode("utf-8", errors="replace")
-    return HelloAck(code, d, m, reason)
+    return HelloAck(code, d, m, reason, context)
 
 
 def encode_bye(session: int = 0) -> bytes:

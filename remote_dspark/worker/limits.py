@@ -10,9 +10,11 @@ the worker's round cap and the largest round the session's HELLO allows
 
 Defaults, for a real engine with headroom: 1024 slots (an engine batches 256-1024
 sequences; the wire allows 4096), 8192-byte rows (a 4096-wide bf16 hidden state per
-slot), 128 tokens per slot in one round (an engine sends at most the last 64 context
-tokens of a NEW_GEN and ``num_spec + 1`` accepted tokens otherwise, ``num_spec`` <= 63),
-and a round's bytes capped at the largest round of those three: 8.5 MiB.
+slot), ``window + 64`` tokens per slot in one round (:func:`tokens_per_slot`: an engine
+sends at most the last ``window`` context tokens of a NEW_GEN, the worker's ``--window``
+it learns from HELLO_ACK, and ``num_spec + 1`` accepted tokens otherwise, ``num_spec`` <=
+63), 128 at the default window of 64, and a round's bytes capped at the largest round of
+those three: 8.5 MiB at the defaults.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from ..drafter.contract import max_positions_of, needs_rows_of, vocab_size_of
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192
-TOKENS_PER_SLOT = 128
+DEFAULT_WINDOW = wire.DEFAULT_CONTEXT
+
+
+def tokens_per_slot(window: int) -> int:
+    """The most tokens one slot may send in a round to a worker of ``window``: a NEW_GEN
+    context (at most ``window``, what HELLO_ACK told the engine) plus what one round
+    appends (``num_spec + 1`` <= ``wire.MAX_N_OUT``), as headroom."""
+    return window + wire.MAX_N_OUT
 
 
 def largest_round(slots: int, tokens: int, row_bytes: int) -> int:
@@ -34,8 +43,9 @@ def largest_round(slots: int, tokens: int, row_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Limits:
-    """The worker's limits. ``max_round_tokens`` defaults to ``TOKENS_PER_SLOT`` per slot
-    of ``max_slots``, ``max_round_bytes`` to the largest round of the other three.
+    """The worker's limits. ``max_round_tokens`` defaults to :func:`tokens_per_slot` of
+    ``window`` per slot of ``max_slots``, ``max_round_bytes`` to the largest round of the
+    other three.
 
     Raises (at construction): ValueError naming the limit and its value, when it is out
     of the wire's range.
@@ -45,10 +55,14 @@ class Limits:
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
     max_round_tokens: int | None = None
     max_round_bytes: int | None = None
+    window: int = DEFAULT_WINDOW
 
     def __post_init__(self):
+        if not 1 <= self.window <= wire.MAX_CONTEXT:
+            raise ValueError(f"window {self.window}: not in 1..{wire.MAX_CONTEXT} (--window)")
         if self.max_round_tokens is None:
-            object.__setattr__(self, "max_round_tokens", min(wire.MAX_TOKENS, TOKENS_PER_SLOT * self.max_slots))
+            per_slot = tokens_per_slot(self.window)
+            object.__setattr__(self, "max_round_tokens", min(wire.MAX_TOKENS, per_slot * self.max_slots))
         if self.max_round_bytes is None:
             object.__setattr__(
                 self,

@@ -115,8 +115,8 @@ class Worker:
         metrics_host: str = "127.0.0.1",
         faults: Faults | None = None,
     ):
-        if window < 1:
-            raise ValueError(f"window {window}: must be >= 1")
+        if not 1 <= window <= wire.MAX_CONTEXT:
+            raise ValueError(f"window {window}: not in 1..{wire.MAX_CONTEXT}")
         if max_connections < 1 or max_pending < 1:
             raise ValueError(f"max_connections {max_connections}, max_pending {max_pending}: must be >= 1")
         if not (hello_timeout_s > 0 and frame_timeout_s > 0):
@@ -126,7 +126,7 @@ class Worker:
         self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
         self.host, self.port = host, port
         self.window = window
-        self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes)
+        self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes, window=window)
         self.max_slots = max_slots
         self.max_connections = max_connections
         self.max_pending = max_pending
@@ -392,7 +392,10 @@ class Worker:
 
     def _ack(self, code: int, reason: str, session: int) -> bytes:
         return wire.encode_hello_ack(
-            wire.HelloAck(code, self.drafter.drafter_identity, self.drafter.markov_identity, reason), session
+            wire.HelloAck(
+                code, self.drafter.drafter_identity, self.drafter.markov_identity, reason, context_tokens=self.window
+            ),
+            session,
         )
 
     def _round(self, session: Session, hdr: wire.Header, payload) -> bytes:

@@ -248,7 +248,7 @@ def region_rig(lib):
 def write_in_stream(region, r: int, batch: Batch) -> None:
     """What launch() does for metadata on the device, with a CPU tensor over the region
     standing in for the device view (the same tensor operations, run at once)."""
-    from remote_dspark.engine.batch import check_meta_shapes, write_meta_in_stream
+    from remote_dspark.engine.device_meta import check_meta_shapes, write_meta_in_stream
     from remote_dspark.region import layout
 
     lay = region.layout

@@ -392,7 +392,7 @@ def test_a_bad_descriptor_is_answered_error_unsent_and_counted_and_the_connectio
 
 @pytest.mark.parametrize("token", [1000, -1])
 def test_a_descriptor_token_outside_the_vocabulary_is_answered_error_unsent_and_counted(lib, token):
-    """Metadata written on the device is never read by the host (batch.write_meta_in_stream),
+    """Metadata written on the device is never read by the host (device_meta.write_meta_in_stream),
     so its token ids meet the vocabulary here, in the proxy's descriptor check."""
     rig = Rig(lib, vocab_size=1000)  # the rig's honest drafts are ids 100..
     try:

@@ -270,7 +270,7 @@ def test_round_length_must_match_its_fields():
 def test_a_protocol_1_peer_is_refused_by_version():
     frame = bytearray(wire.encode_bye())
     struct.pack_into("<H", frame, 4, 1)
-    with pytest.raises(wire.VersionMismatch, match="protocol version 1, this side speaks 3"):
+    with pytest.raises(wire.VersionMismatch, match="protocol version 1, this side speaks 4"):
         wire.decode_header(bytes(frame))
 
 

@@ -1,0 +1,94 @@
+"""A round's metadata that lives on the device, written into the region's descriptor in
+stream order with tensor operations only (the host never reads a value): the device
+half of :mod:`.batch`'s host path (:func:`~.batch.host_meta`, :func:`~.batch.write_meta`),
+carrying the same round."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import wire
+from .batch import CONTEXT_TOKENS, Batch
+
+
+def check_meta_shapes(batch: Batch, max_slots: int) -> int:
+    """The entry count of a batch whose metadata is not read on the host: its shapes
+    checked (they are known without a sync).
+
+    Raises:
+        ValueError: naming the field whose shape disagrees, or too many entries or tokens.
+    """
+    n, t = len(batch), int(batch.tokens.shape[0])
+    if n > max_slots or t > wire.MAX_TOKENS:
+        raise ValueError(
+            f"a batch of {n} entries and {t} tokens over max_slots={max_slots} or the wire's {wire.MAX_TOKENS} tokens"
+        )
+    for name, want in (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n)):
+        got = getattr(batch, name)
+        if got is not None and tuple(got.shape) != (want,):
+            raise ValueError(f"{name}: shape {tuple(got.shape)}, expected [{want}]")
+    return n
+
+
+def write_meta_in_stream(
+    batch: Batch,
+    d: torch.Tensor,
+    *,
+    max_slots: int,
+    num_spec: int,
+    max_tokens: int,
+    n_out_default: int,
+    context_tokens: int = CONTEXT_TOKENS,
+) -> None:
+    """Write ``batch``'s ROUND arrays and ``n_tokens`` into ``d``, an int32 tensor over a
+    descriptor's payload area with room for ``max_tokens + 1`` tokens, with tensor
+    operations only: on the device they run in stream order and the host never reads a
+    value (no sync). NEW_GEN contexts are cut to their last ``context_tokens`` as
+    :func:`~.batch.host_meta` cuts them, so the wire carries the same round. No value is
+    trusted: every index stays in range whatever the metadata holds (a token that is
+    dropped, or that the offsets cannot place, lands in the spare cell past
+    ``max_tokens``; a slot out of range becomes ``max_slots``; offsets that do not run
+    from 0 to len(tokens) make ``n_tokens`` ``max_tokens + 1``), so a bad round is
+    refused where it lands (the proxy's descriptor check). Token ids are not checked
+    against the vocabulary here either (that needs a host sync): the descriptor check
+    refuses a round with one outside ``0..vocab_size-1`` (answered ERROR, unsent,
+    counted ``rounds_bad_desc``), as :func:`~.batch.host_meta` would. Positions and tokens are
+    written as the wire's 32 bits. The caller writes deadline, n and row_bytes
+    (``d[0:3]``) and has checked the shapes (:func:`check_meta_shapes`)."""
+    n, t = len(batch), int(batch.tokens.shape[0])
+    if not n:
+        d[3:4] = 0 if t == 0 else max_tokens + 1
+        return
+    dev = d.device
+
+    def on_dev(x, dtype):  # a field of a mixed batch may still be on the host
+        return torch.as_tensor(x).to(dev, dtype, non_blocking=True)
+
+    slots = on_dev(batch.slots, torch.int64)
+    offsets = on_dev(batch.token_offsets, torch.int64)
+    new_gen = on_dev(batch.new_gen, torch.bool)
+    lengths = offsets[1:] - offsets[:-1]
+    cut = torch.where(new_gen, (lengths - context_tokens).clamp(min=0), 0)
+    kept = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(lengths - cut, 0, out=kept[1:])  # the offsets after the cut
+    at = wire.ROUND_FIXED.size // 4
+    d[at : at + n] = torch.where((slots < 0) | (slots >= max_slots), max_slots, slots)
+    d[at + n : at + 2 * n] = on_dev(batch.positions, torch.int64) + cut
+    if batch.n_out is None:
+        d[at + 2 * n : at + 3 * n] = min(n_out_default, num_spec)
+    else:
+        d[at + 2 * n : at + 3 * n] = on_dev(batch.n_out, torch.int64).clamp(max=num_spec)
+    d[at + 3 * n : at + 4 * n] = new_gen  # True -> FLAG_NEW_GEN (1)
+    d[at + 4 * n : at + 5 * n + 1] = kept
+    whole = (offsets[:1] == 0) & (offsets[n:] == t)
+    d[3:4] = torch.where(whole, kept[n:], max_tokens + 1)  # n_tokens
+    if t:
+        # Token j of entry e (the last offset at or before j) goes to kept[e] + its index
+        # in the entry - cut[e]; one dropped or unplaceable, to the spare cell.
+        j = torch.arange(t, device=dev)
+        e = torch.searchsorted(offsets[1:], j, right=True).clamp(max=n - 1)
+        within = j - offsets[e] - cut[e]
+        dest = kept[e] + within
+        dest = torch.where((within >= 0) & (dest >= 0) & (dest < max_tokens), dest, max_tokens)
+        tok_at = wire.round_meta_bytes(n) // 4
+        d[tok_at : tok_at + max_tokens + 1].scatter_(0, dest, on_dev(batch.tokens, torch.int32))

@@ -1,0 +1,76 @@
+"""The worker's window is the context it negotiates: HELLO_ACK names it, and its token
+limit per slot follows it, so a worker of ``--window 256`` takes 256-token NEW_GEN
+contexts."""
+
+import pytest
+
+from remote_dspark import wire
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.markov import MarkovModel
+from remote_dspark.transport import parse_endpoint
+from remote_dspark.transport.client import DraftClient
+from remote_dspark.worker import Worker
+from remote_dspark.worker.limits import Limits, tokens_per_slot
+
+MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+SLOTS = 4
+
+
+class ContextsSeen(MarkovDrafter):
+    """Records each entry's context as the drafter got it."""
+
+    def __init__(self):
+        super().__init__(MODEL)
+        self.contexts: list[list[int]] = []
+
+    def draft(self, context, n_out, row):
+        self.contexts.append([int(t) for t in context])
+        return super().draft(context, n_out, row)
+
+
+def connect(w: Worker, drafter) -> DraftClient:
+    hello = wire.Hello(drafter.drafter_identity, drafter.markov_identity, 42, SLOTS, 4, 3)
+    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello, 1, 2.0)
+
+
+@pytest.mark.parametrize("window", [1, 64, 256])
+def test_hello_ack_names_the_workers_window(window):
+    drafter = ContextsSeen()
+    with Worker(drafter, "127.0.0.1", 0, window=window) as w:
+        c = connect(w, drafter)
+        try:
+            assert c.ack.accepted and c.ack.context_tokens == window
+        finally:
+            c.close()
+
+
+def test_the_token_limit_per_slot_is_the_window_and_a_rounds_append():
+    assert tokens_per_slot(64) == 128  # the default worker's, as before
+    assert Limits(max_slots=SLOTS, window=256).max_round_tokens == SLOTS * (256 + wire.MAX_N_OUT)
+    assert Limits(max_slots=SLOTS).max_round_tokens == SLOTS * 128
+    assert Limits(max_slots=SLOTS, window=256, max_round_tokens=10).max_round_tokens == 10  # an explicit one wins
+
+
+@pytest.mark.parametrize("window", [0, wire.MAX_CONTEXT + 1])
+def test_a_window_outside_the_wire_is_refused_naming_it(window):
+    with pytest.raises(ValueError, match=f"window {window}: not in 1..{wire.MAX_CONTEXT}"):
+        Limits(window=window)
+    with pytest.raises(ValueError, match=f"window {window}"):
+        Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, window=window)
+
+
+def test_a_worker_of_window_256_takes_256_token_contexts_in_every_slot():
+    """A full round of NEW_GEN contexts of 256 tokens (over the 128 per slot a worker
+    allowed whatever its window): every window holds its context whole."""
+    drafter = ContextsSeen()
+    with Worker(drafter, "127.0.0.1", 0, window=256, max_slots=SLOTS) as w:
+        c = connect(w, drafter)
+        try:
+            ctx = [[1000 * s + j for j in range(256)] for s in range(SLOTS)]
+            entries = [wire.Entry(s, 3, 0, tuple(ctx[s]), new_gen=True) for s in range(SLOTS)]
+            frame = wire.encode_round_entries(1, c.session, 1000, entries, bytes(4 * SLOTS), 4)
+            d = c.round(1, [frame], 2000)
+            assert list(d.statuses) == [wire.STATUS_OK] * SLOTS
+        finally:
+            c.close()
+    assert drafter.contexts == ctx
