@@ -151,7 +151,8 @@ class BatchedDrafter(Protocol):
 
 
 class PerEntryDrafterLike(Protocol):
-    """The old protocol, served through :class:`PerEntryDrafter` (the slow path)."""
+    """A drafter that answers one entry at a time (``draft``), served through
+    :class:`PerEntryDrafter`: the slow path, one Python call per entry."""
 
     drafter_identity: bytes
     markov_identity: bytes
