@@ -23,6 +23,13 @@ MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 HEAVY = ("torch", "numpy", "prometheus_client")
 
 
+def proxy_command(fd: int, handover_fd: int) -> list[str]:
+    """The proxy process's command line over region ``fd`` and hand-over ``handover_fd``,
+    its parent this process."""
+    cmd = ["-m", "remote_dspark.proxy_proc", "--fd", str(fd), "--handover", str(handover_fd)]
+    return [sys.executable, *cmd, "--parent", str(os.getpid())]
+
+
 def env_for(worker, lib, **extra):
     settings = {
         "VLLM_DSPARK_REMOTE_ASYNC_NAP_US": "50",  # do not burn a CI core while idle
@@ -142,17 +149,7 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
     env["PYTHONPROFILEIMPORTTIME"] = "1"
     handover_fd = handover.write(RemoteConfig.from_env(env), 7)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "remote_dspark.proxy_proc",
-            "--fd",
-            str(eng.region.fd),
-            "--handover",
-            str(handover_fd),
-            "--parent",
-            str(os.getpid()),
-        ],
+        proxy_command(eng.region.fd, handover_fd),
         pass_fds=(eng.region.fd, handover_fd),
         env=env,
         stderr=subprocess.PIPE,
@@ -197,17 +194,7 @@ def test_a_bad_handover_is_refused_with_status_3(lib, worker):
     os.close(w)
     try:
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "remote_dspark.proxy_proc",
-                "--fd",
-                str(eng.region.fd),
-                "--handover",
-                str(r),
-                "--parent",
-                str(os.getpid()),
-            ],
+            proxy_command(eng.region.fd, r),
             pass_fds=(eng.region.fd, r),
             env=env_for(worker, lib),
             capture_output=True,
@@ -293,17 +280,7 @@ def test_proxy_refuses_a_bad_fd_with_status_3(lib, worker, tmp_path):
     handover_fd = handover.write(RemoteConfig.from_env(env), 1)
     try:
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "remote_dspark.proxy_proc",
-                "--fd",
-                str(fd),
-                "--handover",
-                str(handover_fd),
-                "--parent",
-                str(os.getpid()),
-            ],
+            proxy_command(fd, handover_fd),
             pass_fds=(fd, handover_fd),
             env=env,
             capture_output=True,
