@@ -21,7 +21,7 @@ def builtin_drafter(device: str | None = None, cache_slots: int = 1024, window: 
 
 
 def hf_drafter(model_dir: str, device: str | None = None, window: int = 64):
-    """A :class:`~remote_dspark.drafter.lm.hf.HFDrafter` of the transformers model in ``model_dir``."""
+    """A :class:`~remote_dspark.drafter.lm.hf_rounds.HFDrafter` of the transformers model in ``model_dir``."""
     from .hf import load_hf
 
     return load_hf(model_dir, device, window)
