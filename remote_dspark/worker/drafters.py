@@ -91,7 +91,7 @@ def _model_drafter(hf_model: str | None, device: str | None, cache_slots: int, w
         raise ValueError(f"{flag}: {e} (pip install remote-dspark[lm])") from e
     try:
         if hf_model is not None:
-            return lm.hf_drafter(hf_model, device, window)
+            return lm.hf_drafter(hf_model, device, cache_slots, window)
         return lm.builtin_drafter(device, cache_slots, window)
     except (ImportError, ValueError) as e:
         why = str(e).removeprefix(f"{flag}: ")  # the loader's own messages name the flag already

@@ -20,8 +20,8 @@ def builtin_drafter(device: str | None = None, cache_slots: int = 1024, window: 
     return LMDrafter(device=device, cache_slots=cache_slots, window=window)
 
 
-def hf_drafter(model_dir: str, device: str | None = None, window: int = 64):
+def hf_drafter(model_dir: str, device: str | None = None, cache_slots: int = 1024, window: int = 64):
     """A :class:`~remote_dspark.drafter.lm.hf_rounds.HFDrafter` of the transformers model in ``model_dir``."""
     from .hf import load_hf
 
-    return load_hf(model_dir, device, window)
+    return load_hf(model_dir, device, window, cache_slots)

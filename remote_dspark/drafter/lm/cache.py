@@ -164,6 +164,15 @@ class SlotCache:
         self.misses += len(rows) - n_hit
         return Plan(rows, base, take, hit, origin)
 
+    def held(self, session: int, slot: int) -> tuple[int, int] | None:
+        """What the row of ``(session, slot)`` holds: the position of its first token and
+        how many (None: no row, or none with usable state). Tests compare against it."""
+        m = self._maps.get(session)
+        row = int(m[slot]) if m is not None and slot < len(m) else -1
+        if row < 0 or self.gen[row] < 0:
+            return None
+        return int(self.origin[row]), int(self.fill[row])
+
     def forget(self, rows: np.ndarray) -> None:
         """The rows' cached state is not to be used (a round that failed midway)."""
         self.gen[rows[rows >= 0]] = -1
