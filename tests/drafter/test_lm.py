@@ -282,6 +282,16 @@ def test_load_drafter_builds_the_model_drafters_and_names_bad_flags(tmp_path):
     with pytest.raises(ValueError, match="window 600 .--window.: the model has 512 positions"):
         load_drafter("lm", lm_device="cpu", window=600)
     assert load_drafter("lm", lm_device="cpu", lm_cache_slots=0, window=400).max_tokens == 512
+    d = load_drafter("lm", lm_device="cpu", lm_cache_slots=2, lm_row_tokens=100, window=8)
+    assert d.max_tokens == 100 and d.max_width == 92
+    with pytest.raises(ValueError, match="--lm-row-tokens 8: must be more than --window 8"):
+        load_drafter("lm", lm_device="cpu", lm_row_tokens=8, window=8)
+    with pytest.raises(ValueError, match=r"rows of 600 tokens \(--lm-row-tokens\): must be in 9\.\.512"):
+        load_drafter("lm", lm_device="cpu", lm_row_tokens=600, window=8)
+    # a pool over the free memory is refused before anything is allocated, naming both flags
+    too_many = r"KV cache of 1000000000 streams \(--lm-cache-slots\) x 32 tokens \(--lm-row-tokens\) needs [\d,]+ MiB"
+    with pytest.raises(ValueError, match=too_many):
+        load_drafter("lm", lm_device="cpu", lm_cache_slots=10**9, window=8)
     with pytest.raises(ValueError, match="--markov"):
         load_drafter("lm", "some.markov")
     with pytest.raises(ValueError, match="--hf-model .* --drafter 'mod:f'"):
@@ -294,7 +304,11 @@ def test_load_drafter_builds_the_model_drafters_and_names_bad_flags(tmp_path):
 def test_worker_cli_refuses_bad_model_flags_naming_them():
     parser = argparse.ArgumentParser()
     worker_cli.add_parser(parser.add_subparsers())
-    for flags, name in ((["--lm-cache-slots", "-2"], "--lm-cache-slots"), (["--lm-device", "gpu"], "--lm-device")):
+    for flags, name in (
+        (["--lm-cache-slots", "-2"], "--lm-cache-slots"),
+        (["--lm-device", "gpu"], "--lm-device"),
+        (["--lm-row-tokens", "64"], "--lm-row-tokens"),
+    ):
         args = parser.parse_args(["worker", "--listen", "127.0.0.1:0", "--drafter", "lm", *flags])
         with pytest.raises(ValueError, match=name):
             worker_cli.run(args)

@@ -48,7 +48,11 @@ def dir_identity(path: Path) -> bytes:
 
 
 def load_hf(
-    model_dir: str, device: str | torch.device | None = None, window: int = 64, cache_slots: int = 1024
+    model_dir: str,
+    device: str | torch.device | None = None,
+    window: int = 64,
+    cache_slots: int = 1024,
+    row_tokens: int | None = None,
 ) -> HFDrafter:
     """The drafter of the transformers causal LM saved in ``model_dir``, for contexts of
     ``window`` tokens: its ``max_width`` is what the model's positions leave past a window
@@ -98,4 +102,5 @@ def load_hf(
         window=window,
         max_positions=positions,
         cache_slots=cache_slots,
+        max_tokens=row_tokens,
     )

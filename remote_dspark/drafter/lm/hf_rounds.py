@@ -49,10 +49,8 @@ import numpy as np
 import torch
 
 from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
-from .cache import Plan, SlotCache, uncached_plan
+from .cache import Plan, SlotCache, row_tokens, uncached_plan
 from .drafter import MARKOV_NONE, greedy_result, top2
-
-ROW_SPARE = 16  # positions of a row past two windows: drafts (as the built-in drafter's rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,9 +174,8 @@ class HFDrafter:
         max_positions: the model's position table (None: unbounded).
         cache_slots: streams cached at most (the least recently used dropped beyond); 0:
             no cache, every round re-encodes every window through the same code.
-        max_tokens: positions of a cache row; default ``2 * window + 16`` (at most the
-            table): a stream re-encoded from its window has ``window`` tokens of room
-            before its next re-encode. ``max_width`` is ``max_tokens - window``.
+        max_tokens: positions of a cache row (:func:`~remote_dspark.drafter.lm.cache.row_tokens`:
+            ``2 * window + 16`` by default). ``max_width`` is ``max_tokens - window``.
 
     Raises: ValueError for rows that cannot hold a window and a draft, a model whose
         attention slides within a row, or one that keeps no cache through ``update``.
@@ -201,13 +198,7 @@ class HFDrafter:
         self.drafter_identity = identity
         self.markov_identity = MARKOV_NONE
         self.max_positions = max_positions  # an entry past them gets no drafts (the worker's rule)
-        table = max_positions if max_positions is not None else 1 << 30
-        self.max_tokens = max_tokens or min(2 * window + ROW_SPARE, table)
-        if not window < self.max_tokens <= table:
-            raise ValueError(
-                f"rows of {self.max_tokens} tokens: must be in {window + 1}..{table} "
-                f"(more than the window of {window}, within the model's positions)"
-            )
+        self.max_tokens = row_tokens(window, max_positions, max_tokens)
         self.max_width = self.max_tokens - window  # the widest round a row holds beside a window
         if cache_slots < 0:
             raise ValueError(f"cache_slots {cache_slots}: must be >= 0")
