@@ -57,18 +57,8 @@ def greedy(model, tokens, start: int, n: int) -> tuple[list[int], list[float]]:
     return seq[len(tokens) :], margins
 
 
-def drafter_of(model_dir, window: int, cache_slots: int = 3, **kw) -> HFDrafter:
-    d = load_hf(str(model_dir), "cpu", window, cache_slots=0)
-    return HFDrafter(
-        d.model,
-        vocab_size=d.vocab_size,
-        identity=d.drafter_identity,
-        device=d.device,
-        window=window,
-        max_positions=d.max_positions,
-        cache_slots=cache_slots,
-        **kw,
-    )
+def drafter_of(model_dir, window: int, cache_slots: int = 3, max_tokens: int | None = None) -> HFDrafter:
+    return load_hf(str(model_dir), "cpu", window, cache_slots=0).sibling(cache_slots, max_tokens)
 
 
 @settings(max_examples=15, deadline=None)
@@ -140,3 +130,35 @@ def test_an_uncached_drafter_drafts_what_the_cached_one_drafts_within_the_window
         assert want.counts.tolist() == got.counts.tolist() == [width] * 3
         np.testing.assert_array_equal(got.tokens[want.margins > 1e-4], want.tokens[want.margins > 1e-4])
     assert cached.cache_info().hits == 9
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bf16_cached_rounds_draft_what_re_encoding_drafts(model_dir):
+    """The CUDA path (bf16 model and pool): cached rounds through the worker's windows
+    draft what re-encoding every window on the same device drafts, within the window,
+    wherever the choice is clear (bf16's rounding may flip a close one); the CPU float32
+    drafter agrees on nearly every clear choice."""
+    window, width = 16, 4
+    cuda = load_hf(str(model_dir), "cuda", window, cache_slots=8)
+    plain, cpu = cuda.sibling(0), load_hf(str(model_dir), "cpu", window, cache_slots=0)
+    assert cuda.dtype == torch.bfloat16 and cuda.cache.pool.dtype == torch.bfloat16
+    rng = np.random.default_rng(9)
+    streams, had = Streams(window, max_slots=6), {}
+    agree = compared = 0
+    for _ in range(20):
+        ops = []
+        for slot in range(6):
+            fresh = slot not in had or had[slot] + 3 > window
+            ops.append((slot, "new_gen" if fresh else "append", 0, rng.integers(0, 128, 8 if fresh else 3).tolist()))
+            had[slot] = 8 if fresh else had[slot] + 3
+        batch = streams.round(ops, width)
+        got, same_device, on_cpu = cuda.draft_batch(batch), plain.draft_batch(batch), cpu.draft_batch(batch)
+        assert got.counts.tolist() == same_device.counts.tolist() == on_cpu.counts.tolist()
+        for i in range(len(batch)):
+            j = next((j for j, m in enumerate(same_device.margins[i]) if m <= 0.02), width)
+            assert got.tokens[i, :j].tolist() == same_device.tokens[i, :j].tolist()
+            k = next((j for j, m in enumerate(on_cpu.margins[i]) if m <= 0.05), width)
+            agree += got.tokens[i, :k].tolist() == on_cpu.tokens[i, :k].tolist()
+            compared += 1
+    assert cuda.cache_info().hits > 50
+    assert agree >= 0.95 * compared

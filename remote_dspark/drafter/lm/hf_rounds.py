@@ -215,6 +215,20 @@ class HFDrafter:
             else None
         )
         self._lock = threading.Lock()  # the worker's connection threads share one drafter
+        self._window = window
+
+    def sibling(self, cache_slots: int, max_tokens: int | None = None) -> HFDrafter:
+        """A drafter of the same model (shared, not copied) with a cache of its own."""
+        return HFDrafter(
+            self.model,
+            vocab_size=self.vocab_size,
+            identity=self.drafter_identity,
+            device=self.device,
+            window=self._window,
+            max_positions=self.max_positions,
+            cache_slots=cache_slots,
+            max_tokens=max_tokens,
+        )
 
     def cache_info(self) -> CacheInfo:
         with self._lock:
