@@ -156,7 +156,7 @@ def measure(path: str, name: str, opts: Options, bar) -> list[dict]:
     for i, size in enumerate(opts.row_tokens):
         bar.update(i, f"rows of {size or 'default'} tokens")
         d = load_hf(path, None if opts.device == "auto" else opts.device, opts.window, opts.sequences, size)
-        seqs = seqs or target_sequences(d.model, opts, d.vocab_size)  # one set for every row size
+        seqs = seqs or target_sequences(d.model.lm, opts, d.vocab_size)  # one set for every row size
         accepted, offered = [0] * opts.contexts, [0] * opts.contexts
         hello = wire.Hello(d.drafter_identity, d.markov_identity, 1, opts.sequences, 0, opts.num_spec)
         with Worker(d, "127.0.0.1", 0, window=opts.window, max_slots=opts.sequences) as w:

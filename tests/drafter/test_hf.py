@@ -135,8 +135,8 @@ def test_hf_drafts_through_a_worker_are_the_models_own_continuation_at_true_posi
                 entry = wire.Entry(1, k, at, tuple(seq[at:end]), new_gen=at == 0)
                 got = c.round(rid, [wire.encode_round_entries(rid, 1, 1000, [entry], b"", 0)], 10000)
                 start = end - window
-                assert got.row(0) == hf_greedy(d.model, seq[start:end], start, k), f"at {end}"
-                differ += start > 0 and hf_greedy(d.model, seq[start:end], 0, k) != got.row(0)
+                assert got.row(0) == hf_greedy(d.model.lm, seq[start:end], start, k), f"at {end}"
+                differ += start > 0 and hf_greedy(d.model.lm, seq[start:end], 0, k) != got.row(0)
                 at = end
         finally:
             c.close()

@@ -1,4 +1,5 @@
-"""The transformers drafter's KV cache per stream (remote_dspark.drafter.lm.hf_rounds):
+"""The transformers drafter's KV cache per stream (remote_dspark.drafter.lm.hf_model drives a
+transformers model as the built-in model drafter drives its own):
 for a tiny GPT-2 (learned positions) and a tiny Llama (rotary, grouped KV heads), saved
 by the test, the cached drafts equal the model's own greedy continuation of what the
 row holds, encoded afresh at the same absolute positions, through the worker's own
@@ -11,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from lm_common import STREAM_ROUNDS, Streams, agreeing_prefix, batch_of
 
+from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.hf import load_hf
-from remote_dspark.drafter.lm.hf_rounds import HFDrafter
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
 
@@ -57,7 +58,7 @@ def greedy(model, tokens, start: int, n: int) -> tuple[list[int], list[float]]:
     return seq[len(tokens) :], margins
 
 
-def drafter_of(model_dir, window: int, cache_slots: int = 3, max_tokens: int | None = None) -> HFDrafter:
+def drafter_of(model_dir, window: int, cache_slots: int = 3, max_tokens: int | None = None) -> LMDrafter:
     return load_hf(str(model_dir), "cpu", window, cache_slots=0).sibling(cache_slots, max_tokens)
 
 
@@ -79,7 +80,7 @@ def test_cached_drafts_equal_a_fresh_encode_of_the_row_at_its_true_positions(mod
                     origin, fill = d.cache.held(batch.session, slot) or (int(batch.positions[i]), 0)
                     first, tokens = streams.span(slot, origin)
                     assert fill in (0, len(tokens)) and len(tokens) <= d.max_tokens - width
-                    want, margins = greedy(d.model, tokens, first, width)
+                    want, margins = greedy(d.model.lm, tokens, first, width)
                     a, b = agreeing_prefix(want, margins, got.tokens[i].tolist())
                     assert a == b, f"entry {i}: slot {slot} from position {first}"
 
@@ -88,8 +89,9 @@ def test_only_the_new_tokens_are_encoded_and_the_bound_holds(model_dir):
     """Appends hit (a row's state is reused), NEW_GEN misses, four slots over three rows
     evict the least recently used, and the pool's bytes are what the model keeps per token."""
     d = drafter_of(model_dir, 8)
-    k = d.kv
-    assert d.cache_info().bytes == 3 * k.layers * 2 * k.kv_heads * d.max_tokens * k.head_dim * 4
+    c = d.model.config
+    assert (c.n_layers, c.n_heads) == ((2, 2) if "llama" in model_dir.name else (2, 2))  # Llama: 2 of 4 heads
+    assert d.cache_info().bytes == 3 * c.n_layers * 2 * c.n_heads * d.max_tokens * c.head_dim * 4
     ctx = list(range(10, 18))
 
     def round_of(slots, lengths, gens):

@@ -29,7 +29,7 @@ def hf_drafter(
     window: int = 64,
     row_tokens: int | None = None,
 ):
-    """A :class:`~remote_dspark.drafter.lm.hf_rounds.HFDrafter` of the transformers model in ``model_dir``."""
+    """The drafter of the transformers model in ``model_dir`` (:func:`~remote_dspark.drafter.lm.hf.load_hf`)."""
     from .hf import load_hf
 
     return load_hf(model_dir, device, window, cache_slots, row_tokens)

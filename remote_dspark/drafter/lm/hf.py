@@ -5,7 +5,8 @@
 architectures transformers itself ships). transformers is the optional ``hf`` extra,
 imported only here.
 
-The drafter itself, its rounds and its cache, is :mod:`remote_dspark.drafter.lm.hf_rounds`.
+The model is driven as the built-in one is (:mod:`remote_dspark.drafter.lm.hf_model`): the
+same drafter, its cache per stream and its CUDA graphs.
 
 Identities: the drafter identity is the sha256 of ``config.json`` and the weight files
 (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth`` and their index files) in name order,
@@ -22,8 +23,9 @@ from pathlib import Path
 import torch
 
 from ...trust import untrusted_because
-from .drafter import pick_device
-from .hf_rounds import HFDrafter
+from .cache import row_tokens as cache_rows
+from .drafter import LMDrafter, pick_device
+from .hf_model import HFModel, sliding_window_refusal
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
@@ -53,7 +55,7 @@ def load_hf(
     window: int = 64,
     cache_slots: int = 1024,
     row_tokens: int | None = None,
-) -> HFDrafter:
+) -> LMDrafter:
     """The drafter of the transformers causal LM saved in ``model_dir``, for contexts of
     ``window`` tokens: its ``max_width`` is what the model's positions leave past a window
     (the worker refuses a HELLO whose num_spec is wider).
@@ -93,14 +95,8 @@ def load_hf(
             f"--hf-model {model_dir!r}: the model has {positions} positions, fewer than a window of "
             f"{window} (--window) and one draft"
         )
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return HFDrafter(
-        model.to(dev, dtype).eval(),
-        vocab_size=int(config.vocab_size),
-        identity=dir_identity(path),
-        device=dev,
-        window=window,
-        max_positions=positions,
-        cache_slots=cache_slots,
-        max_tokens=row_tokens,
-    )
+    why = sliding_window_refusal(config, cache_rows(window, positions, row_tokens))
+    if why is not None:
+        raise ValueError(f"--hf-model {model_dir!r}: {why}")
+    hf = HFModel(model.eval(), dir_identity(path), int(config.vocab_size), positions)
+    return LMDrafter(hf, device=dev, cache_slots=cache_slots, window=window, max_tokens=row_tokens)
