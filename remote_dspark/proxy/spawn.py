@@ -12,6 +12,7 @@ child inherits (``pass_fds``).
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from .. import native
 from . import handover
+
+log = logging.getLogger("remote_dspark.supervisor")
 
 # What a proxy inherits of the engine's environment: the contract's variables, what an
 # interpreter needs to start, and what an ofl transport needs: where the dynamic loader
@@ -137,3 +140,39 @@ def terminate(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
     Its CPU seconds."""
     signal_child(pidfd, signal.SIGTERM)
     return reap(proc, pidfd, timeout_s)
+
+
+def kill(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
+    """SIGKILL ``proc`` now, then :func:`reap` it: for a child that could not be asked to
+    exit (a stopped process handles no SIGTERM until it is resumed; SIGKILL ends it
+    stopped). Its CPU seconds."""
+    signal_child(pidfd, signal.SIGKILL)
+    return reap(proc, pidfd, timeout_s)
+
+
+def kill_by_pid(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """SIGKILL ``proc`` through its pid and reap it, waiting at most ``timeout_s``: for a
+    child that has no pidfd (``pidfd_open`` failed) or whose pidfd failed. Its pid cannot
+    name another process meanwhile: an unreaped child's pid is not reused. Whether it is
+    reaped (a SIGKILLed child is, unless the kernel holds it past the wait)."""
+    proc.kill()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def end(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
+    """:func:`terminate` ``proc``, whatever that raises: if the ending through its pidfd
+    fails (a bad descriptor), it is SIGKILLed through its pid and reaped
+    (:func:`kill_by_pid`) and the failure logged. For the paths that must leave no child
+    running (close, the supervisor giving up). Its CPU seconds; 0.0 when the fallback ran
+    (its rusage is lost with the pidfd's path)."""
+    try:
+        return terminate(proc, pidfd, timeout_s)
+    except Exception:
+        log.exception("ending proxy pid %d through its pidfd failed; killing it through its pid", proc.pid)
+        if proc.poll() is None and not kill_by_pid(proc, timeout_s):
+            log.error("proxy pid %d SIGKILLed and not reaped within %.1f s", proc.pid, timeout_s)
+        return 0.0
