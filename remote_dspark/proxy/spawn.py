@@ -150,17 +150,16 @@ def kill(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
     return reap(proc, pidfd, timeout_s)
 
 
-def kill_by_pid(proc: subprocess.Popen, timeout_s: float) -> bool:
+def kill_by_pid(proc: subprocess.Popen, timeout_s: float) -> None:
     """SIGKILL ``proc`` through its pid and reap it, waiting at most ``timeout_s``: for a
     child that has no pidfd (``pidfd_open`` failed) or whose pidfd failed. Its pid cannot
-    name another process meanwhile: an unreaped child's pid is not reused. Whether it is
-    reaped (a SIGKILLed child is, unless the kernel holds it past the wait)."""
+    name another process meanwhile: an unreaped child's pid is not reused. A SIGKILLed
+    child runs no more code; one the kernel holds past the wait is logged."""
     proc.kill()
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        return False
-    return True
+        log.error("proxy pid %d SIGKILLed and not reaped within %.1f s", proc.pid, timeout_s)
 
 
 def end(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
@@ -173,6 +172,6 @@ def end(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
         return terminate(proc, pidfd, timeout_s)
     except Exception:
         log.exception("ending proxy pid %d through its pidfd failed; killing it through its pid", proc.pid)
-        if proc.poll() is None and not kill_by_pid(proc, timeout_s):
-            log.error("proxy pid %d SIGKILLed and not reaped within %.1f s", proc.pid, timeout_s)
+        if proc.poll() is None:
+            kill_by_pid(proc, timeout_s)
         return 0.0

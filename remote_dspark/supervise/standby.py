@@ -55,10 +55,12 @@ from ..proxy.spawn import end, kill, kill_by_pid, reap
 log = logging.getLogger("remote_dspark.supervisor")
 
 GIVE_UP_AFTER = 3  # standbys dying in a row before none is kept
-# How long a ready standby has to accept its promotion: it answers within a futex
-# wake-up (tens of microseconds); the rest is room for a loaded host's scheduler, and a
-# silent standby costs no more than this before the fresh proxy's start.
-ANSWER_S = 0.02
+# How long a ready standby has to accept its promotion. It answers within a futex
+# wake-up: 50 us at the median on the 2-core machine at load 6, 5.5 ms at worst over 30
+# promotions; the rest is room for a starved scheduler (a live standby found silent is
+# killed and counted as a death). A frozen one costs this before the fresh start, which
+# takes longer itself (0.1-0.5 s there).
+ANSWER_S = 0.05
 KILL_WAIT_S = 1.0  # for the exit of a standby SIGKILLed (silent when offered the role, or unwatchable)
 BACKOFF_S = 0.5  # before the next standby after one died; doubles each time
 

@@ -262,8 +262,7 @@ class Supervisor:
         try:
             pidfd = os.pidfd_open(proc.pid)
         except BaseException:  # no fd left: a process nobody could watch is ended now
-            if not kill_by_pid(proc, END_S):
-                log.error("proxy pid %d SIGKILLed (no pidfd) and not reaped within %.1f s", proc.pid, END_S)
+            kill_by_pid(proc, END_S)
             raise
         self.spawns += 1
         self._set(Starting(Child(proc, pidfd), session, self._clock()))
