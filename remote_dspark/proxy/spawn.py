@@ -1,8 +1,9 @@
 """How a proxy process starts: an isolated interpreter, working directory ``/``, an
 allowlisted environment, the region's fd and the engine's configuration handed over
 through a pipe; and how it ends: signalled through its pidfd and reaped with ``wait4``
-(:func:`reap`). :mod:`remote_dspark.supervise.supervisor` decides when; this module says
-how.
+(:func:`reap`: asked with SIGTERM by :func:`terminate`, or SIGKILLed by :func:`kill`),
+and where no child may be left, through its pid when its pidfd fails (:func:`end`).
+:mod:`remote_dspark.supervise.supervisor` decides when; this module says how.
 
 Why a fresh interpreter, never fork or multiprocessing: forking a CUDA-initialised
 engine is undefined, and multiprocessing's spawn re-imports the engine's ``__main__``
@@ -166,8 +167,8 @@ def end(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
     """:func:`terminate` ``proc``, whatever that raises: if the ending through its pidfd
     fails (a bad descriptor), it is SIGKILLed through its pid and reaped
     (:func:`kill_by_pid`) and the failure logged. For the paths that must leave no child
-    running (close, the supervisor giving up). Its CPU seconds; 0.0 when the fallback ran
-    (its rusage is lost with the pidfd's path)."""
+    running (close, the way to Spent). Its CPU seconds; 0.0 when the fallback ran
+    (Popen's wait keeps no rusage)."""
     try:
         return terminate(proc, pidfd, timeout_s)
     except Exception:
