@@ -91,14 +91,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def wait_for_promotion(region: shm.Region, lib: native.Native, should_stop: Callable[[], bool]) -> bool:
     """A standby proxy: interpreter started, imports done, library loaded, region mapped.
-    Say so (``standby_pid``), then sleep on ``standby_go`` until the supervisor stores this
-    pid there (promoted: True) or the proxy should stop (False). Until then it takes no
-    proxy role: it has not attached as the region's proxy, connected or said HELLO."""
+    Say so (``standby_pid``), then sleep on ``standby_go`` until the supervisor offers this
+    process the proxy role and it accepts (promoted: True), or the proxy should stop
+    (False). Accepting, in C from this wait, is the standby's proof that it is alive: an
+    offer it does not accept within the supervisor's limit is withdrawn, and then it never
+    takes the role. Until then it takes no proxy role: it has not attached as the region's
+    proxy, connected or said HELLO."""
     me, lay = os.getpid(), region.layout
     lib.store32(region.addr(lay.standby_pid), me)
     go = region.addr(lay.standby_go)
     while not should_stop():
-        if lib.standby_wait(go, me, native.deadline_ns(IDLE_TICK_S)) == me:
+        if lib.standby_wait(go, me, native.deadline_ns(IDLE_TICK_S)) == native.Status.OK:
             return True
     return False
 

@@ -200,7 +200,8 @@ TABLE: Table[Scrape] = Table(
         ),
         counter(
             "standby_failures",
-            "Standby proxies that died before their promotion (never from the respawn budget).",
+            "Standby proxies that died before their promotion, or were killed for not answering it "
+            "(never from the respawn budget).",
             lambda r: r.stats.supervisor.standby_failures,
             when=_supervised,
         ),

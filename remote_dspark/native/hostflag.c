@@ -154,24 +154,68 @@ static void sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadli
     __atomic_store_n(&wake[1], 0, __ATOMIC_RELAXED);
 }
 
-/* A standby proxy: sleep while *word is not `me` (its pid), until deadline_ns; the
- * word's value. The supervisor promotes a standby by storing its pid there and waking
- * it (hf_wake); a pid, not a flag, so the word never needs resetting for the next one. */
-uint32_t hf_standby_wait(uint32_t *word, uint32_t me, uint64_t deadline_ns)
+/* Store `value` into a futex word and wake whoever sleeps on it. */
+static void hf_wake(uint32_t *word, uint32_t value)
+{
+    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    futex(word, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+/* ------------------------------------------------------------------ the standby's promotion
+ *
+ * One futex word, `standby_go`, and a handshake on it with exactly one winner. The
+ * supervisor offers the proxy role to the standby whose pid is `pid` by storing `pid`
+ * and waking it; the standby accepts from its wait loop by a compare-and-swap
+ * pid -> pid | HF_ACCEPTED; the supervisor, at its deadline, withdraws an offer not
+ * accepted by a compare-and-swap pid -> 0. Both swaps expect `pid`, so one wins: an
+ * accepted standby is the proxy, and one whose offer was withdrawn never takes the role,
+ * whenever it runs again (a SIGSTOPped standby, resumed). A running standby answers
+ * within a futex wake-up; a stopped, hung or dying one cannot, and the supervisor ends
+ * it. A pid, not a flag, so the word never needs resetting between standbys; Linux pids
+ * are below 2^22, so the top bit is free. */
+
+#define HF_ACCEPTED 0x80000000u
+
+/* Standby: sleep while *word does not offer it the role (its pid `me`), until
+ * deadline_ns; accept an offer and wake the supervisor waiting for the answer. HF_OK:
+ * accepted (this process is the proxy now); HF_TIMEOUT: no offer by the deadline, or
+ * the offer was withdrawn first. */
+int hf_standby_wait(uint32_t *word, uint32_t me, uint64_t deadline_ns)
 {
     uint32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     if (v != me) {
         futex_sleep(word, v, deadline_ns);
         v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     }
-    return v;
+    if (v != me || !__atomic_compare_exchange_n(word, &v, me | HF_ACCEPTED, 0, __ATOMIC_SEQ_CST, __ATOMIC_ACQUIRE))
+        return HF_TIMEOUT;
+    futex(word, FUTEX_WAKE, INT_MAX, NULL);
+    return HF_OK;
 }
 
-/* Store `value` into a futex word and wake whoever sleeps on it. */
-void hf_wake(uint32_t *word, uint32_t value)
+/* Supervisor: offer the standby `pid` the role (what this thread stored before the call,
+ * the new session, is published to it), wake it, and wait until deadline_ns for its
+ * answer; withdraw the offer then if none came. HF_OK: accepted, the standby is the
+ * proxy; HF_TIMEOUT: withdrawn, it never will be (end it); HF_STATE: `pid` is not a pid,
+ * or another writer changed the word. */
+int hf_standby_offer(uint32_t *word, uint32_t pid, uint64_t deadline_ns)
 {
-    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
-    futex(word, FUTEX_WAKE, INT_MAX, NULL);
+    if (pid == 0 || (pid & HF_ACCEPTED))
+        return HF_STATE;
+    hf_wake(word, pid);
+    for (;;) {
+        uint32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (v == (pid | HF_ACCEPTED))
+            return HF_OK;
+        if (v != pid)
+            return HF_STATE;
+        if (hf_now_ns() >= deadline_ns) {
+            if (__atomic_compare_exchange_n(word, &v, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_ACQUIRE))
+                return HF_TIMEOUT;
+            continue;   /* accepted just now: the next look says so */
+        }
+        futex_sleep(word, pid, deadline_ns);
+    }
 }
 
 /* hf_wait_geq, and the CLOCK_MONOTONIC time of the look that ended it in *seen_ns. */

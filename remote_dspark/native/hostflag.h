@@ -23,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 12   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 13   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
