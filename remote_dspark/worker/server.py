@@ -4,8 +4,9 @@ An accept loop (:class:`~remote_dspark.worker.admission.Admission`, one thread w
 selector, woken by a self-pipe so ``stop()`` and SIGTERM end it at once) holds every
 connection until it has said HELLO, under the HELLO's own small cap and a HELLO
 deadline, in a pool of its own where the oldest makes room for a newcomer. A whole
-HELLO gets a served connection and its thread, or a "busy" refusal when
-``max_connections`` are served. Per served connection: the HELLO is checked
+HELLO (with a key, one the engine has proven: :mod:`remote_dspark.wire.auth`) gets a
+served connection and its thread, or a "busy" refusal when ``max_connections`` are
+served. Per served connection: the HELLO is checked
 (identities, this worker's :class:`~remote_dspark.worker.limits.Limits`, a place among
 the engines: :class:`~remote_dspark.worker.sessions.Sessions`), each refusal with its
 reason; then ROUND frames are answered with DRAFTS until BYE, a closed socket, or a bad
@@ -57,6 +58,7 @@ from ..drafter.contract import (
     max_positions_of,
 )
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
+from ..transport.auth import Key
 from ..transport.tcp import TcpStream
 from .admission import Admission
 from .faults import Faults
@@ -88,6 +90,10 @@ class Worker:
     tests (:class:`~remote_dspark.worker.faults.Faults`, changed from any thread or a
     signal handler while the worker serves).
 
+    ``key`` (None: no authentication) is the pre-shared key (``--key-file``): every
+    engine proves it holds it before its HELLO is served, and this worker proves it too
+    (:class:`~remote_dspark.worker.admission.Admission`); a failure is refused ``auth``.
+
     ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
     ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
     (:mod:`~remote_dspark.worker.metrics`, which needs prometheus_client: imported only then).
@@ -114,6 +120,7 @@ class Worker:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         faults: Faults | None = None,
+        key: Key | None = None,
     ):
         if not 1 <= window <= wire.MAX_CONTEXT:
             raise ValueError(f"window {window}: not in 1..{wire.MAX_CONTEXT}")
@@ -137,6 +144,7 @@ class Worker:
         self._metrics = None  # metrics.MetricsServer while started with a metrics port
         self._started = time.monotonic()
         self.faults = faults
+        self.key = key
         self._sessions = Sessions(max_engines, recent_s, sessions_clock)
         self._lock = threading.Lock()  # guards _conns, _threads, stats
         self._conns: set[socket.socket] = set()  # served connections (after HELLO)
@@ -176,6 +184,8 @@ class Worker:
             on_hello=self._on_hello,
             on_version=self._on_version,
             count=self._count,
+            key=self.key,
+            on_auth_refused=self._on_auth_refused,
         )
         self._acceptor = threading.Thread(
             target=self._admission.run, args=(self._stopping,), name="worker-accept", daemon=True
@@ -278,6 +288,11 @@ class Worker:
         self._refuse("version")
         log.warning("connection %s: %s; refused", peer, e)
         self._answer_and_close(conn, self._ack(wire.REFUSE_VERSION, str(e), 0))
+
+    def _on_auth_refused(self, conn: socket.socket, peer, session: int, reason: str) -> None:
+        self._refuse("auth")
+        log.warning("refused HELLO of session %#x from %s: %s", session, peer, reason)
+        self._answer_and_close(conn, self._ack(wire.REFUSE_AUTH, reason, session))
 
     @staticmethod
     def _answer_and_close(conn: socket.socket, frame: bytes) -> None:
