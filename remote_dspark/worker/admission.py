@@ -11,7 +11,7 @@ Rules, each with its reason:
 - **Only a HELLO, under the HELLO's own cap.** The header is checked as soon as its 24
   bytes are in: another frame type, a bad magic or a length over the HELLO's cap drops
   the connection with one log line (``bad_frames``). Another protocol version is
-  answered with a REFUSE_VERSION ack, then closed.
+  refused (``on_refused``: a REFUSE_VERSION ack), then closed.
 - **A HELLO deadline** (``hello_timeout_s``, 2 s): an honest engine sends its HELLO right
   after connecting, so a connection still silent then is dropped (``hello_timeouts``).
 - **The pool has its own size** (``max_pending``): a new connection that finds it full
@@ -23,8 +23,8 @@ Rules, each with its reason:
   attacker may share the engine's host.
 - **With a key, the engine proves it before anything is given** (``key``,
   :mod:`remote_dspark.wire.auth`): a HELLO without the engine's nonce, or an engine's
-  AUTH whose proof does not hold, is refused (``on_auth_refused``: REFUSE_AUTH, the
-  ``auth`` refusal) from this loop. The worker's AUTH (its nonce and proof, 88 bytes)
+  AUTH whose proof does not hold, is refused (``on_refused``: REFUSE_AUTH, the ``auth``
+  refusal) from this loop. The worker's AUTH (its nonce and proof, 88 bytes)
   is sent from here without waiting (it fits any fresh socket's send buffer), and the
   engine's answer is read into the same fixed buffer, under the same deadline. Only a
   proven HELLO is handed over; until then the connection has no thread, no session and
@@ -111,12 +111,12 @@ class Admission:
     """The accept loop and the pre-HELLO pool (``run`` is the loop; one thread).
 
     ``on_hello(sock, peer, header, payload)`` gets each whole HELLO (the socket still
-    non-blocking; the callee owns it from then on). ``on_version(sock, peer, error)`` gets
-    a connection whose header speaks another protocol version (its owner from then on).
-    ``count(name)`` is told of each drop, by the name of its counter. With ``key``
-    every HELLO is authenticated first (the module's docstring);
-    ``on_auth_refused(sock, peer, session, reason)`` gets a connection that failed (its
-    owner from then on).
+    non-blocking; the callee owns it from then on); with ``key``, each proven HELLO (the
+    module's docstring). ``on_refused(sock, peer, session, code, reason, why)`` gets a
+    connection refused at the door, to answer with ``code`` and ``reason`` and count
+    under ``why`` (its owner from then on): a header of another protocol version
+    (``version``) or a failed authentication (``auth``). ``count(name)`` is told of each
+    drop, by the name of its counter.
     """
 
     def __init__(
@@ -127,24 +127,21 @@ class Admission:
         max_pending: int,
         hello_timeout_s: float,
         on_hello: Callable,
-        on_version: Callable,
+        on_refused: Callable,
         count: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
         key: Key | None = None,
-        on_auth_refused: Callable | None = None,
     ):
         if max_pending < 1:
             raise ValueError(f"max_pending {max_pending}: must be >= 1")
         if not hello_timeout_s > 0:
             raise ValueError(f"hello_timeout_s {hello_timeout_s}: must be > 0")
-        if key is not None and on_auth_refused is None:
-            raise ValueError("a key needs on_auth_refused, which answers a failed authentication")
         self.listener = listener
         self.wake_fd = wake_fd
         self.max_pending = max_pending
         self.hello_timeout_s = hello_timeout_s
-        self.on_hello, self.on_version, self.count, self.clock = on_hello, on_version, count, clock
-        self.key, self.on_auth_refused = key, on_auth_refused
+        self.on_hello, self.on_refused, self.count, self.clock = on_hello, on_refused, count, clock
+        self.key = key
         self._buffer = HELLO_FRAME if key is None else PENDING_BUFFER
         self._pool: OrderedDict[int, _Pending] = OrderedDict()  # fd -> pending, oldest first
         self._sel: selectors.BaseSelector | None = None
@@ -229,44 +226,44 @@ class Admission:
             self._drop(p, "closed")
             return
         p.got += n
-        if p.header is None and p.got == p.need:
-            why = self._judge_header(p)
-            if why is not None:
-                self._bad(p, why)
-                return
-            if p.header is None:  # another version: answered, no longer ours
-                return
+        if p.header is None and p.got == p.need and not self._judge_header(p):
+            return
         if p.header is not None and p.got == p.need:
             if p.stage is Stage.HELLO:
                 self._hello_read(p)
             else:
                 self._answer_read(p)
 
-    def _judge_header(self, p: _Pending) -> str | None:
-        """The header of the frame being read, whole: why it is refused, or None (then
-        ``p.header`` is set and ``p.need`` covers its payload, or, for another protocol
-        version, the connection went to ``on_version``)."""
+    def _judge_header(self, p: _Pending) -> bool:
+        """The header of the frame being read is whole: True when the frame may go on
+        (``p.header`` set, ``p.need`` past its payload), False when the connection left
+        the pool (dropped as a bad frame, or refused for its protocol version)."""
         try:
             hdr = wire.decode_header(p.buf[p.start : p.start + wire.HEADER.size])
         except wire.VersionMismatch as e:
             if p.stage is not Stage.HELLO:
-                return f"{e} after a HELLO of this version"
+                self._bad(p, f"{e}, after a HELLO of this version")
+                return False
             self._remove(p)
-            self.on_version(p.sock, p.peer, e)
-            return None
+            self.on_refused(p.sock, p.peer, 0, wire.REFUSE_VERSION, str(e), "version")
+            return False
         except wire.ProtocolError as e:
-            return str(e)
+            self._bad(p, str(e))
+            return False
         if p.stage is Stage.HELLO and hdr.type != wire.HELLO:
-            return f"{hdr.name} of {hdr.payload_len} bytes before HELLO"
+            self._bad(p, f"{hdr.name} of {hdr.payload_len} bytes before HELLO")
+            return False
         if p.stage is Stage.ANSWER and (
             hdr.type != wire.AUTH or hdr.payload_len != wire.PROOF_BYTES or hdr.session != p.hello.session
         ):
-            return (
+            self._bad(
+                p,
                 f"{hdr.name} of {hdr.payload_len} bytes for session {hdr.session:#x} where the "
-                f"engine's AUTH ({wire.PROOF_BYTES} bytes, session {p.hello.session:#x}) was expected"
+                f"engine's AUTH ({wire.PROOF_BYTES} bytes, session {p.hello.session:#x}) was expected",
             )
+            return False
         p.header, p.need = hdr, p.start + wire.HEADER.size + hdr.payload_len
-        return None
+        return True
 
     def _hello_read(self, p: _Pending) -> None:
         """A whole HELLO: handed over; with a key, challenged (the worker's AUTH sent) or,
@@ -314,7 +311,7 @@ class Admission:
 
     def _refuse_auth(self, p: _Pending, reason: str) -> None:
         self._remove(p)
-        self.on_auth_refused(p.sock, p.peer, p.hello.session, reason)
+        self.on_refused(p.sock, p.peer, p.hello.session, wire.REFUSE_AUTH, reason, "auth")
 
     def _expire(self) -> None:
         now = self.clock()
