@@ -162,7 +162,9 @@ def _answer(key: Key, session: int, hello_payload, hdr: wire.Header, payload) ->
             "the worker's proof does not hold for the key of VLLM_DSPARK_REMOTE_KEY_FILE "
             f"({key.path}): it holds another key, or none"
         )
-    return wire.auth.encode_answer(session, wire.auth.proof(key.secret, wire.auth.ENGINE, session, hello_payload, nonce))
+    return wire.auth.encode_answer(
+        session, wire.auth.proof(key.secret, wire.auth.ENGINE, session, hello_payload, nonce)
+    )
 
 
 def _check_ack(hdr: wire.Header, payload, hello: wire.Hello, session: int) -> wire.HelloAck:

@@ -297,9 +297,7 @@ class Admission:
         """The engine's AUTH, whole: a proof that holds hands the HELLO over; any other
         is refused."""
         proof = wire.auth.decode_answer(memoryview(p.buf)[p.start + wire.HEADER.size : p.need])
-        if wire.auth.proof_holds(
-            self.key.secret, wire.auth.ENGINE, p.hello.session, p.hello_payload(), p.nonce, proof
-        ):
+        if wire.auth.proof_holds(self.key.secret, wire.auth.ENGINE, p.hello.session, p.hello_payload(), p.nonce, proof):
             self._hand_over(p)
         else:
             self._refuse_auth(p, "the engine's proof does not hold for this worker's key: it holds another key")

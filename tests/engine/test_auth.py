@@ -1,10 +1,11 @@
-"""Authentication end to end in process mode: a RemoteDSpark whose proxies are real
+"""Authentication end to end, in every mode. In process mode: a RemoteDSpark whose proxies are real
 processes (ASYNC_PROXY=process, a warm standby) against a loopback worker with
 ``--key-file``. The key reaches every proxy, the standby included, through the hand-over
 pipe: never on a command line or in an environment (read from /proc), and never from the
 key file (deleted before a proxy that authenticates is spawned). An engine without the
 key gets target-only rounds and a worker refusal counted ``auth``, and its proxy is not
-replaced for it. Every process is ended by its test."""
+replaced for it. Sync and thread rounds authenticate too, and STRICT_START raises the
+worker's refusal. Every process is ended by its test."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import pytest
 import torch
 from helpers import COUNTING, env_for, until
 
+from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, Mode, RemoteDSpark
 from remote_dspark.outcome import Outcome
 from remote_dspark.transport.auth import load_key
+from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
 
 SECRET = b"the engine's and worker's key, 32"
@@ -100,3 +103,20 @@ def test_a_process_proxy_without_the_key_is_refused_auth_and_stays(keyed_worker,
         assert sum(sup.restarts.values()) == 0 and sup.up is not None  # a refusal is no proxy loss
     finally:
         rd.close()
+
+
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.THREAD])
+def test_sync_and_thread_rounds_authenticate_with_the_key(keyed_worker, key_path, tmp_path, mode):
+    env = env_for(keyed_worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_KEY_FILE=str(key_path))
+    with RemoteDSpark(RemoteConfig.from_env(env), environ=env, num_spec=3, max_slots=4, row_bytes=8) as rd:
+        assert rd.mode == mode.value and served(rd)
+
+
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.PROCESS])
+def test_strict_start_without_the_key_raises_the_workers_refusal(keyed_worker, tmp_path, mode):
+    env = env_for(keyed_worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_STRICT_START="1")
+    rd = RemoteDSpark(RemoteConfig.from_env(env), environ=env, num_spec=3, max_slots=4, row_bytes=8)
+    with pytest.raises(Refused) as e:
+        rd.start()
+    assert e.value.code == wire.REFUSE_AUTH and "VLLM_DSPARK_REMOTE_KEY_FILE" in e.value.reason
+    rd.close()
