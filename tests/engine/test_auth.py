@@ -1,11 +1,12 @@
-"""Authentication end to end, in every mode. In process mode: a RemoteDSpark whose proxies are real
-processes (ASYNC_PROXY=process, a warm standby) against a loopback worker with
-``--key-file``. The key reaches every proxy, the standby included, through the hand-over
-pipe: never on a command line or in an environment (read from /proc), and never from the
-key file (deleted before a proxy that authenticates is spawned). An engine without the
-key gets target-only rounds and a worker refusal counted ``auth``, and its proxy is not
-replaced for it. Sync and thread rounds authenticate too, and STRICT_START raises the
-worker's refusal. Every process is ended by its test."""
+"""Authentication end to end, in every mode, against a loopback worker with ``--key-file``.
+
+In process mode (ASYNC_PROXY=process, a warm standby) the key reaches every proxy, the
+standby included, through the hand-over pipe: never on a command line or in an
+environment (read from /proc), and never from the key file (deleted before a proxy that
+authenticates is spawned). An engine without the key gets target-only rounds and a
+worker refusal counted ``auth``, and its proxy is not replaced for it. Sync and thread
+rounds authenticate too, and STRICT_START raises the worker's refusal. Every process is
+ended by its test."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_process_proxies_authenticate_with_the_key_handed_over_through_the_pipe(
         for _ in range(2):
             before = sup.up.pid
             os.kill(before, signal.SIGKILL)
-            assert until(lambda: sup.up is not None and sup.up.pid != before, timeout=15), sup.stats()
+            assert until(lambda gone=before: sup.up is not None and sup.up.pid != gone, timeout=15), sup.stats()
             assert served(rd)
             assert secret_shown(sup.up.pid) == []
         assert sup.up.pid not in (proxy, standby)  # spawned after the file was gone
