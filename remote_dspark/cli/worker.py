@@ -93,8 +93,8 @@ def add_parser(sub) -> None:
         "once it proves it holds the same key (its VLLM_DSPARK_REMOTE_KEY_FILE), this worker "
         "proves it too, and a failure is refused 'auth'; no cost per round. The file holds at "
         f"least {MIN_KEY} bytes (whitespace around them ignored) and must be this user's or root's, "
-        "mode 0600 or stricter, not a link (else the worker does not start): openssl rand -hex 32 "
-        "> PATH; chmod 600 PATH. Default: none, every peer that reaches the port is served",
+        "mode 0600 or stricter, not a link (else the worker does not start): (umask 077; openssl "
+        "rand -hex 32 > PATH). Default: none, every peer that reaches the port is served",
     )
     adm.add_argument(
         "--hello-timeout-ms",

@@ -2,7 +2,8 @@
 says how): the worker's ``--key-file``, the engine's ``VLLM_DSPARK_REMOTE_KEY_FILE``.
 
 A key file holds the key's bytes; ASCII whitespace around them is not part of the key
-(so ``openssl rand -hex 32 > key`` and ``head -c 32 /dev/urandom > key`` both make one).
+(so ``openssl rand -hex 32`` and ``head -c 32 /dev/urandom`` both make one, written
+under ``umask 077``).
 It must hold at least :data:`MIN_KEY` bytes, and it is read only under the rule for a
 secret (:func:`remote_dspark.trust.read_secret`: a regular file, not a link, this user's
 or root's, mode 0600 or stricter), so a key others could read or replace is refused
@@ -46,6 +47,6 @@ def load_key(path: str, name: str) -> Key:
     if len(secret) < MIN_KEY:
         raise ValueError(
             f"{name}={path!r}: a key of {len(secret)} bytes, under {MIN_KEY} "
-            "(make one with: openssl rand -hex 32 > FILE; chmod 600 FILE)"
+            "(make one with: (umask 077; openssl rand -hex 32 > FILE))"
         )
     return Key(path, secret)

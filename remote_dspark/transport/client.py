@@ -7,11 +7,11 @@ dropped; any other surprise is a protocol error, and the caller drops the connec
 What is checked here, before a reply goes further: with a key (:mod:`.auth`), the worker
 proves it holds it before the engine proves it does (:mod:`remote_dspark.wire.auth`),
 and a worker that accepts without that proof is refused (:class:`AuthFailed`); the
-HELLO_ACK answers this HELLO (its session) and, accepting, names the identities the HELLO
-asked for (a worker serving another drafter or Markov model is never used); a DRAFTS is
-of this session and of the round waited for. Its content is the caller's ``check`` (``engine.reply.check_reply``
-in sync mode, ``hf_unpack`` on the proxy's ofl round); ``hf_round`` makes the same
-header checks in C (``recv_reply``).
+HELLO_ACK answers this HELLO (its session) and, accepting, names the identities the
+HELLO asked for (a worker serving another drafter or Markov model is never used); a
+DRAFTS is of this session and of the round waited for. Its content is the caller's
+``check`` (``engine.reply.check_reply`` in sync mode, ``hf_unpack`` on the proxy's ofl
+round); ``hf_round`` makes the same header checks in C (``recv_reply``).
 """
 
 from __future__ import annotations
