@@ -7,8 +7,8 @@ The document is JSON: ``{"engine_id": int, "vocab_size": int, "config": {...}}``
 configuration as :meth:`RemoteConfig.to_json` writes it. With
 ``VLLM_DSPARK_REMOTE_KEY_FILE`` set, the configuration holds the pre-shared key itself:
 this pipe is how the key reaches the proxy and the standby, so it is never on a command
-line or in an environment (both readable in ``/proc`` by more than the proxy), and the
-proxy never opens the key file.
+line (any local user reads it in ``/proc``) or in an environment (every child inherits
+it), and the proxy never opens the key file.
 """
 
 from __future__ import annotations
