@@ -9,6 +9,7 @@ import sys
 import threading
 
 from .. import wire
+from ..transport.auth import MIN_KEY, load_key
 from ..worker.drafters import load_drafter
 from ..worker.faults import LATE_S, Faults
 from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, DEFAULT_WINDOW, Limits, tokens_per_slot
@@ -84,6 +85,16 @@ def add_parser(sub) -> None:
         "Until it says HELLO a connection holds no thread, only a place in a pool of its own; "
         "the oldest makes room for a newcomer, so silent sockets never keep a HELLO out. "
         "Served connections are never closed for idling; TCP keepalive finds dead peers.",
+    )
+    adm.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="authenticate at HELLO with the pre-shared key in PATH: an engine is served only "
+        "once it proves it holds the same key (its VLLM_DSPARK_REMOTE_KEY_FILE), this worker "
+        "proves it too, and a failure is refused 'auth'; no cost per round. The file holds at "
+        f"least {MIN_KEY} bytes (whitespace around them ignored) and must be this user's or root's, "
+        "mode 0600 or stricter, not a link (else the worker does not start): (umask 077; openssl "
+        "rand -hex 32 > PATH). Default: none, every peer that reaches the port is served",
     )
     adm.add_argument(
         "--hello-timeout-ms",
@@ -196,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    key = load_key(args.key_file, "--key-file") if args.key_file else None  # before any model loads
     identity = wire.parse_hex32(args.identity, "--identity") if args.identity else None
     drafter = load_drafter(
         args.drafter,
@@ -225,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         faults=faults,
+        key=key,
     )
     if faults is not None:  # before the first line: a chaos driver signals as soon as it reads it
         # Faults' changes take no lock, so they are safe in a signal handler (faults.py).

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import wire
+from ..transport.auth import Key
 from ..transport.endpoint import Endpoint
 from .env import ENV_ENDPOINT, PREFIX, TABLE, raw_value, spell
 
@@ -68,6 +69,7 @@ class RemoteConfig:
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
     async_standby: bool = True
+    key: Key | None = None  # KEY_FILE's key: authentication at HELLO; None: none
 
     @property
     def watchdog_ms(self) -> int:
@@ -118,10 +120,13 @@ class RemoteConfig:
 
     def to_json(self) -> str:
         """This configuration, as the engine hands it to its proxy (never re-parsed from
-        the environment there, so the two cannot differ)."""
+        the environment there, so the two cannot differ). It holds the key itself: the
+        document goes only through the hand-over pipe (``proxy.handover``), never to a
+        file, argv or the environment, and the proxy never reads the key file."""
         d = dataclasses.asdict(self)
         d["drafter_identity"] = self.drafter_identity.hex()
         d["markov_identity"] = self.markov_identity.hex()
+        d["key"] = None if self.key is None else {"path": self.key.path, "secret": self.key.secret.hex()}
         return json.dumps(d)
 
     @classmethod
@@ -136,6 +141,8 @@ class RemoteConfig:
             d["endpoint"] = Endpoint(**d["endpoint"])
             d["drafter_identity"] = bytes.fromhex(d["drafter_identity"])
             d["markov_identity"] = bytes.fromhex(d["markov_identity"])
+            if d["key"] is not None:
+                d["key"] = Key(d["key"]["path"], bytes.fromhex(d["key"]["secret"]))
             return cls(**d)
         except (TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"not a RemoteConfig document: {e}") from e

@@ -271,7 +271,12 @@ class RemoteDSpark:
         """
         cfg = self.cfg
         DraftClient.connect(
-            cfg.endpoint, self.spec.hello(), wire.random_id(), cfg.connect_timeout_ms / 1000.0, self.spec.environ
+            cfg.endpoint,
+            self.spec.hello(),
+            wire.random_id(),
+            cfg.connect_timeout_ms / 1000.0,
+            self.spec.environ,
+            key=cfg.key,
         ).close()
 
     def register_metrics(self, registry) -> None:

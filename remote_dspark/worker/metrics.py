@@ -141,7 +141,7 @@ TABLE: Table[Scrape] = Table(
             "HELLOs refused, by reason: drafter or markov (identity mismatch), "
             "vocab (the drafter's vocabulary is over the engine's), limits (beyond this worker's "
             "limits), version (another protocol version), busy (no served connection or no "
-            "engine place free).",
+            "engine place free), auth (the engine did not prove it holds this worker's key).",
             lambda r: {reason: r.stats.refusals[reason] for reason in REFUSAL_REASONS},
             labels=("reason",),
         ),

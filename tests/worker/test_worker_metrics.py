@@ -38,10 +38,13 @@ from remote_dspark.cli import dashboard
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.contract import CacheInfo
 from remote_dspark.drafter.markov import MarkovModel
+from remote_dspark.transport.auth import Key
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
 from remote_dspark.worker.metrics import TABLE, read
 from remote_dspark.worker.stats import REFUSAL_REASONS
+
+KEY = Key("test-key", b"a key of the metrics tests, 32 b")
 
 # 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; its vocabulary is 6 (ids 0..5).
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
@@ -76,8 +79,10 @@ def scrape(w) -> str:
 
 
 def refused(w, served: int = 0, **kw) -> int:
-    """Say HELLO with ``kw``; the refusal's code. Waits until the worker serves ``served``
-    connections again (the refused one gone: the test's worker serves one at a time)."""
+    """Say HELLO with ``kw`` (with the worker's key unless ``kw`` names one); the
+    refusal's code. Waits until the worker serves ``served`` connections again (the
+    refused one gone: the test's worker serves one at a time)."""
+    kw.setdefault("key", w.key)
     with pytest.raises(Refused) as e:
         connect(w, **kw)
     assert until(lambda: w.served_now() == served, timeout=5)
@@ -105,14 +110,15 @@ def version_refused(w) -> int:
 def known():
     """One worker (one served connection at most), after known HELLOs and N rounds:
     (worker, N, entries, resyncs, draft tokens, the scrape)."""
-    w = make(max_slots=8, max_connections=1)
+    w = make(max_slots=8, max_connections=1, key=KEY)
     try:
+        assert refused(w, key=None) == wire.REFUSE_AUTH  # refused at the door
         assert refused(w, drafter_identity=b"\x01" * 32) == wire.REFUSE_DRAFTER
         assert refused(w, markov_identity=b"\x02" * 32) == wire.REFUSE_MARKOV
         assert refused(w, vocab_size=3) == wire.REFUSE_DRAFTER  # the model's vocabulary is 6
         assert refused(w, max_slots=16) == wire.REFUSE_LIMITS  # over --max-slots 8
         assert version_refused(w) == wire.HELLO_ACK
-        c = connect(w)
+        c = connect(w, key=KEY)
         assert refused(w, served=1, session=2, engine_id=43) == wire.REFUSE_LIMITS  # busy: the one place is taken
         n, entries, resyncs, tokens = 5, 0, 0, 0
         for rid in range(1, n + 1):
@@ -137,11 +143,11 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
     w, n, entries, resyncs, tokens, text = known
     for reason in REFUSAL_REASONS:  # one of each, each counted once under its own reason
         assert value(text, "dspark_worker_hello_refusals_total", reason=reason) == 1, reason
-    assert w.stats.refused == 5 and w.stats.busy == 1  # the derived fields, from the same counts
+    assert w.stats.refused == 6 and w.stats.busy == 1  # the derived fields, from the same counts
     # Given a thread: the accepted one and the four refused there (identities, vocab, limits);
-    # the version and the busy refusal are answered at the door.
+    # the auth, version and busy refusals are answered at the door.
     assert value(text, "dspark_worker_served_connections_total") == 5
-    assert value(text, "dspark_worker_accepted_connections_total") == 7
+    assert value(text, "dspark_worker_accepted_connections_total") == 8
     assert value(text, "dspark_worker_connections", state="served") == 1
     assert value(text, "dspark_worker_connections", state="pending") == 0
     assert value(text, "dspark_worker_connections_limit", state="served") == 1
