@@ -88,7 +88,7 @@ def test_pickled_weights_are_never_loaded(tmp_path, saved):
     (path / "model.safetensors").unlink()
     torch.save(weights, path / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"^--hf-model .*: no safetensors weights .*pytorch_model.bin: pickles"):
-        load_hf(str(path), "cpu")
+        load_hf(str(path), "cpu", window=16)
 
 
 def test_an_index_naming_a_file_outside_the_directory_is_refused_naming_it(tmp_path, saved):

@@ -50,8 +50,8 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_JSON_BYTES = 64 << 20  # a config or an index: a 90,000-tensor index is about 9 MB
-# Modules the meta build may register (each ~5 KiB of Python objects): about twenty
-# times Llama 3.1 405B's 1,700, so a config of a million layers is refused before it is built.
+# Modules the meta build may register (each ~5 KiB of Python objects): twenty times Llama
+# 3.1 405B's 1,650, so a config of a million layers is refused before it is built (160 MiB).
 MAX_MODULES = 1 << 15
 # Keys whose value transformers may take for a kernel repository on the Hub ("org/name").
 _KERNEL_KEYS = ("attn_implementation", "experts_implementation")
