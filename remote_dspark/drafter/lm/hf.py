@@ -59,7 +59,7 @@ _KERNEL_KEYS = ("attn_implementation", "experts_implementation")
 
 def model_files(path: Path) -> list[str]:
     """The names of the files of ``path`` that are loaded and hashed, sorted: ``config.json``
-    and ``model.safetensors``, or the index and every shard it names (module docstring).
+    and :func:`weight_files`, each checked (module docstring).
 
     Raises:
         ValueError: no config or no safetensors weights, a file untrusted, missing, a link,
@@ -68,25 +68,24 @@ def model_files(path: Path) -> list[str]:
     if not os.path.lexists(path / CONFIG):
         raise ValueError(f"no {CONFIG} (save the model with save_pretrained)")
     _check(path, CONFIG, MAX_JSON_BYTES)
-    index = os.path.lexists(path / INDEX) and not os.path.lexists(path / SINGLE)  # transformers' choice too
-    if index:
-        _check(path, INDEX, MAX_JSON_BYTES)
-    names = [CONFIG, INDEX] if index else [CONFIG]
-    for name in weight_files(path):
-        _check(path, name, None)
-        names.append(name)
-    return sorted(names)
+    names = weight_files(path)
+    for name in names:
+        if name != INDEX:  # the index was checked before it was read
+            _check(path, name, None)
+    return sorted({CONFIG, *names})
 
 
 def weight_files(path: Path) -> list[str]:
-    """The safetensors files of ``path`` that hold the weights: ``model.safetensors``, else
-    the shards its index names (unchecked: :func:`model_files` checks them).
+    """The files of ``path`` the weights come from: ``model.safetensors`` (transformers'
+    choice too when both are there), else the index, checked before it is read, and the
+    shards it names, unchecked (:func:`model_files` checks them).
 
     Raises: ValueError where there are neither (naming the pickles, which are never loaded)."""
     if os.path.lexists(path / SINGLE):
         return [SINGLE]
     if os.path.lexists(path / INDEX):
-        return shard_names(path / INDEX)
+        _check(path, INDEX, MAX_JSON_BYTES)
+        return [INDEX, *shard_names(path / INDEX)]
     pickles = sorted(p.name for p in path.iterdir() if p.name.endswith(PICKLES))
     also = f" ({', '.join(pickles)}: pickles, never loaded)" if pickles else ""
     raise ValueError(f"no safetensors weights ({SINGLE} or {INDEX}){also}: save the model with save_pretrained")
@@ -129,7 +128,7 @@ def _check(path: Path, name: str, max_bytes: int | None) -> None:
         raise ValueError(f"not loaded: {why}")
     size = (path / name).stat().st_size
     if max_bytes is not None and size > max_bytes:
-        raise ValueError(f"{path / name}: {size:,} bytes, over the {max_bytes:,} a JSON file may have")
+        raise ValueError(f"{path / name}: {size:,} bytes, over the {max_bytes:,} bytes a JSON file may have")
 
 
 def dir_identity(path: Path) -> bytes:
@@ -181,7 +180,7 @@ def load_hf(
 
 def _load(path: Path, dev: torch.device, window: int) -> HFDrafter:
     """:func:`load_hf` past its directory check; raises whatever fails."""
-    identity = dir_identity(path)  # every file checked (model_files) before transformers is imported
+    model_files(path)  # every file checked before transformers is imported or any file parsed
     try:
         import transformers
     except ImportError as e:
@@ -196,7 +195,7 @@ def _load(path: Path, dev: torch.device, window: int) -> HFDrafter:
             f"the model has {positions} positions, fewer than a window of {window} (--window) and one draft"
         )
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    shards = [path / name for name in weight_files(path)]
+    shards = [path / name for name in weight_files(path) if name != INDEX]
     params, nbytes = model_size(cls, config, dtype)
     why = memory_refusal(params, nbytes, sum(f.stat().st_size for f in shards), dtype, dev)
     if why is not None:
@@ -205,7 +204,7 @@ def _load(path: Path, dev: torch.device, window: int) -> HFDrafter:
     return HFDrafter(
         model.to(dev).eval(),
         vocab_size=int(config.vocab_size),
-        identity=identity,
+        identity=dir_identity(path),
         device=dev,
         window=window,
         max_positions=positions,
