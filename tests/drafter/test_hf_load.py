@@ -181,10 +181,10 @@ def test_a_model_over_the_hosts_available_memory_is_refused_naming_the_figures(t
     (75,648 + the file's bytes) over it are refused, naming both figures."""
     path = model_dir(tmp_path, saved)
     ckpt = (path / "model.safetensors").stat().st_size
-    monkeypatch.setattr(hf, "host_available", lambda: 75_648 + ckpt - 1)
+    monkeypatch.setattr(hf, "memory_free", lambda device: 75_648 + ckpt - 1)
     with pytest.raises(ValueError, match=rf"needs 75,648 bytes in float32 and its checkpoint {ckpt:,}: .* over the"):
         load_hf(str(path), "cpu", window=16)
-    monkeypatch.setattr(hf, "host_available", lambda: 75_648 + ckpt)
+    monkeypatch.setattr(hf, "memory_free", lambda device: 75_648 + ckpt)
     assert load_hf(str(path), "cpu", window=16).vocab_size == 128
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ...trust import untrusted_because
+from .cache import memory_free
 from .drafter import pick_device
 from .hf_rounds import HFDrafter
 
@@ -170,7 +171,7 @@ def load_hf(
             "save it with save_pretrained first)"
         )
     try:
-        return _load(path, pick_device(device), window)
+        return _load(path, pick_device(device), window, cache_slots, row_tokens)
     except ImportError:
         raise
     except Exception as e:  # the directory is input: whatever loading it raises is a refusal
@@ -178,7 +179,7 @@ def load_hf(
         raise ValueError(f"--hf-model {model_dir!r}: {why}") from e
 
 
-def _load(path: Path, dev: torch.device, window: int) -> HFDrafter:
+def _load(path: Path, dev: torch.device, window: int, cache_slots: int, row_tokens: int | None) -> HFDrafter:
     """:func:`load_hf` past its directory check; raises whatever fails."""
     model_files(path)  # every file checked before transformers is imported or any file parsed
     try:
@@ -266,16 +267,6 @@ def model_size(cls, config, dtype: torch.dtype) -> tuple[int, int]:
     return params, nbytes
 
 
-def host_available() -> int:
-    """Bytes the host can still give without swapping: ``MemAvailable`` (``/proc/meminfo``),
-    else the free pages."""
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def memory_refusal(params: int, nbytes: int, checkpoint: int, dtype: torch.dtype, dev: torch.device) -> str | None:
     """Why a model of ``params`` parameters, ``nbytes`` in ``dtype``, loaded from
     ``checkpoint`` bytes of safetensors onto ``dev``, does not fit; None when it does.
@@ -283,14 +274,14 @@ def memory_refusal(params: int, nbytes: int, checkpoint: int, dtype: torch.dtype
     Loading holds the checkpoint's tensors and the model in host memory together; on
     CUDA the model then goes to the GPU."""
     model = f"the model ({params:,} parameters) needs {nbytes:,} bytes in {str(dtype).removeprefix('torch.')}"
-    host = host_available()
+    host = memory_free(torch.device("cpu"))
     if nbytes + checkpoint > host:
         return (
             f"{model} and its checkpoint {checkpoint:,}: {nbytes + checkpoint:,} bytes while loading, "
             f"over the {host:,} bytes of memory available on this host"
         )
     if dev.type == "cuda":
-        free = torch.cuda.mem_get_info(dev)[0]
+        free = memory_free(dev)
         if nbytes > free:
             return f"{model}, over the {free:,} bytes free on {dev}"
     return None
