@@ -136,7 +136,8 @@ def add_parser(sub) -> None:
     lm.add_argument(
         "--hf-model",
         metavar="DIR",
-        help="draft with the transformers causal LM saved in this local directory (never downloaded)",
+        help="draft with the transformers causal LM saved in this local directory (never downloaded; "
+        "safetensors only, this user's or root's; refused when it does not fit in memory)",
     )
     lm.add_argument(
         "--lm-device",
