@@ -128,7 +128,10 @@ def worker_limits(max_slots: int, row_bytes: int) -> tuple[str, ...]:
 
 
 class WorkerProcess:
-    """``remote-dspark worker --chaos`` on 127.0.0.1, as a child process.
+    """``remote-dspark worker --chaos`` on 127.0.0.1, as a child process that ends with
+    this one: :meth:`stop` (or the context's exit) ends it, and should this process end
+    without it (SIGKILL), the worker's ``--parent`` watch stops it within a quarter of a
+    second.
 
     Raises (at start): RuntimeError with the worker's stderr when it does not come up.
     """
@@ -162,6 +165,8 @@ class WorkerProcess:
                 "--chaos",
                 "--late-ms",
                 str(self.late_ms),
+                "--parent",  # it stops when this process is gone, however it ended
+                str(os.getpid()),
                 *self.extra,
             ],
             stdout=subprocess.PIPE,
