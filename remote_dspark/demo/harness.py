@@ -184,7 +184,8 @@ class WorkerProcess:
         # The identities follow the first line at once (printed together).
         self.identity = self.proc.stdout.readline().strip().split("=", 1)[1]
         self.markov_identity = self.proc.stdout.readline().strip().split("=", 1)[1]
-        self.proc.stdout.close()
+        # stdout stays open until the worker is gone: a line it prints later (its metrics
+        # address) then waits in the pipe instead of failing the worker with EPIPE.
 
     def _line(self, timeout_s: float = START_TIMEOUT_S) -> str:
         """The worker's first line of stdout, or "" if none comes in time."""
@@ -219,7 +220,12 @@ class WorkerProcess:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
-            self.log.close()
+            self._closed()
+
+    def _closed(self) -> None:
+        """Its pipe and log closed, once it is gone."""
+        self.proc.stdout.close()
+        self.log.close()
 
     def stop(self) -> None:
         if self.proc is None:
@@ -230,7 +236,7 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.log.close()
+        self._closed()
 
     def __enter__(self):
         return self
