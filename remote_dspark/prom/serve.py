@@ -233,17 +233,17 @@ class ScrapeServer:
         if method not in ("GET", "HEAD"):
             self._reply_now(p, _text(405, f"{method[:16]}: only GET and HEAD"))
             return
+        busy = _text(503, f"busy: {self.limits.max_answering} requests being answered")
         if not self._answering.acquire(blocking=False):
-            self._reply_now(p, _text(503, f"busy: {self.limits.max_answering} requests being answered"))
+            self._reply_now(p, busy)
             return
         self._remove(p)
         path = target.split("?", 1)[0]
         try:
             threading.Thread(target=self._answer, args=(p.sock, path, method == "GET"), daemon=True).start()
-        except BaseException:
+        except RuntimeError:  # no thread to be had now: busy as well
             self._answering.release()
-            p.sock.close()
-            raise
+            _send_once_and_close(p.sock, busy)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -254,13 +254,9 @@ class ScrapeServer:
             self._reply_now(oldest, _text(408, f"request not whole within {self.limits.request_timeout_s:g} s"))
 
     def _reply_now(self, p: _Pending, answer: Answer) -> None:
-        """Answer from the loop, at most one non-blocking send (a short error fits the
-        socket's buffer; a client that does not read loses it), then close."""
-        try:
-            p.sock.send(response_bytes(answer))
-        except OSError:
-            pass
-        self._drop(p)
+        """Answer from the loop (:func:`_send_once_and_close`), out of the pool."""
+        self._remove(p)
+        _send_once_and_close(p.sock, answer)
 
     def _remove(self, p: _Pending) -> None:
         del self._pool[p.sock.fileno()]
@@ -296,6 +292,16 @@ def _head_end(buf: bytearray, start: int) -> int:
     taken for CRLF, as servers do), searching from ``start``; -1 while it has not."""
     ends = [i + len(sep) for sep in (b"\n\r\n", b"\n\n") if (i := buf.find(sep, start)) >= 0]
     return min(ends, default=-1)
+
+
+def _send_once_and_close(sock: socket.socket, answer: Answer) -> None:
+    """At most one non-blocking send of ``answer`` (a short error fits the socket's
+    buffer; a client that does not read loses it), then close: the loop never waits."""
+    try:
+        sock.send(response_bytes(answer))
+    except OSError:
+        pass
+    sock.close()
 
 
 def _send_within(sock: socket.socket, data: bytes, deadline: float) -> None:

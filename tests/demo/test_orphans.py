@@ -16,29 +16,27 @@ from helpers import until
 
 from remote_dspark.cli.main import main
 
+WORKER, PROXY, PEER = "worker", "remote_dspark.proxy_proc", "remote_dspark.bench.handoff.peer"
+
+# command -> the children it runs once under way (each named by a word of its command line)
 COMMANDS = {
-    "demo": ("demo", "--rounds", "1000000", "--slots", "16"),
-    "chaos": ("chaos", "--seconds", "600", "--slots", "16"),
-    "bench failover": ("bench", "failover", "--kills", "50", "--idle-s", "600"),
+    "demo": (("demo", "--rounds", "1000000", "--slots", "16"), (WORKER, PROXY)),
+    "chaos": (("chaos", "--seconds", "600", "--slots", "16"), (WORKER, PROXY)),
+    "bench failover": (("bench", "failover", "--kills", "50", "--idle-s", "600"), (WORKER, PROXY)),
+    "bench handoff": (("bench", "handoff", "--rounds", "100000000"), (PEER,)),
 }
 
 
-def _is_worker(p: psutil.Process) -> bool:
+def _runs(p: psutil.Process, word: str) -> bool:
     try:
-        return "worker" in p.cmdline()
+        return any(word in part for part in p.cmdline())
     except psutil.Error:
         return False
 
 
-def _is_proxy(p: psutil.Process) -> bool:
-    try:
-        return any("remote_dspark.proxy_proc" in part for part in p.cmdline())
-    except psutil.Error:
-        return False
-
-
-def _running(command: tuple[str, ...], log) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """The command started, once it runs a worker and a proxy; its descendants then."""
+def _running(name: str, log) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """The command started, once it runs the children it should; its descendants then."""
+    command, children = COMMANDS[name]
     proc = subprocess.Popen(
         [sys.executable, "-m", "remote_dspark", *command],
         stdin=subprocess.DEVNULL,
@@ -54,14 +52,14 @@ def _running(command: tuple[str, ...], log) -> tuple[subprocess.Popen, list[psut
         except psutil.Error:
             return []
 
-    ok = until(lambda: any(map(_is_worker, tree())) and any(map(_is_proxy, tree())), timeout=90.0, step=0.05)
+    ok = until(lambda: all(any(_runs(p, word) for p in tree()) for word in children), timeout=90.0, step=0.05)
     if not ok:
         proc.kill()
         proc.wait(10)
         for p in tree():
             p.kill()
         log.seek(0)
-        pytest.fail(f"{' '.join(command)} did not start its worker and proxy: {log.read()[-2000:]!r}")
+        pytest.fail(f"{name} did not start {children}: {log.read()[-2000:]!r}")
     return proc, tree()
 
 
@@ -82,7 +80,7 @@ def _end(proc: subprocess.Popen, tree: list[psutil.Process]) -> list[psutil.Proc
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_sigterm_stops_a_command_cleanly_and_leaves_no_process(name, tmp_path):
     with open(tmp_path / "log", "w+") as log:
-        proc, tree = _running(COMMANDS[name], log)
+        proc, tree = _running(name, log)
         proc.send_signal(signal.SIGTERM)
         alive = _end(proc, tree)
         log.seek(0)
@@ -90,11 +88,12 @@ def test_sigterm_stops_a_command_cleanly_and_leaves_no_process(name, tmp_path):
     assert alive == []
 
 
-def test_a_killed_demo_leaves_no_worker(tmp_path):
-    """SIGKILL runs no cleanup: the worker's --parent watch and the proxies' parent-death
-    signal end them."""
+@pytest.mark.parametrize("name", ["demo", "bench handoff"])
+def test_a_killed_command_leaves_no_process(name, tmp_path):
+    """SIGKILL runs no cleanup: the worker's --parent watch and the proxies' and the
+    handoff peers' parent-death signal end them."""
     with open(tmp_path / "log", "w+") as log:
-        proc, tree = _running(COMMANDS["demo"], log)
+        proc, tree = _running(name, log)
         proc.kill()
         alive = _end(proc, tree)
     assert alive == []
