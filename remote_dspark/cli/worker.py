@@ -127,8 +127,7 @@ def add_parser(sub) -> None:
     lm.add_argument(
         "--hf-model",
         metavar="DIR",
-        help="draft with the transformers causal LM saved in this local directory (never downloaded); "
-        "each round re-encodes every window",
+        help="draft with the transformers causal LM saved in this local directory (never downloaded)",
     )
     lm.add_argument(
         "--lm-device",
@@ -141,10 +140,20 @@ def add_parser(sub) -> None:
         type=int,
         default=1024,
         metavar="N",
-        help="--drafter lm (not --hf-model, which re-encodes every window each round): streams whose KV "
-        "cache is kept across rounds (default 1024; the least "
-        "recently used is dropped beyond; 0: none). Preallocated: N x 147456 bytes in float32 "
-        "at the default --window 64 (rows of 2 x window + 16 tokens)",
+        help="streams whose KV cache is kept across rounds (default 1024; the least recently used is "
+        "dropped beyond; 0: none, every round re-encodes every window). Preallocated at start: N x "
+        "--lm-row-tokens x what the model keeps per token (the built-in model: 147456 bytes a stream in "
+        "float32 at the default --window 64); refused when it does not fit the device's free memory",
+    )
+    lm.add_argument(
+        "--lm-row-tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tokens a stream's cache row holds (default 2 x --window + 16, at most the model's "
+        "positions): a stream grows in its row from its first window, and is re-encoded from its "
+        "current window (at its true positions) when the row is full. Longer rows keep more "
+        "history (the acceptance past the window, docs/benchmarks.md) for more memory",
     )
     p.add_argument(
         "--chaos",
@@ -223,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         hf_model=args.hf_model,
         lm_device=args.lm_device,
         lm_cache_slots=args.lm_cache_slots,
+        lm_row_tokens=args.lm_row_tokens,
         window=args.window,
     )
     faults = Faults(late_s=args.late_ms / 1000) if args.chaos else None

@@ -72,7 +72,7 @@ def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     from remote_dspark.drafter.lm.hf import dir_identity
 
     d = hf_drafter
-    assert d.vocab_size == 128 and d.markov_identity == bytes(32) and d.max_width == 64 - 16
+    assert d.vocab_size == 128 and d.markov_identity == bytes(32) and d.max_width == 2 * 16 + 16 - 16
     with pytest.raises(ValueError, match=r"^--hf-model .* \(--lm-device cpu\): the model has 64 positions, fewer"):
         load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=64)
     assert d.drafter_identity == dir_identity(hf_dir) and len(d.drafter_identity) == 32
@@ -125,7 +125,7 @@ def test_hf_drafts_through_a_worker_are_the_models_own_continuation_at_true_posi
     tokens at their positions in the sequence; numbered from the window's start instead
     (as if the sequence began there), the model continues otherwise."""
     window, k = 8, 3
-    d = load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=window)
+    d = load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=window, lm_cache_slots=0)
     seq = np.random.default_rng(3).integers(0, 128, 3 * window).tolist()
     with Worker(d, "127.0.0.1", 0, window=window) as w:
         c = connect(w.port, hello(d, vocab_size=128, num_spec=k))
@@ -152,4 +152,4 @@ def test_a_hello_whose_window_and_drafts_pass_the_models_positions_is_refused_na
         with pytest.raises(Refused, match=why) as e:
             connect(w.port, hello(d, vocab_size=128, num_spec=49))
         assert e.value.code == wire.REFUSE_LIMITS and w.statistics().refusals["limits"] == 1
-        connect(w.port, hello(d, vocab_size=128, num_spec=48)).close()
+        connect(w.port, hello(d, vocab_size=128, num_spec=d.max_width)).close()

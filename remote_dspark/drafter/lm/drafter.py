@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
-from .cache import Plan, SlotCache, uncached_plan
+from .cache import Plan, SlotCache, row_tokens, uncached_plan
 from .graphs import RoundGraphs, draft_steps, top2
 from .model import TinyLM
 
@@ -103,12 +103,7 @@ class LMDrafter:
                 f"window {window} (--window): the model has {c.max_positions} positions, "
                 "for a window and 16 drafts at least"
             )
-        self.max_tokens = max_tokens or min(2 * window + 16, c.max_positions)
-        if not window < self.max_tokens <= c.max_positions:
-            raise ValueError(
-                f"max_tokens {self.max_tokens}: must be in {window + 1}..{c.max_positions} "
-                "(more than the window; the model's positions)"
-            )
+        self.max_tokens = row_tokens(window, c.max_positions, max_tokens)
         # The widest round a row holds beside a whole window: the worker refuses a HELLO
         # whose num_spec is wider (worker.limits.hello_refusal), so no round fails for it.
         self.max_width = self.max_tokens - window

@@ -47,7 +47,13 @@ def dir_identity(path: Path) -> bytes:
     return h.digest()
 
 
-def load_hf(model_dir: str, device: str | torch.device | None = None, window: int = 64) -> HFDrafter:
+def load_hf(
+    model_dir: str,
+    device: str | torch.device | None = None,
+    window: int = 64,
+    cache_slots: int = 1024,
+    row_tokens: int | None = None,
+) -> HFDrafter:
     """The drafter of the transformers causal LM saved in ``model_dir``, for contexts of
     ``window`` tokens: its ``max_width`` is what the model's positions leave past a window
     (the worker refuses a HELLO whose num_spec is wider).
@@ -95,4 +101,6 @@ def load_hf(model_dir: str, device: str | torch.device | None = None, window: in
         device=dev,
         window=window,
         max_positions=positions,
+        cache_slots=cache_slots,
+        max_tokens=row_tokens,
     )
