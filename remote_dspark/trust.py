@@ -19,12 +19,14 @@ import os
 import stat
 
 
-def _owner_problem(what: str, where: str, st: os.stat_result) -> str | None:
-    """The owner rule both kinds share: this user or root."""
+def foreign_owner(what: str, where: str, uid: int) -> str | None:
+    """Why ``what`` (a file, a directory) at ``where``, owned by ``uid``, is not ours, or
+    None when it belongs to this user or to root: the ownership half of the rule, also
+    the stats file's directory check (whose writability rule differs: sticky ``/tmp``)."""
     me = os.getuid()
-    if st.st_uid not in (me, 0):
-        return f"{what} {where} belongs to uid {st.st_uid}, not to this user ({me}) or root"
-    return None
+    if uid in (me, 0):
+        return None
+    return f"{what} {where} belongs to uid {uid}, not to this user ({me}) or root"
 
 
 def untrusted_because(path: str) -> str | None:
@@ -37,8 +39,9 @@ def untrusted_because(path: str) -> str | None:
             return f"{what} {where}: {e.strerror}"
         if what == "file" and not stat.S_ISREG(st.st_mode):
             return f"{where} is not a regular file (a link or a device)"
-        if owner := _owner_problem(what, where, st):
-            return owner
+        foreign = foreign_owner(what, where, st.st_uid)
+        if foreign:
+            return foreign
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             return f"{what} {where} may be written by others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
@@ -65,7 +68,7 @@ def read_secret(path: str, cap: int) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path} is not a regular file")
-        if owner := _owner_problem("file", path, st):
+        if owner := foreign_owner("file", path, st.st_uid):
             raise ValueError(owner)
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ValueError(

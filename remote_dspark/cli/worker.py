@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -25,7 +26,8 @@ def add_parser(sub) -> None:
         help="run the reference remote drafter (tcp://) on loopback",
         description="Serve drafts over the wire contract. Prints the drafter and Markov "
         "identities at start: copy them into the engine's VLLM_DSPARK_REMOTE_IDENTITY "
-        "and VLLM_DSPARK_REMOTE_MARKOV_IDENTITY. Stops cleanly on SIGTERM or Ctrl-C.",
+        "and VLLM_DSPARK_REMOTE_MARKOV_IDENTITY. Stops cleanly on SIGTERM or Ctrl-C (and, "
+        "with --parent, when its parent is gone).",
     )
     p.add_argument(
         "--listen",
@@ -191,7 +193,31 @@ def add_parser(sub) -> None:
         metavar="HOST",
         help="address to serve them on (default 127.0.0.1: only loopback unless you say otherwise)",
     )
+    p.add_argument(
+        "--parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="stop (as on SIGTERM) when process PID, this worker's parent, is gone: for a "
+        "worker a tool starts as its child (the demo, chaos and the benchmarks pass their own pid), "
+        "so a killed tool leaves no worker behind",
+    )
     p.set_defaults(func=run)
+
+
+PARENT_POLL_S = 0.25  # how often a --parent worker looks at its parent
+
+
+def _wait_for_stop(done: threading.Event, parent: int | None) -> None:
+    """Return when SIGTERM or SIGINT set ``done``, or, with ``parent``, when this process's
+    parent is no longer ``parent`` (it died: the orphan was reparented). A poll of
+    ``getppid`` rather than ``PR_SET_PDEATHSIG``: the kernel ties that signal to the
+    thread that forked the child, and a tool may restart its worker from a short-lived
+    thread (chaos's timers), whose end would then kill a worker in use."""
+    while not done.wait(None if parent is None else PARENT_POLL_S):
+        if os.getppid() != parent:
+            logging.getLogger("remote_dspark.worker").warning("parent %d is gone: stopping", parent)
+            return
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.parent is not None and args.parent != os.getppid():
+        raise ValueError(f"--parent {args.parent}: not this worker's parent (pid {os.getppid()}), or it is gone")
     key = load_key(args.key_file, "--key-file") if args.key_file else None  # before any model loads
     identity = wire.parse_hex32(args.identity, "--identity") if args.identity else None
     drafter = load_drafter(
@@ -254,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:  # after the identities: harness.WorkerProcess reads those three lines first
         mhost = f"[{worker.metrics_host}]" if ":" in worker.metrics_host else worker.metrics_host
         print(f"  metrics on http://{mhost}:{worker.metrics_port}/metrics (and /healthz, /readyz)", flush=True)
-    done.wait()
+    _wait_for_stop(done, args.parent)
     worker.stop()
     s = worker.stats
     print(

@@ -217,8 +217,7 @@ class RemoteDSpark:
                     raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
                 self.state = EngineState.STARTING
             cfg = self.cfg
-            for warning in cfg.warnings():
-                log.warning("remote DSpark: %s", warning)
+            cfg.log_warnings()
             log.info(
                 "remote DSpark: n_out %s (%s)",
                 "by request count" if self.spec.n_out_table else f"= num_spec ({self.num_spec})",

@@ -13,6 +13,7 @@ child inherits (``pass_fds``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import select
@@ -25,7 +26,7 @@ from pathlib import Path
 from .. import native
 from . import handover
 
-log = logging.getLogger("remote_dspark.supervisor")
+log = logging.getLogger("remote_dspark.supervisor")  # spawning and ending proxies is the supervisor's work
 
 # What a proxy inherits of the engine's environment: the contract's variables, what an
 # interpreter needs to start, and what an ofl transport needs: where the dynamic loader
@@ -60,6 +61,19 @@ from remote_dspark.proxy_proc import main
 sys.exit(main())
 """
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding remote_dspark/
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
+    """In a child: ask the kernel for ``sig`` when its parent dies (``PR_SET_PDEATHSIG``;
+    Linux ties it to the thread that forked the child, so the parent forks from a thread
+    that lives as long as it does), and say whether the parent is still ``parent``:
+    False when it died before the request took effect, and the child should exit now.
+    The proxy process's (SIGTERM: it says BYE) and the benchmarks' answering peers'."""
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    return os.getppid() == parent
 
 
 def spawn_proxy(

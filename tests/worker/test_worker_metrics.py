@@ -34,6 +34,7 @@ from helpers import (
 )
 
 from remote_dspark import wire
+from remote_dspark.bench.metrics_hostile import TRICKLE_HEAD, GiantHeads, Tricklers
 from remote_dspark.cli import dashboard
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.contract import CacheInfo
@@ -441,30 +442,28 @@ def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_
         w.stop()
 
 
-def test_slow_clients_hold_at_most_the_request_cap_and_are_dropped_after_the_request_timeout(monkeypatch):
-    """Half-sent requests hold at most MAX_REQUESTS threads (a connection beyond them is
-    closed unanswered) and each only until REQUEST_TIMEOUT_S; then scrapes are served."""
-    from remote_dspark.worker import metrics as worker_metrics
-
-    monkeypatch.setattr(worker_metrics, "MAX_REQUESTS", 3)
-    monkeypatch.setattr(worker_metrics._Handler, "timeout", 0.5)
+def test_trickling_clients_never_hold_the_metrics_server():
+    """The attack: 24 clients each trickling a request a byte at a time (every byte well
+    within any per-read timeout). /metrics and /healthz are answered all along."""
     w = make()
-    slow = []
     try:
-        for _ in range(3):
-            s = socket.create_connection(("127.0.0.1", w.metrics_port), timeout=5)
-            s.sendall(b"GET /metr")  # never finished
-            slow.append(s)
-        assert until(lambda: w._metrics._server._slots._value == 0, timeout=5)
-        extra = socket.create_connection(("127.0.0.1", w.metrics_port), timeout=5)
-        extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
-        assert extra.recv(100) == b""  # closed unanswered: the cap is full
-        extra.close()
-        for s in slow:  # each dropped by the server after the request timeout
-            s.settimeout(5)
-            assert s.recv(100) == b""
-        assert until(lambda: get(w, "/healthz")[0] == 200, timeout=5)
+        with Tricklers(w.metrics_port, 24, interval_s=0.05) as t:
+            assert until(lambda: t.open_now() == 24 and t.bytes_sent > 24 * (len(TRICKLE_HEAD) + 2), timeout=10)
+            answers = [get(w, path)[0] for path in ("/metrics", "/healthz") * 10]
+        assert answers == [200] * 20
     finally:
-        for s in slow:
-            s.close()
+        w.stop()
+
+
+def test_huge_request_heads_are_refused_before_they_are_read_and_scrapes_go_on():
+    """The attack: 16 requests of 99 header lines of 64 KiB (6.3 MiB each). The server
+    stops reading each at its head cap (the client cannot even send it whole) and keeps
+    answering /metrics."""
+    w = make()
+    try:
+        with GiantHeads(w.metrics_port, 16) as g:
+            assert until(lambda: g.refused >= 16, timeout=30)
+            assert get(w, "/metrics")[0] == 200
+        assert g.held == 0
+    finally:
         w.stop()
