@@ -133,7 +133,7 @@ class LMDrafter:
             else None
         )
         self._lock = threading.Lock()
-        self._made = {"window": window, "graphs": graphs}
+        self.window, self._graphs_asked = window, graphs
 
     def sibling(self, cache_slots: int, max_tokens: int | None = None) -> LMDrafter:
         """A drafter of the same model (shared, not copied) with a cache of its own."""
@@ -142,8 +142,9 @@ class LMDrafter:
             identity=self.drafter_identity,
             device=self.device,
             cache_slots=cache_slots,
+            window=self.window,
             max_tokens=max_tokens,
-            **self._made,
+            graphs=self._graphs_asked,
         )
 
     def cache_info(self) -> CacheInfo:
