@@ -1,6 +1,6 @@
 /* hostflag.c: the hand-off primitives shared by the engine and the proxy process: the
- * ring's words, the CPU hand-off, sleeping when idle, the proxy's take and answer, and
- * the watchdog. The proxy's round on a TCP socket is in tcp_round.c; what both files
+ * ring's words, the CPU hand-off, the engine's sleep on `released`, the proxy's sleep
+ * when idle, the proxy's take and answer, and the watchdog. The proxy's round on a TCP socket is in tcp_round.c; what both files
  * share (the structs Python mirrors, the status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
@@ -9,8 +9,9 @@
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
  * claim word is a compare-and-swap, counters are relaxed fetch-adds. Everything a
- * claimer writes into a drafts slot is published by its release store of `released`
- * and read by the engine after its acquire load of that word.
+ * claimer writes into a drafts slot is published by its store of `released` (release,
+ * and sequentially consistent: see "the engine's sleep") and read by the engine after
+ * its acquire load of that word.
  *
  * Sequence words are 32-bit and compared cyclically: a >= b iff (int32_t)(a - b) >= 0,
  * so a run may start near 2^32 and wrap (the ring depth is a power of two, so
@@ -38,6 +39,13 @@ static void nap_ns(uint64_t ns)
 {
     struct timespec ts = { (time_t)(ns / 1000000000u), (long)(ns % 1000000000u) };
     nanosleep(&ts, NULL);
+}
+
+/* Every futex here is shared (no FUTEX_PRIVATE_FLAG): the words are in the memfd region
+ * that the engine's and the proxy's processes both map. */
+static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout)
+{
+    return syscall(SYS_futex, word, op, value, timeout, NULL, 0);
 }
 
 /* The ABI this file implements; the loader refuses a library built from another one. */
@@ -109,21 +117,81 @@ int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t
     }
 }
 
+/* ------------------------------------------------------------------ the engine's sleep
+ *
+ * The engine's CPU wait for `released` (the stand-in for the stream's hardware wait)
+ * spins spin_us, then sleeps on `released` itself as a futex word; `waiters`, on the
+ * same line, counts the engine threads asleep there. The order that loses no wake-up
+ * (docs/design.md, "The engine's wait"), every access sequentially consistent:
+ *   releaser: store released = r;          then load waiters, FUTEX_WAKE if nonzero
+ *   sleeper:  waiters += 1 (a full fence); then load released, FUTEX_WAIT(released, seen)
+ * In the one total order of these accesses either the releaser's store comes before the
+ * sleeper's load (the sleeper sees r and does not sleep) or the sleeper's increment
+ * comes before the releaser's load (the releaser wakes it). Between the sleeper's load
+ * and its FUTEX_WAIT the kernel closes the gap: FUTEX_WAIT sleeps only if the word
+ * still holds `seen` (else EAGAIN), checked under the lock FUTEX_WAKE takes. */
+
+/* Store `released = round` and wake the engine's sleepers, if any (a store and a load on
+ * the fast path; the syscall only when a waiter said it sleeps). `waiters` NULL: none. */
+static void release_store(uint32_t *released, uint32_t *waiters, uint32_t round)
+{
+    __atomic_store_n(released, round, __ATOMIC_SEQ_CST);
+    if (waiters && __atomic_load_n(waiters, __ATOMIC_SEQ_CST))
+        futex(released, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+/* Sleep until *word >= value (cyclic) or deadline_ns, counted in *waiters. HF_OK,
+ * HF_TIMEOUT, or HF_SYS (errno set) for a futex error other than a wake-up, a changed
+ * word (EAGAIN), a signal (EINTR) or the timeout. */
+static int sleep_geq(uint32_t *word, uint32_t *waiters, uint32_t value, uint64_t deadline_ns)
+{
+    int rc = HF_TIMEOUT;
+    __atomic_fetch_add(waiters, 1, __ATOMIC_SEQ_CST);
+    for (;;) {
+        uint32_t seen = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+        if (cyc_geq(seen, value)) {
+            rc = HF_OK;
+            break;
+        }
+        uint64_t now = hf_now_ns();
+        if (now >= deadline_ns)
+            break;
+        uint64_t left = deadline_ns - now;
+        struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
+        if (futex(word, FUTEX_WAIT, seen, &ts) && errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT) {
+            rc = HF_SYS;
+            break;
+        }
+    }
+    int err = errno;
+    __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST);
+    errno = err;
+    return rc;
+}
+
+/* The engine's wait for `released >= value`: spin spin_us, then, with nap_us > 0, nap
+ * between looks as hf_wait_geq does (ASYNC_NAP_US keeps its meaning), else sleep on the
+ * futex until a releaser wakes it; deadline_ns bounds both. `waiters` NULL: hf_wait_geq. */
+int hf_wait_released(uint32_t *released, uint32_t *waiters, uint32_t value, uint32_t spin_us, uint32_t nap_us,
+                     uint64_t deadline_ns)
+{
+    if (nap_us || !waiters)
+        return hf_wait_geq(released, value, spin_us, nap_us, deadline_ns);
+    uint64_t spin_end = hf_now_ns() + (uint64_t)spin_us * 1000u;
+    int rc = hf_wait_geq(released, value, 0, 0, spin_end < deadline_ns ? spin_end : deadline_ns);
+    if (rc != HF_TIMEOUT)
+        return rc;
+    return sleep_geq(released, waiters, value, deadline_ns);
+}
+
 /* ------------------------------------------------------------------ sleeping when idle
  *
  * The wake words, adjacent in the region's words page: wake[0] `published`, the last
  * round the engine's CPU handed over (written before the stream, or the CPU stand-in,
  * writes `gathered`), and wake[1] `sleeping`, 1 while the proxy sleeps on `published`.
- * Both sides use sequentially consistent accesses in the order that loses no wake-up:
- * the engine stores published then loads sleeping; the proxy stores sleeping then loads
- * published. One of them sees the other's store: the engine wakes a sleeper, or the
- * proxy sees the new round and does not sleep (and FUTEX_WAIT itself re-checks the
- * word). The futex is shared (no FUTEX_PRIVATE_FLAG): both processes map the memfd. */
-
-static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout)
-{
-    return syscall(SYS_futex, word, op, value, timeout, NULL, 0);
-}
+ * Both sides use sequentially consistent accesses in the order that loses no wake-up
+ * (the argument of "the engine's sleep" above, the roles swapped): the engine stores
+ * published then loads sleeping; the proxy stores sleeping then loads published. */
 
 /* Engine: round `round` is handed over; wake the proxy only if it said it sleeps (a
  * store and a load on the fast path, a syscall only on a wake-up). */
@@ -174,11 +242,11 @@ void hf_wake(uint32_t *word, uint32_t value)
     futex(word, FUTEX_WAKE, INT_MAX, NULL);
 }
 
-/* hf_wait_geq, and the CLOCK_MONOTONIC time of the look that ended it in *seen_ns. */
-int hf_wait_at(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us,
+/* hf_wait_released, and the CLOCK_MONOTONIC time of the look that ended it in *seen_ns. */
+int hf_wait_at(uint32_t *released, uint32_t *waiters, uint32_t value, uint32_t spin_us, uint32_t nap_us,
                uint64_t deadline_ns, uint64_t *seen_ns)
 {
-    int rc = hf_wait_geq(word, value, spin_us, nap_us, deadline_ns);
+    int rc = hf_wait_released(released, waiters, value, spin_us, nap_us, deadline_ns);
     *seen_ns = hf_now_ns();
     return rc;
 }
@@ -194,10 +262,10 @@ void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round, uint32
     __atomic_store_n(gathered, round, __ATOMIC_RELEASE);
 }
 
-/* One CPU hand-off: signal, then wait for `released >= round`. out_ns[0] is taken just
- * before the store of gathered, out_ns[1] just after released was seen, both here, so
- * the caller's wait for its GIL afterwards is not part of the measure. */
-int hf_handoff(uint32_t *gathered, uint64_t *gathered_ns, const uint32_t *released,
+/* One CPU hand-off: signal, then wait for `released >= round` (hf_wait_released). out_ns[0]
+ * is taken just before the store of gathered, out_ns[1] just after released was seen,
+ * both here, so the caller's wait for its GIL afterwards is not part of the measure. */
+int hf_handoff(uint32_t *gathered, uint64_t *gathered_ns, uint32_t *released, uint32_t *waiters,
                uint32_t round, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns,
                uint64_t *out_ns, uint32_t *wake)
 {
@@ -208,7 +276,7 @@ int hf_handoff(uint32_t *gathered, uint64_t *gathered_ns, const uint32_t *releas
         __atomic_store_n(gathered_ns, t0, __ATOMIC_RELAXED);
     __atomic_store_n(gathered, round, __ATOMIC_RELEASE);
     out_ns[0] = t0;
-    return hf_wait_at(released, round, spin_us, nap_us, deadline_ns, &out_ns[1]);
+    return hf_wait_at(released, waiters, round, spin_us, nap_us, deadline_ns, &out_ns[1]);
 }
 
 /* Take the right to answer `round`: exactly one caller gets HF_OK per round. Rounds are
@@ -227,17 +295,18 @@ int hf_claim(uint32_t *claim, uint32_t round)
     }
 }
 
-/* Publish `released = round` after a successful claim. The claimer of round - 1 may
- * still be between its claim and its release (a few instructions when it is the
- * watchdog): wait for it, so `released` only moves forward, one round at a time. */
-int hf_publish(uint32_t *released, uint32_t round, uint64_t deadline_ns)
+/* Publish `released = round` after a successful claim, waking the engine's sleepers
+ * (`waiters`, may be NULL). The claimer of round - 1 may still be between its claim and
+ * its release (a few instructions when it is the watchdog): wait for it, so `released`
+ * only moves forward, one round at a time. */
+int hf_publish(uint32_t *released, uint32_t *waiters, uint32_t round, uint64_t deadline_ns)
 {
     int rc = hf_wait_geq(released, round - 1, 20, 20, deadline_ns);
     if (rc != HF_OK)
         return rc;
     if (cyc_geq(__atomic_load_n(released, __ATOMIC_ACQUIRE), round))
         return HF_STATE;   /* somebody released a round this caller holds the claim of */
-    __atomic_store_n(released, round, __ATOMIC_RELEASE);
+    release_store(released, waiters, round);
     return HF_OK;
 }
 
@@ -261,7 +330,7 @@ int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status
     if (rc != HF_OK)
         return rc;
     hf_zero_drafts(ring, round, status);
-    return hf_publish(ring->released, round, deadline_ns);
+    return hf_publish(ring->released, ring->waiters, round, deadline_ns);
 }
 
 /* The C peer (the latency floor of the benchmark): answer `count` rounds from `first`,
@@ -372,13 +441,13 @@ int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
 /* Publish `round`; the clock is read (for hf_publish's wait) only when round - 1 is not
  * released yet, so the common case between seeing a round and releasing it touches
  * nothing but the ring's words. */
-static int publish_within(uint32_t *released, uint32_t round, uint64_t timeout_ns)
+static int publish_within(const struct hf_ring *ring, uint32_t round, uint64_t timeout_ns)
 {
-    if (__atomic_load_n(released, __ATOMIC_ACQUIRE) == round - 1) {
-        __atomic_store_n(released, round, __ATOMIC_RELEASE);
+    if (__atomic_load_n(ring->released, __ATOMIC_ACQUIRE) == round - 1) {
+        release_store(ring->released, ring->waiters, round);
         return HF_OK;
     }
-    return hf_publish(released, round, hf_now_ns() + timeout_ns);
+    return hf_publish(ring->released, ring->waiters, round, hf_now_ns() + timeout_ns);
 }
 
 /* Answer `round` with `status`: claim it, write its drafts slot, publish, count. With
@@ -422,7 +491,7 @@ int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const ui
     } else {
         hf_zero_drafts(ring, round, status);
     }
-    rc = publish_within(ring->released, round, p->publish_timeout_ns);
+    rc = publish_within(ring, round, p->publish_timeout_ns);
     if (rc != HF_OK)
         return rc;
     /* The engine has the round; the bookkeeping comes after. A later round's gather in
@@ -564,7 +633,7 @@ int hf_watchdog_release_orphans(void *handle, uint32_t status)
         if (cyc_geq(rel, claim))
             break;
         hf_zero_drafts(ring, rel + 1, status);
-        rc = hf_publish(ring->released, rel + 1, hf_now_ns() + 1000000000u);
+        rc = hf_publish(ring->released, ring->waiters, rel + 1, hf_now_ns() + 1000000000u);
         if (rc != HF_OK)
             break;
         n++;

@@ -23,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 12   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 13   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -35,6 +35,7 @@ struct hf_ring {
     uint32_t *gathered;      /* engine stream: last round gathered into staging */
     uint32_t *released;      /* claimer: last round whose drafts are published */
     uint32_t *claim;         /* CAS: last round claimed by the proxy, watchdog or engine */
+    uint32_t *waiters;       /* engine threads asleep on `released`: every release wakes them */
     uint64_t *gathered_ns;   /* [depth] CLOCK_MONOTONIC ns of each slot's gather; 0 = unknown */
     uint8_t *drafts;         /* drafts slot 0 */
     uint64_t drafts_stride;  /* bytes between drafts slots */

@@ -389,11 +389,11 @@ def test_claim_is_in_order_and_exactly_once_across_the_wrap(lib):
 
 def test_publish_waits_for_the_previous_round_and_never_goes_back(lib):
     rel = word(2**32 - 2)
-    assert lib.publish(addr(rel), 0, native.deadline_ns(0.002)) == Status.TIMEOUT  # 2^32-1 pending
+    assert lib.publish(addr(rel), None, 0, native.deadline_ns(0.002)) == Status.TIMEOUT  # 2^32-1 pending
     assert rel.value == 2**32 - 2
-    assert lib.publish(addr(rel), 2**32 - 1, native.deadline_ns(1)) == Status.OK
-    assert lib.publish(addr(rel), 0, native.deadline_ns(1)) == Status.OK
-    assert lib.publish(addr(rel), 0, native.deadline_ns(1)) == Status.STATE
+    assert lib.publish(addr(rel), None, 2**32 - 1, native.deadline_ns(1)) == Status.OK
+    assert lib.publish(addr(rel), None, 0, native.deadline_ns(1)) == Status.OK
+    assert lib.publish(addr(rel), None, 0, native.deadline_ns(1)) == Status.STATE
     assert rel.value == 0
 
 
@@ -401,7 +401,7 @@ def test_handoff_times_itself_in_c(lib):
     gathered, released, stamp = word(0), word(5), ctypes.c_uint64(0)
     out = (ctypes.c_uint64 * 2)()
     rc = lib.handoff(
-        addr(gathered), addr(stamp), addr(released), 5, 0, 0, native.deadline_ns(1), ctypes.addressof(out), None
+        addr(gathered), addr(stamp), addr(released), None, 5, 0, 0, native.deadline_ns(1), ctypes.addressof(out), None
     )
     assert rc == Status.OK and gathered.value == 5
     assert stamp.value == out[0] <= out[1]
