@@ -41,11 +41,22 @@ static void nap_ns(uint64_t ns)
     nanosleep(&ts, NULL);
 }
 
-/* Every futex here is shared (no FUTEX_PRIVATE_FLAG): the words are in the memfd region
- * that the engine's and the proxy's processes both map. */
+/* Shared futexes (no FUTEX_PRIVATE_FLAG): both processes map the memfd region. */
 static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout)
 {
     return syscall(SYS_futex, word, op, value, timeout, NULL, 0);
+}
+
+/* Sleep on `word` while it holds `seen`, until deadline_ns at the latest: FUTEX_WAIT's
+ * result (0 woken; -1 and errno), or 0 at once when the deadline has passed. */
+static long futex_sleep(uint32_t *word, uint32_t seen, uint64_t deadline_ns)
+{
+    uint64_t now = hf_now_ns();
+    if (now >= deadline_ns)
+        return 0;
+    uint64_t left = deadline_ns - now;
+    struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
+    return futex(word, FUTEX_WAIT, seen, &ts);
 }
 
 /* The ABI this file implements; the loader refuses a library built from another one. */
@@ -119,17 +130,13 @@ int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t
 
 /* ------------------------------------------------------------------ the engine's sleep
  *
- * The engine's CPU wait for `released` (the stand-in for the stream's hardware wait)
- * spins spin_us, then sleeps on `released` itself as a futex word; `waiters`, on the
- * same line, counts the engine threads asleep there. The order that loses no wake-up
- * (docs/design.md, "The engine's wait"), every access sequentially consistent:
+ * The engine's CPU wait for `released` spins spin_us, then sleeps on `released` itself;
+ * `waiters`, on its line, counts the engine threads asleep there. No wake-up is lost
+ * (docs/design.md, "A waiting engine sleeps"), every access sequentially consistent:
  *   releaser: store released = r;          then load waiters, FUTEX_WAKE if nonzero
  *   sleeper:  waiters += 1 (a full fence); then load released, FUTEX_WAIT(released, seen)
- * In the one total order of these accesses either the releaser's store comes before the
- * sleeper's load (the sleeper sees r and does not sleep) or the sleeper's increment
- * comes before the releaser's load (the releaser wakes it). Between the sleeper's load
- * and its FUTEX_WAIT the kernel closes the gap: FUTEX_WAIT sleeps only if the word
- * still holds `seen` (else EAGAIN), checked under the lock FUTEX_WAKE takes. */
+ * In their one total order the sleeper sees r, or the releaser sees the sleeper; and
+ * FUTEX_WAIT sleeps only while the word still holds `seen` (else EAGAIN). */
 
 /* Store `released = round` and wake the engine's sleepers, if any (a store and a load on
  * the fast path; the syscall only when a waiter said it sleeps). `waiters` NULL: none. */
@@ -141,8 +148,7 @@ static void release_store(uint32_t *released, uint32_t *waiters, uint32_t round)
 }
 
 /* Sleep until *word >= value (cyclic) or deadline_ns, counted in *waiters. HF_OK,
- * HF_TIMEOUT, or HF_SYS (errno set) for a futex error other than a wake-up, a changed
- * word (EAGAIN), a signal (EINTR) or the timeout. */
+ * HF_TIMEOUT, or HF_SYS (errno set): a futex error but EAGAIN, EINTR or ETIMEDOUT. */
 static int sleep_geq(uint32_t *word, uint32_t *waiters, uint32_t value, uint64_t deadline_ns)
 {
     int rc = HF_TIMEOUT;
@@ -153,19 +159,14 @@ static int sleep_geq(uint32_t *word, uint32_t *waiters, uint32_t value, uint64_t
             rc = HF_OK;
             break;
         }
-        uint64_t now = hf_now_ns();
-        if (now >= deadline_ns)
+        if (hf_now_ns() >= deadline_ns)
             break;
-        uint64_t left = deadline_ns - now;
-        struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
-        if (futex(word, FUTEX_WAIT, seen, &ts) && errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT) {
+        if (futex_sleep(word, seen, deadline_ns) && errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT) {
             rc = HF_SYS;
             break;
         }
     }
-    int err = errno;
-    __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST);
-    errno = err;
+    __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST);   /* errno stays the futex's */
     return rc;
 }
 
@@ -200,17 +201,6 @@ void hf_announce(uint32_t *wake, uint32_t round)
     __atomic_store_n(&wake[0], round, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&wake[1], __ATOMIC_SEQ_CST))
         futex(&wake[0], FUTEX_WAKE, INT_MAX, NULL);
-}
-
-/* Sleep on `word` while it holds `seen`, until deadline_ns at the latest. */
-static void futex_sleep(uint32_t *word, uint32_t seen, uint64_t deadline_ns)
-{
-    uint64_t now = hf_now_ns();
-    if (now >= deadline_ns)
-        return;
-    uint64_t left = deadline_ns - now;
-    struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
-    futex(word, FUTEX_WAIT, seen, &ts);   /* woken, changed (EAGAIN), timed out or EINTR */
 }
 
 /* Proxy: announce, re-check, sleep until a round is handed over (or deadline_ns). */
