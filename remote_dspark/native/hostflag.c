@@ -1,7 +1,8 @@
 /* hostflag.c: the hand-off primitives shared by the engine and the proxy process: the
  * ring's words, the CPU hand-off, the engine's sleep on `released`, the proxy's sleep
- * when idle, the proxy's take and answer, and the watchdog. The proxy's round on a TCP socket is in tcp_round.c; what both files
- * share (the structs Python mirrors, the status codes) is in hostflag.h.
+ * when idle, the proxy's take and answer, and the watchdog. The proxy's round on a TCP
+ * socket is in tcp_round.c; what both files share (the structs Python mirrors, the
+ * status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
  * layout is not known here; Python (remote_dspark.region.layout) computes it once and

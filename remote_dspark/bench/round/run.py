@@ -39,8 +39,9 @@ round announces every slot and is always a warm-up round.
 
 ``engine_cpu_ms`` is the median, over the measured rounds, of the engine thread's CPU
 per round (``time.thread_time()`` around ``round()``). For thread and process the wait
-for the round's release spins by design, so its own CPU (``rd.wait_cpu_s``, cumulative,
-kept by the engine) is taken out: what remains is the CPU the round costs the engine.
+for the round's release spins (``ASYNC_SPIN_US``, then it sleeps), so its own CPU
+(``rd.wait_cpu_s``, cumulative, kept by the engine) is taken out: what remains is the
+CPU the round costs the engine.
 For sync it is reported as is (its wait is a blocking receive).
 
 ``engine_cpu_per_wall`` (engine rows) is the engine process's CPU seconds (every
@@ -226,7 +227,7 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str) -> 
     rounds = opts.rounds_for(slots)
     feeder = Feeder(slots, opts.row_bytes)
     lat, cpu, outcomes = [], [], Counter()
-    spins = mode != "sync"  # async rounds wait spinning: their wait's CPU is taken out
+    spins = mode != "sync"  # async rounds' waits spin first: their wait's CPU is taken out
     with engine(worker, opts, mode, slots, stats_dir) as rd:
         for i in range(opts.warmup + rounds):
             if i == opts.warmup:
