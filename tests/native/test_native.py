@@ -378,6 +378,17 @@ def test_wait_geq_is_cyclic_and_times_out(lib):
     assert lib.wait_geq(addr(w), 2**31 + 2, 0, 0, native.deadline_ns(0.001)) == Status.TIMEOUT
 
 
+def test_wait_released_sleeps_to_its_deadline_and_leaves_no_waiter_counted(lib):
+    rel, waiters = word(5), word(0)
+    assert lib.wait_released(addr(rel), addr(waiters), 5, 0, 0, native.deadline_ns(1)) == Status.OK  # at once
+    # Not released: with spin 0 straight to the futex, back at its deadline, no longer counted.
+    assert lib.wait_released(addr(rel), addr(waiters), 6, 0, 0, native.deadline_ns(0.02)) == Status.TIMEOUT
+    assert waiters.value == 0
+    # A nap (ASYNC_NAP_US > 0) or no waiters word: the spin-then-nap wait, never the futex.
+    assert lib.wait_released(addr(rel), addr(waiters), 6, 0, 50, native.deadline_ns(0.02)) == Status.TIMEOUT
+    assert lib.wait_released(addr(rel), None, 2**32 - 3, 0, 0, native.deadline_ns(1)) == Status.OK  # cyclic
+
+
 def test_claim_is_in_order_and_exactly_once_across_the_wrap(lib):
     c = word(2**32 - 1)
     assert lib.claim(addr(c), 1) == Status.ORDER  # round 0 not claimed yet
