@@ -15,7 +15,6 @@ every idle tick in case the engine died before the request took effect), on SIGT
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -25,21 +24,12 @@ from collections.abc import Callable
 from . import native
 from .proxy import handover
 from .proxy.loop import IDLE_TICK_S, ProxyLoop
+from .proxy.spawn import die_with_parent
 from .region import shm
 
 log = logging.getLogger("remote_dspark.proxy")
 
 EXIT_ATTACH = 3  # the region could not be attached (or the library loaded)
-
-
-def _die_with_parent(parent: int) -> None:
-    """Ask the kernel for SIGTERM when the engine dies; exit now if it already has."""
-    PR_SET_PDEATHSIG = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        log.warning("proxy: prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
-    if os.getppid() != parent:
-        sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s proxy[{os.getpid()}] %(levelname)s %(message)s")
-    _die_with_parent(args.parent)
+    if not die_with_parent(args.parent):  # the engine died before the request took effect
+        return 0
     # A plain flag: the handler takes no lock. (An Event's set() would: a second SIGTERM,
     # e.g. the parent-death one right behind the supervisor's own, arriving while the
     # first handler holds it, deadlocks the proxy until its SIGKILL.)
@@ -91,14 +82,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def wait_for_promotion(region: shm.Region, lib: native.Native, should_stop: Callable[[], bool]) -> bool:
     """A standby proxy: interpreter started, imports done, library loaded, region mapped.
-    Say so (``standby_pid``), then sleep on ``standby_go`` until the supervisor stores this
-    pid there (promoted: True) or the proxy should stop (False). Until then it takes no
-    proxy role: it has not attached as the region's proxy, connected or said HELLO."""
+    Say so (``standby_pid``), then sleep on ``standby_go`` until the supervisor offers this
+    process the proxy role and it accepts (promoted: True), or the proxy should stop
+    (False). Accepting, in C from this wait, is the standby's proof that it is alive: an
+    offer it does not accept within the supervisor's limit is withdrawn, and then it never
+    takes the role. Until then it takes no proxy role: it has not attached as the region's
+    proxy, connected or said HELLO."""
     me, lay = os.getpid(), region.layout
     lib.store32(region.addr(lay.standby_pid), me)
     go = region.addr(lay.standby_go)
     while not should_stop():
-        if lib.standby_wait(go, me, native.deadline_ns(IDLE_TICK_S)) == me:
+        if lib.standby_wait(go, me, native.deadline_ns(IDLE_TICK_S)) == native.Status.OK:
             return True
     return False
 

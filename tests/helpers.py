@@ -198,8 +198,10 @@ def hello(w, **kw) -> wire.Hello:
     return wire.Hello(**fields)
 
 
-def connect(w, session=1, **kw) -> DraftClient:
-    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
+def connect(w, session=1, key=None, **kw) -> DraftClient:
+    """A client of worker ``w`` after its HELLO (authenticated with ``key``, a
+    ``transport.auth.Key``, when given)."""
+    return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0, key=key)
 
 
 def do_round(c, rid, entries):

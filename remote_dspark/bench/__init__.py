@@ -4,7 +4,7 @@ keeps its heavy imports inside the function that runs it."""
 
 def add_parsers(sub) -> None:
     """Register every benchmark's subcommand."""
-    from . import drafter, failover, worker_hostile
+    from . import acceptance, drafter, failover, metrics_hostile, worker_hostile
     from .handoff import run as handoff
     from .round import run as bench_round
 
@@ -12,4 +12,6 @@ def add_parsers(sub) -> None:
     bench_round.add_parser(sub)
     failover.add_parser(sub)
     worker_hostile.add_parser(sub)
+    metrics_hostile.add_parser(sub)
     drafter.add_parser(sub)
+    acceptance.add_parser(sub)

@@ -11,6 +11,11 @@ Rows (process mode, defaults otherwise, against a loopback worker process):
 - **stall**: SIGSTOP of the serving proxy, the same measure (the stall verdict, the
   kill, the replacement). ``--stalls`` times, standby on and off; the stopped proxy is
   resumed (SIGCONT) once it has been killed, so nothing stays stopped.
+- **frozen**: SIGSTOP of the ready standby, then SIGKILL of the serving proxy, the same
+  measure (the standby found silent and killed, a fresh proxy's start). ``--frozen``
+  times, standby on only.
+
+Every row also says the respawn-budget units each fault cost (at most one each).
 
 Each row waits for a new serving proxy (and, with the standby, a ready standby) before
 its next fault, so every fault lands on a steady engine.
@@ -23,7 +28,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 GOAL_IDLE_CORE = 0.02  # idle CPU of the proxy and of the engine process
 GOAL_KILL_P50_MS = 10.0  # SIGKILL -> first ok round, with the standby
@@ -37,6 +42,7 @@ class Row:
     name: str
     standby: bool
     samples_ms: list[float]
+    respawns: list[int] = field(default_factory=list)  # respawn-budget units each fault cost
 
     @property
     def p50(self) -> float:
@@ -56,6 +62,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--kills", type=int, default=10, help="SIGKILLs per row (default 10)")
     p.add_argument("--stalls", type=int, default=5, help="SIGSTOPs per row (default 5)")
+    p.add_argument(
+        "--frozen", type=int, default=3, help="SIGKILLs of the proxy with the standby SIGSTOPped (default 3)"
+    )
     p.add_argument("--idle-s", type=float, default=3.0, help="the idle measure's length, seconds (default 3)")
     p.add_argument("--slots", type=int, default=64, help="entries per round (default 64)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
@@ -63,8 +72,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.kills < 1 or args.stalls < 0 or args.idle_s <= 0 or not 1 <= args.slots <= 4096:
-        raise ValueError("--kills >= 1, --stalls >= 0, --idle-s > 0 and --slots in 1..4096")
+    if args.kills < 1 or args.stalls < 0 or args.frozen < 0 or args.idle_s <= 0 or not 1 <= args.slots <= 4096:
+        raise ValueError("--kills >= 1, --stalls >= 0, --frozen >= 0, --idle-s > 0 and --slots in 1..4096")
     from ..demo.harness import WorkerProcess
 
     worker = WorkerProcess()
@@ -75,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(measure_faults(worker, args.slots, "kill", args.kills, standby))
             if args.stalls:
                 rows.append(measure_faults(worker, args.slots, "stall", args.stalls, standby))
+        if args.frozen:
+            rows.append(measure_faults(worker, args.slots, "frozen", args.frozen, True))
     finally:
         worker.stop()
     report(idle, rows, args.json)
@@ -128,19 +139,25 @@ def measure_faults(worker, slots: int, kind: str, count: int, standby: bool) -> 
 
     rd, engine = _engine(worker, slots, standby)
     row = Row(kind, standby, [])
+    sup = rd.supervisor
     try:
         for _ in range(count):
             _settle(rd, engine, standby)
-            pid = rd.supervisor.up.pid
+            pid, left = sup.up.pid, sup.stats().budget_left
+            stopped = [pid] if kind == "stall" else []
+            if kind == "frozen":
+                stopped.append(sup.standby.proc.pid)
+                os.kill(stopped[-1], signal.SIGSTOP)
             t0 = time.perf_counter()
-            os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+            os.kill(pid, signal.SIGSTOP if kind == "stall" else signal.SIGKILL)
             try:
                 while engine.step().outcome is not Outcome.OK and time.perf_counter() - t0 < ROUND_LIMIT_S:
                     pass
                 row.samples_ms.append((time.perf_counter() - t0) * 1e3)
+                row.respawns.append(left - sup.stats().budget_left)
             finally:
-                if kind == "stall":
-                    _resume(pid)
+                for stopped_pid in stopped:
+                    _resume(stopped_pid)
     finally:
         rd.close()
     return row
@@ -172,6 +189,7 @@ def report(idle: dict, rows: list[Row], as_json: bool) -> None:
         ("idle proxy CPU <= 2% of a core", idle["proxy_core"] <= GOAL_IDLE_CORE),
         ("idle engine process CPU <= 2% of a core", idle["engine_core"] <= GOAL_IDLE_CORE),
     ]
+    goals.append(("every fault costs at most one respawn", all(n <= 1 for r in rows for n in r.respawns)))
     for r in rows:
         if r.standby and r.name == "kill":
             goals.append((f"SIGKILL -> ok p50 <= {GOAL_KILL_P50_MS:g} ms with the standby", r.p50 <= GOAL_KILL_P50_MS))
@@ -199,8 +217,14 @@ def report(idle: dict, rows: list[Row], as_json: bool) -> None:
         f"{idle['engine_core'] * 100:.2f}%; the first round after it {idle['first_round_ms']:.2f} ms "
         f"({idle['first_round_outcome']})"
     )
-    print(f"{'fault':<8}{'standby':<9}{'n':>4}{'p50 ms':>10}{'max ms':>10}   (fault -> first ok round)")
+    print(
+        f"{'fault':<8}{'standby':<9}{'n':>4}{'p50 ms':>10}{'max ms':>10}{'respawns':>10}"
+        "   (fault -> first ok round; budget units per fault, at most)"
+    )
     for r in rows:
-        print(f"{r.name:<8}{'on' if r.standby else 'off':<9}{len(r.samples_ms):>4}{r.p50:>10.1f}{r.worst:>10.1f}")
+        print(
+            f"{r.name:<8}{'on' if r.standby else 'off':<9}{len(r.samples_ms):>4}{r.p50:>10.1f}{r.worst:>10.1f}"
+            f"{max(r.respawns, default=0):>10}"
+        )
     for name, met in goals:
         print(f"goal {name}: {'met' if met else 'NOT met'}")

@@ -7,7 +7,9 @@ arguments and maps errors to exit codes (2: bad input or configuration).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,10 +44,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: raised in the main thread, so a command stops as on Ctrl-C, through every
+    ``with`` and ``finally`` on its way out (its worker stopped, its engine closed)."""
+
+
+class _SigtermStops:
+    """While a command runs, SIGTERM raises :class:`Terminated` in the main thread (once;
+    a command with a handler of its own, the worker's, replaces this one), and the
+    previous handler comes back afterwards. Off the main thread it does nothing (Python
+    sets handlers only there)."""
+
+    def __init__(self):
+        self._raised = False  # the first SIGTERM raised; later ones return, so the cleanup runs whole
+        self._previous = None
+        self._installed = threading.current_thread() is threading.main_thread()
+
+    def _handle(self, signum, frame) -> None:
+        # A handler that returns, not SIG_IGN, for the later ones: an ignored signal is
+        # inherited by a process spawned during the cleanup (a proxy's PDEATHSIG is SIGTERM).
+        if not self._raised:
+            self._raised = True
+            raise Terminated
+
+    def __enter__(self) -> _SigtermStops:
+        if self._installed:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; exit codes: its own, 2 for bad input, 130 after Ctrl-C, 143
+    after SIGTERM (each a clean stop)."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with _SigtermStops():
+            return int(args.func(args) or 0)
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except ValueError as e:  # bad input: a clear message, no traceback

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 
 from .. import wire
+from ..transport.auth import MIN_KEY, load_key
 from ..worker.drafters import load_drafter
 from ..worker.faults import LATE_S, Faults
 from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, DEFAULT_WINDOW, Limits, tokens_per_slot
@@ -24,7 +26,8 @@ def add_parser(sub) -> None:
         help="run the reference remote drafter (tcp://) on loopback",
         description="Serve drafts over the wire contract. Prints the drafter and Markov "
         "identities at start: copy them into the engine's VLLM_DSPARK_REMOTE_IDENTITY "
-        "and VLLM_DSPARK_REMOTE_MARKOV_IDENTITY. Stops cleanly on SIGTERM or Ctrl-C.",
+        "and VLLM_DSPARK_REMOTE_MARKOV_IDENTITY. Stops cleanly on SIGTERM or Ctrl-C (and, "
+        "with --parent, when its parent is gone).",
     )
     p.add_argument(
         "--listen",
@@ -86,6 +89,16 @@ def add_parser(sub) -> None:
         "Served connections are never closed for idling; TCP keepalive finds dead peers.",
     )
     adm.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="authenticate at HELLO with the pre-shared key in PATH: an engine is served only "
+        "once it proves it holds the same key (its VLLM_DSPARK_REMOTE_KEY_FILE), this worker "
+        "proves it too, and a failure is refused 'auth'; no cost per round. The file holds at "
+        f"least {MIN_KEY} bytes (whitespace around them ignored) and must be this user's or root's, "
+        "mode 0600 or stricter, not a link (else the worker does not start): (umask 077; openssl "
+        "rand -hex 32 > PATH). Default: none, every peer that reaches the port is served",
+    )
+    adm.add_argument(
         "--hello-timeout-ms",
         type=int,
         default=2000,
@@ -125,8 +138,8 @@ def add_parser(sub) -> None:
     lm.add_argument(
         "--hf-model",
         metavar="DIR",
-        help="draft with the transformers causal LM saved in this local directory (never downloaded); "
-        "each round re-encodes every window",
+        help="draft with the transformers causal LM saved in this local directory (never downloaded; "
+        "safetensors only, this user's or root's; refused when it does not fit in memory)",
     )
     lm.add_argument(
         "--lm-device",
@@ -139,10 +152,20 @@ def add_parser(sub) -> None:
         type=int,
         default=1024,
         metavar="N",
-        help="--drafter lm (not --hf-model, which re-encodes every window each round): streams whose KV "
-        "cache is kept across rounds (default 1024; the least "
-        "recently used is dropped beyond; 0: none). Preallocated: N x 147456 bytes in float32 "
-        "at the default --window 64 (rows of 2 x window + 16 tokens)",
+        help="streams whose KV cache is kept across rounds (default 1024; the least recently used is "
+        "dropped beyond; 0: none, every round re-encodes every window). Preallocated at start: N x "
+        "--lm-row-tokens x what the model keeps per token (the built-in model: 147456 bytes a stream in "
+        "float32 at the default --window 64); refused when it does not fit the device's free memory",
+    )
+    lm.add_argument(
+        "--lm-row-tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tokens a stream's cache row holds (default 2 x --window + 16, at most the model's "
+        "positions): a stream grows in its row from its first window, and is re-encoded from its "
+        "current window (at its true positions) when the row is full. Longer rows keep more "
+        "history (the acceptance past the window, docs/benchmarks.md) for more memory",
     )
     p.add_argument(
         "--chaos",
@@ -170,7 +193,31 @@ def add_parser(sub) -> None:
         metavar="HOST",
         help="address to serve them on (default 127.0.0.1: only loopback unless you say otherwise)",
     )
+    p.add_argument(
+        "--parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="stop (as on SIGTERM) when process PID, this worker's parent, is gone: for a "
+        "worker a tool starts as its child (the demo, chaos and the benchmarks pass their own pid), "
+        "so a killed tool leaves no worker behind",
+    )
     p.set_defaults(func=run)
+
+
+PARENT_POLL_S = 0.25  # how often a --parent worker looks at its parent
+
+
+def _wait_for_stop(done: threading.Event, parent: int | None) -> None:
+    """Return when SIGTERM or SIGINT set ``done``, or, with ``parent``, when this process's
+    parent is no longer ``parent`` (it died: the orphan was reparented). A poll of
+    ``getppid`` rather than ``PR_SET_PDEATHSIG``: the kernel ties that signal to the
+    thread that forked the child, and a tool may restart its worker from a short-lived
+    thread (chaos's timers), whose end would then kill a worker in use."""
+    while not done.wait(None if parent is None else PARENT_POLL_S):
+        if os.getppid() != parent:
+            logging.getLogger("remote_dspark.worker").warning("parent %d is gone: stopping", parent)
+            return
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.parent is not None and args.parent != os.getppid():
+        raise ValueError(f"--parent {args.parent}: not this worker's parent (pid {os.getppid()}), or it is gone")
+    key = load_key(args.key_file, "--key-file") if args.key_file else None  # before any model loads
     identity = wire.parse_hex32(args.identity, "--identity") if args.identity else None
     drafter = load_drafter(
         args.drafter,
@@ -195,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         hf_model=args.hf_model,
         lm_device=args.lm_device,
         lm_cache_slots=args.lm_cache_slots,
+        lm_row_tokens=args.lm_row_tokens,
         window=args.window,
     )
     faults = Faults(late_s=args.late_ms / 1000) if args.chaos else None
@@ -215,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         faults=faults,
+        key=key,
     )
     if faults is not None:  # before the first line: a chaos driver signals as soon as it reads it
         # Faults' changes take no lock, so they are safe in a signal handler (faults.py).
@@ -230,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:  # after the identities: harness.WorkerProcess reads those three lines first
         mhost = f"[{worker.metrics_host}]" if ":" in worker.metrics_host else worker.metrics_host
         print(f"  metrics on http://{mhost}:{worker.metrics_port}/metrics (and /healthz, /readyz)", flush=True)
-    done.wait()
+    _wait_for_stop(done, args.parent)
     worker.stop()
     s = worker.stats
     print(

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import wire
+from ..transport.auth import Key
 from ..transport.endpoint import Endpoint
 from .env import ENV_ENDPOINT, PREFIX, TABLE, raw_value, spell
 
 log = logging.getLogger("remote_dspark.config")
 
 CAP_MASKING_DEPTH_MODES = ("conf", "confb", "confr")
+LONG_WAIT_MS = 60_000  # a round deadline or watchdog past a minute is warned about (never capped)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class RemoteConfig:
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
     async_standby: bool = True
+    key: Key | None = None  # KEY_FILE's key: authentication at HELLO; None: none
 
     @property
     def watchdog_ms(self) -> int:
@@ -81,11 +84,27 @@ class RemoteConfig:
 
     def warnings(self) -> list[str]:
         """Settings the contract accepts but that cannot work as meant, each naming its
-        variables (logged at start, shown by ``check-config``). Parsing itself stays the
-        contract's: no upper bounds."""
-        if not self.async_mode:
-            return []
+        variables (logged at start by :meth:`log_warnings`, shown by ``check-config``).
+        Parsing itself stays the contract's: no upper bounds, and the watchdog's rule is
+        kept exactly, so a deadline past :data:`LONG_WAIT_MS` is only named here."""
         out = []
+        if self.timeout_ms > LONG_WAIT_MS:
+            out.append(
+                f"{PREFIX}TIMEOUT_MS={self.timeout_ms}: the round deadline is over a minute "
+                f"({self.timeout_ms / 1000:g} s); a round against a stopped worker holds its wait that long"
+            )
+        if not self.async_mode:
+            return out
+        if self.watchdog_ms > LONG_WAIT_MS:
+            source = (
+                f"{PREFIX}ASYNC_WATCHDOG_MS={self.async_watchdog_ms}"
+                if self.async_watchdog_ms
+                else f"max(4 x {PREFIX}TIMEOUT_MS={self.timeout_ms}, 200), {PREFIX}ASYNC_WATCHDOG_MS=0"
+            )
+            out.append(
+                f"the watchdog deadline is {self.watchdog_ms} ms ({source}), over a minute: a round "
+                "nobody answers (a stopped worker or proxy) is released target-only only after that long"
+            )
         if self.async_nap_us >= self.watchdog_ms * 1000:
             out.append(
                 f"{PREFIX}ASYNC_NAP_US={self.async_nap_us} is at or above the watchdog deadline "
@@ -99,6 +118,12 @@ class RemoteConfig:
                 "time, and three in a row read as a stalled proxy"
             )
         return out
+
+    def log_warnings(self) -> None:
+        """Log each of :meth:`warnings` (logger ``remote_dspark.config``): the engine's
+        start calls it, so an operator sees them where the engine logs."""
+        for warning in self.warnings():
+            log.warning("remote DSpark: %s", warning)
 
     def hello(
         self, engine_id: int, *, max_slots: int, row_bytes: int, num_spec: int, vocab_size: int = 0
@@ -118,10 +143,13 @@ class RemoteConfig:
 
     def to_json(self) -> str:
         """This configuration, as the engine hands it to its proxy (never re-parsed from
-        the environment there, so the two cannot differ)."""
+        the environment there, so the two cannot differ). It holds the key itself: the
+        document goes only through the hand-over pipe (``proxy.handover``), never to a
+        file, argv or the environment, and the proxy never reads the key file."""
         d = dataclasses.asdict(self)
         d["drafter_identity"] = self.drafter_identity.hex()
         d["markov_identity"] = self.markov_identity.hex()
+        d["key"] = None if self.key is None else {"path": self.key.path, "secret": self.key.secret.hex()}
         return json.dumps(d)
 
     @classmethod
@@ -136,6 +164,8 @@ class RemoteConfig:
             d["endpoint"] = Endpoint(**d["endpoint"])
             d["drafter_identity"] = bytes.fromhex(d["drafter_identity"])
             d["markov_identity"] = bytes.fromhex(d["markov_identity"])
+            if d["key"] is not None:
+                d["key"] = Key(d["key"]["path"], bytes.fromhex(d["key"]["secret"]))
             return cls(**d)
         except (TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"not a RemoteConfig document: {e}") from e

@@ -71,6 +71,10 @@ REMOTE_METRICS_PORT            0 (off)           serve /metrics on this port (an
 REMOTE_METRICS_ADDR            127.0.0.1         the exporter's address; loopback unless set
 REMOTE_ASYNC_STANDBY           1                 process mode: keep a warm standby proxy that
                                                  takes over in milliseconds (0 = none)
+REMOTE_KEY_FILE                (none: no         a pre-shared key (mode 0600 or stricter, this
+                               authentication)   user's or root's, not a link): engine and worker
+                                                 authenticate each other at HELLO; the worker's
+                                                 ``--key-file``. Beyond the reference contract
 =============================  ================  ==============================================
 
 Each variable is one ``Var`` of ``TABLE`` (its parser and default); :mod:`.api` builds
@@ -89,6 +93,7 @@ from typing import Any
 
 from .. import wire
 from ..native.build import ENV_LIB
+from ..transport.auth import load_key
 from ..transport.endpoint import ENV_OFL_DIR, check_bind, parse_endpoint
 
 POLICIES = ("shadow", "resilience", "capacity")
@@ -279,6 +284,7 @@ TABLE: tuple[Var, ...] = (
     Var(PREFIX + "METRICS_PORT", "metrics_port", _port, 0),
     Var(PREFIX + "METRICS_ADDR", "metrics_addr", _ip, "127.0.0.1"),
     Var(PREFIX + "ASYNC_STANDBY", "async_standby", _flag, True),
+    Var(PREFIX + "KEY_FILE", "key", load_key, None, show=lambda key: key.path if key else ""),
 )
 
 VARIABLES: tuple[str, ...] = tuple(v.name for v in TABLE)

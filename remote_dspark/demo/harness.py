@@ -128,7 +128,10 @@ def worker_limits(max_slots: int, row_bytes: int) -> tuple[str, ...]:
 
 
 class WorkerProcess:
-    """``remote-dspark worker --chaos`` on 127.0.0.1, as a child process.
+    """``remote-dspark worker --chaos`` on 127.0.0.1, as a child process that ends with
+    this one: :meth:`stop` (or the context's exit) ends it, and should this process end
+    without it (SIGKILL), the worker's ``--parent`` watch stops it within a quarter of a
+    second.
 
     Raises (at start): RuntimeError with the worker's stderr when it does not come up.
     """
@@ -162,6 +165,8 @@ class WorkerProcess:
                 "--chaos",
                 "--late-ms",
                 str(self.late_ms),
+                "--parent",  # it stops when this process is gone, however it ended
+                str(os.getpid()),
                 *self.extra,
             ],
             stdout=subprocess.PIPE,
@@ -179,7 +184,8 @@ class WorkerProcess:
         # The identities follow the first line at once (printed together).
         self.identity = self.proc.stdout.readline().strip().split("=", 1)[1]
         self.markov_identity = self.proc.stdout.readline().strip().split("=", 1)[1]
-        self.proc.stdout.close()
+        # stdout stays open until the worker is gone: a line it prints later (its metrics
+        # address) then waits in the pipe instead of failing the worker with EPIPE.
 
     def _line(self, timeout_s: float = START_TIMEOUT_S) -> str:
         """The worker's first line of stdout, or "" if none comes in time."""
@@ -214,7 +220,12 @@ class WorkerProcess:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
-            self.log.close()
+            self._closed()
+
+    def _closed(self) -> None:
+        """Its pipe and log closed, once it is gone."""
+        self.proc.stdout.close()
+        self.log.close()
 
     def stop(self) -> None:
         if self.proc is None:
@@ -225,7 +236,7 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.log.close()
+        self._closed()
 
     def __enter__(self):
         return self

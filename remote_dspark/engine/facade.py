@@ -217,8 +217,7 @@ class RemoteDSpark:
                     raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
                 self.state = EngineState.STARTING
             cfg = self.cfg
-            for warning in cfg.warnings():
-                log.warning("remote DSpark: %s", warning)
+            cfg.log_warnings()
             log.info(
                 "remote DSpark: n_out %s (%s)",
                 "by request count" if self.spec.n_out_table else f"= num_spec ({self.num_spec})",
@@ -271,7 +270,12 @@ class RemoteDSpark:
         """
         cfg = self.cfg
         DraftClient.connect(
-            cfg.endpoint, self.spec.hello(), wire.random_id(), cfg.connect_timeout_ms / 1000.0, self.spec.environ
+            cfg.endpoint,
+            self.spec.hello(),
+            wire.random_id(),
+            cfg.connect_timeout_ms / 1000.0,
+            self.spec.environ,
+            key=cfg.key,
         ).close()
 
     def register_metrics(self, registry) -> None:

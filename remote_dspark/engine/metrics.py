@@ -21,13 +21,13 @@ labels of low cardinality (outcome, cause, state, position < num_spec).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ..config.api import RemoteConfig
 from ..prom.families import Table, TableCollector, counter, gauge, histogram, info, one_hot
+from ..prom.serve import Answer, ScrapeServer
 from .stats import Stats
 
 PREFIX = "dspark_remote_"
@@ -200,7 +200,8 @@ TABLE: Table[Scrape] = Table(
         ),
         counter(
             "standby_failures",
-            "Standby proxies that died before their promotion (never from the respawn budget).",
+            "Standby proxies that died before their promotion, or were killed for not answering it "
+            "(never from the respawn budget).",
             lambda r: r.stats.supervisor.standby_failures,
             when=_supervised,
         ),
@@ -222,23 +223,23 @@ class RemoteDSparkCollector(TableCollector):
 
 
 class Exporter:
-    """``/metrics`` for an engine that serves none: a registry of its own, on loopback
-    unless told otherwise. ``close()`` stops it (idempotent)."""
+    """``/metrics`` for an engine that serves none: a registry of its own, served by a
+    :class:`~remote_dspark.prom.serve.ScrapeServer` (no client can hold it: a deadline on
+    the whole request, caps on the head, no thread until a request is whole), on
+    loopback unless told otherwise. ``close()`` stops it (idempotent)."""
 
     def __init__(self, rd, port: int, addr: str = "127.0.0.1"):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RemoteDSparkCollector(rd))
         try:
-            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+            self._server = ScrapeServer({"/metrics": self._metrics}, addr, port, name="engine-metrics")
         except OSError as e:
             raise ValueError(f"VLLM_DSPARK_REMOTE_METRICS_PORT={port} on {addr}: {e.strerror}") from e
-        self.port = self._server.server_port
+        self.port = self._server.port
         self.addr = addr
-        self._closed = threading.Event()
+
+    def _metrics(self) -> Answer:
+        return Answer(200, CONTENT_TYPE_LATEST, generate_latest(self.registry))
 
     def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(5.0)
+        self._server.close()

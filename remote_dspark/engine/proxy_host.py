@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from .. import wire
+from .. import native, wire
 from ..config.mode import Mode
 from ..proxy.loop import IDLE_TICK_S, ProxyLoop
 from ..proxy.spawn import proxy_environment, spawn_proxy
@@ -225,11 +225,14 @@ class ProcessHost(ProxyHost):
             standby=session is None,
         )
 
-    def _promote(self, pid: int, session: int) -> None:
-        """From the supervisor's thread: the standby ``pid`` becomes the proxy of ``session``."""
+    def _promote(self, pid: int, session: int, within_s: float) -> bool:
+        """From the supervisor's thread: offer the standby ``pid`` the role of the proxy of
+        ``session``; whether it accepted within ``within_s`` (the offer is withdrawn if
+        not, and it never takes the role)."""
         region, lib = self.path.region, self.path.lib
         self.path.end.header.set_session(session)
-        lib.wake(region.addr(region.layout.standby_go), pid)
+        rc = lib.standby_offer(region.addr(region.layout.standby_go), pid, native.deadline_ns(within_s))
+        return native.check(rc, f"promote the standby proxy pid {pid}") is native.Status.OK
 
     def _standby_ready(self, pid: int) -> bool:
         region = self.path.region
@@ -269,8 +272,9 @@ class ProcessHost(ProxyHost):
 
     def _on_change(self, state: Lifecycle) -> None:
         """From the supervisor's thread, under its lock: a lost proxy's rounds are
-        answered at once: those it held (orphans) as soon as it is down, so its successor
-        can release later rounds; those handed over and not taken (no proxy) once the
+        answered at once: those it held (orphans) as soon as it is down or the
+        supervisor is spent (either way no proxy process is left), so its successor can
+        release later rounds; those handed over and not taken (no proxy) once the
         successor is on its way (a promoted standby is woken first) or none will come."""
         if not isinstance(state, (Down, Starting, Spent)):
             return
@@ -278,7 +282,7 @@ class ProcessHost(ProxyHost):
         if not users.enter():  # closing: close() answers them
             return
         try:
-            if isinstance(state, Down):
+            if isinstance(state, (Down, Spent)):  # no proxy process left: what it held is orphaned
                 self.path.end.release_orphans()
                 # A proxy killed asleep leaves ``sleeping`` set: every round would pay a wake.
                 self.path.lib.store32(self.path.region.addr(self.path.region.layout.wake) + 4, 0)

@@ -7,6 +7,10 @@ the path may have been planted by another user, and:
   created ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a name planted there is never opened);
 * never replaces a file it does not own: what is at the path must be a regular file
   owned by the effective uid (or nothing);
+* refuses a directory that is neither this user's nor root's (``trust.foreign_owner``,
+  the package's one ownership rule): its owner may rename or unlink the file just
+  checked, or plant one between the check and the replace, whatever its mode says. The
+  default's ``/tmp`` is root's;
 * refuses a directory that others may write without the sticky bit (mode ``o+w`` or
   ``g+w`` and no ``+t``). There anyone with write access may rename or unlink the file
   just checked, or plant one between the check and the replace, so the two checks above
@@ -31,6 +35,8 @@ import json
 import os
 import stat
 
+from ..trust import foreign_owner
+
 __all__ = ["UnsafePath", "write_json_atomic"]
 
 MODE = 0o644
@@ -54,7 +60,8 @@ def write_json_atomic(
 
     Raises:
         UnsafePath (an OSError): a link, a non-regular file or another user's file at
-            ``path``, or a directory others may write without the sticky bit.
+            ``path``, a directory of another user (not root), or one others may write
+            without the sticky bit.
         TypeError, ValueError: ``doc`` cannot be serialised (nothing written).
         OSError: the directory cannot be opened or written.
     """
@@ -73,6 +80,9 @@ def write_json_atomic(
 
 
 def _check_directory(st: os.stat_result, directory: str, path: str) -> None:
+    foreign = foreign_owner("directory", directory, st.st_uid)
+    if foreign:
+        raise UnsafePath(errno.EPERM, f"refusing to write the stats file: its {foreign}", path)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
         raise UnsafePath(
             errno.EPERM,

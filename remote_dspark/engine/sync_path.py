@@ -69,6 +69,7 @@ class SyncPath:
             backoff_max_ms=cfg.backoff_max_ms,
             breaker=Breaker(cfg.trip, cfg.cooldown),
             environ=spec.environ,
+            key=cfg.key,
         )
         self._epoch = 0
         self._round_id = 0

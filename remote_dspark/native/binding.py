@@ -36,7 +36,7 @@ from pathlib import Path
 from .. import outcome, wire
 from .structs import LinkState, ProxyState, RingGeom
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -90,8 +90,8 @@ _FUNCS = {
     "snapshot64": ("hf_snapshot64", None, (_P, _P, _U32), False),
     "signal": ("hf_signal", None, (_P, _P, _U32, _P), False),
     "announce": ("hf_announce", None, (_P, _U32), False),
-    "standby_wait": ("hf_standby_wait", _U32, (_P, _U32, _U64), True),
-    "wake": ("hf_wake", None, (_P, _U32), False),
+    "standby_wait": ("hf_standby_wait", _I, (_P, _U32, _U64), True),
+    "standby_offer": ("hf_standby_offer", _I, (_P, _U32, _U64), True),
     "claim": ("hf_claim", _I, (_P, _U32), False),
     "zero_drafts": ("hf_zero_drafts", None, (_RING, _U32, _U32), False),
     "wait_geq": ("hf_wait_geq", _I, (_P, _U32, _U32, _U32, _U64), True),
@@ -152,7 +152,8 @@ def check(rc: int, what: str) -> Status:
 
 _MEANING = {
     Status.ORDER: "the previous round is not claimed yet; rounds are answered in order",
-    Status.STATE: "a sequence word went backwards or was released by a non-claimer",
+    Status.STATE: "a word holds a value its protocol forbids (a sequence word gone backwards, a release by a "
+    "non-claimer, a standby's promotion word changed by another writer)",
 }
 
 

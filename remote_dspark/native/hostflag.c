@@ -1,8 +1,8 @@
 /* hostflag.c: the hand-off primitives shared by the engine and the proxy process: the
  * ring's words, the CPU hand-off, the engine's sleep on `released`, the proxy's sleep
- * when idle, the proxy's take and answer, and the watchdog. The proxy's round on a TCP
- * socket is in tcp_round.c; what both files share (the structs Python mirrors, the
- * status codes) is in hostflag.h.
+ * when idle, the standby's promotion, and the proxy's take and answer. The proxy's round
+ * on a TCP socket is in tcp_round.c, the engine's watchdog thread in watchdog.c; what
+ * the files share (the structs Python mirrors, the status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
  * layout is not known here; Python (remote_dspark.region.layout) computes it once and
@@ -23,8 +23,6 @@
 #include "hostflag.h"
 
 #include <math.h>
-#include <pthread.h>
-#include <stdlib.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -213,24 +211,68 @@ static void sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadli
     __atomic_store_n(&wake[1], 0, __ATOMIC_RELAXED);
 }
 
-/* A standby proxy: sleep while *word is not `me` (its pid), until deadline_ns; the
- * word's value. The supervisor promotes a standby by storing its pid there and waking
- * it (hf_wake); a pid, not a flag, so the word never needs resetting for the next one. */
-uint32_t hf_standby_wait(uint32_t *word, uint32_t me, uint64_t deadline_ns)
+/* Store `value` into a futex word and wake whoever sleeps on it. */
+static void hf_wake(uint32_t *word, uint32_t value)
+{
+    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    futex(word, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+/* ------------------------------------------------------------------ the standby's promotion
+ *
+ * One futex word, `standby_go`, and a handshake on it with exactly one winner. The
+ * supervisor offers the proxy role to the standby whose pid is `pid` by storing `pid`
+ * and waking it; the standby accepts from its wait loop by a compare-and-swap
+ * pid -> pid | HF_ACCEPTED; the supervisor, at its deadline, withdraws an offer not
+ * accepted by a compare-and-swap pid -> 0. Both swaps expect `pid`, so one wins: an
+ * accepted standby is the proxy, and one whose offer was withdrawn never takes the role,
+ * whenever it runs again (a SIGSTOPped standby, resumed). A running standby answers
+ * within a futex wake-up; a stopped, hung or dying one cannot, and the supervisor ends
+ * it. A pid, not a flag, so the word never needs resetting between standbys; Linux pids
+ * are below 2^22, so the top bit is free. */
+
+#define HF_ACCEPTED 0x80000000u
+
+/* Standby: sleep while *word does not offer it the role (its pid `me`), until
+ * deadline_ns; accept an offer and wake the supervisor waiting for the answer. HF_OK:
+ * accepted (this process is the proxy now); HF_TIMEOUT: no offer by the deadline, or
+ * the offer was withdrawn first. */
+int hf_standby_wait(uint32_t *word, uint32_t me, uint64_t deadline_ns)
 {
     uint32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     if (v != me) {
         futex_sleep(word, v, deadline_ns);
         v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     }
-    return v;
+    if (v != me || !__atomic_compare_exchange_n(word, &v, me | HF_ACCEPTED, 0, __ATOMIC_SEQ_CST, __ATOMIC_ACQUIRE))
+        return HF_TIMEOUT;
+    futex(word, FUTEX_WAKE, INT_MAX, NULL);
+    return HF_OK;
 }
 
-/* Store `value` into a futex word and wake whoever sleeps on it. */
-void hf_wake(uint32_t *word, uint32_t value)
+/* Supervisor: offer the standby `pid` the role (what this thread stored before the call,
+ * the new session, is published to it), wake it, and wait until deadline_ns for its
+ * answer; withdraw the offer then if none came. HF_OK: accepted, the standby is the
+ * proxy; HF_TIMEOUT: withdrawn, it never will be (end it); HF_STATE: `pid` is not a pid,
+ * or another writer changed the word. */
+int hf_standby_offer(uint32_t *word, uint32_t pid, uint64_t deadline_ns)
 {
-    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
-    futex(word, FUTEX_WAKE, INT_MAX, NULL);
+    if (pid == 0 || (pid & HF_ACCEPTED))
+        return HF_STATE;
+    hf_wake(word, pid);
+    for (;;) {
+        uint32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (v == (pid | HF_ACCEPTED))
+            return HF_OK;
+        if (v != pid)
+            return HF_STATE;
+        if (hf_now_ns() >= deadline_ns) {
+            if (__atomic_compare_exchange_n(word, &v, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_ACQUIRE))
+                return HF_TIMEOUT;
+            continue;   /* accepted just now: the next look says so */
+        }
+        futex_sleep(word, pid, deadline_ns);
+    }
 }
 
 /* hf_wait_released, and the CLOCK_MONOTONIC time of the look that ended it in *seen_ns. */
@@ -514,136 +556,4 @@ int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t
     if (rc == HF_OK)
         *seen = 0;
     return rc;
-}
-
-/* ------------------------------------------------------------------ the watchdog */
-
-struct hf_watch {
-    struct hf_ring ring;
-    uint64_t *counter;       /* engine counters block: rounds this watchdog released */
-    uint32_t status;         /* drafts status written for those rounds */
-    uint64_t limit_ns;       /* release a round gathered this long ago and not released */
-    uint64_t poll_ns;        /* longest sleep between looks */
-    int stop;                /* under mu */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;       /* CLOCK_MONOTONIC; signalled by hf_watchdog_stop */
-    pthread_t thread;
-};
-
-/* Look once. Returns how long to sleep before the next look (0: look again now). The
- * watchdog only claims when no claim is in flight (claim == released), so its own
- * publish never waits; a round a live claimer holds is that claimer's to release. */
-static uint64_t watch_once(struct hf_watch *w, uint32_t *tracked, uint64_t *seen)
-{
-    const struct hf_ring *ring = &w->ring;
-    uint32_t rel = __atomic_load_n(ring->released, __ATOMIC_ACQUIRE);
-    uint32_t claim = __atomic_load_n(ring->claim, __ATOMIC_ACQUIRE);
-    uint32_t gathered = __atomic_load_n(ring->gathered, __ATOMIC_ACQUIRE);
-    uint64_t now = hf_now_ns();
-    if (claim != rel || cyc_geq(rel, gathered)) {
-        *seen = 0;
-        return w->poll_ns;
-    }
-    uint32_t r = rel + 1;
-    if (!*seen || *tracked != r) {  /* first look at this round: the fallback start */
-        *tracked = r;
-        *seen = now;
-    }
-    uint64_t t0 = __atomic_load_n(&ring->gathered_ns[r & (ring->depth - 1)], __ATOMIC_RELAXED);
-    uint64_t start = (t0 && t0 <= now) ? t0 : *seen;
-    if (now - start < w->limit_ns) {
-        uint64_t left = start + w->limit_ns - now;
-        return left < w->poll_ns ? left : w->poll_ns;
-    }
-    if (hf_release_empty(ring, r, w->status, now + w->limit_ns) == HF_OK)
-        __atomic_fetch_add(w->counter, 1, __ATOMIC_RELAXED);
-    *seen = 0;
-    return 0;
-}
-
-static void *watch_main(void *arg)
-{
-    struct hf_watch *w = arg;
-    uint32_t tracked = 0;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&w->mu);
-    while (!w->stop) {
-        uint64_t sleep = watch_once(w, &tracked, &seen);
-        if (!sleep)
-            continue;
-        uint64_t until = hf_now_ns() + sleep;
-        struct timespec ts = { (time_t)(until / 1000000000u), (long)(until % 1000000000u) };
-        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
-    }
-    pthread_mutex_unlock(&w->mu);
-    return NULL;
-}
-
-/* Start the watchdog thread. NULL on failure (errno set). The ring is copied. */
-void *hf_watchdog_start(const struct hf_ring *ring, uint64_t *counter, uint32_t status,
-                        uint64_t limit_ns, uint64_t poll_ns)
-{
-    struct hf_watch *w = calloc(1, sizeof(*w));
-    pthread_condattr_t ca;
-    if (!w)
-        return NULL;
-    w->ring = *ring;
-    w->counter = counter;
-    w->status = status;
-    w->limit_ns = limit_ns;
-    w->poll_ns = poll_ns ? poll_ns : 1000000u;
-    pthread_mutex_init(&w->mu, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&w->cv, &ca);
-    pthread_condattr_destroy(&ca);
-    int err = pthread_create(&w->thread, NULL, watch_main, w);
-    if (err) {
-        pthread_cond_destroy(&w->cv);
-        pthread_mutex_destroy(&w->mu);
-        free(w);
-        errno = err;
-        return NULL;
-    }
-    return w;
-}
-
-/* Release the rounds a dead claimer holds (claim ahead of released), empty with
- * `status`, under the watchdog's lock, so its own claim can never come between the
- * reads of released and claim. The number released, or -HF_STATE when released will not
- * move (a broken ring). Only once the claimer is known dead. */
-int hf_watchdog_release_orphans(void *handle, uint32_t status)
-{
-    struct hf_watch *w = handle;
-    const struct hf_ring *ring = &w->ring;
-    int n = 0, rc = HF_OK;
-    pthread_mutex_lock(&w->mu);
-    for (;;) {
-        uint32_t rel = __atomic_load_n(ring->released, __ATOMIC_ACQUIRE);
-        uint32_t claim = __atomic_load_n(ring->claim, __ATOMIC_ACQUIRE);
-        if (cyc_geq(rel, claim))
-            break;
-        hf_zero_drafts(ring, rel + 1, status);
-        rc = hf_publish(ring->released, ring->waiters, rel + 1, hf_now_ns() + 1000000000u);
-        if (rc != HF_OK)
-            break;
-        n++;
-    }
-    pthread_mutex_unlock(&w->mu);
-    return rc == HF_OK ? n : -rc;
-}
-
-/* Stop and join the watchdog thread, free it. */
-int hf_watchdog_stop(void *handle)
-{
-    struct hf_watch *w = handle;
-    pthread_mutex_lock(&w->mu);
-    w->stop = 1;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-    int err = pthread_join(w->thread, NULL);
-    pthread_cond_destroy(&w->cv);
-    pthread_mutex_destroy(&w->mu);
-    free(w);
-    return err ? HF_SYS : HF_OK;
 }

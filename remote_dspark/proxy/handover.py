@@ -4,7 +4,11 @@ never re-parses it. Both halves live here: :func:`write` in the engine,
 :func:`read` in the proxy.
 
 The document is JSON: ``{"engine_id": int, "vocab_size": int, "config": {...}}``, the
-configuration as :meth:`RemoteConfig.to_json` writes it.
+configuration as :meth:`RemoteConfig.to_json` writes it. With
+``VLLM_DSPARK_REMOTE_KEY_FILE`` set, the configuration holds the pre-shared key itself:
+this pipe is how the key reaches the proxy and the standby, so it is never on a command
+line (any local user reads it in ``/proc``) or in an environment (every child inherits
+it), and the proxy never opens the key file.
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ class ProxyLoop:
             environ=environ,
             on_connect=self._connected,
             on_context=self.end.header.set_context_tokens,
+            key=cfg.key,
         )
         self.rounds = TcpRounds(self.end, session=self.session, default_deadline_ms=cfg.timeout_ms)
         self._attached_epoch = 0  # the link epoch whose socket ``rounds`` holds (0: none)

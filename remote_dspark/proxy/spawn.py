@@ -1,8 +1,9 @@
 """How a proxy process starts: an isolated interpreter, working directory ``/``, an
 allowlisted environment, the region's fd and the engine's configuration handed over
 through a pipe; and how it ends: signalled through its pidfd and reaped with ``wait4``
-(:func:`reap`). :mod:`remote_dspark.supervise.supervisor` decides when; this module says
-how.
+(:func:`reap`: asked with SIGTERM by :func:`terminate`, or SIGKILLed by :func:`kill`),
+and where no child may be left, through its pid when its pidfd fails (:func:`end`).
+:mod:`remote_dspark.supervise.supervisor` decides when; this module says how.
 
 Why a fresh interpreter, never fork or multiprocessing: forking a CUDA-initialised
 engine is undefined, and multiprocessing's spawn re-imports the engine's ``__main__``
@@ -12,6 +13,8 @@ child inherits (``pass_fds``).
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import select
 import signal
@@ -22,6 +25,8 @@ from pathlib import Path
 
 from .. import native
 from . import handover
+
+log = logging.getLogger("remote_dspark.supervisor")  # spawning and ending proxies is the supervisor's work
 
 # What a proxy inherits of the engine's environment: the contract's variables, what an
 # interpreter needs to start, and what an ofl transport needs: where the dynamic loader
@@ -56,6 +61,19 @@ from remote_dspark.proxy_proc import main
 sys.exit(main())
 """
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding remote_dspark/
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:
+    """In a child: ask the kernel for ``sig`` when its parent dies (``PR_SET_PDEATHSIG``;
+    Linux ties it to the thread that forked the child, so the parent forks from a thread
+    that lives as long as it does), and say whether the parent is still ``parent``:
+    False when it died before the request took effect, and the child should exit now.
+    The proxy process's (SIGTERM: it says BYE) and the benchmarks' answering peers'."""
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    return os.getppid() == parent
 
 
 def spawn_proxy(
@@ -137,3 +155,38 @@ def terminate(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
     Its CPU seconds."""
     signal_child(pidfd, signal.SIGTERM)
     return reap(proc, pidfd, timeout_s)
+
+
+def kill(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
+    """SIGKILL ``proc`` now, then :func:`reap` it: for a child that could not be asked to
+    exit (a stopped process handles no SIGTERM until it is resumed; SIGKILL ends it
+    stopped). Its CPU seconds."""
+    signal_child(pidfd, signal.SIGKILL)
+    return reap(proc, pidfd, timeout_s)
+
+
+def kill_by_pid(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGKILL ``proc`` through its pid and reap it, waiting at most ``timeout_s``: for a
+    child that has no pidfd (``pidfd_open`` failed) or whose pidfd failed. Its pid cannot
+    name another process meanwhile: an unreaped child's pid is not reused. A SIGKILLed
+    child runs no more code; one the kernel holds past the wait is logged."""
+    proc.kill()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.error("proxy pid %d SIGKILLed and not reaped within %.1f s", proc.pid, timeout_s)
+
+
+def end(proc: subprocess.Popen, pidfd: int, timeout_s: float) -> float:
+    """:func:`terminate` ``proc``, whatever that raises: if the ending through its pidfd
+    fails (a bad descriptor), it is SIGKILLed through its pid and reaped
+    (:func:`kill_by_pid`) and the failure logged. For the paths that must leave no child
+    running (close, the way to Spent). Its CPU seconds; 0.0 when the fallback ran
+    (Popen's wait keeps no rusage)."""
+    try:
+        return terminate(proc, pidfd, timeout_s)
+    except Exception:
+        log.exception("ending proxy pid %d through its pidfd failed; killing it through its pid", proc.pid)
+        if proc.poll() is None:
+            kill_by_pid(proc, timeout_s)
+        return 0.0

@@ -67,7 +67,9 @@ compared cyclically, so a run may start near 2^32 and wrap)::
     P+0x500 4     published    engine CPU, before the stream writes gathered: the last
                                round handed over (a futex word: the idle proxy sleeps on it)
     P+0x504 4     sleeping     proxy: 1 while it sleeps on published (the engine wakes it)
-    P+0x580 4     standby_go   supervisor: nonzero promotes the standby proxy (its futex)
+    P+0x580 4     standby_go   the promotion handshake (a futex): the supervisor offers the
+                               role (the standby's pid), the standby accepts (pid | 1 << 31),
+                               the supervisor withdraws an offer not accepted (0)
     P+0x584 4     standby_pid  standby proxy: its pid once it is ready (0: none ready)
 
 Descriptor of round r (depth slot r % D), written by the engine (or, for metadata

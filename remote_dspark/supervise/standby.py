@@ -7,9 +7,19 @@ mapped the region, then sleeps on the region's ``standby_go`` futex word
 (``remote_dspark.proxy_proc.wait_for_promotion``). It takes no proxy role before its promotion: it has
 not attached as the region's proxy, connected or said HELLO (the worker would take a
 HELLO with this engine's id for a new session and drop the live one's windows). When
-the supervisor loses its proxy and its budget allows a respawn, it promotes the standby
-(``promote(pid, session)``: the new session in the header, then the standby's pid in
-``standby_go``, and a wake) and starts the next standby.
+the supervisor loses its proxy and its budget allows a respawn, it promotes a ready
+standby (``promote(pid, session, within_s)``: the new session in the header, then an
+offer of the role in ``standby_go``, which the standby accepts from its wait) and starts
+the next standby once the promoted one serves.
+
+A standby proves it is alive before it is promoted: it must accept the offer within
+``ANSWER_S`` (it answers within a futex wake-up, tens of microseconds). One that does
+not (SIGSTOPped, hung, its SIGKILL pending: alive to its pidfd, yet it would never
+serve) is never promoted: the offer is withdrawn (the native handshake has exactly one
+winner, so it cannot take the role later), it is killed and counted as a standby
+death, and the supervisor starts a fresh proxy on the same respawn. A standby still
+starting is not offered the role (it could not answer yet): the fresh proxy replaces
+it too.
 
 :class:`Standby` is owned by the supervisor and used only under its lock, from its
 watcher thread (and ``close``). A standby that dies before its promotion is replaced
@@ -24,7 +34,8 @@ the process and its pidfd are carried by the states that have one:
     Idle --spawn failed--+
     Starting --exit------+--> the GIVE_UP_AFTER-th in a row? --yes--> GivenUp
     Ready --exit---------+                                    --no---> Idle (a back-off)
-    Starting, Ready --promoted, or stopped--> Idle (no back-off)
+    Ready --silent when offered the role: killed--+ (a death, as above)
+    Ready --promoted, or stopped; Starting --stopped--> Idle (no back-off)
 """
 
 from __future__ import annotations
@@ -39,11 +50,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..proxy.spawn import reap, terminate
+from ..proxy.spawn import end, kill, kill_by_pid, reap
 
 log = logging.getLogger("remote_dspark.supervisor")
 
 GIVE_UP_AFTER = 3  # standbys dying in a row before none is kept
+# How long a ready standby has to accept its promotion. It answers within a futex
+# wake-up: 50 us at the median on the 2-core machine at load 6, 5.5 ms at worst over 30
+# promotions; the rest is room for a starved scheduler (a live standby found silent is
+# killed and counted as a death). A frozen one costs this before the fresh start, which
+# takes longer itself (0.1-0.5 s there).
+ANSWER_S = 0.05
+KILL_WAIT_S = 1.0  # for the exit of a standby SIGKILLed (silent when offered the role, or unwatchable)
 BACKOFF_S = 0.5  # before the next standby after one died; doubles each time
 
 
@@ -106,10 +124,13 @@ _NEXT: dict[type, tuple[type, ...]] = {
 
 @dataclass(frozen=True)
 class StandbyHooks:
-    """The engine side's part: start a standby process, promote one, see one ready."""
+    """The engine side's part: start a standby process, promote one, see one ready.
+    ``promote(pid, session, within_s)`` offers the standby the role of ``session``'s
+    proxy and says whether it accepted within ``within_s``; an offer it did not accept is
+    withdrawn, so the standby never takes the role."""
 
     spawn: Callable[[], subprocess.Popen]
-    promote: Callable[[int, int], None]  # (pid, session)
+    promote: Callable[[int, int, float], bool]  # (pid, session, within_s) -> accepted
     ready: Callable[[int], bool]  # pid -> has it said it is ready
 
 
@@ -157,18 +178,24 @@ class Standby:
         self._failed(state.in_a_row, f"exited with status {state.proc.returncode}")
 
     def take(self, session: int) -> tuple[subprocess.Popen, int] | None:
-        """Promote the standby to be the proxy of ``session``: its process and pidfd,
-        the caller's from now on; None when there is no standby. One that has exited is
-        never promoted; one whose SIGKILL is still pending looks alive to any check, and
-        if promoted is lost like any proxy."""
+        """Promote the ready standby to be the proxy of ``session``: its process and
+        pidfd, the caller's from now on; None when no standby is promoted. Only a ready
+        standby that proves it is alive, by accepting the role within ``ANSWER_S``, is
+        promoted: one that has exited is reaped, one that does not answer (stopped, hung,
+        its SIGKILL pending) is killed, each counted as a death; one still starting is
+        left to :meth:`keep`, which stops it while no proxy serves."""
         state = self.state
-        if not isinstance(state, (Starting, Ready)):
+        if not isinstance(state, Ready):
             return None
         if select.select([state.pidfd], [], [], 0)[0]:  # dead already (its exit not yet seen): not promoted
             self.died()
             return None
+        if not self._hooks.promote(state.proc.pid, session, ANSWER_S):
+            self.dead_cpu_s += kill(state.proc, state.pidfd, KILL_WAIT_S)
+            silent = f"pid {state.proc.pid} did not answer its promotion within {ANSWER_S * 1e3:g} ms"
+            self._failed(state.in_a_row, silent)
+            return None
         self._to(Idle(state.in_a_row))
-        self._hooks.promote(state.proc.pid, session)
         return state.proc, state.pidfd
 
     def close(self, timeout_s: float) -> None:
@@ -189,9 +216,10 @@ class Standby:
             return
         try:
             pidfd = os.pidfd_open(proc.pid)
-        except OSError as e:  # no fd left: a process nobody could watch is ended now
-            proc.kill()
-            proc.wait()
+        except BaseException as e:  # no fd left: a process nobody could watch is ended now
+            kill_by_pid(proc, KILL_WAIT_S)
+            if not isinstance(e, OSError):
+                raise
             self._failed(in_a_row, f"could not watch it: {e}")
             return
         self._to(Starting(proc, pidfd, in_a_row))
@@ -215,7 +243,8 @@ class Standby:
         self._to(Idle(in_a_row, self._clock() + delay))
 
     def _stop(self, timeout_s: float = 1.0) -> None:
+        """End the standby kept, if any, whatever its ending raises (``spawn.end``)."""
         state = self.state
         if isinstance(state, (Starting, Ready)):
-            self.dead_cpu_s += terminate(state.proc, state.pidfd, timeout_s)
+            self.dead_cpu_s += end(state.proc, state.pidfd, timeout_s)
             self._to(Idle(state.in_a_row))

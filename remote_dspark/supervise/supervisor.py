@@ -17,9 +17,18 @@ restart decision is made in one place (:meth:`Supervisor._lost`):
     Up --stall--> Killing(stall)
     Starting, Up --exit/signal---+
     Killing --its exit-----------+--> Down (the cause) --budget left?
-         --yes--> Starting (new proxy, new session)
+         --yes--> Starting (new proxy, new session: a promoted standby, or a fresh start)
          --no---> Spent (target-only from now on)
+    Down --the respawn failed--> Spent
+    any --the watcher failed--> Spent
     any --close()--> Closed
+
+Spent means what it says: no proxy process is left. Every way into it goes through
+:meth:`Supervisor._spend`, which first ends the proxy the state holds and the standby
+(whatever their ending raises: through the pid when the pidfd fails) and reaps them; the
+transition's listener then releases what a lost proxy held (orphan rounds) and the
+rounds handed over. A child is owned from its spawn: one that cannot be watched (no
+pidfd) is killed and reaped before the failure is raised.
 
 The process itself (its Popen and pidfd, a :class:`Child`) is held by the state that has
 a proxy (Starting, Up, Killing) and by nothing else: the transition out of those states
@@ -38,7 +47,6 @@ serving every round is target-only and released by the engine side at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import select
@@ -51,11 +59,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
-from ..proxy.spawn import reap, signal_child, terminate
+from ..proxy.spawn import end, kill_by_pid, reap, signal_child
 from .standby import Standby, StandbyHooks
 from .states import Cause, Child, Closed, Down, Killing, Lifecycle, Spent, Starting, Up
 
 log = logging.getLogger("remote_dspark.supervisor")
+
+END_S = 1.0  # how long a proxy or standby ended on the way to Spent has to exit on SIGTERM
 
 
 class RestartBudget:
@@ -93,7 +103,7 @@ class SupervisorStats:
     proxy_cpu_seconds: float  # CPU time of every proxy so far, the live one included
     standby: str = "off"  # the warm standby: off, none, starting or ready
     standby_spawns: int = 0
-    standby_failures: int = 0  # standbys that died before their promotion
+    standby_failures: int = 0  # standbys that died before their promotion, or were killed silent when offered it
 
 
 class Supervisor:
@@ -106,7 +116,8 @@ class Supervisor:
     With ``standby`` hooks it keeps a warm standby (:mod:`.standby`) while a proxy is up
     and the budget allows a respawn, and a loss promotes it instead of starting a
     process: a promotion is a respawn (it takes from the budget), a standby's own death
-    is not.
+    is not. A loss takes one unit of the budget whatever replaces the proxy: a standby
+    that does not prove it is alive is killed and a fresh proxy starts on the same unit.
 
     Invariants: at most one proxy process serves; every process spawned (standbys too)
     is reaped (no zombie) by the watcher or by :meth:`close`; ``state`` changes only in
@@ -168,7 +179,7 @@ class Supervisor:
                     self._spawn()
                 except BaseException as e:
                     failure.append(e)
-                    self._set(Spent(self._clock()))
+                    self._spend()
                 finally:
                     started.set()
             if not failure:
@@ -192,7 +203,7 @@ class Supervisor:
         if self._watcher is not None:
             self._watcher.join(timeout_s + 1.0)
         if child is not None:
-            cpu_s = terminate(child.proc, child.pidfd, timeout_s)
+            cpu_s = end(child.proc, child.pidfd, timeout_s)
             with self._lock:
                 self.dead_cpu_s += cpu_s
         if self.standby is not None:
@@ -244,13 +255,14 @@ class Supervisor:
         self._on_change(state)
 
     def _spawn(self) -> None:
+        """A new proxy, Starting from now; a failure after the process exists leaves it
+        ended (before Starting holds it) or held by the state (after)."""
         session = self._new_session()
         proc = self._spawn_fn(session)
         try:
             pidfd = os.pidfd_open(proc.pid)
-        except OSError:  # no fd left: a process nobody could watch is ended now
-            proc.kill()
-            proc.wait()
+        except BaseException:  # no fd left: a process nobody could watch is ended now
+            kill_by_pid(proc, END_S)
             raise
         self.spawns += 1
         self._set(Starting(Child(proc, pidfd), session, self._clock()))
@@ -289,27 +301,25 @@ class Supervisor:
                     # Supervision must not end silently with a proxy marked up: give up
                     # on proxies (target-only rounds), loudly, and keep nothing running.
                     log.exception("the proxy supervisor failed; every round is target-only from now on")
-                    self._give_up(sb)
+                    self._spend()
                     return
 
-    def _give_up(self, sb: Standby | None) -> None:
-        """End the proxy and the standby, then say Spent (Spent means none is left
-        running), whatever the ending raises: a failure here must not leave a proxy marked
-        up with no watcher."""
+    def _spend(self) -> None:
+        """The one way into Spent (the budget spent, a respawn or the first spawn failed,
+        the watcher failed): end the proxy the state still holds and the standby, each
+        whatever its ending raises, so that Spent says what it means, no proxy process
+        left; then the transition, whose listener releases the rounds the lost proxy held
+        (orphans) and those handed over. The listener's own failure is logged: the state
+        is Spent all the same, and the watcher carries on."""
         child = self._child()
+        if child is not None:
+            self.dead_cpu_s += end(child.proc, child.pidfd, END_S)
+        if self.standby is not None:
+            self.standby.close(END_S)
         try:
-            if child is not None:
-                self.dead_cpu_s += terminate(child.proc, child.pidfd, 1.0)
-            if sb is not None:
-                sb.close(1.0)
-        except Exception:
-            log.exception("ending the proxy after the supervisor's failure")
-            if child is not None and child.proc.poll() is None:
-                child.proc.kill()  # through the pid: its pidfd may be what failed
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.proc.wait(1.0)
-        finally:
             self._set(Spent(self._clock()))
+        except Exception:
+            log.exception("answering the lost proxy's rounds on the way to Spent")
 
     def _check_live(self, live: Starting | Up) -> None:
         now = self._clock()
@@ -349,7 +359,7 @@ class Supervisor:
         self.restarts[cause] += 1
         self._set(Down(cause, now))
         if not self.budget.take():
-            self._set(Spent(now))
+            self._spend()
             log.error(
                 "proxy lost (%s, status %s) and the respawn budget (%d) is spent: every round is "
                 "target-only from now on",
@@ -372,10 +382,11 @@ class Supervisor:
             self._spawn()
         except OSError as e:
             log.error("could not respawn the proxy: %s", e)
-            self._set(Spent(now))
+            self._spend()
 
     def _promote(self) -> bool:
-        """Make the standby the proxy, with a new session; False when there is none."""
+        """Make the standby the proxy, with a new session; False when none is promoted
+        (none is ready, or the one ready did not prove it is alive: :meth:`Standby.take`)."""
         session = self._new_session()
         taken = self.standby.take(session) if self.standby is not None else None
         if taken is None:

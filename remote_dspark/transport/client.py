@@ -4,21 +4,25 @@ Used by the proxy process and by synchronous rounds alike; torch-free. A reply t
 round that is no longer pending (its deadline passed earlier) is counted as late and
 dropped; any other surprise is a protocol error, and the caller drops the connection.
 
-What is checked here, before a reply goes further: the HELLO_ACK answers this HELLO (its
-session) and, accepting, names the identities the HELLO asked for (a worker serving
-another drafter or Markov model is never used); a DRAFTS is of this session and of the
-round waited for. Its content is the caller's ``check`` (``engine.reply.check_reply``
-in sync mode, ``hf_unpack`` on the proxy's ofl round); ``hf_round`` makes the same
-header checks in C (``recv_reply``).
+What is checked here, before a reply goes further: with a key (:mod:`.auth`), the worker
+proves it holds it before the engine proves it does (:mod:`remote_dspark.wire.auth`),
+and a worker that accepts without that proof is refused (:class:`AuthFailed`); the
+HELLO_ACK answers this HELLO (its session) and, accepting, names the identities the
+HELLO asked for (a worker serving another drafter or Markov model is never used); a
+DRAFTS is of this session and of the round waited for. Its content is the caller's
+``check`` (``engine.reply.check_reply`` in sync mode, ``hf_unpack`` on the proxy's ofl
+round); ``hf_round`` makes the same header checks in C (``recv_reply``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 from .. import wire
 from . import Disconnected, Endpoint, FrameChannel, connect
+from .auth import Key
 
 
 class Refused(Exception):
@@ -28,6 +32,15 @@ class Refused(Exception):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+
+
+class AuthFailed(Refused):
+    """The engine refuses the worker: it did not prove it holds the engine's key (it has
+    none, another one, or it is not the worker it claims to be). Handled as any refused
+    HELLO (the link backs off); ``code`` is ``wire.REFUSE_AUTH``."""
+
+    def __init__(self, reason: str):
+        super().__init__(wire.REFUSE_AUTH, reason)
 
 
 class DraftClient:
@@ -47,11 +60,14 @@ class DraftClient:
         session: int,
         timeout_s: float,
         environ: Mapping[str, str] | None = None,
+        key: Key | None = None,
     ) -> DraftClient:
-        """Connect and say HELLO, both within ``timeout_s``.
+        """Connect and say HELLO, both within ``timeout_s``; with ``key``, the two sides
+        authenticate each other first (:mod:`remote_dspark.wire.auth`).
 
         Raises:
-            Refused: the worker said no (identity, version, limits).
+            Refused: the worker said no (identity, version, limits, its key);
+                AuthFailed: the engine says no (the worker did not prove ``key``).
             TransportError: no connection or no answer in time.
             wire.ProtocolError: the answer was not a HELLO_ACK of this session, or it
                 accepted with other identities than the HELLO's.
@@ -59,24 +75,22 @@ class DraftClient:
         deadline = time.monotonic() + timeout_s
         chan = connect(endpoint, timeout_s, environ)
         try:
-            chan.send(wire.encode_hello(hello, session))
+            if key is not None:  # a fresh nonce for every connection
+                hello = dataclasses.replace(hello, nonce=wire.auth.new_nonce())
+            frame = wire.encode_hello(hello, session)
+            chan.send(frame)
             hdr, payload = chan.recv_frame(deadline)
-            if hdr.type != wire.HELLO_ACK:
-                raise wire.ProtocolError(f"{hdr.name} in answer to HELLO")
-            ack = wire.decode_hello_ack(payload)
-            if not ack.accepted:
-                raise Refused(ack.code, ack.reason)
-            if hdr.session != session:
-                raise wire.ProtocolError(f"HELLO_ACK of session {hdr.session:#x} in answer to session {session:#x}")
-            for what, asked, got in (
-                ("drafter", hello.drafter_identity, ack.drafter_identity),
-                ("Markov", hello.markov_identity, ack.markov_identity),
-            ):
-                if got != asked:
-                    raise wire.ProtocolError(
-                        f"HELLO_ACK accepts with {what} identity {bytes(got).hex()}, "
-                        f"the engine asked for {bytes(asked).hex()}"
-                    )
+            if hdr.type == wire.AUTH:
+                if key is None:
+                    raise wire.ProtocolError("AUTH in answer to a HELLO that asked for no authentication")
+                chan.send(_answer(key, session, memoryview(frame)[wire.HEADER.size :], hdr, payload))
+                hdr, payload = chan.recv_frame(deadline)
+            elif key is not None and hdr.type == wire.HELLO_ACK and wire.decode_hello_ack(payload).accepted:
+                raise AuthFailed(
+                    "the worker accepted without proving it holds the key (VLLM_DSPARK_REMOTE_KEY_FILE): "
+                    "a worker without --key-file, or not the worker it claims to be"
+                )
+            ack = _check_ack(hdr, payload, hello, session)
         except BaseException:
             chan.close()
             raise
@@ -130,3 +144,46 @@ class DraftClient:
         except Disconnected:
             pass
         self.chan.close()
+
+
+def _answer(key: Key, session: int, hello_payload, hdr: wire.Header, payload) -> bytes:
+    """The engine's AUTH frame, once the worker's AUTH (``hdr``, ``payload``) proved it
+    holds ``key`` over this HELLO and its own nonce.
+
+    Raises:
+        AuthFailed: the worker's proof does not hold.
+        wire.ProtocolError: not an AUTH of this session.
+    """
+    if hdr.session != session:
+        raise wire.ProtocolError(f"AUTH of session {hdr.session:#x} in answer to session {session:#x}")
+    nonce, proof = wire.auth.decode_challenge(payload)
+    if not wire.auth.proof_holds(key.secret, wire.auth.WORKER, session, hello_payload, nonce, proof):
+        raise AuthFailed(
+            "the worker's proof does not hold for the key of VLLM_DSPARK_REMOTE_KEY_FILE "
+            f"({key.path}): it holds another key, or none"
+        )
+    return wire.auth.encode_answer(
+        session, wire.auth.proof(key.secret, wire.auth.ENGINE, session, hello_payload, nonce)
+    )
+
+
+def _check_ack(hdr: wire.Header, payload, hello: wire.Hello, session: int) -> wire.HelloAck:
+    """The worker's HELLO_ACK to ``hello``, accepting with its identities.
+
+    Raises: Refused, wire.ProtocolError."""
+    if hdr.type != wire.HELLO_ACK:
+        raise wire.ProtocolError(f"{hdr.name} in answer to HELLO")
+    ack = wire.decode_hello_ack(payload)
+    if not ack.accepted:
+        raise Refused(ack.code, ack.reason)
+    if hdr.session != session:
+        raise wire.ProtocolError(f"HELLO_ACK of session {hdr.session:#x} in answer to session {session:#x}")
+    for what, asked, got in (
+        ("drafter", hello.drafter_identity, ack.drafter_identity),
+        ("Markov", hello.markov_identity, ack.markov_identity),
+    ):
+        if got != asked:
+            raise wire.ProtocolError(
+                f"HELLO_ACK accepts with {what} identity {bytes(got).hex()}, the engine asked for {bytes(asked).hex()}"
+            )
+    return ack

@@ -13,6 +13,9 @@ re-announces them (NEW_GEN). ``epoch`` counts connections so callers can do that
 eagerly. Each HELLO_ACK names the context the worker keeps per slot
 (``context_tokens``: the connection's, 0 while there is none); ``on_context`` hears it
 before a round can go out on the connection, and hears 0 when the connection is dropped.
+With a ``key`` every connection authenticates at HELLO (:mod:`remote_dspark.wire.auth`);
+a failure either way is a refused HELLO like any other: rounds stay target-only and the
+connector backs off.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from .. import wire
 from ..outcome import DROPS_CONNECTION, OUTCOME_OF, Outcome, RoundEvent
 from . import DeadlineExceeded, Endpoint, TransportError
+from .auth import Key
 from .breaker import Breaker
 from .client import DraftClient
 from .tcp import TcpStream
@@ -62,6 +66,7 @@ class RemoteLink:
         environ: Mapping[str, str] | None = None,
         on_connect: Callable[[], None] | None = None,
         on_context: Callable[[int], None] | None = None,
+        key: Key | None = None,
     ):
         self.endpoint = endpoint
         self.hello = hello
@@ -73,6 +78,7 @@ class RemoteLink:
         self.environ = environ
         self.on_connect = on_connect
         self.on_context = on_context
+        self.key = key
         self.epoch = 0  # successful HELLOs so far
         self.reconnects = 0  # successful HELLOs after the first
         self.attempts = 0  # rounds that used the network
@@ -94,8 +100,13 @@ class RemoteLink:
             Refused, TransportError, wire.ProtocolError: the first try failed; the
             caller decides (STRICT_START raises, otherwise :meth:`start_reconnecting`).
         """
-        client = DraftClient.connect(self.endpoint, self.hello, self.session, self.connect_timeout_s, self.environ)
-        self._install(client)
+        self._install(self._dial())
+
+    def _dial(self) -> DraftClient:
+        """One connection and its HELLO (authenticated with the key, if any)."""
+        return DraftClient.connect(
+            self.endpoint, self.hello, self.session, self.connect_timeout_s, self.environ, key=self.key
+        )
 
     def start_reconnecting(self) -> None:
         """Reconnect in the background after the current back-off."""
@@ -109,9 +120,7 @@ class RemoteLink:
     def _reconnect_loop(self) -> None:
         while not self._closed.wait(self._delay_ms / 1000.0):
             try:
-                client = DraftClient.connect(
-                    self.endpoint, self.hello, self.session, self.connect_timeout_s, self.environ
-                )
+                client = self._dial()
             except Exception as e:  # whatever it is, this thread must go on retrying
                 self._note_failure(f"reconnect to {self.endpoint} failed: {e}")
                 self._delay_ms = min(2 * self._delay_ms, self.backoff_max_ms)

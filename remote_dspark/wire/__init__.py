@@ -8,16 +8,19 @@ byte of payload is allocated or read; a frame that breaks any rule raises
 The contract is written out beside the code that encodes and checks each part: the
 header, the caps and the errors in :mod:`~remote_dspark.wire.frame`, ROUND in
 :mod:`~remote_dspark.wire.round`, DRAFTS in :mod:`~remote_dspark.wire.drafts`, and the
-handshake (HELLO, HELLO_ACK, BYE) in :mod:`~remote_dspark.wire.hello`. This module is
+handshake (HELLO, HELLO_ACK, BYE) in :mod:`~remote_dspark.wire.hello`, and the optional
+authentication at HELLO (AUTH, the proofs) in :mod:`~remote_dspark.wire.auth`. This module is
 the contract's one namespace: every name of it is ``wire.X``, whichever part defines it.
 """
 
 from __future__ import annotations
 
+from . import auth
 from .drafts import Drafts, DraftsSections, decode_drafts, drafts_sections, encode_drafts
 from .frame import (
     ACCEPT,
     ACK_STRUCT,
+    AUTH,
     BYE,
     DRAFTS,
     DRAFTS_FIXED,
@@ -37,7 +40,10 @@ from .frame import (
     MAX_ROW_BYTES,
     MAX_TOKENS,
     MAX_VOCAB,
+    NONCE_BYTES,
+    PROOF_BYTES,
     PROTOCOL_VERSION,
+    REFUSE_AUTH,
     REFUSE_DRAFTER,
     REFUSE_LIMITS,
     REFUSE_MALFORMED,
@@ -86,6 +92,7 @@ from .round import (
 __all__ = [
     "ACCEPT",
     "ACK_STRUCT",
+    "AUTH",
     "BYE",
     "BadReply",
     "DRAFTS",
@@ -113,8 +120,11 @@ __all__ = [
     "MAX_ROW_BYTES",
     "MAX_TOKENS",
     "MAX_VOCAB",
+    "NONCE_BYTES",
+    "PROOF_BYTES",
     "PROTOCOL_VERSION",
     "ProtocolError",
+    "REFUSE_AUTH",
     "REFUSE_DRAFTER",
     "REFUSE_LIMITS",
     "REFUSE_MALFORMED",
@@ -128,6 +138,7 @@ __all__ = [
     "STATUS_OK",
     "STATUS_RESYNC",
     "VersionMismatch",
+    "auth",
     "decode_drafts",
     "decode_header",
     "decode_hello",

@@ -6,7 +6,7 @@ Header (``HEADER``, 24 bytes)::
     offset size field
          0    4 magic          b"DSPW"
          4    2 version        PROTOCOL_VERSION
-         6    2 type           HELLO=1 HELLO_ACK=2 ROUND=3 DRAFTS=4 BYE=5
+         6    2 type           HELLO=1 HELLO_ACK=2 ROUND=3 DRAFTS=4 BYE=5 AUTH=6
          8    4 payload_len    <= MAX_PAYLOAD and the type's own cap
         12    8 session        the proxy's session (new for every proxy process)
         20    4 round          the round id (cyclic u32); 0 outside ROUND/DRAFTS
@@ -27,17 +27,17 @@ if sys.byteorder != "little":
     raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; this host is big-endian")
 
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 4  # what each version changed: docs/design.md, "Versions"
+PROTOCOL_VERSION = 5  # what each version changed: docs/design.md, "Versions"
 
-HELLO, HELLO_ACK, ROUND, DRAFTS, BYE = 1, 2, 3, 4, 5
-FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE"}
+HELLO, HELLO_ACK, ROUND, DRAFTS, BYE, AUTH = 1, 2, 3, 4, 5, 6
+FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE", AUTH: "AUTH"}
 
 FLAG_NEW_GEN = 1
 DRAFTS_MARGINS = 1
 STATUS_OK, STATUS_RESYNC = 0, 1
 
 # HELLO_ACK reason codes.
-ACCEPT, REFUSE_DRAFTER, REFUSE_MARKOV, REFUSE_VERSION, REFUSE_LIMITS, REFUSE_MALFORMED = range(6)
+ACCEPT, REFUSE_DRAFTER, REFUSE_MARKOV, REFUSE_VERSION, REFUSE_LIMITS, REFUSE_MALFORMED, REFUSE_AUTH = range(7)
 
 # Caps, checked before any allocation. A peer that needs more is refused, not served.
 MAX_PAYLOAD = 64 << 20
@@ -51,17 +51,20 @@ MAX_VOCAB = 1 << 31  # token ids are i32: a vocabulary of at most 2^31 ids
 
 HEADER = struct.Struct("<4sHHIQI")
 HELLO_STRUCT = struct.Struct("<32s32sQIIHBBI")
+NONCE_BYTES = 32  # an engine's or a worker's fresh nonce (authentication, wire.auth)
+PROOF_BYTES = 32  # an HMAC-SHA256 proof (wire.auth)
 ACK_STRUCT = struct.Struct("<BBH32s32sI")
 ROUND_FIXED = struct.Struct("<IIII")
 DRAFTS_FIXED = struct.Struct("<IHH")
 
 # The largest payload each frame type may announce (the header is refused above it).
 _TYPE_CAP = {
-    HELLO: HELLO_STRUCT.size,
+    HELLO: HELLO_STRUCT.size + NONCE_BYTES,  # the nonce only from an engine with a key
     HELLO_ACK: ACK_STRUCT.size + MAX_REASON,
     ROUND: MAX_PAYLOAD,
     DRAFTS: DRAFTS_FIXED.size + MAX_ENTRIES * (8 + 8 * MAX_N_OUT),
     BYE: 0,
+    AUTH: NONCE_BYTES + PROOF_BYTES,  # the worker's; the engine's is its proof alone
 }
 
 

@@ -1,7 +1,7 @@
 """The handshake: HELLO, HELLO_ACK and BYE (part of the wire contract,
 :mod:`remote_dspark.wire`).
 
-HELLO payload (``HELLO_STRUCT``, 88 bytes; protocol 3)::
+HELLO payload (``HELLO_STRUCT``, 88 bytes, then an engine's nonce: 120 bytes; protocol 5)::
 
     offset size field
          0   32 drafter identity
@@ -17,12 +17,15 @@ HELLO payload (``HELLO_STRUCT``, 88 bytes; protocol 3)::
                                MAX_VOCAB; 0: unknown. A worker whose drafter's vocabulary
                                is larger refuses the HELLO (REFUSE_DRAFTER, both sizes in
                                the reason); the engine refuses draft tokens outside it.
+        88   32 nonce          only from an engine with a key (VLLM_DSPARK_REMOTE_KEY_FILE):
+                               its fresh nonce, which asks the worker to authenticate
+                               (wire.auth); without a key the payload ends at 88 bytes
 
 HELLO_ACK payload (``ACK_STRUCT``, 72 bytes, then the reason; protocol 4)::
 
     offset size field
          0    1 accept          1 when the code is ACCEPT, else 0
-         1    1 reason code     ACCEPT or a REFUSE_*
+         1    1 reason code     ACCEPT or a REFUSE_* (REFUSE_AUTH: wire.auth)
          2    2 reason length   <= MAX_REASON
          4   32 drafter identity
         36   32 Markov identity
@@ -55,7 +58,8 @@ from .frame import (
     MAX_REASON,
     MAX_ROW_BYTES,
     MAX_VOCAB,
-    REFUSE_MALFORMED,
+    NONCE_BYTES,
+    REFUSE_AUTH,
     ProtocolError,
     encode_header,
     require,
@@ -96,6 +100,7 @@ class Hello:
     row_format: int = 0
     want_margin: bool = False
     vocab_size: int = 0  # 0: unknown
+    nonce: bytes = b""  # an engine with a key: its fresh nonce (NONCE_BYTES); b"": no key
 
 
 def encode_hello(h: Hello, session: int) -> bytes:
@@ -104,6 +109,7 @@ def encode_hello(h: Hello, session: int) -> bytes:
     require(0 <= h.row_bytes <= MAX_ROW_BYTES, f"row_bytes {h.row_bytes} over {MAX_ROW_BYTES}")
     require(0 < h.num_spec <= MAX_N_OUT, f"num_spec {h.num_spec} not in 1..{MAX_N_OUT}")
     require(0 <= h.vocab_size <= MAX_VOCAB, f"vocab_size {h.vocab_size} not in 0..{MAX_VOCAB}")
+    require(len(h.nonce) in (0, NONCE_BYTES), f"a nonce is {NONCE_BYTES} bytes, or none")
     payload = HELLO_STRUCT.pack(
         h.drafter_identity,
         h.markov_identity,
@@ -115,13 +121,16 @@ def encode_hello(h: Hello, session: int) -> bytes:
         int(h.want_margin),
         h.vocab_size,
     )
-    return encode_header(HELLO, len(payload), session) + payload
+    return encode_header(HELLO, len(payload) + len(h.nonce), session) + payload + h.nonce
 
 
 def decode_hello(payload) -> Hello:
-    if len(payload) != HELLO_STRUCT.size:
-        raise ProtocolError(f"HELLO payload of {len(payload)} bytes, expected {HELLO_STRUCT.size}")
-    d, m, engine_id, max_slots, row_bytes, num_spec, row_format, want, vocab = HELLO_STRUCT.unpack(payload)
+    if len(payload) not in (HELLO_STRUCT.size, HELLO_STRUCT.size + NONCE_BYTES):
+        raise ProtocolError(
+            f"HELLO payload of {len(payload)} bytes, expected {HELLO_STRUCT.size} (or "
+            f"{HELLO_STRUCT.size + NONCE_BYTES} with a nonce)"
+        )
+    d, m, engine_id, max_slots, row_bytes, num_spec, row_format, want, vocab = HELLO_STRUCT.unpack_from(payload)
     if not 0 < max_slots <= MAX_ENTRIES:
         raise ProtocolError(f"HELLO max_slots {max_slots} not in 1..{MAX_ENTRIES}")
     if row_bytes > MAX_ROW_BYTES:
@@ -132,7 +141,8 @@ def decode_hello(payload) -> Hello:
         raise ProtocolError(f"HELLO want_margin {want} is not 0 or 1")
     if vocab > MAX_VOCAB:
         raise ProtocolError(f"HELLO vocab_size {vocab} over the cap {MAX_VOCAB}")
-    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, bool(want), vocab)
+    nonce = bytes(payload[HELLO_STRUCT.size :])
+    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, bool(want), vocab, nonce)
 
 
 @dataclass(frozen=True)
@@ -167,7 +177,7 @@ def decode_hello_ack(payload) -> HelloAck:
     accept, code, n, d, m, context = ACK_STRUCT.unpack_from(payload)
     if len(payload) != ACK_STRUCT.size + n:
         raise ProtocolError(f"HELLO_ACK reason length {n} does not match the payload")
-    if accept != (code == ACCEPT) or code > REFUSE_MALFORMED:
+    if accept != (code == ACCEPT) or code > REFUSE_AUTH:
         raise ProtocolError(f"HELLO_ACK accept={accept} with reason code {code}")
     if context > MAX_CONTEXT or (accept and context == 0):
         raise ProtocolError(

@@ -11,7 +11,7 @@ Rules, each with its reason:
 - **Only a HELLO, under the HELLO's own cap.** The header is checked as soon as its 24
   bytes are in: another frame type, a bad magic or a length over the HELLO's cap drops
   the connection with one log line (``bad_frames``). Another protocol version is
-  answered with a REFUSE_VERSION ack, then closed.
+  refused (``on_refused``: a REFUSE_VERSION ack), then closed.
 - **A HELLO deadline** (``hello_timeout_s``, 2 s): an honest engine sends its HELLO right
   after connecting, so a connection still silent then is dropped (``hello_timeouts``).
 - **The pool has its own size** (``max_pending``): a new connection that finds it full
@@ -21,6 +21,14 @@ Rules, each with its reason:
   accepted and the next turn of this loop, which reads the pool before it accepts more
   (at most ``max_pending // 2`` accepts a turn). No limit per source address: an
   attacker may share the engine's host.
+- **With a key, the engine proves it before anything is given** (``key``,
+  :mod:`remote_dspark.wire.auth`): a HELLO without the engine's nonce, or an engine's
+  AUTH whose proof does not hold, is refused (``on_refused``: REFUSE_AUTH, the ``auth``
+  refusal) from this loop. The worker's AUTH (its nonce and proof, 88 bytes)
+  is sent from here without waiting (it fits any fresh socket's send buffer), and the
+  engine's answer is read into the same fixed buffer, under the same deadline. Only a
+  proven HELLO is handed over; until then the connection has no thread, no session and
+  no buffer beyond its own.
 - **A whole HELLO is handed over** (``on_hello``): the worker decides there, busy or
   served; this loop never waits for a served connection.
 
@@ -36,6 +44,7 @@ the listener keeps being served.
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import math
@@ -48,24 +57,43 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
+from ..transport.auth import Key
 from ..transport.tcp import enable_keepalive
 
 log = logging.getLogger("remote_dspark.worker")
 
 HELLO_FRAME = wire.HEADER.size + wire.frame_cap(wire.HELLO)
+ANSWER_FRAME = wire.HEADER.size + wire.PROOF_BYTES  # the engine's AUTH
+PENDING_BUFFER = HELLO_FRAME + ANSWER_FRAME  # all a pre-HELLO connection is ever given
+
+
+class Stage(enum.Enum):
+    """Where a pre-HELLO connection is."""
+
+    HELLO = "hello"  # reading its HELLO: the header, then the payload
+    ANSWER = "answer"  # the worker's AUTH sent: reading the engine's AUTH (a key only)
 
 
 @dataclass(eq=False)
 class _Pending:
-    """A connection that has not said HELLO yet."""
+    """A connection that has not said (and, with a key, proven) its HELLO yet. ``buf``
+    holds its HELLO frame from offset 0, then the engine's AUTH frame."""
 
     sock: socket.socket
     peer: object
     deadline: float
     buf: bytearray
-    got: int = 0
-    need: int = wire.HEADER.size  # the header, then the whole HELLO frame
-    header: wire.Header | None = None
+    stage: Stage = Stage.HELLO
+    start: int = 0  # where the frame being read begins in buf: the HELLO's, then the AUTH's
+    got: int = 0  # bytes of buf read so far
+    need: int = wire.HEADER.size  # read up to here: the frame's header, then the whole frame
+    header: wire.Header | None = None  # the header of the frame being read, once whole
+    hello: wire.Header | None = None  # the HELLO's header, once whole
+    nonce: bytes = b""  # the worker's nonce, once its AUTH is sent
+
+    def hello_payload(self) -> memoryview:
+        """The HELLO's payload (once whole)."""
+        return memoryview(self.buf)[wire.HEADER.size : wire.HEADER.size + self.hello.payload_len]
 
 
 @dataclass(frozen=True)
@@ -83,9 +111,12 @@ class Admission:
     """The accept loop and the pre-HELLO pool (``run`` is the loop; one thread).
 
     ``on_hello(sock, peer, header, payload)`` gets each whole HELLO (the socket still
-    non-blocking; the callee owns it from then on). ``on_version(sock, peer, error)`` gets
-    a connection whose header speaks another protocol version (its owner from then on).
-    ``count(name)`` is told of each drop, by the name of its counter.
+    non-blocking; the callee owns it from then on); with ``key``, each proven HELLO (the
+    module's docstring). ``on_refused(sock, peer, session, code, reason, why)`` gets a
+    connection refused at the door, to answer with ``code`` and ``reason`` and count
+    under ``why`` (its owner from then on): a header of another protocol version
+    (``version``) or a failed authentication (``auth``). ``count(name)`` is told of each
+    drop, by the name of its counter.
     """
 
     def __init__(
@@ -96,9 +127,10 @@ class Admission:
         max_pending: int,
         hello_timeout_s: float,
         on_hello: Callable,
-        on_version: Callable,
+        on_refused: Callable,
         count: Callable[[str], None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
+        key: Key | None = None,
     ):
         if max_pending < 1:
             raise ValueError(f"max_pending {max_pending}: must be >= 1")
@@ -108,7 +140,9 @@ class Admission:
         self.wake_fd = wake_fd
         self.max_pending = max_pending
         self.hello_timeout_s = hello_timeout_s
-        self.on_hello, self.on_version, self.count, self.clock = on_hello, on_version, count, clock
+        self.on_hello, self.on_refused, self.count, self.clock = on_hello, on_refused, count, clock
+        self.key = key
+        self._buffer = HELLO_FRAME if key is None else PENDING_BUFFER
         self._pool: OrderedDict[int, _Pending] = OrderedDict()  # fd -> pending, oldest first
         self._sel: selectors.BaseSelector | None = None
         self._n = dict(accepted=0, handed=0, hello_timeouts=0, displaced=0, bad_frames=0, closed=0)
@@ -177,7 +211,7 @@ class Admission:
                 oldest = next(iter(self._pool.values()))
                 log.debug("pre-HELLO pool full (%d): dropping the oldest, %s", self.max_pending, oldest.peer)
                 self._drop(oldest, "displaced")
-            p = _Pending(sock, peer, self.clock() + self.hello_timeout_s, bytearray(HELLO_FRAME))
+            p = _Pending(sock, peer, self.clock() + self.hello_timeout_s, bytearray(self._buffer))
             self._pool[sock.fileno()] = p
             self._sel.register(sock, selectors.EVENT_READ, p)
 
@@ -192,24 +226,90 @@ class Admission:
             self._drop(p, "closed")
             return
         p.got += n
-        if p.header is None and p.got == wire.HEADER.size:
-            try:
-                hdr = wire.decode_header(p.buf[: wire.HEADER.size])
-            except wire.VersionMismatch as e:
-                self._remove(p)
-                self.on_version(p.sock, p.peer, e)
-                return
-            except wire.ProtocolError as e:
-                self._bad(p, str(e))
-                return
-            if hdr.type != wire.HELLO:
-                self._bad(p, f"{hdr.name} of {hdr.payload_len} bytes before HELLO")
-                return
-            p.header, p.need = hdr, wire.HEADER.size + hdr.payload_len
+        if p.header is None and p.got == p.need and not self._judge_header(p):
+            return
         if p.header is not None and p.got == p.need:
+            if p.stage is Stage.HELLO:
+                self._hello_read(p)
+            else:
+                self._answer_read(p)
+
+    def _judge_header(self, p: _Pending) -> bool:
+        """The header of the frame being read is whole: True when the frame may go on
+        (``p.header`` set, ``p.need`` past its payload), False when the connection left
+        the pool (dropped as a bad frame, or refused for its protocol version)."""
+        try:
+            hdr = wire.decode_header(p.buf[p.start : p.start + wire.HEADER.size])
+        except wire.VersionMismatch as e:
+            if p.stage is not Stage.HELLO:
+                self._bad(p, f"{e}, after a HELLO of this version")
+                return False
             self._remove(p)
-            self._n["handed"] += 1
-            self.on_hello(p.sock, p.peer, p.header, bytes(p.buf[wire.HEADER.size : p.need]))
+            self.on_refused(p.sock, p.peer, 0, wire.REFUSE_VERSION, str(e), "version")
+            return False
+        except wire.ProtocolError as e:
+            self._bad(p, str(e))
+            return False
+        if p.stage is Stage.HELLO and hdr.type != wire.HELLO:
+            self._bad(p, f"{hdr.name} of {hdr.payload_len} bytes before HELLO")
+            return False
+        if p.stage is Stage.ANSWER and (
+            hdr.type != wire.AUTH or hdr.payload_len != wire.PROOF_BYTES or hdr.session != p.hello.session
+        ):
+            self._bad(
+                p,
+                f"{hdr.name} of {hdr.payload_len} bytes for session {hdr.session:#x} where the "
+                f"engine's AUTH ({wire.PROOF_BYTES} bytes, session {p.hello.session:#x}) was expected",
+            )
+            return False
+        p.header, p.need = hdr, p.start + wire.HEADER.size + hdr.payload_len
+        return True
+
+    def _hello_read(self, p: _Pending) -> None:
+        """A whole HELLO: handed over; with a key, challenged (the worker's AUTH sent) or,
+        without the engine's nonce, refused."""
+        p.hello = p.header
+        if self.key is None:
+            self._hand_over(p)
+            return
+        hello_payload = p.hello_payload()
+        if len(hello_payload) != wire.HELLO_STRUCT.size + wire.NONCE_BYTES:
+            self._refuse_auth(
+                p,
+                "this worker requires authentication (--key-file) and the HELLO carries no nonce: "
+                "set VLLM_DSPARK_REMOTE_KEY_FILE to a file holding this worker's key",
+            )
+            return
+        p.nonce = wire.auth.new_nonce()
+        proof = wire.auth.proof(self.key.secret, wire.auth.WORKER, p.hello.session, hello_payload, p.nonce)
+        frame = wire.auth.encode_challenge(p.hello.session, p.nonce, proof)
+        try:
+            sent = p.sock.send(frame)  # non-blocking: a fresh socket's buffer holds it whole
+        except OSError:
+            sent = 0
+        if sent != len(frame):
+            self._drop(p, "closed")
+            return
+        p.stage, p.start, p.header = Stage.ANSWER, p.need, None
+        p.need = p.start + wire.HEADER.size
+
+    def _answer_read(self, p: _Pending) -> None:
+        """The engine's AUTH, whole: a proof that holds hands the HELLO over; any other
+        is refused."""
+        proof = wire.auth.decode_answer(memoryview(p.buf)[p.start + wire.HEADER.size : p.need])
+        if wire.auth.proof_holds(self.key.secret, wire.auth.ENGINE, p.hello.session, p.hello_payload(), p.nonce, proof):
+            self._hand_over(p)
+        else:
+            self._refuse_auth(p, "the engine's proof does not hold for this worker's key: it holds another key")
+
+    def _hand_over(self, p: _Pending) -> None:
+        self._remove(p)
+        self._n["handed"] += 1
+        self.on_hello(p.sock, p.peer, p.hello, bytes(p.hello_payload()))
+
+    def _refuse_auth(self, p: _Pending, reason: str) -> None:
+        self._remove(p)
+        self.on_refused(p.sock, p.peer, p.hello.session, wire.REFUSE_AUTH, reason, "auth")
 
     def _expire(self) -> None:
         now = self.clock()

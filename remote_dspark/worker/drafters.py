@@ -25,12 +25,13 @@ def load_drafter(
     hf_model: str | None = None,
     lm_device: str | None = None,
     lm_cache_slots: int = 1024,
+    lm_row_tokens: int | None = None,
     window: int = 64,
 ) -> BatchedDrafter:
     """The drafter ``--drafter`` names: ``markov`` (the default: the ``--markov`` file,
     else the built-in model), ``lm`` (the built-in torch model, :mod:`remote_dspark.drafter.lm`,
-    on ``lm_device`` with ``lm_cache_slots`` cached streams and rows sized for the
-    worker's ``window``), or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a
+    on ``lm_device`` with ``lm_cache_slots`` cached streams in rows of ``lm_row_tokens``
+    tokens, None: sized for the worker's ``window``), or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a
     per-entry drafter); ``hf_model`` (``--hf-model DIR``) is a transformers model from that
     local directory. Batched either way (:func:`as_batched`). ``identity`` replaces the
     drafter identity of the Markov and model drafters.
@@ -45,7 +46,7 @@ def load_drafter(
             raise ValueError(f"--hf-model {hf_model!r} with --drafter {spec!r}: give one of them")
         if markov_path:
             raise ValueError(f"--markov {markov_path!r}: only for the Markov drafter")
-        drafter = _model_drafter(hf_model, lm_device, lm_cache_slots, window)
+        drafter = _model_drafter(hf_model, lm_device, lm_cache_slots, lm_row_tokens, window)
         if identity is not None:
             drafter.drafter_identity = identity
         return drafter
@@ -76,12 +77,16 @@ def load_drafter(
     return MarkovDrafter(model, identity)
 
 
-def _model_drafter(hf_model: str | None, device: str | None, cache_slots: int, window: int) -> BatchedDrafter:
+def _model_drafter(
+    hf_model: str | None, device: str | None, cache_slots: int, row_tokens: int | None, window: int
+) -> BatchedDrafter:
     """The built-in LM drafter, or the transformers one of ``hf_model``.
 
     Raises: ValueError naming the flag (torch missing, a bad device or cache size)."""
     if cache_slots < 0:
         raise ValueError(f"--lm-cache-slots {cache_slots}: must be >= 0 (0: no cache)")
+    if row_tokens is not None and row_tokens <= window:
+        raise ValueError(f"--lm-row-tokens {row_tokens}: must be more than --window {window}")
     if device not in (None, "auto", "cpu", "cuda"):
         raise ValueError(f"--lm-device {device!r}: expected auto, cpu or cuda")
     flag = f"--hf-model {hf_model!r}" if hf_model is not None else f"--drafter {LM}"
@@ -91,8 +96,8 @@ def _model_drafter(hf_model: str | None, device: str | None, cache_slots: int, w
         raise ValueError(f"{flag}: {e} (pip install remote-dspark[lm])") from e
     try:
         if hf_model is not None:
-            return lm.hf_drafter(hf_model, device, window)
-        return lm.builtin_drafter(device, cache_slots, window)
+            return lm.hf_drafter(hf_model, device, cache_slots, window, row_tokens)
+        return lm.builtin_drafter(device, cache_slots, window, row_tokens)
     except (ImportError, ValueError) as e:
         why = str(e).removeprefix(f"{flag}: ")  # the loader's own messages name the flag already
         raise ValueError(f"{flag} (--lm-device {device or 'auto'}): {why}") from e

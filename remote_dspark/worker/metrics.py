@@ -1,11 +1,13 @@
 """A watchable worker: ``/metrics``, ``/healthz`` and ``/readyz`` (``remote-dspark worker
 --metrics-port PORT``).
 
-One small HTTP server (``http.server.ThreadingHTTPServer``, a daemon thread, a thread
-per request) that :class:`~remote_dspark.worker.Worker` starts in ``start()`` when it has
-a metrics port and closes at the end of ``stop()``. It listens on loopback unless told
-otherwise (``--metrics-host``): like the worker's own port, nothing here is
-authenticated.
+One small HTTP server (:class:`~remote_dspark.prom.serve.ScrapeServer`: one selector
+thread reads requests under a deadline on the whole request and caps on the head, and
+only a whole request gets a thread, a few at once) that
+:class:`~remote_dspark.worker.Worker` starts in ``start()`` when it has a metrics port and
+closes at the end of ``stop()``. It listens on loopback unless told otherwise
+(``--metrics-host``): like the worker's own port, nothing here is authenticated, so no
+client may hold it (slow or oversized requests are dropped, never waited for).
 
 - ``/metrics``: Prometheus text exposition from :class:`WorkerCollector`, a custom
   collector read at scrape time: it walks :data:`TABLE`, one row per family
@@ -32,23 +34,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import socket
-import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ..drafter.contract import CacheInfo, cache_info_of, vocab_size_of
 from ..prom.families import Table, TableCollector, counter, gauge, histogram, info
+from ..prom.serve import Answer, ScrapeServer
 from .admission import AdmissionStats
 from .stats import REFUSAL_REASONS, WorkerStats
 
 log = logging.getLogger("remote_dspark.worker")
 
 PREFIX = "dspark_worker_"
-PATHS = ("/metrics", "/healthz", "/readyz")
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ TABLE: Table[Scrape] = Table(
             "HELLOs refused, by reason: drafter or markov (identity mismatch), "
             "vocab (the drafter's vocabulary is over the engine's), limits (beyond this worker's "
             "limits), version (another protocol version), busy (no served connection or no "
-            "engine place free).",
+            "engine place free), auth (the engine did not prove it holds this worker's key).",
             lambda r: {reason: r.stats.refusals[reason] for reason in REFUSAL_REASONS},
             labels=("reason",),
         ),
@@ -220,67 +219,11 @@ class WorkerCollector(TableCollector):
         super().__init__(TABLE, lambda: read(worker, start_time))
 
 
-MAX_REQUESTS = 16  # requests served at once; more connections are closed unanswered
-REQUEST_TIMEOUT_S = 5.0  # a request not whole by then is dropped (a slow client holds one thread, briefly)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    timeout = REQUEST_TIMEOUT_S
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            code, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry)
-        elif path in ("/healthz", "/readyz"):
-            h = self.server.worker.health()
-            ok = h.state == "serving" and (path == "/healthz" or h.ready)
-            code, ctype = (200 if ok else 503), "application/json"
-            body = (json.dumps(dataclasses.asdict(h)) + "\n").encode()
-        else:
-            code, ctype, body = 404, "text/plain; charset=utf-8", f"not found; try {', '.join(PATHS)}\n".encode()
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format, *args) -> None:  # a scrape every few seconds: no log line each
-        pass
-
-
-class _Server(ThreadingHTTPServer):
-    """A thread per request, at most MAX_REQUESTS at once (a flood of half-sent requests
-    holds at most that many threads, each for REQUEST_TIMEOUT_S)."""
-
-    daemon_threads = True  # a stuck client never holds the worker's exit
-    registry: CollectorRegistry
-    worker: object
-
-    def __init__(self, *args, **kw):
-        self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
-        super().__init__(*args, **kw)
-
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: closed, unanswered
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` of ``worker`` on ``host:port`` (0: any
-    free port; :attr:`port` is the bound one), served from a daemon thread until
+    free port; :attr:`port` is the bound one), served by a
+    :class:`~remote_dspark.prom.serve.ScrapeServer` (no client can hold it: a deadline on
+    the whole request, caps on the head, no thread until a request is whole) until
     :meth:`close` (idempotent, bounded).
 
     Raises:
@@ -292,23 +235,25 @@ class MetricsServer:
             raise ValueError(f"--metrics-port {port}: expected 0..65535")
         self.registry = CollectorRegistry(auto_describe=False)  # its own: never the global default registry
         self.registry.register(WorkerCollector(worker))
-        cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6}) if ":" in host else _Server
+        self._worker = worker
+        paths = {
+            "/metrics": self._metrics,
+            "/healthz": lambda: self._health(False),
+            "/readyz": lambda: self._health(True),
+        }
         try:
-            self._server = cls((host, port), _Handler)
+            self._server = ScrapeServer(paths, host, port, name="worker-metrics")
         except OSError as e:
             raise ValueError(f"--metrics-port {port} on {host}: {e.strerror}") from e
-        self._server.registry, self._server.worker = self.registry, worker
-        self.host, self.port = host, self._server.server_address[1]
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="worker-metrics", daemon=True
-        )
-        self._thread.start()
+        self.host, self.port = host, self._server.port
+
+    def _metrics(self) -> Answer:
+        return Answer(200, CONTENT_TYPE_LATEST, generate_latest(self.registry))
+
+    def _health(self, ready: bool) -> Answer:
+        h = self._worker.health()
+        ok = h.state == "serving" and (h.ready or not ready)
+        return Answer(200 if ok else 503, "application/json", (json.dumps(dataclasses.asdict(h)) + "\n").encode())
 
     def close(self, timeout_s: float = 5.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._server.shutdown()  # returns within poll_interval: serve_forever only dispatches
-        self._server.server_close()
-        self._thread.join(timeout_s)
+        self._server.close(timeout_s)

@@ -16,8 +16,9 @@ from ..histogram import HistogramCounter
 # Why a HELLO was refused, each refusal counted once under one (low cardinality: the
 # metrics' ``reason`` label): the drafter or Markov identity differs, the drafter's
 # vocabulary is over the engine's, the HELLO is beyond this worker's limits, another
-# protocol version, or busy (no served connection or no engine place free).
-REFUSAL_REASONS = ("drafter", "markov", "vocab", "limits", "version", "busy")
+# protocol version, busy (no served connection or no engine place free), or auth (the
+# worker has a key and the engine did not prove it holds it).
+REFUSAL_REASONS = ("drafter", "markov", "vocab", "limits", "version", "busy", "auth")
 
 
 @dataclass
@@ -44,7 +45,7 @@ class WorkerStats:
 
     @property
     def refused(self) -> int:
-        """HELLOs refused for anything but busy: identities, vocabulary, limits, version."""
+        """HELLOs refused for anything but busy: identities, vocabulary, limits, version, auth."""
         return sum(n for reason, n in self.refusals.items() if reason != "busy")
 
     @property

@@ -70,3 +70,32 @@ def test_a_tiny_run_reports_every_row_and_its_ratios(capsys):
             rows[key + ("per-entry",)]["p50_ms"] / rows[key + ("batched",)]["p50_ms"], 2
         )
     assert report["goals"] == []  # the goal is a CUDA one
+
+
+def test_a_random_transformers_model_is_named_by_its_shape_and_bad_shapes_are_refused(capsys):
+    from remote_dspark.bench.hf_models import parse_random
+
+    assert parse_random("gpt2:12x768") == ("gpt2", 12, 768)
+    for spec, culprit in (
+        ("gpt2", "expected KIND:LAYERSxWIDTH"),
+        ("bert:2x128", "unknown kind 'bert'"),
+        ("llama:2x100", "a multiple of 64"),
+        ("gpt2:0x128", "layers 1..64"),
+    ):
+        with pytest.raises(ValueError, match=culprit):
+            parse_random(spec)
+    assert cli.main(["bench", "drafter", "--hf-random", "gpt2:x"]) == 2
+    assert "--hf-random 'gpt2:x'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_transformers_model_gets_its_rows_beside_the_built_in_models(capsys):
+    pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
+    argv = ["--entries", "2", "--devices", "cpu", "--rounds", "2", "--warmup", "0", "--num-spec", "2"]
+    assert cli.main(["bench", "drafter", *argv, "--hf-random", "llama:1x64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {(r["drafter"], r["mode"]) for r in report["rows"]}
+    assert rows == {(d, m) for d in ("lm", "llama:1x64") for m in bd.MODES}
+    assert all(r["device"] == "cpu" and r["entries"] == 2 and r["p50_ms"] > 0 for r in report["rows"])
+    assert {r["drafter"] for r in report["ratios"]} == {"lm", "llama:1x64"}
+    assert report["goals"] == []  # the transformers goals are at 64 (CPU) and 256 (CUDA) entries

@@ -140,6 +140,47 @@ def test_settings_that_work_have_no_warning(env, capsys, settings):
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "settings,names",
+    [
+        # the contract's largest TIMEOUT_MS: the derived watchdog is kept exactly (4 x it, days)
+        (
+            {"ASYNC": "1", "TIMEOUT_MS": "2147483647"},
+            (("TIMEOUT_MS=2147483647", "round deadline"), ("8589934588 ms", "TIMEOUT_MS=2147483647")),
+        ),
+        ({"ASYNC": "1", "TIMEOUT_MS": "15001"}, (("60004 ms", "TIMEOUT_MS=15001", "ASYNC_WATCHDOG_MS=0"),)),
+        ({"ASYNC": "1", "ASYNC_WATCHDOG_MS": "60001"}, (("60001 ms", "ASYNC_WATCHDOG_MS=60001"),)),
+        ({"ASYNC": "0", "TIMEOUT_MS": "60001"}, (("TIMEOUT_MS=60001", "round deadline"),)),
+    ],
+)
+def test_a_deadline_over_a_minute_is_named_and_kept(env, capsys, settings, names):
+    """A round deadline or an effective watchdog over a minute (the contract accepts
+    them; the watchdog is max(4 x TIMEOUT_MS, 200) exactly) is a warning naming the
+    values, one per deadline."""
+    env.setenv(P + "POLICY", "capacity")
+    for k, v in settings.items():
+        env.setenv(P + k, v)
+    assert check_config("--json") == 0
+    out = capsys.readouterr()
+    warnings = [line for line in out.err.splitlines() if "warning" in line]
+    assert len(warnings) == len(names), warnings
+    for warning, parts in zip(warnings, names):
+        assert all(part in warning for part in parts), (warning, parts)
+    timeout = int(settings.get("TIMEOUT_MS", "50"))
+    expected = int(settings.get("ASYNC_WATCHDOG_MS", 0)) or max(4 * timeout, 200)
+    assert json.loads(out.out)["derived"]["watchdog_ms"] == str(expected)
+
+
+@pytest.mark.parametrize("settings", [{"TIMEOUT_MS": "15000"}, {"ASYNC_WATCHDOG_MS": "60000"}])
+def test_a_deadline_of_a_minute_has_no_warning(env, capsys, settings):
+    env.setenv(P + "ASYNC", "1")
+    env.setenv(P + "POLICY", "capacity")
+    for k, v in settings.items():
+        env.setenv(P + k, v)
+    assert check_config() == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_depth_policy_facts_show_n_out_and_the_cost_overrides_without_writing(env, capsys):
     env.setenv(P + "POLICY", "capacity")
     env.setenv(P + "DRAFT_MS", "1.5")

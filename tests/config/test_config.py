@@ -66,7 +66,7 @@ REFERENCE_FIELDS = [
 ]
 # This project's additions, after the reference's fields and with defaults, so code
 # written against the reference keeps working.
-ADDED_FIELDS = [("metrics_port", 0), ("metrics_addr", "127.0.0.1"), ("async_standby", True)]
+ADDED_FIELDS = [("metrics_port", 0), ("metrics_addr", "127.0.0.1"), ("async_standby", True), ("key", None)]
 
 
 def test_dataclass_fields_and_defaults_match_reference():

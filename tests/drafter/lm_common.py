@@ -1,12 +1,15 @@
-"""What the model drafter tests share: batches of contexts, the drafts' comparison up to
-near-ties, a HELLO for a drafter and a client of a loopback worker."""
+"""What the model drafter tests share: batches of contexts, a scripted engine session
+through the worker's own windows, the drafts' comparison up to near-ties, a HELLO for a
+drafter and a client of a loopback worker."""
 
 import numpy as np
+from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.drafter.contract import DraftBatch
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.transport.client import DraftClient
+from remote_dspark.worker.windows import Windows
 
 TIE = 1e-4  # below this top1 - top2 margin, padding's rounding may flip the greedy choice
 
@@ -50,3 +53,86 @@ def hello(drafter, **kw):
 
 def connect(port: int, h: wire.Hello, session: int = 1) -> DraftClient:
     return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"), h, session, 5.0)
+
+
+class Engine:
+    """A scripted engine side of one session: the ROUND arrays the worker would decode,
+    through a real ``Windows``, made into the worker's DraftBatch."""
+
+    def __init__(self, window: int, max_slots: int = 6):
+        self.windows = Windows(max_slots, window)
+        self.next = {}  # slot -> next position
+
+    def batch(self, entries, width):
+        """entries: (slot, tokens, new_gen, gap[, position of a NEW_GEN, 0 by default])
+        records; returns the batch and ok mask."""
+        slots = np.array([e[0] for e in entries], np.int64)
+        positions = np.array(
+            [(e[4] if len(e) > 4 else 0) if e[2] else self.next.get(e[0], 0) + (5 if e[3] else 0) for e in entries],
+            np.int64,
+        )
+        new_gen = np.array([e[2] for e in entries], bool)
+        lens = [len(e[1]) for e in entries]
+        offsets = np.zeros(len(entries) + 1, np.int64)
+        offsets[1:] = np.cumsum(lens)
+        tokens = np.concatenate([np.asarray(e[1], np.int32) for e in entries])
+        adv = self.windows.advance(slots, positions, new_gen, offsets, tokens)
+        for (slot, toks, *_), pos in zip(entries, positions.tolist()):
+            self.next[slot] = pos + len(toks)
+        m = len(adv.slots)
+        return DraftBatch(
+            adv.tokens,
+            adv.offsets,
+            np.full(m, width, np.int32),
+            np.zeros((m, 0), np.uint8),
+            True,
+            width,
+            session=self.windows.serial,
+            slots=adv.slots,
+            gens=adv.gens,
+            lengths=adv.lengths,
+            positions=adv.starts,
+        ), adv.ok
+
+
+STREAM_OP = st.tuples(
+    st.integers(0, 3),  # slot
+    st.sampled_from(["append", "append", "append", "new_gen", "gap"]),
+    st.integers(0, 300),  # a NEW_GEN's position
+    st.lists(st.integers(0, 127), max_size=14),  # tokens (a NEW_GEN's: up to twice a small window)
+)
+STREAM_ROUNDS = st.lists(st.lists(STREAM_OP, min_size=1, max_size=4, unique_by=lambda op: op[0]), max_size=12)
+
+
+class Streams:
+    """Slots scripted by :data:`STREAM_OP` records through an :class:`Engine`: a NEW_GEN
+    (at any position; a slot's first op is one), an append of up to 3 tokens, or a gap
+    (RESYNC: the slot is forgotten). Keeps each slot's whole sequence, so a test can
+    encode any span of it afresh."""
+
+    def __init__(self, window: int, max_slots: int = 4):
+        self.engine = Engine(window, max_slots)
+        self.seq = {}  # slot -> (position of its first token, its tokens)
+
+    def round(self, ops, width):
+        entries = []
+        for slot, kind, at, tokens in ops:
+            if kind == "new_gen" or slot not in self.seq:
+                entries.append((slot, tokens or [1], True, False, at))
+                self.seq[slot] = (at, list(tokens or [1]))
+            elif kind == "gap":
+                entries.append((slot, [2], False, True))
+                del self.seq[slot]
+            else:
+                entries.append((slot, tokens[:3], False, False))
+                self.seq[slot][1].extend(tokens[:3])
+        batch, _ = self.engine.batch(entries, width)
+        ends = [self.span(slot)[0] + len(self.span(slot)[1]) for slot in batch.slots.tolist()]
+        assert (batch.positions + np.diff(batch.offsets)).tolist() == ends  # true positions
+        return batch
+
+    def span(self, slot: int, first: int | None = None) -> tuple[int, list[int]]:
+        """The slot's tokens from position ``first`` (None: its first) and that position."""
+        start, tokens = self.seq[slot]
+        first = start if first is None else first
+        return first, tokens[first - start :]

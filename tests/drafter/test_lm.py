@@ -19,18 +19,17 @@ import torch
 from helpers import REPO, until
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lm_common import agreeing_prefix, assert_same_drafts, batch_of, connect, hello
+from lm_common import STREAM_ROUNDS, Engine, Streams, agreeing_prefix, assert_same_drafts, batch_of, connect, hello
 
 from remote_dspark import wire
 from remote_dspark.cli import worker as worker_cli
-from remote_dspark.drafter.contract import CacheInfo, DraftBatch
+from remote_dspark.drafter.contract import CacheInfo
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.model import LMConfig, TinyLM
 from remote_dspark.transport import Disconnected
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
 from remote_dspark.worker.drafters import load_drafter
-from remote_dspark.worker.windows import Windows
 
 ROOT = Path(REPO)
 PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)  # re-encodes every round
@@ -70,46 +69,6 @@ def test_no_margins_unless_asked_and_an_empty_batch():
 # --- the cache against re-encoding, through the worker's own windows -----------------------
 
 
-class Engine:
-    """A scripted engine side of one session: the ROUND arrays the worker would decode,
-    through a real ``Windows``, made into the worker's DraftBatch."""
-
-    def __init__(self, window: int, max_slots: int = 6):
-        self.windows = Windows(max_slots, window)
-        self.next = {}  # slot -> next position
-
-    def batch(self, entries, width):
-        """entries: (slot, tokens, new_gen, gap[, position of a NEW_GEN, 0 by default])
-        records; returns the batch and ok mask."""
-        slots = np.array([e[0] for e in entries], np.int64)
-        positions = np.array(
-            [(e[4] if len(e) > 4 else 0) if e[2] else self.next.get(e[0], 0) + (5 if e[3] else 0) for e in entries],
-            np.int64,
-        )
-        new_gen = np.array([e[2] for e in entries], bool)
-        lens = [len(e[1]) for e in entries]
-        offsets = np.zeros(len(entries) + 1, np.int64)
-        offsets[1:] = np.cumsum(lens)
-        tokens = np.concatenate([np.asarray(e[1], np.int32) for e in entries])
-        adv = self.windows.advance(slots, positions, new_gen, offsets, tokens)
-        for (slot, toks, *_), pos in zip(entries, positions.tolist()):
-            self.next[slot] = pos + len(toks)
-        m = len(adv.slots)
-        return DraftBatch(
-            adv.tokens,
-            adv.offsets,
-            np.full(m, width, np.int32),
-            np.zeros((m, 0), np.uint8),
-            True,
-            width,
-            session=self.windows.serial,
-            slots=adv.slots,
-            gens=adv.gens,
-            lengths=adv.lengths,
-            positions=adv.starts,
-        ), adv.ok
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
 def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_and_sessions(graphs):
     """Also on the static buffers the GPU's graphs use (run eagerly here): what a buffer
@@ -147,17 +106,9 @@ def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_a
     assert info.slots <= info.capacity == 4
 
 
-STREAM_OP = st.tuples(
-    st.integers(0, 3),  # slot
-    st.sampled_from(["append", "append", "append", "new_gen", "gap"]),
-    st.integers(0, 300),  # a NEW_GEN's position
-    st.lists(st.integers(0, 127), max_size=14),  # tokens (a NEW_GEN's: up to twice the window)
-)
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-buffers"])
 @settings(max_examples=15, deadline=None)
-@given(rounds=st.lists(st.lists(STREAM_OP, min_size=1, max_size=4, unique_by=lambda op: op[0]), max_size=12))
+@given(rounds=STREAM_ROUNDS)
 def test_cached_drafts_equal_a_fresh_encode_of_the_window_at_its_true_positions(graphs, rounds):
     """Streams through a real ``Windows`` (appends, NEW_GENs anywhere in a sequence, gaps
     that RESYNC, contexts longer than the window): every context is at its absolute
@@ -166,22 +117,9 @@ def test_cached_drafts_equal_a_fresh_encode_of_the_window_at_its_true_positions(
     slid window is re-encoded: at its true positions, not from 0."""
     window, width = 6, 2
     cached = LMDrafter(device="cpu", cache_slots=3, window=window, max_tokens=window + width, graphs=graphs)
-    engine, true_next = Engine(window, max_slots=4), {}
+    streams = Streams(window)
     for ops in rounds:
-        entries = []
-        for slot, kind, at, tokens in ops:
-            if kind == "new_gen" or slot not in true_next:
-                entries.append((slot, tokens or [1], True, False, at))
-                true_next[slot] = at + len(tokens or [1])
-            elif kind == "gap":
-                entries.append((slot, [2], False, True))
-                del true_next[slot]
-            else:
-                entries.append((slot, tokens[:3], False, False))
-                true_next[slot] += len(tokens[:3])
-        batch, _ = engine.batch(entries, width)
-        ends = [true_next[slot] for slot in batch.slots.tolist()]
-        assert (batch.positions + np.diff(batch.offsets)).tolist() == ends
+        batch = streams.round(ops, width)
         got = cached.draft_batch(batch)
         for i in range(len(batch)):
             tokens, margins = PLAIN.greedy_one(batch.context(i), width, int(batch.positions[i]))
@@ -344,6 +282,16 @@ def test_load_drafter_builds_the_model_drafters_and_names_bad_flags(tmp_path):
     with pytest.raises(ValueError, match="window 600 .--window.: the model has 512 positions"):
         load_drafter("lm", lm_device="cpu", window=600)
     assert load_drafter("lm", lm_device="cpu", lm_cache_slots=0, window=400).max_tokens == 512
+    d = load_drafter("lm", lm_device="cpu", lm_cache_slots=2, lm_row_tokens=100, window=8)
+    assert d.max_tokens == 100 and d.max_width == 92
+    with pytest.raises(ValueError, match="--lm-row-tokens 8: must be more than --window 8"):
+        load_drafter("lm", lm_device="cpu", lm_row_tokens=8, window=8)
+    with pytest.raises(ValueError, match=r"rows of 600 tokens \(--lm-row-tokens\): must be in 9\.\.512"):
+        load_drafter("lm", lm_device="cpu", lm_row_tokens=600, window=8)
+    # a pool over the free memory is refused before anything is allocated, naming both flags
+    too_many = r"KV cache of 1000000000 streams \(--lm-cache-slots\) x 32 tokens \(--lm-row-tokens\) needs [\d,]+ MiB"
+    with pytest.raises(ValueError, match=too_many):
+        load_drafter("lm", lm_device="cpu", lm_cache_slots=10**9, window=8)
     with pytest.raises(ValueError, match="--markov"):
         load_drafter("lm", "some.markov")
     with pytest.raises(ValueError, match="--hf-model .* --drafter 'mod:f'"):
@@ -356,7 +304,11 @@ def test_load_drafter_builds_the_model_drafters_and_names_bad_flags(tmp_path):
 def test_worker_cli_refuses_bad_model_flags_naming_them():
     parser = argparse.ArgumentParser()
     worker_cli.add_parser(parser.add_subparsers())
-    for flags, name in ((["--lm-cache-slots", "-2"], "--lm-cache-slots"), (["--lm-device", "gpu"], "--lm-device")):
+    for flags, name in (
+        (["--lm-cache-slots", "-2"], "--lm-cache-slots"),
+        (["--lm-device", "gpu"], "--lm-device"),
+        (["--lm-row-tokens", "64"], "--lm-row-tokens"),
+    ):
         args = parser.parse_args(["worker", "--listen", "127.0.0.1:0", "--drafter", "lm", *flags])
         with pytest.raises(ValueError, match=name):
             worker_cli.run(args)

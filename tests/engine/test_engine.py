@@ -175,6 +175,17 @@ def test_new_gen_context_is_trimmed_with_its_position(worker, tmp_path):
         assert m.tokens[:64].tolist() == list(range(36, 100))
 
 
+def test_start_warns_of_a_watchdog_over_a_minute_naming_the_values(worker, tmp_path, caplog):
+    """The contract's largest TIMEOUT_MS makes the watchdog 4 x it (kept exactly: days);
+    the engine's start says so on remote_dspark.config, naming the values."""
+    env = env_for(worker.port, tmp_path, Mode.THREAD, VLLM_DSPARK_REMOTE_TIMEOUT_MS="2147483647")
+    with caplog.at_level(logging.WARNING, logger="remote_dspark.config"), make(env) as rd:
+        assert rd.cfg.watchdog_ms == 4 * 2147483647
+    lines = [r.getMessage() for r in caplog.records if r.name == "remote_dspark.config"]
+    assert any("8589934588 ms" in line and "TIMEOUT_MS=2147483647" in line for line in lines), lines
+    assert any("TIMEOUT_MS=2147483647" in line and "round deadline" in line for line in lines), lines
+
+
 def test_stats_file_and_log_line(worker, tmp_path, caplog):
     env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_LOG_EVERY="2")
     with caplog.at_level(logging.INFO, logger="remote_dspark.engine"), make(env) as rd:

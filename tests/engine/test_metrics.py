@@ -17,6 +17,7 @@ import torch
 from helpers import NEED_TOOLS, PROMTOOL, families_in, families_of, prometheus, samples, until, value
 from prometheus_client.parser import text_string_to_metric_families
 
+from remote_dspark.bench.metrics_hostile import GiantHeads
 from remote_dspark.cli import dashboard
 from remote_dspark.config import Mode
 from remote_dspark.config.api import RemoteConfig
@@ -119,6 +120,16 @@ def test_exporter_port_in_use_is_a_clear_error(run):
     rd = run[0]
     with pytest.raises(ValueError, match=f"VLLM_DSPARK_REMOTE_METRICS_PORT={rd.exporter.port}"):
         Exporter(rd, rd.exporter.port)
+
+
+def test_the_exporter_refuses_huge_request_heads_before_reading_them(run):
+    """99 header lines of 64 KiB: prometheus_client's server read them all into memory;
+    the exporter stops at its head cap (the client cannot send them whole), and scrapes."""
+    rd = run[0]
+    with GiantHeads(rd.exporter.port, 4) as g:
+        assert until(lambda: g.refused >= 4, timeout=30)
+        assert "dspark_remote_rounds_total" in scrape(rd)
+    assert g.held == 0
 
 
 def test_stats_file_and_exposition_show_the_same_numbers(worker, tmp_path):

@@ -114,6 +114,38 @@ def test_another_users_file_is_refused(tmp_path, monkeypatch):
     assert p.read_text() == "theirs" and entries(tmp_path) == ["stats.json"]
 
 
+def test_another_users_directory_is_refused_whatever_its_mode(tmp_path, monkeypatch):
+    """A 0755 directory of another user: its owner could swap the file between the check
+    and the replace. As root the directory is given to another uid; otherwise this
+    process's uid is faked, so its own directory looks like someone else's."""
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o755)
+    d.chmod(0o755)
+    if os.getuid() == 0:
+        os.chown(d, 54321, -1)
+        owner = 54321
+    else:
+        owner = os.stat(d).st_uid
+        monkeypatch.setattr(os, "getuid", lambda: owner + 1)
+    with pytest.raises(UnsafePath, match=f"directory {d} belongs to uid {owner}, not to this user") as e:
+        write_json_atomic(d / "stats.json", {"a": 1})
+    assert e.value.errno == errno.EPERM
+    assert entries(d) == []
+
+
+def test_the_defaults_directory_roots_sticky_tmp_is_accepted():
+    """The contract's default path is in /tmp: root's, sticky, world-writable."""
+    st = os.stat("/tmp")
+    assert st.st_uid == 0 and st.st_mode & stat.S_ISVTX
+    p = f"/tmp/remote-dspark-test-{os.getpid()}-{os.urandom(4).hex()}.json"
+    try:
+        write_json_atomic(p, {"a": 1})
+        with open(p) as f:
+            assert json.load(f) == {"a": 1}
+    finally:
+        os.unlink(p)
+
+
 @pytest.mark.parametrize("dir_mode", [0o777, 0o770, 0o1777])
 def test_a_directory_others_may_write_needs_the_sticky_bit(tmp_path, dir_mode):
     d = tmp_path / "shared"

@@ -7,7 +7,8 @@ proxy, and ``close``'s fence).
 
 Each sleeper's own deadline is ``SLEEP_S``: a wake-up that never comes shows as a wait
 that long, far past the generous ``WOKEN_S`` the test gives a woken one. A sleeper left
-by a failing test is woken in ``finally`` (never left behind).
+by a failing test is released in ``finally`` if its round is still due, and joined
+within its own deadline (never left behind).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import threading
 import pytest
 from helpers import until
 
-from remote_dspark import wire
+from remote_dspark import native, wire
 from remote_dspark.outcome import Outcome
 from remote_dspark.proxy import ring_end
 from remote_dspark.proxy.tcp_round import TcpRounds
 from remote_dspark.region import layout, ring, shm, streamsync
 
-SLEEP_S = 60.0  # the sleeper's own deadline: a lost wake-up waits this long
+SLEEP_S = 30.0  # the sleeper's own deadline: a lost wake-up waits this long
 WOKEN_S = 10.0  # generous: a woken sleeper is back long before this
 
 
@@ -59,9 +60,11 @@ def asleep(lib, region, r: int, *, spin_us: int = 0, nap_us: int = 0):
         assert not t.is_alive(), "the release did not wake the sleeping engine"
         assert got == [True] and waiters(lib, region) == 0
     finally:
-        if t.is_alive():  # a failed test: wake it (store released, FUTEX_WAKE) and end it
-            lib.wake(region.addr(region.layout.released), r)
-            t.join(WOKEN_S)
+        if t.is_alive():  # a failed test: release r if it is still due, else its deadline ends it
+            lay = region.layout
+            if not ring.seq_geq(lib.load32(region.addr(lay.released)), r):
+                lib.publish(region.addr(lay.released), region.addr(lay.waiters), r, native.deadline_ns(1.0))
+            t.join(SLEEP_S)
 
 
 def release_by_complete(lib, region, eng, r):

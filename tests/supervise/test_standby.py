@@ -1,6 +1,6 @@
 """The warm standby's lifecycle on its own, with stand-in processes and a hand-driven
 clock: Idle, Starting, Ready, the back-off after a death, GivenUp after three in a row,
-and every process reaped."""
+a promotion only for a ready standby that answers it, and every process reaped."""
 
 import logging
 import os
@@ -19,12 +19,14 @@ SLEEPER = "import time\ntime.sleep(60)\n"
 
 class Children:
     """Stand-in standby processes (each sleeps until killed), which pids say they are
-    ready, and what was promoted. Every one is ended by ``cleanup``."""
+    ready, the promotions offered (pid, session, within_s) and whether the standby
+    accepts them (``answers``). Every one is ended by ``cleanup``."""
 
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
         self.ready: set[int] = set()
-        self.promoted: list[tuple[int, int]] = []
+        self.offered: list[tuple[int, int, float]] = []
+        self.answers = True
         self.spawn_error: OSError | None = None
 
     def spawn(self) -> subprocess.Popen:
@@ -34,10 +36,12 @@ class Children:
         self.procs.append(proc)
         return proc
 
+    def promote(self, pid: int, session: int, within_s: float) -> bool:
+        self.offered.append((pid, session, within_s))
+        return self.answers
+
     def hooks(self) -> StandbyHooks:
-        return StandbyHooks(
-            self.spawn, lambda pid, session: self.promoted.append((pid, session)), self.ready.__contains__
-        )
+        return StandbyHooks(self.spawn, self.promote, self.ready.__contains__)
 
     def cleanup(self):
         for p in self.procs:
@@ -93,7 +97,7 @@ def test_a_standby_starts_is_seen_ready_and_is_taken(sb, children):
     assert sb.state == Ready(st.proc, st.pidfd) and sb.state.phase is Phase.READY
     proc, pidfd = sb.take(7)
     try:
-        assert (proc, pidfd) == (st.proc, st.pidfd) and children.promoted == [(proc.pid, 7)]
+        assert (proc, pidfd) == (st.proc, st.pidfd) and children.offered == [(proc.pid, 7, standby.ANSWER_S)]
         assert sb.state == Idle() and sb.proc is None and sb.pidfd == -1  # the caller's now
         sb.keep(True)  # the next one, at once
         assert isinstance(sb.state, Starting) and sb.proc is children.procs[1] and sb.spawns == 2
@@ -168,11 +172,46 @@ def test_a_standby_not_wanted_is_stopped_and_reaped(sb, children):
     assert set(os.listdir("/proc/self/fd")) == before  # its pidfd closed
 
 
-def test_a_dead_standby_is_never_taken(sb, children):
+def make_ready(sb: Standby, children: Children) -> subprocess.Popen:
     sb.keep(True)
-    proc = sb.proc
+    children.ready.add(sb.proc.pid)
+    sb.keep(True)
+    assert isinstance(sb.state, Ready)
+    return sb.proc
+
+
+def test_a_dead_standby_is_never_taken(sb, children):
+    proc = make_ready(sb, children)
     os.kill(proc.pid, signal.SIGKILL)
     assert select.select([sb.pidfd], [], [], 10.0)[0]  # dead, its death not yet told
-    assert sb.take(3) is None and children.promoted == []
+    assert sb.take(3) is None and children.offered == []
     assert isinstance(sb.state, Idle) and sb.state.in_a_row == 1 and sb.failures == 1
     assert_reaped(proc)
+
+
+def test_a_standby_that_does_not_answer_its_promotion_is_killed_not_taken(sb, children, now, caplog):
+    """Alive to its pidfd but silent when offered the role (stopped, hung, its SIGKILL
+    pending): it is never the proxy; it is killed (SIGKILL: a stopped process handles no
+    SIGTERM), reaped and counted as a death, with its back-off."""
+    proc = make_ready(sb, children)
+    os.kill(proc.pid, signal.SIGSTOP)  # it could not answer; the stand-in's hook says so
+    children.answers = False
+    with caplog.at_level(logging.WARNING, logger="remote_dspark.supervisor"):
+        assert sb.take(5) is None
+    assert children.offered == [(proc.pid, 5, standby.ANSWER_S)]
+    assert sb.state == Idle(1, now[0] + standby.BACKOFF_S) and sb.failures == 1 and sb.proc is None
+    assert proc.returncode == -signal.SIGKILL
+    assert_reaped(proc)
+    assert any("did not answer its promotion" in r.getMessage() for r in caplog.records)
+
+
+def test_a_standby_still_starting_is_not_offered_the_role(sb, children):
+    """It could not answer yet: the supervisor starts a fresh proxy, and the standby is
+    stopped by keep(False) like any standby while no proxy serves."""
+    sb.keep(True)
+    st = sb.state
+    assert isinstance(st, Starting)
+    assert sb.take(5) is None and children.offered == [] and sb.state is st
+    sb.keep(False)
+    assert sb.state == Idle() and sb.failures == 0
+    assert_reaped(st.proc)

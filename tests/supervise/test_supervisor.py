@@ -182,8 +182,8 @@ def test_a_failing_callback_ends_supervision_loudly_not_silently(spawner, caplog
 
 def test_supervision_that_fails_while_ending_its_proxy_still_ends_spent(spawner, caplog, monkeypatch):
     """The failure path's own ending raises (the proxy's pidfd gone bad): the proxy is
-    killed through its pid all the same, and the supervisor says Spent, never Up."""
-    from remote_dspark.supervise import supervisor as module
+    killed through its pid and reaped all the same, and the supervisor says Spent, never Up."""
+    from remote_dspark.proxy import spawn
 
     def broken_stall(up):
         raise RuntimeError("stall check bug")
@@ -191,16 +191,67 @@ def test_supervision_that_fails_while_ending_its_proxy_still_ends_spent(spawner,
     def broken_terminate(proc, pidfd, timeout_s):
         raise OSError(9, "Bad file descriptor")
 
-    monkeypatch.setattr(module, "terminate", broken_terminate)
+    monkeypatch.setattr(spawn, "terminate", broken_terminate)
     sup = Supervisor(spawner, respawns=3, reset_s=0, stalled=broken_stall)
     with caplog.at_level(logging.ERROR, logger="remote_dspark.supervisor"):
         sup.start()
         try:
             assert until(lambda: isinstance(sup.state, Spent))
-            assert spawner.procs[0].wait(10) is not None  # killed, not left running
+            assert spawner.procs[0].returncode == -signal.SIGKILL  # killed and reaped, not left running
         finally:
             sup.close()
-    assert any("ending the proxy" in r.getMessage() for r in caplog.records)
+    assert any("through its pidfd failed" in r.getMessage() for r in caplog.records)
+
+
+def gone(pid: int) -> bool:
+    """The process is reaped (no /proc entry; a zombie still has one)."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
+class Failure(OSError):
+    """The failure a test injects."""
+
+
+@pytest.mark.parametrize("when", ["first spawn", "respawn"])
+@pytest.mark.parametrize("what", ["pidfd_open", "listener"])
+def test_a_spawn_that_fails_leaves_no_child_and_spent_is_told_with_none_left(spawner, monkeypatch, what, when):
+    """A failure once the process exists: no pidfd for it (``pidfd_open`` raises), or the
+    listener of its Starting raises (the host's answers to a lost proxy's rounds). Either
+    way the supervisor ends Spent, the new child is killed and reaped, and Spent is told
+    (the host then releases the lost proxy's rounds as orphans) only once no process of
+    the supervisor's is left."""
+    from remote_dspark.supervise import supervisor as module
+
+    armed, left_at_spent = [when == "first spawn"], []
+    real_pidfd_open = os.pidfd_open
+
+    def pidfd_open(pid):
+        if armed[0] and what == "pidfd_open":
+            raise Failure(24, "Too many open files")
+        return real_pidfd_open(pid)
+
+    def on_change(state):
+        if isinstance(state, Spent):
+            left_at_spent.append([p.pid for p in spawner.procs if not gone(p.pid)])
+        elif isinstance(state, Starting) and armed[0] and what == "listener":
+            raise Failure("the listener failed")
+
+    monkeypatch.setattr(module.os, "pidfd_open", pidfd_open)
+    sup = Supervisor(spawner, respawns=2, reset_s=0, on_change=on_change)
+    try:
+        if when == "first spawn":
+            with pytest.raises(Failure):
+                sup.start()
+        else:
+            sup.start()
+            assert until(lambda: sup.up is not None)
+            armed[0] = True
+            os.kill(sup.up.pid, signal.SIGKILL)
+            assert until(lambda: isinstance(sup.state, Spent), timeout=CHILD_TIMEOUT_S)
+        assert isinstance(sup.state, Spent) and left_at_spent == [[]]
+        assert all(p.returncode is not None and gone(p.pid) for p in spawner.procs)  # each ended and reaped
+    finally:
+        sup.close()
 
 
 def test_proxies_are_spawned_by_the_watcher_thread(spawner):
@@ -347,15 +398,32 @@ def exited(pid: int) -> bool:
         return True
 
 
+def answers(pid: int) -> bool:
+    """Whether a stand-in standby could answer its promotion now: it runs (not stopped,
+    not exited) and no SIGKILL is pending for it (a process never runs again once one is).
+    The real standby answers from its wait loop (tests/region/test_promotion.py)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        with open(f"/proc/{pid}/status") as f:
+            pending = {k: int(v, 16) for k, v in (line.split(":") for line in f) if k in ("SigPnd", "ShdPnd")}
+    except FileNotFoundError:
+        return False
+    sigkill = 1 << (signal.SIGKILL - 1)
+    return state not in ("T", "t", "Z", "X") and not any(mask & sigkill for mask in pending.values())
+
+
 class Standbys:
     """Stand-in standbys (the same child script) and what the supervisor asked of them;
-    each says it is ready at once, or (``ready`` False) never."""
+    each says it is ready at once, or (``ready`` False) never, and accepts its promotion
+    when it could answer it (:func:`answers`)."""
 
     def __init__(self, spawner: Spawner, ready: bool = True):
         self.spawner = spawner
         self.ready = ready
         self.pids: list[int] = []
-        self.promoted: list[tuple[int, int]] = []
+        self.offered: list[int] = []  # pids offered the proxy role
+        self.promoted: list[tuple[int, int]] = []  # (pid, session) of those that accepted it
 
     def hooks(self):
         from remote_dspark.supervise.standby import StandbyHooks
@@ -365,7 +433,14 @@ class Standbys:
             self.pids.append(proc.pid)
             return proc
 
-        return StandbyHooks(spawn, lambda pid, session: self.promoted.append((pid, session)), lambda pid: self.ready)
+        def promote(pid, session, within_s):
+            self.offered.append(pid)
+            accepted = answers(pid)
+            if accepted:
+                self.promoted.append((pid, session))
+            return accepted
+
+        return StandbyHooks(spawn, promote, lambda pid: self.ready)
 
 
 def test_a_lost_proxy_is_replaced_by_the_standby_and_a_new_standby_starts(spawner):
@@ -421,27 +496,48 @@ def test_no_standby_is_kept_once_a_loss_could_not_be_replaced(spawner):
 
 
 def test_a_standby_dead_with_the_proxy_is_never_promoted(spawner):
-    """A correlated kill (the standby, then the proxy): the dead standby is not taken for
-    the proxy and charges no respawn; a fresh proxy (or a later, live standby) serves.
-
-    The standby's exit is awaited before the proxy is killed: a standby whose SIGKILL is
-    still pending is alive as far as any check can tell, and one promoted then is lost
-    like any proxy (one more respawn from the budget)."""
+    """A correlated kill (the standby, then the proxy at once): the standby, exited or its
+    SIGKILL still pending, is not taken for the proxy (seen dead, or silent when offered
+    the role); the loss costs one respawn and a fresh proxy (or a later, live standby)
+    serves. Whichever the watcher sees first, every wait is on a condition."""
     sb = Standbys(spawner)
     sup = Supervisor(spawner, respawns=3, reset_s=0, standby=sb.hooks())
     sup.start()
     try:
-        assert until(lambda: sup.stats().standby == "ready")
+        assert until(lambda: sup.stats().standby == "ready", timeout=CHILD_TIMEOUT_S)
         proxy, standby = sup.up.pid, sb.pids[0]
         os.kill(standby, signal.SIGKILL)
-        assert until(lambda: exited(standby))
         os.kill(proxy, signal.SIGKILL)
-        assert until(lambda: sup.up is not None and sup.up.pid not in (proxy, standby))
+        assert until(lambda: sup.up is not None and sup.up.pid not in (proxy, standby), timeout=CHILD_TIMEOUT_S)
         st = sup.stats()
         assert standby not in [pid for pid, _ in sb.promoted]
         assert (st.budget_left, st.restarts["signal"], st.standby_failures) == (2, 1, 1)
     finally:
         sup.close()
+    assert all(p.poll() is not None for p in spawner.procs)
+
+
+def test_a_frozen_standby_is_never_promoted_and_the_loss_costs_one_respawn(spawner):
+    """The standby SIGSTOPped, then the proxy SIGKILLed: the standby is offered the role,
+    cannot answer, is killed and reaped (a death of a standby); a fresh proxy serves on the
+    loss's one respawn, with no wait for a start limit."""
+    sb = Standbys(spawner)
+    sup = Supervisor(spawner, respawns=3, reset_s=0, standby=sb.hooks(), start_limit_s=3600)
+    sup.start()
+    try:
+        assert until(lambda: sup.stats().standby == "ready", timeout=CHILD_TIMEOUT_S)
+        proxy, frozen = sup.up.pid, sb.pids[0]
+        os.kill(frozen, signal.SIGSTOP)
+        assert until(lambda: not answers(frozen))  # stopped
+        os.kill(proxy, signal.SIGKILL)
+        assert until(lambda: sup.up is not None and sup.up.pid not in (proxy, frozen), timeout=CHILD_TIMEOUT_S)
+        st = sup.stats()
+        assert sb.offered == [frozen] and sb.promoted == []
+        assert (st.budget_left, st.restarts, st.standby_failures) == (2, {"exit": 0, "signal": 1, "stall": 0}, 1)
+        assert next(p for p in spawner.procs if p.pid == frozen).returncode == -signal.SIGKILL  # killed, reaped
+    finally:
+        sup.close()
+    assert all(p.poll() is not None for p in spawner.procs)
 
 
 def test_a_stalled_proxy_is_replaced_by_the_standby(spawner):

@@ -56,11 +56,3 @@ def test_decode_refuses_a_context_over_the_wire_cap(accept, code):
 def test_encode_refuses_an_accepting_ack_out_of_range(context):
     with pytest.raises(ValueError, match=f"context_tokens {context} not in 1"):
         wire.encode_hello_ack(wire.HelloAck(wire.ACCEPT, *IDS, context_tokens=context), 1)
-
-
-def test_the_protocol_is_version_4():
-    assert wire.PROTOCOL_VERSION == 4
-    frame = bytearray(wire.encode_bye())
-    struct.pack_into("<H", frame, 4, 3)
-    with pytest.raises(wire.VersionMismatch, match="protocol version 3, this side speaks 4"):
-        wire.decode_header(bytes(frame))

@@ -34,14 +34,18 @@ from helpers import (
 )
 
 from remote_dspark import wire
+from remote_dspark.bench.metrics_hostile import TRICKLE_HEAD, GiantHeads, Tricklers
 from remote_dspark.cli import dashboard
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.contract import CacheInfo
 from remote_dspark.drafter.markov import MarkovModel
+from remote_dspark.transport.auth import Key
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
 from remote_dspark.worker.metrics import TABLE, read
 from remote_dspark.worker.stats import REFUSAL_REASONS
+
+KEY = Key("test-key", b"a key of the metrics tests, 32 b")
 
 # 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; its vocabulary is 6 (ids 0..5).
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
@@ -76,8 +80,10 @@ def scrape(w) -> str:
 
 
 def refused(w, served: int = 0, **kw) -> int:
-    """Say HELLO with ``kw``; the refusal's code. Waits until the worker serves ``served``
-    connections again (the refused one gone: the test's worker serves one at a time)."""
+    """Say HELLO with ``kw`` (with the worker's key unless ``kw`` names one); the
+    refusal's code. Waits until the worker serves ``served`` connections again (the
+    refused one gone: the test's worker serves one at a time)."""
+    kw.setdefault("key", w.key)
     with pytest.raises(Refused) as e:
         connect(w, **kw)
     assert until(lambda: w.served_now() == served, timeout=5)
@@ -105,14 +111,15 @@ def version_refused(w) -> int:
 def known():
     """One worker (one served connection at most), after known HELLOs and N rounds:
     (worker, N, entries, resyncs, draft tokens, the scrape)."""
-    w = make(max_slots=8, max_connections=1)
+    w = make(max_slots=8, max_connections=1, key=KEY)
     try:
+        assert refused(w, key=None) == wire.REFUSE_AUTH  # refused at the door
         assert refused(w, drafter_identity=b"\x01" * 32) == wire.REFUSE_DRAFTER
         assert refused(w, markov_identity=b"\x02" * 32) == wire.REFUSE_MARKOV
         assert refused(w, vocab_size=3) == wire.REFUSE_DRAFTER  # the model's vocabulary is 6
         assert refused(w, max_slots=16) == wire.REFUSE_LIMITS  # over --max-slots 8
         assert version_refused(w) == wire.HELLO_ACK
-        c = connect(w)
+        c = connect(w, key=KEY)
         assert refused(w, served=1, session=2, engine_id=43) == wire.REFUSE_LIMITS  # busy: the one place is taken
         n, entries, resyncs, tokens = 5, 0, 0, 0
         for rid in range(1, n + 1):
@@ -137,11 +144,11 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
     w, n, entries, resyncs, tokens, text = known
     for reason in REFUSAL_REASONS:  # one of each, each counted once under its own reason
         assert value(text, "dspark_worker_hello_refusals_total", reason=reason) == 1, reason
-    assert w.stats.refused == 5 and w.stats.busy == 1  # the derived fields, from the same counts
+    assert w.stats.refused == 6 and w.stats.busy == 1  # the derived fields, from the same counts
     # Given a thread: the accepted one and the four refused there (identities, vocab, limits);
-    # the version and the busy refusal are answered at the door.
+    # the auth, version and busy refusals are answered at the door.
     assert value(text, "dspark_worker_served_connections_total") == 5
-    assert value(text, "dspark_worker_accepted_connections_total") == 7
+    assert value(text, "dspark_worker_accepted_connections_total") == 8
     assert value(text, "dspark_worker_connections", state="served") == 1
     assert value(text, "dspark_worker_connections", state="pending") == 0
     assert value(text, "dspark_worker_connections_limit", state="served") == 1
@@ -435,30 +442,28 @@ def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_
         w.stop()
 
 
-def test_slow_clients_hold_at_most_the_request_cap_and_are_dropped_after_the_request_timeout(monkeypatch):
-    """Half-sent requests hold at most MAX_REQUESTS threads (a connection beyond them is
-    closed unanswered) and each only until REQUEST_TIMEOUT_S; then scrapes are served."""
-    from remote_dspark.worker import metrics as worker_metrics
-
-    monkeypatch.setattr(worker_metrics, "MAX_REQUESTS", 3)
-    monkeypatch.setattr(worker_metrics._Handler, "timeout", 0.5)
+def test_trickling_clients_never_hold_the_metrics_server():
+    """The attack: 24 clients each trickling a request a byte at a time (every byte well
+    within any per-read timeout). /metrics and /healthz are answered all along."""
     w = make()
-    slow = []
     try:
-        for _ in range(3):
-            s = socket.create_connection(("127.0.0.1", w.metrics_port), timeout=5)
-            s.sendall(b"GET /metr")  # never finished
-            slow.append(s)
-        assert until(lambda: w._metrics._server._slots._value == 0, timeout=5)
-        extra = socket.create_connection(("127.0.0.1", w.metrics_port), timeout=5)
-        extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
-        assert extra.recv(100) == b""  # closed unanswered: the cap is full
-        extra.close()
-        for s in slow:  # each dropped by the server after the request timeout
-            s.settimeout(5)
-            assert s.recv(100) == b""
-        assert until(lambda: get(w, "/healthz")[0] == 200, timeout=5)
+        with Tricklers(w.metrics_port, 24, interval_s=0.05) as t:
+            assert until(lambda: t.open_now() == 24 and t.bytes_sent > 24 * (len(TRICKLE_HEAD) + 2), timeout=10)
+            answers = [get(w, path)[0] for path in ("/metrics", "/healthz") * 10]
+        assert answers == [200] * 20
     finally:
-        for s in slow:
-            s.close()
+        w.stop()
+
+
+def test_huge_request_heads_are_refused_before_they_are_read_and_scrapes_go_on():
+    """The attack: 16 requests of 99 header lines of 64 KiB (6.3 MiB each). The server
+    stops reading each at its head cap (the client cannot even send it whole) and keeps
+    answering /metrics."""
+    w = make()
+    try:
+        with GiantHeads(w.metrics_port, 16) as g:
+            assert until(lambda: g.refused >= 16, timeout=30)
+            assert get(w, "/metrics")[0] == 200
+        assert g.held == 0
+    finally:
         w.stop()

@@ -1,6 +1,6 @@
 """The answering side of ``remote-dspark bench handoff``, run as its own interpreter::
 
-    python -m remote_dspark.bench.handoff.peer MODE --fd FD --rounds N [--spin-us U] [--nap-us U]
+    python -m remote_dspark.bench.handoff.peer MODE --fd FD --rounds N --parent PID [--spin-us U] [--nap-us U]
 
 MODE is one of:
 
@@ -15,7 +15,9 @@ MODE is one of:
             pong word (the design of vLLM's shm_broadcast).
 
 Each mode answers exactly N rounds and exits 0; a round that does not come within
-``--timeout-s`` exits 1 with the reason on stderr. ``serve_loop`` is also what the
+``--timeout-s`` exits 1 with the reason on stderr. The peer dies with the benchmark
+(PID, its parent): SIGKILL as its parent-death signal, since a peer that spins for a
+round that never comes would burn a core until its timeout. ``serve_loop`` is also what the
 benchmark runs as a thread of the engine (thread mode).
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import signal
 import struct
 import sys
 import time
@@ -115,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spin-us", type=int, default=1000)
     p.add_argument("--nap-us", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--parent", type=int, required=True, help="the benchmark's pid: the peer dies with it")
     args = p.parse_args(argv)
+    from ...proxy.spawn import die_with_parent
+
+    if not die_with_parent(args.parent, signal.SIGKILL):
+        print(f"bench handoff peer {args.mode}: the benchmark (pid {args.parent}) is gone", file=sys.stderr)
+        return 1
     try:
         MODES[args.mode](args)
     except TimeoutError as e:

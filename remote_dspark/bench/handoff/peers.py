@@ -151,6 +151,8 @@ class Peer:
             str(opts.nap_us),
             "--timeout-s",
             str(ROUND_TIMEOUT_S),
+            "--parent",
+            str(os.getpid()),
         ]
         self._fd, self._env = fd, env
 

@@ -13,15 +13,23 @@
 from __future__ import annotations
 
 
-def builtin_drafter(device: str | None = None, cache_slots: int = 1024, window: int = 64):
+def builtin_drafter(
+    device: str | None = None, cache_slots: int = 1024, window: int = 64, row_tokens: int | None = None
+):
     """The built-in model's :class:`~remote_dspark.drafter.lm.drafter.LMDrafter`."""
     from .drafter import LMDrafter
 
-    return LMDrafter(device=device, cache_slots=cache_slots, window=window)
+    return LMDrafter(device=device, cache_slots=cache_slots, window=window, max_tokens=row_tokens)
 
 
-def hf_drafter(model_dir: str, device: str | None = None, window: int = 64):
-    """A :class:`~remote_dspark.drafter.lm.hf_rounds.HFDrafter` of the transformers model in ``model_dir``."""
+def hf_drafter(
+    model_dir: str,
+    device: str | None = None,
+    cache_slots: int = 1024,
+    window: int = 64,
+    row_tokens: int | None = None,
+):
+    """The drafter of the transformers model in ``model_dir`` (:func:`~remote_dspark.drafter.lm.hf.load_hf`)."""
     from .hf import load_hf
 
-    return load_hf(model_dir, device, window)
+    return load_hf(model_dir, device, window, cache_slots, row_tokens)

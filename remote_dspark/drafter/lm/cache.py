@@ -38,6 +38,7 @@ Not thread-safe: the drafter holds its lock around :meth:`SlotCache.plan` and th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,40 @@ def uncached_plan(ctx_lens: np.ndarray, width: int, max_tokens: int, starts: np.
     return Plan(np.full(n, -1, np.int64), np.zeros(n, np.int64), take, np.zeros(n, bool), origin)
 
 
+ROW_SPARE = 16  # a default row's positions past two windows: room for drafts
+
+
+def row_tokens(window: int, max_positions: int | None, asked: int | None = None) -> int:
+    """The tokens of a cache row: ``asked``, else ``2 * window + ROW_SPARE`` (a stream
+    re-encoded from its window has ``window`` tokens of room before its next re-encode),
+    at most the model's positions.
+
+    Raises: ValueError for rows that cannot hold a window and a draft, or pass the table."""
+    table = max_positions if max_positions is not None else 1 << 30
+    tokens = asked or min(2 * window + ROW_SPARE, table)
+    if not window < tokens <= table:
+        raise ValueError(
+            f"rows of {tokens} tokens (--lm-row-tokens): must be in {window + 1}..{table} "
+            f"(more than the window of {window} (--window), within the model's positions)"
+        )
+    return tokens
+
+
+def memory_free(device: torch.device) -> int:
+    """Bytes free for a new allocation on ``device``: the GPU's free memory, or the host's
+    available memory (``MemAvailable``; all of it where /proc/meminfo does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class SlotCache:
     """The pool and its rows' bookkeeping (module docstring).
 
@@ -88,6 +123,13 @@ class SlotCache:
         if capacity < 1 or max_tokens < 2:
             raise ValueError(f"cache capacity {capacity}, max_tokens {max_tokens}: must be >= 1 and >= 2")
         self.capacity, self.max_tokens = capacity, max_tokens
+        need = capacity * layers * 2 * heads * max_tokens * head_dim * torch.finfo(dtype).bits // 8
+        free = memory_free(torch.device(device))
+        if need > free:
+            raise ValueError(
+                f"a KV cache of {capacity} streams (--lm-cache-slots) x {max_tokens} tokens (--lm-row-tokens) "
+                f"needs {need / 2**20:,.0f} MiB; {free / 2**20:,.0f} MiB are free on {device}"
+            )
         self.pool = torch.zeros((capacity, layers, 2, heads, max_tokens, head_dim), device=device, dtype=dtype)
         self.owner_session = np.full(capacity, -1, np.int64)
         self.owner_slot = np.zeros(capacity, np.int64)
@@ -163,6 +205,15 @@ class SlotCache:
         self.hits += n_hit
         self.misses += len(rows) - n_hit
         return Plan(rows, base, take, hit, origin)
+
+    def held(self, session: int, slot: int) -> tuple[int, int] | None:
+        """What the row of ``(session, slot)`` holds: the position of its first token and
+        how many (None: no row, or none with usable state). Tests compare against it."""
+        m = self._maps.get(session)
+        row = int(m[slot]) if m is not None and slot < len(m) else -1
+        if row < 0 or self.gen[row] < 0:
+            return None
+        return int(self.origin[row]), int(self.fill[row])
 
     def forget(self, rows: np.ndarray) -> None:
         """The rows' cached state is not to be used (a round that failed midway)."""

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
-from .cache import Plan, SlotCache, uncached_plan
+from .cache import Plan, SlotCache, row_tokens, uncached_plan
 from .graphs import RoundGraphs, draft_steps, top2
+from .hf_model import HFModel
 from .model import TinyLM
 
 MARKOV_NONE = bytes(32)  # the contract's Markov identity of a drafter without a Markov model
@@ -66,11 +67,14 @@ def greedy_result(batch: DraftBatch, ctx_lens: np.ndarray, tokens: np.ndarray, m
 
 
 class LMDrafter:
-    """Greedy drafting from a :class:`~remote_dspark.drafter.lm.model.TinyLM` (the built-in one by
-    default), batched, with a KV cache per stream kept across rounds.
+    """Greedy drafting from a causal LM, batched, with a KV cache per stream kept across
+    rounds: a :class:`~remote_dspark.drafter.lm.model.TinyLM` (the built-in one by default)
+    or a transformers model (:class:`~remote_dspark.drafter.lm.hf_model.HFModel`), one code.
 
     Args:
         model: the model (float32 weights: its identity is taken before any cast).
+        identity: its drafter identity, when not ``model.identity()`` (a drafter made from a
+            model already cast: :meth:`sibling`).
         device: ``"auto"`` (default: CUDA when present), ``"cpu"``, ``"cuda"``...
         cache_slots: streams cached at most (the least recently used is dropped beyond);
             0: no cache, every round re-encodes every context.
@@ -88,8 +92,9 @@ class LMDrafter:
 
     def __init__(
         self,
-        model: TinyLM | None = None,
+        model: TinyLM | HFModel | None = None,
         *,
+        identity: bytes | None = None,
         device: str | torch.device | None = None,
         cache_slots: int = 1024,
         window: int = 64,
@@ -98,17 +103,12 @@ class LMDrafter:
     ):
         model = model or TinyLM()
         c = model.config
-        if window + 16 > c.max_positions:
+        if c.max_positions is not None and window + 16 > c.max_positions:
             raise ValueError(
                 f"window {window} (--window): the model has {c.max_positions} positions, "
                 "for a window and 16 drafts at least"
             )
-        self.max_tokens = max_tokens or min(2 * window + 16, c.max_positions)
-        if not window < self.max_tokens <= c.max_positions:
-            raise ValueError(
-                f"max_tokens {self.max_tokens}: must be in {window + 1}..{c.max_positions} "
-                "(more than the window; the model's positions)"
-            )
+        self.max_tokens = row_tokens(window, c.max_positions, max_tokens)
         # The widest round a row holds beside a whole window: the worker refuses a HELLO
         # whose num_spec is wider (worker.limits.hello_refusal), so no round fails for it.
         self.max_width = self.max_tokens - window
@@ -117,7 +117,7 @@ class LMDrafter:
             raise ValueError(f"cache_slots {cache_slots}: must be >= 0")
         self.device = pick_device(device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.drafter_identity = model.identity()
+        self.drafter_identity = identity or model.identity()
         self.markov_identity = MARKOV_NONE
         self.vocab_size = c.vocab_size
         self.model = model.to(self.device, self.dtype).eval()
@@ -133,6 +133,18 @@ class LMDrafter:
             else None
         )
         self._lock = threading.Lock()
+        self._made = {"window": window, "graphs": graphs}
+
+    def sibling(self, cache_slots: int, max_tokens: int | None = None) -> LMDrafter:
+        """A drafter of the same model (shared, not copied) with a cache of its own."""
+        return LMDrafter(
+            self.model,
+            identity=self.drafter_identity,
+            device=self.device,
+            cache_slots=cache_slots,
+            max_tokens=max_tokens,
+            **self._made,
+        )
 
     def cache_info(self) -> CacheInfo:
         """The cache's streams and counts; ``bytes`` also counts the static working

@@ -1,0 +1,166 @@
+"""The transformers drafter's KV cache per stream (remote_dspark.drafter.lm.hf_model drives a
+transformers model as the built-in model drafter drives its own):
+for a tiny GPT-2 (learned positions) and a tiny Llama (rotary, grouped KV heads), saved
+by the test, the cached drafts equal the model's own greedy continuation of what the
+row holds, encoded afresh at the same absolute positions, through the worker's own
+windows: appends, NEW_GEN anywhere in a sequence, RESYNC, evictions, several sessions,
+contexts past the window. CPU float32."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from lm_common import STREAM_ROUNDS, Streams, agreeing_prefix, batch_of
+
+from remote_dspark.drafter.lm.drafter import LMDrafter
+from remote_dspark.drafter.lm.hf import load_hf
+
+transformers = pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
+
+MODELS = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=128, n_positions=512, n_embd=32, n_layer=2, n_head=2, initializer_range=0.5)
+    ),
+    "llama": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            initializer_range=0.5,
+        )
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    torch.manual_seed(0)
+    MODELS[request.param]().save_pretrained(path)
+    return path
+
+
+def greedy(model, tokens, start: int, n: int) -> tuple[list[int], list[float]]:
+    """The model's own greedy continuation of ``tokens`` at positions ``start...`` and its
+    top1 - top2 margins (no padding, no cache: the whole sequence encoded per token)."""
+    seq, margins = [int(t) for t in tokens], []
+    with torch.inference_mode():
+        for _ in range(n):
+            pos = torch.arange(start, start + len(seq))[None]
+            probs = torch.softmax(model(input_ids=torch.tensor([seq]), position_ids=pos).logits[0, -1], -1)
+            top = probs.topk(2)
+            seq.append(int(top.indices[0]))
+            margins.append(float(top.values[0] - top.values[1]))
+    return seq[len(tokens) :], margins
+
+
+def drafter_of(model_dir, window: int, cache_slots: int = 3, max_tokens: int | None = None) -> LMDrafter:
+    return load_hf(str(model_dir), "cpu", window, cache_slots=0).sibling(cache_slots, max_tokens)
+
+
+@settings(max_examples=15, deadline=None)
+@given(rounds=STREAM_ROUNDS, sessions=STREAM_ROUNDS)
+def test_cached_drafts_equal_a_fresh_encode_of_the_row_at_its_true_positions(model_dir, rounds, sessions):
+    """Rows of ``window + width`` tokens hold exactly the window (a slid window is
+    re-encoded at its true positions); default rows (``2 x window + 16``) hold more history,
+    up to ``max_tokens``: each draft equals a fresh encode of what its row holds. A second
+    session (a respawned proxy) on the same drafter shares nothing with the first."""
+    window, width = 6, 2
+    for d in (drafter_of(model_dir, window, max_tokens=window + width), drafter_of(model_dir, window)):
+        for script in (rounds, sessions):
+            streams = Streams(window)  # a new session: the worker's windows are new
+            for ops in script:
+                batch = streams.round(ops, width)
+                got = d.draft_batch(batch)
+                for i, slot in enumerate(batch.slots.tolist()):
+                    origin, fill = d.cache.held(batch.session, slot) or (int(batch.positions[i]), 0)
+                    first, tokens = streams.span(slot, origin)
+                    assert fill in (0, len(tokens)) and len(tokens) <= d.max_tokens - width
+                    want, margins = greedy(d.model.lm, tokens, first, width)
+                    a, b = agreeing_prefix(want, margins, got.tokens[i].tolist())
+                    assert a == b, f"entry {i}: slot {slot} from position {first}"
+
+
+def test_only_the_new_tokens_are_encoded_and_the_bound_holds(model_dir):
+    """Appends hit (a row's state is reused), NEW_GEN misses, four slots over three rows
+    evict the least recently used, and the pool's bytes are what the model keeps per token."""
+    d = drafter_of(model_dir, 8)
+    c = d.model.config
+    assert (c.n_layers, c.n_heads) == ((2, 2) if "llama" in model_dir.name else (2, 2))  # Llama: 2 of 4 heads
+    assert d.cache_info().bytes == 3 * c.n_layers * 2 * c.n_heads * d.max_tokens * c.head_dim * 4
+    ctx = list(range(10, 18))
+
+    def round_of(slots, lengths, gens):
+        n = len(slots)
+        before = d.cache_info()
+        d.draft_batch(
+            batch_of(
+                [ctx] * n,
+                [2] * n,
+                2,
+                session=1,
+                slots=np.array(slots, np.int64),
+                gens=np.array(gens, np.int64),
+                lengths=np.array(lengths, np.int64),
+            )
+        )
+        after = d.cache_info()
+        assert after.slots <= after.capacity == 3
+        return after.hits - before.hits, after.misses - before.misses
+
+    assert round_of([0, 1, 2], [8, 8, 8], [1, 1, 1]) == (0, 3)
+    assert round_of([0, 1, 2], [9, 9, 9], [1, 1, 1]) == (3, 0)
+    assert round_of([0, 1], [10, 10], [2, 1]) == (1, 1)  # slot 0's NEW_GEN
+    assert round_of([3], [8], [1]) == (0, 1)  # takes slot 2's row, the least recently used
+    assert round_of([2], [10], [1]) == (0, 1)
+
+
+def test_an_uncached_drafter_drafts_what_the_cached_one_drafts_within_the_window(model_dir):
+    window, width = 8, 3
+    plain, cached = drafter_of(model_dir, window, cache_slots=0), drafter_of(model_dir, window)
+    assert plain.cache is None and plain.cache_info().capacity == 0
+    rng = np.random.default_rng(4)
+    streams = Streams(window)
+    for rnd in range(4):  # 2 tokens a round: the window (8) full at the last
+        ops = [(slot, "append" if rnd else "new_gen", 0, rng.integers(0, 128, 2).tolist()) for slot in range(3)]
+        batch = streams.round(ops, width)
+        got, want = cached.draft_batch(batch), plain.draft_batch(batch)
+        assert want.counts.tolist() == got.counts.tolist() == [width] * 3
+        np.testing.assert_array_equal(got.tokens[want.margins > 1e-4], want.tokens[want.margins > 1e-4])
+    assert cached.cache_info().hits == 9
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bf16_cached_rounds_draft_what_re_encoding_drafts(model_dir):
+    """The CUDA path (bf16 model and pool): cached rounds through the worker's windows
+    draft what re-encoding every window on the same device drafts, within the window,
+    wherever the choice is clear (bf16's rounding may flip a close one); the CPU float32
+    drafter agrees on nearly every clear choice."""
+    window, width = 16, 4
+    cuda = load_hf(str(model_dir), "cuda", window, cache_slots=8)
+    plain, cpu = cuda.sibling(0), load_hf(str(model_dir), "cpu", window, cache_slots=0)
+    assert cuda.dtype == torch.bfloat16 and cuda.cache.pool.dtype == torch.bfloat16
+    rng = np.random.default_rng(9)
+    streams, had = Streams(window, max_slots=6), {}
+    agree = compared = 0
+    for _ in range(20):
+        ops = []
+        for slot in range(6):
+            fresh = slot not in had or had[slot] + 3 > window
+            ops.append((slot, "new_gen" if fresh else "append", 0, rng.integers(0, 128, 8 if fresh else 3).tolist()))
+            had[slot] = 8 if fresh else had[slot] + 3
+        batch = streams.round(ops, width)
+        got, same_device, on_cpu = cuda.draft_batch(batch), plain.draft_batch(batch), cpu.draft_batch(batch)
+        assert got.counts.tolist() == same_device.counts.tolist() == on_cpu.counts.tolist()
+        for i in range(len(batch)):
+            j = next((j for j, m in enumerate(same_device.margins[i]) if m <= 0.02), width)
+            assert got.tokens[i, :j].tolist() == same_device.tokens[i, :j].tolist()
+            k = next((j for j, m in enumerate(on_cpu.margins[i]) if m <= 0.05), width)
+            agree += got.tokens[i, :k].tolist() == on_cpu.tokens[i, :k].tolist()
+            compared += 1
+    assert cuda.cache_info().hits > 50
+    assert agree >= 0.95 * compared
