@@ -331,7 +331,7 @@ class RemoteDSpark:
     @property
     def wait_cpu_s(self) -> float:
         """The engine thread's CPU seconds spent inside its waits for a round's release
-        (async modes on the CPU: that wait spins by design); 0 in sync mode."""
+        (async modes on the CPU: that wait spins ASYNC_SPIN_US, then sleeps); 0 in sync mode."""
         return self._path.wait_cpu_s
 
     def _enter(self, what: str) -> None:

@@ -125,7 +125,7 @@ class Handoff:
         # thread; the proxy host's stall verdict only reads it (one tuple: one atomic read).
         self.watchdog_seen: tuple[float, ...] = ()
         self.max_wait_s = 0.0  # longest hand-off wait of the engine thread (CPU)
-        self.wait_cpu_s = 0.0  # the engine thread's CPU inside those waits (they spin)
+        self.wait_cpu_s = 0.0  # the engine thread's CPU inside those waits (their spins)
 
     _host: list = []
     _staging: list = []
@@ -229,7 +229,9 @@ class Handoff:
         )
 
     def round(self, batch: Batch) -> Drafts:
-        """The CPU stand-in: this thread waits for the release (the watchdog bounds it)."""
+        """The CPU stand-in for the stream's wait: this thread spins ASYNC_SPIN_US, then
+        sleeps on the ``released`` futex until a releaser (the proxy, the watchdog, an
+        orphan or no-proxy release, close) wakes it; the watchdog bounds it."""
         spec, cfg = self.spec, self.spec.cfg
         n = len(batch)
         serving, resync_all = self._proxy()

@@ -1,5 +1,5 @@
-"""``native``: the hand-off primitives of ``hostflag.c`` and ``tcp_round.c`` (one library,
-with ``hostflag.h`` between them), found or built, then loaded.
+"""``native``: the hand-off primitives of ``hostflag.c``, ``watchdog.c`` and ``tcp_round.c``
+(one library, with ``hostflag.h`` between them), found or built, then loaded.
 
 :mod:`.build` decides where the library comes from (a named file, the ofl directory's
 copy, or this package's trusted build) and loads it; :mod:`.binding` binds its functions

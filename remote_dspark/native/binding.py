@@ -9,14 +9,15 @@ its TCP round uses (``hf_wire_constants``, see ``WIRE_CONSTANTS``) and its codes
 (``hf_codes``, see ``CODE_TABLES``: ``Status``, and :mod:`remote_dspark.outcome`'s
 ``Outcome`` and ``RoundEvent``). A refusal names the value and both sides of it.
 
-Calls that may wait (``wait_geq``, ``wait_at``, ``handoff``, ``publish``,
+Calls that may wait (``wait_geq``, ``wait_released``, ``wait_at``, ``handoff``, ``publish``,
 ``release_empty``, ``take``, ``answer``, ``serve``, ``watchdog_stop``) go through
 ``ctypes.CDLL``, which releases the GIL for the call. The short ones (loads, stores, claim,
 counters, and the proxy's checks of one round: ``check_desc``, ``unpack``) go through
 ``ctypes.PyDLL`` and keep it: releasing the GIL for 20 ns of work would invite another
 thread to take it for a whole switch interval. ``wait_geq_holding`` and
 ``handoff_holding`` are the same C functions bound to keep the GIL, for waits the caller
-bounds to microseconds (``streamsync``'s hold).
+bounds to microseconds (``streamsync``'s hold): they spin, and ``handoff_holding`` is
+given no waiters word, so a wait holding the GIL never sleeps.
 
 The C layer returns status codes; ``check`` is the one place that turns them into
 exceptions. This module imports nothing beyond the standard library and the package's
@@ -35,7 +36,7 @@ from pathlib import Path
 from .. import outcome, wire
 from .structs import LinkState, ProxyState, RingGeom
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -95,15 +96,16 @@ _FUNCS = {
     "zero_drafts": ("hf_zero_drafts", None, (_RING, _U32, _U32), False),
     "wait_geq": ("hf_wait_geq", _I, (_P, _U32, _U32, _U32, _U64), True),
     "wait_geq_holding": ("hf_wait_geq", _I, (_P, _U32, _U32, _U32, _U64), False),
-    "wait_at": ("hf_wait_at", _I, (_P, _U32, _U32, _U32, _U64, _P), True),
-    "handoff": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P, _P), True),
-    "handoff_holding": ("hf_handoff", _I, (_P, _P, _P, _U32, _U32, _U32, _U64, _P, _P), False),
+    "wait_released": ("hf_wait_released", _I, (_P, _P, _U32, _U32, _U32, _U64), True),
+    "wait_at": ("hf_wait_at", _I, (_P, _P, _U32, _U32, _U32, _U64, _P), True),
+    "handoff": ("hf_handoff", _I, (_P, _P, _P, _P, _U32, _U32, _U32, _U64, _P, _P), True),
+    "handoff_holding": ("hf_handoff", _I, (_P, _P, _P, _P, _U32, _U32, _U32, _U64, _P, _P), False),
     "take": ("hf_take", ctypes.c_int64, (_P, _U64), True),
     "answer": ("hf_answer", _I, (_P, _U32, _U32, _P), True),
     "round": ("hf_round", ctypes.c_int64, (_P, _P, _U64), True),
     "check_desc": ("hf_check_desc", _I, (_P, _P, _U32), False),
     "unpack": ("hf_unpack", _I, (_P, _P, _U32, _U32), False),
-    "publish": ("hf_publish", _I, (_P, _U32, _U64), True),
+    "publish": ("hf_publish", _I, (_P, _P, _U32, _U64), True),
     "release_empty": ("hf_release_empty", _I, (_RING, _U32, _U32, _U64), True),
     "serve": ("hf_serve", _I, (_RING, _U32, _U32, _U32, _U32, _U32, _U64), True),
     "watchdog_start": ("hf_watchdog_start", _P, (_RING, _P, _U32, _U64, _U64), False),

@@ -1,7 +1,8 @@
 /* hostflag.c: the hand-off primitives shared by the engine and the proxy process: the
- * ring's words, the CPU hand-off, sleeping when idle, the proxy's take and answer, and
- * the watchdog. The proxy's round on a TCP socket is in tcp_round.c; what both files
- * share (the structs Python mirrors, the status codes) is in hostflag.h.
+ * ring's words, the CPU hand-off, the engine's sleep on `released`, the proxy's sleep
+ * when idle, the standby's promotion, and the proxy's take and answer. The proxy's round
+ * on a TCP socket is in tcp_round.c, the engine's watchdog thread in watchdog.c; what
+ * the files share (the structs Python mirrors, the status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
  * layout is not known here; Python (remote_dspark.region.layout) computes it once and
@@ -9,8 +10,9 @@
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the
  * claim word is a compare-and-swap, counters are relaxed fetch-adds. Everything a
- * claimer writes into a drafts slot is published by its release store of `released`
- * and read by the engine after its acquire load of that word.
+ * claimer writes into a drafts slot is published by its store of `released` (release,
+ * and sequentially consistent: see "the engine's sleep") and read by the engine after
+ * its acquire load of that word.
  *
  * Sequence words are 32-bit and compared cyclically: a >= b iff (int32_t)(a - b) >= 0,
  * so a run may start near 2^32 and wrap (the ring depth is a power of two, so
@@ -21,8 +23,6 @@
 #include "hostflag.h"
 
 #include <math.h>
-#include <pthread.h>
-#include <stdlib.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -38,6 +38,24 @@ static void nap_ns(uint64_t ns)
 {
     struct timespec ts = { (time_t)(ns / 1000000000u), (long)(ns % 1000000000u) };
     nanosleep(&ts, NULL);
+}
+
+/* Shared futexes (no FUTEX_PRIVATE_FLAG): both processes map the memfd region. */
+static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout)
+{
+    return syscall(SYS_futex, word, op, value, timeout, NULL, 0);
+}
+
+/* Sleep on `word` while it holds `seen`, until deadline_ns at the latest: FUTEX_WAIT's
+ * result (0 woken; -1 and errno), or 0 at once when the deadline has passed. */
+static long futex_sleep(uint32_t *word, uint32_t seen, uint64_t deadline_ns)
+{
+    uint64_t now = hf_now_ns();
+    if (now >= deadline_ns)
+        return 0;
+    uint64_t left = deadline_ns - now;
+    struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
+    return futex(word, FUTEX_WAIT, seen, &ts);
 }
 
 /* The ABI this file implements; the loader refuses a library built from another one. */
@@ -109,21 +127,71 @@ int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t
     }
 }
 
+/* ------------------------------------------------------------------ the engine's sleep
+ *
+ * The engine's CPU wait for `released` spins spin_us, then sleeps on `released` itself;
+ * `waiters`, on its line, counts the engine threads asleep there. No wake-up is lost
+ * (docs/design.md, "A waiting engine sleeps"), every access sequentially consistent:
+ *   releaser: store released = r;          then load waiters, FUTEX_WAKE if nonzero
+ *   sleeper:  waiters += 1 (a full fence); then load released, FUTEX_WAIT(released, seen)
+ * In their one total order the sleeper sees r, or the releaser sees the sleeper; and
+ * FUTEX_WAIT sleeps only while the word still holds `seen` (else EAGAIN). */
+
+/* Store `released = round` and wake the engine's sleepers, if any (a store and a load on
+ * the fast path; the syscall only when a waiter said it sleeps). `waiters` NULL: none. */
+static void release_store(uint32_t *released, uint32_t *waiters, uint32_t round)
+{
+    __atomic_store_n(released, round, __ATOMIC_SEQ_CST);
+    if (waiters && __atomic_load_n(waiters, __ATOMIC_SEQ_CST))
+        futex(released, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+/* Sleep until *word >= value (cyclic) or deadline_ns, counted in *waiters. HF_OK,
+ * HF_TIMEOUT, or HF_SYS (errno set): a futex error but EAGAIN, EINTR or ETIMEDOUT. */
+static int sleep_geq(uint32_t *word, uint32_t *waiters, uint32_t value, uint64_t deadline_ns)
+{
+    int rc = HF_TIMEOUT;
+    __atomic_fetch_add(waiters, 1, __ATOMIC_SEQ_CST);
+    for (;;) {
+        uint32_t seen = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+        if (cyc_geq(seen, value)) {
+            rc = HF_OK;
+            break;
+        }
+        if (hf_now_ns() >= deadline_ns)
+            break;
+        if (futex_sleep(word, seen, deadline_ns) && errno != EAGAIN && errno != EINTR && errno != ETIMEDOUT) {
+            rc = HF_SYS;
+            break;
+        }
+    }
+    __atomic_fetch_sub(waiters, 1, __ATOMIC_SEQ_CST);   /* errno stays the futex's */
+    return rc;
+}
+
+/* The engine's wait for `released >= value`: spin spin_us, then, with nap_us > 0, nap
+ * between looks as hf_wait_geq does (ASYNC_NAP_US keeps its meaning), else sleep on the
+ * futex until a releaser wakes it; deadline_ns bounds both. `waiters` NULL: hf_wait_geq. */
+int hf_wait_released(uint32_t *released, uint32_t *waiters, uint32_t value, uint32_t spin_us, uint32_t nap_us,
+                     uint64_t deadline_ns)
+{
+    if (nap_us || !waiters)
+        return hf_wait_geq(released, value, spin_us, nap_us, deadline_ns);
+    uint64_t spin_end = hf_now_ns() + (uint64_t)spin_us * 1000u;
+    int rc = hf_wait_geq(released, value, 0, 0, spin_end < deadline_ns ? spin_end : deadline_ns);
+    if (rc != HF_TIMEOUT)
+        return rc;
+    return sleep_geq(released, waiters, value, deadline_ns);
+}
+
 /* ------------------------------------------------------------------ sleeping when idle
  *
  * The wake words, adjacent in the region's words page: wake[0] `published`, the last
  * round the engine's CPU handed over (written before the stream, or the CPU stand-in,
  * writes `gathered`), and wake[1] `sleeping`, 1 while the proxy sleeps on `published`.
- * Both sides use sequentially consistent accesses in the order that loses no wake-up:
- * the engine stores published then loads sleeping; the proxy stores sleeping then loads
- * published. One of them sees the other's store: the engine wakes a sleeper, or the
- * proxy sees the new round and does not sleep (and FUTEX_WAIT itself re-checks the
- * word). The futex is shared (no FUTEX_PRIVATE_FLAG): both processes map the memfd. */
-
-static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout)
-{
-    return syscall(SYS_futex, word, op, value, timeout, NULL, 0);
-}
+ * Both sides use sequentially consistent accesses in the order that loses no wake-up
+ * (the argument of "the engine's sleep" above, the roles swapped): the engine stores
+ * published then loads sleeping; the proxy stores sleeping then loads published. */
 
 /* Engine: round `round` is handed over; wake the proxy only if it said it sleeps (a
  * store and a load on the fast path, a syscall only on a wake-up). */
@@ -132,17 +200,6 @@ void hf_announce(uint32_t *wake, uint32_t round)
     __atomic_store_n(&wake[0], round, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&wake[1], __ATOMIC_SEQ_CST))
         futex(&wake[0], FUTEX_WAKE, INT_MAX, NULL);
-}
-
-/* Sleep on `word` while it holds `seen`, until deadline_ns at the latest. */
-static void futex_sleep(uint32_t *word, uint32_t seen, uint64_t deadline_ns)
-{
-    uint64_t now = hf_now_ns();
-    if (now >= deadline_ns)
-        return;
-    uint64_t left = deadline_ns - now;
-    struct timespec ts = {(time_t)(left / 1000000000u), (long)(left % 1000000000u)};
-    futex(word, FUTEX_WAIT, seen, &ts);   /* woken, changed (EAGAIN), timed out or EINTR */
 }
 
 /* Proxy: announce, re-check, sleep until a round is handed over (or deadline_ns). */
@@ -218,11 +275,11 @@ int hf_standby_offer(uint32_t *word, uint32_t pid, uint64_t deadline_ns)
     }
 }
 
-/* hf_wait_geq, and the CLOCK_MONOTONIC time of the look that ended it in *seen_ns. */
-int hf_wait_at(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us,
+/* hf_wait_released, and the CLOCK_MONOTONIC time of the look that ended it in *seen_ns. */
+int hf_wait_at(uint32_t *released, uint32_t *waiters, uint32_t value, uint32_t spin_us, uint32_t nap_us,
                uint64_t deadline_ns, uint64_t *seen_ns)
 {
-    int rc = hf_wait_geq(word, value, spin_us, nap_us, deadline_ns);
+    int rc = hf_wait_released(released, waiters, value, spin_us, nap_us, deadline_ns);
     *seen_ns = hf_now_ns();
     return rc;
 }
@@ -238,10 +295,10 @@ void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round, uint32
     __atomic_store_n(gathered, round, __ATOMIC_RELEASE);
 }
 
-/* One CPU hand-off: signal, then wait for `released >= round`. out_ns[0] is taken just
- * before the store of gathered, out_ns[1] just after released was seen, both here, so
- * the caller's wait for its GIL afterwards is not part of the measure. */
-int hf_handoff(uint32_t *gathered, uint64_t *gathered_ns, const uint32_t *released,
+/* One CPU hand-off: signal, then wait for `released >= round` (hf_wait_released). out_ns[0]
+ * is taken just before the store of gathered, out_ns[1] just after released was seen,
+ * both here, so the caller's wait for its GIL afterwards is not part of the measure. */
+int hf_handoff(uint32_t *gathered, uint64_t *gathered_ns, uint32_t *released, uint32_t *waiters,
                uint32_t round, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns,
                uint64_t *out_ns, uint32_t *wake)
 {
@@ -252,7 +309,7 @@ int hf_handoff(uint32_t *gathered, uint64_t *gathered_ns, const uint32_t *releas
         __atomic_store_n(gathered_ns, t0, __ATOMIC_RELAXED);
     __atomic_store_n(gathered, round, __ATOMIC_RELEASE);
     out_ns[0] = t0;
-    return hf_wait_at(released, round, spin_us, nap_us, deadline_ns, &out_ns[1]);
+    return hf_wait_at(released, waiters, round, spin_us, nap_us, deadline_ns, &out_ns[1]);
 }
 
 /* Take the right to answer `round`: exactly one caller gets HF_OK per round. Rounds are
@@ -271,17 +328,18 @@ int hf_claim(uint32_t *claim, uint32_t round)
     }
 }
 
-/* Publish `released = round` after a successful claim. The claimer of round - 1 may
- * still be between its claim and its release (a few instructions when it is the
- * watchdog): wait for it, so `released` only moves forward, one round at a time. */
-int hf_publish(uint32_t *released, uint32_t round, uint64_t deadline_ns)
+/* Publish `released = round` after a successful claim, waking the engine's sleepers
+ * (`waiters`, may be NULL). The claimer of round - 1 may still be between its claim and
+ * its release (a few instructions when it is the watchdog): wait for it, so `released`
+ * only moves forward, one round at a time. */
+int hf_publish(uint32_t *released, uint32_t *waiters, uint32_t round, uint64_t deadline_ns)
 {
     int rc = hf_wait_geq(released, round - 1, 20, 20, deadline_ns);
     if (rc != HF_OK)
         return rc;
     if (cyc_geq(__atomic_load_n(released, __ATOMIC_ACQUIRE), round))
         return HF_STATE;   /* somebody released a round this caller holds the claim of */
-    __atomic_store_n(released, round, __ATOMIC_RELEASE);
+    release_store(released, waiters, round);
     return HF_OK;
 }
 
@@ -305,7 +363,7 @@ int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status
     if (rc != HF_OK)
         return rc;
     hf_zero_drafts(ring, round, status);
-    return hf_publish(ring->released, round, deadline_ns);
+    return hf_publish(ring->released, ring->waiters, round, deadline_ns);
 }
 
 /* The C peer (the latency floor of the benchmark): answer `count` rounds from `first`,
@@ -416,13 +474,13 @@ int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
 /* Publish `round`; the clock is read (for hf_publish's wait) only when round - 1 is not
  * released yet, so the common case between seeing a round and releasing it touches
  * nothing but the ring's words. */
-static int publish_within(uint32_t *released, uint32_t round, uint64_t timeout_ns)
+static int publish_within(const struct hf_ring *ring, uint32_t round, uint64_t timeout_ns)
 {
-    if (__atomic_load_n(released, __ATOMIC_ACQUIRE) == round - 1) {
-        __atomic_store_n(released, round, __ATOMIC_RELEASE);
+    if (__atomic_load_n(ring->released, __ATOMIC_ACQUIRE) == round - 1) {
+        release_store(ring->released, ring->waiters, round);
         return HF_OK;
     }
-    return hf_publish(released, round, hf_now_ns() + timeout_ns);
+    return hf_publish(ring->released, ring->waiters, round, hf_now_ns() + timeout_ns);
 }
 
 /* Answer `round` with `status`: claim it, write its drafts slot, publish, count. With
@@ -466,7 +524,7 @@ int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const ui
     } else {
         hf_zero_drafts(ring, round, status);
     }
-    rc = publish_within(ring->released, round, p->publish_timeout_ns);
+    rc = publish_within(ring, round, p->publish_timeout_ns);
     if (rc != HF_OK)
         return rc;
     /* The engine has the round; the bookkeeping comes after. A later round's gather in
@@ -498,136 +556,4 @@ int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t
     if (rc == HF_OK)
         *seen = 0;
     return rc;
-}
-
-/* ------------------------------------------------------------------ the watchdog */
-
-struct hf_watch {
-    struct hf_ring ring;
-    uint64_t *counter;       /* engine counters block: rounds this watchdog released */
-    uint32_t status;         /* drafts status written for those rounds */
-    uint64_t limit_ns;       /* release a round gathered this long ago and not released */
-    uint64_t poll_ns;        /* longest sleep between looks */
-    int stop;                /* under mu */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;       /* CLOCK_MONOTONIC; signalled by hf_watchdog_stop */
-    pthread_t thread;
-};
-
-/* Look once. Returns how long to sleep before the next look (0: look again now). The
- * watchdog only claims when no claim is in flight (claim == released), so its own
- * publish never waits; a round a live claimer holds is that claimer's to release. */
-static uint64_t watch_once(struct hf_watch *w, uint32_t *tracked, uint64_t *seen)
-{
-    const struct hf_ring *ring = &w->ring;
-    uint32_t rel = __atomic_load_n(ring->released, __ATOMIC_ACQUIRE);
-    uint32_t claim = __atomic_load_n(ring->claim, __ATOMIC_ACQUIRE);
-    uint32_t gathered = __atomic_load_n(ring->gathered, __ATOMIC_ACQUIRE);
-    uint64_t now = hf_now_ns();
-    if (claim != rel || cyc_geq(rel, gathered)) {
-        *seen = 0;
-        return w->poll_ns;
-    }
-    uint32_t r = rel + 1;
-    if (!*seen || *tracked != r) {  /* first look at this round: the fallback start */
-        *tracked = r;
-        *seen = now;
-    }
-    uint64_t t0 = __atomic_load_n(&ring->gathered_ns[r & (ring->depth - 1)], __ATOMIC_RELAXED);
-    uint64_t start = (t0 && t0 <= now) ? t0 : *seen;
-    if (now - start < w->limit_ns) {
-        uint64_t left = start + w->limit_ns - now;
-        return left < w->poll_ns ? left : w->poll_ns;
-    }
-    if (hf_release_empty(ring, r, w->status, now + w->limit_ns) == HF_OK)
-        __atomic_fetch_add(w->counter, 1, __ATOMIC_RELAXED);
-    *seen = 0;
-    return 0;
-}
-
-static void *watch_main(void *arg)
-{
-    struct hf_watch *w = arg;
-    uint32_t tracked = 0;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&w->mu);
-    while (!w->stop) {
-        uint64_t sleep = watch_once(w, &tracked, &seen);
-        if (!sleep)
-            continue;
-        uint64_t until = hf_now_ns() + sleep;
-        struct timespec ts = { (time_t)(until / 1000000000u), (long)(until % 1000000000u) };
-        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
-    }
-    pthread_mutex_unlock(&w->mu);
-    return NULL;
-}
-
-/* Start the watchdog thread. NULL on failure (errno set). The ring is copied. */
-void *hf_watchdog_start(const struct hf_ring *ring, uint64_t *counter, uint32_t status,
-                        uint64_t limit_ns, uint64_t poll_ns)
-{
-    struct hf_watch *w = calloc(1, sizeof(*w));
-    pthread_condattr_t ca;
-    if (!w)
-        return NULL;
-    w->ring = *ring;
-    w->counter = counter;
-    w->status = status;
-    w->limit_ns = limit_ns;
-    w->poll_ns = poll_ns ? poll_ns : 1000000u;
-    pthread_mutex_init(&w->mu, NULL);
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&w->cv, &ca);
-    pthread_condattr_destroy(&ca);
-    int err = pthread_create(&w->thread, NULL, watch_main, w);
-    if (err) {
-        pthread_cond_destroy(&w->cv);
-        pthread_mutex_destroy(&w->mu);
-        free(w);
-        errno = err;
-        return NULL;
-    }
-    return w;
-}
-
-/* Release the rounds a dead claimer holds (claim ahead of released), empty with
- * `status`, under the watchdog's lock, so its own claim can never come between the
- * reads of released and claim. The number released, or -HF_STATE when released will not
- * move (a broken ring). Only once the claimer is known dead. */
-int hf_watchdog_release_orphans(void *handle, uint32_t status)
-{
-    struct hf_watch *w = handle;
-    const struct hf_ring *ring = &w->ring;
-    int n = 0, rc = HF_OK;
-    pthread_mutex_lock(&w->mu);
-    for (;;) {
-        uint32_t rel = __atomic_load_n(ring->released, __ATOMIC_ACQUIRE);
-        uint32_t claim = __atomic_load_n(ring->claim, __ATOMIC_ACQUIRE);
-        if (cyc_geq(rel, claim))
-            break;
-        hf_zero_drafts(ring, rel + 1, status);
-        rc = hf_publish(ring->released, rel + 1, hf_now_ns() + 1000000000u);
-        if (rc != HF_OK)
-            break;
-        n++;
-    }
-    pthread_mutex_unlock(&w->mu);
-    return rc == HF_OK ? n : -rc;
-}
-
-/* Stop and join the watchdog thread, free it. */
-int hf_watchdog_stop(void *handle)
-{
-    struct hf_watch *w = handle;
-    pthread_mutex_lock(&w->mu);
-    w->stop = 1;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-    int err = pthread_join(w->thread, NULL);
-    pthread_cond_destroy(&w->cv);
-    pthread_mutex_destroy(&w->mu);
-    free(w);
-    return err ? HF_SYS : HF_OK;
 }

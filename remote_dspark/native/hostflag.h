@@ -1,8 +1,8 @@
-/* hostflag.h: what the two files of the hostflag library share (hostflag.c: the
- * hand-off, the proxy's take and answer, the watchdog; tcp_round.c: the proxy's round on
- * a TCP socket, its descriptor check and DRAFTS reader, and the wire constants it uses).
- * The library's ABI (HF_ABI) covers both; remote_dspark/native/build.py builds them
- * together, native/structs.py mirrors the structs below with ctypes and
+/* hostflag.h: what the files of the hostflag library share (hostflag.c: the hand-off,
+ * the sleeps, the proxy's take and answer; watchdog.c: the engine's watchdog thread;
+ * tcp_round.c: the proxy's round on a TCP socket, its descriptor check and DRAFTS reader,
+ * and the wire constants it uses). The library's ABI (HF_ABI) covers them all;
+ * remote_dspark/native/build.py builds them together, native/structs.py mirrors the structs below with ctypes and
  * native/binding.py checks their sizes at load.
  *
  * Status codes: HF_OK, HF_TIMEOUT (deadline passed), HF_LATE (the round was already
@@ -23,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 13   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 14   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -35,6 +35,7 @@ struct hf_ring {
     uint32_t *gathered;      /* engine stream: last round gathered into staging */
     uint32_t *released;      /* claimer: last round whose drafts are published */
     uint32_t *claim;         /* CAS: last round claimed by the proxy, watchdog or engine */
+    uint32_t *waiters;       /* engine threads asleep on `released`: every release wakes them */
     uint64_t *gathered_ns;   /* [depth] CLOCK_MONOTONIC ns of each slot's gather; 0 = unknown */
     uint8_t *drafts;         /* drafts slot 0 */
     uint64_t drafts_stride;  /* bytes between drafts slots */
@@ -129,9 +130,12 @@ static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
     __atomic_fetch_add(&p->counters[word], n, __ATOMIC_RELAXED);
 }
 
-/* hostflag.c, for tcp_round.c. */
+/* hostflag.c, for tcp_round.c and watchdog.c. */
 uint64_t hf_now_ns(void);
 int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns);
+int hf_publish(uint32_t *released, uint32_t *waiters, uint32_t round, uint64_t deadline_ns);
+void hf_zero_drafts(const struct hf_ring *ring, uint32_t round, uint32_t status);
+int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status, uint64_t deadline_ns);
 HF_INTERNAL int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen);
 HF_INTERNAL int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
                                uint64_t seen);

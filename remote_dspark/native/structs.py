@@ -15,6 +15,7 @@ class RingGeom(ctypes.Structure):
         ("gathered", ctypes.c_void_p),
         ("released", ctypes.c_void_p),
         ("claim", ctypes.c_void_p),
+        ("waiters", ctypes.c_void_p),
         ("gathered_ns", ctypes.c_void_p),
         ("drafts", ctypes.c_void_p),
         ("drafts_stride", ctypes.c_uint64),

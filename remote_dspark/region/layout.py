@@ -54,7 +54,11 @@ compared cyclically, so a run may start near 2^32 and wrap)::
 
     offset  size  word         writer
     P+0x000 4     gathered     engine stream: last round whose rows are in staging
-    P+0x080 4     released     the round's claimer, after its claim and its drafts
+    P+0x080 4     released     the round's claimer, after its claim and its drafts (a futex
+                               word: the engine's CPU wait sleeps on it after its spin)
+    P+0x084 4     waiters      engine: how many of its threads sleep on released (every
+                               releaser wakes them when nonzero); on released's line, so
+                               a release touches no other line
     P+0x100 4     claim        compare-and-swap: proxy, watchdog or engine (no proxy)
     P+0x180 8 D   gathered_ns  engine stream, before gathered: CLOCK_MONOTONIC ns of
                                each depth slot's gather (0 = unknown, e.g. a GPU stream)
@@ -116,7 +120,7 @@ from dataclasses import dataclass, field
 from .. import wire
 
 MAGIC = b"DSPKSHM1"
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 LINE = 128
 MAX_DEPTH = 64
 
@@ -132,6 +136,7 @@ OFF_BREAKER = 0x180
 # Hand-off words, relative to the words page.
 W_GATHERED = 0x000
 W_RELEASED = 0x080
+W_WAITERS = 0x084  # engine threads asleep on released (hostflag.c, "the engine's sleep")
 W_CLAIM = 0x100
 W_GATHERED_NS = 0x180  # up to 0x180 + 8 x MAX_DEPTH = 0x380
 W_PROBE = 0x400
@@ -304,6 +309,10 @@ class Layout:
     @property
     def released(self) -> int:
         return self.words_at + W_RELEASED
+
+    @property
+    def waiters(self) -> int:
+        return self.words_at + W_WAITERS
 
     @property
     def claim(self) -> int:

@@ -11,7 +11,9 @@ native library: acquire loads, release stores, compare-and-swap)::
                writes drafts slot r % D, released = r (release) once released == r-1
     watchdog   r gathered, not released, no claim in flight, older than watchdog_ms:
                claim r, empty drafts with status WATCHDOG, released = r  (native thread)
-    engine     sees released >= r (acquire); reads drafts slot r % D
+    engine     sees released >= r (acquire), on the CPU after a spin and a sleep on the
+               released futex (counted in ``waiters``; every release above wakes it);
+               reads drafts slot r % D
 
 Invariants:
   * gathered, claim and released only move forward (32-bit, compared cyclically);
@@ -58,6 +60,7 @@ def geometry(region: shm.Region) -> native.RingGeom:
         gathered=region.addr(lay.gathered),
         released=region.addr(lay.released),
         claim=region.addr(lay.claim),
+        waiters=region.addr(lay.waiters),
         gathered_ns=region.addr(lay.gathered_ns(0)),
         drafts=region.addr(lay.drafts(0)),
         drafts_stride=lay.drafts_stride,
@@ -295,7 +298,10 @@ class EngineEnd(RingEnd):
             r = seq_add(rel, 1)
             self._lib.zero_drafts(self._geom_ref, r, Outcome.ORPHAN)
             if (
-                check(self._lib.publish(self._released, r, native.deadline_ns(1.0)), f"release orphaned round {r}")
+                check(
+                    self._lib.publish(self._released, self._geom.waiters, r, native.deadline_ns(1.0)),
+                    f"release orphaned round {r}",
+                )
                 is not Status.OK
             ):
                 raise RuntimeError(f"round {r}: released word stuck at {self.released()}")

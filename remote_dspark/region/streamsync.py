@@ -4,9 +4,11 @@ The engine's stream writes ``gathered = r`` once round r's rows are in staging, 
 waits for ``released >= r`` before it uses the drafts. On a GPU both are stream memory
 operations on the registered region (a later backend); here, with no GPU, the CPU
 backend does both from the engine thread through the native library: a release store,
-then a spin-then-nap wait inside C with the GIL released, so the proxy never needs this
-process's GIL and this thread's wait costs no other thread its turn (after an optional
-short spin that keeps it, ``hold_gil_us``).
+then a wait inside C with the GIL released (``ASYNC_SPIN_US`` of spinning, then a sleep
+on the ``released`` futex that every releaser wakes, or, with ``ASYNC_NAP_US`` > 0, naps
+between looks), so the proxy never needs this process's GIL and this thread's wait costs
+no other thread its turn nor a core (after an optional short spin that keeps the GIL,
+``hold_gil_us``).
 
 A backend is two operations, ``signal(round)`` (how ``gathered`` is written) and
 ``wait(round, deadline_ns)`` (how ``released`` is awaited), plus ``handoff`` (both, timed
@@ -51,6 +53,7 @@ class CpuBackend:
         self._lib = lib
         self._gathered = region.addr(lay.gathered)
         self._released = region.addr(lay.released)
+        self._waiters = region.addr(lay.waiters)
         self._gathered_ns = region.addr(lay.gathered_ns(0))
         self._wake = region.addr(lay.wake)
         self._mask = lay.depth - 1
@@ -70,7 +73,7 @@ class CpuBackend:
         if self._hold_ns:
             rc = lib.wait_geq_holding(self._released, round_id, self._spin, 0, self._held_until(deadline_ns))
         if rc == Status.TIMEOUT:
-            rc = lib.wait_geq(self._released, round_id, self._spin, self._nap, deadline_ns)
+            rc = lib.wait_released(self._released, self._waiters, round_id, self._spin, self._nap, deadline_ns)
         return check(rc, f"wait for round {round_id}") is Status.OK
 
     def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
@@ -81,6 +84,7 @@ class CpuBackend:
                 self._gathered,
                 stamp,
                 self._released,
+                None,  # holding the GIL: spin only, never sleep
                 round_id,
                 self._spin,
                 0,
@@ -89,10 +93,19 @@ class CpuBackend:
                 self._wake,
             )
             if rc == Status.TIMEOUT:  # go on waiting with the GIL released
-                rc = lib.wait_at(self._released, round_id, self._spin, self._nap, deadline_ns, out + 8)
+                rc = lib.wait_at(self._released, self._waiters, round_id, self._spin, self._nap, deadline_ns, out + 8)
         else:
             rc = lib.handoff(
-                self._gathered, stamp, self._released, round_id, self._spin, self._nap, deadline_ns, out, self._wake
+                self._gathered,
+                stamp,
+                self._released,
+                self._waiters,
+                round_id,
+                self._spin,
+                self._nap,
+                deadline_ns,
+                out,
+                self._wake,
             )
         return Handoff(check(rc, f"hand off round {round_id}") is Status.OK, self._out[0], self._out[1])
 
@@ -206,7 +219,8 @@ class HostFlagSync:
     """Hand rounds to the proxy through the region's ``gathered``/``released`` words.
 
     ``spin_us``/``nap_us`` shape the CPU wait as VLLM_DSPARK_REMOTE_ASYNC_SPIN_US and
-    _NAP_US do the proxy's (nap_us 0: spin until the deadline).
+    _NAP_US do the proxy's: spin ``spin_us``, then nap ``nap_us`` between looks, or, with
+    nap_us 0, sleep on the ``released`` futex until a releaser wakes it.
 
     ``hold_gil_us`` (CPU backend): spin that long keeping the GIL before releasing it for
     the rest of the wait. Only for a proxy in another process, whose answer never needs

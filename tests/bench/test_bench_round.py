@@ -89,6 +89,8 @@ def test_big_rounds_measure_fewer_rounds():
         (["--warmup", "0"], "--warmup 0: must be >= 1"),
         (["--timeout-ms", "0"], "--timeout-ms 0"),
         (["--device-metadata"], "--device-metadata: only with --device cuda"),
+        (["--worker-late-ms", "-1"], "--worker-late-ms -1: must be in 0..999"),
+        (["--worker-late-ms", "50", "--timeout-ms", "50"], "--worker-late-ms 50: must be in 0..49, below --timeout-ms"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(argv, says, capsys, monkeypatch):
@@ -141,6 +143,7 @@ def test_tiny_full_run_reports_every_cpu_row(lib, capfd, children, monkeypatch):
     for mode in round_options.ENGINE_MODES:
         assert rows[mode]["not_ok"] == 0, (mode, rows[mode]["outcomes"])
         assert rows[mode]["engine_cpu_ms"] is not None and rows[mode]["engine_cpu_ms"] >= 0
+        assert rows[mode]["engine_cpu_per_wall"] >= 0
     assert rows["sync"]["x_sync"] is None
     assert rows["thread"]["x_sync"] is not None and rows["process"]["x_sync"] is not None
     assert rows["floor"]["engine_cpu_ms"] is None and rows["draft"]["engine_cpu_ms"] is None

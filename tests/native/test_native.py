@@ -378,6 +378,17 @@ def test_wait_geq_is_cyclic_and_times_out(lib):
     assert lib.wait_geq(addr(w), 2**31 + 2, 0, 0, native.deadline_ns(0.001)) == Status.TIMEOUT
 
 
+def test_wait_released_sleeps_to_its_deadline_and_leaves_no_waiter_counted(lib):
+    rel, waiters = word(5), word(0)
+    assert lib.wait_released(addr(rel), addr(waiters), 5, 0, 0, native.deadline_ns(1)) == Status.OK  # at once
+    # Not released: with spin 0 straight to the futex, back at its deadline, no longer counted.
+    assert lib.wait_released(addr(rel), addr(waiters), 6, 0, 0, native.deadline_ns(0.02)) == Status.TIMEOUT
+    assert waiters.value == 0
+    # A nap (ASYNC_NAP_US > 0) or no waiters word: the spin-then-nap wait, never the futex.
+    assert lib.wait_released(addr(rel), addr(waiters), 6, 0, 50, native.deadline_ns(0.02)) == Status.TIMEOUT
+    assert lib.wait_released(addr(rel), None, 2**32 - 3, 0, 0, native.deadline_ns(1)) == Status.OK  # cyclic
+
+
 def test_claim_is_in_order_and_exactly_once_across_the_wrap(lib):
     c = word(2**32 - 1)
     assert lib.claim(addr(c), 1) == Status.ORDER  # round 0 not claimed yet
@@ -389,11 +400,11 @@ def test_claim_is_in_order_and_exactly_once_across_the_wrap(lib):
 
 def test_publish_waits_for_the_previous_round_and_never_goes_back(lib):
     rel = word(2**32 - 2)
-    assert lib.publish(addr(rel), 0, native.deadline_ns(0.002)) == Status.TIMEOUT  # 2^32-1 pending
+    assert lib.publish(addr(rel), None, 0, native.deadline_ns(0.002)) == Status.TIMEOUT  # 2^32-1 pending
     assert rel.value == 2**32 - 2
-    assert lib.publish(addr(rel), 2**32 - 1, native.deadline_ns(1)) == Status.OK
-    assert lib.publish(addr(rel), 0, native.deadline_ns(1)) == Status.OK
-    assert lib.publish(addr(rel), 0, native.deadline_ns(1)) == Status.STATE
+    assert lib.publish(addr(rel), None, 2**32 - 1, native.deadline_ns(1)) == Status.OK
+    assert lib.publish(addr(rel), None, 0, native.deadline_ns(1)) == Status.OK
+    assert lib.publish(addr(rel), None, 0, native.deadline_ns(1)) == Status.STATE
     assert rel.value == 0
 
 
@@ -401,7 +412,7 @@ def test_handoff_times_itself_in_c(lib):
     gathered, released, stamp = word(0), word(5), ctypes.c_uint64(0)
     out = (ctypes.c_uint64 * 2)()
     rc = lib.handoff(
-        addr(gathered), addr(stamp), addr(released), 5, 0, 0, native.deadline_ns(1), ctypes.addressof(out), None
+        addr(gathered), addr(stamp), addr(released), None, 5, 0, 0, native.deadline_ns(1), ctypes.addressof(out), None
     )
     assert rc == Status.OK and gathered.value == 5
     assert stamp.value == out[0] <= out[1]

@@ -52,6 +52,7 @@ class Options:
     device: str
     device_metadata: bool
     drafter: str = "markov"  # the worker's: markov, or lm (the built-in model)
+    worker_late_ms: int = 0  # the worker answers every round this late (0: at once)
 
     def rounds_for(self, slots: int) -> int:
         """Measured rounds of a row at ``slots``: all of them up to GOAL_SLOTS, fewer above."""
@@ -104,6 +105,12 @@ def options(args) -> Options:
         )
     if args.timeout_ms < 1:
         raise ValueError(f"--timeout-ms {args.timeout_ms}: must be >= 1")
+    late_ms = getattr(args, "worker_late_ms", 0)
+    if not 0 <= late_ms < args.timeout_ms:
+        raise ValueError(
+            f"--worker-late-ms {late_ms}: must be in 0..{args.timeout_ms - 1}, below --timeout-ms "
+            "(a later answer is a timeout)"
+        )
     if args.device_metadata and args.device != "cuda":
         raise ValueError("--device-metadata: only with --device cuda")
     allowed = CUDA_MODES if args.device == "cuda" else MODES
@@ -130,4 +137,5 @@ def options(args) -> Options:
         args.device,
         args.device_metadata,
         getattr(args, "drafter", "markov"),
+        late_ms,
     )

@@ -33,7 +33,7 @@ class Row:
     cpu_ns: list[int] | None = None  # engine thread CPU per round (engine rows, launch)
     not_ok: int | None = None  # engine rows: measured rounds whose outcome is not "ok"
     outcomes: dict | None = None  # engine rows: measured rounds by outcome
-    extra: dict | None = None  # floor: byte counts; launch: CPU inside launch()
+    extra: dict | None = None  # floor: byte counts; launch: CPU inside launch(); engine rows: CPU per wall-second
 
 
 def pct(values: list[int], q: float) -> float:
@@ -96,6 +96,7 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
         "device": opts.device,
         "device_metadata": opts.device_metadata,
         "drafter": opts.drafter,
+        "worker_late_ms": opts.worker_late_ms,
         "tokens_per_entry": STEP_TOKENS,
         "prompt_tokens": PROMPT_TOKENS,
         "draft_context_tokens": CONTEXT_TOKENS,
@@ -177,6 +178,12 @@ def format_table(report: dict) -> str:
             f"{r['slots']:>6}  {DESCRIBE[r['mode']]:<25}{r['rounds']:>7}{r['p50_ms']:>10.3f}"
             f"{r['p99_ms']:>10.3f}{_f(r['x_floor'], '.2f', 9)}{_f(r['x_sync'], '.2f', 8)}"
             f"{_f(r['engine_cpu_ms'], '.3f', 12)}  {flag}"
+        )
+    busy = [r for r in report["rows"] if "engine_cpu_per_wall" in r]
+    if busy:
+        lines.append(
+            f"engine process CPU-seconds per wall-second (worker answering {c['worker_late_ms']} ms late): "
+            + "; ".join(f"{r['slots']} slots {r['mode']} {r['engine_cpu_per_wall']:.3f}" for r in busy)
         )
     floors = [r for r in report["rows"] if r["mode"] == "floor"]
     if floors:

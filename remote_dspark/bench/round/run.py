@@ -39,9 +39,17 @@ round announces every slot and is always a warm-up round.
 
 ``engine_cpu_ms`` is the median, over the measured rounds, of the engine thread's CPU
 per round (``time.thread_time()`` around ``round()``). For thread and process the wait
-for the round's release spins by design, so its own CPU (``rd.wait_cpu_s``, cumulative,
-kept by the engine) is taken out: what remains is the CPU the round costs the engine.
+for the round's release spins (``ASYNC_SPIN_US``, then it sleeps), so its own CPU
+(``rd.wait_cpu_s``, cumulative, kept by the engine) is taken out: what remains is the
+CPU the round costs the engine.
 For sync it is reported as is (its wait is a blocking receive).
+
+``engine_cpu_per_wall`` (engine rows) is the engine process's CPU seconds (every
+thread: in thread mode the proxy's too) per wall-second over the measured rounds, batch
+building included. Against a worker that answers at once every row is busy all along;
+with ``--worker-late-ms 15`` (the worker answers each round that late, as a remote
+drafter on a GPU might) it is what waiting costs: a wait that spins burns a core, one
+that sleeps after its ``ASYNC_SPIN_US`` almost nothing.
 
 Every row has p50 and p99 in ms, ``x_floor`` (p50 over the floor's p50 at the same slot
 count) and, for thread / process / launch, ``x_sync``. Without ``--slots`` the run
@@ -162,6 +170,14 @@ def add_parser(sub) -> None:
         "time)",
     )
     p.add_argument(
+        "--worker-late-ms",
+        type=int,
+        default=0,
+        metavar="MS",
+        help="the worker answers every round MS late (its --chaos delay; default 0: at once), "
+        "for the engine's CPU per wall-second while it waits (engine_cpu_per_wall)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (and nothing else) on stdout; progress stays on stderr",
@@ -204,15 +220,18 @@ def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device:
 
 
 def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str) -> Row:
-    """``rd.round(batch)`` rounds: wall time, the engine thread's CPU outside the wait."""
+    """``rd.round(batch)`` rounds: wall time, the engine thread's CPU outside the wait,
+    and the engine process's CPU per wall-second over the measured rounds."""
     from collections import Counter
 
     rounds = opts.rounds_for(slots)
     feeder = Feeder(slots, opts.row_bytes)
     lat, cpu, outcomes = [], [], Counter()
-    spins = mode != "sync"  # async rounds wait spinning: their wait's CPU is taken out
+    spins = mode != "sync"  # async rounds' waits spin first: their wait's CPU is taken out
     with engine(worker, opts, mode, slots, stats_dir) as rd:
         for i in range(opts.warmup + rounds):
+            if i == opts.warmup:
+                p0, s0 = time.process_time(), time.perf_counter()
             batch = feeder.next_batch()
             w0 = rd.wait_cpu_s if spins else 0.0
             c0 = time.thread_time_ns()
@@ -226,8 +245,9 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str) -> 
                 lat.append(t1 - t0)
                 cpu.append(max(0, (c1 - c0) - round((w1 - w0) * 1e9)))
                 outcomes[out.outcome.label] += 1
+        per_wall = (time.process_time() - p0) / (time.perf_counter() - s0)
     not_ok = rounds - outcomes["ok"]
-    return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes))
+    return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes), {"engine_cpu_per_wall": round(per_wall, 3)})
 
 
 def launch_row(worker, opts: Options, slots: int, stats_dir: str) -> Row:
@@ -360,8 +380,12 @@ def run_all(opts: Options) -> list[Row]:
 
             drafter = ("--drafter", "lm") if opts.drafter == "lm" else ()
             worker = stack.enter_context(
-                WorkerProcess(extra=(*worker_limits(max(opts.slots), opts.row_bytes), *drafter))
+                WorkerProcess(
+                    late_ms=opts.worker_late_ms, extra=(*worker_limits(max(opts.slots), opts.row_bytes), *drafter)
+                )
             )
+            if opts.worker_late_ms:
+                worker.answer_late()  # its handler is set before its first line: never lost
         for i, (slots, mode) in enumerate(plan):
             bar.update(i, f"{mode} {slots} slots")
             if mode == "floor":
