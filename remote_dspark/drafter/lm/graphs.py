@@ -118,7 +118,8 @@ class RoundGraphs:
         inp, hit_d, hit_r, back_d, back_r = torch.split(ints, [len(p) for p in parts])
         trash = self.positions - 1
         if len(hit_e):
-            b.kv[hit_d, :, :, :, :trash] = pool[hit_r]
+            # whole rows by index_select/index_copy_: block copies, not an element-wise index kernel
+            b.kv[:, :, :, :, :trash].index_copy_(0, hit_d, pool.index_select(0, hit_r))
         if key in b.graphs:
             graph, static_inp, out = b.graphs[key]
             static_inp.copy_(inp)
@@ -126,7 +127,7 @@ class RoundGraphs:
         else:
             out = self._round(b.kv, inp, rows, queries, width)
         if len(back_e):
-            pool[back_r] = b.kv[back_d, :, :, :, :trash]
+            pool.index_copy_(0, back_r, b.kv.index_select(0, back_d)[:, :, :, :, :trash])
         return out[:n].cpu().numpy()  # the one copy down
 
     def _inputs(

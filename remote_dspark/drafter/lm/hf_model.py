@@ -13,7 +13,7 @@ How: transformers' attention layers take their past through a cache object's
 ``update(keys, values, layer)`` and attend over what it returns, and they take an
 explicit 4-D attention mask as given (no causal mask is built). :class:`ColumnKV` is that
 cache over the drafter's buffer: ``update`` writes each query's keys and values at its own
-column (one scatter per layer) and returns the layer's whole buffer; the mask lets a
+column (one scatter along the columns per layer) and returns the layer's whole buffer; the mask lets a
 query see its row's columns up to its own, never the trash column (where padding
 writes); ``position_ids`` are each token's true position. Learned (GPT-2) and rotary
 (Llama, Qwen) positions alike then see what a fresh encode of the row's tokens sees;
@@ -59,13 +59,15 @@ class ColumnKV:
     is_compileable = False
 
     def __init__(self, kv: torch.Tensor, write_pos: torch.Tensor):
-        self.kv, self.write_pos = kv, write_pos
-        self.rows = torch.arange(len(kv), device=kv.device)[:, None]
+        self.kv = kv
+        n, _, _, heads, _, head_dim = kv.shape
+        # each query's column, for every head and channel: one scatter along the columns
+        self.index = write_pos[:, None, :, None].expand(n, heads, write_pos.shape[1], head_dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.kv[:, layer_idx, 0], self.kv[:, layer_idx, 1]  # views [n, kv_heads, T, head_dim]
-        keys[self.rows, :, self.write_pos] = key_states.transpose(1, 2)
-        values[self.rows, :, self.write_pos] = value_states.transpose(1, 2)
+        keys.scatter_(2, self.index, key_states.to(keys.dtype))
+        values.scatter_(2, self.index, value_states.to(values.dtype))
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
