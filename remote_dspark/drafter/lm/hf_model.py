@@ -38,6 +38,8 @@ import inspect
 import torch
 from torch import nn
 
+from .model import visible_keys
+
 
 @dataclasses.dataclass(frozen=True)
 class KVConfig:
@@ -164,9 +166,7 @@ class HFModel(nn.Module):
         at columns ``positions`` (absolute ``origin + positions``) against ``kv``, written at
         ``write_pos`` (the last column, the trash, for padding). Returns the final hidden
         states [n, Q, d_model]."""
-        trash = kv.shape[4] - 1
-        keys = torch.arange(kv.shape[4], device=tokens.device)
-        allowed = ((keys <= positions[..., None]) & (keys < trash))[:, None]  # [n, 1, Q, T]
+        allowed = visible_keys(positions, kv.shape[4])
         dtype = kv.dtype
         mask = torch.zeros(allowed.shape, device=tokens.device, dtype=dtype).masked_fill_(
             ~allowed, torch.finfo(dtype).min

@@ -94,6 +94,14 @@ class Block(nn.Module):
         return self._out(x, F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask))
 
 
+def visible_keys(positions: torch.Tensor, columns: int) -> torch.Tensor:
+    """[n, 1, Q, columns] bool: the keys each query at column ``positions`` [n, Q] sees in a
+    KV buffer of ``columns``: its row's columns up to its own, never the last (the trash
+    column, where padding writes). The rule of every model the drafter drives."""
+    keys = torch.arange(columns, device=positions.device)
+    return ((keys <= positions[..., None]) & (keys < columns - 1))[:, None]
+
+
 class TinyLM(nn.Module):
     def __init__(self, config: LMConfig | None = None):
         super().__init__()
@@ -141,9 +149,7 @@ class TinyLM(nn.Module):
         head_dim], row i's column c at absolute position ``origin[i] + c``; each query's
         K/V land at ``write_pos`` (``T - 1``, the trash column, for padding). Returns the
         final hidden states [n, Q, d_model] (normalised: :meth:`logits`)."""
-        trash = kv.shape[4] - 1
-        keys = torch.arange(kv.shape[4], device=tokens.device)
-        mask = ((keys <= positions[..., None]) & (keys < trash))[:, None]  # [n, 1, Q, T]
+        mask = visible_keys(positions, kv.shape[4])
         x = self._embed(tokens, positions + origin[:, None])
         for layer, block in enumerate(self.blocks):
             x = block.forward_kv(x, kv[:, layer], write_pos, mask)
