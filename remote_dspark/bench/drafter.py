@@ -22,7 +22,7 @@ round, and draft tokens per second at the median. The ratios (``batched`` over
 ``per-entry``, ``cached`` over ``batched``) compare rows of this run. The goals (never
 asserted): on CUDA, the built-in model batched >= 20x per-entry at 256 entries; a
 transformers model cached >= 5x batched at 256 entries on CUDA and >= 3x at 64 on the
-CPU (``gpt2:12x768`` on the GPU is the issue's shape).
+CPU, measured with ``gpt2:12x768`` (GPT-2 small's shape).
 
 Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
 """

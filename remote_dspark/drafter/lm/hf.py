@@ -158,8 +158,9 @@ def load_hf(
     row_tokens: int | None = None,
 ) -> LMDrafter:
     """The drafter of the transformers causal LM saved in ``model_dir``, for contexts of
-    ``window`` tokens: its ``max_width`` is what the model's positions leave past a window
-    (the worker refuses a HELLO whose num_spec is wider).
+    ``window`` tokens, with ``cache_slots`` cached streams in rows of ``row_tokens``
+    (:class:`~remote_dspark.drafter.lm.drafter.LMDrafter`: its ``max_width``, what a row
+    holds past a window, bounds the HELLO's num_spec).
 
     Raises:
         ValueError: naming ``--hf-model``: ``model_dir`` is not a local directory, a file
