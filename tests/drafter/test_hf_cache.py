@@ -87,11 +87,12 @@ def test_cached_drafts_equal_a_fresh_encode_of_the_row_at_its_true_positions(mod
 
 def test_only_the_new_tokens_are_encoded_and_the_bound_holds(model_dir):
     """Appends hit (a row's state is reused), NEW_GEN misses, four slots over three rows
-    evict the least recently used, and the pool's bytes are what the model keeps per token."""
+    evict the least recently used, and the store's bytes are what the model keeps per token
+    (a row's columns and its trash column)."""
     d = drafter_of(model_dir, 8)
     c = d.model.config
     assert (c.n_layers, c.n_heads) == ((2, 2) if "llama" in model_dir.name else (2, 2))  # Llama: 2 of 4 heads
-    assert d.cache_info().bytes == 3 * c.n_layers * 2 * c.n_heads * d.max_tokens * c.head_dim * 4
+    assert d.cache_info().bytes == 3 * c.n_layers * 2 * c.n_heads * (d.max_tokens + 1) * c.head_dim * 4
     ctx = list(range(10, 18))
 
     def round_of(slots, lengths, gens):
@@ -143,7 +144,7 @@ def test_on_cuda_in_bf16_cached_rounds_draft_what_re_encoding_drafts(model_dir):
     window, width = 16, 4
     cuda = load_hf(str(model_dir), "cuda", window, cache_slots=8)
     plain, cpu = cuda.sibling(0), load_hf(str(model_dir), "cpu", window, cache_slots=0)
-    assert cuda.dtype == torch.bfloat16 and cuda.cache.pool.dtype == torch.bfloat16
+    assert cuda.dtype == torch.bfloat16 and cuda.store.kv.dtype == torch.bfloat16
     rng = np.random.default_rng(9)
     streams, had = Streams(window, max_slots=6), {}
     agree = compared = 0
@@ -164,3 +165,22 @@ def test_on_cuda_in_bf16_cached_rounds_draft_what_re_encoding_drafts(model_dir):
             compared += 1
     assert cuda.cache_info().hits > 50
     assert agree >= 0.95 * compared
+
+
+def test_a_head_of_unaligned_rows_is_padded_and_drafts_the_same(tmp_path):
+    """A vocabulary of 130 (GPT-2's 50,257 in small): the drafter's head is padded to 192
+    rows for the GPU's GEMM kernels; its logits over the vocabulary are the model's own."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=130, n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    d = load_hf(str(tmp_path), "cpu", 8, cache_slots=2)
+    assert d.model.head.out_features == 192 and d.vocab_size == 130
+    tokens = torch.tensor([[3, 129, 7, 64]])
+    with torch.inference_mode():
+        want = d.model.lm(input_ids=tokens).logits[0, -1]
+        h = d.model.base(input_ids=tokens)[0][0, -1]
+        assert torch.allclose(d.model.logits(h), want, atol=1e-5)
+    assert (
+        d.draft_batch(batch_of([[3, 129, 7, 64]], [4], 4)).tokens[0].tolist()
+        == greedy(d.model.lm, [3, 129, 7, 64], 0, 4)[0]
+    )

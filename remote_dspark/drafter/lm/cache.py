@@ -1,12 +1,20 @@
-"""The model drafter's KV cache: one preallocated pool, a row per stream, kept across rounds.
+"""The model drafter's KV store and its cache: a row per stream, kept across rounds.
 
-Layout (one tensor on the model's device, in its dtype)::
+Layout (one tensor on the model's device, in its dtype, :class:`KVStore`)::
 
-    pool  [capacity, layers, 2 (K, V), heads, max_tokens, head_dim]
+    kv  [cache rows + scratch rows, layers, 2 (K, V), heads, max_tokens + 1, head_dim]
 
-so its memory is fixed at start: ``capacity x layers x 2 x heads x max_tokens x head_dim
-x dtype bytes`` (the built-in model, 1024 rows of 144 tokens: 151 MB in float32, 75 MB in
-bf16). Per row, in arrays indexed by row (no object per stream)::
+A round works in place on it: each entry's queries write their keys and values into
+their own row and attend to it where it lies (:mod:`.attention`), so no row is copied
+in or out. The last column of every row is the trash column, where padding queries
+write. The cache rows' memory is fixed at start: ``cache rows x layers x 2 x heads x
+(max_tokens + 1) x head_dim x dtype bytes`` (the built-in model, 1024 rows of 144
+tokens: 152 MB in float32, 76 MB in bf16). Scratch rows, after them, hold the entries
+of a round that have no cache row (a drafter without a cache, or a round of more
+entries than rows); they grow, to a power of two, with the largest such round.
+
+:class:`SlotCache` keeps the cache rows' bookkeeping, in arrays indexed by row (no
+object per stream)::
 
     owner_session, owner_slot  the stream's key (session -1: the row is free)
     gen        the slot's generation when cached (-1: matches nothing)
@@ -53,7 +61,7 @@ _KEEP = np.iinfo(np.int64).max  # a row in use this round: never chosen for a ne
 class Plan:
     """What a round encodes, per entry (entry order)."""
 
-    rows: np.ndarray  # [n] int64: the entry's pool row, -1: none (no cache, or no room)
+    rows: np.ndarray  # [n] int64: the entry's cache row, -1: none (no cache, or no room)
     base: np.ndarray  # [n] int64: columns kept from the row (0: encode from column 0)
     take: np.ndarray  # [n] int64: tokens to encode, the context's last ``take``
     hit: np.ndarray  # [n] bool: drafted from cached state
@@ -103,16 +111,20 @@ def memory_free(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class SlotCache:
-    """The pool and its rows' bookkeeping (module docstring).
+MIN_SCRATCH = 16  # scratch rows at least, once a round needs any
 
-    Invariants: a row is owned by at most one ``(session, slot)`` and that session's map
-    names it, and only it; ``0 <= fill <= max_tokens``.
+
+class KVStore:
+    """The rows of every round (module docstring): ``cache_rows`` for the cache, then
+    scratch rows, grown by :meth:`scratch` to what a round needs.
+
+    Raises: ValueError for cache rows that do not fit in the device's free memory,
+    naming the flags that size them.
     """
 
     def __init__(
         self,
-        capacity: int,
+        cache_rows: int,
         layers: int,
         heads: int,
         head_dim: int,
@@ -120,17 +132,60 @@ class SlotCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ):
-        if capacity < 1 or max_tokens < 2:
-            raise ValueError(f"cache capacity {capacity}, max_tokens {max_tokens}: must be >= 1 and >= 2")
-        self.capacity, self.max_tokens = capacity, max_tokens
-        need = capacity * layers * 2 * heads * max_tokens * head_dim * torch.finfo(dtype).bits // 8
-        free = memory_free(torch.device(device))
+        if cache_rows < 0 or max_tokens < 2:
+            raise ValueError(f"cache rows {cache_rows}, max_tokens {max_tokens}: must be >= 0 and >= 2")
+        self.cache_rows, self.columns = cache_rows, max_tokens + 1  # the last: the trash column
+        self.device, self.dtype = torch.device(device), dtype
+        self._row_shape = (layers, 2, heads, self.columns, head_dim)
+        need = cache_rows * self.row_bytes()
+        free = memory_free(self.device)
         if need > free:
             raise ValueError(
-                f"a KV cache of {capacity} streams (--lm-cache-slots) x {max_tokens} tokens (--lm-row-tokens) "
-                f"needs {need / 2**20:,.0f} MiB; {free / 2**20:,.0f} MiB are free on {device}"
+                f"a KV cache of {cache_rows} streams (--lm-cache-slots) x {max_tokens} tokens (--lm-row-tokens) "
+                f"needs {need / 2**20:,.0f} MiB; {free / 2**20:,.0f} MiB are free on {self.device}"
             )
-        self.pool = torch.zeros((capacity, layers, 2, heads, max_tokens, head_dim), device=device, dtype=dtype)
+        self.kv = torch.zeros((cache_rows, *self._row_shape), device=self.device, dtype=dtype)
+        self.version = 0  # bumped when ``kv`` is reallocated (what holds its address must let go)
+
+    def row_bytes(self) -> int:
+        return int(np.prod(self._row_shape)) * torch.finfo(self.dtype).bits // 8
+
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def scratch(self, k: int) -> np.ndarray:
+        """Rows for ``k`` entries without a cache row (int64 [k]), the store grown (its
+        cache rows kept, :attr:`version` bumped) when it has fewer scratch rows.
+
+        Raises: ValueError when the grown store does not fit in the free memory."""
+        have = len(self.kv) - self.cache_rows
+        if k > have:
+            rows = max(MIN_SCRATCH, 1 << (k - 1).bit_length())
+            need = rows * self.row_bytes()
+            free = memory_free(self.device)
+            if need > free:
+                raise ValueError(
+                    f"a round of {k} entries without a cache row needs {need / 2**20:,.0f} MiB of scratch rows; "
+                    f"{free / 2**20:,.0f} MiB are free on {self.device} (--lm-cache-slots, --lm-row-tokens)"
+                )
+            grown = torch.zeros((self.cache_rows + rows, *self._row_shape), device=self.device, dtype=self.dtype)
+            grown[: self.cache_rows] = self.kv[: self.cache_rows]
+            self.kv = grown
+            self.version += 1
+        return self.cache_rows + np.arange(k, dtype=np.int64)
+
+
+class SlotCache:
+    """The cache rows' bookkeeping (module docstring): rows ``0..capacity-1`` of the store.
+
+    Invariants: a row is owned by at most one ``(session, slot)`` and that session's map
+    names it, and only it; ``0 <= fill <= max_tokens``.
+    """
+
+    def __init__(self, capacity: int, max_tokens: int, row_bytes: int = 0):
+        if capacity < 1 or max_tokens < 2:
+            raise ValueError(f"cache capacity {capacity}, max_tokens {max_tokens}: must be >= 1 and >= 2")
+        self.capacity, self.max_tokens, self.row_bytes = capacity, max_tokens, row_bytes
         self.owner_session = np.full(capacity, -1, np.int64)
         self.owner_slot = np.zeros(capacity, np.int64)
         self.gen = np.full(capacity, -1, np.int64)
@@ -146,7 +201,7 @@ class SlotCache:
         return CacheInfo(
             int(np.count_nonzero((self.owner_session >= 0) & (self.gen >= 0))),  # rows with usable state
             self.capacity,
-            self.pool.numel() * self.pool.element_size(),
+            self.capacity * self.row_bytes,
             self.hits,
             self.misses,
         )

@@ -2,20 +2,21 @@
 
 One round (:meth:`LMDrafter.draft_batch`) is, for its n entries at once:
 
-1. a plan (:meth:`remote_dspark.drafter.lm.cache.SlotCache.plan`, numpy): each entry's pool row,
-   the positions kept from it and the tokens to encode (all of a context on a miss, the
-   new ones on a hit);
+1. a plan (:meth:`remote_dspark.drafter.lm.cache.SlotCache.plan`, numpy): each entry's
+   cache row, the positions kept from it and the tokens to encode (all of a context on a
+   miss, the new ones on a hit); entries without a cache row get scratch rows of the
+   store (:class:`~remote_dspark.drafter.lm.cache.KVStore`);
 2. one host-to-device copy of every integer the round needs (padded tokens, positions,
    rows), packed into one array;
-3. a working KV buffer ``[n, layers, 2, heads, T, head_dim]`` filled from the hit rows
-   (one gather), one forward over the padded ragged batch, then ``width - 1`` batched
-   greedy steps (one forward over all n entries each), the drafts' K/V written into the
-   buffer as they go;
-4. the encoded rows written back to the pool (one scatter; positions past each row's
-   ``fill``, the drafts', are dead) and one device-to-host copy of tokens and margins.
+3. one forward over the padded ragged batch, then ``width - 1`` batched greedy steps (one
+   forward over all n entries each), every query writing its K/V into its entry's row
+   and attending to that row in place (:mod:`.attention`): no row is copied in or out;
+4. one device-to-host copy of tokens and margins. The drafts' K/V stay in the rows past
+   each row's ``fill``, dead.
 
 No Python loop over entries: the loops are over draft steps and layers. Margins are the
-softmax's top1 - top2 (float32). On CUDA the model and the pool are bf16, on CPU float32.
+softmax's top1 - top2 (float32). On CUDA the model and the store are bf16, on CPU float32,
+and the round is a CUDA graph (:mod:`.graphs`).
 
 Threads: the worker serves each engine's connection on its own thread, and all of them
 share one drafter; a lock serializes rounds (a GPU runs them one after another anyway).
@@ -25,15 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
-from .cache import Plan, SlotCache, row_tokens, uncached_plan
-from .graphs import RoundGraphs, draft_steps, top2
-from .hf_model import HFModel
+from .cache import KVStore, Plan, SlotCache, row_tokens, uncached_plan
+from .graphs import Rounds, top2
 from .model import TinyLM
+
+if TYPE_CHECKING:
+    from .hf_model import HFModel
 
 MARKOV_NONE = bytes(32)  # the contract's Markov identity of a drafter without a Markov model
 
@@ -85,9 +89,8 @@ class LMDrafter:
             a row holds beside a whole window: the worker refuses a HELLO whose
             ``num_spec`` is wider.
         max_tokens: positions of a cache row (at most the model's ``max_positions``).
-        graphs: the draft steps on static buffers, replayed as CUDA graphs on CUDA
-            (:mod:`.graphs`). None (default): on CUDA only; False: eager, the same
-            arithmetic launched op by op; True: also on the CPU (run eagerly: tests).
+        graphs: the round replayed as CUDA graphs on CUDA (:mod:`.graphs`). None or True
+            (default): on CUDA; False: eager, the same code launched op by op.
     """
 
     def __init__(
@@ -121,17 +124,9 @@ class LMDrafter:
         self.markov_identity = MARKOV_NONE
         self.vocab_size = c.vocab_size
         self.model = model.to(self.device, self.dtype).eval()
-        self._kv_shape = (c.n_layers, 2, c.n_heads)
-        self.cache = (
-            SlotCache(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
-            if cache_slots
-            else None
-        )
-        self._graphs = (
-            RoundGraphs(self.model, self._kv_shape, self.max_tokens + 1, c.head_dim, self.device, self.dtype)
-            if graphs or (graphs is None and self.device.type == "cuda")
-            else None
-        )
+        self.store = KVStore(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
+        self.cache = SlotCache(cache_slots, self.max_tokens, self.store.row_bytes()) if cache_slots else None
+        self._rounds = Rounds(self.model, self.store, capture=graphs is not False)
         self._lock = threading.Lock()
         self.window, self._graphs_asked = window, graphs
 
@@ -148,12 +143,11 @@ class LMDrafter:
         )
 
     def cache_info(self) -> CacheInfo:
-        """The cache's streams and counts; ``bytes`` also counts the static working
-        buffers of the draft steps (:mod:`.graphs`), which grow with the largest round."""
+        """The cache's streams and counts; ``bytes`` is the whole store's, its scratch rows
+        (which grow with the largest round of entries without a cache row) counted."""
         with self._lock:
             info = self.cache.info() if self.cache is not None else CacheInfo(0, 0, 0, 0, 0)
-            extra = self._graphs.nbytes() if self._graphs is not None else 0
-        return dataclasses.replace(info, bytes=info.bytes + extra)
+            return dataclasses.replace(info, bytes=self.store.nbytes())
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
         """Drafts for every entry (module docstring), each context at its true positions.
@@ -185,50 +179,23 @@ class LMDrafter:
             else:
                 plan = uncached_plan(ctx_lens, width, self.max_tokens, starts)
             try:
-                tokens, margins = self._draft(batch, plan, ctx_lens > 0, width)
+                tokens, margins = self._draft(batch, plan, width)
             except BaseException:
                 if cached:
                     self.cache.forget(plan.rows)
                 raise
         return greedy_result(batch, ctx_lens, tokens, margins)
 
-    def _draft(self, batch: DraftBatch, plan: Plan, has_ctx: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        n = len(plan.take)
+    def _draft(self, batch: DraftBatch, plan: Plan, width: int) -> tuple[np.ndarray, np.ndarray]:
         take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
         q = int(take.max())
         src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
         idx = (batch.offsets[1:] - take)[:, None] + np.arange(q)
         tok = np.where(np.arange(q) < take[:, None], src[np.clip(idx, 0, len(src) - 1)], 0)
-        hit_e = np.flatnonzero(plan.hit)
-        back_e = np.flatnonzero((plan.rows >= 0) & has_ctx)
-        pool = self.cache.pool if self.cache is not None else None
-        if self._graphs is not None:  # the round as one graph (lm.graphs)
-            out = self._graphs.run(
-                tok, plan.base, take, plan.origin, width, pool, (hit_e, plan.rows[hit_e]), (back_e, plan.rows[back_e])
-            )
-            return out[:, :width].astype(np.int32), out[:, width:]
-        lens = plan.base + take
-        tw = int(lens.max()) + width  # positions up to lens + width - 2, and the trash column
-        parts = [tok.ravel(), plan.base, take, plan.origin, hit_e, plan.rows[hit_e], back_e, plan.rows[back_e]]
-        ints = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(self.device)  # the one copy in
-        tok_d, base_d, take_d, origin_d, hit_d, hit_rows, back_d, back_rows = torch.split(ints, [len(p) for p in parts])
-        tok_d = tok_d.view(n, q)
-        c = self.model.config
-        kv = torch.zeros((n, *self._kv_shape, tw, c.head_dim), device=self.device, dtype=self.dtype)
-        if len(hit_e):
-            kv[hit_d, :, :, :, : tw - 1] = pool[hit_rows, :, :, :, : tw - 1]
-        steps = torch.arange(q, device=self.device)
-        valid = steps < take_d[:, None]
-        # Padding sits at column 0 (the row's first position, inside the model's
-        # positions) and writes its K/V to the trash column; its outputs are never read.
-        positions = torch.where(valid, base_d[:, None] + steps, 0)
-        write_pos = torch.where(valid, positions, tw - 1)
-        h = self.model.forward_kv(tok_d, positions, kv, write_pos, origin_d)
-        token, margin = top2(self.model.logits(h[torch.arange(n, device=self.device), take_d - 1]))
-        toks, margins = draft_steps(self.model, token, (base_d + take_d)[:, None], kv, width - 1, origin_d)
-        if len(back_e):
-            pool[back_rows, :, :, :, : tw - 1] = kv[back_d, :, :, :, : tw - 1]
-        out = torch.cat([token[:, None].float(), toks.float(), margin[:, None], margins], 1).cpu().numpy()  # one out
+        rows = plan.rows.copy()
+        rowless = rows < 0
+        rows[rowless] = self.store.scratch(int(rowless.sum()))
+        out = self._rounds.run(tok, plan.base, take, plan.origin, rows, width)
         return out[:, :width].astype(np.int32), out[:, width:]
 
     def greedy_one(self, context, n: int, start: int = 0) -> tuple[list[int], list[float]]:

@@ -2,7 +2,7 @@
 
 :class:`~remote_dspark.drafter.lm.drafter.LMDrafter` needs of its model what
 :class:`~remote_dspark.drafter.lm.model.TinyLM` offers: ``forward_kv`` (queries at given
-columns against an external KV buffer ``[n, layers, 2, kv_heads, T, head_dim]``, each
+columns of their rows of the KV store ``[rows, layers, 2, kv_heads, T, head_dim]``, each
 query's keys and values written at its ``write_pos`` first, row i's column c at absolute
 position ``origin[i] + c``), ``logits`` over final hidden states, a plain ``forward``
 (the reference), ``identity()`` and a ``config`` naming its shape. :class:`HFModel` gives
@@ -10,35 +10,89 @@ a transformers model those, so the cache per stream, the round's plan, its one c
 and out and its CUDA graphs are the built-in model's, one code for both.
 
 How: transformers' attention layers take their past through a cache object's
-``update(keys, values, layer)`` and attend over what it returns, and they take an
-explicit 4-D attention mask as given (no causal mask is built). :class:`ColumnKV` is that
-cache over the drafter's buffer: ``update`` writes each query's keys and values at its own
-column (one scatter along the columns per layer) and returns the layer's whole buffer; the mask lets a
-query see its row's columns up to its own, never the trash column (where padding
-writes); ``position_ids`` are each token's true position. Learned (GPT-2) and rotary
-(Llama, Qwen) positions alike then see what a fresh encode of the row's tokens sees;
-rotary keys are kept rotated at their true positions, which stay true.
+``update(keys, values, layer)`` and hand what it returns to the attention function
+registered under the model's ``attn_implementation``. :class:`ColumnKV` is that cache
+over the store: ``update`` writes each query's keys and values into its entry's row at
+its own column (one indexed write per layer) and returns the layer's view of the whole
+store; :func:`attend`, registered with transformers' ``AttentionInterface`` and made the
+model's attention, reads each entry's row in place (the drafter's own
+:func:`~remote_dspark.drafter.lm.attention.paged_attention`, the built-in model's too).
+``position_ids`` are each token's true position. Learned (GPT-2) and rotary (Llama,
+Qwen) positions alike then see what a fresh encode of the row's tokens sees; rotary keys
+are kept rotated at their true positions, which stay true. The model is also given the
+same rule as an explicit 4-D mask (which transformers takes as given, building none).
 
 Nothing in the transformers version is checked. The base model's ``forward`` parameters
 name the cache argument (``cache``, or ``past_key_values`` before transformers 5), and one
-token through a recording cache at load (:func:`probe_kv`) gives the pool's shape (layers,
-KV heads, head size: grouped-query models keep fewer heads than they attend with) and
-refuses a model that keeps no keys through ``update`` or keys of different shapes per
-layer. A model whose attention slides over fewer tokens than a cache row holds is
-refused (the mask is full causal attention). The head is the model's output embeddings
+token through a recording cache at load (:func:`probe_kv`) gives the store's shape
+(layers, KV heads, head size: grouped-query models keep fewer heads than they attend
+with) and refuses a model that keeps no keys through ``update``, keys of different
+shapes per layer, or a layer that does not attend through the registered function. A
+model whose attention slides over fewer tokens than a cache row holds is refused (the
+rows' attention is full causal attention). The head is the model's output embeddings
 applied to the hidden states the drafter picks; a model whose forward scales or caps its
 logits after the head (a monotonic change) drafts the same tokens with other margins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import threading
 
 import torch
 from torch import nn
 
-from .model import visible_keys
+from .attention import paged_attention, visible_keys
+
+ATTENTION = "remote_dspark_rows"  # the name under which transformers finds :func:`attend`
+_round = threading.local()  # the round being encoded on this thread: its rows and columns
+
+
+def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention function for a drafter's model: within a round
+    (:meth:`HFModel.forward_kv`) the queries attend to their rows of the store in place
+    (:func:`~remote_dspark.drafter.lm.attention.paged_attention`); outside one (the
+    reference forward) transformers' own SDPA attention.
+
+    Raises: ValueError for what the rows' attention does not do (soft-capped logits, a
+    position bias)."""
+    rows = getattr(_round, "rows", None)
+    if rows is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    for name in ("softcap", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__}: its attention takes a {name}: not supported")
+    _round.layers += 1
+    return paged_attention(query, key, value, rows, _round.positions, scaling).transpose(1, 2), None
+
+
+def use_rows_attention(model: nn.Module) -> None:
+    """Make :func:`attend` ``model``'s attention (registered with transformers once; the
+    reference forward's masks are SDPA's).
+
+    Raises: ValueError for a model that does not take its attention from transformers'
+    attention interface."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, attend)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+    if model.config._attn_implementation != ATTENTION:
+        raise ValueError(f"{type(model).__name__} does not take its attention from transformers' AttentionInterface")
+
+
+@contextlib.contextmanager
+def _rows(rows: torch.Tensor, positions: torch.Tensor):
+    _round.rows, _round.positions, _round.layers = rows, positions, 0
+    try:
+        yield _round
+    finally:
+        _round.rows = _round.positions = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,22 +108,20 @@ class KVConfig:
 
 
 class ColumnKV:
-    """The drafter's KV buffer ``[n, layers, 2, kv_heads, T, head_dim]`` as transformers'
-    layers use a cache: each query's keys and values land at its column ``write_pos``
-    ``[n, Q]``, and every layer attends over its whole buffer (the mask says what)."""
+    """The drafter's KV store ``[rows, layers, 2, kv_heads, T, head_dim]`` as transformers'
+    layers use a cache: entry i's queries' keys and values land in its row ``rows[i]`` at
+    their columns ``write_pos [n, Q]``, and :func:`attend` reads the rows in place."""
 
     is_compileable = False
 
-    def __init__(self, kv: torch.Tensor, write_pos: torch.Tensor):
-        self.kv = kv
-        n, _, _, heads, _, head_dim = kv.shape
-        # each query's column, for every head and channel: one scatter along the columns
-        self.index = write_pos[:, None, :, None].expand(n, heads, write_pos.shape[1], head_dim)
+    def __init__(self, kv: torch.Tensor, rows: torch.Tensor, write_pos: torch.Tensor):
+        self.kv, self.rows, self.write_pos = kv, rows[:, None], write_pos
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = self.kv[:, layer_idx, 0], self.kv[:, layer_idx, 1]  # views [n, kv_heads, T, head_dim]
-        keys.scatter_(2, self.index, key_states.to(keys.dtype))
-        values.scatter_(2, self.index, value_states.to(values.dtype))
+        keys, values = self.kv[:, layer_idx, 0], self.kv[:, layer_idx, 1]  # views [rows, kv_heads, T, head_dim]
+        # [rows, T, kv_heads, head_dim] views: one write per layer of every query's keys, and values
+        keys.transpose(1, 2)[self.rows, self.write_pos] = key_states.transpose(1, 2).to(keys.dtype)
+        values.transpose(1, 2)[self.rows, self.write_pos] = value_states.transpose(1, 2).to(values.dtype)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -86,7 +138,8 @@ class _Recorder:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.seen[layer_idx] = tuple(key_states.shape)
-        return key_states, value_states
+        # a row of one column and the trash column, for :func:`attend`
+        return torch.cat([key_states, key_states], 2), torch.cat([value_states, value_states], 2)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -104,14 +157,15 @@ def cache_arg_of(base: nn.Module) -> str:
 
 
 def probe_kv(base: nn.Module, cache_arg: str) -> tuple[int, int, int]:
-    """(layers, KV heads, head size) of ``base``, from one token through a recording cache.
+    """(layers, KV heads, head size) of ``base``, from one token through a recording cache,
+    its attention through :func:`attend` (:func:`use_rows_attention`) on a row of its own.
 
     Raises: ValueError naming what the model does otherwise."""
     rec = _Recorder()
     p = next(base.parameters())
     ids = torch.zeros((1, 1), dtype=torch.long, device=p.device)
     mask = torch.zeros((1, 1, 1, 1), dtype=p.dtype, device=p.device)
-    with torch.inference_mode():
+    with torch.inference_mode(), _rows(ids[0], ids) as seen:
         base(input_ids=ids, attention_mask=mask, position_ids=ids, use_cache=True, **{cache_arg: rec})
     name = type(base).__name__
     shapes = {shape[1:] for shape in rec.seen.values()}
@@ -119,6 +173,8 @@ def probe_kv(base: nn.Module, cache_arg: str) -> tuple[int, int, int]:
         raise ValueError(f"{name} keeps no keys through its cache's update(): not supported")
     if sorted(rec.seen) != list(range(len(rec.seen))) or len(shapes) != 1:
         raise ValueError(f"{name}: its layers keep keys of different shapes {sorted(shapes)}: not supported")
+    if seen.layers != len(rec.seen):
+        raise ValueError(f"{name}: {seen.layers} of its {len(rec.seen)} layers attend through AttentionInterface")
     kv_heads, _, head_dim = shapes.pop()
     return len(rec.seen), kv_heads, head_dim
 
@@ -132,6 +188,26 @@ def sliding_window_refusal(config, row_tokens: int) -> str | None:
     return f"its attention slides over {window} tokens, fewer than a cache row's {row_tokens} (--lm-row-tokens)"
 
 
+HEAD_ROWS = 64  # the head's output rows are padded to a multiple (GEMM kernels want aligned rows)
+
+
+def aligned_head(head: nn.Module) -> nn.Module:
+    """``head``, or for a linear head whose output rows are not a multiple of HEAD_ROWS
+    (GPT-2's 50,257) a copy padded with zero rows: a GPU's fast GEMM kernels need the
+    output's rows aligned, and a 50,257-wide head runs several times slower than a
+    50,304-wide one. The padded logits are past the vocabulary, never read. (A tied
+    head's copy is no longer tied; the drafter never trains.)"""
+    if not isinstance(head, nn.Linear) or head.out_features % HEAD_ROWS == 0:
+        return head
+    rows = -(-head.out_features // HEAD_ROWS) * HEAD_ROWS
+    padded = nn.Linear(head.in_features, rows, bias=head.bias is not None, device=head.weight.device)
+    with torch.no_grad():
+        padded.weight.zero_()[: head.out_features] = head.weight
+        if head.bias is not None:
+            padded.bias.zero_()[: head.out_features] = head.bias
+    return padded.to(head.weight.dtype)
+
+
 class HFModel(nn.Module):
     """A transformers causal LM with the built-in model's interface (module docstring).
 
@@ -143,11 +219,13 @@ class HFModel(nn.Module):
         super().__init__()
         self.lm = model
         self.base = model.base_model
-        self.head = model.get_output_embeddings()
-        if self.head is None:
+        head = model.get_output_embeddings()
+        if head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (a language-model head)")
+        self.head = aligned_head(head)
         self._identity = identity
         self._cache_arg = cache_arg_of(self.base)
+        use_rows_attention(model)
         layers, kv_heads, head_dim = probe_kv(self.base, self._cache_arg)
         self.config = KVConfig(vocab_size, max_positions, layers, kv_heads, head_dim)
 
@@ -159,30 +237,34 @@ class HFModel(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         kv: torch.Tensor,
+        rows: torch.Tensor,
         write_pos: torch.Tensor,
         origin: torch.Tensor,
     ) -> torch.Tensor:
         """As :meth:`~remote_dspark.drafter.lm.model.TinyLM.forward_kv`: ``tokens`` [n, Q]
-        at columns ``positions`` (absolute ``origin + positions``) against ``kv``, written at
-        ``write_pos`` (the last column, the trash, for padding). Returns the final hidden
-        states [n, Q, d_model]."""
+        at columns ``positions`` (absolute ``origin + positions``) of their rows ``rows`` of
+        the store ``kv``, written at ``write_pos`` (the last column, the trash, for
+        padding). Returns the final hidden states [n, Q, d_model]."""
         allowed = visible_keys(positions, kv.shape[4])
         dtype = kv.dtype
+        # what the rows' attention does, as a mask: a model that reads the mask itself agrees
         mask = torch.zeros(allowed.shape, device=tokens.device, dtype=dtype).masked_fill_(
             ~allowed, torch.finfo(dtype).min
-        )  # additive: eager and sdpa attention alike
-        out = self.base(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=positions + origin[:, None],
-            use_cache=True,
-            **{self._cache_arg: ColumnKV(kv, write_pos)},
         )
+        with _rows(rows, positions):
+            out = self.base(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=positions + origin[:, None],
+                use_cache=True,
+                **{self._cache_arg: ColumnKV(kv, rows, write_pos)},
+            )
         return out[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The head over final hidden states, float32, the engine's vocabulary only."""
-        return self.head(h)[..., : self.config.vocab_size].float()
+        """The head over final hidden states, in the model's dtype, the engine's vocabulary
+        only (a view of the padded head's rows, :func:`aligned_head`)."""
+        return self.head(h)[..., : self.config.vocab_size]
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """[n, S] tokens at positions start..start+S-1 -> [n, S, vocab] float32 logits (the

@@ -11,12 +11,13 @@ Two forwards over the same weights:
 * :meth:`TinyLM.forward`: plain causal attention over whole sequences from a given
   absolute position (the reference,
   :meth:`remote_dspark.drafter.lm.drafter.LMDrafter.greedy_one`);
-* :meth:`TinyLM.forward_kv`: queries at given columns against an external KV buffer
-  ``[n, layers, 2, heads, T, head_dim]`` (the drafter's working copy of its cache rows,
-  :mod:`remote_dspark.drafter.lm.cache`). Each query's K and V are written at its
-  ``write_pos`` first (padding writes go to a trash column, the buffer's last), then it
-  attends to every key at a column <= its own, the trash column excluded. A row's column
-  c holds the token at absolute position ``origin + c`` (its learned position embedding;
+* :meth:`TinyLM.forward_kv`: queries at given columns of their rows of the drafter's KV
+  store ``[rows, layers, 2, heads, T, head_dim]``
+  (:class:`~remote_dspark.drafter.lm.cache.KVStore`). Each query's K and V are written at
+  its ``write_pos`` first (padding writes go to a trash column, a row's last), then it
+  attends to its row's keys at columns <= its own, in place
+  (:func:`~remote_dspark.drafter.lm.attention.paged_attention`). A row's column c holds
+  the token at absolute position ``origin + c`` (its learned position embedding;
   attention itself is position-free), so a row keeps its tokens' true positions.
 
 The drafter identity is the sha256 of the configuration (JSON, sorted keys) and every
@@ -33,6 +34,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from .attention import paged_attention
 
 
 @dataclass(frozen=True)
@@ -84,22 +87,14 @@ class Block(nn.Module):
         return self._out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
     def forward_kv(
-        self, x: torch.Tensor, kv: torch.Tensor, write_pos: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor
     ) -> torch.Tensor:
-        """``kv`` is this layer's ``[n, 2, heads, T, head_dim]`` (a view: written in place)."""
+        """``kv`` is this layer's view of the store ``[rows, 2, heads, T, head_dim]``
+        (written in place), entry i's row ``rows[i]``."""
         q, k, v = self._qkv(x)
-        rows = torch.arange(len(x), device=x.device)[:, None].expand_as(write_pos)
-        # An [n, T, 2, heads, head_dim] view of the buffer: one scatter of K and V, every query.
-        kv.permute(0, 3, 1, 2, 4)[rows, write_pos] = torch.stack((k, v), 2).transpose(1, 3)
-        return self._out(x, F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask))
-
-
-def visible_keys(positions: torch.Tensor, columns: int) -> torch.Tensor:
-    """[n, 1, Q, columns] bool: the keys each query at column ``positions`` [n, Q] sees in a
-    KV buffer of ``columns``: its row's columns up to its own, never the last (the trash
-    column, where padding writes). The rule of every model the drafter drives."""
-    keys = torch.arange(columns, device=positions.device)
-    return ((keys <= positions[..., None]) & (keys < columns - 1))[:, None]
+        # An [rows, T, 2, heads, head_dim] view of the store: one write of K and V, every query.
+        kv.permute(0, 3, 1, 2, 4)[rows[:, None], write_pos] = torch.stack((k, v), 2).transpose(1, 3)
+        return self._out(x, paged_attention(q, kv[:, 0], kv[:, 1], rows, positions))
 
 
 class TinyLM(nn.Module):
@@ -127,32 +122,33 @@ class TinyLM(nn.Module):
         return self.emb(tokens) + self.pos(positions)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Head over final hidden states (already normalised), float32."""
-        return (h @ self.emb.weight.T).float()
+        """Head over final hidden states (already normalised), in the model's dtype."""
+        return h @ self.emb.weight.T
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """[n, S] tokens at positions start..start+S-1 -> [n, S, vocab] float32 logits (no cache)."""
         x = self._embed(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        return self.logits(self.ln_f(x))
+        return self.logits(self.ln_f(x)).float()
 
     def forward_kv(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
         kv: torch.Tensor,
+        rows: torch.Tensor,
         write_pos: torch.Tensor,
         origin: torch.Tensor,
     ) -> torch.Tensor:
-        """[n, Q] tokens at columns ``positions`` against ``kv`` [n, layers, 2, heads, T,
-        head_dim], row i's column c at absolute position ``origin[i] + c``; each query's
-        K/V land at ``write_pos`` (``T - 1``, the trash column, for padding). Returns the
-        final hidden states [n, Q, d_model] (normalised: :meth:`logits`)."""
-        mask = visible_keys(positions, kv.shape[4])
+        """[n, Q] tokens at columns ``positions`` of their rows ``rows`` [n] of the store
+        ``kv`` [rows, layers, 2, heads, T, head_dim], row i's column c at absolute position
+        ``origin[i] + c``; each query's K/V land at ``write_pos`` (``T - 1``, the trash
+        column, for padding). Returns the final hidden states [n, Q, d_model]
+        (normalised: :meth:`logits`)."""
         x = self._embed(tokens, positions + origin[:, None])
         for layer, block in enumerate(self.blocks):
-            x = block.forward_kv(x, kv[:, layer], write_pos, mask)
+            x = block.forward_kv(x, kv[:, layer], rows, positions, write_pos)
         return self.ln_f(x)
 
     def identity(self) -> bytes:
