@@ -58,8 +58,18 @@ def greedy(model, tokens, start: int, n: int) -> tuple[list[int], list[float]]:
     return seq[len(tokens) :], margins
 
 
-def drafter_of(model_dir, window: int, cache_slots: int = 3, max_tokens: int | None = None) -> LMDrafter:
-    return load_hf(str(model_dir), "cpu", window, cache_slots=0).sibling(cache_slots, max_tokens)
+def drafter_of(model_dir, window: int, cache_slots: int = 3, max_tokens: int | None = None, graphs=None) -> LMDrafter:
+    """``graphs=True``: the padded shapes of the GPU's graphs, run eagerly."""
+    base = load_hf(str(model_dir), "cpu", window, cache_slots=0)
+    return LMDrafter(
+        base.model,
+        identity=base.drafter_identity,
+        device="cpu",
+        cache_slots=cache_slots,
+        window=window,
+        max_tokens=max_tokens,
+        graphs=graphs,
+    )
 
 
 @settings(max_examples=15, deadline=None)
@@ -67,10 +77,11 @@ def drafter_of(model_dir, window: int, cache_slots: int = 3, max_tokens: int | N
 def test_cached_drafts_equal_a_fresh_encode_of_the_row_at_its_true_positions(model_dir, rounds, sessions):
     """Rows of ``window + width`` tokens hold exactly the window (a slid window is
     re-encoded at its true positions); default rows (``2 x window + 16``) hold more history,
-    up to ``max_tokens``: each draft equals a fresh encode of what its row holds. A second
-    session (a respawned proxy) on the same drafter shares nothing with the first."""
+    up to ``max_tokens`` (drafted on the GPU graphs' padded shapes): each draft equals a
+    fresh encode of what its row holds. A second session (a respawned proxy) on the same
+    drafter shares nothing with the first."""
     window, width = 6, 2
-    for d in (drafter_of(model_dir, window, max_tokens=window + width), drafter_of(model_dir, window)):
+    for d in (drafter_of(model_dir, window, max_tokens=window + width), drafter_of(model_dir, window, graphs=True)):
         for script in (rounds, sessions):
             streams = Streams(window)  # a new session: the worker's windows are new
             for ops in script:

@@ -70,11 +70,12 @@ def test_no_margins_unless_asked_and_an_empty_batch():
 # --- the cache against re-encoding, through the worker's own windows -----------------------
 
 
-def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_and_sessions():
-    """On the padded shapes the GPU's graphs use (run eagerly here): what a row holds from
-    earlier rounds past an entry's positions, and what padding writes, is never read."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
+def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_and_sessions(graphs):
+    """Also on the padded shapes the GPU's graphs use (run eagerly here): what a row holds
+    from earlier rounds past an entry's positions, and what padding writes, is never read."""
     window, width = 12, 3
-    cached = LMDrafter(device="cpu", cache_slots=4, window=window)  # 6 slots, 4 rows: evictions too
+    cached = LMDrafter(device="cpu", cache_slots=4, window=window, graphs=graphs)  # 6 slots, 4 rows: evictions too
     rng = np.random.default_rng(5)
     engine, had, known = Engine(window), {}, set()
     compared = 0
@@ -106,16 +107,17 @@ def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_a
     assert info.slots <= info.capacity == 4
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
 @settings(max_examples=15, deadline=None)
 @given(rounds=STREAM_ROUNDS)
-def test_cached_drafts_equal_a_fresh_encode_of_the_window_at_its_true_positions(rounds):
+def test_cached_drafts_equal_a_fresh_encode_of_the_window_at_its_true_positions(graphs, rounds):
     """Streams through a real ``Windows`` (appends, NEW_GENs anywhere in a sequence, gaps
     that RESYNC, contexts longer than the window): every context is at its absolute
     position, and the cache drafts what encoding the window's tokens afresh at those
     positions drafts. Rows of ``window + width`` tokens hold exactly the window, so a
     slid window is re-encoded: at its true positions, not from 0."""
     window, width = 6, 2
-    cached = LMDrafter(device="cpu", cache_slots=3, window=window, max_tokens=window + width)
+    cached = LMDrafter(device="cpu", cache_slots=3, window=window, max_tokens=window + width, graphs=graphs)
     streams = Streams(window)
     for ops in rounds:
         batch = streams.round(ops, width)
@@ -386,7 +388,7 @@ def test_on_cuda_in_bf16_the_cache_drafts_what_re_encoding_drafts_and_the_cpu_ag
     window, width = 16, 4
     cuda = LMDrafter(device="cuda", cache_slots=8, window=window)
     plain = LMDrafter(device="cuda", cache_slots=0, window=window, graphs=False)
-    assert cuda._rounds.capture and not plain._rounds.capture
+    assert cuda._rounds.capture and not plain._rounds.capture and not plain._rounds.padded
     assert cuda.dtype == torch.bfloat16 and cuda.drafter_identity == PLAIN.drafter_identity
     rng = np.random.default_rng(9)
     engine, had = Engine(window), {}

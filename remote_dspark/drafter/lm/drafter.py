@@ -89,8 +89,9 @@ class LMDrafter:
             a row holds beside a whole window: the worker refuses a HELLO whose
             ``num_spec`` is wider.
         max_tokens: positions of a cache row (at most the model's ``max_positions``).
-        graphs: the round replayed as CUDA graphs on CUDA (:mod:`.graphs`). None or True
-            (default): on CUDA; False: eager, the same code launched op by op.
+        graphs: the round on padded shapes, replayed as CUDA graphs on CUDA
+            (:mod:`.graphs`). None (default): on CUDA only; False: eager, the round's own
+            shapes launched op by op; True: also on the CPU (padded, run eagerly: tests).
     """
 
     def __init__(
@@ -126,7 +127,8 @@ class LMDrafter:
         self.model = model.to(self.device, self.dtype).eval()
         self.store = KVStore(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
         self.cache = SlotCache(cache_slots, self.max_tokens, self.store.row_bytes()) if cache_slots else None
-        self._rounds = Rounds(self.model, self.store, capture=graphs is not False)
+        padded = graphs if graphs is not None else self.device.type == "cuda"
+        self._rounds = Rounds(self.model, self.store, padded)
         self._lock = threading.Lock()
         self.window, self._graphs_asked = window, graphs
 

@@ -24,8 +24,9 @@ captured again. Graphs are captured only up to ``MAX_CAPTURED_TOKENS`` rows x qu
 (a larger shape, rare, runs the same code eagerly); a capture runs the round on
 whatever the buffers hold, and writes only trash columns.
 
-On the CPU (no capture) the same buffers and code run eagerly, so their rules are
-checked without a GPU.
+On the CPU the rounds run unpadded by default; asked (``LMDrafter(graphs=True)``: the
+tests) the same padded shapes and code run eagerly, so their rules are checked without
+a GPU.
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ def _pow2(n: int, least: int) -> int:
 class Rounds:
     """The rounds of one drafter over its store, used under the drafter's lock.
 
-    Args: the model, the store, and whether to capture graphs (CUDA only)."""
+    Args: the model, the store, and whether to run the padded shapes (module docstring),
+    captured as graphs on CUDA; unpadded, a round runs its own shapes eagerly (what a
+    CPU wants: padding there is work, not launches saved)."""
 
-    def __init__(self, model, store, capture: bool):
-        self.model, self.store = model, store
-        self.capture = capture and store.device.type == "cuda"
+    def __init__(self, model, store, padded: bool):
+        self.model, self.store, self.padded = model, store, padded
+        self.capture = padded and store.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._version = store.version
@@ -97,7 +100,7 @@ class Rounds:
         before ``base[i]`` hold what earlier rounds encoded), then ``width - 1`` greedy
         steps. Returns ``[n, 2 * width]`` float32: the drafts, then their margins."""
         n, q = tok.shape
-        shape = (_pow2(n, MIN_ROWS), _pow2(q, MIN_QUERIES), width)
+        shape = (_pow2(n, MIN_ROWS), _pow2(q, MIN_QUERIES), width) if self.padded else (n, q, width)
         if self._version != self.store.version:  # the store moved: its graphs point at the old one
             self.graphs.clear()
             self._version = self.store.version
