@@ -39,10 +39,16 @@ def reference_attention(
 ) -> torch.Tensor:
     """:func:`paged_attention` by gathering the rows (module docstring)."""
     mask = visible_keys(positions, k.shape[2])
-    if q.device.type == "cpu":  # only the columns some query sees (asking costs a GPU a sync)
+    first = None
+    if q.device.type == "cpu":  # no sync to pay here: only the columns some query sees; consecutive rows as a view
         seen = min(int(positions.max()) + 1, k.shape[2])
         k, v, mask = k[:, :, :seen], v[:, :, :seen], mask[..., :seen]
-    keys, values = k.index_select(0, rows), v.index_select(0, rows)
+        if torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows))):
+            first = int(rows[0])  # scratch rows, a single entry
+    if first is None:
+        keys, values = k.index_select(0, rows), v.index_select(0, rows)
+    else:
+        keys, values = k[first : first + len(rows)], v[first : first + len(rows)]
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
