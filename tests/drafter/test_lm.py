@@ -24,6 +24,7 @@ from lm_common import STREAM_ROUNDS, Engine, Streams, agreeing_prefix, assert_sa
 from remote_dspark import wire
 from remote_dspark.cli import worker as worker_cli
 from remote_dspark.drafter.contract import CacheInfo
+from remote_dspark.drafter.lm import cache as cache_module
 from remote_dspark.drafter.lm.cache import MIN_SCRATCH
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.model import LMConfig, TinyLM
@@ -206,6 +207,17 @@ def test_the_cache_keeps_its_bound_and_drops_the_least_recently_used():
     assert d.cache_info().slots == 3 and d.cache_info().bytes == size + MIN_SCRATCH * row
     assert round_of([0, 1, 2, 3], [5, 6, 4, 5]) == (3, 1)  # the scratch rows are kept
     assert d.cache_info().bytes == size + MIN_SCRATCH * row
+
+
+def test_scratch_rows_over_the_free_memory_are_refused_naming_the_round(monkeypatch):
+    """A round's entries without a cache row draft in scratch rows, which the store grows
+    for them; a growth past the device's free memory fails the round, naming it."""
+    d = LMDrafter(device="cpu", cache_slots=0, window=8)
+    monkeypatch.setattr(cache_module, "memory_free", lambda device: 1000)
+    why = r"^a round of 2 entries without a cache row .* needs [\d,]+ MiB; 0 MiB are free"
+    with pytest.raises(ValueError, match=why):
+        d.draft_batch(batch_of([[1, 2], [3]], [2, 2], 2))
+    assert d.cache_info().bytes == 0  # nothing allocated
 
 
 # --- identity, vocabulary, the HELLO -------------------------------------------------------

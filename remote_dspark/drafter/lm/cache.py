@@ -137,15 +137,16 @@ class KVStore:
         self.cache_rows, self.columns = cache_rows, max_tokens + 1  # the last: the trash column
         self.device, self.dtype = torch.device(device), dtype
         self._row_shape = (layers, 2, heads, self.columns, head_dim)
-        need = cache_rows * self.row_bytes()
-        free = memory_free(self.device)
-        if need > free:
-            raise ValueError(
-                f"a KV cache of {cache_rows} streams (--lm-cache-slots) x {max_tokens} tokens (--lm-row-tokens) "
-                f"needs {need / 2**20:,.0f} MiB; {free / 2**20:,.0f} MiB are free on {self.device}"
-            )
-        self.kv = torch.zeros((cache_rows, *self._row_shape), device=self.device, dtype=dtype)
+        what = f"a KV cache of {cache_rows} streams (--lm-cache-slots) x {max_tokens} tokens (--lm-row-tokens)"
+        self.kv = self._allocate(cache_rows, what)
         self.version = 0  # bumped when ``kv`` is reallocated (what holds its address must let go)
+
+    def _allocate(self, rows: int, what: str) -> torch.Tensor:
+        """``rows`` zeroed rows, refused (naming ``what`` needs them) over the free memory."""
+        need, free = rows * self.row_bytes(), memory_free(self.device)
+        if need > free:
+            raise ValueError(f"{what} needs {need / 2**20:,.0f} MiB; {free / 2**20:,.0f} MiB are free on {self.device}")
+        return torch.zeros((rows, *self._row_shape), device=self.device, dtype=self.dtype)
 
     def row_bytes(self) -> int:
         return int(np.prod(self._row_shape)) * torch.finfo(self.dtype).bits // 8
@@ -161,14 +162,8 @@ class KVStore:
         have = len(self.kv) - self.cache_rows
         if k > have:
             rows = max(MIN_SCRATCH, 1 << (k - 1).bit_length())
-            need = rows * self.row_bytes()
-            free = memory_free(self.device)
-            if need > free:
-                raise ValueError(
-                    f"a round of {k} entries without a cache row needs {need / 2**20:,.0f} MiB of scratch rows; "
-                    f"{free / 2**20:,.0f} MiB are free on {self.device} (--lm-cache-slots, --lm-row-tokens)"
-                )
-            grown = torch.zeros((self.cache_rows + rows, *self._row_shape), device=self.device, dtype=self.dtype)
+            what = f"a round of {k} entries without a cache row (--lm-cache-slots, --lm-row-tokens)"
+            grown = self._allocate(self.cache_rows + rows, what)
             grown[: self.cache_rows] = self.kv[: self.cache_rows]
             self.kv = grown
             self.version += 1
