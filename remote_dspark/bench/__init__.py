@@ -4,7 +4,7 @@ keeps its heavy imports inside the function that runs it."""
 
 def add_parsers(sub) -> None:
     """Register every benchmark's subcommand."""
-    from . import acceptance, drafter, failover, metrics_hostile, worker_hostile
+    from . import acceptance, drafter, failover, generate, metrics_hostile, worker_hostile
     from .handoff import run as handoff
     from .round import run as bench_round
 
@@ -15,3 +15,4 @@ def add_parsers(sub) -> None:
     metrics_hostile.add_parser(sub)
     drafter.add_parser(sub)
     acceptance.add_parser(sub)
+    generate.add_parser(sub)

@@ -1,0 +1,290 @@
+"""``remote-dspark bench generate``: transformers' ``generate()`` four ways, on the same
+prompts and models.
+
+``plain``       the target alone, greedy;
+``assistant``   transformers' own assisted generation, the draft model in this process
+                (``assistant_model=``; k drafts a round, its schedule constant and its
+                confidence threshold off, so it drafts as the remote path does);
+``sync``        the draft served by a ``remote-dspark worker`` on 127.0.0.1 (a child
+                process), rounds from the engine thread
+                (:func:`remote_dspark.integrations.transformers.generate`, ``ASYNC=0``);
+``process``     the same through the supervised proxy process (``ASYNC_PROXY=process``).
+
+The models: ``--target DIR --draft DIR`` (transformers models saved in local
+directories, loaded as the worker loads them), or a random pair (``--random
+KIND:LxW``, default ``gpt2:24x1024``: GPT-2 medium's shape) whose draft is the target's
+first ``--draft-layers`` layers (4) with its embeddings and head. Each mode first runs one
+short generation unmeasured (kernels, graphs, connections), then generates
+``--new-tokens`` tokens after each of ``--prompts`` random prompts. A row gives the
+mode's wall time over all prompts, tokens per second, target forwards per generated
+token, acceptance (accepted / offered drafts; for ``assistant``: tokens the target did
+not have to produce itself over the draft's forwards) and, for the remote modes, the mean
+round latency. Every mode's tokens are checked against ``plain``'s. The goal (never
+asserted): ``process`` within 1.1x of ``assistant``'s wall time.
+
+Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import shutil
+import tempfile
+import time
+
+MODES = ("plain", "assistant", "sync", "process")
+GOAL_X = 1.1  # process wall time over assistant's, at most
+WINDOW = 64
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="transformers generate(): plain, its in-process assistant, and the remote drafter (sync, process)",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", metavar="DIR", help="the target: a transformers causal LM in a local directory")
+    p.add_argument("--draft", metavar="DIR", help="the draft model's directory (with --target)")
+    p.add_argument("--random", default="gpt2:24x1024", metavar="KIND:LxW", help="a random target (gpt2:24x1024)")
+    p.add_argument("--draft-layers", type=int, default=4, help="a random target's layers the draft keeps (default 4)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the models run")
+    p.add_argument("--prompts", type=int, default=3, help="prompts per mode (default 3)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt (default 32)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--num-spec", type=int, default=5, help="k: drafts per round (default 5)")
+    p.add_argument("--timeout-ms", type=int, default=1000, help="the remote round's deadline (default 1000)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
+    p.set_defaults(func=run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    device: str
+    prompts: int
+    prompt_tokens: int
+    new_tokens: int
+    num_spec: int
+    timeout_ms: int
+    modes: tuple[str, ...]
+
+
+def options(args) -> Options:
+    """Raises: ValueError naming the bad argument."""
+    if (args.target is None) != (args.draft is None):
+        raise ValueError("--target and --draft go together (or neither: --random)")
+    limits = (("prompts", 1, 1000), ("prompt_tokens", 1, 4096), ("new_tokens", 1, 8192), ("num_spec", 1, 32))
+    for name, low, high in limits + (("timeout_ms", 1, 600_000), ("draft_layers", 1, 64)):
+        if not low <= getattr(args, name) <= high:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Options(device, args.prompts, args.prompt_tokens, args.new_tokens, args.num_spec, args.timeout_ms, modes)
+
+
+@contextlib.contextmanager
+def random_pair(spec: str, draft_layers: int):
+    """(target directory, draft directory, name) of a random target of ``spec``'s shape and
+    a draft of its first ``draft_layers`` layers (its embeddings, final norm and head
+    too), saved into private temporary directories for the ``with`` block."""
+    from .hf_models import parse_random, random_model
+
+    kind, layers, width = parse_random(spec)
+    if draft_layers >= layers:
+        raise ValueError(f"--draft-layers {draft_layers}: the target {spec} has {layers} layers; keep fewer")
+    target = random_model(kind, layers, width)
+    draft = random_model(kind, draft_layers, width)
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)  # the other layers: unexpected keys
+    assert not missing, missing
+    paths = [tempfile.mkdtemp(prefix="remote-dspark-bench-model-") for _ in range(2)]  # mode 0700
+    try:
+        target.save_pretrained(paths[0])
+        draft.save_pretrained(paths[1])
+        yield paths[0], paths[1], f"{spec} / {draft_layers} layers"
+    finally:
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class Forwards:
+    """Counts a model's forward calls (a forward hook, until :meth:`remove`)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self._hook = model.register_forward_hook(self._count)
+
+    def _count(self, *args) -> None:
+        self.calls += 1
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def measure_mode(mode: str, opts: Options, target, draft, worker, prompts, tick) -> tuple[dict, list]:
+    """One mode's row and its outputs (one generation per prompt, after a warm-up);
+    ``tick(note)`` before each."""
+    from ..config import RemoteConfig
+    from ..engine import RemoteDSpark
+    from ..integrations.transformers import generate
+
+    fwd = Forwards(target)
+    draft_fwd = Forwards(draft)
+    rd = None
+    if mode in ("sync", "process"):
+        switches = {"VLLM_DSPARK_REMOTE_ASYNC": "0"} if mode == "sync" else {"VLLM_DSPARK_REMOTE_ASYNC": "1"}
+        if mode == "process":
+            switches["VLLM_DSPARK_REMOTE_ASYNC_PROXY"] = "process"
+        env = worker.env(VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(opts.timeout_ms), **switches)
+        cfg, vocab = RemoteConfig.from_env(env), target.config.vocab_size
+        rd = RemoteDSpark(cfg, num_spec=opts.num_spec, max_slots=4, row_bytes=0, vocab_size=vocab).start()
+
+    def once(prompt, new_tokens):
+        kwargs = dict(max_new_tokens=new_tokens, do_sample=False)
+        if mode == "assistant":
+            return target.generate(prompt, assistant_model=draft, **kwargs)
+        if rd is not None:
+            return generate(target, prompt, rd, **kwargs)
+        return target.generate(prompt, **kwargs)
+
+    try:
+        once(prompts[0], min(8, opts.new_tokens))  # warm-up, unmeasured
+        fwd.calls = draft_fwd.calls = 0
+        before = rd.stats() if rd is not None else None
+        outputs, wall = [], 0.0
+        for i, prompt in enumerate(prompts):
+            tick(f"{mode}: prompt {i + 1}/{len(prompts)}")
+            _sync(opts.device)
+            t0 = time.perf_counter()
+            outputs.append(once(prompt, opts.new_tokens))
+            _sync(opts.device)
+            wall += time.perf_counter() - t0
+        tokens = sum(o.shape[1] - p.shape[1] for o, p in zip(outputs, prompts))
+        row = {"mode": mode, "device": opts.device, "wall_s": round(wall, 3), "tokens": tokens}
+        row["tokens_per_s"] = round(tokens / wall, 1)
+        row["target_forwards_per_token"] = round(fwd.calls / tokens, 3)
+        row["acceptance"] = _acceptance(mode, tokens, fwd.calls, draft_fwd.calls, before, rd)
+        row["round_ms"] = _round_ms(before, rd.stats()) if rd is not None else None
+        return row, outputs
+    finally:
+        fwd.remove()
+        draft_fwd.remove()
+        if rd is not None:
+            rd.close()
+
+
+def _acceptance(mode, tokens, target_calls, draft_calls, before, rd) -> float | None:
+    if mode == "plain":
+        return None
+    if mode == "assistant":  # each target forward gives 1 + accepted tokens; each draft forward one draft
+        return round((tokens - target_calls) / max(1, draft_calls), 4)
+    after = rd.stats()
+    accepted = sum(after.accepted_at) - sum(before.accepted_at)
+    offered = sum(after.offered_at) - sum(before.offered_at)
+    return round(accepted / max(1, offered), 4)
+
+
+def _round_ms(before, after) -> float | None:
+    """The mean remote round over the measured generations (ms)."""
+    n = after.round_latency.count - before.round_latency.count
+    return round((after.round_latency.sum - before.round_latency.sum) / n * 1e3, 3) if n else None
+
+
+def make_report(opts: Options, name: str, rows: list[dict], same: dict) -> dict:
+    by = {r["mode"]: r for r in rows}
+    for r in rows:
+        r["same_tokens_as_plain"] = same.get(r["mode"])
+    goals = []
+    if "assistant" in by and "process" in by:
+        ratio = by["process"]["wall_s"] / by["assistant"]["wall_s"]
+        goals.append(
+            {
+                "goal": f"process wall time / assistant's <= {GOAL_X}x",
+                "value": round(ratio, 3),
+                "met": ratio <= GOAL_X,
+            }
+        )
+    config = dataclasses.asdict(opts) | {"models": name, "window": WINDOW}
+    return {"bench": "generate", "config": config, "rows": rows, "goals": goals}
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    lines = [
+        f"generate(), {c['models']}, k={c['num_spec']}: {c['prompts']} prompts of {c['prompt_tokens']} tokens, "
+        f"{c['new_tokens']} new tokens each",
+        f"{'mode':<10} {'device':>6} {'wall s':>8} {'tokens/s':>9} {'fwd/token':>9} {'accept':>7} {'round ms':>8} same",
+        "-" * 70,
+    ]
+    for r in report["rows"]:
+        accept = "-" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
+        round_ms = "-" if r["round_ms"] is None else f"{r['round_ms']:.2f}"
+        same = {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_plain"]]
+        lines.append(
+            f"{r['mode']:<10} {r['device']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>9,.1f} "
+            f"{r['target_forwards_per_token']:>9.3f} {accept:>7} {round_ms:>8} {same}"
+        )
+    for g in report["goals"]:
+        lines.append(f"goal {g['goal']}: {g['value']}x, {'met' if g['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import torch
+    import transformers
+
+    from ..demo.harness import WorkerProcess
+    from ..drafter.lm.hf import load_hf
+    from ..progress import Progress
+
+    opts = options(args)
+    transformers.logging.set_verbosity_error()
+    pair = contextlib.nullcontext((args.target, args.draft, f"{args.target} / {args.draft}"))
+    with pair if args.target else random_pair(args.random, args.draft_layers) as (target_dir, draft_dir, name):
+        target = load_hf(target_dir, opts.device, WINDOW, cache_slots=0).model.lm  # the worker's own loader
+        draft = load_hf(draft_dir, opts.device, WINDOW, cache_slots=0).model.lm
+        draft.generation_config.num_assistant_tokens = opts.num_spec
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        gen = torch.Generator().manual_seed(0)
+        vocab = target.config.vocab_size
+        prompts = [
+            torch.randint(0, vocab, (1, opts.prompt_tokens), generator=gen).to(opts.device) for _ in range(opts.prompts)
+        ]
+        # rows that hold a whole generation (the draft sees what the target sees), at least the default's
+        row_tokens = max(opts.prompt_tokens + opts.new_tokens + opts.num_spec + 1, 2 * WINDOW + 16)
+        extra = ("--hf-model", draft_dir, "--lm-device", opts.device, "--window", str(WINDOW))
+        extra += ("--lm-row-tokens", str(row_tokens), "--lm-cache-slots", "8")
+        bar, done = Progress(len(opts.modes) * opts.prompts, "generate"), itertools.count()
+
+        def tick(note: str) -> None:
+            bar.update(next(done), note)
+
+        rows, outputs = [], {}
+        with WorkerProcess(chaos=False, extra=extra) as worker:
+            for mode in opts.modes:
+                row, outputs[mode] = measure_mode(mode, opts, target, draft, worker, prompts, tick)
+                rows.append(row)
+        bar.update(bar.total)
+    plain = outputs.get("plain")
+    same = {m: all(torch.equal(a, b) for a, b in zip(o, plain)) for m, o in outputs.items()} if plain else {}
+    report = make_report(opts, name, rows, same)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
