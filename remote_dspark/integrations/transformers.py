@@ -162,10 +162,10 @@ class RemoteCandidates(_candidate_base() if MISSING is None else object):
         return torch.cat([input_ids, candidates[None]], 1), None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        k = self.num_drafting_tokens
-        positions = np.arange(k)
+        positions = np.arange(self.num_drafting_tokens)
+        accepted = min(int(num_matches), self._offered)  # a tensor on some devices and versions
         self.slots.rd.record_accepted(
-            (positions < min(num_matches, self._offered)).astype(int).tolist(),
+            (positions < accepted).astype(int).tolist(),
             (positions < self._offered).astype(int).tolist(),
         )
 
