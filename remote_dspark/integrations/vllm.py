@@ -79,9 +79,11 @@ class VllmFacts:
 
 
 def _field(obj, path: str):
-    for name in path.split("."):
+    """``vllm_config``'s field at the dotted ``path``; a ValueError names the first part missing."""
+    names = path.split(".")
+    for depth, name in enumerate(names, 1):
         if not hasattr(obj, name):
-            raise ValueError(f"vllm_config.{path}: missing (is this a vLLM VllmConfig?)")
+            raise ValueError(f"vllm_config.{'.'.join(names[:depth])}: missing (is this a vLLM VllmConfig?)")
         obj = getattr(obj, name)
     return obj
 
