@@ -1,0 +1,362 @@
+"""The vLLM proposer (``remote_dspark.integrations.vllm``) against a reproduction of
+vLLM's model runner: its persistent batch (``token_ids_cpu``, ``num_tokens_no_spec``),
+requests added into the smallest hole or appended, finished ones leaving holes, the
+batch condensed (the last live row moved into the smallest hole) and rows swapped, the
+drafts verified by a deterministic target and ``propose`` called as vLLM calls it.
+
+The language: each request continues with a constant stride (the target's next token is
+``2 * t[-1] - t[-2]`` mod V), and the loopback worker's order-2 Markov drafter knows it,
+so a draft for the right stream is always accepted and one for another stream (a row
+mapped to the wrong slot) is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import faulthandler
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+from helpers import drafter_env
+
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.markov import MarkovModel
+from remote_dspark.engine import Mode
+from remote_dspark.integrations.vllm import RemoteProposer
+from remote_dspark.worker import Worker
+
+V, K, MAX_REQS, MAX_LEN = 64, 4, 6, 200
+STRIDES = (1, 3, 5, 7)
+STALE = 63  # what vLLM leaves past a row's tokens (its draft tokens): the proposer must not read it
+
+
+def target_next(tokens: list[int]) -> int:
+    """The target model: the stride of the last two tokens, continued."""
+    return (2 * tokens[-1] - tokens[-2]) % V
+
+
+def prompt(start: int, stride: int, length: int = 4) -> list[int]:
+    return [(start + i * stride) % V for i in range(length)]
+
+
+@pytest.fixture
+def drafter():
+    """An order-2 Markov drafter of every stride (each cycle twice, so the pairs at the
+    seams between cycles never win)."""
+    tokens = [t for d in STRIDES for t in prompt(0, d, 2 * V)]
+    return MarkovDrafter(MarkovModel.from_tokens(tokens, order=2, top=1))
+
+
+@pytest.fixture
+def worker(drafter):
+    w = Worker(drafter, "127.0.0.1", 0).start()
+    yield w
+    w.stop()
+
+
+def vllm_config(k=K, max_num_seqs=MAX_REQS, max_model_len=MAX_LEN, tp=1, drop=()):
+    """What the proposer reads of vLLM's VllmConfig; ``drop`` names sections to leave out."""
+    sections = dict(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        model_config=SimpleNamespace(
+            max_model_len=max_model_len, hf_config=SimpleNamespace(vocab_size=V), get_vocab_size=lambda: V
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+    )
+    return SimpleNamespace(**{name: s for name, s in sections.items() if name not in drop})
+
+
+@pytest.fixture
+def proposer(worker, drafter):
+    p = RemoteProposer(vllm_config(), environ=drafter_env(drafter, worker.port, Mode.SYNC))
+    p.load_model(object())  # vLLM's hook: nothing to load
+    yield p
+    p.close()
+
+
+class Runner:
+    """vLLM's model runner, as far as the proposer sees it (``gpu_model_runner`` and
+    ``InputBatch``). ``step`` does what a step does: remove finished requests (holes), add
+    new ones (the smallest hole, else append), condense, optionally swap two rows, verify
+    each row's drafts of last step (the longest prefix the target agrees with, plus the
+    target's bonus token), then ``propose``. It records each request's slot per step
+    (``slots``), the rounds' batches (``batches``) and per-position acceptance."""
+
+    def __init__(self, proposer: RemoteProposer):
+        self.proposer = proposer
+        self.token_ids = np.full((MAX_REQS, MAX_LEN), STALE, dtype=np.int32)
+        self.num_tokens = np.zeros(MAX_REQS, dtype=np.int32)
+        self.rows: list[str | None] = []  # the request at each row; None: a hole
+        self.drafts: dict[str, list[int]] = {}
+        self.slots: dict[str, list[int]] = {}  # request -> its slot at each step it drafted
+        self.batches: list = []
+        self.accepted_at, self.offered_at = np.zeros(K, np.int64), np.zeros(K, np.int64)
+        rd = proposer.rd
+        real_round = rd.round
+        rd.round = lambda batch: self.batches.append(batch) or real_round(batch)
+
+    def row(self, req: str) -> int:
+        return self.rows.index(req)
+
+    def step(self, add=(), finish=(), swap=None, chunked=()) -> list[list[int]]:
+        for req in finish:
+            self.rows[self.row(req)] = None
+            self.drafts.pop(req, None)
+        for req, tokens in add:
+            row = self.rows.index(None) if None in self.rows else len(self.rows)
+            self.rows[row : row + 1] = [req]
+            self.token_ids[row, : len(tokens)] = tokens
+            self.num_tokens[row] = len(tokens)
+        self.condense()
+        if swap is not None:
+            i, j = swap
+            self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
+            self.token_ids[[i, j]] = self.token_ids[[j, i]]
+            self.num_tokens[[i, j]] = self.num_tokens[[j, i]]
+        sampled = [[] if req in chunked else self.verify(i, req) for i, req in enumerate(self.rows)]
+        out = self.proposer.propose(sampled, self.num_tokens, self.token_ids, slot_mappings=None)
+        assert isinstance(out, list) and len(out) == len(self.rows)
+        for drafts, got in zip(out, sampled):
+            assert isinstance(drafts, list) and all(type(t) is int for t in drafts) and len(drafts) <= K
+            assert got or drafts == [], "a row that sampled nothing gets no drafts"
+        row_slot = self.proposer.slot_map.row_slot
+        for i, req in enumerate(self.rows):
+            self.drafts[req] = out[i]
+            if sampled[i]:
+                self.slots.setdefault(req, []).append(int(row_slot[i]))
+        return out
+
+    def condense(self) -> None:
+        """vLLM's condense: the last live row into the smallest hole, until none is left."""
+        while None in self.rows:
+            hole = self.rows.index(None)
+            last = len(self.rows) - 1
+            if last > hole and self.rows[last] is not None:
+                n = self.num_tokens[last]
+                self.token_ids[hole, :n] = self.token_ids[last, :n]
+                self.num_tokens[hole] = n
+                self.rows[hole] = self.rows[last]
+            self.rows.pop()
+
+    def verify(self, row: int, req: str) -> list[int]:
+        """The target's tokens for the row: its drafts' agreeing prefix, then its own."""
+        n = int(self.num_tokens[row])
+        seq = self.token_ids[row, :n].tolist()
+        drafts = self.drafts.get(req, [])
+        out: list[int] = []
+        for d in drafts:
+            if d != target_next(seq + out):
+                break
+            out.append(d)
+        self.offered_at[: len(drafts)] += 1
+        self.accepted_at[: len(out)] += 1
+        out.append(target_next(seq + out))
+        self.token_ids[row, n : n + len(out)] = out
+        self.token_ids[row, n + len(out) : n + len(out) + K] = STALE  # vLLM's draft tokens go there
+        self.num_tokens[row] = n + len(out)
+        return out
+
+
+def test_slots_follow_requests_through_holes_condense_and_swaps(proposer):
+    run = Runner(proposer)
+    run.step(add=[(f"r{i}", prompt(i, STRIDES[i % 4], 3 + i)) for i in range(5)])
+    news = {req: 1 for req in run.rows}
+    assert all(run.batches[0].new_gen) and len(set(run.batches[0].slots.tolist())) == 5
+    plan = {
+        3: dict(finish=["r1"]),  # r4 (row 4) condensed into row 1
+        4: dict(add=[("r5", prompt(9, 3))]),  # appended at row 4
+        6: dict(finish=["r0", "r2"], add=[("r6", prompt(5, 7))]),  # r6 into row 0, r5 into row 2
+        7: dict(swap=(0, 3)),
+        9: dict(finish=["r3"], swap=(1, 2)),
+        11: dict(add=[("r7", prompt(2, 5)), ("r8", prompt(4, 1))]),
+        14: dict(finish=["r4", "r5", "r6"]),
+    }
+    for step in range(1, 18):
+        live_before = set(run.rows)
+        run.step(**plan.get(step, {}))
+        batch = run.batches[-1]
+        for req in run.rows:
+            if bool(batch.new_gen[batch.slots.tolist().index(run.slots[req][-1])]):
+                news[req] = news.get(req, 0) + 1
+        assert set(batch.slots.tolist()) == set(np.flatnonzero(proposer.slot_map.live).tolist())
+        for req in live_before - set(run.rows):  # finished: its slot is free, unless a newcomer took it
+            assert run.slots[req][-1] not in {run.slots[r][-1] for r in run.rows if r in live_before}
+    assert {req: len(set(slots)) for req, slots in run.slots.items()} == dict.fromkeys(run.slots, 1)
+    assert news == dict.fromkeys(run.slots, 1), "each request announced once (NEW_GEN), never after moving"
+    # The drafts were each row's own continuation, through every move: all of them accepted.
+    assert run.offered_at.tolist() == run.accepted_at.tolist() and run.offered_at[K - 1] > 50
+    st = proposer.rd.stats()
+    assert list(st.offered_at) == run.offered_at.tolist() and list(st.accepted_at) == run.accepted_at.tolist()
+    assert max(s for slots in run.slots.values() for s in slots) < MAX_REQS
+
+
+def test_identical_streams_that_both_move_are_announced_again(proposer):
+    run = Runner(proposer)
+    twin = prompt(3, 5)
+    run.step(add=[("a", prompt(1, 1)), ("b", prompt(2, 3)), ("t1", twin), ("t2", twin)])
+    run.step()  # the twins stay at their rows: they keep their slots, though alike
+    assert [s[-1] for s in (run.slots["t1"], run.slots["t2"])] == [s[0] for s in (run.slots["t1"], run.slots["t2"])]
+    assert not run.batches[-1].new_gen.any()
+    run.step(finish=["a", "b"])  # t2 (row 3) into row 0, t1 (row 2) into row 1: which is which?
+    batch = run.batches[-1]
+    assert run.rows == ["t2", "t1"] and batch.new_gen.tolist() == [True, True]
+    assert batch.positions.tolist() == [0, 0] and len(set(batch.slots.tolist())) == 2
+    run.step()
+    assert not run.batches[-1].new_gen.any()
+    # Every draft accepted: 4 rows, then the twins twice.
+    assert run.offered_at.tolist() == run.accepted_at.tolist() and run.offered_at[0] == 8
+
+
+def test_a_request_that_leaves_and_comes_back_is_a_new_stream(proposer):
+    run = Runner(proposer)
+    run.step(add=[("a", prompt(1, 1)), ("b", prompt(2, 3))])
+    run.step()
+    tokens = run.token_ids[run.row("b"), : run.num_tokens[run.row("b")]].tolist()
+    run.step(finish=["b"])  # preempted: gone this step
+    assert proposer.slot_map.live.sum() == 1
+    run.step(add=[("b", tokens)])  # resumed with what it had: its prefill samples one token
+    batch = run.batches[-1]
+    assert batch.new_gen.tolist() == [False, True]
+    assert batch.tokens.tolist()[batch.token_offsets[1] :] == run.token_ids[1, : run.num_tokens[1]].tolist()
+
+
+def test_rows_that_sampled_nothing_get_no_drafts_and_no_slot(proposer):
+    run = Runner(proposer)
+    out = run.step(add=[("a", prompt(1, 1)), ("c", prompt(0, 7, 30))], chunked=["c"])  # c: a partial prefill
+    assert out[1] == [] and len(out[0]) == K and run.batches[-1].slots.tolist() == run.slots["a"]
+    run.step()  # c's last chunk: announced whole (the engine cuts it to the worker's window)
+    batch = run.batches[-1]
+    assert batch.new_gen.tolist() == [False, True]
+    assert batch.tokens[batch.token_offsets[1] :].tolist() == run.token_ids[1, : run.num_tokens[1]].tolist()
+    assert run.step(chunked=["a", "c"]) == [[], []]  # nothing to draft: no round at all
+    assert len(run.batches) == 2 and not proposer.slot_map.live.any()
+
+
+def test_slots_the_worker_lost_are_announced_again(proposer):
+    run = Runner(proposer)
+    real_round = proposer.rd.round
+    lost: dict = {}
+    proposer.rd.round = lambda batch: dataclasses.replace(real_round(batch), **lost)
+    run.step(add=[("a", prompt(1, 1)), ("b", prompt(2, 3)), ("c", prompt(3, 5))])
+    lost.update(resync=(run.slots["b"][-1],))
+    run.step()
+    lost.clear()
+    run.step()
+    assert run.batches[-1].new_gen.tolist() == [False, True, False]
+    lost.update(resync_all=True)
+    run.step()
+    lost.clear()
+    run.step()
+    assert run.batches[-1].new_gen.tolist() == [True, True, True]
+    run.step()
+    assert not run.batches[-1].new_gen.any()
+    assert {req: len(set(s)) for req, s in run.slots.items()} == {"a": 1, "b": 1, "c": 1}
+    assert run.offered_at.tolist() == run.accepted_at.tolist()
+
+
+def test_no_draft_past_the_models_length(proposer):
+    run = Runner(proposer)
+    run.step(add=[("a", prompt(1, 1, MAX_LEN - 2))])
+    assert run.batches[-1].n_out.tolist() == [MAX_LEN - (MAX_LEN - 1)]
+
+
+def test_bad_inputs_are_refused_naming_them(proposer):
+    ids = np.zeros((MAX_REQS, MAX_LEN), np.int32)
+    with pytest.raises(ValueError, match="sampled_token_ids: 7 rows"):
+        proposer.propose([[1]] * 7, np.ones(MAX_REQS, np.int32), ids)
+    with pytest.raises(ValueError, match=r"num_tokens_no_spec\[1\]=201"):
+        proposer.propose([[1], [1]], np.array([3, MAX_LEN + 1] + [0] * 4, np.int32), ids)
+    with pytest.raises(ValueError, match="token_ids_cpu"):
+        proposer.propose([[1]], np.ones(MAX_REQS, np.int32), ids[0])
+
+
+@pytest.mark.parametrize(
+    "config, environ, why",
+    [
+        (dict(k=0), {}, r"vllm_config.speculative_config.num_speculative_tokens=0"),
+        (dict(k=99), {}, r"vllm_config.speculative_config.num_speculative_tokens: num_spec=99"),
+        (dict(max_num_seqs=10**6), {}, r"vllm_config.scheduler_config.max_num_seqs: max_slots="),
+        (dict(drop=("scheduler_config",)), {}, r"vllm_config.scheduler_config: missing"),
+        (dict(tp=2), {}, r"tensor_parallel_size=2: needs vLLM's tensor-parallel group"),
+        ({}, {"VLLM_DSPARK_REMOTE_TIMEOUT_MS": "soon"}, "VLLM_DSPARK_REMOTE_TIMEOUT_MS"),
+        ({}, {"VLLM_DSPARK_REMOTE_POLICY": "shadow"}, "VLLM_DSPARK_REMOTE_POLICY=shadow needs a local drafter"),
+    ],
+)
+def test_a_bad_configuration_is_refused_naming_it(drafter, config, environ, why):
+    env = drafter_env(drafter, 9, Mode.SYNC, **environ)  # nothing listens: nothing may start
+    with pytest.raises(ValueError, match=why):
+        RemoteProposer(vllm_config(**config), environ=env)
+
+
+def test_close_is_idempotent_and_a_closed_proposer_drafts_no_more(proposer):
+    proposer.close()
+    proposer.close()
+    with pytest.raises(Exception, match="after close"):
+        proposer.propose([[1]], np.array([3] + [0] * 5, np.int32), np.ones((MAX_REQS, MAX_LEN), np.int32))
+
+
+RANK_LIMIT_S = 20.0  # one tensor-parallel rank, fork to exit
+
+
+def test_tensor_parallel_ranks_take_vllms_cpu_group_and_draft_alike(worker, drafter, tmp_path):
+    """Two gloo ranks, each a forked process (as tests/engine/test_tp.py), each with a
+    proposer for ``tensor_parallel_size=2`` and vLLM's group from a stand-in
+    ``vllm.distributed.parallel_state``: both map rows alike and return the same drafts
+    (rank 0's), every one accepted; the NCCL ``device_group`` is never touched."""
+    env = drafter_env(drafter, worker.port, Mode.SYNC)
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_tp_rank, args=(rank, env, tmp_path), daemon=True) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + RANK_LIMIT_S + 2
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        assert not any(p.is_alive() for p in procs), "a rank did not end in time (stacks on stderr)"
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # the rank's session: whatever it started
+            p.join(5.0)
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert "crash" not in result, result["crash"]
+    assert results[0] == results[1]
+    assert results[0]["offered"] == results[0]["accepted"] and sum(results[0]["offered"]) > 20
+    assert worker.statistics().connections == 1, "rank 0 alone talks to the worker"
+
+
+def _tp_rank(rank: int, env: dict, tmp_path) -> None:
+    os.setsid()
+    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
+    try:
+        store = dist.FileStore(str(tmp_path / "store"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=10))
+        group = dist.new_group([0, 1], backend="gloo")
+        parallel_state = SimpleNamespace(get_tp_group=lambda: SimpleNamespace(cpu_group=group, device_group=object()))
+        sys.modules["vllm.distributed.parallel_state"] = parallel_state  # this forked rank's own stand-in
+        proposer = RemoteProposer(vllm_config(tp=2), environ=env)
+        try:
+            run = Runner(proposer)
+            drafts = [run.step(add=[("a", prompt(1, 1)), ("b", prompt(2, 3)), ("c", prompt(3, 5))])]
+            drafts += [run.step(**kw) for kw in ({}, dict(finish=["a"]), {}, dict(swap=(0, 1)), {}, {})]
+            result = dict(drafts=drafts, slots=run.slots, offered=run.offered_at.tolist())
+            result["accepted"] = run.accepted_at.tolist()
+        finally:
+            proposer.close()
+    except BaseException:
+        result = {"crash": traceback.format_exc()}
+    (tmp_path / f"rank{rank}.json").write_text(json.dumps(result))
+    faulthandler.cancel_dump_traceback_later()
