@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import weakref
 
@@ -44,24 +45,23 @@ from ..engine import Batch, RemoteDSpark
 TESTED_WITH = "transformers 5.17 and 5.25"
 
 
-def _missing() -> str | None:
-    """What this transformers lacks of what :func:`generate` uses (None: nothing)."""
+def _probe() -> tuple[type, str | None]:
+    """(the base class of candidate generators, what this transformers lacks of what
+    :func:`generate` uses: None when nothing)."""
     try:
-        import inspect
-
-        from transformers.generation.candidate_generator import CandidateGenerator  # noqa: F401
+        from transformers.generation.candidate_generator import CandidateGenerator
         from transformers.generation.utils import GenerationMixin
     except ImportError as e:
-        return f"transformers is not importable ({e})"
+        return object, f"transformers, importable ({e})"
     for name in ("_assisted_decoding", "_get_candidate_generator"):
         if not hasattr(GenerationMixin, name):
-            return f"GenerationMixin.{name}"
+            return CandidateGenerator, f"GenerationMixin.{name}"
     if "custom_generate" not in inspect.signature(GenerationMixin.generate).parameters:
-        return "generate(custom_generate=...)"
-    return None
+        return CandidateGenerator, "generate(custom_generate=...)"
+    return CandidateGenerator, None
 
 
-MISSING = _missing()
+_CANDIDATE_BASE, MISSING = _probe()
 
 
 class Slots:
@@ -124,13 +124,7 @@ def slots_of(rd: RemoteDSpark) -> Slots:
         return slots
 
 
-def _candidate_base():
-    from transformers.generation.candidate_generator import CandidateGenerator
-
-    return CandidateGenerator
-
-
-class RemoteCandidates(_candidate_base() if MISSING is None else object):
+class RemoteCandidates(_CANDIDATE_BASE):
     """transformers' candidate generator over one slot of ``rd``: each ``get_candidates``
     is one round. The worker is told only what it has not seen: the whole context at the
     first round (and after it lost the slot), then the tokens accepted since. Drafts are
