@@ -14,6 +14,7 @@ from ..transport.auth import MIN_KEY, load_key
 from ..worker.drafters import load_drafter
 from ..worker.faults import LATE_S, Faults
 from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, DEFAULT_WINDOW, Limits, tokens_per_slot
+from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
 from ..worker.server import DEFAULT_LISTEN, Worker, parse_listen
 from ..worker.sessions import RECENT_S
 
@@ -103,6 +104,20 @@ def add_parser(sub) -> None:
         type=int,
         default=2000,
         help="a connection that has not said HELLO by then is dropped (default 2000)",
+    )
+    adm.add_argument(
+        "--max-batch-entries",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        help=f"entries of all engines drafted in one drafter call at most (default {DEFAULT_MAX_ENTRIES}); "
+        "engines share a call by deficit round robin",
+    )
+    adm.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"context tokens (and one per entry) in one drafter call at most (default {DEFAULT_MAX_TOKENS}); "
+        "a larger round is drafted alone",
     )
     adm.add_argument(
         "--max-pending",
@@ -231,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
         "max_pending",
         "hello_timeout_ms",
         "frame_timeout_ms",
+        "max_batch_entries",
+        "max_batch_tokens",
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
@@ -267,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         faults=faults,
         key=key,
+        max_batch_entries=args.max_batch_entries,
+        max_batch_tokens=args.max_batch_tokens,
     )
     if faults is not None:  # before the first line: a chaos driver signals as soon as it reads it
         # Faults' changes take no lock, so they are safe in a signal handler (faults.py).

@@ -19,7 +19,11 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
 
 A drafter that keeps state per slot across rounds (a KV cache) keys it by the stream
 the batch names (``session``, ``slots``, ``gens``, ``lengths``) and may report it with
-``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics).
+``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics). The worker's
+scheduler drafts several engines' rounds in one call when the drafter says it takes
+them (``mixed_sessions``, an optional bool, False when absent, read with
+:func:`mixed_sessions_of`): such a batch names a session per entry (``session`` an
+[n] int64 array); any other drafter gets one session per call.
 
 A drafter may say its vocabulary size (``vocab_size``: its largest token id + 1; an
 optional attribute, None or 0 when unknown, read with :func:`vocab_size_of`): the worker
@@ -73,7 +77,7 @@ class DraftBatch:
     # NEW_GEN, so within one stream tokens are only ever appended. ``lengths[i]`` is how
     # many tokens the stream has had (>= the context, its last ``window`` of them). None
     # when the batch was not built by a worker (benchmarks, tests): no state to reuse.
-    session: int = 0
+    session: int | np.ndarray = 0  # [n] int64 in a batch of several engines' rounds (mixed_sessions)
     slots: np.ndarray | None = None  # [n] int64
     gens: np.ndarray | None = None  # [n] int64
     lengths: np.ndarray | None = None  # [n] int64
@@ -108,6 +112,12 @@ class DraftBatch:
             return np.zeros(len(self), bool)
         return (lens > 0) & (self.starts() + lens + self.width > max_positions)
 
+    def sessions(self) -> np.ndarray:
+        """[n] int64: each entry's session (``session``, repeated when one for all)."""
+        import numpy as np
+
+        return np.broadcast_to(np.asarray(self.session, np.int64), (len(self),))
+
     def subset(self, keep: np.ndarray) -> DraftBatch:
         """The batch of the ``keep`` entries ([n] bool), in entry order."""
         import numpy as np
@@ -125,6 +135,7 @@ class DraftBatch:
             offsets=offsets,
             n_out=self.n_out[keep],
             rows=self.rows[keep],
+            session=self.session if np.ndim(self.session) == 0 else np.asarray(self.session)[keep],
             slots=pick(self.slots),
             gens=pick(self.gens),
             lengths=pick(self.lengths),
@@ -170,6 +181,11 @@ class CacheInfo:
     bytes: int  # memory the cache holds
     hits: int  # entries drafted from cached state (monotonic)
     misses: int  # entries that encoded their whole context (monotonic)
+
+
+def mixed_sessions_of(drafter) -> bool:
+    """Whether ``drafter`` takes batches of several sessions (``mixed_sessions``)."""
+    return bool(getattr(drafter, "mixed_sessions", False))
 
 
 def cache_info_of(drafter) -> CacheInfo | None:
@@ -230,7 +246,9 @@ class PerEntryDrafter:
     """A per-entry drafter behind the batched protocol: the slow path, one Python call of
     ``drafter.draft(context, n_out, row)`` per entry (``context`` a list of ints, ``row``
     a memoryview of the entry's row bytes). Returned drafts are cut to ``n_out``; missing
-    margins are zeros."""
+    margins are zeros. Entries are independent, so a batch may mix sessions."""
+
+    mixed_sessions = True
 
     def __init__(self, drafter: PerEntryDrafterLike):
         self.inner = drafter

@@ -408,7 +408,10 @@ def read_tokens(path: str) -> list[int]:
 
 class MarkovDrafter:
     """The default drafter: greedy drafting from a :class:`MarkovModel`, batched
-    (:meth:`MarkovModel.draft_batch`) and per entry (``draft``, the reference)."""
+    (:meth:`MarkovModel.draft_batch`) and per entry (``draft``, the reference). Its drafts
+    depend on each context alone, so a batch may mix sessions."""
+
+    mixed_sessions = True
 
     def __init__(self, model: MarkovModel, drafter_identity: bytes | None = None):
         self.model = model

@@ -186,6 +186,16 @@ TABLE: Table[Scrape] = Table(
             lambda r: r.stats.beyond_positions,
         ),
         counter("draft_tokens", "Draft tokens sent.", lambda r: r.stats.draft_tokens),
+        counter(
+            "rounds_expired",
+            "Rounds answered with no drafts because their deadline passed while queued for the drafter.",
+            lambda r: r.stats.expired,
+        ),
+        counter(
+            "drafter_calls",
+            "draft_batch calls; one call may draft several engines' rounds (rounds_total over this: rounds a call).",
+            lambda r: r.stats.drafter_calls,
+        ),
         histogram(
             "round_duration_seconds",
             "From a whole ROUND received to its DRAFTS sent.",
@@ -193,7 +203,7 @@ TABLE: Table[Scrape] = Table(
         ),
         histogram(
             "drafting_duration_seconds",
-            "Time inside the drafter's draft_batch, per round that had entries to draft.",
+            "Time inside the drafter's draft_batch, per call (a call may draft several engines' rounds).",
             lambda r: r.stats.drafting_seconds.snapshot(),
         ),
         gauge("cache_slots", "Streams with cached drafter state now.", lambda r: r.cache.slots, when=_cached),

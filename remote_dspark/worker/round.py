@@ -1,17 +1,20 @@
-"""One round at the worker, as arrays: the ROUND's sections applied to the session's
-windows and handed to the drafter as one :class:`~remote_dspark.drafter.DraftBatch`
-(:func:`drafting_batch`), and the drafter's result written into the DRAFTS frame
+"""One round at the worker, as arrays (:func:`answer`): the ROUND's sections applied to
+the session's windows and handed to the drafter as one
+:class:`~remote_dspark.drafter.DraftBatch` (:func:`drafting_batch`; drafted through the
+worker's scheduler), and the drafter's result written into the DRAFTS frame
 (:func:`reply_frame`: the frame allocated whole, its sections writable numpy views at
 ``wire.drafts_sections`` offsets). No Python loop over the entries."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import wire
-from ..drafter.contract import DraftBatch, DraftResult
+from ..drafter.contract import DraftBatch, DraftResult, empty_result
 from .limits import Limits
 from .sessions import Session
 
@@ -126,3 +129,43 @@ def drafting_batch(
     drafted = ok.copy()
     drafted[ok] = ~beyond
     return slots, ok, drafted, width, batch.subset(~beyond)
+
+
+@dataclass(frozen=True)
+class Told:
+    """What one answered round adds to the worker's counters."""
+
+    entries: int
+    resyncs: int
+    beyond_positions: int
+    draft_tokens: int
+    expired: bool  # its deadline passed while it was queued for the drafter
+
+
+def answer(
+    session: Session,
+    hdr: wire.Header,
+    payload,
+    limits: Limits,
+    max_positions: int | None,
+    draft: Callable[[int, DraftBatch, float], DraftResult | None],
+    received: float,
+) -> tuple[bytearray, Told]:
+    """One ROUND of ``session`` in, its DRAFTS frame out (and what it adds to the
+    counters): the windows advanced, the drafting entries handed to ``draft(session
+    serial, batch, deadline)`` (the scheduler's: None when the deadline, counted from
+    ``received``, passed in its queue: no drafts). A round with nothing to draft (empty,
+    or every slot to re-announce) makes no call. Raises: as :func:`drafting_batch`."""
+    rnd = wire.decode_round(hdr, payload)
+    slots, ok, drafted, width, batch = drafting_batch(session, rnd, limits, max_positions)
+    result, expired = None, False
+    if len(batch):
+        deadline = received + rnd.deadline_ms / 1000 if rnd.deadline_ms else math.inf
+        result = draft(session.windows.serial, batch, deadline)
+        expired = result is None
+    if result is None:
+        result = empty_result(len(batch), width, session.want_margin)
+    reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result, drafted)
+    n_ok = int(np.count_nonzero(ok))
+    told = Told(len(slots), len(slots) - n_ok, n_ok - len(batch), int(result.counts.sum()), expired)
+    return reply, told

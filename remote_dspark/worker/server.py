@@ -45,15 +45,11 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from .. import wire
 from ..drafter.contract import (
     BatchedDrafter,
     PerEntryDrafterLike,
     as_batched,
-    check_result,
-    empty_result,
     max_positions_of,
 )
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
@@ -62,7 +58,8 @@ from ..transport.tcp import TcpStream
 from .admission import Admission
 from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
-from .round import drafting_batch, reply_frame
+from .round import answer
+from .scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS, Scheduler
 from .sessions import RECENT_S, Session, Sessions
 from .stats import Health, WorkerStats
 from .windows import Windows
@@ -119,6 +116,8 @@ class Worker:
         metrics_host: str = "127.0.0.1",
         faults: Faults | None = None,
         key: Key | None = None,
+        max_batch_entries: int = DEFAULT_MAX_ENTRIES,
+        max_batch_tokens: int = DEFAULT_MAX_TOKENS,
     ):
         if not 1 <= window <= wire.MAX_CONTEXT:
             raise ValueError(f"window {window}: not in 1..{wire.MAX_CONTEXT}")
@@ -127,7 +126,10 @@ class Worker:
         if not (hello_timeout_s > 0 and frame_timeout_s > 0):
             raise ValueError(f"hello_timeout_s {hello_timeout_s}, frame_timeout_s {frame_timeout_s}: must be > 0")
         self.drafter = drafter  # as given (its identities are checked at HELLO)
-        self._batched = as_batched(drafter)  # what rounds call
+        # Every round goes through the drafter's own thread (continuous batching, fairness, deadlines)
+        self._scheduler = Scheduler(
+            as_batched(drafter), max_entries=max_batch_entries, max_tokens=max_batch_tokens, on_call=self._called
+        )
         self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
         self.host, self.port = host, port
         self.window = window
@@ -184,6 +186,7 @@ class Worker:
             count=self._count,
             key=self.key,
         )
+        self._scheduler.start()
         self._acceptor = threading.Thread(
             target=self._admission.run, args=(self._stopping,), name="worker-accept", daemon=True
         )
@@ -207,6 +210,7 @@ class Worker:
                 pass
         for t in list(self._threads):
             t.join(timeout_s)
+        self._scheduler.stop(timeout_s)  # after the connections: their rounds in flight are answered
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self._metrics is not None:  # last: /healthz says "stopping" (503) while the rest stops
@@ -244,6 +248,12 @@ class Worker:
             served,
             serving and served < self.max_connections,
         )
+
+    def _called(self, seconds: float, rounds: int, entries: int) -> None:
+        """The scheduler drafted ``rounds`` rounds (``entries`` entries) in one call."""
+        with self._lock:
+            self.stats.drafter_calls += 1
+            self.stats.drafting_seconds.observe(seconds)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -313,7 +323,7 @@ class Worker:
                     return
                 elif hdr.type == wire.ROUND:
                     t0 = time.perf_counter()
-                    reply = self._round(session, hdr, payload)
+                    reply = self._round(session, hdr, payload, time.monotonic())
                     if self.faults is not None:
                         reply = self.faults.apply(reply)
                     chan.send(reply)
@@ -406,29 +416,19 @@ class Worker:
             session,
         )
 
-    def _round(self, session: Session, hdr: wire.Header, payload) -> bytes:
-        """One ROUND in, its DRAFTS frame out; no Python loop over the entries."""
-        rnd = wire.decode_round(hdr, payload)
-        slots, ok, drafted, width, batch = drafting_batch(session, rnd, self.limits, self._max_positions)
-        # No drafting entries (an empty round, or every slot to re-announce): no call.
-        drafting = None
-        if len(batch):
-            t0 = time.perf_counter()
-            result = self._batched.draft_batch(batch)
-            drafting = time.perf_counter() - t0
-            result = check_result(result, batch)
-        else:
-            result = empty_result(0, width, session.want_margin)
-        reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result, drafted)
-        n = len(slots)
+    def _round(self, session: Session, hdr: wire.Header, payload, received: float | None = None) -> bytes:
+        """One ROUND in (``received``: ``time.monotonic()`` at its receipt, which its
+        relative deadline counts from; None: now), its DRAFTS frame out; no Python loop
+        over the entries."""
+        received = time.monotonic() if received is None else received
+        reply, told = answer(session, hdr, payload, self.limits, self._max_positions, self._scheduler.draft, received)
         with self._lock:
             self.stats.rounds += 1
-            self.stats.entries += n
-            self.stats.resyncs += n - int(np.count_nonzero(ok))
-            self.stats.beyond_positions += int(np.count_nonzero(ok)) - len(batch)
-            self.stats.draft_tokens += int(result.counts.sum())
-            if drafting is not None:
-                self.stats.drafting_seconds.observe(drafting)
+            self.stats.entries += told.entries
+            self.stats.resyncs += told.resyncs
+            self.stats.beyond_positions += told.beyond_positions
+            self.stats.draft_tokens += told.draft_tokens
+            self.stats.expired += told.expired
         return reply
 
     @staticmethod

@@ -39,6 +39,8 @@ class WorkerStats:
     entries: int = 0
     resyncs: int = 0
     beyond_positions: int = 0  # entries given no drafts: their context and width pass the model's positions
+    expired: int = 0  # rounds answered with no drafts: their deadline passed while queued for the drafter
+    drafter_calls: int = 0  # draft_batch calls (a call may draft several engines' rounds)
     draft_tokens: int = 0
     round_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a whole ROUND in to its DRAFTS sent
     drafting_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # inside draft_batch

@@ -25,13 +25,14 @@ from remote_dspark import wire
 from remote_dspark.cli import worker as worker_cli
 from remote_dspark.drafter.contract import CacheInfo
 from remote_dspark.drafter.lm import cache as cache_module
-from remote_dspark.drafter.lm.cache import MIN_SCRATCH
+from remote_dspark.drafter.lm.cache import MIN_SCRATCH, SlotCache
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.model import LMConfig, TinyLM
 from remote_dspark.transport import Disconnected
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
 from remote_dspark.worker.drafters import load_drafter
+from remote_dspark.worker.scheduler import merge, part
 
 ROOT = Path(REPO)
 PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)  # re-encodes every round
@@ -218,6 +219,47 @@ def test_scratch_rows_over_the_free_memory_are_refused_naming_the_round(monkeypa
     with pytest.raises(ValueError, match=why):
         d.draft_batch(batch_of([[1, 2], [3]], [2, 2], 2))
     assert d.cache_info().bytes == 0  # nothing allocated
+
+
+@settings(max_examples=8, deadline=None)
+@given(rounds=STREAM_ROUNDS, other=STREAM_ROUNDS)
+def test_two_sessions_drafted_in_one_call_draft_what_each_drafts_alone(rounds, other):
+    """The worker's scheduler merges engines' rounds into one call (a session per entry):
+    the model drafter, its cache keyed per stream, drafts each session's entries as a
+    drafter serving that session alone does (up to float rounding: wherever the choice
+    is clear). Rows for every stream on both sides: an eviction changes a row's history
+    past the window, and with it the drafts, whoever shares the cache."""
+    window, width = 6, 2
+    shared = LMDrafter(device="cpu", cache_slots=8, window=window)  # two sessions of 4 slots
+    alone = [shared.sibling(4), shared.sibling(4)]
+    streams = [Streams(window), Streams(window)]
+    for ops in zip(rounds, other):
+        batches = [s.round(o, width) for s, o in zip(streams, ops)]
+        if not all(len(b) for b in batches):
+            continue
+        merged = merge(batches)
+        assert len(set(merged.sessions().tolist())) == 2
+        result = shared.draft_batch(merged)
+        start = 0
+        for b, own in zip(batches, alone):
+            got, want = part(result, start, b), own.draft_batch(b)
+            start += len(b)
+            for i in range(len(b)):
+                ref, _ = agreeing_prefix(want.tokens[i], want.margins[i], got.tokens[i])
+                assert got.tokens[i][: len(ref)].tolist() == list(ref)
+
+
+def test_a_round_of_two_sessions_never_gives_one_row_to_two_entries():
+    """Four streams of two sessions in one round over three rows: three get a row each,
+    distinct (a later session's newcomer never takes a row an earlier session's entry
+    took this round), and one drafts without."""
+    cache = SlotCache(3, 16)
+    n = np.ones(4, np.int64)
+    plan = cache.plan(np.array([1, 1, 2, 2]), np.array([0, 1, 0, 1]), n, n * 2, n * 2, 2, None)
+    rows = plan.rows[plan.rows >= 0]
+    assert len(rows) == 3 and len(set(rows.tolist())) == 3
+    again = cache.plan(np.array([2, 2, 1, 1]), np.array([0, 1, 0, 1]), n, n * 3, n * 3, 2, None)
+    assert len(set(again.rows[again.rows >= 0].tolist())) == (again.rows >= 0).sum() == 3
 
 
 # --- identity, vocabulary, the HELLO -------------------------------------------------------

@@ -230,6 +230,8 @@ CONTRACT = [
     ("dspark_worker_resyncs_total", "counter", ()),
     ("dspark_worker_entries_beyond_positions_total", "counter", ()),
     ("dspark_worker_draft_tokens_total", "counter", ()),
+    ("dspark_worker_rounds_expired_total", "counter", ()),
+    ("dspark_worker_drafter_calls_total", "counter", ()),
     ("dspark_worker_round_duration_seconds", "histogram", ()),
     ("dspark_worker_drafting_duration_seconds", "histogram", ()),
     ("dspark_worker_cache_slots", "gauge", ()),

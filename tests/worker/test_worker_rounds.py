@@ -110,12 +110,12 @@ def worker_pool():
     workers = []
 
     def make(drafter, window):
-        w = Worker(drafter, "127.0.0.1", 0, window=window)
+        w = Worker(drafter, "127.0.0.1", 0, window=window).start()  # its drafter thread drafts the rounds
         workers.append(w)
         return w
 
     yield make
-    for w in workers:  # never started: stop() only closes the wake pipe
+    for w in workers:
         w.stop()
 
 
@@ -219,7 +219,7 @@ def test_a_per_entry_drafter_gets_the_same_answers(worker_pool, window, rounds):
             return MODELS[1].draft(context, n_out)
 
     fast_w, slow_w = worker_pool(MarkovDrafter(MODELS[1]), window), worker_pool(PerEntry(), window)
-    assert isinstance(slow_w._batched, PerEntryDrafter)
+    assert isinstance(slow_w._scheduler.drafter, PerEntryDrafter)
     fast = Session(9, MAX_SLOTS, 3, True, Windows(MAX_SLOTS, window))
     slow = Session(9, MAX_SLOTS, 3, True, Windows(MAX_SLOTS, window))
     ref = Reference(MODELS[1], window, 3)

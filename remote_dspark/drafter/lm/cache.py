@@ -203,7 +203,7 @@ class SlotCache:
 
     def plan(
         self,
-        session: int,
+        sessions: np.ndarray,
         slots: np.ndarray,
         gens: np.ndarray,
         lengths: np.ndarray,
@@ -215,13 +215,17 @@ class SlotCache:
         newcomers) and what each must encode; the rows' bookkeeping is set to the state
         after the round (:meth:`forget` undoes it for a round that failed).
 
-        Args: the batch's stream fields and each context's length (int64 arrays), the
-            round's width (< max_tokens), each context's first position (int64; None:
+        Args: the batch's stream fields, a session per entry (a batch may mix the rounds
+            of several engines), and each context's length (int64 arrays), the round's
+            width (< max_tokens), each context's first position (int64; None:
             a batch without positions, numbered from the row's start: column c at
             position c, and no check that a row's positions continue).
         """
         self._tick += 1
-        rows = self._rows_of(session, slots)
+        rows = np.full(len(slots), -1, np.int64)
+        for s in np.unique(sessions).tolist():  # the few engines of the round
+            mine = sessions == s
+            rows[mine] = self._rows_of(s, slots[mine])
         ok = rows >= 0
         r = rows[ok]
         new = lengths[ok] - self.length[r]
@@ -271,7 +275,8 @@ class SlotCache:
 
     def _rows_of(self, session: int, slots: np.ndarray) -> np.ndarray:
         """Each slot's row, newcomers given free or least recently used rows (not one
-        used by this round); -1 for those left without (more entries than rows)."""
+        used by this round: another session's entries may have taken rows already);
+        -1 for those left without (more entries than rows)."""
         m = self._maps.get(session)
         top = int(slots.max()) + 1 if len(slots) else 0
         if m is None or len(m) < top:
@@ -282,9 +287,11 @@ class SlotCache:
         rows = m[slots]
         need = np.flatnonzero(rows < 0)
         if not len(need):
+            self.used[rows] = self._tick
             return rows
         key = self.used.copy()
         key[rows[rows >= 0]] = _KEEP
+        key[self.used == self._tick] = _KEEP
         got = np.argsort(key, kind="stable")[: len(need)]
         got = got[key[got] != _KEEP]
         self._evict(got)
@@ -295,6 +302,7 @@ class SlotCache:
         self.gen[got] = -1
         m[slots[need]] = got
         rows[need] = got
+        self.used[rows[rows >= 0]] = self._tick
         return rows
 
     def _evict(self, got: np.ndarray) -> None:

@@ -74,6 +74,7 @@ class LMDrafter:
     """Greedy drafting from a causal LM, batched, with a KV cache per stream kept across
     rounds: a :class:`~remote_dspark.drafter.lm.model.TinyLM` (the built-in one by default)
     or a transformers model (:class:`~remote_dspark.drafter.lm.hf_model.HFModel`), one code.
+    A batch may mix sessions (the cache keys each entry's stream by its own session).
 
     Args:
         model: the model (float32 weights: its identity is taken before any cast).
@@ -93,6 +94,8 @@ class LMDrafter:
             (:mod:`.graphs`). None (default): on CUDA only; False: eager, the round's own
             shapes launched op by op; True: also on the CPU (padded, run eagerly: tests).
     """
+
+    mixed_sessions = True
 
     def __init__(
         self,
@@ -170,7 +173,7 @@ class LMDrafter:
         with self._lock, torch.inference_mode():
             if cached:
                 plan = self.cache.plan(
-                    batch.session,
+                    batch.sessions(),
                     np.asarray(batch.slots, np.int64),
                     np.asarray(batch.gens, np.int64),
                     np.asarray(batch.lengths, np.int64),

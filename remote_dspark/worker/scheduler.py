@@ -1,0 +1,244 @@
+"""The drafter's own thread: every engine's rounds queue, and whenever the drafter is free
+it drafts what is queued, in one call where it can (continuous batching).
+
+A connection thread decodes its ROUND and advances its windows, then hands the round's
+:class:`~remote_dspark.drafter.contract.DraftBatch` to :meth:`Scheduler.draft` and waits
+for its part of the answer; it sends its reply itself, as soon as that part is done. No
+round waits for a partner: the drafter thread takes whatever is queued the moment it is
+free, and a round arriving while it drafts goes in the next call.
+
+What one call takes (:meth:`Scheduler._take`): a budget of entries and tokens
+(``max_entries``, ``max_tokens``), shared between the queued engines by deficit round
+robin on tokens. Each engine with rounds queued earns a quantum (the budget over the
+engines waiting) per turn and spends its rounds' tokens; a round that does not fit waits
+for the next call, so a big or hostile engine takes at most its share of a call and an
+honest engine's round is in the next one. A round larger than the whole budget is taken
+alone when nothing else is (it would never fit otherwise).
+
+Deadlines: a ROUND carries its deadline (``deadline_ms``, relative to its receipt; 0:
+none). A round whose deadline has passed when the drafter reaches it is answered at once
+with no drafts (:meth:`Scheduler.draft` returns None; the worker counts it) rather than
+drafted for an engine that stopped waiting; its windows advanced already, so the stream
+stays in step.
+
+Several rounds in one call: when the drafter takes batches of several sessions
+(``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
+rounds of a call with the same row size are concatenated (:func:`merge`: a session per
+entry, the widest width, margins if any asked) and the answer split back (:func:`part`),
+each round getting exactly what it would get alone. Any other drafter is called once
+per round, in the same fair order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..drafter.contract import DraftBatch, DraftResult, check_result, mixed_sessions_of
+
+WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
+DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) ...
+DEFAULT_MAX_TOKENS = 1 << 15  # ... and context tokens plus entries (--max-batch-tokens)
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One round waiting for the drafter (owned by the scheduler until ``done`` is set)."""
+
+    session: int
+    batch: DraftBatch
+    deadline: float  # the clock's seconds; math.inf: none
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: DraftResult | None = None  # None once done: its deadline passed in the queue
+    error: BaseException | None = None
+
+    @property
+    def cost(self) -> int:
+        """What the round spends of a call's budget: its tokens, and one per entry."""
+        return len(self.batch.tokens) + len(self.batch)
+
+
+def merge(batches: list[DraftBatch]) -> DraftBatch:
+    """One batch of several sessions' rounds (the same row size), entry order kept: a
+    session per entry, the widest width, margins when any round asks."""
+    sizes = [len(b) for b in batches]
+    lens = np.concatenate([np.diff(b.offsets) for b in batches])
+    offsets = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return DraftBatch(
+        np.concatenate([b.tokens for b in batches]),
+        offsets,
+        np.concatenate([b.n_out for b in batches]),
+        np.concatenate([b.rows for b in batches]),
+        any(b.want_margin for b in batches),
+        max(b.width for b in batches),
+        session=np.repeat([int(b.session) for b in batches], sizes).astype(np.int64),
+        slots=np.concatenate([b.slots for b in batches]),
+        gens=np.concatenate([b.gens for b in batches]),
+        lengths=np.concatenate([b.lengths for b in batches]),
+        positions=np.concatenate([b.starts() for b in batches]),
+    )
+
+
+def part(result: DraftResult, start: int, batch: DraftBatch) -> DraftResult:
+    """``batch``'s part of a merged call's ``result`` (its entries from ``start``), in its
+    own width and with margins only if it asked."""
+    rows = slice(start, start + len(batch))
+    margins = result.margins[rows, : batch.width] if batch.want_margin and result.margins is not None else None
+    return DraftResult(result.tokens[rows, : batch.width], result.counts[rows], margins)
+
+
+class Scheduler:
+    """The drafter thread and its queue (module docstring). Owned by the worker:
+    :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
+
+    ``on_call(seconds, rounds, entries)`` is told of each drafter call (the worker's
+    statistics); ``clock`` dates deadlines (``time.monotonic``)."""
+
+    def __init__(
+        self,
+        drafter,
+        *,
+        max_entries: int,
+        max_tokens: int,
+        on_call: Callable[[float, int, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_entries < 1 or max_tokens < 1:
+            raise ValueError(f"max_entries {max_entries}, max_tokens {max_tokens}: must be >= 1")
+        self.drafter, self.max_entries, self.max_tokens = drafter, max_entries, max_tokens
+        self.mixed = mixed_sessions_of(drafter)
+        self.on_call, self.clock = on_call, clock
+        self._cond = threading.Condition()
+        self._queues: dict[int, collections.deque[Job]] = {}  # session -> its rounds, oldest first
+        self._turns: collections.deque[int] = collections.deque()  # sessions with rounds, in turn
+        self._deficit: dict[int, int] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
+
+    def start(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop taking rounds; those still queued are answered with an error."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        with self._cond:
+            for queue in self._queues.values():
+                for job in queue:
+                    self._finish(job, error=RuntimeError("the worker is stopping"))
+            self._queues.clear()
+            self._turns.clear()
+
+    def draft(self, session: int, batch: DraftBatch, deadline: float = math.inf) -> DraftResult | None:
+        """``batch``'s drafts (checked against the contract), or None when its
+        ``deadline`` (the clock's seconds) passed before the drafter reached it.
+
+        Raises: what the drafter raised for the call this round was in; RuntimeError when
+        the worker stops, or no call answers within ``WAIT_SLACK_S`` past the deadline."""
+        job = Job(session, batch, deadline)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the worker is stopping")
+            queue = self._queues.get(session)
+            if queue is None:
+                queue = self._queues[session] = collections.deque()
+                self._turns.append(session)
+            queue.append(job)
+            self._cond.notify()
+        wait = None if math.isinf(deadline) else max(0.0, deadline - self.clock()) + WAIT_SLACK_S
+        if not job.done.wait(wait):
+            raise RuntimeError(f"no drafting call answered within {WAIT_SLACK_S:.0f} s past the round's deadline")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    # ------------------------------------------------------------------ the drafter thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._turns and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                jobs, late = self._take()
+            for job in late:
+                self._finish(job)
+            if self.mixed:
+                groups = collections.defaultdict(list)
+                for job in jobs:
+                    groups[job.batch.rows.shape[1]].append(job)
+                for group in groups.values():
+                    self._call(group)
+            else:
+                for job in jobs:
+                    self._call([job])
+
+    def _take(self) -> tuple[list[Job], list[Job]]:
+        """Under the lock: the rounds of one call (deficit round robin on tokens within
+        the budget) and those whose deadline passed in the queue."""
+        now = self.clock()
+        jobs, late = [], []
+        entries = tokens = 0
+        quantum = max(1, self.max_tokens // max(1, len(self._turns)))
+        stuck = 0  # sessions visited in a row without taking a round
+        # Until a whole turn takes nothing more; never an empty call while rounds wait (the
+        # credits grow each turn until the first round fits, or is taken alone).
+        while self._turns and (stuck < len(self._turns) or not jobs):
+            session = self._turns[0]
+            queue = self._queues[session]
+            self._deficit[session] = self._deficit.get(session, 0) + quantum
+            took = False
+            while queue:
+                job = queue[0]
+                if job.deadline <= now:
+                    late.append(queue.popleft())
+                    continue
+                fits = entries + len(job.batch) <= self.max_entries and tokens + job.cost <= self.max_tokens
+                alone = not jobs and (job.cost > self.max_tokens or len(job.batch) > self.max_entries)  # never fits
+                if not (fits or alone) or (job.cost > self._deficit[session] and not alone):
+                    break
+                queue.popleft()
+                jobs.append(job)
+                entries, tokens = entries + len(job.batch), tokens + job.cost
+                self._deficit[session] -= job.cost
+                took = True
+            self._turns.rotate(-1)
+            if not queue:  # an engine with nothing queued keeps no credit
+                self._turns.remove(session)
+                del self._queues[session]
+                self._deficit.pop(session, None)
+            stuck = 0 if took else stuck + 1
+        return jobs, late
+
+    def _call(self, jobs: list[Job]) -> None:
+        """One drafter call for ``jobs`` (one, or several of the same row size)."""
+        batch = jobs[0].batch if len(jobs) == 1 else merge([j.batch for j in jobs])
+        t0 = time.perf_counter()
+        try:
+            result = check_result(self.drafter.draft_batch(batch), batch)
+        except BaseException as e:  # every round of the call fails with it, on its own connection
+            for job in jobs:
+                self._finish(job, error=e)
+            return
+        if self.on_call is not None:
+            self.on_call(time.perf_counter() - t0, len(jobs), len(batch))
+        start = 0
+        for job in jobs:
+            self._finish(job, result if len(jobs) == 1 else part(result, start, job.batch))
+            start += len(job.batch)
+
+    @staticmethod
+    def _finish(job: Job, result: DraftResult | None = None, error: BaseException | None = None) -> None:
+        job.result, job.error = result, error
+        job.done.set()

@@ -1,0 +1,231 @@
+"""The worker's drafter thread (remote_dspark.worker.scheduler): rounds of several engines
+queued together are drafted in one call, each getting exactly what it gets alone; a
+round whose deadline passed in the queue is answered empty and counted; a storm of big
+rounds does not push a small one past its deadline (deficit round robin); a drafter that
+cannot take mixed sessions is called once per round. The drafter is held at a gate so
+that rounds queue deterministically; time is a clock the test moves (or the drafter
+moves, by the tokens it drafts)."""
+
+import threading
+
+import numpy as np
+from helpers import connect, until
+
+from remote_dspark import wire
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.contract import DraftBatch
+from remote_dspark.drafter.markov import MarkovModel
+from remote_dspark.worker import Worker
+from remote_dspark.worker.scheduler import Scheduler
+
+COUNTING = MarkovModel.from_tokens([1, 2, 3, 4, 5, 6, 7] * 10, order=1, top=2)
+
+
+class Gated:
+    """``drafter`` behind a gate: every call is recorded; while ``hold`` is set a call
+    waits (bounded) for ``release``. ``cost_s`` per token moves ``clock``, if given."""
+
+    def __init__(self, drafter, clock=None, cost_s: float = 0.0):
+        self.drafter, self.clock, self.cost_s = drafter, clock, cost_s
+        self.drafter_identity, self.markov_identity = drafter.drafter_identity, drafter.markov_identity
+        self.mixed_sessions = getattr(drafter, "mixed_sessions", False)
+        self.calls: list[DraftBatch] = []
+        self.hold, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
+
+    def draft_batch(self, batch):
+        self.calls.append(batch)
+        self.entered.set()
+        if self.hold.is_set():
+            assert self.release.wait(10), "the test never released the gate"
+        if self.clock is not None:
+            self.clock.now += self.cost_s * (len(batch.tokens) + len(batch))
+        return self.drafter.draft_batch(batch)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def stream_batch(session: int, slots, contexts, width=3, want_margin=False) -> DraftBatch:
+    """A worker-built batch of ``session``: ``contexts`` of ``slots``, ``width`` drafts each."""
+    n = len(contexts)
+    offsets = np.zeros(n + 1, np.int64)
+    offsets[1:] = np.cumsum([len(c) for c in contexts])
+    return DraftBatch(
+        np.concatenate([np.asarray(c, np.int32) for c in contexts]),
+        offsets,
+        np.full(n, width, np.int32),
+        np.zeros((n, 0), np.uint8),
+        want_margin,
+        width,
+        session=session,
+        slots=np.asarray(slots, np.int64),
+        gens=np.ones(n, np.int64),
+        lengths=np.asarray([len(c) for c in contexts], np.int64),
+        positions=np.zeros(n, np.int64),
+    )
+
+
+def submit(scheduler, session, batch, deadline=float("inf")):
+    """``scheduler.draft`` on a thread of its own (a connection's); returns (thread, box)."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = scheduler.draft(session, batch, deadline)
+        except BaseException as e:  # checked by the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def queued(scheduler) -> int:
+    with scheduler._cond:
+        return sum(len(q) for q in scheduler._queues.values())
+
+
+def gate_then(scheduler, gated, jobs):
+    """Hold the drafter in a first call, queue ``jobs`` ((session, batch, deadline)...),
+    then let it go. Returns the jobs' (thread, box) in order, all joined."""
+    gated.hold.set()
+    first = submit(scheduler, 99, stream_batch(99, [0], [[1, 2]]))
+    assert gated.entered.wait(10)
+    started = [submit(scheduler, *job) for job in jobs]
+    assert until(lambda: queued(scheduler) == len(jobs))
+    gated.hold.clear()
+    gated.release.set()
+    for t, _ in [first, *started]:
+        t.join(10)
+        assert not t.is_alive()
+    return started
+
+
+def test_rounds_queued_together_are_one_call_and_each_gets_what_it_gets_alone():
+    markov = MarkovDrafter(COUNTING)
+    gated = Gated(markov)
+    s = Scheduler(gated, max_entries=64, max_tokens=1024).start()
+    try:
+        a = stream_batch(1, [0, 1], [[1, 2, 3], [5]], width=3, want_margin=True)
+        b = stream_batch(2, [0], [[6, 7, 1, 2]], width=2)
+        (_, box_a), (_, box_b) = gate_then(s, gated, [(1, a, float("inf")), (2, b, float("inf"))])
+    finally:
+        s.stop()
+    merged = gated.calls[1]
+    assert len(gated.calls) == 2 and len(merged) == 3 and merged.sessions().tolist() == [1, 1, 2]
+    for box, batch in ((box_a, a), (box_b, b)):
+        alone = markov.draft_batch(batch)
+        got = box["result"]
+        assert got.tokens.shape == (len(batch), batch.width) and got.counts.tolist() == alone.counts.tolist()
+        assert got.tokens.tolist() == alone.tokens.tolist()
+        assert (got.margins is None) == (not batch.want_margin)
+
+
+def test_a_round_whose_deadline_passed_in_the_queue_is_answered_empty():
+    clock = Clock()
+    gated = Gated(MarkovDrafter(COUNTING))
+    s = Scheduler(gated, max_entries=64, max_tokens=1024, clock=clock).start()
+    try:
+        gated.hold.set()
+        first = submit(s, 99, stream_batch(99, [0], [[1, 2]]))
+        assert gated.entered.wait(10)
+        late_t, late = submit(s, 1, stream_batch(1, [0], [[1, 2, 3]]), deadline=5.0)
+        ok_t, ok = submit(s, 2, stream_batch(2, [0], [[3, 4]]), deadline=50.0)
+        assert until(lambda: queued(s) == 2)
+        clock.now = 10.0  # past the first round's deadline, not the second's
+        gated.hold.clear()
+        gated.release.set()
+        for t in (first[0], late_t, ok_t):
+            t.join(10)
+    finally:
+        s.stop()
+    assert late == {"result": None} and ok["result"].counts.tolist() == [3]
+    assert [c.sessions().tolist() for c in gated.calls] == [[99], [2]]  # the late round never drafted
+
+
+def test_a_storm_of_big_rounds_leaves_a_small_round_its_share_first():
+    """Three engines' rounds of a whole budget each and an honest engine's small round,
+    queued together: the honest round is in the first call (its share of the budget),
+    drafted at a time its own size costs, while first in, first out would have drafted
+    it after the storm."""
+    clock = Clock()
+    gated = Gated(MarkovDrafter(COUNTING), clock, cost_s=0.001)  # a token costs 1 ms
+    s = Scheduler(gated, max_entries=64, max_tokens=400, clock=clock).start()
+    try:
+        big = [(h, stream_batch(h, [0], [[1] * 399]), float("inf")) for h in (1, 2, 3)]
+        honest = (7, stream_batch(7, [0], [[1, 2, 3]]), 0.5)  # 0.5 s: less than one big round (0.4 s) after the gate's
+        boxes = gate_then(s, gated, [*big, honest])
+    finally:
+        s.stop()
+    assert boxes[3][1]["result"].counts.tolist() == [3]  # in time
+    assert [c.sessions().tolist() for c in gated.calls[1:]] == [[7], [1], [2], [3]]
+    assert all("result" in box for _, box in boxes)
+
+
+class OneSession:
+    """A batched drafter that cannot take mixed sessions (it says nothing)."""
+
+    def __init__(self):
+        self.inner = MarkovDrafter(COUNTING)
+        self.drafter_identity, self.markov_identity = self.inner.drafter_identity, self.inner.markov_identity
+
+    def draft_batch(self, batch):
+        assert np.ndim(batch.session) == 0, "a batch of several sessions"
+        return self.inner.draft_batch(batch)
+
+
+def test_a_drafter_that_cannot_mix_sessions_gets_one_session_a_call():
+    gated = Gated(OneSession())
+    s = Scheduler(gated, max_entries=64, max_tokens=1024).start()
+    try:
+        jobs = [(k, stream_batch(k, [0], [[1, 2]]), float("inf")) for k in (1, 2)]
+        boxes = gate_then(s, gated, jobs)
+    finally:
+        s.stop()
+    assert all(box["result"].tokens.tolist() == [[3, 4, 5]] for _, box in boxes)
+    assert [c.sessions().tolist() for c in gated.calls[1:]] == [[1], [2]]
+
+
+def test_two_engines_through_a_worker_share_a_call_and_an_expired_round_is_counted():
+    """Two loopback engines' rounds queued behind a third's are drafted in one call, each
+    answered as a worker serving it alone answers; a round whose 1 ms deadline passed
+    while queued is answered OK with no drafts and counted."""
+    gated = Gated(MarkovDrafter(COUNTING))
+    with Worker(gated, "127.0.0.1", 0, window=8) as w:
+        clients = [connect(w, session=e, engine_id=e, num_spec=2, row_bytes=0) for e in (1, 2, 3, 4)]
+        try:
+            gated.hold.set()
+            results = {}
+
+            def send(c, rid, entries, deadline_ms=0):
+                frame = wire.encode_round_entries(rid, c.session, deadline_ms, entries, b"", 0)
+                results[c.session] = c.round(rid, [frame], 10000)
+
+            entry = [wire.Entry(0, 2, 0, (1, 2, 3), new_gen=True)]
+            threads = [threading.Thread(target=send, args=(clients[0], 1, entry))]
+            threads[0].start()
+            assert gated.entered.wait(10)
+            threads += [threading.Thread(target=send, args=(c, 1, entry)) for c in clients[1:3]]
+            threads.append(threading.Thread(target=send, args=(clients[3], 1, entry, 1)))
+            for t in threads[1:]:
+                t.start()
+            assert until(lambda: queued(w._scheduler) == 3)
+            threading.Event().wait(0.005)  # past the 1 ms deadline of the last round, surely
+            gated.hold.clear()
+            gated.release.set()
+            for t in threads:
+                t.join(10)
+        finally:
+            for c in clients:
+                c.close()
+        stats = w.statistics()
+    assert len(gated.calls[1]) == 2 and len(set(gated.calls[1].sessions().tolist())) == 2  # two engines, one call
+    for c in clients[:3]:
+        assert results[c.session].row(0) == [4, 5]
+    assert results[clients[3].session].row(0) == [] and stats.expired == 1
+    assert stats.drafter_calls == 2
