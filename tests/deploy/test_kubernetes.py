@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import re
+import stat
 import subprocess
 import urllib.error
 import urllib.request
@@ -185,9 +186,11 @@ def test_the_readme_points_engines_at_the_service(objects):
 
 
 def test_the_key_file_the_worker_is_given_is_one_it_accepts(objects, tmp_path):
-    """The Secret's file is not one the worker may read as its key (root's, readable by
-    others); the init container's copy is. Its command is run here over the pod's
-    volumes laid out in ``tmp_path``, and the worker's own loader reads the result."""
+    """A Secret's files are root's (group too: the pod sets no fsGroup), so the worker
+    cannot take one as its key (unreadable at 0400, refused with any access for others);
+    it takes the init container's copy, made as the worker's user. The copy's command is
+    run here over the pod's volumes laid out in ``tmp_path``, and the worker's own loader
+    reads the result."""
     args = worker_args(objects)
     worker, copier = container(objects, "worker"), container(objects, "key-copy", init=True)
     key_mount, key_rel = mount_of(worker, args.key_file)
@@ -204,9 +207,9 @@ def test_the_key_file_the_worker_is_given_is_one_it_accepts(objects, tmp_path):
         secret_file = tmp_path / secret_volume["name"] / item["path"]
         secret_file.parent.mkdir(parents=True, exist_ok=True)
         secret_file.write_bytes(key)
-        os.chmod(secret_file, item.get("mode", secret_volume["secret"]["defaultMode"]))
-        with pytest.raises(ValueError, match="--key-file"):  # why the copy exists
-            load_key(str(secret_file), "--key-file")
+        mode = item.get("mode", secret_volume["secret"]["defaultMode"])
+        assert mode & stat.S_IROTH, f"{item['path']}: root's, mode {mode:04o}: the copier ({pod_uid}) cannot read it"
+        os.chmod(secret_file, mode)
     (tmp_path / key_mount["name"]).mkdir()
 
     def local(arg: str) -> str:
