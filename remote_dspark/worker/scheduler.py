@@ -15,11 +15,16 @@ for the next call, so a big or hostile engine takes at most its share of a call 
 honest engine's round is in the next one. A round larger than the whole budget is taken
 alone when nothing else is (it would never fit otherwise).
 
+A round that is more than its share is drafted in pieces of consecutive entries, one a
+turn, so a flood of whole-budget rounds delays an honest round by one call at most; the
+round is answered when its last piece is drafted.
+
 Deadlines: a ROUND carries its deadline (``deadline_ms``, relative to its receipt; 0:
 none). A round whose deadline has passed when the drafter reaches it is answered at once
 with no drafts (:meth:`Scheduler.draft` returns None; the worker counts it) rather than
 drafted for an engine that stopped waiting; its windows advanced already, so the stream
-stays in step.
+stays in step. One whose deadline passes between its pieces is answered with the drafts
+of the pieces drafted.
 
 Several rounds in one call: when the drafter takes batches of several sessions
 (``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
@@ -49,19 +54,44 @@ DEFAULT_MAX_TOKENS = 1 << 15  # ... and context tokens plus entries (--max-batch
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One round waiting for the drafter (owned by the scheduler until ``done`` is set)."""
+    """One round waiting for the drafter (owned by the scheduler until ``done`` is set).
+    A round is drafted in pieces of consecutive entries when it is more than a call's
+    share: ``taken`` entries are drafted (or in the call being made), their drafts
+    gathered in ``parts`` until the last piece."""
 
     session: int
     batch: DraftBatch
     deadline: float  # the clock's seconds; math.inf: none
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    result: DraftResult | None = None  # None once done: its deadline passed in the queue
+    result: DraftResult | None = None  # None once done: its deadline passed before a piece was drafted
     error: BaseException | None = None
+    taken: int = 0
+    parts: DraftResult | None = None  # [n, width] gathered drafts of a round drafted in pieces
 
-    @property
-    def cost(self) -> int:
-        """What the round spends of a call's budget: its tokens, and one per entry."""
-        return len(self.batch.tokens) + len(self.batch)
+    def costs(self) -> np.ndarray:
+        """[n] each entry's cost in a call's budget: its context tokens, and one."""
+        return np.diff(self.batch.offsets) + 1
+
+    def piece(self, start: int, stop: int) -> DraftBatch:
+        if start == 0 and stop == len(self.batch):
+            return self.batch
+        keep = np.zeros(len(self.batch), bool)
+        keep[start:stop] = True
+        return self.batch.subset(keep)
+
+    def gather(self, start: int, got: DraftResult) -> None:
+        """A piece's drafts (entries from ``start``) into the round's."""
+        if len(got.counts) == len(self.batch):
+            self.parts = got
+            return
+        if self.parts is None:
+            n, width = len(self.batch), self.batch.width
+            margins = np.zeros((n, width), np.float32) if got.margins is not None else None
+            self.parts = DraftResult(np.zeros((n, width), np.int32), np.zeros(n, np.int32), margins)
+        rows = slice(start, start + len(got.counts))
+        self.parts.tokens[rows], self.parts.counts[rows] = got.tokens, got.counts
+        if got.margins is not None:
+            self.parts.margins[rows] = got.margins
 
 
 def merge(batches: list[DraftBatch]) -> DraftBatch:
@@ -171,74 +201,91 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     return
-                jobs, late = self._take()
-            for job in late:
-                self._finish(job)
+                pieces, late = self._take()
+            for job in late:  # answered with the pieces drafted, or None: none was
+                self._finish(job, job.parts)
             if self.mixed:
                 groups = collections.defaultdict(list)
-                for job in jobs:
-                    groups[job.batch.rows.shape[1]].append(job)
+                for piece in pieces:
+                    groups[piece[0].batch.rows.shape[1]].append(piece)
                 for group in groups.values():
                     self._call(group)
             else:
-                for job in jobs:
-                    self._call([job])
+                for piece in pieces:
+                    self._call([piece])
+            for job in {id(p[0]): p[0] for p in pieces}.values():
+                if job.taken == len(job.batch) and not job.done.is_set():
+                    self._finish(job, job.parts)
 
-    def _take(self) -> tuple[list[Job], list[Job]]:
-        """Under the lock: the rounds of one call (deficit round robin on tokens within
-        the budget) and those whose deadline passed in the queue."""
+    def _take(self) -> tuple[list[tuple[Job, int, DraftBatch]], list[Job]]:
+        """Under the lock: the pieces of one call, ``(job, first entry, batch)`` (deficit
+        round robin on tokens within the budget), and the rounds whose deadline passed."""
         now = self.clock()
-        jobs, late = [], []
+        pieces, late = [], []
         entries = tokens = 0
         quantum = max(1, self.max_tokens // max(1, len(self._turns)))
-        stuck = 0  # sessions visited in a row without taking a round
+        stuck = 0  # sessions visited in a row without taking a piece
         # Until a whole turn takes nothing more; never an empty call while rounds wait (the
-        # credits grow each turn until the first round fits, or is taken alone).
-        while self._turns and (stuck < len(self._turns) or not jobs):
+        # credits grow each turn until a piece fits).
+        while self._turns and (stuck < len(self._turns) or not pieces):
             session = self._turns[0]
             queue = self._queues[session]
             self._deficit[session] = self._deficit.get(session, 0) + quantum
             took = False
             while queue:
                 job = queue[0]
+                if job.done.is_set():  # a piece failed: answered already
+                    queue.popleft()
+                    continue
                 if job.deadline <= now:
                     late.append(queue.popleft())
                     continue
-                fits = entries + len(job.batch) <= self.max_entries and tokens + job.cost <= self.max_tokens
-                alone = not jobs and (job.cost > self.max_tokens or len(job.batch) > self.max_entries)  # never fits
-                if not (fits or alone) or (job.cost > self._deficit[session] and not alone):
+                room = min(self.max_tokens - tokens, self._deficit[session])
+                cum = np.cumsum(job.costs()[job.taken :])
+                m = min(int(np.searchsorted(cum, room, side="right")), self.max_entries - entries)
+                if m == 0 and not pieces and cum[0] > self.max_tokens:
+                    m = 1  # an entry over the whole budget: drafted alone
+                if m == 0:
                     break
-                queue.popleft()
-                jobs.append(job)
-                entries, tokens = entries + len(job.batch), tokens + job.cost
-                self._deficit[session] -= job.cost
+                start, job.taken = job.taken, job.taken + m
+                pieces.append((job, start, job.piece(start, job.taken)))
+                entries, tokens = entries + m, tokens + int(cum[m - 1])
+                self._deficit[session] -= int(cum[m - 1])
                 took = True
+                if job.taken < len(job.batch):
+                    break  # its share is spent: the rest in a later call
+                queue.popleft()
             self._turns.rotate(-1)
             if not queue:  # an engine with nothing queued keeps no credit
                 self._turns.remove(session)
                 del self._queues[session]
                 self._deficit.pop(session, None)
-            stuck = 0 if took else stuck + 1
-        return jobs, late
+            if took:
+                stuck = 0
+            elif queue:  # (an engine that left the turns is not one that could not take)
+                stuck += 1
+        return pieces, late
 
-    def _call(self, jobs: list[Job]) -> None:
-        """One drafter call for ``jobs`` (one, or several of the same row size)."""
-        batch = jobs[0].batch if len(jobs) == 1 else merge([j.batch for j in jobs])
+    def _call(self, pieces: list[tuple[Job, int, DraftBatch]]) -> None:
+        """One drafter call for ``pieces`` (one, or several of the same row size)."""
+        batch = pieces[0][2] if len(pieces) == 1 else merge([p[2] for p in pieces])
         t0 = time.perf_counter()
         try:
             result = check_result(self.drafter.draft_batch(batch), batch)
         except BaseException as e:  # every round of the call fails with it, on its own connection
-            for job in jobs:
+            for job, _, _ in pieces:
                 self._finish(job, error=e)
             return
         if self.on_call is not None:
-            self.on_call(time.perf_counter() - t0, len(jobs), len(batch))
-        start = 0
-        for job in jobs:
-            self._finish(job, result if len(jobs) == 1 else part(result, start, job.batch))
-            start += len(job.batch)
+            self.on_call(time.perf_counter() - t0, len(pieces), len(batch))
+        at = 0
+        for job, start, piece in pieces:
+            job.gather(start, result if len(pieces) == 1 else part(result, at, piece))
+            at += len(piece)
 
     @staticmethod
     def _finish(job: Job, result: DraftResult | None = None, error: BaseException | None = None) -> None:
+        if job.done.is_set():
+            return
         job.result, job.error = result, error
         job.done.set()

@@ -148,6 +148,21 @@ def test_a_round_whose_deadline_passed_in_the_queue_is_answered_empty():
     assert [c.sessions().tolist() for c in gated.calls] == [[99], [2]]  # the late round never drafted
 
 
+def test_a_late_round_between_two_does_not_split_their_call():
+    clock = Clock()
+    gated = Gated(MarkovDrafter(COUNTING))
+    s = Scheduler(gated, max_entries=64, max_tokens=1024, clock=clock).start()
+    try:
+        jobs = [(1, stream_batch(1, [0], [[1, 2]]), 9.0), (2, stream_batch(2, [0], [[3]]), 1.0)]
+        jobs.append((3, stream_batch(3, [0], [[4]]), 9.0))
+        clock.now = 5.0  # the middle round is late when the drafter reaches the three
+        boxes = gate_then(s, gated, jobs)
+    finally:
+        s.stop()
+    assert [c.sessions().tolist() for c in gated.calls[1:]] == [[1, 3]]
+    assert [box["result"] is None for _, box in boxes] == [False, True, False]
+
+
 def test_a_storm_of_big_rounds_leaves_a_small_round_its_share_first():
     """Three engines' rounds of a whole budget each and an honest engine's small round,
     queued together: the honest round is in the first call (its share of the budget),
@@ -165,6 +180,46 @@ def test_a_storm_of_big_rounds_leaves_a_small_round_its_share_first():
     assert boxes[3][1]["result"].counts.tolist() == [3]  # in time
     assert [c.sessions().tolist() for c in gated.calls[1:]] == [[7], [1], [2], [3]]
     assert all("result" in box for _, box in boxes)
+
+
+def test_a_round_of_many_entries_is_drafted_in_pieces_and_answered_whole():
+    """A flood round of 30 entries (three budgets' worth) and an honest round queued
+    together: the honest round is in the first call beside the flood's first piece; the
+    flood is drafted in pieces of consecutive entries, one a call, and answered, whole,
+    what drafting it in one call answers. A piece's deadline passing answers the round
+    with the pieces drafted."""
+    markov = MarkovDrafter(COUNTING)
+    gated = Gated(markov)
+    s = Scheduler(gated, max_entries=64, max_tokens=400).start()
+    contexts = [[1 + i % 7] * 39 for i in range(30)]  # cost 40 each
+    flood = stream_batch(1, range(30), contexts, want_margin=True)
+    try:
+        (_, flood_box), (_, honest_box) = gate_then(
+            s, gated, [(1, flood, float("inf")), (7, stream_batch(7, [0], [[1, 2, 3]]), float("inf"))]
+        )
+    finally:
+        s.stop()
+    calls = [c.sessions().tolist() for c in gated.calls[1:]]
+    assert 7 in calls[0] and len(calls) >= 3 and all(len(c) * 40 <= 400 for c in calls)
+    assert sum(c.count(1) for c in calls) == 30  # every flood entry drafted once
+    alone = markov.draft_batch(flood)
+    got = flood_box["result"]
+    assert got.tokens.tolist() == alone.tokens.tolist() and got.counts.tolist() == alone.counts.tolist()
+    assert np.allclose(got.margins, alone.margins) and honest_box["result"].counts.tolist() == [3]
+
+
+def test_a_deadline_passing_between_pieces_answers_the_pieces_drafted():
+    clock = Clock()
+    gated = Gated(MarkovDrafter(COUNTING), clock, cost_s=0.001)
+    s = Scheduler(gated, max_entries=64, max_tokens=400, clock=clock).start()
+    flood = stream_batch(1, range(30), [[2] * 39] * 30)
+    try:
+        ((_, box),) = gate_then(s, gated, [(1, flood, 0.5)])  # 0.4 s a piece: the second one ends past 0.5
+    finally:
+        s.stop()
+    counts = box["result"].counts
+    drafted = int((counts > 0).sum())
+    assert 0 < drafted < 30 and (counts[:drafted] == 3).all() and (counts[drafted:] == 0).all()
 
 
 class OneSession:
@@ -224,7 +279,8 @@ def test_two_engines_through_a_worker_share_a_call_and_an_expired_round_is_count
             for c in clients:
                 c.close()
         stats = w.statistics()
-    assert len(gated.calls[1]) == 2 and len(set(gated.calls[1].sessions().tolist())) == 2  # two engines, one call
+    assert len(gated.calls[1]) == 2, [c.sessions().tolist() for c in gated.calls]
+    assert len(set(gated.calls[1].sessions().tolist())) == 2  # two engines, one call
     for c in clients[:3]:
         assert results[c.session].row(0) == [4, 5]
     assert results[clients[3].session].row(0) == [] and stats.expired == 1
