@@ -4,7 +4,7 @@ keeps its heavy imports inside the function that runs it."""
 
 def add_parsers(sub) -> None:
     """Register every benchmark's subcommand."""
-    from . import acceptance, drafter, failover, generate, metrics_hostile, worker_hostile
+    from . import acceptance, drafter, failover, generate, metrics_hostile, worker_engines, worker_hostile
     from .handoff import run as handoff
     from .round import run as bench_round
 
@@ -16,3 +16,4 @@ def add_parsers(sub) -> None:
     drafter.add_parser(sub)
     acceptance.add_parser(sub)
     generate.add_parser(sub)
+    worker_engines.add_parser(sub)

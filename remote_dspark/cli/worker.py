@@ -13,9 +13,17 @@ from .. import wire
 from ..transport.auth import MIN_KEY, load_key
 from ..worker.drafters import load_drafter
 from ..worker.faults import LATE_S, Faults
-from ..worker.limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, DEFAULT_WINDOW, Limits, tokens_per_slot
+from ..worker.limits import (
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_ROW_BYTES,
+    DEFAULT_MAX_SLOTS,
+    DEFAULT_WINDOW,
+    Limits,
+    parse_listen,
+    tokens_per_slot,
+)
 from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
-from ..worker.server import DEFAULT_LISTEN, Worker, parse_listen
+from ..worker.server import Worker
 from ..worker.sessions import RECENT_S
 
 _DEFAULT_ROUND_BYTES = Limits().max_round_bytes
@@ -118,6 +126,11 @@ def add_parser(sub) -> None:
         default=DEFAULT_MAX_TOKENS,
         help=f"context tokens (and one per entry) in one drafter call at most (default {DEFAULT_MAX_TOKENS}); "
         "a larger round is drafted alone",
+    )
+    adm.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="draft each round in a call of its own, never several engines' together (for comparison)",
     )
     adm.add_argument(
         "--max-pending",
@@ -286,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         key=key,
         max_batch_entries=args.max_batch_entries,
         max_batch_tokens=args.max_batch_tokens,
+        batching=not args.no_batching,
     )
     if faults is not None:  # before the first line: a chaos driver signals as soon as it reads it
         # Faults' changes take no lock, so they are safe in a signal handler (faults.py).

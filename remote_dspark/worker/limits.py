@@ -166,3 +166,15 @@ def hello_refusal(drafter, limits: Limits, hello: wire.Hello, window: int = 0) -
             "limits",
         )
     return wire.ACCEPT, "", ""
+
+
+DEFAULT_LISTEN = "127.0.0.1:18620"  # loopback unless told otherwise
+
+
+def parse_listen(raw: str) -> tuple[str, int]:
+    """``HOST:PORT`` for ``--listen``. Raises: ValueError naming the value."""
+    host, sep, port_s = raw.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ValueError(f"--listen {raw!r}: expected HOST:PORT with PORT in 0..65535")
+    return host, int(port_s)

@@ -129,7 +129,9 @@ class Scheduler:
     :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
 
     ``on_call(seconds, rounds, entries)`` is told of each drafter call (the worker's
-    statistics); ``clock`` dates deadlines (``time.monotonic``)."""
+    statistics); ``clock`` dates deadlines (``time.monotonic``); ``batching=False`` calls
+    the drafter once per round (pieces) even when it takes mixed sessions (the
+    ``serialized`` rows of ``bench worker-engines``)."""
 
     def __init__(
         self,
@@ -139,11 +141,12 @@ class Scheduler:
         max_tokens: int,
         on_call: Callable[[float, int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        batching: bool = True,
     ):
         if max_entries < 1 or max_tokens < 1:
             raise ValueError(f"max_entries {max_entries}, max_tokens {max_tokens}: must be >= 1")
         self.drafter, self.max_entries, self.max_tokens = drafter, max_entries, max_tokens
-        self.mixed = mixed_sessions_of(drafter)
+        self.mixed = batching and mixed_sessions_of(drafter)
         self.on_call, self.clock = on_call, clock
         self._cond = threading.Condition()
         self._queues: dict[int, collections.deque[Job]] = {}  # session -> its rounds, oldest first

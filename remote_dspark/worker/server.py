@@ -66,8 +66,6 @@ from .windows import Windows
 
 log = logging.getLogger("remote_dspark.worker")
 
-DEFAULT_LISTEN = "127.0.0.1:18620"
-
 
 class Worker:
     """The server. ``start()`` binds and serves in background threads; ``stop()`` ends
@@ -118,6 +116,7 @@ class Worker:
         key: Key | None = None,
         max_batch_entries: int = DEFAULT_MAX_ENTRIES,
         max_batch_tokens: int = DEFAULT_MAX_TOKENS,
+        batching: bool = True,
     ):
         if not 1 <= window <= wire.MAX_CONTEXT:
             raise ValueError(f"window {window}: not in 1..{wire.MAX_CONTEXT}")
@@ -128,7 +127,11 @@ class Worker:
         self.drafter = drafter  # as given (its identities are checked at HELLO)
         # Every round goes through the drafter's own thread (continuous batching, fairness, deadlines)
         self._scheduler = Scheduler(
-            as_batched(drafter), max_entries=max_batch_entries, max_tokens=max_batch_tokens, on_call=self._called
+            as_batched(drafter),
+            max_entries=max_batch_entries,
+            max_tokens=max_batch_tokens,
+            on_call=self._called,
+            batching=batching,
         )
         self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
         self.host, self.port = host, port
@@ -437,12 +440,3 @@ class Worker:
             chan.send(frame)
         except Disconnected:
             pass
-
-
-def parse_listen(raw: str) -> tuple[str, int]:
-    """``HOST:PORT`` for ``--listen``. Raises: ValueError naming the value."""
-    host, sep, port_s = raw.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-        raise ValueError(f"--listen {raw!r}: expected HOST:PORT with PORT in 0..65535")
-    return host, int(port_s)

@@ -29,7 +29,7 @@ from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport.auth import load_key
 from remote_dspark.transport.endpoint import parse_endpoint
 from remote_dspark.worker import Worker
-from remote_dspark.worker.server import parse_listen
+from remote_dspark.worker.limits import parse_listen
 
 HERE = Path(REPO) / "deploy" / "kubernetes"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -19,7 +19,7 @@ from remote_dspark.transport import Disconnected, parse_endpoint
 from remote_dspark.transport.client import DraftClient, Refused
 from remote_dspark.worker import Worker
 from remote_dspark.worker.drafters import load_drafter
-from remote_dspark.worker.server import parse_listen
+from remote_dspark.worker.limits import parse_listen
 
 # A tiny deterministic model: 1 -> 2 -> 3 -> 4 -> 5 -> 1 ..., with 1 -> 9 as a runner-up.
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20 + [1, 9], order=1, top=2)

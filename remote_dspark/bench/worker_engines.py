@@ -1,0 +1,200 @@
+"""``remote-dspark bench worker-engines``: many engines against one worker, their rounds
+drafted together or one at a time.
+
+Starts ``remote-dspark worker`` (``--drafter``, ``--device``) on 127.0.0.1 as a child
+process, then ``--engines`` engine processes of ``--slots`` slots each. An engine says
+HELLO, announces every slot with a 16-token prompt of the synthetic language (NEW_GEN,
+unmeasured), then sends ``--rounds`` rounds as fast as their replies come, each
+appending 3 tokens to every slot, k = ``--num-spec`` drafts each, and times each round
+from its send to its reply. The engines start their measured rounds together (a
+barrier). Rows:
+
+``alone``        one engine, the worker to itself (the latency each engine is held to);
+``batched``      all the engines, the worker's scheduler drafting what is queued in one
+                 call (continuous batching);
+``serialized``   all the engines, one round per drafter call (``--no-batching``).
+
+A row gives the median and p99 of the engines' rounds and the entries drafted per
+second across all engines. The goals (never asserted): batched >= 4x serialized's
+entries per second, and the batched p99 <= 2x alone's (the issue's H200 goal; on 2
+cores, batched >= 2x serialized, p99 <= 1.5x).
+
+Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
+Every engine process and the worker end before the run returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import time
+
+MODES = ("alone", "batched", "serialized")
+PROMPT, STEP, WINDOW = 16, 3, 64
+GOAL_X, GOAL_P99_X = 4.0, 2.0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "worker-engines",
+        help="many engines against one worker: their rounds drafted together (batched) or one at a time",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--engines", type=int, default=4, help="engine processes (default 4)")
+    p.add_argument("--slots", type=int, default=64, help="slots per engine (default 64)")
+    p.add_argument("--rounds", type=int, default=50, help="measured rounds per engine (default 50)")
+    p.add_argument("--num-spec", type=int, default=5, help="k: drafts per entry (default 5)")
+    p.add_argument("--drafter", default="lm", choices=("lm", "markov"), help="the worker's drafter (default lm)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="a model drafter's device")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
+    p.set_defaults(func=run)
+
+
+def options(args) -> None:
+    """Raises: ValueError naming the bad argument."""
+    for name, low, high in (("engines", 1, 64), ("slots", 1, 1024), ("rounds", 1, 100_000), ("num_spec", 1, 32)):
+        if not low <= getattr(args, name) <= high:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
+
+
+def engine(port: int, identities, engine_id: int, slots: int, rounds: int, k: int, barrier, out) -> None:
+    """One engine process: HELLO, announce, then ``rounds`` timed rounds; sends
+    ``(latencies in seconds, entries drafted)`` on ``out``."""
+    import numpy as np
+
+    from .. import wire
+    from ..drafter.markov import SyntheticLanguage
+    from ..transport import parse_endpoint
+    from ..transport.client import DraftClient
+
+    text = SyntheticLanguage().text(1 << 14, seed=engine_id)
+    hello = wire.Hello(*identities, engine_id, slots, 0, k)
+    c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"), hello, engine_id, 10.0)
+    try:
+        at = np.random.default_rng(engine_id).integers(0, len(text) - 10_000, slots)
+        had = np.zeros(slots, np.int64)
+
+        def round_(rid: int, new_gen: bool) -> int:
+            step = PROMPT if new_gen else STEP
+            entries = [
+                wire.Entry(s, k, int(had[s]), tuple(text[at[s] + had[s] : at[s] + had[s] + step]), new_gen=new_gen)
+                for s in range(slots)
+            ]
+            had[:] += step
+            d = c.round(rid, [wire.encode_round_entries(rid, engine_id, 10_000, entries, b"", 0)], 30_000)
+            return int(sum(d.counts))
+
+        round_(1, True)
+        barrier.wait(60)
+        latencies, drafted = [], 0
+        for rid in range(2, rounds + 2):
+            t0 = time.perf_counter()
+            drafted += round_(rid, False)
+            latencies.append(time.perf_counter() - t0)
+        out.send((latencies, rounds * slots, drafted))
+    finally:
+        c.close()
+
+
+def measure(args, mode: str, bar) -> dict:
+    """One row: a worker of its own for ``mode``, its engines, their rounds."""
+    import numpy as np
+
+    from ..demo.harness import WorkerProcess
+
+    engines = 1 if mode == "alone" else args.engines
+    extra = ["--drafter", args.drafter, "--window", str(WINDOW), "--max-slots", str(max(args.slots, 1024))]
+    if args.drafter == "lm":
+        extra += ["--lm-device", args.device, "--lm-cache-slots", str(args.engines * args.slots)]
+    if mode == "serialized":
+        extra.append("--no-batching")
+    ctx = multiprocessing.get_context("spawn")
+    with WorkerProcess(chaos=False, extra=tuple(extra)) as worker:
+        identities = (bytes.fromhex(worker.identity), bytes.fromhex(worker.markov_identity))
+        barrier = ctx.Barrier(engines + 1)
+        pipes = [ctx.Pipe(duplex=False) for _ in range(engines)]
+        procs = [
+            ctx.Process(
+                target=engine,
+                args=(worker.port, identities, 100 + e, args.slots, args.rounds, args.num_spec, barrier, w),
+                daemon=True,
+            )
+            for e, (_, w) in enumerate(pipes)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            barrier.wait(120)
+            t0 = time.perf_counter()
+            got = []
+            for i, (r, _) in enumerate(pipes):
+                if not r.poll(600):
+                    raise RuntimeError(f"engine {i} sent nothing within 600 s")
+                got.append(r.recv())
+                bar(f"{mode}: engine {i + 1}/{engines}")
+            wall = time.perf_counter() - t0
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    lat = np.concatenate([g[0] for g in got]) * 1e3
+    entries = sum(g[1] for g in got)
+    return {
+        "mode": mode,
+        "engines": engines,
+        "slots": args.slots,
+        "p50_ms": round(float(np.percentile(lat, 50)), 3),
+        "p99_ms": round(float(np.percentile(lat, 99)), 3),
+        "entries_per_s": round(entries / wall, 1),
+        "draft_tokens": sum(g[2] for g in got),
+    }
+
+
+def make_report(args, rows: list[dict]) -> dict:
+    by = {r["mode"]: r for r in rows}
+    goals = []
+    if "batched" in by and "serialized" in by:
+        x = by["batched"]["entries_per_s"] / by["serialized"]["entries_per_s"]
+        goals.append({"goal": f"batched entries/s >= {GOAL_X}x serialized", "value": round(x, 2), "met": x >= GOAL_X})
+    if "batched" in by and "alone" in by:
+        x = by["batched"]["p99_ms"] / by["alone"]["p99_ms"]
+        goals.append({"goal": f"batched p99 <= {GOAL_P99_X}x alone", "value": round(x, 2), "met": x <= GOAL_P99_X})
+    config = {k: getattr(args, k) for k in ("engines", "slots", "rounds", "num_spec", "drafter", "device")}
+    return {"bench": "worker-engines", "config": config, "rows": rows, "goals": goals}
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    lines = [
+        f"worker-engines: {c['engines']} engines x {c['slots']} slots, {c['rounds']} rounds each, k={c['num_spec']}, "
+        f"drafter {c['drafter']} ({c['device']})",
+        f"{'mode':<11} {'engines':>7} {'slots':>5} {'p50 ms':>9} {'p99 ms':>9} {'entries/s':>11}",
+        "-" * 58,
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"{r['mode']:<11} {r['engines']:>7} {r['slots']:>5} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} "
+            f"{r['entries_per_s']:>11,.0f}"
+        )
+    for g in report["goals"]:
+        lines.append(f"goal {g['goal']}: {g['value']}x, {'met' if g['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from ..progress import Progress
+
+    options(args)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    progress = Progress(args.engines * 2 + 1, "worker-engines")
+    done = iter(range(1, progress.total + 1))
+    rows = [measure(args, mode, lambda note: progress.update(next(done), note)) for mode in MODES]
+    report = make_report(args, rows)
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0

@@ -1,0 +1,35 @@
+"""``remote-dspark bench worker-engines``: its arguments, and a tiny real run (Markov
+drafter, two engine processes against one worker child process): every row is measured,
+every entry drafted, the goals computed from the rows. No timed assertions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remote_dspark.cli import main as cli
+
+
+def test_bad_arguments_name_the_flag(capsys):
+    for argv, culprit in (
+        (["--engines", "0"], "--engines 0: must be in 1..64"),
+        (["--slots", "5000"], "--slots 5000: must be in 1..1024"),
+        (["--rounds", "0"], "--rounds 0"),
+    ):
+        assert cli.main(["bench", "worker-engines", *argv]) == 2
+        assert culprit in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_every_mode_drafts_every_entry_and_the_goals_come_from_the_rows(capsys):
+    argv = ["--engines", "2", "--slots", "4", "--rounds", "3", "--drafter", "markov", "--json"]
+    assert cli.main(["bench", "worker-engines", *argv]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["alone", "batched", "serialized"]
+    assert [rows[m]["engines"] for m in rows] == [1, 2, 2]
+    assert all(r["p99_ms"] >= r["p50_ms"] > 0 and r["entries_per_s"] > 0 for r in rows.values())
+    assert rows["batched"]["draft_tokens"] == rows["serialized"]["draft_tokens"] > 0  # the same drafts either way
+    ratio = rows["batched"]["entries_per_s"] / rows["serialized"]["entries_per_s"]
+    assert report["goals"][0]["value"] == round(ratio, 2)
