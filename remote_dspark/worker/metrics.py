@@ -203,9 +203,21 @@ TABLE: Table[Scrape] = Table(
         ),
         histogram(
             "drafting_duration_seconds",
-            "Time inside the drafter's draft_batch, per call (a call may draft several engines' rounds).",
+            "Time inside the drafter's draft_batch, per call (a call may draft several engines' rounds). "
+            "Its rate of sum is the drafter's busy fraction.",
             lambda r: r.stats.drafting_seconds.snapshot(),
         ),
+        histogram(
+            "queue_wait_seconds",
+            "A round's wait for the drafter, from queued to its first piece taken into a call.",
+            lambda r: r.stats.queue_seconds.snapshot(),
+        ),
+        histogram(
+            "call_rounds",
+            "Rounds (or pieces of rounds) drafted in one drafter call: engines batched together.",
+            lambda r: r.stats.call_rounds.snapshot(),
+        ),
+        histogram("call_entries", "Entries drafted in one drafter call.", lambda r: r.stats.call_entries.snapshot()),
         gauge("cache_slots", "Streams with cached drafter state now.", lambda r: r.cache.slots, when=_cached),
         gauge(
             "cache_capacity_slots",

@@ -67,6 +67,7 @@ class Job:
     error: BaseException | None = None
     taken: int = 0
     parts: DraftResult | None = None  # [n, width] gathered drafts of a round drafted in pieces
+    queued: float = 0.0  # the clock's seconds when it was queued
 
     def costs(self) -> np.ndarray:
         """[n] each entry's cost in a call's budget: its context tokens, and one."""
@@ -128,10 +129,12 @@ class Scheduler:
     """The drafter thread and its queue (module docstring). Owned by the worker:
     :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
 
-    ``on_call(seconds, rounds, entries)`` is told of each drafter call (the worker's
-    statistics); ``clock`` dates deadlines (``time.monotonic``); ``batching=False`` calls
-    the drafter once per round (pieces) even when it takes mixed sessions (the
-    ``serialized`` rows of ``bench worker-engines``)."""
+    ``on_call(seconds, rounds, entries, waits)`` is told of each drafter call: its
+    duration, the pieces of rounds and the entries it drafted, and how long each round
+    first drafted in it waited in the queue (the worker's statistics). ``clock`` dates
+    deadlines (``time.monotonic``). ``batching=False`` calls the drafter once per round
+    (or piece) even when it takes mixed sessions (the ``serialized`` rows of ``bench
+    worker-engines``)."""
 
     def __init__(
         self,
@@ -139,7 +142,7 @@ class Scheduler:
         *,
         max_entries: int,
         max_tokens: int,
-        on_call: Callable[[float, int, int], None] | None = None,
+        on_call: Callable[[float, int, int, list[float]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
     ):
@@ -152,6 +155,7 @@ class Scheduler:
         self._queues: dict[int, collections.deque[Job]] = {}  # session -> its rounds, oldest first
         self._turns: collections.deque[int] = collections.deque()  # sessions with rounds, in turn
         self._deficit: dict[int, int] = {}
+        self._taken_at = 0.0  # the clock when the last call's pieces were taken
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
 
@@ -178,7 +182,7 @@ class Scheduler:
 
         Raises: what the drafter raised for the call this round was in; RuntimeError when
         the worker stops, or no call answers within ``WAIT_SLACK_S`` past the deadline."""
-        job = Job(session, batch, deadline)
+        job = Job(session, batch, deadline, queued=self.clock())
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the worker is stopping")
@@ -223,7 +227,7 @@ class Scheduler:
     def _take(self) -> tuple[list[tuple[Job, int, DraftBatch]], list[Job]]:
         """Under the lock: the pieces of one call, ``(job, first entry, batch)`` (deficit
         round robin on tokens within the budget), and the rounds whose deadline passed."""
-        now = self.clock()
+        now = self._taken_at = self.clock()
         pieces, late = [], []
         entries = tokens = 0
         quantum = max(1, self.max_tokens // max(1, len(self._turns)))
@@ -280,7 +284,8 @@ class Scheduler:
                 self._finish(job, error=e)
             return
         if self.on_call is not None:
-            self.on_call(time.perf_counter() - t0, len(pieces), len(batch))
+            waits = [self._taken_at - job.queued for job, start, _ in pieces if start == 0]
+            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), waits)
         at = 0
         for job, start, piece in pieces:
             job.gather(start, result if len(pieces) == 1 else part(result, at, piece))

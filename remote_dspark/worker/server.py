@@ -252,11 +252,16 @@ class Worker:
             serving and served < self.max_connections,
         )
 
-    def _called(self, seconds: float, rounds: int, entries: int) -> None:
-        """The scheduler drafted ``rounds`` rounds (``entries`` entries) in one call."""
+    def _called(self, seconds: float, rounds: int, entries: int, waits: list[float]) -> None:
+        """The scheduler drafted ``rounds`` rounds (or pieces; ``entries`` entries) in one
+        call, the rounds it began after ``waits`` seconds in its queue."""
         with self._lock:
             self.stats.drafter_calls += 1
             self.stats.drafting_seconds.observe(seconds)
+            self.stats.call_rounds.observe(rounds)
+            self.stats.call_entries.observe(entries)
+            for wait in waits:
+                self.stats.queue_seconds.observe(wait)
 
     def _count(self, name: str) -> None:
         with self._lock:

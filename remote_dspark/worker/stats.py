@@ -21,6 +21,9 @@ from ..histogram import HistogramCounter
 REFUSAL_REASONS = ("drafter", "markov", "vocab", "limits", "version", "busy", "auth")
 
 
+COUNT_BOUNDS = tuple(float(1 << i) for i in range(13))  # 1, 2, 4 ... 4096: rounds or entries a drafter call
+
+
 @dataclass
 class WorkerStats:
     """The worker's counters: their one owner (``stop``'s line, :mod:`.metrics` and the
@@ -43,7 +46,10 @@ class WorkerStats:
     drafter_calls: int = 0  # draft_batch calls (a call may draft several engines' rounds)
     draft_tokens: int = 0
     round_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a whole ROUND in to its DRAFTS sent
-    drafting_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # inside draft_batch
+    drafting_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # inside draft_batch, per call
+    queue_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a round's wait for the drafter
+    call_rounds: HistogramCounter = field(default_factory=lambda: HistogramCounter(COUNT_BOUNDS))  # rounds a call
+    call_entries: HistogramCounter = field(default_factory=lambda: HistogramCounter(COUNT_BOUNDS))  # entries a call
 
     @property
     def refused(self) -> int:
@@ -68,6 +74,9 @@ class WorkerStats:
             refusals=dict(self.refusals),
             round_seconds=hist(self.round_seconds),
             drafting_seconds=hist(self.drafting_seconds),
+            queue_seconds=hist(self.queue_seconds),
+            call_rounds=hist(self.call_rounds),
+            call_entries=hist(self.call_entries),
         )
 
 

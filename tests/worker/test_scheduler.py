@@ -285,3 +285,5 @@ def test_two_engines_through_a_worker_share_a_call_and_an_expired_round_is_count
         assert results[c.session].row(0) == [4, 5]
     assert results[clients[3].session].row(0) == [] and stats.expired == 1
     assert stats.drafter_calls == 2
+    assert stats.call_rounds.snapshot().buckets[:3] == (1, 1, 0)  # a call of one round, one of two
+    assert stats.call_entries.snapshot().sum == 3 and stats.queue_seconds.snapshot().count == 3
