@@ -23,7 +23,9 @@ the batch names (``session``, ``slots``, ``gens``, ``lengths``) and may report i
 scheduler drafts several engines' rounds in one call when the drafter says it takes
 them (``mixed_sessions``, an optional bool, False when absent, read with
 :func:`mixed_sessions_of`): such a batch names a session per entry (``session`` an
-[n] int64 array); any other drafter gets one session per call.
+[n] int64 array); any other drafter gets one session per call. A drafter whose working memory grows with
+a call's entries may preallocate it for the worker's budget (``reserve(max_entries)``,
+optional, called once before the worker serves; its ValueError stops the worker).
 
 A drafter may say its vocabulary size (``vocab_size``: its largest token id + 1; an
 optional attribute, None or 0 when unknown, read with :func:`vocab_size_of`): the worker

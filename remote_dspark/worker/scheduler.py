@@ -159,6 +159,18 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
 
+    def reserve(self) -> None:
+        """The drafter's working memory for a call at the budget, allocated now (its
+        optional ``reserve(max_entries)``).
+
+        Raises: ValueError naming ``--max-batch-entries`` when it does not fit."""
+        reserve = getattr(self.drafter, "reserve", None)
+        if callable(reserve):
+            try:
+                reserve(self.max_entries)
+            except ValueError as e:
+                raise ValueError(f"--max-batch-entries {self.max_entries}: {e}") from e
+
     def start(self) -> Scheduler:
         self._thread.start()
         return self

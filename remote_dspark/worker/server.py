@@ -160,6 +160,7 @@ class Worker:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Worker:
+        self._scheduler.reserve()  # the drafter's working memory for a call at the budget
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -32,7 +32,7 @@ from remote_dspark.transport import Disconnected
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
 from remote_dspark.worker.drafters import load_drafter
-from remote_dspark.worker.scheduler import merge, part
+from remote_dspark.worker.scheduler import Scheduler, merge, part
 
 ROOT = Path(REPO)
 PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)  # re-encodes every round
@@ -260,6 +260,33 @@ def test_a_round_of_two_sessions_never_gives_one_row_to_two_entries():
     assert len(rows) == 3 and len(set(rows.tolist())) == 3
     again = cache.plan(np.array([2, 2, 1, 1]), np.array([0, 1, 0, 1]), n, n * 3, n * 3, 2, None)
     assert len(set(again.rows[again.rows >= 0].tolist())) == (again.rows >= 0).sum() == 3
+
+
+def test_a_round_over_the_workers_budget_is_drafted_in_pieces_within_its_reserved_rows(monkeypatch):
+    """A drafter without a cache under a worker's budget of 16 entries: its scratch rows
+    are reserved at start (16), a round of 40 entries is drafted in pieces and the store
+    never grows; the drafts are what one call over all 40 drafts (up to float rounding).
+    A budget over the free memory stops the worker at start, naming the flag."""
+    d = LMDrafter(device="cpu", cache_slots=0, window=8)
+    s = Scheduler(d, max_entries=16, max_tokens=1 << 15)
+    s.reserve()
+    reserved = d.cache_info().bytes
+    assert len(d.store.kv) == 16
+    rng = np.random.default_rng(4)
+    batch = batch_of([rng.integers(0, 128, 6).tolist() for _ in range(40)], [3] * 40, 3)
+    s.start()
+    try:
+        got = s.draft(1, batch)
+    finally:
+        s.stop()
+    assert len(d.store.kv) == 16 and d.cache_info().bytes == reserved
+    want = LMDrafter(device="cpu", cache_slots=0, window=8).draft_batch(batch)
+    for i in range(40):
+        ref, _ = agreeing_prefix(want.tokens[i], want.margins[i], got.tokens[i])
+        assert got.tokens[i][: len(ref)].tolist() == list(ref)
+    monkeypatch.setattr(cache_module, "memory_free", lambda device: 1000)
+    with pytest.raises(ValueError, match=r"^--max-batch-entries 64: a round of 64 entries without a cache row"):
+        Scheduler(LMDrafter(device="cpu", cache_slots=0, window=8), max_entries=64, max_tokens=4096).reserve()
 
 
 # --- identity, vocabulary, the HELLO -------------------------------------------------------

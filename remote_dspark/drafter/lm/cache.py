@@ -11,7 +11,8 @@ write. The cache rows' memory is fixed at start: ``cache rows x layers x 2 x hea
 (max_tokens + 1) x head_dim x dtype bytes`` (the built-in model, 1024 rows of 144
 tokens: 152 MB in float32, 76 MB in bf16). Scratch rows, after them, hold the entries
 of a round that have no cache row (a drafter without a cache, or a round of more
-entries than rows); they grow, to a power of two, with the largest such round.
+entries than rows); they grow, to a power of two, with the largest such round, and the
+worker reserves them for its budget at start (``LMDrafter.reserve``).
 
 :class:`SlotCache` keeps the cache rows' bookkeeping, in arrays indexed by row (no
 object per stream)::

@@ -147,6 +147,17 @@ class LMDrafter:
             graphs=self._graphs_asked,
         )
 
+    def reserve(self, max_entries: int) -> None:
+        """The worker's budget (``--max-batch-entries``): the scratch rows a call of that
+        many entries can need (those beyond the cache's rows), allocated now, so that no
+        call within the budget grows the store.
+
+        Raises: ValueError when they do not fit in the device's free memory."""
+        with self._lock:
+            rowless = max_entries - (self.cache.capacity if self.cache is not None else 0)
+            if rowless > 0:
+                self.store.scratch(rowless)
+
     def cache_info(self) -> CacheInfo:
         """The cache's streams and counts; ``bytes`` is the whole store's, its scratch rows
         (which grow with the largest round of entries without a cache row) counted."""
