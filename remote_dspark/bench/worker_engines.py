@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
+import select
+import subprocess
+import sys
 import time
 
 MODES = ("alone", "batched", "serialized")
@@ -59,9 +61,9 @@ def options(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
 
 
-def engine(port: int, identities, engine_id: int, slots: int, rounds: int, k: int, barrier, out) -> None:
-    """One engine process: HELLO, announce, then ``rounds`` timed rounds; sends
-    ``(latencies in seconds, entries drafted)`` on ``out``."""
+def engine(port: int, identities, engine_id: int, slots: int, rounds: int, k: int, ready, go) -> tuple[list, int, int]:
+    """One engine: HELLO, announce (then ``ready()``, ``go()`` waits for the others),
+    ``rounds`` timed rounds. Returns (latencies in seconds, entries, draft tokens)."""
     import numpy as np
 
     from .. import wire
@@ -87,19 +89,45 @@ def engine(port: int, identities, engine_id: int, slots: int, rounds: int, k: in
             return int(sum(d.counts))
 
         round_(1, True)
-        barrier.wait(60)
+        ready()
+        go()
         latencies, drafted = [], 0
         for rid in range(2, rounds + 2):
             t0 = time.perf_counter()
             drafted += round_(rid, False)
             latencies.append(time.perf_counter() - t0)
-        out.send((latencies, rounds * slots, drafted))
+        return latencies, rounds * slots, drafted
     finally:
         c.close()
 
 
+def engine_main() -> None:
+    """An engine process (``python -c``): its arguments as a JSON line on stdin, "ready"
+    on stdout after announcing, "go" awaited on stdin, its result a JSON line on stdout."""
+    cfg = json.loads(sys.stdin.readline())
+    identities = tuple(bytes.fromhex(h) for h in cfg.pop("identities"))
+
+    def ready():
+        print("ready", flush=True)
+
+    def go():
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("no go")
+
+    latencies, entries, drafted = engine(identities=identities, ready=ready, go=go, **cfg)
+    print(json.dumps([latencies, entries, drafted]), flush=True)
+
+
+def _line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        raise RuntimeError(f"an engine process sent no {what} within {timeout_s:.0f} s")
+    return line
+
+
 def measure(args, mode: str, bar) -> dict:
-    """One row: a worker of its own for ``mode``, its engines, their rounds."""
+    """One row: a worker of its own for ``mode``, its engine processes, their rounds."""
     import numpy as np
 
     from ..demo.harness import WorkerProcess
@@ -110,36 +138,38 @@ def measure(args, mode: str, bar) -> dict:
         extra += ["--lm-device", args.device, "--lm-cache-slots", str(args.engines * args.slots)]
     if mode == "serialized":
         extra.append("--no-batching")
-    ctx = multiprocessing.get_context("spawn")
     with WorkerProcess(chaos=False, extra=tuple(extra)) as worker:
-        identities = (bytes.fromhex(worker.identity), bytes.fromhex(worker.markov_identity))
-        barrier = ctx.Barrier(engines + 1)
-        pipes = [ctx.Pipe(duplex=False) for _ in range(engines)]
+        code = "from remote_dspark.bench.worker_engines import engine_main; engine_main()"
         procs = [
-            ctx.Process(
-                target=engine,
-                args=(worker.port, identities, 100 + e, args.slots, args.rounds, args.num_spec, barrier, w),
-                daemon=True,
-            )
-            for e, (_, w) in enumerate(pipes)
+            subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for _ in range(engines)
         ]
-        for p in procs:
-            p.start()
         try:
-            barrier.wait(120)
+            for e, p in enumerate(procs):
+                cfg = dict(port=worker.port, identities=[worker.identity, worker.markov_identity], engine_id=100 + e)
+                cfg.update(slots=args.slots, rounds=args.rounds, k=args.num_spec)
+                p.stdin.write(json.dumps(cfg) + "\n")
+                p.stdin.flush()
+            for p in procs:
+                _line(p, 120, "ready")
             t0 = time.perf_counter()
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
             got = []
-            for i, (r, _) in enumerate(pipes):
-                if not r.poll(600):
-                    raise RuntimeError(f"engine {i} sent nothing within 600 s")
-                got.append(r.recv())
+            for i, p in enumerate(procs):
+                got.append(json.loads(_line(p, 600, "result")))
                 bar(f"{mode}: engine {i + 1}/{engines}")
             wall = time.perf_counter() - t0
         finally:
             for p in procs:
-                p.join(10)
-                if p.is_alive():
+                p.stdin.close()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait()
+                p.stdout.close()
     lat = np.concatenate([g[0] for g in got]) * 1e3
     entries = sum(g[1] for g in got)
     return {
