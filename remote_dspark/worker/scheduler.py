@@ -26,6 +26,12 @@ drafted for an engine that stopped waiting; its windows advanced already, so the
 stays in step. One whose deadline passes between its pieces is answered with the drafts
 of the pieces drafted.
 
+Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
+and nothing else queued, the connection's own thread, at once (no hand-off between
+threads on an idle worker: the round's latency is the drafter's). Either way one call at
+a time (``_busy``); what queues during a call is the next call's, made by the drafter
+thread.
+
 Several rounds in one call: when the drafter takes batches of several sessions
 (``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
 rounds of a call with the same row size are concatenated (:func:`merge`: a session per
@@ -156,6 +162,7 @@ class Scheduler:
         self._turns: collections.deque[int] = collections.deque()  # sessions with rounds, in turn
         self._deficit: dict[int, int] = {}
         self._taken_at = 0.0  # the clock when the last call's pieces were taken
+        self._busy = False  # a call is being made (by the drafter thread or a connection's)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
 
@@ -203,7 +210,12 @@ class Scheduler:
                 queue = self._queues[session] = collections.deque()
                 self._turns.append(session)
             queue.append(job)
-            self._cond.notify()
+            lead = not self._busy  # the drafter is free: this thread makes the call itself
+            if lead:
+                self._busy = True
+                pieces, late = self._take()
+        if lead:
+            self._run(pieces, late)
         wait = None if math.isinf(deadline) else max(0.0, deadline - self.clock()) + WAIT_SLACK_S
         if not job.done.wait(wait):
             raise RuntimeError(f"no drafting call answered within {WAIT_SLACK_S:.0f} s past the round's deadline")
@@ -216,25 +228,40 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._turns and not self._stopping:
+                while (not self._turns or self._busy) and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
+                self._busy = True
                 pieces, late = self._take()
-            for job in late:  # answered with the pieces drafted, or None: none was
+            self._run(pieces, late)
+
+    def _run(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job]) -> None:
+        """One call's pieces drafted and its rounds answered, by whoever holds ``_busy``
+        (the drafter thread, or a connection's thread that found the drafter free), which
+        it gives back at the end, waking the drafter thread for what queued meanwhile."""
+        try:
+            self._draft_pieces(pieces, late)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify()
+
+    def _draft_pieces(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job]) -> None:
+        for job in late:  # answered with the pieces drafted, or None: none was
+            self._finish(job, job.parts)
+        if self.mixed:
+            groups = collections.defaultdict(list)
+            for piece in pieces:
+                groups[piece[0].batch.rows.shape[1]].append(piece)
+            for group in groups.values():
+                self._call(group)
+        else:
+            for piece in pieces:
+                self._call([piece])
+        for job in {id(p[0]): p[0] for p in pieces}.values():
+            if job.taken == len(job.batch) and not job.done.is_set():
                 self._finish(job, job.parts)
-            if self.mixed:
-                groups = collections.defaultdict(list)
-                for piece in pieces:
-                    groups[piece[0].batch.rows.shape[1]].append(piece)
-                for group in groups.values():
-                    self._call(group)
-            else:
-                for piece in pieces:
-                    self._call([piece])
-            for job in {id(p[0]): p[0] for p in pieces}.values():
-                if job.taken == len(job.batch) and not job.done.is_set():
-                    self._finish(job, job.parts)
 
     def _take(self) -> tuple[list[tuple[Job, int, DraftBatch]], list[Job]]:
         """Under the lock: the pieces of one call, ``(job, first entry, batch)`` (deficit
