@@ -12,12 +12,16 @@ barrier). Rows:
 ``alone``        one engine, the worker to itself (the latency each engine is held to);
 ``batched``      all the engines, the worker's scheduler drafting what is queued in one
                  call (continuous batching);
-``serialized``   all the engines, one round per drafter call (``--no-batching``).
+``serialized``   all the engines, one round per drafter call (``--no-batching``);
+``storm``        with ``--storm N``: one engine of ``--slots`` slots (its figures) beside N
+                 storm engines at the worker's limits (1024 slots, k = 64, every round
+                 NEW_GEN of whole windows) until it is done.
 
 A row gives the median and p99 of the engines' rounds and the entries drafted per
 second across all engines. The goals (never asserted): batched >= 4x serialized's
 entries per second, and the batched p99 <= 2x alone's (the issue's H200 goal; on 2
-cores, batched >= 2x serialized, p99 <= 1.5x).
+cores, batched >= 2x serialized, p99 <= 1.5x); in the storm the honest engine's p50 <= 2x
+its p50 alone.
 
 Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
 Every engine process and the worker end before the run returns.
@@ -34,6 +38,7 @@ import time
 
 MODES = ("alone", "batched", "serialized")
 PROMPT, STEP, WINDOW = 16, 3, 64
+STORM_SLOTS, STORM_K = 1024, 64  # a storm engine: the worker's own limits, NEW_GEN every round
 GOAL_X, GOAL_P99_X = 4.0, 2.0
 
 
@@ -48,22 +53,37 @@ def add_parser(sub) -> None:
     p.add_argument("--slots", type=int, default=64, help="slots per engine (default 64)")
     p.add_argument("--rounds", type=int, default=50, help="measured rounds per engine (default 50)")
     p.add_argument("--num-spec", type=int, default=5, help="k: drafts per entry (default 5)")
+    p.add_argument(
+        "--storm",
+        type=int,
+        default=0,
+        help="also a storm row: this many engines of 1024 slots, k=64, NEW_GEN of whole windows every round, "
+        "beside one honest engine (default 0: none)",
+    )
     p.add_argument("--drafter", default="lm", choices=("lm", "markov"), help="the worker's drafter (default lm)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="a model drafter's device")
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=None, help="the worker's --max-batch-tokens (default: the worker's)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.set_defaults(func=run)
 
 
 def options(args) -> None:
     """Raises: ValueError naming the bad argument."""
-    for name, low, high in (("engines", 1, 64), ("slots", 1, 1024), ("rounds", 1, 100_000), ("num_spec", 1, 32)):
+    limits = (("engines", 1, 64), ("slots", 1, 1024), ("rounds", 1, 100_000), ("num_spec", 1, 32), ("storm", 0, 16))
+    for name, low, high in limits:
         if not low <= getattr(args, name) <= high:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
 
 
-def engine(port: int, identities, engine_id: int, slots: int, rounds: int, k: int, ready, go) -> tuple[list, int, int]:
+def engine(
+    port: int, identities, engine_id: int, slots: int, rounds: int, k: int, ready, go, storm=None
+) -> tuple[list, int, int]:
     """One engine: HELLO, announce (then ``ready()``, ``go()`` waits for the others),
-    ``rounds`` timed rounds. Returns (latencies in seconds, entries, draft tokens)."""
+    ``rounds`` timed rounds. Returns (latencies in seconds, entries, draft tokens). A storm
+    engine (``storm``: a callable, True while it should go on) sends NEW_GEN rounds of
+    whole windows instead, until told to stop."""
     import numpy as np
 
     from .. import wire
@@ -79,7 +99,7 @@ def engine(port: int, identities, engine_id: int, slots: int, rounds: int, k: in
         had = np.zeros(slots, np.int64)
 
         def round_(rid: int, new_gen: bool) -> int:
-            step = PROMPT if new_gen else STEP
+            step = WINDOW if storm is not None else PROMPT if new_gen else STEP
             entries = [
                 wire.Entry(s, k, int(had[s]), tuple(text[at[s] + had[s] : at[s] + had[s] + step]), new_gen=new_gen)
                 for s in range(slots)
@@ -92,6 +112,12 @@ def engine(port: int, identities, engine_id: int, slots: int, rounds: int, k: in
         ready()
         go()
         latencies, drafted = [], 0
+        if storm is not None:
+            rid = 1
+            while storm():
+                rid += 1
+                drafted += round_(rid, True)
+            return [], (rid - 1) * slots, drafted
         for rid in range(2, rounds + 2):
             t0 = time.perf_counter()
             drafted += round_(rid, False)
@@ -106,6 +132,8 @@ def engine_main() -> None:
     on stdout after announcing, "go" awaited on stdin, its result a JSON line on stdout."""
     cfg = json.loads(sys.stdin.readline())
     identities = tuple(bytes.fromhex(h) for h in cfg.pop("identities"))
+    if cfg.pop("storm", False):
+        cfg["storm"] = lambda: not select.select([sys.stdin], [], [], 0)[0]  # until a "stop" line
 
     def ready():
         print("ready", flush=True)
@@ -127,17 +155,20 @@ def _line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
 
 
 def measure(args, mode: str, bar) -> dict:
-    """One row: a worker of its own for ``mode``, its engine processes, their rounds."""
+    """One row: a worker of its own for ``mode``, its engine processes, their rounds (for
+    ``storm``, the honest engine's, beside ``--storm`` storm engines)."""
     import numpy as np
 
     from ..demo.harness import WorkerProcess
 
-    engines = 1 if mode == "alone" else args.engines
+    engines = {"alone": 1, "storm": args.storm + 1}.get(mode, args.engines)
     extra = ["--drafter", args.drafter, "--window", str(WINDOW), "--max-slots", str(max(args.slots, 1024))]
     if args.drafter == "lm":
-        extra += ["--lm-device", args.device, "--lm-cache-slots", str(args.engines * args.slots)]
+        extra += ["--lm-device", args.device, "--lm-cache-slots", str(max(args.engines, 1) * args.slots)]
     if mode == "serialized":
         extra.append("--no-batching")
+    if args.max_batch_tokens is not None:
+        extra += ["--max-batch-tokens", str(args.max_batch_tokens)]
     with WorkerProcess(chaos=False, extra=tuple(extra)) as worker:
         code = "from remote_dspark.bench.worker_engines import engine_main; engine_main()"
         procs = [
@@ -148,6 +179,8 @@ def measure(args, mode: str, bar) -> dict:
             for e, p in enumerate(procs):
                 cfg = dict(port=worker.port, identities=[worker.identity, worker.markov_identity], engine_id=100 + e)
                 cfg.update(slots=args.slots, rounds=args.rounds, k=args.num_spec)
+                if mode == "storm" and e > 0:  # engine 0 is the honest one
+                    cfg.update(slots=STORM_SLOTS, k=STORM_K, storm=True)
                 p.stdin.write(json.dumps(cfg) + "\n")
                 p.stdin.flush()
             for p in procs:
@@ -158,9 +191,16 @@ def measure(args, mode: str, bar) -> dict:
                 p.stdin.flush()
             got = []
             for i, p in enumerate(procs):
+                if i and mode == "storm":  # the honest engine is done: the storm stops
+                    p.stdin.write("stop\n")
+                    p.stdin.flush()
                 got.append(json.loads(_line(p, 600, "result")))
                 bar(f"{mode}: engine {i + 1}/{engines}")
-            wall = time.perf_counter() - t0
+                if i == 0:
+                    first = time.perf_counter() - t0
+            wall = first if mode == "storm" else time.perf_counter() - t0
+            if mode == "storm":  # the honest engine's figures
+                got = got[:1]
         finally:
             for p in procs:
                 p.stdin.close()
@@ -192,7 +232,11 @@ def make_report(args, rows: list[dict]) -> dict:
     if "batched" in by and "alone" in by:
         x = by["batched"]["p99_ms"] / by["alone"]["p99_ms"]
         goals.append({"goal": f"batched p99 <= {GOAL_P99_X}x alone", "value": round(x, 2), "met": x <= GOAL_P99_X})
-    config = {k: getattr(args, k) for k in ("engines", "slots", "rounds", "num_spec", "drafter", "device")}
+    if "storm" in by and "alone" in by:
+        x = by["storm"]["p50_ms"] / by["alone"]["p50_ms"]
+        goals.append({"goal": "honest p50 in the storm <= 2x alone", "value": round(x, 2), "met": x <= 2.0})
+    names = ("engines", "slots", "rounds", "num_spec", "drafter", "device", "storm", "max_batch_tokens")
+    config = {k: getattr(args, k) for k in names}
     return {"bench": "worker-engines", "config": config, "rows": rows, "goals": goals}
 
 
@@ -222,9 +266,10 @@ def run(args) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    progress = Progress(args.engines * 2 + 1, "worker-engines")
+    progress = Progress(args.engines * 2 + 1 + (args.storm + 1 if args.storm else 0), "worker-engines")
     done = iter(range(1, progress.total + 1))
-    rows = [measure(args, mode, lambda note: progress.update(next(done), note)) for mode in MODES]
+    modes = MODES + (("storm",) if args.storm else ())
+    rows = [measure(args, mode, lambda note: progress.update(next(done), note)) for mode in modes]
     report = make_report(args, rows)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0
