@@ -124,7 +124,7 @@ def add_parser(sub) -> None:
         "--max-batch-tokens",
         type=int,
         default=DEFAULT_MAX_TOKENS,
-        help=f"context tokens (and one per entry) in one drafter call at most (default {DEFAULT_MAX_TOKENS}); "
+        help=f"tokens (contexts and drafts) in one drafter call at most (default {DEFAULT_MAX_TOKENS}); "
         "a larger round is drafted alone",
     )
     adm.add_argument(

@@ -34,10 +34,12 @@ thread.
 
 Several rounds in one call: when the drafter takes batches of several sessions
 (``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
-rounds of a call with the same row size are concatenated (:func:`merge`: a session per
-entry, the widest width, margins if any asked) and the answer split back (:func:`part`),
-each round getting exactly what it would get alone. Any other drafter is called once
-per round, in the same fair order.
+rounds taken together with the same width and row size are concatenated (:func:`merge`:
+a session per entry, margins if any asks) and the answer split back (:func:`part`), each
+round getting exactly what it would get alone. Such calls are made narrowest first: a
+round of 5 drafts never rides in a call of 64 draft steps, so one engine's width does not
+decide another's latency. Any other drafter is called once per round, in the same fair
+order.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from ..drafter.contract import DraftBatch, DraftResult, check_result, mixed_sess
 
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
 DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) ...
-DEFAULT_MAX_TOKENS = 1 << 15  # ... and context tokens plus entries (--max-batch-tokens)
+DEFAULT_MAX_TOKENS = 1 << 15  # ... and tokens: contexts plus drafts (--max-batch-tokens)
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,8 +78,9 @@ class Job:
     queued: float = 0.0  # the clock's seconds when it was queued
 
     def costs(self) -> np.ndarray:
-        """[n] each entry's cost in a call's budget: its context tokens, and one."""
-        return np.diff(self.batch.offsets) + 1
+        """[n] each entry's cost in a call's budget: the tokens a model drafter runs for it,
+        its context and its drafts (the round's width; at least one)."""
+        return np.diff(self.batch.offsets) + max(1, self.batch.width)
 
     def piece(self, start: int, stop: int) -> DraftBatch:
         if start == 0 and stop == len(self.batch):
@@ -102,8 +105,9 @@ class Job:
 
 
 def merge(batches: list[DraftBatch]) -> DraftBatch:
-    """One batch of several sessions' rounds (the same row size), entry order kept: a
-    session per entry, the widest width, margins when any round asks."""
+    """One batch of several sessions' rounds (the same row size; the scheduler merges
+    rounds of one width, any works), entry order kept: a session per entry, the widest
+    width, margins when any round asks."""
     sizes = [len(b) for b in batches]
     lens = np.concatenate([np.diff(b.offsets) for b in batches])
     offsets = np.zeros(len(lens) + 1, np.int64)
@@ -250,12 +254,12 @@ class Scheduler:
     def _draft_pieces(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job]) -> None:
         for job in late:  # answered with the pieces drafted, or None: none was
             self._finish(job, job.parts)
-        if self.mixed:
+        if self.mixed:  # one call per row size and width, the narrowest first
             groups = collections.defaultdict(list)
             for piece in pieces:
-                groups[piece[0].batch.rows.shape[1]].append(piece)
-            for group in groups.values():
-                self._call(group)
+                groups[piece[2].width, piece[2].rows.shape[1]].append(piece)
+            for key in sorted(groups):
+                self._call(groups[key])
         else:
             for piece in pieces:
                 self._call([piece])

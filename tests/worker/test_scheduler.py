@@ -112,7 +112,7 @@ def test_rounds_queued_together_are_one_call_and_each_gets_what_it_gets_alone():
     s = Scheduler(gated, max_entries=64, max_tokens=1024).start()
     try:
         a = stream_batch(1, [0, 1], [[1, 2, 3], [5]], width=3, want_margin=True)
-        b = stream_batch(2, [0], [[6, 7, 1, 2]], width=2)
+        b = stream_batch(2, [0], [[6, 7, 1, 2]], width=3)  # one width: one call (wider: test below)
         (_, box_a), (_, box_b) = gate_then(s, gated, [(1, a, float("inf")), (2, b, float("inf"))])
     finally:
         s.stop()
@@ -172,7 +172,7 @@ def test_a_storm_of_big_rounds_leaves_a_small_round_its_share_first():
     gated = Gated(MarkovDrafter(COUNTING), clock, cost_s=0.001)  # a token costs 1 ms
     s = Scheduler(gated, max_entries=64, max_tokens=400, clock=clock).start()
     try:
-        big = [(h, stream_batch(h, [0], [[1] * 399]), float("inf")) for h in (1, 2, 3)]
+        big = [(h, stream_batch(h, [0], [[1] * 397]), float("inf")) for h in (1, 2, 3)]  # 397 + 3 drafts: 400
         honest = (7, stream_batch(7, [0], [[1, 2, 3]]), 0.5)  # 0.5 s: less than one big round (0.4 s) after the gate's
         boxes = gate_then(s, gated, [*big, honest])
     finally:
@@ -191,7 +191,7 @@ def test_a_round_of_many_entries_is_drafted_in_pieces_and_answered_whole():
     markov = MarkovDrafter(COUNTING)
     gated = Gated(markov)
     s = Scheduler(gated, max_entries=64, max_tokens=400).start()
-    contexts = [[1 + i % 7] * 39 for i in range(30)]  # cost 40 each
+    contexts = [[1 + i % 7] * 37 for i in range(30)]  # 37 tokens and 3 drafts: a cost of 40 each
     flood = stream_batch(1, range(30), contexts, want_margin=True)
     try:
         (_, flood_box), (_, honest_box) = gate_then(
@@ -212,7 +212,7 @@ def test_a_deadline_passing_between_pieces_answers_the_pieces_drafted():
     clock = Clock()
     gated = Gated(MarkovDrafter(COUNTING), clock, cost_s=0.001)
     s = Scheduler(gated, max_entries=64, max_tokens=400, clock=clock).start()
-    flood = stream_batch(1, range(30), [[2] * 39] * 30)
+    flood = stream_batch(1, range(30), [[2] * 37] * 30)
     try:
         ((_, box),) = gate_then(s, gated, [(1, flood, 0.5)])  # 0.4 s a piece: the second one ends past 0.5
     finally:
@@ -220,6 +220,20 @@ def test_a_deadline_passing_between_pieces_answers_the_pieces_drafted():
     counts = box["result"].counts
     drafted = int((counts > 0).sum())
     assert 0 < drafted < 30 and (counts[:drafted] == 3).all() and (counts[drafted:] == 0).all()
+
+
+def test_a_narrow_round_is_drafted_before_wide_ones_in_a_call_of_its_own():
+    """Rounds of 64 drafts and one of 3 queued together: two calls, the narrow round's
+    first (it never waits for 63 draft steps it did not ask for)."""
+    gated = Gated(MarkovDrafter(COUNTING))
+    s = Scheduler(gated, max_entries=64, max_tokens=1024).start()
+    try:
+        wide = [(k, stream_batch(k, [0], [[1, 2]], width=64), float("inf")) for k in (1, 2)]
+        boxes = gate_then(s, gated, [*wide, (3, stream_batch(3, [0], [[4]], width=3), float("inf"))])
+    finally:
+        s.stop()
+    assert [(c.width, c.sessions().tolist()) for c in gated.calls[1:]] == [(3, [3]), (64, [1, 2])]
+    assert boxes[2][1]["result"].tokens.tolist() == [[5, 6, 7]]
 
 
 class OneSession:
