@@ -77,6 +77,11 @@ class Job:
     parts: DraftResult | None = None  # [n, width] gathered drafts of a round drafted in pieces
     queued: float = 0.0  # the clock's seconds when it was queued
 
+    @property
+    def total(self) -> int:
+        """The whole round's cost (:meth:`costs` summed)."""
+        return int(self.batch.offsets[-1]) + len(self.batch) * max(1, self.batch.width)
+
     def costs(self) -> np.ndarray:
         """[n] each entry's cost in a call's budget: the tokens a model drafter runs for it,
         its context and its drafts (the round's width; at least one)."""
@@ -249,7 +254,8 @@ class Scheduler:
         finally:
             with self._cond:
                 self._busy = False
-                self._cond.notify()
+                if self._turns:  # rounds queued meanwhile: the drafter thread's (else no wake-up)
+                    self._cond.notify()
 
     def _draft_pieces(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job]) -> None:
         for job in late:  # answered with the pieces drafted, or None: none was
@@ -291,16 +297,21 @@ class Scheduler:
                     late.append(queue.popleft())
                     continue
                 room = min(self.max_tokens - tokens, self._deficit[session])
-                cum = np.cumsum(job.costs()[job.taken :])
-                m = min(int(np.searchsorted(cum, room, side="right")), self.max_entries - entries)
-                if m == 0 and not pieces and cum[0] > self.max_tokens:
-                    m = 1  # an entry over the whole budget: drafted alone
+                left = len(job.batch) - job.taken
+                if job.taken == 0 and job.total <= room and left <= self.max_entries - entries:
+                    m, cost = left, job.total  # the whole round (the common case: no prefix sums)
+                else:
+                    cum = np.cumsum(job.costs()[job.taken :])
+                    m = min(int(np.searchsorted(cum, room, side="right")), self.max_entries - entries)
+                    if m == 0 and not pieces and cum[0] > self.max_tokens:
+                        m = 1  # an entry over the whole budget: drafted alone
+                    cost = int(cum[m - 1]) if m else 0
                 if m == 0:
                     break
                 start, job.taken = job.taken, job.taken + m
                 pieces.append((job, start, job.piece(start, job.taken)))
-                entries, tokens = entries + m, tokens + int(cum[m - 1])
-                self._deficit[session] -= int(cum[m - 1])
+                entries, tokens = entries + m, tokens + cost
+                self._deficit[session] -= cost
                 took = True
                 if job.taken < len(job.batch):
                     break  # its share is spent: the rest in a later call

@@ -9,6 +9,7 @@ moves, by the tokens it drafts)."""
 import threading
 
 import numpy as np
+import pytest
 from helpers import connect, until
 
 from remote_dspark import wire
@@ -234,6 +235,27 @@ def test_a_narrow_round_is_drafted_before_wide_ones_in_a_call_of_its_own():
         s.stop()
     assert [(c.width, c.sessions().tolist()) for c in gated.calls[1:]] == [(3, [3]), (64, [1, 2])]
     assert boxes[2][1]["result"].tokens.tolist() == [[5, 6, 7]]
+
+
+def test_stopping_answers_queued_rounds_with_an_error_and_lets_the_call_in_flight_finish():
+    gated = Gated(MarkovDrafter(COUNTING))
+    s = Scheduler(gated, max_entries=64, max_tokens=1024).start()
+    gated.hold.set()
+    first_t, first = submit(s, 1, stream_batch(1, [0], [[1, 2]]))
+    assert gated.entered.wait(10)
+    queued_t, waiting = submit(s, 2, stream_batch(2, [0], [[3]]))
+    assert until(lambda: queued(s) == 1)
+    stopper = threading.Thread(target=s.stop)
+    stopper.start()
+    queued_t.join(10)
+    assert isinstance(waiting.get("error"), RuntimeError) and "stopping" in str(waiting["error"])
+    gated.release.set()
+    for t in (first_t, stopper):
+        t.join(10)
+        assert not t.is_alive()
+    assert first["result"].tokens.tolist() == [[3, 4, 5]]
+    with pytest.raises(RuntimeError, match="the worker is stopping"):
+        s.draft(3, stream_batch(3, [0], [[1]]))
 
 
 class OneSession:
