@@ -123,9 +123,12 @@ def add_parser(sub) -> None:
     adm.add_argument(
         "--max-batch-tokens",
         type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help=f"tokens (contexts and drafts) in one drafter call at most (default {DEFAULT_MAX_TOKENS}); "
-        "a larger round is drafted alone",
+        default=None,
+        help="tokens (contexts and drafts) in one drafter call at most; a larger round is drafted in "
+        "pieces, and a HELLO whose one entry (a whole --window and num_spec drafts) is over it is refused. "
+        f"Default: {DEFAULT_MAX_TOKENS}, or for a model drafter the most tokens (a power of two up to that) "
+        "whose call's working memory fits in half the memory free on its device once its KV store is "
+        "allocated",
     )
     adm.add_argument(
         "--no-batching",
@@ -262,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         "max_batch_entries",
         "max_batch_tokens",
     ):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.parent is not None and args.parent != os.getppid():
         raise ValueError(f"--parent {args.parent}: not this worker's parent (pid {os.getppid()}), or it is gone")
@@ -315,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:  # after the identities: harness.WorkerProcess reads those three lines first
         mhost = f"[{worker.metrics_host}]" if ":" in worker.metrics_host else worker.metrics_host
         print(f"  metrics on http://{mhost}:{worker.metrics_port}/metrics (and /healthz, /readyz)", flush=True)
+    entries, tokens = worker.budget
+    print(f"  drafting calls of at most {entries} entries and {tokens} tokens", flush=True)
     _wait_for_stop(done, args.parent)
     worker.stop()
     s = worker.stats

@@ -100,11 +100,17 @@ class Limits:
         return min(self.max_round_bytes, largest_round(hello.max_slots, self.max_round_tokens, hello.row_bytes))
 
 
-def hello_refusal(drafter, limits: Limits, hello: wire.Hello, window: int = 0) -> tuple[int, str, str]:
-    """Whether a worker serving ``drafter`` under ``limits`` and its ``window`` takes
-    ``hello`` (a window and ``num_spec`` drafts past the drafter's position table could
-    never fit at any position: refused; one that fits at the start fits until an entry's
-    position passes it, which gets no drafts, :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`): ``(code,
+def hello_refusal(
+    drafter, limits: Limits, hello: wire.Hello, window: int = 0, call_tokens: int | None = None
+) -> tuple[int, str, str]:
+    """Whether a worker serving ``drafter`` under ``limits``, its ``window`` and a drafter
+    call's budget of ``call_tokens`` takes ``hello`` (a window and ``num_spec`` drafts
+    past the drafter's position table could never fit at any position: refused; one that
+    fits at the start fits until an entry's position passes it, which gets no drafts,
+    :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`; an entry of a whole window
+    and ``num_spec`` drafts over the call's budget could never be drafted within it:
+    refused. A round of many entries is drafted in pieces, so only an entry's cost can
+    never fit): ``(code,
     reason, why)``, ``code`` ``wire.ACCEPT`` (and empty strings) or the refusal's code,
     its reason for the engine's log and ``why``, the metrics' label (drafter, markov,
     vocab, limits). Busy is decided later, among the engines
@@ -152,6 +158,16 @@ def hello_refusal(drafter, limits: Limits, hello: wire.Hello, window: int = 0) -
             (
                 f"a window of {window} tokens (--window) and num_spec {hello.num_spec} drafts need "
                 f"{window + hello.num_spec} positions, over the drafter model's {table}"
+            ),
+            "limits",
+        )
+    if call_tokens is not None and window + hello.num_spec > call_tokens:
+        return (
+            wire.REFUSE_LIMITS,
+            (
+                f"an entry of a whole window of {window} tokens (--window) and num_spec {hello.num_spec} drafts "
+                f"costs {window + hello.num_spec} tokens, over the worker's {call_tokens} a drafting "
+                "call (--max-batch-tokens)"
             ),
             "limits",
         )

@@ -147,7 +147,9 @@ class Scheduler:
     ``on_call(seconds, rounds, entries, waits)`` is told of each drafter call: its
     duration, the pieces of rounds and the entries it drafted, and how long each round
     first drafted in it waited in the queue (the worker's statistics). ``clock`` dates
-    deadlines (``time.monotonic``). ``batching=False`` calls the drafter once per round
+    deadlines (``time.monotonic``). ``max_tokens`` None: the drafter derives the token
+    budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
+    that, for a drafter that cannot say). ``batching=False`` calls the drafter once per round
     (or piece) even when it takes mixed sessions (the ``serialized`` rows of ``bench
     worker-engines``)."""
 
@@ -156,14 +158,16 @@ class Scheduler:
         drafter,
         *,
         max_entries: int,
-        max_tokens: int,
+        max_tokens: int | None,
         on_call: Callable[[float, int, int, list[float]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
     ):
-        if max_entries < 1 or max_tokens < 1:
+        if max_entries < 1 or (max_tokens is not None and max_tokens < 1):
             raise ValueError(f"max_entries {max_entries}, max_tokens {max_tokens}: must be >= 1")
-        self.drafter, self.max_entries, self.max_tokens = drafter, max_entries, max_tokens
+        self.derived = max_tokens is None  # the drafter derives it at reserve(), up to the default
+        self.drafter, self.max_entries = drafter, max_entries
+        self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.mixed = batching and mixed_sessions_of(drafter)
         self.on_call, self.clock = on_call, clock
         self._cond = threading.Condition()
@@ -177,15 +181,17 @@ class Scheduler:
 
     def reserve(self) -> None:
         """The drafter's working memory for a call at the budget, allocated now (its
-        optional ``reserve(max_entries)``).
+        optional ``reserve(max_entries, max_tokens, derive=...)``, which returns the token
+        budget: derived from the device's memory when the worker was given none).
 
-        Raises: ValueError naming ``--max-batch-entries`` when it does not fit."""
+        Raises: ValueError naming the budget's flags when it does not fit."""
         reserve = getattr(self.drafter, "reserve", None)
         if callable(reserve):
             try:
-                reserve(self.max_entries)
+                self.max_tokens = int(reserve(self.max_entries, self.max_tokens, derive=self.derived))
             except ValueError as e:
-                raise ValueError(f"--max-batch-entries {self.max_entries}: {e}") from e
+                tokens = "" if self.derived else f", --max-batch-tokens {self.max_tokens}"
+                raise ValueError(f"--max-batch-entries {self.max_entries}{tokens}: {e}") from e
 
     def start(self) -> Scheduler:
         self._thread.start()

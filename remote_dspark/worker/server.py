@@ -46,12 +46,7 @@ import time
 from collections.abc import Callable
 
 from .. import wire
-from ..drafter.contract import (
-    BatchedDrafter,
-    PerEntryDrafterLike,
-    as_batched,
-    max_positions_of,
-)
+from ..drafter.contract import BatchedDrafter, PerEntryDrafterLike, as_batched, max_positions_of
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
 from ..transport.auth import Key
 from ..transport.tcp import TcpStream
@@ -59,7 +54,7 @@ from .admission import Admission
 from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
 from .round import answer
-from .scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS, Scheduler
+from .scheduler import DEFAULT_MAX_ENTRIES, Scheduler
 from .sessions import RECENT_S, Session, Sessions
 from .stats import Health, WorkerStats
 from .windows import Windows
@@ -115,7 +110,7 @@ class Worker:
         faults: Faults | None = None,
         key: Key | None = None,
         max_batch_entries: int = DEFAULT_MAX_ENTRIES,
-        max_batch_tokens: int = DEFAULT_MAX_TOKENS,
+        max_batch_tokens: int | None = None,
         batching: bool = True,
     ):
         if not 1 <= window <= wire.MAX_CONTEXT:
@@ -156,6 +151,11 @@ class Worker:
         self._wake_r, self._wake_w = os.pipe()
         self._admission: Admission | None = None
         self._acceptor: threading.Thread | None = None
+
+    @property
+    def budget(self) -> tuple[int, int]:
+        """A drafting call's entries and tokens at most (the tokens derived at start when not given)."""
+        return self._scheduler.max_entries, self._scheduler.max_tokens
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -372,7 +372,7 @@ class Worker:
         self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
     ) -> Session | None:
         hello = wire.decode_hello(payload)
-        code, reason, why = hello_refusal(self.drafter, self.limits, hello, self.window)
+        code, reason, why = hello_refusal(self.drafter, self.limits, hello, self.window, self._scheduler.max_tokens)
         if code != wire.ACCEPT:
             self._refuse(why)
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)

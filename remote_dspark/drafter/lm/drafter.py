@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
-from .cache import KVStore, Plan, SlotCache, row_tokens, uncached_plan
+from .budget import fitting_tokens, part_limit, working_bytes
+from .cache import KVStore, Plan, SlotCache, memory_free, row_tokens, uncached_plan
 from .graphs import Rounds, top2
 from .model import TinyLM
 
@@ -147,16 +148,32 @@ class LMDrafter:
             graphs=self._graphs_asked,
         )
 
-    def reserve(self, max_entries: int) -> None:
-        """The worker's budget (``--max-batch-entries``): the scratch rows a call of that
-        many entries can need (those beyond the cache's rows), allocated now, so that no
-        call within the budget grows the store.
+    def reserve(self, max_entries: int, max_tokens: int, *, derive: bool = False) -> int:
+        """The worker's call budget: the scratch rows a call of ``max_entries`` entries can
+        need (those beyond the cache's rows), allocated now, so that no call within the
+        budget grows the store; and the parts a round runs in (:func:`.graphs.parts`),
+        sized for ``max_tokens``. With ``derive``, ``max_tokens`` is a ceiling: the budget
+        is the most tokens whose working set (:mod:`.budget`) fits in half the memory free
+        once the rows are allocated. Returns the token budget.
 
-        Raises: ValueError when they do not fit in the device's free memory."""
+        Raises: ValueError when the rows, or a call's working set, do not fit in the
+        device's free memory."""
         with self._lock:
             rowless = max_entries - (self.cache.capacity if self.cache is not None else 0)
             if rowless > 0:
                 self.store.scratch(rowless)
+            free = memory_free(self.device)
+            if derive:
+                max_tokens = fitting_tokens(self.model, self.store, max_entries, max_tokens, free)
+            limit = part_limit(max_tokens, self.store.columns)
+            need = working_bytes(self.model, self.store, max_entries, limit)
+            if need > free:
+                raise ValueError(
+                    f"a call of {max_entries} entries and {max_tokens} tokens needs {need / 2**20:,.0f} MiB of "
+                    f"working memory; {free / 2**20:,.0f} MiB are free on {self.device}"
+                )
+            self._rounds.limit = limit
+            return max_tokens
 
     def cache_info(self) -> CacheInfo:
         """The cache's streams and counts; ``bytes`` is the whole store's, its scratch rows

@@ -20,9 +20,20 @@ A round's integers (padded tokens, columns, write columns, each entry's last que
 origin and its store row) go up in one copy and the answer comes down in one; nothing
 else runs around the replay. A graph holds the store's address: when the store grows
 (:meth:`~remote_dspark.drafter.lm.cache.KVStore.scratch`) the graphs are dropped and
-captured again. Graphs are captured only up to ``MAX_CAPTURED_TOKENS`` rows x queries
-(a larger shape, rare, runs the same code eagerly); a capture runs the round on
-whatever the buffers hold, and writes only trash columns.
+captured again. A capture runs the round on whatever the buffers hold, and writes only
+trash columns.
+
+A round's working memory is its padded shape's (rows x queries tokens through the
+model, and a row of logits per entry), so it is bounded: a round whose padded shape is
+over ``limit`` tokens (:attr:`Rounds.limit`, set from the worker's budget) runs in
+parts (:func:`parts`), its entries by descending context, each part as many as fit the
+limit at its longest context. A call of many short contexts beside a few whole windows
+(a steady round with a NEW_GEN) then neither pads every entry to a window nor holds a
+rectangle larger than the budget; a call whose shape fits, the common case, is one
+part. Every shape run is therefore at most ``limit`` tokens, and each is captured: the
+graphs are at most log2(rows) x log2(queries) x widths, sharing one memory pool (they
+never run at once), whose size is the largest round's working set plus each graph's
+inputs and outputs.
 
 On the CPU the rounds run unpadded by default; asked (``LMDrafter(graphs=True)``: the
 tests) the same padded shapes and code run eagerly, so their rules are checked without
@@ -36,7 +47,7 @@ import torch
 
 MIN_ROWS = 16
 MIN_QUERIES = 4
-MAX_CAPTURED_TOKENS = 1 << 16  # rows x queries of the largest graph kept
+DEFAULT_LIMIT = 1 << 16  # padded rows x queries of one part, until the worker's budget sets it
 
 
 def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +89,27 @@ def _pow2(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+def parts(take: np.ndarray, limit: int) -> list[slice | np.ndarray]:
+    """The entries of a round (each encoding ``take[i]`` tokens) in parts whose padded
+    shape, rows x queries rounded up to powers of two, is at most ``limit`` tokens: the
+    whole round when it fits, else by descending ``take``, each part the most entries that
+    fit at its first (longest) one. A loop over parts, not entries.
+
+    Raises: ValueError when one entry alone is over ``limit`` (``MIN_ROWS`` rows of it)."""
+    n = len(take)
+    if _pow2(n, MIN_ROWS) * _pow2(int(take.max()), MIN_QUERIES) <= limit:
+        return [slice(None)]
+    if MIN_ROWS * _pow2(int(take.max()), MIN_QUERIES) > limit:
+        raise ValueError(f"an entry of {int(take.max())} tokens is over a round's limit of {limit} padded tokens")
+    order = np.argsort(-take, kind="stable")
+    out, i = [], 0
+    while i < n:
+        rows = 1 << (limit // _pow2(int(take[order[i]]), MIN_QUERIES)).bit_length() - 1  # a power of two <= limit / q
+        out.append(order[i : i + rows])
+        i += rows
+    return out
+
+
 class Rounds:
     """The rounds of one drafter over its store, used under the drafter's lock.
 
@@ -85,8 +117,8 @@ class Rounds:
     captured as graphs on CUDA; unpadded, a round runs its own shapes eagerly (what a
     CPU wants: padding there is work, not launches saved)."""
 
-    def __init__(self, model, store, padded: bool):
-        self.model, self.store, self.padded = model, store, padded
+    def __init__(self, model, store, padded: bool, limit: int = DEFAULT_LIMIT):
+        self.model, self.store, self.padded, self.limit = model, store, padded, limit
         self.capture = padded and store.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -98,13 +130,24 @@ class Rounds:
         """One round: entry i encodes ``tok[i, :take[i]]`` at columns ``base[i]...`` of
         store row ``rows[i]`` (its column 0 at absolute position ``origin[i]``; columns
         before ``base[i]`` hold what earlier rounds encoded), then ``width - 1`` greedy
-        steps. Returns ``[n, 2 * width]`` float32: the drafts, then their margins."""
+        steps, in :func:`parts` of at most :attr:`limit` padded tokens. Returns ``[n, 2 *
+        width]`` float32: the drafts, then their margins."""
+        split = parts(take, self.limit)
+        if len(split) == 1:
+            return self._run(tok, base, take, origin, rows, width)
+        out = np.empty((len(take), 2 * width), np.float32)
+        for idx in split:
+            q = int(take[idx].max())  # tokens are left-aligned: a part's first q columns
+            out[idx] = self._run(tok[idx, :q], base[idx], take[idx], origin[idx], rows[idx], width)
+        return out
+
+    def _run(self, tok, base, take, origin, rows, width: int) -> np.ndarray:
         n, q = tok.shape
         shape = (_pow2(n, MIN_ROWS), _pow2(q, MIN_QUERIES), width) if self.padded else (n, q, width)
         if self._version != self.store.version:  # the store moved: its graphs point at the old one
             self.graphs.clear()
             self._version = self.store.version
-        if self.capture and shape not in self.graphs and shape[0] * shape[1] <= MAX_CAPTURED_TOKENS:
+        if self.capture and shape not in self.graphs:
             self._capture(shape)
         inp = torch.from_numpy(self._inputs(shape, tok, base, take, origin, rows)).to(self.store.device)  # one copy up
         if shape in self.graphs:
