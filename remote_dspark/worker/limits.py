@@ -162,15 +162,9 @@ def hello_refusal(
             "limits",
         )
     if call_tokens is not None and window + hello.num_spec > call_tokens:
-        return (
-            wire.REFUSE_LIMITS,
-            (
-                f"an entry of a whole window of {window} tokens (--window) and num_spec {hello.num_spec} drafts "
-                f"costs {window + hello.num_spec} tokens, over the worker's {call_tokens} a drafting "
-                "call (--max-batch-tokens)"
-            ),
-            "limits",
-        )
+        entry = f"an entry of a whole window of {window} tokens (--window) and num_spec {hello.num_spec} drafts"
+        over = f"costs {window + hello.num_spec} tokens, over the worker's {call_tokens} a drafting call"
+        return wire.REFUSE_LIMITS, f"{entry} {over} (--max-batch-tokens)", "limits"
     widest = getattr(drafter, "max_width", None)  # a drafter's own bound on drafts per entry
     if widest is not None and hello.num_spec > widest:
         return (

@@ -67,11 +67,13 @@ class Scrape:
     markov_identity: bytes
     vocab_size: int  # 0: the drafter does not say (or says something that is no size)
     cache: CacheInfo | None
+    budget: tuple[int, int]  # a drafting call's entries and tokens at most
 
 
 def read(worker, start_time: float) -> Scrape:
     """The record of one scrape of ``worker`` (duck-typed: ``statistics()``,
-    ``admission()``, ``served_now()``, ``drafter``, ``max_pending``, ``max_connections``)."""
+    ``admission()``, ``served_now()``, ``drafter``, ``max_pending``, ``max_connections``,
+    ``budget``)."""
     drafter = worker.drafter
     try:
         vocab = vocab_size_of(drafter)
@@ -94,6 +96,7 @@ def read(worker, start_time: float) -> Scrape:
         markov_identity=drafter.markov_identity,
         vocab_size=vocab,
         cache=cache,
+        budget=worker.budget,
     )
 
 
@@ -218,6 +221,21 @@ TABLE: Table[Scrape] = Table(
             lambda r: r.stats.call_rounds.snapshot(),
         ),
         histogram("call_entries", "Entries drafted in one drafter call.", lambda r: r.stats.call_entries.snapshot()),
+        histogram(
+            "call_tokens",
+            "Tokens drafted in one drafter call: the entries' contexts and drafts (the budget's cost).",
+            lambda r: r.stats.call_tokens.snapshot(),
+        ),
+        gauge(
+            "call_budget_entries",
+            "A drafter call's budget of entries (--max-batch-entries).",
+            lambda r: r.budget[0],
+        ),
+        gauge(
+            "call_budget_tokens",
+            "A drafter call's budget of tokens (--max-batch-tokens, or derived from the device's memory).",
+            lambda r: r.budget[1],
+        ),
         gauge("cache_slots", "Streams with cached drafter state now.", lambda r: r.cache.slots, when=_cached),
         gauge(
             "cache_capacity_slots",

@@ -144,8 +144,9 @@ class Scheduler:
     """The drafter thread and its queue (module docstring). Owned by the worker:
     :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
 
-    ``on_call(seconds, rounds, entries, waits)`` is told of each drafter call: its
-    duration, the pieces of rounds and the entries it drafted, and how long each round
+    ``on_call(seconds, rounds, entries, tokens, waits)`` is told of each drafter call: its
+    duration, the pieces of rounds, the entries and the tokens (contexts and drafts: the
+    budget's cost) it drafted, and how long each round
     first drafted in it waited in the queue (the worker's statistics). ``clock`` dates
     deadlines (``time.monotonic``). ``max_tokens`` None: the drafter derives the token
     budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
@@ -159,7 +160,7 @@ class Scheduler:
         *,
         max_entries: int,
         max_tokens: int | None,
-        on_call: Callable[[float, int, int, list[float]], None] | None = None,
+        on_call: Callable[[float, int, int, int, list[float]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
     ):
@@ -345,7 +346,8 @@ class Scheduler:
             return
         if self.on_call is not None:
             waits = [self._taken_at - job.queued for job, start, _ in pieces if start == 0]
-            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), waits)
+            tokens = int(batch.offsets[-1]) + len(batch) * max(1, batch.width)  # as Job.costs
+            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
         at = 0
         for job, start, piece in pieces:
             job.gather(start, result if len(pieces) == 1 else part(result, at, piece))

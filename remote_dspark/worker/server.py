@@ -253,14 +253,15 @@ class Worker:
             serving and served < self.max_connections,
         )
 
-    def _called(self, seconds: float, rounds: int, entries: int, waits: list[float]) -> None:
-        """The scheduler drafted ``rounds`` rounds (or pieces; ``entries`` entries) in one
-        call, the rounds it began after ``waits`` seconds in its queue."""
+    def _called(self, seconds: float, rounds: int, entries: int, tokens: int, waits: list[float]) -> None:
+        """The scheduler drafted ``rounds`` rounds (or pieces; ``entries`` entries, ``tokens``
+        tokens) in one call, the rounds it began after ``waits`` seconds in its queue."""
         with self._lock:
             self.stats.drafter_calls += 1
             self.stats.drafting_seconds.observe(seconds)
             self.stats.call_rounds.observe(rounds)
             self.stats.call_entries.observe(entries)
+            self.stats.call_tokens.observe(tokens)
             for wait in waits:
                 self.stats.queue_seconds.observe(wait)
 

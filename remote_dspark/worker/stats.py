@@ -22,6 +22,7 @@ REFUSAL_REASONS = ("drafter", "markov", "vocab", "limits", "version", "busy", "a
 
 
 COUNT_BOUNDS = tuple(float(1 << i) for i in range(13))  # 1, 2, 4 ... 4096: rounds or entries a drafter call
+TOKEN_BOUNDS = tuple(float(1 << i) for i in range(4, 17))  # 16 ... 65536: tokens a drafter call
 
 
 @dataclass
@@ -50,6 +51,7 @@ class WorkerStats:
     queue_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a round's wait for the drafter
     call_rounds: HistogramCounter = field(default_factory=lambda: HistogramCounter(COUNT_BOUNDS))  # rounds a call
     call_entries: HistogramCounter = field(default_factory=lambda: HistogramCounter(COUNT_BOUNDS))  # entries a call
+    call_tokens: HistogramCounter = field(default_factory=lambda: HistogramCounter(TOKEN_BOUNDS))  # tokens a call
 
     @property
     def refused(self) -> int:
@@ -77,6 +79,7 @@ class WorkerStats:
             queue_seconds=hist(self.queue_seconds),
             call_rounds=hist(self.call_rounds),
             call_entries=hist(self.call_entries),
+            call_tokens=hist(self.call_tokens),
         )
 
 

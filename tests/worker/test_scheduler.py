@@ -323,3 +323,4 @@ def test_two_engines_through_a_worker_share_a_call_and_an_expired_round_is_count
     assert stats.drafter_calls == 2
     assert stats.call_rounds.snapshot().buckets[:3] == (1, 1, 0)  # a call of one round, one of two
     assert stats.call_entries.snapshot().sum == 3 and stats.queue_seconds.snapshot().count == 3
+    assert stats.call_tokens.snapshot().sum == 3 * (3 + 2)  # each entry: its context of 3 and 2 drafts
