@@ -285,7 +285,8 @@ def test_a_round_over_the_workers_budget_is_drafted_in_pieces_within_its_reserve
         ref, _ = agreeing_prefix(want.tokens[i], want.margins[i], got.tokens[i])
         assert got.tokens[i][: len(ref)].tolist() == list(ref)
     monkeypatch.setattr(cache_module, "memory_free", lambda device: 1000)
-    with pytest.raises(ValueError, match=r"^--max-batch-entries 64, --max-batch-tokens 4096: a round of 64 entries without a cache row"):
+    refusal = r"^--max-batch-entries 64, --max-batch-tokens 4096: a round of 64 entries without a cache row"
+    with pytest.raises(ValueError, match=refusal):
         Scheduler(LMDrafter(device="cpu", cache_slots=0, window=8), max_entries=64, max_tokens=4096).reserve()
 
 
