@@ -101,7 +101,8 @@ def test_a_hello_whose_one_entry_is_over_the_call_budget_is_refused_naming_the_f
 def test_on_cuda_a_call_at_the_budget_stays_within_its_working_bytes(tmp_path):
     """The bound measured: the built-in model and a GPT-2-shaped one, a call at a budget of
     256 entries and 4096 tokens with its worst raggedness (some whole rows, the rest one
-    token each), eager and captured; the peak over the store and weights is within
+    token each), captured then replayed; the peak over the store, the weights and what
+    the libraries allocate once (a first small call: cuBLAS's workspaces) is within
     ``working_bytes``."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -116,6 +117,7 @@ def test_on_cuda_a_call_at_the_budget_stays_within_its_working_bytes(tmp_path):
         tokens = d.reserve(256, 4096)
         bound = budget.working_bytes(d.model, d.store, 256, budget.part_limit(tokens, d.store.columns))
         rng = np.random.default_rng(2)
+        d.draft_batch(batch_of([[1, 2]], [2], 2))  # the libraries' one-time allocations
         long = [rng.integers(0, 100, 64).tolist() for _ in range(40)]
         batch = batch_of(long + [[int(t)] for t in rng.integers(0, 100, 216)], [8] * 256, 8)
         for _ in range(2):  # the first captures, the second replays
@@ -125,4 +127,4 @@ def test_on_cuda_a_call_at_the_budget_stays_within_its_working_bytes(tmp_path):
             d.draft_batch(batch)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
-            assert peak <= bound, (peak, bound)
+            assert peak <= bound, f"peak {peak} bytes over the bound {bound}"

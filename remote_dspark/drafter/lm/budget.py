@@ -15,7 +15,9 @@ store row's columns, b the dtype's bytes::
     R x 2 x heads x C x head_dim x b    one layer's rows gathered
 
 On CUDA the memory of the round's graphs is this bound too: they share one pool and
-never run at once (:mod:`.graphs`).
+never run at once (:mod:`.graphs`). Not in it: what the libraries allocate once, on the
+first call (cuBLAS keeps a workspace per stream: two, the round's and the captures'
+warm-up stream, tens of MiB each on a recent GPU).
 
 The worker's call budget (``--max-batch-entries``, ``--max-batch-tokens``) sets T and
 R: a part is at most ``2 x`` the budget's tokens rounded up to a power of two

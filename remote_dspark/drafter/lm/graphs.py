@@ -121,6 +121,9 @@ class Rounds:
         self.model, self.store, self.padded, self.limit = model, store, padded, limit
         self.capture = padded and store.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # One side stream for every capture's warm-up: a new stream each time would get a
+        # cuBLAS workspace of its own each time (cuBLAS keeps one per stream it has seen).
+        self.side = torch.cuda.Stream(store.device) if self.capture else None
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._version = store.version
 
@@ -195,11 +198,10 @@ class Rounds:
         entries, queries, _ = shape
         inp = torch.zeros(3 * entries * queries + 3 * entries, dtype=torch.long, device=self.store.device)
         inp[2 * entries * queries : 3 * entries * queries] = self.store.columns - 1  # writes to trash columns only
-        side = torch.cuda.Stream(self.store.device)
-        side.wait_stream(torch.cuda.current_stream(self.store.device))
-        with torch.cuda.stream(side):  # warm-up outside the capture (lazy inits, kernel choices, Triton's compile)
+        self.side.wait_stream(torch.cuda.current_stream(self.store.device))
+        with torch.cuda.stream(self.side):  # warm-up outside the capture (lazy inits, kernel choices, Triton's compile)
             self._round(inp, shape)
-        torch.cuda.current_stream(self.store.device).wait_stream(side)
+        torch.cuda.current_stream(self.store.device).wait_stream(self.side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._round(inp, shape)
