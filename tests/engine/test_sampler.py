@@ -1,0 +1,185 @@
+"""The batched rejection sampler (engine.sampler): equal to the rule written with loops
+and exact fractions, lossless in distribution, greedy as token matching, the same on a
+GPU with no host sync, and shape errors named."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remote_dspark.engine.sampler import Q_SCALE, q_dense, rejection_sample
+
+K = 32
+BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
+"""The largest float32 below 1: the most extreme uniform."""
+
+
+# --- cases --------------------------------------------------------------------------
+
+
+def weights_summing(rng, raw) -> np.ndarray:
+    """Integer weights proportional to ``raw`` (non-negative, some > 0) summing to 65535."""
+    w = np.floor(raw / raw.sum() * Q_SCALE).astype(np.int64)
+    w[np.argmax(raw)] += Q_SCALE - w.sum()
+    return w
+
+
+def make_case(seed: int, n: int, k: int, vocab: int, flavour: str, extremes: bool):
+    """A round as numpy arrays: p (float32, NaN in rows past the bonus row), drafts
+    sampled from q, counts, q's ids and weights (garbage at padding), uniforms."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(vocab)[:K] for _ in range(n * max(k, 1))])[: n * k].reshape(n, k, K)
+    raw = rng.integers(0, 6, (n, k, K)) * rng.integers(1, 1000, (n, k, K)) + 0.0
+    raw[..., 0] += 1  # some weight somewhere
+    weights = np.stack([weights_summing(rng, r) for r in raw.reshape(-1, K)]).reshape(n, k, K) if k else raw.astype(np.int64)
+    drafts = np.zeros((n, k), np.int64)
+    for i, j in np.ndindex(n, k):
+        drafts[i, j] = ids[i, j, rng.choice(K, p=weights[i, j] / Q_SCALE)]
+    ints = rng.integers(0, 9, (n, k + 1, vocab)) * (rng.random((n, k + 1, vocab)) < 0.6)
+    ints[..., rng.integers(vocab)] += 1
+    p = (ints / ints.sum(-1, keepdims=True)).astype(np.float32)
+    for i, j in np.ndindex(n, k):
+        dense = np.zeros(vocab, np.float64)
+        dense[ids[i, j]] = weights[i, j] / Q_SCALE
+        if flavour == "p_like_q" and rng.random() < 0.7:  # q rounded down: p <= q everywhere
+            near = dense.astype(np.float32)
+            p[i, j] = np.where(near > dense, np.nextafter(near, np.float32(0)), near)
+        elif flavour == "one_hot":  # greedy: q one-hot on the draft, p one-hot half the time on it
+            weights[i, j] = 0
+            weights[i, j, 0] = Q_SCALE
+            drafts[i, j] = ids[i, j, 0]
+            p[i, j] = 0
+            p[i, j, drafts[i, j] if rng.random() < 0.5 else rng.integers(vocab)] = 1
+    counts = rng.integers(0, k + 1, n)
+    u = rng.random((n, k + 1), dtype=np.float32)
+    if extremes:
+        u[rng.random(u.shape) < 0.3] = 0.0
+        u[rng.random(u.shape) < 0.3] = BELOW_ONE
+    for i in range(n):  # padding: anything at all
+        drafts[i, counts[i] :] = -7
+        ids[i, counts[i] :] = 10**6
+        weights[i, counts[i] :] = 1234
+        p[i, counts[i] + 1 :] = np.nan
+    return p, drafts, counts, ids.astype(np.int32), weights.astype(np.uint16), u
+
+
+def as_tensors(case, device="cpu"):
+    p, drafts, counts, ids, weights, u = case
+    out = [torch.from_numpy(a).to(device) for a in (p, drafts, counts, ids)]
+    out.append(torch.from_numpy(weights.astype(np.int32)).to(torch.uint16).to(device))
+    out.append(torch.from_numpy(u).to(device))
+    return out
+
+
+# --- the rule, with loops and exact fractions -----------------------------------------
+
+
+def inverse_cdf(mass: list[Fraction], u: Fraction) -> int:
+    target, running = u * sum(mass), Fraction(0)
+    for token, m in enumerate(mass):
+        running += m
+        if running > target:
+            return token
+    raise AssertionError("no mass")
+
+
+def reference(p, drafts, counts, ids, weights, u):
+    """The rule for each entry in turn: accept d_j iff u_j < p_j(d_j) / q_j(d_j); at the
+    first rejection draw from max(0, p_j - q_j) (p_j when that is all zero), else from
+    the bonus row; the draw is the inverse CDF at u[:, k]."""
+    n, rows, vocab = p.shape
+    k = rows - 1
+    tokens, emitted = np.zeros((n, k + 1), np.int64), np.zeros(n, np.int64)
+    for i in range(n):
+        out, mass = [], None
+        for j in range(int(counts[i])):
+            q = {int(t): Fraction(int(w), Q_SCALE) for t, w in zip(ids[i, j], weights[i, j])}
+            pj = [Fraction(float(x)) for x in p[i, j]]
+            d = int(drafts[i, j])
+            if Fraction(float(u[i, j])) < pj[d] / q[d]:
+                out.append(d)
+                continue
+            mass = [max(Fraction(0), pj[x] - q.get(x, 0)) for x in range(vocab)]
+            mass = mass if sum(mass) else pj
+            break
+        if mass is None:
+            mass = [Fraction(float(x)) for x in p[i, len(out)]]
+        out.append(inverse_cdf(mass, Fraction(float(u[i, k]))))
+        tokens[i, : len(out)] = out
+        emitted[i] = len(out)
+    return tokens, emitted
+
+
+CASES = st.tuples(
+    st.integers(0, 2**32 - 1),
+    st.integers(1, 4),
+    st.integers(0, 5),
+    st.integers(33, 64),
+    st.sampled_from(["random", "p_like_q", "one_hot"]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(CASES)
+def test_equals_the_rule_written_with_loops(args):
+    case = make_case(*args)
+    tokens, emitted = rejection_sample(*as_tensors(case)[:5], uniforms=as_tensors(case)[5])
+    want_tokens, want_emitted = reference(*case)
+    assert tokens.dtype == emitted.dtype == torch.int64
+    np.testing.assert_array_equal(emitted.numpy(), want_emitted)
+    np.testing.assert_array_equal(tokens.numpy(), want_tokens)
+
+
+def test_greedy_entries_are_exact_token_matching():
+    """q one-hot on the draft and p one-hot on the target's token: the drafts are kept up
+    to the first mismatch, then the target's token, whatever the uniforms."""
+    gen = torch.Generator().manual_seed(3)
+    n, k, vocab = 500, 4, 40
+    target = torch.randint(vocab, (n, k + 1), generator=gen)
+    drafts = torch.where(torch.rand(n, k, generator=gen) < 0.7, target[:, :k], torch.randint(vocab, (n, k), generator=gen))
+    counts = torch.randint(0, k + 1, (n,), generator=gen)
+    p = torch.nn.functional.one_hot(target, vocab).float()
+    ids = (drafts.unsqueeze(2) + torch.arange(K)) % vocab  # distinct, the draft first
+    weights = torch.zeros(n, k, K, dtype=torch.int32)
+    weights[..., 0] = Q_SCALE
+    u = torch.rand(n, k + 1, generator=gen)
+    u[:100] = BELOW_ONE
+    u[100:200] = 0.0
+    tokens, emitted = rejection_sample(p, drafts, counts, ids, weights, uniforms=u)
+    steps = torch.arange(k).view(1, k)
+    matched = ((drafts == target[:, :k]) & (steps < counts.view(n, 1))).long().cumprod(1).sum(1)
+    assert torch.equal(emitted, matched + 1)
+    want = torch.where(torch.arange(k + 1).view(1, -1) <= matched.view(n, 1), target, 0)
+    assert torch.equal(tokens, want)
+    assert 0 < (matched < counts).sum() < n, "both rejections and full acceptances occur"
+
+
+def test_a_residual_of_zero_draws_from_p():
+    """q one-hot on t and p(t) one float32 step below 1 (nothing elsewhere): the most
+    extreme uniform rejects t, max(0, p - q) is zero, and the token comes from p: t."""
+    p = torch.zeros(1, 2, 40)
+    p[0, :, 5] = BELOW_ONE
+    ids = torch.arange(K, dtype=torch.int32).view(1, 1, K)
+    weights = torch.zeros(1, 1, K, dtype=torch.int32)
+    weights[0, 0, 5] = Q_SCALE
+    drafts, counts = torch.tensor([[5]]), torch.tensor([1])
+    tokens, emitted = rejection_sample(p, drafts, counts, ids, weights, uniforms=torch.tensor([[BELOW_ONE, 0.5]]))
+    assert emitted.tolist() == [1] and tokens.tolist() == [[5, 0]]
+    tokens, emitted = rejection_sample(p, drafts, counts, ids, weights, uniforms=torch.tensor([[0.999, 0.5]]))
+    assert emitted.tolist() == [2] and tokens.tolist() == [[5, 5]]
+
+
+def test_q_dense_scatters_the_weights():
+    ids = torch.tensor([[[3, 0, 7]]], dtype=torch.int32)
+    weights = torch.tensor([[[65535 - 100, 100, 0]]], dtype=torch.uint16)
+    dense = q_dense(ids, weights, 9, dtype=torch.float64)
+    want = torch.zeros(1, 1, 9, dtype=torch.float64)
+    want[0, 0, 3], want[0, 0, 0] = (65535 - 100) / 65535, 100 / 65535
+    assert torch.equal(dense, want)
+    assert q_dense(ids, weights, 9).dtype == torch.float32
