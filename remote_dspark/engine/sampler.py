@@ -180,7 +180,9 @@ def _check(p, draft_tokens, counts, q_ids, q_weights, uniforms) -> tuple[int, in
     if q_weights.shape != q_ids.shape:
         raise ValueError(f"q_weights must be the shape of q_ids {tuple(q_ids.shape)}, got {tuple(q_weights.shape)}")
     if uniforms is not None and (uniforms.shape != (n, k + 1) or not uniforms.dtype.is_floating_point):
-        raise ValueError(f"uniforms must be float [n, k + 1] = [{n}, {k + 1}], got {uniforms.dtype} {tuple(uniforms.shape)}")
+        raise ValueError(
+            f"uniforms must be float [n, k + 1] = [{n}, {k + 1}], got {uniforms.dtype} {tuple(uniforms.shape)}"
+        )
     named = {"draft_tokens": draft_tokens, "counts": counts, "q_ids": q_ids, "q_weights": q_weights}
     for name, tensor in named.items():
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:

@@ -36,7 +36,9 @@ def make_case(seed: int, n: int, k: int, vocab: int, flavour: str, extremes: boo
     ids = np.stack([rng.permutation(vocab)[:K] for _ in range(n * max(k, 1))])[: n * k].reshape(n, k, K)
     raw = rng.integers(0, 6, (n, k, K)) * rng.integers(1, 1000, (n, k, K)) + 0.0
     raw[..., 0] += 1  # some weight somewhere
-    weights = np.stack([weights_summing(rng, r) for r in raw.reshape(-1, K)]).reshape(n, k, K) if k else raw.astype(np.int64)
+    weights = (
+        np.stack([weights_summing(rng, r) for r in raw.reshape(-1, K)]).reshape(n, k, K) if k else raw.astype(np.int64)
+    )
     drafts = np.zeros((n, k), np.int64)
     for i, j in np.ndindex(n, k):
         drafts[i, j] = ids[i, j, rng.choice(K, p=weights[i, j] / Q_SCALE)]
@@ -142,7 +144,9 @@ def test_greedy_entries_are_exact_token_matching():
     gen = torch.Generator().manual_seed(3)
     n, k, vocab = 500, 4, 40
     target = torch.randint(vocab, (n, k + 1), generator=gen)
-    drafts = torch.where(torch.rand(n, k, generator=gen) < 0.7, target[:, :k], torch.randint(vocab, (n, k), generator=gen))
+    drafts = torch.where(
+        torch.rand(n, k, generator=gen) < 0.7, target[:, :k], torch.randint(vocab, (n, k), generator=gen)
+    )
     counts = torch.randint(0, k + 1, (n,), generator=gen)
     p = torch.nn.functional.one_hot(target, vocab).float()
     ids = (drafts.unsqueeze(2) + torch.arange(K)) % vocab  # distinct, the draft first
@@ -183,3 +187,171 @@ def test_q_dense_scatters_the_weights():
     want[0, 0, 3], want[0, 0, 0] = (65535 - 100) / 65535, 100 / 65535
     assert torch.equal(dense, want)
     assert q_dense(ids, weights, 9).dtype == torch.float32
+
+
+# --- statistics: the emitted tokens are the target's, whatever q is -------------------
+
+P_VALUE_MIN = 1e-4
+"""A chi-square test passes above this p-value: a correct sampler fails one such test
+with probability 1e-4 over seeds; under the fixed seeds below the outcome is fixed."""
+
+
+def chi_square_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """The p-value of Pearson's chi-square for counts ``observed`` against probabilities
+    ``expected_probs`` (bins of zero probability must be empty and are left out)."""
+    total = observed.sum()
+    support = expected_probs > 0
+    assert observed[~support].sum() == 0, f"tokens of zero probability drawn: {observed[~support]}"
+    expected = expected_probs[support].double() / expected_probs[support].sum() * total
+    stat = ((observed[support].double() - expected) ** 2 / expected).sum()
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def poor_round(n=20_000, k=3, vocab=48, seed=11):
+    """p the same at every position (8 of 48 tokens impossible); q over 32 random ids
+    (the 16 left out hold most of p), its weight on the tokens p likes least
+    (impossible ones included), one weight in five 0; drafts drawn from q."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=gen) * 1.5
+    logits[torch.randperm(vocab, generator=gen)[:8]] = -float("inf")
+    p_row = torch.softmax(logits, 0)
+    ids = torch.randperm(vocab, generator=gen)[:K]
+    raw = (1.0 / (p_row[ids].double() + 0.05)) * (torch.arange(K) % 5 != 4)
+    weights = torch.from_numpy(weights_summing(None, raw.numpy()))
+    q_row = torch.zeros(vocab, dtype=torch.float64).index_put_((ids,), weights.double() / Q_SCALE)
+    drafts = ids[torch.multinomial(weights.double(), n * k, replacement=True, generator=gen)].view(n, k)
+    p = p_row.expand(n, k + 1, vocab)
+    q_ids, q_weights = ids.int().expand(n, k, K), weights.to(torch.int32).expand(n, k, K)
+    tokens, emitted = rejection_sample(p, drafts, torch.full((n,), k), q_ids, q_weights, generator=gen)
+    return p_row.double(), q_row, tokens, emitted
+
+
+def test_emitted_tokens_follow_the_target_whatever_q():
+    p, q, tokens, emitted = poor_round()
+    n, vocab = tokens.shape[0], p.numel()
+    accept = torch.minimum(p, q).sum()  # the closed form of one draft's acceptance rate
+    assert 0.1 < accept < 0.5 and p[q == 0].sum() > 0.1, "q is poor, and truncated"
+    # First token: the target's, with drafts accepted and residual draws mixed.
+    assert chi_square_p_value(torch.bincount(tokens[:, 0], minlength=vocab), p) > P_VALUE_MIN
+    # A draft is accepted at the closed-form rate, within 4 standard errors.
+    rate = (emitted >= 2).double().mean()
+    assert abs(rate - accept) < 4 * (accept * (1 - accept) / n) ** 0.5
+    # The number emitted: truncated geometric, P(m) = a^(m-1) (1 - a), P(4) = a^3.
+    law = torch.stack([accept ** (m - 1) * (1 - accept) for m in (1, 2, 3)] + [accept**3])
+    assert chi_square_p_value(torch.bincount(emitted - 1, minlength=4), law) > P_VALUE_MIN
+    # An accepted first draft is distributed as min(p, q) / accept, and what follows it
+    # as the target again (the rows are equal, so token 2's marginal is p).
+    kept = emitted >= 2
+    assert chi_square_p_value(torch.bincount(tokens[kept, 0], minlength=vocab), torch.minimum(p, q)) > P_VALUE_MIN
+    assert chi_square_p_value(torch.bincount(tokens[kept, 1], minlength=vocab), p) > P_VALUE_MIN
+
+
+def test_a_wrong_sampler_fails_the_statistics():
+    """The check has teeth: drawing from p rather than max(0, p - q) after a rejection (a
+    classic bug) gives min(p, q) + (1 - accept) p, which it tells from p."""
+    p, q, tokens, emitted = poor_round()
+    vocab = p.numel()
+    gen = torch.Generator().manual_seed(12)
+    biased = torch.where(
+        emitted >= 2, tokens[:, 0], torch.multinomial(p, tokens.shape[0], replacement=True, generator=gen)
+    )
+    assert chi_square_p_value(torch.bincount(biased, minlength=vocab), p) < 1e-12
+
+
+# --- bad input ------------------------------------------------------------------------
+
+
+def good_args(n=3, k=2, vocab=40):
+    ids = torch.arange(K, dtype=torch.int32).expand(n, k, K).clone()
+    weights = torch.zeros(n, k, K, dtype=torch.int32)
+    weights[..., 0] = Q_SCALE
+    return {
+        "p": torch.full((n, k + 1, vocab), 1 / vocab),
+        "draft_tokens": torch.zeros(n, k, dtype=torch.int64),
+        "counts": torch.full((n,), k),
+        "q_ids": ids,
+        "q_weights": weights,
+        "uniforms": torch.rand(n, k + 1),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("p", torch.full((3, 40), 0.025)),
+        ("p", torch.ones(3, 3, 40, dtype=torch.int64)),
+        ("draft_tokens", torch.zeros(3, 3, dtype=torch.int64)),
+        ("draft_tokens", torch.zeros(3, 2)),
+        ("counts", torch.zeros(4, dtype=torch.int64)),
+        ("counts", torch.zeros(3)),
+        ("q_ids", torch.zeros(3, 1, K, dtype=torch.int32)),
+        ("q_ids", torch.zeros(3, 2, K)),
+        ("q_weights", torch.zeros(3, 2, K - 1, dtype=torch.int32)),
+        ("q_weights", torch.zeros(3, 2, K)),
+        ("uniforms", torch.rand(3, 2)),
+        ("uniforms", torch.zeros(3, 3, dtype=torch.int64)),
+    ],
+)
+def test_mismatched_arguments_are_named(name, bad):
+    args = good_args()
+    rejection_sample(**args)  # the good ones pass
+    args[name] = bad
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        rejection_sample(**args)
+
+
+def test_q_dense_names_mismatched_weights():
+    with pytest.raises(ValueError, match="^q_weights"):
+        q_dense(torch.zeros(2, K, dtype=torch.int32), torch.zeros(2, K - 1, dtype=torch.int32), 40)
+
+
+# --- on a GPU -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_equals_cpu_with_no_host_sync():
+    """The same rounds on CUDA give the CPU's tokens for the same uniforms, and neither
+    that call nor one drawing its own uniforms synchronises with the host."""
+    cases = [
+        make_case(seed, 4, k, 33 + seed % 32, flavour, seed % 2 == 0)
+        for seed in range(30)
+        for k, flavour in [(5, "random"), (3, "p_like_q"), (4, "one_hot")]
+    ]
+    torch.cuda.synchronize()
+    for case in cases:
+        cpu = rejection_sample(*as_tensors(case)[:5], uniforms=as_tensors(case)[5])
+        args = as_tensors(case, "cuda")
+        gen = torch.Generator("cuda").manual_seed(1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            gpu = rejection_sample(*args[:5], uniforms=args[5])
+            rejection_sample(*args[:5], generator=gen)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(gpu[0].cpu(), cpu[0]) and torch.equal(gpu[1].cpu(), cpu[1])
+
+
+@pytest.mark.gpu
+def test_gpu_round_of_engine_size_has_no_host_sync():
+    """256 entries, 5 drafts, a 152k vocabulary: no sync, and the CPU's answer."""
+    n, k, vocab = 256, 5, 152_064
+    gen = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(n, k + 1, vocab, generator=gen) * 4, -1)
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:K] for _ in range(n * k)]).view(n, k, K).int()
+    raw = torch.rand(n * k, K, generator=gen).double().numpy()
+    weights = torch.from_numpy(np.stack([weights_summing(None, r) for r in raw])).view(n, k, K).int()
+    drafts = ids[..., 0].long()
+    counts = torch.randint(0, k + 1, (n,), generator=gen)
+    u = torch.rand(n, k + 1, generator=gen)
+    args = [p, drafts, counts, ids, weights]
+    cpu = rejection_sample(*args, uniforms=u)
+    cuda = [a.cuda() for a in args]
+    u_cuda = u.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = rejection_sample(*cuda, uniforms=u_cuda)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(gpu[0].cpu(), cpu[0]) and torch.equal(gpu[1].cpu(), cpu[1])
