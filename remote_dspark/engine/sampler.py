@@ -52,8 +52,8 @@ searchsorted); nothing is read back to Python, and the checks that raise ValueEr
 at shapes, dtypes and devices only. Values are trusted: an invalid value (a draft not
 among its ids, a weight sum off 65535) gives a wrong draw, not an error.
 
-Memory: beyond the inputs, about three ``[n, V]`` float64 rows (the chosen row, q
-scattered over V, the CDF), whatever k is.
+Memory: beyond the inputs, one ``[n, V]`` row in p's dtype and one in float64 (the
+chosen row, then its CDF in place), whatever k is; q is never made dense.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def q_dense(q_ids: torch.Tensor, q_weights: torch.Tensor, vocab: int, *, dtype=t
     probabilities, ``weight / 65535`` at each listed id, 0 elsewhere.
 
     Every position given is scattered, so its ids must be distinct and in [0, vocab)
-    (pass only drafted positions, or padding with valid ids).
+    (pass only drafted positions, or padding with valid ids). For a reference or a dense
+    view; the sampler itself touches only the K listed ids of the one row it needs.
 
     Raises:
         ValueError: ``q_weights`` not the shape of ``q_ids``, either not integer, or
@@ -116,20 +117,7 @@ def rejection_sample(
     counts = counts.long().clamp(0, k)
     q_weights = q_weights.to(torch.int32)  # uint16 has few kernels (no gather on CPU)
     accepted = _accepted(p, draft_tokens, counts, q_ids, q_weights, uniforms[:, :k])
-    row = p.gather(1, accepted.view(n, 1, 1).expand(n, 1, vocab)).squeeze(1)
-    dist = row.to(torch.float64)
-    if k:
-        # The rejected position's q (none when every draft was accepted: the bonus row).
-        at = accepted.clamp(max=k - 1).view(n, 1, 1).expand(n, 1, q_ids.shape[-1])
-        rejected = (accepted < counts).view(n, 1)
-        ids = torch.where(rejected, q_ids.gather(1, at).squeeze(1).long(), 0)
-        weights = torch.where(rejected, q_weights.gather(1, at).squeeze(1), 0)
-        dist.sub_(q_dense(ids, weights, vocab, dtype=torch.float64)).clamp_(min=0)
-        # All zero (p <= q everywhere): draw from p itself. Zero-ness of a sum of
-        # non-negatives does not depend on its order, so this matches the CDF's total.
-        empty = ~(dist > 0).any(dim=1, keepdim=True)
-        dist.add_(row.clamp(min=0) * empty)
-    extra = _inverse_cdf(dist, uniforms[:, k])
+    extra = _extra_token(p, accepted, counts, q_ids, q_weights, uniforms[:, k])
     columns = torch.arange(k + 1, device=p.device).view(1, k + 1)
     drafts = torch.zeros((n, k + 1), dtype=torch.int64, device=p.device)
     drafts[:, :k] = draft_tokens
@@ -155,14 +143,43 @@ def _accepted(p, draft_tokens, counts, q_ids, q_weights, uniforms) -> torch.Tens
     return passed.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def _inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[n] int64: the first index whose cumulative mass exceeds ``u * total``, per row of
-    ``dist`` ([n, V] float64, non-negative). For u < 1 the target is strictly below the
-    total (u * total rounds down in float64), so a zero-mass index is never returned;
-    the clamp only guards a row with no mass at all."""
+def _extra_token(p, accepted, counts, q_ids, q_weights, u) -> torch.Tensor:
+    """[n] int64: the token after the accepted drafts, drawn at ``u`` ([n]) from
+    max(0, p_a - q_a) after a rejection at a (from p_a where that is all zero), from the
+    bonus row p_a when every draft was accepted.
+
+    q is zero off its K ids, so the residual is the row of p with K entries replaced: a
+    float64 copy of the one row and a scatter of K values, not a dense q over V."""
+    n, rows, vocab = p.shape
+    k = rows - 1
+    row = p.gather(1, accepted.view(n, 1, 1).expand(n, 1, vocab)).squeeze(1)
+    dist = row.to(torch.float64)
+    if k == 0:
+        return _inverse_cdf(dist, u)[0]
+    at = accepted.clamp(max=k - 1).view(n, 1, 1).expand(n, 1, q_ids.shape[-1])
+    rejected = (accepted < counts).view(n, 1)
+    # Every draft accepted: the bonus row, no q (id 0 with weight 0, K times, changes nothing).
+    ids = torch.where(rejected, q_ids.gather(1, at).squeeze(1).long(), 0)
+    weights = torch.where(rejected, q_weights.gather(1, at).squeeze(1), 0)
+    residual = (dist.gather(1, ids) - weights.to(torch.float64) / Q_SCALE).clamp_(min=0)
+    token, empty = _inverse_cdf(dist.scatter_(1, ids, residual), u)
+    # All zero: p <= q everywhere, so p's support lies among the K ids. Drawn there in
+    # token order, this is the draw over all V (a zero adds nothing to a cumsum).
+    ids = ids.sort(dim=1).values
+    on_ids, _ = _inverse_cdf(row.gather(1, ids).to(torch.float64), u)
+    return torch.where(empty, ids.gather(1, on_ids.view(n, 1)).squeeze(1), token)
+
+
+def _inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n] int64, [n] bool): per row of ``dist`` ([n, V] float64, non-negative, summed
+    in place), the first index whose cumulative mass exceeds ``u * total``, and whether
+    the row has no mass at all (its index is then meaningless). For u < 1 the target is
+    strictly below the total (u * total rounds down in float64), so an index of zero
+    mass is never returned; the clamp only guards an empty row."""
     cdf = dist.cumsum_(dim=1)
-    target = u.to(torch.float64).view(-1, 1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=dist.shape[1] - 1)
+    total = cdf[:, -1:]
+    index = torch.searchsorted(cdf, u.to(torch.float64).view(-1, 1) * total, right=True)
+    return index.squeeze(1).clamp_(max=dist.shape[1] - 1), total.squeeze(1) == 0
 
 
 def _check(p, draft_tokens, counts, q_ids, q_weights, uniforms) -> tuple[int, int, int]:

@@ -127,7 +127,7 @@ CASES = st.tuples(
 )
 
 
-@settings(max_examples=80, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(CASES)
 def test_equals_the_rule_written_with_loops(args):
     case = make_case(*args)
