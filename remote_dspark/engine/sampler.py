@@ -19,7 +19,8 @@ it is the target's token, and the target's token is emitted at the first mismatc
 Shapes and dtypes (n entries, k draft positions, K listed ids, V the vocabulary):
 
     p             [n, k + 1, V]  float    the target after the engine's own processing
-                                          (temperature, top-k/top-p); rows sum to 1
+                                          (temperature, top-k/top-p); rows sum to 1;
+                                          rows past counts[i] are never read (NaN is fine)
     draft_tokens  [n, k]         integer  d_j, among its position's ids with weight > 0
     counts        [n]            integer  drafts per entry, 0 <= counts[i] <= k; positions
                                           at and past counts[i] are padding, never read
@@ -37,7 +38,7 @@ Shapes and dtypes (n entries, k draft positions, K listed ids, V the vocabulary)
 How the uniforms are used, so that a test can pass its own:
 
 - draft j is accepted iff ``u[i, j] * w < p_j(d_j) * 65535`` with w its integer weight,
-  compared in float64. For p in float32 (or narrower) both products are exact, so this
+  compared in float64. For p and u in float32 (or narrower) both products are exact, so this
   is ``u < p/q`` exactly: a draft with p = 0 is always rejected, one with p >= q always
   accepted.
 - the extra token is the inverse CDF at ``u[i, k]``: the first token whose cumulative
