@@ -1,0 +1,267 @@
+"""Sampled drafts (SAMPLED_TOP32): the one rule every drafter samples by, in numpy.
+
+A drafter that samples its drafts says, for each drafted position, exactly the
+distribution the draft was drawn from: 32 distinct token ids and integer weights. This
+module is that rule in numpy (the Markov drafter; the reference);
+:mod:`remote_dspark.drafter.lm.sampling` is its torch twin (the model drafters, CPU and
+CUDA), bit-identical where this says so. Nothing of the package's ``__init__`` imports
+either (numpy is imported here at module level).
+
+1. **Randomness is counter-based.** A draft's uniform 32-bit number is
+   :func:`uniform_u32` ``(seed, position, draft)``: a stateless hash of the entry's
+   seed (uint64), the draft's absolute position in its sequence (int64) and its index
+   in the round (0..2**32-1). No state per entry, no loop, and no number repeats across
+   rounds (the position moves on). The hash works on 32-bit values held in 64-bit
+   integers: every product is of a value below 2**32 and an odd constant below 2**31,
+   so below 2**63 (no overflow in torch's int64), masked back to 32 bits; every shift is
+   of a non-negative value. Two lanes of 32 bits, one keyed by each half of the seed,
+   each absorb the position's low half, its high half and the draft index through the
+   bijective mixer :func:`mix32`; the output mixes the two lanes. Since each lane's
+   steps are bijections of its state, no two seeds share a whole stream of numbers, and
+   no two counters share the numbers of every seed.
+
+2. **The distribution.** For a row of scores and a temperature ``T > 0``: the ``TOP``
+   (32) most likely ids, by score descending, ties to the smaller id; over those,
+   ``p = softmax(score / T)`` (in float64); the weights ``w = floor(p * TOTAL)``
+   (``TOTAL`` = 65535) with the deficit ``TOTAL - sum(w)`` (below 33; below 32 in exact
+   arithmetic) added to the most likely id's weight. So ``w`` (uint16) sums to exactly
+   ``TOTAL`` and ``q = w / TOTAL`` *is* the distribution sampled from. ``T == 0`` is
+   greedy: the whole weight on the first id (the argmax, smaller id on ties). A row
+   whose softmax is not finite (its best score infinite or NaN) is greedy too. Ids come
+   in that order (weight descending for distinct scores), all distinct and in the
+   vocabulary: a row with fewer candidates (:func:`from_counts`: the Markov model's at
+   most 16 next tokens, ``p`` proportional to ``count ** (1 / T)``) pads with weight 0
+   and the smallest ids that are not candidates, in ascending order. NaN scores give an
+   unspecified but valid answer (distinct ids, weights summing to ``TOTAL``).
+
+3. **The pick.** :func:`pick` ``(ids, weights, u32)``: ``r = (u32 * TOTAL) >> 32`` in
+   ``0..TOTAL-1``; the token is ``ids[i]`` for the first ``i`` with
+   ``cumsum(w)[i] > r``. Each ``r`` is hit by 65537 of the 2**32 values of ``u32``
+   (one ``r`` by 65538), so a token is drawn with probability within ``2**-32`` of
+   ``w / TOTAL`` (within ``TOTAL / 2**32`` a fortiori).
+
+4. **The check.** :func:`check_sampled`: what the engine holds a reply's sampled
+   section to, at drafted positions (ids in the vocabulary and distinct, weights
+   summing to ``TOTAL``, the drafted token among the ids of weight > 0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TOP = 32  # ids per drafted position
+TOTAL = 65535  # the weights' exact sum: q = w / TOTAL
+MASK32 = 0xFFFFFFFF
+# mix32's odd multipliers, both below 2**31 (C. Wellons' hash-prospector 32-bit mixer
+# with shifts 16, 15, 15; bias 0.108), and the lanes' keys (from the golden ratio).
+MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+MIX_SHIFTS = (16, 15, 15)
+LANE_KEYS = (0x9E3779B9, 0x7F4A7C15)
+
+
+def mix32(x):
+    """The bijective 32-bit mixer: ``x`` holds values in 0..2**32-1 (numpy uint64, or
+    torch int64), the answer too. Written once, for both: only ``^``, ``>>``, ``*`` by
+    a constant below 2**31 and ``&`` are used, on non-negative values."""
+    (s0, s1, s2), (m0, m1) = MIX_SHIFTS, MIX_MULTIPLIERS
+    x = x ^ (x >> s0)
+    x = (x * m0) & MASK32
+    x = x ^ (x >> s1)
+    x = (x * m1) & MASK32
+    return x ^ (x >> s2)
+
+
+def hash_halves(seed_lo, seed_hi, pos_lo, pos_hi, draft):
+    """Rule 1's hash of its five 32-bit inputs (each 0..2**32-1, broadcast together;
+    numpy uint64 or torch int64), shared by both twins."""
+    a = mix32(seed_lo ^ LANE_KEYS[0])
+    b = mix32(seed_hi ^ LANE_KEYS[1])
+    for x in (pos_lo, pos_hi, draft):
+        a = mix32(a ^ x)
+        b = mix32(b ^ x ^ LANE_KEYS[1])  # not a's step: equal lanes must not stay equal
+    return mix32(a ^ b)
+
+
+def _halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    bits = np.asarray(x).astype(np.uint64)  # int64 -> the same bits (two's complement)
+    return bits & np.uint64(MASK32), bits >> np.uint64(32)
+
+
+def uniform_u32(seed, position, draft) -> np.ndarray:
+    """Rule 1: a uniform uint32 per (seed, position, draft), broadcast together.
+
+    Args:
+        seed: uint64 per entry (int64 is read as the same bits).
+        position: int64, the draft's absolute position in its sequence.
+        draft: the draft's index in its round, 0..2**32-1.
+
+    Returns: uint32 array of the broadcast shape.
+
+    Raises:
+        ValueError: a ``draft`` outside 0..2**32-1.
+    """
+    draft = np.asarray(draft, dtype=np.int64)
+    if draft.size and (draft.min() < 0 or draft.max() > MASK32):
+        raise ValueError(f"draft index {draft.min()}..{draft.max()}: expected 0..{MASK32}")
+    s_lo, s_hi = _halves(seed)
+    p_lo, p_hi = _halves(np.asarray(position, dtype=np.int64))
+    return hash_halves(s_lo, s_hi, p_lo, p_hi, draft.astype(np.uint64)).astype(np.uint32)
+
+
+def _check_temperature(temperature, n: int) -> np.ndarray:
+    t = np.asarray(temperature, dtype=np.float32)
+    if t.shape != (n,):
+        raise ValueError(f"temperature: shape {t.shape}, expected {(n,)}")
+    bad = ~(np.isfinite(t) & (t >= 0))
+    if bad.any():
+        raise ValueError(f"temperature {t[bad][0]!r} (entry {int(np.argmax(bad))}): expected a finite value >= 0")
+    return t
+
+
+def weights_of(top: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    """Rule 2's weights: ``top`` [n, TOP] scores, most likely first (descending),
+    ``temperature`` [n] float32 (checked). Returns [n, TOP] uint16 summing to TOTAL."""
+    t = np.asarray(temperature, dtype=np.float64)[:, None]
+    v = np.asarray(top, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        p = np.exp((v - v[:, :1]) / np.where(t > 0, t, 1.0))
+        p /= p.sum(axis=1, keepdims=True)
+        ok = (t[:, 0] > 0) & np.isfinite(p).all(axis=1)
+        w = np.floor(np.where(ok[:, None], p, 0.0) * TOTAL).astype(np.int64)
+    w[:, 0] += TOTAL - w.sum(axis=1)  # the deficit (all of TOTAL for greedy rows)
+    return w.astype(np.uint16)
+
+
+def top32(scores, temperature) -> tuple[np.ndarray, np.ndarray]:
+    """Rule 2 over a row of scores each: the TOP most likely ids and their weights.
+
+    Args:
+        scores: [n, V] float (logits, or any scores), V >= TOP.
+        temperature: [n] float32, finite and >= 0 (0: greedy).
+
+    Returns: (ids [n, TOP] int32, weights [n, TOP] uint16): score descending, ties to
+    the smaller id; weights sum to exactly TOTAL per row.
+
+    Raises:
+        ValueError: naming ``scores`` (not 2-D, fewer than TOP columns) or ``temperature``.
+    """
+    scores = np.asarray(scores)
+    if scores.ndim != 2 or scores.shape[1] < TOP:
+        raise ValueError(f"scores: shape {scores.shape}, expected [n, V] with V >= {TOP}")
+    n, vocab = scores.shape
+    t = _check_temperature(temperature, n)
+    # The TOP + 1 largest, the (TOP + 1)-th in place: equal to the TOP-th, there are
+    # ties at the edge and the ids partition chose among them are arbitrary.
+    edge = max(vocab - TOP - 1, 0)
+    part = np.argpartition(scores, edge, axis=1)
+    ids = part[:, vocab - TOP :]
+    kth = np.take_along_axis(scores, ids, 1).min(axis=1)
+    tied = (scores[np.arange(n), part[:, edge]] == kth) & (vocab > TOP)
+    if tied.any():  # those rows exactly: a stable sort by score descending (rare)
+        ids[tied] = np.argsort(-scores[tied], axis=1, kind="stable")[:, :TOP]
+    vals = np.take_along_axis(scores, ids, 1)
+    order = np.lexsort((ids, -vals.astype(np.float64)), axis=1)
+    ids, vals = np.take_along_axis(ids, order, 1), np.take_along_axis(vals, order, 1)
+    return ids.astype(np.int32), weights_of(vals, t)
+
+
+def from_counts(cand_ids, counts, temperature, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rule 2 over candidate counts (the Markov model): ``p`` proportional to
+    ``count ** (1 / T)``; ``T == 0``: the largest count (smaller id on ties).
+
+    Args:
+        cand_ids: [n, c] int, c <= TOP: each row's candidate next tokens.
+        counts: [n, c] non-negative ints; 0 marks no candidate (its id is ignored).
+        temperature: [n] float32, finite and >= 0.
+        vocab: the vocabulary size, >= TOP (the pads are ids below it).
+
+    Returns: (ids [n, TOP] int32, weights [n, TOP] uint16): the candidates by count
+    descending (ties: smaller id), then pads of weight 0: the smallest ids that are not
+    candidates, ascending. A row with no candidate is all pads, its whole weight on the
+    first (id 0 or the smallest free): the caller drafts nothing there.
+
+    Raises:
+        ValueError: naming ``vocab``, ``cand_ids`` (shape, an id out of range or
+            repeated in a row), ``counts`` (shape, negative) or ``temperature``.
+    """
+    if vocab < TOP:
+        raise ValueError(f"vocab {vocab}: sampled drafts need at least {TOP} ids")
+    cand, cnt = np.asarray(cand_ids, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    if cand.ndim != 2 or cand.shape[1] > TOP:
+        raise ValueError(f"cand_ids: shape {cand.shape}, expected [n, c] with c <= {TOP}")
+    if cnt.shape != cand.shape:
+        raise ValueError(f"counts: shape {cnt.shape}, expected {cand.shape} (as cand_ids)")
+    if (cnt < 0).any():
+        raise ValueError(f"counts: {cnt.min()} is negative")
+    n, c = cand.shape
+    t = _check_temperature(temperature, n)
+    live = cnt > 0
+    if ((cand < 0) | (cand >= vocab))[live].any():
+        raise ValueError(f"cand_ids: {cand[live & ((cand < 0) | (cand >= vocab))][0]} outside 0..{vocab - 1}")
+    key = np.where(live, cand, -1 - np.arange(c))  # dead slots: distinct negatives
+    srt = np.sort(key, axis=1)
+    if (srt[:, 1:] == srt[:, :-1]).any():
+        raise ValueError("cand_ids: an id repeated among a row's candidates")
+    order = np.lexsort((np.where(live, cand, vocab), -cnt), axis=1)  # count desc, id asc
+    cand, cnt, live = (np.take_along_axis(a, order, 1) for a in (cand, cnt, live))
+    # Pads: the free ids among 0..TOP+c-1 (at most c are taken, so TOP are free), ascending.
+    taken = np.zeros((n, TOP + c), bool)
+    rows = np.broadcast_to(np.arange(n)[:, None], cand.shape)
+    near = live & (cand < TOP + c)
+    taken[rows[near], cand[near]] = True
+    free = np.argsort(taken, axis=1, kind="stable")[:, :TOP]
+    k = live.sum(axis=1, keepdims=True)  # the live candidates come first after the sort
+    slot = np.arange(TOP)
+    padded = np.zeros((n, TOP), np.int64)
+    padded[:, :c] = cand
+    ids = np.where(slot < k, padded, np.take_along_axis(free, np.maximum(slot - k, 0), 1))
+    with np.errstate(divide="ignore"):
+        logc = np.log(cnt.astype(np.float64))  # -inf for no candidate: weight 0
+    scores = np.full((n, TOP), -np.inf)
+    scores[:, :c] = np.where(live, logc, -np.inf)
+    return ids.astype(np.int32), weights_of(scores, t)
+
+
+def pick(ids, weights, u32) -> np.ndarray:
+    """Rule 3: the drawn token of each row (``ids``, ``weights`` [..., TOP]; ``u32``
+    [...] uint32). Returns [...] int32."""
+    ids, w = np.asarray(ids), np.asarray(weights, dtype=np.int64)
+    r = (np.asarray(u32).astype(np.uint64) * np.uint64(TOTAL)) >> np.uint64(32)
+    i = np.count_nonzero(np.cumsum(w, axis=-1) <= r.astype(np.int64)[..., None], axis=-1)
+    np.minimum(i, TOP - 1, out=i)  # only weights short of TOTAL get here
+    return np.take_along_axis(ids, i[..., None], -1)[..., 0].astype(np.int32)
+
+
+def check_sampled(ids, weights, tokens, vocab: int) -> str | None:
+    """Rule 4: None when a reply's sampled section is valid at its drafted positions,
+    else the first reason found, naming the position (in row order) and what is wrong.
+
+    Args:
+        ids: [m, TOP] token ids per drafted position.
+        weights: [m, TOP] integer weights.
+        tokens: [m] the drafted tokens.
+        vocab: the engine's vocabulary size.
+    """
+    ids, w, tokens = np.asarray(ids), np.asarray(weights), np.asarray(tokens)
+    m = len(tokens)
+    if tokens.shape != (m,) or ids.shape != (m, TOP) or w.shape != (m, TOP):
+        return f"shapes: ids {ids.shape}, weights {w.shape}, tokens {tokens.shape}; expected [m, {TOP}] twice and [m]"
+    ids, w, tokens = ids.astype(np.int64), w.astype(np.int64), tokens.astype(np.int64)
+    bad = ((ids < 0) | (ids >= vocab)).any(axis=1)
+    if bad.any():
+        at = int(np.argmax(bad))
+        return f"position {at}: id {ids[at][(ids[at] < 0) | (ids[at] >= vocab)][0]} outside 0..{vocab - 1}"
+    srt = np.sort(ids, axis=1)
+    bad = (srt[:, 1:] == srt[:, :-1]).any(axis=1)
+    if bad.any():
+        at = int(np.argmax(bad))
+        return f"position {at}: id {srt[at, 1:][srt[at, 1:] == srt[at, :-1]][0]} repeated"
+    bad = ((w < 0) | (w > TOTAL)).any(axis=1) | (w.sum(axis=1) != TOTAL)
+    if bad.any():
+        at = int(np.argmax(bad))
+        return f"position {at}: weights sum to {w[at].sum()} (each 0..{TOTAL}), expected exactly {TOTAL}"
+    bad = ~((ids == tokens[:, None]) & (w > 0)).any(axis=1)
+    if bad.any():
+        at = int(np.argmax(bad))
+        return f"position {at}: drafted token {tokens[at]} not among its ids of weight > 0"
+    return None
