@@ -150,6 +150,8 @@ class Rounds:
         if self._version != self.store.version:  # the store moved: its graphs point at the old one
             self.graphs.clear()
             self._version = self.store.version
+            if self.capture:  # a pool whose graphs are all gone is released: captures need a new one
+                self.pool = torch.cuda.graph_pool_handle()
         if self.capture and shape not in self.graphs:
             self._capture(shape)
         inp = torch.from_numpy(self._inputs(shape, tok, base, take, origin, rows)).to(self.store.device)  # one copy up
