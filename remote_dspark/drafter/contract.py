@@ -15,7 +15,15 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
   ``batch.want_margin``, else it may be None. A drafter without margins returns None
   and the worker sends zeros when they were asked for: the engine refuses a DRAFTS whose
   margins section is not exactly what its HELLO asked (``engine.reply``);
-* draft token ids are in ``0..vocab_size-1`` of the engine (its HELLO says the size).
+* draft token ids are in ``0..vocab_size-1`` of the engine (its HELLO says the size);
+* in a sampled round (``batch.sampled``: ``temperature`` and ``seed`` per entry), the
+  drafts are sampled by :mod:`remote_dspark.drafter.sampling`'s rule and the result
+  carries, for every drafted position, the distribution the draft was drawn from
+  (``q_ids``, ``q_weights``: ``[n, width, 32]``, zeros past counts); draft j of entry i
+  is ``pick(q_ids[i, j], q_weights[i, j], uniform_u32(seed[i], p, j))``, ``p`` its
+  absolute position (``starts()[i]`` + the context's length + j). Only a drafter that
+  says ``samples`` (an optional bool, read with :func:`samples_of`) is given sampled
+  rounds: the worker refuses a HELLO asking for them otherwise.
 
 A drafter that keeps state per slot across rounds (a KV cache) keys it by the stream
 the batch names (``session``, ``slots``, ``gens``, ``lengths``) and may report it with
@@ -88,9 +96,18 @@ class DraftBatch:
     # encodes entry i's context at positions[i], positions[i] + 1, ... None: each context
     # starts at position 0 (a batch not built by a worker).
     positions: np.ndarray | None = None  # [n] int64
+    # Sampled drafts (SAMPLED_TOP32: the rule is remote_dspark.drafter.sampling's): each
+    # entry's temperature (0: greedy) and seed. None: a greedy round, no distributions.
+    temperature: np.ndarray | None = None  # [n] float32, >= 0 and finite
+    seed: np.ndarray | None = None  # [n] uint64
 
     def __len__(self) -> int:
         return len(self.n_out)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the round asks for sampled drafts and their distributions."""
+        return self.temperature is not None
 
     def context(self, i: int) -> np.ndarray:
         """Entry i's context (the slow per-entry view: adapters and tests)."""
@@ -142,6 +159,8 @@ class DraftBatch:
             gens=pick(self.gens),
             lengths=pick(self.lengths),
             positions=pick(self.positions),
+            temperature=pick(self.temperature),
+            seed=pick(self.seed),
         )
 
 
@@ -150,6 +169,9 @@ class DraftResult:
     tokens: np.ndarray  # [n, width] int32, zero past counts
     counts: np.ndarray  # [n] int32, <= n_out
     margins: np.ndarray | None = None  # [n, width] float32, zero past counts, when want_margin
+    # A sampled round's distributions, each drafted position's (remote_dspark.drafter.sampling):
+    q_ids: np.ndarray | None = None  # [n, width, 32] int32, zero past counts
+    q_weights: np.ndarray | None = None  # [n, width, 32] uint16, summing to 65535; zero past counts
 
 
 class BatchedDrafter(Protocol):
@@ -188,6 +210,11 @@ class CacheInfo:
 def mixed_sessions_of(drafter) -> bool:
     """Whether ``drafter`` takes batches of several sessions (``mixed_sessions``)."""
     return bool(getattr(drafter, "mixed_sessions", False))
+
+
+def samples_of(drafter) -> bool:
+    """Whether ``drafter`` drafts sampled rounds (``samples``)."""
+    return bool(getattr(drafter, "samples", False))
 
 
 def cache_info_of(drafter) -> CacheInfo | None:
@@ -333,4 +360,29 @@ def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
         margins = np.zeros((n, width), np.float32)
     else:
         margins = None
-    return DraftResult(tokens, counts, margins)
+    if not batch.sampled:
+        return DraftResult(tokens, counts, margins)
+    return DraftResult(tokens, counts, margins, *_checked_distributions(result, batch, tokens, live))
+
+
+def _checked_distributions(result: DraftResult, batch: DraftBatch, tokens, live) -> tuple[np.ndarray, np.ndarray]:
+    """A sampled round's ``q_ids``, ``q_weights``: shapes checked, zeroed past counts, and
+    held to :func:`remote_dspark.drafter.sampling.check_sampled` at drafted positions,
+    any id >= 0 (a drafter that breaks it fails its round: the engine would refuse the
+    reply; the engine also holds the ids to its vocabulary)."""
+    import numpy as np
+
+    from .sampling import TOP, check_sampled
+
+    n, width = len(batch), batch.width
+    for name in ("q_ids", "q_weights"):
+        got = getattr(result, name)
+        if got is None or np.shape(got) != (n, width, TOP):
+            want = (n, width, TOP)
+            raise ValueError(f"drafter result {name}: shape {np.shape(got)}, expected {want} (a sampled round)")
+    ids = np.where(live[..., None], result.q_ids, 0).astype(np.int32, copy=False)
+    weights = np.where(live[..., None], result.q_weights, 0).astype(np.uint16, copy=False)
+    why = check_sampled(ids[live], weights[live], tokens[live], np.iinfo(np.int32).max)  # the engine: its vocabulary
+    if why is not None:
+        raise ValueError(f"drafter result distributions: {why}")
+    return ids, weights

@@ -34,9 +34,9 @@ thread.
 
 Several rounds in one call: when the drafter takes batches of several sessions
 (``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
-rounds taken together with the same width and row size are concatenated (:func:`merge`:
-a session per entry, margins if any asks) and the answer split back (:func:`part`), each
-round getting exactly what it would get alone. Such calls are made narrowest first: a
+rounds taken together with the same width, row size and kind (greedy or sampled) are
+concatenated (:func:`merge`: a session per entry, margins if any asks) and the answer
+split back (:func:`part`), each round getting exactly what it would get alone. Such calls are made narrowest first: a
 round of 5 drafts never rides in a call of 64 draft steps, so one engine's width does not
 decide another's latency. Any other drafter is called once per round, in the same fair
 order.
@@ -100,19 +100,22 @@ class Job:
             self.parts = got
             return
         if self.parts is None:
-            n, width = len(self.batch), self.batch.width
-            margins = np.zeros((n, width), np.float32) if got.margins is not None else None
-            self.parts = DraftResult(np.zeros((n, width), np.int32), np.zeros(n, np.int32), margins)
+            n = len(self.batch)
+
+            def like(a):  # the whole round's array of a piece's
+                return None if a is None else np.zeros((n, *a.shape[1:]), a.dtype)
+
+            self.parts = DraftResult(*(like(getattr(got, f.name)) for f in dataclasses.fields(DraftResult)))
         rows = slice(start, start + len(got.counts))
-        self.parts.tokens[rows], self.parts.counts[rows] = got.tokens, got.counts
-        if got.margins is not None:
-            self.parts.margins[rows] = got.margins
+        for f in dataclasses.fields(DraftResult):
+            if getattr(got, f.name) is not None:
+                getattr(self.parts, f.name)[rows] = getattr(got, f.name)
 
 
 def merge(batches: list[DraftBatch]) -> DraftBatch:
-    """One batch of several sessions' rounds (the same row size; the scheduler merges
-    rounds of one width, any works), entry order kept: a session per entry, the widest
-    width, margins when any round asks."""
+    """One batch of several sessions' rounds (the same row size, all sampled or none; the
+    scheduler merges rounds of one width, any works), entry order kept: a session per
+    entry, the widest width, margins when any round asks."""
     sizes = [len(b) for b in batches]
     lens = np.concatenate([np.diff(b.offsets) for b in batches])
     offsets = np.zeros(len(lens) + 1, np.int64)
@@ -129,15 +132,18 @@ def merge(batches: list[DraftBatch]) -> DraftBatch:
         gens=np.concatenate([b.gens for b in batches]),
         lengths=np.concatenate([b.lengths for b in batches]),
         positions=np.concatenate([b.starts() for b in batches]),
+        temperature=np.concatenate([b.temperature for b in batches]) if batches[0].sampled else None,
+        seed=np.concatenate([b.seed for b in batches]) if batches[0].sampled else None,
     )
 
 
 def part(result: DraftResult, start: int, batch: DraftBatch) -> DraftResult:
     """``batch``'s part of a merged call's ``result`` (its entries from ``start``), in its
     own width and with margins only if it asked."""
-    rows = slice(start, start + len(batch))
-    margins = result.margins[rows, : batch.width] if batch.want_margin and result.margins is not None else None
-    return DraftResult(result.tokens[rows, : batch.width], result.counts[rows], margins)
+    rows, cols = slice(start, start + len(batch)), slice(0, batch.width)
+    margins = result.margins[rows, cols] if batch.want_margin and result.margins is not None else None
+    q = (result.q_ids[rows, cols], result.q_weights[rows, cols]) if batch.sampled else (None, None)
+    return DraftResult(result.tokens[rows, cols], result.counts[rows], margins, *q)
 
 
 class Scheduler:
@@ -267,10 +273,10 @@ class Scheduler:
     def _draft_pieces(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job]) -> None:
         for job in late:  # answered with the pieces drafted, or None: none was
             self._finish(job, job.parts)
-        if self.mixed:  # one call per row size and width, the narrowest first
+        if self.mixed:  # one call per width, row size and kind, the narrowest first
             groups = collections.defaultdict(list)
             for piece in pieces:
-                groups[piece[2].width, piece[2].rows.shape[1]].append(piece)
+                groups[piece[2].width, piece[2].rows.shape[1], piece[2].sampled].append(piece)
             for key in sorted(groups):
                 self._call(groups[key])
         else:

@@ -2,6 +2,7 @@
 value in every key mode; the per-entry adapter; how ``as_batched`` and ``load_drafter``
 pick a path; the result contract the worker enforces."""
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -191,6 +192,29 @@ def test_check_result_clamps_zeroes_and_names_bad_shapes():
         DraftResult(np.zeros((2, 3), np.int32), np.zeros(2, np.int32), None), batch
     ).margins.tolist() == [[0, 0, 0], [0, 0, 0]]
     assert check_result(sloppy, _batch([[1], [2]], [1, 2], 3, want_margin=False)).margins is None
+
+
+def test_check_result_holds_a_sampled_rounds_distributions_to_the_rule():
+    batch = dataclasses.replace(
+        _batch([[1], [2]], [2, 1], 2), temperature=np.ones(2, np.float32), seed=np.zeros(2, np.uint64)
+    )
+    ids = np.broadcast_to(np.arange(32, dtype=np.int32), (2, 2, 32)).copy()
+    weights = np.zeros((2, 2, 32), np.uint16)
+    weights[..., 3] = 65535
+    tokens = np.array([[3, 3], [3, 9]], np.int32)  # entry 1's second draft is past its count
+    out = check_result(DraftResult(tokens, np.array([2, 1], np.int32), None, ids, weights), batch)
+    assert out.q_ids[1, 1].tolist() == [0] * 32 and out.q_weights[1, 1].sum() == 0  # zeroed past counts
+    assert out.q_weights[0, 1, 3] == 65535
+    with pytest.raises(ValueError, match=r"q_ids: shape \(\), expected \(2, 2, 32\)"):
+        check_result(DraftResult(tokens, np.array([2, 1], np.int32)), batch)
+    short = weights.copy()
+    short[0, 0, 3] -= 1
+    with pytest.raises(ValueError, match="distributions: position 0: weights sum to 65534"):
+        check_result(DraftResult(tokens, np.array([2, 1], np.int32), None, ids, short), batch)
+    elsewhere = tokens.copy()
+    elsewhere[0, 1] = 4  # id 4 has weight 0
+    with pytest.raises(ValueError, match="drafted token 4 not among its ids of weight > 0"):
+        check_result(DraftResult(elsewhere, np.array([2, 1], np.int32), None, ids, weights), batch)
 
 
 def test_load_drafter_accepts_batched_and_per_entry_factories(tmp_path, monkeypatch):

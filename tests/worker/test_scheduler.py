@@ -6,6 +6,7 @@ cannot take mixed sessions is called once per round. The drafter is held at a ga
 that rounds queue deterministically; time is a clock the test moves (or the drafter
 moves, by the tokens it drafts)."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -14,7 +15,7 @@ from helpers import connect, until
 
 from remote_dspark import wire
 from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.drafter.contract import DraftBatch
+from remote_dspark.drafter.contract import DraftBatch, DraftResult
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.worker import Worker
 from remote_dspark.worker.scheduler import Scheduler
@@ -125,6 +126,64 @@ def test_rounds_queued_together_are_one_call_and_each_gets_what_it_gets_alone():
         assert got.tokens.shape == (len(batch), batch.width) and got.counts.tolist() == alone.counts.tolist()
         assert got.tokens.tolist() == alone.tokens.tolist()
         assert (got.margins is None) == (not batch.want_margin)
+
+
+class Sampling:
+    """A sampled drafter of a fixed rule: every entry drafts ``last + 1 + seed`` (mod 128)
+    then on, each draft with the whole weight on it among 32 consecutive ids."""
+
+    drafter_identity, markov_identity = b"s" * 32, b"m" * 32
+    mixed_sessions = samples = True
+
+    def draft_batch(self, batch):
+        n, k = len(batch), batch.width
+        last = batch.tokens[batch.offsets[1:] - 1].astype(np.int64)
+        seed = batch.seed.astype(np.int64) if batch.sampled else np.zeros(n, np.int64)
+        tokens = (last[:, None] + 1 + seed[:, None] + np.arange(k)) % 128
+        if not batch.sampled:
+            return DraftResult(tokens.astype(np.int32), batch.n_out.copy())
+        ids = (tokens[..., None] + np.arange(32)) % 128
+        weights = np.zeros((n, k, 32), np.uint16)
+        weights[..., 0] = 65535
+        return DraftResult(tokens.astype(np.int32), batch.n_out.copy(), None, ids.astype(np.int32), weights)
+
+
+def sampled(batch, seed):
+    n = len(batch)
+    return dataclasses.replace(batch, temperature=np.ones(n, np.float32), seed=np.full(n, seed, np.uint64))
+
+
+def test_sampled_rounds_share_a_call_never_with_greedy_ones_and_keep_their_distributions():
+    gated = Gated(Sampling())
+    gated.samples = True
+    s = Scheduler(gated, max_entries=64, max_tokens=1024).start()
+    try:
+        a = sampled(stream_batch(1, [0, 1], [[1, 2, 3], [5]]), 1)
+        b = sampled(stream_batch(2, [0], [[6, 7]]), 2)
+        jobs = [(1, a, float("inf")), (2, b, float("inf"))]
+        (_, box_a), (_, box_b) = gate_then(s, gated, jobs)
+        gated.release.clear()
+        gated.entered.clear()
+        gated.hold.set()
+        greedy = stream_batch(3, [0], [[9]])
+        first = submit(s, 99, sampled(stream_batch(99, [0], [[1, 2]]), 0))
+        assert gated.entered.wait(10)
+        held = [submit(s, 4, sampled(stream_batch(4, [0], [[9]]), 0)), submit(s, 3, greedy)]
+        assert until(lambda: queued(s) == 2)
+        gated.hold.clear()
+        gated.release.set()
+        for t, _ in [first, *held]:
+            t.join(10)
+    finally:
+        s.stop()
+    assert len(gated.calls[1]) == 3 and gated.calls[1].sampled  # a and b in one call
+    assert box_a["result"].tokens.tolist() == [[5, 6, 7], [7, 8, 9]] and box_b["result"].tokens.tolist() == [
+        [10, 11, 12]
+    ]
+    assert box_a["result"].q_ids.shape == (2, 3, 32) and box_a["result"].q_ids[1, 0, 0] == 7
+    assert box_b["result"].q_weights[0, :, 0].tolist() == [65535] * 3
+    assert "error" not in held[1][1] and held[1][1]["result"].q_ids is None  # greedy: no distributions
+    assert [c.sampled for c in gated.calls[-2:]] in ([True, False], [False, True])  # not merged
 
 
 def test_a_round_whose_deadline_passed_in_the_queue_is_answered_empty():
