@@ -4,10 +4,12 @@ drafted together or one at a time.
 Starts ``remote-dspark worker`` (``--drafter``, ``--device``) on 127.0.0.1 as a child
 process, then ``--engines`` engine processes of ``--slots`` slots each. An engine says
 HELLO, announces every slot with a 16-token prompt of the synthetic language (NEW_GEN,
-unmeasured), then sends ``--rounds`` rounds as fast as their replies come, each
-appending 3 tokens to every slot, k = ``--num-spec`` drafts each, and times each round
-from its send to its reply. The engines start their measured rounds together (a
-barrier). Rows:
+unmeasured), then sends ``--warmup`` rounds and ``--rounds`` rounds as fast as their
+replies come, each appending 3 tokens to every slot, k = ``--num-spec`` drafts each, and
+times each of the latter from its send to its reply. The engines start together (a
+barrier); the warm-up rounds meet the shapes of the calls they make together (a model
+drafter on CUDA captures a graph the first time it meets a shape, as a server does once),
+and entries per second count the measured rounds over their own span. Rows:
 
 ``alone``        one engine, the worker to itself (the latency each engine is held to);
 ``batched``      all the engines, the worker's scheduler drafting what is queued in one
@@ -52,6 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--engines", type=int, default=4, help="engine processes (default 4)")
     p.add_argument("--slots", type=int, default=64, help="slots per engine (default 64)")
     p.add_argument("--rounds", type=int, default=50, help="measured rounds per engine (default 50)")
+    p.add_argument("--warmup", type=int, default=10, help="unmeasured rounds per engine first (default 10)")
     p.add_argument("--num-spec", type=int, default=5, help="k: drafts per entry (default 5)")
     p.add_argument(
         "--storm",
@@ -71,17 +74,26 @@ def add_parser(sub) -> None:
 
 def options(args) -> None:
     """Raises: ValueError naming the bad argument."""
-    limits = (("engines", 1, 64), ("slots", 1, 1024), ("rounds", 1, 100_000), ("num_spec", 1, 32), ("storm", 0, 16))
+    limits = (
+        ("engines", 1, 64),
+        ("slots", 1, 1024),
+        ("rounds", 1, 100_000),
+        ("warmup", 0, 100_000),
+        ("num_spec", 1, 32),
+        ("storm", 0, 16),
+    )
     for name, low, high in limits:
         if not low <= getattr(args, name) <= high:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
 
 
 def engine(
-    port: int, identities, engine_id: int, slots: int, rounds: int, k: int, ready, go, storm=None
-) -> tuple[list, int, int]:
+    port: int, identities, engine_id: int, slots: int, rounds: int, k: int, ready, go, storm=None, warmup: int = 0
+) -> tuple[list, int, int, list]:
     """One engine: HELLO, announce (then ``ready()``, ``go()`` waits for the others),
-    ``rounds`` timed rounds. Returns (latencies in seconds, entries, draft tokens). A storm
+    ``warmup`` rounds, ``rounds`` timed rounds. Returns (latencies in seconds, entries and
+    draft tokens of the timed rounds, their span: [first send, last reply] on the host's
+    monotonic clock, which every process shares). A storm
     engine (``storm``: a callable, True while it should go on) sends NEW_GEN rounds of
     whole windows instead, until told to stop."""
     import numpy as np
@@ -117,12 +129,15 @@ def engine(
             while storm():
                 rid += 1
                 drafted += round_(rid, True)
-            return [], (rid - 1) * slots, drafted
-        for rid in range(2, rounds + 2):
+            return [], (rid - 1) * slots, drafted, []
+        for rid in range(2, warmup + 2):
+            round_(rid, False)
+        start = time.monotonic()
+        for rid in range(warmup + 2, warmup + rounds + 2):
             t0 = time.perf_counter()
             drafted += round_(rid, False)
             latencies.append(time.perf_counter() - t0)
-        return latencies, rounds * slots, drafted
+        return latencies, rounds * slots, drafted, [start, time.monotonic()]
     finally:
         c.close()
 
@@ -142,8 +157,7 @@ def engine_main() -> None:
         if sys.stdin.readline().strip() != "go":
             raise SystemExit("no go")
 
-    latencies, entries, drafted = engine(identities=identities, ready=ready, go=go, **cfg)
-    print(json.dumps([latencies, entries, drafted]), flush=True)
+    print(json.dumps(engine(identities=identities, ready=ready, go=go, **cfg)), flush=True)
 
 
 def _line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
@@ -178,14 +192,13 @@ def measure(args, mode: str, bar) -> dict:
         try:
             for e, p in enumerate(procs):
                 cfg = dict(port=worker.port, identities=[worker.identity, worker.markov_identity], engine_id=100 + e)
-                cfg.update(slots=args.slots, rounds=args.rounds, k=args.num_spec)
+                cfg.update(slots=args.slots, rounds=args.rounds, k=args.num_spec, warmup=args.warmup)
                 if mode == "storm" and e > 0:  # engine 0 is the honest one
                     cfg.update(slots=STORM_SLOTS, k=STORM_K, storm=True)
                 p.stdin.write(json.dumps(cfg) + "\n")
                 p.stdin.flush()
             for p in procs:
                 _line(p, 120, "ready")
-            t0 = time.perf_counter()
             for p in procs:
                 p.stdin.write("go\n")
                 p.stdin.flush()
@@ -196,11 +209,9 @@ def measure(args, mode: str, bar) -> dict:
                     p.stdin.flush()
                 got.append(json.loads(_line(p, 600, "result")))
                 bar(f"{mode}: engine {i + 1}/{engines}")
-                if i == 0:
-                    first = time.perf_counter() - t0
-            wall = first if mode == "storm" else time.perf_counter() - t0
             if mode == "storm":  # the honest engine's figures
                 got = got[:1]
+            wall = max(g[3][1] for g in got) - min(g[3][0] for g in got)  # the timed rounds' span
         finally:
             for p in procs:
                 p.stdin.close()
@@ -235,7 +246,7 @@ def make_report(args, rows: list[dict]) -> dict:
     if "storm" in by and "alone" in by:
         x = by["storm"]["p50_ms"] / by["alone"]["p50_ms"]
         goals.append({"goal": "honest p50 in the storm <= 2x alone", "value": round(x, 2), "met": x <= 2.0})
-    names = ("engines", "slots", "rounds", "num_spec", "drafter", "device", "storm", "max_batch_tokens")
+    names = ("engines", "slots", "rounds", "warmup", "num_spec", "drafter", "device", "storm", "max_batch_tokens")
     config = {k: getattr(args, k) for k in names}
     return {"bench": "worker-engines", "config": config, "rows": rows, "goals": goals}
 
@@ -243,7 +254,7 @@ def make_report(args, rows: list[dict]) -> dict:
 def format_table(report: dict) -> str:
     c = report["config"]
     lines = [
-        f"worker-engines: {c['engines']} engines x {c['slots']} slots, {c['rounds']} rounds each, k={c['num_spec']}, "
+        f"worker-engines: {c['engines']} engines x {c['slots']} slots, {c['rounds']} rounds each after {c['warmup']}, k={c['num_spec']}, "
         f"drafter {c['drafter']} ({c['device']})",
         f"{'mode':<11} {'engines':>7} {'slots':>5} {'p50 ms':>9} {'p99 ms':>9} {'entries/s':>11}",
         "-" * 58,

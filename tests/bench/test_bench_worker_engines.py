@@ -16,6 +16,7 @@ def test_bad_arguments_name_the_flag(capsys):
         (["--engines", "0"], "--engines 0: must be in 1..64"),
         (["--slots", "5000"], "--slots 5000: must be in 1..1024"),
         (["--rounds", "0"], "--rounds 0"),
+        (["--warmup", "-1"], "--warmup -1: must be in 0..100000"),
         (["--storm", "17"], "--storm 17: must be in 0..16"),
     ):
         assert cli.main(["bench", "worker-engines", *argv]) == 2
@@ -24,7 +25,8 @@ def test_bad_arguments_name_the_flag(capsys):
 
 @pytest.mark.slow
 def test_every_mode_drafts_every_entry_and_the_goals_come_from_the_rows(capsys):
-    argv = ["--engines", "2", "--slots", "4", "--rounds", "3", "--drafter", "markov", "--storm", "1", "--json"]
+    argv = ["--engines", "2", "--slots", "4", "--rounds", "3", "--warmup", "2", "--drafter", "markov", "--storm", "1"]
+    argv.append("--json")
     assert cli.main(["bench", "worker-engines", *argv]) == 0
     report = json.loads(capsys.readouterr().out)
     rows = {r["mode"]: r for r in report["rows"]}
@@ -32,6 +34,7 @@ def test_every_mode_drafts_every_entry_and_the_goals_come_from_the_rows(capsys):
     assert [rows[m]["engines"] for m in rows] == [1, 2, 2, 2]  # the storm: one honest engine and one storm
     assert all(r["p99_ms"] >= r["p50_ms"] > 0 and r["entries_per_s"] > 0 for r in rows.values())
     assert rows["batched"]["draft_tokens"] == rows["serialized"]["draft_tokens"] > 0  # the same drafts either way
+    assert report["config"]["warmup"] == 2 and rows["alone"]["draft_tokens"] <= 3 * 4 * 5  # timed rounds only
     ratio = rows["batched"]["entries_per_s"] / rows["serialized"]["entries_per_s"]
     assert report["goals"][0]["value"] == round(ratio, 2)
     storm = rows["storm"]
