@@ -254,8 +254,8 @@ def make_report(args, rows: list[dict]) -> dict:
 def format_table(report: dict) -> str:
     c = report["config"]
     lines = [
-        f"worker-engines: {c['engines']} engines x {c['slots']} slots, {c['rounds']} rounds each after {c['warmup']}, k={c['num_spec']}, "
-        f"drafter {c['drafter']} ({c['device']})",
+        f"worker-engines: {c['engines']} engines x {c['slots']} slots, {c['rounds']} rounds each after "
+        f"{c['warmup']}, k={c['num_spec']}, drafter {c['drafter']} ({c['device']})",
         f"{'mode':<11} {'engines':>7} {'slots':>5} {'p50 ms':>9} {'p99 ms':>9} {'entries/s':>11}",
         "-" * 58,
     ]
