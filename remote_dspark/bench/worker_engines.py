@@ -20,7 +20,12 @@ and entries per second count the measured rounds over their own span. Rows:
                  NEW_GEN of whole windows) until it is done.
 
 A row gives the median and p99 of the engines' rounds and the entries drafted per
-second across all engines. The goals (never asserted): batched >= 4x serialized's
+second across all engines, and the worker's memory: its peak resident set over the row
+(``VmHWM``) less its resident set once started (model, store and scratch rows reserved),
+beside the bound the design's memory table gives for the connections the row opens
+(each 3 x its frame cap and its windows) and, for a model drafter on the CPU, a call's
+working set at the budget (:mod:`remote_dspark.drafter.lm.budget`; on CUDA that is the
+GPU's memory, not the worker's). The goals (never asserted): batched >= 4x serialized's
 entries per second, and the batched p99 <= 2x alone's (the issue's H200 goal; on 2
 cores, batched >= 2x serialized, p99 <= 1.5x); in the storm the honest engine's p50 <= 2x
 its p50 alone.
@@ -168,6 +173,37 @@ def _line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
     return line
 
 
+def _proc_kib(pid: int, field: str) -> int | None:
+    """``field`` (VmRSS, VmHWM) of process ``pid`` in KiB, None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
+    except OSError:
+        return None
+
+
+def memory_bound(args, engines: int, storm: bool) -> int:
+    """The worker's growth the memory table allows for a row's connections, in bytes."""
+    from .. import wire
+    from ..worker.limits import Limits
+    from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
+
+    limits = Limits(max_slots=max(args.slots, STORM_SLOTS), window=WINDOW)
+    bound = 0
+    for e in range(engines):
+        slots, k = (STORM_SLOTS, STORM_K) if storm and e > 0 else (args.slots, args.num_spec)
+        hello = wire.Hello(b"\0" * 32, b"\0" * 32, e, slots, 0, k)
+        bound += 3 * limits.frame_cap(hello) + slots * (8 * WINDOW + 17)
+    if args.drafter == "lm" and args.device == "cpu":
+        from ..drafter.lm.budget import part_limit, working_bytes
+        from ..drafter.lm.drafter import LMDrafter
+
+        d = LMDrafter(device="cpu", cache_slots=0, window=WINDOW)
+        tokens = args.max_batch_tokens or DEFAULT_MAX_TOKENS
+        bound += working_bytes(d.model, d.store, DEFAULT_MAX_ENTRIES, part_limit(tokens, d.store.columns))
+    return bound
+
+
 def measure(args, mode: str, bar) -> dict:
     """One row: a worker of its own for ``mode``, its engine processes, their rounds (for
     ``storm``, the honest engine's, beside ``--storm`` storm engines)."""
@@ -184,6 +220,7 @@ def measure(args, mode: str, bar) -> dict:
     if args.max_batch_tokens is not None:
         extra += ["--max-batch-tokens", str(args.max_batch_tokens)]
     with WorkerProcess(chaos=False, extra=tuple(extra)) as worker:
+        started = _proc_kib(worker.proc.pid, "VmRSS")
         code = "from remote_dspark.bench.worker_engines import engine_main; engine_main()"
         procs = [
             subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -209,6 +246,7 @@ def measure(args, mode: str, bar) -> dict:
                     p.stdin.flush()
                 got.append(json.loads(_line(p, 600, "result")))
                 bar(f"{mode}: engine {i + 1}/{engines}")
+            peak = _proc_kib(worker.proc.pid, "VmHWM")
             if mode == "storm":  # the honest engine's figures
                 got = got[:1]
             wall = max(g[3][1] for g in got) - min(g[3][0] for g in got)  # the timed rounds' span
@@ -230,6 +268,8 @@ def measure(args, mode: str, bar) -> dict:
         "p50_ms": round(float(np.percentile(lat, 50)), 3),
         "p99_ms": round(float(np.percentile(lat, 99)), 3),
         "entries_per_s": round(entries / wall, 1),
+        "rss_growth_mb": None if peak is None or started is None else round((peak - started) / 1024, 1),
+        "rss_bound_mb": round(memory_bound(args, engines, mode == "storm") / 2**20, 1),
         "draft_tokens": sum(g[2] for g in got),
     }
 
@@ -243,6 +283,8 @@ def make_report(args, rows: list[dict]) -> dict:
     if "batched" in by and "alone" in by:
         x = by["batched"]["p99_ms"] / by["alone"]["p99_ms"]
         goals.append({"goal": f"batched p99 <= {GOAL_P99_X}x alone", "value": round(x, 2), "met": x <= GOAL_P99_X})
+    within = all(r["rss_growth_mb"] is None or r["rss_growth_mb"] <= r["rss_bound_mb"] for r in rows)
+    goals.append({"goal": "the worker's memory growth within its bound, every row", "value": None, "met": within})
     if "storm" in by and "alone" in by:
         x = by["storm"]["p50_ms"] / by["alone"]["p50_ms"]
         goals.append({"goal": "honest p50 in the storm <= 2x alone", "value": round(x, 2), "met": x <= 2.0})
@@ -256,16 +298,19 @@ def format_table(report: dict) -> str:
     lines = [
         f"worker-engines: {c['engines']} engines x {c['slots']} slots, {c['rounds']} rounds each after "
         f"{c['warmup']}, k={c['num_spec']}, drafter {c['drafter']} ({c['device']})",
-        f"{'mode':<11} {'engines':>7} {'slots':>5} {'p50 ms':>9} {'p99 ms':>9} {'entries/s':>11}",
-        "-" * 58,
+        f"{'mode':<11} {'engines':>7} {'slots':>5} {'p50 ms':>9} {'p99 ms':>9} {'entries/s':>11} "
+        f"{'rss+ MB':>8} {'bound MB':>8}",
+        "-" * 76,
     ]
     for r in report["rows"]:
         lines.append(
             f"{r['mode']:<11} {r['engines']:>7} {r['slots']:>5} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} "
-            f"{r['entries_per_s']:>11,.0f}"
+            f"{r['entries_per_s']:>11,.0f} {'-' if r['rss_growth_mb'] is None else r['rss_growth_mb']:>8} "
+            f"{r['rss_bound_mb']:>8}"
         )
     for g in report["goals"]:
-        lines.append(f"goal {g['goal']}: {g['value']}x, {'met' if g['met'] else 'NOT met'}")
+        value = "" if g["value"] is None else f"{g['value']}x, "
+        lines.append(f"goal {g['goal']}: {value}{'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
 
 

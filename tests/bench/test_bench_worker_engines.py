@@ -39,4 +39,10 @@ def test_every_mode_drafts_every_entry_and_the_goals_come_from_the_rows(capsys):
     assert report["goals"][0]["value"] == round(ratio, 2)
     storm = rows["storm"]
     assert storm["draft_tokens"] > 0
-    assert report["goals"][2]["value"] == round(storm["p50_ms"] / rows["alone"]["p50_ms"], 2)
+    goals = {g["goal"]: g for g in report["goals"]}
+    assert goals["honest p50 in the storm <= 2x alone"]["value"] == round(storm["p50_ms"] / rows["alone"]["p50_ms"], 2)
+    # The worker's memory: measured from /proc (Linux), beside the memory table's bound.
+    assert all(r["rss_growth_mb"] is not None and r["rss_bound_mb"] > 0 for r in rows.values())
+    within = all(r["rss_growth_mb"] <= r["rss_bound_mb"] for r in rows.values())
+    assert goals["the worker's memory growth within its bound, every row"]["met"] == within
+    assert storm["rss_bound_mb"] > rows["alone"]["rss_bound_mb"]  # three 1024-slot storm connections
