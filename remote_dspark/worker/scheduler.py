@@ -36,8 +36,9 @@ Several rounds in one call: when the drafter takes batches of several sessions
 (``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
 rounds taken together with the same width, row size and kind (greedy or sampled) are
 concatenated (:func:`merge`: a session per entry, margins if any asks) and the answer
-split back (:func:`part`), each round getting exactly what it would get alone. Such calls are made narrowest first: a
-round of 5 drafts never rides in a call of 64 draft steps, so one engine's width does not
+split back (:func:`part`), each round getting exactly what it would get alone. Such calls are made narrowest first, and
+each call's rounds are answered as soon as it returns: a round of 5 drafts never rides in,
+nor waits for, a call of 64 draft steps taken with it, so one engine's width does not
 decide another's latency. Any other drafter is called once per round, in the same fair
 order.
 """
@@ -271,20 +272,22 @@ class Scheduler:
                     self._cond.notify()
 
     def _draft_pieces(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job]) -> None:
+        """A call's drafter calls, each group's rounds answered as soon as it is drafted (a
+        round never waits for a wider group of the same call)."""
         for job in late:  # answered with the pieces drafted, or None: none was
             self._finish(job, job.parts)
         if self.mixed:  # one call per width, row size and kind, the narrowest first
             groups = collections.defaultdict(list)
             for piece in pieces:
                 groups[piece[2].width, piece[2].rows.shape[1], piece[2].sampled].append(piece)
-            for key in sorted(groups):
-                self._call(groups[key])
+            calls = [groups[key] for key in sorted(groups)]
         else:
-            for piece in pieces:
-                self._call([piece])
-        for job in {id(p[0]): p[0] for p in pieces}.values():
-            if job.taken == len(job.batch) and not job.done.is_set():
-                self._finish(job, job.parts)
+            calls = [[piece] for piece in pieces]
+        for group in calls:  # a round has one piece a call at most: its group holds it
+            self._call(group)
+            for job, _, _ in group:
+                if job.taken == len(job.batch):
+                    self._finish(job, job.parts)
 
     def _take(self) -> tuple[list[tuple[Job, int, DraftBatch]], list[Job]]:
         """Under the lock: the pieces of one call, ``(job, first entry, batch)`` (deficit

@@ -296,6 +296,38 @@ def test_a_narrow_round_is_drafted_before_wide_ones_in_a_call_of_its_own():
     assert boxes[2][1]["result"].tokens.tolist() == [[5, 6, 7]]
 
 
+def test_a_narrow_round_is_answered_while_the_wide_group_of_its_call_is_still_drafting():
+    class WideHeld(Gated):
+        def draft_batch(self, batch):
+            if batch.width == 64:
+                self.wide.set()
+                assert self.wide_release.wait(10), "the test never released the wide call"
+            return super().draft_batch(batch)
+
+    gated = WideHeld(MarkovDrafter(COUNTING))
+    gated.wide, gated.wide_release = threading.Event(), threading.Event()
+    s = Scheduler(gated, max_entries=64, max_tokens=1024).start()
+    try:
+        gated.hold.set()
+        first = submit(s, 99, stream_batch(99, [0], [[1, 2]]))
+        assert gated.entered.wait(10)
+        wide = submit(s, 1, stream_batch(1, [0], [[1, 2]], width=64))
+        narrow = submit(s, 3, stream_batch(3, [0], [[4]], width=3))
+        assert until(lambda: queued(s) == 2)
+        gated.hold.clear()
+        gated.release.set()
+        assert gated.wide.wait(10)  # the wide group's call has begun, and is held ...
+        narrow[0].join(10)
+        assert not narrow[0].is_alive() and narrow[1]["result"].tokens.tolist() == [[5, 6, 7]]  # ... yet answered
+        assert wide[0].is_alive()
+    finally:
+        gated.wide_release.set()
+        for t, _ in (first, wide, narrow):
+            t.join(10)
+        s.stop()
+    assert wide[1]["result"].counts.tolist() == [64]
+
+
 def test_stopping_answers_queued_rounds_with_an_error_and_lets_the_call_in_flight_finish():
     gated = Gated(MarkovDrafter(COUNTING))
     s = Scheduler(gated, max_entries=64, max_tokens=1024).start()
