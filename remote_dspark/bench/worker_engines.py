@@ -4,12 +4,12 @@ drafted together or one at a time.
 Starts ``remote-dspark worker`` (``--drafter``, ``--device``) on 127.0.0.1 as a child
 process, then ``--engines`` engine processes of ``--slots`` slots each. An engine says
 HELLO, announces every slot with a 16-token prompt of the synthetic language (NEW_GEN,
-unmeasured), then sends ``--warmup`` rounds and ``--rounds`` rounds as fast as their
-replies come, each appending 3 tokens to every slot, k = ``--num-spec`` drafts each, and
-times each of the latter from its send to its reply. The engines start together (a
-barrier); the warm-up rounds meet the shapes of the calls they make together (a model
-drafter on CUDA captures a graph the first time it meets a shape, as a server does once),
-and entries per second count the measured rounds over their own span. Rows:
+unmeasured) and sends ``--warmup`` rounds, all engines at once (a model drafter on CUDA
+captures a graph the first time it meets a shape, as a server does once, and the
+warm-up meets the shapes of the calls the engines make together). Then, together (a
+barrier), each sends ``--rounds`` rounds as fast as their replies come, each appending 3
+tokens to every slot, k = ``--num-spec`` drafts each, and times each from its send to its
+reply; entries per second count those rounds over their own span. Rows:
 
 ``alone``        one engine, the worker to itself (the latency each engine is held to);
 ``batched``      all the engines, the worker's scheduler drafting what is queued in one
@@ -21,7 +21,8 @@ and entries per second count the measured rounds over their own span. Rows:
 
 A row gives the median and p99 of the engines' rounds and the entries drafted per
 second across all engines, and the worker's memory: its peak resident set over the row
-(``VmHWM``) less its resident set once started (model, store and scratch rows reserved),
+(``VmHWM``) less its resident set at the barrier (once the engines announced and warmed
+up: the model, its store, the libraries' and the graphs' one-time memory are in),
 beside the bound the design's memory table gives for the connections the row opens
 (each 3 x its frame cap and its windows) and, for a model drafter on the CPU, a call's
 working set at the budget (:mod:`remote_dspark.drafter.lm.budget`; on CUDA that is the
@@ -126,17 +127,17 @@ def engine(
             return int(sum(d.counts))
 
         round_(1, True)
+        for rid in range(2, warmup + 2):  # a storm engine warms up with its own rounds
+            round_(rid, storm is not None)
         ready()
         go()
         latencies, drafted = [], 0
         if storm is not None:
-            rid = 1
+            rid = warmup + 1
             while storm():
                 rid += 1
                 drafted += round_(rid, True)
-            return [], (rid - 1) * slots, drafted, []
-        for rid in range(2, warmup + 2):
-            round_(rid, False)
+            return [], (rid - warmup - 1) * slots, drafted, []
         start = time.monotonic()
         for rid in range(warmup + 2, warmup + rounds + 2):
             t0 = time.perf_counter()
@@ -182,6 +183,17 @@ def _proc_kib(pid: int, field: str) -> int | None:
         return None
 
 
+def _barrier_rss(pid: int) -> int | None:
+    """Process ``pid``'s resident set in KiB now, its peak reset to it (``clear_refs``
+    5: Linux), or None where either cannot be done."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_kib(pid, "VmRSS")
+
+
 def memory_bound(args, engines: int, storm: bool) -> int:
     """The worker's growth the memory table allows for a row's connections, in bytes."""
     from .. import wire
@@ -220,7 +232,6 @@ def measure(args, mode: str, bar) -> dict:
     if args.max_batch_tokens is not None:
         extra += ["--max-batch-tokens", str(args.max_batch_tokens)]
     with WorkerProcess(chaos=False, extra=tuple(extra)) as worker:
-        started = _proc_kib(worker.proc.pid, "VmRSS")
         code = "from remote_dspark.bench.worker_engines import engine_main; engine_main()"
         procs = [
             subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -236,6 +247,7 @@ def measure(args, mode: str, bar) -> dict:
                 p.stdin.flush()
             for p in procs:
                 _line(p, 120, "ready")
+            started = _barrier_rss(worker.proc.pid)
             for p in procs:
                 p.stdin.write("go\n")
                 p.stdin.flush()
@@ -246,7 +258,7 @@ def measure(args, mode: str, bar) -> dict:
                     p.stdin.flush()
                 got.append(json.loads(_line(p, 600, "result")))
                 bar(f"{mode}: engine {i + 1}/{engines}")
-            peak = _proc_kib(worker.proc.pid, "VmHWM")
+            peak = _proc_kib(worker.proc.pid, "VmHWM") if started is not None else None
             if mode == "storm":  # the honest engine's figures
                 got = got[:1]
             wall = max(g[3][1] for g in got) - min(g[3][0] for g in got)  # the timed rounds' span

@@ -117,9 +117,13 @@ def test_on_cuda_a_call_at_the_budget_stays_within_its_working_bytes(tmp_path):
         tokens = d.reserve(256, 4096)
         bound = budget.working_bytes(d.model, d.store, 256, budget.part_limit(tokens, d.store.columns))
         rng = np.random.default_rng(2)
-        d.draft_batch(batch_of([[1, 2]], [2], 2))  # the libraries' one-time allocations
+        one = np.ones(1, np.int64)
+        d.draft_batch(batch_of([[1, 2]], [2], 2, session=2, slots=one, gens=one, lengths=2 * one))  # libraries' own
         long = [rng.integers(0, 100, 64).tolist() for _ in range(40)]
-        batch = batch_of(long + [[int(t)] for t in rng.integers(0, 100, 216)], [8] * 256, 8)
+        contexts = long + [[int(t)] for t in rng.integers(0, 100, 216)]
+        lengths = np.array([len(c) for c in contexts], np.int64)
+        zeros = np.zeros(256, np.int64)  # streams, as the worker's: every entry has a cache row
+        batch = batch_of(contexts, [8] * 256, 8, session=1, slots=np.arange(256), gens=zeros, lengths=lengths)
         for _ in range(2):  # the first captures, the second replays
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
