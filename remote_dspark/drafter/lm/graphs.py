@@ -3,10 +3,10 @@ hundreds of kernel launches.
 
 A round (:meth:`Rounds.run`) encodes each entry's new tokens into its row of the KV
 store (:class:`~remote_dspark.drafter.lm.cache.KVStore`), then takes ``width - 1``
-greedy steps, every query attending to its row in place (:mod:`.attention`). Small
-models' kernels take microseconds, and eager PyTorch spends about as long on each
-launch, so on a GPU the whole round, prefill and steps, is captured once per shape and
-replayed. Its shapes must then be fixed:
+steps (greedy, or sampled: below), every query attending to its row in place
+(:mod:`.attention`). Small models' kernels take microseconds, and eager PyTorch spends
+about as long on each launch, so on a GPU the whole round, prefill and steps, is
+captured once per shape and replayed. Its shapes must then be fixed:
 
 * rows: the round's entry count rounded up to a power of two (at least ``MIN_ROWS``);
   the entries past the round's encode token 0 at column 0 of store row 0 and draft
@@ -105,7 +105,15 @@ def choose(logits: torch.Tensor, sampling: Sampling | None, j: int) -> tuple[tor
 
 
 def draft_steps(
-    model, token: torch.Tensor, pos: torch.Tensor, kv, rows: torch.Tensor, steps: int, origin, write, sampling=None
+    model,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    kv,
+    rows: torch.Tensor,
+    steps: int,
+    origin,
+    write,
+    sampling: Sampling | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """``steps`` steps after ``token`` [n] at column ``pos`` [n, 1] of store rows
     ``rows`` [n] (absolute position ``origin + pos``), drafts 1..steps of the round: each
