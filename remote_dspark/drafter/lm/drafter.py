@@ -1,4 +1,5 @@
-"""The batched model drafter: greedy drafts from a causal LM, with a KV cache per stream.
+"""The batched model drafter: greedy or sampled drafts from a causal LM, with a KV cache
+per stream.
 
 One round (:meth:`LMDrafter.draft_batch`) is, for its n entries at once:
 
@@ -8,11 +9,21 @@ One round (:meth:`LMDrafter.draft_batch`) is, for its n entries at once:
    store (:class:`~remote_dspark.drafter.lm.cache.KVStore`);
 2. one host-to-device copy of every integer the round needs (padded tokens, positions,
    rows), packed into one array;
-3. one forward over the padded ragged batch, then ``width - 1`` batched greedy steps (one
+3. one forward over the padded ragged batch, then ``width - 1`` batched steps (one
    forward over all n entries each), every query writing its K/V into its entry's row
    and attending to that row in place (:mod:`.attention`): no row is copied in or out;
-4. one device-to-host copy of tokens and margins. The drafts' K/V stay in the rows past
-   each row's ``fill``, dead.
+4. one device-to-host copy of tokens and margins (and a sampled round's distributions).
+   The drafts' K/V stay in the rows past each row's ``fill``, dead.
+
+A sampled round (``batch.sampled``) draws each step's token by the sampling rule
+(:mod:`remote_dspark.drafter.sampling`; on the device its twin, :mod:`.sampling`) instead
+of taking the argmax, and feeds the drawn token to the next step: draft j of entry i is
+``pick(q_ids[i, j], q_weights[i, j], uniform_u32(seed[i], p, j))`` with ``p =
+batch.starts()[i] + len(context_i) + j``, its distribution given the drafts before it.
+Temperature 0 is greedy (the argmax, one-hot weights). Its temperatures (float32 bits),
+seeds (uint64 bits) and first positions go up in the round's one integer copy
+(:meth:`.graphs.Rounds.run`); its margins are the greedy round's rule (softmax's top1 -
+top2 at temperature 1) over the same logits.
 
 No Python loop over entries: the loops are over draft steps and layers. Margins are the
 softmax's top1 - top2 (float32). On CUDA the model and the store are bf16, on CPU float32,
@@ -32,6 +43,7 @@ import numpy as np
 import torch
 
 from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
+from ..sampling import TOP
 from .budget import fitting_tokens, part_limit, working_bytes
 from .cache import KVStore, Plan, SlotCache, memory_free, row_tokens, uncached_plan
 from .graphs import Rounds, top2
@@ -59,6 +71,30 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def sampling_rows(batch: DraftBatch, ctx_lens: np.ndarray) -> np.ndarray:
+    """A sampled round's integers per entry, for :meth:`.graphs.Rounds.run`: [3, n] int64,
+    each entry's temperature (its float32 bits), seed (its uint64 bits) and its draft 0's
+    absolute position (``starts + ctx_lens``).
+
+    Raises: ValueError naming ``temperature`` (not [n], or not finite and >= 0) or
+    ``seed`` (not [n])."""
+    n = len(batch)
+    t = np.asarray(batch.temperature, np.float32)
+    if t.shape != (n,):
+        raise ValueError(f"temperature: shape {t.shape}, expected {(n,)}")
+    bad = ~(np.isfinite(t) & (t >= 0))
+    if bad.any():
+        raise ValueError(f"temperature {t[bad][0]!r} (entry {int(np.argmax(bad))}): expected a finite value >= 0")
+    seed = np.asarray(batch.seed if batch.seed is not None else np.zeros(0, np.uint64))
+    if seed.shape != (n,):
+        raise ValueError(f"seed: shape {seed.shape}, expected {(n,)} (a sampled round)")
+    out = np.empty((3, n), np.int64)
+    out[0] = (t + np.float32(0)).view(np.int32)  # -0.0 made +0.0: every temperature's bits below 2**31
+    out[1] = seed.astype(np.uint64).view(np.int64)
+    out[2] = batch.starts() + ctx_lens
+    return out
+
+
 def greedy_result(batch: DraftBatch, ctx_lens: np.ndarray, tokens: np.ndarray, margins: np.ndarray) -> DraftResult:
     """The round's answer from ``width`` greedy steps for every entry: ``min(n_out,
     width)`` drafts each (none for an empty context), zeros past the counts."""
@@ -71,8 +107,23 @@ def greedy_result(batch: DraftBatch, ctx_lens: np.ndarray, tokens: np.ndarray, m
     )
 
 
+def round_result(batch: DraftBatch, ctx_lens: np.ndarray, out: np.ndarray) -> DraftResult:
+    """The round's answer from :meth:`.graphs.Rounds.run`'s ``out`` [n, columns]: greedy
+    (:func:`greedy_result`), or sampled with each drafted position's distribution
+    (``q_ids`` int32, ``q_weights`` uint16 ``[n, width, TOP]``, zeros past the counts)."""
+    n, width = len(batch), batch.width
+    result = greedy_result(batch, ctx_lens, out[:, :width], out[:, width : 2 * width])
+    if not batch.sampled:
+        return result
+    q = out[:, 2 * width :].reshape(n, 2, width, TOP)
+    live = (np.arange(width) < result.counts[:, None])[..., None]
+    q_ids = np.where(live, q[:, 0], 0).astype(np.int32)
+    q_weights = np.where(live, q[:, 1], 0).astype(np.uint16)
+    return dataclasses.replace(result, q_ids=q_ids, q_weights=q_weights)
+
+
 class LMDrafter:
-    """Greedy drafting from a causal LM, batched, with a KV cache per stream kept across
+    """Greedy or sampled drafting from a causal LM, batched, with a KV cache per stream kept across
     rounds: a :class:`~remote_dspark.drafter.lm.model.TinyLM` (the built-in one by default)
     or a transformers model (:class:`~remote_dspark.drafter.lm.hf_model.HFModel`), one code.
     A batch may mix sessions (the cache keys each entry's stream by its own session).
@@ -97,6 +148,7 @@ class LMDrafter:
     """
 
     mixed_sessions = True
+    samples = True  # sampled rounds (False for a vocabulary under TOP ids: set in __init__)
 
     def __init__(
         self,
@@ -128,6 +180,8 @@ class LMDrafter:
         self.drafter_identity = identity or model.identity()
         self.markov_identity = MARKOV_NONE
         self.vocab_size = c.vocab_size
+        if c.vocab_size < TOP:
+            self.samples = False
         self.model = model.to(self.device, self.dtype).eval()
         self.store = KVStore(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
         self.cache = SlotCache(cache_slots, self.max_tokens, self.store.row_bytes()) if cache_slots else None
@@ -183,10 +237,13 @@ class LMDrafter:
             return dataclasses.replace(info, bytes=self.store.nbytes())
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
-        """Drafts for every entry (module docstring), each context at its true positions.
+        """Drafts for every entry (module docstring), each context at its true positions;
+        sampled, with their distributions, when ``batch.sampled``.
         Raises: ValueError for a width that leaves no room in a row (``width >=
-        max_tokens``), or an entry past the position table (the worker drops those:
-        :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`)."""
+        max_tokens``), an entry past the position table (the worker drops those:
+        :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`), or a sampled round's
+        ``temperature`` or ``seed`` of the wrong shape, or a temperature that is not
+        finite and >= 0 (:func:`sampling_rows`)."""
         n, width = len(batch), batch.width
         if n == 0 or width == 0:
             return empty_result(n, width, batch.want_margin)
@@ -194,7 +251,10 @@ class LMDrafter:
             raise ValueError(f"width {width}: no room in a {self.max_tokens}-token row (max_tokens)")
         if batch.beyond(self.max_positions).any():
             raise ValueError(f"an entry's context and {width} drafts pass the model's {self.max_positions} positions")
+        if batch.sampled and not self.samples:
+            raise ValueError(f"a sampled round: the model's vocabulary of {self.vocab_size} is under {TOP} ids")
         ctx_lens = np.diff(batch.offsets).astype(np.int64)
+        sampling = sampling_rows(batch, ctx_lens) if batch.sampled else None
         # An empty context: no drafts, any valid position. None: numbered from each row's start.
         starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
         cached = self.cache is not None and batch.slots is not None
@@ -212,14 +272,14 @@ class LMDrafter:
             else:
                 plan = uncached_plan(ctx_lens, width, self.max_tokens, starts)
             try:
-                tokens, margins = self._draft(batch, plan, width)
+                out = self._draft(batch, plan, width, sampling)
             except BaseException:
                 if cached:
                     self.cache.forget(plan.rows)
                 raise
-        return greedy_result(batch, ctx_lens, tokens, margins)
+        return round_result(batch, ctx_lens, out)
 
-    def _draft(self, batch: DraftBatch, plan: Plan, width: int) -> tuple[np.ndarray, np.ndarray]:
+    def _draft(self, batch: DraftBatch, plan: Plan, width: int, sampling: np.ndarray | None) -> np.ndarray:
         take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
         q = int(take.max())
         src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
@@ -228,8 +288,7 @@ class LMDrafter:
         rows = plan.rows.copy()
         rowless = rows < 0
         rows[rowless] = self.store.scratch(int(rowless.sum()))
-        out = self._rounds.run(tok, plan.base, take, plan.origin, rows, width)
-        return out[:, :width].astype(np.int32), out[:, width:]
+        return self._rounds.run(tok, plan.base, take, plan.origin, rows, width, sampling)
 
     def greedy_one(self, context, n: int, start: int = 0) -> tuple[list[int], list[float]]:
         """The reference: ``n`` greedy tokens after ``context`` alone, its first token at

@@ -3,10 +3,10 @@ hundreds of kernel launches.
 
 A round (:meth:`Rounds.run`) encodes each entry's new tokens into its row of the KV
 store (:class:`~remote_dspark.drafter.lm.cache.KVStore`), then takes ``width - 1``
-greedy steps, every query attending to its row in place (:mod:`.attention`). Small
-models' kernels take microseconds, and eager PyTorch spends about as long on each
-launch, so on a GPU the whole round, prefill and steps, is captured once per shape and
-replayed. Its shapes must then be fixed:
+steps (greedy, or sampled: below), every query attending to its row in place
+(:mod:`.attention`). Small models' kernels take microseconds, and eager PyTorch spends
+about as long on each launch, so on a GPU the whole round, prefill and steps, is
+captured once per shape and replayed. Its shapes must then be fixed:
 
 * rows: the round's entry count rounded up to a power of two (at least ``MIN_ROWS``);
   the entries past the round's encode token 0 at column 0 of store row 0 and draft
@@ -35,6 +35,14 @@ graphs are at most log2(rows) x log2(queries) x widths, sharing one memory pool 
 never run at once), whose size is the largest round's working set plus each graph's
 inputs and outputs.
 
+A sampled round (``sampling`` given: :func:`choose`) draws each step's token by the
+sampling rule (:mod:`.sampling`, the twin of :mod:`remote_dspark.drafter.sampling`) in
+place of the greedy one, on the device and inside the graph (no host sync), and feeds it
+back; its three integers per entry (temperature bits, seed, first draft's position) go
+up with the round's others and its distributions come down with its drafts. Its shapes
+are graphs of their own (a shape's key says whether it samples); a greedy round runs
+exactly the code it ran before.
+
 On the CPU the rounds run unpadded by default; asked (``LMDrafter(graphs=True)``: the
 tests) the same padded shapes and code run eagerly, so their rules are checked without
 a GPU.
@@ -42,8 +50,12 @@ a GPU.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
+
+from .sampling import TOP, pick, top32, uniform_u32
 
 MIN_ROWS = 16
 MIN_QUERIES = 4
@@ -67,22 +79,63 @@ def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return token, (best - lse).exp() - (runner_up - lse).exp()
 
 
-def draft_steps(model, token: torch.Tensor, pos: torch.Tensor, kv, rows: torch.Tensor, steps: int, origin, write):
-    """``steps`` greedy steps after ``token`` [n] at column ``pos`` [n, 1] of store rows
-    ``rows`` [n] (absolute position ``origin + pos``): each step's K/V written into its
-    row at its column, or, where ``write`` [n, 1] is the trash column (padding entries,
-    whose rows are others'), there. Returns (tokens [n, steps], margins [n, steps])."""
-    if steps < 1:
-        return token.new_zeros((len(token), 0)), torch.zeros((len(token), 0), device=token.device)
+class Sampling(NamedTuple):
+    """A sampled round's inputs on the device, one per entry (a padding entry's are 0:
+    greedy)."""
+
+    temperature: torch.Tensor  # [n] float32 (0: greedy)
+    seed: torch.Tensor  # [n] int64: the uint64 seed's bits
+    first: torch.Tensor  # [n] int64: the absolute position of the entry's draft 0
+
+
+def choose(logits: torch.Tensor, sampling: Sampling | None, j: int) -> tuple[torch.Tensor, ...]:
+    """Draft ``j`` of each entry from its ``logits`` [n, vocab] (consumed).
+
+    Greedy (``sampling`` None): (token [n] int64, margin [n] float32), :func:`top2`.
+    Sampled: (token, margin, ids [n, TOP] int32, weights [n, TOP] int32): ``ids, weights
+    = top32(logits, temperature)`` and the token ``pick(ids, weights, uniform_u32(seed,
+    first + j, j))`` (rule 1-3 of :mod:`remote_dspark.drafter.sampling`); the margin is
+    still softmax's top1 - top2 of the same logits (temperature 1), as in a greedy round.
+    No host sync on CUDA."""
+    if sampling is None:
+        return top2(logits)
+    ids, weights = top32(logits, sampling.temperature)
+    token = pick(ids, weights, uniform_u32(sampling.seed, sampling.first + j, j)).long()
+    return token, top2(logits)[1], ids, weights  # top2 last: it overwrites float32 logits
+
+
+def draft_steps(
+    model,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    kv,
+    rows: torch.Tensor,
+    steps: int,
+    origin,
+    write,
+    sampling: Sampling | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
+    """``steps`` steps after ``token`` [n] at column ``pos`` [n, 1] of store rows
+    ``rows`` [n] (absolute position ``origin + pos``), drafts 1..steps of the round: each
+    step's K/V written into its row at its column, or, where ``write`` [n, 1] is the
+    trash column (padding entries, whose rows are others'), there. Returns each step's
+    :func:`choose` (greedy, or ``sampling``'s draws), its token fed to the next step."""
     trash = kv.shape[4] - 1
-    toks, margins = [], []
-    for _ in range(steps):
+    out = []
+    for j in range(1, steps + 1):
         at = torch.where(write == trash, trash, pos)
-        token, margin = top2(model.logits(model.forward_kv(token[:, None], pos, kv, rows, at, origin)[:, 0]))
-        toks.append(token)
-        margins.append(margin)
+        h = model.forward_kv(token[:, None], pos, kv, rows, at, origin)[:, 0]
+        out.append(choose(model.logits(h), sampling, j))
+        token = out[-1][0]
         pos = pos + 1
-    return torch.stack(toks, 1), torch.stack(margins, 1)
+    return out
+
+
+def columns(width: int, sampled: bool) -> int:
+    """A round's answer's columns per entry: ``width`` drafts and ``width`` margins, then
+    when sampled ``width x TOP`` ids and ``width x TOP`` weights (all float32: token ids
+    and weights below 2**24 are exact)."""
+    return 2 * width * (1 + TOP * sampled)
 
 
 def _pow2(n: int, least: int) -> int:
@@ -124,29 +177,46 @@ class Rounds:
         # One side stream for every capture's warm-up: a new stream each time would get a
         # cuBLAS workspace of its own each time (cuBLAS keeps one per stream it has seen).
         self.side = torch.cuda.Stream(store.device) if self.capture else None
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # (rows, queries, width, sampled) -> the graph, its input buffer and its answer
+        self.graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._version = store.version
 
     def run(
-        self, tok: np.ndarray, base: np.ndarray, take: np.ndarray, origin: np.ndarray, rows: np.ndarray, width: int
+        self,
+        tok: np.ndarray,
+        base: np.ndarray,
+        take: np.ndarray,
+        origin: np.ndarray,
+        rows: np.ndarray,
+        width: int,
+        sampling: np.ndarray | None = None,
     ) -> np.ndarray:
         """One round: entry i encodes ``tok[i, :take[i]]`` at columns ``base[i]...`` of
         store row ``rows[i]`` (its column 0 at absolute position ``origin[i]``; columns
-        before ``base[i]`` hold what earlier rounds encoded), then ``width - 1`` greedy
-        steps, in :func:`parts` of at most :attr:`limit` padded tokens. Returns ``[n, 2 *
-        width]`` float32: the drafts, then their margins."""
+        before ``base[i]`` hold what earlier rounds encoded), then ``width - 1`` steps,
+        in :func:`parts` of at most :attr:`limit` padded tokens. Greedy, or sampled
+        (:func:`choose`) with ``sampling`` [3, n] int64: each entry's temperature (its
+        float32 bits), seed (its uint64 bits) and its draft 0's absolute position.
+        Returns ``[n, columns(width, sampled)]`` float32 (:func:`columns`): the drafts,
+        their margins, then (sampled) their ids ``[width, TOP]`` and weights ``[width,
+        TOP]``."""
         split = parts(take, self.limit)
         if len(split) == 1:
-            return self._run(tok, base, take, origin, rows, width)
-        out = np.empty((len(take), 2 * width), np.float32)
+            return self._run(tok, base, take, origin, rows, width, sampling)
+        out = np.empty((len(take), columns(width, sampling is not None)), np.float32)
         for idx in split:
             q = int(take[idx].max())  # tokens are left-aligned: a part's first q columns
-            out[idx] = self._run(tok[idx, :q], base[idx], take[idx], origin[idx], rows[idx], width)
+            part = None if sampling is None else sampling[:, idx]  # the part's entries' own
+            out[idx] = self._run(tok[idx, :q], base[idx], take[idx], origin[idx], rows[idx], width, part)
         return out
 
-    def _run(self, tok, base, take, origin, rows, width: int) -> np.ndarray:
+    def _run(self, tok, base, take, origin, rows, width: int, sampling=None) -> np.ndarray:
         n, q = tok.shape
-        shape = (_pow2(n, MIN_ROWS), _pow2(q, MIN_QUERIES), width) if self.padded else (n, q, width)
+        sampled = sampling is not None
+        if self.padded:
+            shape = (_pow2(n, MIN_ROWS), _pow2(q, MIN_QUERIES), width, sampled)
+        else:
+            shape = (n, q, width, sampled)
         if self._version != self.store.version:  # the store moved: its graphs point at the old one
             self.graphs.clear()
             self._version = self.store.version
@@ -154,7 +224,8 @@ class Rounds:
                 self.pool = torch.cuda.graph_pool_handle()
         if self.capture and shape not in self.graphs:
             self._capture(shape)
-        inp = torch.from_numpy(self._inputs(shape, tok, base, take, origin, rows)).to(self.store.device)  # one copy up
+        inp = self._inputs(shape, tok, base, take, origin, rows, sampling)
+        inp = torch.from_numpy(inp).to(self.store.device)  # one copy up
         if shape in self.graphs:
             graph, static_inp, out = self.graphs[shape]
             static_inp.copy_(inp)
@@ -163,11 +234,12 @@ class Rounds:
             out = self._round(inp, shape)
         return out[:n].cpu().numpy()  # the one copy down
 
-    def _inputs(self, shape, tok, base, take, origin, rows) -> np.ndarray:
+    def _inputs(self, shape, tok, base, take, origin, rows, sampling) -> np.ndarray:
         """The round's padded integers, one array: tokens, columns and write columns
-        ``[rows, queries]`` each, then each entry's last query, origin and store row."""
+        ``[rows, queries]`` each, then each entry's last query, origin and store row, then
+        (sampled) its ``sampling`` rows; the entries past n sample at temperature 0."""
         n, q = tok.shape
-        entries, queries, _ = shape
+        entries, queries, _, sampled = shape
         trash = self.store.columns - 1
         steps = np.arange(queries)
         valid = steps < take[:, None]
@@ -176,29 +248,37 @@ class Rounds:
         grid[1, :n] = np.where(valid, base[:, None] + steps, 0)
         grid[2] = trash  # padding (and the entries past n) write to the trash column
         grid[2, :n] = np.where(valid, grid[1, :n], trash)
-        last = np.zeros((3, entries), np.int64)
+        last = np.zeros((6 if sampled else 3, entries), np.int64)
         last[0, :n] = take - 1
         last[1, :n] = origin
         last[2, :n] = rows
+        if sampled:
+            last[3:, :n] = sampling
         return np.concatenate([grid.ravel(), last.ravel()])
 
-    def _round(self, inp: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
-        """The round on the store: ``[rows, 2 * width]`` float32, drafts then margins."""
-        entries, queries, width = shape
+    def _round(self, inp: torch.Tensor, shape: tuple[int, int, int, bool]) -> torch.Tensor:
+        """The round on the store: ``[rows, columns(width, sampled)]`` float32 (:meth:`run`)."""
+        entries, queries, width, sampled = shape
         grid = entries * queries
         tok, pos, write = (inp[i * grid : (i + 1) * grid].view(entries, queries) for i in range(3))
-        last, origin, rows = (inp[3 * grid + i * entries : 3 * grid + (i + 1) * entries] for i in range(3))
+        per = inp[3 * grid :].view(-1, entries)  # [3 or 6, entries]
+        last, origin, rows = per[0], per[1], per[2]
+        # The temperature's float32 bits (non-negative: below 2**31) back to float32.
+        sampling = Sampling(per[3].int().view(torch.float32), per[4], per[5]) if sampled else None
         every = torch.arange(entries, device=inp.device)
         kv = self.store.kv
         h = self.model.forward_kv(tok, pos, kv, rows, write, origin)
-        token, margin = top2(self.model.logits(h[every, last]))
+        first = choose(self.model.logits(h[every, last]), sampling, 0)
         step = pos[every, last][:, None] + 1
-        toks, margins = draft_steps(self.model, token, step, kv, rows, width - 1, origin, write[:, :1])
-        return torch.cat([token[:, None].float(), toks.float(), margin[:, None], margins], 1)
+        picks = [first, *draft_steps(self.model, first[0], step, kv, rows, width - 1, origin, write[:, :1], sampling)]
+        # tokens [n, width], margins [n, width], then (sampled) ids and weights [n, width, TOP]
+        fields = (torch.stack(f, 1).reshape(entries, -1).float() for f in zip(*picks))
+        return torch.cat(list(fields), 1)
 
-    def _capture(self, shape: tuple[int, int, int]) -> None:
-        entries, queries, _ = shape
-        inp = torch.zeros(3 * entries * queries + 3 * entries, dtype=torch.long, device=self.store.device)
+    def _capture(self, shape: tuple[int, int, int, bool]) -> None:
+        entries, queries, _, sampled = shape
+        per = 6 if sampled else 3
+        inp = torch.zeros(3 * entries * queries + per * entries, dtype=torch.long, device=self.store.device)
         inp[2 * entries * queries : 3 * entries * queries] = self.store.columns - 1  # writes to trash columns only
         self.side.wait_stream(torch.cuda.current_stream(self.store.device))
         with torch.cuda.stream(self.side):  # warm-up outside the capture (lazy inits, kernel choices, Triton's compile)
