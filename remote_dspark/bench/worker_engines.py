@@ -126,17 +126,22 @@ def engine(
             d = c.round(rid, [wire.encode_round_entries(rid, engine_id, 10_000, entries, b"", 0)], 30_000)
             return int(sum(d.counts))
 
+        def storm_entries():  # NEW_GEN of whole windows at the slots' first positions
+            return [wire.Entry(s, k, 0, tuple(text[at[s] : at[s] + WINDOW]), new_gen=True) for s in range(slots)]
+
         round_(1, True)
         for rid in range(2, warmup + 2):  # a storm engine warms up with its own rounds
             round_(rid, storm is not None)
         ready()
         go()
         latencies, drafted = [], 0
-        if storm is not None:
+        if storm is not None:  # one frame, sent again and again as fast as it is answered
+            payload = memoryview(wire.encode_round_entries(0, engine_id, 10_000, storm_entries(), b"", 0))[24:]
             rid = warmup + 1
             while storm():
                 rid += 1
-                drafted += round_(rid, True)
+                header = wire.encode_header(wire.ROUND, len(payload), engine_id, rid)
+                drafted += int(sum(c.round(rid, [header, payload], 30_000).counts))
             return [], (rid - warmup - 1) * slots, drafted, []
         start = time.monotonic()
         for rid in range(warmup + 2, warmup + rounds + 2):
