@@ -71,6 +71,7 @@ def draft_sampled(model, batch: DraftBatch) -> DraftResult:
         ids, weights = from_counts(cand[r], cnt[r], temperature[live], vocab)
         drawn = pick(ids, weights, uniform_u32(seed[live], position[live] + j, j))
         # The drawn token's candidate slot: it is a live candidate (weight > 0 only there).
+        # Rows are gathered for live entries only (row != none), so no sentinel row.
         slot = np.argmax((cand[r] == drawn[:, None]) & (cnt[r] > 0), axis=1)
         tokens[j, live], q_ids[j, live], q_weights[j, live] = drawn, ids, weights
         margins[j, live] = a.margin[r]
@@ -117,22 +118,20 @@ def _context_rows(model, a, batch: DraftBatch) -> np.ndarray:
 
 
 def _candidates(model, a) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row of ``a`` (plus the sentinel row ``a.none``: no candidate): the stored next
-    tokens ([rows + 1, top] int32), their counts ([rows + 1, top] int64, 0 in unused
-    slots) and the row each leads to ([rows + 1, top] int64, ``a.none`` when unseen or
-    unused). Read from the cache bytes (the records are the file's tail), kept on ``a``."""
+    """Per row of ``a``: the stored next tokens ([rows, top] int32, a view of the cache
+    bytes: the records are the file's tail), their counts ([rows, top] uint32, a view, 0
+    in unused slots) and the row each leads to ([rows, top], int32 when the rows allow,
+    ``a.none`` when unseen or unused: the one table built, kept on ``a``)."""
     k, top = model.order, model.top
     data = model.to_bytes()
     rec_words = k + 2 * top + 1  # context, (token, count) pairs, total
     words = np.frombuffer(data, "<i4", offset=len(data) - 4 * rec_words * a.none).reshape(-1, rec_words)
-    cand = np.zeros((a.none + 1, top), np.int32)
-    cnt = np.zeros((a.none + 1, top), np.int64)
-    cand[:-1] = words[:, k : k + 2 * top : 2]
-    cnt[:-1] = words[:, k + 1 : k + 2 * top : 2].view("<u4")
-    succ = np.full((a.none + 1, top), a.none, np.int64)
+    cand = words[:, k : k + 2 * top : 2]
+    cnt = words[:, k + 1 : k + 2 * top : 2].view("<u4")
+    succ = np.empty((a.none, top), np.int32 if a.none < 2**31 else np.int64)
     shifted = [words[:, j] for j in range(1, k)]  # each context without its oldest token
     for s in range(top):  # once per model, over the candidate slots
-        succ[:-1, s] = a.find(shifted + [cand[:-1, s]])
+        succ[:, s] = a.find(shifted + [cand[:, s]])
     succ[cnt == 0] = a.none
     a.sampled = (cand, cnt, succ)
     return a.sampled
