@@ -19,7 +19,8 @@ that engine and worker must agree on)::
 Drafting is greedy: from the last k tokens take the most frequent next token, append,
 repeat; the top1-top2 margin is the probability gap between the two most frequent next
 tokens. An unseen context ends the draft early (fewer than n_out tokens), and so does a
-context shorter than k.
+context shorter than k. A sampled round draws each token from the context's next-token
+counts instead (:mod:`.markov_sampled`, over the same arrays).
 
 Two ways to draft, equal value for value (the tests hold them to it):
 
@@ -200,7 +201,7 @@ class MarkovModel:
         """
         import numpy as np
 
-        a = self._arrays or self._build_arrays()
+        a = self.tables()
         k = self.order
         offsets = np.asarray(offsets, dtype=np.int64)
         n_out = np.asarray(n_out)
@@ -221,6 +222,10 @@ class MarkovModel:
         # and margin 0), so the live steps are a prefix and the count is how many there are.
         counts = np.count_nonzero(steps != a.none, axis=0).astype(np.int32)
         return a.first[steps].T, counts, a.margin[steps].T
+
+    def tables(self) -> _Arrays:
+        """:meth:`draft_batch`'s arrays (``find``, ``none``, ``margin``), built on first use."""
+        return self._arrays or self._build_arrays()
 
     def _build_arrays(self) -> _Arrays:
         import numpy as np
@@ -311,6 +316,7 @@ class _Arrays:
         self.order = ctx.shape[1]
         self.dense = None
         self.first = self.margin = self.succ = None  # set by MarkovModel._build_arrays
+        self.sampled = None  # markov_sampled's per-row candidates, built on its first use
         if self.none == 0:
             self.mode = "empty"
             return
@@ -408,10 +414,12 @@ def read_tokens(path: str) -> list[int]:
 
 class MarkovDrafter:
     """The default drafter: greedy drafting from a :class:`MarkovModel`, batched
-    (:meth:`MarkovModel.draft_batch`) and per entry (``draft``, the reference). Its drafts
-    depend on each context alone, so a batch may mix sessions."""
+    (:meth:`MarkovModel.draft_batch`) and per entry (``draft``, the reference); a sampled
+    round is batched only (:func:`.markov_sampled.draft_sampled`). Its drafts depend on
+    each context alone, so a batch may mix sessions."""
 
     mixed_sessions = True
+    samples = True
 
     def __init__(self, model: MarkovModel, drafter_identity: bytes | None = None):
         self.model = model
@@ -425,6 +433,10 @@ class MarkovDrafter:
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
         from .contract import DraftResult
 
+        if batch.sampled:
+            from .markov_sampled import draft_sampled
+
+            return draft_sampled(self.model, batch)
         tokens, counts, margins = self.model.draft_batch(batch.tokens, batch.offsets, batch.n_out, batch.width)
         return DraftResult(tokens, counts, margins if batch.want_margin else None)
 
