@@ -24,7 +24,8 @@ second across all engines, and the worker's memory: its peak resident set over t
 (``VmHWM``) less its resident set at the barrier (once the engines announced and warmed
 up: the model, its store, the libraries' and the graphs' one-time memory are in),
 beside the bound the design's memory table gives for the connections the row opens
-(each 3 x its frame cap and its windows) and, for a model drafter on the CPU, a call's
+(each 3 x its frame cap, its windows and its thread's 1 MiB, with 2 MiB of the
+interpreter's own) and, for a model drafter on the CPU, a call's
 working set at the budget (:mod:`remote_dspark.drafter.lm.budget`; on CUDA that is the
 GPU's memory, not the worker's). The goals (never asserted): batched >= 4x serialized's
 entries per second, and the batched p99 <= 2x alone's (the issue's H200 goal; on 2
@@ -48,6 +49,10 @@ MODES = ("alone", "batched", "serialized")
 PROMPT, STEP, WINDOW = 16, 3, 64
 STORM_SLOTS, STORM_K = 1024, 64  # a storm engine: the worker's own limits, NEW_GEN every round
 GOAL_X, GOAL_P99_X = 4.0, 2.0
+# The interpreter's own growth beside the memory table's numbers: a connection thread's
+# stack as touched, its malloc arena and a round's Python objects (measured: 2.2 MiB for
+# one connection, 6.8 MiB for eight, on the H200 host), and the worker's once.
+THREAD_BYTES, INTERPRETER_BYTES = 1 << 20, 2 << 20
 
 
 def add_parser(sub) -> None:
@@ -206,11 +211,11 @@ def memory_bound(args, engines: int, storm: bool) -> int:
     from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
 
     limits = Limits(max_slots=max(args.slots, STORM_SLOTS), window=WINDOW)
-    bound = 0
+    bound = INTERPRETER_BYTES
     for e in range(engines):
         slots, k = (STORM_SLOTS, STORM_K) if storm and e > 0 else (args.slots, args.num_spec)
         hello = wire.Hello(b"\0" * 32, b"\0" * 32, e, slots, 0, k)
-        bound += 3 * limits.frame_cap(hello) + slots * (8 * WINDOW + 17)
+        bound += 3 * limits.frame_cap(hello) + slots * (8 * WINDOW + 17) + THREAD_BYTES
     if args.drafter == "lm" and args.device == "cpu":
         from ..drafter.lm.budget import part_limit, working_bytes
         from ..drafter.lm.drafter import LMDrafter
