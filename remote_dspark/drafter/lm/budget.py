@@ -15,7 +15,8 @@ store row's columns, b the dtype's bytes::
     R x 2 x heads x C x head_dim x b    one layer's rows gathered
 
 On CUDA the memory of the round's graphs is this bound too: they share one pool and
-never run at once (:mod:`.graphs`). Not in it: what the libraries allocate once, on the
+never run at once (:mod:`.graphs`); the caching allocator hands out memory in segments
+of 2 MiB, so the bound adds ``SEGMENTS`` (four of them) there. Not in it: what the libraries allocate once, on the
 first call (cuBLAS keeps a workspace per stream: two, the round's and the captures'
 warm-up stream, tens of MiB each on a recent GPU).
 
@@ -35,6 +36,7 @@ from torch import nn
 from .graphs import MIN_QUERIES, MIN_ROWS
 
 HEADROOM = 2  # a derived budget leaves the working set this share of the free memory (1 / HEADROOM)
+SEGMENTS = 4 << 21  # on CUDA: the caching allocator's granularity, four segments of 2 MiB
 
 
 def _pow2(n: int) -> int:
@@ -78,7 +80,9 @@ def working_bytes(model: nn.Module, store, entries: int, limit: int) -> int:
     b = store.kv.element_size()
     rows = max(MIN_ROWS, _pow2(entries))
     total = limit * b * (4 * hidden + 2 * widest) + rows * vocab * (b + 8)
-    if store.device.type != "cuda":
+    if store.device.type == "cuda":
+        total += SEGMENTS
+    else:
         head_dim = model.config.head_dim
         heads = max(model.config.n_heads, hidden // head_dim)  # query heads (grouped keys are repeated)
         total += limit * heads * store.columns * 8 + rows * 2 * heads * store.columns * head_dim * b
