@@ -227,8 +227,8 @@ def pick(ids, weights, u32) -> np.ndarray:
     [...] uint32). Returns [...] int32."""
     ids, w = np.asarray(ids), np.asarray(weights, dtype=np.int64)
     r = (np.asarray(u32).astype(np.uint64) * np.uint64(TOTAL)) >> np.uint64(32)
-    i = np.count_nonzero(np.cumsum(w, axis=-1) <= r.astype(np.int64)[..., None], axis=-1)
-    np.minimum(i, TOP - 1, out=i)  # only weights short of TOTAL get here
+    i = np.minimum(np.count_nonzero(np.cumsum(w, axis=-1) <= r.astype(np.int64)[..., None], axis=-1), TOP - 1)
+    # (TOP - 1: only weights short of TOTAL get past it; a single row's i is a scalar)
     return np.take_along_axis(ids, i[..., None], -1)[..., 0].astype(np.int32)
 
 

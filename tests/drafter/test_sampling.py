@@ -156,6 +156,7 @@ def test_pick_cuts_at_the_cumulative_weights():
         for u in (first_u(lo), first_u(int(cum[i])) - 1):
             assert ns.pick(ids, w, np.array([u], np.uint32))[0] == 100 + i, (i, u)
     assert ns.pick(ids, w, np.array([2**32 - 1], np.uint32))[0] == 100 + int(np.flatnonzero(w[0])[-1])
+    assert ns.pick(ids[0], w[0], np.uint32(0)) == 101  # one row, a scalar counter: a scalar token
 
 
 def test_pick_draws_w_over_65535():
