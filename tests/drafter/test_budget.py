@@ -12,6 +12,7 @@ from lm_common import agreeing_prefix, batch_of
 from remote_dspark import wire
 from remote_dspark.drafter.lm import budget
 from remote_dspark.drafter.lm import drafter as drafter_module
+from remote_dspark.drafter.lm import graphs as graphs_module
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.graphs import MIN_QUERIES, MIN_ROWS, Rounds, parts
 from remote_dspark.worker.limits import Limits, hello_refusal
@@ -132,3 +133,36 @@ def test_on_cuda_a_call_at_the_budget_stays_within_its_working_bytes(tmp_path):
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
             assert peak <= bound, f"peak {peak} bytes over the bound {bound}"
+
+
+def test_at_most_max_graphs_are_kept_the_least_recently_replayed_evicted(monkeypatch):
+    """On the CPU with a stand-in capture (a "graph" that replays the eager round): rounds
+    of more shapes than MAX_GRAPHS keep MAX_GRAPHS graphs, a replayed shape stays, and
+    every round's drafts are the eager round's."""
+    monkeypatch.setattr(graphs_module, "MAX_GRAPHS", 3)
+    d = LMDrafter(device="cpu", cache_slots=0, window=16, graphs=True)
+    rounds = d._rounds
+    rounds.capture = True
+
+    class Replay:
+        def __init__(self, inp, shape, out):
+            self.inp, self.shape, self.out = inp, shape, out
+
+        def replay(self):
+            self.out.copy_(rounds._round(self.inp, self.shape))
+
+    def capture(shape):
+        entries, queries, _, sampled = shape
+        inp = torch.zeros(3 * entries * queries + (6 if sampled else 3) * entries, dtype=torch.long)
+        out = rounds._round(inp, shape)
+        rounds.graphs[shape] = (Replay(inp, shape, out), inp, out)
+
+    monkeypatch.setattr(rounds, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # a new pool when the store grows
+    eager = LMDrafter(device="cpu", cache_slots=0, window=16, graphs=True)
+    contexts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    for width in (1, 2, 1, 3, 4, 1):  # widths 1 (replayed), 2, 3, 4: four shapes
+        batch = batch_of(contexts, [width] * 3, width)
+        assert d.draft_batch(batch).tokens.tolist() == eager.draft_batch(batch).tokens.tolist()
+        assert len(rounds.graphs) <= 3
+    assert [shape[2] for shape in rounds.graphs] == [3, 4, 1]  # width 2 went: least recently replayed

@@ -30,10 +30,12 @@ parts (:func:`parts`), its entries by descending context, each part as many as f
 limit at its longest context. A call of many short contexts beside a few whole windows
 (a steady round with a NEW_GEN) then neither pads every entry to a window nor holds a
 rectangle larger than the budget; a call whose shape fits, the common case, is one
-part. Every shape run is therefore at most ``limit`` tokens, and each is captured: the
-graphs are at most log2(rows) x log2(queries) x widths, sharing one memory pool (they
-never run at once), whose size is the largest round's working set plus each graph's
-inputs and outputs.
+part. Every shape run is therefore at most ``limit`` tokens, and each is captured,
+sharing one memory pool (they never run at once) whose size is the largest round's
+working set plus each graph's inputs and outputs. A graph also holds host memory for
+its kernel nodes (a round of 64 draft steps has thousands), and shapes multiply
+(rows x queries x widths x greedy or sampled), so at most ``MAX_GRAPHS`` are kept: a
+new shape beyond them evicts the least recently replayed graph.
 
 A sampled round (``sampling`` given: :func:`choose`) draws each step's token by the
 sampling rule (:mod:`.sampling`, the twin of :mod:`remote_dspark.drafter.sampling`) in
@@ -50,6 +52,7 @@ a GPU.
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import numpy as np
@@ -60,6 +63,7 @@ from .sampling import TOP, pick, top32, uniform_u32
 MIN_ROWS = 16
 MIN_QUERIES = 4
 DEFAULT_LIMIT = 1 << 16  # padded rows x queries of one part, until the worker's budget sets it
+MAX_GRAPHS = 64  # graphs kept (>= 2: an eviction never empties, and so never releases, the shared pool)
 
 
 def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +182,9 @@ class Rounds:
         # cuBLAS workspace of its own each time (cuBLAS keeps one per stream it has seen).
         self.side = torch.cuda.Stream(store.device) if self.capture else None
         # (rows, queries, width, sampled) -> the graph, its input buffer and its answer
-        self.graphs: dict[tuple[int, int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # the least recently replayed first; MAX_GRAPHS at most
+        self.graphs: collections.OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]
+        self.graphs = collections.OrderedDict()
         self._version = store.version
 
     def run(
@@ -223,10 +229,13 @@ class Rounds:
             if self.capture:  # a pool whose graphs are all gone is released: captures need a new one
                 self.pool = torch.cuda.graph_pool_handle()
         if self.capture and shape not in self.graphs:
+            while len(self.graphs) >= MAX_GRAPHS:  # the least recently replayed goes (the pool keeps others)
+                self.graphs.popitem(last=False)
             self._capture(shape)
         inp = self._inputs(shape, tok, base, take, origin, rows, sampling)
         inp = torch.from_numpy(inp).to(self.store.device)  # one copy up
         if shape in self.graphs:
+            self.graphs.move_to_end(shape)
             graph, static_inp, out = self.graphs[shape]
             static_inp.copy_(inp)
             graph.replay()
