@@ -15,12 +15,12 @@
 enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
        HF_EV_BAD_DESC };
 
-/* The wire contract's fixed parts (remote_dspark/wire/, protocol 3): the header, the
+/* The wire contract's fixed parts (remote_dspark/wire/, protocol 6): the header, the
  * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
  * (region.layout.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must
  * keep. Each wire constant is reported by hf_wire_constants, and the loader refuses a
  * library whose values are not remote_dspark.wire's. */
-enum { W_HEADER = 24, W_VERSION = 5, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
+enum { W_HEADER = 24, W_VERSION = 6, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
        DESC_FIXED = 8 };
 #define W_MAGIC "DSPW"

@@ -27,13 +27,14 @@ if sys.byteorder != "little":
     raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; this host is big-endian")
 
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 5  # what each version changed: docs/design.md, "Versions"
+PROTOCOL_VERSION = 6  # what each version changed: docs/design.md, "Versions"
 
 HELLO, HELLO_ACK, ROUND, DRAFTS, BYE, AUTH = 1, 2, 3, 4, 5, 6
 FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE", AUTH: "AUTH"}
 
 FLAG_NEW_GEN = 1
-DRAFTS_MARGINS = 1
+DRAFTS_MARGINS, DRAFTS_SAMPLED = 1, 2  # DRAFTS flags: margins, distributions (wire.drafts)
+OPTION_MARGINS, OPTION_SAMPLED = 1, 2  # HELLO options: margins, sampled drafts (wire.hello)
 STATUS_OK, STATUS_RESYNC = 0, 1
 
 # HELLO_ACK reason codes.
@@ -48,6 +49,15 @@ MAX_TOKENS = 1 << 22  # all tokens of one ROUND (NEW_GEN contexts included)
 MAX_REASON = 512
 MAX_CONTEXT = MAX_TOKENS  # context tokens a worker keeps per slot (HELLO_ACK): at most one round's
 MAX_VOCAB = 1 << 31  # token ids are i32: a vocabulary of at most 2^31 ids
+# Sampled drafts (SAMPLED_TOP32; the rule is remote_dspark.drafter.sampling's): each
+# drafted position carries SAMPLED_TOP ids (i32) and weights (u16) summing to
+# SAMPLED_TOTAL, 6 bytes an id. A sampled session is capped tighter than a greedy one so
+# that its DRAFTS stays small: 1024 entries x 16 drafts x 32 ids x 6 B = 3 MiB of
+# distributions (at the greedy caps, 4096 x 64 x 32 x 6 B would be 48 MiB a reply).
+SAMPLED_TOP = 32
+SAMPLED_TOTAL = 65535
+MAX_SAMPLED_N_OUT = 16  # a sampled HELLO's num_spec at most
+MAX_SAMPLED_ENTRIES = 1024  # a sampled HELLO's max_slots at most (so a sampled round's entries)
 
 HEADER = struct.Struct("<4sHHIQI")
 HELLO_STRUCT = struct.Struct("<32s32sQIIHBBI")
@@ -62,7 +72,13 @@ _TYPE_CAP = {
     HELLO: HELLO_STRUCT.size + NONCE_BYTES,  # the nonce only from an engine with a key
     HELLO_ACK: ACK_STRUCT.size + MAX_REASON,
     ROUND: MAX_PAYLOAD,
-    DRAFTS: DRAFTS_FIXED.size + MAX_ENTRIES * (8 + 8 * MAX_N_OUT),
+    # The larger of a greedy reply at the greedy caps and a sampled one at the sampled caps
+    # (per entry: slot, count, status; per draft: token, margin; per id: i32 and u16).
+    DRAFTS: DRAFTS_FIXED.size
+    + max(
+        MAX_ENTRIES * (8 + 8 * MAX_N_OUT),
+        MAX_SAMPLED_ENTRIES * (8 + MAX_SAMPLED_N_OUT * (8 + 6 * SAMPLED_TOP)),
+    ),
     BYE: 0,
     AUTH: NONCE_BYTES + PROOF_BYTES,  # the worker's; the engine's is its proof alone
 }

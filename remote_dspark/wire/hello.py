@@ -1,7 +1,7 @@
 """The handshake: HELLO, HELLO_ACK and BYE (part of the wire contract,
 :mod:`remote_dspark.wire`).
 
-HELLO payload (``HELLO_STRUCT``, 88 bytes, then an engine's nonce: 120 bytes; protocol 5)::
+HELLO payload (``HELLO_STRUCT``, 88 bytes, then an engine's nonce: 120 bytes; protocol 6)::
 
     offset size field
          0   32 drafter identity
@@ -12,7 +12,14 @@ HELLO payload (``HELLO_STRUCT``, 88 bytes, then an engine's nonce: 120 bytes; pr
         76    4 row_bytes      <= MAX_ROW_BYTES
         80    2 num_spec       1..MAX_N_OUT
         82    1 row_format
-        83    1 want_margin    0 or 1
+        83    1 options        bit 0 OPTION_MARGINS: DRAFTS carry margins;
+                               bit 1 OPTION_SAMPLED: a sampled session (SAMPLED_TOP32):
+                               its ROUNDs carry a temperature and a seed per entry and
+                               its DRAFTS the distributions (wire.round, wire.drafts);
+                               any other bit set is a ProtocolError. A sampled HELLO has
+                               num_spec <= MAX_SAMPLED_N_OUT (16) and max_slots <=
+                               MAX_SAMPLED_ENTRIES (1024): its DRAFTS stay under 3 MiB
+                               (1024 x 16 x 32 ids x 6 B)
         84    4 vocab_size     the engine's vocabulary (token ids 0..vocab_size-1), <=
                                MAX_VOCAB; 0: unknown. A worker whose drafter's vocabulary
                                is larger refuses the HELLO (REFUSE_DRAFTER, both sizes in
@@ -57,8 +64,12 @@ from .frame import (
     MAX_N_OUT,
     MAX_REASON,
     MAX_ROW_BYTES,
+    MAX_SAMPLED_ENTRIES,
+    MAX_SAMPLED_N_OUT,
     MAX_VOCAB,
     NONCE_BYTES,
+    OPTION_MARGINS,
+    OPTION_SAMPLED,
     REFUSE_AUTH,
     ProtocolError,
     encode_header,
@@ -101,6 +112,23 @@ class Hello:
     want_margin: bool = False
     vocab_size: int = 0  # 0: unknown
     nonce: bytes = b""  # an engine with a key: its fresh nonce (NONCE_BYTES); b"": no key
+    want_sampled: bool = False  # a sampled session (OPTION_SAMPLED): temperatures, seeds, distributions
+
+    @property
+    def options(self) -> int:
+        """HELLO's options byte: OPTION_MARGINS | OPTION_SAMPLED as asked."""
+        return (OPTION_MARGINS if self.want_margin else 0) | (OPTION_SAMPLED if self.want_sampled else 0)
+
+
+def sampled_caps_broken(num_spec: int, max_slots: int) -> str | None:
+    """Why a sampled session of ``num_spec`` drafts and ``max_slots`` slots is beyond the
+    sampled caps (each value and its cap), or None."""
+    why = []
+    if num_spec > MAX_SAMPLED_N_OUT:
+        why.append(f"num_spec {num_spec} over the sampled cap MAX_SAMPLED_N_OUT={MAX_SAMPLED_N_OUT}")
+    if max_slots > MAX_SAMPLED_ENTRIES:
+        why.append(f"max_slots {max_slots} over the sampled cap MAX_SAMPLED_ENTRIES={MAX_SAMPLED_ENTRIES}")
+    return "; ".join(why) or None
 
 
 def encode_hello(h: Hello, session: int) -> bytes:
@@ -110,6 +138,8 @@ def encode_hello(h: Hello, session: int) -> bytes:
     require(0 < h.num_spec <= MAX_N_OUT, f"num_spec {h.num_spec} not in 1..{MAX_N_OUT}")
     require(0 <= h.vocab_size <= MAX_VOCAB, f"vocab_size {h.vocab_size} not in 0..{MAX_VOCAB}")
     require(len(h.nonce) in (0, NONCE_BYTES), f"a nonce is {NONCE_BYTES} bytes, or none")
+    over = sampled_caps_broken(h.num_spec, h.max_slots) if h.want_sampled else None
+    require(over is None, f"a sampled HELLO: {over}")
     payload = HELLO_STRUCT.pack(
         h.drafter_identity,
         h.markov_identity,
@@ -118,7 +148,7 @@ def encode_hello(h: Hello, session: int) -> bytes:
         h.row_bytes,
         h.num_spec,
         h.row_format,
-        int(h.want_margin),
+        h.options,
         h.vocab_size,
     )
     return encode_header(HELLO, len(payload) + len(h.nonce), session) + payload + h.nonce
@@ -130,19 +160,26 @@ def decode_hello(payload) -> Hello:
             f"HELLO payload of {len(payload)} bytes, expected {HELLO_STRUCT.size} (or "
             f"{HELLO_STRUCT.size + NONCE_BYTES} with a nonce)"
         )
-    d, m, engine_id, max_slots, row_bytes, num_spec, row_format, want, vocab = HELLO_STRUCT.unpack_from(payload)
+    d, m, engine_id, max_slots, row_bytes, num_spec, row_format, options, vocab = HELLO_STRUCT.unpack_from(payload)
     if not 0 < max_slots <= MAX_ENTRIES:
         raise ProtocolError(f"HELLO max_slots {max_slots} not in 1..{MAX_ENTRIES}")
     if row_bytes > MAX_ROW_BYTES:
         raise ProtocolError(f"HELLO row_bytes {row_bytes} over the cap {MAX_ROW_BYTES}")
     if not 0 < num_spec <= MAX_N_OUT:
         raise ProtocolError(f"HELLO num_spec {num_spec} not in 1..{MAX_N_OUT}")
-    if want > 1:
-        raise ProtocolError(f"HELLO want_margin {want} is not 0 or 1")
+    unknown = options & ~(OPTION_MARGINS | OPTION_SAMPLED)
+    if unknown:
+        known = "0x01 margins, 0x02 sampled"
+        raise ProtocolError(f"HELLO options {options:#04x}: unknown bits {unknown:#04x} (known: {known})")
+    sampled = bool(options & OPTION_SAMPLED)
+    over = sampled_caps_broken(num_spec, max_slots) if sampled else None
+    if over is not None:
+        raise ProtocolError(f"HELLO sampled: {over}")
     if vocab > MAX_VOCAB:
         raise ProtocolError(f"HELLO vocab_size {vocab} over the cap {MAX_VOCAB}")
     nonce = bytes(payload[HELLO_STRUCT.size :])
-    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, bool(want), vocab, nonce)
+    margins = bool(options & OPTION_MARGINS)
+    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, margins, vocab, nonce, sampled)
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ def test_a_library_of_another_abi_is_refused(tmp_path):
 DRIFTED = {
     "HEADER": struct.Struct("<4sHHIQII"),
     "MAGIC": b"DSPX",
-    "PROTOCOL_VERSION": 6,
+    "PROTOCOL_VERSION": wire.PROTOCOL_VERSION + 1,
     "ROUND": 6,
     "DRAFTS": 7,
     "BYE": 8,

@@ -15,11 +15,11 @@ HELLO = wire.Hello(*IDS, engine_id=7, max_slots=8, row_bytes=4, num_spec=3, voca
 KEY = b"k" * 32
 
 
-def test_the_protocol_is_version_5_and_a_version_4_peer_is_refused():
-    assert wire.PROTOCOL_VERSION == 5
+def test_the_protocol_is_version_6_and_a_version_5_peer_is_refused():
+    assert wire.PROTOCOL_VERSION == 6  # 6: sampled drafts (tests/wire/test_sampled_wire.py)
     frame = bytearray(wire.encode_bye())
-    struct.pack_into("<H", frame, 4, 4)
-    with pytest.raises(wire.VersionMismatch, match="protocol version 4, this side speaks 5"):
+    struct.pack_into("<H", frame, 4, 5)
+    with pytest.raises(wire.VersionMismatch, match="protocol version 5, this side speaks 6"):
         wire.decode_header(bytes(frame))
 
 
