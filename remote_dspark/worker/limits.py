@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import wire
-from ..drafter.contract import max_positions_of, needs_rows_of, vocab_size_of
+from ..drafter.contract import as_batched, max_positions_of, needs_rows_of, samples_of, vocab_size_of
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192
@@ -36,16 +36,18 @@ def tokens_per_slot(window: int) -> int:
     return window + wire.MAX_N_OUT
 
 
-def largest_round(slots: int, tokens: int, row_bytes: int) -> int:
-    """The payload of a ROUND of ``slots`` entries, ``tokens`` tokens and ``row_bytes`` rows."""
-    return wire.round_sections(slots, tokens, row_bytes).size
+def largest_round(slots: int, tokens: int, row_bytes: int, sampled: bool = False) -> int:
+    """The payload of a ROUND of ``slots`` entries, ``tokens`` tokens and ``row_bytes`` rows
+    (``sampled``: a sampled session's, 12 bytes more per entry: temperature and seed)."""
+    return wire.round_sections(slots, tokens, row_bytes, sampled).size
 
 
 @dataclass(frozen=True)
 class Limits:
     """The worker's limits. ``max_round_tokens`` defaults to :func:`tokens_per_slot` of
     ``window`` per slot of ``max_slots``, ``max_round_bytes`` to the largest round of the
-    other three.
+    other three (the larger of a greedy session's and a sampled one's, whose slots are
+    at most ``wire.MAX_SAMPLED_ENTRIES``).
 
     Raises (at construction): ValueError naming the limit and its value, when it is out
     of the wire's range.
@@ -64,11 +66,10 @@ class Limits:
             per_slot = tokens_per_slot(self.window)
             object.__setattr__(self, "max_round_tokens", min(wire.MAX_TOKENS, per_slot * self.max_slots))
         if self.max_round_bytes is None:
-            object.__setattr__(
-                self,
-                "max_round_bytes",
-                min(wire.MAX_PAYLOAD, largest_round(self.max_slots, self.max_round_tokens, self.max_row_bytes)),
-            )
+            tokens, rows = self.max_round_tokens, self.max_row_bytes
+            greedy = largest_round(self.max_slots, tokens, rows)
+            sampled = largest_round(min(self.max_slots, wire.MAX_SAMPLED_ENTRIES), tokens, rows, sampled=True)
+            object.__setattr__(self, "max_round_bytes", min(wire.MAX_PAYLOAD, max(greedy, sampled)))
         for name, low, high in (
             ("max_slots", 1, wire.MAX_ENTRIES),
             ("max_row_bytes", 0, wire.MAX_ROW_BYTES),
@@ -86,7 +87,7 @@ class Limits:
             why.append(f"max_slots {hello.max_slots} over this worker's {self.max_slots} (--max-slots)")
         if hello.row_bytes > self.max_row_bytes:
             why.append(f"row_bytes {hello.row_bytes} over this worker's {self.max_row_bytes} (--max-row-bytes)")
-        rows = largest_round(hello.max_slots, 0, hello.row_bytes)
+        rows = largest_round(hello.max_slots, 0, hello.row_bytes, hello.want_sampled)
         if rows > self.max_round_bytes:
             why.append(
                 f"a round of {hello.max_slots} rows of {hello.row_bytes} bytes is {rows} bytes, over this "
@@ -96,8 +97,10 @@ class Limits:
 
     def frame_cap(self, hello: wire.Hello) -> int:
         """The largest payload a session of ``hello`` may send: the smaller of the worker's
-        round cap and a round of the session's slots and rows with the worker's tokens."""
-        return min(self.max_round_bytes, largest_round(hello.max_slots, self.max_round_tokens, hello.row_bytes))
+        round cap and a round of the session's slots and rows with the worker's tokens
+        (and, in a sampled session, each entry's temperature and seed)."""
+        largest = largest_round(hello.max_slots, self.max_round_tokens, hello.row_bytes, hello.want_sampled)
+        return min(self.max_round_bytes, largest)
 
 
 def hello_refusal(
@@ -113,7 +116,7 @@ def hello_refusal(
     never fit): ``(code,
     reason, why)``, ``code`` ``wire.ACCEPT`` (and empty strings) or the refusal's code,
     its reason for the engine's log and ``why``, the metrics' label (drafter, markov,
-    vocab, limits). Busy is decided later, among the engines
+    vocab, limits; a sampled HELLO to a drafter that does not sample: limits). Busy is decided later, among the engines
     (:class:`~remote_dspark.worker.sessions.Sessions`)."""
     if hello.drafter_identity != drafter.drafter_identity:
         return (
@@ -143,6 +146,15 @@ def hello_refusal(
     over = limits.refusal(hello)
     if over is not None:
         return wire.REFUSE_LIMITS, over, "limits"
+    if hello.want_sampled and not samples_of(as_batched(drafter)):  # as served: a per-entry path never samples
+        return (
+            wire.REFUSE_LIMITS,
+            (
+                f"sampled drafts asked for (VLLM_DSPARK_SAMPLED_TOP32), but the drafter {type(drafter).__name__} "
+                "does not sample (it says no `samples`): serve a drafter that samples, or unset the variable"
+            ),
+            "limits",
+        )
     # A drafter's own bound, as max_width below: the engine drafts for the right model but
     # sends less than this drafter serves (an identity is no mismatch: REFUSE_LIMITS).
     if hello.row_bytes == 0 and needs_rows_of(drafter):

@@ -28,16 +28,23 @@ class DraftsArrays:
     statuses: np.ndarray  # [n] u16
     tokens: np.ndarray  # [n, width] i32
     margins: np.ndarray | None  # [n, width] f32
+    q_ids: np.ndarray | None = None  # [n, width, 32] i32, a sampled session's
+    q_weights: np.ndarray | None = None  # [n, width, 32] u16, a sampled session's
 
 
-def drafts_frame(session: int, round_id: int, n: int, width: int, margins: bool) -> tuple[bytearray, DraftsArrays]:
+def drafts_frame(
+    session: int, round_id: int, n: int, width: int, margins: bool, sampled: bool = False
+) -> tuple[bytearray, DraftsArrays]:
     """A whole zeroed DRAFTS frame (header and fixed part written) and views of its
-    sections, at ``wire.drafts_sections`` offsets, for the caller to fill."""
-    sec = wire.drafts_sections(n, width, margins)
+    sections, at ``wire.drafts_sections`` offsets, for the caller to fill (``sampled``:
+    with the distributions' sections)."""
+    sec = wire.drafts_sections(n, width, margins, sampled)
     at = wire.HEADER.size
     frame = bytearray(at + sec.size)
     frame[:at] = wire.encode_header(wire.DRAFTS, sec.size, session, round_id)
-    wire.DRAFTS_FIXED.pack_into(frame, at, n, width, wire.DRAFTS_MARGINS if margins else 0)
+    flags = (wire.DRAFTS_MARGINS if margins else 0) | (wire.DRAFTS_SAMPLED if sampled else 0)
+    wire.DRAFTS_FIXED.pack_into(frame, at, n, width, flags)
+    top = wire.SAMPLED_TOP
 
     def view(dtype, offset: int, count: int) -> np.ndarray:
         return np.frombuffer(frame, dtype, count, at + offset)
@@ -48,6 +55,8 @@ def drafts_frame(session: int, round_id: int, n: int, width: int, margins: bool)
         view(np.uint16, sec.statuses, n),
         view(np.int32, sec.tokens, n * width).reshape(n, width),
         view(np.float32, sec.margins, n * width).reshape(n, width) if margins else None,
+        view(np.int32, sec.q_ids, n * width * top).reshape(n, width, top) if sampled else None,
+        view(np.uint16, sec.q_weights, n * width * top).reshape(n, width, top) if sampled else None,
     )
 
 
@@ -59,11 +68,14 @@ def reply_frame(
     width: int,
     result: DraftResult,
     drafted: np.ndarray | None = None,
+    sampled: bool = False,
 ) -> bytearray:
     """The DRAFTS frame of a round of ``slots``: RESYNC where not ``ok``, else the
     drafter's result (its rows are the ``drafted`` entries, in entry order: ``ok`` when
-    None; an ``ok`` entry not drafted is answered OK with no drafts)."""
-    reply, out = drafts_frame(session, round_id, len(slots), width, result.margins is not None)
+    None; an ``ok`` entry not drafted is answered OK with no drafts). ``sampled``: a
+    sampled session's reply, with the result's distributions (zeros for entries not
+    drafted, RESYNC ones, and a result without them: an expired round's)."""
+    reply, out = drafts_frame(session, round_id, len(slots), width, result.margins is not None, sampled)
     out.slots[:] = slots
     out.statuses[:] = np.where(ok, wire.STATUS_OK, wire.STATUS_RESYNC)
     drafted = ok if drafted is None else drafted
@@ -72,6 +84,9 @@ def reply_frame(
     out.tokens[where] = result.tokens
     if out.margins is not None:
         out.margins[where] = result.margins
+    if out.q_ids is not None and result.q_ids is not None:
+        out.q_ids[where] = result.q_ids
+        out.q_weights[where] = result.q_weights
     return reply
 
 
@@ -84,7 +99,8 @@ def drafting_batch(
     the drafter's position table ``max_positions``: no drafts, never wrapped positions),
     the drafts' width (``n_out`` at most, ``num_spec`` at most) and the drafter's batch of
     the ``drafted`` entries, each naming its stream (session serial, slot, generation,
-    length) and its context's absolute position.
+    length) and its context's absolute position, and in a sampled session its
+    temperature and seed (the ROUND's, for the entries kept).
 
     Raises: wire.ProtocolError naming what breaks the session's HELLO or this worker's
     limits, or a slot outside the session or named twice.
@@ -110,6 +126,11 @@ def drafting_batch(
     width = min(int(n_out.max()) if n else 0, session.num_spec)
     all_ok = bool(ok.all())
     rows = np.frombuffer(rnd.rows, np.uint8).reshape(n, rnd.row_bytes)
+    temperature = seed = None
+    if rnd.sampled:  # seeds lie 4-aligned: numpy reads the unaligned view, astype copies it aligned
+        temperature = np.frombuffer(rnd.temperature, np.float32).astype(np.float32)
+        seed = np.frombuffer(rnd.seed, "<u8").astype(np.uint64)
+        temperature, seed = (temperature, seed) if all_ok else (temperature[ok], seed[ok])
     batch = DraftBatch(
         adv.tokens,
         adv.offsets,
@@ -122,6 +143,8 @@ def drafting_batch(
         gens=adv.gens,
         lengths=adv.lengths,
         positions=adv.starts,
+        temperature=temperature,
+        seed=seed,
     )
     beyond = batch.beyond(max_positions)
     if not beyond.any():
@@ -156,7 +179,7 @@ def answer(
     serial, batch, deadline)`` (the scheduler's: None when the deadline, counted from
     ``received``, passed in its queue: no drafts). A round with nothing to draft (empty,
     or every slot to re-announce) makes no call. Raises: as :func:`drafting_batch`."""
-    rnd = wire.decode_round(hdr, payload)
+    rnd = wire.decode_round(hdr, payload, session.want_sampled)
     slots, ok, drafted, width, batch = drafting_batch(session, rnd, limits, max_positions)
     result, expired = None, False
     if len(batch):
@@ -165,7 +188,7 @@ def answer(
         expired = result is None
     if result is None:
         result = empty_result(len(batch), width, session.want_margin)
-    reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result, drafted)
+    reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result, drafted, session.want_sampled)
     n_ok = int(np.count_nonzero(ok))
     told = Told(len(slots), len(slots) - n_ok, n_ok - len(batch), int(result.counts.sum()), expired)
     return reply, told

@@ -388,6 +388,7 @@ class Worker:
             row_bytes=hello.row_bytes,
             engine_id=hello.engine_id,
             conn=conn,
+            want_sampled=hello.want_sampled,
         )
         # A place among the engines: the engine's own (a new session replaces the old
         # one's windows), a free one, or the least recently served one's if it has idled

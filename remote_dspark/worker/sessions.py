@@ -39,6 +39,7 @@ class Session:
     last_served: float = 0.0  # Sessions.clock: its HELLO, then the end of every round it was answered
     evicted: bool = False  # a newcomer took its place; its connection says BYE and closes
     conn: socket.socket | None = None  # its connection (shut down on eviction), when it has one
+    want_sampled: bool = False  # its HELLO's OPTION_SAMPLED: rounds carry temperatures and seeds
 
 
 class Sessions:
