@@ -266,7 +266,7 @@ def encode_round(
     meta = array.array("I", [deadline_ms, n, row_bytes, len(tokens)])
     for part in (slots, positions, n_out, flags, offsets):
         meta.extend(part)
-    extra = temps.tobytes() + array.array("Q", seed).tobytes() if sampled else b""
+    extra = temps.tobytes() + _u64(seed).tobytes() if sampled else b""
     return (
         encode_header(ROUND, sec.size, session, round_id)
         + meta.tobytes()
@@ -274,6 +274,14 @@ def encode_round(
         + array.array("i", tokens).tobytes()
         + bytes(rows)
     )
+
+
+def _u64(seed) -> array.array:
+    """``seed`` as an array of u64. Raises: ValueError naming a seed outside 0..2**64-1."""
+    try:
+        return array.array("Q", seed)
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"seed: every one an int in 0..{2**64 - 1} ({e})") from e
 
 
 def _bad_temperature(temps: memoryview) -> int | None:

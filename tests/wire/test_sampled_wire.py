@@ -266,3 +266,9 @@ def test_the_drafts_frame_cap_holds_a_full_sampled_reply_and_a_full_greedy_one()
     sampled = wire.drafts_sections(wire.MAX_SAMPLED_ENTRIES, wire.MAX_SAMPLED_N_OUT, True, True).size
     greedy = wire.drafts_sections(wire.MAX_ENTRIES, wire.MAX_N_OUT, True).size
     assert wire.frame_cap(wire.DRAFTS) == max(sampled, greedy) == sampled
+
+
+@pytest.mark.parametrize("seed", [2**64, -1])
+def test_a_seed_outside_u64_is_a_value_error_naming_seed(seed):
+    with pytest.raises(ValueError, match="seed"):
+        sampled_frame([1.0], [seed])
