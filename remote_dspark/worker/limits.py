@@ -103,6 +103,18 @@ class Limits:
         return min(self.max_round_bytes, largest)
 
 
+def sampling_refusal(drafter, hello: wire.Hello) -> str | None:
+    """Why a worker serving ``drafter`` cannot serve ``hello``'s sampled session (the
+    drafter as the worker calls it does not say ``samples``: a per-entry drafter, served
+    one entry at a time, never does), or None (also for a greedy HELLO)."""
+    if not hello.want_sampled or samples_of(as_batched(drafter)):
+        return None
+    return (
+        f"sampled drafts asked for (VLLM_DSPARK_SAMPLED_TOP32), but the drafter {type(drafter).__name__} "
+        "does not sample (it says no `samples`): serve a drafter that samples, or unset the variable"
+    )
+
+
 def hello_refusal(
     drafter, limits: Limits, hello: wire.Hello, window: int = 0, call_tokens: int | None = None
 ) -> tuple[int, str, str]:
@@ -146,15 +158,9 @@ def hello_refusal(
     over = limits.refusal(hello)
     if over is not None:
         return wire.REFUSE_LIMITS, over, "limits"
-    if hello.want_sampled and not samples_of(as_batched(drafter)):  # as served: a per-entry path never samples
-        return (
-            wire.REFUSE_LIMITS,
-            (
-                f"sampled drafts asked for (VLLM_DSPARK_SAMPLED_TOP32), but the drafter {type(drafter).__name__} "
-                "does not sample (it says no `samples`): serve a drafter that samples, or unset the variable"
-            ),
-            "limits",
-        )
+    cannot = sampling_refusal(drafter, hello)
+    if cannot is not None:
+        return wire.REFUSE_LIMITS, cannot, "limits"
     # A drafter's own bound, as max_width below: the engine drafts for the right model but
     # sends less than this drafter serves (an identity is no mismatch: REFUSE_LIMITS).
     if hello.row_bytes == 0 and needs_rows_of(drafter):
