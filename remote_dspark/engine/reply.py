@@ -45,6 +45,7 @@ class Asked:
     num_spec: int  # the session's (HELLO) widest row
     vocab_size: int  # the engine's vocabulary (HELLO); 0: unknown
     want_margin: bool  # the session asked for margins (HELLO)
+    want_sampled: bool = False  # the session asked for sampled drafts' distributions (HELLO)
 
 
 def check_reply(d: wire.Drafts, asked: Asked) -> None:
@@ -70,6 +71,12 @@ def check_reply(d: wire.Drafts, asked: Asked) -> None:
             "DRAFTS without margins, the session asked for them"
             if asked.want_margin
             else "DRAFTS with margins, the session did not ask for them"
+        )
+    if d.sampled != asked.want_sampled:  # (the per-position rule of a sampled session: the engine's next step)
+        raise wire.ProtocolError(
+            "DRAFTS with distributions, the session did not ask for them"
+            if d.sampled
+            else "DRAFTS without distributions, the session asked for them"
         )
     if not n:
         return

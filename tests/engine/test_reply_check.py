@@ -106,6 +106,15 @@ def payload(slots=(3, 1), counts=(2, 3), statuses=(0, 0), width=3, tokens=None, 
     return wire.encode_drafts(d, SESSION)[wire.HEADER.size :]
 
 
+def sampled_payload() -> bytes:
+    """An honest reply (margins asked) that also carries distributions (DRAFTS_SAMPLED)."""
+    body = payload()
+    d = wire.decode_drafts(wire.Header(wire.DRAFTS, len(body), SESSION, 1), body)
+    grid = 2 * d.width * wire.SAMPLED_TOP
+    q = wire.Drafts(1, d.slots, d.counts, d.statuses, d.width, d.tokens, d.margins, [0] * grid, [0] * grid)
+    return wire.encode_drafts(q, SESSION)[wire.HEADER.size :]
+
+
 R = wire.STATUS_RESYNC
 NAN = float("nan")
 # name: (terms, payload, event, why). Every rule of the reply check, and its edges.
@@ -200,6 +209,8 @@ CASES = {
         "entry 1: draft token 100 outside 0..99",
     ),
     "a frame rule first": ((0, True), payload(counts=(4, 3), width=3), RoundEvent.PROTOCOL, None),
+    # Distributions the session did not ask for: C knows no such flag yet, Python names them.
+    "distributions not asked": ((0, True), sampled_payload(), RoundEvent.PROTOCOL, None),
 }
 
 
