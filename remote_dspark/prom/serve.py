@@ -283,8 +283,10 @@ class ScrapeServer:
                     answer = _text(500, "internal error; see the server's log")
             _send_within(sock, response_bytes(answer, with_body=with_body), deadline)
         finally:
-            sock.close()
+            # The place first: a client that reads to the end and asks again must find it
+            # free (closed first, its next request could come before the release: 503).
             self._answering.release()
+            sock.close()
 
 
 def _head_end(buf: bytearray, start: int) -> int:
