@@ -40,7 +40,8 @@ either (numpy is imported here at module level).
    (one ``r`` by 65538), so a token is drawn with probability within ``2**-32`` of
    ``w / TOTAL`` (within ``TOTAL / 2**32`` a fortiori).
 
-4. **The check.** :func:`check_sampled`: what the engine holds a reply's sampled
+4. **The check.** :func:`~remote_dspark.sampled.check_sampled` (shared with the wire
+   and the engine, :mod:`remote_dspark.sampled`): what the engine holds a reply's sampled
    section to, at drafted positions (ids in the vocabulary and distinct, weights
    summing to ``TOTAL``, the drafted token among the ids of weight > 0).
 """
@@ -49,8 +50,9 @@ from __future__ import annotations
 
 import numpy as np
 
-TOP = 32  # ids per drafted position
-TOTAL = 65535  # the weights' exact sum: q = w / TOTAL
+from ..sampled import TOP, TOTAL, check_sampled  # the shared terms, and rule 4
+
+__all__ = ["TOP", "TOTAL", "check_sampled", "from_counts", "pick", "top32", "uniform_u32", "weights_of"]
 MASK32 = 0xFFFFFFFF
 # mix32's odd multipliers, both below 2**31 (C. Wellons' hash-prospector 32-bit mixer
 # with shifts 16, 15, 15; bias 0.108), and the lanes' keys (from the golden ratio).
@@ -230,38 +232,3 @@ def pick(ids, weights, u32) -> np.ndarray:
     i = np.minimum(np.count_nonzero(np.cumsum(w, axis=-1) <= r.astype(np.int64)[..., None], axis=-1), TOP - 1)
     # (TOP - 1: only weights short of TOTAL get past it; a single row's i is a scalar)
     return np.take_along_axis(ids, i[..., None], -1)[..., 0].astype(np.int32)
-
-
-def check_sampled(ids, weights, tokens, vocab: int) -> str | None:
-    """Rule 4: None when a reply's sampled section is valid at its drafted positions,
-    else the first reason found, naming the position (in row order) and what is wrong.
-
-    Args:
-        ids: [m, TOP] token ids per drafted position.
-        weights: [m, TOP] integer weights.
-        tokens: [m] the drafted tokens.
-        vocab: the engine's vocabulary size.
-    """
-    ids, w, tokens = np.asarray(ids), np.asarray(weights), np.asarray(tokens)
-    m = len(tokens)
-    if tokens.shape != (m,) or ids.shape != (m, TOP) or w.shape != (m, TOP):
-        return f"shapes: ids {ids.shape}, weights {w.shape}, tokens {tokens.shape}; expected [m, {TOP}] twice and [m]"
-    ids, w, tokens = ids.astype(np.int64), w.astype(np.int64), tokens.astype(np.int64)
-    bad = ((ids < 0) | (ids >= vocab)).any(axis=1)
-    if bad.any():
-        at = int(np.argmax(bad))
-        return f"position {at}: id {ids[at][(ids[at] < 0) | (ids[at] >= vocab)][0]} outside 0..{vocab - 1}"
-    srt = np.sort(ids, axis=1)
-    bad = (srt[:, 1:] == srt[:, :-1]).any(axis=1)
-    if bad.any():
-        at = int(np.argmax(bad))
-        return f"position {at}: id {srt[at, 1:][srt[at, 1:] == srt[at, :-1]][0]} repeated"
-    bad = ((w < 0) | (w > TOTAL)).any(axis=1) | (w.sum(axis=1) != TOTAL)
-    if bad.any():
-        at = int(np.argmax(bad))
-        return f"position {at}: weights sum to {w[at].sum()} (each 0..{TOTAL}), expected exactly {TOTAL}"
-    bad = ~((ids == tokens[:, None]) & (w > 0)).any(axis=1)
-    if bad.any():
-        at = int(np.argmax(bad))
-        return f"position {at}: drafted token {tokens[at]} not among its ids of weight > 0"
-    return None

@@ -15,11 +15,18 @@ Then, in order:
    ``wire.BadReply`` (the round is an ERROR, the connection is kept);
 2. the width is at most ``num_spec`` (from here on ``wire.ProtocolError``: the round is
    an ERROR and the connection is dropped, so it is re-established);
-3. margins are present exactly when the session asked for them (HELLO's want_margin);
+3. margins are present exactly when the session asked for them (HELLO's want_margin),
+   and distributions exactly when it asked for sampled drafts (HELLO's sampled option);
 4. per entry, in entry order: its count is at most the round's ``n_out`` for it; a
    RESYNC entry has no drafts; every counted token is in ``0..vocab_size-1``
    (``0..2**31-1`` when the vocabulary is unknown); every counted margin is in [0, 1]
-   (so finite: NaN fails both comparisons).
+   (so finite: NaN fails both comparisons);
+5. in a sampled session, once every entry passed 4: each counted position's
+   distribution, by the shared rule (:func:`remote_dspark.sampled.violation`: ids in the
+   vocabulary and distinct, weights summing to exactly 65,535, the drafted token among
+   the ids of weight > 0), the first position that breaks it named by entry and draft.
+   (C's twin of this rule is the engine step of issue 29: until then the engine asks for
+   no sampled drafts, and C refuses the distributions' flag.)
 
 Only counted positions are checked: what lies past a count never reaches the engine
 (``batch.to_drafts`` and ``hf_unpack`` zero it).
@@ -32,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import wire
+from ..sampled import violation
 
 I32_MAX = (1 << 31) - 1
 
@@ -94,6 +102,8 @@ def check_reply(d: wire.Drafts, asked: Asked) -> None:
         bad_margin = live & ~((margins >= 0) & (margins <= 1))
         bad |= bad_margin.any(axis=1)
     if not bad.any():
+        if d.sampled:
+            _check_distributions(d, n, width, live, tokens, asked.vocab_size or I32_MAX + 1)
         return
     e = int(np.argmax(bad))  # the first entry that breaks a rule; then its first rule, as in C
     if over[e]:
@@ -105,3 +115,16 @@ def check_reply(d: wire.Drafts, asked: Asked) -> None:
         raise wire.ProtocolError(f"entry {e}: draft token {tokens[e, j]} outside 0..{top}")
     j = int(np.argmax(bad_margin[e]))
     raise wire.ProtocolError(f"entry {e}: margin {float(margins[e, j]):g} not in [0, 1]")
+
+
+def _check_distributions(d: wire.Drafts, n: int, width: int, live: np.ndarray, tokens: np.ndarray, vocab: int) -> None:
+    """Rule 5 (module docstring) over the counted positions ``live`` [n, width].
+
+    Raises: wire.ProtocolError naming the entry, the draft and what is wrong."""
+    shape = (n, width, wire.SAMPLED_TOP)
+    ids = np.asarray(d.q_ids, dtype=np.int32).reshape(shape)
+    weights = np.asarray(d.q_weights, dtype=np.uint16).reshape(shape)
+    found = violation(ids[live], weights[live], tokens[live], vocab)
+    if found is not None:
+        e, j = np.argwhere(live)[found[0]]
+        raise wire.ProtocolError(f"entry {e}: draft {j}: {found[1]}")

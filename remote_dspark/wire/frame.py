@@ -22,6 +22,8 @@ import struct
 import sys
 from dataclasses import dataclass
 
+from ..sampled import TOP, TOTAL
+
 # Sections are read as native arrays (memoryview casts, numpy views): little-endian hosts only.
 if sys.byteorder != "little":
     raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; this host is big-endian")
@@ -54,8 +56,7 @@ MAX_VOCAB = 1 << 31  # token ids are i32: a vocabulary of at most 2^31 ids
 # SAMPLED_TOTAL, 6 bytes an id. A sampled session is capped tighter than a greedy one so
 # that its DRAFTS stays small: 1024 entries x 16 drafts x 32 ids x 6 B = 3 MiB of
 # distributions (at the greedy caps, 4096 x 64 x 32 x 6 B would be 48 MiB a reply).
-SAMPLED_TOP = 32
-SAMPLED_TOTAL = 65535
+SAMPLED_TOP, SAMPLED_TOTAL = TOP, TOTAL  # a drafted position's ids, and its weights' exact sum
 MAX_SAMPLED_N_OUT = 16  # a sampled HELLO's num_spec at most
 MAX_SAMPLED_ENTRIES = 1024  # a sampled HELLO's max_slots at most (so a sampled round's entries)
 

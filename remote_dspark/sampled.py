@@ -1,0 +1,67 @@
+"""Sampled drafts' shared terms (SAMPLED_TOP32): the numbers both sides hold a draft's
+distribution to, and the one check of it, for the drafter (:mod:`remote_dspark.drafter.sampling`,
+which states the whole rule), the wire (:mod:`remote_dspark.wire`: its sections' sizes) and
+the engine (:mod:`remote_dspark.engine.reply`: a reply's distributions). C's twin of the
+check is ``unpack_drafts`` in ``native/tcp_round.c``'s (the engine step of issue 29).
+
+A drafted position's distribution is ``TOP`` token ids and integer weights summing to
+exactly ``TOTAL``: ``q = w / TOTAL`` is the distribution the draft was drawn from.
+
+Part of the package's shared vocabulary: it imports nothing of the package, and numpy
+only inside :func:`check_sampled` (the proxy process imports the wire, never numpy).
+"""
+
+from __future__ import annotations
+
+TOP = 32  # ids per drafted position
+TOTAL = 65535  # the weights' exact sum: q = w / TOTAL
+
+
+def violation(ids, weights, tokens, vocab: int) -> tuple[int, str] | None:
+    """The first drafted position (in row order) whose distribution breaks the rule, and
+    the first part of the rule it breaks, in this order: an id outside ``0..vocab-1``, an
+    id repeated, weights not summing to exactly ``TOTAL`` (or one outside 0..TOTAL), the
+    drafted token not among the ids of weight > 0. None when every position holds.
+
+    Args: ``ids`` and ``weights`` ``[m, TOP]`` integers, ``tokens`` ``[m]`` (shapes the
+    caller's to check: :func:`check_sampled` does)."""
+    import numpy as np
+
+    ids, w, tokens = (np.asarray(a).astype(np.int64) for a in (ids, weights, tokens))
+    outside = ((ids < 0) | (ids >= vocab)).any(axis=1)
+    srt = np.sort(ids, axis=1)
+    same = srt[:, 1:] == srt[:, :-1]
+    total = w.sum(axis=1)
+    weights_off = ((w < 0) | (w > TOTAL)).any(axis=1) | (total != TOTAL)
+    absent = ~((ids == tokens[:, None]) & (w > 0)).any(axis=1)
+    bad = outside | same.any(axis=1) | weights_off | absent
+    if not bad.any():
+        return None
+    at = int(np.argmax(bad))
+    if outside[at]:
+        return at, f"id {ids[at][(ids[at] < 0) | (ids[at] >= vocab)][0]} outside 0..{vocab - 1}"
+    if same[at].any():
+        return at, f"id {srt[at, 1:][same[at]][0]} repeated"
+    if weights_off[at]:
+        return at, f"weights sum to {total[at]} (each 0..{TOTAL}), expected exactly {TOTAL}"
+    return at, f"drafted token {tokens[at]} not among its ids of weight > 0"
+
+
+def check_sampled(ids, weights, tokens, vocab: int) -> str | None:
+    """None when a reply's sampled section is valid at its drafted positions, else the
+    reason (:func:`violation`), naming the position (in row order) and what is wrong.
+
+    Args:
+        ids: [m, TOP] token ids per drafted position.
+        weights: [m, TOP] integer weights.
+        tokens: [m] the drafted tokens.
+        vocab: the engine's vocabulary size.
+    """
+    import numpy as np
+
+    ids, w, tokens = np.asarray(ids), np.asarray(weights), np.asarray(tokens)
+    m = len(tokens)
+    if tokens.shape != (m,) or ids.shape != (m, TOP) or w.shape != (m, TOP):
+        return f"shapes: ids {ids.shape}, weights {w.shape}, tokens {tokens.shape}; expected [m, {TOP}] twice and [m]"
+    found = violation(ids, w, tokens, vocab)
+    return None if found is None else f"position {found[0]}: {found[1]}"
