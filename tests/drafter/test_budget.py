@@ -4,6 +4,8 @@ from the device's free memory when not given, refused over it when given, and an
 whose one entry could never fit a call is refused at HELLO. The GPU test measures a call
 at the budget against the bound (``budget.working_bytes``)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -102,7 +104,7 @@ def test_a_hello_whose_one_entry_is_over_the_call_budget_is_refused_naming_the_f
 def test_on_cuda_a_call_at_the_budget_stays_within_its_working_bytes(tmp_path):
     """The bound measured: the built-in model and a GPT-2-shaped one, a call at a budget of
     256 entries and 4096 tokens with its worst raggedness (some whole rows, the rest one
-    token each), captured then replayed; the peak over the store, the weights and what
+    token each), greedy and sampled, each captured then replayed; the peak over the store, the weights and what
     the libraries allocate once (a first small call: cuBLAS's workspaces) is within
     ``working_bytes``."""
     if not torch.cuda.is_available():
@@ -124,8 +126,11 @@ def test_on_cuda_a_call_at_the_budget_stays_within_its_working_bytes(tmp_path):
         contexts = long + [[int(t)] for t in rng.integers(0, 100, 216)]
         lengths = np.array([len(c) for c in contexts], np.int64)
         zeros = np.zeros(256, np.int64)  # streams, as the worker's: every entry has a cache row
-        batch = batch_of(contexts, [8] * 256, 8, session=1, slots=np.arange(256), gens=zeros, lengths=lengths)
-        for _ in range(2):  # the first captures, the second replays
+        greedy = batch_of(contexts, [8] * 256, 8, session=1, slots=np.arange(256), gens=zeros, lengths=lengths)
+        sampled = dataclasses.replace(  # other streams (every entry a miss again), sampled
+            greedy, session=3, temperature=np.ones(256, np.float32), seed=np.arange(256, dtype=np.uint64)
+        )
+        for batch in (greedy, greedy, sampled, sampled):  # each kind: the first captures, the second replays
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
