@@ -25,7 +25,7 @@ from remote_dspark import wire
 from remote_dspark.cli import worker as worker_cli
 from remote_dspark.drafter.contract import CacheInfo
 from remote_dspark.drafter.lm import cache as cache_module
-from remote_dspark.drafter.lm.cache import MIN_SCRATCH, SlotCache
+from remote_dspark.drafter.lm.cache import MIN_SCRATCH, PROTECT_CALLS, SlotCache
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.model import LMConfig, TinyLM
 from remote_dspark.transport import Disconnected
@@ -524,3 +524,31 @@ def test_an_entry_past_the_models_positions_gets_no_drafts_counted_and_the_rest_
         assert value(text, "dspark_worker_entries_beyond_positions_total") == 2
     with pytest.raises(ValueError, match="pass the model's 64 positions"):  # the drafter alone: never wrapped
         d.draft_batch(batch_of([late], [3], 3, positions=np.array([55], np.int64)))
+
+
+def test_a_flood_of_streams_that_never_hit_takes_its_own_rows_not_a_drafting_engines():
+    """Four cache rows, two engines: an honest one whose two streams hit round after round,
+    and a storm of 6 slots sending NEW_GEN every round (a new generation each time: never
+    a hit). The storm's newcomers take the rows beyond the honest engine's share (its own,
+    least recently used first) and the rest draft from scratch rows; the honest streams
+    keep theirs and go on hitting. Once the honest engine stops, its rows go cold and the
+    storm takes them after PROTECT_CALLS calls."""
+    cache = SlotCache(4, 64)
+    two = np.ones(2, np.int64)
+
+    def honest(length):
+        return cache.plan(two, np.arange(2), two, length * two, 8 * two, 2, None)
+
+    def storm(gen):
+        six = np.ones(6, np.int64)
+        return cache.plan(2 * six, np.arange(6), gen * six, 8 * six, 8 * six, 2, None)
+
+    honest(8)
+    for r in range(1, 10):
+        assert honest(8 + r).hit.all(), r  # the honest streams draft from their rows every round
+        assert (storm(r).rows >= 0).sum() == 2  # the storm: two rows, the rest from scratch rows
+    assert cache.held(1, 0) is not None and cache.held(1, 1) is not None
+    for r in range(10, 10 + PROTECT_CALLS + 2):  # the honest engine is gone: its rows go cold
+        storm(r)
+    assert cache.held(1, 0) is None and cache.held(1, 1) is None
+    assert (storm(99).rows >= 0).sum() == 4

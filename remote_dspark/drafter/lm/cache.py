@@ -25,6 +25,7 @@ object per stream)::
     origin     the absolute position of the row's column 0 (column c holds the token
                at position origin + c: its true position, whatever the row's start)
     used       the round that last used it (least recently used goes first)
+    hit_at     the round that last drafted it from cached state (NEVER: not since cached)
 
 A stream is ``(session, slot, gen)`` (:class:`remote_dspark.drafter.DraftBatch`); the
 row of ``(session, slot)`` is found through one array per session (slot -> row, -1:
@@ -56,6 +57,8 @@ import torch
 from ..contract import CacheInfo
 
 _KEEP = np.iinfo(np.int64).max  # a row in use this round: never chosen for a newcomer
+NEVER = -(1 << 40)  # hit_at of a row not hit since it was cached
+PROTECT_CALLS = 64  # a row hit within this many calls is its session's while the session is within its share
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,7 @@ class SlotCache:
         self.fill = np.zeros(capacity, np.int64)
         self.origin = np.zeros(capacity, np.int64)
         self.used = np.full(capacity, -1, np.int64)
+        self.hit_at = np.full(capacity, NEVER, np.int64)
         self._maps: dict[int, np.ndarray] = {}  # session -> [slots] row of each slot, -1: none
         self._tick = 0
         self.hits = self.misses = 0
@@ -212,8 +216,8 @@ class SlotCache:
         width: int,
         starts: np.ndarray | None,
     ) -> Plan:
-        """Rows for a round's entries (a row per stream, the least recently used given to
-        newcomers) and what each must encode; the rows' bookkeeping is set to the state
+        """Rows for a round's entries (a row per stream; which rows newcomers take:
+        :meth:`_rows_of`) and what each must encode; the rows' bookkeeping is set to the state
         after the round (:meth:`forget` undoes it for a round that failed).
 
         Args: the batch's stream fields, a session per entry (a batch may mix the rounds
@@ -256,6 +260,7 @@ class SlotCache:
         self.fill[rows[have]] = base[have] + take[have]
         self.origin[rows[have]] = origin[have]
         self.used[rows[have]] = self._tick
+        self.hit_at[rh] = self._tick
         n_hit = len(h)
         self.hits += n_hit
         self.misses += len(rows) - n_hit
@@ -277,7 +282,14 @@ class SlotCache:
     def _rows_of(self, session: int, slots: np.ndarray) -> np.ndarray:
         """Each slot's row, newcomers given free or least recently used rows (not one
         used by this round: another session's entries may have taken rows already);
-        -1 for those left without (more entries than rows)."""
+        -1 for those left without (more entries than rows, drafted from scratch rows).
+
+        Fair between sessions: a newcomer never takes another session's row that was hit
+        within the last ``PROTECT_CALLS`` calls while that session holds no more than its
+        share (the rows over the sessions holding rows, this one counted). So a flood of
+        streams that never hit (NEW_GEN every round) takes its own rows and cold ones,
+        never those of an engine drafting from its cache; within a session, and beyond a
+        share, the least recently used row goes first."""
         m = self._maps.get(session)
         top = int(slots.max()) + 1 if len(slots) else 0
         if m is None or len(m) < top:
@@ -291,6 +303,7 @@ class SlotCache:
             self.used[rows] = self._tick
             return rows
         key = self.used.copy()
+        key[self._guarded(session)] = _KEEP
         key[rows[rows >= 0]] = _KEEP
         key[self.used == self._tick] = _KEEP
         got = np.argsort(key, kind="stable")[: len(need)]
@@ -301,10 +314,23 @@ class SlotCache:
         self.owner_session[got] = session
         self.owner_slot[got] = slots[need]
         self.gen[got] = -1
+        self.hit_at[got] = NEVER
         m[slots[need]] = got
         rows[need] = got
         self.used[rows[rows >= 0]] = self._tick
         return rows
+
+    def _guarded(self, session: int) -> np.ndarray:
+        """[capacity] bool: the rows ``session``'s newcomers may not take (:meth:`_rows_of`):
+        other sessions' rows hit within ``PROTECT_CALLS`` calls, of sessions within
+        their share."""
+        owner = self.owner_session
+        held = owner >= 0
+        owners, counts = np.unique(owner[held], return_counts=True)
+        share = self.capacity // (len(owners) + int(session not in owners))
+        over = np.isin(owner, owners[counts > share])
+        hot = self.hit_at >= self._tick - PROTECT_CALLS
+        return held & (owner != session) & hot & ~over
 
     def _evict(self, got: np.ndarray) -> None:
         """Drop the rows' old owners from their sessions' maps (a loop over the few
