@@ -1,8 +1,8 @@
 """Sampled drafts' shared terms (SAMPLED_TOP32): the numbers both sides hold a draft's
 distribution to, and the one check of it, for the drafter (:mod:`remote_dspark.drafter.sampling`,
 which states the whole rule), the wire (:mod:`remote_dspark.wire`: its sections' sizes) and
-the engine (:mod:`remote_dspark.engine.reply`: a reply's distributions). C's twin of the
-check is ``unpack_drafts`` in ``native/tcp_round.c``'s (the engine step of issue 29).
+the engine (:mod:`remote_dspark.engine.reply`: a reply's distributions). The proxy's
+rounds (``native/tcp_round.c``) carry no sampled sessions and refuse distributions.
 
 A drafted position's distribution is ``TOP`` token ids and integer weights summing to
 exactly ``TOTAL``: ``q = w / TOTAL`` is the distribution the draft was drawn from.

@@ -25,8 +25,8 @@ Then, in order:
    distribution, by the shared rule (:func:`remote_dspark.sampled.violation`: ids in the
    vocabulary and distinct, weights summing to exactly 65,535, the drafted token among
    the ids of weight > 0), the first position that breaks it named by entry and draft.
-   (C's twin of this rule is the engine step of issue 29: until then the engine asks for
-   no sampled drafts, and C refuses the distributions' flag.)
+   C has no twin of this rule: the proxy's rounds carry no sampled sessions (the engine
+   asks for none), and C refuses the distributions' flag.
 
 Only counted positions are checked: what lies past a count never reaches the engine
 (``batch.to_drafts`` and ``hf_unpack`` zero it).

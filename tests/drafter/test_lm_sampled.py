@@ -1,4 +1,4 @@
-"""The torch model drafter's sampled rounds (remote_dspark.drafter.lm, issue 29): drafts
+"""The torch model drafter's sampled rounds (remote_dspark.drafter.lm): drafts
 drawn by the sampling rule (remote_dspark.drafter.sampling) inside the batched round,
 against the rule recomputed in numpy, a one-entry reference, the greedy round, and their
 own reported distributions. CPU float32 (eager and padded shapes, cache on and off),

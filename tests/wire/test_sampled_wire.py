@@ -11,15 +11,14 @@ import struct
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_wire import rounds
 
 from remote_dspark import wire
 from remote_dspark.drafter import sampling
 
 IDS = (b"\x11" * 32, b"\x22" * 32)
 u32 = st.integers(0, 2**32 - 1)
-u64 = st.integers(0, 2**64 - 1)
 i32 = st.integers(-(2**31), 2**31 - 1)
-f32_ok = st.floats(0, 2.0**100, width=32)  # finite and >= 0 (-0.0 included: it is 0)
 
 
 def split(frame: bytes):
@@ -80,29 +79,7 @@ def test_a_sampled_hello_over_the_sampled_caps_is_refused_naming_value_and_cap(f
 # --------------------------------------------------------------------------- ROUND
 
 
-@st.composite
-def sampled_rounds(draw):
-    row_bytes = draw(st.integers(0, 16))
-    entries = draw(
-        st.lists(
-            st.builds(
-                wire.Entry,
-                slot=u32,
-                n_out=st.integers(0, wire.MAX_N_OUT),
-                position=u32,
-                tokens=st.lists(i32, max_size=12).map(tuple),
-                new_gen=st.booleans(),
-                temperature=f32_ok,
-                seed=u64,
-            ),
-            max_size=10,
-        )
-    )
-    rows = draw(st.binary(min_size=len(entries) * row_bytes, max_size=len(entries) * row_bytes))
-    return draw(u32), draw(u32), entries, rows, row_bytes
-
-
-@given(sampled_rounds())
+@given(rounds(sampled=True))
 def test_a_sampled_round_round_trips_with_its_temperatures_and_seeds(r):
     round_id, deadline_ms, entries, rows, row_bytes = r
     frame = wire.encode_round_entries(round_id, 5, deadline_ms, entries, rows, row_bytes, sampled=True)
@@ -126,7 +103,7 @@ def test_a_sampled_round_round_trips_with_its_temperatures_and_seeds(r):
     assert list(got) == [e.temperature for e in entries] + [e.seed for e in entries]
 
 
-@given(sampled_rounds())
+@given(rounds(sampled=True))
 def test_an_unsampled_round_is_protocol_5_s_bytes_but_for_the_version(r):
     """Protocol 5's ROUND written out by hand: the fixed part, five u32 arrays, the
     tokens, the rows. Protocol 6 adds nothing to a session that does not sample."""

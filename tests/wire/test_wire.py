@@ -15,8 +15,11 @@ i32 = st.integers(-(2**31), 2**31 - 1)
 
 
 @st.composite
-def rounds(draw):
+def rounds(draw, sampled: bool = False):
+    """(round id, deadline, entries, rows, row_bytes); ``sampled``: each entry with a
+    temperature (finite, >= 0: -0.0 included, it is 0) and a u64 seed."""
     row_bytes = draw(st.integers(0, 64))
+    per_entry = {"temperature": st.floats(0, 2.0**100, width=32), "seed": st.integers(0, 2**64 - 1)} if sampled else {}
     entries = draw(
         st.lists(
             st.builds(
@@ -26,6 +29,7 @@ def rounds(draw):
                 position=u32,
                 tokens=st.lists(i32, max_size=20).map(tuple),
                 new_gen=st.booleans(),
+                **per_entry,
             ),
             max_size=12,
         )
