@@ -128,8 +128,9 @@ class RemoteConfig:
     def hello(
         self, engine_id: int, *, max_slots: int, row_bytes: int, num_spec: int, vocab_size: int = 0
     ) -> wire.Hello:
-        """The HELLO of a session of this configuration: its identities and margins, the
-        engine's id and vocabulary, the region's sizes."""
+        """The HELLO of a session of this configuration: its identities, margins and
+        sampled drafts (``sampled_top32``), the engine's id and vocabulary, the region's
+        sizes."""
         return wire.Hello(
             self.drafter_identity,
             self.markov_identity,
@@ -139,6 +140,7 @@ class RemoteConfig:
             num_spec,
             want_margin=self.want_margin,
             vocab_size=vocab_size,
+            want_sampled=self.sampled_top32,
         )
 
     def to_json(self) -> str:

@@ -61,11 +61,13 @@ REMOTE_N_OUT                   auto              auto | 0: ReqEntry.n_out, see :
 REMOTE_LOG_EVERY               1024              rounds between stats log lines (0 = off)
 REMOTE_STATS_FILE              /tmp/dsv41-       JSON stats written by rank 0
                                remote-dspark.json
-VLLM_DSPARK_SAMPLED_TOP32      0                 the engine's sampled top-32 switch: accepted
-                                                 and carried (``RemoteConfig.sampled_top32``)
-                                                 for compatibility; no effect here (the remote
-                                                 drafter drafts greedily, and how the engine
-                                                 samples its verify is the engine's own)
+VLLM_DSPARK_SAMPLED_TOP32      0                 1: ask the worker for sampled drafts (HELLO's
+                                                 sampled option): each batch carries a
+                                                 temperature and a seed per entry, and each
+                                                 drafted position comes with the top-32
+                                                 distribution it was drawn from (``Drafts.q_*``,
+                                                 for ``engine.sampler.rejection_sample``); caps
+                                                 num_spec at 16 and max_slots at 1024
 REMOTE_METRICS_PORT            0 (off)           serve /metrics on this port (an engine with its
                                                  own /metrics registers the collector instead)
 REMOTE_METRICS_ADDR            127.0.0.1         the exporter's address; loopback unless set

@@ -23,7 +23,8 @@ torch is imported here; nothing the proxy imports imports this package.
 
 from ..config.api import apply_cost_overrides
 from ..config.mode import Mode
-from .batch import Batch, Drafts
+from .batch import Batch
+from .drafts import Drafts
 from .facade import RemoteDSpark
 from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 
 from ..supervise.supervisor import Supervisor
-from .batch import Batch, Drafts
+from .batch import Batch
+from .drafts import Drafts
 from .handoff import Handoff, Launched
 from .proxy_host import host_for
 from .spec import Spec

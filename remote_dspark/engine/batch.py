@@ -4,9 +4,11 @@ A :class:`Batch` is the engine's own layout (as vLLM's input batch): ``slots`` [
 ``tokens`` flattened with ``token_offsets`` [n + 1] (entry i owns
 ``tokens[token_offsets[i]:token_offsets[i + 1]]``, like ``query_start_loc``),
 ``positions`` [n], ``new_gen`` [n], the engine tensor ``rows`` with ``row_index`` [n]
-(both None for an engine built with ``row_bytes=0``: no rows; :func:`has_rows`), and
-optionally ``n_out`` [n]. Every field is an int (or bool) tensor, on the CPU or on
-the device, or a numpy array on the host (as an engine keeps numpy views of its pinned
+(both None for an engine built with ``row_bytes=0``: no rows; :func:`has_rows`),
+optionally ``n_out`` [n], and, exactly when the engine asks for sampled drafts
+(``VLLM_DSPARK_SAMPLED_TOP32=1``), ``temperature`` [n] and ``seed`` [n]. Every field is
+an int (float: temperature; bool: new_gen) tensor, on the CPU or on the device, or a
+numpy array on the host (as an engine keeps numpy views of its pinned
 CPU tensors); :meth:`Batch.from_lists` takes Python lists and converts them once (the
 slow convenience).
 
@@ -23,7 +25,7 @@ so a round is:
   calling thread: the engine's small copies never fan out to torch's intra-op pool and
   compete with the proxy and the worker for cores), one gather launch on the device;
 - the answer: numpy views of the drafts slot (or of the DRAFTS payload), one copy per
-  array into the ``Drafts`` tensors (:func:`to_drafts`).
+  array into the ``Drafts`` tensors (:func:`.drafts.to_drafts`).
 
 No function here loops over entries.
 """
@@ -37,13 +39,14 @@ import numpy as np
 import torch
 
 from .. import wire
-from ..outcome import Outcome
 
 CONTEXT_TOKENS = wire.DEFAULT_CONTEXT  # the default cut of a NEW_GEN context (RemoteDSpark's context_tokens)
 
 assert wire.FLAG_NEW_GEN == 1  # a bool array is the flags section as it is
 U32_MAX, I32_MIN, I32_MAX = 2**32 - 1, -(2**31), 2**31 - 1
 _META_FIELDS = ("slots", "token_offsets", "positions", "new_gen", "n_out", "tokens")
+_SAMPLING_FIELDS = ("temperature", "seed")
+_DTYPES = {"new_gen": bool, "temperature": np.float64, "seed": np.uint64}  # of a list; else int64
 
 
 @dataclass
@@ -58,6 +61,13 @@ class Batch:
     dtype); an engine of ``row_bytes=0`` takes a batch without ``rows`` and
     ``row_index``. ``n_out[i]`` drafts are asked for (capped at
     ``num_spec``), or the engine's n_out table's value for the batch size when None.
+
+    A sampled engine's entries each draft at ``temperature[i]`` (finite, >= 0; 0: that
+    entry's drafts are greedy) with randomness from ``seed[i]`` (an integer; an int64's
+    bits are taken as the wire's u64): the same seed, context and temperature draw the
+    same drafts, and no two positions of an entry share randomness
+    (:mod:`remote_dspark.drafter.sampling`). Both are required by a sampled engine and
+    refused by any other (:func:`host_meta`).
     """
 
     slots: torch.Tensor | np.ndarray
@@ -68,12 +78,14 @@ class Batch:
     rows: torch.Tensor | None = None
     row_index: torch.Tensor | np.ndarray | None = None
     n_out: torch.Tensor | np.ndarray | None = None
+    temperature: torch.Tensor | np.ndarray | None = None
+    seed: torch.Tensor | np.ndarray | None = None
 
     def __post_init__(self):
-        for name in _META_FIELDS + ("row_index",):  # anything else (lists): numpy, once
+        for name in _META_FIELDS + _SAMPLING_FIELDS + ("row_index",):  # anything else (lists): numpy, once
             value = getattr(self, name)
             if value is not None and not isinstance(value, (torch.Tensor, np.ndarray)):
-                setattr(self, name, np.asarray(value, dtype=bool if name == "new_gen" else np.int64))
+                setattr(self, name, np.asarray(value, dtype=_DTYPES.get(name, np.int64)))
 
     @classmethod
     def from_lists(
@@ -85,6 +97,8 @@ class Batch:
         rows: torch.Tensor | None = None,
         row_index=None,
         n_out: Sequence[int] | None = None,
+        temperature: Sequence[float] | None = None,
+        seed: Sequence[int] | None = None,
     ) -> Batch:
         """A batch from per-entry Python lists (the slow convenience: it walks them once)."""
         lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
@@ -100,6 +114,8 @@ class Batch:
             rows,
             row_index,
             None if n_out is None else np.asarray(n_out, dtype=np.int64),
+            temperature,
+            seed,
         )
 
     def __len__(self) -> int:
@@ -109,7 +125,10 @@ class Batch:
     def meta_on_device(self) -> bool:
         """True when any metadata tensor lives on an accelerator (an engine whose
         accepted tokens are still on the GPU)."""
-        for t in (self.slots, self.tokens, self.token_offsets, self.positions, self.new_gen, self.n_out):
+        for t in (self.slots, self.tokens, self.token_offsets, self.positions, self.new_gen, self.n_out) + (
+            self.temperature,
+            self.seed,
+        ):
             if isinstance(t, torch.Tensor) and not t.is_cpu:
                 return True
         return False
@@ -125,6 +144,12 @@ class HostMeta:
     new_gen: np.ndarray  # [n] bool: the wire's flags (FLAG_NEW_GEN is bit 0, so True is it)
     offsets: np.ndarray  # [n + 1] int64
     tokens: np.ndarray  # [T] any int dtype
+    temperature: np.ndarray | None = None  # [n] float32, finite, >= 0: a sampled engine's
+    seed: np.ndarray | None = None  # [n] uint64: a sampled engine's
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature is not None
 
     @property
     def n(self) -> int:
@@ -152,13 +177,15 @@ def host_meta(
     n_out_default: int,
     vocab_size: int = 0,
     context_tokens: int = CONTEXT_TOKENS,
+    sampled: bool = False,
 ) -> HostMeta:
     """Check ``batch``'s metadata (on the host) and cut its NEW_GEN contexts to their last
     ``context_tokens`` (each cut entry's position moves to its first token sent): a few
     whole-array operations (each costs microseconds, so the common case takes the
     fewest: no NEW_GEN entry means no cut to compute).
 
-    ``vocab_size`` (0: unknown) bounds the token ids. Metadata on the device
+    ``vocab_size`` (0: unknown) bounds the token ids. ``sampled``: the engine asks for
+    sampled drafts (:func:`sampling_meta`). Metadata on the device
     (``device_meta.write_meta_in_stream``) is not read here, so it cannot be refused here: the
     proxy's descriptor check (``check_desc`` in ``native/tcp_round.c``) refuses a round
     with a token id outside the vocabulary instead, answering it ERROR, unsent, counted
@@ -169,7 +196,7 @@ def host_meta(
             ``positions`` outside the wire's u32, ``tokens`` outside its i32 (or outside
             0..vocab_size-1), a negative ``n_out``, ``token_offsets`` that do not run
             from 0 to len(tokens) without going back, lengths that disagree, too many
-            tokens.
+            tokens; a sampling field wrong (:func:`sampling_meta`).
     """
     slots = _np(batch.slots, "slots", None).astype(np.int64, copy=False)
     n = slots.shape[0]
@@ -219,7 +246,47 @@ def host_meta(
             f"tokens: {tokens.shape[0]} in one round (NEW_GEN contexts cut to "
             f"{context_tokens}) over the region's max_tokens={max_tokens}"
         )
-    return HostMeta(slots, positions, n_out, new_gen, offsets, tokens)
+    temperature, seed = sampling_meta(batch, n, sampled)
+    return HostMeta(slots, positions, n_out, new_gen, offsets, tokens, temperature, seed)
+
+
+def sampling_meta(batch: Batch, n: int, sampled: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``batch``'s temperatures (float32, -0.0 made 0) and seeds (uint64, an int64's
+    bits) on the host, held to the engine: both exactly when ``sampled``.
+
+    Raises:
+        ValueError: naming ``temperature`` or ``seed``: missing from a sampled engine's
+            batch or given to another's, a temperature negative or not finite (after
+            its conversion to the wire's float32), a seed not an integer.
+    """
+    given = [name for name in _SAMPLING_FIELDS if getattr(batch, name) is not None]
+    if not sampled:
+        if given:
+            raise ValueError(
+                f"{given[0]}: given, but the engine does not ask for sampled drafts "
+                "(VLLM_DSPARK_SAMPLED_TOP32=0); pass None"
+            )
+        return None, None
+    for name in _SAMPLING_FIELDS:
+        if name not in given:
+            raise ValueError(
+                f"{name}: None, but the engine asks for sampled drafts (VLLM_DSPARK_SAMPLED_TOP32=1); "
+                "pass one per entry (temperature 0: that entry greedy)"
+            )
+    temperature = _np(batch.temperature, "temperature", n)
+    if temperature.dtype.kind not in "fiu":
+        raise ValueError(f"temperature: dtype {temperature.dtype}, expected a float")
+    temperature = temperature.astype(np.float32)
+    good = np.isfinite(temperature) & (temperature >= 0)
+    if not good.all():
+        bad = int(np.argmin(good))
+        raise ValueError(f"temperature: {temperature[bad]} (entry {bad}) not a finite float32 >= 0 (0: greedy)")
+    temperature += 0  # -0.0 + 0 is +0.0: one zero on the wire
+    seed = _np(batch.seed, "seed", n)
+    if seed.dtype.kind not in "iu":
+        raise ValueError(f"seed: dtype {seed.dtype}, expected an integer (an int64's bits are the u64 seed)")
+    wide = np.int64 if seed.dtype.kind == "i" else np.uint64
+    return temperature, seed.astype(wide, copy=False).view(np.uint64)
 
 
 def write_meta(dst: np.ndarray, meta: HostMeta, *, deadline_ms: int, row_bytes: int) -> int:
@@ -227,14 +294,17 @@ def write_meta(dst: np.ndarray, meta: HostMeta, *, deadline_ms: int, row_bytes: 
     ``dst`` (a uint8 array: a descriptor slot's payload area, or the send buffer past the
     header): one slice assignment per section. Returns the bytes written."""
     n, t = meta.n, meta.n_tokens
-    sec = wire.round_sections(n, t, row_bytes)
-    u32 = dst[: sec.tokens].view(np.uint32)
+    sec = wire.round_sections(n, t, row_bytes, meta.sampled)
+    u32 = dst[: sec.temperature].view(np.uint32)
     u32[:4] = (deadline_ms, n, row_bytes, t)
     at = wire.ROUND_FIXED.size // 4
     for arr in (meta.slots, meta.positions, meta.n_out, meta.new_gen):
         u32[at : at + n] = arr
         at += n
     u32[at : at + n + 1] = meta.offsets
+    if meta.sampled:  # a sampled session's sections, last in the meta (seed 4-aligned only)
+        dst[sec.temperature : sec.seed].view(np.float32)[:] = meta.temperature
+        dst[sec.seed : sec.tokens].view(np.uint64)[:] = meta.seed
     dst[sec.tokens : sec.rows].view(np.int32)[:] = meta.tokens
     return sec.rows
 
@@ -308,67 +378,3 @@ def as_bytes(rows: torch.Tensor, row_bytes: int | None = None) -> torch.Tensor:
     if row_bytes is not None and out.shape[1] != row_bytes:
         raise ValueError(f"rows: {out.shape[1]} bytes per row, RemoteDSpark was built for row_bytes={row_bytes}")
     return out
-
-
-@dataclass
-class Drafts:
-    tokens: torch.Tensor  # [n, num_spec] int32, zero past counts
-    counts: torch.Tensor  # [n] int32
-    margins: torch.Tensor | None  # [n, num_spec] float32, when asked for
-    source: str  # "remote", "local" or "none" (target-only)
-    outcome: Outcome  # the remote round's outcome
-    resync: tuple[int, ...] = ()  # slots the drafter lost: send them with NEW_GEN
-    resync_all: bool = False  # a new proxy/connection: re-announce every slot
-
-
-def empty_drafts(n: int, k: int, outcome: Outcome, margins: bool) -> Drafts:
-    return Drafts(
-        torch.zeros(n, k, dtype=torch.int32),
-        torch.zeros(n, dtype=torch.int32),
-        torch.zeros(n, k, dtype=torch.float32) if margins else None,
-        "none",
-        outcome,
-    )
-
-
-def to_drafts(
-    k: int,
-    slots: np.ndarray,
-    counts: np.ndarray,
-    statuses: np.ndarray,
-    tokens: np.ndarray,
-    margins: np.ndarray | None,
-    outcome: Outcome,
-    want_margin: bool,
-    *,
-    clean: bool = False,
-) -> Drafts:
-    """``Drafts`` from an answer's arrays (views of a drafts slot or of a DRAFTS payload):
-    ``counts``/``statuses`` [n], ``tokens``/``margins`` [n, width <= k]. One copy per
-    array; tokens and margins past each count are zeroed whatever the source held there,
-    unless ``clean`` says the source already holds zeros there (a drafts slot the proxy
-    filled: ``hf_unpack`` zeroes each row past its count); RESYNC slots come from the
-    status mask, computed only when there is one."""
-    n, width = tokens.shape
-    full = clean or not n or counts.min() == width  # nothing past a count to clear
-    live = None if full else np.arange(width) < counts[:, None]
-
-    def widened(src: np.ndarray | None, dtype) -> np.ndarray:
-        if src is not None and full and width == k:
-            return np.array(src, dtype=dtype)  # the common case: one copy
-        out = np.zeros((n, k), dtype=dtype)
-        if src is not None:
-            np.copyto(out[:, :width], src, where=True if full else live)
-        return out
-
-    tok = widened(tokens, np.int32)
-    mar = widened(margins, np.float32) if want_margin else None
-    lost = slots[statuses == wire.STATUS_RESYNC].tolist() if statuses.any() else ()
-    return Drafts(
-        torch.from_numpy(tok),
-        torch.from_numpy(counts.astype(np.int32)),
-        None if mar is None else torch.from_numpy(mar),
-        "remote",
-        outcome,
-        tuple(lost),
-    )

@@ -45,7 +45,8 @@ from ..supervise.supervisor import Supervisor
 from ..transport.client import DraftClient
 from . import policies, report
 from .async_path import AsyncPath
-from .batch import CONTEXT_TOKENS, Batch, Drafts, HostMeta
+from .batch import CONTEXT_TOKENS, Batch, HostMeta
+from .drafts import Drafts
 from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed
 from .path import NothingOpen, Path
@@ -88,6 +89,13 @@ def check_arguments(
     ):
         if not lo <= value <= hi:
             raise ValueError(f"{name}={value}: must be in {lo}..{hi} (the wire contract's cap)")
+    sampled_caps = (("num_spec", num_spec, wire.MAX_SAMPLED_N_OUT), ("max_slots", max_slots, wire.MAX_SAMPLED_ENTRIES))
+    for name, value, hi in sampled_caps:
+        if cfg.sampled_top32 and value > hi:
+            raise ValueError(
+                f"{name}={value}: over {hi}, a sampled session's cap (VLLM_DSPARK_SAMPLED_TOP32=1: its "
+                "distributions stay a few MiB a round)"
+            )
     # A round holds max_slots x (context + num_spec + 1) tokens at most (the region's
     # max_tokens), which the wire caps at MAX_TOKENS.
     most = wire.MAX_TOKENS // max_slots - num_spec - 1

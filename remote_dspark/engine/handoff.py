@@ -25,18 +25,9 @@ from .. import native, wire
 from ..config.mode import Mode
 from ..outcome import Outcome
 from ..region import ring, shm, streamsync
-from .batch import (
-    Batch,
-    Drafts,
-    HostMeta,
-    as_bytes,
-    empty_drafts,
-    gather_rows_host,
-    has_rows,
-    to_drafts,
-    write_meta,
-)
+from .batch import Batch, HostMeta, as_bytes, gather_rows_host, has_rows, write_meta
 from .device_meta import check_meta_shapes, write_meta_in_stream
+from .drafts import Drafts, empty_drafts, to_drafts
 from .lifecycle import Users
 from .spec import Spec
 from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats

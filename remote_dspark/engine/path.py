@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..supervise.supervisor import Supervisor
-from .batch import Batch, Drafts
+from .batch import Batch
+from .drafts import Drafts
 from .handoff import Launched
 from .lifecycle import Users, stop_in_caller
 from .stats import LinkStats, PathStats

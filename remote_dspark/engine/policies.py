@@ -9,7 +9,7 @@ import torch
 
 from ..config.api import RemoteConfig
 from ..outcome import Outcome
-from .batch import Drafts
+from .drafts import Drafts, one_hot_q
 from .lifecycle import RemoteRoundFailed
 from .stats import EngineCounts
 
@@ -45,21 +45,31 @@ def choose(
 
 
 def local_drafts(local: Local, remote: Drafts) -> Drafts:
+    """The local drafter's drafts, with the round's remote facts. In a sampled engine
+    (the remote answer has distributions, if only empty ones) they carry one-hot q: a
+    local drafter's drafts are deterministic, so q is 1 at each draft, which keeps the
+    engine's sampler exact."""
     tokens, counts = local
+    tokens, counts = tokens.to(torch.int32), counts.to(torch.int32)
+    q_ids, q_weights = one_hot_q(tokens, counts) if remote.q_ids is not None else (None, None)
     return Drafts(
-        tokens.to(torch.int32),
-        counts.to(torch.int32),
+        tokens,
+        counts,
         None,
         "local",
         remote.outcome,
         remote.resync,
         remote.resync_all,
+        q_ids=q_ids,
+        q_weights=q_weights,
     )
 
 
 def compare(counts: EngineCounts, num_spec: int, local: Local, remote: Drafts) -> None:
     """Shadow statistics: per position, does the remote draft equal the local one (where
-    both drafted that far); and the remote's margins."""
+    both drafted that far); and the remote's margins. With sampled drafts the remote
+    draft compared is the one drawn (at its entry's temperature; the argmax at 0), so
+    agreement there measures how often the local drafter names the drawn token."""
     ltok, lcnt = local
     both = torch.minimum(lcnt.to(torch.int32), remote.counts)
     same = ltok.to(torch.int32) == remote.tokens

@@ -58,7 +58,8 @@ import torch
 from ..config.env import TABLE
 from ..config.mode import Mode
 from ..outcome import Outcome
-from .batch import Batch, Drafts
+from .batch import Batch
+from .drafts import Drafts
 from .handoff import Launched
 from .path import NothingOpen
 from .spec import Spec

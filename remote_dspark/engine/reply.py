@@ -29,7 +29,7 @@ Then, in order:
    asks for none), and C refuses the distributions' flag.
 
 Only counted positions are checked: what lies past a count never reaches the engine
-(``batch.to_drafts`` and ``hf_unpack`` zero it).
+(``drafts.to_drafts`` and ``hf_unpack`` zero it).
 """
 
 from __future__ import annotations

@@ -28,6 +28,12 @@ class Spec:
     vocab_size: int = 0  # the engine's vocabulary (token ids 0..vocab_size-1); 0: unknown
     context_tokens: int = CONTEXT_TOKENS  # the engine's cap on a NEW_GEN context (sizes max_tokens)
 
+    @property
+    def sampled(self) -> bool:
+        """The engine asks for sampled drafts (``VLLM_DSPARK_SAMPLED_TOP32``): its batches
+        carry temperatures and seeds, its drafts their distributions."""
+        return self.cfg.sampled_top32
+
     def context_cut(self, acked: int) -> int:
         """The tokens a NEW_GEN context is cut to, given ``acked``: what the worker's
         HELLO_ACK said it keeps per slot, 0 while no HELLO_ACK has come.
@@ -60,6 +66,7 @@ class Spec:
             n_out_default=self.n_out_for(len(batch)),
             vocab_size=self.vocab_size,
             context_tokens=self.context_cut(acked),
+            sampled=self.sampled,
         )
 
     def hello(self) -> wire.Hello:

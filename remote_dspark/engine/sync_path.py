@@ -14,17 +14,8 @@ from ..outcome import Outcome
 from ..supervise.supervisor import Supervisor
 from ..transport.breaker import Breaker
 from ..transport.link import RemoteLink
-from .batch import (
-    Batch,
-    Drafts,
-    HostMeta,
-    as_bytes,
-    empty_drafts,
-    gather_rows_host,
-    has_rows,
-    to_drafts,
-    write_meta,
-)
+from .batch import Batch, HostMeta, as_bytes, gather_rows_host, has_rows, write_meta
+from .drafts import Drafts, empty_drafts, to_drafts
 from .handoff import Launched
 from .lifecycle import Users, stop_in_caller
 from .reply import Asked, check_reply
@@ -74,7 +65,8 @@ class SyncPath:
         self._epoch = 0
         self._round_id = 0
         self._send = np.zeros(
-            wire.HEADER.size + wire.round_meta_bytes(spec.max_slots) + 4 * spec.max_tokens, dtype=np.uint8
+            wire.HEADER.size + wire.round_meta_bytes(spec.max_slots, spec.sampled) + 4 * spec.max_tokens,
+            dtype=np.uint8,
         )
         self._rows = np.zeros((spec.max_slots, spec.row_bytes), dtype=np.uint8)
         self.users = Users(self.link.close)
@@ -117,7 +109,7 @@ class SyncPath:
         )
         wire.pack_header_into(self._send, wire.ROUND, size + n * spec.row_bytes, self.link.session, round_id)
         parts = (memoryview(self._send)[: wire.HEADER.size + size], memoryview(rows.reshape(-1)))  # a view
-        asked = Asked(meta.slots, meta.n_out, spec.num_spec, spec.vocab_size, spec.cfg.want_margin)
+        asked = Asked(meta.slots, meta.n_out, spec.num_spec, spec.vocab_size, spec.cfg.want_margin, spec.sampled)
         # The reply is held to what was asked inside the round, so a broken rule is the
         # round's event (PROTOCOL drops the connection, BAD_REPLY keeps it), never drafts.
         result = self.link.round(round_id, parts, spec.cfg.timeout_ms, lambda d: check_reply(d, asked))
@@ -125,7 +117,7 @@ class SyncPath:
         if d is not None:
             out = self._drafts(meta, d, result.outcome)
         else:
-            out = empty_drafts(n, spec.num_spec, result.outcome, spec.cfg.want_margin)
+            out = empty_drafts(n, spec.num_spec, result.outcome, spec.cfg.want_margin, spec.sampled)
         if self.link.epoch != self._epoch:
             self._epoch = self.link.epoch
             out.resync_all = self._epoch > 1
@@ -137,6 +129,10 @@ class SyncPath:
         counts = np.frombuffer(d.counts, dtype=np.uint16)
         tokens = np.frombuffer(d.tokens, dtype=np.int32).reshape(n, d.width)
         margins = None if d.margins is None else np.frombuffer(d.margins, dtype=np.float32).reshape(n, d.width)
+        shape = (n, d.width, wire.SAMPLED_TOP)
+        q = None
+        if d.sampled:
+            q = (np.frombuffer(d.q_ids, np.int32).reshape(shape), np.frombuffer(d.q_weights, np.uint16).reshape(shape))
         return to_drafts(
             spec.num_spec,
             meta.slots,
@@ -146,6 +142,7 @@ class SyncPath:
             margins,
             outcome,
             spec.cfg.want_margin,
+            q=q,
         )
 
     def launch(self, batch: Batch, answer: Callable[[Batch], Drafts]) -> Launched:

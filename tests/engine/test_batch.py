@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.demo.sim import SimEngine
-from remote_dspark.engine.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_meta, to_drafts, write_meta
+from remote_dspark.engine.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_meta, write_meta
+from remote_dspark.engine.drafts import to_drafts
 
 MAX_SLOTS, K, ROW_BYTES = 16, 4, 8
 ROWS = torch.arange(MAX_SLOTS * 2, dtype=torch.float32).reshape(MAX_SLOTS, 2)  # 8 bytes a row
