@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import math
 import os
 import select
 import shutil
@@ -15,6 +16,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+
 from remote_dspark import native, wire
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
@@ -24,6 +27,39 @@ from remote_dspark.transport.client import DraftClient
 REPO = str(Path(__file__).resolve().parents[1])
 TESTS = Path(__file__).resolve().parent
 CHILD_TIMEOUT_S = 20
+
+P_VALUE_MIN = 1e-4
+"""A chi-square test passes above this p-value: a correct sampler fails one such test with
+probability 1e-4 over seeds; under a test's fixed seeds its outcome is fixed."""
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """P(chi-square with k degrees of freedom > x): 1 - P(k/2, x/2), the regularized lower
+    incomplete gamma by its series (exact to ~1e-12 for x below 2000)."""
+    a, y = k / 2, x / 2
+    term = total = 1 / a
+    for n in range(1, 100_000):
+        term *= y / (a + n)
+        total += term
+        if term <= 1e-17 * total:
+            break
+    return max(0.0, 1 - total * math.exp(-y + a * math.log(y) - math.lgamma(a))) if y else 1.0
+
+
+def chi2_p(observed, expected) -> float:
+    """Pearson's chi-square p-value of counts ``observed`` against expected counts
+    ``expected`` (same shape, the same total), the bins expected under 5 pooled into one
+    so the statistic's distribution holds. An outcome of probability 0 must not happen.
+    """
+    observed, expected = np.asarray(observed, np.float64).ravel(), np.asarray(expected, np.float64).ravel()
+    assert observed[expected == 0].sum() == 0, (
+        f"outcomes of probability 0 happened: {np.flatnonzero(observed * (expected == 0))}"
+    )
+    small = expected < 5
+    o = np.append(observed[~small], observed[small].sum())
+    e = np.append(expected[~small], expected[small].sum())
+    keep = e > 0
+    return chi2_sf(float(((o[keep] - e[keep]) ** 2 / e[keep]).sum()), int(keep.sum()) - 1)
 
 
 @contextlib.contextmanager

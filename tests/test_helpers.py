@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+import helpers
 import pytest
 from helpers import CHILD_TIMEOUT_S, child, readline_within
 
@@ -31,3 +32,11 @@ def test_readline_within_names_what_it_waited_for_when_no_line_comes():
         with pytest.raises(AssertionError, match=r"waited 0.3 s for the child's greeting; got b'half'"):
             readline_within(proc.stdout, 0.3, "the child's greeting")
         assert time.monotonic() - began < 5
+
+
+def test_chi2_matches_known_quantiles():
+    assert helpers.chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, rel=1e-6)
+    assert helpers.chi2_sf(310.4573882199318, 255) == pytest.approx(0.01, rel=1e-6)
+    assert helpers.chi2_p([60, 40], [50.0, 50.0]) == pytest.approx(0.0455003, rel=1e-5)
+    # bins expected under 5 are pooled: [3, 1] against [2, 2] is one bin of 4 against 4
+    assert helpers.chi2_p([90, 3, 1], [90.0, 2.0, 2.0]) == pytest.approx(1.0)

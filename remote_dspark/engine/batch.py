@@ -276,7 +276,8 @@ def sampling_meta(batch: Batch, n: int, sampled: bool) -> tuple[np.ndarray | Non
     temperature = _np(batch.temperature, "temperature", n)
     if temperature.dtype.kind not in "fiu":
         raise ValueError(f"temperature: dtype {temperature.dtype}, expected a float")
-    temperature = temperature.astype(np.float32)
+    with np.errstate(over="ignore"):  # past float32: inf, refused below
+        temperature = temperature.astype(np.float32)
     good = np.isfinite(temperature) & (temperature >= 0)
     if not good.all():
         bad = int(np.argmin(good))

@@ -6,10 +6,9 @@ probability below 1e-4 per check, and the seeds fix the outcome); unseen context
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
+from helpers import P_VALUE_MIN, chi2_p
 
 from remote_dspark.drafter.contract import DraftBatch, check_result, samples_of
 from remote_dspark.drafter.markov import MarkovDrafter, MarkovModel, Next, SyntheticLanguage, builtin_model
@@ -52,23 +51,6 @@ def text_contexts(n, length=5, seed=3):
     """n contexts cut from the synthetic language (the built-in model's), some unseen."""
     text = SyntheticLanguage().text(n + length + 1, seed=seed)
     return [text[i : i + length] for i in range(n)]
-
-
-def chi2_p(observed: np.ndarray, expected: np.ndarray) -> float:
-    """P(chi-square > the statistic) with len - 1 degrees of freedom, by the regularized
-    lower incomplete gamma's series (exact to ~1e-12 for statistics below 2000)."""
-    keep = expected > 0
-    assert observed[~keep].sum() == 0, "a zero-probability outcome happened"
-    o, e = observed[keep], expected[keep]
-    x, k = float(((o - e) ** 2 / e).sum()), len(o) - 1
-    a, y = k / 2, x / 2
-    term = total = 1 / a
-    for n in range(1, 100_000):
-        term *= y / (a + n)
-        total += term
-        if term <= 1e-17 * total:
-            break
-    return max(0.0, 1 - total * math.exp(-y + a * math.log(y) - math.lgamma(a)))
 
 
 def reference_q(model, window, temperature):
@@ -157,7 +139,7 @@ def test_first_drafts_follow_the_reported_distribution(temperature):
     ids, weights = result.q_ids[0, 0], result.q_weights[0, 0].astype(np.float64)
     observed = (result.tokens[:, 0][:, None] == ids[None, :]).sum(axis=0)
     assert observed.sum() == n  # every draft is one of the reported ids
-    assert chi2_p(observed, n * weights / TOTAL) > 1e-4
+    assert chi2_p(observed, n * weights / TOTAL) > P_VALUE_MIN
 
 
 @pytest.mark.parametrize("temperature", [0.25, 0.5, 1.0, 2.0, 4.0])

@@ -8,11 +8,10 @@ inputs were unlucky (they were not: the thresholds were met when written)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
+from helpers import P_VALUE_MIN, chi2_p
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,31 +21,6 @@ from remote_dspark.drafter.lm import sampling as ts
 U64 = st.integers(0, 2**64 - 1)
 I64 = st.integers(-(2**63), 2**63 - 1)
 U32 = st.integers(0, 2**32 - 1)
-
-
-def chi2_sf(x: float, k: int) -> float:
-    """P(chi-square with k degrees of freedom > x): 1 - P(k/2, x/2), the regularized
-    lower incomplete gamma by its series (exact to ~1e-12 here: x < 2000)."""
-    a, y = k / 2, x / 2
-    term = total = 1 / a
-    n = 0
-    while term > 1e-17 * total and n < 100_000:
-        n += 1
-        term *= y / (a + n)
-        total += term
-    return max(0.0, 1 - total * math.exp(-y + a * math.log(y) - math.lgamma(a)))
-
-
-def chi2_p(observed: np.ndarray, expected: np.ndarray) -> float:
-    keep = expected > 0
-    assert observed[~keep].sum() == 0, "a zero-probability outcome happened"
-    o, e = observed[keep], expected[keep]
-    return chi2_sf(float(((o - e) ** 2 / e).sum()), len(o) - 1)
-
-
-def test_chi2_sf_matches_known_quantiles():
-    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, rel=1e-6)
-    assert chi2_sf(310.4573882199318, 255) == pytest.approx(0.01, rel=1e-6)
 
 
 def bits(x: np.ndarray) -> torch.Tensor:
@@ -93,7 +67,7 @@ def test_uniform_u32_is_uniform_over_high_and_low_bytes():
     u = ns.uniform_u32(seed, np.arange(1024)[None, :, None], np.arange(4)[None, None, :]).ravel()
     expected = np.full(256, len(u) / 256)
     for byte in (u >> 24, u & 0xFF, (u >> 12) & 0xFF):
-        assert chi2_p(np.bincount(byte, minlength=256), expected) > 1e-4
+        assert chi2_p(np.bincount(byte, minlength=256), expected) > P_VALUE_MIN
 
 
 def test_uniform_u32_avalanche():
@@ -167,7 +141,7 @@ def test_pick_draws_w_over_65535():
     for row in w:
         u = ns.uniform_u32(np.uint64(0xDEADBEEF12345678), np.arange(200_000), 2)
         got = np.bincount(ns.pick(ids, np.broadcast_to(row, ids.shape), u), minlength=ns.TOP)
-        assert chi2_p(got, row.astype(np.float64) / ns.TOTAL * len(u)) > 1e-4
+        assert chi2_p(got, row.astype(np.float64) / ns.TOTAL * len(u)) > P_VALUE_MIN
 
 
 # ---------------------------------------------------------------- top32

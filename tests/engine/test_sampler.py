@@ -9,6 +9,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from helpers import P_VALUE_MIN, chi2_p
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -191,21 +192,11 @@ def test_q_dense_scatters_the_weights():
 
 # --- statistics: the emitted tokens are the target's, whatever q is -------------------
 
-P_VALUE_MIN = 1e-4
-"""A chi-square test passes above this p-value: a correct sampler fails one such test
-with probability 1e-4 over seeds; under the fixed seeds below the outcome is fixed."""
-
 
 def chi_square_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """The p-value of Pearson's chi-square for counts ``observed`` against probabilities
-    ``expected_probs`` (bins of zero probability must be empty and are left out)."""
-    total = observed.sum()
-    support = expected_probs > 0
-    assert observed[~support].sum() == 0, f"tokens of zero probability drawn: {observed[~support]}"
-    expected = expected_probs[support].double() / expected_probs[support].sum() * total
-    stat = ((observed[support].double() - expected) ** 2 / expected).sum()
-    df = int(support.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+    """``helpers.chi2_p`` of counts ``observed`` against probabilities ``expected_probs``."""
+    probs = expected_probs.double()
+    return chi2_p(observed.numpy(), (probs / probs.sum() * observed.sum()).numpy())
 
 
 def poor_round(n=20_000, k=3, vocab=48, seed=11):
