@@ -91,6 +91,8 @@ def test_big_rounds_measure_fewer_rounds():
         (["--device-metadata"], "--device-metadata: only with --device cuda"),
         (["--worker-late-ms", "-1"], "--worker-late-ms -1: must be in 0..999"),
         (["--worker-late-ms", "50", "--timeout-ms", "50"], "--worker-late-ms 50: must be in 0..49, below --timeout-ms"),
+        (["--sampled", "--num-spec", "17"], "--num-spec 17 with --sampled: a sampled session drafts at most 16"),
+        (["--sampled", "--slots", "8,2048"], "--slots 2048 with --sampled: a sampled session has at most 1024"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(argv, says, capsys, monkeypatch):
@@ -147,6 +149,36 @@ def test_tiny_full_run_reports_every_cpu_row(lib, capfd, children, monkeypatch):
     assert rows["sync"]["x_sync"] is None
     assert rows["thread"]["x_sync"] is not None and rows["process"]["x_sync"] is not None
     assert rows["floor"]["engine_cpu_ms"] is None and rows["draft"]["engine_cpu_ms"] is None
+
+
+def test_sampled_twins_of_every_cpu_row_within_the_sampled_cap(lib, capfd, children, monkeypatch):
+    """--sampled: each row has a sampled twin (the engine rows' rounds all ok, the floor's
+    bytes a sampled ROUND's and DRAFTS'), each twin's x_greedy its p50 over its greedy
+    row's; the default sweep's 4096-slot rows, over the sampled cap, have none."""
+    monkeypatch.setenv("VLLM_DSPARK_REMOTE_HOSTFLAG_LIB", lib.path)
+    try:
+        rc, out, err = bench(["--slots", "8", "--rounds", "5", "--sampled", "--json"], capfd)
+    finally:
+        assert children and all(p.poll() is not None for p in children), [p.args for p in children if p.poll() is None]
+    assert rc == 0, err
+    report = json.loads(out)
+    rows = {(r["mode"], r["sampled"]): r for r in report["rows"]}
+    assert set(rows) == {(m, s) for m in round_options.MODES for s in (False, True)}
+    for mode in round_options.MODES:
+        greedy, twin = rows[(mode, False)], rows[(mode, True)]
+        assert (
+            greedy["x_greedy"] is None
+            and twin["x_greedy"] == round(twin["p50_ms"] / greedy["p50_ms"], 2)
+            or (abs(twin["x_greedy"] - twin["p50_ms"] / greedy["p50_ms"]) < 0.02)
+        ), mode
+    for mode in round_options.ENGINE_MODES:
+        assert rows[(mode, True)]["not_ok"] == 0, (mode, rows[(mode, True)]["outcomes"])
+    floor = rows[("floor", True)]
+    assert floor["round_bytes"] == wire.HEADER.size + wire.round_sections(8, 24, 1024, sampled=True).size
+    assert floor["drafts_bytes"] == wire.HEADER.size + wire.drafts_sections(8, 5, False, sampled=True).size
+    assert report["config"]["sampled"] is True
+    assert round_options.options(parse(["round", "--sampled"])).kinds(4096) == (False,)
+    assert round_options.options(parse(["round", "--sampled"])).kinds(1024) == (False, True)
 
 
 def test_the_floor_peer_is_ended_when_the_run_fails(children, monkeypatch):
@@ -235,6 +267,11 @@ def test_goals_and_the_table_from_a_report():
         "draft_linear": True,
     }
     assert t["process_linear"]["value"] == round((30.0 / 4096) / (1.1 / 256), 2)
+    # A sampled process twin at 256 slots: its ratio to the greedy round is a goal too.
+    twin = _row("process", 256, 1.5, x_floor=1.2, x_sync=1.0, cpu=0.5, not_ok=0) | {"sampled": True, "x_greedy": 1.36}
+    sampled = round_report.targets(rows + [twin])
+    assert sampled["sampled_process_x_greedy"]["met"] and sampled["process_x_floor"] == t["process_x_floor"]
+    assert not round_report.targets(rows + [twin | {"x_greedy": 1.6}])["sampled_process_x_greedy"]["met"]
     # With the model drafter the one goal is the whole round's time.
     lm = round_report.targets(rows, "lm")
     assert list(lm) == ["lm_process_ms"] and lm["lm_process_ms"]["value"] == 1.1 and lm["lm_process_ms"]["met"]

@@ -4,14 +4,16 @@ Batches are built the way an engine builds them, by :class:`Feeder`, outside the
 region: per-slot state in a few arrays (position, NEW_GEN mask), the round's tokens as
 one flat array with offsets. The first round announces every slot (NEW_GEN, a 16-token
 prompt of synthetic-language text); every later round carries 3 tokens per slot from
-where the slot stands; a slot named in ``Drafts.resync`` (every slot on ``resync_all``)
-starts over with NEW_GEN on the next round. The first round is always a warm-up round
+where the slot stands (a sampled feeder's entries also carry temperature 1 and a seed per
+slot: its drafts' randomness still differs every round, by position); a slot named in
+``Drafts.resync`` (every slot on ``resync_all``) starts over with NEW_GEN on the next
+round. The first round is always a warm-up round
 (``--warmup`` >= 1), so the figures are steady-state rounds.
 """
 
 from __future__ import annotations
 
-from .options import PROMPT_TOKENS, STEP_TOKENS, TEXT_TOKENS
+from .options import PROMPT_TOKENS, SAMPLED_TEMPERATURE, STEP_TOKENS, TEXT_TOKENS
 
 
 class Feeder:
@@ -25,7 +27,16 @@ class Feeder:
     16-token prompt at a new stretch of text: the context is synthetic anyway).
     """
 
-    def __init__(self, slots: int, row_bytes: int, *, device: str = "cpu", metadata_device: str = "cpu", seed: int = 1):
+    def __init__(
+        self,
+        slots: int,
+        row_bytes: int,
+        *,
+        device: str = "cpu",
+        metadata_device: str = "cpu",
+        seed: int = 1,
+        sampled: bool = False,
+    ):
         import numpy as np
         import torch
 
@@ -46,6 +57,12 @@ class Feeder:
         self.slot_ids = torch.arange(slots, dtype=torch.int32).to(metadata_device)
         # Where the rows are, as an engine's gather index is (from its query_start_loc).
         self.row_index = torch.arange(slots, dtype=torch.int64).to(device)
+        self.sampling = {}
+        if sampled:
+            self.sampling = {
+                "temperature": torch.full((slots,), SAMPLED_TEMPERATURE, dtype=torch.float32).to(metadata_device),
+                "seed": (torch.arange(slots, dtype=torch.int64) + seed).to(metadata_device),
+            }
 
     def next_batch(self):
         """This round's batch: NEW_GEN slots with their prompt from position 0, the others
@@ -74,6 +91,7 @@ class Feeder:
             rows=self.rows,
             row_index=self.row_index,
             n_out=None,
+            **self.sampling,
         )
 
     def after(self, out) -> None:

@@ -14,18 +14,20 @@ from .options import ROUND_TIMEOUT_S, START_TIMEOUT_S, STEP_TOKENS, Options
 from .report import Row
 
 
-def round_bytes(slots: int, row_bytes: int) -> int:
-    """A steady-state ROUND frame's bytes: header, sections, STEP_TOKENS tokens per entry."""
+def round_bytes(slots: int, row_bytes: int, sampled: bool = False) -> int:
+    """A steady-state ROUND frame's bytes: header, sections, STEP_TOKENS tokens per entry
+    (``sampled``: a sampled session's, with temperatures and seeds)."""
     from ... import wire
 
-    return wire.HEADER.size + wire.round_sections(slots, STEP_TOKENS * slots, row_bytes).size
+    return wire.HEADER.size + wire.round_sections(slots, STEP_TOKENS * slots, row_bytes, sampled).size
 
 
-def drafts_bytes(slots: int, num_spec: int) -> int:
-    """A DRAFTS frame's bytes for ``slots`` entries of ``num_spec`` drafts, no margins."""
+def drafts_bytes(slots: int, num_spec: int, sampled: bool = False) -> int:
+    """A DRAFTS frame's bytes for ``slots`` entries of ``num_spec`` drafts, no margins
+    (``sampled``: with each position's top-32 distribution)."""
     from ... import wire
 
-    return wire.HEADER.size + wire.drafts_sections(slots, num_spec, margins=False).size
+    return wire.HEADER.size + wire.drafts_sections(slots, num_spec, margins=False, sampled=sampled).size
 
 
 # The floor's peer: stdlib only, started as ``python -c FLOOR_PEER PORT IN OUT COUNT``.
@@ -125,8 +127,8 @@ def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def floor_row(opts: Options, slots: int) -> Row:
-    n_in, n_out = round_bytes(slots, opts.row_bytes), drafts_bytes(slots, opts.num_spec)
+def floor_row(opts: Options, slots: int, sampled: bool = False) -> Row:
+    n_in, n_out = round_bytes(slots, opts.row_bytes, sampled), drafts_bytes(slots, opts.num_spec, sampled)
     rounds = opts.rounds_for(slots)
     out = bytes(n_in)
     back = memoryview(bytearray(n_out))
@@ -140,4 +142,4 @@ def floor_row(opts: Options, slots: int) -> Row:
             t1 = time.perf_counter_ns()
             if i >= opts.warmup:
                 lat.append(t1 - t0)
-    return Row("floor", slots, rounds, lat, extra={"round_bytes": n_in, "drafts_bytes": n_out})
+    return Row("floor", slots, rounds, lat, extra={"round_bytes": n_in, "drafts_bytes": n_out}, sampled=sampled)

@@ -38,6 +38,8 @@ GOAL_ENGINE_CPU_MS = 0.3
 GOAL_DRAFT_MS = 0.1
 GOAL_LINEAR = 2.0
 GOAL_LM_PROCESS_MS = 2.0  # with --drafter lm: a whole process round at GOAL_SLOTS
+GOAL_SAMPLED_X = 1.5  # with --sampled: a sampled process round's p50 over the greedy one's at GOAL_SLOTS
+SAMPLED_TEMPERATURE = 1.0  # the sampled rows' temperature (every entry)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,14 @@ class Options:
     device_metadata: bool
     drafter: str = "markov"  # the worker's: markov, or lm (the built-in model)
     worker_late_ms: int = 0  # the worker answers every round this late (0: at once)
+    sampled: bool = False  # every row also sampled (SAMPLED_TOP32), at the slot counts within the sampled cap
+
+    def kinds(self, slots: int) -> tuple[bool, ...]:
+        """The rows' kinds at ``slots``: greedy, and sampled with ``--sampled`` within the
+        wire's sampled cap on entries."""
+        from ... import wire
+
+        return (False, True) if self.sampled and slots <= wire.MAX_SAMPLED_ENTRIES else (False,)
 
     def rounds_for(self, slots: int) -> int:
         """Measured rounds of a row at ``slots``: all of them up to GOAL_SLOTS, fewer above."""
@@ -126,6 +136,15 @@ def options(args) -> Options:
         if not modes:
             raise ValueError(f"--modes {args.modes!r}: no mode named")
     modes = [m for m in CUDA_MODES if m in modes]  # table order, each once
+    sampled = getattr(args, "sampled", False)
+    if sampled and args.num_spec > wire.MAX_SAMPLED_N_OUT:
+        raise ValueError(
+            f"--num-spec {args.num_spec} with --sampled: a sampled session drafts at most {wire.MAX_SAMPLED_N_OUT}"
+        )
+    if sampled and args.slots is not None and max(slots) > wire.MAX_SAMPLED_ENTRIES:
+        raise ValueError(
+            f"--slots {max(slots)} with --sampled: a sampled session has at most {wire.MAX_SAMPLED_ENTRIES} entries"
+        )
     return Options(
         tuple(slots),
         args.num_spec,
@@ -138,4 +157,5 @@ def options(args) -> Options:
         args.device_metadata,
         getattr(args, "drafter", "markov"),
         late_ms,
+        sampled,
     )

@@ -14,6 +14,7 @@ from .options import (
     GOAL_ENGINE_CPU_MS,
     GOAL_LINEAR,
     GOAL_LM_PROCESS_MS,
+    GOAL_SAMPLED_X,
     GOAL_SLOTS,
     GOAL_X_FLOOR,
     GOAL_X_SYNC,
@@ -34,6 +35,7 @@ class Row:
     not_ok: int | None = None  # engine rows: measured rounds whose outcome is not "ok"
     outcomes: dict | None = None  # engine rows: measured rounds by outcome
     extra: dict | None = None  # floor: byte counts; launch: CPU inside launch(); engine rows: CPU per wall-second
+    sampled: bool = False  # a sampled row (--sampled): SAMPLED_TOP32 rounds
 
 
 def pct(values: list[int], q: float) -> float:
@@ -58,13 +60,14 @@ def _threads() -> dict:
 
 
 def make_report(opts: Options, rows: list[Row]) -> dict:
-    p50 = {(r.mode, r.slots): pct(r.lat_ns, 0.5) for r in rows}
+    p50 = {(r.mode, r.slots, r.sampled): pct(r.lat_ns, 0.5) for r in rows}
     out_rows = []
-    for r in rows:
-        f, s = p50.get(("floor", r.slots)), p50.get(("sync", r.slots))
-        mine = p50[(r.mode, r.slots)]
+    for r in rows:  # each row against the floor and sync of its own kind, a sampled one also against its greedy twin
+        f, s = p50.get(("floor", r.slots, r.sampled)), p50.get(("sync", r.slots, r.sampled))
+        mine, greedy = p50[(r.mode, r.slots, r.sampled)], p50.get((r.mode, r.slots, False))
         d = {
             "mode": r.mode,
+            "sampled": r.sampled,
             "slots": r.slots,
             "rounds": r.rounds,
             "p50_ms": ns_to_ms(mine),
@@ -73,6 +76,7 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
             "x_sync": (
                 round(mine / max(s, 1), 2) if s is not None and r.mode in ("thread", "process", "launch") else None
             ),
+            "x_greedy": round(mine / max(greedy, 1), 2) if r.sampled and greedy is not None else None,
             "engine_cpu_ms": None if r.cpu_ns is None else ns_to_ms(pct(r.cpu_ns, 0.5)),
             "not_ok": r.not_ok,
         }
@@ -97,6 +101,7 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
         "device_metadata": opts.device_metadata,
         "drafter": opts.drafter,
         "worker_late_ms": opts.worker_late_ms,
+        "sampled": opts.sampled,
         "tokens_per_entry": STEP_TOKENS,
         "prompt_tokens": PROMPT_TOKENS,
         "draft_context_tokens": CONTEXT_TOKENS,
@@ -113,9 +118,14 @@ def targets(rows: list[dict], drafter: str = "markov") -> dict:
     """The goals that this run's rows can say something about (the others are absent).
     With the model drafter (``lm``) the drafting dominates the round: its goal is the
     whole round's time, and the floor and Markov drafting goals do not apply."""
-    by = {(r["mode"], r["slots"]): r for r in rows}
+    by = {(r["mode"], r["slots"]): r for r in rows if not r.get("sampled")}
     g, out = GOAL_SLOTS, {}
     proc = by.get(("process", g))
+    twin = next((r for r in rows if r.get("sampled") and (r["mode"], r["slots"]) == ("process", g)), None)
+    if twin is not None and twin["x_greedy"] is not None:
+        out["sampled_process_x_greedy"] = _goal(
+            twin["x_greedy"], GOAL_SAMPLED_X, f"sampled process p50 / greedy process p50 at {g} slots"
+        )
     if drafter == "lm":
         if proc is not None:
             out["lm_process_ms"] = _goal(
@@ -159,8 +169,8 @@ def format_table(report: dict) -> str:
         + (f", metadata on {'the GPU' if c['device_metadata'] else 'the host'}" if c["device"] == "cuda" else ""),
     ]
     head = (
-        f"{'slots':>6}  {'mode':<25}{'rounds':>7}{'p50':>10}{'p99':>10}{'x floor':>9}{'x sync':>8}"
-        f"{'engine cpu':>12}  not ok"
+        f"{'slots':>6}  {'mode':<34}{'rounds':>7}{'p50':>10}{'p99':>10}{'x floor':>9}{'x sync':>8}"
+        f"{'x greedy':>10}{'engine cpu':>12}  not ok"
     )
     lines += [head, "-" * len(head)]
     for r in report["rows"]:
@@ -175,21 +185,28 @@ def format_table(report: dict) -> str:
             )
         )
         lines.append(
-            f"{r['slots']:>6}  {DESCRIBE[r['mode']]:<25}{r['rounds']:>7}{r['p50_ms']:>10.3f}"
-            f"{r['p99_ms']:>10.3f}{_f(r['x_floor'], '.2f', 9)}{_f(r['x_sync'], '.2f', 8)}"
-            f"{_f(r['engine_cpu_ms'], '.3f', 12)}  {flag}"
+            f"{r['slots']:>6}  {DESCRIBE[r['mode']] + (', sampled' if r.get('sampled') else ''):<34}"
+            f"{r['rounds']:>7}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{_f(r['x_floor'], '.2f', 9)}"
+            f"{_f(r['x_sync'], '.2f', 8)}{_f(r.get('x_greedy'), '.2f', 10)}{_f(r['engine_cpu_ms'], '.3f', 12)}  {flag}"
         )
     busy = [r for r in report["rows"] if "engine_cpu_per_wall" in r]
     if busy:
         lines.append(
             f"engine process CPU-seconds per wall-second (worker answering {c['worker_late_ms']} ms late): "
-            + "; ".join(f"{r['slots']} slots {r['mode']} {r['engine_cpu_per_wall']:.3f}" for r in busy)
+            + "; ".join(
+                f"{r['slots']} slots {r['mode']}{' sampled' if r.get('sampled') else ''} {r['engine_cpu_per_wall']:.3f}"
+                for r in busy
+            )
         )
     floors = [r for r in report["rows"] if r["mode"] == "floor"]
     if floors:
         lines.append(
             "floor bytes: "
-            + "; ".join(f"{r['slots']} slots ROUND {r['round_bytes']:,} + DRAFTS {r['drafts_bytes']:,}" for r in floors)
+            + "; ".join(
+                f"{r['slots']} slots{' sampled' if r.get('sampled') else ''} ROUND {r['round_bytes']:,} + "
+                f"DRAFTS {r['drafts_bytes']:,}"
+                for r in floors
+            )
         )
     for r in report["rows"]:
         if r["mode"] == "launch":

@@ -59,6 +59,14 @@ cores. The goals (met / NOT met; never asserted): at 256 slots process p50 <= 3x
 and <= 1.2x sync, process engine CPU <= 0.3 ms, draft <= 0.1 ms, and the per-slot cost
 of process and draft at 4096 slots within 2x of theirs at 256.
 
+With ``--sampled`` every row has a sampled twin at the slot counts within the sampled
+cap (1024): the engine rows with ``VLLM_DSPARK_SAMPLED_TOP32=1`` (every entry at
+temperature 1 with its own seed; each drafted position comes back with its top-32
+distribution, held to the rule by the proxy's C check or the sync path's), the floor
+with a sampled ROUND's and DRAFTS' byte counts, the draft row drafting sampled. Each
+sampled row's ``x_greedy`` is its p50 over its greedy twin's; the goal: at 256 slots a
+sampled process round within 1.5x of the greedy one.
+
 With ``--drafter lm`` the worker serves the built-in model drafter (``remote_dspark.drafter.lm``,
 on the GPU when it sees one, its per-slot KV cache on) and the ``draft`` row times that
 drafter on whole contexts (no cache); the one goal is then the whole process round:
@@ -88,6 +96,7 @@ from .options import (
     ENGINE_MODES,
     MIN_ROUNDS,
     MODES,
+    SAMPLED_TEMPERATURE,
     SWEEP,
     TIMEOUT_MS,
     Options,
@@ -182,6 +191,13 @@ def add_parser(sub) -> None:
         action="store_true",
         help="print one JSON object (and nothing else) on stdout; progress stays on stderr",
     )
+    p.add_argument(
+        "--sampled",
+        action="store_true",
+        help="also a sampled twin of every row (VLLM_DSPARK_SAMPLED_TOP32=1: temperature 1, a seed per "
+        "entry, each draft's top-32 distribution back), with its ratio to the greedy row (x greedy); "
+        "at slot counts up to 1024 (the sampled cap) and --num-spec up to 16",
+    )
     p.set_defaults(func=run)
 
 
@@ -189,9 +205,10 @@ def add_parser(sub) -> None:
 
 
 @contextlib.contextmanager
-def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device: str = "cpu"):
-    """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process) against
-    ``worker`` (a WorkerProcess), closed on exit."""
+def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device: str = "cpu", sampled: bool = False):
+    """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process;
+    ``sampled``: asking for sampled drafts) against ``worker`` (a WorkerProcess), closed
+    on exit."""
     from ...config.api import RemoteConfig
     from ...engine import Mode, RemoteDSpark
 
@@ -199,6 +216,7 @@ def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device:
         Mode(mode),
         stats_file=os.path.join(stats_dir, f"stats-{mode}.json"),
         VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(opts.timeout_ms),
+        VLLM_DSPARK_SAMPLED_TOP32="1" if sampled else "0",
     )
     rd = RemoteDSpark(
         RemoteConfig.from_env(env),
@@ -219,16 +237,16 @@ def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device:
         rd.close()
 
 
-def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str) -> Row:
+def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str, sampled: bool = False) -> Row:
     """``rd.round(batch)`` rounds: wall time, the engine thread's CPU outside the wait,
     and the engine process's CPU per wall-second over the measured rounds."""
     from collections import Counter
 
     rounds = opts.rounds_for(slots)
-    feeder = Feeder(slots, opts.row_bytes)
+    feeder = Feeder(slots, opts.row_bytes, sampled=sampled)
     lat, cpu, outcomes = [], [], Counter()
     spins = mode != "sync"  # async rounds' waits spin first: their wait's CPU is taken out
-    with engine(worker, opts, mode, slots, stats_dir) as rd:
+    with engine(worker, opts, mode, slots, stats_dir, sampled=sampled) as rd:
         for i in range(opts.warmup + rounds):
             if i == opts.warmup:
                 p0, s0 = time.process_time(), time.perf_counter()
@@ -247,20 +265,22 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str) -> 
                 outcomes[out.outcome.label] += 1
         per_wall = (time.process_time() - p0) / (time.perf_counter() - s0)
     not_ok = rounds - outcomes["ok"]
-    return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes), {"engine_cpu_per_wall": round(per_wall, 3)})
+    extra = {"engine_cpu_per_wall": round(per_wall, 3)}
+    return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes), extra, sampled)
 
 
-def launch_row(worker, opts: Options, slots: int, stats_dir: str) -> Row:
+def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool = False) -> Row:
     """``rd.launch(batch)`` on CUDA, process mode: the time until the stream holds the
     drafts (CUDA events around ``launch()``, recorded on an idle stream) and the CPU inside
     ``launch()``. The stream is synchronized after every round, outside the figures."""
     import torch
 
     rounds = opts.rounds_for(slots)
-    feeder = Feeder(slots, opts.row_bytes, device="cuda", metadata_device="cuda" if opts.device_metadata else "cpu")
+    meta_device = "cuda" if opts.device_metadata else "cpu"
+    feeder = Feeder(slots, opts.row_bytes, device="cuda", metadata_device=meta_device, sampled=sampled)
     stream = torch.cuda.current_stream()
     pairs, cpu, wall = [], [], []
-    with engine(worker, opts, "process", slots, stats_dir, device="cuda") as rd:
+    with engine(worker, opts, "process", slots, stats_dir, device="cuda", sampled=sampled) as rd:
         for i in range(opts.warmup + rounds):
             batch = feeder.next_batch()
             stream.synchronize()
@@ -296,16 +316,18 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str) -> Row:
             "launch_cpu_p99_ms": ns_to_ms(pct(cpu, 0.99)),
             "outcomes_over": "every launched round, warm-up included",
         },
+        sampled=sampled,
     )
 
 
 # --------------------------------------------------------------------------- the drafter
 
 
-def draft_row(opts: Options, slots: int) -> Row:
+def draft_row(opts: Options, slots: int, sampled: bool = False) -> Row:
     """``MarkovDrafter(builtin_model()).draft_batch`` (or the built-in model drafter's,
     ``--drafter lm``: no cache, every context encoded) on ``slots`` contexts of 64 tokens,
-    rotating through DRAFT_BATCHES batches of different contexts."""
+    rotating through DRAFT_BATCHES batches of different contexts (``sampled``: at
+    temperature 1, a seed per entry)."""
     import numpy as np
 
     from ...drafter.contract import DraftBatch
@@ -323,6 +345,9 @@ def draft_row(opts: Options, slots: int) -> Row:
     offsets = np.arange(0, (n + 1) * CONTEXT_TOKENS, CONTEXT_TOKENS, dtype=np.int64)
     rows = np.zeros((n, opts.row_bytes), dtype=np.uint8)
     n_out = np.full(n, k, dtype=np.int32)
+    sampling = {}
+    if sampled:
+        sampling = {"temperature": np.full(n, SAMPLED_TEMPERATURE, np.float32), "seed": np.arange(n, dtype=np.uint64)}
     batches = []
     for _ in range(DRAFT_BATCHES):
         start = rng.integers(0, len(text), n, dtype=np.int64)
@@ -335,6 +360,7 @@ def draft_row(opts: Options, slots: int) -> Row:
                 rows=rows,
                 want_margin=False,
                 width=k,
+                **sampling,
             )
         )
     rounds = opts.rounds_for(slots)
@@ -346,7 +372,7 @@ def draft_row(opts: Options, slots: int) -> Row:
         t1 = time.perf_counter_ns()
         if i >= opts.warmup:
             lat.append(t1 - t0)
-    return Row("draft", slots, rounds, lat)
+    return Row("draft", slots, rounds, lat, sampled=sampled)
 
 
 # --------------------------------------------------------------------------- the run
@@ -369,7 +395,7 @@ def run_all(opts: Options) -> list[Row]:
     """Every row of ``opts.modes`` at every slot count; every child ended before returning."""
     from ...progress import Progress
 
-    plan = [(s, m) for s in opts.slots for m in opts.modes]
+    plan = [(s, m, sampled) for s in opts.slots for m in opts.modes for sampled in opts.kinds(s)]
     rows: list[Row] = []
     bar = Progress(len(plan), "round rows")
     with contextlib.ExitStack() as stack:
@@ -386,15 +412,15 @@ def run_all(opts: Options) -> list[Row]:
             )
             if opts.worker_late_ms:
                 worker.answer_late()  # its handler is set before its first line: never lost
-        for i, (slots, mode) in enumerate(plan):
-            bar.update(i, f"{mode} {slots} slots")
+        for i, (slots, mode, sampled) in enumerate(plan):
+            bar.update(i, f"{mode}{' sampled' if sampled else ''} {slots} slots")
             if mode == "floor":
-                rows.append(floor_row(opts, slots))
+                rows.append(floor_row(opts, slots, sampled))
             elif mode == "draft":
-                rows.append(draft_row(opts, slots))
+                rows.append(draft_row(opts, slots, sampled))
             elif mode == "launch":
-                rows.append(launch_row(worker, opts, slots, stats_dir))
+                rows.append(launch_row(worker, opts, slots, stats_dir, sampled))
             else:
-                rows.append(engine_row(worker, opts, mode, slots, stats_dir))
+                rows.append(engine_row(worker, opts, mode, slots, stats_dir, sampled))
         bar.update(len(plan))
     return rows
