@@ -317,6 +317,7 @@ class _Arrays:
         self.dense = None
         self.first = self.margin = self.succ = None  # set by MarkovModel._build_arrays
         self.sampled = None  # markov_sampled's per-row candidates, built on its first use
+        self.dists = None  # markov_sampled's per-temperature distribution tables (Tables)
         if self.none == 0:
             self.mode = "empty"
             return

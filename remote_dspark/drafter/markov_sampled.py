@@ -26,16 +26,55 @@ For draft step j of entry i (its context's row ``r`` in :meth:`~.markov.MarkovMo
 
 An entry whose context is unseen (or shorter than the order) stops there, as in the
 greedy path: its count is the drafts made so far, and the result is zero past it.
-Loops run over draft steps (and, once per model, over the ``top`` candidate slots),
-never over entries.
+Loops run over draft steps (and, once per model, over the ``top`` candidate slots; per
+step, over the round's distinct temperatures), never over entries.
+
+**Distributions are tables.** A row's distribution at a temperature never changes, so
+each temperature met keeps a table of them over the model's rows, filled as rows are
+met (:class:`Tables`); a step gathers its rows' distributions, computing only rows met
+for the first time. At most ``TABLES`` temperatures are kept (the least recently used
+dropped), and only for a model whose tables fit ``TABLE_BYTES`` all together; a model
+too large, or a step with more distinct temperatures than that, computes each step's
+distributions as they come. Gathered or computed, they are the same arrays.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 
 from .contract import DraftBatch, DraftResult
 from .sampling import TOP, from_counts, pick, uniform_u32
+
+TABLES = 8  # temperatures whose distribution tables a model keeps
+TABLE_BYTES = 64 << 20  # the most all of a model's tables may take: rows x TABLES x ROW_BYTES
+ROW_BYTES = TOP * 6 + 1  # a row's ids (i32), weights (u16) and filled flag
+
+
+class Tables:
+    """Per temperature, every model row's distribution once met (module docstring):
+    ``get(rows, temperature, compute)`` -> (ids [m, TOP], weights [m, TOP])."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.by_temperature: OrderedDict[float, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+
+    def get(self, rows: np.ndarray, temperature: float, compute) -> tuple[np.ndarray, np.ndarray]:
+        table = self.by_temperature.get(temperature)
+        if table is None:
+            if len(self.by_temperature) >= TABLES:
+                self.by_temperature.popitem(last=False)
+            shape = (self.rows, TOP)
+            table = (np.zeros(self.rows, bool), np.zeros(shape, np.int32), np.zeros(shape, np.uint16))
+            self.by_temperature[temperature] = table
+        self.by_temperature.move_to_end(temperature)
+        filled, ids, weights = table
+        new = np.unique(rows[~filled[rows]])
+        if new.size:
+            ids[new], weights[new] = compute(new)
+            filled[new] = True  # after the rows it vouches for
+        return ids[rows], weights[rows]
 
 
 def draft_sampled(model, batch: DraftBatch) -> DraftResult:
@@ -58,6 +97,7 @@ def draft_sampled(model, batch: DraftBatch) -> DraftResult:
     row = _context_rows(model, a, batch)
     n_out = np.asarray(batch.n_out)
     position = batch.starts() + np.diff(np.asarray(batch.offsets, np.int64))
+    u32 = uniform_u32(seed[:, None], position[:, None] + np.arange(width), np.arange(width)).T  # [width, n]
     tokens = np.zeros((width, n), np.int32)  # step-major while drafting
     q_ids = np.zeros((width, n, TOP), np.int32)
     q_weights = np.zeros((width, n, TOP), np.uint16)
@@ -68,8 +108,8 @@ def draft_sampled(model, batch: DraftBatch) -> DraftResult:
         if live.size == 0:
             break
         r = row[live]
-        ids, weights = from_counts(cand[r], cnt[r], temperature[live], vocab)
-        drawn = pick(ids, weights, uniform_u32(seed[live], position[live] + j, j))
+        ids, weights = _distributions(a, cand, cnt, r, temperature[live], vocab)
+        drawn = pick(ids, weights, u32[j, live])
         # The drawn token's candidate slot: it is a live candidate (weight > 0 only there).
         # Rows are gathered for live entries only (row != none), so no sentinel row.
         slot = np.argmax((cand[r] == drawn[:, None]) & (cnt[r] > 0), axis=1)
@@ -85,6 +125,24 @@ def draft_sampled(model, batch: DraftBatch) -> DraftResult:
         q_ids.transpose(1, 0, 2),
         q_weights.transpose(1, 0, 2),
     )
+
+
+def _distributions(a, cand, cnt, r, temperature, vocab) -> tuple[np.ndarray, np.ndarray]:
+    """``from_counts`` of rows ``r`` at ``temperature`` [m]: from the model's tables
+    (:class:`Tables`, kept on ``a``) when it has them and the step's distinct
+    temperatures fit, else computed."""
+    kinds = np.unique(temperature)
+    if a.none * TABLES * ROW_BYTES > TABLE_BYTES or len(kinds) > TABLES:
+        return from_counts(cand[r], cnt[r], temperature, vocab)
+    if a.dists is None:
+        a.dists = Tables(a.none)
+    ids, weights = np.empty((len(r), TOP), np.int32), np.empty((len(r), TOP), np.uint16)
+    for t in kinds:  # the round's distinct temperatures (one, usually)
+        at = np.flatnonzero(temperature == t)
+        ids[at], weights[at] = a.dists.get(
+            r[at], float(t), lambda new, t=t: from_counts(cand[new], cnt[new], np.full(len(new), t, np.float32), vocab)
+        )
+    return ids, weights
 
 
 def _checked(batch: DraftBatch) -> tuple[np.ndarray, np.ndarray]:

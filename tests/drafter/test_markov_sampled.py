@@ -223,3 +223,28 @@ def test_bad_sampled_batches_are_refused_naming_the_culprit(change, culprit):
     batch = dataclasses.replace(batch_of([[5], [7]], 2, 1.0, [1, 2]), **change)
     with pytest.raises(ValueError, match=culprit):
         MarkovDrafter(HAND).draft_batch(batch)
+
+
+def test_distribution_tables_give_what_computing_each_step_gives_and_keep_few_temperatures(monkeypatch):
+    """A round drafted through the per-temperature tables (filled as rows are met, over
+    several calls) equals the same round computed step by step (tables off); more
+    temperatures than TABLES keep only the most recently used."""
+    from remote_dspark.drafter import markov_sampled
+
+    contexts = text_contexts(300, seed=8)
+    temps = np.array([0.0, 0.5, 1.0, 2.0], np.float32)[np.arange(300) % 4]
+    batch = batch_of(contexts, 5, temps, np.arange(300) + 99)
+    tabled = MarkovDrafter(MarkovModel.from_bytes(builtin_model().to_bytes()))  # its own tables
+    halves = [tabled.draft_batch(batch_of(contexts[i::2], 5, temps[i::2], np.arange(300)[i::2] + 99)) for i in (0, 1)]
+    got = tabled.draft_batch(batch)  # partly from rows the halves filled
+    monkeypatch.setattr(markov_sampled, "TABLE_BYTES", 0)
+    want = MarkovDrafter(builtin_model()).draft_batch(batch)
+    for name in ("tokens", "counts", "margins", "q_ids", "q_weights"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+        assert np.array_equal(getattr(halves[0], name), getattr(want, name)[0::2]), name
+    monkeypatch.undo()
+    tables = tabled.model.tables().dists
+    assert sorted(tables.by_temperature) == [0.0, 0.5, 1.0, 2.0]
+    for t in np.linspace(0.1, 3.0, markov_sampled.TABLES):
+        tabled.draft_batch(batch_of(contexts[:4], 3, t, np.arange(4)))
+    assert len(tables.by_temperature) == markov_sampled.TABLES and 0.0 not in tables.by_temperature
