@@ -27,12 +27,18 @@ def violation(ids, weights, tokens, vocab: int) -> tuple[int, str] | None:
     caller's to check: :func:`check_sampled` does)."""
     import numpy as np
 
-    ids, w, tokens = (np.asarray(a).astype(np.int64) for a in (ids, weights, tokens))
+    ids, w, tokens = np.asarray(ids), np.asarray(weights), np.asarray(tokens)
+    if w.dtype != np.uint16:  # any other integers: their values, in a range that cannot wrap
+        w = w.astype(np.int64)
+    if ids.dtype != np.int32:
+        ids = ids.astype(np.int64)
     outside = ((ids < 0) | (ids >= vocab)).any(axis=1)
     srt = np.sort(ids, axis=1)
     same = srt[:, 1:] == srt[:, :-1]
-    total = w.sum(axis=1)
-    weights_off = ((w < 0) | (w > TOTAL)).any(axis=1) | (total != TOTAL)
+    total = w.sum(axis=1, dtype=np.int64)
+    weights_off = total != TOTAL
+    if w.dtype != np.uint16:  # (a uint16 is always within 0..TOTAL)
+        weights_off |= ((w < 0) | (w > TOTAL)).any(axis=1)
     absent = ~((ids == tokens[:, None]) & (w > 0)).any(axis=1)
     bad = outside | same.any(axis=1) | weights_off | absent
     if not bad.any():
