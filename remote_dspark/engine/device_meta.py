@@ -1,33 +1,97 @@
 """A round's metadata that lives on the device, written into the region's descriptor in
 stream order with tensor operations only (the host never reads a value): the device
 half of :mod:`.batch`'s host path (:func:`~.batch.host_meta`, :func:`~.batch.write_meta`),
-carrying the same round."""
+carrying the same round.
+
+A sampled engine's batch also carries ``temperature`` and ``seed``: written as the
+ROUND's sampled sections (float32 bits and u64 words) with the same tensor operations,
+their values unread. The proxy's descriptor check refuses a temperature that is negative
+or not finite where it lands, as :func:`~.batch.sampling_meta` refuses it on the host."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import wire
 from .batch import CONTEXT_TOKENS, Batch
 
+SAMPLING_FIELDS = ("temperature", "seed")
 
-def check_meta_shapes(batch: Batch, max_slots: int) -> int:
+
+def check_meta_shapes(batch: Batch, max_slots: int, sampled: bool = False) -> int:
     """The entry count of a batch whose metadata is not read on the host: its shapes
-    checked (they are known without a sync).
+    checked (they are known without a sync), and its sampling fields held to the engine
+    (``sampled``: both given, with a float or int temperature and an int seed; else
+    neither), in the words of :func:`~.batch.sampling_meta`.
 
     Raises:
-        ValueError: naming the field whose shape disagrees, or too many entries or tokens.
+        ValueError: naming the field whose shape or dtype disagrees, or a sampling field
+            missing from a sampled engine's batch or given to another's, or too many
+            entries or tokens.
     """
+    check_sampling_given(batch, sampled)
     n, t = len(batch), int(batch.tokens.shape[0])
     if n > max_slots or t > wire.MAX_TOKENS:
         raise ValueError(
             f"a batch of {n} entries and {t} tokens over max_slots={max_slots} or the wire's {wire.MAX_TOKENS} tokens"
         )
-    for name, want in (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n)):
+    fields = (("token_offsets", n + 1), ("positions", n), ("new_gen", n), ("n_out", n), ("temperature", n), ("seed", n))
+    for name, want in fields:
         got = getattr(batch, name)
         if got is not None and tuple(got.shape) != (want,):
             raise ValueError(f"{name}: shape {tuple(got.shape)}, expected [{want}]")
     return n
+
+
+def check_sampling_given(batch: Batch, sampled: bool) -> None:
+    """``batch``'s ``temperature`` and ``seed`` given exactly when the engine is
+    ``sampled``, of a float (or int) and an int dtype: what can be known without reading
+    a value (:func:`~.batch.sampling_meta` also checks the values on the host).
+
+    Raises:
+        ValueError: naming ``temperature`` or ``seed``.
+    """
+    given = [name for name in SAMPLING_FIELDS if getattr(batch, name) is not None]
+    if not sampled:
+        if given:
+            raise ValueError(
+                f"{given[0]}: given, but the engine does not ask for sampled drafts "
+                "(VLLM_DSPARK_SAMPLED_TOP32=0); pass None"
+            )
+        return
+    for name in SAMPLING_FIELDS:
+        if name not in given:
+            raise ValueError(
+                f"{name}: None, but the engine asks for sampled drafts (VLLM_DSPARK_SAMPLED_TOP32=1); "
+                "pass one per entry (temperature 0: that entry greedy)"
+            )
+    if _kind(batch.temperature) not in "fiu":
+        raise ValueError(f"temperature: dtype {batch.temperature.dtype}, expected a float")
+    if _kind(batch.seed) not in "iu":
+        raise ValueError(f"seed: dtype {batch.seed.dtype}, expected an integer (an int64's bits are the u64 seed)")
+
+
+def _kind(x) -> str:
+    """numpy's dtype kind of an array or a tensor (b, i, u, f, c)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bool:
+            return "b"
+        if x.is_floating_point():
+            return "f"
+        if x.is_complex():
+            return "c"
+        return "i" if x.dtype.is_signed else "u"
+    return np.asarray(x).dtype.kind
+
+
+def seed_bits(seed) -> torch.Tensor | np.ndarray:
+    """``seed`` [n] as int64 whose bits are the wire's u64 (a view where it is 64 bits
+    unsigned, else a sign- or zero-extension as ``astype``), without reading a value."""
+    if isinstance(seed, torch.Tensor):
+        return seed.view(torch.int64) if seed.dtype == torch.uint64 else seed.to(torch.int64)
+    seed = np.asarray(seed)
+    return seed.view(np.int64) if seed.dtype == np.uint64 else seed.astype(np.int64, copy=False)
 
 
 def write_meta_in_stream(
@@ -39,6 +103,7 @@ def write_meta_in_stream(
     max_tokens: int,
     n_out_default: int,
     context_tokens: int = CONTEXT_TOKENS,
+    sampled: bool = False,
 ) -> None:
     """Write ``batch``'s ROUND arrays and ``n_tokens`` into ``d``, an int32 tensor over a
     descriptor's payload area with room for ``max_tokens + 1`` tokens, with tensor
@@ -53,8 +118,12 @@ def write_meta_in_stream(
     against the vocabulary here either (that needs a host sync): the descriptor check
     refuses a round with one outside ``0..vocab_size-1`` (answered ERROR, unsent,
     counted ``rounds_bad_desc``), as :func:`~.batch.host_meta` would. Positions and tokens are
-    written as the wire's 32 bits. The caller writes deadline, n and row_bytes
-    (``d[0:3]``) and has checked the shapes (:func:`check_meta_shapes`)."""
+    written as the wire's 32 bits. ``sampled``: the engine asks for sampled drafts, and
+    the batch's temperatures (float32 bits, -0.0 written as 0.0 as on the host) and seeds
+    (u64: an int64's bits, two little-endian words) go after the offsets, the tokens after
+    them (``wire.round_sections(n, t, row_bytes, True)``); the proxy's descriptor check
+    refuses a temperature that is negative or not finite. The caller writes deadline, n
+    and row_bytes (``d[0:3]``) and has checked the shapes (:func:`check_meta_shapes`)."""
     n, t = len(batch), int(batch.tokens.shape[0])
     if not n:
         d[3:4] = 0 if t == 0 else max_tokens + 1
@@ -82,6 +151,11 @@ def write_meta_in_stream(
     d[at + 4 * n : at + 5 * n + 1] = kept
     whole = (offsets[:1] == 0) & (offsets[n:] == t)
     d[3:4] = torch.where(whole, kept[n:], max_tokens + 1)  # n_tokens
+    if sampled:
+        sec = wire.round_sections(n, 0, 0, True)
+        temperature = on_dev(batch.temperature, torch.float32) + 0.0  # -0.0 + 0.0 is +0.0: one zero
+        d[sec.temperature // 4 : sec.seed // 4] = temperature.view(torch.int32)
+        d[sec.seed // 4 : sec.tokens // 4] = on_dev(seed_bits(batch.seed), torch.int64).view(torch.int32)
     if t:
         # Token j of entry e (the last offset at or before j) goes to kept[e] + its index
         # in the entry - cut[e]; one dropped or unplaceable, to the spare cell.
@@ -90,5 +164,5 @@ def write_meta_in_stream(
         within = j - offsets[e] - cut[e]
         dest = kept[e] + within
         dest = torch.where((within >= 0) & (dest >= 0) & (dest < max_tokens), dest, max_tokens)
-        tok_at = wire.round_meta_bytes(n) // 4
+        tok_at = wire.round_meta_bytes(n, sampled) // 4
         d[tok_at : tok_at + max_tokens + 1].scatter_(0, dest, on_dev(batch.tokens, torch.int32))

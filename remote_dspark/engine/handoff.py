@@ -207,7 +207,7 @@ class Handoff:
             ValueError: shapes that disagree, or more entries or tokens than a round holds.
         """
         spec = self.spec
-        n = check_meta_shapes(batch, spec.max_slots)
+        n = check_meta_shapes(batch, spec.max_slots, spec.sampled)
         self._host[i].desc[:16].view(np.uint32)[:] = (deadline_ms, n, spec.row_bytes, 0)
         write_meta_in_stream(
             batch,
@@ -217,6 +217,7 @@ class Handoff:
             max_tokens=spec.max_tokens,
             n_out_default=spec.n_out_for(n),
             context_tokens=context_tokens,
+            sampled=spec.sampled,
         )
 
     def round(self, batch: Batch) -> Drafts:

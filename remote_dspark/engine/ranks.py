@@ -20,18 +20,24 @@ The collectives, which every rank runs in the same order:
 ``close()``, ``stats()`` and ``launch()`` run none. A record is two broadcasts from group
 rank 0, a header and the body it sizes (STARTED has none):
 
-    header  int64 [8]: kind, n, num_spec, outcome, source, resync_all, n_resync, margins
-            (ERROR: n is the body's length in bytes; STARTED: n is the mode's index)
-    DRAFTS  int32 [n * k tokens | n counts | n_resync slots | n * k margins as float32 bits]
+    header  int64 [8]: kind, n, num_spec, outcome, source, resync_all, n_resync, flags
+            (ERROR: n is the body's length in bytes; STARTED: n is the mode's index;
+            DRAFTS: flags bit 0 margins, bit 1 sampled q)
+    DRAFTS  int32 [n * k tokens | n counts | n_resync slots | n * k margins as float32 bits
+            | n * k * 32 q_ids | n * k * 16 words of q_weights, uint16 pairs in memory order]
     ERROR   uint8: JSON {"type": "module:qualname", "args": [...], "attrs": {...}, "message": str}
 
 Why tensors and not ``broadcast_object_list``: the same calls work on gloo (CPU tensors)
 and NCCL (tensors on the rank's current CUDA device) with nothing else to set up; the
 drafts are int32 tensors already (one concatenation, one broadcast, no loop over
-entries); and nothing received is unpickled: an error is JSON, rebuilt only as an
+entries; q_weights travel as int32 words, which NCCL and gloo both carry, where uint16 is
+not in every gloo operation); and nothing received is unpickled: an error is JSON, rebuilt only as an
 exception class the receiving rank has already loaded. The header goes first so that a
 rank whose batch has another size than rank 0's still reads the whole record (it stays in
-step) and raises ``ValueError`` naming both sizes. On NCCL a receiver copies the header to
+step) and raises ``ValueError`` naming both sizes. Every rank's drafts carry q exactly
+when its engine is sampled (the ranks' configurations are the same, so rank 0's are):
+rank 0's, or, where its answer drafted nothing and carried none, zeros
+(:func:`q_held_to`). On NCCL a receiver copies the header to
 the host once per record (``round()`` blocks anyway).
 
 Failures: rank 0 broadcasts whatever leaves its start or its round before the record
@@ -55,6 +61,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import wire
 from ..config.env import TABLE
 from ..config.mode import Mode
 from ..outcome import Outcome
@@ -69,6 +76,8 @@ SOURCES = ("remote", "local", "none")
 STARTED, DRAFTS, ERROR = 1, 2, 3
 KIND_NAMES = {STARTED: "STARTED", DRAFTS: "DRAFTS", ERROR: "ERROR"}
 HEADER_WORDS = 8
+FLAG_MARGINS, FLAG_SAMPLED = 1, 2  # a DRAFTS header's flags
+Q_WORDS = wire.SAMPLED_TOP + wire.SAMPLED_TOP // 2  # a drafted position's q_ids and q_weights, in int32 words
 _VARIABLE = {v.field: v.name for v in TABLE if v.field}  # a config field -> the variable that sets it
 _SIMPLE = (str, int, float, bool, type(None))  # what an ERROR record carries as it is
 
@@ -95,6 +104,7 @@ class Ranks:
         nccl = dist.get_backend(group) == "nccl"
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._owed = False  # rank 0 inside a round whose record has not gone out yet
+        self.sampled = False  # the engine asks for sampled drafts (its spec's, at start)
 
     @property
     def leader(self) -> bool:
@@ -127,6 +137,7 @@ class Ranks:
         Raises:
             ValueError: naming each rank that differs from rank 0 and its variables.
         """
+        self.sampled = spec.sampled
         names, digests = config_digests(spec)
         mine = torch.tensor(digests, dtype=torch.int64, device=self._device)
         everyone = [torch.empty_like(mine) for _ in range(self.size)]
@@ -166,8 +177,10 @@ class Ranks:
         the answer; another rank's path (a :class:`FollowerPath`) receives it."""
         drafts = path.round(batch)
         if self.leader:
+            drafts = q_held_to(drafts, self.sampled)
             self._owed = False
-            self._send_drafts(drafts)
+            header, body = drafts_record(drafts)
+            self._send(*header, body=body)
         return drafts
 
     def receive_drafts(self, n: int) -> Drafts:
@@ -179,18 +192,13 @@ class Ranks:
             Whatever rank 0 raised in this round, rebuilt.
         """
         header, body = self._receive(DRAFTS)
-        _, got, k, outcome, source, resync_all, n_resync, margins = header
+        got = header[1]
         if got != n:
             raise ValueError(
                 f"tp_group rank {self.rank}: a batch of {n} entries, but rank 0's had {got}: "
                 "every rank must pass the same batch"
             )
-        body = body.cpu()
-        at = got * k
-        tokens, counts = body[:at].view(got, k), body[at : at + got]
-        resync = tuple(body[at + got : at + got + n_resync].tolist())
-        mar = body[at + got + n_resync :].view(torch.float32).view(got, k) if margins else None
-        return Drafts(tokens, counts, mar, SOURCES[source], Outcome(outcome), resync, bool(resync_all))
+        return q_held_to(drafts_from_record(header, body), self.sampled)
 
     # ------------------------------------------------------------------ records
 
@@ -208,30 +216,12 @@ class Ranks:
         source: int = 0,
         resync_all: int = 0,
         n_resync: int = 0,
-        margins: int = 0,
+        flags: int = 0,
         body: torch.Tensor | None = None,
     ) -> None:
-        self._broadcast(torch.tensor([kind, n, k, outcome, source, resync_all, n_resync, margins], dtype=torch.int64))
+        self._broadcast(torch.tensor([kind, n, k, outcome, source, resync_all, n_resync, flags], dtype=torch.int64))
         if body is not None and body.numel():  # the receivers size it from the header (an empty one: no call)
             self._broadcast(body)
-
-    def _send_drafts(self, d: Drafts) -> None:
-        n, k = d.tokens.shape
-        parts = [d.tokens.reshape(-1), d.counts.reshape(-1), torch.tensor(d.resync, dtype=torch.int32)]
-        if d.margins is not None:
-            parts.append(d.margins.to(torch.float32).reshape(-1).view(torch.int32))
-        body = torch.cat([p.to("cpu", torch.int32) for p in parts])
-        self._send(
-            DRAFTS,
-            n,
-            k,
-            int(d.outcome),
-            SOURCES.index(d.source),
-            int(d.resync_all),
-            len(d.resync),
-            int(d.margins is not None),
-            body,
-        )
 
     def _send_error(self, e: BaseException) -> None:
         raw = error_record(e)
@@ -244,13 +234,13 @@ class Ranks:
             RuntimeError: a record of another kind than ``want`` (the ranks' calls are out of step).
         """
         header = self._broadcast(torch.zeros(HEADER_WORDS, dtype=torch.int64)).tolist()
-        kind, n, k, _, _, _, n_resync, margins = header
+        kind, n, k, _, _, _, n_resync, flags = header
         body = None
         if kind == ERROR:
             body = self._broadcast(torch.empty(n, dtype=torch.uint8))
             raise error_from_record(body.cpu().numpy().tobytes(), self.rank)
         if kind == DRAFTS:
-            body = torch.empty(n * k * (2 if margins else 1) + n + n_resync, dtype=torch.int32)
+            body = torch.empty(drafts_body_words(n, k, n_resync, flags), dtype=torch.int32)
             if body.numel():
                 body = self._broadcast(body)
         if kind != want:
@@ -293,6 +283,74 @@ def shares_failure(method):
         return ranks.lead(method, engine, *args, **kwargs)
 
     return wrapper
+
+
+def drafts_body_words(n: int, k: int, n_resync: int, flags: int) -> int:
+    """The int32 words of a DRAFTS record's body of ``n`` entries of ``num_spec`` ``k``."""
+    per_position = 1 + (flags & FLAG_MARGINS) + (Q_WORDS if flags & FLAG_SAMPLED else 0)
+    return n * k * per_position + n + n_resync
+
+
+def drafts_record(d: Drafts) -> tuple[list[int], torch.Tensor]:
+    """``d`` as a DRAFTS record: the header's 8 values and the int32 body (on the CPU),
+    one concatenation; q_weights' uint16 pairs are viewed as int32 words, not widened."""
+    n, k = d.tokens.shape
+    parts = [d.tokens.reshape(-1), d.counts.reshape(-1), torch.tensor(d.resync, dtype=torch.int32)]
+    flags = 0
+    if d.margins is not None:
+        flags |= FLAG_MARGINS
+        parts.append(d.margins.to(torch.float32).reshape(-1).view(torch.int32))
+    if d.q_ids is not None:
+        flags |= FLAG_SAMPLED
+        parts.append(d.q_ids.reshape(-1))
+        parts.append(d.q_weights.to("cpu", torch.uint16).contiguous().reshape(-1).view(torch.int32))
+    body = torch.cat([p.to("cpu", torch.int32) for p in parts])
+    header = [DRAFTS, n, k, int(d.outcome), SOURCES.index(d.source), int(d.resync_all), len(d.resync), flags]
+    return header, body
+
+
+def drafts_from_record(header: list[int], body: torch.Tensor | None) -> Drafts:
+    """The ``Drafts`` a DRAFTS record carries (views of the body, brought to the CPU once).
+
+    Raises:
+        ValueError: a body of another length than the header sizes.
+    """
+    _, n, k, outcome, source, resync_all, n_resync, flags = header
+    words = drafts_body_words(n, k, n_resync, flags)
+    body = torch.zeros(0, dtype=torch.int32) if body is None else body.cpu()
+    if body.numel() != words:
+        raise ValueError(f"a DRAFTS record of {body.numel()} words, its header sizes {words}")
+    nk, top = n * k, wire.SAMPLED_TOP
+    tokens, counts = body[:nk].view(n, k), body[nk : nk + n]
+    at = nk + n + n_resync
+    resync = tuple(body[nk + n : at].tolist())
+    margins = q_ids = q_weights = None
+    if flags & FLAG_MARGINS:
+        margins, at = body[at : at + nk].view(torch.float32).view(n, k), at + nk
+    if flags & FLAG_SAMPLED:
+        q_ids = body[at : at + nk * top].view(n, k, top)
+        q_weights = body[at + nk * top :].view(torch.uint16).view(n, k, top)
+    return Drafts(
+        tokens, counts, margins, SOURCES[source], Outcome(outcome), resync, bool(resync_all), q_ids, q_weights
+    )
+
+
+def q_held_to(d: Drafts, sampled: bool) -> Drafts:
+    """``d`` with q exactly when the engine is ``sampled``: an answer that drafted nothing
+    and carried no q gets zeros (as ``empty_drafts``); q of an unsampled engine is dropped.
+
+    Raises:
+        RuntimeError: a sampled engine's answer drafted tokens but carried no q.
+    """
+    if not sampled:
+        return d if d.q_ids is None else dataclasses.replace(d, q_ids=None, q_weights=None)
+    if d.q_ids is not None:
+        return d
+    if bool(d.counts.any()):
+        raise RuntimeError("a sampled engine's answer drafted tokens without their distributions (q)")
+    n, k = d.tokens.shape
+    zeros = torch.zeros(n, k, wire.SAMPLED_TOP, dtype=torch.int32)
+    return dataclasses.replace(d, q_ids=zeros, q_weights=zeros.to(torch.uint16))
 
 
 def config_digests(spec: Spec) -> tuple[list[str], list[int]]:

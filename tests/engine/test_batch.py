@@ -4,6 +4,8 @@ value. Bad fields are refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -311,3 +313,100 @@ def test_bad_metadata_in_stream_is_refused_where_it_lands(lib, change, why):
             proxy.check_descriptor(r)
     finally:
         region.close()
+
+
+# --------------------------------------------------------------------------- a sampled engine's metadata on the device
+
+TEMPERATURES = st.floats(0, 3.0e38, width=64) | st.sampled_from([-0.0, 0.0, 1e-45, 1e-40, 0.7])
+SEEDS = st.integers(-(2**63), 2**63 - 1)  # a negative int64 is a u64 seed of 2**63 or more
+
+
+@st.composite
+def sampled_batches(draw):
+    """A batch of :func:`batches` with temperatures and seeds in every form an engine
+    may hold them: float64 or float32 (numpy or torch) or int temperatures, -0.0
+    included; int64 seeds (huge u64 seeds as negative int64), numpy uint64 or int32."""
+    batch, _ = draw(batches())
+    n = len(batch)
+    temps = draw(st.lists(TEMPERATURES, min_size=n, max_size=n))
+    seeds = draw(st.lists(SEEDS, min_size=n, max_size=n))
+    temperature = {
+        "f64": np.asarray(temps, np.float64),
+        "f32": np.asarray(temps, np.float32),
+        "torch_f64": torch.tensor(temps, dtype=torch.float64),
+        "torch_f32": torch.tensor(temps, dtype=torch.float32),
+        "int": np.asarray(temps, np.float64).clip(0, 2**40).astype(np.int64),
+    }[draw(st.sampled_from(["f64", "f32", "torch_f64", "torch_f32", "int"]))]
+    bits = np.asarray(seeds, np.int64)
+    seed = {
+        "i64": bits,
+        "torch_i64": torch.from_numpy(bits.copy()),
+        "u64": bits.view(np.uint64),
+        "i32": bits.astype(np.int32),
+    }[draw(st.sampled_from(["i64", "torch_i64", "u64", "i32"]))]
+    return dataclasses.replace(batch, temperature=temperature, seed=seed)
+
+
+def device_path_bytes(batch: Batch, sampled: bool, max_tokens: int = 10_000) -> np.ndarray:
+    """What launch() writes for metadata on the device (Handoff._write_device_meta), into
+    a plain payload area: a CPU tensor stands in for the device view."""
+    from remote_dspark.engine.device_meta import check_meta_shapes, write_meta_in_stream
+
+    area = np.zeros(wire.round_meta_bytes(MAX_SLOTS, True) + 4 * (max_tokens + 1), np.uint8)
+    n = check_meta_shapes(batch, MAX_SLOTS, sampled)
+    area[:12].view(np.uint32)[:] = (77, n, ROW_BYTES)
+    d = torch.from_numpy(area).view(torch.int32)
+    write_meta_in_stream(
+        batch, d, max_slots=MAX_SLOTS, num_spec=K, max_tokens=max_tokens, n_out_default=3, sampled=sampled
+    )
+    return area
+
+
+@settings(max_examples=150, deadline=None)
+@given(sampled_batches())
+def test_a_sampled_rounds_metadata_in_stream_equals_the_host_path(batch):
+    """Temperatures (float32 bits, -0.0 as 0.0) and seeds (an int64's bits as the u64)
+    land where host_meta + write_meta put them, the tokens after them, byte for byte."""
+    meta = host_meta(batch, max_slots=MAX_SLOTS, num_spec=K, max_tokens=10_000, n_out_default=3, sampled=True)
+    want = np.zeros(wire.round_meta_bytes(MAX_SLOTS, True) + 4 * 10_001, np.uint8)
+    size = write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
+    got = device_path_bytes(batch, sampled=True)
+    assert bytes(got[:size]) == bytes(want[:size])
+    sec = wire.round_sections(len(batch), meta.n_tokens, ROW_BYTES, True)
+    assert not (got[sec.temperature : sec.seed].view(np.uint32) == 0x8000_0000).any()  # no -0.0 on the wire
+
+
+def test_a_sampled_engines_fields_are_refused_by_name_without_reading_a_value():
+    """Missing on a sampled engine, given to another, the wrong shape or dtype: the
+    device path's words are the host path's (batch.sampling_meta)."""
+    from remote_dspark.engine.device_meta import check_meta_shapes
+
+    plain = meta_of(slots=[0, 1], tokens=[[1], [2]], positions=[0, 0], new_gen=[True, True])
+    both = dataclasses.replace(plain, temperature=np.zeros(2), seed=np.zeros(2, np.int64))
+    cases = [
+        (dataclasses.replace(plain, seed=np.zeros(2, np.int64)), True, "temperature: None, but"),
+        (dataclasses.replace(plain, temperature=np.zeros(2)), True, "seed: None, but"),
+        (both, False, "temperature: given, but"),
+        (dataclasses.replace(plain, seed=np.zeros(2, np.int64)), False, "seed: given, but"),
+        (dataclasses.replace(both, seed=np.zeros(2)), True, "seed: dtype float64"),
+        (dataclasses.replace(both, temperature=np.zeros(2, bool)), True, "temperature: dtype bool"),
+    ]
+    for b, sampled, words in cases:
+        with pytest.raises(ValueError) as on_host:
+            host_meta(b, max_slots=MAX_SLOTS, num_spec=K, max_tokens=100, n_out_default=3, sampled=sampled)
+        with pytest.raises(ValueError) as on_device:
+            check_meta_shapes(b, MAX_SLOTS, sampled)
+        assert str(on_device.value).startswith(words) and str(on_device.value) == str(on_host.value), words
+    for name in ("temperature", "seed"):
+        long = dataclasses.replace(both, **{name: torch.zeros(3, dtype=torch.int64)})
+        with pytest.raises(ValueError, match=rf"{name}: shape \(3,\), expected \[2\]"):
+            check_meta_shapes(long, MAX_SLOTS, True)
+    assert check_meta_shapes(both, MAX_SLOTS, True) == 2
+
+
+def test_an_empty_sampled_round_in_stream_is_the_host_paths():
+    empty = Batch.from_lists([], [], [], [], ROWS, [], temperature=[], seed=[])
+    meta = host_meta(empty, max_slots=MAX_SLOTS, num_spec=K, max_tokens=100, n_out_default=3, sampled=True)
+    want = np.zeros(64, np.uint8)
+    size = write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
+    assert bytes(device_path_bytes(empty, sampled=True, max_tokens=100)[:size]) == bytes(want[:size])

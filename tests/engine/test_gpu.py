@@ -4,12 +4,14 @@ while the stream waits. Elsewhere these are skipped, with the reason (conftest.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from helpers import COUNTING as MODEL
@@ -23,6 +25,7 @@ from remote_dspark.engine import Batch, RemoteDSpark, gather
 from remote_dspark.outcome import Outcome
 from remote_dspark.proxy import ring_end
 from remote_dspark.region import layout, ring, shm, streamsync
+from remote_dspark.worker import Worker
 
 pytestmark = pytest.mark.gpu
 
@@ -64,6 +67,14 @@ def batch(new=True, tokens=((1,), (3,)), positions=(0, 0)):
     return Batch.from_lists(
         [0, 1], [list(t) for t in tokens], list(positions), [new, new], ROWS.cuda(), torch.tensor([0, 1], device="cuda")
     )
+
+
+@pytest.fixture
+def sampling_worker():
+    """A loopback worker of COUNTING whose drafter samples (the gated one does not)."""
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
+    yield w
+    w.stop()
 
 
 # --------------------------------------------------------------------------- gather
@@ -146,6 +157,8 @@ def on_device(b: Batch) -> Batch:
         b.rows,
         b.row_index,
         None if b.n_out is None else cuda(b.n_out),
+        None if b.temperature is None else cuda(b.temperature),
+        None if b.seed is None else cuda(b.seed),
     )
 
 
@@ -168,6 +181,81 @@ def test_a_long_new_gen_context_on_the_device_is_cut_as_on_the_host(worker, tmp_
         assert out.counts.tolist() == [3, 3] and out.tokens.tolist() == [[1, 2, 3], [4, 1, 2]]
         out = rd.launch(on_device(batch(new=False, tokens=((1,), (4,)), positions=(100, 1))))
         assert out.tokens.tolist() == [[2, 3, 4], [1, 2, 3]]  # the window continued at 100
+
+
+def sampled_case(rng: np.random.Generator, n: int, seed_form: str) -> Batch:
+    """A sampled batch of ``n`` entries: float64 temperatures with -0.0, 0 and values
+    float32 rounds; seeds over the whole u64 (as negative int64, or uint64 on the host)."""
+    lengths = rng.integers(0, 80, n)
+    tokens = [rng.integers(0, 2**31 - 1, int(m)).tolist() for m in lengths]
+    temperature = rng.choice([-0.0, 0.0, 0.1, 1 / 3, 2.5, 1e-40, 3e38], n)
+    bits = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64, endpoint=True)
+    b = Batch.from_lists(
+        rng.permutation(8)[:n].tolist(),
+        tokens,
+        rng.integers(0, 2**31, n).tolist(),
+        rng.integers(0, 2, n).astype(bool).tolist(),
+        ROWS.cuda(),
+        torch.arange(n, device="cuda"),
+        temperature=temperature,
+        seed=bits.view(np.uint64) if seed_form == "u64" else bits,
+    )
+    dev = on_device(b)
+    if seed_form == "u64":  # a mixed batch: the seeds still on the host, as uint64
+        dev.seed = b.seed
+    return dev
+
+
+def on_host(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("seed_form", ["i64", "u64"])
+def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form):
+    """write_meta_in_stream on CUDA writes the bytes host_meta + write_meta write, for a
+    sampled round: float32 temperatures (-0.0 as 0.0), u64 seeds, the tokens after them."""
+    from remote_dspark.engine.batch import host_meta, write_meta
+    from remote_dspark.engine.device_meta import check_meta_shapes, write_meta_in_stream
+
+    rng = np.random.default_rng(7)
+    max_tokens = 8 * 90
+    for n in (0, 1, 3, 8, 8):
+        b = sampled_case(rng, n, seed_form)
+        area = torch.zeros((wire.round_meta_bytes(8, True) + 4 * (max_tokens + 1)) // 4, dtype=torch.int32)
+        d = area.cuda()
+        d[:3] = torch.tensor([77, check_meta_shapes(b, 8, True), 16])
+        kw = dict(max_slots=8, num_spec=3, max_tokens=max_tokens, n_out_default=3, context_tokens=64)
+        write_meta_in_stream(b, d, **kw, sampled=True)
+        got = d.cpu().numpy().view(np.uint8)
+        host = Batch(**{f.name: on_host(getattr(b, f.name)) for f in dataclasses.fields(b)})
+        meta = host_meta(host, **kw, sampled=True)
+        want = np.zeros(got.shape, np.uint8)
+        size = write_meta(want, meta, deadline_ms=77, row_bytes=16)
+        assert bytes(got[:size]) == bytes(want[:size]), n
+
+
+def test_a_sampled_launch_with_metadata_on_the_device_draws_as_the_host_path(sampling_worker, tmp_path):
+    """The same seeds, contexts and temperatures draw the same drafts and q whether the
+    round's metadata was written on the device or on the host."""
+    b = Batch.from_lists(
+        [0, 1],
+        [[1, 2], [3]],
+        [0, 0],
+        [True, True],
+        ROWS.cuda(),
+        torch.tensor([0, 1], device="cuda"),
+        temperature=[0.9, -0.0],
+        seed=[2**64 - 3, 12345],
+    )
+    with make(sampling_worker, tmp_path, VLLM_DSPARK_SAMPLED_TOP32="1") as rd:
+        on_dev = rd.launch(on_device(b))
+        torch.cuda.synchronize()
+        on_host = rd.launch(b)  # NEW_GEN again: the same context
+        torch.cuda.synchronize()
+        for name in ("tokens", "counts", "q_ids", "q_weights"):
+            assert torch.equal(getattr(on_dev, name).cpu(), getattr(on_host, name).cpu()), name
+        assert on_dev.counts.tolist() == [3, 3] and on_dev.outcome is Outcome.OK
+    assert rd.stats().rounds[Outcome.OK] == 2
 
 
 def refused_then_served(rd, bad: Batch) -> None:

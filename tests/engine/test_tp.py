@@ -10,6 +10,7 @@ RANK_LIMIT_S (then it dumps its stacks and exits), a collective GROUP_TIMEOUT_S.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import multiprocessing
@@ -27,6 +28,7 @@ from helpers import COUNTING, env_for
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, Mode, RemoteDSpark, RemoteRoundFailed, report
+from remote_dspark.engine.drafts import Drafts
 from remote_dspark.engine.stats import LinkStats
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
@@ -343,3 +345,196 @@ def test_an_error_record_of_a_class_not_loaded_here_is_a_runtime_error():
     raw = json.dumps({"type": "not_loaded_here:Boom", "args": ["x"], "attrs": {}, "message": "x"}).encode()
     e = error_from_record(raw, rank=1)
     assert type(e) is RuntimeError and str(e) == "not_loaded_here.Boom: x"
+
+
+# --------------------------------------------------------------------------- sampled drafts across the ranks
+
+
+def sampled_batch(new=True, tokens=((1,), (3,)), positions=(0, 0)) -> Batch:
+    return Batch.from_lists(
+        [0, 1],
+        [list(t) for t in tokens],
+        list(positions),
+        [new, new],
+        ROWS,
+        torch.arange(2),
+        temperature=[0.9, 0.0],
+        seed=[2**64 - 5, 11],
+    )
+
+
+def sampled_rounds(rank, group, env, tmp_path) -> dict:
+    with make(env, group) as rd:
+        outs = [rd.round(sampled_batch()), rd.round(sampled_batch(False, ((2,), (4,)), (1, 1)))]
+    return {
+        "drafts": [
+            [o.tokens.tolist(), o.counts.tolist(), o.outcome.label, o.source, o.q_ids.tolist(), o.q_weights.tolist()]
+            for o in outs
+        ],
+        "q_dtypes": [str(outs[0].q_ids.dtype), str(outs[0].q_weights.dtype)],
+    }
+
+
+@pytest.fixture
+def sampling_worker():
+    """A loopback worker of COUNTING whose drafter samples (the gated one does not)."""
+    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
+    yield w
+    w.stop()
+
+
+def test_a_sampled_rounds_drafts_and_q_reach_every_rank(sampling_worker, tmp_path):
+    from remote_dspark.sampled import TOTAL, violation
+
+    env = env_for(sampling_worker.port, tmp_path, Mode.SYNC, VLLM_DSPARK_SAMPLED_TOP32="1")
+    r0, r1 = run_ranks(tmp_path, sampled_rounds, [env, env])
+    assert r0 == r1
+    assert r0["q_dtypes"] == ["torch.int32", "torch.uint16"]
+    for tokens, counts, outcome, source, q_ids, q_weights in r0["drafts"]:
+        assert outcome == "ok" and source == "remote" and counts == [K, K]
+        ids, weights = torch.tensor(q_ids).reshape(-1, 32), torch.tensor(q_weights).reshape(-1, 32)
+        assert violation(ids, weights, torch.tensor(tokens).reshape(-1), vocab=2**31 - 1) is None
+        assert (weights.sum(1) == TOTAL).all()
+
+
+def test_ranks_that_differ_only_in_sampled_top32_raise_naming_it(worker, tmp_path):
+    envs = [env_for(worker.port, tmp_path, Mode.SYNC), env_for(worker.port, tmp_path, Mode.SYNC)]
+    envs[1]["VLLM_DSPARK_SAMPLED_TOP32"] = "1"
+    r0, r1 = run_ranks(tmp_path, start_failure, envs)
+    for r in (r0, r1):
+        assert not r["started"] and r["error"]["type"] == "builtins.ValueError"
+        assert "(rank 1: VLLM_DSPARK_SAMPLED_TOP32 differ" in r["error"]["message"]
+    assert worker.stats.connections == 0
+
+
+# --------------------------------------------------------------------------- records (in process)
+
+
+def sample_drafts(n=3, k=4, margins=True, sampled=True, resync=(2,)) -> Drafts:
+    g = torch.Generator().manual_seed(5)
+    counts = torch.tensor([k, 1, 0][:n], dtype=torch.int32)
+    live = torch.arange(k) < counts[:, None]
+    tokens = torch.randint(0, 1000, (n, k), generator=g, dtype=torch.int32) * live
+    q_ids = torch.randint(-(2**31), 2**31 - 1, (n, k, 32), generator=g, dtype=torch.int64).to(torch.int32)
+    q_weights = torch.randint(0, 65536, (n, k, 32), generator=g, dtype=torch.int32).to(torch.uint16)
+    return Drafts(
+        tokens,
+        counts,
+        torch.rand(n, k, generator=g) if margins else None,
+        "remote",
+        Outcome.OK,
+        resync,
+        True,
+        q_ids if sampled else None,
+        q_weights if sampled else None,
+    )
+
+
+@pytest.mark.parametrize("margins", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_drafts_record_carries_q_and_has_the_size_its_header_says(margins, sampled):
+    from remote_dspark.engine.ranks import DRAFTS, drafts_from_record, drafts_record
+
+    n, k = 3, 4
+    d = sample_drafts(n, k, margins, sampled)
+    header, body = drafts_record(d)
+    flags = margins + 2 * sampled
+    assert header == [DRAFTS, n, k, int(Outcome.OK), 0, 1, 1, flags]  # 8 int64 words, whatever it carries
+    assert body.dtype == torch.int32 and body.numel() == n * k * (1 + margins + 48 * sampled) + n + 1
+    got = drafts_from_record(header, body.clone())
+    for name in ("tokens", "counts", "margins", "q_ids", "q_weights"):
+        want, have = getattr(d, name), getattr(got, name)
+        assert (want is None) == (have is None), name
+        if want is not None:
+            assert have.dtype == want.dtype and torch.equal(have, want), name
+    assert (got.source, got.outcome, got.resync, got.resync_all) == ("remote", Outcome.OK, (2,), True)
+    assert got.q_weights is None or int(got.q_weights.to(torch.int32).max()) > 32767  # unsigned survives
+    with pytest.raises(ValueError, match="a DRAFTS record of"):
+        drafts_from_record(header, body[:-1])
+
+
+def test_an_empty_sampled_record_is_the_header_alone():
+    from remote_dspark.engine.ranks import drafts_from_record, drafts_record
+
+    header, body = drafts_record(sample_drafts(0, 4, resync=()))
+    assert body.numel() == 0
+    got = drafts_from_record(header, None)
+    assert got.q_ids.shape == (0, 4, 32) and got.q_weights.dtype == torch.uint16
+
+
+def test_q_is_held_to_the_engine():
+    """A sampled engine's drafts carry q (zeros where an answer drafted nothing and
+    carried none, as empty_drafts); an unsampled engine's never do."""
+    from remote_dspark.engine.drafts import empty_drafts
+    from remote_dspark.engine.ranks import q_held_to
+
+    empty = empty_drafts(2, 3, Outcome.NO_PROXY, False)
+    filled = q_held_to(empty, True)
+    assert filled.q_ids.shape == (2, 3, 32) and not filled.q_ids.any() and filled.q_weights.dtype == torch.uint16
+    assert q_held_to(sample_drafts(), False).q_ids is None
+    d = sample_drafts()
+    assert q_held_to(d, True) is d
+    with pytest.raises(RuntimeError, match="without their distributions"):
+        q_held_to(dataclasses.replace(d, q_ids=None, q_weights=None), True)
+
+
+class LoopbackDist:
+    """torch.distributed for two Ranks in one process: rank 0's broadcasts are kept, and
+    rank 1's take them in order (each into the tensor it offers)."""
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+        self.read = 0
+
+    def install(self, monkeypatch, rank: int) -> None:
+        monkeypatch.setattr(dist, "get_rank", lambda group: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+        monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+        monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+        monkeypatch.setattr(dist, "broadcast", self.broadcast_as(rank))
+
+    def broadcast_as(self, rank: int):
+        def broadcast(t, src, group):
+            if rank == 0:
+                self.sent.append(t.clone())
+            else:
+                t.copy_(self.sent[self.read])
+                self.read += 1
+
+        return broadcast
+
+
+class Answers:
+    def __init__(self, d: Drafts):
+        self.d = d
+
+    def round(self, batch):
+        return self.d
+
+
+def test_the_records_between_two_ranks_in_process(monkeypatch):
+    """Rank 0's sampled answer reaches rank 1 whole (q as rank 0's, uint16 included);
+    an ERROR record is a header [ERROR, its length, 0 ...] and the error as JSON."""
+    from remote_dspark.engine.ranks import ERROR, HEADER_WORDS, Ranks
+
+    loop = LoopbackDist()
+    loop.install(monkeypatch, 0)
+    leader = Ranks(object())
+    leader.sampled = True
+    d = sample_drafts(2, K, margins=False)
+    assert leader.share(Answers(d), batch()) is d
+    with pytest.raises(KeyError):
+        leader.lead(lambda: {}["boom"])
+    header, _, error_header, error_body = loop.sent
+    assert header.shape == error_header.shape == (HEADER_WORDS,) and header.dtype == torch.int64
+    assert error_header.tolist() == [ERROR, error_body.numel(), 0, 0, 0, 0, 0, 0]
+    assert json.loads(error_body.numpy().tobytes())["type"] == "builtins:KeyError"
+    loop.install(monkeypatch, 1)
+    follower = Ranks(object())
+    follower.sampled = True
+    got = follower.receive_drafts(2)
+    assert torch.equal(got.q_ids, d.q_ids) and torch.equal(got.q_weights, d.q_weights)
+    assert torch.equal(got.tokens, d.tokens) and got.margins is None
+    with pytest.raises(KeyError, match="boom") as e:
+        follower.receive_drafts(2)
+    assert e.value.__notes__ == ["raised on rank 0 of the tp_group; broadcast to rank 1"]
