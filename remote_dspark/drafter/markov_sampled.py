@@ -70,7 +70,9 @@ class Tables:
             self.by_temperature[temperature] = table
         self.by_temperature.move_to_end(temperature)
         filled, ids, weights = table
-        new = np.unique(rows[~filled[rows]])
+        met = np.zeros(self.rows, bool)  # (not np.unique: its first call imports for 50 ms)
+        met[rows] = True
+        new = np.flatnonzero(met & ~filled)
         if new.size:
             ids[new], weights[new] = compute(new)
             filled[new] = True  # after the rows it vouches for
@@ -131,7 +133,8 @@ def _distributions(a, cand, cnt, r, temperature, vocab) -> tuple[np.ndarray, np.
     """``from_counts`` of rows ``r`` at ``temperature`` [m]: from the model's tables
     (:class:`Tables`, kept on ``a``) when it has them and the step's distinct
     temperatures fit, else computed."""
-    kinds = np.unique(temperature)
+    kinds = np.sort(temperature)
+    kinds = kinds[np.append(True, kinds[1:] != kinds[:-1])]  # the distinct temperatures
     if a.none * TABLES * ROW_BYTES > TABLE_BYTES or len(kinds) > TABLES:
         return from_counts(cand[r], cnt[r], temperature, vocab)
     if a.dists is None:

@@ -250,14 +250,14 @@ def host_meta(
     return HostMeta(slots, positions, n_out, new_gen, offsets, tokens, temperature, seed)
 
 
-def sampling_meta(batch: Batch, n: int, sampled: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """``batch``'s temperatures (float32, -0.0 made 0) and seeds (uint64, an int64's
-    bits) on the host, held to the engine: both exactly when ``sampled``.
+def check_sampling_given(batch: Batch, sampled: bool) -> bool:
+    """Whether ``batch`` carries sampling inputs, held to the engine: ``temperature`` and
+    ``seed`` given exactly when it is ``sampled``, of a float (or int) and an int dtype.
+    What can be known without reading a value, so the host path and the device path
+    (``device_meta``) both ask it; :func:`sampling_meta` then checks the values.
 
     Raises:
-        ValueError: naming ``temperature`` or ``seed``: missing from a sampled engine's
-            batch or given to another's, a temperature negative or not finite (after
-            its conversion to the wire's float32), a seed not an integer.
+        ValueError: naming ``temperature`` or ``seed``.
     """
     given = [name for name in _SAMPLING_FIELDS if getattr(batch, name) is not None]
     if not sampled:
@@ -266,26 +266,52 @@ def sampling_meta(batch: Batch, n: int, sampled: bool) -> tuple[np.ndarray | Non
                 f"{given[0]}: given, but the engine does not ask for sampled drafts "
                 "(VLLM_DSPARK_SAMPLED_TOP32=0); pass None"
             )
-        return None, None
+        return False
     for name in _SAMPLING_FIELDS:
         if name not in given:
             raise ValueError(
                 f"{name}: None, but the engine asks for sampled drafts (VLLM_DSPARK_SAMPLED_TOP32=1); "
                 "pass one per entry (temperature 0: that entry greedy)"
             )
-    temperature = _np(batch.temperature, "temperature", n)
-    if temperature.dtype.kind not in "fiu":
-        raise ValueError(f"temperature: dtype {temperature.dtype}, expected a float")
+    if dtype_kind(batch.temperature) not in "fiu":
+        raise ValueError(f"temperature: dtype {batch.temperature.dtype}, expected a float")
+    if dtype_kind(batch.seed) not in "iu":
+        raise ValueError(f"seed: dtype {batch.seed.dtype}, expected an integer (an int64's bits are the u64 seed)")
+    return True
+
+
+def dtype_kind(x) -> str:
+    """numpy's dtype kind of an array or a tensor (b, i, u, f, c)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bool:
+            return "b"
+        if x.is_floating_point():
+            return "f"
+        if x.is_complex():
+            return "c"
+        return "i" if x.dtype.is_signed else "u"
+    return np.asarray(x).dtype.kind
+
+
+def sampling_meta(batch: Batch, n: int, sampled: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``batch``'s temperatures (float32, -0.0 made 0) and seeds (uint64, an int64's
+    bits) on the host, held to the engine: both exactly when ``sampled``.
+
+    Raises:
+        ValueError: naming ``temperature`` or ``seed``: :func:`check_sampling_given`'s,
+            a shape that is not ``[n]``, a temperature negative or not finite (after its
+            conversion to the wire's float32).
+    """
+    if not check_sampling_given(batch, sampled):
+        return None, None
     with np.errstate(over="ignore"):  # past float32: inf, refused below
-        temperature = temperature.astype(np.float32)
+        temperature = _np(batch.temperature, "temperature", n).astype(np.float32)
     good = np.isfinite(temperature) & (temperature >= 0)
     if not good.all():
         bad = int(np.argmin(good))
         raise ValueError(f"temperature: {temperature[bad]} (entry {bad}) not a finite float32 >= 0 (0: greedy)")
     temperature += 0  # -0.0 + 0 is +0.0: one zero on the wire
     seed = _np(batch.seed, "seed", n)
-    if seed.dtype.kind not in "iu":
-        raise ValueError(f"seed: dtype {seed.dtype}, expected an integer (an int64's bits are the u64 seed)")
     wide = np.int64 if seed.dtype.kind == "i" else np.uint64
     return temperature, seed.astype(wide, copy=False).view(np.uint64)
 

@@ -14,9 +14,7 @@ import numpy as np
 import torch
 
 from .. import wire
-from .batch import CONTEXT_TOKENS, Batch
-
-SAMPLING_FIELDS = ("temperature", "seed")
+from .batch import CONTEXT_TOKENS, Batch, check_sampling_given
 
 
 def check_meta_shapes(batch: Batch, max_slots: int, sampled: bool = False) -> int:
@@ -42,47 +40,6 @@ def check_meta_shapes(batch: Batch, max_slots: int, sampled: bool = False) -> in
         if got is not None and tuple(got.shape) != (want,):
             raise ValueError(f"{name}: shape {tuple(got.shape)}, expected [{want}]")
     return n
-
-
-def check_sampling_given(batch: Batch, sampled: bool) -> None:
-    """``batch``'s ``temperature`` and ``seed`` given exactly when the engine is
-    ``sampled``, of a float (or int) and an int dtype: what can be known without reading
-    a value (:func:`~.batch.sampling_meta` also checks the values on the host).
-
-    Raises:
-        ValueError: naming ``temperature`` or ``seed``.
-    """
-    given = [name for name in SAMPLING_FIELDS if getattr(batch, name) is not None]
-    if not sampled:
-        if given:
-            raise ValueError(
-                f"{given[0]}: given, but the engine does not ask for sampled drafts "
-                "(VLLM_DSPARK_SAMPLED_TOP32=0); pass None"
-            )
-        return
-    for name in SAMPLING_FIELDS:
-        if name not in given:
-            raise ValueError(
-                f"{name}: None, but the engine asks for sampled drafts (VLLM_DSPARK_SAMPLED_TOP32=1); "
-                "pass one per entry (temperature 0: that entry greedy)"
-            )
-    if _kind(batch.temperature) not in "fiu":
-        raise ValueError(f"temperature: dtype {batch.temperature.dtype}, expected a float")
-    if _kind(batch.seed) not in "iu":
-        raise ValueError(f"seed: dtype {batch.seed.dtype}, expected an integer (an int64's bits are the u64 seed)")
-
-
-def _kind(x) -> str:
-    """numpy's dtype kind of an array or a tensor (b, i, u, f, c)."""
-    if isinstance(x, torch.Tensor):
-        if x.dtype == torch.bool:
-            return "b"
-        if x.is_floating_point():
-            return "f"
-        if x.is_complex():
-            return "c"
-        return "i" if x.dtype.is_signed else "u"
-    return np.asarray(x).dtype.kind
 
 
 def seed_bits(seed) -> torch.Tensor | np.ndarray:

@@ -78,6 +78,23 @@ def _ints(raw: str, name: str) -> list[int]:
         raise ValueError(f"{name} {raw!r}: expected an integer or comma-separated integers") from None
 
 
+def check_sampled_caps(num_spec: int, slots: list[int]) -> None:
+    """``--sampled`` within a sampled session's caps (the sweep's larger rows simply have
+    no sampled twin: :meth:`Options.kinds`).
+
+    Raises: ValueError naming the argument."""
+    from ... import wire
+
+    if num_spec > wire.MAX_SAMPLED_N_OUT:
+        raise ValueError(
+            f"--num-spec {num_spec} with --sampled: a sampled session drafts at most {wire.MAX_SAMPLED_N_OUT}"
+        )
+    if slots and max(slots) > wire.MAX_SAMPLED_ENTRIES:
+        raise ValueError(
+            f"--slots {max(slots)} with --sampled: a sampled session has at most {wire.MAX_SAMPLED_ENTRIES} entries"
+        )
+
+
 def options(args) -> Options:
     """The run's options from the parsed arguments.
 
@@ -137,14 +154,8 @@ def options(args) -> Options:
             raise ValueError(f"--modes {args.modes!r}: no mode named")
     modes = [m for m in CUDA_MODES if m in modes]  # table order, each once
     sampled = getattr(args, "sampled", False)
-    if sampled and args.num_spec > wire.MAX_SAMPLED_N_OUT:
-        raise ValueError(
-            f"--num-spec {args.num_spec} with --sampled: a sampled session drafts at most {wire.MAX_SAMPLED_N_OUT}"
-        )
-    if sampled and args.slots is not None and max(slots) > wire.MAX_SAMPLED_ENTRIES:
-        raise ValueError(
-            f"--slots {max(slots)} with --sampled: a sampled session has at most {wire.MAX_SAMPLED_ENTRIES} entries"
-        )
+    if sampled:
+        check_sampled_caps(args.num_spec, slots if args.slots is not None else [])
     return Options(
         tuple(slots),
         args.num_spec,
