@@ -9,8 +9,31 @@ One entry point::
 ``rd`` is a started :class:`~remote_dspark.engine.RemoteDSpark` (``row_bytes=0``: no
 rows). The call returns what ``model.generate(input_ids, **generate_kwargs)`` returns:
 assisted decoding verifies every draft against the model, so the drafts change how many
-forwards a generation takes, never its tokens (greedy), and a round that fails or drafts
-nothing costs one ordinary step. Batch size 1, as transformers' assisted decoding.
+forwards a generation takes, never its tokens (greedy) nor their distribution
+(``do_sample=True``), and a round that fails or drafts nothing costs one ordinary step.
+Batch size 1, as transformers' assisted decoding.
+
+Sampling (``do_sample=True``) takes one of two exact paths, by ``rd``:
+
+- an ``rd`` with sampled drafts (``VLLM_DSPARK_SAMPLED_TOP32=1``): each round asks for
+  drafts sampled at the generation's ``temperature`` (1 when unset) with the call's
+  ``draft_seed``, and hands transformers each drafted position's distribution ``q`` as
+  candidate logits (:func:`candidate_logits`: ``log q`` at its 32 ids, ``-inf``
+  elsewhere, so ``softmax`` of them is ``q``). transformers then runs speculative
+  sampling (``_speculative_sampling``: accept a draft with probability
+  ``min(1, p/q)``, else draw from ``max(0, p - q)``), ``p`` the target's distribution
+  after its own temperature, top-k and top-p. Any ``q`` keeps the output exact: the
+  draft's temperature is the target's because that ``q`` is nearest ``p`` (the most
+  accepted), not for exactness. The drafts' randomness is the worker's, keyed by
+  ``draft_seed`` and each draft's position (:mod:`remote_dspark.drafter.sampling`);
+  without an explicit ``draft_seed`` it is drawn from torch's default generator, so
+  ``torch.manual_seed(s)`` makes a whole call reproducible.
+- any other ``rd``: token matching (transformers' own path without candidate logits: a
+  draft is kept while it equals the token the target samples). Exact too, but a draft
+  is kept with probability ``p(draft)`` rather than ``min(1, p/q)``: fewer accepted.
+
+A sampled ``rd`` with ``do_sample=False`` drafts at temperature 0 (greedy) and hands no
+candidate logits: the greedy path above.
 
 How it enters transformers: ``generate``'s public ``custom_generate=`` callable receives
 the prepared logits processors, stopping criteria, configuration and cache, and runs
@@ -32,6 +55,7 @@ every live generation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -41,6 +65,8 @@ import numpy as np
 import torch
 
 from ..engine import Batch, RemoteDSpark
+from ..wire import SAMPLED_TOP as TOP
+from ..wire import SAMPLED_TOTAL as TOTAL
 
 TESTED_WITH = "transformers 5.17 and 5.25"
 
@@ -89,10 +115,15 @@ class Slots:
                 self._stale.discard(slot)
                 self._free.append(slot)
 
-    def round(self, slot: int, tokens: np.ndarray, position: int, new_gen: bool, n_out: int) -> tuple[np.ndarray, bool]:
+    def round(
+        self, slot: int, tokens: np.ndarray, position: int, new_gen: bool, n_out: int, sampling: Sampling
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None, bool]:
         """One round for ``slot`` (its tokens since its last round, the first at
-        ``position``; ``new_gen``: its whole context). Returns (its drafts, whether the
-        worker lost its window: announce it again)."""
+        ``position``; ``new_gen``: its whole context; ``sampling``: the draft's
+        temperature and seed, sent only when the rd is sampled). Returns (its drafts
+        [c], their distributions (ids, weights) [c, 32] when the rd is sampled, whether
+        the worker lost its window: announce it again)."""
+        sampled = self.rd.spec.sampled
         batch = Batch(
             slots=np.array([slot], np.int64),
             tokens=tokens.astype(np.int64),
@@ -100,6 +131,8 @@ class Slots:
             positions=np.array([position], np.int64),
             new_gen=np.array([new_gen]),
             n_out=np.array([n_out], np.int64),
+            temperature=np.array([sampling.temperature], np.float32) if sampled else None,
+            seed=np.array([sampling.seed], np.uint64) if sampled else None,
         )
         with self.lock:
             out = self.rd.round(batch)
@@ -108,8 +141,48 @@ class Slots:
             self._stale.update(int(s) for s in out.resync)
             lost = slot in self._stale
             self._stale.discard(slot)
-        drafts = np.asarray(out.tokens[0][: int(out.counts[0])])
-        return (drafts[:0] if lost else drafts), lost
+        count = 0 if lost else int(out.counts[0])
+        drafts = np.asarray(out.tokens[0][:count])
+        q = None if out.q_ids is None else (out.q_ids[0, :count].numpy(), out.q_weights[0, :count].numpy())
+        return drafts, q, lost
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How one generation's drafts are drawn: ``temperature`` (0: greedy), ``seed`` (the
+    worker's randomness, a u64), and ``width``: the target's logits' width when the
+    candidates carry their distributions (candidate logits), else 0 (token matching)."""
+
+    temperature: float = 0.0
+    seed: int = 0
+    width: int = 0
+
+
+GREEDY = Sampling()
+
+
+def candidate_logits(ids: np.ndarray, weights: np.ndarray, width: int) -> torch.Tensor:
+    """transformers' candidate logits of sampled drafts: ``[1, c, width]`` float32, ``log
+    q`` at each drafted position's listed ids (``q = weight / 65535``; weight 0: ``-inf``)
+    and ``-inf`` elsewhere, so that ``softmax`` over the last axis is ``q``.
+
+    Args:
+        ids: [c, 32] int, distinct per position, in 0..width-1.
+        weights: [c, 32] integer weights, summing to 65535 per position.
+        width: the target's logits' width.
+
+    Raises:
+        ValueError: naming ``ids`` or ``weights`` (shape) or an id outside 0..width-1.
+    """
+    ids, weights = np.asarray(ids), np.asarray(weights)
+    if ids.ndim != 2 or ids.shape[1] != TOP or weights.shape != ids.shape:
+        raise ValueError(f"ids {ids.shape}, weights {weights.shape}: expected [c, {TOP}] both")
+    if ids.size and (ids.min() < 0 or ids.max() >= width):
+        raise ValueError(f"ids: {ids.min()}..{ids.max()} outside the target's logits 0..{width - 1}")
+    q = torch.from_numpy(weights.astype(np.float64) / TOTAL)
+    out = torch.full((1, ids.shape[0], width), -torch.inf, dtype=torch.float32)
+    out[0].scatter_(1, torch.from_numpy(ids.astype(np.int64)), q.log().to(torch.float32))
+    return out
 
 
 _SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -129,12 +202,14 @@ class RemoteCandidates(_CANDIDATE_BASE):
     is one round. The worker is told only what it has not seen: the whole context at the
     first round (and after it lost the slot), then the tokens accepted since. Drafts are
     capped as transformers caps its own assistant's (``max_length - length - 1``); no
-    drafts hand back ``(input_ids, None)``, what transformers' own generators do."""
+    drafts hand back ``(input_ids, None)``, what transformers' own generators do. With
+    ``sampling.width`` the drafts come with their candidate logits
+    (:func:`candidate_logits`), else with None."""
 
     requires_model_outputs = False
 
-    def __init__(self, slots: Slots, slot: int, max_length: int):
-        self.slots, self.slot, self.max_length = slots, slot, max_length
+    def __init__(self, slots: Slots, slot: int, max_length: int, sampling: Sampling = GREEDY):
+        self.slots, self.slot, self.max_length, self.sampling = slots, slot, max_length, sampling
         self.num_drafting_tokens = slots.rd.spec.num_spec  # what the loop keeps room for
         self._seen = 0  # tokens of the sequence the worker has (0: announce it whole)
         self._offered = 0
@@ -147,13 +222,16 @@ class RemoteCandidates(_CANDIDATE_BASE):
             return input_ids, None
         new_gen = self._seen == 0
         tokens = input_ids[0, self._seen :].cpu().numpy()
-        drafts, lost = self.slots.round(self.slot, tokens, self._seen, new_gen, n_out)
+        drafts, q, lost = self.slots.round(self.slot, tokens, self._seen, new_gen, n_out, self.sampling)
         self._seen = 0 if lost else length
         if not len(drafts):
             return input_ids, None
         self._offered = len(drafts)
         candidates = torch.as_tensor(drafts, dtype=input_ids.dtype, device=input_ids.device)
-        return torch.cat([input_ids, candidates[None]], 1), None
+        logits = None
+        if self.sampling.width and q is not None:
+            logits = candidate_logits(q[0], q[1], self.sampling.width).to(input_ids.device)
+        return torch.cat([input_ids, candidates[None]], 1), logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         positions = np.arange(self.num_drafting_tokens)
@@ -181,25 +259,64 @@ class _Assisted:
         return self._candidates
 
 
-def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, *, slots, slot, streamer, **rest):
+def logits_width(model) -> int:
+    """The width of ``model``'s logits: its output embeddings' rows (a head may pad the
+    vocabulary), else its configuration's ``vocab_size``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def sampling_of(model, rd: RemoteDSpark, generation_config, draft_seed: int | None) -> Sampling:
+    """How a generation's drafts are drawn (module docstring): greedy for an unsampled
+    ``rd`` or ``do_sample=False``; else at the generation's temperature (1 when unset),
+    seeded by ``draft_seed`` or, when None, by a number drawn from torch's default
+    generator, with candidate logits as wide as the model's.
+
+    Raises:
+        ValueError: a sampled ``rd`` whose ``vocab_size`` is unknown or wider than the
+            model's logits (a draft could be a token the model has no logit for)."""
+    if not (rd.spec.sampled and generation_config.do_sample):
+        return GREEDY
+    width = logits_width(model)
+    if not 1 <= rd.spec.vocab_size <= width:
+        raise ValueError(
+            f"rd's vocab_size={rd.spec.vocab_size}: sampled drafts need it known and within the model's "
+            f"{width} logits (RemoteDSpark(vocab_size=...))"
+        )
+    temperature = 1.0 if generation_config.temperature is None else float(generation_config.temperature)
+    if draft_seed is None:
+        draft_seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    return Sampling(temperature, draft_seed % 2**64, width)
+
+
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, *, slots, slot, **rest):
     """``generate``'s ``custom_generate``: transformers' assisted loop with our drafts.
     (``generate`` hands a custom callable its model inputs but not the streamer: it comes
     through :func:`generate`.)"""
     from transformers.generation.utils import GenerationMixin
 
-    candidates = RemoteCandidates(slots, slot, generation_config.max_length)
+    streamer, draft_seed = rest.pop("streamer"), rest.pop("draft_seed")
+    sampling = sampling_of(model, slots.rd, generation_config, draft_seed)
+    candidates = RemoteCandidates(slots, slot, generation_config.max_length, sampling)
     assisted = _Assisted(model, candidates)
     return GenerationMixin._assisted_decoding(
         assisted, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **rest
     )
 
 
-def generate(model, input_ids: torch.LongTensor, rd: RemoteDSpark, **generate_kwargs):
+def generate(model, input_ids: torch.LongTensor, rd: RemoteDSpark, *, draft_seed: int | None = None, **generate_kwargs):
     """``model.generate(input_ids, **generate_kwargs)`` with drafts from ``rd`` (module
-    docstring): the same return value, one slot of ``rd`` taken for the call.
+    docstring): the same return value (with ``do_sample=True``, the same distribution),
+    one slot of ``rd`` taken for the call. ``draft_seed``: the drafts' randomness with a
+    sampled ``rd`` and ``do_sample=True`` (an int, its low 64 bits taken; None: drawn
+    from torch's default generator); unused otherwise.
 
     Raises: RuntimeError for a transformers without the hooks used, or a batch of more
-    than one sequence; whatever ``model.generate`` raises for its arguments."""
+    than one sequence; ValueError for a sampled ``rd`` whose vocabulary does not fit the
+    model (:func:`sampling_of`); whatever ``model.generate`` raises for its arguments."""
     if MISSING is not None:
         raise RuntimeError(
             f"remote_dspark.integrations.transformers needs {MISSING}, which this transformers lacks "
@@ -212,5 +329,6 @@ def generate(model, input_ids: torch.LongTensor, rd: RemoteDSpark, **generate_kw
             raise RuntimeError(f"generate(..., {name}=...): the drafts come from rd; leave {name} out")
     slots = slots_of(rd)
     with slots.slot() as slot:
-        decode = functools.partial(_decode, slots=slots, slot=slot, streamer=generate_kwargs.get("streamer"))
+        streamer = generate_kwargs.get("streamer")
+        decode = functools.partial(_decode, slots=slots, slot=slot, streamer=streamer, draft_seed=draft_seed)
         return model.generate(input_ids, custom_generate=decode, **generate_kwargs)
