@@ -10,6 +10,20 @@ prompts and models.
                 (:func:`remote_dspark.integrations.transformers.generate`, ``ASYNC=0``);
 ``process``     the same through the supervised proxy process (``ASYNC_PROXY=process``).
 
+``--sample`` adds two rows that sample at temperature 1 (``do_sample=True``, top-k and
+top-p off), on the same prompts from the same torch seed:
+
+``assistant-sample``  transformers' own assisted sampling with the draft in this process;
+``sync-sample``       the remote drafter with sampled drafts (``VLLM_DSPARK_SAMPLED_TOP32=1``,
+                      sync mode: the proxy's rounds carry no sampled sessions), its
+                      drafts' distributions handed to transformers as candidate logits.
+
+Both verify by speculative sampling (accept a draft with probability ``min(1, p/q)``), so
+their tokens differ from ``plain``'s and between them, their distribution does not; what
+they compare is acceptance: accepted drafts per round and tokens per target forward
+(the remote draft's q is the draft's top 32 ids, the in-process assistant's its whole
+vocabulary). A sampled session drafts at most 16 tokens a round (``--num-spec``).
+
 The models: ``--target DIR --draft DIR`` (transformers models saved in local
 directories, loaded as the worker loads them), or a random pair (``--random
 KIND:LxW``, default ``gpt2:24x1024``: GPT-2 medium's shape) whose draft is the target's
@@ -17,10 +31,13 @@ first ``--draft-layers`` layers (4) with its embeddings and head. Each mode firs
 short generation unmeasured (kernels, graphs, connections), then generates
 ``--new-tokens`` tokens after each of ``--prompts`` random prompts. A row gives the
 mode's wall time over all prompts, tokens per second, target forwards per generated
-token, acceptance (accepted / offered drafts; for ``assistant``: tokens the target did
-not have to produce itself over the draft's forwards) and, for the remote modes, the mean
-round latency. Every mode's tokens are checked against ``plain``'s. The goal (never
-asserted): ``process`` within 1.1x of ``assistant``'s wall time.
+token, tokens per target forward, accepted drafts per round (per target forward: each
+forward verifies one round), acceptance (accepted / offered drafts; for the assistant:
+tokens the target did not have to produce itself over the draft's forwards) and, for
+the remote modes, the mean round latency. Every greedy mode's tokens are checked against
+``plain``'s. The goal (never asserted): ``process`` within 1.1x of ``assistant``'s wall
+time; with ``--sample``, the ratio of ``sync-sample``'s accepted drafts per round to
+``assistant-sample``'s.
 
 Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
 """
@@ -37,6 +54,10 @@ import tempfile
 import time
 
 MODES = ("plain", "assistant", "sync", "process")
+SAMPLE_MODES = ("assistant-sample", "sync-sample")  # --sample's rows
+SAMPLE = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}  # temperature 1, nothing cut
+GREEDY = {"do_sample": False}
+MAX_SAMPLED_SPEC = 16  # a sampled session's drafts per round (wire.MAX_SAMPLED_N_OUT)
 GOAL_X = 1.1  # process wall time over assistant's, at most
 WINDOW = 64
 
@@ -59,6 +80,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-spec", type=int, default=5, help="k: drafts per round (default 5)")
     p.add_argument("--timeout-ms", type=int, default=1000, help="the remote round's deadline (default 1000)")
     p.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
+    p.add_argument("--sample", action="store_true", help=f"add {' and '.join(SAMPLE_MODES)}: temperature 1 rows")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.set_defaults(func=run)
 
@@ -83,8 +105,12 @@ def options(args) -> Options:
         if not low <= getattr(args, name) <= high:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
     modes = tuple(m.strip() for m in args.modes.split(","))
-    if not modes or any(m not in MODES for m in modes):
-        raise ValueError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    if not modes or any(m not in MODES + SAMPLE_MODES for m in modes):
+        raise ValueError(f"--modes {args.modes!r}: choose from {', '.join(MODES + SAMPLE_MODES)}")
+    if args.sample:
+        modes += tuple(m for m in SAMPLE_MODES if m not in modes)
+    if any(m in SAMPLE_MODES for m in modes) and args.num_spec > MAX_SAMPLED_SPEC:
+        raise ValueError(f"--num-spec {args.num_spec}: sampled drafts take at most {MAX_SAMPLED_SPEC} a round")
     device = args.device
     if device == "auto":
         import torch
@@ -141,6 +167,8 @@ def _sync(device: str) -> None:
 def measure_mode(mode: str, opts: Options, target, draft, worker, prompts, tick) -> tuple[dict, list]:
     """One mode's row and its outputs (one generation per prompt, after a warm-up);
     ``tick(note)`` before each."""
+    import torch
+
     from ..config import RemoteConfig
     from ..engine import RemoteDSpark
     from ..integrations.transformers import generate
@@ -148,17 +176,20 @@ def measure_mode(mode: str, opts: Options, target, draft, worker, prompts, tick)
     fwd = Forwards(target)
     draft_fwd = Forwards(draft)
     rd = None
-    if mode in ("sync", "process"):
-        switches = {"VLLM_DSPARK_REMOTE_ASYNC": "0"} if mode == "sync" else {"VLLM_DSPARK_REMOTE_ASYNC": "1"}
+    sampled = mode in SAMPLE_MODES
+    if mode in ("sync", "process", "sync-sample"):
+        switches = {"VLLM_DSPARK_REMOTE_ASYNC": "1"} if mode == "process" else {"VLLM_DSPARK_REMOTE_ASYNC": "0"}
         if mode == "process":
             switches["VLLM_DSPARK_REMOTE_ASYNC_PROXY"] = "process"
+        if sampled:
+            switches["VLLM_DSPARK_SAMPLED_TOP32"] = "1"
         env = worker.env(VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(opts.timeout_ms), **switches)
         cfg, vocab = RemoteConfig.from_env(env), target.config.vocab_size
         rd = RemoteDSpark(cfg, num_spec=opts.num_spec, max_slots=4, row_bytes=0, vocab_size=vocab).start()
 
     def once(prompt, new_tokens):
-        kwargs = dict(max_new_tokens=new_tokens, do_sample=False)
-        if mode == "assistant":
+        kwargs = dict(max_new_tokens=new_tokens, **(SAMPLE if sampled else GREEDY))
+        if mode in ("assistant", "assistant-sample"):
             return target.generate(prompt, assistant_model=draft, **kwargs)
         if rd is not None:
             return generate(target, prompt, rd, **kwargs)
@@ -166,6 +197,7 @@ def measure_mode(mode: str, opts: Options, target, draft, worker, prompts, tick)
 
     try:
         once(prompts[0], min(8, opts.new_tokens))  # warm-up, unmeasured
+        torch.manual_seed(0)  # a sampled mode's randomness (the target's and the drafts'), the same each run
         fwd.calls = draft_fwd.calls = 0
         before = rd.stats() if rd is not None else None
         outputs, wall = [], 0.0
@@ -180,6 +212,8 @@ def measure_mode(mode: str, opts: Options, target, draft, worker, prompts, tick)
         row = {"mode": mode, "device": opts.device, "wall_s": round(wall, 3), "tokens": tokens}
         row["tokens_per_s"] = round(tokens / wall, 1)
         row["target_forwards_per_token"] = round(fwd.calls / tokens, 3)
+        row["tokens_per_forward"] = round(tokens / max(1, fwd.calls), 3)
+        row["accepted_per_round"] = round((tokens - fwd.calls) / max(1, fwd.calls), 3)  # each forward: 1 + accepted
         row["acceptance"] = _acceptance(mode, tokens, fwd.calls, draft_fwd.calls, before, rd)
         row["round_ms"] = _round_ms(before, rd.stats()) if rd is not None else None
         return row, outputs
@@ -193,7 +227,7 @@ def measure_mode(mode: str, opts: Options, target, draft, worker, prompts, tick)
 def _acceptance(mode, tokens, target_calls, draft_calls, before, rd) -> float | None:
     if mode == "plain":
         return None
-    if mode == "assistant":  # each target forward gives 1 + accepted tokens; each draft forward one draft
+    if mode in ("assistant", "assistant-sample"):  # a target forward: 1 + accepted tokens; a draft forward: one draft
         return round((tokens - target_calls) / max(1, draft_calls), 4)
     after = rd.stats()
     accepted = sum(after.accepted_at) - sum(before.accepted_at)
@@ -221,8 +255,17 @@ def make_report(opts: Options, name: str, rows: list[dict], same: dict) -> dict:
                 "met": ratio <= GOAL_X,
             }
         )
+    ratios = []
+    if all(m in by for m in SAMPLE_MODES):
+        theirs = by["assistant-sample"]["accepted_per_round"]
+        ratios.append(
+            {
+                "ratio": "sync-sample accepted drafts per round / assistant-sample's",
+                "value": round(by["sync-sample"]["accepted_per_round"] / theirs, 3) if theirs else None,
+            }
+        )
     config = dataclasses.asdict(opts) | {"models": name, "window": WINDOW}
-    return {"bench": "generate", "config": config, "rows": rows, "goals": goals}
+    return {"bench": "generate", "config": config, "rows": rows, "goals": goals, "ratios": ratios}
 
 
 def format_table(report: dict) -> str:
@@ -230,19 +273,23 @@ def format_table(report: dict) -> str:
     lines = [
         f"generate(), {c['models']}, k={c['num_spec']}: {c['prompts']} prompts of {c['prompt_tokens']} tokens, "
         f"{c['new_tokens']} new tokens each",
-        f"{'mode':<10} {'device':>6} {'wall s':>8} {'tokens/s':>9} {'fwd/token':>9} {'accept':>7} {'round ms':>8} same",
-        "-" * 70,
+        f"{'mode':<16} {'device':>6} {'wall s':>8} {'tokens/s':>9} {'fwd/token':>9} {'token/fwd':>9} "
+        f"{'acc/round':>9} {'accept':>7} {'round ms':>8} same",
+        "-" * 96,
     ]
     for r in report["rows"]:
         accept = "-" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
         round_ms = "-" if r["round_ms"] is None else f"{r['round_ms']:.2f}"
         same = {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_plain"]]
         lines.append(
-            f"{r['mode']:<10} {r['device']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>9,.1f} "
-            f"{r['target_forwards_per_token']:>9.3f} {accept:>7} {round_ms:>8} {same}"
+            f"{r['mode']:<16} {r['device']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>9,.1f} "
+            f"{r['target_forwards_per_token']:>9.3f} {r['tokens_per_forward']:>9.3f} {r['accepted_per_round']:>9.3f} "
+            f"{accept:>7} {round_ms:>8} {same}"
         )
     for g in report["goals"]:
         lines.append(f"goal {g['goal']}: {g['value']}x, {'met' if g['met'] else 'NOT met'}")
+    for q in report["ratios"]:
+        lines.append(f"{q['ratio']}: {q['value']}x")
     return "\n".join(lines)
 
 
@@ -284,7 +331,8 @@ def run(args) -> int:
                 rows.append(row)
         bar.update(bar.total)
     plain = outputs.get("plain")
-    same = {m: all(torch.equal(a, b) for a, b in zip(o, plain)) for m, o in outputs.items()} if plain else {}
+    greedy = {m: o for m, o in outputs.items() if m not in SAMPLE_MODES}  # sampled rows: other tokens, by design
+    same = {m: all(torch.equal(a, b) for a, b in zip(o, plain)) for m, o in greedy.items()} if plain else {}
     report = make_report(opts, name, rows, same)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

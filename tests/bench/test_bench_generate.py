@@ -1,7 +1,9 @@
 """``remote-dspark bench generate``: its arguments, and a tiny real run on the CPU: a
 random target and its first layer as the draft, the four modes on the same prompts. Every
 mode generates the target's own tokens; the in-process assistant and the remote drafter
-draft the same (equal acceptance, equal target forwards). No timed assertions."""
+draft the same (equal acceptance, equal target forwards). ``--sample``'s rows on tiny
+models of peaked distributions: both sampled paths accept drafts, and the report gives
+their ratio. No timed assertions."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ def test_bad_arguments_name_the_flag(capsys):
         (["--target", "/nowhere"], "--target and --draft go together"),
         (["--prompts", "0"], "--prompts 0: must be in 1..1000"),
         (["--new-tokens", "100000"], "--new-tokens 100000"),
-        (["--modes", "plain,fast"], "--modes 'plain,fast': choose from plain, assistant, sync, process"),
+        (["--modes", "plain,fast"], "--modes 'plain,fast': choose from plain, assistant, sync, process, assistant-"),
+        (["--sample", "--num-spec", "17"], "--num-spec 17: sampled drafts take at most 16 a round"),
         (["--random", "gpt2:2x64", "--draft-layers", "2"], "--draft-layers 2: the target gpt2:2x64 has 2 layers"),
     ):
         assert cli.main(["bench", "generate", "--device", "cpu", *argv]) == 2
@@ -39,3 +42,47 @@ def test_every_mode_generates_the_targets_tokens_and_both_assistants_draft_alike
     assert all(r["target_forwards_per_token"] == rows["assistant"]["target_forwards_per_token"] for r in remote)
     assert rows["assistant"]["target_forwards_per_token"] < 1.0  # the draft was of use
     assert [g["goal"] for g in report["goals"]] == ["process wall time / assistant's <= 1.1x"]
+    assert report["ratios"] == []
+    assert all(r["tokens_per_forward"] == round(1 + r["accepted_per_round"], 3) for r in rows.values())
+
+
+def tiny_llama(path, seed: int) -> str:
+    """A tiny Llama of 64 ids saved in ``path`` (wide weights: peaked next-token
+    distributions, so a draft's top 32 ids hold nearly all of its mass), with no
+    end-of-sequence token (every generation runs its tokens)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_sample_rows_compare_the_remote_sampled_drafts_with_transformers_own_assistant(capsys, tmp_path):
+    pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
+    target, draft = tiny_llama(tmp_path / "target", 0), tiny_llama(tmp_path / "draft", 0)
+    argv = ["--target", target, "--draft", draft, "--modes", "plain,sync", "--sample", "--prompts", "2"]
+    assert cli.main(["bench", "generate", *argv, "--new-tokens", "24", "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["plain", "sync", "assistant-sample", "sync-sample"]
+    assert rows["sync"]["same_tokens_as_plain"] and all(r["tokens"] == 48 for r in rows.values())
+    sampled = rows["assistant-sample"], rows["sync-sample"]
+    assert all(r["same_tokens_as_plain"] is None and r["accepted_per_round"] > 1 for r in sampled)  # its own weights
+    assert rows["sync-sample"]["round_ms"] > 0 and rows["assistant-sample"]["round_ms"] is None
+    (ratio,) = report["ratios"]
+    assert ratio["value"] == round(sampled[1]["accepted_per_round"] / sampled[0]["accepted_per_round"], 3)
