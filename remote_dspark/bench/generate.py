@@ -22,7 +22,10 @@ Both verify by speculative sampling (accept a draft with probability ``min(1, p/
 their tokens differ from ``plain``'s and between them, their distribution does not; what
 they compare is acceptance: accepted drafts per round and tokens per target forward
 (the remote draft's q is the draft's top 32 ids, the in-process assistant's its whole
-vocabulary). A sampled session drafts at most 16 tokens a round (``--num-spec``).
+vocabulary). A sampled session drafts at most 16 tokens a round (``--num-spec``). A
+random pair's distributions are nearly flat over the whole vocabulary, so the top 32
+hold little of the draft's mass and ``sync-sample`` accepts almost nothing there; the
+sample rows mean something with trained models (``--target``, ``--draft``).
 
 The models: ``--target DIR --draft DIR`` (transformers models saved in local
 directories, loaded as the worker loads them), or a random pair (``--random
