@@ -17,12 +17,15 @@ enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV
 
 /* The wire contract's fixed parts (remote_dspark/wire/, protocol 6): the header, the
  * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
- * (region.layout.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must
- * keep. Each wire constant is reported by hf_wire_constants, and the loader refuses a
- * library whose values are not remote_dspark.wire's. */
+ * (region.layout.DESC_FIXED); a sampled session's terms: its ROUND's bytes per entry
+ * (temperature f32, seed u64), DRAFTS' distributions flag, a position's ids and their
+ * weights' exact sum, and a sampled DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD,
+ * the cap a ROUND must keep. Each wire constant is reported by hf_wire_constants, and
+ * the loader refuses a library whose values are not remote_dspark.wire's. */
 enum { W_HEADER = 24, W_VERSION = 6, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
-       DESC_FIXED = 8 };
+       DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
+       W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16 };
 #define W_MAGIC "DSPW"
 #define W_MAX_PAYLOAD (64ull << 20)
 
@@ -37,14 +40,16 @@ static uint32_t report(const uint64_t *all, uint32_t count, uint64_t *out, uint3
 
 /* The wire constants this file uses, in the order of native.WIRE_CONSTANTS (HEADER's
  * size, MAGIC as a little-endian u32, PROTOCOL_VERSION, ROUND, DRAFTS, BYE, ROUND_FIXED,
- * DRAFTS_FIXED, FLAG_NEW_GEN, DRAFTS_MARGINS, STATUS_RESYNC, MAX_PAYLOAD): the first n
- * into out; returns how many there are. */
+ * DRAFTS_FIXED, FLAG_NEW_GEN, DRAFTS_MARGINS, STATUS_RESYNC, MAX_PAYLOAD, SAMPLED_BYTES,
+ * DRAFTS_SAMPLED, SAMPLED_TOP, SAMPLED_TOTAL, MAX_SAMPLED_ENTRIES, MAX_SAMPLED_N_OUT): the
+ * first n into out; returns how many there are. */
 uint32_t hf_wire_constants(uint64_t *out, uint32_t n)
 {
     uint32_t magic;
     memcpy(&magic, W_MAGIC, 4);
     const uint64_t all[] = { W_HEADER, magic, W_VERSION, W_ROUND, W_DRAFTS, W_BYE, W_ROUND_FIXED,
-                             W_DRAFTS_FIXED, W_NEW_GEN, W_MARGINS, W_RESYNC, W_MAX_PAYLOAD };
+                             W_DRAFTS_FIXED, W_NEW_GEN, W_MARGINS, W_RESYNC, W_MAX_PAYLOAD, W_SAMPLED_BYTES,
+                             W_SAMPLED, W_TOP, W_TOTAL, W_MAX_SAMPLED_ENTRIES, W_MAX_SAMPLED_N_OUT };
     return report(all, sizeof all / sizeof all[0], out, n);
 }
 
@@ -69,14 +74,20 @@ uint32_t hf_codes(uint32_t which, uint64_t *out, uint32_t n)
 static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
 static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
 
-/* Bytes of a ROUND's fixed part and entry arrays (wire.round_meta_bytes). */
-static inline uint64_t round_meta(uint32_t n) { return W_ROUND_FIXED + 4u * (5u * (uint64_t)n + 1); }
+/* Bytes of a ROUND's fixed part and entry arrays, a sampled session's temperature and
+ * seed sections included (wire.round_meta_bytes). */
+static inline uint64_t round_meta(uint32_t n, uint32_t sampled)
+{
+    return W_ROUND_FIXED + 4u * (5u * (uint64_t)n + 1) + (sampled ? W_SAMPLED_BYTES * (uint64_t)n : 0);
+}
 
 /* A checked descriptor: the ROUND's fixed fields and where its arrays are. */
 struct round_view {
     const uint8_t *payload;       /* the ROUND payload (descriptor + DESC_FIXED) */
     uint32_t deadline_ms, n, row_bytes, n_tokens;
+    uint64_t meta;                /* round_meta: where the tokens start */
     const uint8_t *slots, *positions, *n_out, *flags, *offsets;
+    const uint8_t *temperature;   /* a sampled session's [n] f32, else NULL (seeds follow: any u64) */
 };
 
 /* Record what broke (l->why, l->err) and return `event`. */
@@ -119,7 +130,7 @@ static int ready(int fd, short events, uint64_t deadline_ns)
 static int send_round(struct hf_link *l, uint32_t round, uint32_t index, const struct round_view *v,
                       uint64_t deadline_ns)
 {
-    uint64_t block = round_meta(v->n) + 4u * (uint64_t)v->n_tokens, rows = (uint64_t)v->n * l->row_bytes;
+    uint64_t block = v->meta + 4u * (uint64_t)v->n_tokens, rows = (uint64_t)v->n * l->row_bytes;
     uint32_t len = (uint32_t)(block + rows), version = W_VERSION | (W_ROUND << 16);
     uint8_t hdr[W_HEADER];
     memcpy(hdr, W_MAGIC, 4);
@@ -266,7 +277,8 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
         return fail(l, HF_EV_BAD_DESC, 0, "row_bytes %u, the layout's is %u", v->row_bytes, l->row_bytes);
     if (v->n_tokens > l->max_tokens)
         return fail(l, HF_EV_BAD_DESC, 0, "n_tokens %u over max_tokens=%u", v->n_tokens, l->max_tokens);
-    uint64_t size = round_meta(v->n) + 4u * (uint64_t)v->n_tokens + (uint64_t)v->n * v->row_bytes;
+    v->meta = round_meta(v->n, p->want_sampled);
+    uint64_t size = v->meta + 4u * (uint64_t)v->n_tokens + (uint64_t)v->n * v->row_bytes;
     if (size > W_MAX_PAYLOAD)
         return fail(l, HF_EV_BAD_DESC, 0, "ROUND of %llu bytes over the cap %llu",
                     (unsigned long long)size, (unsigned long long)W_MAX_PAYLOAD);
@@ -276,6 +288,7 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
     v->n_out = v->positions + n4;
     v->flags = v->n_out + n4;
     v->offsets = v->flags + n4;
+    v->temperature = p->want_sampled ? v->offsets + n4 + 4 : NULL;
     uint32_t first = get32(v->offsets), last = get32(v->offsets + n4);
     if (first != 0 || last != v->n_tokens)
         return fail(l, HF_EV_BAD_DESC, 0, "offsets run from %u to %u, expected 0 to n_tokens=%u",
@@ -306,11 +319,15 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
                         p->num_spec);
         if (flags & ~(uint32_t)W_NEW_GEN)
             return fail(l, HF_EV_BAD_DESC, 0, "entry %u: flags %#x, only NEW_GEN (1) is known", e, flags);
+        /* batch.sampling_meta's rule, for temperatures written on the device (any seed is one) */
+        float t;
+        if (v->temperature && (memcpy(&t, v->temperature + 4u * e, 4), !(isfinite(t) && t >= 0.0f)))
+            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: temperature %g not a finite float32 >= 0", e, (double)t);
     }
     /* Token ids in the engine's vocabulary, when it is known: batch.host_meta's rule, for
      * metadata written on the device that no host ever read (device_meta.write_meta_in_stream). */
     if (p->vocab_size) {
-        const uint8_t *tokens = f + round_meta(v->n);
+        const uint8_t *tokens = f + v->meta;
         for (uint32_t j = 0; j < v->n_tokens; j++) {
             int32_t t = (int32_t)get32(tokens + 4u * j);
             if (t < 0 || (uint32_t)t >= p->vocab_size)
@@ -321,20 +338,21 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
     return HF_EV_OK;
 }
 
-/* Copy entry rows of `width` 32-bit values into rows of K, `count` values each and the
+/* Copy entry rows of `width` positions of `cell` bytes each (a token or margin: 4; a
+ * position's q ids: 128, its weights: 64) into rows of K, `count` positions each and the
  * rest zero, so the engine may copy the whole block. One memcpy when the rows are full. */
 static void widen(uint8_t *dst, const uint8_t *src, const uint8_t *counts, uint32_t n,
-                  uint32_t width, uint32_t K, int full)
+                  uint32_t width, uint32_t K, int full, uint32_t cell)
 {
     if (full) {
-        memcpy(dst, src, 4u * (uint64_t)n * K);
+        memcpy(dst, src, (uint64_t)cell * n * K);
         return;
     }
     for (uint32_t e = 0; e < n; e++) {
         uint64_t k = get16(counts + 2u * e);
-        uint8_t *row = dst + 4u * (uint64_t)K * e;
-        memcpy(row, src + 4u * (uint64_t)width * e, 4u * k);
-        memset(row + 4u * k, 0, 4u * (K - k));
+        uint8_t *row = dst + (uint64_t)cell * K * e;
+        memcpy(row, src + (uint64_t)cell * width * e, cell * k);
+        memset(row + cell * k, 0, cell * (K - k));
     }
 }
 
@@ -374,9 +392,94 @@ static int check_entries(struct hf_link *l, const struct hf_proxy *p, const stru
     return HF_EV_OK;
 }
 
+/* The smallest id repeated among a position's W_TOP ids (the slow path, once a repeat
+ * is known: an insertion sort of a copy, as sampled.violation names it). */
+static int32_t smallest_repeated(const uint8_t *ids)
+{
+    int32_t v[W_TOP];
+    memcpy(v, ids, sizeof v);
+    for (int i = 1; i < W_TOP; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            int32_t t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    for (int i = 1; i < W_TOP; i++)
+        if (v[i] == v[i - 1])
+            return v[i];
+    return v[0];   /* not reached: called on a repeat */
+}
+
+/* 1 when a position's W_TOP ids are distinct: an open-addressing set of 64 cells, each
+ * (stamp << 32 | id), cleared by a new `stamp` per position (the caller's, never 0). */
+static int distinct(const uint8_t *ids, uint64_t *set, uint64_t stamp)
+{
+    for (int m = 0; m < W_TOP; m++) {
+        uint32_t id = get32(ids + 4u * m), h = (id * 0x9E3779B1u) >> 26;
+        uint64_t cell = stamp << 32 | id;
+        for (;; h = (h + 1) & 63) {
+            if (set[h] == cell)
+                return 0;
+            if (set[h] >> 32 != stamp) {
+                set[h] = cell;
+                break;
+            }
+        }
+    }
+    return 1;
+}
+
+/* Rule 5 of the reply check, once every entry passed check_entries: each counted
+ * position's distribution, in entry order, by the shared rule. THE RULE HAS A PYTHON
+ * TWIN: remote_dspark/sampled.violation (named by engine/reply.py as "entry e: draft j:
+ * ..."), with the same words: the first position that breaks it, and its first broken
+ * part: an id outside 0..vocab-1 (the first in the list; vocab 2^31 when unknown), an id
+ * repeated (the smallest), weights not summing to exactly W_TOTAL (u16: none is over
+ * it), the drafted token not among the ids of weight > 0. */
+static int check_distributions(struct hf_link *l, const struct hf_proxy *p, uint32_t n, uint32_t width,
+                               const uint8_t *counts, const uint8_t *tokens, const uint8_t *q_ids,
+                               const uint8_t *q_weights)
+{
+    int64_t vocab = p->vocab_size ? (int64_t)p->vocab_size : (int64_t)INT32_MAX + 1;
+    uint64_t set[64] = { 0 }, stamp = 0;
+    for (uint32_t e = 0; e < n; e++) {
+        uint32_t c = get16(counts + 2u * e);
+        for (uint32_t j = 0; j < c; j++) {
+            uint64_t at = (uint64_t)width * e + j;
+            const uint8_t *ids = q_ids + 4u * W_TOP * at, *w = q_weights + 2u * W_TOP * at;
+            int32_t token = (int32_t)get32(tokens + 4u * at);
+            int64_t sum = 0;
+            int outside = -1, present = 0;
+            for (int m = 0; m < W_TOP; m++) {
+                int32_t id = (int32_t)get32(ids + 4u * m);
+                uint16_t weight = get16(w + 2u * m);
+                if (outside < 0 && (id < 0 || id >= vocab))
+                    outside = m;
+                sum += weight;
+                present |= id == token && weight > 0;
+            }
+            if (outside >= 0)
+                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft %u: id %d outside 0..%lld", e, j,
+                            (int32_t)get32(ids + 4u * outside), (long long)(vocab - 1));
+            if (!distinct(ids, set, ++stamp))
+                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft %u: id %d repeated", e, j,
+                            smallest_repeated(ids));
+            if (sum != W_TOTAL)
+                return fail(l, HF_EV_PROTOCOL, 0,
+                            "entry %u: draft %u: weights sum to %lld (each 0..%d), expected exactly %d", e, j,
+                            (long long)sum, W_TOTAL, W_TOTAL);
+            if (!present)
+                return fail(l, HF_EV_PROTOCOL, 0,
+                            "entry %u: draft %u: drafted token %d not among its ids of weight > 0", e, j, token);
+        }
+    }
+    return HF_EV_OK;
+}
+
 /* Check the DRAFTS payload in rx (the wire's rules, then against round view v and what
- * the session asked: check_entries) and write it into the drafts image: counts and
- * statuses as i32, each row widened to num_spec. */
+ * the session asked: check_entries, check_distributions) and write it into the drafts
+ * image: counts and statuses as i32, each row (tokens, margins, a sampled reply's q ids
+ * and weights) widened to num_spec, zero past its count. */
 static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
                          uint32_t len)
 {
@@ -388,12 +491,16 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const stru
     uint32_t n = get32(b), width = get16(b + 4), flags = get16(b + 6), K = p->num_spec;
     if (n > l->max_entries || width > l->max_n_out)
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS of %u entries x %u over the caps", n, width);
-    if (flags & ~(uint32_t)W_MARGINS)
+    if (flags & ~(uint32_t)(W_MARGINS | W_SAMPLED))
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS unknown flags %#x", flags);
-    uint64_t grid = 4u * (uint64_t)n * width;
+    if ((flags & W_SAMPLED) && (n > W_MAX_SAMPLED_ENTRIES || width > W_MAX_SAMPLED_N_OUT))
+        return fail(l, HF_EV_PROTOCOL, 0, "sampled DRAFTS of %u entries x %u over the caps %u x %u", n, width,
+                    W_MAX_SAMPLED_ENTRIES, W_MAX_SAMPLED_N_OUT);
+    uint64_t grid = 4u * (uint64_t)n * width, q = (flags & W_SAMPLED) ? (uint64_t)W_TOP * grid : 0;
     const uint8_t *slots = b + W_DRAFTS_FIXED, *counts = slots + 4u * (uint64_t)n;
     const uint8_t *statuses = counts + 2u * (uint64_t)n, *tokens = statuses + 2u * (uint64_t)n;
-    uint64_t want = (uint64_t)(tokens - b) + grid * ((flags & W_MARGINS) ? 2 : 1);
+    const uint8_t *q_ids = tokens + grid * ((flags & W_MARGINS) ? 2 : 1), *q_weights = q_ids + q;
+    uint64_t want = (uint64_t)(q_weights - b) + q / 2;   /* ids i32, weights u16 */
     if (len != want)
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes, its fields say %llu", len,
                     (unsigned long long)want);
@@ -419,8 +526,13 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const stru
     if (!(flags & W_MARGINS) != !p->want_margin)
         return fail(l, HF_EV_PROTOCOL, 0, p->want_margin ? "DRAFTS without margins, the session asked for them"
                                                           : "DRAFTS with margins, the session did not ask for them");
+    if (!(flags & W_SAMPLED) != !p->want_sampled)
+        return fail(l, HF_EV_PROTOCOL, 0, p->want_sampled ? "DRAFTS without distributions, the session asked for them"
+                                                           : "DRAFTS with distributions, the session did not ask for them");
     int event = check_entries(l, p, v, n, width, counts, statuses, tokens,
                               (flags & W_MARGINS) ? tokens + grid : NULL);
+    if (event == HF_EV_OK && (flags & W_SAMPLED))
+        event = check_distributions(l, p, n, width, counts, tokens, q_ids, q_weights);
     if (event != HF_EV_OK)
         return event;
     uint8_t *img = l->image;
@@ -431,9 +543,13 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const stru
         memcpy(img + p->d_counts + 4u * e, &c, 4);
         memcpy(img + p->d_entry_status + 4u * e, &st, 4);
     }
-    widen(img + p->d_tokens, tokens, counts, n, width, K, full);
+    widen(img + p->d_tokens, tokens, counts, n, width, K, full, 4);
     if (flags & W_MARGINS)
-        widen(img + p->d_margins, tokens + grid, counts, n, width, K, full);
+        widen(img + p->d_margins, tokens + grid, counts, n, width, K, full, 4);
+    if (flags & W_SAMPLED) {
+        widen(img + p->d_q_ids, q_ids, counts, n, width, K, full, 4u * W_TOP);
+        widen(img + p->d_q_weights, q_weights, counts, n, width, K, full, 2u * W_TOP);
+    }
     return HF_EV_OK;
 }
 
