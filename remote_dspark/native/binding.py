@@ -54,7 +54,7 @@ WIRE_CONSTANTS = (
     ("DRAFTS_MARGINS", lambda: wire.DRAFTS_MARGINS),
     ("STATUS_RESYNC", lambda: wire.STATUS_RESYNC),
     ("MAX_PAYLOAD", lambda: wire.MAX_PAYLOAD),
-    ("SAMPLED_BYTES", lambda: wire.round_meta_bytes(1, True) - wire.round_meta_bytes(1)),
+    ("SAMPLED_BYTES", lambda: wire.round.SAMPLED_BYTES),  # a sampled ROUND's bytes per entry (module-level)
     ("DRAFTS_SAMPLED", lambda: wire.DRAFTS_SAMPLED),
     ("SAMPLED_TOP", lambda: wire.SAMPLED_TOP),
     ("SAMPLED_TOTAL", lambda: wire.SAMPLED_TOTAL),

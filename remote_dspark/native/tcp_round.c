@@ -74,12 +74,10 @@ uint32_t hf_codes(uint32_t which, uint64_t *out, uint32_t n)
 static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
 static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
 
-/* Bytes of a ROUND's fixed part and entry arrays, a sampled session's temperature and
- * seed sections included (wire.round_meta_bytes). */
+/* Bytes of a ROUND's fixed part and entry arrays, with a sampled session's temperature
+ * and seed sections (wire.round_meta_bytes). */
 static inline uint64_t round_meta(uint32_t n, uint32_t sampled)
-{
-    return W_ROUND_FIXED + 4u * (5u * (uint64_t)n + 1) + (sampled ? W_SAMPLED_BYTES * (uint64_t)n : 0);
-}
+{ return W_ROUND_FIXED + 4u * (5u * (uint64_t)n + 1) + (sampled ? W_SAMPLED_BYTES * (uint64_t)n : 0); }
 
 /* A checked descriptor: the ROUND's fixed fields and where its arrays are. */
 struct round_view {
@@ -392,22 +390,17 @@ static int check_entries(struct hf_link *l, const struct hf_proxy *p, const stru
     return HF_EV_OK;
 }
 
-/* The smallest id repeated among a position's W_TOP ids (the slow path, once a repeat
- * is known: an insertion sort of a copy, as sampled.violation names it). */
+/* The smallest id repeated among a position's W_TOP ids, as sampled.violation names it
+ * (the slow path, once a repeat is known: every pair). */
 static int32_t smallest_repeated(const uint8_t *ids)
 {
-    int32_t v[W_TOP];
+    int32_t v[W_TOP], least = INT32_MAX;
     memcpy(v, ids, sizeof v);
-    for (int i = 1; i < W_TOP; i++)
-        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
-            int32_t t = v[j];
-            v[j] = v[j - 1];
-            v[j - 1] = t;
-        }
-    for (int i = 1; i < W_TOP; i++)
-        if (v[i] == v[i - 1])
-            return v[i];
-    return v[0];   /* not reached: called on a repeat */
+    for (int i = 0; i < W_TOP; i++)
+        for (int j = i + 1; j < W_TOP; j++)
+            if (v[i] == v[j] && v[i] < least)
+                least = v[i];
+    return least;
 }
 
 /* 1 when a position's W_TOP ids are distinct: an open-addressing set of 64 cells, each
@@ -430,12 +423,12 @@ static int distinct(const uint8_t *ids, uint64_t *set, uint64_t stamp)
 }
 
 /* Rule 5 of the reply check, once every entry passed check_entries: each counted
- * position's distribution, in entry order, by the shared rule. THE RULE HAS A PYTHON
- * TWIN: remote_dspark/sampled.violation (named by engine/reply.py as "entry e: draft j:
- * ..."), with the same words: the first position that breaks it, and its first broken
- * part: an id outside 0..vocab-1 (the first in the list; vocab 2^31 when unknown), an id
- * repeated (the smallest), weights not summing to exactly W_TOTAL (u16: none is over
- * it), the drafted token not among the ids of weight > 0. */
+ * position's distribution, in entry order. THE RULE HAS A PYTHON TWIN, with the same
+ * words: remote_dspark/sampled.violation, as engine/reply.py names it ("entry e: draft
+ * j: ..."): the first position that breaks it, and its first broken part: an id outside
+ * 0..vocab-1 (the first listed; vocab 2^31 when unknown), an id repeated (the smallest),
+ * weights not summing to exactly W_TOTAL (u16: none over it), the drafted token not
+ * among the ids of weight > 0. */
 static int check_distributions(struct hf_link *l, const struct hf_proxy *p, uint32_t n, uint32_t width,
                                const uint8_t *counts, const uint8_t *tokens, const uint8_t *q_ids,
                                const uint8_t *q_weights)
@@ -445,10 +438,9 @@ static int check_distributions(struct hf_link *l, const struct hf_proxy *p, uint
     for (uint32_t e = 0; e < n; e++) {
         uint32_t c = get16(counts + 2u * e);
         for (uint32_t j = 0; j < c; j++) {
-            uint64_t at = (uint64_t)width * e + j;
+            uint64_t at = (uint64_t)width * e + j, sum = 0;
             const uint8_t *ids = q_ids + 4u * W_TOP * at, *w = q_weights + 2u * W_TOP * at;
             int32_t token = (int32_t)get32(tokens + 4u * at);
-            int64_t sum = 0;
             int outside = -1, present = 0;
             for (int m = 0; m < W_TOP; m++) {
                 int32_t id = (int32_t)get32(ids + 4u * m);
@@ -462,12 +454,11 @@ static int check_distributions(struct hf_link *l, const struct hf_proxy *p, uint
                 return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft %u: id %d outside 0..%lld", e, j,
                             (int32_t)get32(ids + 4u * outside), (long long)(vocab - 1));
             if (!distinct(ids, set, ++stamp))
-                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft %u: id %d repeated", e, j,
-                            smallest_repeated(ids));
+                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft %u: id %d repeated", e, j, smallest_repeated(ids));
             if (sum != W_TOTAL)
                 return fail(l, HF_EV_PROTOCOL, 0,
-                            "entry %u: draft %u: weights sum to %lld (each 0..%d), expected exactly %d", e, j,
-                            (long long)sum, W_TOTAL, W_TOTAL);
+                            "entry %u: draft %u: weights sum to %llu (each 0..%d), expected exactly %d", e, j,
+                            (unsigned long long)sum, W_TOTAL, W_TOTAL);
             if (!present)
                 return fail(l, HF_EV_PROTOCOL, 0,
                             "entry %u: draft %u: drafted token %d not among its ids of weight > 0", e, j, token);
