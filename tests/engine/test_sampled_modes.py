@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from helpers import drafter_env, until
 
 from remote_dspark import wire
@@ -93,3 +94,42 @@ def test_a_sampled_engine_gets_the_same_drafts_through_the_proxy_as_in_sync_mode
     assert_the_worker_s_picks(out)
     for field in ("counts", "tokens", "q_ids", "q_weights"):
         assert getattr(out, field).equal(getattr(sync, field)), field
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [Mode.PROCESS, Mode.SYNC])
+def test_launch_gives_a_sampled_engine_the_distributions_on_the_device(worker, tmp_path, mode):
+    """``launch()`` on CUDA: ``Launched.q_ids`` / ``q_weights`` are device copies of the
+    round's q (the drafts slot's blocks in stream order; sync mode: the round's), equal to
+    what a sync-mode ``round()`` returns for the same batch."""
+    sync = sampled_drafts(worker, tmp_path, Mode.SYNC)
+    env = drafter_env(
+        worker.drafter,
+        worker.port,
+        mode,
+        stats_file=str(tmp_path / "stats-launch.json"),
+        VLLM_DSPARK_SAMPLED_TOP32="1",
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+    )
+    with RemoteDSpark(
+        RemoteConfig.from_env(env),
+        environ=env,
+        num_spec=K,
+        max_slots=SLOTS,
+        row_bytes=0,
+        vocab_size=VOCAB,
+        device="cuda",
+    ) as rd:
+        assert rd.mode == mode
+        got = []
+
+        def drafted() -> bool:
+            got.append(rd.launch(batch()))
+            torch.cuda.synchronize()
+            return bool(got[-1].counts.any())
+
+        assert until(drafted, 20.0, 0.01)
+        out = got[-1]
+        assert out.q_ids.is_cuda and out.q_weights.is_cuda and out.q_weights.dtype == torch.uint16
+        for field in ("counts", "tokens", "q_ids", "q_weights"):
+            assert getattr(out, field).cpu().equal(getattr(sync, field)), field
