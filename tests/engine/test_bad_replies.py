@@ -471,3 +471,47 @@ def test_a_sampled_reply_that_breaks_the_distributions_rule_delivers_nothing(tmp
             assert worker.connections >= 2 and worker.hellos[0].want_sampled
     finally:
         worker.close()
+
+
+def test_the_python_round_of_the_ofl_transports_writes_a_sampled_reply_s_q_and_refuses_a_bad_one(lib, tmp_path):
+    """The ofl round (``ProxyLoop.serve``) of a sampled session: the descriptor sent with
+    its temperatures and seeds (the worker decodes it as a sampled ROUND), a reply whose
+    weights are off answered ERROR, the honest one's q in the drafts slot."""
+    from remote_dspark.proxy.loop import ProxyLoop
+    from remote_dspark.region import layout, ring, shm, streamsync
+
+    worker = ScriptedWorker(replies=[lambda r, h, s: drafts(r, h, s, q_edit=_weights_short)])
+    env = environment(worker.port, tmp_path, "process", SAMPLED_ENV)
+    lay = layout.Layout(4, 4, 8, K, 64, sampled=True)
+    region = shm.Region.create(lay)
+    loop = ProxyLoop(region, lib, RemoteConfig.from_env(env), engine_id=1, environ=env)
+    eng, sync = ring.EngineEnd(region, lib), streamsync.HostFlagSync(region, lib)
+    entries = [wire.Entry(0, N_OUT[0], 0, [1], True, 1.0, 3), wire.Entry(1, N_OUT[1], 0, [3], True, 0.5, 4)]
+
+    def ofl_round() -> tuple[ring.RoundDrafts, np.ndarray, np.ndarray]:
+        r = eng.reserve(1)
+        eng.write_entries(r, entries)
+        sync.signal(r)
+        rnd = loop.end.next_round(2.0)
+        assert rnd is not None and rnd.round == r
+        loop.serve(rnd)
+        cells = 2 * K * wire.SAMPLED_TOP
+        with region.drafts(r & 3) as slot:
+            ids = np.frombuffer(slot, np.int32, cells, lay.d_q_ids).reshape(2, K, -1).copy()
+            weights = np.frombuffer(slot, np.uint16, cells, lay.d_q_weights).reshape(2, K, -1).copy()
+        return eng.drafts(r), ids, weights
+
+    try:
+        loop.connect()
+        d, ids, weights = ofl_round()
+        assert (d.outcome, d.counts) == (Outcome.ERROR, ()) and not ids.any() and not weights.any()
+        assert until(lambda: loop.link.connected and worker.connections >= 2)
+        d, ids, weights = ofl_round()
+        assert (d.outcome, d.counts, d.tokens) == (Outcome.OK, N_OUT, ((HONEST,), (HONEST, HONEST)))
+        want_ids, want_weights = sampled_q(N_OUT, K)
+        assert ids.ravel().tolist() == want_ids and weights.ravel().tolist() == want_weights
+        assert worker.hellos[-1].want_sampled
+    finally:
+        loop.link.close()
+        region.close()
+        worker.close()
