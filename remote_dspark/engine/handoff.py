@@ -41,16 +41,25 @@ HOLD_GIL_US = 50  # process mode: spin this long holding the GIL before releasin
 class Launched:
     """A round enqueued on the stream (see ``RemoteDSpark.launch``)."""
 
-    __slots__ = ("round", "tokens", "counts", "resync", "resync_all")
+    __slots__ = ("round", "tokens", "counts", "resync", "resync_all", "q_ids", "q_weights")
 
     def __init__(
-        self, round_id: int, tokens: torch.Tensor, counts: torch.Tensor, resync: tuple[int, ...], resync_all: bool
+        self,
+        round_id: int,
+        tokens: torch.Tensor,
+        counts: torch.Tensor,
+        resync: tuple[int, ...],
+        resync_all: bool,
+        q_ids: torch.Tensor | None = None,
+        q_weights: torch.Tensor | None = None,
     ):
         self.round = round_id  # 0: not sent (no proxy serving): zero drafts
         self.tokens = tokens  # [n, num_spec] int32 on the device; zero past counts
         self.counts = counts  # [n] int32 on the device
         self.resync = resync  # slots lost by the worker in earlier rounds
         self.resync_all = resync_all  # a new proxy: every slot must be re-announced
+        self.q_ids = q_ids  # a sampled engine's: [n, num_spec, 32] int32 on the device; zero past counts
+        self.q_weights = q_weights  # a sampled engine's: [n, num_spec, 32] uint16 on the device; zero past counts
 
 
 class Handoff:
@@ -64,7 +73,7 @@ class Handoff:
         cfg = spec.cfg
         self.lib = native.load(spec.environ)
         self.region = shm.Region.create(
-            shm.Layout(spec.depth, spec.max_slots, spec.row_bytes, spec.num_spec, spec.max_tokens)
+            shm.Layout(spec.depth, spec.max_slots, spec.row_bytes, spec.num_spec, spec.max_tokens, sampled=spec.sampled)
         )
         self.users = Users(self._free)
         lay = self.region.layout
@@ -101,6 +110,14 @@ class Handoff:
                 self._counts = [
                     view(lay.drafts(i) + shm.D_COUNTS, (spec.max_slots,), torch.int32) for i in range(spec.depth)
                 ]
+                q_shape = (spec.max_slots, spec.num_spec, wire.SAMPLED_TOP)
+                self._q = [  # a sampled layout's q blocks (ids, weights); none otherwise
+                    (
+                        view(lay.drafts(i) + lay.d_q_ids, q_shape, torch.int32),
+                        view(lay.drafts(i) + lay.d_q_weights, q_shape, torch.uint16),
+                    )
+                    for i in range(spec.depth if spec.sampled else 0)
+                ]
             from .gather import choose
 
             self._gather = choose(cfg.fused_gather, spec.device)
@@ -123,11 +140,12 @@ class Handoff:
     _desc: list = []
     _tokens: list = []
     _counts: list = []
+    _q: list = []
 
     def _free(self) -> None:
         """The last user left: forget every view of the region (numpy and device), stop
         the watchdog (a close hook) and unmap."""
-        self._host = self._staging = self._desc = self._tokens = self._counts = []
+        self._host = self._staging = self._desc = self._tokens = self._counts = self._q = []
         self.region.close()
 
     # ------------------------------------------------------------------ rounds
@@ -228,7 +246,7 @@ class Handoff:
         n = len(batch)
         serving, resync_all = self._proxy()
         if not serving:
-            return empty_drafts(n, spec.num_spec, Outcome.NO_PROXY, cfg.want_margin)
+            return empty_drafts(n, spec.num_spec, Outcome.NO_PROXY, cfg.want_margin, spec.sampled)
         t0 = time.monotonic()
         r, meta = self._hand_over(batch)
         if spec.device == "cuda":
@@ -268,8 +286,9 @@ class Handoff:
         spec = self.spec
         outcome, got, flags = self._head(r)
         if not got:  # an empty answer (timeout, error, watchdog, ...)
-            return outcome, empty_drafts(n, spec.num_spec, outcome, spec.cfg.want_margin)
+            return outcome, empty_drafts(n, spec.num_spec, outcome, spec.cfg.want_margin, spec.sampled)
         v = self._host[r & (spec.depth - 1)]
+        q = (v.q_ids[:got], v.q_weights[:got]) if flags & shm.DRAFTS_SAMPLED else None
         return outcome, to_drafts(
             spec.num_spec,
             v.slots(got),
@@ -280,6 +299,7 @@ class Handoff:
             outcome,
             spec.cfg.want_margin,
             clean=True,
+            q=q,
         )
 
     def _count_watchdog(self, outcome: Outcome) -> None:
@@ -295,17 +315,20 @@ class Handoff:
         if not serving:
             self.counts.record(Outcome.NO_PROXY, np.zeros(0, dtype=np.int32), 0)
             zeros = torch.zeros(n, k, dtype=torch.int32, device="cuda")
-            return Launched(0, zeros, zeros[:, 0].clone(), resync, False)
+            out = empty_drafts(n, k, Outcome.NO_PROXY, False, spec.sampled)
+            q = (None, None) if out.q_ids is None else (out.q_ids.cuda(), out.q_weights.cuda())
+            return Launched(0, zeros, zeros[:, 0].clone(), resync, False, *q)
         stream = torch.cuda.current_stream().cuda_stream  # once: each lookup costs microseconds
         r, _ = self._hand_over(batch, stream)
         self.sync.wait(r, 0, stream)
         i = r & (spec.depth - 1)
         # Copies in stream order (the slot is reused DEPTH rounds later). Every answer
-        # leaves the tokens block zero past each count (ring.geometry, hf_unpack): no mask.
+        # leaves the tokens and q blocks zero past each count (ring.geometry, hf_unpack): no mask.
         counts = self._counts[i][:n].clone()
         tokens = self._tokens[i][:n].clone()
+        q = (self._q[i][0][:n].clone(), self._q[i][1][:n].clone()) if spec.sampled else (None, None)
         self._pending.append(r)
-        return Launched(r, tokens, counts, resync, resync_all)
+        return Launched(r, tokens, counts, resync, resync_all, *q)
 
     def _collect(self) -> None:
         """Count the outcome of every launched round released by now (engine thread);
@@ -409,6 +432,9 @@ class _HostViews:
         self.statuses = arr(d + lay.d_entry_status, S, np.int32)
         self.tokens = arr(d + lay.d_tokens, S * K, np.int32).reshape(S, K)
         self.margins = arr(d + lay.d_margins, S * K, np.float32).reshape(S, K)
+        q = S * K * wire.SAMPLED_TOP if lay.sampled else 0  # a sampled layout's distributions
+        self.q_ids = arr(d + lay.d_q_ids, q, np.int32).reshape(-1, K, wire.SAMPLED_TOP)
+        self.q_weights = arr(d + lay.d_q_weights, q, np.uint16).reshape(-1, K, wire.SAMPLED_TOP)
 
     def slots(self, n: int) -> np.ndarray:
         """The round's slots, as its descriptor holds them (the wire's slots section)."""

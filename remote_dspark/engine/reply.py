@@ -2,9 +2,9 @@
 it is delivered (sync mode: ``RemoteLink.round``'s ``check``).
 
 **This rule has a C twin.** The proxy's rounds (process and thread mode, TCP and ofl)
-are checked by ``unpack_drafts`` and ``check_entries`` in ``native/tcp_round.c``: the
-same checks, in the same order, with the same words, so that a reply gets the same
-verdict whichever path it takes. ``tests/engine/test_reply_check.py`` runs the same replies
+are checked by ``unpack_drafts``, ``check_entries`` and ``check_distributions`` in
+``native/tcp_round.c``: the same checks, in the same order, with the same words, so
+that a reply gets the same verdict whichever path it takes. ``tests/engine/test_reply_check.py`` runs the same replies
 (crafted and fuzzed) through both and holds the verdicts equal; change one, change both.
 
 The frame's own rules (caps, length, counts <= width, known statuses) are
@@ -25,8 +25,7 @@ Then, in order:
    distribution, by the shared rule (:func:`remote_dspark.sampled.violation`: ids in the
    vocabulary and distinct, weights summing to exactly 65,535, the drafted token among
    the ids of weight > 0), the first position that breaks it named by entry and draft.
-   C has no twin of this rule: the proxy's rounds carry no sampled sessions (the engine
-   asks for none), and C refuses the distributions' flag.
+   Its C twin is ``check_distributions`` in ``native/tcp_round.c``, with the same words.
 
 Only counted positions are checked: what lies past a count never reaches the engine
 (``drafts.to_drafts`` and ``hf_unpack`` zero it).
@@ -80,7 +79,7 @@ def check_reply(d: wire.Drafts, asked: Asked) -> None:
             if asked.want_margin
             else "DRAFTS with margins, the session did not ask for them"
         )
-    if d.sampled != asked.want_sampled:  # (the per-position rule of a sampled session: the engine's next step)
+    if d.sampled != asked.want_sampled:
         raise wire.ProtocolError(
             "DRAFTS with distributions, the session did not ask for them"
             if d.sampled

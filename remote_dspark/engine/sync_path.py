@@ -151,7 +151,8 @@ class SyncPath:
         the device an asynchronous launch gives, under the id of its ROUND."""
         out = answer(batch)
         device = batch.rows.device if batch.rows is not None else torch.device(self.spec.device)
-        return Launched(self._round_id, out.tokens.to(device), out.counts.to(device), out.resync, out.resync_all)
+        q = (None, None) if out.q_ids is None else (out.q_ids.to(device), out.q_weights.to(device))
+        return Launched(self._round_id, out.tokens.to(device), out.counts.to(device), out.resync, out.resync_all, *q)
 
     def stop(self, limit_s: float) -> None:
         """A round in flight on the engine thread ends at once (LOST): its socket is shut

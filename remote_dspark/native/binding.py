@@ -36,7 +36,7 @@ from pathlib import Path
 from .. import outcome, wire
 from .structs import LinkState, ProxyState, RingGeom
 
-ABI_VERSION = 14
+ABI_VERSION = 15
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -54,6 +54,12 @@ WIRE_CONSTANTS = (
     ("DRAFTS_MARGINS", lambda: wire.DRAFTS_MARGINS),
     ("STATUS_RESYNC", lambda: wire.STATUS_RESYNC),
     ("MAX_PAYLOAD", lambda: wire.MAX_PAYLOAD),
+    ("SAMPLED_BYTES", lambda: wire.round.SAMPLED_BYTES),  # a sampled ROUND's bytes per entry (module-level)
+    ("DRAFTS_SAMPLED", lambda: wire.DRAFTS_SAMPLED),
+    ("SAMPLED_TOP", lambda: wire.SAMPLED_TOP),
+    ("SAMPLED_TOTAL", lambda: wire.SAMPLED_TOTAL),
+    ("MAX_SAMPLED_ENTRIES", lambda: wire.MAX_SAMPLED_ENTRIES),
+    ("MAX_SAMPLED_N_OUT", lambda: wire.MAX_SAMPLED_N_OUT),
 )
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 

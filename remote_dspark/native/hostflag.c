@@ -517,8 +517,12 @@ int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const ui
         memcpy(slot + p->d_counts, image + p->d_counts, row);
         memcpy(slot + p->d_entry_status, image + p->d_entry_status, row);
         memcpy(slot + p->d_tokens, image + p->d_tokens, grid);
-        if (flags & 1)
+        if (flags & 1)   /* DRAFTS_MARGINS */
             memcpy(slot + p->d_margins, image + p->d_margins, grid);
+        if (flags & 2) {   /* DRAFTS_SAMPLED: the distributions, 32 ids and weights a position */
+            memcpy(slot + p->d_q_ids, image + p->d_q_ids, 32u * grid);
+            memcpy(slot + p->d_q_weights, image + p->d_q_weights, 16u * grid);
+        }
         __atomic_store_n((uint32_t *)(slot + ring->d_status), status, __ATOMIC_RELAXED);
         __atomic_store_n((uint32_t *)(slot + ring->d_round), round, __ATOMIC_RELAXED);
     } else {

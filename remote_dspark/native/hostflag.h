@@ -23,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 14   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 15   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -42,7 +42,8 @@ struct hf_ring {
     uint32_t depth;          /* ring depth, a power of two */
     uint32_t d_round;        /* offset of the slot's round word */
     uint32_t d_status;       /* offset of the slot's status word */
-    uint32_t d_zero;         /* first byte zeroed for an empty answer (n_entries, flags, counts) */
+    uint32_t d_zero;         /* first byte zeroed for an empty answer (n_entries, flags, counts,
+                                statuses, tokens, and a sampled layout's q blocks) */
     uint32_t zero_bytes;     /* how many bytes from d_zero */
     uint32_t pad;
 };
@@ -89,6 +90,9 @@ struct hf_proxy {
     uint32_t stamp_gen;           /* the last descriptor check's stamp (0: none yet) */
     uint32_t vocab_size;          /* the engine's vocabulary (HELLO's): token ids 0..vocab_size-1; 0 unknown */
     uint32_t want_margin;         /* 1: HELLO asked for margins, so every DRAFTS carries them */
+    uint32_t want_sampled;        /* 1: HELLO asked for sampled drafts: descriptors carry temperature
+                                     and seed, every DRAFTS the distributions (the layout is sampled) */
+    uint32_t d_q_ids, d_q_weights;  /* drafts slot offsets of a sampled layout's q blocks */
     uint32_t *wake;               /* the wake words [published, sleeping], or NULL: never sleep */
     uint32_t idle;                /* private: the last wait ended asleep, with nothing handed over */
 };

@@ -60,6 +60,9 @@ class ProxyState(ctypes.Structure):
         ("stamp_gen", ctypes.c_uint32),
         ("vocab_size", ctypes.c_uint32),
         ("want_margin", ctypes.c_uint32),
+        ("want_sampled", ctypes.c_uint32),
+        ("d_q_ids", ctypes.c_uint32),
+        ("d_q_weights", ctypes.c_uint32),
         ("wake", ctypes.c_void_p),
         ("idle", ctypes.c_uint32),
     ]

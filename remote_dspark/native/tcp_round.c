@@ -17,12 +17,15 @@ enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV
 
 /* The wire contract's fixed parts (remote_dspark/wire/, protocol 6): the header, the
  * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
- * (region.layout.DESC_FIXED). W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must
- * keep. Each wire constant is reported by hf_wire_constants, and the loader refuses a
- * library whose values are not remote_dspark.wire's. */
+ * (region.layout.DESC_FIXED); a sampled session's terms: its ROUND's bytes per entry
+ * (temperature f32, seed u64), DRAFTS' distributions flag, a position's ids and their
+ * weights' exact sum, and a sampled DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD,
+ * the cap a ROUND must keep. Each wire constant is reported by hf_wire_constants, and
+ * the loader refuses a library whose values are not remote_dspark.wire's. */
 enum { W_HEADER = 24, W_VERSION = 6, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
-       DESC_FIXED = 8 };
+       DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
+       W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16 };
 #define W_MAGIC "DSPW"
 #define W_MAX_PAYLOAD (64ull << 20)
 
@@ -37,14 +40,16 @@ static uint32_t report(const uint64_t *all, uint32_t count, uint64_t *out, uint3
 
 /* The wire constants this file uses, in the order of native.WIRE_CONSTANTS (HEADER's
  * size, MAGIC as a little-endian u32, PROTOCOL_VERSION, ROUND, DRAFTS, BYE, ROUND_FIXED,
- * DRAFTS_FIXED, FLAG_NEW_GEN, DRAFTS_MARGINS, STATUS_RESYNC, MAX_PAYLOAD): the first n
- * into out; returns how many there are. */
+ * DRAFTS_FIXED, FLAG_NEW_GEN, DRAFTS_MARGINS, STATUS_RESYNC, MAX_PAYLOAD, SAMPLED_BYTES,
+ * DRAFTS_SAMPLED, SAMPLED_TOP, SAMPLED_TOTAL, MAX_SAMPLED_ENTRIES, MAX_SAMPLED_N_OUT): the
+ * first n into out; returns how many there are. */
 uint32_t hf_wire_constants(uint64_t *out, uint32_t n)
 {
     uint32_t magic;
     memcpy(&magic, W_MAGIC, 4);
     const uint64_t all[] = { W_HEADER, magic, W_VERSION, W_ROUND, W_DRAFTS, W_BYE, W_ROUND_FIXED,
-                             W_DRAFTS_FIXED, W_NEW_GEN, W_MARGINS, W_RESYNC, W_MAX_PAYLOAD };
+                             W_DRAFTS_FIXED, W_NEW_GEN, W_MARGINS, W_RESYNC, W_MAX_PAYLOAD, W_SAMPLED_BYTES,
+                             W_SAMPLED, W_TOP, W_TOTAL, W_MAX_SAMPLED_ENTRIES, W_MAX_SAMPLED_N_OUT };
     return report(all, sizeof all / sizeof all[0], out, n);
 }
 
@@ -69,14 +74,18 @@ uint32_t hf_codes(uint32_t which, uint64_t *out, uint32_t n)
 static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
 static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
 
-/* Bytes of a ROUND's fixed part and entry arrays (wire.round_meta_bytes). */
-static inline uint64_t round_meta(uint32_t n) { return W_ROUND_FIXED + 4u * (5u * (uint64_t)n + 1); }
+/* Bytes of a ROUND's fixed part and entry arrays, with a sampled session's temperature
+ * and seed sections (wire.round_meta_bytes). */
+static inline uint64_t round_meta(uint32_t n, uint32_t sampled)
+{ return W_ROUND_FIXED + 4u * (5u * (uint64_t)n + 1) + (sampled ? W_SAMPLED_BYTES * (uint64_t)n : 0); }
 
 /* A checked descriptor: the ROUND's fixed fields and where its arrays are. */
 struct round_view {
     const uint8_t *payload;       /* the ROUND payload (descriptor + DESC_FIXED) */
     uint32_t deadline_ms, n, row_bytes, n_tokens;
+    uint64_t meta;                /* round_meta: where the tokens start */
     const uint8_t *slots, *positions, *n_out, *flags, *offsets;
+    const uint8_t *temperature;   /* a sampled session's [n] f32, else NULL (seeds follow: any u64) */
 };
 
 /* Record what broke (l->why, l->err) and return `event`. */
@@ -119,7 +128,7 @@ static int ready(int fd, short events, uint64_t deadline_ns)
 static int send_round(struct hf_link *l, uint32_t round, uint32_t index, const struct round_view *v,
                       uint64_t deadline_ns)
 {
-    uint64_t block = round_meta(v->n) + 4u * (uint64_t)v->n_tokens, rows = (uint64_t)v->n * l->row_bytes;
+    uint64_t block = v->meta + 4u * (uint64_t)v->n_tokens, rows = (uint64_t)v->n * l->row_bytes;
     uint32_t len = (uint32_t)(block + rows), version = W_VERSION | (W_ROUND << 16);
     uint8_t hdr[W_HEADER];
     memcpy(hdr, W_MAGIC, 4);
@@ -266,7 +275,8 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
         return fail(l, HF_EV_BAD_DESC, 0, "row_bytes %u, the layout's is %u", v->row_bytes, l->row_bytes);
     if (v->n_tokens > l->max_tokens)
         return fail(l, HF_EV_BAD_DESC, 0, "n_tokens %u over max_tokens=%u", v->n_tokens, l->max_tokens);
-    uint64_t size = round_meta(v->n) + 4u * (uint64_t)v->n_tokens + (uint64_t)v->n * v->row_bytes;
+    v->meta = round_meta(v->n, p->want_sampled);
+    uint64_t size = v->meta + 4u * (uint64_t)v->n_tokens + (uint64_t)v->n * v->row_bytes;
     if (size > W_MAX_PAYLOAD)
         return fail(l, HF_EV_BAD_DESC, 0, "ROUND of %llu bytes over the cap %llu",
                     (unsigned long long)size, (unsigned long long)W_MAX_PAYLOAD);
@@ -276,6 +286,7 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
     v->n_out = v->positions + n4;
     v->flags = v->n_out + n4;
     v->offsets = v->flags + n4;
+    v->temperature = p->want_sampled ? v->offsets + n4 + 4 : NULL;
     uint32_t first = get32(v->offsets), last = get32(v->offsets + n4);
     if (first != 0 || last != v->n_tokens)
         return fail(l, HF_EV_BAD_DESC, 0, "offsets run from %u to %u, expected 0 to n_tokens=%u",
@@ -306,11 +317,15 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
                         p->num_spec);
         if (flags & ~(uint32_t)W_NEW_GEN)
             return fail(l, HF_EV_BAD_DESC, 0, "entry %u: flags %#x, only NEW_GEN (1) is known", e, flags);
+        /* batch.sampling_meta's rule, for temperatures written on the device (any seed is one) */
+        float t;
+        if (v->temperature && (memcpy(&t, v->temperature + 4u * e, 4), !(isfinite(t) && t >= 0.0f)))
+            return fail(l, HF_EV_BAD_DESC, 0, "entry %u: temperature %g not a finite float32 >= 0", e, (double)t);
     }
     /* Token ids in the engine's vocabulary, when it is known: batch.host_meta's rule, for
      * metadata written on the device that no host ever read (device_meta.write_meta_in_stream). */
     if (p->vocab_size) {
-        const uint8_t *tokens = f + round_meta(v->n);
+        const uint8_t *tokens = f + v->meta;
         for (uint32_t j = 0; j < v->n_tokens; j++) {
             int32_t t = (int32_t)get32(tokens + 4u * j);
             if (t < 0 || (uint32_t)t >= p->vocab_size)
@@ -321,20 +336,21 @@ static int check_desc(struct hf_proxy *p, struct hf_link *l, uint32_t round, str
     return HF_EV_OK;
 }
 
-/* Copy entry rows of `width` 32-bit values into rows of K, `count` values each and the
+/* Copy entry rows of `width` positions of `cell` bytes each (a token or margin: 4; a
+ * position's q ids: 128, its weights: 64) into rows of K, `count` positions each and the
  * rest zero, so the engine may copy the whole block. One memcpy when the rows are full. */
 static void widen(uint8_t *dst, const uint8_t *src, const uint8_t *counts, uint32_t n,
-                  uint32_t width, uint32_t K, int full)
+                  uint32_t width, uint32_t K, int full, uint32_t cell)
 {
     if (full) {
-        memcpy(dst, src, 4u * (uint64_t)n * K);
+        memcpy(dst, src, (uint64_t)cell * n * K);
         return;
     }
     for (uint32_t e = 0; e < n; e++) {
         uint64_t k = get16(counts + 2u * e);
-        uint8_t *row = dst + 4u * (uint64_t)K * e;
-        memcpy(row, src + 4u * (uint64_t)width * e, 4u * k);
-        memset(row + 4u * k, 0, 4u * (K - k));
+        uint8_t *row = dst + (uint64_t)cell * K * e;
+        memcpy(row, src + (uint64_t)cell * width * e, cell * k);
+        memset(row + cell * k, 0, cell * (K - k));
     }
 }
 
@@ -374,9 +390,89 @@ static int check_entries(struct hf_link *l, const struct hf_proxy *p, const stru
     return HF_EV_OK;
 }
 
+/* The smallest id repeated among a position's W_TOP ids, as sampled.violation names it
+ * (the slow path, once a repeat is known: every pair). */
+static int32_t smallest_repeated(const uint8_t *ids)
+{
+    int32_t v[W_TOP], least = INT32_MAX;
+    memcpy(v, ids, sizeof v);
+    for (int i = 0; i < W_TOP; i++)
+        for (int j = i + 1; j < W_TOP; j++)
+            if (v[i] == v[j] && v[i] < least)
+                least = v[i];
+    return least;
+}
+
+/* 1 when a position's W_TOP ids are distinct: an open-addressing set of 128 cells, a
+ * cell taken when its tag is this position's `stamp` (the caller's: never 0, one per
+ * position, fewer than 2^16 a call: MAX_SAMPLED_ENTRIES x MAX_SAMPLED_N_OUT). */
+static int distinct(const uint32_t *ids, uint32_t *keys, uint16_t *tags, uint16_t stamp)
+{
+    for (int m = 0; m < W_TOP; m++)
+        for (uint32_t h = (ids[m] * 0x9E3779B1u) >> 25;; h = (h + 1) & 127) {
+            if (tags[h] != stamp) {
+                tags[h] = stamp;
+                keys[h] = ids[m];
+                break;
+            }
+            if (keys[h] == ids[m])
+                return 0;
+        }
+    return 1;
+}
+
+/* Rule 5 of the reply check, once every entry passed check_entries: each counted
+ * position's distribution, in entry order. THE RULE HAS A PYTHON TWIN, with the same
+ * words: remote_dspark/sampled.violation, as engine/reply.py names it ("entry e: draft
+ * j: ..."): the first position that breaks it, and its first broken part: an id outside
+ * 0..vocab-1 (the first listed; vocab 2^31 when unknown), an id repeated (the smallest),
+ * weights not summing to exactly W_TOTAL (u16: none over it), the drafted token not
+ * among the ids of weight > 0. Branch-free over a position's ids (1,280 positions: 40
+ * us on the H200 host's CPU), the words found only for the position that breaks it. */
+static int check_distributions(struct hf_link *l, const struct hf_proxy *p, uint32_t n, uint32_t width,
+                               const uint8_t *counts, const uint8_t *tokens, const uint8_t *q_ids,
+                               const uint8_t *q_weights)
+{
+    uint32_t vocab = p->vocab_size ? p->vocab_size : (uint32_t)INT32_MAX + 1, keys[128], ids[W_TOP];
+    uint16_t tags[128] = { 0 }, stamp = 0, w[W_TOP];
+    for (uint32_t e = 0; e < n; e++) {
+        for (uint32_t j = 0, c = get16(counts + 2u * e); j < c; j++) {
+            uint64_t at = (uint64_t)width * e + j;
+            uint32_t token = get32(tokens + 4u * at), outside = 0, present = 0, sum = 0;
+            memcpy(ids, q_ids + 4u * W_TOP * at, sizeof ids);
+            memcpy(w, q_weights + 2u * W_TOP * at, sizeof w);
+            for (int m = 0; m < W_TOP; m++) {   /* as u32, a negative id is >= 2^31 >= vocab */
+                outside |= ids[m] >= vocab;
+                sum += w[m];
+                present |= (ids[m] == token) & (w[m] > 0);
+            }
+            int m = 0;
+            if (outside) {
+                while (ids[m] < vocab)
+                    m++;
+                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft %u: id %d outside 0..%u", e, j,
+                            (int32_t)ids[m], vocab - 1);
+            }
+            if (!distinct(ids, keys, tags, ++stamp))
+                return fail(l, HF_EV_PROTOCOL, 0, "entry %u: draft %u: id %d repeated", e, j,
+                            smallest_repeated(q_ids + 4u * W_TOP * at));
+            if (sum != W_TOTAL)
+                return fail(l, HF_EV_PROTOCOL, 0,
+                            "entry %u: draft %u: weights sum to %u (each 0..%d), expected exactly %d", e, j,
+                            sum, W_TOTAL, W_TOTAL);
+            if (!present)
+                return fail(l, HF_EV_PROTOCOL, 0,
+                            "entry %u: draft %u: drafted token %d not among its ids of weight > 0", e, j,
+                            (int32_t)token);
+        }
+    }
+    return HF_EV_OK;
+}
+
 /* Check the DRAFTS payload in rx (the wire's rules, then against round view v and what
- * the session asked: check_entries) and write it into the drafts image: counts and
- * statuses as i32, each row widened to num_spec. */
+ * the session asked: check_entries, check_distributions) and write it into the drafts
+ * image: counts and statuses as i32, each row (tokens, margins, a sampled reply's q ids
+ * and weights) widened to num_spec, zero past its count. */
 static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
                          uint32_t len)
 {
@@ -388,12 +484,16 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const stru
     uint32_t n = get32(b), width = get16(b + 4), flags = get16(b + 6), K = p->num_spec;
     if (n > l->max_entries || width > l->max_n_out)
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS of %u entries x %u over the caps", n, width);
-    if (flags & ~(uint32_t)W_MARGINS)
+    if (flags & ~(uint32_t)(W_MARGINS | W_SAMPLED))
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS unknown flags %#x", flags);
-    uint64_t grid = 4u * (uint64_t)n * width;
+    if ((flags & W_SAMPLED) && (n > W_MAX_SAMPLED_ENTRIES || width > W_MAX_SAMPLED_N_OUT))
+        return fail(l, HF_EV_PROTOCOL, 0, "sampled DRAFTS of %u entries x %u over the caps %u x %u", n, width,
+                    W_MAX_SAMPLED_ENTRIES, W_MAX_SAMPLED_N_OUT);
+    uint64_t grid = 4u * (uint64_t)n * width, q = (flags & W_SAMPLED) ? (uint64_t)W_TOP * grid : 0;
     const uint8_t *slots = b + W_DRAFTS_FIXED, *counts = slots + 4u * (uint64_t)n;
     const uint8_t *statuses = counts + 2u * (uint64_t)n, *tokens = statuses + 2u * (uint64_t)n;
-    uint64_t want = (uint64_t)(tokens - b) + grid * ((flags & W_MARGINS) ? 2 : 1);
+    const uint8_t *q_ids = tokens + grid * ((flags & W_MARGINS) ? 2 : 1), *q_weights = q_ids + q;
+    uint64_t want = (uint64_t)(q_weights - b) + q / 2;   /* ids i32, weights u16 */
     if (len != want)
         return fail(l, HF_EV_PROTOCOL, 0, "DRAFTS payload of %u bytes, its fields say %llu", len,
                     (unsigned long long)want);
@@ -419,8 +519,13 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const stru
     if (!(flags & W_MARGINS) != !p->want_margin)
         return fail(l, HF_EV_PROTOCOL, 0, p->want_margin ? "DRAFTS without margins, the session asked for them"
                                                           : "DRAFTS with margins, the session did not ask for them");
+    if (!(flags & W_SAMPLED) != !p->want_sampled)
+        return fail(l, HF_EV_PROTOCOL, 0, p->want_sampled ? "DRAFTS without distributions, the session asked for them"
+                                                           : "DRAFTS with distributions, the session did not ask for them");
     int event = check_entries(l, p, v, n, width, counts, statuses, tokens,
                               (flags & W_MARGINS) ? tokens + grid : NULL);
+    if (event == HF_EV_OK && (flags & W_SAMPLED))
+        event = check_distributions(l, p, n, width, counts, tokens, q_ids, q_weights);
     if (event != HF_EV_OK)
         return event;
     uint8_t *img = l->image;
@@ -431,9 +536,13 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const stru
         memcpy(img + p->d_counts + 4u * e, &c, 4);
         memcpy(img + p->d_entry_status + 4u * e, &st, 4);
     }
-    widen(img + p->d_tokens, tokens, counts, n, width, K, full);
+    widen(img + p->d_tokens, tokens, counts, n, width, K, full, 4);
     if (flags & W_MARGINS)
-        widen(img + p->d_margins, tokens + grid, counts, n, width, K, full);
+        widen(img + p->d_margins, tokens + grid, counts, n, width, K, full, 4);
+    if (flags & W_SAMPLED) {
+        widen(img + p->d_q_ids, q_ids, counts, n, width, K, full, 4u * W_TOP);
+        widen(img + p->d_q_weights, q_weights, counts, n, width, K, full, 2u * W_TOP);
+    }
     return HF_EV_OK;
 }
 

@@ -78,6 +78,7 @@ class ProxyLoop:
             nap_us=cfg.async_nap_us,
             vocab_size=vocab_size,
             want_margin=cfg.want_margin,
+            want_sampled=cfg.sampled_top32,
         )
         self.session = self.end.header.session
         # The region's context_tokens word (this proxy its one writer): 0 until this

@@ -55,7 +55,8 @@ class ProxyRound:
         """
         _, n, row_bytes, n_tokens = fields if fields is not None else self.fields()
         region, lay = self._end.region, self._end.layout
-        block = region.view(lay.desc(self.index) + shm.DESC_FIXED, wire.round_meta_bytes(n) + 4 * n_tokens)
+        meta = wire.round_meta_bytes(n, lay.sampled)
+        block = region.view(lay.desc(self.index) + shm.DESC_FIXED, meta + 4 * n_tokens)
         rows = region.view(lay.staging(self.index), n * row_bytes)
         return [wire.encode_header(wire.ROUND, len(block) + len(rows), session, self.round), block, rows]
 
@@ -103,9 +104,21 @@ class ProxyEnd(RingEnd):
         pid: int | None = None,
         vocab_size: int = 0,
         want_margin: bool = False,
+        want_sampled: bool | None = None,
     ):
+        """``want_sampled``: the session asks for sampled drafts (HELLO's option; None:
+        the region's, ``layout.sampled``).
+
+        Raises:
+            ValueError: ``want_sampled`` is not the region's layout's ``sampled``.
+        """
         super().__init__(region, lib)
         lay = self.layout
+        if want_sampled is not None and bool(want_sampled) != lay.sampled:
+            raise ValueError(
+                f"want_sampled={want_sampled!r}, but the region's layout has sampled={lay.sampled}: "
+                "the engine and its proxy disagree on VLLM_DSPARK_SAMPLED_TOP32"
+            )
         self.counters = region.proxy_counters(lib)
         self.header = region.header_words(lib)
         offs = shm.PROXY_COUNTERS.offsets
@@ -141,6 +154,9 @@ class ProxyEnd(RingEnd):
             c_bad_desc=offs["rounds_bad_desc"] // 8,
             vocab_size=vocab_size,
             want_margin=int(want_margin),
+            want_sampled=int(lay.sampled),
+            d_q_ids=lay.d_q_ids,
+            d_q_weights=lay.d_q_weights,
             # With nap_us 0 an idle proxy sleeps on the engine's ``published`` word.
             wake=region.addr(lay.wake),
         )

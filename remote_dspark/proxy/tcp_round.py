@@ -41,11 +41,12 @@ DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)  # the wire's: no DRAFTS payload is lar
 
 def rx_cap(end: ProxyEnd) -> int:
     """The largest DRAFTS payload a round of ``end``'s region can be answered with (every
-    entry, num_spec wide, margins): a longer reply breaks the contract before it is read,
-    and the buffer stays small (a 64-slot region's is 3 KB, not the wire's megabytes), so
-    a proxy builds it in microseconds when it starts, or is promoted."""
+    entry, num_spec wide, margins, and a sampled region's distributions): a longer reply
+    breaks the contract before it is read, and the buffer stays small (a 64-slot
+    region's is 3 KB, not the wire's megabytes), so a proxy builds it in microseconds
+    when it starts, or is promoted."""
     lay = end.layout
-    return min(DRAFTS_CAP, wire.drafts_sections(lay.max_slots, lay.num_spec, True).size)
+    return min(DRAFTS_CAP, wire.drafts_sections(lay.max_slots, lay.num_spec, True, lay.sampled).size)
 
 
 _EVENTS = tuple(RoundEvent)

@@ -1,10 +1,13 @@
 """``region.layout``: the byte layout of the region the engine and its proxy share
 (:mod:`remote_dspark.region.shm` maps it).
 
-The layout is computed in one place (``Layout``) from five sizes: ``depth`` (D,
-rounds in flight, a power of two), ``max_slots`` (S, entries per round), ``row_bytes``
-(R), ``num_spec`` (K, draft tokens per entry) and ``max_tokens`` (T, the token block of
-one round). P is the page size, L = 128 (a line: no two writers share one).
+The layout is computed in one place (``Layout``) from five sizes and one option:
+``depth`` (D, rounds in flight, a power of two), ``max_slots`` (S, entries per round),
+``row_bytes`` (R), ``num_spec`` (K, draft tokens per entry), ``max_tokens`` (T, the
+token block of one round) and ``sampled`` (the engine asks for sampled drafts: its
+descriptors carry temperatures and seeds, its drafts slots the distributions; then
+S <= wire.MAX_SAMPLED_ENTRIES and K <= wire.MAX_SAMPLED_N_OUT). P is the page size,
+L = 128 (a line: no two writers share one).
 
 Region (offsets in bytes)::
 
@@ -12,7 +15,8 @@ Region (offsets in bytes)::
     0                       P               header page
     P                       P               hand-off words page
     2P                      D x desc        descriptor ring, desc = align(8 + M(S) + 4 (T + 1), L),
-                                            M(n) = wire.round_meta_bytes(n) = 20 + 20 n
+                                            M(n) = wire.round_meta_bytes(n, sampled)
+                                            = 20 + 20 n (+ 12 n sampled: temperature, seed)
     staging_at (P-aligned)  D x stage       staging rows, stage = align(S R, P): each depth
                                             slot page-aligned (registered with CUDA later);
                                             R = 0 (an engine without rows): no staging,
@@ -33,6 +37,7 @@ Header page (all little-endian)::
     0x018  4    row_bytes             creator
     0x01c  4    num_spec              creator
     0x020  4    max_tokens            creator
+    0x024  4    options               creator: bit 0 sampled (OPT_SAMPLED); others zero
     0x028  8    total_size            creator
     0x080  8    session               engine (supervisor), before it spawns a proxy
     0x088  4    engine_pid            creator
@@ -79,7 +84,8 @@ sends it as one block straight from the region and the rows from the staging slo
 
     +0                4       round
     +8                M(n)    wire.ROUND_FIXED, then slots, positions, n_out, flags [n],
-                              offsets [n + 1] (u32 each; wire.round_sections)
+                              offsets [n + 1] (u32 each), and in a sampled layout
+                              temperature f32 [n], seed u64 [n] (wire.round_sections)
     +8 + M(n)         4 T'    tokens, i32 (T' = n_tokens <= T)
 
 Drafts slot of round r (depth slot r % D), written by whoever claimed r, then
@@ -88,22 +94,25 @@ published by its release store of ``released``::
     +0                4       round the answer is for
     +4                4       status: outcome.Outcome (ok, timeout, error, watchdog, ...)
     +8                4       n_entries
-    +12               4       flags: bit 0, margins present
+    +12               4       flags: bit 0 margins present, bit 1 distributions present
     +128              4 S     counts, i32 per entry
     es = align(128 + 4 S, L)   4 S     entry status, i32 (wire.STATUS_OK / STATUS_RESYNC)
     tk = align(es + 4 S, L)    4 S K   tokens, i32 [S][K]
-    mg = align(tk + 4 S K, L)  4 S K   margins, f32 [S][K]
+    qi = align(tk + 4 S K, L)  4 S K Q q_ids, i32 [S][K][Q] (Q = 32; 0 bytes unsampled)
+    qw = align(qi + .., L)     2 S K Q q_weights, u16 [S][K][Q] (0 bytes unsampled)
+    mg = align(qw + .., L)     4 S K   margins, f32 [S][K]
     stride = align(mg + 4 S K, L)
 
-An empty answer (watchdog, no proxy, timeout) zeroes +8 up to the end of tokens, and an
-OK answer's rows are zero past each count, so the tokens block is always clean.
+An empty answer (watchdog, no proxy, timeout) zeroes +8 up to the end of tokens, or of
+q_weights in a sampled layout (``zero_end``), and an OK answer's rows are zero past
+each count, so the tokens and q blocks are always clean.
 
 Counters blocks: u64 words, relaxed atomic adds through the native library, one writer
 per block (per counter in the engine block, named in ``ENGINE_COUNTERS``). A histogram
 is ``len(LATENCY_BOUNDS_NS) + 1`` bucket counts (not cumulative; the last is +Inf)
 followed by the sum of the observed values in ns.
 
-Invariants: every offset is fixed by the five sizes, the page size and
+Invariants: every offset is fixed by the five sizes, the option, the page size and
 ``LAYOUT_VERSION``.
 
 This module imports only the standard library (the proxy is torch- and numpy-free).
@@ -120,12 +129,13 @@ from dataclasses import dataclass, field
 from .. import wire
 
 MAGIC = b"DSPKSHM1"
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 LINE = 128
 MAX_DEPTH = 64
 
 # Header page: creator fields (one struct), then the words others write.
-HEADER = struct.Struct("<8sIIIIIIIIQ")  # magic .. max_tokens, pad, total_size
+HEADER = struct.Struct("<8sIIIIIIIIQ")  # magic .. max_tokens, options, total_size
+OPT_SAMPLED = 1  # header options: a sampled layout
 OFF_SESSION = 0x080
 OFF_ENGINE_PID = 0x088
 OFF_PROXY_PID = 0x100
@@ -154,6 +164,7 @@ DRAFTS_HEAD = struct.Struct("<IIII")  # round, status, n_entries, flags
 D_ROUND, D_STATUS, D_N = 0, 4, 8
 D_COUNTS = LINE
 DRAFTS_MARGINS = 1
+DRAFTS_SAMPLED = 2
 
 # Histogram bucket upper bounds (ns), shared by every latency histogram.
 LATENCY_BOUNDS_NS = (
@@ -242,10 +253,12 @@ ENGINE_COUNTERS = CounterBlock(counters=("watchdog_releases", "no_proxy_rounds",
 
 @dataclass(frozen=True)
 class Layout:
-    """Every offset of a region, from its five sizes (see the module docstring).
+    """Every offset of a region, from its five sizes and ``sampled`` (see the module
+    docstring).
 
     Raises (at construction):
-        ValueError: a size out of range, naming it and its value.
+        ValueError: a size out of range, naming it and its value (a sampled layout's
+            max_slots and num_spec held to the sampled caps).
     """
 
     depth: int
@@ -254,6 +267,7 @@ class Layout:
     num_spec: int
     max_tokens: int
     page_size: int = mmap.PAGESIZE
+    sampled: bool = False
     words_at: int = field(init=False)
     desc_at: int = field(init=False)
     desc_stride: int = field(init=False)
@@ -263,6 +277,9 @@ class Layout:
     drafts_stride: int = field(init=False)
     d_entry_status: int = field(init=False)
     d_tokens: int = field(init=False)
+    d_q_ids: int = field(init=False)
+    d_q_weights: int = field(init=False)
+    zero_end: int = field(init=False)
     d_margins: int = field(init=False)
     proxy_counters_at: int = field(init=False)
     engine_counters_at: int = field(init=False)
@@ -279,6 +296,11 @@ class Layout:
         _in_range("row_bytes", self.row_bytes, 0, wire.MAX_ROW_BYTES)
         _in_range("num_spec", self.num_spec, 1, wire.MAX_N_OUT)
         _in_range("max_tokens", self.max_tokens, 0, wire.MAX_TOKENS)
+        if not isinstance(self.sampled, bool):
+            raise ValueError(f"sampled={self.sampled!r}: must be a bool")
+        if self.sampled:
+            _in_range("max_slots", self.max_slots, 1, wire.MAX_SAMPLED_ENTRIES, " (wire.MAX_SAMPLED_ENTRIES, sampled)")
+            _in_range("num_spec", self.num_spec, 1, wire.MAX_SAMPLED_N_OUT, " (wire.MAX_SAMPLED_N_OUT, sampled)")
         if self.page_size < 4096 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size}: not a power of two >= 4096")
         P, S, K = self.page_size, self.max_slots, self.num_spec
@@ -287,13 +309,18 @@ class Layout:
         o["desc_at"] = 2 * P
         # One token cell past T: metadata on the device is cut in stream order by a
         # scatter whose dropped tokens land there (never sent: n_tokens <= T).
-        o["desc_stride"] = align(DESC_FIXED + wire.round_meta_bytes(S) + 4 * (self.max_tokens + 1), LINE)
+        meta = wire.round_meta_bytes(S, self.sampled)
+        o["desc_stride"] = align(DESC_FIXED + meta + 4 * (self.max_tokens + 1), LINE)
         o["staging_at"] = align(o["desc_at"] + self.depth * o["desc_stride"], P)
         o["staging_stride"] = align(S * self.row_bytes, P)
         o["drafts_at"] = o["staging_at"] + self.depth * o["staging_stride"]
         o["d_entry_status"] = align(D_COUNTS + 4 * S, LINE)
         o["d_tokens"] = align(o["d_entry_status"] + 4 * S, LINE)
-        o["d_margins"] = align(o["d_tokens"] + 4 * S * K, LINE)
+        q = S * K * wire.SAMPLED_TOP if self.sampled else 0  # distributions' cells
+        o["d_q_ids"] = align(o["d_tokens"] + 4 * S * K, LINE)
+        o["d_q_weights"] = align(o["d_q_ids"] + 4 * q, LINE)
+        o["zero_end"] = o["d_q_weights"] + 2 * q if self.sampled else o["d_tokens"] + 4 * S * K
+        o["d_margins"] = align(o["d_q_weights"] + 2 * q, LINE)
         o["drafts_stride"] = align(o["d_margins"] + 4 * S * K, LINE)
         o["proxy_counters_at"] = o["drafts_at"] + self.depth * o["drafts_stride"]
         o["engine_counters_at"] = o["proxy_counters_at"] + PROXY_COUNTERS.size
@@ -354,11 +381,11 @@ class Layout:
             self.row_bytes,
             self.num_spec,
             self.max_tokens,
-            0,
+            OPT_SAMPLED if self.sampled else 0,
             self.size,
         )
 
 
-def _in_range(name: str, value: int, lo: int, hi: int) -> None:
+def _in_range(name: str, value: int, lo: int, hi: int, cap: str = "") -> None:
     if not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name}={value!r}: must be an integer in {lo}..{hi}")
+        raise ValueError(f"{name}={value!r}: must be an integer in {lo}..{hi}{cap}")

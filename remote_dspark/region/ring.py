@@ -68,9 +68,10 @@ def geometry(region: shm.Region) -> native.RingGeom:
         d_round=shm.D_ROUND,
         d_status=shm.D_STATUS,
         d_zero=shm.D_N,
-        # An empty answer clears the tokens too, so the engine can copy a slot's tokens
-        # block as it is whatever answered it (an OK answer is zero past each count).
-        zero_bytes=lay.d_tokens + 4 * lay.max_slots * lay.num_spec - shm.D_N,
+        # An empty answer clears the tokens (and a sampled layout's q blocks) too, so the
+        # engine can copy a slot's tokens and q blocks as they are whatever answered it
+        # (an OK answer is zero past each count).
+        zero_bytes=lay.zero_end - shm.D_N,
     )
 
 
@@ -213,7 +214,8 @@ class EngineEnd(RingEnd):
 
     def write_entries(self, round_id: int, entries: Sequence[wire.Entry], deadline_ms: int = 0) -> None:
         """Write ``round_id``'s descriptor from records (the slow convenience for tests and
-        tools: it walks the entries; the engine writes whole arrays in place).
+        tools: it walks the entries; the engine writes whole arrays in place); a sampled
+        layout's with each entry's temperature and seed.
 
         Raises:
             ValueError: the entries do not fit the layout (count, n_out, tokens) or a
@@ -227,7 +229,8 @@ class EngineEnd(RingEnd):
         if any(e.n_out > lay.num_spec for e in entries):
             raise ValueError(f"round {round_id}: an n_out over num_spec={lay.num_spec}")
         # Encoded without rows (they go to the staging slot), then given the layout's row size.
-        payload = bytearray(wire.encode_round_entries(round_id, 0, deadline_ms, entries, b"", 0)[wire.HEADER.size :])
+        frame = wire.encode_round_entries(round_id, 0, deadline_ms, entries, b"", 0, lay.sampled)
+        payload = bytearray(frame[wire.HEADER.size :])
         struct.pack_into("<I", payload, 8, lay.row_bytes)
         with self.region.descriptor(round_id & self._mask) as d:
             struct.pack_into("<I", d, shm.DESC_ROUND, round_id)

@@ -33,6 +33,7 @@ from .layout import (  # noqa: F401
     DESC_ROUND,
     DRAFTS_HEAD,
     DRAFTS_MARGINS,
+    DRAFTS_SAMPLED,
     ENGINE_COUNTERS,
     HEADER,
     LATENCY_BOUNDS_NS,
@@ -40,6 +41,7 @@ from .layout import (  # noqa: F401
     MAGIC,
     OFF_ENGINE_PID,
     OFF_HEARTBEAT,
+    OPT_SAMPLED,
     PROXY_COUNTERS,
     Layout,
 )
@@ -209,15 +211,17 @@ def _check_file(fd: int) -> Layout:
     if size < HEADER.size:
         raise ValueError(f"region fd {fd}: {size} bytes, too small for a header")
     head = os.pread(fd, HEADER.size, 0)
-    magic, version, page, depth, slots, row, spec, tokens, _, total = HEADER.unpack(head)
+    magic, version, page, depth, slots, row, spec, tokens, options, total = HEADER.unpack(head)
     if magic != MAGIC:
         raise ValueError(f"region fd {fd}: magic {magic!r}, expected {MAGIC!r}")
     if version != LAYOUT_VERSION:
         raise ValueError(f"region fd {fd}: layout version {version}, this side reads version {LAYOUT_VERSION}")
     if page != mmap.PAGESIZE:
         raise ValueError(f"region fd {fd}: page size {page}, this process has {mmap.PAGESIZE}")
+    if options & ~OPT_SAMPLED:
+        raise ValueError(f"region fd {fd}: header options {options:#x}, this side knows only sampled ({OPT_SAMPLED})")
     try:
-        layout = Layout(depth, slots, row, spec, tokens, page)
+        layout = Layout(depth, slots, row, spec, tokens, page, sampled=bool(options & OPT_SAMPLED))
     except ValueError as e:
         raise ValueError(f"region fd {fd}: header sizes refused: {e}") from e
     if total != layout.size:

@@ -14,6 +14,7 @@ import math
 import socket
 import threading
 
+import numpy as np
 import pytest
 import torch
 from helpers import until
@@ -85,7 +86,7 @@ class ScriptedWorker:
                 make = self.acks.pop(0) if self.acks else honest_ack
                 conn.sendall(make(hello, session))
             elif hdr.type == wire.ROUND:
-                rnd = wire.decode_round(hdr, payload)
+                rnd = wire.decode_round(hdr, payload, hello.want_sampled)
                 make = self.replies.pop(0) if self.replies else drafts
                 conn.sendall(make(rnd, hello, session))
             else:
@@ -124,9 +125,12 @@ def drafts(
     margin=0.5,
     margins=None,
     round_id=None,
+    q_edit=None,
 ) -> bytes:
     """The DRAFTS for ``rnd``: honest by default (every entry drafts its n_out tokens
-    ``HONEST``, margins exactly when the HELLO asked); each keyword breaks one rule."""
+    ``HONEST``, margins exactly when the HELLO asked, and distributions when it asked for
+    sampled drafts: all the weight on ``HONEST``); each keyword breaks one rule
+    (``q_edit(ids, weights)``: the distributions, [n, width, 32], in place)."""
     n_out = list(rnd.n_out)
     n = len(n_out)
     width = max(n_out, default=0) if width is None else width
@@ -134,6 +138,7 @@ def drafts(
     grid = [token if j < counts[i] else 0 for i in range(n) for j in range(width)]
     want = hello.want_margin if margins is None else margins
     marg = [margin if j < counts[i] else 0.0 for i in range(n) for j in range(width)] if want else None
+    q = sampled_q(counts, width, q_edit) if hello.want_sampled else (None, None)
     d = wire.Drafts(
         rnd.round_id if round_id is None else round_id,
         list(rnd.slots),
@@ -142,8 +147,23 @@ def drafts(
         width,
         grid,
         marg,
+        *q,
     )
     return wire.encode_drafts(d, session)
+
+
+def sampled_q(counts, width: int, edit=None) -> tuple[list[int], list[int]]:
+    """Honest distributions of ``HONEST`` drafts: ids ``HONEST`` first, then 0.., the whole
+    weight on it; zero past counts; then ``edit(ids, weights)`` in place."""
+    n, top = len(counts), wire.SAMPLED_TOP
+    ids = np.zeros((n, width, top), np.int32)
+    weights = np.zeros((n, width, top), np.uint16)
+    live = np.arange(width) < np.asarray(counts, np.int64).reshape(n, 1)
+    ids[live] = [HONEST] + [t for t in range(top) if t != HONEST]
+    weights[live, 0] = wire.SAMPLED_TOTAL
+    if edit is not None:
+        edit(ids, weights)
+    return ids.ravel().tolist(), weights.ravel().tolist()
 
 
 # name: (bad frames, engine keywords, environment). Each breaks one rule of the contract.
@@ -390,3 +410,108 @@ def test_an_engine_that_says_its_vocabulary_is_refused_by_a_larger_drafter_at_st
         rd.close()
     finally:
         w.stop()
+
+
+# ------------------------------------------------------------------ sampled sessions
+
+SAMPLED_ENV = {"VLLM_DSPARK_SAMPLED_TOP32": "1", "VLLM_DSPARK_REMOTE_WANT_MARGIN": "1"}
+
+
+def _token_not_listed(ids, weights):
+    ids[1, 1, 0] = 99  # entry 1's draft 1: HONEST's id replaced, its weight kept
+
+
+def _weights_short(ids, weights):
+    weights[0, 0, 0] -= 1
+
+
+# name: (bad reply, engine keywords). Each breaks the rule a sampled reply keeps.
+SAMPLED_CASES = {
+    "a drafted token outside its distribution": (lambda r, h, s: drafts(r, h, s, q_edit=_token_not_listed), {}),
+    "weights not summing to 65535": (lambda r, h, s: drafts(r, h, s, q_edit=_weights_short), {}),
+    "a NaN margin": (lambda r, h, s: drafts(r, h, s, margin=math.nan), {}),
+    "an id over the vocabulary": (
+        lambda r, h, s: drafts(r, h, s, q_edit=lambda ids, w: ids[0, 0].__setitem__(5, VOCAB)),
+        {"vocab_size": VOCAB},
+    ),
+}
+
+
+def sampled_batch() -> Batch:
+    return Batch.from_lists(
+        [0, 1],
+        [[1], [3]],
+        [0, 0],
+        [True, True],
+        torch.zeros(2, 8, dtype=torch.uint8),
+        torch.arange(2),
+        n_out=list(N_OUT),
+        temperature=[1.0, 0.5],
+        seed=[3, 2**64 - 1],
+    )
+
+
+@pytest.mark.parametrize("mode", ["sync", "process"])
+@pytest.mark.parametrize("case", list(SAMPLED_CASES))
+def test_a_sampled_reply_that_breaks_the_distributions_rule_delivers_nothing(tmp_path, mode, case):
+    reply, kw = SAMPLED_CASES[case]
+    worker = ScriptedWorker(replies=[reply])
+    try:
+        with engine(worker.port, tmp_path, mode, SAMPLED_ENV, **kw) as rd:
+            out = rd.round(sampled_batch())
+            assert out.outcome is Outcome.ERROR and out.source == "none"
+            assert not out.counts.any() and not out.tokens.any() and not out.margins.any()
+            assert out.q_ids.shape == (2, K, wire.SAMPLED_TOP) and not out.q_ids.any() and not out.q_weights.any()
+            got = []
+            assert until(lambda: got.append(rd.round(sampled_batch())) or got[-1].outcome is Outcome.OK, 15.0, 0.01)
+            ok = got[-1]  # the engine keeps serving, over a new connection: the honest reply
+            assert ok.tokens.tolist() == [[HONEST, 0, 0], [HONEST, HONEST, 0]]
+            assert ok.q_weights[:, :, 0].tolist() == [[wire.SAMPLED_TOTAL, 0, 0], [wire.SAMPLED_TOTAL] * 2 + [0]]
+            assert (ok.q_ids[:, :, 0] == torch.tensor([[HONEST, 0, 0], [HONEST, HONEST, 0]])).all()
+            assert worker.connections >= 2 and worker.hellos[0].want_sampled
+    finally:
+        worker.close()
+
+
+def test_the_python_round_of_the_ofl_transports_writes_a_sampled_reply_s_q_and_refuses_a_bad_one(lib, tmp_path):
+    """The ofl round (``ProxyLoop.serve``) of a sampled session: the descriptor sent with
+    its temperatures and seeds (the worker decodes it as a sampled ROUND), a reply whose
+    weights are off answered ERROR, the honest one's q in the drafts slot."""
+    from remote_dspark.proxy.loop import ProxyLoop
+    from remote_dspark.region import layout, ring, shm, streamsync
+
+    worker = ScriptedWorker(replies=[lambda r, h, s: drafts(r, h, s, q_edit=_weights_short)])
+    env = environment(worker.port, tmp_path, "process", SAMPLED_ENV)
+    lay = layout.Layout(4, 4, 8, K, 64, sampled=True)
+    region = shm.Region.create(lay)
+    loop = ProxyLoop(region, lib, RemoteConfig.from_env(env), engine_id=1, environ=env)
+    eng, sync = ring.EngineEnd(region, lib), streamsync.HostFlagSync(region, lib)
+    entries = [wire.Entry(0, N_OUT[0], 0, [1], True, 1.0, 3), wire.Entry(1, N_OUT[1], 0, [3], True, 0.5, 4)]
+
+    def ofl_round() -> tuple[ring.RoundDrafts, np.ndarray, np.ndarray]:
+        r = eng.reserve(1)
+        eng.write_entries(r, entries)
+        sync.signal(r)
+        rnd = loop.end.next_round(2.0)
+        assert rnd is not None and rnd.round == r
+        loop.serve(rnd)
+        cells = 2 * K * wire.SAMPLED_TOP
+        with region.drafts(r & 3) as slot:
+            ids = np.frombuffer(slot, np.int32, cells, lay.d_q_ids).reshape(2, K, -1).copy()
+            weights = np.frombuffer(slot, np.uint16, cells, lay.d_q_weights).reshape(2, K, -1).copy()
+        return eng.drafts(r), ids, weights
+
+    try:
+        loop.connect()
+        d, ids, weights = ofl_round()
+        assert (d.outcome, d.counts) == (Outcome.ERROR, ()) and not ids.any() and not weights.any()
+        assert until(lambda: loop.link.connected and worker.connections >= 2)
+        d, ids, weights = ofl_round()
+        assert (d.outcome, d.counts, d.tokens) == (Outcome.OK, N_OUT, ((HONEST,), (HONEST, HONEST)))
+        want_ids, want_weights = sampled_q(N_OUT, K)
+        assert ids.ravel().tolist() == want_ids and weights.ravel().tolist() == want_weights
+        assert worker.hellos[-1].want_sampled
+    finally:
+        loop.link.close()
+        region.close()
+        worker.close()

@@ -235,7 +235,7 @@ BAD_REPLIES = {
         RoundEvent.PROTOCOL,
         "entry 0: count 2 (width 2), status 2",
     ),
-    "unknown flags": (lambda rig, r: _patched(rig.reply(r), 6, "<H", 2), RoundEvent.PROTOCOL, "unknown flags 0x2"),
+    "unknown flags": (lambda rig, r: _patched(rig.reply(r), 6, "<H", 4), RoundEvent.PROTOCOL, "unknown flags 0x4"),
     "over the caps": (
         lambda rig, r: _patched(rig.reply(r), 0, "<I", wire.MAX_ENTRIES + 1),
         RoundEvent.PROTOCOL,

@@ -1,0 +1,135 @@
+"""A sampled engine (``VLLM_DSPARK_SAMPLED_TOP32=1``) gets the same sampled drafts in
+every mode: through the region and the proxy (thread mode, process mode) as over its own
+connection (sync mode), each draft the rule's pick from the distribution that comes with
+it (the worker's), at its entry's seed and absolute position."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import drafter_env, until
+
+from remote_dspark import wire
+from remote_dspark.config import Mode
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.markov import SyntheticLanguage, builtin_model
+from remote_dspark.drafter.sampling import pick, uniform_u32
+from remote_dspark.engine import Batch, RemoteDSpark
+from remote_dspark.outcome import Outcome
+from remote_dspark.worker import Worker
+
+K, SLOTS, VOCAB = 4, 8, 128  # the synthetic language's vocabulary
+TOP, TOTAL = wire.SAMPLED_TOP, wire.SAMPLED_TOTAL
+TEMPERATURES = [0.0, 0.5, 1.0, 1.0, 2.0, 0.7, 1.3, 1.0]
+SEEDS = [0, 1, 2**64 - 1, 12345, 7, 2**40 + 3, 99, 5]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker(MarkovDrafter(builtin_model()), "127.0.0.1", 0, window=64).start()
+    yield w
+    w.stop()
+
+
+def contexts() -> list[list[int]]:
+    text = SyntheticLanguage().text(SLOTS * 40, seed=3)
+    return [text[40 * i : 40 * i + 3 + 2 * i] for i in range(SLOTS)]  # seen in training: drafts follow
+
+
+def batch() -> Batch:
+    """Every slot anew (NEW_GEN), so each round's drafts are a function of the batch alone."""
+    ctx = contexts()
+    return Batch.from_lists(
+        list(range(SLOTS)),
+        ctx,
+        [100 * i for i in range(SLOTS)],
+        [True] * SLOTS,
+        temperature=TEMPERATURES,
+        seed=SEEDS,
+    )
+
+
+def sampled_drafts(worker, tmp_path, mode: Mode):
+    """The first OK round's Drafts of a sampled engine in ``mode`` (rounds before its
+    proxy or connection serves are answered at once, empty)."""
+    env = drafter_env(
+        worker.drafter,
+        worker.port,
+        mode,
+        stats_file=str(tmp_path / f"stats-{mode.name}.json"),
+        VLLM_DSPARK_SAMPLED_TOP32="1",
+        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+    )
+    with RemoteDSpark(
+        RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0, vocab_size=VOCAB
+    ) as rd:
+        got = []
+        assert until(lambda: got.append(rd.round(batch())) or got[-1].outcome is Outcome.OK, 20.0, 0.01)
+        return got[-1]
+
+
+def assert_the_worker_s_picks(out) -> None:
+    """Sampled drafts: q of every drafted position sums to 65535 and its draft is the
+    rule's pick at the entry's seed and absolute position; zeros past counts."""
+    ids, w, tokens = out.q_ids.numpy(), out.q_weights.numpy(), out.tokens.numpy()
+    assert ids.shape == w.shape == (SLOTS, K, TOP) and ids.dtype == np.int32 and w.dtype == np.uint16
+    live = np.arange(K) < out.counts.numpy()[:, None]
+    assert live.sum() >= SLOTS * K - 4  # seen contexts: (nearly) all drafted
+    assert (w[live].astype(np.int64).sum(axis=1) == TOTAL).all()
+    assert not ids[~live].any() and not w[~live].any() and not tokens[~live].any()
+    j = np.arange(K)
+    p = np.array([100 * i + len(c) for i, c in enumerate(contexts())], np.int64)[:, None] + j
+    u = uniform_u32(np.array(SEEDS, np.uint64)[:, None], p, j)
+    assert (pick(ids, w, u)[live] == tokens[live]).all()
+
+
+@pytest.mark.parametrize("mode", [Mode.THREAD, Mode.PROCESS])
+def test_a_sampled_engine_gets_the_same_drafts_through_the_proxy_as_in_sync_mode(worker, tmp_path, mode):
+    sync = sampled_drafts(worker, tmp_path, Mode.SYNC)
+    out = sampled_drafts(worker, tmp_path, mode)
+    assert out.source == "remote" and out.margins is None
+    assert_the_worker_s_picks(out)
+    for field in ("counts", "tokens", "q_ids", "q_weights"):
+        assert getattr(out, field).equal(getattr(sync, field)), field
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [Mode.PROCESS, Mode.SYNC])
+def test_launch_gives_a_sampled_engine_the_distributions_on_the_device(worker, tmp_path, mode):
+    """``launch()`` on CUDA: ``Launched.q_ids`` / ``q_weights`` are device copies of the
+    round's q (the drafts slot's blocks in stream order; sync mode: the round's), equal to
+    what a sync-mode ``round()`` returns for the same batch."""
+    sync = sampled_drafts(worker, tmp_path, Mode.SYNC)
+    env = drafter_env(
+        worker.drafter,
+        worker.port,
+        mode,
+        stats_file=str(tmp_path / "stats-launch.json"),
+        VLLM_DSPARK_SAMPLED_TOP32="1",
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+    )
+    with RemoteDSpark(
+        RemoteConfig.from_env(env),
+        environ=env,
+        num_spec=K,
+        max_slots=SLOTS,
+        row_bytes=0,
+        vocab_size=VOCAB,
+        device="cuda",
+    ) as rd:
+        assert rd.mode == mode
+        got = []
+
+        def drafted() -> bool:
+            got.append(rd.launch(batch()))
+            torch.cuda.synchronize()
+            return bool(got[-1].counts.any())
+
+        assert until(drafted, 20.0, 0.01)
+        out = got[-1]
+        assert out.q_ids.is_cuda and out.q_weights.is_cuda and out.q_weights.dtype == torch.uint16
+        for field in ("counts", "tokens", "q_ids", "q_weights"):
+            assert getattr(out, field).cpu().equal(getattr(sync, field)), field
