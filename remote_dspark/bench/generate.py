@@ -10,13 +10,14 @@ prompts and models.
                 (:func:`remote_dspark.integrations.transformers.generate`, ``ASYNC=0``);
 ``process``     the same through the supervised proxy process (``ASYNC_PROXY=process``).
 
-``--sample`` adds two rows that sample at temperature 1 (``do_sample=True``, top-k and
+``--sample`` adds three rows that sample at temperature 1 (``do_sample=True``, top-k and
 top-p off), on the same prompts from the same torch seed:
 
 ``assistant-sample``  transformers' own assisted sampling with the draft in this process;
 ``sync-sample``       the remote drafter with sampled drafts (``VLLM_DSPARK_SAMPLED_TOP32=1``,
-                      sync mode: the proxy's rounds carry no sampled sessions), its
-                      drafts' distributions handed to transformers as candidate logits.
+                      sync mode), its drafts' distributions handed to transformers as
+                      candidate logits;
+``process-sample``    the same through the supervised proxy process.
 
 Both verify by speculative sampling (accept a draft with probability ``min(1, p/q)``), so
 their tokens differ from ``plain``'s and between them, their distribution does not; what
@@ -57,7 +58,7 @@ import tempfile
 import time
 
 MODES = ("plain", "assistant", "sync", "process")
-SAMPLE_MODES = ("assistant-sample", "sync-sample")  # --sample's rows
+SAMPLE_MODES = ("assistant-sample", "sync-sample", "process-sample")  # --sample's rows
 SAMPLE = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}  # temperature 1, nothing cut
 GREEDY = {"do_sample": False}
 MAX_SAMPLED_SPEC = 16  # a sampled session's drafts per round (wire.MAX_SAMPLED_N_OUT)
@@ -180,9 +181,10 @@ def measure_mode(mode: str, opts: Options, target, draft, worker, prompts, tick)
     draft_fwd = Forwards(draft)
     rd = None
     sampled = mode in SAMPLE_MODES
-    if mode in ("sync", "process", "sync-sample"):
-        switches = {"VLLM_DSPARK_REMOTE_ASYNC": "1"} if mode == "process" else {"VLLM_DSPARK_REMOTE_ASYNC": "0"}
-        if mode == "process":
+    if mode in ("sync", "process", "sync-sample", "process-sample"):
+        proxied = mode.startswith("process")
+        switches = {"VLLM_DSPARK_REMOTE_ASYNC": "1" if proxied else "0"}
+        if proxied:
             switches["VLLM_DSPARK_REMOTE_ASYNC_PROXY"] = "process"
         if sampled:
             switches["VLLM_DSPARK_SAMPLED_TOP32"] = "1"

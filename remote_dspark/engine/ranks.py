@@ -31,14 +31,14 @@ Why tensors and not ``broadcast_object_list``: the same calls work on gloo (CPU 
 and NCCL (tensors on the rank's current CUDA device) with nothing else to set up; the
 drafts are int32 tensors already (one concatenation, one broadcast, no loop over
 entries; q_weights travel as int32 words, which NCCL and gloo both carry, where uint16 is
-not in every gloo operation); and nothing received is unpickled: an error is JSON, rebuilt only as an
-exception class the receiving rank has already loaded. The header goes first so that a
-rank whose batch has another size than rank 0's still reads the whole record (it stays in
-step) and raises ``ValueError`` naming both sizes. Every rank's drafts carry q exactly
-when its engine is sampled (the ranks' configurations are the same, so rank 0's are):
-rank 0's, or, where its answer drafted nothing and carried none, zeros
-(:func:`q_held_to`). On NCCL a receiver copies the header to
-the host once per record (``round()`` blocks anyway).
+not in every gloo operation); and nothing received is unpickled: an error is JSON,
+rebuilt only as an exception class the receiving rank has already loaded. The header goes
+first so that a rank whose batch has another size than rank 0's still reads the whole
+record (it stays in step) and raises ``ValueError`` naming both sizes. Every rank's
+drafts carry q exactly when rank 0's do, which is when its engine is sampled (every
+answer of a sampled engine carries q, an empty one zeros; the ranks' configurations are
+the same). On NCCL a receiver copies the header to the host once per record
+(``round()`` blocks anyway).
 
 Failures: rank 0 broadcasts whatever leaves its start or its round before the record
 went out as an ERROR record, then raises it; every other rank raises an exception of the
@@ -104,7 +104,6 @@ class Ranks:
         nccl = dist.get_backend(group) == "nccl"
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._owed = False  # rank 0 inside a round whose record has not gone out yet
-        self.sampled = False  # the engine asks for sampled drafts (its spec's, at start)
 
     @property
     def leader(self) -> bool:
@@ -137,7 +136,6 @@ class Ranks:
         Raises:
             ValueError: naming each rank that differs from rank 0 and its variables.
         """
-        self.sampled = spec.sampled
         names, digests = config_digests(spec)
         mine = torch.tensor(digests, dtype=torch.int64, device=self._device)
         everyone = [torch.empty_like(mine) for _ in range(self.size)]
@@ -177,7 +175,6 @@ class Ranks:
         the answer; another rank's path (a :class:`FollowerPath`) receives it."""
         drafts = path.round(batch)
         if self.leader:
-            drafts = q_held_to(drafts, self.sampled)
             self._owed = False
             header, body = drafts_record(drafts)
             self._send(*header, body=body)
@@ -198,7 +195,7 @@ class Ranks:
                 f"tp_group rank {self.rank}: a batch of {n} entries, but rank 0's had {got}: "
                 "every rank must pass the same batch"
             )
-        return q_held_to(drafts_from_record(header, body), self.sampled)
+        return drafts_from_record(header, body)
 
     # ------------------------------------------------------------------ records
 
@@ -333,24 +330,6 @@ def drafts_from_record(header: list[int], body: torch.Tensor | None) -> Drafts:
     return Drafts(
         tokens, counts, margins, SOURCES[source], Outcome(outcome), resync, bool(resync_all), q_ids, q_weights
     )
-
-
-def q_held_to(d: Drafts, sampled: bool) -> Drafts:
-    """``d`` with q exactly when the engine is ``sampled``: an answer that drafted nothing
-    and carried no q gets zeros (as ``empty_drafts``); q of an unsampled engine is dropped.
-
-    Raises:
-        RuntimeError: a sampled engine's answer drafted tokens but carried no q.
-    """
-    if not sampled:
-        return d if d.q_ids is None else dataclasses.replace(d, q_ids=None, q_weights=None)
-    if d.q_ids is not None:
-        return d
-    if bool(d.counts.any()):
-        raise RuntimeError("a sampled engine's answer drafted tokens without their distributions (q)")
-    n, k = d.tokens.shape
-    zeros = torch.zeros(n, k, wire.SAMPLED_TOP, dtype=torch.int32)
-    return dataclasses.replace(d, q_ids=zeros, q_weights=zeros.to(torch.uint16))
 
 
 def config_digests(spec: Spec) -> tuple[list[str], list[int]]:

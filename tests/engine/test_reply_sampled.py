@@ -1,7 +1,7 @@
 """The engine's check of a sampled session's DRAFTS (``engine.reply`` rule 5): each
 counted position's distribution by the shared rule (``remote_dspark.sampled``), the
 first broken position named by entry and draft; what lies past a count is never read.
-(The C twin comes with the engine's sampled rounds: ``test_reply_check`` then holds both.)"""
+(Its C twin, the proxy's, is held equal to it by ``test_reply_check``.)"""
 
 import re
 

@@ -10,7 +10,6 @@ RANK_LIMIT_S (then it dumps its stacks and exits), a collective GROUP_TIMEOUT_S.
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import json
 import multiprocessing
@@ -460,22 +459,6 @@ def test_an_empty_sampled_record_is_the_header_alone():
     assert body.numel() == 0
     got = drafts_from_record(header, None)
     assert got.q_ids.shape == (0, 4, 32) and got.q_weights.dtype == torch.uint16
-
-
-def test_q_is_held_to_the_engine():
-    """A sampled engine's drafts carry q (zeros where an answer drafted nothing and
-    carried none, as empty_drafts); an unsampled engine's never do."""
-    from remote_dspark.engine.drafts import empty_drafts
-    from remote_dspark.engine.ranks import q_held_to
-
-    empty = empty_drafts(2, 3, Outcome.NO_PROXY, False)
-    filled = q_held_to(empty, True)
-    assert filled.q_ids.shape == (2, 3, 32) and not filled.q_ids.any() and filled.q_weights.dtype == torch.uint16
-    assert q_held_to(sample_drafts(), False).q_ids is None
-    d = sample_drafts()
-    assert q_held_to(d, True) is d
-    with pytest.raises(RuntimeError, match="without their distributions"):
-        q_held_to(dataclasses.replace(d, q_ids=None, q_weights=None), True)
 
 
 class LoopbackDist:
