@@ -167,7 +167,9 @@ def test_sampled_twins_of_every_cpu_row_within_the_sampled_cap(lib, capfd, child
     for mode in round_options.MODES:
         greedy, twin = rows[(mode, False)], rows[(mode, True)]
         assert greedy["x_greedy"] is None, mode
-        assert twin["x_greedy"] == pytest.approx(twin["p50_ms"] / greedy["p50_ms"], abs=0.02), mode
+        assert twin["x_greedy"] == pytest.approx(twin["p50_ms"] / greedy["p50_ms"], rel=0.01, abs=0.01), (
+            mode
+        )  # (p50_ms is rounded)
     for mode in round_options.ENGINE_MODES:
         assert rows[(mode, True)]["not_ok"] == 0, (mode, rows[(mode, True)]["outcomes"])
     floor = rows[("floor", True)]
