@@ -170,9 +170,12 @@ class CudaBackend:
             raise RuntimeError("CUDA hand-off self-test: the stream's write never reached host memory")
 
     def device_view(self, offset: int, shape: tuple[int, ...], dtype):
-        """A CUDA tensor aliasing ``shape`` of the registered region at ``offset``."""
+        """A CUDA tensor aliasing ``shape`` of the registered region at ``offset``
+        (uint16, which the array interface may not map to torch, is viewed through int16)."""
         torch = self._torch
-        typestr = {torch.uint8: "|u1", torch.int32: "<i4", torch.float32: "<f4"}[dtype]
+        if dtype == torch.uint16:
+            return self.device_view(offset, shape, torch.int16).view(torch.uint16)
+        typestr = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.float32: "<f4"}[dtype]
 
         class _Mapped:  # __cuda_array_interface__ v3: a view, not a copy
             __cuda_array_interface__ = {
