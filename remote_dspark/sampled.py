@@ -33,18 +33,18 @@ def violation(ids, weights, tokens, vocab: int) -> tuple[int, str] | None:
         w = w.astype(np.int64)
     if ids.dtype != np.int32:
         ids = ids.astype(np.int64)
-    outside = ((ids < 0) | (ids >= vocab)).any(axis=1)
     srt = np.sort(ids, axis=1)
+    if _holds(np, ids, srt, w, tokens, vocab):
+        return None
+    # Something is wrong: the per-position masks, to name the first position and part.
+    outside = ((ids < 0) | (ids >= vocab)).any(axis=1)
     same = srt[:, 1:] == srt[:, :-1]
     total = w.sum(axis=1, dtype=np.int64)
     weights_off = total != TOTAL
     if w.dtype != np.uint16:  # (a uint16 is always within 0..TOTAL)
         weights_off |= ((w < 0) | (w > TOTAL)).any(axis=1)
     absent = ~((ids == tokens[:, None]) & (w > 0)).any(axis=1)
-    bad = outside | same.any(axis=1) | weights_off | absent
-    if not bad.any():
-        return None
-    at = int(np.argmax(bad))
+    at = int(np.argmax(outside | same.any(axis=1) | weights_off | absent))
     if outside[at]:
         return at, f"id {ids[at][(ids[at] < 0) | (ids[at] >= vocab)][0]} outside 0..{vocab - 1}"
     if same[at].any():
@@ -52,6 +52,30 @@ def violation(ids, weights, tokens, vocab: int) -> tuple[int, str] | None:
     if weights_off[at]:
         return at, f"weights sum to {total[at]} (each 0..{TOTAL}), expected exactly {TOTAL}"
     return at, f"drafted token {tokens[at]} not among its ids of weight > 0"
+
+
+def _holds(np, ids, srt, w, tokens, vocab: int) -> bool:
+    """Whether every position keeps the rule, by whole-array tests (no per-row reduction
+    but the weights' sums, which BLAS does for uint16 weights: float32 sums of at most
+    32 x 65535 are exact)."""
+    if ids.dtype == np.int32 and vocab <= 2**31:
+        if (ids.view(np.uint32) >= vocab).any():  # a negative id is >= 2**31 as uint32
+            return False
+    elif ((ids < 0) | (ids >= vocab)).any():
+        return False
+    if (srt[:, 1:] == srt[:, :-1]).any():
+        return False
+    if w.dtype == np.uint16:
+        total = w.astype(np.float32) @ np.ones(w.shape[1], np.float32)
+    else:
+        total = w.sum(axis=1)
+        if ((w < 0) | (w > TOTAL)).any():
+            return False
+    if (total != TOTAL).any():
+        return False
+    # ids are distinct now: each position has its token at most once, so "among its ids of
+    # weight > 0" everywhere is one match per position.
+    return int(np.count_nonzero((ids == tokens[:, None]) & (w > 0))) == len(tokens)
 
 
 def check_sampled(ids, weights, tokens, vocab: int) -> str | None:

@@ -380,9 +380,15 @@ def _checked_distributions(result: DraftResult, batch: DraftBatch, tokens, live)
         if got is None or np.shape(got) != (n, width, TOP):
             want = (n, width, TOP)
             raise ValueError(f"drafter result {name}: shape {np.shape(got)}, expected {want} (a sampled round)")
-    ids = np.where(live[..., None], result.q_ids, 0).astype(np.int32, copy=False)
-    weights = np.where(live[..., None], result.q_weights, 0).astype(np.uint16, copy=False)
-    why = check_sampled(ids[live], weights[live], tokens[live], np.iinfo(np.int32).max)  # the engine: its vocabulary
+    if live.all():  # every position drafted (the common round): nothing to zero or to mask
+        ids = np.asarray(result.q_ids).astype(np.int32, copy=False)
+        weights = np.asarray(result.q_weights).astype(np.uint16, copy=False)
+        drafted = (ids.reshape(-1, TOP), weights.reshape(-1, TOP), np.asarray(tokens).reshape(-1))
+    else:
+        ids = np.where(live[..., None], result.q_ids, 0).astype(np.int32, copy=False)
+        weights = np.where(live[..., None], result.q_weights, 0).astype(np.uint16, copy=False)
+        drafted = (ids[live], weights[live], tokens[live])
+    why = check_sampled(*drafted, np.iinfo(np.int32).max)  # the engine holds them to its vocabulary
     if why is not None:
         raise ValueError(f"drafter result distributions: {why}")
     return ids, weights

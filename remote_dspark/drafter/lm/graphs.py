@@ -85,11 +85,18 @@ def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Sampling(NamedTuple):
     """A sampled round's inputs on the device, one per entry (a padding entry's are 0:
-    greedy)."""
+    greedy), and the round's randomness, hashed once for every draft (one pass of the
+    hash's few dozen elementwise kernels, not one per step)."""
 
     temperature: torch.Tensor  # [n] float32 (0: greedy)
-    seed: torch.Tensor  # [n] int64: the uint64 seed's bits
-    first: torch.Tensor  # [n] int64: the absolute position of the entry's draft 0
+    u32: torch.Tensor  # [n, width] int64: uniform_u32(seed, first + j, j), first the absolute position of draft 0
+
+    @classmethod
+    def of(cls, temperature: torch.Tensor, seed: torch.Tensor, first: torch.Tensor, width: int) -> Sampling:
+        """The round's sampling from its per-entry ``temperature``, ``seed`` (the uint64's
+        bits) and ``first`` (draft 0's absolute position), for ``width`` drafts."""
+        j = torch.arange(width, device=seed.device)
+        return cls(temperature, uniform_u32(seed[:, None], first[:, None] + j, j))
 
 
 def choose(logits: torch.Tensor, sampling: Sampling | None, j: int) -> tuple[torch.Tensor, ...]:
@@ -98,13 +105,14 @@ def choose(logits: torch.Tensor, sampling: Sampling | None, j: int) -> tuple[tor
     Greedy (``sampling`` None): (token [n] int64, margin [n] float32), :func:`top2`.
     Sampled: (token, margin, ids [n, TOP] int32, weights [n, TOP] int32): ``ids, weights
     = top32(logits, temperature)`` and the token ``pick(ids, weights, uniform_u32(seed,
-    first + j, j))`` (rule 1-3 of :mod:`remote_dspark.drafter.sampling`); the margin is
+    first + j, j))`` (rule 1-3 of :mod:`remote_dspark.drafter.sampling`; the uniform is
+    ``sampling.u32[:, j]``, hashed for the whole round at once); the margin is
     still softmax's top1 - top2 of the same logits (temperature 1), as in a greedy round.
     No host sync on CUDA."""
     if sampling is None:
         return top2(logits)
     ids, weights = top32(logits, sampling.temperature)
-    token = pick(ids, weights, uniform_u32(sampling.seed, sampling.first + j, j)).long()
+    token = pick(ids, weights, sampling.u32[:, j]).long()
     return token, top2(logits)[1], ids, weights  # top2 last: it overwrites float32 logits
 
 
@@ -273,7 +281,7 @@ class Rounds:
         per = inp[3 * grid :].view(-1, entries)  # [3 or 6, entries]
         last, origin, rows = per[0], per[1], per[2]
         # The temperature's float32 bits (non-negative: below 2**31) back to float32.
-        sampling = Sampling(per[3].int().view(torch.float32), per[4], per[5]) if sampled else None
+        sampling = Sampling.of(per[3].int().view(torch.float32), per[4], per[5], width) if sampled else None
         every = torch.arange(entries, device=inp.device)
         kv = self.store.kv
         h = self.model.forward_kv(tok, pos, kv, rows, write, origin)
