@@ -133,3 +133,58 @@ def test_launch_gives_a_sampled_engine_the_distributions_on_the_device(worker, t
         assert out.q_ids.is_cuda and out.q_weights.is_cuda and out.q_weights.dtype == torch.uint16
         for field in ("counts", "tokens", "q_ids", "q_weights"):
             assert getattr(out, field).cpu().equal(getattr(sync, field)), field
+
+
+class GatedSampling(MarkovDrafter):
+    """A sampling Markov drafter whose rounds wait for ``gate`` (bounded), saying when
+    one is waiting: a round held in flight on purpose."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__(builtin_model())
+        self.gate, self.waiting = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def draft_batch(self, batch):
+        if not self.gate.is_set():
+            self.waiting.set()
+            self.gate.wait(10.0)
+        return super().draft_batch(batch)
+
+
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.THREAD, Mode.PROCESS])
+def test_a_sampled_round_in_flight_when_close_runs_comes_back_empty_with_zero_q(tmp_path, mode):
+    """close() from another thread while a sampled round waits on the worker: that round
+    is answered target-only, its q zeros of the round's shape (no stale distribution of
+    an earlier round), and close() returns."""
+    import threading
+
+    drafter = GatedSampling()
+    with Worker(drafter, "127.0.0.1", 0, window=64) as w:
+        env = drafter_env(
+            drafter,
+            w.port,
+            mode,
+            stats_file=str(tmp_path / "stats.json"),
+            VLLM_DSPARK_SAMPLED_TOP32="1",
+            VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+        )
+        rd = RemoteDSpark(RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0).start()
+        try:
+            assert until(lambda: rd.round(batch()).outcome is Outcome.OK, 20.0, 0.01)
+            drafter.gate.clear()
+            got = []
+            t = threading.Thread(target=lambda: got.append(rd.round(batch())))
+            t.start()
+            assert drafter.waiting.wait(10.0)
+            rd.close()
+            t.join(10.0)
+            assert not t.is_alive()
+        finally:
+            drafter.gate.set()
+            rd.close()
+    (out,) = got
+    assert out.outcome is not Outcome.OK and not out.counts.any()
+    assert out.q_ids.shape == out.q_weights.shape == (SLOTS, K, TOP)
+    assert not out.q_ids.any() and not out.q_weights.to(torch.int32).any()
