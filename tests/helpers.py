@@ -28,6 +28,31 @@ REPO = str(Path(__file__).resolve().parents[1])
 TESTS = Path(__file__).resolve().parent
 CHILD_TIMEOUT_S = 20
 
+
+def tiny_llama(seed: int, vocab: int, *, init: float = 0.5, positions: int = 256):
+    """A tiny Llama (2 layers, 32 wide) of ``vocab`` ids in eval mode, its weights seeded
+    ``seed`` (``init``, the initializer range: 0.5 gives peaked next-token distributions,
+    0.1 flat ones), with no begin, end or pad token (every generation runs its tokens)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 P_VALUE_MIN = 1e-4
 """A chi-square test passes above this p-value: a correct sampler fails one such test with
 probability 1e-4 over seeds; under a test's fixed seeds its outcome is fixed."""

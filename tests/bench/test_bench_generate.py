@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import tiny_llama
 
 from remote_dspark.cli import main as cli
 
@@ -46,35 +47,17 @@ def test_every_mode_generates_the_targets_tokens_and_both_assistants_draft_alike
     assert all(r["tokens_per_forward"] == round(1 + r["accepted_per_round"], 3) for r in rows.values())
 
 
-def tiny_llama(path, seed: int) -> str:
+def saved_llama(path, seed: int) -> str:
     """A tiny Llama of 64 ids saved in ``path`` (wide weights: peaked next-token
-    distributions, so a draft's top 32 ids hold nearly all of its mass), with no
-    end-of-sequence token (every generation runs its tokens)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    distributions, so a draft's top 32 ids hold nearly all of its mass)."""
+    tiny_llama(seed, 64).save_pretrained(path)
     return str(path)
 
 
 @pytest.mark.slow
 def test_sample_rows_compare_the_remote_sampled_drafts_with_transformers_own_assistant(capsys, tmp_path):
     pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
-    target, draft = tiny_llama(tmp_path / "target", 0), tiny_llama(tmp_path / "draft", 0)
+    target, draft = saved_llama(tmp_path / "target", 0), saved_llama(tmp_path / "draft", 0)
     argv = ["--target", target, "--draft", draft, "--modes", "plain,sync", "--sample", "--prompts", "2"]
     assert cli.main(["bench", "generate", *argv, "--new-tokens", "24", "--device", "cpu", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

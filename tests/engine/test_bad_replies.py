@@ -232,7 +232,8 @@ def engine(port: int, tmp_path, mode: str, env_extra: dict, **kw) -> RemoteDSpar
     return RemoteDSpark(RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=4, row_bytes=8, **kw)
 
 
-def batch() -> Batch:
+def batch(**sampling) -> Batch:
+    """The round every case answers (``sampling``: a sampled engine's temperature and seed)."""
     return Batch.from_lists(
         [0, 1],
         [[1], [3]],
@@ -241,6 +242,7 @@ def batch() -> Batch:
         torch.zeros(2, 8, dtype=torch.uint8),
         torch.arange(2),
         n_out=list(N_OUT),
+        **sampling,
     )
 
 
@@ -438,17 +440,7 @@ SAMPLED_CASES = {
 
 
 def sampled_batch() -> Batch:
-    return Batch.from_lists(
-        [0, 1],
-        [[1], [3]],
-        [0, 0],
-        [True, True],
-        torch.zeros(2, 8, dtype=torch.uint8),
-        torch.arange(2),
-        n_out=list(N_OUT),
-        temperature=[1.0, 0.5],
-        seed=[3, 2**64 - 1],
-    )
+    return batch(temperature=[1.0, 0.5], seed=[3, 2**64 - 1])
 
 
 @pytest.mark.parametrize("mode", ["sync", "process"])

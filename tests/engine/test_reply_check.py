@@ -30,6 +30,7 @@ from remote_dspark.transport.tcp import TcpStream
 SESSION = 0x5E55
 VOCAB = 100
 LAYOUT = layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24)
+S_LAYOUT = layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24, sampled=True)
 K = LAYOUT.num_spec
 TERMS = [(v, m) for v in (0, VOCAB) for m in (False, True)]  # (vocab_size, want_margin) of a session
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
@@ -40,11 +41,13 @@ class Both:
     reader (``ProxyEnd.unpack``, ``hf_unpack``) and the Python one (``decode_drafts`` then
     ``check_reply``). Every call is a (RoundEvent, why) verdict."""
 
-    def __init__(self, lib, vocab_size: int, want_margin: bool):
-        self.vocab_size, self.want_margin = vocab_size, want_margin
-        self.region = shm.Region.create(LAYOUT)
+    def __init__(self, lib, vocab_size: int, want_margin: bool, want_sampled: bool = False):
+        self.vocab_size, self.want_margin, self.want_sampled = vocab_size, want_margin, want_sampled
+        self.region = shm.Region.create(S_LAYOUT if want_sampled else LAYOUT)
         self.eng = ring.EngineEnd(self.region, lib)
-        self.end = ring_end.ProxyEnd(self.region, lib, vocab_size=vocab_size, want_margin=want_margin)
+        self.end = ring_end.ProxyEnd(
+            self.region, lib, vocab_size=vocab_size, want_margin=want_margin, want_sampled=want_sampled
+        )
         self.r = self.eng.reserve(1)  # one round id, its descriptor rewritten per case
         self.entries: list[wire.Entry] = []
         self.decoded = False  # the last py() verdict came from check_reply, past the frame's own rules
@@ -64,6 +67,7 @@ class Both:
             K,
             self.vocab_size,
             self.want_margin,
+            self.want_sampled,
         )
         self.decoded = False
         try:
@@ -505,7 +509,6 @@ def test_fuzz_mutated_valid_frames_raise_only_protocol_errors(data):
 
 # ------------------------------------------------------------------ sampled sessions (rule 5)
 
-S_LAYOUT = layout.Layout(depth=4, max_slots=6, row_bytes=8, num_spec=4, max_tokens=24, sampled=True)
 S_ENTRIES = [
     wire.Entry(3, 2, 0, [1], temperature=0.7, seed=5),
     wire.Entry(1, 3, 5, [2, 4], temperature=0.0, seed=2**64 - 1),
@@ -514,44 +517,9 @@ S_TERMS = [(v, m) for v in (0, VOCAB) for m in (False, True)]  # (vocab_size, wa
 TOP = wire.SAMPLED_TOP
 
 
-class BothSampled(Both):
-    """``Both`` for a sampled session: a sampled region, its descriptors with temperature
-    and seed, and both rules told the session asked for distributions."""
-
-    def __init__(self, lib, vocab_size: int, want_margin: bool):
-        self.vocab_size, self.want_margin = vocab_size, want_margin
-        self.region = shm.Region.create(S_LAYOUT)
-        self.eng = ring.EngineEnd(self.region, lib)
-        self.end = ring_end.ProxyEnd(
-            self.region, lib, vocab_size=vocab_size, want_margin=want_margin, want_sampled=True
-        )
-        self.r = self.eng.reserve(1)
-        self.entries, self.decoded = [], False
-
-    def py(self, payload: bytes) -> tuple[RoundEvent, str]:
-        asked = Asked(
-            np.array([e.slot for e in self.entries], dtype=np.int64),
-            np.array([e.n_out for e in self.entries], dtype=np.int64),
-            K,
-            self.vocab_size,
-            self.want_margin,
-            True,
-        )
-        self.decoded = False
-        try:
-            d = wire.decode_drafts(wire.Header(wire.DRAFTS, len(payload), SESSION, self.r), payload)
-            self.decoded = True
-            check_reply(d, asked)
-        except wire.BadReply as e:
-            return RoundEvent.BAD_REPLY, str(e)
-        except wire.ProtocolError as e:
-            return RoundEvent.PROTOCOL, str(e)
-        return RoundEvent.OK, ""
-
-
 @pytest.fixture(scope="module")
 def both_sampled(lib):
-    sessions = {terms: BothSampled(lib, *terms) for terms in S_TERMS}
+    sessions = {terms: Both(lib, *terms, want_sampled=True) for terms in S_TERMS}
     yield sessions
     for b in sessions.values():
         b.close()

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from helpers import tiny_llama
 
 from remote_dspark.config import RemoteConfig
 from remote_dspark.demo.harness import engine_env
@@ -33,18 +34,7 @@ def tiny(kind: str, seed: int):
             vocab_size=128, n_positions=512, n_embd=32, n_layer=2, n_head=2, initializer_range=0.5, **no_ends
         )
         return transformers.GPT2LMHeadModel(config).eval()
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.5,
-        **no_ends,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama(seed, 128, positions=512)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])

@@ -15,6 +15,7 @@ min(p, q)'s mass, many standard errors above token matching's sum p q."""
 import numpy as np
 import pytest
 import torch
+from helpers import P_VALUE_MIN, chi2_p, tiny_llama
 
 from remote_dspark.config import RemoteConfig
 from remote_dspark.demo.harness import engine_env
@@ -30,27 +31,12 @@ VOCAB, K, WINDOW = 64, 4, 64
 PROMPT = [5, 17, 3, 9, 42, 7]
 SAMPLES = 1500
 SAMPLING = dict(do_sample=True, temperature=1.0, top_k=40, top_p=0.95)  # as the target samples
-P_MIN = 1e-4  # chi-square's threshold: an exact sampler falls under it with probability 1e-4
 
 
 def tiny(seed: int, init: float = 0.1):
     """A tiny Llama of VOCAB ids seeded ``seed`` (small weights: flat next-token
-    distributions), with no end-of-sequence token."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=init,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    distributions)."""
+    return tiny_llama(seed, VOCAB, init=init)
 
 
 @pytest.fixture(scope="module")
@@ -106,18 +92,8 @@ def target_distributions(target) -> tuple[np.ndarray, np.ndarray]:
 
 
 def chi_square_p(tokens: np.ndarray, p: np.ndarray) -> float:
-    """Pearson's chi-square p-value of ``tokens`` against ``p``, the ids expected fewer
-    than 5 times pooled into one cell."""
-    expected = p * len(tokens)
-    observed = np.bincount(tokens, minlength=len(p)).astype(np.float64)
-    small = expected < 5
-    exp = np.append(expected[~small], expected[small].sum())
-    obs = np.append(observed[~small], observed[small].sum())
-    keep = exp > 0
-    assert obs[~keep].sum() == 0, "a token of probability zero was drawn"
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+    """``helpers.chi2_p`` of the ``tokens`` drawn against probabilities ``p``."""
+    return chi2_p(np.bincount(tokens, minlength=len(p)), p * len(tokens))
 
 
 def draws(target, rd, n: int) -> np.ndarray:
@@ -138,8 +114,8 @@ def test_sampled_drafts_keep_the_targets_distribution_and_are_accepted_as_min_p_
         rd.close()
         worker.stop()
     p1, p2 = target_distributions(target)
-    assert chi_square_p(tokens[:, 0], p1) > P_MIN
-    assert chi_square_p(tokens[:, 1], p2) > P_MIN
+    assert chi_square_p(tokens[:, 0], p1) > P_VALUE_MIN
+    assert chi_square_p(tokens[:, 1], p2) > P_VALUE_MIN
     # Each generation is one round of one draft at PROMPT's end, q the draft's top 32.
     assert s.offered_at[0] == SAMPLES and sum(s.offered_at[1:]) == 0
     with torch.no_grad():
