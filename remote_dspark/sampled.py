@@ -73,8 +73,8 @@ def _holds(np, ids, srt, w, tokens, vocab: int) -> bool:
             return False
     if (total != TOTAL).any():
         return False
-    # ids are distinct now: each position has its token at most once, so "among its ids of
-    # weight > 0" everywhere is one match per position.
+    # The ids are distinct (checked above), so each position lists its token at most once:
+    # "among its ids of weight > 0" everywhere is one match per position.
     return int(np.count_nonzero((ids == tokens[:, None]) & (w > 0))) == len(tokens)
 
 
