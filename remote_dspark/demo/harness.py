@@ -144,6 +144,7 @@ class WorkerProcess:
         self.proc: subprocess.Popen | None = None
         self.identity = ""
         self.markov_identity = ""
+        self.metrics_url = ""  # its /metrics, when ``extra`` asks for them (--metrics-port)
         self._lock = threading.RLock()  # a signal never reaches a worker that is starting
         # The stats files of the engines pointed at this worker: never the contract's
         # shared default path. Removed when this object goes (its finalizer), not at
@@ -183,6 +184,8 @@ class WorkerProcess:
         # The identities follow the first line at once (printed together).
         self.identity = self.proc.stdout.readline().strip().split("=", 1)[1]
         self.markov_identity = self.proc.stdout.readline().strip().split("=", 1)[1]
+        if "--metrics-port" in self.extra:  # its metrics address follows at once
+            self.metrics_url = self.proc.stdout.readline().split("metrics on ", 1)[1].split()[0]
         # stdout stays open until the worker is gone: a line it prints later (its metrics
         # address) then waits in the pipe instead of failing the worker with EPIPE.
 

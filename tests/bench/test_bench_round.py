@@ -146,6 +146,10 @@ def test_tiny_full_run_reports_every_cpu_row(lib, capfd, children, monkeypatch):
         assert rows[mode]["not_ok"] == 0, (mode, rows[mode]["outcomes"])
         assert rows[mode]["engine_cpu_ms"] is not None and rows[mode]["engine_cpu_ms"] >= 0
         assert rows[mode]["engine_cpu_per_wall"] >= 0
+    for mode in round_options.ENGINE_MODES:  # the worker's own time, from its /metrics, within the round's
+        inside = rows[mode]
+        assert 0 < inside["worker_drafting_ms"] <= inside["worker_ms"], (mode, inside)
+    assert "worker_ms" not in rows["floor"] and "worker_ms" not in rows["draft"]
     assert rows["sync"]["x_sync"] is None
     assert rows["thread"]["x_sync"] is not None and rows["process"]["x_sync"] is not None
     assert rows["floor"]["engine_cpu_ms"] is None and rows["draft"]["engine_cpu_ms"] is None
@@ -301,3 +305,13 @@ def test_goals_and_the_table_from_a_report():
     assert proc and proc[0].endswith("2 NOT OK: timeout 2")
     assert any(line.startswith("goal process engine CPU") and line.endswith("NOT met") for line in lines)
     assert any(line.startswith("goal process p50 / floor p50") and line.endswith(", met") for line in lines)
+
+
+def test_the_worker_s_time_per_round_is_the_difference_of_its_totals_over_the_rounds_between():
+    from remote_dspark.bench.round import worker_time
+
+    before, after = worker_time.Totals(1.0, 10, 0.5), worker_time.Totals(1.3, 110, 0.6)
+    assert worker_time.per_round(before, after) == {"worker_ms": 3.0, "worker_drafting_ms": 1.0}
+    assert worker_time.per_round(after, after) == {"worker_ms": None, "worker_drafting_ms": None}
+    with pytest.raises(RuntimeError, match="the worker's metrics at http://127.0.0.1:9/metrics"):
+        worker_time.read("http://127.0.0.1:9/metrics")  # nothing listens on the discard port

@@ -169,7 +169,7 @@ def format_table(report: dict) -> str:
         + (f", metadata on {'the GPU' if c['device_metadata'] else 'the host'}" if c["device"] == "cuda" else ""),
     ]
     head = (
-        f"{'slots':>6}  {'mode':<34}{'rounds':>7}{'p50':>10}{'p99':>10}{'x floor':>9}{'x sync':>8}"
+        f"{'slots':>6}  {'mode':<34}{'rounds':>7}{'p50':>10}{'p99':>10}{'worker':>9}{'x floor':>9}{'x sync':>8}"
         f"{'x greedy':>10}{'engine cpu':>12}  not ok"
     )
     lines += [head, "-" * len(head)]
@@ -186,7 +186,8 @@ def format_table(report: dict) -> str:
         )
         lines.append(
             f"{r['slots']:>6}  {DESCRIBE[r['mode']] + (', sampled' if r.get('sampled') else ''):<34}"
-            f"{r['rounds']:>7}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{_f(r['x_floor'], '.2f', 9)}"
+            f"{r['rounds']:>7}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{_f(r.get('worker_ms'), '.3f', 9)}"
+            f"{_f(r['x_floor'], '.2f', 9)}"
             f"{_f(r['x_sync'], '.2f', 8)}{_f(r.get('x_greedy'), '.2f', 10)}{_f(r['engine_cpu_ms'], '.3f', 12)}  {flag}"
         )
     busy = [r for r in report["rows"] if "engine_cpu_per_wall" in r]

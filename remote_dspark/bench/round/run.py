@@ -44,6 +44,12 @@ for the round's release spins (``ASYNC_SPIN_US``, then it sleeps), so its own CP
 CPU the round costs the engine.
 For sync it is reported as is (its wait is a blocking receive).
 
+``worker`` (engine and launch rows) is the worker's own time per measured round, from
+its ``/metrics`` read before and after them (:mod:`.worker_time`): the mean time from a
+ROUND in to its DRAFTS sent, of which ``worker_drafting_ms`` (JSON) was the drafter's
+calls. What the round's end-to-end p50 adds to it is the engine, the proxy and the
+transport.
+
 ``engine_cpu_per_wall`` (engine rows) is the engine process's CPU seconds (every
 thread: in thread mode the proxy's too) per wall-second over the measured rounds, batch
 building included. Against a worker that answers at once every row is busy all along;
@@ -86,6 +92,7 @@ import os
 import tempfile
 import time
 
+from . import worker_time
 from .feeder import Feeder, synthetic_text
 from .floor import floor_row
 from .options import (
@@ -249,6 +256,7 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str, sam
     with engine(worker, opts, mode, slots, stats_dir, sampled=sampled) as rd:
         for i in range(opts.warmup + rounds):
             if i == opts.warmup:
+                before = worker_time.read(worker.metrics_url)
                 p0, s0 = time.process_time(), time.perf_counter()
             batch = feeder.next_batch()
             w0 = rd.wait_cpu_s if spins else 0.0
@@ -264,8 +272,9 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str, sam
                 cpu.append(max(0, (c1 - c0) - round((w1 - w0) * 1e9)))
                 outcomes[out.outcome.label] += 1
         per_wall = (time.process_time() - p0) / (time.perf_counter() - s0)
+        inside = worker_time.per_round(before, worker_time.read(worker.metrics_url))
     not_ok = rounds - outcomes["ok"]
-    extra = {"engine_cpu_per_wall": round(per_wall, 3)}
+    extra = {"engine_cpu_per_wall": round(per_wall, 3), **inside}
     return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes), extra, sampled)
 
 
@@ -282,6 +291,8 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool 
     pairs, cpu, wall = [], [], []
     with engine(worker, opts, "process", slots, stats_dir, device="cuda", sampled=sampled) as rd:
         for i in range(opts.warmup + rounds):
+            if i == opts.warmup:
+                before = worker_time.read(worker.metrics_url)
             batch = feeder.next_batch()
             stream.synchronize()
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -299,6 +310,7 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool 
                 cpu.append(c1 - c0)
                 wall.append(t1 - t0)
         counted = rd.stats().rounds  # launched rounds are counted once collected
+        inside = worker_time.per_round(before, worker_time.read(worker.metrics_url))
     lat = [int(a.elapsed_time(b) * 1e6) for a, b in pairs]
     outcomes = {o.label: n for o, n in counted.items() if n}
     not_ok = sum(counted.values()) - outcomes.get("ok", 0)
@@ -315,6 +327,7 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool 
             "launch_wall_p99_ms": ns_to_ms(pct(wall, 0.99)),
             "launch_cpu_p99_ms": ns_to_ms(pct(cpu, 0.99)),
             "outcomes_over": "every launched round, warm-up included",
+            **inside,
         },
         sampled=sampled,
     )
@@ -405,10 +418,10 @@ def run_all(opts: Options) -> list[Row]:
             from ...demo.harness import WorkerProcess, worker_limits
 
             drafter = ("--drafter", "lm") if opts.drafter == "lm" else ()
+            limits = worker_limits(max(opts.slots), opts.row_bytes)
+            metrics = ("--metrics-port", "0")  # its own time per round (worker_time)
             worker = stack.enter_context(
-                WorkerProcess(
-                    late_ms=opts.worker_late_ms, extra=(*worker_limits(max(opts.slots), opts.row_bytes), *drafter)
-                )
+                WorkerProcess(late_ms=opts.worker_late_ms, extra=(*limits, *drafter, *metrics))
             )
             if opts.worker_late_ms:
                 worker.answer_late()  # its handler is set before its first line: never lost
