@@ -108,6 +108,11 @@ def check_arguments(
         not hasattr(vocab_size, "__index__") or isinstance(vocab_size, bool) or not 1 <= vocab_size <= wire.MAX_VOCAB
     ):
         raise ValueError(f"vocab_size={vocab_size!r}: must be None (unknown) or an int in 1..{wire.MAX_VOCAB}")
+    if cfg.sampled_top32 and vocab_size is not None and vocab_size < wire.SAMPLED_TOP:
+        raise ValueError(
+            f"vocab_size={vocab_size}: a sampled engine's drafts list {wire.SAMPLED_TOP} distinct ids a position "
+            "(VLLM_DSPARK_SAMPLED_TOP32=1), so its vocabulary must have at least that many"
+        )
 
 
 class RemoteDSpark:

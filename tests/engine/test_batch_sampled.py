@@ -154,3 +154,10 @@ def test_a_sampled_engine_refuses_sizes_over_the_sampled_caps(num_spec, max_slot
     with pytest.raises(ValueError, match=why):
         RemoteDSpark(config(VLLM_DSPARK_SAMPLED_TOP32="1"), num_spec=num_spec, max_slots=max_slots, row_bytes=0)
     RemoteDSpark(config(), num_spec=num_spec, max_slots=max_slots, row_bytes=0).close()
+
+
+def test_a_sampled_engine_refuses_a_vocabulary_smaller_than_its_32_ids():
+    cfg = RemoteConfig.from_env(engine_env(1, "00" * 32, "00" * 32, Mode.SYNC, VLLM_DSPARK_SAMPLED_TOP32="1"))
+    with pytest.raises(ValueError, match=r"^vocab_size=31: a sampled engine's drafts list 32 distinct ids"):
+        RemoteDSpark(cfg, num_spec=4, max_slots=8, row_bytes=0, vocab_size=31)
+    RemoteDSpark(cfg, num_spec=4, max_slots=8, row_bytes=0, vocab_size=32).close()
