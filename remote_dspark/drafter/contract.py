@@ -212,6 +212,32 @@ def mixed_sessions_of(drafter) -> bool:
     return bool(getattr(drafter, "mixed_sessions", False))
 
 
+def sampling_inputs(batch: DraftBatch):
+    """A sampled round's temperatures ([n] float32, finite and >= 0, -0.0 made +0.0) and
+    seeds ([n] uint64; int64 seeds are the same bits): what every sampling drafter reads.
+
+    Raises:
+        ValueError: naming ``temperature`` (missing, not [n], negative or not finite) or
+            ``seed`` (missing, not [n] integers).
+    """
+    import numpy as np
+
+    n = len(batch)
+    if batch.temperature is None or batch.seed is None:
+        raise ValueError(f"temperature / seed: {batch.temperature!r} / {batch.seed!r}: a sampled round needs both")
+    t = np.asarray(batch.temperature, np.float32)
+    if t.shape != (n,):
+        raise ValueError(f"temperature: shape {t.shape}, expected {(n,)}")
+    bad = ~(np.isfinite(t) & (t >= 0))
+    if bad.any():
+        raise ValueError(f"temperature {float(t[bad][0])} (entry {int(np.argmax(bad))}): expected a finite value >= 0")
+    seed = np.asarray(batch.seed)
+    if seed.shape != (n,) or seed.dtype.kind not in "iu":
+        raise ValueError(f"seed: shape {seed.shape} dtype {seed.dtype}, expected {(n,)} integers (uint64)")
+    wide = np.int64 if seed.dtype.kind == "i" else np.uint64
+    return t + np.float32(0), seed.astype(wide, copy=False).view(np.uint64)  # (-0.0 + 0 is +0.0)
+
+
 def samples_of(drafter) -> bool:
     """Whether ``drafter`` drafts sampled rounds (``samples``)."""
     return bool(getattr(drafter, "samples", False))

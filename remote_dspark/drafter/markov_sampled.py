@@ -44,7 +44,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .contract import DraftBatch, DraftResult
+from .contract import DraftBatch, DraftResult, sampling_inputs
 from .sampling import TOP, from_counts, pick, uniform_u32
 
 TABLES = 8  # temperatures whose distribution tables a model keeps
@@ -92,7 +92,7 @@ def draft_sampled(model, batch: DraftBatch) -> DraftResult:
             temperature that is negative or not finite).
     """
     n, width = len(batch), batch.width
-    temperature, seed = _checked(batch)
+    temperature, seed = sampling_inputs(batch)
     a = model.tables()
     cand, cnt, succ = a.sampled or _candidates(model, a)
     vocab = max(model.vocab_size, TOP)
@@ -146,23 +146,6 @@ def _distributions(a, cand, cnt, r, temperature, vocab) -> tuple[np.ndarray, np.
             r[at], float(t), lambda new, t=t: from_counts(cand[new], cnt[new], np.full(len(new), t, np.float32), vocab)
         )
     return ids, weights
-
-
-def _checked(batch: DraftBatch) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's temperatures ([n] float32, finite and >= 0) and seeds ([n] uint64)."""
-    n = len(batch)
-    if batch.temperature is None or batch.seed is None:
-        raise ValueError(f"temperature / seed: {batch.temperature!r} / {batch.seed!r}: a sampled round needs both")
-    t = np.asarray(batch.temperature, np.float32)
-    if t.shape != (n,):
-        raise ValueError(f"temperature: shape {t.shape}, expected {(n,)}")
-    bad = ~(np.isfinite(t) & (t >= 0))
-    if bad.any():
-        raise ValueError(f"temperature {float(t[bad][0])} (entry {int(np.argmax(bad))}): expected a finite value >= 0")
-    seed = np.asarray(batch.seed)
-    if seed.shape != (n,) or seed.dtype.kind not in "iu":
-        raise ValueError(f"seed: shape {seed.shape} dtype {seed.dtype}, expected {(n,)} integers (uint64)")
-    return t, seed.astype(np.uint64)  # int64 seeds: the same bits
 
 
 def _context_rows(model, a, batch: DraftBatch) -> np.ndarray:

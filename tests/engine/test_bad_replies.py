@@ -232,6 +232,18 @@ def engine(port: int, tmp_path, mode: str, env_extra: dict, **kw) -> RemoteDSpar
     return RemoteDSpark(RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=4, row_bytes=8, **kw)
 
 
+def served_round(eng, sync, loop, entries) -> int:
+    """One round of ``entries`` handed over on ``eng`` and served by the proxy ``loop``
+    (the ofl path: the loop's own round); its id."""
+    r = eng.reserve(1)
+    eng.write_entries(r, entries)
+    sync.signal(r)
+    rnd = loop.end.next_round(2.0)
+    assert rnd is not None and rnd.round == r
+    loop.serve(rnd)
+    return r
+
+
 def batch(**sampling) -> Batch:
     """The round every case answers (``sampling``: a sampled engine's temperature and seed)."""
     return Batch.from_lists(
@@ -292,12 +304,7 @@ def test_the_python_round_of_the_ofl_transports_refuses_the_same_replies(lib, tm
     entries = [wire.Entry(0, N_OUT[0], 0, [1], True), wire.Entry(1, N_OUT[1], 0, [3], True)]
 
     def ofl_round() -> ring.RoundDrafts:
-        r = eng.reserve(1)
-        eng.write_entries(r, entries)
-        sync.signal(r)
-        rnd = loop.end.next_round(2.0)
-        assert rnd is not None and rnd.round == r
-        loop.serve(rnd)
+        r = served_round(eng, sync, loop, entries)
         assert eng.released() == r
         return eng.drafts(r)
 
@@ -481,12 +488,7 @@ def test_the_python_round_of_the_ofl_transports_writes_a_sampled_reply_s_q_and_r
     entries = [wire.Entry(0, N_OUT[0], 0, [1], True, 1.0, 3), wire.Entry(1, N_OUT[1], 0, [3], True, 0.5, 4)]
 
     def ofl_round() -> tuple[ring.RoundDrafts, np.ndarray, np.ndarray]:
-        r = eng.reserve(1)
-        eng.write_entries(r, entries)
-        sync.signal(r)
-        rnd = loop.end.next_round(2.0)
-        assert rnd is not None and rnd.round == r
-        loop.serve(rnd)
+        r = served_round(eng, sync, loop, entries)
         cells = 2 * K * wire.SAMPLED_TOP
         with region.drafts(r & 3) as slot:
             ids = np.frombuffer(slot, np.int32, cells, lay.d_q_ids).reshape(2, K, -1).copy()

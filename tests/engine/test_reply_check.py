@@ -7,6 +7,7 @@ verdicts must agree, and the engine side's decoders must never raise anything bu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 import struct
@@ -450,11 +451,18 @@ def test_fuzz_replies_get_the_same_verdict_from_c_and_python(both, data):
     bad = data.draw(
         st.one_of(perturbed(fields).map(encoded), perturbed(fields).map(encoded), mutated(body), st.binary(max_size=96))
     )
-    c, py = b.c(bad), b.py(bad)  # py raises nothing but ProtocolError (anything else fails here)
+    same_verdict(b, bad)
+
+
+def same_verdict(b: Both, bad: bytes) -> None:
+    """C and Python give ``bad`` the same event (Python raising nothing but
+    ProtocolError: anything else fails here), and past the frame's own rules (each
+    reader words those) the same words."""
+    c, py = b.c(bad), b.py(bad)
     assert c[0] in (RoundEvent.OK, RoundEvent.PROTOCOL, RoundEvent.BAD_REPLY)
     assert c[0] == py[0], (c, py)
-    event(f"{c[0].name}, {'the reply rules' if b.decoded else 'the frame rules'}")
-    if b.decoded:  # past the frame's own rules (each reader words those), the words agree too
+    event(f"{c[0].name}, {py[1].split(': ')[-1][:20] if b.decoded else 'the frame rules'}")
+    if b.decoded:
         assert c[1] == py[1]
 
 
@@ -806,19 +814,13 @@ def test_fuzz_sampled_replies_get_the_same_verdict_and_words_from_c_and_python(b
     body = s_encoded(fields)
     assert b.c(body) == b.py(body) == (RoundEvent.OK, "")
     bad = data.draw(st.one_of(q_perturbed(fields).map(s_encoded), q_perturbed(fields).map(s_encoded), mutated(body)))
-    c, py = b.c(bad), b.py(bad)
-    assert c[0] == py[0], (c, py)
-    event(f"{c[0].name}, {py[1].split(': ')[-1][:20] if b.decoded else 'the frame rules'}")
-    if b.decoded:
-        assert c[1] == py[1]
+    same_verdict(b, bad)
 
 
-def test_c_checks_a_256_by_5_sampled_reply_in_well_under_a_round(lib):
-    """The distributions' check is on the proxy's critical path: 1,280 positions of 32
-    ids each (256 entries drafting 5). The whole ``unpack`` (the payload's copy into the
-    receive buffer, the checks, the widening into the image) took 81 us, best of 50, on
-    the development host (the C call 71 us, the distributions' check about 35 of them);
-    the bound leaves room for a slower CPU."""
+def test_c_holds_every_position_of_a_256_by_5_sampled_reply_to_the_rule(lib):
+    """A whole round's distributions (1,280 positions of 32 random distinct ids of a
+    131,072-id vocabulary): accepted, and one id repeated at the very last position is
+    found and named. (Its cost is ``bench round --sampled``'s to show, not this test's.)"""
     lay = layout.Layout(depth=2, max_slots=256, row_bytes=0, num_spec=5, max_tokens=256, sampled=True)
     with shm.Region.create(lay) as region:
         eng = ring.EngineEnd(region, lib)
@@ -842,12 +844,8 @@ def test_c_checks_a_256_by_5_sampled_reply_in_well_under_a_round(lib):
         )
         body = wire.encode_drafts(d, SESSION)[wire.HEADER.size :]
         assert end.unpack(r, body) == (RoundEvent.OK, "")
-        best = min(_timed(end, r, body) for _ in range(50))
+        ids[-1, 7] = ids[-1, 3]
+        d = dataclasses.replace(d, q_ids=ids.ravel().tolist())
+        bad = wire.encode_drafts(d, SESSION)[wire.HEADER.size :]
+        assert end.unpack(r, bad) == (RoundEvent.PROTOCOL, f"entry 255: draft 4: id {ids[-1, 3]} repeated")
         del end
-    assert best < 150e-6, f"{best * 1e6:.1f} us"
-
-
-def _timed(end, r, body) -> float:
-    t0 = time.perf_counter()
-    end.unpack(r, body)
-    return time.perf_counter() - t0

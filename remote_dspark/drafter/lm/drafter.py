@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
+from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result, sampling_inputs
 from ..sampling import TOP
 from .budget import fitting_tokens, part_limit, working_bytes
 from .cache import KVStore, Plan, SlotCache, memory_free, row_tokens, uncached_plan
@@ -76,21 +76,11 @@ def sampling_rows(batch: DraftBatch, ctx_lens: np.ndarray) -> np.ndarray:
     each entry's temperature (its float32 bits), seed (its uint64 bits) and its draft 0's
     absolute position (``starts + ctx_lens``).
 
-    Raises: ValueError naming ``temperature`` (not [n], or not finite and >= 0) or
-    ``seed`` (not [n])."""
-    n = len(batch)
-    t = np.asarray(batch.temperature, np.float32)
-    if t.shape != (n,):
-        raise ValueError(f"temperature: shape {t.shape}, expected {(n,)}")
-    bad = ~(np.isfinite(t) & (t >= 0))
-    if bad.any():
-        raise ValueError(f"temperature {t[bad][0]!r} (entry {int(np.argmax(bad))}): expected a finite value >= 0")
-    seed = np.asarray(batch.seed if batch.seed is not None else np.zeros(0, np.uint64))
-    if seed.shape != (n,):
-        raise ValueError(f"seed: shape {seed.shape}, expected {(n,)} (a sampled round)")
-    out = np.empty((3, n), np.int64)
-    out[0] = (t + np.float32(0)).view(np.int32)  # -0.0 made +0.0: every temperature's bits below 2**31
-    out[1] = seed.astype(np.uint64).view(np.int64)
+    Raises: ValueError naming ``temperature`` or ``seed`` (:func:`~..contract.sampling_inputs`)."""
+    t, seed = sampling_inputs(batch)
+    out = np.empty((3, len(batch)), np.int64)
+    out[0] = t.view(np.int32)  # every temperature's bits below 2**31 (-0.0 is +0.0 there)
+    out[1] = seed.view(np.int64)
     out[2] = batch.starts() + ctx_lens
     return out
 
