@@ -23,7 +23,7 @@ from ..worker.limits import (
     tokens_per_slot,
 )
 from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
-from ..worker.server import Worker
+from ..worker.server import ROUND_PATHS, Worker
 from ..worker.sessions import RECENT_S
 
 _DEFAULT_ROUND_BYTES = Limits().max_round_bytes
@@ -134,6 +134,14 @@ def add_parser(sub) -> None:
         "--no-batching",
         action="store_true",
         help="draft each round in a call of its own, never several engines' together (for comparison)",
+    )
+    adm.add_argument(
+        "--round-path",
+        choices=ROUND_PATHS,
+        default="native",
+        help="how each round is taken in: native (default), the C library's one call for the checks, the "
+        "windows and the drafter's batch; python, the reference path it is tested against (for comparison). "
+        "A library that cannot be built leaves the python path, with a warning",
     )
     adm.add_argument(
         "--max-pending",
@@ -303,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_entries=args.max_batch_entries,
         max_batch_tokens=args.max_batch_tokens,
         batching=not args.no_batching,
+        round_path=args.round_path,
     )
     if faults is not None:  # before the first line: a chaos driver signals as soon as it reads it
         # Faults' changes take no lock, so they are safe in a signal handler (faults.py).

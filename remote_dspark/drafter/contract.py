@@ -137,6 +137,15 @@ class DraftBatch:
 
         return np.broadcast_to(np.asarray(self.session, np.int64), (len(self),))
 
+    def entries(self, start: int, stop: int) -> DraftBatch:
+        """The batch of entries ``start`` to ``stop`` (consecutive): views, nothing copied
+        but the offsets (a scheduler's piece of a round)."""
+        import numpy as np
+
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        offsets = np.asarray(self.offsets[start : stop + 1], np.int64) - lo
+        return self._of_entries(slice(start, stop), self.tokens[lo:hi], offsets)
+
     def subset(self, keep: np.ndarray) -> DraftBatch:
         """The batch of the ``keep`` entries ([n] bool), in entry order."""
         import numpy as np
@@ -144,17 +153,22 @@ class DraftBatch:
         lens = np.diff(self.offsets)
         offsets = np.zeros(int(keep.sum()) + 1, np.int64)
         np.cumsum(lens[keep], out=offsets[1:])
+        return self._of_entries(keep, self.tokens[np.repeat(keep, lens)], offsets)
+
+    def _of_entries(self, which, tokens: np.ndarray, offsets: np.ndarray) -> DraftBatch:
+        """This batch's entries ``which`` (a slice or a mask), given their contexts."""
+        import numpy as np
 
         def pick(a):
-            return None if a is None else np.asarray(a)[keep]
+            return None if a is None else np.asarray(a)[which]
 
         return dataclasses.replace(
             self,
-            tokens=self.tokens[np.repeat(keep, lens)],
+            tokens=tokens,
             offsets=offsets,
-            n_out=self.n_out[keep],
-            rows=self.rows[keep],
-            session=self.session if np.ndim(self.session) == 0 else np.asarray(self.session)[keep],
+            n_out=self.n_out[which],
+            rows=self.rows[which],
+            session=self.session if np.ndim(self.session) == 0 else pick(self.session),
             slots=pick(self.slots),
             gens=pick(self.gens),
             lengths=pick(self.lengths),

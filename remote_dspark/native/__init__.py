@@ -1,5 +1,6 @@
-"""``native``: the hand-off primitives of ``hostflag.c``, ``watchdog.c`` and ``tcp_round.c``
-(one library, with ``hostflag.h`` between them), found or built, then loaded.
+"""``native``: the hand-off primitives of ``hostflag.c``, ``watchdog.c`` and ``tcp_round.c``,
+and the worker's round of ``worker_round.c`` (one library, with ``hostflag.h`` between
+them), found or built, then loaded.
 
 :mod:`.build` decides where the library comes from (a named file, the ofl directory's
 copy, or this package's trusted build) and loads it; :mod:`.binding` binds its functions
@@ -31,10 +32,11 @@ from .build import (
     origin,
     trusted_cache,
 )
-from .structs import LinkState, ProxyState, RingGeom
+from .structs import BatchOut, LinkState, ProxyState, RingGeom, WindowsView
 
 __all__ = [
     "ABI_VERSION",
+    "BatchOut",
     "CODE_TABLES",
     "ENV_LIB",
     "LOCK_FREE_ALL",
@@ -47,6 +49,7 @@ __all__ = [
     "ProxyState",
     "RingGeom",
     "Status",
+    "WindowsView",
     "check",
     "deadline_ns",
     "default_cache_dir",

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 from .. import outcome, wire
-from .structs import LinkState, ProxyState, RingGeom
+from .structs import BatchOut, LinkState, ProxyState, RingGeom, WindowsView
 
-ABI_VERSION = 15
+ABI_VERSION = 16
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -60,6 +60,10 @@ WIRE_CONSTANTS = (
     ("SAMPLED_TOTAL", lambda: wire.SAMPLED_TOTAL),
     ("MAX_SAMPLED_ENTRIES", lambda: wire.MAX_SAMPLED_ENTRIES),
     ("MAX_SAMPLED_N_OUT", lambda: wire.MAX_SAMPLED_N_OUT),
+    ("MAX_ENTRIES", lambda: wire.MAX_ENTRIES),
+    ("MAX_N_OUT", lambda: wire.MAX_N_OUT),
+    ("MAX_ROW_BYTES", lambda: wire.MAX_ROW_BYTES),
+    ("MAX_TOKENS", lambda: wire.MAX_TOKENS),
 )
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
@@ -118,6 +122,7 @@ _FUNCS = {
     "watchdog_stop": ("hf_watchdog_stop", _I, (_P,), True),
     "watchdog_release_orphans": ("hf_watchdog_release_orphans", _I, (_P, _U32), True),
     "gather_rows": ("hf_gather_rows", _U32, (_P, _P, _U64, _U64, _P, _U32, _U32), False),
+    "worker_round": ("hf_worker_round", _I, (ctypes.POINTER(WindowsView), _P, _U64, ctypes.POINTER(BatchOut)), False),
 }
 
 
@@ -201,7 +206,7 @@ class Native:
                 f"{self.path}: hostflag ABI {abi()}, this package binds {ABI_VERSION}; rebuild it from {SOURCE_DIR}"
             )
         sizeof.restype, sizeof.argtypes = ctypes.c_uint64, (ctypes.c_int,)
-        for which, mirror in enumerate((RingGeom, ProxyState, LinkState)):
+        for which, mirror in enumerate((RingGeom, ProxyState, LinkState, WindowsView, BatchOut)):
             if sizeof(which) != ctypes.sizeof(mirror):
                 raise NativeError(
                     f"{self.path}: struct {mirror.__name__} is {sizeof(which)} bytes "

@@ -388,7 +388,8 @@ int hf_serve(const struct hf_ring *ring, uint32_t first, uint32_t count, uint32_
 uint64_t hf_sizeof(int which)
 {
     return which == 0 ? sizeof(struct hf_ring) : which == 1 ? sizeof(struct hf_proxy)
-         : which == 2 ? sizeof(struct hf_link) : 0;
+         : which == 2 ? sizeof(struct hf_link) : which == 3 ? sizeof(struct hf_windows)
+         : which == 4 ? sizeof(struct hf_batch) : 0;
 }
 
 static void observe(const struct hf_proxy *p, uint32_t hist, uint64_t ns)

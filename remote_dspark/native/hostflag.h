@@ -1,7 +1,7 @@
 /* hostflag.h: what the files of the hostflag library share (hostflag.c: the hand-off,
  * the sleeps, the proxy's take and answer; watchdog.c: the engine's watchdog thread;
  * tcp_round.c: the proxy's round on a TCP socket, its descriptor check and DRAFTS reader,
- * and the wire constants it uses). The library's ABI (HF_ABI) covers them all;
+ * and the wire constants it uses; worker_round.c: the worker's round in). The library's ABI (HF_ABI) covers them all;
  * remote_dspark/native/build.py builds them together, native/structs.py mirrors the structs below with ctypes and
  * native/binding.py checks their sizes at load.
  *
@@ -23,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 15   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 16   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -47,6 +47,22 @@ struct hf_ring {
     uint32_t zero_bytes;     /* how many bytes from d_zero */
     uint32_t pad;
 };
+
+/* The wire contract's fixed parts (remote_dspark/wire/, protocol 6), for tcp_round.c and
+ * worker_round.c: the header, the fixed parts of ROUND and DRAFTS, a ROUND's caps
+ * (entries, drafts wanted, row bytes, tokens), where a descriptor keeps the ROUND payload
+ * (region.layout.DESC_FIXED); a sampled session's terms: its ROUND's bytes per entry
+ * (temperature f32, seed u64), DRAFTS' distributions flag, a position's ids and their
+ * weights' exact sum, and a sampled DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD,
+ * the cap a ROUND must keep. Each wire constant is reported by hf_wire_constants, and
+ * the loader refuses a library whose values are not remote_dspark.wire's. */
+enum { W_HEADER = 24, W_VERSION = 6, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
+       W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
+       DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
+       W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16, W_MAX_ENTRIES = 4096, W_MAX_N_OUT = 64,
+       W_MAX_ROW_BYTES = 1 << 20, W_MAX_TOKENS = 1 << 22 };
+#define W_MAGIC "DSPW"
+#define W_MAX_PAYLOAD (64ull << 20)
 
 static inline int cyc_geq(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
 
@@ -127,6 +143,39 @@ struct hf_link {
     int32_t err;                  /* errno of a failed send or receive, */
     uint64_t net_ns;              /* the time from the send to the reply or giving up, */
     char why[200];                /* and what broke (any event but OK and AT_ONCE). */
+};
+
+/* One worker session's windows, for hf_worker_round (worker_round.c): the arrays of its
+ * remote_dspark.worker.windows.Windows (their pointers; Python owns them) and the
+ * session's terms. Filled once per session by remote_dspark.worker.native_round. */
+struct hf_windows {
+    int32_t *ring;                /* [max_slots, 2 * window]: token j at columns j % window, + window */
+    int64_t *written, *gen, *next_pos;   /* [max_slots] each */
+    uint8_t *known;               /* [max_slots] bool */
+    uint8_t *seen;                /* [max_slots] zeros: the duplicate check's marks, cleared after use */
+    uint64_t max_positions;       /* the drafter's position table; UINT64_MAX: none */
+    uint32_t max_slots, window, num_spec;
+    uint32_t sampled;             /* 1: the session's HELLO asked for sampled drafts */
+    uint32_t row_bytes;           /* the HELLO's row size; HF_ANY_ROW_BYTES: not checked */
+    uint32_t max_round_tokens;    /* this worker's --max-round-tokens */
+};
+#define HF_ANY_ROW_BYTES UINT32_MAX
+
+/* One round's drafting batch, hf_worker_round's output: arrays Python allocates with room
+ * for n_room entries (and n_room x window context tokens), filled in entry order with the
+ * entries drafted (the drafter's DraftBatch), then the counts. */
+struct hf_batch {
+    uint8_t *ok, *drafted;        /* [n] the entry has a window (else RESYNC); it is drafted */
+    int32_t *tokens;              /* the contexts, flat */
+    int32_t *n_out;               /* [m] drafts wanted, at most width */
+    int64_t *offsets;             /* [m + 1] */
+    int64_t *slots, *gens, *lengths, *starts;   /* [m] each */
+    float *temperature;           /* [m], a sampled session's */
+    uint64_t *seed;               /* [m], a sampled session's */
+    uint64_t n_tokens;            /* out: the contexts' tokens */
+    uint32_t n_room;              /* in */
+    uint32_t n, m, n_ok, width, deadline_ms, row_bytes;   /* out */
+    uint32_t pad;
 };
 
 static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)

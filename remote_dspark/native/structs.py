@@ -103,3 +103,53 @@ class LinkState(ctypes.Structure):
         ("net_ns", ctypes.c_uint64),
         ("why", ctypes.c_char * 200),
     ]
+
+
+class WindowsView(ctypes.Structure):
+    """``struct hf_windows``: one worker session's windows (the pointers of its
+    ``worker.windows.Windows`` arrays) and terms, for ``hf_worker_round``. Filled once
+    per session by ``remote_dspark.worker.native_round``."""
+
+    _fields_ = [
+        ("ring", ctypes.c_void_p),
+        ("written", ctypes.c_void_p),
+        ("gen", ctypes.c_void_p),
+        ("next_pos", ctypes.c_void_p),
+        ("known", ctypes.c_void_p),
+        ("seen", ctypes.c_void_p),
+        ("max_positions", ctypes.c_uint64),
+        ("max_slots", ctypes.c_uint32),
+        ("window", ctypes.c_uint32),
+        ("num_spec", ctypes.c_uint32),
+        ("sampled", ctypes.c_uint32),
+        ("row_bytes", ctypes.c_uint32),
+        ("max_round_tokens", ctypes.c_uint32),
+    ]
+
+
+class BatchOut(ctypes.Structure):
+    """``struct hf_batch``: one round's drafting batch as ``hf_worker_round`` writes it
+    (the array pointers and ``n_room`` in, the counts out)."""
+
+    _fields_ = [
+        ("ok", ctypes.c_void_p),
+        ("drafted", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("n_out", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("gens", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p),
+        ("starts", ctypes.c_void_p),
+        ("temperature", ctypes.c_void_p),
+        ("seed", ctypes.c_void_p),
+        ("n_tokens", ctypes.c_uint64),
+        ("n_room", ctypes.c_uint32),
+        ("n", ctypes.c_uint32),
+        ("m", ctypes.c_uint32),
+        ("n_ok", ctypes.c_uint32),
+        ("width", ctypes.c_uint32),
+        ("deadline_ms", ctypes.c_uint32),
+        ("row_bytes", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]

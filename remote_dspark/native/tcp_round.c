@@ -15,20 +15,6 @@
 enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
        HF_EV_BAD_DESC };
 
-/* The wire contract's fixed parts (remote_dspark/wire/, protocol 6): the header, the
- * fixed parts of ROUND and DRAFTS, and where a descriptor keeps the ROUND payload
- * (region.layout.DESC_FIXED); a sampled session's terms: its ROUND's bytes per entry
- * (temperature f32, seed u64), DRAFTS' distributions flag, a position's ids and their
- * weights' exact sum, and a sampled DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD,
- * the cap a ROUND must keep. Each wire constant is reported by hf_wire_constants, and
- * the loader refuses a library whose values are not remote_dspark.wire's. */
-enum { W_HEADER = 24, W_VERSION = 6, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
-       W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
-       DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
-       W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16 };
-#define W_MAGIC "DSPW"
-#define W_MAX_PAYLOAD (64ull << 20)
-
 /* The first n of `count` values into out (a loader's probe may ask for fewer or more
  * than there are); returns count. */
 static uint32_t report(const uint64_t *all, uint32_t count, uint64_t *out, uint32_t n)
@@ -41,15 +27,17 @@ static uint32_t report(const uint64_t *all, uint32_t count, uint64_t *out, uint3
 /* The wire constants this file uses, in the order of native.WIRE_CONSTANTS (HEADER's
  * size, MAGIC as a little-endian u32, PROTOCOL_VERSION, ROUND, DRAFTS, BYE, ROUND_FIXED,
  * DRAFTS_FIXED, FLAG_NEW_GEN, DRAFTS_MARGINS, STATUS_RESYNC, MAX_PAYLOAD, SAMPLED_BYTES,
- * DRAFTS_SAMPLED, SAMPLED_TOP, SAMPLED_TOTAL, MAX_SAMPLED_ENTRIES, MAX_SAMPLED_N_OUT): the
- * first n into out; returns how many there are. */
+ * DRAFTS_SAMPLED, SAMPLED_TOP, SAMPLED_TOTAL, MAX_SAMPLED_ENTRIES, MAX_SAMPLED_N_OUT,
+ * MAX_ENTRIES, MAX_N_OUT, MAX_ROW_BYTES, MAX_TOKENS): the first n into out; returns how
+ * many there are. */
 uint32_t hf_wire_constants(uint64_t *out, uint32_t n)
 {
     uint32_t magic;
     memcpy(&magic, W_MAGIC, 4);
     const uint64_t all[] = { W_HEADER, magic, W_VERSION, W_ROUND, W_DRAFTS, W_BYE, W_ROUND_FIXED,
                              W_DRAFTS_FIXED, W_NEW_GEN, W_MARGINS, W_RESYNC, W_MAX_PAYLOAD, W_SAMPLED_BYTES,
-                             W_SAMPLED, W_TOP, W_TOTAL, W_MAX_SAMPLED_ENTRIES, W_MAX_SAMPLED_N_OUT };
+                             W_SAMPLED, W_TOP, W_TOTAL, W_MAX_SAMPLED_ENTRIES, W_MAX_SAMPLED_N_OUT,
+                             W_MAX_ENTRIES, W_MAX_N_OUT, W_MAX_ROW_BYTES, W_MAX_TOKENS };
     return report(all, sizeof all / sizeof all[0], out, n);
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -17,6 +18,16 @@ from .. import wire
 from ..drafter.contract import DraftBatch, DraftResult, empty_result
 from .limits import Limits
 from .sessions import Session
+
+
+class RoundIn(Protocol):
+    """A faster path in for :func:`answer` (:class:`~.native_round.NativeRounds`): what
+    :func:`drafting_batch` makes of the decoded round, from the payload, as
+    ``(deadline_ms, slots, ok, drafted, width, batch)``, raising as it does."""
+
+    def drafting_batch(
+        self, session: Session, hdr: wire.Header, payload, limits: Limits, max_positions: int | None
+    ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int, DraftBatch]: ...
 
 
 @dataclass
@@ -90,6 +101,23 @@ def reply_frame(
     return reply
 
 
+def check_for_session(session: Session, rnd: wire.Round, limits: Limits) -> np.ndarray:
+    """A decoded ROUND held to what only this worker and the session know: the HELLO's
+    row size, this worker's token limit, slots inside the session and each named once.
+    Returns the round's slots ([n] int64).
+
+    Raises: wire.ProtocolError naming the rule and the culprit."""
+    if session.row_bytes is not None and rnd.row_bytes != session.row_bytes:
+        raise wire.ProtocolError(f"ROUND row_bytes {rnd.row_bytes}, the session said {session.row_bytes}")
+    if len(rnd.tokens) > limits.max_round_tokens:
+        raise wire.ProtocolError(
+            f"ROUND of {len(rnd.tokens)} tokens, over this worker's {limits.max_round_tokens} (--max-round-tokens)"
+        )
+    slots = np.frombuffer(rnd.slots, np.uint32).astype(np.int64)
+    session.windows.check_slots(slots)
+    return slots
+
+
 def drafting_batch(
     session: Session, rnd: wire.Round, limits: Limits, max_positions: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, DraftBatch]:
@@ -105,16 +133,9 @@ def drafting_batch(
     Raises: wire.ProtocolError naming what breaks the session's HELLO or this worker's
     limits, or a slot outside the session or named twice.
     """
-    if session.row_bytes is not None and rnd.row_bytes != session.row_bytes:
-        raise wire.ProtocolError(f"ROUND row_bytes {rnd.row_bytes}, the session said {session.row_bytes}")
-    if len(rnd.tokens) > limits.max_round_tokens:
-        raise wire.ProtocolError(
-            f"ROUND of {len(rnd.tokens)} tokens, over this worker's {limits.max_round_tokens} (--max-round-tokens)"
-        )
+    slots = check_for_session(session, rnd, limits)
     n = len(rnd)
-    slots = np.frombuffer(rnd.slots, np.uint32).astype(np.int64)
     n_out = np.frombuffer(rnd.n_out, np.uint32)
-    session.windows.check_slots(slots)
     adv = session.windows.advance(
         slots,
         np.frombuffer(rnd.positions, np.uint32).astype(np.int64),
@@ -173,22 +194,31 @@ def answer(
     max_positions: int | None,
     draft: Callable[[int, DraftBatch, float], DraftResult | None],
     received: float,
+    native: RoundIn | None = None,
 ) -> tuple[bytearray, Told]:
     """One ROUND of ``session`` in, its DRAFTS frame out (and what it adds to the
     counters): the windows advanced, the drafting entries handed to ``draft(session
     serial, batch, deadline)`` (the scheduler's: None when the deadline, counted from
     ``received``, passed in its queue: no drafts). A round with nothing to draft (empty,
-    or every slot to re-announce) makes no call. Raises: as :func:`drafting_batch`."""
-    rnd = wire.decode_round(hdr, payload, session.want_sampled)
-    slots, ok, drafted, width, batch = drafting_batch(session, rnd, limits, max_positions)
+    or every slot to re-announce) makes no call. ``native``: the C path takes the round
+    in (:mod:`.native_round`); None: the Python reference. Raises: as
+    :func:`drafting_batch`."""
+    if native is not None:
+        deadline_ms, slots, ok, drafted, width, batch = native.drafting_batch(
+            session, hdr, payload, limits, max_positions
+        )
+    else:
+        rnd = wire.decode_round(hdr, payload, session.want_sampled)
+        deadline_ms = rnd.deadline_ms
+        slots, ok, drafted, width, batch = drafting_batch(session, rnd, limits, max_positions)
     result, expired = None, False
     if len(batch):
-        deadline = received + rnd.deadline_ms / 1000 if rnd.deadline_ms else math.inf
+        deadline = received + deadline_ms / 1000 if deadline_ms else math.inf
         result = draft(session.windows.serial, batch, deadline)
         expired = result is None
     if result is None:
         result = empty_result(len(batch), width, session.want_margin)
-    reply = reply_frame(hdr.session, rnd.round_id, slots, ok, width, result, drafted, session.want_sampled)
+    reply = reply_frame(hdr.session, hdr.round, slots, ok, width, result, drafted, session.want_sampled)
     n_ok = int(np.count_nonzero(ok))
     told = Told(len(slots), len(slots) - n_ok, n_ok - len(batch), int(result.counts.sum()), expired)
     return reply, told

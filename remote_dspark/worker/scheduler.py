@@ -28,9 +28,10 @@ of the pieces drafted.
 
 Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
 and nothing else queued, the connection's own thread, at once (no hand-off between
-threads on an idle worker: the round's latency is the drafter's). Either way one call at
-a time (``_busy``); what queues during a call is the next call's, made by the drafter
-thread.
+threads on an idle worker: the round's latency is the drafter's). That thread goes on
+making calls, taken as the drafter thread would take them, until its own round is
+answered (a round drafted in pieces needs no hand-off per piece), then leaves what is
+still queued to the drafter thread. Either way one call at a time (``_busy``).
 
 Several rounds in one call: when the drafter takes batches of several sessions
 (``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
@@ -91,9 +92,7 @@ class Job:
     def piece(self, start: int, stop: int) -> DraftBatch:
         if start == 0 and stop == len(self.batch):
             return self.batch
-        keep = np.zeros(len(self.batch), bool)
-        keep[start:stop] = True
-        return self.batch.subset(keep)
+        return self.batch.entries(start, stop)
 
     def gather(self, start: int, got: DraftResult) -> None:
         """A piece's drafts (entries from ``start``) into the round's."""
@@ -238,7 +237,7 @@ class Scheduler:
                 self._busy = True
                 pieces, late = self._take()
         if lead:
-            self._run(pieces, late)
+            self._run(pieces, late, until=job)
         wait = None if math.isinf(deadline) else max(0.0, deadline - self.clock()) + WAIT_SLACK_S
         if not job.done.wait(wait):
             raise RuntimeError(f"no drafting call answered within {WAIT_SLACK_S:.0f} s past the round's deadline")
@@ -259,12 +258,21 @@ class Scheduler:
                 pieces, late = self._take()
             self._run(pieces, late)
 
-    def _run(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job]) -> None:
+    def _run(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job], until: Job | None = None) -> None:
         """One call's pieces drafted and its rounds answered, by whoever holds ``_busy``
         (the drafter thread, or a connection's thread that found the drafter free), which
-        it gives back at the end, waking the drafter thread for what queued meanwhile."""
+        it gives back at the end, waking the drafter thread for what queued meanwhile.
+        ``until``: a connection's thread keeps making calls (what is queued, taken as the
+        drafter thread would) until its own round is answered, so a round drafted in
+        pieces never waits for a hand-off between threads at each piece."""
         try:
             self._draft_pieces(pieces, late)
+            while until is not None and not until.done.is_set():
+                with self._cond:
+                    if self._stopping or not self._turns:
+                        break
+                    pieces, late = self._take()
+                self._draft_pieces(pieces, late)
         finally:
             with self._cond:
                 self._busy = False

@@ -20,12 +20,10 @@ an entry for a slot the worker does not know, or with a gap in its positions, is
 answered with ``STATUS_RESYNC`` and no drafts, and the slot is forgotten, so the engine
 re-announces it.
 
-A round is handled without a Python loop over its entries: the ROUND's sections are
-read as numpy arrays in place; a session's windows
-(:class:`~remote_dspark.worker.windows.Windows`) are updated for all entries at once;
-the contexts go to the drafter as one ragged ``(tokens, offsets)`` pair
-(:class:`~remote_dspark.drafter.DraftBatch`), and the DRAFTS reply is written from the
-result's arrays into one buffer at ``wire.drafts_sections`` offsets.
+A round is handled without a Python loop over its entries (:mod:`.round`): one C call
+checks the ROUND, updates the session's windows and writes the drafter's batch
+(:mod:`.native_round`; the numpy reference path when asked or when the library cannot
+load), and the DRAFTS reply is written from the result's arrays into one buffer.
 
 Memory is bounded by this worker's own numbers, never by what a peer announces (the
 bounds are written out in docs/design.md, "The reference worker"): ``max_pending``
@@ -50,6 +48,7 @@ from ..drafter.contract import BatchedDrafter, PerEntryDrafterLike, as_batched, 
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
 from ..transport.auth import Key
 from ..transport.tcp import TcpStream
+from . import native_round
 from .admission import Admission
 from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
@@ -60,6 +59,8 @@ from .stats import Health, WorkerStats
 from .windows import Windows
 
 log = logging.getLogger("remote_dspark.worker")
+
+ROUND_PATHS = ("native", "python")  # Worker(round_path=...), --round-path
 
 
 class Worker:
@@ -81,6 +82,9 @@ class Worker:
 
     ``key`` (None: none) is the pre-shared key (``--key-file``): each side proves it holds
     it before a HELLO is served (:mod:`.admission`); a failure is refused ``auth``.
+
+    ``round_path``: "native" (C, :mod:`.native_round`) or "python" (the reference);
+    ``self.round_path`` is the one in use (no library: Python, with a warning).
 
     ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
     ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
@@ -112,7 +116,10 @@ class Worker:
         max_batch_entries: int = DEFAULT_MAX_ENTRIES,
         max_batch_tokens: int | None = None,
         batching: bool = True,
+        round_path: str = "native",
     ):
+        if round_path not in ROUND_PATHS:
+            raise ValueError(f"round_path {round_path!r}: one of {', '.join(ROUND_PATHS)}")
         if not 1 <= window <= wire.MAX_CONTEXT:
             raise ValueError(f"window {window}: not in 1..{wire.MAX_CONTEXT}")
         if max_connections < 1 or max_pending < 1:
@@ -129,6 +136,8 @@ class Worker:
             batching=batching,
         )
         self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
+        self._native = native_round.load() if round_path == "native" else None
+        self.round_path = "native" if self._native is not None else "python"
         self.host, self.port = host, port
         self.window = window
         self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes, window=window)
@@ -253,17 +262,10 @@ class Worker:
             serving and served < self.max_connections,
         )
 
-    def _called(self, seconds: float, rounds: int, entries: int, tokens: int, waits: list[float]) -> None:
-        """The scheduler drafted ``rounds`` rounds (or pieces; ``entries`` entries, ``tokens``
-        tokens) in one call, the rounds it began after ``waits`` seconds in its queue."""
+    def _called(self, *call) -> None:
+        """The scheduler's word of one drafter call (:meth:`WorkerStats.add_call`'s arguments)."""
         with self._lock:
-            self.stats.drafter_calls += 1
-            self.stats.drafting_seconds.observe(seconds)
-            self.stats.call_rounds.observe(rounds)
-            self.stats.call_entries.observe(entries)
-            self.stats.call_tokens.observe(tokens)
-            for wait in waits:
-                self.stats.queue_seconds.observe(wait)
+            self.stats.add_call(*call)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -432,14 +434,11 @@ class Worker:
         relative deadline counts from; None: now), its DRAFTS frame out; no Python loop
         over the entries."""
         received = time.monotonic() if received is None else received
-        reply, told = answer(session, hdr, payload, self.limits, self._max_positions, self._scheduler.draft, received)
+        reply, told = answer(
+            session, hdr, payload, self.limits, self._max_positions, self._scheduler.draft, received, self._native
+        )
         with self._lock:
-            self.stats.rounds += 1
-            self.stats.entries += told.entries
-            self.stats.resyncs += told.resyncs
-            self.stats.beyond_positions += told.beyond_positions
-            self.stats.draft_tokens += told.draft_tokens
-            self.stats.expired += told.expired
+            self.stats.add_round(told)
         return reply
 
     @staticmethod

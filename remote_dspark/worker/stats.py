@@ -63,6 +63,27 @@ class WorkerStats:
         """HELLOs refused busy."""
         return self.refusals["busy"]
 
+    def add_round(self, told) -> None:
+        """What one answered round adds (:class:`~remote_dspark.worker.round.Told`)."""
+        self.rounds += 1
+        self.entries += told.entries
+        self.resyncs += told.resyncs
+        self.beyond_positions += told.beyond_positions
+        self.draft_tokens += told.draft_tokens
+        self.expired += told.expired
+
+    def add_call(self, seconds: float, rounds: int, entries: int, tokens: int, waits: list[float]) -> None:
+        """What one drafter call adds: it drafted ``rounds`` rounds (or pieces; ``entries``
+        entries, ``tokens`` tokens) in ``seconds``, the rounds it began after ``waits``
+        seconds in the scheduler's queue."""
+        self.drafter_calls += 1
+        self.drafting_seconds.observe(seconds)
+        self.call_rounds.observe(rounds)
+        self.call_entries.observe(entries)
+        self.call_tokens.observe(tokens)
+        for wait in waits:
+            self.queue_seconds.observe(wait)
+
     def copy(self) -> WorkerStats:
         """A copy that shares nothing mutable (the histograms as counters of their own)."""
 

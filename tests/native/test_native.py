@@ -132,13 +132,18 @@ def test_concurrent_builds_from_several_processes_agree(tmp_path):
 
 
 def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = None) -> str:
-    ring, link = ctypes.sizeof(native.RingGeom), ctypes.sizeof(native.LinkState)
-    proxy = ctypes.sizeof(native.ProxyState) if proxy_size is None else proxy_size
+    mirrors = [native.RingGeom, native.ProxyState, native.LinkState, native.WindowsView, native.BatchOut]
+    sizes = [ctypes.sizeof(m) for m in mirrors]
+    if proxy_size is not None:
+        sizes[1] = proxy_size
+    proxy = sizes[1]
     src = tmp_path / "fake.c"
     src.write_text(
         f"int hf_abi_version(void) {{ return {abi}; }}\n"
         f"int hf_lock_free(void) {{ return {lock_free}; }}\n"
-        f"unsigned long long hf_sizeof(int w) {{ return w == 0 ? {ring} : w == 1 ? {proxy} : {link}; }}\n"
+        "unsigned long long hf_sizeof(int w) { static const unsigned long long s[] = {"
+        + ", ".join(map(str, sizes))
+        + "}; return w >= 0 && w < 5 ? s[w] : 0; }\n"
     )
     out = tmp_path / f"fake-{abi}-{lock_free}-{proxy}.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True, timeout=CHILD_TIMEOUT_S)
@@ -184,6 +189,10 @@ DRIFTED = {
     "SAMPLED_TOTAL": 65536,
     "MAX_SAMPLED_ENTRIES": 2048,
     "MAX_SAMPLED_N_OUT": 8,
+    "MAX_ENTRIES": 2048,
+    "MAX_N_OUT": 32,
+    "MAX_ROW_BYTES": 1 << 19,
+    "MAX_TOKENS": 1 << 21,
 }
 DRIFTED_IN = {"SAMPLED_BYTES": wire.round}  # where a constant not in wire's namespace lives
 

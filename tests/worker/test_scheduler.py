@@ -268,6 +268,45 @@ def test_a_round_of_many_entries_is_drafted_in_pieces_and_answered_whole():
     assert np.allclose(got.margins, alone.margins) and honest_box["result"].counts.tolist() == [3]
 
 
+def test_a_lone_round_in_pieces_is_drafted_by_its_own_thread_with_no_hand_off():
+    """A round of three budgets found the drafter free: its connection's thread makes every
+    call until its round is answered (no wake-up of the drafter thread per piece), and
+    each piece is the round's consecutive entries, as views of the round's arrays."""
+    threads = []
+
+    class Recording(MarkovDrafter):
+        def draft_batch(self, batch):
+            threads.append(threading.current_thread())
+            return super().draft_batch(batch)
+
+    s = Scheduler(Recording(COUNTING), max_entries=64, max_tokens=400).start()
+    flood = stream_batch(1, range(30), [[1 + i % 7] * 37 for i in range(30)])
+    try:
+        got = s.draft(1, flood)
+    finally:
+        s.stop()
+    assert len(threads) == 3 and set(threads) == {threading.current_thread()}
+    alone = MarkovDrafter(COUNTING).draft_batch(flood)
+    assert got.tokens.tolist() == alone.tokens.tolist() and got.counts.tolist() == alone.counts.tolist()
+
+
+@pytest.mark.parametrize("start, stop", [(0, 30), (0, 1), (7, 19), (29, 30), (12, 12)])
+def test_a_piece_of_consecutive_entries_is_the_masked_subset_of_them(start, stop):
+    batch = dataclasses.replace(
+        stream_batch(1, range(30), [[i] * (i % 5) for i in range(30)]),
+        session=np.arange(30, dtype=np.int64),
+        temperature=np.linspace(0, 2, 30, dtype=np.float32),
+        seed=np.arange(30, dtype=np.uint64) << np.uint64(40),
+    )
+    keep = np.zeros(30, bool)
+    keep[start:stop] = True
+    piece, masked = batch.entries(start, stop), batch.subset(keep)
+    for f in dataclasses.fields(DraftBatch):
+        a, b = getattr(piece, f.name), getattr(masked, f.name)
+        assert np.array_equal(a, b) and np.asarray(a).dtype == np.asarray(b).dtype, f.name
+    assert np.shares_memory(piece.tokens, batch.tokens) or not len(piece.tokens)
+
+
 def test_a_deadline_passing_between_pieces_answers_the_pieces_drafted():
     clock = Clock()
     gated = Gated(MarkovDrafter(COUNTING), clock, cost_s=0.001)
