@@ -221,6 +221,21 @@ class CacheInfo:
     misses: int  # entries that encoded their whole context (monotonic)
 
 
+def context_read_of(drafter) -> int | None:
+    """How many of an entry's last context tokens ``drafter`` reads (its optional
+    ``context_read``: a Markov model of order k reads k), None when it reads whole
+    contexts (a model drafter encodes them). The worker's call budget counts an entry's
+    context up to it.
+
+    Raises:
+        ValueError: a ``context_read`` that is not a positive int.
+    """
+    read = getattr(drafter, "context_read", None)
+    if read is not None and (not isinstance(read, int) or isinstance(read, bool) or read < 1):
+        raise ValueError(f"drafter context_read {read!r}: expected a positive int or None")
+    return read
+
+
 def mixed_sessions_of(drafter) -> bool:
     """Whether ``drafter`` takes batches of several sessions (``mixed_sessions``)."""
     return bool(getattr(drafter, "mixed_sessions", False))

@@ -427,6 +427,7 @@ class MarkovDrafter:
         self.markov_identity = model.identity
         self.drafter_identity = drafter_identity or default_drafter_identity(model)
         self.vocab_size = model.vocab_size or None  # its largest token id + 1
+        self.context_read = max(1, model.order)  # a context's last ``order`` tokens decide its drafts
 
     def draft(self, context, n_out, row):
         return self.model.draft(context, n_out)

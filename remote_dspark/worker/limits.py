@@ -22,7 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import wire
-from ..drafter.contract import as_batched, max_positions_of, needs_rows_of, samples_of, vocab_size_of
+from ..drafter.contract import (
+    as_batched,
+    context_read_of,
+    max_positions_of,
+    needs_rows_of,
+    samples_of,
+    vocab_size_of,
+)
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192
@@ -179,9 +186,11 @@ def hello_refusal(
             ),
             "limits",
         )
-    if call_tokens is not None and window + hello.num_spec > call_tokens:
+    read = context_read_of(drafter)
+    cost = (window if read is None else min(window, read)) + hello.num_spec
+    if call_tokens is not None and cost > call_tokens:
         entry = f"an entry of a whole window of {window} tokens (--window) and num_spec {hello.num_spec} drafts"
-        over = f"costs {window + hello.num_spec} tokens, over the worker's {call_tokens} a drafting call"
+        over = f"costs {cost} tokens, over the worker's {call_tokens} a drafting call"
         return wire.REFUSE_LIMITS, f"{entry} {over} (--max-batch-tokens)", "limits"
     widest = getattr(drafter, "max_width", None)  # a drafter's own bound on drafts per entry
     if widest is not None and hello.num_spec > widest:

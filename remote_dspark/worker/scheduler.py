@@ -55,11 +55,27 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..drafter.contract import DraftBatch, DraftResult, check_result, mixed_sessions_of
+from ..drafter.contract import DraftBatch, DraftResult, check_result, context_read_of, mixed_sessions_of
 
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
 DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) ...
 DEFAULT_MAX_TOKENS = 1 << 15  # ... and tokens: contexts plus drafts (--max-batch-tokens)
+
+
+def entry_costs(batch: DraftBatch, context_read: int | None) -> np.ndarray:
+    """[n] each entry's cost in a call's budget: the tokens the drafter runs for it, the
+    context it reads (all of it, or its last ``context_read`` tokens: the drafter's
+    :func:`~remote_dspark.drafter.contract.context_read_of`) and its drafts (the round's
+    width; at least one)."""
+    lens = np.diff(batch.offsets)
+    return (lens if context_read is None else np.minimum(lens, context_read)) + max(1, batch.width)
+
+
+def call_cost(batch: DraftBatch, context_read: int | None) -> int:
+    """The whole batch's cost (:func:`entry_costs` summed)."""
+    if context_read is None:  # no prefix work: the common case of a drafter reading whole contexts
+        return int(batch.offsets[-1]) + len(batch) * max(1, batch.width)
+    return int(entry_costs(batch, context_read).sum())
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,16 +94,7 @@ class Job:
     taken: int = 0
     parts: DraftResult | None = None  # [n, width] gathered drafts of a round drafted in pieces
     queued: float = 0.0  # the clock's seconds when it was queued
-
-    @property
-    def total(self) -> int:
-        """The whole round's cost (:meth:`costs` summed)."""
-        return int(self.batch.offsets[-1]) + len(self.batch) * max(1, self.batch.width)
-
-    def costs(self) -> np.ndarray:
-        """[n] each entry's cost in a call's budget: the tokens a model drafter runs for it,
-        its context and its drafts (the round's width; at least one)."""
-        return np.diff(self.batch.offsets) + max(1, self.batch.width)
+    context_read: int | None = None  # the drafter's (entry_costs)
 
     def piece(self, start: int, stop: int) -> DraftBatch:
         if start == 0 and stop == len(self.batch):
@@ -176,6 +183,7 @@ class Scheduler:
         self.drafter, self.max_entries = drafter, max_entries
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.mixed = batching and mixed_sessions_of(drafter)
+        self.context_read = context_read_of(drafter)  # an entry's cost counts the context it reads
         self.on_call, self.clock = on_call, clock
         self._cond = threading.Condition()
         self._queues: dict[int, collections.deque[Job]] = {}  # session -> its rounds, oldest first
@@ -223,7 +231,7 @@ class Scheduler:
 
         Raises: what the drafter raised for the call this round was in; RuntimeError when
         the worker stops, or no call answers within ``WAIT_SLACK_S`` past the deadline."""
-        job = Job(session, batch, deadline, queued=self.clock())
+        job = Job(session, batch, deadline, queued=self.clock(), context_read=self.context_read)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the worker is stopping")
@@ -322,10 +330,11 @@ class Scheduler:
                     continue
                 room = min(self.max_tokens - tokens, self._deficit[session])
                 left = len(job.batch) - job.taken
-                if job.taken == 0 and job.total <= room and left <= self.max_entries - entries:
-                    m, cost = left, job.total  # the whole round (the common case: no prefix sums)
+                total = call_cost(job.batch, job.context_read) if job.taken == 0 else 0
+                if job.taken == 0 and total <= room and left <= self.max_entries - entries:
+                    m, cost = left, total  # the whole round (the common case: no prefix sums)
                 else:
-                    cum = np.cumsum(job.costs()[job.taken :])
+                    cum = np.cumsum(entry_costs(job.batch, job.context_read)[job.taken :])
                     m = min(int(np.searchsorted(cum, room, side="right")), self.max_entries - entries)
                     if m == 0 and not pieces and cum[0] > self.max_tokens:
                         m = 1  # an entry over the whole budget: drafted alone
@@ -363,7 +372,7 @@ class Scheduler:
             return
         if self.on_call is not None:
             waits = [self._taken_at - job.queued for job, start, _ in pieces if start == 0]
-            tokens = int(batch.offsets[-1]) + len(batch) * max(1, batch.width)  # as Job.costs
+            tokens = call_cost(batch, self.context_read)
             self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
         at = 0
         for job, start, piece in pieces:

@@ -15,10 +15,11 @@ from helpers import connect, until
 
 from remote_dspark import wire
 from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.drafter.contract import DraftBatch, DraftResult
+from remote_dspark.drafter.contract import DraftBatch, DraftResult, context_read_of
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.worker import Worker
-from remote_dspark.worker.scheduler import Scheduler
+from remote_dspark.worker.limits import Limits, hello_refusal
+from remote_dspark.worker.scheduler import Scheduler, call_cost, entry_costs
 
 COUNTING = MarkovModel.from_tokens([1, 2, 3, 4, 5, 6, 7] * 10, order=1, top=2)
 
@@ -279,7 +280,9 @@ def test_a_lone_round_in_pieces_is_drafted_by_its_own_thread_with_no_hand_off():
             threads.append(threading.current_thread())
             return super().draft_batch(batch)
 
-    s = Scheduler(Recording(COUNTING), max_entries=64, max_tokens=400).start()
+    drafter = Recording(COUNTING)
+    drafter.context_read = None  # as a model drafter: a call reads whole contexts
+    s = Scheduler(drafter, max_entries=64, max_tokens=400).start()
     flood = stream_batch(1, range(30), [[1 + i % 7] * 37 for i in range(30)])
     try:
         got = s.draft(1, flood)
@@ -288,6 +291,43 @@ def test_a_lone_round_in_pieces_is_drafted_by_its_own_thread_with_no_hand_off():
     assert len(threads) == 3 and set(threads) == {threading.current_thread()}
     alone = MarkovDrafter(COUNTING).draft_batch(flood)
     assert got.tokens.tolist() == alone.tokens.tolist() and got.counts.tolist() == alone.counts.tolist()
+
+
+def test_an_entry_costs_the_context_its_drafter_reads_so_a_markov_round_is_one_call():
+    """30 entries of 37-token contexts and 3 drafts: 1,200 tokens for a drafter that reads
+    whole contexts, three calls of a 400-token budget; an order-1 Markov drafter reads one
+    token of each (4 a entry), so the round is one call, and a HELLO of a window over the
+    budget is no reason to refuse it."""
+    calls = []
+
+    class Recording(MarkovDrafter):
+        def draft_batch(self, batch):
+            calls.append(len(batch))
+            return super().draft_batch(batch)
+
+    markov = Recording(COUNTING)
+    assert markov.context_read == 1
+    flood = stream_batch(1, range(30), [[1 + i % 7] * 37 for i in range(30)])
+    assert entry_costs(flood, None).tolist() == [40] * 30 and call_cost(flood, 1) == 30 * 4
+    stats = []
+    s = Scheduler(markov, max_entries=64, max_tokens=400, on_call=lambda *call: stats.append(call)).start()
+    try:
+        s.draft(1, flood)
+    finally:
+        s.stop()
+    assert calls == [30] and stats[0][3] == 120  # one call, and its tokens counted as the budget counts them
+    hello = wire.Hello(markov.drafter_identity, markov.markov_identity, 1, max_slots=4, row_bytes=0, num_spec=8)
+    assert hello_refusal(markov, Limits(window=512), hello, 512, call_tokens=9)[0] == wire.ACCEPT
+    assert "costs 9 tokens" in hello_refusal(markov, Limits(window=512), hello, 512, call_tokens=8)[1]
+
+
+@pytest.mark.parametrize("read", [0, -1, 2.5, True, "2"])
+def test_a_drafter_s_context_read_must_be_a_positive_int(read):
+    class Odd:
+        context_read = read
+
+    with pytest.raises(ValueError, match=r"drafter context_read .*expected a positive int or None"):
+        context_read_of(Odd())
 
 
 @pytest.mark.parametrize("start, stop", [(0, 30), (0, 1), (7, 19), (29, 30), (12, 12)])
