@@ -118,9 +118,10 @@ class Handoff:
                     )
                     for i in range(spec.depth if spec.sampled else 0)
                 ]
-            from .gather import choose
+            from . import device_meta, gather
 
-            self._gather = choose(cfg.fused_gather, spec.device)
+            self._gather = gather.choose(cfg.fused_gather, spec.device)
+            self._meta_kernel = device_meta.choose(spec.device)  # compiled and checked now, not in a round
         except BaseException:
             self._free()
             raise
@@ -236,6 +237,7 @@ class Handoff:
             n_out_default=spec.n_out_for(n),
             context_tokens=context_tokens,
             sampled=spec.sampled,
+            kernel=self._meta_kernel,
         )
 
     def round(self, batch: Batch) -> Drafts:

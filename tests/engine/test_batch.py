@@ -347,19 +347,84 @@ def sampled_batches(draw):
     return dataclasses.replace(batch, temperature=temperature, seed=seed)
 
 
-def device_path_bytes(batch: Batch, sampled: bool, max_tokens: int = 10_000) -> np.ndarray:
+def device_path_bytes(
+    batch: Batch, sampled: bool, max_tokens: int = 10_000, device: str = "cpu", max_slots: int = MAX_SLOTS
+) -> np.ndarray:
     """What launch() writes for metadata on the device (Handoff._write_device_meta), into
-    a plain payload area: a CPU tensor stands in for the device view."""
+    a plain payload area: on the CPU a CPU tensor stands in for the device view (the
+    tensor operations); on CUDA a device tensor (the metadata kernel)."""
     from remote_dspark.engine.device_meta import check_meta_shapes, write_meta_in_stream
 
-    area = np.zeros(wire.round_meta_bytes(MAX_SLOTS, True) + 4 * (max_tokens + 1), np.uint8)
-    n = check_meta_shapes(batch, MAX_SLOTS, sampled)
+    area = np.zeros(wire.round_meta_bytes(max_slots, True) + 4 * (max_tokens + 1), np.uint8)
+    n = check_meta_shapes(batch, max_slots, sampled)
     area[:12].view(np.uint32)[:] = (77, n, ROW_BYTES)
-    d = torch.from_numpy(area).view(torch.int32)
+    d = torch.from_numpy(area).view(torch.int32).to(device)
     write_meta_in_stream(
-        batch, d, max_slots=MAX_SLOTS, num_spec=K, max_tokens=max_tokens, n_out_default=3, sampled=sampled
+        batch, d, max_slots=max_slots, num_spec=K, max_tokens=max_tokens, n_out_default=3, sampled=sampled
     )
-    return area
+    return d.cpu().numpy().view(np.uint8)
+
+
+def host_path_bytes(batch: Batch, sampled: bool, max_tokens: int = 10_000, max_slots: int = MAX_SLOTS):
+    """host_meta + write_meta's bytes of ``batch`` (fields on any device) and their size."""
+    host = Batch(**{f.name: _on_host(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
+    meta = host_meta(host, max_slots=max_slots, num_spec=K, max_tokens=max_tokens, n_out_default=3, sampled=sampled)
+    want = np.zeros(wire.round_meta_bytes(max_slots, True) + 4 * (max_tokens + 1), np.uint8)
+    return want, write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
+
+
+def _on_host(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _on_cuda(batch: Batch, which: int) -> Batch:
+    """``batch`` with the metadata fields picked by the bits of ``which`` on CUDA (an
+    engine's batch may mix them; u64 seeds stay on the host, as numpy holds them), the
+    rows always there."""
+    fields = ("slots", "tokens", "token_offsets", "positions", "new_gen", "n_out", "temperature", "seed")
+    moved = {}
+    for bit, name in enumerate(fields):
+        value = getattr(batch, name)
+        if which >> bit & 1 and value is not None and getattr(value, "dtype", None) != np.uint64:
+            moved[name] = torch.as_tensor(value).cuda()
+    index = torch.as_tensor(batch.row_index).cuda()
+    return dataclasses.replace(batch, rows=batch.rows.cuda(), row_index=index, **moved)
+
+
+@pytest.mark.gpu
+@settings(max_examples=150, deadline=None)
+@given(sampled_batches(), st.booleans(), st.integers(0, 255))
+def test_the_metadata_kernel_writes_the_host_paths_bytes(batch, sampled, which):
+    """On CUDA the metadata kernel (engine.meta_kernel) writes what host_meta + write_meta
+    write, byte for byte: NEW_GEN cuts, n_out given or not, temperatures and seeds in every
+    form, any mix of fields on the host and on the device."""
+    from remote_dspark.engine import meta_kernel
+
+    assert meta_kernel.available()
+    if not sampled:
+        batch = dataclasses.replace(batch, temperature=None, seed=None)
+    batch = _on_cuda(batch, which)
+    want, size = host_path_bytes(batch, sampled)
+    assert bytes(device_path_bytes(batch, sampled, device="cuda")[:size]) == bytes(want[:size])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1023, 1024, 1025, 3000])
+def test_the_metadata_kernel_carries_its_offsets_across_blocks_of_entries_and_tokens(n):
+    """Rounds of more entries than one block of the kernel's walk, and more tokens than one
+    of its programs: every NEW_GEN cut and offset carried across, as the host path has them."""
+    rng = np.random.default_rng(n)
+    lens = rng.integers(0, 90, n)
+    tokens = [rng.integers(0, 1000, k).tolist() for k in lens]
+    batch = Batch.from_lists(
+        list(rng.permutation(4096)[:n]), tokens, rng.integers(0, 10_000, n).tolist(), (rng.random(n) < 0.5).tolist(),
+        ROWS, [0] * n, temperature=rng.random(n).tolist(), seed=rng.integers(0, 2**62, n).tolist(),
+    )  # fmt: skip
+    batch = _on_cuda(batch, 255)
+    max_tokens = int(lens.sum()) + 10
+    want, size = host_path_bytes(batch, True, max_tokens, max_slots=4096)
+    got = device_path_bytes(batch, True, max_tokens, device="cuda", max_slots=4096)
+    assert bytes(got[:size]) == bytes(want[:size])
 
 
 @settings(max_examples=150, deadline=None)
@@ -410,3 +475,25 @@ def test_an_empty_sampled_round_in_stream_is_the_host_paths():
     want = np.zeros(64, np.uint8)
     size = write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
     assert bytes(device_path_bytes(empty, sampled=True, max_tokens=100)[:size]) == bytes(want[:size])
+
+
+def test_the_metadata_kernel_is_chosen_only_on_cuda_and_only_once_it_checks_out(monkeypatch, caplog):
+    from remote_dspark.engine import device_meta, meta_kernel
+
+    assert device_meta.choose("cpu") is False
+    monkeypatch.setattr(meta_kernel, "available", lambda: True)
+
+    def differs(device):
+        raise RuntimeError("the metadata kernel differs from the tensor operations for a round of 5 entries")
+
+    monkeypatch.setattr(device_meta, "self_check", differs)
+    assert device_meta.choose("cuda") is False
+    assert "metadata kernel off (the metadata kernel differs" in caplog.text
+
+
+@pytest.mark.gpu
+def test_the_metadata_kernel_checks_out_on_cuda():
+    from remote_dspark.engine import device_meta
+
+    device_meta.self_check("cuda")
+    assert device_meta.choose("cuda") is True
