@@ -30,6 +30,7 @@ from ..drafter.contract import (
     samples_of,
     vocab_size_of,
 )
+from .scheduler import entry_cost
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192
@@ -186,8 +187,7 @@ def hello_refusal(
             ),
             "limits",
         )
-    read = context_read_of(drafter)
-    cost = (window if read is None else min(window, read)) + hello.num_spec
+    cost = int(entry_cost(window, hello.num_spec, context_read_of(drafter)))
     if call_tokens is not None and cost > call_tokens:
         entry = f"an entry of a whole window of {window} tokens (--window) and num_spec {hello.num_spec} drafts"
         over = f"costs {cost} tokens, over the worker's {call_tokens} a drafting call"

@@ -62,13 +62,18 @@ DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) ...
 DEFAULT_MAX_TOKENS = 1 << 15  # ... and tokens: contexts plus drafts (--max-batch-tokens)
 
 
+def entry_cost(context, width: int, context_read: int | None):
+    """An entry's cost in a call's budget (``context`` its context's length, or an array
+    of them): the tokens the drafter runs for it, the context it reads (all of it, or its
+    last ``context_read`` tokens: the drafter's
+    :func:`~remote_dspark.drafter.contract.context_read_of`) and its drafts (``width``; at
+    least one)."""
+    return (context if context_read is None else np.minimum(context, context_read)) + max(1, width)
+
+
 def entry_costs(batch: DraftBatch, context_read: int | None) -> np.ndarray:
-    """[n] each entry's cost in a call's budget: the tokens the drafter runs for it, the
-    context it reads (all of it, or its last ``context_read`` tokens: the drafter's
-    :func:`~remote_dspark.drafter.contract.context_read_of`) and its drafts (the round's
-    width; at least one)."""
-    lens = np.diff(batch.offsets)
-    return (lens if context_read is None else np.minimum(lens, context_read)) + max(1, batch.width)
+    """[n] each entry's cost in a call's budget (:func:`entry_cost`)."""
+    return entry_cost(np.diff(batch.offsets), batch.width, context_read)
 
 
 def call_cost(batch: DraftBatch, context_read: int | None) -> int:
