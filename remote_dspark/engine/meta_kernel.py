@@ -2,12 +2,12 @@
 :func:`~.device_meta.write_meta_in_stream`'s tensor operations (about twenty launches,
 each some tens of microseconds of the engine's CPU), writing the same bytes.
 
-- ``_entries`` (one program) walks the entries in blocks: each entry's NEW_GEN cut, the
+- ``entries`` (one program) walks the entries in blocks: each entry's NEW_GEN cut, the
   offsets after the cut (a running sum carried from block to block), and the slots,
   positions, drafts wanted, flags, offsets, ``n_tokens`` and a sampled round's
   temperature bits and seed words, into the descriptor; the cuts and the offsets after
   the cut also into a scratch tensor for the second launch.
-- ``_tokens`` (a program per block of tokens) finds each token's entry by a binary search
+- ``tokens`` (a program per block of tokens) finds each token's entry by a binary search
   of the offsets and scatters it to its place after the cut; a token that is dropped or
   that the offsets cannot place goes to the spare cell past ``max_tokens``.
 
@@ -15,7 +15,7 @@ No value is read on the host and every index stays in range whatever the metadat
 as in the reference: a bad round is refused where it lands (the proxy's descriptor
 check). Offsets that go back are such a round; there the reference's search and this
 one may place tokens differently, both in range and both refused. The GPU tests hold the
-two paths' bytes equal (``tests/engine/test_gpu.py``). Imported only on CUDA with Triton
+two paths' bytes equal, and to the host path's (``tests/engine/test_batch.py``). Imported only on CUDA with Triton
 (:func:`available`).
 """
 
@@ -27,7 +27,7 @@ import torch
 
 from .. import wire
 
-BLOCK = 1024  # entries a step of _entries, tokens a program of _tokens
+BLOCK = 1024  # entries a step of ``entries``, tokens a program of ``tokens``
 SEARCH_STEPS = 13  # a binary search over at most 2**13 - 1 entries (wire.MAX_ENTRIES is 4096)
 
 

@@ -1,9 +1,10 @@
 /* hostflag.h: what the files of the hostflag library share (hostflag.c: the hand-off,
  * the sleeps, the proxy's take and answer; watchdog.c: the engine's watchdog thread;
  * tcp_round.c: the proxy's round on a TCP socket, its descriptor check and DRAFTS reader,
- * and the wire constants it uses; worker_round.c: the worker's round in). The library's ABI (HF_ABI) covers them all;
- * remote_dspark/native/build.py builds them together, native/structs.py mirrors the structs below with ctypes and
- * native/binding.py checks their sizes at load.
+ * and the wire constants it uses; worker_round.c: the worker's round in). The library's
+ * ABI (HF_ABI) covers them all; remote_dspark/native/build.py builds them together,
+ * native/structs.py mirrors the structs below with ctypes and native/binding.py checks
+ * their sizes at load.
  *
  * Status codes: HF_OK, HF_TIMEOUT (deadline passed), HF_LATE (the round was already
  * claimed), HF_ORDER (the previous round is not claimed yet: a caller bug), HF_STATE

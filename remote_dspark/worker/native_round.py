@@ -47,6 +47,9 @@ _ARRAYS = (
 )
 
 
+_ENTRY_BYTES = wire.round_meta_bytes(1) - wire.round_meta_bytes(0)  # a ROUND's meta bytes per entry
+
+
 @functools.lru_cache(maxsize=64)
 def _layout(n: int, window: int, sampled: bool) -> tuple[int, tuple[tuple[str, type, int, int], ...]]:
     """Bytes of one buffer holding a round's batch arrays, and each array's (name, dtype,
@@ -118,8 +121,12 @@ class NativeRounds:
 
         view = self._view(session, limits, max_positions)
         data = np.frombuffer(payload, np.uint8)
-        cap = wire.MAX_SAMPLED_ENTRIES if session.want_sampled else wire.MAX_ENTRIES
-        n = min(int(data[4:8].view(np.uint32)[0]), cap) if len(data) >= wire.ROUND_FIXED.size else 0
+        # Room for the entries the payload can hold, at most the session's slots (a round
+        # names each once): never more than the peer's count, nor a buffer it could make
+        # larger than half the session's own ring by announcing more.
+        fixed = wire.ROUND_FIXED.size
+        told = int(data[4:8].view(np.uint32)[0]) if len(data) >= fixed else 0
+        n = min(told, session.max_slots, max(0, len(data) - fixed) // _ENTRY_BYTES)
         size, parts = _layout(n, session.windows.window, session.want_sampled)
         buf = np.empty(size, np.uint8)
         base = buf.ctypes.data
@@ -131,7 +138,7 @@ class NativeRounds:
         a = {name: np.frombuffer(buf, dtype, count, at) for name, dtype, at, count in parts}
         n, m, width, row_bytes = out.n, out.m, out.width, out.row_bytes
         rows = data[len(data) - n * row_bytes :].reshape(n, row_bytes)
-        drafted = a["drafted"]
+        drafted = a["drafted"][:n]
         if m < n:
             rows = rows[drafted]
         sampled = session.want_sampled
@@ -151,7 +158,7 @@ class NativeRounds:
             seed=a["seed"][:m] if sampled else None,
         )
         slots = data[wire.ROUND_FIXED.size : wire.ROUND_FIXED.size + 4 * n].view(np.uint32)
-        return out.deadline_ms, slots, a["ok"], drafted, width, batch
+        return out.deadline_ms, slots, a["ok"][:n], drafted, width, batch
 
     @staticmethod
     def _refused(session: Session, hdr: wire.Header, payload, limits: Limits, rule: int) -> None:

@@ -232,6 +232,25 @@ def test_a_sampled_round_s_bad_temperature_and_another_row_size_are_refused(roun
         rounds.drafting_batch(other, hdr, payload, Limits(max_slots=4, window=4), None)
 
 
+def test_a_round_announcing_more_entries_than_it_holds_allocates_nothing_for_them(rounds):
+    """The batch's buffer is sized by what the payload can hold and the session's slots,
+    never by the peer's count: 4,096 entries announced in 36 bytes, to a session of a
+    256 Ki-token window, is refused without a 4 GiB buffer for their contexts."""
+    import tracemalloc
+
+    session = Session(7, 4, 3, False, Windows(4, 1 << 18), row_bytes=0)
+    payload = bytearray(wire.ROUND_FIXED.pack(0, 4096, 0, 0) + bytes(20))
+    hdr = wire.Header(wire.ROUND, len(payload), 7, 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(wire.ProtocolError, match="its fields say"):
+            rounds.drafting_batch(session, hdr, payload, Limits(max_slots=4, window=1 << 18), None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
 def test_a_refusal_the_reference_would_accept_is_a_loud_bug_not_a_silent_drop(rounds):
     session = _session((4, 4, 3, 2, False))
     hdr, payload = _frame(session, slots=[0, 1], offsets=[0, 1, 2], tokens=[3, 4])
