@@ -116,9 +116,10 @@ def add_parser(sub) -> None:
     adm.add_argument(
         "--max-batch-entries",
         type=int,
-        default=DEFAULT_MAX_ENTRIES,
-        help=f"entries of all engines drafted in one drafter call at most (default {DEFAULT_MAX_ENTRIES}); "
-        "engines share a call by deficit round robin",
+        default=None,
+        help="entries of all engines drafted in one drafter call at most; engines share a call by deficit "
+        f"round robin. Default: {DEFAULT_MAX_ENTRIES} for a model drafter (the rows it reserves for a call), "
+        f"{wire.MAX_ENTRIES} (the wire's cap: a round is never split by its entries alone) for any other",
     )
     adm.add_argument(
         "--max-batch-tokens",

@@ -55,10 +55,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import wire
 from ..drafter.contract import DraftBatch, DraftResult, check_result, context_read_of, mixed_sessions_of
 
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
-DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) ...
+DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) of a drafter that reserves memory ...
 DEFAULT_MAX_TOKENS = 1 << 15  # ... and tokens: contexts plus drafts (--max-batch-tokens)
 
 
@@ -168,7 +169,11 @@ class Scheduler:
     first drafted in it waited in the queue (the worker's statistics). ``clock`` dates
     deadlines (``time.monotonic``). ``max_tokens`` None: the drafter derives the token
     budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
-    that, for a drafter that cannot say). ``batching=False`` calls the drafter once per round
+    that, for a drafter that cannot say). ``max_entries`` None: ``DEFAULT_MAX_ENTRIES``
+    for a drafter that reserves working memory for a call (``reserve``: a model
+    drafter's rows), else the wire's ``MAX_ENTRIES``, so a round of a drafter without
+    such memory is never split by its entries alone (the token budget still shares calls
+    between engines). ``batching=False`` calls the drafter once per round
     (or piece) even when it takes mixed sessions (the ``serialized`` rows of ``bench
     worker-engines``)."""
 
@@ -176,14 +181,16 @@ class Scheduler:
         self,
         drafter,
         *,
-        max_entries: int,
+        max_entries: int | None,
         max_tokens: int | None,
         on_call: Callable[[float, int, int, int, list[float]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
     ):
-        if max_entries < 1 or (max_tokens is not None and max_tokens < 1):
+        if (max_entries is not None and max_entries < 1) or (max_tokens is not None and max_tokens < 1):
             raise ValueError(f"max_entries {max_entries}, max_tokens {max_tokens}: must be >= 1")
+        if max_entries is None:
+            max_entries = DEFAULT_MAX_ENTRIES if callable(getattr(drafter, "reserve", None)) else wire.MAX_ENTRIES
         self.derived = max_tokens is None  # the drafter derives it at reserve(), up to the default
         self.drafter, self.max_entries = drafter, max_entries
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens

@@ -53,7 +53,7 @@ from .admission import Admission
 from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
 from .round import answer
-from .scheduler import DEFAULT_MAX_ENTRIES, Scheduler
+from .scheduler import Scheduler
 from .sessions import RECENT_S, Session, Sessions
 from .stats import Health, WorkerStats
 from .windows import Windows
@@ -113,7 +113,7 @@ class Worker:
         metrics_host: str = "127.0.0.1",
         faults: Faults | None = None,
         key: Key | None = None,
-        max_batch_entries: int = DEFAULT_MAX_ENTRIES,
+        max_batch_entries: int | None = None,
         max_batch_tokens: int | None = None,
         batching: bool = True,
         round_path: str = "native",

@@ -19,7 +19,7 @@ from remote_dspark.drafter.contract import DraftBatch, DraftResult, context_read
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.worker import Worker
 from remote_dspark.worker.limits import Limits, hello_refusal
-from remote_dspark.worker.scheduler import Scheduler, call_cost, entry_costs
+from remote_dspark.worker.scheduler import DEFAULT_MAX_ENTRIES, Scheduler, call_cost, entry_costs
 
 COUNTING = MarkovModel.from_tokens([1, 2, 3, 4, 5, 6, 7] * 10, order=1, top=2)
 
@@ -319,6 +319,31 @@ def test_an_entry_costs_the_context_its_drafter_reads_so_a_markov_round_is_one_c
     hello = wire.Hello(markov.drafter_identity, markov.markov_identity, 1, max_slots=4, row_bytes=0, num_spec=8)
     assert hello_refusal(markov, Limits(window=512), hello, 512, call_tokens=9)[0] == wire.ACCEPT
     assert "costs 9 tokens" in hello_refusal(markov, Limits(window=512), hello, 512, call_tokens=8)[1]
+
+
+def test_a_drafter_without_reserved_memory_takes_a_whole_round_of_entries_in_one_call():
+    """Without a given entries' budget: the wire's cap for a drafter that reserves no
+    memory for a call, so 4,096 entries of an order-1 Markov drafter are one call; a
+    drafter that reserves rows for a call keeps the smaller default."""
+    calls = []
+
+    class Recording(MarkovDrafter):
+        def draft_batch(self, batch):
+            calls.append(len(batch))
+            return super().draft_batch(batch)
+
+    s = Scheduler(Recording(COUNTING), max_entries=None, max_tokens=None).start()
+    try:
+        s.draft(1, stream_batch(1, range(4096), [[1 + i % 7] * 64 for i in range(4096)]))
+    finally:
+        s.stop()
+    assert s.max_entries == wire.MAX_ENTRIES and calls == [4096]
+
+    class Reserving(MarkovDrafter):
+        def reserve(self, max_entries, max_tokens, derive=False):
+            return max_tokens
+
+    assert Scheduler(Reserving(COUNTING), max_entries=None, max_tokens=None).max_entries == DEFAULT_MAX_ENTRIES
 
 
 @pytest.mark.parametrize("read", [0, -1, 2.5, True, "2"])
