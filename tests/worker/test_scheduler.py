@@ -45,6 +45,20 @@ class Gated:
         return self.drafter.draft_batch(batch)
 
 
+class Recording(MarkovDrafter):
+    """The Markov drafter, keeping each call's entry count and the thread that made it."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls: list[int] = []
+        self.threads: list[threading.Thread] = []
+
+    def draft_batch(self, batch):
+        self.calls.append(len(batch))
+        self.threads.append(threading.current_thread())
+        return super().draft_batch(batch)
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0
@@ -273,13 +287,6 @@ def test_a_lone_round_in_pieces_is_drafted_by_its_own_thread_with_no_hand_off():
     """A round of three budgets found the drafter free: its connection's thread makes every
     call until its round is answered (no wake-up of the drafter thread per piece), and
     each piece is the round's consecutive entries, as views of the round's arrays."""
-    threads = []
-
-    class Recording(MarkovDrafter):
-        def draft_batch(self, batch):
-            threads.append(threading.current_thread())
-            return super().draft_batch(batch)
-
     drafter = Recording(COUNTING)
     drafter.context_read = None  # as a model drafter: a call reads whole contexts
     s = Scheduler(drafter, max_entries=64, max_tokens=400).start()
@@ -288,7 +295,7 @@ def test_a_lone_round_in_pieces_is_drafted_by_its_own_thread_with_no_hand_off():
         got = s.draft(1, flood)
     finally:
         s.stop()
-    assert len(threads) == 3 and set(threads) == {threading.current_thread()}
+    assert len(drafter.threads) == 3 and set(drafter.threads) == {threading.current_thread()}
     alone = MarkovDrafter(COUNTING).draft_batch(flood)
     assert got.tokens.tolist() == alone.tokens.tolist() and got.counts.tolist() == alone.counts.tolist()
 
@@ -298,13 +305,6 @@ def test_an_entry_costs_the_context_its_drafter_reads_so_a_markov_round_is_one_c
     whole contexts, three calls of a 400-token budget; an order-1 Markov drafter reads one
     token of each (4 a entry), so the round is one call, and a HELLO of a window over the
     budget is no reason to refuse it."""
-    calls = []
-
-    class Recording(MarkovDrafter):
-        def draft_batch(self, batch):
-            calls.append(len(batch))
-            return super().draft_batch(batch)
-
     markov = Recording(COUNTING)
     assert markov.context_read == 1
     flood = stream_batch(1, range(30), [[1 + i % 7] * 37 for i in range(30)])
@@ -315,7 +315,7 @@ def test_an_entry_costs_the_context_its_drafter_reads_so_a_markov_round_is_one_c
         s.draft(1, flood)
     finally:
         s.stop()
-    assert calls == [30] and stats[0][3] == 120  # one call, and its tokens counted as the budget counts them
+    assert markov.calls == [30] and stats[0][3] == 120  # one call, and its tokens counted as the budget counts them
     hello = wire.Hello(markov.drafter_identity, markov.markov_identity, 1, max_slots=4, row_bytes=0, num_spec=8)
     assert hello_refusal(markov, Limits(window=512), hello, 512, call_tokens=9)[0] == wire.ACCEPT
     assert "costs 9 tokens" in hello_refusal(markov, Limits(window=512), hello, 512, call_tokens=8)[1]
@@ -325,19 +325,13 @@ def test_a_drafter_without_reserved_memory_takes_a_whole_round_of_entries_in_one
     """Without a given entries' budget: the wire's cap for a drafter that reserves no
     memory for a call, so 4,096 entries of an order-1 Markov drafter are one call; a
     drafter that reserves rows for a call keeps the smaller default."""
-    calls = []
-
-    class Recording(MarkovDrafter):
-        def draft_batch(self, batch):
-            calls.append(len(batch))
-            return super().draft_batch(batch)
-
-    s = Scheduler(Recording(COUNTING), max_entries=None, max_tokens=None).start()
+    markov = Recording(COUNTING)
+    s = Scheduler(markov, max_entries=None, max_tokens=None).start()
     try:
         s.draft(1, stream_batch(1, range(4096), [[1 + i % 7] * 64 for i in range(4096)]))
     finally:
         s.stop()
-    assert s.max_entries == wire.MAX_ENTRIES and calls == [4096]
+    assert s.max_entries == wire.MAX_ENTRIES and markov.calls == [4096]
 
     class Reserving(MarkovDrafter):
         def reserve(self, max_entries, max_tokens, derive=False):
