@@ -148,7 +148,8 @@ struct hf_link {
 
 /* One worker session's windows, for hf_worker_round (worker_round.c): the arrays of its
  * remote_dspark.worker.windows.Windows (their pointers; Python owns them) and the
- * session's terms. Filled once per session by remote_dspark.worker.native_round. */
+ * session's terms. Filled once per session by remote_dspark.worker.native_round, the
+ * worker's terms (max_positions, max_round_tokens) at every call. */
 struct hf_windows {
     int32_t *ring;                /* [max_slots, 2 * window]: token j at columns j % window, + window */
     int64_t *written, *gen, *next_pos;   /* [max_slots] each */

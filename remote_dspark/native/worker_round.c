@@ -15,7 +15,7 @@
 /* The rule a refused round broke, in the reference's order (0: accepted). */
 enum { WR_OK, WR_SHORT, WR_ENTRIES, WR_ROW_BYTES, WR_TOKENS, WR_SIZE, WR_FLAGS, WR_N_OUT,
        WR_OFFSETS, WR_BACKWARDS, WR_TEMPERATURE, WR_SESSION_ROWS, WR_ROUND_TOKENS, WR_SLOT_RANGE,
-       WR_SLOT_TWICE };
+       WR_SLOT_TWICE, WR_ROOM };  /* WR_ROOM: the caller's arrays cannot hold the round (its bug) */
 
 static uint32_t u32_at(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
 
@@ -161,8 +161,10 @@ int hf_worker_round(struct hf_windows *w, const uint8_t *payload, uint64_t len, 
     int rule = check_round(w, payload, len, &v);
     if (rule != WR_OK)
         return rule;
-    if (v.n > b->n_room)
-        return WR_ENTRIES;  /* the caller sized b for another round: refused, not overrun */
+    int missing = !b->ok || !b->drafted || !b->tokens || !b->n_out || !b->offsets || !b->slots || !b->gens
+               || !b->lengths || !b->starts || (w->sampled && (!b->temperature || !b->seed));
+    if (v.n > b->n_room || missing)
+        return WR_ROOM;  /* the caller sized b for another round: refused, not overrun */
     b->n = v.n, b->width = v.width, b->deadline_ms = v.deadline_ms, b->row_bytes = v.row_bytes;
     advance(w, &v, b, (uint64_t)b->n_room * w->window);
     return WR_OK;

@@ -48,6 +48,7 @@ _ARRAYS = (
 
 
 _ENTRY_BYTES = wire.round_meta_bytes(1) - wire.round_meta_bytes(0)  # a ROUND's meta bytes per entry
+_U64_MAX = (1 << 64) - 1  # hf_windows' max_positions when the drafter has no position table
 
 
 @functools.lru_cache(maxsize=64)
@@ -98,16 +99,18 @@ class NativeRounds:
                 next_pos=w.next_pos.ctypes.data,
                 known=w.known.ctypes.data,
                 seen=seen.ctypes.data,
-                max_positions=(1 << 64) - 1 if max_positions is None else max_positions,
                 max_slots=w.max_slots,
                 window=w.window,
                 num_spec=session.num_spec,
                 sampled=int(session.want_sampled),
                 row_bytes=0xFFFFFFFF if session.row_bytes is None else session.row_bytes,
-                max_round_tokens=limits.max_round_tokens,
             )
             got = self._views[w] = (view, seen)
-        return got[0]
+        view = got[0]
+        # The worker's terms, as given this call (the session's own are fixed at its HELLO).
+        view.max_positions = _U64_MAX if max_positions is None else min(max_positions, _U64_MAX)
+        view.max_round_tokens = limits.max_round_tokens
+        return view
 
     def drafting_batch(
         self, session: Session, hdr: wire.Header, payload, limits: Limits, max_positions: int | None

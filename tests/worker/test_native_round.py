@@ -251,6 +251,40 @@ def test_a_round_announcing_more_entries_than_it_holds_allocates_nothing_for_the
     assert peak < 8 << 20, peak
 
 
+def test_the_worker_s_terms_are_each_call_s_as_the_reference_takes_them(rounds):
+    """max_round_tokens and max_positions as given to this call, not as the session's first
+    call had them; a position table past what 64 bits hold is no table at all."""
+    ref, nat = _session((2, 4, 4, 0, False)), _session((2, 4, 4, 0, False))
+    roomy = Limits(max_slots=2, window=4)
+    hdr, payload = _frame(nat, slots=[0], n_out=[4], offsets=[0, 3], tokens=[1, 2, 3])
+    _python(ref, hdr, bytes(payload), roomy, None)
+    rounds.drafting_batch(nat, hdr, payload, roomy, None)
+
+    def step(position):  # three more tokens of slot 0, continuing its window
+        return _frame(nat, slots=[0], positions=[position], flags=[0], n_out=[4], offsets=[0, 3], tokens=[4, 5, 6])
+
+    hdr, payload = step(3)
+    with pytest.raises(wire.ProtocolError, match="ROUND of 3 tokens, over this worker's 2"):
+        rounds.drafting_batch(nat, hdr, payload, Limits(max_slots=2, window=4, max_round_tokens=2), None)
+    for i, table in enumerate((8, 1 << 64, (1 << 64) + 3)):  # 8: the context ends at 6, its drafts pass it
+        hdr, payload = step(3 + 3 * i)
+        want = _python(ref, hdr, bytes(payload), roomy, table)
+        got = rounds.drafting_batch(nat, hdr, payload, roomy, table)
+        assert got[3].tolist() == want[3].tolist() == [table != 8], table
+        _same_windows(nat.windows, ref.windows)
+
+
+def test_arrays_that_cannot_hold_an_accepted_round_are_refused_not_overrun(rounds, lib):
+    from remote_dspark.native import BatchOut
+
+    session = _session((4, 4, 3, 2, False))
+    hdr, payload = _frame(session, slots=[0, 1], offsets=[0, 1, 2], tokens=[3, 4])
+    data = np.frombuffer(payload, np.uint8)
+    view = rounds._view(session, Limits(max_slots=4, window=4), None)
+    assert lib.worker_round(view, data.ctypes.data, len(data), BatchOut(n_room=2)) == 15  # WR_ROOM: no arrays
+    assert not session.windows.known.any()  # nothing applied
+
+
 def test_a_refusal_the_reference_would_accept_is_a_loud_bug_not_a_silent_drop(rounds):
     session = _session((4, 4, 3, 2, False))
     hdr, payload = _frame(session, slots=[0, 1], offsets=[0, 1, 2], tokens=[3, 4])
