@@ -308,3 +308,54 @@ def test_a_worker_without_the_library_serves_rounds_by_the_python_path(monkeypat
     assert "no C compiler" in caplog.text and "Python path" in caplog.text
     with pytest.raises(ValueError, match="round_path 'rust'"):
         Worker(MarkovDrafter(MarkovModel.from_tokens([1, 2, 3], order=1)), "127.0.0.1", 0, round_path="rust")
+
+
+def test_rounds_in_c_and_a_concurrent_forget_all_keep_the_windows_whole(rounds):
+    """A new session of the engine forgets the old windows from another connection's
+    thread while rounds go in by C: each round sees its slots either kept or forgotten
+    (RESYNC), never half, and a NEW_GEN after the last forget is served whole."""
+    import threading
+
+    session = _session((64, 8, 4, 0, False))
+    limits = Limits(max_slots=64, window=8)
+    stop, errors = threading.Event(), []  # errors: the round thread's findings, asserted after the join
+
+    def forget():
+        while not stop.is_set():
+            session.windows.forget_all()
+
+    def announce():
+        return _frame(session, slots=list(range(64)), offsets=list(range(0, 65)), tokens=list(range(64)))
+
+    t = threading.Thread(target=forget)
+    t.start()
+    try:
+        position = None
+        for _ in range(300):
+            if position is None:
+                hdr, payload = announce()
+                position = 1
+            else:
+                hdr, payload = _frame(
+                    session, slots=list(range(64)), positions=[position] * 64, flags=[0] * 64,
+                    offsets=list(range(0, 65)), tokens=[7] * 64,
+                )  # fmt: skip
+                position += 1
+            _, _, ok, _, _, batch = rounds.drafting_batch(session, hdr, payload, limits, None)
+            if not (ok.all() or not ok.any()) or len(batch) != ok.sum():  # a forget is never mid-round
+                errors.append(f"a round saw {int(ok.sum())} of 64 slots kept and drafted {len(batch)}")
+            if not ok.all():
+                position = None  # re-announce, as the engine does after RESYNC
+    finally:
+        stop.set()
+        t.join(10)
+    assert not errors and not t.is_alive()
+    hdr, payload = announce()
+    assert rounds.drafting_batch(session, hdr, payload, limits, None)[2].all()
+    session.windows.forget_all()  # then the next continuing round finds no window: RESYNC, nothing drafted
+    step = dict(slots=list(range(64)), positions=[1] * 64, flags=[0] * 64, offsets=list(range(65)), tokens=[7] * 64)
+    _, _, ok, _, _, batch = rounds.drafting_batch(session, *_frame(session, **step), limits, None)
+    assert not ok.any() and len(batch) == 0
+    hdr, payload = announce()
+    _, _, ok, _, _, batch = rounds.drafting_batch(session, hdr, payload, limits, None)
+    assert ok.all() and len(batch) == 64 and batch.tokens.tolist() == list(range(64))
