@@ -348,7 +348,12 @@ def sampled_batches(draw):
 
 
 def device_path_bytes(
-    batch: Batch, sampled: bool, max_tokens: int = 10_000, device: str = "cpu", max_slots: int = MAX_SLOTS
+    batch: Batch,
+    sampled: bool,
+    max_tokens: int = 10_000,
+    device: str = "cpu",
+    max_slots: int = MAX_SLOTS,
+    context_tokens: int = CONTEXT_TOKENS,
 ) -> np.ndarray:
     """What launch() writes for metadata on the device (Handoff._write_device_meta), into
     a plain payload area: on the CPU a CPU tensor stands in for the device view (the
@@ -359,16 +364,18 @@ def device_path_bytes(
     n = check_meta_shapes(batch, max_slots, sampled)
     area[:12].view(np.uint32)[:] = (77, n, ROW_BYTES)
     d = torch.from_numpy(area).view(torch.int32).to(device)
-    write_meta_in_stream(
-        batch, d, max_slots=max_slots, num_spec=K, max_tokens=max_tokens, n_out_default=3, sampled=sampled
-    )
+    kw = dict(max_slots=max_slots, num_spec=K, max_tokens=max_tokens, n_out_default=3, context_tokens=context_tokens)
+    write_meta_in_stream(batch, d, **kw, sampled=sampled, kernel=device == "cuda")
     return d.cpu().numpy().view(np.uint8)
 
 
-def host_path_bytes(batch: Batch, sampled: bool, max_tokens: int = 10_000, max_slots: int = MAX_SLOTS):
+def host_path_bytes(
+    batch: Batch, sampled: bool, max_tokens: int = 10_000, max_slots: int = MAX_SLOTS, context_tokens=CONTEXT_TOKENS
+):
     """host_meta + write_meta's bytes of ``batch`` (fields on any device) and their size."""
     host = Batch(**{f.name: _on_host(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
-    meta = host_meta(host, max_slots=max_slots, num_spec=K, max_tokens=max_tokens, n_out_default=3, sampled=sampled)
+    kw = dict(max_slots=max_slots, num_spec=K, max_tokens=max_tokens, n_out_default=3, context_tokens=context_tokens)
+    meta = host_meta(host, **kw, sampled=sampled)
     want = np.zeros(wire.round_meta_bytes(max_slots, True) + 4 * (max_tokens + 1), np.uint8)
     return want, write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
 
@@ -393,19 +400,21 @@ def _on_cuda(batch: Batch, which: int) -> Batch:
 
 @pytest.mark.gpu
 @settings(max_examples=150, deadline=None)
-@given(sampled_batches(), st.booleans(), st.integers(0, 255))
-def test_the_metadata_kernel_writes_the_host_paths_bytes(batch, sampled, which):
+@given(sampled_batches(), st.booleans(), st.integers(0, 255), st.integers(1, 16))
+def test_the_metadata_kernel_writes_the_host_paths_bytes(batch, sampled, which, context_tokens):
     """On CUDA the metadata kernel (engine.meta_kernel) writes what host_meta + write_meta
-    write, byte for byte: NEW_GEN cuts, n_out given or not, temperatures and seeds in every
-    form, any mix of fields on the host and on the device."""
+    write, byte for byte: NEW_GEN contexts cut (to a context of 1 to 16 tokens, so most
+    are), n_out given or not, temperatures and seeds in every form, any mix of fields on
+    the host and on the device."""
     from remote_dspark.engine import meta_kernel
 
     assert meta_kernel.available()
     if not sampled:
         batch = dataclasses.replace(batch, temperature=None, seed=None)
     batch = _on_cuda(batch, which)
-    want, size = host_path_bytes(batch, sampled)
-    assert bytes(device_path_bytes(batch, sampled, device="cuda")[:size]) == bytes(want[:size])
+    want, size = host_path_bytes(batch, sampled, context_tokens=context_tokens)
+    got = device_path_bytes(batch, sampled, device="cuda", context_tokens=context_tokens)
+    assert bytes(got[:size]) == bytes(want[:size])
 
 
 @pytest.mark.gpu
@@ -428,14 +437,16 @@ def test_the_metadata_kernel_carries_its_offsets_across_blocks_of_entries_and_to
 
 
 @settings(max_examples=150, deadline=None)
-@given(sampled_batches())
-def test_a_sampled_rounds_metadata_in_stream_equals_the_host_path(batch):
+@given(sampled_batches(), st.integers(1, 16))
+def test_a_sampled_rounds_metadata_in_stream_equals_the_host_path(batch, context_tokens):
     """Temperatures (float32 bits, -0.0 as 0.0) and seeds (an int64's bits as the u64)
-    land where host_meta + write_meta put them, the tokens after them, byte for byte."""
-    meta = host_meta(batch, max_slots=MAX_SLOTS, num_spec=K, max_tokens=10_000, n_out_default=3, sampled=True)
+    land where host_meta + write_meta put them, the tokens after them (NEW_GEN contexts
+    cut to 1 to 16 tokens), byte for byte."""
+    kw = dict(max_slots=MAX_SLOTS, num_spec=K, max_tokens=10_000, n_out_default=3, context_tokens=context_tokens)
+    meta = host_meta(batch, **kw, sampled=True)
     want = np.zeros(wire.round_meta_bytes(MAX_SLOTS, True) + 4 * 10_001, np.uint8)
     size = write_meta(want, meta, deadline_ms=77, row_bytes=ROW_BYTES)
-    got = device_path_bytes(batch, sampled=True)
+    got = device_path_bytes(batch, sampled=True, context_tokens=context_tokens)
     assert bytes(got[:size]) == bytes(want[:size])
     sec = wire.round_sections(len(batch), meta.n_tokens, ROW_BYTES, True)
     assert not (got[sec.temperature : sec.seed].view(np.uint32) == 0x8000_0000).any()  # no -0.0 on the wire
