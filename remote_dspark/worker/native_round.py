@@ -49,6 +49,7 @@ _ARRAYS = (
 
 _ENTRY_BYTES = wire.round_meta_bytes(1) - wire.round_meta_bytes(0)  # a ROUND's meta bytes per entry
 _U64_MAX = (1 << 64) - 1  # hf_windows' max_positions when the drafter has no position table
+_ANY_ROW_BYTES = (1 << 32) - 1  # hostflag.h's HF_ANY_ROW_BYTES: the session's row size is not checked
 
 
 @functools.lru_cache(maxsize=64)
@@ -103,7 +104,7 @@ class NativeRounds:
                 window=w.window,
                 num_spec=session.num_spec,
                 sampled=int(session.want_sampled),
-                row_bytes=0xFFFFFFFF if session.row_bytes is None else session.row_bytes,
+                row_bytes=_ANY_ROW_BYTES if session.row_bytes is None else session.row_bytes,
             )
             got = self._views[w] = (view, seen)
         view = got[0]

@@ -100,7 +100,6 @@ class Job:
     taken: int = 0
     parts: DraftResult | None = None  # [n, width] gathered drafts of a round drafted in pieces
     queued: float = 0.0  # the clock's seconds when it was queued
-    context_read: int | None = None  # the drafter's (entry_costs)
 
     def piece(self, start: int, stop: int) -> DraftBatch:
         if start == 0 and stop == len(self.batch):
@@ -243,7 +242,7 @@ class Scheduler:
 
         Raises: what the drafter raised for the call this round was in; RuntimeError when
         the worker stops, or no call answers within ``WAIT_SLACK_S`` past the deadline."""
-        job = Job(session, batch, deadline, queued=self.clock(), context_read=self.context_read)
+        job = Job(session, batch, deadline, queued=self.clock())
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the worker is stopping")
@@ -342,11 +341,11 @@ class Scheduler:
                     continue
                 room = min(self.max_tokens - tokens, self._deficit[session])
                 left = len(job.batch) - job.taken
-                total = call_cost(job.batch, job.context_read) if job.taken == 0 else 0
+                total = call_cost(job.batch, self.context_read) if job.taken == 0 else 0
                 if job.taken == 0 and total <= room and left <= self.max_entries - entries:
                     m, cost = left, total  # the whole round (the common case: no prefix sums)
                 else:
-                    cum = np.cumsum(entry_costs(job.batch, job.context_read)[job.taken :])
+                    cum = np.cumsum(entry_costs(job.batch, self.context_read)[job.taken :])
                     m = min(int(np.searchsorted(cum, room, side="right")), self.max_entries - entries)
                     if m == 0 and not pieces and cum[0] > self.max_tokens:
                         m = 1  # an entry over the whole budget: drafted alone
