@@ -403,8 +403,8 @@ def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
         raise ValueError(f"drafter result tokens: shape {tokens.shape}, expected {(n, width)}")
     if counts.shape != (n,):
         raise ValueError(f"drafter result counts: shape {counts.shape}, expected {(n,)}")
-    counts = np.clip(counts, 0, batch.n_out).astype(np.int32)
-    live = np.arange(width) < counts[:, None]
+    counts = np.minimum(np.maximum(counts, 0), batch.n_out).astype(np.int32, copy=False)  # (np.clip: slower)
+    live = np.arange(width, dtype=np.int32) < counts[:, None]
     tokens = np.where(live, tokens, 0).astype(np.int32, copy=False)
     if batch.want_margin and margins is not None:
         margins = np.asarray(margins)

@@ -31,7 +31,10 @@ and nothing else queued, the connection's own thread, at once (no hand-off betwe
 threads on an idle worker: the round's latency is the drafter's). That thread goes on
 making calls, taken as the drafter thread would take them, until its own round is
 answered (a round drafted in pieces needs no hand-off per piece), then leaves what is
-still queued to the drafter thread. Either way one call at a time (``_busy``).
+still queued to the drafter thread. Either way one call at a time (``_busy``). A round
+that finds the drafter free and nothing queued, and fits a call whole, is that call:
+it never enters the queue (the common round of a lone engine costs no queue, no turn and
+no wake-up on top of its drafting).
 
 Several rounds in one call: when the drafter takes batches of several sessions
 (``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
@@ -52,11 +55,12 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import wire
-from ..drafter.contract import DraftBatch, DraftResult, check_result, context_read_of, mixed_sessions_of
+from ..drafter.contract import DraftBatch, DraftResult, check_result, context_read_of, empty_result, mixed_sessions_of
 
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
 DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) of a drafter that reserves memory ...
@@ -94,6 +98,7 @@ class Job:
     session: int
     batch: DraftBatch
     deadline: float  # the clock's seconds; math.inf: none
+    cost: int  # the whole round's cost in a call's budget (call_cost)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: DraftResult | None = None  # None once done: its deadline passed before a piece was drafted
     error: BaseException | None = None
@@ -122,6 +127,16 @@ class Job:
         for f in dataclasses.fields(DraftResult):
             if getattr(got, f.name) is not None:
                 getattr(self.parts, f.name)[rows] = getattr(got, f.name)
+
+
+class Piece(NamedTuple):
+    """A round's entries in one call: ``batch`` is ``job``'s entries from ``start``;
+    ``cost`` what they spend of the call's budget (:func:`entry_costs` summed)."""
+
+    job: Job
+    start: int
+    batch: DraftBatch
+    cost: int
 
 
 def merge(batches: list[DraftBatch]) -> DraftBatch:
@@ -242,19 +257,35 @@ class Scheduler:
 
         Raises: what the drafter raised for the call this round was in; RuntimeError when
         the worker stops, or no call answers within ``WAIT_SLACK_S`` past the deadline."""
-        job = Job(session, batch, deadline, queued=self.clock())
+        if not len(batch):  # nothing to draft (it would never be taken)
+            return empty_result(0, batch.width, batch.want_margin)
+        job = Job(session, batch, deadline, call_cost(batch, self.context_read), queued=self.clock())
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the worker is stopping")
-            queue = self._queues.get(session)
-            if queue is None:
-                queue = self._queues[session] = collections.deque()
-                self._turns.append(session)
-            queue.append(job)
             lead = not self._busy  # the drafter is free: this thread makes the call itself
+            # ... and nothing queued, the round within a call's budget and its deadline
+            # ahead: what _take would make its call of, drafted without the queue.
+            alone = lead and not self._turns and self._whole(job) and deadline > job.queued
             if lead:
                 self._busy = True
-                pieces, late = self._take()
+            if not alone:
+                queue = self._queues.get(session)
+                if queue is None:
+                    queue = self._queues[session] = collections.deque()
+                    self._turns.append(session)
+                queue.append(job)
+                if lead:
+                    pieces, late = self._take()
+        if alone:
+            self._taken_at = job.queued
+            try:
+                self._call([Piece(job, 0, batch, job.cost)])
+            finally:
+                self._free()
+            if job.error is not None:
+                raise job.error
+            return job.parts
         if lead:
             self._run(pieces, late, until=job)
         wait = None if math.isinf(deadline) else max(0.0, deadline - self.clock()) + WAIT_SLACK_S
@@ -277,7 +308,11 @@ class Scheduler:
                 pieces, late = self._take()
             self._run(pieces, late)
 
-    def _run(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job], until: Job | None = None) -> None:
+    def _whole(self, job: Job) -> bool:
+        """The round fits a call's budget whole."""
+        return job.cost <= self.max_tokens and len(job.batch) <= self.max_entries
+
+    def _run(self, pieces: list[Piece], late: list[Job], until: Job | None = None) -> None:
         """One call's pieces drafted and its rounds answered, by whoever holds ``_busy``
         (the drafter thread, or a connection's thread that found the drafter free), which
         it gives back at the end, waking the drafter thread for what queued meanwhile.
@@ -293,12 +328,17 @@ class Scheduler:
                     pieces, late = self._take()
                 self._draft_pieces(pieces, late)
         finally:
-            with self._cond:
-                self._busy = False
-                if self._turns:  # rounds queued meanwhile: the drafter thread's (else no wake-up)
-                    self._cond.notify()
+            self._free()
 
-    def _draft_pieces(self, pieces: list[tuple[Job, int, DraftBatch]], late: list[Job]) -> None:
+    def _free(self) -> None:
+        """The call's maker gives ``_busy`` back, waking the drafter thread for what
+        queued meanwhile."""
+        with self._cond:
+            self._busy = False
+            if self._turns:  # (else no wake-up)
+                self._cond.notify()
+
+    def _draft_pieces(self, pieces: list[Piece], late: list[Job]) -> None:
         """A call's drafter calls, each group's rounds answered as soon as it is drafted (a
         round never waits for a wider group of the same call)."""
         for job in late:  # answered with the pieces drafted, or None: none was
@@ -306,19 +346,19 @@ class Scheduler:
         if self.mixed:  # one call per width, row size and kind, the narrowest first
             groups = collections.defaultdict(list)
             for piece in pieces:
-                groups[piece[2].width, piece[2].rows.shape[1], piece[2].sampled].append(piece)
+                groups[piece.batch.width, piece.batch.rows.shape[1], piece.batch.sampled].append(piece)
             calls = [groups[key] for key in sorted(groups)]
         else:
             calls = [[piece] for piece in pieces]
         for group in calls:  # a round has one piece a call at most: its group holds it
             self._call(group)
-            for job, _, _ in group:
+            for job, *_ in group:
                 if job.taken == len(job.batch):
                     self._finish(job, job.parts)
 
-    def _take(self) -> tuple[list[tuple[Job, int, DraftBatch]], list[Job]]:
-        """Under the lock: the pieces of one call, ``(job, first entry, batch)`` (deficit
-        round robin on tokens within the budget), and the rounds whose deadline passed."""
+    def _take(self) -> tuple[list[Piece], list[Job]]:
+        """Under the lock: the pieces of one call (deficit round robin on tokens within
+        the budget), and the rounds whose deadline passed."""
         now = self._taken_at = self.clock()
         pieces, late = [], []
         entries = tokens = 0
@@ -341,9 +381,8 @@ class Scheduler:
                     continue
                 room = min(self.max_tokens - tokens, self._deficit[session])
                 left = len(job.batch) - job.taken
-                total = call_cost(job.batch, self.context_read) if job.taken == 0 else 0
-                if job.taken == 0 and total <= room and left <= self.max_entries - entries:
-                    m, cost = left, total  # the whole round (the common case: no prefix sums)
+                if job.taken == 0 and job.cost <= room and left <= self.max_entries - entries:
+                    m, cost = left, job.cost  # the whole round (the common case: no prefix sums)
                 else:
                     cum = np.cumsum(entry_costs(job.batch, self.context_read)[job.taken :])
                     m = min(int(np.searchsorted(cum, room, side="right")), self.max_entries - entries)
@@ -353,7 +392,7 @@ class Scheduler:
                 if m == 0:
                     break
                 start, job.taken = job.taken, job.taken + m
-                pieces.append((job, start, job.piece(start, job.taken)))
+                pieces.append(Piece(job, start, job.piece(start, job.taken), cost))
                 entries, tokens = entries + m, tokens + cost
                 self._deficit[session] -= cost
                 took = True
@@ -371,22 +410,22 @@ class Scheduler:
                 stuck += 1
         return pieces, late
 
-    def _call(self, pieces: list[tuple[Job, int, DraftBatch]]) -> None:
+    def _call(self, pieces: list[Piece]) -> None:
         """One drafter call for ``pieces`` (one, or several of the same row size)."""
-        batch = pieces[0][2] if len(pieces) == 1 else merge([p[2] for p in pieces])
+        batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
         t0 = time.perf_counter()
         try:
             result = check_result(self.drafter.draft_batch(batch), batch)
         except BaseException as e:  # every round of the call fails with it, on its own connection
-            for job, _, _ in pieces:
-                self._finish(job, error=e)
+            for piece in pieces:
+                self._finish(piece.job, error=e)
             return
         if self.on_call is not None:
-            waits = [self._taken_at - job.queued for job, start, _ in pieces if start == 0]
-            tokens = call_cost(batch, self.context_read)
+            waits = [self._taken_at - p.job.queued for p in pieces if p.start == 0]
+            tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
             self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
         at = 0
-        for job, start, piece in pieces:
+        for job, start, piece, _ in pieces:
             job.gather(start, result if len(pieces) == 1 else part(result, at, piece))
             at += len(piece)
 

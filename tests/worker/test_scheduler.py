@@ -300,6 +300,45 @@ def test_a_lone_round_in_pieces_is_drafted_by_its_own_thread_with_no_hand_off():
     assert got.tokens.tolist() == alone.tokens.tolist() and got.counts.tolist() == alone.counts.tolist()
 
 
+def test_a_round_with_no_entries_is_answered_at_once_with_no_call():
+    """Nothing to draft is never queued (a queued empty round would never be taken and
+    would hold the lock for good)."""
+    drafter = Recording(COUNTING)
+    s = Scheduler(drafter, max_entries=64, max_tokens=400).start()
+    t, box = submit(s, 1, stream_batch(1, [0], [[1, 2]], width=4, want_margin=True).entries(0, 0))
+    t.join(10)
+    if t.is_alive():  # (its thread holds the scheduler's lock: stop() would wait for good)
+        pytest.fail("an empty round was never answered")
+    try:
+        got = s.draft(2, stream_batch(2, [0], [[1, 2]]))  # the scheduler still drafts
+    finally:
+        s.stop()
+    assert box["result"].tokens.shape == (0, 4) and box["result"].margins.shape == (0, 4)
+    assert drafter.calls == [1] and got.counts.tolist() == [3]
+
+
+def test_a_lone_round_s_failure_is_its_own_and_leaves_the_drafter_free():
+    """A round that found the drafter free is drafted on its own thread; the drafter's
+    error is raised there, and the next round (late, then on time) is served."""
+    clock = Clock()
+    drafter = Recording(COUNTING)
+    s = Scheduler(drafter, max_entries=64, max_tokens=400, clock=clock).start()
+    boom = ValueError("the drafter failed")
+    real = drafter.draft_batch
+    drafter.draft_batch = lambda batch: (_ for _ in ()).throw(boom)
+    try:
+        with pytest.raises(ValueError, match="the drafter failed"):
+            s.draft(1, stream_batch(1, [0], [[1, 2]]))
+        drafter.draft_batch = real
+        clock.now = 10.0
+        late = s.draft(1, stream_batch(1, [0], [[1, 2]]), deadline=5.0)
+        got = s.draft(1, stream_batch(1, [0, 1], [[1, 2], [3]]), deadline=20.0)
+    finally:
+        s.stop()
+    assert late is None and drafter.calls == [2]  # the late round was never drafted
+    assert drafter.threads == [threading.current_thread()] and got.counts.tolist() == [3, 3]
+
+
 def test_an_entry_costs_the_context_its_drafter_reads_so_a_markov_round_is_one_call():
     """30 entries of 37-token contexts and 3 drafts: 1,200 tokens for a drafter that reads
     whole contexts, three calls of a 400-token budget; an order-1 Markov drafter reads one
