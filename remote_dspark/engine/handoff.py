@@ -25,10 +25,11 @@ from .. import native, wire
 from ..config.mode import Mode
 from ..outcome import Outcome
 from ..region import ring, shm, streamsync
-from .batch import Batch, HostMeta, as_bytes, gather_rows_host, has_rows, write_meta
+from .batch import Batch, as_bytes, gather_rows_host, has_rows
 from .device_meta import check_meta_shapes, write_meta_in_stream
 from .drafts import Drafts, empty_drafts, to_drafts
 from .lifecycle import Users
+from .native_meta import NativeMeta, write_round_meta
 from .spec import Spec
 from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
 
@@ -93,6 +94,8 @@ class Handoff:
                 hold_gil_us=HOLD_GIL_US if spec.mode is Mode.PROCESS and spec.device == "cpu" else 0,
             )
             self._host = [_HostViews(self.region, i) for i in range(spec.depth)]
+            # Host metadata by one C call where it takes the batch (a sampled engine's: Python).
+            self._native_meta = None if spec.sampled else NativeMeta(self.lib, spec)
             if spec.device == "cuda":
                 view = self.sync.backend.device_view
                 self._staging = [  # none without rows (a zero-width view would alias the drafts slot)
@@ -168,25 +171,23 @@ class Handoff:
         self._served_session = session
         return True, new
 
-    def _hand_over(self, batch: Batch, stream: int | None = None) -> tuple[int, HostMeta | None]:
+    def _hand_over(self, batch: Batch, stream: int | None = None) -> int:
         """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
-        the stream (or, on the CPU, this thread) wait for ``released``: the round id and
-        the host metadata (None when it stayed on the device)."""
+        the stream (or, on the CPU, this thread) wait for ``released``: the round id."""
         spec, cfg = self.spec, self.spec.cfg
         on_device = batch.meta_on_device
         if on_device and spec.device != "cuda":
             raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
         acked = self.acked_context()
-        meta = None if on_device else spec.meta(batch, acked)
         r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (spec.depth + 1))
         i = r & (spec.depth - 1)
         try:
             self._collect()
             self._host[i].round_word[0] = r
-            if meta is None:
+            if on_device:
                 self._write_device_meta(batch, i, cfg.timeout_ms, spec.context_cut(acked))
             else:
-                write_meta(self._host[i].desc, meta, deadline_ms=cfg.timeout_ms, row_bytes=spec.row_bytes)
+                write_round_meta(spec, self._native_meta, batch, self._host[i].desc, self._host[i].desc_addr, acked)
             if not has_rows(batch, spec.row_bytes):
                 pass  # an engine without rows: no staging, nothing to gather
             elif spec.device == "cpu":
@@ -210,7 +211,7 @@ class Handoff:
             traceback.clear_frames(e.__traceback__)
             raise
         self.sync.signal(r, stream)
-        return r, meta
+        return r
 
     def acked_context(self) -> int:
         """The context the serving proxy's worker named in its HELLO_ACK: the region's
@@ -250,7 +251,7 @@ class Handoff:
         if not serving:
             return empty_drafts(n, spec.num_spec, Outcome.NO_PROXY, cfg.want_margin, spec.sampled)
         t0 = time.monotonic()
-        r, meta = self._hand_over(batch)
+        r = self._hand_over(batch)
         if spec.device == "cuda":
             self.sync.wait(r, 0)
             torch.cuda.current_stream().synchronize()
@@ -321,7 +322,7 @@ class Handoff:
             q = (None, None) if out.q_ids is None else (out.q_ids.cuda(), out.q_weights.cuda())
             return Launched(0, zeros, zeros[:, 0].clone(), resync, False, *q)
         stream = torch.cuda.current_stream().cuda_stream  # once: each lookup costs microseconds
-        r, _ = self._hand_over(batch, stream)
+        r = self._hand_over(batch, stream)
         self.sync.wait(r, 0, stream)
         i = r & (spec.depth - 1)
         # Copies in stream order (the slot is reused DEPTH rounds later). Every answer
@@ -427,6 +428,7 @@ class _HostViews:
 
         self.round_word = arr(lay.desc(i) + shm.DESC_ROUND, 1, np.uint32)
         self.desc = arr(lay.desc(i) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED, np.uint8)
+        self.desc_addr = region.addr(lay.desc(i) + shm.DESC_FIXED)
         self.staging = arr(lay.staging(i), S * lay.row_bytes, np.uint8).reshape(S, lay.row_bytes)
         d = lay.drafts(i)
         self.head = arr(d, 4, np.uint32)  # round, status, n_entries, flags (shm.DRAFTS_HEAD)

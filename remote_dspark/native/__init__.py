@@ -32,11 +32,12 @@ from .build import (
     origin,
     trusted_cache,
 )
-from .structs import BatchOut, LinkState, ProxyState, RingGeom, WindowsView
+from .structs import BatchOut, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
 
 __all__ = [
     "ABI_VERSION",
     "BatchOut",
+    "MetaIn",
     "CODE_TABLES",
     "ENV_LIB",
     "LOCK_FREE_ALL",

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 from .. import outcome, wire
-from .structs import BatchOut, LinkState, ProxyState, RingGeom, WindowsView
+from .structs import BatchOut, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
 
-ABI_VERSION = 16
+ABI_VERSION = 17
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -123,6 +123,7 @@ _FUNCS = {
     "watchdog_release_orphans": ("hf_watchdog_release_orphans", _I, (_P, _U32), True),
     "gather_rows": ("hf_gather_rows", _U32, (_P, _P, _U64, _U64, _P, _U32, _U32), False),
     "worker_round": ("hf_worker_round", _I, (ctypes.POINTER(WindowsView), _P, _U64, ctypes.POINTER(BatchOut)), False),
+    "host_meta": ("hf_host_meta", _I, (ctypes.POINTER(MetaIn), _P, _U64), False),
 }
 
 
@@ -206,7 +207,7 @@ class Native:
                 f"{self.path}: hostflag ABI {abi()}, this package binds {ABI_VERSION}; rebuild it from {SOURCE_DIR}"
             )
         sizeof.restype, sizeof.argtypes = ctypes.c_uint64, (ctypes.c_int,)
-        for which, mirror in enumerate((RingGeom, ProxyState, LinkState, WindowsView, BatchOut)):
+        for which, mirror in enumerate((RingGeom, ProxyState, LinkState, WindowsView, BatchOut, MetaIn)):
             if sizeof(which) != ctypes.sizeof(mirror):
                 raise NativeError(
                     f"{self.path}: struct {mirror.__name__} is {sizeof(which)} bytes "

@@ -1,7 +1,8 @@
 /* hostflag.h: what the files of the hostflag library share (hostflag.c: the hand-off,
  * the sleeps, the proxy's take and answer; watchdog.c: the engine's watchdog thread;
  * tcp_round.c: the proxy's round on a TCP socket, its descriptor check and DRAFTS reader,
- * and the wire constants it uses; worker_round.c: the worker's round in). The library's
+ * and the wire constants it uses; worker_round.c: the worker's round in; engine_meta.c:
+ * the engine's round metadata). The library's
  * ABI (HF_ABI) covers them all; remote_dspark/native/build.py builds them together,
  * native/structs.py mirrors the structs below with ctypes and native/binding.py checks
  * their sizes at load.
@@ -24,7 +25,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 16   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 17   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -178,6 +179,25 @@ struct hf_batch {
     uint32_t n_room;              /* in */
     uint32_t n, m, n_ok, width, deadline_ms, row_bytes;   /* out */
     uint32_t pad;
+};
+
+/* One batch's metadata as the engine holds it, for hf_host_meta (engine_meta.c): the
+ * arrays' pointers (Python owns them), each of int32 or int64 (its *_size: 4 or 8;
+ * new_gen is bool bytes; n_out NULL: n_out_default for every entry), the engine's terms,
+ * and the duplicate check's marks. Per engine: the terms and marks are set once, the
+ * arrays at every call. */
+struct hf_meta {
+    const void *slots, *positions, *n_out, *offsets, *tokens;
+    const uint8_t *new_gen;
+    uint32_t *stamps;             /* [max_slots]: a slot is taken in a check when it holds stamp_gen */
+    uint64_t n, n_tokens;         /* entries; tokens before the cut */
+    uint32_t slots_size, positions_size, n_out_size, offsets_size, tokens_size;
+    uint32_t max_slots, num_spec, max_tokens, n_out_default, vocab_size, context_tokens;
+    uint32_t deadline_ms, row_bytes;
+    uint32_t stamp_gen;           /* in and out: the last check's number */
+    uint32_t n_kept;              /* out: tokens after the cut */
+    uint32_t pad;
+    uint64_t written;             /* out: the payload bytes written (rows excepted) */
 };
 
 static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)

@@ -153,3 +153,38 @@ class BatchOut(ctypes.Structure):
         ("row_bytes", ctypes.c_uint32),
         ("pad", ctypes.c_uint32),
     ]
+
+
+class MetaIn(ctypes.Structure):
+    """``struct hf_meta``: one batch's metadata for ``hf_host_meta`` (the arrays'
+    pointers and element sizes, the engine's terms, the duplicate check's marks in; the
+    tokens kept and the bytes written out)."""
+
+    _fields_ = [
+        ("slots", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("n_out", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("new_gen", ctypes.c_void_p),
+        ("stamps", ctypes.c_void_p),
+        ("n", ctypes.c_uint64),
+        ("n_tokens", ctypes.c_uint64),
+        ("slots_size", ctypes.c_uint32),
+        ("positions_size", ctypes.c_uint32),
+        ("n_out_size", ctypes.c_uint32),
+        ("offsets_size", ctypes.c_uint32),
+        ("tokens_size", ctypes.c_uint32),
+        ("max_slots", ctypes.c_uint32),
+        ("num_spec", ctypes.c_uint32),
+        ("max_tokens", ctypes.c_uint32),
+        ("n_out_default", ctypes.c_uint32),
+        ("vocab_size", ctypes.c_uint32),
+        ("context_tokens", ctypes.c_uint32),
+        ("deadline_ms", ctypes.c_uint32),
+        ("row_bytes", ctypes.c_uint32),
+        ("stamp_gen", ctypes.c_uint32),
+        ("n_kept", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("written", ctypes.c_uint64),
+    ]

@@ -132,7 +132,7 @@ def test_concurrent_builds_from_several_processes_agree(tmp_path):
 
 
 def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = None) -> str:
-    mirrors = [native.RingGeom, native.ProxyState, native.LinkState, native.WindowsView, native.BatchOut]
+    mirrors = [native.RingGeom, native.ProxyState, native.LinkState, native.WindowsView, native.BatchOut, native.MetaIn]
     sizes = [ctypes.sizeof(m) for m in mirrors]
     if proxy_size is not None:
         sizes[1] = proxy_size
@@ -143,7 +143,7 @@ def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = N
         f"int hf_lock_free(void) {{ return {lock_free}; }}\n"
         "unsigned long long hf_sizeof(int w) { static const unsigned long long s[] = {"
         + ", ".join(map(str, sizes))
-        + "}; return w >= 0 && w < 5 ? s[w] : 0; }\n"
+        + f"}}; return w >= 0 && w < {len(sizes)} ? s[w] : 0; }}\n"
     )
     out = tmp_path / f"fake-{abi}-{lock_free}-{proxy}.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True, timeout=CHILD_TIMEOUT_S)

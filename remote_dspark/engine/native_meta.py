@@ -1,0 +1,137 @@
+"""The engine's round metadata by one C call (:class:`NativeMeta`): ``hf_host_meta``
+(``native/engine_meta.c``) holds a batch's metadata to every rule of
+:func:`~remote_dspark.engine.batch.host_meta`, cuts its NEW_GEN contexts and writes the
+ROUND payload's fixed part, entry arrays and tokens where the round goes, the bytes
+:func:`~remote_dspark.engine.batch.write_meta` writes: one C loop instead of about twenty
+numpy operations, each of a few microseconds, on the engine's critical path.
+
+It takes the common batch: metadata on the host as int32 or int64 tensors or arrays
+(``new_gen`` bool), one-dimensional and contiguous, of a greedy engine. Any other batch
+(a sampled engine's, lists made arrays of another dtype, strided views) goes the Python
+way, which is also the reference the tests hold this path to. A batch the C check
+refuses is checked again by ``host_meta``, whose ValueError names the culprit, so the
+messages are written once; the two disagreeing is a loud RuntimeError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from ..native import MetaIn
+from .batch import Batch
+
+_INTS = (torch.int32, torch.int64)
+
+
+def _address(x, n: int, bools: bool = False) -> tuple[int, int] | None:
+    """``(address, element size)`` of a host array or tensor of ``n`` ints (``bools``:
+    of bools) that the C call can read as it is, else None."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_cpu or x.dim() != 1 or x.shape[0] != n or not x.is_contiguous():
+            return None
+        if (x.dtype is torch.bool) if bools else (x.dtype in _INTS):
+            return x.data_ptr(), x.element_size()
+        return None
+    if not isinstance(x, np.ndarray) or x.ndim != 1 or x.shape[0] != n or not x.flags.c_contiguous:
+        return None
+    if (x.dtype == np.bool_) if bools else (x.dtype.char in "il" and x.dtype.isnative):
+        return x.ctypes.data, x.dtype.itemsize
+    return None
+
+
+class NativeMeta:
+    """``hf_host_meta`` for one engine's rounds (its terms fixed here; one thread at a
+    time: the duplicate check's marks are this object's)."""
+
+    def __init__(self, lib, spec):
+        """``spec``: the engine's :class:`~remote_dspark.engine.spec.Spec` (its slots,
+        num_spec, max_tokens, vocab_size and row_bytes are the call's terms)."""
+        self._call = lib.host_meta
+        self._stamps = np.zeros(spec.max_slots, np.uint32)
+        self._m = MetaIn(
+            stamps=self._stamps.ctypes.data,
+            max_slots=spec.max_slots,
+            num_spec=spec.num_spec,
+            max_tokens=spec.max_tokens,
+            vocab_size=spec.vocab_size,
+            row_bytes=spec.row_bytes,
+        )
+        self._ref = ctypes.byref(self._m)
+
+    def write(
+        self, batch: Batch, dst: int, room: int, *, deadline_ms: int, context_tokens: int, n_out_default: int
+    ) -> int | None:
+        """Check ``batch`` and write its ROUND metadata at address ``dst`` (``room``
+        bytes): the bytes written, or None when this call does not take the batch (the
+        caller goes the Python way).
+
+        Raises:
+            ValueError: ``host_meta``'s, naming what is wrong with a refused batch."""
+        if batch.temperature is not None or batch.seed is not None:
+            return None  # a sampled engine's (or a batch refused for its sampling fields)
+        slots = batch.slots
+        n = slots.shape[0] if isinstance(slots, (torch.Tensor, np.ndarray)) and slots.ndim == 1 else -1
+        tokens = batch.tokens
+        n_tokens = tokens.shape[0] if isinstance(tokens, (torch.Tensor, np.ndarray)) and tokens.ndim == 1 else -1
+        got = [
+            _address(slots, n),
+            _address(batch.positions, n),
+            _address(batch.token_offsets, n + 1),
+            _address(tokens, n_tokens),
+            _address(batch.new_gen, n, bools=True),
+        ]
+        n_out = None if batch.n_out is None else _address(batch.n_out, n)
+        if n < 0 or n_tokens < 0 or None in got or (batch.n_out is not None and n_out is None):
+            return None
+        m = self._m
+        (m.slots, m.slots_size), (m.positions, m.positions_size), (m.offsets, m.offsets_size) = got[:3]
+        (m.tokens, m.tokens_size), (m.new_gen, _) = got[3:]
+        m.n_out, m.n_out_size = n_out or (None, 0)
+        m.n, m.n_tokens, m.deadline_ms = n, n_tokens, deadline_ms
+        m.context_tokens, m.n_out_default = context_tokens, n_out_default
+        rule = self._call(self._ref, dst, room)
+        if rule:
+            self._refused(batch, rule, context_tokens, n_out_default)
+        return m.written
+
+    def _refused(self, batch: Batch, rule: int, context_tokens: int, n_out_default: int) -> None:
+        """The reference's checks of a batch the C check refused (``rule``): they raise
+        its ValueError. Raises RuntimeError when they accept it (the two disagree)."""
+        from .batch import host_meta
+
+        m = self._m
+        host_meta(
+            batch,
+            max_slots=m.max_slots,
+            num_spec=m.num_spec,
+            max_tokens=m.max_tokens,
+            n_out_default=n_out_default,
+            vocab_size=m.vocab_size,
+            context_tokens=context_tokens,
+        )
+        raise RuntimeError(
+            f"a batch refused by the native check (rule {rule}), accepted by the Python reference; "
+            "native/engine_meta.c and engine/batch.py disagree"
+        )
+
+
+def write_round_meta(spec, native: NativeMeta | None, batch: Batch, dst: np.ndarray, dst_addr: int, acked: int) -> int:
+    """``batch``'s ROUND metadata checked, cut and written into ``dst`` (a uint8 view at
+    address ``dst_addr``) for an engine of ``spec`` whose worker acknowledged ``acked``
+    context tokens: by ``native`` when it takes the batch, else by ``host_meta`` and
+    ``write_meta``. Returns the bytes written.
+
+    Raises:
+        ValueError: ``host_meta``'s, naming what is wrong."""
+    from .batch import write_meta
+
+    deadline_ms = spec.cfg.timeout_ms
+    if native is not None:
+        cut, n_out = spec.context_cut(acked), spec.n_out_for(len(batch))
+        done = native.write(batch, dst_addr, len(dst), deadline_ms=deadline_ms, context_tokens=cut, n_out_default=n_out)
+        if done is not None:
+            return done
+    return write_meta(dst, spec.meta(batch, acked), deadline_ms=deadline_ms, row_bytes=spec.row_bytes)
