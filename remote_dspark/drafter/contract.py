@@ -404,13 +404,19 @@ def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
     if counts.shape != (n,):
         raise ValueError(f"drafter result counts: shape {counts.shape}, expected {(n,)}")
     counts = np.minimum(np.maximum(counts, 0), batch.n_out).astype(np.int32, copy=False)  # (np.clip: slower)
-    live = np.arange(width, dtype=np.int32) < counts[:, None]
-    tokens = np.where(live, tokens, 0).astype(np.int32, copy=False)
+    # Every entry drafted whole (common): nothing to zero. Either way a copy, never the
+    # drafter's own memory, which its next call may reuse before the reply is written.
+    live = None if n == 0 or counts.min() == width else np.arange(width, dtype=np.int32) < counts[:, None]
+
+    def kept(a, dtype):
+        return np.array(a, dtype) if live is None else np.where(live, a, 0).astype(dtype, copy=False)
+
+    tokens = kept(tokens, np.int32)
     if batch.want_margin and margins is not None:
         margins = np.asarray(margins)
         if margins.shape != (n, width):
             raise ValueError(f"drafter result margins: shape {margins.shape}, expected {(n, width)}")
-        margins = np.where(live, margins, 0).astype(np.float32, copy=False)
+        margins = kept(margins, np.float32)
     elif batch.want_margin:
         margins = np.zeros((n, width), np.float32)
     else:
@@ -421,7 +427,8 @@ def check_result(result: DraftResult, batch: DraftBatch) -> DraftResult:
 
 
 def _checked_distributions(result: DraftResult, batch: DraftBatch, tokens, live) -> tuple[np.ndarray, np.ndarray]:
-    """A sampled round's ``q_ids``, ``q_weights``: shapes checked, zeroed past counts, and
+    """A sampled round's ``q_ids``, ``q_weights`` (``live``: [n, width] the drafted
+    positions; None: all): shapes checked, zeroed past counts, and
     held to :func:`remote_dspark.drafter.sampling.check_sampled` at drafted positions,
     any id >= 0 (a drafter that breaks it fails its round: the engine would refuse the
     reply; the engine also holds the ids to its vocabulary)."""
@@ -435,7 +442,7 @@ def _checked_distributions(result: DraftResult, batch: DraftBatch, tokens, live)
         if got is None or np.shape(got) != (n, width, TOP):
             want = (n, width, TOP)
             raise ValueError(f"drafter result {name}: shape {np.shape(got)}, expected {want} (a sampled round)")
-    if live.all():  # every position drafted (the common round): nothing to zero or to mask
+    if live is None or live.all():  # every position drafted (the common round): nothing to zero or to mask
         ids = np.asarray(result.q_ids).astype(np.int32, copy=False)
         weights = np.asarray(result.q_weights).astype(np.uint16, copy=False)
         drafted = (ids.reshape(-1, TOP), weights.reshape(-1, TOP), np.asarray(tokens).reshape(-1))

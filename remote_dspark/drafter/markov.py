@@ -184,8 +184,8 @@ class MarkovModel:
         return tokens, margins
 
     def draft_batch(
-        self, tokens: np.ndarray, offsets: np.ndarray, n_out: np.ndarray, width: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self, tokens: np.ndarray, offsets: np.ndarray, n_out: np.ndarray, width: int, margins: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """:meth:`draft` for n entries at once, with no loop over entries.
 
         Args:
@@ -193,6 +193,7 @@ class MarkovModel:
             offsets: [n + 1] ints: entry i's context is ``tokens[offsets[i]:offsets[i + 1]]``.
             n_out: [n] ints in 0..width, drafts wanted per entry.
             width: the result's second dimension.
+            margins: False: no margins are computed (None in their place).
 
         Returns:
             (drafts [n, width] int32, counts [n] int32, margins [n, width] float32), row i
@@ -217,11 +218,12 @@ class MarkovModel:
         for s in range(width):  # one pass per draft step, all entries
             steps[s] = row
             row = a.succ[row]
-        steps[np.arange(width)[:, None] >= n_out] = a.none
+        if len(n_out) and n_out.min() < width:  # (every entry wanting all width steps: nothing to cut)
+            steps[np.arange(width)[:, None] >= n_out] = a.none
         # Past an unseen context a row stays ``none`` (its successor is itself, its token
         # and margin 0), so the live steps are a prefix and the count is how many there are.
         counts = np.count_nonzero(steps != a.none, axis=0).astype(np.int32)
-        return a.first[steps].T, counts, a.margin[steps].T
+        return a.first[steps].T, counts, a.margin[steps].T if margins else None
 
     def tables(self) -> _Arrays:
         """:meth:`draft_batch`'s arrays (``find``, ``none``, ``margin``), built on first use."""
@@ -439,8 +441,11 @@ class MarkovDrafter:
             from .markov_sampled import draft_sampled
 
             return draft_sampled(self.model, batch)
-        tokens, counts, margins = self.model.draft_batch(batch.tokens, batch.offsets, batch.n_out, batch.width)
-        return DraftResult(tokens, counts, margins if batch.want_margin else None)
+        model = self.model
+        tokens, counts, margins = model.draft_batch(
+            batch.tokens, batch.offsets, batch.n_out, batch.width, batch.want_margin
+        )
+        return DraftResult(tokens, counts, margins)
 
 
 def default_drafter_identity(model: MarkovModel) -> bytes:

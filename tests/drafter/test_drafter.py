@@ -194,6 +194,18 @@ def test_check_result_clamps_zeroes_and_names_bad_shapes():
     assert check_result(sloppy, _batch([[1], [2]], [1, 2], 3, want_margin=False)).margins is None
 
 
+def test_a_checked_answer_is_a_copy_even_when_every_entry_drafted_whole():
+    """Nothing to zero (every count is the width), the answer is still not the drafter's
+    own memory: a drafter may reuse its arrays in its next call, which another
+    connection's round can make before this round's reply is written."""
+    batch = _batch([[1], [2]], [2, 2], 2)
+    mine = DraftResult(np.array([[5, 6], [7, 8]], np.int32), np.array([2, 2], np.int32), np.ones((2, 2), np.float32))
+    out = check_result(mine, batch)
+    mine.tokens[:] = 0
+    mine.margins[:] = 0
+    assert out.tokens.tolist() == [[5, 6], [7, 8]] and out.margins.tolist() == [[1, 1], [1, 1]]
+
+
 def test_check_result_holds_a_sampled_rounds_distributions_to_the_rule():
     batch = dataclasses.replace(
         _batch([[1], [2]], [2, 1], 2), temperature=np.ones(2, np.float32), seed=np.zeros(2, np.uint64)
