@@ -2,6 +2,7 @@
 per round, arrays in and out), the Markov drafter (:mod:`.markov`) and the torch model
 drafters (:mod:`.lm`, imported only when one is asked for)."""
 
+from .answer import check_result
 from .contract import (
     BatchedDrafter,
     CacheInfo,
@@ -10,7 +11,6 @@ from .contract import (
     PerEntryDrafter,
     as_batched,
     cache_info_of,
-    check_result,
     empty_result,
     vocab_size_of,
 )

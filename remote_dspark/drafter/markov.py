@@ -441,11 +441,8 @@ class MarkovDrafter:
             from .markov_sampled import draft_sampled
 
             return draft_sampled(self.model, batch)
-        model = self.model
-        tokens, counts, margins = model.draft_batch(
-            batch.tokens, batch.offsets, batch.n_out, batch.width, batch.want_margin
-        )
-        return DraftResult(tokens, counts, margins)
+        b = batch
+        return DraftResult(*self.model.draft_batch(b.tokens, b.offsets, b.n_out, b.width, margins=b.want_margin))
 
 
 def default_drafter_identity(model: MarkovModel) -> bytes:

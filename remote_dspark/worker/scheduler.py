@@ -60,7 +60,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import wire
-from ..drafter.contract import DraftBatch, DraftResult, check_result, context_read_of, empty_result, mixed_sessions_of
+from ..drafter.answer import check_result
+from ..drafter.contract import DraftBatch, DraftResult, context_read_of, empty_result, mixed_sessions_of
 
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
 DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) of a drafter that reserves memory ...

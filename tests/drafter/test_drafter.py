@@ -12,13 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remote_dspark.drafter.contract import (
-    DraftBatch,
-    DraftResult,
-    PerEntryDrafter,
-    as_batched,
-    check_result,
-)
+from remote_dspark.drafter.answer import check_result
+from remote_dspark.drafter.contract import DraftBatch, DraftResult, PerEntryDrafter, as_batched
 from remote_dspark.drafter.markov import MarkovDrafter, MarkovModel, SyntheticLanguage, builtin_model
 from remote_dspark.worker.drafters import load_drafter
 

@@ -25,7 +25,7 @@ from helpers import P_VALUE_MIN, chi2_p
 from lm_common import agreeing_prefix, batch_of
 
 from remote_dspark.drafter import sampling as ns
-from remote_dspark.drafter.contract import check_result
+from remote_dspark.drafter.answer import check_result
 from remote_dspark.drafter.lm.drafter import LMDrafter
 
 WINDOW = 16

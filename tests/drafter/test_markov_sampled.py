@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from helpers import P_VALUE_MIN, chi2_p
 
-from remote_dspark.drafter.contract import DraftBatch, check_result, samples_of
+from remote_dspark.drafter.answer import check_result
+from remote_dspark.drafter.contract import DraftBatch, samples_of
 from remote_dspark.drafter.markov import MarkovDrafter, MarkovModel, Next, SyntheticLanguage, builtin_model
 from remote_dspark.drafter.sampling import TOP, TOTAL, from_counts, pick, uniform_u32
 
