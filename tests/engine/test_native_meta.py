@@ -146,6 +146,17 @@ def test_a_long_new_gen_context_is_cut_to_its_last_tokens_and_its_position_moves
     assert u32[4 + 5 * n + 1 :].tolist() == [6, 7, 8, 9, 10, 11]  # tokens: 6..9, then 10, 11
 
 
+def _one_entry(n_tokens: int) -> Batch:
+    """A batch of one continuing entry (slot 2, position 9) of ``n_tokens`` tokens."""
+    return Batch(
+        torch.tensor([2], dtype=torch.int32),
+        torch.arange(n_tokens, dtype=torch.int32),
+        torch.tensor([0, n_tokens]),
+        torch.tensor([9], dtype=torch.int32),
+        torch.tensor([False]),
+    )
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -158,33 +169,21 @@ def test_a_long_new_gen_context_is_cut_to_its_last_tokens_and_its_position_moves
     ids=["int16 slots", "strided tokens", "float positions", "uint8 new_gen", "sampled"],
 )
 def test_a_batch_the_c_call_cannot_read_goes_the_python_way_with_the_same_bytes(lib, change):
-    base = Batch(
-        torch.tensor([2], dtype=torch.int32),
-        torch.arange(6, dtype=torch.int32),
-        torch.tensor([0, 6]),
-        torch.tensor([9], dtype=torch.int32),
-        torch.tensor([False]),
-    )
-    batch = change(base)
+    batch = change(_one_entry(6))
     native = NativeMeta(lib, _spec())
     assert native.write(batch, 0, 0, deadline_ms=1, context_tokens=8, n_out_default=2) is None
-    if batch.temperature is not None:
-        return  # a greedy engine refuses sampling fields: the Python way says so
     dst = np.zeros(ROOM, np.uint8)
+    if batch.temperature is not None:  # a greedy engine refuses sampling fields, by the Python way's words
+        with pytest.raises(ValueError, match="temperature: given, but the engine does not ask for sampled drafts"):
+            write_round_meta(_spec(), native, batch, dst, dst.ctypes.data, 0)
+        return
     size = write_round_meta(_spec(), native, batch, dst, dst.ctypes.data, 0)
     assert dst[:size].tobytes() == _python(batch, 8, NUM_SPEC, _spec())[1]
 
 
-def test_a_refusal_the_reference_does_not_share_is_a_loud_disagreement(lib, monkeypatch):
-    batch = Batch(
-        torch.tensor([2], dtype=torch.int32),
-        torch.arange(3, dtype=torch.int32),
-        torch.tensor([0, 3]),
-        torch.tensor([9], dtype=torch.int32),
-        torch.tensor([False]),
-    )
+def test_a_refusal_the_reference_does_not_share_is_a_loud_disagreement(lib):
     native = NativeMeta(lib, _spec())
     dst = np.zeros(16, np.uint8)  # no room for the round: the C call refuses, host_meta accepts
     with pytest.raises(RuntimeError, match="engine_meta.c and engine/batch.py disagree"):
-        native.write(batch, dst.ctypes.data, len(dst), deadline_ms=1, context_tokens=8, n_out_default=2)
+        native.write(_one_entry(3), dst.ctypes.data, len(dst), deadline_ms=1, context_tokens=8, n_out_default=2)
     assert not dst.any()
