@@ -223,9 +223,10 @@ def host_meta(
         raise ValueError(
             f"token_offsets: run from {offsets[0]} to {offsets[-1]}, expected 0 to len(tokens)={tokens.shape[0]}"
         )
+    back = offsets[1:] < offsets[:-1]  # (not lengths < 0: offsets near 2**63 make a difference wrap)
+    if n and back.any():
+        raise ValueError(f"token_offsets: not non-decreasing (entry {int(back.argmax())})")
     lengths = np.diff(offsets)
-    if n and lengths.min() < 0:
-        raise ValueError(f"token_offsets: not non-decreasing (entry {int(lengths.argmin())})")
     if batch.n_out is None:
         n_out: np.ndarray | int = min(n_out_default, num_spec)  # one value for every entry
     else:
@@ -234,13 +235,7 @@ def host_meta(
             raise ValueError(f"n_out: negative value {n_out.min()} (entry {int(n_out.argmin())})")
         n_out = np.minimum(n_out, num_spec)
     if new_gen.any():
-        cut = np.where(new_gen, np.maximum(lengths - context_tokens, 0), 0)
-        if cut.any():  # keep each long NEW_GEN context's last context_tokens tokens
-            keep = lengths - cut
-            new_offsets = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(keep, out=new_offsets[1:])
-            take = np.repeat(offsets[:-1] + cut - new_offsets[:-1], keep) + np.arange(new_offsets[-1])
-            tokens, offsets, positions = tokens[take], new_offsets, positions + cut
+        tokens, offsets, positions = _cut(tokens, offsets, positions, lengths, new_gen, context_tokens)
     if tokens.shape[0] > max_tokens:
         raise ValueError(
             f"tokens: {tokens.shape[0]} in one round (NEW_GEN contexts cut to "
@@ -248,6 +243,26 @@ def host_meta(
         )
     temperature, seed = sampling_meta(batch, n, sampled)
     return HostMeta(slots, positions, n_out, new_gen, offsets, tokens, temperature, seed)
+
+
+def _cut(tokens, offsets, positions, lengths, new_gen, context_tokens: int) -> tuple[np.ndarray, ...]:
+    """``(tokens, offsets, positions)`` with each NEW_GEN context (of ``lengths``) cut
+    to its last ``context_tokens`` tokens, its position moved to its first token sent.
+
+    Raises:
+        ValueError: a position moved past the wire's u32."""
+    cut = np.where(new_gen, np.maximum(lengths - context_tokens, 0), 0)
+    if not cut.any():
+        return tokens, offsets, positions
+    keep = lengths - cut
+    new_offsets = np.zeros(len(keep) + 1, dtype=np.int64)
+    np.cumsum(keep, out=new_offsets[1:])
+    take = np.repeat(offsets[:-1] + cut - new_offsets[:-1], keep) + np.arange(new_offsets[-1])
+    positions = positions + cut
+    if positions.max() > U32_MAX:  # a cut entry's first token sent
+        bad = int(positions.argmax())
+        raise ValueError(f"positions: {positions[bad]} (entry {bad}, after its NEW_GEN cut) over {U32_MAX}")
+    return tokens[take], new_offsets, positions
 
 
 def check_sampling_given(batch: Batch, sampled: bool) -> bool:

@@ -24,14 +24,15 @@ from ..native import MetaIn
 from .batch import Batch
 
 _INTS = (torch.int32, torch.int64)
+_U32_MAX = (1 << 32) - 1
 
 
 def _address(x, n: int, bools: bool = False) -> tuple[int, int] | None:
     """``(address, element size)`` of a host array or tensor of ``n`` ints (``bools``:
     of bools) that the C call can read as it is, else None."""
     if isinstance(x, torch.Tensor):
-        if not x.is_cpu or x.dim() != 1 or x.shape[0] != n or not x.is_contiguous():
-            return None
+        if not x.is_cpu or x.dim() != 1 or x.shape[0] != n or not x.is_contiguous() or x.is_neg() or x.is_conj():
+            return None  # (a negative or conjugate view's memory is not its values)
         if (x.dtype is torch.bool) if bools else (x.dtype in _INTS):
             return x.data_ptr(), x.element_size()
         return None
@@ -72,6 +73,8 @@ class NativeMeta:
             ValueError: ``host_meta``'s, naming what is wrong with a refused batch."""
         if batch.temperature is not None or batch.seed is not None:
             return None  # a sampled engine's (or a batch refused for its sampling fields)
+        if not (0 < context_tokens <= _U32_MAX and 0 <= n_out_default <= _U32_MAX):
+            return None  # terms the C struct cannot hold (the engine's are always within)
         slots = batch.slots
         n = slots.shape[0] if isinstance(slots, (torch.Tensor, np.ndarray)) and slots.ndim == 1 else -1
         tokens = batch.tokens

@@ -59,12 +59,18 @@ static int check_meta(struct hf_meta *m, uint64_t *kept)
         }
     if (at(m->offsets, m->offsets_size, 0) != 0 || at(m->offsets, m->offsets_size, n) != (int64_t)m->n_tokens)
         return HM_OFFSETS;
+    /* From 0 without going back (compared, never subtracted first: a difference of
+     * offsets near 2^63 would wrap), every offset is in 0..n_tokens: no sum below wraps. */
+    for (uint64_t e = 0; e < n; e++)
+        if (at(m->offsets, m->offsets_size, e + 1) < at(m->offsets, m->offsets_size, e))
+            return HM_BACKWARDS;
     uint64_t total = 0;
     for (uint64_t e = 0; e < n; e++) {
-        int64_t len = at(m->offsets, m->offsets_size, e + 1) - at(m->offsets, m->offsets_size, e);
-        if (len < 0)
-            return HM_BACKWARDS;
-        total += m->new_gen[e] && (uint64_t)len > m->context_tokens ? m->context_tokens : (uint64_t)len;
+        uint64_t len = (uint64_t)(at(m->offsets, m->offsets_size, e + 1) - at(m->offsets, m->offsets_size, e));
+        uint64_t cut = m->new_gen[e] && len > m->context_tokens ? len - m->context_tokens : 0;
+        if ((uint64_t)at(m->positions, m->positions_size, e) + cut > UINT32_MAX)
+            return HM_POSITIONS;   /* the first token sent is past the wire's u32 */
+        total += len - cut;
     }
     if (m->n_out)
         for (uint64_t e = 0; e < n; e++)
@@ -107,7 +113,8 @@ int hf_host_meta(struct hf_meta *m, uint8_t *dst, uint64_t room)
         put32(flags + 4 * e, m->new_gen[e] ? W_NEW_GEN : 0);
         put32(offsets + 4 * e, (uint32_t)to);
         if (m->tokens_size == 4) {
-            memcpy(tokens + 4 * to, (const int32_t *)m->tokens + from + cut, 4 * (len - cut));
+            if ((uint64_t)len > cut)   /* (an empty tensor's data pointer may be NULL) */
+                memcpy(tokens + 4 * to, (const int32_t *)m->tokens + from + cut, 4 * (len - cut));
         } else {
             for (int64_t i = (int64_t)cut; i < len; i++)
                 put32(tokens + 4 * (to + i - cut), (uint32_t)(int32_t)((const int64_t *)m->tokens)[from + i]);

@@ -44,13 +44,16 @@ def batches(draw):
     n_out_default, spec)``."""
     n = draw(st.integers(0, 12))
     slots = draw(st.lists(st.integers(0, MAX_SLOTS - 1), min_size=n, max_size=n, unique=True))
-    broken = draw(st.sampled_from(["none"] * 6 + ["slot", "twice", "position", "token", "offsets", "back", "n_out"]))
+    broken = draw(st.sampled_from(["none"] * 6 + [*"slot twice position cut token offsets back wrap n_out".split()]))
     lengths = draw(st.lists(st.integers(0, 12), min_size=n, max_size=n))
+    if broken == "cut" and n:
+        lengths[-1] = 12  # over any context_tokens drawn: cut by 4 or more
     vocab = draw(st.sampled_from([0, 0, 60]))
     tokens = draw(st.lists(st.integers(0, (vocab or 1 << 31) - 1), min_size=sum(lengths), max_size=sum(lengths)))
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
     positions = draw(st.lists(st.integers(0, (1 << 32) - 1 - 12), min_size=n, max_size=n))
     n_out = draw(st.none() | st.lists(st.integers(0, NUM_SPEC + 3), min_size=n, max_size=n))
+    new_gen = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     int_kind = draw(st.sampled_from([np.int32, np.int64]))
     if broken == "slot" and n:
         slots[-1] = draw(st.sampled_from([-1, MAX_SLOTS, MAX_SLOTS + 7]))
@@ -63,6 +66,10 @@ def batches(draw):
         tokens[-1] = draw(st.sampled_from([-1, 1 << 31, -(1 << 31) - 1, vocab or -5]))
     elif broken == "offsets":
         offsets[draw(st.sampled_from([0, -1]))] += draw(st.sampled_from([1, -1]))
+    elif broken == "cut" and n:  # a position within the u32 that the NEW_GEN cut moves past it
+        positions[-1], new_gen[-1] = (1 << 32) - 2, True
+    elif broken == "wrap" and n > 2:  # offsets whose differences wrap to a sum of len(tokens)
+        offsets[1], offsets[2] = (1 << 63) - 1, -2
     elif broken == "back" and n > 1:
         offsets[1] = offsets[2] + draw(st.sampled_from([1, 3]))  # the second entry's length: -1 or -3
     elif broken == "n_out" and n and n_out is not None:
@@ -77,7 +84,7 @@ def batches(draw):
         _as(tokens, tokens_kind, kind),
         _as(offsets, np.int64, kind),
         _as(positions, positions_kind, kind),
-        _as(draw(st.lists(st.booleans(), min_size=n, max_size=n)), np.bool_, kind),
+        _as(new_gen, np.bool_, kind),
         n_out=None if n_out is None else _as(n_out, int_kind, kind),
     )
     spec = _spec(max_tokens=draw(st.sampled_from([400, 20])), vocab_size=vocab)
@@ -187,3 +194,15 @@ def test_a_refusal_the_reference_does_not_share_is_a_loud_disagreement(lib):
     with pytest.raises(RuntimeError, match="engine_meta.c and engine/batch.py disagree"):
         native.write(_one_entry(3), dst.ctypes.data, len(dst), deadline_ms=1, context_tokens=8, n_out_default=2)
     assert not dst.any()
+
+
+def test_offsets_whose_differences_wrap_and_a_cut_past_the_u32_are_refused_by_both_paths(lib):
+    """Offsets 0, 2**63-1, -2, 3: lengths that wrap to a sum of the 3 tokens (once a
+    write of 2**63 tokens); a position the NEW_GEN cut moves past the wire's u32."""
+    wrap = Batch(
+        np.array([0, 1, 2]), np.arange(3), np.array([0, (1 << 63) - 1, -2, 3]), np.zeros(3, np.int64), np.zeros(3, bool)
+    )
+    late = Batch(np.array([0]), np.arange(12), np.array([0, 12]), np.array([(1 << 32) - 2]), np.array([True]))
+    for batch, why in ((wrap, "token_offsets: not non-decreasing (entry 1)"), (late, "after its NEW_GEN cut")):
+        err, _ = _native(lib, batch, 8, 2, _spec())
+        assert err is not None and why in err and err == _python(batch, 8, 2, _spec())[0]
