@@ -1,8 +1,8 @@
 /* engine_meta.c: the engine's round metadata in one call (hf_host_meta). A batch's
  * arrays are held to the rules of remote_dspark.engine.batch.host_meta, its NEW_GEN
  * contexts cut to their last context_tokens, and the ROUND payload's fixed part, entry
- * arrays and tokens written where the round goes (a descriptor slot, or the synchronous
- * path's send buffer): engine.batch.write_meta's bytes.
+ * arrays and tokens written into the round's descriptor slot: engine.batch.write_meta's
+ * bytes.
  *
  * host_meta and write_meta stay the reference this file is tested against, verdict for
  * verdict and byte for byte (tests/engine/test_native_meta.py). A refused batch writes
