@@ -412,23 +412,25 @@ class Scheduler:
         return pieces, late
 
     def _call(self, pieces: list[Piece]) -> None:
-        """One drafter call for ``pieces`` (one, or several of the same row size)."""
-        batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
-        t0 = time.perf_counter()
+        """One drafter call for ``pieces`` (one, or several of the same row size). Whatever
+        fails in it (the merge, the drafter, its answer's check, the statistics, a split)
+        fails every round of the call, each on its own connection, and never the thread
+        making the call: the drafter thread lives on for the rounds still queued."""
         try:
+            batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
+            t0 = time.perf_counter()
             result = check_result(self.drafter.draft_batch(batch), batch)
-        except BaseException as e:  # every round of the call fails with it, on its own connection
+            if self.on_call is not None:
+                waits = [self._taken_at - p.job.queued for p in pieces if p.start == 0]
+                tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
+                self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
+            at = 0
+            for job, start, piece, _ in pieces:
+                job.gather(start, result if len(pieces) == 1 else part(result, at, piece))
+                at += len(piece)
+        except BaseException as e:
             for piece in pieces:
                 self._finish(piece.job, error=e)
-            return
-        if self.on_call is not None:
-            waits = [self._taken_at - p.job.queued for p in pieces if p.start == 0]
-            tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
-            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
-        at = 0
-        for job, start, piece, _ in pieces:
-            job.gather(start, result if len(pieces) == 1 else part(result, at, piece))
-            at += len(piece)
 
     @staticmethod
     def _finish(job: Job, result: DraftResult | None = None, error: BaseException | None = None) -> None:

@@ -339,6 +339,31 @@ def test_a_lone_round_s_failure_is_its_own_and_leaves_the_drafter_free():
     assert drafter.threads == [threading.current_thread()] and got.counts.tolist() == [3, 3]
 
 
+def test_a_failure_in_a_calls_statistics_fails_its_rounds_not_the_drafter_thread():
+    """``on_call`` raising in a call the drafter thread makes (two queued rounds) fails
+    those rounds on their connections; the thread lives on and drafts the next ones."""
+    gated = Gated(MarkovDrafter(COUNTING))
+    fail = [True]
+
+    def on_call(*_):
+        if fail[0] and len(gated.calls) > 1:  # the queued rounds' call, not the gate's
+            raise RuntimeError("statistics broke")
+
+    s = Scheduler(gated, max_entries=64, max_tokens=1024, on_call=on_call).start()
+    try:
+        jobs = [(1, stream_batch(1, [0], [[1, 2]]), float("inf")), (2, stream_batch(2, [0], [[3]]), float("inf"))]
+        boxes = gate_then(s, gated, jobs)
+        fail[0] = False
+        later = [submit(s, *job) for job in jobs]  # the first one found the drafter free; the second queued
+        for t, _ in later:
+            t.join(10)
+            assert not t.is_alive()
+    finally:
+        s.stop()
+    assert [str(box.get("error")) for _, box in boxes] == ["statistics broke"] * 2
+    assert all(box["result"].counts.tolist() in ([3], [2]) for _, box in later)
+
+
 def test_an_entry_costs_the_context_its_drafter_reads_so_a_markov_round_is_one_call():
     """30 entries of 37-token contexts and 3 drafts: 1,200 tokens for a drafter that reads
     whole contexts, three calls of a 400-token budget; an order-1 Markov drafter reads one
