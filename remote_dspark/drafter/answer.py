@@ -70,8 +70,8 @@ def _checked_distributions(result: DraftResult, batch: DraftBatch, tokens, live)
             want = (n, width, TOP)
             raise ValueError(f"drafter result {name}: shape {np.shape(got)}, expected {want} (a sampled round)")
     if live is None or live.all():  # every position drafted (the common round): nothing to zero or to mask
-        ids = np.asarray(result.q_ids).astype(np.int32, copy=False)
-        weights = np.asarray(result.q_weights).astype(np.uint16, copy=False)
+        ids = np.array(result.q_ids, np.int32)  # copies, as check_result's: never the drafter's memory
+        weights = np.array(result.q_weights, np.uint16)
         drafted = (ids.reshape(-1, TOP), weights.reshape(-1, TOP), np.asarray(tokens).reshape(-1))
     else:
         ids = np.where(live[..., None], result.q_ids, 0).astype(np.int32, copy=False)

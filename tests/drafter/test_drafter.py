@@ -199,6 +199,15 @@ def test_a_checked_answer_is_a_copy_even_when_every_entry_drafted_whole():
     mine.tokens[:] = 0
     mine.margins[:] = 0
     assert out.tokens.tolist() == [[5, 6], [7, 8]] and out.margins.tolist() == [[1, 1], [1, 1]]
+    sampled = dataclasses.replace(batch, temperature=np.ones(2, np.float32), seed=np.zeros(2, np.uint64))
+    ids = np.broadcast_to(np.arange(32, dtype=np.int32), (2, 2, 32)).copy()
+    tokens = np.array([[5, 6], [7, 8]], np.int32)
+    weights = np.zeros((2, 2, 32), np.uint16)
+    np.put_along_axis(weights, tokens[..., None], 65535, axis=-1)  # all of each position's weight on its draft
+    out = check_result(DraftResult(tokens, np.array([2, 2], np.int32), None, ids, weights), sampled)
+    ids[:] = 0
+    weights[:] = 0
+    assert out.q_ids[1, 1, 8] == 8 and out.q_weights[1, 1, 8] == 65535
 
 
 def test_check_result_holds_a_sampled_rounds_distributions_to_the_rule():
