@@ -30,6 +30,7 @@ from .device_meta import check_meta_shapes, write_meta_in_stream
 from .drafts import Drafts, empty_drafts, to_drafts
 from .lifecycle import Users
 from .native_meta import NativeMeta, write_round_meta
+from .slot_views import SlotViews
 from .spec import Spec
 from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
 
@@ -93,7 +94,7 @@ class Handoff:
                 nap_us=cfg.async_nap_us,
                 hold_gil_us=HOLD_GIL_US if spec.mode is Mode.PROCESS and spec.device == "cpu" else 0,
             )
-            self._host = [_HostViews(self.region, i) for i in range(spec.depth)]
+            self._host = [SlotViews(self.region, i) for i in range(spec.depth)]
             # Host metadata by one C call where it takes the batch (a sampled engine's: Python).
             self._native_meta = None if spec.sampled else NativeMeta(self.lib, spec)
             if spec.device == "cuda":
@@ -121,17 +122,25 @@ class Handoff:
                     )
                     for i in range(spec.depth if spec.sampled else 0)
                 ]
-            from . import device_meta, gather
+            from . import device_meta, gather, native_launch
 
-            self._gather = gather.choose(cfg.fused_gather, spec.device)
+            # launch()'s stream work in one C call where its kernel checks out (else torch's launches).
+            self._launcher = native_launch.choose(cfg.fused_gather, self.lib, self.sync.backend, self.region, spec)
+            if self._launcher is None:
+                self._gather = gather.choose(cfg.fused_gather, spec.device)
             self._meta_kernel = device_meta.choose(spec.device)  # compiled and checked now, not in a round
         except BaseException:
+            if self._launcher is not None:
+                self._launcher.close()
             self._free()
             raise
         self.serving_session = lambda: 0  # the proxy host's: the serving proxy's session, 0 if none
         self._served_session = 0  # the session of the last round handed to a proxy
         self._resync: set[int] = set()  # CUDA: slots lost in rounds collected since the last launch
         self._pending: list[int] = []  # CUDA: rounds launched, not yet collected
+        # _collect's hf_drafts_summary: its totals (entries with drafts, their tokens, lost) and lost slots.
+        self._summary = (np.zeros(3, np.uint64), np.zeros(spec.max_slots, np.uint32))
+        self._summary_at = tuple(a.ctypes.data for a in self._summary)
         # When the engine thread saw each of the last STALL_ROUNDS rounds in a row that the
         # watchdog answered (empty after any other outcome). Its one writer is the engine
         # thread; the proxy host's stall verdict only reads it (one tuple: one atomic read).
@@ -139,6 +148,7 @@ class Handoff:
         self.max_wait_s = 0.0  # longest hand-off wait of the engine thread (CPU)
         self.wait_cpu_s = 0.0  # the engine thread's CPU inside those waits (their spins)
 
+    _launcher = None  # CUDA: the native launch (native_launch.NativeLaunch), when it checked out
     _host: list = []
     _staging: list = []
     _desc: list = []
@@ -171,9 +181,12 @@ class Handoff:
         self._served_session = session
         return True, new
 
-    def _hand_over(self, batch: Batch, stream: int | None = None) -> int:
+    def _hand_over(self, batch: Batch, stream: int | None = None, out: tuple = ()) -> int:
         """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
-        the stream (or, on the CPU, this thread) wait for ``released``: the round id."""
+        the stream (or, on the CPU, this thread) wait for ``released``: the round id. By
+        the native launch on CUDA, the stream's wait and the copies of the answer into
+        ``out`` (``NativeLaunch.outputs``) are enqueued here too; otherwise the caller
+        enqueues the wait."""
         spec, cfg = self.spec, self.spec.cfg
         on_device = batch.meta_on_device
         if on_device and spec.device != "cuda":
@@ -188,7 +201,12 @@ class Handoff:
                 self._write_device_meta(batch, i, cfg.timeout_ms, spec.context_cut(acked))
             else:
                 write_round_meta(spec, self._native_meta, batch, self._host[i].desc, self._host[i].desc_addr, acked)
-            if not has_rows(batch, spec.row_bytes):
+            rows = has_rows(batch, spec.row_bytes)
+            if self._launcher is not None:
+                stream = stream or torch.cuda.current_stream().cuda_stream
+                self._launcher.launch(stream, r, batch, rows, out)
+                return r
+            if not rows:
                 pass  # an engine without rows: no staging, nothing to gather
             elif spec.device == "cpu":
                 gather_rows_host(
@@ -205,7 +223,8 @@ class Handoff:
                     index = torch.as_tensor(index, device=batch.rows.device)
                 self._gather(batch.rows, index, self._staging[i])
         except BaseException as e:
-            self.end.unreserve(r)  # never gathered: no hole in the round sequence
+            if not getattr(e, "handed_over", False):  # a native launch that stored gathered is the proxy's
+                self.end.unreserve(r)  # never gathered: no hole in the round sequence
             # The callees' frames hold views of the region; a caller keeping this traceback
             # must not keep the region from being unmapped at close().
             traceback.clear_frames(e.__traceback__)
@@ -253,7 +272,8 @@ class Handoff:
         t0 = time.monotonic()
         r = self._hand_over(batch)
         if spec.device == "cuda":
-            self.sync.wait(r, 0)
+            if self._launcher is None:  # (the native launch enqueued its wait)
+                self.sync.wait(r, 0)
             torch.cuda.current_stream().synchronize()
         else:
             limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0  # far past the watchdog: a broken ring
@@ -322,6 +342,11 @@ class Handoff:
             q = (None, None) if out.q_ids is None else (out.q_ids.cuda(), out.q_weights.cuda())
             return Launched(0, zeros, zeros[:, 0].clone(), resync, False, *q)
         stream = torch.cuda.current_stream().cuda_stream  # once: each lookup costs microseconds
+        if self._launcher is not None:  # its wait and its copies of the answer in the same call
+            out = self._launcher.outputs(n)
+            r = self._hand_over(batch, stream, out)
+            self._pending.append(r)
+            return Launched(r, *out[:2], resync, resync_all, *(out[2:] or (None, None)))
         r = self._hand_over(batch, stream)
         self.sync.wait(r, 0, stream)
         i = r & (spec.depth - 1)
@@ -336,15 +361,18 @@ class Handoff:
     def _collect(self) -> None:
         """Count the outcome of every launched round released by now (engine thread);
         the slots the worker lost are read from the round's own descriptor. No tensor
-        is built: a few numpy reads of the drafts slot per round."""
+        is built: one C pass over the drafts slot per round (``hf_drafts_summary``)."""
         released = self.end.released()
         while self._pending and ring.seq_geq(released, self._pending[0]):
             r = self._pending.pop(0)
             outcome, got, _ = self._head(r)
-            v = self._host[r & (self.spec.depth - 1)]
-            lost = v.slots(got)[v.statuses[:got] == wire.STATUS_RESYNC].tolist()
-            self._resync.update(lost)
-            self.counts.record(outcome, v.counts[:got], len(lost))
+            v, summary = self._host[r & (self.spec.depth - 1)], self._summary
+            got = min(got, self.spec.max_slots)  # (the proxy's check holds it there)
+            self.lib.drafts_summary(v.counts_addr, v.statuses_addr, v.slots_addr, got, *self._summary_at)
+            drafted, tokens, n_lost = summary[0].tolist()
+            if n_lost:
+                self._resync.update(summary[1][:n_lost].tolist())
+            self.counts.record_totals(outcome, drafted, tokens, n_lost)
             self._count_watchdog(outcome)
 
     # ------------------------------------------------------------------ answers without a proxy
@@ -388,6 +416,8 @@ class Handoff:
         self.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0 + 1.0)
         torch.cuda.synchronize()  # every stream of the device: close() may come from another thread
         self._collect()
+        if self._launcher is not None:
+            self._launcher.close()  # the stream is done with its kernel
         self.sync.unregister()
 
     # ------------------------------------------------------------------ statistics
@@ -413,33 +443,3 @@ class Handoff:
             self.end.released(),
             proxy_thread_alive,
         )
-
-
-class _HostViews:
-    """numpy views of one depth slot of the region: the descriptor's payload area, the
-    staging rows and the drafts slot's arrays. Dropped before the region is unmapped."""
-
-    def __init__(self, region: shm.Region, i: int):
-        lay = region.layout
-        S, K = lay.max_slots, lay.num_spec
-
-        def arr(offset: int, count: int, dtype) -> np.ndarray:
-            return np.frombuffer(region.view(offset, count * np.dtype(dtype).itemsize), dtype=dtype)
-
-        self.round_word = arr(lay.desc(i) + shm.DESC_ROUND, 1, np.uint32)
-        self.desc = arr(lay.desc(i) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED, np.uint8)
-        self.desc_addr = region.addr(lay.desc(i) + shm.DESC_FIXED)
-        self.staging = arr(lay.staging(i), S * lay.row_bytes, np.uint8).reshape(S, lay.row_bytes)
-        d = lay.drafts(i)
-        self.head = arr(d, 4, np.uint32)  # round, status, n_entries, flags (shm.DRAFTS_HEAD)
-        self.counts = arr(d + shm.D_COUNTS, S, np.int32)
-        self.statuses = arr(d + lay.d_entry_status, S, np.int32)
-        self.tokens = arr(d + lay.d_tokens, S * K, np.int32).reshape(S, K)
-        self.margins = arr(d + lay.d_margins, S * K, np.float32).reshape(S, K)
-        q = S * K * wire.SAMPLED_TOP if lay.sampled else 0  # a sampled layout's distributions
-        self.q_ids = arr(d + lay.d_q_ids, q, np.int32).reshape(-1, K, wire.SAMPLED_TOP)
-        self.q_weights = arr(d + lay.d_q_weights, q, np.uint16).reshape(-1, K, wire.SAMPLED_TOP)
-
-    def slots(self, n: int) -> np.ndarray:
-        """The round's slots, as its descriptor holds them (the wire's slots section)."""
-        return self.desc[wire.ROUND_FIXED.size : wire.ROUND_FIXED.size + 4 * n].view(np.uint32)

@@ -146,12 +146,17 @@ class EngineCounts:
         self.latency_sum_s += seconds
 
     def record(self, outcome: Outcome, counts: np.ndarray, resyncs: int) -> None:
-        """One remote round's outcome and, when it is ok, the drafts it brought."""
+        """One remote round's outcome and, when it is ok, the drafts it brought (its
+        entries' ``counts``)."""
+        self.record_totals(outcome, int(np.count_nonzero(counts)), int(counts.sum()), resyncs)
+
+    def record_totals(self, outcome: Outcome, drafted: int, tokens: int, resyncs: int) -> None:
+        """:meth:`record` by its totals: the entries with drafts and their tokens."""
         self.rounds[outcome] += 1
         self.resyncs += resyncs
         if outcome is Outcome.OK:
-            self.drafts += int(np.count_nonzero(counts))
-            self.draft_tokens += int(counts.sum())
+            self.drafts += drafted
+            self.draft_tokens += tokens
 
     def source(self, name: str) -> None:
         self.sources[name] = self.sources.get(name, 0) + 1

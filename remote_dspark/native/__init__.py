@@ -32,17 +32,19 @@ from .build import (
     origin,
     trusted_cache,
 )
-from .structs import BatchOut, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
+from .structs import BatchOut, CudaIn, LaunchIn, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
 
 __all__ = [
     "ABI_VERSION",
     "BatchOut",
     "CODE_TABLES",
+    "CudaIn",
     "ENV_LIB",
     "LOCK_FREE_ALL",
     "OFL_LIB_NAME",
     "WIRE_CONSTANTS",
     "LinkState",
+    "LaunchIn",
     "MetaIn",
     "Native",
     "NativeError",

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 from .. import outcome, wire
-from .structs import BatchOut, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
+from .structs import BatchOut, CudaIn, LaunchIn, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
 
-ABI_VERSION = 17
+ABI_VERSION = 18
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -65,6 +65,8 @@ WIRE_CONSTANTS = (
     ("MAX_ROW_BYTES", lambda: wire.MAX_ROW_BYTES),
     ("MAX_TOKENS", lambda: wire.MAX_TOKENS),
 )
+# The structs hf_sizeof reports, in its order (argument 0, 1, ...).
+MIRRORS = (RingGeom, ProxyState, LinkState, WindowsView, BatchOut, MetaIn, CudaIn, LaunchIn)
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -124,6 +126,9 @@ _FUNCS = {
     "gather_rows": ("hf_gather_rows", _U32, (_P, _P, _U64, _U64, _P, _U32, _U32), False),
     "worker_round": ("hf_worker_round", _I, (ctypes.POINTER(WindowsView), _P, _U64, ctypes.POINTER(BatchOut)), False),
     "host_meta": ("hf_host_meta", _I, (ctypes.POINTER(MetaIn), _P, _U64), False),
+    "cuda_launch": ("hf_cuda_launch", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),
+    "cuda_gather": ("hf_cuda_gather", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),
+    "drafts_summary": ("hf_drafts_summary", None, (_P, _P, _P, _U32, _P, _P), False),
 }
 
 
@@ -207,7 +212,7 @@ class Native:
                 f"{self.path}: hostflag ABI {abi()}, this package binds {ABI_VERSION}; rebuild it from {SOURCE_DIR}"
             )
         sizeof.restype, sizeof.argtypes = ctypes.c_uint64, (ctypes.c_int,)
-        for which, mirror in enumerate((RingGeom, ProxyState, LinkState, WindowsView, BatchOut, MetaIn)):
+        for which, mirror in enumerate(MIRRORS):
             if sizeof(which) != ctypes.sizeof(mirror):
                 raise NativeError(
                     f"{self.path}: struct {mirror.__name__} is {sizeof(which)} bytes "

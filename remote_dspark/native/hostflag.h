@@ -2,7 +2,7 @@
  * the sleeps, the proxy's take and answer; watchdog.c: the engine's watchdog thread;
  * tcp_round.c: the proxy's round on a TCP socket, its descriptor check and DRAFTS reader,
  * and the wire constants it uses; worker_round.c: the worker's round in; engine_meta.c:
- * the engine's round metadata). The library's
+ * the engine's round metadata; cuda_launch.c: the engine stream's half of a round). The library's
  * ABI (HF_ABI) covers them all; remote_dspark/native/build.py builds them together,
  * native/structs.py mirrors the structs below with ctypes and native/binding.py checks
  * their sizes at load.
@@ -25,7 +25,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 17   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 18   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -200,6 +200,33 @@ struct hf_meta {
     uint64_t written;             /* out: the payload bytes written (rows excepted) */
 };
 
+/* The driver's entry points and the loaded gather kernel, for hf_cuda_launch
+ * (cuda_launch.c), and this engine's words: set once per engine by
+ * remote_dspark.engine.native_launch. Addresses only: this library links no CUDA. */
+struct hf_cuda {
+    void *launch_kernel, *write_value32, *wait_value32, *memcpy_async;  /* cuLaunchKernel, ... */
+    void *gather;                 /* the CUfunction of gather.ptx's hf_gather */
+    uint64_t gathered, released;  /* the words' device addresses */
+    uint32_t *wake;               /* the announce word (host) */
+};
+
+/* One round's stream work for hf_cuda_launch: the gather of n rows (n 0: none) of
+ * row_units units (unit_bytes: 1 or 4) from src (src_rows rows, src_stride units apart)
+ * by index (index_bytes: 4 or 8) into dst, packed; then `gathered = round`, the wait for
+ * `released >= round`, and n_copies copies (each dst <- src, bytes). Device addresses. */
+#define HF_LAUNCH_COPIES 4
+#define HF_LAUNCH_TOO_BIG (-1)        /* a gather past the grid's limits (no CUresult is negative) */
+enum { HF_STEP_GATHER = 0, HF_STEP_SIGNAL = 1, HF_STEP_WAIT = 2, HF_STEP_COPY = 3, HF_STEP_DONE = 100 };
+struct hf_launch {
+    void *stream;
+    uint64_t src, index, dst;
+    uint64_t src_stride, row_units, src_rows, n;
+    uint32_t index_bytes, unit_bytes, round, n_copies;
+    struct { uint64_t dst, src, bytes; } copy[HF_LAUNCH_COPIES];
+    int32_t step;                 /* out: the step a failure stopped at (HF_STEP_*), HF_STEP_DONE */
+    uint32_t pad;
+};
+
 static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
 {
     __atomic_fetch_add(&p->counters[word], n, __ATOMIC_RELAXED);
@@ -209,6 +236,9 @@ static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
 uint64_t hf_now_ns(void);
 int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns);
 int hf_publish(uint32_t *released, uint32_t *waiters, uint32_t round, uint64_t deadline_ns);
+void hf_announce(uint32_t *wake, uint32_t round);
+void hf_drafts_summary(const int32_t *counts, const int32_t *statuses, const uint32_t *slots, uint32_t got,
+                       uint64_t *out, uint32_t *lost);
 void hf_zero_drafts(const struct hf_ring *ring, uint32_t round, uint32_t status);
 int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status, uint64_t deadline_ns);
 HF_INTERNAL int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen);

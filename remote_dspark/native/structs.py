@@ -188,3 +188,50 @@ class MetaIn(ctypes.Structure):
         ("pad", ctypes.c_uint32),
         ("written", ctypes.c_uint64),
     ]
+
+
+class CudaIn(ctypes.Structure):
+    """``struct hf_cuda``: the CUDA driver's entry points and the loaded gather kernel
+    (their addresses, resolved by ``remote_dspark.region.cuda_driver``), and one engine's
+    words, for ``hf_cuda_launch``. Set once per engine."""
+
+    _fields_ = [
+        ("launch_kernel", ctypes.c_void_p),
+        ("write_value32", ctypes.c_void_p),
+        ("wait_value32", ctypes.c_void_p),
+        ("memcpy_async", ctypes.c_void_p),
+        ("gather", ctypes.c_void_p),
+        ("gathered", ctypes.c_uint64),
+        ("released", ctypes.c_uint64),
+        ("wake", ctypes.c_void_p),
+    ]
+
+
+class LaunchCopy(ctypes.Structure):
+    _fields_ = [("dst", ctypes.c_uint64), ("src", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
+
+
+LAUNCH_COPIES = 4  # HF_LAUNCH_COPIES
+
+
+class LaunchIn(ctypes.Structure):
+    """``struct hf_launch``: one round's stream work for ``hf_cuda_launch`` (the gather,
+    the round id, the copies out; the failed step out)."""
+
+    _fields_ = [
+        ("stream", ctypes.c_void_p),
+        ("src", ctypes.c_uint64),
+        ("index", ctypes.c_uint64),
+        ("dst", ctypes.c_uint64),
+        ("src_stride", ctypes.c_uint64),
+        ("row_units", ctypes.c_uint64),
+        ("src_rows", ctypes.c_uint64),
+        ("n", ctypes.c_uint64),
+        ("index_bytes", ctypes.c_uint32),
+        ("unit_bytes", ctypes.c_uint32),
+        ("round", ctypes.c_uint32),
+        ("n_copies", ctypes.c_uint32),
+        ("copy", LaunchCopy * LAUNCH_COPIES),
+        ("step", ctypes.c_int32),
+        ("pad", ctypes.c_uint32),
+    ]

@@ -6,6 +6,10 @@ address (``cuMemHostGetDevicePointer``), and the stream memory operations
 driver has them). The calls act on the calling thread's current context: torch's
 primary context, made current by any CUDA work torch did on this thread first.
 
+The engine's native launch (``native/cuda_launch.c``) calls the driver from C: this
+module loads its gather kernel (``cuModuleLoadData`` of ``native/gather.ptx``) and hands
+it the entry points' addresses (``entry_points``), so the library itself links no CUDA.
+
 Also timing events (``cuEventCreate`` / ``Record`` / ``Synchronize`` / ``ElapsedTime``)
 for the benchmarks: torch's ``Event.record`` releases the GIL, so under a GIL-hogging
 thread each record costs a switch interval; these keep it.
@@ -52,6 +56,14 @@ class Driver:
             ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), c_void_p, c_uint64, c_uint32, c_uint
         )
         self._name = self._bind(("cuGetErrorName",), c_int, ctypes.POINTER(ctypes.c_char_p))
+        self._launch = self._bind(
+            ("cuLaunchKernel",), c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p, c_void_p,
+            c_void_p,
+        )  # fmt: skip
+        self._memcpy = self._bind(("cuMemcpyAsync",), c_uint64, c_uint64, c_size_t, c_void_p)
+        self._mod_load = self._bind(("cuModuleLoadData",), ctypes.POINTER(c_void_p), ctypes.c_char_p)
+        self._mod_function = self._bind(("cuModuleGetFunction",), ctypes.POINTER(c_void_p), c_void_p, ctypes.c_char_p)
+        self._mod_unload = self._bind(("cuModuleUnload",), c_void_p)
         self._ev_create = self._bind(("cuEventCreate",), ctypes.POINTER(c_void_p), c_uint)
         self._ev_record = self._bind(("cuEventRecord",), c_void_p, c_void_p)
         self._ev_sync = self._bind(("cuEventSynchronize",), c_void_p)
@@ -70,11 +82,15 @@ class Driver:
                 return fn
         raise CudaError(f"the CUDA driver has none of {names}")
 
+    def error_name(self, rc: int) -> str:
+        """The driver's name of error ``rc`` (``CUDA_ERROR_...``)."""
+        name = ctypes.c_char_p()
+        self._name(rc, ctypes.byref(name))
+        return name.value.decode() if name.value else "CUDA error"
+
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
-            name = ctypes.c_char_p()
-            self._name(rc, ctypes.byref(name))
-            raise CudaError(f"{what}: {name.value.decode() if name.value else 'CUDA error'} ({rc})")
+            raise CudaError(f"{what}: {self.error_name(rc)} ({rc})")
 
     def host_register(self, addr: int, size: int) -> int:
         """Pin and map ``size`` bytes at ``addr``; returns their device address."""
@@ -100,6 +116,34 @@ class Driver:
 
     def wait_value32(self, stream: int, dptr: int, value: int) -> None:
         self._check(self._wait32(stream, dptr, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+    # ------------------------------------------------------------------ the native launch
+
+    def entry_points(self) -> dict[str, int]:
+        """The addresses of the entry points ``hf_cuda_launch`` calls (``struct hf_cuda``'s
+        names), the same ones this object binds."""
+        address = lambda fn: ctypes.cast(fn, c_void_p).value  # noqa: E731
+        return {
+            "launch_kernel": address(self._launch),
+            "write_value32": address(self._write32),
+            "wait_value32": address(self._wait32),
+            "memcpy_async": address(self._memcpy),
+        }
+
+    def module_load(self, image: bytes) -> int:
+        """A module of the current context from ``image`` (PTX, NUL-terminated here: the
+        driver compiles it for the device); ``module_unload`` it."""
+        module = c_void_p()
+        self._check(self._mod_load(ctypes.byref(module), image.rstrip(b"\0") + b"\0"), "cuModuleLoadData")
+        return module.value
+
+    def module_function(self, module: int, name: str) -> int:
+        fn = c_void_p()
+        self._check(self._mod_function(ctypes.byref(fn), module, name.encode()), f"cuModuleGetFunction({name})")
+        return fn.value
+
+    def module_unload(self, module: int) -> None:
+        self._check(self._mod_unload(module), "cuModuleUnload")
 
     # ------------------------------------------------------------------ timing events
 

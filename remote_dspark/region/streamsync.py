@@ -139,17 +139,22 @@ class CudaBackend:
         self._torch = torch
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # makes torch's primary context current here
-        self._drv = Driver()
+        self.driver = Driver()
         self._lib = lib
         self._region = region
         self._host = region.base
-        self.device_base = self._drv.host_register(self._host, region.layout.size)
+        self.device_base = self.driver.host_register(self._host, region.layout.size)
         region.add_close_hook(self.unregister)
         lay = region.layout
         self._gathered = self.device_base + lay.gathered
         self._released = self.device_base + lay.released
         self._wake = region.addr(lay.wake)
         self._self_test()
+
+    def words(self) -> tuple[int, int, int]:
+        """The device addresses of ``gathered`` and ``released`` and this process's of
+        the announce word (for the native launch, which stores and waits on them)."""
+        return self._gathered, self._released, self._wake
 
     def _stream(self) -> int:
         return self._torch.cuda.current_stream().cuda_stream
@@ -159,8 +164,8 @@ class CudaBackend:
         probe, ack = lay.words_at + layout.W_PROBE, lay.words_at + layout.W_PROBE_ACK
         token = (lib.load32(self._region.addr(probe)) + 1) & 0xFFFFFFFF or 1
         stream = self._torch.cuda.current_stream()
-        self._drv.write_value32(stream.cuda_stream, self.device_base + probe, token)
-        self._drv.wait_value32(stream.cuda_stream, self.device_base + ack, token)
+        self.driver.write_value32(stream.cuda_stream, self.device_base + probe, token)
+        self.driver.wait_value32(stream.cuda_stream, self.device_base + ack, token)
         done = self._torch.cuda.Event()
         done.record(stream)
         seen = lib.wait_geq(self._region.addr(probe), token, 100, 100, native.deadline_ns(self.SELF_TEST_S))
@@ -191,17 +196,17 @@ class CudaBackend:
     def wait_word(self, offset: int, value: int) -> None:
         """Enqueue a wait until the region's 32-bit word at ``offset`` is >= ``value``
         (cyclic). For benchmarks that hold the stream until a whole sequence is queued."""
-        self._drv.wait_value32(self._stream(), self.device_base + offset, value)
+        self.driver.wait_value32(self._stream(), self.device_base + offset, value)
 
     def signal(self, round_id: int, stream: int | None = None) -> None:
         """Announce the round from the CPU (a sleeping proxy wakes and spins until the
         stream gets there), then enqueue the stream's store of ``gathered``."""
         self._lib.announce(self._wake, round_id)
-        self._drv.write_value32(stream or self._stream(), self._gathered, round_id)
+        self.driver.write_value32(stream or self._stream(), self._gathered, round_id)
 
     def wait(self, round_id: int, deadline_ns: int, stream: int | None = None) -> bool:
         """Enqueue the stream's wait; the native watchdog bounds it (no deadline here)."""
-        self._drv.wait_value32(stream or self._stream(), self._released, round_id)
+        self.driver.wait_value32(stream or self._stream(), self._released, round_id)
         return True
 
     def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
@@ -212,7 +217,7 @@ class CudaBackend:
         calls it at close from its own thread, where torch's context is current."""
         if self._host:
             host, self._host = self._host, 0
-            self._drv.host_unregister(host)
+            self.driver.host_unregister(host)
 
 
 BACKENDS = {"cpu": CpuBackend, "cuda": CudaBackend}

@@ -129,8 +129,18 @@ def test_stream_hand_off_on_the_registered_region(lib):
         done.synchronize()
 
 
-def test_rounds_deliver_the_workers_drafts_into_device_tensors(worker, tmp_path):
-    with make(worker, tmp_path) as rd:
+# launch()'s stream work by the native launch (auto) and through torch (0).
+PATHS = pytest.mark.parametrize("fused", ["auto", "0"], ids=["native launch", "through torch"])
+
+
+def native(rd) -> bool:
+    return rd._path.handoff._launcher is not None
+
+
+@PATHS
+def test_rounds_deliver_the_workers_drafts_into_device_tensors(worker, tmp_path, fused):
+    with make(worker, tmp_path, VLLM_DSPARK_REMOTE_FUSED_GATHER=fused) as rd:
+        assert native(rd) is (fused == "auto")
         out = rd.launch(batch())
         assert out.tokens.is_cuda and out.counts.is_cuda
         assert out.tokens.tolist() == [[2, 3, 4], [4, 1, 2]] and out.counts.tolist() == [3, 3]
@@ -236,9 +246,11 @@ def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form, 
         assert bytes(got[:size]) == bytes(want[:size]), n
 
 
-def test_a_sampled_launch_with_metadata_on_the_device_draws_as_the_host_path(sampling_worker, tmp_path):
+@PATHS
+def test_a_sampled_launch_with_metadata_on_the_device_draws_as_the_host_path(sampling_worker, tmp_path, fused):
     """The same seeds, contexts and temperatures draw the same drafts and q whether the
-    round's metadata was written on the device or on the host."""
+    round's metadata was written on the device or on the host, and whether launch()'s
+    stream work is native or torch's."""
     b = Batch.from_lists(
         [0, 1],
         [[1, 2], [3]],
@@ -249,14 +261,32 @@ def test_a_sampled_launch_with_metadata_on_the_device_draws_as_the_host_path(sam
         temperature=[0.9, -0.0],
         seed=[2**64 - 3, 12345],
     )
-    with make(sampling_worker, tmp_path, VLLM_DSPARK_SAMPLED_TOP32="1") as rd:
+    with make(sampling_worker, tmp_path, VLLM_DSPARK_SAMPLED_TOP32="1", VLLM_DSPARK_REMOTE_FUSED_GATHER=fused) as rd:
+        assert native(rd) is (fused == "auto")
         on_dev = rd.launch(on_device(b))
         torch.cuda.synchronize()
         on_host = rd.launch(b)  # NEW_GEN again: the same context
         torch.cuda.synchronize()
         for name in ("tokens", "counts", "q_ids", "q_weights"):
             assert torch.equal(getattr(on_dev, name).cpu(), getattr(on_host, name).cpu()), name
-        assert on_dev.counts.tolist() == [3, 3]
+        assert on_dev.counts.tolist() == [3, 3] and on_dev.tokens.tolist() == [[3, 4, 1], [4, 1, 2]]
+        assert on_dev.q_weights.to(torch.int64).sum(-1).tolist() == [[65535] * 3] * 2  # each position: all its mass
+    assert rd.stats().rounds[Outcome.OK] == 2
+
+
+def test_a_round_refused_before_its_stream_work_leaves_no_hole(worker, tmp_path):
+    """A row index of the wrong shape is refused with its name before anything is
+    enqueued; the round is given back, and the next ones are served in sequence."""
+    with make(worker, tmp_path) as rd:
+        assert native(rd)
+        rd.launch(batch())
+        bad = batch(new=False, tokens=((2,), (4,)), positions=(1, 1))
+        bad.row_index = torch.tensor([[0], [1]], device="cuda")
+        with pytest.raises(ValueError, match=r"row_index: shape \(2, 1\), expected \[2\]"):
+            rd.launch(bad)
+        out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
+        torch.cuda.synchronize()
+        assert out.tokens.tolist() == [[3, 4, 1], [1, 2, 3]]
     assert rd.stats().rounds[Outcome.OK] == 2
 
 

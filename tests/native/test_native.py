@@ -132,8 +132,7 @@ def test_concurrent_builds_from_several_processes_agree(tmp_path):
 
 
 def _fake_library(tmp_path, abi: int, lock_free: int, proxy_size: int | None = None) -> str:
-    mirrors = [native.RingGeom, native.ProxyState, native.LinkState, native.WindowsView, native.BatchOut, native.MetaIn]
-    sizes = [ctypes.sizeof(m) for m in mirrors]
+    sizes = [ctypes.sizeof(m) for m in binding.MIRRORS]
     if proxy_size is not None:
         sizes[1] = proxy_size
     proxy = sizes[1]

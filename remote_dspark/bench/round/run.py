@@ -296,13 +296,13 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool 
             batch = feeder.next_batch()
             stream.synchronize()
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record(stream)  # the events outside the CPU figures: a record is microseconds of CPU
             t0 = time.perf_counter_ns()
             c0 = time.thread_time_ns()
-            ev0.record(stream)
             launched = rd.launch(batch)
-            ev1.record(stream)
             c1 = time.thread_time_ns()
             t1 = time.perf_counter_ns()
+            ev1.record(stream)
             stream.synchronize()
             feeder.after(launched)
             if i >= opts.warmup:

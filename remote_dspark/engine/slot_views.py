@@ -1,0 +1,44 @@
+"""numpy views of one depth slot of the shared region, as the engine reads and writes
+it on the host: the descriptor's payload area, the staging rows and the drafts slot's
+arrays (:class:`SlotViews`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import wire
+from ..region import shm
+
+
+class SlotViews:
+    """numpy views of one depth slot of the region: the descriptor's payload area, the
+    staging rows and the drafts slot's arrays. Dropped before the region is unmapped."""
+
+    def __init__(self, region: shm.Region, i: int):
+        lay = region.layout
+        S, K = lay.max_slots, lay.num_spec
+
+        def arr(offset: int, count: int, dtype) -> np.ndarray:
+            return np.frombuffer(region.view(offset, count * np.dtype(dtype).itemsize), dtype=dtype)
+
+        self.round_word = arr(lay.desc(i) + shm.DESC_ROUND, 1, np.uint32)
+        self.desc = arr(lay.desc(i) + shm.DESC_FIXED, lay.desc_stride - shm.DESC_FIXED, np.uint8)
+        self.desc_addr = region.addr(lay.desc(i) + shm.DESC_FIXED)
+        self.staging = arr(lay.staging(i), S * lay.row_bytes, np.uint8).reshape(S, lay.row_bytes)
+        d = lay.drafts(i)
+        self.head = arr(d, 4, np.uint32)  # round, status, n_entries, flags (shm.DRAFTS_HEAD)
+        self.counts = arr(d + shm.D_COUNTS, S, np.int32)
+        # Where the round's counts, entry statuses and slots are, for the native library.
+        self.counts_addr = region.addr(d + shm.D_COUNTS)
+        self.statuses_addr = region.addr(d + lay.d_entry_status)
+        self.slots_addr = self.desc_addr + wire.ROUND_FIXED.size
+        self.statuses = arr(d + lay.d_entry_status, S, np.int32)
+        self.tokens = arr(d + lay.d_tokens, S * K, np.int32).reshape(S, K)
+        self.margins = arr(d + lay.d_margins, S * K, np.float32).reshape(S, K)
+        q = S * K * wire.SAMPLED_TOP if lay.sampled else 0  # a sampled layout's distributions
+        self.q_ids = arr(d + lay.d_q_ids, q, np.int32).reshape(-1, K, wire.SAMPLED_TOP)
+        self.q_weights = arr(d + lay.d_q_weights, q, np.uint16).reshape(-1, K, wire.SAMPLED_TOP)
+
+    def slots(self, n: int) -> np.ndarray:
+        """The round's slots, as its descriptor holds them (the wire's slots section)."""
+        return self.desc[wire.ROUND_FIXED.size : wire.ROUND_FIXED.size + 4 * n].view(np.uint32)
