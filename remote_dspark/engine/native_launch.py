@@ -143,7 +143,10 @@ class NativeLaunch:
         if rows.shape[1] * size != row_bytes:
             as_bytes(rows, row_bytes)  # raises, naming the sizes
         if not isinstance(index, torch.Tensor) or index.device != self._device or index.dtype not in _INDEX_DTYPES:
-            index = torch.as_tensor(index, device=self._device).to(torch.int64)
+            index = torch.as_tensor(index, device=self._device)
+            if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+                raise ValueError(f"row_index: {index.dtype}, expected integers")
+            index = index.to(torch.int64)
         if index.shape != (n,):
             raise ValueError(f"row_index: shape {tuple(index.shape)}, expected [{n}]")
         if not index.is_contiguous():

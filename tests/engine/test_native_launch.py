@@ -203,6 +203,8 @@ def test_rows_or_an_index_it_cannot_take_are_named(launcher):
         gathered(launcher, rows.cpu(), torch.zeros(2, dtype=torch.int64, device="cuda"), 2)
     with pytest.raises(ValueError, match=r"row_index: shape \(2, 1\), expected \[2\]"):
         launcher._rows(rows, torch.zeros(2, 1, dtype=torch.int64, device="cuda"), 2, 0)
+    with pytest.raises(ValueError, match=r"row_index: torch.float32, expected integers"):
+        launcher._rows(rows, torch.zeros(2, device="cuda"), 2, 0)
     with pytest.raises(ValueError, match="rows: 8 bytes per row, RemoteDSpark was built for row_bytes=16"):
         gathered(launcher, torch.zeros(8, 2, device="cuda"), torch.zeros(2, dtype=torch.int64, device="cuda"), 2)
 
