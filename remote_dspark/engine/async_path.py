@@ -48,9 +48,9 @@ class AsyncPath:
     def round(self, batch: Batch) -> Drafts:
         return self.handoff.round(batch)
 
-    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts]) -> Launched:
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
         """On the stream, at once: ``answer`` is not needed (the policy is capacity)."""
-        return self.handoff.launch(batch)
+        return self.handoff.launch(batch, out, status)
 
     def stop(self, limit_s: float) -> None:
         """Stop the proxy first, so no round is claimed any more, then answer what is in

@@ -34,6 +34,17 @@ class Drafts:
     q_weights: torch.Tensor | None = None  # [n, num_spec, 32] uint16, zero past counts: sampled drafts'
 
 
+def round_tensors(n: int, k: int, sampled: bool, device) -> tuple[torch.Tensor, ...]:
+    """A launched round's answer tensors for ``n`` entries, uninitialised, on ``device``:
+    ``tokens`` [n, k] and ``counts`` [n] int32, and a sampled engine's ``q_ids`` (int32)
+    and ``q_weights`` (uint16) [n, k, 32]."""
+    out = (torch.empty(n, k, dtype=torch.int32, device=device), torch.empty(n, dtype=torch.int32, device=device))
+    if not sampled:
+        return out
+    q = (n, k, wire.SAMPLED_TOP)
+    return out + (torch.empty(q, dtype=torch.int32, device=device), torch.empty(q, dtype=torch.uint16, device=device))
+
+
 def empty_drafts(n: int, k: int, outcome: Outcome, margins: bool, sampled: bool = False) -> Drafts:
     q = (lambda dtype: torch.zeros(n, k, wire.SAMPLED_TOP, dtype=dtype)) if sampled else (lambda dtype: None)
     return Drafts(

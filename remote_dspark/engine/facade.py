@@ -240,7 +240,7 @@ class RemoteDSpark:
                 if self._ranks is None:
                     self._open()
                 else:  # tensor parallel: every rank compares its config, rank 0 opens, the others follow
-                    follower = self._ranks.start(self.spec, lambda: self._open(), lambda: self.mode)
+                    follower = self._ranks.start(self.spec, lambda: self._open(), lambda: self.mode, self.counts)
                     if follower is not None:
                         self.spec, self._path = follower.spec, follower
             except BaseException:
@@ -372,13 +372,14 @@ class RemoteDSpark:
         finally:
             self._path.users.leave()
 
-    def _round(self, batch: Batch) -> Drafts:
-        """The policy's round: the remote answer (rank 0's under tensor parallelism), the
-        local drafter where the policy asks for it, counted."""
+    def _round(self, batch: Batch, share: bool = True) -> Drafts:
+        """The policy's round: the remote answer (rank 0's under tensor parallelism, shared
+        as a round() record unless a launch() record will carry it), the local drafter where
+        the policy asks for it, counted."""
         policy = self.cfg.policy
         local = self.local_drafter(batch) if policy == "shadow" else None
         t0 = time.monotonic()
-        remote = self._path.round(batch) if self._ranks is None else self._ranks.share(self._path, batch)
+        remote = self._ranks.share(self._path, batch) if share and self._ranks else self._path.round(batch)
         st = self.counts
         st.observe_latency(time.monotonic() - t0)
         st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
@@ -396,19 +397,27 @@ class RemoteDSpark:
         back completed with the same shapes, on the rows' device (the current CUDA device
         for a batch without rows).
 
+        With a ``tp_group``, on every rank: drafts, outcome and ``resync_mask`` in stream
+        order from rank 0's round (``engine.tp_launch``; no host sync on any rank); a
+        rank other than 0 has no host ``round``, ``resync`` or ``resync_all`` (None).
+
         Raises:
-            NotImplementedError: with a ``tp_group`` (use ``round()``).
+            RemoteClosed: after (or during) ``close()``; RuntimeError: before ``start()``,
+                or on the CPU (with a ``tp_group``, on every rank alike, before any collective).
+            ValueError: a batch of more than ``max_slots`` entries (on every rank); on a
+                rank other than 0, an earlier round of rank 0's of another size.
         """
-        if self._ranks is not None:
-            raise NotImplementedError(
-                "RemoteDSpark.launch() with a tp_group: the drafts would have to reach the "
-                "other ranks in stream order; use round()"
-            )
+        if self._ranks is not None and self._ranks.leader and self.device == "cuda":  # a raise before
+            # its record goes out sends a FAILED one (engine.tp_launch)
+            return self._ranks.launch(self.spec, len(batch), lambda out, status: self._launch(batch, out, status))
+        return self._launch(batch)
+
+    def _launch(self, batch: Batch, out=(), status=None) -> Launched:
         self._enter("launch")
         try:
             if self.device != "cuda":
                 raise RuntimeError("launch() is for rounds on CUDA (device='cuda'); use round()")
-            launched = self._path.launch(batch, self._round)
+            launched = self._path.launch(batch, lambda b: self._round(b, share=False), out, status)
             self._report.round_done(self.stats)
             return launched
         finally:

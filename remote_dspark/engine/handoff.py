@@ -21,16 +21,16 @@ import traceback
 import numpy as np
 import torch
 
-from .. import native, wire
+from .. import native
 from ..config.mode import Mode
 from ..outcome import Outcome
 from ..region import ring, shm, streamsync
 from .batch import Batch, as_bytes, gather_rows_host, has_rows
 from .device_meta import check_meta_shapes, write_meta_in_stream
-from .drafts import Drafts, empty_drafts, to_drafts
+from .drafts import Drafts, empty_drafts, round_tensors, to_drafts
 from .lifecycle import Users
 from .native_meta import NativeMeta, write_round_meta
-from .slot_views import SlotViews
+from .slot_views import DeviceSlots, SlotViews
 from .spec import Spec
 from .stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
 
@@ -43,17 +43,19 @@ HOLD_GIL_US = 50  # process mode: spin this long holding the GIL before releasin
 class Launched:
     """A round enqueued on the stream (see ``RemoteDSpark.launch``)."""
 
-    __slots__ = ("round", "tokens", "counts", "resync", "resync_all", "q_ids", "q_weights")
+    __slots__ = ("round", "tokens", "counts", "resync", "resync_all", "q_ids", "q_weights", "outcome", "resync_mask")
 
     def __init__(
         self,
-        round_id: int,
+        round_id: int | None,
         tokens: torch.Tensor,
         counts: torch.Tensor,
-        resync: tuple[int, ...],
-        resync_all: bool,
+        resync: tuple[int, ...] | None,
+        resync_all: bool | None,
         q_ids: torch.Tensor | None = None,
         q_weights: torch.Tensor | None = None,
+        outcome: torch.Tensor | None = None,
+        resync_mask: torch.Tensor | None = None,
     ):
         self.round = round_id  # 0: not sent (no proxy serving): zero drafts
         self.tokens = tokens  # [n, num_spec] int32 on the device; zero past counts
@@ -62,6 +64,11 @@ class Launched:
         self.resync_all = resync_all  # a new proxy: every slot must be re-announced
         self.q_ids = q_ids  # a sampled engine's: [n, num_spec, 32] int32 on the device; zero past counts
         self.q_weights = q_weights  # a sampled engine's: [n, num_spec, 32] uint16 on the device; zero past counts
+        # With a tp_group (engine.tp_launch), on every rank, in stream order: the round's
+        # Outcome value (int32 [1]) and resync as a mask (bool [max_slots]; all set with
+        # resync_all). A rank other than 0 has only these: its round, resync and resync_all are None.
+        self.outcome = outcome
+        self.resync_mask = resync_mask
 
 
 class Handoff:
@@ -78,7 +85,6 @@ class Handoff:
             shm.Layout(spec.depth, spec.max_slots, spec.row_bytes, spec.num_spec, spec.max_tokens, sampled=spec.sampled)
         )
         self.users = Users(self._free)
-        lay = self.region.layout
         try:
             self.end = ring.EngineEnd(self.region, self.lib)
             self.watchdog = self.end.start_watchdog(cfg.watchdog_ms)
@@ -98,30 +104,8 @@ class Handoff:
             # Host metadata by one C call where it takes the batch (a sampled engine's: Python).
             self._native_meta = None if spec.sampled else NativeMeta(self.lib, spec)
             if spec.device == "cuda":
-                view = self.sync.backend.device_view
-                self._staging = [  # none without rows (a zero-width view would alias the drafts slot)
-                    view(lay.staging(i), (spec.max_slots, spec.row_bytes), torch.uint8)
-                    for i in range(spec.depth if spec.row_bytes else 0)
-                ]
-                self._desc = [
-                    view(lay.desc(i) + shm.DESC_FIXED, ((lay.desc_stride - shm.DESC_FIXED) // 4,), torch.int32)
-                    for i in range(spec.depth)
-                ]
-                self._tokens = [
-                    view(lay.drafts(i) + lay.d_tokens, (spec.max_slots, spec.num_spec), torch.int32)
-                    for i in range(spec.depth)
-                ]
-                self._counts = [
-                    view(lay.drafts(i) + shm.D_COUNTS, (spec.max_slots,), torch.int32) for i in range(spec.depth)
-                ]
-                q_shape = (spec.max_slots, spec.num_spec, wire.SAMPLED_TOP)
-                self._q = [  # a sampled layout's q blocks (ids, weights); none otherwise
-                    (
-                        view(lay.drafts(i) + lay.d_q_ids, q_shape, torch.int32),
-                        view(lay.drafts(i) + lay.d_q_weights, q_shape, torch.uint16),
-                    )
-                    for i in range(spec.depth if spec.sampled else 0)
-                ]
+                self._dev = DeviceSlots(self.region, self.sync.backend.device_view)
+                self._device = torch.device("cuda", torch.cuda.current_device())
             from . import device_meta, gather, native_launch
 
             # launch()'s stream work in one C call where its kernel checks out (else torch's launches).
@@ -150,16 +134,12 @@ class Handoff:
 
     _launcher = None  # CUDA: the native launch (native_launch.NativeLaunch), when it checked out
     _host: list = []
-    _staging: list = []
-    _desc: list = []
-    _tokens: list = []
-    _counts: list = []
-    _q: list = []
+    _dev: DeviceSlots | None = None  # CUDA: the stream's views of the slots
 
     def _free(self) -> None:
         """The last user left: forget every view of the region (numpy and device), stop
         the watchdog (a close hook) and unmap."""
-        self._host = self._staging = self._desc = self._tokens = self._counts = self._q = []
+        self._host, self._dev = [], None
         self.region.close()
 
     # ------------------------------------------------------------------ rounds
@@ -181,12 +161,12 @@ class Handoff:
         self._served_session = session
         return True, new
 
-    def _hand_over(self, batch: Batch, stream: int | None = None, out: tuple = ()) -> int:
+    def _hand_over(self, batch: Batch, stream: int | None = None, out: tuple = (), status=None) -> int:
         """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
         the stream (or, on the CPU, this thread) wait for ``released``: the round id. By
         the native launch on CUDA, the stream's wait and the copies of the answer into
-        ``out`` (``NativeLaunch.outputs``) are enqueued here too; otherwise the caller
-        enqueues the wait."""
+        ``out`` (``drafts.round_tensors``) are enqueued here too; otherwise the caller
+        enqueues the wait. ``status``: where the native launch copies the outcome."""
         spec, cfg = self.spec, self.spec.cfg
         on_device = batch.meta_on_device
         if on_device and spec.device != "cuda":
@@ -204,7 +184,7 @@ class Handoff:
             rows = has_rows(batch, spec.row_bytes)
             if self._launcher is not None:
                 stream = stream or torch.cuda.current_stream().cuda_stream
-                self._launcher.launch(stream, r, batch, rows, out)
+                self._launcher.launch(stream, r, batch, rows, out, status)
                 return r
             if not rows:
                 pass  # an engine without rows: no staging, nothing to gather
@@ -221,7 +201,7 @@ class Handoff:
                 index = batch.row_index
                 if not isinstance(index, torch.Tensor) or index.device != batch.rows.device:
                     index = torch.as_tensor(index, device=batch.rows.device)
-                self._gather(batch.rows, index, self._staging[i])
+                self._gather(batch.rows, index, self._dev.staging[i])
         except BaseException as e:
             if not getattr(e, "handed_over", False):  # a native launch that stored gathered is the proxy's
                 self.end.unreserve(r)  # never gathered: no hole in the round sequence
@@ -250,7 +230,7 @@ class Handoff:
         self._host[i].desc[:16].view(np.uint32)[:] = (deadline_ms, n, spec.row_bytes, 0)
         write_meta_in_stream(
             batch,
-            self._desc[i],
+            self._dev.desc[i],
             max_slots=spec.max_slots,
             num_spec=spec.num_spec,
             max_tokens=spec.max_tokens,
@@ -330,33 +310,38 @@ class Handoff:
         seen = self.watchdog_seen
         self.watchdog_seen = (seen + (time.monotonic(),))[-STALL_ROUNDS:] if outcome is Outcome.WATCHDOG else ()
 
-    def launch(self, batch: Batch) -> Launched:
+    def launch(self, batch: Batch, out: tuple[torch.Tensor, ...] = (), status: torch.Tensor | None = None) -> Launched:
+        """The round enqueued on the current stream. Its answer goes into ``out`` (device
+        tensors shaped as ``drafts.round_tensors`` makes them, contiguous; views of a larger one
+        will do), new tensors when none; its outcome into ``status`` (int32 [1] on the
+        device), in stream order, when given."""
         spec = self.spec
-        n, k = len(batch), spec.num_spec
+        n = len(batch)
         resync, self._resync = tuple(sorted(self._resync)), set()
         serving, resync_all = self._proxy()
+        out = out or round_tensors(n, spec.num_spec, spec.sampled, self._device)
         if not serving:
             self.counts.record(Outcome.NO_PROXY, np.zeros(0, dtype=np.int32), 0)
-            zeros = torch.zeros(n, k, dtype=torch.int32, device="cuda")
-            out = empty_drafts(n, k, Outcome.NO_PROXY, False, spec.sampled)
-            q = (None, None) if out.q_ids is None else (out.q_ids.cuda(), out.q_weights.cuda())
-            return Launched(0, zeros, zeros[:, 0].clone(), resync, False, *q)
+            for t in out:
+                t.zero_()
+            if status is not None:
+                status.fill_(int(Outcome.NO_PROXY))
+            return Launched(0, *out[:2], resync, False, *(out[2:] or (None, None)))
         stream = torch.cuda.current_stream().cuda_stream  # once: each lookup costs microseconds
         if self._launcher is not None:  # its wait and its copies of the answer in the same call
-            out = self._launcher.outputs(n)
-            r = self._hand_over(batch, stream, out)
-            self._pending.append(r)
-            return Launched(r, *out[:2], resync, resync_all, *(out[2:] or (None, None)))
-        r = self._hand_over(batch, stream)
-        self.sync.wait(r, 0, stream)
-        i = r & (spec.depth - 1)
-        # Copies in stream order (the slot is reused DEPTH rounds later). Every answer
-        # leaves the tokens and q blocks zero past each count (ring.geometry, hf_unpack): no mask.
-        counts = self._counts[i][:n].clone()
-        tokens = self._tokens[i][:n].clone()
-        q = (self._q[i][0][:n].clone(), self._q[i][1][:n].clone()) if spec.sampled else (None, None)
+            r = self._hand_over(batch, stream, out, status)
+        else:
+            r = self._hand_over(batch, stream)
+            self.sync.wait(r, 0, stream)
+            # Copies in stream order (the slot is reused DEPTH rounds later). Every answer
+            # leaves the tokens and q blocks zero past each count (ring.geometry, hf_unpack): no mask.
+            i, dev = r & (spec.depth - 1), self._dev
+            for t, src in zip(out, (dev.tokens[i], dev.counts[i], *(dev.q[i] if spec.sampled else ()))):
+                t.copy_(src[:n])
+            if status is not None:
+                status.copy_(dev.status[i])
         self._pending.append(r)
-        return Launched(r, tokens, counts, resync, resync_all, *q)
+        return Launched(r, *out[:2], resync, resync_all, *(out[2:] or (None, None)))
 
     def _collect(self) -> None:
         """Count the outcome of every launched round released by now (engine thread);

@@ -73,21 +73,14 @@ class NativeLaunch:
         if module:
             self._drv.module_unload(module)
 
-    def outputs(self, n: int) -> tuple[torch.Tensor, ...]:
-        """Round tensors for ``n`` entries, on the engine's device: ``tokens`` [n, k] and
-        ``counts`` [n], and a sampled engine's ``q_ids`` and ``q_weights`` [n, k, 32]."""
-        k, dev = self._spec.num_spec, self._device
-        out = (torch.empty(n, k, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.int32, device=dev))
-        if not self._spec.sampled:
-            return out
-        q = (n, k, wire.SAMPLED_TOP)
-        return out + (torch.empty(q, dtype=torch.int32, device=dev), torch.empty(q, dtype=torch.uint16, device=dev))
-
-    def launch(self, stream: int, r: int, batch, with_rows: bool, out: tuple[torch.Tensor, ...] = ()) -> None:
+    def launch(
+        self, stream: int, r: int, batch, with_rows: bool, out: tuple[torch.Tensor, ...] = (), status=None
+    ) -> None:
         """Enqueue round ``r``'s stream work on ``stream`` (its descriptor written): the
         gather of ``batch``'s rows when ``with_rows``, ``gathered``, the wait, and the
-        copies of the answer's first ``len(batch)`` entries into ``out`` (from
-        :meth:`outputs`; none: no copy).
+        copies of the answer's first ``len(batch)`` entries into ``out`` (shaped as
+        ``drafts.round_tensors`` makes them, contiguous; none: no copy) and of the round's outcome
+        into ``status`` (an int32 on the device, when given).
 
         Raises:
             ValueError: rows or an index this call cannot take (their device, shape or
@@ -99,10 +92,7 @@ class NativeLaunch:
         job.stream, job.round, job.n = stream, r, 0
         if with_rows:
             self._rows(batch.rows, batch.row_index, n, self._staging[i])
-        if out:
-            self._copies(i, n, out)
-        else:
-            job.n_copies = 0
+        self._copies(i, n, out, status)
         rc = self._lib.cuda_launch(self._c_ref, self._job_ref)
         if rc:
             step = job.step
@@ -157,15 +147,17 @@ class NativeLaunch:
         job.src_stride, job.row_units, job.src_rows = stride // unit, row_bytes // unit, rows.shape[0]
         job.index_bytes, job.unit_bytes = _INDEX_DTYPES[index.dtype], unit
 
-    def _copies(self, i: int, n: int, out: tuple[torch.Tensor, ...]) -> None:
-        lay, d, k, c = self._lay, self._drafts[i], self._spec.num_spec, self._job.copy
-        c[0].dst, c[0].src, c[0].bytes = out[0].data_ptr(), d + lay.d_tokens, 4 * n * k
-        c[1].dst, c[1].src, c[1].bytes = out[1].data_ptr(), d + shm.D_COUNTS, 4 * n
-        if len(out) == 4:
-            q = n * k * wire.SAMPLED_TOP
-            c[2].dst, c[2].src, c[2].bytes = out[2].data_ptr(), d + lay.d_q_ids, 4 * q
-            c[3].dst, c[3].src, c[3].bytes = out[3].data_ptr(), d + lay.d_q_weights, 2 * q
-        self._job.n_copies = len(out)
+    def _copies(self, i: int, n: int, out: tuple[torch.Tensor, ...], status) -> None:
+        lay, d, k = self._lay, self._drafts[i], self._spec.num_spec
+        q = n * k * wire.SAMPLED_TOP
+        sources = ((d + lay.d_tokens, 4 * n * k), (d + shm.D_COUNTS, 4 * n), (d + lay.d_q_ids, 4 * q))
+        sources += ((d + lay.d_q_weights, 2 * q),)
+        copies = [(t.data_ptr(), src, size) for t, (src, size) in zip(out, sources)]
+        if status is not None:
+            copies.append((status.data_ptr(), d + shm.D_STATUS, 4))
+        for slot, (dst, src, size) in zip(self._job.copy, copies):
+            slot.dst, slot.src, slot.bytes = dst, src, size
+        self._job.n_copies = len(copies)
 
 
 def self_check(launch: NativeLaunch, rows: int = 97) -> None:

@@ -44,10 +44,11 @@ class Path(Protocol):
     def round(self, batch: Batch) -> Drafts:
         """The remote drafter's answer to ``batch`` (blocking)."""
 
-    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts]) -> Launched:
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
         """``batch``'s round enqueued on the current stream (CUDA). A path that can only
         block runs ``answer`` (the facade's whole round, policy included) now and gives
-        its drafts back completed, as a launch would."""
+        its drafts back completed, as a launch would. ``out`` and ``status``: where the
+        answer and the outcome go (``Handoff.launch``), new tensors and nowhere when not given."""
 
     def stop(self, limit_s: float) -> None:
         """Closing: shut the door, stop what serves the path, answer every round in
@@ -76,7 +77,7 @@ class NothingOpen:
     def round(self, batch: Batch) -> Drafts:
         raise RuntimeError("no path to the remote drafter is open")
 
-    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts]) -> Launched:
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
         raise RuntimeError("no path to the remote drafter is open")
 
     def stop(self, limit_s: float) -> None:

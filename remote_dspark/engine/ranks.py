@@ -17,8 +17,10 @@ The collectives, which every rank runs in the same order:
               record from rank 0: STARTED (with its mode) or ERROR
     round()   one record from rank 0: DRAFTS or ERROR
 
-``close()``, ``stats()`` and ``launch()`` run none. A record is two broadcasts from group
-rank 0, a header and the body it sizes (STARTED has none):
+    launch()  one fixed-size device record from rank 0, in stream order (:mod:`.tp_launch`)
+
+``close()`` and ``stats()`` run none. A record of start() and round() is two broadcasts
+from group rank 0, a header and the body it sizes (STARTED has none):
 
     header  int64 [8]: kind, n, num_spec, outcome, source, resync_all, n_resync, flags
             (ERROR: n is the body's length in bytes; STARTED: n is the mode's index;
@@ -56,7 +58,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -70,6 +74,8 @@ from .drafts import Drafts
 from .handoff import Launched
 from .path import NothingOpen
 from .spec import Spec
+from .stats import EngineCounts
+from .tp_launch import Follower, Leader, RecordLayout
 
 MODES = tuple(Mode)  # a STARTED record's mode, by its index here
 SOURCES = ("remote", "local", "none")
@@ -80,6 +86,7 @@ FLAG_MARGINS, FLAG_SAMPLED = 1, 2  # a DRAFTS header's flags
 Q_WORDS = wire.SAMPLED_TOP + wire.SAMPLED_TOP // 2  # a drafted position's q_ids and q_weights, in int32 words
 _VARIABLE = {v.field: v.name for v in TABLE if v.field}  # a config field -> the variable that sets it
 _SIMPLE = (str, int, float, bool, type(None))  # what an ERROR record carries as it is
+log = logging.getLogger("remote_dspark.engine")
 
 
 class Ranks:
@@ -104,6 +111,7 @@ class Ranks:
         nccl = dist.get_backend(group) == "nccl"
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._owed = False  # rank 0 inside a round whose record has not gone out yet
+        self._leader: Leader | None = None  # rank 0's launch(), from its first
 
     @property
     def leader(self) -> bool:
@@ -112,7 +120,9 @@ class Ranks:
 
     # ------------------------------------------------------------------ start
 
-    def start(self, spec: Spec, open_path: Callable[[], None], mode: Callable[[], Mode]) -> FollowerPath | None:
+    def start(
+        self, spec: Spec, open_path: Callable[[], None], mode: Callable[[], Mode], counts: EngineCounts
+    ) -> FollowerPath | None:
         """Every rank: compare the configuration; then rank 0 runs ``open_path`` and says
         how it went (``mode()`` once open), the others learn it. Returns None on rank 0,
         the rank's :class:`FollowerPath` elsewhere.
@@ -127,7 +137,7 @@ class Ranks:
             self._send(STARTED, MODES.index(mode()))
             return None
         header, _ = self._receive(STARTED)
-        return FollowerPath(self, dataclasses.replace(spec, mode=MODES[header[1]]))
+        return FollowerPath(self, dataclasses.replace(spec, mode=MODES[header[1]]), counts)
 
     def check_same(self, spec: Spec) -> None:
         """Every rank: the digests of every configuration field (and of the round's shape)
@@ -197,6 +207,17 @@ class Ranks:
             )
         return drafts_from_record(header, body)
 
+    def launch(self, spec: Spec, n: int, launch: Callable) -> Launched:
+        """Rank 0: ``launch(out, status)`` into a record, then its broadcast (:mod:`.tp_launch`)."""
+        if self._leader is None:
+            layout = RecordLayout(spec.max_slots, spec.num_spec, spec.sampled)
+            self._leader = Leader(self, layout, torch.device("cuda", torch.cuda.current_device()))
+        return self._leader.launch(n, launch)
+
+    def broadcast_record(self, record: torch.Tensor) -> None:
+        """One launch() record from group rank 0, in place, on the record's own device."""
+        self._dist.broadcast(record, src=self._src, group=self.group)
+
     # ------------------------------------------------------------------ records
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
@@ -250,20 +271,37 @@ class Ranks:
 
 
 class FollowerPath(NothingOpen):
-    """A rank other than 0's path: nothing opened; a round is rank 0's answer. Closing
-    has nothing to interrupt: a round here waits in a collective, bounded by the group's
-    timeout (``close()`` returns anyway; the round leaves when rank 0's record comes)."""
+    """A rank other than 0's path: nothing opened; a round is rank 0's answer, a launch
+    rank 0's record. Closing has nothing to interrupt: a round here waits in a
+    collective, bounded by the group's timeout (``close()`` returns anyway; the round
+    leaves when rank 0's record comes)."""
 
-    def __init__(self, ranks: Ranks, spec: Spec):
+    COUNT_AT_CLOSE_S = 1.0  # closing: how long launched rounds' records may take to be counted
+
+    def __init__(self, ranks: Ranks, spec: Spec, counts: EngineCounts):
         super().__init__()
         self.ranks = ranks
         self.spec = spec  # rank 0's mode: the mode its answers come from
+        self.counts = counts
+        self._follower: Follower | None = None  # launch(), from its first
 
     def round(self, batch: Batch) -> Drafts:
         return self.ranks.receive_drafts(len(batch))
 
-    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts]) -> Launched:
-        raise NotImplementedError("launch() with a tp_group: use round()")
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
+        if self._follower is None:
+            layout = RecordLayout(self.spec.max_slots, self.spec.num_spec, self.spec.sampled)
+            device = torch.device("cuda", torch.cuda.current_device())
+            self._follower = Follower(self.ranks, layout, device, self.counts)
+        return self._follower.launch(len(batch))
+
+    def stop(self, limit_s: float) -> None:
+        super().stop(limit_s)
+        if self._follower is not None and self.users.wait_alone(time.monotonic()):  # no launch inside
+            try:
+                self._follower.count(min(limit_s, self.COUNT_AT_CLOSE_S))
+            except ValueError as e:
+                log.warning("remote DSpark: close: %s", e)
 
 
 def shares_failure(method):

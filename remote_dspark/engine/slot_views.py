@@ -1,10 +1,11 @@
 """numpy views of one depth slot of the shared region, as the engine reads and writes
 it on the host: the descriptor's payload area, the staging rows and the drafts slot's
-arrays (:class:`SlotViews`)."""
+arrays (:class:`SlotViews`); and the device views the stream uses (:class:`DeviceSlots`)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .. import wire
 from ..region import shm
@@ -42,3 +43,28 @@ class SlotViews:
     def slots(self, n: int) -> np.ndarray:
         """The round's slots, as its descriptor holds them (the wire's slots section)."""
         return self.desc[wire.ROUND_FIXED.size : wire.ROUND_FIXED.size + 4 * n].view(np.uint32)
+
+
+class DeviceSlots:
+    """Device views (CUDA, through the region's mapping) of every depth slot the stream
+    reads or writes: staging rows (none without rows: a zero-width view would alias the
+    drafts slot), descriptor payloads, and the drafts slots' tokens, counts, outcome word
+    and a sampled layout's q blocks. Each is a list indexed by the slot."""
+
+    def __init__(self, region: shm.Region, device_view):
+        lay = region.layout
+        S, K, depth = lay.max_slots, lay.num_spec, range(lay.depth)
+        self.staging = [device_view(lay.staging(i), (S, lay.row_bytes), torch.uint8) for i in depth if lay.row_bytes]
+        payload = ((lay.desc_stride - shm.DESC_FIXED) // 4,)
+        self.desc = [device_view(lay.desc(i) + shm.DESC_FIXED, payload, torch.int32) for i in depth]
+        self.tokens = [device_view(lay.drafts(i) + lay.d_tokens, (S, K), torch.int32) for i in depth]
+        self.counts = [device_view(lay.drafts(i) + shm.D_COUNTS, (S,), torch.int32) for i in depth]
+        self.status = [device_view(lay.drafts(i) + shm.D_STATUS, (1,), torch.int32) for i in depth]
+        q = (S, K, wire.SAMPLED_TOP)
+        self.q = [
+            (
+                device_view(lay.drafts(i) + lay.d_q_ids, q, torch.int32),
+                device_view(lay.drafts(i) + lay.d_q_weights, q, torch.uint16),
+            )
+            for i in (depth if lay.sampled else ())
+        ]

@@ -145,14 +145,21 @@ class SyncPath:
             q=q,
         )
 
-    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts]) -> Launched:
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
         """``launch()`` in sync mode (``ASYNC=0``, or after a failed self-test): the round
         (``answer``) runs now, blocking, and comes back completed, with the shapes and on
-        the device an asynchronous launch gives, under the id of its ROUND."""
-        out = answer(batch)
-        device = batch.rows.device if batch.rows is not None else torch.device(self.spec.device)
-        q = (None, None) if out.q_ids is None else (out.q_ids.to(device), out.q_weights.to(device))
-        return Launched(self._round_id, out.tokens.to(device), out.counts.to(device), out.resync, out.resync_all, *q)
+        the device an asynchronous launch gives, under the id of its ROUND (into ``out``
+        and ``status`` when given, as ``Handoff.launch``)."""
+        d = answer(batch)
+        arrays = (d.tokens, d.counts) + ((d.q_ids, d.q_weights) if d.q_ids is not None else ())
+        if out:
+            out = tuple(t.copy_(a) for t, a in zip(out, arrays))
+        else:
+            device = batch.rows.device if batch.rows is not None else torch.device(self.spec.device)
+            out = tuple(a.to(device) for a in arrays)
+        if status is not None:
+            status.fill_(int(d.outcome))
+        return Launched(self._round_id, *out[:2], d.resync, d.resync_all, *(out[2:] or (None, None)))
 
     def stop(self, limit_s: float) -> None:
         """A round in flight on the engine thread ends at once (LOST): its socket is shut

@@ -36,7 +36,7 @@ from pathlib import Path
 from .. import outcome, wire
 from .structs import BatchOut, CudaIn, LaunchIn, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
 
-ABI_VERSION = 18
+ABI_VERSION = 19
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value

@@ -25,7 +25,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 18   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 19   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -214,7 +214,7 @@ struct hf_cuda {
  * row_units units (unit_bytes: 1 or 4) from src (src_rows rows, src_stride units apart)
  * by index (index_bytes: 4 or 8) into dst, packed; then `gathered = round`, the wait for
  * `released >= round`, and n_copies copies (each dst <- src, bytes). Device addresses. */
-#define HF_LAUNCH_COPIES 4
+#define HF_LAUNCH_COPIES 5
 #define HF_LAUNCH_TOO_BIG (-1)        /* a gather past the grid's limits (no CUresult is negative) */
 enum { HF_STEP_GATHER = 0, HF_STEP_SIGNAL = 1, HF_STEP_WAIT = 2, HF_STEP_COPY = 3, HF_STEP_DONE = 100 };
 struct hf_launch {

@@ -211,7 +211,7 @@ class LaunchCopy(ctypes.Structure):
     _fields_ = [("dst", ctypes.c_uint64), ("src", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
 
 
-LAUNCH_COPIES = 4  # HF_LAUNCH_COPIES
+LAUNCH_COPIES = 5  # HF_LAUNCH_COPIES: tokens, counts, q_ids, q_weights, the outcome
 
 
 class LaunchIn(ctypes.Structure):

@@ -1,28 +1,17 @@
 """Tensor-parallel ranks: ``RemoteDSpark(..., tp_group=...)`` on two
-gloo ranks, each a process of its own, around one loopback worker in the test process.
-
-The ranks are forked from the test process: torch is imported here already, and a fresh
-interpreter would spend seconds importing it again. Each rank makes itself a session
-leader, so whatever it starts (a proxy, a standby) ends with it: the test kills each
-rank's session at the end whatever happened. Every wait is bounded: a rank has
-RANK_LIMIT_S (then it dumps its stacks and exits), a collective GROUP_TIMEOUT_S.
-"""
+gloo ranks, each a process of its own (``tp_ranks.run_ranks``), around one loopback
+worker in the test process."""
 
 from __future__ import annotations
 
-import faulthandler
 import json
-import multiprocessing
 import os
-import signal
-import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import COUNTING, env_for
+from tp_ranks import run_ranks
 
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
@@ -35,9 +24,6 @@ from remote_dspark.worker import Worker
 MODEL = COUNTING
 K = 3
 ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
-RANK_LIMIT_S = 15.0  # one rank, fork to exit
-GROUP_TIMEOUT_S = 10  # a collective that waits longer raises
-FORK = multiprocessing.get_context("fork")
 
 
 def dead_port() -> int:
@@ -51,60 +37,6 @@ def batch(new=True, slots=(0, 1), tokens=((1,), (3,)), positions=(0, 0)) -> Batc
     return Batch.from_lists(
         list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS, torch.arange(len(slots))
     )
-
-
-def run_ranks(tmp_path, scenario, envs: list[dict]) -> list[dict]:
-    """``scenario(rank, group, env, tmp_path)`` on ranks 0 and 1 of a gloo group; each
-    rank's result (a dict; ``crash`` holds a traceback that escaped the scenario)."""
-    procs = [
-        FORK.Process(target=_rank_main, args=(rank, scenario, envs[rank], tmp_path), daemon=True) for rank in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + RANK_LIMIT_S + 2
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    finally:
-        for p in procs:
-            _end_session(p)
-    assert not hung, f"ranks {hung} did not end within {RANK_LIMIT_S} s (stacks on stderr)"
-    results = []
-    for rank in (0, 1):
-        out = tmp_path / f"rank{rank}.json"
-        assert out.exists(), f"rank {rank} wrote no result (exit code {procs[rank].exitcode})"
-        results.append(json.loads(out.read_text()))
-        assert "crash" not in results[-1], f"rank {rank}:\n{results[-1]['crash']}"
-    return results
-
-
-def _end_session(p) -> None:
-    """The rank and everything it started (its session), then reap it."""
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    p.join(5.0)
-    if p.is_alive():  # not yet its own session leader when killed
-        p.kill()
-        p.join(5.0)
-
-
-def _rank_main(rank: int, scenario, env: dict, tmp_path) -> None:
-    os.setsid()
-    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
-    try:
-        store = dist.FileStore(str(tmp_path / "store"), 2)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=GROUP_TIMEOUT_S)
-        )
-        group = dist.new_group([0, 1], backend="gloo")  # not the default group: the engine takes any
-        result = scenario(rank, group, env, tmp_path)
-    except BaseException:
-        result = {"crash": traceback.format_exc()}
-    (tmp_path / f"rank{rank}.json").write_text(json.dumps(result))
-    faulthandler.cancel_dump_traceback_later()
 
 
 def make(env, group, **kw) -> RemoteDSpark:
@@ -262,7 +194,10 @@ def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp
     written = json.loads((tmp_path / "stats.json").read_text())
     assert written["mode"] == mode and (written["supervisor"] is not None) == (mode == "process")
     for r in (r0, r1):
-        assert r["launch"]["type"] == "builtins.NotImplementedError" and "tp_group" in r["launch"]["message"]
+        assert (
+            r["launch"]["type"] == "builtins.RuntimeError"
+            and "launch() is for rounds on CUDA" in r["launch"]["message"]
+        )
 
 
 def test_a_failed_round_on_rank0_raises_on_every_rank(tmp_path):

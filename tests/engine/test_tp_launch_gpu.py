@@ -1,0 +1,131 @@
+"""``RemoteDSpark.launch()`` with a tp_group on CUDA: two ranks on one GPU, each a
+spawned process, a gloo group carrying the records as CUDA tensors (NCCL refuses two
+ranks on one GPU; gloo's broadcast of a CUDA tensor waits on the host, NCCL's does not,
+and the record and every stream operation around it are the same). The worker is a
+loopback worker in the test process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import COUNTING, env_for
+from tp_ranks import run_ranks
+
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.config.mode import Mode
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.engine import Batch, RemoteDSpark
+from remote_dspark.outcome import Outcome
+from remote_dspark.worker import Worker
+
+pytestmark = pytest.mark.gpu
+
+K = 3
+LIMIT_S = 60.0  # a spawned rank imports torch and starts CUDA
+
+
+def batch(new=True, tokens=((1,), (3,)), positions=(0, 0), sampled=False) -> Batch:
+    n = len(tokens)
+    extra = dict(temperature=[0.9, 0.0][:n], seed=[2**64 - 5, 11][:n]) if sampled else {}
+    rows = torch.arange(8, dtype=torch.float32, device="cuda").reshape(4, 2)
+    return Batch.from_lists(
+        list(range(n)),
+        [list(t) for t in tokens],
+        list(positions),
+        [new] * n,
+        rows,
+        torch.arange(n, device="cuda"),
+        **extra,
+    )
+
+
+def doc(launched) -> dict:
+    torch.cuda.current_stream().synchronize()  # the test reads them now; the engine would not
+    q = None if launched.q_ids is None else [launched.q_ids.tolist(), launched.q_weights.to(torch.int32).tolist()]
+    return {
+        "tokens": launched.tokens.tolist(),
+        "counts": launched.counts.tolist(),
+        "outcome": int(launched.outcome),
+        "mask": launched.resync_mask.nonzero().flatten().tolist(),
+        "q": q,
+        "device": str(launched.tokens.device),
+    }
+
+
+def launches(rank, group, env, tmp_path) -> dict:
+    """Launched rounds, a round() between them (the two kinds of record stay in step),
+    then a launch on a closed engine on rank 0 only."""
+    torch.cuda.set_device(0)
+    sampled = env.get("VLLM_DSPARK_SAMPLED_TOP32") == "1"
+    rd = RemoteDSpark(
+        RemoteConfig.from_env(env), environ=env, tp_group=group, num_spec=K, max_slots=4, row_bytes=8, device="cuda"
+    ).start()
+    out = []
+    try:
+        out.append(doc(rd.launch(batch(sampled=sampled))))
+        r = rd.round(batch(False, ((2,), (4,)), (1, 1), sampled))
+        out.append({"round": [r.tokens.tolist(), r.outcome.label]})
+        out.append(doc(rd.launch(batch(False, ((3,), (1,)), (2, 2), sampled))))
+        out.append(doc(rd.launch(batch(False, ((4,),), (3,), sampled))))
+        if rank == 0:
+            rd.close()
+        try:
+            out.append(doc(rd.launch(batch(False, ((1,),), (4,), sampled))))
+        except Exception as e:
+            out.append({"error": type(e).__name__})
+    finally:
+        rd.close()
+    st = rd.stats()
+    return {"rounds": out, "counted": {o.label: n for o, n in st.rounds.items() if n}, "mode": st.mode}
+
+
+@pytest.mark.parametrize("mode", [Mode.PROCESS, Mode.SYNC])
+def test_every_rank_gets_rank0s_launched_drafts_in_stream_order(worker, tmp_path, mode):
+    env = env_for(worker.port, tmp_path, mode)
+    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", limit_s=LIMIT_S)
+    assert r0["mode"] == r1["mode"] == mode.value
+    first, second, third = r0["rounds"][0], r0["rounds"][2], r0["rounds"][3]
+    assert first["tokens"] == [[2, 3, 4], [4, 1, 2]] and first["counts"] == [K, K]
+    assert first["outcome"] == Outcome.OK and first["device"] == "cuda:0" and first["q"] is None
+    assert r0["rounds"][1] == r1["rounds"][1] == {"round": [[[3, 4, 1], [1, 2, 3]], "ok"]}
+    assert second["tokens"] == [[4, 1, 2], [2, 3, 4]] and third["tokens"] == [[1, 2, 3]]
+    for a, b in zip(r0["rounds"][:4], r1["rounds"][:4]):
+        assert a == b
+    # rank 0 closed: it raises, rank 1 drafts target-only (ERROR), never waits
+    assert r0["rounds"][4] == {"error": "RemoteClosed"}
+    assert r1["rounds"][4]["tokens"] == [[0] * K] and r1["rounds"][4]["outcome"] == Outcome.ERROR
+    # rank 1 counted rank 0's launched rounds from their records (and the round() as rank 0 did)
+    assert r1["counted"] == {"ok": 4, "error": 1}
+    assert r0["counted"] == {"ok": 4}
+
+
+def test_a_dead_worker_reaches_every_rank_as_target_only_drafts(tmp_path):
+    w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0).start()
+    port = w.port
+    w.stop()
+    env = env_for(port, tmp_path, Mode.PROCESS)
+    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", limit_s=LIMIT_S)
+    for a, b in zip(r0["rounds"][:4], r1["rounds"][:4]):
+        assert a == b
+    for launched in (r1["rounds"][i] for i in (0, 2, 3)):
+        assert not any(launched["counts"]) and launched["outcome"] != Outcome.OK
+    assert r1["counted"].get("ok", 0) == 0
+
+
+@pytest.fixture
+def sampling_worker():
+    w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0).start()
+    yield w
+    w.stop()
+
+
+def test_a_sampled_engines_q_reaches_every_rank(sampling_worker, tmp_path):
+    env = env_for(sampling_worker.port, tmp_path, Mode.PROCESS, VLLM_DSPARK_SAMPLED_TOP32="1")
+    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", limit_s=LIMIT_S)
+    for a, b in zip(r0["rounds"][:4], r1["rounds"][:4]):
+        assert a == b
+    first = r1["rounds"][0]
+    assert first["q"] is not None and first["counts"] == [K, K]
+    ids, weights = torch.tensor(first["q"][0]).reshape(-1, 32), torch.tensor(first["q"][1]).reshape(-1, 32)
+    assert (weights.sum(1) == 65535).all()
+    assert (ids == torch.tensor(first["tokens"]).reshape(-1, 1)).any(1).all()  # each draft among its q's ids
