@@ -299,7 +299,7 @@ class FollowerPath(NothingOpen):
         super().stop(limit_s)
         if self._follower is not None and self.users.wait_alone(time.monotonic()):  # no launch inside
             try:
-                self._follower.count(min(limit_s, self.COUNT_AT_CLOSE_S))
+                self._follower.finish(min(limit_s, self.COUNT_AT_CLOSE_S))
             except ValueError as e:
                 log.warning("remote DSpark: close: %s", e)
 

@@ -39,11 +39,12 @@ every rank (each checks its own, after its broadcast). If rank 0's process dies,
 other ranks' broadcasts wait for the group's own timeout (NCCL's watchdog then aborts
 the communicator), as every other collective of a tensor-parallel engine would.
 
-Every other rank counts its launched rounds from its records, without waiting: a small
-copy of the head and counts to pinned memory and an event per round, read once the
-event has passed (at a later launch, or at close within a bound). A record whose n is
-not the rank's own batch size raises ``ValueError`` at that later launch. Slots the
-worker lost are counted by rank 0 only (it reads them from the region).
+Every other rank counts its launched rounds from its records, without waiting: the
+records' heads and counts go to the host a batch at a time (one stack, one copy to pinned
+memory, one event per ``Follower.BATCH`` rounds), read once the event has passed (at a
+later launch, or at close within a bound). A record whose n is not the rank's own batch
+size raises ``ValueError`` at that later launch. Slots the worker lost are counted by
+rank 0 only (it reads them from the region).
 """
 
 from __future__ import annotations
@@ -62,50 +63,35 @@ from .handoff import Launched
 HEAD = 8
 OUTCOME, FLAGS, N, RESYNC_ALL, ROUND = range(5)  # head words
 FAILED = 1  # flags: rank 0's launch raised before its record went out (target-only)
-MAX_UNREAD = 64  # another rank's records not yet counted; past it, the oldest is waited for
 _OUTCOMES = {int(o): o for o in Outcome}
 
 
-@dataclasses.dataclass(frozen=True)
 class RecordLayout:
     """Where each part of a record is, in int32 words, for an engine of ``max_slots``
     slots and ``num_spec`` drafts (and ``sampled`` q)."""
 
-    max_slots: int
-    num_spec: int
-    sampled: bool
-
-    @property
-    def mask_at(self) -> int:
-        return HEAD
-
-    @property
-    def counts_at(self) -> int:
-        return HEAD + (self.max_slots + 3) // 4
-
-    @property
-    def tokens_at(self) -> int:
-        return self.counts_at + self.max_slots
-
-    @property
-    def q_ids_at(self) -> int:
-        return self.tokens_at + self.max_slots * self.num_spec
-
-    @property
-    def words(self) -> int:
-        q = self.max_slots * self.num_spec * (wire.SAMPLED_TOP + wire.SAMPLED_TOP // 2) if self.sampled else 0
-        return self.q_ids_at + q
+    def __init__(self, max_slots: int, num_spec: int, sampled: bool):
+        self.max_slots, self.num_spec, self.sampled = max_slots, num_spec, sampled
+        self.mask_at = HEAD
+        self.counts_at = HEAD + (max_slots + 3) // 4
+        self.tokens_at = self.counts_at + max_slots
+        self.q_ids_at = self.tokens_at + max_slots * num_spec
+        self.q_weights_at = self.q_ids_at + max_slots * num_spec * wire.SAMPLED_TOP
+        half = wire.SAMPLED_TOP // 2  # q_weights: two uint16 a word
+        self.words = self.q_weights_at + max_slots * num_spec * half if sampled else self.q_ids_at
 
     def views(self, record: torch.Tensor, n: int) -> Views:
         """``record``'s parts for a round of ``n`` entries (views, no copy)."""
         k, top = self.num_spec, wire.SAMPLED_TOP
-        out = [record[self.tokens_at : self.tokens_at + n * k].view(n, k), record[self.counts_at :][:n]]
+        out = (record.as_strided((n, k), (k, 1), self.tokens_at), record[self.counts_at : self.counts_at + n])
         if self.sampled:
-            at, nq = self.q_ids_at, self.max_slots * k * top
-            out.append(record[at : at + n * k * top].view(n, k, top))
-            out.append(record[at + nq : at + nq + n * k * top // 2].view(torch.uint16).view(n, k, top))
-        mask = record[self.mask_at : self.counts_at].view(torch.uint8)[: self.max_slots].view(torch.bool)
-        return Views(record[OUTCOME : OUTCOME + 1], mask, tuple(out))
+            at = self.q_weights_at
+            out += (
+                record.as_strided((n, k, top), (k * top, top, 1), self.q_ids_at),
+                record[at : at + n * k * top // 2].view(torch.uint16).view(n, k, top),
+            )
+        mask = record[HEAD : self.counts_at].view(torch.uint8)[: self.max_slots].view(torch.bool)
+        return Views(record[OUTCOME : OUTCOME + 1], mask, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,30 +148,35 @@ class Leader:
             raise
 
     def _write(self, dst: torch.Tensor, values: np.ndarray) -> None:
-        """Host values into the record in stream order, without a sync: from pinned memory
-        on CUDA (its block is not reused before the copy has run: torch's host allocator)."""
-        src = torch.from_numpy(values)
-        if dst.is_cuda:
-            src = src.pin_memory()
-        dst.copy_(src, non_blocking=dst.is_cuda)
+        """Host values into the record in stream order, without a sync: an asynchronous
+        copy from pageable memory, which CUDA stages before the call returns (the array
+        may go at once) and which waits for nothing on the device."""
+        dst.copy_(torch.from_numpy(values), non_blocking=True)
 
     def _send_failed(self, n: int, e: BaseException) -> None:
-        record = torch.zeros(self.layout.words, dtype=torch.int32)
-        record[OUTCOME], record[FLAGS], record[N] = int(Outcome.ERROR), FAILED, n
         try:
-            self.ranks.broadcast_record(record.to(self.device))
+            record = torch.zeros(self.layout.words, dtype=torch.int32, device=self.device)
+            self._write(record[: N + 1], np.array([int(Outcome.ERROR), FAILED, n], dtype=np.int32))
+            self.ranks.broadcast_record(record)
         except BaseException as again:  # the group itself is broken: the launch's error still wins
             e.add_note(f"tp_group: rank 0's FAILED record could not be broadcast either: {again!r}")
 
 
 class Follower:
     """Another rank's side: the broadcast into a record of its own, the launch's views of
-    it, and the rounds counted from records whose copies have landed. Engine thread only."""
+    it, and the rounds counted from the records' heads and counts, brought to the host
+    BATCH records at a time (one stack, one copy, one event) and read once their event
+    has passed. Engine thread only."""
 
-    def __init__(self, ranks, layout: RecordLayout, device: torch.device, counts):
+    BATCH = 16  # records a copy to the host takes (fewer where they are big: BATCH_BYTES)
+    BATCH_BYTES = 64 << 20  # the records a batch keeps alive until its copy is enqueued
+    MAX_UNREAD = 8  # batches copied, not yet read; past it, the oldest is waited for
+
+    def __init__(self, ranks, layout: RecordLayout, device: torch.device, counts, batch: int | None = None):
         self.ranks, self.layout, self.device, self.counts = ranks, layout, device, counts
-        self._unread: collections.deque = collections.deque()  # (n, pinned head+mask+counts, event)
-        self._read = slice(0, layout.tokens_at)
+        self.batch = batch or max(1, min(self.BATCH, self.BATCH_BYTES // (4 * layout.words)))
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (n, head + mask + counts view), not yet copied
+        self._unread: collections.deque = collections.deque()  # (ns, host copy, its event or None)
 
     def launch(self, n: int) -> Launched:
         """Rank 0's answer to this round, in stream order.
@@ -199,50 +190,69 @@ class Follower:
         record = torch.empty(lay.words, dtype=torch.int32, device=self.device)
         self.ranks.broadcast_record(record)
         check_size(n, lay, self.ranks.rank)
-        self._keep(n, record)
-        self.count(wait_s=0.0)
+        self._pending.append((n, record[: lay.tokens_at]))
+        if len(self._pending) >= self.batch:
+            self._copy_out()
+            self.count(wait_s=0.0)
         return lay.views(record, n).launched(None, None, None)
 
-    def _keep(self, n: int, record: torch.Tensor) -> None:
-        if len(self._unread) >= MAX_UNREAD:  # the stream is far behind: wait for the oldest
-            self._unread[0][2].synchronize()
+    def finish(self, wait_s: float) -> None:
+        """Closing: count every record, waiting ``wait_s`` at most for their copies.
+
+        Raises: as :meth:`count`."""
+        if self._pending:
+            self._copy_out()
+        self.count(wait_s)
+
+    def _copy_out(self) -> None:
+        ns, heads = zip(*self._pending)
+        self._pending = []
+        if len(self._unread) >= self.MAX_UNREAD:  # the stream is far behind: wait for the oldest
+            event = self._unread[0][2]
+            if event is not None:
+                event.synchronize()
             self.count(wait_s=0.0)
-        part = record[self._read]
-        if not record.is_cuda:
-            self._unread.append((n, part.clone(), None))
-            return
-        host = torch.empty(part.shape, dtype=torch.int32, pin_memory=True)
-        host.copy_(part, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._unread.append((n, host, event))
+        heads = torch.stack(heads)
+        cuda = heads.is_cuda
+        host = torch.empty(heads.shape, dtype=torch.int32, pin_memory=cuda)
+        host.copy_(heads, non_blocking=cuda)
+        event = torch.cuda.Event() if cuda else None
+        if event is not None:
+            event.record()
+        self._unread.append((ns, host, event))
 
     def count(self, wait_s: float) -> None:
-        """Count every record whose copy has landed; with ``wait_s``, wait that long at
-        most for the rest (closing).
+        """Count the records whose copy has landed; with ``wait_s``, wait that long at
+        most for the rest. Every landed record is counted before anything is raised.
 
         Raises:
             ValueError: a record of rank 0's of another size than this rank's batch.
         """
-        deadline = time.monotonic() + wait_s
+        deadline, wrong = time.monotonic() + wait_s, None
         while self._unread:
-            n, host, event = self._unread[0]
+            ns, host, event = self._unread[0]
             if event is not None and not event.query():
                 if time.monotonic() >= deadline:
-                    return
+                    break
                 time.sleep(0.001)
                 continue
             self._unread.popleft()
-            self._count_one(n, host.numpy())
+            words = host.numpy()
+            for i, n in enumerate(ns):
+                got = self._count_one(words[i])
+                if got != n and wrong is None:
+                    wrong = (n, got)
+        if wrong is not None:
+            raise ValueError(
+                f"tp_group rank {self.ranks.rank}: a launch() of {wrong[0]} entries, but rank 0's round had "
+                f"{wrong[1]}: every rank must pass the same batch"
+            )
 
-    def _count_one(self, n: int, words: np.ndarray) -> None:
+    def _count_one(self, words: np.ndarray) -> int:
+        """Count one record's round; its n."""
         lay = self.layout
         got = int(words[N])
         counts = words[lay.counts_at : lay.counts_at + min(max(got, 0), lay.max_slots)]
         outcome = _OUTCOMES.get(int(words[OUTCOME]), Outcome.ERROR)
         self.counts.record_totals(outcome, int(np.count_nonzero(counts)), int(counts.sum(dtype=np.int64)), 0)
-        if got != n:
-            raise ValueError(
-                f"tp_group rank {self.ranks.rank}: a launch() of {n} entries, but rank 0's round had {got}: "
-                "every rank must pass the same batch"
-            )
+        return got

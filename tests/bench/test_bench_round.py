@@ -9,6 +9,7 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from remote_dspark import wire
 from remote_dspark.bench import add_parsers
@@ -93,6 +94,8 @@ def test_big_rounds_measure_fewer_rounds():
         (["--worker-late-ms", "50", "--timeout-ms", "50"], "--worker-late-ms 50: must be in 0..49, below --timeout-ms"),
         (["--sampled", "--num-spec", "17"], "--num-spec 17 with --sampled: a sampled session drafts at most 16"),
         (["--sampled", "--slots", "8,2048"], "--slots 2048 with --sampled: a sampled session has at most 1024"),
+        (["--tp", "0"], "--tp 0: must be in 1..8"),
+        (["--tp", "2"], "--tp 2: it runs the launch rows"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(argv, says, capsys, monkeypatch):
@@ -231,6 +234,37 @@ def test_feeder_announces_then_continues_and_reannounces_lost_slots():
     assert b.token_offsets.tolist() == [0, 3, 6, 22, 25]
     f.after(SimpleNamespace(resync=(), resync_all=True))
     assert f.next_batch().new_gen.tolist() == [True] * 4
+    # a tensor-parallel rank other than 0 knows the lost slots by rank 0's mask (of max_slots)
+    mask = torch.zeros(6, dtype=torch.bool)
+    mask[[1, 5]] = True
+    f.after(SimpleNamespace(resync=None, resync_all=None, resync_mask=mask))
+    assert f.next_batch().new_gen.tolist() == [False, True, False, False]
+
+
+def test_tp_needs_a_gpu_per_nccl_rank_and_says_what_runs_on_one():
+    from remote_dspark.bench.round import tp
+
+    tp.check(2, "nccl", 2)
+    tp.check(2, "gloo", 1)
+    with pytest.raises(ValueError, match="--tp 2 with --tp-backend nccl: NCCL takes one GPU per rank, torch sees 1"):
+        tp.check(2, "nccl", 1)
+
+
+def test_a_row_per_tp_rank_in_the_report_and_its_table():
+    opts = round_options.Options((8,), 5, 16, 10, 1, ("floor", "launch"), 1000, "cuda", False, tp=2, tp_backend="gloo")
+    extra = {"launch_wall_p50_ms": 0.1, "launch_wall_p99_ms": 0.2, "launch_cpu_p99_ms": 0.3, "tp": 2}
+    floor = round_report.Row("floor", 8, 3, [100_000] * 3, extra={"round_bytes": 10, "drafts_bytes": 20})
+    rows = [floor] + [
+        round_report.Row("launch", 8, 3, [p] * 3, [50_000] * 3, 0, {"ok": 4}, extra | {"tp_rank": r, "tp_backend": b})
+        for r, p, b in ((0, 400_000, "gloo"), (1, 600_000, "gloo"))
+    ]
+    report = round_report.make_report(opts, rows)
+    launch = [r for r in report["rows"] if r["mode"] == "launch"]
+    assert [(r["tp_rank"], r["p50_ms"], r["x_floor"]) for r in launch] == [(0, 0.4, 4.0), (1, 0.6, 6.0)]
+    assert report["config"]["tp"] == 2 and report["config"]["tp_backend"] == "gloo"
+    table = round_report.format_table(report)
+    assert "launch(), CUDA, process, rank 1/2" in table
+    assert "launch at 8 slots on tp rank 1 of 2 (gloo): CPU inside launch() p50 0.050" in table
 
 
 # --------------------------------------------------------------------------- report

@@ -104,7 +104,8 @@ def records_between_ranks(rank, group, env, tmp_path) -> dict:
 
     sampled = env["sampled"]
     ranks, lay, counts = Ranks(group), RecordLayout(M, K, sampled), EngineCounts(K)
-    side = Leader(ranks, lay, torch.device("cpu")) if rank == 0 else Follower(ranks, lay, torch.device("cpu"), counts)
+    cpu = torch.device("cpu")
+    side = Leader(ranks, lay, cpu) if rank == 0 else Follower(ranks, lay, cpu, counts, batch=env["batch"])
     out = []
     for n0, n1, answer in ROUNDS:
         try:
@@ -112,6 +113,11 @@ def records_between_ranks(rank, group, env, tmp_path) -> dict:
             out.append(launched_doc(got))
         except Exception as e:
             out.append({"error": f"{type(e).__name__}: {e}", "notes": getattr(e, "__notes__", [])})
+    if rank:
+        try:
+            side.finish(1.0)
+        except ValueError as e:
+            out.append({"error": f"{type(e).__name__}: {e}", "at": "finish"})
     return {
         "rounds": out,
         "counted": {o.label: c for o, c in counts.rounds.items() if c},
@@ -121,7 +127,8 @@ def records_between_ranks(rank, group, env, tmp_path) -> dict:
 
 @pytest.mark.parametrize("sampled", [False, True])
 def test_every_rank_gets_rank0s_record_and_the_ranks_stay_in_step(tmp_path, sampled):
-    r0, r1 = (r["rounds"] for r in run_ranks(tmp_path, records_between_ranks, [{"sampled": sampled}] * 2))
+    env = {"sampled": sampled, "batch": 1}  # rank 1 reads each record's head at once
+    r0, r1 = (r["rounds"] for r in run_ranks(tmp_path, records_between_ranks, [env] * 2))
     # an answer: the same drafts, outcome, resync and q on both; the host facts on rank 0 only
     assert r0[0]["host"] == [7, [4], False] and r1[0]["host"] == [None, None, None]
     for a, b in zip(r0[:2], r1[:2]):
@@ -148,11 +155,15 @@ def test_every_rank_gets_rank0s_record_and_the_ranks_stay_in_step(tmp_path, samp
     assert r0[5]["tokens"] == r1[5]["tokens"] == [[3, 3, 3]] and r1[5]["mask"] == [0, 5]
 
 
-def test_another_rank_counts_rank0s_rounds_from_its_records(tmp_path):
-    _, r1 = run_ranks(tmp_path, records_between_ranks, [{"sampled": False}] * 2)
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_another_rank_counts_rank0s_rounds_from_its_records(tmp_path, batch):
+    """Read a record at a time, or a batch at a time (the last ones at close)."""
+    _, r1 = run_ranks(tmp_path, records_between_ranks, [{"sampled": False, "batch": batch}] * 2)
     # OK rounds 1, 5 (counted, then refused for its size) and 6; TIMEOUT 2; rank 0's raise: ERROR
     assert r1["counted"] == {"ok": 3, "timeout": 1, "error": 1}
     assert r1["tokens"] == 4 + 2 + 3
+    mismatch = [i for i, r in enumerate(r1["rounds"]) if "a launch() of 2 entries" in r.get("error", "")]
+    assert mismatch == ([4] if batch <= 4 else [len(ROUNDS)])  # by the launch that read its record, or at close
 
 
 def test_a_failed_record_is_flagged_and_target_only():

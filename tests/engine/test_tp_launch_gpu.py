@@ -129,3 +129,69 @@ def test_a_sampled_engines_q_reaches_every_rank(sampling_worker, tmp_path):
     ids, weights = torch.tensor(first["q"][0]).reshape(-1, 32), torch.tensor(first["q"][1]).reshape(-1, 32)
     assert (weights.sum(1) == 65535).all()
     assert (ids == torch.tensor(first["tokens"]).reshape(-1, 1)).any(1).all()  # each draft among its q's ids
+
+
+# --------------------------------------------------------------------------- two ranks in this process
+
+
+class LoopbackGroup:
+    """One rank's end of a two-rank group inside this process. Rank 0's broadcasts are
+    kept (the tensors themselves); rank 1's take them in order by a copy on the current
+    stream, so a device record reaches rank 1 in stream order with no host wait, as
+    NCCL's broadcast would."""
+
+    def __init__(self, rank: int, sent: list):
+        self.rank, self.sent = rank, sent
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        if self.rank == 0:
+            self.sent.append(t)
+        else:
+            t.copy_(self.sent.pop(0))
+
+
+@pytest.fixture
+def loopback(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_rank", lambda group: group.rank)
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group: group.broadcast(t))
+    monkeypatch.setattr(dist, "all_gather", lambda out, t, group: [o.copy_(t) for o in out])
+    sent: list = []
+    return LoopbackGroup(0, sent), LoopbackGroup(1, sent)
+
+
+def test_no_rank_waits_on_the_host_for_a_launched_round(worker, drafter, tmp_path, loopback):
+    """With the worker holding its drafts, rank 0's launch() and rank 1's both return
+    and the stream is still waiting: neither rank's launch waited for the round. Once
+    the worker answers, both ranks' tensors hold its drafts."""
+    env = env_for(worker.port, tmp_path, Mode.PROCESS)
+    engines = [
+        RemoteDSpark(
+            RemoteConfig.from_env(env), environ=env, tp_group=g, num_spec=K, max_slots=4, row_bytes=8, device="cuda"
+        )
+        for g in loopback
+    ]
+    try:
+        for rd in engines:
+            rd.start()
+        first = [rd.launch(batch()) for rd in engines]
+        torch.cuda.synchronize()
+        assert [f.tokens.tolist() for f in first] == [[[2, 3, 4], [4, 1, 2]]] * 2
+        drafter.gate.clear()  # the worker holds the next round's drafts
+        held = [rd.launch(batch(False, ((2,), (4,)), (1, 1))) for rd in engines]
+        done = torch.cuda.Event()
+        done.record()
+        assert not done.query(), "a launch() waited for its round on the host"
+        drafter.gate.set()
+        torch.cuda.synchronize()
+        for h in held:
+            assert h.tokens.tolist() == [[3, 4, 1], [1, 2, 3]] and int(h.outcome) == Outcome.OK
+        assert held[0].round == 2 and held[1].round is None and held[1].resync is None
+    finally:
+        drafter.gate.set()
+        for rd in reversed(engines):
+            rd.close()

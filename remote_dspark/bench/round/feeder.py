@@ -95,12 +95,18 @@ class Feeder:
         )
 
     def after(self, out) -> None:
-        """The round was sent (whatever its outcome): advance; re-announce lost slots."""
+        """The round was sent (whatever its outcome): advance; re-announce lost slots
+        (those a tensor-parallel rank other than 0 has only on the device: read here,
+        outside the figures, so that every rank's batches stay rank 0's)."""
         import numpy as np
 
         self.position = self._sent
         self.new_gen = np.zeros(self.n, dtype=bool)
-        lost = np.asarray(out.resync, dtype=np.int64)
+        if out.resync is None:
+            lost = out.resync_mask.nonzero().flatten().cpu().numpy()
+            lost = lost[lost < self.n]
+        else:
+            lost = np.asarray(out.resync, dtype=np.int64)
         if out.resync_all:
             lost = np.arange(self.n)
         if len(lost):

@@ -28,6 +28,7 @@ DRAFT_BATCHES = 8  # the draft row rotates through this many different batches
 ROUND_TIMEOUT_S = 30.0  # the floor: no round takes this long unless a side is gone
 START_TIMEOUT_S = 10.0  # the floor peer connects within this
 TIMEOUT_MS = 1000
+MAX_TP = 8  # --tp: ranks of one host
 
 # The goals, checked at GOAL_SLOTS (and LINEAR_AT against GOAL_SLOTS).
 GOAL_SLOTS = 256
@@ -56,6 +57,8 @@ class Options:
     drafter: str = "markov"  # the worker's: markov, or lm (the built-in model)
     worker_late_ms: int = 0  # the worker answers every round this late (0: at once)
     sampled: bool = False  # every row also sampled (SAMPLED_TOP32), at the slot counts within the sampled cap
+    tp: int = 1  # the launch rows on this many tensor-parallel ranks (bench.round.tp)
+    tp_backend: str = "nccl"
 
     def kinds(self, slots: int) -> tuple[bool, ...]:
         """The rows' kinds at ``slots``: greedy, and sampled with ``--sampled`` within the
@@ -93,6 +96,16 @@ def check_sampled_caps(num_spec: int, slots: list[int]) -> None:
         raise ValueError(
             f"--slots {max(slots)} with --sampled: a sampled session has at most {wire.MAX_SAMPLED_ENTRIES} entries"
         )
+
+
+def check_tp(args, modes: list[str]) -> tuple[int, str]:
+    """``--tp`` and ``--tp-backend``. Raises: ValueError naming the argument."""
+    tp, tp_backend = getattr(args, "tp", 1), getattr(args, "tp_backend", "nccl")
+    if not 1 <= tp <= MAX_TP:
+        raise ValueError(f"--tp {tp}: must be in 1..{MAX_TP}")
+    if tp > 1 and "launch" not in modes:
+        raise ValueError(f"--tp {tp}: it runs the launch rows (--device cuda --modes ...,launch)")
+    return tp, tp_backend
 
 
 def options(args) -> Options:
@@ -153,6 +166,7 @@ def options(args) -> Options:
         if not modes:
             raise ValueError(f"--modes {args.modes!r}: no mode named")
     modes = [m for m in CUDA_MODES if m in modes]  # table order, each once
+    tp, tp_backend = check_tp(args, modes)
     sampled = getattr(args, "sampled", False)
     if sampled:
         check_sampled_caps(args.num_spec, slots if args.slots is not None else [])
@@ -169,4 +183,6 @@ def options(args) -> Options:
         getattr(args, "drafter", "markov"),
         late_ms,
         sampled,
+        tp,
+        tp_backend,
     )

@@ -59,12 +59,16 @@ def _threads() -> dict:
     }
 
 
+def _rank(r: Row) -> int:
+    return (r.extra or {}).get("tp_rank", 0)
+
+
 def make_report(opts: Options, rows: list[Row]) -> dict:
-    p50 = {(r.mode, r.slots, r.sampled): pct(r.lat_ns, 0.5) for r in rows}
+    p50 = {(r.mode, r.slots, r.sampled, _rank(r)): pct(r.lat_ns, 0.5) for r in rows}
     out_rows = []
     for r in rows:  # each row against the floor and sync of its own kind, a sampled one also against its greedy twin
-        f, s = p50.get(("floor", r.slots, r.sampled)), p50.get(("sync", r.slots, r.sampled))
-        mine, greedy = p50[(r.mode, r.slots, r.sampled)], p50.get((r.mode, r.slots, False))
+        f, s = p50.get(("floor", r.slots, r.sampled, 0)), p50.get(("sync", r.slots, r.sampled, 0))
+        mine, greedy = p50[(r.mode, r.slots, r.sampled, _rank(r))], p50.get((r.mode, r.slots, False, _rank(r)))
         d = {
             "mode": r.mode,
             "sampled": r.sampled,
@@ -102,6 +106,8 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
         "drafter": opts.drafter,
         "worker_late_ms": opts.worker_late_ms,
         "sampled": opts.sampled,
+        "tp": opts.tp,
+        "tp_backend": opts.tp_backend if opts.tp > 1 else None,
         "tokens_per_entry": STEP_TOKENS,
         "prompt_tokens": PROMPT_TOKENS,
         "draft_context_tokens": CONTEXT_TOKENS,
@@ -118,7 +124,7 @@ def targets(rows: list[dict], drafter: str = "markov") -> dict:
     """The goals that this run's rows can say something about (the others are absent).
     With the model drafter (``lm``) the drafting dominates the round: its goal is the
     whole round's time, and the floor and Markov drafting goals do not apply."""
-    by = {(r["mode"], r["slots"]): r for r in rows if not r.get("sampled")}
+    by = {(r["mode"], r["slots"]): r for r in rows if not r.get("sampled") and not r.get("tp_rank")}
     g, out = GOAL_SLOTS, {}
     proc = by.get(("process", g))
     twin = next((r for r in rows if r.get("sampled") and (r["mode"], r["slots"]) == ("process", g)), None)
@@ -184,8 +190,9 @@ def format_table(report: dict) -> str:
                 + ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()) if k != "ok")
             )
         )
+        what = DESCRIBE[r["mode"]] + (f", rank {r['tp_rank']}/{r['tp']}" if "tp_rank" in r else "")
         lines.append(
-            f"{r['slots']:>6}  {DESCRIBE[r['mode']] + (', sampled' if r.get('sampled') else ''):<34}"
+            f"{r['slots']:>6}  {what + (', sampled' if r.get('sampled') else ''):<34}"
             f"{r['rounds']:>7}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{_f(r.get('worker_ms'), '.3f', 9)}"
             f"{_f(r['x_floor'], '.2f', 9)}"
             f"{_f(r['x_sync'], '.2f', 8)}{_f(r.get('x_greedy'), '.2f', 10)}{_f(r['engine_cpu_ms'], '.3f', 12)}  {flag}"
@@ -211,8 +218,9 @@ def format_table(report: dict) -> str:
         )
     for r in report["rows"]:
         if r["mode"] == "launch":
+            rank = f" on tp rank {r['tp_rank']} of {r['tp']} ({r['tp_backend']})" if "tp_rank" in r else ""
             lines.append(
-                f"launch at {r['slots']} slots: CPU inside launch() p50 {r['engine_cpu_ms']:.3f} / p99 "
+                f"launch at {r['slots']} slots{rank}: CPU inside launch() p50 {r['engine_cpu_ms']:.3f} / p99 "
                 f"{r['launch_cpu_p99_ms']:.3f} ms, wall inside launch() p50 {r['launch_wall_p50_ms']:.3f} ms"
             )
     for t in report["targets"].values():

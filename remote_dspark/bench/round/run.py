@@ -73,6 +73,11 @@ with a sampled ROUND's and DRAFTS' byte counts, the draft row drafting sampled. 
 sampled row's ``x_greedy`` is its p50 over its greedy twin's; the goal: at 256 slots a
 sampled process round within 1.5x of the greedy one.
 
+With ``--tp N`` the launch rows run on N tensor-parallel ranks, a row per rank
+(:mod:`.tp`): each rank's CPU inside ``launch()`` and the time until its own stream holds
+rank 0's drafts. NCCL (``--tp-backend nccl``, the default) needs a GPU per rank; gloo runs
+the ranks on one GPU, its broadcast of the record waiting on the host.
+
 With ``--drafter lm`` the worker serves the built-in model drafter (``remote_dspark.drafter.lm``,
 on the GPU when it sees one, its per-slot KV cache on) and the ``draft`` row times that
 drafter on whole contexts (no cache); the one goal is then the whole process round:
@@ -88,22 +93,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import tempfile
 import time
 
 from . import worker_time
-from .feeder import Feeder, synthetic_text
+from .draft import draft_row
+from .engines import engine, engine_env, launch_loop
+from .feeder import Feeder
 from .floor import floor_row
 from .options import (
-    CONTEXT_TOKENS,
     CUDA_MODES,
     DEFAULT_SLOTS,
-    DRAFT_BATCHES,
     ENGINE_MODES,
     MIN_ROUNDS,
     MODES,
-    SAMPLED_TEMPERATURE,
     SWEEP,
     TIMEOUT_MS,
     Options,
@@ -199,6 +202,21 @@ def add_parser(sub) -> None:
         help="print one JSON object (and nothing else) on stdout; progress stays on stderr",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --device cuda: the launch rows on N tensor-parallel ranks (a process each, one "
+        "RemoteDSpark per rank in one tp_group; rank 0 talks to the worker), a row per rank (default 1)",
+    )
+    p.add_argument(
+        "--tp-backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="the ranks' torch.distributed backend with --tp: nccl (default; one GPU per rank) or gloo "
+        "(the ranks on one GPU; its broadcast of a CUDA record waits on the host, so its figures are gloo's)",
+    )
+    p.add_argument(
         "--sampled",
         action="store_true",
         help="also a sampled twin of every row (VLLM_DSPARK_SAMPLED_TOP32=1: temperature 1, a seed per "
@@ -209,39 +227,6 @@ def add_parser(sub) -> None:
 
 
 # --------------------------------------------------------------------------- engine rows
-
-
-@contextlib.contextmanager
-def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device: str = "cpu", sampled: bool = False):
-    """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process;
-    ``sampled``: asking for sampled drafts) against ``worker`` (a WorkerProcess), closed
-    on exit."""
-    from ...config.api import RemoteConfig
-    from ...engine import Mode, RemoteDSpark
-
-    env = worker.env(
-        Mode(mode),
-        stats_file=os.path.join(stats_dir, f"stats-{mode}.json"),
-        VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(opts.timeout_ms),
-        VLLM_DSPARK_SAMPLED_TOP32="1" if sampled else "0",
-    )
-    rd = RemoteDSpark(
-        RemoteConfig.from_env(env),
-        num_spec=opts.num_spec,
-        max_slots=slots,
-        row_bytes=opts.row_bytes,
-        device=device,
-        environ=env,
-    )
-    try:
-        rd.start()
-        if rd.mode != mode:
-            raise RuntimeError(
-                f"{mode}: the engine runs {rd.mode} rounds (its async hand-off failed its self-test; see the log)"
-            )
-        yield rd
-    finally:
-        rd.close()
 
 
 def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str, sampled: bool = False) -> Row:
@@ -278,114 +263,38 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str, sam
     return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes), extra, sampled)
 
 
-def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool = False) -> Row:
+def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool = False) -> list[Row]:
     """``rd.launch(batch)`` on CUDA, process mode: the time until the stream holds the
     drafts (CUDA events around ``launch()``, recorded on an idle stream) and the CPU inside
-    ``launch()``. The stream is synchronized after every round, outside the figures."""
-    import torch
+    ``launch()``. The stream is synchronized after every round, outside the figures. With
+    ``--tp`` N > 1, a row per rank (:mod:`.tp`)."""
+    if opts.tp > 1:
+        from . import tp
 
-    rounds = opts.rounds_for(slots)
+        env = engine_env(worker, opts, "process", stats_dir, sampled)
+        before = worker_time.read(worker.metrics_url)
+        rows = tp.launch_rows(worker, opts, slots, env, stats_dir, sampled)
+        inside = worker_time.per_round(before, worker_time.read(worker.metrics_url))
+        rows[0].extra.update(inside, worker_over="every round, warm-up included (the ranks run apart)")
+        return rows
     meta_device = "cuda" if opts.device_metadata else "cpu"
     feeder = Feeder(slots, opts.row_bytes, device="cuda", metadata_device=meta_device, sampled=sampled)
-    stream = torch.cuda.current_stream()
-    pairs, cpu, wall = [], [], []
     with engine(worker, opts, "process", slots, stats_dir, device="cuda", sampled=sampled) as rd:
-        for i in range(opts.warmup + rounds):
-            if i == opts.warmup:
-                before = worker_time.read(worker.metrics_url)
-            batch = feeder.next_batch()
-            stream.synchronize()
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record(stream)  # the events outside the CPU figures: a record is microseconds of CPU
-            t0 = time.perf_counter_ns()
-            c0 = time.thread_time_ns()
-            launched = rd.launch(batch)
-            c1 = time.thread_time_ns()
-            t1 = time.perf_counter_ns()
-            ev1.record(stream)
-            stream.synchronize()
-            feeder.after(launched)
-            if i >= opts.warmup:
-                pairs.append((ev0, ev1))
-                cpu.append(c1 - c0)
-                wall.append(t1 - t0)
+        before = []  # the worker's totals once the warm-up is over
+        scrape = lambda: before.append(worker_time.read(worker.metrics_url))  # noqa: E731
+        lat, cpu, wall = launch_loop(rd, feeder, opts.warmup, opts.rounds_for(slots), scrape)
         counted = rd.stats().rounds  # launched rounds are counted once collected
-        inside = worker_time.per_round(before, worker_time.read(worker.metrics_url))
-    lat = [int(a.elapsed_time(b) * 1e6) for a, b in pairs]
+        inside = worker_time.per_round(before[0], worker_time.read(worker.metrics_url))
     outcomes = {o.label: n for o, n in counted.items() if n}
     not_ok = sum(counted.values()) - outcomes.get("ok", 0)
-    return Row(
-        "launch",
-        slots,
-        rounds,
-        lat,
-        cpu,
-        not_ok,
-        outcomes,
-        extra={
-            "launch_wall_p50_ms": ns_to_ms(pct(wall, 0.5)),
-            "launch_wall_p99_ms": ns_to_ms(pct(wall, 0.99)),
-            "launch_cpu_p99_ms": ns_to_ms(pct(cpu, 0.99)),
-            "outcomes_over": "every launched round, warm-up included",
-            **inside,
-        },
-        sampled=sampled,
-    )
-
-
-# --------------------------------------------------------------------------- the drafter
-
-
-def draft_row(opts: Options, slots: int, sampled: bool = False) -> Row:
-    """``MarkovDrafter(builtin_model()).draft_batch`` (or the built-in model drafter's,
-    ``--drafter lm``: no cache, every context encoded) on ``slots`` contexts of 64 tokens,
-    rotating through DRAFT_BATCHES batches of different contexts (``sampled``: at
-    temperature 1, a seed per entry)."""
-    import numpy as np
-
-    from ...drafter.contract import DraftBatch
-    from ...drafter.markov import MarkovDrafter, builtin_model
-
-    if opts.drafter == "lm":
-        from ...drafter.lm import builtin_drafter
-
-        drafter = builtin_drafter()
-    else:
-        drafter = MarkovDrafter(builtin_model())
-    text = np.asarray(synthetic_text(2), dtype=np.int32)
-    rng = np.random.default_rng(2)
-    k, n = opts.num_spec, slots
-    offsets = np.arange(0, (n + 1) * CONTEXT_TOKENS, CONTEXT_TOKENS, dtype=np.int64)
-    rows = np.zeros((n, opts.row_bytes), dtype=np.uint8)
-    n_out = np.full(n, k, dtype=np.int32)
-    sampling = {}
-    if sampled:
-        sampling = {"temperature": np.full(n, SAMPLED_TEMPERATURE, np.float32), "seed": np.arange(n, dtype=np.uint64)}
-    batches = []
-    for _ in range(DRAFT_BATCHES):
-        start = rng.integers(0, len(text), n, dtype=np.int64)
-        at = (start[:, None] + np.arange(CONTEXT_TOKENS, dtype=np.int64)[None, :]).ravel() % len(text)
-        batches.append(
-            DraftBatch(
-                tokens=np.ascontiguousarray(text[at]),
-                offsets=offsets,
-                n_out=n_out,
-                rows=rows,
-                want_margin=False,
-                width=k,
-                **sampling,
-            )
-        )
-    rounds = opts.rounds_for(slots)
-    lat = []
-    for i in range(opts.warmup + rounds):
-        b = batches[i % DRAFT_BATCHES]
-        t0 = time.perf_counter_ns()
-        drafter.draft_batch(b)
-        t1 = time.perf_counter_ns()
-        if i >= opts.warmup:
-            lat.append(t1 - t0)
-    return Row("draft", slots, rounds, lat, sampled=sampled)
+    extra = {
+        "launch_wall_p50_ms": ns_to_ms(pct(wall, 0.5)),
+        "launch_wall_p99_ms": ns_to_ms(pct(wall, 0.99)),
+        "launch_cpu_p99_ms": ns_to_ms(pct(cpu, 0.99)),
+        "outcomes_over": "every launched round, warm-up included",
+        **inside,
+    }
+    return [Row("launch", slots, len(lat), lat, cpu, not_ok, outcomes, extra=extra, sampled=sampled)]
 
 
 # --------------------------------------------------------------------------- the run
@@ -398,6 +307,10 @@ def run(args) -> int:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here")
+        if opts.tp > 1:
+            from .tp import check
+
+            check(opts.tp, opts.tp_backend, torch.cuda.device_count())
     rows = run_all(opts)
     report = make_report(opts, rows)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
@@ -432,7 +345,7 @@ def run_all(opts: Options) -> list[Row]:
             elif mode == "draft":
                 rows.append(draft_row(opts, slots, sampled))
             elif mode == "launch":
-                rows.append(launch_row(worker, opts, slots, stats_dir, sampled))
+                rows.extend(launch_row(worker, opts, slots, stats_dir, sampled))
             else:
                 rows.append(engine_row(worker, opts, mode, slots, stats_dir, sampled))
         bar.update(len(plan))
