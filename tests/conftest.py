@@ -6,6 +6,7 @@ import pytest
 from helpers import COUNTING, gated_drafter
 
 from remote_dspark import native
+from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.worker import Worker
 from remote_dspark.worker.faults import Faults
 
@@ -37,6 +38,14 @@ def worker(drafter):
     w = Worker(drafter, "127.0.0.1", 0, faults=Faults()).start()
     yield w
     drafter.gate.set()
+    w.stop()
+
+
+@pytest.fixture
+def sampling_worker():
+    """A loopback worker of COUNTING whose drafter samples (the gated one does not)."""
+    w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0).start()
+    yield w
     w.stop()
 
 

@@ -1,9 +1,10 @@
 """Two tensor-parallel ranks for a test: ``run_ranks`` runs a scenario on ranks 0 and 1
 of a torch.distributed group, each a process of its own, and gives back their results.
 
-The CPU tests fork the ranks from the test process (torch is imported there already, and
-a fresh interpreter would spend seconds importing it again); the GPU tests spawn them (a
-forked child cannot use CUDA once its parent has). Each rank makes itself a session
+The backend is gloo (every host) or NCCL (a GPU per rank: ``BACKENDS`` marks it for
+hosts with two). The CPU tests fork the ranks from the test process (torch is imported
+there already, and a fresh interpreter would spend seconds importing it again); the GPU
+tests and NCCL spawn them (a forked child cannot use CUDA once its parent has). Each rank makes itself a session
 leader, so whatever it starts (a proxy, a standby) ends with it: the test kills each
 rank's session at the end whatever happened. Every wait is bounded: a rank has
 ``limit_s`` (then it dumps its stacks and exits), a collective GROUP_TIMEOUT_S.
@@ -20,17 +21,44 @@ import time
 import traceback
 from datetime import timedelta
 
-RANK_LIMIT_S = 15.0  # one rank, fork to exit
+import pytest
+
+RANK_LIMIT_S = 15.0  # one forked rank, start to exit
+SPAWNED_LIMIT_S = 60.0  # one spawned rank: it imports torch and starts CUDA first
 GROUP_TIMEOUT_S = 10  # a collective that waits longer raises
 
 
-def run_ranks(tmp_path, scenario, envs: list[dict], start: str = "fork", limit_s: float = RANK_LIMIT_S) -> list[dict]:
-    """``scenario(rank, group, env, tmp_path)`` on ranks 0 and 1 of a gloo group (``start``:
-    how the rank processes begin, fork or spawn); each rank's result (a dict; ``crash``
-    holds a traceback that escaped the scenario)."""
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+# The backends a test of the ranks runs on: gloo, and NCCL on a host with a GPU per rank.
+BACKENDS = [
+    "gloo",
+    pytest.param(
+        "nccl",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_gpus() < 2, reason="NCCL takes a GPU per rank: two, on one host"),
+        ],
+    ),
+]
+
+
+def run_ranks(
+    tmp_path, scenario, envs: list[dict], start: str = "fork", limit_s: float | None = None, backend: str = "gloo"
+) -> list[dict]:
+    """``scenario(rank, group, env, tmp_path)`` on ranks 0 and 1 of a ``backend`` group
+    (``start``: how the rank processes begin, fork or spawn; NCCL's always spawn, each
+    on GPU ``rank``); each rank's result (a dict; ``crash`` holds a traceback that
+    escaped the scenario)."""
+    start = "spawn" if backend == "nccl" else start
+    limit_s = limit_s or (RANK_LIMIT_S if start == "fork" else SPAWNED_LIMIT_S)
     ctx = multiprocessing.get_context(start)
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, scenario, envs[rank], tmp_path, limit_s), daemon=True)
+        ctx.Process(target=_rank_main, args=(rank, scenario, envs[rank], tmp_path, limit_s, backend), daemon=True)
         for rank in (0, 1)
     ]
     for p in procs:
@@ -65,17 +93,20 @@ def _end_session(p) -> None:
         p.join(5.0)
 
 
-def _rank_main(rank: int, scenario, env: dict, tmp_path, limit_s: float) -> None:
+def _rank_main(rank: int, scenario, env: dict, tmp_path, limit_s: float, backend: str) -> None:
+    import torch
     import torch.distributed as dist
 
     os.setsid()
     faulthandler.dump_traceback_later(limit_s, exit=True)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         store = dist.FileStore(str(tmp_path / "store"), 2)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=GROUP_TIMEOUT_S)
+            backend, store=store, rank=rank, world_size=2, timeout=timedelta(seconds=GROUP_TIMEOUT_S)
         )
-        group = dist.new_group([0, 1], backend="gloo")  # not the default group: the engine takes any
+        group = dist.new_group([0, 1], backend=backend)  # not the default group: the engine takes any
         result = scenario(rank, group, env, tmp_path)
     except BaseException:
         result = {"crash": traceback.format_exc()}

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import COUNTING, env_for
-from tp_ranks import run_ranks
+from tp_ranks import BACKENDS, run_ranks
 
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
@@ -176,9 +176,10 @@ def shadow_on_every_rank(rank, group, env, tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["sync", "process"])
-def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp_path, mode):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp_path, backend, mode):
     env = env_for(worker.port, tmp_path, Mode(mode))
-    r0, r1 = run_ranks(tmp_path, drafts_and_roles, [env, env])
+    r0, r1 = run_ranks(tmp_path, drafts_and_roles, [env, env], backend=backend)
     assert r0["drafts"] == r1["drafts"]
     assert r0["drafts"][0] == [[[2, 3, 4], [4, 1, 2]], [3, 3], "ok", "remote"]
     assert r0["drafts"][1][0] == [[3, 4, 1], [1, 2, 3]]
@@ -200,9 +201,10 @@ def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp
         )
 
 
-def test_a_failed_round_on_rank0_raises_on_every_rank(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_round_on_rank0_raises_on_every_rank(tmp_path, backend):
     env = env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_ON_FAIL="raise")
-    r0, r1 = run_ranks(tmp_path, round_failures, [env, env])
+    r0, r1 = run_ranks(tmp_path, round_failures, [env, env], backend=backend)
     for name in ("bad_slot", "dead_worker"):
         assert r0[name] is not None and r1[name] is not None, name
         assert (r1[name]["type"], r1[name]["message"]) == (r0[name]["type"], r0[name]["message"])
@@ -222,9 +224,10 @@ def test_a_strict_start_failure_on_rank0_raises_on_every_rank(tmp_path):
     assert r0["held"] == r1["held"] == {"children": 0, "memfds": 0}
 
 
-def test_a_bad_batch_raises_on_every_rank_and_the_ranks_stay_in_step(worker, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bad_batch_raises_on_every_rank_and_the_ranks_stay_in_step(worker, tmp_path, backend):
     env = env_for(worker.port, tmp_path)
-    r0, r1 = run_ranks(tmp_path, bad_batch_then_in_step, [env, env])
+    r0, r1 = run_ranks(tmp_path, bad_batch_then_in_step, [env, env], backend=backend)
     assert r0["error"]["type"] == r1["error"]["type"] == "builtins.ValueError"
     assert r0["error"]["message"] == r1["error"]["message"] == "slots: 9 out of 0..3"
     assert r0["good"] == r1["good"] == [[[2, 3, 4], [4, 1, 2]], "ok"]
@@ -240,11 +243,12 @@ def test_configs_that_differ_across_ranks_raise_on_every_rank(worker, tmp_path):
     assert worker.stats.connections == 0  # rank 0 compared before it opened anything
 
 
-def test_the_policy_runs_on_every_rank_over_rank0s_answer(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_policy_runs_on_every_rank_over_rank0s_answer(tmp_path, backend):
     """Resilience with the worker down: every rank runs its own local drafter in the same
     round (a tensor-parallel drafter's collectives stay in step)."""
     env = env_for(dead_port(), tmp_path, VLLM_DSPARK_REMOTE_POLICY="resilience")
-    r0, r1 = run_ranks(tmp_path, local_drafter_on_every_rank, [env, env])
+    r0, r1 = run_ranks(tmp_path, local_drafter_on_every_rank, [env, env], backend=backend)
     for rank, r in enumerate((r0, r1)):
         assert r["calls"] == [2] and r["source"] == "local" and r["outcome"] == "error"
         assert r["tokens"] == [[7 + rank] * K] * 2
@@ -309,19 +313,12 @@ def sampled_rounds(rank, group, env, tmp_path) -> dict:
     }
 
 
-@pytest.fixture
-def sampling_worker():
-    """A loopback worker of COUNTING whose drafter samples (the gated one does not)."""
-    w = Worker(MarkovDrafter(MODEL), "127.0.0.1", 0).start()
-    yield w
-    w.stop()
-
-
-def test_a_sampled_rounds_drafts_and_q_reach_every_rank(sampling_worker, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sampled_rounds_drafts_and_q_reach_every_rank(sampling_worker, tmp_path, backend):
     from remote_dspark.sampled import TOTAL, violation
 
     env = env_for(sampling_worker.port, tmp_path, Mode.SYNC, VLLM_DSPARK_SAMPLED_TOP32="1")
-    r0, r1 = run_ranks(tmp_path, sampled_rounds, [env, env])
+    r0, r1 = run_ranks(tmp_path, sampled_rounds, [env, env], backend=backend)
     assert r0 == r1
     assert r0["q_dtypes"] == ["torch.int32", "torch.uint16"]
     for tokens, counts, outcome, source, q_ids, q_weights in r0["drafts"]:

@@ -1,15 +1,17 @@
-"""``RemoteDSpark.launch()`` with a tp_group on CUDA: two ranks on one GPU, each a
-spawned process, a gloo group carrying the records as CUDA tensors (NCCL refuses two
-ranks on one GPU; gloo's broadcast of a CUDA tensor waits on the host, NCCL's does not,
-and the record and every stream operation around it are the same). The worker is a
-loopback worker in the test process."""
+"""``RemoteDSpark.launch()`` with a tp_group on CUDA: two ranks, each a spawned process,
+on NCCL (a GPU each, on a host with two) and on gloo, which runs both on one GPU and
+carries the records as CUDA tensors through the host (NCCL refuses two ranks on one GPU;
+gloo's broadcast of a CUDA tensor waits on the host, NCCL's does not, and the record and
+every stream operation around it are the same). The worker is a loopback worker in the
+test process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import COUNTING, env_for
-from tp_ranks import run_ranks
+from tp_ranks import BACKENDS, run_ranks
 
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.config.mode import Mode
@@ -21,7 +23,6 @@ from remote_dspark.worker import Worker
 pytestmark = pytest.mark.gpu
 
 K = 3
-LIMIT_S = 60.0  # a spawned rank imports torch and starts CUDA
 
 
 def batch(new=True, tokens=((1,), (3,)), positions=(0, 0), sampled=False) -> Batch:
@@ -48,14 +49,15 @@ def doc(launched) -> dict:
         "outcome": int(launched.outcome),
         "mask": launched.resync_mask.nonzero().flatten().tolist(),
         "q": q,
-        "device": str(launched.tokens.device),
+        "own_device": launched.tokens.device == torch.device("cuda", torch.cuda.current_device()),
     }
 
 
 def launches(rank, group, env, tmp_path) -> dict:
     """Launched rounds, a round() between them (the two kinds of record stay in step),
     then a launch on a closed engine on rank 0 only."""
-    torch.cuda.set_device(0)
+    if dist.get_backend(group) == "gloo":
+        torch.cuda.set_device(0)  # both ranks on one GPU (NCCL's each have their own)
     sampled = env.get("VLLM_DSPARK_SAMPLED_TOP32") == "1"
     rd = RemoteDSpark(
         RemoteConfig.from_env(env), environ=env, tp_group=group, num_spec=K, max_slots=4, row_bytes=8, device="cuda"
@@ -80,13 +82,14 @@ def launches(rank, group, env, tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("mode", [Mode.PROCESS, Mode.SYNC])
-def test_every_rank_gets_rank0s_launched_drafts_in_stream_order(worker, tmp_path, mode):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_rank_gets_rank0s_launched_drafts_in_stream_order(worker, tmp_path, mode, backend):
     env = env_for(worker.port, tmp_path, mode)
-    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", limit_s=LIMIT_S)
+    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", backend=backend)
     assert r0["mode"] == r1["mode"] == mode.value
     first, second, third = r0["rounds"][0], r0["rounds"][2], r0["rounds"][3]
     assert first["tokens"] == [[2, 3, 4], [4, 1, 2]] and first["counts"] == [K, K]
-    assert first["outcome"] == Outcome.OK and first["device"] == "cuda:0" and first["q"] is None
+    assert first["outcome"] == Outcome.OK and first["own_device"] and first["q"] is None
     assert r0["rounds"][1] == r1["rounds"][1] == {"round": [[[3, 4, 1], [1, 2, 3]], "ok"]}
     assert second["tokens"] == [[4, 1, 2], [2, 3, 4]] and third["tokens"] == [[1, 2, 3]]
     for a, b in zip(r0["rounds"][:4], r1["rounds"][:4]):
@@ -99,12 +102,13 @@ def test_every_rank_gets_rank0s_launched_drafts_in_stream_order(worker, tmp_path
     assert r0["counted"] == {"ok": 4}
 
 
-def test_a_dead_worker_reaches_every_rank_as_target_only_drafts(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dead_worker_reaches_every_rank_as_target_only_drafts(tmp_path, backend):
     w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0).start()
     port = w.port
     w.stop()
     env = env_for(port, tmp_path, Mode.PROCESS)
-    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", limit_s=LIMIT_S)
+    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", backend=backend)
     for a, b in zip(r0["rounds"][:4], r1["rounds"][:4]):
         assert a == b
     for launched in (r1["rounds"][i] for i in (0, 2, 3)):
@@ -112,16 +116,10 @@ def test_a_dead_worker_reaches_every_rank_as_target_only_drafts(tmp_path):
     assert r1["counted"].get("ok", 0) == 0
 
 
-@pytest.fixture
-def sampling_worker():
-    w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0).start()
-    yield w
-    w.stop()
-
-
-def test_a_sampled_engines_q_reaches_every_rank(sampling_worker, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sampled_engines_q_reaches_every_rank(sampling_worker, tmp_path, backend):
     env = env_for(sampling_worker.port, tmp_path, Mode.PROCESS, VLLM_DSPARK_SAMPLED_TOP32="1")
-    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", limit_s=LIMIT_S)
+    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", backend=backend)
     for a, b in zip(r0["rounds"][:4], r1["rounds"][:4]):
         assert a == b
     first = r1["rounds"][0]
