@@ -112,3 +112,15 @@ def _rank_main(rank: int, scenario, env: dict, tmp_path, limit_s: float, backend
         result = {"crash": traceback.format_exc()}
     (tmp_path / f"rank{rank}.json").write_text(json.dumps(result))
     faulthandler.cancel_dump_traceback_later()
+
+
+def in_step(rank: int, group) -> int:
+    """A probe collective after a scenario's steps: rank 0's 42 on every rank, or whatever
+    rank 0 sent in a step that the other rank left without taking its part in."""
+    import torch
+    import torch.distributed as dist
+
+    on = torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([42 if rank == 0 else 0], dtype=torch.int64, device=on)
+    dist.broadcast(t, src=0, group=group)
+    return int(t.item())

@@ -379,7 +379,7 @@ class RemoteDSpark:
         policy = self.cfg.policy
         local = self.local_drafter(batch) if policy == "shadow" else None
         t0 = time.monotonic()
-        remote = self._ranks.share(self._path, batch) if share and self._ranks else self._path.round(batch)
+        remote = self._ranks.share(self._path, batch) if share and self._ranks is not None else self._path.round(batch)
         st = self.counts
         st.observe_latency(time.monotonic() - t0)
         st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
@@ -397,9 +397,9 @@ class RemoteDSpark:
         back completed with the same shapes, on the rows' device (the current CUDA device
         for a batch without rows).
 
-        With a ``tp_group``, on every rank: drafts, outcome and ``resync_mask`` in stream
-        order from rank 0's round (``engine.tp_launch``; no host sync on any rank); a
-        rank other than 0 has no host ``round``, ``resync`` or ``resync_all`` (None).
+        With a ``tp_group``, on every rank, rank 0's drafts, ``outcome`` and ``resync_mask``
+        in stream order (``engine.tp_launch``: no rank's host waits); another rank's
+        ``round``, ``resync`` and ``resync_all`` are None.
 
         Raises:
             RemoteClosed: after (or during) ``close()``; RuntimeError: before ``start()``,
@@ -407,10 +407,9 @@ class RemoteDSpark:
             ValueError: a batch of more than ``max_slots`` entries (on every rank); on a
                 rank other than 0, an earlier round of rank 0's of another size.
         """
-        if self._ranks is not None and self._ranks.leader and self.device == "cuda":  # a raise before
-            # its record goes out sends a FAILED one (engine.tp_launch)
-            return self._ranks.launch(self.spec, len(batch), lambda out, status: self._launch(batch, out, status))
-        return self._launch(batch)
+        if self._ranks is None or self.device != "cuda":
+            return self._launch(batch)
+        return self._ranks.launch(self.spec, batch, self._launch)
 
     def _launch(self, batch: Batch, out=(), status=None) -> Launched:
         self._enter("launch")

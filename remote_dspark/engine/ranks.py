@@ -19,28 +19,9 @@ The collectives, which every rank runs in the same order:
 
     launch()  one fixed-size device record from rank 0, in stream order (:mod:`.tp_launch`)
 
-``close()`` and ``stats()`` run none. A record of start() and round() is two broadcasts
-from group rank 0, a header and the body it sizes (STARTED has none):
-
-    header  int64 [8]: kind, n, num_spec, outcome, source, resync_all, n_resync, flags
-            (ERROR: n is the body's length in bytes; STARTED: n is the mode's index;
-            DRAFTS: flags bit 0 margins, bit 1 sampled q)
-    DRAFTS  int32 [n * k tokens | n counts | n_resync slots | n * k margins as float32 bits
-            | n * k * 32 q_ids | n * k * 16 words of q_weights, uint16 pairs in memory order]
-    ERROR   uint8: JSON {"type": "module:qualname", "args": [...], "attrs": {...}, "message": str}
-
-Why tensors and not ``broadcast_object_list``: the same calls work on gloo (CPU tensors)
-and NCCL (tensors on the rank's current CUDA device) with nothing else to set up; the
-drafts are int32 tensors already (one concatenation, one broadcast, no loop over
-entries; q_weights travel as int32 words, which NCCL and gloo both carry, where uint16 is
-not in every gloo operation); and nothing received is unpickled: an error is JSON,
-rebuilt only as an exception class the receiving rank has already loaded. The header goes
-first so that a rank whose batch has another size than rank 0's still reads the whole
-record (it stays in step) and raises ``ValueError`` naming both sizes. Every rank's
-drafts carry q exactly when rank 0's do, which is when its engine is sampled (every
-answer of a sampled engine carries q, an empty one zeros; the ranks' configurations are
-the same). On NCCL a receiver copies the header to the host once per record
-(``round()`` blocks anyway).
+``close()`` and ``stats()`` run none. The start() and round() records are
+:mod:`.round_records`'; a rank that fails a step before it took part in the step's record
+still takes part (:meth:`Ranks.follow`): rank 0 sends one for every step.
 
 Failures: rank 0 broadcasts whatever leaves its start or its round before the record
 went out as an ERROR record, then raises it; every other rank raises an exception of the
@@ -59,33 +40,35 @@ import functools
 import hashlib
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-from .. import wire
 from ..config.env import TABLE
 from ..config.mode import Mode
-from ..outcome import Outcome
 from .batch import Batch
 from .drafts import Drafts
 from .handoff import Launched
 from .path import NothingOpen
+from .round_records import (
+    DRAFTS,
+    ERROR,
+    HEADER_WORDS,
+    KIND_NAMES,
+    STARTED,
+    drafts_body_words,
+    drafts_from_record,
+    drafts_record,
+    error_from_record,
+    error_record,
+)
 from .spec import Spec
 from .stats import EngineCounts
 from .tp_launch import Follower, Leader, RecordLayout
 
 MODES = tuple(Mode)  # a STARTED record's mode, by its index here
-SOURCES = ("remote", "local", "none")
-STARTED, DRAFTS, ERROR = 1, 2, 3
-KIND_NAMES = {STARTED: "STARTED", DRAFTS: "DRAFTS", ERROR: "ERROR"}
-HEADER_WORDS = 8
-FLAG_MARGINS, FLAG_SAMPLED = 1, 2  # a DRAFTS header's flags
-Q_WORDS = wire.SAMPLED_TOP + wire.SAMPLED_TOP // 2  # a drafted position's q_ids and q_weights, in int32 words
 _VARIABLE = {v.field: v.name for v in TABLE if v.field}  # a config field -> the variable that sets it
-_SIMPLE = (str, int, float, bool, type(None))  # what an ERROR record carries as it is
 log = logging.getLogger("remote_dspark.engine")
 
 
@@ -112,6 +95,7 @@ class Ranks:
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._owed = False  # rank 0 inside a round whose record has not gone out yet
         self._leader: Leader | None = None  # rank 0's launch(), from its first
+        self._records = 0  # records this rank took part in (sent, received or skipped)
 
     @property
     def leader(self) -> bool:
@@ -207,16 +191,50 @@ class Ranks:
             )
         return drafts_from_record(header, body)
 
-    def launch(self, spec: Spec, n: int, launch: Callable) -> Launched:
-        """Rank 0: ``launch(out, status)`` into a record, then its broadcast (:mod:`.tp_launch`)."""
+    def launch(self, spec: Spec, batch: Batch, launch: Callable) -> Launched:
+        """Every rank's ``launch()`` (:mod:`.tp_launch`): on rank 0 ``launch(batch, out,
+        status)`` into a record, then its broadcast (a raise before it sends a FAILED
+        record); on the others ``launch(batch)``, their path taking rank 0's record (a
+        raise before it still takes part: :meth:`follow`)."""
+        if not self.leader:
+            return self.follow(lambda: launch(batch), lambda: self.skip_launch(spec))
         if self._leader is None:
             layout = RecordLayout(spec.max_slots, spec.num_spec, spec.sampled)
             self._leader = Leader(self, layout, torch.device("cuda", torch.cuda.current_device()))
-        return self._leader.launch(n, launch)
+        return self._leader.launch(len(batch), lambda out, status: launch(batch, out, status))
 
     def broadcast_record(self, record: torch.Tensor) -> None:
         """One launch() record from group rank 0, in place, on the record's own device."""
+        self._records += 1
         self._dist.broadcast(record, src=self._src, group=self.group)
+
+    def follow(self, step: Callable, catch_up: Callable[[], None]):
+        """A rank other than 0: ``step()``. If it raises before this rank took part in
+        the step's record (a closed or unstarted engine, an allocation that failed),
+        ``catch_up()`` takes part first: rank 0 sends a record for every step, a failed
+        one included, so a rank that skipped one would pair its next collective with it."""
+        before = self._records
+        try:
+            return step()
+        except BaseException as e:
+            if self._records == before:
+                try:
+                    catch_up()
+                except BaseException as again:  # the group itself is broken: the step's error still wins
+                    e.add_note(f"tp_group rank {self.rank}: rank 0's record of this step could not be taken: {again!r}")
+            raise
+
+    def skip_round(self) -> None:
+        """Take part in rank 0's round() record and drop it (``follow``'s catch-up)."""
+        try:
+            self._receive(DRAFTS)
+        except Exception:  # an ERROR record, rebuilt: this rank raises its own
+            pass
+
+    def skip_launch(self, spec: Spec) -> None:
+        """Take part in rank 0's launch() record into a record of its own and drop it."""
+        words = RecordLayout(spec.max_slots, spec.num_spec, spec.sampled).words
+        self.broadcast_record(torch.empty(words, dtype=torch.int32, device=torch.cuda.current_device()))
 
     # ------------------------------------------------------------------ records
 
@@ -251,6 +269,7 @@ class Ranks:
         Raises:
             RuntimeError: a record of another kind than ``want`` (the ranks' calls are out of step).
         """
+        self._records += 1
         header = self._broadcast(torch.zeros(HEADER_WORDS, dtype=torch.int64)).tolist()
         kind, n, k, _, _, _, n_resync, flags = header
         body = None
@@ -307,67 +326,20 @@ class FollowerPath(NothingOpen):
 def shares_failure(method):
     """Decorates ``RemoteDSpark.round``: on rank 0 of a ``tp_group`` the call runs under
     :meth:`Ranks.lead`, so a failure before its answer was broadcast (a closed engine, a
-    bad batch, a local drafter's error) reaches every rank. Without a group, or on
-    another rank, the call is unchanged."""
+    bad batch, a local drafter's error) reaches every rank; on another rank under
+    :meth:`Ranks.follow`, so one that fails before it took rank 0's record still takes
+    it. Without a group the call is unchanged."""
 
     @functools.wraps(method)
     def wrapper(engine, *args, **kwargs):
         ranks = engine._ranks
-        if ranks is None or not ranks.leader:
+        if ranks is None:
             return method(engine, *args, **kwargs)
+        if not ranks.leader:
+            return ranks.follow(lambda: method(engine, *args, **kwargs), ranks.skip_round)
         return ranks.lead(method, engine, *args, **kwargs)
 
     return wrapper
-
-
-def drafts_body_words(n: int, k: int, n_resync: int, flags: int) -> int:
-    """The int32 words of a DRAFTS record's body of ``n`` entries of ``num_spec`` ``k``."""
-    per_position = 1 + (flags & FLAG_MARGINS) + (Q_WORDS if flags & FLAG_SAMPLED else 0)
-    return n * k * per_position + n + n_resync
-
-
-def drafts_record(d: Drafts) -> tuple[list[int], torch.Tensor]:
-    """``d`` as a DRAFTS record: the header's 8 values and the int32 body (on the CPU),
-    one concatenation; q_weights' uint16 pairs are viewed as int32 words, not widened."""
-    n, k = d.tokens.shape
-    parts = [d.tokens.reshape(-1), d.counts.reshape(-1), torch.tensor(d.resync, dtype=torch.int32)]
-    flags = 0
-    if d.margins is not None:
-        flags |= FLAG_MARGINS
-        parts.append(d.margins.to(torch.float32).reshape(-1).view(torch.int32))
-    if d.q_ids is not None:
-        flags |= FLAG_SAMPLED
-        parts.append(d.q_ids.reshape(-1))
-        parts.append(d.q_weights.to("cpu", torch.uint16).contiguous().reshape(-1).view(torch.int32))
-    body = torch.cat([p.to("cpu", torch.int32) for p in parts])
-    header = [DRAFTS, n, k, int(d.outcome), SOURCES.index(d.source), int(d.resync_all), len(d.resync), flags]
-    return header, body
-
-
-def drafts_from_record(header: list[int], body: torch.Tensor | None) -> Drafts:
-    """The ``Drafts`` a DRAFTS record carries (views of the body, brought to the CPU once).
-
-    Raises:
-        ValueError: a body of another length than the header sizes.
-    """
-    _, n, k, outcome, source, resync_all, n_resync, flags = header
-    words = drafts_body_words(n, k, n_resync, flags)
-    body = torch.zeros(0, dtype=torch.int32) if body is None else body.cpu()
-    if body.numel() != words:
-        raise ValueError(f"a DRAFTS record of {body.numel()} words, its header sizes {words}")
-    nk, top = n * k, wire.SAMPLED_TOP
-    tokens, counts = body[:nk].view(n, k), body[nk : nk + n]
-    at = nk + n + n_resync
-    resync = tuple(body[nk + n : at].tolist())
-    margins = q_ids = q_weights = None
-    if flags & FLAG_MARGINS:
-        margins, at = body[at : at + nk].view(torch.float32).view(n, k), at + nk
-    if flags & FLAG_SAMPLED:
-        q_ids = body[at : at + nk * top].view(n, k, top)
-        q_weights = body[at + nk * top :].view(torch.uint16).view(n, k, top)
-    return Drafts(
-        tokens, counts, margins, SOURCES[source], Outcome(outcome), resync, bool(resync_all), q_ids, q_weights
-    )
 
 
 def config_digests(spec: Spec) -> tuple[list[str], list[int]]:
@@ -384,44 +356,3 @@ def config_digests(spec: Spec) -> tuple[list[str], list[int]]:
         for f in fields
     ]
     return [_VARIABLE.get(f, f) for f in fields], digests
-
-
-def error_record(e: BaseException) -> bytes:
-    """``e`` as an ERROR record's body: its class's path, its arguments (as they are when
-    they are simple values, else its message), its simple public attributes."""
-    cls = type(e)
-    args = list(e.args) if all(isinstance(a, _SIMPLE) for a in e.args) else [str(e)]
-    attrs = {k: v for k, v in vars(e).items() if not k.startswith("_") and isinstance(v, _SIMPLE)}
-    return json.dumps(
-        {"type": f"{cls.__module__}:{cls.__qualname__}", "args": args, "attrs": attrs, "message": str(e)}
-    ).encode()
-
-
-def error_from_record(raw: bytes, rank: int) -> BaseException:
-    """The exception an ERROR record describes, of the same class when this process has
-    loaded it (nothing is imported for it), else a RuntimeError naming the class."""
-    doc = json.loads(raw)
-    module, _, qualname = doc["type"].partition(":")
-    cls = sys.modules.get(module)
-    for part in qualname.split("."):
-        cls = getattr(cls, part, None)
-    args = tuple(doc["args"])
-    exc: BaseException | None = None
-    if isinstance(cls, type) and issubclass(cls, BaseException):
-        try:
-            exc = cls(*args)
-        except Exception:  # a constructor that takes other arguments (Refused(code, reason))
-            try:
-                exc = cls.__new__(cls)
-                exc.args = args
-            except Exception:
-                exc = None
-        for key, value in doc["attrs"].items() if exc is not None else ():
-            try:
-                setattr(exc, key, value)
-            except (AttributeError, TypeError):
-                pass
-    if exc is None:
-        exc = RuntimeError(f"{module}.{qualname}: {doc['message']}")
-    exc.add_note(f"raised on rank 0 of the tp_group; broadcast to rank {rank}")
-    return exc

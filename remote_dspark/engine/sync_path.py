@@ -152,8 +152,8 @@ class SyncPath:
         and ``status`` when given, as ``Handoff.launch``)."""
         d = answer(batch)
         arrays = (d.tokens, d.counts) + ((d.q_ids, d.q_weights) if d.q_ids is not None else ())
-        if out:
-            out = tuple(t.copy_(a) for t, a in zip(out, arrays))
+        if out:  # (an answer without q leaves a sampled engine's q zero)
+            out = tuple(t.copy_(a) if a is not None else t.zero_() for t, a in zip(out, arrays + (None, None)))
         else:
             device = batch.rows.device if batch.rows is not None else torch.device(self.spec.device)
             out = tuple(a.to(device) for a in arrays)

@@ -23,11 +23,13 @@ Who writes what on rank 0's stream, in order: the path's copies of the answer in
 counts, tokens and q, and of the drafts slot's status word into ``outcome`` (after the
 stream's wait for the round's release; a round answered at once, by no proxy or in sync
 mode, writes them as values); one host-to-device copy of the head's other words and the
-mask, from pinned memory (values the host knows at launch: the round id, resync); then
-the broadcast. On NCCL the broadcast runs on NCCL's stream after the engine's stream has
-reached it, and the engine's stream waits for it: the host waits for nothing. (On gloo,
-which carries CUDA tensors by the host, the broadcast is a host wait; it is how the
-record is tested without two GPUs.)
+mask (values the host knows at launch: the round id, resync), from pageable memory,
+which CUDA stages before the call returns; then the broadcast. On NCCL the broadcast
+runs on NCCL's stream after the engine's stream has reached it, and the engine's stream
+waits for it: the host waits for nothing. (The staging holds about a thousand such small
+copies queued behind a stalled stream, far more than the ring's depth lets an engine
+launch ahead. On gloo, which carries CUDA tensors by the host, the broadcast is a host
+wait; it is how the record is tested without two GPUs.)
 
 A failure of rank 0's proxy or worker is an answer like any other (target-only drafts,
 the outcome saying why), so it reaches every rank in stream order. A launch that raises
@@ -35,16 +37,20 @@ on rank 0 before its record went out (a closed engine, a batch its checks refuse
 driver error) broadcasts a target-only record flagged ``FAILED`` with outcome ERROR
 first, then raises on rank 0 only: the other ranks cannot learn of it without a host
 sync, so they draft target-only. A batch of more than ``max_slots`` entries raises on
-every rank (each checks its own, after its broadcast). If rank 0's process dies, the
-other ranks' broadcasts wait for the group's own timeout (NCCL's watchdog then aborts
-the communicator), as every other collective of a tensor-parallel engine would.
+every rank (each checks its own, after its broadcast). Another rank whose launch raises
+before its broadcast (a closed or unstarted engine) still takes part in rank 0's record
+(``Ranks.follow``): every rank posts exactly one broadcast per ``launch()``. If rank 0's
+process dies, the other ranks' broadcasts wait for the group's own timeout (NCCL's
+watchdog then aborts the communicator), as every other collective of a tensor-parallel
+engine would.
 
 Every other rank counts its launched rounds from its records, without waiting: the
 records' heads and counts go to the host a batch at a time (one stack, one copy to pinned
 memory, one event per ``Follower.BATCH`` rounds), read once the event has passed (at a
 later launch, or at close within a bound). A record whose n is not the rank's own batch
-size raises ``ValueError`` at that later launch. Slots the worker lost are counted by
-rank 0 only (it reads them from the region).
+size raises ``ValueError`` at that later launch, once every record of its batch is
+counted. Slots the worker lost are counted by rank 0 only (it reads them from the
+region); a FAILED record is counted as an ERROR round here, where rank 0 raised.
 """
 
 from __future__ import annotations
@@ -165,18 +171,22 @@ class Leader:
 class Follower:
     """Another rank's side: the broadcast into a record of its own, the launch's views of
     it, and the rounds counted from the records' heads and counts, brought to the host
-    BATCH records at a time (one stack, one copy, one event) and read once their event
-    has passed. Engine thread only."""
+    BATCH records at a time (one stack, one copy, one event, on the stream the records
+    came on) and read once their event has passed. Its launches are the engine thread's;
+    ``finish`` comes from ``close()``, on any thread, once no launch is inside."""
 
     BATCH = 16  # records a copy to the host takes (fewer where they are big: BATCH_BYTES)
     BATCH_BYTES = 64 << 20  # the records a batch keeps alive until its copy is enqueued
-    MAX_UNREAD = 8  # batches copied, not yet read; past it, the oldest is waited for
+    MAX_UNREAD = 8  # batches copied, not yet read; past it, a launch waits for the oldest
 
     def __init__(self, ranks, layout: RecordLayout, device: torch.device, counts, batch: int | None = None):
         self.ranks, self.layout, self.device, self.counts = ranks, layout, device, counts
         self.batch = batch or max(1, min(self.BATCH, self.BATCH_BYTES // (4 * layout.words)))
+        self._cuda = device.type == "cuda"
         self._pending: list[tuple[int, torch.Tensor]] = []  # (n, head + mask + counts view), not yet copied
+        self._stream = None  # the stream the pending records came on (CUDA)
         self._unread: collections.deque = collections.deque()  # (ns, host copy, its event or None)
+        self._wrong: tuple[int, int] | None = None  # the first (n, rank 0's n) that differed, not yet raised
 
     def launch(self, n: int) -> Launched:
         """Rank 0's answer to this round, in stream order.
@@ -190,45 +200,54 @@ class Follower:
         record = torch.empty(lay.words, dtype=torch.int32, device=self.device)
         self.ranks.broadcast_record(record)
         check_size(n, lay, self.ranks.rank)
+        stream = torch.cuda.current_stream() if self._cuda else None
+        if self._pending and stream != self._stream:
+            self._copy_out(wait=True)  # a batch is one stream's records
+        self._stream = stream
         self._pending.append((n, record[: lay.tokens_at]))
         if len(self._pending) >= self.batch:
-            self._copy_out()
+            self._copy_out(wait=True)
             self.count(wait_s=0.0)
+        self._raise_wrong()
         return lay.views(record, n).launched(None, None, None)
 
     def finish(self, wait_s: float) -> None:
-        """Closing: count every record, waiting ``wait_s`` at most for their copies.
+        """Closing (no launch inside): count every record, waiting ``wait_s`` at most for
+        their copies (never for the stream beyond it).
 
-        Raises: as :meth:`count`."""
+        Raises: as :meth:`launch`, for a record of another size."""
         if self._pending:
-            self._copy_out()
+            self._copy_out(wait=False)
         self.count(wait_s)
+        self._raise_wrong()
 
-    def _copy_out(self) -> None:
-        ns, heads = zip(*self._pending)
-        self._pending = []
-        if len(self._unread) >= self.MAX_UNREAD:  # the stream is far behind: wait for the oldest
+    def _copy_out(self, wait: bool) -> None:
+        """The pending records' heads to the host: one stack and one copy on their stream,
+        and its event. With ``wait``, when MAX_UNREAD batches are unread, the oldest is
+        waited for first (the stream is far behind)."""
+        if wait and len(self._unread) >= self.MAX_UNREAD:
             event = self._unread[0][2]
             if event is not None:
                 event.synchronize()
             self.count(wait_s=0.0)
-        heads = torch.stack(heads)
-        cuda = heads.is_cuda
-        host = torch.empty(heads.shape, dtype=torch.int32, pin_memory=cuda)
-        host.copy_(heads, non_blocking=cuda)
-        event = torch.cuda.Event() if cuda else None
-        if event is not None:
-            event.record()
+        ns, heads = zip(*self._pending)
+        self._pending = []
+        if not self._cuda:
+            self._unread.append((ns, torch.stack(heads), None))
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            stacked = torch.stack(heads)
+            host = torch.empty(stacked.shape, dtype=torch.int32, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
         self._unread.append((ns, host, event))
 
     def count(self, wait_s: float) -> None:
         """Count the records whose copy has landed; with ``wait_s``, wait that long at
-        most for the rest. Every landed record is counted before anything is raised.
-
-        Raises:
-            ValueError: a record of rank 0's of another size than this rank's batch.
-        """
-        deadline, wrong = time.monotonic() + wait_s, None
+        most for the rest. A record of another size than its launch's is kept for
+        :meth:`_raise_wrong` (every record is counted first)."""
+        deadline = time.monotonic() + wait_s
         while self._unread:
             ns, host, event = self._unread[0]
             if event is not None and not event.query():
@@ -240,12 +259,15 @@ class Follower:
             words = host.numpy()
             for i, n in enumerate(ns):
                 got = self._count_one(words[i])
-                if got != n and wrong is None:
-                    wrong = (n, got)
-        if wrong is not None:
+                if got != n and self._wrong is None:
+                    self._wrong = (n, got)
+
+    def _raise_wrong(self) -> None:
+        if self._wrong is not None:
+            (n, got), self._wrong = self._wrong, None
             raise ValueError(
-                f"tp_group rank {self.ranks.rank}: a launch() of {wrong[0]} entries, but rank 0's round had "
-                f"{wrong[1]}: every rank must pass the same batch"
+                f"tp_group rank {self.ranks.rank}: a launch() of {n} entries, but rank 0's round had "
+                f"{got}: every rank must pass the same batch"
             )
 
     def _count_one(self, words: np.ndarray) -> int:

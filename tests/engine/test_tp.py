@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import COUNTING, env_for
-from tp_ranks import BACKENDS, run_ranks
+from tp_ranks import BACKENDS, in_step, run_ranks
 
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
@@ -138,6 +138,20 @@ def bad_batch_then_in_step(rank, group, env, tmp_path) -> dict:
         return {"error": error, "good": [good.tokens.tolist(), good.outcome.label]}
 
 
+def a_closed_rank_still_takes_rank0s_record(rank, group, env, tmp_path) -> dict:
+    """Rank ``env["closing"]`` closes, then both ranks run a round: the closed one raises,
+    the other answers, and the probe finds them in step."""
+    rd = make(env, group).start()
+    if rank == int(env["closing"]):
+        rd.close()
+    try:
+        out = {"round": rd.round(batch()).tokens.tolist()}
+    except Exception as e:
+        out = {"round": failure(e)["type"]}
+    rd.close()
+    return out | {"probe": in_step(rank, group)}
+
+
 def local_drafter_on_every_rank(rank, group, env, tmp_path) -> dict:
     calls = []
 
@@ -233,6 +247,19 @@ def test_a_bad_batch_raises_on_every_rank_and_the_ranks_stay_in_step(worker, tmp
     assert r0["good"] == r1["good"] == [[[2, 3, 4], [4, 1, 2]], "ok"]
 
 
+@pytest.mark.parametrize("closing", [0, 1])
+def test_a_rank_that_closed_first_still_takes_rank0s_record(worker, tmp_path, closing):
+    env = env_for(worker.port, tmp_path) | {"closing": str(closing)}
+    r0, r1 = run_ranks(tmp_path, a_closed_rank_still_takes_rank0s_record, [env, env])
+    closed, open_ = (r0, r1) if closing == 0 else (r1, r0)
+    assert closed["round"] == "remote_dspark.engine.lifecycle.RemoteClosed"
+    if closing == 1:  # rank 0 answered; rank 1 took the record and dropped it
+        assert open_["round"] == [[2, 3, 4], [4, 1, 2]]
+    else:  # rank 0's failure reached rank 1
+        assert open_["round"] == "remote_dspark.engine.lifecycle.RemoteClosed"
+    assert r0["probe"] == r1["probe"] == 42
+
+
 def test_configs_that_differ_across_ranks_raise_on_every_rank(worker, tmp_path):
     envs = [env_for(worker.port, tmp_path), env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_TIMEOUT_MS="80")]
     r0, r1 = run_ranks(tmp_path, start_failure, envs)
@@ -267,7 +294,7 @@ def test_shadow_margins_reach_every_rank_and_each_rank_compares(worker, tmp_path
 
 
 def test_an_error_record_rebuilds_the_class_its_arguments_and_attributes():
-    from remote_dspark.engine.ranks import error_from_record, error_record
+    from remote_dspark.engine.round_records import error_from_record, error_record
     from remote_dspark.transport.client import Refused
 
     e = error_from_record(error_record(Refused(3, "identity mismatch")), rank=1)
@@ -278,7 +305,7 @@ def test_an_error_record_rebuilds_the_class_its_arguments_and_attributes():
 
 
 def test_an_error_record_of_a_class_not_loaded_here_is_a_runtime_error():
-    from remote_dspark.engine.ranks import error_from_record
+    from remote_dspark.engine.round_records import error_from_record
 
     raw = json.dumps({"type": "not_loaded_here:Boom", "args": ["x"], "attrs": {}, "message": "x"}).encode()
     e = error_from_record(raw, rank=1)
@@ -364,7 +391,7 @@ def sample_drafts(n=3, k=4, margins=True, sampled=True, resync=(2,)) -> Drafts:
 @pytest.mark.parametrize("margins", [False, True])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_a_drafts_record_carries_q_and_has_the_size_its_header_says(margins, sampled):
-    from remote_dspark.engine.ranks import DRAFTS, drafts_from_record, drafts_record
+    from remote_dspark.engine.round_records import DRAFTS, drafts_from_record, drafts_record
 
     n, k = 3, 4
     d = sample_drafts(n, k, margins, sampled)
@@ -385,7 +412,7 @@ def test_a_drafts_record_carries_q_and_has_the_size_its_header_says(margins, sam
 
 
 def test_an_empty_sampled_record_is_the_header_alone():
-    from remote_dspark.engine.ranks import drafts_from_record, drafts_record
+    from remote_dspark.engine.round_records import drafts_from_record, drafts_record
 
     header, body = drafts_record(sample_drafts(0, 4, resync=()))
     assert body.numel() == 0
@@ -430,7 +457,8 @@ class Answers:
 def test_the_records_between_two_ranks_in_process(monkeypatch):
     """Rank 0's sampled answer reaches rank 1 whole (q as rank 0's, uint16 included);
     an ERROR record is a header [ERROR, its length, 0 ...] and the error as JSON."""
-    from remote_dspark.engine.ranks import ERROR, HEADER_WORDS, Ranks
+    from remote_dspark.engine.ranks import Ranks
+    from remote_dspark.engine.round_records import ERROR, HEADER_WORDS
 
     loop = LoopbackDist()
     loop.install(monkeypatch, 0)

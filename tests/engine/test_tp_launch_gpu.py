@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import COUNTING, env_for
-from tp_ranks import BACKENDS, run_ranks
+from tp_ranks import BACKENDS, in_step, run_ranks
 
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.config.mode import Mode
@@ -55,7 +55,8 @@ def doc(launched) -> dict:
 
 def launches(rank, group, env, tmp_path) -> dict:
     """Launched rounds, a round() between them (the two kinds of record stay in step),
-    then a launch on a closed engine on rank 0 only."""
+    then a launch with one rank's engine closed (rank ``env["closing"]``, default 0),
+    and a probe that the ranks are still in step."""
     if dist.get_backend(group) == "gloo":
         torch.cuda.set_device(0)  # both ranks on one GPU (NCCL's each have their own)
     sampled = env.get("VLLM_DSPARK_SAMPLED_TOP32") == "1"
@@ -69,7 +70,7 @@ def launches(rank, group, env, tmp_path) -> dict:
         out.append({"round": [r.tokens.tolist(), r.outcome.label]})
         out.append(doc(rd.launch(batch(False, ((3,), (1,)), (2, 2), sampled))))
         out.append(doc(rd.launch(batch(False, ((4,),), (3,), sampled))))
-        if rank == 0:
+        if rank == int(env.get("closing", "0")):
             rd.close()
         try:
             out.append(doc(rd.launch(batch(False, ((1,),), (4,), sampled))))
@@ -78,7 +79,8 @@ def launches(rank, group, env, tmp_path) -> dict:
     finally:
         rd.close()
     st = rd.stats()
-    return {"rounds": out, "counted": {o.label: n for o, n in st.rounds.items() if n}, "mode": st.mode}
+    counted = {o.label: n for o, n in st.rounds.items() if n}
+    return {"rounds": out, "counted": counted, "mode": st.mode, "probe": in_step(rank, group)}
 
 
 @pytest.mark.parametrize("mode", [Mode.PROCESS, Mode.SYNC])
@@ -100,6 +102,16 @@ def test_every_rank_gets_rank0s_launched_drafts_in_stream_order(worker, tmp_path
     # rank 1 counted rank 0's launched rounds from their records (and the round() as rank 0 did)
     assert r1["counted"] == {"ok": 4, "error": 1}
     assert r0["counted"] == {"ok": 4}
+    assert r0["probe"] == r1["probe"] == 42
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_closed_first_still_takes_rank0s_launch_record(worker, tmp_path, backend):
+    env = env_for(worker.port, tmp_path, Mode.PROCESS) | {"closing": "1"}
+    r0, r1 = run_ranks(tmp_path, launches, [env, env], start="spawn", backend=backend)
+    assert r1["rounds"][4] == {"error": "RemoteClosed"}
+    assert r0["rounds"][4]["tokens"] == [[2, 3, 4]] and r0["rounds"][4]["outcome"] == Outcome.OK
+    assert r0["probe"] == r1["probe"] == 42
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -59,18 +59,22 @@ def launch_rows(worker, opts: Options, slots: int, env: dict, tmp: str, sampled:
     finally:
         for p in procs:
             _end(p)
+    docs = []
+    for path in outs:
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError):
+            docs.append(None)  # the rank wrote nothing (it hung, or died)
+    errors = "; ".join(f"rank {r}: {d['error']}" for r, d in enumerate(docs) if d and "error" in d)
     if hung:
-        raise RuntimeError(f"--tp {opts.tp}: ranks {hung} did not end within {limit_s:.0f} s")
-    rows = []
-    for r, path in enumerate(outs):
-        if not os.path.exists(path):
-            raise RuntimeError(f"--tp {opts.tp}: rank {r} wrote no figures (exit code {procs[r].exitcode})")
-        with open(path) as f:
-            doc = json.load(f)
-        if "error" in doc:
-            raise RuntimeError(f"--tp {opts.tp}: rank {r}: {doc['error']}")
-        rows.append(_row(opts, slots, r, doc, sampled))
-    return rows
+        raise RuntimeError(
+            f"--tp {opts.tp}: ranks {hung} did not end within {limit_s:.0f} s" + (f" ({errors})" if errors else "")
+        )
+    if errors or None in docs:
+        missing = [r for r, d in enumerate(docs) if d is None]
+        raise RuntimeError(f"--tp {opts.tp}: {errors or f'ranks {missing} wrote no figures'}")
+    return [_row(opts, slots, r, doc, sampled) for r, doc in enumerate(docs)]
 
 
 def _row(opts: Options, slots: int, rank: int, doc: dict, sampled: bool) -> Row:
