@@ -252,19 +252,28 @@ def test_tp_needs_a_gpu_per_nccl_rank_and_says_what_runs_on_one():
 
 def test_a_row_per_tp_rank_in_the_report_and_its_table():
     opts = round_options.Options((8,), 5, 16, 10, 1, ("floor", "launch"), 1000, "cuda", False, tp=2, tp_backend="gloo")
-    extra = {"launch_wall_p50_ms": 0.1, "launch_wall_p99_ms": 0.2, "launch_cpu_p99_ms": 0.3, "tp": 2}
+    extra = {"launch_wall_p50_ms": 0.1, "launch_wall_p99_ms": 0.2, "launch_cpu_p99_ms": 0.3}
     floor = round_report.Row("floor", 8, 3, [100_000] * 3, extra={"round_bytes": 10, "drafts_bytes": 20})
-    rows = [floor] + [
-        round_report.Row("launch", 8, 3, [p] * 3, [50_000] * 3, 0, {"ok": 4}, extra | {"tp_rank": r, "tp_backend": b})
-        for r, p, b in ((0, 400_000, "gloo"), (1, 600_000, "gloo"))
+    plain = round_report.Row("launch", 8, 3, [300_000] * 3, [25_000] * 3, 0, {"ok": 4}, dict(extra))
+    tp = {"tp": 2, "tp_backend": "gloo"}
+    rows = [floor, plain] + [
+        round_report.Row("launch", 8, 3, [p] * 3, [c] * 3, 0, {"ok": 4}, extra | tp | {"tp_rank": r})
+        for r, p, c in ((0, 400_000, 50_000), (1, 600_000, 20_000))
     ]
     report = round_report.make_report(opts, rows)
     launch = [r for r in report["rows"] if r["mode"] == "launch"]
-    assert [(r["tp_rank"], r["p50_ms"], r["x_floor"]) for r in launch] == [(0, 0.4, 4.0), (1, 0.6, 6.0)]
+    assert [(r.get("tp_rank"), r["p50_ms"], r["x_floor"], r.get("cpu_x_plain")) for r in launch] == [
+        (None, 0.3, 3.0, None),
+        (0, 0.4, 4.0, 2.0),
+        (1, 0.6, 6.0, 0.8),
+    ]
     assert report["config"]["tp"] == 2 and report["config"]["tp_backend"] == "gloo"
     table = round_report.format_table(report)
     assert "launch(), CUDA, process, rank 1/2" in table
-    assert "launch at 8 slots on tp rank 1 of 2 (gloo): CPU inside launch() p50 0.050" in table
+    assert (
+        "launch at 8 slots on tp rank 0 of 2 (gloo, 2.00x the single-rank engine's): CPU inside launch() p50 0.050"
+        in table
+    )
 
 
 # --------------------------------------------------------------------------- report

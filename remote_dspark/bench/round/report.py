@@ -60,14 +60,16 @@ def _threads() -> dict:
 
 
 def _rank(r: Row) -> int:
-    return (r.extra or {}).get("tp_rank", 0)
+    """A ``--tp`` row's rank; -1 for every other row."""
+    return (r.extra or {}).get("tp_rank", -1)
 
 
 def make_report(opts: Options, rows: list[Row]) -> dict:
     p50 = {(r.mode, r.slots, r.sampled, _rank(r)): pct(r.lat_ns, 0.5) for r in rows}
+    cpu = {(r.mode, r.slots, r.sampled, _rank(r)): pct(r.cpu_ns, 0.5) for r in rows if r.cpu_ns}
     out_rows = []
     for r in rows:  # each row against the floor and sync of its own kind, a sampled one also against its greedy twin
-        f, s = p50.get(("floor", r.slots, r.sampled, 0)), p50.get(("sync", r.slots, r.sampled, 0))
+        f, s = p50.get(("floor", r.slots, r.sampled, -1)), p50.get(("sync", r.slots, r.sampled, -1))
         mine, greedy = p50[(r.mode, r.slots, r.sampled, _rank(r))], p50.get((r.mode, r.slots, False, _rank(r)))
         d = {
             "mode": r.mode,
@@ -86,6 +88,9 @@ def make_report(opts: Options, rows: list[Row]) -> dict:
         }
         if r.cpu_ns is not None:
             d["engine_cpu_mean_ms"] = ns_to_ms(sum(r.cpu_ns) / len(r.cpu_ns))
+        plain = cpu.get((r.mode, r.slots, r.sampled, -1))
+        if _rank(r) >= 0 and plain:  # a --tp rank's CPU inside launch() over the single-rank engine's
+            d["cpu_x_plain"] = round(pct(r.cpu_ns, 0.5) / plain, 2)
         if r.outcomes is not None:
             d["outcomes"] = r.outcomes
         if r.extra:
@@ -218,7 +223,10 @@ def format_table(report: dict) -> str:
         )
     for r in report["rows"]:
         if r["mode"] == "launch":
-            rank = f" on tp rank {r['tp_rank']} of {r['tp']} ({r['tp_backend']})" if "tp_rank" in r else ""
+            rank = ""
+            if "tp_rank" in r:
+                ratio = f", {r['cpu_x_plain']:.2f}x the single-rank engine's" if "cpu_x_plain" in r else ""
+                rank = f" on tp rank {r['tp_rank']} of {r['tp']} ({r['tp_backend']}{ratio})"
             lines.append(
                 f"launch at {r['slots']} slots{rank}: CPU inside launch() p50 {r['engine_cpu_ms']:.3f} / p99 "
                 f"{r['launch_cpu_p99_ms']:.3f} ms, wall inside launch() p50 {r['launch_wall_p50_ms']:.3f} ms"

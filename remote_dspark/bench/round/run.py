@@ -76,7 +76,8 @@ sampled process round within 1.5x of the greedy one.
 With ``--tp N`` the launch rows run on N tensor-parallel ranks, a row per rank
 (:mod:`.tp`): each rank's CPU inside ``launch()`` and the time until its own stream holds
 rank 0's drafts. NCCL (``--tp-backend nccl``, the default) needs a GPU per rank; gloo runs
-the ranks on one GPU, its broadcast of the record waiting on the host.
+the ranks on one GPU, its broadcast of the record waiting on the host; loopback runs
+every rank's engine in this process on one stream (:mod:`.tp_loopback`).
 
 With ``--drafter lm`` the worker serves the built-in model drafter (``remote_dspark.drafter.lm``,
 on the GPU when it sees one, its per-slot KV cache on) and the ``draft`` row times that
@@ -211,10 +212,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--tp-backend",
-        choices=("nccl", "gloo"),
+        choices=("nccl", "gloo", "loopback"),
         default="nccl",
-        help="the ranks' torch.distributed backend with --tp: nccl (default; one GPU per rank) or gloo "
-        "(the ranks on one GPU; its broadcast of a CUDA record waits on the host, so its figures are gloo's)",
+        help="the ranks' group with --tp: nccl (default; a process and a GPU per rank), gloo (a process "
+        "per rank, all on one GPU; its broadcast of a CUDA record waits on the host, so its figures are "
+        "gloo's) or loopback (every rank's engine in this process on one GPU and one stream, the record "
+        "passed by a copy on the stream: each rank's own cost without a collective's)",
     )
     p.add_argument(
         "--sampled",
@@ -263,20 +266,30 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str, sam
     return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes), extra, sampled)
 
 
-def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool = False) -> list[Row]:
+def launch_rows(worker, opts: Options, slots: int, stats_dir: str, sampled: bool = False) -> list[Row]:
+    """The launch row, and with ``--tp`` N > 1 a row per rank after it (:mod:`.tp`)."""
+    rows = [launch_row(worker, opts, slots, stats_dir, sampled)]
+    if opts.tp == 1:
+        return rows
+    from . import tp
+
+    env = engine_env(worker, opts, "process", stats_dir, sampled)
+    before = worker_time.read(worker.metrics_url)
+    if opts.tp_backend == "loopback":
+        from . import tp_loopback
+
+        ranks = tp_loopback.launch_rows(worker, opts, slots, env, sampled)
+    else:
+        ranks = tp.launch_rows(worker, opts, slots, env, stats_dir, sampled)
+    inside = worker_time.per_round(before, worker_time.read(worker.metrics_url))
+    ranks[0].extra.update(inside, worker_over="every round, warm-up included (the ranks run apart)")
+    return rows + ranks
+
+
+def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool = False) -> Row:
     """``rd.launch(batch)`` on CUDA, process mode: the time until the stream holds the
     drafts (CUDA events around ``launch()``, recorded on an idle stream) and the CPU inside
-    ``launch()``. The stream is synchronized after every round, outside the figures. With
-    ``--tp`` N > 1, a row per rank (:mod:`.tp`)."""
-    if opts.tp > 1:
-        from . import tp
-
-        env = engine_env(worker, opts, "process", stats_dir, sampled)
-        before = worker_time.read(worker.metrics_url)
-        rows = tp.launch_rows(worker, opts, slots, env, stats_dir, sampled)
-        inside = worker_time.per_round(before, worker_time.read(worker.metrics_url))
-        rows[0].extra.update(inside, worker_over="every round, warm-up included (the ranks run apart)")
-        return rows
+    ``launch()``. The stream is synchronized after every round, outside the figures."""
     meta_device = "cuda" if opts.device_metadata else "cpu"
     feeder = Feeder(slots, opts.row_bytes, device="cuda", metadata_device=meta_device, sampled=sampled)
     with engine(worker, opts, "process", slots, stats_dir, device="cuda", sampled=sampled) as rd:
@@ -294,7 +307,7 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool 
         "outcomes_over": "every launched round, warm-up included",
         **inside,
     }
-    return [Row("launch", slots, len(lat), lat, cpu, not_ok, outcomes, extra=extra, sampled=sampled)]
+    return Row("launch", slots, len(lat), lat, cpu, not_ok, outcomes, extra=extra, sampled=sampled)
 
 
 # --------------------------------------------------------------------------- the run
@@ -345,7 +358,7 @@ def run_all(opts: Options) -> list[Row]:
             elif mode == "draft":
                 rows.append(draft_row(opts, slots, sampled))
             elif mode == "launch":
-                rows.extend(launch_row(worker, opts, slots, stats_dir, sampled))
+                rows.extend(launch_rows(worker, opts, slots, stats_dir, sampled))
             else:
                 rows.append(engine_row(worker, opts, mode, slots, stats_dir, sampled))
         bar.update(len(plan))

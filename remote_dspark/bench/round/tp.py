@@ -35,7 +35,7 @@ def check(tp: int, backend: str, device_count: int) -> None:
     if backend == "nccl" and device_count < tp:
         raise ValueError(
             f"--tp {tp} with --tp-backend nccl: NCCL takes one GPU per rank, torch sees {device_count}; "
-            "--tp-backend gloo runs the ranks on one GPU (its broadcast waits on the host)"
+            "--tp-backend gloo or loopback runs the ranks on one GPU"
         )
 
 
