@@ -358,3 +358,21 @@ def test_the_worker_s_time_per_round_is_the_difference_of_its_totals_over_the_ro
     assert worker_time.per_round(after, after) == {"worker_ms": None, "worker_drafting_ms": None}
     with pytest.raises(RuntimeError, match="the worker's metrics at http://127.0.0.1:9/metrics"):
         worker_time.read("http://127.0.0.1:9/metrics")  # nothing listens on the discard port
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["loopback", "gloo"])
+def test_a_tp_run_has_the_single_rank_launch_row_and_one_per_rank(capfd, backend):
+    argv = ["--device", "cuda", "--slots", "8", "--rounds", "5", "--warmup", "2", "--modes", "launch", "--json"]
+    rc, out, err = bench([*argv, "--tp", "2", "--tp-backend", backend], capfd)
+    assert rc == 0, err
+    rows = json.loads(out)["rows"]
+    assert [(r["mode"], r.get("tp_rank"), r.get("tp_backend")) for r in rows] == [
+        ("launch", None, None),
+        ("launch", 0, backend),
+        ("launch", 1, backend),
+    ]
+    for r in rows:
+        assert r["rounds"] == 5 and r["not_ok"] == 0 and r["outcomes"]["ok"] >= 5 and 0 < r["p50_ms"]
+    assert all(r["cpu_x_plain"] > 0 for r in rows[1:])
+    assert rows[1]["worker_ms"] is not None  # the worker's time goes with rank 0's row
