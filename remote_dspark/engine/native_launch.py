@@ -148,16 +148,21 @@ class NativeLaunch:
         job.index_bytes, job.unit_bytes = _INDEX_DTYPES[index.dtype], unit
 
     def _copies(self, i: int, n: int, out: tuple[torch.Tensor, ...], status) -> None:
-        lay, d, k = self._lay, self._drafts[i], self._spec.num_spec
-        q = n * k * wire.SAMPLED_TOP
-        sources = ((d + lay.d_tokens, 4 * n * k), (d + shm.D_COUNTS, 4 * n), (d + lay.d_q_ids, 4 * q))
-        sources += ((d + lay.d_q_weights, 2 * q),)
-        copies = [(t.data_ptr(), src, size) for t, (src, size) in zip(out, sources)]
+        lay, d, k, c = self._lay, self._drafts[i], self._spec.num_spec, self._job.copy
+        m = 0
+        if out:
+            c[0].dst, c[0].src, c[0].bytes = out[0].data_ptr(), d + lay.d_tokens, 4 * n * k
+            c[1].dst, c[1].src, c[1].bytes = out[1].data_ptr(), d + shm.D_COUNTS, 4 * n
+            m = 2
+        if len(out) == 4:
+            q = n * k * wire.SAMPLED_TOP
+            c[2].dst, c[2].src, c[2].bytes = out[2].data_ptr(), d + lay.d_q_ids, 4 * q
+            c[3].dst, c[3].src, c[3].bytes = out[3].data_ptr(), d + lay.d_q_weights, 2 * q
+            m = 4
         if status is not None:
-            copies.append((status.data_ptr(), d + shm.D_STATUS, 4))
-        for slot, (dst, src, size) in zip(self._job.copy, copies):
-            slot.dst, slot.src, slot.bytes = dst, src, size
-        self._job.n_copies = len(copies)
+            c[m].dst, c[m].src, c[m].bytes = status.data_ptr(), d + shm.D_STATUS, 4
+            m += 1
+        self._job.n_copies = m
 
 
 def self_check(launch: NativeLaunch, rows: int = 97) -> None:

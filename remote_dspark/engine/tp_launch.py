@@ -96,7 +96,7 @@ class RecordLayout:
                 record.as_strided((n, k, top), (k * top, top, 1), self.q_ids_at),
                 record[at : at + n * k * top // 2].view(torch.uint16).view(n, k, top),
             )
-        mask = record[HEAD : self.counts_at].view(torch.uint8)[: self.max_slots].view(torch.bool)
+        mask = record[self.mask_at : self.counts_at].view(torch.uint8)[: self.max_slots].view(torch.bool)
         return Views(record[OUTCOME : OUTCOME + 1], mask, out)
 
 
