@@ -205,3 +205,37 @@ def test_no_rank_waits_on_the_host_for_a_launched_round(worker, drafter, tmp_pat
         drafter.gate.set()
         for rd in reversed(engines):
             rd.close()
+
+
+def proxy_killed_mid_round(rank, group, env, tmp_path) -> dict:
+    """Rank 0's proxy is killed while the worker holds the round it sent: every rank's
+    stream gets the same target-only answer, and the ranks stay in step."""
+    import os
+    import signal
+
+    if dist.get_backend(group) == "gloo":
+        torch.cuda.set_device(0)
+    rd = RemoteDSpark(
+        RemoteConfig.from_env(env), environ=env, tp_group=group, num_spec=K, max_slots=4, row_bytes=8, device="cuda"
+    ).start()
+    try:
+        launched = rd.launch(batch())
+        if rank == 0:
+            os.kill(rd.supervisor.live.pid, signal.SIGKILL)
+        out = doc(launched)
+    finally:
+        rd.close()
+    return {"round": out, "probe": in_step(rank, group)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank0s_proxy_killed_mid_round_reaches_every_rank_as_target_only_drafts(worker, drafter, tmp_path, backend):
+    env = env_for(worker.port, tmp_path, Mode.PROCESS)
+    drafter.gate.clear()  # the worker holds every round's drafts
+    try:
+        r0, r1 = run_ranks(tmp_path, proxy_killed_mid_round, [env, env], start="spawn", backend=backend)
+    finally:
+        drafter.gate.set()
+    assert r0["round"] == r1["round"]
+    assert r1["round"]["counts"] == [0, 0] and r1["round"]["outcome"] != Outcome.OK
+    assert r0["probe"] == r1["probe"] == 42
