@@ -129,7 +129,7 @@ def targets(rows: list[dict], drafter: str = "markov") -> dict:
     """The goals that this run's rows can say something about (the others are absent).
     With the model drafter (``lm``) the drafting dominates the round: its goal is the
     whole round's time, and the floor and Markov drafting goals do not apply."""
-    by = {(r["mode"], r["slots"]): r for r in rows if not r.get("sampled") and not r.get("tp_rank")}
+    by = {(r["mode"], r["slots"]): r for r in rows if not r.get("sampled") and "tp_rank" not in r}
     g, out = GOAL_SLOTS, {}
     proc = by.get(("process", g))
     twin = next((r for r in rows if r.get("sampled") and (r["mode"], r["slots"]) == ("process", g)), None)
