@@ -28,27 +28,37 @@ def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device:
     """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process;
     ``sampled``: asking for sampled drafts) against ``worker`` (a WorkerProcess), closed
     on exit."""
+    rd = new_engine(opts, slots, engine_env(worker, opts, mode, stats_dir, sampled), device)
+    try:
+        rd.start()
+        check_mode(rd, mode)
+        yield rd
+    finally:
+        rd.close()
+
+
+def new_engine(opts: Options, slots: int, env: dict[str, str], device: str = "cuda", tp_group=None):
+    """A row's ``RemoteDSpark`` (not started) of ``slots`` slots in ``env``."""
     from ...config.api import RemoteConfig
     from ...engine import RemoteDSpark
 
-    env = engine_env(worker, opts, mode, stats_dir, sampled)
-    rd = RemoteDSpark(
+    return RemoteDSpark(
         RemoteConfig.from_env(env),
         num_spec=opts.num_spec,
         max_slots=slots,
         row_bytes=opts.row_bytes,
         device=device,
         environ=env,
+        tp_group=tp_group,
     )
-    try:
-        rd.start()
-        if rd.mode != mode:
-            raise RuntimeError(
-                f"{mode}: the engine runs {rd.mode} rounds (its async hand-off failed its self-test; see the log)"
-            )
-        yield rd
-    finally:
-        rd.close()
+
+
+def check_mode(rd, mode: str) -> None:
+    """Raises RuntimeError unless the started engine runs ``mode``."""
+    if rd.mode != mode:
+        raise RuntimeError(
+            f"{mode}: the engine runs {rd.mode} rounds (its async hand-off failed its self-test; see the log)"
+        )
 
 
 def launch_loop(rd, feeder: Feeder, warmup: int, rounds: int, measure=lambda: None) -> tuple[list, list, list]:

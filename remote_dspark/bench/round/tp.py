@@ -126,9 +126,7 @@ def _rank(rank: int, opts: Options, slots: int, env: dict, store: str, sampled: 
     import torch
     import torch.distributed as dist
 
-    from ...config.api import RemoteConfig
-    from ...engine import RemoteDSpark
-    from .engines import launch_loop
+    from .engines import check_mode, launch_loop, new_engine
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
@@ -141,18 +139,8 @@ def _rank(rank: int, opts: Options, slots: int, env: dict, store: str, sampled: 
     try:
         meta_device = "cuda" if opts.device_metadata else "cpu"
         feeder = Feeder(slots, opts.row_bytes, device="cuda", metadata_device=meta_device, sampled=sampled)
-        rd = RemoteDSpark(
-            RemoteConfig.from_env(env),
-            num_spec=opts.num_spec,
-            max_slots=slots,
-            row_bytes=opts.row_bytes,
-            device="cuda",
-            environ=env,
-            tp_group=dist.group.WORLD,
-        )
-        with rd:
-            if rd.mode != "process":
-                raise RuntimeError(f"the engine runs {rd.mode} rounds, not process (see the log)")
+        with new_engine(opts, slots, env, tp_group=dist.group.WORLD) as rd:
+            check_mode(rd, "process")
             lat, cpu, wall = launch_loop(rd, feeder, opts.warmup, opts.rounds_for(slots))
         counted = rd.stats().rounds
         return {"lat": lat, "cpu": cpu, "wall": wall, "outcomes": {o.label: n for o, n in counted.items() if n}}

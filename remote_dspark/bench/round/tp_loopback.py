@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from .engines import check_mode, new_engine
 from .feeder import Feeder
 from .options import Options
 from .report import Row, ns_to_ms, pct
@@ -60,9 +61,6 @@ def launch_rows(worker, opts: Options, slots: int, env: dict, sampled: bool) -> 
     """One ``launch`` row per rank at ``slots`` (see the module docstring)."""
     import torch
 
-    from ...config.api import RemoteConfig
-    from ...engine import RemoteDSpark
-
     sent: list = []
     groups = [LoopbackGroup(r, opts.tp, sent) for r in range(opts.tp)]
     meta_device = "cuda" if opts.device_metadata else "cpu"
@@ -73,18 +71,8 @@ def launch_rows(worker, opts: Options, slots: int, env: dict, sampled: bool) -> 
     with loopback_dist(), contextlib.ExitStack() as stack:
         engines = []
         for g in groups:  # rank 0 first: the others take its start record
-            rd = RemoteDSpark(
-                RemoteConfig.from_env(env),
-                num_spec=opts.num_spec,
-                max_slots=slots,
-                row_bytes=opts.row_bytes,
-                device="cuda",
-                environ=env,
-                tp_group=g,
-            )
-            engines.append(stack.enter_context(rd))
-        if engines[0].mode != "process":
-            raise RuntimeError(f"the engine runs {engines[0].mode} rounds, not process (see the log)")
+            engines.append(stack.enter_context(new_engine(opts, slots, env, tp_group=g)))
+        check_mode(engines[0], "process")
         for i in range(opts.warmup + opts.rounds_for(slots)):
             batch = feeder.next_batch()
             stream.synchronize()
