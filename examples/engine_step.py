@@ -42,6 +42,9 @@ def main() -> int:
             VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
             VLLM_DSPARK_REMOTE_STATS_FILE="",
             VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+            # A deployment keeps the 50 ms default; this run must not lose a round to a
+            # shared machine's stall (the suite runs it and expects every round answered).
+            VLLM_DSPARK_REMOTE_TIMEOUT_MS="1000",
         )
         return engine(env)
     finally:
