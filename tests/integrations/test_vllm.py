@@ -12,23 +12,14 @@ mapped to the wrong slot) is not.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import faulthandler
-import json
-import multiprocessing
-import os
-import signal
 import sys
-import time
-import traceback
-from datetime import timedelta
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 from helpers import drafter_env
+from tp_ranks import run_ranks
 
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.markov import MarkovModel
@@ -307,56 +298,28 @@ def test_close_is_idempotent_and_a_closed_proposer_drafts_no_more(proposer):
         proposer.propose([[1]], np.array([3] + [0] * 5, np.int32), np.ones((MAX_REQS, MAX_LEN), np.int32))
 
 
-RANK_LIMIT_S = 20.0  # one tensor-parallel rank, fork to exit
-
-
 def test_tensor_parallel_ranks_take_vllms_cpu_group_and_draft_alike(worker, drafter, tmp_path):
-    """Two gloo ranks, each a forked process (as tests/engine/test_tp.py), each with a
-    proposer for ``tensor_parallel_size=2`` and vLLM's group from a stand-in
+    """Two gloo ranks (``tp_ranks.run_ranks``), each with a proposer for
+    ``tensor_parallel_size=2`` and vLLM's group from a stand-in
     ``vllm.distributed.parallel_state``: both map rows alike and return the same drafts
     (rank 0's), every one accepted; the NCCL ``device_group`` is never touched."""
     env = drafter_env(drafter, worker.port, Mode.SYNC)
-    fork = multiprocessing.get_context("fork")
-    procs = [fork.Process(target=_tp_rank, args=(rank, env, tmp_path), daemon=True) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + RANK_LIMIT_S + 2
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        assert not any(p.is_alive() for p in procs), "a rank did not end in time (stacks on stderr)"
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)  # the rank's session: whatever it started
-            p.join(5.0)
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    for result in results:
-        assert "crash" not in result, result["crash"]
+    results = run_ranks(tmp_path, _tp_rank, [env, env])
     assert results[0] == results[1]
     assert results[0]["offered"] == results[0]["accepted"] and sum(results[0]["offered"]) > 20
     assert worker.statistics().connections == 1, "rank 0 alone talks to the worker"
 
 
-def _tp_rank(rank: int, env: dict, tmp_path) -> None:
-    os.setsid()
-    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
+def _tp_rank(rank: int, group, env: dict, tmp_path) -> dict:
+    parallel_state = SimpleNamespace(get_tp_group=lambda: SimpleNamespace(cpu_group=group, device_group=object()))
+    sys.modules["vllm.distributed.parallel_state"] = parallel_state  # this forked rank's own stand-in
+    proposer = RemoteProposer(vllm_config(tp=2), environ=env)
     try:
-        store = dist.FileStore(str(tmp_path / "store"), 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=10))
-        group = dist.new_group([0, 1], backend="gloo")
-        parallel_state = SimpleNamespace(get_tp_group=lambda: SimpleNamespace(cpu_group=group, device_group=object()))
-        sys.modules["vllm.distributed.parallel_state"] = parallel_state  # this forked rank's own stand-in
-        proposer = RemoteProposer(vllm_config(tp=2), environ=env)
-        try:
-            run = Runner(proposer)
-            drafts = [run.step(add=[("a", prompt(1, 1)), ("b", prompt(2, 3)), ("c", prompt(3, 5))])]
-            drafts += [run.step(**kw) for kw in ({}, dict(finish=["a"]), {}, dict(swap=(0, 1)), {}, {})]
-            result = dict(drafts=drafts, slots=run.slots, offered=run.offered_at.tolist())
-            result["accepted"] = run.accepted_at.tolist()
-        finally:
-            proposer.close()
-    except BaseException:
-        result = {"crash": traceback.format_exc()}
-    (tmp_path / f"rank{rank}.json").write_text(json.dumps(result))
-    faulthandler.cancel_dump_traceback_later()
+        run = Runner(proposer)
+        drafts = [run.step(add=[("a", prompt(1, 1)), ("b", prompt(2, 3)), ("c", prompt(3, 5))])]
+        drafts += [run.step(**kw) for kw in ({}, dict(finish=["a"]), {}, dict(swap=(0, 1)), {}, {})]
+        result = dict(drafts=drafts, slots=run.slots, offered=run.offered_at.tolist())
+        result["accepted"] = run.accepted_at.tolist()
+    finally:
+        proposer.close()
+    return result
