@@ -139,10 +139,12 @@ def add_parser(sub) -> None:
     adm.add_argument(
         "--round-path",
         choices=ROUND_PATHS,
-        default="native",
-        help="how each round is taken in: native (default), the C library's one call for the checks, the "
-        "windows and the drafter's batch; python, the reference path it is tested against (for comparison). "
-        "A library that cannot be built leaves the python path, with a warning",
+        default="served",
+        help="how each round is served: served (default), with the built-in Markov drafter each greedy "
+        "round whole in the C library, from its bytes in to the reply sent (any other drafter, or a sampled "
+        "session, takes native); native, the C library's one call for the checks, the windows and the "
+        "drafter's batch, the rest in Python; python, the reference path both are tested against (for "
+        "comparison). A library that cannot be built leaves the python path, with a warning",
     )
     adm.add_argument(
         "--max-pending",

@@ -314,6 +314,7 @@ class _Arrays:
         import numpy as np
 
         self.np = np
+        self.ctx = ctx  # [rows, order] int32, sorted (the C drafter's search: worker.lane)
         self.none = len(ctx)
         self.order = ctx.shape[1]
         self.dense = None

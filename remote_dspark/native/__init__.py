@@ -32,7 +32,18 @@ from .build import (
     origin,
     trusted_cache,
 )
-from .structs import BatchOut, CudaIn, LaunchIn, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
+from .structs import (
+    BatchOut,
+    CudaIn,
+    LaunchIn,
+    LinkState,
+    MarkovTable,
+    MetaIn,
+    ProxyState,
+    RingGeom,
+    ServeState,
+    WindowsView,
+)
 
 __all__ = [
     "ABI_VERSION",
@@ -44,6 +55,7 @@ __all__ = [
     "OFL_LIB_NAME",
     "WIRE_CONSTANTS",
     "LinkState",
+    "MarkovTable",
     "LaunchIn",
     "MetaIn",
     "Native",
@@ -51,6 +63,7 @@ __all__ = [
     "Origin",
     "ProxyState",
     "RingGeom",
+    "ServeState",
     "Status",
     "WindowsView",
     "check",

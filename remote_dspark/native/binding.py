@@ -34,9 +34,20 @@ import time
 from pathlib import Path
 
 from .. import outcome, wire
-from .structs import BatchOut, CudaIn, LaunchIn, LinkState, MetaIn, ProxyState, RingGeom, WindowsView
+from .structs import (
+    BatchOut,
+    CudaIn,
+    LaunchIn,
+    LinkState,
+    MarkovTable,
+    MetaIn,
+    ProxyState,
+    RingGeom,
+    ServeState,
+    WindowsView,
+)
 
-ABI_VERSION = 19
+ABI_VERSION = 20
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -66,7 +77,7 @@ WIRE_CONSTANTS = (
     ("MAX_TOKENS", lambda: wire.MAX_TOKENS),
 )
 # The structs hf_sizeof reports, in its order (argument 0, 1, ...).
-MIRRORS = (RingGeom, ProxyState, LinkState, WindowsView, BatchOut, MetaIn, CudaIn, LaunchIn)
+MIRRORS = (RingGeom, ProxyState, LinkState, WindowsView, BatchOut, MetaIn, CudaIn, LaunchIn, MarkovTable, ServeState)
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -125,6 +136,14 @@ _FUNCS = {
     "watchdog_release_orphans": ("hf_watchdog_release_orphans", _I, (_P, _U32), True),
     "gather_rows": ("hf_gather_rows", _U32, (_P, _P, _U64, _U64, _P, _U32, _U32), False),
     "worker_round": ("hf_worker_round", _I, (ctypes.POINTER(WindowsView), _P, _U64, ctypes.POINTER(BatchOut)), False),
+    "windows_forget": ("hf_windows_forget", None, (ctypes.POINTER(WindowsView),), False),
+    "markov_draft": (
+        "hf_markov_draft",
+        None,
+        (ctypes.POINTER(MarkovTable), _P, _P, _P, _U32, _U32, _P, _P, _P),
+        False,
+    ),
+    "worker_serve": ("hf_worker_serve", _I, (ctypes.POINTER(ServeState),), True),
     "host_meta": ("hf_host_meta", _I, (ctypes.POINTER(MetaIn), _P, _U64), False),
     "cuda_launch": ("hf_cuda_launch", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),
     "cuda_gather": ("hf_cuda_gather", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),

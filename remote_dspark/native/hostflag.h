@@ -2,7 +2,8 @@
  * the sleeps, the proxy's take and answer; watchdog.c: the engine's watchdog thread;
  * tcp_round.c: the proxy's round on a TCP socket, its descriptor check and DRAFTS reader,
  * and the wire constants it uses; worker_round.c: the worker's round in; engine_meta.c:
- * the engine's round metadata; cuda_launch.c: the engine stream's half of a round). The library's
+ * the engine's round metadata; cuda_launch.c: the engine stream's half of a round;
+ * worker_serve.c: a worker connection with a Markov drafter served in C). The library's
  * ABI (HF_ABI) covers them all; remote_dspark/native/build.py builds them together,
  * native/structs.py mirrors the structs below with ctypes and native/binding.py checks
  * their sizes at load.
@@ -25,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 19   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 20   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -161,6 +162,8 @@ struct hf_windows {
     uint32_t sampled;             /* 1: the session's HELLO asked for sampled drafts */
     uint32_t row_bytes;           /* the HELLO's row size; HF_ANY_ROW_BYTES: not checked */
     uint32_t max_round_tokens;    /* this worker's --max-round-tokens */
+    uint32_t *guard;              /* a word of the view's: held (1) while a round changes the windows
+                                     in worker_serve.c, and by hf_windows_forget */
 };
 #define HF_ANY_ROW_BYTES UINT32_MAX
 
@@ -179,6 +182,46 @@ struct hf_batch {
     uint32_t n_room;              /* in */
     uint32_t n, m, n_ok, width, deadline_ms, row_bytes;   /* out */
     uint32_t pad;
+};
+
+/* A greedy Markov table, for worker_serve.c's drafting (remote_dspark.drafter.markov's
+ * arrays; Python owns them): the contexts sorted as signed ints, oldest token first, and
+ * per row (plus the sentinel row `rows`: token 0, margin 0, successor itself) the most
+ * frequent next token, its top1-top2 margin and the row drafting moves to after it. */
+struct hf_markov {
+    const int32_t *ctx;           /* [rows, order] */
+    const int32_t *first;         /* [rows + 1] */
+    const float *margin;          /* [rows + 1] */
+    const int64_t *succ;          /* [rows + 1], each in 0..rows */
+    uint64_t rows;
+    uint32_t order, context_read; /* context_read: the scheduler's cost of a context (its last tokens read) */
+};
+
+/* One worker connection served in C by hf_worker_serve (worker_serve.c): the socket, the
+ * buffers and the session's windows Python owns, and what each call reports. */
+struct hf_serve {
+    int32_t fd;                   /* the connection (HELLO done) */
+    uint32_t want_margin;         /* the session's HELLO asked for margins */
+    struct hf_windows *w;         /* the session's windows, and the worker's terms */
+    struct hf_batch *b;           /* room for a round of max_slots entries */
+    const struct hf_markov *m;
+    uint8_t *rx;                  /* the payload buffer */
+    uint8_t *tx;                  /* the DRAFTS frame buffer, tx_size bytes */
+    uint64_t rx_size, tx_size;
+    uint64_t max_payload;         /* the connection's cap (a larger header goes to Python) */
+    uint64_t frame_ns;            /* a frame begun must be whole within this */
+    uint64_t send_ns;             /* a reply must be sent within this */
+    /* The frame being read, kept across calls (a payload larger than rx goes back to
+     * Python for a larger buffer, then on) */
+    uint8_t hdr[24];              /* W_HEADER */
+    uint64_t got;                 /* bytes of the frame read: header, then payload */
+    uint64_t frame_deadline_ns;
+    /* Out: errno for SV_LOST, and a served round's facts */
+    uint32_t err;
+    uint32_t entries, resyncs, beyond_positions, draft_tokens, drafted, expired;
+    uint32_t pad;
+    uint64_t call_tokens;         /* the drafting call's cost (the scheduler's call_cost) */
+    uint64_t round_ns, drafting_ns;
 };
 
 /* One batch's metadata as the engine holds it, for hf_host_meta (engine_meta.c): the
@@ -241,6 +284,7 @@ void hf_drafts_summary(const int32_t *counts, const int32_t *statuses, const uin
                        uint64_t *out, uint32_t *lost);
 void hf_zero_drafts(const struct hf_ring *ring, uint32_t round, uint32_t status);
 int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status, uint64_t deadline_ns);
+int hf_worker_round(struct hf_windows *w, const uint8_t *payload, uint64_t len, struct hf_batch *b);
 HF_INTERNAL int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen);
 HF_INTERNAL int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
                                uint64_t seen);

@@ -107,8 +107,9 @@ class LinkState(ctypes.Structure):
 
 class WindowsView(ctypes.Structure):
     """``struct hf_windows``: one worker session's windows (the pointers of its
-    ``worker.windows.Windows`` arrays) and terms, for ``hf_worker_round``. Filled once
-    per session by ``remote_dspark.worker.native_round``."""
+    ``worker.windows.Windows`` arrays) and terms, for ``hf_worker_round``, and the word
+    that guards them while ``hf_worker_serve`` changes them. Filled once per session by
+    ``remote_dspark.worker.native_round``."""
 
     _fields_ = [
         ("ring", ctypes.c_void_p),
@@ -124,6 +125,7 @@ class WindowsView(ctypes.Structure):
         ("sampled", ctypes.c_uint32),
         ("row_bytes", ctypes.c_uint32),
         ("max_round_tokens", ctypes.c_uint32),
+        ("guard", ctypes.c_void_p),
     ]
 
 
@@ -152,6 +154,56 @@ class BatchOut(ctypes.Structure):
         ("deadline_ms", ctypes.c_uint32),
         ("row_bytes", ctypes.c_uint32),
         ("pad", ctypes.c_uint32),
+    ]
+
+
+class MarkovTable(ctypes.Structure):
+    """``struct hf_markov``: a greedy Markov table (``drafter.markov``'s arrays) for
+    ``hf_markov_draft`` and ``hf_worker_serve``."""
+
+    _fields_ = [
+        ("ctx", ctypes.c_void_p),
+        ("first", ctypes.c_void_p),
+        ("margin", ctypes.c_void_p),
+        ("succ", ctypes.c_void_p),
+        ("rows", ctypes.c_uint64),
+        ("order", ctypes.c_uint32),
+        ("context_read", ctypes.c_uint32),
+    ]
+
+
+class ServeState(ctypes.Structure):
+    """``struct hf_serve``: one worker connection served by ``hf_worker_serve`` (the
+    socket, buffers and session set by ``remote_dspark.worker.lane``; the frame being
+    read kept across calls; a served round's facts out)."""
+
+    _fields_ = [
+        ("fd", ctypes.c_int32),
+        ("want_margin", ctypes.c_uint32),
+        ("w", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("rx", ctypes.c_void_p),
+        ("tx", ctypes.c_void_p),
+        ("rx_size", ctypes.c_uint64),
+        ("tx_size", ctypes.c_uint64),
+        ("max_payload", ctypes.c_uint64),
+        ("frame_ns", ctypes.c_uint64),
+        ("send_ns", ctypes.c_uint64),
+        ("hdr", ctypes.c_uint8 * 24),
+        ("got", ctypes.c_uint64),
+        ("frame_deadline_ns", ctypes.c_uint64),
+        ("err", ctypes.c_uint32),
+        ("entries", ctypes.c_uint32),
+        ("resyncs", ctypes.c_uint32),
+        ("beyond_positions", ctypes.c_uint32),
+        ("draft_tokens", ctypes.c_uint32),
+        ("drafted", ctypes.c_uint32),
+        ("expired", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("call_tokens", ctypes.c_uint64),
+        ("round_ns", ctypes.c_uint64),
+        ("drafting_ns", ctypes.c_uint64),
     ]
 
 

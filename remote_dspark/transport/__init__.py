@@ -85,13 +85,7 @@ class FrameChannel:
         if self._header is None:
             self._fill(memoryview(self._hdr), deadline)
             self._got = 0
-            header = wire.decode_header(self._hdr)
-            if header.payload_len > self.max_payload:
-                raise wire.ProtocolError(
-                    f"{header.name} payload of {header.payload_len} bytes exceeds this "
-                    f"connection's cap {self.max_payload}"
-                )
-            self._header = header
+            self._header = self.check_header(self._hdr)
             self._frame_deadline = math.inf if frame_timeout_s is None else time.monotonic() + frame_timeout_s
         header = self._header
         size = header.payload_len
@@ -102,6 +96,16 @@ class FrameChannel:
             self._fill(memoryview(self._buf)[: min(size, len(self._buf))], deadline)
         self._header, self._got = None, 0
         return header, memoryview(self._buf)[:size]
+
+    def check_header(self, raw) -> wire.Header:
+        """A received header (``wire.HEADER.size`` bytes) held to its type's cap and this
+        channel's ``max_payload``. Raises: wire.ProtocolError naming what it breaks."""
+        header = wire.decode_header(raw)
+        if header.payload_len > self.max_payload:
+            raise wire.ProtocolError(
+                f"{header.name} payload of {header.payload_len} bytes exceeds this connection's cap {self.max_payload}"
+            )
+        return header
 
     def _grow(self, size: int) -> None:
         """A larger receive buffer holding what the current payload has so far."""

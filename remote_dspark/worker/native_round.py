@@ -66,6 +66,17 @@ def _layout(n: int, window: int, sampled: bool) -> tuple[int, tuple[tuple[str, t
     return at, tuple(parts)
 
 
+def batch_arrays(n: int, window: int, sampled: bool):
+    """One buffer for a round's batch arrays with room for ``n`` entries, the
+    ``BatchOut`` pointing into it, and the arrays' layout (:func:`_layout`)."""
+    from ..native import BatchOut
+
+    size, parts = _layout(n, window, sampled)
+    buf = np.empty(size, np.uint8)
+    base = buf.ctypes.data
+    return buf, BatchOut(n_room=n, **{name: base + at for name, _, at, _ in parts}), parts
+
+
 def load() -> NativeRounds | None:
     """The C path, or None (with one warning) when the library cannot be loaded: the
     worker then serves every round by the Python path."""
@@ -83,16 +94,22 @@ class NativeRounds:
     :meth:`drafting_batch`; each session's windows are its connection's)."""
 
     def __init__(self, lib):
+        self.lib = lib
         self._call = lib.worker_round
-        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Windows -> (struct, seen marks)
+        # Windows -> (struct, seen marks, guard word)
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def _view(self, session: Session, limits: Limits, max_positions: int | None):
+    def view(self, session: Session, limits: Limits, max_positions: int | None):
+        """The session's ``WindowsView`` with the worker's terms of this call (one per
+        windows, kept while they live; its guard then serializes ``forget_all`` with a
+        round served in C)."""
         got = self._views.get(session.windows)
         if got is None:
             from ..native import WindowsView
 
             w = session.windows
             seen = np.zeros(w.max_slots, np.uint8)
+            guard = np.zeros(1, np.uint32)
             view = WindowsView(
                 ring=w.ring.ctypes.data,
                 written=w.written.ctypes.data,
@@ -105,8 +122,10 @@ class NativeRounds:
                 num_spec=session.num_spec,
                 sampled=int(session.want_sampled),
                 row_bytes=_ANY_ROW_BYTES if session.row_bytes is None else session.row_bytes,
+                guard=guard.ctypes.data,
             )
-            got = self._views[w] = (view, seen)
+            got = self._views[w] = (view, seen, guard)
+            w.native_forget = functools.partial(self.lib.windows_forget, ctypes.byref(view))
         view = got[0]
         # The worker's terms, as given this call (the session's own are fixed at its HELLO).
         view.max_positions = _U64_MAX if max_positions is None else min(max_positions, _U64_MAX)
@@ -121,9 +140,7 @@ class NativeRounds:
         (``slots`` a u32 view of the payload).
 
         Raises: wire.ProtocolError, the reference's, naming the rule the round broke."""
-        from ..native import BatchOut
-
-        view = self._view(session, limits, max_positions)
+        view = self.view(session, limits, max_positions)
         data = np.frombuffer(payload, np.uint8)
         # Room for the entries the payload can hold, at most the session's slots (a round
         # names each once): never more than the peer's count, nor a buffer it could make
@@ -131,10 +148,7 @@ class NativeRounds:
         fixed = wire.ROUND_FIXED.size
         told = int(data[4:8].view(np.uint32)[0]) if len(data) >= fixed else 0
         n = min(told, session.max_slots, max(0, len(data) - fixed) // _ENTRY_BYTES)
-        size, parts = _layout(n, session.windows.window, session.want_sampled)
-        buf = np.empty(size, np.uint8)
-        base = buf.ctypes.data
-        out = BatchOut(n_room=n, **{name: base + at for name, _, at, _ in parts})
+        buf, out, parts = batch_arrays(n, session.windows.window, session.want_sampled)
         with session.windows.lock:
             rule = self._call(ctypes.byref(view), data.ctypes.data, len(data), ctypes.byref(out))
         if rule:

@@ -23,18 +23,17 @@ re-announces it.
 A round is handled without a Python loop over its entries (:mod:`.round`): one C call
 checks the ROUND, updates the session's windows and writes the drafter's batch
 (:mod:`.native_round`; the numpy reference path when asked or when the library cannot
-load), and the DRAFTS reply is written from the result's arrays into one buffer.
+load), and the DRAFTS reply is written from the result's arrays into one buffer. With
+the built-in greedy Markov drafter a round is served whole in C, from its bytes in to
+the reply's out (:mod:`.lane`).
 
-Memory is bounded by this worker's own numbers, never by what a peer announces (the
-bounds are written out in docs/design.md, "The reference worker"): ``max_pending``
-pre-HELLO connections of one HELLO frame each; ``max_connections`` served connections,
-each with one receive buffer (filled as bytes arrive, never beyond its session's frame
-cap) and one round's arrays; ``max_engines`` sessions of ``max_slots`` x ``window``
-tokens.
+Memory is bounded by this worker's own numbers, never by what a peer announces
+(docs/design.md, "The reference worker", writes the bounds out).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -48,7 +47,7 @@ from ..drafter.contract import BatchedDrafter, PerEntryDrafterLike, as_batched, 
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
 from ..transport.auth import Key
 from ..transport.tcp import TcpStream
-from . import native_round
+from . import lane, native_round
 from .admission import Admission
 from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
@@ -56,11 +55,10 @@ from .round import answer
 from .scheduler import Scheduler
 from .sessions import RECENT_S, Session, Sessions
 from .stats import Health, WorkerStats
-from .windows import Windows
 
 log = logging.getLogger("remote_dspark.worker")
 
-ROUND_PATHS = ("native", "python")  # Worker(round_path=...), --round-path
+ROUND_PATHS = ("served", "native", "python")  # Worker(round_path=...), --round-path
 
 
 class Worker:
@@ -83,8 +81,9 @@ class Worker:
     ``key`` (None: none) is the pre-shared key (``--key-file``): each side proves it holds
     it before a HELLO is served (:mod:`.admission`); a failure is refused ``auth``.
 
-    ``round_path``: "native" (C, :mod:`.native_round`) or "python" (the reference);
-    ``self.round_path`` is the one in use (no library: Python, with a warning).
+    ``round_path``: "served" (a Markov drafter's rounds whole in C, :mod:`.lane`, others
+    "native"), "native" (the round in by C, :mod:`.native_round`) or "python" (the
+    reference); ``self.round_path`` is the one in use (no library: Python, with a warning).
 
     ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
     ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
@@ -116,7 +115,7 @@ class Worker:
         max_batch_entries: int | None = None,
         max_batch_tokens: int | None = None,
         batching: bool = True,
-        round_path: str = "native",
+        round_path: str = "served",
     ):
         if round_path not in ROUND_PATHS:
             raise ValueError(f"round_path {round_path!r}: one of {', '.join(ROUND_PATHS)}")
@@ -136,11 +135,13 @@ class Worker:
             batching=batching,
         )
         self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
-        self._native = native_round.load() if round_path == "native" else None
-        self.round_path = "native" if self._native is not None else "python"
+        self._native = native_round.load() if round_path != "python" else None
         self.host, self.port = host, port
         self.window = window
         self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes, window=window)
+        served = round_path == "served" and lane.takes(self._native, drafter, faults)
+        self._lanes = served and lane.Lanes(self._native, drafter, self.limits, self._max_positions, frame_timeout_s)
+        self.round_path = "served" if served else "native" if self._native else "python"
         self.max_slots = max_slots
         self.max_connections = max_connections
         self.max_pending = max_pending
@@ -267,6 +268,12 @@ class Worker:
         with self._lock:
             self.stats.add_call(*call)
 
+    def _served(self, session: Session, facts) -> None:
+        """A round served in C (its ``lane`` facts) counted, as :meth:`_serve` counts its own."""
+        self._sessions.served(session)
+        with self._lock:
+            self.stats.add_served(facts)
+
     def _count(self, name: str) -> None:
         with self._lock:
             setattr(self.stats, name, getattr(self.stats, name) + 1)
@@ -327,10 +334,11 @@ class Worker:
             session = self._hello(chan, hello_hdr, hello_payload, conn)
             if session is None:
                 return
+            served = self._lanes and self._lanes.open(session, chan, functools.partial(self._served, session))
             while not self._stopping.is_set() and not session.evicted:
                 # No deadline between frames (an engine may idle for minutes; keepalive
                 # finds a dead one); a frame, once begun, within frame_timeout_s.
-                hdr, payload = chan.recv_frame(math.inf, self.frame_timeout_s)
+                hdr, payload = served.next_frame() if served else chan.recv_frame(math.inf, self.frame_timeout_s)
                 if hdr.type == wire.BYE:
                     return
                 elif hdr.type == wire.ROUND:
@@ -381,17 +389,7 @@ class Worker:
             log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
             chan.send(self._ack(code, reason, hdr.session))
             return None
-        session = Session(
-            hdr.session,
-            hello.max_slots,
-            hello.num_spec,
-            hello.want_margin,
-            Windows(hello.max_slots, self.window),
-            row_bytes=hello.row_bytes,
-            engine_id=hello.engine_id,
-            conn=conn,
-            want_sampled=hello.want_sampled,
-        )
+        session = Session.of_hello(hdr.session, hello, self.window, conn)
         # A place among the engines: the engine's own (a new session replaces the old
         # one's windows), a free one, or the least recently served one's if it has idled
         # recent_s; else "busy" (Sessions.admit).
@@ -412,13 +410,8 @@ class Worker:
         chan.max_payload = self.limits.frame_cap(hello)
         # Only now the ACK: once the engine side has it, the old windows are gone.
         chan.send(self._ack(code, reason, hdr.session))
-        log.info(
-            "session %#x of engine %#x: %d slots, num_spec %d",
-            hdr.session,
-            hello.engine_id,
-            hello.max_slots,
-            hello.num_spec,
-        )
+        shape = (hdr.session, hello.engine_id, hello.max_slots, hello.num_spec)
+        log.info("session %#x of engine %#x: %d slots, num_spec %d", *shape)
         return session
 
     def _ack(self, code: int, reason: str, session: int) -> bytes:

@@ -41,6 +41,15 @@ class Session:
     conn: socket.socket | None = None  # its connection (shut down on eviction), when it has one
     want_sampled: bool = False  # its HELLO's OPTION_SAMPLED: rounds carry temperatures and seeds
 
+    @classmethod
+    def of_hello(cls, session: int, hello, window: int, conn: socket.socket | None = None) -> Session:
+        """The session a (checked) HELLO asks for, with new windows of ``window`` tokens."""
+        windows = Windows(hello.max_slots, window)
+        return cls(
+            session, hello.max_slots, hello.num_spec, hello.want_margin, windows, hello.row_bytes,
+            hello.engine_id, conn=conn, want_sampled=hello.want_sampled,
+        )  # fmt: skip
+
 
 class Sessions:
     """Engine id -> its latest session, at most ``max_engines`` of them.

@@ -64,13 +64,22 @@ class WorkerStats:
         return self.refusals["busy"]
 
     def add_round(self, told) -> None:
-        """What one answered round adds (:class:`~remote_dspark.worker.round.Told`)."""
+        """What one answered round adds (:class:`~remote_dspark.worker.round.Told`, or
+        anything with its fields)."""
         self.rounds += 1
         self.entries += told.entries
         self.resyncs += told.resyncs
         self.beyond_positions += told.beyond_positions
         self.draft_tokens += told.draft_tokens
         self.expired += told.expired
+
+    def add_served(self, s) -> None:
+        """What one round served in C adds (``hf_serve``'s facts, :mod:`.lane`): the round,
+        its time, and its drafting as a call of one round that never queued."""
+        self.add_round(s)
+        self.round_seconds.observe(s.round_ns / 1e9)
+        if s.drafted:
+            self.add_call(s.drafting_ns / 1e9, 1, s.drafted, s.call_tokens, [0.0])
 
     def add_call(self, seconds: float, rounds: int, entries: int, tokens: int, waits: list[float]) -> None:
         """What one drafter call adds: it drafted ``rounds`` rounds (or pieces; ``entries``

@@ -51,7 +51,9 @@ class Windows:
     (read for all entries with one gather, :meth:`advance`). A slot that is not
     ``known`` has no window; its other fields are stale and never read.
     ``lock`` serializes :meth:`advance` with :meth:`forget_all` (called from another
-    connection's thread when a new session of the engine replaces this one).
+    connection's thread when a new session of the engine replaces this one); a round
+    served in C (:mod:`.lane`) is serialized with it by the C library's guard word, which
+    ``native_forget`` (set by :mod:`.native_round`) takes.
     """
 
     def __init__(self, max_slots: int, window: int):
@@ -71,10 +73,14 @@ class Windows:
         self.next_pos = np.zeros(max_slots, np.int64)
         self.known = np.zeros(max_slots, bool)
         self.lock = threading.Lock()
+        self.native_forget = None  # the C forget that waits out a round served in C, once there is a view
 
     def forget_all(self) -> None:
         with self.lock:
-            self.known[:] = False
+            if self.native_forget is not None:
+                self.native_forget()
+            else:
+                self.known[:] = False
 
     def check_slots(self, slots: np.ndarray) -> None:
         """Raises wire.ProtocolError naming the entry: a slot outside the session, or a

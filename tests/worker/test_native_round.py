@@ -190,7 +190,7 @@ def test_each_rule_of_the_contract_is_refused_by_c_and_named_by_the_reference(ro
     session = _session((4, 4, 3, 2, False))
     hdr, payload = _frame(session, slots=[0, 1])
     change(payload)
-    view = rounds._view(session, Limits(max_slots=4, window=4), None)
+    view = rounds.view(session, Limits(max_slots=4, window=4), None)
     from remote_dspark.native import BatchOut
 
     out = BatchOut(n_room=0)
@@ -280,7 +280,7 @@ def test_arrays_that_cannot_hold_an_accepted_round_are_refused_not_overrun(round
     session = _session((4, 4, 3, 2, False))
     hdr, payload = _frame(session, slots=[0, 1], offsets=[0, 1, 2], tokens=[3, 4])
     data = np.frombuffer(payload, np.uint8)
-    view = rounds._view(session, Limits(max_slots=4, window=4), None)
+    view = rounds.view(session, Limits(max_slots=4, window=4), None)
     assert lib.worker_round(view, data.ctypes.data, len(data), BatchOut(n_room=2)) == 15  # WR_ROOM: no arrays
     assert not session.windows.known.any()  # nothing applied
 
@@ -289,7 +289,7 @@ def test_a_refusal_the_reference_would_accept_is_a_loud_bug_not_a_silent_drop(ro
     session = _session((4, 4, 3, 2, False))
     hdr, payload = _frame(session, slots=[0, 1], offsets=[0, 1, 2], tokens=[3, 4])
     wrong = native_round.NativeRounds.__new__(native_round.NativeRounds)
-    wrong._views, wrong._call = rounds._views, lambda *args: 6
+    wrong._views, wrong._call, wrong.lib = rounds._views, lambda *args: 6, rounds.lib
     with pytest.raises(RuntimeError, match=r"rule 6.*disagree"):
         wrong.drafting_batch(session, hdr, payload, Limits(max_slots=4, window=4), None)
 

@@ -1,0 +1,275 @@
+/* worker_serve.c: a worker connection whose drafter is the greedy Markov table, served in
+ * C (hf_worker_serve). One call waits for the next frame, and when it is a ROUND the
+ * session can take, applies it to the windows (hf_worker_round's rules and code), drafts
+ * it from the table, writes the DRAFTS frame and sends it, all without the interpreter;
+ * it returns once per round with the round's facts, which Python counts while the engine
+ * reads its drafts. Anything else comes back to Python whole (SV_FRAME: a BYE, a ROUND
+ * the C check refuses, which Python checks again to name the culprit) or as a header
+ * Python must judge (SV_HEADER), so every message and rule of the Python loop stays
+ * written once, in remote_dspark/worker/.
+ *
+ * remote_dspark/worker/lane.py drives it; its reference is the Python path
+ * (worker.round.answer with drafter.markov's numpy draft_batch), which the tests hold it
+ * to reply for reply. */
+#include "hostflag.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+/* Why hf_worker_serve returned (remote_dspark.worker.lane.Why mirrors these). */
+enum { SV_ROUND, SV_FRAME, SV_HEADER, SV_GROW, SV_CLOSED, SV_STALLED, SV_LOST, SV_UNSENT };
+
+static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
+static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
+
+/* ----------------------------------------------------------------- the windows' guard */
+
+static void guard_take(uint32_t *g)
+{
+    while (__atomic_exchange_n(g, 1u, __ATOMIC_ACQUIRE))
+        cpu_relax();
+}
+
+static void guard_drop(uint32_t *g) { __atomic_store_n(g, 0u, __ATOMIC_RELEASE); }
+
+/* Windows.forget_all for a session whose rounds may be served here: every slot forgotten
+ * between two rounds, never in the middle of one (another connection's thread calls it,
+ * when a new session of the engine replaces this one). */
+void hf_windows_forget(struct hf_windows *w)
+{
+    guard_take(w->guard);
+    memset(w->known, 0, w->max_slots);
+    guard_drop(w->guard);
+}
+
+/* ----------------------------------------------------------------- the Markov table */
+
+/* The row of the context `last` (order tokens, oldest first), or m->rows when unseen. */
+static uint64_t find(const struct hf_markov *m, const int32_t *last)
+{
+    uint64_t lo = 0, hi = m->rows;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        const int32_t *c = m->ctx + mid * m->order;
+        int cmp = 0;
+        for (uint32_t j = 0; j < m->order && !cmp; j++)
+            cmp = c[j] < last[j] ? -1 : c[j] > last[j];
+        if (!cmp)
+            return mid;
+        if (cmp < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return m->rows;
+}
+
+/* Up to n_out greedy drafts after the context `ctx` (`len` tokens) into drafts (and
+ * margins, when not NULL); the slots past the count are left as they are. Returns the
+ * count. MarkovModel.draft's rule: an unseen or short context ends the draft. */
+static uint32_t draft_one(const struct hf_markov *m, const int32_t *ctx, uint64_t len, uint32_t n_out,
+                          int32_t *drafts, float *margins)
+{
+    uint64_t row = len < m->order ? m->rows : find(m, ctx + len - m->order);
+    uint32_t s = 0;
+    for (; s < n_out && row < m->rows; s++) {
+        drafts[s] = m->first[row];
+        if (margins)
+            margins[s] = m->margin[row];
+        row = (uint64_t)m->succ[row];
+    }
+    return s;
+}
+
+/* MarkovModel.draft_batch in C (the tests hold it to the numpy one): n entries, entry i's
+ * context tokens[offsets[i]:offsets[i + 1]], n_out[i] drafts at most, into [n, width]
+ * drafts and margins (NULL: none), zero past counts[i]. */
+void hf_markov_draft(const struct hf_markov *m, const int32_t *tokens, const int64_t *offsets,
+                     const int32_t *n_out, uint32_t n, uint32_t width, int32_t *drafts, int32_t *counts,
+                     float *margins)
+{
+    memset(drafts, 0, (uint64_t)n * width * 4);
+    if (margins)
+        memset(margins, 0, (uint64_t)n * width * 4);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t want = n_out[i] < 0 ? 0 : (uint32_t)n_out[i] > width ? width : (uint32_t)n_out[i];
+        counts[i] = (int32_t)draft_one(m, tokens + offsets[i], (uint64_t)(offsets[i + 1] - offsets[i]), want,
+                                       drafts + (uint64_t)i * width, margins ? margins + (uint64_t)i * width : NULL);
+    }
+}
+
+/* ----------------------------------------------------------------- the socket */
+
+/* Read into dst (room bytes) by deadline_ns (UINT64_MAX: none): >0 bytes read, 0 the
+ * peer closed, -1 deadline, -2 failed (errno). */
+static int64_t read_some(int fd, uint8_t *dst, uint64_t room, uint64_t deadline_ns)
+{
+    for (;;) {
+        ssize_t k = recv(fd, dst, room, MSG_DONTWAIT);
+        if (k >= 0)
+            return k;
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return -2;
+        struct pollfd pfd = { fd, POLLIN, 0 };
+        struct timespec ts, *tp = NULL;
+        if (deadline_ns != UINT64_MAX) {
+            uint64_t now = hf_now_ns();
+            if (now >= deadline_ns)
+                return -1;
+            ts.tv_sec = (time_t)((deadline_ns - now) / 1000000000u);
+            ts.tv_nsec = (long)((deadline_ns - now) % 1000000000u);
+            tp = &ts;
+        }
+        if (ppoll(&pfd, 1, tp, NULL) < 0 && errno != EINTR)
+            return -2;
+    }
+}
+
+/* Send len bytes of buf whole by deadline_ns: 0 sent, -1 deadline, -2 failed (errno). */
+static int send_all(int fd, const uint8_t *buf, uint64_t len, uint64_t deadline_ns)
+{
+    while (len) {
+        ssize_t k = send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (k > 0) {
+            buf += k, len -= (uint64_t)k;
+            continue;
+        }
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+            return -2;
+        uint64_t now = hf_now_ns();
+        if (now >= deadline_ns)
+            return -1;
+        struct timespec ts = { (time_t)((deadline_ns - now) / 1000000000u), (long)((deadline_ns - now) % 1000000000u) };
+        struct pollfd pfd = { fd, POLLOUT, 0 };
+        if (ppoll(&pfd, 1, &ts, NULL) < 0 && errno != EINTR)
+            return -2;
+    }
+    return 0;
+}
+
+/* Read the frame begun in s (header, then payload into rx): SV_ROUND once whole (the
+ * caller reads its type), or why not. */
+static int read_frame(struct hf_serve *s)
+{
+    while (s->got < W_HEADER) {  /* between frames: no deadline (an engine may idle for minutes) */
+        int64_t k = read_some(s->fd, s->hdr + s->got, W_HEADER - s->got, UINT64_MAX);
+        if (k <= 0)
+            return k == 0 ? SV_CLOSED : (s->err = (uint32_t)errno, SV_LOST);
+        s->got += (uint64_t)k;
+        if (s->got == W_HEADER)
+            s->frame_deadline_ns = hf_now_ns() + s->frame_ns;
+    }
+    uint16_t version = get16(s->hdr + 4), type = get16(s->hdr + 6);
+    uint64_t len = get32(s->hdr + 8);
+    if (memcmp(s->hdr, W_MAGIC, 4) != 0 || version != W_VERSION || (type != W_ROUND && type != W_BYE)
+        || len > s->max_payload)
+        return SV_HEADER;
+    while (s->got < W_HEADER + len) {  /* rx grows as the bytes come, never ahead of them */
+        uint64_t have = s->got - W_HEADER, fits = len < s->rx_size ? len : s->rx_size;
+        if (have == fits)
+            return SV_GROW;
+        int64_t k = read_some(s->fd, s->rx + have, fits - have, s->frame_deadline_ns);
+        if (k <= 0)
+            return k == 0 ? SV_CLOSED : k == -1 ? SV_STALLED : (s->err = (uint32_t)errno, SV_LOST);
+        s->got += (uint64_t)k;
+    }
+    return SV_ROUND;
+}
+
+/* ----------------------------------------------------------------- the round */
+
+/* The DRAFTS frame of the round in s->b (the ROUND's payload in rx, its header in hdr):
+ * RESYNC where an entry has no window, the table's drafts for the drafted entries (none
+ * when `expired`). Returns the frame's length. */
+static uint64_t write_reply(struct hf_serve *s, int expired)
+{
+    const struct hf_batch *b = s->b;
+    uint32_t n = b->n, width = b->width, margins = s->want_margin != 0;
+    uint64_t cells = (uint64_t)n * width;
+    uint64_t at_slots = W_HEADER + W_DRAFTS_FIXED, at_counts = at_slots + 4ull * n;
+    uint64_t at_status = at_counts + 2ull * n, at_tokens = at_status + 2ull * n;
+    uint64_t at_margins = at_tokens + 4 * cells, size = at_margins + (margins ? 4 * cells : 0);
+    uint8_t *f = s->tx;
+    memset(f, 0, size);
+    uint32_t plen = (uint32_t)(size - W_HEADER), version = W_VERSION | (W_DRAFTS << 16);
+    uint16_t flags = margins ? W_MARGINS : 0, w16 = (uint16_t)width;
+    memcpy(f, W_MAGIC, 4);
+    memcpy(f + 4, &version, 4);
+    memcpy(f + 8, &plen, 4);
+    memcpy(f + 12, s->hdr + 12, 12);  /* the ROUND's session and round id */
+    memcpy(f + W_HEADER, &n, 4);
+    memcpy(f + W_HEADER + 4, &w16, 2);
+    memcpy(f + W_HEADER + 6, &flags, 2);
+    memcpy(f + at_slots, s->rx + W_ROUND_FIXED, 4ull * n);
+    int32_t *tokens = (int32_t *)(f + at_tokens);  /* 4-aligned: tx is, and so is every offset */
+    float *margin = margins ? (float *)(f + at_margins) : NULL;
+    uint64_t t0 = hf_now_ns(), cost = 0;
+    uint32_t j = 0, total = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint16_t status = b->ok[i] ? 0 : W_RESYNC;
+        memcpy(f + at_status + 2ull * i, &status, 2);
+        if (!b->drafted[i])
+            continue;
+        uint64_t len = (uint64_t)(b->offsets[j + 1] - b->offsets[j]);
+        cost += len < s->m->context_read ? len : s->m->context_read;
+        uint16_t count = 0;
+        if (!expired)
+            count = (uint16_t)draft_one(s->m, b->tokens + b->offsets[j], len, (uint32_t)b->n_out[j],
+                                        tokens + (uint64_t)i * width, margin ? margin + (uint64_t)i * width : NULL);
+        memcpy(f + at_counts + 2ull * i, &count, 2);
+        total += count, j++;
+    }
+    s->drafting_ns = expired || !b->m ? 0 : hf_now_ns() - t0;
+    s->call_tokens = cost + (uint64_t)b->m * (width > 1 ? width : 1);
+    s->draft_tokens = total;
+    return size;
+}
+
+/* Serve the connection s until a frame needs Python or a round has been answered: one
+ * call per ROUND. Returns SV_ROUND (answered and sent; its facts in s), SV_FRAME (a whole
+ * frame, header in s->hdr and payload in rx, for Python: a BYE, or a ROUND the checks
+ * refuse or these buffers cannot hold), SV_HEADER (a header Python must judge: another
+ * type, version or magic, or a payload over the cap), SV_GROW (rx is full and the payload
+ * goes on: call again with a larger rx holding the same bytes; the frame's state is
+ * kept), SV_CLOSED, SV_STALLED (a frame not whole within frame_ns), SV_LOST (the receive
+ * failed) or SV_UNSENT (the reply's send failed, or did not finish within send_ns:
+ * ETIMEDOUT); errno in s->err. */
+int hf_worker_serve(struct hf_serve *s)
+{
+    s->err = 0, s->entries = s->resyncs = s->beyond_positions = s->draft_tokens = s->drafted = s->expired = 0;
+    s->call_tokens = s->round_ns = s->drafting_ns = 0;
+    int why = read_frame(s);
+    if (why != SV_ROUND)
+        return why;
+    uint64_t received = hf_now_ns(), len = get32(s->hdr + 8);
+    s->got = 0;  /* the frame is whole: the next call reads the next one */
+    if (get16(s->hdr + 6) != W_ROUND)
+        return SV_FRAME;
+    /* A reply for the most entries the payload names must fit tx before the windows move
+     * (the Python path takes a round these buffers cannot). */
+    uint64_t told = len >= W_ROUND_FIXED ? get32(s->rx + 4) : 0;
+    uint64_t most = W_HEADER + W_DRAFTS_FIXED + told * (8 + 8ull * s->w->num_spec);
+    if (told > s->b->n_room || most > s->tx_size)
+        return SV_FRAME;
+    guard_take(s->w->guard);
+    int rule = hf_worker_round(s->w, s->rx, len, s->b);
+    guard_drop(s->w->guard);
+    if (rule)
+        return SV_FRAME;
+    const struct hf_batch *b = s->b;
+    int expired = b->m && b->deadline_ms && hf_now_ns() - received > (uint64_t)b->deadline_ms * 1000000u;
+    uint64_t size = write_reply(s, expired);
+    s->entries = b->n, s->resyncs = b->n - b->n_ok, s->beyond_positions = b->n_ok - b->m;
+    s->drafted = expired ? 0 : b->m, s->expired = (uint32_t)expired;
+    int sent = send_all(s->fd, s->tx, size, hf_now_ns() + s->send_ns);
+    if (sent) {
+        s->err = sent == -1 ? ETIMEDOUT : (uint32_t)errno;
+        return SV_UNSENT;
+    }
+    s->round_ns = hf_now_ns() - received;
+    return SV_ROUND;
+}
