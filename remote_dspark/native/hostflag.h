@@ -193,7 +193,10 @@ struct hf_markov {
     const int32_t *first;         /* [rows + 1] */
     const float *margin;          /* [rows + 1] */
     const int64_t *succ;          /* [rows + 1], each in 0..rows */
-    uint64_t rows;
+    const int64_t *dense;         /* [radix^order]: the row of each context whose tokens are all in
+                                     lo..lo+radix-1, keyed in that mixed radix; NULL: search ctx */
+    int64_t lo;
+    uint64_t rows, radix;
     uint32_t order, context_read; /* context_read: the scheduler's cost of a context (its last tokens read) */
 };
 

@@ -166,7 +166,10 @@ class MarkovTable(ctypes.Structure):
         ("first", ctypes.c_void_p),
         ("margin", ctypes.c_void_p),
         ("succ", ctypes.c_void_p),
+        ("dense", ctypes.c_void_p),
+        ("lo", ctypes.c_int64),
         ("rows", ctypes.c_uint64),
+        ("radix", ctypes.c_uint64),
         ("order", ctypes.c_uint32),
         ("context_read", ctypes.c_uint32),
     ]

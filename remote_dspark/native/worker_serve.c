@@ -44,9 +44,20 @@ void hf_windows_forget(struct hf_windows *w)
 
 /* ----------------------------------------------------------------- the Markov table */
 
-/* The row of the context `last` (order tokens, oldest first), or m->rows when unseen. */
+/* The row of the context `last` (order tokens, oldest first), or m->rows when unseen:
+ * by the dense index when the table has one, else by a search of the sorted contexts. */
 static uint64_t find(const struct hf_markov *m, const int32_t *last)
 {
+    if (m->dense) {
+        uint64_t key = 0;
+        for (uint32_t j = 0; j < m->order; j++) {
+            uint64_t d = (uint64_t)((int64_t)last[j] - m->lo);
+            if (d >= m->radix)  /* a token outside the table's range (below lo wraps high) */
+                return m->rows;
+            key = key * m->radix + d;
+        }
+        return (uint64_t)m->dense[key];
+    }
     uint64_t lo = 0, hi = m->rows;
     while (lo < hi) {
         uint64_t mid = lo + (hi - lo) / 2;

@@ -63,19 +63,24 @@ def markov_table(drafter: MarkovDrafter):
     from ..native import MarkovTable
 
     a = drafter.model.tables()
+    dense = None if a.dense is None else np.ascontiguousarray(a.dense, np.int64)
     arrays = (
         np.ascontiguousarray(a.ctx, np.int32),
         np.ascontiguousarray(a.first, np.int32),
         np.ascontiguousarray(a.margin, np.float32),
         np.ascontiguousarray(a.succ, np.int64),
+        dense,
     )
-    ctx, first, margin, succ = arrays
+    ctx, first, margin, succ, _ = arrays
     read = drafter.context_read
     table = MarkovTable(
         ctx=ctx.ctypes.data,
         first=first.ctypes.data,
         margin=margin.ctypes.data,
         succ=succ.ctypes.data,
+        dense=None if dense is None else dense.ctypes.data,
+        lo=a.lo if dense is not None else 0,
+        radix=a.radix if dense is not None else 0,
         rows=a.none,
         order=drafter.model.order,
         context_read=_NO_CONTEXT_READ if read is None else read,

@@ -145,30 +145,38 @@ def test_served_rounds_are_the_python_paths_byte_for_byte(
     assert grown[0]["rounds"] == rounds
 
 
-def test_the_c_table_drafts_what_numpy_drafts(lib):
+# (order, the model's tokens, whether its table has a dense index): small alphabets have
+# one; wide ones (a radix past DENSE_MAX, or past 63 bits: byte keys) are searched.
+TABLES = [
+    (1, list(range(6)), True),
+    (3, list(range(9)), True),
+    (2, [0, 7, 1 << 20, (1 << 20) + 3, -5], False),
+    (3, [-(1 << 30), 0, 1, 1 << 29, (1 << 30) + 1], False),
+]
+
+
+@pytest.mark.parametrize("order, alphabet, dense", TABLES)
+def test_the_c_table_drafts_what_numpy_drafts(lib, order, alphabet, dense):
     rng = np.random.default_rng(5)
-    for order, vocab in ((1, 6), (2, 128), (3, 9)):
-        model = MarkovModel.from_tokens(rng.integers(0, vocab, 3000).tolist(), order=order, top=3)
-        if order == 2:
-            model = builtin_model()
-        table, keep = markov_table(MarkovDrafter(model))
-        n, width = 300, 7
-        lengths = rng.integers(0, 6, n)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        tokens = rng.integers(-2, vocab + 2, int(offsets[-1])).astype(np.int32)
-        n_out = rng.integers(0, width + 1, n).astype(np.int32)
-        want_d, want_c, want_m = model.draft_batch(tokens, offsets, n_out, width, margins=True)
-        drafts, margins = np.full((n, width), 9, np.int32), np.full((n, width), 9, np.float32)
-        counts = np.full(n, -1, np.int32)
-        args = [a.ctypes.data for a in (tokens, offsets, n_out)]
-        lib.markov_draft(
-            ctypes.byref(table), *args, n, width, drafts.ctypes.data, counts.ctypes.data, margins.ctypes.data
-        )
-        assert np.array_equal(counts, want_c) and np.array_equal(drafts, want_d)
-        assert np.array_equal(margins, want_m)
-        assert want_c.max() > 0 and (want_c < n_out).any()  # drafts made, and drafts cut short
-        lib.markov_draft(ctypes.byref(table), *args, n, width, drafts.ctypes.data, counts.ctypes.data, None)
-        assert np.array_equal(drafts, want_d)
+    pick = np.array(alphabet + [min(alphabet) - 1, max(alphabet) + 1], np.int32)  # and tokens it never saw
+    model = MarkovModel.from_tokens(rng.choice(alphabet, 3000).tolist(), order=order, top=3)
+    table, keep = markov_table(MarkovDrafter(model))
+    assert (keep[-1] is not None) == dense
+    n, width = 400, 7
+    lengths = rng.integers(0, order + 4, n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = rng.choice(pick, int(offsets[-1]), p=[0.9 / len(alphabet)] * len(alphabet) + [0.05, 0.05])
+    n_out = rng.integers(0, width + 1, n).astype(np.int32)
+    want_d, want_c, want_m = model.draft_batch(tokens, offsets, n_out, width, margins=True)
+    drafts, margins = np.full((n, width), 9, np.int32), np.full((n, width), 9, np.float32)
+    counts = np.full(n, -1, np.int32)
+    args = [a.ctypes.data for a in (tokens, offsets, n_out)]
+    lib.markov_draft(ctypes.byref(table), *args, n, width, drafts.ctypes.data, counts.ctypes.data, margins.ctypes.data)
+    assert np.array_equal(counts, want_c) and np.array_equal(drafts, want_d)
+    assert np.array_equal(margins, want_m)
+    assert want_c.max() > 0 and (want_c < n_out).any()  # drafts made, and drafts cut short
+    lib.markov_draft(ctypes.byref(table), *args, n, width, drafts.ctypes.data, counts.ctypes.data, None)
+    assert np.array_equal(drafts, want_d)
 
 
 def _raw(w, **kw) -> socket.socket:

@@ -346,8 +346,11 @@ def run_all(opts: Options) -> list[Row]:
             drafter = ("--drafter", "lm") if opts.drafter == "lm" else ()
             limits = worker_limits(max(opts.slots), opts.row_bytes)
             metrics = ("--metrics-port", "0")  # its own time per round (worker_time)
+            # The worker as deployed; with its chaos handlers only when it is to answer late
+            # (an injected fault acts on the reply in Python, so it serves no round in C).
+            late = opts.worker_late_ms
             worker = stack.enter_context(
-                WorkerProcess(late_ms=opts.worker_late_ms, extra=(*limits, *drafter, *metrics))
+                WorkerProcess(late_ms=late, extra=(*limits, *drafter, *metrics), chaos=bool(late))
             )
             if opts.worker_late_ms:
                 worker.answer_late()  # its handler is set before its first line: never lost
