@@ -212,8 +212,8 @@ struct hf_serve {
     uint8_t *tx;                  /* the DRAFTS frame buffer, tx_size bytes */
     uint64_t rx_size, tx_size;
     uint64_t max_payload;         /* the connection's cap (a larger header goes to Python) */
-    uint64_t frame_ns;            /* a frame begun must be whole within this */
-    uint64_t send_ns;             /* a reply must be sent within this */
+    uint64_t frame_ns;            /* a frame begun must be whole within this (UINT64_MAX: no limit) */
+    uint64_t send_ns;             /* a reply's send waits for room at most this (UINT64_MAX: no limit) */
     /* The frame being read, kept across calls (a payload larger than rx goes back to
      * Python for a larger buffer, then on) */
     uint8_t hdr[24];              /* W_HEADER */

@@ -138,13 +138,24 @@ static int64_t read_some(int fd, uint8_t *dst, uint64_t room, uint64_t deadline_
     }
 }
 
-/* Send len bytes of buf whole by deadline_ns: 0 sent, -1 deadline, -2 failed (errno). */
-static int send_all(int fd, const uint8_t *buf, uint64_t len, uint64_t deadline_ns)
+/* now + ns, UINT64_MAX (no deadline) where that does not fit. */
+static uint64_t after(uint64_t ns)
 {
+    uint64_t now = hf_now_ns();
+    return ns > UINT64_MAX - now ? UINT64_MAX : now + ns;
+}
+
+/* Send len bytes of buf whole, each wait for room at most wait_ns (the Python send's
+ * rule: a peer that reads, however slowly, keeps its connection): 0 sent, -1 a wait
+ * passed wait_ns, -2 failed (errno). */
+static int send_all(int fd, const uint8_t *buf, uint64_t len, uint64_t wait_ns)
+{
+    uint64_t deadline_ns = after(wait_ns);
     while (len) {
         ssize_t k = send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (k > 0) {
             buf += k, len -= (uint64_t)k;
+            deadline_ns = after(wait_ns);
             continue;
         }
         if (k < 0 && errno == EINTR)
@@ -156,7 +167,7 @@ static int send_all(int fd, const uint8_t *buf, uint64_t len, uint64_t deadline_
             return -1;
         struct timespec ts = { (time_t)((deadline_ns - now) / 1000000000u), (long)((deadline_ns - now) % 1000000000u) };
         struct pollfd pfd = { fd, POLLOUT, 0 };
-        if (ppoll(&pfd, 1, &ts, NULL) < 0 && errno != EINTR)
+        if (ppoll(&pfd, 1, deadline_ns == UINT64_MAX ? NULL : &ts, NULL) < 0 && errno != EINTR)
             return -2;
     }
     return 0;
@@ -172,12 +183,12 @@ static int read_frame(struct hf_serve *s)
             return k == 0 ? SV_CLOSED : (s->err = (uint32_t)errno, SV_LOST);
         s->got += (uint64_t)k;
         if (s->got == W_HEADER)
-            s->frame_deadline_ns = hf_now_ns() + s->frame_ns;
+            s->frame_deadline_ns = after(s->frame_ns);
     }
     uint16_t version = get16(s->hdr + 4), type = get16(s->hdr + 6);
     uint64_t len = get32(s->hdr + 8);
     if (memcmp(s->hdr, W_MAGIC, 4) != 0 || version != W_VERSION || (type != W_ROUND && type != W_BYE)
-        || len > s->max_payload)
+        || len > (type == W_BYE ? 0 : s->max_payload))  /* a BYE carries nothing */
         return SV_HEADER;
     while (s->got < W_HEADER + len) {  /* rx grows as the bytes come, never ahead of them */
         uint64_t have = s->got - W_HEADER, fits = len < s->rx_size ? len : s->rx_size;
@@ -247,8 +258,9 @@ static uint64_t write_reply(struct hf_serve *s, int expired)
  * type, version or magic, or a payload over the cap), SV_GROW (rx is full and the payload
  * goes on: call again with a larger rx holding the same bytes; the frame's state is
  * kept), SV_CLOSED, SV_STALLED (a frame not whole within frame_ns), SV_LOST (the receive
- * failed) or SV_UNSENT (the reply's send failed, or did not finish within send_ns:
- * ETIMEDOUT); errno in s->err. */
+ * failed) or SV_UNSENT (the round was answered, but its reply's send failed, or found no
+ * room within send_ns: ETIMEDOUT); errno in s->err. frame_ns and send_ns UINT64_MAX: no
+ * limit. */
 int hf_worker_serve(struct hf_serve *s)
 {
     s->err = 0, s->entries = s->resyncs = s->beyond_positions = s->draft_tokens = s->drafted = s->expired = 0;
@@ -276,11 +288,11 @@ int hf_worker_serve(struct hf_serve *s)
     uint64_t size = write_reply(s, expired);
     s->entries = b->n, s->resyncs = b->n - b->n_ok, s->beyond_positions = b->n_ok - b->m;
     s->drafted = expired ? 0 : b->m, s->expired = (uint32_t)expired;
-    int sent = send_all(s->fd, s->tx, size, hf_now_ns() + s->send_ns);
+    int sent = send_all(s->fd, s->tx, size, s->send_ns);
+    s->round_ns = hf_now_ns() - received;
     if (sent) {
         s->err = sent == -1 ? ETIMEDOUT : (uint32_t)errno;
         return SV_UNSENT;
     }
-    s->round_ns = hf_now_ns() - received;
     return SV_ROUND;
 }

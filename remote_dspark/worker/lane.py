@@ -42,6 +42,12 @@ from .sessions import Session
 
 RX_FIRST = 64 << 10  # the payload buffer's first size; it grows as a payload's bytes come
 _NO_CONTEXT_READ = (1 << 32) - 1  # hf_markov's context_read of a drafter that reads whole contexts
+_NO_LIMIT_NS = (1 << 64) - 1  # hf_serve's frame_ns and send_ns: no limit
+
+
+def _ns(seconds: float) -> int:
+    """``seconds`` as hf_serve's nanoseconds (infinite or past the u64: no limit)."""
+    return _NO_LIMIT_NS if not seconds * 1e9 < _NO_LIMIT_NS else int(seconds * 1e9)
 
 
 class Why(enum.IntEnum):
@@ -104,9 +110,10 @@ class Lanes:
         self.limits, self.max_positions, self.frame_timeout_s = limits, max_positions, frame_timeout_s
         self.table, self._arrays = markov_table(drafter)
 
-    def open(self, session: Session, chan: FrameChannel, on_round: Callable[[object], None]) -> Lane | None:
-        """A lane for ``session``'s connection ``chan`` (``on_round`` counts each round it
-        serves), or None: a sampled session, or a connection that is not a TCP socket."""
+    def open(self, session: Session, chan: FrameChannel, on_round: Callable[[object, bool], None]) -> Lane | None:
+        """A lane for ``session``'s connection ``chan`` (``on_round(facts, sent)`` counts
+        each round it answers: ``sent`` False when its reply's send failed), or None: a
+        sampled session, or a connection that is not a TCP socket."""
         sock = getattr(chan.stream, "sock", None)
         if session.want_sampled or sock is None:
             return None
@@ -124,7 +131,7 @@ class Lane:
         chan: FrameChannel,
         fd: int,
         send_timeout_s: float,
-        on_round: Callable[[object], None],
+        on_round: Callable[[object, bool], None],
     ):
         from ..native import ServeState
 
@@ -146,22 +153,26 @@ class Lane:
             rx_size=len(self._rx),
             tx_size=len(self._tx),
             max_payload=chan.max_payload,
-            frame_ns=int(lanes.frame_timeout_s * 1e9),
-            send_ns=int(send_timeout_s * 1e9),
+            frame_ns=_ns(lanes.frame_timeout_s),
+            send_ns=_ns(send_timeout_s),
         )
 
-    def next_frame(self) -> tuple[wire.Header, memoryview]:
-        """Serve ROUNDs until a frame the worker's loop must take; return it as
-        ``recv_frame`` would (a frame of a type the connection never takes comes with its
-        header only: the loop drops the connection on it).
+    def next_frame(self) -> tuple[wire.Header, memoryview] | tuple[None, None]:
+        """The next frame: ``(None, None)`` for a ROUND served here (and counted), so the
+        worker's loop checks whether to go on between rounds as it does between its own;
+        any other frame as ``recv_frame`` would return it (a frame of a type the
+        connection never takes comes with its header only: the loop drops the connection
+        on it).
 
         Raises: what ``recv_frame`` raises for the same bytes (Disconnected,
-        DeadlineExceeded, wire.ProtocolError), and Disconnected for a reply not sent."""
+        DeadlineExceeded, wire.ProtocolError), and Disconnected for a reply not sent
+        (its round counted first, as the loop counts its own before sending)."""
         s = self.state
         while True:
             why = Why(self._serve(ctypes.byref(s)))
             if why is Why.ROUND:
-                self._on_round(s)
+                self._on_round(s, True)
+                return None, None
             elif why is Why.GROW:
                 self._grow()
             elif why is Why.FRAME:
@@ -177,6 +188,7 @@ class Lane:
             elif why is Why.LOST:
                 raise Disconnected(f"receive failed: {os.strerror(s.err)}")
             else:
+                self._on_round(s, False)
                 raise Disconnected(f"send failed: {os.strerror(s.err)}")
 
     def _grow(self) -> None:

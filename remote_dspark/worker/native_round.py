@@ -96,20 +96,18 @@ class NativeRounds:
     def __init__(self, lib):
         self.lib = lib
         self._call = lib.worker_round
-        # Windows -> (struct, seen marks, guard word)
-        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Windows -> (struct, seen marks)
 
     def view(self, session: Session, limits: Limits, max_positions: int | None):
         """The session's ``WindowsView`` with the worker's terms of this call (one per
-        windows, kept while they live; its guard then serializes ``forget_all`` with a
-        round served in C)."""
+        windows, kept while they live; the windows' guard word then serializes
+        ``forget_all`` with a round served in C, whatever becomes of this object)."""
         got = self._views.get(session.windows)
         if got is None:
             from ..native import WindowsView
 
             w = session.windows
             seen = np.zeros(w.max_slots, np.uint8)
-            guard = np.zeros(1, np.uint32)
             view = WindowsView(
                 ring=w.ring.ctypes.data,
                 written=w.written.ctypes.data,
@@ -122,9 +120,9 @@ class NativeRounds:
                 num_spec=session.num_spec,
                 sampled=int(session.want_sampled),
                 row_bytes=_ANY_ROW_BYTES if session.row_bytes is None else session.row_bytes,
-                guard=guard.ctypes.data,
+                guard=w.guard.ctypes.data,
             )
-            got = self._views[w] = (view, seen, guard)
+            got = self._views[w] = (view, seen)
             w.native_forget = functools.partial(self.lib.windows_forget, ctypes.byref(view))
         view = got[0]
         # The worker's terms, as given this call (the session's own are fixed at its HELLO).

@@ -268,11 +268,12 @@ class Worker:
         with self._lock:
             self.stats.add_call(*call)
 
-    def _served(self, session: Session, facts) -> None:
+    def _served(self, session: Session, facts, sent: bool) -> None:
         """A round served in C (its ``lane`` facts) counted, as :meth:`_serve` counts its own."""
-        self._sessions.served(session)
+        if sent:
+            self._sessions.served(session)
         with self._lock:
-            self.stats.add_served(facts)
+            self.stats.add_served(facts, sent)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -339,6 +340,8 @@ class Worker:
                 # No deadline between frames (an engine may idle for minutes; keepalive
                 # finds a dead one); a frame, once begun, within frame_timeout_s.
                 hdr, payload = served.next_frame() if served else chan.recv_frame(math.inf, self.frame_timeout_s)
+                if hdr is None:  # a ROUND the lane served and counted
+                    continue
                 if hdr.type == wire.BYE:
                     return
                 elif hdr.type == wire.ROUND:

@@ -73,11 +73,13 @@ class WorkerStats:
         self.draft_tokens += told.draft_tokens
         self.expired += told.expired
 
-    def add_served(self, s) -> None:
+    def add_served(self, s, sent: bool = True) -> None:
         """What one round served in C adds (``hf_serve``'s facts, :mod:`.lane`): the round,
-        its time, and its drafting as a call of one round that never queued."""
+        its drafting as a call of one round that never queued, and, when its reply was
+        ``sent``, its time (the Python loop's rule)."""
         self.add_round(s)
-        self.round_seconds.observe(s.round_ns / 1e9)
+        if sent:
+            self.round_seconds.observe(s.round_ns / 1e9)
         if s.drafted:
             self.add_call(s.drafting_ns / 1e9, 1, s.drafted, s.call_tokens, [0.0])
 

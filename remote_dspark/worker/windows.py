@@ -52,8 +52,8 @@ class Windows:
     ``known`` has no window; its other fields are stale and never read.
     ``lock`` serializes :meth:`advance` with :meth:`forget_all` (called from another
     connection's thread when a new session of the engine replaces this one); a round
-    served in C (:mod:`.lane`) is serialized with it by the C library's guard word, which
-    ``native_forget`` (set by :mod:`.native_round`) takes.
+    served in C (:mod:`.lane`) is serialized with it by ``guard``, a word the C library
+    takes around such a round and in ``native_forget`` (set by :mod:`.native_round`).
     """
 
     def __init__(self, max_slots: int, window: int):
@@ -73,7 +73,10 @@ class Windows:
         self.next_pos = np.zeros(max_slots, np.int64)
         self.known = np.zeros(max_slots, bool)
         self.lock = threading.Lock()
-        self.native_forget = None  # the C forget that waits out a round served in C, once there is a view
+        # The C library's guard word, held while a round served in C changes these windows,
+        # and the C forget that takes it (set by native_round with the windows' view).
+        self.guard = np.zeros(1, np.uint32)
+        self.native_forget = None
 
     def forget_all(self) -> None:
         with self.lock:

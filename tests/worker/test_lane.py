@@ -10,7 +10,9 @@ every frame the lane hands back must end its connection as the Python loop would
 """
 
 import ctypes
+import gc
 import logging
+import math
 import random
 import socket
 import time
@@ -37,9 +39,9 @@ def _spied(round_path: str, **kw) -> Worker:
     w.lane_rounds = 0
     served = w._served
 
-    def counting(session, facts):
+    def counting(session, facts, sent):
         w.lane_rounds += 1
-        served(session, facts)
+        served(session, facts, sent)
 
     w._served = counting
     return w.start()
@@ -204,6 +206,7 @@ BAD = {
     "bad magic": (lambda: b"XXXX" + wire.encode_header(wire.ROUND, 0, 1)[4:], "bad magic"),
     "over the cap": (lambda: wire.encode_header(wire.ROUND, 40 << 20, 1), "exceeds this connection's cap"),
     "a second HELLO": (lambda: wire.encode_header(wire.HELLO, 10, 1), "unexpected HELLO"),
+    "a BYE with a payload": (lambda: wire.encode_header(wire.BYE, 1000, 1), "BYE payload of 1000 bytes exceeds"),
     "a slot twice": (
         lambda: wire.encode_round_entries(1, 1, 0, [wire.Entry(0, 2, 0, [1], True)] * 2, bytes(8), 4),
         "slot 0 already named by entry 0",
@@ -298,3 +301,72 @@ def test_a_sampled_session_takes_the_python_loop():
         c.close()
     finally:
         w.stop()
+
+
+def test_an_evicted_session_is_served_no_round_after_the_one_in_hand():
+    """The worker's loop decides between the lane's rounds whether to go on: rounds
+    queued behind an eviction are not served (the connection says BYE)."""
+    w = _spied("served")
+    served = w._served
+
+    def evict_at_first(session, facts, sent):
+        served(session, facts, sent)
+        session.evicted = True  # as Sessions.admit marks a victim (its shutdown aside)
+
+    w._served = evict_at_first
+    try:
+        c = connect(w)
+        frames = [
+            wire.encode_round_entries(
+                rid, c.session, 0, [wire.Entry(0, 3, rid - 1, TEXT[rid : rid + 1], rid == 1)], bytes(4), 4
+            )
+            for rid in range(1, 30)
+        ]
+        c.chan.send(b"".join(frames))  # queued at once, behind the first
+        types = [c.chan.recv_frame(time.monotonic() + WAIT_S)[0].type for _ in range(2)]
+        assert types == [wire.DRAFTS, wire.BYE]
+        assert w.lane_rounds == 1 and w.statistics().rounds == 1
+        c.close()
+    finally:
+        w.stop()
+
+
+def test_a_worker_without_a_frame_timeout_serves_rounds_in_c():
+    w = _spied("served", frame_timeout_s=math.inf)
+    try:
+        c = connect(w)
+        entries = [wire.Entry(0, 3, 0, TEXT[:5], True)]
+        assert c.round(1, [wire.encode_round_entries(1, c.session, 0, entries, bytes(4), 4)], 2000).counts[0] == 3
+        assert until(lambda: w.lane_rounds == 1, WAIT_S)
+        c.close()
+    finally:
+        w.stop()
+
+
+def test_a_round_whose_reply_was_not_sent_is_counted_without_its_time():
+    from remote_dspark.native import ServeState
+    from remote_dspark.worker.stats import WorkerStats
+
+    st = WorkerStats()
+    facts = ServeState(entries=4, resyncs=1, beyond_positions=0, draft_tokens=6, drafted=3, call_tokens=9)
+    st.add_served(facts, sent=False)
+    assert (st.rounds, st.entries, st.resyncs, st.draft_tokens, st.drafter_calls) == (1, 4, 1, 6, 1)
+    assert sum(st.round_seconds.buckets) == 0
+    st.add_served(facts)
+    assert st.rounds == 2 and sum(st.round_seconds.buckets) == 1
+
+
+def test_a_windows_forget_outlives_the_native_rounds_that_set_it(lib):
+    from remote_dspark.worker.limits import Limits
+    from remote_dspark.worker.native_round import NativeRounds
+    from remote_dspark.worker.sessions import Session
+    from remote_dspark.worker.windows import Windows
+
+    session = Session(1, 4, 3, False, Windows(4, 8))
+    rounds = NativeRounds(lib)
+    rounds.view(session, Limits(max_slots=4, window=8), None)
+    del rounds
+    gc.collect()
+    session.windows.known[:] = True
+    session.windows.forget_all()  # through the C forget, on the windows' own guard word
+    assert not session.windows.known.any() and session.windows.guard[0] == 0
