@@ -183,7 +183,7 @@ class Handoff:
                 write_round_meta(spec, self._native_meta, batch, self._host[i].desc, self._host[i].desc_addr, acked)
             rows = has_rows(batch, spec.row_bytes)
             if self._launcher is not None:
-                stream = stream or torch.cuda.current_stream().cuda_stream
+                stream = streamsync.current_stream(torch) if stream is None else stream  # (the default stream is 0)
                 self._launcher.launch(stream, r, batch, rows, out, status)
                 return r
             if not rows:
@@ -327,7 +327,7 @@ class Handoff:
             if status is not None:
                 status.fill_(int(Outcome.NO_PROXY))
             return Launched(0, *out[:2], resync, False, *(out[2:] or (None, None)))
-        stream = torch.cuda.current_stream().cuda_stream  # once: each lookup costs microseconds
+        stream = streamsync.current_stream(torch)  # once: each lookup costs microseconds
         if self._launcher is not None:  # its wait and its copies of the answer in the same call
             r = self._hand_over(batch, stream, out, status)
         else:

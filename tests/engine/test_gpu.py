@@ -104,6 +104,14 @@ def test_choose_auto_picks_the_fused_path_on_cuda():
 # --------------------------------------------------------------------------- the stream hand-off
 
 
+def test_the_raw_stream_lookup_is_the_current_streams_handle():
+    side = torch.cuda.Stream()
+    assert streamsync.current_stream(torch) == torch.cuda.current_stream().cuda_stream
+    with torch.cuda.stream(side):
+        assert streamsync.current_stream(torch) == side.cuda_stream != 0
+    assert streamsync.current_stream(torch) == torch.cuda.current_stream().cuda_stream
+
+
 def test_stream_hand_off_on_the_registered_region(lib):
     """The stream writes gathered; a CPU peer here answers; the stream's wait ends."""
     with shm.Region.create(layout.Layout(4, 8, 16, 3, 64)) as region:

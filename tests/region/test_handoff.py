@@ -494,3 +494,16 @@ def test_release_orphans_beside_a_busy_watchdog_finds_none_and_never_fails(lib):
             t.join(5.0)
             wd.stop()
         assert errors == [] and sum(found) == 0 and eng.counters.snapshot().counters["watchdog_releases"] > 10
+
+
+def test_the_stream_lookup_falls_back_to_the_public_call_without_the_raw_one():
+    """A torch without ``torch._C._cuda_getCurrentRawStream`` is asked the public way."""
+    from types import SimpleNamespace
+
+    from remote_dspark.region import streamsync
+
+    public = SimpleNamespace(cuda_stream=77)
+    fake = SimpleNamespace(_C=SimpleNamespace(), cuda=SimpleNamespace(current_stream=lambda: public))
+    assert streamsync.current_stream(fake) == 77
+    fake._C = SimpleNamespace(_cuda_getCurrentRawStream=lambda device: 1000 + device, _cuda_getDevice=lambda: 3)
+    assert streamsync.current_stream(fake) == 1003
