@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     drafter = ("--drafter", "lm") if args.drafter == "lm" else ()
     with (
-        WorkerProcess(extra=(*worker_limits(args.slots, args.row_bytes), *drafter)) as worker,
+        WorkerProcess(extra=(*worker_limits(args.slots, args.row_bytes), *drafter), chaos=False) as worker,
         tempfile.TemporaryDirectory() as tmp,
     ):
         env = worker.env(
