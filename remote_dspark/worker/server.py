@@ -140,7 +140,9 @@ class Worker:
         self.window = window
         self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes, window=window)
         served = round_path == "served" and lane.takes(self._native, drafter, faults)
-        self._lanes = served and lane.Lanes(self._native, drafter, self.limits, self._max_positions, frame_timeout_s)
+        self._lanes = None  # lane.Lanes when this worker's connections may serve rounds in C
+        if served:
+            self._lanes = lane.Lanes(self._native, drafter, self.limits, self._max_positions, frame_timeout_s)
         self.round_path = "served" if served else "native" if self._native else "python"
         self.max_slots = max_slots
         self.max_connections = max_connections

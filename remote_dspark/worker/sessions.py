@@ -44,11 +44,17 @@ class Session:
     @classmethod
     def of_hello(cls, session: int, hello, window: int, conn: socket.socket | None = None) -> Session:
         """The session a (checked) HELLO asks for, with new windows of ``window`` tokens."""
-        windows = Windows(hello.max_slots, window)
         return cls(
-            session, hello.max_slots, hello.num_spec, hello.want_margin, windows, hello.row_bytes,
-            hello.engine_id, conn=conn, want_sampled=hello.want_sampled,
-        )  # fmt: skip
+            session,
+            hello.max_slots,
+            hello.num_spec,
+            hello.want_margin,
+            Windows(hello.max_slots, window),
+            row_bytes=hello.row_bytes,
+            engine_id=hello.engine_id,
+            conn=conn,
+            want_sampled=hello.want_sampled,
+        )
 
 
 class Sessions:
