@@ -13,7 +13,10 @@ worker's accounting while the engine already reads its drafts. Every other frame
 back to the worker's own loop as :meth:`FrameChannel.recv_frame
 <remote_dspark.transport.FrameChannel.recv_frame>` would return it or raise, so a BYE, a
 refused ROUND (checked again by the reference to name its culprit), a bad header, a
-stall or a closed peer end the same way on either path.
+stall or a closed peer end the same way on either path. One difference, on purpose: a
+header of a type a served connection never takes (a HELLO, a DRAFTS) is refused on its
+header, a bad frame at once, where the Python loop first waits for its payload (a stall
+if it never comes).
 
 Which connections: a greedy session of a worker whose drafter is exactly
 :class:`~remote_dspark.drafter.markov.MarkovDrafter`, with the native round path and no
