@@ -398,13 +398,18 @@ def gather_rows_host(batch: Batch, out: np.ndarray, row_bytes: int, lib=None, ou
             raise ValueError(f"row_index: shape {tuple(index.shape)}, expected [{n}]")
         done = lib.gather_rows(out_addr, src.data_ptr(), src.stride(0), src.shape[0], addr, n, row_bytes)
         if done != n:
-            raise ValueError(f"row_index: {int(index[done])} (entry {done}) outside 0..{src.shape[0] - 1}")
+            raise row_outside(index, done, src.shape[0])
         return
     index = _np(batch.row_index, "row_index", n)
     src = src.numpy()
     if n and (index.min() < 0 or index.max() >= src.shape[0]):
         raise ValueError(f"row_index: values must be in 0..{src.shape[0] - 1}, got {index.min()}..{index.max()}")
     np.take(src, index, axis=0, out=out[:n], mode="clip")  # in range, so clip only skips buffering
+
+
+def row_outside(index, entry: int, n_rows: int) -> ValueError:
+    """The error for entry ``entry`` of ``index`` naming no row of the ``n_rows`` rows."""
+    return ValueError(f"row_index: {int(index[entry])} (entry {entry}) outside 0..{n_rows - 1}")
 
 
 def as_bytes(rows: torch.Tensor, row_bytes: int | None = None) -> torch.Tensor:

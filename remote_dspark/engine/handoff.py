@@ -28,6 +28,7 @@ from ..region import ring, shm, streamsync
 from .batch import Batch, as_bytes, gather_rows_host, has_rows
 from .device_meta import check_meta_shapes, write_meta_in_stream
 from .drafts import Drafts, empty_drafts, round_tensors, to_drafts
+from .host_round import HostRound
 from .lifecycle import Users
 from .native_meta import NativeMeta, write_round_meta
 from .slot_views import DeviceSlots, SlotViews
@@ -92,17 +93,21 @@ class Handoff:
             # engine thread keeps its GIL for the first 50 us of the wait and, in the
             # common case, never hands it to another engine thread mid-round
             # (docs/benchmarks.md). Thread mode must release it at once: its proxy needs it.
+            hold_us = HOLD_GIL_US if spec.mode is Mode.PROCESS and spec.device == "cpu" else 0
             self.sync = streamsync.HostFlagSync(
                 self.region,
                 self.lib,
                 backend=spec.device,
                 spin_us=cfg.async_spin_us,
                 nap_us=cfg.async_nap_us,
-                hold_gil_us=HOLD_GIL_US if spec.mode is Mode.PROCESS and spec.device == "cpu" else 0,
+                hold_gil_us=hold_us,
             )
             self._host = [SlotViews(self.region, i) for i in range(spec.depth)]
-            # Host metadata by one C call where it takes the batch (a sampled engine's: Python).
+            # Host metadata by one C call where it takes the batch (a sampled engine's: Python);
+            # on the CPU the whole hand-over and the answer's copy too (host_round).
             self._native_meta = None if spec.sampled else NativeMeta(self.lib, spec)
+            if self._native_meta is not None and spec.device == "cpu":
+                self._host_round = HostRound(self.lib, self.region, spec, self._native_meta, hold_us)
             if spec.device == "cuda":
                 self._dev = DeviceSlots(self.region, self.sync.backend.device_view)
                 self._device = torch.device("cuda", torch.cuda.current_device())
@@ -133,13 +138,14 @@ class Handoff:
         self.wait_cpu_s = 0.0  # the engine thread's CPU inside those waits (their spins)
 
     _launcher = None  # CUDA: the native launch (native_launch.NativeLaunch), when it checked out
+    _host_round: HostRound | None = None  # CPU, greedy: the hand-over and the answer in C
     _host: list = []
     _dev: DeviceSlots | None = None  # CUDA: the stream's views of the slots
 
     def _free(self) -> None:
         """The last user left: forget every view of the region (numpy and device), stop
         the watchdog (a close hook) and unmap."""
-        self._host, self._dev = [], None
+        self._host, self._dev, self._host_round = [], None, None
         self.region.close()
 
     # ------------------------------------------------------------------ rounds
@@ -161,20 +167,28 @@ class Handoff:
         self._served_session = session
         return True, new
 
-    def _hand_over(self, batch: Batch, stream: int | None = None, out: tuple = (), status=None) -> int:
-        """Reserve a round, write its descriptor and rows, signal ``gathered`` and have
-        the stream (or, on the CPU, this thread) wait for ``released``: the round id. By
-        the native launch on CUDA, the stream's wait and the copies of the answer into
-        ``out`` (``drafts.round_tensors``) are enqueued here too; otherwise the caller
-        enqueues the wait. ``status``: where the native launch copies the outcome."""
+    def _hand_over(
+        self, batch: Batch, stream: int | None = None, out: tuple = (), status=None
+    ) -> tuple[int, bool | None]:
+        """Reserve a round, write its descriptor and rows and signal ``gathered``: the
+        round id, and whether it was released within the host round's hold (None: no hold
+        spun; the caller waits). By the native launch on CUDA, the stream's wait and the
+        copies of the answer into ``out`` (``drafts.round_tensors``) are enqueued here too;
+        otherwise the caller enqueues the wait. ``status``: where the native launch copies
+        the outcome."""
         spec, cfg = self.spec, self.spec.cfg
-        on_device = batch.meta_on_device
-        if on_device and spec.device != "cuda":
-            raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
         acked = self.acked_context()
         r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (spec.depth + 1))
         i = r & (spec.depth - 1)
         try:
+            if self._host_round is not None:  # the CPU's hand-over in one C call, where it takes the batch
+                released = self._host_round.hand_over(batch, r, acked)
+                if released is not None:
+                    self.wait_cpu_s += self._host_round.held_s  # its spin for the release is the wait's
+                    return r, released
+            on_device = batch.meta_on_device
+            if on_device and spec.device != "cuda":
+                raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
             self._collect()
             self._host[i].round_word[0] = r
             if on_device:
@@ -185,7 +199,7 @@ class Handoff:
             if self._launcher is not None:
                 stream = streamsync.current_stream(torch) if stream is None else stream  # (the default stream is 0)
                 self._launcher.launch(stream, r, batch, rows, out, status)
-                return r
+                return r, None
             if not rows:
                 pass  # an engine without rows: no staging, nothing to gather
             elif spec.device == "cpu":
@@ -210,7 +224,7 @@ class Handoff:
             traceback.clear_frames(e.__traceback__)
             raise
         self.sync.signal(r, stream)
-        return r
+        return r, None
 
     def acked_context(self) -> int:
         """The context the serving proxy's worker named in its HELLO_ACK: the region's
@@ -250,15 +264,15 @@ class Handoff:
         if not serving:
             return empty_drafts(n, spec.num_spec, Outcome.NO_PROXY, cfg.want_margin, spec.sampled)
         t0 = time.monotonic()
-        r = self._hand_over(batch)
+        r, released = self._hand_over(batch)
         if spec.device == "cuda":
             if self._launcher is None:  # (the native launch enqueued its wait)
                 self.sync.wait(r, 0)
             torch.cuda.current_stream().synchronize()
-        else:
+        elif not released:
             limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0  # far past the watchdog: a broken ring
             c0 = time.thread_time()
-            released = self.sync.wait(r, limit_s)
+            released = self.sync.wait(r, limit_s, hold=released is None)  # (the host round spun the hold)
             self.wait_cpu_s += time.thread_time() - c0
             if not released:
                 raise RuntimeError(f"round {r} was not released within {limit_s:.3f} s (watchdog {cfg.watchdog_ms} ms)")
@@ -287,6 +301,8 @@ class Handoff:
         """Released round ``r``'s answer as ``Drafts``: views of its drafts slot, one
         copy per array. Raises as ``_head``."""
         spec = self.spec
+        if self._host_round is not None and not spec.cfg.want_margin:
+            return self._host_round.answer(r, n)
         outcome, got, flags = self._head(r)
         if not got:  # an empty answer (timeout, error, watchdog, ...)
             return outcome, empty_drafts(n, spec.num_spec, outcome, spec.cfg.want_margin, spec.sampled)
@@ -329,9 +345,9 @@ class Handoff:
             return Launched(0, *out[:2], resync, False, *(out[2:] or (None, None)))
         stream = streamsync.current_stream(torch)  # once: each lookup costs microseconds
         if self._launcher is not None:  # its wait and its copies of the answer in the same call
-            r = self._hand_over(batch, stream, out, status)
+            r, _ = self._hand_over(batch, stream, out, status)
         else:
-            r = self._hand_over(batch, stream)
+            r, _ = self._hand_over(batch, stream)
             self.sync.wait(r, 0, stream)
             # Copies in stream order (the slot is reused DEPTH rounds later). Every answer
             # leaves the tokens and q blocks zero past each count (ring.geometry, hf_unpack): no mask.

@@ -61,6 +61,7 @@ class NativeMeta:
             row_bytes=spec.row_bytes,
         )
         self._ref = ctypes.byref(self._m)
+        self.struct_addr = ctypes.addressof(self._m)  # for a call that takes the struct by pointer (host_round)
 
     def write(
         self, batch: Batch, dst: int, room: int, *, deadline_ms: int, context_tokens: int, n_out_default: int
@@ -71,10 +72,21 @@ class NativeMeta:
 
         Raises:
             ValueError: ``host_meta``'s, naming what is wrong with a refused batch."""
+        if not self.fill(batch, deadline_ms=deadline_ms, context_tokens=context_tokens, n_out_default=n_out_default):
+            return None
+        rule = self._call(self._ref, dst, room)
+        if rule:
+            self.refused(batch, rule)
+        return self._m.written
+
+    def fill(self, batch: Batch, *, deadline_ms: int, context_tokens: int, n_out_default: int) -> bool:
+        """Point the struct at ``batch``'s arrays and set the round's terms: False when
+        the C call does not take the batch (nothing set that a later fill would not set
+        again)."""
         if batch.temperature is not None or batch.seed is not None:
-            return None  # a sampled engine's (or a batch refused for its sampling fields)
+            return False  # a sampled engine's (or a batch refused for its sampling fields)
         if not (0 < context_tokens <= _U32_MAX and 0 <= n_out_default <= _U32_MAX):
-            return None  # terms the C struct cannot hold (the engine's are always within)
+            return False  # terms the C struct cannot hold (the engine's are always within)
         slots = batch.slots
         n = slots.shape[0] if isinstance(slots, (torch.Tensor, np.ndarray)) and slots.ndim == 1 else -1
         tokens = batch.tokens
@@ -88,21 +100,18 @@ class NativeMeta:
         ]
         n_out = None if batch.n_out is None else _address(batch.n_out, n)
         if n < 0 or n_tokens < 0 or None in got or (batch.n_out is not None and n_out is None):
-            return None
+            return False
         m = self._m
         (m.slots, m.slots_size), (m.positions, m.positions_size), (m.offsets, m.offsets_size) = got[:3]
         (m.tokens, m.tokens_size), (m.new_gen, _) = got[3:]
         m.n_out, m.n_out_size = n_out or (None, 0)
         m.n, m.n_tokens, m.deadline_ms = n, n_tokens, deadline_ms
         m.context_tokens, m.n_out_default = context_tokens, n_out_default
-        rule = self._call(self._ref, dst, room)
-        if rule:
-            self._refused(batch, rule, context_tokens, n_out_default)
-        return m.written
+        return True
 
-    def _refused(self, batch: Batch, rule: int, context_tokens: int, n_out_default: int) -> None:
-        """The reference's checks of a batch the C check refused (``rule``): they raise
-        its ValueError. Raises RuntimeError when they accept it (the two disagree)."""
+    def refused(self, batch: Batch, rule: int) -> None:
+        """The reference's checks of the filled batch the C check refused (``rule``): they
+        raise its ValueError. Raises RuntimeError when they accept it (the two disagree)."""
         from .batch import host_meta
 
         m = self._m
@@ -111,9 +120,9 @@ class NativeMeta:
             max_slots=m.max_slots,
             num_spec=m.num_spec,
             max_tokens=m.max_tokens,
-            n_out_default=n_out_default,
+            n_out_default=m.n_out_default,
             vocab_size=m.vocab_size,
-            context_tokens=context_tokens,
+            context_tokens=m.context_tokens,
         )
         raise RuntimeError(
             f"a batch refused by the native check (rule {rule}), accepted by the Python reference; "

@@ -17,7 +17,9 @@ counters, and the proxy's checks of one round: ``check_desc``, ``unpack``) go th
 thread to take it for a whole switch interval. ``wait_geq_holding`` and
 ``handoff_holding`` are the same C functions bound to keep the GIL, for waits the caller
 bounds to microseconds (``streamsync``'s hold): they spin, and ``handoff_holding`` is
-given no waiters word, so a wait holding the GIL never sleeps.
+given no waiters word, so a wait holding the GIL never sleeps. ``host_round`` keeps it
+too: the engine's hand-over of one round (its copies are the round's own bytes) and, where
+the engine holds the GIL for a wait's first microseconds, that spin, bounded by the caller.
 
 The C layer returns status codes; ``check`` is the one place that turns them into
 exceptions. This module imports nothing beyond the standard library and the package's
@@ -37,6 +39,7 @@ from .. import outcome, wire
 from .structs import (
     BatchOut,
     CudaIn,
+    HostRoundIn,
     LaunchIn,
     LinkState,
     MarkovTable,
@@ -47,7 +50,7 @@ from .structs import (
     WindowsView,
 )
 
-ABI_VERSION = 20
+ABI_VERSION = 21
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -77,7 +80,19 @@ WIRE_CONSTANTS = (
     ("MAX_TOKENS", lambda: wire.MAX_TOKENS),
 )
 # The structs hf_sizeof reports, in its order (argument 0, 1, ...).
-MIRRORS = (RingGeom, ProxyState, LinkState, WindowsView, BatchOut, MetaIn, CudaIn, LaunchIn, MarkovTable, ServeState)
+MIRRORS = (
+    RingGeom,
+    ProxyState,
+    LinkState,
+    WindowsView,
+    BatchOut,
+    MetaIn,
+    CudaIn,
+    LaunchIn,
+    MarkovTable,
+    ServeState,
+    HostRoundIn,
+)
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
 
@@ -91,6 +106,17 @@ class Status(enum.IntEnum):
     STATE = 4  # a word holds a value its protocol forbids
     NOMEM = 5
     SYS = 6  # errno is set
+
+
+class HostRoundCode(enum.IntEnum):
+    """``hf_host_round``'s and ``hf_host_answer``'s verdicts (hostflag.h's ``HF_HR_*``)."""
+
+    OK = 0
+    META = 1  # the batch's metadata broke a rule of host_meta (nothing handed over)
+    ROW = 2  # a row index outside the rows (nothing handed over)
+    ARGS = 3  # the caller's bug: no rows or index where row_bytes asks for them
+    OTHER = 4  # the drafts slot holds another round
+    GOT = 5  # the drafts slot's entry count is neither 0 nor the round's
 
 
 class NativeError(RuntimeError):
@@ -148,6 +174,8 @@ _FUNCS = {
     "cuda_launch": ("hf_cuda_launch", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),
     "cuda_gather": ("hf_cuda_gather", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),
     "drafts_summary": ("hf_drafts_summary", None, (_P, _P, _P, _U32, _P, _P), False),
+    "host_round": ("hf_host_round", _I, (ctypes.POINTER(HostRoundIn),), False),
+    "host_answer": ("hf_host_answer", _I, (ctypes.POINTER(HostRoundIn), _U32, _U32, _P, _P), False),
 }
 
 
@@ -164,6 +192,7 @@ CODE_TABLES = (
         lambda: outcome.RoundEvent,
         tuple(outcome.RoundEvent.__members__),
     ),
+    ("host round code", "remote_dspark.native.HostRoundCode", lambda: HostRoundCode, tuple(HostRoundCode.__members__)),
 )
 
 

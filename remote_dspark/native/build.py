@@ -9,7 +9,7 @@ Which library is loaded (``load``), first match wins; ``origin`` decides it, onc
    passes the trust rule and the binding's checks; a copy that fails either is refused
    with one warning and this package's own build is used instead;
 3. ``hostflag.c``, ``watchdog.c``, ``tcp_round.c``, ``worker_round.c``, ``worker_serve.c``,
-   ``engine_meta.c`` and ``cuda_launch.c`` (next to this file) compiled together with
+   ``engine_meta.c``, ``engine_round.c`` and ``cuda_launch.c`` (next to this file) compiled together with
    ``cc -O2 -shared -fPIC -pthread`` at first use into the cache directory
    (``$XDG_CACHE_HOME/remote-dspark``, else ``~/.cache/remote-dspark``), named by the
    sha256 of the sources, the header and the command, so an edited source is rebuilt
@@ -48,7 +48,15 @@ ENV_LIB = "VLLM_DSPARK_REMOTE_HOSTFLAG_LIB"
 OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = SOURCE_DIR / "hostflag.c"
 # Compiled together into one library.
-_OTHERS = ("watchdog.c", "tcp_round.c", "worker_round.c", "worker_serve.c", "engine_meta.c", "cuda_launch.c")
+_OTHERS = (
+    "watchdog.c",
+    "tcp_round.c",
+    "worker_round.c",
+    "worker_serve.c",
+    "engine_meta.c",
+    "engine_round.c",
+    "cuda_launch.c",
+)
 SOURCES = (SOURCE, *(SOURCE_DIR / name for name in _OTHERS))
 HEADERS = (SOURCE_DIR / "hostflag.h",)
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")

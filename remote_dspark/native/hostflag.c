@@ -391,7 +391,8 @@ uint64_t hf_sizeof(int which)
          : which == 2 ? sizeof(struct hf_link) : which == 3 ? sizeof(struct hf_windows)
          : which == 4 ? sizeof(struct hf_batch) : which == 5 ? sizeof(struct hf_meta)
          : which == 6 ? sizeof(struct hf_cuda) : which == 7 ? sizeof(struct hf_launch)
-         : which == 8 ? sizeof(struct hf_markov) : which == 9 ? sizeof(struct hf_serve) : 0;
+         : which == 8 ? sizeof(struct hf_markov) : which == 9 ? sizeof(struct hf_serve)
+         : which == 10 ? sizeof(struct hf_host_round) : 0;
 }
 
 static void observe(const struct hf_proxy *p, uint32_t hist, uint64_t ns)

@@ -26,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 20   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 21   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -273,6 +273,29 @@ struct hf_launch {
     uint32_t pad;
 };
 
+/* A CPU engine's host round (engine_round.c), set once per engine by
+ * remote_dspark.engine.host_round but for the round's fields: the region's words and
+ * slots, the batch's metadata (meta) and rows, and the answer's outs. */
+enum { HF_HR_OK = 0, HF_HR_META = 1, HF_HR_ROW = 2, HF_HR_ARGS = 3, HF_HR_OTHER = 4, HF_HR_GOT = 5 };
+struct hf_host_round {
+    const struct hf_ring *ring;   /* gathered, released, gathered_ns, drafts slots, depth */
+    struct hf_meta *meta;         /* the round's metadata (hf_host_meta's terms) */
+    uint32_t *wake;               /* the announce word */
+    uint32_t *lost;               /* [max_slots]: the answer's lost slots */
+    uint8_t *desc, *staging;      /* slot 0's descriptor and staging rows */
+    uint64_t desc_stride, desc_room, staging_stride;
+    uint64_t d_counts, d_statuses, d_tokens;  /* offsets in a drafts slot */
+    const uint8_t *rows;          /* the round's rows: src_rows of them, src_stride bytes apart */
+    const void *index;            /* [meta->n] row indexes of index_bytes (4 or 8) */
+    uint64_t src_stride, src_rows;
+    uint64_t hold_ns;             /* spin this long for the release (0: return once handed over) */
+    uint64_t held_ns;             /* out: the spin's time */
+    uint64_t drafted, draft_tokens;  /* out (answer): entries with drafts, their tokens */
+    uint32_t row_bytes, index_bytes, num_spec, round;
+    uint32_t meta_rule, bad_entry, released_now;   /* out (round) */
+    uint32_t head_round, status, got, flags, n_lost;  /* out (answer) */
+};
+
 static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
 {
     __atomic_fetch_add(&p->counters[word], n, __ATOMIC_RELAXED);
@@ -283,6 +306,8 @@ uint64_t hf_now_ns(void);
 int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns);
 int hf_publish(uint32_t *released, uint32_t *waiters, uint32_t round, uint64_t deadline_ns);
 void hf_announce(uint32_t *wake, uint32_t round);
+void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round, uint32_t *wake);
+int hf_host_meta(struct hf_meta *m, uint8_t *dst, uint64_t room);
 void hf_drafts_summary(const int32_t *counts, const int32_t *statuses, const uint32_t *slots, uint32_t got,
                        uint64_t *out, uint32_t *lost);
 void hf_zero_drafts(const struct hf_ring *ring, uint32_t round, uint32_t status);

@@ -290,3 +290,45 @@ class LaunchIn(ctypes.Structure):
         ("step", ctypes.c_int32),
         ("pad", ctypes.c_uint32),
     ]
+
+
+class HostRoundIn(ctypes.Structure):
+    """``struct hf_host_round``: a CPU engine's host round for ``hf_host_round`` and
+    ``hf_host_answer`` (the region's words and slots and the answer's lost slots, set once
+    by ``remote_dspark.engine.host_round``; the round's rows and round id in; the verdicts,
+    the hold's time and the answer's head and sums out)."""
+
+    _fields_ = [
+        ("ring", ctypes.c_void_p),
+        ("meta", ctypes.c_void_p),
+        ("wake", ctypes.c_void_p),
+        ("lost", ctypes.c_void_p),
+        ("desc", ctypes.c_void_p),
+        ("staging", ctypes.c_void_p),
+        ("desc_stride", ctypes.c_uint64),
+        ("desc_room", ctypes.c_uint64),
+        ("staging_stride", ctypes.c_uint64),
+        ("d_counts", ctypes.c_uint64),
+        ("d_statuses", ctypes.c_uint64),
+        ("d_tokens", ctypes.c_uint64),
+        ("rows", ctypes.c_void_p),
+        ("index", ctypes.c_void_p),
+        ("src_stride", ctypes.c_uint64),
+        ("src_rows", ctypes.c_uint64),
+        ("hold_ns", ctypes.c_uint64),
+        ("held_ns", ctypes.c_uint64),
+        ("drafted", ctypes.c_uint64),
+        ("draft_tokens", ctypes.c_uint64),
+        ("row_bytes", ctypes.c_uint32),
+        ("index_bytes", ctypes.c_uint32),
+        ("num_spec", ctypes.c_uint32),
+        ("round", ctypes.c_uint32),
+        ("meta_rule", ctypes.c_uint32),
+        ("bad_entry", ctypes.c_uint32),
+        ("released_now", ctypes.c_uint32),
+        ("head_round", ctypes.c_uint32),
+        ("status", ctypes.c_uint32),
+        ("got", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("n_lost", ctypes.c_uint32),
+    ]

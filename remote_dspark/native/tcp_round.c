@@ -43,7 +43,8 @@ uint32_t hf_wire_constants(uint64_t *out, uint32_t n)
 
 /* The codes Python mirrors, by table, in the order of native.binding.CODE_TABLES:
  * 0 the status codes (native.Status), 1 the drafts statuses a proxy writes
- * (outcome.Outcome OK .. BREAKER_SKIP), 2 hf_round's events (outcome.RoundEvent). The
+ * (outcome.Outcome OK .. BREAKER_SKIP), 2 hf_round's events (outcome.RoundEvent), 3 the
+ * host round's codes (native.HostRoundCode). The
  * first n of table `which` into out; returns how many it has (0: no such table). */
 uint32_t hf_codes(uint32_t which, uint64_t *out, uint32_t n)
 {
@@ -51,10 +52,12 @@ uint32_t hf_codes(uint32_t which, uint64_t *out, uint32_t n)
     static const uint64_t outcome[] = { ST_OK, ST_TIMEOUT, ST_ERROR, ST_BREAKER_SKIP };
     static const uint64_t event[] = { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL,
                                       HF_EV_BAD_REPLY, HF_EV_BAD_DESC };
+    static const uint64_t host_round[] = { HF_HR_OK, HF_HR_META, HF_HR_ROW, HF_HR_ARGS, HF_HR_OTHER, HF_HR_GOT };
     switch (which) {
     case 0: return report(status, sizeof status / sizeof status[0], out, n);
     case 1: return report(outcome, sizeof outcome / sizeof outcome[0], out, n);
     case 2: return report(event, sizeof event / sizeof event[0], out, n);
+    case 3: return report(host_round, sizeof host_round / sizeof host_round[0], out, n);
     default: return 0;
     }
 }

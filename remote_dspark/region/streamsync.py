@@ -80,9 +80,9 @@ class CpuBackend:
     def signal(self, round_id: int) -> None:
         self._lib.signal(self._gathered, self._gathered_ns + 8 * (round_id & self._mask), round_id, self._wake)
 
-    def wait(self, round_id: int, deadline_ns: int) -> bool:
+    def wait(self, round_id: int, deadline_ns: int, hold: bool = True) -> bool:
         lib, rc = self._lib, Status.TIMEOUT
-        if self._hold_ns:
+        if self._hold_ns and hold:
             rc = lib.wait_geq_holding(self._released, round_id, self._spin, 0, self._held_until(deadline_ns))
         if rc == Status.TIMEOUT:
             rc = lib.wait_released(self._released, self._waiters, round_id, self._spin, self._nap, deadline_ns)
@@ -280,9 +280,12 @@ class HostFlagSync:
         else:
             self.backend.signal(round_id, stream)
 
-    def wait(self, round_id: int, timeout_s: float, stream: int | None = None) -> bool:
+    def wait(self, round_id: int, timeout_s: float, stream: int | None = None, *, hold: bool = True) -> bool:
         """Wait until ``released >= round_id``; False at the deadline. On CUDA the wait is
-        enqueued on ``stream`` (default: the current stream) and this returns at once."""
+        enqueued on ``stream`` (default: the current stream) and this returns at once. On
+        the CPU, ``hold=False`` skips the spin holding the GIL (the caller has spun it)."""
+        if not hold:
+            return self.backend.wait(round_id, native.deadline_ns(timeout_s), hold=False)
         if stream is None:
             return self.backend.wait(round_id, native.deadline_ns(timeout_s))
         return self.backend.wait(round_id, native.deadline_ns(timeout_s), stream)

@@ -228,6 +228,7 @@ def test_the_library_reports_the_codes_python_mirrors(lib):
         "status code": list(Status),
         "outcome": [Outcome.OK, Outcome.TIMEOUT, Outcome.ERROR, Outcome.BREAKER_SKIP],
         "round event": list(RoundEvent),
+        "host round code": list(native.HostRoundCode),
     }
     for table, expected in enumerate(tables.values()):
         assert fn(table, out, 32) == len(expected)

@@ -1,0 +1,150 @@
+"""A CPU engine's round on the host in two C calls (:class:`HostRound`).
+
+``hf_host_round`` (``native/engine_round.c``) hands a reserved round over: the batch's
+metadata checked and written into the round's descriptor (``hf_host_meta``), its rows
+gathered into the staging slot, the descriptor's round word, ``gathered`` published and,
+in process mode, the first microseconds of the wait for ``released`` spun with the GIL
+held (streamsync's hold). ``hf_host_answer`` copies the released answer into the
+engine's new tensors and sums it. The Python steps they replace, each a microsecond or
+a few of the engine thread's CPU, were most of a process round's cost on the host
+(docs/benchmarks.md).
+
+It takes what :class:`~.native_meta.NativeMeta` takes, with rows as a CPU tensor of
+rows contiguous within themselves and a contiguous int32 or int64 index, for an engine
+that asked for no margins. Anything else goes the Python way (``Handoff._hand_over`` and
+``Handoff._answer``), which stays the reference these calls are tested against; a batch
+refused here is checked again there, so every message is written once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from ..native import HostRoundCode, HostRoundIn
+from ..outcome import Outcome
+from ..region import ring, shm
+from .batch import Batch, row_outside
+from .drafts import Drafts, empty_drafts
+from .native_meta import NativeMeta
+
+_INDEX = {torch.int64: 8, torch.int32: 4}
+_NP_INDEX = {np.dtype(np.int64): 8, np.dtype(np.int32): 4}
+_OUTCOMES = {int(o): o for o in Outcome}
+
+
+class HostRound:
+    """One CPU engine's host round (its engine thread's: one round at a time). Holds
+    addresses into ``region``, not views: the engine calls it only between a round's
+    ``users.enter()`` and ``leave()``, while the region is mapped."""
+
+    def __init__(self, lib, region: shm.Region, spec, meta: NativeMeta, hold_us: int):
+        lay = region.layout
+        self._spec, self._meta = spec, meta
+        self._round, self._answer = lib.host_round, lib.host_answer
+        self._geom = ring.geometry(region)
+        self._lost = np.zeros(spec.max_slots, np.uint32)
+        self._h = HostRoundIn(
+            ring=ctypes.addressof(self._geom),
+            meta=meta.struct_addr,
+            wake=region.addr(lay.wake),
+            lost=self._lost.ctypes.data,
+            desc=region.addr(lay.desc(0)),
+            staging=region.addr(lay.staging(0)),
+            desc_stride=lay.desc_stride,
+            desc_room=lay.desc_stride - shm.DESC_FIXED,
+            staging_stride=lay.staging_stride,
+            d_counts=shm.D_COUNTS,
+            d_statuses=lay.d_entry_status,
+            d_tokens=lay.d_tokens,
+            hold_ns=hold_us * 1000,
+            row_bytes=spec.row_bytes,
+            num_spec=spec.num_spec,
+        )
+        self._ref = ctypes.byref(self._h)
+        self.held_s = 0.0  # the last hand-over's spin for the release (the engine's wait CPU)
+
+    def hand_over(self, batch: Batch, r: int, acked: int) -> bool | None:
+        """Hand reserved round ``r`` over, for a worker that acknowledged ``acked``
+        context tokens (``Spec.context_cut``): True when it was released within the hold,
+        False when not yet, None when this call does not take the batch (nothing handed
+        over: the caller goes the Python way).
+
+        Raises:
+            ValueError: naming what is wrong with the batch (nothing handed over)."""
+        spec, h = self._spec, self._h
+        n = len(batch)
+        if not self._meta.fill(
+            batch,
+            deadline_ms=spec.cfg.timeout_ms,
+            context_tokens=spec.context_cut(acked),
+            n_out_default=spec.n_out_for(n),
+        ):
+            return None
+        if spec.row_bytes:  # (rows missing or given to a rowless engine: the Python way names them)
+            if not self._rows(batch.rows, batch.row_index, n):
+                return None
+        elif batch.rows is not None or batch.row_index is not None:
+            return None
+        h.round = r
+        rc = self._round(self._ref)
+        if rc == HostRoundCode.OK:
+            self.held_s = h.held_ns / 1e9
+            return bool(h.released_now)
+        if rc == HostRoundCode.META:
+            self._meta.refused(batch, h.meta_rule)  # raises, naming the culprit
+        if rc == HostRoundCode.ROW:
+            raise row_outside(batch.row_index, h.bad_entry, h.src_rows)
+        raise RuntimeError(f"hf_host_round: {HostRoundCode(rc).name}")
+
+    def _rows(self, rows, index, n: int) -> bool:
+        """Point the struct at ``rows`` and ``index``: False for rows or an index this
+        call does not take as they are (the Python gather converts or refuses them)."""
+        if not isinstance(rows, torch.Tensor) or not rows.is_cpu or rows.dim() != 2 or rows.stride(1) != 1:
+            return False
+        size = rows.element_size()
+        if rows.shape[1] * size != self._spec.row_bytes or rows.is_neg() or rows.is_conj():
+            return False
+        if isinstance(index, torch.Tensor):
+            index_bytes = _INDEX.get(index.dtype)
+            if not index_bytes or not index.is_cpu or index.shape != (n,) or not index.is_contiguous():
+                return False
+            addr = index.data_ptr()
+        elif isinstance(index, np.ndarray) and index.shape == (n,) and index.flags.c_contiguous:
+            index_bytes = _NP_INDEX.get(index.dtype)
+            if not index_bytes:
+                return False
+            addr = index.ctypes.data
+        else:
+            return False
+        h = self._h
+        h.rows, h.src_stride, h.src_rows = rows.data_ptr(), rows.stride(0) * size, rows.shape[0]
+        h.index, h.index_bytes = addr, index_bytes
+        return True
+
+    def answer(self, r: int, n: int) -> tuple[Outcome, Drafts]:
+        """Released round ``r``'s answer for its ``n`` entries: one copy of its counts and
+        tokens into new tensors.
+
+        Raises:
+            RuntimeError: the drafts slot holds another round (read after it was reused),
+                or an entry count that is neither 0 nor ``n``."""
+        k, h = self._spec.num_spec, self._h
+        counts, tokens = torch.empty(n, dtype=torch.int32), torch.empty((n, k), dtype=torch.int32)
+        rc = self._answer(self._ref, r, n, counts.data_ptr(), tokens.data_ptr())
+        if rc == HostRoundCode.OTHER:
+            slot = r & (self._spec.depth - 1)
+            raise RuntimeError(
+                f"drafts slot {slot} holds round {h.head_round}, expected {r}: read after the slot was reused"
+            )
+        if rc:
+            raise RuntimeError(f"drafts slot of round {r}: {h.got} entries, the round has {n}")
+        outcome = _OUTCOMES.get(h.status)
+        if outcome is None:
+            outcome = Outcome(h.status)  # raises, naming the status
+        if not h.got:
+            return outcome, empty_drafts(n, k, outcome, False)
+        lost = tuple(self._lost[: h.n_lost].tolist()) if h.n_lost else ()
+        return outcome, Drafts(tokens, counts, None, "remote", outcome, lost)

@@ -1,0 +1,102 @@
+/* engine_round.c: a CPU engine's host round in two calls (remote_dspark.engine.host_round).
+ *
+ * hf_host_round hands a reserved round over: the batch's metadata checked and written into
+ * the round's descriptor (hf_host_meta), its rows gathered into the staging slot, the
+ * descriptor's round word, then `gathered` published (hf_signal), and, when the engine
+ * holds its GIL for the first microseconds of a wait (streamsync's hold), that spin for
+ * `released` too. hf_host_answer copies a released round's answer out of its drafts slot
+ * into the engine's arrays and sums it as hf_drafts_summary does. Through Python the same
+ * steps are about forty calls of a microsecond each on the engine's critical path.
+ *
+ * The Python steps stay the reference these calls are tested against, byte for byte and
+ * verdict for verdict (tests/engine/test_host_round.py). A batch refused here is checked
+ * again in Python, whose ValueError names the culprit: messages are written once. */
+#include "hostflag.h"
+
+/* Gather n rows by index (index_bytes 4 or 8) into dst, packed. Returns the first entry
+ * whose index is outside 0..src_rows-1, or n; no row is copied before all are checked. */
+static uint64_t gather(const struct hf_host_round *h, uint8_t *dst, uint64_t n)
+{
+    const int64_t *i64 = h->index;
+    const int32_t *i32 = h->index;
+    for (uint64_t e = 0; e < n; e++) {
+        int64_t at = h->index_bytes == 8 ? i64[e] : (int64_t)i32[e];
+        if (at < 0 || (uint64_t)at >= h->src_rows)
+            return e;
+    }
+    for (uint64_t e = 0; e < n; e++) {
+        uint64_t at = h->index_bytes == 8 ? (uint64_t)i64[e] : (uint64_t)i32[e];
+        memcpy(dst + e * h->row_bytes, h->rows + at * h->src_stride, h->row_bytes);
+    }
+    return n;
+}
+
+/* Hand round h->round over (reserved by the caller). HF_HR_META: the metadata broke the
+ * rule h->meta_rule; HF_HR_ROW: entry h->bad_entry's row index is outside the rows; HF_HR_ARGS:
+ * the caller's bug (no rows where the round's entries need them, or an index size). Each leaves
+ * `gathered` alone: the round is still the caller's to give back. HF_HR_OK: handed over;
+ * h->released_now says whether the release came within h->hold_ns (h->held_ns spent
+ * spinning for it). */
+int hf_host_round(struct hf_host_round *h)
+{
+    const struct hf_ring *g = h->ring;
+    uint32_t r = h->round, i = r & (g->depth - 1);
+    uint8_t *desc = h->desc + (uint64_t)i * h->desc_stride;
+    h->released_now = 0;
+    h->held_ns = 0;
+    h->bad_entry = 0;
+    if (h->row_bytes && h->index_bytes != 4 && h->index_bytes != 8)
+        return HF_HR_ARGS;
+    h->meta_rule = (uint32_t)hf_host_meta(h->meta, desc + DESC_FIXED, h->desc_room);
+    if (h->meta_rule)
+        return HF_HR_META;
+    uint64_t n = h->meta->n;
+    if (h->row_bytes && n) {
+        if (!h->rows || !h->index)
+            return HF_HR_ARGS;
+        h->bad_entry = (uint32_t)gather(h, h->staging + (uint64_t)i * h->staging_stride, n);
+        if (h->bad_entry != n)
+            return HF_HR_ROW;
+    }
+    memcpy(desc, &r, 4);   /* the descriptor's round word: published by the store of gathered */
+    hf_signal(g->gathered, g->gathered_ns + i, r, h->wake);
+    if (h->hold_ns) {
+        uint64_t t0 = hf_now_ns();
+        h->released_now = hf_wait_geq(g->released, r, 0, 0, t0 + h->hold_ns) == HF_OK;
+        h->held_ns = hf_now_ns() - t0;
+    }
+    return HF_HR_OK;
+}
+
+/* Released round `round`'s answer, for an engine that asked for no margins: the drafts
+ * slot's head into h->status, h->got and h->flags, and, when the slot holds this round
+ * and got is n (any answer the proxy wrote: hf_unpack holds it to the round's entries),
+ * its counts [n] and tokens [n, num_spec] into the caller's arrays, summed into h->drafted,
+ * h->draft_tokens and h->n_lost (the lost slots into h->lost). Returns HF_HR_OK, or
+ * HF_HR_OTHER (the slot holds round h->head_round) or HF_HR_GOT (got is neither 0 nor n):
+ * nothing copied. */
+int hf_host_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int32_t *counts, int32_t *tokens)
+{
+    const struct hf_ring *g = h->ring;
+    const uint8_t *d = g->drafts + (uint64_t)(round & (g->depth - 1)) * g->drafts_stride;
+    uint32_t head[4];
+    memcpy(head, d, sizeof head);   /* after the acquire of `released`: the proxy's writes are seen */
+    h->head_round = head[0], h->status = head[1], h->got = head[2], h->flags = head[3];
+    h->drafted = h->draft_tokens = 0;
+    h->n_lost = 0;
+    if (head[0] != round)
+        return HF_HR_OTHER;
+    if (!h->got)
+        return HF_HR_OK;
+    if (h->got != n)
+        return HF_HR_GOT;
+    const int32_t *src_counts = (const int32_t *)(d + h->d_counts);
+    memcpy(counts, src_counts, 4u * (uint64_t)n);
+    memcpy(tokens, d + h->d_tokens, 4u * (uint64_t)n * h->num_spec);
+    uint64_t out[3];
+    const uint8_t *desc = h->desc + (uint64_t)(round & (g->depth - 1)) * h->desc_stride;
+    hf_drafts_summary(src_counts, (const int32_t *)(d + h->d_statuses),
+                      (const uint32_t *)(desc + DESC_FIXED + W_ROUND_FIXED), n, out, h->lost);
+    h->drafted = out[0], h->draft_tokens = out[1], h->n_lost = (uint32_t)out[2];
+    return HF_HR_OK;
+}

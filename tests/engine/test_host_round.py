@@ -1,0 +1,244 @@
+"""A CPU engine's host round in C (engine.host_round: ``hf_host_round`` and
+``hf_host_answer``) against the Python steps it replaces: ``write_round_meta`` (its
+Python way) and ``gather_rows_host`` into the round's descriptor and staging slot, the
+round word and ``gathered``; ``to_drafts`` of the released drafts slot.
+
+Random batches, honest and broken (test_native_meta's, with rows and a row index of
+int32 or int64, as a tensor or an array, now and then naming a row that is not there):
+both ways give the same verdict (the same ValueError, or none) and, when accepted, the
+same descriptor and staging bytes; a refused batch hands nothing over. Random answers
+in a drafts slot come back as the same ``Drafts``. And an engine's rounds against a
+worker are the same with the C calls as without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine import async_env, batch, make
+from test_native_meta import NUM_SPEC, ROW_BYTES, _spec, batches
+
+from remote_dspark import wire
+from remote_dspark.engine.batch import Batch, gather_rows_host
+from remote_dspark.engine.drafts import to_drafts
+from remote_dspark.engine.host_round import HostRound
+from remote_dspark.engine.native_meta import NativeMeta, write_round_meta
+from remote_dspark.engine.slot_views import SlotViews
+from remote_dspark.outcome import Outcome
+from remote_dspark.region import shm
+
+DEPTH, N_ROWS = 2, 9
+
+
+class Side:
+    """One region and the views of its slot for round ``r``: one way's result."""
+
+    def __init__(self, lib, spec, hold_us: int = 0):
+        self.lib, self.spec = lib, spec
+        self.region = shm.Region.create(
+            shm.Layout(DEPTH, spec.max_slots, spec.row_bytes, spec.num_spec, spec.max_tokens)
+        )
+        self.views = [SlotViews(self.region, i) for i in range(DEPTH)]
+        self.host = HostRound(lib, self.region, spec, NativeMeta(lib, spec), hold_us)
+
+    def word(self, name: str) -> int:
+        return self.lib.load32(self.region.addr(getattr(self.region.layout, name)))
+
+    def close(self) -> None:
+        self.views = []
+        self.region.close()
+
+    def __enter__(self) -> Side:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is None:  # (a failure's traceback still holds views: the region stays mapped)
+            self.close()
+
+
+@pytest.fixture
+def sides(lib):
+    made = []
+
+    def make_side(spec, hold_us=0):
+        made.append(Side(lib, spec, hold_us))
+        return made[-1]
+
+    yield make_side
+    for side in made:
+        side.close()
+
+
+@st.composite
+def with_rows(draw):
+    """test_native_meta's batches with rows: ``(batch, acked, spec)``."""
+    b, acked, _, spec = draw(batches())
+    n = len(b)
+    index = draw(st.lists(st.integers(0, N_ROWS - 1), min_size=n, max_size=n))
+    if n and draw(st.integers(0, 5)) == 0:
+        index[draw(st.integers(0, n - 1))] = draw(st.sampled_from([-1, N_ROWS, N_ROWS + 3]))
+    index = np.asarray(index, dtype=draw(st.sampled_from([np.int32, np.int64])))
+    if draw(st.booleans()):
+        index = torch.from_numpy(index)
+    seed = draw(st.integers(0, 1 << 16))
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randint(0, 256, (N_ROWS, ROW_BYTES + 9), dtype=torch.uint8, generator=gen)
+    rows = draw(st.sampled_from(["packed", "words", "apart"]))
+    if rows == "apart":  # rows ROW_BYTES + 9 bytes apart, the first at an odd address
+        rows = wide[:, 5 : 5 + ROW_BYTES]
+    else:  # packed rows, or the same as four-byte words
+        rows = wide[:, :ROW_BYTES].contiguous().view(torch.uint8 if rows == "packed" else torch.int32)
+    return Batch(b.slots, b.tokens, b.token_offsets, b.positions, b.new_gen, rows, index, b.n_out), acked, spec
+
+
+def _python(side: Side, b: Batch, r: int, acked: int):
+    """The Python steps' verdict, descriptor and staging bytes."""
+    v = side.views[r % DEPTH]
+    try:
+        size = write_round_meta(side.spec, None, b, v.desc, v.desc_addr, acked)
+        staging = side.region.addr(side.region.layout.staging(r % DEPTH))
+        gather_rows_host(b, v.staging, side.spec.row_bytes, side.lib, staging)
+    except ValueError as e:
+        return str(e), b"", b""
+    return None, v.desc[:size].tobytes(), v.staging[: len(b)].tobytes()
+
+
+def _native(side: Side, b: Batch, r: int, acked: int):
+    v = side.views[r % DEPTH]
+    v.desc[:] = 0xAB
+    try:
+        released = side.host.hand_over(b, r, acked)
+    except ValueError as e:
+        assert side.word("gathered") != r, "a refused batch was handed over"
+        return str(e), b"", b""
+    assert released is False  # no proxy, no hold
+    assert side.word("gathered") == r and int(v.round_word[0]) == r
+    size = side.host._meta._m.written
+    return None, v.desc[:size].tobytes(), v.staging[: len(b)].tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=with_rows(), r=st.integers(1, 50))
+def test_the_c_hand_over_and_the_python_steps_agree_verdict_for_verdict_and_byte_for_byte(lib, case, r):
+    b, acked, spec = case
+    with Side(lib, spec) as python, Side(lib, spec) as c:
+        want = _python(python, b, r, acked)
+        assert _native(c, b, r, acked) == want
+
+
+def _answer_in(side: Side, r: int, n: int, status: int, rng: np.random.Generator) -> None:
+    """A proxy's answer to round ``r`` of ``n`` entries in its drafts slot: random counts
+    (tokens zero past each), statuses with some RESYNC, then ``released``."""
+    v, k = side.views[r % DEPTH], side.spec.num_spec
+    got = n if status == Outcome.OK else 0
+    counts = rng.integers(0, k + 1, got).astype(np.int32)
+    v.counts[:got] = counts
+    v.statuses[:got] = (rng.random(got) < 0.3) * wire.STATUS_RESYNC
+    tokens = rng.integers(0, 1000, (got, k)).astype(np.int32)
+    v.tokens[:got] = tokens * (np.arange(k) < counts[:, None])
+    v.head[:] = (r, status, got, 0)
+    side.lib.store32(side.region.addr(side.region.layout.released), r)
+
+
+@pytest.mark.parametrize("status", [Outcome.OK, Outcome.TIMEOUT, Outcome.WATCHDOG])
+def test_the_c_answer_is_the_python_answer(sides, status):
+    rng = np.random.default_rng(int(status))
+    spec = _spec()
+    side = sides(spec)
+    for r in range(1, 9):
+        n = int(rng.integers(0, spec.max_slots + 1))
+        slots = rng.permutation(spec.max_slots)[:n]
+        b = Batch(slots, np.zeros(0, np.int64), np.zeros(n + 1, np.int64), np.zeros(n, np.int64), np.zeros(n, bool),
+                  torch.zeros(1, ROW_BYTES, dtype=torch.uint8), np.zeros(n, np.int64))  # fmt: skip
+        side.host.hand_over(b, r, 0)
+        _answer_in(side, r, n, int(status), rng)
+        outcome, got = side.host.answer(r, n)
+        v = side.views[r % DEPTH]
+        m = int(v.head[2])
+        answer = v.slots(m), v.counts[:m], v.statuses[:m], v.tokens[:m]
+        want = to_drafts(NUM_SPEC, *answer, None, status, False, clean=True)
+        assert outcome is status and got.outcome is status and got.source == ("remote" if m else "none")
+        assert got.tokens.tolist() == want.tokens.tolist() if m else not got.tokens.any()
+        assert got.counts.tolist() == (want.counts.tolist() if m else [0] * n)
+        assert got.resync == (want.resync if m else ()) and got.margins is None
+        assert got.tokens.shape == (n, NUM_SPEC) and got.tokens.dtype == got.counts.dtype == torch.int32
+
+
+def test_an_answer_read_from_a_reused_slot_or_of_another_size_is_refused_loudly(sides):
+    side = sides(_spec())
+    b = Batch(np.array([1, 2]), np.zeros(0, np.int64), np.zeros(3, np.int64), np.zeros(2, np.int64), np.zeros(2, bool),
+              torch.zeros(1, ROW_BYTES, dtype=torch.uint8), np.zeros(2, np.int64))  # fmt: skip
+    side.host.hand_over(b, 3, 0)
+    side.views[1].head[:] = (5, 0, 2, 0)
+    with pytest.raises(RuntimeError, match="drafts slot 1 holds round 5, expected 3"):
+        side.host.answer(3, 2)
+    side.views[1].head[:] = (3, 0, 1, 0)
+    with pytest.raises(RuntimeError, match="1 entries, the round has 2"):
+        side.host.answer(3, 2)
+
+
+def test_the_hold_spins_until_the_release_and_reports_its_time(sides):
+    side = sides(_spec(), hold_us=2000)
+    b = Batch(np.array([1]), np.zeros(0, np.int64), np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, bool),
+              torch.zeros(1, ROW_BYTES, dtype=torch.uint8), np.zeros(1, np.int64))  # fmt: skip
+    assert side.host.hand_over(b, 1, 0) is False  # nobody releases: the hold runs out
+    assert 0.002 <= side.host.held_s < 1.0
+    side.lib.store32(side.region.addr(side.region.layout.released), 2)  # released ahead (as a proxy would)
+    assert side.host.hand_over(b, 2, 0) is True and side.host.held_s < 0.002
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: dataclasses.replace(b, rows=b.rows.t()),
+        lambda b: dataclasses.replace(b, row_index=np.zeros(1, np.float32)),
+        lambda b: dataclasses.replace(b, row_index=b.row_index.to(torch.int16)),
+        lambda b: dataclasses.replace(b, rows=b.rows.view(1, 2, -1)),
+        lambda b: dataclasses.replace(b, rows=None, row_index=None),
+    ],
+    ids=["strided rows", "float index", "int16 index", "three-dimensional rows", "no rows"],
+)
+def test_rows_the_c_call_does_not_take_go_the_python_way(sides, change):
+    """None from hand_over, nothing handed over: the Python steps gather them (or name
+    what is missing)."""
+    spec = _spec()
+    b = change(
+        Batch(
+            np.array([1]),
+            np.zeros(0, np.int64),
+            np.zeros(2, np.int64),
+            np.zeros(1, np.int64),
+            np.zeros(1, bool),
+            torch.zeros(ROW_BYTES, ROW_BYTES, dtype=torch.uint8)[:1],
+            torch.zeros(1, dtype=torch.int64),
+        )  # fmt: skip
+    )
+    side = sides(spec)
+    assert side.host.hand_over(b, 1, 0) is None and side.word("gathered") != 1
+
+
+# --------------------------------------------------------------------------- an engine
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_an_engines_rounds_are_the_same_with_the_c_calls_as_without(worker, tmp_path, mode):
+    rounds = [
+        batch(),
+        batch(new=False, tokens=((2, 3), (4,)), positions=(1, 1)),
+        batch(slots=(3, 0, 1), tokens=((5, 6, 7), (4,), (1,)), positions=(0, 3, 2), new=False),
+    ]
+    got = {}
+    for host in (True, False):
+        with make(async_env(worker.port, tmp_path, mode)) as rd:
+            handoff = rd._path.handoff
+            assert handoff._host_round is not None
+            if not host:
+                handoff._host_round = None  # the Python steps
+            got[host] = [(o.outcome, o.tokens.tolist(), o.counts.tolist(), o.resync) for o in map(rd.round, rounds)]
+    assert got[True] == got[False]
+    assert all(outcome is Outcome.OK for outcome, *_ in got[True])
