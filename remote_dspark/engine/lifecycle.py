@@ -50,21 +50,24 @@ class Users:
         self._free = free
         self._count = 1  # the owner
         self._open = True
-        self._cond = threading.Condition(threading.Lock())
+        self._waiting = 0  # threads in wait_alone: a leave wakes them only when there are some
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
 
     def enter(self) -> bool:
         """True: the caller may use the resources until its :meth:`leave`. False: shut."""
-        with self._cond:
+        with self._lock:
             if not self._open:
                 return False
             self._count += 1
             return True
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._count -= 1
             last = self._count == 0
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
         if last:
             self._free()
 
@@ -76,12 +79,16 @@ class Users:
     def wait_alone(self, deadline: float) -> bool:
         """Wait until the owner is the only user, or ``deadline`` (monotonic)."""
         with self._cond:
-            while self._count > 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            self._waiting += 1
+            try:
+                while self._count > 1:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._waiting -= 1
 
     @property
     def inside(self) -> int:

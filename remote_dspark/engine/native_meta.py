@@ -23,19 +23,19 @@ import torch
 from ..native import MetaIn
 from .batch import Batch
 
-_INTS = (torch.int32, torch.int64)
+_INTS = {torch.int32: 4, torch.int64: 8}  # a tensor's dtype -> its element size
+_BOOLS = {torch.bool: 1}
 _U32_MAX = (1 << 32) - 1
 
 
 def _address(x, n: int, bools: bool = False) -> tuple[int, int] | None:
     """``(address, element size)`` of a host array or tensor of ``n`` ints (``bools``:
     of bools) that the C call can read as it is, else None."""
-    if isinstance(x, torch.Tensor):
-        if not x.is_cpu or x.dim() != 1 or x.shape[0] != n or not x.is_contiguous() or x.is_neg() or x.is_conj():
-            return None  # (a negative or conjugate view's memory is not its values)
-        if (x.dtype is torch.bool) if bools else (x.dtype in _INTS):
-            return x.data_ptr(), x.element_size()
-        return None
+    if isinstance(x, torch.Tensor):  # (the fewest calls into torch: each is most of this check's cost)
+        size = (_BOOLS if bools else _INTS).get(x.dtype)
+        if size is None or x.shape != (n,) or not x.is_contiguous() or not x.is_cpu or x.is_neg():
+            return None  # (a negative view's memory is not its values; no int or bool view is conjugate)
+        return x.data_ptr(), size
     if not isinstance(x, np.ndarray) or x.ndim != 1 or x.shape[0] != n or not x.flags.c_contiguous:
         return None
     if (x.dtype == np.bool_) if bools else (x.dtype.char in "il" and x.dtype.isnative):

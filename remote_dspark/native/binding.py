@@ -204,6 +204,8 @@ def check(rc: int, what: str) -> Status:
         MemoryError: NOMEM.
         OSError: SYS, with the C errno.
     """
+    if rc == 0:
+        return Status.OK  # (the common case, without the enum's lookup)
     status = Status(rc)
     if status in (Status.OK, Status.TIMEOUT, Status.LATE):
         return status

@@ -191,7 +191,7 @@ class EngineEnd(RingEnd):
             RingFull: still ``depth`` rounds in flight at the deadline (counted).
         """
         r = seq_add(self._last, 1)
-        if seq_geq(self.released(), seq_add(r, -self.layout.depth)):
+        if seq_geq(self._lib.load32(self._released), seq_add(r, -self.layout.depth)):
             self._last = r  # room now: no wait, and the GIL is never handed to another thread
             return r
         rc = self._lib.wait_geq(

@@ -86,7 +86,7 @@ class CpuBackend:
             rc = lib.wait_geq_holding(self._released, round_id, self._spin, 0, self._held_until(deadline_ns))
         if rc == Status.TIMEOUT:
             rc = lib.wait_released(self._released, self._waiters, round_id, self._spin, self._nap, deadline_ns)
-        return check(rc, f"wait for round {round_id}") is Status.OK
+        return rc == Status.OK or check(rc, f"wait for round {round_id}") is Status.OK
 
     def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
         lib, out = self._lib, self._out_addr
