@@ -19,11 +19,14 @@ import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from helpers import REPO, TESTS
 
+from remote_dspark.engine.lifecycle import Users
 from remote_dspark.outcome import Outcome
 
 CHILD = Path(__file__).resolve().with_name("lifecycle_child.py")
@@ -124,3 +127,25 @@ def test_a_closed_engine(tmp_path, mode):
     s = run_child(tmp_path, "closed", mode, 1)
     assert s["cycles"] == 1 and s["failed_cycles"] == 0, s["failures"]
     _check_closes(s)
+
+
+def test_the_last_user_to_leave_wakes_a_close_waiting_alone_and_frees_once():
+    """Users: a close waiting for the round inside is woken by its leave (not by its
+    deadline, far off), and the resources are freed once, by whoever leaves last."""
+    freed = []
+    users = Users(lambda: freed.append(1))
+    assert users.enter()  # a round
+    users.shut()
+    assert not users.enter()  # shut: no new round
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(users.wait_alone(time.monotonic() + 60)))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while users._waiting == 0 and time.monotonic() < deadline:  # until the close waits
+        time.sleep(0.001)
+    users.leave()  # the round leaves
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and got == [True], "the round's leave did not wake the waiting close"
+    assert freed == []  # the owner is still in
+    users.leave()  # the owner
+    assert freed == [1] and users.inside == -1
