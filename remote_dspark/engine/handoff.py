@@ -184,7 +184,7 @@ class Handoff:
             if self._host_round is not None:  # the CPU's hand-over in one C call, where it takes the batch
                 released = self._host_round.hand_over(batch, r, acked)
                 if released is not None:
-                    self.wait_cpu_s += self._host_round.held_s  # its spin for the release is the wait's
+                    self.wait_cpu_s += self._host_round.spin_cpu_s  # its spin for the release is the wait's
                     return r, released
             on_device = batch.meta_on_device
             if on_device and spec.device != "cuda":

@@ -64,7 +64,7 @@ class HostRound:
             num_spec=spec.num_spec,
         )
         self._ref = ctypes.byref(self._h)
-        self.held_s = 0.0  # the last hand-over's spin for the release (the engine's wait CPU)
+        self.spin_cpu_s = 0.0  # the CPU of the last hand-over's spin for the release (its wait's)
 
     def hand_over(self, batch: Batch, r: int, acked: int) -> bool | None:
         """Hand reserved round ``r`` over, for a worker that acknowledged ``acked``
@@ -91,7 +91,7 @@ class HostRound:
         h.round = r
         rc = self._round(self._ref)
         if rc == HostRoundCode.OK:
-            self.held_s = h.held_ns / 1e9
+            self.spin_cpu_s = h.spin_cpu_ns / 1e9
             return bool(h.released_now)
         if rc == HostRoundCode.META:
             self._meta.refused(batch, h.meta_rule)  # raises, naming the culprit

@@ -13,6 +13,13 @@
  * again in Python, whose ValueError names the culprit: messages are written once. */
 #include "hostflag.h"
 
+static uint64_t thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 /* Gather n rows by index (index_bytes 4 or 8) into dst, packed. Returns the first entry
  * whose index is outside 0..src_rows-1, or n; no row is copied before all are checked. */
 static uint64_t gather(const struct hf_host_round *h, uint8_t *dst, uint64_t n)
@@ -35,15 +42,16 @@ static uint64_t gather(const struct hf_host_round *h, uint8_t *dst, uint64_t n)
  * rule h->meta_rule; HF_HR_ROW: entry h->bad_entry's row index is outside the rows; HF_HR_ARGS:
  * the caller's bug (no rows where the round's entries need them, or an index size). Each leaves
  * `gathered` alone: the round is still the caller's to give back. HF_HR_OK: handed over;
- * h->released_now says whether the release came within h->hold_ns (h->held_ns spent
- * spinning for it). */
+ * h->released_now says whether the release came within h->hold_ns, and h->spin_cpu_ns is
+ * the thread's CPU time in that spin (the engine counts it as its wait's: on a busy
+ * machine the spin's wall time is more than what it cost). */
 int hf_host_round(struct hf_host_round *h)
 {
     const struct hf_ring *g = h->ring;
     uint32_t r = h->round, i = r & (g->depth - 1);
     uint8_t *desc = h->desc + (uint64_t)i * h->desc_stride;
     h->released_now = 0;
-    h->held_ns = 0;
+    h->spin_cpu_ns = 0;
     h->bad_entry = 0;
     if (h->row_bytes && h->index_bytes != 4 && h->index_bytes != 8)
         return HF_HR_ARGS;
@@ -61,9 +69,9 @@ int hf_host_round(struct hf_host_round *h)
     memcpy(desc, &r, 4);   /* the descriptor's round word: published by the store of gathered */
     hf_signal(g->gathered, g->gathered_ns + i, r, h->wake);
     if (h->hold_ns) {
-        uint64_t t0 = hf_now_ns();
-        h->released_now = hf_wait_geq(g->released, r, 0, 0, t0 + h->hold_ns) == HF_OK;
-        h->held_ns = hf_now_ns() - t0;
+        uint64_t cpu0 = thread_cpu_ns();
+        h->released_now = hf_wait_geq(g->released, r, 0, 0, hf_now_ns() + h->hold_ns) == HF_OK;
+        h->spin_cpu_ns = thread_cpu_ns() - cpu0;
     }
     return HF_HR_OK;
 }

@@ -289,7 +289,7 @@ struct hf_host_round {
     const void *index;            /* [meta->n] row indexes of index_bytes (4 or 8) */
     uint64_t src_stride, src_rows;
     uint64_t hold_ns;             /* spin this long for the release (0: return once handed over) */
-    uint64_t held_ns;             /* out: the spin's time */
+    uint64_t spin_cpu_ns;         /* out: the thread's CPU time in that spin */
     uint64_t drafted, draft_tokens;  /* out (answer): entries with drafts, their tokens */
     uint32_t row_bytes, index_bytes, num_spec, round;
     uint32_t meta_rule, bad_entry, released_now;   /* out (round) */

@@ -296,7 +296,7 @@ class HostRoundIn(ctypes.Structure):
     """``struct hf_host_round``: a CPU engine's host round for ``hf_host_round`` and
     ``hf_host_answer`` (the region's words and slots and the answer's lost slots, set once
     by ``remote_dspark.engine.host_round``; the round's rows and round id in; the verdicts,
-    the hold's time and the answer's head and sums out)."""
+    the hold's CPU time and the answer's head and sums out)."""
 
     _fields_ = [
         ("ring", ctypes.c_void_p),
@@ -316,7 +316,7 @@ class HostRoundIn(ctypes.Structure):
         ("src_stride", ctypes.c_uint64),
         ("src_rows", ctypes.c_uint64),
         ("hold_ns", ctypes.c_uint64),
-        ("held_ns", ctypes.c_uint64),
+        ("spin_cpu_ns", ctypes.c_uint64),
         ("drafted", ctypes.c_uint64),
         ("draft_tokens", ctypes.c_uint64),
         ("row_bytes", ctypes.c_uint32),
