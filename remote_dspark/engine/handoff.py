@@ -104,10 +104,10 @@ class Handoff:
             )
             self._host = [SlotViews(self.region, i) for i in range(spec.depth)]
             # Host metadata by one C call where it takes the batch (a sampled engine's: Python);
-            # on the CPU the whole hand-over and the answer's copy too (host_round).
+            # on the CPU the whole hand-over and the answer's copy too, and every engine's
+            # summary of a released round (host_round).
             self._native_meta = None if spec.sampled else NativeMeta(self.lib, spec)
-            if self._native_meta is not None and spec.device == "cpu":
-                self._host_round = HostRound(self.lib, self.region, spec, self._native_meta, hold_us)
+            self._host_round = HostRound(self.lib, self.region, spec, self._native_meta, hold_us)
             if spec.device == "cuda":
                 self._dev = DeviceSlots(self.region, self.sync.backend.device_view)
                 self._device = torch.device("cuda", torch.cuda.current_device())
@@ -127,9 +127,8 @@ class Handoff:
         self._served_session = 0  # the session of the last round handed to a proxy
         self._resync: set[int] = set()  # CUDA: slots lost in rounds collected since the last launch
         self._pending: list[int] = []  # CUDA: rounds launched, not yet collected
-        # _collect's hf_drafts_summary: its totals (entries with drafts, their tokens, lost) and lost slots.
-        self._summary = (np.zeros(3, np.uint64), np.zeros(spec.max_slots, np.uint32))
-        self._summary_at = tuple(a.ctypes.data for a in self._summary)
+        self._reserve_s = cfg.watchdog_ms / 1000.0 * (spec.depth + 1)  # room comes back within this
+        self._limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0  # CPU: far past the watchdog, a broken ring
         # When the engine thread saw each of the last STALL_ROUNDS rounds in a row that the
         # watchdog answered (empty after any other outcome). Its one writer is the engine
         # thread; the proxy host's stall verdict only reads it (one tuple: one atomic read).
@@ -138,7 +137,7 @@ class Handoff:
         self.wait_cpu_s = 0.0  # the engine thread's CPU inside those waits (their spins)
 
     _launcher = None  # CUDA: the native launch (native_launch.NativeLaunch), when it checked out
-    _host_round: HostRound | None = None  # CPU, greedy: the hand-over and the answer in C
+    _host_round: HostRound | None = None  # the host side in C (None once the region is freed)
     _host: list = []
     _dev: DeviceSlots | None = None  # CUDA: the stream's views of the slots
 
@@ -178,10 +177,10 @@ class Handoff:
         the outcome."""
         spec, cfg = self.spec, self.spec.cfg
         acked = self.acked_context()
-        r = self.end.reserve(cfg.watchdog_ms / 1000.0 * (spec.depth + 1))
+        r = self.end.reserve(self._reserve_s)
         i = r & (spec.depth - 1)
         try:
-            if self._host_round is not None:  # the CPU's hand-over in one C call, where it takes the batch
+            if spec.device == "cpu":  # the hand-over in one C call, where it takes the batch
                 released = self._host_round.hand_over(batch, r, acked)
                 if released is not None:
                     self.wait_cpu_s += self._host_round.spin_cpu_s  # its spin for the release is the wait's
@@ -270,7 +269,7 @@ class Handoff:
                 self.sync.wait(r, 0)
             torch.cuda.current_stream().synchronize()
         elif not released:
-            limit_s = 2 * cfg.watchdog_ms / 1000.0 + 1.0  # far past the watchdog: a broken ring
+            limit_s = self._limit_s
             c0 = time.thread_time()
             released = self.sync.wait(r, limit_s, hold=released is None)  # (the host round spun the hold)
             self.wait_cpu_s += time.thread_time() - c0
@@ -301,8 +300,13 @@ class Handoff:
         """Released round ``r``'s answer as ``Drafts``: views of its drafts slot, one
         copy per array. Raises as ``_head``."""
         spec = self.spec
-        if self._host_round is not None and not spec.cfg.want_margin:
+        if not (spec.sampled or spec.cfg.want_margin):  # (the C answer copies no margins or distributions)
             return self._host_round.answer(r, n)
+        return self._answer_python(r, n)
+
+    def _answer_python(self, r: int, n: int) -> tuple[Outcome, Drafts]:
+        """``_answer`` by numpy views of the slot: any answer, and the C answer's reference."""
+        spec = self.spec
         outcome, got, flags = self._head(r)
         if not got:  # an empty answer (timeout, error, watchdog, ...)
             return outcome, empty_drafts(n, spec.num_spec, outcome, spec.cfg.want_margin, spec.sampled)
@@ -362,18 +366,13 @@ class Handoff:
     def _collect(self) -> None:
         """Count the outcome of every launched round released by now (engine thread);
         the slots the worker lost are read from the round's own descriptor. No tensor
-        is built: one C pass over the drafts slot per round (``hf_drafts_summary``)."""
+        is built: one C pass over the drafts slot per round (``HostRound.summary``)."""
         released = self.end.released()
         while self._pending and ring.seq_geq(released, self._pending[0]):
-            r = self._pending.pop(0)
-            outcome, got, _ = self._head(r)
-            v, summary = self._host[r & (self.spec.depth - 1)], self._summary
-            got = min(got, self.spec.max_slots)  # (the proxy's check holds it there)
-            self.lib.drafts_summary(v.counts_addr, v.statuses_addr, v.slots_addr, got, *self._summary_at)
-            drafted, tokens, n_lost = summary[0].tolist()
-            if n_lost:
-                self._resync.update(summary[1][:n_lost].tolist())
-            self.counts.record_totals(outcome, drafted, tokens, n_lost)
+            outcome, drafted, tokens, lost = self._host_round.summary(self._pending.pop(0))
+            if lost:
+                self._resync.update(lost)
+            self.counts.record_totals(outcome, drafted, tokens, len(lost))
             self._count_watchdog(outcome)
 
     # ------------------------------------------------------------------ answers without a proxy

@@ -1,19 +1,21 @@
-"""A CPU engine's round on the host in two C calls (:class:`HostRound`).
+"""The engine's host side of a round in C (:class:`HostRound`): a CPU engine's whole
+hand-over and answer, and every engine's summary of a released round.
 
 ``hf_host_round`` (``native/engine_round.c``) hands a reserved round over: the batch's
 metadata checked and written into the round's descriptor (``hf_host_meta``), its rows
 gathered into the staging slot, the descriptor's round word, ``gathered`` published and,
 in process mode, the first microseconds of the wait for ``released`` spun with the GIL
 held (streamsync's hold). ``hf_host_answer`` copies the released answer into the
-engine's new tensors and sums it. The Python steps they replace, each a microsecond or
-a few of the engine thread's CPU, were most of a process round's cost on the host
-(docs/benchmarks.md).
+engine's new tensors and sums it, or, for a round ``launch()`` enqueued, only sums it.
+The Python steps they replace, each a microsecond or a few of the engine thread's CPU,
+were most of a process round's cost on the host (docs/benchmarks.md).
 
-It takes what :class:`~.native_meta.NativeMeta` takes, with rows as a CPU tensor of
-rows contiguous within themselves and a contiguous int32 or int64 index, for an engine
-that asked for no margins. Anything else goes the Python way (``Handoff._hand_over`` and
-``Handoff._answer``), which stays the reference these calls are tested against; a batch
-refused here is checked again there, so every message is written once.
+The hand-over takes what :class:`~.native_meta.NativeMeta` takes, with rows as a CPU
+tensor of rows contiguous within themselves and a contiguous int32 or int64 index; the
+answer's copy is for an engine that asked for no margins and no distributions. Anything
+else goes the Python way (``Handoff._hand_over`` and ``Handoff._answer``), which stays the
+reference these calls are tested against; a batch refused here is checked again there,
+so every message is written once.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ _OUTCOMES = {int(o): o for o in Outcome}
 
 
 class HostRound:
-    """One CPU engine's host round (its engine thread's: one round at a time). Holds
-    addresses into ``region``, not views: the engine calls it only between a round's
-    ``users.enter()`` and ``leave()``, while the region is mapped."""
+    """One engine's host side of its rounds in C (its engine thread's: one round at a
+    time). Holds addresses into ``region``, not views: the engine calls it only between a
+    round's ``users.enter()`` and ``leave()``, while the region is mapped.
 
-    def __init__(self, lib, region: shm.Region, spec, meta: NativeMeta, hold_us: int):
+    ``meta``: the engine's :class:`~.native_meta.NativeMeta` (None for a sampled engine,
+    whose hand-over is Python's); ``hold_us``: the hand-over's spin for the release."""
+
+    def __init__(self, lib, region: shm.Region, spec, meta: NativeMeta | None, hold_us: int):
         lay = region.layout
         self._spec, self._meta = spec, meta
         self._round, self._answer = lib.host_round, lib.host_answer
@@ -48,7 +53,7 @@ class HostRound:
         self._lost = np.zeros(spec.max_slots, np.uint32)
         self._h = HostRoundIn(
             ring=ctypes.addressof(self._geom),
-            meta=meta.struct_addr,
+            meta=meta.struct_addr if meta is not None else None,
             wake=region.addr(lay.wake),
             lost=self._lost.ctypes.data,
             desc=region.addr(lay.desc(0)),
@@ -76,7 +81,7 @@ class HostRound:
             ValueError: naming what is wrong with the batch (nothing handed over)."""
         spec, h = self._spec, self._h
         n = len(batch)
-        if not self._meta.fill(
+        if self._meta is None or not self._meta.fill(
             batch,
             deadline_ms=spec.cfg.timeout_ms,
             context_tokens=spec.context_cut(acked),
@@ -131,21 +136,36 @@ class HostRound:
         Raises:
             RuntimeError: the drafts slot holds another round (read after it was reused),
                 or an entry count that is neither 0 nor ``n``."""
-        k, h = self._spec.num_spec, self._h
+        k = self._spec.num_spec
         # (numpy's allocation and torch.from_numpy: about half torch.empty's time)
         counts, tokens = torch.from_numpy(np.empty(n, np.int32)), torch.from_numpy(np.empty((n, k), np.int32))
-        rc = self._answer(self._ref, r, n, counts.data_ptr(), tokens.data_ptr())
+        outcome = self._read(r, n, counts.data_ptr(), tokens.data_ptr())
+        if not self._h.got:
+            return outcome, empty_drafts(n, k, outcome, False)
+        return outcome, Drafts(tokens, counts, None, "remote", outcome, self._lost_slots())
+
+    def summary(self, r: int) -> tuple[Outcome, int, int, tuple[int, ...]]:
+        """Released round ``r``'s outcome, its entries with drafts and their tokens, and
+        the slots the worker lost: what a launched round is counted by. Raises as
+        :meth:`answer` (an entry count past the engine's slots)."""
+        outcome = self._read(r, self._spec.max_slots, None, None)
+        h = self._h
+        return outcome, h.drafted, h.draft_tokens, self._lost_slots()
+
+    def _read(self, r: int, n: int, counts, tokens) -> Outcome:
+        h = self._h
+        rc = self._answer(self._ref, r, n, counts, tokens)
         if rc == HostRoundCode.OTHER:
             slot = r & (self._spec.depth - 1)
             raise RuntimeError(
                 f"drafts slot {slot} holds round {h.head_round}, expected {r}: read after the slot was reused"
             )
         if rc:
-            raise RuntimeError(f"drafts slot of round {r}: {h.got} entries, the round has {n}")
+            bound = "the round has" if counts else "the engine has slots for"
+            raise RuntimeError(f"drafts slot of round {r}: {h.got} entries, {bound} {n}")
         outcome = _OUTCOMES.get(h.status)
-        if outcome is None:
-            outcome = Outcome(h.status)  # raises, naming the status
-        if not h.got:
-            return outcome, empty_drafts(n, k, outcome, False)
-        lost = tuple(self._lost[: h.n_lost].tolist()) if h.n_lost else ()
-        return outcome, Drafts(tokens, counts, None, "remote", outcome, lost)
+        return Outcome(h.status) if outcome is None else outcome  # (an unknown status raises, naming it)
+
+    def _lost_slots(self) -> tuple[int, ...]:
+        n = self._h.n_lost
+        return tuple(self._lost[:n].tolist()) if n else ()

@@ -29,10 +29,6 @@ class SlotViews:
         d = lay.drafts(i)
         self.head = arr(d, 4, np.uint32)  # round, status, n_entries, flags (shm.DRAFTS_HEAD)
         self.counts = arr(d + shm.D_COUNTS, S, np.int32)
-        # Where the round's counts, entry statuses and slots are, for the native library.
-        self.counts_addr = region.addr(d + shm.D_COUNTS)
-        self.statuses_addr = region.addr(d + lay.d_entry_status)
-        self.slots_addr = self.desc_addr + wire.ROUND_FIXED.size
         self.statuses = arr(d + lay.d_entry_status, S, np.int32)
         self.tokens = arr(d + lay.d_tokens, S * K, np.int32).reshape(S, K)
         self.margins = arr(d + lay.d_margins, S * K, np.float32).reshape(S, K)

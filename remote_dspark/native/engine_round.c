@@ -1,11 +1,12 @@
-/* engine_round.c: a CPU engine's host round in two calls (remote_dspark.engine.host_round).
+/* engine_round.c: the engine's host side of a round (remote_dspark.engine.host_round).
  *
  * hf_host_round hands a reserved round over: the batch's metadata checked and written into
  * the round's descriptor (hf_host_meta), its rows gathered into the staging slot, the
  * descriptor's round word, then `gathered` published (hf_signal), and, when the engine
  * holds its GIL for the first microseconds of a wait (streamsync's hold), that spin for
  * `released` too. hf_host_answer copies a released round's answer out of its drafts slot
- * into the engine's arrays and sums it as hf_drafts_summary does. Through Python the same
+ * into the engine's arrays and sums it as hf_drafts_summary does, or only sums it (a
+ * round launch() enqueued, counted once released). Through Python the same
  * steps are about forty calls of a microsecond each on the engine's critical path.
  *
  * The Python steps stay the reference these calls are tested against, byte for byte and
@@ -76,13 +77,14 @@ int hf_host_round(struct hf_host_round *h)
     return HF_HR_OK;
 }
 
-/* Released round `round`'s answer, for an engine that asked for no margins: the drafts
- * slot's head into h->status, h->got and h->flags, and, when the slot holds this round
- * and got is n (any answer the proxy wrote: hf_unpack holds it to the round's entries),
- * its counts [n] and tokens [n, num_spec] into the caller's arrays, summed into h->drafted,
- * h->draft_tokens and h->n_lost (the lost slots into h->lost). Returns HF_HR_OK, or
- * HF_HR_OTHER (the slot holds round h->head_round) or HF_HR_GOT (got is neither 0 nor n):
- * nothing copied. */
+/* Released round `round`'s answer: the drafts slot's head into h->status, h->got and
+ * h->flags, and, when the slot holds this round, its entries summed into h->drafted,
+ * h->draft_tokens and h->n_lost (the lost slots into h->lost). With `counts`, for an
+ * engine that asked for no margins: got must be 0 or n (any answer the proxy wrote:
+ * hf_unpack holds it to the round's entries), and its counts [n] and tokens [n, num_spec]
+ * are copied into the caller's arrays. Without (a launched round's summary): got must be
+ * at most n. Returns HF_HR_OK, or HF_HR_OTHER (the slot holds round h->head_round) or
+ * HF_HR_GOT (got breaks its bound): nothing copied or summed. */
 int hf_host_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int32_t *counts, int32_t *tokens)
 {
     const struct hf_ring *g = h->ring;
@@ -96,15 +98,17 @@ int hf_host_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int32_t 
         return HF_HR_OTHER;
     if (!h->got)
         return HF_HR_OK;
-    if (h->got != n)
+    if (counts ? h->got != n : h->got > n)
         return HF_HR_GOT;
     const int32_t *src_counts = (const int32_t *)(d + h->d_counts);
-    memcpy(counts, src_counts, 4u * (uint64_t)n);
-    memcpy(tokens, d + h->d_tokens, 4u * (uint64_t)n * h->num_spec);
+    if (counts) {
+        memcpy(counts, src_counts, 4u * (uint64_t)n);
+        memcpy(tokens, d + h->d_tokens, 4u * (uint64_t)n * h->num_spec);
+    }
     uint64_t out[3];
     const uint8_t *desc = h->desc + (uint64_t)(round & (g->depth - 1)) * h->desc_stride;
     hf_drafts_summary(src_counts, (const int32_t *)(d + h->d_statuses),
-                      (const uint32_t *)(desc + DESC_FIXED + W_ROUND_FIXED), n, out, h->lost);
+                      (const uint32_t *)(desc + DESC_FIXED + W_ROUND_FIXED), h->got, out, h->lost);
     h->drafted = out[0], h->draft_tokens = out[1], h->n_lost = (uint32_t)out[2];
     return HF_HR_OK;
 }

@@ -14,6 +14,7 @@ worker are the same with the C calls as without them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -168,6 +169,8 @@ def test_the_c_answer_is_the_python_answer(sides, status):
         assert got.counts.tolist() == (want.counts.tolist() if m else [0] * n)
         assert got.resync == (want.resync if m else ()) and got.margins is None
         assert got.tokens.shape == (n, NUM_SPEC) and got.tokens.dtype == got.counts.dtype == torch.int32
+        counted = (status, int(np.count_nonzero(v.counts[:m])), int(v.counts[:m].sum()), got.resync)
+        assert side.host.summary(r) == counted  # a launched round's count: the same answer, summed
 
 
 def test_an_answer_read_from_a_reused_slot_or_of_another_size_is_refused_loudly(sides):
@@ -181,6 +184,9 @@ def test_an_answer_read_from_a_reused_slot_or_of_another_size_is_refused_loudly(
     side.views[1].head[:] = (3, 0, 1, 0)
     with pytest.raises(RuntimeError, match="1 entries, the round has 2"):
         side.host.answer(3, 2)
+    side.views[1].head[:] = (3, 0, 25, 0)
+    with pytest.raises(RuntimeError, match="25 entries, the engine has slots for 24"):
+        side.host.summary(3)
 
 
 def test_the_hold_spins_until_the_release_and_reports_its_cpu(sides):
@@ -229,6 +235,11 @@ def test_rows_the_c_call_does_not_take_go_the_python_way(sides, change):
 # --------------------------------------------------------------------------- an engine
 
 
+def _counted(call, calls: list, *args):
+    calls.append(args)
+    return call(*args)
+
+
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_an_engines_rounds_are_the_same_with_the_c_calls_as_without(worker, tmp_path, mode):
     rounds = [
@@ -239,10 +250,12 @@ def test_an_engines_rounds_are_the_same_with_the_c_calls_as_without(worker, tmp_
     got = {}
     for host in (True, False):
         with make(async_env(worker.port, tmp_path, mode)) as rd:
-            handoff = rd._path.handoff
-            assert handoff._host_round is not None
-            if not host:
-                handoff._host_round = None  # the Python steps
+            handoff, calls = rd._path.handoff, []
+            handoff._host_round._round = functools.partial(_counted, handoff._host_round._round, calls)
+            if not host:  # the Python steps
+                handoff._host_round.hand_over = lambda *_: None
+                handoff._host_round.answer = handoff._answer_python
             got[host] = [(o.outcome, o.tokens.tolist(), o.counts.tolist(), o.resync) for o in map(rd.round, rounds)]
+            assert len(calls) == (len(rounds) if host else 0)
     assert got[True] == got[False]
     assert all(outcome is Outcome.OK for outcome, *_ in got[True])
