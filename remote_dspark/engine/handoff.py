@@ -106,7 +106,8 @@ class Handoff:
             # Host metadata by one C call where it takes the batch (a sampled engine's: Python);
             # on the CPU the whole hand-over and the answer's copy too, and every engine's
             # summary of a released round (host_round).
-            self._native_meta = None if spec.sampled else NativeMeta(self.lib, spec)
+            acked_at = self.end.header.context_at  # each C call reads the worker's context for its cut
+            self._native_meta = None if spec.sampled else NativeMeta(self.lib, spec, acked_at)
             self._host_round = HostRound(self.lib, self.region, spec, self._native_meta, hold_us)
             if spec.device == "cuda":
                 self._dev = DeviceSlots(self.region, self.sync.backend.device_view)
@@ -176,24 +177,21 @@ class Handoff:
         otherwise the caller enqueues the wait. ``status``: where the native launch copies
         the outcome."""
         spec, cfg = self.spec, self.spec.cfg
-        acked = self.acked_context()
         r = self.end.reserve(self._reserve_s)
         i = r & (spec.depth - 1)
         try:
             if spec.device == "cpu":  # the hand-over in one C call, where it takes the batch
-                released = self._host_round.hand_over(batch, r, acked)
+                released = self._host_round.hand_over(batch, r)
                 if released is not None:
                     self.wait_cpu_s += self._host_round.spin_cpu_s  # its spin for the release is the wait's
                     return r, released
-            on_device = batch.meta_on_device
-            if on_device and spec.device != "cuda":
-                raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
             self._collect()
-            self._host[i].round_word[0] = r
-            if on_device:
-                self._write_device_meta(batch, i, cfg.timeout_ms, spec.context_cut(acked))
-            else:
-                write_round_meta(spec, self._native_meta, batch, self._host[i].desc, self._host[i].desc_addr, acked)
+            v = self._host[i]
+            v.round_word[0] = r
+            if write_round_meta(spec, self._native_meta, batch, v.desc, v.desc_addr, self.acked_context) is None:
+                if spec.device != "cuda":
+                    raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
+                self._write_device_meta(batch, i, cfg.timeout_ms, spec.context_cut(self.acked_context()))
             rows = has_rows(batch, spec.row_bytes)
             if self._launcher is not None:
                 stream = streamsync.current_stream(torch) if stream is None else stream  # (the default stream is 0)

@@ -71,22 +71,19 @@ class HostRound:
         self._ref = ctypes.byref(self._h)
         self.spin_cpu_s = 0.0  # the CPU of the last hand-over's spin for the release (its wait's)
 
-    def hand_over(self, batch: Batch, r: int, acked: int) -> bool | None:
-        """Hand reserved round ``r`` over, for a worker that acknowledged ``acked``
-        context tokens (``Spec.context_cut``): True when it was released within the hold,
-        False when not yet, None when this call does not take the batch (nothing handed
-        over: the caller goes the Python way).
+    def hand_over(self, batch: Batch, r: int) -> bool | None:
+        """Hand reserved round ``r`` over (cut by the acked word: ``NativeMeta``): True
+        when it was released within the hold, False when not yet, None when this call
+        does not take the batch (nothing handed over: the caller goes the Python way).
 
         Raises:
             ValueError: naming what is wrong with the batch (nothing handed over)."""
         spec, h = self._spec, self._h
         n = len(batch)
-        if self._meta is None or not self._meta.fill(
-            batch,
-            deadline_ms=spec.cfg.timeout_ms,
-            context_tokens=spec.context_cut(acked),
-            n_out_default=spec.n_out_for(n),
-        ):
+        meta = self._meta
+        if meta is None or not meta.reads_acked:
+            return None  # (a sampled engine's, or a cut the C struct cannot hold: the Python way)
+        if not meta.fill(batch, deadline_ms=spec.cfg.timeout_ms, n_out_default=spec.n_out_for(n)):
             return None
         if spec.row_bytes:  # (rows missing or given to a rowless engine: the Python way names them)
             if not self._rows(batch.rows, batch.row_index, n):

@@ -16,6 +16,7 @@ messages are written once; the two disagreeing is a loud RuntimeError.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,9 +48,12 @@ class NativeMeta:
     """``hf_host_meta`` for one engine's rounds (its terms fixed here; one thread at a
     time: the duplicate check's marks are this object's)."""
 
-    def __init__(self, lib, spec):
+    def __init__(self, lib, spec, acked_at: int = 0):
         """``spec``: the engine's :class:`~remote_dspark.engine.spec.Spec` (its slots,
-        num_spec, max_tokens, vocab_size and row_bytes are the call's terms)."""
+        num_spec, max_tokens, vocab_size and row_bytes are the call's terms). ``acked_at``:
+        the address of the region's ``context_tokens`` word, which each call then reads
+        for the round's cut (``Spec.context_cut``'s rule, in C); 0: each caller gives
+        the cut."""
         self._call = lib.host_meta
         self._stamps = np.zeros(spec.max_slots, np.uint32)
         self._m = MetaIn(
@@ -60,15 +64,20 @@ class NativeMeta:
             vocab_size=spec.vocab_size,
             row_bytes=spec.row_bytes,
         )
+        if acked_at and 0 < spec.context_tokens <= _U32_MAX:  # (a cap past the u32: the caller's cut)
+            m = self._m
+            m.acked, m.context_cap, m.context_first = acked_at, spec.context_tokens, spec.context_cut(0)
+        self.reads_acked = bool(self._m.acked)  # the calls cut by the acked word
         self._ref = ctypes.byref(self._m)
         self.struct_addr = ctypes.addressof(self._m)  # for a call that takes the struct by pointer (host_round)
 
     def write(
-        self, batch: Batch, dst: int, room: int, *, deadline_ms: int, context_tokens: int, n_out_default: int
+        self, batch: Batch, dst: int, room: int, *, deadline_ms: int, n_out_default: int, context_tokens: int = 0
     ) -> int | None:
         """Check ``batch`` and write its ROUND metadata at address ``dst`` (``room``
         bytes): the bytes written, or None when this call does not take the batch (the
-        caller goes the Python way).
+        caller goes the Python way). ``context_tokens``: the cut, for a ``NativeMeta``
+        that reads no acked word.
 
         Raises:
             ValueError: ``host_meta``'s, naming what is wrong with a refused batch."""
@@ -79,13 +88,13 @@ class NativeMeta:
             self.refused(batch, rule)
         return self._m.written
 
-    def fill(self, batch: Batch, *, deadline_ms: int, context_tokens: int, n_out_default: int) -> bool:
-        """Point the struct at ``batch``'s arrays and set the round's terms: False when
-        the C call does not take the batch (nothing set that a later fill would not set
-        again)."""
+    def fill(self, batch: Batch, *, deadline_ms: int, n_out_default: int, context_tokens: int = 0) -> bool:
+        """Point the struct at ``batch``'s arrays and set the round's terms (``context_tokens``
+        as :meth:`write`'s): False when the C call does not take the batch (nothing set that
+        a later fill would not set again)."""
         if batch.temperature is not None or batch.seed is not None:
             return False  # a sampled engine's (or a batch refused for its sampling fields)
-        if not (0 < context_tokens <= _U32_MAX and 0 <= n_out_default <= _U32_MAX):
+        if not (self.reads_acked or 0 < context_tokens <= _U32_MAX) or not 0 <= n_out_default <= _U32_MAX:
             return False  # terms the C struct cannot hold (the engine's are always within)
         slots = batch.slots
         n = slots.shape[0] if isinstance(slots, (torch.Tensor, np.ndarray)) and slots.ndim == 1 else -1
@@ -105,13 +114,15 @@ class NativeMeta:
         (m.slots, m.slots_size), (m.positions, m.positions_size), (m.offsets, m.offsets_size) = got[:3]
         (m.tokens, m.tokens_size), (m.new_gen, _) = got[3:]
         m.n_out, m.n_out_size = n_out or (None, 0)
-        m.n, m.n_tokens, m.deadline_ms = n, n_tokens, deadline_ms
-        m.context_tokens, m.n_out_default = context_tokens, n_out_default
+        m.n, m.n_tokens, m.deadline_ms, m.n_out_default = n, n_tokens, deadline_ms, n_out_default
+        if not self.reads_acked:
+            m.context_tokens = context_tokens
         return True
 
     def refused(self, batch: Batch, rule: int) -> None:
-        """The reference's checks of the filled batch the C check refused (``rule``): they
-        raise its ValueError. Raises RuntimeError when they accept it (the two disagree)."""
+        """The reference's checks of the filled batch the C check refused (``rule``), with
+        the cut that call used: they raise its ValueError. Raises RuntimeError when they
+        accept it (the two disagree)."""
         from .batch import host_meta
 
         m = self._m
@@ -130,11 +141,15 @@ class NativeMeta:
         )
 
 
-def write_round_meta(spec, native: NativeMeta | None, batch: Batch, dst: np.ndarray, dst_addr: int, acked: int) -> int:
+def write_round_meta(
+    spec, native: NativeMeta | None, batch: Batch, dst: np.ndarray, dst_addr: int, acked: Callable[[], int]
+) -> int | None:
     """``batch``'s ROUND metadata checked, cut and written into ``dst`` (a uint8 view at
-    address ``dst_addr``) for an engine of ``spec`` whose worker acknowledged ``acked``
-    context tokens: by ``native`` when it takes the batch, else by ``host_meta`` and
-    ``write_meta``. Returns the bytes written.
+    address ``dst_addr``) for an engine of ``spec`` whose worker acknowledged ``acked()``
+    context tokens (read only where the cut is Python's): by ``native`` when it takes the
+    batch, else by ``host_meta`` and ``write_meta``. Returns the bytes written, or None,
+    writing nothing, when the batch's metadata is on a device (the caller writes it in
+    stream order).
 
     Raises:
         ValueError: ``host_meta``'s, naming what is wrong."""
@@ -142,8 +157,17 @@ def write_round_meta(spec, native: NativeMeta | None, batch: Batch, dst: np.ndar
 
     deadline_ms = spec.cfg.timeout_ms
     if native is not None:
-        cut, n_out = spec.context_cut(acked), spec.n_out_for(len(batch))
-        done = native.write(batch, dst_addr, len(dst), deadline_ms=deadline_ms, context_tokens=cut, n_out_default=n_out)
+        cut = 0 if native.reads_acked else spec.context_cut(acked())
+        done = native.write(
+            batch,
+            dst_addr,
+            len(dst),
+            deadline_ms=deadline_ms,
+            n_out_default=spec.n_out_for(len(batch)),
+            context_tokens=cut,
+        )
         if done is not None:
             return done
-    return write_meta(dst, spec.meta(batch, acked), deadline_ms=deadline_ms, row_bytes=spec.row_bytes)
+    if batch.meta_on_device:
+        return None
+    return write_meta(dst, spec.meta(batch, acked()), deadline_ms=deadline_ms, row_bytes=spec.row_bytes)

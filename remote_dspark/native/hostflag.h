@@ -231,18 +231,23 @@ struct hf_serve {
  * arrays' pointers (Python owns them), each of int32 or int64 (its *_size: 4 or 8;
  * new_gen is bool bytes; n_out NULL: n_out_default for every entry), the engine's terms,
  * and the duplicate check's marks. Per engine: the terms and marks are set once, the
- * arrays at every call. */
+ * arrays at every call. With `acked` (the region's context_tokens word: what the proxy's
+ * worker acknowledged, 0 before its HELLO_ACK) each call sets context_tokens itself, as
+ * engine.spec.Spec.context_cut does: the smaller of the word and context_cap, or
+ * context_first (the cut before any acknowledgement, Python's) while the word is 0. */
 struct hf_meta {
     const void *slots, *positions, *n_out, *offsets, *tokens;
     const uint8_t *new_gen;
     uint32_t *stamps;             /* [max_slots]: a slot is taken in a check when it holds stamp_gen */
+    const uint32_t *acked;        /* NULL: context_tokens as the caller set it */
     uint64_t n, n_tokens;         /* entries; tokens before the cut */
     uint32_t slots_size, positions_size, n_out_size, offsets_size, tokens_size;
     uint32_t max_slots, num_spec, max_tokens, n_out_default, vocab_size, context_tokens;
     uint32_t deadline_ms, row_bytes;
     uint32_t stamp_gen;           /* in and out: the last check's number */
     uint32_t n_kept;              /* out: tokens after the cut */
-    uint32_t pad;
+    uint32_t context_cap, context_first;
+    uint32_t pad[2];
     uint64_t written;             /* out: the payload bytes written (rows excepted) */
 };
 

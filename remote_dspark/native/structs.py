@@ -223,6 +223,7 @@ class MetaIn(ctypes.Structure):
         ("tokens", ctypes.c_void_p),
         ("new_gen", ctypes.c_void_p),
         ("stamps", ctypes.c_void_p),
+        ("acked", ctypes.c_void_p),
         ("n", ctypes.c_uint64),
         ("n_tokens", ctypes.c_uint64),
         ("slots_size", ctypes.c_uint32),
@@ -240,7 +241,9 @@ class MetaIn(ctypes.Structure):
         ("row_bytes", ctypes.c_uint32),
         ("stamp_gen", ctypes.c_uint32),
         ("n_kept", ctypes.c_uint32),
-        ("pad", ctypes.c_uint32),
+        ("context_cap", ctypes.c_uint32),
+        ("context_first", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32 * 2),
         ("written", ctypes.c_uint64),
     ]
 

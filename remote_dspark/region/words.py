@@ -101,7 +101,7 @@ class HeaderWords:
         self._region = region
         self._session = region.addr(OFF_SESSION)
         self._proxy_pid = region.addr(OFF_PROXY_PID)
-        self._context = region.addr(OFF_CONTEXT)
+        self._context = self.context_at = region.addr(OFF_CONTEXT)  # (context_at: for a C reader)
         self._heartbeat = region.addr(OFF_HEARTBEAT)
         self._breaker = region.addr(OFF_BREAKER)
 

@@ -33,6 +33,7 @@ from remote_dspark.engine.native_meta import NativeMeta, write_round_meta
 from remote_dspark.engine.slot_views import SlotViews
 from remote_dspark.outcome import Outcome
 from remote_dspark.region import shm
+from remote_dspark.region.layout import OFF_CONTEXT
 
 DEPTH, N_ROWS = 2, 9
 
@@ -46,7 +47,8 @@ class Side:
             shm.Layout(DEPTH, spec.max_slots, spec.row_bytes, spec.num_spec, spec.max_tokens)
         )
         self.views = [SlotViews(self.region, i) for i in range(DEPTH)]
-        self.host = HostRound(lib, self.region, spec, NativeMeta(lib, spec), hold_us)
+        self.acked_at = self.region.addr(OFF_CONTEXT)  # the worker's acknowledged context, as the proxy writes it
+        self.host = HostRound(lib, self.region, spec, NativeMeta(lib, spec, self.acked_at), hold_us)
 
     def word(self, name: str) -> int:
         return self.lib.load32(self.region.addr(getattr(self.region.layout, name)))
@@ -78,8 +80,12 @@ def sides(lib):
 
 @st.composite
 def with_rows(draw):
-    """test_native_meta's batches with rows: ``(batch, acked, spec)``."""
-    b, acked, _, spec = draw(batches())
+    """test_native_meta's batches with rows, an engine's cap of 4 or 64 context tokens
+    and a worker's acknowledged context (0: none yet; past the cap; past the u32's sign):
+    ``(batch, acked, spec)``."""
+    b, _, _, spec = draw(batches())
+    spec = dataclasses.replace(spec, context_tokens=draw(st.sampled_from([4, 64])))
+    acked = draw(st.sampled_from([0, 1, 3, 4, 5, 63, 64, 65, 1 << 31, (1 << 32) - 1]))
     n = len(b)
     index = draw(st.lists(st.integers(0, N_ROWS - 1), min_size=n, max_size=n))
     if n and draw(st.integers(0, 5)) == 0:
@@ -102,7 +108,7 @@ def _python(side: Side, b: Batch, r: int, acked: int):
     """The Python steps' verdict, descriptor and staging bytes."""
     v = side.views[r % DEPTH]
     try:
-        size = write_round_meta(side.spec, None, b, v.desc, v.desc_addr, acked)
+        size = write_round_meta(side.spec, None, b, v.desc, v.desc_addr, lambda: acked)
         staging = side.region.addr(side.region.layout.staging(r % DEPTH))
         gather_rows_host(b, v.staging, side.spec.row_bytes, side.lib, staging)
     except ValueError as e:
@@ -113,8 +119,9 @@ def _python(side: Side, b: Batch, r: int, acked: int):
 def _native(side: Side, b: Batch, r: int, acked: int):
     v = side.views[r % DEPTH]
     v.desc[:] = 0xAB
+    side.lib.store32(side.acked_at, acked)
     try:
-        released = side.host.hand_over(b, r, acked)
+        released = side.host.hand_over(b, r)
     except ValueError as e:
         assert side.word("gathered") != r, "a refused batch was handed over"
         return str(e), b"", b""
@@ -157,7 +164,7 @@ def test_the_c_answer_is_the_python_answer(sides, status):
         slots = rng.permutation(spec.max_slots)[:n]
         b = Batch(slots, np.zeros(0, np.int64), np.zeros(n + 1, np.int64), np.zeros(n, np.int64), np.zeros(n, bool),
                   torch.zeros(1, ROW_BYTES, dtype=torch.uint8), np.zeros(n, np.int64))  # fmt: skip
-        side.host.hand_over(b, r, 0)
+        side.host.hand_over(b, r)
         _answer_in(side, r, n, int(status), rng)
         outcome, got = side.host.answer(r, n)
         v = side.views[r % DEPTH]
@@ -177,7 +184,7 @@ def test_an_answer_read_from_a_reused_slot_or_of_another_size_is_refused_loudly(
     side = sides(_spec())
     b = Batch(np.array([1, 2]), np.zeros(0, np.int64), np.zeros(3, np.int64), np.zeros(2, np.int64), np.zeros(2, bool),
               torch.zeros(1, ROW_BYTES, dtype=torch.uint8), np.zeros(2, np.int64))  # fmt: skip
-    side.host.hand_over(b, 3, 0)
+    side.host.hand_over(b, 3)
     side.views[1].head[:] = (5, 0, 2, 0)
     with pytest.raises(RuntimeError, match="drafts slot 1 holds round 5, expected 3"):
         side.host.answer(3, 2)
@@ -194,12 +201,12 @@ def test_the_hold_spins_until_the_release_and_reports_its_cpu(sides):
     b = Batch(np.array([1]), np.zeros(0, np.int64), np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, bool),
               torch.zeros(1, ROW_BYTES, dtype=torch.uint8), np.zeros(1, np.int64))  # fmt: skip
     c0, t0 = time.thread_time(), time.monotonic()
-    assert side.host.hand_over(b, 1, 0) is False  # nobody releases: the hold runs out
+    assert side.host.hand_over(b, 1) is False  # nobody releases: the hold runs out
     spun = time.thread_time() - c0
     assert time.monotonic() - t0 >= 0.002  # the whole hold
     assert 0 < side.host.spin_cpu_s <= spun  # the spin's CPU, within the call's
     side.lib.store32(side.region.addr(side.region.layout.released), 2)  # released ahead (as a proxy would)
-    assert side.host.hand_over(b, 2, 0) is True and side.host.spin_cpu_s < spun
+    assert side.host.hand_over(b, 2) is True and side.host.spin_cpu_s < spun
 
 
 @pytest.mark.parametrize(
@@ -229,7 +236,7 @@ def test_rows_the_c_call_does_not_take_go_the_python_way(sides, change):
         )  # fmt: skip
     )
     side = sides(spec)
-    assert side.host.hand_over(b, 1, 0) is None and side.word("gathered") != 1
+    assert side.host.hand_over(b, 1) is None and side.word("gathered") != 1
 
 
 # --------------------------------------------------------------------------- an engine

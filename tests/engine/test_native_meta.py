@@ -9,6 +9,8 @@ both paths must give the same verdict (the same ValueError, or none) and, when a
 the same bytes. A refused batch writes nothing.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -182,9 +184,9 @@ def test_a_batch_the_c_call_cannot_read_goes_the_python_way_with_the_same_bytes(
     dst = np.zeros(ROOM, np.uint8)
     if batch.temperature is not None:  # a greedy engine refuses sampling fields, by the Python way's words
         with pytest.raises(ValueError, match="temperature: given, but the engine does not ask for sampled drafts"):
-            write_round_meta(_spec(), native, batch, dst, dst.ctypes.data, 0)
+            write_round_meta(_spec(), native, batch, dst, dst.ctypes.data, lambda: 0)
         return
-    size = write_round_meta(_spec(), native, batch, dst, dst.ctypes.data, 0)
+    size = write_round_meta(_spec(), native, batch, dst, dst.ctypes.data, lambda: 0)
     assert dst[:size].tobytes() == _python(batch, 8, NUM_SPEC, _spec())[1]
 
 
@@ -206,3 +208,18 @@ def test_offsets_whose_differences_wrap_and_a_cut_past_the_u32_are_refused_by_bo
     for batch, why in ((wrap, "token_offsets: not non-decreasing (entry 1)"), (late, "after its NEW_GEN cut")):
         err, _ = _native(lib, batch, 8, 2, _spec())
         assert err is not None and why in err and err == _python(batch, 8, 2, _spec())[0]
+
+
+@pytest.mark.parametrize("acked", [0, 1, 50, 63, 64, 65, 199, 200, 201, 1 << 31, (1 << 32) - 1])
+def test_the_cut_read_from_the_acked_word_is_spec_context_cut(lib, acked):
+    """A NativeMeta given the region's context word cuts each NEW_GEN context as
+    ``Spec.context_cut`` does, from the word's value at the call: the smaller of it and
+    the engine's cap, and before any HELLO_ACK (0) the cut of an unknown worker."""
+    spec = dataclasses.replace(_spec(), context_tokens=200)
+    word = np.array([acked], np.uint32)
+    native = NativeMeta(lib, spec, word.ctypes.data)
+    batch = Batch(np.array([2]), np.arange(300), np.array([0, 300]), np.array([9]), np.array([True]))
+    dst = np.zeros(ROOM, np.uint8)
+    size = native.write(batch, dst.ctypes.data, len(dst), deadline_ms=spec.cfg.timeout_ms, n_out_default=2)
+    kept = int(dst[:16].view(np.uint32)[3])  # the fixed part's token count
+    assert kept == spec.context_cut(acked) and dst[:size].tobytes() == _python(batch, kept, 2, spec)[1][:size]
