@@ -48,7 +48,7 @@ class HostRound:
     def __init__(self, lib, region: shm.Region, spec, meta: NativeMeta | None, hold_us: int):
         lay = region.layout
         self._spec, self._meta = spec, meta
-        self._round, self._answer = lib.host_round, lib.host_answer
+        self._round, self._answer, self._summary = lib.host_round, lib.host_answer, lib.host_summary
         self._geom = ring.geometry(region)
         self._lost = np.zeros(spec.max_slots, np.uint32)
         self._h = HostRoundIn(
@@ -136,7 +136,8 @@ class HostRound:
         k = self._spec.num_spec
         # (numpy's allocation and torch.from_numpy: about half torch.empty's time)
         counts, tokens = torch.from_numpy(np.empty(n, np.int32)), torch.from_numpy(np.empty((n, k), np.int32))
-        outcome = self._read(r, n, counts.data_ptr(), tokens.data_ptr())
+        rc = self._answer(self._ref, r, n, counts.data_ptr(), tokens.data_ptr())
+        outcome = self._outcome(rc, r, f"the round has {n}")
         if not self._h.got:
             return outcome, empty_drafts(n, k, outcome, False)
         return outcome, Drafts(tokens, counts, None, "remote", outcome, self._lost_slots())
@@ -145,21 +146,21 @@ class HostRound:
         """Released round ``r``'s outcome, its entries with drafts and their tokens, and
         the slots the worker lost: what a launched round is counted by. Raises as
         :meth:`answer` (an entry count past the engine's slots)."""
-        outcome = self._read(r, self._spec.max_slots, None, None)
+        max_slots = self._spec.max_slots
+        outcome = self._outcome(self._summary(self._ref, r, max_slots), r, f"the engine has slots for {max_slots}")
         h = self._h
         return outcome, h.drafted, h.draft_tokens, self._lost_slots()
 
-    def _read(self, r: int, n: int, counts, tokens) -> Outcome:
+    def _outcome(self, rc: int, r: int, bound: str) -> Outcome:
+        """The read answer's outcome; raises for a refused read (``rc``)."""
         h = self._h
-        rc = self._answer(self._ref, r, n, counts, tokens)
         if rc == HostRoundCode.OTHER:
             slot = r & (self._spec.depth - 1)
             raise RuntimeError(
                 f"drafts slot {slot} holds round {h.head_round}, expected {r}: read after the slot was reused"
             )
         if rc:
-            bound = "the round has" if counts else "the engine has slots for"
-            raise RuntimeError(f"drafts slot of round {r}: {h.got} entries, {bound} {n}")
+            raise RuntimeError(f"drafts slot of round {r}: {h.got} entries, {bound}")
         outcome = _OUTCOMES.get(h.status)
         return Outcome(h.status) if outcome is None else outcome  # (an unknown status raises, naming it)
 

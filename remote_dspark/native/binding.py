@@ -176,6 +176,7 @@ _FUNCS = {
     "drafts_summary": ("hf_drafts_summary", None, (_P, _P, _P, _U32, _P, _P), False),
     "host_round": ("hf_host_round", _I, (ctypes.POINTER(HostRoundIn),), False),
     "host_answer": ("hf_host_answer", _I, (ctypes.POINTER(HostRoundIn), _U32, _U32, _P, _P), False),
+    "host_summary": ("hf_host_summary", _I, (ctypes.POINTER(HostRoundIn), _U32, _U32), False),
 }
 
 

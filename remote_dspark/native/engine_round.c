@@ -79,13 +79,13 @@ int hf_host_round(struct hf_host_round *h)
 
 /* Released round `round`'s answer: the drafts slot's head into h->status, h->got and
  * h->flags, and, when the slot holds this round, its entries summed into h->drafted,
- * h->draft_tokens and h->n_lost (the lost slots into h->lost). With `counts`, for an
- * engine that asked for no margins: got must be 0 or n (any answer the proxy wrote:
- * hf_unpack holds it to the round's entries), and its counts [n] and tokens [n, num_spec]
- * are copied into the caller's arrays. Without (a launched round's summary): got must be
- * at most n. Returns HF_HR_OK, or HF_HR_OTHER (the slot holds round h->head_round) or
- * HF_HR_GOT (got breaks its bound): nothing copied or summed. */
-int hf_host_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int32_t *counts, int32_t *tokens)
+ * h->draft_tokens and h->n_lost (the lost slots into h->lost, room for n). With `copy`:
+ * got must be 0 or n, and the counts [n] and tokens [n, num_spec] are copied into the
+ * caller's arrays; without, got must be at most n. Returns HF_HR_OK, or HF_HR_OTHER (the
+ * slot holds round h->head_round) or HF_HR_GOT (got breaks its bound): nothing copied
+ * or summed. */
+static int read_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int copy, int32_t *counts,
+                       int32_t *tokens)
 {
     const struct hf_ring *g = h->ring;
     const uint8_t *d = g->drafts + (uint64_t)(round & (g->depth - 1)) * g->drafts_stride;
@@ -98,10 +98,10 @@ int hf_host_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int32_t 
         return HF_HR_OTHER;
     if (!h->got)
         return HF_HR_OK;
-    if (counts ? h->got != n : h->got > n)
+    if (copy ? h->got != n : h->got > n)
         return HF_HR_GOT;
     const int32_t *src_counts = (const int32_t *)(d + h->d_counts);
-    if (counts) {
+    if (copy) {
         memcpy(counts, src_counts, 4u * (uint64_t)n);
         memcpy(tokens, d + h->d_tokens, 4u * (uint64_t)n * h->num_spec);
     }
@@ -111,4 +111,19 @@ int hf_host_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int32_t 
                       (const uint32_t *)(desc + DESC_FIXED + W_ROUND_FIXED), h->got, out, h->lost);
     h->drafted = out[0], h->draft_tokens = out[1], h->n_lost = (uint32_t)out[2];
     return HF_HR_OK;
+}
+
+/* Released round `round`'s answer for an engine that asked for no margins and no
+ * distributions, as read_answer copies it: got is 0 or n (any answer the proxy wrote:
+ * hf_unpack holds it to the round's entries); n at most the layout's max_slots. */
+int hf_host_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int32_t *counts, int32_t *tokens)
+{
+    return read_answer(h, round, n, 1, counts, tokens);
+}
+
+/* A launched round's count (read_answer without a copy): got at most max_slots, the
+ * layout's (the room of the drafts slot, the descriptor and h->lost). */
+int hf_host_summary(struct hf_host_round *h, uint32_t round, uint32_t max_slots)
+{
+    return read_answer(h, round, max_slots, 0, NULL, NULL);
 }
