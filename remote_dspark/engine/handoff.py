@@ -145,7 +145,7 @@ class Handoff:
     def _free(self) -> None:
         """The last user left: forget every view of the region (numpy and device), stop
         the watchdog (a close hook) and unmap."""
-        self._host, self._dev, self._host_round = [], None, None
+        self._host, self._dev, self._host_round, self._native_meta = [], None, None, None  # (addresses too)
         self.region.close()
 
     # ------------------------------------------------------------------ rounds
@@ -214,7 +214,9 @@ class Handoff:
                     index = torch.as_tensor(index, device=batch.rows.device)
                 self._gather(batch.rows, index, self._dev.staging[i])
         except BaseException as e:
-            if not getattr(e, "handed_over", False):  # a native launch that stored gathered is the proxy's
+            # A round whose gathered was stored (by the host round's call, raised past on
+            # its way out, or a native launch's enqueued store) is the proxy's: keep it.
+            if not (getattr(e, "handed_over", False) or self.end.gathered() == r):
                 self.end.unreserve(r)  # never gathered: no hole in the round sequence
             # The callees' frames hold views of the region; a caller keeping this traceback
             # must not keep the region from being unmapped at close().

@@ -67,6 +67,7 @@ class HostRound:
             hold_ns=hold_us * 1000,
             row_bytes=spec.row_bytes,
             num_spec=spec.num_spec,
+            max_slots=spec.max_slots,
         )
         self._ref = ctypes.byref(self._h)
         self.spin_cpu_s = 0.0  # the CPU of the last hand-over's spin for the release (its wait's)
@@ -137,21 +138,20 @@ class HostRound:
         # (numpy's allocation and torch.from_numpy: about half torch.empty's time)
         counts, tokens = torch.from_numpy(np.empty(n, np.int32)), torch.from_numpy(np.empty((n, k), np.int32))
         rc = self._answer(self._ref, r, n, counts.data_ptr(), tokens.data_ptr())
-        outcome = self._outcome(rc, r, f"the round has {n}")
+        outcome = self._outcome(rc, r, n)
         if not self._h.got:
             return outcome, empty_drafts(n, k, outcome, False)
         return outcome, Drafts(tokens, counts, None, "remote", outcome, self._lost_slots())
 
     def summary(self, r: int) -> tuple[Outcome, int, int, tuple[int, ...]]:
         """Released round ``r``'s outcome, its entries with drafts and their tokens, and
-        the slots the worker lost: what a launched round is counted by. Raises as
-        :meth:`answer` (an entry count past the engine's slots)."""
-        max_slots = self._spec.max_slots
-        outcome = self._outcome(self._summary(self._ref, r, max_slots), r, f"the engine has slots for {max_slots}")
+        the slots the worker lost: what a launched round is counted by (of at most the
+        engine's slots). Raises as :meth:`answer` (another round in the slot)."""
+        outcome = self._outcome(self._summary(self._ref, r), r)
         h = self._h
         return outcome, h.drafted, h.draft_tokens, self._lost_slots()
 
-    def _outcome(self, rc: int, r: int, bound: str) -> Outcome:
+    def _outcome(self, rc: int, r: int, n: int = 0) -> Outcome:
         """The read answer's outcome; raises for a refused read (``rc``)."""
         h = self._h
         if rc == HostRoundCode.OTHER:
@@ -159,8 +159,10 @@ class HostRound:
             raise RuntimeError(
                 f"drafts slot {slot} holds round {h.head_round}, expected {r}: read after the slot was reused"
             )
+        if rc == HostRoundCode.GOT:
+            raise RuntimeError(f"drafts slot of round {r}: {h.got} entries, the round has {n}")
         if rc:
-            raise RuntimeError(f"drafts slot of round {r}: {h.got} entries, {bound}")
+            raise RuntimeError(f"hf_host_answer: {HostRoundCode(rc).name}")
         outcome = _OUTCOMES.get(h.status)
         return Outcome(h.status) if outcome is None else outcome  # (an unknown status raises, naming it)
 

@@ -114,9 +114,9 @@ class HostRoundCode(enum.IntEnum):
     OK = 0
     META = 1  # the batch's metadata broke a rule of host_meta (nothing handed over)
     ROW = 2  # a row index outside the rows (nothing handed over)
-    ARGS = 3  # the caller's bug: no rows or index where row_bytes asks for them
+    ARGS = 3  # the caller's bug: no rows or index where the entries need them, entries past max_slots
     OTHER = 4  # the drafts slot holds another round
-    GOT = 5  # the drafts slot's entry count is neither 0 nor the round's
+    GOT = 5  # the drafts slot's entry count is neither 0 nor the round's (a copied answer)
 
 
 class NativeError(RuntimeError):
@@ -176,7 +176,7 @@ _FUNCS = {
     "drafts_summary": ("hf_drafts_summary", None, (_P, _P, _P, _U32, _P, _P), False),
     "host_round": ("hf_host_round", _I, (ctypes.POINTER(HostRoundIn),), False),
     "host_answer": ("hf_host_answer", _I, (ctypes.POINTER(HostRoundIn), _U32, _U32, _P, _P), False),
-    "host_summary": ("hf_host_summary", _I, (ctypes.POINTER(HostRoundIn), _U32, _U32), False),
+    "host_summary": ("hf_host_summary", _I, (ctypes.POINTER(HostRoundIn), _U32), False),
 }
 
 

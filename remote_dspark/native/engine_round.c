@@ -78,12 +78,13 @@ int hf_host_round(struct hf_host_round *h)
 }
 
 /* Released round `round`'s answer: the drafts slot's head into h->status, h->got and
- * h->flags, and, when the slot holds this round, its entries summed into h->drafted,
- * h->draft_tokens and h->n_lost (the lost slots into h->lost, room for n). With `copy`:
+ * h->flags, and, when the slot holds this round, its first n entries summed into
+ * h->drafted, h->draft_tokens and h->n_lost (the lost slots into h->lost). With `copy`:
  * got must be 0 or n, and the counts [n] and tokens [n, num_spec] are copied into the
- * caller's arrays; without, got must be at most n. Returns HF_HR_OK, or HF_HR_OTHER (the
- * slot holds round h->head_round) or HF_HR_GOT (got breaks its bound): nothing copied
- * or summed. */
+ * caller's arrays; without, n is got, held to the layout's max_slots (a proxy's check
+ * keeps it there). Returns HF_HR_OK, HF_HR_OTHER (the slot holds round h->head_round),
+ * HF_HR_GOT (got is neither 0 nor n) or HF_HR_ARGS (n past max_slots: the caller's bug):
+ * nothing copied or summed. */
 static int read_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int copy, int32_t *counts,
                        int32_t *tokens)
 {
@@ -98,7 +99,11 @@ static int read_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int 
         return HF_HR_OTHER;
     if (!h->got)
         return HF_HR_OK;
-    if (copy ? h->got != n : h->got > n)
+    if (!copy)
+        n = h->got < h->max_slots ? h->got : h->max_slots;
+    else if (n > h->max_slots)
+        return HF_HR_ARGS;
+    else if (h->got != n)
         return HF_HR_GOT;
     const int32_t *src_counts = (const int32_t *)(d + h->d_counts);
     if (copy) {
@@ -108,22 +113,21 @@ static int read_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int 
     uint64_t out[3];
     const uint8_t *desc = h->desc + (uint64_t)(round & (g->depth - 1)) * h->desc_stride;
     hf_drafts_summary(src_counts, (const int32_t *)(d + h->d_statuses),
-                      (const uint32_t *)(desc + DESC_FIXED + W_ROUND_FIXED), h->got, out, h->lost);
+                      (const uint32_t *)(desc + DESC_FIXED + W_ROUND_FIXED), n, out, h->lost);
     h->drafted = out[0], h->draft_tokens = out[1], h->n_lost = (uint32_t)out[2];
     return HF_HR_OK;
 }
 
 /* Released round `round`'s answer for an engine that asked for no margins and no
  * distributions, as read_answer copies it: got is 0 or n (any answer the proxy wrote:
- * hf_unpack holds it to the round's entries); n at most the layout's max_slots. */
+ * hf_unpack holds it to the round's entries). */
 int hf_host_answer(struct hf_host_round *h, uint32_t round, uint32_t n, int32_t *counts, int32_t *tokens)
 {
     return read_answer(h, round, n, 1, counts, tokens);
 }
 
-/* A launched round's count (read_answer without a copy): got at most max_slots, the
- * layout's (the room of the drafts slot, the descriptor and h->lost). */
-int hf_host_summary(struct hf_host_round *h, uint32_t round, uint32_t max_slots)
+/* A launched round's count (read_answer without a copy). */
+int hf_host_summary(struct hf_host_round *h, uint32_t round)
 {
-    return read_answer(h, round, max_slots, 0, NULL, NULL);
+    return read_answer(h, round, 0, 0, NULL, NULL);
 }

@@ -296,9 +296,10 @@ struct hf_host_round {
     uint64_t hold_ns;             /* spin this long for the release (0: return once handed over) */
     uint64_t spin_cpu_ns;         /* out: the thread's CPU time in that spin */
     uint64_t drafted, draft_tokens;  /* out (answer): entries with drafts, their tokens */
-    uint32_t row_bytes, index_bytes, num_spec, round;
+    uint32_t row_bytes, index_bytes, num_spec, max_slots, round;
     uint32_t meta_rule, bad_entry, released_now;   /* out (round) */
     uint32_t head_round, status, got, flags, n_lost;  /* out (answer) */
+    uint32_t pad;
 };
 
 static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)

@@ -325,6 +325,7 @@ class HostRoundIn(ctypes.Structure):
         ("row_bytes", ctypes.c_uint32),
         ("index_bytes", ctypes.c_uint32),
         ("num_spec", ctypes.c_uint32),
+        ("max_slots", ctypes.c_uint32),
         ("round", ctypes.c_uint32),
         ("meta_rule", ctypes.c_uint32),
         ("bad_entry", ctypes.c_uint32),
@@ -334,4 +335,5 @@ class HostRoundIn(ctypes.Structure):
         ("got", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("n_lost", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]

@@ -282,8 +282,9 @@ class HostFlagSync:
 
     def wait(self, round_id: int, timeout_s: float, stream: int | None = None, *, hold: bool = True) -> bool:
         """Wait until ``released >= round_id``; False at the deadline. On CUDA the wait is
-        enqueued on ``stream`` (default: the current stream) and this returns at once. On
-        the CPU, ``hold=False`` skips the spin holding the GIL (the caller has spun it)."""
+        enqueued on ``stream`` (default: the current stream) and this returns at once.
+        ``hold=False`` (the CPU backend's only) skips the spin holding the GIL: the caller
+        has spun it."""
         if not hold:
             return self.backend.wait(round_id, native.deadline_ns(timeout_s), hold=False)
         if stream is None:
