@@ -287,3 +287,18 @@ def test_a_round_handed_over_is_kept_when_an_exception_comes_after_the_call(work
         assert handoff.end.gathered() == handoff.end.last  # the interrupted round stayed handed over
         out = rd.round(batch(slots=(2, 3), tokens=((1,), (1, 2)), positions=(0, 0)))
         assert out.outcome is Outcome.OK and out.tokens.tolist() == [[2, 3, 4], [3, 4, 1]]
+
+
+def test_metadata_on_a_device_is_refused_by_a_cpu_engine_leaving_no_hole(worker, tmp_path):
+    """Slots on a device (torch's meta device stands in for one) cannot be read by the
+    host: named, nothing handed over, and the next round takes the round id back."""
+    with make(async_env(worker.port, tmp_path, "process")) as rd:
+        handoff = rd._path.handoff
+        assert rd.round(batch()).outcome is Outcome.OK
+        last = handoff.end.last
+        on_device = batch(new=False, tokens=((2,), (4,)), positions=(1, 1))
+        on_device.slots = torch.as_tensor(on_device.slots).to("meta")
+        with pytest.raises(ValueError, match="batch metadata on a device, but RemoteDSpark runs on the CPU"):
+            rd.round(on_device)
+        assert handoff.end.last == last and handoff.end.gathered() == last
+        assert rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))).outcome is Outcome.OK
