@@ -84,8 +84,8 @@ static int check_meta(struct hf_meta *m, uint64_t *kept)
 
 /* Check the batch (HM_*: refused, nothing written) and write its ROUND payload, rows
  * excepted, into dst (room bytes), its NEW_GEN contexts cut to context_tokens (first set
- * from the acked word, when the struct has one): the fixed part (deadline_ms, n, row_bytes, tokens),
- * slots, positions (moved past a cut), n_out (at most num_spec), flags (FLAG_NEW_GEN),
+ * from the acked word, when the struct has one): the fixed part (deadline_ms, n,
+ * row_bytes, tokens), slots, positions (moved past a cut), n_out (at most num_spec), flags (FLAG_NEW_GEN),
  * offsets and tokens, each as the wire's u32 or i32. Sets m->n_kept and m->written. */
 int hf_host_meta(struct hf_meta *m, uint8_t *dst, uint64_t room)
 {

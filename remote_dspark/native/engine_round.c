@@ -40,9 +40,10 @@ static uint64_t gather(const struct hf_host_round *h, uint8_t *dst, uint64_t n)
 }
 
 /* Hand round h->round over (reserved by the caller). HF_HR_META: the metadata broke the
- * rule h->meta_rule; HF_HR_ROW: entry h->bad_entry's row index is outside the rows; HF_HR_ARGS:
- * the caller's bug (no rows where the round's entries need them, or an index size). Each leaves
- * `gathered` alone: the round is still the caller's to give back. HF_HR_OK: handed over;
+ * rule h->meta_rule; HF_HR_ROW: entry h->bad_entry's row index is outside the rows;
+ * HF_HR_ARGS: the caller's bug (no metadata struct, no rows where the round's entries need
+ * them, an index size). Each leaves `gathered` alone: the round is still the caller's to
+ * give back. HF_HR_OK: handed over;
  * h->released_now says whether the release came within h->hold_ns, and h->spin_cpu_ns is
  * the thread's CPU time in that spin (the engine counts it as its wait's: on a busy
  * machine the spin's wall time is more than what it cost). */
@@ -54,7 +55,7 @@ int hf_host_round(struct hf_host_round *h)
     h->released_now = 0;
     h->spin_cpu_ns = 0;
     h->bad_entry = 0;
-    if (h->row_bytes && h->index_bytes != 4 && h->index_bytes != 8)
+    if (!h->meta || (h->row_bytes && h->index_bytes != 4 && h->index_bytes != 8))
         return HF_HR_ARGS;
     h->meta_rule = (uint32_t)hf_host_meta(h->meta, desc + DESC_FIXED, h->desc_room);
     if (h->meta_rule)

@@ -278,9 +278,10 @@ struct hf_launch {
     uint32_t pad;
 };
 
-/* A CPU engine's host round (engine_round.c), set once per engine by
+/* The engine's host side of its rounds (engine_round.c): a CPU engine's hand-over and
+ * answer, every engine's count of a launched round. Set once per engine by
  * remote_dspark.engine.host_round but for the round's fields: the region's words and
- * slots, the batch's metadata (meta) and rows, and the answer's outs. */
+ * slots, the batch's metadata (meta; NULL for a sampled engine) and rows, the outs. */
 enum { HF_HR_OK = 0, HF_HR_META = 1, HF_HR_ROW = 2, HF_HR_ARGS = 3, HF_HR_OTHER = 4, HF_HR_GOT = 5 };
 struct hf_host_round {
     const struct hf_ring *ring;   /* gathered, released, gathered_ns, drafts slots, depth */

@@ -296,10 +296,10 @@ class LaunchIn(ctypes.Structure):
 
 
 class HostRoundIn(ctypes.Structure):
-    """``struct hf_host_round``: a CPU engine's host round for ``hf_host_round`` and
-    ``hf_host_answer`` (the region's words and slots and the answer's lost slots, set once
-    by ``remote_dspark.engine.host_round``; the round's rows and round id in; the verdicts,
-    the hold's CPU time and the answer's head and sums out)."""
+    """``struct hf_host_round``: the engine's host side of its rounds for ``hf_host_round``,
+    ``hf_host_answer`` and ``hf_host_summary`` (the region's words and slots and the
+    answer's lost slots, set once by ``remote_dspark.engine.host_round``; the round's rows
+    and round id in; the verdicts, the hold's CPU time and the answer's head and sums out)."""
 
     _fields_ = [
         ("ring", ctypes.c_void_p),
