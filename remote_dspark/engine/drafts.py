@@ -32,6 +32,9 @@ class Drafts:
     resync_all: bool = False  # a new proxy/connection: re-announce every slot
     q_ids: torch.Tensor | None = None  # [n, num_spec, 32] int32, zero past counts: sampled drafts'
     q_weights: torch.Tensor | None = None  # [n, num_spec, 32] uint16, zero past counts: sampled drafts'
+    # (entries with drafts, their tokens) where the path summed them already (the host
+    # round's C answer); None: the engine counts them from ``counts``.
+    sums: tuple[int, int] | None = None
 
 
 def round_tensors(n: int, k: int, sampled: bool, device) -> tuple[torch.Tensor, ...]:

@@ -382,7 +382,7 @@ class RemoteDSpark:
         remote = self._ranks.share(self._path, batch) if share and self._ranks is not None else self._path.round(batch)
         st = self.counts
         st.observe_latency(time.monotonic() - t0)
-        st.record(remote.outcome, remote.counts.numpy(), len(remote.resync))
+        st.record(remote.outcome, remote.counts, len(remote.resync), remote.sums)
         out = policies.choose(self.cfg, st, self.num_spec, remote, local, lambda: self.local_drafter(batch))
         st.source(out.source)
         return out

@@ -141,7 +141,9 @@ class HostRound:
         outcome = self._outcome(rc, r, n)
         if not self._h.got:
             return outcome, empty_drafts(n, k, outcome, False)
-        return outcome, Drafts(tokens, counts, None, "remote", outcome, self._lost_slots())
+        h = self._h
+        sums = (h.drafted, h.draft_tokens)
+        return outcome, Drafts(tokens, counts, None, "remote", outcome, self._lost_slots(), sums=sums)
 
     def summary(self, r: int) -> tuple[Outcome, int, int, tuple[int, ...]]:
         """Released round ``r``'s outcome, its entries with drafts and their tokens, and

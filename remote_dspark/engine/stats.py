@@ -145,10 +145,14 @@ class EngineCounts:
         self.latency_buckets[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
         self.latency_sum_s += seconds
 
-    def record(self, outcome: Outcome, counts: np.ndarray, resyncs: int) -> None:
-        """One remote round's outcome and, when it is ok, the drafts it brought (its
-        entries' ``counts``)."""
-        self.record_totals(outcome, int(np.count_nonzero(counts)), int(counts.sum()), resyncs)
+    def record(self, outcome: Outcome, counts, resyncs: int, sums: tuple[int, int] | None = None) -> None:
+        """One remote round's outcome and, when it is ok, the drafts it brought: its
+        entries' ``counts`` (an array or a CPU tensor), or ``sums`` (entries with drafts,
+        their tokens) where the path summed them already (``Drafts.sums``)."""
+        if sums is None:
+            counts = np.asarray(counts)
+            sums = int(np.count_nonzero(counts)), int(counts.sum())
+        self.record_totals(outcome, *sums, resyncs)
 
     def record_totals(self, outcome: Outcome, drafted: int, tokens: int, resyncs: int) -> None:
         """:meth:`record` by its totals: the entries with drafts and their tokens."""

@@ -178,6 +178,7 @@ def test_the_c_answer_is_the_python_answer(sides, status):
         assert got.tokens.shape == (n, NUM_SPEC) and got.tokens.dtype == got.counts.dtype == torch.int32
         counted = (status, int(np.count_nonzero(v.counts[:m])), int(v.counts[:m].sum()), got.resync)
         assert side.host.summary(r) == counted  # a launched round's count: the same answer, summed
+        assert got.sums == (counted[1:3] if m else None)  # what the engine counts the round by
 
 
 def test_an_answer_read_from_a_reused_slot_or_of_another_size_is_refused_loudly(sides):
@@ -263,8 +264,10 @@ def test_an_engines_rounds_are_the_same_with_the_c_calls_as_without(worker, tmp_
                 handoff._host_round.answer = handoff._answer_python
             got[host] = [(o.outcome, o.tokens.tolist(), o.counts.tolist(), o.resync) for o in map(rd.round, rounds)]
             assert len(calls) == (len(rounds) if host else 0)
+            stats = rd.stats()
+            got[host].append((stats.drafts, stats.draft_tokens, stats.resyncs))  # counted the same
     assert got[True] == got[False]
-    assert all(outcome is Outcome.OK for outcome, *_ in got[True])
+    assert all(outcome is Outcome.OK for outcome, *_ in got[True][:-1]) and got[True][-1][1] > 0
 
 
 def test_a_round_handed_over_is_kept_when_an_exception_comes_after_the_call(worker, tmp_path):
