@@ -451,11 +451,15 @@ def test_start_runs_once_and_a_closed_engine_refuses_rounds(worker, tmp_path, mo
     with pytest.raises(RuntimeError, match=r"round\(\) before start\(\)"):
         rd.round(batch())
     rd.start()
-    children = _children()
-    with pytest.raises(RuntimeError, match="start\\(\\) on a started RemoteDSpark: it runs once"):
-        rd.start()
-    assert _children() == children and rd.round(batch()).outcome is Outcome.OK
-    rd.close()
+    try:
+        if mode == "process":  # the warm standby is spawned after start() returns: once it is up
+            assert until(lambda: rd.supervisor.stats().standby == "ready")
+        children = _children()
+        with pytest.raises(RuntimeError, match="start\\(\\) on a started RemoteDSpark: it runs once"):
+            rd.start()
+        assert _children() == children and rd.round(batch()).outcome is Outcome.OK
+    finally:
+        rd.close()  # (a failure here must not leave a proxy and a region to the next tests)
     rd.close()  # idempotent
     with pytest.raises(RemoteClosed, match=r"round\(\) after close\(\)"):
         rd.round(batch())
