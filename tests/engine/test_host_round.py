@@ -1,14 +1,17 @@
-"""A CPU engine's host round in C (engine.host_round: ``hf_host_round`` and
-``hf_host_answer``) against the Python steps it replaces: ``write_round_meta`` (its
+"""The engine's host round in C (engine.host_round: ``hf_host_round``, ``hf_host_answer``
+and ``hf_host_summary``) against the Python steps it replaces: ``write_round_meta`` (its
 Python way) and ``gather_rows_host`` into the round's descriptor and staging slot, the
-round word and ``gathered``; ``to_drafts`` of the released drafts slot.
+round word and ``gathered``; ``to_drafts`` of the released drafts slot, and the count of
+a launched round.
 
 Random batches, honest and broken (test_native_meta's, with rows and a row index of
-int32 or int64, as a tensor or an array, now and then naming a row that is not there):
-both ways give the same verdict (the same ValueError, or none) and, when accepted, the
-same descriptor and staging bytes; a refused batch hands nothing over. Random answers
-in a drafts slot come back as the same ``Drafts``. And an engine's rounds against a
-worker are the same with the C calls as without them.
+int32 or int64, as a tensor or an array, now and then naming a row that is not there;
+the cut read from the acknowledged-context word): both ways give the same verdict (the
+same ValueError, or none) and, when accepted, the same descriptor and staging bytes; a
+refused batch hands nothing over. Random answers in a drafts slot come back as the same
+``Drafts`` and the same count. And an engine's rounds against a worker are the same,
+and counted the same, with the C calls as without them; a round the call handed over
+stays handed over whatever is raised after it.
 """
 
 from __future__ import annotations
