@@ -26,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 21   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 22   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -217,14 +217,15 @@ struct hf_serve {
     /* The frame being read, kept across calls (a payload larger than rx goes back to
      * Python for a larger buffer, then on) */
     uint8_t hdr[24];              /* W_HEADER */
-    uint64_t got;                 /* bytes of the frame read: header, then payload */
+    uint64_t got;                 /* bytes of the frame read or dropped: header, then payload */
     uint64_t frame_deadline_ns;
+    uint32_t phase;               /* what its next bytes are for (worker_serve.c's PH_*; 0 between frames) */
     /* Out: errno for SV_LOST, and a served round's facts */
     uint32_t err;
     uint32_t entries, resyncs, beyond_positions, draft_tokens, drafted, expired;
-    uint32_t pad;
     uint64_t call_tokens;         /* the drafting call's cost (the scheduler's call_cost) */
-    uint64_t round_ns, drafting_ns;
+    uint64_t round_ns;            /* the worker's time on it, its waits for its rows not counted */
+    uint64_t drafting_ns;
 };
 
 /* One batch's metadata as the engine holds it, for hf_host_meta (engine_meta.c): the

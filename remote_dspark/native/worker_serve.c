@@ -3,7 +3,10 @@
  * session can take, applies it to the windows (hf_worker_round's rules and code), drafts
  * it from the table, writes the DRAFTS frame and sends it, all without the interpreter;
  * it returns once per round with the round's facts, which Python counts while the engine
- * reads its drafts. Anything else comes back to Python whole (SV_FRAME: a BYE, a ROUND
+ * reads its drafts. The table never reads a round's rows: the round is applied and
+ * drafted once the bytes before its rows are in, its rows are dropped in the kernel as
+ * they come (MSG_TRUNC: TCP's recv discards without a copy), and the DRAFTS go out once
+ * the frame is whole, so the drafting overlaps the rows' transfer. Anything else comes back to Python whole (SV_FRAME: a BYE, a ROUND
  * the C check refuses, which Python checks again to name the culprit) or as a header
  * Python must judge (SV_HEADER), so every message and rule of the Python loop stays
  * written once, in remote_dspark/worker/.
@@ -111,12 +114,13 @@ void hf_markov_draft(const struct hf_markov *m, const int32_t *tokens, const int
 
 /* ----------------------------------------------------------------- the socket */
 
-/* Read into dst (room bytes) by deadline_ns (UINT64_MAX: none): >0 bytes read, 0 the
- * peer closed, -1 deadline, -2 failed (errno). */
-static int64_t read_some(int fd, uint8_t *dst, uint64_t room, uint64_t deadline_ns)
+/* Read into dst (room bytes; with MSG_TRUNC, which TCP honours, dst is NULL and the bytes
+ * are dropped) by deadline_ns (UINT64_MAX: none): >0 bytes read, 0 the peer closed, -1
+ * deadline, -2 failed (errno). */
+static int64_t read_some(int fd, uint8_t *dst, uint64_t room, uint64_t deadline_ns, int flags)
 {
     for (;;) {
-        ssize_t k = recv(fd, dst, room, MSG_DONTWAIT);
+        ssize_t k = recv(fd, dst, room, MSG_DONTWAIT | flags);
         if (k >= 0)
             return k;
         if (errno == EINTR)
@@ -173,12 +177,37 @@ static int send_all(int fd, const uint8_t *buf, uint64_t len, uint64_t wait_ns)
     return 0;
 }
 
-/* Read the frame begun in s (header, then payload into rx): SV_ROUND once whole (the
- * caller reads its type), or why not. */
+/* What the frame in hand's next bytes are for (s->phase). A ROUND is applied and drafted
+ * as soon as the bytes before its rows are in, and its rows, which the table never reads,
+ * are dropped as they come, so the drafting overlaps their transfer; it is answered once
+ * the frame is whole. */
+enum {
+    PH_HEADER,  /* between frames, or in a header */
+    PH_ROUND,   /* a ROUND's payload up to its rows (all of it when it has none) */
+    PH_PYTHON,  /* a frame that goes back to Python whole: a BYE, or a ROUND C refuses */
+    PH_ROWS,    /* the rows of a ROUND already applied, its reply written: dropped */
+};
+
+/* The payload bytes of the frame in hand that go into rx: a ROUND's up to its rows, once
+ * its fixed part says where they start (a shape that does not add up reads whole, for
+ * the check to refuse), or the whole payload. */
+static uint64_t wanted(const struct hf_serve *s, uint64_t len)
+{
+    if (s->phase != PH_ROUND || len <= W_ROUND_FIXED)
+        return len;
+    if (s->got - W_HEADER < W_ROUND_FIXED)
+        return W_ROUND_FIXED;
+    uint64_t n = get32(s->rx + 4), row_bytes = get32(s->rx + 8), n_tokens = get32(s->rx + 12);
+    uint64_t before = W_ROUND_FIXED + 4 * (5 * n + 1) + (s->w->sampled ? W_SAMPLED_BYTES * n : 0) + 4 * n_tokens;
+    return before + n * row_bytes == len ? before : len;
+}
+
+/* Read the frame begun in s up to what goes into rx (header, then payload: wanted):
+ * SV_ROUND once there (the caller reads its type and phase), or why not. */
 static int read_frame(struct hf_serve *s)
 {
     while (s->got < W_HEADER) {  /* between frames: no deadline (an engine may idle for minutes) */
-        int64_t k = read_some(s->fd, s->hdr + s->got, W_HEADER - s->got, UINT64_MAX);
+        int64_t k = read_some(s->fd, s->hdr + s->got, W_HEADER - s->got, UINT64_MAX, 0);
         if (k <= 0)
             return k == 0 ? SV_CLOSED : (s->err = (uint32_t)errno, SV_LOST);
         s->got += (uint64_t)k;
@@ -190,16 +219,40 @@ static int read_frame(struct hf_serve *s)
     if (memcmp(s->hdr, W_MAGIC, 4) != 0 || version != W_VERSION || (type != W_ROUND && type != W_BYE)
         || len > (type == W_BYE ? 0 : s->max_payload))  /* a BYE carries nothing */
         return SV_HEADER;
-    while (s->got < W_HEADER + len) {  /* rx grows as the bytes come, never ahead of them */
-        uint64_t have = s->got - W_HEADER, fits = len < s->rx_size ? len : s->rx_size;
+    if (s->phase == PH_HEADER)
+        s->phase = type == W_ROUND ? PH_ROUND : PH_PYTHON;
+    for (uint64_t want; s->got < W_HEADER + (want = wanted(s, len)); ) {  /* rx grows as the bytes come */
+        uint64_t have = s->got - W_HEADER, fits = want < s->rx_size ? want : s->rx_size;
         if (have == fits)
             return SV_GROW;
-        int64_t k = read_some(s->fd, s->rx + have, fits - have, s->frame_deadline_ns);
+        int64_t k = read_some(s->fd, s->rx + have, fits - have, s->frame_deadline_ns, 0);
         if (k <= 0)
             return k == 0 ? SV_CLOSED : k == -1 ? SV_STALLED : (s->err = (uint32_t)errno, SV_LOST);
         s->got += (uint64_t)k;
     }
     return SV_ROUND;
+}
+
+/* Drop the rest of the frame in hand (an applied round's rows) by the frame's deadline:
+ * SV_ROUND once it is whole, or why not. The connection ends on any other answer, and
+ * with it the session and the windows the round moved (a new connection says HELLO and
+ * re-announces every slot), so they are never read again. */
+static int drop_rows(struct hf_serve *s, uint64_t len)
+{
+    while (s->got < W_HEADER + len) {
+        int64_t k = read_some(s->fd, NULL, W_HEADER + len - s->got, s->frame_deadline_ns, MSG_TRUNC);
+        if (k <= 0)
+            return k == 0 ? SV_CLOSED : k == -1 ? SV_STALLED : (s->err = (uint32_t)errno, SV_LOST);
+        s->got += (uint64_t)k;
+    }
+    return SV_ROUND;
+}
+
+/* The frame in hand is done with: the next call reads the next one. */
+static void next_frame(struct hf_serve *s)
+{
+    s->got = 0;
+    s->phase = PH_HEADER;
 }
 
 /* ----------------------------------------------------------------- the round */
@@ -255,12 +308,14 @@ static uint64_t write_reply(struct hf_serve *s, int expired)
  * call per ROUND. Returns SV_ROUND (answered and sent; its facts in s), SV_FRAME (a whole
  * frame, header in s->hdr and payload in rx, for Python: a BYE, or a ROUND the checks
  * refuse or these buffers cannot hold), SV_HEADER (a header Python must judge: another
- * type, version or magic, or a payload over the cap), SV_GROW (rx is full and the payload
- * goes on: call again with a larger rx holding the same bytes; the frame's state is
- * kept), SV_CLOSED, SV_STALLED (a frame not whole within frame_ns), SV_LOST (the receive
- * failed) or SV_UNSENT (the round was answered, but its reply's send failed, or found no
- * room within send_ns: ETIMEDOUT); errno in s->err. frame_ns and send_ns UINT64_MAX: no
- * limit. */
+ * type, version or magic, or a payload over the cap), SV_GROW (rx is full and what goes
+ * into it goes on: call again with a larger rx holding the same bytes; the frame's state
+ * is kept), SV_CLOSED, SV_STALLED (a frame not whole within frame_ns), SV_LOST (the
+ * receive failed) or SV_UNSENT (the round was answered, but its reply's send failed, or
+ * found no room within send_ns: ETIMEDOUT); errno in s->err. frame_ns and send_ns
+ * UINT64_MAX: no limit. A round's round_ns is the worker's time on it, not its waits for
+ * its rows: from the bytes before its rows in to its reply written, and from the frame
+ * whole to the reply sent. */
 int hf_worker_serve(struct hf_serve *s)
 {
     s->err = 0, s->entries = s->resyncs = s->beyond_positions = s->draft_tokens = s->drafted = s->expired = 0;
@@ -269,27 +324,42 @@ int hf_worker_serve(struct hf_serve *s)
     if (why != SV_ROUND)
         return why;
     uint64_t received = hf_now_ns(), len = get32(s->hdr + 8);
-    s->got = 0;  /* the frame is whole: the next call reads the next one */
-    if (get16(s->hdr + 6) != W_ROUND)
+    if (s->phase == PH_PYTHON) {
+        next_frame(s);
         return SV_FRAME;
+    }
     /* A reply for the most entries the payload names must fit tx before the windows move
      * (the Python path takes a round these buffers cannot). */
     uint64_t told = len >= W_ROUND_FIXED ? get32(s->rx + 4) : 0;
     uint64_t most = W_HEADER + W_DRAFTS_FIXED + told * (8 + 8ull * s->w->num_spec);
-    if (told > s->b->n_room || most > s->tx_size)
+    int rule = told > s->b->n_room || most > s->tx_size;
+    if (!rule) {
+        guard_take(s->w->guard);
+        rule = hf_worker_round(s->w, s->rx, len, s->b);  /* reads nothing past the tokens */
+        guard_drop(s->w->guard);
+    }
+    if (rule) {  /* the rest of it into rx, for Python to name the culprit */
+        s->phase = PH_PYTHON;
+        if ((why = read_frame(s)) != SV_ROUND)
+            return why;
+        next_frame(s);
         return SV_FRAME;
-    guard_take(s->w->guard);
-    int rule = hf_worker_round(s->w, s->rx, len, s->b);
-    guard_drop(s->w->guard);
-    if (rule)
-        return SV_FRAME;
+    }
     const struct hf_batch *b = s->b;
     int expired = b->m && b->deadline_ms && hf_now_ns() - received > (uint64_t)b->deadline_ms * 1000000u;
     uint64_t size = write_reply(s, expired);
+    uint64_t whole = hf_now_ns(), work_ns = whole - received;
     s->entries = b->n, s->resyncs = b->n - b->n_ok, s->beyond_positions = b->n_ok - b->m;
     s->drafted = expired ? 0 : b->m, s->expired = (uint32_t)expired;
+    if (s->got < W_HEADER + len) {
+        s->phase = PH_ROWS;
+        if ((why = drop_rows(s, len)) != SV_ROUND)
+            return why;
+        whole = hf_now_ns();
+    }
+    next_frame(s);
     int sent = send_all(s->fd, s->tx, size, s->send_ns);
-    s->round_ns = hf_now_ns() - received;
+    s->round_ns = work_ns + (hf_now_ns() - whole);
     if (sent) {
         s->err = sent == -1 ? ETIMEDOUT : (uint32_t)errno;
         return SV_UNSENT;

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import os
+import socket
 from collections.abc import Callable
 
 import numpy as np
@@ -118,7 +119,7 @@ class Lanes:
         each round it answers: ``sent`` False when its reply's send failed), or None: a
         sampled session, or a connection that is not a TCP socket."""
         sock = getattr(chan.stream, "sock", None)
-        if session.want_sampled or sock is None:
+        if session.want_sampled or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
             return None
         return Lane(self, session, chan, sock.fileno(), chan.stream.send_timeout_s, on_round)
 

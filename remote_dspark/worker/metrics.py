@@ -201,7 +201,8 @@ TABLE: Table[Scrape] = Table(
         ),
         histogram(
             "round_duration_seconds",
-            "From a whole ROUND received to its DRAFTS sent.",
+            "The worker's time on a ROUND, from received to its DRAFTS sent; a round served in C is drafted "
+            "while its rows arrive, and that wait is not counted.",
             lambda r: r.stats.round_seconds.snapshot(),
         ),
         histogram(

@@ -46,7 +46,8 @@ class WorkerStats:
     expired: int = 0  # rounds answered with no drafts: their deadline passed while queued for the drafter
     drafter_calls: int = 0  # draft_batch calls (a call may draft several engines' rounds)
     draft_tokens: int = 0
-    round_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a whole ROUND in to its DRAFTS sent
+    # the worker's time from a ROUND in to its DRAFTS sent (not a served round's wait for its rows)
+    round_seconds: HistogramCounter = field(default_factory=HistogramCounter)
     drafting_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # inside draft_batch, per call
     queue_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # a round's wait for the drafter
     call_rounds: HistogramCounter = field(default_factory=lambda: HistogramCounter(COUNT_BOUNDS))  # rounds a call

@@ -211,6 +211,14 @@ BAD = {
         lambda: wire.encode_round_entries(1, 1, 0, [wire.Entry(0, 2, 0, [1], True)] * 2, bytes(8), 4),
         "slot 0 already named by entry 0",
     ),
+    # refused once the bytes before its rows are in; its rows, past the receive buffer's
+    # first size, still come back whole to the Python checks, which decode the whole frame
+    "rows of another size, past the buffer": (
+        lambda: wire.encode_round_entries(
+            1, 1, 0, [wire.Entry(s, 2, 0, [1], True) for s in range(2)], bytes(80_000), 40_000
+        ),
+        "ROUND row_bytes 40000, the session said 4",
+    ),
 }
 
 
@@ -230,18 +238,49 @@ def test_a_bad_frame_drops_the_served_connection_with_the_python_loops_words(pai
     assert words in caplog.text
 
 
-def test_a_frame_not_whole_in_time_is_a_stall():
+@pytest.mark.parametrize("cut", ["in the metadata", "in the rows"])
+def test_a_frame_not_whole_in_time_is_a_stall(cut):
+    """A frame cut short stalls and closes the connection with nothing sent, wherever the
+    cut is; cut in its rows, the round was already applied and drafted, and its DRAFTS
+    still never go out (the windows it moved end with the connection)."""
     w = Worker(MarkovDrafter(builtin_model()), "127.0.0.1", 0, frame_timeout_s=0.2).start()
     try:
         sock = _raw(w)
         frame = wire.encode_round_entries(1, 1, 0, [wire.Entry(0, 2, 0, [1, 2], True)], bytes(4), 4)
-        sock.sendall(frame[:-3])
+        sock.sendall(frame[: 30 if cut == "in the metadata" else -3])
         sock.settimeout(WAIT_S)
         assert sock.recv(4096) == b""
         assert until(lambda: w.statistics().stalled == 1, WAIT_S)
         sock.close()
     finally:
         w.stop()
+
+
+def test_a_rounds_rows_are_dropped_as_they_come(pair, monkeypatch):
+    """The table never reads a round's rows: they never enter the lane's receive buffer
+    (64 KiB here, the rows 8 times that), the round is drafted once the bytes before them
+    are in, and its time counts none of the wait for them."""
+    from remote_dspark.worker import lane
+
+    served, _ = pair
+    grown = []
+    monkeypatch.setattr(lane.Lane, "_grow", lambda self: grown.append(self) or pytest.fail("rx grew"))
+    seen = lambda: (sum(served.statistics().round_seconds.buckets), served.statistics().round_seconds.sum)  # noqa: E731
+    before = seen()
+    c = connect(served, max_slots=64, row_bytes=8192)
+    entries = [wire.Entry(s, 3, 0, TEXT[s : s + 6], True) for s in range(64)]
+    frame = wire.encode_round_entries(1, c.session, 0, entries, bytes(64 * 8192), 8192)
+    rows_at = len(frame) - 64 * 8192
+    try:
+        c.chan.stream.sock.sendall(frame[:rows_at])
+        time.sleep(0.3)  # the engine's rows late: the worker waits for them, not counted as its time
+        c.chan.stream.sock.sendall(frame[rows_at:])
+        hdr, payload = c.chan.recv_frame(time.monotonic() + WAIT_S)
+        assert hdr.type == wire.DRAFTS and sum(wire.decode_drafts(hdr, payload).counts) > 0 and not grown
+    finally:
+        c.close()
+    assert until(lambda: seen()[0] == before[0] + 1, WAIT_S)
+    assert seen()[1] - before[1] < 0.3
 
 
 def test_a_replaced_sessions_windows_are_forgotten_on_the_lane(pair):
