@@ -134,6 +134,19 @@ def readline_within(stream, timeout_s: float, what: str = "a line"):
     return bytes(got)
 
 
+def recv_exactly(sock, n: int) -> bytes:
+    """``n`` bytes from ``sock``, however the peer's sends split them (each receive bounded
+    by the socket's timeout; with a timeout set, Python's socket is non-blocking inside,
+    so ``MSG_WAITALL`` may return fewer). Raises ConnectionError if the peer closes first."""
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"the peer closed the connection after {len(data)} of {n} bytes")
+        data += chunk
+    return bytes(data)
+
+
 def until(cond, timeout: float = 10.0, step: float = 0.005) -> bool:
     """Poll ``cond`` until it is true or ``timeout`` seconds pass; its last value.
     For conditions another process or thread makes true: bounded, never sleep-and-hope."""

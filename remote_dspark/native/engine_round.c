@@ -1,10 +1,10 @@
 /* engine_round.c: the engine's host side of a round (remote_dspark.engine.host_round).
  *
  * hf_host_round hands a reserved round over: the batch's metadata checked and written into
- * the round's descriptor (hf_host_meta), its rows gathered into the staging slot, the
- * descriptor's round word, then `gathered` published (hf_signal), and, when the engine
- * holds its GIL for the first microseconds of a wait (streamsync's hold), that spin for
- * `released` too. hf_host_answer copies a released round's answer out of its drafts slot
+ * the round's descriptor (hf_host_meta), the descriptor's round word, `gathered` published
+ * (hf_signal), then its rows gathered into the staging slot while the proxy sends the
+ * first of them, and, when the engine holds its GIL for the first microseconds of a wait
+ * (streamsync's hold), that spin for `released` too. hf_host_answer copies a released round's answer out of its drafts slot
  * into the engine's arrays and sums it as hf_drafts_summary does, or only sums it (a
  * round launch() enqueued, counted once released). Through Python the same
  * steps are about forty calls of a microsecond each on the engine's critical path.
@@ -21,9 +21,9 @@ static uint64_t thread_cpu_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Gather n rows by index (index_bytes 4 or 8) into dst, packed. Returns the first entry
- * whose index is outside 0..src_rows-1, or n; no row is copied before all are checked. */
-static uint64_t gather(const struct hf_host_round *h, uint8_t *dst, uint64_t n)
+/* The first of n entries whose row index (index_bytes 4 or 8) is outside 0..src_rows-1,
+ * or n. */
+static uint64_t bad_index(const struct hf_host_round *h, uint64_t n)
 {
     const int64_t *i64 = h->index;
     const int32_t *i32 = h->index;
@@ -32,11 +32,29 @@ static uint64_t gather(const struct hf_host_round *h, uint8_t *dst, uint64_t n)
         if (at < 0 || (uint64_t)at >= h->src_rows)
             return e;
     }
-    for (uint64_t e = 0; e < n; e++) {
-        uint64_t at = h->index_bytes == 8 ? (uint64_t)i64[e] : (uint64_t)i32[e];
-        memcpy(dst + e * h->row_bytes, h->rows + at * h->src_stride, h->row_bytes);
-    }
     return n;
+}
+
+/* Rows a published round's count of pending entries steps down by: about this many
+ * bytes at a time, so the proxy sends the first ones while the rest are copied. */
+enum { STREAM_BYTES = 64 << 10 };
+
+/* Gather n checked rows by index into dst, packed, counting down `pending` (the round's
+ * DESC_PENDING word, n when called) with a release store after every STREAM_BYTES or so
+ * and after the last row. */
+static void gather(const struct hf_host_round *h, uint8_t *dst, uint64_t n, uint32_t *pending)
+{
+    const int64_t *i64 = h->index;
+    const int32_t *i32 = h->index;
+    uint64_t step = h->row_bytes < STREAM_BYTES ? STREAM_BYTES / h->row_bytes : 1;
+    for (uint64_t e = 0; e < n; ) {
+        uint64_t end = n - e < step ? n : e + step;
+        for (; e < end; e++) {
+            uint64_t at = h->index_bytes == 8 ? (uint64_t)i64[e] : (uint64_t)i32[e];
+            memcpy(dst + e * h->row_bytes, h->rows + at * h->src_stride, h->row_bytes);
+        }
+        __atomic_store_n(pending, (uint32_t)(n - e), __ATOMIC_RELEASE);
+    }
 }
 
 /* Hand round h->round over (reserved by the caller). HF_HR_META: the metadata broke the
@@ -46,7 +64,12 @@ static uint64_t gather(const struct hf_host_round *h, uint8_t *dst, uint64_t n)
  * give back. HF_HR_OK: handed over;
  * h->released_now says whether the release came within h->hold_ns, and h->spin_cpu_ns is
  * the thread's CPU time in that spin (the engine counts it as its wait's: on a busy
- * machine the spin's wall time is more than what it cost). */
+ * machine the spin's wall time is more than what it cost).
+ *
+ * The round is published before its rows are copied: its descriptor's DESC_PENDING word
+ * says how many entries' rows are still to come, and the copy counts it down, so the
+ * proxy sends the frame's head and first rows while the rest are copied. Every check is
+ * made before the round is published. */
 int hf_host_round(struct hf_host_round *h)
 {
     const struct hf_ring *g = h->ring;
@@ -60,16 +83,20 @@ int hf_host_round(struct hf_host_round *h)
     h->meta_rule = (uint32_t)hf_host_meta(h->meta, desc + DESC_FIXED, h->desc_room);
     if (h->meta_rule)
         return HF_HR_META;
-    uint64_t n = h->meta->n;
-    if (h->row_bytes && n) {
+    uint64_t n = h->row_bytes ? h->meta->n : 0;
+    if (n) {
         if (!h->rows || !h->index)
             return HF_HR_ARGS;
-        h->bad_entry = (uint32_t)gather(h, h->staging + (uint64_t)i * h->staging_stride, n);
+        h->bad_entry = (uint32_t)bad_index(h, n);
         if (h->bad_entry != n)
             return HF_HR_ROW;
     }
-    memcpy(desc, &r, 4);   /* the descriptor's round word: published by the store of gathered */
+    uint32_t *pending = (uint32_t *)(desc + DESC_PENDING);
+    *pending = (uint32_t)n;   /* n <= max_slots; like the round word, published by the store of gathered */
+    memcpy(desc, &r, 4);
     hf_signal(g->gathered, g->gathered_ns + i, r, h->wake);
+    if (n)
+        gather(h, h->staging + (uint64_t)i * h->staging_stride, n, pending);
     if (h->hold_ns) {
         uint64_t cpu0 = thread_cpu_ns();
         h->released_now = hf_wait_geq(g->released, r, 0, 0, hf_now_ns() + h->hold_ns) == HF_OK;

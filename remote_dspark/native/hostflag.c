@@ -465,13 +465,35 @@ int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
     }
 }
 
-/* hf_take_seen, for a caller that answers with hf_answer: the seen time is kept for it. */
+/* Wait until fewer than `below` entries of the round in descriptor slot `desc` have rows
+ * still to come (hf_rows_pending), or deadline_ns: the count then. The engine is copying
+ * them, so this spins; a count that has not fallen by the deadline is returned as it is. */
+uint32_t hf_rows_wait(const uint8_t *desc, uint32_t below, uint64_t deadline_ns)
+{
+    for (uint32_t k = 1;; k++) {
+        uint32_t pending = hf_rows_pending(desc);
+        if (pending < below || (k % 1024 == 0 && hf_now_ns() >= deadline_ns))
+            return pending;
+        cpu_relax();
+    }
+}
+
+/* hf_take_seen, for a caller that answers with hf_answer and sends the round itself (a
+ * Python network round): the seen time is kept for it, and a round is returned once its
+ * rows are all in staging (a CPU engine publishes it before them); one whose rows are not
+ * all in by the deadline is left to the next call (-HF_TIMEOUT). */
 int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
 {
-    uint64_t seen = 0;
+    uint64_t seen = 0, deadline = hf_now_ns() + timeout_ns;
     int64_t r = hf_take_seen(p, timeout_ns, &seen);
-    if (r >= 0)
-        p->seen_ns[r & (p->ring.depth - 1)] = seen;
+    if (r < 0)
+        return r;
+    uint32_t index = (uint32_t)r & (p->ring.depth - 1);
+    if (hf_rows_wait(p->desc + (uint64_t)index * p->desc_stride, 1, deadline)) {
+        p->next = (uint32_t)r;
+        return -HF_TIMEOUT;
+    }
+    p->seen_ns[index] = seen;
     return r;
 }
 

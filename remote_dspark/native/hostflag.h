@@ -26,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 22   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 23   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -53,18 +53,28 @@ struct hf_ring {
 
 /* The wire contract's fixed parts (remote_dspark/wire/, protocol 6), for tcp_round.c and
  * worker_round.c: the header, the fixed parts of ROUND and DRAFTS, a ROUND's caps
- * (entries, drafts wanted, row bytes, tokens), where a descriptor keeps the ROUND payload
- * (region.layout.DESC_FIXED); a sampled session's terms: its ROUND's bytes per entry
+ * (entries, drafts wanted, row bytes, tokens), where a descriptor keeps its rows-pending
+ * word and the ROUND payload (region.layout.DESC_PENDING, DESC_FIXED); a sampled session's terms: its ROUND's bytes per entry
  * (temperature f32, seed u64), DRAFTS' distributions flag, a position's ids and their
  * weights' exact sum, and a sampled DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD,
  * the cap a ROUND must keep. Each wire constant is reported by hf_wire_constants, and
  * the loader refuses a library whose values are not remote_dspark.wire's. */
 enum { W_HEADER = 24, W_VERSION = 6, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
-       DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
+       DESC_PENDING = 4, DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
        W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16, W_MAX_ENTRIES = 4096, W_MAX_N_OUT = 64,
        W_MAX_ROW_BYTES = 1 << 20, W_MAX_TOKENS = 1 << 22 };
 #define W_MAGIC "DSPW"
+
+/* The entries of the round in descriptor slot `desc` whose rows are not in staging yet
+ * (its DESC_PENDING word, region.layout's): a CPU engine publishes a round before its
+ * rows and counts them down as it copies them (engine_round.c), releasing each count
+ * after the rows it covers; every other writer leaves the word 0. The acquire makes the
+ * rows it no longer counts visible. */
+static inline uint32_t hf_rows_pending(const uint8_t *desc)
+{
+    return __atomic_load_n((const uint32_t *)(desc + DESC_PENDING), __ATOMIC_ACQUIRE);
+}
 #define W_MAX_PAYLOAD (64ull << 20)
 
 static inline int cyc_geq(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
@@ -113,6 +123,8 @@ struct hf_proxy {
                                      and seed, every DRAFTS the distributions (the layout is sampled) */
     uint32_t d_q_ids, d_q_weights;  /* drafts slot offsets of a sampled layout's q blocks */
     uint32_t *wake;               /* the wake words [published, sleeping], or NULL: never sleep */
+    const uint8_t *desc;          /* descriptor 0, for its rows-pending word (hf_take) */
+    uint64_t desc_stride;
     uint32_t idle;                /* private: the last wait ended asleep, with nothing handed over */
 };
 
@@ -311,6 +323,7 @@ static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
 
 /* hostflag.c, for tcp_round.c and watchdog.c. */
 uint64_t hf_now_ns(void);
+uint32_t hf_rows_wait(const uint8_t *desc, uint32_t below, uint64_t deadline_ns);
 int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns);
 int hf_publish(uint32_t *released, uint32_t *waiters, uint32_t round, uint64_t deadline_ns);
 void hf_announce(uint32_t *wake, uint32_t round);

@@ -64,6 +64,8 @@ class ProxyState(ctypes.Structure):
         ("d_q_ids", ctypes.c_uint32),
         ("d_q_weights", ctypes.c_uint32),
         ("wake", ctypes.c_void_p),
+        ("desc", ctypes.c_void_p),
+        ("desc_stride", ctypes.c_uint64),
         ("idle", ctypes.c_uint32),
     ]
 

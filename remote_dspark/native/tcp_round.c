@@ -113,12 +113,14 @@ static int ready(int fd, short events, uint64_t deadline_ns)
 }
 
 /* Send the ROUND frame: the header, the descriptor's block (fixed part, entry arrays,
- * tokens) and the staging rows, straight from the region. A frame cannot be taken back
- * once in part on the wire, so a send that cannot finish by the round's deadline loses
- * the connection. */
+ * tokens) and the staging rows, straight from the region, each row once the engine has
+ * copied it there (the descriptor's rows-pending count, hf_rows_pending). A frame cannot
+ * be taken back once in part on the wire, so a send that cannot finish by the round's
+ * deadline loses the connection. */
 static int send_round(struct hf_link *l, uint32_t round, uint32_t index, const struct round_view *v,
                       uint64_t deadline_ns)
 {
+    const uint8_t *d = l->desc + (uint64_t)index * l->desc_stride;
     uint64_t block = v->meta + 4u * (uint64_t)v->n_tokens, rows = (uint64_t)v->n * l->row_bytes;
     uint32_t len = (uint32_t)(block + rows), version = W_VERSION | (W_ROUND << 16);
     uint8_t hdr[W_HEADER];
@@ -127,20 +129,37 @@ static int send_round(struct hf_link *l, uint32_t round, uint32_t index, const s
     memcpy(hdr + 8, &len, 4);
     memcpy(hdr + 12, &l->session, 8);
     memcpy(hdr + 20, &round, 4);
-    struct iovec iov[3] = {
-        { hdr, W_HEADER },
-        { (void *)v->payload, block },
-        { (void *)(l->staging + (uint64_t)index * l->staging_stride), rows },
-    };
-    struct msghdr msg = { .msg_iov = iov, .msg_iovlen = 3 };
-    for (;;) {
-        while (msg.msg_iovlen && msg.msg_iov->iov_len == 0) {
-            msg.msg_iov++;
-            msg.msg_iovlen--;
+    const uint8_t *part[3] = { hdr, v->payload, l->staging + (uint64_t)index * l->staging_stride };
+    const uint64_t size[3] = { W_HEADER, block, rows };
+    uint64_t total = W_HEADER + block + rows, sent = 0;
+    uint32_t pending = v->n ? hf_rows_pending(d) : 0;
+    while (sent < total) {
+        uint32_t unsent = pending < v->n ? pending : v->n;   /* a word past n is the engine's bug: waited on */
+        uint64_t avail = total - (uint64_t)unsent * l->row_bytes;
+        if (sent == avail) {
+            uint32_t was = pending;
+            if ((pending = hf_rows_wait(d, pending, deadline_ns)) >= was)
+                return fail(l, HF_EV_LOST, 0, "round %u: %u of its %u rows not gathered by its deadline", round,
+                            pending, v->n);
+            continue;
         }
-        if (!msg.msg_iovlen)
-            return HF_EV_OK;
+        struct iovec iov[3];
+        int parts = 0;
+        uint64_t at = 0;
+        for (int p = 0; p < 3; at += size[p++]) {   /* bytes [sent, avail) of the frame */
+            uint64_t lo = sent > at ? sent - at : 0;
+            uint64_t hi = avail <= at ? 0 : avail - at < size[p] ? avail - at : size[p];
+            if (lo < hi)
+                iov[parts++] = (struct iovec){ (void *)(part[p] + lo), hi - lo };
+        }
+        struct msghdr msg = { .msg_iov = iov, .msg_iovlen = (size_t)parts };
         ssize_t k = sendmsg(l->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0) {
+            sent += (uint64_t)k;
+            if (pending)
+                pending = hf_rows_pending(d);
+            continue;
+        }
         if (k < 0 && errno == EINTR)
             continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
@@ -150,19 +169,9 @@ static int send_round(struct hf_link *l, uint32_t round, uint32_t index, const s
             if (w == 0)
                 return fail(l, HF_EV_LOST, 0, "send of round %u stalled past its deadline", round);
         }
-        if (k < 0)
-            return fail(l, HF_EV_LOST, errno, "send failed: %s", strerror(errno));
-        for (size_t sent = (size_t)k; sent; ) {
-            size_t take = sent < msg.msg_iov->iov_len ? sent : msg.msg_iov->iov_len;
-            msg.msg_iov->iov_base = (uint8_t *)msg.msg_iov->iov_base + take;
-            msg.msg_iov->iov_len -= take;
-            sent -= take;
-            if (msg.msg_iov->iov_len == 0) {
-                msg.msg_iov++;
-                msg.msg_iovlen--;
-            }
-        }
+        return fail(l, HF_EV_LOST, k < 0 ? errno : 0, "send failed: %s", k < 0 ? strerror(errno) : "sent nothing");
     }
+    return HF_EV_OK;
 }
 
 /* Read the current frame up to `want` bytes (header, then payload into rx): spin on the

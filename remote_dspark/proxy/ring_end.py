@@ -159,6 +159,8 @@ class ProxyEnd(RingEnd):
             d_q_weights=lay.d_q_weights,
             # With nap_us 0 an idle proxy sleeps on the engine's ``published`` word.
             wake=region.addr(lay.wake),
+            desc=region.addr(lay.desc(0)),
+            desc_stride=lay.desc_stride,
         )
         self._state_addr = ctypes.addressof(self._state)
         # This end's own link, for the checks of a round sent by Python (ofl): its receive

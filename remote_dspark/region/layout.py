@@ -58,7 +58,9 @@ Hand-off words page (each word on its own 128-byte line; 32-bit sequence words,
 compared cyclically, so a run may start near 2^32 and wrap)::
 
     offset  size  word         writer
-    P+0x000 4     gathered     engine stream: last round whose rows are in staging
+    P+0x000 4     gathered     engine stream: last round whose descriptor is written and
+                               whose rows are in staging, or, from a CPU engine's C
+                               hand-over, being copied there (the descriptor's pending)
     P+0x080 4     released     the round's claimer, after its claim and its drafts (a futex
                                word: the engine's CPU wait sleeps on it after its spin)
     P+0x084 4     waiters      engine: how many of its threads sleep on released (every
@@ -83,6 +85,12 @@ wire ROUND payload without its rows, compact for the round's n entries, so the p
 sends it as one block straight from the region and the rows from the staging slot::
 
     +0                4       round
+    +4                4       pending: entries whose rows are not in staging yet. A CPU
+                              engine's C hand-over (hf_host_round) publishes gathered = r
+                              with pending = n, then copies the rows and counts pending
+                              down (release stores, every 64 KiB or so), so the proxy sends
+                              each row once the count no longer covers it; every other
+                              writer leaves it 0 (rows in staging before gathered)
     +8                M(n)    wire.ROUND_FIXED, then slots, positions, n_out, flags [n],
                               offsets [n + 1] (u32 each), and in a sampled layout
                               temperature f32 [n], seed u64 [n] (wire.round_sections)
@@ -129,7 +137,7 @@ from dataclasses import dataclass, field
 from .. import wire
 
 MAGIC = b"DSPKSHM1"
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 LINE = 128
 MAX_DEPTH = 64
 
@@ -155,8 +163,12 @@ W_WAKE = 0x500  # [published, sleeping] (hostflag.c, "sleeping when idle")
 W_STANDBY_GO = 0x580
 W_STANDBY_PID = 0x584
 
-# Descriptor slot: the round id, then the ROUND payload without rows.
+# Descriptor slot: the round id; the entries whose rows are not in staging yet (a CPU
+# engine publishes a round before its rows and counts them down as it copies them,
+# hostflag.h's hf_rows_pending; 0 from every other writer); then the ROUND payload
+# without rows.
 DESC_ROUND = 0
+DESC_PENDING = 4
 DESC_FIXED = 8
 
 # Drafts slot header.

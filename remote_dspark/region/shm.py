@@ -30,6 +30,7 @@ from .layout import (  # noqa: F401
     D_ROUND,
     D_STATUS,
     DESC_FIXED,
+    DESC_PENDING,
     DESC_ROUND,
     DRAFTS_HEAD,
     DRAFTS_MARGINS,

@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import until
+from helpers import recv_exactly, until
 
 from remote_dspark import wire
 from remote_dspark.config import Mode
@@ -68,18 +69,12 @@ class ScriptedWorker:
             finally:
                 conn.close()
 
-    def _recv(self, conn: socket.socket, n: int) -> bytes:
-        data = conn.recv(n, socket.MSG_WAITALL) if n else b""
-        if len(data) != n:
-            raise ConnectionError("the engine side closed the connection")
-        return data
-
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(10.0)
         hello = session = None
         while not self._stop.is_set():
-            hdr = wire.decode_header(self._recv(conn, wire.HEADER.size))
-            payload = self._recv(conn, hdr.payload_len)
+            hdr = wire.decode_header(recv_exactly(conn, wire.HEADER.size))
+            payload = recv_exactly(conn, hdr.payload_len)
             if hdr.type == wire.HELLO:
                 hello, session = wire.decode_hello(payload), hdr.session
                 self.hellos.append(hello)
@@ -261,9 +256,13 @@ def batch(**sampling) -> Batch:
 def first_ok(rd: RemoteDSpark, limit_s: float = 15.0):
     """Rounds until one is answered OK (rounds while the engine reconnects are ERROR at
     once); that round's drafts, or None after ``limit_s``."""
-    got = []
-    until(lambda: got.append(rd.round(batch())) or got[-1].outcome is Outcome.OK, limit_s, 0.01)
-    return got[-1] if got and got[-1].outcome is Outcome.OK else None
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        out = rd.round(batch())
+        if out.outcome is Outcome.OK:
+            return out
+        time.sleep(0.01)
+    return None
 
 
 @pytest.mark.parametrize("mode", ["sync", "thread", "process"])

@@ -119,9 +119,15 @@ def _python(side: Side, b: Batch, r: int, acked: int):
     return None, v.desc[:size].tobytes(), v.staging[: len(b)].tobytes()
 
 
+def _pending(side: Side, r: int) -> int:
+    """Round ``r``'s rows-pending count (the entries whose rows are still to come)."""
+    return side.lib.load32(side.region.addr(side.region.layout.desc(r % DEPTH) + shm.DESC_PENDING))
+
+
 def _native(side: Side, b: Batch, r: int, acked: int):
     v = side.views[r % DEPTH]
     v.desc[:] = 0xAB
+    side.lib.store32(side.region.addr(side.region.layout.desc(r % DEPTH) + shm.DESC_PENDING), 0xABAB)
     side.lib.store32(side.acked_at, acked)
     try:
         released = side.host.hand_over(b, r)
@@ -129,7 +135,7 @@ def _native(side: Side, b: Batch, r: int, acked: int):
         assert side.word("gathered") != r, "a refused batch was handed over"
         return str(e), b"", b""
     assert released is False  # no proxy, no hold
-    assert side.word("gathered") == r and int(v.round_word[0]) == r
+    assert side.word("gathered") == r and int(v.round_word[0]) == r and _pending(side, r) == 0
     size = side.host._meta._m.written
     return None, v.desc[:size].tobytes(), v.staging[: len(b)].tobytes()
 
@@ -141,6 +147,20 @@ def test_the_c_hand_over_and_the_python_steps_agree_verdict_for_verdict_and_byte
     with Side(lib, spec) as python, Side(lib, spec) as c:
         want = _python(python, b, r, acked)
         assert _native(c, b, r, acked) == want
+
+
+def test_rows_copied_after_the_round_is_published_land_whole_and_are_all_counted_in(lib):
+    """Rows of 40,000 bytes: the copy counts the pending entries down a row at a time
+    (about 64 KiB a step), after `gathered`; every row lands, and none is left counted."""
+    spec = dataclasses.replace(_spec(), row_bytes=40_000)
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, 256, (N_ROWS, spec.row_bytes), dtype=torch.uint8, generator=gen)
+    index = torch.tensor([8, 0, 3, 3, 7], dtype=torch.int64)
+    n = len(index)
+    b = Batch.from_lists(list(range(n)), [[1]] * n, [0] * n, [True] * n, rows, index)
+    with Side(lib, spec) as python, Side(lib, spec) as c:
+        want = _python(python, b, 3, 0)
+        assert _native(c, b, 3, 0) == want and want[2] == rows[index].numpy().tobytes()
 
 
 def _answer_in(side: Side, r: int, n: int, status: int, rng: np.random.Generator) -> None:

@@ -9,7 +9,7 @@ import struct
 import threading
 
 import pytest
-from helpers import until
+from helpers import recv_exactly, until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,9 +36,11 @@ class Rig:
         self.worker.settimeout(2.0)
         self.rounds.attach(self.proxy_sock.fileno())
 
-    def gather(self, slots=(3,), deadline_ms=0, rows=None, entries=None, corrupt=None) -> int:
+    def gather(self, slots=(3,), deadline_ms=0, rows=None, entries=None, corrupt=None, pending=0) -> int:
         """Write a round (``entries``, or one per slot) and gather it; ``corrupt(d, n,
-        n_tokens)`` may then write into the descriptor's ROUND payload ``d``."""
+        n_tokens)`` may then write into the descriptor's ROUND payload ``d``; ``pending``:
+        the entries whose rows are still to come (``set_pending`` counts them down), as a
+        CPU engine's C hand-over publishes a round."""
         r = self.eng.reserve(1)
         if entries is None:
             entries = [wire.Entry(s, 4, 10 + s, [s, s + 1]) for s in slots]
@@ -50,8 +52,14 @@ class Rig:
             at = self.region.layout.desc(r & (self.region.layout.depth - 1)) + layout.DESC_FIXED
             with self.region.view(at, self.region.layout.desc_stride - layout.DESC_FIXED) as d:
                 corrupt(d, len(entries), sum(len(e.tokens) for e in entries))
+        self.set_pending(r, pending)
         self.sync.signal(r)
         return r
+
+    def set_pending(self, r, pending: int) -> None:
+        """Store round ``r``'s rows-pending count (a release store, as the engine's)."""
+        lay = self.region.layout
+        self.lib.store32(self.region.addr(lay.desc(r & (lay.depth - 1)) + layout.DESC_PENDING), pending)
 
     def reply(self, r, slots=(3,), width=2, counts=None, margins=False) -> bytes:
         n = len(slots)
@@ -72,10 +80,10 @@ class Rig:
         return served
 
     def sent_frame(self) -> bytes:
-        head = self.worker.recv(wire.HEADER.size, socket.MSG_WAITALL)
+        head = recv_exactly(self.worker, wire.HEADER.size)
         hdr = wire.decode_header(head)
         assert hdr.type == wire.ROUND and hdr.session == SESSION
-        return head + self.worker.recv(hdr.payload_len, socket.MSG_WAITALL)
+        return head + recv_exactly(self.worker, hdr.payload_len)
 
     def sent_round(self) -> wire.Round:
         frame = self.sent_frame()
@@ -341,6 +349,56 @@ def test_a_send_the_worker_never_reads_loses_the_connection_at_the_round_deadlin
         assert s.net_s >= 0.05 and rig.eng.drafts(r).outcome == Outcome.ERROR  # given up at the deadline, not before
     finally:
         rig.close()
+
+
+def test_a_streamed_rounds_rows_go_out_only_once_the_engine_counts_them_in(rig):
+    """A round published before its rows (a CPU engine's C hand-over) goes out as they are
+    counted in: the header and descriptor at once, each row only once the pending count no
+    longer covers it. Staging holds a marker until the test writes each real row, so a
+    row sent early would arrive as the marker."""
+    lay = rig.region.layout
+    slots, R = (0, 1, 2), lay.row_bytes
+    real = bytes(range(1, 1 + 3 * R))
+    r = rig.gather(slots=slots, rows=b"\xee" * (3 * R), pending=3)
+    served = []
+    proxy = threading.Thread(target=lambda: served.append(rig.serve()))
+    rig.worker.sendall(rig.reply(r, slots=slots))  # queued: the proxy reads it once it has sent the round
+    proxy.start()
+    try:
+        head = recv_exactly(rig.worker, wire.HEADER.size)
+        hdr = wire.decode_header(head)
+        block = recv_exactly(rig.worker, hdr.payload_len - 3 * R)
+        got = b""
+        for k in range(3):  # one row at a time: written, then counted in
+            with rig.eng.staging(r) as staging:
+                staging[k * R : (k + 1) * R] = real[k * R : (k + 1) * R]
+            rig.set_pending(r, 2 - k)
+            got += recv_exactly(rig.worker, R)
+        assert got == real
+        proxy.join(5.0)
+        assert not proxy.is_alive() and served[0].event == RoundEvent.OK
+        frame = wire.decode_round(hdr, block + got)
+        assert list(frame.slots) == list(slots) and bytes(frame.rows) == real
+    finally:
+        rig.set_pending(r, 0)
+        proxy.join(5.0)
+
+
+def test_rows_the_engine_never_counts_in_lose_the_connection_at_the_round_deadline(rig):
+    r = rig.gather(slots=(0, 1), rows=bytes(2 * LAYOUT.row_bytes), deadline_ms=50, pending=1)
+    s = rig.serve()
+    assert (s.event, s.why) == (RoundEvent.LOST, f"round {r}: 1 of its 2 rows not gathered by its deadline")
+    assert s.net_s >= 0.05 and rig.eng.drafts(r).outcome == Outcome.ERROR
+
+
+def test_a_python_network_round_is_taken_only_once_its_rows_are_all_in(rig):
+    """hf_take (a proxy that sends the round itself) returns a round only once its rows are
+    all in staging; one whose rows are still coming is left for the next call."""
+    r = rig.gather(slots=(0, 1), pending=1)
+    assert rig.end.next_round(0.02) is None and rig.end.next == r
+    rig.set_pending(r, 0)
+    taken = rig.end.next_round(1.0)
+    assert taken is not None and taken.round == r
 
 
 # --------------------------------------------------------------------------- bad descriptors

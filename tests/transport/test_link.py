@@ -2,7 +2,7 @@
 reconnect with back-off."""
 
 import pytest
-from helpers import until
+from helpers import recv_exactly, until
 
 from remote_dspark import wire
 from remote_dspark.outcome import Outcome, RoundEvent
@@ -130,8 +130,8 @@ def test_a_worker_that_reads_slowly_cannot_hold_a_round_past_its_deadline(drafte
         conn, _ = server.accept()
         with conn:
             conn.settimeout(5)
-            hdr = wire.decode_header(conn.recv(wire.HEADER.size, socket.MSG_WAITALL))
-            conn.recv(hdr.payload_len, socket.MSG_WAITALL)
+            hdr = wire.decode_header(recv_exactly(conn, wire.HEADER.size))
+            recv_exactly(conn, hdr.payload_len)
             conn.sendall(
                 wire.encode_hello_ack(
                     wire.HelloAck(wire.ACCEPT, drafter.drafter_identity, drafter.markov_identity), hdr.session

@@ -11,7 +11,7 @@ import socket
 import threading
 
 import pytest
-from helpers import COUNTING, connect, do_round, hello, until
+from helpers import COUNTING, connect, do_round, hello, recv_exactly, until
 
 from remote_dspark import wire
 from remote_dspark.cli.main import main as cli_main
@@ -42,18 +42,8 @@ def keyless():
 
 def recv_frame(sock: socket.socket) -> tuple[wire.Header, bytes]:
     """One whole frame from a blocking socket (its timeout set)."""
-    head = b""
-    while len(head) < wire.HEADER.size:
-        chunk = sock.recv(wire.HEADER.size - len(head))
-        assert chunk, "closed mid-header"
-        head += chunk
-    hdr = wire.decode_header(head)
-    payload = b""
-    while len(payload) < hdr.payload_len:
-        chunk = sock.recv(hdr.payload_len - len(payload))
-        assert chunk, "closed mid-payload"
-        payload += chunk
-    return hdr, payload
+    hdr = wire.decode_header(recv_exactly(sock, wire.HEADER.size))
+    return hdr, recv_exactly(sock, hdr.payload_len)
 
 
 class RawEngine:
