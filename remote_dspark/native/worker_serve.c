@@ -198,8 +198,10 @@ static uint64_t wanted(const struct hf_serve *s, uint64_t len)
     if (s->got - W_HEADER < W_ROUND_FIXED)
         return W_ROUND_FIXED;
     uint64_t n = get32(s->rx + 4), row_bytes = get32(s->rx + 8), n_tokens = get32(s->rx + 12);
+    if (n > len || row_bytes > len || n_tokens > len)  /* cannot add up; and with each below 2^32, */
+        return len;                                    /* nothing below overflows */
     uint64_t before = W_ROUND_FIXED + 4 * (5 * n + 1) + (s->w->sampled ? W_SAMPLED_BYTES * n : 0) + 4 * n_tokens;
-    return before + n * row_bytes == len ? before : len;
+    return before < len && before + n * row_bytes == len ? before : len;
 }
 
 /* Read the frame begun in s up to what goes into rx (header, then payload: wanted):

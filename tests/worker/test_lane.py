@@ -15,6 +15,7 @@ import logging
 import math
 import random
 import socket
+import struct
 import time
 
 import numpy as np
@@ -210,6 +211,16 @@ BAD = {
     "a slot twice": (
         lambda: wire.encode_round_entries(1, 1, 0, [wire.Entry(0, 2, 0, [1], True)] * 2, bytes(8), 4),
         "slot 0 already named by entry 0",
+    ),
+    # a fixed part whose sizes wrap the u64 to the payload's length (before 90 GB, rows
+    # past 2^64): read whole and refused, never read past its length
+    "sizes that wrap to the length": (
+        lambda: (
+            wire.encode_header(wire.ROUND, 24, 1)
+            + struct.pack("<IIII", 0, 4294967276, 4294967295, 1073741920)
+            + bytes(8)
+        ),
+        "ROUND with 4294967276 entries over the cap 4096",
     ),
     # refused once the bytes before its rows are in; its rows, past the receive buffer's
     # first size, still come back whole to the Python checks, which decode the whole frame
