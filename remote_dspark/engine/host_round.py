@@ -156,6 +156,9 @@ class HostRound:
     def _outcome(self, rc: int, r: int, n: int = 0) -> Outcome:
         """The read answer's outcome; raises for a refused read (``rc``)."""
         h = self._h
+        if not rc:  # (the common case first: an IntEnum's comparisons cost a call each)
+            outcome = _OUTCOMES.get(h.status)
+            return Outcome(h.status) if outcome is None else outcome  # (an unknown status raises, naming it)
         if rc == HostRoundCode.OTHER:
             slot = r & (self._spec.depth - 1)
             raise RuntimeError(
@@ -163,10 +166,7 @@ class HostRound:
             )
         if rc == HostRoundCode.GOT:
             raise RuntimeError(f"drafts slot of round {r}: {h.got} entries, the round has {n}")
-        if rc:
-            raise RuntimeError(f"hf_host_answer: {HostRoundCode(rc).name}")
-        outcome = _OUTCOMES.get(h.status)
-        return Outcome(h.status) if outcome is None else outcome  # (an unknown status raises, naming it)
+        raise RuntimeError(f"hf_host_answer: {HostRoundCode(rc).name}")
 
     def _lost_slots(self) -> tuple[int, ...]:
         n = self._h.n_lost

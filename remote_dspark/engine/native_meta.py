@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..native import MetaIn
-from .batch import Batch
+from .batch import Batch, host_meta, write_meta
 
 _INTS = {torch.int32: 4, torch.int64: 8}  # a tensor's dtype -> its element size
 _BOOLS = {torch.bool: 1}
@@ -123,8 +123,6 @@ class NativeMeta:
         """The reference's checks of the filled batch the C check refused (``rule``), with
         the cut that call used: they raise its ValueError. Raises RuntimeError when they
         accept it (the two disagree)."""
-        from .batch import host_meta
-
         m = self._m
         host_meta(
             batch,
@@ -153,8 +151,6 @@ def write_round_meta(
 
     Raises:
         ValueError: ``host_meta``'s, naming what is wrong."""
-    from .batch import write_meta
-
     deadline_ms = spec.cfg.timeout_ms
     if native is not None:
         cut = 0 if native.reads_acked else spec.context_cut(acked())
