@@ -92,7 +92,9 @@ int hf_host_round(struct hf_host_round *h)
             return HF_HR_ROW;
     }
     uint32_t *pending = (uint32_t *)(desc + DESC_PENDING);
-    *pending = (uint32_t)n;   /* n <= max_slots; like the round word, published by the store of gathered */
+    /* n <= max_slots; like the round word, published by the store of gathered (relaxed: a
+     * late proxy of the slot's previous round may still be loading it) */
+    __atomic_store_n(pending, (uint32_t)n, __ATOMIC_RELAXED);
     memcpy(desc, &r, 4);
     hf_signal(g->gathered, g->gathered_ns + i, r, h->wake);
     if (n)

@@ -23,6 +23,7 @@
 #include "hostflag.h"
 
 #include <math.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -467,13 +468,26 @@ int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
 
 /* Wait until fewer than `below` entries of the round in descriptor slot `desc` have rows
  * still to come (hf_rows_pending), or deadline_ns: the count then. The engine is copying
- * them, so this spins; a count that has not fallen by the deadline is returned as it is. */
+ * them at memory speed, so this spins, yielding the CPU between looks once it has spun
+ * ROWS_SPIN_NS (an engine thread preempted mid-copy may need this core); a count that has
+ * not fallen by the deadline is returned as it is. */
 uint32_t hf_rows_wait(const uint8_t *desc, uint32_t below, uint64_t deadline_ns)
 {
+    enum { ROWS_SPIN_NS = 50000 };
+    uint64_t yield_at = 0;
     for (uint32_t k = 1;; k++) {
         uint32_t pending = hf_rows_pending(desc);
-        if (pending < below || (k % 1024 == 0 && hf_now_ns() >= deadline_ns))
+        if (pending < below)
             return pending;
+        if (k % 256 == 0) {
+            uint64_t now = hf_now_ns();
+            if (now >= deadline_ns)
+                return pending;
+            if (!yield_at)
+                yield_at = now + ROWS_SPIN_NS;
+            else if (now >= yield_at)
+                sched_yield();
+        }
         cpu_relax();
     }
 }

@@ -16,8 +16,10 @@ stays handed over whatever is raised after it.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import threading
 import time
 
 import numpy as np
@@ -161,6 +163,45 @@ def test_rows_copied_after_the_round_is_published_land_whole_and_are_all_counted
     with Side(lib, spec) as python, Side(lib, spec) as c:
         want = _python(python, b, 3, 0)
         assert _native(c, b, 3, 0) == want and want[2] == rows[index].numpy().tobytes()
+
+
+def test_the_copys_count_never_runs_ahead_of_the_rows(lib):
+    """Rows of 1 MiB, counted in one at a time: an observer that sees the count fall
+    (spinning in C, with the GIL released: the hand-over here is called releasing it too)
+    finds every row it no longer covers already in staging, which held a marker before.
+    A count stored ahead of its row is seen while that row is still being copied: the
+    observer reads the row's tail, which a copy writes last, a few microseconds after."""
+    spec = dataclasses.replace(_spec(), row_bytes=1 << 20)
+    n, r = 6, 1
+    rows = torch.randint(0, 256, (n, spec.row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    b = Batch.from_lists(list(range(n)), [[1]] * n, [0] * n, [True] * n, rows, torch.arange(n).flip(0))
+    want = rows.flip(0).numpy()
+    free = ctypes.CDLL(lib.path)  # the same library's calls, releasing the GIL
+    free.hf_host_round.restype, free.hf_host_round.argtypes = ctypes.c_int, (ctypes.c_void_p,)
+    free.hf_rows_wait.restype = ctypes.c_uint32
+    free.hf_rows_wait.argtypes = (ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64)
+    with Side(lib, spec) as side:
+        side.host._round = free.hf_host_round
+        desc = side.region.addr(side.region.layout.desc(r % DEPTH))
+        staging = side.views[r % DEPTH].staging
+        for _ in range(5):
+            staging[:n] = 0xEE
+            side.lib.store32(desc + shm.DESC_PENDING, n)
+            engine = threading.Thread(target=side.host.hand_over, args=(b, r))
+            engine.start()
+            try:
+                seen, deadline = n, time.monotonic_ns() + 5_000_000_000
+                while seen and time.monotonic_ns() < deadline:
+                    seen = free.hf_rows_wait(desc, seen, deadline)
+                    done = n - seen  # the last row counted in first, its tail first: a copy writes it last
+                    late = not (staging[done - 1, -4096:] == want[done - 1, -4096:]).all()
+                    assert not late and (staging[:done] == want[:done]).all(), f"{seen} rows counted in uncopied"
+                assert seen == 0
+            finally:
+                engine.join(5.0)
+            assert not engine.is_alive()
+            r += DEPTH  # the same slot, a later round
+        del staging  # (a view of the region: it must go before the region is closed)
 
 
 def _answer_in(side: Side, r: int, n: int, status: int, rng: np.random.Generator) -> None:

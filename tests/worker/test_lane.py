@@ -267,6 +267,23 @@ def test_a_frame_not_whole_in_time_is_a_stall(cut):
         w.stop()
 
 
+def test_a_round_whose_part_before_its_rows_outgrows_the_buffer_is_the_python_paths(pair):
+    """1,024 entries of 40 tokens: 184 KiB before the rows, so the receive buffer grows
+    twice (64 KiB first) before the round is applied; the reply is the native path's."""
+    entries = [wire.Entry(s, 3, 0, TEXT[s : s + 40], True) for s in range(1024)]
+    replies = []
+    for w in pair:
+        c = connect(w, max_slots=1024, row_bytes=64)
+        try:
+            frame = wire.encode_round_entries(1, c.session, 0, entries, bytes(1024 * 64), 64)
+            assert len(frame) - 1024 * 64 > 2 * 64 << 10
+            c.chan.send(frame)
+            replies.append(_reply(c))
+        finally:
+            c.close()
+    assert replies[0] == replies[1] and wire.decode_header(replies[0][: wire.HEADER.size]).type == wire.DRAFTS
+
+
 def test_a_rounds_rows_are_dropped_as_they_come(pair, monkeypatch):
     """The table never reads a round's rows: they never enter the lane's receive buffer
     (64 KiB here, the rows 8 times that), the round is drafted once the bytes before them
