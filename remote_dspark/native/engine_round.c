@@ -4,10 +4,11 @@
  * the round's descriptor (hf_host_meta), the descriptor's round word, `gathered` published
  * (hf_signal), then its rows gathered into the staging slot while the proxy sends the
  * first of them, and, when the engine holds its GIL for the first microseconds of a wait
- * (streamsync's hold), that spin for `released` too. hf_host_answer copies a released round's answer out of its drafts slot
- * into the engine's arrays and sums it as hf_drafts_summary does, or only sums it (a
- * round launch() enqueued, counted once released). Through Python the same
- * steps are about forty calls of a microsecond each on the engine's critical path.
+ * (streamsync's hold), that spin for `released` too. hf_host_answer copies a released
+ * round's answer out of its drafts slot into the engine's arrays and sums it as
+ * hf_drafts_summary does, or only sums it (a round launch() enqueued, counted once
+ * released). Through Python the same steps are about forty calls of a microsecond each
+ * on the engine's critical path.
  *
  * The Python steps stay the reference these calls are tested against, byte for byte and
  * verdict for verdict (tests/engine/test_host_round.py). A batch refused here is checked

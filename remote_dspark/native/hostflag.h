@@ -54,17 +54,19 @@ struct hf_ring {
 /* The wire contract's fixed parts (remote_dspark/wire/, protocol 6), for tcp_round.c and
  * worker_round.c: the header, the fixed parts of ROUND and DRAFTS, a ROUND's caps
  * (entries, drafts wanted, row bytes, tokens), where a descriptor keeps its rows-pending
- * word and the ROUND payload (region.layout.DESC_PENDING, DESC_FIXED); a sampled session's terms: its ROUND's bytes per entry
- * (temperature f32, seed u64), DRAFTS' distributions flag, a position's ids and their
- * weights' exact sum, and a sampled DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD,
- * the cap a ROUND must keep. Each wire constant is reported by hf_wire_constants, and
- * the loader refuses a library whose values are not remote_dspark.wire's. */
+ * word and the ROUND payload (region.layout.DESC_PENDING, DESC_FIXED); a sampled
+ * session's terms: its ROUND's bytes per entry (temperature f32, seed u64), DRAFTS'
+ * distributions flag, a position's ids and their weights' exact sum, and a sampled
+ * DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must keep. Each wire
+ * constant is reported by hf_wire_constants, and the loader refuses a library whose
+ * values are not remote_dspark.wire's. */
 enum { W_HEADER = 24, W_VERSION = 6, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
        DESC_PENDING = 4, DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
        W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16, W_MAX_ENTRIES = 4096, W_MAX_N_OUT = 64,
        W_MAX_ROW_BYTES = 1 << 20, W_MAX_TOKENS = 1 << 22 };
 #define W_MAGIC "DSPW"
+#define W_MAX_PAYLOAD (64ull << 20)
 
 /* The entries of the round in descriptor slot `desc` whose rows are not in staging yet
  * (its DESC_PENDING word, region.layout's): a CPU engine publishes a round before its
@@ -75,7 +77,6 @@ static inline uint32_t hf_rows_pending(const uint8_t *desc)
 {
     return __atomic_load_n((const uint32_t *)(desc + DESC_PENDING), __ATOMIC_ACQUIRE);
 }
-#define W_MAX_PAYLOAD (64ull << 20)
 
 static inline int cyc_geq(uint32_t a, uint32_t b) { return (int32_t)(a - b) >= 0; }
 

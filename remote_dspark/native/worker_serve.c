@@ -6,10 +6,10 @@
  * reads its drafts. The table never reads a round's rows: the round is applied and
  * drafted once the bytes before its rows are in, its rows are dropped in the kernel as
  * they come (MSG_TRUNC: TCP's recv discards without a copy), and the DRAFTS go out once
- * the frame is whole, so the drafting overlaps the rows' transfer. Anything else comes back to Python whole (SV_FRAME: a BYE, a ROUND
- * the C check refuses, which Python checks again to name the culprit) or as a header
- * Python must judge (SV_HEADER), so every message and rule of the Python loop stays
- * written once, in remote_dspark/worker/.
+ * the frame is whole, so the drafting overlaps the rows' transfer. Anything else comes
+ * back to Python whole (SV_FRAME: a BYE, a ROUND the C check refuses, which Python checks
+ * again to name the culprit) or as a header Python must judge (SV_HEADER), so every
+ * message and rule of the Python loop stays written once, in remote_dspark/worker/.
  *
  * remote_dspark/worker/lane.py drives it; its reference is the Python path
  * (worker.round.answer with drafter.markov's numpy draft_batch), which the tests hold it

@@ -4,11 +4,12 @@ From the moment a round is gathered until it is released the proxy runs no Pytho
 ``hf_round`` takes the round, checks its descriptor (the engine's metadata, perhaps
 written by a GPU stream: every size, offset, slot, n_out and flag; a bad one is answered
 ERROR, counted ``rounds_bad_desc`` and not sent), sends its ROUND frame straight from
-the region (header, the descriptor's block, the staging rows: one ``sendmsg``), waits
-for the DRAFTS (spinning on the socket for ``ASYNC_SPIN_US``, then in ``ppoll``), checks
-them by the wire's rules, against the round's entries and the session's terms (the reply
-rule of ``engine.reply``, written in C), writes them (each row widened
-to num_spec, zero past its count) and publishes ``released``. Python decides
+the region (header, the descriptor's block, the staging rows: ``sendmsg``, the rows as a
+CPU engine counts them into staging, ``hf_rows_pending``), waits for the DRAFTS
+(spinning on the socket for ``ASYNC_SPIN_US``, then in ``ppoll``), checks them by the
+wire's rules, against the round's entries and the session's terms (the reply rule of
+``engine.reply``, written in C), writes them (each row widened to num_spec, zero past
+its count) and publishes ``released``. Python decides
 before the call whether the round may use the network (the connection, the breaker's
 ``allow``) and does the accounting after it (the breaker, the attempts and late
 counters, the log, dropping a broken connection), when the engine already has its

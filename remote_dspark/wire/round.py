@@ -20,7 +20,8 @@ encoding is copying whole arrays into place and decoding is taking views
 
 Every section but the rows is 4-byte aligned, so the proxy sends the first seven (nine)
 as one block straight from its descriptor and the rows straight from the staging slot
-(one ``sendmsg``, nothing copied). An unsampled ROUND is byte for byte what protocol 5
+(``sendmsg``, nothing copied: one call, or one per batch of rows as a CPU engine copies
+them in). An unsampled ROUND is byte for byte what protocol 5
 sent: a sampled session's sections come last in the meta, after ``offsets``, so every
 other offset is the same. ``seed`` is at a 4-aligned offset, never 8-aligned (20 + 24 n
 in the payload): it is read as ``memoryview(...).cast("Q")`` (CPython unpacks a view's

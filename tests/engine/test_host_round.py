@@ -194,6 +194,7 @@ def test_the_copys_count_never_runs_ahead_of_the_rows(lib):
                 while seen and time.monotonic_ns() < deadline:
                     seen = free.hf_rows_wait(desc, seen, deadline)
                     done = n - seen  # the last row counted in first, its tail first: a copy writes it last
+                    assert done, "no row counted in within 5 s"
                     late = not (staging[done - 1, -4096:] == want[done - 1, -4096:]).all()
                     assert not late and (staging[:done] == want[:done]).all(), f"{seen} rows counted in uncopied"
                 assert seen == 0

@@ -46,10 +46,10 @@ For sync it is reported as is (its wait is a blocking receive).
 
 ``worker`` (engine and launch rows) is the worker's own time per measured round, from
 its ``/metrics`` read before and after them (:mod:`.worker_time`): the mean time from a
-ROUND in to its DRAFTS sent (the built-in Markov drafter's rounds are drafted while their
-rows arrive, and that wait is not counted), of which ``worker_drafting_ms`` (JSON) was the drafter's
-calls. What the round's end-to-end p50 adds to it is the engine, the proxy and the
-transport.
+ROUND in to its DRAFTS sent (the built-in Markov drafter's rounds are drafted while
+their rows arrive, and that wait is not counted), of which ``worker_drafting_ms`` (JSON)
+was the drafter's calls. What the round's end-to-end p50 adds to it is the engine, the
+proxy and the transport.
 
 ``engine_cpu_per_wall`` (engine rows) is the engine process's CPU seconds (every
 thread: in thread mode the proxy's too) per wall-second over the measured rounds, batch

@@ -1,8 +1,8 @@
 """``bench round``'s view of the worker's own time: what its ``/metrics`` say a round
 took inside the worker (a ROUND in to its DRAFTS sent: decode, windows, the drafter,
-the reply; not a served round's wait for its rows) and how much of that the drafter's calls took, read before and
-after a row's measured rounds. Means over the row (the histograms' sums over their
-counts), beside the engine's end-to-end p50."""
+the reply; not a served round's wait for its rows) and how much of that the drafter's
+calls took, read before and after a row's measured rounds. Means over the row (the
+histograms' sums over their counts), beside the engine's end-to-end p50."""
 
 from __future__ import annotations
 
