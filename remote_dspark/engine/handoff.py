@@ -337,7 +337,9 @@ class Handoff:
         device), in stream order, when given."""
         spec = self.spec
         n = len(batch)
-        resync, self._resync = tuple(sorted(self._resync)), set()
+        resync = ()
+        if self._resync:
+            resync, self._resync = tuple(sorted(self._resync)), set()
         serving, resync_all = self._proxy()
         out = out or round_tensors(n, spec.num_spec, spec.sampled, self._device)
         if not serving:

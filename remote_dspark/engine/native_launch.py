@@ -62,10 +62,14 @@ class NativeLaunch:
         self._c_ref = ctypes.byref(self._c)
         self._job = LaunchIn()
         self._job_ref = ctypes.byref(self._job)
+        self._copy = tuple(self._job.copy)  # held: each index of a ctypes array makes a new view
         lay, base = region.layout, backend.device_base
         self._staging = [base + lay.staging(i) for i in range(spec.depth)]
-        self._drafts = [base + lay.drafts(i) for i in range(spec.depth)]
-        self._lay = lay
+        # Where each depth slot's answer is copied from: tokens, counts, q_ids, q_weights, status.
+        self._answer = [
+            (d + lay.d_tokens, d + shm.D_COUNTS, d + lay.d_q_ids, d + lay.d_q_weights, d + shm.D_STATUS)
+            for d in (base + lay.drafts(i) for i in range(spec.depth))
+        ]
 
     def close(self) -> None:
         """Unload the kernel (idempotent): once the stream has finished with it."""
@@ -148,19 +152,21 @@ class NativeLaunch:
         job.index_bytes, job.unit_bytes = _INDEX_DTYPES[index.dtype], unit
 
     def _copies(self, i: int, n: int, out: tuple[torch.Tensor, ...], status) -> None:
-        lay, d, k, c = self._lay, self._drafts[i], self._spec.num_spec, self._job.copy
+        c, (tokens, counts, q_ids, q_weights, outcome), k = self._copy, self._answer[i], self._spec.num_spec
         m = 0
         if out:
-            c[0].dst, c[0].src, c[0].bytes = out[0].data_ptr(), d + lay.d_tokens, 4 * n * k
-            c[1].dst, c[1].src, c[1].bytes = out[1].data_ptr(), d + shm.D_COUNTS, 4 * n
+            c0, c1 = c[0], c[1]
+            c0.dst, c0.src, c0.bytes = out[0].data_ptr(), tokens, 4 * n * k
+            c1.dst, c1.src, c1.bytes = out[1].data_ptr(), counts, 4 * n
             m = 2
         if len(out) == 4:
-            q = n * k * wire.SAMPLED_TOP
-            c[2].dst, c[2].src, c[2].bytes = out[2].data_ptr(), d + lay.d_q_ids, 4 * q
-            c[3].dst, c[3].src, c[3].bytes = out[3].data_ptr(), d + lay.d_q_weights, 2 * q
+            q, c2, c3 = n * k * wire.SAMPLED_TOP, c[2], c[3]
+            c2.dst, c2.src, c2.bytes = out[2].data_ptr(), q_ids, 4 * q
+            c3.dst, c3.src, c3.bytes = out[3].data_ptr(), q_weights, 2 * q
             m = 4
         if status is not None:
-            c[m].dst, c[m].src, c[m].bytes = status.data_ptr(), d + shm.D_STATUS, 4
+            cm = c[m]
+            cm.dst, cm.src, cm.bytes = status.data_ptr(), outcome, 4
             m += 1
         self._job.n_copies = m
 
