@@ -204,6 +204,18 @@ static uint64_t wanted(const struct hf_serve *s, uint64_t len)
     return before < len && before + n * row_bytes == len ? before : len;
 }
 
+/* Why a read of the frame in hand got no bytes (read_some's k <= 0): SV_CLOSED,
+ * SV_STALLED (its deadline) or SV_LOST (errno in s->err). */
+static int read_failed(struct hf_serve *s, int64_t k)
+{
+    if (k == 0)
+        return SV_CLOSED;
+    if (k == -1)
+        return SV_STALLED;
+    s->err = (uint32_t)errno;
+    return SV_LOST;
+}
+
 /* Read the frame begun in s up to what goes into rx (header, then payload: wanted):
  * SV_ROUND once there (the caller reads its type and phase), or why not. */
 static int read_frame(struct hf_serve *s)
@@ -211,7 +223,7 @@ static int read_frame(struct hf_serve *s)
     while (s->got < W_HEADER) {  /* between frames: no deadline (an engine may idle for minutes) */
         int64_t k = read_some(s->fd, s->hdr + s->got, W_HEADER - s->got, UINT64_MAX, 0);
         if (k <= 0)
-            return k == 0 ? SV_CLOSED : (s->err = (uint32_t)errno, SV_LOST);
+            return read_failed(s, k);  /* (no deadline between frames: never a stall) */
         s->got += (uint64_t)k;
         if (s->got == W_HEADER)
             s->frame_deadline_ns = after(s->frame_ns);
@@ -229,7 +241,7 @@ static int read_frame(struct hf_serve *s)
             return SV_GROW;
         int64_t k = read_some(s->fd, s->rx + have, fits - have, s->frame_deadline_ns, 0);
         if (k <= 0)
-            return k == 0 ? SV_CLOSED : k == -1 ? SV_STALLED : (s->err = (uint32_t)errno, SV_LOST);
+            return read_failed(s, k);
         s->got += (uint64_t)k;
     }
     return SV_ROUND;
@@ -244,7 +256,7 @@ static int drop_rows(struct hf_serve *s, uint64_t len)
     while (s->got < W_HEADER + len) {
         int64_t k = read_some(s->fd, NULL, W_HEADER + len - s->got, s->frame_deadline_ns, MSG_TRUNC);
         if (k <= 0)
-            return k == 0 ? SV_CLOSED : k == -1 ? SV_STALLED : (s->err = (uint32_t)errno, SV_LOST);
+            return read_failed(s, k);
         s->got += (uint64_t)k;
     }
     return SV_ROUND;
