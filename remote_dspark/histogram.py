@@ -8,7 +8,7 @@ than bounds for +Inf, the sum), not cumulative; :meth:`Histogram.cumulative` giv
 its owner observes and snapshots it under the lock that already guards its other
 counters.
 
-Lowest layer on purpose: the engine (``engine.stats``, ``metrics``) and the worker
+Lowest layer on purpose: the engine (``engine.observe.stats``, ``metrics``) and the worker
 (``worker``, ``worker.metrics``) both use it, and neither side imports the other.
 """
 

@@ -25,7 +25,7 @@ from . import native
 from .proxy import handover
 from .proxy.loop import IDLE_TICK_S, ProxyLoop
 from .proxy.spawn import die_with_parent
-from .region import shm
+from .shm import memfd
 
 log = logging.getLogger("remote_dspark.proxy")
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         given = handover.read(args.handover)
         lib = native.load()
-        region = shm.Region.attach(args.fd)
+        region = memfd.Region.attach(args.fd)
     except (ValueError, OSError, native.NativeError) as e:
         print(f"proxy: cannot start: {e}", file=sys.stderr)
         return EXIT_ATTACH
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def wait_for_promotion(region: shm.Region, lib: native.Native, should_stop: Callable[[], bool]) -> bool:
+def wait_for_promotion(region: memfd.Region, lib: native.Native, should_stop: Callable[[], bool]) -> bool:
     """A standby proxy: interpreter started, imports done, library loaded, region mapped.
     Say so (``standby_pid``), then sleep on ``standby_go`` until the supervisor offers this
     process the proxy role and it accepts (promoted: True), or the proxy should stop

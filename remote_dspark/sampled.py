@@ -1,7 +1,7 @@
 """Sampled drafts' shared terms (SAMPLED_TOP32): the numbers both sides hold a draft's
 distribution to, and the one check of it, for the drafter (:mod:`remote_dspark.drafter.sampling`,
 which states the whole rule), the wire (:mod:`remote_dspark.wire`: its sections' sizes) and
-the engine (:mod:`remote_dspark.engine.reply`: a reply's distributions). The proxy's
+the engine (:mod:`remote_dspark.engine.values.reply`: a reply's distributions). The proxy's
 rounds hold a reply to the same check in C (``check_distributions`` in
 ``native/tcp_round.c``, its twin: same order, same words).
 

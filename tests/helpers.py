@@ -282,7 +282,7 @@ def do_round(c, rid, entries):
     return c.round(rid, [wire.encode_round_entries(rid, c.session, 1000, entries, bytes(4 * len(entries)), 4)], 2000)
 
 
-# What a scrape shows of a metric table (remote_dspark.prom.families), family by family.
+# What a scrape shows of a metric table (remote_dspark.metrics.families), family by family.
 
 
 def families_in(text: str) -> list[tuple[str, str, str, tuple[str, ...]]]:

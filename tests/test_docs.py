@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from helpers import REPO, drafter_env
 
 from remote_dspark.cli.main import build_parser
@@ -124,7 +124,7 @@ def exposed(tmp_path_factory) -> set[str]:
     from remote_dspark.drafter import CacheInfo, MarkovDrafter
     from remote_dspark.drafter.markov import MarkovModel
     from remote_dspark.engine import RemoteDSpark
-    from remote_dspark.engine.metrics import RemoteDSparkCollector
+    from remote_dspark.engine.observe.metrics import RemoteDSparkCollector
     from remote_dspark.worker import Worker
     from remote_dspark.worker.metrics import WorkerCollector
 

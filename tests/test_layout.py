@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "remote_dspark"
 MAX_LINES = 450
@@ -197,71 +199,98 @@ def test_the_graph_sees_lazy_relative_and_submodule_imports(tmp_path):
 DESIGN = ROOT / "docs" / "design.md"
 
 
-def documented_parts(text: str | None = None) -> dict[str, set[str]]:
-    """The ```parts block of docs/design.md: part -> the parts it may import."""
+def documented_parts(text: str | None = None, block: str = "parts") -> dict[str, set[str]]:
+    """A ```parts block of docs/design.md (``block``: ``parts`` for the package,
+    ``engine-parts`` for the engine's folders): part -> the parts it may import."""
     text = DESIGN.read_text() if text is None else text
-    block = text.split("```parts\n", 1)[1].split("```", 1)[0]
+    body = text.split(f"```{block}\n", 1)[1].split("```", 1)[0]
     parts = {}
-    for line in block.strip().splitlines():
+    for line in body.strip().splitlines():
         name, _, allowed = line.partition(":")
         parts[name.strip()] = set(allowed.split())
     return parts
 
 
-def part_of(module: str) -> str:
-    """A module's part: its folder (or top-level module) under the package; the package
-    itself is its own part."""
+def part_of(module: str, depth: int = 1) -> str:
+    """A module's part: its folder (or module) ``depth`` levels under the package; a
+    package at that level or above is its own part (``__init__`` below the top)."""
     names = module.split(".")
-    return names[1] if len(names) > 1 else names[0]
+    if len(names) > depth:
+        return names[depth]
+    return names[0] if depth == 1 else "__init__"
 
 
-def part_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+# A level of parts: the block naming them, the package they part, and its depth.
+LEVELS = {"parts": (PACKAGE, 1), "engine-parts": (f"{PACKAGE}.engine", 2)}
+
+
+def level_graph(graph: dict[str, set[str]], block: str) -> dict[str, set[str]]:
+    """The import graph among the modules ``block`` parts (all of the package, or the
+    engine's modules), other modules left out."""
+    package, _ = LEVELS[block]
+    inside = [m for m in graph if m == package or m.startswith(package + ".")]
+    return {m: {d for d in graph[m] if d == package or d.startswith(package + ".")} for m in inside}
+
+
+def part_graph(graph: dict[str, set[str]], depth: int = 1) -> dict[str, set[str]]:
     """part -> the other parts its modules import."""
     out: dict[str, set[str]] = {}
     for module, deps in graph.items():
-        out.setdefault(part_of(module), set()).update(part_of(d) for d in deps)
+        out.setdefault(part_of(module, depth), set()).update(part_of(d, depth) for d in deps)
     return {part: deps - {part} for part, deps in out.items()}
 
 
-def forbidden_imports(graph: dict[str, set[str]], parts: dict[str, set[str]]) -> list[str]:
+def forbidden_imports(graph: dict[str, set[str]], parts: dict[str, set[str]], depth: int = 1) -> list[str]:
     """Every import between parts that the block does not allow."""
     return sorted(
         f"{m} imports {d}"
         for m, deps in graph.items()
         for d in deps
-        if part_of(m) != part_of(d) and part_of(d) not in parts.get(part_of(m), set())
+        if part_of(m, depth) != part_of(d, depth) and part_of(d, depth) not in parts.get(part_of(m, depth), set())
     )
 
 
-def test_the_design_lists_every_part_once():
-    block = DESIGN.read_text().split("```parts\n", 1)[1].split("```", 1)[0]
-    names = [line.partition(":")[0].strip() for line in block.strip().splitlines()]
+LEVEL_IDS = pytest.mark.parametrize("block", list(LEVELS))
+
+
+@LEVEL_IDS
+def test_the_design_lists_every_part_once(block):
+    body = DESIGN.read_text().split(f"```{block}\n", 1)[1].split("```", 1)[0]
+    names = [line.partition(":")[0].strip() for line in body.strip().splitlines()]
     assert len(names) == len(set(names)), f"listed twice: {sorted({n for n in names if names.count(n) > 1})}"
-    actual = {part_of(m) for m in module_files()} - {PACKAGE}
+    package, depth = LEVELS[block]
+    actual = {part_of(m, depth) for m in level_graph(import_graph(), block)} - ({PACKAGE} if depth == 1 else set())
     assert set(names) == actual, (
-        f"docs/design.md's parts lack {sorted(actual - set(names))} and list {sorted(set(names) - actual)}, "
+        f"docs/design.md's {block} lack {sorted(actual - set(names))} and list {sorted(set(names) - actual)}, "
         "which do not exist"
     )
-    unknown = {p: sorted(allowed - set(names)) for p, allowed in documented_parts().items() if allowed - set(names)}
+    unknown = {
+        p: sorted(allowed - set(names)) for p, allowed in documented_parts(block=block).items() if allowed - set(names)
+    }
     assert not unknown, f"parts allowed to import parts that do not exist: {unknown}"
 
 
-def test_no_part_imports_a_part_it_may_not():
-    bad = forbidden_imports(import_graph(), documented_parts())
+@LEVEL_IDS
+def test_no_part_imports_a_part_it_may_not(block):
+    depth = LEVELS[block][1]
+    bad = forbidden_imports(level_graph(import_graph(), block), documented_parts(block=block), depth)
     assert not bad, "imports the parts block does not allow: " + "; ".join(bad)
 
 
-def test_the_parts_are_layers():
+@LEVEL_IDS
+def test_the_parts_are_layers(block):
     """The allowed imports have no cycle, so the parts stack in layers."""
-    found = cycles(documented_parts())
+    found = cycles(documented_parts(block=block))
     assert not found, "parts that may import each other: " + "; ".join(" -> ".join(c) for c in found)
 
 
-def test_the_allowed_imports_are_the_ones_used():
+@LEVEL_IDS
+def test_the_allowed_imports_are_the_ones_used(block):
     """Each part's list is what it imports, no more: a stale allowance would let an
     import in unnoticed."""
-    used = part_graph(import_graph())
-    loose = {p: sorted(allowed - used.get(p, set())) for p, allowed in documented_parts().items()}
+    depth = LEVELS[block][1]
+    used = part_graph(level_graph(import_graph(), block), depth)
+    loose = {p: sorted(allowed - used.get(p, set())) for p, allowed in documented_parts(block=block).items()}
     loose = {p: extra for p, extra in loose.items() if extra and p != "integrations"}
     assert not loose, f"allowed but not imported: {loose}"
 
@@ -286,6 +315,13 @@ def test_the_checks_see_dynamic_imports_forbidden_parts_and_private_names(tmp_pa
     assert forbidden_imports(graph, parts) == ["q.low.a imports q.high"]
     assert private_imports(tmp_path, "q") == ["q.high imports _hidden"]
     assert cycles(parts) == [] and cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+    # One level down: q.low's modules by their folder under it, q.low itself its __init__.
+    (pkg / "low" / "b.py").write_text("from .a import f\n")
+    low = {m: {d for d in deps if d.startswith("q.low")} for m, deps in import_graph(tmp_path, "q").items()}
+    low = {m: deps for m, deps in low.items() if m.startswith("q.low")}
+    assert part_of("q.low", 2) == "__init__" and part_of("q.low.a", 2) == "a"
+    assert forbidden_imports(low, {"a": set(), "b": set()}, depth=2) == ["q.low.b imports q.low.a"]
+    assert forbidden_imports(low, {"a": set(), "b": {"a"}}, depth=2) == []
 
 
 # --- function size ----------------------------------------------------------------------

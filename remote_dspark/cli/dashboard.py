@@ -2,7 +2,7 @@
 
 The JSON lives in ``remote_dspark/dashboards/`` (``dashboards/`` at the repository's top
 is a link to it). Its datasource is the template variable ``datasource``; every query
-uses the metrics of :mod:`remote_dspark.engine.metrics` and ``$__rate_interval``.
+uses the metrics of :mod:`remote_dspark.engine.observe.metrics` and ``$__rate_interval``.
 """
 
 from __future__ import annotations

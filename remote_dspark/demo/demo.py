@@ -169,7 +169,7 @@ def _kill_proxy(rd, last: int | None) -> int | None:
     replaced yet (its death not yet reaped, or the new one still spawning): wait, bounded,
     for its successor, so every due kill lands on a new proxy. Nothing to kill once the
     budget is spent (or in the other modes)."""
-    from ..supervise.supervisor import Up
+    from ..supervisor.restarts import Up
 
     state = _supervisor_state(rd, past=last)
     if isinstance(state, Up) and state.pid != last:
@@ -182,7 +182,7 @@ def _supervisor_state(rd, *, past: int | None):
     """The supervisor's state once it is past proxy ``past`` (a later proxy serves, or
     none will) and not between a loss and a serving successor, or after KILL_WAIT_S;
     None outside process mode."""
-    from ..supervise.supervisor import Down, Killing, Starting, Up
+    from ..supervisor.restarts import Down, Killing, Starting, Up
 
     sup = rd.supervisor
     deadline = time.monotonic() + KILL_WAIT_S

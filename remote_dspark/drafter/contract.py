@@ -14,7 +14,7 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
 * ``result.margins`` is ``[n, width]`` float32 in [0, 1] (zeros past counts) when
   ``batch.want_margin``, else it may be None. A drafter without margins returns None
   and the worker sends zeros when they were asked for: the engine refuses a DRAFTS whose
-  margins section is not exactly what its HELLO asked (``engine.reply``);
+  margins section is not exactly what its HELLO asked (``engine.values.reply``);
 * draft token ids are in ``0..vocab_size-1`` of the engine (its HELLO says the size);
 * in a sampled round (``batch.sampled``: ``temperature`` and ``seed`` per entry), the
   drafts are sampled by :mod:`remote_dspark.drafter.sampling`'s rule and the result

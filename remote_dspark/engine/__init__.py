@@ -23,12 +23,12 @@ torch is imported here; nothing the proxy imports imports this package.
 
 from ..config.api import apply_cost_overrides
 from ..config.mode import Mode
-from .batch import Batch
-from .drafts import Drafts
 from .facade import RemoteDSpark
-from .handoff import Launched
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed
-from .stats import Stats
+from .observe.stats import Stats
+from .paths.handoff import Launched
+from .values.batch import Batch
+from .values.drafts import Drafts
 
 __all__ = [
     "Batch",

@@ -17,11 +17,11 @@ with the proxy as a thread of the engine (``ASYNC_PROXY=thread``) or as a superv
 child process (``process``). On the CPU the engine thread hands a round over and waits for
 its release inside the native library (GIL released); the watchdog bounds that wait. The
 mode (``config.mode.Mode``) is decided once from the configuration, and ``start()`` opens
-the one round path of that mode (``engine.path``); the facade only calls it.
+the one round path of that mode (``engine.paths.base``); the facade only calls it.
 
 With ``tp_group`` (a torch.distributed group) every tensor-parallel rank builds one:
 rank 0 of the group opens the path, the others open nothing and take rank 0's answer
-(``engine.ranks``); ``launch()`` is not offered there.
+(``engine.tp.ranks``); ``launch()`` is not offered there.
 
 torch is imported here (the engine side); nothing the proxy imports imports this module.
 """
@@ -41,19 +41,20 @@ import torch
 from .. import native, transport, wire
 from ..config.api import RemoteConfig, n_out_table
 from ..config.mode import Mode
-from ..supervise.supervisor import Supervisor
+from ..supervisor.restarts import Supervisor
 from ..transport.client import DraftClient
-from . import policies, report
-from .async_path import AsyncPath
-from .batch import CONTEXT_TOKENS, Batch, HostMeta
-from .drafts import Drafts
-from .handoff import Launched
+from . import policies
 from .lifecycle import EngineState, RemoteClosed
-from .path import NothingOpen, Path
-from .ranks import Ranks, shares_failure
+from .observe import report
+from .observe.stats import EngineCounts, Stats
+from .paths.asynchronous import AsyncPath
+from .paths.base import NothingOpen, Path
+from .paths.handoff import Launched
+from .paths.sync import SyncPath
 from .spec import Spec
-from .stats import EngineCounts, Stats
-from .sync_path import SyncPath
+from .tp.ranks import Ranks, shares_failure
+from .values.batch import CONTEXT_TOKENS, Batch, HostMeta
+from .values.drafts import Drafts
 
 log = logging.getLogger("remote_dspark.engine")
 
@@ -145,7 +146,7 @@ class RemoteDSpark:
         ``depth_mode``, ``depth_file``, ``dense_cap``: the engine's depth-policy facts
         (as ``config.n_out_table`` takes them), which set each round's n_out.
         ``tp_group``: a tensor-parallel process group; only its rank 0 talks to the remote
-        drafter, and every rank gets the same drafts (``engine.ranks``).
+        drafter, and every rank gets the same drafts (``engine.tp.ranks``).
         ``context_tokens``: the engine's cap on a NEW_GEN context (its last tokens sent,
         the position moved to the first of them); it sizes a round (``max_slots x
         (context_tokens + num_spec + 1)`` tokens). A context is cut to the smaller of the
@@ -185,7 +186,7 @@ class RemoteDSpark:
         self._lock = threading.Lock()  # state changes, and stats() against close()
         self._start_lock = threading.Lock()  # start() and close() one at a time
         self.exporter = None
-        # Tensor parallel (engine.ranks): rank 0 of tp_group opens the path, the others follow it.
+        # Tensor parallel (engine.tp.ranks): rank 0 of tp_group opens the path, the others follow it.
         self._ranks = Ranks(tp_group) if tp_group is not None else None
         # Tensor parallel: rank 0 writes the stats file (who that is, start() learns).
         self._report = report.Report(cfg.log_every, cfg.stats_file, lambda: self._ranks is None or self._ranks.leader)
@@ -254,7 +255,7 @@ class RemoteDSpark:
         cfg = self.cfg
         transport.check_ready(cfg.endpoint, self.spec.environ)  # an ofl endpoint needs its library now
         if cfg.metrics_port:
-            from .metrics import Exporter
+            from .observe.metrics import Exporter
 
             self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
         if cfg.strict_start and self.mode.handoff:
@@ -293,7 +294,7 @@ class RemoteDSpark:
 
     def register_metrics(self, registry) -> None:
         """Add this engine's metrics to ``registry`` (an engine that serves /metrics)."""
-        from .metrics import RemoteDSparkCollector
+        from .observe.metrics import RemoteDSparkCollector
 
         registry.register(RemoteDSparkCollector(self))
 
@@ -398,7 +399,7 @@ class RemoteDSpark:
         for a batch without rows).
 
         With a ``tp_group``, on every rank, rank 0's drafts, ``outcome`` and ``resync_mask``
-        in stream order (``engine.tp_launch``: no rank's host waits); another rank's
+        in stream order (``engine.tp.launch``: no rank's host waits); another rank's
         ``round``, ``resync`` and ``resync_all`` are None.
 
         Raises:

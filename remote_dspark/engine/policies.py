@@ -9,9 +9,9 @@ import torch
 
 from ..config.api import RemoteConfig
 from ..outcome import Outcome
-from .drafts import Drafts, one_hot_q
 from .lifecycle import RemoteRoundFailed
-from .stats import EngineCounts
+from .observe.stats import EngineCounts
+from .values.drafts import Drafts, one_hot_q
 
 Local = tuple[torch.Tensor, torch.Tensor]  # the local drafter's (tokens [n, k], counts [n])
 

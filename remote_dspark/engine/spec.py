@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .. import wire
 from ..config.api import RemoteConfig
 from ..config.mode import Mode
-from .batch import CONTEXT_TOKENS, Batch, HostMeta, host_meta
+from .values.batch import CONTEXT_TOKENS, Batch, HostMeta, host_meta
 
 
 @dataclass(frozen=True)

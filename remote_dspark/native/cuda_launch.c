@@ -5,7 +5,7 @@
  * them, on the CPU, the round is announced to a sleeping proxy.
  *
  * This library links no CUDA: the caller resolves the driver's entry points and loads
- * the kernel (remote_dspark/region/cuda_driver.py, through libcuda.so.1, in the engine
+ * the kernel (remote_dspark/shm/cuda_driver.py, through libcuda.so.1, in the engine
  * only) and hands their addresses over once, in struct hf_cuda. Every call acts on the
  * calling thread's current context, torch's. The proxy never calls this file. */
 #include "hostflag.h"

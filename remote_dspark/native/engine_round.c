@@ -1,4 +1,4 @@
-/* engine_round.c: the engine's host side of a round (remote_dspark.engine.host_round).
+/* engine_round.c: the engine's host side of a round (remote_dspark.engine.writers.host_round).
  *
  * hf_host_round hands a reserved round over: the batch's metadata checked and written into
  * the round's descriptor (hf_host_meta), the descriptor's round word, `gathered` published

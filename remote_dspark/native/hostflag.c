@@ -5,7 +5,7 @@
  * the files share (the structs Python mirrors, the status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
- * layout is not known here; Python (remote_dspark.region.layout) computes it once and
+ * layout is not known here; Python (remote_dspark.shm.layout) computes it once and
  * passes the addresses of the words and the geometry of the drafts slots (struct hf_ring).
  *
  * Memory ordering: sequence words are loaded with acquire and stored with release, the

@@ -267,7 +267,7 @@ struct hf_meta {
 
 /* The driver's entry points and the loaded gather kernel, for hf_cuda_launch
  * (cuda_launch.c), and this engine's words: set once per engine by
- * remote_dspark.engine.native_launch. Addresses only: this library links no CUDA. */
+ * remote_dspark.engine.writers.native_launch. Addresses only: this library links no CUDA. */
 struct hf_cuda {
     void *launch_kernel, *write_value32, *wait_value32, *memcpy_async;  /* cuLaunchKernel, ... */
     void *gather;                 /* the CUfunction of gather.ptx's hf_gather */
@@ -294,7 +294,7 @@ struct hf_launch {
 
 /* The engine's host side of its rounds (engine_round.c): a CPU engine's hand-over and
  * answer, every engine's count of a launched round. Set once per engine by
- * remote_dspark.engine.host_round but for the round's fields: the region's words and
+ * remote_dspark.engine.writers.host_round but for the round's fields: the region's words and
  * slots, the batch's metadata (meta; NULL for a sampled engine) and rows, the outs. */
 enum { HF_HR_OK = 0, HF_HR_META = 1, HF_HR_ROW = 2, HF_HR_ARGS = 3, HF_HR_OTHER = 4, HF_HR_GOT = 5 };
 struct hf_host_round {

@@ -9,7 +9,7 @@ import ctypes
 
 class RingGeom(ctypes.Structure):
     """``struct hf_ring``: this process's addresses of one region's words and drafts
-    slots. Filled by ``remote_dspark.region.ring`` from the region's layout."""
+    slots. Filled by ``remote_dspark.shm.ring`` from the region's layout."""
 
     _fields_ = [
         ("gathered", ctypes.c_void_p),
@@ -252,7 +252,7 @@ class MetaIn(ctypes.Structure):
 
 class CudaIn(ctypes.Structure):
     """``struct hf_cuda``: the CUDA driver's entry points and the loaded gather kernel
-    (their addresses, resolved by ``remote_dspark.region.cuda_driver``), and one engine's
+    (their addresses, resolved by ``remote_dspark.shm.cuda_driver``), and one engine's
     words, for ``hf_cuda_launch``. Set once per engine."""
 
     _fields_ = [
@@ -300,7 +300,7 @@ class LaunchIn(ctypes.Structure):
 class HostRoundIn(ctypes.Structure):
     """``struct hf_host_round``: the engine's host side of its rounds for ``hf_host_round``,
     ``hf_host_answer`` and ``hf_host_summary`` (the region's words and slots and the
-    answer's lost slots, set once by ``remote_dspark.engine.host_round``; the round's rows
+    answer's lost slots, set once by ``remote_dspark.engine.writers.host_round``; the round's rows
     and round id in; the verdicts, the hold's CPU time and the answer's head and sums out)."""
 
     _fields_ = [

@@ -355,7 +355,7 @@ static void widen(uint8_t *dst, const uint8_t *src, const uint8_t *counts, uint3
 }
 
 /* What a reply's entries must be beyond the frame's own rules, checked before anything
- * is delivered. THE RULE HAS A PYTHON TWIN: remote_dspark/engine/reply.py (check_reply,
+ * is delivered. THE RULE HAS A PYTHON TWIN: remote_dspark/engine/values/reply.py (check_reply,
  * sync mode) makes the same checks in the same order with the same words, and
  * tests/engine/test_reply_check.py runs the same replies through both and holds their verdicts
  * equal. Per entry, in order: count <= the round's n_out; a RESYNC entry has no drafts;
@@ -423,7 +423,7 @@ static int distinct(const uint32_t *ids, uint32_t *keys, uint16_t *tags, uint16_
 
 /* Rule 5 of the reply check, once every entry passed check_entries: each counted
  * position's distribution, in entry order. THE RULE HAS A PYTHON TWIN, with the same
- * words: remote_dspark/sampled.violation, as engine/reply.py names it ("entry e: draft
+ * words: remote_dspark/sampled.violation, as engine/values/reply.py names it ("entry e: draft
  * j: ..."): the first position that breaks it, and its first broken part: an id outside
  * 0..vocab-1 (the first listed; vocab 2^31 when unknown), an id repeated (the smallest),
  * weights not summing to exactly W_TOTAL (u16: none over it), the drafted token not
@@ -513,7 +513,7 @@ static int unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const stru
                 return fail(l, HF_EV_BAD_REPLY, 0, "entry %u: drafts for slot %u, the round has slot %u",
                             e, get32(slots + 4u * e), get32(v->slots + 4u * e));
     /* From here the reply breaks what the session asked (HELLO) or what the round asked:
-     * a protocol error (the connection is dropped), as in engine/reply.py. */
+     * a protocol error (the connection is dropped), as in engine/values/reply.py. */
     if (width > K)
         return fail(l, HF_EV_PROTOCOL, 0, "drafts width %u over num_spec=%u", width, K);
     if (!(flags & W_MARGINS) != !p->want_margin)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from .. import native
 from ..config.api import RemoteConfig
 from ..outcome import DROPS_CONNECTION, Outcome, RoundEvent
-from ..region import shm
+from ..shm import memfd
 from ..transport.breaker import Breaker, BreakerRecord
 from ..transport.link import RemoteLink
 from .ring_end import ProxyEnd, ProxyRound
@@ -39,7 +39,7 @@ class RegionBreaker:
     """The breaker, its state kept in the region's breaker block (the proxy is its only
     writer), so a respawned proxy resumes it and the engine exports it."""
 
-    def __init__(self, cfg: RemoteConfig, header: shm.HeaderWords):
+    def __init__(self, cfg: RemoteConfig, header: memfd.HeaderWords):
         self._header = header
         s = header.breaker()
         self.breaker = Breaker(
@@ -49,7 +49,7 @@ class RegionBreaker:
 
     def flush(self) -> None:
         r = self.breaker.store
-        s = shm.BreakerState(int(r.state), r.failures, r.cooldown_left, r.trips, r.probes)
+        s = memfd.BreakerState(int(r.state), r.failures, r.cooldown_left, r.trips, r.probes)
         if s != self._written:
             self._header.set_breaker(s)
             self._written = s
@@ -61,7 +61,7 @@ class ProxyLoop:
 
     def __init__(
         self,
-        region: shm.Region,
+        region: memfd.Region,
         lib: native.Native,
         cfg: RemoteConfig,
         *,

@@ -1,4 +1,4 @@
-"""The proxy's end of the ring (see :mod:`remote_dspark.region.ring` for the protocol and its invariants):
+"""The proxy's end of the ring (see :mod:`remote_dspark.shm.ring` for the protocol and its invariants):
 take the next gathered round, read its descriptor where it lies, answer it once.
 Torch-free: the proxy process imports it."""
 
@@ -10,8 +10,8 @@ import os
 from .. import native, wire
 from ..native import Status, check
 from ..outcome import Outcome, RoundEvent
-from ..region import shm
-from ..region.ring import PUBLISH_TIMEOUT_NS, RingEnd, seq_add, seq_geq
+from ..shm import memfd
+from ..shm.ring import PUBLISH_TIMEOUT_NS, RingEnd, seq_add, seq_geq
 
 _PROXY_COUNTER = {
     Outcome.OK: "rounds_ok",
@@ -42,7 +42,7 @@ class ProxyRound:
         """
         self._end.check_descriptor(self.round)
         with self._end.region.descriptor(self.index) as d:
-            return wire.ROUND_FIXED.unpack_from(d, shm.DESC_FIXED)
+            return wire.ROUND_FIXED.unpack_from(d, memfd.DESC_FIXED)
 
     def wire_parts(self, session: int, fields: tuple[int, int, int, int] | None = None) -> list:
         """The ROUND frame as buffers for one ``sendmsg``: the wire header, a view of the
@@ -56,7 +56,7 @@ class ProxyRound:
         _, n, row_bytes, n_tokens = fields if fields is not None else self.fields()
         region, lay = self._end.region, self._end.layout
         meta = wire.round_meta_bytes(n, lay.sampled)
-        block = region.view(lay.desc(self.index) + shm.DESC_FIXED, meta + 4 * n_tokens)
+        block = region.view(lay.desc(self.index) + memfd.DESC_FIXED, meta + 4 * n_tokens)
         rows = region.view(lay.staging(self.index), n * row_bytes)
         return [wire.encode_header(wire.ROUND, len(block) + len(rows), session, self.round), block, rows]
 
@@ -67,7 +67,7 @@ class ProxyRound:
             ValueError: the descriptor breaks a rule (``fields``).
         """
         n = self.fields()[1]
-        at = self._end.layout.desc(self.index) + shm.DESC_FIXED + wire.ROUND_FIXED.size
+        at = self._end.layout.desc(self.index) + memfd.DESC_FIXED + wire.ROUND_FIXED.size
         with self._end.region.view(at, 4 * n) as raw, raw.cast("I") as slots:
             return tuple(slots)
 
@@ -96,7 +96,7 @@ class ProxyEnd(RingEnd):
 
     def __init__(
         self,
-        region: shm.Region,
+        region: memfd.Region,
         lib: native.Native,
         *,
         spin_us: int = 1000,
@@ -121,21 +121,21 @@ class ProxyEnd(RingEnd):
             )
         self.counters = region.proxy_counters(lib)
         self.header = region.header_words(lib)
-        offs = shm.PROXY_COUNTERS.offsets
-        self._bounds = (ctypes.c_uint64 * len(shm.LATENCY_BOUNDS_NS))(*shm.LATENCY_BOUNDS_NS)
+        offs = memfd.PROXY_COUNTERS.offsets
+        self._bounds = (ctypes.c_uint64 * len(memfd.LATENCY_BOUNDS_NS))(*memfd.LATENCY_BOUNDS_NS)
         self._seen = (ctypes.c_uint64 * lay.depth)()
         self._stamps = (ctypes.c_uint32 * lay.max_slots)()
         self._image = (ctypes.c_char * lay.drafts_stride)()
         self._image_addr = ctypes.addressof(self._image)
         self._state = native.ProxyState(
             ring=self._geom,
-            heartbeat=region.addr(shm.OFF_HEARTBEAT),
+            heartbeat=region.addr(memfd.OFF_HEARTBEAT),
             counters=self.counters.base,
             bounds=ctypes.addressof(self._bounds),
             seen_ns=ctypes.addressof(self._seen),
             stamps=ctypes.addressof(self._stamps),
             publish_timeout_ns=PUBLISH_TIMEOUT_NS,
-            n_bounds=len(shm.LATENCY_BOUNDS_NS),
+            n_bounds=len(memfd.LATENCY_BOUNDS_NS),
             next=seq_add(self.claimed(), 1),
             spin_us=spin_us,
             nap_us=nap_us,
@@ -145,7 +145,7 @@ class ProxyEnd(RingEnd):
             c_draft_tokens=offs["draft_tokens"] // 8,
             h_round=offs["round_latency"] // 8,
             h_handoff=offs["handoff_latency"] // 8,
-            d_counts=shm.D_COUNTS,
+            d_counts=memfd.D_COUNTS,
             d_entry_status=lay.d_entry_status,
             d_tokens=lay.d_tokens,
             d_margins=lay.d_margins,

@@ -3,7 +3,7 @@ allowlisted environment, the region's fd and the engine's configuration handed o
 through a pipe; and how it ends: signalled through its pidfd and reaped with ``wait4``
 (:func:`reap`: asked with SIGTERM by :func:`terminate`, or SIGKILLed by :func:`kill`),
 and where no child may be left, through its pid when its pidfd fails (:func:`end`).
-:mod:`remote_dspark.supervise.supervisor` decides when; this module says how.
+:mod:`remote_dspark.supervisor.restarts` decides when; this module says how.
 
 Why a fresh interpreter, never fork or multiprocessing: forking a CUDA-initialised
 engine is undefined, and multiprocessing's spawn re-imports the engine's ``__main__``

@@ -8,7 +8,7 @@ the region (header, the descriptor's block, the staging rows: ``sendmsg``, the r
 CPU engine counts them into staging, ``hf_rows_pending``), waits for the DRAFTS
 (spinning on the socket for ``ASYNC_SPIN_US``, then in ``ppoll``), checks them by the
 wire's rules, against the round's entries and the session's terms (the reply rule of
-``engine.reply``, written in C), writes them (each row widened to num_spec, zero past
+``engine.values.reply``, written in C), writes them (each row widened to num_spec, zero past
 its count) and publishes ``released``. Python decides
 before the call whether the round may use the network (the connection, the breaker's
 ``allow``) and does the accounting after it (the breaker, the attempts and late
@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from .. import native, wire
 from ..outcome import Outcome, RoundEvent
-from ..region.ring import seq_add
+from ..shm.ring import seq_add
 from .ring_end import ProxyEnd
 
 DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)  # the wire's: no DRAFTS payload is larger

@@ -1,7 +1,7 @@
 """A watchable worker: ``/metrics``, ``/healthz`` and ``/readyz`` (``remote-dspark worker
 --metrics-port PORT``).
 
-One small HTTP server (:class:`~remote_dspark.prom.serve.ScrapeServer`: one selector
+One small HTTP server (:class:`~remote_dspark.metrics.serve.ScrapeServer`: one selector
 thread reads requests under a deadline on the whole request and caps on the head, and
 only a whole request gets a thread, a few at once) that
 :class:`~remote_dspark.worker.Worker` starts in ``start()`` when it has a metrics port and
@@ -11,7 +11,7 @@ client may hold it (slow or oversized requests are dropped, never waited for).
 
 - ``/metrics``: Prometheus text exposition from :class:`WorkerCollector`, a custom
   collector read at scrape time: it walks :data:`TABLE`, one row per family
-  (:mod:`remote_dspark.prom.families`), over one :class:`Scrape`. Every number has one
+  (:mod:`remote_dspark.metrics.families`), over one :class:`Scrape`. Every number has one
   owner and is only read here: the worker's :class:`~remote_dspark.worker.stats.WorkerStats`
   (a consistent copy taken under its lock), the admission loop's pool size, the drafter's
   ``cache_info()``. The round path never does anything for the metrics beyond what the
@@ -23,7 +23,7 @@ client may hold it (slow or oversized requests are dropped, never waited for).
   HELLO now would be refused busy): for a load balancer in front of several workers.
 - anything else: 404.
 
-Names as the engine's (:mod:`remote_dspark.engine.metrics`), with their own prefix
+Names as the engine's (:mod:`remote_dspark.engine.observe.metrics`), with their own prefix
 ``dspark_worker_``: base units, ``_total`` on counters, labels of low cardinality
 (``state``, ``reason``). prometheus_client is the ``worker`` extra's and is imported only
 with this module, which the worker imports only when a metrics port is given.
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ..drafter.contract import CacheInfo, cache_info_of, vocab_size_of
-from ..prom.families import Table, TableCollector, counter, gauge, histogram, info
-from ..prom.serve import Answer, ScrapeServer
+from ..metrics.families import Table, TableCollector, counter, gauge, histogram, info
+from ..metrics.serve import Answer, ScrapeServer
 from .admission import AdmissionStats
 from .stats import REFUSAL_REASONS, WorkerStats
 
@@ -263,7 +263,7 @@ class WorkerCollector(TableCollector):
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` of ``worker`` on ``host:port`` (0: any
     free port; :attr:`port` is the bound one), served by a
-    :class:`~remote_dspark.prom.serve.ScrapeServer` (no client can hold it: a deadline on
+    :class:`~remote_dspark.metrics.serve.ScrapeServer` (no client can hold it: a deadline on
     the whole request, caps on the head, no thread until a request is whole) until
     :meth:`close` (idempotent, bounded).
 

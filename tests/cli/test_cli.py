@@ -55,7 +55,7 @@ def test_a_due_kill_waits_for_the_killed_proxys_successor(monkeypatch):
     from types import SimpleNamespace
 
     from remote_dspark.demo import demo
-    from remote_dspark.supervise.supervisor import Cause, Down, Spent, Starting, Up
+    from remote_dspark.supervisor.restarts import Cause, Down, Spent, Starting, Up
 
     def child(pid):
         return SimpleNamespace(pid=pid)

@@ -16,8 +16,8 @@ from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.engine import Batch, Mode, RemoteDSpark
-from remote_dspark.engine.batch import host_meta, write_meta
-from remote_dspark.engine.device_meta import write_meta_in_stream
+from remote_dspark.engine.values.batch import host_meta, write_meta
+from remote_dspark.engine.writers.device_meta import write_meta_in_stream
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
 
@@ -105,7 +105,7 @@ def test_both_paths_cut_to_the_context_given_with_the_first_sent_tokens_position
     """host_meta and the device path (tensor ops over the descriptor, run on the CPU
     here) cut each NEW_GEN context to its last ``context`` tokens, the position moved to
     the first token sent, and write the same bytes."""
-    from remote_dspark.region import layout, shm
+    from remote_dspark.shm import layout, memfd
 
     tokens = [list(range(1000 * i, 1000 * i + n)) for i, (n, _, _) in enumerate(entries)]
     new_gen = [new for _, new, _ in entries]
@@ -116,7 +116,7 @@ def test_both_paths_cut_to_the_context_given_with_the_first_sent_tokens_position
         cut = max(len(toks) - context, 0) if new else 0
         assert meta.tokens[meta.offsets[i] : meta.offsets[i + 1]].tolist() == toks[cut:]
         assert meta.positions[i] == pos + cut
-    region = shm.Region.create(layout.Layout(2, SLOTS, 8, K, 2000))
+    region = memfd.Region.create(layout.Layout(2, SLOTS, 8, K, 2000))
     try:
         lay = region.layout
         area = region.view(lay.desc(0) + layout.DESC_FIXED, lay.desc_stride - layout.DESC_FIXED)

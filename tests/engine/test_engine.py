@@ -11,34 +11,17 @@ import time
 
 import pytest
 import torch
+from engines import ROWS, K, async_env, batch, make
 from helpers import COUNTING, env_for, until
 
 from remote_dspark import wire
-from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.engine import Batch, Mode, RemoteClosed, RemoteDSpark, RemoteRoundFailed
+from remote_dspark.engine import Mode, RemoteClosed, RemoteRoundFailed
 from remote_dspark.outcome import Outcome
 from remote_dspark.transport import TransportError
 from remote_dspark.worker import Worker
 
 MODEL = COUNTING
-K = 3
-
-
-def make(env, **kw):
-    kw.setdefault("num_spec", K)
-    kw.setdefault("max_slots", 4)
-    kw.setdefault("row_bytes", 8)
-    return RemoteDSpark(RemoteConfig.from_env(env), environ=env, **kw)
-
-
-ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
-
-
-def batch(new=True, slots=(0, 1), tokens=((1,), (3,)), positions=(0, 0)):
-    return Batch.from_lists(
-        list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots), ROWS, torch.arange(len(slots))
-    )
 
 
 def local_drafter(b):
@@ -201,10 +184,6 @@ def test_stats_file_and_log_line(worker, tmp_path, caplog):
 # --------------------------------------------------------------------------- async
 
 
-def async_env(port, tmp_path, proxy, **kw):
-    return env_for(port, tmp_path, Mode(proxy), **kw)
-
-
 def test_thread_mode_round_and_switch_interval(worker, tmp_path):
     before = sys.getswitchinterval()
     with make(async_env(worker.port, tmp_path, "thread", VLLM_DSPARK_REMOTE_SWITCH_INTERVAL_US="700")) as rd:
@@ -284,7 +263,7 @@ def test_a_proxy_still_connecting_is_not_stalled(tmp_path, monkeypatch):
     target-only, once the attempt fails."""
     import socket
 
-    from remote_dspark.engine import proxy_host
+    from remote_dspark.engine.paths import proxy_host
 
     monkeypatch.setattr(proxy_host, "PROXY_START_S", 1.0)  # below CONNECT_TIMEOUT_MS, room for a loaded machine
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
@@ -638,7 +617,8 @@ def test_a_slow_set_up_before_the_spawn_does_not_eat_the_wait_for_the_proxy(work
     """The wait for the first proxy counts from its spawn: an engine whose own set-up (on a
     GPU, the hand-off's self-test compiling its kernel) outlasts CONNECT_TIMEOUT_MS + 1 s
     still starts with a proxy serving, and its first round reaches the worker."""
-    from remote_dspark.engine import facade, proxy_host
+    from remote_dspark.engine import facade
+    from remote_dspark.engine.paths import proxy_host
 
     monkeypatch.setattr(proxy_host, "START_WAIT_SLACK_S", 0.2)
 

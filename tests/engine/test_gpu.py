@@ -21,10 +21,11 @@ from remote_dspark import wire
 from remote_dspark.config import Mode
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.engine import Batch, RemoteDSpark, gather
+from remote_dspark.engine import Batch, RemoteDSpark
+from remote_dspark.engine.writers import gather
 from remote_dspark.outcome import Outcome
 from remote_dspark.proxy import ring_end
-from remote_dspark.region import layout, ring, shm, streamsync
+from remote_dspark.shm import layout, memfd, ring, streamsync
 from remote_dspark.worker import Worker
 
 pytestmark = pytest.mark.gpu
@@ -114,7 +115,7 @@ def test_the_raw_stream_lookup_is_the_current_streams_handle():
 
 def test_stream_hand_off_on_the_registered_region(lib):
     """The stream writes gathered; a CPU peer here answers; the stream's wait ends."""
-    with shm.Region.create(layout.Layout(4, 8, 16, 3, 64)) as region:
+    with memfd.Region.create(layout.Layout(4, 8, 16, 3, 64)) as region:
         end = ring.EngineEnd(region, lib)
         end.start_watchdog(2000)
         sync = streamsync.HostFlagSync(region, lib, backend="cuda")
@@ -234,8 +235,8 @@ def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form, 
     """write_meta_in_stream on CUDA (by its tensor operations, and by the metadata kernel)
     writes the bytes host_meta + write_meta write, for a sampled round: float32
     temperatures (-0.0 as 0.0), u64 seeds, the tokens after them."""
-    from remote_dspark.engine.batch import host_meta, write_meta
-    from remote_dspark.engine.device_meta import check_meta_shapes, write_meta_in_stream
+    from remote_dspark.engine.values.batch import host_meta, write_meta
+    from remote_dspark.engine.writers.device_meta import check_meta_shapes, write_meta_in_stream
 
     rng = np.random.default_rng(7)
     max_tokens = 8 * 90

@@ -10,7 +10,7 @@ from helpers import drafter_env, until
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.outcome import Outcome
 from remote_dspark.proxy.loop import ProxyLoop
-from remote_dspark.region import layout, ring, shm, streamsync
+from remote_dspark.shm import layout, memfd, ring, streamsync
 from remote_dspark.transport.breaker import Breaker
 from remote_dspark.transport.link import RemoteLink
 from remote_dspark.wire import Entry
@@ -19,7 +19,7 @@ from remote_dspark.worker import Worker
 
 @pytest.fixture
 def region():
-    r = shm.Region.create(layout.Layout(4, 4, 4, 3, 1024))
+    r = memfd.Region.create(layout.Layout(4, 4, 4, 3, 1024))
     yield r
     r.close()
 

@@ -12,7 +12,7 @@ from remote_dspark import native, wire
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.outcome import Outcome
 from remote_dspark.proxy.loop import ProxyLoop
-from remote_dspark.region import layout, ring, shm, streamsync
+from remote_dspark.shm import layout, memfd, ring, streamsync
 from remote_dspark.transport.breaker import State
 
 NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]
@@ -22,7 +22,7 @@ class Rig:
     def __init__(self, lib, worker, drafter, **env):
         settings = {"VLLM_DSPARK_REMOTE_ASYNC_SPIN_US": "50", "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000"}
         base = drafter_env(drafter, worker.port, **{**settings, **env})
-        self.region = shm.Region.create(layout.Layout(4, 4, 4, 3, 64))
+        self.region = memfd.Region.create(layout.Layout(4, 4, 4, 3, 64))
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
         self.loop = ProxyLoop(self.region, lib, RemoteConfig.from_env(base), engine_id=1, environ=base)

@@ -17,7 +17,7 @@ from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.outcome import Outcome
 from remote_dspark.proxy import handover
 from remote_dspark.proxy.spawn import proxy_environment, spawn_proxy
-from remote_dspark.region import layout, ring, shm, streamsync
+from remote_dspark.shm import layout, memfd, ring, streamsync
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 HEAVY = ("torch", "numpy", "prometheus_client")
@@ -78,7 +78,7 @@ class Engine:
     """The engine side of the tests: one region, the ring's producer, the CPU hand-off."""
 
     def __init__(self, lib, session=0x1234):
-        self.region = shm.Region.create(layout.Layout(4, 8, 4, 3, 64))
+        self.region = memfd.Region.create(layout.Layout(4, 8, 4, 3, 64))
         self.end = ring.EngineEnd(self.region, lib)
         self.end.header.set_session(session)
         self.sync = streamsync.HostFlagSync(self.region, lib, spin_us=100, nap_us=50)
@@ -162,7 +162,7 @@ def test_proxy_process_imports_no_heavy_module(lib, worker):
         _, err = proc.communicate(timeout=10)
         imported = {line.split("|")[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
         # (-m runs the module itself as __main__; what it imports shows up by name)
-        assert {"remote_dspark.region.ring", "remote_dspark.transport.link", "remote_dspark.region.shm"} <= imported
+        assert {"remote_dspark.shm.ring", "remote_dspark.transport.link", "remote_dspark.shm.memfd"} <= imported
         assert not [m for m in imported if m.split(".")[0] in HEAVY]
     finally:
         proc.kill()
@@ -237,9 +237,9 @@ def test_proxy_exits_when_its_engine_dies(lib, worker, tmp_path):
     """A stand-in engine spawns the proxy and is SIGKILLed: the proxy follows it."""
     code = (
         "import os, sys\n"
-        "from remote_dspark.region import layout, shm\n"
+        "from remote_dspark.shm import layout, memfd\n"
         "from remote_dspark.proxy.spawn import spawn_proxy\n"
-        "r = shm.Region.create(layout.Layout(4, 8, 4, 3, 64))\n"
+        "r = memfd.Region.create(layout.Layout(4, 8, 4, 3, 64))\n"
         "from remote_dspark.config import RemoteConfig\n"
         "p = spawn_proxy(r.fd, cfg=RemoteConfig.from_env(), engine_id=1, env=dict(os.environ))\n"
         "print(p.pid, flush=True)\n"

@@ -17,7 +17,7 @@ from remote_dspark import wire
 from remote_dspark.outcome import Outcome, RoundEvent
 from remote_dspark.proxy import ring_end
 from remote_dspark.proxy.tcp_round import TcpRounds
-from remote_dspark.region import layout, ring, shm, streamsync
+from remote_dspark.shm import layout, memfd, ring, streamsync
 
 SESSION = 0xC0FFEE
 LAYOUT = layout.Layout(depth=4, max_slots=4, row_bytes=8, num_spec=4, max_tokens=32)
@@ -27,7 +27,7 @@ class Rig:
     def __init__(self, lib, layout=LAYOUT, **session):
         """``session``: the ProxyEnd's terms of the session (``vocab_size``, ``want_margin``)."""
         self.lib = lib
-        self.region = shm.Region.create(layout)
+        self.region = memfd.Region.create(layout)
         self.eng = ring.EngineEnd(self.region, lib)
         self.sync = streamsync.HostFlagSync(self.region, lib)
         self.end = ring_end.ProxyEnd(self.region, lib, spin_us=50, **session)

@@ -54,7 +54,7 @@ class _Events:
     enqueueing thread a switch interval (a 2000-round row took tens of seconds)."""
 
     def __init__(self, total: int):
-        from ...region.cuda_driver import Driver
+        from ...shm.cuda_driver import Driver
 
         self.drv = Driver()
         self.pairs = [(self.drv.event_create(), self.drv.event_create()) for _ in range(total)]
@@ -77,12 +77,12 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     import torch
 
     from ...proxy import ring_end
-    from ...region import layout, ring, shm, streamsync
+    from ...shm import layout, memfd, ring, streamsync
     from .peer import serve_loop
 
     total = opts.warmup + opts.rounds
     lay = layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
-    with shm.Region.create(lay) as region:
+    with memfd.Region.create(lay) as region:
         engine = ring.EngineEnd(region, lib)
         engine.start_watchdog(1000)  # no stream stays parked if a peer dies
         sync = streamsync.HostFlagSync(region, lib, backend="cuda")
@@ -130,7 +130,7 @@ def _wait_in_native_wait(region, lib, timeout_s: float = 10.0) -> None:
     and only the watchdog would move it."""
     import time
 
-    from ...region import layout
+    from ...shm import layout
 
     beat = region.addr(layout.OFF_HEARTBEAT)
     end = time.monotonic() + timeout_s

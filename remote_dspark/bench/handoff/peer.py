@@ -58,10 +58,10 @@ def _region_peer(args) -> None:
     from ... import native
     from ...outcome import Outcome
     from ...proxy import ring_end
-    from ...region import ring, shm
+    from ...shm import memfd, ring
 
     lib = native.load()
-    with shm.Region.attach(args.fd) as region:
+    with memfd.Region.attach(args.fd) as region:
         end = ring_end.ProxyEnd(region, lib, spin_us=args.spin_us, nap_us=args.nap_us)
         if args.mode == "loop":
             serve_loop(end, args.rounds, args.timeout_s)

@@ -147,11 +147,11 @@ def run_all(opts: Options, pins: Pinning, modes=None, runners=None, label: str =
 
 def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     """A row over the region: HostFlagSync's hand-off, timed in C, to ``mode``'s peer."""
-    from ...region import layout, ring, shm, streamsync
+    from ...shm import layout, memfd, ring, streamsync
 
     total = opts.warmup + opts.rounds
     lay = layout.Layout(depth=4, max_slots=1, row_bytes=64, num_spec=5, max_tokens=16)
-    with shm.Region.create(lay) as region:
+    with memfd.Region.create(lay) as region:
         engine = ring.EngineEnd(region, lib)
         sync = streamsync.HostFlagSync(
             region,

@@ -1,2 +1,0 @@
-"""The supervisor (:mod:`.supervisor`): spawns the proxy, sees it die or stall, and
-respawns it under a budget; the warm standby (:mod:`.standby`) it promotes on a loss."""

@@ -1,0 +1,2 @@
+"""The supervisor (:mod:`.restarts`): spawns the proxy, sees it die or stall, and
+respawns it under a budget; the warm standby (:mod:`.standby`) it promotes on a loss."""
