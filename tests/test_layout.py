@@ -345,3 +345,49 @@ def long_functions(root: Path = ROOT, package: str = PACKAGE) -> dict[str, int]:
 def test_no_function_is_over_the_line_limit():
     over = long_functions()
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split by concern): {over}"
+
+
+# --- what each package says it holds ----------------------------------------------------
+
+
+def package_listing(init: Path) -> tuple[set[str], set[str]]:
+    """``(held, named)`` for a package: the modules and subpackages it holds, and those
+    its ``__init__`` docstring names (``:mod:`.x``` or a word of it; the rows of a
+    table, ``x`` or ``x/`` at the start of an indented line, must each be held)."""
+    import re
+
+    folder = init.parent
+    held = {p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    held |= {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    body = ast.parse(init.read_text()).body
+    first = body[0].value if body and isinstance(body[0], ast.Expr) else None
+    doc = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
+    rows = set(re.findall(r"^ {4}(\w+)/? {2,}", doc, re.M)) | set(re.findall(r":mod:`\.(\w+)", doc))
+    words = set(re.findall(r"\w+", doc))
+    return held, {h for h in held if h in words} | rows
+
+
+def test_every_package_names_what_it_holds():
+    """A newcomer opens a folder's ``__init__`` and finds each of its modules named, and
+    no row for one that is not there."""
+    wrong = {}
+    for init in sorted((ROOT / PACKAGE).rglob("__init__.py")):
+        held, named = package_listing(init)
+        if held != named:
+            wrong[str(init.parent.relative_to(ROOT))] = {
+                "not named": sorted(held - named),
+                "not held": sorted(named - held),
+            }
+    assert not wrong, f"packages whose docstring does not list what they hold: {wrong}"
+
+
+def test_the_listing_check_sees_a_missing_and_a_stale_row(tmp_path):
+    pkg = tmp_path / "p"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("")
+    (pkg / "__init__.py").write_text('"""The parts.\n\n    a     one\n    gone  a row for nothing\n"""\n')
+    held, named = package_listing(pkg / "__init__.py")
+    assert held == {"a", "sub"} and named == {"a", "gone"}
+    (pkg / "__init__.py").write_text('"""The parts: :mod:`.a` and the sub/ folder.\n\n    sub/  two\n"""\n')
+    assert package_listing(pkg / "__init__.py") == ({"a", "sub"}, {"a", "sub"})

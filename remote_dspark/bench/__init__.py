@@ -1,5 +1,17 @@
 """Benchmarks (``remote-dspark bench ...``). Each module adds its own subcommand and
-keeps its heavy imports inside the function that runs it."""
+keeps its heavy imports inside the function that runs it.
+
+    round/           one drafting round end to end, next to its floors
+    handoff/         the hand-off's round trip, side by side
+    failover         an idle engine's cost and a lost proxy's rounds
+    worker_engines   many engines against one worker
+    worker_hostile   the worker under hostile peers
+    metrics_hostile  the worker's metrics server under hostile clients
+    drafter          the model drafters' rounds, three ways
+    acceptance       drafts a target accepts when the drafter is the target
+    generate         transformers' generate() four ways
+    hf_models        the transformers models the benchmarks load or build
+"""
 
 
 def add_parsers(sub) -> None:

@@ -1,16 +1,19 @@
-"""The engine side: ``RemoteDSpark`` and what a round takes and gives.
+"""The engine side: ``RemoteDSpark`` and what a round takes and gives. One round's path
+runs down through the parts: ``facade`` chooses a path, a path has a writer put the
+round into the region (or onto its own socket), and the answer comes back as values.
 
     facade      RemoteDSpark: the policies, the lifecycle, rounds and launches, stats()
-    mode        Mode: sync, thread or process, decided once from the configuration
     spec        Spec: the configuration and the round's shape, shared by the parts below
-    path        the one interface of a round path, whatever the mode
-    sync_path   ASYNC=0: the engine thread's own network round
-    async_path  ASYNC=1: the hand-off and the proxy host serving it, as one path
-    handoff     ASYNC=1: the region, the round hand-off and the engine's own answers
-    proxy_host  the proxy as a thread or a supervised process; which one serves
-    stats       EngineCounts (the engine thread's counting) and Stats (the one record)
+    policies    which drafts the engine gets (POLICY) and what a round's outcome costs
     lifecycle   EngineState, RemoteClosed, Users (when the region may be freed)
-    ranks       tensor parallelism: rank 0 opens the path, the others take its broadcast answers
+    sampler     rejection_sample: exact speculative sampling of a round of sampled drafts
+    values/     the round's values: Batch, Drafts, the reply's check, a slot's views
+    writers/    what writes a round into the region: host (C), device (in stream), the gather
+    paths/      what carries it: the sync path, the hand-off and the proxy host serving it
+    tp/         tensor parallelism: rank 0 opens the path, the others take its records
+    observe/    what counts it: the engine's stats, the stats file, the report, metrics
+
+``docs/design.md``'s ``engine-parts`` block says which of these may import which.
 
 Before it builds its depth policy, on every rank, an engine calls
 ``apply_cost_overrides(cfg, depth_policy_on=..., depth_mode=..., num_spec=..., depth_file=...)``

@@ -1,2 +1,3 @@
 """The supervisor (:mod:`.restarts`): spawns the proxy, sees it die or stall, and
-respawns it under a budget; the warm standby (:mod:`.standby`) it promotes on a loss."""
+respawns it under a budget; its lifecycle as one typed value (:mod:`.states`); the warm
+standby (:mod:`.standby`) it promotes on a loss."""

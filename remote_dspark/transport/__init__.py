@@ -4,7 +4,10 @@ Endpoints (``tcp://``, ``o1tcp://``, ``o1rdma://``) are parsed in :mod:`.endpoin
 errors every transport raises are in :mod:`.errors`; both are re-exported here, the
 package being their public path. Every transport gives the same small byte interface
 (:class:`ByteStream`); :class:`FrameChannel` turns it into whole frames with the wire
-contract's caps and a per-round deadline. Nothing here imports torch.
+contract's caps and a per-round deadline. The transports: :mod:`.tcp` and the ofl
+adapter (:mod:`.ofl`); over them, the engine's connection (:mod:`.client`), the proxy's
+link with its back-off (:mod:`.link`) and breaker (:mod:`.breaker`), and the pre-shared
+key (:mod:`.auth`). Nothing here imports torch.
 """
 
 from __future__ import annotations

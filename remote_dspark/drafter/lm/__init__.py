@@ -4,7 +4,11 @@
   transformer (:mod:`.model`) behind the batched drafter with its per-stream KV cache
   (:mod:`.drafter`, :mod:`.cache`);
 * :func:`hf_drafter` (``--hf-model DIR``): a transformers causal LM from a local
-  directory (:mod:`.hf`; the ``hf`` extra).
+  directory (:mod:`.hf`, driven as the built-in model by :mod:`.hf_model`; the ``hf`` extra).
+
+Their round: static buffers and CUDA graphs (:mod:`.graphs`), attention over the KV
+store's rows in place (:mod:`.attention`, its Triton kernels in :mod:`._kernels`), a
+call's memory budget (:mod:`.budget`) and sampled drafts in torch (:mod:`.sampling`).
 
 ``import remote_dspark`` and the Markov worker never import this package: the worker
 (:func:`remote_dspark.worker.drafters.load_drafter`) imports it for these drafters only.
