@@ -1,11 +1,8 @@
-"""How an engine drives RemoteDSpark, end to end, runnable as it is:
+"""A toy engine drives RemoteDSpark against a loopback worker: python examples/engine_step.py
 
-    python examples/engine_step.py          # starts its own loopback worker
-
-A toy "engine" decodes a cyclic language (token t is followed by t + 1 mod 16) for four
-requests; each step it asks the remote drafter for drafts, verifies them against its
-own next tokens, reports what it accepted and re-announces any slot the worker lost.
-docs/integration.md explains each step; tests/test_integration_example.py runs this.
+Its target continues a cyclic language (token t is followed by t + 1 mod 16) for four
+requests. Each step it asks the remote drafter for drafts, keeps those that match its own
+next tokens, reports what it accepted and announces again any slot the worker lost.
 """
 
 import os
@@ -19,36 +16,7 @@ from remote_dspark.engine import Batch, RemoteDSpark, apply_cost_overrides
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
 
-K, SLOTS, VOCAB, STEPS = 4, 4, 16, 30
-
-
-def target_next(token: int) -> int:
-    """The target model, as far as this toy is concerned."""
-    return (token + 1) % VOCAB
-
-
-def main() -> int:
-    # The remote drafter: on another machine in a deployment; here a loopback worker.
-    drafter = MarkovDrafter(MarkovModel.from_tokens([t % VOCAB for t in range(4 * VOCAB)], order=1, top=1))
-    worker = Worker(drafter, "127.0.0.1", 0).start()
-    try:
-        env = dict(
-            os.environ,
-            VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
-            VLLM_DSPARK_REMOTE_IDENTITY=drafter.drafter_identity.hex(),
-            VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=drafter.markov_identity.hex(),
-            VLLM_DSPARK_REMOTE_POLICY="capacity",
-            VLLM_DSPARK_REMOTE_ASYNC="1",
-            VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
-            VLLM_DSPARK_REMOTE_STATS_FILE="",
-            VLLM_DSPARK_REMOTE_LOG_EVERY="0",
-            # A deployment keeps the 50 ms default; this run must not lose a round to a
-            # shared machine's stall (the suite runs it and expects every round answered).
-            VLLM_DSPARK_REMOTE_TIMEOUT_MS="1000",
-        )
-        return engine(env)
-    finally:
-        worker.stop()
+K, SLOTS, VOCAB, STEPS = 4, 4, 16, 30  # drafts a round, requests, vocabulary, steps
 
 
 def engine(env: dict[str, str]) -> int:
@@ -85,28 +53,50 @@ def engine(env: dict[str, str]) -> int:
             rd.record_accepted(accepted, offered)
             sent = [0 if out.resync_all or s in out.resync else n for s, n in enumerate(sent)]
         st = rd.stats()
-        print(
-            f"{st.total_rounds} rounds ({st.rounds[Outcome.OK]} ok), {accepted_total} drafts accepted, mode {st.mode}"
-        )
+        print(f"{st.total_rounds} rounds ({st.rounds[Outcome.OK]} ok), {accepted_total} accepted, mode {st.mode}")
         return 0 if accepted_total > STEPS else 1
     finally:
         rd.close()  # 5. within 2 s, whatever the remote does
 
 
 def verify(seqs: list[list[int]], out) -> tuple[list[int], list[int]]:
-    """The target's verification, as far as this toy goes: each slot accepts the drafts
-    that match its next tokens, then appends the target's own next token. Returns the
-    accepted and offered counts per draft position."""
+    """The target's verification: each request accepts the drafts that match its next
+    tokens, then appends the target's own next token (t + 1). Returns the accepted and
+    offered counts per draft position."""
     accepted, offered = [0] * K, [0] * K
     for s, seq in enumerate(seqs):
         for i in range(int(out.counts[s])):
             offered[i] += 1
-            if int(out.tokens[s, i]) != target_next(seq[-1]):
+            if int(out.tokens[s, i]) != (seq[-1] + 1) % VOCAB:
                 break
             accepted[i] += 1
             seq.append(int(out.tokens[s, i]))
-        seq.append(target_next(seq[-1]))
+        seq.append((seq[-1] + 1) % VOCAB)
     return accepted, offered
+
+
+def main() -> int:
+    # The remote drafter: on another machine in a deployment; here a loopback worker.
+    drafter = MarkovDrafter(MarkovModel.from_tokens([t % VOCAB for t in range(4 * VOCAB)], order=1, top=1))
+    worker = Worker(drafter, "127.0.0.1", 0).start()
+    try:
+        env = dict(
+            os.environ,
+            VLLM_DSPARK_REMOTE=f"tcp://127.0.0.1:{worker.port}",
+            VLLM_DSPARK_REMOTE_IDENTITY=drafter.drafter_identity.hex(),
+            VLLM_DSPARK_REMOTE_MARKOV_IDENTITY=drafter.markov_identity.hex(),
+            VLLM_DSPARK_REMOTE_POLICY="capacity",
+            VLLM_DSPARK_REMOTE_ASYNC="1",
+            VLLM_DSPARK_REMOTE_ASYNC_PROXY="process",
+            VLLM_DSPARK_REMOTE_STATS_FILE="",
+            VLLM_DSPARK_REMOTE_LOG_EVERY="0",
+            # A deployment keeps the 50 ms default; here a shared machine's stall must not
+            # cost a round (the test suite runs this and expects every round answered).
+            VLLM_DSPARK_REMOTE_TIMEOUT_MS="1000",
+        )
+        return engine(env)
+    finally:
+        worker.stop()
 
 
 if __name__ == "__main__":
