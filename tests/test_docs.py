@@ -92,10 +92,9 @@ def test_every_variable_the_docs_name_is_in_the_contract():
 
 
 def anchors(markdown: str) -> set[str]:
-    """The anchors GitHub gives a document's headings, and its explicit ``<a id="...">``."""
-    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
-    out = set(re.findall(r'<a id="([^"]+)"></a>', text))
-    for heading in re.findall(r"^#+ (.+)$", text, re.M):
+    """The anchors GitHub gives a document's headings."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M):
         out.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
     return out
 
@@ -250,3 +249,20 @@ def test_the_readme_tree_names_only_what_exists():
                 assert (here / f"{word}.py").exists() or (here / word).is_dir(), (
                     f"README's tree lists {here.name}/{word}"
                 )
+
+
+def test_every_test_file_named_exists():
+    """A test file the docs, the package's sources (Python and C), the manifests or the
+    examples name as the one that holds a rule exists where they say."""
+    sources = [*DOCS.items()]
+    for folder, pattern in (("remote_dspark", "*.py"), ("remote_dspark", "*.[ch]"), ("deploy", "*"), ("examples", "*")):
+        for p in sorted((ROOT / folder).rglob(pattern)):
+            if p.is_file() and "__pycache__" not in p.parts:
+                sources.append((p.relative_to(ROOT).as_posix(), p.read_text()))
+    missing = sorted(
+        f"{name} names {path}"
+        for name, text in sources
+        for path in set(re.findall(r"\btests/[\w/]+\.py\b", text))
+        if not (ROOT / path).is_file()
+    )
+    assert not missing, "test files named that do not exist: " + "; ".join(missing)

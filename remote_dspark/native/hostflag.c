@@ -132,7 +132,7 @@ int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t
  *
  * The engine's CPU wait for `released` spins spin_us, then sleeps on `released` itself;
  * `waiters`, on its line, counts the engine threads asleep there. No wake-up is lost
- * (docs/design.md, "A waiting engine sleeps"), every access sequentially consistent:
+ * (docs/design/shm.md, "Idle costs nothing"), every access sequentially consistent:
  *   releaser: store released = r;          then load waiters, FUTEX_WAKE if nonzero
  *   sleeper:  waiters += 1 (a full fence); then load released, FUTEX_WAIT(released, seen)
  * In their one total order the sleeper sees r, or the releaser sees the sleeper; and

@@ -357,7 +357,7 @@ static void widen(uint8_t *dst, const uint8_t *src, const uint8_t *counts, uint3
 /* What a reply's entries must be beyond the frame's own rules, checked before anything
  * is delivered. THE RULE HAS A PYTHON TWIN: remote_dspark/engine/values/reply.py (check_reply,
  * sync mode) makes the same checks in the same order with the same words, and
- * tests/engine/test_reply_check.py runs the same replies through both and holds their verdicts
+ * tests/engine/values/test_reply_check.py runs the same replies through both and holds their verdicts
  * equal. Per entry, in order: count <= the round's n_out; a RESYNC entry has no drafts;
  * every counted token in 0..vocab_size-1 (0..INT32_MAX when the vocabulary is unknown);
  * with margins, every counted margin in [0, 1] (NaN fails both comparisons). */

@@ -19,7 +19,7 @@ Why C: a proxy that waited idle is slow on its first Python after the wait. On t
 host, from seeing a round to releasing it, two ctypes calls with a Python loop between
 them took 0.9 us on back-to-back rounds but 4.5 us on a round after an idle gap, and 32
 us while a Python thread of the engine kept its other CPUs busy; the stream's poll of
-``released`` turns every microsecond of that into up to ten (docs/design.md, "The
+``released`` turns every microsecond of that into up to ten (docs/design/proxy.md, "The
 proxy's round is one native call").
 
 A round not sent (no connection, the breaker open, or a caller that answers at once) is

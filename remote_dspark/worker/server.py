@@ -28,7 +28,7 @@ the built-in greedy Markov drafter a round is served whole in C, from its bytes 
 the reply's out (:mod:`.lane`).
 
 Memory is bounded by this worker's own numbers, never by what a peer announces
-(docs/design.md, "The reference worker", writes the bounds out).
+(docs/design/worker.md, "Memory bounds", writes them out).
 """
 
 from __future__ import annotations

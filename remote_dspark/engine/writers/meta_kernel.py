@@ -15,8 +15,8 @@ No value is read on the host and every index stays in range whatever the metadat
 as in the reference: a bad round is refused where it lands (the proxy's descriptor
 check). Offsets that go back are such a round; there the reference's search and this
 one may place tokens differently, both in range and both refused. The GPU tests hold the
-two paths' bytes equal, and to the host path's (``tests/engine/test_batch.py``). Imported only on CUDA with Triton
-(:func:`available`).
+two paths' bytes equal, and to the host path's (``tests/engine/values/test_batch.py``).
+Imported only on CUDA with Triton (:func:`available`).
 """
 
 from __future__ import annotations
