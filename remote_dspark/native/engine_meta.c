@@ -5,7 +5,7 @@
  * bytes.
  *
  * host_meta and write_meta stay the reference this file is tested against, verdict for
- * verdict and byte for byte (tests/engine/test_native_meta.py). A refused batch writes
+ * verdict and byte for byte (tests/engine/writers/test_native_meta.py). A refused batch writes
  * nothing and returns the rule it broke (HM_*); the engine then checks it again in
  * Python, whose ValueError names the culprit, so the messages are written once. Every
  * rule is checked before the first byte is written. */

@@ -11,7 +11,7 @@
  * on the engine's critical path.
  *
  * The Python steps stay the reference these calls are tested against, byte for byte and
- * verdict for verdict (tests/engine/test_host_round.py). A batch refused here is checked
+ * verdict for verdict (tests/engine/writers/test_host_round.py). A batch refused here is checked
  * again in Python, whose ValueError names the culprit: messages are written once. */
 #include "hostflag.h"
 

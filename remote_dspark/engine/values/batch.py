@@ -187,7 +187,7 @@ def host_meta(
     ``vocab_size`` (0: unknown) bounds the token ids. ``sampled``: the engine asks for
     sampled drafts (:func:`sampling_meta`). Metadata on the device
     (``device_meta.write_meta_in_stream``) is not read here, so it cannot be refused here: the
-    proxy's descriptor check (``check_desc`` in ``native/tcp_round.c``) refuses a round
+    proxy's descriptor check (``hf_check_round`` in ``native/desc_check.c``) refuses a round
     with a token id outside the vocabulary instead, answering it ERROR, unsent, counted
     ``rounds_bad_desc``.
 
