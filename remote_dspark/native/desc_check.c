@@ -70,12 +70,12 @@ int hf_check_round(struct hf_proxy *p, struct hf_link *l, uint32_t round, struct
                         p->num_spec);
         if (flags & ~(uint32_t)W_NEW_GEN)
             return hf_fail(l, HF_EV_BAD_DESC, 0, "entry %u: flags %#x, only NEW_GEN (1) is known", e, flags);
-        /* batch.sampling_meta's rule, for temperatures written on the device (any seed is one) */
+        /* meta.sampling_meta's rule, for temperatures written on the device (any seed is one) */
         float t;
         if (v->temperature && (memcpy(&t, v->temperature + 4u * e, 4), !(isfinite(t) && t >= 0.0f)))
             return hf_fail(l, HF_EV_BAD_DESC, 0, "entry %u: temperature %g not a finite float32 >= 0", e, (double)t);
     }
-    /* Token ids in the engine's vocabulary, when it is known: batch.host_meta's rule, for
+    /* Token ids in the engine's vocabulary, when it is known: meta.host_meta's rule, for
      * metadata written on the device that no host ever read (device_meta.write_meta_in_stream). */
     if (p->vocab_size) {
         const uint8_t *tokens = f + v->meta;

@@ -9,6 +9,7 @@ import ctypes
 HEADER = 24  # W_HEADER: a frame header's bytes (wire.HEADER.size; the loader holds the C's W_HEADER to it)
 PROXY_OUTCOMES = 4  # HF_PROXY_OUTCOMES: the drafts statuses a proxy writes (Outcome OK .. BREAKER_SKIP)
 
+
 class RingGeom(ctypes.Structure):
     """``struct hf_ring``: this process's addresses of one region's words and drafts
     slots. Filled by ``remote_dspark.shm.ring`` from the region's layout."""

@@ -229,13 +229,12 @@ def on_host(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["tensor-ops", "kernel"])
 @pytest.mark.parametrize("seed_form", ["i64", "u64"])
-def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form, kernel):
-    """write_meta_in_stream on CUDA (by its tensor operations, and by the metadata kernel)
-    writes the bytes host_meta + write_meta write, for a sampled round: float32
+def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form):
+    """write_meta_in_stream on CUDA (the metadata kernels) writes the bytes host_meta +
+    write_meta write, for a sampled round: float32
     temperatures (-0.0 as 0.0), u64 seeds, the tokens after them."""
-    from remote_dspark.engine.values.batch import host_meta, write_meta
+    from remote_dspark.engine.values.meta import host_meta, write_meta
     from remote_dspark.engine.writers.device_meta import check_meta_shapes, write_meta_in_stream
 
     rng = np.random.default_rng(7)
@@ -246,7 +245,7 @@ def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form, 
         d = area.cuda()
         d[:3] = torch.tensor([77, check_meta_shapes(b, 8, True), 16])
         kw = dict(max_slots=8, num_spec=3, max_tokens=max_tokens, n_out_default=3, context_tokens=64)
-        write_meta_in_stream(b, d, **kw, sampled=True, kernel=kernel)
+        write_meta_in_stream(b, d, **kw, sampled=True)
         got = d.cpu().numpy().view(np.uint8)
         host = Batch(**{f.name: on_host(getattr(b, f.name)) for f in dataclasses.fields(b)})
         meta = host_meta(host, **kw, sampled=True)

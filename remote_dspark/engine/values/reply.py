@@ -4,8 +4,9 @@ it is delivered (sync mode: ``RemoteLink.round``'s ``check``).
 **This rule has a C twin.** The proxy's rounds (process and thread mode, TCP and ofl)
 are checked by ``hf_unpack_drafts``, ``check_entries`` and ``check_distributions`` in
 ``native/reply_check.c``: the same checks, in the same order, with the same words, so
-that a reply gets the same verdict whichever path it takes. ``tests/engine/values/test_reply_check.py`` runs the same replies
-(crafted and fuzzed) through both and holds the verdicts equal; change one, change both.
+that a reply gets the same verdict whichever path it takes.
+``tests/engine/values/test_reply_check.py`` runs the same replies (crafted and fuzzed)
+through both and holds the verdicts equal; change one, change both.
 
 The frame's own rules (caps, length, counts <= width, known statuses) are
 ``wire.decode_drafts``'s and the header's (session, round) ``client.recv_drafts``'s.
