@@ -282,6 +282,28 @@ def test_a_sampled_launch_with_metadata_on_the_device_draws_as_the_host_path(sam
     assert rd.stats().rounds[Outcome.OK] == 2
 
 
+def test_without_a_device_writer_metadata_on_the_device_is_written_on_the_host(sampling_worker, tmp_path, monkeypatch):
+    """No Triton, or its self-check failed (device_meta.choose says no): launch() copies
+    metadata on the GPU to the host and writes it there, drawing as the host path."""
+    from remote_dspark.engine.writers import device_meta
+
+    monkeypatch.setattr(device_meta, "choose", lambda device: False)
+    b = Batch.from_lists(
+        [0, 1], [[1, 2], [3]], [0, 0], [True, True], ROWS.cuda(), torch.tensor([0, 1], device="cuda"),
+        temperature=[0.9, -0.0], seed=[2**64 - 3, 12345],
+    )  # fmt: skip
+    with make(sampling_worker, tmp_path, VLLM_DSPARK_SAMPLED_TOP32="1") as rd:
+        assert rd._path.handoff._meta_kernel is False
+        on_dev = rd.launch(on_device(b))
+        torch.cuda.synchronize()
+        on_host = rd.launch(b)
+        torch.cuda.synchronize()
+        for name in ("tokens", "counts", "q_ids", "q_weights"):
+            assert torch.equal(getattr(on_dev, name).cpu(), getattr(on_host, name).cpu()), name
+        assert on_dev.counts.tolist() == [3, 3] and on_dev.tokens.tolist() == [[3, 4, 1], [4, 1, 2]]
+    assert rd.stats().rounds[Outcome.OK] == 2
+
+
 def test_a_round_refused_before_its_stream_work_leaves_no_hole(worker, tmp_path):
     """A row index of the wrong shape is refused with its name before anything is
     enqueued; the round is given back, and the next ones are served in sequence."""
