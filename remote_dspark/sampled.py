@@ -3,7 +3,7 @@ distribution to, and the one check of it, for the drafter (:mod:`remote_dspark.d
 which states the whole rule), the wire (:mod:`remote_dspark.wire`: its sections' sizes) and
 the engine (:mod:`remote_dspark.engine.values.reply`: a reply's distributions). The proxy's
 rounds hold a reply to the same check in C (``check_distributions`` in
-``native/tcp_round.c``, its twin: same order, same words).
+``native/reply_check.c``, its twin: same order, same words).
 
 A drafted position's distribution is ``TOP`` token ids and integer weights summing to
 exactly ``TOTAL``: ``q = w / TOTAL`` is the distribution the draft was drawn from.

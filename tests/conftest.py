@@ -49,6 +49,15 @@ def sampling_worker():
     w.stop()
 
 
+def pytest_configure(config):
+    """Without a CUDA device, Triton's kernels (the engine's device metadata writer) run
+    in its interpreter on CPU tensors: it reads TRITON_INTERPRET when it is imported."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests run where torch sees a CUDA device; elsewhere they are skipped with the
     reason, which `make test` prints (-rs)."""

@@ -353,7 +353,7 @@ def test_no_function_is_over_the_line_limit():
 def package_listing(init: Path) -> tuple[set[str], set[str]]:
     """``(held, named)`` for a package: the modules and subpackages it holds, and those
     its ``__init__`` docstring names (``:mod:`.x``` or a word of it; the rows of a
-    table, ``x`` or ``x/`` at the start of an indented line, must each be held)."""
+    table, ``x`` or ``x/`` then two spaces at the start of a line, must each be held)."""
     import re
 
     folder = init.parent
@@ -362,7 +362,7 @@ def package_listing(init: Path) -> tuple[set[str], set[str]]:
     body = ast.parse(init.read_text()).body
     first = body[0].value if body and isinstance(body[0], ast.Expr) else None
     doc = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
-    rows = set(re.findall(r"^ {4}(\w+)/? {2,}", doc, re.M)) | set(re.findall(r":mod:`\.(\w+)", doc))
+    rows = set(re.findall(r"^ {0,4}(\w+)/? {2,}\S", doc, re.M)) | set(re.findall(r":mod:`\.(\w+)", doc))
     words = set(re.findall(r"\w+", doc))
     return held, {h for h in held if h in words} | rows
 

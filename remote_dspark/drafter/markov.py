@@ -27,7 +27,7 @@ Two ways to draft, equal value for value (the tests hold them to it):
 * :meth:`MarkovModel.draft`: one context, a dict lookup per token (the reference).
 * :meth:`MarkovModel.draft_batch`: all entries of a round at once with numpy (imported
   on first use, so importing this module never loads it). The table becomes arrays
-  read straight from the cache bytes: one row per context (in the file's sorted order),
+  read straight from the cache bytes (:mod:`.markov_arrays`): one row per context (in the file's sorted order),
   its most frequent next token, its margin, and its *successor* row, the row of the
   context that drafting moves to after emitting that token (or none). Finding an
   entry's first row is one ``searchsorted`` over sorted keys: a mixed-radix int64 over
@@ -49,6 +49,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from .markov_arrays import MarkovArrays, arrays_of
 
 if TYPE_CHECKING:  # numpy is imported on first use of draft_batch only
     import numpy as np
@@ -85,7 +87,7 @@ class MarkovModel:
         self.table = table
         self._bytes = self._encode()
         self.identity = hashlib.sha256(self._bytes).digest()
-        self._arrays: _Arrays | None = None  # draft_batch's tables, built on first use
+        self._arrays: MarkovArrays | None = None  # draft_batch's tables, built on first use
         # The largest token id the model knows (contexts and next tokens) + 1: its
         # vocabulary as far as it can tell (0 for an empty model: unknown).
         self.vocab_size = max((max(ctx + nxt.tokens) for ctx, nxt in table.items()), default=-1) + 1
@@ -225,32 +227,13 @@ class MarkovModel:
         counts = np.count_nonzero(steps != a.none, axis=0).astype(np.int32)
         return a.first[steps].T, counts, a.margin[steps].T if margins else None
 
-    def tables(self) -> _Arrays:
+    def tables(self) -> MarkovArrays:
         """:meth:`draft_batch`'s arrays (``find``, ``none``, ``margin``), built on first use."""
         return self._arrays or self._build_arrays()
 
-    def _build_arrays(self) -> _Arrays:
-        import numpy as np
-
-        k, top = self.order, self.top
-        # The records as laid out in the cache (k context words, top (token, count)
-        # pairs, the total): one row of i32 words each, read in place.
-        words = np.frombuffer(self._bytes, "<i4", offset=_HEAD.size).reshape(-1, k + 2 * top + 1)
-        ctx = np.ascontiguousarray(words[:, :k])
-        first = words[:, k].astype(np.int32)
-        c0 = words[:, k + 1].view("<u4").astype(np.float64)
-        c1 = words[:, k + 3].view("<u4").astype(np.float64) if top > 1 else np.zeros(len(ctx))
-        total = words[:, -1].view("<u4").astype(np.float64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            margin = ((c0 - c1) / total).astype(np.float32)
-        arrays = _Arrays(ctx)
-        succ = arrays.find([ctx[:, j] for j in range(1, k)] + [first])
-        none = arrays.none
-        arrays.first = np.append(first, np.int32(0))
-        arrays.margin = np.append(margin, np.float32(0))
-        arrays.succ = np.append(succ, none)
-        self._arrays = arrays
-        return arrays
+    def _build_arrays(self) -> MarkovArrays:
+        self._arrays = arrays_of(memoryview(self._bytes)[_HEAD.size :], self.order, self.top)
+        return self._arrays
 
 
 class SyntheticLanguage:
@@ -291,93 +274,6 @@ class SyntheticLanguage:
             state = splitmix64(state)
             out.append(self.next_token(out[-2], out[-1], u, state))
         return out
-
-
-# Small key spaces (the built-in model's 128**2) also get a direct index: key -> row.
-DENSE_MAX = 1 << 20
-
-
-class _Arrays:
-    """``draft_batch``'s view of the table: sorted keys to find a context's row, and per
-    row (plus a sentinel row ``none`` = number of contexts: token 0, margin 0, successor
-    itself) the first next token, its margin and the successor row.
-
-    Keys: ``radix`` mode when (max - min + 1) ** order of the context tokens fits in 63
-    bits (the key is the context in that mixed radix, int64; with a key space of at most
-    ``DENSE_MAX`` a direct key -> row array replaces the search), else ``bytes`` mode
-    (the context as fixed-width big-endian bytes, biased so that memcmp order is signed
-    order). Invariant: ``ctx`` rows come in the cache file's order, sorted by context as
-    signed ints, so both key forms are sorted without a sort.
-    """
-
-    def __init__(self, ctx: np.ndarray):
-        import numpy as np
-
-        self.np = np
-        self.ctx = ctx  # [rows, order] int32, sorted (the C drafter's search: worker.lane)
-        self.none = len(ctx)
-        self.order = ctx.shape[1]
-        self.dense = None
-        self.first = self.margin = self.succ = None  # set by MarkovModel._build_arrays
-        self.sampled = None  # markov_sampled's per-row candidates, built on its first use
-        self.dists = None  # markov_sampled's per-temperature distribution tables (Tables)
-        if self.none == 0:
-            self.mode = "empty"
-            return
-        self.lo, hi = int(ctx.min()), int(ctx.max())
-        self.radix = hi - self.lo + 1
-        if self.radix**self.order < 1 << 63:
-            self.mode = "radix"
-            self.keys = self._radix_keys([ctx[:, j] for j in range(self.order)])[0]
-            assert bool(np.all(self.keys[1:] > self.keys[:-1])), "Markov contexts not sorted"
-            if self.radix**self.order <= DENSE_MAX:
-                # One extra slot, at key radix**order, for contexts with unknown tokens.
-                self.dense = np.full(self.radix**self.order + 1, self.none, np.int64)
-                self.dense[self.keys] = np.arange(self.none)
-        else:
-            self.mode = "bytes"
-            self.keys = self._byte_keys([ctx[:, j] for j in range(self.order)])
-
-    def _radix_keys(self, cols) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, unknown): Horner over the columns; ``unknown`` where a token is outside
-        lo..hi (its key is junk)."""
-        np = self.np
-        key = unknown = None
-        for col in cols:
-            d = np.subtract(col, self.lo, dtype=np.int64)
-            out = d.view(np.uint64) >= self.radix  # below lo wraps to huge
-            unknown = out if unknown is None else unknown | out
-            key = d if key is None else key * self.radix + d
-        return key, unknown
-
-    def _byte_keys(self, cols) -> np.ndarray:
-        np = self.np
-        biased = np.empty((len(cols[0]), self.order), ">u4")
-        for j, col in enumerate(cols):
-            biased[:, j] = np.add(col, 1 << 31, dtype=np.int64)
-        return biased.view(np.dtype((np.void, 4 * self.order))).ravel()
-
-    def find(self, cols, unseen: np.ndarray | None = None) -> np.ndarray:
-        """The row of each context, ``none`` where unseen (or ``unseen`` says so).
-        ``cols``: ``order`` arrays of m tokens each, oldest first."""
-        np = self.np
-        m = len(cols[0])
-        if self.mode == "empty":
-            return np.full(m, self.none, np.int64)
-        if self.mode == "radix":
-            key, unknown = self._radix_keys(cols)
-            if unseen is not None:
-                unknown |= unseen
-            if self.dense is not None:
-                return self.dense[np.where(unknown, len(self.dense) - 1, key)]
-        else:
-            key = self._byte_keys(cols)
-            unknown = unseen if unseen is not None else np.zeros(m, bool)
-        pos = np.searchsorted(self.keys, key)
-        np.minimum(pos, self.none - 1, out=pos)
-        hit = self.keys[pos] == key
-        hit &= ~unknown
-        return np.where(hit, pos, self.none)
 
 
 def _record(order: int, top: int) -> struct.Struct:

@@ -2,10 +2,17 @@
 
 A drafter that samples its drafts says, for each drafted position, exactly the
 distribution the draft was drawn from: 32 distinct token ids and integer weights. This
-module is that rule in numpy (the Markov drafter; the reference);
-:mod:`remote_dspark.drafter.lm.sampling` is its torch twin (the model drafters, CPU and
-CUDA), bit-identical where this says so. Nothing of the package's ``__init__`` imports
-either (numpy is imported here at module level).
+module is the rule's home: its statement below, its constants, and the parts written
+once for numpy and torch alike (:func:`mix32` and :func:`hash_halves`, rule 1;
+:func:`add_deficit`, rule 2's exact sum; :func:`threshold` and :func:`pick_index`, rule
+3), with the rest in numpy (the Markov drafter). :mod:`remote_dspark.drafter.lm.sampling`
+is its torch twin (the model drafters, CPU and CUDA) for what cannot be written once:
+the top-32 selection and its ties (numpy's partition and sort; on CUDA ``topk`` and a
+search with no host sync, so a round can be a graph), the softmax without a host check
+of the temperatures, and the gathers. ``tests/drafter/test_sampling.py`` holds the twins
+together: rules 1 and 3 bit for bit, rule 2's ids equal and weights up to float64
+rounding. Nothing of the package's ``__init__`` imports either (numpy is imported here at
+module level).
 
 1. **Randomness is counter-based.** A draft's uniform 32-bit number is
    :func:`uniform_u32` ``(seed, position, draft)``: a stateless hash of the entry's
@@ -52,7 +59,19 @@ import numpy as np
 
 from ..sampled import TOP, TOTAL, check_sampled  # the shared terms, and rule 4
 
-__all__ = ["TOP", "TOTAL", "check_sampled", "from_counts", "pick", "top32", "uniform_u32", "weights_of"]
+__all__ = [
+    "TOP",
+    "TOTAL",
+    "add_deficit",
+    "check_sampled",
+    "from_counts",
+    "pick",
+    "pick_index",
+    "threshold",
+    "top32",
+    "uniform_u32",
+    "weights_of",
+]
 MASK32 = 0xFFFFFFFF
 # mix32's odd multipliers, both below 2**31 (C. Wellons' hash-prospector 32-bit mixer
 # with shifts 16, 15, 15; bias 0.108), and the lanes' keys (from the golden ratio).
@@ -120,6 +139,14 @@ def _check_temperature(temperature, n: int) -> np.ndarray:
     return t
 
 
+def add_deficit(w):
+    """Rule 2's last step, in place: each row's deficit ``TOTAL - sum(w)`` added to its
+    most likely id's weight, so the row sums to exactly TOTAL (all of it for a greedy
+    row). ``w`` [n, TOP] int64 (numpy or torch); written once, for both twins."""
+    w[:, 0] += TOTAL - w.sum(1)
+    return w
+
+
 def weights_of(top: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     """Rule 2's weights: ``top`` [n, TOP] scores, most likely first (descending),
     ``temperature`` [n] float32 (checked). Returns [n, TOP] uint16 summing to TOTAL."""
@@ -130,8 +157,7 @@ def weights_of(top: np.ndarray, temperature: np.ndarray) -> np.ndarray:
         p /= p.sum(axis=1, keepdims=True)
         ok = (t[:, 0] > 0) & np.isfinite(p).all(axis=1)
         w = np.floor(np.where(ok[:, None], p, 0.0) * TOTAL).astype(np.int64)
-    w[:, 0] += TOTAL - w.sum(axis=1)  # the deficit (all of TOTAL for greedy rows)
-    return w.astype(np.uint16)
+    return add_deficit(w).astype(np.uint16)
 
 
 def top32(scores, temperature) -> tuple[np.ndarray, np.ndarray]:
@@ -224,11 +250,24 @@ def from_counts(cand_ids, counts, temperature, vocab: int) -> tuple[np.ndarray, 
     return ids.astype(np.int32), weights_of(scores, t)
 
 
+def threshold(u32):
+    """Rule 3's ``r = (u32 * TOTAL) >> 32``, in 0..TOTAL-1: ``u32`` holds values below
+    2**32 (numpy uint64, or torch int64), so the product stays below 2**48. Written once,
+    for both twins."""
+    return (u32 * TOTAL) >> 32
+
+
+def pick_index(weights, r):
+    """Rule 3's index: the first ``i`` with ``cumsum(weights)[i] > r``, at most TOP - 1
+    (only weights short of TOTAL get past it). ``weights`` [..., TOP] and ``r`` [...],
+    both int64 (numpy or torch); written once, for both twins."""
+    return (weights.cumsum(-1) <= r[..., None]).sum(-1).clip(max=TOP - 1)
+
+
 def pick(ids, weights, u32) -> np.ndarray:
     """Rule 3: the drawn token of each row (``ids``, ``weights`` [..., TOP]; ``u32``
     [...] uint32). Returns [...] int32."""
     ids, w = np.asarray(ids), np.asarray(weights, dtype=np.int64)
-    r = (np.asarray(u32).astype(np.uint64) * np.uint64(TOTAL)) >> np.uint64(32)
-    i = np.minimum(np.count_nonzero(np.cumsum(w, axis=-1) <= r.astype(np.int64)[..., None], axis=-1), TOP - 1)
-    # (TOP - 1: only weights short of TOTAL get past it; a single row's i is a scalar)
+    r = threshold(np.asarray(u32).astype(np.uint64)).astype(np.int64)
+    i = np.asarray(pick_index(w, r))  # (a single row's index is a scalar)
     return np.take_along_axis(ids, i[..., None], -1)[..., 0].astype(np.int32)

@@ -334,7 +334,7 @@ class RemoteDSpark:
     # ------------------------------------------------------------------ rounds
 
     def meta(self, batch: Batch) -> HostMeta:
-        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``), its
+        """``batch``'s metadata checked and cut on the host (see ``meta.host_meta``), its
         NEW_GEN contexts as the next round's would be (``Spec.context_cut``).
 
         Raises:

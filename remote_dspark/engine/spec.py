@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from .. import wire
 from ..config.api import RemoteConfig
 from ..config.mode import Mode
-from .values.batch import CONTEXT_TOKENS, Batch, HostMeta, host_meta
+from .values.batch import CONTEXT_TOKENS, Batch, HostMeta
+from .values.meta import host_meta
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Spec:
         return self.num_spec if t is None else t[min(n, len(t) - 1)]
 
     def meta(self, batch: Batch, acked: int = 0) -> HostMeta:
-        """``batch``'s metadata checked and cut on the host (see ``batch.host_meta``), its
+        """``batch``'s metadata checked and cut on the host (see ``meta.host_meta``), its
         NEW_GEN contexts to :meth:`context_cut` of ``acked``.
 
         Raises:

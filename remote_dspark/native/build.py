@@ -8,8 +8,8 @@ Which library is loaded (``load``), first match wins; ``origin`` decides it, onc
 2. ``libdsv41_hostflag.so`` in ``VLLM_DSPARK_REMOTE_OFL_DIR``, when that file exists and
    passes the trust rule and the binding's checks; a copy that fails either is refused
    with one warning and this package's own build is used instead;
-3. ``hostflag.c``, ``watchdog.c``, ``tcp_round.c``, ``worker_round.c``, ``worker_serve.c``,
-   ``engine_meta.c``, ``engine_round.c`` and ``cuda_launch.c`` (next to this file) compiled together with
+3. ``hostflag.c`` and the other sources of ``SOURCES`` (next to this file, with the
+   headers of ``HEADERS``) compiled together with
    ``cc -O2 -shared -fPIC -pthread`` at first use into the cache directory
    (``$XDG_CACHE_HOME/remote-dspark``, else ``~/.cache/remote-dspark``), named by the
    sha256 of the sources, the header and the command, so an edited source is rebuilt
@@ -49,8 +49,12 @@ OFL_LIB_NAME = "libdsv41_hostflag.so"
 SOURCE = SOURCE_DIR / "hostflag.c"
 # Compiled together into one library.
 _OTHERS = (
+    "abi.c",
+    "proxy_end.c",
     "watchdog.c",
     "tcp_round.c",
+    "desc_check.c",
+    "reply_check.c",
     "worker_round.c",
     "worker_serve.c",
     "engine_meta.c",
@@ -58,7 +62,7 @@ _OTHERS = (
     "cuda_launch.c",
 )
 SOURCES = (SOURCE, *(SOURCE_DIR / name for name in _OTHERS))
-HEADERS = (SOURCE_DIR / "hostflag.h",)
+HEADERS = (SOURCE_DIR / "hostflag.h", SOURCE_DIR / "tcp_round.h")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 
 

@@ -1,7 +1,7 @@
 /* engine_meta.c: the engine's round metadata in one call (hf_host_meta). A batch's
- * arrays are held to the rules of remote_dspark.engine.values.batch.host_meta, its NEW_GEN
+ * arrays are held to the rules of remote_dspark.engine.values.meta.host_meta, its NEW_GEN
  * contexts cut to their last context_tokens, and the ROUND payload's fixed part, entry
- * arrays and tokens written into the round's descriptor slot: engine.values.batch.write_meta's
+ * arrays and tokens written into the round's descriptor slot: engine.values.meta.write_meta's
  * bytes.
  *
  * host_meta and write_meta stay the reference this file is tested against, verdict for

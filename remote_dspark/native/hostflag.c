@@ -1,8 +1,9 @@
 /* hostflag.c: the hand-off primitives shared by the engine and the proxy process: the
  * ring's words, the CPU hand-off, the engine's sleep on `released`, the proxy's sleep
- * when idle, the standby's promotion, and the proxy's take and answer. The proxy's round
- * on a TCP socket is in tcp_round.c, the engine's watchdog thread in watchdog.c; what
- * the files share (the structs Python mirrors, the status codes) is in hostflag.h.
+ * when idle, the standby's promotion, the claim and the release. The proxy's take and
+ * answer are in proxy_end.c, its round on a TCP socket in tcp_round.c, the engine's
+ * watchdog thread in watchdog.c; what the files share (the structs Python mirrors, the
+ * status codes) is in hostflag.h.
  *
  * Thin on purpose: plain integers, pointers and status codes in and out. The region's
  * layout is not known here; Python (remote_dspark.shm.layout) computes it once and
@@ -22,8 +23,6 @@
  */
 #include "hostflag.h"
 
-#include <math.h>
-#include <sched.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -59,9 +58,6 @@ static long futex_sleep(uint32_t *word, uint32_t seen, uint64_t deadline_ns)
     return futex(word, FUTEX_WAIT, seen, &ts);
 }
 
-/* The ABI this file implements; the loader refuses a library built from another one. */
-int hf_abi_version(void) { return HF_ABI; }
-
 /* The engine's row gather on the CPU: dst[i] = src row idx[i] (row_bytes each), for
  * i < n. A plain copy loop on the calling thread: the engine's copies must not fan out
  * to a thread pool competing with the proxy and the worker for the cores. Returns n, or
@@ -75,14 +71,6 @@ uint32_t hf_gather_rows(uint8_t *dst, const uint8_t *src, uint64_t src_stride, u
         memcpy(dst + (uint64_t)i * row_bytes, src + (uint64_t)idx[i] * src_stride, row_bytes);
     }
     return n;
-}
-
-/* Bit 0: 32-bit words are always lock-free; bit 1: 64-bit words are. The loader needs 3:
- * a word that falls back to a lock is not shared safely between processes. */
-int hf_lock_free(void)
-{
-    return (__atomic_always_lock_free(sizeof(uint32_t), 0) ? 1 : 0)
-         | (__atomic_always_lock_free(sizeof(uint64_t), 0) ? 2 : 0);
 }
 
 uint32_t hf_load32(const uint32_t *w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
@@ -140,7 +128,7 @@ int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t
 
 /* Store `released = round` and wake the engine's sleepers, if any (a store and a load on
  * the fast path; the syscall only when a waiter said it sleeps). `waiters` NULL: none. */
-static void release_store(uint32_t *released, uint32_t *waiters, uint32_t round)
+void hf_release_store(uint32_t *released, uint32_t *waiters, uint32_t round)
 {
     __atomic_store_n(released, round, __ATOMIC_SEQ_CST);
     if (waiters && __atomic_load_n(waiters, __ATOMIC_SEQ_CST))
@@ -204,7 +192,7 @@ void hf_announce(uint32_t *wake, uint32_t round)
 }
 
 /* Proxy: announce, re-check, sleep until a round is handed over (or deadline_ns). */
-static void sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadline_ns)
+void hf_sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadline_ns)
 {
     __atomic_store_n(&wake[1], 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&wake[0], __ATOMIC_SEQ_CST) == seen)
@@ -340,7 +328,7 @@ int hf_publish(uint32_t *released, uint32_t *waiters, uint32_t round, uint64_t d
         return rc;
     if (cyc_geq(__atomic_load_n(released, __ATOMIC_ACQUIRE), round))
         return HF_STATE;   /* somebody released a round this caller holds the claim of */
-    release_store(released, waiters, round);
+    hf_release_store(released, waiters, round);
     return HF_OK;
 }
 
@@ -381,223 +369,4 @@ int hf_serve(const struct hf_ring *ring, uint32_t first, uint32_t count, uint32_
             return rc;
     }
     return HF_OK;
-}
-
-/* ------------------------------------------------------------------ the proxy's side */
-
-/* The sizes of the structs Python mirrors with ctypes; the loader compares them. */
-uint64_t hf_sizeof(int which)
-{
-    return which == 0 ? sizeof(struct hf_ring) : which == 1 ? sizeof(struct hf_proxy)
-         : which == 2 ? sizeof(struct hf_link) : which == 3 ? sizeof(struct hf_windows)
-         : which == 4 ? sizeof(struct hf_batch) : which == 5 ? sizeof(struct hf_meta)
-         : which == 6 ? sizeof(struct hf_cuda) : which == 7 ? sizeof(struct hf_launch)
-         : which == 8 ? sizeof(struct hf_markov) : which == 9 ? sizeof(struct hf_serve)
-         : which == 10 ? sizeof(struct hf_host_round) : 0;
-}
-
-static void observe(const struct hf_proxy *p, uint32_t hist, uint64_t ns)
-{
-    uint32_t b = 0;
-    while (b < p->n_bounds && p->bounds[b] < ns)
-        b++;
-    uint64_t *h = p->counters + hist;
-    __atomic_fetch_add(&h[b], 1, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&h[p->n_bounds + 1], ns, __ATOMIC_RELAXED);
-}
-
-
-/* Wait until round r is gathered, or deadline. Spin spin_us; then nap nap_us between
- * looks when nap_us > 0; with nap_us == 0 sleep on `published` once nothing is handed
- * over beyond what was served. While a round is handed over but not gathered yet (the
- * stream is a step behind the CPU), never sleep: keep spinning, however long. */
-static int wait_round(struct hf_proxy *p, uint32_t r, uint64_t deadline)
-{
-    if (p->nap_us || !p->wake)
-        return hf_wait_geq(p->ring.gathered, r, p->spin_us, p->nap_us, deadline);
-    for (;;) {
-        /* No spin when the last wait ended asleep with nothing handed over: an idle
-         * proxy's periodic returns (its heartbeat, its parent check) cost no spin. */
-        uint64_t spin_end = hf_now_ns() + (p->idle ? 0 : (uint64_t)p->spin_us * 1000u);
-        int rc = hf_wait_geq(p->ring.gathered, r, 0, 0, spin_end < deadline ? spin_end : deadline);
-        if (rc == HF_OK) {
-            p->idle = 0;
-            return rc;
-        }
-        if (rc != HF_TIMEOUT)
-            return rc;
-        uint32_t published = __atomic_load_n(&p->wake[0], __ATOMIC_SEQ_CST);
-        if (cyc_geq(published, r)) {
-            p->idle = 0;    /* handed over, not gathered yet: spin, never sleep */
-        } else {
-            if (hf_now_ns() >= deadline)
-                return HF_TIMEOUT;
-            sleep_until_published(p->wake, published, deadline);
-            p->idle = !cyc_geq(__atomic_load_n(&p->wake[0], __ATOMIC_ACQUIRE), r);
-        }
-        if (hf_now_ns() >= deadline)
-            return cyc_geq(__atomic_load_n(p->ring.gathered, __ATOMIC_ACQUIRE), r) ? HF_OK : HF_TIMEOUT;
-    }
-}
-
-/* Beat, then wait up to timeout_ns for the next gathered round nobody has claimed;
- * rounds another claimer answered meanwhile are skipped, never returned. Returns the
- * round id (0 .. 2^32-1) and when it was seen in *seen, or -HF_TIMEOUT. */
-int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
-{
-    uint64_t now = hf_now_ns(), deadline = now + timeout_ns;
-    __atomic_store_n(p->heartbeat, now, __ATOMIC_RELEASE);
-    for (;;) {
-        uint32_t r = p->next;
-        int rc = wait_round(p, r, deadline);
-        if (rc != HF_OK)
-            return -(int64_t)rc;
-        uint32_t claim = __atomic_load_n(p->ring.claim, __ATOMIC_ACQUIRE);
-        if (cyc_geq(claim, r)) {
-            p->next = claim + 1;
-            continue;
-        }
-        *seen = hf_now_ns();
-        /* Beat again on seeing it: a serving proxy is silent at most one network wait
-         * (TIMEOUT_MS) between beats, however long it idled before the round came. */
-        __atomic_store_n(p->heartbeat, *seen, __ATOMIC_RELEASE);
-        p->next = r + 1;
-        return r;
-    }
-}
-
-/* Wait until fewer than `below` entries of the round in descriptor slot `desc` have rows
- * still to come (hf_rows_pending), or deadline_ns: the count then. The engine is copying
- * them at memory speed, so this spins, yielding the CPU between looks once it has spun
- * ROWS_SPIN_NS (an engine thread preempted mid-copy may need this core); a count that has
- * not fallen by the deadline is returned as it is. */
-uint32_t hf_rows_wait(const uint8_t *desc, uint32_t below, uint64_t deadline_ns)
-{
-    enum { ROWS_SPIN_NS = 50000 };
-    uint64_t yield_at = 0;
-    for (uint32_t k = 1;; k++) {
-        uint32_t pending = hf_rows_pending(desc);
-        if (pending < below)
-            return pending;
-        if (k % 256 == 0) {
-            uint64_t now = hf_now_ns();
-            if (now >= deadline_ns)
-                return pending;
-            if (!yield_at)
-                yield_at = now + ROWS_SPIN_NS;
-            else if (now >= yield_at)
-                sched_yield();
-        }
-        cpu_relax();
-    }
-}
-
-/* hf_take_seen, for a caller that answers with hf_answer and sends the round itself (a
- * Python network round): the seen time is kept for it, and a round is returned once its
- * rows are all in staging (a CPU engine publishes it before them); one whose rows are not
- * all in by the deadline is left to the next call (-HF_TIMEOUT). */
-int64_t hf_take(struct hf_proxy *p, uint64_t timeout_ns)
-{
-    uint64_t seen = 0, deadline = hf_now_ns() + timeout_ns;
-    int64_t r = hf_take_seen(p, timeout_ns, &seen);
-    if (r < 0)
-        return r;
-    uint32_t index = (uint32_t)r & (p->ring.depth - 1);
-    if (hf_rows_wait(p->desc + (uint64_t)index * p->desc_stride, 1, deadline)) {
-        p->next = (uint32_t)r;
-        return -HF_TIMEOUT;
-    }
-    p->seen_ns[index] = seen;
-    return r;
-}
-
-/* Publish `round`; the clock is read (for hf_publish's wait) only when round - 1 is not
- * released yet, so the common case between seeing a round and releasing it touches
- * nothing but the ring's words. */
-static int publish_within(const struct hf_ring *ring, uint32_t round, uint64_t timeout_ns)
-{
-    if (__atomic_load_n(ring->released, __ATOMIC_ACQUIRE) == round - 1) {
-        release_store(ring->released, ring->waiters, round);
-        return HF_OK;
-    }
-    return hf_publish(ring->released, ring->waiters, round, hf_now_ns() + timeout_ns);
-}
-
-/* Answer `round` with `status`: claim it, write its drafts slot, publish, count. With
- * `image` (status OK only) the drafts come from a private buffer shaped like a drafts
- * slot: n_entries and flags at d_zero, then counts, entry statuses, tokens and (flag
- * bit 0) margins at the slot's offsets; only the n entries' bytes are copied. Without
- * it the answer is empty. HF_LATE (counted rounds_late): another claimer answered it;
- * HF_TIMEOUT: claimed and written, but round - 1 was not released in time; HF_STATE: a
- * status that is not the proxy's, or an image with more entries than the slot holds. */
-int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
-                   uint64_t seen)
-{
-    const struct hf_ring *ring = &p->ring;
-    uint32_t n = 0, flags = 0, answered = 0;
-    uint64_t tokens = 0;
-    if (status >= HF_PROXY_OUTCOMES || (image && status != ST_OK))
-        return HF_STATE;
-    if (image) {
-        memcpy(&n, image + ring->d_zero, 4);
-        memcpy(&flags, image + ring->d_zero + 4, 4);
-        if (n > p->max_slots)
-            return HF_STATE;
-    }
-    int rc = hf_claim(ring->claim, round);
-    if (rc == HF_LATE)
-        count(p, p->c_late, 1);
-    if (rc != HF_OK)
-        return rc;
-    uint32_t i = round & (ring->depth - 1);
-    uint8_t *slot = ring->drafts + (uint64_t)i * ring->drafts_stride;
-    if (image) {
-        uint64_t row = 4u * (uint64_t)n, grid = row * p->num_spec;
-        memcpy(slot + ring->d_zero, image + ring->d_zero, 8);
-        memcpy(slot + p->d_counts, image + p->d_counts, row);
-        memcpy(slot + p->d_entry_status, image + p->d_entry_status, row);
-        memcpy(slot + p->d_tokens, image + p->d_tokens, grid);
-        if (flags & 1)   /* DRAFTS_MARGINS */
-            memcpy(slot + p->d_margins, image + p->d_margins, grid);
-        if (flags & 2) {   /* DRAFTS_SAMPLED: the distributions, 32 ids and weights a position */
-            memcpy(slot + p->d_q_ids, image + p->d_q_ids, 32u * grid);
-            memcpy(slot + p->d_q_weights, image + p->d_q_weights, 16u * grid);
-        }
-        __atomic_store_n((uint32_t *)(slot + ring->d_status), status, __ATOMIC_RELAXED);
-        __atomic_store_n((uint32_t *)(slot + ring->d_round), round, __ATOMIC_RELAXED);
-    } else {
-        hf_zero_drafts(ring, round, status);
-    }
-    rc = publish_within(ring, round, p->publish_timeout_ns);
-    if (rc != HF_OK)
-        return rc;
-    /* The engine has the round; the bookkeeping comes after. A later round's gather in
-     * this slot is stamped after `seen`, so the check below drops it. */
-    uint64_t now = hf_now_ns(), gathered = __atomic_load_n(&ring->gathered_ns[i], __ATOMIC_RELAXED);
-    count(p, p->c_outcome[status], 1);
-    if (seen && seen <= now)
-        observe(p, p->h_round, now - seen);
-    if (gathered && gathered <= seen)
-        observe(p, p->h_handoff, seen - gathered);
-    for (uint32_t e = 0; e < n; e++) {
-        int32_t k;
-        memcpy(&k, image + p->d_counts + 4u * e, 4);
-        answered += k != 0;
-        tokens += (uint64_t)(k > 0 ? k : 0);
-    }
-    if (answered) {
-        count(p, p->c_drafts, answered);
-        count(p, p->c_draft_tokens, tokens);
-    }
-    return HF_OK;
-}
-
-/* hf_answer_seen, for a caller that took the round with hf_take. */
-int hf_answer(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image)
-{
-    uint64_t *seen = &p->seen_ns[round & (p->ring.depth - 1)];
-    int rc = hf_answer_seen(p, round, status, image, *seen);
-    if (rc == HF_OK)
-        *seen = 0;
-    return rc;
 }

@@ -1,19 +1,20 @@
-/* hostflag.h: what the files of the hostflag library share (hostflag.c: the hand-off,
- * the sleeps, the proxy's take and answer; watchdog.c: the engine's watchdog thread;
- * tcp_round.c: the proxy's round on a TCP socket, its descriptor check and DRAFTS reader,
- * and the wire constants it uses; worker_round.c: the worker's round in; engine_meta.c:
- * the engine's round metadata; cuda_launch.c: the engine stream's half of a round;
- * worker_serve.c: a worker connection with a Markov drafter served in C). The library's
- * ABI (HF_ABI) covers them all; remote_dspark/native/build.py builds them together,
- * native/structs.py mirrors the structs below with ctypes and native/binding.py checks
- * their sizes at load.
+/* hostflag.h: what the files of the hostflag library share (hostflag.c: the ring's words,
+ * the hand-off and the sleeps; proxy_end.c: the proxy's take and answer; watchdog.c: the
+ * engine's watchdog thread; tcp_round.c, desc_check.c and reply_check.c: the proxy's round
+ * on a TCP socket, its descriptor check and its DRAFTS reader, with tcp_round.h between
+ * them; worker_round.c: the worker's round in; engine_meta.c: the engine's round
+ * metadata; engine_round.c: the engine's host side of a round; cuda_launch.c: the engine
+ * stream's half of a round; worker_serve.c: a worker connection with a Markov drafter
+ * served in C; abi.c: what the loader checks). The library's ABI (HF_ABI) covers them
+ * all; remote_dspark/native/build.py builds them together, native/structs.py mirrors the
+ * structs below with ctypes and native/binding.py checks their sizes at load.
  *
  * Status codes: HF_OK, HF_TIMEOUT (deadline passed), HF_LATE (the round was already
  * claimed), HF_ORDER (the previous round is not claimed yet: a caller bug), HF_STATE
  * (a word holds a value its protocol forbids), HF_NOMEM, HF_SYS (errno is set).
  *
  * The codes Python mirrors (the status codes, the drafts statuses a proxy writes, and
- * tcp_round.c's HF_EV_* events) are reported by hf_codes, and the loader refuses a
+ * hf_round's HF_EV_* events) are reported by hf_codes (abi.c), and the loader refuses a
  * library whose values are not Python's.
  */
 #ifndef HOSTFLAG_H
@@ -94,6 +95,10 @@ static inline void cpu_relax(void)
 enum { ST_OK = 0, ST_TIMEOUT = 1, ST_ERROR = 2, ST_BREAKER_SKIP = 3,
        HF_PROXY_OUTCOMES = ST_BREAKER_SKIP + 1 };
 
+/* What hf_round did with the round it took (outcome.RoundEvent mirrors these). */
+enum { HF_EV_OK, HF_EV_AT_ONCE, HF_EV_TIMEOUT, HF_EV_LOST, HF_EV_PROTOCOL, HF_EV_BAD_REPLY,
+       HF_EV_BAD_DESC };
+
 /* One proxy's view of one region, in the proxy's process: the ring, its counters block,
  * and the rounds it has taken. Filled by remote_dspark.proxy.ring_end.ProxyEnd; one
  * thread uses it.
@@ -150,7 +155,7 @@ struct hf_link {
     uint32_t at_once;             /* the status of a round answered without the network */
     uint32_t at_once_max;         /* how many such rounds one call may answer */
     uint32_t got;                 /* bytes of the current reply frame read (header, payload) */
-    uint8_t hdr[24];              /* the current reply frame's header */
+    uint8_t hdr[W_HEADER];        /* the current reply frame's header */
     uint32_t served;              /* results: the rounds answered, */
     uint32_t round;               /* the last one, */
     uint32_t late;                /* replies to earlier rounds dropped, */
@@ -229,7 +234,7 @@ struct hf_serve {
     uint64_t send_ns;             /* a reply's send waits for room at most this (UINT64_MAX: no limit) */
     /* The frame being read, kept across calls (a payload larger than rx goes back to
      * Python for a larger buffer, then on) */
-    uint8_t hdr[24];              /* W_HEADER */
+    uint8_t hdr[W_HEADER];
     uint64_t got;                 /* bytes of the frame read or dropped: header, then payload */
     uint64_t frame_deadline_ns;
     uint32_t phase;               /* what its next bytes are for (worker_serve.c's PH_*; 0 between frames) */
@@ -322,10 +327,11 @@ static inline void count(const struct hf_proxy *p, uint32_t word, uint64_t n)
     __atomic_fetch_add(&p->counters[word], n, __ATOMIC_RELAXED);
 }
 
-/* hostflag.c, for tcp_round.c and watchdog.c. */
+/* hostflag.c's and proxy_end.c's, for the other files. */
 uint64_t hf_now_ns(void);
 uint32_t hf_rows_wait(const uint8_t *desc, uint32_t below, uint64_t deadline_ns);
 int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t nap_us, uint64_t deadline_ns);
+int hf_claim(uint32_t *claim, uint32_t round);
 int hf_publish(uint32_t *released, uint32_t *waiters, uint32_t round, uint64_t deadline_ns);
 void hf_announce(uint32_t *wake, uint32_t round);
 void hf_signal(uint32_t *gathered, uint64_t *gathered_ns, uint32_t round, uint32_t *wake);
@@ -335,6 +341,8 @@ void hf_drafts_summary(const int32_t *counts, const int32_t *statuses, const uin
 void hf_zero_drafts(const struct hf_ring *ring, uint32_t round, uint32_t status);
 int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status, uint64_t deadline_ns);
 int hf_worker_round(struct hf_windows *w, const uint8_t *payload, uint64_t len, struct hf_batch *b);
+HF_INTERNAL void hf_release_store(uint32_t *released, uint32_t *waiters, uint32_t round);
+HF_INTERNAL void hf_sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadline_ns);
 HF_INTERNAL int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen);
 HF_INTERNAL int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
                                uint64_t seen);

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ctypes
 
+HEADER = 24  # W_HEADER: a frame header's bytes (wire.HEADER.size; the loader holds the C's W_HEADER to it)
+PROXY_OUTCOMES = 4  # HF_PROXY_OUTCOMES: the drafts statuses a proxy writes (Outcome OK .. BREAKER_SKIP)
+
 
 class RingGeom(ctypes.Structure):
     """``struct hf_ring``: this process's addresses of one region's words and drafts
@@ -44,7 +47,7 @@ class ProxyState(ctypes.Structure):
         ("next", ctypes.c_uint32),
         ("spin_us", ctypes.c_uint32),
         ("nap_us", ctypes.c_uint32),
-        ("c_outcome", ctypes.c_uint32 * 4),
+        ("c_outcome", ctypes.c_uint32 * PROXY_OUTCOMES),
         ("c_late", ctypes.c_uint32),
         ("c_drafts", ctypes.c_uint32),
         ("c_draft_tokens", ctypes.c_uint32),
@@ -95,7 +98,7 @@ class LinkState(ctypes.Structure):
         ("at_once", ctypes.c_uint32),
         ("at_once_max", ctypes.c_uint32),
         ("got", ctypes.c_uint32),
-        ("hdr", ctypes.c_uint8 * 24),
+        ("hdr", ctypes.c_uint8 * HEADER),
         ("served", ctypes.c_uint32),
         ("round", ctypes.c_uint32),
         ("late", ctypes.c_uint32),
@@ -195,7 +198,7 @@ class ServeState(ctypes.Structure):
         ("max_payload", ctypes.c_uint64),
         ("frame_ns", ctypes.c_uint64),
         ("send_ns", ctypes.c_uint64),
-        ("hdr", ctypes.c_uint8 * 24),
+        ("hdr", ctypes.c_uint8 * HEADER),
         ("got", ctypes.c_uint64),
         ("frame_deadline_ns", ctypes.c_uint64),
         ("phase", ctypes.c_uint32),

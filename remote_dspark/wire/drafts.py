@@ -33,7 +33,7 @@ known statuses). Whether the reply answers the round that was asked (its session
 round in the header, its entries and slots, width <= num_spec, the counts, token ids,
 margins and distributions above) is checked by the engine before anything is
 delivered, by one rule written twice: ``engine.reply.check_reply`` (sync mode) and
-``unpack_drafts`` in ``native/tcp_round.c`` (the proxy's rounds, both transports).
+``hf_unpack_drafts`` in ``native/reply_check.c`` (the proxy's rounds, both transports).
 """
 
 from __future__ import annotations

@@ -229,13 +229,12 @@ def on_host(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["tensor-ops", "kernel"])
 @pytest.mark.parametrize("seed_form", ["i64", "u64"])
-def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form, kernel):
-    """write_meta_in_stream on CUDA (by its tensor operations, and by the metadata kernel)
-    writes the bytes host_meta + write_meta write, for a sampled round: float32
+def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form):
+    """write_meta_in_stream on CUDA (the metadata kernels) writes the bytes host_meta +
+    write_meta write, for a sampled round: float32
     temperatures (-0.0 as 0.0), u64 seeds, the tokens after them."""
-    from remote_dspark.engine.values.batch import host_meta, write_meta
+    from remote_dspark.engine.values.meta import host_meta, write_meta
     from remote_dspark.engine.writers.device_meta import check_meta_shapes, write_meta_in_stream
 
     rng = np.random.default_rng(7)
@@ -246,7 +245,7 @@ def test_sampled_metadata_written_on_the_device_equals_the_host_path(seed_form, 
         d = area.cuda()
         d[:3] = torch.tensor([77, check_meta_shapes(b, 8, True), 16])
         kw = dict(max_slots=8, num_spec=3, max_tokens=max_tokens, n_out_default=3, context_tokens=64)
-        write_meta_in_stream(b, d, **kw, sampled=True, kernel=kernel)
+        write_meta_in_stream(b, d, **kw, sampled=True)
         got = d.cpu().numpy().view(np.uint8)
         host = Batch(**{f.name: on_host(getattr(b, f.name)) for f in dataclasses.fields(b)})
         meta = host_meta(host, **kw, sampled=True)
@@ -280,6 +279,28 @@ def test_a_sampled_launch_with_metadata_on_the_device_draws_as_the_host_path(sam
             assert torch.equal(getattr(on_dev, name).cpu(), getattr(on_host, name).cpu()), name
         assert on_dev.counts.tolist() == [3, 3] and on_dev.tokens.tolist() == [[3, 4, 1], [4, 1, 2]]
         assert on_dev.q_weights.to(torch.int64).sum(-1).tolist() == [[65535] * 3] * 2  # each position: all its mass
+    assert rd.stats().rounds[Outcome.OK] == 2
+
+
+def test_without_a_device_writer_metadata_on_the_device_is_written_on_the_host(sampling_worker, tmp_path, monkeypatch):
+    """No Triton, or its self-check failed (device_meta.choose says no): launch() copies
+    metadata on the GPU to the host and writes it there, drawing as the host path."""
+    from remote_dspark.engine.writers import device_meta
+
+    monkeypatch.setattr(device_meta, "choose", lambda device: False)
+    b = Batch.from_lists(
+        [0, 1], [[1, 2], [3]], [0, 0], [True, True], ROWS.cuda(), torch.tensor([0, 1], device="cuda"),
+        temperature=[0.9, -0.0], seed=[2**64 - 3, 12345],
+    )  # fmt: skip
+    with make(sampling_worker, tmp_path, VLLM_DSPARK_SAMPLED_TOP32="1") as rd:
+        assert rd._path.handoff._meta_kernel is False
+        on_dev = rd.launch(on_device(b))
+        torch.cuda.synchronize()
+        on_host = rd.launch(b)
+        torch.cuda.synchronize()
+        for name in ("tokens", "counts", "q_ids", "q_weights"):
+            assert torch.equal(getattr(on_dev, name).cpu(), getattr(on_host, name).cpu()), name
+        assert on_dev.counts.tolist() == [3, 3] and on_dev.tokens.tolist() == [[3, 4, 1], [4, 1, 2]]
     assert rd.stats().rounds[Outcome.OK] == 2
 
 

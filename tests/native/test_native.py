@@ -236,6 +236,21 @@ def test_the_library_reports_the_codes_python_mirrors(lib):
     assert fn(len(tables), out, 32) == 0
 
 
+def test_the_struct_mirrors_size_their_arrays_by_the_constants_the_loader_checks(lib):
+    """structs.HEADER is the wire's header (the C's W_HEADER, which hf_wire_constants
+    reports) and structs.PROXY_OUTCOMES the proxy's outcomes (hf_codes' table 1, the C's
+    HF_PROXY_OUTCOMES): the arrays of hf_link, hf_serve and hf_proxy are sized by them."""
+    from remote_dspark.native import structs
+
+    fn = ctypes.CDLL(lib.path).hf_codes
+    fn.restype, fn.argtypes = ctypes.c_uint32, (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)
+    assert structs.HEADER == wire.HEADER.size == dict(native.WIRE_CONSTANTS)["HEADER"]()
+    assert structs.PROXY_OUTCOMES == fn(1, (ctypes.c_uint64 * 32)(), 32)
+    assert dict(structs.LinkState._fields_)["hdr"]._length_ == structs.HEADER
+    assert dict(structs.ServeState._fields_)["hdr"]._length_ == structs.HEADER
+    assert dict(structs.ProxyState._fields_)["c_outcome"]._length_ == structs.PROXY_OUTCOMES
+
+
 def drifted(codes: type[enum.IntEnum], name: str) -> type[enum.IntEnum]:
     """``codes`` with member ``name`` 100 higher: the same enum changed in Python only."""
     values = {m.name: m.value + (100 if m.name == name else 0) for m in codes}

@@ -275,7 +275,7 @@ def test_counters_histograms_and_snapshot(lib):
         c = region.proxy_counters(lib)
         c.add("rounds_ok")
         c.add("draft_tokens", 9)
-        # A histogram as hostflag.c's observe() lays it out: a count per bucket (le each
+        # A histogram as proxy_end.c's observe() lays it out: a count per bucket (le each
         # bound, then +Inf), then the sum; here 500, 1000, 1001 and 7e9 ns.
         base, n_buckets = c.addr("handoff_latency"), len(region_words.LATENCY_BOUNDS_NS) + 1
         for bucket, n in ((0, 2), (1, 1), (n_buckets - 1, 1), (n_buckets, 500 + 1_000 + 1_001 + 7_000_000_000)):

@@ -1,5 +1,6 @@
-"""Sampled drafts in torch: the twin of :mod:`remote_dspark.drafter.sampling` (which
-states the rule), for the model drafters on the CPU and on CUDA.
+"""Sampled drafts in torch: the twin of :mod:`remote_dspark.drafter.sampling` (the rule's
+home: its statement, its constants and the steps written once for both, which this
+module calls), for the model drafters on the CPU and on CUDA.
 
 Batched, and on CUDA free of host syncs (so a round that samples can be captured as a
 graph). :func:`uniform_u32` and :func:`pick` are bit-identical to numpy's on the same
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import MASK32, TOP, TOTAL, hash_halves
+from ..sampling import MASK32, TOP, TOTAL, add_deficit, hash_halves, pick_index, threshold
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +57,7 @@ def weights_of(top: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     p = torch.exp((v - v[:, :1]) / torch.where(hot, t, 1.0))
     p = p / p.sum(1, keepdim=True)
     ok = hot & torch.isfinite(p).all(1, keepdim=True)
-    w = torch.floor(torch.where(ok, p, 0.0) * TOTAL).long()
-    w[:, 0] += TOTAL - w.sum(1)  # the deficit (all of TOTAL for greedy rows)
-    return w.int()
+    return add_deficit(torch.floor(torch.where(ok, p, 0.0) * TOTAL).long()).int()
 
 
 def top32(
@@ -105,6 +104,5 @@ def pick(ids: torch.Tensor, weights: torch.Tensor, u32: torch.Tensor) -> torch.T
     """Rule 3 (numpy's :func:`~remote_dspark.drafter.sampling.pick`, bit for bit):
     ``ids``, ``weights`` [..., TOP] ints, ``u32`` [...] int64 in 0..2**32-1. Returns
     [...] of ``ids``' dtype."""
-    r = (u32.long() * TOTAL) >> 32
-    i = (weights.long().cumsum(-1) <= r[..., None]).sum(-1, keepdim=True).clamp(max=TOP - 1)
-    return ids.gather(-1, i)[..., 0]
+    i = pick_index(weights.long(), threshold(u32.long()))
+    return ids.gather(-1, i[..., None])[..., 0]

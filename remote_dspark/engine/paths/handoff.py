@@ -28,7 +28,7 @@ from ...shm import memfd, ring, streamsync
 from ..lifecycle import Users
 from ..observe.stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
 from ..spec import Spec
-from ..values.batch import Batch, as_bytes, gather_rows_host, has_rows
+from ..values.batch import Batch, as_bytes, gather_rows_host, has_rows, meta_to_host
 from ..values.drafts import Drafts, empty_drafts, round_tensors, to_drafts
 from ..values.slot_views import DeviceSlots, SlotViews
 from ..writers.device_meta import check_meta_shapes, write_meta_in_stream
@@ -190,6 +190,8 @@ class Handoff:
             self._collect()
             v = self._host[i]
             v.round_word[0] = r
+            if not self._meta_kernel and spec.device == "cuda" and batch.meta_on_device:
+                batch = meta_to_host(batch)  # no device writer (device_meta.choose): one sync, then the host path
             if write_round_meta(spec, self._native_meta, batch, v.desc, v.desc_addr, self.acked_context) is None:
                 if spec.device != "cuda":
                     raise ValueError("batch metadata on a device, but RemoteDSpark runs on the CPU")
@@ -252,7 +254,6 @@ class Handoff:
             n_out_default=spec.n_out_for(n),
             context_tokens=context_tokens,
             sampled=spec.sampled,
-            kernel=self._meta_kernel,
         )
 
     def round(self, batch: Batch) -> Drafts:

@@ -17,21 +17,13 @@ from ...transport.link import RemoteLink
 from ..lifecycle import Users, stop_in_caller
 from ..observe.stats import BreakerStats, LinkStats, PathStats
 from ..spec import Spec
-from ..values.batch import Batch, HostMeta, as_bytes, gather_rows_host, has_rows, write_meta
+from ..values.batch import Batch, HostMeta, as_bytes, gather_rows_host, has_rows, meta_to_host
 from ..values.drafts import Drafts, empty_drafts, to_drafts
+from ..values.meta import write_meta
 from ..values.reply import Asked, check_reply
 from .handoff import Launched
 
 log = logging.getLogger("remote_dspark.engine")
-
-
-def to_host(batch: Batch) -> Batch:
-    """``batch`` with its metadata copied to the host (a blocking round: the sync path)."""
-    cpu = {
-        f: (getattr(batch, f).cpu() if isinstance(getattr(batch, f), torch.Tensor) else getattr(batch, f))
-        for f in ("slots", "tokens", "token_offsets", "positions", "new_gen", "n_out")
-    }
-    return Batch(rows=batch.rows, row_index=batch.row_index, **cpu)
 
 
 class SyncPath:
@@ -90,7 +82,7 @@ class SyncPath:
         place, rows by one gather), sent as two buffers, DRAFTS read as views."""
         spec = self.spec
         self._round_id = round_id = (self._round_id + 1) & 0xFFFFFFFF
-        meta = spec.meta(batch if not batch.meta_on_device else to_host(batch), self.link.context_tokens)
+        meta = spec.meta(meta_to_host(batch) if batch.meta_on_device else batch, self.link.context_tokens)
         n = meta.n
         rows = self._rows[:n]
         if not has_rows(batch, spec.row_bytes):

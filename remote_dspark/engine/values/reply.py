@@ -2,8 +2,8 @@
 it is delivered (sync mode: ``RemoteLink.round``'s ``check``).
 
 **This rule has a C twin.** The proxy's rounds (process and thread mode, TCP and ofl)
-are checked by ``unpack_drafts``, ``check_entries`` and ``check_distributions`` in
-``native/tcp_round.c``: the same checks, in the same order, with the same words, so
+are checked by ``hf_unpack_drafts``, ``check_entries`` and ``check_distributions`` in
+``native/reply_check.c``: the same checks, in the same order, with the same words, so
 that a reply gets the same verdict whichever path it takes.
 ``tests/engine/values/test_reply_check.py`` runs the same replies (crafted and fuzzed)
 through both and holds the verdicts equal; change one, change both.
@@ -26,7 +26,7 @@ Then, in order:
    distribution, by the shared rule (:func:`remote_dspark.sampled.violation`: ids in the
    vocabulary and distinct, weights summing to exactly 65,535, the drafted token among
    the ids of weight > 0), the first position that breaks it named by entry and draft.
-   Its C twin is ``check_distributions`` in ``native/tcp_round.c``, with the same words.
+   Its C twin is ``check_distributions`` in ``native/reply_check.c``, with the same words.
 
 Only counted positions are checked: what lies past a count never reaches the engine
 (``drafts.to_drafts`` and ``hf_unpack`` zero it).

@@ -1,8 +1,8 @@
 """The engine's round metadata by one C call (:class:`NativeMeta`): ``hf_host_meta``
 (``native/engine_meta.c``) holds a batch's metadata to every rule of
-:func:`~remote_dspark.engine.values.batch.host_meta`, cuts its NEW_GEN contexts and writes the
+:func:`~remote_dspark.engine.values.meta.host_meta`, cuts its NEW_GEN contexts and writes the
 ROUND payload's fixed part, entry arrays and tokens where the round goes, the bytes
-:func:`~remote_dspark.engine.values.batch.write_meta` writes: one C loop instead of about twenty
+:func:`~remote_dspark.engine.values.meta.write_meta` writes: one C loop instead of about twenty
 numpy operations, each of a few microseconds, on the engine's critical path.
 
 It takes the common batch: metadata on the host as int32 or int64 tensors or arrays
@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ...native import MetaIn
-from ..values.batch import Batch, host_meta, write_meta
+from ..values.batch import Batch
+from ..values.meta import host_meta, write_meta
 
 _INTS = {torch.int32: 4, torch.int64: 8}  # a tensor's dtype -> its element size
 _BOOLS = {torch.bool: 1}
@@ -135,7 +136,7 @@ class NativeMeta:
         )
         raise RuntimeError(
             f"a batch refused by the native check (rule {rule}), accepted by the Python reference; "
-            "native/engine_meta.c and engine/values/batch.py disagree"
+            "native/engine_meta.c and engine/values/meta.py disagree"
         )
 
 

@@ -5,6 +5,8 @@ value. Bad fields are refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
 
 import numpy as np
 import pytest
@@ -14,8 +16,16 @@ from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.demo.sim import SimEngine
-from remote_dspark.engine.values.batch import CONTEXT_TOKENS, Batch, gather_rows_host, host_meta, write_meta
+from remote_dspark.engine.values.batch import CONTEXT_TOKENS, Batch, gather_rows_host
 from remote_dspark.engine.values.drafts import to_drafts
+from remote_dspark.engine.values.meta import host_meta, write_meta
+from remote_dspark.engine.writers import device_meta
+
+# The device's metadata writer is Triton's kernels; CPU tensors need its interpreter (conftest).
+needs_triton = pytest.mark.skipif(
+    not device_meta.available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the metadata kernels on CPU tensors need Triton in its interpreter (pip install triton; no CUDA)",
+)
 
 MAX_SLOTS, K, ROW_BYTES = 16, 4, 8
 ROWS = torch.arange(MAX_SLOTS * 2, dtype=torch.float32).reshape(MAX_SLOTS, 2)  # 8 bytes a row
@@ -250,7 +260,7 @@ def region_rig(lib):
 
 def write_in_stream(region, r: int, batch: Batch) -> None:
     """What launch() does for metadata on the device, with a CPU tensor over the region
-    standing in for the device view (the same tensor operations, run at once)."""
+    standing in for the device view (the same kernels, run in Triton's interpreter)."""
     from remote_dspark.engine.writers.device_meta import check_meta_shapes, write_meta_in_stream
     from remote_dspark.shm import layout
 
@@ -263,13 +273,16 @@ def write_in_stream(region, r: int, batch: Batch) -> None:
     np.frombuffer(area, np.uint32, 3)[:] = (77, n, ROW_BYTES)
     write_meta_in_stream(batch, d, max_slots=MAX_SLOTS, num_spec=K, max_tokens=lay.max_tokens, n_out_default=3)
     del d, round_word, area  # no view may outlive the region
+    gc.collect(1)  # (Triton's interpreter leaves the tensor in a reference cycle)
 
 
+@needs_triton
 @settings(max_examples=100, deadline=None)
 @given(batches())
 def test_metadata_written_in_stream_equals_the_host_path(lib, case):
-    """The device path (tensor ops, no host read) writes the very bytes host_meta +
-    write_meta write, NEW_GEN cut included, and the proxy's C check accepts them."""
+    """The device path (the metadata kernels, no host read) writes the very bytes
+    host_meta + write_meta write, NEW_GEN cut included, and the proxy's C check accepts
+    them."""
     from remote_dspark.shm import layout
 
     batch, _ = case
@@ -288,6 +301,7 @@ def test_metadata_written_in_stream_equals_the_host_path(lib, case):
         region.close()
 
 
+@needs_triton
 @pytest.mark.parametrize(
     "change, why",
     [
@@ -357,7 +371,7 @@ def device_path_bytes(
 ) -> np.ndarray:
     """What launch() writes for metadata on the device (Handoff._write_device_meta), into
     a plain payload area: on the CPU a CPU tensor stands in for the device view (the
-    tensor operations); on CUDA a device tensor (the metadata kernel)."""
+    metadata kernels in Triton's interpreter); on CUDA a device tensor."""
     from remote_dspark.engine.writers.device_meta import check_meta_shapes, write_meta_in_stream
 
     area = np.zeros(wire.round_meta_bytes(max_slots, True) + 4 * (max_tokens + 1), np.uint8)
@@ -365,7 +379,7 @@ def device_path_bytes(
     area[:12].view(np.uint32)[:] = (77, n, ROW_BYTES)
     d = torch.from_numpy(area).view(torch.int32).to(device)
     kw = dict(max_slots=max_slots, num_spec=K, max_tokens=max_tokens, n_out_default=3, context_tokens=context_tokens)
-    write_meta_in_stream(batch, d, **kw, sampled=sampled, kernel=device == "cuda")
+    write_meta_in_stream(batch, d, **kw, sampled=sampled)
     return d.cpu().numpy().view(np.uint8)
 
 
@@ -402,13 +416,13 @@ def _on_cuda(batch: Batch, which: int) -> Batch:
 @settings(max_examples=150, deadline=None)
 @given(sampled_batches(), st.booleans(), st.integers(0, 255), st.integers(1, 16))
 def test_the_metadata_kernel_writes_the_host_paths_bytes(batch, sampled, which, context_tokens):
-    """On CUDA the metadata kernel (engine.writers.meta_kernel) writes what host_meta + write_meta
+    """On CUDA the metadata kernel (engine.writers.device_meta) writes what host_meta + write_meta
     write, byte for byte: NEW_GEN contexts cut (to a context of 1 to 16 tokens, so most
     are), n_out given or not, temperatures and seeds in every form, any mix of fields on
     the host and on the device."""
-    from remote_dspark.engine.writers import meta_kernel
+    from remote_dspark.engine.writers import device_meta
 
-    assert meta_kernel.available()
+    assert device_meta.available()
     if not sampled:
         batch = dataclasses.replace(batch, temperature=None, seed=None)
     batch = _on_cuda(batch, which)
@@ -436,6 +450,7 @@ def test_the_metadata_kernel_carries_its_offsets_across_blocks_of_entries_and_to
     assert bytes(got[:size]) == bytes(want[:size])
 
 
+@needs_triton
 @settings(max_examples=150, deadline=None)
 @given(sampled_batches(), st.integers(1, 16))
 def test_a_sampled_rounds_metadata_in_stream_equals_the_host_path(batch, context_tokens):
@@ -454,7 +469,7 @@ def test_a_sampled_rounds_metadata_in_stream_equals_the_host_path(batch, context
 
 def test_a_sampled_engines_fields_are_refused_by_name_without_reading_a_value():
     """Missing on a sampled engine, given to another, the wrong shape or dtype: the
-    device path's words are the host path's (batch.sampling_meta)."""
+    device path's words are the host path's (meta.sampling_meta)."""
     from remote_dspark.engine.writers.device_meta import check_meta_shapes
 
     plain = meta_of(slots=[0, 1], tokens=[[1], [2]], positions=[0, 0], new_gen=[True, True])
@@ -489,17 +504,20 @@ def test_an_empty_sampled_round_in_stream_is_the_host_paths():
 
 
 def test_the_metadata_kernel_is_chosen_only_on_cuda_and_only_once_it_checks_out(monkeypatch, caplog):
-    from remote_dspark.engine.writers import device_meta, meta_kernel
+    from remote_dspark.engine.writers import device_meta
 
     assert device_meta.choose("cpu") is False
-    monkeypatch.setattr(meta_kernel, "available", lambda: True)
+    monkeypatch.setattr(device_meta, "available", lambda: True)
 
     def differs(device):
-        raise RuntimeError("the metadata kernel differs from the tensor operations for a round of 5 entries")
+        raise RuntimeError("the metadata kernel differs from the host path for a round of 5 entries")
 
     monkeypatch.setattr(device_meta, "self_check", differs)
     assert device_meta.choose("cuda") is False
     assert "metadata kernel off (the metadata kernel differs" in caplog.text
+    monkeypatch.setattr(device_meta, "available", lambda: False)
+    assert device_meta.choose("cuda") is False
+    assert "no Triton (the gpu extra)" in caplog.text
 
 
 @pytest.mark.gpu

@@ -19,8 +19,9 @@ from remote_dspark.demo.harness import engine_env
 from remote_dspark.engine import RemoteDSpark
 from remote_dspark.engine.policies import local_drafts
 from remote_dspark.engine.sampler import rejection_sample
-from remote_dspark.engine.values.batch import Batch, host_meta, write_meta
+from remote_dspark.engine.values.batch import Batch
 from remote_dspark.engine.values.drafts import empty_drafts, one_hot_q, to_drafts
+from remote_dspark.engine.values.meta import host_meta, write_meta
 from remote_dspark.outcome import Outcome
 from remote_dspark.sampled import violation
 

@@ -1,9 +1,9 @@
 """One rule for a worker's reply, written twice: ``engine.reply.check_reply`` (Python,
-sync mode) and ``hf_unpack`` / ``recv_reply`` in ``native/tcp_round.c`` (the proxy's
-rounds), sampled sessions' distributions included (rule 5: ``sampled.violation`` and its
-twin ``check_distributions``). The same replies, crafted and fuzzed, go through both; the
-verdicts must agree, and the engine side's decoders must never raise anything but
-``wire.ProtocolError``."""
+sync mode) and ``hf_unpack`` in ``native/reply_check.c`` with ``recv_reply`` in
+``native/tcp_round.c`` (the proxy's rounds), sampled sessions' distributions included
+(rule 5: ``sampled.violation`` and its twin ``check_distributions``). The same replies,
+crafted and fuzzed, go through both; the verdicts must agree, and the engine side's
+decoders must never raise anything but ``wire.ProtocolError``."""
 
 from __future__ import annotations
 

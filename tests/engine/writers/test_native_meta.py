@@ -1,5 +1,5 @@
 """The engine's round metadata in C (``hf_host_meta``, engine.native_meta) against the
-Python reference it replaces (engine.batch.host_meta and write_meta).
+Python reference it replaces (engine.values.meta.host_meta and write_meta).
 
 Random batches, honest and broken (slots out of range or named twice, positions past
 the wire's u32 or negative, tokens outside int32 or the vocabulary, offsets that do not
@@ -22,7 +22,8 @@ from remote_dspark.config.api import RemoteConfig
 from remote_dspark.config.mode import Mode
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine.spec import Spec
-from remote_dspark.engine.values.batch import Batch, host_meta, write_meta
+from remote_dspark.engine.values.batch import Batch
+from remote_dspark.engine.values.meta import host_meta, write_meta
 from remote_dspark.engine.writers.native_meta import NativeMeta, write_round_meta
 
 MAX_SLOTS, NUM_SPEC, ROW_BYTES = 24, 4, 16
@@ -193,7 +194,7 @@ def test_a_batch_the_c_call_cannot_read_goes_the_python_way_with_the_same_bytes(
 def test_a_refusal_the_reference_does_not_share_is_a_loud_disagreement(lib):
     native = NativeMeta(lib, _spec())
     dst = np.zeros(16, np.uint8)  # no room for the round: the C call refuses, host_meta accepts
-    with pytest.raises(RuntimeError, match="engine_meta.c and engine/values/batch.py disagree"):
+    with pytest.raises(RuntimeError, match="engine_meta.c and engine/values/meta.py disagree"):
         native.write(_one_entry(3), dst.ctypes.data, len(dst), deadline_ms=1, context_tokens=8, n_out_default=2)
     assert not dst.any()
 
