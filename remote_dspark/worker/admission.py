@@ -75,7 +75,7 @@ class Stage(enum.Enum):
 
 
 @dataclass(eq=False)
-class _Pending:
+class _Unadmitted:
     """A connection that has not said (and, with a key, proven) its HELLO yet. ``buf``
     holds its HELLO frame from offset 0, then the engine's AUTH frame."""
 
@@ -143,7 +143,7 @@ class Admission:
         self.on_hello, self.on_refused, self.count, self.clock = on_hello, on_refused, count, clock
         self.key = key
         self._buffer = HELLO_FRAME if key is None else PENDING_BUFFER
-        self._pool: OrderedDict[int, _Pending] = OrderedDict()  # fd -> pending, oldest first
+        self._pool: OrderedDict[int, _Unadmitted] = OrderedDict()  # fd -> pending, oldest first
         self._sel: selectors.BaseSelector | None = None
         self._n = dict(accepted=0, handed=0, hello_timeouts=0, displaced=0, bad_frames=0, closed=0)
         self._last_error = -math.inf  # when an accept error was last logged
@@ -211,11 +211,11 @@ class Admission:
                 oldest = next(iter(self._pool.values()))
                 log.debug("pre-HELLO pool full (%d): dropping the oldest, %s", self.max_pending, oldest.peer)
                 self._drop(oldest, "displaced")
-            p = _Pending(sock, peer, self.clock() + self.hello_timeout_s, bytearray(self._buffer))
+            p = _Unadmitted(sock, peer, self.clock() + self.hello_timeout_s, bytearray(self._buffer))
             self._pool[sock.fileno()] = p
             self._sel.register(sock, selectors.EVENT_READ, p)
 
-    def _read(self, p: _Pending) -> None:
+    def _read(self, p: _Unadmitted) -> None:
         try:
             n = p.sock.recv_into(memoryview(p.buf)[p.got : p.need])
         except (BlockingIOError, InterruptedError):
@@ -234,7 +234,7 @@ class Admission:
             else:
                 self._answer_read(p)
 
-    def _judge_header(self, p: _Pending) -> bool:
+    def _judge_header(self, p: _Unadmitted) -> bool:
         """The header of the frame being read is whole: True when the frame may go on
         (``p.header`` set, ``p.need`` past its payload), False when the connection left
         the pool (dropped as a bad frame, or refused for its protocol version)."""
@@ -265,7 +265,7 @@ class Admission:
         p.header, p.need = hdr, p.start + wire.HEADER.size + hdr.payload_len
         return True
 
-    def _hello_read(self, p: _Pending) -> None:
+    def _hello_read(self, p: _Unadmitted) -> None:
         """A whole HELLO: handed over; with a key, challenged (the worker's AUTH sent) or,
         without the engine's nonce, refused."""
         p.hello = p.header
@@ -293,7 +293,7 @@ class Admission:
         p.stage, p.start, p.header = Stage.ANSWER, p.need, None
         p.need = p.start + wire.HEADER.size
 
-    def _answer_read(self, p: _Pending) -> None:
+    def _answer_read(self, p: _Unadmitted) -> None:
         """The engine's AUTH, whole: a proof that holds hands the HELLO over; any other
         is refused."""
         proof = wire.auth.decode_answer(memoryview(p.buf)[p.start + wire.HEADER.size : p.need])
@@ -302,12 +302,12 @@ class Admission:
         else:
             self._refuse_auth(p, "the engine's proof does not hold for this worker's key: it holds another key")
 
-    def _hand_over(self, p: _Pending) -> None:
+    def _hand_over(self, p: _Unadmitted) -> None:
         self._remove(p)
         self._n["handed"] += 1
         self.on_hello(p.sock, p.peer, p.hello, bytes(p.hello_payload()))
 
-    def _refuse_auth(self, p: _Pending, reason: str) -> None:
+    def _refuse_auth(self, p: _Unadmitted, reason: str) -> None:
         self._remove(p)
         self.on_refused(p.sock, p.peer, p.hello.session, wire.REFUSE_AUTH, reason, "auth")
 
@@ -320,18 +320,18 @@ class Admission:
             log.debug("connection %s: no HELLO within %.1f s; dropped", oldest.peer, self.hello_timeout_s)
             self._drop(oldest, "hello_timeouts")
 
-    def _bad(self, p: _Pending, why: str) -> None:
+    def _bad(self, p: _Unadmitted, why: str) -> None:
         log.warning("connection %s: %s; dropped", p.peer, why)
         self._drop(p, "bad_frames")
 
-    def _drop(self, p: _Pending, counter: str) -> None:
+    def _drop(self, p: _Unadmitted, counter: str) -> None:
         self._n[counter] += 1  # counted before the close: whoever sees it closed sees it counted
         if counter != "closed":
             self.count(counter)
         self._remove(p)
         p.sock.close()
 
-    def _remove(self, p: _Pending) -> None:
+    def _remove(self, p: _Unadmitted) -> None:
         """Out of the pool and the selector (the socket stays open)."""
         del self._pool[p.sock.fileno()]
         self._sel.unregister(p.sock)

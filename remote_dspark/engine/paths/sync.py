@@ -123,7 +123,7 @@ class SyncPath:
             out.resync_all = self._epoch > 1
         return out
 
-    def _drafts(self, meta: HostMeta, d: wire.Drafts, outcome: Outcome) -> Drafts:
+    def _drafts(self, meta: HostMeta, d: wire.DraftsFrame, outcome: Outcome) -> Drafts:
         """The worker's DRAFTS, checked already (``check_reply``), as ``Drafts``."""
         spec, n = self.spec, meta.n
         counts = np.frombuffer(d.counts, dtype=np.uint16)
