@@ -72,7 +72,7 @@ class WorkerScrape:
 
 def read(worker, start_time: float) -> WorkerScrape:
     """The record of one scrape of ``worker`` (duck-typed: ``statistics()``,
-    ``admission()``, ``served_now()``, ``drafter``, ``max_pending``, ``max_connections``,
+    ``admission()``, ``served_now()``, ``drafter``, ``options``,
     ``budget``)."""
     drafter = worker.drafter
     try:
@@ -88,8 +88,8 @@ def read(worker, start_time: float) -> WorkerScrape:
         stats=worker.statistics(),
         admission=worker.admission(),
         served_now=worker.served_now(),
-        max_pending=worker.max_pending,
-        max_connections=worker.max_connections,
+        max_pending=worker.options.max_pending,
+        max_connections=worker.options.max_connections,
         start_time=start_time,
         drafter=type(drafter).__name__,
         drafter_identity=drafter.drafter_identity,
