@@ -1,6 +1,7 @@
 """The reference remote drafter: a ``tcp://`` server speaking the wire contract
-(:class:`~.server.Worker`), with its parts: the front door (:mod:`.admission`), its
-limits and the HELLO's checks (:mod:`.limits`), the engines it holds places for
+(:class:`~.server.Worker`) and its options (:mod:`.options`), with its parts: the front
+door (:mod:`.admission`), its limits and the HELLO's checks (:mod:`.limits`), the HELLO's
+verdict and ack (:mod:`.hello`), the engines it holds places for
 (:mod:`.sessions`) and their windows (:mod:`.windows`), a round as arrays
 (:mod:`.round`), its numbers (:mod:`.stats`) and their exposition (:mod:`.metrics`), the
 drafter its flags name (:mod:`.drafters`) and the faults it may be told to inject

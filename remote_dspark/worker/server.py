@@ -47,9 +47,9 @@ from ..drafter.contract import BatchedDrafter, PerEntryDrafterLike, as_batched, 
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
 from ..transport.tcp import TcpStream
 from . import lane, native_round
-from .admission import Admission
+from .admission import Admission, Drop
 from .faults import Faults
-from .limits import hello_refusal
+from .hello import hello_ack, judge_hello
 from .options import WorkerOptions
 from .round import answer
 from .scheduler import Scheduler
@@ -149,7 +149,7 @@ class Worker:
             hello_timeout_s=self.options.hello_timeout_s,
             on_hello=self._on_hello,
             on_refused=self._refused_at_door,
-            count=self._count,
+            on_drop=self._dropped_at_door,
             key=self.options.key,
         )
         self._scheduler.start()
@@ -227,9 +227,15 @@ class Worker:
         with self._lock:
             self.stats.add_served(facts, sent)
 
-    def _count(self, name: str) -> None:
+    def _dropped_at_door(self, why: Drop) -> None:
+        """A connection the front door dropped before its HELLO, counted by why."""
         with self._lock:
-            setattr(self.stats, name, getattr(self.stats, name) + 1)
+            if why is Drop.HELLO_TIMEOUT:
+                self.stats.hello_timeouts += 1
+            elif why is Drop.DISPLACED:
+                self.stats.displaced += 1
+            elif why is Drop.BAD_FRAME:
+                self.stats.bad_frames += 1
 
     def _refuse(self, reason: str) -> None:
         with self._lock:
@@ -311,21 +317,25 @@ class Worker:
                 else:
                     raise wire.ProtocolError(f"unexpected {hdr.name} from the engine side")
         except wire.VersionMismatch as e:
-            self._count("bad_frames")
+            with self._lock:
+                self.stats.bad_frames += 1
             log.warning("connection %s: %s; refused", peer, e)
             self._send_quietly(chan, self._ack(wire.REFUSE_VERSION, str(e), 0))
         except wire.ProtocolError as e:
-            self._count("bad_frames")
+            with self._lock:
+                self.stats.bad_frames += 1
             log.warning("connection %s: bad frame, closing it: %s", peer, e)
         except DeadlineExceeded as e:
-            self._count("stalled")
+            with self._lock:
+                self.stats.stalled += 1
             log.warning(
                 "connection %s: a frame not whole within %.1f s (%s); closing it", peer, self.options.frame_timeout_s, e
             )
         except Disconnected:
             pass
         except Exception:  # the drafter (or this worker) failed: this connection only, loudly
-            self._count("round_failures")
+            with self._lock:
+                self.stats.round_failures += 1
             log.exception("connection %s: failed serving a round; closing it", peer)
         finally:
             if self._stopping.is_set() or (session is not None and session.evicted):
@@ -339,51 +349,26 @@ class Worker:
     def _hello(
         self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
     ) -> Session | None:
+        """The HELLO's verdict (:func:`~remote_dspark.worker.hello.judge_hello`) counted,
+        then told: the session admitted, or None."""
         hello = wire.decode_hello(payload)
-        code, reason, why = hello_refusal(
-            self.drafter, self.limits, hello, self.limits.window, self._scheduler.max_tokens
-        )
-        if code != wire.ACCEPT:
-            self._refuse(why)
-            log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
-            chan.send(self._ack(code, reason, hdr.session))
+        verdict = judge_hello(hdr, hello, conn, self.drafter, self.limits, self._scheduler.max_tokens, self._sessions)
+        if verdict.session is None:
+            self._refuse(verdict.why)
+            chan.send(self._ack(verdict.code, verdict.reason, hdr.session))
             return None
-        session = Session.of_hello(hdr.session, hello, self.limits.window, conn)
-        # A place among the engines: the engine's own (a new session replaces the old
-        # one's windows), a free one, or the least recently served one's if it has idled
-        # recent_s; else "busy" (Sessions.admit).
-        busy, evicted = self._sessions.admit(session)
-        if busy is not None:
-            self._refuse("busy")
-            log.warning("refused HELLO of session %#x of engine %#x: %s", hdr.session, hello.engine_id, busy)
-            chan.send(self._ack(wire.REFUSE_LIMITS, busy, hdr.session))
-            return None
-        if evicted is not None:
-            self._count("evicted")
-            log.info(
-                "engine %#x (session %#x) evicted for engine %#x: served least recently",
-                evicted.engine_id,
-                evicted.session,
-                hello.engine_id,
-            )
+        if verdict.evicted is not None:
+            with self._lock:
+                self.stats.evicted += 1
         chan.max_payload = self.limits.frame_cap(hello)
         # Only now the ACK: once the engine side has it, the old windows are gone.
-        chan.send(self._ack(code, reason, hdr.session))
+        chan.send(self._ack(verdict.code, verdict.reason, hdr.session))
         shape = (hdr.session, hello.engine_id, hello.max_slots, hello.num_spec)
         log.info("session %#x of engine %#x: %d slots, num_spec %d", *shape)
-        return session
+        return verdict.session
 
     def _ack(self, code: int, reason: str, session: int) -> bytes:
-        return wire.encode_hello_ack(
-            wire.HelloAck(
-                code,
-                self.drafter.drafter_identity,
-                self.drafter.markov_identity,
-                reason,
-                context_tokens=self.limits.window,
-            ),
-            session,
-        )
+        return hello_ack(self.drafter, code, reason, session, self.limits.window)
 
     def _round(self, session: Session, hdr: wire.Header, payload, received: float | None = None) -> bytes:
         """One ROUND in (``received``: ``time.monotonic()`` at its receipt, which its
