@@ -164,19 +164,19 @@ class RemoteDSpark:
             cfg, num_spec, depth_mode or "", depth_file, list(dense_cap) if dense_cap is not None else None
         )
         self.spec = Spec(
-            cfg,
-            num_spec,
-            max_slots,
-            row_bytes,
-            max_slots * (context_tokens + num_spec + 1),
-            depth,
-            device,
-            Mode.of(cfg),
-            engine_id if engine_id is not None else wire.random_id(),
-            dict(os.environ if environ is None else environ),
-            table,
-            int(vocab_size or 0),
-            int(context_tokens),
+            cfg=cfg,
+            num_spec=num_spec,
+            max_slots=max_slots,
+            row_bytes=row_bytes,
+            max_tokens=max_slots * (context_tokens + num_spec + 1),
+            depth=depth,
+            device=device,
+            mode=Mode.of(cfg),
+            engine_id=engine_id if engine_id is not None else wire.random_id(),
+            environ=dict(os.environ if environ is None else environ),
+            n_out_table=table,
+            vocab_size=int(vocab_size or 0),
+            context_tokens=int(context_tokens),
         )
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)

@@ -1,5 +1,6 @@
 """What every part of the engine side agrees on: the configuration, the round's shape
-and the engine's identity (one frozen value, built once by ``RemoteDSpark``)."""
+and the engine's identity (one frozen value, built once by ``RemoteDSpark``, its fields
+by keyword)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..config.mode import Mode
 from .values.batch import CONTEXT_TOKENS, Batch, HostMeta, host_meta
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Spec:
     cfg: RemoteConfig
     num_spec: int
