@@ -49,12 +49,11 @@ from .observe import report
 from .observe.stats import EngineCounts, Stats
 from .paths.asynchronous import AsyncPath
 from .paths.base import NothingOpen, Path
-from .paths.handoff import Launched
 from .paths.sync import SyncPath
 from .spec import Spec, check_arguments
 from .tp.ranks import Ranks, shares_failure
 from .values.batch import CONTEXT_TOKENS, Batch, HostMeta
-from .values.drafts import Drafts
+from .values.drafts import Drafts, Launched
 
 log = logging.getLogger("remote_dspark.engine")
 

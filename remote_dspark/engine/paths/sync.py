@@ -18,9 +18,8 @@ from ..lifecycle import Users, stop_in_caller
 from ..observe.stats import BreakerStats, LinkStats, PathStats
 from ..spec import Spec
 from ..values.batch import Batch, HostMeta, as_bytes, gather_rows_host, has_rows, write_meta
-from ..values.drafts import Drafts, empty_drafts, to_drafts
+from ..values.drafts import Drafts, Launched, empty_drafts, to_drafts
 from ..values.reply import Asked, check_reply
-from .handoff import Launched
 
 log = logging.getLogger("remote_dspark.engine")
 
