@@ -3,9 +3,11 @@
 A round is reserved, its descriptor and rows written into a depth slot, ``gathered``
 published (by this thread on the CPU, by the stream on CUDA), and the answer read from
 the slot's drafts once ``released`` says so. Who answers is not this module's business:
-the proxy host (:mod:`.proxy_host`) runs the proxy; this module answers a round itself
-only when no proxy serves (at once, target-only), when a proxy was lost (its rounds),
-and when the engine closes (every round still in flight).
+the proxy host (:mod:`.proxy_host`) runs the proxy and says, before every round, which
+one serves (:meth:`Handoff.served_by`); a round is answered here only when no proxy
+serves (at once, target-only), when a proxy was lost (its rounds) and when the engine
+closes (every round still in flight), through the ring's engine end
+(``EngineEnd.drain``, ``EngineEnd.fence``).
 
 Building :class:`Handoff` is the self-test: the native library loads, the region
 maps, the watchdog starts, and on CUDA the region registers and the stream's hand-off
