@@ -7,6 +7,10 @@ their drafts gathered in ``parts``) until it ends :class:`Answered` (its drafts,
 when its deadline passed first) or :class:`Failed` (what its call raised, or the worker
 stopping), and never changes again. The scheduler makes every change under its lock;
 the job's ``done`` event is set with its end and wakes the connection waiting for it.
+(A round that finds the drafter free and is a call whole never enters the queue: no
+other thread sees it, and the call's return is its end.)
+The states are immutable tuples (each made in a fraction of a microsecond: a round's
+path makes two), told apart by their type, never by comparing them.
 """
 
 from __future__ import annotations
@@ -18,8 +22,7 @@ from typing import NamedTuple
 from ..drafter.contract import DraftBatch, DraftResult
 
 
-@dataclasses.dataclass(frozen=True)
-class Pending:
+class Pending(NamedTuple):
     """Not answered yet: ``taken`` of its entries drafted or in the call being made (0:
     none yet; a round more than a call's share is taken in pieces), their drafts gathered
     in ``parts`` (None until the first piece is drafted)."""
@@ -28,15 +31,13 @@ class Pending:
     parts: DraftResult | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Answered:
+class Answered(NamedTuple):
     """Done: its drafts (None: its deadline passed before a piece was drafted)."""
 
     result: DraftResult | None
 
 
-@dataclasses.dataclass(frozen=True)
-class Failed:
+class Failed(NamedTuple):
     """Done: the call it was in raised ``error`` (or the worker stopped first)."""
 
     error: BaseException

@@ -168,7 +168,7 @@ class Scheduler:
             if lead:
                 self._busy = True
             if alone:
-                job.state, taken_at = Pending(len(batch)), job.queued  # taken whole, at once
+                job.state, taken_at = Pending(len(batch)), job.queued  # taken whole, at once (never queued)
             else:
                 queue = self._queues.get(session)
                 if queue is None:
@@ -177,12 +177,11 @@ class Scheduler:
                 queue.append(job)
                 if lead:
                     pieces, late, taken_at = self._take()
-        if alone:
+        if alone:  # never queued: no other thread sees the job, its end is this return
             try:
-                self._call([Piece(job, 0, batch, job.cost)], taken_at)
+                return self._draft([Piece(job, 0, batch, job.cost)], taken_at)[job]
             finally:
                 self._free()
-            return job.outcome()
         if lead:
             self._run(pieces, late, taken_at, until=job)
         wait = None if math.isinf(deadline) else max(0.0, deadline - self.clock()) + WAIT_SLACK_S
@@ -308,27 +307,14 @@ class Scheduler:
         return pieces, late, now
 
     def _call(self, pieces: list[Piece], taken_at: float) -> None:
-        """One drafter call for ``pieces`` (one, or several of the same row size). Whatever
-        fails in it (the merge, the drafter, its answer's check, the statistics, a split)
-        fails every round of the call, each on its own connection, and never the thread
-        making the call: the drafter thread lives on for the rounds still queued."""
+        """One drafter call for ``pieces`` (one, or several of the same row size), its
+        rounds' states moved on under the lock: answered (their last piece) or their parts
+        gathered. Whatever fails in it (the merge, the drafter, its answer's check, the
+        statistics, a split) fails every round of the call, each on its own connection,
+        and never the thread making the call: the drafter thread lives on for the rounds
+        still queued."""
         try:
-            batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
-            t0 = time.perf_counter()
-            result = check_result(self.drafter.draft_batch(batch), batch)
-            if self.on_call is not None:
-                waits = [taken_at - p.job.queued for p in pieces if p.start == 0]
-                tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
-                self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
-            gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
-            at = 0
-            for job, start, piece, _ in pieces:
-                # Its parts are this thread's while it makes the call (no lock to read them).
-                state = job.state
-                so_far = gathered.get(job, state.parts if isinstance(state, Pending) else None)
-                got = result if len(pieces) == 1 else part(result, at, piece)
-                gathered[job] = gather(so_far, len(job.batch), start, got)
-                at += len(piece)
+            gathered = self._draft(pieces, taken_at)
         except BaseException as e:
             with self._cond:
                 for piece in pieces:
@@ -343,6 +329,27 @@ class Scheduler:
                     self._end(job, Answered(parts))
                 else:
                     job.state = Pending(state.taken, parts)
+
+    def _draft(self, pieces: list[Piece], taken_at: float) -> dict[Job, DraftResult]:
+        """The drafter's call for ``pieces``, told to ``on_call``: each round's drafts
+        gathered so far, with this call's pieces (its parts are this thread's while it
+        makes the call: no lock to read them). Raises what the call raised."""
+        batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
+        t0 = time.perf_counter()
+        result = check_result(self.drafter.draft_batch(batch), batch)
+        if self.on_call is not None:
+            waits = [taken_at - p.job.queued for p in pieces if p.start == 0]
+            tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
+            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
+        gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
+        at = 0
+        for job, start, piece, _ in pieces:
+            state = job.state
+            so_far = gathered.get(job, state.parts if isinstance(state, Pending) else None)
+            got = result if len(pieces) == 1 else part(result, at, piece)
+            gathered[job] = gather(so_far, len(job.batch), start, got)
+            at += len(piece)
+        return gathered
 
     @staticmethod
     def _end(job: Job, state: Answered | Failed) -> None:
