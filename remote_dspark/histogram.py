@@ -64,7 +64,7 @@ class Histogram:
 
     @classmethod
     def from_region(cls, h) -> Histogram:
-        """A region histogram (``shm.Histogram``: ``bounds_ns``, ``buckets``, ``sum_ns``) in seconds."""
+        """A region histogram (``shm.words.HistogramWords``: ``bounds_ns``, ``buckets``, ``sum_ns``) in seconds."""
         return cls(tuple(b / 1e9 for b in h.bounds_ns), tuple(h.buckets), h.sum_ns / 1e9)
 
 

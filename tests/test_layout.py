@@ -391,3 +391,38 @@ def test_the_listing_check_sees_a_missing_and_a_stale_row(tmp_path):
     assert held == {"a", "sub"} and named == {"a", "gone"}
     (pkg / "__init__.py").write_text('"""The parts: :mod:`.a` and the sub/ folder.\n\n    sub/  two\n"""\n')
     assert package_listing(pkg / "__init__.py") == ({"a", "sub"}, {"a", "sub"})
+
+
+# --- class names ------------------------------------------------------------------------
+
+
+def duplicate_classes(root: Path = ROOT, package: str = PACKAGE) -> dict[str, list[str]]:
+    """class name -> the modules that define it, for every name defined more than once
+    anywhere in the package (nested classes included): each name says one thing."""
+    where: dict[str, list[str]] = {}
+    for module, path in module_files(root, package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(module)
+    return {name: modules for name, modules in sorted(where.items()) if len(modules) > 1}
+
+
+def test_no_class_name_is_defined_twice():
+    found = duplicate_classes()
+    assert not found, f"class names defined more than once (name each for what it is): {found}"
+
+
+def test_the_class_check_sees_nested_and_same_module_twins(tmp_path):
+    """The checker itself, on a small package: a name in two modules, and a nested class
+    sharing a top-level name in one module, are found; distinct names are not."""
+    pkg = tmp_path / "r"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("class Top:\n    pass\n")
+    (pkg / "a.py").write_text("class Row:\n    pass\n\nclass Only:\n    pass\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("def f():\n    class Row:\n        pass\n")
+    (pkg / "c.py").write_text("class Twice:\n    class Twice:\n        pass\n")
+    assert duplicate_classes(tmp_path, "r") == {"Row": ["r.a", "r.sub.b"], "Twice": ["r.c", "r.c"]}
+    (pkg / "sub" / "b.py").write_text("class BRow:\n    pass\n")
+    (pkg / "c.py").write_text("")
+    assert duplicate_classes(tmp_path, "r") == {}

@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class AcceptanceOptions:
     window: int
     contexts: int
     num_spec: int
@@ -78,7 +78,7 @@ class Options:
         return self.prompt + self.contexts * self.window
 
 
-def options(args) -> Options:
+def options(args) -> AcceptanceOptions:
     """Raises: ValueError naming the bad argument."""
     for name, low in (("window", 1), ("contexts", 1), ("num_spec", 1), ("sequences", 1)):
         if getattr(args, name) < low:
@@ -97,10 +97,10 @@ def options(args) -> Options:
             raise ValueError(
                 f"--row-tokens {args.row_tokens!r}: {part!r} is not 'default', 'whole' or a number over --window"
             )
-    return Options(args.window, args.contexts, args.num_spec, args.sequences, tuple(sizes), args.device)
+    return AcceptanceOptions(args.window, args.contexts, args.num_spec, args.sequences, tuple(sizes), args.device)
 
 
-def target_sequences(model, opts: Options, vocab: int) -> list[list[int]]:
+def target_sequences(model, opts: AcceptanceOptions, vocab: int) -> list[list[int]]:
     """``opts.sequences`` prompts and the target's greedy continuation of each (seeded)."""
     import torch
 
@@ -122,7 +122,9 @@ def target_sequences(model, opts: Options, vocab: int) -> list[list[int]]:
     return out
 
 
-def accept_along(client, slot: int, seq: list[int], opts: Options, first_round: int) -> tuple[list, list, int]:
+def accept_along(
+    client, slot: int, seq: list[int], opts: AcceptanceOptions, first_round: int
+) -> tuple[list, list, int]:
     """The rounds of one sequence (module docstring): (accepted, offered) per window of
     context, and the next round id."""
     from .. import wire
@@ -145,7 +147,7 @@ def accept_along(client, slot: int, seq: list[int], opts: Options, first_round: 
     return accepted, offered, rid
 
 
-def measure(path: str, name: str, opts: Options, bar) -> list[dict]:
+def measure(path: str, name: str, opts: AcceptanceOptions, bar) -> list[dict]:
     from .. import wire
     from ..drafter.lm.hf import load_hf
     from ..transport import parse_endpoint
@@ -183,7 +185,7 @@ def measure(path: str, name: str, opts: Options, bar) -> list[dict]:
     return rows
 
 
-def make_report(opts: Options, rows: list[dict]) -> dict:
+def make_report(opts: AcceptanceOptions, rows: list[dict]) -> dict:
     whole = [r for r in rows if r["row_tokens"] >= opts.total + opts.num_spec]
     goals = [
         {

@@ -81,7 +81,7 @@ def add_parser(sub) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class DrafterBenchOptions:
     entries: tuple[int, ...]
     devices: tuple[str, ...]
     num_spec: int
@@ -89,7 +89,7 @@ class Options:
     warmup: int
 
 
-def options(args) -> Options:
+def options(args) -> DrafterBenchOptions:
     """Raises: ValueError naming the bad argument."""
     import torch
 
@@ -119,7 +119,7 @@ def options(args) -> Options:
         raise ValueError(f"--rounds {args.rounds}: must be >= 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: must be >= 0")
-    return Options(entries, devices, args.num_spec, args.rounds, args.warmup)
+    return DrafterBenchOptions(entries, devices, args.num_spec, args.rounds, args.warmup)
 
 
 def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3) -> list:
@@ -226,7 +226,7 @@ def makers(hf_path: str | None, hf_name: str | None) -> dict:
     return out
 
 
-def run_rows(opts: Options, make: dict) -> list[dict]:
+def run_rows(opts: DrafterBenchOptions, make: dict) -> list[dict]:
     from ..progress import Progress
 
     plan = [(k, d, n, m) for k in make for d in opts.devices for n in opts.entries for m in MODES]
@@ -259,7 +259,7 @@ def run_rows(opts: Options, make: dict) -> list[dict]:
     return rows
 
 
-def make_report(opts: Options, rows: list[dict]) -> dict:
+def make_report(opts: DrafterBenchOptions, rows: list[dict]) -> dict:
     by = {(r["drafter"], r["device"], r["entries"], r["mode"]): r for r in rows}
     ratios, goals = [], []
     for kind, device, n in dict.fromkeys((r["drafter"], r["device"], r["entries"]) for r in rows):

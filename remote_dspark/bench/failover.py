@@ -38,7 +38,7 @@ ROUND_LIMIT_S = 10.0  # the most a measure waits for an ok round
 
 
 @dataclass
-class Row:
+class FailoverRow:
     name: str
     standby: bool
     samples_ms: list[float]
@@ -134,11 +134,11 @@ def measure_idle(worker, slots: int, idle_s: float) -> dict:
         rd.close()
 
 
-def measure_faults(worker, slots: int, kind: str, count: int, standby: bool) -> Row:
+def measure_faults(worker, slots: int, kind: str, count: int, standby: bool) -> FailoverRow:
     from ..outcome import Outcome
 
     rd, engine = _engine(worker, slots, standby)
-    row = Row(kind, standby, [])
+    row = FailoverRow(kind, standby, [])
     sup = rd.supervisor
     try:
         for _ in range(count):
@@ -183,7 +183,7 @@ def _resume(pid: int) -> None:
         pass
 
 
-def report(idle: dict, rows: list[Row], as_json: bool) -> None:
+def report(idle: dict, rows: list[FailoverRow], as_json: bool) -> None:
     watchdog_ms = idle["watchdog_ms"]
     goals = [
         ("idle proxy CPU <= 2% of a core", idle["proxy_core"] <= GOAL_IDLE_CORE),

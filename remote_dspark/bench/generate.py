@@ -90,7 +90,7 @@ def add_parser(sub) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
+class GenerateOptions:
     device: str
     prompts: int
     prompt_tokens: int
@@ -100,7 +100,7 @@ class Options:
     modes: tuple[str, ...]
 
 
-def options(args) -> Options:
+def options(args) -> GenerateOptions:
     """Raises: ValueError naming the bad argument."""
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft go together (or neither: --random)")
@@ -120,7 +120,9 @@ def options(args) -> Options:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Options(device, args.prompts, args.prompt_tokens, args.new_tokens, args.num_spec, args.timeout_ms, modes)
+    return GenerateOptions(
+        device, args.prompts, args.prompt_tokens, args.new_tokens, args.num_spec, args.timeout_ms, modes
+    )
 
 
 @contextlib.contextmanager
@@ -168,7 +170,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure_mode(mode: str, opts: Options, target, draft, worker, prompts, tick) -> tuple[dict, list]:
+def measure_mode(mode: str, opts: GenerateOptions, target, draft, worker, prompts, tick) -> tuple[dict, list]:
     """One mode's row and its outputs (one generation per prompt, after a warm-up);
     ``tick(note)`` before each."""
     import torch
@@ -246,7 +248,7 @@ def _round_ms(before, after) -> float | None:
     return round((after.round_latency.sum - before.round_latency.sum) / n * 1e3, 3) if n else None
 
 
-def make_report(opts: Options, name: str, rows: list[dict], same: dict) -> dict:
+def make_report(opts: GenerateOptions, name: str, rows: list[dict], same: dict) -> dict:
     by = {r["mode"]: r for r in rows}
     for r in rows:
         r["same_tokens_as_plain"] = same.get(r["mode"])

@@ -169,7 +169,7 @@ def honest_get(port: int, path: str, timeout_s: float = HONEST_TIMEOUT_S) -> int
 
 
 @dataclass
-class Phase:
+class HostilePhase:
     name: str
     honest: int = 0
     answered: int = 0
@@ -201,8 +201,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _trickle(port: int, args) -> Phase:
-    phase = Phase("trickle", honest=args.requests)
+def _trickle(port: int, args) -> HostilePhase:
+    phase = HostilePhase("trickle", honest=args.requests)
     with Tricklers(port, args.tricklers, args.trickle_interval_ms / 1000) as t:
         time.sleep(1.0)  # every trickler connected and started
         start = time.monotonic()
@@ -213,8 +213,8 @@ def _trickle(port: int, args) -> Phase:
     return phase
 
 
-def _headers(port: int, pid: int, args) -> Phase:
-    phase = Phase("headers", honest=10)
+def _headers(port: int, pid: int, args) -> HostilePhase:
+    phase = HostilePhase("headers", honest=10)
     sampler = RssSampler(pid)
     base = sampler.now()
     with sampler, GiantHeads(port, args.header_clients, args.header_lines) as g:
@@ -228,7 +228,7 @@ def _headers(port: int, pid: int, args) -> Phase:
     return phase
 
 
-def measure(args) -> list[Phase]:
+def measure(args) -> list[HostilePhase]:
     from ..demo.harness import WorkerProcess
 
     port = free_port()

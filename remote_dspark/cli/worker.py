@@ -22,8 +22,9 @@ from ..worker.limits import (
     parse_listen,
     tokens_per_slot,
 )
+from ..worker.options import ROUND_PATHS, WorkerOptions
 from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
-from ..worker.server import ROUND_PATHS, Worker
+from ..worker.server import Worker
 from ..worker.sessions import RECENT_S
 
 _DEFAULT_ROUND_BYTES = Limits().max_round_bytes
@@ -293,10 +294,7 @@ def run(args: argparse.Namespace) -> int:
         window=args.window,
     )
     faults = Faults(late_s=args.late_ms / 1000) if args.chaos else None
-    worker = Worker(
-        drafter,
-        host,
-        port,
+    options = WorkerOptions(
         window=args.window,
         max_slots=args.max_slots,
         max_row_bytes=args.max_row_bytes,
@@ -316,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         batching=not args.no_batching,
         round_path=args.round_path,
     )
+    worker = Worker(drafter, host, port, options)
     if faults is not None:  # before the first line: a chaos driver signals as soon as it reads it
         # Faults' changes take no lock, so they are safe in a signal handler (faults.py).
         signal.signal(signal.SIGUSR1, lambda *_: faults.toggle_late())
@@ -328,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  VLLM_DSPARK_REMOTE_IDENTITY={drafter.drafter_identity.hex()}", flush=True)
     print(f"  VLLM_DSPARK_REMOTE_MARKOV_IDENTITY={drafter.markov_identity.hex()}", flush=True)
     if args.metrics_port is not None:  # after the identities: harness.WorkerProcess reads those three lines first
-        mhost = f"[{worker.metrics_host}]" if ":" in worker.metrics_host else worker.metrics_host
+        mhost = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host
         print(f"  metrics on http://{mhost}:{worker.metrics_port}/metrics (and /healthz, /readyz)", flush=True)
     entries, tokens = worker.budget
     print(f"  drafting calls of at most {entries} entries and {tokens} tokens", flush=True)

@@ -29,9 +29,8 @@ from ..config.mode import Mode
 from .facade import RemoteDSpark
 from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed
 from .observe.stats import Stats
-from .paths.handoff import Launched
 from .values.batch import Batch
-from .values.drafts import Drafts
+from .values.drafts import Drafts, Launched
 
 __all__ = [
     "Batch",

@@ -49,12 +49,11 @@ from .observe import report
 from .observe.stats import EngineCounts, Stats
 from .paths.asynchronous import AsyncPath
 from .paths.base import NothingOpen, Path
-from .paths.handoff import Launched
 from .paths.sync import SyncPath
-from .spec import Spec
+from .spec import Spec, check_arguments
 from .tp.ranks import Ranks, shares_failure
 from .values.batch import CONTEXT_TOKENS, Batch, HostMeta
-from .values.drafts import Drafts
+from .values.drafts import Drafts, Launched
 
 log = logging.getLogger("remote_dspark.engine")
 
@@ -62,58 +61,6 @@ DEPTH = 4  # rounds the engine may enqueue ahead of the proxy
 CLOSE_S = 1.5  # close: how long rounds in flight have to leave (close returns within 2 s)
 
 LocalDrafter = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]  # -> (tokens [n, k], counts [n])
-
-
-def check_arguments(
-    cfg: RemoteConfig,
-    local_drafter: LocalDrafter | None,
-    device: str,
-    num_spec: int,
-    max_slots: int,
-    row_bytes: int,
-    vocab_size: int | None,
-    context_tokens: int = CONTEXT_TOKENS,
-) -> None:
-    """``RemoteDSpark``'s arguments against the policy and the wire contract's caps.
-
-    Raises:
-        ValueError: an argument out of range, naming it.
-    """
-    if cfg.keeps_local_drafter and local_drafter is None:
-        raise ValueError(f"VLLM_DSPARK_REMOTE_POLICY={cfg.policy} needs a local drafter")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
-    for name, value, lo, hi in (
-        ("num_spec", num_spec, 1, wire.MAX_N_OUT),
-        ("max_slots", max_slots, 1, wire.MAX_ENTRIES),
-        ("row_bytes", row_bytes, 0, wire.MAX_ROW_BYTES),  # 0: no rows (batches carry none)
-    ):
-        if not lo <= value <= hi:
-            raise ValueError(f"{name}={value}: must be in {lo}..{hi} (the wire contract's cap)")
-    sampled_caps = (("num_spec", num_spec, wire.MAX_SAMPLED_N_OUT), ("max_slots", max_slots, wire.MAX_SAMPLED_ENTRIES))
-    for name, value, hi in sampled_caps:
-        if cfg.sampled_top32 and value > hi:
-            raise ValueError(
-                f"{name}={value}: over {hi}, a sampled session's cap (VLLM_DSPARK_SAMPLED_TOP32=1: its "
-                "distributions stay a few MiB a round)"
-            )
-    # A round holds max_slots x (context + num_spec + 1) tokens at most (the region's
-    # max_tokens), which the wire caps at MAX_TOKENS.
-    most = wire.MAX_TOKENS // max_slots - num_spec - 1
-    if isinstance(context_tokens, bool) or not hasattr(context_tokens, "__index__") or not 1 <= context_tokens <= most:
-        raise ValueError(
-            f"context_tokens={context_tokens!r}: must be an int in 1..{most} (max_slots={max_slots} x "
-            f"(context_tokens + num_spec + 1) tokens in a round, within the wire contract's {wire.MAX_TOKENS})"
-        )
-    if vocab_size is not None and (
-        not hasattr(vocab_size, "__index__") or isinstance(vocab_size, bool) or not 1 <= vocab_size <= wire.MAX_VOCAB
-    ):
-        raise ValueError(f"vocab_size={vocab_size!r}: must be None (unknown) or an int in 1..{wire.MAX_VOCAB}")
-    if cfg.sampled_top32 and vocab_size is not None and vocab_size < wire.SAMPLED_TOP:
-        raise ValueError(
-            f"vocab_size={vocab_size}: a sampled engine's drafts list {wire.SAMPLED_TOP} distinct ids a position "
-            "(VLLM_DSPARK_SAMPLED_TOP32=1), so its vocabulary must have at least that many"
-        )
 
 
 class RemoteDSpark:
@@ -164,19 +111,19 @@ class RemoteDSpark:
             cfg, num_spec, depth_mode or "", depth_file, list(dense_cap) if dense_cap is not None else None
         )
         self.spec = Spec(
-            cfg,
-            num_spec,
-            max_slots,
-            row_bytes,
-            max_slots * (context_tokens + num_spec + 1),
-            depth,
-            device,
-            Mode.of(cfg),
-            engine_id if engine_id is not None else wire.random_id(),
-            dict(os.environ if environ is None else environ),
-            table,
-            int(vocab_size or 0),
-            int(context_tokens),
+            cfg=cfg,
+            num_spec=num_spec,
+            max_slots=max_slots,
+            row_bytes=row_bytes,
+            max_tokens=max_slots * (context_tokens + num_spec + 1),
+            depth=depth,
+            device=device,
+            mode=Mode.of(cfg),
+            engine_id=engine_id if engine_id is not None else wire.random_id(),
+            environ=dict(os.environ if environ is None else environ),
+            n_out_table=table,
+            vocab_size=int(vocab_size or 0),
+            context_tokens=int(context_tokens),
         )
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)

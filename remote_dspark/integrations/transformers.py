@@ -116,7 +116,7 @@ class Slots:
                 self._free.append(slot)
 
     def round(
-        self, slot: int, tokens: np.ndarray, position: int, new_gen: bool, n_out: int, sampling: Sampling
+        self, slot: int, tokens: np.ndarray, position: int, new_gen: bool, n_out: int, sampling: DraftSampling
     ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None, bool]:
         """One round for ``slot`` (its tokens since its last round, the first at
         ``position``; ``new_gen``: its whole context; ``sampling``: the draft's
@@ -148,7 +148,7 @@ class Slots:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
+class DraftSampling:
     """How one generation's drafts are drawn: ``temperature`` (0: greedy), ``seed`` (the
     worker's randomness, a u64), and ``width``: the target's logits' width when the
     candidates carry their distributions (candidate logits), else 0 (token matching)."""
@@ -158,7 +158,7 @@ class Sampling:
     width: int = 0
 
 
-GREEDY = Sampling()
+GREEDY = DraftSampling()
 
 
 def candidate_logits(ids: np.ndarray, weights: np.ndarray, width: int) -> torch.Tensor:
@@ -208,7 +208,7 @@ class RemoteCandidates(_CANDIDATE_BASE):
 
     requires_model_outputs = False
 
-    def __init__(self, slots: Slots, slot: int, max_length: int, sampling: Sampling = GREEDY):
+    def __init__(self, slots: Slots, slot: int, max_length: int, sampling: DraftSampling = GREEDY):
         self.slots, self.slot, self.max_length, self.sampling = slots, slot, max_length, sampling
         self.num_drafting_tokens = slots.rd.spec.num_spec  # what the loop keeps room for
         self._seen = 0  # tokens of the sequence the worker has (0: announce it whole)
@@ -269,7 +269,7 @@ def logits_width(model) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
-def sampling_of(model, rd: RemoteDSpark, generation_config, draft_seed: int | None) -> Sampling:
+def sampling_of(model, rd: RemoteDSpark, generation_config, draft_seed: int | None) -> DraftSampling:
     """How a generation's drafts are drawn (module docstring): greedy for an unsampled
     ``rd`` or ``do_sample=False``; else at the generation's temperature (1 when unset),
     seeded by ``draft_seed`` or, when None, by a number drawn from torch's default
@@ -289,7 +289,7 @@ def sampling_of(model, rd: RemoteDSpark, generation_config, draft_seed: int | No
     temperature = 1.0 if generation_config.temperature is None else float(generation_config.temperature)
     if draft_seed is None:
         draft_seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
-    return Sampling(temperature, draft_seed % 2**64, width)
+    return DraftSampling(temperature, draft_seed % 2**64, width)
 
 
 def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, *, slots, slot, **rest):

@@ -54,7 +54,7 @@ log = logging.getLogger("remote_dspark.metrics")
 
 
 @dataclass(frozen=True)
-class Limits:
+class ScrapeLimits:
     """What one client may cost the server (see the module docstring for each rule)."""
 
     request_timeout_s: float = 5.0  # from the accept to the whole request head
@@ -98,7 +98,7 @@ def response_bytes(answer: Answer, *, with_body: bool = True) -> bytes:
 
 
 @dataclass(eq=False)
-class _Pending:
+class _HeadPending:
     """A connection whose request head is not whole yet."""
 
     sock: socket.socket
@@ -122,7 +122,7 @@ class ScrapeServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        limits: Limits = Limits(),
+        limits: ScrapeLimits = ScrapeLimits(),
         name: str = "scrape-server",
     ):
         self.paths = dict(paths)
@@ -131,7 +131,7 @@ class ScrapeServer:
         self._listener = socket.create_server((host, port), family=family, backlog=128)
         self._listener.setblocking(False)
         self.host, self.port = host, self._listener.getsockname()[1]
-        self._pool: OrderedDict[int, _Pending] = OrderedDict()  # fd -> pending, oldest first
+        self._pool: OrderedDict[int, _HeadPending] = OrderedDict()  # fd -> pending, oldest first
         self._answering = threading.BoundedSemaphore(limits.max_answering)
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -197,11 +197,11 @@ class ScrapeServer:
             sock.setblocking(False)
             if len(self._pool) >= self.limits.max_pending:
                 self._drop(next(iter(self._pool.values())))
-            p = _Pending(sock, time.monotonic() + self.limits.request_timeout_s, bytearray())
+            p = _HeadPending(sock, time.monotonic() + self.limits.request_timeout_s, bytearray())
             self._pool[sock.fileno()] = p
             self._sel.register(sock, selectors.EVENT_READ, p)
 
-    def _read(self, p: _Pending) -> None:
+    def _read(self, p: _HeadPending) -> None:
         lim = self.limits
         try:
             data = p.sock.recv(lim.max_head_bytes + 1 - len(p.buf))
@@ -223,7 +223,7 @@ class ScrapeServer:
         elif end >= 0:
             self._request(p, bytes(head))
 
-    def _request(self, p: _Pending, head: bytes) -> None:
+    def _request(self, p: _HeadPending, head: bytes) -> None:
         """A whole head: the request line judged, then an answering thread or 503."""
         parts = head.split(b"\n", 1)[0].decode("latin-1").split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -253,16 +253,16 @@ class ScrapeServer:
                 return
             self._reply_now(oldest, _text(408, f"request not whole within {self.limits.request_timeout_s:g} s"))
 
-    def _reply_now(self, p: _Pending, answer: Answer) -> None:
+    def _reply_now(self, p: _HeadPending, answer: Answer) -> None:
         """Answer from the loop (:func:`_send_once_and_close`), out of the pool."""
         self._remove(p)
         _send_once_and_close(p.sock, answer)
 
-    def _remove(self, p: _Pending) -> None:
+    def _remove(self, p: _HeadPending) -> None:
         del self._pool[p.sock.fileno()]
         self._sel.unregister(p.sock)
 
-    def _drop(self, p: _Pending) -> None:
+    def _drop(self, p: _HeadPending) -> None:
         self._remove(p)
         p.sock.close()
 

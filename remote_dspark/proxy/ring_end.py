@@ -169,7 +169,7 @@ class ProxyEnd(RingEnd):
         self._rx_view = memoryview(self._rx).cast("B")
         self._link = self.new_link(0, 0)
         self._link_addr = ctypes.addressof(self._link)
-        self._checked: wire.Drafts | None = None  # the drafts check_reply left in the image
+        self._checked: wire.DraftsFrame | None = None  # the drafts check_reply left in the image
         self.header.set_proxy_pid(os.getpid() if pid is None else pid)
 
     @property
@@ -231,7 +231,7 @@ class ProxyEnd(RingEnd):
             return None
         return ProxyRound(self, r, r & self._mask)
 
-    def complete(self, rnd: ProxyRound, drafts: wire.Drafts | None = None, outcome: Outcome = Outcome.OK) -> bool:
+    def complete(self, rnd: ProxyRound, drafts: wire.DraftsFrame | None = None, outcome: Outcome = Outcome.OK) -> bool:
         """Answer ``rnd`` and release it: ``drafts`` with OK, or empty (``drafts`` None,
         or any failure outcome); counted in the proxy's block. True when released; False
         when another claimer (the watchdog) answered it first: the answer is dropped and
@@ -263,7 +263,7 @@ class ProxyEnd(RingEnd):
             )
         return False  # LATE, counted
 
-    def check_reply(self, rnd: ProxyRound, d: wire.Drafts) -> None:
+    def check_reply(self, rnd: ProxyRound, d: wire.DraftsFrame) -> None:
         """Hold ``d`` to ``hf_round``'s rules for ``rnd`` (``hf_unpack``) before the round
         is answered, for a caller that received the reply itself (the ofl round: a
         ``check`` of ``RemoteLink.round``). A round claimed by someone else meanwhile is
@@ -286,7 +286,7 @@ class ProxyEnd(RingEnd):
             return
         self._checked = d  # the image holds d now: complete() need not unpack it again
 
-    def _pack(self, rnd: ProxyRound, d: wire.Drafts) -> bool:
+    def _pack(self, rnd: ProxyRound, d: wire.DraftsFrame) -> bool:
         """Write ``d`` into the private drafts image, validated against the round; False
         when the round was claimed by someone else meanwhile (its descriptor may be reused
         already, so it cannot be checked against).
@@ -307,7 +307,7 @@ class ProxyEnd(RingEnd):
             return False
         return True
 
-    def _pack_checked(self, rnd: ProxyRound, d: wire.Drafts) -> None:
+    def _pack_checked(self, rnd: ProxyRound, d: wire.DraftsFrame) -> None:
         """The DRAFTS payload of ``d`` re-encoded (one copy), then ``unpack``.
 
         Raises:

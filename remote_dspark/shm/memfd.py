@@ -23,7 +23,7 @@ import struct
 from collections.abc import Callable
 
 # Besides what Region uses: the parts the engine side (engine, ring, proxy loop) names as
-# ``memfd.X`` (D_*, DESC_*, DRAFTS_*, LATENCY_BOUNDS_NS, OFF_HEARTBEAT, BreakerState, Histogram).
+# ``memfd.X`` (D_*, DESC_*, DRAFTS_*, LATENCY_BOUNDS_NS, OFF_HEARTBEAT, BreakerState, HistogramWords).
 from .layout import (  # noqa: F401
     D_COUNTS,
     D_N,
@@ -46,7 +46,7 @@ from .layout import (  # noqa: F401
     PROXY_COUNTERS,
     Layout,
 )
-from .words import BreakerState, Counters, HeaderWords, Histogram  # noqa: F401
+from .words import BreakerState, Counters, HeaderWords, HistogramWords  # noqa: F401
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -312,6 +313,34 @@ class EngineEnd(RingEnd):
         if n:
             self.counters.add("orphan_releases", n)
         return n
+
+    def drain(self, deadline: float) -> None:
+        """Answer (no proxy) every round handed over so far, each once its stream has
+        gathered it, until ``deadline``. Rounds not gathered by then are the watchdog's.
+        Only gathered rounds are answered: the stream has finished with the drafts slot
+        such a round reuses. A round a live proxy claimed first is left to it."""
+        r, last = seq_add(self.released(), 1), self.last  # what was handed over by now only:
+        while seq_geq(last, r):  # later rounds are a new proxy's
+            left = deadline - time.monotonic()
+            rc = self._lib.wait_geq(self._gathered, r, 100, 100, native.deadline_ns(max(left, 0.0)))
+            if rc != Status.OK:
+                return
+            self.release_no_proxy(r)
+            r = seq_add(r, 1)
+
+    def fence(self, proxy_dead: bool) -> None:
+        """Closing (any thread; the proxy stopped or stopping): answer every round
+        gathered by now, target-only, through the claim the watchdog uses. With the
+        proxy known dead its claimed rounds are released too (orphans); a live claimer's
+        round is left to it (it answers within its deadline)."""
+        if proxy_dead:
+            self.release_orphans()
+        gathered = self.gathered()
+        while seq_geq(gathered, r := seq_add(self.released(), 1)):
+            # Only the round right after ``released``, so the claim never waits on a
+            # live claimer's release: a claimed round stops the pass until it is answered.
+            if seq_geq(self.claimed(), r) or not self.release_no_proxy(r):
+                return
 
     def start_watchdog(self, watchdog_ms: int, poll_us: int | None = None) -> Watchdog:
         """Start the native watchdog: a round gathered ``watchdog_ms`` ago and not

@@ -41,7 +41,7 @@ def current_stream(torch) -> int:
     return raw(torch._C._cuda_getDevice())
 
 
-class Handoff(NamedTuple):
+class HandoffTimes(NamedTuple):
     """One hand-off. Timestamps are CLOCK_MONOTONIC ns taken by the backend (in C on the
     CPU): the store of ``gathered`` and the first look that saw ``released >= round``."""
 
@@ -88,7 +88,7 @@ class CpuBackend:
             rc = lib.wait_released(self._released, self._waiters, round_id, self._spin, self._nap, deadline_ns)
         return rc == Status.OK or check(rc, f"wait for round {round_id}") is Status.OK
 
-    def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
+    def handoff(self, round_id: int, deadline_ns: int) -> HandoffTimes:
         lib, out = self._lib, self._out_addr
         stamp = self._gathered_ns + 8 * (round_id & self._mask)
         if self._hold_ns:
@@ -119,7 +119,7 @@ class CpuBackend:
                 out,
                 self._wake,
             )
-        return Handoff(check(rc, f"hand off round {round_id}") is Status.OK, self._out[0], self._out[1])
+        return HandoffTimes(check(rc, f"hand off round {round_id}") is Status.OK, self._out[0], self._out[1])
 
 
 class CudaBackend:
@@ -221,7 +221,7 @@ class CudaBackend:
         self.driver.wait_value32(self._stream() if stream is None else stream, self._released, round_id)
         return True
 
-    def handoff(self, round_id: int, deadline_ns: int) -> Handoff:
+    def handoff(self, round_id: int, deadline_ns: int) -> HandoffTimes:
         raise NotImplementedError("the CUDA backend times hand-offs with CUDA events (bench handoff --device cuda)")
 
     def unregister(self) -> None:
@@ -297,6 +297,6 @@ class HostFlagSync:
         if unregister is not None:
             unregister()
 
-    def handoff(self, round_id: int, timeout_s: float) -> Handoff:
+    def handoff(self, round_id: int, timeout_s: float) -> HandoffTimes:
         """``signal`` then ``wait``, timed by the backend."""
         return self.backend.handoff(round_id, native.deadline_ns(timeout_s))

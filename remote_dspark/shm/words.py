@@ -22,7 +22,9 @@ from .layout import LATENCY_BOUNDS_NS, OFF_BREAKER, OFF_CONTEXT, OFF_HEARTBEAT, 
 
 
 @dataclass(frozen=True)
-class Histogram:
+class HistogramWords:
+    """One latency histogram as a counters block's words hold it (ns), copied in a snapshot."""
+
     bounds_ns: tuple[int, ...]
     buckets: tuple[int, ...]  # per bucket, not cumulative; the last is +Inf
     sum_ns: int
@@ -37,7 +39,7 @@ class Snapshot:
     """A frozen copy of one counters block (each word read atomically)."""
 
     counters: Mapping[str, int]
-    histograms: Mapping[str, Histogram]
+    histograms: Mapping[str, HistogramWords]
 
 
 class Counters:
@@ -71,7 +73,7 @@ class Counters:
         hists = {}
         for n in self._block.histograms:
             i = offs[n] // 8
-            hists[n] = Histogram(LATENCY_BOUNDS_NS, tuple(words[i : i + nb]), words[i + nb])
+            hists[n] = HistogramWords(LATENCY_BOUNDS_NS, tuple(words[i : i + nb]), words[i + nb])
         return Snapshot(types.MappingProxyType(counters), types.MappingProxyType(hists))
 
 

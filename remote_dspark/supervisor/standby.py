@@ -30,12 +30,12 @@ work) none is kept, and one error line says why.
 Its lifecycle is one value (:data:`StandbyState`), changed only by :meth:`Standby._to`;
 the process and its pidfd are carried by the states that have one:
 
-    Idle --spawn--> Starting --says it is ready--> Ready
+    Idle --spawn--> Warming --says it is ready--> Ready
     Idle --spawn failed--+
-    Starting --exit------+--> the GIVE_UP_AFTER-th in a row? --yes--> GivenUp
+    Warming --exit------+--> the GIVE_UP_AFTER-th in a row? --yes--> GivenUp
     Ready --exit---------+                                    --no---> Idle (a back-off)
     Ready --silent when offered the role: killed--+ (a death, as above)
-    Ready --promoted, or stopped; Starting --stopped--> Idle (no back-off)
+    Ready --promoted, or stopped; Warming --stopped--> Idle (no back-off)
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ KILL_WAIT_S = 1.0  # for the exit of a standby SIGKILLed (silent when offered th
 BACKOFF_S = 0.5  # before the next standby after one died; doubles each time
 
 
-class Phase(str, enum.Enum):
+class StandbyPhase(str, enum.Enum):
     """A standby state's name, as the supervisor's stats and the metrics say it."""
 
     NONE = "none"
@@ -80,17 +80,17 @@ class Idle:
 
     in_a_row: int = 0  # standbys that died unpromoted since the last one that was ready
     retry_at: float = 0.0  # the back-off after a death; 0.0: at once
-    phase: ClassVar[Phase] = Phase.NONE
+    phase: ClassVar[StandbyPhase] = StandbyPhase.NONE
 
 
 @dataclass(frozen=True)
-class Starting:
+class Warming:
     """Spawned, not yet asleep on its futex word; a death now continues the run."""
 
     proc: subprocess.Popen
     pidfd: int
     in_a_row: int
-    phase: ClassVar[Phase] = Phase.STARTING
+    phase: ClassVar[StandbyPhase] = StandbyPhase.STARTING
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class Ready:
     proc: subprocess.Popen
     pidfd: int
     in_a_row: ClassVar[int] = 0
-    phase: ClassVar[Phase] = Phase.READY
+    phase: ClassVar[StandbyPhase] = StandbyPhase.READY
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,15 @@ class GivenUp:
     """GIVE_UP_AFTER standbys died in a row: none is kept from now on."""
 
     why: str  # the last failure
-    phase: ClassVar[Phase] = Phase.OFF
+    phase: ClassVar[StandbyPhase] = StandbyPhase.OFF
 
 
-StandbyState = Idle | Starting | Ready | GivenUp
+StandbyState = Idle | Warming | Ready | GivenUp
 
 # The transitions :meth:`Standby._to` allows, from each state.
 _NEXT: dict[type, tuple[type, ...]] = {
-    Idle: (Starting, Idle, GivenUp),
-    Starting: (Ready, Idle, GivenUp),
+    Idle: (Warming, Idle, GivenUp),
+    Warming: (Ready, Idle, GivenUp),
     Ready: (Idle, GivenUp),
     GivenUp: (),
 }
@@ -149,13 +149,13 @@ class Standby:
     def proc(self) -> subprocess.Popen | None:
         """The standby process, while one is kept."""
         state = self.state
-        return state.proc if isinstance(state, (Starting, Ready)) else None
+        return state.proc if isinstance(state, (Warming, Ready)) else None
 
     @property
     def pidfd(self) -> int:
         """The standby's pidfd, for the watcher's ``select``; -1 while none is kept."""
         state = self.state
-        return state.pidfd if isinstance(state, (Starting, Ready)) else -1
+        return state.pidfd if isinstance(state, (Warming, Ready)) else -1
 
     def keep(self, wanted: bool) -> None:
         """Each watcher tick: start a standby when one is wanted and none is kept (after
@@ -164,7 +164,7 @@ class Standby:
         state = self.state
         if not wanted:
             self._stop()
-        elif isinstance(state, Starting):
+        elif isinstance(state, Warming):
             if self._hooks.ready(state.proc.pid):
                 self._to(Ready(state.proc, state.pidfd))
         elif isinstance(state, Idle) and self._clock() >= state.retry_at:
@@ -173,7 +173,7 @@ class Standby:
     def died(self) -> None:
         """Its pidfd is readable: reap it and plan the next one."""
         state = self.state
-        assert isinstance(state, (Starting, Ready)), f"a standby death seen while {state.phase.value}"
+        assert isinstance(state, (Warming, Ready)), f"a standby death seen while {state.phase.value}"
         self.dead_cpu_s += reap(state.proc, state.pidfd)
         self._failed(state.in_a_row, f"exited with status {state.proc.returncode}")
 
@@ -222,7 +222,7 @@ class Standby:
                 raise
             self._failed(in_a_row, f"could not watch it: {e}")
             return
-        self._to(Starting(proc, pidfd, in_a_row))
+        self._to(Warming(proc, pidfd, in_a_row))
         self.spawns += 1
 
     def _failed(self, in_a_row: int, why: str) -> None:
@@ -245,6 +245,6 @@ class Standby:
     def _stop(self, timeout_s: float = 1.0) -> None:
         """End the standby kept, if any, whatever its ending raises (``spawn.end``)."""
         state = self.state
-        if isinstance(state, (Starting, Ready)):
+        if isinstance(state, (Warming, Ready)):
             self.dead_cpu_s += end(state.proc, state.pidfd, timeout_s)
             self._to(Idle(state.in_a_row))

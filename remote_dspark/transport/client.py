@@ -101,7 +101,7 @@ class DraftClient:
         of the shared region: they go out uncopied), by ``deadline``."""
         self.chan.send(*parts, deadline=deadline)
 
-    def recv_drafts(self, round_id: int, deadline: float) -> wire.Drafts:
+    def recv_drafts(self, round_id: int, deadline: float) -> wire.DraftsFrame:
         """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
         rounds. Raises: DeadlineExceeded, Disconnected, wire.ProtocolError.
 
@@ -124,8 +124,8 @@ class DraftClient:
             self.late += 1
 
     def round(
-        self, round_id: int, parts: Sequence, deadline_ms: int, check: Callable[[wire.Drafts], None] | None = None
-    ) -> wire.Drafts:
+        self, round_id: int, parts: Sequence, deadline_ms: int, check: Callable[[wire.DraftsFrame], None] | None = None
+    ) -> wire.DraftsFrame:
         """One synchronous round within ``deadline_ms``: send the ROUND frame ``parts``,
         return its DRAFTS once ``check`` (what the round asked) accepts them.
 

@@ -43,7 +43,7 @@ CLOSE_JOIN_S = 0.2  # close(): how long it waits for a connector thread
 class RoundResult:
     outcome: Outcome
     event: RoundEvent  # AT_ONCE: not sent (no connection, or the breaker open)
-    drafts: wire.Drafts | None = None
+    drafts: wire.DraftsFrame | None = None
 
 
 class RemoteLink:
@@ -206,7 +206,7 @@ class RemoteLink:
         return self.round(round_id, (frame,), deadline_ms)
 
     def round(
-        self, round_id: int, parts: Sequence, deadline_ms: int, check: Callable[[wire.Drafts], None] | None = None
+        self, round_id: int, parts: Sequence, deadline_ms: int, check: Callable[[wire.DraftsFrame], None] | None = None
     ) -> RoundResult:
         """Send the ROUND frame ``parts`` (buffers, sent uncopied) and wait for its
         DRAFTS within ``deadline_ms``; never raises for a remote failure. No connection

@@ -16,7 +16,7 @@ the contract's one namespace: every name of it is ``wire.X``, whichever part def
 from __future__ import annotations
 
 from . import auth
-from .drafts import Drafts, DraftsSections, decode_drafts, drafts_sections, encode_drafts
+from .drafts import DraftsFrame, DraftsSections, decode_drafts, drafts_sections, encode_drafts
 from .frame import (
     ACCEPT,
     ACK_STRUCT,
@@ -106,7 +106,7 @@ __all__ = [
     "DRAFTS_FIXED",
     "DRAFTS_MARGINS",
     "DRAFTS_SAMPLED",
-    "Drafts",
+    "DraftsFrame",
     "DraftsSections",
     "Entry",
     "FLAG_NEW_GEN",

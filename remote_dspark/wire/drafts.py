@@ -90,7 +90,7 @@ def drafts_sections(n: int, width: int, margins: bool, sampled: bool = False) ->
 
 
 @dataclass(frozen=True)
-class Drafts:
+class DraftsFrame:
     """The worker's answer, per entry in ROUND order: ``counts[i]`` of row i's ``width``
     tokens are drafts. Decoded, every array is a view of the payload."""
 
@@ -112,7 +112,7 @@ class Drafts:
         return list(self.tokens[i * self.width : i * self.width + self.counts[i]])
 
 
-def encode_drafts(d: Drafts, session: int) -> bytes:
+def encode_drafts(d: DraftsFrame, session: int) -> bytes:
     """A whole DRAFTS frame from any sequences (the worker writes arrays in place with
     ``drafts_sections`` instead)."""
     n = len(d.slots)
@@ -146,7 +146,7 @@ def encode_drafts(d: Drafts, session: int) -> bytes:
     return encode_header(DRAFTS, len(payload), session, d.round_id) + payload
 
 
-def decode_drafts(hdr: Header, payload) -> Drafts:
+def decode_drafts(hdr: Header, payload) -> DraftsFrame:
     """Check a DRAFTS payload (caps, length, counts <= width, known statuses) and return
     views of its arrays.
 
@@ -175,7 +175,7 @@ def decode_drafts(hdr: Header, payload) -> Drafts:
         raise ProtocolError(f"DRAFTS counts: {max(counts)} over the width {width}")
     if n and max(statuses) > STATUS_RESYNC:
         raise ProtocolError(f"DRAFTS statuses: unknown status {max(statuses)}")
-    return Drafts(
+    return DraftsFrame(
         hdr.round,
         mv[sec.slots : sec.counts].cast("I"),
         counts,

@@ -1,11 +1,13 @@
 """The reference remote drafter: a ``tcp://`` server speaking the wire contract
-(:class:`~.server.Worker`), with its parts: the front door (:mod:`.admission`), its
-limits and the HELLO's checks (:mod:`.limits`), the engines it holds places for
-(:mod:`.sessions`) and their windows (:mod:`.windows`), the drafter's thread and its
-queue (:mod:`.scheduler`), a round as arrays (:mod:`.round`) or in C
-(:mod:`.native_round`; a connection served whole in C, :mod:`.lane`), its numbers
-(:mod:`.stats`) and their exposition (:mod:`.metrics`), the drafter its flags name
-(:mod:`.drafters`) and the faults it may be told to inject (:mod:`.faults`)."""
+(:class:`~.server.Worker`) and its options (:mod:`.options`), with its parts: the front
+door (:mod:`.admission`), its limits and the HELLO's checks (:mod:`.limits`), the HELLO's
+verdict and ack (:mod:`.hello`), the engines it holds places for (:mod:`.sessions`) and
+their windows (:mod:`.windows`), the drafter's thread and its queue (:mod:`.scheduler`,
+a job's lifecycle :mod:`.jobs`, a call's arithmetic :mod:`.batching`), a round as arrays
+(:mod:`.round`) or in C (:mod:`.native_round`; a connection served whole in C,
+:mod:`.lane`), its numbers (:mod:`.stats`) and their exposition (:mod:`.metrics`), the
+drafter its flags name (:mod:`.drafters`) and the faults it may be told to inject
+(:mod:`.faults`)."""
 
 from .server import Worker
 

@@ -67,6 +67,15 @@ ANSWER_FRAME = wire.HEADER.size + wire.PROOF_BYTES  # the engine's AUTH
 PENDING_BUFFER = HELLO_FRAME + ANSWER_FRAME  # all a pre-HELLO connection is ever given
 
 
+class Drop(enum.Enum):
+    """Why a connection left the pool before its HELLO was whole (each has its counter)."""
+
+    HELLO_TIMEOUT = enum.auto()  # no HELLO within hello_timeout_s
+    DISPLACED = enum.auto()  # room made for a newer connection
+    BAD_FRAME = enum.auto()  # anything but a HELLO, or a header over the HELLO's cap
+    CLOSED = enum.auto()  # the peer closed (or reset) first
+
+
 class Stage(enum.Enum):
     """Where a pre-HELLO connection is."""
 
@@ -75,7 +84,7 @@ class Stage(enum.Enum):
 
 
 @dataclass(eq=False)
-class _Pending:
+class _Unadmitted:
     """A connection that has not said (and, with a key, proven) its HELLO yet. ``buf``
     holds its HELLO frame from offset 0, then the engine's AUTH frame."""
 
@@ -115,8 +124,8 @@ class Admission:
     module's docstring). ``on_refused(sock, peer, session, code, reason, why)`` gets a
     connection refused at the door, to answer with ``code`` and ``reason`` and count
     under ``why`` (its owner from then on): a header of another protocol version
-    (``version``) or a failed authentication (``auth``). ``count(name)`` is told of each
-    drop, by the name of its counter.
+    (``version``) or a failed authentication (``auth``). ``on_drop(why)`` is told of each
+    drop but the peer's own close (:class:`Drop`).
     """
 
     def __init__(
@@ -128,7 +137,7 @@ class Admission:
         hello_timeout_s: float,
         on_hello: Callable,
         on_refused: Callable,
-        count: Callable[[str], None] = lambda name: None,
+        on_drop: Callable[[Drop], None] = lambda why: None,
         clock: Callable[[], float] = time.monotonic,
         key: Key | None = None,
     ):
@@ -140,16 +149,26 @@ class Admission:
         self.wake_fd = wake_fd
         self.max_pending = max_pending
         self.hello_timeout_s = hello_timeout_s
-        self.on_hello, self.on_refused, self.count, self.clock = on_hello, on_refused, count, clock
+        self.on_hello, self.on_refused, self.on_drop, self.clock = on_hello, on_refused, on_drop, clock
         self.key = key
         self._buffer = HELLO_FRAME if key is None else PENDING_BUFFER
-        self._pool: OrderedDict[int, _Pending] = OrderedDict()  # fd -> pending, oldest first
+        self._pool: OrderedDict[int, _Unadmitted] = OrderedDict()  # fd -> pending, oldest first
         self._sel: selectors.BaseSelector | None = None
-        self._n = dict(accepted=0, handed=0, hello_timeouts=0, displaced=0, bad_frames=0, closed=0)
+        self._accepted = self._handed = 0
+        self._drops = dict.fromkeys(Drop, 0)
         self._last_error = -math.inf  # when an accept error was last logged
 
     def statistics(self) -> AdmissionStats:
-        return AdmissionStats(len(self._pool), **self._n)
+        drops = self._drops
+        return AdmissionStats(
+            len(self._pool),
+            self._accepted,
+            self._handed,
+            drops[Drop.HELLO_TIMEOUT],
+            drops[Drop.DISPLACED],
+            drops[Drop.BAD_FRAME],
+            drops[Drop.CLOSED],
+        )
 
     def run(self, stopping: threading.Event) -> None:
         """Serve until ``stopping`` is set and the wake fd is readable; closes the
@@ -192,7 +211,7 @@ class Admission:
                 return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE) and self._pool:
-                    self._drop(next(iter(self._pool.values())), "displaced")
+                    self._drop(next(iter(self._pool.values())), Drop.DISPLACED)
                     continue
                 now = self.clock()
                 if now - self._last_error >= 10.0:
@@ -200,7 +219,7 @@ class Admission:
                     log.warning("accept failed: %s", e)
                 time.sleep(0.01)  # nothing of ours to free: let served connections end
                 return
-            self._n["accepted"] += 1
+            self._accepted += 1
             try:
                 sock.setblocking(False)
                 enable_keepalive(sock)
@@ -210,12 +229,12 @@ class Admission:
             if len(self._pool) >= self.max_pending:
                 oldest = next(iter(self._pool.values()))
                 log.debug("pre-HELLO pool full (%d): dropping the oldest, %s", self.max_pending, oldest.peer)
-                self._drop(oldest, "displaced")
-            p = _Pending(sock, peer, self.clock() + self.hello_timeout_s, bytearray(self._buffer))
+                self._drop(oldest, Drop.DISPLACED)
+            p = _Unadmitted(sock, peer, self.clock() + self.hello_timeout_s, bytearray(self._buffer))
             self._pool[sock.fileno()] = p
             self._sel.register(sock, selectors.EVENT_READ, p)
 
-    def _read(self, p: _Pending) -> None:
+    def _read(self, p: _Unadmitted) -> None:
         try:
             n = p.sock.recv_into(memoryview(p.buf)[p.got : p.need])
         except (BlockingIOError, InterruptedError):
@@ -223,7 +242,7 @@ class Admission:
         except OSError:
             n = 0
         if n == 0:
-            self._drop(p, "closed")
+            self._drop(p, Drop.CLOSED)
             return
         p.got += n
         if p.header is None and p.got == p.need and not self._judge_header(p):
@@ -234,7 +253,7 @@ class Admission:
             else:
                 self._answer_read(p)
 
-    def _judge_header(self, p: _Pending) -> bool:
+    def _judge_header(self, p: _Unadmitted) -> bool:
         """The header of the frame being read is whole: True when the frame may go on
         (``p.header`` set, ``p.need`` past its payload), False when the connection left
         the pool (dropped as a bad frame, or refused for its protocol version)."""
@@ -265,7 +284,7 @@ class Admission:
         p.header, p.need = hdr, p.start + wire.HEADER.size + hdr.payload_len
         return True
 
-    def _hello_read(self, p: _Pending) -> None:
+    def _hello_read(self, p: _Unadmitted) -> None:
         """A whole HELLO: handed over; with a key, challenged (the worker's AUTH sent) or,
         without the engine's nonce, refused."""
         p.hello = p.header
@@ -288,12 +307,12 @@ class Admission:
         except OSError:
             sent = 0
         if sent != len(frame):
-            self._drop(p, "closed")
+            self._drop(p, Drop.CLOSED)
             return
         p.stage, p.start, p.header = Stage.ANSWER, p.need, None
         p.need = p.start + wire.HEADER.size
 
-    def _answer_read(self, p: _Pending) -> None:
+    def _answer_read(self, p: _Unadmitted) -> None:
         """The engine's AUTH, whole: a proof that holds hands the HELLO over; any other
         is refused."""
         proof = wire.auth.decode_answer(memoryview(p.buf)[p.start + wire.HEADER.size : p.need])
@@ -302,12 +321,12 @@ class Admission:
         else:
             self._refuse_auth(p, "the engine's proof does not hold for this worker's key: it holds another key")
 
-    def _hand_over(self, p: _Pending) -> None:
+    def _hand_over(self, p: _Unadmitted) -> None:
         self._remove(p)
-        self._n["handed"] += 1
+        self._handed += 1
         self.on_hello(p.sock, p.peer, p.hello, bytes(p.hello_payload()))
 
-    def _refuse_auth(self, p: _Pending, reason: str) -> None:
+    def _refuse_auth(self, p: _Unadmitted, reason: str) -> None:
         self._remove(p)
         self.on_refused(p.sock, p.peer, p.hello.session, wire.REFUSE_AUTH, reason, "auth")
 
@@ -318,20 +337,20 @@ class Admission:
             if oldest.deadline > now:
                 return
             log.debug("connection %s: no HELLO within %.1f s; dropped", oldest.peer, self.hello_timeout_s)
-            self._drop(oldest, "hello_timeouts")
+            self._drop(oldest, Drop.HELLO_TIMEOUT)
 
-    def _bad(self, p: _Pending, why: str) -> None:
+    def _bad(self, p: _Unadmitted, why: str) -> None:
         log.warning("connection %s: %s; dropped", p.peer, why)
-        self._drop(p, "bad_frames")
+        self._drop(p, Drop.BAD_FRAME)
 
-    def _drop(self, p: _Pending, counter: str) -> None:
-        self._n[counter] += 1  # counted before the close: whoever sees it closed sees it counted
-        if counter != "closed":
-            self.count(counter)
+    def _drop(self, p: _Unadmitted, why: Drop) -> None:
+        self._drops[why] += 1  # counted before the close: whoever sees it closed sees it counted
+        if why is not Drop.CLOSED:
+            self.on_drop(why)
         self._remove(p)
         p.sock.close()
 
-    def _remove(self, p: _Pending) -> None:
+    def _remove(self, p: _Unadmitted) -> None:
         """Out of the pool and the selector (the socket stays open)."""
         del self._pool[p.sock.fileno()]
         self._sel.unregister(p.sock)

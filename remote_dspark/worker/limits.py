@@ -30,7 +30,7 @@ from ..drafter.contract import (
     samples_of,
     vocab_size_of,
 )
-from .scheduler import entry_cost
+from .batching import entry_cost
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192

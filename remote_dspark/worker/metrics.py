@@ -11,7 +11,7 @@ client may hold it (slow or oversized requests are dropped, never waited for).
 
 - ``/metrics``: Prometheus text exposition from :class:`WorkerCollector`, a custom
   collector read at scrape time: it walks :data:`TABLE`, one row per family
-  (:mod:`remote_dspark.metrics.families`), over one :class:`Scrape`. Every number has one
+  (:mod:`remote_dspark.metrics.families`), over one :class:`WorkerScrape`. Every number has one
   owner and is only read here: the worker's :class:`~remote_dspark.worker.stats.WorkerStats`
   (a consistent copy taken under its lock), the admission loop's pool size, the drafter's
   ``cache_info()``. The round path never does anything for the metrics beyond what the
@@ -51,7 +51,7 @@ PREFIX = "dspark_worker_"
 
 
 @dataclass(frozen=True)
-class Scrape:
+class WorkerScrape:
     """What one scrape reads, each number from its one owner: the worker's stats (a
     consistent copy), the admission loop's pool (None before it runs), the drafter's
     identity and cache (None: it keeps no per-slot state, or its ``cache_info()`` failed)."""
@@ -70,9 +70,9 @@ class Scrape:
     budget: tuple[int, int]  # a drafting call's entries and tokens at most
 
 
-def read(worker, start_time: float) -> Scrape:
+def read(worker, start_time: float) -> WorkerScrape:
     """The record of one scrape of ``worker`` (duck-typed: ``statistics()``,
-    ``admission()``, ``served_now()``, ``drafter``, ``max_pending``, ``max_connections``,
+    ``admission()``, ``served_now()``, ``drafter``, ``options``,
     ``budget``)."""
     drafter = worker.drafter
     try:
@@ -84,12 +84,12 @@ def read(worker, start_time: float) -> Scrape:
     except Exception:  # a plug-in's bug must not cost the other metrics
         log.exception("drafter.cache_info() failed; cache metrics left out of this scrape")
         cache = None
-    return Scrape(
+    return WorkerScrape(
         stats=worker.statistics(),
         admission=worker.admission(),
         served_now=worker.served_now(),
-        max_pending=worker.max_pending,
-        max_connections=worker.max_connections,
+        max_pending=worker.options.max_pending,
+        max_connections=worker.options.max_connections,
         start_time=start_time,
         drafter=type(drafter).__name__,
         drafter_identity=drafter.drafter_identity,
@@ -100,11 +100,11 @@ def read(worker, start_time: float) -> Scrape:
     )
 
 
-def _cached(r: Scrape) -> bool:  # absent (not zero) for a drafter without per-slot state
+def _cached(r: WorkerScrape) -> bool:  # absent (not zero) for a drafter without per-slot state
     return r.cache is not None
 
 
-TABLE: Table[Scrape] = Table(
+TABLE: Table[WorkerScrape] = Table(
     PREFIX,
     (
         info(

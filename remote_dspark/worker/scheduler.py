@@ -34,144 +34,39 @@ answered (a round drafted in pieces needs no hand-off per piece), then leaves wh
 still queued to the drafter thread. Either way one call at a time (``_busy``). A round
 that finds the drafter free and nothing queued, and fits a call whole, is that call:
 it never enters the queue (the common round of a lone engine costs no queue, no turn and
-no wake-up on top of its drafting).
+no wake-up on top of its drafting). A round's own state is one value (:mod:`.jobs`:
+Pending, then Answered or Failed), changed under the scheduler's lock only.
 
 Several rounds in one call: when the drafter takes batches of several sessions
 (``mixed_sessions``, :func:`~remote_dspark.drafter.contract.mixed_sessions_of`), the
 rounds taken together with the same width, row size and kind (greedy or sampled) are
-concatenated (:func:`merge`: a session per entry, margins if any asks) and the answer
-split back (:func:`part`), each round getting exactly what it would get alone. Such calls are made narrowest first, and
-each call's rounds are answered as soon as it returns: a round of 5 drafts never rides in,
-nor waits for, a call of 64 draft steps taken with it, so one engine's width does not
-decide another's latency. Any other drafter is called once per round, in the same fair
-order.
+concatenated (:func:`~.batching.merge`: a session per entry, margins if any asks) and
+the answer split back (:func:`~.batching.part`), each round getting exactly what it would
+get alone. Such calls are made narrowest first, and each call's rounds are answered as
+soon as it returns: a round of 5 drafts never rides in, nor waits for, a call of 64 draft
+steps taken with it, so one engine's width does not decide another's latency. Any other
+drafter is called once per round, in the same fair order.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
 from .. import wire
 from ..drafter.answer import check_result
 from ..drafter.contract import DraftBatch, DraftResult, context_read_of, empty_result, mixed_sessions_of
+from .batching import call_cost, entry_costs, gather, merge, part
+from .jobs import Answered, Failed, Job, Pending, Piece
 
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
 DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) of a drafter that reserves memory ...
 DEFAULT_MAX_TOKENS = 1 << 15  # ... and tokens: contexts plus drafts (--max-batch-tokens)
-
-
-def entry_cost(context, width: int, context_read: int | None):
-    """An entry's cost in a call's budget (``context`` its context's length, or an array
-    of them): the tokens the drafter runs for it, the context it reads (all of it, or its
-    last ``context_read`` tokens: the drafter's
-    :func:`~remote_dspark.drafter.contract.context_read_of`) and its drafts (``width``; at
-    least one)."""
-    return (context if context_read is None else np.minimum(context, context_read)) + max(1, width)
-
-
-def entry_costs(batch: DraftBatch, context_read: int | None) -> np.ndarray:
-    """[n] each entry's cost in a call's budget (:func:`entry_cost`)."""
-    return entry_cost(np.diff(batch.offsets), batch.width, context_read)
-
-
-def call_cost(batch: DraftBatch, context_read: int | None) -> int:
-    """The whole batch's cost (:func:`entry_costs` summed)."""
-    if context_read is None:  # no prefix work: the common case of a drafter reading whole contexts
-        return int(batch.offsets[-1]) + len(batch) * max(1, batch.width)
-    return int(entry_costs(batch, context_read).sum())
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """One round waiting for the drafter (owned by the scheduler until ``done`` is set).
-    A round is drafted in pieces of consecutive entries when it is more than a call's
-    share: ``taken`` entries are drafted (or in the call being made), their drafts
-    gathered in ``parts`` until the last piece."""
-
-    session: int
-    batch: DraftBatch
-    deadline: float  # the clock's seconds; math.inf: none
-    cost: int  # the whole round's cost in a call's budget (call_cost)
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    result: DraftResult | None = None  # None once done: its deadline passed before a piece was drafted
-    error: BaseException | None = None
-    taken: int = 0
-    parts: DraftResult | None = None  # [n, width] gathered drafts of a round drafted in pieces
-    queued: float = 0.0  # the clock's seconds when it was queued
-
-    def piece(self, start: int, stop: int) -> DraftBatch:
-        if start == 0 and stop == len(self.batch):
-            return self.batch
-        return self.batch.entries(start, stop)
-
-    def gather(self, start: int, got: DraftResult) -> None:
-        """A piece's drafts (entries from ``start``) into the round's."""
-        if len(got.counts) == len(self.batch):
-            self.parts = got
-            return
-        if self.parts is None:
-            n = len(self.batch)
-
-            def like(a):  # the whole round's array of a piece's
-                return None if a is None else np.zeros((n, *a.shape[1:]), a.dtype)
-
-            self.parts = DraftResult(*(like(getattr(got, f.name)) for f in dataclasses.fields(DraftResult)))
-        rows = slice(start, start + len(got.counts))
-        for f in dataclasses.fields(DraftResult):
-            if getattr(got, f.name) is not None:
-                getattr(self.parts, f.name)[rows] = getattr(got, f.name)
-
-
-class Piece(NamedTuple):
-    """A round's entries in one call: ``batch`` is ``job``'s entries from ``start``;
-    ``cost`` what they spend of the call's budget (:func:`entry_costs` summed)."""
-
-    job: Job
-    start: int
-    batch: DraftBatch
-    cost: int
-
-
-def merge(batches: list[DraftBatch]) -> DraftBatch:
-    """One batch of several sessions' rounds (the same row size, all sampled or none; the
-    scheduler merges rounds of one width, any works), entry order kept: a session per
-    entry, the widest width, margins when any round asks."""
-    sizes = [len(b) for b in batches]
-    lens = np.concatenate([np.diff(b.offsets) for b in batches])
-    offsets = np.zeros(len(lens) + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    return DraftBatch(
-        np.concatenate([b.tokens for b in batches]),
-        offsets,
-        np.concatenate([b.n_out for b in batches]),
-        np.concatenate([b.rows for b in batches]),
-        any(b.want_margin for b in batches),
-        max(b.width for b in batches),
-        session=np.repeat([int(b.session) for b in batches], sizes).astype(np.int64),
-        slots=np.concatenate([b.slots for b in batches]),
-        gens=np.concatenate([b.gens for b in batches]),
-        lengths=np.concatenate([b.lengths for b in batches]),
-        positions=np.concatenate([b.starts() for b in batches]),
-        temperature=np.concatenate([b.temperature for b in batches]) if batches[0].sampled else None,
-        seed=np.concatenate([b.seed for b in batches]) if batches[0].sampled else None,
-    )
-
-
-def part(result: DraftResult, start: int, batch: DraftBatch) -> DraftResult:
-    """``batch``'s part of a merged call's ``result`` (its entries from ``start``), in its
-    own width and with margins only if it asked."""
-    rows, cols = slice(start, start + len(batch)), slice(0, batch.width)
-    margins = result.margins[rows, cols] if batch.want_margin and result.margins is not None else None
-    q = (result.q_ids[rows, cols], result.q_weights[rows, cols]) if batch.sampled else (None, None)
-    return DraftResult(result.tokens[rows, cols], result.counts[rows], margins, *q)
 
 
 class Scheduler:
@@ -216,7 +111,9 @@ class Scheduler:
         self._queues: dict[int, collections.deque[Job]] = {}  # session -> its rounds, oldest first
         self._turns: collections.deque[int] = collections.deque()  # sessions with rounds, in turn
         self._deficit: dict[int, int] = {}
-        self._taken_at = 0.0  # the clock when the last call's pieces were taken
+        # Invariants, under _cond: a job in a queue is Pending or done (a done one is
+        # dropped when reached); _busy is True while one thread makes a call, which it
+        # alone may then take pieces for and gather into.
         self._busy = False  # a call is being made (by the drafter thread or a connection's)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
@@ -248,7 +145,7 @@ class Scheduler:
         with self._cond:
             for queue in self._queues.values():
                 for job in queue:
-                    self._finish(job, error=RuntimeError("the worker is stopping"))
+                    self._end(job, Failed(RuntimeError("the worker is stopping")))
             self._queues.clear()
             self._turns.clear()
 
@@ -260,7 +157,7 @@ class Scheduler:
         the worker stops, or no call answers within ``WAIT_SLACK_S`` past the deadline."""
         if not len(batch):  # nothing to draft (it would never be taken)
             return empty_result(0, batch.width, batch.want_margin)
-        job = Job(session, batch, deadline, call_cost(batch, self.context_read), queued=self.clock())
+        job = Job(session, batch, deadline, call_cost(batch, self.context_read), self.clock())
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the worker is stopping")
@@ -270,31 +167,27 @@ class Scheduler:
             alone = lead and not self._turns and self._whole(job) and deadline > job.queued
             if lead:
                 self._busy = True
-            if not alone:
+            if alone:
+                job.state, taken_at = Pending(len(batch)), job.queued  # taken whole, at once (never queued)
+            else:
                 queue = self._queues.get(session)
                 if queue is None:
                     queue = self._queues[session] = collections.deque()
                     self._turns.append(session)
                 queue.append(job)
                 if lead:
-                    pieces, late = self._take()
-        if alone:
-            self._taken_at = job.queued
+                    pieces, late, taken_at = self._take()
+        if alone:  # never queued: no other thread sees the job, its end is this return
             try:
-                self._call([Piece(job, 0, batch, job.cost)])
+                return self._draft([Piece(job, 0, batch, job.cost)], taken_at)[job]
             finally:
                 self._free()
-            if job.error is not None:
-                raise job.error
-            return job.parts
         if lead:
-            self._run(pieces, late, until=job)
+            self._run(pieces, late, taken_at, until=job)
         wait = None if math.isinf(deadline) else max(0.0, deadline - self.clock()) + WAIT_SLACK_S
         if not job.done.wait(wait):
             raise RuntimeError(f"no drafting call answered within {WAIT_SLACK_S:.0f} s past the round's deadline")
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return job.outcome()
 
     # ------------------------------------------------------------------ the drafter thread
 
@@ -306,14 +199,14 @@ class Scheduler:
                 if self._stopping:
                     return
                 self._busy = True
-                pieces, late = self._take()
-            self._run(pieces, late)
+                pieces, late, taken_at = self._take()
+            self._run(pieces, late, taken_at)
 
     def _whole(self, job: Job) -> bool:
         """The round fits a call's budget whole."""
         return job.cost <= self.max_tokens and len(job.batch) <= self.max_entries
 
-    def _run(self, pieces: list[Piece], late: list[Job], until: Job | None = None) -> None:
+    def _run(self, pieces: list[Piece], late: list[Job], taken_at: float, until: Job | None = None) -> None:
         """One call's pieces drafted and its rounds answered, by whoever holds ``_busy``
         (the drafter thread, or a connection's thread that found the drafter free), which
         it gives back at the end, waking the drafter thread for what queued meanwhile.
@@ -321,13 +214,13 @@ class Scheduler:
         drafter thread would) until its own round is answered, so a round drafted in
         pieces never waits for a hand-off between threads at each piece."""
         try:
-            self._draft_pieces(pieces, late)
+            self._draft_pieces(pieces, late, taken_at)
             while until is not None and not until.done.is_set():
                 with self._cond:
                     if self._stopping or not self._turns:
                         break
-                    pieces, late = self._take()
-                self._draft_pieces(pieces, late)
+                    pieces, late, taken_at = self._take()
+                self._draft_pieces(pieces, late, taken_at)
         finally:
             self._free()
 
@@ -339,11 +232,14 @@ class Scheduler:
             if self._turns:  # (else no wake-up)
                 self._cond.notify()
 
-    def _draft_pieces(self, pieces: list[Piece], late: list[Job]) -> None:
+    def _draft_pieces(self, pieces: list[Piece], late: list[Job], taken_at: float) -> None:
         """A call's drafter calls, each group's rounds answered as soon as it is drafted (a
         round never waits for a wider group of the same call)."""
-        for job in late:  # answered with the pieces drafted, or None: none was
-            self._finish(job, job.parts)
+        if late:
+            with self._cond:
+                for job in late:  # answered with the pieces drafted, or None: none was
+                    if isinstance(job.state, Pending):
+                        self._end(job, Answered(job.state.parts))
         if self.mixed:  # one call per width, row size and kind, the narrowest first
             groups = collections.defaultdict(list)
             for piece in pieces:
@@ -352,15 +248,12 @@ class Scheduler:
         else:
             calls = [[piece] for piece in pieces]
         for group in calls:  # a round has one piece a call at most: its group holds it
-            self._call(group)
-            for job, *_ in group:
-                if job.taken == len(job.batch):
-                    self._finish(job, job.parts)
+            self._call(group, taken_at)
 
-    def _take(self) -> tuple[list[Piece], list[Job]]:
+    def _take(self) -> tuple[list[Piece], list[Job], float]:
         """Under the lock: the pieces of one call (deficit round robin on tokens within
-        the budget), and the rounds whose deadline passed."""
-        now = self._taken_at = self.clock()
+        the budget), the rounds whose deadline passed, and the clock when taken."""
+        now = self.clock()
         pieces, late = [], []
         entries = tokens = 0
         quantum = max(1, self.max_tokens // max(1, len(self._turns)))
@@ -374,30 +267,32 @@ class Scheduler:
             took = False
             while queue:
                 job = queue[0]
-                if job.done.is_set():  # a piece failed: answered already
+                state = job.state
+                if not isinstance(state, Pending):  # a piece failed: answered already
                     queue.popleft()
                     continue
                 if job.deadline <= now:
                     late.append(queue.popleft())
                     continue
                 room = min(self.max_tokens - tokens, self._deficit[session])
-                left = len(job.batch) - job.taken
-                if job.taken == 0 and job.cost <= room and left <= self.max_entries - entries:
+                left = len(job.batch) - state.taken
+                if state.taken == 0 and job.cost <= room and left <= self.max_entries - entries:
                     m, cost = left, job.cost  # the whole round (the common case: no prefix sums)
                 else:
-                    cum = np.cumsum(entry_costs(job.batch, self.context_read)[job.taken :])
+                    cum = np.cumsum(entry_costs(job.batch, self.context_read)[state.taken :])
                     m = min(int(np.searchsorted(cum, room, side="right")), self.max_entries - entries)
                     if m == 0 and not pieces and cum[0] > self.max_tokens:
                         m = 1  # an entry over the whole budget: drafted alone
                     cost = int(cum[m - 1]) if m else 0
                 if m == 0:
                     break
-                start, job.taken = job.taken, job.taken + m
-                pieces.append(Piece(job, start, job.piece(start, job.taken), cost))
+                start, taken = state.taken, state.taken + m
+                job.state = Pending(taken, state.parts)
+                pieces.append(Piece(job, start, job.piece(start, taken), cost))
                 entries, tokens = entries + m, tokens + cost
                 self._deficit[session] -= cost
                 took = True
-                if job.taken < len(job.batch):
+                if taken < len(job.batch):
                     break  # its share is spent: the rest in a later call
                 queue.popleft()
             self._turns.rotate(-1)
@@ -409,32 +304,57 @@ class Scheduler:
                 stuck = 0
             elif queue:  # (an engine that left the turns is not one that could not take)
                 stuck += 1
-        return pieces, late
+        return pieces, late, now
 
-    def _call(self, pieces: list[Piece]) -> None:
-        """One drafter call for ``pieces`` (one, or several of the same row size). Whatever
-        fails in it (the merge, the drafter, its answer's check, the statistics, a split)
-        fails every round of the call, each on its own connection, and never the thread
-        making the call: the drafter thread lives on for the rounds still queued."""
+    def _call(self, pieces: list[Piece], taken_at: float) -> None:
+        """One drafter call for ``pieces`` (one, or several of the same row size), its
+        rounds' states moved on under the lock: answered (their last piece) or their parts
+        gathered. Whatever fails in it (the merge, the drafter, its answer's check, the
+        statistics, a split) fails every round of the call, each on its own connection,
+        and never the thread making the call: the drafter thread lives on for the rounds
+        still queued."""
         try:
-            batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
-            t0 = time.perf_counter()
-            result = check_result(self.drafter.draft_batch(batch), batch)
-            if self.on_call is not None:
-                waits = [self._taken_at - p.job.queued for p in pieces if p.start == 0]
-                tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
-                self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
-            at = 0
-            for job, start, piece, _ in pieces:
-                job.gather(start, result if len(pieces) == 1 else part(result, at, piece))
-                at += len(piece)
+            gathered = self._draft(pieces, taken_at)
         except BaseException as e:
-            for piece in pieces:
-                self._finish(piece.job, error=e)
+            with self._cond:
+                for piece in pieces:
+                    self._end(piece.job, Failed(e))
+            return
+        with self._cond:
+            for job, parts in gathered.items():
+                state = job.state
+                if not isinstance(state, Pending):  # ended meanwhile (the worker stopping)
+                    continue
+                if state.taken == len(job.batch):  # its last piece: answered now
+                    self._end(job, Answered(parts))
+                else:
+                    job.state = Pending(state.taken, parts)
+
+    def _draft(self, pieces: list[Piece], taken_at: float) -> dict[Job, DraftResult]:
+        """The drafter's call for ``pieces``, told to ``on_call``: each round's drafts
+        gathered so far, with this call's pieces (its parts are this thread's while it
+        makes the call: no lock to read them). Raises what the call raised."""
+        batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
+        t0 = time.perf_counter()
+        result = check_result(self.drafter.draft_batch(batch), batch)
+        if self.on_call is not None:
+            waits = [taken_at - p.job.queued for p in pieces if p.start == 0]
+            tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
+            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
+        gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
+        at = 0
+        for job, start, piece, _ in pieces:
+            state = job.state
+            so_far = gathered.get(job, state.parts if isinstance(state, Pending) else None)
+            got = result if len(pieces) == 1 else part(result, at, piece)
+            gathered[job] = gather(so_far, len(job.batch), start, got)
+            at += len(piece)
+        return gathered
 
     @staticmethod
-    def _finish(job: Job, result: DraftResult | None = None, error: BaseException | None = None) -> None:
-        if job.done.is_set():
-            return
-        job.result, job.error = result, error
-        job.done.set()
+    def _end(job: Job, state: Answered | Failed) -> None:
+        """Under the lock: ``job`` done with ``state`` and its waiter woken, unless it is
+        done already (its first end stands)."""
+        if isinstance(job.state, Pending):
+            job.state = state
+            job.done.set()

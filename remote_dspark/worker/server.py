@@ -33,6 +33,7 @@ Memory is bounded by this worker's own numbers, never by what a peer announces
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -40,54 +41,32 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from .. import wire
 from ..drafter.contract import BatchedDrafter, PerEntryDrafterLike, as_batched, max_positions_of
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
-from ..transport.auth import Key
 from ..transport.tcp import TcpStream
 from . import lane, native_round
-from .admission import Admission
+from .admission import Admission, Drop
 from .faults import Faults
-from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, Limits, hello_refusal
+from .hello import hello_ack, judge_hello
+from .options import WorkerOptions
 from .round import answer
 from .scheduler import Scheduler
-from .sessions import RECENT_S, Session, Sessions
+from .sessions import Session, Sessions
 from .stats import Health, WorkerStats
 
 log = logging.getLogger("remote_dspark.worker")
-
-ROUND_PATHS = ("served", "native", "python")  # Worker(round_path=...), --round-path
 
 
 class Worker:
     """The server. ``start()`` binds and serves in background threads; ``stop()`` ends
     everything (sends BYE to every open connection) and returns when all threads did.
 
-    Its own limits (``max_slots``, ``max_row_bytes``, ``max_round_tokens``,
-    ``max_round_bytes``: :class:`~remote_dspark.worker.limits.Limits`) refuse a HELLO
-    beyond them; admission (``max_pending``, ``hello_timeout_s``) and places
-    (``max_connections`` served connections, ``max_engines`` sessions, none evicted
-    within ``recent_s`` of its last round) are described in the module docstring.
-    ``sessions_clock`` (``time.monotonic``) dates those places' HELLOs and rounds, and
-    ``recent_s`` is measured on it (:class:`~remote_dspark.worker.sessions.Sessions`): a
-    test passes a fake one and advances it.
-
-    ``faults`` (None: none) makes replies late or garbled on purpose, for chaos runs and
-    tests (:class:`~remote_dspark.worker.faults.Faults`, changed from any thread or a
-    signal handler while the worker serves).
-
-    ``key`` (None: none) is the pre-shared key (``--key-file``): each side proves it holds
-    it before a HELLO is served (:mod:`.admission`); a failure is refused ``auth``.
-
-    ``round_path``: "served" (a Markov drafter's rounds whole in C, :mod:`.lane`, others
-    "native"), "native" (the round in by C, :mod:`.native_round`) or "python" (the
-    reference); ``self.round_path`` is the one in use (no library: Python, with a warning).
-
-    ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
-    ``/readyz`` on ``metrics_host`` (loopback by default) from ``start()`` to ``stop()``
-    (:mod:`~remote_dspark.worker.metrics`, which needs prometheus_client: imported only then).
+    ``options`` (:class:`~remote_dspark.worker.options.WorkerOptions`, its defaults when
+    not given) with ``changes``, its fields by name, replaced:
+    ``Worker(drafter, "127.0.0.1", 0, window=16)``. ``self.round_path`` is the round path in
+    use (no library: Python, with a warning).
     """
 
     def __init__(
@@ -95,67 +74,33 @@ class Worker:
         drafter: BatchedDrafter | PerEntryDrafterLike,
         host: str = "127.0.0.1",
         port: int = 18620,
-        *,
-        window: int = 64,
-        max_slots: int = DEFAULT_MAX_SLOTS,
-        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
-        max_round_tokens: int | None = None,
-        max_round_bytes: int | None = None,
-        max_engines: int = 32,
-        max_connections: int = 32,
-        max_pending: int = 128,
-        hello_timeout_s: float = 2.0,
-        frame_timeout_s: float = 10.0,
-        recent_s: float = RECENT_S,
-        sessions_clock: Callable[[], float] = time.monotonic,
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        faults: Faults | None = None,
-        key: Key | None = None,
-        max_batch_entries: int | None = None,
-        max_batch_tokens: int | None = None,
-        batching: bool = True,
-        round_path: str = "served",
+        options: WorkerOptions | None = None,
+        **changes,
     ):
-        if round_path not in ROUND_PATHS:
-            raise ValueError(f"round_path {round_path!r}: one of {', '.join(ROUND_PATHS)}")
-        if not 1 <= window <= wire.MAX_CONTEXT:
-            raise ValueError(f"window {window}: not in 1..{wire.MAX_CONTEXT}")
-        if max_connections < 1 or max_pending < 1:
-            raise ValueError(f"max_connections {max_connections}, max_pending {max_pending}: must be >= 1")
-        if not (hello_timeout_s > 0 and frame_timeout_s > 0):
-            raise ValueError(f"hello_timeout_s {hello_timeout_s}, frame_timeout_s {frame_timeout_s}: must be > 0")
+        self.options = opts = dataclasses.replace(options or WorkerOptions(), **changes)
         self.drafter = drafter  # as given (its identities are checked at HELLO)
         # Every round goes through the drafter's own thread (continuous batching, fairness, deadlines)
         self._scheduler = Scheduler(
             as_batched(drafter),
-            max_entries=max_batch_entries,
-            max_tokens=max_batch_tokens,
+            max_entries=opts.max_batch_entries,
+            max_tokens=opts.max_batch_tokens,
             on_call=self._called,
-            batching=batching,
+            batching=opts.batching,
         )
         self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
-        self._native = native_round.load() if round_path != "python" else None
+        self._native = native_round.load() if opts.round_path != "python" else None
         self.host, self.port = host, port
-        self.window = window
-        self.limits = Limits(max_slots, max_row_bytes, max_round_tokens, max_round_bytes, window=window)
-        served = round_path == "served" and lane.takes(self._native, drafter, faults)
+        self.limits = opts.limits
+        served = opts.round_path == "served" and lane.takes(self._native, drafter, opts.faults)
         self._lanes = None  # lane.Lanes when this worker's connections may serve rounds in C
         if served:
-            self._lanes = lane.Lanes(self._native, drafter, self.limits, self._max_positions, frame_timeout_s)
+            self._lanes = lane.Lanes(self._native, drafter, self.limits, self._max_positions, opts.frame_timeout_s)
         self.round_path = "served" if served else "native" if self._native else "python"
-        self.max_slots = max_slots
-        self.max_connections = max_connections
-        self.max_pending = max_pending
-        self.hello_timeout_s = hello_timeout_s
-        self.frame_timeout_s = frame_timeout_s
         self.stats = WorkerStats()
-        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.metrics_port = opts.metrics_port  # the bound one once started
         self._metrics = None  # metrics.MetricsServer while started with a metrics port
         self._started = time.monotonic()
-        self.faults = faults
-        self.key = key
-        self._sessions = Sessions(max_engines, recent_s, sessions_clock)
+        self._sessions = Sessions(opts.max_engines, opts.recent_s, opts.sessions_clock)
         self._lock = threading.Lock()  # guards _conns, _threads, stats
         self._conns: set[socket.socket] = set()  # served connections (after HELLO)
         self._threads: list[threading.Thread] = []
@@ -163,6 +108,11 @@ class Worker:
         self._wake_r, self._wake_w = os.pipe()
         self._admission: Admission | None = None
         self._acceptor: threading.Thread | None = None
+
+    @property
+    def faults(self) -> Faults | None:
+        """The fault injector the options gave (None: none), for a test or a signal to change."""
+        return self.options.faults
 
     @property
     def budget(self) -> tuple[int, int]:
@@ -187,7 +137,7 @@ class Worker:
             from .metrics import MetricsServer  # lazily: prometheus_client only when asked for
 
             try:
-                self._metrics = MetricsServer(self, self.metrics_host, self.metrics_port)
+                self._metrics = MetricsServer(self, self.options.metrics_host, self.metrics_port)
             except BaseException:
                 sock.close()
                 raise
@@ -195,12 +145,12 @@ class Worker:
         self._admission = Admission(
             sock,
             self._wake_r,
-            max_pending=self.max_pending,
-            hello_timeout_s=self.hello_timeout_s,
+            max_pending=self.options.max_pending,
+            hello_timeout_s=self.options.hello_timeout_s,
             on_hello=self._on_hello,
             on_refused=self._refused_at_door,
-            count=self._count,
-            key=self.key,
+            on_drop=self._dropped_at_door,
+            key=self.options.key,
         )
         self._scheduler.start()
         self._acceptor = threading.Thread(
@@ -262,7 +212,7 @@ class Worker:
             connections,
             rounds,
             served,
-            serving and served < self.max_connections,
+            serving and served < self.options.max_connections,
         )
 
     def _called(self, *call) -> None:
@@ -277,9 +227,15 @@ class Worker:
         with self._lock:
             self.stats.add_served(facts, sent)
 
-    def _count(self, name: str) -> None:
+    def _dropped_at_door(self, why: Drop) -> None:
+        """A connection the front door dropped before its HELLO, counted by why."""
         with self._lock:
-            setattr(self.stats, name, getattr(self.stats, name) + 1)
+            if why is Drop.HELLO_TIMEOUT:
+                self.stats.hello_timeouts += 1
+            elif why is Drop.DISPLACED:
+                self.stats.displaced += 1
+            elif why is Drop.BAD_FRAME:
+                self.stats.bad_frames += 1
 
     def _refuse(self, reason: str) -> None:
         with self._lock:
@@ -296,7 +252,7 @@ class Worker:
             return
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
-            busy = len(self._conns) >= self.max_connections
+            busy = len(self._conns) >= self.options.max_connections
             if busy:
                 self.stats.refusals["busy"] += 1
             else:
@@ -307,7 +263,7 @@ class Worker:
                 )
                 self._threads.append(t)
         if busy:
-            reason = f"busy: {self.max_connections} connections served (--max-connections); try again later"
+            reason = f"busy: {self.options.max_connections} connections served (--max-connections); try again later"
             log.warning("refused HELLO of session %#x from %s: %s", hdr.session, peer, reason)
             self._answer_and_close(conn, self._ack(wire.REFUSE_LIMITS, reason, hdr.session))
             return
@@ -341,7 +297,9 @@ class Worker:
             while not self._stopping.is_set() and not session.evicted:
                 # No deadline between frames (an engine may idle for minutes; keepalive
                 # finds a dead one); a frame, once begun, within frame_timeout_s.
-                hdr, payload = served.next_frame() if served else chan.recv_frame(math.inf, self.frame_timeout_s)
+                hdr, payload = (
+                    served.next_frame() if served else chan.recv_frame(math.inf, self.options.frame_timeout_s)
+                )
                 if hdr is None:  # a ROUND the lane served and counted
                     continue
                 if hdr.type == wire.BYE:
@@ -359,21 +317,25 @@ class Worker:
                 else:
                     raise wire.ProtocolError(f"unexpected {hdr.name} from the engine side")
         except wire.VersionMismatch as e:
-            self._count("bad_frames")
+            with self._lock:
+                self.stats.bad_frames += 1
             log.warning("connection %s: %s; refused", peer, e)
             self._send_quietly(chan, self._ack(wire.REFUSE_VERSION, str(e), 0))
         except wire.ProtocolError as e:
-            self._count("bad_frames")
+            with self._lock:
+                self.stats.bad_frames += 1
             log.warning("connection %s: bad frame, closing it: %s", peer, e)
         except DeadlineExceeded as e:
-            self._count("stalled")
+            with self._lock:
+                self.stats.stalled += 1
             log.warning(
-                "connection %s: a frame not whole within %.1f s (%s); closing it", peer, self.frame_timeout_s, e
+                "connection %s: a frame not whole within %.1f s (%s); closing it", peer, self.options.frame_timeout_s, e
             )
         except Disconnected:
             pass
         except Exception:  # the drafter (or this worker) failed: this connection only, loudly
-            self._count("round_failures")
+            with self._lock:
+                self.stats.round_failures += 1
             log.exception("connection %s: failed serving a round; closing it", peer)
         finally:
             if self._stopping.is_set() or (session is not None and session.evicted):
@@ -387,45 +349,26 @@ class Worker:
     def _hello(
         self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
     ) -> Session | None:
+        """The HELLO's verdict (:func:`~remote_dspark.worker.hello.judge_hello`) counted,
+        then told: the session admitted, or None."""
         hello = wire.decode_hello(payload)
-        code, reason, why = hello_refusal(self.drafter, self.limits, hello, self.window, self._scheduler.max_tokens)
-        if code != wire.ACCEPT:
-            self._refuse(why)
-            log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
-            chan.send(self._ack(code, reason, hdr.session))
+        verdict = judge_hello(hdr, hello, conn, self.drafter, self.limits, self._scheduler.max_tokens, self._sessions)
+        if verdict.session is None:
+            self._refuse(verdict.why)
+            chan.send(self._ack(verdict.code, verdict.reason, hdr.session))
             return None
-        session = Session.of_hello(hdr.session, hello, self.window, conn)
-        # A place among the engines: the engine's own (a new session replaces the old
-        # one's windows), a free one, or the least recently served one's if it has idled
-        # recent_s; else "busy" (Sessions.admit).
-        busy, evicted = self._sessions.admit(session)
-        if busy is not None:
-            self._refuse("busy")
-            log.warning("refused HELLO of session %#x of engine %#x: %s", hdr.session, hello.engine_id, busy)
-            chan.send(self._ack(wire.REFUSE_LIMITS, busy, hdr.session))
-            return None
-        if evicted is not None:
-            self._count("evicted")
-            log.info(
-                "engine %#x (session %#x) evicted for engine %#x: served least recently",
-                evicted.engine_id,
-                evicted.session,
-                hello.engine_id,
-            )
+        if verdict.evicted is not None:
+            with self._lock:
+                self.stats.evicted += 1
         chan.max_payload = self.limits.frame_cap(hello)
         # Only now the ACK: once the engine side has it, the old windows are gone.
-        chan.send(self._ack(code, reason, hdr.session))
+        chan.send(self._ack(verdict.code, verdict.reason, hdr.session))
         shape = (hdr.session, hello.engine_id, hello.max_slots, hello.num_spec)
         log.info("session %#x of engine %#x: %d slots, num_spec %d", *shape)
-        return session
+        return verdict.session
 
     def _ack(self, code: int, reason: str, session: int) -> bytes:
-        return wire.encode_hello_ack(
-            wire.HelloAck(
-                code, self.drafter.drafter_identity, self.drafter.markov_identity, reason, context_tokens=self.window
-            ),
-            session,
-        )
+        return hello_ack(self.drafter, code, reason, session, self.limits.window)
 
     def _round(self, session: Session, hdr: wire.Header, payload, received: float | None = None) -> bytes:
         """One ROUND in (``received``: ``time.monotonic()`` at its receipt, which its

@@ -140,9 +140,9 @@ def test_region_rows_report_the_rounds_after_an_idle_gap_apart():
     its wake-up is reported on its own, never mixed into the back-to-back figures."""
     from remote_dspark.bench.handoff import run as handoff
     from remote_dspark.bench.handoff.peers import Pinning
-    from remote_dspark.bench.handoff.types import Options
+    from remote_dspark.bench.handoff.types import HandoffOptions
 
-    opts = Options(rounds=2 * handoff.IDLE_EVERY, warmup=2, spin_us=50, nap_us=0, pin=False)
+    opts = HandoffOptions(rounds=2 * handoff.IDLE_EVERY, warmup=2, spin_us=50, nap_us=0, pin=False)
     pins = Pinning(None, None)
     rows = handoff.run_all(opts, pins, modes=("process",))
     assert [r.after_idle is not None for r in rows] == [True, True]

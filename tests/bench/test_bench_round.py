@@ -251,13 +251,15 @@ def test_tp_needs_a_gpu_per_nccl_rank_and_says_what_runs_on_one():
 
 
 def test_a_row_per_tp_rank_in_the_report_and_its_table():
-    opts = round_options.Options((8,), 5, 16, 10, 1, ("floor", "launch"), 1000, "cuda", False, tp=2, tp_backend="gloo")
+    opts = round_options.RoundOptions(
+        (8,), 5, 16, 10, 1, ("floor", "launch"), 1000, "cuda", False, tp=2, tp_backend="gloo"
+    )
     extra = {"launch_wall_p50_ms": 0.1, "launch_wall_p99_ms": 0.2, "launch_cpu_p99_ms": 0.3}
-    floor = round_report.Row("floor", 8, 3, [100_000] * 3, extra={"round_bytes": 10, "drafts_bytes": 20})
-    plain = round_report.Row("launch", 8, 3, [300_000] * 3, [25_000] * 3, 0, {"ok": 4}, dict(extra))
+    floor = round_report.RoundRow("floor", 8, 3, [100_000] * 3, extra={"round_bytes": 10, "drafts_bytes": 20})
+    plain = round_report.RoundRow("launch", 8, 3, [300_000] * 3, [25_000] * 3, 0, {"ok": 4}, dict(extra))
     tp = {"tp": 2, "tp_backend": "gloo"}
     rows = [floor, plain] + [
-        round_report.Row("launch", 8, 3, [p] * 3, [c] * 3, 0, {"ok": 4}, extra | tp | {"tp_rank": r})
+        round_report.RoundRow("launch", 8, 3, [p] * 3, [c] * 3, 0, {"ok": 4}, extra | tp | {"tp_rank": r})
         for r, p, c in ((0, 400_000, 50_000), (1, 600_000, 20_000))
     ]
     report = round_report.make_report(opts, rows)

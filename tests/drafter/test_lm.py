@@ -31,8 +31,9 @@ from remote_dspark.drafter.lm.model import LMConfig, TinyLM
 from remote_dspark.transport import Disconnected
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
+from remote_dspark.worker.batching import merge, part
 from remote_dspark.worker.drafters import load_drafter
-from remote_dspark.worker.scheduler import Scheduler, merge, part
+from remote_dspark.worker.scheduler import Scheduler
 
 ROOT = Path(REPO)
 PLAIN = LMDrafter(device="cpu", cache_slots=0, window=16)  # re-encodes every round

@@ -134,7 +134,7 @@ def test_stream_hand_off_on_the_registered_region(lib):
         assert rnd is not None and rnd.round == r
         assert bytes(region.staging(1)[:16]) == want  # the rows reached host memory
         assert not done.query()  # the stream still waits for released
-        proxy.complete(rnd, wire.Drafts(r, [0], [2], [0], 3, (7, 8, 0)))
+        proxy.complete(rnd, wire.DraftsFrame(r, [0], [2], [0], 3, (7, 8, 0)))
         done.synchronize()
 
 

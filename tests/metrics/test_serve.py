@@ -10,7 +10,7 @@ import threading
 import pytest
 from helpers import until
 
-from remote_dspark.metrics.serve import Answer, Limits, ScrapeServer
+from remote_dspark.metrics.serve import Answer, ScrapeLimits, ScrapeServer
 
 OK = Answer(200, "text/plain", b"ok\n")
 
@@ -20,7 +20,7 @@ def serve():
     servers = []
 
     def make(paths=None, **limits) -> ScrapeServer:
-        s = ScrapeServer(paths or {"/metrics": lambda: OK, "/healthz": lambda: OK}, limits=Limits(**limits))
+        s = ScrapeServer(paths or {"/metrics": lambda: OK, "/healthz": lambda: OK}, limits=ScrapeLimits(**limits))
         servers.append(s)
         return s
 
@@ -155,6 +155,6 @@ def test_a_port_in_use_is_an_oserror(serve):
 
 def test_limits_are_checked():
     with pytest.raises(ValueError, match="max_pending 0"):
-        Limits(max_pending=0)
+        ScrapeLimits(max_pending=0)
     with pytest.raises(ValueError, match="request_timeout_s 0"):
-        Limits(request_timeout_s=0)
+        ScrapeLimits(request_timeout_s=0)

@@ -63,7 +63,7 @@ class Rig:
 
     def reply(self, r, slots=(3,), width=2, counts=None, margins=False) -> bytes:
         n = len(slots)
-        d = wire.Drafts(
+        d = wire.DraftsFrame(
             r,
             list(slots),
             counts or [width] * n,
@@ -554,7 +554,7 @@ def test_random_valid_rounds_go_out_exactly_and_their_drafts_land_exactly(lib, p
             r = rig.gather(entries=entries, deadline_ms=deadline_ms, rows=rows)
             want = wire.encode_round_entries(r, SESSION, deadline_ms, entries, rows, PROP.row_bytes)
             reply = wire.encode_drafts(
-                wire.Drafts(r, [e.slot for e in entries], counts, statuses, width, tokens, margins), SESSION
+                wire.DraftsFrame(r, [e.slot for e in entries], counts, statuses, width, tokens, margins), SESSION
             )
             if path == "hf_round":
                 rig.worker.sendall(reply)

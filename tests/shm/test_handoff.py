@@ -65,7 +65,7 @@ def test_round_crosses_and_comes_back_with_its_drafts(lib):
             for i, e in enumerate(r.entries()):
                 row = rows[i * r.row_bytes:(i + 1) * r.row_bytes]
                 toks += [e.slot * 1000 + sum(e.tokens) + row[j] for j in range(k)]
-            d = wire.Drafts(rnd.round, [e.slot for e in r.entries()], [r.entries()[0].n_out, 0],
+            d = wire.DraftsFrame(rnd.round, [e.slot for e in r.entries()], [r.entries()[0].n_out, 0],
                             [wire.STATUS_OK, wire.STATUS_RESYNC], k, toks, [0.25] * len(toks))
             del r, rows
             print(json.dumps({"session": hdr.session, "round": hdr.round,
@@ -112,7 +112,7 @@ def test_watchdog_releases_an_unanswered_round_once_and_drops_the_late_reply(lib
             rc = lib.wait_geq(region.addr(region.layout.released), rnd.round, 100, 100,
                               native.deadline_ns(10))
             assert rc == native.Status.OK
-            d = wire.Drafts(rnd.round, list(rnd.slots()), [1], [0], 4, [42, 0, 0, 0])
+            d = wire.DraftsFrame(rnd.round, list(rnd.slots()), [1], [0], 4, [42, 0, 0, 0])
             print(json.dumps({{"ok": end.complete(rnd, d),
                               "late": end.counters.snapshot().counters["rounds_late"]}}))
         """,
@@ -156,7 +156,7 @@ def test_rounds_wrap_around_2_to_the_32(lib):
             f"""
             for _ in range({n}):
                 rnd = end.next_round(10)
-                d = wire.Drafts(rnd.round, list(rnd.slots()), [1], [0], 4,
+                d = wire.DraftsFrame(rnd.round, list(rnd.slots()), [1], [0], 4,
                                 [rnd.round & 0x7FFFFFFF, 0, 0, 0])
                 assert end.complete(rnd, d)
         """,
@@ -207,7 +207,7 @@ def test_thousands_of_rounds_with_a_randomly_slow_peer(lib):
                 if rng.random() < 0.03:
                     time.sleep(rng.uniform(0, 2 * {wd_ms} / 1000))  # the slow remote
                 toks = [(rnd.round * 7 + s) & 0x7FFFFFFF for s in slots for _ in range(4)]
-                if end.complete(rnd, wire.Drafts(rnd.round, list(slots), [4] * len(slots),
+                if end.complete(rnd, wire.DraftsFrame(rnd.round, list(slots), [4] * len(slots),
                                                  [0] * len(slots), 4, toks)):
                     ok += 1
                 else:
@@ -310,9 +310,9 @@ def test_proxy_refuses_drafts_that_do_not_fit_before_claiming(lib):
         streamsync.HostFlagSync(region, lib).signal(r)
         rnd = end.next_round(1)
         with pytest.raises(ValueError, match="entry 0: drafts for slot 4, the round has slot 3"):
-            end.complete(rnd, wire.Drafts(r, [4], [1], [0], 4, [1, 0, 0, 0]))
+            end.complete(rnd, wire.DraftsFrame(r, [4], [1], [0], 4, [1, 0, 0, 0]))
         with pytest.raises(ValueError, match="width 5 over num_spec=4"):
-            end.complete(rnd, wire.Drafts(r, [3], [1], [0], 5, [1, 0, 0, 0, 0]))
+            end.complete(rnd, wire.DraftsFrame(r, [3], [1], [0], 5, [1, 0, 0, 0, 0]))
         assert eng.claimed() == 0  # nothing claimed: the round can still be answered
         assert end.complete(rnd, None, Outcome.ERROR)
         assert eng.drafts(r).outcome is Outcome.ERROR
@@ -332,11 +332,11 @@ def test_take_and_answer_do_the_proxy_bookkeeping_in_c(lib):
         beat = end.header.heartbeat_ns
         assert beat > 0
         answers = {
-            1: wire.Drafts(
+            1: wire.DraftsFrame(
                 1, [3, 4, 5], [2, 0, 4], [0, wire.STATUS_RESYNC, 0], 4, [1, 2, 0, 0, 0, 0, 0, 0, 9, 8, 7, 6], [0.5] * 12
             ),
-            2: wire.Drafts(2, [7], [0], [0], 4, [0] * 4, [0.0] * 4),
-            3: wire.Drafts(3, [6], [1], [0], 2, [42, 0], [0.75, 0]),
+            2: wire.DraftsFrame(2, [7], [0], [0], 4, [0] * 4, [0.0] * 4),
+            3: wire.DraftsFrame(3, [6], [1], [0], 2, [42, 0], [0.75, 0]),
         }  # round 1's slot, fewer entries
         got = {}
         for r, d in answers.items():

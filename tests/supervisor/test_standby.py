@@ -1,5 +1,5 @@
 """The warm standby's lifecycle on its own, with stand-in processes and a hand-driven
-clock: Idle, Starting, Ready, the back-off after a death, GivenUp after three in a row,
+clock: Idle, Warming, Ready, the back-off after a death, GivenUp after three in a row,
 a promotion only for a ready standby that answers it, and every process reaped."""
 
 import logging
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from remote_dspark.supervisor import standby
-from remote_dspark.supervisor.standby import GivenUp, Idle, Phase, Ready, Standby, StandbyHooks, Starting
+from remote_dspark.supervisor.standby import GivenUp, Idle, Ready, Standby, StandbyHooks, StandbyPhase, Warming
 
 SLEEPER = "import time\ntime.sleep(60)\n"
 
@@ -85,22 +85,22 @@ def assert_reaped(proc: subprocess.Popen) -> None:
 
 
 def test_a_standby_starts_is_seen_ready_and_is_taken(sb, children):
-    assert sb.state == Idle() and sb.state.phase is Phase.NONE and sb.proc is None and sb.pidfd == -1
+    assert sb.state == Idle() and sb.state.phase is StandbyPhase.NONE and sb.proc is None and sb.pidfd == -1
     sb.keep(True)
     st = sb.state
-    assert isinstance(st, Starting) and st.proc is children.procs[0] and st.pidfd >= 0 and st.in_a_row == 0
+    assert isinstance(st, Warming) and st.proc is children.procs[0] and st.pidfd >= 0 and st.in_a_row == 0
     assert (sb.proc, sb.pidfd, sb.spawns) == (st.proc, st.pidfd, 1)
     sb.keep(True)  # not ready yet: no change
     assert sb.state is st
     children.ready.add(st.proc.pid)
     sb.keep(True)
-    assert sb.state == Ready(st.proc, st.pidfd) and sb.state.phase is Phase.READY
+    assert sb.state == Ready(st.proc, st.pidfd) and sb.state.phase is StandbyPhase.READY
     proc, pidfd = sb.take(7)
     try:
         assert (proc, pidfd) == (st.proc, st.pidfd) and children.offered == [(proc.pid, 7, standby.ANSWER_S)]
         assert sb.state == Idle() and sb.proc is None and sb.pidfd == -1  # the caller's now
         sb.keep(True)  # the next one, at once
-        assert isinstance(sb.state, Starting) and sb.proc is children.procs[1] and sb.spawns == 2
+        assert isinstance(sb.state, Warming) and sb.proc is children.procs[1] and sb.spawns == 2
     finally:
         os.close(pidfd)
 
@@ -116,13 +116,13 @@ def test_deaths_before_ready_back_off_and_three_in_a_row_give_up(sb, children, n
         assert isinstance(sb.state, Idle) and len(children.procs) == 1
         now[0] += 0.01
         sb.keep(True)
-        assert isinstance(sb.state, Starting) and sb.state.in_a_row == 1  # it continues the run
+        assert isinstance(sb.state, Warming) and sb.state.in_a_row == 1  # it continues the run
         kill_and_see_it_die(sb)
         assert sb.state == Idle(2, now[0] + 2 * standby.BACKOFF_S)  # the back-off doubles
         now[0] += 2 * standby.BACKOFF_S
         sb.keep(True)
         kill_and_see_it_die(sb)
-        assert sb.state == GivenUp(f"exited with status {-signal.SIGKILL}") and sb.state.phase is Phase.OFF
+        assert sb.state == GivenUp(f"exited with status {-signal.SIGKILL}") and sb.state.phase is StandbyPhase.OFF
         now[0] += 1000.0
         sb.keep(True)  # given up: none again
         assert isinstance(sb.state, GivenUp) and (sb.spawns, sb.failures) == (3, 3)
@@ -210,7 +210,7 @@ def test_a_standby_still_starting_is_not_offered_the_role(sb, children):
     stopped by keep(False) like any standby while no proxy serves."""
     sb.keep(True)
     st = sb.state
-    assert isinstance(st, Starting)
+    assert isinstance(st, Warming)
     assert sb.take(5) is None and children.offered == [] and sb.state is st
     sb.keep(False)
     assert sb.state == Idle() and sb.failures == 0

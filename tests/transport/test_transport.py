@@ -78,8 +78,8 @@ def test_deadline_mid_frame_resumes_the_same_frame(listener):
     chan = transport.connect(parse_endpoint(f"tcp://127.0.0.1:{listener.getsockname()[1]}"), 1.0)
     peer, _ = listener.accept()
     try:
-        first = wire.encode_drafts(wire.Drafts(1, [0], [2], [0], 2, (7, 8)), 3)
-        second = wire.encode_drafts(wire.Drafts(2, [0], [1], [0], 2, (9, 0)), 3)
+        first = wire.encode_drafts(wire.DraftsFrame(1, [0], [2], [0], 2, (7, 8)), 3)
+        second = wire.encode_drafts(wire.DraftsFrame(2, [0], [1], [0], 2, (9, 0)), 3)
         for cut in (5, wire.HEADER.size + 3):  # inside the header, inside the payload
             peer.sendall(first[:cut])
             with pytest.raises(DeadlineExceeded):

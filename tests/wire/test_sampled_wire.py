@@ -200,7 +200,7 @@ def sampled_drafts(draw):
     width = draw(st.integers(0, 4))
     size = n * width * wire.SAMPLED_TOP
     margins = draw(st.none() | st.lists(st.floats(0, 1, width=32), min_size=n * width, max_size=n * width))
-    return wire.Drafts(
+    return wire.DraftsFrame(
         draw(u32),
         draw(st.lists(u32, min_size=n, max_size=n)),
         draw(st.lists(st.integers(0, width), min_size=n, max_size=n)),

@@ -45,7 +45,7 @@ def drafts(draw):
     counts = draw(st.lists(st.integers(0, width), min_size=n, max_size=n))
     tokens = draw(st.lists(i32, min_size=n * width, max_size=n * width))
     margins = draw(st.none() | st.lists(st.floats(0, 1, width=32), min_size=n * width, max_size=n * width))
-    return wire.Drafts(
+    return wire.DraftsFrame(
         draw(u32),
         draw(st.lists(u32, min_size=n, max_size=n)),
         counts,
@@ -281,7 +281,7 @@ def test_a_protocol_1_peer_is_refused_by_version():
 
 
 def test_drafts_field_rules_are_protocol_errors():
-    d = wire.Drafts(1, [0, 1], [1, 2], [0, 1], 2, [5, 6, 7, 8])
+    d = wire.DraftsFrame(1, [0, 1], [1, 2], [0, 1], 2, [5, 6, 7, 8])
     payload = bytearray(wire.encode_drafts(d, 1)[wire.HEADER.size :])
     sec = wire.drafts_sections(2, 2, False)
     hdr = wire.decode_header(wire.encode_header(wire.DRAFTS, len(payload)))

@@ -18,8 +18,9 @@ from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.contract import DraftBatch, DraftResult, context_read_of
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.worker import Worker
+from remote_dspark.worker.batching import call_cost, entry_costs
 from remote_dspark.worker.limits import Limits, hello_refusal
-from remote_dspark.worker.scheduler import DEFAULT_MAX_ENTRIES, Scheduler, call_cost, entry_costs
+from remote_dspark.worker.scheduler import DEFAULT_MAX_ENTRIES, Scheduler
 
 COUNTING = MarkovModel.from_tokens([1, 2, 3, 4, 5, 6, 7] * 10, order=1, top=2)
 

@@ -83,7 +83,7 @@ def refused(w, served: int = 0, **kw) -> int:
     """Say HELLO with ``kw`` (with the worker's key unless ``kw`` names one); the
     refusal's code. Waits until the worker serves ``served`` connections again (the
     refused one gone: the test's worker serves one at a time)."""
-    kw.setdefault("key", w.key)
+    kw.setdefault("key", w.options.key)
     with pytest.raises(Refused) as e:
         connect(w, **kw)
     assert until(lambda: w.served_now() == served, timeout=5)

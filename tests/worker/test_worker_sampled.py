@@ -41,7 +41,7 @@ def connect(w, session=1, **kw) -> DraftClient:
     return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello(w, **kw), session, 2.0)
 
 
-def do_round(c, rid, entries, sampled=True) -> wire.Drafts:
+def do_round(c, rid, entries, sampled=True) -> wire.DraftsFrame:
     frame = wire.encode_round_entries(rid, c.session, 2000, entries, b"", 0, sampled=sampled)
     return c.round(rid, [frame], 2000)
 
@@ -51,7 +51,7 @@ def contexts(n: int, seed: int) -> list[list[int]]:
     return [text[40 * i : 40 * i + 3 + 2 * i] for i in range(n)]  # seen in training: drafts follow
 
 
-def check_reply(d: wire.Drafts, entries, positions) -> None:
+def check_reply(d: wire.DraftsFrame, entries, positions) -> None:
     """Every counted draft passes the rule's check and is its pick at ``positions[i] + j``;
     zeros past the counts."""
     n = len(entries)

@@ -29,7 +29,7 @@ from functools import partial
 
 from ... import native
 from .peers import Peer, PeerThread, Pinning, run_rows
-from .types import ROUND_TIMEOUT_S, Options, Row, Stats
+from .types import ROUND_TIMEOUT_S, HandoffOptions, HandoffRow, LatencySummary
 
 CUDA_MODES = ("c_peer", "process", "thread", "e2e")
 DESCRIBE = {
@@ -44,7 +44,7 @@ TARGET_RATIO = 1.3
 TARGET_P99_US = 10.0
 
 
-def run_all(opts: Options, pins: Pinning) -> list[Row]:
+def run_all(opts: HandoffOptions, pins: Pinning) -> list[HandoffRow]:
     return run_rows(opts, pins, CUDA_MODES, RUNNERS, "handoff rows (cuda)")
 
 
@@ -71,7 +71,7 @@ class _Events:
                 self.drv.event_destroy(ev)
 
 
-def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
+def _region_row(mode: str, lib, opts: HandoffOptions, pins: Pinning, hog: bool) -> HandoffRow:
     """The stream's hand-off alone: rounds are queued behind a gate word before the
     stream runs them, so the CPU's enqueueing (and its waits for the GIL) is not measured."""
     import torch
@@ -119,7 +119,9 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
             stream.synchronize()
             lat = events.elapsed_ns(opts.warmup)
     idle = [ns for i, ns in enumerate(lat) if (opts.warmup + i) % CHUNK == 0]
-    return Row(mode, hog, "CUDA events", Stats.of(lat), None, Stats.of(idle) if idle else None, _slow(lat))
+    return HandoffRow(
+        mode, hog, "CUDA events", LatencySummary.of(lat), None, LatencySummary.of(idle) if idle else None, _slow(lat)
+    )
 
 
 def _wait_in_native_wait(region, lib, timeout_s: float = 10.0) -> None:
@@ -145,7 +147,7 @@ def _slow(lat_ns: list[int]) -> int:
     return sum(ns > TARGET_P99_US * 1000 for ns in lat_ns)
 
 
-def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
+def _e2e_row(lib, opts: HandoffOptions, pins: Pinning, hog: bool) -> HandoffRow:
     import torch
 
     from ...config import Mode
@@ -186,7 +188,7 @@ def _e2e_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
                 drv.event_record(stop, handle)
                 drv.event_synchronize(stop)  # one round at a time, as an engine step would
             lat = events.elapsed_ns(opts.warmup)
-    return Row("e2e", hog, "CUDA events", Stats.of(lat), None, slow=_slow(lat))
+    return HandoffRow("e2e", hog, "CUDA events", LatencySummary.of(lat), None, slow=_slow(lat))
 
 
 RUNNERS = {
@@ -197,7 +199,7 @@ RUNNERS = {
 }
 
 
-def make_report(opts: Options, pins: Pinning, rows: list[Row]) -> dict:
+def make_report(opts: HandoffOptions, pins: Pinning, rows: list[HandoffRow]) -> dict:
     import torch
 
     floor = {r.hog: r.latency for r in rows if r.mode == "c_peer"}

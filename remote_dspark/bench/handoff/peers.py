@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ... import native
-from .types import ROUND_TIMEOUT_S, Options, Row
+from .types import ROUND_TIMEOUT_S, HandoffOptions, HandoffRow
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 PEER_MODE = {"process": "loop", "c_peer": "c", "pipe": "pipe", "pyflag": "pyflag"}
@@ -107,7 +107,7 @@ def _siblings(cpu: int) -> set[int]:
     return out
 
 
-def run_rows(opts: Options, pins: Pinning, modes, runners, label: str) -> list[Row]:
+def run_rows(opts: HandoffOptions, pins: Pinning, modes, runners, label: str) -> list[HandoffRow]:
     """Every row of ``modes`` (run by ``runners[mode]``), each without and then with the
     hog, with the engine's threads kept off the peer's CPU (the hog must never share it)."""
     from ...progress import Progress
@@ -131,7 +131,7 @@ class Peer:
 
     _proc: subprocess.Popen | None = None
 
-    def __init__(self, mode: str, fd: int, total: int, opts: Options, pins: Pinning, lib):
+    def __init__(self, mode: str, fd: int, total: int, opts: HandoffOptions, pins: Pinning, lib):
         self._cpus = pins.peer
         env = dict(os.environ)
         env[native.ENV_LIB] = lib.path  # the engine's build, no rebuild

@@ -34,7 +34,7 @@ from dataclasses import asdict
 from functools import partial
 
 from .peers import Peer, PeerThread, Pinning, run_rows
-from .types import HOLD_GIL_US, ROUND_TIMEOUT_S, Options, Row, Stats
+from .types import HOLD_GIL_US, ROUND_TIMEOUT_S, HandoffOptions, HandoffRow, LatencySummary
 
 MODES = ("process", "thread", "c_peer", "pipe", "pyflag")
 DESCRIBE = {
@@ -118,7 +118,7 @@ def run(args) -> int:
         )
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us / 1e6)
-    opts = Options(args.rounds, args.warmup, args.spin_us, args.nap_us, args.hold_gil_us, args.pin, args.idle_us)
+    opts = HandoffOptions(args.rounds, args.warmup, args.spin_us, args.nap_us, args.hold_gil_us, args.pin, args.idle_us)
     pins = Pinning.plan(opts.pin)  # once: the table says where the rows ran
     if args.device == "cuda":
         from . import cuda as impl
@@ -136,7 +136,9 @@ IDLE_EVERY = 50  # every 50th measured round of a region row comes after an idle
 IDLE_GAP_S = 0.005  # longer than the default spin (1 ms): the peer sleeps through it
 
 
-def run_all(opts: Options, pins: Pinning, modes=None, runners=None, label: str = "handoff rows") -> list[Row]:
+def run_all(
+    opts: HandoffOptions, pins: Pinning, modes=None, runners=None, label: str = "handoff rows"
+) -> list[HandoffRow]:
     """Every row of ``modes`` (default: this module's), each without and then with the
     hog, with the engine's threads kept off the peer's CPU (the hog must never share it)."""
     return run_rows(opts, pins, modes or MODES, runners or RUNNERS, label)
@@ -145,7 +147,7 @@ def run_all(opts: Options, pins: Pinning, modes=None, runners=None, label: str =
 # --------------------------------------------------------------------------- rows
 
 
-def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
+def _region_row(mode: str, lib, opts: HandoffOptions, pins: Pinning, hog: bool) -> HandoffRow:
     """A row over the region: HostFlagSync's hand-off, timed in C, to ``mode``'s peer."""
     from ...shm import layout, memfd, ring, streamsync
 
@@ -180,10 +182,12 @@ def _region_row(mode: str, lib, opts: Options, pins: Pinning, hog: bool) -> Row:
                 elif i >= opts.warmup:
                     lat.append(h.latency_ns)
                     gil.append(back - h.released_ns)
-    return Row(mode, hog, "C", Stats.of(lat), Stats.of(gil), Stats.of(idle) if idle else None)
+    return HandoffRow(
+        mode, hog, "C", LatencySummary.of(lat), LatencySummary.of(gil), LatencySummary.of(idle) if idle else None
+    )
 
 
-def _region_peer(mode: str, region, total: int, opts: Options, pins: Pinning, lib):
+def _region_peer(mode: str, region, total: int, opts: HandoffOptions, pins: Pinning, lib):
     """The peer of a region row: the proxy loop as a thread (thread mode), else a process."""
     if mode != "thread":
         return Peer(mode, region.fd, total, opts, pins, lib)
@@ -194,7 +198,7 @@ def _region_peer(mode: str, region, total: int, opts: Options, pins: Pinning, li
     return PeerThread(lambda: serve_loop(end, total, ROUND_TIMEOUT_S), pins)
 
 
-def _pipe_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
+def _pipe_row(lib, opts: HandoffOptions, pins: Pinning, hog: bool) -> HandoffRow:
     import multiprocessing
 
     ours, theirs = multiprocessing.Pipe()
@@ -214,10 +218,10 @@ def _pipe_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
     finally:
         ours.close()
         theirs.close()
-    return Row("pipe", hog, "Python", Stats.of(lat), None)
+    return HandoffRow("pipe", hog, "Python", LatencySummary.of(lat), None)
 
 
-def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
+def _pyflag_row(lib, opts: HandoffOptions, pins: Pinning, hog: bool) -> HandoffRow:
     import mmap
 
     from .peer import FLAG, FLAG_BYTES, PING, PONG, pyflag_wait
@@ -240,7 +244,7 @@ def _pyflag_row(lib, opts: Options, pins: Pinning, hog: bool) -> Row:
             mm.close()
     finally:
         os.close(fd)
-    return Row("pyflag", hog, "Python", Stats.of(lat), None)
+    return HandoffRow("pyflag", hog, "Python", LatencySummary.of(lat), None)
 
 
 RUNNERS = {
@@ -255,7 +259,7 @@ RUNNERS = {
 # --------------------------------------------------------------------------- report
 
 
-def make_report(opts: Options, pins: Pinning, rows: list[Row]) -> dict:
+def make_report(opts: HandoffOptions, pins: Pinning, rows: list[HandoffRow]) -> dict:
     floor = {r.hog: r.latency for r in rows if r.mode == "c_peer"}
     out_rows = []
     for r in rows:
@@ -290,7 +294,7 @@ def make_report(opts: Options, pins: Pinning, rows: list[Row]) -> dict:
     }
 
 
-def targets(rows: list[Row]) -> dict:
+def targets(rows: list[HandoffRow]) -> dict:
     by = {(r.mode, r.hog): r.latency for r in rows}
     out: dict = {}
     proc = [by[("process", h)] for h in (False, True) if ("process", h) in by]

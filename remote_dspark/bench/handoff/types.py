@@ -1,5 +1,5 @@
-"""The hand-off benchmark's options (:class:`Options`), figures (:class:`Stats`,
-:class:`Row`) and timeouts, shared by its CPU rows (:mod:`.run`), its CUDA rows (:mod:`.cuda`) and their peers
+"""The hand-off benchmark's options (:class:`HandoffOptions`), figures (:class:`LatencySummary`,
+:class:`HandoffRow`) and timeouts, shared by its CPU rows (:mod:`.run`), its CUDA rows (:mod:`.cuda`) and their peers
 (:mod:`.peers`)."""
 
 from __future__ import annotations
@@ -13,30 +13,32 @@ HOLD_GIL_US = 50
 
 
 @dataclass(frozen=True)
-class Stats:
+class LatencySummary:
     median_us: float
     p99_us: float
     max_us: float
 
     @classmethod
-    def of(cls, ns: list[int]) -> Stats:
+    def of(cls, ns: list[int]) -> LatencySummary:
         s = sorted(ns)
         return cls(s[len(s) // 2] / 1e3, s[max(0, math.ceil(0.99 * len(s)) - 1)] / 1e3, s[-1] / 1e3)
 
 
 @dataclass(frozen=True)
-class Row:
+class HandoffRow:
     mode: str
     hog: bool
     timed_in: str  # "C" or "Python"
-    latency: Stats
-    gil_wait: Stats | None  # only for rows timed in C
-    after_idle: Stats | None = None  # rounds after an idle gap (the peer's wake-up; see run_all, bench.handoff.cuda)
+    latency: LatencySummary
+    gil_wait: LatencySummary | None  # only for rows timed in C
+    after_idle: LatencySummary | None = (
+        None  # rounds after an idle gap (the peer's wake-up; see run_all, bench.handoff.cuda)
+    )
     slow: int | None = None  # CUDA rows: rounds over the p99 target
 
 
 @dataclass(frozen=True)
-class Options:
+class HandoffOptions:
     rounds: int
     warmup: int
     spin_us: int

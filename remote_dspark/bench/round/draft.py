@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 from .feeder import synthetic_text
-from .options import CONTEXT_TOKENS, DRAFT_BATCHES, SAMPLED_TEMPERATURE, Options
-from .report import Row
+from .options import CONTEXT_TOKENS, DRAFT_BATCHES, SAMPLED_TEMPERATURE, RoundOptions
+from .report import RoundRow
 
 
-def draft_row(opts: Options, slots: int, sampled: bool = False) -> Row:
+def draft_row(opts: RoundOptions, slots: int, sampled: bool = False) -> RoundRow:
     """``MarkovDrafter(builtin_model()).draft_batch`` (or the built-in model drafter's,
     ``--drafter lm``: no cache, every context encoded) on ``slots`` contexts of 64 tokens,
     rotating through DRAFT_BATCHES batches of different contexts (``sampled``: at
@@ -59,4 +59,4 @@ def draft_row(opts: Options, slots: int, sampled: bool = False) -> Row:
         t1 = time.perf_counter_ns()
         if i >= opts.warmup:
             lat.append(t1 - t0)
-    return Row("draft", slots, rounds, lat, sampled=sampled)
+    return RoundRow("draft", slots, rounds, lat, sampled=sampled)

@@ -8,10 +8,10 @@ import os
 import time
 
 from .feeder import Feeder
-from .options import Options
+from .options import RoundOptions
 
 
-def engine_env(worker, opts: Options, mode: str, stats_dir: str, sampled: bool) -> dict[str, str]:
+def engine_env(worker, opts: RoundOptions, mode: str, stats_dir: str, sampled: bool) -> dict[str, str]:
     """The environment of a row's engine against ``worker``."""
     from ...engine import Mode
 
@@ -24,7 +24,9 @@ def engine_env(worker, opts: Options, mode: str, stats_dir: str, sampled: bool) 
 
 
 @contextlib.contextmanager
-def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device: str = "cpu", sampled: bool = False):
+def engine(
+    worker, opts: RoundOptions, mode: str, slots: int, stats_dir: str, device: str = "cpu", sampled: bool = False
+):
     """A started ``RemoteDSpark`` for one row (``mode``: sync, thread or process;
     ``sampled``: asking for sampled drafts) against ``worker`` (a WorkerProcess), closed
     on exit."""
@@ -37,7 +39,7 @@ def engine(worker, opts: Options, mode: str, slots: int, stats_dir: str, device:
         rd.close()
 
 
-def new_engine(opts: Options, slots: int, env: dict[str, str], device: str = "cuda", tp_group=None):
+def new_engine(opts: RoundOptions, slots: int, env: dict[str, str], device: str = "cuda", tp_group=None):
     """A row's ``RemoteDSpark`` (not started) of ``slots`` slots in ``env``."""
     from ...config.api import RemoteConfig
     from ...engine import RemoteDSpark

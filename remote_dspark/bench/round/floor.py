@@ -10,8 +10,8 @@ import sys
 import time
 
 from ..handoff.peers import reap
-from .options import ROUND_TIMEOUT_S, START_TIMEOUT_S, STEP_TOKENS, Options
-from .report import Row
+from .options import ROUND_TIMEOUT_S, START_TIMEOUT_S, STEP_TOKENS, RoundOptions
+from .report import RoundRow
 
 
 def round_bytes(slots: int, row_bytes: int, sampled: bool = False) -> int:
@@ -127,7 +127,7 @@ def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def floor_row(opts: Options, slots: int, sampled: bool = False) -> Row:
+def floor_row(opts: RoundOptions, slots: int, sampled: bool = False) -> RoundRow:
     n_in, n_out = round_bytes(slots, opts.row_bytes, sampled), drafts_bytes(slots, opts.num_spec, sampled)
     rounds = opts.rounds_for(slots)
     out = bytes(n_in)
@@ -142,4 +142,4 @@ def floor_row(opts: Options, slots: int, sampled: bool = False) -> Row:
             t1 = time.perf_counter_ns()
             if i >= opts.warmup:
                 lat.append(t1 - t0)
-    return Row("floor", slots, rounds, lat, extra={"round_bytes": n_in, "drafts_bytes": n_out}, sampled=sampled)
+    return RoundRow("floor", slots, rounds, lat, extra={"round_bytes": n_in, "drafts_bytes": n_out}, sampled=sampled)

@@ -44,7 +44,7 @@ SAMPLED_TEMPERATURE = 1.0  # the sampled rows' temperature (every entry)
 
 
 @dataclass(frozen=True)
-class Options:
+class RoundOptions:
     slots: tuple[int, ...]
     num_spec: int
     row_bytes: int
@@ -83,7 +83,7 @@ def _ints(raw: str, name: str) -> list[int]:
 
 def check_sampled_caps(num_spec: int, slots: list[int]) -> None:
     """``--sampled`` within a sampled session's caps (the sweep's larger rows simply have
-    no sampled twin: :meth:`Options.kinds`).
+    no sampled twin: :meth:`RoundOptions.kinds`).
 
     Raises: ValueError naming the argument."""
     from ... import wire
@@ -108,7 +108,7 @@ def check_tp(args, modes: list[str]) -> tuple[int, str]:
     return tp, tp_backend
 
 
-def options(args) -> Options:
+def options(args) -> RoundOptions:
     """The run's options from the parsed arguments.
 
     Raises: ValueError naming the bad argument and the rule it breaks.
@@ -170,7 +170,7 @@ def options(args) -> Options:
     sampled = getattr(args, "sampled", False)
     if sampled:
         check_sampled_caps(args.num_spec, slots if args.slots is not None else [])
-    return Options(
+    return RoundOptions(
         tuple(slots),
         args.num_spec,
         args.row_bytes,

@@ -1,4 +1,4 @@
-"""``bench round``'s figures: a row's raw latencies (:class:`Row`), the report made of
+"""``bench round``'s figures: a row's raw latencies (:class:`RoundRow`), the report made of
 them (p50, p99, ratios to the floor and to sync, the goals met or not) and its table."""
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from .options import (
     LINEAR_AT,
     PROMPT_TOKENS,
     STEP_TOKENS,
-    Options,
+    RoundOptions,
 )
 
 
 @dataclass
-class Row:
+class RoundRow:
     mode: str
     slots: int
     rounds: int
@@ -59,12 +59,12 @@ def _threads() -> dict:
     }
 
 
-def _rank(r: Row) -> int:
+def _rank(r: RoundRow) -> int:
     """A ``--tp`` row's rank; -1 for every other row."""
     return (r.extra or {}).get("tp_rank", -1)
 
 
-def make_report(opts: Options, rows: list[Row]) -> dict:
+def make_report(opts: RoundOptions, rows: list[RoundRow]) -> dict:
     p50 = {(r.mode, r.slots, r.sampled, _rank(r)): pct(r.lat_ns, 0.5) for r in rows}
     cpu = {(r.mode, r.slots, r.sampled, _rank(r)): pct(r.cpu_ns, 0.5) for r in rows if r.cpu_ns}
     out_rows = []

@@ -111,10 +111,10 @@ from .options import (
     MODES,
     SWEEP,
     TIMEOUT_MS,
-    Options,
+    RoundOptions,
     options,
 )
-from .report import Row, format_table, make_report, ns_to_ms, pct
+from .report import RoundRow, format_table, make_report, ns_to_ms, pct
 
 
 def add_parser(sub) -> None:
@@ -233,7 +233,7 @@ def add_parser(sub) -> None:
 # --------------------------------------------------------------------------- engine rows
 
 
-def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str, sampled: bool = False) -> Row:
+def engine_row(worker, opts: RoundOptions, mode: str, slots: int, stats_dir: str, sampled: bool = False) -> RoundRow:
     """``rd.round(batch)`` rounds: wall time, the engine thread's CPU outside the wait,
     and the engine process's CPU per wall-second over the measured rounds."""
     from collections import Counter
@@ -264,10 +264,10 @@ def engine_row(worker, opts: Options, mode: str, slots: int, stats_dir: str, sam
         inside = worker_time.per_round(before, worker_time.read(worker.metrics_url))
     not_ok = rounds - outcomes["ok"]
     extra = {"engine_cpu_per_wall": round(per_wall, 3), **inside}
-    return Row(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes), extra, sampled)
+    return RoundRow(mode, slots, rounds, lat, cpu, not_ok, dict(outcomes), extra, sampled)
 
 
-def launch_rows(worker, opts: Options, slots: int, stats_dir: str, sampled: bool = False) -> list[Row]:
+def launch_rows(worker, opts: RoundOptions, slots: int, stats_dir: str, sampled: bool = False) -> list[RoundRow]:
     """The launch row, and with ``--tp`` N > 1 a row per rank after it (:mod:`.tp`)."""
     rows = [launch_row(worker, opts, slots, stats_dir, sampled)]
     if opts.tp == 1:
@@ -287,7 +287,7 @@ def launch_rows(worker, opts: Options, slots: int, stats_dir: str, sampled: bool
     return rows + ranks
 
 
-def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool = False) -> Row:
+def launch_row(worker, opts: RoundOptions, slots: int, stats_dir: str, sampled: bool = False) -> RoundRow:
     """``rd.launch(batch)`` on CUDA, process mode: the time until the stream holds the
     drafts (CUDA events around ``launch()``, recorded on an idle stream) and the CPU inside
     ``launch()``. The stream is synchronized after every round, outside the figures."""
@@ -308,7 +308,7 @@ def launch_row(worker, opts: Options, slots: int, stats_dir: str, sampled: bool 
         "outcomes_over": "every launched round, warm-up included",
         **inside,
     }
-    return Row("launch", slots, len(lat), lat, cpu, not_ok, outcomes, extra=extra, sampled=sampled)
+    return RoundRow("launch", slots, len(lat), lat, cpu, not_ok, outcomes, extra=extra, sampled=sampled)
 
 
 # --------------------------------------------------------------------------- the run
@@ -331,12 +331,12 @@ def run(args) -> int:
     return 0
 
 
-def run_all(opts: Options) -> list[Row]:
+def run_all(opts: RoundOptions) -> list[RoundRow]:
     """Every row of ``opts.modes`` at every slot count; every child ended before returning."""
     from ...progress import Progress
 
     plan = [(s, m, sampled) for s in opts.slots for m in opts.modes for sampled in opts.kinds(s)]
-    rows: list[Row] = []
+    rows: list[RoundRow] = []
     bar = Progress(len(plan), "round rows")
     with contextlib.ExitStack() as stack:
         worker = None

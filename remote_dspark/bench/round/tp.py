@@ -21,8 +21,8 @@ import time
 from datetime import timedelta
 
 from .feeder import Feeder
-from .options import Options
-from .report import Row, ns_to_ms, pct
+from .options import RoundOptions
+from .report import RoundRow, ns_to_ms, pct
 
 START_S = 120.0  # a spawned rank: torch imported, CUDA and the group started, the engine up
 GROUP_TIMEOUT_S = 60  # a collective that waits longer raises (NCCL's watchdog, gloo's timeout)
@@ -39,7 +39,7 @@ def check(tp: int, backend: str, device_count: int) -> None:
         )
 
 
-def launch_rows(worker, opts: Options, slots: int, env: dict, tmp: str, sampled: bool) -> list[Row]:
+def launch_rows(worker, opts: RoundOptions, slots: int, env: dict, tmp: str, sampled: bool) -> list[RoundRow]:
     """One ``launch`` row per rank at ``slots`` (see the module docstring)."""
     ctx = multiprocessing.get_context("spawn")
     store = os.path.join(tmp, f"tp-store-{slots}-{int(sampled)}")
@@ -77,9 +77,9 @@ def launch_rows(worker, opts: Options, slots: int, env: dict, tmp: str, sampled:
     return [_row(opts, slots, r, doc, sampled) for r, doc in enumerate(docs)]
 
 
-def _row(opts: Options, slots: int, rank: int, doc: dict, sampled: bool) -> Row:
+def _row(opts: RoundOptions, slots: int, rank: int, doc: dict, sampled: bool) -> RoundRow:
     outcomes = doc["outcomes"]
-    return Row(
+    return RoundRow(
         "launch",
         slots,
         len(doc["lat"]),
@@ -111,7 +111,7 @@ def _end(p) -> None:
         p.join(5.0)
 
 
-def rank_main(rank: int, opts: Options, slots: int, env: dict, store: str, out: str, sampled: bool) -> None:
+def rank_main(rank: int, opts: RoundOptions, slots: int, env: dict, store: str, out: str, sampled: bool) -> None:
     """One rank: the group, the engine, the rounds; its figures (or its error) to ``out``."""
     os.setsid()
     try:
@@ -122,7 +122,7 @@ def rank_main(rank: int, opts: Options, slots: int, env: dict, store: str, out: 
         json.dump(doc, f)
 
 
-def _rank(rank: int, opts: Options, slots: int, env: dict, store: str, sampled: bool) -> dict:
+def _rank(rank: int, opts: RoundOptions, slots: int, env: dict, store: str, sampled: bool) -> dict:
     import torch
     import torch.distributed as dist
 

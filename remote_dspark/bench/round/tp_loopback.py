@@ -14,8 +14,8 @@ import time
 
 from .engines import check_mode, new_engine
 from .feeder import Feeder
-from .options import Options
-from .report import Row, ns_to_ms, pct
+from .options import RoundOptions
+from .report import RoundRow, ns_to_ms, pct
 
 _ROUTED = ("get_rank", "get_world_size", "get_process_group_ranks", "get_backend", "broadcast", "all_gather")
 
@@ -57,7 +57,7 @@ def loopback_dist():
             setattr(dist, name, f)
 
 
-def launch_rows(worker, opts: Options, slots: int, env: dict, sampled: bool) -> list[Row]:
+def launch_rows(worker, opts: RoundOptions, slots: int, env: dict, sampled: bool) -> list[RoundRow]:
     """One ``launch`` row per rank at ``slots`` (see the module docstring)."""
     import torch
 
@@ -110,5 +110,5 @@ def launch_rows(worker, opts: Options, slots: int, env: dict, sampled: bool) -> 
             "outcomes_over": "every launched round, warm-up included",
         }
         not_ok = sum(outcomes.values()) - outcomes.get("ok", 0)
-        rows.append(Row("launch", slots, len(lat), lat, cpu[r], not_ok, outcomes, extra, sampled))
+        rows.append(RoundRow("launch", slots, len(lat), lat, cpu[r], not_ok, outcomes, extra, sampled))
     return rows

@@ -83,7 +83,7 @@ def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return token, (best - lse).exp() - (runner_up - lse).exp()
 
 
-class Sampling(NamedTuple):
+class DeviceSampling(NamedTuple):
     """A sampled round's inputs on the device, one per entry (a padding entry's are 0:
     greedy), and the round's randomness, hashed once for every draft (one pass of the
     hash's few dozen elementwise kernels, not one per step)."""
@@ -92,14 +92,14 @@ class Sampling(NamedTuple):
     u32: torch.Tensor  # [n, width] int64: uniform_u32(seed, first + j, j), first the absolute position of draft 0
 
     @classmethod
-    def of(cls, temperature: torch.Tensor, seed: torch.Tensor, first: torch.Tensor, width: int) -> Sampling:
+    def of(cls, temperature: torch.Tensor, seed: torch.Tensor, first: torch.Tensor, width: int) -> DeviceSampling:
         """The round's sampling from its per-entry ``temperature``, ``seed`` (the uint64's
         bits) and ``first`` (draft 0's absolute position), for ``width`` drafts."""
         j = torch.arange(width, device=seed.device)
         return cls(temperature, uniform_u32(seed[:, None], first[:, None] + j, j))
 
 
-def choose(logits: torch.Tensor, sampling: Sampling | None, j: int) -> tuple[torch.Tensor, ...]:
+def choose(logits: torch.Tensor, sampling: DeviceSampling | None, j: int) -> tuple[torch.Tensor, ...]:
     """Draft ``j`` of each entry from its ``logits`` [n, vocab] (consumed).
 
     Greedy (``sampling`` None): (token [n] int64, margin [n] float32), :func:`top2`.
@@ -125,7 +125,7 @@ def draft_steps(
     steps: int,
     origin,
     write,
-    sampling: Sampling | None = None,
+    sampling: DeviceSampling | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """``steps`` steps after ``token`` [n] at column ``pos`` [n, 1] of store rows
     ``rows`` [n] (absolute position ``origin + pos``), drafts 1..steps of the round: each
@@ -281,7 +281,7 @@ class Rounds:
         per = inp[3 * grid :].view(-1, entries)  # [3 or 6, entries]
         last, origin, rows = per[0], per[1], per[2]
         # The temperature's float32 bits (non-negative: below 2**31) back to float32.
-        sampling = Sampling.of(per[3].int().view(torch.float32), per[4], per[5], width) if sampled else None
+        sampling = DeviceSampling.of(per[3].int().view(torch.float32), per[4], per[5], width) if sampled else None
         every = torch.arange(entries, device=inp.device)
         kv = self.store.kv
         h = self.model.forward_kv(tok, pos, kv, rows, write, origin)

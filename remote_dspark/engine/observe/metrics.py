@@ -12,8 +12,8 @@ fact that is not (CPU time) is carried by the supervisor from each dead proxy's 
 Every number comes from :meth:`RemoteDSpark.stats`, the same record the JSON stats file
 and the ``LOG_EVERY`` line show, so the three never disagree. The families are
 :data:`TABLE`, one row each (:mod:`remote_dspark.metrics.families`): its kind, name, help,
-labels, how its value comes from a :class:`Scrape` (that record and the configuration)
-and when it is there; the collector walks it over one :class:`Scrape` per scrape.
+labels, how its value comes from an :class:`EngineScrape` (that record and the configuration)
+and when it is there; the collector walks it over one :class:`EngineScrape` per scrape.
 
 Names: prefix ``dspark_remote_``, base units (seconds, bytes), ``_total`` on counters,
 labels of low cardinality (outcome, cause, state, position < num_spec).
@@ -37,22 +37,22 @@ STANDBY_STATES = ("off", "none", "starting", "ready")
 
 
 @dataclass(frozen=True)
-class Scrape:
+class EngineScrape:
     """What one scrape reads: the engine's one stats record and its configuration."""
 
     stats: Stats
     cfg: RemoteConfig
 
 
-def _handoff(r: Scrape) -> bool:  # the asynchronous modes: the region's families
+def _handoff(r: EngineScrape) -> bool:  # the asynchronous modes: the region's families
     return r.stats.handoff is not None
 
 
-def _supervised(r: Scrape) -> bool:  # process mode: the supervisor's families
+def _supervised(r: EngineScrape) -> bool:  # process mode: the supervisor's families
     return r.stats.supervisor is not None
 
 
-def _proxy_up(r: Scrape) -> float:
+def _proxy_up(r: EngineScrape) -> float:
     sup, handoff = r.stats.supervisor, r.stats.handoff
     return 1.0 if (sup.state == "up" if sup else bool(handoff.proxy_thread_alive)) else 0.0
 
@@ -61,7 +61,7 @@ def _by_position(counts: tuple[int, ...]) -> dict[str, int]:
     return {str(i): n for i, n in enumerate(counts)}
 
 
-TABLE: Table[Scrape] = Table(
+TABLE: Table[EngineScrape] = Table(
     PREFIX,
     (
         info(
@@ -209,9 +209,9 @@ TABLE: Table[Scrape] = Table(
 )
 
 
-def read(rd) -> Scrape:
+def read(rd) -> EngineScrape:
     """The record of one scrape of ``rd`` (a :class:`~remote_dspark.engine.RemoteDSpark`)."""
-    return Scrape(rd.stats(), rd.cfg)
+    return EngineScrape(rd.stats(), rd.cfg)
 
 
 class RemoteDSparkCollector(TableCollector):

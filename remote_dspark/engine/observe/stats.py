@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...histogram import Histogram  # noqa: F401  (re-exported: engine.handoff, tests)
+from ...histogram import Histogram
 from ...outcome import Outcome
 from ...shm import memfd
 from ...supervisor.restarts import SupervisorStats
@@ -46,6 +46,13 @@ class LinkStats:
         early), or a tensor-parallel rank other than 0."""
         return cls(0, 0, 0, BreakerStats(0, 0, 0))
 
+    @classmethod
+    def of_proxy(cls, counters: Mapping[str, int], breaker) -> LinkStats:
+        """The proxy's link: its counters block's words and the header's breaker words
+        (``shm.words.BreakerState``)."""
+        b = BreakerStats(breaker.state, breaker.trips, breaker.probes)
+        return cls(counters["attempts"], counters["rounds_late"], counters["reconnects"], b)
+
 
 @dataclass(frozen=True)
 class HandoffStats:
@@ -60,6 +67,16 @@ class HandoffStats:
     gathered: int
     released: int
     proxy_thread_alive: bool | None  # thread mode: is the proxy thread alive; else None
+
+    @classmethod
+    def of_region(cls, proxy, engine, session: int, max_wait_s: float, gathered: int, released: int, alive):
+        """From the region's counters blocks as read (``proxy``, ``engine``:
+        ``shm.words.Snapshot``), its ring words and the engine thread's longest wait."""
+        hists = proxy.histograms
+        latency = Histogram.from_region(hists["handoff_latency"]), Histogram.from_region(hists["round_latency"])
+        return cls(
+            dict(proxy.counters), dict(engine.counters), *latency, session, max_wait_s, gathered, released, alive
+        )
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from ...supervisor.restarts import Supervisor
 from ..observe.stats import EngineCounts, PathStats
 from ..spec import Spec
 from ..values.batch import Batch
-from ..values.drafts import Drafts
-from .handoff import Handoff, Launched
+from ..values.drafts import Drafts, Launched
+from .handoff import Handoff
 from .proxy_host import host_for
 
 log = logging.getLogger("remote_dspark.engine")
@@ -60,7 +60,7 @@ class AsyncPath:
         users.shut()
         proxy_gone = self.host.stop()
         while True:
-            handoff.fence(proxy_gone)
+            handoff.end.fence(proxy_gone)
             if users.wait_alone(min(deadline, time.monotonic() + FENCE_STEP_S)):
                 handoff.finish()  # nobody inside: the stream may be finished and the region unpinned
                 return

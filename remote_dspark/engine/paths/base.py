@@ -18,8 +18,7 @@ from ...supervisor.restarts import Supervisor
 from ..lifecycle import Users, stop_in_caller
 from ..observe.stats import LinkStats, PathStats
 from ..values.batch import Batch
-from ..values.drafts import Drafts
-from .handoff import Launched
+from ..values.drafts import Drafts, Launched
 
 
 class Path(Protocol):

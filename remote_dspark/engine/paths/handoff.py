@@ -3,9 +3,11 @@
 A round is reserved, its descriptor and rows written into a depth slot, ``gathered``
 published (by this thread on the CPU, by the stream on CUDA), and the answer read from
 the slot's drafts once ``released`` says so. Who answers is not this module's business:
-the proxy host (:mod:`.proxy_host`) runs the proxy; this module answers a round itself
-only when no proxy serves (at once, target-only), when a proxy was lost (its rounds),
-and when the engine closes (every round still in flight).
+the proxy host (:mod:`.proxy_host`) runs the proxy and says, before every round, which
+one serves (:meth:`Handoff.served_by`); a round is answered here only when no proxy
+serves (at once, target-only), when a proxy was lost (its rounds) and when the engine
+closes (every round still in flight), through the ring's engine end
+(``EngineEnd.drain``, ``EngineEnd.fence``).
 
 Building :class:`Handoff` is the self-test: the native library loads, the region
 maps, the watchdog starts, and on CUDA the region registers and the stream's hand-off
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -26,10 +29,10 @@ from ...config.mode import Mode
 from ...outcome import Outcome
 from ...shm import memfd, ring, streamsync
 from ..lifecycle import Users
-from ..observe.stats import BreakerStats, EngineCounts, HandoffStats, Histogram, LinkStats
+from ..observe.stats import EngineCounts, HandoffStats, LinkStats
 from ..spec import Spec
 from ..values.batch import Batch, as_bytes, gather_rows_host, has_rows, meta_to_host
-from ..values.drafts import Drafts, empty_drafts, round_tensors, to_drafts
+from ..values.drafts import Drafts, Launched, empty_drafts, round_tensors, to_drafts
 from ..values.slot_views import DeviceSlots, SlotViews
 from ..writers.device_meta import check_meta_shapes, write_meta_in_stream
 from ..writers.host_round import HostRound
@@ -41,35 +44,9 @@ STALL_ROUNDS = 3  # watchdog releases in a row that mark a live proxy stalled
 HOLD_GIL_US = 50  # process mode: spin this long holding the GIL before releasing it
 
 
-class Launched:
-    """A round enqueued on the stream (see ``RemoteDSpark.launch``)."""
-
-    __slots__ = ("round", "tokens", "counts", "resync", "resync_all", "q_ids", "q_weights", "outcome", "resync_mask")
-
-    def __init__(
-        self,
-        round_id: int | None,
-        tokens: torch.Tensor,
-        counts: torch.Tensor,
-        resync: tuple[int, ...] | None,
-        resync_all: bool | None,
-        q_ids: torch.Tensor | None = None,
-        q_weights: torch.Tensor | None = None,
-        outcome: torch.Tensor | None = None,
-        resync_mask: torch.Tensor | None = None,
-    ):
-        self.round = round_id  # 0: not sent (no proxy serving): zero drafts
-        self.tokens = tokens  # [n, num_spec] int32 on the device; zero past counts
-        self.counts = counts  # [n] int32 on the device
-        self.resync = resync  # slots lost by the worker in earlier rounds
-        self.resync_all = resync_all  # a new proxy: every slot must be re-announced
-        self.q_ids = q_ids  # a sampled engine's: [n, num_spec, 32] int32 on the device; zero past counts
-        self.q_weights = q_weights  # a sampled engine's: [n, num_spec, 32] uint16 on the device; zero past counts
-        # With a tp_group (engine.tp.launch), on every rank, in stream order: the round's
-        # Outcome value (int32 [1]) and resync as a mask (bool [max_slots]; all set with
-        # resync_all). A rank other than 0 has only these: its round, resync and resync_all are None.
-        self.outcome = outcome
-        self.resync_mask = resync_mask
+def _no_proxy() -> int:
+    """No host has said which proxy serves: none does."""
+    return 0
 
 
 class Handoff:
@@ -126,7 +103,7 @@ class Handoff:
                 self._launcher.close()
             self._free()
             raise
-        self.serving_session = lambda: 0  # the proxy host's: the serving proxy's session, 0 if none
+        self._serving_session: Callable[[], int] = _no_proxy  # the proxy host's word (served_by)
         self._served_session = 0  # the session of the last round handed to a proxy
         self._resync: set[int] = set()  # CUDA: slots lost in rounds collected since the last launch
         self._pending: list[int] = []  # CUDA: rounds launched, not yet collected
@@ -144,6 +121,15 @@ class Handoff:
     _host: list = []
     _dev: DeviceSlots | None = None  # CUDA: the stream's views of the slots
 
+    def served_by(self, serving_session: Callable[[], int]) -> None:
+        """The proxy host's word, asked before every round: the session of the proxy that
+        serves, 0 if none. Until a host gives it, no proxy serves."""
+        self._serving_session = serving_session
+
+    def serving_session(self) -> int:
+        """The session of the proxy that serves now, 0 if none (its host's word)."""
+        return self._serving_session()
+
     def _free(self) -> None:
         """The last user left: forget every view of the region (numpy and device), stop
         the watchdog (a close hook) and unmap."""
@@ -157,7 +143,7 @@ class Handoff:
         counted, and the round is answered here at once. A new proxy (another session
         than the last round's) has a new connection, on which the worker holds no window:
         its first round says resync_all."""
-        session = self.serving_session()
+        session = self._serving_session()
         if not session:
             self.end.counters.add("no_proxy_rounds")
             # A round answered here costs the engine nothing, and the threads making a
@@ -380,37 +366,7 @@ class Handoff:
             self.counts.record_totals(outcome, drafted, tokens, len(lost))
             self._count_watchdog(outcome)
 
-    # ------------------------------------------------------------------ answers without a proxy
-
-    def drain(self, deadline: float) -> None:
-        """Answer (no proxy) every round handed over so far, each once its stream has
-        gathered it, until ``deadline``. Rounds not gathered by then are the watchdog's.
-        Only gathered rounds are answered: the stream has finished with the drafts slot
-        such a round reuses. A round a live proxy claimed first is left to it."""
-        r, last = ring.seq_add(self.end.released(), 1), self.end.last  # what was handed over by now only:
-        while ring.seq_geq(last, r):  # later rounds are a new proxy's
-            left = deadline - time.monotonic()
-            rc = self.lib.wait_geq(
-                self.region.addr(self.region.layout.gathered), r, 100, 100, native.deadline_ns(max(left, 0.0))
-            )
-            if rc != native.Status.OK:
-                return
-            self.end.release_no_proxy(r)
-            r = ring.seq_add(r, 1)
-
-    def fence(self, proxy_dead: bool) -> None:
-        """Closing (any thread; the proxy stopped or stopping): answer every round
-        gathered by now, target-only, through the claim the watchdog uses. With the
-        proxy known dead its claimed rounds are released too (orphans); a live claimer's
-        round is left to it (it answers within its deadline)."""
-        if proxy_dead:
-            self.end.release_orphans()
-        gathered = self.end.gathered()
-        while ring.seq_geq(gathered, r := ring.seq_add(self.end.released(), 1)):
-            # Only the round right after ``released``, so the claim never waits on a
-            # live claimer's release: a claimed round stops the pass until it is answered.
-            if ring.seq_geq(self.end.claimed(), r) or not self.end.release_no_proxy(r):
-                return
+    # ------------------------------------------------------------------ closing
 
     def finish(self) -> None:
         """Closing, on the closing thread, once the proxy is stopped: on CUDA answer what
@@ -418,7 +374,7 @@ class Handoff:
         region here, where torch's context is current."""
         if self.spec.device != "cuda":
             return
-        self.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0 + 1.0)
+        self.end.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0 + 1.0)
         torch.cuda.synchronize()  # every stream of the device: close() may come from another thread
         self._collect()
         if self._launcher is not None:
@@ -428,23 +384,16 @@ class Handoff:
     # ------------------------------------------------------------------ statistics
 
     def link_stats(self) -> LinkStats:
-        proxy = self.region.proxy_counters(self.lib).snapshot().counters
-        b = self.end.header.breaker()
-        return LinkStats(
-            proxy["attempts"], proxy["rounds_late"], proxy["reconnects"], BreakerStats(b.state, b.trips, b.probes)
-        )
+        proxy = self.region.proxy_counters(self.lib).snapshot()
+        return LinkStats.of_proxy(proxy.counters, self.end.header.breaker())
 
     def handoff_stats(self, proxy_thread_alive: bool | None) -> HandoffStats:
         proxy = self.region.proxy_counters(self.lib).snapshot()
         engine = self.region.engine_counters(self.lib).snapshot()
-        return HandoffStats(
-            dict(proxy.counters),
-            dict(engine.counters),
-            Histogram.from_region(proxy.histograms["handoff_latency"]),
-            Histogram.from_region(proxy.histograms["round_latency"]),
+        session, wait_s, gathered, released = (
             self.end.header.session,
             self.max_wait_s,
             self.end.gathered(),
             self.end.released(),
-            proxy_thread_alive,
         )
+        return HandoffStats.of_region(proxy, engine, session, wait_s, gathered, released, proxy_thread_alive)

@@ -45,7 +45,7 @@ class ProxyHost(abc.ABC):
     def __init__(self, spec: Spec, path: Handoff):
         self.spec = spec
         self.path = path
-        path.serving_session = self.serving_session
+        path.served_by(self.serving_session)  # the path asks this host before every round
 
     @property
     def start_limit_s(self) -> float:
@@ -286,7 +286,7 @@ class ProcessHost(ProxyHost):
                 self.path.end.release_orphans()
                 # A proxy killed asleep leaves ``sleeping`` set: every round would pay a wake.
                 self.path.lib.store32(self.path.region.addr(self.path.region.layout.wake) + 4, 0)
-            self.path.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0)
+            self.path.end.drain(time.monotonic() + self.spec.cfg.watchdog_ms / 1000.0)
         finally:
             users.leave()
 

@@ -18,10 +18,9 @@ from ..lifecycle import Users, stop_in_caller
 from ..observe.stats import BreakerStats, LinkStats, PathStats
 from ..spec import Spec
 from ..values.batch import Batch, HostMeta, as_bytes, gather_rows_host, has_rows, meta_to_host
-from ..values.drafts import Drafts, empty_drafts, to_drafts
+from ..values.drafts import Drafts, Launched, empty_drafts, to_drafts
 from ..values.meta import write_meta
 from ..values.reply import Asked, check_reply
-from .handoff import Launched
 
 log = logging.getLogger("remote_dspark.engine")
 
@@ -115,7 +114,7 @@ class SyncPath:
             out.resync_all = self._epoch > 1
         return out
 
-    def _drafts(self, meta: HostMeta, d: wire.Drafts, outcome: Outcome) -> Drafts:
+    def _drafts(self, meta: HostMeta, d: wire.DraftsFrame, outcome: Outcome) -> Drafts:
         """The worker's DRAFTS, checked already (``check_reply``), as ``Drafts``."""
         spec, n = self.spec, meta.n
         counts = np.frombuffer(d.counts, dtype=np.uint16)

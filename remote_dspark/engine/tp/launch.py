@@ -64,7 +64,7 @@ import torch
 
 from ... import wire
 from ...outcome import Outcome
-from ..paths.handoff import Launched
+from ..values.drafts import Launched
 
 HEAD = 8
 OUTCOME, FLAGS, N, RESYNC_ALL, ROUND = range(5)  # head words

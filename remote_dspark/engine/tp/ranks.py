@@ -49,10 +49,9 @@ from ...config.env import TABLE
 from ...config.mode import Mode
 from ..observe.stats import EngineCounts
 from ..paths.base import NothingOpen
-from ..paths.handoff import Launched
 from ..spec import Spec
 from ..values.batch import Batch
-from ..values.drafts import Drafts
+from ..values.drafts import Drafts, Launched
 from .launch import Follower, Leader, RecordLayout
 from .records import (
     DRAFTS,

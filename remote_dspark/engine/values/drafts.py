@@ -1,5 +1,6 @@
-"""The engine's answer to a round, ``Drafts``, and the one copy per array that makes it
-from an answer's arrays (views of a drafts slot or of a DRAFTS payload).
+"""The engine's answer to a round, ``Drafts`` (``round()``'s) and ``Launched``
+(``launch()``'s, on the stream), and the one copy per array that makes drafts from an
+answer's arrays (views of a drafts slot or of a DRAFTS payload).
 
 No function here loops over entries.
 """
@@ -35,6 +36,37 @@ class Drafts:
     # (entries with drafts, their tokens) where the path summed them already (the host
     # round's C answer); None: the engine counts them from ``counts``.
     sums: tuple[int, int] | None = None
+
+
+class Launched:
+    """A round enqueued on the stream (see ``RemoteDSpark.launch``)."""
+
+    __slots__ = ("round", "tokens", "counts", "resync", "resync_all", "q_ids", "q_weights", "outcome", "resync_mask")
+
+    def __init__(
+        self,
+        round_id: int | None,
+        tokens: torch.Tensor,
+        counts: torch.Tensor,
+        resync: tuple[int, ...] | None,
+        resync_all: bool | None,
+        q_ids: torch.Tensor | None = None,
+        q_weights: torch.Tensor | None = None,
+        outcome: torch.Tensor | None = None,
+        resync_mask: torch.Tensor | None = None,
+    ):
+        self.round = round_id  # 0: not sent (no proxy serving): zero drafts
+        self.tokens = tokens  # [n, num_spec] int32 on the device; zero past counts
+        self.counts = counts  # [n] int32 on the device
+        self.resync = resync  # slots lost by the worker in earlier rounds
+        self.resync_all = resync_all  # a new proxy: every slot must be re-announced
+        self.q_ids = q_ids  # a sampled engine's: [n, num_spec, 32] int32 on the device; zero past counts
+        self.q_weights = q_weights  # a sampled engine's: [n, num_spec, 32] uint16 on the device; zero past counts
+        # With a tp_group (engine.tp.launch), on every rank, in stream order: the round's
+        # Outcome value (int32 [1]) and resync as a mask (bool [max_slots]; all set with
+        # resync_all). A rank other than 0 has only these: its round, resync and resync_all are None.
+        self.outcome = outcome
+        self.resync_mask = resync_mask
 
 
 def round_tensors(n: int, k: int, sampled: bool, device) -> tuple[torch.Tensor, ...]:

@@ -56,7 +56,7 @@ class Asked:
     want_sampled: bool = False  # the session asked for sampled drafts' distributions (HELLO)
 
 
-def check_reply(d: wire.Drafts, asked: Asked) -> None:
+def check_reply(d: wire.DraftsFrame, asked: Asked) -> None:
     """Hold the decoded DRAFTS ``d`` to ``asked`` (the rules in the module docstring),
     with whole-array operations: no loop over entries.
 
@@ -117,7 +117,9 @@ def check_reply(d: wire.Drafts, asked: Asked) -> None:
     raise wire.ProtocolError(f"entry {e}: margin {float(margins[e, j]):g} not in [0, 1]")
 
 
-def _check_distributions(d: wire.Drafts, n: int, width: int, live: np.ndarray, tokens: np.ndarray, vocab: int) -> None:
+def _check_distributions(
+    d: wire.DraftsFrame, n: int, width: int, live: np.ndarray, tokens: np.ndarray, vocab: int
+) -> None:
     """Rule 5 (module docstring) over the counted positions ``live`` [n, width].
 
     Raises: wire.ProtocolError naming the entry, the draft and what is wrong."""

@@ -134,7 +134,7 @@ def drafts(
     want = hello.want_margin if margins is None else margins
     marg = [margin if j < counts[i] else 0.0 for i in range(n) for j in range(width)] if want else None
     q = sampled_q(counts, width, q_edit) if hello.want_sampled else (None, None)
-    d = wire.Drafts(
+    d = wire.DraftsFrame(
         rnd.round_id if round_id is None else round_id,
         list(rnd.slots),
         counts,

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tp_ranks import run_ranks
 
 from remote_dspark.engine.observe.stats import EngineCounts
-from remote_dspark.engine.paths.handoff import Launched
 from remote_dspark.engine.tp.launch import FAILED, FLAGS, HEAD, RecordLayout
+from remote_dspark.engine.values.drafts import Launched
 from remote_dspark.outcome import Outcome
 
 M, K = 6, 3

@@ -107,7 +107,7 @@ def payload(slots=(3, 1), counts=(2, 3), statuses=(0, 0), width=3, tokens=None, 
     for (i, j), v in (margins or {}).items():
         mar[i * width + j] = v
     with_margins = margins is not False if flags is None else bool(flags)
-    d = wire.Drafts(
+    d = wire.DraftsFrame(
         1, list(slots), list(counts), list(statuses), width, tok, mar if with_margins and margins is not False else None
     )
     return wire.encode_drafts(d, SESSION)[wire.HEADER.size :]
@@ -118,7 +118,7 @@ def sampled_payload() -> bytes:
     body = payload()
     d = wire.decode_drafts(wire.Header(wire.DRAFTS, len(body), SESSION, 1), body)
     grid = 2 * d.width * wire.SAMPLED_TOP
-    q = wire.Drafts(1, d.slots, d.counts, d.statuses, d.width, d.tokens, d.margins, [0] * grid, [0] * grid)
+    q = wire.DraftsFrame(1, d.slots, d.counts, d.statuses, d.width, d.tokens, d.margins, [0] * grid, [0] * grid)
     return wire.encode_drafts(q, SESSION)[wire.HEADER.size :]
 
 
@@ -368,7 +368,7 @@ def valid_reply(draw):
 
 def encoded(f: dict) -> bytes:
     return wire.encode_drafts(
-        wire.Drafts(1, f["slots"], f["counts"], f["statuses"], f["width"], f["tokens"], f["margins"]), SESSION
+        wire.DraftsFrame(1, f["slots"], f["counts"], f["statuses"], f["width"], f["tokens"], f["margins"]), SESSION
     )[wire.HEADER.size :]
 
 
@@ -562,7 +562,7 @@ HONEST_S = 7
 
 
 def s_encoded(f: dict) -> bytes:
-    d = wire.Drafts(
+    d = wire.DraftsFrame(
         1,
         f["slots"],
         f["counts"],
@@ -831,7 +831,7 @@ def test_c_holds_every_position_of_a_256_by_5_sampled_reply_to_the_rule(lib):
         ids = rng.permutation(1 << 17)[: 256 * 5 * TOP].reshape(256 * 5, TOP).astype(np.int32)
         w = np.full((256 * 5, TOP), wire.SAMPLED_TOTAL // TOP, np.uint16)
         w[:, 0] += wire.SAMPLED_TOTAL - int(w[0].sum())
-        d = wire.Drafts(
+        d = wire.DraftsFrame(
             1,
             list(range(256)),
             [5] * 256,

@@ -16,7 +16,7 @@ VOCAB = 100
 SLOTS = np.array([3, 1], np.uint32)
 
 
-def reply(counts=(2, 1), width=3, edit=None, sampled=True) -> wire.Drafts:
+def reply(counts=(2, 1), width=3, edit=None, sampled=True) -> wire.DraftsFrame:
     """A decoded DRAFTS for slots 3 and 1: draft j of entry i is token 10 * i + j, its
     distribution ids 10 * i + j + 0..31 with the whole weight on the first (the draft);
     zeros past counts, then ``edit(ids, weights, tokens)`` in place ([n, width, 32])."""
@@ -32,7 +32,7 @@ def reply(counts=(2, 1), width=3, edit=None, sampled=True) -> wire.Drafts:
     if edit is not None:
         edit(ids, weights, tokens)
     q = (ids.ravel().tolist(), weights.ravel().tolist()) if sampled else (None, None)
-    d = wire.Drafts(1, SLOTS.tolist(), list(counts), [0] * n, width, tokens.ravel().tolist(), None, *q)
+    d = wire.DraftsFrame(1, SLOTS.tolist(), list(counts), [0] * n, width, tokens.ravel().tolist(), None, *q)
     frame = wire.encode_drafts(d, 7)
     return wire.decode_drafts(wire.decode_header(frame[: wire.HEADER.size]), frame[wire.HEADER.size :])
 

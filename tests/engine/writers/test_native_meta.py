@@ -32,7 +32,19 @@ ROOM = 1 << 16
 
 def _spec(max_tokens=400, vocab_size=0) -> Spec:
     cfg = RemoteConfig.from_env(drafter_env(MarkovDrafter(COUNTING), 1, VLLM_DSPARK_REMOTE_TIMEOUT_MS="250"))
-    return Spec(cfg, NUM_SPEC, MAX_SLOTS, ROW_BYTES, max_tokens, 2, "cpu", Mode.of(cfg), 1, {}, vocab_size=vocab_size)
+    return Spec(
+        cfg=cfg,
+        num_spec=NUM_SPEC,
+        max_slots=MAX_SLOTS,
+        row_bytes=ROW_BYTES,
+        max_tokens=max_tokens,
+        depth=2,
+        device="cpu",
+        mode=Mode.of(cfg),
+        engine_id=1,
+        environ={},
+        vocab_size=vocab_size,
+    )
 
 
 def _as(values, dtype, kind):

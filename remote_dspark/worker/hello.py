@@ -1,0 +1,72 @@
+"""A served connection's HELLO: its verdict, and the HELLO_ACK that tells it.
+
+The verdict (:func:`judge_hello`) is the HELLO's checks (identities, vocabulary, this
+worker's limits and a drafting call's budget: :func:`~remote_dspark.worker.limits.hello_refusal`),
+then a place among the engines (:meth:`~remote_dspark.worker.sessions.Sessions.admit`):
+the engine's own (a new session replaces the old one's windows), a free one, or the
+least recently served one's if it has idled ``recent_s``; else "busy". The worker
+counts it, then sends the ack (:func:`hello_ack`): once the engine side has an ACCEPT,
+the old windows are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+
+from .. import wire
+from .limits import Limits, hello_refusal
+from .sessions import Session, Sessions
+
+log = logging.getLogger("remote_dspark.worker")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a HELLO gets: ``session`` admitted (``code`` ``wire.ACCEPT``), or refused with
+    ``code``, ``reason`` (for the engine's log) and ``why`` (the refusal's counter);
+    ``evicted``, the session that made room for it, if one did."""
+
+    code: int
+    reason: str
+    why: str
+    session: Session | None = None
+    evicted: Session | None = None
+
+
+def judge_hello(
+    hdr: wire.Header,
+    hello: wire.Hello,
+    conn: socket.socket | None,
+    drafter,
+    limits: Limits,
+    call_tokens: int,
+    sessions: Sessions,
+) -> Verdict:
+    """The verdict on ``hello`` (its header ``hdr``, on ``conn``) for a worker serving
+    ``drafter`` under ``limits`` with a drafting call's budget of ``call_tokens``; an
+    admitted session holds its place in ``sessions`` from now on."""
+    code, reason, why = hello_refusal(drafter, limits, hello, limits.window, call_tokens)
+    if code != wire.ACCEPT:
+        log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
+        return Verdict(code, reason, why)
+    session = Session.of_hello(hdr.session, hello, limits.window, conn)
+    busy, evicted = sessions.admit(session)
+    if busy is not None:
+        log.warning("refused HELLO of session %#x of engine %#x: %s", hdr.session, hello.engine_id, busy)
+        return Verdict(wire.REFUSE_LIMITS, busy, "busy")
+    if evicted is not None:
+        log.info(
+            "engine %#x (session %#x) evicted for engine %#x: served least recently",
+            evicted.engine_id,
+            evicted.session,
+            hello.engine_id,
+        )
+    return Verdict(code, reason, why, session, evicted)
+
+
+def hello_ack(drafter, code: int, reason: str, session: int, window: int) -> bytes:
+    """The HELLO_ACK frame of a worker serving ``drafter`` with ``window`` tokens a slot."""
+    ack = wire.HelloAck(code, drafter.drafter_identity, drafter.markov_identity, reason, context_tokens=window)
+    return wire.encode_hello_ack(ack, session)

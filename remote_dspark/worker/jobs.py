@@ -1,0 +1,85 @@
+"""A round in the scheduler (:mod:`.scheduler`): the :class:`Job` a connection's round
+becomes while it waits for the drafter, its lifecycle as one value (:data:`JobState`),
+and the :class:`Piece` of it one call drafts.
+
+A job is :class:`Pending` from its queueing (``taken`` grows as its pieces go into calls,
+their drafts gathered in ``parts``) until it ends :class:`Answered` (its drafts, or None
+when its deadline passed first) or :class:`Failed` (what its call raised, or the worker
+stopping), and never changes again. The scheduler makes every change under its lock;
+the job's ``done`` event is set with its end and wakes the connection waiting for it.
+(A round that finds the drafter free and is a call whole never enters the queue: no
+other thread sees it, and the call's return is its end.)
+The states are immutable tuples (each made in a fraction of a microsecond: a round's
+path makes two), told apart by their type, never by comparing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import NamedTuple
+
+from ..drafter.contract import DraftBatch, DraftResult
+
+
+class Pending(NamedTuple):
+    """Not answered yet: ``taken`` of its entries drafted or in the call being made (0:
+    none yet; a round more than a call's share is taken in pieces), their drafts gathered
+    in ``parts`` (None until the first piece is drafted)."""
+
+    taken: int = 0
+    parts: DraftResult | None = None
+
+
+class Answered(NamedTuple):
+    """Done: its drafts (None: its deadline passed before a piece was drafted)."""
+
+    result: DraftResult | None
+
+
+class Failed(NamedTuple):
+    """Done: the call it was in raised ``error`` (or the worker stopped first)."""
+
+    error: BaseException
+
+
+# A job's lifecycle: Pending (taken grows, parts gathered) -> Answered | Failed, never back.
+JobState = Pending | Answered | Failed
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One round waiting for the drafter. ``state`` is changed only under the scheduler's
+    lock, and only while it is :class:`Pending`; ``done`` is set with the state that ends
+    it (the waiting connection's wake-up)."""
+
+    session: int
+    batch: DraftBatch
+    deadline: float  # the clock's seconds; math.inf: none
+    cost: int  # the whole round's cost in a call's budget (call_cost)
+    queued: float  # the clock's seconds when it was queued
+    state: JobState = Pending()
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def piece(self, start: int, stop: int) -> DraftBatch:
+        if start == 0 and stop == len(self.batch):
+            return self.batch
+        return self.batch.entries(start, stop)
+
+    def outcome(self) -> DraftResult | None:
+        """Once done: its drafts, or what its call raised."""
+        state = self.state
+        if isinstance(state, Failed):
+            raise state.error
+        assert isinstance(state, Answered), f"a job read while {state}"
+        return state.result
+
+
+class Piece(NamedTuple):
+    """A round's entries in one call: ``batch`` is ``job``'s entries from ``start``;
+    ``cost`` what they spend of the call's budget (:func:`~.batching.entry_costs` summed)."""
+
+    job: Job
+    start: int
+    batch: DraftBatch
+    cost: int
