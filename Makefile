@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@./scripts/ensure-prometheus
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs -n auto --dist loadgroup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -13,12 +13,13 @@ from remote_dspark.worker.faults import Faults
 
 @pytest.fixture(scope="session")
 def lib(tmp_path_factory) -> native.Native:
-    """The hostflag library, built once per test session into the session's temporary
-    directory (never ~/.cache)."""
-    return native.load(
-        environ={"PATH": os.environ.get("PATH", os.defpath)},
-        cache_dir=tmp_path_factory.getbasetemp() / "hostflag-cache",
-    )
+    """The hostflag library, built once per test run into the run's temporary directory
+    (never ~/.cache). Under xdist each worker has a session and a temporary directory of
+    its own below the run's: they share the run's cache, where the first build is renamed
+    into place and the others load it (``native.build`` is safe to race)."""
+    base = tmp_path_factory.getbasetemp()
+    run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return native.load(environ={"PATH": os.environ.get("PATH", os.defpath)}, cache_dir=run / "hostflag-cache")
 
 
 # A loopback worker of helpers.COUNTING for every test that asks for ``worker`` (and its
@@ -56,6 +57,17 @@ def pytest_configure(config):
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The tests' tiny forwards run on one torch thread: its intra-op pool only adds
+    contention on a small machine, the more so beside xdist's other workers."""
+    try:
+        import torch
+    except ImportError:  # the worker's tests run without the engine extra
+        return
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import subprocess
 import sys
@@ -161,19 +162,29 @@ def engine(
 def engine_main() -> None:
     """An engine process (``python -c``): its arguments as a JSON line on stdin, "ready"
     on stdout after announcing, "go" awaited on stdin, its result a JSON line on stdout."""
-    cfg = json.loads(sys.stdin.readline())
+    cfg = json.loads(_stdin_line())
     identities = tuple(bytes.fromhex(h) for h in cfg.pop("identities"))
     if cfg.pop("storm", False):
-        cfg["storm"] = lambda: not select.select([sys.stdin], [], [], 0)[0]  # until a "stop" line
+        cfg["storm"] = lambda: not select.select([0], [], [], 0)[0]  # until a "stop" line
 
     def ready():
         print("ready", flush=True)
 
     def go():
-        if sys.stdin.readline().strip() != "go":
+        if _stdin_line().strip() != "go":
             raise SystemExit("no go")
 
     print(json.dumps(engine(identities=identities, ready=ready, go=go, **cfg)), flush=True)
+
+
+def _stdin_line() -> str:
+    """One line of stdin, read a byte at a time from its descriptor: what follows stays in
+    the pipe, where the storm's select sees it (a buffered readline of "go" could take a
+    "stop" already sent along into its buffer, and the storm would never end)."""
+    got = bytearray()
+    while not got.endswith(b"\n") and (byte := os.read(0, 1)):
+        got += byte
+    return got.decode()
 
 
 def _line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:

@@ -5,8 +5,10 @@ every entry drafted, the goals computed from the rows. No timed assertions."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
+from helpers import CHILD_TIMEOUT_S, child, readline_within
 
 from remote_dspark.cli import main as cli
 
@@ -46,3 +48,24 @@ def test_every_mode_drafts_every_entry_and_the_goals_come_from_the_rows(capsys):
     within = all(r["rss_growth_mb"] <= r["rss_bound_mb"] for r in rows.values())
     assert goals["the worker's memory growth within its bound, every row"]["met"] == within
     assert storm["rss_bound_mb"] > rows["alone"]["rss_bound_mb"]  # three 1024-slot storm connections
+
+
+def test_a_storm_engine_stops_on_a_stop_sent_with_its_go(worker):
+    """Under load a storm engine may read its "go" only after the honest engine is done
+    and "stop" was sent: both lines in the pipe at once. It stops all the same (a
+    buffered readline of "go" once took "stop" along, out of its select's sight, and the
+    storm ran on until the test's timeout)."""
+    cfg = dict(
+        port=worker.port, identities=[worker.drafter.drafter_identity.hex(), worker.drafter.markov_identity.hex()]
+    )
+    cfg.update(engine_id=7, slots=2, rounds=1, k=3, warmup=0, storm=True)
+    code = "from remote_dspark.bench.worker_engines import engine_main; engine_main()"
+    with child(code, stdin=subprocess.PIPE) as proc:
+        proc.stdin.write(json.dumps(cfg) + "\n")
+        proc.stdin.flush()
+        assert readline_within(proc.stdout, CHILD_TIMEOUT_S, "ready") == "ready\n"
+        proc.stdin.write("go\nstop\n")  # one write: the engine finds both lines at once
+        proc.stdin.flush()
+        latencies, entries, drafted, span = json.loads(readline_within(proc.stdout, CHILD_TIMEOUT_S, "the result"))
+        assert latencies == [] and span == [] and drafted >= 0 and entries >= 0
+        assert proc.wait(CHILD_TIMEOUT_S) == 0

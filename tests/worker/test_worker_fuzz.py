@@ -21,6 +21,9 @@ from remote_dspark.worker import Worker
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
 MAX_CONNECTIONS, MAX_PENDING = 4, 8
+# The last test serves an honest engine on the worker the fuzz hammered: under xdist
+# (--dist loadgroup) the module's tests stay on one worker, in file order.
+pytestmark = pytest.mark.xdist_group("worker_fuzz")
 
 
 @pytest.fixture(scope="module")
