@@ -189,11 +189,15 @@ def shadow_on_every_rank(rank, group, env, tmp_path) -> dict:
 
 # --------------------------------------------------------------------------- tests
 
+# Rounds these tests need answered OK get a 2 s deadline, not the 50 ms default, which a
+# loaded machine (the suite's parallel run) can miss.
+OK_WITHIN = {"VLLM_DSPARK_REMOTE_TIMEOUT_MS": "2000"}
+
 
 @pytest.mark.parametrize("mode", ["sync", "process"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp_path, backend, mode):
-    env = env_for(worker.port, tmp_path, Mode(mode))
+    env = env_for(worker.port, tmp_path, Mode(mode), **OK_WITHIN)
     r0, r1 = run_ranks(tmp_path, drafts_and_roles, [env, env], backend=backend)
     assert r0["drafts"] == r1["drafts"]
     assert r0["drafts"][0] == [[[2, 3, 4], [4, 1, 2]], [3, 3], "ok", "remote"]
@@ -241,7 +245,7 @@ def test_a_strict_start_failure_on_rank0_raises_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_bad_batch_raises_on_every_rank_and_the_ranks_stay_in_step(worker, tmp_path, backend):
-    env = env_for(worker.port, tmp_path)
+    env = env_for(worker.port, tmp_path, **OK_WITHIN)
     r0, r1 = run_ranks(tmp_path, bad_batch_then_in_step, [env, env], backend=backend)
     assert r0["error"]["type"] == r1["error"]["type"] == "builtins.ValueError"
     assert r0["error"]["message"] == r1["error"]["message"] == "slots: 9 out of 0..3"
@@ -345,7 +349,7 @@ def sampled_rounds(rank, group, env, tmp_path) -> dict:
 def test_a_sampled_rounds_drafts_and_q_reach_every_rank(sampling_worker, tmp_path, backend):
     from remote_dspark.sampled import TOTAL, violation
 
-    env = env_for(sampling_worker.port, tmp_path, Mode.SYNC, VLLM_DSPARK_SAMPLED_TOP32="1")
+    env = env_for(sampling_worker.port, tmp_path, Mode.SYNC, VLLM_DSPARK_SAMPLED_TOP32="1", **OK_WITHIN)
     r0, r1 = run_ranks(tmp_path, sampled_rounds, [env, env], backend=backend)
     assert r0 == r1
     assert r0["q_dtypes"] == ["torch.int32", "torch.uint16"]
