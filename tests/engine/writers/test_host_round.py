@@ -320,8 +320,11 @@ def test_an_engines_rounds_are_the_same_with_the_c_calls_as_without(worker, tmp_
         batch(slots=(3, 0, 1), tokens=((5, 6, 7), (4,), (1,)), positions=(0, 3, 2), new=False),
     ]
     got = {}
+    # Every round is to come back OK: a deadline a loaded machine (xdist's other worker
+    # beside the proxy) cannot pass, not the 50 ms default.
+    env = async_env(worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000")
     for host in (True, False):
-        with make(async_env(worker.port, tmp_path, mode)) as rd:
+        with make(env) as rd:
             handoff, calls = rd._path.handoff, []
             handoff._host_round._round = functools.partial(_counted, handoff._host_round._round, calls)
             if not host:  # the Python steps
