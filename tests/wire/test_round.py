@@ -1,82 +1,124 @@
-"""Sampled drafts on the wire (protocol 6): HELLO's options byte and the sampled caps,
-ROUND's temperature and seed sections, DRAFTS' distributions; an unsampled ROUND is
-protocol 5's byte for byte but the header's version."""
+"""ROUND (wire.round): round trips, the sections every reader indexes, the field rules
+and caps; sampled sessions' temperature and seed sections (protocol 6), where an
+unsampled ROUND is protocol 5's byte for byte but the header's version."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_wire import rounds
+from wire_cases import i32, split, u32
 
 from remote_dspark import wire
-from remote_dspark.drafter import sampling
-
-IDS = (b"\x11" * 32, b"\x22" * 32)
-u32 = st.integers(0, 2**32 - 1)
-i32 = st.integers(-(2**31), 2**31 - 1)
 
 
-def split(frame: bytes):
-    hdr = wire.decode_header(frame[: wire.HEADER.size])
-    return hdr, frame[wire.HEADER.size :]
+@st.composite
+def rounds(draw, sampled: bool = False):
+    """(round id, deadline, entries, rows, row_bytes); ``sampled``: each entry with a
+    temperature (finite, >= 0: -0.0 included, it is 0) and a u64 seed."""
+    row_bytes = draw(st.integers(0, 64))
+    per_entry = {"temperature": st.floats(0, 2.0**100, width=32), "seed": st.integers(0, 2**64 - 1)} if sampled else {}
+    entries = draw(
+        st.lists(
+            st.builds(
+                wire.Entry,
+                slot=u32,
+                n_out=st.integers(0, wire.MAX_N_OUT),
+                position=u32,
+                tokens=st.lists(i32, max_size=20).map(tuple),
+                new_gen=st.booleans(),
+                **per_entry,
+            ),
+            max_size=12,
+        )
+    )
+    rows = draw(st.binary(min_size=len(entries) * row_bytes, max_size=len(entries) * row_bytes))
+    return draw(u32), draw(u32), entries, rows, row_bytes
 
 
-def hello(**kw) -> wire.Hello:
-    fields = dict(engine_id=7, max_slots=8, row_bytes=4, num_spec=3, vocab_size=100)
-    fields.update(kw)
-    return wire.Hello(*IDS, **fields)
+def round_payload(entries, row_bytes=0) -> bytearray:
+    return bytearray(
+        wire.encode_round_entries(1, 1, 50, entries, bytes(len(entries) * row_bytes), row_bytes)[wire.HEADER.size :]
+    )
 
 
-def test_the_sampled_constants_are_the_rule_s():
-    assert (wire.SAMPLED_TOP, wire.SAMPLED_TOTAL) == (sampling.TOP, sampling.TOTAL) == (32, 65535)
-    assert (wire.OPTION_MARGINS, wire.OPTION_SAMPLED, wire.DRAFTS_SAMPLED) == (1, 2, 2)
-    # The caps keep a sampled DRAFTS' distributions at 3 MiB: 1024 x 16 x 32 x 6 B.
-    assert wire.MAX_SAMPLED_ENTRIES * wire.MAX_SAMPLED_N_OUT * wire.SAMPLED_TOP * 6 == 3 << 20
+@given(rounds(), st.integers(0, 2**64 - 1))
+def test_round_round_trip(r, session):
+    round_id, deadline_ms, entries, rows, row_bytes = r
+    hdr, payload = split(wire.encode_round_entries(round_id, session, deadline_ms, entries, rows, row_bytes))
+    back = wire.decode_round(hdr, payload)
+    assert (back.round_id, back.deadline_ms, back.row_bytes) == (round_id, deadline_ms, row_bytes)
+    assert back.entries() == [wire.Entry(e.slot, e.n_out, e.position, list(e.tokens), e.new_gen) for e in entries]
+    assert bytes(back.rows) == rows and len(back) == len(entries)
 
 
-# --------------------------------------------------------------------------- HELLO
+def test_round_sections_are_the_arrays_end_to_end():
+    """The layout the engine, the proxy's C and the worker all index: u32 arrays, then
+    the tokens, then the rows, every section but the rows 4-byte aligned."""
+    entries = [wire.Entry(3, 5, 10, (1, 2)), wire.Entry(7, 4, 0, (4, 5, 6), new_gen=True)]
+    frame = wire.encode_round_entries(11, 5, 50, entries, bytes(range(2 * 3)), 3)
+    payload = frame[wire.HEADER.size :]
+    sec = wire.round_sections(2, 5, 3)
+    assert struct.unpack_from("<4I", payload) == (50, 2, 3, 5)
+    assert struct.unpack_from("<2I", payload, sec.slots) == (3, 7)
+    assert struct.unpack_from("<2I", payload, sec.positions) == (10, 0)
+    assert struct.unpack_from("<2I", payload, sec.n_out) == (5, 4)
+    assert struct.unpack_from("<2I", payload, sec.flags) == (0, wire.FLAG_NEW_GEN)
+    assert struct.unpack_from("<3I", payload, sec.offsets) == (0, 2, 5)
+    assert struct.unpack_from("<5i", payload, sec.tokens) == (1, 2, 4, 5, 6)
+    assert payload[sec.rows :] == bytes(range(6)) and sec.size == len(payload)
+    assert sec.tokens == wire.round_meta_bytes(2) and sec.tokens % 4 == 0
 
 
-@given(st.booleans(), st.booleans(), st.integers(1, wire.MAX_SAMPLED_ENTRIES), st.integers(1, wire.MAX_SAMPLED_N_OUT))
-def test_hello_options_round_trip_and_are_byte_83(margin, sampled, slots, num_spec):
-    h = hello(want_margin=margin, want_sampled=sampled, max_slots=slots, num_spec=num_spec)
-    hdr, payload = split(wire.encode_hello(h, 9))
-    assert payload[83] == (1 if margin else 0) | (2 if sampled else 0) == h.options
-    assert wire.decode_hello(payload) == h
-
-
-@pytest.mark.parametrize("options", [0x04, 0x08, 0x80, 0x07, 0xFF])
-def test_an_unknown_option_bit_is_refused_naming_it(options):
-    payload = bytearray(split(wire.encode_hello(hello(), 9))[1])
-    payload[83] = options
-    with pytest.raises(wire.ProtocolError, match=f"unknown bits {options & ~3:#04x}"):
-        wire.decode_hello(bytes(payload))
+def test_huge_counts_in_small_round_refused():
+    payload = wire.ROUND_FIXED.pack(50, wire.MAX_ENTRIES + 1, 16, 0)
+    hdr = wire.decode_header(wire.encode_header(wire.ROUND, len(payload)))
+    with pytest.raises(wire.ProtocolError, match="entries over the cap"):
+        wire.decode_round(hdr, payload)
+    payload = wire.ROUND_FIXED.pack(50, 1, 16, 2**30)
+    with pytest.raises(wire.ProtocolError, match="tokens over the cap"):
+        wire.decode_round(hdr, payload)
 
 
 @pytest.mark.parametrize(
-    "field,value,cap",
+    "section, index, value, why",
     [
-        ("num_spec", wire.MAX_SAMPLED_N_OUT + 1, "MAX_SAMPLED_N_OUT=16"),
-        ("max_slots", wire.MAX_SAMPLED_ENTRIES + 1, "MAX_SAMPLED_ENTRIES=1024"),
+        ("offsets", 1, 4, "offsets go back"),  # entry 0 claims 4 of the 3 tokens before entry 1's
+        ("offsets", 0, 1, "offsets run from 1 to 3"),
+        ("offsets", 2, 2, "offsets run from 0 to 2, expected 0 to n_tokens=3"),
+        ("flags", 1, 2, "unknown bits 0x2"),
+        ("n_out", 0, wire.MAX_N_OUT + 1, f"n_out: {wire.MAX_N_OUT + 1} over the cap"),
     ],
 )
-def test_a_sampled_hello_over_the_sampled_caps_is_refused_naming_value_and_cap(field, value, cap):
-    with pytest.raises(ValueError, match=f"{field} {value} over the sampled cap {cap}"):
-        wire.encode_hello(hello(want_sampled=True, **{field: value}), 1)
-    unsampled = split(wire.encode_hello(hello(**{field: value}), 1))[1]  # fine without sampling
-    assert wire.decode_hello(unsampled).want_sampled is False
-    payload = bytearray(unsampled)
-    payload[83] = wire.OPTION_SAMPLED
-    with pytest.raises(wire.ProtocolError, match=f"{field} {value} over the sampled cap {cap}"):
-        wire.decode_hello(bytes(payload))
+def test_round_field_rules_are_protocol_errors(section, index, value, why):
+    entries = [wire.Entry(0, 5, 0, (1, 2)), wire.Entry(1, 5, 0, (3,))]
+    payload = round_payload(entries)
+    struct.pack_into("<I", payload, getattr(wire.round_sections(2, 3, 0), section) + 4 * index, value)
+    hdr = wire.decode_header(wire.encode_header(wire.ROUND, len(payload)))
+    with pytest.raises(wire.ProtocolError, match=why):
+        wire.decode_round(hdr, payload)
 
 
-# --------------------------------------------------------------------------- ROUND
+def test_round_length_must_match_its_fields():
+    payload = round_payload([wire.Entry(0, 5, 0, (1, 2, 3))], row_bytes=4)
+    hdr = wire.decode_header(wire.encode_header(wire.ROUND, len(payload) - 1))
+    with pytest.raises(wire.ProtocolError, match="its fields say"):
+        wire.decode_round(hdr, payload[:-1])
+
+
+def test_encoder_refuses_caps():
+    with pytest.raises(ValueError, match="n_out"):
+        wire.encode_round_entries(1, 1, 50, [wire.Entry(0, wire.MAX_N_OUT + 1, 0, ())], b"", 0)
+    with pytest.raises(ValueError, match="rows do not match"):
+        wire.encode_round_entries(1, 1, 50, [wire.Entry(0, 1, 0, ())], b"xy", 4)
+    with pytest.raises(ValueError, match="num_spec"):
+        wire.encode_hello(wire.Hello(bytes(32), bytes(32), 1, 4, 0, 0), 1)
+
+
+# --------------------------------------------------------------------------- sampled
 
 
 @given(rounds(sampled=True))
@@ -189,60 +231,6 @@ def test_arbitrary_sampled_round_payloads_raise_only_protocol_errors(payload, rn
         wire.decode_round(hdr, payload, sampled=True)
     except wire.ProtocolError:
         pass
-
-
-# --------------------------------------------------------------------------- DRAFTS
-
-
-@st.composite
-def sampled_drafts(draw):
-    n = draw(st.integers(0, 6))
-    width = draw(st.integers(0, 4))
-    size = n * width * wire.SAMPLED_TOP
-    margins = draw(st.none() | st.lists(st.floats(0, 1, width=32), min_size=n * width, max_size=n * width))
-    return wire.DraftsFrame(
-        draw(u32),
-        draw(st.lists(u32, min_size=n, max_size=n)),
-        draw(st.lists(st.integers(0, width), min_size=n, max_size=n)),
-        draw(st.lists(st.sampled_from([wire.STATUS_OK, wire.STATUS_RESYNC]), min_size=n, max_size=n)),
-        width,
-        tuple(draw(st.lists(i32, min_size=n * width, max_size=n * width))),
-        None if margins is None else tuple(margins),
-        tuple(draw(st.lists(i32, min_size=size, max_size=size))),
-        tuple(draw(st.lists(st.integers(0, 65535), min_size=size, max_size=size))),
-    )
-
-
-@given(sampled_drafts())
-def test_drafts_with_distributions_round_trip(d):
-    hdr, payload = split(wire.encode_drafts(d, 3))
-    n, margins = len(d.slots), d.margins is not None
-    assert struct.unpack_from("<IHH", payload) == (n, d.width, (1 if margins else 0) | wire.DRAFTS_SAMPLED)
-    sec = wire.drafts_sections(n, d.width, margins, sampled=True)
-    assert sec.size == len(payload) and sec.q_ids == sec.margins + (4 * n * d.width if margins else 0)
-    assert sec.q_weights == sec.q_ids + 128 * n * d.width and sec.size == sec.q_weights + 64 * n * d.width
-    back = wire.decode_drafts(hdr, payload)
-    assert back.sampled and list(back.q_ids) == list(d.q_ids) and list(back.q_weights) == list(d.q_weights)
-    assert list(back.tokens) == list(d.tokens) and (back.margins is None) == (not margins)
-    assert wire.drafts_sections(n, d.width, margins) == wire.drafts_sections(n, d.width, margins, False)
-    plain = dataclasses.replace(d, q_ids=None, q_weights=None)
-    assert wire.decode_drafts(*split(wire.encode_drafts(plain, 3))).q_ids is None
-
-
-def test_a_sampled_drafts_over_the_sampled_caps_is_refused():
-    n, width = wire.MAX_SAMPLED_ENTRIES, wire.MAX_SAMPLED_N_OUT + 1
-    payload = wire.DRAFTS_FIXED.pack(n, width, wire.DRAFTS_SAMPLED)
-    hdr = wire.decode_header(wire.encode_header(wire.DRAFTS, len(payload)))
-    with pytest.raises(wire.ProtocolError, match="sampled DRAFTS of 1024 entries x 17 over the caps 1024 x 16"):
-        wire.decode_drafts(hdr, payload)
-    with pytest.raises(wire.ProtocolError, match="unknown flags 0x4"):
-        wire.decode_drafts(hdr, wire.DRAFTS_FIXED.pack(0, 0, 4))
-
-
-def test_the_drafts_frame_cap_holds_a_full_sampled_reply_and_a_full_greedy_one():
-    sampled = wire.drafts_sections(wire.MAX_SAMPLED_ENTRIES, wire.MAX_SAMPLED_N_OUT, True, True).size
-    greedy = wire.drafts_sections(wire.MAX_ENTRIES, wire.MAX_N_OUT, True).size
-    assert wire.frame_cap(wire.DRAFTS) == max(sampled, greedy) == sampled
 
 
 @pytest.mark.parametrize("seed", [2**64, -1])

@@ -1,9 +1,7 @@
-"""Authentication at HELLO, the contract's part (protocol 5): a HELLO with or without the
-engine's nonce, the AUTH frames, and the two proofs (wire.auth)."""
+"""Authentication (wire.auth), the contract's part (protocol 5): the AUTH frames and the
+two proofs. A HELLO with or without the engine's nonce: test_hello.py."""
 
 from __future__ import annotations
-
-import struct
 
 import pytest
 
@@ -11,45 +9,7 @@ from remote_dspark import wire
 from remote_dspark.wire import auth
 
 IDS = (b"\x11" * 32, b"\x22" * 32)
-HELLO = wire.Hello(*IDS, engine_id=7, max_slots=8, row_bytes=4, num_spec=3, vocab_size=100)
 KEY = b"k" * 32
-
-
-def test_the_protocol_is_version_6_and_a_version_5_peer_is_refused():
-    assert wire.PROTOCOL_VERSION == 6  # 6: sampled drafts (tests/wire/test_sampled_wire.py)
-    frame = bytearray(wire.encode_bye())
-    struct.pack_into("<H", frame, 4, 5)
-    with pytest.raises(wire.VersionMismatch, match="protocol version 5, this side speaks 6"):
-        wire.decode_header(bytes(frame))
-
-
-def test_a_hello_without_a_key_is_the_88_byte_hello_of_before():
-    frame = wire.encode_hello(HELLO, 9)
-    hdr = wire.decode_header(frame[: wire.HEADER.size])
-    assert hdr.payload_len == wire.HELLO_STRUCT.size == 88
-    fields = (*IDS, 7, 8, 4, 3, 0, 0, 100)
-    assert frame[wire.HEADER.size :] == wire.HELLO_STRUCT.pack(*fields)
-    assert wire.decode_hello(frame[wire.HEADER.size :]).nonce == b""
-
-
-def test_an_engine_with_a_key_appends_its_nonce_and_it_round_trips():
-    nonce = auth.new_nonce()
-    frame = wire.encode_hello(wire.Hello(*IDS, 7, 8, 4, 3, vocab_size=100, nonce=nonce), 9)
-    assert wire.decode_header(frame[: wire.HEADER.size]).payload_len == 88 + 32 == wire.frame_cap(wire.HELLO)
-    assert frame[-32:] == nonce and wire.decode_hello(frame[wire.HEADER.size :]).nonce == nonce
-    assert auth.new_nonce() != nonce  # fresh per call
-
-
-@pytest.mark.parametrize("size", [87, 89, 119, 121])
-def test_a_hello_of_another_length_is_a_protocol_error(size):
-    payload = (wire.encode_hello(HELLO, 1)[wire.HEADER.size :] + bytes(64))[:size]
-    with pytest.raises(wire.ProtocolError, match=f"HELLO payload of {size} bytes"):
-        wire.decode_hello(payload)
-
-
-def test_a_nonce_is_32_bytes_or_none():
-    with pytest.raises(ValueError, match="a nonce is 32 bytes"):
-        wire.encode_hello(wire.Hello(*IDS, 7, 8, 4, 3, nonce=b"short"), 1)
 
 
 def test_the_auth_frames_round_trip_and_other_lengths_are_refused():
@@ -65,15 +25,6 @@ def test_the_auth_frames_round_trip_and_other_lengths_are_refused():
         auth.decode_challenge(proof)
     with pytest.raises(wire.ProtocolError, match="AUTH from the engine of 64 bytes"):
         auth.decode_answer(nonce + proof)
-
-
-def test_a_hello_ack_may_refuse_auth_and_no_code_past_it():
-    ack = wire.encode_hello_ack(wire.HelloAck(wire.REFUSE_AUTH, *IDS, "auth", context_tokens=0), 3)
-    assert wire.decode_hello_ack(ack[wire.HEADER.size :]).code == wire.REFUSE_AUTH == 6
-    bad = bytearray(ack[wire.HEADER.size :])
-    bad[1] = wire.REFUSE_AUTH + 1
-    with pytest.raises(wire.ProtocolError, match="reason code 7"):
-        wire.decode_hello_ack(bytes(bad))
 
 
 def _transcript():
