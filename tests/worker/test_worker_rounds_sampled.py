@@ -1,7 +1,8 @@
 """The worker serves sampled sessions (protocol 6) over loopback sockets: each draft is
 the rule's pick from the distribution the reply carries, at the entry's seed and
 absolute position; temperature 0 drafts as a greedy session does; a drafter that cannot
-sample is refused at HELLO; a garbled sampled ROUND costs only its connection."""
+sample is refused at HELLO; a garbled sampled ROUND costs only its connection. The
+greedy round logic: test_worker_rounds.py; a sampled session's frame cap: test_limits.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from remote_dspark.drafter.sampling import TOTAL, check_sampled, pick, uniform_u
 from remote_dspark.transport import Disconnected, parse_endpoint
 from remote_dspark.transport.client import DraftClient, Refused
 from remote_dspark.worker import Worker
-from remote_dspark.worker.limits import Limits, hello_refusal
 
 WINDOW, SLOTS, K = 16, 8, 4
 VOCAB = 128  # the synthetic language's
@@ -151,12 +151,3 @@ def test_a_garbled_sampled_round_drops_only_that_connection(worker):
     finally:
         c.close()
         healthy.close()
-
-
-def test_the_frame_cap_of_a_sampled_session_holds_its_temperatures_and_seeds():
-    limits = Limits(max_slots=1024, window=WINDOW)
-    w = type("W", (), {"drafter": MarkovDrafter(builtin_model())})
-    h = hello(w, max_slots=1024, row_bytes=8192)
-    greedy = limits.frame_cap(hello(w, max_slots=1024, row_bytes=8192, want_sampled=False))
-    assert limits.frame_cap(h) == greedy + 12 * 1024 == limits.max_round_bytes
-    assert hello_refusal(w.drafter, limits, h, WINDOW)[0] == wire.ACCEPT

@@ -1,6 +1,6 @@
-"""The worker's window is the context it negotiates: HELLO_ACK names it, and its token
-limit per slot follows it, so a worker of ``--window 256`` takes 256-token NEW_GEN
-contexts."""
+"""The worker's windows (remote_dspark.worker.windows) are the context it negotiates:
+HELLO_ACK names the window, and a worker of ``--window 256`` takes 256-token NEW_GEN
+contexts whole in every slot. The token limit per slot that follows it: test_limits.py."""
 
 import pytest
 
@@ -10,7 +10,6 @@ from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.transport.client import DraftClient
 from remote_dspark.worker import Worker
-from remote_dspark.worker.limits import Limits, tokens_per_slot
 
 MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 SLOTS = 4
@@ -42,21 +41,6 @@ def test_hello_ack_names_the_workers_window(window):
             assert c.ack.accepted and c.ack.context_tokens == window
         finally:
             c.close()
-
-
-def test_the_token_limit_per_slot_is_the_window_and_a_rounds_append():
-    assert tokens_per_slot(64) == 128  # the default worker's, as before
-    assert Limits(max_slots=SLOTS, window=256).max_round_tokens == SLOTS * (256 + wire.MAX_N_OUT)
-    assert Limits(max_slots=SLOTS).max_round_tokens == SLOTS * 128
-    assert Limits(max_slots=SLOTS, window=256, max_round_tokens=10).max_round_tokens == 10  # an explicit one wins
-
-
-@pytest.mark.parametrize("window", [0, wire.MAX_CONTEXT + 1])
-def test_a_window_outside_the_wire_is_refused_naming_it(window):
-    with pytest.raises(ValueError, match=f"window {window}: not in 1..{wire.MAX_CONTEXT}"):
-        Limits(window=window)
-    with pytest.raises(ValueError, match=f"window {window}"):
-        Worker(MarkovDrafter(MODEL), "127.0.0.1", 0, window=window)
 
 
 def test_a_worker_of_window_256_takes_256_token_contexts_in_every_slot():
