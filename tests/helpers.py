@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from remote_dspark import native, wire
-from remote_dspark.drafter.markov import MarkovModel
+from remote_dspark.drafter.markov import MarkovDrafter, MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.transport.client import DraftClient
 
@@ -328,3 +328,20 @@ def samples(text: str) -> dict[tuple, float]:
 def value(text: str, name: str, **labels) -> float:
     """One sample's value; KeyError when the exposition lacks it."""
     return samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+# A four-token cycle: every context the drafter sees is easy to name in an assertion.
+CYCLE4 = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+
+
+class ContextsSeen(MarkovDrafter):
+    """A Markov drafter of CYCLE4 that records each entry's context as it got it (the
+    worker's window of it)."""
+
+    def __init__(self):
+        super().__init__(CYCLE4)
+        self.contexts: list[list[int]] = []
+
+    def draft(self, context, n_out, row):
+        self.contexts.append([int(t) for t in context])
+        return super().draft(context, n_out, row)

@@ -10,14 +10,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import env_for
+from helpers import CYCLE4, ContextsSeen, env_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
-from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.engine import Batch, Mode, RemoteDSpark
 from remote_dspark.engine.values.meta import host_meta, write_meta
 from remote_dspark.engine.writers import device_meta
@@ -25,22 +23,10 @@ from remote_dspark.engine.writers.device_meta import write_meta_in_stream
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
 
-MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+MODEL = CYCLE4
 SLOTS, K = 4, 3
 ROWS = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 LONG = list(range(5, 305))  # a NEW_GEN context of 300 tokens
-
-
-class ContextsSeen(MarkovDrafter):
-    """Records each entry's context as the worker's drafter got it (its window)."""
-
-    def __init__(self):
-        super().__init__(MODEL)
-        self.contexts: list[list[int]] = []
-
-    def draft(self, context, n_out, row):
-        self.contexts.append([int(t) for t in context])
-        return super().draft(context, n_out, row)
 
 
 def make(env, **kw) -> RemoteDSpark:

@@ -3,28 +3,15 @@ HELLO_ACK names the window, and a worker of ``--window 256`` takes 256-token NEW
 contexts whole in every slot. The token limit per slot that follows it: test_limits.py."""
 
 import pytest
+from helpers import CYCLE4, ContextsSeen
 
 from remote_dspark import wire
-from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.transport.client import DraftClient
 from remote_dspark.worker import Worker
 
-MODEL = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
+MODEL = CYCLE4
 SLOTS = 4
-
-
-class ContextsSeen(MarkovDrafter):
-    """Records each entry's context as the drafter got it."""
-
-    def __init__(self):
-        super().__init__(MODEL)
-        self.contexts: list[list[int]] = []
-
-    def draft(self, context, n_out, row):
-        self.contexts.append([int(t) for t in context])
-        return super().draft(context, n_out, row)
 
 
 def connect(w: Worker, drafter) -> DraftClient:
