@@ -378,3 +378,41 @@ def test_a_tp_run_has_the_single_rank_launch_row_and_one_per_rank(capfd, backend
         assert r["rounds"] == 5 and r["not_ok"] == 0 and r["outcomes"]["ok"] >= 5 and 0 < r["p50_ms"]
     assert all(r["cpu_x_plain"] > 0 for r in rows[1:])
     assert rows[1]["worker_ms"] is not None  # the worker's time goes with rank 0's row
+
+
+def test_the_mac_row_is_opt_in_and_reports_its_share_of_the_process_round(capsys):
+    """``mac`` is never in the default rows; named, it tags and checks a DRAFTS frame of
+    the round's exact size, and ``x_process`` is its p50 over the process row's."""
+    assert "mac" not in round_options.options(parse(["round"])).modes
+    rc, out, err = bench(["--slots", "8", "--rounds", "5", "--modes", "mac,floor", "--sampled", "--json"], capsys)
+    assert rc == 0, err
+    rows = {(r["mode"], r["sampled"]): r for r in json.loads(out)["rows"]}
+    assert [m for m, _ in rows] == ["floor", "floor", "mac", "mac"]  # table order, whatever --modes said
+    for sampled in (False, True):
+        mac = rows[("mac", sampled)]
+        assert mac["drafts_bytes"] == rows[("floor", sampled)]["drafts_bytes"]
+        assert 0 < mac["p50_ms"] <= mac["p99_ms"] and mac["x_process"] is None  # no process row to compare with
+    rows = [
+        _row("process", 256, 0.2) | {"sampled": False},
+        _row("mac", 256, 0.008) | {"sampled": False, "x_process": 0.04},
+        _row("mac", 256, 0.3) | {"sampled": True, "x_process": 0.2},
+    ]
+    goals = round_report.targets(rows)
+    assert goals["mac_x_process_greedy"]["met"] and not goals["mac_x_process_sampled"]["met"]
+
+
+def test_a_mac_rows_share_is_over_the_process_row_of_its_own_kind():
+    opts = round_options.options(parse(["round", "--slots", "256", "--modes", "process,mac", "--sampled"]))
+    ms = 1_000_000
+    rows = [
+        round_report.RoundRow("process", 256, 1, [ms]),
+        round_report.RoundRow("process", 256, 1, [4 * ms], sampled=True),
+        round_report.RoundRow("mac", 256, 1, [ms // 100], extra={"drafts_bytes": 7200}),
+        round_report.RoundRow("mac", 256, 1, [ms // 5], extra={"drafts_bytes": 252960}, sampled=True),
+    ]
+    report = round_report.make_report(opts, rows)
+    share = {r["sampled"]: r["x_process"] for r in report["rows"] if r["mode"] == "mac"}
+    assert share == {False: 0.01, True: 0.05}
+    assert "252,960 bytes of DRAFTS tagged and checked in 0.2000 ms p50, 5.0% of the process round" in (
+        round_report.format_table(report)
+    )

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 MODES = ("floor", "sync", "thread", "process", "draft")
 CUDA_MODES = MODES + ("launch",)
+OPT_IN_MODES = ("mac",)  # only when --modes names them
+ORDER = CUDA_MODES + OPT_IN_MODES  # the table's
 ENGINE_MODES = ("sync", "thread", "process")
 DESCRIBE = {
     "floor": "TCP ping-pong (floor)",
@@ -16,6 +18,7 @@ DESCRIBE = {
     "process": "round(), proxy process",
     "draft": "draft_batch() alone",
     "launch": "launch(), CUDA, process",
+    "mac": "HMAC of DRAFTS, both ends",
 }
 SWEEP = (64, 256, 1024, 4096)
 DEFAULT_SLOTS = 256  # with --no-sweep
@@ -39,6 +42,7 @@ GOAL_ENGINE_CPU_MS = 0.3
 GOAL_DRAFT_MS = 0.1
 GOAL_LINEAR = 2.0
 GOAL_LM_PROCESS_MS = 2.0  # with --drafter lm: a whole process round at GOAL_SLOTS
+GOAL_MAC_SHARE = 0.05  # --modes ...,mac: a MAC on DRAFTS, both ends, over the process round at GOAL_SLOTS
 GOAL_SAMPLED_X = 1.5  # with --sampled: a sampled process round's p50 over the greedy one's at GOAL_SLOTS
 SAMPLED_TEMPERATURE = 1.0  # the sampled rows' temperature (every entry)
 
@@ -153,9 +157,9 @@ def options(args) -> RoundOptions:
         )
     if args.device_metadata and args.device != "cuda":
         raise ValueError("--device-metadata: only with --device cuda")
-    allowed = CUDA_MODES if args.device == "cuda" else MODES
+    allowed = (CUDA_MODES if args.device == "cuda" else MODES) + OPT_IN_MODES
     if args.modes is None:
-        modes = list(allowed)
+        modes = [m for m in allowed if m not in OPT_IN_MODES]
     else:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         for m in modes:
@@ -165,7 +169,7 @@ def options(args) -> RoundOptions:
                 raise ValueError(f"--modes {args.modes!r}: unknown mode {m!r}; choose from {', '.join(allowed)}")
         if not modes:
             raise ValueError(f"--modes {args.modes!r}: no mode named")
-    modes = [m for m in CUDA_MODES if m in modes]  # table order, each once
+    modes = [m for m in ORDER if m in modes]  # table order, each once
     tp, tp_backend = check_tp(args, modes)
     sampled = getattr(args, "sampled", False)
     if sampled:

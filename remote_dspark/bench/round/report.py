@@ -14,6 +14,7 @@ from .options import (
     GOAL_ENGINE_CPU_MS,
     GOAL_LINEAR,
     GOAL_LM_PROCESS_MS,
+    GOAL_MAC_SHARE,
     GOAL_SAMPLED_X,
     GOAL_SLOTS,
     GOAL_X_FLOOR,
@@ -86,6 +87,9 @@ def make_report(opts: RoundOptions, rows: list[RoundRow]) -> dict:
             "engine_cpu_ms": None if r.cpu_ns is None else ns_to_ms(pct(r.cpu_ns, 0.5)),
             "not_ok": r.not_ok,
         }
+        proc = p50.get(("process", r.slots, r.sampled, -1))
+        if r.mode == "mac":  # the share of the process round of its kind a MAC would add
+            d["x_process"] = None if proc is None else round(mine / max(proc, 1), 3)
         if r.cpu_ns is not None:
             d["engine_cpu_mean_ms"] = ns_to_ms(sum(r.cpu_ns) / len(r.cpu_ns))
         plain = cpu.get((r.mode, r.slots, r.sampled, -1))
@@ -136,6 +140,11 @@ def targets(rows: list[dict], drafter: str = "markov") -> dict:
     if twin is not None and twin["x_greedy"] is not None:
         out["sampled_process_x_greedy"] = _goal(
             twin["x_greedy"], GOAL_SAMPLED_X, f"sampled process p50 / greedy process p50 at {g} slots"
+        )
+    for mac in (r for r in rows if r["mode"] == "mac" and r["slots"] == g and r.get("x_process") is not None):
+        kind = "sampled" if mac.get("sampled") else "greedy"
+        out[f"mac_x_process_{kind}"] = _goal(
+            mac["x_process"], GOAL_MAC_SHARE, f"a {kind} DRAFTS' HMAC, both ends, / process p50 at {g} slots"
         )
     if drafter == "lm":
         if proc is not None:
@@ -222,6 +231,14 @@ def format_table(report: dict) -> str:
             )
         )
     for r in report["rows"]:
+        if r["mode"] == "mac":
+            share = (
+                "no process row" if r.get("x_process") is None else f"{100 * r['x_process']:.1f}% of the process round"
+            )
+            lines.append(
+                f"mac at {r['slots']} slots{' sampled' if r.get('sampled') else ''}: {r['drafts_bytes']:,} bytes of "
+                f"DRAFTS tagged and checked in {r['p50_ms']:.4f} ms p50, {share}"
+            )
         if r["mode"] == "launch":
             rank = ""
             if "tp_rank" in r:

@@ -22,6 +22,9 @@ unmeasured ones) in one run, so the figures sit side by side:
 ``draft``    the worker's drafting alone: ``MarkovDrafter(builtin_model()).draft_batch``
              on S contexts of 64 tokens of the synthetic language (what the worker's
              drafter sees in steady state), k drafts each, no margins.
+``mac``      (opt-in: only when ``--modes`` names it) a MAC on the round's DRAFTS, both
+             ends: HMAC-SHA256 of a frame of the DRAFTS' size, tagged and checked
+             (:mod:`.mac`); ``x_process`` is its share of the process round.
 ``launch``   (``--device cuda`` only) ``RemoteDSpark.launch(batch)`` in process mode with
              the rows on the GPU: p50/p99 are the time from the launch's start until the
              stream holds the drafts (CUDA events recorded around ``launch()`` on an idle
@@ -103,12 +106,14 @@ from .draft import draft_row
 from .engines import engine, engine_env, launch_loop
 from .feeder import Feeder
 from .floor import floor_row
+from .mac import mac_row
 from .options import (
     CUDA_MODES,
     DEFAULT_SLOTS,
     ENGINE_MODES,
     MIN_ROUNDS,
     MODES,
+    ORDER,
     SWEEP,
     TIMEOUT_MS,
     RoundOptions,
@@ -159,8 +164,8 @@ def add_parser(sub) -> None:
         "--modes",
         default=None,
         metavar="MODE[,MODE...]",
-        help=f"rows to run, comma-separated, from {', '.join(CUDA_MODES)} (default: "
-        f"{','.join(MODES)}, plus launch with --device cuda)",
+        help=f"rows to run, comma-separated, from {', '.join(ORDER)} (default: "
+        f"{','.join(MODES)}, plus launch with --device cuda; mac only when named)",
     )
     p.add_argument(
         "--timeout-ms",
@@ -361,6 +366,8 @@ def run_all(opts: RoundOptions) -> list[RoundRow]:
                 rows.append(floor_row(opts, slots, sampled))
             elif mode == "draft":
                 rows.append(draft_row(opts, slots, sampled))
+            elif mode == "mac":
+                rows.append(mac_row(opts, slots, sampled))
             elif mode == "launch":
                 rows.extend(launch_rows(worker, opts, slots, stats_dir, sampled))
             else:
