@@ -108,7 +108,6 @@ from .feeder import Feeder
 from .floor import floor_row
 from .mac import mac_row
 from .options import (
-    CUDA_MODES,
     DEFAULT_SLOTS,
     ENGINE_MODES,
     MIN_ROUNDS,
