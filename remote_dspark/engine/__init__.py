@@ -5,7 +5,7 @@ round into the region (or onto its own socket), and the answer comes back as val
     facade      RemoteDSpark: the policies, the lifecycle, rounds and launches, stats()
     spec        Spec: the configuration and the round's shape, shared by the parts below
     policies    which drafts the engine gets (POLICY) and what a round's outcome costs
-    lifecycle   EngineState, RemoteClosed, Users (when the region may be freed)
+    lifecycle   EngineState (FORKED in a forked child), RemoteClosed, Users (when the region may be freed)
     sampler     rejection_sample: exact speculative sampling of a round of sampled drafts
     values/     the round's values: Batch, Drafts, the reply's check, a slot's views
     writers/    what writes a round into the region: host (C), device (in stream), the gather
@@ -27,7 +27,7 @@ torch is imported here; nothing the proxy imports imports this package.
 from ..config.api import apply_cost_overrides
 from ..config.mode import Mode
 from .facade import RemoteDSpark
-from .lifecycle import EngineState, RemoteClosed, RemoteRoundFailed
+from .lifecycle import EngineState, RemoteClosed, RemoteForked, RemoteRoundFailed
 from .observe.stats import Stats
 from .values.batch import Batch
 from .values.drafts import Drafts, Launched
@@ -41,6 +41,7 @@ __all__ = [
     "Mode",
     "RemoteClosed",
     "RemoteDSpark",
+    "RemoteForked",
     "RemoteRoundFailed",
     "Stats",
 ]

@@ -44,7 +44,7 @@ from ..config.mode import Mode
 from ..supervisor.restarts import Supervisor
 from ..transport.client import DraftClient
 from . import policies
-from .lifecycle import EngineState, RemoteClosed
+from .lifecycle import EngineState, Lifecycle, RemoteClosed
 from .observe import report
 from .observe.stats import EngineCounts, Stats
 from .paths.asynchronous import AsyncPath
@@ -127,7 +127,7 @@ class RemoteDSpark:
         )
         self.local_drafter = local_drafter
         self.counts = EngineCounts(num_spec)
-        self.state = EngineState.NEW
+        self._life = Lifecycle()  # the state, changed under _lock; FORKED in a forked child
         self._path: Path = NothingOpen()  # the one way to the remote drafter, picked at start
         self._final: Stats | None = None
         self._lock = threading.Lock()  # state changes, and stats() against close()
@@ -148,6 +148,8 @@ class RemoteDSpark:
     vocab_size = property(lambda self: self.spec.vocab_size or None)
     context_tokens = property(lambda self: self.spec.context_tokens)
 
+    state = property(lambda self: self._life.state, doc="The engine's ``lifecycle.EngineState``.")
+
     @property
     def mode(self) -> Mode:
         """The mode running: sync, thread or process (sync after a failed self-test; on a
@@ -166,17 +168,19 @@ class RemoteDSpark:
 
         Raises:
             RuntimeError: ``start()`` again, or after ``close()`` (it runs once).
+            RemoteForked: in a child forked after the parent's start.
             ValueError, native.NativeError: a configuration or build problem.
             TransportError, Refused: only with ``STRICT_START=1``, when the first
                 connect + HELLO fails.
             With a ``tp_group``: ValueError when the configuration differs across its
                 ranks, and whatever rank 0 raised, on every rank.
         """
+        self._life.refuse_forked("start")
         with self._start_lock:
             with self._lock:
                 if self.state is not EngineState.NEW:
                     raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
-                self.state = EngineState.STARTING
+                self._life.to(EngineState.STARTING)
             cfg = self.cfg
             cfg.log_warnings()
             log.info(
@@ -195,7 +199,7 @@ class RemoteDSpark:
                 self._close()  # nothing started stays running: exporter, proxy, watchdog, region
                 raise
             with self._lock:
-                self.state = EngineState.STARTED
+                self._life.to(EngineState.STARTED)
         return self
 
     def _open(self) -> None:
@@ -252,7 +256,11 @@ class RemoteDSpark:
 
         Rounds in flight are not waited for: each is released here, through the claim
         the watchdog uses, and its thread leaves the region before anything is unmapped
-        (``lifecycle.Users``: the last user out frees it)."""
+        (``lifecycle.Users``: the last user out frees it). Views of the region still
+        alive (a round's exception's traceback) keep only its mapping (``Region.close``).
+        In a forked child (``FORKED``) it returns at once: all of it is the parent's."""
+        if self._life.forked:  # before any lock: one may have been held by a thread fork did not copy
+            return
         with self._start_lock:  # a start in progress ends first (within its own deadlines)
             self._close()
 
@@ -260,17 +268,19 @@ class RemoteDSpark:
         with self._lock:
             if self.state in (EngineState.CLOSING, EngineState.CLOSED):
                 return
-            self.state = EngineState.CLOSING
+            self._life.to(EngineState.CLOSING)
         try:
             if self.exporter is not None:
                 self.exporter.close()
             self._path.stop(CLOSE_S)
         finally:
             with self._lock:
-                self._final = self._snapshot()
-                self.state = EngineState.CLOSED
-            self._path.users.leave()  # the owner: frees now, or when the last round leaves
-            self._report.write(self.stats())
+                self._final = final = self._snapshot()
+                self._life.to(EngineState.CLOSED)
+            try:
+                self._report.write(final)
+            finally:
+                self._path.users.leave()  # the owner: frees now, or when the last round leaves
 
     def __enter__(self):
         return self.start()
@@ -299,19 +309,25 @@ class RemoteDSpark:
         """A round's way in: it may touch the path until its ``users.leave()``."""
         if self.state is EngineState.STARTED and self._path.users.enter():
             return
+        self._life.refuse_forked(what)
         if self.state in (EngineState.NEW, EngineState.STARTING):
             raise RuntimeError(f"RemoteDSpark.{what}() before start() returned")
         raise RemoteClosed(f"RemoteDSpark.{what}() after close()")
 
-    @shares_failure
     def round(self, batch: Batch) -> Drafts:
         """Draft for ``batch`` under the policy.
 
         Raises:
             RemoteRoundFailed: capacity with ON_FAIL=raise and a failed remote round.
             RemoteClosed: after (or during) ``close()``; RuntimeError: before ``start()``.
+            RemoteForked: in a child forked after the parent's start (before any collective).
             With a ``tp_group``, whatever rank 0 raised before its answer went out, on every rank.
         """
+        self._life.refuse_forked("round")
+        return self._round_shared(batch)
+
+    @shares_failure
+    def _round_shared(self, batch: Batch) -> Drafts:
         self._enter("round")
         try:
             out = self._round(batch)
@@ -352,9 +368,11 @@ class RemoteDSpark:
         Raises:
             RemoteClosed: after (or during) ``close()``; RuntimeError: before ``start()``,
                 or on the CPU (with a ``tp_group``, on every rank alike, before any collective).
+            RemoteForked: in a child forked after the parent's start.
             ValueError: a batch of more than ``max_slots`` entries (on every rank); on a
                 rank other than 0, an earlier round of rank 0's of another size.
         """
+        self._life.refuse_forked("launch")
         if self._ranks is None or self.device != "cuda":
             return self._launch(batch)
         return self._ranks.launch(self.spec, batch, self._launch)
@@ -380,7 +398,12 @@ class RemoteDSpark:
 
     def stats(self) -> Stats:
         """Every number the JSON file, the log line and the metrics show (one record;
-        after ``close()`` the final one)."""
+        after ``close()`` the final one).
+
+        Raises:
+            RemoteForked: in a child forked after the parent's start (its counters are the parent's).
+        """
+        self._life.refuse_forked("stats")
         with self._lock:
             return self._final if self._final is not None else self._snapshot()
 

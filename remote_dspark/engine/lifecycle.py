@@ -2,6 +2,16 @@
 the resources a round touches (the region and its views, or the sync connection) may
 be freed.
 
+Why a forked copy is inert: ``fork()`` copies the engine's objects but none of its
+threads (the watchdog, the proxy thread, the supervisor's watcher), and shares its
+region, proxy process and sockets with the parent. A round from the copy would draft
+through the parent's region or connection, and its ``close()`` would join threads that
+do not exist there, signal the parent's proxy or shut the parent's socket down. So the
+child's copy of a started engine is ``FORKED`` from the fork on (one hook, run by the
+interpreter in the child before any other code): it refuses every round, naming the
+fork, and its ``close()`` returns at once, touching nothing (its locks may have been
+held by a thread fork did not copy, so it takes none).
+
 Why a count of users rather than "close waits for the round": a round in flight may be
 stuck where ``close()`` cannot reach it (a thread-mode proxy inside a connect, a claimer
 still waiting for its worker), and ``close()`` must return within 2 s whatever the proxy
@@ -16,8 +26,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger("remote_dspark.engine")
@@ -25,17 +37,96 @@ log = logging.getLogger("remote_dspark.engine")
 
 class EngineState(enum.Enum):
     """``RemoteDSpark``: new -> starting -> started -> closing -> closed (a failed start
-    closes). Rounds are taken only while started."""
+    closes; close before start too). Rounds are taken only while started. In a child
+    forked from the process that started it, a starting, started or closing engine is
+    forked: inert for good."""
 
     NEW = "new"
     STARTING = "starting"
     STARTED = "started"
     CLOSING = "closing"
     CLOSED = "closed"
+    FORKED = "forked"
+
+
+# The transitions Lifecycle.to allows (FORKED is the fork hook's alone).
+_NEXT = {
+    EngineState.NEW: (EngineState.STARTING, EngineState.CLOSING),
+    EngineState.STARTING: (EngineState.STARTED, EngineState.CLOSING),
+    EngineState.STARTED: (EngineState.CLOSING,),
+    EngineState.CLOSING: (EngineState.CLOSED,),
+    EngineState.CLOSED: (),
+    EngineState.FORKED: (),
+}
+_HOLDS = (EngineState.STARTING, EngineState.STARTED, EngineState.CLOSING)  # what a fork makes FORKED
 
 
 class RemoteClosed(RuntimeError):
     """A round asked of a ``RemoteDSpark`` that is closing or closed."""
+
+
+class RemoteForked(RemoteClosed):
+    """A call on the copy of a started ``RemoteDSpark`` in a forked child: it belongs to
+    the parent; the child starts its own."""
+
+
+class Lifecycle:
+    """One engine's :class:`EngineState`, and the processes a fork involves.
+
+    Invariants: ``state`` changes only in :meth:`to` (under the engine's lock) and, in a
+    forked child, in :func:`_after_fork_in_child` (run before any other code there);
+    ``started_in`` is the pid that started the engine (0 before), ``forked_into`` the
+    child's pid once FORKED.
+    """
+
+    def __init__(self) -> None:
+        self.state = EngineState.NEW
+        self.started_in = 0
+        self.forked_into = 0
+        _LIVES.add(self)
+
+    def to(self, state: EngineState) -> None:
+        """The one transition (asserted against ``_NEXT``)."""
+        assert state in _NEXT[self.state], f"engine {self.state.value} -> {state.value}"
+        if state is EngineState.STARTING:
+            self.started_in = os.getpid()
+        self.state = state
+
+    @property
+    def forked(self) -> bool:
+        return self.state is EngineState.FORKED
+
+    def refuse_forked(self, what: str) -> None:
+        """Raise :class:`RemoteForked` for ``RemoteDSpark.what()`` when FORKED.
+        A read of one attribute: no lock, no system call."""
+        if self.state is EngineState.FORKED:
+            raise RemoteForked(
+                f"RemoteDSpark.{what}(): this engine was started in pid {self.started_in}; a forked child "
+                f"(pid {self.forked_into}) cannot use it: start its own"
+            )
+
+    def _fork(self, child_pid: int) -> None:
+        if self.state in _HOLDS:
+            self.state = EngineState.FORKED
+        if self.state is EngineState.FORKED:
+            self.forked_into = child_pid
+
+
+# Every Lifecycle alive, for the fork hook (weak: an engine's lifecycle goes with it).
+_LIVES: weakref.WeakSet[Lifecycle] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child, before any other code runs there: every engine copied from
+    the parent that holds something of the parent's is FORKED."""
+    pid = os.getpid()
+    for life in list(_LIVES):
+        life._fork(pid)
+
+
+# One process-wide hook (os.fork, multiprocessing's fork, os.forkpty run it; a spawn
+# with exec does not need it).
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class RemoteRoundFailed(RuntimeError):

@@ -261,6 +261,8 @@ class RemoteProposer:
         Raises:
             ValueError: inputs of the wrong shape, naming them.
             RemoteRoundFailed: ``ON_FAIL=raise`` and a failed round.
+            RemoteForked: in a child forked from the process that built the proposer (its
+                engine is the parent's; its ``close()`` and finalizer touch nothing there).
         """
         sampled, lengths = self._check(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         step = self.slot_map.assign(sampled, lengths, token_ids_cpu)

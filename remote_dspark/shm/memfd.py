@@ -57,7 +57,9 @@ class Region:
 
     Invariants: while open, ``base`` is the mapping's address in this process and
     ``fd`` the memfd (close-on-exec: a child gets it only through ``pass_fds``); after
-    ``close`` both are gone and close hooks (e.g. the watchdog's stop) have run.
+    ``close`` the fd is closed, ``base`` is 0, the close hooks (e.g. the watchdog's
+    stop) have run in the process that mapped it, and the mapping is unmapped, or, while
+    views of it are alive, is unmapped when the last of them goes (see ``close``).
     """
 
     # Class-level sentinels: close() works on a half-built or closed Region.
@@ -66,6 +68,7 @@ class Region:
     _buf: memoryview | None = None
     _hooks: list[Callable[[], None]] | tuple = ()
     base = 0
+    _pid = 0  # the process that mapped it: its close hooks are that process's
     layout: Layout
 
     @classmethod
@@ -118,6 +121,7 @@ class Region:
         # The address only: the ctypes object (an export of the mapping) dies at once.
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._hooks = []
+        self._pid = os.getpid()
 
     def _prefault(self) -> None:
         try:
@@ -141,8 +145,9 @@ class Region:
         return self.base + offset
 
     def view(self, offset: int, size: int) -> memoryview:
-        """A writable view of ``size`` bytes at ``offset``. Release (or drop) every view
-        before ``close``."""
+        """A writable view of ``size`` bytes at ``offset``. It keeps the mapping (not the
+        region) alive: a view that outlives ``close`` reads and writes memory nobody
+        else uses, and the mapping goes with the last view."""
         if self._buf is None:
             raise ValueError("region is closed")
         return self._buf[offset : offset + size]
@@ -170,25 +175,37 @@ class Region:
         self._hooks.append(hook)
 
     def close(self) -> None:
-        """Run the close hooks, unmap, close the fd. Idempotent.
+        """Run the close hooks, unmap, close the fd. Idempotent; never raises for views.
 
-        Raises:
-            BufferError: views of the region are still alive (the region stays mapped;
-                release them and close again).
+        Views of the region still alive (a round's exception, whose traceback's frames
+        hold them, while it propagates; a caller's array) keep the mapping, and the
+        mmap's own duplicate of the fd, until the last of them goes: the mmap object
+        then dies and unmaps. Nothing that addresses the region by its ``base`` may be
+        left by then (the engine's ``lifecycle.Users`` frees the region only once its
+        last user is out); ``base`` and every view method refuse from here on.
+
+        In a forked child (not the process that mapped it) the hooks are dropped, not
+        run: they stop threads and registrations of the parent, which fork did not copy
+        (joining one would wait for good); only the child's own copies of the fd and
+        the mapping are closed.
         """
         hooks, self._hooks = list(self._hooks), []
-        for hook in reversed(hooks):
-            hook()
-        if self._buf is not None:
-            self._buf.release()
-            self._buf = None
-        if self._mm is not None:
+        if self._pid == os.getpid():
+            for hook in reversed(hooks):
+                hook()
+        buf, self._buf = self._buf, None
+        if buf is not None:
             try:
-                self._mm.close()
-            except BufferError as e:
-                raise BufferError("Region.close(): views of the region are still alive; release them first") from e
-            self._mm = None
-            self.base = 0
+                buf.release()
+            except BufferError:
+                pass  # an export of the whole view is alive: it goes with the mapping, below
+        mm, self._mm = self._mm, None
+        self.base = 0
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views alive: the mapping goes with the last of them (the mmap object's end)
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
+import signal
 import struct
 
 import pytest
@@ -154,23 +156,63 @@ def _mapping_rss_kb(base: int) -> int:
     raise AssertionError(f"no mapping at {base:#x}")
 
 
-def test_close_is_idempotent_and_complains_about_live_views():
+def _maps_of(fd_target: str) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(fd_target in line for line in f)
+
+
+def test_close_is_idempotent_and_leaves_the_mapping_to_the_last_live_view():
     region = Region.create(LAYOUT)
     fd = region.fd
+    target = os.readlink(f"/proc/self/fd/{fd}").split(" (")[0]  # /memfd:remote-dspark
+    maps = _maps_of(target)
     hooks = []
     region.add_close_hook(lambda: hooks.append("stopped"))
     view = region.view(0, 8)
-    with pytest.raises(BufferError, match="views of the region are still alive"):
-        region.close()
-    assert hooks == ["stopped"]
-    view.release()
-    region.close()
-    region.close()
-    assert region.closed and region.fd == -1 and hooks == ["stopped"]
+    region.close()  # no BufferError: the view keeps the mapping, and only it
+    assert hooks == ["stopped"] and region.closed and region.fd == -1 and region.base == 0
     with pytest.raises(OSError):
         os.fstat(fd)
     with pytest.raises(ValueError, match="closed"):
         region.view(0, 8)
+    view[:4] = b"live"  # still mapped: the view's memory is its own now
+    assert bytes(view[:4]) == b"live" and _maps_of(target) == maps
+    region.close()
+    assert hooks == ["stopped"]
+    view.release()
+    assert _maps_of(target) == maps - 1  # the last view gone: unmapped
+
+
+def test_a_forked_childs_close_runs_no_hook_of_the_parents():
+    region = Region.create(LAYOUT)
+    ran = []
+    region.add_close_hook(lambda: ran.append(os.getpid()))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a hook there would stop the parent's threads (absent: they were not copied)
+        try:
+            region.close()
+            os.write(w, str(ran).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        got = os.read(r, 100) if select.select([r], [], [], 10)[0] else b"(nothing: the child hung)"
+    finally:
+        os.close(r)
+        _end(pid)
+    assert got == b"[]"
+    assert not region.closed  # the parent's region: untouched
+    region.close()
+    assert ran == [os.getpid()]
+
+
+def _end(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)
 
 
 def test_half_built_region_cleans_up(monkeypatch):

@@ -209,7 +209,7 @@ class Handoff:
             if not (getattr(e, "handed_over", False) or self.end.gathered() == r):
                 self.end.unreserve(r)  # never gathered: no hole in the round sequence
             # The callees' frames hold views of the region; a caller keeping this traceback
-            # must not keep the region from being unmapped at close().
+            # would keep its mapping past close() (memfd.Region.close leaves it to the last view).
             traceback.clear_frames(e.__traceback__)
             raise
         self.sync.signal(r, stream)
