@@ -191,7 +191,7 @@ TABLE: Table[WorkerScrape] = Table(
         counter("draft_tokens", "Draft tokens sent.", lambda r: r.stats.draft_tokens),
         counter(
             "rounds_expired",
-            "Rounds answered with no drafts because their deadline passed while queued for the drafter.",
+            "Rounds answered with no drafts because the drafter could not draft them before their deadline.",
             lambda r: r.stats.expired,
         ),
         counter(

@@ -43,7 +43,7 @@ class WorkerStats:
     entries: int = 0
     resyncs: int = 0
     beyond_positions: int = 0  # entries given no drafts: their context and width pass the model's positions
-    expired: int = 0  # rounds answered with no drafts: their deadline passed while queued for the drafter
+    expired: int = 0  # rounds answered with no drafts: the drafter could not draft them before their deadline
     drafter_calls: int = 0  # draft_batch calls (a call may draft several engines' rounds)
     draft_tokens: int = 0
     # the worker's time from a ROUND in to its DRAFTS sent (not a served round's wait for its rows)
