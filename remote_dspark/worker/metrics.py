@@ -172,7 +172,7 @@ TABLE: Table[WorkerScrape] = Table(
         ),
         counter(
             "evicted_sessions",
-            "Sessions evicted for a newcomer (least recently served, idle a minute or more).",
+            "Sessions evicted for a newcomer, from an engine place or a connection (idle a minute or more).",
             lambda r: r.stats.evicted,
         ),
         counter("rounds", "ROUND frames answered.", lambda r: r.stats.rounds),

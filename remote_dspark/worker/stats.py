@@ -33,7 +33,7 @@ class WorkerStats:
 
     connections: int = 0  # connections served (a whole HELLO given a thread)
     refusals: dict = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))  # HELLOs refused, by reason
-    evicted: int = 0  # sessions evicted for a newcomer (least recently served, idle >= recent_s)
+    evicted: int = 0  # sessions evicted for a newcomer, from a place or a connection (idle >= recent_s)
     bad_frames: int = 0  # connections dropped for a frame that breaks the contract
     stalled: int = 0  # connections dropped for a frame not whole within frame_timeout_s
     round_failures: int = 0  # connections dropped because drafting (or answering) a round raised
