@@ -124,7 +124,10 @@ class FairShare:
                 queue.popleft()
                 continue
             first = self._next_cost(job, state.taken)
-            if job.deadline <= call.now + call.pace * first:  # not even its next entry in time
+            in_time = call.in_time(job)  # tokens the drafter can still draft for it before its deadline
+            if in_time <= first:  # not even its next entry in time
+                if job in call.given:
+                    break  # what it has in this call is all it can use
                 call.late.append(queue.popleft())
                 continue
             room = call.max_tokens - call.tokens
@@ -132,7 +135,6 @@ class FairShare:
                 if first > room and call.pieces:  # no room for its work: no credit either
                     break
                 credit, granted = credit + call.quantum, True
-            in_time = (job.deadline - call.now) / call.pace - call.given.get(job, 0) if call.pace else math.inf
             within = min(room, credit, in_time)  # tokens
             most = min(call.entries_share - entries, call.max_entries - call.entries)
             left = len(job.batch) - state.taken
@@ -181,6 +183,14 @@ class _Call:
         self.late: list[Job] = []
         self.given: dict[Job, int] = {}  # tokens of each round in this call
         self.entries = self.tokens = 0
+
+    def in_time(self, job: Job) -> float:
+        """The tokens the drafter can draft for ``job`` before its deadline, at ``pace``,
+        beyond those it has in this call already (no pace yet: any, until the deadline)."""
+        ahead = job.deadline - self.now
+        if ahead <= 0:
+            return 0.0
+        return ahead / self.pace - self.given.get(job, 0) if self.pace else math.inf
 
     def full(self) -> bool:
         return self.entries >= self.max_entries or self.tokens >= self.max_tokens
