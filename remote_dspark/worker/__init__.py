@@ -3,7 +3,8 @@
 door (:mod:`.admission`), its limits and the HELLO's checks (:mod:`.limits`), the HELLO's
 verdict and ack (:mod:`.hello`), the engines it holds places for (:mod:`.sessions`) and
 their windows (:mod:`.windows`), the drafter's thread and its queue (:mod:`.scheduler`,
-a job's lifecycle :mod:`.jobs`, a call's arithmetic :mod:`.batching`), a round as arrays
+the fair share of a call :mod:`.fair`, a job's lifecycle :mod:`.jobs`, a call's
+arithmetic :mod:`.batching`), a round as arrays
 (:mod:`.round`) or in C (:mod:`.native_round`; a connection served whole in C,
 :mod:`.lane`), its numbers (:mod:`.stats`) and their exposition (:mod:`.metrics`), the
 drafter its flags name (:mod:`.drafters`) and the faults it may be told to inject

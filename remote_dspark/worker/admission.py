@@ -15,12 +15,17 @@ Rules, each with its reason:
 - **A HELLO deadline** (``hello_timeout_s``, 2 s): an honest engine sends its HELLO right
   after connecting, so a connection still silent then is dropped (``hello_timeouts``).
 - **The pool has its own size** (``max_pending``): a new connection that finds it full
-  makes room by dropping the oldest connection in it (``displaced``). So silent sockets
-  can never keep a HELLO out: to push a connection out before its HELLO is read, an
-  attacker must open ``max_pending`` connections between the moment that connection is
-  accepted and the next turn of this loop, which reads the pool before it accepts more
-  (at most ``max_pending // 2`` accepts a turn). No limit per source address: an
-  attacker may share the engine's host.
+  makes room by dropping the oldest connection in it still reading its HELLO
+  (``displaced``). So silent sockets can never keep a HELLO out: to push a connection
+  out before its HELLO is read, an attacker must open ``max_pending`` connections
+  between the moment that connection is accepted and the next turn of this loop, which
+  reads the pool before it accepts more (at most ``max_pending // 2`` accepts a turn).
+  No limit per source address: an attacker may share the engine's host.
+- **A connection mid-AUTH is kept ahead of silent ones** (with a key): one that sent a
+  whole HELLO and was sent the worker's AUTH has shown it speaks the protocol, and waits
+  a round trip for the engine's answer; a newcomer displaces it only when every
+  connection in the pool is mid-AUTH (then the oldest). So a flood of silent sockets
+  costs a keyed worker no more than a keyless one.
 - **With a key, the engine proves it before anything is given** (``key``,
   :mod:`remote_dspark.wire.auth`): a HELLO without the engine's nonce, or an engine's
   AUTH whose proof does not hold, is refused (``on_refused``: REFUSE_AUTH, the ``auth``
@@ -38,8 +43,8 @@ ended by whoever can connect is a thread-creation flood; here it costs one descr
 and one small buffer. A served connection (after HELLO) keeps its own thread: it runs
 the drafter, which may take a while, and their number is bounded (``max_connections``).
 
-Out of descriptors (EMFILE) the oldest pre-HELLO connection is dropped to make room, so
-the listener keeps being served.
+Out of descriptors (EMFILE) a pre-HELLO connection is dropped to make room (the one a
+newcomer would displace), so the listener keeps being served.
 """
 
 from __future__ import annotations
@@ -211,7 +216,7 @@ class Admission:
                 return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE) and self._pool:
-                    self._drop(next(iter(self._pool.values())), Drop.DISPLACED)
+                    self._drop(self._first_to_go(), Drop.DISPLACED)
                     continue
                 now = self.clock()
                 if now - self._last_error >= 10.0:
@@ -227,12 +232,20 @@ class Admission:
                 sock.close()
                 continue
             if len(self._pool) >= self.max_pending:
-                oldest = next(iter(self._pool.values()))
-                log.debug("pre-HELLO pool full (%d): dropping the oldest, %s", self.max_pending, oldest.peer)
-                self._drop(oldest, Drop.DISPLACED)
+                gone = self._first_to_go()
+                log.debug("pre-HELLO pool full (%d): dropping %s (%s)", self.max_pending, gone.peer, gone.stage.value)
+                self._drop(gone, Drop.DISPLACED)
             p = _Unadmitted(sock, peer, self.clock() + self.hello_timeout_s, bytearray(self._buffer))
             self._pool[sock.fileno()] = p
             self._sel.register(sock, selectors.EVENT_READ, p)
+
+    def _first_to_go(self) -> _Unadmitted:
+        """The connection a newcomer displaces from a full pool: the oldest still reading
+        its HELLO; the oldest mid-AUTH only when every one is (the module docstring)."""
+        for p in self._pool.values():  # oldest first (at most max_pending of them)
+            if p.stage is Stage.HELLO:
+                return p
+        return next(iter(self._pool.values()))
 
     def _read(self, p: _Unadmitted) -> None:
         try:

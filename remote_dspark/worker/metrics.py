@@ -172,7 +172,7 @@ TABLE: Table[WorkerScrape] = Table(
         ),
         counter(
             "evicted_sessions",
-            "Sessions evicted for a newcomer (least recently served, idle a minute or more).",
+            "Sessions evicted for a newcomer, from an engine place or a connection (idle a minute or more).",
             lambda r: r.stats.evicted,
         ),
         counter("rounds", "ROUND frames answered.", lambda r: r.stats.rounds),
@@ -191,7 +191,7 @@ TABLE: Table[WorkerScrape] = Table(
         counter("draft_tokens", "Draft tokens sent.", lambda r: r.stats.draft_tokens),
         counter(
             "rounds_expired",
-            "Rounds answered with no drafts because their deadline passed while queued for the drafter.",
+            "Rounds answered with no drafts because the drafter could not draft them before their deadline.",
             lambda r: r.stats.expired,
         ),
         counter(

@@ -26,7 +26,7 @@ class WorkerOptions:
     ``max_row_bytes``, ``max_round_tokens``, ``max_round_bytes``:
     :class:`~remote_dspark.worker.limits.Limits`) refuse a HELLO beyond them; admission
     (``max_pending``, ``hello_timeout_s``) and places (``max_connections`` served
-    connections, ``max_engines`` sessions, none evicted within ``recent_s`` of its last
+    connections, ``max_engines`` sessions, none displaced within ``recent_s`` of its last
     round) are described in :mod:`~remote_dspark.worker.server`. ``sessions_clock``
     (``time.monotonic``) dates those places' HELLOs and rounds, and ``recent_s`` is
     measured on it (:class:`~remote_dspark.worker.sessions.Sessions`): a test passes a

@@ -183,7 +183,7 @@ class Told:
     resyncs: int
     beyond_positions: int
     draft_tokens: int
-    expired: bool  # its deadline passed while it was queued for the drafter
+    expired: bool  # the drafter could not draft it before its deadline (passed, or too close)
 
 
 def answer(

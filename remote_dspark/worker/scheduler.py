@@ -8,23 +8,26 @@ round waits for a partner: the drafter thread takes whatever is queued the momen
 free, and a round arriving while it drafts goes in the next call.
 
 What one call takes (:meth:`Scheduler._take`): a budget of entries and tokens
-(``max_entries``, ``max_tokens``), shared between the queued engines by deficit round
-robin on tokens. Each engine with rounds queued earns a quantum (the budget over the
-engines waiting) per turn and spends its rounds' tokens; a round that does not fit waits
-for the next call, so a big or hostile engine takes at most its share of a call and an
-honest engine's round is in the next one. A round larger than the whole budget is taken
-alone when nothing else is (it would never fit otherwise).
-
-A round that is more than its share is drafted in pieces of consecutive entries, one a
-turn, so a flood of whole-budget rounds delays an honest round by one call at most; the
-round is answered when its last piece is drafted.
+(``max_entries``, ``max_tokens``), shared between the queued engines by
+:class:`~.fair.FairShare`, the one owner of the fair share (deficit round robin on
+tokens, credit that cannot be hoarded). What it guarantees, in its words: a round of a
+session with nothing else queued, of at most ``max_tokens // n`` tokens and
+``max_entries // n`` entries (``n`` sessions queued when the call is taken), is drafted
+whole in the next call taken after it is queued, whatever the other sessions queue. A
+bigger round is drafted in pieces of consecutive entries, at least that share a call,
+and answered when its last piece is drafted. A round of an entry larger than the whole
+budget is taken alone when nothing else is (it would never fit otherwise).
 
 Deadlines: a ROUND carries its deadline (``deadline_ms``, relative to its receipt; 0:
-none). A round whose deadline has passed when the drafter reaches it is answered at once
-with no drafts (:meth:`Scheduler.draft` returns None; the worker counts it) rather than
-drafted for an engine that stopped waiting; its windows advanced already, so the stream
-stays in step. One whose deadline passes between its pieces is answered with the drafts
-of the pieces drafted.
+none). A round is never drafted once its deadline has passed, nor given more of a call
+than the drafter can draft before it: the scheduler keeps the drafter's **pace** (the
+fewest clock seconds a budget token has taken in a call), and a round whose next entry
+alone could not be drafted in time at that pace is answered at once with the drafts of
+its pieces drafted, or none (:meth:`Scheduler.draft` returns None; the worker counts it)
+rather than drafted for an engine that stopped waiting; its windows advanced already,
+so the stream stays in step. This is checked when the call is taken, and again just
+before each drafter call of a call made in several (the groups drafted before it may
+outlast a deadline).
 
 Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
 and nothing else queued, the connection's own thread, at once (no hand-off between
@@ -56,12 +59,11 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from .. import wire
 from ..drafter.answer import check_result
 from ..drafter.contract import DraftBatch, DraftResult, context_read_of, empty_result, mixed_sessions_of
-from .batching import call_cost, entry_costs, gather, merge, part
+from .batching import call_cost, gather, merge, part
+from .fair import FairShare
 from .jobs import Answered, Failed, Job, Pending, Piece
 
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
@@ -77,7 +79,8 @@ class Scheduler:
     duration, the pieces of rounds, the entries and the tokens (contexts and drafts: the
     budget's cost) it drafted, and how long each round
     first drafted in it waited in the queue (the worker's statistics). ``clock`` dates
-    deadlines (``time.monotonic``). ``max_tokens`` None: the drafter derives the token
+    deadlines and the drafter's pace (``time.monotonic``; a test's clock that the
+    drafter moves makes both deterministic). ``max_tokens`` None: the drafter derives the token
     budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
     that, for a drafter that cannot say). ``max_entries`` None: ``DEFAULT_MAX_ENTRIES``
     for a drafter that reserves working memory for a call (``reserve``: a model
@@ -108,9 +111,8 @@ class Scheduler:
         self.context_read = context_read_of(drafter)  # an entry's cost counts the context it reads
         self.on_call, self.clock = on_call, clock
         self._cond = threading.Condition()
-        self._queues: dict[int, collections.deque[Job]] = {}  # session -> its rounds, oldest first
-        self._turns: collections.deque[int] = collections.deque()  # sessions with rounds, in turn
-        self._deficit: dict[int, int] = {}
+        self._fair = FairShare(self.context_read)  # the queued rounds, each call's share of them
+        self._pace = 0.0  # the fewest clock seconds a budget token took in a call (0: none yet)
         # Invariants, under _cond: a job in a queue is Pending or done (a done one is
         # dropped when reached); _busy is True while one thread makes a call, which it
         # alone may then take pieces for and gather into.
@@ -143,11 +145,8 @@ class Scheduler:
             self._cond.notify_all()
         self._thread.join(timeout_s)
         with self._cond:
-            for queue in self._queues.values():
-                for job in queue:
-                    self._end(job, Failed(RuntimeError("the worker is stopping")))
-            self._queues.clear()
-            self._turns.clear()
+            for job in self._fair.clear():
+                self._end(job, Failed(RuntimeError("the worker is stopping")))
 
     def draft(self, session: int, batch: DraftBatch, deadline: float = math.inf) -> DraftResult | None:
         """``batch``'s drafts (checked against the contract), or None when its
@@ -164,17 +163,13 @@ class Scheduler:
             lead = not self._busy  # the drafter is free: this thread makes the call itself
             # ... and nothing queued, the round within a call's budget and its deadline
             # ahead: what _take would make its call of, drafted without the queue.
-            alone = lead and not self._turns and self._whole(job) and deadline > job.queued
+            alone = lead and not self._fair and self._whole(job) and deadline > job.queued + self._pace * job.cost
             if lead:
                 self._busy = True
             if alone:
                 job.state, taken_at = Pending(len(batch)), job.queued  # taken whole, at once (never queued)
             else:
-                queue = self._queues.get(session)
-                if queue is None:
-                    queue = self._queues[session] = collections.deque()
-                    self._turns.append(session)
-                queue.append(job)
+                self._fair.add(job)
                 if lead:
                     pieces, late, taken_at = self._take()
         if alone:  # never queued: no other thread sees the job, its end is this return
@@ -194,7 +189,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while (not self._turns or self._busy) and not self._stopping:
+                while (not self._fair or self._busy) and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -217,7 +212,7 @@ class Scheduler:
             self._draft_pieces(pieces, late, taken_at)
             while until is not None and not until.done.is_set():
                 with self._cond:
-                    if self._stopping or not self._turns:
+                    if self._stopping or not self._fair:
                         break
                     pieces, late, taken_at = self._take()
                 self._draft_pieces(pieces, late, taken_at)
@@ -229,7 +224,7 @@ class Scheduler:
         queued meanwhile."""
         with self._cond:
             self._busy = False
-            if self._turns:  # (else no wake-up)
+            if self._fair:  # (else no wake-up)
                 self._cond.notify()
 
     def _draft_pieces(self, pieces: list[Piece], late: list[Job], taken_at: float) -> None:
@@ -247,63 +242,30 @@ class Scheduler:
             calls = [groups[key] for key in sorted(groups)]
         else:
             calls = [[piece] for piece in pieces]
-        for group in calls:  # a round has one piece a call at most: its group holds it
-            self._call(group, taken_at)
+        for i, group in enumerate(calls):  # a round has one piece a call at most: its group holds it
+            if i:  # the groups drafted before it may have outlasted a deadline: checked again
+                group = self._in_time(group)
+            if group:
+                self._call(group, taken_at)
+
+    def _in_time(self, group: list[Piece]) -> list[Piece]:
+        """The pieces of ``group`` the drafter can still draft before their round's
+        deadline (at ``_pace``); the others' rounds answered now with the pieces drafted."""
+        now = self.clock()
+        late = [p for p in group if p.job.deadline <= now + self._pace * p.cost]
+        if not late:
+            return group
+        with self._cond:
+            for p in late:
+                if isinstance(p.job.state, Pending):
+                    self._end(p.job, Answered(p.job.state.parts))
+        return [p for p in group if p not in late]
 
     def _take(self) -> tuple[list[Piece], list[Job], float]:
-        """Under the lock: the pieces of one call (deficit round robin on tokens within
-        the budget), the rounds whose deadline passed, and the clock when taken."""
+        """Under the lock: the pieces of one call (:mod:`.fair`'s share), the rounds that
+        cannot be drafted before their deadline, and the clock when taken."""
         now = self.clock()
-        pieces, late = [], []
-        entries = tokens = 0
-        quantum = max(1, self.max_tokens // max(1, len(self._turns)))
-        stuck = 0  # sessions visited in a row without taking a piece
-        # Until a whole turn takes nothing more; never an empty call while rounds wait (the
-        # credits grow each turn until a piece fits).
-        while self._turns and (stuck < len(self._turns) or not pieces):
-            session = self._turns[0]
-            queue = self._queues[session]
-            self._deficit[session] = self._deficit.get(session, 0) + quantum
-            took = False
-            while queue:
-                job = queue[0]
-                state = job.state
-                if not isinstance(state, Pending):  # a piece failed: answered already
-                    queue.popleft()
-                    continue
-                if job.deadline <= now:
-                    late.append(queue.popleft())
-                    continue
-                room = min(self.max_tokens - tokens, self._deficit[session])
-                left = len(job.batch) - state.taken
-                if state.taken == 0 and job.cost <= room and left <= self.max_entries - entries:
-                    m, cost = left, job.cost  # the whole round (the common case: no prefix sums)
-                else:
-                    cum = np.cumsum(entry_costs(job.batch, self.context_read)[state.taken :])
-                    m = min(int(np.searchsorted(cum, room, side="right")), self.max_entries - entries)
-                    if m == 0 and not pieces and cum[0] > self.max_tokens:
-                        m = 1  # an entry over the whole budget: drafted alone
-                    cost = int(cum[m - 1]) if m else 0
-                if m == 0:
-                    break
-                start, taken = state.taken, state.taken + m
-                job.state = Pending(taken, state.parts)
-                pieces.append(Piece(job, start, job.piece(start, taken), cost))
-                entries, tokens = entries + m, tokens + cost
-                self._deficit[session] -= cost
-                took = True
-                if taken < len(job.batch):
-                    break  # its share is spent: the rest in a later call
-                queue.popleft()
-            self._turns.rotate(-1)
-            if not queue:  # an engine with nothing queued keeps no credit
-                self._turns.remove(session)
-                del self._queues[session]
-                self._deficit.pop(session, None)
-            if took:
-                stuck = 0
-            elif queue:  # (an engine that left the turns is not one that could not take)
-                stuck += 1
+        pieces, late = self._fair.take(now, self._pace, self.max_entries, self.max_tokens)
         return pieces, late, now
 
     def _call(self, pieces: list[Piece], taken_at: float) -> None:
@@ -335,11 +297,14 @@ class Scheduler:
         gathered so far, with this call's pieces (its parts are this thread's while it
         makes the call: no lock to read them). Raises what the call raised."""
         batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.clock()
         result = check_result(self.drafter.draft_batch(batch), batch)
+        tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
+        spent = self.clock() - c0
+        if spent > 0 and tokens:  # (only the call's maker writes it; a float store)
+            self._pace = spent / tokens if not self._pace else min(self._pace, spent / tokens)
         if self.on_call is not None:
             waits = [taken_at - p.job.queued for p in pieces if p.start == 0]
-            tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
             self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
         gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
         at = 0

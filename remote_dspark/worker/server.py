@@ -3,15 +3,18 @@
 An accept loop (:class:`~remote_dspark.worker.admission.Admission`, one thread with a
 selector, woken by a self-pipe so ``stop()`` and SIGTERM end it at once) holds every
 connection until it has said HELLO, under the HELLO's own small cap and a HELLO
-deadline, in a pool of its own where the oldest makes room for a newcomer. A whole
-HELLO (with a key, proven: :mod:`remote_dspark.wire.auth`) gets a served connection and
-its thread, or a "busy" refusal when ``max_connections`` are served. Per served connection: the HELLO is checked
-(identities, this worker's :class:`~remote_dspark.worker.limits.Limits`, a place among
-the engines: :class:`~remote_dspark.worker.sessions.Sessions`), each refusal with its
-reason; then ROUND frames are answered with DRAFTS until BYE, a closed socket, or a bad
-frame, which closes that connection only, with one log line. A served connection may
-idle between frames for as long as it likes (TCP keepalive finds a dead peer); a frame,
-once begun, must be whole within ``frame_timeout_s``.
+deadline, in a pool of its own where the oldest silent one makes room for a newcomer.
+A whole HELLO (with a key, proven: :mod:`remote_dspark.wire.auth`) gets a served
+connection and its thread; when ``max_connections`` are served, the connection of the
+least recently served session makes room if it idled ``recent_s`` (the engines' rule,
+:func:`~remote_dspark.worker.sessions.displaceable`), else the HELLO is refused "busy".
+Per served connection: the HELLO is checked (identities, this worker's
+:class:`~remote_dspark.worker.limits.Limits`, a place among the engines:
+:class:`~remote_dspark.worker.sessions.Sessions`), each refusal with its reason; then
+ROUND frames are answered with DRAFTS until BYE, a closed socket, or a bad frame, which
+closes that connection only, with one log line. A served connection may idle between
+frames for as long as it likes (TCP keepalive finds a dead peer) while no newcomer needs
+its place; a frame, once begun, must be whole within ``frame_timeout_s``.
 
 Windows are kept per (engine, session, slot): the last ``window`` tokens of each slot
 and the position the next token must have. A new session of the same engine (a
@@ -102,7 +105,8 @@ class Worker:
         self._started = time.monotonic()
         self._sessions = Sessions(opts.max_engines, opts.recent_s, opts.sessions_clock)
         self._lock = threading.Lock()  # guards _conns, _threads, stats
-        self._conns: set[socket.socket] = set()  # served connections (after HELLO)
+        # served connections (after HELLO) -> their session (None while the HELLO is judged)
+        self._conns: dict[socket.socket, Session | None] = {}
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -245,18 +249,27 @@ class Worker:
 
     def _on_hello(self, conn: socket.socket, peer, hdr: wire.Header, payload: bytes) -> None:
         """A whole HELLO from the pre-HELLO pool: a served connection and its thread, or
-        "busy" when ``max_connections`` are served (answered from here, not blocking:
-        the ack fits any fresh socket's send buffer)."""
+        "busy" when ``max_connections`` are served and none idled past ``recent_s``
+        (then the least recently served one is displaced for it:
+        :meth:`~remote_dspark.worker.sessions.Sessions.displace`). Answered from here,
+        not blocking: the ack fits any fresh socket's send buffer."""
         if self._stopping.is_set():
             conn.close()
             return
+        victim = None
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             busy = len(self._conns) >= self.options.max_connections
             if busy:
+                victim = self._sessions.displace(s for s in self._conns.values() if s is not None)
+                if victim is not None:  # out of the count now; its thread says BYE and ends
+                    self._conns.pop(victim.conn, None)
+                    self.stats.evicted += 1
+                    busy = False
+            if busy:
                 self.stats.refusals["busy"] += 1
             else:
-                self._conns.add(conn)
+                self._conns[conn] = None
                 self.stats.connections += 1
                 t = threading.Thread(
                     target=self._serve, args=(conn, peer, hdr, payload), name=f"worker-conn-{peer}", daemon=True
@@ -267,6 +280,9 @@ class Worker:
             log.warning("refused HELLO of session %#x from %s: %s", hdr.session, peer, reason)
             self._answer_and_close(conn, self._ack(wire.REFUSE_LIMITS, reason, hdr.session))
             return
+        if victim is not None:
+            idle = self._sessions.recent_s
+            log.info("connection of engine %#x displaced for %s: idle %g s or more", victim.engine_id, peer, idle)
         t.start()
 
     def _refused_at_door(self, conn: socket.socket, peer, session: int, code: int, reason: str, why: str) -> None:
@@ -293,6 +309,8 @@ class Worker:
             session = self._hello(chan, hello_hdr, hello_payload, conn)
             if session is None:
                 return
+            with self._lock:
+                self._conns[conn] = session  # from now on it may be displaced once it idles
             served = self._lanes and self._lanes.open(session, chan, functools.partial(self._served, session))
             while not self._stopping.is_set() and not session.evicted:
                 # No deadline between frames (an engine may idle for minutes; keepalive
@@ -344,7 +362,7 @@ class Worker:
             if session is not None:
                 self._sessions.drop(session)
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
 
     def _hello(
         self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None

@@ -12,14 +12,20 @@ in use and the newcomer is refused "busy" instead. So a flood of HELLOs with fre
 engine ids can never wipe the windows of an engine being served, whatever their order;
 it can only be told to come back. An evicted session's connection is shut down: its
 thread says BYE and closes it, and the engine reconnects and says HELLO again.
+
+The same rule, :func:`displaceable`, gives a newcomer a served connection when all
+``max_connections`` are taken (:meth:`Sessions.displace`): the connection of the least
+recently served session goes if it idled ``recent_s``. So peers that say HELLO and idle
+hold their connections only as long as an engine holds its place, never for good.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .windows import Windows
@@ -99,25 +105,48 @@ class Sessions:
             if old is not None:
                 old.windows.forget_all()
             elif len(self._by_engine) >= self.max_engines:
-                victim = min(self._by_engine.values(), key=lambda s: s.last_served)
-                idle = now - victim.last_served
-                if idle < self.recent_s:
+                victim, idle = self._stalest(self._by_engine.values(), now)
+                if victim is None:
                     return (
                         f"busy: all {self.max_engines} engine places are held by engines served within the "
                         f"last {self.recent_s:g} s (the least recently served {idle:.1f} s ago; "
                         "--max-engines); try again later"
                     ), None
-                del self._by_engine[victim.engine_id]
-                victim.evicted = True
-                victim.windows.forget_all()
+                self._evict(victim)
             new.last_served = now
             self._by_engine[new.engine_id] = new
-        if victim is not None and victim.conn is not None:
-            try:  # wakes its thread out of recv: it says BYE and closes
-                victim.conn.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
+        if victim is not None:
+            _shut(victim)
         return None, victim
+
+    def displace(self, sessions: Iterable[Session]) -> Session | None:
+        """A newcomer found every served connection taken: the least recently served of
+        ``sessions`` (those of the served connections) evicted, its connection shut down,
+        if it idled ``recent_s`` (:func:`displaceable`, as :meth:`admit`); else None."""
+        with self._lock:
+            victim, _ = self._stalest(sessions, self.clock())
+            if victim is not None:
+                self._evict(victim)
+        if victim is not None:
+            _shut(victim)
+        return victim
+
+    def _stalest(self, sessions: Iterable[Session], now: float) -> tuple[Session | None, float]:
+        """Under the lock: the least recently served of ``sessions`` not leaving already,
+        if :func:`displaceable`, else None; and how long that one idled (inf: none)."""
+        stalest = min((s for s in sessions if not s.evicted), key=lambda s: s.last_served, default=None)
+        if stalest is None:
+            return None, math.inf
+        idle = now - stalest.last_served
+        return (stalest if displaceable(stalest, idle, self.recent_s) else None), idle
+
+    def _evict(self, victim: Session) -> None:
+        """Under the lock: ``victim`` leaves (if it still holds its engine's place) and is
+        marked evicted; its windows go now."""
+        if self._by_engine.get(victim.engine_id) is victim:
+            del self._by_engine[victim.engine_id]
+        victim.evicted = True
+        victim.windows.forget_all()
 
     def served(self, session: Session) -> None:
         """``session`` was just answered a round (one float store: no lock)."""
@@ -128,3 +157,20 @@ class Sessions:
         with self._lock:
             if self._by_engine.get(session.engine_id) is session:
                 del self._by_engine[session.engine_id]
+
+
+def displaceable(session: Session, idle: float, recent_s: float) -> bool:
+    """The one rule for giving a newcomer ``session``'s place, among the engines or among
+    the served connections: it was last served ``idle`` seconds ago, ``recent_s`` or more.
+    (Every served connection is an engine's today; a connection of another kind, with a
+    rule of its own, is told apart here by its session.)"""
+    return idle >= recent_s
+
+
+def _shut(victim: Session) -> None:
+    """Wakes an evicted session's thread out of recv: it says BYE and closes."""
+    if victim.conn is not None:
+        try:
+            victim.conn.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass

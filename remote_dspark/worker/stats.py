@@ -33,7 +33,7 @@ class WorkerStats:
 
     connections: int = 0  # connections served (a whole HELLO given a thread)
     refusals: dict = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))  # HELLOs refused, by reason
-    evicted: int = 0  # sessions evicted for a newcomer (least recently served, idle >= recent_s)
+    evicted: int = 0  # sessions evicted for a newcomer, from a place or a connection (idle >= recent_s)
     bad_frames: int = 0  # connections dropped for a frame that breaks the contract
     stalled: int = 0  # connections dropped for a frame not whole within frame_timeout_s
     round_failures: int = 0  # connections dropped because drafting (or answering) a round raised
@@ -43,7 +43,7 @@ class WorkerStats:
     entries: int = 0
     resyncs: int = 0
     beyond_positions: int = 0  # entries given no drafts: their context and width pass the model's positions
-    expired: int = 0  # rounds answered with no drafts: their deadline passed while queued for the drafter
+    expired: int = 0  # rounds answered with no drafts: the drafter could not draft them before their deadline
     drafter_calls: int = 0  # draft_batch calls (a call may draft several engines' rounds)
     draft_tokens: int = 0
     # the worker's time from a ROUND in to its DRAFTS sent (not a served round's wait for its rows)

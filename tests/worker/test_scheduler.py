@@ -105,7 +105,7 @@ def submit(scheduler, session, batch, deadline=float("inf")):
 
 def queued(scheduler) -> int:
     with scheduler._cond:
-        return sum(len(q) for q in scheduler._queues.values())
+        return scheduler._fair.queued()
 
 
 def gate_then(scheduler, gated, jobs):

@@ -179,6 +179,34 @@ def test_peers_without_the_key_cannot_hold_the_served_connections():
         w.stop()
 
 
+def test_a_flood_of_silent_sockets_never_displaces_a_connection_mid_auth():
+    """The pre-HELLO pool full of silent sockets and one connection mid-AUTH (its HELLO
+    whole, the worker's AUTH received): silent newcomers push out silent ones only, and
+    the engine's answer, a round trip later, is served."""
+    w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0, key=KEY, max_pending=4, hello_timeout_s=30).start()
+    silent = []
+    engine = None
+    try:
+        for _ in range(3):
+            silent.append(socket.create_connection(("127.0.0.1", w.port), timeout=5))
+            n = len(silent)
+            assert until(lambda n=n: w.admission().accepted == n, timeout=5)
+        engine = RawEngine(w)  # mid-AUTH now, the pool full
+        for _ in range(6):  # twice the rest of the pool
+            silent.append(socket.create_connection(("127.0.0.1", w.port), timeout=5))
+            n = len(silent) + 1
+            assert until(lambda n=n: w.admission().accepted == n, timeout=5)
+        assert until(lambda: w.statistics().displaced == 6, timeout=5) and w.admission().pending == 4
+        ack = engine.answer(engine.engine_proof(KEY))
+        assert ack.code == wire.ACCEPT and w.statistics().connections == 1
+    finally:
+        for s in silent:
+            s.close()
+        if engine is not None:
+            engine.close()
+        w.stop()
+
+
 # --------------------------------------------------------------------------- the engine refuses the worker
 
 

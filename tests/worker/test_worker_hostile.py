@@ -358,6 +358,39 @@ def test_eviction_takes_the_least_recently_served_engine_not_the_first_to_say_he
         w.stop()
 
 
+def test_at_the_connection_cap_a_newcomer_displaces_a_connection_idle_past_recent_s():
+    """``max_connections`` peers said HELLO; one idles, one was served lately. A newcomer
+    once the idle one has idled ``recent_s`` is served and the idle one is told BYE and
+    closed (the rule that evicts engines); the one served within ``recent_s`` is never
+    displaced: the next newcomer is told busy, and it is still served."""
+    now = [0.0]
+    w = make(max_connections=2, max_engines=8, recent_s=1.0, sessions_clock=lambda: now[0])
+    clients = []
+    try:
+        idle = connect(w, session=1, engine_id=1)
+        clients.append(idle)
+        lately = connect(w, session=2, engine_id=2)
+        clients.append(lately)
+        now[0] = 0.5
+        do_round(lately, 1, [wire.Entry(0, 3, 0, (1,), True)])
+        assert served_at(w, 2, 0.5)
+        now[0] = 1.2  # the idle one idled 1.2 s, the other 0.7 s
+        newcomer = connect(w, session=3, engine_id=3)
+        clients.append(newcomer)
+        hdr, _ = idle.chan.recv_frame(time.monotonic() + 5)  # the stalest lost its connection: BYE, then closed
+        assert hdr.type == wire.BYE and w.stats.evicted == 1
+        with pytest.raises(Refused) as e:  # the rest were served within recent_s: busy
+            connect(w, session=4, engine_id=4)
+        assert "--max-connections" in e.value.reason
+        assert do_round(lately, 2, [wire.Entry(0, 3, 1, (2,))]).row(0) == [3, 4, 5]
+        assert do_round(newcomer, 1, [wire.Entry(0, 3, 0, (1,), True)]).row(0) == [2, 3, 4]
+        assert w._sessions.get(1) is None and w.served_now() == 2
+    finally:
+        for c in clients:
+            c.close()
+        w.stop()
+
+
 def test_a_closed_connection_gives_its_engine_place_back():
     w = make(max_engines=1)
     try:

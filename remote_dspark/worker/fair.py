@@ -1,0 +1,196 @@
+"""Who gets how much of a drafting call: the queued rounds of every session and the fair
+share of each call between them (:class:`FairShare`, the scheduler's; its lock guards it).
+
+A call's budget is ``max_tokens`` tokens (contexts plus drafts, :func:`~.batching.entry_cost`)
+and ``max_entries`` entries. When a call is taken with ``n`` sessions' rounds queued,
+each session's turn is worth a **quantum** of ``max_tokens // n`` tokens and at most
+``max_entries // n`` entries (deficit round robin on tokens): it takes pieces of its
+rounds, oldest first, consecutive entries, while they fit its credit, the call's room
+and its round's deadline. A round that does not fit whole is taken in pieces, one a
+turn; turns go round until a whole turn takes nothing more or the call is full.
+
+Credit cannot be hoarded:
+
+- **A turn earns its quantum only when the call has room for the session's next
+  entry.** Once the call is full, no session is visited again, so none enters the next
+  call with credit it earned for a call it could not use.
+- **Credit carried to the next call is less than the session's next entry costs**: it
+  is kept only toward an entry that costs more than what the session has (an entry over
+  a quantum needs several turns), and dropped when the session's queue empties.
+- **Sessions that joined the queue since the last call was taken have the first turns**
+  of the next one, in the order they came. Their credit is zero, so each takes at most
+  its quantum; a session that leaves and comes back gains nothing by it.
+
+**The guarantee**: a round of a session with nothing else queued, of at most
+``max_tokens // n`` tokens and ``max_entries // n`` entries (``n``: the sessions with
+rounds queued when the next call is taken, itself included), is drafted whole in the
+next call taken after it is queued, whatever the other sessions queued or carry. A
+bigger round has at least that much of the next call, and the rest in later calls.
+
+A round of an entry over the whole budget is taken alone when nothing else is (it would
+never fit otherwise). Deadlines: a round is never given more of a call than the drafter
+could draft before its deadline at ``pace`` (the fewest seconds a budget token has taken
+in a call so far; 0: no bound); one whose next entry alone cannot be drafted in time,
+its deadline passed included, is not drafted: it is handed back as late.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+
+from .batching import entry_cost, entry_costs
+from .jobs import Job, Pending, Piece
+
+
+class FairShare:
+    """Every session's queued rounds, their turns and credits. Not thread-safe: its
+    owner (the scheduler) calls it under its own lock.
+
+    Invariants: a session is in ``_turns`` exactly when its queue is in ``_queues``
+    (non-empty, but for jobs ended meanwhile, dropped when reached); ``_credit`` holds
+    only sessions in turn, each less than its next entry's cost; the last ``_joined``
+    sessions of ``_turns`` joined since the last :meth:`take`."""
+
+    def __init__(self, context_read: int | None):
+        self.context_read = context_read  # an entry's cost counts the context its drafter reads
+        self._queues: dict[int, collections.deque[Job]] = {}  # session -> its rounds, oldest first
+        self._turns: collections.deque[int] = collections.deque()  # sessions with rounds, in turn
+        self._credit: dict[int, float] = {}  # session -> tokens carried to its next turn
+        self._joined = 0
+
+    def __bool__(self) -> bool:
+        """Rounds are queued."""
+        return bool(self._turns)
+
+    def queued(self) -> int:
+        """Rounds queued (done ones not yet dropped included)."""
+        return sum(len(q) for q in self._queues.values())
+
+    def add(self, job: Job) -> None:
+        queue = self._queues.get(job.session)
+        if queue is None:
+            queue = self._queues[job.session] = collections.deque()
+            self._turns.append(job.session)
+            self._joined += 1
+        queue.append(job)
+
+    def clear(self) -> list[Job]:
+        """Every queued round, the queues emptied (the worker stopping)."""
+        jobs = [job for queue in self._queues.values() for job in queue]
+        self._queues.clear()
+        self._turns.clear()
+        self._credit.clear()
+        self._joined = 0
+        return jobs
+
+    def take(self, now: float, pace: float, max_entries: int, max_tokens: int) -> tuple[list[Piece], list[Job]]:
+        """The pieces of one call (the module docstring), and the rounds that cannot be
+        drafted before their deadline (``now``: the clock when taken), out of the queue."""
+        self._turns.rotate(self._joined)  # those that joined since the last call first, in order
+        self._joined = 0
+        n = len(self._turns)
+        call = _Call(now, pace, max_entries, max_tokens, max(1, max_tokens // n), max(1, max_entries // n))
+        stuck = 0  # sessions visited in a row without taking a piece
+        # Until a whole turn takes nothing more or the call is full; never an empty call
+        # while rounds wait (an empty call has room for any entry: credits grow each turn
+        # until a piece fits).
+        while self._turns and not call.full() and (stuck < len(self._turns) or not call.pieces):
+            session = self._turns[0]
+            queue = self._queues[session]
+            took = self._turn(session, queue, call)
+            self._turns.rotate(-1)
+            if not queue:  # an engine with nothing queued keeps no credit
+                self._turns.remove(session)
+                del self._queues[session]
+                self._credit.pop(session, None)
+            elif took:
+                stuck = 0
+            else:
+                stuck += 1
+        return call.pieces, call.late
+
+    def _turn(self, session: int, queue: collections.deque[Job], call: _Call) -> bool:
+        """``session``'s turn in ``call``: its quantum, if the call has room for its next
+        entry, spent on pieces of its rounds, oldest first. True when it took one."""
+        credit = self._credit.get(session, 0)
+        granted = took = False
+        entries = 0  # taken this turn (at most call.entries_share)
+        while queue:
+            job, state = queue[0], queue[0].state
+            if not isinstance(state, Pending):  # a piece failed: answered already
+                queue.popleft()
+                continue
+            first = self._next_cost(job, state.taken)
+            in_time = call.in_time(job)  # tokens the drafter can still draft for it before its deadline
+            if in_time <= first:  # not even its next entry in time
+                if job in call.given:
+                    break  # what it has in this call is all it can use
+                call.late.append(queue.popleft())
+                continue
+            room = call.max_tokens - call.tokens
+            if not granted:
+                if first > room and call.pieces:  # no room for its work: no credit either
+                    break
+                credit, granted = credit + call.quantum, True
+            within = min(room, credit, in_time)  # tokens
+            most = min(call.entries_share - entries, call.max_entries - call.entries)
+            left = len(job.batch) - state.taken
+            if state.taken == 0 and job.cost <= within and left <= most:
+                m, cost = left, job.cost  # the whole round (the common case: no prefix sums)
+            else:
+                cum = np.cumsum(entry_costs(job.batch, self.context_read)[state.taken :])
+                m = min(int(np.searchsorted(cum, within, side="right")), most)
+                if m == 0 and not call.pieces and cum[0] > call.max_tokens:
+                    m = 1  # an entry over the whole budget: drafted alone
+                cost = int(cum[m - 1]) if m else 0
+            if m == 0:
+                break
+            start, taken = state.taken, state.taken + m
+            job.state = Pending(taken, state.parts)
+            call.pieces.append(Piece(job, start, job.piece(start, taken), cost))
+            call.given[job] = call.given.get(job, 0) + cost
+            call.entries, call.tokens, entries = call.entries + m, call.tokens + cost, entries + m
+            credit, took = credit - cost, True
+            if taken < len(job.batch):
+                break  # its share is spent: the rest in a later turn
+            queue.popleft()
+        head = queue[0] if queue else None
+        if head is not None and isinstance(head.state, Pending):  # carried: less than its next entry
+            self._credit[session] = max(0, min(credit, self._next_cost(head, head.state.taken) - 1))
+        else:
+            self._credit.pop(session, None)
+        return took
+
+    def _next_cost(self, job: Job, taken: int) -> int:
+        """The cost of ``job``'s next entry to draft."""
+        offsets = job.batch.offsets
+        return int(entry_cost(int(offsets[taken + 1] - offsets[taken]), job.batch.width, self.context_read))
+
+
+class _Call:
+    """A call being taken: its budget, its shares and what it has taken so far."""
+
+    __slots__ = ("now", "pace", "max_entries", "max_tokens", "quantum", "entries_share")
+    __slots__ += ("pieces", "late", "given", "entries", "tokens")
+
+    def __init__(self, now, pace, max_entries, max_tokens, quantum, entries_share):
+        self.now, self.pace, self.max_entries, self.max_tokens = now, pace, max_entries, max_tokens
+        self.quantum, self.entries_share = quantum, entries_share
+        self.pieces: list[Piece] = []
+        self.late: list[Job] = []
+        self.given: dict[Job, int] = {}  # tokens of each round in this call
+        self.entries = self.tokens = 0
+
+    def in_time(self, job: Job) -> float:
+        """The tokens the drafter can draft for ``job`` before its deadline, at ``pace``,
+        beyond those it has in this call already (no pace yet: any, until the deadline)."""
+        ahead = job.deadline - self.now
+        if ahead <= 0:
+            return 0.0
+        return ahead / self.pace - self.given.get(job, 0) if self.pace else math.inf
+
+    def full(self) -> bool:
+        return self.entries >= self.max_entries or self.tokens >= self.max_tokens

@@ -1,0 +1,182 @@
+"""A call's fair share (remote_dspark.worker.fair) through the scheduler: an honest round
+is drafted in the next call under a hostile session that is always busy, whatever credit
+that session tried to hoard; a round is never drafted past its deadline, neither once
+expired nor beyond what the drafter's pace can draft in time. The drafter is fake: each
+call costs its tokens at a fixed pace on a clock the test owns, and is held at a gate so
+that rounds queue deterministically."""
+
+import threading
+
+import numpy as np
+from helpers import until
+
+from remote_dspark.drafter.contract import DraftBatch, DraftResult
+from remote_dspark.worker.batching import call_cost
+from remote_dspark.worker.scheduler import Scheduler
+
+PACE = 0.001  # the fake drafter's clock seconds a budget token
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Paced:
+    """A drafter that takes mixed sessions, drafts token 1 everywhere and costs ``PACE``
+    clock seconds a budget token (contexts plus drafts); every call is recorded, and
+    held while ``hold`` is set until ``release``."""
+
+    drafter_identity, markov_identity = b"d" * 32, b"m" * 32
+    mixed_sessions = True
+    context_read = None
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.calls: list[DraftBatch] = []
+        self.hold, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
+
+    def draft_batch(self, batch):
+        self.calls.append(batch)
+        self.entered.set()
+        if self.hold.is_set():
+            assert self.release.wait(10), "the test never released the gate"
+        self.clock.now += PACE * call_cost(batch, None)
+        return DraftResult(np.ones((len(batch), batch.width), np.int32), batch.n_out.copy())
+
+
+def rounds(session, n, context, width=3) -> DraftBatch:
+    """``n`` entries of ``session``, each a context of ``context`` tokens and ``width`` drafts."""
+    offsets = np.arange(n + 1, dtype=np.int64) * context
+    return DraftBatch(
+        np.ones(n * context, np.int32),
+        offsets,
+        np.full(n, width, np.int32),
+        np.zeros((n, 0), np.uint8),
+        False,
+        width,
+        session=session,
+        slots=np.arange(n, dtype=np.int64),
+        gens=np.ones(n, np.int64),
+        lengths=np.full(n, context, np.int64),
+        positions=np.zeros(n, np.int64),
+    )
+
+
+def submit(scheduler, session, batch, deadline=float("inf")):
+    box = {}
+
+    def run():
+        try:
+            box["result"] = scheduler.draft(session, batch, deadline)
+        except BaseException as e:  # checked by the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def joined(threads):
+    for t, _ in threads:
+        t.join(10)
+        assert not t.is_alive(), "a round was never answered"
+
+
+def sessions_of(call: DraftBatch) -> list[int]:
+    return np.atleast_1d(call.sessions()).tolist()
+
+
+def test_an_honest_round_is_drafted_in_the_next_call_under_an_always_busy_session():
+    """A hostile session's round of eight budgets keeps it queued in every call. While
+    one of its calls is drafted, an honest 4-entry round queues: the next call drafts it
+    whole (the share the hostile earned alone, and the turns it was visited with the call
+    full, carry nothing into it), and the hostile has the rest of the budget."""
+    n, context, width = 64, 30, 20  # 64 entries of 50 tokens
+    clock = Clock()
+    drafter = Paced(clock)
+    s = Scheduler(drafter, max_entries=32, max_tokens=400, clock=clock).start()
+    try:
+        drafter.hold.set()
+        flood = submit(s, 1, rounds(1, n, context, width))
+        assert drafter.entered.wait(10)  # the flood's first call, held
+        honest = submit(s, 7, rounds(7, 4, 3), deadline=clock.now + 1.0)
+        assert until(lambda: s._fair.queued() == 2)
+        drafter.hold.clear()
+        drafter.release.set()
+        joined([flood, honest])
+    finally:
+        s.stop()
+    assert sessions_of(drafter.calls[0]) == [1] * len(drafter.calls[0])
+    assert sessions_of(drafter.calls[1]).count(7) == 4  # the whole honest round, in the next call
+    assert honest[1]["result"].counts.tolist() == [3] * 4
+    assert flood[1]["result"].counts.tolist() == [width] * n  # the flood drafted whole all the same
+
+
+def test_a_session_s_turn_takes_its_share_of_the_entries_budget():
+    """Two sessions' rounds queued together, the hostile one first with twice the
+    entries budget in cheap entries (4 tokens each: far within the tokens budget): its
+    turn takes half the entries, so the honest round is in the same call."""
+    clock = Clock()
+    drafter = Paced(clock)
+    s = Scheduler(drafter, max_entries=32, max_tokens=400, clock=clock).start()
+    try:
+        drafter.hold.set()
+        first = submit(s, 99, rounds(99, 1, 2))
+        assert drafter.entered.wait(10)
+        flood = submit(s, 1, rounds(1, 64, 1))
+        assert until(lambda: s._fair.queued() == 1)
+        honest = submit(s, 7, rounds(7, 4, 3))
+        assert until(lambda: s._fair.queued() == 2)
+        drafter.hold.clear()
+        drafter.release.set()
+        joined([first, flood, honest])
+    finally:
+        s.stop()
+    assert sessions_of(drafter.calls[1]) == [1] * 16 + [7] * 4 + [1] * 12
+    assert honest[1]["result"].counts.tolist() == [3] * 4 and flood[1]["result"].counts.tolist() == [3] * 64
+
+
+def test_a_round_that_expires_while_an_earlier_group_of_its_call_drafts_is_not_drafted():
+    """A narrow round and a wide one taken in one call: the narrow group is drafted first
+    and outlasts the wide round's deadline, so the wide round is answered with no drafts
+    and never reaches the drafter."""
+    clock = Clock()
+    drafter = Paced(clock)
+    s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock).start()
+    try:
+        drafter.hold.set()
+        first = submit(s, 99, rounds(99, 1, 2))
+        assert drafter.entered.wait(10)
+        narrow = submit(s, 3, rounds(3, 4, 97), deadline=10.0)  # 400 tokens: 0.4 s
+        wide = submit(s, 4, rounds(4, 1, 2, width=64), deadline=clock.now + 0.2)
+        assert until(lambda: s._fair.queued() == 2)
+        drafter.hold.clear()
+        drafter.release.set()
+        joined([first, narrow, wide])
+    finally:
+        s.stop()
+    assert [sessions_of(c) for c in drafter.calls[1:]] == [[3, 3, 3, 3]]
+    assert wide[1] == {"result": None} and narrow[1]["result"].counts.tolist() == [3] * 4
+
+
+def test_a_round_gets_no_more_of_a_call_than_the_drafter_can_draft_before_its_deadline():
+    """Once a call has shown the drafter's pace (1 ms a token), a round whose next entry
+    alone cannot be drafted before its deadline is never drafted, and one with time for
+    two of its entries gets two: the rest of the call is not spent on drafts its engine
+    has stopped waiting for."""
+    clock = Clock()
+    drafter = Paced(clock)
+    s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock).start()
+    try:
+        s.draft(99, rounds(99, 1, 7))  # 10 tokens in 10 ms: the pace
+        now = clock.now
+        hopeless = s.draft(1, rounds(1, 5, 7), deadline=now + 0.009)  # an entry of 10 tokens: 10 ms
+        short = s.draft(2, rounds(2, 10, 7), deadline=now + 0.025)  # time for two entries
+    finally:
+        s.stop()
+    assert hopeless is None and short.counts.tolist() == [3, 3] + [0] * 8
+    assert [len(c) for c in drafter.calls] == [1, 2]
