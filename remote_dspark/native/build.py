@@ -55,6 +55,7 @@ _OTHERS = (
     "tcp_round.c",
     "desc_check.c",
     "reply_check.c",
+    "sampled_pick.c",
     "worker_round.c",
     "worker_serve.c",
     "engine_meta.c",

@@ -20,7 +20,8 @@ struct round_view {
     uint32_t deadline_ms, n, row_bytes, n_tokens;
     uint64_t meta;                /* round_meta: where the tokens start */
     const uint8_t *slots, *positions, *n_out, *flags, *offsets;
-    const uint8_t *temperature;   /* a sampled session's [n] f32, else NULL (seeds follow: any u64) */
+    const uint8_t *temperature;   /* a sampled session's [n] f32, else NULL */
+    const uint8_t *seed;          /* a sampled session's [n] u64 (any value; 4-aligned only), else NULL */
 };
 
 /* Record what broke (l->why, l->err) and return `event` (tcp_round.c). */
@@ -35,5 +36,10 @@ HF_INTERNAL int hf_check_round(struct hf_proxy *p, struct hf_link *l, uint32_t r
  * (reply_check.c): HF_EV_OK, or HF_EV_PROTOCOL or HF_EV_BAD_REPLY with l->why. */
 HF_INTERNAL int hf_unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
                                  uint32_t len);
+
+/* Rules 1 and 3 of the sampled drafts' rule (sampled_pick.c): the uniform number of
+ * (seed, position, draft), and the pick's index among W_TOP weights for it. */
+HF_INTERNAL uint32_t hf_uniform_u32(uint64_t seed, uint64_t position, uint32_t draft);
+HF_INTERNAL uint32_t hf_pick_index(const uint16_t *weights, uint32_t u32);
 
 #endif
