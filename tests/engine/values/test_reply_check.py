@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from sampled_attack import adaptive_q
 
 from remote_dspark import wire
 from remote_dspark.engine.values.reply import Asked, check_reply
@@ -592,6 +593,7 @@ NAIVE_W = [65534 // 31 + (m < 65534 % 31) for m in range(TOP - 1)] + [1]
 NAIVE_IDS = {(1, 1, m): v for m, v in enumerate([i for i in range(1, TOP + 1) if i != HONEST_S] + [HONEST_S])}
 NAIVE_PICK = the_pick(S_ENTRIES[1], 1, [i for i in range(1, TOP + 1) if i != HONEST_S] + [HONEST_S], NAIVE_W)
 THIRDS_W, THIRDS_TOKEN, THIRDS_PICK, THIRDS_AT = picked_q(S_ENTRIES[0], 1, [21845] * 3 + [0] * (TOP - 3))
+ADAPTIVE_IDS, ADAPTIVE_W = adaptive_q(2**64 - 1, 2**32 + 2, 2, HONEST_S)  # entry 1's draft 2: at 2**32 + 2
 THIRDS_OTHER = next(t for t in honest_q(HONEST_S)[0][:3] if t != THIRDS_PICK)  # listed, weight > 0, not the pick
 
 
@@ -696,6 +698,15 @@ SAMPLED_CASES = {
     "equal weights, the pick a later id": (
         (VOCAB, True),
         s_payload(weights=THIRDS_W, tokens=THIRDS_TOKEN),
+        RoundEvent.OK,
+        "",
+    ),
+    "the adaptive attacker's q passes (what only a redraw stops)": (
+        (VOCAB, True),
+        s_payload(
+            ids={(1, 2, m): int(v) for m, v in enumerate(ADAPTIVE_IDS)},
+            weights={(1, 2, m): int(v) for m, v in enumerate(ADAPTIVE_W)},
+        ),
         RoundEvent.OK,
         "",
     ),
