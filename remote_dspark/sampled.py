@@ -5,7 +5,7 @@ the whole rule and re-exports these), the wire (:mod:`remote_dspark.wire`: its s
 sizes) and the engine (:mod:`remote_dspark.engine.values.reply`: a reply's
 distributions). The proxy's rounds hold a reply to the same check in C
 (``check_distributions`` in ``native/reply_check.c``, its twin: same order, same words;
-the hash and the pick in ``native/sampled_pick.c``, held equal bit for bit).
+the hash and the pick in ``native/sampled_pick.h``, held equal bit for bit).
 
 A drafted position's distribution is ``TOP`` token ids and integer weights summing to
 exactly ``TOTAL``: ``q = w / TOTAL`` is the distribution the draft was drawn from, and
@@ -27,7 +27,7 @@ TOTAL = 65535  # the weights' exact sum: q = w / TOTAL
 MASK32 = 0xFFFFFFFF
 # mix32's odd multipliers, both below 2**31 (C. Wellons' hash-prospector 32-bit mixer
 # with shifts 16, 15, 15; bias 0.108), and the lanes' keys (from the golden ratio).
-# native/sampled_pick.c has the same numbers.
+# native/sampled_pick.h has the same numbers.
 MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
 MIX_SHIFTS = (16, 15, 15)
 LANE_KEYS = (0x9E3779B9, 0x7F4A7C15)

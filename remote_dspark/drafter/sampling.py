@@ -11,7 +11,7 @@ draft by them, and re-exported here. :mod:`remote_dspark.drafter.lm.sampling` is
 torch twin (the model drafters, CPU and CUDA) for what cannot be written once: the
 top-32 selection and its ties (numpy's partition and sort; on CUDA ``topk`` and a
 search with no host sync, so a round can be a graph), the softmax without a host check
-of the temperatures, and the gathers. ``native/sampled_pick.c`` is the C twin of rules 1
+of the temperatures, and the gathers. ``native/sampled_pick.h`` is the C twin of rules 1
 and 3 (the proxy's reply check). ``tests/drafter/test_sampling.py`` holds the twins
 together: rules 1 and 3 bit for bit, rule 2's ids equal and weights up to float64
 rounding (``tests/native/test_sampled_pick.py``: C and numpy bit for bit). Nothing of

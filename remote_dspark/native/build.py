@@ -63,7 +63,7 @@ _OTHERS = (
     "cuda_launch.c",
 )
 SOURCES = (SOURCE, *(SOURCE_DIR / name for name in _OTHERS))
-HEADERS = (SOURCE_DIR / "hostflag.h", SOURCE_DIR / "tcp_round.h")
+HEADERS = (SOURCE_DIR / "hostflag.h", SOURCE_DIR / "tcp_round.h", SOURCE_DIR / "sampled_pick.h")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 
 

@@ -37,9 +37,4 @@ HF_INTERNAL int hf_check_round(struct hf_proxy *p, struct hf_link *l, uint32_t r
 HF_INTERNAL int hf_unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
                                  uint32_t len);
 
-/* Rules 1 and 3 of the sampled drafts' rule (sampled_pick.c): the uniform number of
- * (seed, position, draft), and the pick's index among W_TOP weights for it. */
-HF_INTERNAL uint32_t hf_uniform_u32(uint64_t seed, uint64_t position, uint32_t draft);
-HF_INTERNAL uint32_t hf_pick_index(const uint16_t *weights, uint32_t u32);
-
 #endif
