@@ -1,4 +1,4 @@
-"""The sampled drafts' hash and pick in C (``native/sampled_pick.c``: rules 1 and 3, what
+"""The sampled drafts' hash and pick in C (``native/sampled_pick.h``: rules 1 and 3, what
 the proxy's reply check holds each draft to) against their numpy twin
 (``remote_dspark.sampled``: ``uniform_u32``, ``threshold``, ``pick_index``), bit for
 bit over many random inputs: seeds over the whole u64 range, positions over the whole
