@@ -2,17 +2,20 @@
 
 A drafter that samples its drafts says, for each drafted position, exactly the
 distribution the draft was drawn from: 32 distinct token ids and integer weights. This
-module is the rule's home: its statement below, its constants, and the parts written
-once for numpy and torch alike (:func:`mix32` and :func:`hash_halves`, rule 1;
-:func:`add_deficit`, rule 2's exact sum; :func:`threshold` and :func:`pick_index`, rule
-3), with the rest in numpy (the Markov drafter). :mod:`remote_dspark.drafter.lm.sampling`
-is its torch twin (the model drafters, CPU and CUDA) for what cannot be written once:
-the top-32 selection and its ties (numpy's partition and sort; on CUDA ``topk`` and a
+module is the rule's home: its statement below, and rule 2 in numpy (:func:`top32`,
+:func:`from_counts`; :func:`add_deficit`, its exact sum, written once for numpy and
+torch). Rules 1 and 3 (:func:`mix32`, :func:`hash_halves`, :func:`uniform_u32`;
+:func:`threshold`, :func:`pick_index`, :func:`pick`) and the constants are written once
+in :mod:`remote_dspark.sampled`, the shared vocabulary, since the engine checks every
+draft by them, and re-exported here. :mod:`remote_dspark.drafter.lm.sampling` is the
+torch twin (the model drafters, CPU and CUDA) for what cannot be written once: the
+top-32 selection and its ties (numpy's partition and sort; on CUDA ``topk`` and a
 search with no host sync, so a round can be a graph), the softmax without a host check
-of the temperatures, and the gathers. ``tests/drafter/test_sampling.py`` holds the twins
+of the temperatures, and the gathers. ``native/sampled_pick.h`` is the C twin of rules 1
+and 3 (the proxy's reply check). ``tests/drafter/test_sampling.py`` holds the twins
 together: rules 1 and 3 bit for bit, rule 2's ids equal and weights up to float64
-rounding. Nothing of the package's ``__init__`` imports either (numpy is imported here at
-module level).
+rounding (``tests/native/test_sampled_pick.py``: C and numpy bit for bit). Nothing of
+the package's ``__init__`` imports either (numpy is imported here at module level).
 
 1. **Randomness is counter-based.** A draft's uniform 32-bit number is
    :func:`uniform_u32` ``(seed, position, draft)``: a stateless hash of the entry's
@@ -35,10 +38,11 @@ module level).
    ``TOTAL`` and ``q = w / TOTAL`` *is* the distribution sampled from. ``T == 0`` is
    greedy: the whole weight on the first id (the argmax, smaller id on ties). A row
    whose softmax is not finite (its best score infinite or NaN) is greedy too. Ids come
-   in that order (weight descending for distinct scores), all distinct and in the
-   vocabulary: a row with fewer candidates (:func:`from_counts`: the Markov model's at
-   most 16 next tokens, ``p`` proportional to ``count ** (1 / T)``) pads with weight 0
-   and the smallest ids that are not candidates, in ascending order. NaN scores give an
+   in that order (weight descending for distinct scores, so the weights never rise
+   along the ids: rule 4 holds them to it), all distinct and in the vocabulary: a row
+   with fewer candidates (:func:`from_counts`: the Markov model's at most 16 next
+   tokens, ``p`` proportional to ``count ** (1 / T)``) pads with weight 0 and the
+   smallest ids that are not candidates, in ascending order. NaN scores give an
    unspecified but valid answer (distinct ids, weights summing to ``TOTAL``).
 
 3. **The pick.** :func:`pick` ``(ids, weights, u32)``: ``r = (u32 * TOTAL) >> 32`` in
@@ -49,22 +53,50 @@ module level).
 
 4. **The check.** :func:`~remote_dspark.sampled.check_sampled` (shared with the wire
    and the engine, :mod:`remote_dspark.sampled`): what the engine holds a reply's sampled
-   section to, at drafted positions (ids in the vocabulary and distinct, weights
-   summing to ``TOTAL``, the drafted token among the ids of weight > 0).
+   section to, at drafted positions: ids in the vocabulary and distinct, weights
+   summing to ``TOTAL``, the drafted token among the ids of weight > 0, the weights
+   non-increasing along the ids (rule 2's order; equal weights in any id order), and
+   the drafted token the pick (rule 3) at the entry's seed, the draft's absolute
+   position and its index (rule 1). What it cannot hold: a drafter that chooses ``q``
+   after computing the draw (the seed travels in the ROUND) can put a sliver of weight
+   exactly where the draw lands and pass; only an engine that redraws each draft with
+   its own randomness is exact against any worker.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..sampled import TOP, TOTAL, check_sampled  # the shared terms, and rule 4
+# The shared terms, rules 1 and 3 (written once, in the shared vocabulary: the engine
+# checks each draft by them) and rule 4.
+from ..sampled import (
+    LANE_KEYS,
+    MASK32,
+    MIX_MULTIPLIERS,
+    MIX_SHIFTS,
+    TOP,
+    TOTAL,
+    check_sampled,
+    hash_halves,
+    mix32,
+    pick,
+    pick_index,
+    threshold,
+    uniform_u32,
+)
 
 __all__ = [
+    "LANE_KEYS",
+    "MASK32",
+    "MIX_MULTIPLIERS",
+    "MIX_SHIFTS",
     "TOP",
     "TOTAL",
     "add_deficit",
     "check_sampled",
     "from_counts",
+    "hash_halves",
+    "mix32",
     "pick",
     "pick_index",
     "threshold",
@@ -72,61 +104,6 @@ __all__ = [
     "uniform_u32",
     "weights_of",
 ]
-MASK32 = 0xFFFFFFFF
-# mix32's odd multipliers, both below 2**31 (C. Wellons' hash-prospector 32-bit mixer
-# with shifts 16, 15, 15; bias 0.108), and the lanes' keys (from the golden ratio).
-MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
-MIX_SHIFTS = (16, 15, 15)
-LANE_KEYS = (0x9E3779B9, 0x7F4A7C15)
-
-
-def mix32(x):
-    """The bijective 32-bit mixer: ``x`` holds values in 0..2**32-1 (numpy uint64, or
-    torch int64), the answer too. Written once, for both: only ``^``, ``>>``, ``*`` by
-    a constant below 2**31 and ``&`` are used, on non-negative values."""
-    (s0, s1, s2), (m0, m1) = MIX_SHIFTS, MIX_MULTIPLIERS
-    x = x ^ (x >> s0)
-    x = (x * m0) & MASK32
-    x = x ^ (x >> s1)
-    x = (x * m1) & MASK32
-    return x ^ (x >> s2)
-
-
-def hash_halves(seed_lo, seed_hi, pos_lo, pos_hi, draft):
-    """Rule 1's hash of its five 32-bit inputs (each 0..2**32-1, broadcast together;
-    numpy uint64 or torch int64), shared by both twins."""
-    a = mix32(seed_lo ^ LANE_KEYS[0])
-    b = mix32(seed_hi ^ LANE_KEYS[1])
-    for x in (pos_lo, pos_hi, draft):
-        a = mix32(a ^ x)
-        b = mix32(b ^ x ^ LANE_KEYS[1])  # not a's step: equal lanes must not stay equal
-    return mix32(a ^ b)
-
-
-def _halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    bits = np.asarray(x).astype(np.uint64)  # int64 -> the same bits (two's complement)
-    return bits & np.uint64(MASK32), bits >> np.uint64(32)
-
-
-def uniform_u32(seed, position, draft) -> np.ndarray:
-    """Rule 1: a uniform uint32 per (seed, position, draft), broadcast together.
-
-    Args:
-        seed: uint64 per entry (int64 is read as the same bits).
-        position: int64, the draft's absolute position in its sequence.
-        draft: the draft's index in its round, 0..2**32-1.
-
-    Returns: uint32 array of the broadcast shape.
-
-    Raises:
-        ValueError: a ``draft`` outside 0..2**32-1.
-    """
-    draft = np.asarray(draft, dtype=np.int64)
-    if draft.size and (draft.min() < 0 or draft.max() > MASK32):
-        raise ValueError(f"draft index {draft.min()}..{draft.max()}: expected 0..{MASK32}")
-    s_lo, s_hi = _halves(seed)
-    p_lo, p_hi = _halves(np.asarray(position, dtype=np.int64))
-    return hash_halves(s_lo, s_hi, p_lo, p_hi, draft.astype(np.uint64)).astype(np.uint32)
 
 
 def _check_temperature(temperature, n: int) -> np.ndarray:
@@ -248,26 +225,3 @@ def from_counts(cand_ids, counts, temperature, vocab: int) -> tuple[np.ndarray, 
     scores = np.full((n, TOP), -np.inf)
     scores[:, :c] = np.where(live, logc, -np.inf)
     return ids.astype(np.int32), weights_of(scores, t)
-
-
-def threshold(u32):
-    """Rule 3's ``r = (u32 * TOTAL) >> 32``, in 0..TOTAL-1: ``u32`` holds values below
-    2**32 (numpy uint64, or torch int64), so the product stays below 2**48. Written once,
-    for both twins."""
-    return (u32 * TOTAL) >> 32
-
-
-def pick_index(weights, r):
-    """Rule 3's index: the first ``i`` with ``cumsum(weights)[i] > r``, at most TOP - 1
-    (only weights short of TOTAL get past it). ``weights`` [..., TOP] and ``r`` [...],
-    both int64 (numpy or torch); written once, for both twins."""
-    return (weights.cumsum(-1) <= r[..., None]).sum(-1).clip(max=TOP - 1)
-
-
-def pick(ids, weights, u32) -> np.ndarray:
-    """Rule 3: the drawn token of each row (``ids``, ``weights`` [..., TOP]; ``u32``
-    [...] uint32). Returns [...] int32."""
-    ids, w = np.asarray(ids), np.asarray(weights, dtype=np.int64)
-    r = threshold(np.asarray(u32).astype(np.uint64)).astype(np.int64)
-    i = np.asarray(pick_index(w, r))  # (a single row's index is a scalar)
-    return np.take_along_axis(ids, i[..., None], -1)[..., 0].astype(np.int32)

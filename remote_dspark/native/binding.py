@@ -50,7 +50,7 @@ from .structs import (
     WindowsView,
 )
 
-ABI_VERSION = 23
+ABI_VERSION = 24
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -177,6 +177,7 @@ _FUNCS = {
     "host_round": ("hf_host_round", _I, (ctypes.POINTER(HostRoundIn),), False),
     "host_answer": ("hf_host_answer", _I, (ctypes.POINTER(HostRoundIn), _U32, _U32, _P, _P), False),
     "host_summary": ("hf_host_summary", _I, (ctypes.POINTER(HostRoundIn), _U32), False),
+    "sampled_picks": ("hf_sampled_picks", None, (_P, _P, _P, _P, _U32, _P, _P), False),
 }
 
 

@@ -55,6 +55,7 @@ _OTHERS = (
     "tcp_round.c",
     "desc_check.c",
     "reply_check.c",
+    "sampled_pick.c",
     "worker_round.c",
     "worker_serve.c",
     "engine_meta.c",
@@ -62,7 +63,7 @@ _OTHERS = (
     "cuda_launch.c",
 )
 SOURCES = (SOURCE, *(SOURCE_DIR / name for name in _OTHERS))
-HEADERS = (SOURCE_DIR / "hostflag.h", SOURCE_DIR / "tcp_round.h")
+HEADERS = (SOURCE_DIR / "hostflag.h", SOURCE_DIR / "tcp_round.h", SOURCE_DIR / "sampled_pick.h")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 
 

@@ -40,6 +40,7 @@ int hf_check_round(struct hf_proxy *p, struct hf_link *l, uint32_t round, struct
     v->flags = v->n_out + n4;
     v->offsets = v->flags + n4;
     v->temperature = p->want_sampled ? v->offsets + n4 + 4 : NULL;
+    v->seed = p->want_sampled ? v->temperature + n4 : NULL;
     uint32_t first = get32(v->offsets), last = get32(v->offsets + n4);
     if (first != 0 || last != v->n_tokens)
         return hf_fail(l, HF_EV_BAD_DESC, 0, "offsets run from %u to %u, expected 0 to n_tokens=%u",

@@ -27,7 +27,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 23   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 24   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))

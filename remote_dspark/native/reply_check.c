@@ -3,6 +3,7 @@
  * and unpacked into the proxy's drafts image for hf_answer (hf_unpack_drafts, for
  * hf_round; hf_unpack, for a caller that received the reply itself). */
 #include "tcp_round.h"
+#include "sampled_pick.h"
 
 #include <math.h>
 
@@ -97,24 +98,32 @@ static int distinct(const uint32_t *ids, uint32_t *keys, uint16_t *tags, uint16_
  * j: ..."): the first position that breaks it, and its first broken part: an id outside
  * 0..vocab-1 (the first listed; vocab 2^31 when unknown), an id repeated (the smallest),
  * weights not summing to exactly W_TOTAL (u16: none over it), the drafted token not
- * among the ids of weight > 0. Branch-free over a position's ids (1,280 positions: 40
- * us on the H200 host's CPU), the words found only for the position that breaks it. */
-static int check_distributions(struct hf_link *l, const struct hf_proxy *p, uint32_t n, uint32_t width,
-                               const uint8_t *counts, const uint8_t *tokens, const uint8_t *q_ids,
-                               const uint8_t *q_weights)
+ * among the ids of weight > 0, weights rising along the ids (the first rise), the drafted
+ * token not the pick (sampled_pick.h) at the entry's seed and the draft's absolute
+ * position (the ROUND's position + the entry's token count + j) and index j.
+ * Branch-free over a position's ids (1,280 positions: 40 us on the H200 host's CPU; the
+ * hash and the pick add 12 to 30 ns a position on the 2-core machine), the words found
+ * only for the position that breaks it. */
+static int check_distributions(struct hf_link *l, const struct hf_proxy *p, const struct round_view *v,
+                               uint32_t width, const uint8_t *counts, const uint8_t *tokens,
+                               const uint8_t *q_ids, const uint8_t *q_weights)
 {
     uint32_t vocab = p->vocab_size ? p->vocab_size : (uint32_t)INT32_MAX + 1, keys[128], ids[W_TOP];
     uint16_t tags[128] = { 0 }, stamp = 0, w[W_TOP];
-    for (uint32_t e = 0; e < n; e++) {
+    for (uint32_t e = 0; e < v->n; e++) {
+        uint64_t seed, first = (uint64_t)get32(v->positions + 4u * e) + get32(v->offsets + 4u * (e + 1))
+                                - get32(v->offsets + 4u * e);   /* offsets non-decreasing: checked */
+        memcpy(&seed, v->seed + 8u * e, 8);
         for (uint32_t j = 0, c = get16(counts + 2u * e); j < c; j++) {
             uint64_t at = (uint64_t)width * e + j;
-            uint32_t token = get32(tokens + 4u * at), outside = 0, present = 0, sum = 0;
+            uint32_t token = get32(tokens + 4u * at), outside = 0, present = 0, sum = 0, rising = 0;
             memcpy(ids, q_ids + 4u * W_TOP * at, sizeof ids);
             memcpy(w, q_weights + 2u * W_TOP * at, sizeof w);
             for (int m = 0; m < W_TOP; m++) {   /* as u32, a negative id is >= 2^31 >= vocab */
                 outside |= ids[m] >= vocab;
                 sum += w[m];
                 present |= (ids[m] == token) & (w[m] > 0);
+                rising |= m > 0 && w[m] > w[m - 1];
             }
             int m = 0;
             if (outside) {
@@ -134,6 +143,18 @@ static int check_distributions(struct hf_link *l, const struct hf_proxy *p, uint
                 return hf_fail(l, HF_EV_PROTOCOL, 0,
                             "entry %u: draft %u: drafted token %d not among its ids of weight > 0", e, j,
                             (int32_t)token);
+            if (rising) {
+                for (m = 1; w[m] <= w[m - 1]; m++)
+                    ;
+                return hf_fail(l, HF_EV_PROTOCOL, 0,
+                            "entry %u: draft %u: weights rise at index %d (%u, then %u): expected non-increasing",
+                            e, j, m, w[m - 1], w[m]);
+            }
+            uint32_t pick = ids[hf_pick_index(w, hf_uniform_u32(seed, first + j, j))];
+            if (pick != token)
+                return hf_fail(l, HF_EV_PROTOCOL, 0,
+                            "entry %u: draft %u: drafted token %d, the pick at its seed and position %llu is %d",
+                            e, j, (int32_t)token, (unsigned long long)(first + j), (int32_t)pick);
         }
     }
     return HF_EV_OK;
@@ -195,7 +216,7 @@ int hf_unpack_drafts(struct hf_link *l, const struct hf_proxy *p, const struct r
     int event = check_entries(l, p, v, n, width, counts, statuses, tokens,
                               (flags & W_MARGINS) ? tokens + grid : NULL);
     if (event == HF_EV_OK && (flags & W_SAMPLED))
-        event = check_distributions(l, p, n, width, counts, tokens, q_ids, q_weights);
+        event = check_distributions(l, p, v, width, counts, tokens, q_ids, q_weights);
     if (event != HF_EV_OK)
         return event;
     uint8_t *img = l->image;

@@ -20,7 +20,8 @@ struct round_view {
     uint32_t deadline_ms, n, row_bytes, n_tokens;
     uint64_t meta;                /* round_meta: where the tokens start */
     const uint8_t *slots, *positions, *n_out, *flags, *offsets;
-    const uint8_t *temperature;   /* a sampled session's [n] f32, else NULL (seeds follow: any u64) */
+    const uint8_t *temperature;   /* a sampled session's [n] f32, else NULL */
+    const uint8_t *seed;          /* a sampled session's [n] u64 (any value; 4-aligned only), else NULL */
 };
 
 /* Record what broke (l->why, l->err) and return `event` (tcp_round.c). */

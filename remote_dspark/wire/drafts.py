@@ -23,9 +23,10 @@ A sampled reply (``DRAFTS_SAMPLED``) has at most ``MAX_SAMPLED_ENTRIES`` entries
 width of at most ``MAX_SAMPLED_N_OUT`` (a sampled HELLO's caps): at most 3 MiB of
 distributions. Each drafted position (j < counts[i]) holds the distribution its draft
 was drawn from (SAMPLED_TOP32, :mod:`remote_dspark.drafter.sampling`): 32 distinct ids
-in 0..vocab_size-1, weights summing to exactly ``SAMPLED_TOTAL`` (65535), the drafted
-token among the ids of weight > 0; draft j of entry i is ``pick(q_ids[i, j],
-q_weights[i, j], uniform_u32(seed[i], p, j))``, ``p`` its absolute position. An entry
+in 0..vocab_size-1, weights summing to exactly ``SAMPLED_TOTAL`` (65535) and never
+rising along the ids, the drafted token among the ids of weight > 0; draft j of entry i
+is ``pick(q_ids[i, j], q_weights[i, j], uniform_u32(seed[i], p, j))``, ``p`` its
+absolute position (the ROUND's ``positions[i]`` + the entry's token count + j). An entry
 with RESYNC or with no drafts has zeros there.
 
 :func:`decode_drafts` checks what the frame alone tells (caps, length, counts <= width,

@@ -200,33 +200,31 @@ def test_a_checked_answer_is_a_copy_even_when_every_entry_drafted_whole():
     mine.margins[:] = 0
     assert out.tokens.tolist() == [[5, 6], [7, 8]] and out.margins.tolist() == [[1, 1], [1, 1]]
     sampled = dataclasses.replace(batch, temperature=np.ones(2, np.float32), seed=np.zeros(2, np.uint64))
-    ids = np.broadcast_to(np.arange(32, dtype=np.int32), (2, 2, 32)).copy()
     tokens = np.array([[5, 6], [7, 8]], np.int32)
+    ids = np.array([[[t] + [i for i in range(33) if i != t][:31] for t in row] for row in tokens], np.int32)
     weights = np.zeros((2, 2, 32), np.uint16)
-    np.put_along_axis(weights, tokens[..., None], 65535, axis=-1)  # all of each position's weight on its draft
+    weights[..., 0] = 65535  # all of each position's weight on its draft, listed first
     out = check_result(DraftResult(tokens, np.array([2, 2], np.int32), None, ids, weights), sampled)
     ids[:] = 0
     weights[:] = 0
-    assert out.q_ids[1, 1, 8] == 8 and out.q_weights[1, 1, 8] == 65535
+    assert out.q_ids[1, 1, 0] == 8 and out.q_weights[1, 1, 0] == 65535
 
 
 def test_check_result_holds_a_sampled_rounds_distributions_to_the_rule():
     batch = dataclasses.replace(
         _batch([[1], [2]], [2, 1], 2), temperature=np.ones(2, np.float32), seed=np.zeros(2, np.uint64)
     )
-    ids = np.broadcast_to(np.arange(32, dtype=np.int32), (2, 2, 32)).copy()
+    ids = np.broadcast_to(np.array([3, 0, 1, 2] + list(range(4, 32)), np.int32), (2, 2, 32)).copy()
     weights = np.zeros((2, 2, 32), np.uint16)
-    weights[..., 3] = 65535
+    weights[..., 0] = 65535  # token 3, listed first
     tokens = np.array([[3, 3], [3, 9]], np.int32)  # entry 1's second draft is past its count
     out = check_result(DraftResult(tokens, np.array([2, 1], np.int32), None, ids, weights), batch)
     assert out.q_ids[1, 1].tolist() == [0] * 32 and out.q_weights[1, 1].sum() == 0  # zeroed past counts
-    assert out.q_weights[0, 1, 3] == 65535
-    with pytest.raises(ValueError, match=r"q_ids: shape \(\), expected \(2, 2, 32\)"):
-        check_result(DraftResult(tokens, np.array([2, 1], np.int32)), batch)
-    short = weights.copy()
-    short[0, 0, 3] -= 1
-    with pytest.raises(ValueError, match="distributions: position 0: weights sum to 65534"):
-        check_result(DraftResult(tokens, np.array([2, 1], np.int32), None, ids, short), batch)
+    assert out.q_weights[0, 1, 0] == 65535
+    rising = weights.copy()
+    rising[0, 0, :3] = [65000, 0, 535]
+    with pytest.raises(ValueError, match=r"position 0: weights rise at index 2 \(0, then 535\)"):
+        check_result(DraftResult(tokens, np.array([2, 1], np.int32), None, ids, rising), batch)
     elsewhere = tokens.copy()
     elsewhere[0, 1] = 4  # id 4 has weight 0
     with pytest.raises(ValueError, match="drafted token 4 not among its ids of weight > 0"):

@@ -20,7 +20,7 @@ from ..spec import Spec
 from ..values.batch import Batch, HostMeta, as_bytes, gather_rows_host, has_rows, meta_to_host
 from ..values.drafts import Drafts, Launched, empty_drafts, to_drafts
 from ..values.meta import write_meta
-from ..values.reply import Asked, check_reply
+from ..values.reply import Asked, check_reply, draft_positions
 
 log = logging.getLogger("remote_dspark.engine")
 
@@ -100,7 +100,16 @@ class SyncPath:
         )
         wire.pack_header_into(self._send, wire.ROUND, size + n * spec.row_bytes, self.link.session, round_id)
         parts = (memoryview(self._send)[: wire.HEADER.size + size], memoryview(rows.reshape(-1)))  # a view
-        asked = Asked(meta.slots, meta.n_out, spec.num_spec, spec.vocab_size, spec.cfg.want_margin, spec.sampled)
+        asked = Asked(
+            meta.slots,
+            meta.n_out,
+            spec.num_spec,
+            spec.vocab_size,
+            spec.cfg.want_margin,
+            spec.sampled,
+            meta.seed if spec.sampled else None,  # the ROUND's: each draft is held to its pick
+            draft_positions(meta.positions, meta.offsets) if spec.sampled else None,
+        )
         # The reply is held to what was asked inside the round, so a broken rule is the
         # round's event (PROTOCOL drops the connection, BAD_REPLY keeps it), never drafts.
         result = self.link.round(round_id, parts, spec.cfg.timeout_ms, lambda d: check_reply(d, asked))

@@ -25,7 +25,11 @@ Then, in order:
 5. in a sampled session, once every entry passed 4: each counted position's
    distribution, by the shared rule (:func:`remote_dspark.sampled.violation`: ids in the
    vocabulary and distinct, weights summing to exactly 65,535, the drafted token among
-   the ids of weight > 0), the first position that breaks it named by entry and draft.
+   the ids of weight > 0, weights non-increasing along the ids, and the drafted token
+   the rule's pick at the entry's seed, the draft's absolute position and its index),
+   the first position that breaks it named by entry and draft. Draft j of entry i is at
+   the ROUND's ``positions[i]`` + its token count + j (:func:`draft_positions`: the
+   entry's last token's position + 1 + j, NEW_GEN or not, with or without new tokens).
    Its C twin is ``check_distributions`` in ``native/reply_check.c``, with the same words.
 
 Only counted positions are checked: what lies past a count never reaches the engine
@@ -54,6 +58,22 @@ class Asked:
     vocab_size: int  # the engine's vocabulary (HELLO); 0: unknown
     want_margin: bool  # the session asked for margins (HELLO)
     want_sampled: bool = False  # the session asked for sampled drafts' distributions (HELLO)
+    seed: np.ndarray | None = None  # [n] uint64: each entry's seed (the ROUND's; a sampled session)
+    draft_at: np.ndarray | None = None  # [n] int64: each entry's draft 0's position (draft_positions)
+
+    def __post_init__(self):
+        if self.want_sampled and (self.seed is None or self.draft_at is None):
+            raise ValueError(
+                "Asked: a sampled session's round needs seed and draft_at (each draft is held to its pick)"
+            )
+
+
+def draft_positions(positions, offsets) -> np.ndarray:
+    """[n] int64: the absolute position of each entry's draft 0, from the ROUND's
+    ``positions`` [n] (each entry's first token's) and ``offsets`` [n + 1]: the entry's
+    last token's position + 1, which is ``positions[i]`` when it has no new token."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    return np.asarray(positions, dtype=np.int64) + (offsets[1:] - offsets[:-1])
 
 
 def check_reply(d: wire.DraftsFrame, asked: Asked) -> None:
@@ -103,7 +123,7 @@ def check_reply(d: wire.DraftsFrame, asked: Asked) -> None:
         bad |= bad_margin.any(axis=1)
     if not bad.any():
         if d.sampled:
-            _check_distributions(d, n, width, live, tokens, asked.vocab_size or I32_MAX + 1)
+            _check_distributions(d, asked, width, live, tokens)
         return
     e = int(np.argmax(bad))  # the first entry that breaks a rule; then its first rule, as in C
     if over[e]:
@@ -117,16 +137,16 @@ def check_reply(d: wire.DraftsFrame, asked: Asked) -> None:
     raise wire.ProtocolError(f"entry {e}: margin {float(margins[e, j]):g} not in [0, 1]")
 
 
-def _check_distributions(
-    d: wire.DraftsFrame, n: int, width: int, live: np.ndarray, tokens: np.ndarray, vocab: int
-) -> None:
+def _check_distributions(d: wire.DraftsFrame, asked: Asked, width: int, live: np.ndarray, tokens: np.ndarray) -> None:
     """Rule 5 (module docstring) over the counted positions ``live`` [n, width].
 
     Raises: wire.ProtocolError naming the entry, the draft and what is wrong."""
+    n = len(asked.slots)
     shape = (n, width, wire.SAMPLED_TOP)
     ids = np.asarray(d.q_ids, dtype=np.int32).reshape(shape)
     weights = np.asarray(d.q_weights, dtype=np.uint16).reshape(shape)
-    found = violation(ids[live], weights[live], tokens[live], vocab)
+    e, j = np.nonzero(live)  # row-major: the order of ids[live]
+    at = (np.asarray(asked.seed, np.uint64)[e], np.asarray(asked.draft_at, np.int64)[e] + j, j)
+    found = violation(ids[live], weights[live], tokens[live], asked.vocab_size or I32_MAX + 1, at)
     if found is not None:
-        e, j = np.argwhere(live)[found[0]]
-        raise wire.ProtocolError(f"entry {e}: draft {j}: {found[1]}")
+        raise wire.ProtocolError(f"entry {e[found[0]]}: draft {j[found[0]]}: {found[1]}")

@@ -433,8 +433,27 @@ def _weights_short(ids, weights):
     weights[0, 0, 0] -= 1
 
 
+def _sliver_listed_last(ids, weights):
+    """The attacker of a sampled session: every draft ``HONEST``, listed last with weight 1
+    (the rest spread, non-increasing), so an exact sampler would accept it almost surely;
+    it is not the pick at the entry's seed and position."""
+    live = weights.sum(axis=2) > 0
+    ids[live] = [t for t in range(wire.SAMPLED_TOP + 1) if t != HONEST][: wire.SAMPLED_TOP - 1] + [HONEST]
+    spread = [65534 // 31 + (m < 65534 % 31) for m in range(wire.SAMPLED_TOP - 1)]
+    weights[live] = spread + [1]
+
+
+def _weights_rising(ids, weights):
+    weights[1, 0, 0], weights[1, 0, 2] = wire.SAMPLED_TOTAL - 5, 5  # HONEST keeps the pick's weight
+
+
 # name: (bad reply, engine keywords). Each breaks the rule a sampled reply keeps.
 SAMPLED_CASES = {
+    "a draft that is not the pick (weight 1, listed last)": (
+        lambda r, h, s: drafts(r, h, s, q_edit=_sliver_listed_last),
+        {},
+    ),
+    "weights that rise along the ids": (lambda r, h, s: drafts(r, h, s, q_edit=_weights_rising), {}),
     "a drafted token outside its distribution": (lambda r, h, s: drafts(r, h, s, q_edit=_token_not_listed), {}),
     "weights not summing to 65535": (lambda r, h, s: drafts(r, h, s, q_edit=_weights_short), {}),
     "a NaN margin": (lambda r, h, s: drafts(r, h, s, margin=math.nan), {}),
@@ -449,7 +468,7 @@ def sampled_batch() -> Batch:
     return batch(temperature=[1.0, 0.5], seed=[3, 2**64 - 1])
 
 
-@pytest.mark.parametrize("mode", ["sync", "process"])
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
 @pytest.mark.parametrize("case", list(SAMPLED_CASES))
 def test_a_sampled_reply_that_breaks_the_distributions_rule_delivers_nothing(tmp_path, mode, case):
     reply, kw = SAMPLED_CASES[case]

@@ -188,3 +188,58 @@ def test_a_sampled_round_in_flight_when_close_runs_comes_back_empty_with_zero_q(
     assert out.outcome is not Outcome.OK and not out.counts.any()
     assert out.q_ids.shape == out.q_weights.shape == (SLOTS, K, TOP)
     assert not out.q_ids.any() and not out.q_weights.to(torch.int32).any()
+
+
+def follow_ups() -> list[Batch]:
+    """Rounds after ``batch()``'s NEW_GEN round, over the same slots: even slots continue
+    with no new token, then with one; odd slots continue with two new tokens, then start
+    anew (NEW_GEN) near the end of the wire's u32 positions, so their drafts are past
+    2**32. Each draft is at its entry's last token's position + 1 + j (with no new token:
+    the ROUND's position, the slot's next)."""
+    ctx, text = contexts(), SyntheticLanguage().text(SLOTS * 40, seed=3)
+    at = [100 * i + len(c) for i, c in enumerate(ctx)]  # each slot's next position
+    second = [[] if i % 2 == 0 else text[40 * i + len(c) : 40 * i + len(c) + 2] for i, c in enumerate(ctx)]
+    after = [at[i] + len(second[i]) for i in range(SLOTS)]
+    third = [text[40 * i + len(c) : 40 * i + len(c) + 1] if i % 2 == 0 else ctx[i][:4] for i, c in enumerate(ctx)]
+    third_at = [after[i] if i % 2 == 0 else 2**32 - 3 - i for i in range(SLOTS)]
+    kw = dict(temperature=TEMPERATURES, seed=SEEDS)
+    slots = list(range(SLOTS))
+    return [
+        Batch.from_lists(slots, second, at, [False] * SLOTS, **kw),
+        Batch.from_lists(slots, third, third_at, [i % 2 == 1 for i in range(SLOTS)], **kw),
+    ]
+
+
+def lm_drafter():
+    from remote_dspark.drafter.lm.drafter import LMDrafter
+
+    return LMDrafter(device="cpu", cache_slots=SLOTS, window=64)
+
+
+@pytest.mark.parametrize("make", [lambda: MarkovDrafter(builtin_model()), lm_drafter], ids=["markov", "lm"])
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.THREAD, Mode.PROCESS])
+def test_honest_sampled_drafts_pass_the_pick_check_new_continuing_and_without_new_tokens(tmp_path, mode, make):
+    """The engine holds each draft to its pick at the position it computes from the ROUND
+    (C in thread and process mode, Python in sync): an honest worker's rounds of NEW_GEN
+    entries, continuing entries, entries with no new token and drafts past position 2**32
+    all come back OK with drafts."""
+    drafter = make()
+    with Worker(drafter, "127.0.0.1", 0, window=64) as w:
+        env = drafter_env(
+            drafter,
+            w.port,
+            mode,
+            stats_file=str(tmp_path / "stats.json"),
+            VLLM_DSPARK_SAMPLED_TOP32="1",
+            VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+            VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+        )
+        with RemoteDSpark(
+            RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0, vocab_size=VOCAB
+        ) as rd:
+            got = []
+            assert until(lambda: got.append(rd.round(batch())) or got[-1].outcome is Outcome.OK, 20.0, 0.01)
+            for b in follow_ups():
+                out = rd.round(b)
+                assert out.outcome is Outcome.OK, out.outcome
+                assert int(out.counts.sum()) >= SLOTS  # (nearly) every entry drafted

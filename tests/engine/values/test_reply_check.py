@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from sampled_attack import adaptive_q
 
 from remote_dspark import wire
 from remote_dspark.engine.values.reply import Asked, check_reply
 from remote_dspark.outcome import RoundEvent
 from remote_dspark.proxy import ring_end
 from remote_dspark.proxy.tcp_round import TcpRounds
+from remote_dspark.sampled import pick, uniform_u32
 from remote_dspark.shm import layout, memfd, ring, streamsync
 from remote_dspark.transport import FrameChannel
 from remote_dspark.transport.client import DraftClient
@@ -69,6 +71,8 @@ class Both:
             self.vocab_size,
             self.want_margin,
             self.want_sampled,
+            np.array([e.seed for e in self.entries], np.uint64) if self.want_sampled else None,
+            np.array([e.position + len(e.tokens) for e in self.entries], np.int64) if self.want_sampled else None,
         )
         self.decoded = False
         try:
@@ -518,8 +522,8 @@ def test_fuzz_mutated_valid_frames_raise_only_protocol_errors(data):
 # ------------------------------------------------------------------ sampled sessions (rule 5)
 
 S_ENTRIES = [
-    wire.Entry(3, 2, 0, [1], temperature=0.7, seed=5),
-    wire.Entry(1, 3, 5, [2, 4], temperature=0.0, seed=2**64 - 1),
+    wire.Entry(3, 2, 0, [1], temperature=0.7, seed=5),  # drafts at positions 1, 2
+    wire.Entry(1, 3, 2**32 - 2, [2, 4], temperature=0.0, seed=2**64 - 1),  # at 2**32, 2**32 + 1, 2**32 + 2
 ]
 S_TERMS = [(v, m) for v in (0, VOCAB) for m in (False, True)]  # (vocab_size, want_margin) of a sampled session
 TOP = wire.SAMPLED_TOP
@@ -559,6 +563,38 @@ def s_fields(counts=(2, 3), width=3, margins=True) -> dict:
 
 
 HONEST_S = 7
+
+
+def the_pick(entry: wire.Entry, j: int, ids, weights) -> int:
+    """The rule's pick from (ids, weights) for draft j of ``entry``: at its seed and its
+    absolute position (the entry's last token's position + 1 + j) and index j."""
+    u = uniform_u32(np.uint64(entry.seed), entry.position + len(entry.tokens) + j, j)
+    return int(pick(np.asarray(ids), np.asarray(weights), u))
+
+
+def picked_q(entry: wire.Entry, j: int, weights: list[int]) -> tuple[dict, dict, int, int]:
+    """Edits making entry ``entry``'s draft j's q ``honest_q(HONEST_S)``'s ids with
+    ``weights``: (ids, weights, tokens) edits for ``s_payload`` with the token the pick,
+    and the pick's id and position."""
+    i = S_ENTRIES.index(entry)
+    ids, _ = honest_q(HONEST_S)
+    token = the_pick(entry, j, ids, weights)
+    return (
+        {(i, j, m): w for m, w in enumerate(weights)},
+        {(i, j): token},
+        token,
+        entry.position + len(entry.tokens) + j,
+    )
+
+
+# The issue's attacker: token 7 drafted, listed last with weight 1, the rest spread evenly
+# (so the weights do not rise): the pick lands on it only when r is 65534.
+NAIVE_W = [65534 // 31 + (m < 65534 % 31) for m in range(TOP - 1)] + [1]
+NAIVE_IDS = {(1, 1, m): v for m, v in enumerate([i for i in range(1, TOP + 1) if i != HONEST_S] + [HONEST_S])}
+NAIVE_PICK = the_pick(S_ENTRIES[1], 1, [i for i in range(1, TOP + 1) if i != HONEST_S] + [HONEST_S], NAIVE_W)
+THIRDS_W, THIRDS_TOKEN, THIRDS_PICK, THIRDS_AT = picked_q(S_ENTRIES[0], 1, [21845] * 3 + [0] * (TOP - 3))
+ADAPTIVE_IDS, ADAPTIVE_W = adaptive_q(2**64 - 1, 2**32 + 2, 2, HONEST_S)  # entry 1's draft 2: at 2**32 + 2
+THIRDS_OTHER = next(t for t in honest_q(HONEST_S)[0][:3] if t != THIRDS_PICK)  # listed, weight > 0, not the pick
 
 
 def s_encoded(f: dict) -> bytes:
@@ -653,7 +689,52 @@ SAMPLED_CASES = {
         RoundEvent.PROTOCOL,
         "entry 0: draft 1: weights sum to 131070 (each 0..65535), expected exactly 65535",
     ),
-    "weights spread": ((VOCAB, True), s_payload(weights={(0, 0, 0): 65000, (0, 0, 3): 535}), RoundEvent.OK, ""),
+    "weights spread": (
+        (VOCAB, True),
+        s_payload(weights=picked_q(S_ENTRIES[0], 0, [65000, 535] + [0] * (TOP - 2))[0]),
+        RoundEvent.OK,
+        "",
+    ),
+    "equal weights, the pick a later id": (
+        (VOCAB, True),
+        s_payload(weights=THIRDS_W, tokens=THIRDS_TOKEN),
+        RoundEvent.OK,
+        "",
+    ),
+    "the adaptive attacker's q passes (what only a redraw stops)": (
+        (VOCAB, True),
+        s_payload(
+            ids={(1, 2, m): int(v) for m, v in enumerate(ADAPTIVE_IDS)},
+            weights={(1, 2, m): int(v) for m, v in enumerate(ADAPTIVE_W)},
+        ),
+        RoundEvent.OK,
+        "",
+    ),
+    "weights that rise": (
+        (VOCAB, True),
+        s_payload(weights={(0, 1, 0): 65000, (0, 1, 3): 535}),
+        RoundEvent.PROTOCOL,
+        "entry 0: draft 1: weights rise at index 3 (0, then 535): expected non-increasing",
+    ),
+    "the token with weight 1, listed last (not the pick)": (
+        (VOCAB, True),
+        s_payload(ids=NAIVE_IDS, weights={(1, 1, m): w for m, w in enumerate(NAIVE_W)}),
+        RoundEvent.PROTOCOL,
+        f"entry 1: draft 1: drafted token 7, the pick at its seed and position {2**32 + 1} is {NAIVE_PICK}",
+    ),
+    "another listed token than the pick": (
+        (VOCAB, True),
+        s_payload(weights=THIRDS_W, tokens={(0, 1): THIRDS_OTHER}),
+        RoundEvent.PROTOCOL,
+        f"entry 0: draft 1: drafted token {THIRDS_OTHER}, "
+        f"the pick at its seed and position {THIRDS_AT} is {THIRDS_PICK}",
+    ),
+    "a token of weight 0 is named before weights that rise": (
+        (VOCAB, True),
+        s_payload(weights={(0, 0, 0): 65000, (0, 0, 3): 535}, tokens={(0, 0): 8}),
+        RoundEvent.PROTOCOL,
+        "entry 0: draft 0: drafted token 8 not among its ids of weight > 0",
+    ),
     "drafted token absent": (
         (VOCAB, True),
         s_payload(ids={(1, 2, 0): 99}),
@@ -745,12 +826,21 @@ def test_a_sampled_reply_reaches_the_drafts_slot_widened_to_num_spec_and_zero_pa
 @st.composite
 def valid_sampled_reply(draw):
     """(terms, entries, fields) of a sampled reply that keeps every rule: each counted
-    position's distribution a random valid one holding its token."""
+    position's distribution a random valid one (weights non-increasing), its token the
+    pick at the entry's seed and the draft's position."""
     terms = draw(st.sampled_from(S_TERMS))
     vocab, want = terms
     n = draw(st.integers(0, 3))
-    entries = [
-        wire.Entry(s, draw(st.integers(0, K)), 0, [1], temperature=1.0, seed=s)
+    entries = [  # NEW_GEN or continuing, with 0 to 3 new tokens, positions up to the u32's end
+        wire.Entry(
+            s,
+            draw(st.integers(0, K)),
+            draw(st.one_of(st.integers(0, 64), st.integers(2**32 - 8, 2**32 - 1))),
+            draw(st.lists(st.integers(0, VOCAB - 1), max_size=3)),
+            new_gen=draw(st.booleans()),
+            temperature=1.0,
+            seed=draw(st.integers(0, 2**64 - 1)),
+        )
         for s in draw(st.permutations(range(6)))[:n]
     ]
     width = draw(st.integers(0, K))
@@ -765,9 +855,8 @@ def valid_sampled_reply(draw):
                 continue
             ids = draw(st.lists(st.integers(0, top), min_size=TOP, max_size=TOP, unique=True))
             cuts = sorted(draw(st.lists(st.integers(0, wire.SAMPLED_TOTAL), min_size=TOP - 1, max_size=TOP - 1)))
-            w = [b - a for a, b in zip([0] + cuts, cuts + [wire.SAMPLED_TOTAL])]
-            held = draw(st.sampled_from([m for m in range(TOP) if w[m] > 0]))
-            tokens.append(ids[held]), q_ids.extend(ids), q_weights.extend(w)
+            w = sorted((b - a for a, b in zip([0] + cuts, cuts + [wire.SAMPLED_TOTAL])), reverse=True)
+            tokens.append(the_pick(entries[i], j, ids, w)), q_ids.extend(ids), q_weights.extend(w)
     margins = [0.25 if j < counts[i] else 0.0 for i in range(n) for j in range(width)] if want else None
     fields = dict(
         slots=[e.slot for e in entries],
@@ -788,9 +877,10 @@ SPECIAL_IDS = [-1, -(2**31), VOCAB - 1, VOCAB, 2**31 - 1, 0, 7]
 @st.composite
 def q_perturbed(draw, f: dict) -> dict:
     """``f`` with one distribution cell changed (an id to a special value or to another
-    id of its position, a weight), or one token or margin (rule 4 against rule 5)."""
+    id of its position, a weight, two weights swapped), or one token (to a special value
+    or another listed id: not the pick) or margin (rule 4 against rule 5)."""
     f = {k: list(v) if isinstance(v, list) else v for k, v in f.items()}
-    how = draw(st.sampled_from(["id", "copy", "weight", "token", "margin"]))
+    how = draw(st.sampled_from(["id", "copy", "weight", "token", "margin", "swap", "listed"]))
     cells = len(f["q_ids"])
     if how == "id" and cells:
         f["q_ids"][draw(st.integers(0, cells - 1))] = draw(st.sampled_from(SPECIAL_IDS))
@@ -801,6 +891,16 @@ def q_perturbed(draw, f: dict) -> dict:
         f["q_weights"][draw(st.integers(0, cells - 1))] = draw(st.sampled_from([0, 1, 65535, 40000]))
     elif how == "token" and f["tokens"]:
         f["tokens"][draw(st.integers(0, len(f["tokens"]) - 1))] = draw(st.sampled_from(SPECIAL_TOKENS))
+    elif how == "swap" and cells:  # two weights of a position swapped: out of order, or another pick
+        at, m = divmod(draw(st.integers(0, cells - 1)), TOP)
+        k = draw(st.integers(0, TOP - 1))
+        row = f["q_weights"][at * TOP : (at + 1) * TOP]
+        row[m], row[k] = row[k], row[m]
+        f["q_weights"][at * TOP : (at + 1) * TOP] = row
+    elif how == "listed" and f["tokens"]:  # the drafted token another id of its position
+        at = draw(st.integers(0, len(f["tokens"]) - 1))
+        if f["q_ids"]:
+            f["tokens"][at] = f["q_ids"][at * TOP + draw(st.integers(0, TOP - 1))]
     elif how == "margin" and f["margins"]:
         f["margins"][draw(st.integers(0, len(f["margins"]) - 1))] = draw(st.sampled_from(SPECIAL_MARGINS))
     return f
@@ -819,8 +919,9 @@ def test_fuzz_sampled_replies_get_the_same_verdict_and_words_from_c_and_python(b
 
 def test_c_holds_every_position_of_a_256_by_5_sampled_reply_to_the_rule(lib):
     """A whole round's distributions (1,280 positions of 32 random distinct ids of a
-    131,072-id vocabulary): accepted, and one id repeated at the very last position is
-    found and named. (Its cost is ``bench round --sampled``'s to show, not this test's.)"""
+    131,072-id vocabulary, each draft its pick): accepted, and one id repeated at the very
+    last position is found and named. (Its cost is ``bench round --sampled``'s to show,
+    not this test's.)"""
     lay = layout.Layout(depth=2, max_slots=256, row_bytes=0, num_spec=5, max_tokens=256, sampled=True)
     with memfd.Region.create(lay) as region:
         eng = ring.EngineEnd(region, lib)
@@ -831,13 +932,15 @@ def test_c_holds_every_position_of_a_256_by_5_sampled_reply_to_the_rule(lib):
         ids = rng.permutation(1 << 17)[: 256 * 5 * TOP].reshape(256 * 5, TOP).astype(np.int32)
         w = np.full((256 * 5, TOP), wire.SAMPLED_TOTAL // TOP, np.uint16)
         w[:, 0] += wire.SAMPLED_TOTAL - int(w[0].sum())
+        j = np.tile(np.arange(5), 256)  # draft j of entry s: at position 1 + j
+        tokens = pick(ids, w, uniform_u32(np.repeat(np.arange(256, dtype=np.uint64), 5), 1 + j, j))
         d = wire.DraftsFrame(
             1,
             list(range(256)),
             [5] * 256,
             [0] * 256,
             5,
-            ids[:, 0].tolist(),
+            tokens.tolist(),
             None,
             ids.ravel().tolist(),
             w.ravel().tolist(),

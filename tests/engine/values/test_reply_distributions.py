@@ -1,6 +1,7 @@
 """The engine's check of a sampled session's DRAFTS (``engine.values.reply`` rule 5): each
-counted position's distribution by the shared rule (``remote_dspark.sampled``), the
-first broken position named by entry and draft; what lies past a count is never read.
+counted position's distribution by the shared rule (``remote_dspark.sampled``), each
+draft the pick at its entry's seed, its absolute position and its index, the first
+broken position named by entry and draft; what lies past a count is never read.
 (Its C twin, the proxy's, is held equal to it by ``test_reply_check``.)"""
 
 import re
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from remote_dspark import wire
-from remote_dspark.engine.values.reply import Asked, check_reply
+from remote_dspark.engine.values.reply import Asked, check_reply, draft_positions
+from remote_dspark.sampled import pick, uniform_u32
 
 TOP, TOTAL = wire.SAMPLED_TOP, wire.SAMPLED_TOTAL
 VOCAB = 100
@@ -37,8 +39,14 @@ def reply(counts=(2, 1), width=3, edit=None, sampled=True) -> wire.DraftsFrame:
     return wire.decode_drafts(wire.decode_header(frame[: wire.HEADER.size]), frame[wire.HEADER.size :])
 
 
+SEEDS = np.array([5, 2**64 - 1], np.uint64)
+DRAFT_AT = np.array([40, 2**32 + 3], np.int64)  # each entry's draft 0's absolute position
+
+
 def asked(sampled=True) -> Asked:
-    return Asked(SLOTS, 3, 3, VOCAB, False, want_sampled=sampled)
+    if not sampled:
+        return Asked(SLOTS, 3, 3, VOCAB, False)
+    return Asked(SLOTS, 3, 3, VOCAB, False, True, SEEDS, DRAFT_AT)
 
 
 def test_an_honest_sampled_reply_passes_and_what_lies_past_a_count_is_never_read():
@@ -101,3 +109,75 @@ def test_the_first_position_in_entry_order_is_named_and_other_rules_come_first()
 
     with pytest.raises(wire.ProtocolError, match="^entry 1: draft token 100 outside 0..99$"):
         check_reply(reply(edit=also_a_bad_token), asked())
+
+
+def test_weights_must_not_rise_along_the_ids_but_equal_weights_may_come_in_any_id_order():
+    def rising(ids, weights, tokens):
+        weights[0, 1, 0], weights[0, 1, 2] = TOTAL - 9, 9  # index 1 holds 0: a rise at index 2
+
+    with pytest.raises(wire.ProtocolError, match=r"^entry 0: draft 1: weights rise at index 2 \(0, then 9\)"):
+        check_reply(reply(edit=rising), asked())
+
+    def ties_reversed(ids, weights, tokens):
+        # entry 1's draft 0: three ids of equal weight, listed by descending id; the drafted
+        # token is the one the pick lands on at its seed and position
+        ids[1, 0, :3] = [90, 80, 70]
+        weights[1, 0, :3] = [21845] * 3
+        u = uniform_u32(SEEDS[1], DRAFT_AT[1], 0)
+        tokens[1, 0] = pick(ids[1, 0], weights[1, 0], u)
+
+    check_reply(reply(edit=ties_reversed), asked())
+
+
+def test_a_draft_that_is_not_the_pick_is_refused_naming_the_pick_and_the_position():
+    """The issue's attacker: the token listed last with weight 1 (weights otherwise
+    valid and non-increasing) passes every other part; the pick at its seed and position
+    is another id."""
+
+    def sliver(ids, weights, tokens):
+        ids[1, 0] = [i for i in range(TOP + 1) if i != 10][: TOP - 1] + [10]
+        weights[1, 0] = [65534 // 31 + (m < 65534 % 31) for m in range(TOP - 1)] + [1]
+
+    d = reply(edit=sliver)
+    ids = np.asarray(d.q_ids, np.int32).reshape(2, 3, TOP)[1, 0]
+    weights = np.asarray(d.q_weights, np.uint16).reshape(2, 3, TOP)[1, 0]
+    want = pick(ids, weights, uniform_u32(SEEDS[1], DRAFT_AT[1], 0))
+    assert want != 10
+    why = f"entry 1: draft 0: drafted token 10, the pick at its seed and position {2**32 + 3} is {want}"
+    with pytest.raises(wire.ProtocolError, match=f"^{re.escape(why)}$"):
+        check_reply(d, asked())
+
+
+def test_each_draft_is_drawn_at_its_own_position_and_index():
+    """Entry 0's draft 1 at DRAFT_AT[0] + 1 with index 1: a q whose pick moves with the
+    draw, its token the pick there, passes; the pick of draft 0's draw does not."""
+    ids = np.arange(40, 40 + TOP, dtype=np.int32)
+    w = np.zeros(TOP, np.uint16)
+    w[:16] = [TOTAL // 16 + (m < TOTAL % 16) for m in range(16)]
+    here = pick(ids, w, uniform_u32(SEEDS[0], DRAFT_AT[0] + 1, 1))
+    there = [pick(ids, w, uniform_u32(SEEDS[0], DRAFT_AT[0] + dp, dj)) for dp, dj in ((0, 1), (1, 0), (0, 0))]
+    assert any(t != here for t in there)  # the draw depends on both (for this fixed q and seed)
+
+    def drafted(token):
+        def edit(ids_, weights, tokens):
+            ids_[0, 1], weights[0, 1], tokens[0, 1] = ids, w, token
+
+        return edit
+
+    check_reply(reply(edit=drafted(here)), asked())
+    for t in {int(t) for t in there if t != here}:
+        with pytest.raises(wire.ProtocolError, match=f"the pick at its seed and position {DRAFT_AT[0] + 1} is {here}"):
+            check_reply(reply(edit=drafted(t)), asked())
+
+
+def test_draft_positions_follow_the_last_token_of_each_entry():
+    """Draft 0 is at the entry's last token's position + 1: its first token's position
+    plus its token count; with no new token, the ROUND's position itself."""
+    positions = np.array([0, 17, 2**32 - 1, 9])
+    offsets = np.array([0, 5, 5, 7, 7])  # 5 tokens (a NEW_GEN context), none, 2, none
+    assert draft_positions(positions, offsets).tolist() == [5, 17, 2**32 + 1, 9]
+
+
+def test_a_sampled_round_is_asked_with_its_seeds_and_positions():
+    with pytest.raises(ValueError, match="seed and draft_at"):
+        Asked(SLOTS, 3, 3, VOCAB, False, True)
