@@ -19,6 +19,13 @@ top-p off), on the same prompts from the same torch seed:
                       candidate logits;
 ``process-sample``    the same through the supervised proxy process.
 
+``--redraw`` adds ``sync-sample-redraw``: ``sync-sample`` with the engine redrawing the
+drafts from their q with its own randomness (``VLLM_DSPARK_REMOTE_SAMPLED_REDRAW=1``,
+exact against any worker): its accepted drafts per round against ``sync-sample``'s are
+what the defence costs. ``--temperature`` sets the sample rows' temperature (a random
+model's logits are nearly flat, about 0.3 apart: 0.1 there samples as a trained model
+near 1 does).
+
 Both verify by speculative sampling (accept a draft with probability ``min(1, p/q)``), so
 their tokens differ from ``plain``'s and between them, their distribution does not; what
 they compare is acceptance: accepted drafts per round and tokens per target forward
@@ -59,6 +66,7 @@ import time
 
 MODES = ("plain", "assistant", "sync", "process")
 SAMPLE_MODES = ("assistant-sample", "sync-sample", "process-sample")  # --sample's rows
+REDRAW_MODE = "sync-sample-redraw"  # --redraw's row
 SAMPLE = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}  # temperature 1, nothing cut
 GREEDY = {"do_sample": False}
 MAX_SAMPLED_SPEC = 16  # a sampled session's drafts per round (wire.MAX_SAMPLED_N_OUT)
@@ -84,7 +92,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-spec", type=int, default=5, help="k: drafts per round (default 5)")
     p.add_argument("--timeout-ms", type=int, default=1000, help="the remote round's deadline (default 1000)")
     p.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
-    p.add_argument("--sample", action="store_true", help=f"add {' and '.join(SAMPLE_MODES)}: temperature 1 rows")
+    p.add_argument("--sample", action="store_true", help=f"add {' and '.join(SAMPLE_MODES)}: sampled rows")
+    p.add_argument("--redraw", action="store_true", help=f"add {REDRAW_MODE}: sync-sample, the engine redrawing")
+    p.add_argument("--temperature", type=float, default=1.0, help="the sampled rows' temperature (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.set_defaults(func=run)
 
@@ -98,6 +108,7 @@ class GenerateOptions:
     num_spec: int
     timeout_ms: int
     modes: tuple[str, ...]
+    temperature: float = 1.0  # the sampled rows'
 
 
 def options(args) -> GenerateOptions:
@@ -109,11 +120,16 @@ def options(args) -> GenerateOptions:
         if not low <= getattr(args, name) <= high:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
     modes = tuple(m.strip() for m in args.modes.split(","))
-    if not modes or any(m not in MODES + SAMPLE_MODES for m in modes):
-        raise ValueError(f"--modes {args.modes!r}: choose from {', '.join(MODES + SAMPLE_MODES)}")
+    known = MODES + SAMPLE_MODES + (REDRAW_MODE,)
+    if not modes or any(m not in known for m in modes):
+        raise ValueError(f"--modes {args.modes!r}: choose from {', '.join(known)}")
     if args.sample:
         modes += tuple(m for m in SAMPLE_MODES if m not in modes)
-    if any(m in SAMPLE_MODES for m in modes) and args.num_spec > MAX_SAMPLED_SPEC:
+    if args.redraw and REDRAW_MODE not in modes:
+        modes += (REDRAW_MODE,)
+    if not (args.temperature > 0 and args.temperature < float("inf")):
+        raise ValueError(f"--temperature {args.temperature}: must be a finite number > 0")
+    if any(m in SAMPLE_MODES + (REDRAW_MODE,) for m in modes) and args.num_spec > MAX_SAMPLED_SPEC:
         raise ValueError(f"--num-spec {args.num_spec}: sampled drafts take at most {MAX_SAMPLED_SPEC} a round")
     device = args.device
     if device == "auto":
@@ -121,7 +137,14 @@ def options(args) -> GenerateOptions:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return GenerateOptions(
-        device, args.prompts, args.prompt_tokens, args.new_tokens, args.num_spec, args.timeout_ms, modes
+        device,
+        args.prompts,
+        args.prompt_tokens,
+        args.new_tokens,
+        args.num_spec,
+        args.timeout_ms,
+        modes,
+        args.temperature,
     )
 
 
@@ -182,20 +205,22 @@ def measure_mode(mode: str, opts: GenerateOptions, target, draft, worker, prompt
     fwd = Forwards(target)
     draft_fwd = Forwards(draft)
     rd = None
-    sampled = mode in SAMPLE_MODES
-    if mode in ("sync", "process", "sync-sample", "process-sample"):
+    sampled = mode in SAMPLE_MODES + (REDRAW_MODE,)
+    if mode in ("sync", "process", "sync-sample", "process-sample", REDRAW_MODE):
         proxied = mode.startswith("process")
         switches = {"VLLM_DSPARK_REMOTE_ASYNC": "1" if proxied else "0"}
         if proxied:
             switches["VLLM_DSPARK_REMOTE_ASYNC_PROXY"] = "process"
         if sampled:
             switches["VLLM_DSPARK_SAMPLED_TOP32"] = "1"
+        if mode == REDRAW_MODE:
+            switches["VLLM_DSPARK_REMOTE_SAMPLED_REDRAW"] = "1"
         env = worker.env(VLLM_DSPARK_REMOTE_TIMEOUT_MS=str(opts.timeout_ms), **switches)
         cfg, vocab = RemoteConfig.from_env(env), target.config.vocab_size
         rd = RemoteDSpark(cfg, num_spec=opts.num_spec, max_slots=4, row_bytes=0, vocab_size=vocab).start()
 
     def once(prompt, new_tokens):
-        kwargs = dict(max_new_tokens=new_tokens, **(SAMPLE if sampled else GREEDY))
+        kwargs = dict(max_new_tokens=new_tokens, **(SAMPLE | {"temperature": opts.temperature} if sampled else GREEDY))
         if mode in ("assistant", "assistant-sample"):
             return target.generate(prompt, assistant_model=draft, **kwargs)
         if rd is not None:
@@ -271,6 +296,14 @@ def make_report(opts: GenerateOptions, name: str, rows: list[dict], same: dict) 
                 "value": round(by["sync-sample"]["accepted_per_round"] / theirs, 3) if theirs else None,
             }
         )
+    if "sync-sample" in by and REDRAW_MODE in by:
+        theirs = by["sync-sample"]["accepted_per_round"]
+        ratios.append(
+            {
+                "ratio": f"{REDRAW_MODE} accepted drafts per round / sync-sample's (the redraw's cost)",
+                "value": round(by[REDRAW_MODE]["accepted_per_round"] / theirs, 3) if theirs else None,
+            }
+        )
     config = dataclasses.asdict(opts) | {"models": name, "window": WINDOW}
     return {"bench": "generate", "config": config, "rows": rows, "goals": goals, "ratios": ratios}
 
@@ -278,18 +311,19 @@ def make_report(opts: GenerateOptions, name: str, rows: list[dict], same: dict) 
 def format_table(report: dict) -> str:
     c = report["config"]
     lines = [
-        f"generate(), {c['models']}, k={c['num_spec']}: {c['prompts']} prompts of {c['prompt_tokens']} tokens, "
+        f"generate(), {c['models']}, k={c['num_spec']}, sampled at {c['temperature']:g}: {c['prompts']} prompts "
+        f"of {c['prompt_tokens']} tokens, "
         f"{c['new_tokens']} new tokens each",
-        f"{'mode':<16} {'device':>6} {'wall s':>8} {'tokens/s':>9} {'fwd/token':>9} {'token/fwd':>9} "
+        f"{'mode':<18} {'device':>6} {'wall s':>8} {'tokens/s':>9} {'fwd/token':>9} {'token/fwd':>9} "
         f"{'acc/round':>9} {'accept':>7} {'round ms':>8} same",
-        "-" * 96,
+        "-" * 98,
     ]
     for r in report["rows"]:
         accept = "-" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
         round_ms = "-" if r["round_ms"] is None else f"{r['round_ms']:.2f}"
         same = {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_plain"]]
         lines.append(
-            f"{r['mode']:<16} {r['device']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>9,.1f} "
+            f"{r['mode']:<18} {r['device']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>9,.1f} "
             f"{r['target_forwards_per_token']:>9.3f} {r['tokens_per_forward']:>9.3f} {r['accepted_per_round']:>9.3f} "
             f"{accept:>7} {round_ms:>8} {same}"
         )
@@ -338,7 +372,7 @@ def run(args) -> int:
                 rows.append(row)
         bar.update(bar.total)
     plain = outputs.get("plain")
-    greedy = {m: o for m, o in outputs.items() if m not in SAMPLE_MODES}  # sampled rows: other tokens, by design
+    greedy = {m: o for m, o in outputs.items() if m not in SAMPLE_MODES + (REDRAW_MODE,)}  # sampled: other tokens
     same = {m: all(torch.equal(a, b) for a, b in zip(o, plain)) for m, o in greedy.items()} if plain else {}
     report = make_report(opts, name, rows, same)
     print(json.dumps(report, indent=2) if args.json else format_table(report))

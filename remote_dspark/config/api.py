@@ -7,7 +7,8 @@ variables, their defaults and their parsing are :mod:`~remote_dspark.config.env`
 depth policy's inputs.
 
 Cross-field rules: ASYNC=1 needs POLICY=capacity and ON_FAIL=target_only; BACKOFF_MAX_MS
->= BACKOFF_MS; REMOTE_BIND and the endpoint's ``?bind=`` must agree. The cost rules that
+>= BACKOFF_MS; REMOTE_BIND and the endpoint's ``?bind=`` must agree; SAMPLED_REDRAW=1 needs
+``VLLM_DSPARK_SAMPLED_TOP32=1``. The cost rules that
 need the depth policy's settings live in :func:`apply_cost_overrides`.
 """
 
@@ -71,6 +72,7 @@ class RemoteConfig:
     metrics_addr: str = "127.0.0.1"
     async_standby: bool = True
     key: Key | None = None  # KEY_FILE's key: authentication at HELLO; None: none
+    sampled_redraw: bool = False  # the engine redraws sampled drafts (engine.sampler.redraw)
 
     @property
     def watchdog_ms(self) -> int:
@@ -216,6 +218,11 @@ def _check_rules(cfg: RemoteConfig) -> None:
         raise ValueError(
             f"{PREFIX}ASYNC=1 cannot raise on a failed round (the host never waits "
             f"for it): {PREFIX}ON_FAIL='raise', use target_only"
+        )
+    if cfg.sampled_redraw and not cfg.sampled_top32:
+        raise ValueError(
+            f"{PREFIX}SAMPLED_REDRAW=1 needs VLLM_DSPARK_SAMPLED_TOP32=1: it redraws sampled drafts "
+            "from their distributions, which only a sampled engine gets"
         )
     if cfg.backoff_max_ms < cfg.backoff_ms:
         raise ValueError(f"{PREFIX}BACKOFF_MAX_MS={cfg.backoff_max_ms} is below {PREFIX}BACKOFF_MS={cfg.backoff_ms}")

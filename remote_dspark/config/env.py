@@ -68,6 +68,12 @@ VLLM_DSPARK_SAMPLED_TOP32      0                 1: ask the worker for sampled d
                                                  distribution it was drawn from (``Drafts.q_*``,
                                                  for ``engine.sampler.rejection_sample``); caps
                                                  num_spec at 16 and max_slots at 1024
+REMOTE_SAMPLED_REDRAW          0                 1 (needs SAMPLED_TOP32=1): the engine redraws
+                                                 each sampled draft from its q with its own
+                                                 randomness and keeps drafts while its draw
+                                                 equals the worker's: exact whatever the
+                                                 worker sends, fewer drafts accepted
+                                                 (``engine.sampler.redraw``)
 REMOTE_METRICS_PORT            0 (off)           serve /metrics on this port (an engine with its
                                                  own /metrics registers the collector instead)
 REMOTE_METRICS_ADDR            127.0.0.1         the exporter's address; loopback unless set
@@ -283,6 +289,7 @@ TABLE: tuple[Var, ...] = (
     Var(PREFIX + "LOG_EVERY", "log_every", _int(0), 1024),
     Var(PREFIX + "STATS_FILE", "stats_file", _text, "/tmp/dsv41-remote-dspark.json"),
     Var("VLLM_DSPARK_SAMPLED_TOP32", "sampled_top32", _flag, False),
+    Var(PREFIX + "SAMPLED_REDRAW", "sampled_redraw", _flag, False),
     Var(PREFIX + "METRICS_PORT", "metrics_port", _port, 0),
     Var(PREFIX + "METRICS_ADDR", "metrics_addr", _ip, "127.0.0.1"),
     Var(PREFIX + "ASYNC_STANDBY", "async_standby", _flag, True),

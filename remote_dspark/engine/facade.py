@@ -49,6 +49,7 @@ from .observe import report
 from .observe.stats import EngineCounts, Stats
 from .paths.asynchronous import AsyncPath
 from .paths.base import NothingOpen, Path
+from .paths.redraw import RedrawPath
 from .paths.sync import SyncPath
 from .spec import Spec, check_arguments
 from .tp.ranks import Ranks, shares_failure
@@ -211,7 +212,9 @@ class RemoteDSpark:
             self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
         if cfg.strict_start and self.mode.handoff:
             self._probe_connection()
-        self._path = self._build_path()
+        path = self._build_path()
+        # SAMPLED_REDRAW: rank 0's path (this one) redraws, so every rank gets the same drafts.
+        self._path = RedrawPath(path) if cfg.sampled_redraw else path
         self._path.start()  # a failure here closes the path with the engine
 
     def _build_path(self) -> Path:

@@ -55,11 +55,33 @@ among its ids, a weight sum off 65535) gives a wrong draw, not an error.
 
 Memory: beyond the inputs, one ``[n, V]`` row in p's dtype and one in float64 (the
 chosen row, then its CDF in place), whatever k is; q is never made dense.
+
+The redraw (:func:`redraw`): exact against any worker. The rule above is exact when each
+draft d_j was drawn from the q_j it is verified against; the engine cannot see how a
+worker drew its drafts, and one that lists its chosen token with a sliver of weight
+(where the pick lands at its known seed) has it accepted with probability near 1. An
+engine that does not trust its worker redraws before its verify pass: x_j = pick(q_j,
+u_j) with uniforms of its own, m the first j < c with x_j != d_j (m = c if none), and it
+verifies x_0 .. x_{min(m, c-1)}: ``count' = min(m + 1, c)``, the engine's own draws
+*including* the mismatching x_m as the last draft, over the same q. Every draft verified
+is then an engine draw from its q, independent of what came before it, and whether the
+next position is offered depends only on drafts already drawn (x_j against d_j): a
+stopping rule, so the emitted tokens are the target's whatever the worker sent, provided
+the target's rows (the bonus row p_{m+1} included) are computed over the redrawn tokens.
+The worker's drafts only decide how far the engine goes: past position j while its draw
+equals d_j, for an honest worker with probability sum_t q_j(t)^2 (the redraw's cost).
+Two near variants are not exact: dropping the mismatching position (count' = m, the bonus
+from p_m) offers a position only when the engine's draw equals d_m, so the verified
+token there is d_m, not a draw from q (q = p = (1/2, 1/2) emits d first with probability
+3/4); and verifying the worker's d_m in place of x_m keeps the attack at position m.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..drafter.lm.sampling import pick
+from ..sampled import TOP
 
 Q_SCALE = 65535
 """A weight of Q_SCALE is probability 1: q(id) = weight / Q_SCALE."""
@@ -211,3 +233,73 @@ def _check(p, draft_tokens, counts, q_ids, q_weights, uniforms) -> tuple[int, in
         if tensor.device != p.device:
             raise ValueError(f"{name} is on {tensor.device}, p on {p.device}: they must share a device")
     return n, k, vocab
+
+
+def redraw(
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    q_ids: torch.Tensor,
+    q_weights: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    u32: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A worker's sampled drafts redrawn by the engine (module docstring): ``(tokens'
+    [n, k], counts' [n])`` in the dtypes of ``tokens`` and ``counts``, on their device,
+    ``tokens'[i, :counts'[i]]`` the engine's picks from ``q`` up to and including its
+    first draw that differs from the worker's draft, zeros after; ``counts' <= counts``.
+    Verify them against the same ``q_ids`` / ``q_weights``. No host sync.
+
+    Args:
+        tokens: [n, k] integer, the worker's drafts (anything past ``counts``).
+        counts: [n] integer, drafts per entry (clamped to 0..k).
+        q_ids, q_weights: [n, k, 32] integer, each drafted position's distribution
+            (weights summing to 65535: a reply that passed the engine's check).
+        generator: the engine's randomness, on ``tokens``' device; it draws each pick's
+            threshold ``r`` uniformly in 0..65534 (as the u32 whose ``r`` it is), so an
+            id is drawn with probability exactly ``weight / 65535``.
+        u32: [n, k] integer in 0..2**32-1, the picks' uniforms instead (tests).
+
+    Raises:
+        ValueError: an argument whose shape, dtype or device does not fit; the message names it.
+    """
+    n, k = _check_redraw(tokens, counts, q_ids, q_weights, generator, u32)
+    device = tokens.device
+    if u32 is None:
+        r = torch.randint(0, Q_SCALE, (n, k), generator=generator, device=device, dtype=torch.int64)
+        u32 = (r * 2**32 + Q_SCALE - 1) // Q_SCALE  # the least u32 with (u32 * 65535) >> 32 == r
+    drawn = pick(q_ids, q_weights, u32).long()
+    columns = torch.arange(k, device=device).view(1, k)
+    drafted = columns < counts.long().view(n, 1)
+    # Leading positions whose draw equals the draft (undrafted ones never differ), then
+    # one more, the first that differs, within the count.
+    same = ~(drafted & (drawn != tokens.long()))
+    kept = torch.minimum(same.to(torch.int64).cumprod(dim=1).sum(dim=1) + 1, counts.long().clamp(0, k))
+    out = torch.where(columns < kept.view(n, 1), drawn, 0)
+    return out.to(tokens.dtype), kept.to(counts.dtype)
+
+
+def _check_redraw(tokens, counts, q_ids, q_weights, generator, u32) -> tuple[int, int]:
+    """(n, k) after checking shapes, dtypes and devices only (nothing that syncs)."""
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [n, k], got shape {tuple(tokens.shape)}")
+    n, k = tokens.shape
+    if counts.shape != (n,):
+        raise ValueError(f"counts must be [n] = [{n}] (from tokens), got {tuple(counts.shape)}")
+    if q_ids.shape != (n, k, TOP):
+        raise ValueError(f"q_ids must be [n, k, {TOP}] = [{n}, {k}, {TOP}], got {tuple(q_ids.shape)}")
+    if q_weights.shape != q_ids.shape:
+        raise ValueError(f"q_weights must be the shape of q_ids {tuple(q_ids.shape)}, got {tuple(q_weights.shape)}")
+    if u32 is not None and u32.shape != (n, k):
+        raise ValueError(f"u32 must be [n, k] = [{n}, {k}], got {tuple(u32.shape)}")
+    named = {"tokens": tokens, "counts": counts, "q_ids": q_ids, "q_weights": q_weights}
+    if u32 is not None:
+        named["u32"] = u32
+    for name, tensor in named.items():
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {tensor.dtype}")
+        if tensor.device != tokens.device:
+            raise ValueError(f"{name} is on {tensor.device}, tokens on {tokens.device}: they must share a device")
+    if generator is not None and torch.device(generator.device).type != tokens.device.type:
+        raise ValueError(f"generator is on {generator.device}, tokens on {tokens.device}: they must share a device")
+    return n, k

@@ -22,6 +22,8 @@ def test_bad_arguments_name_the_flag(capsys):
         (["--new-tokens", "100000"], "--new-tokens 100000"),
         (["--modes", "plain,fast"], "--modes 'plain,fast': choose from plain, assistant, sync, process, assistant-"),
         (["--sample", "--num-spec", "17"], "--num-spec 17: sampled drafts take at most 16 a round"),
+        (["--redraw", "--num-spec", "17"], "--num-spec 17: sampled drafts take at most 16 a round"),
+        (["--redraw", "--temperature", "0"], "--temperature 0.0: must be a finite number > 0"),
         (["--random", "gpt2:2x64", "--draft-layers", "2"], "--draft-layers 2: the target gpt2:2x64 has 2 layers"),
     ):
         assert cli.main(["bench", "generate", "--device", "cpu", *argv]) == 2
@@ -70,3 +72,21 @@ def test_sample_rows_compare_the_remote_sampled_drafts_with_transformers_own_ass
     assert rows["assistant-sample"]["round_ms"] is None
     (ratio,) = report["ratios"]
     assert ratio["value"] == round(sampled[1]["accepted_per_round"] / sampled[0]["accepted_per_round"], 3)
+
+
+@pytest.mark.slow
+def test_redraw_adds_the_row_of_an_engine_that_redraws_and_its_cost(capsys, tmp_path):
+    """``--redraw``: ``sync-sample-redraw`` beside ``sync-sample`` at ``--temperature``,
+    and the ratio of their accepted drafts per round. The draft is the target itself, so
+    drafts are accepted either way."""
+    pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
+    target = saved_llama(tmp_path / "target", 0)
+    argv = ["--target", target, "--draft", target, "--modes", "sync-sample", "--redraw", "--temperature", "0.5"]
+    assert cli.main(["bench", "generate", *argv, "--prompts", "2", "--new-tokens", "24", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["sync-sample", "sync-sample-redraw"] and report["config"]["temperature"] == 0.5
+    assert all(r["tokens"] == 48 and r["accepted_per_round"] > 0 for r in rows.values())
+    (ratio,) = report["ratios"]
+    ours, theirs = rows["sync-sample-redraw"]["accepted_per_round"], rows["sync-sample"]["accepted_per_round"]
+    assert ratio["value"] == round(ours / theirs, 3)

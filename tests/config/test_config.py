@@ -66,7 +66,13 @@ REFERENCE_FIELDS = [
 ]
 # This project's additions, after the reference's fields and with defaults, so code
 # written against the reference keeps working.
-ADDED_FIELDS = [("metrics_port", 0), ("metrics_addr", "127.0.0.1"), ("async_standby", True), ("key", None)]
+ADDED_FIELDS = [
+    ("metrics_port", 0),
+    ("metrics_addr", "127.0.0.1"),
+    ("async_standby", True),
+    ("key", None),
+    ("sampled_redraw", False),
+]
 
 
 def test_dataclass_fields_and_defaults_match_reference():
@@ -363,6 +369,19 @@ def test_backoff_max_below_backoff_prints_both_values():
     with pytest.raises(ValueError) as e:
         cfg_of(BACKOFF_MS="2000", BACKOFF_MAX_MS="500")
     assert f"{P}BACKOFF_MAX_MS=500" in str(e.value) and f"{P}BACKOFF_MS=2000" in str(e.value)
+
+
+def test_sampled_redraw_needs_sampled_drafts():
+    with pytest.raises(ValueError) as e:
+        cfg_of(SAMPLED_REDRAW="1")
+    assert f"{P}SAMPLED_REDRAW=1" in str(e.value) and "VLLM_DSPARK_SAMPLED_TOP32=1" in str(e.value)
+    env = dict(BASE, VLLM_DSPARK_SAMPLED_TOP32="1", **{P + "SAMPLED_REDRAW": "1"})
+    cfg = RemoteConfig.from_env(env)
+    assert cfg.sampled_redraw is True and RemoteConfig.from_json(cfg.to_json()).sampled_redraw is True
+    assert (P + "SAMPLED_REDRAW", "1", "env") in describe(cfg, env)  # check-config shows it
+    assert cfg_of().sampled_redraw is False and (P + "SAMPLED_REDRAW", "0", "default") in describe(cfg_of(), BASE)
+    with pytest.raises(ValueError, match=f"{P}SAMPLED_REDRAW='2'"):
+        RemoteConfig.from_env(dict(env, **{P + "SAMPLED_REDRAW": "2"}))
 
 
 def test_backoff_max_equal_to_backoff_accepted():

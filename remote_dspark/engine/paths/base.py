@@ -5,6 +5,7 @@ by, whatever the mode. Its kinds:
     AsyncPath     (async_path)  ASYNC=1: the region's hand-off and the proxy host serving it
     FollowerPath  (ranks)       a tensor-parallel rank other than 0: rank 0's answers
     NothingOpen   (here)        before start(), or after a start that opened nothing
+    RedrawPath    (redraw)      SAMPLED_REDRAW=1: wraps rank 0's path, its drafts redrawn
 
 The facade picks the kind once (at start, by the mode) and from then on only calls it.
 """

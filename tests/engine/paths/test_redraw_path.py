@@ -1,0 +1,107 @@
+"""``VLLM_DSPARK_REMOTE_SAMPLED_REDRAW=1``: the drafts a sampled engine delivers are its
+own redraws of the worker's (``engine.sampler.redraw``), in sync and thread modes: never
+more than the worker's, each the engine's pick from the q that comes with it, and a
+worker that drafts a token it lists with a sliver of weight no longer has it delivered."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import drafter_env, until
+
+from remote_dspark.config import Mode
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.drafter.markov import SyntheticLanguage, builtin_model
+from remote_dspark.engine import Batch, RemoteDSpark
+from remote_dspark.engine.paths import redraw as redraw_path
+from remote_dspark.engine.sampler import redraw
+from remote_dspark.outcome import Outcome
+from remote_dspark.worker import Worker
+
+K, SLOTS, VOCAB, BAD = 4, 64, 128, 7
+
+
+class SliverAttacker(MarkovDrafter):
+    """A sampled Markov drafter that drafts token 7 at every position and lists it last
+    with weight 1 (31 other ids share the rest): every check of a reply's distributions
+    passes."""
+
+    def draft_batch(self, batch):
+        out = super().draft_batch(batch)
+        live = np.arange(out.tokens.shape[1]) < out.counts[:, None]
+        ids = np.array([t for t in range(VOCAB) if t != BAD][:31] + [BAD], np.int32)
+        weights = np.array([65534 // 31] * 31 + [1], np.uint16)
+        out.tokens[live] = BAD
+        out.q_ids[live] = ids
+        out.q_weights[live] = weights
+        return out
+
+
+@pytest.fixture(scope="module", params=["honest", "attacker"])
+def worker(request):
+    drafter = (MarkovDrafter if request.param == "honest" else SliverAttacker)(builtin_model())
+    w = Worker(drafter, "127.0.0.1", 0, window=64).start()
+    yield w
+    w.stop()
+
+
+def batch() -> Batch:
+    text = SyntheticLanguage().text(SLOTS * 20, seed=4)
+    contexts = [text[20 * i : 20 * i + 6] for i in range(SLOTS)]
+    return Batch.from_lists(
+        list(range(SLOTS)), contexts, [0] * SLOTS, [True] * SLOTS, temperature=[1.0] * SLOTS, seed=range(SLOTS)
+    )
+
+
+def first_ok(worker, tmp_path, mode: Mode, **env):
+    """The first OK round's Drafts of a sampled engine in ``mode``."""
+    env = drafter_env(
+        worker.drafter,
+        worker.port,
+        mode,
+        stats_file=str(tmp_path / "stats.json"),
+        VLLM_DSPARK_SAMPLED_TOP32="1",
+        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+        **env,
+    )
+    with RemoteDSpark(
+        RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0, vocab_size=VOCAB
+    ) as rd:
+        got = []
+        assert until(lambda: got.append(rd.round(batch())) or got[-1].outcome is Outcome.OK, 20.0, 0.01)
+        return got[-1]
+
+
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.THREAD])
+def test_the_engine_delivers_its_own_redraws(worker, tmp_path, monkeypatch, mode):
+    calls = []
+
+    def spy(tokens, counts, q_ids, q_weights, *, generator):
+        calls.append((generator.get_state(), generator.initial_seed()))
+        return redraw(tokens, counts, q_ids, q_weights, generator=generator)
+
+    monkeypatch.setattr(redraw_path, "redraw", spy)
+    monkeypatch.setattr(redraw_path.secrets, "randbits", lambda bits: 2**63 + 12345)  # a fixed seed: no flake
+    theirs = first_ok(worker, tmp_path, mode)  # the worker's drafts (no redraw: the spy sees nothing)
+    drafted = theirs.counts > 0
+    assert not calls and int(drafted.sum()) >= SLOTS - 4  # seen contexts: (nearly) all drafted
+    ours = first_ok(worker, tmp_path, mode, VLLM_DSPARK_REMOTE_SAMPLED_REDRAW="1")
+    state, seed = calls[-1]
+    assert seed == 2**63 + 12345  # from secrets (not torch's fixed default seed)
+    want = redraw(
+        theirs.tokens, theirs.counts, theirs.q_ids, theirs.q_weights, generator=torch.Generator().set_state(state)
+    )
+    assert ours.tokens.equal(want[0]) and ours.counts.equal(want[1])
+    assert (ours.counts <= theirs.counts).all() and (ours.counts[drafted] >= 1).all()
+    live = (torch.arange(K) < ours.counts.unsqueeze(1)).unsqueeze(-1)
+    for field in ("q_ids", "q_weights"):  # the same q up to the new counts, zeros after
+        mine, worker_s = getattr(ours, field).long(), getattr(theirs, field).long()
+        assert mine.equal(worker_s * live), field
+    if isinstance(worker.drafter, SliverAttacker):
+        assert (theirs.tokens[drafted] == BAD).all()
+        assert not (ours.tokens == BAD).any() and (ours.counts[drafted] == 1).all()  # 7 is drawn 1 in 65535
+    else:
+        assert (ours.counts < theirs.counts).any()  # at temperature 1 some draw differs
