@@ -51,20 +51,32 @@ def least_weight(r: int, top: int = TOP, total: int = TOTAL) -> tuple[int, int]:
     return best
 
 
+def adaptive_rows(r, token: int, others) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [..., TOP] int32, weights [..., TOP] uint16) for thresholds ``r`` [...]: for
+    each, a ``q`` valid in every way whose pick at ``r`` is ``token`` with the least
+    weight :func:`least_weight` finds, ``others`` (TOP - 1 distinct ids without
+    ``token``) filling the other places. As arrays, for many draws at once: ``token``
+    second, after one weight of ``r``, with ``ceil((TOTAL - r) / (TOP - 1))`` where
+    ``r`` is at least that (index 1 is the least weight when it is allowed at all),
+    else first with ``max(r + 1, ceil(TOTAL / TOP))``; the rest spread evenly."""
+    r = np.asarray(r, np.int64)
+    w2 = np.maximum(1, -(-(TOTAL - r) // (TOP - 1)))
+    second = r >= w2
+    w1 = np.maximum(r + 1, -(-TOTAL // TOP))
+
+    def spread(total, slots):  # non-increasing, summing to total
+        return total[..., None] // slots + (np.arange(slots) < (total % slots)[..., None])
+
+    as_second = np.concatenate((r[..., None], w2[..., None], spread(TOTAL - r - w2, TOP - 2)), -1)
+    as_first = np.concatenate((w1[..., None], spread(TOTAL - w1, TOP - 1)), -1)
+    others = np.asarray(others, np.int64)
+    ids = np.where(second[..., None], np.r_[others[:1], token, others[1:]], np.r_[token, others])
+    return ids.astype(np.int32), np.where(second[..., None], as_second, as_first).astype(np.uint16)
+
+
 def adaptive_q(seed: int, position: int, draft_index: int, token: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [TOP] int32, weights [TOP] uint16): a ``q`` valid in every way whose pick at
-    (``seed``, ``position``, ``draft_index``) is ``token``, with the least weight on
-    ``token`` (:func:`least_weight`). Ids other than ``token`` are 0..TOP (a vocabulary
-    of at least TOP + 1 ids)."""
+    """(ids [TOP] int32, weights [TOP] uint16): :func:`adaptive_rows` at the draw of
+    (``seed``, ``position``, ``draft_index``), the other ids 0..TOP without ``token`` (a
+    vocabulary of at least TOP + 1 ids)."""
     u = uniform_u32(np.uint64(seed), np.int64(position), draft_index)
-    r = int(threshold(np.uint64(u)))
-    w, i = least_weight(r)
-    prefix = [r - (i - 1) * w] + [w] * (i - 1) if i else []  # sums to r, each >= w
-    rest = TOTAL - sum(prefix) - w
-    tail = []
-    for _ in range(TOP - 1 - i):  # at most w each, non-increasing, the rest of TOTAL
-        tail.append(min(w, rest))
-        rest -= tail[-1]
-    assert rest == 0, (r, w, i)
-    others = _others(token)
-    return np.array(others[:i] + [token] + others[i:], np.int32), np.array(prefix + [w] + tail, np.uint16)
+    return adaptive_rows(threshold(np.uint64(u)).astype(np.int64), token, _others(token))

@@ -80,8 +80,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter.lm.sampling import pick
-from ..sampled import TOP
+from ..sampled import TOP, pick_index, threshold
 
 Q_SCALE = 65535
 """A weight of Q_SCALE is probability 1: q(id) = weight / Q_SCALE."""
@@ -256,8 +255,8 @@ def redraw(
         q_ids, q_weights: [n, k, 32] integer, each drafted position's distribution
             (weights summing to 65535: a reply that passed the engine's check).
         generator: the engine's randomness, on ``tokens``' device; it draws each pick's
-            threshold ``r`` uniformly in 0..65534 (as the u32 whose ``r`` it is), so an
-            id is drawn with probability exactly ``weight / 65535``.
+            threshold ``r`` uniformly in 0..65534 (rule 3's ``r``, drawn directly), so
+            an id is drawn with probability exactly ``weight / 65535``.
         u32: [n, k] integer in 0..2**32-1, the picks' uniforms instead (tests).
 
     Raises:
@@ -265,10 +264,11 @@ def redraw(
     """
     n, k = _check_redraw(tokens, counts, q_ids, q_weights, generator, u32)
     device = tokens.device
-    if u32 is None:
+    if u32 is None:  # rule 3's threshold, drawn uniformly: each id exactly weight / 65535
         r = torch.randint(0, Q_SCALE, (n, k), generator=generator, device=device, dtype=torch.int64)
-        u32 = (r * 2**32 + Q_SCALE - 1) // Q_SCALE  # the least u32 with (u32 * 65535) >> 32 == r
-    drawn = pick(q_ids, q_weights, u32).long()
+    else:
+        r = threshold(u32.long())
+    drawn = q_ids.long().gather(-1, pick_index(q_weights.long(), r)[..., None])[..., 0]  # rule 3's pick
     columns = torch.arange(k, device=device).view(1, k)
     drafted = columns < counts.long().view(n, 1)
     # Leading positions whose draw equals the draft (undrafted ones never differ), then

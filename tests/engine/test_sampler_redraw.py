@@ -24,6 +24,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from sampled_attack import adaptive_rows
 
 from remote_dspark.drafter.lm.sampling import pick
 from remote_dspark.engine.sampler import Q_SCALE, redraw, rejection_sample
@@ -74,35 +75,13 @@ def workers(p: torch.Tensor, n: int, seed: int) -> dict[str, tuple[torch.Tensor,
     nw = torch.tensor([65534 // 31] * 31 + [1])  # 31 x 2114 = 65534, then 1
     nids = torch.cat((others, torch.tensor([BAD], dtype=torch.int32)))
     out["naive"] = (torch.full((n, K), BAD), nids.expand(n, K, TOP), nw.expand(n, K, TOP))
-    out["adaptive"] = (torch.full((n, K), BAD), *adaptive_q(r, others))
+    ids_a, w_a = adaptive_rows(r.numpy(), BAD, others.numpy())
+    out["adaptive"] = (torch.full((n, K), BAD), torch.from_numpy(ids_a), torch.from_numpy(w_a.astype("int64")))
     for name, (d, i, wt) in out.items():
         assert (wt.sum(-1) == Q_SCALE).all() and (wt[..., :-1] >= wt[..., 1:]).all(), name
         is_pick = torch.equal(pick(i, wt, u32_of(r)).long(), d.long())
         assert is_pick == (name != "naive"), name  # the naive draft is no pick; the others pass that check
     return out
-
-
-def adaptive_q(r: torch.Tensor, others: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [*, 32] (ids, weights) for uniforms ``r`` [*]: non-increasing weights summing to
-    65535 whose pick at ``r`` is token 7 with the least weight the order allows: 7 second
-    with weight ceil((65535 - r) / 31) after one weight of r (when r is at least that),
-    else first with max(r + 1, 2048)."""
-    w2 = torch.clamp((Q_SCALE - r + 30) // 31, min=1)
-    second = r >= w2
-    w1 = torch.clamp(r + 1, min=2048)
-
-    def spread(total: torch.Tensor, slots: int) -> torch.Tensor:  # non-increasing, summing to total
-        base, extra = total // slots, total % slots
-        return base.unsqueeze(-1) + (torch.arange(slots) < extra.unsqueeze(-1)).long()
-
-    as_second = torch.cat((r.unsqueeze(-1), w2.unsqueeze(-1), spread(Q_SCALE - r - w2, 30)), dim=-1)
-    as_first = torch.cat((w1.unsqueeze(-1), spread(Q_SCALE - w1, 31)), dim=-1)
-    weights = torch.where(second.unsqueeze(-1), as_second, as_first)
-    bad = torch.tensor([BAD], dtype=torch.int32)
-    ids_second = torch.cat((others[:1], bad, others[1:]))
-    ids_first = torch.cat((bad, others))
-    ids = torch.where(second.unsqueeze(-1), ids_second, ids_first)
-    return ids.int(), weights
 
 
 # --- the variants: the redraw, and two that look like it and are not exact ------------
