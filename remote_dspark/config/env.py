@@ -74,7 +74,8 @@ REMOTE_METRICS_ADDR            127.0.0.1         the exporter's address; loopbac
 REMOTE_ASYNC_STANDBY           1                 process mode: keep a warm standby proxy that
                                                  takes over in milliseconds (0 = none)
 REMOTE_KEY_FILE                (none: no         a pre-shared key (mode 0600 or stricter, this
-                               authentication)   user's or root's, not a link): engine and worker
+                               authentication)   user's or root's, not a link, its directory
+                                                 writable by its owner only): engine and worker
                                                  authenticate each other at HELLO; the worker's
                                                  ``--key-file``. Beyond the reference contract
 =============================  ================  ==============================================
