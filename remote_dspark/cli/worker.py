@@ -246,7 +246,7 @@ def add_parser(sub) -> None:
         "worker a tool starts as its child (the demo, chaos and the benchmarks pass their own pid), "
         "so a killed tool leaves no worker behind",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, ends_at_once=True)  # stop() releases all: no interpreter teardown (cli.main.entry)
 
 
 PARENT_POLL_S = 0.25  # how often a --parent worker looks at its parent
