@@ -45,7 +45,8 @@ REMOTE_HOSTFLAG_LIB            (none)            a built ``libdsv41_hostflag.so`
                                                  OFL_DIR's copy, else compiled at startup
 REMOTE_ASYNC_NAP_US            0                 > 0: sleep this long between checks after
                                                  ASYNC_SPIN_US of spinning; 0 = spin (the
-                                                 engine's CPU wait: sleep on a futex)
+                                                 engine's CPU wait: sleep on a futex); an
+                                                 idle proxy sleeps on a futex either way
 REMOTE_ASYNC_SPIN_US           1000              spin time before napping (or sleeping)
 REMOTE_ASYNC_WATCHDOG_MS       0 (auto)          release an unreleased gathered round after this
                                                  long; 0 = max(4 x TIMEOUT_MS, 200)
