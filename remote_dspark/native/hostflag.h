@@ -115,7 +115,7 @@ struct hf_proxy {
     uint64_t publish_timeout_ns;  /* how long to wait for the previous claimer's release */
     uint32_t n_bounds;            /* a histogram is n_bounds + 1 buckets, then the sum */
     uint32_t next;                /* the next round to take */
-    uint32_t spin_us, nap_us;     /* the wait for a round (wait_round): spin, then nap between looks at one handed over */
+    uint32_t spin_us, nap_us;     /* wait_round: spin, then (nap_us) nap between looks at a round handed over */
     uint32_t c_outcome[HF_PROXY_OUTCOMES];   /* rounds_ok .. rounds_breaker_skip */
     uint32_t c_late, c_drafts, c_draft_tokens;
     uint32_t h_round, h_handoff;  /* round_latency, handoff_latency histograms */
