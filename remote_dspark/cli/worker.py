@@ -105,7 +105,8 @@ def add_parser(sub) -> None:
         "once it proves it holds the same key (its VLLM_DSPARK_REMOTE_KEY_FILE), this worker "
         "proves it too, and a failure is refused 'auth'; no cost per round. The file holds at "
         f"least {MIN_KEY} bytes (whitespace around them ignored) and must be this user's or root's, "
-        "mode 0600 or stricter, not a link (else the worker does not start): (umask 077; openssl "
+        "mode 0600 or stricter, not a link, in a directory, not a link, only its owner may write "
+        "(else the worker does not start, exit 2): (umask 077; openssl "
         "rand -hex 32 > PATH). Default: none, every peer that reaches the port is served",
     )
     adm.add_argument(
@@ -245,7 +246,7 @@ def add_parser(sub) -> None:
         "worker a tool starts as its child (the demo, chaos and the benchmarks pass their own pid), "
         "so a killed tool leaves no worker behind",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, ends_at_once=True)  # stop() releases all: no interpreter teardown (cli.main.entry)
 
 
 PARENT_POLL_S = 0.25  # how often a --parent worker looks at its parent

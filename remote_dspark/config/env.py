@@ -45,7 +45,8 @@ REMOTE_HOSTFLAG_LIB            (none)            a built ``libdsv41_hostflag.so`
                                                  OFL_DIR's copy, else compiled at startup
 REMOTE_ASYNC_NAP_US            0                 > 0: sleep this long between checks after
                                                  ASYNC_SPIN_US of spinning; 0 = spin (the
-                                                 engine's CPU wait: sleep on a futex)
+                                                 engine's CPU wait: sleep on a futex); an
+                                                 idle proxy sleeps on a futex either way
 REMOTE_ASYNC_SPIN_US           1000              spin time before napping (or sleeping)
 REMOTE_ASYNC_WATCHDOG_MS       0 (auto)          release an unreleased gathered round after this
                                                  long; 0 = max(4 x TIMEOUT_MS, 200)
@@ -80,7 +81,8 @@ REMOTE_METRICS_ADDR            127.0.0.1         the exporter's address; loopbac
 REMOTE_ASYNC_STANDBY           1                 process mode: keep a warm standby proxy that
                                                  takes over in milliseconds (0 = none)
 REMOTE_KEY_FILE                (none: no         a pre-shared key (mode 0600 or stricter, this
-                               authentication)   user's or root's, not a link): engine and worker
+                               authentication)   user's or root's, not a link, its directory
+                                                 writable by its owner only): engine and worker
                                                  authenticate each other at HELLO; the worker's
                                                  ``--key-file``. Beyond the reference contract
 =============================  ================  ==============================================

@@ -39,6 +39,7 @@ import numpy as np
 
 from ..config.api import RemoteConfig
 from ..engine import Batch, Drafts, RemoteDSpark
+from ..engine.values.batch import require_integers
 
 HEAD = 16  # fingerprint: the stream's first tokens ...
 TAIL = 16  # ... and the last ones the worker has seen
@@ -259,7 +260,8 @@ class RemoteProposer:
         ([] for a row that sampled nothing). ``slot_mappings`` (vLLM's KV slots) is unused.
 
         Raises:
-            ValueError: inputs of the wrong shape, naming them.
+            ValueError: inputs of the wrong shape, or token ids or counts not of an
+                integer dtype, naming them.
             RemoteRoundFailed: ``ON_FAIL=raise`` and a failed round.
             RemoteForked: in a child forked from the process that built the proposer (its
                 engine is the parent's; its ``close()`` and finalizer touch nothing there).
@@ -279,7 +281,8 @@ class RemoteProposer:
         return drafts
 
     def _check(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> tuple[np.ndarray, np.ndarray]:
-        """The step's sampled counts and lengths [n] as int64, checked against vLLM's shapes."""
+        """The step's sampled counts and lengths [n] as int64, checked against vLLM's shapes
+        and held to integer dtypes (``Batch``'s rule, :func:`require_integers`)."""
         n = len(sampled_token_ids)
         if n > self.facts.max_num_seqs:
             raise ValueError(f"sampled_token_ids: {n} rows, over max_num_seqs={self.facts.max_num_seqs}")
@@ -288,6 +291,8 @@ class RemoteProposer:
                 f"token_ids_cpu {token_ids_cpu.shape} / num_tokens_no_spec {num_tokens_no_spec.shape}: "
                 f"expected [>= {n}, max_model_len] / [>= {n}]"
             )
+        require_integers(token_ids_cpu, "token_ids_cpu")  # never truncated, in the fingerprint or the round
+        require_integers(num_tokens_no_spec, "num_tokens_no_spec")
         sampled = np.fromiter(map(len, sampled_token_ids), dtype=np.int64, count=n)
         lengths = num_tokens_no_spec[:n].astype(np.int64)
         if n and ((lengths < sampled).any() or lengths.max() > token_ids_cpu.shape[1] or lengths.min() < 1):

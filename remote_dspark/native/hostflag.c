@@ -34,7 +34,7 @@ uint64_t hf_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static void nap_ns(uint64_t ns)
+void hf_nap_ns(uint64_t ns)
 {
     struct timespec ts = { (time_t)(ns / 1000000000u), (long)(ns % 1000000000u) };
     nanosleep(&ts, NULL);
@@ -109,7 +109,7 @@ int hf_wait_geq(const uint32_t *word, uint32_t value, uint32_t spin_us, uint32_t
             return cyc_geq(__atomic_load_n(word, __ATOMIC_ACQUIRE), value) ? HF_OK : HF_TIMEOUT;
         if (nap_us && now - start >= (uint64_t)spin_us * 1000u) {
             uint64_t left = deadline_ns - now, nap = (uint64_t)nap_us * 1000u;
-            nap_ns(nap < left ? nap : left);
+            hf_nap_ns(nap < left ? nap : left);
         } else {
             cpu_relax();
         }

@@ -115,7 +115,7 @@ struct hf_proxy {
     uint64_t publish_timeout_ns;  /* how long to wait for the previous claimer's release */
     uint32_t n_bounds;            /* a histogram is n_bounds + 1 buckets, then the sum */
     uint32_t next;                /* the next round to take */
-    uint32_t spin_us, nap_us;     /* hf_wait_geq's, for the wait for a round */
+    uint32_t spin_us, nap_us;     /* wait_round: spin, then (nap_us) nap between looks at a round handed over */
     uint32_t c_outcome[HF_PROXY_OUTCOMES];   /* rounds_ok .. rounds_breaker_skip */
     uint32_t c_late, c_drafts, c_draft_tokens;
     uint32_t h_round, h_handoff;  /* round_latency, handoff_latency histograms */
@@ -343,6 +343,7 @@ int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status
 int hf_worker_round(struct hf_windows *w, const uint8_t *payload, uint64_t len, struct hf_batch *b);
 HF_INTERNAL void hf_release_store(uint32_t *released, uint32_t *waiters, uint32_t round);
 HF_INTERNAL void hf_sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadline_ns);
+HF_INTERNAL void hf_nap_ns(uint64_t ns);
 HF_INTERNAL int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen);
 HF_INTERNAL int hf_answer_seen(struct hf_proxy *p, uint32_t round, uint32_t status, const uint8_t *image,
                                uint64_t seen);

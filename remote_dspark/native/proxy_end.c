@@ -18,13 +18,15 @@ static void observe(const struct hf_proxy *p, uint32_t hist, uint64_t ns)
 }
 
 
-/* Wait until round r is gathered, or deadline. Spin spin_us; then nap nap_us between
- * looks when nap_us > 0; with nap_us == 0 sleep on `published` once nothing is handed
- * over beyond what was served. While a round is handed over but not gathered yet (the
- * stream is a step behind the CPU), never sleep: keep spinning, however long. */
+/* Wait until round r is gathered, or deadline. Spin spin_us; then, once nothing is
+ * handed over beyond what was served, sleep on `published` (the engine's announce wakes
+ * it), whatever nap_us: an idle or stopped engine costs the proxy nothing. While a round
+ * is handed over but not gathered yet (the stream is a step behind the CPU), never
+ * sleep: keep looking, however long, spinning (nap_us 0) or napping nap_us between
+ * looks. Without the wake words (NULL), hf_wait_geq's spin, then nap or spin. */
 static int wait_round(struct hf_proxy *p, uint32_t r, uint64_t deadline)
 {
-    if (p->nap_us || !p->wake)
+    if (!p->wake)
         return hf_wait_geq(p->ring.gathered, r, p->spin_us, p->nap_us, deadline);
     for (;;) {
         /* No spin when the last wait ended asleep with nothing handed over: an idle
@@ -39,7 +41,9 @@ static int wait_round(struct hf_proxy *p, uint32_t r, uint64_t deadline)
             return rc;
         uint32_t published = __atomic_load_n(&p->wake[0], __ATOMIC_SEQ_CST);
         if (cyc_geq(published, r)) {
-            p->idle = 0;    /* handed over, not gathered yet: spin, never sleep */
+            p->idle = 0;    /* handed over, not gathered yet: look until it is, never sleep */
+            if (p->nap_us)
+                return hf_wait_geq(p->ring.gathered, r, 0, p->nap_us, deadline);
         } else {
             if (hf_now_ns() >= deadline)
                 return HF_TIMEOUT;
@@ -80,11 +84,14 @@ int64_t hf_take_seen(struct hf_proxy *p, uint64_t timeout_ns, uint64_t *seen)
 /* Wait until fewer than `below` entries of the round in descriptor slot `desc` have rows
  * still to come (hf_rows_pending), or deadline_ns: the count then. The engine is copying
  * them at memory speed, so this spins, yielding the CPU between looks once it has spun
- * ROWS_SPIN_NS (an engine thread preempted mid-copy may need this core); a count that has
- * not fallen by the deadline is returned as it is. */
+ * ROWS_SPIN_NS (an engine thread preempted mid-copy may need this core); a copy still
+ * unfinished after ROWS_YIELD_NS is not being made (an engine stopped, or starved), so
+ * from then on it naps ROWS_NAP_NS between looks: a stopped engine costs the proxy a few
+ * wake-ups a millisecond until the round's deadline, not a core. A count that has not
+ * fallen by the deadline is returned as it is. */
 uint32_t hf_rows_wait(const uint8_t *desc, uint32_t below, uint64_t deadline_ns)
 {
-    enum { ROWS_SPIN_NS = 50000 };
+    enum { ROWS_SPIN_NS = 50000, ROWS_YIELD_NS = 1000000, ROWS_NAP_NS = 100000 };
     uint64_t yield_at = 0;
     for (uint32_t k = 1;; k++) {
         uint32_t pending = hf_rows_pending(desc);
@@ -96,6 +103,8 @@ uint32_t hf_rows_wait(const uint8_t *desc, uint32_t below, uint64_t deadline_ns)
                 return pending;
             if (!yield_at)
                 yield_at = now + ROWS_SPIN_NS;
+            else if (now >= yield_at + ROWS_YIELD_NS)
+                hf_nap_ns(deadline_ns - now < ROWS_NAP_NS ? deadline_ns - now : ROWS_NAP_NS);
             else if (now >= yield_at)
                 sched_yield();
         }

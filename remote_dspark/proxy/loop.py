@@ -8,7 +8,9 @@ waits for the DRAFTS, checks and writes them and releases the round, so no Pytho
 between a round's ``gathered`` and its ``released``; the loop asks the breaker before
 the call and does the accounting after it. On an ofl transport the same steps run in
 Python, with no loop over entries: wait (in C, GIL released: spin ``ASYNC_SPIN_US``,
-then nap ``ASYNC_NAP_US``; 0 = pure spin), check the descriptor (in C, as ``hf_round``
+then sleep on the engine's ``published`` word while nothing is handed over; a round
+handed over but not gathered yet is looked at, napping ``ASYNC_NAP_US`` between looks
+or, with 0, spinning), check the descriptor (in C, as ``hf_round``
 does; a bad one is answered ERROR unsent and counted ``rounds_bad_desc``), ask the
 breaker, send the ROUND from the region, receive DRAFTS within the deadline, check and
 unpack them (in C, ``hf_round``'s reader), then claim, write, release and count in one

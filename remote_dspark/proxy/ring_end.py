@@ -157,7 +157,7 @@ class ProxyEnd(RingEnd):
             want_sampled=int(lay.sampled),
             d_q_ids=lay.d_q_ids,
             d_q_weights=lay.d_q_weights,
-            # With nap_us 0 an idle proxy sleeps on the engine's ``published`` word.
+            # An idle proxy sleeps on the engine's ``published`` word (nap_us or not).
             wake=region.addr(lay.wake),
             desc=region.addr(lay.desc(0)),
             desc_stride=lay.desc_stride,

@@ -66,3 +66,9 @@ def test_the_key_reaches_the_proxy_through_the_hand_over_pipe_only(key_path):
     got = handover.read(fd)
     assert got.cfg.key.secret == SECRET and got.cfg == cfg
     assert RemoteConfig.from_json(RemoteConfig.from_env(BASE).to_json()).key is None
+
+
+def test_a_directory_as_key_file_raises_naming_the_variable(tmp_path):
+    (tmp_path / "keys").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match=rf"^{VAR}='.*keys': .*is a directory, not a regular file"):
+        RemoteConfig.from_env(BASE | {VAR: str(tmp_path / "keys")})

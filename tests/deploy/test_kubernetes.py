@@ -211,6 +211,7 @@ def test_the_key_file_the_worker_is_given_is_one_it_accepts(objects, tmp_path):
         assert mode & stat.S_IROTH, f"{item['path']}: root's, mode {mode:04o}: the copier ({pod_uid}) cannot read it"
         os.chmod(secret_file, mode)
     (tmp_path / key_mount["name"]).mkdir()
+    os.chmod(tmp_path / key_mount["name"], 0o777)  # an emptyDir is world-writable
 
     def local(arg: str) -> str:
         if not arg.startswith("/"):

@@ -273,6 +273,20 @@ def test_bad_inputs_are_refused_naming_them(proposer):
         proposer.propose([[1]], np.ones(MAX_REQS, np.int32), ids[0])
 
 
+def test_token_ids_or_counts_of_a_float_dtype_are_refused_never_truncated(proposer):
+    """A float id would reach the wire truncated (3.7 as 3) and draft for another
+    context: refused by name before any slot is assigned or round sent."""
+    run = Runner(proposer)
+    ids = np.zeros((MAX_REQS, MAX_LEN), np.float64)
+    ids[0, :3] = [1, 2, 3.7]
+    lengths = np.array([3] + [0] * (MAX_REQS - 1), np.int32)
+    with pytest.raises(ValueError, match=r"^token_ids_cpu: dtype float64, expected an integer dtype"):
+        proposer.propose([[3.7]], lengths, ids)
+    with pytest.raises(ValueError, match=r"^num_tokens_no_spec: dtype float32, expected an integer dtype"):
+        proposer.propose([[3]], lengths.astype(np.float32), ids.astype(np.int64))
+    assert run.batches == [] and not proposer.slot_map.live.any()
+
+
 @pytest.mark.parametrize(
     "config, environ, why",
     [

@@ -414,37 +414,40 @@ def _sleeping(region, lib) -> int:
     return lib.load32(region.addr(region.layout.wake) + 4)
 
 
-def test_an_idle_proxy_sleeps_and_a_handed_over_round_wakes_it(lib):
-    """nap_us 0: after its spin the proxy sleeps on ``published`` (says so in
-    ``sleeping``); the engine's announce wakes it, and the round is taken at once (far
-    sooner than the wait's own deadline)."""
+@pytest.mark.parametrize("nap_us", [0, 20])
+def test_an_idle_proxy_sleeps_and_a_handed_over_round_wakes_it(lib, nap_us):
+    """After its spin the proxy sleeps on ``published`` (says so in ``sleeping``), napping
+    or not (``nap_us`` shapes only the looks at a round handed over: an idle or stopped
+    engine costs its proxy nothing); the engine's announce wakes it, and the round is
+    taken at once (far sooner than the wait's own deadline)."""
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring_end.ProxyEnd(region, lib, spin_us=100, nap_us=0)
+        end = ring_end.ProxyEnd(region, lib, spin_us=100, nap_us=nap_us)
         sync = streamsync.HostFlagSync(region, lib)
+        r = eng.reserve(1)  # reserved, not handed over: the proxy sees nothing of it
+        eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
         taken = []
         t = threading.Thread(target=lambda: taken.append(end.next_round(30.0)))
         t.start()
         try:
             assert until(lambda: _sleeping(region, lib) == 1, timeout=5)
-            r = eng.reserve(1)
-            eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
             sync.signal(r)
             t.join(20.0)  # woken: a proxy left asleep would wait out its 30 s
             assert not t.is_alive() and taken[0].round == r
             assert _sleeping(region, lib) == 0
         finally:
-            lib.announce(region.addr(region.layout.wake), 0xFFFFFFFF)  # never leave the thread asleep
+            sync.signal(r)  # the round gathered and announced: the thread ends, asleep or looking
             t.join(5.0)
 
 
-def test_a_round_handed_over_but_not_gathered_keeps_the_proxy_awake(lib):
+@pytest.mark.parametrize("nap_us", [0, 20])
+def test_a_round_handed_over_but_not_gathered_keeps_the_proxy_awake(lib, nap_us):
     """The CPU runs ahead of the stream: with ``published`` ahead of ``gathered`` the
-    proxy never sleeps, however long the stream takes, and takes the round the moment
-    it is gathered (not at the watchdog)."""
+    proxy never sleeps (it spins, or naps ``nap_us`` between looks), however long the
+    stream takes, and takes the round the moment it is gathered (not at the watchdog)."""
     with make_region() as region:
         eng = ring.EngineEnd(region, lib)
-        end = ring_end.ProxyEnd(region, lib, spin_us=50, nap_us=0)
+        end = ring_end.ProxyEnd(region, lib, spin_us=50, nap_us=nap_us)
         r = eng.reserve(1)
         eng.write_entries(r, [wire.Entry(3, 4, 0, [])])
         lib.announce(region.addr(region.layout.wake), r)  # the CPU's part; the "stream" is late
@@ -453,7 +456,7 @@ def test_a_round_handed_over_but_not_gathered_keeps_the_proxy_awake(lib):
         t.start()
         try:
             looks = [_sleeping(region, lib) for _ in range(2000) if not time.sleep(0.0001)]
-            assert set(looks) == {0}  # spinning all along, never asleep
+            assert set(looks) == {0}  # spinning (or napping) all along, never asleep
             lib.signal(region.addr(region.layout.gathered), 0, r, 0)
             t.join(5.0)
             assert not t.is_alive() and taken[0].round == r

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -260,3 +262,19 @@ def test_a_loose_key_file_stops_the_worker_naming_the_flag(tmp_path, capsys):
     assert cli_main(["worker", "--listen", "127.0.0.1:0", "--key-file", str(path)]) == 2
     err = capsys.readouterr().err
     assert "--key-file" in err and "mode 0640" in err and "chmod 600" in err
+
+
+def test_a_directory_as_key_file_stops_the_worker_with_exit_2_and_the_reason(tmp_path):
+    """The installed command, in its own process: a clear line naming the flag on stderr,
+    no traceback, exit 2 (bad input), before any model loads."""
+    (tmp_path / "keys").mkdir(mode=0o700)
+    argv = [sys.executable, "-m", "remote_dspark", "worker", "--listen", "127.0.0.1:0", "--key-file"]
+    proc = subprocess.Popen([*argv, str(tmp_path / "keys")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # a no-op once it has exited
+        proc.wait(10)
+    assert proc.returncode == 2, err
+    assert "--key-file=" in err and "is a directory, not a regular file" in err
+    assert "Traceback" not in err and "listening" not in out

@@ -10,7 +10,8 @@ optionally ``n_out`` [n], and, exactly when the engine asks for sampled drafts
 an int (float: temperature; bool: new_gen) tensor, on the CPU or on the device, or a
 numpy array on the host (as an engine keeps numpy views of its pinned
 CPU tensors); :meth:`Batch.from_lists` takes Python lists and converts them once (the
-slow convenience).
+slow convenience). An id or count of another dtype than an integer (a float, a bool) is
+refused by name when the round reads it (:func:`require_integers`), never truncated.
 
 The wire's ROUND payload is exactly these arrays laid end to end (``wire.round_sections``),
 so a round is:
@@ -45,6 +46,7 @@ CONTEXT_TOKENS = wire.DEFAULT_CONTEXT  # the default cut of a NEW_GEN context (R
 
 META_FIELDS = ("slots", "token_offsets", "positions", "new_gen", "n_out", "tokens")
 SAMPLING_FIELDS = ("temperature", "seed")
+INTEGER_FIELDS = ("slots", "token_offsets", "positions", "n_out", "tokens")  # of an integer dtype (require_integers)
 _DTYPES = {"new_gen": bool, "temperature": np.float64, "seed": np.uint64}  # of a list; else int64
 
 
@@ -84,7 +86,7 @@ class Batch:
         for name in META_FIELDS + SAMPLING_FIELDS + ("row_index",):  # anything else (lists): numpy, once
             value = getattr(self, name)
             if value is not None and not isinstance(value, (torch.Tensor, np.ndarray)):
-                setattr(self, name, np.asarray(value, dtype=_DTYPES.get(name, np.int64)))
+                setattr(self, name, _from_list(value, name))
 
     @classmethod
     def from_lists(
@@ -103,19 +105,8 @@ class Batch:
         lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
         offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter((t for ts in tokens for t in ts), dtype=np.int64, count=int(offsets[-1]))
-        return cls(
-            np.asarray(slots, dtype=np.int64),
-            flat,
-            offsets,
-            np.asarray(positions, dtype=np.int64),
-            np.asarray(new_gen, dtype=bool),
-            rows,
-            row_index,
-            None if n_out is None else np.asarray(n_out, dtype=np.int64),
-            temperature,
-            seed,
-        )
+        flat = [t for ts in tokens for t in ts]  # made an array by __post_init__, never truncated
+        return cls(slots, flat, offsets, positions, new_gen, rows, row_index, n_out, temperature, seed)
 
     def __len__(self) -> int:
         return int(self.slots.shape[0])
@@ -167,6 +158,43 @@ class HostMeta:
         return int(self.tokens.shape[0])
 
 
+def _from_list(value, name: str) -> np.ndarray:
+    """A field given as a list, as numpy: in its field's dtype, except a list of other
+    than integers for an integer field, kept in numpy's own dtype for
+    :func:`require_integers` to refuse (a float id is never truncated)."""
+    want = _DTYPES.get(name, np.int64)
+    if name not in INTEGER_FIELDS + ("row_index",):
+        return np.asarray(value, dtype=want)
+    a = np.asarray(value)
+    return np.asarray(value, dtype=want) if a.size == 0 or a.dtype.kind in "iu" else a
+
+
+def dtype_kind(x) -> str:
+    """numpy's dtype kind of an array or a tensor (b, i, u, f, c)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bool:
+            return "b"
+        if x.is_floating_point():
+            return "f"
+        if x.is_complex():
+            return "c"
+        return "i" if x.dtype.is_signed else "u"
+    return np.asarray(x).dtype.kind
+
+
+def require_integers(x, name: str) -> None:
+    """The rule for the ids and counts an engine gives (a batch's slots, tokens, offsets,
+    positions, n_out and row_index; the vLLM proposer's token ids and lengths): an
+    integer dtype, so that no value is ever rounded or truncated on its way to the wire.
+    Read from the dtype alone (a device tensor is not synced).
+
+    Raises:
+        ValueError: naming ``name`` and the dtype: a float, a bool or anything else.
+    """
+    if dtype_kind(x) not in "iu":
+        raise ValueError(f"{name}: dtype {x.dtype}, expected an integer dtype (an id or count is never truncated)")
+
+
 def host_array(t, name: str, n: int | None) -> np.ndarray:
     """``t`` (a CPU tensor or an array) as a one-dimensional numpy array of ``n`` values
     (None: any number).
@@ -187,7 +215,7 @@ def has_rows(batch: Batch, row_bytes: int) -> bool:
 
     Raises:
         ValueError: naming ``rows`` or ``row_index``, given to a rowless engine or
-            missing for one with rows.
+            missing for one with rows; a ``row_index`` not of an integer dtype.
     """
     given = [name for name in ("rows", "row_index") if getattr(batch, name) is not None]
     if row_bytes == 0:
@@ -197,6 +225,7 @@ def has_rows(batch: Batch, row_bytes: int) -> bool:
     for name in ("rows", "row_index"):
         if name not in given:
             raise ValueError(f"{name}: None, but RemoteDSpark was built for row_bytes={row_bytes}")
+    require_integers(batch.row_index, "row_index")
     return True
 
 

@@ -15,10 +15,18 @@ written by these two.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from ... import wire
-from .batch import CONTEXT_TOKENS, SAMPLING_FIELDS, Batch, HostMeta, host_array
+from .batch import (
+    CONTEXT_TOKENS,
+    INTEGER_FIELDS,
+    SAMPLING_FIELDS,
+    Batch,
+    HostMeta,
+    dtype_kind,
+    host_array,
+    require_integers,
+)
 
 assert wire.FLAG_NEW_GEN == 1  # a bool array is the flags section as it is
 U32_MAX, I32_MIN, I32_MAX = 2**32 - 1, -(2**31), 2**31 - 1
@@ -50,10 +58,12 @@ def host_meta(
     Raises:
         ValueError: naming the field: ``slots`` out of 0..max_slots-1 or repeated,
             ``positions`` outside the wire's u32, ``tokens`` outside its i32 (or outside
-            0..vocab_size-1), a negative ``n_out``, ``token_offsets`` that do not run
+            0..vocab_size-1), a negative ``n_out``, an id or count of another dtype than
+            an integer (:func:`check_integer_fields`), ``token_offsets`` that do not run
             from 0 to len(tokens) without going back, lengths that disagree, too many
             tokens; a sampling field wrong (:func:`sampling_meta`).
     """
+    check_integer_fields(batch)
     slots = host_array(batch.slots, "slots", None).astype(np.int64, copy=False)
     n = slots.shape[0]
     if n > max_slots:
@@ -121,6 +131,19 @@ def _cut(tokens, offsets, positions, lengths, new_gen, context_tokens: int) -> t
     return tokens[take], new_offsets, positions
 
 
+def check_integer_fields(batch: Batch) -> None:
+    """Hold ``batch``'s ids and counts (:data:`~.batch.INTEGER_FIELDS`) to an integer
+    dtype (:func:`~.batch.require_integers`), from the dtypes alone, so the host path and
+    the device path (``device_meta``) both ask it.
+
+    Raises:
+        ValueError: naming the first field of another dtype (a float id is never truncated).
+    """
+    for name in INTEGER_FIELDS:
+        if (value := getattr(batch, name)) is not None:
+            require_integers(value, name)
+
+
 def check_sampling_given(batch: Batch, sampled: bool) -> bool:
     """Whether ``batch`` carries sampling inputs, held to the engine: ``temperature`` and
     ``seed`` given exactly when it is ``sampled``, of a float (or int) and an int dtype.
@@ -149,19 +172,6 @@ def check_sampling_given(batch: Batch, sampled: bool) -> bool:
     if dtype_kind(batch.seed) not in "iu":
         raise ValueError(f"seed: dtype {batch.seed.dtype}, expected an integer (an int64's bits are the u64 seed)")
     return True
-
-
-def dtype_kind(x) -> str:
-    """numpy's dtype kind of an array or a tensor (b, i, u, f, c)."""
-    if isinstance(x, torch.Tensor):
-        if x.dtype == torch.bool:
-            return "b"
-        if x.is_floating_point():
-            return "f"
-        if x.is_complex():
-            return "c"
-        return "i" if x.dtype.is_signed else "u"
-    return np.asarray(x).dtype.kind
 
 
 def sampling_meta(batch: Batch, n: int, sampled: bool) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -38,7 +38,7 @@ import torch
 
 from ... import wire
 from ..values.batch import CONTEXT_TOKENS, Batch
-from ..values.meta import check_sampling_given, host_meta, write_meta
+from ..values.meta import check_integer_fields, check_sampling_given, host_meta, write_meta
 
 log = logging.getLogger("remote_dspark.engine")
 
@@ -55,10 +55,12 @@ def check_meta_shapes(batch: Batch, max_slots: int, sampled: bool = False) -> in
     neither), in the words of :func:`~..values.meta.sampling_meta`.
 
     Raises:
-        ValueError: naming the field whose shape or dtype disagrees, or a sampling field
+        ValueError: naming the field whose shape or dtype disagrees (an id or count of a
+            float dtype: :func:`~..values.meta.check_integer_fields`), or a sampling field
             missing from a sampled engine's batch or given to another's, or too many
             entries or tokens.
     """
+    check_integer_fields(batch)
     check_sampling_given(batch, sampled)
     n, t = len(batch), int(batch.tokens.shape[0])
     if n > max_slots or t > wire.MAX_TOKENS:

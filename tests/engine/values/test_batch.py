@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.demo.sim import SimEngine
-from remote_dspark.engine.values.batch import CONTEXT_TOKENS, Batch, gather_rows_host
+from remote_dspark.engine.values.batch import CONTEXT_TOKENS, Batch, gather_rows_host, has_rows
 from remote_dspark.engine.values.drafts import to_drafts
 from remote_dspark.engine.values.meta import host_meta, write_meta
 from remote_dspark.engine.writers import device_meta
@@ -182,6 +182,41 @@ def test_token_cap_row_index_and_row_size_are_named():
         gather_rows_host(meta_of(row_index=[0, 16]), np.zeros((MAX_SLOTS, ROW_BYTES), np.uint8), ROW_BYTES)
     with pytest.raises(ValueError, match="rows: 8 bytes per row, RemoteDSpark was built for row_bytes=4"):
         gather_rows_host(good, np.zeros((MAX_SLOTS, 4), np.uint8), 4)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tokens", np.array([1.0, 2.0, 3.7])),
+        ("tokens", torch.tensor([1.0, 2.0, 3.7])),
+        ("tokens", torch.tensor([True, False, True])),
+        ("slots", np.array([0.0, 1.0])),
+        ("positions", torch.tensor([0.0, 4.5])),
+        ("token_offsets", np.array([0.0, 1.0, 3.0])),
+        ("n_out", np.array([1.0, 2.0], np.float32)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else str(v.dtype),
+)
+def test_ids_and_counts_of_another_dtype_than_an_integer_are_refused_on_both_paths(field, value):
+    """Never truncated (3.7 as token 3): the host path and the device path refuse the
+    dtype in the same words, before a value is read."""
+    batch = dataclasses.replace(meta_of(), **{field: value})
+    why = rf"^{field}: dtype {value.dtype}, expected an integer dtype"
+    with pytest.raises(ValueError, match=why):
+        host_meta(batch, max_slots=MAX_SLOTS, num_spec=K, max_tokens=100, n_out_default=K)
+    with pytest.raises(ValueError, match=why):
+        device_meta.check_meta_shapes(batch, MAX_SLOTS)
+
+
+def test_lists_of_floats_are_kept_floats_and_refused_never_truncated():
+    batch = meta_of(tokens=[[1], [2, 3.7]])
+    assert batch.tokens.tolist() == [1, 2, 3.7]
+    with pytest.raises(ValueError, match=r"^tokens: dtype float64, expected an integer dtype"):
+        host_meta(batch, max_slots=MAX_SLOTS, num_spec=K, max_tokens=100, n_out_default=K)
+    with pytest.raises(ValueError, match=r"^row_index: dtype float64, expected an integer dtype"):
+        has_rows(meta_of(row_index=[0, 1.5]), ROW_BYTES)
+    empty = Batch.from_lists([], [], [], [], ROWS, [])  # nothing to refuse: an empty list is any dtype's
+    assert empty.tokens.dtype == empty.row_index.dtype == np.int64
 
 
 def test_sim_arrays_are_each_slots_unsent_tokens():

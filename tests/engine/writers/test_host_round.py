@@ -205,6 +205,23 @@ def test_the_copys_count_never_runs_ahead_of_the_rows(lib):
         del staging  # (a view of the region: it must go before the region is closed)
 
 
+def test_rows_never_copied_cost_the_proxy_naps_not_a_core(lib):
+    """An engine stopped mid-copy (SIGSTOP) leaves its rows pending: the proxy's wait
+    spins and yields for about a millisecond, then naps between looks until the round's
+    deadline, returning the count as it is. Its CPU over a 300 ms wait is a few percent
+    of it (a spin to the deadline is all of it); the bound is generous."""
+    free = ctypes.CDLL(lib.path)  # the call releases the GIL; thread_time counts this thread only
+    free.hf_rows_wait.restype = ctypes.c_uint32
+    free.hf_rows_wait.argtypes = (ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64)
+    desc = np.zeros(64, np.uint8)
+    desc[memfd.DESC_PENDING : memfd.DESC_PENDING + 4].view(np.uint32)[0] = 5  # five rows, never copied
+    c0, t0 = time.thread_time(), time.monotonic()
+    pending = free.hf_rows_wait(desc.ctypes.data, 5, time.monotonic_ns() + 300_000_000)
+    wall, cpu = time.monotonic() - t0, time.thread_time() - c0
+    assert pending == 5 and wall >= 0.3
+    assert cpu < 0.4 * wall, f"{cpu * 1000:.0f} ms of CPU over a {wall * 1000:.0f} ms wait"
+
+
 def _answer_in(side: Side, r: int, n: int, status: int, rng: np.random.Generator) -> None:
     """A proxy's answer to round ``r`` of ``n`` entries in its drafts slot: random counts
     (tokens zero past each), statuses with some RESYNC, then ``released``."""

@@ -184,11 +184,11 @@ def _one_entry(n_tokens: int) -> Batch:
     [
         lambda b: Batch(b.slots.to(torch.int16), b.tokens, b.token_offsets, b.positions, b.new_gen),
         lambda b: Batch(b.slots, b.tokens[::2], b.token_offsets // 2, b.positions, b.new_gen),
-        lambda b: Batch(b.slots, b.tokens, b.token_offsets, b.positions.to(torch.float64), b.new_gen),
+        lambda b: Batch(b.slots, b.tokens, b.token_offsets, b.positions.to(torch.int16), b.new_gen),
         lambda b: Batch(b.slots, b.tokens, b.token_offsets, b.positions, b.new_gen.to(torch.uint8)),
         lambda b: Batch(b.slots, b.tokens, b.token_offsets, b.positions, b.new_gen, temperature=[1.0], seed=[1]),
     ],
-    ids=["int16 slots", "strided tokens", "float positions", "uint8 new_gen", "sampled"],
+    ids=["int16 slots", "strided tokens", "int16 positions", "uint8 new_gen", "sampled"],
 )
 def test_a_batch_the_c_call_cannot_read_goes_the_python_way_with_the_same_bytes(lib, change):
     batch = change(_one_entry(6))
