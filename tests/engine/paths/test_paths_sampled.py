@@ -135,6 +135,60 @@ def test_launch_gives_a_sampled_engine_the_distributions_on_the_device(worker, t
             assert getattr(out, field).cpu().equal(getattr(sync, field)), field
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [Mode.PROCESS, Mode.SYNC])
+def test_launch_redraws_on_the_device_in_stream_order(worker, tmp_path, mode, monkeypatch):
+    """``SAMPLED_REDRAW=1`` with ``launch()`` on CUDA: what the stream holds once the launch
+    is done is the engine's redraw (with its own generator: on the device in process mode,
+    where the drafts reach the stream from the region; sync mode's launch runs its
+    round(), redrawn on the host) of the worker's drafts, which are sync mode's for the
+    same batch; q past the new counts is zero."""
+    from remote_dspark.engine.paths import redraw as redraw_path
+    from remote_dspark.engine.sampler import redraw
+
+    states = []
+
+    def spy(tokens, counts, q_ids, q_weights, *, generator):
+        states.append((tokens.device, generator.get_state()))
+        assert generator.device == tokens.device
+        return redraw(tokens, counts, q_ids, q_weights, generator=generator)
+
+    monkeypatch.setattr(redraw_path, "redraw", spy)
+    sync = sampled_drafts(worker, tmp_path, Mode.SYNC)
+    env = drafter_env(
+        worker.drafter,
+        worker.port,
+        mode,
+        stats_file=str(tmp_path / "stats-redraw.json"),
+        VLLM_DSPARK_SAMPLED_TOP32="1",
+        VLLM_DSPARK_REMOTE_SAMPLED_REDRAW="1",
+        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
+    )
+    config = RemoteConfig.from_env(env)
+    with RemoteDSpark(
+        config, environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0, vocab_size=VOCAB, device="cuda"
+    ) as rd:
+        got = []
+
+        def drafted() -> bool:
+            got.append(rd.launch(batch()))
+            torch.cuda.synchronize()
+            return bool(got[-1].counts.any())
+
+        assert until(drafted, 20.0, 0.01)
+        out = got[-1]
+        device, state = states[-1]
+        assert device.type == ("cuda" if mode == Mode.PROCESS else "cpu")
+        theirs = [getattr(sync, f).to(device) for f in ("tokens", "counts", "q_ids", "q_weights")]
+        want = [t.cuda() for t in redraw(*theirs, generator=torch.Generator(device=device).set_state(state))]
+        assert out.tokens.equal(want[0].to(out.tokens.dtype)) and out.counts.equal(want[1].to(out.counts.dtype))
+        assert (out.counts.cpu() <= sync.counts).all() and (out.counts.cpu() < sync.counts).any()
+        live = (torch.arange(K, device="cuda") < out.counts.view(-1, 1)).unsqueeze(-1)
+        assert (
+            not out.q_ids.masked_select(~live).any() and not out.q_weights.view(torch.int16).masked_select(~live).any()
+        )
+
+
 class GatedSampling(MarkovDrafter):
     """A sampling Markov drafter whose rounds wait for ``gate`` (bounded), saying when
     one is waiting: a round held in flight on purpose."""
