@@ -28,10 +28,13 @@ next call taken after it is queued, whatever the other sessions queued or carry.
 bigger round has at least that much of the next call, and the rest in later calls.
 
 A round of an entry over the whole budget is taken alone when nothing else is (it would
-never fit otherwise). Deadlines: a round is never given more of a call than the drafter
-could draft before its deadline at ``pace`` (the fewest seconds a budget token has taken
-in a call so far; 0: no bound); one whose next entry alone cannot be drafted in time,
-its deadline passed included, is not drafted: it is handed back as late.
+never fit otherwise). Deadlines: a round whose deadline has passed is never drafted: it
+is handed back as late. Nor is a round given more of a call than the drafter could draft
+before its deadline at ``pace`` (the fewest seconds a budget token has taken in a call
+so far; 0: no bound), but a round none of which is drafted yet gets at least one entry:
+the pace is learnt from calls, so a pace that refused every round would never be
+corrected (one slow call, a compile or a warm-up, would stop the worker drafting for
+good).
 """
 
 from __future__ import annotations
@@ -125,11 +128,16 @@ class FairShare:
                 continue
             first = self._next_cost(job, state.taken)
             in_time = call.in_time(job)  # tokens the drafter can still draft for it before its deadline
-            if in_time <= first:  # not even its next entry in time
+            if in_time <= first:  # not even its next entry in time, at the pace
                 if job in call.given:
                     break  # what it has in this call is all it can use
-                call.late.append(queue.popleft())
-                continue
+                if in_time <= 0 or state.taken:  # its deadline passed, or it had its call
+                    call.late.append(queue.popleft())
+                    continue
+                # The pace is learnt from calls, and only a call can correct it (one slow
+                # call, a compile or a warm-up, leaves it high): a round not yet drafted
+                # gets one entry, not none.
+                in_time = first
             room = call.max_tokens - call.tokens
             if not granted:
                 if first > room and call.pieces:  # no room for its work: no credit either

@@ -19,15 +19,17 @@ and answered when its last piece is drafted. A round of an entry larger than the
 budget is taken alone when nothing else is (it would never fit otherwise).
 
 Deadlines: a ROUND carries its deadline (``deadline_ms``, relative to its receipt; 0:
-none). A round is never drafted once its deadline has passed, nor given more of a call
-than the drafter can draft before it: the scheduler keeps the drafter's **pace** (the
-fewest clock seconds a budget token has taken in a call), and a round whose next entry
-alone could not be drafted in time at that pace is answered at once with the drafts of
-its pieces drafted, or none (:meth:`Scheduler.draft` returns None; the worker counts it)
-rather than drafted for an engine that stopped waiting; its windows advanced already,
-so the stream stays in step. This is checked when the call is taken, and again just
-before each drafter call of a call made in several (the groups drafted before it may
-outlast a deadline).
+none). A round is never drafted once its deadline has passed: it is answered at once
+with the drafts of its pieces drafted, or none (:meth:`Scheduler.draft` returns None;
+the worker counts it) rather than drafted for an engine that stopped waiting; its
+windows advanced already, so the stream stays in step. Nor is it given more of a call
+than the drafter can draft before its deadline: the scheduler keeps the drafter's
+**pace** (the fewest clock seconds a budget token has taken in a call), and a round
+gets at most what that pace drafts in its time left, but a round none of which is
+drafted yet gets at least one entry while its deadline is ahead (the pace is learnt
+from calls: a pace that refused every round would never be corrected). This is checked when the call is taken, and
+again just before each drafter call of a call made in several (the groups drafted
+before it may outlast a deadline).
 
 Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
 and nothing else queued, the connection's own thread, at once (no hand-off between

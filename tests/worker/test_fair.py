@@ -8,6 +8,7 @@ that rounds queue deterministically."""
 import threading
 
 import numpy as np
+import pytest
 from helpers import until
 
 from remote_dspark.drafter.contract import DraftBatch, DraftResult
@@ -164,10 +165,11 @@ def test_a_round_that_expires_while_an_earlier_group_of_its_call_drafts_is_not_d
 
 
 def test_a_round_gets_no_more_of_a_call_than_the_drafter_can_draft_before_its_deadline():
-    """Once a call has shown the drafter's pace (1 ms a token), a round whose next entry
-    alone cannot be drafted before its deadline is never drafted, and one with time for
-    two of its entries gets two: the rest of the call is not spent on drafts its engine
-    has stopped waiting for."""
+    """Once a call has shown the drafter's pace (1 ms a token), a round gets what that
+    pace drafts before its deadline: one with time for two of its entries gets two, one
+    without time for even one gets its next entry only (never none while its deadline is
+    ahead: a call is how the pace is corrected), one whose deadline passed gets nothing:
+    the rest of the call is not spent on drafts its engine has stopped waiting for."""
     clock = Clock()
     drafter = Paced(clock)
     s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock).start()
@@ -175,8 +177,41 @@ def test_a_round_gets_no_more_of_a_call_than_the_drafter_can_draft_before_its_de
         s.draft(99, rounds(99, 1, 7))  # 10 tokens in 10 ms: the pace
         now = clock.now
         hopeless = s.draft(1, rounds(1, 5, 7), deadline=now + 0.009)  # an entry of 10 tokens: 10 ms
+        now = clock.now
         short = s.draft(2, rounds(2, 10, 7), deadline=now + 0.025)  # time for two entries
+        expired = s.draft(3, rounds(3, 4, 7), deadline=clock.now)
     finally:
         s.stop()
-    assert hopeless is None and short.counts.tolist() == [3, 3] + [0] * 8
-    assert [len(c) for c in drafter.calls] == [1, 2]
+    assert hopeless.counts.tolist() == [3] + [0] * 4 and short.counts.tolist() == [3, 3] + [0] * 8
+    assert expired is None
+    assert [len(c) for c in drafter.calls] == [1, 1, 2]
+
+
+def test_one_slow_call_never_stops_the_worker_drafting():
+    """The first call is slow (a compile, a warm-up: 2 s for 10 tokens), so the pace it
+    leaves says no round of 50 ms can be drafted. The next such round still gets an entry;
+    its call shows the true pace (1 ms a token), so the rest of the round follows in the
+    next call, and the round after it is one call."""
+    clock = Clock()
+    drafter = Paced(clock)
+    s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock).start()
+    calls = drafter.calls
+
+    def slow_once(batch):
+        out = Paced.draft_batch(drafter, batch)
+        if len(calls) == 1:
+            clock.now += 2.0 - PACE * 10  # the first call: 2 s for its 10 tokens
+        return out
+
+    drafter.draft_batch = slow_once
+    try:
+        s.draft(99, rounds(99, 1, 7))
+        assert s._pace == 0.2
+        first = s.draft(1, rounds(1, 4, 7), deadline=clock.now + 0.05)
+        second = s.draft(1, rounds(1, 4, 7), deadline=clock.now + 0.05)
+    finally:
+        s.stop()
+    assert first.counts.tolist() == second.counts.tolist() == [3] * 4
+    assert [len(c) for c in calls] == [1, 1, 3, 4] and s._pace == pytest.approx(
+        PACE
+    )  # one entry, then the pace is right
