@@ -21,11 +21,12 @@ Rules, each with its reason:
   between the moment that connection is accepted and the next turn of this loop, which
   reads the pool before it accepts more (at most ``max_pending // 2`` accepts a turn).
   No limit per source address: an attacker may share the engine's host.
-- **A connection mid-AUTH is kept ahead of silent ones** (with a key): one that sent a
-  whole HELLO and was sent the worker's AUTH has shown it speaks the protocol, and waits
-  a round trip for the engine's answer; a newcomer displaces it only when every
-  connection in the pool is mid-AUTH (then the oldest). So a flood of silent sockets
-  costs a keyed worker no more than a keyless one.
+- **A connection mid-AUTH is kept ahead of silent ones** (with a key), up to half the
+  pool: one that sent a whole HELLO and was sent the worker's AUTH has shown it speaks
+  the protocol, and waits a round trip for the engine's answer. So a flood of silent
+  sockets costs a keyed worker no more than a keyless one. But anyone can get that far
+  (a HELLO costs no key), so once more than half the pool is mid-AUTH the oldest of
+  those goes first: stalled HELLOs cannot push out a newcomer whose HELLO is on its way.
 - **With a key, the engine proves it before anything is given** (``key``,
   :mod:`remote_dspark.wire.auth`): a HELLO without the engine's nonce, or an engine's
   AUTH whose proof does not hold, is refused (``on_refused``: REFUSE_AUTH, the ``auth``
@@ -241,11 +242,15 @@ class Admission:
 
     def _first_to_go(self) -> _Unadmitted:
         """The connection a newcomer displaces from a full pool: the oldest still reading
-        its HELLO; the oldest mid-AUTH only when every one is (the module docstring)."""
+        its HELLO, while at most half the pool is mid-AUTH; else the oldest mid-AUTH (the
+        module docstring)."""
+        oldest: dict[Stage, _Unadmitted] = {}
         for p in self._pool.values():  # oldest first (at most max_pending of them)
-            if p.stage is Stage.HELLO:
-                return p
-        return next(iter(self._pool.values()))
+            oldest.setdefault(p.stage, p)
+        mid_auth = sum(p.stage is Stage.ANSWER for p in self._pool.values())
+        if Stage.HELLO in oldest and mid_auth <= self.max_pending // 2:
+            return oldest[Stage.HELLO]
+        return oldest[Stage.ANSWER]
 
     def _read(self, p: _Unadmitted) -> None:
         try:

@@ -209,6 +209,34 @@ def test_a_flood_of_silent_sockets_never_displaces_a_connection_mid_auth():
         w.stop()
 
 
+def test_stalled_hellos_mid_auth_never_push_out_a_newcomer():
+    """Anyone can reach mid-AUTH (a HELLO costs no key). Four connections that did and then
+    stall fill the pool; an honest engine connects, then another stalled one: the oldest
+    stalled connection goes, not the newcomer, whose HELLO is read and served."""
+    w = Worker(MarkovDrafter(COUNTING), "127.0.0.1", 0, key=KEY, max_pending=4, hello_timeout_s=30).start()
+    stalled, honest = [], None
+    try:
+        for i in range(4):
+            stalled.append(RawEngine(w, session=100 + i))
+        honest = socket.create_connection(("127.0.0.1", w.port), timeout=5)
+        assert until(lambda: w.admission().accepted == 5, timeout=5)
+        stalled.append(RawEngine(w, session=200))
+        assert until(lambda: w.statistics().displaced == 2, timeout=5)
+        for s in stalled[:2]:  # the two oldest stalled ones were dropped
+            s.sock.settimeout(5)
+            assert s.sock.recv(1) == b""
+        frame = wire.encode_hello(hello(w, nonce=wire.auth.new_nonce()), 9)
+        honest.sendall(frame)
+        hdr, _ = recv_frame(honest)
+        assert hdr.type == wire.AUTH  # the newcomer is still there: the worker answers its HELLO
+    finally:
+        for s in stalled:
+            s.close()
+        if honest is not None:
+            honest.close()
+        w.stop()
+
+
 # --------------------------------------------------------------------------- the engine refuses the worker
 
 
