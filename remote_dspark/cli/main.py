@@ -91,8 +91,11 @@ def entry() -> NoReturn:
     code = run_command(args)
     if getattr(args, "ends_at_once", False):
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a reader gone (a closed pipe): the code still stands
+                pass
         os._exit(code)
     sys.exit(code)
 
