@@ -52,10 +52,12 @@ class RedrawPath:
 
     def round(self, batch: Batch) -> Drafts:
         d = self.inner.round(batch)
+        # The statistics count the worker's drafts, as launch() does (there the redrawn
+        # counts are on the stream, not the host): what the redraw cuts shows in acceptance.
+        sums = d.sums if d.sums is not None else (int(torch.count_nonzero(d.counts)), int(d.counts.sum()))
         tokens, counts = self._redraw(d.tokens, d.counts, d.q_ids, d.q_weights)
         q_ids, q_weights = _zero_past(counts, d.q_ids.clone(), d.q_weights.clone())
-        # sums: the path's count of the worker's drafts; the engine counts the redrawn ones.
-        return dataclasses.replace(d, tokens=tokens, counts=counts, q_ids=q_ids, q_weights=q_weights, sums=None)
+        return dataclasses.replace(d, tokens=tokens, counts=counts, q_ids=q_ids, q_weights=q_weights, sums=sums)
 
     def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
         """The inner launch; its drafts redrawn in place, in stream order, unless it ran

@@ -63,7 +63,8 @@ def batch() -> Batch:
 
 
 def first_ok(worker, tmp_path, mode: Mode, **env):
-    """The first OK round's Drafts of a sampled engine in ``mode``."""
+    """The first OK round's Drafts of a sampled engine in ``mode``, and the engine's count
+    of draft tokens then."""
     env = drafter_env(
         worker.drafter,
         worker.port,
@@ -79,7 +80,7 @@ def first_ok(worker, tmp_path, mode: Mode, **env):
     ) as rd:
         got = []
         assert until(lambda: got.append(rd.round(batch())) or got[-1].outcome is Outcome.OK, 20.0, 0.01)
-        return got[-1]
+        return got[-1], rd.stats().draft_tokens  # (the rounds before the OK one brought none)
 
 
 @pytest.mark.parametrize("mode", [Mode.SYNC, Mode.THREAD])
@@ -92,10 +93,12 @@ def test_the_engine_delivers_its_own_redraws(worker, tmp_path, monkeypatch, mode
 
     monkeypatch.setattr(redraw_path, "redraw", spy)
     monkeypatch.setattr(redraw_path.secrets, "randbits", lambda bits: 2**63 + 12345)  # a fixed seed: no flake
-    theirs = first_ok(worker, tmp_path, mode)  # the worker's drafts (no redraw: the spy sees nothing)
+    theirs, counted = first_ok(worker, tmp_path, mode)  # the worker's drafts (no redraw: the spy sees nothing)
     drafted = theirs.counts > 0
     assert not calls and int(drafted.sum()) >= SLOTS - 4  # seen contexts: (nearly) all drafted
-    ours = first_ok(worker, tmp_path, mode, VLLM_DSPARK_REMOTE_SAMPLED_REDRAW="1")
+    ours, counted_redrawn = first_ok(worker, tmp_path, mode, VLLM_DSPARK_REMOTE_SAMPLED_REDRAW="1")
+    # The statistics count the worker's drafts either way (as launch() does).
+    assert counted == counted_redrawn > 0
     state, seed = calls[-1]
     assert seed == 2**63 + 12345  # from secrets (not torch's fixed default seed)
     want = redraw(
