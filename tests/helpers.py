@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from remote_dspark import native, wire
+from remote_dspark.drafter.contract import DraftBatch
 from remote_dspark.drafter.markov import MarkovDrafter, MarkovModel
 from remote_dspark.transport import parse_endpoint
 from remote_dspark.transport.client import DraftClient
@@ -345,3 +347,73 @@ class ContextsSeen(MarkovDrafter):
     def draft(self, context, n_out, row):
         self.contexts.append([int(t) for t in context])
         return super().draft(context, n_out, row)
+
+
+# --------------------------------------------------------------------------- the worker's scheduler
+
+
+class Clock:
+    """A clock a test moves by hand (a scheduler's ``clock``)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def stream_batch(session: int, slots, contexts, width=3, want_margin=False) -> DraftBatch:
+    """A worker-built batch of ``session``: ``contexts`` of ``slots``, ``width`` drafts each."""
+    n = len(contexts)
+    offsets = np.zeros(n + 1, np.int64)
+    offsets[1:] = np.cumsum([len(c) for c in contexts])
+    return DraftBatch(
+        np.concatenate([np.asarray(c, np.int32) for c in contexts]),
+        offsets,
+        np.full(n, width, np.int32),
+        np.zeros((n, 0), np.uint8),
+        want_margin,
+        width,
+        session=session,
+        slots=np.asarray(slots, np.int64),
+        gens=np.ones(n, np.int64),
+        lengths=np.asarray([len(c) for c in contexts], np.int64),
+        positions=np.zeros(n, np.int64),
+    )
+
+
+def submit(scheduler, session, batch, deadline=float("inf")):
+    """``scheduler.draft`` on a thread of its own (a connection's); returns (thread, box)."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = scheduler.draft(session, batch, deadline)
+        except BaseException as e:  # checked by the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+class Gated:
+    """``drafter`` behind a gate: every call is recorded; while ``hold`` is set a call
+    waits (bounded) for ``release``. ``cost_s`` per token moves ``clock``, if given: a
+    call's tokens are ``tokens(batch)``, its contexts and an entry each by default."""
+
+    def __init__(self, drafter, clock=None, cost_s: float = 0.0, tokens=lambda b: len(b.tokens) + len(b)):
+        self.drafter, self.clock, self.cost_s, self.tokens = drafter, clock, cost_s, tokens
+        self.drafter_identity, self.markov_identity = drafter.drafter_identity, drafter.markov_identity
+        self.mixed_sessions = getattr(drafter, "mixed_sessions", False)
+        self.calls: list[DraftBatch] = []
+        self.hold, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
+
+    def draft_batch(self, batch):
+        self.calls.append(batch)
+        self.entered.set()
+        if self.hold.is_set():
+            assert self.release.wait(10), "the test never released the gate"
+        if self.clock is not None:
+            self.clock.now += self.cost_s * self.tokens(batch)
+        return self.drafter.draft_batch(batch)

@@ -5,11 +5,9 @@ expired nor beyond what the drafter's pace can draft in time. The drafter is fak
 call costs its tokens at a fixed pace on a clock the test owns, and is held at a gate so
 that rounds queue deterministically."""
 
-import threading
-
 import numpy as np
 import pytest
-from helpers import until
+from helpers import Clock, Gated, stream_batch, submit, until
 
 from remote_dspark.drafter.contract import DraftBatch, DraftResult
 from remote_dspark.worker.batching import call_cost
@@ -18,67 +16,26 @@ from remote_dspark.worker.scheduler import Scheduler
 PACE = 0.001  # the fake drafter's clock seconds a budget token
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-class Paced:
-    """A drafter that takes mixed sessions, drafts token 1 everywhere and costs ``PACE``
-    clock seconds a budget token (contexts plus drafts); every call is recorded, and
-    held while ``hold`` is set until ``release``."""
+class Ones:
+    """A drafter that takes mixed sessions and drafts token 1 everywhere."""
 
     drafter_identity, markov_identity = b"d" * 32, b"m" * 32
     mixed_sessions = True
     context_read = None
 
-    def __init__(self, clock):
-        self.clock = clock
-        self.calls: list[DraftBatch] = []
-        self.hold, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
-
     def draft_batch(self, batch):
-        self.calls.append(batch)
-        self.entered.set()
-        if self.hold.is_set():
-            assert self.release.wait(10), "the test never released the gate"
-        self.clock.now += PACE * call_cost(batch, None)
         return DraftResult(np.ones((len(batch), batch.width), np.int32), batch.n_out.copy())
+
+
+def Paced(clock) -> Gated:
+    """:class:`Ones` behind a gate, costing ``PACE`` clock seconds a budget token
+    (contexts plus drafts); every call recorded."""
+    return Gated(Ones(), clock, PACE, tokens=lambda batch: call_cost(batch, None))
 
 
 def rounds(session, n, context, width=3) -> DraftBatch:
     """``n`` entries of ``session``, each a context of ``context`` tokens and ``width`` drafts."""
-    offsets = np.arange(n + 1, dtype=np.int64) * context
-    return DraftBatch(
-        np.ones(n * context, np.int32),
-        offsets,
-        np.full(n, width, np.int32),
-        np.zeros((n, 0), np.uint8),
-        False,
-        width,
-        session=session,
-        slots=np.arange(n, dtype=np.int64),
-        gens=np.ones(n, np.int64),
-        lengths=np.full(n, context, np.int64),
-        positions=np.zeros(n, np.int64),
-    )
-
-
-def submit(scheduler, session, batch, deadline=float("inf")):
-    box = {}
-
-    def run():
-        try:
-            box["result"] = scheduler.draft(session, batch, deadline)
-        except BaseException as e:  # checked by the test
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, box
+    return stream_batch(session, range(n), [[1] * context] * n, width)
 
 
 def joined(threads):
@@ -195,15 +152,8 @@ def test_one_slow_call_never_stops_the_worker_drafting():
     clock = Clock()
     drafter = Paced(clock)
     s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock).start()
-    calls = drafter.calls
-
-    def slow_once(batch):
-        out = Paced.draft_batch(drafter, batch)
-        if len(calls) == 1:
-            clock.now += 2.0 - PACE * 10  # the first call: 2 s for its 10 tokens
-        return out
-
-    drafter.draft_batch = slow_once
+    calls, tokens = drafter.calls, drafter.tokens
+    drafter.tokens = lambda batch: tokens(batch) * (200 if len(calls) == 1 else 1)  # the first call: 2 s for 10 tokens
     try:
         s.draft(99, rounds(99, 1, 7))
         assert s._pace == 0.2

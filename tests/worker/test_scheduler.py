@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import connect, until
+from helpers import Clock, Gated, connect, stream_batch, submit, until
 
 from remote_dspark import wire
 from remote_dspark.drafter import MarkovDrafter
@@ -23,27 +23,6 @@ from remote_dspark.worker.limits import Limits, hello_refusal
 from remote_dspark.worker.scheduler import DEFAULT_MAX_ENTRIES, Scheduler
 
 COUNTING = MarkovModel.from_tokens([1, 2, 3, 4, 5, 6, 7] * 10, order=1, top=2)
-
-
-class Gated:
-    """``drafter`` behind a gate: every call is recorded; while ``hold`` is set a call
-    waits (bounded) for ``release``. ``cost_s`` per token moves ``clock``, if given."""
-
-    def __init__(self, drafter, clock=None, cost_s: float = 0.0):
-        self.drafter, self.clock, self.cost_s = drafter, clock, cost_s
-        self.drafter_identity, self.markov_identity = drafter.drafter_identity, drafter.markov_identity
-        self.mixed_sessions = getattr(drafter, "mixed_sessions", False)
-        self.calls: list[DraftBatch] = []
-        self.hold, self.release, self.entered = threading.Event(), threading.Event(), threading.Event()
-
-    def draft_batch(self, batch):
-        self.calls.append(batch)
-        self.entered.set()
-        if self.hold.is_set():
-            assert self.release.wait(10), "the test never released the gate"
-        if self.clock is not None:
-            self.clock.now += self.cost_s * (len(batch.tokens) + len(batch))
-        return self.drafter.draft_batch(batch)
 
 
 class Recording(MarkovDrafter):
@@ -58,49 +37,6 @@ class Recording(MarkovDrafter):
         self.calls.append(len(batch))
         self.threads.append(threading.current_thread())
         return super().draft_batch(batch)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def stream_batch(session: int, slots, contexts, width=3, want_margin=False) -> DraftBatch:
-    """A worker-built batch of ``session``: ``contexts`` of ``slots``, ``width`` drafts each."""
-    n = len(contexts)
-    offsets = np.zeros(n + 1, np.int64)
-    offsets[1:] = np.cumsum([len(c) for c in contexts])
-    return DraftBatch(
-        np.concatenate([np.asarray(c, np.int32) for c in contexts]),
-        offsets,
-        np.full(n, width, np.int32),
-        np.zeros((n, 0), np.uint8),
-        want_margin,
-        width,
-        session=session,
-        slots=np.asarray(slots, np.int64),
-        gens=np.ones(n, np.int64),
-        lengths=np.asarray([len(c) for c in contexts], np.int64),
-        positions=np.zeros(n, np.int64),
-    )
-
-
-def submit(scheduler, session, batch, deadline=float("inf")):
-    """``scheduler.draft`` on a thread of its own (a connection's); returns (thread, box)."""
-    box = {}
-
-    def run():
-        try:
-            box["result"] = scheduler.draft(session, batch, deadline)
-        except BaseException as e:  # checked by the test
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, box
 
 
 def queued(scheduler) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engines import first_drafted, sampled_engine
 from helpers import drafter_env, until
 
 from remote_dspark import wire
@@ -24,6 +25,7 @@ K, SLOTS, VOCAB = 4, 8, 128  # the synthetic language's vocabulary
 TOP, TOTAL = wire.SAMPLED_TOP, wire.SAMPLED_TOTAL
 TEMPERATURES = [0.0, 0.5, 1.0, 1.0, 2.0, 0.7, 1.3, 1.0]
 SEEDS = [0, 1, 2**64 - 1, 12345, 7, 2**40 + 3, 99, 5]
+SIZES = {"num_spec": K, "max_slots": SLOTS, "vocab": VOCAB}  # the engines'
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +54,29 @@ def batch() -> Batch:
 
 
 def sampled_drafts(worker, tmp_path, mode: Mode):
-    """The first OK round's Drafts of a sampled engine in ``mode`` (rounds before its
-    proxy or connection serves are answered at once, empty)."""
-    env = drafter_env(
-        worker.drafter,
-        worker.port,
+    """The first round with drafts of a sampled engine in ``mode``."""
+    with sampled_engine(
+        worker,
+        tmp_path,
         mode,
-        stats_file=str(tmp_path / f"stats-{mode.name}.json"),
-        VLLM_DSPARK_SAMPLED_TOP32="1",
+        mode.name,
+        num_spec=K,
+        max_slots=SLOTS,
+        vocab=VOCAB,
         VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
-    )
-    with RemoteDSpark(
-        RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0, vocab_size=VOCAB
     ) as rd:
-        got = []
-        assert until(lambda: got.append(rd.round(batch())) or got[-1].outcome is Outcome.OK, 20.0, 0.01)
-        return got[-1]
+        return first_drafted(lambda: rd.round(batch()))
+
+
+def launched(rd):
+    """The first ``launch()`` with drafts once the stream has them."""
+
+    def step():
+        out = rd.launch(batch())
+        torch.cuda.synchronize()
+        return out
+
+    return first_drafted(step)
 
 
 def assert_the_worker_s_picks(out) -> None:
@@ -103,33 +111,9 @@ def test_launch_gives_a_sampled_engine_the_distributions_on_the_device(worker, t
     round's q (the drafts slot's blocks in stream order; sync mode: the round's), equal to
     what a sync-mode ``round()`` returns for the same batch."""
     sync = sampled_drafts(worker, tmp_path, Mode.SYNC)
-    env = drafter_env(
-        worker.drafter,
-        worker.port,
-        mode,
-        stats_file=str(tmp_path / "stats-launch.json"),
-        VLLM_DSPARK_SAMPLED_TOP32="1",
-        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
-    )
-    with RemoteDSpark(
-        RemoteConfig.from_env(env),
-        environ=env,
-        num_spec=K,
-        max_slots=SLOTS,
-        row_bytes=0,
-        vocab_size=VOCAB,
-        device="cuda",
-    ) as rd:
+    with sampled_engine(worker, tmp_path, mode, "launch", device="cuda", **SIZES) as rd:
         assert rd.mode == mode
-        got = []
-
-        def drafted() -> bool:
-            got.append(rd.launch(batch()))
-            torch.cuda.synchronize()
-            return bool(got[-1].counts.any())
-
-        assert until(drafted, 20.0, 0.01)
-        out = got[-1]
+        out = launched(rd)
         assert out.q_ids.is_cuda and out.q_weights.is_cuda and out.q_weights.dtype == torch.uint16
         for field in ("counts", "tokens", "q_ids", "q_weights"):
             assert getattr(out, field).cpu().equal(getattr(sync, field)), field
@@ -155,28 +139,9 @@ def test_launch_redraws_on_the_device_in_stream_order(worker, tmp_path, mode, mo
 
     monkeypatch.setattr(redraw_path, "redraw", spy)
     sync = sampled_drafts(worker, tmp_path, Mode.SYNC)
-    env = drafter_env(
-        worker.drafter,
-        worker.port,
-        mode,
-        stats_file=str(tmp_path / "stats-redraw.json"),
-        VLLM_DSPARK_SAMPLED_TOP32="1",
-        VLLM_DSPARK_REMOTE_SAMPLED_REDRAW="1",
-        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
-    )
-    config = RemoteConfig.from_env(env)
-    with RemoteDSpark(
-        config, environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0, vocab_size=VOCAB, device="cuda"
-    ) as rd:
-        got = []
-
-        def drafted() -> bool:
-            got.append(rd.launch(batch()))
-            torch.cuda.synchronize()
-            return bool(got[-1].counts.any())
-
-        assert until(drafted, 20.0, 0.01)
-        out = got[-1]
+    redrawn = {"VLLM_DSPARK_REMOTE_SAMPLED_REDRAW": "1"}
+    with sampled_engine(worker, tmp_path, mode, "redraw", device="cuda", **SIZES, **redrawn) as rd:
+        out = launched(rd)
         device, state = states[-1]
         assert device.type == ("cuda" if mode == Mode.PROCESS else "cpu")
         theirs = [getattr(sync, f).to(device) for f in ("tokens", "counts", "q_ids", "q_weights")]
@@ -277,22 +242,9 @@ def test_honest_sampled_drafts_pass_the_pick_check_new_continuing_and_without_ne
     (C in thread and process mode, Python in sync): an honest worker's rounds of NEW_GEN
     entries, continuing entries, entries with no new token and drafts past position 2**32
     all come back OK with drafts."""
-    drafter = make()
-    with Worker(drafter, "127.0.0.1", 0, window=64) as w:
-        env = drafter_env(
-            drafter,
-            w.port,
-            mode,
-            stats_file=str(tmp_path / "stats.json"),
-            VLLM_DSPARK_SAMPLED_TOP32="1",
-            VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-            VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
-        )
-        with RemoteDSpark(
-            RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0, vocab_size=VOCAB
-        ) as rd:
-            got = []
-            assert until(lambda: got.append(rd.round(batch())) or got[-1].outcome is Outcome.OK, 20.0, 0.01)
+    with Worker(make(), "127.0.0.1", 0, window=64) as w:
+        with sampled_engine(w, tmp_path, mode, "honest", **SIZES, VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20") as rd:
+            first_drafted(lambda: rd.round(batch()))
             for b in follow_ups():
                 out = rd.round(b)
                 assert out.outcome is Outcome.OK, out.outcome

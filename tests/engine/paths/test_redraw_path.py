@@ -9,17 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import drafter_env, until
+from engines import first_drafted, sampled_engine
 from sampled_attack import adaptive_rows
 
 from remote_dspark.config import Mode
-from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.markov import SyntheticLanguage, builtin_model
-from remote_dspark.engine import Batch, RemoteDSpark
+from remote_dspark.engine import Batch
 from remote_dspark.engine.paths import redraw as redraw_path
 from remote_dspark.engine.sampler import redraw
-from remote_dspark.outcome import Outcome
 from remote_dspark.sampled import threshold, uniform_u32
 from remote_dspark.worker import Worker
 
@@ -63,24 +61,11 @@ def batch() -> Batch:
 
 
 def first_ok(worker, tmp_path, mode: Mode, **env):
-    """The first OK round's Drafts of a sampled engine in ``mode``, and the engine's count
+    """The first round with drafts of a sampled engine in ``mode``, and the engine's count
     of draft tokens then."""
-    env = drafter_env(
-        worker.drafter,
-        worker.port,
-        mode,
-        stats_file=str(tmp_path / "stats.json"),
-        VLLM_DSPARK_SAMPLED_TOP32="1",
-        VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20",
-        VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000",
-        **env,
-    )
-    with RemoteDSpark(
-        RemoteConfig.from_env(env), environ=env, num_spec=K, max_slots=SLOTS, row_bytes=0, vocab_size=VOCAB
-    ) as rd:
-        got = []
-        assert until(lambda: got.append(rd.round(batch())) or got[-1].outcome is Outcome.OK, 20.0, 0.01)
-        return got[-1], rd.stats().draft_tokens  # (the rounds before the OK one brought none)
+    sizes = {"num_spec": K, "max_slots": SLOTS, "vocab": VOCAB}
+    with sampled_engine(worker, tmp_path, mode, "redraw", **sizes, VLLM_DSPARK_REMOTE_ASYNC_NAP_US="20", **env) as rd:
+        return first_drafted(lambda: rd.round(batch())), rd.stats().draft_tokens
 
 
 @pytest.mark.parametrize("mode", [Mode.SYNC, Mode.THREAD])
