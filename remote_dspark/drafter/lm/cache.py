@@ -262,14 +262,16 @@ class SlotCache:
         starts: np.ndarray | None,
     ) -> np.ndarray:
         """[n] int64: the tokens :meth:`plan` would encode for each entry now (the new
-        ones on a hit, the re-encode on a miss), nothing changed. Args: as :meth:`plan`."""
+        ones on a hit, the re-encode on a miss), nothing changed. Args: as :meth:`plan`,
+        but ``sessions`` may be one int for all (a round of one engine: no grouping)."""
         rows = np.full(len(slots), -1, np.int64)
-        for s in np.unique(sessions).tolist():
+        one = np.ndim(sessions) == 0
+        for s in [int(sessions)] if one else np.unique(sessions).tolist():
             m = self._maps.get(s)
             if m is not None:
-                mine = np.flatnonzero(sessions == s)
-                inside = slots[mine] < len(m)
-                rows[mine[inside]] = m[slots[mine[inside]]]
+                mine = np.arange(len(slots)) if one else np.flatnonzero(sessions == s)
+                inside = mine[slots[mine] < len(m)]
+                rows[inside] = m[slots[inside]]
         return self._encode(rows, gens, lengths, ctx_lens, width, starts)[2]
 
     def _encode(self, rows, gens, lengths, ctx_lens, width, starts):

@@ -275,8 +275,10 @@ class LMDrafter:
         starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
         if self.cache is None or batch.slots is None:
             return np.where(widths > 0, np.minimum(ctx_lens, self.max_tokens - widths), 0)
+        _, slots, gens, lengths = self._streams(batch)
+        sessions = batch.session if np.ndim(batch.session) == 0 else batch.sessions()
         with self._lock:
-            return self.cache.encodes(*self._streams(batch), ctx_lens, widths, starts)
+            return self.cache.encodes(sessions, slots, gens, lengths, ctx_lens, widths, starts)
 
     @staticmethod
     def _streams(batch: DraftBatch) -> tuple[np.ndarray, ...]:
