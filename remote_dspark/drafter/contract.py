@@ -27,7 +27,13 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
 
 A drafter that keeps state per slot across rounds (a KV cache) keys it by the stream
 the batch names (``session``, ``slots``, ``gens``, ``lengths``) and may report it with
-``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics). The worker's
+``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics). Such a drafter
+says so (``keeps_streams``, an optional bool, :func:`keeps_streams_of`): an entry with
+``n_out`` 0 is then an encode only (its tokens kept in its stream's state, no draft
+steps, even in a call where others draft), and the worker may hand it a long entry's
+encode in pieces over several calls (the entry's first tokens as entries of ``n_out``
+0, then the entry). It may say what it would encode for each entry (``encodes(batch)``,
+:func:`encodes_of`): the worker charges that in a call's budget, not the context. The worker's
 scheduler drafts several engines' rounds in one call when the drafter says it takes
 them (``mixed_sessions``, an optional bool, False when absent, read with
 :func:`mixed_sessions_of`): such a batch names a session per entry (``session`` an
@@ -234,6 +240,28 @@ def context_read_of(drafter) -> int | None:
     if read is not None and (not isinstance(read, int) or isinstance(read, bool) or read < 1):
         raise ValueError(f"drafter context_read {read!r}: expected a positive int or None")
     return read
+
+
+def encodes_of(drafter):
+    """``drafter``'s optional ``encodes(batch) -> [n] ints``: the tokens it would encode for
+    each entry of ``batch`` were it drafted now (a model drafter: a stream's new tokens when
+    its cache holds the rest, else its re-encode), asked between calls; None when it does
+    not say. The worker's call budget charges them (:class:`~remote_dspark.worker.batching.Charge`).
+
+    Raises:
+        ValueError: an ``encodes`` that is not callable.
+    """
+    encodes = getattr(drafter, "encodes", None)
+    if encodes is not None and not callable(encodes):
+        raise ValueError(f"drafter encodes {encodes!r}: expected a method encodes(batch) or None")
+    return encodes
+
+
+def keeps_streams_of(drafter) -> bool:
+    """Whether ``drafter`` keeps what it encoded of each stream across calls
+    (``keeps_streams``, an optional bool, False when absent): an entry with ``n_out`` 0 is
+    then encoded into its stream's state, and the worker may take a long encode in pieces."""
+    return bool(getattr(drafter, "keeps_streams", False))
 
 
 def mixed_sessions_of(drafter) -> bool:

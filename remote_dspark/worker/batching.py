@@ -2,8 +2,9 @@
 merged into one call's batch and the answer split back, a round's pieces gathered.
 
 The scheduler (:mod:`.scheduler`) decides what one call takes; these functions are the
-arrays' side of it, with no state of their own. The worker's limits use the entry's
-cost to refuse a HELLO whose entry could never fit a call (:mod:`.limits`).
+arrays' side of it, with no state of their own. What an entry costs is :class:`Charge`'s
+(the one place of that rule); the worker's limits use it to refuse a HELLO whose entry
+could never fit a call (:mod:`.limits`).
 """
 
 from __future__ import annotations
@@ -12,28 +13,65 @@ import dataclasses
 
 import numpy as np
 
-from ..drafter.contract import DraftBatch, DraftResult
+from ..drafter.contract import DraftBatch, DraftResult, context_read_of, encodes_of, keeps_streams_of
 
 
 def entry_cost(context, width: int, context_read: int | None):
-    """An entry's cost in a call's budget (``context`` its context's length, or an array
-    of them): the tokens the drafter runs for it, the context it reads (all of it, or its
-    last ``context_read`` tokens: the drafter's
-    :func:`~remote_dspark.drafter.contract.context_read_of`) and its drafts (``width``; at
-    least one)."""
+    """The most an entry of ``context`` tokens (or an array of lengths) can cost in a call's
+    budget (a re-encode): the context it reads (all of it, or its last ``context_read``
+    tokens: :func:`~remote_dspark.drafter.contract.context_read_of`) and its drafts
+    (``width``; at least one). What it costs in a call is :meth:`Charge.costs`."""
     return (context if context_read is None else np.minimum(context, context_read)) + max(1, width)
 
 
-def entry_costs(batch: DraftBatch, context_read: int | None) -> np.ndarray:
-    """[n] each entry's cost in a call's budget (:func:`entry_cost`)."""
-    return entry_cost(np.diff(batch.offsets), batch.width, context_read)
+class Charge:
+    """What each entry costs in a call's budget, for one drafter: the one place of the rule.
+
+    An entry costs the tokens its drafter runs for it: the tokens it encodes or reads of
+    its context, then its drafts (the call's width, for an entry that asks for any), one
+    token at least. What it encodes is the drafter's word where it says (``encodes``: a
+    model drafter's new tokens on a cache hit, its re-encode on a miss; asked when the
+    round is first taken, when the drafter is between calls), else its whole context, or
+    its last ``context_read`` tokens (a Markov model of order k reads k).
+
+    A drafter that keeps its streams' state across calls (``keeps_streams`` with
+    ``encodes``) has an entry's encode taken in **pieces** (:attr:`pieces`): an entry that
+    costs more than a whole call is first encoded in calls of its own share, as entries of
+    no drafts whose contexts are the entry's first tokens (:func:`encode_piece`), and
+    drafted in the call that takes its last tokens: one engine's long context never holds
+    another's round longer than one call."""
+
+    def __init__(self, drafter):
+        self.context_read = context_read_of(drafter)
+        self._encodes = encodes_of(drafter)
+        self.pieces = self._encodes is not None and keeps_streams_of(drafter)
+
+    def costs(self, batch: DraftBatch) -> np.ndarray:
+        """[n] int64: each entry's cost in a call (the class docstring)."""
+        if self._encodes is not None:
+            reads = np.asarray(self._encodes(batch), np.int64)
+        else:
+            reads = entry_cost(np.diff(batch.offsets), 0, self.context_read) - 1
+        return np.maximum(1, reads + np.where(batch.n_out > 0, batch.width, 0)).astype(np.int64)
+
+    def most(self, window: int, width: int) -> int:
+        """The most an entry of a whole window and ``width`` drafts must have of one call:
+        its whole re-encode, or with pieces its last piece (a token and its drafts)."""
+        return 1 + width if self.pieces else int(entry_cost(window, width, self.context_read))
 
 
-def call_cost(batch: DraftBatch, context_read: int | None) -> int:
-    """The whole batch's cost (:func:`entry_costs` summed)."""
-    if context_read is None:  # no prefix work: the common case of a drafter reading whole contexts
-        return int(batch.offsets[-1]) + len(batch) * max(1, batch.width)
-    return int(entry_costs(batch, context_read).sum())
+def encode_piece(batch: DraftBatch, i: int, keep: int) -> DraftBatch:
+    """A piece of entry ``i``'s encode (:class:`Charge`): the entry with its context's first
+    ``keep`` tokens (at the same positions), its stream's length cut alike, and no drafts."""
+    one = batch.entries(i, i + 1)
+    cut = int(one.offsets[1]) - keep
+    return dataclasses.replace(
+        one,
+        tokens=one.tokens[:keep],
+        offsets=np.array([0, keep], np.int64),
+        n_out=np.zeros(1, np.int32),
+        lengths=None if one.lengths is None else np.asarray(one.lengths, np.int64) - cut,
+    )
 
 
 def merge(batches: list[DraftBatch]) -> DraftBatch:

@@ -1,7 +1,8 @@
 """Who gets how much of a drafting call: the queued rounds of every session and the fair
 share of each call between them (:class:`FairShare`, the scheduler's; its lock guards it).
 
-A call's budget is ``max_tokens`` tokens (contexts plus drafts, :func:`~.batching.entry_cost`)
+A call's budget is ``max_tokens`` tokens (what each entry encodes or reads, plus drafts:
+:class:`~.batching.Charge`)
 and ``max_entries`` entries. When a call is taken with ``n`` sessions' rounds queued,
 each session's turn is worth a **quantum** of ``max_tokens // n`` tokens and at most
 ``max_entries // n`` entries (deficit round robin on tokens): it takes pieces of its
@@ -27,9 +28,14 @@ rounds queued when the next call is taken, itself included), is drafted whole in
 next call taken after it is queued, whatever the other sessions queued or carry. A
 bigger round has at least that much of the next call, and the rest in later calls.
 
-A round of an entry over the whole budget is taken alone when nothing else is (it would
-never fit otherwise). Deadlines: a round whose deadline has passed is never drafted: it
-is handed back as late. Nor is a round given more of a call than the drafter could draft
+An entry over the whole budget is taken in pieces of its encode when its drafter keeps
+its streams' state (:class:`~.batching.Charge`): a piece a call, within the session's
+turn like any piece, the entry itself (its last tokens and its drafts) the last; no
+credit is carried for it (a piece fits any credit). With any other drafter it is taken
+alone when nothing else is (it would never fit otherwise).
+
+Deadlines: a round whose deadline has passed is never drafted: it is handed back as
+late. Nor is a round given more of a call than the drafter could draft
 before its deadline at ``pace`` (the fewest seconds a budget token has taken in a call
 so far; 0: no bound), but a round none of which is drafted yet gets at least one entry:
 the pace is learnt from calls, so a pace that refused every round would never be
@@ -44,7 +50,7 @@ import math
 
 import numpy as np
 
-from .batching import entry_cost, entry_costs
+from .batching import Charge, encode_piece
 from .jobs import Job, Pending, Piece
 
 
@@ -57,8 +63,8 @@ class FairShare:
     only sessions in turn, each less than its next entry's cost; the last ``_joined``
     sessions of ``_turns`` joined since the last :meth:`take`."""
 
-    def __init__(self, context_read: int | None):
-        self.context_read = context_read  # an entry's cost counts the context its drafter reads
+    def __init__(self, charge: Charge):
+        self.charge = charge  # what an entry costs in a call (asked when a round is first taken)
         self._queues: dict[int, collections.deque[Job]] = {}  # session -> its rounds, oldest first
         self._turns: collections.deque[int] = collections.deque()  # sessions with rounds, in turn
         self._credit: dict[int, float] = {}  # session -> tokens carried to its next turn
@@ -126,12 +132,13 @@ class FairShare:
             if not isinstance(state, Pending):  # a piece failed: answered already
                 queue.popleft()
                 continue
-            first = self._next_cost(job, state.taken)
+            costs = self.costs(job)
+            first = int(costs[state.taken]) - state.encoded
             in_time = call.in_time(job)  # tokens the drafter can still draft for it before its deadline
             if in_time <= first:  # not even its next entry in time, at the pace
                 if job in call.given:
                     break  # what it has in this call is all it can use
-                if in_time <= 0 or state.taken:  # its deadline passed, or it had its call
+                if in_time <= 0 or state.taken or state.encoded:  # its deadline passed, or it had its call
                     call.late.append(queue.popleft())
                     continue
                 # The pace is learnt from calls, and only a call can correct it (one slow
@@ -139,17 +146,24 @@ class FairShare:
                 # gets one entry, not none.
                 in_time = first
             room = call.max_tokens - call.tokens
+            split = first > call.max_tokens and self.charge.pieces  # its encode taken in pieces
             if not granted:
-                if first > room and call.pieces:  # no room for its work: no credit either
+                if (1 if split else first) > room and call.pieces:  # no room for its work: no credit either
                     break
                 credit, granted = credit + call.quantum, True
             within = min(room, credit, in_time)  # tokens
             most = min(call.entries_share - entries, call.max_entries - call.entries)
             left = len(job.batch) - state.taken
+            if job in call.partial:  # a piece of its encode is in this call: the rest in the next
+                break
+            if split and most > 0:  # a piece of its encode, its share at most: the rest in later calls
+                c = self._encode_piece(job, state, first, within, call)
+                credit, took = credit - c, took or c > 0
+                break
             if state.taken == 0 and job.cost <= within and left <= most:
                 m, cost = left, job.cost  # the whole round (the common case: no prefix sums)
             else:
-                cum = np.cumsum(entry_costs(job.batch, self.context_read)[state.taken :])
+                cum = np.cumsum(costs[state.taken :]) - state.encoded
                 m = min(int(np.searchsorted(cum, within, side="right")), most)
                 if m == 0 and not call.pieces and cum[0] > call.max_tokens:
                     m = 1  # an entry over the whole budget: drafted alone
@@ -158,7 +172,7 @@ class FairShare:
                 break
             start, taken = state.taken, state.taken + m
             job.state = Pending(taken, state.parts)
-            call.pieces.append(Piece(job, start, job.piece(start, taken), cost))
+            call.pieces.append(Piece(job, start, job.piece(start, taken), cost, state.encoded))
             call.given[job] = call.given.get(job, 0) + cost
             call.entries, call.tokens, entries = call.entries + m, call.tokens + cost, entries + m
             credit, took = credit - cost, True
@@ -167,22 +181,47 @@ class FairShare:
             queue.popleft()
         head = queue[0] if queue else None
         if head is not None and isinstance(head.state, Pending):  # carried: less than its next entry
-            self._credit[session] = max(0, min(credit, self._next_cost(head, head.state.taken) - 1))
+            nxt = self._next_cost(head, head.state.taken)
+            split = nxt > call.max_tokens and self.charge.pieces  # taken in pieces: nothing to save up for
+            self._credit[session] = 0 if split else max(0, min(credit, nxt - 1))
         else:
             self._credit.pop(session, None)
         return took
 
+    def costs(self, job: Job) -> np.ndarray:
+        """``job``'s entries' costs (:class:`~.batching.Charge`), asked of the drafter the
+        first time the round is taken (between calls: what the call will find)."""
+        if job.costs is None:
+            job.costs = self.charge.costs(job.batch)
+        return job.costs
+
     def _next_cost(self, job: Job, taken: int) -> int:
-        """The cost of ``job``'s next entry to draft."""
-        offsets = job.batch.offsets
-        return int(entry_cost(int(offsets[taken + 1] - offsets[taken]), job.batch.width, self.context_read))
+        """The cost of ``job``'s next entry to draft (less what pieces encoded of it)."""
+        return int(self.costs(job)[taken]) - job.state.encoded
+
+    def _encode_piece(self, job: Job, state: Pending, first: int, within: float, call: _Call) -> int:
+        """A piece of the encode of ``job``'s next entry (its remaining cost ``first``, over
+        a whole call) into ``call``: ``within`` tokens at most, leaving its last piece a
+        token and its drafts. Returns the tokens taken (0: none)."""
+        i, batch = state.taken, job.batch
+        drafts = batch.width if batch.n_out[i] > 0 else 0
+        c = int(min(within, first - drafts - 1))
+        if c < 1:
+            return 0
+        keep = int(batch.offsets[i + 1] - batch.offsets[i]) - (first - drafts - c)  # its context up to the piece's end
+        job.state = state._replace(encoded=state.encoded + c)
+        call.pieces.append(Piece(job, i, encode_piece(batch, i, keep), c, state.encoded, partial=True))
+        call.partial.add(job)
+        call.given[job] = call.given.get(job, 0) + c
+        call.entries, call.tokens = call.entries + 1, call.tokens + c
+        return c
 
 
 class _Call:
     """A call being taken: its budget, its shares and what it has taken so far."""
 
     __slots__ = ("now", "pace", "max_entries", "max_tokens", "quantum", "entries_share")
-    __slots__ += ("pieces", "late", "given", "entries", "tokens")
+    __slots__ += ("pieces", "late", "given", "partial", "entries", "tokens")
 
     def __init__(self, now, pace, max_entries, max_tokens, quantum, entries_share):
         self.now, self.pace, self.max_entries, self.max_tokens = now, pace, max_entries, max_tokens
@@ -190,6 +229,7 @@ class _Call:
         self.pieces: list[Piece] = []
         self.late: list[Job] = []
         self.given: dict[Job, int] = {}  # tokens of each round in this call
+        self.partial: set[Job] = set()  # rounds with a piece of an entry's encode in this call
         self.entries = self.tokens = 0
 
     def in_time(self, job: Job) -> float:

@@ -19,16 +19,21 @@ import dataclasses
 import threading
 from typing import NamedTuple
 
+import numpy as np
+
 from ..drafter.contract import DraftBatch, DraftResult
 
 
 class Pending(NamedTuple):
     """Not answered yet: ``taken`` of its entries drafted or in the call being made (0:
     none yet; a round more than a call's share is taken in pieces), their drafts gathered
-    in ``parts`` (None until the first piece is drafted)."""
+    in ``parts`` (None until the first piece is drafted), and ``encoded`` tokens of entry
+    ``taken``'s encode done or in the call being made (an entry over a whole call is
+    encoded in pieces: :class:`~.batching.Charge`)."""
 
     taken: int = 0
     parts: DraftResult | None = None
+    encoded: int = 0
 
 
 class Answered(NamedTuple):
@@ -56,10 +61,17 @@ class Job:
     session: int
     batch: DraftBatch
     deadline: float  # the clock's seconds; math.inf: none
-    cost: int  # the whole round's cost in a call's budget (call_cost)
+    # [n] int64: each entry's cost in a call's budget (Charge.costs), None until the
+    # round is first taken (a model drafter is asked then, between calls)
+    costs: np.ndarray | None
     queued: float  # the clock's seconds when it was queued
     state: JobState = Pending()
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def cost(self) -> int:
+        """The whole round's cost (its ``costs`` summed, once known)."""
+        return int(self.costs.sum())
 
     def piece(self, start: int, stop: int) -> DraftBatch:
         if start == 0 and stop == len(self.batch):
@@ -77,9 +89,13 @@ class Job:
 
 class Piece(NamedTuple):
     """A round's entries in one call: ``batch`` is ``job``'s entries from ``start``;
-    ``cost`` what they spend of the call's budget (:func:`~.batching.entry_costs` summed)."""
+    ``cost`` what they spend of the call's budget (their ``Job.costs``, less what earlier
+    pieces encoded of entry ``start``: ``after``). ``partial``: a piece of entry
+    ``start``'s encode only (:func:`~.batching.encode_piece`), no drafts to gather."""
 
     job: Job
     start: int
     batch: DraftBatch
     cost: int
+    after: int = 0
+    partial: bool = False

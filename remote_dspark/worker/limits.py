@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from .. import wire
 from ..drafter.contract import (
     as_batched,
-    context_read_of,
     max_positions_of,
     needs_rows_of,
     samples_of,
     vocab_size_of,
 )
-from .batching import entry_cost
+from .batching import Charge
 
 DEFAULT_MAX_SLOTS = 1024
 DEFAULT_MAX_ROW_BYTES = 8192
@@ -187,11 +186,9 @@ def hello_refusal(
             ),
             "limits",
         )
-    cost = int(entry_cost(window, hello.num_spec, context_read_of(drafter)))
-    if call_tokens is not None and cost > call_tokens:
-        entry = f"an entry of a whole window of {window} tokens (--window) and num_spec {hello.num_spec} drafts"
-        over = f"costs {cost} tokens, over the worker's {call_tokens} a drafting call"
-        return wire.REFUSE_LIMITS, f"{entry} {over} (--max-batch-tokens)", "limits"
+    over = _over_a_call(drafter, window, hello.num_spec, call_tokens)
+    if over:
+        return wire.REFUSE_LIMITS, over, "limits"
     widest = getattr(drafter, "max_width", None)  # a drafter's own bound on drafts per entry
     if widest is not None and hello.num_spec > widest:
         return (
@@ -203,6 +200,19 @@ def hello_refusal(
             "limits",
         )
     return wire.ACCEPT, "", ""
+
+
+def _over_a_call(drafter, window: int, num_spec: int, call_tokens: int | None) -> str:
+    """Why an entry of ``drafter`` could never be drafted within a call of ``call_tokens``
+    (its least share of one call: :meth:`~.batching.Charge.most`), or ""."""
+    charge = Charge(drafter)
+    cost = charge.most(window, num_spec)
+    if call_tokens is None or cost <= call_tokens:
+        return ""
+    entry = f"an entry of a whole window of {window} tokens (--window) and num_spec {num_spec} drafts"
+    if charge.pieces:
+        entry = f"the last piece of an entry's encode (a token and num_spec {num_spec} drafts)"
+    return f"{entry} costs {cost} tokens, over the worker's {call_tokens} a drafting call (--max-batch-tokens)"
 
 
 DEFAULT_LISTEN = "127.0.0.1:18620"  # loopback unless told otherwise

@@ -15,8 +15,10 @@ session with nothing else queued, of at most ``max_tokens // n`` tokens and
 ``max_entries // n`` entries (``n`` sessions queued when the call is taken), is drafted
 whole in the next call taken after it is queued, whatever the other sessions queue. A
 bigger round is drafted in pieces of consecutive entries, at least that share a call,
-and answered when its last piece is drafted. A round of an entry larger than the whole
-budget is taken alone when nothing else is (it would never fit otherwise).
+and answered when its last piece is drafted. An entry larger than the whole budget is
+encoded in pieces, a call each, when its drafter keeps its streams' state
+(:class:`~.batching.Charge`), else taken alone when nothing else is (it would never
+fit otherwise).
 
 Deadlines: a ROUND carries its deadline (``deadline_ms``, relative to its receipt; 0:
 none). A round is never drafted once its deadline has passed: it is answered at once
@@ -63,8 +65,8 @@ from collections.abc import Callable
 
 from .. import wire
 from ..drafter.answer import check_result
-from ..drafter.contract import DraftBatch, DraftResult, context_read_of, empty_result, mixed_sessions_of
-from .batching import call_cost, gather, merge, part
+from ..drafter.contract import DraftBatch, DraftResult, empty_result, mixed_sessions_of
+from .batching import Charge, gather, merge, part
 from .fair import FairShare
 from .jobs import Answered, Failed, Job, Pending, Piece
 
@@ -110,10 +112,10 @@ class Scheduler:
         self.drafter, self.max_entries = drafter, max_entries
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.mixed = batching and mixed_sessions_of(drafter)
-        self.context_read = context_read_of(drafter)  # an entry's cost counts the context it reads
+        self.charge = Charge(drafter)  # what an entry costs in a call
         self.on_call, self.clock = on_call, clock
         self._cond = threading.Condition()
-        self._fair = FairShare(self.context_read)  # the queued rounds, each call's share of them
+        self._fair = FairShare(self.charge)  # the queued rounds, each call's share of them
         self._pace = 0.0  # the fewest clock seconds a budget token took in a call (0: none yet)
         # Invariants, under _cond: a job in a queue is Pending or done (a done one is
         # dropped when reached); _busy is True while one thread makes a call, which it
@@ -158,11 +160,13 @@ class Scheduler:
         the worker stops, or no call answers within ``WAIT_SLACK_S`` past the deadline."""
         if not len(batch):  # nothing to draft (it would never be taken)
             return empty_result(0, batch.width, batch.want_margin)
-        job = Job(session, batch, deadline, call_cost(batch, self.context_read), self.clock())
+        job = Job(session, batch, deadline, None, self.clock())
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the worker is stopping")
             lead = not self._busy  # the drafter is free: this thread makes the call itself
+            if lead:  # the drafter between calls: what it would encode is what the call finds
+                self._fair.costs(job)
             # ... and nothing queued, the round within a call's budget and its deadline
             # ahead: what _take would make its call of, drafted without the queue.
             alone = lead and not self._fair and self._whole(job) and deadline > job.queued + self._pace * job.cost
@@ -292,7 +296,7 @@ class Scheduler:
                 if state.taken == len(job.batch):  # its last piece: answered now
                     self._end(job, Answered(parts))
                 else:
-                    job.state = Pending(state.taken, parts)
+                    job.state = state._replace(parts=parts)
 
     def _draft(self, pieces: list[Piece], taken_at: float) -> dict[Job, DraftResult]:
         """The drafter's call for ``pieces``, told to ``on_call``: each round's drafts
@@ -306,15 +310,15 @@ class Scheduler:
         if spent > 0 and tokens:  # (only the call's maker writes it; a float store)
             self._pace = spent / tokens if not self._pace else min(self._pace, spent / tokens)
         if self.on_call is not None:
-            waits = [taken_at - p.job.queued for p in pieces if p.start == 0]
+            waits = [taken_at - p.job.queued for p in pieces if p.start == 0 and not p.after]
             self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
         gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
         at = 0
-        for job, start, piece, _ in pieces:
+        for job, start, piece, *_, partial in pieces:
             state = job.state
             so_far = gathered.get(job, state.parts if isinstance(state, Pending) else None)
             got = result if len(pieces) == 1 else part(result, at, piece)
-            gathered[job] = gather(so_far, len(job.batch), start, got)
+            gathered[job] = so_far if partial else gather(so_far, len(job.batch), start, got)
             at += len(piece)
         return gathered
 

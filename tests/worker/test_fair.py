@@ -10,7 +10,7 @@ import pytest
 from helpers import Clock, Gated, stream_batch, submit, until
 
 from remote_dspark.drafter.contract import DraftBatch, DraftResult
-from remote_dspark.worker.batching import call_cost
+from remote_dspark.worker.batching import Charge
 from remote_dspark.worker.scheduler import Scheduler
 
 PACE = 0.001  # the fake drafter's clock seconds a budget token
@@ -30,7 +30,7 @@ class Ones:
 def Paced(clock) -> Gated:
     """:class:`Ones` behind a gate, costing ``PACE`` clock seconds a budget token
     (contexts plus drafts); every call recorded."""
-    return Gated(Ones(), clock, PACE, tokens=lambda batch: call_cost(batch, None))
+    return Gated(Ones(), clock, PACE, tokens=lambda batch: int(Charge(Ones()).costs(batch).sum()))
 
 
 def rounds(session, n, context, width=3) -> DraftBatch:

@@ -12,7 +12,7 @@ from remote_dspark.worker.scheduler import Scheduler
 def job() -> Job:
     tokens, offsets, n_out = np.array([1, 2], np.int32), np.array([0, 2]), np.array([3], np.int32)
     batch = DraftBatch(tokens, offsets, n_out, np.zeros((1, 0), np.uint8), False, 3)
-    return Job(1, batch, float("inf"), 5, 0.0)
+    return Job(1, batch, float("inf"), np.full(len(batch), 5, np.int64), 0.0)
 
 
 def test_a_job_is_pending_until_its_first_end_which_stands():

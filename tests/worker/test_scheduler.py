@@ -18,7 +18,7 @@ from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.contract import DraftBatch, DraftResult, context_read_of
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.worker import Worker
-from remote_dspark.worker.batching import call_cost, entry_costs
+from remote_dspark.worker.batching import Charge
 from remote_dspark.worker.limits import Limits, hello_refusal
 from remote_dspark.worker.scheduler import DEFAULT_MAX_ENTRIES, Scheduler
 
@@ -310,7 +310,8 @@ def test_an_entry_costs_the_context_its_drafter_reads_so_a_markov_round_is_one_c
     markov = Recording(COUNTING)
     assert markov.context_read == 1
     flood = stream_batch(1, range(30), [[1 + i % 7] * 37 for i in range(30)])
-    assert entry_costs(flood, None).tolist() == [40] * 30 and call_cost(flood, 1) == 30 * 4
+    whole = Charge(type("Whole", (), {"context_read": None})())
+    assert whole.costs(flood).tolist() == [40] * 30 and Charge(markov).costs(flood).sum() == 30 * 4
     stats = []
     s = Scheduler(markov, max_entries=64, max_tokens=400, on_call=lambda *call: stats.append(call)).start()
     try:

@@ -41,7 +41,11 @@ width`` tokens at most, at their true positions (``origin`` the first's). A stre
 outgrows its row is thus re-encoded from its current window (at its true positions):
 while a stream fits the worker's window the cache equals re-encoding, and past it a row
 drafts from up to ``max_tokens`` tokens of history. Draft tokens are
-written into the row during a round but never counted in ``fill``.
+written into the row during a round but never counted in ``fill``. ``width`` is each
+entry's own: an entry that asks for no drafts (``n_out`` 0) takes no draft steps, so it
+needs no room for them (an encode only: its row keeps its tokens for its next round).
+:meth:`SlotCache.encodes` tells, without changing anything, what :meth:`SlotCache.plan`
+would encode now (the worker's charge for an entry in a call's budget).
 
 Not thread-safe: the drafter holds its lock around :meth:`SlotCache.plan` and the round.
 """
@@ -72,9 +76,10 @@ class Plan:
     origin: np.ndarray  # [n] int64: the absolute position of the row's column 0
 
 
-def uncached_plan(ctx_lens: np.ndarray, width: int, max_tokens: int, starts: np.ndarray | None) -> Plan:
+def uncached_plan(ctx_lens: np.ndarray, width, max_tokens: int, starts: np.ndarray | None) -> Plan:
     """Every entry re-encoded from column 0 at its true positions (a batch with no
-    stream names; ``starts``: each context's first position, None: as :meth:`SlotCache.plan`)."""
+    stream names; ``width``: the round's or each entry's, as :meth:`SlotCache.plan`;
+    ``starts``: each context's first position, None: as :meth:`SlotCache.plan`)."""
     n = len(ctx_lens)
     take = np.minimum(ctx_lens, max_tokens - width).astype(np.int64)
     origin = np.zeros(n, np.int64) if starts is None else starts + ctx_lens - take
@@ -213,7 +218,7 @@ class SlotCache:
         gens: np.ndarray,
         lengths: np.ndarray,
         ctx_lens: np.ndarray,
-        width: int,
+        width: int | np.ndarray,
         starts: np.ndarray | None,
     ) -> Plan:
         """Rows for a round's entries (a row per stream; which rows newcomers take:
@@ -221,8 +226,9 @@ class SlotCache:
         after the round (:meth:`forget` undoes it for a round that failed).
 
         Args: the batch's stream fields, a session per entry (a batch may mix the rounds
-            of several engines), and each context's length (int64 arrays), the round's
-            width (< max_tokens), each context's first position (int64; None:
+            of several engines), and each context's length (int64 arrays), the drafts
+            each entry takes (the round's width, or [n] int64: 0 for an encode only;
+            < max_tokens), each context's first position (int64; None:
             a batch without positions, numbered from the row's start: column c at
             position c, and no check that a row's positions continue).
         """
@@ -231,29 +237,8 @@ class SlotCache:
         for s in np.unique(sessions).tolist():  # the few engines of the round
             mine = sessions == s
             rows[mine] = self._rows_of(s, slots[mine])
-        ok = rows >= 0
-        r = rows[ok]
-        new = lengths[ok] - self.length[r]
-        ok_r = (
-            (self.gen[r] == gens[ok])
-            & (new >= 0)
-            & (new <= ctx_lens[ok])
-            & (self.fill[r] > 0)
-            & (self.fill[r] + np.maximum(new, 1) + width <= self.max_tokens)
-            # at least what re-encoding would encode (a row kept short by a wider round)
-            & (self.fill[r] + new >= np.minimum(ctx_lens[ok], self.max_tokens - width))
-        )
-        if starts is not None:  # the new tokens continue the row's positions
-            ok_r &= self.origin[r] + self.fill[r] + new == starts[ok] + ctx_lens[ok]
-        hit = np.zeros(len(rows), bool)
-        hit[ok] = ok_r
-        base = np.zeros(len(rows), np.int64)
-        take = np.minimum(ctx_lens, self.max_tokens - width).astype(np.int64)
-        h, rh, nh = np.flatnonzero(hit), r[ok_r], new[ok_r]
-        base[h] = self.fill[rh] - (nh == 0)  # no new token: the last one again (its logits)
-        take[h] = np.maximum(nh, 1)
-        origin = np.zeros(len(rows), np.int64) if starts is None else starts + ctx_lens - take
-        origin[h] = self.origin[rh]
+        hit, base, take, origin = self._encode(rows, gens, lengths, ctx_lens, width, starts)
+        rh = rows[hit]
         have = rows >= 0
         self.gen[rows[have]] = np.where(ctx_lens[have] > 0, gens[have], -1)
         self.length[rows[have]] = lengths[have]
@@ -261,10 +246,63 @@ class SlotCache:
         self.origin[rows[have]] = origin[have]
         self.used[rows[have]] = self._tick
         self.hit_at[rh] = self._tick
-        n_hit = len(h)
+        n_hit = len(rh)
         self.hits += n_hit
         self.misses += len(rows) - n_hit
         return Plan(rows, base, take, hit, origin)
+
+    def encodes(
+        self,
+        sessions: np.ndarray,
+        slots: np.ndarray,
+        gens: np.ndarray,
+        lengths: np.ndarray,
+        ctx_lens: np.ndarray,
+        width: int | np.ndarray,
+        starts: np.ndarray | None,
+    ) -> np.ndarray:
+        """[n] int64: the tokens :meth:`plan` would encode for each entry now (the new
+        ones on a hit, the re-encode on a miss), nothing changed. Args: as :meth:`plan`,
+        but ``sessions`` may be one int for all (a round of one engine: no grouping)."""
+        rows = np.full(len(slots), -1, np.int64)
+        one = np.ndim(sessions) == 0
+        for s in [int(sessions)] if one else np.unique(sessions).tolist():
+            m = self._maps.get(s)
+            if m is not None:
+                mine = np.arange(len(slots)) if one else np.flatnonzero(sessions == s)
+                inside = mine[slots[mine] < len(m)]
+                rows[inside] = m[slots[inside]]
+        return self._encode(rows, gens, lengths, ctx_lens, width, starts)[2]
+
+    def _encode(self, rows, gens, lengths, ctx_lens, width, starts):
+        """Which entries (with their ``rows``, -1: none) are hits (module docstring), and
+        each entry's columns kept, tokens to encode and row origin: ``(hit, base, take,
+        origin)``, nothing changed."""
+        ok = rows >= 0
+        r = rows[ok]
+        wide = np.broadcast_to(np.asarray(width, np.int64), rows.shape)
+        new = lengths[ok] - self.length[r]
+        ok_r = (
+            (self.gen[r] == gens[ok])
+            & (new >= 0)
+            & (new <= ctx_lens[ok])
+            & (self.fill[r] > 0)
+            & (self.fill[r] + np.maximum(new, 1) + wide[ok] <= self.max_tokens)
+            # at least what re-encoding would encode (a row kept short by a wider round)
+            & (self.fill[r] + new >= np.minimum(ctx_lens[ok], self.max_tokens - wide[ok]))
+        )
+        if starts is not None:  # the new tokens continue the row's positions
+            ok_r &= self.origin[r] + self.fill[r] + new == starts[ok] + ctx_lens[ok]
+        hit = np.zeros(len(rows), bool)
+        hit[ok] = ok_r
+        base = np.zeros(len(rows), np.int64)
+        take = np.minimum(ctx_lens, self.max_tokens - wide).astype(np.int64)
+        h, rh, nh = np.flatnonzero(hit), r[ok_r], new[ok_r]
+        base[h] = self.fill[rh] - (nh == 0)  # no new token: the last one again (its logits)
+        take[h] = np.maximum(nh, 1)
+        origin = np.zeros(len(rows), np.int64) if starts is None else starts + ctx_lens - take
+        origin[h] = self.origin[rh]
+        return hit, base, take, origin
 
     def held(self, session: int, slot: int) -> tuple[int, int] | None:
         """What the row of ``(session, slot)`` holds: the position of its first token and

@@ -46,7 +46,7 @@ from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result, samplin
 from ..sampling import TOP
 from .budget import fitting_tokens, part_limit, working_bytes
 from .cache import KVStore, Plan, SlotCache, memory_free, row_tokens, uncached_plan
-from .graphs import Rounds, top2
+from .graphs import Rounds, columns, top2
 from .model import TinyLM
 
 if TYPE_CHECKING:
@@ -175,6 +175,7 @@ class LMDrafter:
         self.model = model.to(self.device, self.dtype).eval()
         self.store = KVStore(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
         self.cache = SlotCache(cache_slots, self.max_tokens, self.store.row_bytes()) if cache_slots else None
+        self.keeps_streams = self.cache is not None  # an encode (n_out 0) is kept; a long one taken in pieces
         padded = graphs if graphs is not None else self.device.type == "cuda"
         self._rounds = Rounds(self.model, self.store, padded)
         self._lock = threading.Lock()
@@ -228,14 +229,16 @@ class LMDrafter:
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
         """Drafts for every entry (module docstring), each context at its true positions;
-        sampled, with their distributions, when ``batch.sampled``.
+        sampled, with their distributions, when ``batch.sampled``. An entry with ``n_out``
+        0 is encoded into its stream's row and takes no draft steps (a call of only such
+        entries encodes too); without a cache row to keep them, it is not run at all.
         Raises: ValueError for a width that leaves no room in a row (``width >=
         max_tokens``), an entry past the position table (the worker drops those:
         :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`), or a sampled round's
         ``temperature`` or ``seed`` of the wrong shape, or a temperature that is not
         finite and >= 0 (:func:`sampling_rows`)."""
         n, width = len(batch), batch.width
-        if n == 0 or width == 0:
+        if n == 0:
             return empty_result(n, width, batch.want_margin)
         if width >= self.max_tokens:
             raise ValueError(f"width {width}: no room in a {self.max_tokens}-token row (max_tokens)")
@@ -247,29 +250,50 @@ class LMDrafter:
         sampling = sampling_rows(batch, ctx_lens) if batch.sampled else None
         # An empty context: no drafts, any valid position. None: numbered from each row's start.
         starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
+        widths = np.where(batch.n_out > 0, width, 0)  # an encode only takes no draft steps
         cached = self.cache is not None and batch.slots is not None
         with self._lock, torch.inference_mode():
             if cached:
-                plan = self.cache.plan(
-                    batch.sessions(),
-                    np.asarray(batch.slots, np.int64),
-                    np.asarray(batch.gens, np.int64),
-                    np.asarray(batch.lengths, np.int64),
-                    ctx_lens,
-                    width,
-                    starts,
-                )
+                plan = self.cache.plan(*self._streams(batch), ctx_lens, widths, starts)
             else:
-                plan = uncached_plan(ctx_lens, width, self.max_tokens, starts)
+                plan = uncached_plan(ctx_lens, widths, self.max_tokens, starts)
             try:
-                out = self._draft(batch, plan, width, sampling)
+                out = self._draft(batch, plan, width, sampling, widths > 0, cached)
             except BaseException:
                 if cached:
                     self.cache.forget(plan.rows)
                 raise
         return round_result(batch, ctx_lens, out)
 
-    def _draft(self, batch: DraftBatch, plan: Plan, width: int, sampling: np.ndarray | None) -> np.ndarray:
+    def encodes(self, batch: DraftBatch) -> np.ndarray:
+        """[n] int64: the tokens :meth:`draft_batch` would encode for each entry now (the
+        contract's ``encodes``: the worker charges them in a call's budget): a stream's new
+        tokens when its row holds the rest, else its re-encode; none for an encode only
+        (``n_out`` 0) that has no row to keep it. Nothing changes."""
+        ctx_lens = np.diff(batch.offsets).astype(np.int64)
+        widths = np.where(batch.n_out > 0, batch.width, 0)
+        starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
+        if self.cache is None or batch.slots is None:
+            return np.where(widths > 0, np.minimum(ctx_lens, self.max_tokens - widths), 0)
+        _, slots, gens, lengths = self._streams(batch)
+        sessions = batch.session if np.ndim(batch.session) == 0 else batch.sessions()
+        with self._lock:
+            return self.cache.encodes(sessions, slots, gens, lengths, ctx_lens, widths, starts)
+
+    @staticmethod
+    def _streams(batch: DraftBatch) -> tuple[np.ndarray, ...]:
+        """The batch's stream fields as the cache takes them: sessions, slots, gens, lengths."""
+        return (
+            batch.sessions(),
+            np.asarray(batch.slots, np.int64),
+            np.asarray(batch.gens, np.int64),
+            np.asarray(batch.lengths, np.int64),
+        )
+
+    def _draft(self, batch, plan: Plan, width: int, sampling, drafting: np.ndarray, cached: bool) -> np.ndarray:
+        """The round's answer ([n, columns] float32, :meth:`.graphs.Rounds.run`): the
+        ``drafting`` entries' ``width`` steps, and the others encoded with none (when
+        ``cached``: a row keeps them), in a round of their own."""
         take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
         q = int(take.max())
         src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
@@ -278,7 +302,21 @@ class LMDrafter:
         rows = plan.rows.copy()
         rowless = rows < 0
         rows[rowless] = self.store.scratch(int(rowless.sum()))
-        return self._rounds.run(tok, plan.base, take, plan.origin, rows, width, sampling)
+        if drafting.all():  # the common round: every entry drafts
+            return self._rounds.run(tok, plan.base, take, plan.origin, rows, width, sampling)
+
+        def run(which: np.ndarray, steps: int, part) -> np.ndarray:
+            q = int(take[which].max())  # tokens are left-aligned: the entries' first q columns
+            base, origin = plan.base[which], plan.origin[which]
+            return self._rounds.run(tok[which, :q], base, take[which], origin, rows[which], steps, part)
+
+        encode = ~drafting & (plan.rows >= 0) if cached else np.zeros(len(take), bool)
+        if encode.any():
+            run(encode, 0, None)  # no drafts: the model's body only, no logits
+        out = np.zeros((len(take), columns(width, sampling is not None)), np.float32)
+        if drafting.any():
+            out[drafting] = run(drafting, width, None if sampling is None else sampling[:, drafting])
+        return out
 
     def greedy_one(self, context, n: int, start: int = 0) -> tuple[list[int], list[float]]:
         """The reference: ``n`` greedy tokens after ``context`` alone, its first token at

@@ -208,7 +208,8 @@ class Rounds:
         """One round: entry i encodes ``tok[i, :take[i]]`` at columns ``base[i]...`` of
         store row ``rows[i]`` (its column 0 at absolute position ``origin[i]``; columns
         before ``base[i]`` hold what earlier rounds encoded), then ``width - 1`` steps,
-        in :func:`parts` of at most :attr:`limit` padded tokens. Greedy, or sampled
+        in :func:`parts` of at most :attr:`limit` padded tokens (``width`` 0: the
+        tokens encoded, nothing drafted; ``[n, 0]`` back). Greedy, or sampled
         (:func:`choose`) with ``sampling`` [3, n] int64: each entry's temperature (its
         float32 bits), seed (its uint64 bits) and its draft 0's absolute position.
         Returns ``[n, columns(width, sampled)]`` float32 (:func:`columns`): the drafts,
@@ -285,6 +286,8 @@ class Rounds:
         every = torch.arange(entries, device=inp.device)
         kv = self.store.kv
         h = self.model.forward_kv(tok, pos, kv, rows, write, origin)
+        if not width:  # an encode only: the K/V written, no logits, no steps
+            return h.new_zeros((entries, 0), dtype=torch.float32)
         first = choose(self.model.logits(h[every, last]), sampling, 0)
         step = pos[every, last][:, None] + 1
         picks = [first, *draft_steps(self.model, first[0], step, kv, rows, width - 1, origin, write[:, :1], sampling)]
