@@ -304,7 +304,9 @@ static uint64_t write_reply(struct hf_serve *s, int expired)
         if (!b->drafted[i])
             continue;
         uint64_t len = (uint64_t)(b->offsets[j + 1] - b->offsets[j]);
-        cost += len < s->m->context_read ? len : s->m->context_read;
+        /* batching.Charge's rule: what it reads, its drafts if it asks for any, 1 at least */
+        uint64_t charge = (len < s->m->context_read ? len : s->m->context_read) + (b->n_out[j] > 0 ? width : 0);
+        cost += charge ? charge : 1;
         uint16_t count = 0;
         if (!expired)
             count = (uint16_t)draft_one(s->m, b->tokens + b->offsets[j], len, (uint32_t)b->n_out[j],
@@ -313,7 +315,7 @@ static uint64_t write_reply(struct hf_serve *s, int expired)
         total += count, j++;
     }
     s->drafting_ns = expired || !b->m ? 0 : hf_now_ns() - t0;
-    s->call_tokens = cost + (uint64_t)b->m * (width > 1 ? width : 1);
+    s->call_tokens = cost;
     s->draft_tokens = total;
     return size;
 }
