@@ -8,13 +8,17 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from helpers import CYCLE4, drafter_env, env_for, until
 
 from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, Mode, RemoteDSpark
+from remote_dspark.engine.paths.announcing import AnnouncingPath
+from remote_dspark.engine.paths.base import NothingOpen
 from remote_dspark.engine.spec import default_round_tokens
+from remote_dspark.engine.values.drafts import Launched
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
 
@@ -126,3 +130,35 @@ def check_first_drafts(drafter: Recording, whole: dict[int, list[int]]) -> None:
     assert sorted(first) == sorted(whole)
     for s, context in first.items():
         assert context == whole[s][-CAP:], f"slot {s}: first drafted from {context}, not {whole[s][-CAP:]}"
+
+
+class Sent(NothingOpen):
+    """A path that records the batches it is given to launch (and launches nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[Batch] = []
+
+    def launch(self, batch, answer, out=(), status=None):
+        self.batches.append(batch)
+        return Launched(1, torch.zeros(len(batch), K, dtype=torch.int32), torch.zeros(len(batch)), (), False)
+
+
+def test_launch_chunks_host_metadata_and_refuses_device_metadata_that_needs_it(tmp_path):
+    """launch() reads no metadata on the host: a batch of more tokens than a round whose
+    metadata is on a device is refused by name; on the host it is planned there."""
+    spec = engine(env_for(1, tmp_path), round_tokens=BUDGET).spec
+    path = AnnouncingPath(Sent(), spec)
+    small = Batch.from_lists([0], [[1, 2, 3]], [0], [True])
+    assert path.launch(small, None).announcing == () and path.inner.batches[-1] is small  # as it is
+    long = Batch.from_lists([1, 2], [range(30), range(30)], [0, 0], [True, True])
+    on_device = Batch(**{f: getattr(long, f) for f in ("slots", "token_offsets", "positions", "new_gen")},
+                      tokens=torch.as_tensor(long.tokens).to("meta"))  # fmt: skip
+    with pytest.raises(ValueError, match=f"round_tokens={BUDGET}: a launch"):
+        path.launch(on_device, None)
+    assert len(path.inner.batches) == 1  # nothing launched
+    launched = path.launch(long, None)
+    assert launched.announcing == (2,) and path.inner.batches[-1].token_offsets.tolist() == [0, 30, 40]
+    with pytest.raises(ValueError, match="slots still being announced: 1"):
+        path.launch(Batch(**{f: getattr(small, f) for f in ("slots", "token_offsets", "positions", "new_gen")},
+                          tokens=torch.as_tensor(small.tokens).to("meta")), None)  # fmt: skip

@@ -90,8 +90,8 @@ class AnnouncingPath:
                 raise ValueError(
                     f"round_tokens={a.budget}: a launch() whose metadata is on the device goes as it is only "
                     f"within a round's tokens and with no slot still being announced (this batch: "
-                    f"{int(batch.tokens.shape[0])} tokens, {a.pending} slots announcing); give this batch's "
-                    "metadata on the host (launch() then chunks it there) or a larger round_tokens"
+                    f"{int(batch.tokens.shape[0])} tokens; slots still being announced: {a.pending}); give "
+                    "this batch's metadata on the host (launch() then chunks it there) or a larger round_tokens"
                 )
             batch = meta_to_host(batch)  # round() blocks anyway
         acked = self.inner.acked_context  # once: the cut and the check agree
