@@ -47,11 +47,12 @@ from . import policies
 from .lifecycle import EngineState, Lifecycle, RemoteClosed
 from .observe import report
 from .observe.stats import EngineCounts, Stats
+from .paths.announcing import AnnouncingPath
 from .paths.asynchronous import AsyncPath
 from .paths.base import NothingOpen, Path
 from .paths.redraw import RedrawPath
 from .paths.sync import SyncPath
-from .spec import Spec, check_arguments
+from .spec import Spec, check_arguments, default_round_tokens
 from .tp.ranks import Ranks, shares_failure
 from .values.batch import CONTEXT_TOKENS, Batch, HostMeta
 from .values.drafts import Drafts, Launched
@@ -86,6 +87,7 @@ class RemoteDSpark:
         vocab_size: int | None = None,
         tp_group=None,
         context_tokens: int = CONTEXT_TOKENS,
+        round_tokens: int | None = None,
     ):
         """``vocab_size``: the target model's vocabulary (token ids 0..vocab_size-1), or
         None when unknown. It goes to the worker in HELLO (0 there when unknown; a worker
@@ -96,15 +98,23 @@ class RemoteDSpark:
         ``tp_group``: a tensor-parallel process group; only its rank 0 talks to the remote
         drafter, and every rank gets the same drafts (``engine.tp.ranks``).
         ``context_tokens``: the engine's cap on a NEW_GEN context (its last tokens sent,
-        the position moved to the first of them); it sizes a round (``max_slots x
-        (context_tokens + num_spec + 1)`` tokens). A context is cut to the smaller of the
+        the position moved to the first of them); a batch carries at most ``max_slots x
+        (context_tokens + num_spec + 1)`` tokens. A context is cut to the smaller of the
         cap and the window the worker's HELLO_ACK names, and before any HELLO_ACK to the
         smaller of the cap and a default worker's 64 (``Spec.context_cut``).
+        ``round_tokens``: the most tokens one round carries (the region's token section);
+        a batch of more goes over the next rounds, its long contexts in chunks
+        (``engine.values.announce``). None: ``spec.default_round_tokens``, four rounds of
+        ``max_slots`` continuing entries, at least one whole context.
 
         Raises:
             ValueError: an argument out of range, naming it.
         """
-        check_arguments(cfg, local_drafter, device, num_spec, max_slots, row_bytes, vocab_size, context_tokens)
+        check_arguments(
+            cfg, local_drafter, device, num_spec, max_slots, row_bytes, vocab_size, context_tokens, round_tokens
+        )
+        if round_tokens is None:
+            round_tokens = default_round_tokens(max_slots, num_spec, context_tokens)
         # n_out by schedule: each round's default n_out from its number of requests, when
         # the depth policy masks the positions past its cap (config.n_out_table's rules;
         # shadow and N_OUT=0 always send every position). A batch's own n_out wins.
@@ -116,7 +126,7 @@ class RemoteDSpark:
             num_spec=num_spec,
             max_slots=max_slots,
             row_bytes=row_bytes,
-            max_tokens=max_slots * (context_tokens + num_spec + 1),
+            max_tokens=int(round_tokens),
             depth=depth,
             device=device,
             mode=Mode.of(cfg),
@@ -148,6 +158,7 @@ class RemoteDSpark:
     engine_id = property(lambda self: self.spec.engine_id)
     vocab_size = property(lambda self: self.spec.vocab_size or None)
     context_tokens = property(lambda self: self.spec.context_tokens)
+    round_tokens = property(lambda self: self.spec.max_tokens)
 
     state = property(lambda self: self._life.state, doc="The engine's ``lifecycle.EngineState``.")
 
@@ -212,7 +223,7 @@ class RemoteDSpark:
             self.exporter = Exporter(self, cfg.metrics_port, cfg.metrics_addr)
         if cfg.strict_start and self.mode.handoff:
             self._probe_connection()
-        path = self._build_path()
+        path = AnnouncingPath(self._build_path(), self.spec)  # rounds of at most round_tokens
         # SAMPLED_REDRAW: rank 0's path (this one) redraws, so every rank gets the same drafts.
         self._path = RedrawPath(path) if cfg.sampled_redraw else path
         self._path.start()  # a failure here closes the path with the engine

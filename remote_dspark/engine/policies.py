@@ -61,6 +61,7 @@ def local_drafts(local: Local, remote: Drafts) -> Drafts:
         remote.resync,
         remote.resync_all,
         q_ids=q_ids,
+        announcing=remote.announcing,
         q_weights=q_weights,
     )
 

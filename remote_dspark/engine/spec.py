@@ -1,7 +1,19 @@
 """What every part of the engine side agrees on: the configuration, the round's shape
 and the engine's identity (one frozen value, built once by ``RemoteDSpark``, its fields
 by keyword), and the checks its arguments pass first (:func:`check_arguments`: the
-policy's needs and the wire contract's caps)."""
+policy's needs and the wire contract's caps).
+
+The sizes follow one rule, stated here once:
+
+- a round carries at most ``round_tokens`` tokens (``Spec.max_tokens``): the region's
+  token section, the sync path's send buffer and every writer's bound. Its default,
+  :func:`default_round_tokens`, holds a round of ``max_slots`` continuing entries four
+  times over and at least one whole context of the cap, never more than a batch carries;
+- a batch carries at most ``max_slots x (context_tokens + num_spec + 1)`` tokens once its
+  NEW_GEN contexts are cut (``Spec.batch_tokens``, within the wire's ``MAX_TOKENS``); what
+  does not fit its round goes over the next ones (:mod:`.values.announce`), which hold
+  at most ``context_tokens`` tokens a slot.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +33,7 @@ class Spec:
     num_spec: int
     max_slots: int
     row_bytes: int
-    max_tokens: int
+    max_tokens: int  # a round's tokens, round_tokens: the region's token section (the module docstring)
     depth: int  # rounds the engine may enqueue ahead of the proxy
     device: str  # "cpu" or "cuda"
     mode: Mode  # the mode running (the configured one, or sync after a failed self-test)
@@ -29,13 +41,19 @@ class Spec:
     environ: Mapping[str, str]
     n_out_table: Sequence[int] | None = None
     vocab_size: int = 0  # the engine's vocabulary (token ids 0..vocab_size-1); 0: unknown
-    context_tokens: int = CONTEXT_TOKENS  # the engine's cap on a NEW_GEN context (sizes max_tokens)
+    context_tokens: int = CONTEXT_TOKENS  # the engine's cap on a NEW_GEN context (sizes batch_tokens)
 
     @property
     def sampled(self) -> bool:
         """The engine asks for sampled drafts (``VLLM_DSPARK_SAMPLED_TOP32``): its batches
         carry temperatures and seeds, its drafts their distributions."""
         return self.cfg.sampled_top32
+
+    @property
+    def batch_tokens(self) -> int:
+        """The most tokens a batch carries once its NEW_GEN contexts are cut (the module
+        docstring): its rounds carry them ``max_tokens`` at a time."""
+        return self.max_slots * (self.context_tokens + self.num_spec + 1)
 
     def context_cut(self, acked: int) -> int:
         """The tokens a NEW_GEN context is cut to, given ``acked``: what the worker's
@@ -54,9 +72,10 @@ class Spec:
         t = self.n_out_table
         return self.num_spec if t is None else t[min(n, len(t) - 1)]
 
-    def meta(self, batch: Batch, acked: int = 0) -> HostMeta:
+    def meta(self, batch: Batch, acked: int = 0, max_tokens: int | None = None) -> HostMeta:
         """``batch``'s metadata checked and cut on the host (see ``meta.host_meta``), its
-        NEW_GEN contexts to :meth:`context_cut` of ``acked``.
+        NEW_GEN contexts to :meth:`context_cut` of ``acked``, at most ``max_tokens`` tokens
+        (a round's, ``self.max_tokens``, unless told).
 
         Raises:
             ValueError: naming the field that is wrong.
@@ -65,7 +84,7 @@ class Spec:
             batch,
             max_slots=self.max_slots,
             num_spec=self.num_spec,
-            max_tokens=self.max_tokens,
+            max_tokens=self.max_tokens if max_tokens is None else max_tokens,
             n_out_default=self.n_out_for(len(batch)),
             vocab_size=self.vocab_size,
             context_tokens=self.context_cut(acked),
@@ -91,6 +110,7 @@ def check_arguments(
     row_bytes: int,
     vocab_size: int | None,
     context_tokens: int = CONTEXT_TOKENS,
+    round_tokens: int | None = None,
 ) -> None:
     """``RemoteDSpark``'s arguments against the policy and the wire contract's caps.
 
@@ -115,13 +135,18 @@ def check_arguments(
                 f"{name}={value}: over {hi}, a sampled session's cap (VLLM_DSPARK_SAMPLED_TOP32=1: its "
                 "distributions stay a few MiB a round)"
             )
-    # A round holds max_slots x (context + num_spec + 1) tokens at most (the region's
-    # max_tokens), which the wire caps at MAX_TOKENS.
+    # A batch carries max_slots x (context + num_spec + 1) tokens at most (Spec.batch_tokens),
+    # which the wire caps at MAX_TOKENS; its rounds carry round_tokens at a time.
     most = wire.MAX_TOKENS // max_slots - num_spec - 1
-    if isinstance(context_tokens, bool) or not hasattr(context_tokens, "__index__") or not 1 <= context_tokens <= most:
+    if not _int_in(context_tokens, 1, most):
         raise ValueError(
             f"context_tokens={context_tokens!r}: must be an int in 1..{most} (max_slots={max_slots} x "
-            f"(context_tokens + num_spec + 1) tokens in a round, within the wire contract's {wire.MAX_TOKENS})"
+            f"(context_tokens + num_spec + 1) tokens in a batch, within the wire contract's {wire.MAX_TOKENS})"
+        )
+    if round_tokens is not None and not _int_in(round_tokens, 1, wire.MAX_TOKENS):
+        raise ValueError(
+            f"round_tokens={round_tokens!r}: must be None (the default) or an int in 1..{wire.MAX_TOKENS} "
+            "(the tokens one round carries, within the wire contract's cap)"
         )
     if vocab_size is not None and (
         not hasattr(vocab_size, "__index__") or isinstance(vocab_size, bool) or not 1 <= vocab_size <= wire.MAX_VOCAB
@@ -132,3 +157,17 @@ def check_arguments(
             f"vocab_size={vocab_size}: a sampled engine's drafts list {wire.SAMPLED_TOP} distinct ids a position "
             "(VLLM_DSPARK_SAMPLED_TOP32=1), so its vocabulary must have at least that many"
         )
+
+
+def _int_in(value, lo: int, hi: int) -> bool:
+    """``value`` is an int (not a bool) in ``lo..hi``."""
+    return not isinstance(value, bool) and hasattr(value, "__index__") and lo <= value <= hi
+
+
+def default_round_tokens(max_slots: int, num_spec: int, context_tokens: int) -> int:
+    """``round_tokens`` when none is given: four rounds of ``max_slots`` continuing entries
+    (``num_spec + 1`` tokens each), at least one whole context of the cap with its drafts,
+    at most what a batch carries (``Spec.batch_tokens``, so never more than a worker of
+    the default window takes)."""
+    per_entry = num_spec + 1
+    return min(max_slots * (context_tokens + per_entry), max(4 * max_slots * per_entry, context_tokens + per_entry))

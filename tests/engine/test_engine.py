@@ -242,7 +242,7 @@ def test_only_watchdog_rounds_of_the_live_proxy_make_it_stalled(worker, tmp_path
     engine thread alone writes the run; the supervisor only reads it."""
     with make(async_env(worker.port, tmp_path, "process")) as rd:
         assert until(lambda: rd.supervisor.up is not None)
-        path, host, up = rd._path.handoff, rd._path.host, rd.supervisor.up
+        path, host, up = rd._path.inner.handoff, rd._path.inner.host, rd.supervisor.up
         assert not host._stalled(up)
         path.watchdog_seen = (up.since - 0.5, up.since + 0.1, up.since + 0.2)  # began before it
         assert not host._stalled(up)
@@ -559,7 +559,7 @@ def test_an_idle_engine_costs_no_core_and_its_next_round_is_served(worker, tmp_p
     with make(async_env(worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_ASYNC_NAP_US="0")) as rd:  # the default
         for _ in range(20):
             assert rd.round(batch(new=False, tokens=((2,), (4,)), positions=(1, 1))).outcome is not None
-        path = rd._path.handoff
+        path = rd._path.inner.handoff
         sleeping = path.region.addr(path.region.layout.wake) + 4  # wake words: [published, sleeping]
         assert until(lambda: path.lib.load32(sleeping) == 1)
         assert rd.round(batch()).outcome is Outcome.OK

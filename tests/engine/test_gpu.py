@@ -143,7 +143,7 @@ PATHS = pytest.mark.parametrize("fused", ["auto", "0"], ids=["native launch", "t
 
 
 def native(rd) -> bool:
-    return rd._path.handoff._launcher is not None
+    return rd._path.inner.handoff._launcher is not None
 
 
 @PATHS
@@ -293,7 +293,7 @@ def test_without_a_device_writer_metadata_on_the_device_is_written_on_the_host(s
         temperature=[0.9, -0.0], seed=[2**64 - 3, 12345],
     )  # fmt: skip
     with make(sampling_worker, tmp_path, VLLM_DSPARK_SAMPLED_TOP32="1") as rd:
-        assert rd._path.handoff._meta_kernel is False
+        assert rd._path.inner.handoff._meta_kernel is False
         on_dev = rd.launch(on_device(b))
         torch.cuda.synchronize()
         on_host = rd.launch(b)
@@ -363,7 +363,7 @@ def test_killed_proxy_while_the_stream_waits(worker, drafter, tmp_path):
         out = rd.launch(batch(new=False, tokens=((2,), (4,)), positions=(1, 1)))
         done = torch.cuda.Event()
         done.record()
-        end = rd._path.handoff.end
+        end = rd._path.inner.handoff.end
         assert until(lambda: end.gathered() == end.last)
         t0 = time.monotonic()
         os.kill(sup.live.pid, signal.SIGKILL)

@@ -51,11 +51,12 @@ def test_a_cap_out_of_range_is_refused_naming_context_tokens(tmp_path, context_t
         make(env_for(1, tmp_path), context_tokens=context_tokens)
 
 
-def test_the_cap_sizes_the_rounds_tokens(tmp_path):
+def test_the_cap_sizes_a_batch_and_round_tokens_a_round(tmp_path):
     most = wire.MAX_TOKENS // SLOTS - K - 1
     rd = make(env_for(1, tmp_path), context_tokens=most)
-    assert rd.context_tokens == most and rd.spec.max_tokens == SLOTS * (most + K + 1) <= wire.MAX_TOKENS
-    assert make(env_for(1, tmp_path)).spec.max_tokens == SLOTS * (64 + K + 1)
+    assert rd.context_tokens == most and rd.spec.batch_tokens == SLOTS * (most + K + 1) <= wire.MAX_TOKENS
+    assert rd.spec.max_tokens == most + K + 1 < rd.spec.batch_tokens  # one whole context, not every slot's
+    assert make(env_for(1, tmp_path), round_tokens=7).spec.max_tokens == 7
 
 
 def test_before_any_hello_ack_a_context_is_cut_to_what_a_default_worker_takes(tmp_path):

@@ -6,4 +6,5 @@ asynchronous  ASYNC=1: the hand-off and the proxy host serving it, as one path
 handoff       the engine's half of the hand-off through the region
 proxy_host    the proxy as a thread or a supervised process; which one serves
 redraw        SAMPLED_REDRAW=1: a path whose sampled drafts the engine redraws
+announcing    rounds of at most round_tokens: long contexts announced in chunks
 """

@@ -36,12 +36,18 @@ class Drafts:
     # (entries with drafts, their tokens) where the path summed them already (the host
     # round's C answer); None: the engine counts them from ``counts``.
     sums: tuple[int, int] | None = None
+    # The round's slots whose context is still being announced in chunks (a long NEW_GEN
+    # context over a round's tokens, :mod:`.announce`): their counts are 0 until it is whole.
+    announcing: tuple[int, ...] = ()
 
 
 class Launched:
     """A round enqueued on the stream (see ``RemoteDSpark.launch``)."""
 
-    __slots__ = ("round", "tokens", "counts", "resync", "resync_all", "q_ids", "q_weights", "outcome", "resync_mask")
+    __slots__ = (
+        "round", "tokens", "counts", "resync", "resync_all", "q_ids", "q_weights", "outcome", "resync_mask",
+        "announcing",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -67,6 +73,7 @@ class Launched:
         # resync_all). A rank other than 0 has only these: its round, resync and resync_all are None.
         self.outcome = outcome
         self.resync_mask = resync_mask
+        self.announcing: tuple[int, ...] = ()  # as Drafts.announcing (set by the path that planned the round)
 
 
 def round_tensors(n: int, k: int, sampled: bool, device) -> tuple[torch.Tensor, ...]:

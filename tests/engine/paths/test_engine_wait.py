@@ -36,7 +36,7 @@ def engine_env(worker, tmp_path, mode: str, **kw) -> dict:
 
 
 def waiters(rd) -> int:
-    path = rd._path.handoff
+    path = rd._path.inner.handoff
     return path.lib.load32(path.region.addr(path.region.layout.waiters))
 
 

@@ -342,7 +342,7 @@ def test_an_engines_rounds_are_the_same_with_the_c_calls_as_without(worker, tmp_
     env = async_env(worker.port, tmp_path, mode, VLLM_DSPARK_REMOTE_TIMEOUT_MS="2000")
     for host in (True, False):
         with make(env) as rd:
-            handoff, calls = rd._path.handoff, []
+            handoff, calls = rd._path.inner.handoff, []
             handoff._host_round._round = functools.partial(_counted, handoff._host_round._round, calls)
             if not host:  # the Python steps
                 handoff._host_round.hand_over = lambda *_: None
@@ -360,7 +360,7 @@ def test_a_round_handed_over_is_kept_when_an_exception_comes_after_the_call(work
     with gathered stored: the round is the proxy's, so its id is not given back, and the
     next round gets its own answer, not the interrupted one's."""
     with make(async_env(worker.port, tmp_path, "process")) as rd:
-        handoff = rd._path.handoff
+        handoff = rd._path.inner.handoff
         assert rd.round(batch()).outcome is Outcome.OK
         call = handoff._host_round._round
 
@@ -381,7 +381,7 @@ def test_metadata_on_a_device_is_refused_by_a_cpu_engine_leaving_no_hole(worker,
     """Slots on a device (torch's meta device stands in for one) cannot be read by the
     host: named, nothing handed over, and the next round takes the round id back."""
     with make(async_env(worker.port, tmp_path, "process")) as rd:
-        handoff = rd._path.handoff
+        handoff = rd._path.inner.handoff
         assert rd.round(batch()).outcome is Outcome.OK
         last = handoff.end.last
         on_device = batch(new=False, tokens=((2,), (4,)), positions=(1, 1))

@@ -1,0 +1,112 @@
+"""Rounds of at most ``round_tokens`` tokens: :class:`AnnouncingPath` wraps the path that
+sends (sync or the hand-off) and gives it, of each batch, the round its
+:class:`~..values.announce.Announcer` plans: long NEW_GEN contexts go over the next
+rounds in chunks at their true positions (the rule is :mod:`..values.announce`'s).
+
+Most rounds go as they are: with nothing held and a batch of no more tokens than a
+round's budget (its tokens' *shape*, before any cut), nothing is read and nothing is
+planned. Otherwise the batch's metadata is checked and cut on the host, planned, and
+the planned round goes to the inner path as a batch of host arrays (its rows, index and
+sampling fields as given), which the inner path writes as any other.
+
+``launch()`` never reads metadata on the host: it takes its decision from what the host
+has (the held slots' count and the batch's shapes). A batch whose metadata is on the
+host is planned there as for ``round()``; one whose metadata is on the device and that
+may need chunking (more tokens than a round's budget, or slots still held) is refused
+with a ``ValueError`` naming ``round_tokens``: chunking on the device is a later step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ...supervisor.restarts import Supervisor
+from ..observe.stats import PathStats
+from ..spec import Spec
+from ..values.announce import Announcer
+from ..values.batch import Batch, meta_to_host
+from ..values.drafts import Drafts, Launched
+from .base import Path
+
+
+class AnnouncingPath:
+    """A :class:`~.base.Path` whose rounds are planned by one :class:`Announcer` (this
+    path its one owner; the engine thread its one caller); every other call goes to
+    ``inner`` as it is."""
+
+    def __init__(self, inner: Path, spec: Spec):
+        self.inner, self.spec = inner, spec
+        self.users = inner.users
+        self.announcer = Announcer(spec.max_slots, spec.context_tokens, spec.max_tokens)
+        self._answering = False  # inside a launch() that blocks: its round() is planned already
+
+    wait_cpu_s = property(lambda self: self.inner.wait_cpu_s)
+    acked_context = property(lambda self: self.inner.acked_context)
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        return self.inner.supervisor
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def round(self, batch: Batch) -> Drafts:
+        if self._answering:  # a blocking launch's answer: its batch is the planned round
+            return self.inner.round(batch)
+        planned, announcing = self._plan(batch, in_stream=False)
+        d = self.inner.round(planned)
+        d.announcing = announcing
+        return d
+
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
+        planned, announcing = self._plan(batch, in_stream=True)
+        self._answering = True
+        try:
+            launched = self.inner.launch(planned, answer, out, status)
+        finally:
+            self._answering = False
+        launched.announcing = announcing
+        return launched
+
+    def stop(self, limit_s: float) -> None:
+        self.inner.stop(limit_s)
+
+    def stats(self) -> PathStats:
+        return self.inner.stats()
+
+    def _plan(self, batch: Batch, in_stream: bool) -> tuple[Batch, tuple[int, ...]]:
+        """``batch``'s round and the slots it leaves announcing (see the module docstring).
+
+        Raises:
+            ValueError: ``host_meta``'s, naming the field; in stream (``launch()``), a
+                batch whose metadata is on the device and may need chunking."""
+        a, spec = self.announcer, self.spec
+        if a.fits(int(batch.tokens.shape[0])):
+            return batch, ()
+        if batch.meta_on_device:
+            if in_stream:
+                raise ValueError(
+                    f"round_tokens={a.budget}: a launch() whose metadata is on the device goes as it is only "
+                    f"within a round's tokens and with no slot still being announced (this batch: "
+                    f"{int(batch.tokens.shape[0])} tokens; slots still being announced: {a.pending}); give "
+                    "this batch's metadata on the host (launch() then chunks it there) or a larger round_tokens"
+                )
+            batch = meta_to_host(batch)  # round() blocks anyway
+        acked = self.inner.acked_context  # once: the cut and the check agree
+        plan = a.plan(spec.meta(batch, acked, max_tokens=spec.batch_tokens), spec.context_cut(acked))
+        m = plan.meta
+        planned = Batch(
+            slots=m.slots,
+            tokens=m.tokens,
+            token_offsets=m.offsets,
+            positions=m.positions,
+            new_gen=m.new_gen,
+            rows=batch.rows,
+            row_index=batch.row_index,
+            n_out=m.n_out,
+            temperature=batch.temperature,
+            seed=batch.seed,
+        )
+        return planned, tuple(np.asarray(plan.announcing).tolist())

@@ -1,0 +1,164 @@
+"""A round carries at most ``round_tokens`` tokens: the region is sized by it, a bad value
+is refused by name, and longer NEW_GEN contexts reach a worker whole and in order over
+the next rounds, in sync, thread and process modes, when every slot is re-announced at
+once too (what an engine does after ``resync_all``)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import CYCLE4, drafter_env, env_for, until
+
+from remote_dspark import wire
+from remote_dspark.config.api import RemoteConfig
+from remote_dspark.drafter import MarkovDrafter
+from remote_dspark.engine import Batch, Mode, RemoteDSpark
+from remote_dspark.engine.paths.announcing import AnnouncingPath
+from remote_dspark.engine.paths.base import NothingOpen
+from remote_dspark.engine.spec import default_round_tokens
+from remote_dspark.engine.values.drafts import Launched
+from remote_dspark.outcome import Outcome
+from remote_dspark.worker import Worker
+
+SLOTS, K, CAP, BUDGET = 8, 3, 64, 40
+
+
+class Recording(MarkovDrafter):
+    """CYCLE4's drafter that records, per drafted entry, its slot and the context the
+    worker gave it (its window)."""
+
+    def __init__(self):
+        super().__init__(CYCLE4)
+        self.lock = threading.Lock()
+        self.drafted: list[tuple[int, list[int]]] = []
+
+    def draft_batch(self, batch):
+        with self.lock:
+            for i in range(len(batch)):
+                if batch.n_out[i] > 0:
+                    self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
+        return super().draft_batch(batch)
+
+
+def engine(env, **kw) -> RemoteDSpark:
+    kw.setdefault("num_spec", K)
+    kw.setdefault("max_slots", SLOTS)
+    return RemoteDSpark(RemoteConfig.from_env(env), environ=env, row_bytes=0, **kw)
+
+
+@pytest.mark.parametrize("bad", [0, -1, wire.MAX_TOKENS + 1, True, 40.0, "40"])
+def test_a_bad_round_tokens_is_refused_by_name(tmp_path, bad):
+    with pytest.raises(ValueError, match=f"round_tokens={bad!r}: must be None"):
+        engine(env_for(1, tmp_path), round_tokens=bad)
+
+
+def test_the_region_follows_round_tokens_not_the_slots_contexts(tmp_path):
+    assert engine(env_for(1, tmp_path), max_slots=256, num_spec=5).round_tokens == 256 * 6 * 4  # not 256 x 70
+    assert default_round_tokens(1, 5, 64) == 70  # at least one whole context
+    assert default_round_tokens(64, 63, 64) == 64 * 128  # at most what a batch carries
+    with engine(env_for(1, tmp_path, Mode.THREAD), round_tokens=BUDGET) as rd:
+        assert rd.round_tokens == BUDGET
+        assert rd._path.inner.handoff.region.layout.max_tokens == BUDGET
+
+
+def step(rd: RemoteDSpark, slots, tokens, positions, new):
+    """One round of ``slots``; every round is answered OK and loses no slot."""
+    d = rd.round(Batch.from_lists(list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots)))
+    assert d.outcome is Outcome.OK and not d.resync and not d.resync_all
+    for i, s in enumerate(slots):  # no drafts for a slot still being announced
+        assert s not in d.announcing or int(d.counts[i]) == 0
+    return d
+
+
+def announce(rd: RemoteDSpark, seq: dict[int, list[int]], nxt: int) -> dict[int, list[int]]:
+    """NEW_GEN every slot of ``seq`` (its tokens at positions from 0), then a token a round
+    per slot (the target's, as an engine without drafts accepts) until none is still
+    announced; ``seq`` grows by what was sent. Returns each slot's tokens as they were
+    in the round its context became whole."""
+    slots = sorted(seq)
+    whole: dict[int, list[int]] = {}
+    d = step(rd, slots, [seq[s] for s in slots], [0] * len(slots), True)
+    for _ in range(4 * sum(map(len, seq.values())) // BUDGET + 8):
+        whole.update({s: list(seq[s]) for s in slots if s not in d.announcing and s not in whole})
+        if not d.announcing:
+            return whole
+        positions = [len(seq[s]) for s in slots]
+        for s in slots:
+            seq[s].append(nxt)
+            nxt += 1
+        d = step(rd, slots, [seq[s][-1:] for s in slots], positions, False)
+    raise AssertionError(f"slots {d.announcing} still announcing")
+
+
+@pytest.mark.parametrize("mode", [None, Mode.THREAD, Mode.PROCESS], ids=["sync", "thread", "process"])
+def test_contexts_of_every_length_reach_the_worker_whole_and_in_order(tmp_path, mode):
+    """Every context length 1..64 (the cap and the worker's window), eight slots at once
+    under a 40-token round (the worker refuses a longer round: a protocol error), then
+    every slot re-announced at once: each slot is first drafted from its whole context."""
+    drafter = Recording()
+    with Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, max_round_tokens=BUDGET) as w:
+        env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))
+        env["VLLM_DSPARK_REMOTE_TIMEOUT_MS"] = "5000"
+        with engine(env, round_tokens=BUDGET) as rd:
+            warm = Batch.from_lists([0], [[1, 2]], [0], [True])
+            assert until(lambda: bool(rd.round(warm).counts.any()), 20.0, 0.01)  # a proxy serves
+            nxt = 1000
+            for first in range(1, CAP + 1, SLOTS):
+                seq = {s: list(range(nxt + 100 * s, nxt + 100 * s + first + s)) for s in range(SLOTS)}
+                nxt += 1000
+                with drafter.lock:
+                    drafter.drafted.clear()
+                check_first_drafts(drafter, announce(rd, seq, nxt + 500))
+            # Every slot re-announced at once (as after resync_all): 8 x 64 tokens, 40 a round.
+            seq = {s: [t for t in range(nxt + 100 * s, nxt + 100 * s + CAP)] for s in range(SLOTS)}
+            with drafter.lock:
+                drafter.drafted.clear()
+            before = rd._path.announcer.rounds
+            check_first_drafts(drafter, announce(rd, seq, nxt + 1000))
+            assert rd._path.announcer.rounds - before >= SLOTS * CAP // BUDGET  # chunked: 40 tokens a round
+
+
+def check_first_drafts(drafter: Recording, whole: dict[int, list[int]]) -> None:
+    """Each slot first drafted from its whole context (and the tokens appended while it
+    was announced), in order, in the round it became whole."""
+    with drafter.lock:
+        first: dict[int, list[int]] = {}
+        for slot, context in drafter.drafted:
+            first.setdefault(slot, context)
+    assert sorted(first) == sorted(whole)
+    for s, context in first.items():
+        assert context == whole[s][-CAP:], f"slot {s}: first drafted from {context}, not {whole[s][-CAP:]}"
+
+
+class Sent(NothingOpen):
+    """A path that records the batches it is given to launch (and launches nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[Batch] = []
+
+    def launch(self, batch, answer, out=(), status=None):
+        self.batches.append(batch)
+        return Launched(1, torch.zeros(len(batch), K, dtype=torch.int32), torch.zeros(len(batch)), (), False)
+
+
+def test_launch_chunks_host_metadata_and_refuses_device_metadata_that_needs_it(tmp_path):
+    """launch() reads no metadata on the host: a batch of more tokens than a round whose
+    metadata is on a device is refused by name; on the host it is planned there."""
+    spec = engine(env_for(1, tmp_path), round_tokens=BUDGET).spec
+    path = AnnouncingPath(Sent(), spec)
+    small = Batch.from_lists([0], [[1, 2, 3]], [0], [True])
+    assert path.launch(small, None).announcing == () and path.inner.batches[-1] is small  # as it is
+    long = Batch.from_lists([1, 2], [range(30), range(30)], [0, 0], [True, True])
+    on_device = Batch(**{f: getattr(long, f) for f in ("slots", "token_offsets", "positions", "new_gen")},
+                      tokens=torch.as_tensor(long.tokens).to("meta"))  # fmt: skip
+    with pytest.raises(ValueError, match=f"round_tokens={BUDGET}: a launch"):
+        path.launch(on_device, None)
+    assert len(path.inner.batches) == 1  # nothing launched
+    launched = path.launch(long, None)
+    assert launched.announcing == (2,) and path.inner.batches[-1].token_offsets.tolist() == [0, 30, 40]
+    with pytest.raises(ValueError, match="slots still being announced: 1"):
+        path.launch(Batch(**{f: getattr(small, f) for f in ("slots", "token_offsets", "positions", "new_gen")},
+                          tokens=torch.as_tensor(small.tokens).to("meta")), None)  # fmt: skip
