@@ -104,8 +104,8 @@ class RemoteDSpark:
         smaller of the cap and a default worker's 64 (``Spec.context_cut``).
         ``round_tokens``: the most tokens one round carries (the region's token section);
         a batch of more goes over the next rounds, its long contexts in chunks
-        (``engine.values.announce``). None: ``spec.default_round_tokens``, four rounds of
-        ``max_slots`` continuing entries, at least one whole context.
+        (``engine.values.announce``). None: ``spec.default_round_tokens``, a round of
+        ``max_slots`` whole contexts of the default cap (64), at least one whole context.
 
         Raises:
             ValueError: an argument out of range, naming it.

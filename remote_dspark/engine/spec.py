@@ -7,8 +7,9 @@ The sizes follow one rule, stated here once:
 
 - a round carries at most ``round_tokens`` tokens (``Spec.max_tokens``): the region's
   token section, the sync path's send buffer and every writer's bound. Its default,
-  :func:`default_round_tokens`, holds a round of ``max_slots`` continuing entries four
-  times over and at least one whole context of the cap, never more than a batch carries;
+  :func:`default_round_tokens`, holds a round of ``max_slots`` whole contexts of the
+  default cap (64 tokens: nothing within it is chunked by default), at least one whole
+  context of the cap, never more than a batch carries;
 - a batch carries at most ``max_slots x (context_tokens + num_spec + 1)`` tokens once its
   NEW_GEN contexts are cut (``Spec.batch_tokens``, within the wire's ``MAX_TOKENS``); what
   does not fit its round goes over the next ones (:mod:`.values.announce`), which hold
@@ -165,9 +166,13 @@ def _int_in(value, lo: int, hi: int) -> bool:
 
 
 def default_round_tokens(max_slots: int, num_spec: int, context_tokens: int) -> int:
-    """``round_tokens`` when none is given: four rounds of ``max_slots`` continuing entries
-    (``num_spec + 1`` tokens each), at least one whole context of the cap with its drafts,
-    at most what a batch carries (``Spec.batch_tokens``, so never more than a worker of
-    the default window takes)."""
+    """``round_tokens`` when none is given: a round of ``max_slots`` whole NEW_GEN contexts
+    of the default cap (``CONTEXT_TOKENS``, 64) with their drafts, so no batch within that
+    cap is ever chunked by default (nor a ``launch()`` of device metadata refused); that
+    holds a round of continuing entries (``num_spec + 1`` tokens each) many times over.
+    At least one whole context of the cap with its drafts, at most what a batch carries
+    (``Spec.batch_tokens``, so never more than a worker of the default window takes). A
+    cap raised past the default is what gets chunked."""
     per_entry = num_spec + 1
-    return min(max_slots * (context_tokens + per_entry), max(4 * max_slots * per_entry, context_tokens + per_entry))
+    most = max_slots * (context_tokens + per_entry)
+    return min(most, max(max_slots * (CONTEXT_TOKENS + per_entry), context_tokens + per_entry))

@@ -55,7 +55,8 @@ def test_a_bad_round_tokens_is_refused_by_name(tmp_path, bad):
 
 
 def test_the_region_follows_round_tokens_not_the_slots_contexts(tmp_path):
-    assert engine(env_for(1, tmp_path), max_slots=256, num_spec=5).round_tokens == 256 * 6 * 4  # not 256 x 70
+    assert engine(env_for(1, tmp_path), max_slots=256, num_spec=5).round_tokens == 256 * 70  # the default cap's
+    assert default_round_tokens(256, 5, 512) == 256 * 70  # not 256 x 518: a raised cap is chunked
     assert default_round_tokens(1, 5, 64) == 70  # at least one whole context
     assert default_round_tokens(64, 63, 64) == 64 * 128  # at most what a batch carries
     with engine(env_for(1, tmp_path, Mode.THREAD), round_tokens=BUDGET) as rd:
