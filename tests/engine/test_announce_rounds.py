@@ -5,7 +5,10 @@ once too (what an engine does after ``resync_all``)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -133,6 +136,59 @@ def check_first_drafts(drafter: Recording, whole: dict[int, list[int]]) -> None:
     assert sorted(first) == sorted(whole)
     for s, context in first.items():
         assert context == whole[s][-CAP:], f"slot {s}: first drafted from {context}, not {whole[s][-CAP:]}"
+
+
+def lose_the_worker(mode, w: Worker, rd: RemoteDSpark, drafter) -> Worker:
+    """Sync mode: the worker restarted on its port (the new one holds nothing); process
+    mode: the proxy SIGKILLed (its supervisor starts another, a new session). Returns the
+    worker now serving."""
+    if mode is None:
+        port = w.port
+        w.stop()
+        return Worker(drafter, "127.0.0.1", port, max_slots=SLOTS, max_round_tokens=BUDGET).start()
+    sup = rd.supervisor
+    pid = sup.up.pid
+    os.kill(pid, signal.SIGKILL)
+    assert until(lambda: sup.up is not None and sup.up.pid != pid, 20.0)
+    return w
+
+
+@pytest.mark.parametrize("mode", [None, Mode.PROCESS], ids=["sync-worker-restarted", "process-proxy-killed"])
+def test_after_a_real_resync_every_context_reaches_the_worker_whole_again(tmp_path, mode):
+    """Eight long contexts (8 x 57..64 tokens, 40 a round) are being announced when the
+    worker's windows are lost (a new worker, or a new proxy: a new session). Rounds go on
+    (a token a slot, as an engine without drafts accepts the target's) until an answer
+    says resync_all; every slot is then re-announced NEW_GEN (its whole sequence, cut to
+    the window), in chunks of at most a round's tokens (the worker refuses more): each is
+    first drafted from its whole context, in order, and counted re-announced."""
+    drafter = Recording()
+    w = Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, max_round_tokens=BUDGET).start()
+    try:
+        env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))
+        env["VLLM_DSPARK_REMOTE_TIMEOUT_MS"] = "5000"
+        with engine(env, round_tokens=BUDGET) as rd:
+            warm = Batch.from_lists([0], [[1, 2]], [0], [True])
+            assert until(lambda: bool(rd.round(warm).counts.any()), 20.0, 0.01)  # a proxy serves
+            slots = list(range(SLOTS))
+            seq = {s: list(range(1000 + 100 * s, 1000 + 100 * s + CAP - s)) for s in slots}
+            d = step(rd, slots, [seq[s] for s in slots], [0] * SLOTS, True)
+            assert len(d.announcing) >= SLOTS - 1 and rd._path.announcer.pending  # held, being announced
+            w = lose_the_worker(mode, w, rd, drafter)
+            nxt, deadline = 5000, time.monotonic() + 30.0
+            while not d.resync_all:
+                assert time.monotonic() < deadline, "no resync_all within 30 s"
+                positions = [len(seq[s]) for s in slots]
+                for s in slots:
+                    seq[s].append(nxt)
+                    nxt += 1
+                d = rd.round(Batch.from_lists(slots, [seq[s][-1:] for s in slots], positions, [False] * SLOTS))
+            before = rd.stats().announce.reannounced
+            with drafter.lock:
+                drafter.drafted.clear()
+            check_first_drafts(drafter, announce(rd, seq, nxt))
+            assert rd.stats().announce.reannounced - before == SLOTS and rd.stats().announce.announcing == 0
+    finally:
+        w.stop()
 
 
 class Sent(NothingOpen):
