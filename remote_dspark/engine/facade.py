@@ -377,7 +377,8 @@ class RemoteDSpark:
 
         With a ``tp_group``, on every rank, rank 0's drafts, ``outcome`` and ``resync_mask``
         in stream order (``engine.tp.launch``: no rank's host waits); another rank's
-        ``round``, ``resync`` and ``resync_all`` are None.
+        ``round``, ``resync``, ``resync_all`` and ``announcing`` are None (``announcing_mask``
+        says it in stream order on every rank).
 
         Raises:
             RemoteClosed: after (or during) ``close()``; RuntimeError: before ``start()``,

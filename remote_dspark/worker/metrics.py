@@ -199,6 +199,18 @@ TABLE: Table[WorkerScrape] = Table(
             "draft_batch calls; one call may draft several engines' rounds (rounds_total over this: rounds a call).",
             lambda r: r.stats.drafter_calls,
         ),
+        counter(
+            "encode_pieces",
+            "Pieces of an entry's encode over a call's token budget (a long NEW_GEN encoded over several "
+            "calls, one piece a call); the entry's last piece, with its drafts, is not one.",
+            lambda r: r.stats.encode_pieces,
+        ),
+        counter(
+            "encode_piece_tokens",
+            "Tokens of those pieces: what encoding long contexts took of the calls' budgets "
+            "(call_tokens' sum over this: the rest is drafting and short encodes).",
+            lambda r: r.stats.encode_piece_tokens,
+        ),
         histogram(
             "round_duration_seconds",
             "The worker's time on a ROUND, from received to its DRAFTS sent; a round served in C is drafted "

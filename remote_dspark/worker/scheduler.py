@@ -79,10 +79,11 @@ class Scheduler:
     """The drafter thread and its queue (module docstring). Owned by the worker:
     :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
 
-    ``on_call(seconds, rounds, entries, tokens, waits)`` is told of each drafter call: its
-    duration, the pieces of rounds, the entries and the tokens (contexts and drafts: the
-    budget's cost) it drafted, and how long each round
-    first drafted in it waited in the queue (the worker's statistics). ``clock`` dates
+    ``on_call(seconds, rounds, entries, tokens, waits, pieces, piece_tokens)`` is told of
+    each drafter call: its duration, the pieces of rounds, the entries and the tokens
+    (contexts and drafts: the budget's cost) it drafted, how long each round first
+    drafted in it waited in the queue, and the pieces of an over-budget entry's encode in
+    it and their tokens (the worker's statistics). ``clock`` dates
     deadlines and the drafter's pace (``time.monotonic``; a test's clock that the
     drafter moves makes both deterministic). ``max_tokens`` None: the drafter derives the token
     budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
@@ -100,7 +101,7 @@ class Scheduler:
         *,
         max_entries: int | None,
         max_tokens: int | None,
-        on_call: Callable[[float, int, int, int, list[float]], None] | None = None,
+        on_call: Callable[[float, int, int, int, list[float], int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
     ):
@@ -311,7 +312,8 @@ class Scheduler:
             self._pace = spent / tokens if not self._pace else min(self._pace, spent / tokens)
         if self.on_call is not None:
             waits = [taken_at - p.job.queued for p in pieces if p.start == 0 and not p.after]
-            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits)
+            encoding = [p.cost for p in pieces if p.partial]  # pieces of an over-budget entry's encode
+            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits, len(encoding), sum(encoding))
         gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
         at = 0
         for job, start, piece, *_, partial in pieces:

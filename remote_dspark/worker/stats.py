@@ -45,6 +45,8 @@ class WorkerStats:
     beyond_positions: int = 0  # entries given no drafts: their context and width pass the model's positions
     expired: int = 0  # rounds answered with no drafts: the drafter could not draft them before their deadline
     drafter_calls: int = 0  # draft_batch calls (a call may draft several engines' rounds)
+    encode_pieces: int = 0  # pieces of an over-budget entry's encode (one a call, per entry)
+    encode_piece_tokens: int = 0  # their tokens (each piece's share of its call's budget)
     draft_tokens: int = 0
     # the worker's time from a ROUND in to its DRAFTS sent (not a served round's wait for its rows)
     round_seconds: HistogramCounter = field(default_factory=HistogramCounter)
@@ -84,11 +86,23 @@ class WorkerStats:
         if s.drafted:
             self.add_call(s.drafting_ns / 1e9, 1, s.drafted, s.call_tokens, [0.0])
 
-    def add_call(self, seconds: float, rounds: int, entries: int, tokens: int, waits: list[float]) -> None:
+    def add_call(
+        self,
+        seconds: float,
+        rounds: int,
+        entries: int,
+        tokens: int,
+        waits: list[float],
+        pieces: int = 0,
+        piece_tokens: int = 0,
+    ) -> None:
         """What one drafter call adds: it drafted ``rounds`` rounds (or pieces; ``entries``
-        entries, ``tokens`` tokens) in ``seconds``, the rounds it began after ``waits``
+        entries, ``tokens`` tokens, of them ``pieces`` pieces of an over-budget entry's
+        encode of ``piece_tokens`` tokens) in ``seconds``, the rounds it began after ``waits``
         seconds in the scheduler's queue."""
         self.drafter_calls += 1
+        self.encode_pieces += pieces
+        self.encode_piece_tokens += piece_tokens
         self.drafting_seconds.observe(seconds)
         self.call_rounds.observe(rounds)
         self.call_entries.observe(entries)

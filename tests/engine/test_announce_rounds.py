@@ -5,7 +5,10 @@ once too (what an engine does after ``resync_all``)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -15,10 +18,11 @@ from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
 from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, Mode, RemoteDSpark
+from remote_dspark.engine.observe.stats import AnnounceStats
 from remote_dspark.engine.paths.announcing import AnnouncingPath
 from remote_dspark.engine.paths.base import NothingOpen
 from remote_dspark.engine.spec import default_round_tokens
-from remote_dspark.engine.values.drafts import Launched
+from remote_dspark.engine.values.drafts import Launched, empty_drafts
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
 
@@ -119,6 +123,8 @@ def test_contexts_of_every_length_reach_the_worker_whole_and_in_order(tmp_path, 
             before = rd._path.announcer.rounds
             check_first_drafts(drafter, announce(rd, seq, nxt + 1000))
             assert rd._path.announcer.rounds - before >= SLOTS * CAP // BUDGET  # chunked: 40 tokens a round
+            counted = rd.stats().announce  # the one record: the metrics and the stats file read it
+            assert counted.chunks >= 2 * (SLOTS - 1) and counted.announcing == 0
 
 
 def check_first_drafts(drafter: Recording, whole: dict[int, list[int]]) -> None:
@@ -131,6 +137,59 @@ def check_first_drafts(drafter: Recording, whole: dict[int, list[int]]) -> None:
     assert sorted(first) == sorted(whole)
     for s, context in first.items():
         assert context == whole[s][-CAP:], f"slot {s}: first drafted from {context}, not {whole[s][-CAP:]}"
+
+
+def lose_the_worker(mode, w: Worker, rd: RemoteDSpark, drafter) -> Worker:
+    """Sync mode: the worker restarted on its port (the new one holds nothing); process
+    mode: the proxy SIGKILLed (its supervisor starts another, a new session). Returns the
+    worker now serving."""
+    if mode is None:
+        port = w.port
+        w.stop()
+        return Worker(drafter, "127.0.0.1", port, max_slots=SLOTS, max_round_tokens=BUDGET).start()
+    sup = rd.supervisor
+    pid = sup.up.pid
+    os.kill(pid, signal.SIGKILL)
+    assert until(lambda: sup.up is not None and sup.up.pid != pid, 20.0)
+    return w
+
+
+@pytest.mark.parametrize("mode", [None, Mode.PROCESS], ids=["sync-worker-restarted", "process-proxy-killed"])
+def test_after_a_real_resync_every_context_reaches_the_worker_whole_again(tmp_path, mode):
+    """Eight long contexts (8 x 57..64 tokens, 40 a round) are being announced when the
+    worker's windows are lost (a new worker, or a new proxy: a new session). Rounds go on
+    (a token a slot, as an engine without drafts accepts the target's) until an answer
+    says resync_all; every slot is then re-announced NEW_GEN (its whole sequence, cut to
+    the window), in chunks of at most a round's tokens (the worker refuses more): each is
+    first drafted from its whole context, in order, and counted re-announced."""
+    drafter = Recording()
+    w = Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, max_round_tokens=BUDGET).start()
+    try:
+        env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))
+        env["VLLM_DSPARK_REMOTE_TIMEOUT_MS"] = "5000"
+        with engine(env, round_tokens=BUDGET) as rd:
+            warm = Batch.from_lists([0], [[1, 2]], [0], [True])
+            assert until(lambda: bool(rd.round(warm).counts.any()), 20.0, 0.01)  # a proxy serves
+            slots = list(range(SLOTS))
+            seq = {s: list(range(1000 + 100 * s, 1000 + 100 * s + CAP - s)) for s in slots}
+            d = step(rd, slots, [seq[s] for s in slots], [0] * SLOTS, True)
+            assert len(d.announcing) >= SLOTS - 1 and rd._path.announcer.pending  # held, being announced
+            w = lose_the_worker(mode, w, rd, drafter)
+            nxt, deadline = 5000, time.monotonic() + 30.0
+            while not d.resync_all:
+                assert time.monotonic() < deadline, "no resync_all within 30 s"
+                positions = [len(seq[s]) for s in slots]
+                for s in slots:
+                    seq[s].append(nxt)
+                    nxt += 1
+                d = rd.round(Batch.from_lists(slots, [seq[s][-1:] for s in slots], positions, [False] * SLOTS))
+            before = rd.stats().announce.reannounced
+            with drafter.lock:
+                drafter.drafted.clear()
+            check_first_drafts(drafter, announce(rd, seq, nxt))
+            assert rd.stats().announce.reannounced - before == SLOTS and rd.stats().announce.announcing == 0
+    finally:
+        w.stop()
 
 
 class Sent(NothingOpen):
@@ -163,3 +222,40 @@ def test_launch_chunks_host_metadata_and_refuses_device_metadata_that_needs_it(t
     with pytest.raises(ValueError, match="slots still being announced: 1"):
         path.launch(Batch(**{f: getattr(small, f) for f in ("slots", "token_offsets", "positions", "new_gen")},
                           tokens=torch.as_tensor(small.tokens).to("meta")), None)  # fmt: skip
+
+
+class Answering(Sent):
+    """Records the batches it is given; answers each OK, losing the slots it is told to."""
+
+    def __init__(self):
+        super().__init__()
+        self.lose: tuple[tuple[int, ...], bool] = ((), False)
+
+    def round(self, batch):
+        self.batches.append(batch)
+        d = empty_drafts(len(batch), K, Outcome.OK, False)
+        (d.resync, d.resync_all), self.lose = self.lose, ((), False)
+        return d
+
+
+def test_the_path_counts_chunks_slots_announcing_and_slots_reannounced(tmp_path):
+    """Chunks: each entry sent short of its context and each sending its last part;
+    re-announced: a NEW_GEN entry of a slot an answer lost (RESYNC, resync_all), once,
+    whether its batch goes as it is or in chunks; a plain entry pays without counting."""
+    path = AnnouncingPath(Answering(), engine(env_for(1, tmp_path), round_tokens=BUDGET).spec)
+
+    def step(slots, lens, positions, new, lose=((), False)):
+        path.inner.lose = lose
+        n = len(slots)
+        new = new if isinstance(new, list) else [new] * n
+        path.round(Batch.from_lists(slots, [range(m) for m in lens], positions, new))
+        return path.stats().announce
+
+    assert step([0], [3], [0], True) == AnnounceStats(0, 0, 0)  # fits: nothing counted
+    assert step([1, 2], [30, 30], [0, 0], True) == AnnounceStats(1, 1, 0)  # slot 2: 10 of 30
+    assert step([1, 2], [1, 1], [30, 30], False, lose=((1,), False)) == AnnounceStats(2, 0, 0)  # its last 21
+    assert step([1], [5], [0], True) == AnnounceStats(2, 0, 1)  # slot 1 re-announced, as it is
+    assert step([1], [5], [0], True, lose=((), True)) == AnnounceStats(2, 0, 1)  # not owed: a new request
+    # after resync_all: slots 1 and 2 re-announced (2 in chunks: 60 tokens), 3 continues (no count)
+    assert step([1, 2, 3], [3, 60, 1], [0, 0, 9], [True, True, False]) == AnnounceStats(3, 1, 3)
+    assert step([2], [1], [60], False) == AnnounceStats(4, 0, 3)  # its last part; no longer owed

@@ -11,6 +11,7 @@ from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.worker.batching import Charge
 from remote_dspark.worker.limits import Limits, hello_refusal
 from remote_dspark.worker.scheduler import Scheduler
+from remote_dspark.worker.stats import WorkerStats
 
 WIDTH, BUDGET = 3, 64
 
@@ -28,8 +29,10 @@ def test_an_entry_over_the_budget_is_encoded_in_pieces_and_another_engines_round
     lm = LMDrafter(device="cpu", cache_slots=8, window=200)
     drafter = Keeping(lm)
     drafter.hold.set()
-    costs = []
-    s = Scheduler(drafter, max_entries=16, max_tokens=BUDGET, on_call=lambda *call: costs.append(call[3])).start()
+    costs, stats = [], WorkerStats()  # the worker's own counting of each call (its on_call)
+    s = Scheduler(
+        drafter, max_entries=16, max_tokens=BUDGET, on_call=lambda *call: (costs.append(call[3]), stats.add_call(*call))
+    ).start()
     context = np.random.default_rng(4).integers(0, 128, 180).tolist()
     long = stream_batch(1, [0], [context], width=WIDTH)  # a NEW_GEN of 180 tokens: 183 of budget
     small = stream_batch(2, [0, 1], [[5, 6, 7], [9, 8]], width=WIDTH)
@@ -58,6 +61,9 @@ def test_an_entry_over_the_budget_is_encoded_in_pieces_and_another_engines_round
     assert got["result"].tokens[0].tolist()[: len(tokens)] == tokens or min(margins) < 1e-4
     assert other["result"].counts.tolist() == [WIDTH, WIDTH]
     assert lm.cache_info().hits == len(pieces)  # each piece after the first, and the last, from the row
+    # counted: every piece of the encode (not its last piece, a token and its drafts)
+    assert stats.encode_pieces == len(pieces) and stats.encode_piece_tokens == ends[-1]  # its prefix
+    assert stats.drafter_calls == len(drafter.calls)
 
 
 def test_a_hello_whose_window_is_over_the_budget_is_served_by_a_drafter_that_encodes_in_pieces():

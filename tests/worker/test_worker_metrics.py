@@ -232,6 +232,8 @@ CONTRACT = [
     ("dspark_worker_draft_tokens_total", "counter", ()),
     ("dspark_worker_rounds_expired_total", "counter", ()),
     ("dspark_worker_drafter_calls_total", "counter", ()),
+    ("dspark_worker_encode_pieces_total", "counter", ()),
+    ("dspark_worker_encode_piece_tokens_total", "counter", ()),
     ("dspark_worker_round_duration_seconds", "histogram", ()),
     ("dspark_worker_drafting_duration_seconds", "histogram", ()),
     ("dspark_worker_queue_wait_seconds", "histogram", ()),

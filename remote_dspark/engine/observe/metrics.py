@@ -112,6 +112,22 @@ TABLE: Table[EngineScrape] = Table(
         counter("drafts", "Entries the remote drafter answered with at least one token.", lambda r: r.stats.drafts),
         counter("draft_tokens", "Draft tokens returned by the remote drafter.", lambda r: r.stats.draft_tokens),
         counter("resyncs", "Slots the worker asked to have re-announced (NEW_GEN).", lambda r: r.stats.resyncs),
+        counter(
+            "announce_chunks",
+            "Entries sent as chunks of a context longer than a round's tokens (round_tokens): "
+            "each sent short of its context, and each sending its context's last part.",
+            lambda r: r.stats.announce.chunks,
+        ),
+        gauge(
+            "announcing_slots",
+            "Slots whose context is still being announced in chunks (no drafts until it is whole).",
+            lambda r: r.stats.announce.announcing,
+        ),
+        counter(
+            "reannounced_slots",
+            "NEW_GEN entries for slots the worker had lost (named RESYNC, or every slot after resync_all).",
+            lambda r: r.stats.announce.reannounced,
+        ),
         counter("accepted_tokens", "Draft tokens the engine accepted.", lambda r: sum(r.stats.accepted_at)),
         counter(
             "accepted_tokens_by_position",

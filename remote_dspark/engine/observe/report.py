@@ -33,11 +33,12 @@ class Report:
         s = stats()
         sup = s.supervisor
         log.info(
-            "remote DSpark: %d rounds (%s); late %d; budget %s",
+            "remote DSpark: %d rounds (%s); late %d; budget %s%s",
             s.total_rounds,
             " ".join(f"{o.label}={n}" for o, n in s.rounds.items() if n),
             s.link.late,
             sup.budget_left if sup else "-",
+            f"; announcing {s.announce.announcing} slots" if s.announce.announcing else "",
         )
         now = time.monotonic()
         if now - self._written_at >= STATS_FILE_MIN_S:

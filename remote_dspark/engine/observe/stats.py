@@ -80,6 +80,15 @@ class HandoffStats:
 
 
 @dataclass(frozen=True)
+class AnnounceStats:
+    """Long contexts announced in chunks (``values.announce.Announcer``'s counts)."""
+
+    chunks: int = 0  # entries sent as chunks: short of their queue, or a held queue's last part
+    announcing: int = 0  # slots whose context is still being announced, now
+    reannounced: int = 0  # NEW_GEN entries for slots the worker had lost (RESYNC, resync_all)
+
+
+@dataclass(frozen=True)
 class PathStats:
     """What the round path adds to a :class:`Stats`: its link, and the parts only its
     mode has (``connected`` sync, ``handoff`` thread and process, ``supervisor`` process)."""
@@ -88,6 +97,7 @@ class PathStats:
     connected: bool | None = None
     handoff: HandoffStats | None = None
     supervisor: SupervisorStats | None = None
+    announce: AnnounceStats = AnnounceStats()  # the announcing path's (zeros on a rank other than 0)
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,7 @@ class Stats:
     supervisor: SupervisorStats | None = None  # process mode
     n_out_table: tuple[int, ...] | None = None  # each round's n_out by request count (None: num_spec)
     n_out_reason: str = ""  # why (config.n_out_table)
+    announce: AnnounceStats = AnnounceStats()  # long contexts announced in chunks, slots re-announced
 
     @property
     def total_rounds(self) -> int:
@@ -123,7 +134,7 @@ class Stats:
         else as its fields."""
         doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         doc["rounds"] = {o.label: n for o, n in self.rounds.items()} | {"total": self.total_rounds}
-        for name in ("round_latency", "margin", "link", "handoff", "supervisor"):
+        for name in ("round_latency", "margin", "link", "handoff", "supervisor", "announce"):
             value = getattr(self, name)
             doc[name] = None if value is None else dataclasses.asdict(value)
         return doc
@@ -218,4 +229,5 @@ class EngineCounts:
             path.supervisor,
             n_out_table,
             n_out_reason,
+            path.announce,
         )

@@ -14,16 +14,23 @@ has (the held slots' count and the batch's shapes). A batch whose metadata is on
 host is planned there as for ``round()``; one whose metadata is on the device and that
 may need chunking (more tokens than a round's budget, or slots still held) is refused
 with a ``ValueError`` naming ``round_tokens``: chunking on the device is a later step.
+
+Each answer's lost slots (RESYNC, ``resync_all``) are told to the announcer, which counts
+the NEW_GEN entries that re-announce them (:class:`~..observe.stats.AnnounceStats`,
+with the chunks sent and the slots still announcing: this path's :meth:`stats` adds them
+to the inner path's). A batch that went as it is is read for that only while a slot is
+owed, after the inner path took it (its metadata checked), and only on the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 
 from ...supervisor.restarts import Supervisor
-from ..observe.stats import PathStats
+from ..observe.stats import AnnounceStats, PathStats
 from ..spec import Spec
 from ..values.announce import Announcer
 from ..values.batch import Batch, meta_to_host
@@ -57,6 +64,7 @@ class AnnouncingPath:
             return self.inner.round(batch)
         planned, announcing = self._plan(batch, in_stream=False)
         d = self.inner.round(planned)
+        self._answered(batch, planned, d.resync, d.resync_all)
         d.announcing = announcing
         return d
 
@@ -67,6 +75,7 @@ class AnnouncingPath:
             launched = self.inner.launch(planned, answer, out, status)
         finally:
             self._answering = False
+        self._answered(batch, planned, launched.resync, launched.resync_all)
         launched.announcing = announcing
         return launched
 
@@ -74,7 +83,18 @@ class AnnouncingPath:
         self.inner.stop(limit_s)
 
     def stats(self) -> PathStats:
-        return self.inner.stats()
+        a = self.announcer
+        return dataclasses.replace(self.inner.stats(), announce=AnnounceStats(a.chunks, a.pending, a.reannounced))
+
+    def _answered(self, batch: Batch, planned: Batch, resync, resync_all) -> None:
+        """After the inner path took ``planned``: a batch that went as it is pays the
+        slots it re-announces (a planned one paid in ``plan``; device metadata is not
+        read), then the answer's lost slots are owed."""
+        a = self.announcer
+        if planned is batch and a.owing and not batch.meta_on_device:
+            a.sent(np.asarray(batch.slots, np.int64), np.asarray(batch.new_gen, bool))
+        if resync or resync_all:
+            a.lost(resync or (), every=bool(resync_all))
 
     def _plan(self, batch: Batch, in_stream: bool) -> tuple[Batch, tuple[int, ...]]:
         """``batch``'s round and the slots it leaves announcing (see the module docstring).

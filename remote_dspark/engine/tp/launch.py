@@ -14,6 +14,8 @@ The record, int32 words (``RecordLayout``)::
     head    [8]        outcome, flags, n, resync_all, round, 0, 0, 0
     mask    [M/4 ⌉]    M bytes, one per slot: 1 where the worker lost the slot (all 1 with
                        resync_all), viewed as ``bool`` [M]
+    announcing [M/4 ⌉] M bytes, one per slot: 1 where the slot's context is still being
+                       announced in chunks (``Launched.announcing``), viewed as ``bool`` [M]
     counts  [M]        the first n are the round's
     tokens  [M * k]    the first n * k are the round's, [n, k]
     q_ids   [M*k*32]   a sampled engine's, [n, k, 32]
@@ -23,7 +25,7 @@ Who writes what on rank 0's stream, in order: the path's copies of the answer in
 counts, tokens and q, and of the drafts slot's status word into ``outcome`` (after the
 stream's wait for the round's release; a round answered at once, by no proxy or in sync
 mode, writes them as values); one host-to-device copy of the head's other words and the
-mask (values the host knows at launch: the round id, resync), from pageable memory,
+masks (values the host knows at launch: the round id, resync, the slots announcing), from pageable memory,
 which CUDA stages before the call returns; then the broadcast. On NCCL the broadcast
 runs on NCCL's stream after the engine's stream has reached it, and the engine's stream
 waits for it: the host waits for nothing. (The staging holds about a thousand such small
@@ -79,7 +81,8 @@ class RecordLayout:
     def __init__(self, max_slots: int, num_spec: int, sampled: bool):
         self.max_slots, self.num_spec, self.sampled = max_slots, num_spec, sampled
         self.mask_at = HEAD
-        self.counts_at = HEAD + (max_slots + 3) // 4
+        self.announcing_at = HEAD + (max_slots + 3) // 4
+        self.counts_at = self.announcing_at + (max_slots + 3) // 4
         self.tokens_at = self.counts_at + max_slots
         self.q_ids_at = self.tokens_at + max_slots * num_spec
         self.q_weights_at = self.q_ids_at + max_slots * num_spec * wire.SAMPLED_TOP
@@ -96,19 +99,23 @@ class RecordLayout:
                 record.as_strided((n, k, top), (k * top, top, 1), self.q_ids_at),
                 record[at : at + n * k * top // 2].view(torch.uint16).view(n, k, top),
             )
-        mask = record[self.mask_at : self.counts_at].view(torch.uint8)[: self.max_slots].view(torch.bool)
-        return Views(record[OUTCOME : OUTCOME + 1], mask, out)
+        m = self.max_slots
+        mask = record[self.mask_at : self.announcing_at].view(torch.uint8)[:m].view(torch.bool)
+        announcing = record[self.announcing_at : self.counts_at].view(torch.uint8)[:m].view(torch.bool)
+        return Views(record[OUTCOME : OUTCOME + 1], mask, announcing, out)
 
 
 @dataclasses.dataclass(frozen=True)
 class Views:
     outcome: torch.Tensor  # int32 [1]
     mask: torch.Tensor  # bool [max_slots]
+    announcing: torch.Tensor  # bool [max_slots]
     answer: tuple[torch.Tensor, ...]  # tokens, counts[, q_ids, q_weights]: what a path launches into
 
-    def launched(self, round_id, resync, resync_all) -> Launched:
+    def launched(self, round_id, resync, resync_all, announcing) -> Launched:
         a = self.answer
-        return Launched(round_id, *a[:2], resync, resync_all, *(a[2:] or (None, None)), self.outcome, self.mask)
+        q = a[2:] or (None, None)
+        return Launched(round_id, *a[:2], resync, resync_all, *q, self.outcome, self.mask, announcing, self.announcing)
 
 
 def check_size(n: int, layout: RecordLayout, rank: int) -> None:
@@ -139,15 +146,17 @@ class Leader:
             head = np.zeros(self._host.stop - FLAGS, dtype=np.int32)
             head[N - FLAGS], head[RESYNC_ALL - FLAGS] = n, got.resync_all
             head[ROUND - FLAGS] = np.uint32(got.round).view(np.int32)
-            mask = head[HEAD - FLAGS :].view(np.uint8)
+            masks = head[HEAD - FLAGS :].view(np.uint8)
+            mask, announcing = masks[: 4 * (lay.announcing_at - HEAD)], masks[4 * (lay.announcing_at - HEAD) :]
             if got.resync_all:
                 mask[: lay.max_slots] = 1
             else:
                 mask[list(got.resync)] = 1
+            announcing[list(got.announcing)] = 1
             self._write(record[self._host], head)
             sent = True
             self.ranks.broadcast_record(record)
-            return views.launched(got.round, got.resync, got.resync_all)
+            return views.launched(got.round, got.resync, got.resync_all, got.announcing)
         except BaseException as e:
             if not sent:
                 self._send_failed(n, e)
@@ -209,7 +218,7 @@ class Follower:
             self._copy_out(wait=True)
             self.count(wait_s=0.0)
         self._raise_wrong()
-        return lay.views(record, n).launched(None, None, None)
+        return lay.views(record, n).launched(None, None, None, None)
 
     def finish(self, wait_s: float) -> None:
         """Closing (no launch inside): count every record, waiting ``wait_s`` at most for

@@ -252,9 +252,11 @@ class Ranks:
         resync_all: int = 0,
         n_resync: int = 0,
         flags: int = 0,
+        n_announcing: int = 0,
         body: torch.Tensor | None = None,
     ) -> None:
-        self._broadcast(torch.tensor([kind, n, k, outcome, source, resync_all, n_resync, flags], dtype=torch.int64))
+        header = [kind, n, k, outcome, source, resync_all, n_resync, flags, n_announcing]
+        self._broadcast(torch.tensor(header, dtype=torch.int64))
         if body is not None and body.numel():  # the receivers size it from the header (an empty one: no call)
             self._broadcast(body)
 
@@ -270,13 +272,13 @@ class Ranks:
         """
         self._records += 1
         header = self._broadcast(torch.zeros(HEADER_WORDS, dtype=torch.int64)).tolist()
-        kind, n, k, _, _, _, n_resync, flags = header
+        kind, n, k, _, _, _, n_resync, flags, n_announcing = header
         body = None
         if kind == ERROR:
             body = self._broadcast(torch.empty(n, dtype=torch.uint8))
             raise error_from_record(body.cpu().numpy().tobytes(), self.rank)
         if kind == DRAFTS:
-            body = torch.empty(drafts_body_words(n, k, n_resync, flags), dtype=torch.int32)
+            body = torch.empty(drafts_body_words(n, k, n_resync, flags, n_announcing), dtype=torch.int32)
             if body.numel():
                 body = self._broadcast(body)
         if kind != want:

@@ -4,10 +4,11 @@
 A record is two broadcasts from group rank 0, a header and the body it sizes (STARTED
 has none):
 
-    header  int64 [8]: kind, n, num_spec, outcome, source, resync_all, n_resync, flags
-            (ERROR: n is the body's length in bytes; STARTED: n is the mode's index;
-            DRAFTS: flags bit 0 margins, bit 1 sampled q)
-    DRAFTS  int32 [n * k tokens | n counts | n_resync slots | n * k margins as float32 bits
+    header  int64 [9]: kind, n, num_spec, outcome, source, resync_all, n_resync, flags,
+            n_announcing (ERROR: n is the body's length in bytes; STARTED: n is the
+            mode's index; DRAFTS: flags bit 0 margins, bit 1 sampled q)
+    DRAFTS  int32 [n * k tokens | n counts | n_resync slots | n_announcing slots (the
+            slots still being announced: ``Drafts.announcing``) | n * k margins as float32 bits
             | n * k * 32 q_ids | n * k * 16 words of q_weights, uint16 pairs in memory order]
     ERROR   uint8: JSON {"type": "module:qualname", "args": [...], "attrs": {...}, "message": str}
 
@@ -39,23 +40,23 @@ from ..values.drafts import Drafts
 SOURCES = ("remote", "local", "none")
 STARTED, DRAFTS, ERROR = 1, 2, 3
 KIND_NAMES = {STARTED: "STARTED", DRAFTS: "DRAFTS", ERROR: "ERROR"}
-HEADER_WORDS = 8
+HEADER_WORDS = 9
 FLAG_MARGINS, FLAG_SAMPLED = 1, 2  # a DRAFTS header's flags
 Q_WORDS = wire.SAMPLED_TOP + wire.SAMPLED_TOP // 2  # a drafted position's q_ids and q_weights, in int32 words
 _SIMPLE = (str, int, float, bool, type(None))  # what an ERROR record carries as it is
 
 
-def drafts_body_words(n: int, k: int, n_resync: int, flags: int) -> int:
+def drafts_body_words(n: int, k: int, n_resync: int, flags: int, n_announcing: int = 0) -> int:
     """The int32 words of a DRAFTS record's body of ``n`` entries of ``num_spec`` ``k``."""
     per_position = 1 + (flags & FLAG_MARGINS) + (Q_WORDS if flags & FLAG_SAMPLED else 0)
-    return n * k * per_position + n + n_resync
+    return n * k * per_position + n + n_resync + n_announcing
 
 
 def drafts_record(d: Drafts) -> tuple[list[int], torch.Tensor]:
-    """``d`` as a DRAFTS record: the header's 8 values and the int32 body (on the CPU),
+    """``d`` as a DRAFTS record: the header's 9 values and the int32 body (on the CPU),
     one concatenation; q_weights' uint16 pairs are viewed as int32 words, not widened."""
     n, k = d.tokens.shape
-    parts = [d.tokens.reshape(-1), d.counts.reshape(-1), torch.tensor(d.resync, dtype=torch.int32)]
+    parts = [d.tokens.reshape(-1), d.counts.reshape(-1), torch.tensor((*d.resync, *d.announcing), dtype=torch.int32)]
     flags = 0
     if d.margins is not None:
         flags |= FLAG_MARGINS
@@ -66,7 +67,7 @@ def drafts_record(d: Drafts) -> tuple[list[int], torch.Tensor]:
         parts.append(d.q_weights.to("cpu", torch.uint16).contiguous().reshape(-1).view(torch.int32))
     body = torch.cat([p.to("cpu", torch.int32) for p in parts])
     header = [DRAFTS, n, k, int(d.outcome), SOURCES.index(d.source), int(d.resync_all), len(d.resync), flags]
-    return header, body
+    return header + [len(d.announcing)], body
 
 
 def drafts_from_record(header: list[int], body: torch.Tensor | None) -> Drafts:
@@ -75,15 +76,16 @@ def drafts_from_record(header: list[int], body: torch.Tensor | None) -> Drafts:
     Raises:
         ValueError: a body of another length than the header sizes.
     """
-    _, n, k, outcome, source, resync_all, n_resync, flags = header
-    words = drafts_body_words(n, k, n_resync, flags)
+    _, n, k, outcome, source, resync_all, n_resync, flags, n_announcing = header
+    words = drafts_body_words(n, k, n_resync, flags, n_announcing)
     body = torch.zeros(0, dtype=torch.int32) if body is None else body.cpu()
     if body.numel() != words:
         raise ValueError(f"a DRAFTS record of {body.numel()} words, its header sizes {words}")
     nk, top = n * k, wire.SAMPLED_TOP
     tokens, counts = body[:nk].view(n, k), body[nk : nk + n]
-    at = nk + n + n_resync
-    resync = tuple(body[nk + n : at].tolist())
+    at = nk + n + n_resync + n_announcing
+    resync = tuple(body[nk + n : nk + n + n_resync].tolist())
+    announcing = tuple(body[nk + n + n_resync : at].tolist())
     margins = q_ids = q_weights = None
     if flags & FLAG_MARGINS:
         margins, at = body[at : at + nk].view(torch.float32).view(n, k), at + nk
@@ -91,7 +93,16 @@ def drafts_from_record(header: list[int], body: torch.Tensor | None) -> Drafts:
         q_ids = body[at : at + nk * top].view(n, k, top)
         q_weights = body[at + nk * top :].view(torch.uint16).view(n, k, top)
     return Drafts(
-        tokens, counts, margins, SOURCES[source], Outcome(outcome), resync, bool(resync_all), q_ids, q_weights
+        tokens,
+        counts,
+        margins,
+        SOURCES[source],
+        Outcome(outcome),
+        resync,
+        bool(resync_all),
+        q_ids,
+        q_weights,
+        announcing=announcing,
     )
 
 

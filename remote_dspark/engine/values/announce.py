@@ -29,6 +29,14 @@ A chunk lost with its round (a timeout, a round not sent) leaves a gap at the wo
 the slot's next chunk is answered RESYNC and the engine announces it again, as after
 any lost round.
 
+What it counts (``observe.stats.AnnounceStats`` copies it): the entries sent as chunks
+(those sent short of their queue, and those sending a held queue's last part), the slots
+still being announced, and the slots re-announced after the worker lost them: a slot is
+*owed* from an answer that names it (RESYNC) or from ``resync_all`` (every slot), until
+its next entry; that entry, when NEW_GEN, counts. (After ``resync_all`` a slot the
+engine had no request on is owed too, so a new request's first NEW_GEN there counts: at
+most ``max_slots`` a ``resync_all``.) While nothing is owed nothing is read for it.
+
 The state is a few arrays indexed by slot, one owner (the engine's round path, on its
 engine thread); a round is a handful of whole-array operations, none per entry.
 """
@@ -64,9 +72,10 @@ class Announcer:
         start  [S] int64         the position of its first held token
         count  [S] int64         the tokens it holds
         held   [S, cap] int32    the held tokens, the first ``count`` of its row
+        owed   [S] bool          the worker lost it: its next entry should be NEW_GEN
 
     Invariants: ``(state == IDLE) == (count == 0)``; ``count <= cap``; ``pending`` is the
-    number of slots not IDLE.
+    number of slots not IDLE; ``owing`` the number of slots owed.
     """
 
     def __init__(self, max_slots: int, cap: int, budget: int):
@@ -76,9 +85,33 @@ class Announcer:
         self.start = np.zeros(max_slots, np.int64)
         self.count = np.zeros(max_slots, np.int64)
         self.held = np.zeros((max_slots, cap), np.int32)  # (calloc'd: pages touched as slots hold)
-        self.pending = 0
+        self.owed = np.zeros(max_slots, bool)
+        self.pending = self.owing = 0
         self.rounds = 0  # rounds planned: the clock of ``since``
-        self.chunks = 0  # entries sent short of their whole queue (a statistic)
+        # Statistics (plain ints its one writer stores: read from any thread).
+        self.chunks = 0  # entries sent as chunks: short of their queue, or a held queue's last part
+        self.reannounced = 0  # NEW_GEN entries of owed slots
+
+    def lost(self, slots, every: bool = False) -> None:
+        """An answer said the worker lost ``slots`` (RESYNC), or ``every`` slot
+        (``resync_all``): each is owed a NEW_GEN from its next entry."""
+        if every:
+            self.owed[:] = True
+        elif len(slots):
+            self.owed[np.asarray(slots, np.int64)] = True
+        else:
+            return
+        self.owing = int(np.count_nonzero(self.owed))
+
+    def sent(self, slots: np.ndarray, new_gen: np.ndarray) -> None:
+        """A batch's entries (host arrays) are sent: the owed among them are paid, those
+        NEW_GEN counted re-announced. Reads nothing while nothing is owed."""
+        if not self.owing:
+            return
+        owed = self.owed[slots]
+        self.reannounced += int(np.count_nonzero(owed & new_gen))
+        self.owed[slots] = False
+        self.owing = int(np.count_nonzero(self.owed))
 
     def fits(self, n_tokens: int) -> bool:
         """Whether a batch of ``n_tokens`` tokens (before any cut) goes as it is: nothing
@@ -91,6 +124,7 @@ class Announcer:
         s, n = meta.slots, meta.n
         lens = np.diff(meta.offsets)
         g = meta.new_gen
+        self.sent(s, g)
         st, had = self.state[s], self.count[s]
         follows = ~g & (st != IDLE) & (meta.positions == self.start[s] + had)  # queue = held + own
         carried = np.where(follows, had, 0)
@@ -114,7 +148,7 @@ class Announcer:
         self.since[s] = key
         self.pending = int(np.count_nonzero(self.state))
         whole = rest == 0
-        self.chunks += int(n - np.count_nonzero(whole))
+        self.chunks += int(np.count_nonzero(~whole | (carried > 0)))
         offsets = np.zeros(n + 1, np.int64)
         np.cumsum(grant, out=offsets[1:])
         out = HostMeta(

@@ -46,7 +46,7 @@ class Launched:
 
     __slots__ = (
         "round", "tokens", "counts", "resync", "resync_all", "q_ids", "q_weights", "outcome", "resync_mask",
-        "announcing",
+        "announcing", "announcing_mask",
     )  # fmt: skip
 
     def __init__(
@@ -60,6 +60,8 @@ class Launched:
         q_weights: torch.Tensor | None = None,
         outcome: torch.Tensor | None = None,
         resync_mask: torch.Tensor | None = None,
+        announcing: tuple[int, ...] | None = (),
+        announcing_mask: torch.Tensor | None = None,
     ):
         self.round = round_id  # 0: not sent (no proxy serving): zero drafts
         self.tokens = tokens  # [n, num_spec] int32 on the device; zero past counts
@@ -69,11 +71,14 @@ class Launched:
         self.q_ids = q_ids  # a sampled engine's: [n, num_spec, 32] int32 on the device; zero past counts
         self.q_weights = q_weights  # a sampled engine's: [n, num_spec, 32] uint16 on the device; zero past counts
         # With a tp_group (engine.tp.launch), on every rank, in stream order: the round's
-        # Outcome value (int32 [1]) and resync as a mask (bool [max_slots]; all set with
-        # resync_all). A rank other than 0 has only these: its round, resync and resync_all are None.
+        # Outcome value (int32 [1]), resync as a mask (bool [max_slots]; all set with
+        # resync_all) and the slots still being announced as a mask (bool [max_slots]).
+        # A rank other than 0 has only these: its round, resync, resync_all and announcing are None.
         self.outcome = outcome
         self.resync_mask = resync_mask
-        self.announcing: tuple[int, ...] = ()  # as Drafts.announcing (set by the path that planned the round)
+        self.announcing_mask = announcing_mask
+        # As Drafts.announcing (set by the path that planned the round; None: not known on this host)
+        self.announcing = announcing
 
 
 def round_tensors(n: int, k: int, sampled: bool, device) -> tuple[torch.Tensor, ...]:

@@ -187,6 +187,15 @@ def shadow_on_every_rank(rank, group, env, tmp_path) -> dict:
     }
 
 
+def announcing_on_every_rank(rank, group, env, tmp_path) -> dict:
+    """A NEW_GEN context over a round's tokens: rank 0 announces it in chunks; every
+    rank's answer names the slot still being announced, round by round."""
+    long = batch(tokens=(range(30), range(30)))
+    with make(env, group, round_tokens=40) as rd:
+        outs = [rd.round(long), rd.round(batch(new=False, tokens=((7,), (7,)), positions=(30, 30)))]
+    return {"announcing": [list(o.announcing) for o in outs], "counts": [o.counts.tolist() for o in outs]}
+
+
 # --------------------------------------------------------------------------- tests
 
 # Rounds these tests need answered OK get a 2 s deadline, not the 50 ms default, which a
@@ -218,6 +227,14 @@ def test_every_rank_gets_rank0s_drafts_and_only_rank0_opens_anything(worker, tmp
             r["launch"]["type"] == "builtins.RuntimeError"
             and "launch() is for rounds on CUDA" in r["launch"]["message"]
         )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_rank_knows_the_slots_still_being_announced(worker, tmp_path, backend):
+    env = env_for(worker.port, tmp_path, **OK_WITHIN)
+    r0, r1 = run_ranks(tmp_path, announcing_on_every_rank, [env, env], backend=backend)
+    assert r0 == r1
+    assert r0["announcing"] == [[1], []] and r0["counts"][0][1] == 0  # slot 1: 10 of 30, then whole
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -373,7 +390,7 @@ def test_ranks_that_differ_only_in_sampled_top32_raise_naming_it(worker, tmp_pat
 # --------------------------------------------------------------------------- records (in process)
 
 
-def sample_drafts(n=3, k=4, margins=True, sampled=True, resync=(2,)) -> Drafts:
+def sample_drafts(n=3, k=4, margins=True, sampled=True, resync=(2,), announcing=(7, 1)) -> Drafts:
     g = torch.Generator().manual_seed(5)
     counts = torch.tensor([k, 1, 0][:n], dtype=torch.int32)
     live = torch.arange(k) < counts[:, None]
@@ -390,6 +407,7 @@ def sample_drafts(n=3, k=4, margins=True, sampled=True, resync=(2,)) -> Drafts:
         True,
         q_ids if sampled else None,
         q_weights if sampled else None,
+        announcing=announcing,
     )
 
 
@@ -402,8 +420,8 @@ def test_a_drafts_record_carries_q_and_has_the_size_its_header_says(margins, sam
     d = sample_drafts(n, k, margins, sampled)
     header, body = drafts_record(d)
     flags = margins + 2 * sampled
-    assert header == [DRAFTS, n, k, int(Outcome.OK), 0, 1, 1, flags]  # 8 int64 words, whatever it carries
-    assert body.dtype == torch.int32 and body.numel() == n * k * (1 + margins + 48 * sampled) + n + 1
+    assert header == [DRAFTS, n, k, int(Outcome.OK), 0, 1, 1, flags, 2]  # 9 int64 words, whatever it carries
+    assert body.dtype == torch.int32 and body.numel() == n * k * (1 + margins + 48 * sampled) + n + 1 + 2
     got = drafts_from_record(header, body.clone())
     for name in ("tokens", "counts", "margins", "q_ids", "q_weights"):
         want, have = getattr(d, name), getattr(got, name)
@@ -411,6 +429,7 @@ def test_a_drafts_record_carries_q_and_has_the_size_its_header_says(margins, sam
         if want is not None:
             assert have.dtype == want.dtype and torch.equal(have, want), name
     assert (got.source, got.outcome, got.resync, got.resync_all) == ("remote", Outcome.OK, (2,), True)
+    assert got.announcing == (7, 1)  # the slots still being announced, as rank 0's
     assert got.q_weights is None or int(got.q_weights.to(torch.int32).max()) > 32767  # unsigned survives
     with pytest.raises(ValueError, match="a DRAFTS record of"):
         drafts_from_record(header, body[:-1])
@@ -419,7 +438,7 @@ def test_a_drafts_record_carries_q_and_has_the_size_its_header_says(margins, sam
 def test_an_empty_sampled_record_is_the_header_alone():
     from remote_dspark.engine.tp.records import drafts_from_record, drafts_record
 
-    header, body = drafts_record(sample_drafts(0, 4, resync=()))
+    header, body = drafts_record(sample_drafts(0, 4, resync=(), announcing=()))
     assert body.numel() == 0
     got = drafts_from_record(header, None)
     assert got.q_ids.shape == (0, 4, 32) and got.q_weights.dtype == torch.uint16
@@ -475,14 +494,14 @@ def test_the_records_between_two_ranks_in_process(monkeypatch):
         leader.lead(lambda: {}["boom"])
     header, _, error_header, error_body = loop.sent
     assert header.shape == error_header.shape == (HEADER_WORDS,) and header.dtype == torch.int64
-    assert error_header.tolist() == [ERROR, error_body.numel(), 0, 0, 0, 0, 0, 0]
+    assert error_header.tolist() == [ERROR, error_body.numel(), 0, 0, 0, 0, 0, 0, 0]
     assert json.loads(error_body.numpy().tobytes())["type"] == "builtins:KeyError"
     loop.install(monkeypatch, 1)
     follower = Ranks(object())
     follower.sampled = True
     got = follower.receive_drafts(2)
     assert torch.equal(got.q_ids, d.q_ids) and torch.equal(got.q_weights, d.q_weights)
-    assert torch.equal(got.tokens, d.tokens) and got.margins is None
+    assert torch.equal(got.tokens, d.tokens) and got.margins is None and got.announcing == d.announcing == (7, 1)
     with pytest.raises(KeyError, match="boom") as e:
         follower.receive_drafts(2)
     assert e.value.__notes__ == ["raised on rank 0 of the tp_group; broadcast to rank 1"]

@@ -30,12 +30,13 @@ def test_a_records_parts_tile_it_without_overlap(max_slots, k, sampled, data):
     record = torch.zeros(lay.words, dtype=torch.int32)
     base, end = record.data_ptr(), record.data_ptr() + 4 * lay.words
     v = lay.views(record, n)
-    parts = [v.outcome, v.mask, *v.answer]
+    parts = [v.outcome, v.mask, v.announcing, *v.answer]
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts if t.numel()]
     spans = sorted(spans + [(base + 4, base + 4 * HEAD)])  # with the head's host words
     assert all(base <= a <= b <= end for a, b in spans)
     assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:])), spans
-    assert v.mask.shape == (max_slots,) and v.mask.dtype == torch.bool
+    for mask in (v.mask, v.announcing):
+        assert mask.shape == (max_slots,) and mask.dtype == torch.bool
     assert [tuple(t.shape) for t in v.answer[:2]] == [(n, k), (n,)]
     assert all(t.is_contiguous() for t in v.answer)  # the native launch copies into them by address
     if sampled:
@@ -45,16 +46,16 @@ def test_a_records_parts_tile_it_without_overlap(max_slots, k, sampled, data):
         ]
     if n == max_slots:
         covered = sum(b - a for a, b in spans)
-        assert 4 * lay.words - covered == (-max_slots) % 4  # the mask's padding, nothing else
+        assert 4 * lay.words - covered == 2 * ((-max_slots) % 4)  # the masks' padding, nothing else
 
 
 # --------------------------------------------------------------------------- two gloo ranks
 
 # The rounds both ranks launch, in order: (n on rank 0, n on rank 1, rank 0's answer).
-# An answer is (round, outcome, tokens, counts, resync, resync_all), or the exception
-# rank 0's launch raises.
+# An answer is (round, outcome, tokens, counts, resync, resync_all[, announcing]), or the
+# exception rank 0's launch raises.
 ROUNDS = [
-    (2, 2, (7, Outcome.OK, [[1, 2, 3], [4, 0, 0]], [3, 1], (4,), False)),
+    (2, 2, (7, Outcome.OK, [[1, 2, 3], [4, 0, 0]], [3, 1], (4,), False, (5, 0))),
     (3, 3, (8, Outcome.TIMEOUT, [[0] * K] * 3, [0, 0, 0], (), True)),
     (2, 2, RuntimeError("a driver call failed")),
     (M + 1, M + 1, None),  # more than max_slots: refused on every rank
@@ -77,12 +78,14 @@ def answering(answer, sampled):
             raise answer
         if answer is None:
             raise AssertionError("a batch over max_slots reached the path")
-        round_id, outcome, tokens, counts, resync, resync_all = answer
+        round_id, outcome, tokens, counts, resync, resync_all, *announcing = answer
         arrays = [torch.tensor(tokens, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32)]
         for t, a in zip(out, arrays + (list(q_of(tokens)) if sampled else [])):
             t.copy_(a)
         status.fill_(int(outcome))
-        return Launched(round_id, *out[:2], resync, resync_all)
+        launched = Launched(round_id, *out[:2], resync, resync_all)
+        launched.announcing = announcing[0] if announcing else ()  # as the announcing path sets it
+        return launched
 
     return launch
 
@@ -94,8 +97,14 @@ def launched_doc(got: Launched) -> dict:
         "counts": got.counts.tolist(),
         "outcome": int(got.outcome),
         "mask": got.resync_mask.nonzero().flatten().tolist(),
+        "announcing": got.announcing_mask.nonzero().flatten().tolist(),
         "q": q,
-        "host": [got.round, None if got.resync is None else list(got.resync), got.resync_all],
+        "host": [
+            got.round,
+            None if got.resync is None else list(got.resync),
+            got.resync_all,
+            None if got.announcing is None else list(got.announcing),
+        ],
     }
 
 
@@ -131,11 +140,12 @@ def test_every_rank_gets_rank0s_record_and_the_ranks_stay_in_step(tmp_path, samp
     env = {"sampled": sampled, "batch": 1}  # rank 1 reads each record's head at once
     r0, r1 = (r["rounds"] for r in run_ranks(tmp_path, records_between_ranks, [env] * 2))
     # an answer: the same drafts, outcome, resync and q on both; the host facts on rank 0 only
-    assert r0[0]["host"] == [7, [4], False] and r1[0]["host"] == [None, None, None]
+    assert r0[0]["host"] == [7, [4], False, [5, 0]] and r1[0]["host"] == [None, None, None, None]
     for a, b in zip(r0[:2], r1[:2]):
         assert {k: v for k, v in a.items() if k != "host"} == {k: v for k, v in b.items() if k != "host"}
     assert r1[0]["tokens"] == [[1, 2, 3], [4, 0, 0]] and r1[0]["counts"] == [3, 1]
     assert r1[0]["outcome"] == Outcome.OK and r1[0]["mask"] == [4]
+    assert r0[0]["announcing"] == r1[0]["announcing"] == [0, 5] and r1[1]["announcing"] == []  # each round's own
     assert (r1[0]["q"] is not None) == sampled
     if sampled:
         ids, weights = q_of([[1, 2, 3], [4, 0, 0]])
