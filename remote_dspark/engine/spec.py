@@ -6,7 +6,8 @@ policy's needs and the wire contract's caps).
 The sizes follow one rule, stated here once:
 
 - a round carries at most ``round_tokens`` tokens (``Spec.max_tokens``): the region's
-  token section, the sync path's send buffer and every writer's bound. Its default,
+  token section, the sync path's send buffer and every writer's bound; and at most what
+  the worker's HELLO_ACK says it takes in a round (``Spec.round_budget``). Its default,
   :func:`default_round_tokens`, holds a round of ``max_slots`` whole contexts of the
   default cap (64 tokens: nothing within it is chunked by default), at least one whole
   context of the cap, never more than a batch carries;
@@ -67,6 +68,17 @@ class Spec:
         error that drops the connection, so the engine never sends more than any default
         worker takes until a worker has said it takes more."""
         return min(self.context_tokens, acked if acked > 0 else wire.DEFAULT_CONTEXT)
+
+    def round_budget(self, acked: int) -> int:
+        """The most tokens the next round carries, given ``acked``: the most the worker's
+        HELLO_ACK said it takes in a round, 0 while no HELLO_ACK has come.
+
+        With one, the smaller of it and ``round_tokens`` (``max_tokens``): a worker that
+        takes fewer gets the same contexts in more chunks. Before one, the smaller of
+        ``round_tokens`` and what a worker of the default window and limits takes from
+        ``max_slots`` slots (``wire.DEFAULT_CONTEXT + wire.MAX_N_OUT`` tokens a slot: the
+        worker's ``--max-round-tokens`` default), as :meth:`context_cut` does."""
+        return min(self.max_tokens, acked if acked > 0 else self.max_slots * (wire.DEFAULT_CONTEXT + wire.MAX_N_OUT))
 
     def n_out_for(self, n: int) -> int:
         """The default n_out of a round of ``n`` entries (the table's, else num_spec)."""

@@ -83,11 +83,12 @@ class ProxyLoop:
             want_sampled=cfg.sampled_top32,
         )
         self.session = self.end.header.session
-        # The region's context_tokens word (this proxy its one writer): 0 until this
-        # proxy's own worker has answered HELLO (a word left by a proxy before it names
-        # that one's worker), then each connection's HELLO_ACK, stored before a round can
-        # go out on it, and 0 again when it is dropped (RemoteLink's on_context).
-        self.end.header.set_context_tokens(0)
+        # The region's context_tokens and round_tokens words (this proxy their one
+        # writer): 0 until this proxy's own worker has answered HELLO (words left by a
+        # proxy before it name that one's worker), then each connection's HELLO_ACK,
+        # stored before a round can go out on it, and 0 again when it is dropped
+        # (RemoteLink's on_acked; HeaderWords.set_acked orders the two stores).
+        self.end.header.set_acked(0, 0)
         self.breaker = RegionBreaker(cfg, self.end.header)
         lay = region.layout
         hello = cfg.hello(
@@ -103,7 +104,7 @@ class ProxyLoop:
             breaker=self.breaker.breaker,
             environ=environ,
             on_connect=self._connected,
-            on_context=self.end.header.set_context_tokens,
+            on_acked=self.end.header.set_acked,
             key=cfg.key,
         )
         self.rounds = TcpRounds(self.end, session=self.session, default_deadline_ms=cfg.timeout_ms)

@@ -46,6 +46,10 @@ Header page (all little-endian)::
                                       stored on each connection before a round goes out on
                                       it; 0 from attach and after a drop (no HELLO_ACK).
                                       The engine reads it for each round's NEW_GEN cut.
+    0x110  4    round_tokens          proxy: the most tokens its worker takes in a round
+                                      (HELLO_ACK), stored before context_tokens on a
+                                      connection and after it on a drop. The engine's
+                                      rounds carry at most it (and its own round_tokens).
     0x108  8    heartbeat_ns          proxy (CLOCK_MONOTONIC ns of its last beat)
     0x180  4    breaker state         proxy  (0 closed, 1 open, 2 probing)
     0x184  4    consecutive failures  proxy
@@ -137,7 +141,7 @@ from dataclasses import dataclass, field
 from .. import wire
 
 MAGIC = b"DSPKSHM1"
-LAYOUT_VERSION = 7
+LAYOUT_VERSION = 8
 LINE = 128
 MAX_DEPTH = 64
 
@@ -149,6 +153,7 @@ OFF_ENGINE_PID = 0x088
 OFF_PROXY_PID = 0x100
 OFF_CONTEXT = 0x104
 OFF_HEARTBEAT = 0x108
+OFF_ROUND_TOKENS = 0x110
 OFF_BREAKER = 0x180
 
 # Hand-off words, relative to the words page.

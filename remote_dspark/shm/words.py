@@ -1,7 +1,7 @@
 """``region.words``: the region's live words, as this process reads and writes them.
 
-The header's mutable words (:class:`HeaderWords`: session, pids, the negotiated context,
-heartbeat, the breaker's state) and the counters blocks (:class:`Counters`: counters and latency
+The header's mutable words (:class:`HeaderWords`: session, pids, the negotiated context
+and round cap, heartbeat, the breaker's state) and the counters blocks (:class:`Counters`: counters and latency
 histograms, read back as a frozen :class:`Snapshot`). Every word is read and written
 atomically through the native library (counters with relaxed atomic adds), one writer
 per word as in :mod:`~remote_dspark.shm.layout`'s tables. Each accessor takes a mapped
@@ -18,7 +18,16 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .layout import LATENCY_BOUNDS_NS, OFF_BREAKER, OFF_CONTEXT, OFF_HEARTBEAT, OFF_PROXY_PID, OFF_SESSION, CounterBlock
+from .layout import (
+    LATENCY_BOUNDS_NS,
+    OFF_BREAKER,
+    OFF_CONTEXT,
+    OFF_HEARTBEAT,
+    OFF_PROXY_PID,
+    OFF_ROUND_TOKENS,
+    OFF_SESSION,
+    CounterBlock,
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,7 @@ class HeaderWords:
         self._session = region.addr(OFF_SESSION)
         self._proxy_pid = region.addr(OFF_PROXY_PID)
         self._context = self.context_at = region.addr(OFF_CONTEXT)  # (context_at: for a C reader)
+        self._round_tokens = region.addr(OFF_ROUND_TOKENS)
         self._heartbeat = region.addr(OFF_HEARTBEAT)
         self._breaker = region.addr(OFF_BREAKER)
 
@@ -118,8 +128,23 @@ class HeaderWords:
         """The context the proxy's worker keeps per slot (its HELLO_ACK); 0: none yet."""
         return self._lib.load32(self._context)
 
-    def set_context_tokens(self, n: int) -> None:  # proxy
-        self._lib.store32(self._context, n)
+    @property
+    def round_tokens(self) -> int:
+        """The most tokens a round may carry to the proxy's worker (its HELLO_ACK); 0:
+        none yet. Read after a nonzero :attr:`context_tokens`, it is that connection's
+        or a later one's (:meth:`set_acked`'s order)."""
+        return self._lib.load32(self._round_tokens)
+
+    def set_acked(self, context_tokens: int, round_tokens: int) -> None:  # proxy
+        """Store a connection's HELLO_ACK (both nonzero) or its drop (both 0). Each store
+        is a release: on a connection the round cap goes first, on a drop last, so the
+        engine never pairs a connection's context with an older connection's cap."""
+        if context_tokens:
+            self._lib.store32(self._round_tokens, round_tokens)
+            self._lib.store32(self._context, context_tokens)
+        else:
+            self._lib.store32(self._context, 0)
+            self._lib.store32(self._round_tokens, round_tokens)
 
     @property
     def heartbeat_ns(self) -> int:

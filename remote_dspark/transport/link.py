@@ -10,9 +10,10 @@ A round never waits for a connection: while there is none, rounds are target-onl
 Every new connection is a new HELLO, after which the worker has no windows for this
 engine: the first round on it is answered with RESYNC for every slot and the engine
 re-announces them (NEW_GEN). ``epoch`` counts connections so callers can do that
-eagerly. Each HELLO_ACK names the context the worker keeps per slot
-(``context_tokens``: the connection's, 0 while there is none); ``on_context`` hears it
-before a round can go out on the connection, and hears 0 when the connection is dropped.
+eagerly. Each HELLO_ACK names the context the worker keeps per slot and the most tokens
+it takes in a round (``context_tokens`` and ``round_tokens``: the connection's, 0 while
+there is none); ``on_acked`` hears both before a round can go out on the connection, and
+hears 0 for both when the connection is dropped.
 With a ``key`` every connection authenticates at HELLO (:mod:`remote_dspark.wire.auth`);
 a failure either way is a refused HELLO like any other: rounds stay target-only and the
 connector backs off.
@@ -65,7 +66,7 @@ class RemoteLink:
         breaker: Breaker,
         environ: Mapping[str, str] | None = None,
         on_connect: Callable[[], None] | None = None,
-        on_context: Callable[[int], None] | None = None,
+        on_acked: Callable[[int, int], None] | None = None,
         key: Key | None = None,
     ):
         self.endpoint = endpoint
@@ -77,7 +78,7 @@ class RemoteLink:
         self.breaker = breaker
         self.environ = environ
         self.on_connect = on_connect
-        self.on_context = on_context
+        self.on_acked = on_acked
         self.key = key
         self.epoch = 0  # successful HELLOs so far
         self.reconnects = 0  # successful HELLOs after the first
@@ -141,8 +142,8 @@ class RemoteLink:
         if closed:
             client.close()
             return
-        if self.on_context is not None:  # before any round can take this connection
-            self.on_context(client.ack.context_tokens)
+        if self.on_acked is not None:  # before any round can take this connection
+            self.on_acked(client.ack.context_tokens, client.ack.round_tokens)
         with self._lock:
             # From here a failed round may start a new connector at once, even while the
             # thread that made this connection is still finishing.
@@ -164,8 +165,8 @@ class RemoteLink:
                 self._late_closed += client.late
         if client is not None:
             client.chan.close()
-            if self.on_context is not None:  # before the next connection's
-                self.on_context(0)
+            if self.on_acked is not None:  # before the next connection's
+                self.on_acked(0, 0)
         self._note_failure(why)
         self.start_reconnecting()
 
@@ -183,6 +184,13 @@ class RemoteLink:
         """The context tokens per slot the connection's HELLO_ACK named; 0: no connection."""
         client = self._client
         return client.ack.context_tokens if client is not None else 0
+
+    @property
+    def round_tokens(self) -> int:
+        """The most tokens a round may carry on the connection (its HELLO_ACK); 0: no
+        connection."""
+        client = self._client
+        return client.ack.round_tokens if client is not None else 0
 
     def tcp_socket(self):
         """The connection's socket when it is a TCP one (HELLO done), else None."""

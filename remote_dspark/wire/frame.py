@@ -29,7 +29,7 @@ if sys.byteorder != "little":
     raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; this host is big-endian")
 
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 6  # what each version changed: docs/design.md, "Versions"
+PROTOCOL_VERSION = 7  # what each version changed: docs/design.md, "Versions"
 
 HELLO, HELLO_ACK, ROUND, DRAFTS, BYE, AUTH = 1, 2, 3, 4, 5, 6
 FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE", AUTH: "AUTH"}
@@ -64,7 +64,7 @@ HEADER = struct.Struct("<4sHHIQI")
 HELLO_STRUCT = struct.Struct("<32s32sQIIHBBI")
 NONCE_BYTES = 32  # an engine's or a worker's fresh nonce (authentication, wire.auth)
 PROOF_BYTES = 32  # an HMAC-SHA256 proof (wire.auth)
-ACK_STRUCT = struct.Struct("<BBH32s32sI")
+ACK_STRUCT = struct.Struct("<BBH32s32sIIIIII")
 ROUND_FIXED = struct.Struct("<IIII")
 DRAFTS_FIXED = struct.Struct("<IHH")
 

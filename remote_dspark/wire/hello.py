@@ -28,7 +28,7 @@ HELLO payload (``HELLO_STRUCT``, 88 bytes, then an engine's nonce: 120 bytes; pr
                                its fresh nonce, which asks the worker to authenticate
                                (wire.auth); without a key the payload ends at 88 bytes
 
-HELLO_ACK payload (``ACK_STRUCT``, 72 bytes, then the reason; protocol 4)::
+HELLO_ACK payload (``ACK_STRUCT``, 92 bytes, then the reason; protocol 7)::
 
     offset size field
          0    1 accept          1 when the code is ACCEPT, else 0
@@ -40,7 +40,18 @@ HELLO_ACK payload (``ACK_STRUCT``, 72 bytes, then the reason; protocol 4)::
                                 window): 1..MAX_CONTEXT when accepting, <= MAX_CONTEXT
                                 otherwise. The engine cuts a NEW_GEN context to the
                                 smaller of this and its own cap.
-        72    n reason          UTF-8
+        72    4 round_tokens    the most tokens the worker takes in one ROUND (its
+                                --max-round-tokens; a longer round is a ProtocolError):
+                                1..MAX_TOKENS when accepting, <= MAX_TOKENS otherwise.
+                                The engine's rounds carry at most the smaller of this
+                                and its own round_tokens.
+        76    4 vocab_size      the drafter's vocabulary, <= MAX_VOCAB; 0: unknown
+        80    4 max_slots       the worker's other limits, for a probe's report (a HELLO
+        84    4 max_row_bytes   beyond them is refused, the reason naming the value):
+        88    4 max_round_bytes <= MAX_ENTRIES, MAX_ROW_BYTES and MAX_PAYLOAD
+        92    n reason          UTF-8
+
+Every field is sent with a refusal too, so that a probe can say what the worker takes.
 
 The header's session is the HELLO's; an accepting worker's identities are the HELLO's
 (the engine side refuses any other answer: ``client.DraftClient.connect``).
@@ -62,10 +73,12 @@ from .frame import (
     MAX_CONTEXT,
     MAX_ENTRIES,
     MAX_N_OUT,
+    MAX_PAYLOAD,
     MAX_REASON,
     MAX_ROW_BYTES,
     MAX_SAMPLED_ENTRIES,
     MAX_SAMPLED_N_OUT,
+    MAX_TOKENS,
     MAX_VOCAB,
     NONCE_BYTES,
     OPTION_MARGINS,
@@ -184,45 +197,67 @@ def decode_hello(payload) -> Hello:
 
 @dataclass(frozen=True)
 class HelloAck:
+    """A worker's answer to HELLO (the layout above). The limits default to the wire's
+    caps: a peer that states none takes what the contract allows."""
+
     code: int
     drafter_identity: bytes
     markov_identity: bytes
     reason: str = ""
     context_tokens: int = DEFAULT_CONTEXT  # the worker's window: context tokens it keeps per slot
+    round_tokens: int = MAX_TOKENS  # the most tokens it takes in one ROUND (--max-round-tokens)
+    vocab_size: int = 0  # its drafter's vocabulary; 0: unknown
+    max_slots: int = MAX_ENTRIES  # --max-slots
+    max_row_bytes: int = MAX_ROW_BYTES  # --max-row-bytes
+    max_round_bytes: int = MAX_PAYLOAD  # --max-round-bytes
 
     @property
     def accepted(self) -> bool:
         return self.code == ACCEPT
 
+    def out_of_range(self) -> str | None:
+        """The first field out of its range (the layout above), named with its value and
+        range, or None."""
+        low = 1 if self.accepted else 0
+        for name, lo, hi in (
+            ("context_tokens", low, MAX_CONTEXT),
+            ("round_tokens", low, MAX_TOKENS),
+            ("vocab_size", 0, MAX_VOCAB),
+            ("max_slots", 0, MAX_ENTRIES),
+            ("max_row_bytes", 0, MAX_ROW_BYTES),
+            ("max_round_bytes", 0, MAX_PAYLOAD),
+        ):
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                why = " (an accepting worker takes at least one token)" if lo else ""
+                return f"{name} {value} not in {lo}..{hi}{why}"
+        return None
+
 
 def encode_hello_ack(a: HelloAck, session: int) -> bytes:
-    low = 1 if a.code == ACCEPT else 0
-    require(low <= a.context_tokens <= MAX_CONTEXT, f"context_tokens {a.context_tokens} not in {low}..{MAX_CONTEXT}")
+    wrong = a.out_of_range()
+    require(wrong is None, f"HELLO_ACK {wrong}")
     reason = a.reason.encode("utf-8")[:MAX_REASON]
-    payload = (
-        ACK_STRUCT.pack(
-            int(a.code == ACCEPT), a.code, len(reason), a.drafter_identity, a.markov_identity, a.context_tokens
-        )
-        + reason
-    )
+    fields = (a.context_tokens, a.round_tokens, a.vocab_size, a.max_slots, a.max_row_bytes, a.max_round_bytes)
+    head = ACK_STRUCT.pack(int(a.code == ACCEPT), a.code, len(reason), a.drafter_identity, a.markov_identity, *fields)
+    payload = head + reason
     return encode_header(HELLO_ACK, len(payload), session) + payload
 
 
 def decode_hello_ack(payload) -> HelloAck:
     if len(payload) < ACK_STRUCT.size:
         raise ProtocolError(f"HELLO_ACK payload of {len(payload)} bytes, under {ACK_STRUCT.size}")
-    accept, code, n, d, m, context = ACK_STRUCT.unpack_from(payload)
+    accept, code, n, d, m, *fields = ACK_STRUCT.unpack_from(payload)
     if len(payload) != ACK_STRUCT.size + n:
         raise ProtocolError(f"HELLO_ACK reason length {n} does not match the payload")
     if accept != (code == ACCEPT) or code > REFUSE_AUTH:
         raise ProtocolError(f"HELLO_ACK accept={accept} with reason code {code}")
-    if context > MAX_CONTEXT or (accept and context == 0):
-        raise ProtocolError(
-            f"HELLO_ACK context_tokens {context} not in {1 if accept else 0}..{MAX_CONTEXT}"
-            + (" (an accepting worker keeps at least one token per slot)" if accept else "")
-        )
     reason = bytes(payload[ACK_STRUCT.size :]).decode("utf-8", errors="replace")
-    return HelloAck(code, d, m, reason, context)
+    ack = HelloAck(code, d, m, reason, *fields)
+    wrong = ack.out_of_range()
+    if wrong is not None:
+        raise ProtocolError(f"HELLO_ACK {wrong}")
+    return ack
 
 
 def encode_bye(session: int = 0) -> bytes:

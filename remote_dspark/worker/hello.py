@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 
 from .. import wire
+from ..drafter.contract import vocab_size_of
 from .limits import Limits, hello_refusal
 from .sessions import Session, Sessions
 
@@ -66,7 +67,21 @@ def judge_hello(
     return Verdict(code, reason, why, session, evicted)
 
 
-def hello_ack(drafter, code: int, reason: str, session: int, window: int) -> bytes:
-    """The HELLO_ACK frame of a worker serving ``drafter`` with ``window`` tokens a slot."""
-    ack = wire.HelloAck(code, drafter.drafter_identity, drafter.markov_identity, reason, context_tokens=window)
+def hello_ack(drafter, code: int, reason: str, session: int, limits: Limits) -> bytes:
+    """The HELLO_ACK frame of a worker serving ``drafter`` under ``limits``: its window
+    (the context it keeps per slot), its cap on a round's tokens (the engine's rounds
+    fit it), its drafter's vocabulary (0: unknown) and its other limits, told with a
+    refusal too (what a probe reports)."""
+    ack = wire.HelloAck(
+        code,
+        drafter.drafter_identity,
+        drafter.markov_identity,
+        reason,
+        context_tokens=limits.window,
+        round_tokens=limits.max_round_tokens,
+        vocab_size=min(vocab_size_of(drafter), wire.MAX_VOCAB),
+        max_slots=limits.max_slots,
+        max_row_bytes=limits.max_row_bytes,
+        max_round_bytes=limits.max_round_bytes,
+    )
     return wire.encode_hello_ack(ack, session)

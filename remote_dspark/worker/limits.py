@@ -80,7 +80,7 @@ class Limits:
         for name, low, high in (
             ("max_slots", 1, wire.MAX_ENTRIES),
             ("max_row_bytes", 0, wire.MAX_ROW_BYTES),
-            ("max_round_tokens", 0, wire.MAX_TOKENS),
+            ("max_round_tokens", 1, wire.MAX_TOKENS),  # (HELLO_ACK tells it: at least 1)
             ("max_round_bytes", wire.ROUND_FIXED.size + 4, wire.MAX_PAYLOAD),
         ):
             value = getattr(self, name)

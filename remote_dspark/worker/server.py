@@ -386,7 +386,7 @@ class Worker:
         return verdict.session
 
     def _ack(self, code: int, reason: str, session: int) -> bytes:
-        return hello_ack(self.drafter, code, reason, session, self.limits.window)
+        return hello_ack(self.drafter, code, reason, session, self.limits)
 
     def _round(self, session: Session, hdr: wire.Header, payload, received: float | None = None) -> bytes:
         """One ROUND in (``received``: ``time.monotonic()`` at its receipt, which its

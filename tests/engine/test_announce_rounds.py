@@ -1,7 +1,9 @@
-"""A round carries at most ``round_tokens`` tokens: the region is sized by it, a bad value
-is refused by name, and longer NEW_GEN contexts reach a worker whole and in order over
-the next rounds, in sync, thread and process modes, when every slot is re-announced at
-once too (what an engine does after ``resync_all``)."""
+"""A round carries at most ``round_tokens`` tokens, and at most what the worker's HELLO_ACK
+says it takes: the region is sized by ``round_tokens``, a bad value is refused by name,
+and longer NEW_GEN contexts reach a worker whole and in order over the next rounds, in
+sync, thread and process modes, when every slot is re-announced at once too (what an
+engine does after ``resync_all``), and when the engine's ``round_tokens`` is over the
+worker's ``--max-round-tokens`` (the smaller holds)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,14 @@ def test_the_region_follows_round_tokens_not_the_slots_contexts(tmp_path):
         assert rd._path.inner.handoff.region.layout.max_tokens == BUDGET
 
 
+def test_a_rounds_budget_is_the_smaller_of_round_tokens_and_the_workers_cap(tmp_path):
+    spec = engine(env_for(1, tmp_path), round_tokens=10 * BUDGET).spec
+    assert (spec.round_budget(BUDGET), spec.round_budget(100 * BUDGET)) == (BUDGET, 10 * BUDGET)
+    # Before any HELLO_ACK: what a worker of the default window and limits takes from 8 slots.
+    assert spec.round_budget(0) == min(10 * BUDGET, SLOTS * (wire.DEFAULT_CONTEXT + wire.MAX_N_OUT)) == 400
+    assert engine(env_for(1, tmp_path), round_tokens=5000).spec.round_budget(0) == SLOTS * 128
+
+
 def step(rd: RemoteDSpark, slots, tokens, positions, new):
     """One round of ``slots``; every round is answered OK and loses no slot."""
     d = rd.round(Batch.from_lists(list(slots), [list(t) for t in tokens], list(positions), [new] * len(slots)))
@@ -97,18 +107,21 @@ def announce(rd: RemoteDSpark, seq: dict[int, list[int]], nxt: int) -> dict[int,
     raise AssertionError(f"slots {d.announcing} still announcing")
 
 
+@pytest.mark.parametrize("round_tokens", [BUDGET, 10 * BUDGET], ids=["same", "over-the-workers"])
 @pytest.mark.parametrize("mode", [None, Mode.THREAD, Mode.PROCESS], ids=["sync", "thread", "process"])
-def test_contexts_of_every_length_reach_the_worker_whole_and_in_order(tmp_path, mode):
+def test_contexts_of_every_length_reach_the_worker_whole_and_in_order(tmp_path, mode, round_tokens):
     """Every context length 1..64 (the cap and the worker's window), eight slots at once
-    under a 40-token round (the worker refuses a longer round: a protocol error), then
+    under a 40-token round (the worker refuses a longer round: a protocol error, and its
+    HELLO_ACK says so: an engine whose own round_tokens is larger chunks to 40), then
     every slot re-announced at once: each slot is first drafted from its whole context."""
     drafter = Recording()
     with Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, max_round_tokens=BUDGET) as w:
         env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))
         env["VLLM_DSPARK_REMOTE_TIMEOUT_MS"] = "5000"
-        with engine(env, round_tokens=BUDGET) as rd:
+        with engine(env, round_tokens=round_tokens) as rd:
             warm = Batch.from_lists([0], [[1, 2]], [0], [True])
             assert until(lambda: bool(rd.round(warm).counts.any()), 20.0, 0.01)  # a proxy serves
+            assert rd._path.acked_round_tokens == BUDGET and rd.round_tokens == round_tokens
             nxt = 1000
             for first in range(1, CAP + 1, SLOTS):
                 seq = {s: list(range(nxt + 100 * s, nxt + 100 * s + first + s)) for s in range(SLOTS)}

@@ -43,11 +43,11 @@ def test_a_protocol_1_peer_is_refused_by_version():
         wire.decode_header(bytes(frame))
 
 
-def test_the_protocol_is_version_6_and_a_version_5_peer_is_refused():
-    assert wire.PROTOCOL_VERSION == 6  # 6: sampled drafts (tests/wire/test_round.py, test_drafts.py)
+def test_the_protocol_is_version_7_and_a_version_6_peer_is_refused():
+    assert wire.PROTOCOL_VERSION == 7  # 7: HELLO_ACK's round cap, vocabulary and limits (tests/wire/test_hello.py)
     frame = bytearray(wire.encode_bye())
-    struct.pack_into("<H", frame, 4, 5)
-    with pytest.raises(wire.VersionMismatch, match="protocol version 5, this side speaks 6"):
+    struct.pack_into("<H", frame, 4, 6)
+    with pytest.raises(wire.VersionMismatch, match="protocol version 6, this side speaks 7"):
         wire.decode_header(bytes(frame))
 
 

@@ -2,7 +2,8 @@
 sampled caps (protocol 6); a HELLO with or without the engine's nonce (protocol 5,
 authentication); HELLO_ACK's context_tokens, the context a worker keeps per slot,
 round-tripped and held to the wire's caps on decode (0 is no answer from an accepting
-worker); the identities' hex form."""
+worker); HELLO_ACK's round cap, vocabulary and limits (protocol 7), the same way;
+the identities' hex form."""
 
 from __future__ import annotations
 
@@ -146,13 +147,63 @@ def test_a_refusal_carries_any_context_within_the_cap(code, context):
     assert wire.decode_hello_ack(split(wire.encode_hello_ack(a, 1))[1]) == a
 
 
-def test_the_context_is_the_u32_after_the_identities():
-    payload = split(wire.encode_hello_ack(wire.HelloAck(wire.ACCEPT, *IDS, context_tokens=256), 1))[1]
-    assert wire.ACK_STRUCT.size == 72 and struct.unpack_from("<I", payload, 68) == (256,)
+def test_the_context_is_the_u32_after_the_identities_then_the_round_cap_vocabulary_and_limits():
+    ack = wire.HelloAck(
+        wire.ACCEPT, *IDS, context_tokens=256, round_tokens=40, vocab_size=50257, max_slots=8,
+        max_row_bytes=4, max_round_bytes=9000,
+    )  # fmt: skip
+    payload = split(wire.encode_hello_ack(ack, 1))[1]
+    assert wire.ACK_STRUCT.size == 92 and struct.unpack_from("<6I", payload, 68) == (256, 40, 50257, 8, 4, 9000)
 
 
-def _ack_payload(accept: int, code: int, context: int) -> bytes:
-    return wire.ACK_STRUCT.pack(accept, code, 0, *IDS, context)
+def _ack_payload(accept: int, code: int, context: int, *limits: int) -> bytes:
+    fields = limits or (wire.MAX_TOKENS, 0, wire.MAX_ENTRIES, wire.MAX_ROW_BYTES, wire.MAX_PAYLOAD)
+    return wire.ACK_STRUCT.pack(accept, code, 0, *IDS, context, *fields)
+
+
+LIMITS = st.tuples(
+    st.integers(1, wire.MAX_TOKENS),
+    st.integers(0, wire.MAX_VOCAB),
+    st.integers(0, wire.MAX_ENTRIES),
+    st.integers(0, wire.MAX_ROW_BYTES),
+    st.integers(0, wire.MAX_PAYLOAD),
+)
+NAMES = ("round_tokens", "vocab_size", "max_slots", "max_row_bytes", "max_round_bytes")
+
+
+@given(st.sampled_from(range(7)), st.integers(1, wire.MAX_CONTEXT), LIMITS)
+def test_the_round_cap_vocabulary_and_limits_round_trip(code, context, limits):
+    a = wire.HelloAck(code, *IDS, "r", context, **dict(zip(NAMES, limits)))
+    assert wire.decode_hello_ack(split(wire.encode_hello_ack(a, 5))[1]) == a
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("round_tokens", wire.MAX_TOKENS + 1),
+        ("vocab_size", wire.MAX_VOCAB + 1),
+        ("max_slots", wire.MAX_ENTRIES + 1),
+        ("max_row_bytes", wire.MAX_ROW_BYTES + 1),
+        ("max_round_bytes", wire.MAX_PAYLOAD + 1),
+    ],
+)
+@pytest.mark.parametrize("accept,code", [(1, wire.ACCEPT), (0, wire.REFUSE_LIMITS)])
+def test_a_limit_out_of_range_is_refused_by_name_both_ways(name, value, accept, code):
+    fields = dict(zip(NAMES, (wire.MAX_TOKENS, 0, wire.MAX_ENTRIES, wire.MAX_ROW_BYTES, wire.MAX_PAYLOAD)))
+    fields[name] = value
+    with pytest.raises(wire.ProtocolError, match=f"HELLO_ACK {name} {value} not in [01]\\.\\."):
+        wire.decode_hello_ack(_ack_payload(accept, code, 64, *fields.values()))
+    with pytest.raises(ValueError, match=f"HELLO_ACK {name} {value} not in"):
+        wire.encode_hello_ack(wire.HelloAck(code, *IDS, context_tokens=64, **fields), 1)
+
+
+def test_an_accepting_ack_takes_at_least_one_token_a_round_and_a_refusal_may_say_none():
+    no_tokens = (0, 0, wire.MAX_ENTRIES, wire.MAX_ROW_BYTES, wire.MAX_PAYLOAD)
+    with pytest.raises(wire.ProtocolError, match=r"HELLO_ACK round_tokens 0 not in 1\.\..*at least one token"):
+        wire.decode_hello_ack(_ack_payload(1, wire.ACCEPT, 64, *no_tokens))
+    assert wire.decode_hello_ack(_ack_payload(0, wire.REFUSE_LIMITS, 64, *no_tokens)).round_tokens == 0
+    with pytest.raises(ValueError, match="HELLO_ACK round_tokens 0 not in 1"):
+        wire.encode_hello_ack(wire.HelloAck(wire.ACCEPT, *IDS, round_tokens=0), 1)
 
 
 def test_decode_refuses_an_accepting_ack_of_no_context():

@@ -168,7 +168,7 @@ def test_an_unsampled_round_is_protocol_5_s_bytes_but_for_the_version(r):
     )
     header_v5 = struct.pack("<4sHHIQI", b"DSPW", 5, wire.ROUND, len(v5), 5, round_id)
     assert frame[:4] + frame[6:] == header_v5[:4] + header_v5[6:] + v5
-    assert struct.unpack_from("<H", frame, 4) == (6,)
+    assert struct.unpack_from("<H", frame, 4) == (wire.PROTOCOL_VERSION,)
     assert wire.round_sections(n, t, row_bytes) == wire.round_sections(n, t, row_bytes, sampled=False)
     assert wire.round_meta_bytes(n) == 20 + 20 * n
     assert wire.decode_round(*split(frame)).temperature is None

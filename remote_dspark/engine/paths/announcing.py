@@ -3,11 +3,13 @@ sends (sync or the hand-off) and gives it, of each batch, the round its
 :class:`~..values.announce.Announcer` plans: long NEW_GEN contexts go over the next
 rounds in chunks at their true positions (the rule is :mod:`..values.announce`'s).
 
-Most rounds go as they are: with nothing held and a batch of no more tokens than a
-round's budget (its tokens' *shape*, before any cut), nothing is read and nothing is
-planned. Otherwise the batch's metadata is checked and cut on the host, planned, and
-the planned round goes to the inner path as a batch of host arrays (its rows, index and
-sampling fields as given), which the inner path writes as any other.
+A round's budget is the smaller of ``round_tokens`` and the most the worker's HELLO_ACK
+said it takes in a round (``Spec.round_budget``), read once per round. Most rounds go as
+they are: with nothing held and a batch of no more tokens than the budget (its tokens'
+*shape*, before any cut), nothing is read and nothing is planned. Otherwise the batch's
+metadata is checked and cut on the host, planned, and the planned round goes to the
+inner path as a batch of host arrays (its rows, index and sampling fields as given),
+which the inner path writes as any other.
 
 ``launch()`` never reads metadata on the host: it takes its decision from what the host
 has (the held slots' count and the batch's shapes). A batch whose metadata is on the
@@ -46,11 +48,12 @@ class AnnouncingPath:
     def __init__(self, inner: Path, spec: Spec):
         self.inner, self.spec = inner, spec
         self.users = inner.users
-        self.announcer = Announcer(spec.max_slots, spec.context_tokens, spec.max_tokens)
+        self.announcer = Announcer(spec.max_slots, spec.context_tokens)
         self._answering = False  # inside a launch() that blocks: its round() is planned already
 
     wait_cpu_s = property(lambda self: self.inner.wait_cpu_s)
     acked_context = property(lambda self: self.inner.acked_context)
+    acked_round_tokens = property(lambda self: self.inner.acked_round_tokens)
 
     @property
     def supervisor(self) -> Supervisor | None:
@@ -103,19 +106,21 @@ class AnnouncingPath:
             ValueError: ``host_meta``'s, naming the field; in stream (``launch()``), a
                 batch whose metadata is on the device and may need chunking."""
         a, spec = self.announcer, self.spec
-        if a.fits(int(batch.tokens.shape[0])):
+        budget = spec.round_budget(self.inner.acked_round_tokens)  # once: the check and the plan agree
+        if a.fits(int(batch.tokens.shape[0]), budget):
             return batch, ()
         if batch.meta_on_device:
             if in_stream:
                 raise ValueError(
-                    f"round_tokens={a.budget}: a launch() whose metadata is on the device goes as it is only "
-                    f"within a round's tokens and with no slot still being announced (this batch: "
+                    f"round_tokens={spec.max_tokens}: a launch() whose metadata is on the device goes as it is "
+                    f"only within a round's tokens ({budget}: round_tokens or the worker's cap on a round's "
+                    f"tokens, the smaller) and with no slot still being announced (this batch: "
                     f"{int(batch.tokens.shape[0])} tokens; slots still being announced: {a.pending}); give "
                     "this batch's metadata on the host (launch() then chunks it there) or a larger round_tokens"
                 )
             batch = meta_to_host(batch)  # round() blocks anyway
         acked = self.inner.acked_context  # once: the cut and the check agree
-        plan = a.plan(spec.meta(batch, acked, max_tokens=spec.batch_tokens), spec.context_cut(acked))
+        plan = a.plan(spec.meta(batch, acked, max_tokens=spec.batch_tokens), spec.context_cut(acked), budget)
         m = plan.meta
         planned = Batch(
             slots=m.slots,

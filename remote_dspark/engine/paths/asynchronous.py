@@ -42,6 +42,10 @@ class AsyncPath:
     def acked_context(self) -> int:
         return self.handoff.acked_context()
 
+    @property
+    def acked_round_tokens(self) -> int:
+        return self.handoff.acked_round_tokens()
+
     def start(self) -> None:
         self.host.start()
 

@@ -38,6 +38,11 @@ class Path(Protocol):
         """The context tokens per slot the worker's HELLO_ACK named, for the connection
         the next round goes out on; 0 while none has (``Spec.context_cut``)."""
 
+    @property
+    def acked_round_tokens(self) -> int:
+        """The most tokens a round may carry that the worker's HELLO_ACK named, for the
+        connection the next round goes out on; 0 while none has (``Spec.round_budget``)."""
+
     def start(self) -> None:
         """Open what the path needs (a connection, the proxy); once, before any round."""
 
@@ -66,7 +71,7 @@ class NothingOpen:
 
     supervisor: Supervisor | None = None
     wait_cpu_s = 0.0
-    acked_context = 0  # no HELLO_ACK here
+    acked_context = acked_round_tokens = 0  # no HELLO_ACK here
 
     def __init__(self) -> None:
         self.users = Users(lambda: None)

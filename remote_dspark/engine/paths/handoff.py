@@ -221,6 +221,12 @@ class Handoff:
         proxy has had one on its connection (``Spec.context_cut``)."""
         return self.end.header.context_tokens
 
+    def acked_round_tokens(self) -> int:
+        """The most tokens a round may carry that the serving proxy's worker named in its
+        HELLO_ACK: the region's ``round_tokens`` word (as ``context_tokens``); 0 while
+        none (``Spec.round_budget``)."""
+        return self.end.header.round_tokens
+
     def _write_device_meta(self, batch: Batch, i: int, deadline_ms: int, context_tokens: int) -> None:
         """Write metadata that lives on the device into descriptor ``i`` in stream order
         (``device_meta.write_meta_in_stream``), with no host sync; the fixed part is the host's.

@@ -42,6 +42,7 @@ class RedrawPath:
 
     wait_cpu_s = property(lambda self: self.inner.wait_cpu_s)
     acked_context = property(lambda self: self.inner.acked_context)
+    acked_round_tokens = property(lambda self: self.inner.acked_round_tokens)
 
     @property
     def supervisor(self) -> Supervisor | None:

@@ -39,6 +39,11 @@ class SyncPath:
         so the round cut with it goes out on that connection or on none)."""
         return self.link.context_tokens
 
+    @property
+    def acked_round_tokens(self) -> int:
+        """The link's, as :attr:`acked_context`."""
+        return self.link.round_tokens
+
     def __init__(self, spec: Spec):
         self.spec = spec
         cfg = spec.cfg

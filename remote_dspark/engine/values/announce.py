@@ -1,7 +1,8 @@
 """Long contexts announced in chunks: what each slot has still to announce, and the
 round that announces the next part of it (:class:`Announcer`).
 
-A round carries at most ``round_tokens`` tokens (``Spec.max_tokens``). A batch that
+A round carries at most its budget: ``round_tokens`` (``Spec.max_tokens``), or fewer when
+the worker takes fewer (``Spec.round_budget``), given to each call. A batch that
 carries more (a burst of new requests, every slot re-announced after ``resync_all``)
 goes out over the next rounds, each of its entries at its true positions:
 
@@ -78,8 +79,8 @@ class Announcer:
     number of slots not IDLE; ``owing`` the number of slots owed.
     """
 
-    def __init__(self, max_slots: int, cap: int, budget: int):
-        self.budget, self.cap = budget, cap
+    def __init__(self, max_slots: int, cap: int):
+        self.cap = cap
         self.state = np.zeros(max_slots, np.int8)
         self.since = np.zeros(max_slots, np.int64)
         self.start = np.zeros(max_slots, np.int64)
@@ -113,14 +114,14 @@ class Announcer:
         self.owed[slots] = False
         self.owing = int(np.count_nonzero(self.owed))
 
-    def fits(self, n_tokens: int) -> bool:
+    def fits(self, n_tokens: int, budget: int) -> bool:
         """Whether a batch of ``n_tokens`` tokens (before any cut) goes as it is: nothing
-        held and within a round's budget. Reads no value of the batch."""
-        return not self.pending and n_tokens <= self.budget
+        held and within the round's ``budget``. Reads no value of the batch."""
+        return not self.pending and n_tokens <= budget
 
-    def plan(self, meta: HostMeta, cut: int) -> Planned:
-        """The round of a batch's checked metadata ``meta`` (NEW_GEN contexts cut to
-        ``cut``, at most ``cap``), and the slots' state after it."""
+    def plan(self, meta: HostMeta, cut: int, budget: int) -> Planned:
+        """The round of at most ``budget`` tokens of a batch's checked metadata ``meta``
+        (NEW_GEN contexts cut to ``cut``, at most ``cap``), and the slots' state after it."""
         s, n = meta.slots, meta.n
         lens = np.diff(meta.offsets)
         g = meta.new_gen
@@ -135,7 +136,7 @@ class Announcer:
         self.rounds += 1
         arrival = self.rounds * len(self.state) + np.arange(n)  # this round's, in batch order
         key = np.where(g, arrival, np.where(follows, self.since[s], 0))
-        grant = _grants(queue, key, self.budget)
+        grant = _grants(queue, key, budget)
         tokens, e, j = self._queues(meta, s, carried, drop, queue)
         rest = queue - grant
         keep = np.minimum(rest, cut)
