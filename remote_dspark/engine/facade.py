@@ -311,7 +311,7 @@ class RemoteDSpark:
         Raises:
             ValueError: naming the field that is wrong.
         """
-        return self.spec.meta(batch, self._path.acked_context)
+        return self.spec.meta(batch, self._path.acked_context, max_tokens=self.spec.batch_tokens)
 
     @property
     def wait_cpu_s(self) -> float:

@@ -10,10 +10,13 @@ could never fit a call (:mod:`.limits`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
 from ..drafter.contract import DraftBatch, DraftResult, context_read_of, encodes_of, keeps_streams_of
+
+log = logging.getLogger("remote_dspark.worker")
 
 
 def entry_cost(context, width: int, context_read: int | None):
@@ -48,9 +51,22 @@ class Charge:
 
     def costs(self, batch: DraftBatch) -> np.ndarray:
         """[n] int64: each entry's cost in a call (the class docstring)."""
+        reads = None
         if self._encodes is not None:
-            reads = np.asarray(self._encodes(batch), np.int64)
-        else:
+            # The drafter's own code, run under the scheduler's lock: whatever it raises or
+            # returns amiss costs this round its estimate (a whole read), never the
+            # scheduler (the call itself then fails only its own rounds, if it must).
+            try:
+                reads = np.asarray(self._encodes(batch), np.int64)
+            except Exception as e:
+                log.warning("the drafter's encodes() raised %r: the round is charged its whole contexts", e)
+            else:
+                if reads.shape != (len(batch),):
+                    log.warning(
+                        "the drafter's encodes() gave shape %s for %d entries: ignored", reads.shape, len(batch)
+                    )
+                    reads = None
+        if reads is None:
             reads = entry_cost(np.diff(batch.offsets), 0, self.context_read) - 1
         return np.maximum(1, reads + np.where(batch.n_out > 0, batch.width, 0)).astype(np.int64)
 

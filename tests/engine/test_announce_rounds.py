@@ -237,6 +237,31 @@ def test_launch_chunks_host_metadata_and_refuses_device_metadata_that_needs_it(t
                           tokens=torch.as_tensor(small.tokens).to("meta")), None)  # fmt: skip
 
 
+def on_device(batch: Batch) -> Batch:
+    """``batch`` with its tokens on torch's "meta" device: metadata the host cannot read."""
+    return Batch(**{f: getattr(batch, f) for f in ("slots", "token_offsets", "positions", "new_gen")},
+                 tokens=torch.as_tensor(batch.tokens).to("meta"))  # fmt: skip
+
+
+def test_device_metadata_goes_as_it_is_when_the_budget_holds_any_cut_batch(tmp_path):
+    """The default round_tokens holds every slot's whole context at the default cap: a
+    burst of new requests longer than the cap, more tokens before the cut than a round,
+    is launched as it is (the device cuts it), never refused."""
+    spec = engine(env_for(1, tmp_path), max_slots=8).spec
+    path = AnnouncingPath(Sent(), spec)
+    burst = on_device(Batch.from_lists(list(range(8)), [range(100)] * 8, [0] * 8, [True] * 8))
+    assert int(burst.tokens.shape[0]) > spec.max_tokens  # 800 tokens before the cut, 8 x 64 after
+    assert path.launch(burst, None).announcing == () and path.inner.batches[-1] is burst
+
+
+def test_meta_checks_a_batch_as_round_takes_it(tmp_path):
+    """``rd.meta`` holds a batch to what a batch may carry (its rounds chunk it), as
+    ``round()`` does, not to one round's tokens."""
+    with engine(env_for(1, tmp_path), round_tokens=BUDGET) as rd:
+        meta = rd.meta(Batch.from_lists([0, 1], [range(30), range(30)], [0, 0], [True, True]))
+    assert meta.offsets.tolist() == [0, 30, 60]
+
+
 class Answering(Sent):
     """Records the batches it is given; answers each OK, losing the slots it is told to."""
 

@@ -77,3 +77,31 @@ def test_a_hello_whose_window_is_over_the_budget_is_served_by_a_drafter_that_enc
     plain = LMDrafter(device="cpu", cache_slots=0, window=200)
     assert "costs 203 tokens" in hello_refusal(plain, Limits(window=200), hello, 200, call_tokens=BUDGET)[1]
     assert Charge(plain).most(200, WIDTH) == 203 and Charge(lm).most(200, WIDTH) == 1 + WIDTH
+
+
+class Failing(Gated):
+    """A drafter whose ``encodes`` raises (for session 2's rounds) or answers the wrong
+    shape (session 3's): its own code, run under the scheduler's lock."""
+
+    def encodes(self, batch):
+        session = int(np.atleast_1d(batch.sessions())[0])
+        if session == 2:
+            raise RuntimeError("encodes broke")
+        return np.zeros(len(batch) + 1, np.int64) if session == 3 else np.full(len(batch), 1, np.int64)
+
+
+def test_a_drafter_whose_encodes_fails_costs_its_rounds_an_estimate_never_the_scheduler():
+    """What ``encodes`` raises or returns amiss charges that round its whole contexts: the
+    round is drafted, and so is every other engine's, before and after."""
+    from helpers import COUNTING
+
+    from remote_dspark.drafter.markov import MarkovDrafter
+
+    s = Scheduler(Failing(MarkovDrafter(COUNTING)), max_entries=16, max_tokens=BUDGET).start()
+    try:
+        for session in (1, 2, 3, 1):
+            out = s.draft(session, stream_batch(session, [0], [[1, 2, 3]], width=WIDTH))
+            assert out is not None and len(out.counts) == 1, session
+        assert not s._busy
+    finally:
+        s.stop()

@@ -13,9 +13,12 @@ which the inner path writes as any other.
 
 ``launch()`` never reads metadata on the host: it takes its decision from what the host
 has (the held slots' count and the batch's shapes). A batch whose metadata is on the
-host is planned there as for ``round()``; one whose metadata is on the device and that
-may need chunking (more tokens than a round's budget, or slots still held) is refused
-with a ``ValueError`` naming ``round_tokens``: chunking on the device is a later step.
+host is planned there as for ``round()``; one whose metadata is on the device goes as it
+is when nothing is held and the budget holds any batch once its contexts are cut on the
+device (``max_slots x (cut + num_spec + 1)``: the default ``round_tokens`` does); one
+that may need chunking (a smaller budget with more tokens than it, or slots still held)
+is refused with a ``ValueError`` naming ``round_tokens``: chunking on the device is a
+later step.
 
 Each answer's lost slots (RESYNC, ``resync_all``) are told to the announcer, which counts
 the NEW_GEN entries that re-announce them (:class:`~..observe.stats.AnnounceStats`,
@@ -106,9 +109,15 @@ class AnnouncingPath:
             ValueError: ``host_meta``'s, naming the field; in stream (``launch()``), a
                 batch whose metadata is on the device and may need chunking."""
         a, spec = self.announcer, self.spec
-        budget = spec.round_budget(self.inner.acked_round_tokens)  # once: the check and the plan agree
+        # Once each, the context first (HeaderWords.set_acked stores the cap before it):
+        # the cut, the check and the plan agree.
+        acked = self.inner.acked_context
+        budget = spec.round_budget(self.inner.acked_round_tokens)
         if a.fits(int(batch.tokens.shape[0]), budget):
             return batch, ()
+        cut = spec.context_cut(acked)
+        if batch.meta_on_device and not a.pending and budget >= spec.max_slots * (cut + spec.num_spec + 1):
+            return batch, ()  # any batch, its contexts cut on the device, fits: it goes as it is
         if batch.meta_on_device:
             if in_stream:
                 raise ValueError(
@@ -119,8 +128,7 @@ class AnnouncingPath:
                     "this batch's metadata on the host (launch() then chunks it there) or a larger round_tokens"
                 )
             batch = meta_to_host(batch)  # round() blocks anyway
-        acked = self.inner.acked_context  # once: the cut and the check agree
-        plan = a.plan(spec.meta(batch, acked, max_tokens=spec.batch_tokens), spec.context_cut(acked), budget)
+        plan = a.plan(spec.meta(batch, acked, max_tokens=spec.batch_tokens), cut, budget)
         m = plan.meta
         planned = Batch(
             slots=m.slots,
