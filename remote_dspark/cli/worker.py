@@ -105,7 +105,7 @@ def add_parser(sub) -> None:
         "once it proves it holds the same key (its VLLM_DSPARK_REMOTE_KEY_FILE), this worker "
         "proves it too, and a failure is refused 'auth'; no cost per round. The file holds at "
         f"least {MIN_KEY} bytes (whitespace around them ignored) and must be this user's or root's, "
-        "mode 0600 or stricter, not a link, in a directory, not a link, only its owner may write "
+        "mode 0600 or stricter, not a link, in a directory (not a link) only its owner may write "
         "(else the worker does not start, exit 2): (umask 077; openssl "
         "rand -hex 32 > PATH). Default: none, every peer that reaches the port is served",
     )
