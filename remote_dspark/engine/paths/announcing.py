@@ -34,36 +34,24 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ...supervisor.restarts import Supervisor
 from ..observe.stats import AnnounceStats, PathStats
 from ..spec import Spec
 from ..values.announce import Announcer
 from ..values.batch import Batch, meta_to_host
 from ..values.drafts import Drafts, Launched
-from .base import Path
+from .base import Path, Wrapping
 
 
-class AnnouncingPath:
+class AnnouncingPath(Wrapping):
     """A :class:`~.base.Path` whose rounds are planned by one :class:`Announcer` (this
     path its one owner; the engine thread its one caller); every other call goes to
     ``inner`` as it is."""
 
     def __init__(self, inner: Path, spec: Spec):
-        self.inner, self.spec = inner, spec
-        self.users = inner.users
+        super().__init__(inner)
+        self.spec = spec
         self.announcer = Announcer(spec.max_slots, spec.context_tokens)
         self._answering = False  # inside a launch() that blocks: its round() is planned already
-
-    wait_cpu_s = property(lambda self: self.inner.wait_cpu_s)
-    acked_context = property(lambda self: self.inner.acked_context)
-    acked_round_tokens = property(lambda self: self.inner.acked_round_tokens)
-
-    @property
-    def supervisor(self) -> Supervisor | None:
-        return self.inner.supervisor
-
-    def start(self) -> None:
-        self.inner.start()
 
     def round(self, batch: Batch) -> Drafts:
         if self._answering:  # a blocking launch's answer: its batch is the planned round
@@ -84,9 +72,6 @@ class AnnouncingPath:
         self._answered(batch, planned, launched.resync, launched.resync_all)
         launched.announcing = announcing
         return launched
-
-    def stop(self, limit_s: float) -> None:
-        self.inner.stop(limit_s)
 
     def stats(self) -> PathStats:
         a = self.announcer

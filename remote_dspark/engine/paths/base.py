@@ -6,6 +6,10 @@ by, whatever the mode. Its kinds:
     FollowerPath  (ranks)       a tensor-parallel rank other than 0: rank 0's answers
     NothingOpen   (here)        before start(), or after a start that opened nothing
     RedrawPath    (redraw)      SAMPLED_REDRAW=1: wraps rank 0's path, its drafts redrawn
+    AnnouncingPath (announcing) wraps the sending path: long contexts in chunks
+
+Both wrappers extend :class:`Wrapping` (here), which passes every call on to the path it
+wraps; each overrides only what it changes.
 
 The facade picks the kind once (at start, by the mode) and from then on only calls it.
 """
@@ -90,3 +94,35 @@ class NothingOpen:
 
     def stats(self) -> PathStats:
         return PathStats(LinkStats.none())
+
+
+class Wrapping:
+    """A path around ``inner``: every call goes to it as it is (a wrapper overrides what
+    it changes); the users are ``inner``'s, so the facade's accounting is the same."""
+
+    def __init__(self, inner: Path):
+        self.inner = inner
+        self.users = inner.users
+
+    wait_cpu_s = property(lambda self: self.inner.wait_cpu_s)
+    acked_context = property(lambda self: self.inner.acked_context)
+    acked_round_tokens = property(lambda self: self.inner.acked_round_tokens)
+
+    @property
+    def supervisor(self) -> Supervisor | None:
+        return self.inner.supervisor
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def round(self, batch: Batch) -> Drafts:
+        return self.inner.round(batch)
+
+    def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
+        return self.inner.launch(batch, answer, out, status)
+
+    def stop(self, limit_s: float) -> None:
+        self.inner.stop(limit_s)
+
+    def stats(self) -> PathStats:
+        return self.inner.stats()

@@ -23,33 +23,19 @@ from collections.abc import Callable
 
 import torch
 
-from ...supervisor.restarts import Supervisor
-from ..observe.stats import PathStats
 from ..sampler import redraw
 from ..values.batch import Batch
 from ..values.drafts import Drafts, Launched
-from .base import Path
+from .base import Path, Wrapping
 
 
-class RedrawPath:
+class RedrawPath(Wrapping):
     """A :class:`~.base.Path` whose sampled drafts are redrawn (module docstring); every
     other call goes to ``inner`` as it is."""
 
     def __init__(self, inner: Path):
-        self.inner = inner
-        self.users = inner.users
+        super().__init__(inner)
         self._generators: dict[torch.device, torch.Generator] = {}
-
-    wait_cpu_s = property(lambda self: self.inner.wait_cpu_s)
-    acked_context = property(lambda self: self.inner.acked_context)
-    acked_round_tokens = property(lambda self: self.inner.acked_round_tokens)
-
-    @property
-    def supervisor(self) -> Supervisor | None:
-        return self.inner.supervisor
-
-    def start(self) -> None:
-        self.inner.start()
 
     def round(self, batch: Batch) -> Drafts:
         d = self.inner.round(batch)
@@ -77,12 +63,6 @@ class RedrawPath:
             launched.counts.copy_(counts)
             _zero_past(launched.counts, launched.q_ids, launched.q_weights)
         return launched
-
-    def stop(self, limit_s: float) -> None:
-        self.inner.stop(limit_s)
-
-    def stats(self) -> PathStats:
-        return self.inner.stats()
 
     def _redraw(self, tokens, counts, q_ids, q_weights) -> tuple[torch.Tensor, torch.Tensor]:
         if q_ids is None or q_weights is None:
