@@ -94,12 +94,12 @@ class AnnouncingPath(Wrapping):
             ValueError: ``host_meta``'s, naming the field; in stream (``launch()``), a
                 batch whose metadata is on the device and may need chunking."""
         a, spec = self.announcer, self.spec
+        if a.fits(int(batch.tokens.shape[0]), spec.round_budget(self.inner.acked_round_tokens)):
+            return batch, ()  # (the common round: one word read, nothing planned)
         # Once each, the context first (HeaderWords.set_acked stores the cap before it):
         # the cut, the check and the plan agree.
         acked = self.inner.acked_context
         budget = spec.round_budget(self.inner.acked_round_tokens)
-        if a.fits(int(batch.tokens.shape[0]), budget):
-            return batch, ()
         cut = spec.context_cut(acked)
         if batch.meta_on_device and not a.pending and budget >= spec.max_slots * (cut + spec.num_spec + 1):
             return batch, ()  # any batch, its contexts cut on the device, fits: it goes as it is
