@@ -72,6 +72,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # the arrays are numpy's; the functions that make them import it, so
     import numpy as np  # this package (and the Markov model) imports without numpy
 
+    from .streams import TokenReader
+
 
 @dataclass(frozen=True)
 class DraftBatch:
@@ -106,6 +108,12 @@ class DraftBatch:
     # entry's temperature (0: greedy) and seed. None: a greedy round, no distributions.
     temperature: np.ndarray | None = None  # [n] float32, >= 0 and finite
     seed: np.ndarray | None = None  # [n] uint64
+    # Whole streams (:mod:`remote_dspark.drafter.streams`): the worker still holds entry
+    # i's stream tokens from stream index ``kept_from[i]`` (0: its first since its NEW_GEN)
+    # up to ``lengths[i]``, the context their last ones, read through ``history`` (the
+    # worker's one reader for every session). None: the contexts only.
+    kept_from: np.ndarray | None = None  # [n] int64
+    history: TokenReader | None = None
 
     def __len__(self) -> int:
         return len(self.n_out)
@@ -181,6 +189,7 @@ class DraftBatch:
             positions=pick(self.positions),
             temperature=pick(self.temperature),
             seed=pick(self.seed),
+            kept_from=pick(self.kept_from),
         )
 
 

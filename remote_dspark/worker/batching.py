@@ -15,6 +15,7 @@ import logging
 import numpy as np
 
 from ..drafter.contract import DraftBatch, DraftResult, context_read_of, encodes_of, keeps_streams_of
+from ..drafter.streams import kept
 
 log = logging.getLogger("remote_dspark.worker")
 
@@ -112,6 +113,8 @@ def merge(batches: list[DraftBatch]) -> DraftBatch:
         positions=np.concatenate([b.starts() for b in batches]),
         temperature=np.concatenate([b.temperature for b in batches]) if batches[0].sampled else None,
         seed=np.concatenate([b.seed for b in batches]) if batches[0].sampled else None,
+        kept_from=np.concatenate([kept(b) for b in batches]) if batches[0].history is not None else None,
+        history=batches[0].history,  # the worker's one reader, every session's
     )
 
 
