@@ -72,8 +72,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # the arrays are numpy's; the functions that make them import it, so
     import numpy as np  # this package (and the Markov model) imports without numpy
 
-    from .streams import TokenReader
-
 
 @dataclass(frozen=True)
 class DraftBatch:
@@ -113,7 +111,7 @@ class DraftBatch:
     # up to ``lengths[i]``, the context their last ones, read through ``history`` (the
     # worker's one reader for every session). None: the contexts only.
     kept_from: np.ndarray | None = None  # [n] int64
-    history: TokenReader | None = None
+    history: object | None = None  # a remote_dspark.drafter.streams.TokenReader
 
     def __len__(self) -> int:
         return len(self.n_out)
@@ -234,6 +232,9 @@ class CacheInfo:
     bytes: int  # memory the cache holds
     hits: int  # entries drafted from cached state (monotonic)
     misses: int  # entries that encoded their whole context (monotonic)
+    blocks_used: int = 0  # a paged KV's blocks holding streams now
+    blocks_free: int = 0  # and free
+    evicted: int = 0  # streams whose KV was evicted for room (monotonic)
 
 
 def context_read_of(drafter) -> int | None:

@@ -55,13 +55,36 @@ def connect(port: int, h: wire.Hello, session: int = 1) -> DraftClient:
     return DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{port}"), h, session, 5.0)
 
 
+class WholeStreams:
+    """A worker's reader of whole streams (``DraftBatch.history``) for scripted sessions:
+    each (session, slot)'s tokens since its NEW_GEN, all kept; ``reads`` counts its reads."""
+
+    def __init__(self):
+        self.tokens, self.reads = {}, 0
+
+    def record(self, session, slot, tokens, new_gen):
+        if new_gen:
+            self.tokens[session, slot] = []
+        self.tokens.setdefault((session, slot), []).extend(int(t) for t in tokens)
+
+    def read(self, sessions, slots, first, stop):
+        self.reads += 1
+        parts = [self.tokens[int(s), int(t)][int(f) : int(e)] for s, t, f, e in zip(sessions, slots, first, stop)]
+        offsets = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(p) for p in parts], out=offsets[1:])
+        return np.array([t for p in parts for t in p], np.int32), offsets
+
+
 class Engine:
     """A scripted engine side of one session: the ROUND arrays the worker would decode,
-    through a real ``Windows``, made into the worker's DraftBatch."""
+    through a real ``Windows``, made into the worker's DraftBatch; with ``whole`` (a
+    :class:`WholeStreams`) the batch names each stream's whole sequence too, as a worker
+    serving a drafter that keeps streams does."""
 
-    def __init__(self, window: int, max_slots: int = 6):
+    def __init__(self, window: int, max_slots: int = 6, whole: WholeStreams | None = None):
         self.windows = Windows(max_slots, window)
         self.next = {}  # slot -> next position
+        self.whole = whole
 
     def batch(self, entries, width):
         """entries: (slot, tokens, new_gen, gap[, position of a NEW_GEN, 0 by default])
@@ -77,8 +100,10 @@ class Engine:
         offsets[1:] = np.cumsum(lens)
         tokens = np.concatenate([np.asarray(e[1], np.int32) for e in entries])
         adv = self.windows.advance(slots, positions, new_gen, offsets, tokens)
-        for (slot, toks, *_), pos in zip(entries, positions.tolist()):
+        for (slot, toks, new, *_), pos, ok in zip(entries, positions.tolist(), adv.ok):
             self.next[slot] = pos + len(toks)
+            if self.whole is not None and ok:
+                self.whole.record(self.windows.serial, slot, toks, new)
         m = len(adv.slots)
         return DraftBatch(
             adv.tokens,
@@ -92,6 +117,8 @@ class Engine:
             gens=adv.gens,
             lengths=adv.lengths,
             positions=adv.starts,
+            kept_from=None if self.whole is None else np.zeros(m, np.int64),
+            history=self.whole,
         ), adv.ok
 
 
@@ -110,8 +137,8 @@ class Streams:
     (RESYNC: the slot is forgotten). Keeps each slot's whole sequence, so a test can
     encode any span of it afresh."""
 
-    def __init__(self, window: int, max_slots: int = 4):
-        self.engine = Engine(window, max_slots)
+    def __init__(self, window: int, max_slots: int = 4, whole: bool = False):
+        self.engine = Engine(window, max_slots, WholeStreams() if whole else None)
         self.seq = {}  # slot -> (position of its first token, its tokens)
 
     def round(self, ops, width):

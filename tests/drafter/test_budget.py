@@ -157,8 +157,7 @@ def test_at_most_max_graphs_are_kept_the_least_recently_replayed_evicted(monkeyp
             self.out.copy_(rounds._round(self.inp, self.shape))
 
     def capture(shape):
-        entries, queries, _, sampled = shape
-        inp = torch.zeros(3 * entries * queries + (6 if sampled else 3) * entries, dtype=torch.long)
+        inp = rounds.blank(shape)
         out = rounds._round(inp, shape)
         rounds.graphs[shape] = (Replay(inp, shape, out), inp, out)
 

@@ -51,7 +51,7 @@ def test_hf_model_drafts_batched_as_one_entry_at_a_time(hf_dir, hf_drafter):
     from remote_dspark.drafter.lm.hf import dir_identity
 
     d = hf_drafter
-    assert d.vocab_size == 128 and d.markov_identity == bytes(32) and d.max_width == 2 * 16 + 16 - 16
+    assert d.vocab_size == 128 and d.markov_identity == bytes(32) and d.max_width == d.columns - 16 == 48
     with pytest.raises(ValueError, match=r"^--hf-model .* \(--lm-device cpu\): the model has 64 positions, fewer"):
         load_drafter(None, hf_model=str(hf_dir), lm_device="cpu", window=64)
     assert d.drafter_identity == dir_identity(hf_dir) and len(d.drafter_identity) == 32

@@ -1,10 +1,10 @@
 """The transformers drafter's KV cache per stream (remote_dspark.drafter.lm.hf_model drives a
 transformers model as the built-in model drafter drives its own):
 for a tiny GPT-2 (learned positions) and a tiny Llama (rotary, grouped KV heads), saved
-by the test, the cached drafts equal the model's own greedy continuation of what the
-row holds, encoded afresh at the same absolute positions, through the worker's own
-windows: appends, NEW_GEN anywhere in a sequence, RESYNC, evictions, several sessions,
-contexts past the window. CPU float32."""
+by the test, the cached drafts equal the model's own greedy continuation of the
+stream's whole sequence, encoded afresh at the same absolute positions, through the
+worker's own windows: appends, NEW_GEN anywhere in a sequence, RESYNC, evictions,
+several sessions, streams past the window. CPU float32."""
 
 import numpy as np
 import pytest
@@ -58,39 +58,40 @@ def greedy(model, tokens, start: int, n: int) -> tuple[list[int], list[float]]:
     return seq[len(tokens) :], margins
 
 
-def drafter_of(model_dir, window: int, cache_slots: int = 3, max_tokens: int | None = None, graphs=None) -> LMDrafter:
-    """``graphs=True``: the padded shapes of the GPU's graphs, run eagerly."""
+def drafter_of(model_dir, window: int, cache_slots: int = 3, graphs=None, kv_blocks: int | None = None) -> LMDrafter:
+    """``graphs=True``: the padded shapes of the GPU's graphs, run eagerly; ``kv_blocks``:
+    a pool of so many blocks (None: the default)."""
     base = load_hf(str(model_dir), "cpu", window, cache_slots=0)
+    block = base.store.block_bytes()
     return LMDrafter(
         base.model,
         identity=base.drafter_identity,
         device="cpu",
         cache_slots=cache_slots,
         window=window,
-        max_tokens=max_tokens,
+        max_context=64,
+        kv_bytes=None if kv_blocks is None else kv_blocks * block,
         graphs=graphs,
     )
 
 
 @settings(max_examples=15, deadline=None)
 @given(rounds=STREAM_ROUNDS, sessions=STREAM_ROUNDS)
-def test_cached_drafts_equal_a_fresh_encode_of_the_row_at_its_true_positions(model_dir, rounds, sessions):
-    """Rows of ``window + width`` tokens hold exactly the window (a slid window is
-    re-encoded at its true positions); default rows (``2 x window + 16``) hold more history,
-    up to ``max_tokens`` (drafted on the GPU graphs' padded shapes): each draft equals a
-    fresh encode of what its row holds. A second session (a respawned proxy) on the same
-    drafter shares nothing with the first."""
+def test_every_draft_equals_a_fresh_encode_of_the_whole_stream_at_its_true_positions(model_dir, rounds, sessions):
+    """Through a worker's windows and its whole-stream reader, eager and on the GPU graphs'
+    padded shapes, with a pool of a few blocks (streams evicted and re-encoded from the
+    worker's tokens): each draft equals the model's own greedy continuation of the
+    stream's whole sequence encoded afresh at its true positions. A second session (a
+    respawned proxy) on the same drafter shares nothing with the first."""
     window, width = 6, 2
-    for d in (drafter_of(model_dir, window, max_tokens=window + width), drafter_of(model_dir, window, graphs=True)):
+    for d in (drafter_of(model_dir, window, kv_blocks=9), drafter_of(model_dir, window, graphs=True)):
         for script in (rounds, sessions):
-            streams = Streams(window)  # a new session: the worker's windows are new
+            streams = Streams(window, whole=True)  # a new session: the worker's windows are new
             for ops in script:
                 batch = streams.round(ops, width)
                 got = d.draft_batch(batch)
                 for i, slot in enumerate(batch.slots.tolist()):
-                    origin, fill = d.cache.held(batch.session, slot) or (int(batch.positions[i]), 0)
-                    first, tokens = streams.span(slot, origin)
-                    assert fill in (0, len(tokens)) and len(tokens) <= d.max_tokens - width
+                    first, tokens = streams.span(slot)
                     want, margins = greedy(d.model.lm, tokens, first, width)
                     a, b = agreeing_prefix(want, margins, got.tokens[i].tolist())
                     assert a == b, f"entry {i}: slot {slot} from position {first}"
@@ -98,12 +99,12 @@ def test_cached_drafts_equal_a_fresh_encode_of_the_row_at_its_true_positions(mod
 
 def test_only_the_new_tokens_are_encoded_and_the_bound_holds(model_dir):
     """Appends hit (a row's state is reused), NEW_GEN misses, four slots over three rows
-    evict the least recently used, and the store's bytes are what the model keeps per token
-    (a row's columns and its trash column)."""
-    d = drafter_of(model_dir, 8)
+    evict the least recently used, and the pool's bytes are its blocks' (what the model
+    keeps per token, 32 tokens a block)."""
+    d = drafter_of(model_dir, 8, kv_blocks=40)
     c = d.model.config
     assert (c.n_layers, c.n_heads) == ((2, 2) if "llama" in model_dir.name else (2, 2))  # Llama: 2 of 4 heads
-    assert d.cache_info().bytes == 3 * c.n_layers * 2 * c.n_heads * (d.max_tokens + 1) * c.head_dim * 4
+    assert d.cache_info().bytes == 40 * c.n_layers * 2 * c.n_heads * 32 * c.head_dim * 4
     ctx = list(range(10, 18))
 
     def round_of(slots, lengths, gens):

@@ -24,10 +24,12 @@ from lm_common import STREAM_ROUNDS, Engine, Streams, agreeing_prefix, assert_sa
 from remote_dspark import wire
 from remote_dspark.cli import worker as worker_cli
 from remote_dspark.drafter.contract import CacheInfo
-from remote_dspark.drafter.lm import cache as cache_module
-from remote_dspark.drafter.lm.cache import MIN_SCRATCH, PROTECT_CALLS, SlotCache
+from remote_dspark.drafter.lm import drafter as drafter_module
+from remote_dspark.drafter.lm import pool as pool_module
+from remote_dspark.drafter.lm.cache import PROTECT_CALLS, SlotCache
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.model import LMConfig, TinyLM
+from remote_dspark.drafter.lm.pool import MIN_SCRATCH, KVStore
 from remote_dspark.transport import Disconnected
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
@@ -110,41 +112,80 @@ def test_the_cache_drafts_what_re_encoding_drafts_across_rounds_new_gen_resync_a
     assert info.slots <= info.capacity == 4
 
 
+def block_bytes(d: LMDrafter) -> int:
+    return d.store.block_bytes()
+
+
+def small_store(rows: int, blocks: int = 64, columns: int = 64) -> KVStore:
+    """A pool of ``blocks`` one-float blocks (the bookkeeping's tests need no model)."""
+    return KVStore(blocks, rows, columns, 1, 1, 1)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
 @settings(max_examples=15, deadline=None)
-@given(rounds=STREAM_ROUNDS)
-def test_cached_drafts_equal_a_fresh_encode_of_the_window_at_its_true_positions(graphs, rounds):
-    """Streams through a real ``Windows`` (appends, NEW_GENs anywhere in a sequence, gaps
-    that RESYNC, contexts longer than the window): every context is at its absolute
-    position, and the cache drafts what encoding the window's tokens afresh at those
-    positions drafts. Rows of ``window + width`` tokens hold exactly the window, so a
-    slid window is re-encoded: at its true positions, not from 0."""
+@given(rounds=STREAM_ROUNDS, blocks=st.integers(7, 12))
+def test_every_draft_equals_a_fresh_encode_of_the_whole_stream_at_its_true_positions(graphs, rounds, blocks):
+    """Streams through a real ``Windows`` and a worker's whole-stream reader (appends,
+    NEW_GENs anywhere in a sequence, gaps that RESYNC, streams far past the 6-token
+    window), three cache rows for four slots and a pool of a few blocks: streams are
+    evicted and re-encoded from the worker's tokens, and every entry drafted drafts what
+    encoding its stream's whole sequence afresh at its true positions drafts. An entry
+    left without blocks (a round whose streams pass the pool) gets no drafts."""
     window, width = 6, 2
-    cached = LMDrafter(device="cpu", cache_slots=3, window=window, max_tokens=window + width, graphs=graphs)
-    streams = Streams(window)
+    probe = LMDrafter(device="cpu", cache_slots=1, window=window, max_context=32)
+    cached = LMDrafter(
+        device="cpu", cache_slots=3, window=window, max_context=32, kv_bytes=blocks * block_bytes(probe), graphs=graphs
+    )
+    streams = Streams(window, whole=True)
     for ops in rounds:
         batch = streams.round(ops, width)
         got = cached.draft_batch(batch)
         for i in range(len(batch)):
-            tokens, margins = PLAIN.greedy_one(batch.context(i), width, int(batch.positions[i]))
+            if not got.counts[i]:
+                continue
+            first, seq = streams.span(int(batch.slots[i]))
+            tokens, margins = PLAIN.greedy_one(seq, width, first)
             a, b = agreeing_prefix(tokens, margins, got.tokens[i].tolist())
             assert a == b, f"entry {i}"
+    info = cached.cache_info()
+    assert info.blocks_used + info.blocks_free == blocks - 1  # the trash block is never a stream's
 
 
-def test_a_stream_past_its_window_keeps_drafting_within_its_row():
-    window, width = 4, 2
-    cached = LMDrafter(device="cpu", cache_slots=2, window=window)
-    engine = Engine(window, max_slots=2)
+def test_a_stream_far_past_its_window_drafts_from_its_whole_sequence_kept_in_its_blocks():
+    """One stream of 200 tokens through a 4-token window: every round a hit (only the new
+    tokens encoded), its blocks growing with it, and its drafts what a fresh encode of all
+    200 tokens drafts. A pool of one whole stream: another stream's 300 tokens evict it,
+    and it is re-encoded whole from the worker's tokens, evicting the other in turn."""
+    window, width = 4, 3
+    probe = LMDrafter(device="cpu", cache_slots=1, window=window)
+    whole = probe.columns // 32 + 1  # one whole stream and the trash block
+    cached = LMDrafter(device="cpu", cache_slots=2, window=window, kv_bytes=whole * block_bytes(probe))
+    streams = Streams(window, max_slots=2, whole=True)
     rng = np.random.default_rng(1)
-    batch, _ = engine.batch([(0, [3, 4], True, False)], width)
-    cached.draft_batch(batch)
-    for _ in range(20):  # 60 tokens through a 4-token window, 10-token rows
-        batch, ok = engine.batch([(0, rng.integers(0, 128, 3).tolist(), False, False)], width)
+    streams.round([(0, "new_gen", 7, [3, 4])], width)
+    cached.draft_batch(streams.round([(0, "append", 0, [5])], width))
+    for _ in range(66):
+        batch = streams.round([(0, "append", 0, rng.integers(0, 128, 3).tolist())], width)
         got = cached.draft_batch(batch)
-        assert ok.all() and got.counts.tolist() == [width]
-        assert ((got.tokens >= 0) & (got.tokens < 128)).all()
-    assert cached.max_tokens == 2 * window + 16
-    assert cached.cache_info().hits > 0
+
+    def fresh(slot):
+        first, seq = streams.span(slot)
+        return PLAIN.draft_batch(batch_of([seq], [width], width, positions=np.array([first])))
+
+    assert len(streams.span(0)[1]) == 201 and cached.cache.held(batch.session, 0) == (7, 201)
+    assert_same_drafts(got, fresh(0))
+    info = cached.cache_info()
+    assert info.hits == 66 and info.blocks_used == -(-(201 + width) // 32) == 7
+    other = streams.round([(1, "new_gen", 0, rng.integers(0, 128, 14).tolist())], width)
+    cached.draft_batch(other)
+    for _ in range(96):  # slot 1 grows to 302 tokens: 10 blocks, slot 0's KV evicted for them
+        cached.draft_batch(streams.round([(1, "append", 0, rng.integers(0, 128, 3).tolist())], width))
+    info = cached.cache_info()
+    assert info.evicted == 1 and cached.cache.held(batch.session, 0) is None and info.blocks_used == 10
+    reads = streams.engine.whole.reads
+    batch = streams.round([(0, "append", 0, [9])], width)
+    assert_same_drafts(cached.draft_batch(batch), fresh(0))  # re-encoded from the worker's 202 tokens
+    assert streams.engine.whole.reads == reads + 1 and cached.cache_info().evicted == 2
 
 
 def test_a_long_row_beside_a_long_re_encode_stays_within_the_models_positions():
@@ -172,14 +213,14 @@ def test_a_long_row_beside_a_long_re_encode_stays_within_the_models_positions():
 
 
 def test_the_cache_keeps_its_bound_and_drops_the_least_recently_used():
-    """Three rows of the store (each with its trash column) hold three streams; a round of
-    more entries than rows drafts the one left without in a scratch row, and the store
-    grows by MIN_SCRATCH rows for it, once."""
+    """Three cache rows hold three streams; a round of more entries than rows drafts the
+    one left without in a scratch row of the table (MIN_SCRATCH of them, made once), its
+    blocks given back after the round. The pool's memory never changes."""
     d = LMDrafter(device="cpu", cache_slots=3, window=8)
     size = d.cache_info().bytes
     c = LMConfig()
-    row = c.n_layers * 2 * c.n_heads * (d.max_tokens + 1) * c.head_dim * 4
-    assert size == 3 * row
+    blocks = max(3, MIN_SCRATCH) * d.columns // 32 + 1  # the default pool: every stream whole
+    assert size == blocks * c.n_layers * 2 * c.n_heads * 32 * c.head_dim * 4
 
     def round_of(slots, lengths):
         n = len(slots)
@@ -206,20 +247,43 @@ def test_the_cache_keeps_its_bound_and_drops_the_least_recently_used():
     assert round_of([1, 3], [4, 3]) == (2, 0)
     assert d.cache_info().bytes == size
     assert round_of([0, 1, 2, 3], [4, 5, 3, 4]) == (3, 1)  # more entries than rows: one left without
-    assert d.cache_info().slots == 3 and d.cache_info().bytes == size + MIN_SCRATCH * row
+    assert d.cache_info().slots == 3 and d.store.rows == 3 + MIN_SCRATCH
     assert round_of([0, 1, 2, 3], [5, 6, 4, 5]) == (3, 1)  # the scratch rows are kept
-    assert d.cache_info().bytes == size + MIN_SCRATCH * row
+    assert d.store.rows == 3 + MIN_SCRATCH and d.cache_info().bytes == size
+    assert d.cache_info().blocks_used == 3  # the three streams' blocks; the scratch row's went back
 
 
-def test_scratch_rows_over_the_free_memory_are_refused_naming_the_round(monkeypatch):
-    """A round's entries without a cache row draft in scratch rows, which the store grows
-    for them; a growth past the device's free memory fails the round, naming it."""
-    d = LMDrafter(device="cpu", cache_slots=0, window=8)
-    monkeypatch.setattr(cache_module, "memory_free", lambda device: 1000)
-    why = r"^a round of 2 entries without a cache row .* needs [\d,]+ MiB; 0 MiB are free"
-    with pytest.raises(ValueError, match=why):
-        d.draft_batch(batch_of([[1, 2], [3]], [2, 2], 2))
-    assert d.cache_info().bytes == 0  # nothing allocated
+def test_a_pool_over_the_free_memory_or_under_one_stream_is_refused_naming_the_flag(monkeypatch):
+    """The pool is allocated at start: more than the device's free memory, or too few
+    blocks for one whole stream, stops the drafter there, naming --lm-kv-mb."""
+    probe = LMDrafter(device="cpu", cache_slots=1, window=8)
+    with pytest.raises(ValueError, match=r"^a KV pool of 3 blocks .*--lm-kv-mb.* cannot hold one whole stream"):
+        LMDrafter(device="cpu", cache_slots=1, window=8, kv_bytes=3 * probe.store.block_bytes())
+    monkeypatch.setattr(pool_module, "memory_free", lambda device: 1000)
+    with pytest.raises(ValueError, match=r"^a KV pool of [\d,]+ MiB \(--lm-kv-mb\) needs more than the 0 MiB free"):
+        LMDrafter(device="cpu", cache_slots=1, window=8, kv_bytes=1 << 24)
+
+
+def test_a_round_whose_streams_pass_the_pool_runs_in_waves_and_drafts_every_entry():
+    """A pool of four blocks and the trash block, two streams of three blocks each in one
+    round: the round runs in two waves, the second evicting the first's stream, and both
+    draft what a fresh encode drafts; so does a drafter without a cache whose round of 40
+    entries passes its pool many times over."""
+    probe = LMDrafter(device="cpu", cache_slots=1, window=8, max_context=32)
+    small = 5 * probe.store.block_bytes()
+    d = LMDrafter(device="cpu", cache_slots=2, window=8, max_context=32, kv_bytes=small)
+    ctx = [list(range(1, 71)), list(range(3, 73))]  # 70 tokens and 2 drafts: 3 blocks each
+    both = dict(session=1, slots=np.arange(2), gens=np.ones(2, np.int64), lengths=np.array([70, 70], np.int64))
+    got = d.draft_batch(batch_of(ctx, [2, 2], 2, **both))
+    assert [got.tokens[i].tolist() for i in range(2)] == [PLAIN.greedy_one(c, 2)[0] for c in ctx]
+    assert d.cache_info().evicted == 1 and d.cache_info().blocks_used == 3
+    rng = np.random.default_rng(2)
+    many = [rng.integers(0, 128, 40).tolist() for _ in range(40)]
+    uncached = LMDrafter(device="cpu", cache_slots=0, window=8, max_context=32, kv_bytes=small)
+    assert_same_drafts(
+        uncached.draft_batch(batch_of(many, [2] * 40, 2)), PLAIN.draft_batch(batch_of(many, [2] * 40, 2))
+    )
+    assert uncached.cache_info().blocks_used == 0
 
 
 @settings(max_examples=8, deadline=None)
@@ -254,25 +318,25 @@ def test_a_round_of_two_sessions_never_gives_one_row_to_two_entries():
     """Four streams of two sessions in one round over three rows: three get a row each,
     distinct (a later session's newcomer never takes a row an earlier session's entry
     took this round), and one drafts without."""
-    cache = SlotCache(3, 16)
+    cache = SlotCache(small_store(3))
     n = np.ones(4, np.int64)
-    plan = cache.plan(np.array([1, 1, 2, 2]), np.array([0, 1, 0, 1]), n, n * 2, n * 2, 2, None)
+    plan = cache.plan(np.array([1, 1, 2, 2]), np.array([0, 1, 0, 1]), n, n * 2, n * 2, n * 0, 2, None)
     rows = plan.rows[plan.rows >= 0]
     assert len(rows) == 3 and len(set(rows.tolist())) == 3
-    again = cache.plan(np.array([2, 2, 1, 1]), np.array([0, 1, 0, 1]), n, n * 3, n * 3, 2, None)
+    again = cache.plan(np.array([2, 2, 1, 1]), np.array([0, 1, 0, 1]), n, n * 3, n * 3, n * 0, 2, None)
     assert len(set(again.rows[again.rows >= 0].tolist())) == (again.rows >= 0).sum() == 3
 
 
 def test_a_round_over_the_workers_budget_is_drafted_in_pieces_within_its_reserved_rows(monkeypatch):
     """A drafter without a cache under a worker's budget of 16 entries: its scratch rows
-    are reserved at start (16), a round of 40 entries is drafted in pieces and the store
+    are reserved at start (16), a round of 40 entries is drafted in pieces and the table
     never grows; the drafts are what one call over all 40 drafts (up to float rounding).
     A budget over the free memory stops the worker at start, naming the flag."""
     d = LMDrafter(device="cpu", cache_slots=0, window=8)
     s = Scheduler(d, max_entries=16, max_tokens=1 << 15)
     s.reserve()
     reserved = d.cache_info().bytes
-    assert len(d.store.kv) == 16
+    assert d.store.rows == 16
     rng = np.random.default_rng(4)
     batch = batch_of([rng.integers(0, 128, 6).tolist() for _ in range(40)], [3] * 40, 3)
     s.start()
@@ -280,15 +344,17 @@ def test_a_round_over_the_workers_budget_is_drafted_in_pieces_within_its_reserve
         got = s.draft(1, batch)
     finally:
         s.stop()
-    assert len(d.store.kv) == 16 and d.cache_info().bytes == reserved
+    assert d.store.rows == 16 and d.cache_info().bytes == reserved
+    assert d.cache_info().blocks_used == 0  # every scratch row's blocks went back
     want = LMDrafter(device="cpu", cache_slots=0, window=8).draft_batch(batch)
     for i in range(40):
         ref, _ = agreeing_prefix(want.tokens[i], want.margins[i], got.tokens[i])
         assert got.tokens[i][: len(ref)].tolist() == list(ref)
-    monkeypatch.setattr(cache_module, "memory_free", lambda device: 1000)
-    refusal = r"^--max-batch-entries 64, --max-batch-tokens 4096: a round of 64 entries without a cache row"
+    over = Scheduler(LMDrafter(device="cpu", cache_slots=0, window=8), max_entries=64, max_tokens=4096)
+    monkeypatch.setattr(drafter_module, "memory_free", lambda device: 1000)
+    refusal = r"^--max-batch-entries 64, --max-batch-tokens 4096: a call of 64 entries and 4096 tokens needs"
     with pytest.raises(ValueError, match=refusal):
-        Scheduler(LMDrafter(device="cpu", cache_slots=0, window=8), max_entries=64, max_tokens=4096).reserve()
+        over.reserve()
 
 
 # --- identity, vocabulary, the HELLO -------------------------------------------------------
@@ -326,13 +392,13 @@ def test_a_worker_refuses_an_engine_with_a_smaller_vocabulary_and_serves_the_sam
 def test_a_hello_wider_than_a_row_holds_is_refused_and_a_drafter_failure_is_counted():
     """num_spec over the drafter's max_width (what a row holds past a window) is refused at
     HELLO, naming it; a round whose drafting raises costs its connection, counted."""
-    d = LMDrafter(device="cpu", cache_slots=8, window=8)  # rows of 32: max_width 24
-    assert d.max_width == d.max_tokens - 8 == 24
-    with Worker(d, "127.0.0.1", 0, window=8) as w:
-        with pytest.raises(Refused, match="num_spec 25 is over the drafter's 24") as e:
-            connect(w.port, hello(d, num_spec=25))
+    d = LMDrafter(device="cpu", cache_slots=8, window=40, max_context=32)  # streams of 96 columns: max_width 56
+    assert d.max_width == d.columns - 40 == 56
+    with Worker(d, "127.0.0.1", 0, window=40) as w:
+        with pytest.raises(Refused, match="num_spec 57 is over the drafter's 56") as e:
+            connect(w.port, hello(d, num_spec=57))
         assert e.value.code == wire.REFUSE_LIMITS and w.statistics().refusals["limits"] == 1
-        c = connect(w.port, hello(d, num_spec=24))
+        c = connect(w.port, hello(d, num_spec=56))
         d.draft_batch = lambda batch: 1 / 0  # a drafter's bug
         try:
             with pytest.raises(Disconnected):
@@ -347,10 +413,10 @@ def test_a_hello_wider_than_a_row_holds_is_refused_and_a_drafter_failure_is_coun
 def test_a_row_kept_short_by_a_wide_round_is_not_a_hit():
     """A row re-encoded for a wide round keeps only the tokens that left room for it; a
     narrower round next must not draft from that shorter history (it re-encodes)."""
-    window = 16
-    cached = LMDrafter(device="cpu", cache_slots=4, window=window)  # rows of 48 tokens
+    window = 64
+    cached = LMDrafter(device="cpu", cache_slots=4, window=window, max_context=32)  # streams of 96 columns
     engine = Engine(window)
-    ctx = list(range(3, 15))  # 12 tokens: a row for a width of 40 keeps 8
+    ctx = list(range(3, 63))  # 60 tokens: a stream for a width of 40 keeps 56
     first, _ = engine.batch([(0, ctx, True, False)], 40)
     assert cached.draft_batch(first).counts.tolist() == [40]
     second, _ = engine.batch([(0, [20], False, False)], 2)
@@ -534,15 +600,15 @@ def test_a_flood_of_streams_that_never_hit_takes_its_own_rows_not_a_drafting_eng
     least recently used first) and the rest draft from scratch rows; the honest streams
     keep theirs and go on hitting. Once the honest engine stops, its rows go cold and the
     storm takes them after PROTECT_CALLS calls."""
-    cache = SlotCache(4, 64)
+    cache = SlotCache(small_store(4))
     two = np.ones(2, np.int64)
 
     def honest(length):
-        return cache.plan(two, np.arange(2), two, length * two, 8 * two, 2, None)
+        return cache.plan(two, np.arange(2), two, length * two, 8 * two, length * two - 8, 2, None)
 
     def storm(gen):
         six = np.ones(6, np.int64)
-        return cache.plan(2 * six, np.arange(6), gen * six, 8 * six, 8 * six, 2, None)
+        return cache.plan(2 * six, np.arange(6), gen * six, 8 * six, 8 * six, 0 * six, 2, None)
 
     honest(8)
     for r in range(1, 10):

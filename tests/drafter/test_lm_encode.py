@@ -40,9 +40,9 @@ def runs_of(drafter):
     """Record each model run of ``drafter`` as (entries, draft width)."""
     seen, run = [], drafter._rounds.run
 
-    def spy(tok, base, take, origin, rows, width, sampling=None):
+    def spy(tok, base, take, origin, rows, width, sampling=None, cells=None):
         seen.append((len(take), width))
-        return run(tok, base, take, origin, rows, width, sampling)
+        return run(tok, base, take, origin, rows, width, sampling, cells)
 
     drafter._rounds.run = spy
     return seen

@@ -1,6 +1,6 @@
 """A model drafter's working memory for one call, and the call budget that fits it.
 
-The store (:class:`~remote_dspark.drafter.lm.cache.KVStore`) is the drafter's fixed
+The store (:class:`~remote_dspark.drafter.lm.pool.KVStore`) is the drafter's fixed
 memory; what a call adds is transient: the activations of one part of the round
 (:func:`~remote_dspark.drafter.lm.graphs.parts`: at most ``limit`` padded tokens through
 the model) and a row of logits per entry at each draft step. Its bound

@@ -6,7 +6,7 @@ One round (:meth:`LMDrafter.draft_batch`) is, for its n entries at once:
 1. a plan (:meth:`remote_dspark.drafter.lm.cache.SlotCache.plan`, numpy): each entry's
    cache row, the positions kept from it and the tokens to encode (all of a context on a
    miss, the new ones on a hit); entries without a cache row get scratch rows of the
-   store (:class:`~remote_dspark.drafter.lm.cache.KVStore`);
+   store (:class:`~remote_dspark.drafter.lm.pool.KVStore`);
 2. one host-to-device copy of every integer the round needs (padded tokens, positions,
    rows), packed into one array;
 3. one forward over the padded ragged batch, then ``width - 1`` batched steps (one
@@ -44,10 +44,12 @@ import torch
 
 from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result, sampling_inputs
 from ..sampling import TOP
+from ..streams import context_lengths, kept, stream_tokens
 from .budget import fitting_tokens, part_limit, working_bytes
-from .cache import KVStore, Plan, SlotCache, memory_free, row_tokens, uncached_plan
+from .cache import Plan, SlotCache, uncached_plan
 from .graphs import Rounds, columns, top2
 from .model import TinyLM
+from .pool import BLOCK, MAX_WIDTH, MIN_SCRATCH, KVStore, memory_free, pool_bytes, stream_columns
 
 if TYPE_CHECKING:
     from .hf_model import HFModel
@@ -112,11 +114,31 @@ def round_result(batch: DraftBatch, ctx_lens: np.ndarray, out: np.ndarray) -> Dr
     return dataclasses.replace(result, q_ids=q_ids, q_weights=q_weights)
 
 
+def stream_window(batch: DraftBatch, take: np.ndarray, q: int) -> np.ndarray:
+    """[n, q] int64: each entry's last ``take[i]`` stream tokens, left-aligned, zeros past
+    them: from the contexts (one gather) when they hold them, else read through
+    :func:`~remote_dspark.drafter.streams.stream_tokens` (a stream re-encoded whole)."""
+    n = len(batch)
+    ctx_lens = context_lengths(batch)
+    if bool((take <= ctx_lens).all()):
+        src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
+        idx = (batch.offsets[1:] - take)[:, None] + np.arange(q)
+        return np.where(np.arange(q) < take[:, None], src[np.clip(idx, 0, len(src) - 1)], 0)
+    tok = np.zeros((n, q), np.int64)
+    some = np.flatnonzero(take > 0)
+    lengths = np.asarray(batch.lengths, np.int64)[some]
+    flat, offsets = stream_tokens(batch, some, lengths - take[some], lengths)
+    row = np.repeat(some, take[some])
+    tok[row, np.arange(len(flat)) - np.repeat(offsets[:-1], take[some])] = flat
+    return tok
+
+
 class LMDrafter:
-    """Greedy or sampled drafting from a causal LM, batched, with a KV cache per stream kept across
-    rounds: a :class:`~remote_dspark.drafter.lm.model.TinyLM` (the built-in one by default)
-    or a transformers model (:class:`~remote_dspark.drafter.lm.hf_model.HFModel`), one code.
-    A batch may mix sessions (the cache keys each entry's stream by its own session).
+    """Greedy or sampled drafting from a causal LM, batched, with the KV of each stream kept
+    across rounds in a paged pool (:mod:`.cache`): a
+    :class:`~remote_dspark.drafter.lm.model.TinyLM` (the built-in one by default) or a
+    transformers model (:class:`~remote_dspark.drafter.lm.hf_model.HFModel`), one code. A
+    batch may mix sessions (the cache keys each entry's stream by its own session).
 
     Args:
         model: the model (float32 weights: its identity is taken before any cast).
@@ -124,14 +146,16 @@ class LMDrafter:
             model already cast: :meth:`sibling`).
         device: ``"auto"`` (default: CUDA when present), ``"cpu"``, ``"cuda"``...
         cache_slots: streams cached at most (the least recently used is dropped beyond);
-            0: no cache, every round re-encodes every context.
-        window: the worker's ``--window``: ``max_tokens`` defaults to ``2 * window + 16``
-            (at most the model's positions), so a stream re-encoded from its window has
-            ``window`` more tokens of room before its next re-encode, with 16 draft
-            positions besides. ``max_width`` (``max_tokens - window``) is the widest round
-            a row holds beside a whole window: the worker refuses a HELLO whose
-            ``num_spec`` is wider.
-        max_tokens: positions of a cache row (at most the model's ``max_positions``).
+            0: no cache, every round re-encodes every stream.
+        window: the worker's ``--window``, the context a batch carries; a stream holds
+            more than it (``max_context``).
+        max_context: the tokens a stream keeps (its whole sequence up to them: the worker
+            keeps as many, and the engine sends NEW_GEN contexts up to them); None:
+            ``DEFAULT_CONTEXT``; at most the model's positions. A stream holds
+            ``max_width`` more columns for a round's drafts: the worker refuses a HELLO
+            whose ``num_spec`` is wider.
+        kv_bytes: the KV pool's memory (None: :func:`~.cache.pool_bytes`, a share of what
+            is free after the weights).
         graphs: the round on padded shapes, replayed as CUDA graphs on CUDA
             (:mod:`.graphs`). None (default): on CUDA only; False: eager, the round's own
             shapes launched op by op; True: also on the CPU (padded, run eagerly: tests).
@@ -148,7 +172,8 @@ class LMDrafter:
         device: str | torch.device | None = None,
         cache_slots: int = 1024,
         window: int = 64,
-        max_tokens: int | None = None,
+        max_context: int | None = None,
+        kv_bytes: int | None = None,
         graphs: bool | None = None,
     ):
         model = model or TinyLM()
@@ -158,10 +183,12 @@ class LMDrafter:
                 f"window {window} (--window): the model has {c.max_positions} positions, "
                 "for a window and 16 drafts at least"
             )
-        self.max_tokens = row_tokens(window, c.max_positions, max_tokens)
-        # The widest round a row holds beside a whole window: the worker refuses a HELLO
-        # whose num_spec is wider (worker.limits.hello_refusal), so no round fails for it.
-        self.max_width = self.max_tokens - window
+        self.max_context, self.columns = stream_columns(max_context, c.max_positions)
+        if self.columns <= window:
+            raise ValueError(f"--max-context {max_context}: must be more than --window {window}")
+        # The widest round a stream holds: the worker refuses a HELLO whose num_spec is
+        # wider (worker.limits.hello_refusal), so no round fails for it.
+        self.max_width = min(MAX_WIDTH, self.columns - window)
         self.max_positions = c.max_positions  # an entry past them gets no drafts (the worker's rule)
         if cache_slots < 0:
             raise ValueError(f"cache_slots {cache_slots}: must be >= 0")
@@ -173,15 +200,28 @@ class LMDrafter:
         if c.vocab_size < TOP:
             self.samples = False
         self.model = model.to(self.device, self.dtype).eval()
-        self.store = KVStore(cache_slots, c.n_layers, c.n_heads, c.head_dim, self.max_tokens, self.device, self.dtype)
-        self.cache = SlotCache(cache_slots, self.max_tokens, self.store.row_bytes()) if cache_slots else None
+        shape = (c.n_layers, c.n_heads, c.head_dim)
+        self.store = KVStore(
+            self._blocks(kv_bytes, cache_slots, shape), cache_slots, self.columns, *shape, self.device, self.dtype
+        )
+        self.cache = SlotCache(self.store) if cache_slots else None
         self.keeps_streams = self.cache is not None  # an encode (n_out 0) is kept; a long one taken in pieces
         padded = graphs if graphs is not None else self.device.type == "cuda"
         self._rounds = Rounds(self.model, self.store, padded)
         self._lock = threading.Lock()
-        self.window, self._graphs_asked = window, graphs
+        self.window, self._graphs_asked, self._kv_bytes = window, graphs, kv_bytes
 
-    def sibling(self, cache_slots: int, max_tokens: int | None = None) -> LMDrafter:
+    def _blocks(self, kv_bytes: int | None, cache_slots: int, shape: tuple[int, int, int]) -> int:
+        """The pool's blocks: ``kv_bytes`` of them, or the default budget's
+        (:func:`~.cache.pool_bytes`) for every cached stream's whole context at most."""
+        layers, heads, head_dim = shape
+        block_bytes = layers * 2 * heads * BLOCK * head_dim * torch.finfo(self.dtype).bits // 8
+        per_stream = self.columns // BLOCK
+        if kv_bytes is None:
+            kv_bytes = pool_bytes(self.device, (max(cache_slots, MIN_SCRATCH) * per_stream + 1) * block_bytes)
+        return max(1, int(kv_bytes) // block_bytes)
+
+    def sibling(self, cache_slots: int, max_context: int | None = None) -> LMDrafter:
         """A drafter of the same model (shared, not copied) with a cache of its own."""
         return LMDrafter(
             self.model,
@@ -189,7 +229,8 @@ class LMDrafter:
             device=self.device,
             cache_slots=cache_slots,
             window=self.window,
-            max_tokens=max_tokens,
+            max_context=max_context,
+            kv_bytes=self._kv_bytes,
             graphs=self._graphs_asked,
         )
 
@@ -228,57 +269,65 @@ class LMDrafter:
             return dataclasses.replace(info, bytes=self.store.nbytes())
 
     def draft_batch(self, batch: DraftBatch) -> DraftResult:
-        """Drafts for every entry (module docstring), each context at its true positions;
+        """Drafts for every entry (module docstring), each stream at its true positions;
         sampled, with their distributions, when ``batch.sampled``. An entry with ``n_out``
-        0 is encoded into its stream's row and takes no draft steps (a call of only such
+        0 is encoded into its stream's blocks and takes no draft steps (a call of only such
         entries encodes too); without a cache row to keep them, it is not run at all.
-        Raises: ValueError for a width that leaves no room in a row (``width >=
-        max_tokens``), an entry past the position table (the worker drops those:
+        Raises: ValueError for a width that leaves no room in a stream (``width >=
+        columns``), an entry past the position table (the worker drops those:
         :meth:`~remote_dspark.drafter.contract.DraftBatch.beyond`), or a sampled round's
         ``temperature`` or ``seed`` of the wrong shape, or a temperature that is not
         finite and >= 0 (:func:`sampling_rows`)."""
         n, width = len(batch), batch.width
         if n == 0:
             return empty_result(n, width, batch.want_margin)
-        if width >= self.max_tokens:
-            raise ValueError(f"width {width}: no room in a {self.max_tokens}-token row (max_tokens)")
+        if width >= self.columns:
+            raise ValueError(f"width {width}: no room in a stream of {self.columns} columns")
         if batch.beyond(self.max_positions).any():
             raise ValueError(f"an entry's context and {width} drafts pass the model's {self.max_positions} positions")
         if batch.sampled and not self.samples:
             raise ValueError(f"a sampled round: the model's vocabulary of {self.vocab_size} is under {TOP} ids")
-        ctx_lens = np.diff(batch.offsets).astype(np.int64)
+        ctx_lens = context_lengths(batch)
         sampling = sampling_rows(batch, ctx_lens) if batch.sampled else None
-        # An empty context: no drafts, any valid position. None: numbered from each row's start.
-        starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
         widths = np.where(batch.n_out > 0, width, 0)  # an encode only takes no draft steps
-        cached = self.cache is not None and batch.slots is not None
         with self._lock, torch.inference_mode():
-            if cached:
-                plan = self.cache.plan(*self._streams(batch), ctx_lens, widths, starts)
-            else:
-                plan = uncached_plan(ctx_lens, widths, self.max_tokens, starts)
+            plan, cached = self._plan(batch, ctx_lens, widths)
             try:
-                out = self._draft(batch, plan, width, sampling, widths > 0, cached)
+                out = self._draft(batch, plan, width, sampling, widths, cached)
             except BaseException:
                 if cached:
                     self.cache.forget(plan.rows)
                 raise
         return round_result(batch, ctx_lens, out)
 
+    def _plan(self, batch: DraftBatch, ctx_lens: np.ndarray, widths: np.ndarray) -> tuple[Plan, bool]:
+        """The round's plan (:mod:`.cache`) and whether its rows are the cache's."""
+        # An empty context: no drafts, any valid position. None: numbered from each row's start.
+        starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
+        first = kept(batch)
+        if self.cache is not None and batch.slots is not None:
+            sessions, slots, gens, lengths = self._streams(batch)
+            return self.cache.plan(sessions, slots, gens, lengths, ctx_lens, first, widths, starts), True
+        held = ctx_lens if batch.lengths is None else np.asarray(batch.lengths, np.int64) - first
+        return uncached_plan(ctx_lens, held, widths, self.columns, starts), False
+
     def encodes(self, batch: DraftBatch) -> np.ndarray:
         """[n] int64: the tokens :meth:`draft_batch` would encode for each entry now (the
         contract's ``encodes``: the worker charges them in a call's budget): a stream's new
-        tokens when its row holds the rest, else its re-encode; none for an encode only
-        (``n_out`` 0) that has no row to keep it. Nothing changes."""
-        ctx_lens = np.diff(batch.offsets).astype(np.int64)
+        tokens when its blocks hold the rest, else its re-encode (all the worker holds of
+        it); none for an encode only (``n_out`` 0) that has no row to keep it. Nothing
+        changes."""
+        ctx_lens = context_lengths(batch)
         widths = np.where(batch.n_out > 0, batch.width, 0)
         starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
+        first = kept(batch)
         if self.cache is None or batch.slots is None:
-            return np.where(widths > 0, np.minimum(ctx_lens, self.max_tokens - widths), 0)
+            held = ctx_lens if batch.lengths is None else np.asarray(batch.lengths, np.int64) - first
+            return np.where(widths > 0, np.minimum(held, self.columns - widths), 0)
         _, slots, gens, lengths = self._streams(batch)
         sessions = batch.session if np.ndim(batch.session) == 0 else batch.sessions()
         with self._lock:
-            return self.cache.encodes(sessions, slots, gens, lengths, ctx_lens, widths, starts)
+            return self.cache.encodes(sessions, slots, gens, lengths, ctx_lens, first, widths, starts)
 
     @staticmethod
     def _streams(batch: DraftBatch) -> tuple[np.ndarray, ...]:
@@ -290,39 +339,68 @@ class LMDrafter:
             np.asarray(batch.lengths, np.int64),
         )
 
-    def _draft(self, batch, plan: Plan, width: int, sampling, drafting: np.ndarray, cached: bool) -> np.ndarray:
+    def _draft(self, batch, plan: Plan, width: int, sampling, widths: np.ndarray, cached: bool):
         """The round's answer ([n, columns] float32, :meth:`.graphs.Rounds.run`): the
-        ``drafting`` entries' ``width`` steps, and the others encoded with none (when
-        ``cached``: a row keeps them), in a round of their own."""
+        drafting entries' ``width`` steps, and the others
+        encoded with none (when ``cached``: a row keeps them). Each entry's stream is given
+        the blocks it needs first; when the pool cannot hold the whole round at once it runs
+        in waves, each as many entries as fit (:meth:`_wave`)."""
         take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
-        q = int(take.max())
-        src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
-        idx = (batch.offsets[1:] - take)[:, None] + np.arange(q)
-        tok = np.where(np.arange(q) < take[:, None], src[np.clip(idx, 0, len(src) - 1)], 0)
+        tok = stream_window(batch, plan.take, int(take.max()))
         rows = plan.rows.copy()
         rowless = rows < 0
         rows[rowless] = self.store.scratch(int(rowless.sum()))
-        if drafting.all():  # the common round: every entry drafts
-            return self._rounds.run(tok, plan.base, take, plan.origin, rows, width, sampling)
-
-        def run(which: np.ndarray, steps: int, part) -> np.ndarray:
-            q = int(take[which].max())  # tokens are left-aligned: the entries' first q columns
-            base, origin = plan.base[which], plan.origin[which]
-            return self._rounds.run(tok[which, :q], base, take[which], origin, rows[which], steps, part)
-
-        encode = ~drafting & (plan.rows >= 0) if cached else np.zeros(len(take), bool)
-        if encode.any():
-            run(encode, 0, None)  # no drafts: the model's body only, no logits
+        pending = (widths > 0) | (plan.rows >= 0) if cached else widths > 0
         out = np.zeros((len(take), columns(width, sampling is not None)), np.float32)
-        if drafting.any():
-            out[drafting] = run(drafting, width, None if sampling is None else sampling[:, drafting])
+        need = plan.base + take + widths
+        sessions = batch.sessions()
+        while pending.any():
+            keep = rows[pending]
+
+            def room(short: int) -> None:  # whole streams' KV evicted, never one still to run
+                self.cache.make_room(short, sessions, keep)
+
+            granted, cells = self.store.grant(rows[pending], need[pending], room if cached else None)
+            wave = np.zeros(len(take), bool)
+            wave[np.flatnonzero(pending)[granted]] = True
+            if not wave.any():  # not one entry fits: cannot happen in a pool of one whole stream
+                raise RuntimeError(f"the KV pool's {self.store.n_free} free blocks hold no entry of the round")
+            every = np.zeros(len(take), np.int64)
+            every[pending] = cells
+            try:
+                self._wave(wave, tok, take, plan, rows, width, sampling, widths, every, out)
+            finally:
+                self.store.release(rows[wave & rowless])
+            pending &= ~wave
         return out
+
+    def _wave(self, wave, tok, take, plan: Plan, rows, width, sampling, widths, cells, out) -> None:
+        """The ``wave`` entries run: the encodes only, then the drafting entries (their
+        answers into ``out``)."""
+        for drafting in (False, True):
+            which = wave & ((widths > 0) == drafting)
+            if not which.any():
+                continue
+            part = None if sampling is None or not drafting else sampling[:, which]
+            q = int(take[which].max())  # tokens are left-aligned: the entries' first q columns
+            got = self._rounds.run(
+                tok[which, :q],
+                plan.base[which],
+                take[which],
+                plan.origin[which],
+                rows[which],
+                width if drafting else 0,
+                part,
+                cells[which],
+            )
+            if drafting:
+                out[which] = got
 
     def greedy_one(self, context, n: int, start: int = 0) -> tuple[list[int], list[float]]:
         """The reference: ``n`` greedy tokens after ``context`` alone, its first token at
         position ``start`` (no padding, no cache; the whole sequence re-encoded per token)
         and their margins. Equal to
-        :meth:`draft_batch` up to float rounding for contexts of at most ``max_tokens -
+        :meth:`draft_batch` up to float rounding for contexts of at most ``columns -
         width`` tokens."""
         seq = [int(t) for t in context]
         tokens, margins = [], []

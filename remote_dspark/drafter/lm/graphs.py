@@ -1,27 +1,32 @@
 """The model drafter's round: on static buffers, and on CUDA one graph replay instead of
 hundreds of kernel launches.
 
-A round (:meth:`Rounds.run`) encodes each entry's new tokens into its row of the KV
-store (:class:`~remote_dspark.drafter.lm.cache.KVStore`), then takes ``width - 1``
-steps (greedy, or sampled: below), every query attending to its row in place
+A round (:meth:`Rounds.run`) encodes each entry's new tokens into its stream's blocks of
+the KV pool (:class:`~remote_dspark.drafter.lm.pool.KVStore`), then takes ``width - 1``
+steps (greedy, or sampled: below), every query attending to its stream's blocks in place
 (:mod:`.attention`). Small models' kernels take microseconds, and eager PyTorch spends
 about as long on each launch, so on a GPU the whole round, prefill and steps, is
 captured once per shape and replayed. Its shapes must then be fixed:
 
 * rows: the round's entry count rounded up to a power of two (at least ``MIN_ROWS``);
-  the entries past the round's encode token 0 at column 0 of store row 0 and draft
-  after it, writing only its trash column (their first write column is the trash
-  column: that marks them), and are never read;
+  the entries past the round's encode token 0 at column 0 of table row 0 and draft
+  after it, writing only into the trash block (their write columns are -1), and are
+  never read;
 * queries: the most tokens an entry encodes, rounded up to a power of two (at least
   ``MIN_QUERIES``: a steady round encodes the few tokens accepted since the last one);
-  padding queries sit at column 0 and write their K/V to the trash column.
+  padding queries sit at column 0 and write their K/V into the trash block;
+* the block table's new cells (the blocks the round's streams took as they grew): at
+  most a fixed number per shape (:meth:`Rounds._cells`), the rest writes of 0 into the
+  table's padding row. The graph writes them into the device's table before anything
+  reads it, so the table is a graph input like the tokens: no copy of its own.
 
 A round's integers (padded tokens, columns, write columns, each entry's last query, its
-origin and its store row) go up in one copy and the answer comes down in one; nothing
-else runs around the replay. A graph holds the store's address: when the store grows
-(:meth:`~remote_dspark.drafter.lm.cache.KVStore.scratch`) the graphs are dropped and
+origin and its table row, the new table cells) go up in one copy and the answer comes
+down in one; nothing else runs around the replay. A graph holds the pool's and the
+table's addresses: when the table grows
+(:meth:`~remote_dspark.drafter.lm.pool.KVStore.scratch`) the graphs are dropped and
 captured again. A capture runs the round on whatever the buffers hold, and writes only
-trash columns.
+into the trash block and the table's padding row.
 
 A round's working memory is its padded shape's (rows x queries tokens through the
 model, and a row of logits per entry), so it is bounded: a round whose padded shape is
@@ -58,6 +63,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .attention import Pages
 from .sampling import TOP, pick, top32, uniform_u32
 
 MIN_ROWS = 16
@@ -120,23 +126,22 @@ def draft_steps(
     model,
     token: torch.Tensor,
     pos: torch.Tensor,
-    kv,
+    pages: Pages,
     rows: torch.Tensor,
     steps: int,
     origin,
     write,
     sampling: DeviceSampling | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
-    """``steps`` steps after ``token`` [n] at column ``pos`` [n, 1] of store rows
+    """``steps`` steps after ``token`` [n] at column ``pos`` [n, 1] of table rows
     ``rows`` [n] (absolute position ``origin + pos``), drafts 1..steps of the round: each
-    step's K/V written into its row at its column, or, where ``write`` [n, 1] is the
-    trash column (padding entries, whose rows are others'), there. Returns each step's
-    :func:`choose` (greedy, or ``sampling``'s draws), its token fed to the next step."""
-    trash = kv.shape[4] - 1
+    step's K/V written into its stream at its column, or, where ``write`` [n, 1] is
+    negative (padding entries, whose rows are others'), into the trash block. Returns each
+    step's :func:`choose` (greedy, or ``sampling``'s draws), its token fed to the next step."""
     out = []
     for j in range(1, steps + 1):
-        at = torch.where(write == trash, trash, pos)
-        h = model.forward_kv(token[:, None], pos, kv, rows, at, origin)[:, 0]
+        at = torch.where(write < 0, -1, pos)
+        h = model.forward_kv(token[:, None], pos, pages, rows, at, origin)[:, 0]
         out.append(choose(model.logits(h), sampling, j))
         token = out[-1][0]
         pos = pos + 1
@@ -204,35 +209,39 @@ class Rounds:
         rows: np.ndarray,
         width: int,
         sampling: np.ndarray | None = None,
+        cells: np.ndarray | None = None,
     ) -> np.ndarray:
         """One round: entry i encodes ``tok[i, :take[i]]`` at columns ``base[i]...`` of
-        store row ``rows[i]`` (its column 0 at absolute position ``origin[i]``; columns
+        table row ``rows[i]`` (its column 0 at absolute position ``origin[i]``; columns
         before ``base[i]`` hold what earlier rounds encoded), then ``width - 1`` steps,
         in :func:`parts` of at most :attr:`limit` padded tokens (``width`` 0: the
-        tokens encoded, nothing drafted; ``[n, 0]`` back). Greedy, or sampled
-        (:func:`choose`) with ``sampling`` [3, n] int64: each entry's temperature (its
-        float32 bits), seed (its uint64 bits) and its draft 0's absolute position.
-        Returns ``[n, columns(width, sampled)]`` float32 (:func:`columns`): the drafts,
-        their margins, then (sampled) their ids ``[width, TOP]`` and weights ``[width,
-        TOP]``."""
+        tokens encoded, nothing drafted; ``[n, 0]`` back). The rows' table cells from
+        ``cells[i]`` on are new (the store's :meth:`~.cache.KVStore.grant`; None: none):
+        the round carries them to the device. Greedy, or sampled (:func:`choose`) with
+        ``sampling`` [3, n] int64: each entry's temperature (its float32 bits), seed
+        (its uint64 bits) and its draft 0's absolute position. Returns ``[n,
+        columns(width, sampled)]`` float32 (:func:`columns`): the drafts, their margins,
+        then (sampled) their ids ``[width, TOP]`` and weights ``[width, TOP]``."""
+        if cells is None:
+            cells = self.store.held[rows]
         split = parts(take, self.limit)
         if len(split) == 1:
-            return self._run(tok, base, take, origin, rows, width, sampling)
+            return self._run(tok, base, take, origin, rows, width, sampling, cells)
         out = np.empty((len(take), columns(width, sampling is not None)), np.float32)
         for idx in split:
             q = int(take[idx].max())  # tokens are left-aligned: a part's first q columns
             part = None if sampling is None else sampling[:, idx]  # the part's entries' own
-            out[idx] = self._run(tok[idx, :q], base[idx], take[idx], origin[idx], rows[idx], width, part)
+            out[idx] = self._run(tok[idx, :q], base[idx], take[idx], origin[idx], rows[idx], width, part, cells[idx])
         return out
 
-    def _run(self, tok, base, take, origin, rows, width: int, sampling=None) -> np.ndarray:
+    def _run(self, tok, base, take, origin, rows, width: int, sampling, cells) -> np.ndarray:
         n, q = tok.shape
         sampled = sampling is not None
         if self.padded:
             shape = (_pow2(n, MIN_ROWS), _pow2(q, MIN_QUERIES), width, sampled)
         else:
             shape = (n, q, width, sampled)
-        if self._version != self.store.version:  # the store moved: its graphs point at the old one
+        if self._version != self.store.version:  # the table moved: its graphs point at the old one
             self.graphs.clear()
             self._version = self.store.version
             if self.capture:  # a pool whose graphs are all gone is released: captures need a new one
@@ -241,7 +250,7 @@ class Rounds:
             while len(self.graphs) >= MAX_GRAPHS:  # the least recently replayed goes (the pool keeps others)
                 self.graphs.popitem(last=False)
             self._capture(shape)
-        inp = self._inputs(shape, tok, base, take, origin, rows, sampling)
+        inp = self._inputs(shape, tok, base, take, origin, rows, sampling, cells)
         inp = torch.from_numpy(inp).to(self.store.device)  # one copy up
         if shape in self.graphs:
             self.graphs.move_to_end(shape)
@@ -252,54 +261,83 @@ class Rounds:
             out = self._round(inp, shape)
         return out[:n].cpu().numpy()  # the one copy down
 
-    def _inputs(self, shape, tok, base, take, origin, rows, sampling) -> np.ndarray:
+    def _cells(self, shape) -> int:
+        """The new table cells a round of ``shape`` carries at most: each entry's encode
+        and drafts, in blocks, and one more (a row's last block part-filled)."""
+        entries, queries, width, _ = shape
+        return entries * (-(-(queries + width) // self.store.block) + 1)
+
+    def _inputs(self, shape, tok, base, take, origin, rows, sampling, cells) -> np.ndarray:
         """The round's padded integers, one array: tokens, columns and write columns
-        ``[rows, queries]`` each, then each entry's last query, origin and store row, then
-        (sampled) its ``sampling`` rows; the entries past n sample at temperature 0."""
+        ``[rows, queries]`` each (-1: the trash block), then each entry's last query,
+        origin and table row, then (sampled) its ``sampling`` rows (the entries past n
+        sample at temperature 0), then the new table cells' flat indices and blocks
+        (padded with writes of 0 into the table's padding row)."""
         n, q = tok.shape
         entries, queries, _, sampled = shape
-        trash = self.store.columns - 1
         steps = np.arange(queries)
         valid = steps < take[:, None]
         grid = np.zeros((3, entries, queries), np.int64)
         grid[0, :n, :q] = tok
         grid[1, :n] = np.where(valid, base[:, None] + steps, 0)
-        grid[2] = trash  # padding (and the entries past n) write to the trash column
-        grid[2, :n] = np.where(valid, grid[1, :n], trash)
+        grid[2] = -1  # padding (and the entries past n) write to the trash block
+        grid[2, :n] = np.where(valid, grid[1, :n], -1)
         last = np.zeros((6 if sampled else 3, entries), np.int64)
         last[0, :n] = take - 1
         last[1, :n] = origin
         last[2, :n] = rows
         if sampled:
             last[3:, :n] = sampling
-        return np.concatenate([grid.ravel(), last.ravel()])
+        where, blocks = self.store.new_cells(rows, cells)
+        room = self._cells(shape)
+        if len(where) > room:
+            raise ValueError(f"a round of shape {shape} takes {len(where)} new blocks, over its {room}")
+        new = np.zeros((2, room), np.int64)
+        new[0] = self.store.padding_cell()
+        new[0, : len(where)] = where
+        new[1, : len(where)] = blocks
+        return np.concatenate([grid.ravel(), last.ravel(), new.ravel()])
 
     def _round(self, inp: torch.Tensor, shape: tuple[int, int, int, bool]) -> torch.Tensor:
-        """The round on the store: ``[rows, columns(width, sampled)]`` float32 (:meth:`run`)."""
+        """The round on the pool: ``[rows, columns(width, sampled)]`` float32 (:meth:`run`)."""
         entries, queries, width, sampled = shape
         grid = entries * queries
+        per_n = 6 if sampled else 3
         tok, pos, write = (inp[i * grid : (i + 1) * grid].view(entries, queries) for i in range(3))
-        per = inp[3 * grid :].view(-1, entries)  # [3 or 6, entries]
+        per = inp[3 * grid : 3 * grid + per_n * entries].view(per_n, entries)
+        new = inp[3 * grid + per_n * entries :].view(2, -1)
         last, origin, rows = per[0], per[1], per[2]
         # The temperature's float32 bits (non-negative: below 2**31) back to float32.
         sampling = DeviceSampling.of(per[3].int().view(torch.float32), per[4], per[5], width) if sampled else None
         every = torch.arange(entries, device=inp.device)
-        kv = self.store.kv
-        h = self.model.forward_kv(tok, pos, kv, rows, write, origin)
+        pages = Pages(self.store.kv, self.store.table)
+        pages.table.view(-1).index_put_((new[0],), new[1])  # the rows' new blocks, before any read
+        h = self.model.forward_kv(tok, pos, pages, rows, write, origin)
         if not width:  # an encode only: the K/V written, no logits, no steps
             return h.new_zeros((entries, 0), dtype=torch.float32)
         first = choose(self.model.logits(h[every, last]), sampling, 0)
         step = pos[every, last][:, None] + 1
-        picks = [first, *draft_steps(self.model, first[0], step, kv, rows, width - 1, origin, write[:, :1], sampling)]
+        picks = [
+            first,
+            *draft_steps(self.model, first[0], step, pages, rows, width - 1, origin, write[:, :1], sampling),
+        ]
         # tokens [n, width], margins [n, width], then (sampled) ids and weights [n, width, TOP]
         fields = (torch.stack(f, 1).reshape(entries, -1).float() for f in zip(*picks))
         return torch.cat(list(fields), 1)
 
-    def _capture(self, shape: tuple[int, int, int, bool]) -> None:
+    def blank(self, shape: tuple[int, int, int, bool]) -> torch.Tensor:
+        """A round's input of ``shape`` that writes only into the trash block and the
+        table's padding row (what a capture runs on)."""
         entries, queries, _, sampled = shape
         per = 6 if sampled else 3
-        inp = torch.zeros(3 * entries * queries + per * entries, dtype=torch.long, device=self.store.device)
-        inp[2 * entries * queries : 3 * entries * queries] = self.store.columns - 1  # writes to trash columns only
+        room = self._cells(shape)
+        inp = torch.zeros(3 * entries * queries + per * entries + 2 * room, dtype=torch.long, device=self.store.device)
+        inp[2 * entries * queries : 3 * entries * queries] = -1  # writes to the trash block only
+        inp[-2 * room : -room] = self.store.padding_cell()  # table writes to its padding row only
+        return inp
+
+    def _capture(self, shape: tuple[int, int, int, bool]) -> None:
+        inp = self.blank(shape)
         self.side.wait_stream(torch.cuda.current_stream(self.store.device))
         with torch.cuda.stream(self.side):  # warm-up outside the capture (lazy inits, kernel choices, Triton's compile)
             self._round(inp, shape)

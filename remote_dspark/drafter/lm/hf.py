@@ -45,10 +45,9 @@ from pathlib import Path
 import torch
 
 from ...trust import untrusted_because
-from .cache import memory_free
-from .cache import row_tokens as cache_rows
 from .drafter import LMDrafter, pick_device
 from .hf_model import HFModel, sliding_window_refusal
+from .pool import memory_free, stream_columns
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -155,12 +154,14 @@ def load_hf(
     device: str | torch.device | None = None,
     window: int = 64,
     cache_slots: int = 1024,
-    row_tokens: int | None = None,
+    max_context: int | None = None,
+    kv_bytes: int | None = None,
 ) -> LMDrafter:
     """The drafter of the transformers causal LM saved in ``model_dir``, for contexts of
-    ``window`` tokens, with ``cache_slots`` cached streams in rows of ``row_tokens``
-    (:class:`~remote_dspark.drafter.lm.drafter.LMDrafter`: its ``max_width``, what a row
-    holds past a window, bounds the HELLO's num_spec).
+    ``window`` tokens, with ``cache_slots`` cached streams of up to ``max_context``
+    tokens each in a KV pool of ``kv_bytes``
+    (:class:`~remote_dspark.drafter.lm.drafter.LMDrafter`: its ``max_width``, what a
+    stream holds past its context, bounds the HELLO's num_spec).
 
     Raises:
         ValueError: naming ``--hf-model``: ``model_dir`` is not a local directory, a file
@@ -176,7 +177,7 @@ def load_hf(
             "save it with save_pretrained first)"
         )
     try:
-        return _load(path, pick_device(device), window, cache_slots, row_tokens)
+        return _load(path, pick_device(device), window, cache_slots, max_context, kv_bytes)
     except ImportError:
         raise
     except Exception as e:  # the directory is input: whatever loading it raises is a refusal
@@ -184,7 +185,9 @@ def load_hf(
         raise ValueError(f"--hf-model {model_dir!r}: {why}") from e
 
 
-def _load(path: Path, dev: torch.device, window: int, cache_slots: int, row_tokens: int | None) -> LMDrafter:
+def _load(
+    path: Path, dev: torch.device, window: int, cache_slots: int, max_context: int | None, kv_bytes: int | None
+) -> LMDrafter:
     """:func:`load_hf` past its directory check; raises whatever fails."""
     model_files(path)  # every file checked before transformers is imported or any file parsed
     try:
@@ -206,12 +209,12 @@ def _load(path: Path, dev: torch.device, window: int, cache_slots: int, row_toke
     why = memory_refusal(params, nbytes, sum(f.stat().st_size for f in shards), dtype, dev)
     if why is not None:
         raise ValueError(why)
-    why = sliding_window_refusal(config, cache_rows(window, positions, row_tokens))
+    why = sliding_window_refusal(config, stream_columns(max_context, positions)[0])
     if why is not None:
         raise ValueError(why)
     model = _with_weights(cls, config, shards, dtype)
     hf = HFModel(model.eval(), dir_identity(path), int(config.vocab_size), positions)
-    return LMDrafter(hf, device=dev, cache_slots=cache_slots, window=window, max_tokens=row_tokens)
+    return LMDrafter(hf, device=dev, cache_slots=cache_slots, window=window, max_context=max_context, kv_bytes=kv_bytes)
 
 
 def _config(file: Path, transformers):

@@ -2,25 +2,27 @@
 
 :class:`~remote_dspark.drafter.lm.drafter.LMDrafter` needs of its model what
 :class:`~remote_dspark.drafter.lm.model.TinyLM` offers: ``forward_kv`` (queries at given
-columns of their rows of the KV store ``[rows, layers, 2, kv_heads, T, head_dim]``, each
-query's keys and values written at its ``write_pos`` first, row i's column c at absolute
-position ``origin[i] + c``), ``logits`` over final hidden states, a plain ``forward``
-(the reference), ``identity()`` and a ``config`` naming its shape. :class:`HFModel` gives
-a transformers model those, so the cache per stream, the round's plan, its one copy in
-and out and its CUDA graphs are the built-in model's, one code for both.
+columns of their streams in the KV pool, :class:`~remote_dspark.drafter.lm.attention.Pages`,
+each query's keys and values written at its ``write_pos`` first, a stream's column c at
+absolute position ``origin[i] + c``), ``logits`` over final hidden states, a plain
+``forward`` (the reference), ``identity()`` and a ``config`` naming its shape.
+:class:`HFModel` gives a transformers model those, so the cache per stream, the round's
+plan, its one copy in and out and its CUDA graphs are the built-in model's, one code for
+both.
 
 How: transformers' attention layers take their past through a cache object's
 ``update(keys, values, layer)`` and hand what it returns to the attention function
 registered under the model's ``attn_implementation``. :class:`ColumnKV` is that cache
-over the store: ``update`` writes each query's keys and values into its entry's row at
+over the pool: ``update`` writes each query's keys and values into its stream's block at
 its own column (one indexed write per layer) and returns the layer's view of the whole
-store; :func:`attend`, registered with transformers' ``AttentionInterface`` and made the
-model's attention, reads each entry's row in place (the drafter's own
+pool; :func:`attend`, registered with transformers' ``AttentionInterface`` and made the
+model's attention, reads each stream's blocks in place (the drafter's own
 :func:`~remote_dspark.drafter.lm.attention.paged_attention`, the built-in model's too).
 ``position_ids`` are each token's true position. Learned (GPT-2) and rotary (Llama,
-Qwen) positions alike then see what a fresh encode of the row's tokens sees; rotary keys
-are kept rotated at their true positions, which stay true. The model is also given the
-same rule as an explicit 4-D mask (which transformers takes as given, building none).
+Qwen) positions alike then see what a fresh encode of the stream's tokens sees; rotary
+keys are kept rotated at their true positions, which stay true. The model is given a 4-D
+mask of one column (transformers takes a 4-D mask as given and builds none; the pool's
+attention applies the causal rule itself).
 
 Nothing in the transformers version is checked. The base model's ``forward`` parameters
 name the cache argument (``cache``, or ``past_key_values`` before transformers 5), and one
@@ -28,8 +30,8 @@ token through a recording cache at load (:func:`probe_kv`) gives the store's sha
 (layers, KV heads, head size: grouped-query models keep fewer heads than they attend
 with) and refuses a model that keeps no keys through ``update``, keys of different
 shapes per layer, or a layer that does not attend through the registered function. A
-model whose attention slides over fewer tokens than a cache row holds is refused (the
-rows' attention is full causal attention). The head is the model's output embeddings
+model whose attention slides over fewer tokens than a stream holds is refused (the
+pool's attention is full causal attention). The head is the model's output embeddings
 applied to the hidden states the drafter picks; a model whose forward scales or caps its
 logits after the head (a monotonic change) drafts the same tokens with other margins.
 """
@@ -44,7 +46,7 @@ import threading
 import torch
 from torch import nn
 
-from .attention import paged_attention, visible_keys
+from .attention import Pages, paged_attention
 
 ATTENTION = "remote_dspark_rows"  # the name under which transformers finds :func:`attend`
 _round = threading.local()  # the round being encoded on this thread: its rows and columns
@@ -67,7 +69,7 @@ def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
         if kwargs.get(name) is not None:
             raise ValueError(f"{type(module).__name__}: its attention takes a {name}: not supported")
     _round.layers += 1
-    return paged_attention(query, key, value, rows, _round.positions, scaling).transpose(1, 2), None
+    return paged_attention(query, key, value, _round.table, rows, _round.positions, scaling).transpose(1, 2), None
 
 
 def use_rows_attention(model: nn.Module) -> None:
@@ -87,12 +89,12 @@ def use_rows_attention(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _rows(rows: torch.Tensor, positions: torch.Tensor):
-    _round.rows, _round.positions, _round.layers = rows, positions, 0
+def _rows(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor):
+    _round.table, _round.rows, _round.positions, _round.layers = table, rows, positions, 0
     try:
         yield _round
     finally:
-        _round.rows = _round.positions = None
+        _round.table = _round.rows = _round.positions = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,21 +110,19 @@ class KVConfig:
 
 
 class ColumnKV:
-    """The drafter's KV store ``[rows, layers, 2, kv_heads, T, head_dim]`` as transformers'
-    layers use a cache: entry i's queries' keys and values land in its row ``rows[i]`` at
-    their columns ``write_pos [n, Q]``, and :func:`attend` reads the rows in place."""
+    """The drafter's KV pool (:class:`~remote_dspark.drafter.lm.attention.Pages`) as
+    transformers' layers use a cache: entry i's queries' keys and values land in its
+    stream's blocks at ``blocks``, ``offsets [n, Q]`` (:meth:`Pages.where`), and
+    :func:`attend` reads the blocks in place."""
 
     is_compileable = False
 
-    def __init__(self, kv: torch.Tensor, rows: torch.Tensor, write_pos: torch.Tensor):
-        self.kv, self.rows, self.write_pos = kv, rows[:, None], write_pos
+    def __init__(self, pages: Pages, blocks: torch.Tensor, offsets: torch.Tensor):
+        self.pages, self.blocks, self.offsets = pages, blocks, offsets
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = self.kv[:, layer_idx, 0], self.kv[:, layer_idx, 1]  # views [rows, kv_heads, T, head_dim]
-        # [rows, T, kv_heads, head_dim] views: one write per layer of every query's keys, and values
-        keys.transpose(1, 2)[self.rows, self.write_pos] = key_states.transpose(1, 2).to(keys.dtype)
-        values.transpose(1, 2)[self.rows, self.write_pos] = value_states.transpose(1, 2).to(values.dtype)
-        return keys, values
+        self.pages.write(layer_idx, self.blocks, self.offsets, key_states, value_states)
+        return self.pages.layer(layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # only asked by a model given no position_ids; these always are
@@ -138,8 +138,8 @@ class _Recorder:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.seen[layer_idx] = tuple(key_states.shape)
-        # a row of one column and the trash column, for :func:`attend`
-        return torch.cat([key_states, key_states], 2), torch.cat([value_states, value_states], 2)
+        # a pool of one block of one token for :func:`attend` ([blocks, kv_heads, 1, head_dim])
+        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -165,7 +165,7 @@ def probe_kv(base: nn.Module, cache_arg: str) -> tuple[int, int, int]:
     p = next(base.parameters())
     ids = torch.zeros((1, 1), dtype=torch.long, device=p.device)
     mask = torch.zeros((1, 1, 1, 1), dtype=p.dtype, device=p.device)
-    with torch.inference_mode(), _rows(ids[0], ids) as seen:
+    with torch.inference_mode(), _rows(ids, ids[0], ids) as seen:
         base(input_ids=ids, attention_mask=mask, position_ids=ids, use_cache=True, **{cache_arg: rec})
     name = type(base).__name__
     shapes = {shape[1:] for shape in rec.seen.values()}
@@ -179,13 +179,13 @@ def probe_kv(base: nn.Module, cache_arg: str) -> tuple[int, int, int]:
     return len(rec.seen), kv_heads, head_dim
 
 
-def sliding_window_refusal(config, row_tokens: int) -> str | None:
-    """Why a model whose attention slides cannot draft from rows of ``row_tokens`` (None:
+def sliding_window_refusal(config, context: int) -> str | None:
+    """Why a model whose attention slides cannot draft from streams of ``context`` tokens (None:
     it can): the round's mask is full causal attention, exact only within the window."""
     window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False or window >= row_tokens:
+    if window is None or getattr(config, "use_sliding_window", True) is False or window >= context:
         return None
-    return f"its attention slides over {window} tokens, fewer than a cache row's {row_tokens} (--lm-row-tokens)"
+    return f"its attention slides over {window} tokens, fewer than a stream's {context} (--max-context)"
 
 
 HEAD_ROWS = 64  # the head's output rows are padded to a multiple (GEMM kernels want aligned rows)
@@ -236,28 +236,26 @@ class HFModel(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        kv: torch.Tensor,
+        pages: Pages,
         rows: torch.Tensor,
         write_pos: torch.Tensor,
         origin: torch.Tensor,
     ) -> torch.Tensor:
         """As :meth:`~remote_dspark.drafter.lm.model.TinyLM.forward_kv`: ``tokens`` [n, Q]
-        at columns ``positions`` (absolute ``origin + positions``) of their rows ``rows`` of
-        the store ``kv``, written at ``write_pos`` (the last column, the trash, for
-        padding). Returns the final hidden states [n, Q, d_model]."""
-        allowed = visible_keys(positions, kv.shape[4])
-        dtype = kv.dtype
-        # what the rows' attention does, as a mask: a model that reads the mask itself agrees
-        mask = torch.zeros(allowed.shape, device=tokens.device, dtype=dtype).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )
-        with _rows(rows, positions):
+        at columns ``positions`` (absolute ``origin + positions``) of their streams' table
+        rows ``rows`` of the pool ``pages``, written at ``write_pos`` (negative: the trash
+        block, for padding). Returns the final hidden states [n, Q, d_model]."""
+        # The rows' attention ignores the mask; transformers takes a 4-D one as given and
+        # builds none (one column: a whole stream's would be n x Q x columns).
+        mask = torch.zeros((tokens.shape[0], 1, tokens.shape[1], 1), device=tokens.device, dtype=pages.kv.dtype)
+        blocks, offsets = pages.where(rows, write_pos)
+        with _rows(pages.table, rows, positions):
             out = self.base(
                 input_ids=tokens,
                 attention_mask=mask,
                 position_ids=positions + origin[:, None],
                 use_cache=True,
-                **{self._cache_arg: ColumnKV(kv, rows, write_pos)},
+                **{self._cache_arg: ColumnKV(pages, blocks, offsets)},
             )
         return out[0]
 

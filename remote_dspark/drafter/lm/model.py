@@ -11,14 +11,14 @@ Two forwards over the same weights:
 * :meth:`TinyLM.forward`: plain causal attention over whole sequences from a given
   absolute position (the reference,
   :meth:`remote_dspark.drafter.lm.drafter.LMDrafter.greedy_one`);
-* :meth:`TinyLM.forward_kv`: queries at given columns of their rows of the drafter's KV
-  store ``[rows, layers, 2, heads, T, head_dim]``
-  (:class:`~remote_dspark.drafter.lm.cache.KVStore`). Each query's K and V are written at
-  its ``write_pos`` first (padding writes go to a trash column, a row's last), then it
-  attends to its row's keys at columns <= its own, in place
-  (:func:`~remote_dspark.drafter.lm.attention.paged_attention`). A row's column c holds
-  the token at absolute position ``origin + c`` (its learned position embedding;
-  attention itself is position-free), so a row keeps its tokens' true positions.
+* :meth:`TinyLM.forward_kv`: queries at given columns of their streams in the drafter's
+  KV pool (:class:`~remote_dspark.drafter.lm.pool.KVStore`: blocks named by a block
+  table). Each query's K and V are written at its ``write_pos`` first (padding writes go
+  to the trash block), then it attends to its stream's keys at columns <= its own, in
+  place (:func:`~remote_dspark.drafter.lm.attention.paged_attention`). A stream's column
+  c holds the token at absolute position ``origin + c`` (its learned position
+  embedding; attention itself is position-free), so a stream keeps its tokens' true
+  positions.
 
 The drafter identity is the sha256 of the configuration (JSON, sorted keys) and every
 parameter's float32 CPU bytes in name order (:meth:`TinyLM.identity`).
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .attention import paged_attention
+from .attention import Pages, paged_attention
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,13 @@ class Block(nn.Module):
         q, k, v = self._qkv(x)
         return self._out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
-    def forward_kv(
-        self, x: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor
-    ) -> torch.Tensor:
-        """``kv`` is this layer's view of the store ``[rows, 2, heads, T, head_dim]``
-        (written in place), entry i's row ``rows[i]``."""
+    def forward_kv(self, x: torch.Tensor, pages: Pages, layer: int, rows, positions, blocks, offsets) -> torch.Tensor:
+        """This layer over the pool: each query's K and V written at ``blocks``,
+        ``offsets`` (:meth:`Pages.where`), then its attention over its row's blocks."""
         q, k, v = self._qkv(x)
-        # An [rows, T, 2, heads, head_dim] view of the store: one write of K and V, every query.
-        kv.permute(0, 3, 1, 2, 4)[rows[:, None], write_pos] = torch.stack((k, v), 2).transpose(1, 3)
-        return self._out(x, paged_attention(q, kv[:, 0], kv[:, 1], rows, positions))
+        pages.write(layer, blocks, offsets, k, v)
+        keys, values = pages.layer(layer)
+        return self._out(x, paged_attention(q, keys, values, pages.table, rows, positions))
 
 
 class TinyLM(nn.Module):
@@ -136,19 +134,20 @@ class TinyLM(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        kv: torch.Tensor,
+        pages: Pages,
         rows: torch.Tensor,
         write_pos: torch.Tensor,
         origin: torch.Tensor,
     ) -> torch.Tensor:
-        """[n, Q] tokens at columns ``positions`` of their rows ``rows`` [n] of the store
-        ``kv`` [rows, layers, 2, heads, T, head_dim], row i's column c at absolute position
-        ``origin[i] + c``; each query's K/V land at ``write_pos`` (``T - 1``, the trash
-        column, for padding). Returns the final hidden states [n, Q, d_model]
-        (normalised: :meth:`logits`)."""
+        """[n, Q] tokens at columns ``positions`` of their streams' table rows ``rows`` [n]
+        of the pool ``pages`` (:class:`~remote_dspark.drafter.lm.attention.Pages`), row
+        i's column c at absolute position ``origin[i] + c``; each query's K/V land at its
+        column ``write_pos`` (negative: the trash block, for padding). Returns the final
+        hidden states [n, Q, d_model] (normalised: :meth:`logits`)."""
         x = self._embed(tokens, positions + origin[:, None])
+        blocks, offsets = pages.where(rows, write_pos)
         for layer, block in enumerate(self.blocks):
-            x = block.forward_kv(x, kv[:, layer], rows, positions, write_pos)
+            x = block.forward_kv(x, pages, layer, rows, positions, blocks, offsets)
         return self.ln_f(x)
 
     def identity(self) -> bytes:
