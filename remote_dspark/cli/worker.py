@@ -268,6 +268,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run, ends_at_once=True)  # stop() releases all: no interpreter teardown (cli.main.entry)
 
 
+# The flags that must be >= 1 (ValueError naming the flag otherwise).
+_AT_LEAST_ONE = ("window", "max_slots", "max_connections", "max_engines", "max_pending", "hello_timeout_ms")
+_AT_LEAST_ONE += ("frame_timeout_ms", "max_batch_entries", "max_batch_tokens", "max_context", "history_mb")
 PARENT_POLL_S = 0.25  # how often a --parent worker looks at its parent
 
 
@@ -286,19 +289,7 @@ def _wait_for_stop(done: threading.Event, parent: int | None) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     host, port = parse_listen(args.listen)
-    for name in (
-        "window",
-        "max_slots",
-        "max_connections",
-        "max_engines",
-        "max_pending",
-        "hello_timeout_ms",
-        "frame_timeout_ms",
-        "max_batch_entries",
-        "max_batch_tokens",
-        "max_context",
-        "history_mb",
-    ):
+    for name in _AT_LEAST_ONE:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.parent is not None and args.parent != os.getppid():

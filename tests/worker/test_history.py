@@ -4,6 +4,7 @@ own tokens, whatever the rounds did to it; a drafter that keeps whole streams ge
 batches naming them and HELLO_ACK tells the engine how many it keeps; their memory is
 bounded by ``--history-mb``; a piece of a long encode reads its stream's tokens."""
 
+import argparse
 import gc
 import random
 
@@ -14,11 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remote_dspark import wire
+from remote_dspark.cli import worker as worker_cli
 from remote_dspark.drafter.markov import MarkovDrafter
 from remote_dspark.drafter.streams import kept, origins, stream_tokens
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
 from remote_dspark.worker.batching import encode_piece
+from remote_dspark.worker.drafters import load_drafter
 from remote_dspark.worker.history import History
 from remote_dspark.worker.limits import Limits
 from remote_dspark.worker.round import drafting_batch
@@ -229,3 +232,17 @@ def test_the_pieces_of_a_whole_stream_s_encode_end_where_the_scheduler_cut_it():
     for call, end in zip(drafter.calls, ends, strict=True):
         assert call.tokens.tolist() == stream[max(0, end - 8) : end]
         assert call.positions.tolist() == [30 + max(0, end - 8)]
+
+
+def test_the_worker_s_flags_refuse_bad_values_naming_them():
+    parser = argparse.ArgumentParser()
+    worker_cli.add_parser(parser.add_subparsers())
+    for flags, message in (
+        (["--max-context", "0"], "--max-context 0: must be >= 1"),
+        (["--history-mb", "0"], "--history-mb 0: must be >= 1"),
+    ):
+        args = parser.parse_args(["worker", "--listen", "127.0.0.1:0", *flags])
+        with pytest.raises(ValueError, match=message):
+            worker_cli.run(args)
+    with pytest.raises(ValueError, match=f"--max-context {1 << 23}: not in 1..{wire.MAX_CONTEXT}"):
+        load_drafter("lm", lm_device="cpu", max_context=1 << 23)
