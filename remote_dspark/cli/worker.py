@@ -11,7 +11,7 @@ import threading
 
 from .. import wire
 from ..transport.auth import MIN_KEY, load_key
-from ..worker.drafters import load_drafter
+from ..worker.drafters import DEFAULT_MAX_CONTEXT, load_drafter
 from ..worker.faults import LATE_S, Faults
 from ..worker.limits import (
     DEFAULT_LISTEN,
@@ -25,7 +25,7 @@ from ..worker.limits import (
 from ..worker.options import ROUND_PATHS, WorkerOptions
 from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
 from ..worker.server import Worker
-from ..worker.sessions import RECENT_S
+from ..worker.sessions import DEFAULT_HISTORY_MB, RECENT_S
 
 _DEFAULT_ROUND_BYTES = Limits().max_round_bytes
 
@@ -91,6 +91,16 @@ def add_parser(sub) -> None:
         help="bytes of one ROUND payload (default: the largest round of the three limits above, "
         f"{_DEFAULT_ROUND_BYTES} bytes (8.5 MiB) at their defaults); also each served "
         "connection's receive buffer at most",
+    )
+    lim.add_argument(
+        "--history-mb",
+        type=int,
+        default=DEFAULT_HISTORY_MB,
+        metavar="MIB",
+        help=f"memory for every session's windows, the stream tokens this worker keeps (4 bytes a "
+        f"token: --max-slots x (kept tokens + --window) a session), in MiB (default {DEFAULT_HISTORY_MB}: "
+        "63 sessions of 1,024 slots keeping 8,192 tokens, 32.3 MiB each; a session keeping --window "
+        "tokens takes 0.5 MiB). A HELLO whose windows would pass it is refused busy",
     )
     adm = p.add_argument_group(
         "admission",
@@ -202,6 +212,15 @@ def add_parser(sub) -> None:
         "float32 at the default --window 64); refused when it does not fit the device's free memory",
     )
     lm.add_argument(
+        "--max-context",
+        type=int,
+        default=DEFAULT_MAX_CONTEXT,
+        metavar="N",
+        help=f"tokens of each stream the model drafter keeps (default {DEFAULT_MAX_CONTEXT}, at most the "
+        "model's positions): the worker keeps as many of each stream's tokens (within --history-mb) "
+        "and tells the engine, which sends a new sequence's context up to them",
+    )
+    lm.add_argument(
         "--lm-row-tokens",
         type=int,
         default=None,
@@ -249,6 +268,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run, ends_at_once=True)  # stop() releases all: no interpreter teardown (cli.main.entry)
 
 
+# The flags that must be >= 1 (ValueError naming the flag otherwise).
+_AT_LEAST_ONE = ("window", "max_slots", "max_connections", "max_engines", "max_pending", "hello_timeout_ms")
+_AT_LEAST_ONE += ("frame_timeout_ms", "max_batch_entries", "max_batch_tokens", "max_context", "history_mb")
 PARENT_POLL_S = 0.25  # how often a --parent worker looks at its parent
 
 
@@ -267,17 +289,7 @@ def _wait_for_stop(done: threading.Event, parent: int | None) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     host, port = parse_listen(args.listen)
-    for name in (
-        "window",
-        "max_slots",
-        "max_connections",
-        "max_engines",
-        "max_pending",
-        "hello_timeout_ms",
-        "frame_timeout_ms",
-        "max_batch_entries",
-        "max_batch_tokens",
-    ):
+    for name in _AT_LEAST_ONE:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.parent is not None and args.parent != os.getppid():
@@ -293,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
         lm_cache_slots=args.lm_cache_slots,
         lm_row_tokens=args.lm_row_tokens,
         window=args.window,
+        max_context=args.max_context,
     )
     faults = Faults(late_s=args.late_ms / 1000) if args.chaos else None
     options = WorkerOptions(
@@ -303,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         max_round_bytes=args.max_round_bytes,
         max_connections=args.max_connections,
         max_engines=args.max_engines,
+        history_mb=args.history_mb,
         max_pending=args.max_pending,
         hello_timeout_s=args.hello_timeout_ms / 1000,
         frame_timeout_s=args.frame_timeout_ms / 1000,

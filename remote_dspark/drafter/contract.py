@@ -54,7 +54,8 @@ A model drafter says its position table (``max_positions``, an optional int, rea
 :func:`max_positions_of`): the worker refuses a HELLO whose window and ``num_spec`` could
 never fit in it, and gives no drafts to an entry whose context (at its absolute position,
 ``DraftBatch.positions``) and width pass it (:meth:`DraftBatch.beyond`): the drafter
-never sees such an entry.
+never sees such an entry. A drafter that keeps whole streams may say how many tokens of each it
+keeps (``max_context``, :func:`max_context_of`): the worker keeps as many of each stream's tokens.
 
 A per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens, margins)``)
 is served through :class:`PerEntryDrafter`, the slow path: one Python call per entry.
@@ -326,6 +327,21 @@ def max_positions_of(drafter) -> int | None:
     size = getattr(drafter, "max_positions", None)
     if size is not None and (not isinstance(size, int) or size < 1):
         raise ValueError(f"drafter max_positions {size!r}: expected a positive int or None")
+    return size
+
+
+def max_context_of(drafter) -> int | None:
+    """The most tokens ``drafter`` keeps per stream (its optional ``max_context``: a model
+    drafter's positions, or less), None when it does not say. A worker serving a drafter
+    that keeps whole streams keeps that many of each stream's tokens (at least its
+    window) and tells the engine so (HELLO_ACK's ``context_tokens``).
+
+    Raises:
+        ValueError: a ``max_context`` that is not a positive int.
+    """
+    size = getattr(drafter, "max_context", None)
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise ValueError(f"drafter max_context {size!r}: expected a positive int or None")
     return size
 
 

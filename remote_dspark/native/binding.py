@@ -50,7 +50,7 @@ from .structs import (
     WindowsView,
 )
 
-ABI_VERSION = 24
+ABI_VERSION = 25
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value

@@ -27,7 +27,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 24   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 25   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -171,12 +171,13 @@ struct hf_link {
  * session's terms. Filled once per session by remote_dspark.worker.native_round, the
  * worker's terms (max_positions, max_round_tokens) at every call. */
 struct hf_windows {
-    int32_t *ring;                /* [max_slots, 2 * window]: token j at columns j % window, + window */
+    int32_t *ring;                /* [max_slots, keep + window]: token j at column j % keep, and at
+                                     keep + j % keep when j % keep < window */
     int64_t *written, *gen, *next_pos;   /* [max_slots] each */
     uint8_t *known;               /* [max_slots] bool */
     uint8_t *seen;                /* [max_slots] zeros: the duplicate check's marks, cleared after use */
     uint64_t max_positions;       /* the drafter's position table; UINT64_MAX: none */
-    uint32_t max_slots, window, num_spec;
+    uint32_t max_slots, window, keep, num_spec;   /* keep >= window: tokens a slot keeps */
     uint32_t sampled;             /* 1: the session's HELLO asked for sampled drafts */
     uint32_t row_bytes;           /* the HELLO's row size; HF_ANY_ROW_BYTES: not checked */
     uint32_t max_round_tokens;    /* this worker's --max-round-tokens */

@@ -126,6 +126,7 @@ class WindowsView(ctypes.Structure):
         ("max_positions", ctypes.c_uint64),
         ("max_slots", ctypes.c_uint32),
         ("window", ctypes.c_uint32),
+        ("keep", ctypes.c_uint32),
         ("num_spec", ctypes.c_uint32),
         ("sampled", ctypes.c_uint32),
         ("row_bytes", ctypes.c_uint32),

@@ -87,17 +87,19 @@ static int check_round(const struct hf_windows *w, const uint8_t *p, uint64_t le
     return twice ? WR_SLOT_TWICE : WR_OK;
 }
 
-/* One entry's tokens onto its slot's window (Windows.advance): the slot's last `window`
- * tokens, each at column j % window and j % window + window of its row. */
+/* One entry's tokens onto its slot's ring (Windows.advance): the entry's last `keep`
+ * tokens, each at column j % keep of its row, and at j % keep + keep when under window. */
 static void append(const struct hf_windows *w, uint32_t slot, uint64_t base, const uint8_t *tokens, uint32_t len)
 {
-    uint64_t W = w->window;
-    int32_t *row = w->ring + (uint64_t)slot * 2 * W;
-    for (uint32_t j = len > W ? len - (uint32_t)W : 0; j < len; j++) {
+    uint64_t W = w->window, K = w->keep;
+    int32_t *row = w->ring + (uint64_t)slot * (K + W);
+    for (uint32_t j = len > K ? len - (uint32_t)K : 0; j < len; j++) {
         int32_t t;
         memcpy(&t, tokens + 4ull * j, 4);
-        uint64_t col = (base + j) % W;
-        row[col] = row[col + W] = t;
+        uint64_t col = (base + j) % K;
+        row[col] = t;
+        if (col < W)
+            row[col + K] = t;
     }
 }
 
@@ -132,8 +134,8 @@ static void advance(const struct hf_windows *w, const struct wround *v, struct h
             continue;
         if (at + fill > tokens_room)  /* cannot happen: the room is n x window */
             continue;
-        const int32_t *row = w->ring + (uint64_t)s * 2 * W;
-        memcpy(b->tokens + at, row + (written - fill) % W, fill * 4);
+        const int32_t *row = w->ring + (uint64_t)s * (w->keep + W);
+        memcpy(b->tokens + at, row + (written - fill) % w->keep, fill * 4);
         at += fill;
         b->drafted[i] = 1;
         b->offsets[m + 1] = (int64_t)at;

@@ -37,7 +37,8 @@ HELLO_ACK payload (``ACK_STRUCT``, 92 bytes, then the reason; protocol 7)::
          4   32 drafter identity
         36   32 Markov identity
         68    4 context_tokens  the context tokens the worker keeps per slot (its
-                                window): 1..MAX_CONTEXT when accepting, <= MAX_CONTEXT
+                                window, or what a drafter that keeps whole
+                                streams keeps): 1..MAX_CONTEXT when accepting, <= MAX_CONTEXT
                                 otherwise. The engine cuts a NEW_GEN context to the
                                 smaller of this and its own cap.
         72    4 round_tokens    the most tokens the worker takes in one ROUND (its
@@ -204,7 +205,7 @@ class HelloAck:
     drafter_identity: bytes
     markov_identity: bytes
     reason: str = ""
-    context_tokens: int = DEFAULT_CONTEXT  # the worker's window: context tokens it keeps per slot
+    context_tokens: int = DEFAULT_CONTEXT  # context tokens the worker keeps per slot (its window, or more)
     round_tokens: int = MAX_TOKENS  # the most tokens it takes in one ROUND (--max-round-tokens)
     vocab_size: int = 0  # its drafter's vocabulary; 0: unknown
     max_slots: int = MAX_ENTRIES  # --max-slots

@@ -15,7 +15,7 @@ import logging
 import numpy as np
 
 from ..drafter.contract import DraftBatch, DraftResult, context_read_of, encodes_of, keeps_streams_of
-from ..drafter.streams import kept
+from ..drafter.streams import kept, origins, stream_tokens
 
 log = logging.getLogger("remote_dspark.worker")
 
@@ -41,7 +41,7 @@ class Charge:
     A drafter that keeps its streams' state across calls (``keeps_streams`` with
     ``encodes``) has an entry's encode taken in **pieces** (:attr:`pieces`): an entry that
     costs more than a whole call is first encoded in calls of its own share, as entries of
-    no drafts whose contexts are the entry's first tokens (:func:`encode_piece`), and
+    no drafts whose streams are the entry's cut short (:func:`encode_piece`), and
     drafted in the call that takes its last tokens: one engine's long context never holds
     another's round longer than one call."""
 
@@ -77,17 +77,26 @@ class Charge:
         return 1 + width if self.pieces else int(entry_cost(window, width, self.context_read))
 
 
-def encode_piece(batch: DraftBatch, i: int, keep: int) -> DraftBatch:
-    """A piece of entry ``i``'s encode (:class:`Charge`): the entry with its context's first
-    ``keep`` tokens (at the same positions), its stream's length cut alike, and no drafts."""
+def encode_piece(batch: DraftBatch, i: int, cut: int) -> DraftBatch:
+    """A piece of entry ``i``'s encode (:class:`Charge`): the same stream with its last
+    ``cut`` tokens cut off, and no drafts. Its context is the stream's last tokens ending
+    at the cut (as many as the entry's context at most, from what the worker keeps:
+    :func:`~remote_dspark.drafter.streams.stream_tokens`, through the batch's history
+    where the context does not hold them), at their own positions.
+
+    Raises: ValueError, a cut past what the worker keeps of the stream."""
     one = batch.entries(i, i + 1)
-    cut = int(one.offsets[1]) - keep
+    ctx = int(one.offsets[1])
+    end = (ctx if one.lengths is None else int(one.lengths[0])) - cut
+    first = max(int(kept(one)[0]), end - ctx)
+    tokens, _ = stream_tokens(one, np.zeros(1, np.int64), np.array([first]), np.array([end]))
     return dataclasses.replace(
         one,
-        tokens=one.tokens[:keep],
-        offsets=np.array([0, keep], np.int64),
+        tokens=tokens,
+        offsets=np.array([0, end - first], np.int64),
         n_out=np.zeros(1, np.int32),
-        lengths=None if one.lengths is None else np.asarray(one.lengths, np.int64) - cut,
+        lengths=None if one.lengths is None else np.array([end], np.int64),
+        positions=one.positions if one.lengths is None else origins(one) + first,
     )
 
 

@@ -1,5 +1,5 @@
 """The drafter a worker serves, built from its flags: ``--drafter markov|lm|MODULE:FACTORY``,
-``--markov FILE``, ``--hf-model DIR``, ``--lm-device``, ``--lm-cache-slots``.
+``--markov FILE``, ``--hf-model DIR``, ``--lm-device``, ``--lm-cache-slots``, ``--max-context``.
 
 ``MODULE`` is the operator's own code, imported by name from ``sys.path``; nothing is
 evaluated from the spec itself.
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import importlib
 
+from .. import wire
 from ..drafter.contract import BatchedDrafter, as_batched, vocab_size_of
 from ..drafter.markov import MarkovDrafter, MarkovModel, builtin_model
 
 # Drafters built in by name (``--drafter NAME``). The model drafters import torch, so
 # their package is imported only when one is asked for: the Markov worker stays torch-free.
 MARKOV, LM = "markov", "lm"
+DEFAULT_MAX_CONTEXT = 8192  # --max-context: a model drafter's tokens a stream (the worker keeps as many)
 
 
 def load_drafter(
@@ -27,11 +29,13 @@ def load_drafter(
     lm_cache_slots: int = 1024,
     lm_row_tokens: int | None = None,
     window: int = 64,
+    max_context: int = DEFAULT_MAX_CONTEXT,
 ) -> BatchedDrafter:
     """The drafter ``--drafter`` names: ``markov`` (the default: the ``--markov`` file,
     else the built-in model), ``lm`` (the built-in torch model, :mod:`remote_dspark.drafter.lm`,
     on ``lm_device`` with ``lm_cache_slots`` cached streams in rows of ``lm_row_tokens``
-    tokens, None: sized for the worker's ``window``), or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a
+    tokens, None: sized for the worker's ``window``; keeping ``max_context`` tokens a stream
+    at most), or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a
     per-entry drafter); ``hf_model`` (``--hf-model DIR``) is a transformers model from that
     local directory. Batched either way (:func:`as_batched`). ``identity`` replaces the
     drafter identity of the Markov and model drafters.
@@ -46,7 +50,7 @@ def load_drafter(
             raise ValueError(f"--hf-model {hf_model!r} with --drafter {spec!r}: give one of them")
         if markov_path:
             raise ValueError(f"--markov {markov_path!r}: only for the Markov drafter")
-        drafter = _model_drafter(hf_model, lm_device, lm_cache_slots, lm_row_tokens, window)
+        drafter = _model_drafter(hf_model, lm_device, lm_cache_slots, lm_row_tokens, window, max_context)
         if identity is not None:
             drafter.drafter_identity = identity
         return drafter
@@ -78,11 +82,13 @@ def load_drafter(
 
 
 def _model_drafter(
-    hf_model: str | None, device: str | None, cache_slots: int, row_tokens: int | None, window: int
+    hf_model: str | None, device: str | None, cache_slots: int, row_tokens: int | None, window: int, max_context: int
 ) -> BatchedDrafter:
     """The built-in LM drafter, or the transformers one of ``hf_model``.
 
     Raises: ValueError naming the flag (torch missing, a bad device or cache size)."""
+    if not 1 <= max_context <= wire.MAX_CONTEXT:
+        raise ValueError(f"--max-context {max_context}: not in 1..{wire.MAX_CONTEXT}")
     if cache_slots < 0:
         raise ValueError(f"--lm-cache-slots {cache_slots}: must be >= 0 (0: no cache)")
     if row_tokens is not None and row_tokens <= window:
@@ -96,8 +102,8 @@ def _model_drafter(
         raise ValueError(f"{flag}: {e} (pip install remote-dspark[lm])") from e
     try:
         if hf_model is not None:
-            return lm.hf_drafter(hf_model, device, cache_slots, window, row_tokens)
-        return lm.builtin_drafter(device, cache_slots, window, row_tokens)
+            return lm.hf_drafter(hf_model, device, cache_slots, window, row_tokens, max_context=max_context)
+        return lm.builtin_drafter(device, cache_slots, window, row_tokens, max_context=max_context)
     except (ImportError, ValueError) as e:
         why = str(e).removeprefix(f"{flag}: ")  # the loader's own messages name the flag already
         raise ValueError(f"{flag} (--lm-device {device or 'auto'}): {why}") from e

@@ -208,9 +208,9 @@ class FairShare:
         c = int(min(within, first - drafts - 1))
         if c < 1:
             return 0
-        keep = int(batch.offsets[i + 1] - batch.offsets[i]) - (first - drafts - c)  # its context up to the piece's end
+        cut = first - drafts - c  # the stream's tokens after the piece's end: later pieces'
         job.state = state._replace(encoded=state.encoded + c)
-        call.pieces.append(Piece(job, i, encode_piece(batch, i, keep), c, state.encoded, partial=True))
+        call.pieces.append(Piece(job, i, encode_piece(batch, i, cut), c, state.encoded, partial=True))
         call.partial.add(job)
         call.given[job] = call.given.get(job, 0) + c
         call.entries, call.tokens = call.entries + 1, call.tokens + c

@@ -16,8 +16,8 @@ import socket
 from dataclasses import dataclass
 
 from .. import wire
-from ..drafter.contract import vocab_size_of
-from .limits import Limits, hello_refusal
+from ..drafter.contract import keeps_streams_of, vocab_size_of
+from .limits import Limits, hello_refusal, stream_keep
 from .sessions import Session, Sessions
 
 log = logging.getLogger("remote_dspark.worker")
@@ -52,7 +52,9 @@ def judge_hello(
     if code != wire.ACCEPT:
         log.warning("refused HELLO of session %#x: %s", hdr.session, reason)
         return Verdict(code, reason, why)
-    session = Session.of_hello(hdr.session, hello, limits.window, conn)
+    keep = stream_keep(drafter, limits.window)
+    history = sessions.history if keeps_streams_of(drafter) else None
+    session = Session.of_hello(hdr.session, hello, limits.window, conn, keep, history)
     busy, evicted = sessions.admit(session)
     if busy is not None:
         log.warning("refused HELLO of session %#x of engine %#x: %s", hdr.session, hello.engine_id, busy)
@@ -68,16 +70,17 @@ def judge_hello(
 
 
 def hello_ack(drafter, code: int, reason: str, session: int, limits: Limits) -> bytes:
-    """The HELLO_ACK frame of a worker serving ``drafter`` under ``limits``: its window
-    (the context it keeps per slot), its cap on a round's tokens (the engine's rounds
-    fit it), its drafter's vocabulary (0: unknown) and its other limits, told with a
-    refusal too (what a probe reports)."""
+    """The HELLO_ACK frame of a worker serving ``drafter`` under ``limits``: the tokens
+    it keeps of each stream (:func:`~.limits.stream_keep`: its window, or what a drafter
+    that keeps whole streams keeps; the engine sends NEW_GEN contexts up to it), its cap
+    on a round's tokens (the engine's rounds fit it), its drafter's vocabulary (0:
+    unknown) and its other limits, told with a refusal too (what a probe reports)."""
     ack = wire.HelloAck(
         code,
         drafter.drafter_identity,
         drafter.markov_identity,
         reason,
-        context_tokens=limits.window,
+        context_tokens=stream_keep(drafter, limits.window),
         round_tokens=limits.max_round_tokens,
         vocab_size=min(vocab_size_of(drafter), wire.MAX_VOCAB),
         max_slots=limits.max_slots,

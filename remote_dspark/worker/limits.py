@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from .. import wire
 from ..drafter.contract import (
     as_batched,
+    keeps_streams_of,
+    max_context_of,
     max_positions_of,
     needs_rows_of,
     samples_of,
@@ -41,6 +43,17 @@ def tokens_per_slot(window: int) -> int:
     context (at most ``window``, what HELLO_ACK told the engine) plus what one round
     appends (``num_spec + 1`` <= ``wire.MAX_N_OUT``), as headroom."""
     return window + wire.MAX_N_OUT
+
+
+def stream_keep(drafter, window: int) -> int:
+    """The tokens a worker of ``window`` serving ``drafter`` keeps of each stream (what
+    HELLO_ACK's ``context_tokens`` tells the engine): a drafter that keeps whole streams,
+    its ``max_context`` (:func:`~remote_dspark.drafter.contract.max_context_of`), its
+    window at least and the wire's cap at most; any other drafter, its window.
+
+    Raises: ValueError, a bad ``max_context``."""
+    most = max_context_of(drafter) if keeps_streams_of(drafter) else None
+    return window if most is None else min(max(window, most), wire.MAX_CONTEXT)
 
 
 def largest_round(slots: int, tokens: int, row_bytes: int, sampled: bool = False) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from .. import wire
 from ..drafter.contract import DraftBatch
 from .limits import Limits
-from .round import check_for_session
+from .round import check_for_session, kept_streams
 from .sessions import Session
 
 log = logging.getLogger("remote_dspark.worker")
@@ -117,6 +117,7 @@ class NativeRounds:
                 seen=seen.ctypes.data,
                 max_slots=w.max_slots,
                 window=w.window,
+                keep=w.keep,
                 num_spec=session.num_spec,
                 sampled=int(session.want_sampled),
                 row_bytes=_ANY_ROW_BYTES if session.row_bytes is None else session.row_bytes,
@@ -172,6 +173,7 @@ class NativeRounds:
             positions=a["starts"][:m],
             temperature=a["temperature"][:m] if sampled else None,
             seed=a["seed"][:m] if sampled else None,
+            **kept_streams(session, a["lengths"][:m]),
         )
         slots = data[wire.ROUND_FIXED.size : wire.ROUND_FIXED.size + 4 * n].view(np.uint32)
         return out.deadline_ms, slots, a["ok"][:n], drafted, width, batch

@@ -15,7 +15,7 @@ from .. import wire
 from ..transport.auth import Key
 from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, DEFAULT_WINDOW, Limits
-from .sessions import RECENT_S
+from .sessions import DEFAULT_HISTORY_MB, RECENT_S
 
 ROUND_PATHS = ("served", "native", "python")  # WorkerOptions.round_path, --round-path
 
@@ -31,6 +31,9 @@ class WorkerOptions:
     (``time.monotonic``) dates those places' HELLOs and rounds, and ``recent_s`` is
     measured on it (:class:`~remote_dspark.worker.sessions.Sessions`): a test passes a
     fake one and advances it.
+
+    ``history_mb`` bounds the memory of all sessions' windows (:class:`~.sessions.Sessions`:
+    a HELLO past it is refused busy).
 
     ``faults`` (None: none) makes replies late or garbled on purpose, for chaos runs and
     tests (:class:`~remote_dspark.worker.faults.Faults`, changed from any thread or a
@@ -60,6 +63,7 @@ class WorkerOptions:
     max_round_tokens: int | None = None
     max_round_bytes: int | None = None
     max_engines: int = 32
+    history_mb: int = DEFAULT_HISTORY_MB
     max_connections: int = 32
     max_pending: int = 128
     hello_timeout_s: float = 2.0
@@ -81,6 +85,8 @@ class WorkerOptions:
             raise ValueError(f"round_path {self.round_path!r}: one of {', '.join(ROUND_PATHS)}")
         if not 1 <= self.window <= wire.MAX_CONTEXT:
             raise ValueError(f"window {self.window}: not in 1..{wire.MAX_CONTEXT}")
+        if self.history_mb < 1:
+            raise ValueError(f"history_mb {self.history_mb}: must be >= 1 (--history-mb)")
         if self.max_connections < 1 or self.max_pending < 1:
             raise ValueError(f"max_connections {self.max_connections}, max_pending {self.max_pending}: must be >= 1")
         if not (self.hello_timeout_s > 0 and self.frame_timeout_s > 0):

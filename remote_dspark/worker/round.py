@@ -118,6 +118,15 @@ def check_for_session(session: Session, rnd: wire.Round, limits: Limits) -> np.n
     return slots
 
 
+def kept_streams(session: Session, lengths: np.ndarray) -> dict:
+    """The batch's ``kept_from`` and ``history`` for a session whose drafter keeps whole
+    streams (``session.history``): each stream's indices from ``lengths - min(lengths,
+    keep)`` on are in its windows; nothing (the contexts only) for any other session."""
+    if session.history is None:
+        return {}
+    return {"kept_from": lengths - np.minimum(lengths, session.windows.keep), "history": session.history}
+
+
 def drafting_batch(
     session: Session, rnd: wire.Round, limits: Limits, max_positions: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, DraftBatch]:
@@ -127,8 +136,9 @@ def drafting_batch(
     the drafter's position table ``max_positions``: no drafts, never wrapped positions),
     the drafts' width (``n_out`` at most, ``num_spec`` at most) and the drafter's batch of
     the ``drafted`` entries, each naming its stream (session serial, slot, generation,
-    length) and its context's absolute position, and in a sampled session its
-    temperature and seed (the ROUND's, for the entries kept).
+    length) and its context's absolute position, in a sampled session its temperature
+    and seed (the ROUND's, for the entries kept), and for a drafter that keeps whole
+    streams what its windows keep of each (:func:`kept_streams`).
 
     Raises: wire.ProtocolError naming what breaks the session's HELLO or this worker's
     limits, or a slot outside the session or named twice.
@@ -166,6 +176,7 @@ def drafting_batch(
         positions=adv.starts,
         temperature=temperature,
         seed=seed,
+        **kept_streams(session, adv.lengths),
     )
     beyond = batch.beyond(max_positions)
     if not beyond.any():

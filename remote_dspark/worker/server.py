@@ -53,6 +53,7 @@ from . import lane, native_round
 from .admission import Admission, Drop
 from .faults import Faults
 from .hello import hello_ack, judge_hello
+from .limits import stream_keep
 from .options import WorkerOptions
 from .round import answer
 from .scheduler import Scheduler
@@ -91,6 +92,7 @@ class Worker:
             batching=opts.batching,
         )
         self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
+        stream_keep(drafter, opts.window)  # a bad max_context stops the start, not a HELLO
         self._native = native_round.load() if opts.round_path != "python" else None
         self.host, self.port = host, port
         self.limits = opts.limits
@@ -103,7 +105,7 @@ class Worker:
         self.metrics_port = opts.metrics_port  # the bound one once started
         self._metrics = None  # metrics.MetricsServer while started with a metrics port
         self._started = time.monotonic()
-        self._sessions = Sessions(opts.max_engines, opts.recent_s, opts.sessions_clock)
+        self._sessions = Sessions(opts.max_engines, opts.recent_s, opts.sessions_clock, opts.history_mb << 20)
         self._lock = threading.Lock()  # guards _conns, _threads, stats
         # served connections (after HELLO) -> their session (None while the HELLO is judged)
         self._conns: dict[socket.socket, Session | None] = {}

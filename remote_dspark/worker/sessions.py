@@ -17,6 +17,11 @@ The same rule, :func:`displaceable`, gives a newcomer a served connection when a
 ``max_connections`` are taken (:meth:`Sessions.displace`): the connection of the least
 recently served session goes if it idled ``recent_s``. So peers that say HELLO and idle
 hold their connections only as long as an engine holds its place, never for good.
+
+The sessions' windows are bounded too: every session's windows are registered in the
+worker's :class:`~.history.History` (weakly: they go with their session), and a HELLO
+whose windows would take the live ones past ``history_bytes`` (``--history-mb``) is
+refused "busy", its reason naming the flag and the figures.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .history import History
 from .windows import Windows
 
 RECENT_S = 60.0
+DEFAULT_HISTORY_MB = 2048  # a few dozen sessions of 1,024 slots x 8,192 kept tokens (32.3 MiB each)
 
 
 @dataclass(eq=False)
@@ -46,20 +53,34 @@ class Session:
     evicted: bool = False  # a newcomer took its place; its connection says BYE and closes
     conn: socket.socket | None = None  # its connection (shut down on eviction), when it has one
     want_sampled: bool = False  # its HELLO's OPTION_SAMPLED: rounds carry temperatures and seeds
+    # The worker's reader of its streams' tokens when its drafter keeps whole streams: the
+    # session's batches carry it and ``kept_from`` (worker.round.kept_streams). None: not.
+    history: History | None = None
 
     @classmethod
-    def of_hello(cls, session: int, hello, window: int, conn: socket.socket | None = None) -> Session:
-        """The session a (checked) HELLO asks for, with new windows of ``window`` tokens."""
+    def of_hello(
+        cls,
+        session: int,
+        hello,
+        window: int,
+        conn: socket.socket | None = None,
+        keep: int | None = None,
+        history: History | None = None,
+    ) -> Session:
+        """The session a (checked) HELLO asks for, with new windows of ``window`` tokens
+        keeping ``keep`` per slot (None: ``window``), read through ``history`` when its
+        drafter keeps whole streams."""
         return cls(
             session,
             hello.max_slots,
             hello.num_spec,
             hello.want_margin,
-            Windows(hello.max_slots, window),
+            Windows(hello.max_slots, window, keep),
             row_bytes=hello.row_bytes,
             engine_id=hello.engine_id,
             conn=conn,
             want_sampled=hello.want_sampled,
+            history=history,
         )
 
 
@@ -72,12 +93,21 @@ class Sessions:
 
     ``clock`` (``time.monotonic`` by default) dates every HELLO and round; ``recent_s``
     is measured on it, so a test that advances a fake clock decides who is recent.
+    ``history`` registers every admitted session's windows; their bytes stay within
+    ``history_bytes``.
     """
 
-    def __init__(self, max_engines: int, recent_s: float = RECENT_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_engines: int,
+        recent_s: float = RECENT_S,
+        clock: Callable[[], float] = time.monotonic,
+        history_bytes: int = DEFAULT_HISTORY_MB << 20,
+    ):
         if max_engines < 1:
             raise ValueError(f"max_engines {max_engines}: must be >= 1")
         self.max_engines = max_engines
+        self.history, self.history_bytes = History(), history_bytes
         self.recent_s = recent_s
         self.clock = clock
         self._by_engine: dict[int, Session] = {}
@@ -101,6 +131,9 @@ class Sessions:
         with self._lock:
             now = self.clock()
             victim = None
+            full = self._over_budget(new.windows)
+            if full is not None:
+                return full, None
             old = self._by_engine.pop(new.engine_id, None)
             if old is not None:
                 old.windows.forget_all()
@@ -115,9 +148,24 @@ class Sessions:
                 self._evict(victim)
             new.last_served = now
             self._by_engine[new.engine_id] = new
+            self.history.add(new.windows)
         if victim is not None:
             _shut(victim)
         return None, victim
+
+    def _over_budget(self, windows: Windows) -> str | None:
+        """Under the lock: the busy reason when ``windows`` would take the live sessions'
+        windows past ``history_bytes``, else None. (Windows of sessions that left count
+        until their connection's thread lets them go.)"""
+        held, need = self.history.nbytes(), windows.nbytes
+        if held + need <= self.history_bytes:
+            return None
+        mib = 1 << 20
+        return (
+            f"busy: a session of {windows.max_slots} slots x {windows.keep} kept tokens needs "
+            f"{need / mib:.1f} MiB of windows; this worker's sessions hold {held / mib:.1f} MiB of its "
+            f"{self.history_bytes / mib:g} MiB (--history-mb); try again later"
+        )
 
     def displace(self, sessions: Iterable[Session]) -> Session | None:
         """A newcomer found every served connection taken: the least recently served of

@@ -1,9 +1,12 @@
 """The worker's per-slot windows (:mod:`remote_dspark.worker` keeps one per session).
 
-A session's windows are one ring array (:class:`Windows`: ``[max_slots, 2 * window]``
+A session's windows are one ring array (:class:`Windows`: ``[max_slots, keep + window]``
 tokens plus per-slot counters), updated with scatter writes for all entries of a round
 at once (a round names each slot at most once, so the writes never collide) and read
-back as every entry's context with one gather: no Python loop over the entries.
+back as every entry's context with one gather: no Python loop over the entries. A
+session whose drafter keeps whole streams keeps each slot's last ``keep`` tokens, more
+than its ``window`` context, for that drafter to read (:meth:`Windows.read`, through the
+worker's one reader, :class:`~.history.History`).
 """
 
 from __future__ import annotations
@@ -35,20 +38,24 @@ class Advanced:
 
 
 class Windows:
-    """One session's windows: a ring of the last ``window`` tokens per slot.
+    """One session's windows: a ring of the last ``keep`` tokens per slot (``keep >=
+    window``; None: ``window``), of which the last ``window`` are the slot's context.
 
     Arrays (index: slot)::
 
-        ring      [max_slots, 2 * window] int32  token j of the slot (since its NEW_GEN) at
-                                             columns j % window and j % window + window
+        ring      [max_slots, keep + window] int32  token j of the slot (since its NEW_GEN)
+                                             at column j % keep, and also at column
+                                             keep + j % keep when j % keep < window
         written   [max_slots] int64          tokens written since the slot's NEW_GEN
         gen       [max_slots] int64          NEW_GENs the slot has had (a drafter's cache key)
         next_pos  [max_slots] int64          the position the slot's next token must have
         known     [max_slots] bool           the slot has a window
 
-    The slot's window is its last ``min(written, window)`` tokens, oldest first: each
-    token is written twice so that any window is ``window`` consecutive cells of the row
-    (read for all entries with one gather, :meth:`advance`). A slot that is not
+    The slot's window is its last ``min(written, window)`` tokens, oldest first: the ring's
+    first ``window`` columns are written twice so that any window is ``window``
+    consecutive cells of the row (read for all entries with one gather, :meth:`advance`);
+    the slot holds stream indices ``written - min(written, keep)`` on (:meth:`read`).
+    4 bytes a kept token, plus ``window`` of them a slot. A slot that is not
     ``known`` has no window; its other fields are stale and never read.
     ``lock`` serializes :meth:`advance` with :meth:`forget_all` (called from another
     connection's thread when a new session of the engine replaces this one); a round
@@ -56,13 +63,14 @@ class Windows:
     takes around such a round and in ``native_forget`` (set by :mod:`.native_round`).
     """
 
-    def __init__(self, max_slots: int, window: int):
-        if window < 1:
-            raise ValueError(f"window {window}: must be >= 1")
-        self.max_slots, self.window = max_slots, window
-        self.ring = np.zeros((max_slots, 2 * window), np.int32)
+    def __init__(self, max_slots: int, window: int, keep: int | None = None):
+        keep = window if keep is None else keep
+        if window < 1 or keep < window:
+            raise ValueError(f"window {window}, keep {keep}: must be 1 <= window <= keep")
+        self.max_slots, self.window, self.keep = max_slots, window, keep
+        self.ring = np.zeros((max_slots, keep + window), np.int32)  # np.zeros: pages come as written
         # Every span of ``window`` consecutive ring cells, as a read-only view: the span
-        # at ``slot * 2 * window + start`` is a window starting at column ``start``.
+        # at ``slot * (keep + window) + start`` is a window starting at column ``start``.
         flat = self.ring.reshape(-1)
         self._spans = as_strided(
             flat, (flat.size - window + 1, window), (flat.itemsize, flat.itemsize), writeable=False
@@ -77,6 +85,16 @@ class Windows:
         # and the C forget that takes it (set by native_round with the windows' view).
         self.guard = np.zeros(1, np.uint32)
         self.native_forget = None
+
+    @staticmethod
+    def bytes_of(max_slots: int, window: int, keep: int | None = None) -> int:
+        """The bytes a session's windows of these terms hold at most (the ring, 4 bytes a
+        cell, and the per-slot counters; the ring's pages come as they are written)."""
+        return max_slots * (4 * ((window if keep is None else keep) + window) + 25)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_of(self.max_slots, self.window, self.keep)
 
     def forget_all(self) -> None:
         with self.lock:
@@ -118,7 +136,7 @@ class Windows:
 
         Returns: the ``ok`` entries and their contexts (:class:`Advanced`).
         """
-        W = self.window
+        W, K = self.window, self.keep
         n = len(slots)
         lens = offsets[1:] - offsets[:-1]
         with self.lock:
@@ -135,30 +153,34 @@ class Windows:
                 self.gen[slots[new_gen]] += 1
             base = np.where(new_gen, 0, self.written[slots]) if any_new else self.written[slots]
             written = base + lens
-            # Scatter the ok entries' tokens into the rings: of each entry only its last W
+            # Scatter the ok entries' tokens into the rings: of each entry only its last K
             # tokens (earlier ones would be overwritten: one write per ring cell).
             entry = np.repeat(np.arange(n), lens)  # the entry of each round token
             j = np.arange(len(tokens)) - offsets[entry]  # its index within the entry
-            if all_ok and (not n or lens.max() <= W):
+            if all_ok and (not n or lens.max() <= K):
                 e, jk, kept = entry, j, tokens
             else:
-                keep = ok[entry] & (j >= lens[entry] - W)
+                keep = ok[entry] & (j >= lens[entry] - K)
                 e, jk, kept = entry[keep], j[keep], tokens[keep]
-            rs, cols = slots[e], (base[e] + jk) % W
+            rs, cols = slots[e], (base[e] + jk) % K
             self.ring[rs, cols] = kept
-            self.ring[rs, cols + W] = kept
+            if K > W:  # the second copy: only the first W columns have one
+                twice = cols < W
+                rs, cols, kept = rs[twice], cols[twice], kept[twice]
+            self.ring[rs, cols + K] = kept
             ok_slots = slots if all_ok else slots[ok]
             if not all_ok:
                 written, positions, lens = written[ok], positions[ok], lens[ok]
             self.written[ok_slots] = written
             self.next_pos[ok_slots] = positions + lens
             # The contexts: each ok entry's last min(written, W) tokens, oldest first. The
-            # oldest sits at ring column (written - fill) % W; the W columns from there are
-            # one span of the doubled row (one gather of m spans, no arithmetic per token);
-            # the columns past ``fill`` of windows not yet full are then dropped.
+            # oldest sits at ring column (written - fill) % K; the W columns from there are
+            # one span of the row (its first W columns doubled past K: one gather of m
+            # spans, no arithmetic per token); the columns past ``fill`` of windows not yet
+            # full are then dropped.
             fill = np.minimum(written, W)
-            start = (written - fill) % W
-            ctx = self._spans[ok_slots * (2 * W) + start]
+            start = (written - fill) % K
+            ctx = self._spans[ok_slots * (K + W) + start]
             ctx = ctx.reshape(-1) if bool((fill == W).all()) else ctx[np.arange(W) < fill[:, None]]
             ctx_offsets = np.zeros(len(fill) + 1, np.int64)
             np.cumsum(fill, out=ctx_offsets[1:])
@@ -173,4 +195,31 @@ class Windows:
             return None
         fill = min(int(self.written[slot]), self.window)
         start = int(self.written[slot]) - fill
-        return [int(self.ring[slot, (start + c) % self.window]) for c in range(fill)]
+        return [int(self.ring[slot, (start + c) % self.keep]) for c in range(fill)]
+
+    def read(self, slots: np.ndarray, first: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stream indices ``first[i]`` to ``stop[i] - 1`` of each slot ``slots[i]`` (int64
+        arrays), as one flat int32 array and its ``[m + 1]`` int64 offsets: one gather
+        from the ring, no loop over the entries. A slot's stream is what it was given since
+        its NEW_GEN; a forgotten slot's tokens stay readable until its next NEW_GEN (a
+        batch in flight keeps its meaning).
+
+        Raises: ValueError naming the slot and the span, for a span the slot no longer
+        holds (before its last ``keep`` tokens) or never had."""
+        slots, first, stop = (np.asarray(a, np.int64) for a in (slots, first, stop))
+        written = self.written[slots]
+        bad = (first < written - np.minimum(written, self.keep)) | (stop < first) | (stop > written)
+        if bad.any():
+            i = int(np.argmax(bad))
+            low = int(written[i]) - min(int(written[i]), self.keep)
+            raise ValueError(
+                f"slot {int(slots[i])} of session {self.serial}: stream tokens {int(first[i])}..{int(stop[i])}, "
+                f"it holds {low}..{int(written[i])}"
+            )
+        counts = stop - first
+        offsets = np.zeros(len(slots) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        total = int(offsets[-1])
+        entry = np.repeat(np.arange(len(slots)), counts)
+        j = np.arange(total) - offsets[entry] + first[entry]  # each token's stream index
+        return self.ring[slots[entry], j % self.keep], offsets

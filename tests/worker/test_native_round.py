@@ -2,8 +2,9 @@
 Python reference it replaces (wire.decode_round, check_for_session, drafting_batch).
 
 Two sessions of the same terms take the same random rounds, one by each path: good
-rounds (NEW_GEN, continuing entries, gaps, unknown slots, windows that wrap, contexts past
-a position table) and broken ones (every field corrupted, slots out of range or named
+rounds (NEW_GEN, continuing entries, gaps, unknown slots, windows that wrap, rings that
+keep more than the window, entries longer than the ring, contexts past a position
+table) and broken ones (every field corrupted, slots out of range or named
 twice). Each round must get the same verdict from both (the same ProtocolError, or none)
 and, when accepted, the same statuses, width and DraftBatch; the windows must be equal
 after every round, refused ones included (a refused round changes nothing).
@@ -18,12 +19,14 @@ from hypothesis import strategies as st
 
 from remote_dspark import wire
 from remote_dspark.worker import native_round
+from remote_dspark.worker.history import History
 from remote_dspark.worker.limits import Limits
 from remote_dspark.worker.round import drafting_batch
 from remote_dspark.worker.sessions import Session
 from remote_dspark.worker.windows import Windows
 
 BATCH_FIELDS = ("tokens", "offsets", "n_out", "rows", "slots", "gens", "lengths", "positions", "temperature", "seed")
+BATCH_FIELDS += ("kept_from",)
 WINDOW_ARRAYS = ("ring", "written", "gen", "next_pos", "known")
 
 
@@ -32,9 +35,10 @@ def rounds(lib):
     return native_round.NativeRounds(lib)
 
 
-def _session(terms) -> Session:
+def _session(terms, keep=None, history=None) -> Session:
     max_slots, window, num_spec, row_bytes, sampled = terms
-    return Session(7, max_slots, num_spec, False, Windows(max_slots, window), row_bytes=row_bytes, want_sampled=sampled)
+    windows = Windows(max_slots, window, keep)
+    return Session(7, max_slots, num_spec, False, windows, row_bytes=row_bytes, want_sampled=sampled, history=history)
 
 
 def _round(rng: random.Random, session: Session, next_pos: dict, round_id: int) -> tuple[wire.Header, bytes]:
@@ -47,7 +51,7 @@ def _round(rng: random.Random, session: Session, next_pos: dict, round_id: int) 
     positions, flags, tokens, offsets = [], [], [], [0]
     for s in slots:
         new = s not in next_pos or rng.random() < 0.2
-        k = rng.choice([0, 1, 3, w.window - 1, w.window + 2, 2 * w.window + 1])
+        k = rng.choice([0, 1, 3, w.window - 1, w.window + 2, 2 * w.window + 1, w.keep - 1, w.keep + 3])
         pos = rng.randint(0, 50) if new else next_pos[s] + (rng.randint(1, 3) if rng.random() < 0.1 else 0)
         positions.append(pos)
         flags.append(wire.FLAG_NEW_GEN if new else 0)
@@ -121,13 +125,17 @@ def _same_windows(a: Windows, b: Windows):
     sampled=st.booleans(),
     max_positions=st.one_of(st.none(), st.integers(8, 80)),
     max_round_tokens=st.integers(20, 400),
+    more=st.one_of(st.none(), st.integers(0, 12)),
 )
 def test_the_c_path_takes_every_round_as_the_reference_does(
-    rounds, seed, max_slots, window, num_spec, row_bytes, sampled, max_positions, max_round_tokens
+    rounds, seed, max_slots, window, num_spec, row_bytes, sampled, max_positions, max_round_tokens, more
 ):
+    """``more``: a ring keeping ``window + more`` tokens a slot, for a drafter that keeps
+    whole streams (the batch then names what each stream keeps); None: the window only."""
     rng = random.Random(seed)
     terms = (max_slots, window, num_spec, row_bytes, sampled)
-    ref, nat = _session(terms), _session(terms)
+    keep = None if more is None else window + more
+    ref, nat = (_session(terms, keep, None if more is None else History()) for _ in range(2))
     limits = Limits(max_slots=max_slots, max_round_tokens=max_round_tokens, window=window)
     next_pos: dict[int, int] = {}
     for round_id in range(1, 9):
@@ -152,6 +160,7 @@ def test_the_c_path_takes_every_round_as_the_reference_does(
                 np.testing.assert_array_equal(a, b, err_msg=name)
         assert (batch.width, batch.want_margin) == (w_batch.width, w_batch.want_margin)
         assert (batch.session, w_batch.session) == (nat.windows.serial, ref.windows.serial)
+        assert (batch.history, w_batch.history) == (nat.history, ref.history)
 
 
 def _frame(session, *, slots, positions=None, flags=None, tokens=(), offsets=None, n_out=None, **kw):
