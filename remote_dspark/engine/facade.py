@@ -140,6 +140,7 @@ class RemoteDSpark:
         self.counts = EngineCounts(num_spec)
         self._life = Lifecycle()  # the state, changed under _lock; FORKED in a forked child
         self._path: Path = NothingOpen()  # the one way to the remote drafter, picked at start
+        self._announcing: AnnouncingPath | None = None  # within _path, where this rank plans rounds
         self._final: Stats | None = None
         self._lock = threading.Lock()  # state changes, and stats() against close()
         self._start_lock = threading.Lock()  # start() and close() one at a time
@@ -224,6 +225,7 @@ class RemoteDSpark:
         if cfg.strict_start and self.mode.handoff:
             self._probe_connection()
         path = AnnouncingPath(self._build_path(), self.spec)  # rounds of at most round_tokens
+        self._announcing = path  # release() goes to it (rank 0's: a follower rank plans nothing)
         # SAMPLED_REDRAW: rank 0's path (this one) redraws, so every rank gets the same drafts.
         self._path = RedrawPath(path) if cfg.sampled_redraw else path
         self._path.start()  # a failure here closes the path with the engine
@@ -400,6 +402,19 @@ class RemoteDSpark:
             launched = self._path.launch(batch, lambda b: self._round(b, share=False), out, status)
             self._report.round_done(self.stats)
             return launched
+        finally:
+            self._path.users.leave()
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The engine freed ``slots`` (their requests ended): a context still being
+        announced there is let go, never sent (``engine.values.announce``); the slot's next
+        request comes NEW_GEN. Call it on the engine thread (the one calling ``round`` and
+        ``launch``), before the slot's next request. A slot that holds nothing costs
+        nothing; under tensor parallelism rank 0's call is the one that counts."""
+        self._enter("release")
+        try:
+            if self._announcing is not None:
+                self._announcing.release(slots)
         finally:
             self._path.users.leave()
 

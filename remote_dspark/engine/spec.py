@@ -8,13 +8,18 @@ The sizes follow one rule, stated here once:
 - a round carries at most ``round_tokens`` tokens (``Spec.max_tokens``): the region's
   token section, the sync path's send buffer and every writer's bound; and at most what
   the worker's HELLO_ACK says it takes in a round (``Spec.round_budget``). Its default,
-  :func:`default_round_tokens`, holds a round of ``max_slots`` whole contexts of the
-  default cap (64 tokens: nothing within it is chunked by default), at least one whole
-  context of the cap, never more than a batch carries;
-- a batch carries at most ``max_slots x (context_tokens + num_spec + 1)`` tokens once its
-  NEW_GEN contexts are cut (``Spec.batch_tokens``, within the wire's ``MAX_TOKENS``); what
-  does not fit its round goes over the next ones (:mod:`.values.announce`), which hold
-  at most ``context_tokens`` tokens a slot.
+  :func:`default_round_tokens`, holds a round of ``max_slots`` entries of
+  ``ROUND_CONTEXT`` (64) context tokens each with their drafts: a round of continuing
+  entries (``num_spec + 1`` tokens each) many times over, and at least one whole context
+  of the cap, never more than a batch carries. The region is sized by it, never by
+  ``max_slots x context_tokens``;
+- a NEW_GEN context is cut to ``context_tokens`` (the cap, default ``CONTEXT_TOKENS``,
+  8,192: whole contexts of the common models), or less: what the worker's HELLO_ACK says
+  it keeps per slot (``Spec.context_cut``). A batch carries at most ``max_slots x
+  (context_tokens + num_spec + 1)`` tokens once cut (``Spec.batch_tokens``, a bound, no
+  memory); what does not fit its round goes over the next ones (:mod:`.values.announce`,
+  on the device :mod:`.values.device_announce`), which hold at most ``context_tokens``
+  tokens a slot.
 """
 
 from __future__ import annotations
@@ -148,13 +153,13 @@ def check_arguments(
                 f"{name}={value}: over {hi}, a sampled session's cap (VLLM_DSPARK_SAMPLED_TOP32=1: its "
                 "distributions stay a few MiB a round)"
             )
-    # A batch carries max_slots x (context + num_spec + 1) tokens at most (Spec.batch_tokens),
-    # which the wire caps at MAX_TOKENS; its rounds carry round_tokens at a time.
-    most = wire.MAX_TOKENS // max_slots - num_spec - 1
+    # A context is announced over rounds of round_tokens (Spec.batch_tokens is a bound, not
+    # memory); one whole context of the cap with its drafts fits the wire's round.
+    most = wire.MAX_TOKENS - num_spec - 1
     if not _int_in(context_tokens, 1, most):
         raise ValueError(
-            f"context_tokens={context_tokens!r}: must be an int in 1..{most} (max_slots={max_slots} x "
-            f"(context_tokens + num_spec + 1) tokens in a batch, within the wire contract's {wire.MAX_TOKENS})"
+            f"context_tokens={context_tokens!r}: must be an int in 1..{most} (a whole context of the cap "
+            f"with its {num_spec} + 1 tokens of drafts within the wire contract's {wire.MAX_TOKENS} a round)"
         )
     if round_tokens is not None and not _int_in(round_tokens, 1, wire.MAX_TOKENS):
         raise ValueError(
@@ -177,14 +182,16 @@ def _int_in(value, lo: int, hi: int) -> bool:
     return not isinstance(value, bool) and hasattr(value, "__index__") and lo <= value <= hi
 
 
+ROUND_CONTEXT = wire.DEFAULT_CONTEXT  # context tokens an entry of the default round has room for
+
+
 def default_round_tokens(max_slots: int, num_spec: int, context_tokens: int) -> int:
-    """``round_tokens`` when none is given: a round of ``max_slots`` whole NEW_GEN contexts
-    of the default cap (``CONTEXT_TOKENS``, 64) with their drafts, so no batch within that
-    cap is ever chunked by default (nor a ``launch()`` of device metadata refused); that
-    holds a round of continuing entries (``num_spec + 1`` tokens each) many times over.
-    At least one whole context of the cap with its drafts, at most what a batch carries
-    (``Spec.batch_tokens``, so never more than a worker of the default window takes). A
-    cap raised past the default is what gets chunked."""
+    """``round_tokens`` when none is given: a round of ``max_slots`` entries of
+    ``ROUND_CONTEXT`` (64) context tokens with their drafts, so a burst of new requests
+    of a default worker's window is never chunked, and a round of continuing entries
+    (``num_spec + 1`` tokens each) fits many times over. At least one whole context of
+    the cap with its drafts (a chunk is never the only thing a round can hold), at most
+    what a batch carries (``Spec.batch_tokens``). Longer contexts go in chunks."""
     per_entry = num_spec + 1
     most = max_slots * (context_tokens + per_entry)
-    return min(most, max(max_slots * (CONTEXT_TOKENS + per_entry), context_tokens + per_entry))
+    return min(most, max(max_slots * (ROUND_CONTEXT + per_entry), context_tokens + per_entry))

@@ -87,7 +87,7 @@ def step(rd: RemoteDSpark, slots, tokens, positions, new):
     return d
 
 
-def announce(rd: RemoteDSpark, seq: dict[int, list[int]], nxt: int) -> dict[int, list[int]]:
+def announce(rd: RemoteDSpark, seq: dict[int, list[int]], nxt: int, budget: int = BUDGET) -> dict[int, list[int]]:
     """NEW_GEN every slot of ``seq`` (its tokens at positions from 0), then a token a round
     per slot (the target's, as an engine without drafts accepts) until none is still
     announced; ``seq`` grows by what was sent. Returns each slot's tokens as they were
@@ -95,7 +95,7 @@ def announce(rd: RemoteDSpark, seq: dict[int, list[int]], nxt: int) -> dict[int,
     slots = sorted(seq)
     whole: dict[int, list[int]] = {}
     d = step(rd, slots, [seq[s] for s in slots], [0] * len(slots), True)
-    for _ in range(4 * sum(map(len, seq.values())) // BUDGET + 8):
+    for _ in range(4 * sum(map(len, seq.values())) // budget + 8):
         whole.update({s: list(seq[s]) for s in slots if s not in d.announcing and s not in whole})
         if not d.announcing:
             return whole
@@ -140,7 +140,7 @@ def test_contexts_of_every_length_reach_the_worker_whole_and_in_order(tmp_path, 
             assert counted.chunks >= 2 * (SLOTS - 1) and counted.announcing == 0
 
 
-def check_first_drafts(drafter: Recording, whole: dict[int, list[int]]) -> None:
+def check_first_drafts(drafter: Recording, whole: dict[int, list[int]], cap: int = CAP) -> None:
     """Each slot first drafted from its whole context (and the tokens appended while it
     was announced), in order, in the round it became whole."""
     with drafter.lock:
@@ -149,7 +149,39 @@ def check_first_drafts(drafter: Recording, whole: dict[int, list[int]]) -> None:
             first.setdefault(slot, context)
     assert sorted(first) == sorted(whole)
     for s, context in first.items():
-        assert context == whole[s][-CAP:], f"slot {s}: first drafted from {context}, not {whole[s][-CAP:]}"
+        assert context == whole[s][-cap:], f"slot {s}: first drafted from {context}, not {whole[s][-cap:]}"
+
+
+WINDOW, LONG_BUDGET = 300, 160  # a worker keeping 300 tokens a slot, taking 160 a round
+
+
+@pytest.mark.parametrize("mode", [None, Mode.THREAD, Mode.PROCESS], ids=["sync", "thread", "process"])
+def test_contexts_up_to_a_large_window_reach_the_worker_whole_at_the_default_cap(tmp_path, mode):
+    """An engine of the default cap (8,192) and a worker of a 300-token window: contexts
+    of every length 1..307 (past the window: cut to it), eight slots at once, in rounds
+    of at most 160 tokens (the worker's cap), then every slot re-announced at once (as
+    after resync_all): each slot is first drafted from its whole context, its last 300."""
+    drafter = Recording()
+    with Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, window=WINDOW, max_round_tokens=LONG_BUDGET) as w:
+        env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))
+        env["VLLM_DSPARK_REMOTE_TIMEOUT_MS"] = "5000"
+        with engine(env) as rd:
+            assert rd.context_tokens == 8192
+            warm = Batch.from_lists([0], [[1, 2]], [0], [True])
+            assert until(lambda: bool(rd.round(warm).counts.any()), 20.0, 0.01)  # a proxy serves
+            assert (rd._path.acked_context, rd._path.acked_round_tokens) == (WINDOW, LONG_BUDGET)
+            nxt = 1000
+            for first in range(1, WINDOW + 1, SLOTS):
+                seq = {s: list(range(nxt + 1000 * s, nxt + 1000 * s + first + s)) for s in range(SLOTS)}
+                nxt += 10_000
+                with drafter.lock:
+                    drafter.drafted.clear()
+                check_first_drafts(drafter, announce(rd, seq, nxt + 9000, LONG_BUDGET), WINDOW)
+            seq = {s: list(range(nxt + 1000 * s, nxt + 1000 * s + WINDOW + 50)) for s in range(SLOTS)}
+            with drafter.lock:
+                drafter.drafted.clear()
+            check_first_drafts(drafter, announce(rd, seq, nxt + 9000, LONG_BUDGET), WINDOW)
+            assert rd.stats().announce.announcing == 0
 
 
 def lose_the_worker(mode, w: Worker, rd: RemoteDSpark, drafter) -> Worker:
@@ -217,24 +249,37 @@ class Sent(NothingOpen):
         return Launched(1, torch.zeros(len(batch), K, dtype=torch.int32), torch.zeros(len(batch)), (), False)
 
 
-def test_launch_chunks_host_metadata_and_refuses_device_metadata_that_needs_it(tmp_path):
-    """launch() reads no metadata on the host: a batch of more tokens than a round whose
-    metadata is on a device is refused by name; on the host it is planned there."""
+def test_launch_chunks_host_metadata_on_the_host_and_device_metadata_on_the_device(tmp_path, monkeypatch):
+    """launch() reads no metadata of the device's on the host: a batch of more tokens than
+    a round is planned on the device (here CPU tensors standing for the device's), its
+    tokens a buffer of the budget, the slots announcing a mask; while the device may hold
+    a slot every round is planned there (a host batch too); once it holds none, a small
+    batch goes as it is again. Host metadata is planned on the host."""
     spec = engine(env_for(1, tmp_path), round_tokens=BUDGET).spec
     path = AnnouncingPath(Sent(), spec)
     small = Batch.from_lists([0], [[1, 2, 3]], [0], [True])
     assert path.launch(small, None).announcing == () and path.inner.batches[-1] is small  # as it is
     long = Batch.from_lists([1, 2], [range(30), range(30)], [0, 0], [True, True])
-    on_device = Batch(**{f: getattr(long, f) for f in ("slots", "token_offsets", "positions", "new_gen")},
-                      tokens=torch.as_tensor(long.tokens).to("meta"))  # fmt: skip
-    with pytest.raises(ValueError, match=f"round_tokens={BUDGET}: a launch"):
-        path.launch(on_device, None)
-    assert len(path.inner.batches) == 1  # nothing launched
-    launched = path.launch(long, None)
+    launched = path.launch(long, None)  # host metadata: planned on the host
     assert launched.announcing == (2,) and path.inner.batches[-1].token_offsets.tolist() == [0, 30, 40]
-    with pytest.raises(ValueError, match="slots still being announced: 1"):
-        path.launch(Batch(**{f: getattr(small, f) for f in ("slots", "token_offsets", "positions", "new_gen")},
-                          tokens=torch.as_tensor(small.tokens).to("meta")), None)  # fmt: skip
+    monkeypatch.setattr(Batch, "meta_on_device", property(lambda b: isinstance(b.tokens, torch.Tensor)))
+    cont = Batch.from_lists([2, 3], [[8], range(40)], [30, 0], [False, True])  # slot 2 goes on, 3 is new
+    tensors = Batch(
+        **{f: torch.as_tensor(getattr(cont, f)) for f in ("slots", "tokens", "token_offsets", "positions", "new_gen")}
+    )
+    launched = path.launch(tensors, None)  # slot 2's last 20 taken over from the host, first
+    sent = path.inner.batches[-1]
+    assert launched.announcing is None and sent.tokens_bounded and sent.tokens.shape == (BUDGET,)
+    assert torch.nonzero(launched.announcing_mask).flatten().tolist() == [3]
+    assert sent.token_offsets.tolist() == [0, 21, 40] and sent.positions.tolist() == [10, 0]
+    assert sent.tokens[:21].tolist() == [*range(10, 30), 8] and sent.n_out.tolist() == [K, 0]
+    assert path.announcer.pending == 0 and path.stats().announce.announcing == 1
+    path.launch(Batch.from_lists([3], [[9]], [40], [False]), None)  # a host batch: planned on the device
+    sent = path.inner.batches[-1]
+    assert sent.tokens_bounded and sent.token_offsets.tolist() == [0, 22] and sent.n_out.tolist() == [K]
+    assert sent.tokens[:22].tolist() == [*range(19, 40), 9]
+    assert not path.on_device.maybe_held()
+    assert path.launch(small, None).announcing == () and path.inner.batches[-1] is small  # as it is again
 
 
 def on_device(batch: Batch) -> Batch:
@@ -249,8 +294,8 @@ def test_device_metadata_goes_as_it_is_when_the_budget_holds_any_cut_batch(tmp_p
     is launched as it is (the device cuts it), never refused."""
     spec = engine(env_for(1, tmp_path), max_slots=8).spec
     path = AnnouncingPath(Sent(), spec)
-    burst = on_device(Batch.from_lists(list(range(8)), [range(100)] * 8, [0] * 8, [True] * 8))
-    assert int(burst.tokens.shape[0]) > spec.max_tokens  # 800 tokens before the cut, 8 x 64 after
+    burst = on_device(Batch.from_lists(list(range(8)), [range(2000)] * 8, [0] * 8, [True] * 8))
+    assert int(burst.tokens.shape[0]) > spec.max_tokens  # 16,000 tokens before the cut, 8 x 64 after
     assert path.launch(burst, None).announcing == () and path.inner.batches[-1] is burst
 
 

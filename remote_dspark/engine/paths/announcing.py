@@ -11,14 +11,15 @@ metadata is checked and cut on the host, planned, and the planned round goes to 
 inner path as a batch of host arrays (its rows, index and sampling fields as given),
 which the inner path writes as any other.
 
-``launch()`` never reads metadata on the host: it takes its decision from what the host
-has (the held slots' count and the batch's shapes). A batch whose metadata is on the
-host is planned there as for ``round()``; one whose metadata is on the device goes as it
-is when nothing is held and the budget holds any batch once its contexts are cut on the
-device (``max_slots x (cut + num_spec + 1)``: the default ``round_tokens`` does); one
-that may need chunking (a smaller budget with more tokens than it, or slots still held)
-is refused with a ``ValueError`` naming ``round_tokens``: chunking on the device is a
-later step.
+Metadata on the device is never read on the host: such a batch goes as it is when
+nothing is held (here or on the device) and it fits the budget by its shape, or when the
+budget holds any batch once its contexts are cut on the device (``max_slots x (cut +
+num_spec + 1)``); else it is planned on the device (:mod:`..values.device_announce`, the
+same rule in stream-ordered torch operations), whose state then owns the held slots: what
+the host held moves there first, and a batch of host metadata that comes while the
+device may still hold a slot is checked and cut on the host, then planned there too.
+Such a round's ``Launched.announcing`` is None and ``announcing_mask`` says it in stream
+order (``round()`` reads the mask: it blocks anyway).
 
 Each answer's lost slots (RESYNC, ``resync_all``) are told to the announcer, which counts
 the NEW_GEN entries that re-announce them (:class:`~..observe.stats.AnnounceStats`,
@@ -33,12 +34,15 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from ..observe.stats import AnnounceStats, PathStats
 from ..spec import Spec
 from ..values.announce import Announcer
-from ..values.batch import Batch, meta_to_host
+from ..values.batch import Batch
+from ..values.device_announce import DeviceAnnouncer
 from ..values.drafts import Drafts, Launched
+from ..writers.device_meta import check_meta_shapes
 from .base import Path, Wrapping
 
 
@@ -51,19 +55,20 @@ class AnnouncingPath(Wrapping):
         super().__init__(inner)
         self.spec = spec
         self.announcer = Announcer(spec.max_slots, spec.context_tokens)
+        self.on_device: DeviceAnnouncer | None = None  # made at the first round planned on the device
         self._answering = False  # inside a launch() that blocks: its round() is planned already
 
     def round(self, batch: Batch) -> Drafts:
         if self._answering:  # a blocking launch's answer: its batch is the planned round
             return self.inner.round(batch)
-        planned, announcing = self._plan(batch, in_stream=False)
+        planned, announcing, mask = self._plan(batch)
         d = self.inner.round(planned)
         self._answered(batch, planned, d.resync, d.resync_all)
-        d.announcing = announcing
+        d.announcing = announcing if mask is None else tuple(torch.nonzero(mask).flatten().tolist())
         return d
 
     def launch(self, batch: Batch, answer: Callable[[Batch], Drafts], out=(), status=None) -> Launched:
-        planned, announcing = self._plan(batch, in_stream=True)
+        planned, announcing, mask = self._plan(batch)
         self._answering = True
         try:
             launched = self.inner.launch(planned, answer, out, status)
@@ -71,11 +76,21 @@ class AnnouncingPath(Wrapping):
             self._answering = False
         self._answered(batch, planned, launched.resync, launched.resync_all)
         launched.announcing = announcing
+        if mask is not None:
+            launched.announcing_mask = mask
         return launched
+
+    def release(self, slots) -> None:
+        """The engine freed ``slots``: what they hold is let go (:meth:`Announcer.release`)."""
+        self.announcer.release(slots)
+        if self.on_device is not None:
+            self.on_device.release(slots)
 
     def stats(self) -> PathStats:
         a = self.announcer
-        return dataclasses.replace(self.inner.stats(), announce=AnnounceStats(a.chunks, a.pending, a.reannounced))
+        held, chunks = self.on_device.counts() if self.on_device is not None else (0, 0)
+        stats = AnnounceStats(a.chunks + chunks, a.pending + held, a.reannounced)
+        return dataclasses.replace(self.inner.stats(), announce=stats)
 
     def _answered(self, batch: Batch, planned: Batch, resync, resync_all) -> None:
         """After the inner path took ``planned``: a batch that went as it is pays the
@@ -87,33 +102,34 @@ class AnnouncingPath(Wrapping):
         if resync or resync_all:
             a.lost(resync or (), every=bool(resync_all))
 
-    def _plan(self, batch: Batch, in_stream: bool) -> tuple[Batch, tuple[int, ...]]:
-        """``batch``'s round and the slots it leaves announcing (see the module docstring).
+    def _plan(self, batch: Batch) -> tuple[Batch, tuple[int, ...] | None, torch.Tensor | None]:
+        """``batch``'s round, the slots it leaves announcing (None: on the device) and, for
+        a round planned on the device, their mask (see the module docstring).
 
         Raises:
-            ValueError: ``host_meta``'s, naming the field; in stream (``launch()``), a
-                batch whose metadata is on the device and may need chunking."""
-        a, spec = self.announcer, self.spec
-        if a.fits(int(batch.tokens.shape[0]), spec.round_budget(self.inner.acked_round_tokens)):
-            return batch, ()  # (the common round: one word read, nothing planned)
+            ValueError: ``host_meta``'s or ``check_meta_shapes``'s, naming the field."""
+        a, spec, dev = self.announcer, self.spec, self.on_device
+        held_there = dev is not None and dev.maybe_held()
+        if not held_there and a.fits(int(batch.tokens.shape[0]), spec.round_budget(self.inner.acked_round_tokens)):
+            return batch, (), None  # (the common round: one word read, nothing planned)
         # Once each, the context first (HeaderWords.set_acked stores the cap before it):
         # the cut, the check and the plan agree.
         acked = self.inner.acked_context
         budget = spec.round_budget(self.inner.acked_round_tokens)
         cut = spec.context_cut(acked)
-        if batch.meta_on_device and not a.pending and budget >= spec.max_slots * (cut + spec.num_spec + 1):
-            return batch, ()  # any batch, its contexts cut on the device, fits: it goes as it is
         if batch.meta_on_device:
-            if in_stream:
-                raise ValueError(
-                    f"round_tokens={spec.max_tokens}: a launch() whose metadata is on the device goes as it is "
-                    f"only within a round's tokens ({budget}: round_tokens or the worker's cap on a round's "
-                    f"tokens, the smaller) and with no slot still being announced (this batch: "
-                    f"{int(batch.tokens.shape[0])} tokens; slots still being announced: {a.pending}); give "
-                    "this batch's metadata on the host (launch() then chunks it there) or a larger round_tokens"
-                )
-            batch = meta_to_host(batch)  # round() blocks anyway
-        plan = a.plan(spec.meta(batch, acked, max_tokens=spec.batch_tokens), cut, budget)
+            if not (a.pending or held_there) and budget >= spec.max_slots * (cut + spec.num_spec + 1):
+                return batch, (), None  # any batch, its contexts cut on the device, fits: it goes as it is
+            check_meta_shapes(batch, spec.max_slots, spec.sampled)
+            return self._plan_on_device(batch, _device_of(batch), cut, budget)
+        meta = spec.meta(batch, acked, max_tokens=spec.batch_tokens)
+        if held_there:  # the device holds slots: this batch, checked and cut here, is planned there
+            a.sent(meta.slots, meta.new_gen)
+            host = Batch(meta.slots, meta.tokens, meta.offsets, meta.positions, meta.new_gen, batch.rows,
+                         batch.row_index, meta.n_out if not isinstance(meta.n_out, int) else None,
+                         batch.temperature, batch.seed)  # fmt: skip
+            return self._plan_on_device(host, dev.state.device, cut, budget)
+        plan = a.plan(meta, cut, budget)
         m = plan.meta
         planned = Batch(
             slots=m.slots,
@@ -127,4 +143,22 @@ class AnnouncingPath(Wrapping):
             temperature=batch.temperature,
             seed=batch.seed,
         )
-        return planned, tuple(np.asarray(plan.announcing).tolist())
+        return planned, tuple(np.asarray(plan.announcing).tolist()), None
+
+    def _plan_on_device(self, batch: Batch, device, cut: int, budget: int) -> tuple[Batch, None, torch.Tensor]:
+        """``batch`` planned by the device's announcer (made on ``device`` at its first
+        round), which first takes over what the host holds."""
+        if self.on_device is None:
+            self.on_device = DeviceAnnouncer(self.spec.max_slots, self.spec.context_tokens, device)
+        if self.announcer.pending:
+            self.on_device.take(self.announcer)
+        planned, mask = self.on_device.plan(batch, cut, budget, self.spec.n_out_for(len(batch)))
+        return planned, None, mask
+
+
+def _device_of(batch: Batch) -> torch.device:
+    """The accelerator a batch's metadata lives on (its first tensor not on the CPU; else
+    the CPU: the tests' stand-in for a device)."""
+    fields = (batch.tokens, batch.slots, batch.token_offsets, batch.positions, batch.new_gen, batch.n_out)
+    tensors = [t for t in fields if isinstance(t, torch.Tensor)]
+    return next((t.device for t in tensors if not t.is_cpu), tensors[0].device)

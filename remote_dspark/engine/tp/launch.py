@@ -152,8 +152,11 @@ class Leader:
                 mask[: lay.max_slots] = 1
             else:
                 mask[list(got.resync)] = 1
-            announcing[list(got.announcing)] = 1
+            if got.announcing is not None:  # (None: planned on the device, its mask in stream order)
+                announcing[list(got.announcing)] = 1
             self._write(record[self._host], head)
+            if got.announcing is None:
+                views.announcing.copy_(got.announcing_mask)
             sent = True
             self.ranks.broadcast_record(record)
             return views.launched(got.round, got.resync, got.resync_all, got.announcing)

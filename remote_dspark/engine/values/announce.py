@@ -24,7 +24,11 @@ goes out over the next rounds, each of its entries at its true positions:
   longer queue keeps its last tokens and goes NEW_GEN again from the first kept;
 - a NEW_GEN entry drops what its slot held; a plain entry whose position does not
   follow what its slot holds drops it too and goes as given (the worker then answers
-  RESYNC for the gap, as for any entry with a gap).
+  RESYNC for the gap, as for any entry with a gap);
+- a slot whose request ended is let go when the engine frees it (:meth:`Announcer.release`,
+  ``RemoteDSpark.release``): what it held is dropped, never sent. A slot absent from a
+  batch is *not* let go: a request may skip rounds (not scheduled, preempted) and come
+  back, and its context goes on from what is held.
 
 A chunk lost with its round (a timeout, a round not sent) leaves a gap at the worker:
 the slot's next chunk is answered RESYNC and the engine announces it again, as after
@@ -103,6 +107,16 @@ class Announcer:
         else:
             return
         self.owing = int(np.count_nonzero(self.owed))
+
+    def release(self, slots) -> None:
+        """The engine freed ``slots`` (their requests ended): what they hold is dropped,
+        never sent; a slot's next request comes NEW_GEN. A slot not held is left as it is."""
+        s = np.asarray(slots, np.int64)
+        if not self.pending or not len(s):
+            return
+        s = s[(s >= 0) & (s < len(self.state))]
+        self.state[s], self.count[s] = IDLE, 0
+        self.pending = int(np.count_nonzero(self.state))
 
     def sent(self, slots: np.ndarray, new_gen: np.ndarray) -> None:
         """A batch's entries (host arrays) are sent: the owed among them are paid, those

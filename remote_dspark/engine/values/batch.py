@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ... import wire
-
-CONTEXT_TOKENS = wire.DEFAULT_CONTEXT  # the default cut of a NEW_GEN context (RemoteDSpark's context_tokens)
+# The default cap on a NEW_GEN context (RemoteDSpark's context_tokens): the whole context of
+# the common models (2,048 to 8,192 positions); a worker's HELLO_ACK cuts it to what it keeps.
+CONTEXT_TOKENS = 8192
 
 META_FIELDS = ("slots", "token_offsets", "positions", "new_gen", "n_out", "tokens")
 SAMPLING_FIELDS = ("temperature", "seed")
@@ -81,6 +81,9 @@ class Batch:
     n_out: torch.Tensor | np.ndarray | None = None
     temperature: torch.Tensor | np.ndarray | None = None
     seed: torch.Tensor | np.ndarray | None = None
+    # ``tokens`` is a buffer and the round's tokens are its first ``token_offsets[-1]``:
+    # a round planned on the device (``device_announce``), whose count no host has read.
+    tokens_bounded: bool = False
 
     def __post_init__(self):
         for name in META_FIELDS + SAMPLING_FIELDS + ("row_index",):  # anything else (lists): numpy, once
@@ -126,9 +129,12 @@ class Batch:
 
 def meta_to_host(batch: Batch) -> Batch:
     """``batch`` with its metadata (the sampling fields too) copied to the host, a
-    blocking copy of each device tensor; ``rows`` and ``row_index`` as they are."""
+    blocking copy of each device tensor (a bounded ``tokens`` cut to its round's);
+    ``rows`` and ``row_index`` as they are."""
     fields = META_FIELDS + SAMPLING_FIELDS
     cpu = {f: (v.cpu() if isinstance(v := getattr(batch, f), torch.Tensor) else v) for f in fields}
+    if batch.tokens_bounded:
+        cpu["tokens"] = cpu["tokens"][: int(cpu["token_offsets"][-1])]
     return Batch(rows=batch.rows, row_index=batch.row_index, **cpu)
 
 

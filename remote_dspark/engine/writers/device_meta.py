@@ -43,6 +43,7 @@ from ..values.meta import check_integer_fields, check_sampling_given, host_meta,
 log = logging.getLogger("remote_dspark.engine")
 
 BLOCK = 1024  # entries a step of ``entries``, tokens a program of ``tokens``
+CHECK_CONTEXT = 64  # the self-check's cut
 SEARCH_STEPS = 13  # a binary search over at most 2**13 - 1 entries (wire.MAX_ENTRIES is 4096)
 # A batch's metadata fields (all but the rows and their index).
 META_FIELDS = ("slots", "tokens", "token_offsets", "positions", "new_gen", "n_out", "temperature", "seed")
@@ -105,7 +106,7 @@ def _kernels():
     def entries(
         d, scratch, slots, offsets, new_gen, positions, n_out, temperature, seed,
         n, t, max_slots, num_spec, n_out_fixed, context_tokens, max_tokens, at, temp_at, seed_at,
-        HAS_N_OUT: tl.constexpr, SAMPLED: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_N_OUT: tl.constexpr, SAMPLED: tl.constexpr, BOUNDED: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         carry = tl.sum(tl.zeros([BLOCK], tl.int64), 0)
         for start in range(0, n, BLOCK):
@@ -141,13 +142,19 @@ def _kernels():
                 tl.store(d + seed_at + 2 * i + 1, (bits >> 32).to(tl.int32), mask=m)
             carry += tl.sum(kept, 0)
         tl.store(d + at + 4 * n, 0)
-        whole = (tl.load(offsets).to(tl.int64) == 0) & (tl.load(offsets + n).to(tl.int64) == t)
+        end = tl.load(offsets + n).to(tl.int64)
+        whole = (tl.load(offsets).to(tl.int64) == 0) & ((end <= t) if BOUNDED else (end == t))
         tl.store(d + 3, tl.where(whole, carry, max_tokens + 1).to(tl.int32))
 
     @triton.jit
-    def tokens(d, scratch, offsets, src, n, t, max_tokens, tok_at, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    def tokens(
+        d, scratch, offsets, src, n, t, max_tokens, tok_at,
+        SEARCH_STEPS: tl.constexpr, BOUNDED: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = j < t
+        if BOUNDED:  # the round's tokens are the buffer's first offsets[n]
+            m = m & (j < tl.load(offsets + n).to(tl.int64))
         lo = tl.zeros([BLOCK], tl.int64)  # the entries whose end is at or before j: searchsorted(right)
         hi = tl.zeros([BLOCK], tl.int64) + n
         for _ in tl.static_range(SEARCH_STEPS):
@@ -187,7 +194,9 @@ def write_meta_in_stream(
     the wire's 32 bits. ``sampled``: the engine asks for sampled drafts, and the batch's
     temperatures (float32 bits, -0.0 written as 0.0 as on the host) and seeds (u64: an
     int64's bits, two little-endian words) go after the offsets, the tokens after them
-    (``wire.round_sections(n, t, row_bytes, True)``). The fields may be of any integer
+    (``wire.round_sections(n, t, row_bytes, True)``). A batch whose ``tokens_bounded``
+    (a round planned on the device) sends the first ``token_offsets[n]`` of its tokens,
+    at most all of them. The fields may be of any integer
     dtype (a float or int temperature), each on ``d``'s device or the host (copied
     there). The caller writes deadline, n and row_bytes (``d[0:3]``) and has checked the
     shapes (:func:`check_meta_shapes`).
@@ -218,13 +227,14 @@ def write_meta_in_stream(
         on_dev(batch.positions), d if n_out is None else n_out, temperature, seed,
         n, t, max_slots, num_spec, min(n_out_default, num_spec), context_tokens, max_tokens,
         wire.ROUND_FIXED.size // 4, sec.temperature // 4, sec.seed // 4,
-        HAS_N_OUT=n_out is not None, SAMPLED=sampled, BLOCK=BLOCK,
+        HAS_N_OUT=n_out is not None, SAMPLED=sampled, BOUNDED=batch.tokens_bounded, BLOCK=BLOCK,
     )  # fmt: skip
     if t:
         tok_at = wire.round_meta_bytes(n, sampled) // 4
         scatter[(-(-t // BLOCK),)](
-            d, scratch, offsets, on_dev(batch.tokens), n, t, max_tokens, tok_at, SEARCH_STEPS=SEARCH_STEPS, BLOCK=BLOCK
-        )
+            d, scratch, offsets, on_dev(batch.tokens), n, t, max_tokens, tok_at,
+            SEARCH_STEPS=SEARCH_STEPS, BOUNDED=batch.tokens_bounded, BLOCK=BLOCK,
+        )  # fmt: skip
 
 
 def choose(device: str) -> bool:
@@ -248,14 +258,16 @@ def self_check(device: str = "cuda") -> None:
     """The kernels against the host path (:func:`~..values.meta.host_meta` and
     :func:`~..values.meta.write_meta`) on ``device``: rounds of 1, 5 and 1,500 entries
     (past one block of the kernel's walk), NEW_GEN contexts cut and not, ``n_out`` given
-    and not, greedy and sampled, in the dtypes an engine's tensors have.
+    and not, greedy and sampled, tokens bounded (a buffer with room) and not, in the
+    dtypes an engine's tensors have.
 
     Raises:
         RuntimeError: naming the round whose bytes differ.
     """
     g = torch.Generator().manual_seed(11)
-    for n, sampled, with_n_out in ((1, False, False), (5, True, True), (1500, False, True), (1500, True, False)):
-        lens = torch.randint(0, 3 * CONTEXT_TOKENS, (n,), generator=g)
+    cases = ((1, False, False, False), (5, True, True, True), (1500, False, True, False), (1500, True, False, True))
+    for n, sampled, with_n_out, bounded in cases:
+        lens = torch.randint(0, 3 * CHECK_CONTEXT, (n,), generator=g)
         offsets = torch.zeros(n + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=offsets[1:])
         t = int(offsets[-1])
@@ -270,11 +282,16 @@ def self_check(device: str = "cuda") -> None:
             seed=torch.randint(-(1 << 62), 1 << 62, (n,), generator=g) if sampled else None,
         )
         on_device = {f: getattr(host, f).to(device) for f in META_FIELDS if getattr(host, f) is not None}
+        if bounded:  # a round planned on the device: its tokens a buffer with room past them
+            on_device["tokens"] = torch.cat(
+                (on_device["tokens"], torch.full((7,), -1, dtype=torch.int32, device=device))
+            )
         kw = dict(max_slots=4 * n, num_spec=5, max_tokens=t + 8, n_out_default=3, sampled=sampled)
         want = np.zeros(wire.round_meta_bytes(n, sampled) + 4 * (t + 9), np.uint8)
-        size = write_meta(want, host_meta(host, **kw), deadline_ms=0, row_bytes=0)
+        size = write_meta(want, host_meta(host, context_tokens=CHECK_CONTEXT, **kw), deadline_ms=0, row_bytes=0)
         got = torch.zeros(len(want) // 4, dtype=torch.int32, device=device)
         got[:3] = torch.tensor(want[:12].view(np.int32))  # the fixed part's first words are the caller's
-        write_meta_in_stream(dataclasses.replace(host, **on_device), got, **kw)
+        device_batch = dataclasses.replace(host, **on_device, tokens_bounded=bounded)
+        write_meta_in_stream(device_batch, got, context_tokens=CHECK_CONTEXT, **kw)
         if bytes(got.cpu().numpy().view(np.uint8)[:size]) != bytes(want[:size]):
             raise RuntimeError(f"the metadata kernel differs from the host path for a round of {n} entries")

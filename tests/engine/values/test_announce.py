@@ -70,45 +70,63 @@ def test_a_new_context_drops_what_its_slot_held_and_a_gap_goes_as_given():
 @given(
     st.integers(1, 40),
     st.lists(
-        st.lists(st.tuples(st.integers(0, SLOTS - 1), st.booleans(), st.integers(0, 3 * CAP)), max_size=SLOTS),
+        st.tuples(
+            st.lists(st.tuples(st.integers(0, SLOTS - 1), st.booleans(), st.integers(0, 3 * CAP)), max_size=SLOTS),
+            st.lists(st.integers(0, SLOTS - 1), max_size=2),  # slots whose requests end after the round
+        ),
         min_size=1,
         max_size=12,
     ),
 )
 def test_every_context_reaches_the_worker_whole_and_in_order(budget, steps):
     """Random batches (new contexts of any length, continuing entries of the tokens the
-    target accepted) under a random budget: every round within it, no entry ever a gap
-    for the worker, and a slot asked for drafts exactly when its window holds the last
-    tokens of everything the caller gave it (as the engine's window would without chunks)."""
+    target accepted, requests that skip rounds, requests that end mid-announcement) under
+    a random budget: every round within it, no entry ever a gap for the worker, a slot
+    asked for drafts exactly when its window holds the last tokens of everything the
+    caller gave it (as the engine's window would without chunks), and a slot the engine
+    frees let go (nothing of it held, never sent again), so once every request has ended
+    nothing is pending."""
     a, w, b = Announcer(SLOTS, CAP), Windows(SLOTS, CAP), budget
     seq: dict[int, list[int]] = {}  # the caller's tokens of each slot since its NEW_GEN (cut)
     base: dict[int, int] = {}  # the position of seq[slot][0]
     nxt = 1000
-    for step in steps:
-        batch = {}
-        for slot, new, length in step:
-            if slot in batch or (not new and slot not in seq):
-                continue
-            toks = list(range(nxt, nxt + (length if new else 1 + length % 3)))
-            nxt += len(toks) + 1
-            batch[slot] = (toks, new)
-        if not batch:
+    for step, ended in steps:
+        step_round(a, w, b, step, seq, base, nxt)
+        nxt += 10 * CAP * SLOTS
+        for s in ended:  # the engine frees the slot: its next request comes NEW_GEN
+            a.release([s])
+            seq.pop(s, None)
+            assert a.count[s] == 0 and a.state[s] == 0
+        assert a.pending == int((a.count > 0).sum()) == int((a.state != 0).sum())
+    a.release(range(SLOTS))  # every request ended: nothing is held, a round goes as it is
+    assert a.pending == 0 and a.fits(1, 1)
+
+
+def step_round(a: Announcer, w: Windows, b: int, step, seq: dict, base: dict, nxt: int) -> None:
+    """One random batch of the property above, planned and checked against the worker."""
+    batch = {}
+    for slot, new, length in step:
+        if slot in batch or (not new and slot not in seq):
             continue
-        slots = list(batch)
-        positions = []
-        for s in slots:
-            toks, new = batch[s]
-            positions.append(0 if new else base[s] + len(seq[s]))
-            if new:  # at position 0, cut to its last CAP: its first token sent is at len - CAP
-                seq[s], base[s] = toks[-CAP:], max(len(toks) - CAP, 0)
-            else:
-                seq[s] = seq[s] + toks
-        p = plan(a, w, b, slots, [batch[s][0] for s in slots], positions, [batch[s][1] for s in slots])
-        whole = (p.meta.n_out > 0).tolist()
-        for s, drafted in zip(slots, whole):
-            window, end = w.window_of(s), int(w.next_pos[s]) - base[s]
-            assert window == seq[s][max(end - len(window), 0) : end], f"slot {s}: its window out of order"
-            if drafted:
-                assert end == len(seq[s]) and window == seq[s][-CAP:], f"slot {s}: drafted before it is whole"
-        assert set(p.announcing.tolist()) == {s for s, d in zip(slots, whole) if not d}
-    assert a.pending == int((a.count > 0).sum()) == int((a.state != 0).sum())
+        toks = list(range(nxt, nxt + (length if new else 1 + length % 3)))
+        nxt += len(toks) + 1
+        batch[slot] = (toks, new)
+    if not batch:
+        return
+    slots = list(batch)
+    positions = []
+    for s in slots:
+        toks, new = batch[s]
+        positions.append(0 if new else base[s] + len(seq[s]))
+        if new:  # at position 0, cut to its last CAP: its first token sent is at len - CAP
+            seq[s], base[s] = toks[-CAP:], max(len(toks) - CAP, 0)
+        else:
+            seq[s] = seq[s] + toks
+    p = plan(a, w, b, slots, [batch[s][0] for s in slots], positions, [batch[s][1] for s in slots])
+    whole = (p.meta.n_out > 0).tolist()
+    for s, drafted in zip(slots, whole):
+        window, end = w.window_of(s), int(w.next_pos[s]) - base[s]
+        assert window == seq[s][max(end - len(window), 0) : end], f"slot {s}: its window out of order"
+        if drafted:
+            assert end == len(seq[s]) and window == seq[s][-CAP:], f"slot {s}: drafted before it is whole"
+    assert set(p.announcing.tolist()) == {s for s, d in zip(slots, whole) if not d}
