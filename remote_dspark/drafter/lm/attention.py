@@ -1,19 +1,21 @@
-"""Attention over the KV store's rows in place: each entry's queries read their own row.
+"""Attention over the KV pool's blocks in place: each entry's queries read their stream's
+blocks through its block table.
 
-The drafter's KV store (:class:`~remote_dspark.drafter.lm.cache.KVStore`) holds one row
-per stream, ``[rows, layers, 2, kv_heads, columns, head_dim]``; a round's entries name
-their rows (``rows [n]``) and their queries' columns (``positions [n, Q]``). A query at
-column c attends to its row's columns 0..c (:func:`visible_keys`:
-never the last, the trash column where padding writes): the row is read where it lies,
-so no round gathers rows into a working copy or writes them back.
+The drafter's KV pool (:class:`~remote_dspark.drafter.lm.cache.KVStore`) holds fixed-size
+blocks, ``[blocks, layers, 2, kv_heads, BLOCK, head_dim]``; a stream's column c (its
+token at absolute position ``origin + c``) lies in block ``table[row, c // BLOCK]`` at
+offset ``c % BLOCK``, ``row`` the stream's row of the block table. A round's entries name
+their table rows (``rows [n]``) and their queries' columns (``positions [n, Q]``); a
+query at column c attends to its row's columns 0..c (:func:`visible_keys`), read where
+they lie: no round gathers a stream into a working copy or writes it back.
 
 :func:`paged_attention` is the one entry point of both models:
 
-* on CUDA in 16-bit floats, a Triton kernel (flash attention's online softmax over one
-  row per program: entry x query head x block of queries). It reads only the columns up
-  to its queries' last one, so a round's attention costs the columns its rows hold, not
-  the row's length;
-* elsewhere (the CPU; float32), :func:`reference_attention`: the rows gathered, then
+* on CUDA in 16-bit floats, a Triton kernel (:mod:`._kernels`: flash attention's online
+  softmax, one program per entry x query head x block of queries, walking its row's
+  blocks up to its last query's column), so a round's attention costs the columns its
+  streams hold, not the table's width;
+* elsewhere (the CPU; float32), :func:`reference_attention`: the blocks gathered, then
   ``scaled_dot_product_attention`` with the mask. The GPU tests hold the kernel to it.
 
 Grouped-query models keep fewer key heads than they query with: query head h reads key
@@ -27,31 +29,37 @@ from torch.nn import functional as F
 
 
 def visible_keys(positions: torch.Tensor, columns: int) -> torch.Tensor:
-    """[n, 1, Q, columns] bool: the keys each query at column ``positions`` [n, Q] sees in a
-    KV buffer of ``columns``: its row's columns up to its own, never the last (the trash
-    column, where padding writes). The rule of every model the drafter drives."""
+    """[n, 1, Q, columns] bool: the keys each query at column ``positions`` [n, Q] sees
+    among a row's first ``columns``: its row's columns up to its own. The rule of every
+    model the drafter drives."""
     keys = torch.arange(columns, device=positions.device)
-    return ((keys <= positions[..., None]) & (keys < columns - 1))[:, None]
+    return (keys <= positions[..., None])[:, None]
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """:func:`paged_attention` by gathering the rows (module docstring)."""
-    mask = visible_keys(positions, k.shape[2])
-    first = None
-    if q.device.type == "cpu":  # no sync to pay here: only the columns some query sees; consecutive rows as a view
-        seen = min(int(positions.max()) + 1, k.shape[2])
-        k, v, mask = k[:, :, :seen], v[:, :, :seen], mask[..., :seen]
-        if torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows))):
-            first = int(rows[0])  # scratch rows, a single entry
-    if first is None:
-        keys, values = k.index_select(0, rows), v.index_select(0, rows)
-    else:
-        keys, values = k[first : first + len(rows)], v[first : first + len(rows)]
+    """:func:`paged_attention` by gathering each entry's blocks (module docstring): only
+    the blocks some query sees (one host read of the round's last column)."""
+    block = k.shape[2]
+    used = min(int(positions.max()) // block + 1, table.shape[1])
+    blocks = table.index_select(0, rows)[:, :used]  # [n, used]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [n, kv_heads, used x block, head_dim]
+        g = x.index_select(0, blocks.reshape(-1)).view(len(rows), used, *x.shape[1:])
+        return g.transpose(1, 2).reshape(len(rows), x.shape[1], used * block, x.shape[3])
+
+    keys, values = gather(k), gather(v)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    mask = visible_keys(positions, used * block)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
@@ -59,20 +67,22 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    table: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Queries ``q [n, q_heads, Q, head_dim]`` against the store's rows: ``k``, ``v``
-    ``[rows, kv_heads, columns, head_dim]`` (one layer's view of the store, any strides),
-    entry i's row ``rows[i]``, its queries at columns ``positions [n, Q]`` (int64).
-    ``scale``: the logits' factor (None: ``head_dim ** -0.5``). Returns
-    ``[n, q_heads, Q, head_dim]`` in ``q``'s dtype."""
+    """Queries ``q [n, q_heads, Q, head_dim]`` against the pool's blocks: ``k``, ``v``
+    ``[blocks, kv_heads, BLOCK, head_dim]`` (one layer's view of the pool, any strides),
+    through the block table ``table [table rows, max blocks]`` (int64), entry i's table
+    row ``rows[i]``, its queries at columns ``positions [n, Q]`` (int64, below ``max
+    blocks x BLOCK``). ``scale``: the logits' factor (None: ``head_dim ** -0.5``).
+    Returns ``[n, q_heads, Q, head_dim]`` in ``q``'s dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads over {k.shape[1]} key heads: not a multiple")
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
-        return reference_attention(q, k, v, rows, positions, scale)
+        return reference_attention(q, k, v, table, rows, positions, scale)
     from ._kernels import attention
 
-    return attention(q, k, v, rows, positions, scale)
+    return attention(q, k, v, table, rows, positions, scale)
