@@ -11,6 +11,7 @@ keeps its heavy imports inside the function that runs it.
     acceptance       drafts a target accepts when the drafter is the target
     generate         transformers' generate() four ways
     hf_models        the transformers models the benchmarks load or build
+    attention        the paged attention kernel's read bandwidth (python -m; no subcommand yet)
 """
 
 

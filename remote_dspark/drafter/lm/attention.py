@@ -12,9 +12,10 @@ they lie: no round gathers a stream into a working copy or writes it back.
 :func:`paged_attention` is the one entry point of both models:
 
 * on CUDA in 16-bit floats, a Triton kernel (:mod:`._kernels`: flash attention's online
-  softmax, one program per entry x query head x block of queries, walking its row's
-  blocks up to its last query's column), so a round's attention costs the columns its
-  streams hold, not the table's width;
+  softmax, one program per entry x key head x tile of its grouped heads' queries,
+  walking its stream's blocks through the table up to its last query's column), so a
+  round's attention costs the columns its streams hold, not the table's width, and reads
+  them at nearly the card's bandwidth whatever the block size;
 * elsewhere (the CPU; float32), :func:`reference_attention`: the blocks gathered, then
   ``scaled_dot_product_attention`` with the mask. The GPU tests hold the kernel to it.
 
