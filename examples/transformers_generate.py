@@ -34,7 +34,7 @@ def main() -> int:
         model.save_pretrained(model_dir)
         # The remote drafter: `remote-dspark worker --hf-model DIR` on another machine in a
         # deployment; here a loopback worker whose rows hold the whole generation.
-        drafter = load_hf(model_dir, "cpu", window=64, cache_slots=4, row_tokens=256)
+        drafter = load_hf(model_dir, "cpu", window=64, cache_slots=4, max_context=256)
         with Worker(drafter, "127.0.0.1", 0) as worker:
             env = dict(
                 os.environ,

@@ -356,10 +356,9 @@ def run(args) -> int:
         prompts = [
             torch.randint(0, vocab, (1, opts.prompt_tokens), generator=gen).to(opts.device) for _ in range(opts.prompts)
         ]
-        # rows that hold a whole generation (the draft sees what the target sees), at least the default's
-        row_tokens = max(opts.prompt_tokens + opts.new_tokens + opts.num_spec + 1, 2 * WINDOW + 16)
+        # default flags: the worker keeps whole streams (the draft sees what the target sees)
         extra = ("--hf-model", draft_dir, "--lm-device", opts.device, "--window", str(WINDOW))
-        extra += ("--lm-row-tokens", str(row_tokens), "--lm-cache-slots", "8")
+        extra += ("--lm-cache-slots", "8")
         bar, done = Progress(len(opts.modes) * opts.prompts, "generate"), itertools.count()
 
         def tick(note: str) -> None:

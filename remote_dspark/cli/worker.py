@@ -206,10 +206,8 @@ def add_parser(sub) -> None:
         type=int,
         default=1024,
         metavar="N",
-        help="streams whose KV cache is kept across rounds (default 1024; the least recently used is "
-        "dropped beyond; 0: none, every round re-encodes every window). Preallocated at start: N x "
-        "--lm-row-tokens x what the model keeps per token (the built-in model: 147456 bytes a stream in "
-        "float32 at the default --window 64); refused when it does not fit the device's free memory",
+        help="streams whose KV is kept across rounds (default 1024; the least recently used is "
+        "dropped beyond; 0: none, every round re-encodes every stream)",
     )
     lm.add_argument(
         "--max-context",
@@ -221,14 +219,15 @@ def add_parser(sub) -> None:
         "and tells the engine, which sends a new sequence's context up to them",
     )
     lm.add_argument(
-        "--lm-row-tokens",
+        "--lm-kv-mb",
         type=int,
         default=None,
-        metavar="T",
-        help="tokens a stream's cache row holds (default 2 x --window + 16, at most the model's "
-        "positions): a stream grows in its row from its first window, and is re-encoded from its "
-        "current window (at its true positions) when the row is full. Longer rows keep more "
-        "history (the acceptance past the window, docs/benchmarks.md) for more memory",
+        metavar="MIB",
+        help="memory of the model drafter's KV pool, in MiB (default: half the device's memory free "
+        "after the weights, at most 1 GiB on the CPU, at most what --lm-cache-slots whole streams "
+        "take). Blocks of 16 tokens, taken as streams grow and given back when they end or are "
+        "evicted (least recently used, fair between engines); allocated at start, refused when it "
+        "does not fit or cannot hold one whole stream",
     )
     p.add_argument(
         "--chaos",
@@ -270,7 +269,7 @@ def add_parser(sub) -> None:
 
 # The flags that must be >= 1 (ValueError naming the flag otherwise).
 _AT_LEAST_ONE = ("window", "max_slots", "max_connections", "max_engines", "max_pending", "hello_timeout_ms")
-_AT_LEAST_ONE += ("frame_timeout_ms", "max_batch_entries", "max_batch_tokens", "max_context", "history_mb")
+_AT_LEAST_ONE += ("frame_timeout_ms", "max_batch_entries", "max_batch_tokens", "max_context", "history_mb", "lm_kv_mb")
 PARENT_POLL_S = 0.25  # how often a --parent worker looks at its parent
 
 
@@ -303,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         hf_model=args.hf_model,
         lm_device=args.lm_device,
         lm_cache_slots=args.lm_cache_slots,
-        lm_row_tokens=args.lm_row_tokens,
+        lm_kv_mb=args.lm_kv_mb,
         window=args.window,
         max_context=args.max_context,
     )

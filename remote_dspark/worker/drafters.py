@@ -27,15 +27,14 @@ def load_drafter(
     hf_model: str | None = None,
     lm_device: str | None = None,
     lm_cache_slots: int = 1024,
-    lm_row_tokens: int | None = None,
+    lm_kv_mb: int | None = None,
     window: int = 64,
     max_context: int = DEFAULT_MAX_CONTEXT,
 ) -> BatchedDrafter:
     """The drafter ``--drafter`` names: ``markov`` (the default: the ``--markov`` file,
     else the built-in model), ``lm`` (the built-in torch model, :mod:`remote_dspark.drafter.lm`,
-    on ``lm_device`` with ``lm_cache_slots`` cached streams in rows of ``lm_row_tokens``
-    tokens, None: sized for the worker's ``window``; keeping ``max_context`` tokens a stream
-    at most), or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a
+    on ``lm_device`` with ``lm_cache_slots`` cached streams of ``max_context`` tokens at
+    most in a KV pool of ``lm_kv_mb`` MiB, None: the default share of the free memory), or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a
     per-entry drafter); ``hf_model`` (``--hf-model DIR``) is a transformers model from that
     local directory. Batched either way (:func:`as_batched`). ``identity`` replaces the
     drafter identity of the Markov and model drafters.
@@ -50,7 +49,7 @@ def load_drafter(
             raise ValueError(f"--hf-model {hf_model!r} with --drafter {spec!r}: give one of them")
         if markov_path:
             raise ValueError(f"--markov {markov_path!r}: only for the Markov drafter")
-        drafter = _model_drafter(hf_model, lm_device, lm_cache_slots, lm_row_tokens, window, max_context)
+        drafter = _model_drafter(hf_model, lm_device, lm_cache_slots, lm_kv_mb, window, max_context)
         if identity is not None:
             drafter.drafter_identity = identity
         return drafter
@@ -82,7 +81,7 @@ def load_drafter(
 
 
 def _model_drafter(
-    hf_model: str | None, device: str | None, cache_slots: int, row_tokens: int | None, window: int, max_context: int
+    hf_model: str | None, device: str | None, cache_slots: int, kv_mb: int | None, window: int, max_context: int
 ) -> BatchedDrafter:
     """The built-in LM drafter, or the transformers one of ``hf_model``.
 
@@ -91,8 +90,8 @@ def _model_drafter(
         raise ValueError(f"--max-context {max_context}: not in 1..{wire.MAX_CONTEXT}")
     if cache_slots < 0:
         raise ValueError(f"--lm-cache-slots {cache_slots}: must be >= 0 (0: no cache)")
-    if row_tokens is not None and row_tokens <= window:
-        raise ValueError(f"--lm-row-tokens {row_tokens}: must be more than --window {window}")
+    if kv_mb is not None and kv_mb < 1:
+        raise ValueError(f"--lm-kv-mb {kv_mb}: must be >= 1")
     if device not in (None, "auto", "cpu", "cuda"):
         raise ValueError(f"--lm-device {device!r}: expected auto, cpu or cuda")
     flag = f"--hf-model {hf_model!r}" if hf_model is not None else f"--drafter {LM}"
@@ -101,9 +100,10 @@ def _model_drafter(
     except ImportError as e:
         raise ValueError(f"{flag}: {e} (pip install remote-dspark[lm])") from e
     try:
+        kv_bytes = None if kv_mb is None else kv_mb << 20
         if hf_model is not None:
-            return lm.hf_drafter(hf_model, device, cache_slots, window, row_tokens, max_context=max_context)
-        return lm.builtin_drafter(device, cache_slots, window, row_tokens, max_context=max_context)
+            return lm.hf_drafter(hf_model, device, cache_slots, window, max_context, kv_bytes)
+        return lm.builtin_drafter(device, cache_slots, window, max_context, kv_bytes)
     except (ImportError, ValueError) as e:
         why = str(e).removeprefix(f"{flag}: ")  # the loader's own messages name the flag already
         raise ValueError(f"{flag} (--lm-device {device or 'auto'}): {why}") from e

@@ -14,6 +14,7 @@ from lm_common import STREAM_ROUNDS, Streams, agreeing_prefix, batch_of
 
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.hf import load_hf
+from remote_dspark.drafter.lm.pool import BLOCK
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
 
@@ -100,11 +101,11 @@ def test_every_draft_equals_a_fresh_encode_of_the_whole_stream_at_its_true_posit
 def test_only_the_new_tokens_are_encoded_and_the_bound_holds(model_dir):
     """Appends hit (a row's state is reused), NEW_GEN misses, four slots over three rows
     evict the least recently used, and the pool's bytes are its blocks' (what the model
-    keeps per token, 32 tokens a block)."""
+    keeps per token, BLOCK tokens a block)."""
     d = drafter_of(model_dir, 8, kv_blocks=40)
     c = d.model.config
     assert (c.n_layers, c.n_heads) == ((2, 2) if "llama" in model_dir.name else (2, 2))  # Llama: 2 of 4 heads
-    assert d.cache_info().bytes == 40 * c.n_layers * 2 * c.n_heads * 32 * c.head_dim * 4
+    assert d.cache_info().bytes == 40 * c.n_layers * 2 * c.n_heads * BLOCK * c.head_dim * 4
     ctx = list(range(10, 18))
 
     def round_of(slots, lengths, gens):

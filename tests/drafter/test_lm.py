@@ -29,7 +29,7 @@ from remote_dspark.drafter.lm import pool as pool_module
 from remote_dspark.drafter.lm.cache import PROTECT_CALLS, SlotCache
 from remote_dspark.drafter.lm.drafter import LMDrafter
 from remote_dspark.drafter.lm.model import LMConfig, TinyLM
-from remote_dspark.drafter.lm.pool import MIN_SCRATCH, KVStore
+from remote_dspark.drafter.lm.pool import BLOCK, MIN_SCRATCH, KVStore
 from remote_dspark.transport import Disconnected
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
@@ -158,7 +158,7 @@ def test_a_stream_far_past_its_window_drafts_from_its_whole_sequence_kept_in_its
     and it is re-encoded whole from the worker's tokens, evicting the other in turn."""
     window, width = 4, 3
     probe = LMDrafter(device="cpu", cache_slots=1, window=window)
-    whole = probe.columns // 32 + 1  # one whole stream and the trash block
+    whole = probe.columns // BLOCK + 1  # one whole stream and the trash block
     cached = LMDrafter(device="cpu", cache_slots=2, window=window, kv_bytes=whole * block_bytes(probe))
     streams = Streams(window, max_slots=2, whole=True)
     rng = np.random.default_rng(1)
@@ -175,13 +175,14 @@ def test_a_stream_far_past_its_window_drafts_from_its_whole_sequence_kept_in_its
     assert len(streams.span(0)[1]) == 201 and cached.cache.held(batch.session, 0) == (7, 201)
     assert_same_drafts(got, fresh(0))
     info = cached.cache_info()
-    assert info.hits == 66 and info.blocks_used == -(-(201 + width) // 32) == 7
+    assert info.hits == 66 and info.blocks_used == -(-(201 + width) // BLOCK)
     other = streams.round([(1, "new_gen", 0, rng.integers(0, 128, 14).tolist())], width)
     cached.draft_batch(other)
-    for _ in range(96):  # slot 1 grows to 302 tokens: 10 blocks, slot 0's KV evicted for them
+    for _ in range(96):  # slot 1 grows to 302 tokens: slot 0's KV evicted for its blocks
         cached.draft_batch(streams.round([(1, "append", 0, rng.integers(0, 128, 3).tolist())], width))
     info = cached.cache_info()
-    assert info.evicted == 1 and cached.cache.held(batch.session, 0) is None and info.blocks_used == 10
+    assert info.evicted == 1 and cached.cache.held(batch.session, 0) is None
+    assert info.blocks_used == -(-(302 + width) // BLOCK)
     reads = streams.engine.whole.reads
     batch = streams.round([(0, "append", 0, [9])], width)
     assert_same_drafts(cached.draft_batch(batch), fresh(0))  # re-encoded from the worker's 202 tokens
@@ -219,8 +220,8 @@ def test_the_cache_keeps_its_bound_and_drops_the_least_recently_used():
     d = LMDrafter(device="cpu", cache_slots=3, window=8)
     size = d.cache_info().bytes
     c = LMConfig()
-    blocks = max(3, MIN_SCRATCH) * d.columns // 32 + 1  # the default pool: every stream whole
-    assert size == blocks * c.n_layers * 2 * c.n_heads * 32 * c.head_dim * 4
+    blocks = max(3, MIN_SCRATCH) * d.columns // BLOCK + 1  # the default pool: every stream whole
+    assert size == blocks * c.n_layers * 2 * c.n_heads * BLOCK * c.head_dim * 4
 
     def round_of(slots, lengths):
         n = len(slots)
@@ -265,18 +266,18 @@ def test_a_pool_over_the_free_memory_or_under_one_stream_is_refused_naming_the_f
 
 
 def test_a_round_whose_streams_pass_the_pool_runs_in_waves_and_drafts_every_entry():
-    """A pool of four blocks and the trash block, two streams of three blocks each in one
-    round: the round runs in two waves, the second evicting the first's stream, and both
-    draft what a fresh encode drafts; so does a drafter without a cache whose round of 40
-    entries passes its pool many times over."""
+    """A pool of one whole stream and one block more, two streams of five blocks each in
+    one round: the round runs in two waves, the second evicting the first's stream, and
+    both draft what a fresh encode drafts; so does a drafter without a cache whose round
+    of 40 entries passes its pool many times over."""
     probe = LMDrafter(device="cpu", cache_slots=1, window=8, max_context=32)
-    small = 5 * probe.store.block_bytes()
+    small = (probe.store.max_blocks + 2) * probe.store.block_bytes()
     d = LMDrafter(device="cpu", cache_slots=2, window=8, max_context=32, kv_bytes=small)
-    ctx = [list(range(1, 71)), list(range(3, 73))]  # 70 tokens and 2 drafts: 3 blocks each
+    ctx = [list(range(1, 71)), list(range(3, 73))]  # 70 tokens and 2 drafts: 5 blocks each
     both = dict(session=1, slots=np.arange(2), gens=np.ones(2, np.int64), lengths=np.array([70, 70], np.int64))
     got = d.draft_batch(batch_of(ctx, [2, 2], 2, **both))
     assert [got.tokens[i].tolist() for i in range(2)] == [PLAIN.greedy_one(c, 2)[0] for c in ctx]
-    assert d.cache_info().evicted == 1 and d.cache_info().blocks_used == 3
+    assert d.cache_info().evicted == 1 and d.cache_info().blocks_used == -(-72 // BLOCK)
     rng = np.random.default_rng(2)
     many = [rng.integers(0, 128, 40).tolist() for _ in range(40)]
     uncached = LMDrafter(device="cpu", cache_slots=0, window=8, max_context=32, kv_bytes=small)
@@ -429,26 +430,25 @@ def test_a_row_kept_short_by_a_wide_round_is_not_a_hit():
 
 def test_load_drafter_builds_the_model_drafters_and_names_bad_flags(tmp_path):
     d = load_drafter("lm", lm_device="cpu", lm_cache_slots=5, window=8)
-    assert isinstance(d, LMDrafter) and d.cache_info().capacity == 5 and d.max_tokens == 32
+    assert isinstance(d, LMDrafter) and d.cache_info().capacity == 5 and d.columns == d.max_context == 512
     assert load_drafter("lm", identity=b"i" * 32, lm_device="cpu", lm_cache_slots=0).drafter_identity == b"i" * 32
-    assert load_drafter("lm", lm_device="cpu", lm_cache_slots=0).cache_info() == CacheInfo(0, 0, 0, 0, 0)
+    assert load_drafter("lm", lm_device="cpu", lm_cache_slots=0).cache_info().capacity == 0
     with pytest.raises(ValueError, match="--lm-cache-slots -1"):
         load_drafter("lm", lm_cache_slots=-1)
     with pytest.raises(ValueError, match="--lm-device 'tpu'"):
         load_drafter("lm", lm_device="tpu")
     with pytest.raises(ValueError, match="window 600 .--window.: the model has 512 positions"):
         load_drafter("lm", lm_device="cpu", window=600)
-    assert load_drafter("lm", lm_device="cpu", lm_cache_slots=0, window=400).max_tokens == 512
-    d = load_drafter("lm", lm_device="cpu", lm_cache_slots=2, lm_row_tokens=100, window=8)
-    assert d.max_tokens == 100 and d.max_width == 92
-    with pytest.raises(ValueError, match="--lm-row-tokens 8: must be more than --window 8"):
-        load_drafter("lm", lm_device="cpu", lm_row_tokens=8, window=8)
-    with pytest.raises(ValueError, match=r"rows of 600 tokens \(--lm-row-tokens\): must be in 9\.\.512"):
-        load_drafter("lm", lm_device="cpu", lm_row_tokens=600, window=8)
-    # a pool over the free memory is refused before anything is allocated, naming both flags
-    too_many = r"KV cache of 1000000000 streams \(--lm-cache-slots\) x 32 tokens \(--lm-row-tokens\) needs [\d,]+ MiB"
-    with pytest.raises(ValueError, match=too_many):
-        load_drafter("lm", lm_device="cpu", lm_cache_slots=10**9, window=8)
+    d = load_drafter("lm", lm_device="cpu", lm_cache_slots=2, max_context=100, lm_kv_mb=1, window=8)
+    assert (d.max_context, d.columns, d.max_width) == (100, 176, 64)
+    assert d.cache_info().bytes == (1 << 20) // d.store.block_bytes() * d.store.block_bytes()
+    with pytest.raises(ValueError, match="--lm-kv-mb 0: must be >= 1"):
+        load_drafter("lm", lm_device="cpu", lm_kv_mb=0, window=8)
+    with pytest.raises(ValueError, match=r"--max-context 0: not in 1\.\."):
+        load_drafter("lm", lm_device="cpu", max_context=0, window=8)
+    # tables over the free memory are refused before anything is allocated, naming the flag
+    with pytest.raises(ValueError, match=r"block tables of 1000000000000 streams \(--lm-cache-slots\)"):
+        load_drafter("lm", lm_device="cpu", lm_cache_slots=10**12, window=8)
     with pytest.raises(ValueError, match="--markov"):
         load_drafter("lm", "some.markov")
     with pytest.raises(ValueError, match="--hf-model .* --drafter 'mod:f'"):
@@ -464,7 +464,8 @@ def test_worker_cli_refuses_bad_model_flags_naming_them():
     for flags, name in (
         (["--lm-cache-slots", "-2"], "--lm-cache-slots"),
         (["--lm-device", "gpu"], "--lm-device"),
-        (["--lm-row-tokens", "64"], "--lm-row-tokens"),
+        (["--lm-kv-mb", "0"], "--lm-kv-mb"),
+        (["--max-context", "0"], "--max-context"),
     ):
         args = parser.parse_args(["worker", "--listen", "127.0.0.1:0", "--drafter", "lm", *flags])
         with pytest.raises(ValueError, match=name):

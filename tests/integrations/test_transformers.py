@@ -50,7 +50,7 @@ def served(model_dir, **env):
     """A loopback worker drafting from the model in ``model_dir`` (rows that hold the whole
     generation: the draft sees what the target sees) and a started RemoteDSpark on it, sync
     mode unless ``env`` says otherwise, a deadline no loaded machine misses."""
-    drafter = load_hf(str(model_dir), "cpu", WINDOW, cache_slots=4, row_tokens=256)
+    drafter = load_hf(str(model_dir), "cpu", WINDOW, cache_slots=4, max_context=256)
     worker = Worker(drafter, "127.0.0.1", 0, window=WINDOW).start()
     variables = {"VLLM_DSPARK_REMOTE_ASYNC": "0", "VLLM_DSPARK_REMOTE_TIMEOUT_MS": "5000", **env}
     environ = engine_env(worker.port, drafter.drafter_identity.hex(), drafter.markov_identity.hex(), **variables)

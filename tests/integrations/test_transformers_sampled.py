@@ -51,7 +51,7 @@ def models(tmp_path_factory):
 def served(model_dir, sampled: bool):
     """A loopback worker drafting from ``model_dir`` and a started sync-mode RemoteDSpark
     on it, with sampled drafts when ``sampled``."""
-    drafter = load_hf(str(model_dir), "cpu", WINDOW, cache_slots=4, row_tokens=256)
+    drafter = load_hf(str(model_dir), "cpu", WINDOW, cache_slots=4, max_context=256)
     worker = Worker(drafter, "127.0.0.1", 0, window=WINDOW).start()
     variables = {
         "VLLM_DSPARK_REMOTE_ASYNC": "0",
