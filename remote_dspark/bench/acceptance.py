@@ -1,20 +1,20 @@
 """``remote-dspark bench acceptance``: the share of drafts a target accepts when the
-drafter is the target itself, along sequences several windows long.
+drafter is the target itself, along sequences far longer than the worker's window.
 
 Draft = target weights, so every draft a drafter makes from the target's whole context
 is accepted: what is lost shows what the remote path loses (positions, history). For
-each row size (``--row-tokens``) and each of ``--sequences`` sequences: a random prompt,
-the target's own greedy continuation of it (transformers ``generate``, the whole context
-at positions 0...), then rounds through a loopback worker serving the model with rows of
-that size, as an engine drives them: NEW_GEN with the prompt (``min(32, --window)``
-tokens), then the tokens since the last round (the accepted drafts and the
+each ``--max-context`` and each of ``--sequences`` sequences: a random prompt, the
+target's own greedy continuation of it (transformers ``generate``, the whole context at
+positions 0...), then rounds through a loopback worker serving the model at default
+flags otherwise, as an engine drives them: NEW_GEN with the prompt (``min(32,
+--window)`` tokens), then the tokens since the last round (the accepted drafts and the
 target's own token). A round's drafts are accepted up to the first that differs from the
-target's continuation. Acceptance (accepted / offered) is given overall and for each
-window's worth of context (the first window, the second...).
+target's continuation. Acceptance (accepted / offered) is given overall, over the first
+window of context and past it.
 
-Rows that hold a whole sequence draft from all of it; the default rows (``2 x window +
-16``) re-encode a stream from its current window, at its true positions, when it fills
-its row, and from then on draft from less history than the target sees.
+A model drafter keeps each stream whole, up to ``--max-context`` tokens (its default:
+the model's positions): its drafts past the first window come from the whole sequence,
+as the target's do, so nothing is lost past it.
 
 Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
 """
@@ -25,7 +25,7 @@ import argparse
 import dataclasses
 import json
 
-GOAL = 0.99  # acceptance at contexts --contexts windows long, rows holding the whole sequence
+GOAL = 0.99  # acceptance along the whole sequence, for a drafter that keeps all of it
 PROMPT_TOKENS = 32  # at most: the first NEW_GEN holds the whole prompt (min(32, --window))
 
 
@@ -45,15 +45,14 @@ def add_parser(sub) -> None:
         help="a randomly initialised model of this shape instead (default llama:2x256; kinds gpt2, llama)",
     )
     p.add_argument("--window", type=int, default=64, help="the worker's --window (default 64)")
-    p.add_argument("--contexts", type=int, default=4, help="sequence length in windows past the prompt (default 4)")
+    p.add_argument("--tokens", type=int, default=1500, help="sequence length past the prompt (default 1500)")
     p.add_argument("--num-spec", type=int, default=5, help="k: drafts per round (default 5)")
-    p.add_argument("--sequences", type=int, default=3, help="sequences per row size (default 3)")
+    p.add_argument("--sequences", type=int, default=3, help="sequences per --max-context (default 3)")
     p.add_argument(
-        "--row-tokens",
-        default="default,whole",
+        "--max-context",
+        default="default",
         metavar="T[,T...]",
-        help="cache row sizes to compare: numbers, 'default' (2 x window + 16) or 'whole' (the sequence and its "
-        "drafts); default 'default,whole'",
+        help="the worker's --max-context to compare: numbers, or 'default' (the worker's default); default 'default'",
     )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the model runs")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
@@ -63,10 +62,10 @@ def add_parser(sub) -> None:
 @dataclasses.dataclass(frozen=True)
 class AcceptanceOptions:
     window: int
-    contexts: int
+    tokens: int
     num_spec: int
     sequences: int
-    row_tokens: tuple[int | None, ...]  # None: the default rows
+    max_context: tuple[int | None, ...]  # None: the worker's default
     device: str
 
     @property
@@ -75,29 +74,24 @@ class AcceptanceOptions:
 
     @property
     def total(self) -> int:
-        return self.prompt + self.contexts * self.window
+        return self.prompt + self.tokens
 
 
 def options(args) -> AcceptanceOptions:
     """Raises: ValueError naming the bad argument."""
-    for name, low in (("window", 1), ("contexts", 1), ("num_spec", 1), ("sequences", 1)):
+    for name, low in (("window", 1), ("tokens", 1), ("num_spec", 1), ("sequences", 1)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {low}")
-    total = min(PROMPT_TOKENS, args.window) + args.contexts * args.window
     sizes = []
-    for part in args.row_tokens.split(","):
+    for part in args.max_context.split(","):
         part = part.strip()
         if part == "default":
             sizes.append(None)
-        elif part == "whole":
-            sizes.append(total + args.num_spec + 1)
-        elif part.isdigit() and int(part) > args.window:
+        elif part.isdigit() and int(part) >= 2:
             sizes.append(int(part))
         else:
-            raise ValueError(
-                f"--row-tokens {args.row_tokens!r}: {part!r} is not 'default', 'whole' or a number over --window"
-            )
-    return AcceptanceOptions(args.window, args.contexts, args.num_spec, args.sequences, tuple(sizes), args.device)
+            raise ValueError(f"--max-context {args.max_context!r}: {part!r} is not 'default' or a number >= 2")
+    return AcceptanceOptions(args.window, args.tokens, args.num_spec, args.sequences, tuple(sizes), args.device)
 
 
 def target_sequences(model, opts: AcceptanceOptions, vocab: int) -> list[list[int]]:
@@ -125,11 +119,11 @@ def target_sequences(model, opts: AcceptanceOptions, vocab: int) -> list[list[in
 def accept_along(
     client, slot: int, seq: list[int], opts: AcceptanceOptions, first_round: int
 ) -> tuple[list, list, int]:
-    """The rounds of one sequence (module docstring): (accepted, offered) per window of
-    context, and the next round id."""
+    """The rounds of one sequence (module docstring): (accepted, offered) over the first
+    window of context and past it, and the next round id."""
     from .. import wire
 
-    accepted, offered = [0] * opts.contexts, [0] * opts.contexts
+    accepted, offered = [0, 0], [0, 0]
     end, sent, rid = opts.prompt, None, first_round
     while end < opts.total:
         if sent is None:  # NEW_GEN: the whole prompt (at most a window)
@@ -140,7 +134,7 @@ def accept_along(
         n = 0
         while n < len(drafts) and drafts[n] == seq[end + n]:
             n += 1
-        which = min((end - opts.prompt) // opts.window, opts.contexts - 1)
+        which = int(end - opts.prompt >= opts.window)
         accepted[which] += n
         offered[which] += len(drafts)
         sent, end, rid = end, end + n + 1, rid + 1
@@ -155,11 +149,12 @@ def measure(path: str, name: str, opts: AcceptanceOptions, bar) -> list[dict]:
     from ..worker import Worker
 
     rows, seqs = [], None
-    for i, size in enumerate(opts.row_tokens):
-        bar.update(i, f"rows of {size or 'default'} tokens")
-        d = load_hf(path, None if opts.device == "auto" else opts.device, opts.window, opts.sequences, size)
-        seqs = seqs or target_sequences(d.model.lm, opts, d.vocab_size)  # one set for every row size
-        accepted, offered = [0] * opts.contexts, [0] * opts.contexts
+    for i, size in enumerate(opts.max_context):
+        bar.update(i, f"--max-context {size or 'default'}")
+        device = None if opts.device == "auto" else opts.device
+        d = load_hf(path, device, opts.window, opts.sequences, max_context=size)
+        seqs = seqs or target_sequences(d.model.lm, opts, d.vocab_size)  # one set for every size
+        accepted, offered = [0, 0], [0, 0]
         hello = wire.Hello(d.drafter_identity, d.markov_identity, 1, opts.sequences, 0, opts.num_spec)
         with Worker(d, "127.0.0.1", 0, window=opts.window, max_slots=opts.sequences) as w:
             c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{w.port}"), hello, 1, 60.0)
@@ -175,21 +170,22 @@ def measure(path: str, name: str, opts: AcceptanceOptions, bar) -> list[dict]:
             {
                 "model": name,
                 "device": str(d.device),
-                "row_tokens": d.max_tokens,
+                "max_context": d.max_context,
                 "acceptance": round(sum(accepted) / max(1, sum(offered)), 4),
-                "by_window": [round(a / max(1, o), 4) for a, o in zip(accepted, offered)],
+                "first_window": round(accepted[0] / max(1, offered[0]), 4),
+                "past_window": round(accepted[1] / max(1, offered[1]), 4),
                 "offered": sum(offered),
             }
         )
-    bar.update(len(opts.row_tokens))
+    bar.update(len(opts.max_context))
     return rows
 
 
 def make_report(opts: AcceptanceOptions, rows: list[dict]) -> dict:
-    whole = [r for r in rows if r["row_tokens"] >= opts.total + opts.num_spec]
+    whole = [r for r in rows if r["max_context"] >= opts.total + opts.num_spec]
     goals = [
         {
-            "goal": f"acceptance >= {GOAL} at {opts.contexts}x the window, rows of {r['row_tokens']} tokens",
+            "goal": f"acceptance >= {GOAL} along {opts.total} tokens, --max-context {r['max_context']}",
             "value": r["acceptance"],
             "met": r["acceptance"] >= GOAL,
         }
@@ -204,12 +200,14 @@ def format_table(report: dict) -> str:
     lines = [
         f"acceptance, drafter = target, k={c['num_spec']}, window {c['window']}: {c['sequences']} sequences of "
         f"{c['total_tokens']} tokens ({c['prompt_tokens']}-token prompts)",
-        f"{'model':<16} {'device':>6} {'row tokens':>10} {'acceptance':>10}  by window of context",
-        "-" * 78,
+        f"{'model':<16} {'device':>6} {'max context':>11} {'acceptance':>10} {'1st window':>10} {'past it':>8}",
+        "-" * 66,
     ]
     for r in report["rows"]:
-        by = " ".join(f"{a:.3f}" for a in r["by_window"])
-        lines.append(f"{r['model']:<16} {r['device']:>6} {r['row_tokens']:>10} {r['acceptance']:>10.4f}  {by}")
+        lines.append(
+            f"{r['model']:<16} {r['device']:>6} {r['max_context']:>11} {r['acceptance']:>10.4f} "
+            f"{r['first_window']:>10.4f} {r['past_window']:>8.4f}"
+        )
     for g in report["goals"]:
         lines.append(f"goal {g['goal']}: {g['value']}, {'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
@@ -224,7 +222,7 @@ def run(args) -> int:
 
     transformers.logging.set_verbosity_error()
     with model_dir(args.hf_model, None if args.hf_model else args.hf_random) as (path, name):
-        rows = measure(path, name, opts, Progress(len(opts.row_tokens), "acceptance rows"))
+        rows = measure(path, name, opts, Progress(len(opts.max_context), "acceptance rows"))
     report = make_report(opts, rows)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

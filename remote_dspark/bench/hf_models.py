@@ -5,7 +5,7 @@ worker's own loader (:func:`remote_dspark.drafter.lm.hf.load_hf`) and removed at
 
 Shapes (random weights, seeded):
 
-``gpt2:LxW``   GPT-2: learned positions, 1024 of them, vocabulary 50257, W/64 heads;
+``gpt2:LxW``   GPT-2: learned positions, 2048 of them, vocabulary 50257, W/64 heads;
 ``llama:LxW``  Llama: rotary positions, 2048 of them, vocabulary 32000, W/64 heads and a
                quarter as many KV heads (grouped), an MLP of 8/3 W.
 
@@ -47,7 +47,7 @@ def random_model(kind: str, layers: int, width: int, seed: int = 0):
     torch.manual_seed(seed)
     heads = width // 64
     if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=1024)
+        config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=2048)
         return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(
         vocab_size=32000,

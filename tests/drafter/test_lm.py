@@ -23,7 +23,6 @@ from lm_common import STREAM_ROUNDS, Engine, Streams, agreeing_prefix, assert_sa
 
 from remote_dspark import wire
 from remote_dspark.cli import worker as worker_cli
-from remote_dspark.drafter.contract import CacheInfo
 from remote_dspark.drafter.lm import drafter as drafter_module
 from remote_dspark.drafter.lm import pool as pool_module
 from remote_dspark.drafter.lm.cache import PROTECT_CALLS, SlotCache

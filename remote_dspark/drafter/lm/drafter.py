@@ -36,6 +36,7 @@ share one drafter; a lock serializes rounds (a GPU runs them one after another a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import TYPE_CHECKING
 
@@ -355,12 +356,8 @@ class LMDrafter:
         need = plan.base + take + widths
         sessions = batch.sessions()
         while pending.any():
-            keep = rows[pending]
-
-            def room(short: int) -> None:  # whole streams' KV evicted, never one still to run
-                self.cache.make_room(short, sessions, keep)
-
-            granted, cells = self.store.grant(rows[pending], need[pending], room if cached else None)
+            room = functools.partial(self.cache.make_room, sessions=sessions, keep=rows[pending]) if cached else None
+            granted, cells = self.store.grant(rows[pending], need[pending], room)
             wave = np.zeros(len(take), bool)
             wave[np.flatnonzero(pending)[granted]] = True
             if not wave.any():  # not one entry fits: cannot happen in a pool of one whole stream
