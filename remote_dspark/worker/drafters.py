@@ -35,9 +35,10 @@ def load_drafter(
     else the built-in model), ``lm`` (the built-in torch model, :mod:`remote_dspark.drafter.lm`,
     on ``lm_device`` with ``lm_cache_slots`` cached streams of ``max_context`` tokens at
     most in a KV pool of ``lm_kv_mb`` MiB, None: the default share of the free memory),
-    or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a per-entry drafter); ``hf_model`` (``--hf-model DIR``) is a transformers model from that
-    local directory. Batched either way (:func:`as_batched`). ``identity`` replaces the
-    drafter identity of the Markov and model drafters.
+    or ``MODULE:FACTORY`` (``FACTORY()`` returns a batched or a per-entry drafter);
+    ``hf_model`` (``--hf-model DIR``) is a transformers model from that local directory.
+    Batched either way (:func:`as_batched`). ``identity`` replaces the drafter identity of
+    the Markov and model drafters.
 
     ``MODULE`` is imported by name with :func:`importlib.import_module` (the operator's
     own code on ``sys.path``; nothing is evaluated from the spec itself).
