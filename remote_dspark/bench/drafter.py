@@ -69,6 +69,20 @@ def add_parser(sub) -> None:
         help="measured rounds per row (default 20; per-entry rows above 16 entries measure fewer: the rounds column)",
     )
     p.add_argument("--warmup", type=int, default=2, help="unmeasured rounds after the announcing one (default 2)")
+    p.add_argument(
+        "--history",
+        type=int,
+        default=PROMPT_TOKENS,
+        metavar="T",
+        help=f"tokens each slot's announcing round brings (default {PROMPT_TOKENS}); the worker keeps whole "
+        "streams, so a cached round reads T tokens of KV per entry and more: its bandwidth is shown",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        metavar="M[,M...]",
+        help=f"rows to measure, of {', '.join(MODES)} (default all; ratios need all three)",
+    )
     model = p.add_mutually_exclusive_group()
     model.add_argument("--hf-model", metavar="DIR", help="also a transformers causal LM saved in this local directory")
     model.add_argument(
@@ -87,6 +101,8 @@ class DrafterBenchOptions:
     num_spec: int
     rounds: int
     warmup: int
+    history: int = PROMPT_TOKENS
+    modes: tuple[str, ...] = MODES
 
 
 def options(args) -> DrafterBenchOptions:
@@ -119,28 +135,38 @@ def options(args) -> DrafterBenchOptions:
         raise ValueError(f"--rounds {args.rounds}: must be >= 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: must be >= 0")
-    return DrafterBenchOptions(entries, devices, args.num_spec, args.rounds, args.warmup)
+    if not 1 <= args.history <= wire.MAX_CONTEXT:
+        raise ValueError(f"--history {args.history}: must be in 1..{wire.MAX_CONTEXT}")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"--modes {args.modes!r}: expected some of {', '.join(MODES)}")
+    return DrafterBenchOptions(entries, devices, args.num_spec, args.rounds, args.warmup, args.history, modes)
 
 
-def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3) -> list:
-    """``rounds`` DraftBatches for ``n`` slots as a worker hands them to its drafter: the
-    first announces every slot (NEW_GEN, a prompt), each later one appends STEP_TOKENS
-    tokens per slot; the stream fields (session, slots, gens, lengths) are the worker's."""
+def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3, history: int = PROMPT_TOKENS) -> list:
+    """``rounds`` DraftBatches for ``n`` slots as a worker hands them to a drafter that
+    keeps whole streams: the first announces every slot (NEW_GEN, ``history`` tokens),
+    each later one appends STEP_TOKENS tokens per slot; the stream fields (session, slots,
+    gens, lengths, what the worker keeps of each stream and its reader) are the worker's."""
     import numpy as np
 
     from ..drafter.contract import DraftBatch
     from ..drafter.markov import SyntheticLanguage
+    from ..worker.history import History
     from ..worker.windows import Windows
 
     text = np.asarray(SyntheticLanguage().text(1 << 14, seed=seed), np.int32)
     starts = np.random.default_rng(seed).integers(0, len(text) - 1, n)
-    windows = Windows(n, WINDOW)
+    windows = Windows(n, WINDOW, keep=max(WINDOW, history + rounds * STEP_TOKENS))
+    reader = History()
+    reader.add(windows)
+    reader.held = windows  # the reader holds its windows weakly: the rounds keep them
     slots = np.arange(n, dtype=np.int64)
     had = np.zeros(n, np.int64)
     rows, n_out = np.zeros((n, 0), np.uint8), np.full(n, num_spec, np.int32)
     out = []
     for r in range(rounds):
-        step = PROMPT_TOKENS if r == 0 else STEP_TOKENS
+        step = history if r == 0 else STEP_TOKENS
         at = (starts[:, None] + had[:, None] + np.arange(step)[None, :]).ravel() % len(text)
         offsets = np.arange(0, (n + 1) * step, step, dtype=np.int64)
         adv = windows.advance(slots, had.copy(), np.full(n, r == 0), offsets, text[at])
@@ -158,6 +184,8 @@ def worker_rounds(n: int, rounds: int, num_spec: int, seed: int = 3) -> list:
                 gens=adv.gens,
                 lengths=adv.lengths,
                 positions=adv.starts,
+                kept_from=np.zeros(n, np.int64),
+                history=reader,
             )
         )
     return out
@@ -201,6 +229,39 @@ def measure(drafter, batches: list, mode: str, skip: int) -> list[int]:
     return out
 
 
+def reads(drafter, batches: list, num_spec: int, p50_ms: float) -> dict:
+    """What a cached round reads from memory at least, and how fast at its median: each of
+    its ``num_spec`` steps reads every entry's KV (the streams' mean length over the
+    rounds, at what the model keeps per token) and every weight of the model once."""
+    import numpy as np
+
+    store = drafter.store
+    per_token = store.block_bytes() // store.block
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in drafter.model.parameters()}.values())
+    tokens = float(np.mean([b.lengths.sum() for b in batches]))
+    read = num_spec * (tokens * per_token + weights)
+    return {"read_gb": round(read / 1e9, 3), "read_tb_s": round(read / (p50_ms / 1e3) / 1e12, 3) if p50_ms else None}
+
+
+def copy_tb_s() -> float:
+    """The GPU's memory bandwidth as a device-to-device copy of 1 GiB reaches it (read and
+    write counted), best of 5."""
+    import torch
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = float("inf")
+    for _ in range(5):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        stop.record()
+        stop.synchronize()
+        best = min(best, start.elapsed_time(stop) / 1e3)
+    return round(2 * x.numel() / best / 1e12, 3)
+
+
 def _pct(ns: list[int], q: float) -> float:
     s = sorted(ns)
     return s[min(len(s) - 1, int(q * len(s)))] / 1e6
@@ -229,22 +290,24 @@ def makers(hf_path: str | None, hf_name: str | None) -> dict:
 def run_rows(opts: DrafterBenchOptions, make: dict) -> list[dict]:
     from ..progress import Progress
 
-    plan = [(k, d, n, m) for k in make for d in opts.devices for n in opts.entries for m in MODES]
+    plan = [(k, d, n, m) for k in make for d in opts.devices for n in opts.entries for m in opts.modes]
     bar = Progress(len(plan), "drafter rows")
     rows = []
     for i, (kind, device, n, mode) in enumerate(plan):
         bar.update(i, f"{kind} {device} {n} entries {mode}")
         measured = opts.rounds if mode != "per-entry" or n <= 16 else max(3, opts.rounds * 16 // n)
         skip = 1 + opts.warmup
-        batches = worker_rounds(n, skip + measured, opts.num_spec)
+        batches = worker_rounds(n, skip + measured, opts.num_spec, history=opts.history)
         slots = n if mode == "cached" else 0
         if device == "cuda":  # every shape of the run seen once first (kernel loading, graph capture)
             measure(make[kind](device, slots), batches, mode, len(batches))
         # A fresh drafter per row: the cached row starts cold (its announcing round fills it).
-        ns = measure(make[kind](device, slots), batches, mode, skip)
+        drafter = make[kind](device, slots)
+        ns = measure(drafter, batches, mode, skip)
         p50 = _pct(ns, 0.5)
         rows.append(
             {
+                **(reads(drafter, batches[skip:], opts.num_spec, p50) if mode == "cached" else {}),
                 "drafter": kind,
                 "device": device,
                 "entries": n,
@@ -259,10 +322,32 @@ def run_rows(opts: DrafterBenchOptions, make: dict) -> list[dict]:
     return rows
 
 
-def make_report(opts: DrafterBenchOptions, rows: list[dict]) -> dict:
+GOAL_SHARE = 0.6  # a transformers model's cached round, 256 entries of GOAL_HISTORY tokens: its reads' share
+GOAL_HISTORY = 2048  # of the card's memory bandwidth (a device copy's)
+
+
+def make_report(opts: DrafterBenchOptions, rows: list[dict], copy: float | None = None) -> dict:
+    """The rows, their ratios and goals; ``copy``: the GPU's copy bandwidth (TB/s), which
+    a cached CUDA row's reads are a share of."""
     by = {(r["drafter"], r["device"], r["entries"], r["mode"]): r for r in rows}
     ratios, goals = [], []
+    for r in rows:
+        if copy and r["device"] == "cuda" and r.get("read_tb_s"):
+            r["bandwidth_share"] = round(r["read_tb_s"] / copy, 3)
+            if r["drafter"] != BUILTIN and r["entries"] == GOAL_ENTRIES and opts.history >= GOAL_HISTORY:
+                goal = (
+                    f"{r['drafter']} cached round of {GOAL_ENTRIES} x {opts.history} tokens reads at >= {GOAL_SHARE:g}"
+                )
+                goals.append(
+                    {
+                        "goal": f"{goal} of the copy bandwidth",
+                        "value": r["bandwidth_share"],
+                        "met": r["bandwidth_share"] >= GOAL_SHARE,
+                    }
+                )
     for kind, device, n in dict.fromkeys((r["drafter"], r["device"], r["entries"]) for r in rows):
+        if any((kind, device, n, m) not in by for m in MODES):
+            continue  # a run of some modes only: no ratios
         per, bat, cac = (by[(kind, device, n, m)]["p50_ms"] for m in MODES)
         ratios.append(
             {
@@ -290,8 +375,7 @@ def make_report(opts: DrafterBenchOptions, rows: list[dict]) -> dict:
             continue
         goals.append({"goal": f"{goal} >= {want:g}x", "value": r[value], "met": r[value] >= want})
     return {
-        "config": dataclasses.asdict(opts)
-        | {"window": WINDOW, "prompt_tokens": PROMPT_TOKENS, "step_tokens": STEP_TOKENS},
+        "config": dataclasses.asdict(opts) | {"window": WINDOW, "step_tokens": STEP_TOKENS, "copy_tb_s": copy},
         "rows": rows,
         "ratios": ratios,
         "goals": goals,
@@ -301,7 +385,7 @@ def make_report(opts: DrafterBenchOptions, rows: list[dict]) -> dict:
 def format_table(report: dict) -> str:
     c = report["config"]
     lines = [
-        f"model drafter rounds, k={c['num_spec']}, window {c['window']}: a {c['prompt_tokens']}-token prompt "
+        f"model drafter rounds, k={c['num_spec']}, window {c['window']}: a {c['history']}-token history "
         f"per slot, then {c['step_tokens']} tokens per slot per round; ms per round",
         f"{'drafter':<14} {'device':>6}  {'entries':>7}  {'mode':<10} {'rounds':>6} {'p50':>9} {'p99':>9} "
         f"{'tokens/s':>11}",
@@ -318,8 +402,14 @@ def format_table(report: dict) -> str:
             f"{r['drafter']:<14} {r['device']:>6} {r['entries']:>5} entries: batched {r['batched_x_per_entry']}x "
             f"per-entry, cached {r['cached_x_batched']}x batched"
         )
+    for r in report["rows"]:
+        if "bandwidth_share" in r:
+            lines.append(
+                f"{r['drafter']:<14} {r['device']:>6} {r['entries']:>5} entries cached: {r['read_gb']} GB a round, "
+                f"{r['read_tb_s']} TB/s, {r['bandwidth_share']:.0%} of the copy bandwidth ({c['copy_tb_s']} TB/s)"
+            )
     for g in report["goals"]:
-        lines.append(f"goal {g['goal']}: {g['value']}x, {'met' if g['met'] else 'NOT met'}")
+        lines.append(f"goal {g['goal']}: {g['value']}, {'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
 
 
@@ -329,7 +419,8 @@ def run(args) -> int:
     opts = options(args)
     hf = args.hf_model is not None or args.hf_random is not None
     with model_dir(args.hf_model, args.hf_random) if hf else _no_model() as (path, name):
-        report = make_report(opts, run_rows(opts, makers(path, name)))
+        rows = run_rows(opts, makers(path, name))
+    report = make_report(opts, rows, copy_tb_s() if "cuda" in opts.devices else None)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0
 
