@@ -224,7 +224,7 @@ def add_parser(sub) -> None:
         default=None,
         metavar="MIB",
         help="memory of the model drafter's KV pool, in MiB (default: half the device's memory free "
-        "after the weights, at most 1 GiB on the CPU, at most what --lm-cache-slots whole streams "
+        "after the weights, at most 256 MiB on the CPU, at most what --lm-cache-slots whole streams "
         "take). Blocks of 16 tokens, taken as streams grow and given back when they end or are "
         "evicted (least recently used, fair between engines); allocated at start, refused when it "
         "does not fit or cannot hold one whole stream",

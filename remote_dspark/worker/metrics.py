@@ -258,7 +258,22 @@ TABLE: Table[WorkerScrape] = Table(
         ),
         gauge("cache_bytes", "Memory the drafter's cache holds.", lambda r: r.cache.bytes, when=_cached),
         counter("cache_hits", "Entries drafted from cached state.", lambda r: r.cache.hits, when=_cached),
-        counter("cache_misses", "Entries that encoded their whole context.", lambda r: r.cache.misses, when=_cached),
+        counter(
+            "cache_misses",
+            "Entries that encoded their whole stream (a new one, or its KV gone).",
+            lambda r: r.cache.misses,
+            when=_cached,
+        ),
+        gauge(
+            "kv_blocks_used", "The KV pool's blocks holding streams now.", lambda r: r.cache.blocks_used, when=_cached
+        ),
+        gauge("kv_blocks_free", "The KV pool's free blocks.", lambda r: r.cache.blocks_free, when=_cached),
+        counter(
+            "kv_evicted_streams",
+            "Streams whose KV was evicted for room (re-encoded from the worker's tokens when next drafted).",
+            lambda r: r.cache.evicted,
+            when=_cached,
+        ),
     ),
 )
 

@@ -37,7 +37,7 @@ BLOCK = 16  # tokens a block holds (attention reads as fast with 16, 32 or 64: 1
 MAX_WIDTH = 64  # columns a stream holds past its whole context: the widest round's drafts
 DEFAULT_CONTEXT = 8192  # tokens a stream keeps at most, unless the model's positions are fewer
 POOL_SHARE = 2  # by default the pool takes 1 / POOL_SHARE of the memory free after the weights
-CPU_POOL = 1 << 30  # and on the host at most this many bytes (tests and small models)
+CPU_POOL = 1 << 28  # and on the host at most this many bytes (tests and small models)
 
 
 def stream_columns(max_context: int | None, max_positions: int | None) -> tuple[int, int]:
