@@ -267,9 +267,9 @@ TABLE: Table[WorkerScrape] = Table(
         gauge(
             "kv_blocks_used", "The KV pool's blocks holding streams now.", lambda r: r.cache.blocks_used, when=_cached
         ),
-        gauge("kv_blocks_free", "The KV pool's free blocks.", lambda r: r.cache.blocks_free, when=_cached),
+        gauge("cache_blocks_free", "The KV pool's free blocks.", lambda r: r.cache.blocks_free, when=_cached),
         counter(
-            "kv_evicted_streams",
+            "cache_evicted_streams",
             "Streams whose KV was evicted for room (re-encoded from the worker's tokens when next drafted).",
             lambda r: r.cache.evicted,
             when=_cached,

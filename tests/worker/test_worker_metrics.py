@@ -202,8 +202,11 @@ def test_cache_occupancy_comes_from_the_drafters_cache_info():
         d.info = CacheInfo(4, 16, 8192, 9, 3, blocks_used=40, blocks_free=24, evicted=5)  # read at scrape time
         text = scrape(w)
         assert value(text, "dspark_worker_cache_slots") == 4 and value(text, "dspark_worker_cache_hits_total") == 9
-        assert value(text, "dspark_worker_kv_blocks_used") == 40 and value(text, "dspark_worker_kv_blocks_free") == 24
-        assert value(text, "dspark_worker_kv_evicted_streams_total") == 5
+        assert (
+            value(text, "dspark_worker_cache_blocks_used") == 40
+            and value(text, "dspark_worker_cache_blocks_free") == 24
+        )
+        assert value(text, "dspark_worker_cache_evicted_streams_total") == 5
     finally:
         w.stop()
 
@@ -249,9 +252,9 @@ CONTRACT = [
     ("dspark_worker_cache_bytes", "gauge", ()),
     ("dspark_worker_cache_hits_total", "counter", ()),
     ("dspark_worker_cache_misses_total", "counter", ()),
-    ("dspark_worker_kv_blocks_used", "gauge", ()),
-    ("dspark_worker_kv_blocks_free", "gauge", ()),
-    ("dspark_worker_kv_evicted_streams_total", "counter", ()),
+    ("dspark_worker_cache_blocks_used", "gauge", ()),
+    ("dspark_worker_cache_blocks_free", "gauge", ()),
+    ("dspark_worker_cache_evicted_streams_total", "counter", ()),
 ]
 
 
