@@ -265,7 +265,10 @@ TABLE: Table[WorkerScrape] = Table(
             when=_cached,
         ),
         gauge(
-            "cache_blocks_used", "The KV pool's blocks holding streams now.", lambda r: r.cache.blocks_used, when=_cached
+            "cache_blocks_used",
+            "The KV pool's blocks holding streams now.",
+            lambda r: r.cache.blocks_used,
+            when=_cached,
         ),
         gauge("cache_blocks_free", "The KV pool's free blocks.", lambda r: r.cache.blocks_free, when=_cached),
         counter(

@@ -348,23 +348,29 @@ class LMDrafter:
         in waves, each as many entries as fit (:meth:`_wave`)."""
         take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
         tok = stream_window(batch, plan.take, int(take.max()))
-        rows = plan.rows.copy()
+        rows = plan.rows
         rowless = rows < 0
-        rows[rowless] = self.store.scratch(int(rowless.sum()))
-        pending = (widths > 0) | (plan.rows >= 0) if cached else widths > 0
-        out = np.zeros((len(take), columns(width, sampling is not None)), np.float32)
+        if rowless.any():
+            rows = rows.copy()
+            rows[rowless] = self.store.scratch(int(rowless.sum()))
         need = plan.base + take + widths
+        drafting = widths > 0
+        pending = drafting | (plan.rows >= 0) if cached else drafting
+        whole = bool(drafting.all())  # the common round: every entry drafts
+        out = np.zeros((len(take), columns(width, sampling is not None)), np.float32)
         sessions = batch.sessions()
         while pending.any():
             room = functools.partial(self.cache.make_room, sessions=sessions, keep=rows[pending]) if cached else None
             granted, cells = self.store.grant(rows[pending], need[pending], room)
-            wave = np.zeros(len(take), bool)
-            wave[np.flatnonzero(pending)[granted]] = True
+            wave = pending.copy()
+            wave[pending] = granted
             if not wave.any():  # not one entry fits: cannot happen in a pool of one whole stream
                 raise RuntimeError(f"the KV pool's {self.store.n_free} free blocks hold no entry of the round")
-            every = np.zeros(len(take), np.int64)
-            every[pending] = cells
             try:
+                if whole and bool(wave.all()):  # the whole round at once: no entry picked out
+                    return self._rounds.run(tok, plan.base, take, plan.origin, rows, width, sampling, cells)
+                every = np.zeros(len(take), np.int64)
+                every[pending] = cells
                 self._wave(wave, tok, take, plan, rows, width, sampling, widths, every, out)
             finally:
                 self.store.release(rows[wave & rowless])

@@ -128,21 +128,21 @@ def draft_steps(
     pos: torch.Tensor,
     pages: Pages,
     rows: torch.Tensor,
-    steps: int,
     origin,
-    write,
+    at: tuple[torch.Tensor, torch.Tensor],
     sampling: DeviceSampling | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
-    """``steps`` steps after ``token`` [n] at column ``pos`` [n, 1] of table rows
-    ``rows`` [n] (absolute position ``origin + pos``), drafts 1..steps of the round: each
-    step's K/V written into its stream at its column, or, where ``write`` [n, 1] is
-    negative (padding entries, whose rows are others'), into the trash block. Returns each
-    step's :func:`choose` (greedy, or ``sampling``'s draws), its token fed to the next step."""
+    """Drafts 1..steps of the round after ``token`` [n] at column ``pos`` [n, 1] of table
+    rows ``rows`` [n] (absolute position ``origin + pos``): step j's K/V written at its
+    block and offset ``at[0][:, j - 1]``, ``at[1][:, j - 1]`` ([n, steps] each: its
+    stream's column, or the trash block for padding entries, whose rows are others'),
+    found for every step at once. Returns each step's :func:`choose` (greedy, or
+    ``sampling``'s draws), its token fed to the next step."""
     out = []
-    for j in range(1, steps + 1):
-        at = torch.where(write < 0, -1, pos)
-        h = model.forward_kv(token[:, None], pos, pages, rows, at, origin)[:, 0]
-        out.append(choose(model.logits(h), sampling, j))
+    blocks, offsets = at
+    for j in range(blocks.shape[1]):
+        h = model.forward_kv(token[:, None], pos, pages, rows, (blocks[:, j : j + 1], offsets[:, j : j + 1]), origin)
+        out.append(choose(model.logits(h[:, 0]), sampling, j + 1))
         token = out[-1][0]
         pos = pos + 1
     return out
@@ -312,15 +312,16 @@ class Rounds:
         every = torch.arange(entries, device=inp.device)
         pages = Pages(self.store.kv, self.store.table)
         pages.table.view(-1).index_put_((new[0],), new[1])  # the rows' new blocks, before any read
-        h = self.model.forward_kv(tok, pos, pages, rows, write, origin)
+        step = pos[every, last][:, None] + 1
+        # Every write of the round, the encode's and each draft step's, found in one go.
+        steps = torch.where(write[:, :1] < 0, -1, step + torch.arange(max(0, width - 1), device=inp.device))
+        blocks, offsets = pages.where(rows, torch.cat((write, steps), 1))
+        h = self.model.forward_kv(tok, pos, pages, rows, (blocks[:, :queries], offsets[:, :queries]), origin)
         if not width:  # an encode only: the K/V written, no logits, no steps
             return h.new_zeros((entries, 0), dtype=torch.float32)
         first = choose(self.model.logits(h[every, last]), sampling, 0)
-        step = pos[every, last][:, None] + 1
-        picks = [
-            first,
-            *draft_steps(self.model, first[0], step, pages, rows, width - 1, origin, write[:, :1], sampling),
-        ]
+        at = (blocks[:, queries:], offsets[:, queries:])
+        picks = [first, *draft_steps(self.model, first[0], step, pages, rows, origin, at, sampling)]
         # tokens [n, width], margins [n, width], then (sampled) ids and weights [n, width, TOP]
         fields = (torch.stack(f, 1).reshape(entries, -1).float() for f in zip(*picks))
         return torch.cat(list(fields), 1)

@@ -3,7 +3,7 @@
 :class:`~remote_dspark.drafter.lm.drafter.LMDrafter` needs of its model what
 :class:`~remote_dspark.drafter.lm.model.TinyLM` offers: ``forward_kv`` (queries at given
 columns of their streams in the KV pool, :class:`~remote_dspark.drafter.lm.attention.Pages`,
-each query's keys and values written at its ``write_pos`` first, a stream's column c at
+each query's keys and values written at its slot ``at`` first, a stream's column c at
 absolute position ``origin[i] + c``), ``logits`` over final hidden states, a plain
 ``forward`` (the reference), ``identity()`` and a ``config`` naming its shape.
 :class:`HFModel` gives a transformers model those, so the cache per stream, the round's
@@ -238,24 +238,23 @@ class HFModel(nn.Module):
         positions: torch.Tensor,
         pages: Pages,
         rows: torch.Tensor,
-        write_pos: torch.Tensor,
+        at: tuple[torch.Tensor, torch.Tensor],
         origin: torch.Tensor,
     ) -> torch.Tensor:
         """As :meth:`~remote_dspark.drafter.lm.model.TinyLM.forward_kv`: ``tokens`` [n, Q]
         at columns ``positions`` (absolute ``origin + positions``) of their streams' table
-        rows ``rows`` of the pool ``pages``, written at ``write_pos`` (negative: the trash
-        block, for padding). Returns the final hidden states [n, Q, d_model]."""
+        rows ``rows`` of the pool ``pages``, written at the blocks and offsets ``at`` (the
+        trash block for padding). Returns the final hidden states [n, Q, d_model]."""
         # The rows' attention ignores the mask; transformers takes a 4-D one as given and
         # builds none (one column: a whole stream's would be n x Q x columns).
         mask = torch.zeros((tokens.shape[0], 1, tokens.shape[1], 1), device=tokens.device, dtype=pages.kv.dtype)
-        blocks, offsets = pages.where(rows, write_pos)
         with _rows(pages.table, rows, positions):
             out = self.base(
                 input_ids=tokens,
                 attention_mask=mask,
                 position_ids=positions + origin[:, None],
                 use_cache=True,
-                **{self._cache_arg: ColumnKV(pages, blocks, offsets)},
+                **{self._cache_arg: ColumnKV(pages, *at)},
             )
         return out[0]
 

@@ -13,7 +13,7 @@ Two forwards over the same weights:
   :meth:`remote_dspark.drafter.lm.drafter.LMDrafter.greedy_one`);
 * :meth:`TinyLM.forward_kv`: queries at given columns of their streams in the drafter's
   KV pool (:class:`~remote_dspark.drafter.lm.pool.KVStore`: blocks named by a block
-  table). Each query's K and V are written at its ``write_pos`` first (padding writes go
+  table). Each query's K and V are written at its slot (``at``: block and offset) first (padding writes go
   to the trash block), then it attends to its stream's keys at columns <= its own, in
   place (:func:`~remote_dspark.drafter.lm.attention.paged_attention`). A stream's column
   c holds the token at absolute position ``origin + c`` (its learned position
@@ -136,18 +136,18 @@ class TinyLM(nn.Module):
         positions: torch.Tensor,
         pages: Pages,
         rows: torch.Tensor,
-        write_pos: torch.Tensor,
+        at: tuple[torch.Tensor, torch.Tensor],
         origin: torch.Tensor,
     ) -> torch.Tensor:
         """[n, Q] tokens at columns ``positions`` of their streams' table rows ``rows`` [n]
         of the pool ``pages`` (:class:`~remote_dspark.drafter.lm.attention.Pages`), row
         i's column c at absolute position ``origin[i] + c``; each query's K/V land at its
-        column ``write_pos`` (negative: the trash block, for padding). Returns the final
-        hidden states [n, Q, d_model] (normalised: :meth:`logits`)."""
+        block and offset ``at`` ([n, Q] each, :meth:`Pages.where` of its write column: the
+        trash block for padding). Returns the final hidden states [n, Q, d_model]
+        (normalised: :meth:`logits`)."""
         x = self._embed(tokens, positions + origin[:, None])
-        blocks, offsets = pages.where(rows, write_pos)
         for layer, block in enumerate(self.blocks):
-            x = block.forward_kv(x, pages, layer, rows, positions, blocks, offsets)
+            x = block.forward_kv(x, pages, layer, rows, positions, *at)
         return self.ln_f(x)
 
     def identity(self) -> bytes:

@@ -171,12 +171,14 @@ class KVStore:
         Returns ``(ok [n] bool, first [n] int64)``: which rows hold their columns, and each
         row's first new table cell (its cells ``first..`` up to its ``held`` are new:
         :meth:`new_cells` tells the device)."""
-        first = self.held[rows].copy()
+        first = self.held[rows]  # a copy (fancy indexing)
         extra = np.maximum(-(-columns // self.block) - first, 0)
         total = int(extra.sum())
+        if not total:  # every row holds its columns already
+            return np.ones(len(rows), bool), first
         if total > self.n_free and make_room is not None:
             make_room(total - self.n_free)
-            first = self.held[rows].copy()  # evicted rows of this round hold nothing now
+            first = self.held[rows]  # evicted rows of this round hold nothing now
             extra = np.maximum(-(-columns // self.block) - first, 0)
             total = int(extra.sum())
         ok = np.ones(len(rows), bool)
@@ -198,6 +200,8 @@ class KVStore:
         """The table cells ``rows`` took since ``first`` (:meth:`grant`): flat indices into the
         table and their blocks, for the device's copy."""
         count = self.held[rows] - first
+        if not count.any():
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         owner = np.repeat(rows, count)
         cell = np.repeat(first - np.concatenate(([0], np.cumsum(count)[:-1])), count) + np.arange(int(count.sum()))
         return owner * self.max_blocks + cell, self.host_table[owner, cell]
