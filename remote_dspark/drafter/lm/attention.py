@@ -37,18 +37,10 @@ class Pages(NamedTuple):
     kv: torch.Tensor  # [blocks, layers, 2, kv_heads, BLOCK, head_dim]; block 0: trash
     table: torch.Tensor  # [table rows, max_blocks] int64
 
-    def where(self, rows: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block and offset of each of ``rows [n]``' ``columns [n, Q]``; a negative
-        column (a padding query's write) is the trash block's first offset."""
-        block = self.kv.shape[4]
-        col = columns.clamp(min=0)
-        blocks = self.table[rows[:, None], col // block]
-        trash = columns < 0
-        return blocks.masked_fill(trash, 0), (col % block).masked_fill(trash, 0)
-
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values ``[n, kv_heads, Q, head_dim]`` into ``layer`` at ``blocks``,
-        ``offsets [n, Q]`` (:meth:`where`): one indexed write of both."""
+        ``offsets [n, Q]`` (a stream's column c: its table row's block ``c // BLOCK``, offset
+        ``c % BLOCK``; padding: the trash block): one indexed write of both."""
         pool = self.kv[:, layer].permute(0, 3, 1, 2, 4)  # [blocks, BLOCK, 2, kv_heads, head_dim]
         pool[blocks, offsets] = torch.stack((k, v), 2).transpose(1, 3).to(pool.dtype)
 

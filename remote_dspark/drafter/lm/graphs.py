@@ -10,8 +10,7 @@ captured once per shape and replayed. Its shapes must then be fixed:
 
 * rows: the round's entry count rounded up to a power of two (at least ``MIN_ROWS``);
   the entries past the round's encode token 0 at column 0 of table row 0 and draft
-  after it, writing only into the trash block (their write columns are -1), and are
-  never read;
+  after it, writing only into the trash block, and are never read;
 * queries: the most tokens an entry encodes, rounded up to a power of two (at least
   ``MIN_QUERIES``: a steady round encodes the few tokens accepted since the last one);
   padding queries sit at column 0 and write their K/V into the trash block;
@@ -20,8 +19,9 @@ captured once per shape and replayed. Its shapes must then be fixed:
   table's padding row. The graph writes them into the device's table before anything
   reads it, so the table is a graph input like the tokens: no copy of its own.
 
-A round's integers (padded tokens, columns, write columns, each entry's last query, its
-origin and its table row, the new table cells) go up in one copy and the answer comes
+A round's integers (padded tokens, columns, each write's block and offset, found on the
+host in its table, each entry's last query, its origin and its table row, the new table
+cells) go up in one copy and the answer comes
 down in one; nothing else runs around the replay. A graph holds the pool's and the
 table's addresses: when the table grows
 (:meth:`~remote_dspark.drafter.lm.pool.KVStore.scratch`) the graphs are dropped and
@@ -268,20 +268,28 @@ class Rounds:
         return entries * (-(-(queries + width) // self.store.block) + 1)
 
     def _inputs(self, shape, tok, base, take, origin, rows, sampling, cells) -> np.ndarray:
-        """The round's padded integers, one array: tokens, columns and write columns
-        ``[rows, queries]`` each (-1: the trash block), then each entry's last query,
-        origin and table row, then (sampled) its ``sampling`` rows (the entries past n
-        sample at temperature 0), then the new table cells' flat indices and blocks
-        (padded with writes of 0 into the table's padding row)."""
+        """The round's padded integers, one array: tokens and columns ``[rows, queries]``,
+        then the block and the offset each write goes to ``[rows, queries + steps]`` each
+        (the encode's queries, then each draft step's: found here in the host's table, the
+        trash block's first offset for padding), then each entry's last query, origin and
+        table row, then (sampled) its ``sampling`` rows (the entries past n sample at
+        temperature 0), then the new table cells' flat indices and blocks (padded with
+        writes of 0 into the table's padding row)."""
         n, q = tok.shape
-        entries, queries, _, sampled = shape
-        steps = np.arange(queries)
-        valid = steps < take[:, None]
-        grid = np.zeros((3, entries, queries), np.int64)
+        entries, queries, width, sampled = shape
+        steps = np.arange(queries + max(0, width - 1))
+        grid = np.zeros((2, entries, queries), np.int64)
         grid[0, :n, :q] = tok
-        grid[1, :n] = np.where(valid, base[:, None] + steps, 0)
-        grid[2] = -1  # padding (and the entries past n) write to the trash block
-        grid[2, :n] = np.where(valid, grid[1, :n], -1)
+        valid = steps[:queries] < take[:, None]
+        grid[1, :n] = np.where(valid, base[:, None] + steps[:queries], 0)
+        # a write's column: the encode's queries, then draft step j at base + take + j
+        col = base[:, None] + np.where(steps < queries, steps, take[:, None] + steps - queries)
+        col = np.where((steps < take[:, None]) | (steps >= queries), col, -1)
+        at = np.zeros((2, entries, len(steps)), np.int64)  # padding: the trash block's first offset
+        live = col >= 0
+        block = self.store.block
+        at[0, :n] = np.where(live, self.store.host_table[rows[:, None], np.maximum(col, 0) // block], 0)
+        at[1, :n] = np.where(live, col % block, 0)
         last = np.zeros((6 if sampled else 3, entries), np.int64)
         last[0, :n] = take - 1
         last[1, :n] = origin
@@ -296,30 +304,28 @@ class Rounds:
         new[0] = self.store.padding_cell()
         new[0, : len(where)] = where
         new[1, : len(where)] = blocks
-        return np.concatenate([grid.ravel(), last.ravel(), new.ravel()])
+        return np.concatenate([grid.ravel(), at.ravel(), last.ravel(), new.ravel()])
 
     def _round(self, inp: torch.Tensor, shape: tuple[int, int, int, bool]) -> torch.Tensor:
         """The round on the pool: ``[rows, columns(width, sampled)]`` float32 (:meth:`run`)."""
         entries, queries, width, sampled = shape
-        grid = entries * queries
+        grid, writes = entries * queries, entries * (queries + max(0, width - 1))
         per_n = 6 if sampled else 3
-        tok, pos, write = (inp[i * grid : (i + 1) * grid].view(entries, queries) for i in range(3))
-        per = inp[3 * grid : 3 * grid + per_n * entries].view(per_n, entries)
-        new = inp[3 * grid + per_n * entries :].view(2, -1)
+        tok, pos = (inp[i * grid : (i + 1) * grid].view(entries, queries) for i in range(2))
+        blocks, offsets = (inp[2 * grid + i * writes : 2 * grid + (i + 1) * writes].view(entries, -1) for i in range(2))
+        per = inp[2 * grid + 2 * writes : 2 * grid + 2 * writes + per_n * entries].view(per_n, entries)
+        new = inp[2 * grid + 2 * writes + per_n * entries :].view(2, -1)
         last, origin, rows = per[0], per[1], per[2]
         # The temperature's float32 bits (non-negative: below 2**31) back to float32.
         sampling = DeviceSampling.of(per[3].int().view(torch.float32), per[4], per[5], width) if sampled else None
         every = torch.arange(entries, device=inp.device)
         pages = Pages(self.store.kv, self.store.table)
         pages.table.view(-1).index_put_((new[0],), new[1])  # the rows' new blocks, before any read
-        step = pos[every, last][:, None] + 1
-        # Every write of the round, the encode's and each draft step's, found in one go.
-        steps = torch.where(write[:, :1] < 0, -1, step + torch.arange(max(0, width - 1), device=inp.device))
-        blocks, offsets = pages.where(rows, torch.cat((write, steps), 1))
         h = self.model.forward_kv(tok, pos, pages, rows, (blocks[:, :queries], offsets[:, :queries]), origin)
         if not width:  # an encode only: the K/V written, no logits, no steps
             return h.new_zeros((entries, 0), dtype=torch.float32)
         first = choose(self.model.logits(h[every, last]), sampling, 0)
+        step = pos[every, last][:, None] + 1
         at = (blocks[:, queries:], offsets[:, queries:])
         picks = [first, *draft_steps(self.model, first[0], step, pages, rows, origin, at, sampling)]
         # tokens [n, width], margins [n, width], then (sampled) ids and weights [n, width, TOP]
@@ -329,11 +335,11 @@ class Rounds:
     def blank(self, shape: tuple[int, int, int, bool]) -> torch.Tensor:
         """A round's input of ``shape`` that writes only into the trash block and the
         table's padding row (what a capture runs on)."""
-        entries, queries, _, sampled = shape
+        entries, queries, width, sampled = shape
         per = 6 if sampled else 3
         room = self._cells(shape)
-        inp = torch.zeros(3 * entries * queries + per * entries + 2 * room, dtype=torch.long, device=self.store.device)
-        inp[2 * entries * queries : 3 * entries * queries] = -1  # writes to the trash block only
+        size = 2 * entries * queries + 2 * entries * (queries + max(0, width - 1)) + per * entries + 2 * room
+        inp = torch.zeros(size, dtype=torch.long, device=self.store.device)  # writes: the trash block
         inp[-2 * room : -room] = self.store.padding_cell()  # table writes to its padding row only
         return inp
 

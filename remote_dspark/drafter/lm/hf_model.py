@@ -112,7 +112,7 @@ class KVConfig:
 class ColumnKV:
     """The drafter's KV pool (:class:`~remote_dspark.drafter.lm.attention.Pages`) as
     transformers' layers use a cache: entry i's queries' keys and values land in its
-    stream's blocks at ``blocks``, ``offsets [n, Q]`` (:meth:`Pages.where`), and
+    stream's blocks at ``blocks``, ``offsets [n, Q]`` (found on the host in its block table), and
     :func:`attend` reads the blocks in place."""
 
     is_compileable = False

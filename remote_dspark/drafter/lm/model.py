@@ -88,7 +88,7 @@ class Block(nn.Module):
 
     def forward_kv(self, x: torch.Tensor, pages: Pages, layer: int, rows, positions, blocks, offsets) -> torch.Tensor:
         """This layer over the pool: each query's K and V written at ``blocks``,
-        ``offsets`` (:meth:`Pages.where`), then its attention over its row's blocks."""
+        ``offsets`` (found on the host in the block table), then its attention over its row's blocks."""
         q, k, v = self._qkv(x)
         pages.write(layer, blocks, offsets, k, v)
         keys, values = pages.layer(layer)
@@ -142,7 +142,7 @@ class TinyLM(nn.Module):
         """[n, Q] tokens at columns ``positions`` of their streams' table rows ``rows`` [n]
         of the pool ``pages`` (:class:`~remote_dspark.drafter.lm.attention.Pages`), row
         i's column c at absolute position ``origin[i] + c``; each query's K/V land at its
-        block and offset ``at`` ([n, Q] each, :meth:`Pages.where` of its write column: the
+        block and offset ``at`` ([n, Q] each, its write column in the block table: the
         trash block for padding). Returns the final hidden states [n, Q, d_model]
         (normalised: :meth:`logits`)."""
         x = self._embed(tokens, positions + origin[:, None])
