@@ -277,34 +277,42 @@ class Rounds:
         writes of 0 into the table's padding row)."""
         n, q = tok.shape
         entries, queries, width, sampled = shape
-        steps = np.arange(queries + max(0, width - 1))
-        grid = np.zeros((2, entries, queries), np.int64)
-        grid[0, :n, :q] = tok
-        valid = steps[:queries] < take[:, None]
-        grid[1, :n] = np.where(valid, base[:, None] + steps[:queries], 0)
-        # a write's column: the encode's queries, then draft step j at base + take + j
-        col = base[:, None] + np.where(steps < queries, steps, take[:, None] + steps - queries)
-        col = np.where((steps < take[:, None]) | (steps >= queries), col, -1)
-        at = np.zeros((2, entries, len(steps)), np.int64)  # padding: the trash block's first offset
-        live = col >= 0
+        writes = queries + max(0, width - 1)
+        room = self._cells(shape)
+        per = 6 if sampled else 3
+        out = np.zeros(2 * entries * queries + 2 * entries * writes + per * entries + 2 * room, np.int64)
+        at = 0
+
+        def take_view(size: int, cols: int) -> np.ndarray:  # the next section of ``out``
+            nonlocal at
+            at += size
+            return out[at - size : at].reshape(-1, cols)
+
+        take_view(entries * queries, queries)[:n, :q] = tok
+        steps = np.arange(writes)
+        # each write's column: the encode's queries at base..., draft step j at base + take + j;
+        # zero where dead (an encode's padding queries; and the entries past n): they write to
+        # the trash block's first offset
+        live = (steps < take[:, None]) | (steps >= queries)
+        col = (base[:, None] + np.where(steps < queries, steps, take[:, None] + steps - queries)) * live
+        take_view(entries * queries, queries)[:n] = col[:, :queries]
         block = self.store.block
-        at[0, :n] = np.where(live, self.store.host_table[rows[:, None], np.maximum(col, 0) // block], 0)
-        at[1, :n] = np.where(live, col % block, 0)
-        last = np.zeros((6 if sampled else 3, entries), np.int64)
+        take_view(entries * writes, writes)[:n] = self.store.host_table[rows[:, None], col // block] * live
+        take_view(entries * writes, writes)[:n] = col % block
+        last = take_view(per * entries, entries)
         last[0, :n] = take - 1
         last[1, :n] = origin
         last[2, :n] = rows
         if sampled:
             last[3:, :n] = sampling
         where, blocks = self.store.new_cells(rows, cells)
-        room = self._cells(shape)
         if len(where) > room:
             raise ValueError(f"a round of shape {shape} takes {len(where)} new blocks, over its {room}")
-        new = np.zeros((2, room), np.int64)
+        new = take_view(2 * room, room)
         new[0] = self.store.padding_cell()
         new[0, : len(where)] = where
         new[1, : len(where)] = blocks
-        return np.concatenate([grid.ravel(), at.ravel(), last.ravel(), new.ravel()])
+        return out
 
     def _round(self, inp: torch.Tensor, shape: tuple[int, int, int, bool]) -> torch.Tensor:
         """The round on the pool: ``[rows, columns(width, sampled)]`` float32 (:meth:`run`)."""
