@@ -375,7 +375,8 @@ class RemoteDSpark:
         slots the worker lost come back in a later ``Launched.resync``. In sync mode
         (``ASYNC=0``, or after a failed self-test) the round runs now, blocking, and comes
         back completed with the same shapes, on the rows' device (the current CUDA device
-        for a batch without rows).
+        for a batch without rows). The slots still announced (no drafts yet): host metadata's
+        in ``announcing``; device metadata's always in ``announcing_mask`` (a tensor).
 
         With a ``tp_group``, on every rank, rank 0's drafts, ``outcome`` and ``resync_mask``
         in stream order (``engine.tp.launch``: no rank's host waits); another rank's

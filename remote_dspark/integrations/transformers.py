@@ -49,7 +49,8 @@ naming the versions this was tested with.
 One ``rd`` serves concurrent generations (threads), each on a slot of its own
 (:class:`Slots`): ``rd.round()`` is single-threaded, so the rounds take turns under the
 slots' lock, and a ``resync_all`` (a new connection: the worker holds nothing) reaches
-every live generation.
+every live generation. A generation's end releases its slot (``rd.release``): a long
+prompt still being announced in chunks there is let go.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ import weakref
 import numpy as np
 import torch
 
-from ..engine import Batch, RemoteDSpark
+from ..engine import Batch, RemoteClosed, RemoteDSpark
 from ..wire import SAMPLED_TOP as TOP
 from ..wire import SAMPLED_TOTAL as TOTAL
 
@@ -103,7 +104,9 @@ class Slots:
 
     @contextlib.contextmanager
     def slot(self):
-        """A free slot for the ``with`` block. Raises: RuntimeError when all are taken."""
+        """A free slot for the ``with`` block, released in ``rd`` at its end (the
+        generation ended: a context still being announced there is let go, and the
+        slot's next generation starts whole). Raises: RuntimeError when all are taken."""
         with self.lock:
             if not self._free:
                 raise RuntimeError(f"all {self.rd.spec.max_slots} slots (max_slots) of this RemoteDSpark are taken")
@@ -111,7 +114,9 @@ class Slots:
         try:
             yield slot
         finally:
-            with self.lock:
+            with self.lock:  # (the rounds' lock: rd's calls take turns)
+                with contextlib.suppress(RemoteClosed):  # a closed rd holds nothing
+                    self.rd.release([slot])
                 self._stale.discard(slot)
                 self._free.append(slot)
 

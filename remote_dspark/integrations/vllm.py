@@ -27,6 +27,9 @@ up to exactly the tokens this row had before this step, with the same fingerprin
 matched row sends only its new tokens; any other row takes a fresh slot and sends its
 whole context with NEW_GEN. A wrong match costs drafts (the worker's position check
 answers RESYNC, or the drafts are not accepted), never output: vLLM verifies every draft.
+A slot no row kept (its request finished, or left the batch) is released before the
+step's round (``RemoteDSpark.release``): a long context still being announced there in
+chunks is let go, and the slot's next request starts whole.
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ class Step:
     seen: np.ndarray  # [n] int64: tokens the worker has of the row's stream (0 on NEW_GEN)
     lengths: np.ndarray  # [n] int64: the row's tokens now
     offered: np.ndarray  # [n] int64: drafts the row's stream was offered last step (0 when new)
+    freed: np.ndarray  # [m] int64: slots whose stream ended this step (no row kept it), to release
 
 
 class SlotMap:
@@ -135,7 +139,9 @@ class SlotMap:
     (condensed, swapped), the one unclaimed live slot with its fingerprint and length,
     when exactly one row and one slot have it. Anything else (a new request, a
     resumed one, two identical streams that both moved) takes a free slot with NEW_GEN;
-    a slot no row kept this step is free (its request finished, or left the batch).
+    a slot no row kept this step is free (its request finished, or left the batch), and
+    its stream ended (``Step.freed``: the proposer releases it, even when a new row
+    takes it in the same step).
     """
 
     def __init__(self, max_num_seqs: int):
@@ -164,6 +170,7 @@ class SlotMap:
         slots[moved] = self._follow(moved, before[moved], keys[moved], np.flatnonzero(self.live & ~claimed))
         kept = slots >= 0
         claimed[slots[kept]] = True
+        freed = np.flatnonzero(self.live & ~claimed)  # no row kept its stream: it ended
         fresh = drafting & ~kept
         slots[fresh] = np.flatnonzero(~claimed)[: int(fresh.sum())]
         new_gen = fresh | (kept & self.announce[np.maximum(slots, 0)])
@@ -178,7 +185,7 @@ class SlotMap:
         self.announce[mine] = False
         self.row_slot[:] = -1
         self.row_slot[:n] = slots
-        return Step(slots, new_gen, np.where(new_gen | ~drafting, 0, before), lengths, offered)
+        return Step(slots, new_gen, np.where(new_gen | ~drafting, 0, before), lengths, offered, freed)
 
     def _continues(self, slots: np.ndarray, before: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Whether each row's stream (``before`` tokens, fingerprint ``keys``) is what
@@ -268,6 +275,8 @@ class RemoteProposer:
         """
         sampled, lengths = self._check(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         step = self.slot_map.assign(sampled, lengths, token_ids_cpu)
+        if step.freed.size:  # requests that ended: a context still being announced there is let go
+            self.rd.release(step.freed.tolist())
         self._record_accepted(step, sampled)
         entries = np.flatnonzero(step.slots >= 0)
         if not entries.size:

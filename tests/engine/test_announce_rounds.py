@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from helpers import CYCLE4, drafter_env, env_for, until
@@ -24,9 +25,12 @@ from remote_dspark.engine.observe.stats import AnnounceStats
 from remote_dspark.engine.paths.announcing import AnnouncingPath
 from remote_dspark.engine.paths.base import NothingOpen
 from remote_dspark.engine.spec import default_round_tokens
+from remote_dspark.engine.values.batch import meta_to_host
 from remote_dspark.engine.values.drafts import Launched, empty_drafts
+from remote_dspark.engine.values.meta import host_meta
 from remote_dspark.outcome import Outcome
 from remote_dspark.worker import Worker
+from remote_dspark.worker.windows import Windows
 
 SLOTS, K, CAP, BUDGET = 8, 3, 64, 40
 
@@ -291,12 +295,73 @@ def on_device(batch: Batch) -> Batch:
 def test_device_metadata_goes_as_it_is_when_the_budget_holds_any_cut_batch(tmp_path):
     """The default round_tokens holds every slot's whole context at the default cap: a
     burst of new requests longer than the cap, more tokens before the cut than a round,
-    is launched as it is (the device cuts it), never refused."""
+    is launched as it is (the device cuts it), never refused; its mask of the slots
+    announcing (none) is on the metadata's device."""
     spec = engine(env_for(1, tmp_path), max_slots=8).spec
     path = AnnouncingPath(Sent(), spec)
     burst = on_device(Batch.from_lists(list(range(8)), [range(2000)] * 8, [0] * 8, [True] * 8))
     assert int(burst.tokens.shape[0]) > spec.max_tokens  # 16,000 tokens before the cut, 8 x 64 after
-    assert path.launch(burst, None).announcing == () and path.inner.batches[-1] is burst
+    launched = path.launch(burst, None)
+    assert path.inner.batches[-1] is burst and launched.announcing is None  # not read: the mask says it
+    assert launched.announcing_mask.shape == (8,) and launched.announcing_mask.device == burst.tokens.device
+
+
+class ToWindows(NothingOpen):
+    """A path that takes each launched batch (CPU tensors standing for a device's) into a
+    worker's windows of ``WINDOW`` tokens, its NEW_GEN contexts cut as the metadata
+    kernels cut them, and records the window each slot is first drafted from."""
+
+    acked_context, acked_round_tokens = WINDOW, LONG_BUDGET  # the worker's HELLO_ACK
+
+    def __init__(self):
+        super().__init__()
+        self.windows = Windows(SLOTS, WINDOW)
+        self.first: dict[int, list[int]] = {}
+        self.last: Batch | None = None  # the batch last launched
+
+    def launch(self, batch, answer, out=(), status=None):
+        self.last = batch
+        m = host_meta(meta_to_host(batch), max_slots=SLOTS, num_spec=K, max_tokens=1 << 20, n_out_default=K,
+                      context_tokens=WINDOW)  # fmt: skip
+        assert self.windows.advance(m.slots, m.positions, m.new_gen, m.offsets, m.tokens.astype(np.int32)).ok.all()
+        for s, n_out in zip(m.slots.tolist(), np.broadcast_to(m.n_out, (m.n,)).tolist()):
+            if n_out:
+                self.first.setdefault(s, self.windows.window_of(s))
+        return Launched(1, torch.zeros(m.n, K, dtype=torch.int32), torch.zeros(m.n, dtype=torch.int32), (), False)
+
+
+def test_launch_of_device_metadata_always_says_the_slots_announcing_in_a_mask(tmp_path, monkeypatch):
+    """The CPU twin of ``test_gpu_announce``'s launch: contexts of every length up to a
+    300-token window, eight slots at once, 160 tokens a round, launched as device
+    metadata: each launch's ``announcing`` is None and its ``announcing_mask`` names the
+    slots still announcing, whether the round was planned on the device or went as it is
+    (then none); each slot is first drafted from its whole context."""
+    monkeypatch.setattr(Batch, "meta_on_device", property(lambda b: isinstance(b.tokens, torch.Tensor)))
+    path = AnnouncingPath(ToWindows(), engine(env_for(1, tmp_path)).spec)
+    fields = ("slots", "tokens", "token_offsets", "positions", "new_gen")
+    nxt, counted = 1000, {"as is": 0, "planned": 0}
+    for first in [*range(1, WINDOW + 1, 3 * SLOTS), WINDOW + 50]:
+        seq = {s: list(range(nxt + 1000 * s, nxt + 1000 * s + first + s)) for s in range(SLOTS)}
+        nxt += 10_000
+        path.inner.first.clear()
+        whole: dict[int, list[int]] = {}
+        b = Batch.from_lists(list(seq), list(seq.values()), [0] * SLOTS, [True] * SLOTS)
+        for _ in range(4 * sum(map(len, seq.values())) // LONG_BUDGET + 8):
+            given = Batch(**{f: torch.as_tensor(getattr(b, f)) for f in fields})
+            launched = path.launch(given, None)
+            assert launched.announcing is None and launched.announcing_mask.shape == (SLOTS,)
+            announcing = set(torch.nonzero(launched.announcing_mask).flatten().tolist())
+            counted["as is" if path.inner.last is given else "planned"] += 1
+            whole.update({s: list(seq[s]) for s in seq if s not in announcing and s not in whole})
+            if not announcing:
+                break
+            positions = [len(seq[s]) for s in seq]
+            for s in seq:
+                seq[s].append(nxt)
+                nxt += 1
+            b = Batch.from_lists(list(seq), [seq[s][-1:] for s in seq], positions, [False] * SLOTS)
+        assert not announcing and path.inner.first == {s: w[-WINDOW:] for s, w in whole.items()}
+    assert counted["as is"] > 0 and counted["planned"] > 0  # both ways of a round
 
 
 def test_meta_checks_a_batch_as_round_takes_it(tmp_path):

@@ -9,10 +9,11 @@ import threading
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import CYCLE4, drafter_env, tiny_llama
 
 from remote_dspark.config import RemoteConfig
 from remote_dspark.demo.harness import engine_env
+from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.lm.hf import load_hf
 from remote_dspark.engine import RemoteDSpark
 from remote_dspark.worker import Worker
@@ -155,6 +156,44 @@ def test_concurrent_generations_share_one_remote_drafter_on_slots_of_their_own(t
         assert len(integration.slots_of(rd)._free) == 4  # both slots given back
     finally:
         rd.close()
+        worker.stop()
+
+
+class Recording(MarkovDrafter):
+    """CYCLE4's drafter, recording each drafted entry's slot and context (its window)."""
+
+    def __init__(self):
+        super().__init__(CYCLE4)
+        self.drafted: list[tuple[int, list[int]]] = []
+
+    def draft_batch(self, batch):
+        for i in range(len(batch)):
+            if batch.n_out[i] > 0:
+                self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
+        return super().draft_batch(batch)
+
+
+def test_a_generation_ended_mid_announcement_lets_its_slot_go():
+    """A worker taking 16 tokens a round: a 40-token prompt takes three rounds to
+    announce, and a generation of 3 new tokens ends after two. Its slot is released (no
+    slot still announcing), and the next generation, on that slot, is announced NEW_GEN
+    and first drafted from its whole context; each output is the model's own."""
+    model = tiny("gpt2", 0)
+    rec = Recording()
+    worker = Worker(rec, "127.0.0.1", 0, max_round_tokens=16).start()
+    try:
+        environ = drafter_env(rec, worker.port, VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000")
+        rd = RemoteDSpark(RemoteConfig.from_env(environ), num_spec=K, max_slots=4, row_bytes=0, environ=environ)
+        with rd:
+            long_prompt = [(7 * i + 3) % 128 for i in range(40)]
+            got = integration.generate(model, torch.tensor([long_prompt]), rd, max_new_tokens=3, do_sample=False)
+            assert torch.equal(got, model.generate(torch.tensor([long_prompt]), max_new_tokens=3, do_sample=False))
+            assert rd.stats().announce.chunks >= 2 and rd.stats().announce.announcing == 0  # let go
+            assert rec.drafted == []  # never whole: no drafts
+            got = integration.generate(model, torch.tensor([PROMPTS[0]]), rd, max_new_tokens=5, do_sample=False)
+            assert torch.equal(got, model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, do_sample=False))
+            assert rec.drafted[0] == (0, PROMPTS[0])  # the same slot, its whole context first
+    finally:
         worker.stop()
 
 

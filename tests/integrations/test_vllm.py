@@ -257,6 +257,56 @@ def test_slots_the_worker_lost_are_announced_again(proposer):
     assert run.offered_at.tolist() == run.accepted_at.tolist()
 
 
+class Recording(MarkovDrafter):
+    """The fixture's drafter, recording each drafted entry's slot and context (its window)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.drafted: list[tuple[int, list[int]]] = []
+
+    def draft_batch(self, batch):
+        for i in range(len(batch)):
+            if batch.n_out[i] > 0:
+                self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
+        return super().draft_batch(batch)
+
+
+def test_a_request_ended_mid_announcement_is_let_go_and_its_slot_starts_whole(drafter):
+    """A worker taking 24 tokens a round: a 60-token prompt goes in chunks. Its request
+    ends before the context is whole: the proposer releases the slot (nothing held, no
+    slot still announcing; a slot a new request takes in the same step is released
+    too), and the new request on that slot is announced NEW_GEN, first drafted from its
+    whole context, every draft accepted."""
+    rec = Recording(drafter.model)
+    w = Worker(rec, "127.0.0.1", 0, max_round_tokens=24).start()
+    p = RemoteProposer(vllm_config(), environ=drafter_env(rec, w.port, Mode.SYNC))
+    try:
+        run, released = Runner(p), []
+        real_release = p.rd.release
+        p.rd.release = lambda slots: released.append(list(slots)) or real_release(slots)
+        run.step(add=[("a", prompt(1, 1)), ("long", prompt(2, 3, 60))])
+        slot = run.slots["long"][-1]
+        assert p.rd.stats().announce.announcing == 1 and run.drafts["long"] == []  # part of its context sent
+        run.step(finish=["long"])
+        assert released == [[slot]] and p.rd.stats().announce.announcing == 0  # let go, never sent
+        rec.drafted.clear()
+        run.step(add=[("new", prompt(4, 5, 12))])
+        assert run.slots["new"] == [slot] and bool(run.batches[-1].new_gen[run.batches[-1].slots.tolist().index(slot)])
+        whole = run.token_ids[run.row("new"), : run.num_tokens[run.row("new")]].tolist()  # its prefill's token too
+        assert [c for s, c in rec.drafted if s == slot][0] == whole and whole[:12] == prompt(4, 5, 12)
+        run.step(add=[("long2", prompt(3, 7, 60))])
+        slot2 = run.slots["long2"][-1]
+        run.step(finish=["long2"], add=[("new2", prompt(5, 1, 8))])  # new2 takes long2's slot at once
+        assert run.slots["new2"] == [slot2] and released[-1] == [slot2]
+        assert p.rd.stats().announce.announcing == 0
+        for _ in range(3):
+            run.step()
+        assert run.offered_at.tolist() == run.accepted_at.tolist() and run.offered_at[0] > 0
+    finally:
+        p.close()
+        w.stop()
+
+
 def test_no_draft_past_the_models_length(proposer):
     run = Runner(proposer)
     run.step(add=[("a", prompt(1, 1, MAX_LEN - 2))])

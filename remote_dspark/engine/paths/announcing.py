@@ -18,8 +18,12 @@ num_spec + 1)``); else it is planned on the device (:mod:`..values.device_announ
 same rule in stream-ordered torch operations), whose state then owns the held slots: what
 the host held moves there first, and a batch of host metadata that comes while the
 device may still hold a slot is checked and cut on the host, then planned there too.
-Such a round's ``Launched.announcing`` is None and ``announcing_mask`` says it in stream
-order (``round()`` reads the mask: it blocks anyway).
+A ``launch()`` of device metadata always answers in stream order: its
+``Launched.announcing`` is None and ``announcing_mask`` (bool ``[max_slots]`` on the
+metadata's device) names the slots still announcing, whether the round was planned there
+or went as it is (then none: a zero mask, one small fill enqueued).
+A host batch planned on the device answers the same way; ``round()`` reads the mask (it
+blocks anyway).
 
 Each answer's lost slots (RESYNC, ``resync_all``) are told to the announcer, which counts
 the NEW_GEN entries that re-announce them (:class:`~..observe.stats.AnnounceStats`,
@@ -75,6 +79,8 @@ class AnnouncingPath(Wrapping):
         finally:
             self._answering = False
         self._answered(batch, planned, launched.resync, launched.resync_all)
+        if mask is None and batch.meta_on_device:  # went as it is: a mask of no slot (the caller's to keep)
+            announcing, mask = None, torch.zeros(self.spec.max_slots, dtype=torch.bool, device=_device_of(batch))
         launched.announcing = announcing
         if mask is not None:
             launched.announcing_mask = mask

@@ -76,8 +76,10 @@ class Launched:
         # A rank other than 0 has only these: its round, resync, resync_all and announcing are None.
         self.outcome = outcome
         self.resync_mask = resync_mask
+        # The slots still being announced, bool [max_slots] in stream order: always given
+        # for a launch of device metadata (then ``announcing`` is None), and with a tp_group.
         self.announcing_mask = announcing_mask
-        # As Drafts.announcing (set by the path that planned the round; None: not known on this host)
+        # As Drafts.announcing, for host metadata (None: not read on the host; the mask says it)
         self.announcing = announcing
 
 
