@@ -107,11 +107,14 @@ def memory_bound(args, hellos: list[tuple[int, int]], keep: int) -> int:
     for e, (slots, k) in enumerate(hellos):
         hello = wire.Hello(b"\0" * 32, b"\0" * 32, e, slots, 0, k)
         bound += 3 * limits.frame_cap(hello) + Windows.bytes_of(slots, WINDOW, keep) + THREAD_BYTES
-    if args.drafter == "lm" and args.device == "cpu" and args.hf_random is None:
+    if args.drafter == "lm" and args.device == "cpu":  # the call's working set in the worker's memory
         from ..drafter.lm.budget import part_limit, working_bytes
         from ..drafter.lm.drafter import LMDrafter
+        from ..drafter.lm.hf import load_hf
 
         d = LMDrafter(device="cpu", cache_slots=0, window=WINDOW)
+        if args.hf_model_dir is not None:
+            d = load_hf(args.hf_model_dir, "cpu", WINDOW, cache_slots=0)
         tokens = args.max_batch_tokens or DEFAULT_MAX_TOKENS
         bound += working_bytes(d.model, d.store, DEFAULT_MAX_ENTRIES, part_limit(tokens, d.store.columns))
     return bound
