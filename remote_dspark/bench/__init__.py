@@ -5,6 +5,8 @@ keeps its heavy imports inside the function that runs it.
     handoff/         the hand-off's round trip, side by side
     failover         an idle engine's cost and a lost proxy's rounds
     worker_engines   many engines against one worker
+    worker_long      its long row: one engine announcing long contexts in chunks
+    engine_procs     what worker-engines' rows share: engine processes, flags, memory
     worker_hostile   the worker under hostile peers
     metrics_hostile  the worker's metrics server under hostile clients
     drafter          the model drafters' rounds, three ways

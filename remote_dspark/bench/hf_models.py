@@ -5,9 +5,10 @@ worker's own loader (:func:`remote_dspark.drafter.lm.hf.load_hf`) and removed at
 
 Shapes (random weights, seeded):
 
-``gpt2:LxW``   GPT-2: learned positions, 2048 of them, vocabulary 50257, W/64 heads;
-``llama:LxW``  Llama: rotary positions, 2048 of them, vocabulary 32000, W/64 heads and a
-               quarter as many KV heads (grouped), an MLP of 8/3 W.
+``gpt2:LxW``   GPT-2: learned positions, 2048 of them (or ``positions``), vocabulary
+               50257, W/64 heads;
+``llama:LxW``  Llama: rotary positions, 2048 of them (or ``positions``), vocabulary 32000,
+               W/64 heads and a quarter as many KV heads (grouped), an MLP of 8/3 W.
 
 ``gpt2:12x768`` is GPT-2 small's shape.
 """
@@ -39,7 +40,10 @@ def parse_random(spec: str) -> tuple[str, int, int]:
     return kind, layers, width
 
 
-def random_model(kind: str, layers: int, width: int, seed: int = 0):
+POSITIONS = 2048  # a random model's positions unless told
+
+
+def random_model(kind: str, layers: int, width: int, seed: int = 0, positions: int = POSITIONS):
     """A randomly initialised causal LM of the shape (module docstring), float32."""
     import torch
     import transformers
@@ -47,7 +51,7 @@ def random_model(kind: str, layers: int, width: int, seed: int = 0):
     torch.manual_seed(seed)
     heads = width // 64
     if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=2048)
+        config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=positions)
         return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(
         vocab_size=32000,
@@ -56,22 +60,23 @@ def random_model(kind: str, layers: int, width: int, seed: int = 0):
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 4),
-        max_position_embeddings=2048,
+        max_position_embeddings=positions,
     )
     return transformers.LlamaForCausalLM(config)
 
 
 @contextlib.contextmanager
-def model_dir(hf_model: str | None, hf_random: str | None) -> Iterator[tuple[str, str]]:
+def model_dir(hf_model: str | None, hf_random: str | None, positions: int = POSITIONS) -> Iterator[tuple[str, str]]:
     """(directory, name) of the model the flags name: ``hf_model`` as given, or a random
-    one saved into a private temporary directory for the ``with`` block."""
+    one of ``positions`` positions saved into a private temporary directory for the
+    ``with`` block."""
     if hf_model is not None:
         yield hf_model, hf_model.rstrip("/").rsplit("/", 1)[-1]
         return
     kind, layers, width = parse_random(hf_random)
     path = tempfile.mkdtemp(prefix="remote-dspark-bench-model-")  # mode 0700: this user's
     try:
-        random_model(kind, layers, width).save_pretrained(path)
+        random_model(kind, layers, width, positions=positions).save_pretrained(path)
         yield path, hf_random
     finally:
         shutil.rmtree(path, ignore_errors=True)

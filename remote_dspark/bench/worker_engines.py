@@ -17,7 +17,10 @@ reply; entries per second count those rounds over their own span. Rows:
 ``serialized``   all the engines, one round per drafter call (``--no-batching``);
 ``storm``        with ``--storm N``: one engine of ``--slots`` slots (its figures) beside N
                  storm engines at the worker's limits (1024 slots, k = 64, every round
-                 NEW_GEN of whole windows) until it is done.
+                 NEW_GEN of whole windows) until it is done;
+``long``         with ``--long-slots N``: one engine of ``--slots`` slots (its figures)
+                 while another announces N slots of ``--long-tokens`` in chunks
+                 (:mod:`.worker_long`), against ``alone``.
 
 A row gives the median and p99 of the engines' rounds and the entries drafted per
 second across all engines, and the worker's memory: its peak resident set over the row
@@ -30,7 +33,7 @@ working set at the budget (:mod:`remote_dspark.drafter.lm.budget`; on CUDA that 
 GPU's memory, not the worker's). The goals (never asserted): batched >= 4x serialized's
 entries per second, and the batched p99 <= 2x alone's (the issue's H200 goal; on 2
 cores, batched >= 2x serialized, p99 <= 1.5x); in the storm the honest engine's p50 <= 2x
-its p50 alone.
+its p50 alone; in the long row its p99 delay at most one worker call.
 
 Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
 Every engine process and the worker end before the run returns.
@@ -39,21 +42,19 @@ Every engine process and the worker end before the run returns.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
-import subprocess
-import sys
 import time
 
+from .engine_procs import STORM_SLOTS, WINDOW, acked_keep, memory_bound, steady_row, worker_flags
+
 MODES = ("alone", "batched", "serialized")
-PROMPT, STEP, WINDOW = 16, 3, 64
-STORM_SLOTS, STORM_K = 1024, 64  # a storm engine: the worker's own limits, NEW_GEN every round
+PROMPT, STEP = 16, 3
+WRAP = 400  # a steady slot goes NEW_GEN again before its stream passes this (any model's positions)
+STORM_K = 64  # a storm engine: the worker's own limits, NEW_GEN every round
 GOAL_X, GOAL_P99_X = 4.0, 2.0
-# The interpreter's own growth beside the memory table's numbers: a connection thread's
-# stack as touched, its malloc arena and a round's Python objects (measured: 2.2 MiB for
-# one connection, 6.8 MiB for eight, on the H200 host), and the worker's once.
-THREAD_BYTES, INTERPRETER_BYTES = 1 << 20, 2 << 20
 
 
 def add_parser(sub) -> None:
@@ -75,11 +76,27 @@ def add_parser(sub) -> None:
         help="also a storm row: this many engines of 1024 slots, k=64, NEW_GEN of whole windows every round, "
         "beside one honest engine (default 0: none)",
     )
-    p.add_argument("--drafter", default="lm", choices=("lm", "markov"), help="the worker's drafter (default lm)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="a model drafter's device")
     p.add_argument(
-        "--max-batch-tokens", type=int, default=None, help="the worker's --max-batch-tokens (default: the worker's)"
+        "--long-slots",
+        type=int,
+        default=0,
+        help="also a long row: one engine announcing this many slots of --long-tokens at once, in chunks, "
+        "beside an engine of --slots steady rounds (default 0: none)",
     )
+    p.add_argument("--long-tokens", type=int, default=8192, help="a long slot's context (default 8192)")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help=f"the rows besides storm and long (default {','.join(MODES)})"
+    )
+    p.add_argument("--drafter", default="lm", choices=("lm", "markov"), help="the worker's drafter (default lm)")
+    p.add_argument(
+        "--hf-random",
+        metavar="KIND:LxW",
+        help="the model drafter a random transformers model of this shape (hf_models: gpt2:12x768, llama:2x128), "
+        "of 2048 positions or --long-tokens + 64 (default: the built-in model, 512 positions)",
+    )
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="a model drafter's device")
+    for flag in ("--max-batch-tokens", "--max-round-tokens"):
+        p.add_argument(flag, type=int, default=None, help=f"the worker's {flag} (default: the worker's)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, nothing else")
     p.set_defaults(func=run)
 
@@ -93,21 +110,43 @@ def options(args) -> None:
         ("warmup", 0, 100_000),
         ("num_spec", 1, 32),
         ("storm", 0, 16),
+        ("long_slots", 0, 1024),
+        ("long_tokens", 1, 65536),
     )
     for name, low, high in limits:
         if not low <= getattr(args, name) <= high:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if any(m not in MODES for m in modes):
+        raise ValueError(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
+    if args.long_slots and "alone" not in modes:
+        raise ValueError(f"--modes {args.modes!r}: the long row is measured against alone; include it")
+    if args.hf_random is not None and args.drafter != "lm":
+        raise ValueError(f"--hf-random {args.hf_random!r}: a model drafter's (--drafter lm)")
+    args.modes = modes
 
 
 def engine(
-    port: int, identities, engine_id: int, slots: int, rounds: int, k: int, ready, go, storm=None, warmup: int = 0
+    port: int,
+    identities,
+    engine_id: int,
+    slots: int,
+    rounds: int,
+    k: int,
+    ready,
+    go,
+    storm=None,
+    warmup: int = 0,
+    until=None,
 ) -> tuple[list, int, int, list]:
     """One engine: HELLO, announce (then ``ready()``, ``go()`` waits for the others),
-    ``warmup`` rounds, ``rounds`` timed rounds. Returns (latencies in seconds, entries and
+    ``warmup`` rounds, ``rounds`` timed rounds (with ``until``, a callable: as many as
+    come while it is True, one at least). Returns (latencies in seconds, entries and
     draft tokens of the timed rounds, their span: [first send, last reply] on the host's
-    monotonic clock, which every process shares). A storm
-    engine (``storm``: a callable, True while it should go on) sends NEW_GEN rounds of
-    whole windows instead, until told to stop."""
+    monotonic clock, which every process shares). A slot whose stream would pass
+    ``WRAP`` tokens goes NEW_GEN again (a long run stays within any model's positions).
+    A storm engine (``storm``: a callable, True while it should go on) sends NEW_GEN
+    rounds of whole windows instead, until told to stop."""
     import numpy as np
 
     from .. import wire
@@ -124,39 +163,50 @@ def engine(
 
         def round_(rid: int, new_gen: bool) -> int:
             step = WINDOW if storm is not None else PROMPT if new_gen else STEP
-            entries = [
-                wire.Entry(s, k, int(had[s]), tuple(text[at[s] + had[s] : at[s] + had[s] + step]), new_gen=new_gen)
-                for s in range(slots)
-            ]
-            had[:] += step
+            new = np.full(slots, new_gen) | (had + step > WRAP)
+            had[new] = 0
+            entries = []
+            for s in range(slots):
+                n = WINDOW if storm is not None else PROMPT if new[s] else STEP
+                entries.append(
+                    wire.Entry(s, k, int(had[s]), tuple(text[at[s] + had[s] : at[s] + had[s] + n]), bool(new[s]))
+                )
+                had[s] += n
             d = c.round(rid, [wire.encode_round_entries(rid, engine_id, 10_000, entries, b"", 0)], 30_000)
             return int(sum(d.counts))
-
-        def storm_entries():  # NEW_GEN of whole windows at the slots' first positions
-            return [wire.Entry(s, k, 0, tuple(text[at[s] : at[s] + WINDOW]), new_gen=True) for s in range(slots)]
 
         round_(1, True)
         for rid in range(2, warmup + 2):  # a storm engine warms up with its own rounds
             round_(rid, storm is not None)
         ready()
         go()
-        latencies, drafted = [], 0
-        if storm is not None:  # one frame, sent again and again as fast as it is answered
-            payload = memoryview(wire.encode_round_entries(0, engine_id, 10_000, storm_entries(), b"", 0))[24:]
-            rid = warmup + 1
-            while storm():
-                rid += 1
-                header = wire.encode_header(wire.ROUND, len(payload), engine_id, rid)
-                drafted += int(sum(c.round(rid, [header, payload], 30_000).counts))
-            return [], (rid - warmup - 1) * slots, drafted, []
+        if storm is not None:
+            return _storm(c, engine_id, storm, k, [text[a : a + WINDOW] for a in at], warmup)
+        latencies, drafted, rid = [], 0, warmup + 1
         start = time.monotonic()
-        for rid in range(warmup + 2, warmup + rounds + 2):
+        while len(latencies) < rounds if until is None else not latencies or until():
+            rid += 1
             t0 = time.perf_counter()
             drafted += round_(rid, False)
             latencies.append(time.perf_counter() - t0)
-        return latencies, rounds * slots, drafted, [start, time.monotonic()]
+        return latencies, len(latencies) * slots, drafted, [start, time.monotonic()]
     finally:
         c.close()
+
+
+def _storm(c, engine_id: int, storm, k: int, windows: list, warmup: int) -> tuple[list, int, int, list]:
+    """A storm engine's rounds: NEW_GEN of each slot's whole window at its first
+    position, one frame sent again and again as fast as it is answered, while ``storm()``."""
+    from .. import wire
+
+    entries = [wire.Entry(s, k, 0, tuple(w), new_gen=True) for s, w in enumerate(windows)]
+    payload = memoryview(wire.encode_round_entries(0, engine_id, 10_000, entries, b"", 0))[24:]
+    rid, drafted = warmup + 1, 0
+    while storm():
+        rid += 1
+        header = wire.encode_header(wire.ROUND, len(payload), engine_id, rid)
+        drafted += int(sum(c.round(rid, [header, payload], 30_000).counts))
+    return [], (rid - warmup - 1) * len(windows), drafted, []
 
 
 def engine_main() -> None:
@@ -164,8 +214,12 @@ def engine_main() -> None:
     on stdout after announcing, "go" awaited on stdin, its result a JSON line on stdout."""
     cfg = json.loads(_stdin_line())
     identities = tuple(bytes.fromhex(h) for h in cfg.pop("identities"))
-    if cfg.pop("storm", False):
-        cfg["storm"] = lambda: not select.select([0], [], [], 0)[0]  # until a "stop" line
+    for name in ("storm", "until"):
+        if cfg.pop(name, False):
+            cfg[name] = lambda: not select.select([0], [], [], 0)[0]  # until a "stop" line
+    main = engine
+    if cfg.pop("long", False):
+        from .worker_long import long_engine as main
 
     def ready():
         print("ready", flush=True)
@@ -174,7 +228,7 @@ def engine_main() -> None:
         if _stdin_line().strip() != "go":
             raise SystemExit("no go")
 
-    print(json.dumps(engine(identities=identities, ready=ready, go=go, **cfg)), flush=True)
+    print(json.dumps(main(identities=identities, ready=ready, go=go, **cfg)), flush=True)
 
 
 def _stdin_line() -> str:
@@ -187,127 +241,45 @@ def _stdin_line() -> str:
     return got.decode()
 
 
-def _line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        raise RuntimeError(f"an engine process sent no {what} within {timeout_s:.0f} s")
-    return line
-
-
-def _proc_kib(pid: int, field: str) -> int | None:
-    """``field`` (VmRSS, VmHWM) of process ``pid`` in KiB, None where /proc does not say."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
-    except OSError:
-        return None
-
-
-def _barrier_rss(pid: int) -> int | None:
-    """Process ``pid``'s resident set in KiB now, its peak reset to it (``clear_refs``
-    5: Linux), or None where either cannot be done."""
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    return _proc_kib(pid, "VmRSS")
-
-
-def memory_bound(args, engines: int, storm: bool) -> int:
-    """The worker's growth the memory table allows for a row's connections, in bytes."""
-    from .. import wire
-    from ..worker.limits import Limits
-    from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
-
-    limits = Limits(max_slots=max(args.slots, STORM_SLOTS), window=WINDOW)
-    bound = INTERPRETER_BYTES
-    for e in range(engines):
-        slots, k = (STORM_SLOTS, STORM_K) if storm and e > 0 else (args.slots, args.num_spec)
-        hello = wire.Hello(b"\0" * 32, b"\0" * 32, e, slots, 0, k)
-        bound += 3 * limits.frame_cap(hello) + slots * (8 * WINDOW + 17) + THREAD_BYTES
-    if args.drafter == "lm" and args.device == "cpu":
-        from ..drafter.lm.budget import part_limit, working_bytes
-        from ..drafter.lm.drafter import LMDrafter
-
-        d = LMDrafter(device="cpu", cache_slots=0, window=WINDOW)
-        tokens = args.max_batch_tokens or DEFAULT_MAX_TOKENS
-        bound += working_bytes(d.model, d.store, DEFAULT_MAX_ENTRIES, part_limit(tokens, d.store.columns))
-    return bound
-
-
 def measure(args, mode: str, bar) -> dict:
     """One row: a worker of its own for ``mode``, its engine processes, their rounds (for
     ``storm``, the honest engine's, beside ``--storm`` storm engines)."""
-    import numpy as np
-
     from ..demo.harness import WorkerProcess
+    from .engine_procs import barrier_rss, end_engines, growth, proc_kib, read_line, start_engines, tell
 
     engines = {"alone": 1, "storm": args.storm + 1}.get(mode, args.engines)
-    extra = ["--drafter", args.drafter, "--window", str(WINDOW), "--max-slots", str(max(args.slots, 1024))]
-    if args.drafter == "lm":
-        extra += ["--lm-device", args.device, "--lm-cache-slots", str(max(args.engines, 1) * args.slots)]
-    if mode == "serialized":
-        extra.append("--no-batching")
-    if args.max_batch_tokens is not None:
-        extra += ["--max-batch-tokens", str(args.max_batch_tokens)]
-    with WorkerProcess(chaos=False, extra=tuple(extra)) as worker:
-        code = "from remote_dspark.bench.worker_engines import engine_main; engine_main()"
-        procs = [
-            subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            for _ in range(engines)
-        ]
+    cfgs = [dict(slots=args.slots, rounds=args.rounds, k=args.num_spec, warmup=args.warmup) for _ in range(engines)]
+    for cfg in cfgs[1:] if mode == "storm" else ():  # engine 0 is the honest one
+        cfg.update(slots=STORM_SLOTS, k=STORM_K, storm=True)
+    with WorkerProcess(chaos=False, extra=worker_flags(args, mode, max(args.engines, 1) * args.slots)) as worker:
+        keep = acked_keep(worker, args.slots, args.num_spec)
+        procs = start_engines(worker, cfgs)
         try:
-            for e, p in enumerate(procs):
-                cfg = dict(port=worker.port, identities=[worker.identity, worker.markov_identity], engine_id=100 + e)
-                cfg.update(slots=args.slots, rounds=args.rounds, k=args.num_spec, warmup=args.warmup)
-                if mode == "storm" and e > 0:  # engine 0 is the honest one
-                    cfg.update(slots=STORM_SLOTS, k=STORM_K, storm=True)
-                p.stdin.write(json.dumps(cfg) + "\n")
-                p.stdin.flush()
+            started = barrier_rss(worker.proc.pid)
             for p in procs:
-                _line(p, 120, "ready")
-            started = _barrier_rss(worker.proc.pid)
-            for p in procs:
-                p.stdin.write("go\n")
-                p.stdin.flush()
+                tell(p, "go")
             got = []
             for i, p in enumerate(procs):
                 if i and mode == "storm":  # the honest engine is done: the storm stops
-                    p.stdin.write("stop\n")
-                    p.stdin.flush()
-                got.append(json.loads(_line(p, 600, "result")))
+                    tell(p, "stop")
+                got.append(json.loads(read_line(p, 600, "result")))
                 bar(f"{mode}: engine {i + 1}/{engines}")
-            peak = _proc_kib(worker.proc.pid, "VmHWM") if started is not None else None
-            if mode == "storm":  # the honest engine's figures
-                got = got[:1]
-            wall = max(g[3][1] for g in got) - min(g[3][0] for g in got)  # the timed rounds' span
+            peak = proc_kib(worker.proc.pid, "VmHWM") if started is not None else None
         finally:
-            for p in procs:
-                p.stdin.close()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                p.stdout.close()
-    lat = np.concatenate([g[0] for g in got]) * 1e3
-    entries = sum(g[1] for g in got)
-    return {
-        "mode": mode,
-        "engines": engines,
-        "slots": args.slots,
-        "p50_ms": round(float(np.percentile(lat, 50)), 3),
-        "p99_ms": round(float(np.percentile(lat, 99)), 3),
-        "entries_per_s": round(entries / wall, 1),
-        "rss_growth_mb": None if peak is None or started is None else round((peak - started) / 1024, 1),
-        "rss_bound_mb": round(memory_bound(args, engines, mode == "storm") / 2**20, 1),
-        "draft_tokens": sum(g[2] for g in got),
-    }
+            end_engines(procs)
+    got = got[:1] if mode == "storm" else got  # the honest engine's figures
+    wall = max(g[3][1] for g in got) - min(g[3][0] for g in got)  # the timed rounds' span
+    row = steady_row(mode, engines, args.slots, got, wall)
+    row.update(
+        growth(started, peak),
+        rss_bound_mb=round(memory_bound(args, [(c["slots"], c["k"]) for c in cfgs], keep) / 2**20, 1),
+    )
+    return row
 
 
 def make_report(args, rows: list[dict]) -> dict:
+    from .worker_long import long_goal
+
     by = {r["mode"]: r for r in rows}
     goals = []
     if "batched" in by and "serialized" in by:
@@ -321,16 +293,20 @@ def make_report(args, rows: list[dict]) -> dict:
     if "storm" in by and "alone" in by:
         x = by["storm"]["p50_ms"] / by["alone"]["p50_ms"]
         goals.append({"goal": "honest p50 in the storm <= 2x alone", "value": round(x, 2), "met": x <= 2.0})
-    names = ("engines", "slots", "rounds", "warmup", "num_spec", "drafter", "device", "storm", "max_batch_tokens")
+    goals += [g for g in (long_goal(by),) if g is not None]
+    names = ("engines", "slots", "rounds", "warmup", "num_spec", "drafter", "hf_random", "device", "storm")
+    names += ("long_slots", "long_tokens", "max_batch_tokens", "max_round_tokens")
     config = {k: getattr(args, k) for k in names}
     return {"bench": "worker-engines", "config": config, "rows": rows, "goals": goals}
 
 
 def format_table(report: dict) -> str:
+    from .worker_long import long_line
+
     c = report["config"]
     lines = [
         f"worker-engines: {c['engines']} engines x {c['slots']} slots, {c['rounds']} rounds each after "
-        f"{c['warmup']}, k={c['num_spec']}, drafter {c['drafter']} ({c['device']})",
+        f"{c['warmup']}, k={c['num_spec']}, drafter {c['hf_random'] or c['drafter']} ({c['device']})",
         f"{'mode':<11} {'engines':>7} {'slots':>5} {'p50 ms':>9} {'p99 ms':>9} {'entries/s':>11} "
         f"{'rss+ MB':>8} {'bound MB':>8}",
         "-" * 76,
@@ -341,6 +317,7 @@ def format_table(report: dict) -> str:
             f"{r['entries_per_s']:>11,.0f} {'-' if r['rss_growth_mb'] is None else r['rss_growth_mb']:>8} "
             f"{r['rss_bound_mb']:>8}"
         )
+    lines += [long_line(r) for r in report["rows"] if r["mode"] == "long"]
     for g in report["goals"]:
         value = "" if g["value"] is None else f"{g['value']}x, "
         lines.append(f"goal {g['goal']}: {value}{'met' if g['met'] else 'NOT met'}")
@@ -349,16 +326,26 @@ def format_table(report: dict) -> str:
 
 def run(args) -> int:
     from ..progress import Progress
+    from .hf_models import POSITIONS, model_dir
+    from .worker_long import measure_long
 
     options(args)
     if args.device == "auto":
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    progress = Progress(args.engines * 2 + 1 + (args.storm + 1 if args.storm else 0), "worker-engines")
+    modes = args.modes + (("storm",) if args.storm else ())
+    steps = sum({"alone": 1, "storm": args.storm + 1}.get(m, args.engines) for m in modes) + bool(args.long_slots)
+    progress = Progress(steps, "worker-engines")
     done = iter(range(1, progress.total + 1))
-    modes = MODES + (("storm",) if args.storm else ())
-    rows = [measure(args, mode, lambda note: progress.update(next(done), note)) for mode in modes]
+
+    def bar(note: str) -> None:
+        progress.update(next(done), note)
+
+    model = model_dir(None, args.hf_random, max(POSITIONS, args.long_tokens + 64)) if args.hf_random else None
+    with model if model is not None else contextlib.nullcontext((None, None)) as (args.hf_model_dir, _):
+        rows = [measure(args, mode, bar) for mode in modes]
+        rows += [measure_long(args, bar)] if args.long_slots else []
     report = make_report(args, rows)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

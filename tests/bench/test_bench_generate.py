@@ -24,7 +24,7 @@ def test_bad_arguments_name_the_flag(capsys):
         (["--sample", "--num-spec", "17"], "--num-spec 17: sampled drafts take at most 16 a round"),
         (["--redraw", "--num-spec", "17"], "--num-spec 17: sampled drafts take at most 16 a round"),
         (["--redraw", "--temperature", "0"], "--temperature 0.0: must be a finite number > 0"),
-        (["--random", "gpt2:2x64", "--draft-layers", "2"], "--draft-layers 2: the target gpt2:2x64 has 2 layers"),
+        (["--random", "gpt2:2x64", "--draft-layers", "3"], "--draft-layers 3: the target gpt2:2x64 has 2 layers"),
     ):
         assert cli.main(["bench", "generate", "--device", "cpu", *argv]) == 2
         assert culprit in capsys.readouterr().err
@@ -47,6 +47,27 @@ def test_every_mode_generates_the_targets_tokens_and_both_assistants_draft_alike
     assert [g["goal"] for g in report["goals"]] == ["process wall time / assistant's <= 1.1x"]
     assert report["ratios"] == []
     assert all(r["tokens_per_forward"] == round(1 + r["accepted_per_round"], 3) for r in rows.values())
+
+
+@pytest.mark.slow
+def test_the_target_itself_as_the_draft_accepts_every_draft_past_the_window_and_the_goal_says_so(capsys):
+    """``--draft-layers`` as many as the target's: the draft is the target. Its tokens run
+    past the worker's 64-token window (32 + 80), the worker at its default flags keeps
+    whole streams: every draft accepted, plain's tokens, and the goal line computed from
+    the row."""
+    pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
+    argv = ["--random", "gpt2:2x64", "--draft-layers", "2", "--prompts", "1", "--new-tokens", "80"]
+    assert cli.main(["bench", "generate", *argv, "--modes", "plain,sync", "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["models"] == "gpt2:2x64 / the target itself"
+    sync = {r["mode"]: r for r in report["rows"]}["sync"]
+    assert sync["same_tokens_as_plain"] and sync["acceptance"] >= 0.95
+    (goal,) = report["goals"]
+    assert goal == {
+        "goal": "sync: acceptance >= 0.95 and the same tokens as plain (the draft is the target)",
+        "value": sync["acceptance"],
+        "met": True,
+    }
 
 
 def saved_llama(path, seed: int) -> str:

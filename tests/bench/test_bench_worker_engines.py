@@ -10,6 +10,7 @@ import subprocess
 import pytest
 from helpers import CHILD_TIMEOUT_S, child, readline_within
 
+from remote_dspark.bench.worker_long import chunk_rounds
 from remote_dspark.cli import main as cli
 
 
@@ -69,3 +70,55 @@ def test_a_storm_engine_stops_on_a_stop_sent_with_its_go(worker):
         latencies, entries, drafted, span = json.loads(readline_within(proc.stdout, CHILD_TIMEOUT_S, "the result"))
         assert latencies == [] and span == [] and drafted >= 0 and entries >= 0
         assert proc.wait(CHILD_TIMEOUT_S) == 0
+
+
+@pytest.mark.parametrize(
+    "slots,tokens,budget", [(1, 1, 1), (3, 400, 512), (4, 10, 7), (256, 8192, 131072), (2, 5, 100)]
+)
+def test_the_long_engine_announces_every_context_whole_in_order_within_the_round_cap(slots, tokens, budget):
+    """What a chunking engine sends: each round within the worker's round cap; each slot's
+    tokens in order, its first chunk (NEW_GEN) at position 0 and the rest at its next
+    position; drafts asked only by the chunk that makes its context whole, once a slot."""
+    next_at, wholes = {}, []
+    for chunks in chunk_rounds(slots, tokens, budget):
+        assert 0 < sum(n for _, _, n, _ in chunks) <= budget
+        for slot, first, count, whole in chunks:
+            assert first == next_at.get(slot, 0) and count > 0  # NEW_GEN at 0 first, then the next position
+            next_at[slot] = first + count
+            assert whole == (first + count == tokens)
+            wholes += [slot] if whole else []
+    assert wholes == list(range(slots)) and next_at == dict.fromkeys(range(slots), tokens)  # oldest first, all whole
+    with pytest.raises(ValueError, match="budget 0: each must be >= 1"):
+        list(chunk_rounds(1, 1, 0))
+
+
+@pytest.mark.slow
+def test_the_long_row_measures_the_steady_engine_while_another_announces_long_contexts(capsys):
+    """A steady engine of 4 slots beside one announcing 3 slots of 400 tokens (the built-in
+    model on the CPU) within rounds of 512 tokens and calls of 256: the announcement is
+    chunked (3 rounds), encoded in pieces, and every long slot drafted once whole; the
+    worker's calls come from its /metrics and the goal from the rows."""
+    argv = ["--modes", "alone", "--slots", "4", "--rounds", "5", "--warmup", "1", "--drafter", "lm", "--device", "cpu"]
+    argv += ["--long-slots", "3", "--long-tokens", "400", "--max-round-tokens", "512", "--max-batch-tokens", "256"]
+    assert cli.main(["bench", "worker-engines", *argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["alone", "long"]
+    long = rows["long"]
+    assert (long["long_slots"], long["long_tokens"], long["long_rounds"]) == (3, 400, 3)  # 1,200 tokens, 512 a round
+    assert long["long_draft_tokens"] == 3 * 5 and long["draft_tokens"] > 0  # drafts once whole; the steady engine's
+    assert long["encode_pieces"] > 0 and long["calls"] > 0 and long["call_mean_ms"] > 0
+    assert long["rss_bound_mb"] > rows["alone"]["rss_bound_mb"] and long["rss_growth_mb"] is not None
+    (goal,) = [g for g in report["goals"] if g["goal"].startswith("steady p99 delay")]
+    assert goal["value"] == round((long["p99_ms"] - rows["alone"]["p99_ms"]) / long["call_mean_ms"], 2)
+
+
+def test_long_row_arguments_name_the_flag(capsys):
+    for argv, culprit in (
+        (["--long-slots", "2000"], "--long-slots 2000: must be in 0..1024"),
+        (["--long-slots", "2", "--modes", "batched"], "the long row is measured against alone"),
+        (["--modes", "alone,fast"], "--modes 'alone,fast': choose from alone, batched, serialized"),
+        (["--hf-random", "gpt2:2x64", "--drafter", "markov"], "--hf-random 'gpt2:2x64': a model drafter's"),
+    ):
+        assert cli.main(["bench", "worker-engines", *argv]) == 2
+        assert culprit in capsys.readouterr().err
