@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import P_VALUE_MIN, chi2_p
-from lm_common import agreeing_prefix, batch_of
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lm_common import STREAM_ROUNDS, Streams, agreeing_prefix, batch_of
 
 from remote_dspark.drafter import sampling as ns
 from remote_dspark.drafter.answer import check_result
@@ -302,3 +304,34 @@ def test_cuda_graphs_sample_in_bf16_without_a_host_sync():
             d._rounds._round(inp, shape)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@settings(max_examples=10, deadline=None)
+@given(rounds=STREAM_ROUNDS, blocks=st.integers(7, 12), encodes=st.lists(st.booleans(), max_size=12))
+def test_sampled_drafts_of_kept_streams_equal_a_fresh_encode_of_the_whole_sequence(rounds, blocks, encodes):
+    """Streams through a worker's windows and its whole-stream reader, some rounds encodes
+    only (``n_out`` 0, as the first chunks of a long context are), a pool of a few blocks
+    (evictions, re-encodes from the worker's tokens, rounds in waves): every sampled draft
+    is what the rule draws from a fresh encode of the stream's whole sequence at its true
+    positions, up to rounding's flips."""
+    width = 2
+    probe = LMDrafter(device="cpu", cache_slots=1, window=6, max_context=32)
+    d = LMDrafter(device="cpu", cache_slots=3, window=6, max_context=32, kv_bytes=blocks * probe.store.block_bytes())
+    plain = LMDrafter(device="cpu", cache_slots=0, window=6, max_context=32)
+    streams = Streams(6, whole=True)
+    compared = []
+    for r, ops in enumerate(rounds):
+        batch = streams.round(ops, width)
+        if not len(batch):  # every slot to re-announce
+            continue
+        seeds = np.arange(len(batch), dtype=np.uint64) * 7 + np.uint64(r)
+        if r < len(encodes) and encodes[r]:  # an encode only: kept, nothing drafted
+            got = d.draft_batch(sampled(dataclasses.replace(batch, n_out=np.zeros(len(batch), np.int32)), 0.8, seeds))
+            assert not got.counts.any()
+            continue
+        got = d.draft_batch(sampled(batch, 0.8, seeds))
+        spans = [streams.span(int(slot)) for slot in batch.slots]
+        whole = batch_of([s for _, s in spans], batch.n_out, width, positions=np.array([f for f, _ in spans]))
+        whole = sampled(whole, 0.8, seeds)
+        compared.append(assert_same_sampled(got, plain.draft_batch(whole), whole))
+    assert not compared or np.mean(compared) >= 0.8
