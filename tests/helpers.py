@@ -336,6 +336,24 @@ def value(text: str, name: str, **labels) -> float:
 CYCLE4 = MarkovModel.from_tokens([1, 2, 3, 4] * 10, order=1, top=2)
 
 
+class DraftedWindows(MarkovDrafter):
+    """A Markov drafter (CYCLE4's unless told) that records, under a lock, each drafted
+    entry's slot and context (the worker's window of it): what a long context brought
+    once whole. Entries of ``n_out`` 0 (encodes only) are not drafted."""
+
+    def __init__(self, model=CYCLE4):
+        super().__init__(model)
+        self.lock = threading.Lock()
+        self.drafted: list[tuple[int, list[int]]] = []
+
+    def draft_batch(self, batch):
+        with self.lock:
+            for i in range(len(batch)):
+                if batch.n_out[i] > 0:
+                    self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
+        return super().draft_batch(batch)
+
+
 class ContextsSeen(MarkovDrafter):
     """A Markov drafter of CYCLE4 that records each entry's context as it got it (the
     worker's window of it)."""

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import CYCLE4, drafter_env, env_for, until
+from helpers import DraftedWindows, drafter_env, env_for, until
 
 from remote_dspark import wire
 from remote_dspark.config.api import RemoteConfig
-from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, Mode, RemoteDSpark
 from remote_dspark.engine.observe.stats import AnnounceStats
 from remote_dspark.engine.paths.announcing import AnnouncingPath
@@ -33,23 +31,6 @@ from remote_dspark.worker import Worker
 from remote_dspark.worker.windows import Windows
 
 SLOTS, K, CAP, BUDGET = 8, 3, 64, 40
-
-
-class Recording(MarkovDrafter):
-    """CYCLE4's drafter that records, per drafted entry, its slot and the context the
-    worker gave it (its window)."""
-
-    def __init__(self):
-        super().__init__(CYCLE4)
-        self.lock = threading.Lock()
-        self.drafted: list[tuple[int, list[int]]] = []
-
-    def draft_batch(self, batch):
-        with self.lock:
-            for i in range(len(batch)):
-                if batch.n_out[i] > 0:
-                    self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
-        return super().draft_batch(batch)
 
 
 def engine(env, **kw) -> RemoteDSpark:
@@ -118,7 +99,7 @@ def test_contexts_of_every_length_reach_the_worker_whole_and_in_order(tmp_path, 
     under a 40-token round (the worker refuses a longer round: a protocol error, and its
     HELLO_ACK says so: an engine whose own round_tokens is larger chunks to 40), then
     every slot re-announced at once: each slot is first drafted from its whole context."""
-    drafter = Recording()
+    drafter = DraftedWindows()
     with Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, max_round_tokens=BUDGET) as w:
         env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))
         env["VLLM_DSPARK_REMOTE_TIMEOUT_MS"] = "5000"
@@ -144,7 +125,7 @@ def test_contexts_of_every_length_reach_the_worker_whole_and_in_order(tmp_path, 
             assert counted.chunks >= 2 * (SLOTS - 1) and counted.announcing == 0
 
 
-def check_first_drafts(drafter: Recording, whole: dict[int, list[int]], cap: int = CAP) -> None:
+def check_first_drafts(drafter: DraftedWindows, whole: dict[int, list[int]], cap: int = CAP) -> None:
     """Each slot first drafted from its whole context (and the tokens appended while it
     was announced), in order, in the round it became whole."""
     with drafter.lock:
@@ -165,7 +146,7 @@ def test_contexts_up_to_a_large_window_reach_the_worker_whole_at_the_default_cap
     of every length 1..307 (past the window: cut to it), eight slots at once, in rounds
     of at most 160 tokens (the worker's cap), then every slot re-announced at once (as
     after resync_all): each slot is first drafted from its whole context, its last 300."""
-    drafter = Recording()
+    drafter = DraftedWindows()
     with Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, window=WINDOW, max_round_tokens=LONG_BUDGET) as w:
         env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))
         env["VLLM_DSPARK_REMOTE_TIMEOUT_MS"] = "5000"
@@ -211,7 +192,7 @@ def test_after_a_real_resync_every_context_reaches_the_worker_whole_again(tmp_pa
     says resync_all; every slot is then re-announced NEW_GEN (its whole sequence, cut to
     the window), in chunks of at most a round's tokens (the worker refuses more): each is
     first drafted from its whole context, in order, and counted re-announced."""
-    drafter = Recording()
+    drafter = DraftedWindows()
     w = Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, max_round_tokens=BUDGET).start()
     try:
         env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))

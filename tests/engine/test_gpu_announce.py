@@ -6,16 +6,13 @@ too, the host never reading the metadata. Elsewhere these are skipped (conftest.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
-from helpers import CYCLE4, drafter_env, until
+from helpers import DraftedWindows, drafter_env, until
 
 from remote_dspark.config import Mode
 from remote_dspark.config.api import RemoteConfig
-from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.engine import Batch, RemoteDSpark
 from remote_dspark.engine.values.announce import Announcer
 from remote_dspark.engine.values.device_announce import DeviceAnnouncer
@@ -26,23 +23,7 @@ pytestmark = pytest.mark.gpu
 SLOTS, K, WINDOW, BUDGET = 8, 3, 300, 160
 
 
-class Recording(MarkovDrafter):
-    """CYCLE4's drafter that records each drafted entry's slot and window."""
-
-    def __init__(self):
-        super().__init__(CYCLE4)
-        self.lock = threading.Lock()
-        self.drafted: list[tuple[int, list[int]]] = []
-
-    def draft_batch(self, batch):
-        with self.lock:
-            for i in range(len(batch)):
-                if batch.n_out[i] > 0:
-                    self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
-        return super().draft_batch(batch)
-
-
-def check_first_drafts(drafter: Recording, whole: dict[int, list[int]]) -> None:
+def check_first_drafts(drafter: DraftedWindows, whole: dict[int, list[int]]) -> None:
     """Each slot first drafted from the last WINDOW tokens of its whole context."""
     with drafter.lock:
         first: dict[int, list[int]] = {}
@@ -116,7 +97,7 @@ def launch_until_whole(rd: RemoteDSpark, seq: dict[int, list[int]], nxt: int) ->
 def test_launch_of_cuda_metadata_brings_every_context_whole(tmp_path, mode):
     from remote_dspark.worker import Worker
 
-    drafter = Recording()
+    drafter = DraftedWindows()
     with Worker(drafter, "127.0.0.1", 0, max_slots=SLOTS, window=WINDOW, max_round_tokens=BUDGET) as w:
         env = drafter_env(drafter, w.port, mode, stats_file=str(tmp_path / "s.json"))
         env["VLLM_DSPARK_REMOTE_TIMEOUT_MS"] = "5000"

@@ -9,11 +9,10 @@ import threading
 
 import pytest
 import torch
-from helpers import CYCLE4, drafter_env, tiny_llama
+from helpers import DraftedWindows, drafter_env, tiny_llama
 
 from remote_dspark.config import RemoteConfig
 from remote_dspark.demo.harness import engine_env
-from remote_dspark.drafter import MarkovDrafter
 from remote_dspark.drafter.lm.hf import load_hf
 from remote_dspark.engine import RemoteDSpark
 from remote_dspark.worker import Worker
@@ -159,27 +158,13 @@ def test_concurrent_generations_share_one_remote_drafter_on_slots_of_their_own(t
         worker.stop()
 
 
-class Recording(MarkovDrafter):
-    """CYCLE4's drafter, recording each drafted entry's slot and context (its window)."""
-
-    def __init__(self):
-        super().__init__(CYCLE4)
-        self.drafted: list[tuple[int, list[int]]] = []
-
-    def draft_batch(self, batch):
-        for i in range(len(batch)):
-            if batch.n_out[i] > 0:
-                self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
-        return super().draft_batch(batch)
-
-
 def test_a_generation_ended_mid_announcement_lets_its_slot_go():
     """A worker taking 16 tokens a round: a 40-token prompt takes three rounds to
     announce, and a generation of 3 new tokens ends after two. Its slot is released (no
     slot still announcing), and the next generation, on that slot, is announced NEW_GEN
     and first drafted from its whole context; each output is the model's own."""
     model = tiny("gpt2", 0)
-    rec = Recording()
+    rec = DraftedWindows()
     worker = Worker(rec, "127.0.0.1", 0, max_round_tokens=16).start()
     try:
         environ = drafter_env(rec, worker.port, VLLM_DSPARK_REMOTE_TIMEOUT_MS="5000")

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import drafter_env
+from helpers import DraftedWindows, drafter_env
 from tp_ranks import run_ranks
 
 from remote_dspark.drafter import MarkovDrafter
@@ -257,27 +257,13 @@ def test_slots_the_worker_lost_are_announced_again(proposer):
     assert run.offered_at.tolist() == run.accepted_at.tolist()
 
 
-class Recording(MarkovDrafter):
-    """The fixture's drafter, recording each drafted entry's slot and context (its window)."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.drafted: list[tuple[int, list[int]]] = []
-
-    def draft_batch(self, batch):
-        for i in range(len(batch)):
-            if batch.n_out[i] > 0:
-                self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
-        return super().draft_batch(batch)
-
-
 def test_a_request_ended_mid_announcement_is_let_go_and_its_slot_starts_whole(drafter):
     """A worker taking 24 tokens a round: a 60-token prompt goes in chunks. Its request
     ends before the context is whole: the proposer releases the slot (nothing held, no
     slot still announcing; a slot a new request takes in the same step is released
     too), and the new request on that slot is announced NEW_GEN, first drafted from its
     whole context, every draft accepted."""
-    rec = Recording(drafter.model)
+    rec = DraftedWindows(drafter.model)
     w = Worker(rec, "127.0.0.1", 0, max_round_tokens=24).start()
     p = RemoteProposer(vllm_config(), environ=drafter_env(rec, w.port, Mode.SYNC))
     try:
