@@ -286,6 +286,88 @@ def test_a_round_whose_streams_pass_the_pool_runs_in_waves_and_drafts_every_entr
     assert uncached.cache_info().blocks_used == 0
 
 
+def test_another_engines_guarded_streams_never_fail_a_round_that_needs_their_blocks():
+    """A pool of one whole stream: engine 1's stream, hot and within its share, and engine
+    2's fill it; engine 2's new 64-token stream needs blocks only engine 1 holds. The guard
+    is a preference: the round evicts engine 1's stream rather than fail, and drafts what
+    a fresh encode drafts (an attacker within its share once failed other engines' rounds
+    so, and every round merged with them)."""
+    probe = LMDrafter(device="cpu", cache_slots=1, window=8, max_context=64)
+    d = LMDrafter(
+        device="cpu",
+        cache_slots=4,
+        window=8,
+        max_context=64,
+        kv_bytes=(probe.store.max_blocks + 1) * block_bytes(probe),
+    )
+    rng = np.random.default_rng(0)
+    ctx = {(s, slot): rng.integers(0, 128, n).tolist() for s, slot, n in ((1, 0, 50), (2, 0, 50), (2, 1, 64))}
+
+    def round_of(session, slots, lengths):
+        n = len(slots)
+        contexts = [ctx[session, slot][:length] for slot, length in zip(slots, lengths)]
+        stream = dict(slots=np.array(slots), gens=np.ones(n, np.int64), lengths=np.array(lengths, np.int64))
+        return d.draft_batch(batch_of(contexts, [3] * n, 3, session=session, **stream))
+
+    round_of(1, [0], [49])
+    round_of(2, [0], [50])
+    round_of(1, [0], [50])  # engine 1 hits: hot, within its share
+    got = round_of(2, [0, 1], [50, 64])  # its own stream, and a new one needing engine 1's blocks
+    assert got.counts.tolist() == [3, 3]
+    assert got.tokens[1].tolist() == PLAIN.greedy_one(ctx[2, 1], 3)[0]
+    assert d.cache.held(1, 0) is None and d.cache_info().evicted >= 1
+
+
+def test_a_round_whose_own_streams_hold_the_pool_drafts_its_first_and_lets_the_others_go():
+    """A pool of one whole stream (8 blocks) held by one engine's two streams of 4 blocks,
+    both growing past them in one round: nothing else to evict, so the first entry runs and
+    the second gets no drafts, its blocks given back; next round it is re-encoded whole."""
+    probe = LMDrafter(device="cpu", cache_slots=1, window=8, max_context=64)
+    d = LMDrafter(
+        device="cpu",
+        cache_slots=4,
+        window=8,
+        max_context=64,
+        kv_bytes=(probe.store.max_blocks + 1) * block_bytes(probe),
+    )
+    rng = np.random.default_rng(1)
+    ctx = [rng.integers(0, 128, 62).tolist() for _ in range(2)]
+
+    def round_of(slots, length):
+        n = len(slots)
+        stream = dict(slots=np.array(slots), gens=np.ones(n, np.int64), lengths=np.full(n, length, np.int64))
+        return d.draft_batch(batch_of([ctx[s][:length] for s in slots], [3] * n, 3, session=1, **stream))
+
+    assert round_of([0, 1], 50).counts.tolist() == [3, 3]  # 53 columns each: 4 blocks
+    got = round_of([0, 1], 62)  # 65 columns each: 5 blocks, 10 in all
+    assert got.counts.tolist() == [3, 0] and got.tokens[0].tolist() == PLAIN.greedy_one(ctx[0], 3)[0]
+    assert d.cache.held(1, 1) is None
+    got = round_of([1], 62)
+    assert got.counts.tolist() == [3] and got.tokens[0].tolist() == PLAIN.greedy_one(ctx[1], 3)[0]
+
+
+def test_token_ids_past_the_models_vocabulary_are_drafted_from_never_indexed():
+    """An engine's vocabulary may be larger than the drafter's (the same tokenizer), and a
+    peer may send any int32: such ids are read as the model's last id, so the call never
+    raises (it would fail every round merged into it) and the other entries draft as alone."""
+    d = LMDrafter(device="cpu", cache_slots=4, window=8)
+    ok, odd = [5, 9, 14], [5, 5000, -7, 14]
+    got = d.draft_batch(
+        batch_of(
+            [ok, odd],
+            [3, 3],
+            3,
+            session=1,
+            slots=np.arange(2),
+            gens=np.ones(2, np.int64),
+            lengths=np.array([3, 4], np.int64),
+        )
+    )
+    assert got.counts.tolist() == [3, 3]
+    assert got.tokens[0].tolist() == PLAIN.greedy_one(ok, 3)[0]
+    assert got.tokens[1].tolist() == PLAIN.greedy_one([5, 127, 0, 14], 3)[0]
+
+
 @settings(max_examples=8, deadline=None)
 @given(rounds=STREAM_ROUNDS, other=STREAM_ROUNDS)
 def test_two_sessions_drafted_in_one_call_draft_what_each_drafts_alone(rounds, other):

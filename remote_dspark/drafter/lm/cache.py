@@ -36,7 +36,10 @@ while that engine holds no more than its share of the blocks; an evicted stream 
 its row and is re-encoded from the worker's tokens when next drafted. A round whose
 streams alone pass the pool runs in waves, as many entries as fit at a time (the
 drafter's): a wave's scratch blocks go back, and a stream drafted in an earlier wave
-may be evicted for a later one.
+may be evicted for a later one. The guard is a preference: a wave that could run no
+entry goes without it, and if the round's own streams still hold every block, its
+first waiting entry runs and the others get no drafts this round (their KV given back,
+re-encoded when next drafted): a round never fails for the pool.
 
 Not thread-safe: the drafter holds its lock around a plan and the round.
 """
@@ -208,17 +211,19 @@ class SlotCache:
         self.gen[rows] = -1
         self.store.release(rows)
 
-    def make_room(self, short: int, sessions: np.ndarray, keep: np.ndarray) -> None:
+    def make_room(self, short: int, sessions: np.ndarray, keep: np.ndarray, guard: bool = True) -> None:
         """Evict whole streams' KV, least recently used first, until ``short`` more blocks
         are free or none may go: never one of the ``keep`` rows (this round's still to
-        run), never a hot row of another session within its share of the blocks (module
-        docstring; ``sessions``: this round's). An evicted row keeps its stream, with no
-        usable state."""
+        run), and with ``guard`` never a hot row of another session within its share of
+        the blocks (module docstring; ``sessions``: this round's): the guard is a
+        preference, which a round that could run nothing otherwise goes without. An
+        evicted row keeps its stream, with no usable state."""
         held = self.store.held[: self.capacity]
         key = self.used.copy()
         key[held == 0] = _KEEP
         key[keep[keep < self.capacity]] = _KEEP
-        key[self._guarded(np.unique(sessions), held)] = _KEEP
+        if guard:
+            key[self._guarded(np.unique(sessions), held)] = _KEEP
         order = np.argsort(key, kind="stable")
         order = order[key[order] != _KEEP]
         go = order[: int(np.searchsorted(np.cumsum(held[order]), short)) + 1]

@@ -294,12 +294,12 @@ class LMDrafter:
         with self._lock, torch.inference_mode():
             plan, cached = self._plan(batch, ctx_lens, widths)
             try:
-                out = self._draft(batch, plan, width, sampling, widths, cached)
+                out, ran = self._draft(batch, plan, width, sampling, widths, cached)
             except BaseException:
                 if cached:
                     self.cache.forget(plan.rows)
                 raise
-        return round_result(batch, ctx_lens, out)
+        return round_result(batch, np.where(ran, ctx_lens, 0), out)
 
     def _plan(self, batch: DraftBatch, ctx_lens: np.ndarray, widths: np.ndarray) -> tuple[Plan, bool]:
         """The round's plan (:mod:`.cache`) and whether its rows are the cache's."""
@@ -348,6 +348,10 @@ class LMDrafter:
         in waves, each as many entries as fit (:meth:`_wave`)."""
         take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
         tok = stream_window(batch, plan.take, int(take.max()))
+        if tok.size and (int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size):
+            # An id the model lacks (an engine's larger vocabulary of the same tokenizer, or a
+            # peer's garbage) is read as the model's last: never an index past its embeddings.
+            tok = np.clip(tok, 0, self.vocab_size - 1)
         rows = plan.rows
         rowless = rows < 0
         if rowless.any():
@@ -359,23 +363,48 @@ class LMDrafter:
         whole = bool(drafting.all())  # the common round: every entry drafts
         out = np.zeros((len(take), columns(width, sampling is not None)), np.float32)
         sessions = batch.sessions()
+        ran = drafting.copy()
         while pending.any():
             room = functools.partial(self.cache.make_room, sessions=sessions, keep=rows[pending]) if cached else None
             granted, cells = self.store.grant(rows[pending], need[pending], room)
+            if not granted.any():  # another engine's guarded streams and this round's hold the pool
+                if not cached:  # scratch rows only: every block is free between waves
+                    raise RuntimeError(f"a KV pool of {self.store.blocks} blocks holds no entry of the round")
+                dropped = self._squeeze(pending, rows, need, sessions)
+                ran &= ~dropped
+                pending &= ~dropped
+                granted, cells = self.store.grant(rows[pending], need[pending])
             wave = pending.copy()
             wave[pending] = granted
-            if not wave.any():  # not one entry fits: cannot happen in a pool of one whole stream
-                raise RuntimeError(f"the KV pool's {self.store.n_free} free blocks hold no entry of the round")
             try:
                 if whole and bool(wave.all()):  # the whole round at once: no entry picked out
-                    return self._rounds.run(tok, plan.base, take, plan.origin, rows, width, sampling, cells)
+                    return self._rounds.run(tok, plan.base, take, plan.origin, rows, width, sampling, cells), ran
                 every = np.zeros(len(take), np.int64)
                 every[pending] = cells
                 self._wave(wave, tok, take, plan, rows, width, sampling, widths, every, out)
             finally:
                 self.store.release(rows[wave & rowless])
             pending &= ~wave
-        return out
+        return out, ran
+
+    def _squeeze(self, pending: np.ndarray, rows: np.ndarray, need: np.ndarray, sessions) -> np.ndarray:
+        """Room for at least one of the ``pending`` entries when none fits (the cache's
+        module docstring): other streams evicted without the guard, then, if this round's
+        own streams still hold the pool, every pending entry but the first let go (its
+        KV given back: re-encoded when next drafted). Returns the entries let go ([n]
+        bool: no drafts this round)."""
+        first = np.flatnonzero(pending)[:1]
+        want = -(-need[first] // self.store.block) - self.store.held[rows[first]]
+        self.cache.make_room(int(want[0]) - self.store.n_free, sessions, rows[pending], guard=False)
+        dropped = np.zeros(len(pending), bool)
+        if self.store.n_free < int(want[0]):
+            dropped[pending] = True
+            dropped[first] = False
+            gone = rows[dropped]
+            self.cache.forget(gone[gone < self.cache.capacity])
+            self.store.release(gone[gone >= self.cache.capacity])  # scratch rows
+            self.cache.make_room(int(want[0]) - self.store.n_free, sessions, rows[first], guard=False)
+        return dropped
 
     def _wave(self, wave, tok, take, plan: Plan, rows, width, sampling, widths, cells, out) -> None:
         """The ``wave`` entries run: the encodes only, then the drafting entries (their
