@@ -16,6 +16,7 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
   and the worker sends zeros when they were asked for: the engine refuses a DRAFTS whose
   margins section is not exactly what its HELLO asked (``engine.values.reply``);
 * draft token ids are in ``0..vocab_size-1`` of the engine (its HELLO says the size);
+  context ids are whatever int32 the peer sent: a drafter never indexes with them unchecked;
 * in a sampled round (``batch.sampled``: ``temperature`` and ``seed`` per entry), the
   drafts are sampled by :mod:`remote_dspark.drafter.sampling`'s rule and the result
   carries, for every drafted position, the distribution the draft was drawn from
