@@ -131,13 +131,8 @@ class Sessions:
         with self._lock:
             now = self.clock()
             victim = None
-            full = self._over_budget(new.windows)
-            if full is not None:
-                return full, None
-            old = self._by_engine.pop(new.engine_id, None)
-            if old is not None:
-                old.windows.forget_all()
-            elif len(self._by_engine) >= self.max_engines:
+            old = self._by_engine.get(new.engine_id)
+            if old is None and len(self._by_engine) >= self.max_engines:
                 victim, idle = self._stalest(self._by_engine.values(), now)
                 if victim is None:
                     return (
@@ -145,6 +140,13 @@ class Sessions:
                         f"last {self.recent_s:g} s (the least recently served {idle:.1f} s ago; "
                         "--max-engines); try again later"
                     ), None
+            full = self._over_budget(new.windows, old or victim)  # what it replaces frees its windows
+            if full is not None:
+                return full, None
+            if old is not None:
+                del self._by_engine[new.engine_id]
+                old.windows.forget_all()
+            if victim is not None:
                 self._evict(victim)
             new.last_served = now
             self._by_engine[new.engine_id] = new
@@ -153,11 +155,14 @@ class Sessions:
             _shut(victim)
         return None, victim
 
-    def _over_budget(self, windows: Windows) -> str | None:
+    def _over_budget(self, windows: Windows, leaving: Session | None) -> str | None:
         """Under the lock: the busy reason when ``windows`` would take the live sessions'
-        windows past ``history_bytes``, else None. (Windows of sessions that left count
-        until their connection's thread lets them go.)"""
+        windows past ``history_bytes``, else None. The windows of ``leaving`` (the session
+        the newcomer replaces or evicts) are not counted; those of sessions that left
+        count until their connection's thread lets them go."""
         held, need = self.history.nbytes(), windows.nbytes
+        if leaving is not None:
+            held -= leaving.windows.nbytes
         if held + need <= self.history_bytes:
             return None
         mib = 1 << 20

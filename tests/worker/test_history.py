@@ -171,6 +171,9 @@ def test_a_hello_whose_windows_would_pass_the_history_budget_is_refused_busy():
             assert "(--history-mb)" in reason
             small = connect(w, session=3, max_slots=8, engine_id=3)  # a smaller one fits
             small.close()
+            again = connect(w, session=4, max_slots=64, engine_id=1)  # engine 1 anew: its old windows go
+            assert again.ack.accepted
+            again.close()
         finally:
             c.close()
     with pytest.raises(ValueError, match="history_mb 0: must be >= 1 \\(--history-mb\\)"):
