@@ -34,6 +34,17 @@ turn like any piece, the entry itself (its last tokens and its drafts) the last;
 credit is carried for it (a piece fits any credit). With any other drafter it is taken
 alone when nothing else is (it would never fit otherwise).
 
+**Encode yields to rounds ready to draft** (a drafter that keeps its streams, whose
+encode of a stream is a one-off prefill): while a session has a round ready to draft
+(its next entry asks for drafts and encodes at most the bound before them), the other
+sessions' encode in a call (entries of ``n_out`` 0, the prefill of a NEW_GEN before
+its last token and drafts, pieces of an encode) is at most ``max_tokens //
+YIELD_SHARE`` tokens in all, a longer one taken in pieces. So the call that takes a
+waiting round is its drafting plus a sixteenth of a full call: the round waits for
+the call running when it came and a short one. The encode still advances every such
+call (the bound is a token at least), and has the whole budget whenever no round is
+ready (another engine's prefill is not one: two announcing engines share full calls).
+
 Deadlines: a round whose deadline has passed is never drafted: it is handed back as
 late. Nor is a round given more of a call than the drafter could draft
 before its deadline at ``pace`` (the fewest seconds a budget token has taken in a call
@@ -52,6 +63,16 @@ import numpy as np
 
 from .batching import Charge, encode_piece
 from .jobs import Job, Pending, Piece
+
+# While another session has a round ready to draft, a call carries at most this fraction
+# of its token budget of the other sessions' encode (the module docstring).
+YIELD_SHARE = 16
+
+
+def _drafts(batch, start: int, stop: int) -> np.ndarray:
+    """What entries ``start:stop`` of ``batch`` cost beyond their encode: the last token
+    and the drafts of an entry that asks for any; none of one that encodes only."""
+    return np.where(batch.n_out[start:stop] > 0, 1 + batch.width, 0)
 
 
 class FairShare:
@@ -102,6 +123,8 @@ class FairShare:
         self._joined = 0
         n = len(self._turns)
         call = _Call(now, pace, max_entries, max_tokens, max(1, max_tokens // n), max(1, max_entries // n))
+        if self.charge.pieces:  # (a drafter that keeps no streams re-reads every entry: nothing to yield)
+            call.ready = self._ready(call.bound)
         stuck = 0  # sessions visited in a row without taking a piece
         # Until a whole turn takes nothing more or the call is full; never an empty call
         # while rounds wait (an empty call has room for any entry: credits grow each turn
@@ -147,8 +170,11 @@ class FairShare:
                 in_time = first
             room = call.max_tokens - call.tokens
             split = first > call.max_tokens and self.charge.pieces  # its encode taken in pieces
+            yields = call.yields(session)  # encode-only tokens it may still take (inf: no bound)
+            drafts = 1 + job.batch.width if job.batch.n_out[state.taken] > 0 else 0  # its last token and drafts
+            pieced = split or (self.charge.pieces and first - drafts > yields)  # its encode over the bound: a piece
             if not granted:
-                if (1 if split else first) > room and call.pieces:  # no room for its work: no credit either
+                if (1 if pieced else first) > room and call.pieces:  # no room for its work: no credit either
                     break
                 credit, granted = credit + call.quantum, True
             within = min(room, credit, in_time)  # tokens
@@ -156,18 +182,15 @@ class FairShare:
             left = len(job.batch) - state.taken
             if job in call.partial:  # a piece of its encode is in this call: the rest in the next
                 break
-            if split and most > 0:  # a piece of its encode, its share at most: the rest in later calls
-                c = self._encode_piece(job, state, first, within, call)
+            if pieced and most > 0:  # a piece of its encode, its share (and the bound) at most
+                c = self._encode_piece(job, state, first, min(within, yields), call)
+                call.yielded += c if yields < math.inf else 0
                 credit, took = credit - c, took or c > 0
                 break
-            if state.taken == 0 and job.cost <= within and left <= most:
+            if state.taken == 0 and job.cost <= within and left <= most and yields == math.inf:
                 m, cost = left, job.cost  # the whole round (the common case: no prefix sums)
             else:
-                cum = np.cumsum(costs[state.taken :]) - state.encoded
-                m = min(int(np.searchsorted(cum, within, side="right")), most)
-                if m == 0 and not call.pieces and cum[0] > call.max_tokens:
-                    m = 1  # an entry over the whole budget: drafted alone
-                cost = int(cum[m - 1]) if m else 0
+                m, cost = self._count(job, state, within, most, yields, call)
             if m == 0:
                 break
             start, taken = state.taken, state.taken + m
@@ -187,6 +210,35 @@ class FairShare:
         else:
             self._credit.pop(session, None)
         return took
+
+    def _count(self, job: Job, state: Pending, within: float, most: int, yields: float, call: _Call):
+        """How many of ``job``'s next entries fit ``within`` tokens and ``most`` entries,
+        their encode within ``yields`` tokens (the bound, when the session yields: the
+        module docstring; counted into the call's ``yielded``); and their cost."""
+        costs = self.costs(job)[state.taken :]
+        cum = np.cumsum(costs) - state.encoded
+        m = min(int(np.searchsorted(cum, within, side="right")), most)
+        if m == 0 and not call.pieces and cum[0] > call.max_tokens:
+            m = 1  # an entry over the whole budget: drafted alone
+        if yields < math.inf and m:
+            encode = np.cumsum(np.maximum(0, costs[:m] - _drafts(job.batch, state.taken, state.taken + m)))
+            encode -= state.encoded  # (of its first entry: what pieces encoded)
+            m = min(m, int(np.searchsorted(encode, yields, side="right")))
+            call.yielded += int(encode[m - 1]) if m else 0
+        return m, int(cum[m - 1]) if m else 0
+
+    def _ready(self, bound: int) -> set[int]:
+        """The sessions with a round ready to draft: their next entry asks for drafts and
+        encodes at most ``bound`` tokens before them (not a prefill). The others' encode
+        yields to them (the module docstring)."""
+        ready = set()
+        for session, queue in self._queues.items():
+            job = next((j for j in queue if isinstance(j.state, Pending)), None)
+            if job is not None:
+                i = job.state.taken
+                if job.batch.n_out[i] > 0 and self._next_cost(job, i) - _drafts(job.batch, i, i + 1)[0] <= bound:
+                    ready.add(session)
+        return ready
 
     def costs(self, job: Job) -> np.ndarray:
         """``job``'s entries' costs (:class:`~.batching.Charge`), asked of the drafter the
@@ -221,7 +273,7 @@ class _Call:
     """A call being taken: its budget, its shares and what it has taken so far."""
 
     __slots__ = ("now", "pace", "max_entries", "max_tokens", "quantum", "entries_share")
-    __slots__ += ("pieces", "late", "given", "partial", "entries", "tokens")
+    __slots__ += ("pieces", "late", "given", "partial", "entries", "tokens", "bound", "ready", "yielded")
 
     def __init__(self, now, pace, max_entries, max_tokens, quantum, entries_share):
         self.now, self.pace, self.max_entries, self.max_tokens = now, pace, max_entries, max_tokens
@@ -231,6 +283,17 @@ class _Call:
         self.given: dict[Job, int] = {}  # tokens of each round in this call
         self.partial: set[Job] = set()  # rounds with a piece of an entry's encode in this call
         self.entries = self.tokens = 0
+        self.bound = max(1, max_tokens // YIELD_SHARE)  # encode tokens beside a ready round
+        self.ready: set[int] = set()  # sessions with a round ready to draft (FairShare._ready)
+        self.yielded = 0  # encode tokens taken by sessions yielding to them
+
+    def yields(self, session: int) -> float:
+        """The encode tokens ``session`` may still take in this call: while another
+        session has a round ready to draft, the bound less what yielding sessions took;
+        else any (math.inf)."""
+        if len(self.ready) - (session in self.ready) == 0:
+            return math.inf
+        return max(0, self.bound - self.yielded)
 
     def in_time(self, job: Job) -> float:
         """The tokens the drafter can draft for ``job`` before its deadline, at ``pace``,

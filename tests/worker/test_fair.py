@@ -3,7 +3,11 @@ is drafted in the next call under a hostile session that is always busy, whateve
 that session tried to hoard; a round is never drafted past its deadline, neither once
 expired nor beyond what the drafter's pace can draft in time. The drafter is fake: each
 call costs its tokens at a fixed pace on a clock the test owns, and is held at a gate so
-that rounds queue deterministically."""
+that rounds queue deterministically. Encode yielding to a round ready to draft is a
+function of the queue: those tests take calls of a FairShare directly."""
+
+import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -11,6 +15,8 @@ from helpers import Clock, Gated, stream_batch, submit, until
 
 from remote_dspark.drafter.contract import DraftBatch, DraftResult
 from remote_dspark.worker.batching import Charge
+from remote_dspark.worker.fair import YIELD_SHARE, FairShare
+from remote_dspark.worker.jobs import Job
 from remote_dspark.worker.scheduler import Scheduler
 
 PACE = 0.001  # the fake drafter's clock seconds a budget token
@@ -165,3 +171,76 @@ def test_one_slow_call_never_stops_the_worker_drafting():
     assert [len(c) for c in calls] == [1, 1, 3, 4] and s._pace == pytest.approx(
         PACE
     )  # one entry, then the pace is right
+
+
+class Keeps:
+    """A drafter that keeps its streams (its long encodes are taken in pieces) and encodes
+    each entry's whole context (a cache miss)."""
+
+    keeps_streams = True
+
+    def encodes(self, batch):
+        return np.diff(batch.offsets)
+
+
+BUDGET = 1024  # a call's tokens in the yield tests: the bound is BUDGET // YIELD_SHARE
+BOUND = BUDGET // YIELD_SHARE
+
+
+def announced(session, n, context, n_out=0, width=5) -> Job:
+    """A round announcing ``n`` contexts of ``context`` tokens: chunks that encode only
+    (``n_out`` 0), or whole NEW_GEN contexts asking for drafts."""
+    batch = dataclasses.replace(
+        stream_batch(session, range(n), [[1] * context] * n, width), n_out=np.full(n, n_out, np.int32)
+    )
+    return Job(session, batch, math.inf, None, 0.0)
+
+
+def steady(session=7) -> Job:
+    """A steady round: 16 entries of 3 new tokens and 5 drafts (8 tokens each)."""
+    return Job(session, stream_batch(session, range(16), [[2] * 3] * 16, 5), math.inf, None, 0.0)
+
+
+def took(pieces, session) -> tuple[int, int]:
+    """The entries (whole ones: not pieces of an encode) and the tokens ``session`` has in a call."""
+    mine = [p for p in pieces if p.job.session == session]
+    return sum(len(p.batch) for p in mine if not p.partial), sum(p.cost for p in mine)
+
+
+@pytest.mark.parametrize("n_out", [0, 5], ids=["chunks", "new-gen"])
+def test_a_call_beside_a_round_ready_to_draft_carries_it_whole_and_at_most_the_bound_of_encode(n_out):
+    """An engine announces long contexts (chunks that encode only, or whole NEW_GENs whose
+    encode is a prefill), several rounds of them queued; a steady round waits beside
+    them. The call carries the steady round whole and at most the bound of the
+    announcement's encode, a piece of it: short, so the steady round waits for one
+    call only; and the announcement advances in it all the same."""
+    fair = FairShare(Charge(Keeps()))
+    for _ in range(4):
+        fair.add(announced(1, 8, 300, n_out))
+    fair.add(steady())
+    pieces, late = fair.take(0.0, 0.0, 1024, BUDGET)
+    assert took(pieces, 7) == (16, 16 * 8) and not late
+    assert 0 < took(pieces, 1)[1] <= BOUND
+
+
+def test_the_announcement_advances_every_call_and_takes_the_whole_budget_when_nobody_waits():
+    """Calls taken with a steady round ready each time: the announcing engine has a piece
+    of at most the bound in every one, and its encode adds up (nothing lost or taken
+    twice). Once nobody else waits, it has the whole budget; another announcing engine
+    does not make it yield either (a prefill is not a round ready to draft)."""
+    fair = FairShare(Charge(Keeps()))
+    fair.add(announced(1, 8, 300))
+    encoded = 0
+    for _ in range(10):
+        fair.add(steady())
+        pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)
+        entries, tokens = took(pieces, 1)
+        assert took(pieces, 7)[0] == 16 and 0 < tokens <= BOUND
+        encoded += tokens
+    assert encoded == 10 * BOUND  # (pieces of 300-token entries: the bound each call)
+    pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)  # alone
+    assert BUDGET - 300 < took(pieces, 1)[1] <= BUDGET
+    fair.add(announced(2, 8, 300, n_out=5))
+    pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)  # two announcing engines: the budget between them
+    assert BUDGET - 2 * 300 < took(pieces, 1)[1] + took(pieces, 2)[1] <= BUDGET
+    assert took(pieces, 1)[1] > BOUND and took(pieces, 2)[1] > BOUND
