@@ -61,7 +61,7 @@ import math
 
 import numpy as np
 
-from .batching import Charge, encode_piece
+from .batching import Charge
 from .jobs import Job, Pending, Piece
 
 # While another session has a round ready to draft, a call carries at most this fraction
@@ -262,7 +262,7 @@ class FairShare:
             return 0
         cut = first - drafts - c  # the stream's tokens after the piece's end: later pieces'
         job.state = state._replace(encoded=state.encoded + c)
-        call.pieces.append(Piece(job, i, encode_piece(batch, i, cut), c, state.encoded, partial=True))
+        call.pieces.append(Piece(job, i, batch.entries(i, i + 1), c, state.encoded, partial=True, cut=cut))
         call.partial.add(job)
         call.given[job] = call.given.get(job, 0) + c
         call.entries, call.tokens = call.entries + 1, call.tokens + c

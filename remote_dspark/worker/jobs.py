@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..drafter.contract import DraftBatch, DraftResult
+from .batching import encode_piece
 
 
 class Pending(NamedTuple):
@@ -91,7 +92,9 @@ class Piece(NamedTuple):
     """A round's entries in one call: ``batch`` is ``job``'s entries from ``start``;
     ``cost`` what they spend of the call's budget (their ``Job.costs``, less what earlier
     pieces encoded of entry ``start``: ``after``). ``partial``: a piece of entry
-    ``start``'s encode only (:func:`~.batching.encode_piece`), no drafts to gather."""
+    ``start``'s encode only, no drafts to gather: ``batch`` is that entry, cut by
+    ``cut`` tokens when drafted (:func:`~.batching.encode_piece`, which reads the worker's
+    tokens: in the call, where what it raises fails that call only, never the queue)."""
 
     job: Job
     start: int
@@ -99,3 +102,8 @@ class Piece(NamedTuple):
     cost: int
     after: int = 0
     partial: bool = False
+    cut: int = 0
+
+    def drafted(self) -> DraftBatch:
+        """The batch the drafter gets for this piece."""
+        return encode_piece(self.batch, 0, self.cut) if self.partial else self.batch

@@ -303,7 +303,8 @@ class Scheduler:
         """The drafter's call for ``pieces``, told to ``on_call``: each round's drafts
         gathered so far, with this call's pieces (its parts are this thread's while it
         makes the call: no lock to read them). Raises what the call raised."""
-        batch = pieces[0].batch if len(pieces) == 1 else merge([p.batch for p in pieces])
+        batches = [p.drafted() for p in pieces]
+        batch = batches[0] if len(pieces) == 1 else merge(batches)
         t0, c0 = time.perf_counter(), self.clock()
         result = check_result(self.drafter.draft_batch(batch), batch)
         tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
@@ -316,11 +317,12 @@ class Scheduler:
             self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits, len(encoding), sum(encoding))
         gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
         at = 0
-        for job, start, piece, *_, partial in pieces:
+        for p, piece in zip(pieces, batches, strict=True):
+            job = p.job
             state = job.state
             so_far = gathered.get(job, state.parts if isinstance(state, Pending) else None)
             got = result if len(pieces) == 1 else part(result, at, piece)
-            gathered[job] = so_far if partial else gather(so_far, len(job.batch), start, got)
+            gathered[job] = so_far if p.partial else gather(so_far, len(job.batch), p.start, got)
             at += len(piece)
         return gathered
 

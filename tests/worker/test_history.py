@@ -237,6 +237,27 @@ def test_the_pieces_of_a_whole_stream_s_encode_end_where_the_scheduler_cut_it():
         assert call.positions.tolist() == [30 + max(0, end - 8)]
 
 
+def test_a_piece_whose_stream_is_gone_fails_its_own_round_and_the_scheduler_drafts_on():
+    """A long encode taken in pieces whose session's windows went (its connection gave up):
+    reading the piece's tokens raises in the call that drafts it, which fails that round
+    alone; the scheduler's queue never wedges and the next round is drafted."""
+    stream = list(range(500, 600))
+    session, batch = _streams_batch(128, stream)
+    session.history._windows.clear()  # the session gone: its tokens with it
+    drafter = Reencoding(max_context=128)
+    s = Scheduler(drafter, max_entries=4, max_tokens=32).start()
+    try:
+        t, box = submit(s, 7, batch)
+        t.join(10)
+        assert not t.is_alive() and "gone" in str(box.get("error"))
+        _, fine = _streams_batch(None, [1, 2, 3, 4] * 5)
+        t, box = submit(s, 8, fine)
+        t.join(10)
+        assert not t.is_alive() and box["result"].counts.tolist() == [3]
+    finally:
+        s.stop()
+
+
 def test_the_worker_s_flags_refuse_bad_values_naming_them():
     parser = argparse.ArgumentParser()
     worker_cli.add_parser(parser.add_subparsers())
