@@ -22,7 +22,9 @@ from remote_dspark.worker.scheduler import DEFAULT_MAX_TOKENS, Scheduler
 
 
 def padded(n: int, q: int) -> int:
-    return max(MIN_ROWS, 1 << (n - 1).bit_length()) * max(MIN_QUERIES, 1 << (q - 1).bit_length())
+    """A padded shape's tokens: rows from MIN_ROWS, but from 1 for a prefill past 64 queries."""
+    queries = max(MIN_QUERIES, 1 << (q - 1).bit_length())
+    return max(MIN_ROWS if queries <= 64 else 1, 1 << (n - 1).bit_length()) * queries
 
 
 def test_parts_keep_every_padded_shape_within_the_limit_and_cover_each_entry_once():
@@ -37,8 +39,13 @@ def test_parts_keep_every_padded_shape_within_the_limit_and_cover_each_entry_onc
         assert all(padded(len(np.arange(n)[s]), int(take[s].max())) <= limit for s in split)
         if padded(n, int(take.max())) <= limit:
             assert split == [slice(None)]  # a round that fits is one part, in its own order
-    with pytest.raises(ValueError, match="an entry of 200 tokens is over a round's limit of 2048"):
-        parts(np.array([200, 1]), 2048)
+        else:  # a long entry's part never pads short ones to its length
+            pow2 = np.maximum(MIN_QUERIES, 1 << np.ceil(np.log2(take)).astype(np.int64))
+            assert all(len(set(pow2[s].tolist())) == 1 for s in split)
+    with pytest.raises(ValueError, match="an entry of 5000 tokens is over a round's limit of 2048"):
+        parts(np.array([5000, 1]), 2048)
+    long_and_short = parts(np.array([2048] + [4] * 255), 4096)
+    assert [len(p) for p in long_and_short] == [1, 255]  # 2,048 + 1,020 padded tokens, not 128 x 2,048
 
 
 def test_a_ragged_round_runs_in_parts_within_the_limit_and_drafts_what_one_run_drafts(monkeypatch):

@@ -57,6 +57,9 @@ def visible_keys(positions: torch.Tensor, columns: int) -> torch.Tensor:
     return (keys <= positions[..., None])[:, None]
 
 
+REFERENCE_BYTES = 1 << 26  # the CPU reference's gathered blocks and scores at once, a chunk's
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -67,21 +70,35 @@ def reference_attention(
     scale: float,
 ) -> torch.Tensor:
     """:func:`paged_attention` by gathering each entry's blocks (module docstring): only
-    the blocks some query sees (one host read of the round's last column)."""
+    the blocks some query sees (one host read of the round's last column), in chunks of
+    entries and queries whose gathered blocks and scores stay within ``REFERENCE_BYTES``
+    (one entry and one query at least): a long stream's prefill never holds queries x
+    columns scores at once."""
     block = k.shape[2]
+    n, heads, queries, head_dim = q.shape
     used = min(int(positions.max()) // block + 1, table.shape[1])
     blocks = table.index_select(0, rows)[:, :used]  # [n, used]
+    cols = used * block
+    per_entry = 2 * heads * cols * head_dim * q.element_size()  # its blocks gathered, at the query heads
+    per_query = heads * cols * 8  # scores and their softmax, float32
+    span = max(1, min(queries, (REFERENCE_BYTES - per_entry) // per_query))
+    group = max(1, REFERENCE_BYTES // (per_entry + span * per_query))
+    groups = heads // k.shape[1]
 
-    def gather(x: torch.Tensor) -> torch.Tensor:  # [n, kv_heads, used x block, head_dim]
-        g = x.index_select(0, blocks.reshape(-1)).view(len(rows), used, *x.shape[1:])
-        return g.transpose(1, 2).reshape(len(rows), x.shape[1], used * block, x.shape[3])
+    def gather(x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:  # [m, kv_heads, cols, head_dim]
+        g = x.index_select(0, which.reshape(-1)).view(len(which), used, *x.shape[1:])
+        g = g.transpose(1, 2).reshape(len(which), x.shape[1], cols, x.shape[3])
+        return g.repeat_interleave(groups, 1) if groups > 1 else g
 
-    keys, values = gather(k), gather(v)
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    mask = visible_keys(positions, used * block)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = torch.empty_like(q)
+    for i in range(0, n, group):
+        keys, values = gather(k, blocks[i : i + group]), gather(v, blocks[i : i + group])
+        for j in range(0, queries, span):
+            mask = visible_keys(positions[i : i + group, j : j + span], cols)
+            out[i : i + group, :, j : j + span] = F.scaled_dot_product_attention(
+                q[i : i + group, :, j : j + span], keys, values, attn_mask=mask, scale=scale
+            )
+    return out
 
 
 def paged_attention(

@@ -6,13 +6,14 @@ memory; what a call adds is transient: the activations of one part of the round
 the model) and a row of logits per entry at each draft step. Its bound
 (:func:`working_bytes`), with T = ``limit``, R = the call's rows rounded up to a power
 of two, H the model's hidden width, F its widest layer matrix, V its head's rows and C a
-store row's columns, b the dtype's bytes::
+stream's columns, b the dtype's bytes::
 
     T x b x (4 H + 2 F)                 hidden states, a layer's widest output, residuals
     R x V x (b + 8)                     logits, and their float32 copy and scratch (top2)
-    off CUDA, the reference attention (no kernel) adds, per part:
-    T x heads x C x 8                   scores and their softmax (float32)
-    R x 2 x heads x C x head_dim x b    one layer's rows gathered
+    off CUDA, the reference attention (no kernel) adds, whatever the part:
+    2 x max(REFERENCE_BYTES, one entry) its chunks' gathered blocks and scores (float32),
+                                        one entry's being 2 x heads x C x head_dim x b
+                                        and heads x C x 8 for one query
 
 On CUDA the memory of the round's graphs is this bound too: they share one pool and
 never run at once (:mod:`.graphs`); the caching allocator hands out memory in segments
@@ -33,7 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .graphs import MIN_QUERIES, MIN_ROWS
+from .attention import REFERENCE_BYTES
+from .graphs import MIN_ROWS, padded
 
 HEADROOM = 2  # a derived budget leaves the working set this share of the free memory (1 / HEADROOM)
 SEGMENTS = 4 << 21  # on CUDA: the caching allocator's granularity, four segments of 2 MiB
@@ -45,9 +47,10 @@ def _pow2(n: int) -> int:
 
 def part_limit(max_tokens: int, columns: int) -> int:
     """Padded tokens of one part of a call within a budget of ``max_tokens`` tokens: twice
-    the budget rounded up to a power of two, and at least ``MIN_ROWS`` rows of a whole
-    row of ``columns`` (so every entry fits a part)."""
-    return max(2 * _pow2(max_tokens), MIN_ROWS * max(MIN_QUERIES, _pow2(columns)))
+    the budget rounded up to a power of two, and at least the padded shape of one whole
+    stream of ``columns`` re-encoded (so every entry fits a part: :func:`.graphs.padded`)."""
+    rows, queries = padded(1, columns)
+    return max(2 * _pow2(max_tokens), rows * queries)
 
 
 def widths(model: nn.Module) -> tuple[int, int, int]:
@@ -85,8 +88,14 @@ def working_bytes(model: nn.Module, store, entries: int, limit: int) -> int:
     else:
         head_dim = model.config.head_dim
         heads = max(model.config.n_heads, hidden // head_dim)  # query heads (grouped keys are repeated)
-        total += limit * heads * store.columns * 8 + rows * 2 * heads * store.columns * head_dim * b
+        total += reference_bytes(heads, head_dim, store.columns, b)
     return int(total)
+
+
+def reference_bytes(heads: int, head_dim: int, columns: int, b: int) -> int:
+    """The most the CPU's reference attention holds at once (:func:`.attention.reference_attention`:
+    chunks of entries and queries within ``REFERENCE_BYTES``, one entry and query at least)."""
+    return 2 * max(REFERENCE_BYTES, 2 * heads * columns * head_dim * b + heads * columns * 8)
 
 
 def fitting_tokens(model: nn.Module, store, entries: int, ceiling: int, free: int) -> int:

@@ -8,7 +8,8 @@ steps (greedy, or sampled: below), every query attending to its stream's blocks 
 about as long on each launch, so on a GPU the whole round, prefill and steps, is
 captured once per shape and replayed. Its shapes must then be fixed:
 
-* rows: the round's entry count rounded up to a power of two (at least ``MIN_ROWS``);
+* rows: the round's entry count rounded up to a power of two (at least ``MIN_ROWS``, but
+  from 1 for a prefill: :func:`padded`);
   the entries past the round's encode token 0 at column 0 of table row 0 and draft
   after it, writing only into the trash block, and are never read;
 * queries: the most tokens an entry encodes, rounded up to a power of two (at least
@@ -67,6 +68,7 @@ from .attention import Pages
 from .sampling import TOP, pick, top32, uniform_u32
 
 MIN_ROWS = 16
+LONG_QUERIES = 64  # a shape of more queries (a prefill) pads its rows from 1, not MIN_ROWS
 MIN_QUERIES = 4
 DEFAULT_LIMIT = 1 << 16  # padded rows x queries of one part, until the worker's budget sets it
 MAX_GRAPHS = 64  # graphs kept (>= 2: an eviction never empties, and so never releases, the shared pool)
@@ -159,24 +161,36 @@ def _pow2(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+def padded(n: int, q: int) -> tuple[int, int]:
+    """The padded shape of ``n`` entries of at most ``q`` queries: rows and queries rounded
+    up to powers of two, the rows at least ``MIN_ROWS`` (fewer graphs for the common
+    rounds), but from 1 for a prefill of more than ``LONG_QUERIES`` queries (padding it
+    to ``MIN_ROWS`` rows would run that many times its tokens)."""
+    queries = _pow2(q, MIN_QUERIES)
+    return _pow2(n, MIN_ROWS if queries <= LONG_QUERIES else 1), queries
+
+
 def parts(take: np.ndarray, limit: int) -> list[slice | np.ndarray]:
     """The entries of a round (each encoding ``take[i]`` tokens) in parts whose padded
-    shape, rows x queries rounded up to powers of two, is at most ``limit`` tokens: the
-    whole round when it fits, else by descending ``take``, each part the most entries that
-    fit at its first (longest) one. A loop over parts, not entries.
+    shape (:func:`padded`) is at most ``limit`` tokens: the whole round when it fits,
+    else by descending ``take``, entries of one power of two of queries together, each
+    part the most of them that fit. A loop over those powers and parts, not entries.
 
-    Raises: ValueError when one entry alone is over ``limit`` (``MIN_ROWS`` rows of it)."""
+    Raises: ValueError when one entry alone is over ``limit``."""
     n = len(take)
-    if _pow2(n, MIN_ROWS) * _pow2(int(take.max()), MIN_QUERIES) <= limit:
+    rows, queries = padded(n, int(take.max()))
+    if rows * queries <= limit:
         return [slice(None)]
-    if MIN_ROWS * _pow2(int(take.max()), MIN_QUERIES) > limit:
+    if np.prod(padded(1, int(take.max()))) > limit:
         raise ValueError(f"an entry of {int(take.max())} tokens is over a round's limit of {limit} padded tokens")
     order = np.argsort(-take, kind="stable")
-    out, i = [], 0
-    while i < n:
-        rows = 1 << (limit // _pow2(int(take[order[i]]), MIN_QUERIES)).bit_length() - 1  # a power of two <= limit / q
-        out.append(order[i : i + rows])
-        i += rows
+    bucket = np.maximum(MIN_QUERIES, 1 << np.ceil(np.log2(np.maximum(take[order], 1))).astype(np.int64))
+    ends = np.flatnonzero(np.diff(bucket)) + 1  # where the power of two of queries changes
+    out = []
+    for lo, hi in zip(np.r_[0, ends], np.r_[ends, n], strict=True):
+        q = int(bucket[lo])
+        most = 1 << (limit // q).bit_length() - 1  # a power of two <= limit / q
+        out += [order[i : min(i + most, hi)] for i in range(lo, hi, most)]
     return out
 
 
@@ -238,7 +252,7 @@ class Rounds:
         n, q = tok.shape
         sampled = sampling is not None
         if self.padded:
-            shape = (_pow2(n, MIN_ROWS), _pow2(q, MIN_QUERIES), width, sampled)
+            shape = (*padded(n, q), width, sampled)
         else:
             shape = (n, q, width, sampled)
         if self._version != self.store.version:  # the table moved: its graphs point at the old one
