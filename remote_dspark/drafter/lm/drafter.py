@@ -1,19 +1,22 @@
-"""The batched model drafter: greedy or sampled drafts from a causal LM, with a KV cache
-per stream.
+"""The batched model drafter: greedy or sampled drafts from a causal LM, each stream's KV
+kept across rounds in a paged pool.
 
 One round (:meth:`LMDrafter.draft_batch`) is, for its n entries at once:
 
 1. a plan (:meth:`remote_dspark.drafter.lm.cache.SlotCache.plan`, numpy): each entry's
-   cache row, the positions kept from it and the tokens to encode (all of a context on a
-   miss, the new ones on a hit); entries without a cache row get scratch rows of the
-   store (:class:`~remote_dspark.drafter.lm.pool.KVStore`);
-2. one host-to-device copy of every integer the round needs (padded tokens, positions,
-   rows), packed into one array;
-3. one forward over the padded ragged batch, then ``width - 1`` batched steps (one
-   forward over all n entries each), every query writing its K/V into its entry's row
-   and attending to that row in place (:mod:`.attention`): no row is copied in or out;
-4. one device-to-host copy of tokens and margins (and a sampled round's distributions).
-   The drafts' K/V stay in the rows past each row's ``fill``, dead.
+   cache row, the columns kept from it and the tokens to encode (the new ones on a hit,
+   on a miss all the worker holds of the stream: :mod:`remote_dspark.drafter.streams`);
+   entries without a cache row get scratch rows of the block table
+   (:class:`~remote_dspark.drafter.lm.pool.KVStore`);
+2. the blocks each stream needs, taken from the pool (whole streams evicted for room,
+   the round run in waves when the pool cannot hold it at once: :meth:`LMDrafter._draft`);
+3. per part of the round (:func:`.graphs.parts`), one host-to-device copy of every
+   integer it needs (padded tokens, positions, each write's block and offset, the table's
+   new cells), one forward over the padded ragged batch, then ``width - 1`` batched steps
+   (one forward over all its entries each), every query writing its K/V into its stream's
+   blocks and attending to them in place (:mod:`.attention`): no stream is copied in or
+   out; and one device-to-host copy of tokens and margins (and a sampled round's
+   distributions). The drafts' K/V stay in the blocks past each stream's ``fill``, dead.
 
 A sampled round (``batch.sampled``) draws each step's token by the sampling rule
 (:mod:`remote_dspark.drafter.sampling`; on the device its twin, :mod:`.sampling`) instead
@@ -26,7 +29,7 @@ seeds (uint64 bits) and first positions go up in the round's one integer copy
 top2 at temperature 1) over the same logits.
 
 No Python loop over entries: the loops are over draft steps and layers. Margins are the
-softmax's top1 - top2 (float32). On CUDA the model and the store are bf16, on CPU float32,
+softmax's top1 - top2 (float32). On CUDA the model and the pool are bf16, on CPU float32,
 and the round is a CUDA graph (:mod:`.graphs`).
 
 Threads: the worker serves each engine's connection on its own thread, and all of them
@@ -155,7 +158,7 @@ class LMDrafter:
             ``DEFAULT_CONTEXT``; at most the model's positions. A stream holds
             ``max_width`` more columns for a round's drafts: the worker refuses a HELLO
             whose ``num_spec`` is wider.
-        kv_bytes: the KV pool's memory (None: :func:`~.cache.pool_bytes`, a share of what
+        kv_bytes: the KV pool's memory (None: :func:`~.pool.pool_bytes`, a share of what
             is free after the weights).
         graphs: the round on padded shapes, replayed as CUDA graphs on CUDA
             (:mod:`.graphs`). None (default): on CUDA only; False: eager, the round's own
@@ -214,7 +217,7 @@ class LMDrafter:
 
     def _blocks(self, kv_bytes: int | None, cache_slots: int, shape: tuple[int, int, int]) -> int:
         """The pool's blocks: ``kv_bytes`` of them, or the default budget's
-        (:func:`~.cache.pool_bytes`) for every cached stream's whole context at most."""
+        (:func:`~.pool.pool_bytes`) for every cached stream's whole context at most."""
         layers, heads, head_dim = shape
         block_bytes = layers * 2 * heads * BLOCK * head_dim * torch.finfo(self.dtype).bits // 8
         per_stream = self.columns // BLOCK
@@ -236,15 +239,15 @@ class LMDrafter:
         )
 
     def reserve(self, max_entries: int, max_tokens: int, *, derive: bool = False) -> int:
-        """The worker's call budget: the scratch rows a call of ``max_entries`` entries can
-        need (those beyond the cache's rows), allocated now, so that no call within the
-        budget grows the store; and the parts a round runs in (:func:`.graphs.parts`),
-        sized for ``max_tokens``. With ``derive``, ``max_tokens`` is a ceiling: the budget
-        is the most tokens whose working set (:mod:`.budget`) fits in half the memory free
-        once the rows are allocated. Returns the token budget.
+        """The worker's call budget: the scratch rows of the block table a call of
+        ``max_entries`` entries can need (those beyond the cache's rows), made now, so that
+        no call within the budget grows the table (and recaptures its graphs); and the parts
+        a round runs in (:func:`.graphs.parts`), sized for ``max_tokens``. With ``derive``,
+        ``max_tokens`` is a ceiling: the budget is the most tokens whose working set
+        (:mod:`.budget`) fits in half the memory free. Returns the token budget.
 
-        Raises: ValueError when the rows, or a call's working set, do not fit in the
-        device's free memory."""
+        Raises: ValueError when a call's working set does not fit in the device's free
+        memory."""
         with self._lock:
             rowless = max_entries - (self.cache.capacity if self.cache is not None else 0)
             if rowless > 0:
@@ -263,8 +266,8 @@ class LMDrafter:
             return max_tokens
 
     def cache_info(self) -> CacheInfo:
-        """The cache's streams and counts; ``bytes`` is the whole store's, its scratch rows
-        (which grow with the largest round of entries without a cache row) counted."""
+        """The cache's streams, counts and blocks; ``bytes`` is the pool's, fixed at start
+        (also for a drafter without a cache: its scratch rows' blocks are the pool's)."""
         with self._lock:
             info = self.cache.info() if self.cache is not None else CacheInfo(0, 0, 0, 0, 0)
             return dataclasses.replace(info, bytes=self.store.nbytes())
@@ -368,8 +371,8 @@ class LMDrafter:
             room = functools.partial(self.cache.make_room, sessions=sessions, keep=rows[pending]) if cached else None
             granted, cells = self.store.grant(rows[pending], need[pending], room)
             if not granted.any():  # another engine's guarded streams and this round's hold the pool
-                if not cached:  # scratch rows only: every block is free between waves
-                    raise RuntimeError(f"a KV pool of {self.store.blocks} blocks holds no entry of the round")
+                # scratch rows only: every block is free between waves, and the pool holds one whole stream
+                assert cached, "an uncached round's wave found no block"
                 dropped = self._squeeze(pending, rows, need, sessions)
                 ran &= ~dropped
                 pending &= ~dropped

@@ -32,10 +32,10 @@ into the trash block and the table's padding row.
 A round's working memory is its padded shape's (rows x queries tokens through the
 model, and a row of logits per entry), so it is bounded: a round whose padded shape is
 over ``limit`` tokens (:attr:`Rounds.limit`, set from the worker's budget) runs in
-parts (:func:`parts`), its entries by descending context, each part as many as fit the
-limit at its longest context. A call of many short contexts beside a few whole windows
-(a steady round with a NEW_GEN) then neither pads every entry to a window nor holds a
-rectangle larger than the budget; a call whose shape fits, the common case, is one
+parts (:func:`parts`), its entries by descending context, those of one power of two
+of queries together, each part as many as fit the limit. A call of many short contexts
+beside a few long encodes (a steady round with a NEW_GEN) then neither pads the short
+ones to a long one's length nor holds a rectangle larger than the budget; a call whose shape fits, the common case, is one
 part. Every shape run is therefore at most ``limit`` tokens, and each is captured,
 sharing one memory pool (they never run at once) whose size is the largest round's
 working set plus each graph's inputs and outputs. A graph also holds host memory for
@@ -230,7 +230,7 @@ class Rounds:
         before ``base[i]`` hold what earlier rounds encoded), then ``width - 1`` steps,
         in :func:`parts` of at most :attr:`limit` padded tokens (``width`` 0: the
         tokens encoded, nothing drafted; ``[n, 0]`` back). The rows' table cells from
-        ``cells[i]`` on are new (the store's :meth:`~.cache.KVStore.grant`; None: none):
+        ``cells[i]`` on are new (the pool's :meth:`~.pool.KVStore.grant`; None: none):
         the round carries them to the device. Greedy, or sampled (:func:`choose`) with
         ``sampling`` [3, n] int64: each entry's temperature (its float32 bits), seed
         (its uint64 bits) and its draft 0's absolute position. Returns ``[n,

@@ -54,7 +54,7 @@ _round = threading.local()  # the round being encoded on this thread: its rows a
 
 def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention function for a drafter's model: within a round
-    (:meth:`HFModel.forward_kv`) the queries attend to their rows of the store in place
+    (:meth:`HFModel.forward_kv`) the queries attend to their streams' blocks in place
     (:func:`~remote_dspark.drafter.lm.attention.paged_attention`); outside one (the
     reference forward) transformers' own SDPA attention.
 
