@@ -35,8 +35,8 @@ over ``limit`` tokens (:attr:`Rounds.limit`, set from the worker's budget) runs 
 parts (:func:`parts`), its entries by descending context, those of one power of two
 of queries together, each part as many as fit the limit. A call of many short contexts
 beside a few long encodes (a steady round with a NEW_GEN) then neither pads the short
-ones to a long one's length nor holds a rectangle larger than the budget; a call whose shape fits, the common case, is one
-part. Every shape run is therefore at most ``limit`` tokens, and each is captured,
+ones to a long one's length nor holds a rectangle larger than the budget; a call whose
+shape fits, the common case, is one part. Every shape run is therefore at most ``limit`` tokens, and each is captured,
 sharing one memory pool (they never run at once) whose size is the largest round's
 working set plus each graph's inputs and outputs. A graph also holds host memory for
 its kernel nodes (a round of 64 draft steps has thousands), and shapes multiply
