@@ -6,7 +6,8 @@
 * :func:`hf_drafter` (``--hf-model DIR``): a transformers causal LM from a local
   directory (:mod:`.hf`, driven as the built-in model by :mod:`.hf_model`; the ``hf`` extra).
 
-Their round: static buffers and CUDA graphs (:mod:`.graphs`), attention over the KV
+Their round: its arrays on the host (:mod:`.arrays`), static buffers and CUDA graphs
+(:mod:`.graphs`), attention over the KV
 pool's blocks in place (:mod:`.attention`, its Triton kernels in :mod:`._kernels`), a
 call's memory budget (:mod:`.budget`) and sampled drafts in torch (:mod:`.sampling`).
 

@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result, sampling_inputs
+from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
 from ..sampling import TOP
-from ..streams import context_lengths, kept, stream_tokens
+from ..streams import context_lengths, kept
+from .arrays import round_result, sampling_rows, stream_window
 from .budget import fitting_tokens, part_limit, working_bytes
 from .cache import Plan, SlotCache, uncached_plan
 from .graphs import Rounds, columns, top2
@@ -75,66 +76,6 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: torch sees no CUDA device here")
     return dev
-
-
-def sampling_rows(batch: DraftBatch, ctx_lens: np.ndarray) -> np.ndarray:
-    """A sampled round's integers per entry, for :meth:`.graphs.Rounds.run`: [3, n] int64,
-    each entry's temperature (its float32 bits), seed (its uint64 bits) and its draft 0's
-    absolute position (``starts + ctx_lens``).
-
-    Raises: ValueError naming ``temperature`` or ``seed`` (:func:`~..contract.sampling_inputs`)."""
-    t, seed = sampling_inputs(batch)
-    out = np.empty((3, len(batch)), np.int64)
-    out[0] = t.view(np.int32)  # every temperature's bits below 2**31 (-0.0 is +0.0 there)
-    out[1] = seed.view(np.int64)
-    out[2] = batch.starts() + ctx_lens
-    return out
-
-
-def greedy_result(batch: DraftBatch, ctx_lens: np.ndarray, tokens: np.ndarray, margins: np.ndarray) -> DraftResult:
-    """The round's answer from ``width`` greedy steps for every entry: ``min(n_out,
-    width)`` drafts each (none for an empty context), zeros past the counts."""
-    counts = np.where(ctx_lens > 0, np.minimum(batch.n_out, batch.width), 0).astype(np.int32)
-    live = np.arange(batch.width) < counts[:, None]
-    return DraftResult(
-        np.where(live, tokens, 0).astype(np.int32),
-        counts,
-        np.where(live, margins, 0).astype(np.float32) if batch.want_margin else None,
-    )
-
-
-def round_result(batch: DraftBatch, ctx_lens: np.ndarray, out: np.ndarray) -> DraftResult:
-    """The round's answer from :meth:`.graphs.Rounds.run`'s ``out`` [n, columns]: greedy
-    (:func:`greedy_result`), or sampled with each drafted position's distribution
-    (``q_ids`` int32, ``q_weights`` uint16 ``[n, width, TOP]``, zeros past the counts)."""
-    n, width = len(batch), batch.width
-    result = greedy_result(batch, ctx_lens, out[:, :width], out[:, width : 2 * width])
-    if not batch.sampled:
-        return result
-    q = out[:, 2 * width :].reshape(n, 2, width, TOP)
-    live = (np.arange(width) < result.counts[:, None])[..., None]
-    q_ids = np.where(live, q[:, 0], 0).astype(np.int32)
-    q_weights = np.where(live, q[:, 1], 0).astype(np.uint16)
-    return dataclasses.replace(result, q_ids=q_ids, q_weights=q_weights)
-
-
-def stream_window(batch: DraftBatch, take: np.ndarray, q: int) -> np.ndarray:
-    """[n, q] int64: each entry's last ``take[i]`` stream tokens, left-aligned, zeros past
-    them: from the contexts (one gather) when they hold them, else read through
-    :func:`~remote_dspark.drafter.streams.stream_tokens` (a stream re-encoded whole)."""
-    n = len(batch)
-    ctx_lens = context_lengths(batch)
-    if bool((take <= ctx_lens).all()):
-        src = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
-        idx = (batch.offsets[1:] - take)[:, None] + np.arange(q)
-        return np.where(np.arange(q) < take[:, None], src[np.clip(idx, 0, len(src) - 1)], 0)
-    tok = np.zeros((n, q), np.int64)
-    some = np.flatnonzero(take > 0)
-    lengths = np.asarray(batch.lengths, np.int64)[some]
-    flat, offsets = stream_tokens(batch, some, lengths - take[some], lengths)
-    row = np.repeat(some, take[some])
-    tok[row, np.arange(len(flat)) - np.repeat(offsets[:-1], take[some])] = flat
-    return tok
 
 
 class LMDrafter:
@@ -306,13 +247,10 @@ class LMDrafter:
 
     def _plan(self, batch: DraftBatch, ctx_lens: np.ndarray, widths: np.ndarray) -> tuple[Plan, bool]:
         """The round's plan (:mod:`.cache`) and whether its rows are the cache's."""
-        # An empty context: no drafts, any valid position. None: numbered from each row's start.
-        starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
-        first = kept(batch)
+        starts, first, held = self._spans(batch, ctx_lens)
         if self.cache is not None and batch.slots is not None:
             sessions, slots, gens, lengths = self._streams(batch)
             return self.cache.plan(sessions, slots, gens, lengths, ctx_lens, first, widths, starts), True
-        held = ctx_lens if batch.lengths is None else np.asarray(batch.lengths, np.int64) - first
         return uncached_plan(ctx_lens, held, widths, self.columns, starts), False
 
     def encodes(self, batch: DraftBatch) -> np.ndarray:
@@ -323,15 +261,23 @@ class LMDrafter:
         changes."""
         ctx_lens = context_lengths(batch)
         widths = np.where(batch.n_out > 0, batch.width, 0)
-        starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
-        first = kept(batch)
+        starts, first, held = self._spans(batch, ctx_lens)
         if self.cache is None or batch.slots is None:
-            held = ctx_lens if batch.lengths is None else np.asarray(batch.lengths, np.int64) - first
             return np.where(widths > 0, np.minimum(held, self.columns - widths), 0)
         _, slots, gens, lengths = self._streams(batch)
         sessions = batch.session if np.ndim(batch.session) == 0 else batch.sessions()
         with self._lock:
             return self.cache.encodes(sessions, slots, gens, lengths, ctx_lens, first, widths, starts)
+
+    @staticmethod
+    def _spans(batch: DraftBatch, ctx_lens: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """Each context's first position (an empty context's: 0, any valid one; None: a
+        batch without positions, numbered from each row's start), each stream's first index
+        the worker holds, and how many tokens of it it holds."""
+        starts = None if batch.positions is None else np.where(ctx_lens > 0, batch.starts(), 0)
+        first = kept(batch)
+        held = ctx_lens if batch.lengths is None else np.asarray(batch.lengths, np.int64) - first
+        return starts, first, held
 
     @staticmethod
     def _streams(batch: DraftBatch) -> tuple[np.ndarray, ...]:

@@ -161,6 +161,15 @@ def _pow2(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+def _sections(flat, layout: tuple[tuple[int, int], ...]) -> list:
+    """Views of a flat array (numpy's or torch's), one per ``(rows, columns)`` of ``layout``."""
+    out, at = [], 0
+    for rows, cols in layout:
+        out.append(flat[at : at + rows * cols].reshape(rows, cols))
+        at += rows * cols
+    return out
+
+
 def padded(n: int, q: int) -> tuple[int, int]:
     """The padded shape of ``n`` entries of at most ``q`` queries: rows and queries rounded
     up to powers of two, the rows at least ``MIN_ROWS`` (fewer graphs for the common
@@ -275,6 +284,16 @@ class Rounds:
             out = self._round(inp, shape)
         return out[:n].cpu().numpy()  # the one copy down
 
+    def _layout(self, shape) -> tuple[tuple[int, int], ...]:
+        """The sections of a round's input of ``shape``, in order, each (rows, columns):
+        tokens and columns ``[entries, queries]``, each write's block and offset
+        ``[entries, queries + steps]``, the per-entry integers ``[3 (6 sampled), entries]``
+        and the new table cells ``[2, cells]`` (:meth:`_inputs`)."""
+        entries, queries, width, sampled = shape
+        writes = queries + max(0, width - 1)
+        per = (6 if sampled else 3, entries)
+        return ((entries, queries),) * 2 + ((entries, writes),) * 2 + (per, (2, self._cells(shape)))
+
     def _cells(self, shape) -> int:
         """The new table cells a round of ``shape`` carries at most: each entry's encode
         and drafts, in blocks, and one more (a row's last block part-filled)."""
@@ -290,39 +309,30 @@ class Rounds:
         temperature 0), then the new table cells' flat indices and blocks (padded with
         writes of 0 into the table's padding row)."""
         n, q = tok.shape
-        entries, queries, width, sampled = shape
-        writes = queries + max(0, width - 1)
-        room = self._cells(shape)
-        per = 6 if sampled else 3
-        out = np.zeros(2 * entries * queries + 2 * entries * writes + per * entries + 2 * room, np.int64)
-        at = 0
-
-        def take_view(size: int, cols: int) -> np.ndarray:  # the next section of ``out``
-            nonlocal at
-            at += size
-            return out[at - size : at].reshape(-1, cols)
-
-        take_view(entries * queries, queries)[:n, :q] = tok
+        _, queries, _, sampled = shape
+        layout = self._layout(shape)
+        out = np.zeros(sum(r * c for r, c in layout), np.int64)
+        grid_tok, grid_pos, at_block, at_offset, last, new = _sections(out, layout)
+        writes = at_block.shape[1]
+        grid_tok[:n, :q] = tok
         steps = np.arange(writes)
         # each write's column: the encode's queries at base..., draft step j at base + take + j;
         # zero where dead (an encode's padding queries; and the entries past n): they write to
         # the trash block's first offset
         live = (steps < take[:, None]) | (steps >= queries)
         col = (base[:, None] + np.where(steps < queries, steps, take[:, None] + steps - queries)) * live
-        take_view(entries * queries, queries)[:n] = col[:, :queries]
+        grid_pos[:n] = col[:, :queries]
         block = self.store.block
-        take_view(entries * writes, writes)[:n] = self.store.host_table[rows[:, None], col // block] * live
-        take_view(entries * writes, writes)[:n] = col % block
-        last = take_view(per * entries, entries)
+        at_block[:n] = self.store.host_table[rows[:, None], col // block] * live
+        at_offset[:n] = col % block
         last[0, :n] = take - 1
         last[1, :n] = origin
         last[2, :n] = rows
         if sampled:
             last[3:, :n] = sampling
         where, blocks = self.store.new_cells(rows, cells)
-        if len(where) > room:
-            raise ValueError(f"a round of shape {shape} takes {len(where)} new blocks, over its {room}")
-        new = take_view(2 * room, room)
+        if len(where) > new.shape[1]:
+            raise ValueError(f"a round of shape {shape} takes {len(where)} new blocks, over its {new.shape[1]}")
         new[0] = self.store.padding_cell()
         new[0, : len(where)] = where
         new[1, : len(where)] = blocks
@@ -331,12 +341,7 @@ class Rounds:
     def _round(self, inp: torch.Tensor, shape: tuple[int, int, int, bool]) -> torch.Tensor:
         """The round on the pool: ``[rows, columns(width, sampled)]`` float32 (:meth:`run`)."""
         entries, queries, width, sampled = shape
-        grid, writes = entries * queries, entries * (queries + max(0, width - 1))
-        per_n = 6 if sampled else 3
-        tok, pos = (inp[i * grid : (i + 1) * grid].view(entries, queries) for i in range(2))
-        blocks, offsets = (inp[2 * grid + i * writes : 2 * grid + (i + 1) * writes].view(entries, -1) for i in range(2))
-        per = inp[2 * grid + 2 * writes : 2 * grid + 2 * writes + per_n * entries].view(per_n, entries)
-        new = inp[2 * grid + 2 * writes + per_n * entries :].view(2, -1)
+        tok, pos, blocks, offsets, per, new = _sections(inp, self._layout(shape))
         last, origin, rows = per[0], per[1], per[2]
         # The temperature's float32 bits (non-negative: below 2**31) back to float32.
         sampling = DeviceSampling.of(per[3].int().view(torch.float32), per[4], per[5], width) if sampled else None
@@ -357,13 +362,10 @@ class Rounds:
     def blank(self, shape: tuple[int, int, int, bool]) -> torch.Tensor:
         """A round's input of ``shape`` that writes only into the trash block and the
         table's padding row (what a capture runs on)."""
-        entries, queries, width, sampled = shape
-        per = 6 if sampled else 3
-        room = self._cells(shape)
-        size = 2 * entries * queries + 2 * entries * (queries + max(0, width - 1)) + per * entries + 2 * room
-        inp = torch.zeros(size, dtype=torch.long, device=self.store.device)  # writes: the trash block
-        inp[-2 * room : -room] = self.store.padding_cell()  # table writes to its padding row only
-        return inp
+        layout = self._layout(shape)
+        inp = torch.zeros(sum(r * c for r, c in layout), dtype=torch.long, device=self.store.device)
+        _sections(inp, layout)[-1][0] = self.store.padding_cell()  # table writes to its padding row only
+        return inp  # every write to the trash block's first offset
 
     def _capture(self, shape: tuple[int, int, int, bool]) -> None:
         inp = self.blank(shape)
