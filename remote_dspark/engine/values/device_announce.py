@@ -35,6 +35,7 @@ on the host).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .announce import FIRST, IDLE, REST, Announcer
@@ -60,17 +61,19 @@ class DeviceAnnouncer:
         self._seen = torch.zeros(2, dtype=torch.int64, pin_memory=self._cuda)  # (held, chunks) at the event
         self._event = torch.cuda.Event() if self._cuda else None
         self._maybe_held = False  # a slot may be held: rounds are planned here until a count of 0 is read
+        self._read = (0, 0)  # (held, chunks) of the last snapshot whose copy was done when read
 
     def maybe_held(self) -> bool:
         """Whether a slot may still be held (the last count read, or a count not read yet)."""
-        if self._maybe_held and (self._event is None or self._event.query()):
-            self._maybe_held = bool(self._seen[0])
+        if self._event is None or self._event.query():  # the last snapshot's copy is done: whole
+            self._read = (int(self._seen[0]), int(self._seen[1]))
+            self._maybe_held = self._maybe_held and bool(self._read[0])
         return self._maybe_held
 
     def counts(self) -> tuple[int, int]:
-        """(slots held, chunks sent) as of the last count read: never a wait (stats)."""
+        """(slots held, chunks sent) as of the last snapshot read whole: never a wait (stats)."""
         self.maybe_held()
-        return int(self._seen[0]), int(self._seen[1])
+        return self._read
 
     def take(self, host: Announcer) -> None:
         """Take over what ``host`` holds (the host's metadata rounds held it; a device round
@@ -94,7 +97,7 @@ class DeviceAnnouncer:
 
     def release(self, slots) -> None:
         """The engine freed ``slots``: what they hold is dropped (in stream order)."""
-        s = torch.as_tensor(list(slots) if not isinstance(slots, torch.Tensor) else slots, dtype=torch.int64)
+        s = torch.as_tensor(slots if isinstance(slots, torch.Tensor) else np.asarray(slots, np.int64)).to(torch.int64)
         if not len(s) or not self._maybe_held:
             return
         s = s[(s >= 0) & (s < self.slots)].to(self.state.device)
