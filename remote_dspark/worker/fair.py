@@ -171,7 +171,7 @@ class FairShare:
             room = call.max_tokens - call.tokens
             split = first > call.max_tokens and self.charge.pieces  # its encode taken in pieces
             yields = call.yields(session)  # encode-only tokens it may still take (inf: no bound)
-            drafts = 1 + job.batch.width if job.batch.n_out[state.taken] > 0 else 0  # its last token and drafts
+            drafts = int(_drafts(job.batch, state.taken, state.taken + 1)[0])
             pieced = split or (self.charge.pieces and first - drafts > yields)  # its encode over the bound: a piece
             if not granted:
                 if (1 if pieced else first) > room and call.pieces:  # no room for its work: no credit either
@@ -256,11 +256,11 @@ class FairShare:
         a whole call) into ``call``: ``within`` tokens at most, leaving its last piece a
         token and its drafts. Returns the tokens taken (0: none)."""
         i, batch = state.taken, job.batch
-        drafts = batch.width if batch.n_out[i] > 0 else 0
-        c = int(min(within, first - drafts - 1))
+        last = max(1, int(_drafts(batch, i, i + 1)[0]))  # its last piece: a token, and its drafts
+        c = int(min(within, first - last))
         if c < 1:
             return 0
-        cut = first - drafts - c  # the stream's tokens after the piece's end: later pieces'
+        cut = first - c - (last - 1)  # the stream's tokens after the piece's end: later pieces'
         job.state = state._replace(encoded=state.encoded + c)
         call.pieces.append(Piece(job, i, batch.entries(i, i + 1), c, state.encoded, partial=True, cut=cut))
         call.partial.add(job)
