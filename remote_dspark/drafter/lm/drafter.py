@@ -290,11 +290,12 @@ class LMDrafter:
         )
 
     def _draft(self, batch, plan: Plan, width: int, sampling, widths: np.ndarray, cached: bool):
-        """The round's answer ([n, columns] float32, :meth:`.graphs.Rounds.run`): the
-        drafting entries' ``width`` steps, and the others
+        """The round's answer ([n, columns] float32, :meth:`.graphs.Rounds.run`) and which
+        entries drafted ([n] bool): the drafting entries' ``width`` steps, and the others
         encoded with none (when ``cached``: a row keeps them). Each entry's stream is given
         the blocks it needs first; when the pool cannot hold the whole round at once it runs
-        in waves, each as many entries as fit (:meth:`_wave`)."""
+        in waves, each as many entries as fit (:meth:`_wave`), and an entry let go for room
+        (:meth:`_squeeze`) gets no drafts."""
         take = np.maximum(plan.take, 1)  # an empty context: one dummy token, no drafts counted
         tok = stream_window(batch, plan.take, int(take.max()))
         if tok.size and (int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size):
