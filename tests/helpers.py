@@ -213,17 +213,19 @@ NEED_TOOLS = "promtool and prometheus come with Debian's 'prometheus' package (s
 
 
 @contextlib.contextmanager
-def prometheus(tmp_path, job: str, target_port: int):
-    """A real Prometheus on loopback scraping ``127.0.0.1:target_port`` every 200 ms;
+def prometheus(tmp_path, job: str, target_port: int, *more_ports: int):
+    """A real Prometheus on loopback scraping ``127.0.0.1:target_port`` (and each of
+    ``more_ports``, the same job's other instances) every 200 ms;
     yields ``query(expr) -> result list`` (OSError while it is not up yet). Ended (and
     its log closed) on exit."""
     assert PROMETHEUS, NEED_TOOLS
+    ports = (target_port, *more_ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = {
         "global": {"scrape_interval": "200ms", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
+        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}],
     }
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))
     log = open(tmp_path / "prometheus.log", "w")

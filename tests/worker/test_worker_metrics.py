@@ -417,10 +417,12 @@ def test_the_dashboard_has_a_worker_row_of_worker_panels():
     assert below and all("dspark_worker_" in t["expr"] for p in below for t in p["targets"])
     assert all("dspark_worker_" not in t["expr"] for p in panels[: rows[0]] for t in p["targets"])
     exprs = " ".join(worker_queries())
+    sel = '{job=~"$worker_job", instance=~"$worker_instance"}'
     for q in ("0.5", "0.99"):
         for hist in ("round_duration_seconds", "drafting_duration_seconds"):
             assert (
-                f"histogram_quantile({q}, sum by (le) (rate(dspark_worker_{hist}_bucket[$__rate_interval])))" in exprs
+                f"histogram_quantile({q}, sum by (job, instance, le) "
+                f"(rate(dspark_worker_{hist}_bucket{sel}[$__rate_interval])))" in exprs
             )
 
 
@@ -436,30 +438,37 @@ def test_every_worker_metric_the_dashboard_names_is_exposed():
 
 @pytest.mark.slow
 def test_real_prometheus_scrapes_the_worker_and_every_worker_query_has_data(tmp_path):
-    w = make(CachedDrafter(MODEL))
-    c = connect(w)
+    """Two workers of one job: every worker query has a line for each (its instance
+    kept), never one sum of both."""
+    w, w2 = make(CachedDrafter(MODEL)), make(CachedDrafter(MODEL))
+    c, c2 = connect(w), connect(w2)
+    queries = [dashboard.as_sent(e, "5s") for e in worker_queries()]
     try:
-        with prometheus(tmp_path, "worker", w.metrics_port) as query:
+        with prometheus(tmp_path, "worker", w.metrics_port, w2.metrics_port) as query:
 
-            def has_data(expr: str) -> bool:
+            def instances(expr: str) -> set[str]:
                 try:
-                    return bool(query(expr.replace("$__rate_interval", "5s")))
+                    return {r["metric"].get("instance", "") for r in query(expr)}
                 except OSError:
-                    return False
+                    return set()
 
             def rounds_and_data() -> bool:  # rounds keep coming, so every rate has two samples in its window
-                do_round(c, rounds_and_data.rid, [wire.Entry(0, 2, 0, (1,), True)])
+                for client in (c, c2):
+                    do_round(client, rounds_and_data.rid, [wire.Entry(0, 2, 0, (1,), True)])
                 rounds_and_data.rid += 1
-                return all(has_data(e) for e in worker_queries())
+                return all(instances(e) == both for e in queries)
 
+            both = {f"127.0.0.1:{w.metrics_port}", f"127.0.0.1:{w2.metrics_port}"}
             rounds_and_data.rid = 1
             assert until(rounds_and_data, timeout=30, step=0.1), (
-                [e for e in worker_queries() if not has_data(e)],
+                [(e, instances(e)) for e in queries if instances(e) != both],
                 (tmp_path / "prometheus.log").read_text()[-2000:],
             )
     finally:
         c.close()
+        c2.close()
         w.stop()
+        w2.stop()
 
 
 def test_trickling_clients_never_hold_the_metrics_server():
