@@ -1,8 +1,9 @@
 """A toy engine drives RemoteDSpark against a loopback worker: python examples/engine_step.py
 
-Its target continues a cyclic language (token t is followed by t + 1 mod 16) for four
-requests. Each step it asks the remote drafter for drafts, keeps those that match its own
-next tokens, reports what it accepted and announces again any slot the worker lost.
+Its target continues a cyclic language (token t is followed by t + 1 mod its vocabulary,
+16 here) for four requests. Each step it asks the remote drafter for drafts, keeps those
+that match its own next tokens, reports what it accepted and announces again any slot the
+worker lost. examples/engine_to_worker.py runs the same engine against a worker you start.
 """
 
 import os
@@ -19,7 +20,9 @@ from remote_dspark.worker import Worker
 K, SLOTS, VOCAB, STEPS = 4, 4, 16, 30  # drafts a round, requests, vocabulary, steps
 
 
-def engine(env: dict[str, str]) -> int:
+def engine(env: dict[str, str], vocab: int = VOCAB) -> tuple[int, int]:
+    """STEPS steps of the toy engine over ``vocab`` tokens, configured by ``env``; prints
+    its rounds and returns (ok rounds, drafts accepted)."""
     # 1. Early, on every rank, before the engine builds its depth policy: the remote
     #    round's costs go into the environment (here the depth policy is off: nothing).
     cfg = RemoteConfig.from_env(env)  # a ValueError names a bad variable
@@ -27,10 +30,10 @@ def engine(env: dict[str, str]) -> int:
     # 2. One RemoteDSpark per engine (per rank with tp_group=...), started once.
     hidden = torch.randn(SLOTS, 8)  # the rows the drafter may read
     rd = RemoteDSpark(
-        cfg, num_spec=K, max_slots=SLOTS, row_bytes=hidden[0].numel() * 4, vocab_size=VOCAB, environ=env
+        cfg, num_spec=K, max_slots=SLOTS, row_bytes=hidden[0].numel() * 4, vocab_size=vocab, environ=env
     ).start()
     try:
-        seqs = [[s * 3 % VOCAB] for s in range(SLOTS)]  # each request's tokens so far
+        seqs = [[s * 3 % vocab] for s in range(SLOTS)]  # each request's tokens so far
         sent = [0] * SLOTS  # how many the worker has seen
         accepted_total = 0
         for _ in range(STEPS):
@@ -46,7 +49,7 @@ def engine(env: dict[str, str]) -> int:
             )
             out = rd.round(batch)  # drafts [SLOTS, K], counts [SLOTS]
             sent = [len(q) for q in seqs]
-            accepted, offered = verify(seqs, out)
+            accepted, offered = verify(seqs, out, vocab)
             accepted_total += sum(accepted)
             # 4. After verifying: what was accepted, and the slots the worker lost (a new
             #    worker, a new proxy), announced again whole next round.
@@ -54,12 +57,12 @@ def engine(env: dict[str, str]) -> int:
             sent = [0 if out.resync_all or s in out.resync else n for s, n in enumerate(sent)]
         st = rd.stats()
         print(f"{st.total_rounds} rounds ({st.rounds[Outcome.OK]} ok), {accepted_total} accepted, mode {st.mode}")
-        return 0 if accepted_total > STEPS else 1
+        return st.rounds[Outcome.OK], accepted_total
     finally:
         rd.close()  # 5. within 2 s, whatever the remote does
 
 
-def verify(seqs: list[list[int]], out) -> tuple[list[int], list[int]]:
+def verify(seqs: list[list[int]], out, vocab: int) -> tuple[list[int], list[int]]:
     """The target's verification: each request accepts the drafts that match its next
     tokens, then appends the target's own next token (t + 1). Returns the accepted and
     offered counts per draft position."""
@@ -67,11 +70,11 @@ def verify(seqs: list[list[int]], out) -> tuple[list[int], list[int]]:
     for s, seq in enumerate(seqs):
         for i in range(int(out.counts[s])):
             offered[i] += 1
-            if int(out.tokens[s, i]) != (seq[-1] + 1) % VOCAB:
+            if int(out.tokens[s, i]) != (seq[-1] + 1) % vocab:
                 break
             accepted[i] += 1
             seq.append(int(out.tokens[s, i]))
-        seq.append((seq[-1] + 1) % VOCAB)
+        seq.append((seq[-1] + 1) % vocab)
     return accepted, offered
 
 
@@ -94,7 +97,8 @@ def main() -> int:
             # cost a round (the test suite runs this and expects every round answered).
             VLLM_DSPARK_REMOTE_TIMEOUT_MS="1000",
         )
-        return engine(env)
+        ok, accepted = engine(env)
+        return 0 if ok == STEPS and accepted > STEPS else 1
     finally:
         worker.stop()
 

@@ -189,7 +189,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "metrics-hostile",
         help="the worker's metrics server under slow and oversized requests: honest scrapes answered, RSS growth",
-        description=__doc__.split("\n\n")[0] + " Phases: trickle, headers; see the module docstring.",
+        description=__doc__.split("\n\n")[0] + " Phases: trickle, headers (docs/benchmarks.md says what each does).",
     )
     p.add_argument("--tricklers", type=int, default=24, help="clients trickling a request (default 24)")
     p.add_argument("--trickle-interval-ms", type=int, default=1000, help="between their bytes (default 1000)")

@@ -31,7 +31,7 @@ beside the bound the design's memory table gives for the connections the row ope
 interpreter's own) and, for a model drafter on the CPU, a call's
 working set at the budget (:mod:`remote_dspark.drafter.lm.budget`; on CUDA that is the
 GPU's memory, not the worker's). The goals (never asserted): batched >= 4x serialized's
-entries per second, and the batched p99 <= 2x alone's (the issue's H200 goal; on 2
+entries per second, and the batched p99 <= 2x alone's (on an H200 host; on 2
 cores, batched >= 2x serialized, p99 <= 1.5x); in the storm the honest engine's p50 <= 2x
 its p50 alone; in the long row its p99 delay at most one worker call.
 

@@ -53,7 +53,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "worker-hostile",
         help="the reference worker under hostile peers: its RSS growth and an honest engine's HELLO latency",
-        description=__doc__.split("\n\n")[0] + " Kinds of peer: header, hello, silent; see the module docstring.",
+        description=__doc__.split("\n\n")[0]
+        + " Kinds of peer: header, hello, silent (docs/benchmarks.md says what each does).",
     )
     p.add_argument(
         "--header-peers",
@@ -81,7 +82,7 @@ def add_parser(sub) -> None:
         action="append",
         default=[],
         metavar="ARG",
-        help="an extra argument for `remote-dspark worker` (repeatable), e.g. --worker-arg=--max-pending=64",
+        help="an extra argument for the worker (remote-dspark worker; repeatable), e.g. --worker-arg=--max-pending=64",
     )
     p.add_argument(
         "--json",

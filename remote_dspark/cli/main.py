@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -44,7 +45,44 @@ def build_parser() -> argparse.ArgumentParser:
     from ..bench import add_parsers as add_bench_parsers
 
     add_bench_parsers(bench_sub)
+    _plain_everywhere(parser)
     return parser
+
+
+# A Sphinx role with its target (:mod:`x`, :func:`~a.b.c`, :class:`text <a.b.C>`), and a
+# literal (``x``): what a docstring may hold and a terminal should not show.
+_ROLE = re.compile(r":[a-z]+:`(?:(?P<title>[^`<]*?)\s*<[^`>]*>|(?P<short>~?)\.*(?P<target>[^`]*?))`")
+_LITERAL = re.compile(r"``(.*?)``", re.S)
+
+
+def _role_words(m: re.Match) -> str:
+    if m["title"] is not None:
+        return m["title"]
+    return m["target"].rsplit(".", 1)[-1] if m["short"] else m["target"]
+
+
+def plain(text: str | None) -> str | None:
+    """``text`` as a terminal shows it: every Sphinx role by its words (its title, else its
+    target; a ``~`` target by its last name, a relative one without its dots) and every
+    double-backtick literal by its bare text. The one rule for every --help: each command
+    keeps writing its texts as its docstrings do, and :func:`build_parser` applies this
+    to all of them."""
+    return _LITERAL.sub(r"\1", _ROLE.sub(_role_words, text)) if text else text
+
+
+def _plain_everywhere(parser: argparse.ArgumentParser) -> None:
+    """:func:`plain` over every text of ``parser`` and its subcommands, however deep:
+    descriptions, epilogs, group descriptions and each argument's help."""
+    parser.description, parser.epilog = plain(parser.description), plain(parser.epilog)
+    for group in parser._action_groups:
+        group.description = plain(group.description)
+    for action in parser._actions:
+        action.help = plain(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain(choice.help)
+            for sub in set(action.choices.values()):
+                _plain_everywhere(sub)
 
 
 class Terminated(KeyboardInterrupt):
@@ -118,3 +156,26 @@ def run_command(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"remote-dspark {args.command}: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # an install without the command's extra (a worker-only one's demo)
+        extra = _extra_for(args.command, e.name or "")
+        if extra is None:
+            raise
+        print(
+            f"remote-dspark {args.command}: needs {e.name}, which this install lacks: "
+            f"install the {extra} extra (pip install 'remote-dspark[{extra}]', or '.[{extra}]' from a clone)",
+            file=sys.stderr,
+        )
+        return 2
+
+
+# The extra that brings each optional dependency: the engine's for every command that
+# runs an engine (demo, chaos, the benchmarks); the worker's own for the worker, whose
+# model drafters name their extras themselves.
+_ENGINE_EXTRA = {"torch": "engine", "numpy": "engine", "psutil": "engine", "prometheus_client": "engine"}
+_EXTRAS = {"worker": {"numpy": "worker", "prometheus_client": "worker"}}
+
+
+def _extra_for(command: str, module: str) -> str | None:
+    """The extra a command needs for ``module`` (a dotted name: its top package counts),
+    or None when no extra brings it (a genuine bug, raised as it is)."""
+    return _EXTRAS.get(command, _ENGINE_EXTRA).get(module.split(".", 1)[0])

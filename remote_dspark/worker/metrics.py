@@ -16,9 +16,11 @@ client may hold it (slow or oversized requests are dropped, never waited for).
   (a consistent copy taken under its lock), the admission loop's pool size, the drafter's
   ``cache_info()``. The round path never does anything for the metrics beyond what the
   stats already cost.
-- ``/healthz``: 200 and a small JSON body (:class:`~remote_dspark.worker.stats.Health`)
-  while the worker serves; 503 from the moment ``stop()`` begins until the server closes
-  at its end (then connections are refused).
+- ``/healthz``: 200 and a small JSON body (:class:`~remote_dspark.worker.stats.Health`:
+  ``state``, ``uptime_s``, ``connections_total`` served since start, ``connections_now``
+  served at this moment, ``rounds_total``, ``ready``) while the worker serves; 503 from
+  the moment ``stop()`` begins until the server closes at its end (then connections are
+  refused).
 - ``/readyz``: as ``/healthz``, and 503 too while every served connection is in use (a
   HELLO now would be refused busy): for a load balancer in front of several workers.
 - anything else: 404.

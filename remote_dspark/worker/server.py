@@ -216,8 +216,8 @@ class Worker:
             "serving" if serving else "stopping",
             time.monotonic() - self._started,
             connections,
-            rounds,
             served,
+            rounds,
             serving and served < self.options.max_connections,
         )
 

@@ -132,11 +132,13 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class Health:
-    """What ``/healthz`` and ``/readyz`` answer (:mod:`.metrics`)."""
+    """What ``/healthz`` and ``/readyz`` answer (:mod:`.metrics`), each key named for what
+    it counts: ``_total`` since the worker started (as the counters of ``/metrics``),
+    ``_now`` at this moment."""
 
     state: str  # serving, or stopping (from the moment stop() begins)
     uptime_s: float
-    connections: int  # served so far
-    rounds: int
-    served_now: int  # connections served at this moment
+    connections_total: int  # connections served since start (dspark_worker_served_connections_total)
+    connections_now: int  # connections served at this moment (dspark_worker_connections{state="served"})
+    rounds_total: int  # rounds answered since start
     ready: bool  # serving with a served connection free (a HELLO now would not be busy)

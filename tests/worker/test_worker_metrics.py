@@ -291,20 +291,24 @@ def test_healthz_and_readyz_while_serving_and_404_for_anything_else():
         status, body = get(w, "/healthz")
         doc = json.loads(body)
         assert status == 200 and doc["state"] == "serving" and doc["ready"] is True
-        assert doc["connections"] == 0 and doc["rounds"] == 0 and doc["uptime_s"] >= 0
+        assert doc["connections_total"] == doc["connections_now"] == doc["rounds_total"] == 0 and doc["uptime_s"] >= 0
         assert get(w, "/readyz")[0] == 200
         c = connect(w)
         try:
             do_round(c, 1, [wire.Entry(0, 2, 0, (1,), True)])
             # Every served connection in use: alive (healthz) but not ready for another engine.
             # (The round is counted once its DRAFTS went out: the client may read it first.)
-            assert until(lambda: json.loads(get(w, "/healthz")[1])["rounds"] == 1, timeout=5)
+            assert until(lambda: json.loads(get(w, "/healthz")[1])["rounds_total"] == 1, timeout=5)
             status, body = get(w, "/healthz")
-            assert status == 200 and json.loads(body)["served_now"] == 1
+            doc = json.loads(body)
+            assert status == 200 and doc["connections_now"] == 1 and doc["connections_total"] == 1
             assert get(w, "/readyz")[0] == 503
         finally:
             c.close()
         assert until(lambda: get(w, "/readyz")[0] == 200, timeout=5)
+        # The lifetime count stays; the present one goes back to none.
+        doc = json.loads(get(w, "/healthz")[1])
+        assert (doc["connections_total"], doc["connections_now"], doc["rounds_total"]) == (1, 0, 1)
         for path in ("/", "/metric", "/metrics/x", "/healthz/more"):
             assert get(w, path)[0] == 404, path
     finally:

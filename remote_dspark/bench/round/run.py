@@ -126,7 +126,7 @@ def add_parser(sub) -> None:
         "round",
         help="one drafting round end to end (sync / thread / process) next to the TCP floor and the drafter alone",
         description=__doc__.split("\n\n")[0] + " Rows: floor, sync, thread, process, "
-        "draft (and launch with --device cuda); see the module docstring.",
+        "draft (and launch with --device cuda); docs/benchmarks.md says what each measures.",
     )
     p.add_argument(
         "--slots",
