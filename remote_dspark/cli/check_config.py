@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _probe(cfg: RemoteConfig, env, args: argparse.Namespace) -> probe.Report:
+def _probe(cfg: RemoteConfig, env, args: argparse.Namespace) -> probe.ProbeReport:
     """The worker's answer to this engine (:func:`.probe.probe`) at the sizes of ``args``.
 
     Raises:

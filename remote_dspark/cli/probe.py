@@ -51,7 +51,7 @@ class Sizes:
 
 
 @dataclass(frozen=True)
-class Report:
+class ProbeReport:
     """A probe's outcome: ``verdict`` ``"ok"`` or what went wrong (``unresolvable``,
     ``unreachable``, ``identity``, ``vocabulary``, ``limits``, ``busy``, ``key``,
     ``bad answer``, ``mismatch``), ``reason`` in words, and ``rows`` ``(what, engine, worker, clash)``
@@ -71,7 +71,7 @@ def probe(
     sizes: Sizes,
     environ: Mapping[str, str] | None = None,
     resolve: Resolver = socket.getaddrinfo,
-) -> Report:
+) -> ProbeReport:
     """Probe the worker ``cfg`` names (see the module docstring); ``resolve`` is
     ``socket.getaddrinfo`` or a stand-in.
 
@@ -90,28 +90,28 @@ def probe(
     where = f"{cfg.endpoint.host}:{cfg.endpoint.port}"
     unresolved = _resolve(cfg.endpoint.host, cfg.endpoint.port, timeout_s, resolve)
     if unresolved is not None:
-        return Report("unresolvable", f"{where}: {unresolved}")
+        return ProbeReport("unresolvable", f"{where}: {unresolved}")
     try:
         client = DraftClient.connect(cfg.endpoint, hello, wire.random_id(), timeout_s, environ, key=cfg.key)
     except AuthFailed as e:
-        return Report("key", f"{where}: {e.reason}", _rows(hello, sizes, None, cfg))
+        return ProbeReport("key", f"{where}: {e.reason}", _rows(hello, sizes, None, cfg))
     except Refused as e:
         rows = _rows(hello, sizes, e.ack, cfg)
-        return Report(_refusal_kind(e, rows), f"{where} refused the HELLO: {e.reason}", rows)
+        return ProbeReport(_refusal_kind(e, rows), f"{where} refused the HELLO: {e.reason}", rows)
     except TransportError as e:
-        return Report(
+        return ProbeReport(
             "unreachable", f"{where}: {e} (within VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS={cfg.connect_timeout_ms})"
         )
     except wire.ProtocolError as e:
-        return Report("bad answer", f"{where}: {e}")
+        return ProbeReport("bad answer", f"{where}: {e}")
     try:
         rows = _rows(hello, sizes, client.ack, cfg)
     finally:
         client.close()  # BYE: the worker lets the probe's session go
     clashes = [what for what, _, _, clash in rows if clash]
     if clashes:  # the worker judges all of these: only a worker of other rules gets here
-        return Report("mismatch", f"{where} accepted, but {', '.join(clashes)} do not match", rows)
-    return Report("ok", f"{where} accepts this engine", rows)
+        return ProbeReport("mismatch", f"{where} accepted, but {', '.join(clashes)} do not match", rows)
+    return ProbeReport("ok", f"{where} accepts this engine", rows)
 
 
 def _resolve(host: str, port: int, timeout_s: float, resolve: Resolver) -> str | None:
@@ -184,7 +184,7 @@ def _rows(hello: wire.Hello, sizes: Sizes, ack: wire.HelloAck | None, cfg: Remot
     ]
 
 
-def spell(report: Report) -> str:
+def spell(report: ProbeReport) -> str:
     """The report as a table (FIELD, ENGINE, WORKER, and ``<-`` on a clash) and its verdict line."""
     head = [("FIELD", "ENGINE", "WORKER", "")]
     rows = head + [
@@ -196,7 +196,7 @@ def spell(report: Report) -> str:
     return "\n".join((lines if report.rows else []) + [f"probe: {verdict}: {report.reason}"])
 
 
-def as_json(report: Report) -> dict:
+def as_json(report: ProbeReport) -> dict:
     """The report as one JSON object: ``ok``, ``verdict``, ``reason`` and ``fields``,
     each ``{"engine", "worker", "mismatch"}``."""
     return {
