@@ -14,6 +14,8 @@ import sys
 
 from .. import transport
 from ..config.api import RemoteConfig, apply_cost_overrides, describe, n_out_table
+from ..config.names import unknown_variables
+from . import probe
 
 _DESCRIPTION = """\
 Check the VLLM_DSPARK_REMOTE* environment exactly as engine startup does: every value
@@ -22,6 +24,18 @@ endpoint must find ofl.py and libofl.so in VLLM_DSPARK_REMOTE_OFL_DIR. Prints ea
 variable with its resolved value (identities in hex, values spelled as the environment
 would; '-' = unset) and its source (env or default), then derived values. Exits 0 when
 the configuration would start, 2 with the reason on stderr when it would not.
+
+It also names every VLLM_DSPARK_REMOTE_* variable this package does not read (and
+near-misspellings of its other VLLM_DSPARK_* names), with the closest known name: such
+a variable is otherwise ignored in silence.
+
+With --probe it then asks the worker the endpoint names: it resolves the host, connects
+and says HELLO as the engine would (the configured identities and key, the sizes given
+by --max-slots, --row-bytes, --num-spec and --vocab-size, an engine id of its own: a
+probe never takes the place of an engine the worker serves), reads the answer, says BYE,
+and prints each field beside the worker's answer. Exits 3 with the reason when the
+host does not resolve, the worker cannot be reached in CONNECT_TIMEOUT_MS, or it
+refuses this engine (identity, vocabulary, slots, row bytes, key, busy).
 
 Given the engine's depth-policy facts (--depth-policy, --num-spec, --depth-file,
 --dense-cap), it also shows each round's n_out by request count (and why), and the cost
@@ -53,7 +67,23 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--num-spec",
         type=int,
         default=None,
-        help="the engine's k, drafts per entry (default 5 with the other depth options)",
+        help="the engine's k, drafts per entry (default 5)",
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="also connect to the worker, say HELLO as this engine would (then BYE) and compare "
+        "its answer with this configuration; exit 3 on any mismatch or when it cannot be reached",
+    )
+    p.add_argument("--max-slots", type=int, default=256, help="with --probe: the engine's max_slots (default 256)")
+    p.add_argument(
+        "--row-bytes", type=int, default=0, help="with --probe: the bytes of the engine's rows (default 0: none)"
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        help="with --probe: the engine's vocabulary, token ids 0..N-1 (default 0: unknown, not compared)",
     )
     p.add_argument("--depth-file", default=None, help="the engine's VLLM_DSPARK_DEPTH_FILE, if any")
     p.add_argument(
@@ -103,6 +133,8 @@ def _depth_rows(cfg: RemoteConfig, env, args: argparse.Namespace) -> list[tuple[
 
 def run(args: argparse.Namespace) -> int:
     env = os.environ
+    for warning in unknown_variables(env):  # first: a misspelling may be why the rest fails
+        print(f"check-config: warning: {warning}", file=sys.stderr)
     try:
         cfg = RemoteConfig.from_env(env)
         transport.check_ready(cfg.endpoint, env)
@@ -114,18 +146,43 @@ def run(args: argparse.Namespace) -> int:
     rows = describe(cfg, env)
     try:
         rows += _depth_rows(cfg, env, args)
+        report = _probe(cfg, env, args) if args.probe else None
     except ValueError as e:
         print(f"check-config: {e}", file=sys.stderr)
         return 2
     if args.json:
         out = {name: value for name, value, source in rows if source != "derived"}
         out["derived"] = {name: value for name, value, source in rows if source == "derived"}
+        if report is not None:
+            out["probe"] = probe.as_json(report)
         print(json.dumps(out, indent=2))
     else:
         print(
             _table([("VARIABLE", "VALUE", "SOURCE")] + [(name, value or "-", source) for name, value, source in rows])
         )
+        if report is not None:
+            print("\n" + probe.spell(report))
+    if report is not None and not report.ok:
+        print(f"check-config: probe failed ({report.verdict}): {report.reason}", file=sys.stderr)
+        return 3
     return 0
+
+
+def _probe(cfg: RemoteConfig, env, args: argparse.Namespace) -> probe.ProbeReport:
+    """The worker's answer to this engine (:func:`.probe.probe`) at the sizes of ``args``.
+
+    Raises:
+        ValueError: a size out of the wire's range, naming its flag.
+    """
+    num_spec = 5 if args.num_spec is None else args.num_spec
+    sizes = probe.Sizes(args.max_slots, args.row_bytes, num_spec, args.vocab_size)
+    try:
+        return probe.probe(cfg, sizes, env)
+    except ValueError as e:
+        raise ValueError(
+            f"--probe at --max-slots {args.max_slots} --row-bytes {args.row_bytes} "
+            f"--num-spec {num_spec} --vocab-size {args.vocab_size}: {e}"
+        ) from e
 
 
 def _table(rows: list[tuple[str, str, str]]) -> str:

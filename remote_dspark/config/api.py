@@ -26,6 +26,7 @@ from .. import wire
 from ..transport.auth import Key
 from ..transport.endpoint import Endpoint
 from .env import ENV_ENDPOINT, PREFIX, TABLE, raw_value, spell
+from .names import unknown_variables
 
 log = logging.getLogger("remote_dspark.config")
 
@@ -121,10 +122,13 @@ class RemoteConfig:
             )
         return out
 
-    def log_warnings(self) -> None:
-        """Log each of :meth:`warnings` (logger ``remote_dspark.config``): the engine's
-        start calls it, so an operator sees them where the engine logs."""
-        for warning in self.warnings():
+    def log_warnings(self, environ: Mapping[str, str] | None = None) -> None:
+        """Log each of :meth:`warnings`, and each name of ``environ`` (default
+        ``os.environ``) meant for this package that it does not read
+        (:func:`~remote_dspark.config.names.unknown_variables`), on logger
+        ``remote_dspark.config``: the engine's start calls it once, so an operator sees
+        them where the engine logs."""
+        for warning in unknown_variables(environ) + self.warnings():
             log.warning("remote DSpark: %s", warning)
 
     def hello(

@@ -88,7 +88,9 @@ REMOTE_KEY_FILE                (none: no         a pre-shared key (mode 0600 or 
 =============================  ================  ==============================================
 
 Each variable is one ``Var`` of ``TABLE`` (its parser and default); :mod:`.api` builds
-``RemoteConfig`` from them.
+``RemoteConfig`` from them. A ``VLLM_DSPARK_REMOTE_*`` name not in the table, or a near
+misspelling of another name here, is warned about with the closest known name
+(:mod:`.names`), at the engine's start and by ``check-config``.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ class RemoteDSpark:
                     raise RuntimeError(f"start() on a {self.state.value} RemoteDSpark: it runs once")
                 self._life.to(EngineState.STARTING)
             cfg = self.cfg
-            cfg.log_warnings()
+            cfg.log_warnings(self.spec.environ)
             log.info(
                 "remote DSpark: n_out %s (%s)",
                 "by request count" if self.spec.n_out_table else f"= num_spec ({self.num_spec})",

@@ -26,12 +26,15 @@ from .auth import Key
 
 
 class Refused(Exception):
-    """The worker refused HELLO; ``code`` is a ``wire.REFUSE_*`` and ``reason`` its words."""
+    """The worker refused HELLO; ``code`` is a ``wire.REFUSE_*`` and ``reason`` its words;
+    ``ack``, its HELLO_ACK (its identities and limits: what a probe reports), or None
+    when the engine refused."""
 
-    def __init__(self, code: int, reason: str):
+    def __init__(self, code: int, reason: str, ack: wire.HelloAck | None = None):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.ack = ack
 
 
 class AuthFailed(Refused):
@@ -175,7 +178,7 @@ def _check_ack(hdr: wire.Header, payload, hello: wire.Hello, session: int) -> wi
         raise wire.ProtocolError(f"{hdr.name} in answer to HELLO")
     ack = wire.decode_hello_ack(payload)
     if not ack.accepted:
-        raise Refused(ack.code, ack.reason)
+        raise Refused(ack.code, ack.reason, ack)
     if hdr.session != session:
         raise wire.ProtocolError(f"HELLO_ACK of session {hdr.session:#x} in answer to session {session:#x}")
     for what, asked, got in (

@@ -169,6 +169,18 @@ def test_start_warns_of_a_watchdog_over_a_minute_naming_the_values(worker, tmp_p
     assert any("TIMEOUT_MS=2147483647" in line and "round deadline" in line for line in lines), lines
 
 
+def test_start_names_a_misspelled_variable_once(worker, tmp_path, caplog):
+    """A variable the package does not read (VLLM_DSPARK_REMOTE_TIMEOUT for TIMEOUT_MS)
+    is named at start, once, with the closest known name; the host engine's own
+    VLLM_DSPARK_* variables are not."""
+    env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_TIMEOUT="50", VLLM_DSPARK_DEPTH_POLICY="conf")
+    with caplog.at_level(logging.WARNING, logger="remote_dspark.config"), make(env):
+        pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "remote_dspark.config"]
+    assert len(lines) == 1 and "VLLM_DSPARK_REMOTE_TIMEOUT is not" in lines[0], lines
+    assert "did you mean VLLM_DSPARK_REMOTE_TIMEOUT_MS?" in lines[0]
+
+
 def test_stats_file_and_log_line(worker, tmp_path, caplog):
     env = env_for(worker.port, tmp_path, VLLM_DSPARK_REMOTE_LOG_EVERY="2")
     with caplog.at_level(logging.INFO, logger="remote_dspark.engine"), make(env) as rd:
