@@ -49,11 +49,11 @@ TAIL = 16  # ... and the last ones the worker has seen
 # One odd 64-bit multiplier per fingerprint column, the same in every process (every
 # tensor-parallel rank must map rows to the same slots).
 _MULTIPLIERS = np.random.default_rng(0x5EED_D5).integers(1, 2**63, size=HEAD + TAIL, dtype=np.uint64) * 2 + 1
-# What a RemoteDSpark argument is called in vLLM's configuration, for its errors.
+# What a RemoteDSpark argument is called in vLLM's configuration, and what to change, for its errors.
 _VLLM_NAMES = {
-    "num_spec": "speculative_config.num_speculative_tokens",
-    "max_slots": "scheduler_config.max_num_seqs",
-    "vocab_size": "model_config's vocabulary size",
+    "num_spec": ("speculative_config.num_speculative_tokens", ""),
+    "max_slots": ("scheduler_config.max_num_seqs", "; one slot per row of vLLM's batch: lower --max-num-seqs"),
+    "vocab_size": ("model_config's vocabulary size", ""),
 }
 
 
@@ -116,9 +116,9 @@ class Step:
 
     slots: np.ndarray  # [n] int64: the row's slot, -1 for a row without drafts (empty sampled)
     new_gen: np.ndarray  # [n] bool: announce the row whole (a fresh slot, or a slot to re-announce)
-    seen: np.ndarray  # [n] int64: tokens the worker has of the row's stream (0 on NEW_GEN)
+    seen: np.ndarray  # [n] int64: tokens the worker has of the row's stream (0 on NEW_GEN; the round sends the rest)
     lengths: np.ndarray  # [n] int64: the row's tokens now
-    offered: np.ndarray  # [n] int64: drafts the row's stream was offered last step (0 when new)
+    offered: np.ndarray  # [n] int64: drafts vLLM verified this step, as far as known (0: new, or steps skipped)
     freed: np.ndarray  # [m] int64: slots whose stream ended this step (no row kept it), to release
 
 
@@ -160,10 +160,11 @@ class SlotMap:
         before = lengths - sampled
         drafting = sampled > 0
         keys = fingerprint(token_ids, np.arange(n), np.where(drafting, before, 0))
-        slots = self.row_slot[:n].copy()
-        stays = drafting & (slots >= 0)
-        stays[stays] = self._continues(slots[stays], before[stays], keys[stays])
-        slots[~stays] = -1
+        slots = np.full(n, -1, dtype=np.int64)
+        held = np.flatnonzero(drafting & (self.row_slot[:n] >= 0))
+        held = held[self._stays(token_ids, held, self.row_slot[held], before[held])]
+        slots[held] = self.row_slot[held]
+        stays = slots >= 0
         claimed = np.zeros_like(self.live)
         claimed[slots[stays]] = True
         moved = np.flatnonzero(drafting & ~stays)
@@ -174,7 +175,9 @@ class SlotMap:
         fresh = drafting & ~kept
         slots[fresh] = np.flatnonzero(~claimed)[: int(fresh.sum())]
         new_gen = fresh | (kept & self.announce[np.maximum(slots, 0)])
-        offered = np.where(kept, self.offered[np.maximum(slots, 0)], 0)
+        seen = np.where(kept & ~new_gen, self.seen[np.maximum(slots, 0)], 0)
+        # Last step's drafts were verified in this step only when no step came between.
+        offered = np.where(kept & (seen == before), self.offered[np.maximum(slots, 0)], 0)
 
         mine = slots[drafting]
         self.live[:] = False
@@ -185,7 +188,16 @@ class SlotMap:
         self.announce[mine] = False
         self.row_slot[:] = -1
         self.row_slot[:n] = slots
-        return Step(slots, new_gen, np.where(new_gen | ~drafting, 0, before), lengths, offered, freed)
+        return Step(slots, new_gen, seen, lengths, offered, freed)
+
+    def _stays(self, token_ids: np.ndarray, rows: np.ndarray, slots: np.ndarray, before: np.ndarray) -> np.ndarray:
+        """Whether each row continues the slot it held at the same row last time: the
+        slot's stream (``seen`` tokens, fingerprint ``key``) is the start of the row's
+        ``before`` tokens. Longer than it only after steps vLLM did not call ``propose``:
+        the row sends everything past it."""
+        had = np.minimum(self.seen[slots], before)
+        same = fingerprint(token_ids, rows, had) == self.key[slots]
+        return self.live[slots] & (self.seen[slots] <= before) & same
 
     def _continues(self, slots: np.ndarray, before: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Whether each row's stream (``before`` tokens, fingerprint ``keys``) is what
@@ -247,8 +259,8 @@ class RemoteProposer:
                 tp_group=tp_group,
             )
         except ValueError as e:
-            name = next((v for k, v in _VLLM_NAMES.items() if str(e).startswith(f"{k}=")), None)
-            raise ValueError(f"vllm_config.{name}: {e}" if name else str(e)) from e
+            name, fix = next((v for k, v in _VLLM_NAMES.items() if str(e).startswith(f"{k}=")), (None, ""))
+            raise ValueError(f"vllm_config.{name}: {e}{fix}" if name else str(e)) from e
         self.rd = rd.start()
         self.slot_map = SlotMap(facts.max_num_seqs)
         self._close = weakref.finalize(self, rd.close)  # at exit too, if vLLM never closes it
@@ -315,7 +327,8 @@ class RemoteProposer:
     def _batch(self, step: Step, entries: np.ndarray, token_ids_cpu: np.ndarray) -> Batch:
         """The round's batch: per entry the tokens its slot has not seen (a NEW_GEN entry
         its last ``context_tokens``, the most the engine ever sends), from ``token_ids_cpu``
-        with one gather; drafts capped at the model's length."""
+        with one gather; drafts capped where vLLM's scheduler cuts them, so that the row's
+        tokens, its drafts and the token sampled after them fit ``max_model_len``."""
         lengths = step.lengths[entries]
         first = np.where(step.new_gen[entries], np.maximum(lengths - self.rd.context_tokens, 0), step.seen[entries])
         sizes = lengths - first
@@ -328,7 +341,7 @@ class RemoteProposer:
             token_offsets=offsets,
             positions=first,
             new_gen=step.new_gen[entries],
-            n_out=np.clip(self.facts.max_model_len - lengths, 0, self.facts.num_spec),
+            n_out=np.clip(self.facts.max_model_len - lengths - 1, 0, self.facts.num_spec),
         )
 
     def _record_accepted(self, step: Step, sampled: np.ndarray) -> None:

@@ -7,7 +7,7 @@ drafts verified by a deterministic target and ``propose`` called as vLLM calls i
 The language: each request continues with a constant stride (the target's next token is
 ``2 * t[-1] - t[-2]`` mod V), and the loopback worker's order-2 Markov drafter knows it,
 so a draft for the right stream is always accepted and one for another stream (a row
-mapped to the wrong slot) is not.
+mapped to the wrong slot) is not (``vllm_runner``).
 """
 
 from __future__ import annotations
@@ -20,33 +20,16 @@ import numpy as np
 import pytest
 from helpers import DraftedWindows, drafter_env
 from tp_ranks import run_ranks
+from vllm_runner import MAX_LEN, MAX_REQS, STRIDES, K, Runner, markov_drafter, prompt, vllm_config
 
-from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.engine import Mode
 from remote_dspark.integrations.vllm import RemoteProposer
 from remote_dspark.worker import Worker
 
-V, K, MAX_REQS, MAX_LEN = 64, 4, 6, 200
-STRIDES = (1, 3, 5, 7)
-STALE = 63  # what vLLM leaves past a row's tokens (its draft tokens): the proposer must not read it
-
-
-def target_next(tokens: list[int]) -> int:
-    """The target model: the stride of the last two tokens, continued."""
-    return (2 * tokens[-1] - tokens[-2]) % V
-
-
-def prompt(start: int, stride: int, length: int = 4) -> list[int]:
-    return [(start + i * stride) % V for i in range(length)]
-
 
 @pytest.fixture
 def drafter():
-    """An order-2 Markov drafter of every stride (each cycle twice, so the pairs at the
-    seams between cycles never win)."""
-    tokens = [t for d in STRIDES for t in prompt(0, d, 2 * V)]
-    return MarkovDrafter(MarkovModel.from_tokens(tokens, order=2, top=1))
+    return markov_drafter()
 
 
 @pytest.fixture
@@ -56,108 +39,12 @@ def worker(drafter):
     w.stop()
 
 
-def vllm_config(k=K, max_num_seqs=MAX_REQS, max_model_len=MAX_LEN, tp=1, drop=()):
-    """What the proposer reads of vLLM's VllmConfig; ``drop`` names sections to leave out."""
-    sections = dict(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-        model_config=SimpleNamespace(
-            max_model_len=max_model_len, hf_config=SimpleNamespace(vocab_size=V), get_vocab_size=lambda: V
-        ),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-    )
-    return SimpleNamespace(**{name: s for name, s in sections.items() if name not in drop})
-
-
 @pytest.fixture
 def proposer(worker, drafter):
     p = RemoteProposer(vllm_config(), environ=drafter_env(drafter, worker.port, Mode.SYNC))
     p.load_model(object())  # vLLM's hook: nothing to load
     yield p
     p.close()
-
-
-class Runner:
-    """vLLM's model runner, as far as the proposer sees it (``gpu_model_runner`` and
-    ``InputBatch``). ``step`` does what a step does: remove finished requests (holes), add
-    new ones (the smallest hole, else append), condense, optionally swap two rows, verify
-    each row's drafts of last step (the longest prefix the target agrees with, plus the
-    target's bonus token), then ``propose``. It records each request's slot per step
-    (``slots``), the rounds' batches (``batches``) and per-position acceptance."""
-
-    def __init__(self, proposer: RemoteProposer):
-        self.proposer = proposer
-        self.token_ids = np.full((MAX_REQS, MAX_LEN), STALE, dtype=np.int32)
-        self.num_tokens = np.zeros(MAX_REQS, dtype=np.int32)
-        self.rows: list[str | None] = []  # the request at each row; None: a hole
-        self.drafts: dict[str, list[int]] = {}
-        self.slots: dict[str, list[int]] = {}  # request -> its slot at each step it drafted
-        self.batches: list = []
-        self.accepted_at, self.offered_at = np.zeros(K, np.int64), np.zeros(K, np.int64)
-        rd = proposer.rd
-        real_round = rd.round
-        rd.round = lambda batch: self.batches.append(batch) or real_round(batch)
-
-    def row(self, req: str) -> int:
-        return self.rows.index(req)
-
-    def step(self, add=(), finish=(), swap=None, chunked=()) -> list[list[int]]:
-        for req in finish:
-            self.rows[self.row(req)] = None
-            self.drafts.pop(req, None)
-        for req, tokens in add:
-            row = self.rows.index(None) if None in self.rows else len(self.rows)
-            self.rows[row : row + 1] = [req]
-            self.token_ids[row, : len(tokens)] = tokens
-            self.num_tokens[row] = len(tokens)
-        self.condense()
-        if swap is not None:
-            i, j = swap
-            self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
-            self.token_ids[[i, j]] = self.token_ids[[j, i]]
-            self.num_tokens[[i, j]] = self.num_tokens[[j, i]]
-        sampled = [[] if req in chunked else self.verify(i, req) for i, req in enumerate(self.rows)]
-        out = self.proposer.propose(sampled, self.num_tokens, self.token_ids, slot_mappings=None)
-        assert isinstance(out, list) and len(out) == len(self.rows)
-        for drafts, got in zip(out, sampled):
-            assert isinstance(drafts, list) and all(type(t) is int for t in drafts) and len(drafts) <= K
-            assert got or drafts == [], "a row that sampled nothing gets no drafts"
-        row_slot = self.proposer.slot_map.row_slot
-        for i, req in enumerate(self.rows):
-            self.drafts[req] = out[i]
-            if sampled[i]:
-                self.slots.setdefault(req, []).append(int(row_slot[i]))
-        return out
-
-    def condense(self) -> None:
-        """vLLM's condense: the last live row into the smallest hole, until none is left."""
-        while None in self.rows:
-            hole = self.rows.index(None)
-            last = len(self.rows) - 1
-            if last > hole and self.rows[last] is not None:
-                n = self.num_tokens[last]
-                self.token_ids[hole, :n] = self.token_ids[last, :n]
-                self.num_tokens[hole] = n
-                self.rows[hole] = self.rows[last]
-            self.rows.pop()
-
-    def verify(self, row: int, req: str) -> list[int]:
-        """The target's tokens for the row: its drafts' agreeing prefix, then its own."""
-        n = int(self.num_tokens[row])
-        seq = self.token_ids[row, :n].tolist()
-        drafts = self.drafts.get(req, [])
-        out: list[int] = []
-        for d in drafts:
-            if d != target_next(seq + out):
-                break
-            out.append(d)
-        self.offered_at[: len(drafts)] += 1
-        self.accepted_at[: len(out)] += 1
-        out.append(target_next(seq + out))
-        self.token_ids[row, n : n + len(out)] = out
-        self.token_ids[row, n + len(out) : n + len(out) + K] = STALE  # vLLM's draft tokens go there
-        self.num_tokens[row] = n + len(out)
-        return out
 
 
 def test_slots_follow_requests_through_holes_condense_and_swaps(proposer):
@@ -272,7 +159,7 @@ def test_a_request_ended_mid_announcement_is_let_go_and_its_slot_starts_whole(dr
         p.rd.release = lambda slots: released.append(list(slots)) or real_release(slots)
         run.step(add=[("a", prompt(1, 1)), ("long", prompt(2, 3, 60))])
         slot = run.slots["long"][-1]
-        assert p.rd.stats().announce.announcing == 1 and run.drafts["long"] == []  # part of its context sent
+        assert p.rd.stats().announce.announcing == 1 and run.drafts["long"] == ([], True)  # part of its context sent
         run.step(finish=["long"])
         assert released == [[slot]] and p.rd.stats().announce.announcing == 0  # let go, never sent
         rec.drafted.clear()
@@ -291,12 +178,6 @@ def test_a_request_ended_mid_announcement_is_let_go_and_its_slot_starts_whole(dr
     finally:
         p.close()
         w.stop()
-
-
-def test_no_draft_past_the_models_length(proposer):
-    run = Runner(proposer)
-    run.step(add=[("a", prompt(1, 1, MAX_LEN - 2))])
-    assert run.batches[-1].n_out.tolist() == [MAX_LEN - (MAX_LEN - 1)]
 
 
 def test_bad_inputs_are_refused_naming_them(proposer):
