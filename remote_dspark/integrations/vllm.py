@@ -6,10 +6,12 @@
         "num_speculative_tokens": 4,
     }
 
-The interface followed is vLLM PR #39487 (``vllm/v1/spec_decode/custom_class_proposer.py``,
-vLLM 0.22-0.24): vLLM builds ``RemoteProposer(vllm_config)`` and, after each step's
-bookkeeping, on every tensor-parallel rank, calls
-``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``:
+The interface followed is vLLM's ``vllm/v1/spec_decode/custom_class_proposer.py``, as
+vLLM 0.33.0's source has it: vLLM builds ``RemoteProposer(vllm_config)`` (an exception
+there reaches the user as a ``RuntimeError`` whose cause is it) and, after each step's
+bookkeeping, on every tensor-parallel rank, inside ``torch.inference_mode()``, calls
+``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``
+(``slot_mappings``: a dict of KV slot tensors, unused here):
 
 - ``sampled_token_ids``: one list per row of the persistent batch (rows 0..n-1), the
   tokens the row accepted this step (1 + accepted drafts), empty for a row whose output
@@ -30,6 +32,12 @@ answers RESYNC, or the drafts are not accepted), never output: vLLM verifies eve
 A slot no row kept (its request finished, or left the batch) is released before the
 step's round (``RemoteDSpark.release``): a long context still being announced there in
 chunks is let go, and the slot's next request starts whole.
+
+vLLM skips ``propose`` for a whole step while any row is within K tokens of
+``max_model_len`` (and verifies K zeros as each row's drafts): a row that stayed at its
+row then continues its slot from the tokens the worker has, sending all it missed; the
+drafts verified in between are counted nowhere. A row that moved meanwhile is announced
+whole.
 """
 
 from __future__ import annotations
