@@ -143,7 +143,8 @@ class SlotMap:
 
     A row that sampled ``m`` tokens had ``length - m`` before this step. It keeps a slot
     when that slot saw exactly that many tokens with the same fingerprint: first the slot
-    it held at the same row last step (rows mostly stay), then, for rows that moved
+    it held at the same row last time (rows mostly stay; after steps vLLM ran without
+    ``propose`` that slot saw fewer, the start of the row's tokens), then, for rows that moved
     (condensed, swapped), the one unclaimed live slot with its fingerprint and length,
     when exactly one row and one slot have it. Anything else (a new request, a
     resumed one, two identical streams that both moved) takes a free slot with NEW_GEN;
