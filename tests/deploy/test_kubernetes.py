@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import stat
 import subprocess
 import urllib.error
@@ -32,17 +33,29 @@ from remote_dspark.worker import Worker
 from remote_dspark.worker.limits import parse_listen
 
 HERE = Path(REPO) / "deploy" / "kubernetes"
+BASE, MONITORED = HERE / "base", HERE / "with-podmonitor"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def manifests() -> dict[str, dict]:
-    """Every object the kustomization lists, by kind (each kind once)."""
-    listed = yaml.safe_load((HERE / "kustomization.yaml").read_text())["resources"]
+def rendered(folder: Path = MONITORED) -> list[dict]:
+    """The objects ``kubectl apply -k folder`` applies: its resources, a folder among them
+    read as its own kustomization. Only ``resources`` is used (no patches or generators),
+    so this is kustomize's output up to order (the kubectl test compares them)."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert set(kustomization) <= {"apiVersion", "kind", "resources"}, f"{folder}: more than resources"
+    out = []
+    for name in kustomization["resources"]:
+        path = folder / name
+        out += rendered(path) if path.is_dir() else list(yaml.safe_load_all(path.read_text()))
+    return out
+
+
+def manifests(folder: Path = MONITORED) -> dict[str, dict]:
+    """Every object ``folder`` applies, by kind (each kind once)."""
     out: dict[str, dict] = {}
-    for name in listed:
-        for doc in yaml.safe_load_all((HERE / name).read_text()):
-            assert doc["kind"] not in out, f"{name}: a second {doc['kind']}"
-            out[doc["kind"]] = doc
+    for doc in rendered(folder):
+        assert doc["kind"] not in out, f"{folder}: a second {doc['kind']}"
+        out[doc["kind"]] = doc
     return out
 
 
@@ -123,11 +136,59 @@ def status_of(w: Worker, path: str) -> int:
         return e.code
 
 
-def test_the_kustomization_lists_every_manifest_here():
-    listed = yaml.safe_load((HERE / "kustomization.yaml").read_text())["resources"]
-    here = {p.name for p in HERE.glob("*.yaml")} - {"kustomization.yaml"}
-    assert sorted(listed) == sorted(here)
-    assert set(manifests()) == {"Deployment", "Service", "PodMonitor"}
+def test_each_kustomization_lists_its_folder_and_only_the_overlay_needs_the_operator():
+    """The base applies on any cluster (no Prometheus Operator kind in it); the overlay
+    is the base and a PodMonitor."""
+    for folder in (BASE, MONITORED):
+        listed = yaml.safe_load((folder / "kustomization.yaml").read_text())["resources"]
+        here = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
+        assert {n for n in listed if not (folder / n).is_dir()} == here, folder
+    base = manifests(BASE)
+    assert set(base) == {"Deployment", "Service", "PersistentVolumeClaim"}
+    assert not any(d["apiVersion"].startswith("monitoring.coreos.com/") for d in base.values())
+    assert set(manifests(MONITORED)) == set(base) | {"PodMonitor"}
+
+
+def test_the_model_volume_is_the_claim_the_base_defines(objects):
+    """The Deployment's model volume is the base's claim, which every replica, on any
+    node, can mount."""
+    args = worker_args(objects)
+    model_mount, _ = mount_of(container(objects, "worker"), args.hf_model)
+    claim = volume(objects, model_mount["name"])["persistentVolumeClaim"]
+    pvc = manifests(BASE)["PersistentVolumeClaim"]
+    assert claim["claimName"] == pvc["metadata"]["name"] and claim["readOnly"] is True
+    if objects["Deployment"]["spec"]["replicas"] > 1:
+        assert set(pvc["spec"]["accessModes"]) & {"ReadWriteMany", "ReadOnlyMany"}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl here (its kustomize renders the folders)")
+def test_kubectl_renders_the_same_objects_and_an_overlay_renames_the_image(tmp_path):
+    """``kubectl kustomize`` of the base and the overlay gives the objects read above;
+    an overlay of one's own with ``images`` (docs/deploy.md) gives every container the
+    registry's image."""
+
+    def kustomize(folder: Path) -> list[dict]:
+        out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return list(yaml.safe_load_all(out.stdout))
+
+    def names(docs):
+        return sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+
+    for folder in (BASE, MONITORED):
+        assert names(kustomize(folder)) == names(rendered(folder))
+    name, tag = "registry.internal/ml/remote-dspark-worker", "0.1.0-cuda"
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": [os.path.relpath(MONITORED, tmp_path)],
+                "images": [{"name": "remote-dspark-worker", "newName": name, "newTag": tag}],
+            }
+        )
+    )
+    deployment = next(d for d in kustomize(tmp_path) if d["kind"] == "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    assert {c["image"] for c in spec["initContainers"] + spec["containers"]} == {f"{name}:{tag}"}
 
 
 def test_the_worker_runs_with_its_real_flags_reachable_from_other_pods(objects):
