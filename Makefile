@@ -39,4 +39,4 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -n auto --dist loadgroup
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
