@@ -5,10 +5,15 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# The engine side needs torch. On a machine without a GPU this must be the CPU build:
-# `pip install torch==2.13.0` takes the CPU wheel where one is provided locally.
-# A GPU host sets TORCH_SPEC to the build it wants (or installs torch itself first).
-TORCH_SPEC ?= torch==2.13.0
+# The engine side needs torch, installed first so that the extras below keep it and pull no
+# other build. TORCH_SPEC is pip's requirement for it; empty means scripts/install-torch's
+# default: torch==2.13.0, and on a Linux x86-64 machine without an NVIDIA GPU the CPU build
+# torch==2.13.0+cpu (a spec there that names no `+cpu` build is refused: never a CUDA build
+# on a CPU machine). TORCH_INDEX is the index torch comes from (pip's --index-url), e.g.
+# https://download.pytorch.org/whl/cpu, which carries the CPU builds the PyPI index lacks.
+# A .venv that has torch already keeps it.
+TORCH_SPEC ?=
+TORCH_INDEX ?=
 # The tests also load a tiny transformers model (the hf extra: --hf-model), so it is installed too.
 
 .PHONY: demo test install clean
@@ -17,8 +22,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install --quiet '$(TORCH_SPEC)'
-	$(BIN)/pip install --quiet -e '.[engine,test,hf]'
+	@./scripts/install-torch '$(BIN)/python' '$(TORCH_SPEC)' '$(TORCH_INDEX)'
+	@echo "== installing remote-dspark (editable) with the extras engine, test and hf"
+	$(BIN)/pip install -e '.[engine,test,hf]'
 	@touch $@
 
 install: $(STAMP)
@@ -33,4 +39,4 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs -n auto --dist loadgroup
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

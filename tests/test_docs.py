@@ -60,7 +60,7 @@ def test_every_page_under_docs_is_checked():
 
 def test_every_extra_named_is_declared_and_every_declared_one_is_named():
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    named = {x for group in re.findall(r"remote-dspark\[([a-z,]+)\]", README) for x in group.split(",")}
+    named = {x for group in re.findall(r"(?:remote-dspark|\.|\.whl)\[([a-z,]+)\]", README) for x in group.split(",")}
     assert named == declared
 
 
