@@ -22,7 +22,7 @@ def fake_machine(tmp_path: Path, *, gpu: bool, torch_version: str | None = None)
     prints ``torch_version`` or fails as if torch were missing) and the environment whose
     PATH holds only a Linux x86-64 ``uname`` and, with ``gpu``, an ``nvidia-smi``."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     tools = {"uname": '[ "$1" = -s ] && echo Linux || echo x86_64'}
     if gpu:
         tools["nvidia-smi"] = "exit 0"
@@ -51,9 +51,11 @@ def test_without_a_gpu_the_default_is_the_cpu_build(tmp_path):
 
 
 def test_without_a_gpu_a_spec_that_may_be_a_cuda_build_is_refused_before_pip(tmp_path):
-    done, pip = install_torch(tmp_path, "torch==2.13.0", CPU_INDEX)
+    done, pip = install_torch(tmp_path, "torch==2.13.0")
     assert done.returncode == 2 and pip is None
     assert "TORCH_SPEC=torch==2.13.0" in done.stderr and "+cpu" in done.stderr
+    done, pip = install_torch(tmp_path / "cpu-index", "torch==2.13.0", CPU_INDEX)  # CPU builds only there
+    assert done.returncode == 0 and pip == ["install", "torch==2.13.0", "--index-url", CPU_INDEX]
 
 
 def test_the_index_goes_to_pip_as_the_index_url(tmp_path):

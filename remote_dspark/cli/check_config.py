@@ -31,8 +31,9 @@ a variable is otherwise ignored in silence.
 
 With --probe it then asks the worker the endpoint names: it resolves the host, connects
 and says HELLO as the engine would (the configured identities and key, the sizes given
-by --max-slots, --row-bytes, --num-spec and --vocab-size, an engine id of its own: a
-probe never takes the place of an engine the worker serves), reads the answer, says BYE,
+by --max-slots, --row-bytes, --num-spec and --vocab-size, an engine id of its own: it
+never takes the place of an engine served in the last minute, though on a worker whose
+every place is held it may take that of one idle longer), reads the answer, says BYE,
 and prints each field beside the worker's answer. Exits 3 with the reason when the
 host does not resolve, the worker cannot be reached in CONNECT_TIMEOUT_MS, or it
 refuses this engine (identity, vocabulary, slots, row bytes, key, busy).

@@ -162,7 +162,7 @@ def run_command(args: argparse.Namespace) -> int:
             raise
         print(
             f"remote-dspark {args.command}: needs {e.name}, which this install lacks: "
-            f"install the {extra} extra (pip install 'remote-dspark[{extra}]', or '.[{extra}]' from a clone)",
+            f"install the {extra} extra (pip install '.[{extra}]' from a clone, or its wheel's [{extra}])",
             file=sys.stderr,
         )
         return 2

@@ -16,7 +16,9 @@ The probe's engine id and session are its own, fresh and random (``wire.random_i
 worker replaces an engine's windows only for a HELLO of that engine's id, and a
 newcomer takes an engine's place only when every place is held and that engine was not
 served for a minute (``worker.sessions``: otherwise the newcomer is told "busy"): so a
-probe never takes the windows of an engine the worker serves. Its own session leaves
+probe never takes the windows of an engine served within that minute, but on a worker
+whose every place is held it is admitted as any newcomer is, in the place of an engine
+idle longer (which reconnects and announces its contexts again). Its own session leaves
 with its BYE.
 
 The verdict is the worker's: it judges the identities, the vocabulary, its limits, the
@@ -124,7 +126,7 @@ def _resolve(host: str, port: int, timeout_s: float, resolve: Resolver) -> str |
         try:
             resolve(host, port, type=socket.SOCK_STREAM)
             answer.append(None)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: an empty or over-long label (UnicodeError)
             answer.append(f"the host {host!r} does not resolve ({e})")
 
     thread = threading.Thread(target=look_up, name="check-config-resolve", daemon=True)

@@ -54,7 +54,7 @@ def _unknown(name: str) -> str | None:
         return f"{name} is ignored: variable names are case-sensitive; did you mean {upper}?"
     if upper.startswith(PREFIX):
         near = _closest(upper, PREFIX, HINT)
-        hint = f"did you mean {near}?" if near else "see remote_dspark/config/env.py for the variables"
+        hint = f"did you mean {near}?" if near else "`remote-dspark check-config` lists the variables"
         return f"{name} is not a variable of remote-dspark, so it is ignored; {hint}"
     near = _closest(upper, FAMILY, CLOSE)
     return f"{name} is not read by remote-dspark; did you mean {near}?" if near else None

@@ -96,12 +96,15 @@ def test_unreachable(served, capsys):
     assert code == 3 and report["verdict"] == "unreachable" and "connect to 127.0.0.1" in report["reason"]
 
 
-def test_unresolvable_host_is_reported(served, capsys):
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "bad..host"])
+def test_unresolvable_host_is_reported(served, capsys, host):
+    """A name that does not resolve, and one the resolver refuses outright (an empty
+    label): each reported at once as not resolving, never a thread's traceback."""
     _, env = served
-    env.setenv("VLLM_DSPARK_REMOTE", "tcp://no-such-host.invalid:18620")
+    env.setenv("VLLM_DSPARK_REMOTE", f"tcp://{host}:18620")
     code, report, err = probed(capsys)
     assert code == 3 and report["verdict"] == "unresolvable"
-    assert "'no-such-host.invalid'" in report["reason"] and "Traceback" not in err
+    assert f"'{host}' does not resolve" in report["reason"] and "Traceback" not in err
 
 
 def test_a_host_that_does_not_resolve_in_time_is_reported():

@@ -60,5 +60,5 @@ def test_demo_without_torch_names_the_extra_in_one_line():
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
         "remote-dspark demo: needs torch, which this install lacks: install the engine extra "
-        "(pip install 'remote-dspark[engine]', or '.[engine]' from a clone)"
+        "(pip install '.[engine]' from a clone, or its wheel's [engine])"
     ]
