@@ -355,6 +355,17 @@ class DraftedWindows(MarkovDrafter):
                     self.drafted.append((int(batch.slots[i]), batch.context(i).tolist()))
         return super().draft_batch(batch)
 
+    def check_first_drafts(self, whole: dict[int, list[int]], cap: int) -> None:
+        """Each slot of ``whole`` (and no other) first drafted from its whole context's last
+        ``cap`` tokens (the worker's window of it)."""
+        with self.lock:
+            first: dict[int, list[int]] = {}
+            for slot, context in self.drafted:
+                first.setdefault(slot, context)
+        assert sorted(first) == sorted(whole)
+        for s, context in first.items():
+            assert context == whole[s][-cap:], f"slot {s}: first drafted from {context[:8]}..., not its last {cap}"
+
 
 class ContextsSeen(MarkovDrafter):
     """A Markov drafter of CYCLE4 that records each entry's context as it got it (the

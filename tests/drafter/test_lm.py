@@ -115,6 +115,20 @@ def block_bytes(d: LMDrafter) -> int:
     return d.store.block_bytes()
 
 
+def pooled(blocks, **kw) -> LMDrafter:
+    """A CPU drafter (``kw``: LMDrafter's) whose pool holds ``blocks`` blocks: an int, or
+    of the drafter's store (its ``max_blocks``: a whole stream's) when callable."""
+    shape = {k: kw[k] for k in ("window", "max_context") if k in kw}
+    probe = LMDrafter(device="cpu", cache_slots=1, **shape).store
+    n = blocks(probe) if callable(blocks) else blocks
+    return LMDrafter(device="cpu", kv_bytes=n * probe.block_bytes(), **kw)
+
+
+def one_stream(store) -> int:
+    """A pool of one whole stream and the trash block."""
+    return store.max_blocks + 1
+
+
 def small_store(rows: int, blocks: int = 64, columns: int = 64) -> KVStore:
     """A pool of ``blocks`` one-float blocks (the bookkeeping's tests need no model)."""
     return KVStore(blocks, rows, columns, 1, 1, 1)
@@ -131,10 +145,7 @@ def test_every_draft_equals_a_fresh_encode_of_the_whole_stream_at_its_true_posit
     encoding its stream's whole sequence afresh at its true positions drafts. An entry
     left without blocks (a round whose streams pass the pool) gets no drafts."""
     window, width = 6, 2
-    probe = LMDrafter(device="cpu", cache_slots=1, window=window, max_context=32)
-    cached = LMDrafter(
-        device="cpu", cache_slots=3, window=window, max_context=32, kv_bytes=blocks * block_bytes(probe), graphs=graphs
-    )
+    cached = pooled(blocks, cache_slots=3, window=window, max_context=32, graphs=graphs)
     streams = Streams(window, whole=True)
     for ops in rounds:
         batch = streams.round(ops, width)
@@ -156,9 +167,7 @@ def test_a_stream_far_past_its_window_drafts_from_its_whole_sequence_kept_in_its
     200 tokens drafts. A pool of one whole stream: another stream's 300 tokens evict it,
     and it is re-encoded whole from the worker's tokens, evicting the other in turn."""
     window, width = 4, 3
-    probe = LMDrafter(device="cpu", cache_slots=1, window=window)
-    whole = probe.columns // BLOCK + 1  # one whole stream and the trash block
-    cached = LMDrafter(device="cpu", cache_slots=2, window=window, kv_bytes=whole * block_bytes(probe))
+    cached = pooled(one_stream, cache_slots=2, window=window)
     streams = Streams(window, max_slots=2, whole=True)
     rng = np.random.default_rng(1)
     streams.round([(0, "new_gen", 7, [3, 4])], width)
@@ -269,9 +278,7 @@ def test_a_round_whose_streams_pass_the_pool_runs_in_waves_and_drafts_every_entr
     one round: the round runs in two waves, the second evicting the first's stream, and
     both draft what a fresh encode drafts; so does a drafter without a cache whose round
     of 40 entries passes its pool many times over."""
-    probe = LMDrafter(device="cpu", cache_slots=1, window=8, max_context=32)
-    small = (probe.store.max_blocks + 2) * probe.store.block_bytes()
-    d = LMDrafter(device="cpu", cache_slots=2, window=8, max_context=32, kv_bytes=small)
+    d = pooled(lambda store: store.max_blocks + 2, cache_slots=2, window=8, max_context=32)
     ctx = [list(range(1, 71)), list(range(3, 73))]  # 70 tokens and 2 drafts: 5 blocks each
     both = dict(session=1, slots=np.arange(2), gens=np.ones(2, np.int64), lengths=np.array([70, 70], np.int64))
     got = d.draft_batch(batch_of(ctx, [2, 2], 2, **both))
@@ -279,7 +286,7 @@ def test_a_round_whose_streams_pass_the_pool_runs_in_waves_and_drafts_every_entr
     assert d.cache_info().evicted == 1 and d.cache_info().blocks_used == -(-72 // BLOCK)
     rng = np.random.default_rng(2)
     many = [rng.integers(0, 128, 40).tolist() for _ in range(40)]
-    uncached = LMDrafter(device="cpu", cache_slots=0, window=8, max_context=32, kv_bytes=small)
+    uncached = pooled(lambda store: store.max_blocks + 2, cache_slots=0, window=8, max_context=32)
     assert_same_drafts(
         uncached.draft_batch(batch_of(many, [2] * 40, 2)), PLAIN.draft_batch(batch_of(many, [2] * 40, 2))
     )
@@ -292,14 +299,7 @@ def test_another_engines_guarded_streams_never_fail_a_round_that_needs_their_blo
     is a preference: the round evicts engine 1's stream rather than fail, and drafts what
     a fresh encode drafts (an attacker within its share once failed other engines' rounds
     so, and every round merged with them)."""
-    probe = LMDrafter(device="cpu", cache_slots=1, window=8, max_context=64)
-    d = LMDrafter(
-        device="cpu",
-        cache_slots=4,
-        window=8,
-        max_context=64,
-        kv_bytes=(probe.store.max_blocks + 1) * block_bytes(probe),
-    )
+    d = pooled(one_stream, cache_slots=4, window=8, max_context=64)
     rng = np.random.default_rng(0)
     ctx = {(s, slot): rng.integers(0, 128, n).tolist() for s, slot, n in ((1, 0, 50), (2, 0, 50), (2, 1, 64))}
 
@@ -322,14 +322,7 @@ def test_a_round_whose_own_streams_hold_the_pool_drafts_its_first_and_lets_the_o
     """A pool of one whole stream (8 blocks) held by one engine's two streams of 4 blocks,
     both growing past them in one round: nothing else to evict, so the first entry runs and
     the second gets no drafts, its blocks given back; next round it is re-encoded whole."""
-    probe = LMDrafter(device="cpu", cache_slots=1, window=8, max_context=64)
-    d = LMDrafter(
-        device="cpu",
-        cache_slots=4,
-        window=8,
-        max_context=64,
-        kv_bytes=(probe.store.max_blocks + 1) * block_bytes(probe),
-    )
+    d = pooled(one_stream, cache_slots=4, window=8, max_context=64)
     rng = np.random.default_rng(1)
     ctx = [rng.integers(0, 128, 62).tolist() for _ in range(2)]
 

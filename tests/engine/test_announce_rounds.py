@@ -113,28 +113,16 @@ def test_contexts_of_every_length_reach_the_worker_whole_and_in_order(tmp_path, 
                 nxt += 1000
                 with drafter.lock:
                     drafter.drafted.clear()
-                check_first_drafts(drafter, announce(rd, seq, nxt + 500))
+                drafter.check_first_drafts(announce(rd, seq, nxt + 500), CAP)
             # Every slot re-announced at once (as after resync_all): 8 x 64 tokens, 40 a round.
             seq = {s: [t for t in range(nxt + 100 * s, nxt + 100 * s + CAP)] for s in range(SLOTS)}
             with drafter.lock:
                 drafter.drafted.clear()
             before = rd._path.announcer.rounds
-            check_first_drafts(drafter, announce(rd, seq, nxt + 1000))
+            drafter.check_first_drafts(announce(rd, seq, nxt + 1000), CAP)
             assert rd._path.announcer.rounds - before >= SLOTS * CAP // BUDGET  # chunked: 40 tokens a round
             counted = rd.stats().announce  # the one record: the metrics and the stats file read it
             assert counted.chunks >= 2 * (SLOTS - 1) and counted.announcing == 0
-
-
-def check_first_drafts(drafter: DraftedWindows, whole: dict[int, list[int]], cap: int = CAP) -> None:
-    """Each slot first drafted from its whole context (and the tokens appended while it
-    was announced), in order, in the round it became whole."""
-    with drafter.lock:
-        first: dict[int, list[int]] = {}
-        for slot, context in drafter.drafted:
-            first.setdefault(slot, context)
-    assert sorted(first) == sorted(whole)
-    for s, context in first.items():
-        assert context == whole[s][-cap:], f"slot {s}: first drafted from {context}, not {whole[s][-cap:]}"
 
 
 WINDOW, LONG_BUDGET = 300, 160  # a worker keeping 300 tokens a slot, taking 160 a round
@@ -161,11 +149,11 @@ def test_contexts_up_to_a_large_window_reach_the_worker_whole_at_the_default_cap
                 nxt += 10_000
                 with drafter.lock:
                     drafter.drafted.clear()
-                check_first_drafts(drafter, announce(rd, seq, nxt + 9000, LONG_BUDGET), WINDOW)
+                drafter.check_first_drafts(announce(rd, seq, nxt + 9000, LONG_BUDGET), WINDOW)
             seq = {s: list(range(nxt + 1000 * s, nxt + 1000 * s + WINDOW + 50)) for s in range(SLOTS)}
             with drafter.lock:
                 drafter.drafted.clear()
-            check_first_drafts(drafter, announce(rd, seq, nxt + 9000, LONG_BUDGET), WINDOW)
+            drafter.check_first_drafts(announce(rd, seq, nxt + 9000, LONG_BUDGET), WINDOW)
             assert rd.stats().announce.announcing == 0
 
 
@@ -216,7 +204,7 @@ def test_after_a_real_resync_every_context_reaches_the_worker_whole_again(tmp_pa
             before = rd.stats().announce.reannounced
             with drafter.lock:
                 drafter.drafted.clear()
-            check_first_drafts(drafter, announce(rd, seq, nxt))
+            drafter.check_first_drafts(announce(rd, seq, nxt), CAP)
             assert rd.stats().announce.reannounced - before == SLOTS and rd.stats().announce.announcing == 0
     finally:
         w.stop()

@@ -23,17 +23,6 @@ pytestmark = pytest.mark.gpu
 SLOTS, K, WINDOW, BUDGET = 8, 3, 300, 160
 
 
-def check_first_drafts(drafter: DraftedWindows, whole: dict[int, list[int]]) -> None:
-    """Each slot first drafted from the last WINDOW tokens of its whole context."""
-    with drafter.lock:
-        first: dict[int, list[int]] = {}
-        for slot, context in drafter.drafted:
-            first.setdefault(slot, context)
-    assert sorted(first) == sorted(whole)
-    for s, context in first.items():
-        assert context == whole[s][-WINDOW:], f"slot {s}: first drafted from {context[:8]}..."
-
-
 def on_cuda(b: Batch) -> Batch:
     fields = ("slots", "tokens", "token_offsets", "positions", "new_gen")
     return Batch(**{f: torch.as_tensor(getattr(b, f)).cuda() for f in fields})
@@ -111,8 +100,8 @@ def test_launch_of_cuda_metadata_brings_every_context_whole(tmp_path, mode):
                 nxt += 10_000
                 with drafter.lock:
                     drafter.drafted.clear()
-                check_first_drafts(drafter, launch_until_whole(rd, seq, nxt + 9000))
+                drafter.check_first_drafts(launch_until_whole(rd, seq, nxt + 9000), WINDOW)
             seq = {s: list(range(nxt + 1000 * s, nxt + 1000 * s + WINDOW + 50)) for s in range(SLOTS)}
             with drafter.lock:
                 drafter.drafted.clear()
-            check_first_drafts(drafter, launch_until_whole(rd, seq, nxt + 9000))
+            drafter.check_first_drafts(launch_until_whole(rd, seq, nxt + 9000), WINDOW)
