@@ -33,6 +33,12 @@ from calls: a pace that refused every round would never be corrected). This is c
 again just before each drafter call of a call made in several (the groups drafted
 before it may outlast a deadline).
 
+Where rounds come from: connection threads calling :meth:`Scheduler.draft`, and, on a
+worker with a hub (:mod:`.hub`), the hub's ready rounds, which the drafter thread takes
+itself whenever it looks for work (``source``; it waits for them in C, the interpreter
+lock released): such a round's job is ended by a call to its ``deliver`` (its reply,
+written and sent by the hub) once the lock is released, not by a thread's wake-up.
+
 Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
 and nothing else queued, the connection's own thread, at once (no hand-off between
 threads on an idle worker: the round's latency is the drafter's). That thread goes on
@@ -58,6 +64,7 @@ drafter is called once per round, in the same fair order.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
@@ -70,6 +77,9 @@ from .batching import Charge, gather, merge, part
 from .fair import FairShare
 from .jobs import Answered, Failed, Job, Pending, Piece
 
+log = logging.getLogger("remote_dspark.worker")
+
+IDLE_WAIT_S = 1.0  # the drafter thread's longest wait in its source before it looks at its own state again
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
 DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) of a drafter that reserves memory ...
 DEFAULT_MAX_TOKENS = 1 << 15  # ... and tokens: contexts plus drafts (--max-batch-tokens)
@@ -104,6 +114,7 @@ class Scheduler:
         on_call: Callable[[float, int, int, int, list[float], int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
+        source=None,
     ):
         if (max_entries is not None and max_entries < 1) or (max_tokens is not None and max_tokens < 1):
             raise ValueError(f"max_entries {max_entries}, max_tokens {max_tokens}: must be >= 1")
@@ -114,7 +125,7 @@ class Scheduler:
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.mixed = batching and mixed_sessions_of(drafter)
         self.charge = Charge(drafter)  # what an entry costs in a call
-        self.on_call, self.clock = on_call, clock
+        self.on_call, self.clock, self.source = on_call, clock, source
         self._cond = threading.Condition()
         self._fair = FairShare(self.charge)  # the queued rounds, each call's share of them
         self._pace = 0.0  # the fewest clock seconds a budget token took in a call (0: none yet)
@@ -123,6 +134,7 @@ class Scheduler:
         # alone may then take pieces for and gather into.
         self._busy = False  # a call is being made (by the drafter thread or a connection's)
         self._stopping = False
+        self._outbox: list[Job] = []  # ended jobs with a ``deliver``, to call outside the lock
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
 
     def reserve(self) -> None:
@@ -148,10 +160,19 @@ class Scheduler:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if self.source is not None:
+            self.source.poke()
         self._thread.join(timeout_s)
         with self._cond:
             for job in self._fair.clear():
                 self._end(job, Failed(RuntimeError("the worker is stopping")))
+        self._deliver()
+
+    def queued(self) -> int:
+        """Rounds waiting for the drafter: queued here, and ready in the source."""
+        with self._cond:
+            here = self._fair.queued()
+        return here + (self.source.ready() if self.source is not None else 0)
 
     def draft(self, session: int, batch: DraftBatch, deadline: float = math.inf) -> DraftResult | None:
         """``batch``'s drafts (checked against the contract), or None when its
@@ -195,14 +216,31 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
+            if self.source is not None:
+                self._pull()
             with self._cond:
                 while (not self._fair or self._busy) and not self._stopping:
+                    if self.source is not None:
+                        break  # (its wait is the source's, in _pull)
                     self._cond.wait()
                 if self._stopping:
                     return
+                if not self._fair or self._busy:
+                    continue
                 self._busy = True
                 pieces, late, taken_at = self._take()
             self._run(pieces, late, taken_at)
+
+    def _pull(self) -> None:
+        """The source's ready rounds queued: waited for (up to ``IDLE_WAIT_S``, the lock
+        not held) when nothing else is, else taken without a wait."""
+        with self._cond:
+            idle = not self._fair or self._busy
+        jobs = self.source.take(IDLE_WAIT_S if idle else 0.0)
+        if jobs:
+            with self._cond:
+                for job in jobs:
+                    self._fair.add(job)
 
     def _whole(self, job: Job) -> bool:
         """The round fits a call's budget whole."""
@@ -231,8 +269,11 @@ class Scheduler:
         queued meanwhile."""
         with self._cond:
             self._busy = False
-            if self._fair:  # (else no wake-up)
-                self._cond.notify()
+            if not self._fair:  # (else no wake-up)
+                return
+            self._cond.notify()
+        if self.source is not None:
+            self.source.poke()
 
     def _draft_pieces(self, pieces: list[Piece], late: list[Job], taken_at: float) -> None:
         """A call's drafter calls, each group's rounds answered as soon as it is drafted (a
@@ -242,6 +283,7 @@ class Scheduler:
                 for job in late:  # answered with the pieces drafted, or None: none was
                     if isinstance(job.state, Pending):
                         self._end(job, Answered(job.state.parts))
+            self._deliver()
         if self.mixed:  # one call per width, row size and kind, the narrowest first
             groups = collections.defaultdict(list)
             for piece in pieces:
@@ -254,6 +296,7 @@ class Scheduler:
                 group = self._in_time(group)
             if group:
                 self._call(group, taken_at)
+            self._deliver()  # each group's rounds answered as soon as it is drafted
 
     def _in_time(self, group: list[Piece]) -> list[Piece]:
         """The pieces of ``group`` the drafter can still draft before their round's
@@ -326,10 +369,20 @@ class Scheduler:
             at += len(piece)
         return gathered
 
-    @staticmethod
-    def _end(job: Job, state: Answered | Failed) -> None:
-        """Under the lock: ``job`` done with ``state`` and its waiter woken, unless it is
-        done already (its first end stands)."""
-        if isinstance(job.state, Pending):
-            job.state = state
-            job.done.set()
+    def _end(self, job: Job, state: Answered | Failed) -> None:
+        """Under the lock: ``job`` ended (:meth:`Job.end`); one with a ``deliver`` goes in
+        the outbox for :meth:`_deliver`."""
+        if job.end(state) and job.deliver is not None:
+            self._outbox.append(job)
+
+    def _deliver(self) -> None:
+        """The ended jobs' ``deliver`` called, outside the lock (their replies)."""
+        with self._cond:
+            if not self._outbox:
+                return
+            out, self._outbox = self._outbox, []
+        for job in out:
+            try:
+                job.deliver(job)
+            except Exception:  # one round's reply never stops the drafter thread
+                log.exception("delivering a round's drafts failed")
