@@ -89,11 +89,13 @@ class Scheduler:
     """The drafter thread and its queue (module docstring). Owned by the worker:
     :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
 
-    ``on_call(seconds, rounds, entries, tokens, waits, pieces, piece_tokens)`` is told of
-    each drafter call: its duration, the pieces of rounds, the entries and the tokens
-    (contexts and drafts: the budget's cost) it drafted, how long each round first
-    drafted in it waited in the queue, and the pieces of an over-budget entry's encode in
-    it and their tokens (the worker's statistics). ``clock`` dates
+    ``on_call(seconds, rounds, entries, tokens, waits, pieces, piece_tokens, cpu_seconds)``
+    is told of each drafter call: its duration, the pieces of rounds, the entries and the
+    tokens (contexts and drafts: the budget's cost) it drafted, how long each round first
+    drafted in it waited in the queue, the pieces of an over-budget entry's encode in it
+    and their tokens, and the CPU the call took on the thread that made it
+    (``time.thread_time``: the drafter's own host work; threads of the drafter's own,
+    such as torch's intra-op pool, are not in it) (the worker's statistics). ``clock`` dates
     deadlines and the drafter's pace (``time.monotonic``; a test's clock that the
     drafter moves makes both deterministic). ``max_tokens`` None: the drafter derives the token
     budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
@@ -111,7 +113,7 @@ class Scheduler:
         *,
         max_entries: int | None,
         max_tokens: int | None,
-        on_call: Callable[[float, int, int, int, list[float], int, int], None] | None = None,
+        on_call: Callable[[float, int, int, int, list[float], int, int, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
         source=None,
@@ -348,8 +350,10 @@ class Scheduler:
         makes the call: no lock to read them). Raises what the call raised."""
         batches = [p.drafted() for p in pieces]
         batch = batches[0] if len(pieces) == 1 else merge(batches)
-        t0, c0 = time.perf_counter(), self.clock()
-        result = check_result(self.drafter.draft_batch(batch), batch)
+        t0, c0, cpu0 = time.perf_counter(), self.clock(), time.thread_time()
+        drafted = self.drafter.draft_batch(batch)
+        cpu = time.thread_time() - cpu0  # the drafter's own host work (its result's check is the worker's)
+        result = check_result(drafted, batch)
         tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
         spent = self.clock() - c0
         if spent > 0 and tokens:  # (only the call's maker writes it; a float store)
@@ -357,7 +361,8 @@ class Scheduler:
         if self.on_call is not None:
             waits = [taken_at - p.job.queued for p in pieces if p.start == 0 and not p.after]
             encoding = [p.cost for p in pieces if p.partial]  # pieces of an over-budget entry's encode
-            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits, len(encoding), sum(encoding))
+            facts = (len(pieces), len(batch), tokens, waits, len(encoding), sum(encoding), cpu)
+            self.on_call(time.perf_counter() - t0, *facts)
         gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
         at = 0
         for p, piece in zip(pieces, batches, strict=True):
