@@ -5,7 +5,7 @@ door (:mod:`.admission`), its limits and the HELLO's checks (:mod:`.limits`), th
 verdict and ack (:mod:`.hello`), the engines it holds places for (:mod:`.sessions`) and
 their windows (:mod:`.windows`; every stream's kept tokens read through :mod:`.history`),
 the drafter's thread and its queue (:mod:`.scheduler`,
-the fair share of a call :mod:`.fair`, a job's lifecycle :mod:`.jobs`, a call's
+the fair share of a call :mod:`.fair`, what the drafter costs :mod:`.cost`, a job's lifecycle :mod:`.jobs`, a call's
 arithmetic :mod:`.batching`), a round as arrays
 (:mod:`.round`) or in C (:mod:`.native_round`; a connection served whole in C,
 :mod:`.lane`; every other connection's frames, windows and replies in C, :mod:`.hub`),

@@ -1,0 +1,47 @@
+"""The drafter's cost model (remote_dspark.worker.cost): it learns a call's seconds by its
+shape, forgets one slow call (a compile) after one short call, and an overrun scales the
+next prediction at once."""
+
+import numpy as np
+import pytest
+
+from remote_dspark.worker.cost import MIN_FIT, DrafterCost
+
+TRUE = np.array([0.002, 1e-5, 2e-6, 4e-6])  # a, b, c, d: a call, an entry, a token, a draft step
+
+
+def seconds(entries, tokens, width):
+    return float(TRUE @ [1, entries, tokens, entries * width])
+
+
+def shapes(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(int(e), int(e * rng.integers(4, 300)), int(rng.integers(1, 65))) for e in rng.integers(1, 1024, n)]
+
+
+def test_before_any_call_a_price_is_the_entry_s_tokens():
+    cost = DrafterCost()
+    assert not cost.known and cost.prices(np.array([5, 7]), np.array([3, 0]), 3).tolist() == [5.0, 7.0]
+    assert cost.tick() == 1.0 and cost.tokens_within(12.5) == 12
+
+
+def test_the_fit_finds_the_drafter_s_coefficients_and_ignores_one_slow_call():
+    cost = DrafterCost()
+    calls = shapes(20)
+    for i, (e, t, w) in enumerate(calls):
+        cost.observe(e, t, w, seconds(e, t, w) * (50 if i == MIN_FIT + 2 else 1))  # one compile among them
+    assert cost.over == 1.0 and np.allclose(cost.coef, TRUE, rtol=1e-3, atol=1e-9)
+    assert cost.seconds(64, 640, 5) == pytest.approx(seconds(64, 640, 5), rel=1e-3)
+
+
+def test_an_overrun_scales_the_next_prediction_and_one_call_on_time_undoes_it():
+    cost = DrafterCost()
+    for e, t, w in shapes(12):
+        cost.observe(e, t, w, seconds(e, t, w))
+    before, allowance = cost.seconds(64, 640, 5), cost.prices(np.array([640]), np.array([0]), 0)[0]
+    assert cost.tokens_within(allowance) == pytest.approx(640, abs=1)
+    cost.observe(100, 10_000, 5, 4 * seconds(100, 10_000, 5))  # a call four times its prediction
+    assert cost.seconds(64, 640, 5) == pytest.approx(4 * before, rel=0.05)
+    assert cost.tokens_within(allowance) < 640 / 3  # the same time takes fewer tokens in the next call
+    cost.observe(64, 640, 5, seconds(64, 640, 5))
+    assert cost.seconds(64, 640, 5) == pytest.approx(before, rel=0.05)
