@@ -40,6 +40,7 @@ from .structs import (
     BatchOut,
     CudaIn,
     HostRoundIn,
+    HubCall,
     HubConn,
     HubResult,
     HubState,
@@ -98,6 +99,7 @@ MIRRORS = (
     HubConn,
     HubState,
     HubResult,
+    HubCall,
 )
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
@@ -191,6 +193,13 @@ _FUNCS = {
         True,
     ),
     "hub_drop": ("hf_hub_drop", None, (ctypes.POINTER(HubState), ctypes.POINTER(HubConn)), False),
+    "hub_gather": ("hf_hub_gather", _I, (ctypes.POINTER(HubState), _P, _U32, ctypes.POINTER(HubCall)), True),
+    "hub_answer": (
+        "hf_hub_answer",
+        None,
+        (ctypes.POINTER(HubState), _P, _U32, ctypes.POINTER(HubResult), _P, _P),
+        True,
+    ),
     "host_meta": ("hf_host_meta", _I, (ctypes.POINTER(MetaIn), _P, _U64), False),
     "cuda_launch": ("hf_cuda_launch", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),
     "cuda_gather": ("hf_cuda_gather", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),

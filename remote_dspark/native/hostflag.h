@@ -268,7 +268,9 @@ struct hf_conn {
     uint64_t frame_deadline_ns;   /* a frame begun is whole by then */
     uint64_t tx_len, tx_sent, send_deadline_ns;   /* the reply being sent */
     uint64_t received_ns;         /* the round in hand was whole (CLOCK_MONOTONIC) */
+    uint64_t serial;              /* its session's serial (the drafter's batch names it per entry) */
     uint32_t why, err;            /* out: why the connection is Python's (SV_*), errno */
+    uint32_t pad;
 };
 
 /* The hub (worker_hub.c): one epoll set over the served connections, a wake-up eventfd,
@@ -287,9 +289,30 @@ struct hf_hub {
     uint64_t frame_ns, send_ns;   /* a frame's whole-by and a reply's wait for room; UINT64_MAX: none */
 };
 
-/* A round's drafts for hf_hub_reply, as the drafter's result holds them: the m drafted
- * entries' counts and rows (each row `stride` elements apart, the round's width of them;
- * q_* `qstride` apart, W_TOP per position), NULL arrays for none (an expired round). */
+/* One drafting call's batch, several connections' rounds gathered by hf_hub_gather in
+ * their order (Python owns the arrays, sized for the call's caps): the drafter's
+ * DraftBatch, each entry's session, the rounds' facts. */
+struct hf_call {
+    int32_t *tokens;              /* [room_tokens] */
+    int64_t *offsets;             /* [room_entries + 1] */
+    int32_t *n_out;
+    int64_t *slots, *gens, *lengths, *starts, *kept_from, *sessions;   /* [room_entries] each */
+    float *temperature;           /* [room_entries], sampled rounds' */
+    uint64_t *seed;
+    uint8_t *rows;                /* [room_rows] bytes */
+    uint64_t *received_ns;        /* [k]: each round's receipt */
+    uint64_t *deadline_ns;        /* [k]: each round's deadline (UINT64_MAX: none) */
+    uint64_t room_entries, room_tokens, room_rows;
+    uint32_t keep_streams;        /* in: kept_from is written (the drafter keeps whole streams) */
+    uint32_t sampled, row_bytes, width, margins;   /* out: the rounds' (all alike), widest, any */
+    uint32_t pad;
+    uint64_t m, n_tokens, n_rows; /* out: entries, context tokens, row bytes (needed, when over room) */
+};
+
+/* A round's drafts for hf_hub_reply, or a call's for hf_hub_answer, as the drafter's
+ * result holds them: the drafted entries' counts and rows (each row `stride` elements
+ * apart, of which a round reads its own width; q_* `qstride` apart, W_TOP per position),
+ * NULL arrays for none (an expired round). */
 struct hf_result {
     const int32_t *counts, *tokens;
     const float *margins;

@@ -368,8 +368,10 @@ class HubConn(ctypes.Structure):
         ("tx_sent", ctypes.c_uint64),
         ("send_deadline_ns", ctypes.c_uint64),
         ("received_ns", ctypes.c_uint64),
+        ("serial", ctypes.c_uint64),
         ("why", ctypes.c_uint32),
         ("err", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
     ]
 
 
@@ -389,6 +391,39 @@ class HubState(ctypes.Structure):
         ("sleepers", ctypes.c_uint32),
         ("frame_ns", ctypes.c_uint64),
         ("send_ns", ctypes.c_uint64),
+    ]
+
+
+class HubCall(ctypes.Structure):
+    """``struct hf_call``: one drafting call's batch, rounds gathered by ``hf_hub_gather``."""
+
+    _fields_ = [
+        ("tokens", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("n_out", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("gens", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p),
+        ("starts", ctypes.c_void_p),
+        ("kept_from", ctypes.c_void_p),
+        ("sessions", ctypes.c_void_p),
+        ("temperature", ctypes.c_void_p),
+        ("seed", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("received_ns", ctypes.c_void_p),
+        ("deadline_ns", ctypes.c_void_p),
+        ("room_entries", ctypes.c_uint64),
+        ("room_tokens", ctypes.c_uint64),
+        ("room_rows", ctypes.c_uint64),
+        ("keep_streams", ctypes.c_uint32),
+        ("sampled", ctypes.c_uint32),
+        ("row_bytes", ctypes.c_uint32),
+        ("width", ctypes.c_uint32),
+        ("margins", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("m", ctypes.c_uint64),
+        ("n_tokens", ctypes.c_uint64),
+        ("n_rows", ctypes.c_uint64),
     ]
 
 

@@ -339,9 +339,10 @@ uint32_t hf_hub_take(struct hf_hub *h, uint32_t *out, uint32_t max, uint64_t dea
 }
 
 /* The DRAFTS frame of c's round (the ROUND's payload in rx, its header in hdr, its batch
- * in c->b) into tx: RESYNC where an entry has no window, the result's drafts for the
- * drafted entries (r's arrays NULL: none). Returns its length. */
-static uint64_t write_reply(struct hf_conn *c, const struct hf_result *r)
+ * in c->b) into tx: RESYNC where an entry has no window, the drafts of r's rows from
+ * `at` for the drafted entries (r's arrays NULL: none); *drafted gets their count.
+ * Returns its length. */
+static uint64_t write_reply(struct hf_conn *c, const struct hf_result *r, uint64_t at, uint64_t *drafted)
 {
     const struct hf_batch *b = c->b;
     uint32_t n = b->n, width = b->width, margins = c->want_margin != 0, sampled = c->w->sampled != 0;
@@ -362,13 +363,15 @@ static uint64_t write_reply(struct hf_conn *c, const struct hf_result *r)
     memcpy(f + W_HEADER + 4, &w16, 2);
     memcpy(f + W_HEADER + 6, &flags, 2);
     memcpy(f + at_slots, c->rx + W_ROUND_FIXED, 4ull * n);
-    for (uint32_t i = 0, j = 0; i < n; i++) {
+    *drafted = 0;
+    for (uint64_t i = 0, j = at; i < n; i++) {
         uint16_t status = b->ok[i] ? 0 : W_RESYNC;
         memcpy(f + at_status + 2ull * i, &status, 2);
         if (!b->drafted[i])
             continue;
         if (r->counts) {
             uint16_t count = (uint16_t)r->counts[j];
+            *drafted += count;
             memcpy(f + at_counts + 2ull * i, &count, 2);
             memcpy(f + at_tokens + 4ull * i * width, r->tokens + j * r->stride, 4ull * width);
             if (margins && r->margins)
@@ -383,12 +386,11 @@ static uint64_t write_reply(struct hf_conn *c, const struct hf_result *r)
     return size;
 }
 
-/* Answer c's round (the caller's, HUB_QUEUED) with r and send it: 0 sent whole (c reads
- * its next frame), 1 partly (the I/O thread sends the rest), -1 the send failed (errno
- * kept; c's socket is shut and handed back to the I/O thread, which finds it closed). */
-int hf_hub_reply(struct hf_hub *h, struct hf_conn *c, const struct hf_result *r)
+/* Send c's reply (in tx, tx_len bytes): 0 sent whole (c reads its next frame), 1 partly
+ * (the I/O thread sends the rest), -1 the send failed (errno kept; c's socket is shut and
+ * handed back to the I/O thread, which finds it closed). */
+static int send_reply(struct hf_hub *h, struct hf_conn *c)
 {
-    c->tx_len = write_reply(c, r);
     c->tx_sent = 0;
     int sent = conn_send(c);
     if (sent == 0) {
@@ -403,6 +405,97 @@ int hf_hub_reply(struct hf_hub *h, struct hf_conn *c, const struct hf_result *r)
         errno = e;
     }
     return sent;
+}
+
+/* Answer c's round (the caller's, HUB_QUEUED) with r (its rows from 0) and send it:
+ * send_reply's answer. */
+int hf_hub_reply(struct hf_hub *h, struct hf_conn *c, const struct hf_result *r)
+{
+    uint64_t drafted;
+    c->tx_len = write_reply(c, r, 0, &drafted);
+    return send_reply(h, c);
+}
+
+/* ----------------------------------------------------------------- a call of whole rounds */
+
+/* The rounds of connections ids[0..k) (the caller's, HUB_QUEUED) gathered into one
+ * call's batch `o`, in that order, entries of a round consecutive: contexts and offsets
+ * rebased, each entry's session, kept_from (keep_streams: the stream's indices from
+ * lengths - min(lengths, keep) are in its windows), rows, sampled rounds' temperatures
+ * and seeds, each round's receipt and deadline. Returns 0; 1 when they cannot make one
+ * call (of the rounds with entries to draft: greedy and sampled, two widths, or rows of
+ * two sizes); 2 when they are over the arrays' room (o->m, n_tokens and n_rows say what
+ * they need). */
+int hf_hub_gather(struct hf_hub *h, const uint32_t *ids, uint32_t k, struct hf_call *o)
+{
+    uint64_t m = 0, t = 0, rows = 0;
+    o->sampled = o->row_bytes = o->width = 0;
+    for (uint32_t r = 0; r < k; r++) {
+        const struct hf_conn *c = h->conns[ids[r]];
+        uint32_t sampled = c->w->sampled != 0;
+        if (c->b->m && !m)
+            o->sampled = sampled, o->row_bytes = c->b->row_bytes, o->width = c->b->width;
+        else if (c->b->m && (sampled != o->sampled || c->b->row_bytes != o->row_bytes || c->b->width != o->width))
+            return 1;
+        m += c->b->m, t += c->b->n_tokens, rows += (uint64_t)c->b->m * c->b->row_bytes;
+    }
+    o->m = m, o->n_tokens = t, o->n_rows = rows;
+    if (m > o->room_entries || t > o->room_tokens || rows > o->room_rows)
+        return 2;
+    m = t = rows = 0;
+    o->margins = 0;
+    for (uint32_t r = 0; r < k; r++) {
+        const struct hf_conn *c = h->conns[ids[r]];
+        const struct hf_batch *b = c->b;
+        memcpy(o->tokens + t, b->tokens, 4 * b->n_tokens);
+        memcpy(o->n_out + m, b->n_out, 4ull * b->m);
+        memcpy(o->slots + m, b->slots, 8ull * b->m);
+        memcpy(o->gens + m, b->gens, 8ull * b->m);
+        memcpy(o->lengths + m, b->lengths, 8ull * b->m);
+        memcpy(o->starts + m, b->starts, 8ull * b->m);
+        if (o->sampled) {
+            memcpy(o->temperature + m, b->temperature, 4ull * b->m);
+            memcpy(o->seed + m, b->seed, 8ull * b->m);
+        }
+        /* rows: the drafted entries' of the ROUND's rows, which end its payload */
+        const uint8_t *src = c->rx + get32(c->hdr + 8) - (uint64_t)b->n * b->row_bytes;
+        for (uint32_t i = 0, j = 0; b->row_bytes && i < b->n; i++)
+            if (b->drafted[i])
+                memcpy(o->rows + rows + (uint64_t)(j++) * b->row_bytes, src + (uint64_t)i * b->row_bytes, b->row_bytes);
+        for (uint32_t j = 0; j < b->m; j++) {
+            o->offsets[m + j] = (int64_t)t + b->offsets[j];
+            o->sessions[m + j] = (int64_t)c->serial;
+            if (o->keep_streams) {
+                int64_t len = b->lengths[j], keep = (int64_t)c->w->keep;
+                o->kept_from[m + j] = len - (len < keep ? len : keep);
+            }
+        }
+        o->received_ns[r] = c->received_ns;
+        o->deadline_ns[r] = b->deadline_ms ? c->received_ns + (uint64_t)b->deadline_ms * 1000000u : UINT64_MAX;
+        o->margins |= c->want_margin != 0;
+        m += b->m, t += b->n_tokens, rows += (uint64_t)b->m * b->row_bytes;
+    }
+    o->offsets[m] = (int64_t)t;
+    return 0;
+}
+
+/* The call gathered from ids[0..k) answered with r (its rows in the gathered order) and
+ * each reply sent: facts[0..4) get the rounds' entries, their RESYNCs, those past the
+ * drafter's positions, and the drafts; sent[r] send_reply's answer for round r. */
+void hf_hub_answer(struct hf_hub *h, const uint32_t *ids, uint32_t k, const struct hf_result *r, uint64_t *facts,
+                   int32_t *sent)
+{
+    uint64_t at = 0;
+    facts[0] = facts[1] = facts[2] = facts[3] = 0;
+    for (uint32_t i = 0; i < k; i++) {
+        struct hf_conn *c = h->conns[ids[i]];
+        const struct hf_batch *b = c->b;
+        uint64_t drafted;
+        c->tx_len = write_reply(c, r, at, &drafted);
+        facts[0] += b->n, facts[1] += b->n - b->n_ok, facts[2] += b->n_ok - b->m, facts[3] += drafted;
+        at += b->m;
+        sent[i] = send_reply(h, c);
+    }
 }
 
 /* End c's connection (the caller's, HUB_QUEUED: its round failed, or the worker stops):

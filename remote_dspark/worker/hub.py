@@ -96,6 +96,7 @@ class Connection:
             tx_size=len(self.tx),
             max_payload=chan.max_payload,
             want_margin=int(session.want_margin),
+            serial=session.windows.serial,
         )
         self._hdr = np.ctypeslib.as_array(self.c.hdr)  # the frame in hand's header, a view
         self.received = 0.0  # time.monotonic() seconds: the round in hand was whole
@@ -122,22 +123,7 @@ class Connection:
         """Answer the round in hand with ``result`` (its drafted entries' drafts; None:
         none, an expired round) and send it. False when the send failed (the connection
         is then ending: the I/O thread finds it closed)."""
-        from ..native import HubResult
-
-        r = HubResult()
-        if result is not None and len(result.counts):
-            tokens, margins = result.tokens, result.margins
-            if tokens.strides[1] != 4 or (margins is not None and margins.strides != tokens.strides):
-                tokens = np.ascontiguousarray(tokens, np.int32)
-                margins = None if margins is None else np.ascontiguousarray(margins, np.float32)
-            counts = np.ascontiguousarray(result.counts, np.int32)
-            r.counts, r.tokens, r.stride = counts.ctypes.data, tokens.ctypes.data, tokens.strides[0] // 4
-            if margins is not None:
-                r.margins = margins.ctypes.data
-            if result.q_ids is not None:
-                q_ids = np.ascontiguousarray(result.q_ids, np.int32)
-                q_weights = np.ascontiguousarray(result.q_weights, np.uint16)
-                r.q_ids, r.q_weights, r.qstride = q_ids.ctypes.data, q_weights.ctypes.data, q_ids.strides[0] // 4
+        r, _keep = result_of(result)
         return self.hub.lib.hub_reply(self.hub.state_ref, ctypes.byref(self.c), ctypes.byref(r)) >= 0
 
     def drop(self) -> None:
@@ -173,13 +159,44 @@ class Connection:
         return Disconnected(f"send failed: {os.strerror(c.err)}")
 
 
+def result_of(result: DraftResult | None):
+    """``hf_result`` of a drafter's result (None, or no entries: no drafts), and the
+    arrays it points into (contiguous copies where the result's were not), which the
+    caller keeps alive while C reads them."""
+    from ..native import HubResult
+
+    r = HubResult()
+    if result is None or not len(result.counts):
+        return r, ()
+    tokens, margins = result.tokens, result.margins
+    if tokens.strides[1] != 4 or (margins is not None and margins.strides != tokens.strides):
+        tokens = np.ascontiguousarray(tokens, np.int32)
+        margins = None if margins is None else np.ascontiguousarray(margins, np.float32)
+    counts = np.ascontiguousarray(result.counts, np.int32)
+    r.counts, r.tokens, r.stride = counts.ctypes.data, tokens.ctypes.data, tokens.strides[0] // 4
+    keep = [counts, tokens, margins]
+    if margins is not None:
+        r.margins = margins.ctypes.data
+    if result.q_ids is not None:
+        q_ids = np.ascontiguousarray(result.q_ids, np.int32)
+        q_weights = np.ascontiguousarray(result.q_weights, np.uint16)
+        r.q_ids, r.q_weights, r.qstride = q_ids.ctypes.data, q_weights.ctypes.data, q_ids.strides[0] // 4
+        keep += [q_ids, q_weights]
+    return r, keep
+
+
 class Hub:
     """The hub of a worker (module docstring): ``start()`` its I/O thread, ``open()`` each
     connection once its HELLO is answered, :meth:`take` from the drafter's thread,
     ``stop()`` at the end. ``on_event(connection)`` runs on the I/O thread for each
     connection handed to Python, which removes it (:meth:`remove`) and closes it;
     ``make_job(connection)`` turns a taken connection's round into the scheduler's
-    :class:`~.jobs.Job`, or None when it was answered at once (nothing to draft)."""
+    :class:`~.jobs.Job`, or None when it was answered at once (nothing to draft);
+    ``on_answered(connections, facts, sent, received)`` counts a call of whole rounds
+    answered by :meth:`answer` (``facts``: entries, RESYNCs, past the positions, drafts;
+    ``sent`` each reply's send, ``received`` each round's receipt), and
+    ``on_failed(connection, error)`` a round whose call raised. ``window``: the
+    worker's, for the call's context tokens."""
 
     def __init__(
         self,
@@ -191,10 +208,15 @@ class Hub:
         send_timeout_s: float,
         on_event: Callable[[Connection], None],
         make_job: Callable[[Connection], Job | None],
+        on_answered: Callable,
+        on_failed: Callable[[Connection, BaseException], None],
+        window: int,
     ):
         from ..native import HubState
 
         self.rounds, self.lib = rounds, rounds.lib
+        self.on_answered, self.on_failed, self.window = on_answered, on_failed, window
+        self._call: _CallArrays | None = None  # a call's arrays, made at the first gather
         self.limits, self.max_positions = limits, max_positions
         self.on_event, self.make_job = on_event, make_job
         self._conns_c = (ctypes.c_void_p * room)()
@@ -260,22 +282,67 @@ class Hub:
         with self._lock:
             return [c for c in self._by_id if c is not None]
 
-    def take(self, timeout_s: float) -> list[Job]:
-        """The drafter's thread: the rounds ready to draft, as jobs (waiting in C up to
-        ``timeout_s`` for one; a :meth:`poke` ends the wait), those with nothing to draft
-        answered at once instead."""
+    def ready(self, timeout_s: float) -> np.ndarray:
+        """The drafter's thread: the ids of the connections with a round ready to draft,
+        each the caller's until answered (waiting in C up to ``timeout_s`` for one; a
+        :meth:`poke` ends the wait)."""
         from ..native import deadline_ns
 
         until = deadline_ns(timeout_s) if timeout_s > 0 else 0
         n = self.lib.hub_take(self.state_ref, self._taken.ctypes.data, len(self._taken), until)
+        return self._taken[:n].copy()
+
+    def jobs(self, ids: np.ndarray) -> list[Job]:
+        """The rounds of ``ids`` as the scheduler's jobs, those with nothing to draft
+        answered at once instead."""
         jobs = []
-        for cid in self._taken[:n].tolist():
+        for cid in ids.tolist():
             job = self.make_job(self._by_id[cid])
             if job is not None:
                 jobs.append(job)
         return jobs
 
-    def ready(self) -> int:
+    def gather(self, ids: np.ndarray, max_entries: int):
+        """The rounds of ``ids`` as one call's batch (``hf_hub_gather``: views of arrays
+        reused by every call), with each round's receipt and deadline (time.monotonic()
+        seconds; inf: none); None when they cannot make one call of at most
+        ``max_entries`` entries (greedy and sampled, drafts or rows of two sizes)."""
+        if self._call is None or self._call.room < max_entries:
+            self._call = _CallArrays(max_entries, self.window)
+        call = self._call
+        first = self._by_id[int(ids[0])].session
+        call.c.keep_streams = first.history is not None
+        while True:
+            got = self.lib.hub_gather(self.state_ref, ids.ctypes.data, len(ids), ctypes.byref(call.c))
+            if got != 2 or call.c.m > max_entries or not call.grow_rows(call.c.n_rows):
+                break
+        if got:
+            return None
+        return (
+            call.batch(first.history, first.windows.serial if len(ids) == 1 else None),
+            call.received[: len(ids)] / 1e9,
+            call.deadlines(len(ids)),
+        )
+
+    def answer(self, ids: np.ndarray, result: DraftResult | None) -> None:
+        """The call gathered from ``ids`` answered with ``result`` (its rows in their
+        order): each round's reply written and sent in C, then counted (``on_answered``)."""
+        r, _keep = result_of(result)
+        conns = [self._by_id[cid] for cid in ids.tolist()]  # (once a reply is sent, its connection may end)
+        facts = np.zeros(4, np.uint64)
+        sent = np.zeros(len(ids), np.int32)
+        received = self._call.received[: len(ids)] / 1e9
+        self.lib.hub_answer(
+            self.state_ref, ids.ctypes.data, len(ids), ctypes.byref(r), facts.ctypes.data, sent.ctypes.data
+        )
+        self.on_answered(conns, facts.tolist(), sent, received)
+
+    def fail(self, ids: np.ndarray, error: BaseException) -> None:
+        """The call gathered from ``ids`` raised: each round's connection ends."""
+        for cid in ids.tolist():
+            self.on_failed(self._by_id[cid], error)
+
+    def waiting(self) -> int:
         """Rounds ready to draft, not taken yet."""
         return (self.state.tail - self.state.head) & 0xFFFFFFFF
 
@@ -312,3 +379,65 @@ class Hub:
                     self.on_event(conn)
                 except Exception:  # never the I/O thread: every other connection needs it
                     log.exception("connection %s: failed ending it", conn.peer)
+
+
+class _CallArrays:
+    """The arrays a call of whole rounds is gathered into (``hf_call``), made once for
+    ``room`` entries of ``window`` context tokens each; rows grow to what a call needs."""
+
+    def __init__(self, room: int, window: int):
+        from ..native import HubCall
+
+        self.room = room
+        n, i8 = room, np.int64
+        self.tokens = np.empty(room * window, np.int32)
+        self.offsets, self.n_out = np.empty(n + 1, i8), np.empty(n, np.int32)
+        self.slots, self.gens, self.lengths = np.empty(n, i8), np.empty(n, i8), np.empty(n, i8)
+        self.starts, self.kept_from, self.sessions = np.empty(n, i8), np.empty(n, i8), np.empty(n, i8)
+        self.temperature, self.seed = np.empty(n, np.float32), np.empty(n, np.uint64)
+        self.received, self._deadlines = np.empty(n, np.uint64), np.empty(n, np.uint64)
+        self.rows = np.empty(0, np.uint8)
+        self.c = HubCall(room_entries=n, room_tokens=len(self.tokens))
+        for name in ("tokens", "offsets", "n_out", "slots", "gens", "lengths", "starts", "kept_from"):
+            setattr(self.c, name, getattr(self, name).ctypes.data)
+        for name in ("sessions", "temperature", "seed"):
+            setattr(self.c, name, getattr(self, name).ctypes.data)
+        self.c.received_ns, self.c.deadline_ns = self.received.ctypes.data, self._deadlines.ctypes.data
+
+    def grow_rows(self, need: int) -> bool:
+        """Room for ``need`` bytes of rows (at most 64 MiB: a call past it takes the jobs' way)."""
+        if need <= len(self.rows) or need > 64 << 20:
+            return False
+        self.rows = np.empty(need, np.uint8)
+        self.c.rows, self.c.room_rows = self.rows.ctypes.data, need
+        return True
+
+    def deadlines(self, k: int) -> np.ndarray:
+        """The gathered rounds' deadlines, time.monotonic() seconds (inf: none)."""
+        d = self._deadlines[:k]
+        return np.where(d == np.uint64((1 << 64) - 1), np.inf, d / 1e9)
+
+    def batch(self, history, session: int | None):
+        """The gathered call as the drafter's batch: views of these arrays (``session``:
+        the one session of a call of one round; None: each entry's)."""
+        from ..drafter.contract import DraftBatch
+
+        c, m = self.c, self.c.m
+        sampled = bool(c.sampled)
+        return DraftBatch(
+            self.tokens[: c.n_tokens],
+            self.offsets[: m + 1],
+            self.n_out[:m],
+            self.rows[: m * c.row_bytes].reshape(m, c.row_bytes),
+            bool(c.margins),
+            c.width,
+            session=self.sessions[:m] if session is None else session,
+            slots=self.slots[:m],
+            gens=self.gens[:m],
+            lengths=self.lengths[:m],
+            positions=self.starts[:m],
+            temperature=self.temperature[:m] if sampled else None,
+            seed=self.seed[:m] if sampled else None,
+            kept_from=self.kept_from[:m] if history is not None else None,
+            history=history,
+        )

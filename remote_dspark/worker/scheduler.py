@@ -174,7 +174,7 @@ class Scheduler:
         """Rounds waiting for the drafter: queued here, and ready in the source."""
         with self._cond:
             here = self._fair.queued()
-        return here + (self.source.ready() if self.source is not None else 0)
+        return here + (self.source.waiting() if self.source is not None else 0)
 
     def draft(self, session: int, batch: DraftBatch, deadline: float = math.inf) -> DraftResult | None:
         """``batch``'s drafts (checked against the contract), or None when its
@@ -234,15 +234,49 @@ class Scheduler:
             self._run(pieces, late, taken_at)
 
     def _pull(self) -> None:
-        """The source's ready rounds queued: waited for (up to ``IDLE_WAIT_S``, the lock
-        not held) when nothing else is, else taken without a wait."""
+        """The source's ready rounds: waited for (up to ``IDLE_WAIT_S``, the lock not
+        held) when nothing else is queued, else taken without a wait; drafted at once in
+        one call of them all when the drafter is free and they fit it whole
+        (:meth:`_whole_call`), else queued as jobs."""
         with self._cond:
             idle = not self._fair or self._busy
-        jobs = self.source.take(IDLE_WAIT_S if idle else 0.0)
+        ready = self.source.ready(IDLE_WAIT_S if idle else 0.0)
+        if not len(ready) or ((self.mixed or len(ready) == 1) and self._whole_call(ready)):
+            return
+        jobs = self.source.jobs(ready)
         if jobs:
             with self._cond:
                 for job in jobs:
                     self._fair.add(job)
+
+    def _whole_call(self, ready) -> bool:
+        """The source's ``ready`` rounds drafted in one call of them all, their replies
+        written and sent by the source per call (no job, no turn, no merge): when the
+        drafter is free, nothing else is queued, and they fit a call whole, within both
+        budgets and before every deadline at the pace. False (nothing drafted) otherwise:
+        the caller queues them, and the fair share takes it from there."""
+        got = self.source.gather(ready, self.max_entries)
+        if got is None:
+            return False
+        batch, received, deadlines = got
+        tokens = int(self.charge.costs(batch).sum())
+        now = self.clock()
+        if len(batch) > self.max_entries or tokens > self.max_tokens or deadlines.min() <= now + self._pace * tokens:
+            return False
+        with self._cond:
+            if self._busy or self._fair or self._stopping:
+                return False
+            self._busy = True
+        try:
+            try:
+                result = self._timed(batch, len(ready), tokens, (now - received).tolist()) if len(batch) else None
+            except BaseException as e:
+                self.source.fail(ready, e)
+            else:
+                self.source.answer(ready, result)
+        finally:
+            self._free()
+        return True
 
     def _whole(self, job: Job) -> bool:
         """The round fits a call's budget whole."""
@@ -350,19 +384,10 @@ class Scheduler:
         makes the call: no lock to read them). Raises what the call raised."""
         batches = [p.drafted() for p in pieces]
         batch = batches[0] if len(pieces) == 1 else merge(batches)
-        t0, c0, cpu0 = time.perf_counter(), self.clock(), time.thread_time()
-        drafted = self.drafter.draft_batch(batch)
-        cpu = time.thread_time() - cpu0  # the drafter's own host work (its result's check is the worker's)
-        result = check_result(drafted, batch)
+        waits = [taken_at - p.job.queued for p in pieces if p.start == 0 and not p.after]
+        encoding = [p.cost for p in pieces if p.partial]  # pieces of an over-budget entry's encode
         tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
-        spent = self.clock() - c0
-        if spent > 0 and tokens:  # (only the call's maker writes it; a float store)
-            self._pace = spent / tokens if not self._pace else min(self._pace, spent / tokens)
-        if self.on_call is not None:
-            waits = [taken_at - p.job.queued for p in pieces if p.start == 0 and not p.after]
-            encoding = [p.cost for p in pieces if p.partial]  # pieces of an over-budget entry's encode
-            facts = (len(pieces), len(batch), tokens, waits, len(encoding), sum(encoding), cpu)
-            self.on_call(time.perf_counter() - t0, *facts)
+        result = self._timed(batch, len(pieces), tokens, waits, len(encoding), sum(encoding))
         gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
         at = 0
         for p, piece in zip(pieces, batches, strict=True):
@@ -373,6 +398,21 @@ class Scheduler:
             gathered[job] = so_far if p.partial else gather(so_far, len(job.batch), p.start, got)
             at += len(piece)
         return gathered
+
+    def _timed(self, batch: DraftBatch, rounds: int, tokens: int, waits, pieces: int = 0, piece_tokens: int = 0):
+        """The drafter's call for ``batch`` (``rounds`` pieces of rounds, ``tokens`` of the
+        budget), its answer checked, its time learnt and told to ``on_call``. Raises what
+        the call raised."""
+        t0, c0, cpu0 = time.perf_counter(), self.clock(), time.thread_time()
+        drafted = self.drafter.draft_batch(batch)
+        cpu = time.thread_time() - cpu0  # the drafter's own host work (its result's check is the worker's)
+        result = check_result(drafted, batch)
+        spent = self.clock() - c0
+        if spent > 0 and tokens:  # (only the call's maker writes it; a float store)
+            self._pace = spent / tokens if not self._pace else min(self._pace, spent / tokens)
+        if self.on_call is not None:
+            self.on_call(time.perf_counter() - t0, rounds, len(batch), tokens, waits, pieces, piece_tokens, cpu)
+        return result
 
     def _end(self, job: Job, state: Answered | Failed) -> None:
         """Under the lock: ``job`` ended (:meth:`Job.end`); one with a ``deliver`` goes in

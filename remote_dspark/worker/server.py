@@ -100,6 +100,9 @@ class Worker(Serving):
                 SEND_TIMEOUT_S,
                 self._hub_event,
                 self._hub_job,
+                self._hub_call_answered,
+                self._hub_failed,
+                opts.window,
             )
         self.round_path = "served" if served else "native" if self._native else "python"
         # Every round goes through the drafter's own thread (continuous batching, fairness, deadlines)

@@ -138,16 +138,12 @@ class Serving:
         its call failed, its connection ended: counted and logged here, ended by the hub)."""
         state = job.state
         if isinstance(state, Failed):
-            with self._lock:
-                self.stats.round_failures += 1
-            log.error("connection %s: failed serving a round; closing it", conn.peer, exc_info=state.error)
-            conn.failed = state.error
-            conn.drop()
+            self._hub_failed(conn, state.error)
             return
         result = state.result
-        sent = conn.reply(result)
-        n, n_ok = conn.entries()
+        n, n_ok = conn.entries()  # (before the reply: once it is sent, the next round may come in)
         m = len(job.batch)
+        sent = conn.reply(result)
         draft_tokens = int(result.counts.sum()) if result is not None else 0
         told = Told(n, n - n_ok, n_ok - m, draft_tokens, drafted and result is None)
         if sent:
@@ -155,6 +151,28 @@ class Serving:
         with self._lock:
             self.stats.add_round(told)
             self.stats.round_seconds.observe(time.monotonic() - conn.received)
+
+    def _hub_failed(self, conn, error: BaseException) -> None:
+        """A hub round whose call raised: counted and logged here, its connection ended by
+        the hub."""
+        with self._lock:
+            self.stats.round_failures += 1
+        log.error("connection %s: failed serving a round; closing it", conn.peer, exc_info=error)
+        conn.failed = error
+        conn.drop()
+
+    def _hub_call_answered(self, conns: list, facts: list, sent, received) -> None:
+        """A call of whole hub rounds answered (:meth:`Hub.answer`): counted once, as its
+        rounds one by one would be."""
+        now = time.monotonic()
+        entries, resyncs, beyond, drafts = facts
+        for conn, ok in zip(conns, sent.tolist(), strict=True):
+            if ok >= 0:
+                self._sessions.served(conn.session)
+        with self._lock:
+            self.stats.add_rounds(len(conns), entries, resyncs, beyond, drafts)
+            for took in (now - received).tolist():
+                self.stats.round_seconds.observe(took)
 
     def _hub_event(self, conn) -> None:
         """The I/O thread: a hub connection handed to Python, ended as its own thread

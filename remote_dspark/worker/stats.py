@@ -70,12 +70,18 @@ class WorkerStats:
     def add_round(self, told) -> None:
         """What one answered round adds (:class:`~remote_dspark.worker.round.Told`, or
         anything with its fields)."""
-        self.rounds += 1
-        self.entries += told.entries
-        self.resyncs += told.resyncs
-        self.beyond_positions += told.beyond_positions
-        self.draft_tokens += told.draft_tokens
-        self.expired += told.expired
+        self.add_rounds(1, told.entries, told.resyncs, told.beyond_positions, told.draft_tokens, told.expired)
+
+    def add_rounds(
+        self, rounds: int, entries: int, resyncs: int, beyond_positions: int, draft_tokens: int, expired: int = 0
+    ) -> None:
+        """What ``rounds`` answered rounds add, their facts summed (a call of whole rounds)."""
+        self.rounds += rounds
+        self.entries += entries
+        self.resyncs += resyncs
+        self.beyond_positions += beyond_positions
+        self.draft_tokens += draft_tokens
+        self.expired += expired
 
     def add_served(self, s, sent: bool = True) -> None:
         """What one round served in C adds (``hf_serve``'s facts, :mod:`.lane`): the round,

@@ -13,6 +13,7 @@ an eviction; each ends its own connection only.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import random
 import socket
@@ -100,18 +101,26 @@ DRAFTERS = {
 @pytest.fixture(scope="module", params=list(DRAFTERS))
 def pair(request):
     make = DRAFTERS[request.param]
-    hub = Worker(make(), "127.0.0.1", 0, window=16).start()
-    python = Worker(make(), "127.0.0.1", 0, window=16, round_path="python").start()
+    # A call of 8 entries at most: a round of 16 slots goes the jobs' way (in pieces), one
+    # of 1 or 6 alone is a whole call (both paths, each held to the reference)
+    hub = Worker(make(), "127.0.0.1", 0, window=16, max_batch_entries=8)
+    python = Worker(make(), "127.0.0.1", 0, window=16, max_batch_entries=8, round_path="python").start()
     try:
         assert hub._hub is not None and hub._lanes is None and python.round_path == "python"
-        hub.hub_rounds = 0  # rounds the hub took (its make_job, counted)
-        make_job = hub._hub.make_job
+        hub.hub_rounds = hub.job_rounds = 0  # rounds the hub took, and those of them made jobs
+        ready, make_job = hub._hub.ready, hub._hub.make_job
 
-        def counting(conn):
-            hub.hub_rounds += 1
+        def counting(timeout_s):
+            ids = ready(timeout_s)
+            hub.hub_rounds += len(ids)
+            return ids
+
+        def jobs(conn):
+            hub.job_rounds += 1
             return make_job(conn)
 
-        hub._hub.make_job = counting
+        hub._hub.ready, hub._hub.make_job = counting, jobs  # (before its drafter thread looks)
+        hub.start()
         yield hub, python
     finally:
         hub.stop()
@@ -176,7 +185,7 @@ def _counted(w: Worker) -> dict:
 @pytest.mark.parametrize("seed", [1, 2])
 def test_the_hub_answers_reply_for_reply_and_counts_as_the_python_path(pair, sampled, seed):
     hub, python = pair
-    before, taken = [_counted(w) for w in pair], hub.hub_rounds
+    before, taken, as_jobs = [_counted(w) for w in pair], hub.hub_rounds, hub.job_rounds
     rng = random.Random(seed)
     shapes = [(slots, rng.randint(1, 6), rng.random() < 0.5) for slots in (1, 6, 16)]
     rounds = 8
@@ -208,6 +217,7 @@ def test_the_hub_answers_reply_for_reply_and_counts_as_the_python_path(pair, sam
     assert until(lambda: all(_counted(w)["rounds"] - b["rounds"] == want for w, b in zip(pair, before)), WAIT_S)
     grown = [{k: v - b[k] for k, v in _counted(w).items()} for w, b in zip(pair, before)]
     assert grown[0] == grown[1] and hub.hub_rounds - taken == want
+    assert 0 < hub.job_rounds - as_jobs < want  # some as jobs (the 16 slots' rounds), some in whole calls
     assert grown[0]["resyncs"] > 0 and grown[0]["draft_tokens"] > 0
     assert (grown[0]["beyond_positions"] > 0) == (getattr(hub.drafter, "max_positions", None) is not None)
 
@@ -265,6 +275,11 @@ class _Spy:
         got = self._lib.hub_reply(*args)
         self.replies.append(got)
         return got
+
+    def hub_answer(self, *args):  # a call of whole rounds: each round's send written to `sent`
+        self._lib.hub_answer(*args)
+        k, sent = args[2], args[5]
+        self.replies += list((ctypes.c_int32 * k).from_address(sent))
 
 
 def _narrow(w: Worker, **terms) -> socket.socket:
