@@ -99,14 +99,16 @@ def memory_bound(args, hellos: list[tuple[int, int]], keep: int) -> int:
     each engine's slots and k), whose windows keep ``keep`` tokens a stream, in bytes."""
     from .. import wire
     from ..worker.limits import Limits
+    from ..worker.hub import call_bytes
     from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
     from ..worker.windows import Windows
 
     limits = Limits(max_slots=max(args.slots, STORM_SLOTS), window=WINDOW, max_round_tokens=args.max_round_tokens)
-    bound = INTERPRETER_BYTES
+    lanes = args.drafter == "markov"  # a thread each (the Markov lane); else the hub, and its call's arrays
+    bound = INTERPRETER_BYTES + (0 if lanes else call_bytes(DEFAULT_MAX_ENTRIES, WINDOW))
     for e, (slots, k) in enumerate(hellos):
         hello = wire.Hello(b"\0" * 32, b"\0" * 32, e, slots, 0, k)
-        bound += 3 * limits.frame_cap(hello) + Windows.bytes_of(slots, WINDOW, keep) + THREAD_BYTES
+        bound += limits.served_bytes(hello) + Windows.bytes_of(slots, WINDOW, keep) + (THREAD_BYTES if lanes else 0)
     if args.drafter == "lm" and args.device == "cpu":  # the call's working set in the worker's memory
         from ..drafter.lm.budget import part_limit, working_bytes
         from ..drafter.lm.drafter import LMDrafter

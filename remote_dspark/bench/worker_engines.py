@@ -27,8 +27,9 @@ second across all engines, and the worker's memory: its peak resident set over t
 (``VmHWM``) less its resident set at the barrier (once the engines announced and warmed
 up: the model, its store, the libraries' and the graphs' one-time memory are in),
 beside the bound the design's memory table gives for the connections the row opens
-(each 3 x its frame cap, its windows and its thread's 1 MiB, with 2 MiB of the
-interpreter's own) and, for a model drafter on the CPU, a call's
+(each its frame cap, its largest reply, one round's arrays and its windows; a thread's
+1 MiB on the Markov lane, a call's arrays on the hub; with 2 MiB of the interpreter's
+own) and, for a model drafter on the CPU, a call's
 working set at the budget (:mod:`remote_dspark.drafter.lm.budget`; on CUDA that is the
 GPU's memory, not the worker's). And what the worker costs beside its drafter
 (:mod:`.worker_cpu`): its CPU per round apart from its drafter's own host work (the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 
@@ -49,6 +50,12 @@ class Charge:
         self.context_read = context_read_of(drafter)
         self._encodes = encodes_of(drafter)
         self.pieces = self._encodes is not None and keeps_streams_of(drafter)
+        self.cpu_seconds = 0.0  # the thread CPU its ``encodes`` took (the drafter's host work), read by its owner
+
+    def take_cpu(self) -> float:
+        """The CPU seconds ``encodes`` took since the last take (its owner's lock held)."""
+        cpu, self.cpu_seconds = self.cpu_seconds, 0.0
+        return cpu
 
     def costs(self, batch: DraftBatch) -> np.ndarray:
         """[n] int64: each entry's cost in a call (the class docstring)."""
@@ -57,6 +64,7 @@ class Charge:
             # The drafter's own code, run under the scheduler's lock: whatever it raises or
             # returns amiss costs this round its estimate (a whole read), never the
             # scheduler (the call itself then fails only its own rounds, if it must).
+            cpu0 = time.thread_time()
             try:
                 reads = np.asarray(self._encodes(batch), np.int64)
             except Exception as e:
@@ -67,6 +75,8 @@ class Charge:
                         "the drafter's encodes() gave shape %s for %d entries: ignored", reads.shape, len(batch)
                     )
                     reads = None
+            finally:
+                self.cpu_seconds += time.thread_time() - cpu0
         if reads is None:
             reads = entry_cost(np.diff(batch.offsets), 0, self.context_read) - 1
         return np.maximum(1, reads + np.where(batch.n_out > 0, batch.width, 0)).astype(np.int64)

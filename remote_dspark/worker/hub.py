@@ -381,6 +381,12 @@ class Hub:
                     log.exception("connection %s: failed ending it", conn.peer)
 
 
+def call_bytes(room: int, window: int) -> int:
+    """What a call's arrays (:class:`_CallArrays`) hold for ``room`` entries of ``window``
+    context tokens, rows apart (the memory table's row)."""
+    return room * (4 * window + 80) + 8
+
+
 class _CallArrays:
     """The arrays a call of whole rounds is gathered into (``hf_call``), made once for
     ``room`` entries of ``window`` context tokens each; rows grow to what a call needs."""

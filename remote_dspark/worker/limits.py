@@ -122,6 +122,17 @@ class Limits:
         largest = largest_round(hello.max_slots, self.max_round_tokens, hello.row_bytes, hello.want_sampled)
         return min(self.max_round_bytes, largest)
 
+    def served_bytes(self, hello: wire.Hello) -> int:
+        """What a served connection of ``hello`` holds besides its windows, allocated once
+        at its HELLO (the memory table's row): its frame cap (the receive buffer), the
+        largest reply (``hello.max_slots`` entries of ``num_spec`` drafts, margins and,
+        sampled, the distributions), and one round's batch arrays (the slots' contexts of
+        ``window`` tokens and 57 bytes an entry of positions, lengths and the like)."""
+        n, k = hello.max_slots, hello.num_spec
+        reply = wire.HEADER.size + wire.drafts_sections(n, k, True, hello.want_sampled).size
+        batch = n * (4 * self.window + 57 + (12 if hello.want_sampled else 0)) + 8
+        return self.frame_cap(hello) + reply + batch
+
 
 def sampling_refusal(drafter, hello: wire.Hello) -> str | None:
     """Why a worker serving ``drafter`` cannot serve ``hello``'s sampled session (the

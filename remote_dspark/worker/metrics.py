@@ -203,8 +203,9 @@ TABLE: Table[WorkerScrape] = Table(
         ),
         counter(
             "drafter_cpu_seconds",
-            "CPU seconds the drafter's calls took on the thread that made each: its own host work "
-            "(a round drafted in C: its drafting time). The worker's CPU less this is its serving.",
+            "CPU seconds the drafter's calls (draft_batch, and encodes to price a round) took on the thread "
+            "that made each: its own host work (a round drafted in C: its drafting time). The worker's CPU "
+            "less this is its serving.",
             lambda r: r.stats.drafter_cpu_seconds,
         ),
         counter(

@@ -259,7 +259,8 @@ class Scheduler:
         if got is None:
             return False
         batch, received, deadlines = got
-        tokens = int(self.charge.costs(batch).sum())
+        with self._cond:  # (the charge's CPU count is the lock's)
+            tokens = int(self.charge.costs(batch).sum())
         now = self.clock()
         if len(batch) > self.max_entries or tokens > self.max_tokens or deadlines.min() <= now + self._pace * tokens:
             return False
@@ -405,7 +406,9 @@ class Scheduler:
         the call raised."""
         t0, c0, cpu0 = time.perf_counter(), self.clock(), time.thread_time()
         drafted = self.drafter.draft_batch(batch)
-        cpu = time.thread_time() - cpu0  # the drafter's own host work (its result's check is the worker's)
+        cpu = time.thread_time() - cpu0  # the drafter's own host work (its result's check is the worker's) ...
+        with self._cond:
+            cpu += self.charge.take_cpu()  # ... and its encodes() since the last call
         result = check_result(drafted, batch)
         spent = self.clock() - c0
         if spent > 0 and tokens:  # (only the call's maker writes it; a float store)
