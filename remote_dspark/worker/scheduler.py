@@ -7,31 +7,31 @@ for its part of the answer; it sends its reply itself, as soon as that part is d
 round waits for a partner: the drafter thread takes whatever is queued the moment it is
 free, and a round arriving while it drafts goes in the next call.
 
-What one call takes (:meth:`Scheduler._take`): a budget of entries and tokens
-(``max_entries``, ``max_tokens``), shared between the queued engines by
-:class:`~.fair.FairShare`, the one owner of the fair share (deficit round robin on
-tokens, credit that cannot be hoarded). What it guarantees, in its words: a round of a
-session with nothing else queued, of at most ``max_tokens // n`` tokens and
-``max_entries // n`` entries (``n`` sessions queued when the call is taken), is drafted
-whole in the next call taken after it is queued, whatever the other sessions queue. A
-bigger round is drafted in pieces of consecutive entries, at least that share a call,
-and answered when its last piece is drafted. An entry larger than the whole budget is
-encoded in pieces, a call each, when its drafter keeps its streams' state
-(:class:`~.batching.Charge`), else taken alone when nothing else is (it would never
-fit otherwise).
+What one call takes (:meth:`Scheduler._take`): ``max_entries`` entries and
+``max_tokens`` tokens at most (caps), and a time budget, shared between the queued
+engines by :class:`~.fair.FairShare`, the one owner of the fair share and of the budget
+(deficit round robin on predicted drafter seconds, credit that cannot be hoarded; a call
+about as long as the rounds ready to draft take, at most ``call_share`` of the tightest
+deadline queued). What the drafter costs is :class:`~.cost.DrafterCost`'s, learnt from
+every call (its shape and seconds); before the first call shares are in tokens. What it
+guarantees, in its words: a round ready to draft of a session with nothing else queued,
+of at most ``max_entries // n`` entries (``n`` sessions queued), is drafted whole in the
+next call taken after it is queued, whatever the other sessions queue. A bigger round
+is drafted in pieces of consecutive entries, and answered when its last piece is
+drafted. An entry larger than the whole call is encoded in pieces, a call each, when its
+drafter keeps its streams' state (:class:`~.batching.Charge`), else taken alone when
+nothing else is (it would never fit otherwise).
 
 Deadlines: a ROUND carries its deadline (``deadline_ms``, relative to its receipt; 0:
 none). A round is never drafted once its deadline has passed: it is answered at once
 with the drafts of its pieces drafted, or none (:meth:`Scheduler.draft` returns None;
 the worker counts it) rather than drafted for an engine that stopped waiting; its
 windows advanced already, so the stream stays in step. Nor is it given more of a call
-than the drafter can draft before its deadline: the scheduler keeps the drafter's
-**pace** (the fewest clock seconds a budget token has taken in a call), and a round
-gets at most what that pace drafts in its time left, but a round none of which is
-drafted yet gets at least one entry while its deadline is ahead (the pace is learnt
-from calls: a pace that refused every round would never be corrected). This is checked when the call is taken, and
-again just before each drafter call of a call made in several (the groups drafted
-before it may outlast a deadline).
+than the cost model says the drafter can draft before its deadline, but a round none of
+which is drafted yet gets at least one entry while its deadline is ahead (the model is
+learnt from calls: a model that refused every round would never be corrected). This is
+checked when the call is taken, and again just before each drafter call of a call made
+in several (the groups drafted before it may outlast a deadline).
 
 Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
 and nothing else queued, the connection's own thread, at once (no hand-off between
@@ -67,7 +67,8 @@ from .. import wire
 from ..drafter.answer import check_result
 from ..drafter.contract import DraftBatch, DraftResult, empty_result, mixed_sessions_of
 from .batching import Charge, gather, merge, part
-from .fair import FairShare
+from .cost import DrafterCost
+from .fair import DEFAULT_CALL_SHARE, FairShare
 from .jobs import Answered, Failed, Job, Pending, Piece
 
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
@@ -84,7 +85,7 @@ class Scheduler:
     (contexts and drafts: the budget's cost) it drafted, how long each round first
     drafted in it waited in the queue, and the pieces of an over-budget entry's encode in
     it and their tokens (the worker's statistics). ``clock`` dates
-    deadlines and the drafter's pace (``time.monotonic``; a test's clock that the
+    deadlines and the drafter's seconds (``time.monotonic``; a test's clock that the
     drafter moves makes both deterministic). ``max_tokens`` None: the drafter derives the token
     budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
     that, for a drafter that cannot say). ``max_entries`` None: ``DEFAULT_MAX_ENTRIES``
@@ -93,7 +94,8 @@ class Scheduler:
     such memory is never split by its entries alone (the token budget still shares calls
     between engines). ``batching=False`` calls the drafter once per round
     (or piece) even when it takes mixed sessions (the ``serialized`` rows of ``bench
-    worker-engines``)."""
+    worker-engines``). ``call_share``: the ceiling of a call's time budget, a fraction of
+    the tightest deadline queued (:mod:`.fair`, ``--call-deadline-share``)."""
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class Scheduler:
         on_call: Callable[[float, int, int, int, list[float], int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
+        call_share: float = DEFAULT_CALL_SHARE,
     ):
         if (max_entries is not None and max_entries < 1) or (max_tokens is not None and max_tokens < 1):
             raise ValueError(f"max_entries {max_entries}, max_tokens {max_tokens}: must be >= 1")
@@ -116,8 +119,8 @@ class Scheduler:
         self.charge = Charge(drafter)  # what an entry costs in a call
         self.on_call, self.clock = on_call, clock
         self._cond = threading.Condition()
-        self._fair = FairShare(self.charge)  # the queued rounds, each call's share of them
-        self._pace = 0.0  # the fewest clock seconds a budget token took in a call (0: none yet)
+        self.cost = DrafterCost()  # what the drafter costs by a call's shape, learnt from every call
+        self._fair = FairShare(self.charge, self.cost, call_share)  # the queued rounds, each call's share
         # Invariants, under _cond: a job in a queue is Pending or done (a done one is
         # dropped when reached); _busy is True while one thread makes a call, which it
         # alone may then take pieces for and gather into.
@@ -170,7 +173,7 @@ class Scheduler:
                 self._fair.costs(job)
             # ... and nothing queued, the round within a call's budget and its deadline
             # ahead: what _take would make its call of, drafted without the queue.
-            alone = lead and not self._fair and self._whole(job) and deadline > job.queued + self._pace * job.cost
+            alone = lead and not self._fair and self._whole(job) and self._fair.alone(job, job.queued, self.max_tokens)
             if lead:
                 self._busy = True
             if alone:
@@ -257,9 +260,9 @@ class Scheduler:
 
     def _in_time(self, group: list[Piece]) -> list[Piece]:
         """The pieces of ``group`` the drafter can still draft before their round's
-        deadline (at ``_pace``); the others' rounds answered now with the pieces drafted."""
+        deadline (the cost model's seconds); the others' rounds answered now with the pieces drafted."""
         now = self.clock()
-        late = [p for p in group if p.job.deadline <= now + self._pace * p.cost]
+        late = [p for p in group if p.job.deadline <= now + self.cost.seconds(len(p.batch), p.cost, p.batch.width)]
         if not late:
             return group
         with self._cond:
@@ -272,7 +275,7 @@ class Scheduler:
         """Under the lock: the pieces of one call (:mod:`.fair`'s share), the rounds that
         cannot be drafted before their deadline, and the clock when taken."""
         now = self.clock()
-        pieces, late = self._fair.take(now, self._pace, self.max_entries, self.max_tokens)
+        pieces, late = self._fair.take(now, self.max_entries, self.max_tokens)
         return pieces, late, now
 
     def _call(self, pieces: list[Piece], taken_at: float) -> None:
@@ -308,9 +311,8 @@ class Scheduler:
         t0, c0 = time.perf_counter(), self.clock()
         result = check_result(self.drafter.draft_batch(batch), batch)
         tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
-        spent = self.clock() - c0
-        if spent > 0 and tokens:  # (only the call's maker writes it; a float store)
-            self._pace = spent / tokens if not self._pace else min(self._pace, spent / tokens)
+        with self._cond:  # (read under the lock when calls are taken)
+            self.cost.observe(len(batch), tokens, batch.width, self.clock() - c0)
         if self.on_call is not None:
             waits = [taken_at - p.job.queued for p in pieces if p.start == 0 and not p.after]
             encoding = [p.cost for p in pieces if p.partial]  # pieces of an over-budget entry's encode

@@ -218,7 +218,7 @@ def test_a_call_beside_a_round_ready_to_draft_carries_it_whole_and_at_most_the_b
     for _ in range(4):
         fair.add(announced(1, 8, 300, n_out))
     fair.add(steady())
-    pieces, late = fair.take(0.0, 0.0, 1024, BUDGET)
+    pieces, late = fair.take(0.0, 1024, BUDGET)
     assert took(pieces, 7) == (16, 16 * 8) and not late
     assert 0 < took(pieces, 1)[1] <= BOUND
 
@@ -233,14 +233,14 @@ def test_the_announcement_advances_every_call_and_takes_the_whole_budget_when_no
     encoded = 0
     for _ in range(10):
         fair.add(steady())
-        pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)
+        pieces, _ = fair.take(0.0, 1024, BUDGET)
         entries, tokens = took(pieces, 1)
         assert took(pieces, 7)[0] == 16 and 0 < tokens <= BOUND
         encoded += tokens
     assert encoded == 10 * BOUND  # (pieces of 300-token entries: the bound each call)
-    pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)  # alone
+    pieces, _ = fair.take(0.0, 1024, BUDGET)  # alone
     assert BUDGET - 300 < took(pieces, 1)[1] <= BUDGET
     fair.add(announced(2, 8, 300, n_out=5))
-    pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)  # two announcing engines: the budget between them
+    pieces, _ = fair.take(0.0, 1024, BUDGET)  # two announcing engines: the budget between them
     assert BUDGET - 2 * 300 < took(pieces, 1)[1] + took(pieces, 2)[1] <= BUDGET
     assert took(pieces, 1)[1] > BOUND and took(pieces, 2)[1] > BOUND
