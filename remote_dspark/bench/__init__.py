@@ -7,6 +7,7 @@ keeps its heavy imports inside the function that runs it.
     worker_engines   many engines against one worker
     worker_long      its long row: one engine announcing long contexts in chunks
     engine_procs     what worker-engines' rows share: engine processes, flags, memory
+    worker_cpu       the worker's CPU per round and share of its drafter alone, per row
     worker_hostile   the worker under hostile peers
     metrics_hostile  the worker's metrics server under hostile clients
     drafter          the model drafters' rounds, three ways

@@ -30,10 +30,17 @@ beside the bound the design's memory table gives for the connections the row ope
 (each 3 x its frame cap, its windows and its thread's 1 MiB, with 2 MiB of the
 interpreter's own) and, for a model drafter on the CPU, a call's
 working set at the budget (:mod:`remote_dspark.drafter.lm.budget`; on CUDA that is the
-GPU's memory, not the worker's). The goals (never asserted): batched >= 4x serialized's
-entries per second, and the batched p99 <= 2x alone's (on an H200 host; on 2
-cores, batched >= 2x serialized, p99 <= 1.5x); in the storm the honest engine's p50 <= 2x
-its p50 alone; in the long row its p99 delay at most one worker call.
+GPU's memory, not the worker's). And what the worker costs beside its drafter
+(:mod:`.worker_cpu`): its CPU per round apart from its drafter's own host work (the
+process's CPU over the row, less the CPU its drafter's calls took on their threads, over
+the rounds it answered: ``cpu us/rd``), and, for a model drafter, the row's entries per
+second as a share of the drafter's own (``of drafter``: ``bench drafter``'s cached
+rounds at the entries the row's calls averaged, same drafter and device, measured in
+this run once the rows are done). The goals (never asserted): batched >= 4x serialized's
+entries per second, >= 70% of the drafter's own, the batched p99 <= 2x alone's and its
+worker CPU <= 50 us a round at 64 slots (on an H200 host; on 2 cores, batched >= 2x
+serialized, p99 <= 1.5x); in the storm the honest engine's p50 <= 2x its p50 alone; in
+the long row its p99 delay at most one worker call.
 
 Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
 Every engine process and the worker end before the run returns.
@@ -48,6 +55,7 @@ import os
 import select
 import time
 
+from . import worker_cpu
 from .engine_procs import STORM_SLOTS, WINDOW, acked_keep, memory_bound, steady_row, worker_flags
 
 MODES = ("alone", "batched", "serialized")
@@ -55,6 +63,7 @@ PROMPT, STEP = 16, 3
 WRAP = 400  # a steady slot goes NEW_GEN again before its stream passes this (any model's positions)
 STORM_K = 64  # a storm engine: the worker's own limits, NEW_GEN every round
 GOAL_X, GOAL_P99_X = 4.0, 2.0
+GOAL_CPU_US, GOAL_SHARE = 50.0, 0.7  # batched: the worker's CPU a round apart from its drafter; of its entries/s
 
 
 def add_parser(sub) -> None:
@@ -251,11 +260,13 @@ def measure(args, mode: str, bar) -> dict:
     cfgs = [dict(slots=args.slots, rounds=args.rounds, k=args.num_spec, warmup=args.warmup) for _ in range(engines)]
     for cfg in cfgs[1:] if mode == "storm" else ():  # engine 0 is the honest one
         cfg.update(slots=STORM_SLOTS, k=STORM_K, storm=True)
-    with WorkerProcess(chaos=False, extra=worker_flags(args, mode, max(args.engines, 1) * args.slots)) as worker:
+    extra = worker_flags(args, mode, max(args.engines, 1) * args.slots) + ("--metrics-port", "0")
+    with WorkerProcess(chaos=False, extra=extra) as worker:
         keep = acked_keep(worker, args.slots, args.num_spec)
         procs = start_engines(worker, cfgs)
         try:
             started = barrier_rss(worker.proc.pid)
+            before = worker_cpu.at_start(worker.proc.pid, worker.metrics_url)
             for p in procs:
                 tell(p, "go")
             got = []
@@ -265,6 +276,7 @@ def measure(args, mode: str, bar) -> dict:
                 got.append(json.loads(read_line(p, 600, "result")))
                 bar(f"{mode}: engine {i + 1}/{engines}")
             peak = proc_kib(worker.proc.pid, "VmHWM") if started is not None else None
+            cpu = worker_cpu.per_round(before, worker_cpu.at_end(worker.proc.pid, worker.metrics_url))
         finally:
             end_engines(procs)
     got = got[:1] if mode == "storm" else got  # the honest engine's figures
@@ -273,6 +285,7 @@ def measure(args, mode: str, bar) -> dict:
     row.update(
         growth(started, peak),
         rss_bound_mb=round(memory_bound(args, [(c["slots"], c["k"]) for c in cfgs], keep) / 2**20, 1),
+        **cpu,
     )
     return row
 
@@ -288,6 +301,15 @@ def make_report(args, rows: list[dict]) -> dict:
     if "batched" in by and "alone" in by:
         x = by["batched"]["p99_ms"] / by["alone"]["p99_ms"]
         goals.append({"goal": f"batched p99 <= {GOAL_P99_X}x alone", "value": round(x, 2), "met": x <= GOAL_P99_X})
+    batched = by.get("batched", {})
+    if batched.get("worker_cpu_us_per_round") is not None:
+        us = batched["worker_cpu_us_per_round"]
+        goal = f"batched worker CPU per round at {batched['slots']} slots apart from the drafter's own host work"
+        goals.append({"goal": f"{goal} <= {GOAL_CPU_US:g} us", "value": us, "unit": " us", "met": us <= GOAL_CPU_US})
+    if batched.get("share_of_drafter") is not None:
+        x = batched["share_of_drafter"]
+        goal = f"batched entries/s >= {GOAL_SHARE:.0%} of the drafter's own at its entries per call"
+        goals.append({"goal": goal, "value": x, "met": x >= GOAL_SHARE})
     within = all(r["rss_growth_mb"] is None or r["rss_growth_mb"] <= r["rss_bound_mb"] for r in rows)
     goals.append({"goal": "the worker's memory growth within its bound, every row", "value": None, "met": within})
     if "storm" in by and "alone" in by:
@@ -308,18 +330,20 @@ def format_table(report: dict) -> str:
         f"worker-engines: {c['engines']} engines x {c['slots']} slots, {c['rounds']} rounds each after "
         f"{c['warmup']}, k={c['num_spec']}, drafter {c['hf_random'] or c['drafter']} ({c['device']})",
         f"{'mode':<11} {'engines':>7} {'slots':>5} {'p50 ms':>9} {'p99 ms':>9} {'entries/s':>11} "
-        f"{'rss+ MB':>8} {'bound MB':>8}",
-        "-" * 76,
+        f"{'rss+ MB':>8} {'bound MB':>8} {'cpu us/rd':>9} {'of drafter':>10}",
+        "-" * 97,
     ]
     for r in report["rows"]:
+        cpu, share = r.get("worker_cpu_us_per_round"), r.get("share_of_drafter")
         lines.append(
             f"{r['mode']:<11} {r['engines']:>7} {r['slots']:>5} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} "
             f"{r['entries_per_s']:>11,.0f} {'-' if r['rss_growth_mb'] is None else r['rss_growth_mb']:>8} "
-            f"{r['rss_bound_mb']:>8}"
+            f"{r['rss_bound_mb']:>8} {'-' if cpu is None else f'{cpu:,.0f}':>9} "
+            f"{'-' if share is None else f'{share:.0%}':>10}"
         )
     lines += [long_line(r) for r in report["rows"] if r["mode"] == "long"]
     for g in report["goals"]:
-        value = "" if g["value"] is None else f"{g['value']}x, "
+        value = "" if g["value"] is None else f"{g['value']}{g.get('unit', 'x')}, "
         lines.append(f"goal {g['goal']}: {value}{'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
 
@@ -346,6 +370,7 @@ def run(args) -> int:
     with model if model is not None else contextlib.nullcontext((None, None)) as (args.hf_model_dir, _):
         rows = [measure(args, mode, bar) for mode in modes]
         rows += [measure_long(args, bar)] if args.long_slots else []
+        worker_cpu.add_shares(args, rows)  # the drafter alone, once the workers are gone
     report = make_report(args, rows)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

@@ -24,7 +24,8 @@ uint64_t hf_sizeof(int which)
          : which == 4 ? sizeof(struct hf_batch) : which == 5 ? sizeof(struct hf_meta)
          : which == 6 ? sizeof(struct hf_cuda) : which == 7 ? sizeof(struct hf_launch)
          : which == 8 ? sizeof(struct hf_markov) : which == 9 ? sizeof(struct hf_serve)
-         : which == 10 ? sizeof(struct hf_host_round) : 0;
+         : which == 10 ? sizeof(struct hf_host_round) : which == 11 ? sizeof(struct hf_conn)
+         : which == 12 ? sizeof(struct hf_hub) : which == 13 ? sizeof(struct hf_result) : 0;
 }
 
 /* The first n of `count` values into out (a loader's probe may ask for fewer or more

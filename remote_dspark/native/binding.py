@@ -40,6 +40,9 @@ from .structs import (
     BatchOut,
     CudaIn,
     HostRoundIn,
+    HubConn,
+    HubResult,
+    HubState,
     LaunchIn,
     LinkState,
     MarkovTable,
@@ -50,7 +53,7 @@ from .structs import (
     WindowsView,
 )
 
-ABI_VERSION = 25
+ABI_VERSION = 26
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -92,6 +95,9 @@ MIRRORS = (
     MarkovTable,
     ServeState,
     HostRoundIn,
+    HubConn,
+    HubState,
+    HubResult,
 )
 LOCK_FREE_ALL = 3  # hf_lock_free(): bit 0 for 32-bit words, bit 1 for 64-bit words
 
@@ -170,6 +176,21 @@ _FUNCS = {
         False,
     ),
     "worker_serve": ("hf_worker_serve", _I, (ctypes.POINTER(ServeState),), True),
+    "hub_open": ("hf_hub_open", _I, (ctypes.POINTER(HubState),), False),
+    "hub_close": ("hf_hub_close", None, (ctypes.POINTER(HubState),), False),
+    "hub_stop": ("hf_hub_stop", None, (ctypes.POINTER(HubState),), False),
+    "hub_poke": ("hf_hub_poke", None, (ctypes.POINTER(HubState),), False),
+    "hub_add": ("hf_hub_add", _I, (ctypes.POINTER(HubState), ctypes.POINTER(HubConn)), False),
+    "hub_remove": ("hf_hub_remove", None, (ctypes.POINTER(HubState), ctypes.POINTER(HubConn)), False),
+    "hub_io": ("hf_hub_io", _I, (ctypes.POINTER(HubState), _P), True),
+    "hub_take": ("hf_hub_take", _U32, (ctypes.POINTER(HubState), _P, _U32, _U64), True),
+    "hub_reply": (
+        "hf_hub_reply",
+        _I,
+        (ctypes.POINTER(HubState), ctypes.POINTER(HubConn), ctypes.POINTER(HubResult)),
+        True,
+    ),
+    "hub_drop": ("hf_hub_drop", None, (ctypes.POINTER(HubState), ctypes.POINTER(HubConn)), False),
     "host_meta": ("hf_host_meta", _I, (ctypes.POINTER(MetaIn), _P, _U64), False),
     "cuda_launch": ("hf_cuda_launch", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),
     "cuda_gather": ("hf_cuda_gather", _I, (ctypes.POINTER(CudaIn), ctypes.POINTER(LaunchIn)), False),

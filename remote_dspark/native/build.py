@@ -58,6 +58,7 @@ _OTHERS = (
     "sampled_pick.c",
     "worker_round.c",
     "worker_serve.c",
+    "worker_hub.c",
     "engine_meta.c",
     "engine_round.c",
     "cuda_launch.c",

@@ -27,7 +27,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 25   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 26   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -247,6 +247,57 @@ struct hf_serve {
     uint64_t drafting_ns;
 };
 
+/* Why hf_worker_serve returned, or why the hub hands a connection to Python
+ * (remote_dspark.worker.lane.Why mirrors these). */
+enum { SV_ROUND, SV_FRAME, SV_HEADER, SV_GROW, SV_CLOSED, SV_STALLED, SV_LOST, SV_UNSENT };
+
+/* A worker connection served by the hub (worker_hub.c): its socket, buffers and windows
+ * (Python owns them, each sized at HELLO for the session's largest frame and reply), the
+ * frame being read, the reply being sent, and where the connection is (HUB_* states). */
+struct hf_conn {
+    int32_t fd;
+    uint32_t id;                  /* its index in the hub's conns */
+    struct hf_windows *w;
+    struct hf_batch *b;           /* room for a round of max_slots entries */
+    uint8_t *rx;                  /* the payload buffer: max_payload bytes */
+    uint8_t *tx;                  /* the DRAFTS frame buffer, tx_size bytes */
+    uint64_t tx_size, max_payload;
+    uint32_t want_margin, state;  /* state: HUB_* (atomic: the I/O thread and the drafter's hand it over) */
+    uint8_t hdr[W_HEADER];        /* the frame in hand's header */
+    uint64_t got;                 /* its bytes read: header, then payload */
+    uint64_t frame_deadline_ns;   /* a frame begun is whole by then */
+    uint64_t tx_len, tx_sent, send_deadline_ns;   /* the reply being sent */
+    uint64_t received_ns;         /* the round in hand was whole (CLOCK_MONOTONIC) */
+    uint32_t why, err;            /* out: why the connection is Python's (SV_*), errno */
+};
+
+/* The hub (worker_hub.c): one epoll set over the served connections, a wake-up eventfd,
+ * and the rounds ready to draft: a ring of connection ids one I/O thread pushes and the
+ * drafter's thread takes (each connection has one round in flight at most, so `room`
+ * entries never overflow). */
+struct hf_hub {
+    int32_t epfd, wakefd;
+    uint32_t room;                /* conns' and ready's length */
+    uint32_t stop;                /* set: hf_hub_io returns HUB_STOPPED */
+    struct hf_conn **conns;       /* [room]: NULL where free */
+    uint32_t *ready;              /* [room] ring of connection ids */
+    uint32_t head, tail;          /* ready's: taken up to head, pushed up to tail */
+    uint32_t wake;                /* futex word: bumped at every push and poke */
+    uint32_t sleepers;            /* hf_hub_take's asleep on wake */
+    uint64_t frame_ns, send_ns;   /* a frame's whole-by and a reply's wait for room; UINT64_MAX: none */
+};
+
+/* A round's drafts for hf_hub_reply, as the drafter's result holds them: the m drafted
+ * entries' counts and rows (each row `stride` elements apart, the round's width of them;
+ * q_* `qstride` apart, W_TOP per position), NULL arrays for none (an expired round). */
+struct hf_result {
+    const int32_t *counts, *tokens;
+    const float *margins;
+    const int32_t *q_ids;
+    const uint16_t *q_weights;
+    uint64_t stride, qstride;
+};
+
 /* One batch's metadata as the engine holds it, for hf_host_meta (engine_meta.c): the
  * arrays' pointers (Python owns them), each of int32 or int64 (its *_size: 4 or 8;
  * new_gen is bool bytes; n_out NULL: n_out_default for every entry), the engine's terms,
@@ -342,6 +393,10 @@ void hf_drafts_summary(const int32_t *counts, const int32_t *statuses, const uin
 void hf_zero_drafts(const struct hf_ring *ring, uint32_t round, uint32_t status);
 int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status, uint64_t deadline_ns);
 int hf_worker_round(struct hf_windows *w, const uint8_t *payload, uint64_t len, struct hf_batch *b);
+HF_INTERNAL void hf_guard_take(uint32_t *g);   /* worker_serve.c's: a windows' guard word */
+HF_INTERNAL void hf_guard_drop(uint32_t *g);
+void hf_hub_poke(struct hf_hub *h);
+void hf_hub_drop(struct hf_hub *h, struct hf_conn *c);
 HF_INTERNAL void hf_release_store(uint32_t *released, uint32_t *waiters, uint32_t round);
 HF_INTERNAL void hf_sleep_until_published(uint32_t *wake, uint32_t seen, uint64_t deadline_ns);
 HF_INTERNAL void hf_nap_ns(uint64_t ns);

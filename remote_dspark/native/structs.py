@@ -343,3 +343,64 @@ class HostRoundIn(ctypes.Structure):
         ("n_lost", ctypes.c_uint32),
         ("pad", ctypes.c_uint32),
     ]
+
+
+class HubConn(ctypes.Structure):
+    """``struct hf_conn``: one connection served by the hub (``worker_hub.c``; its socket,
+    buffers and session set by ``remote_dspark.worker.hub``; the frame and the reply in
+    hand kept there; where it is, and why Python has it, out)."""
+
+    _fields_ = [
+        ("fd", ctypes.c_int32),
+        ("id", ctypes.c_uint32),
+        ("w", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("rx", ctypes.c_void_p),
+        ("tx", ctypes.c_void_p),
+        ("tx_size", ctypes.c_uint64),
+        ("max_payload", ctypes.c_uint64),
+        ("want_margin", ctypes.c_uint32),
+        ("state", ctypes.c_uint32),
+        ("hdr", ctypes.c_uint8 * HEADER),
+        ("got", ctypes.c_uint64),
+        ("frame_deadline_ns", ctypes.c_uint64),
+        ("tx_len", ctypes.c_uint64),
+        ("tx_sent", ctypes.c_uint64),
+        ("send_deadline_ns", ctypes.c_uint64),
+        ("received_ns", ctypes.c_uint64),
+        ("why", ctypes.c_uint32),
+        ("err", ctypes.c_uint32),
+    ]
+
+
+class HubState(ctypes.Structure):
+    """``struct hf_hub``: the hub's epoll set, its connections and its ready ring."""
+
+    _fields_ = [
+        ("epfd", ctypes.c_int32),
+        ("wakefd", ctypes.c_int32),
+        ("room", ctypes.c_uint32),
+        ("stop", ctypes.c_uint32),
+        ("conns", ctypes.c_void_p),
+        ("ready", ctypes.c_void_p),
+        ("head", ctypes.c_uint32),
+        ("tail", ctypes.c_uint32),
+        ("wake", ctypes.c_uint32),
+        ("sleepers", ctypes.c_uint32),
+        ("frame_ns", ctypes.c_uint64),
+        ("send_ns", ctypes.c_uint64),
+    ]
+
+
+class HubResult(ctypes.Structure):
+    """``struct hf_result``: a round's drafts for ``hf_hub_reply`` (NULL arrays: none)."""
+
+    _fields_ = [
+        ("counts", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("margins", ctypes.c_void_p),
+        ("q_ids", ctypes.c_void_p),
+        ("q_weights", ctypes.c_void_p),
+        ("stride", ctypes.c_uint64),
+        ("qstride", ctypes.c_uint64),
+    ]

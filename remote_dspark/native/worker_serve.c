@@ -19,30 +19,27 @@
 #include <poll.h>
 #include <sys/socket.h>
 
-/* Why hf_worker_serve returned (remote_dspark.worker.lane.Why mirrors these). */
-enum { SV_ROUND, SV_FRAME, SV_HEADER, SV_GROW, SV_CLOSED, SV_STALLED, SV_LOST, SV_UNSENT };
-
 static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
 static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
 
 /* ----------------------------------------------------------------- the windows' guard */
 
-static void guard_take(uint32_t *g)
+HF_INTERNAL void hf_guard_take(uint32_t *g)
 {
     while (__atomic_exchange_n(g, 1u, __ATOMIC_ACQUIRE))
         cpu_relax();
 }
 
-static void guard_drop(uint32_t *g) { __atomic_store_n(g, 0u, __ATOMIC_RELEASE); }
+HF_INTERNAL void hf_guard_drop(uint32_t *g) { __atomic_store_n(g, 0u, __ATOMIC_RELEASE); }
 
 /* Windows.forget_all for a session whose rounds may be served here: every slot forgotten
  * between two rounds, never in the middle of one (another connection's thread calls it,
  * when a new session of the engine replaces this one). */
 void hf_windows_forget(struct hf_windows *w)
 {
-    guard_take(w->guard);
+    hf_guard_take(w->guard);
     memset(w->known, 0, w->max_slots);
-    guard_drop(w->guard);
+    hf_guard_drop(w->guard);
 }
 
 /* ----------------------------------------------------------------- the Markov table */
@@ -350,9 +347,9 @@ int hf_worker_serve(struct hf_serve *s)
     uint64_t most = W_HEADER + W_DRAFTS_FIXED + told * (8 + 8ull * s->w->num_spec);
     int rule = told > s->b->n_room || most > s->tx_size;
     if (!rule) {
-        guard_take(s->w->guard);
+        hf_guard_take(s->w->guard);
         rule = hf_worker_round(s->w, s->rx, len, s->b);  /* reads nothing past the tokens */
-        guard_drop(s->w->guard);
+        hf_guard_drop(s->w->guard);
     }
     if (rule) {  /* the rest of it into rx, for Python to name the culprit */
         s->phase = PH_PYTHON;

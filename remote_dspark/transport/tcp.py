@@ -34,10 +34,13 @@ def enable_keepalive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
+SEND_TIMEOUT_S = 1.0  # TcpStream's default: a send's longest wait for room in the peer's window
+
+
 class TcpStream:
     """A :class:`~remote_dspark.transport.ByteStream` over TCP."""
 
-    def __init__(self, sock: socket.socket, send_timeout_s: float = 1.0):
+    def __init__(self, sock: socket.socket, send_timeout_s: float = SEND_TIMEOUT_S):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         # A send blocks only while the peer's window is full; past this the connection

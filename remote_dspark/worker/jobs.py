@@ -6,7 +6,9 @@ A job is :class:`Pending` from its queueing (``taken`` grows as its pieces go in
 their drafts gathered in ``parts``) until it ends :class:`Answered` (its drafts, or None
 when its deadline passed first) or :class:`Failed` (what its call raised, or the worker
 stopping), and never changes again. The scheduler makes every change under its lock;
-the job's ``done`` event is set with its end and wakes the connection waiting for it.
+the job's ``done`` event is set with its end and wakes the connection waiting for it,
+or, for a round no thread waits for (the hub's, :mod:`.hub`), its ``deliver`` is called
+with it once the scheduler's lock is released.
 (A round that finds the drafter free and is a call whole never enters the queue: no
 other thread sees it, and the call's return is its end.)
 The states are immutable tuples (each made in a fraction of a microsecond: a round's
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -68,11 +71,25 @@ class Job:
     queued: float  # the clock's seconds when it was queued
     state: JobState = Pending()
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # None: a thread waits on ``done``; else called with the job once it ended (Answered
+    # or Failed), outside the scheduler's lock, on the thread that ended it
+    deliver: Callable[[Job], None] | None = None
 
     @property
     def cost(self) -> int:
         """The whole round's cost (its ``costs`` summed, once known)."""
         return int(self.costs.sum())
+
+    def end(self, state: Answered | Failed) -> bool:
+        """Under the scheduler's lock: done with ``state`` and its waiter woken (a job
+        with a ``deliver`` has none: the caller calls it), unless it is done already (its
+        first end stands). True when this call ended it."""
+        if not isinstance(self.state, Pending):
+            return False
+        self.state = state
+        if self.deliver is None:
+            self.done.set()
+        return True
 
     def piece(self, start: int, stop: int) -> DraftBatch:
         if start == 0 and stop == len(self.batch):

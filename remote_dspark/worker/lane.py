@@ -49,7 +49,7 @@ _NO_CONTEXT_READ = (1 << 32) - 1  # hf_markov's context_read of a drafter that r
 _NO_LIMIT_NS = (1 << 64) - 1  # hf_serve's frame_ns and send_ns: no limit
 
 
-def _ns(seconds: float) -> int:
+def ns_of(seconds: float) -> int:
     """``seconds`` as hf_serve's nanoseconds (infinite or past the u64: no limit)."""
     return _NO_LIMIT_NS if not seconds * 1e9 < _NO_LIMIT_NS else int(seconds * 1e9)
 
@@ -157,8 +157,8 @@ class Lane:
             rx_size=len(self._rx),
             tx_size=len(self._tx),
             max_payload=chan.max_payload,
-            frame_ns=_ns(lanes.frame_timeout_s),
-            send_ns=_ns(send_timeout_s),
+            frame_ns=ns_of(lanes.frame_timeout_s),
+            send_ns=ns_of(send_timeout_s),
         )
 
     def next_frame(self) -> tuple[wire.Header, memoryview] | tuple[None, None]:

@@ -202,6 +202,12 @@ TABLE: Table[WorkerScrape] = Table(
             lambda r: r.stats.drafter_calls,
         ),
         counter(
+            "drafter_cpu_seconds",
+            "CPU seconds the drafter's calls took on the thread that made each: its own host work "
+            "(a round drafted in C: its drafting time). The worker's CPU less this is its serving.",
+            lambda r: r.stats.drafter_cpu_seconds,
+        ),
+        counter(
             "encode_pieces",
             "Pieces of an entry's encode over a call's token budget (a long NEW_GEN encoded over several "
             "calls, one piece a call); the entry's last piece, with its drafts, is not one.",

@@ -151,40 +151,56 @@ class NativeRounds:
         with session.windows.lock:
             rule = self._call(ctypes.byref(view), data.ctypes.data, len(data), ctypes.byref(out))
         if rule:
-            self._refused(session, hdr, payload, limits, rule)
-        a = {name: np.frombuffer(buf, dtype, count, at) for name, dtype, at, count in parts}
-        n, m, width, row_bytes = out.n, out.m, out.width, out.row_bytes
-        rows = data[len(data) - n * row_bytes :].reshape(n, row_bytes)
-        drafted = a["drafted"][:n]
-        if m < n:
-            rows = rows[drafted]
-        sampled = session.want_sampled
-        batch = DraftBatch(
-            a["tokens"][: out.n_tokens],
-            a["offsets"][: m + 1],
-            a["n_out"][:m],
-            rows,
-            session.want_margin,
-            width,
-            session=session.windows.serial,
-            slots=a["slots"][:m],
-            gens=a["gens"][:m],
-            lengths=a["lengths"][:m],
-            positions=a["starts"][:m],
-            temperature=a["temperature"][:m] if sampled else None,
-            seed=a["seed"][:m] if sampled else None,
-            **kept_streams(session, a["lengths"][:m]),
-        )
-        slots = data[wire.ROUND_FIXED.size : wire.ROUND_FIXED.size + 4 * n].view(np.uint32)
-        return out.deadline_ms, slots, a["ok"][:n], drafted, width, batch
+            self.refused(session, hdr, payload, limits, rule)
+        return written(session, arrays_of(buf, parts), out, data)
 
     @staticmethod
-    def _refused(session: Session, hdr: wire.Header, payload, limits: Limits, rule: int) -> None:
-        """The reference's checks of a round the C check refused (``rule``): they raise
-        its ProtocolError, naming the culprit. Raises RuntimeError when they accept it (the
-        two disagree: a bug the tests exist to catch)."""
+    def refused(session: Session, hdr: wire.Header, payload, limits: Limits, rule: int | None) -> None:
+        """The reference's checks of a round the C check refused (``rule``; None: the hub's,
+        which does not say): they raise its ProtocolError, naming the culprit. Raises
+        RuntimeError when they accept it (the two disagree: a bug the tests exist to
+        catch)."""
         check_for_session(session, wire.decode_round(hdr, payload, session.want_sampled), limits)
+        by = "the hub" if rule is None else f"rule {rule}"
         raise RuntimeError(
-            f"ROUND {hdr.round}: refused by the native check (rule {rule}), accepted by the Python "
+            f"ROUND {hdr.round}: refused by the native check ({by}), accepted by the Python "
             "reference; native/worker_round.c and worker/round.py disagree"
         )
+
+
+def arrays_of(buf: np.ndarray, parts) -> dict[str, np.ndarray]:
+    """The batch arrays in ``buf`` (:func:`batch_arrays`' buffer and layout), whole."""
+    return {name: np.frombuffer(buf, dtype, count, at) for name, dtype, at, count in parts}
+
+
+def written(
+    session: Session, a: dict[str, np.ndarray], out, data: np.ndarray
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int, DraftBatch]:
+    """What ``hf_worker_round`` wrote of the round in ``data`` (its payload) into the
+    arrays ``a`` (:func:`arrays_of`) and ``out`` (their ``BatchOut``), as
+    :meth:`NativeRounds.drafting_batch` returns it: ``(deadline_ms, slots, ok, drafted,
+    width, batch)``, each a view."""
+    n, m, width, row_bytes = out.n, out.m, out.width, out.row_bytes
+    rows = data[len(data) - n * row_bytes :].reshape(n, row_bytes)
+    drafted = a["drafted"][:n]
+    if m < n:
+        rows = rows[drafted]
+    sampled = session.want_sampled
+    batch = DraftBatch(
+        a["tokens"][: out.n_tokens],
+        a["offsets"][: m + 1],
+        a["n_out"][:m],
+        rows,
+        session.want_margin,
+        width,
+        session=session.windows.serial,
+        slots=a["slots"][:m],
+        gens=a["gens"][:m],
+        lengths=a["lengths"][:m],
+        positions=a["starts"][:m],
+        temperature=a["temperature"][:m] if sampled else None,
+        seed=a["seed"][:m] if sampled else None,
+        **kept_streams(session, a["lengths"][:m]),
+    )
+    slots = data[wire.ROUND_FIXED.size : wire.ROUND_FIXED.size + 4 * n].view(np.uint32)
+    return out.deadline_ms, slots, a["ok"][:n], drafted, width, batch

@@ -33,6 +33,12 @@ learnt from calls: a model that refused every round would never be corrected). T
 checked when the call is taken, and again just before each drafter call of a call made
 in several (the groups drafted before it may outlast a deadline).
 
+Where rounds come from: connection threads calling :meth:`Scheduler.draft`, and, on a
+worker with a hub (:mod:`.hub`), the hub's ready rounds, which the drafter thread takes
+itself whenever it looks for work (``source``; it waits for them in C, the interpreter
+lock released): such a round's job is ended by a call to its ``deliver`` (its reply,
+written and sent by the hub) once the lock is released, not by a thread's wake-up.
+
 Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
 and nothing else queued, the connection's own thread, at once (no hand-off between
 threads on an idle worker: the round's latency is the drafter's). That thread goes on
@@ -58,6 +64,7 @@ drafter is called once per round, in the same fair order.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
@@ -71,6 +78,9 @@ from .cost import DrafterCost
 from .fair import DEFAULT_CALL_SHARE, FairShare
 from .jobs import Answered, Failed, Job, Pending, Piece
 
+log = logging.getLogger("remote_dspark.worker")
+
+IDLE_WAIT_S = 1.0  # the drafter thread's longest wait in its source before it looks at its own state again
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
 DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) of a drafter that reserves memory ...
 DEFAULT_MAX_TOKENS = 1 << 15  # ... and tokens: contexts plus drafts (--max-batch-tokens)
@@ -80,11 +90,13 @@ class Scheduler:
     """The drafter thread and its queue (module docstring). Owned by the worker:
     :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
 
-    ``on_call(seconds, rounds, entries, tokens, waits, pieces, piece_tokens)`` is told of
-    each drafter call: its duration, the pieces of rounds, the entries and the tokens
-    (contexts and drafts: the budget's cost) it drafted, how long each round first
-    drafted in it waited in the queue, and the pieces of an over-budget entry's encode in
-    it and their tokens (the worker's statistics). ``clock`` dates
+    ``on_call(seconds, rounds, entries, tokens, waits, pieces, piece_tokens, cpu_seconds)``
+    is told of each drafter call: its duration, the pieces of rounds, the entries and the
+    tokens (contexts and drafts: the budget's cost) it drafted, how long each round first
+    drafted in it waited in the queue, the pieces of an over-budget entry's encode in it
+    and their tokens, and the CPU the call took on the thread that made it
+    (``time.thread_time``: the drafter's own host work; threads of the drafter's own,
+    such as torch's intra-op pool, are not in it) (the worker's statistics). ``clock`` dates
     deadlines and the drafter's seconds (``time.monotonic``; a test's clock that the
     drafter moves makes both deterministic). ``max_tokens`` None: the drafter derives the token
     budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
@@ -103,10 +115,11 @@ class Scheduler:
         *,
         max_entries: int | None,
         max_tokens: int | None,
-        on_call: Callable[[float, int, int, int, list[float], int, int], None] | None = None,
+        on_call: Callable[[float, int, int, int, list[float], int, int, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
         call_share: float = DEFAULT_CALL_SHARE,
+        source=None,
     ):
         if (max_entries is not None and max_entries < 1) or (max_tokens is not None and max_tokens < 1):
             raise ValueError(f"max_entries {max_entries}, max_tokens {max_tokens}: must be >= 1")
@@ -117,7 +130,7 @@ class Scheduler:
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.mixed = batching and mixed_sessions_of(drafter)
         self.charge = Charge(drafter)  # what an entry costs in a call
-        self.on_call, self.clock = on_call, clock
+        self.on_call, self.clock, self.source = on_call, clock, source
         self._cond = threading.Condition()
         self.cost = DrafterCost()  # what the drafter costs by a call's shape, learnt from every call
         self._fair = FairShare(self.charge, self.cost, call_share)  # the queued rounds, each call's share
@@ -126,6 +139,7 @@ class Scheduler:
         # alone may then take pieces for and gather into.
         self._busy = False  # a call is being made (by the drafter thread or a connection's)
         self._stopping = False
+        self._outbox: list[Job] = []  # ended jobs with a ``deliver``, to call outside the lock
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
 
     def reserve(self) -> None:
@@ -151,10 +165,19 @@ class Scheduler:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if self.source is not None:
+            self.source.poke()
         self._thread.join(timeout_s)
         with self._cond:
             for job in self._fair.clear():
                 self._end(job, Failed(RuntimeError("the worker is stopping")))
+        self._deliver()
+
+    def queued(self) -> int:
+        """Rounds waiting for the drafter: queued here, and ready in the source."""
+        with self._cond:
+            here = self._fair.queued()
+        return here + (self.source.ready() if self.source is not None else 0)
 
     def draft(self, session: int, batch: DraftBatch, deadline: float = math.inf) -> DraftResult | None:
         """``batch``'s drafts (checked against the contract), or None when its
@@ -198,14 +221,31 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
+            if self.source is not None:
+                self._pull()
             with self._cond:
                 while (not self._fair or self._busy) and not self._stopping:
+                    if self.source is not None:
+                        break  # (its wait is the source's, in _pull)
                     self._cond.wait()
                 if self._stopping:
                     return
+                if not self._fair or self._busy:
+                    continue
                 self._busy = True
                 pieces, late, taken_at = self._take()
             self._run(pieces, late, taken_at)
+
+    def _pull(self) -> None:
+        """The source's ready rounds queued: waited for (up to ``IDLE_WAIT_S``, the lock
+        not held) when nothing else is, else taken without a wait."""
+        with self._cond:
+            idle = not self._fair or self._busy
+        jobs = self.source.take(IDLE_WAIT_S if idle else 0.0)
+        if jobs:
+            with self._cond:
+                for job in jobs:
+                    self._fair.add(job)
 
     def _whole(self, job: Job) -> bool:
         """The round fits a call's budget whole."""
@@ -234,8 +274,11 @@ class Scheduler:
         queued meanwhile."""
         with self._cond:
             self._busy = False
-            if self._fair:  # (else no wake-up)
-                self._cond.notify()
+            if not self._fair:  # (else no wake-up)
+                return
+            self._cond.notify()
+        if self.source is not None:
+            self.source.poke()
 
     def _draft_pieces(self, pieces: list[Piece], late: list[Job], taken_at: float) -> None:
         """A call's drafter calls, each group's rounds answered as soon as it is drafted (a
@@ -245,6 +288,7 @@ class Scheduler:
                 for job in late:  # answered with the pieces drafted, or None: none was
                     if isinstance(job.state, Pending):
                         self._end(job, Answered(job.state.parts))
+            self._deliver()
         if self.mixed:  # one call per width, row size and kind, the narrowest first
             groups = collections.defaultdict(list)
             for piece in pieces:
@@ -257,6 +301,7 @@ class Scheduler:
                 group = self._in_time(group)
             if group:
                 self._call(group, taken_at)
+            self._deliver()  # each group's rounds answered as soon as it is drafted
 
     def _in_time(self, group: list[Piece]) -> list[Piece]:
         """The pieces of ``group`` the drafter can still draft before their round's
@@ -308,15 +353,18 @@ class Scheduler:
         makes the call: no lock to read them). Raises what the call raised."""
         batches = [p.drafted() for p in pieces]
         batch = batches[0] if len(pieces) == 1 else merge(batches)
-        t0, c0 = time.perf_counter(), self.clock()
-        result = check_result(self.drafter.draft_batch(batch), batch)
+        t0, c0, cpu0 = time.perf_counter(), self.clock(), time.thread_time()
+        drafted = self.drafter.draft_batch(batch)
+        cpu = time.thread_time() - cpu0  # the drafter's own host work (its result's check is the worker's)
+        result = check_result(drafted, batch)
         tokens = sum(p.cost for p in pieces)  # a call merges rounds of one width: their costs add up
         with self._cond:  # (read under the lock when calls are taken)
             self.cost.observe(len(batch), tokens, batch.width, self.clock() - c0)
         if self.on_call is not None:
             waits = [taken_at - p.job.queued for p in pieces if p.start == 0 and not p.after]
             encoding = [p.cost for p in pieces if p.partial]  # pieces of an over-budget entry's encode
-            self.on_call(time.perf_counter() - t0, len(pieces), len(batch), tokens, waits, len(encoding), sum(encoding))
+            facts = (len(pieces), len(batch), tokens, waits, len(encoding), sum(encoding), cpu)
+            self.on_call(time.perf_counter() - t0, *facts)
         gathered: dict[Job, DraftResult] = {}  # a job may have several pieces in one call
         at = 0
         for p, piece in zip(pieces, batches, strict=True):
@@ -328,10 +376,20 @@ class Scheduler:
             at += len(piece)
         return gathered
 
-    @staticmethod
-    def _end(job: Job, state: Answered | Failed) -> None:
-        """Under the lock: ``job`` done with ``state`` and its waiter woken, unless it is
-        done already (its first end stands)."""
-        if isinstance(job.state, Pending):
-            job.state = state
-            job.done.set()
+    def _end(self, job: Job, state: Answered | Failed) -> None:
+        """Under the lock: ``job`` ended (:meth:`Job.end`); one with a ``deliver`` goes in
+        the outbox for :meth:`_deliver`."""
+        if job.end(state) and job.deliver is not None:
+            self._outbox.append(job)
+
+    def _deliver(self) -> None:
+        """The ended jobs' ``deliver`` called, outside the lock (their replies)."""
+        with self._cond:
+            if not self._outbox:
+                return
+            out, self._outbox = self._outbox, []
+        for job in out:
+            try:
+                job.deliver(job)
+            except Exception:  # one round's reply never stops the drafter thread
+                log.exception("delivering a round's drafts failed")

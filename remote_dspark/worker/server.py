@@ -37,9 +37,7 @@ Memory is bounded by this worker's own numbers, never by what a peer announces
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import math
 import os
 import socket
 import threading
@@ -47,23 +45,22 @@ import time
 
 from .. import wire
 from ..drafter.contract import BatchedDrafter, PerEntryDrafterLike, as_batched, max_positions_of
-from ..transport import DeadlineExceeded, Disconnected, FrameChannel
-from ..transport.tcp import TcpStream
+from ..transport.tcp import SEND_TIMEOUT_S
 from . import lane, native_round
 from .admission import Admission, Drop
 from .faults import Faults
-from .hello import hello_ack, judge_hello
+from .hub import Hub
 from .limits import stream_keep
 from .options import WorkerOptions
-from .round import answer
 from .scheduler import Scheduler
+from .serving import Serving
 from .sessions import Session, Sessions
 from .stats import Health, WorkerStats
 
 log = logging.getLogger("remote_dspark.worker")
 
 
-class Worker:
+class Worker(Serving):
     """The server. ``start()`` binds and serves in background threads; ``stop()`` ends
     everything (sends BYE to every open connection) and returns when all threads did.
 
@@ -83,6 +80,28 @@ class Worker:
     ):
         self.options = opts = dataclasses.replace(options or WorkerOptions(), **changes)
         self.drafter = drafter  # as given (its identities are checked at HELLO)
+        self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
+        stream_keep(drafter, opts.window)  # a bad max_context stops the start, not a HELLO
+        self._native = native_round.load() if opts.round_path != "python" else None
+        self.host, self.port = host, port
+        self.limits = opts.limits
+        served = opts.round_path == "served" and self._native is not None and opts.faults is None
+        self._lanes = None  # lane.Lanes when this worker's connections may serve rounds in C
+        if served and lane.takes(self._native, drafter, opts.faults):
+            self._lanes = lane.Lanes(self._native, drafter, self.limits, self._max_positions, opts.frame_timeout_s)
+        self._hub = None  # every other connection's rounds in C (2 places a connection: one may be ending)
+        if served:
+            self._hub = Hub(
+                self._native,
+                2 * opts.max_connections,
+                self.limits,
+                self._max_positions,
+                opts.frame_timeout_s,
+                SEND_TIMEOUT_S,
+                self._hub_event,
+                self._hub_job,
+            )
+        self.round_path = "served" if served else "native" if self._native else "python"
         # Every round goes through the drafter's own thread (continuous batching, fairness, deadlines)
         self._scheduler = Scheduler(
             as_batched(drafter),
@@ -90,17 +109,8 @@ class Worker:
             max_tokens=opts.max_batch_tokens,
             on_call=self._called,
             batching=opts.batching,
+            source=self._hub,
         )
-        self._max_positions = max_positions_of(drafter)  # entries past it get no drafts
-        stream_keep(drafter, opts.window)  # a bad max_context stops the start, not a HELLO
-        self._native = native_round.load() if opts.round_path != "python" else None
-        self.host, self.port = host, port
-        self.limits = opts.limits
-        served = opts.round_path == "served" and lane.takes(self._native, drafter, opts.faults)
-        self._lanes = None  # lane.Lanes when this worker's connections may serve rounds in C
-        if served:
-            self._lanes = lane.Lanes(self._native, drafter, self.limits, self._max_positions, opts.frame_timeout_s)
-        self.round_path = "served" if served else "native" if self._native else "python"
         self.stats = WorkerStats()
         self.metrics_port = opts.metrics_port  # the bound one once started
         self._metrics = None  # metrics.MetricsServer while started with a metrics port
@@ -159,6 +169,8 @@ class Worker:
             key=self.options.key,
         )
         self._scheduler.start()
+        if self._hub is not None:
+            self._hub.start()
         self._acceptor = threading.Thread(
             target=self._admission.run, args=(self._stopping,), name="worker-accept", daemon=True
         )
@@ -182,11 +194,25 @@ class Worker:
                 pass
         for t in list(self._threads):
             t.join(timeout_s)
+        self._drain(timeout_s)  # the hub's: their rounds in flight answered, then ended
         self._scheduler.stop(timeout_s)  # after the connections: their rounds in flight are answered
+        if self._hub is not None:
+            self._drain(timeout_s)  # (rounds the scheduler failed: their connections end now)
+            self._hub.stop(timeout_s)
+            for hc in self._hub.connections():  # what did not end in time: ended here, the I/O thread gone
+                self._hub.remove(hc)
+                self._ended(hc.sock, hc.peer, hc.session, hc.chan, None)
+            self._hub.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self._metrics is not None:  # last: /healthz says "stopping" (503) while the rest stops
             self._metrics.close(timeout_s)
+
+    def _drain(self, timeout_s: float) -> None:
+        """Wait (bounded) until the hub's connections, shut for reading, have ended."""
+        deadline = time.monotonic() + timeout_s
+        while self._hub is not None and self._hub.connections() and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def __enter__(self):
         return self.start()
@@ -225,13 +251,6 @@ class Worker:
         """The scheduler's word of one drafter call (:meth:`WorkerStats.add_call`'s arguments)."""
         with self._lock:
             self.stats.add_call(*call)
-
-    def _served(self, session: Session, facts, sent: bool) -> None:
-        """A round served in C (its ``lane`` facts) counted, as :meth:`_serve` counts its own."""
-        if sent:
-            self._sessions.served(session)
-        with self._lock:
-            self.stats.add_served(facts, sent)
 
     def _dropped_at_door(self, why: Drop) -> None:
         """A connection the front door dropped before its HELLO, counted by why."""
@@ -300,111 +319,3 @@ class Worker:
         except OSError:
             pass
         conn.close()
-
-    # ------------------------------------------------------------------ one served connection
-
-    def _serve(self, conn: socket.socket, peer, hello_hdr: wire.Header, hello_payload: bytes) -> None:
-        conn.setblocking(True)
-        chan = FrameChannel(TcpStream(conn))
-        session: Session | None = None
-        try:
-            session = self._hello(chan, hello_hdr, hello_payload, conn)
-            if session is None:
-                return
-            with self._lock:
-                self._conns[conn] = session  # from now on it may be displaced once it idles
-            served = self._lanes and self._lanes.open(session, chan, functools.partial(self._served, session))
-            while not self._stopping.is_set() and not session.evicted:
-                # No deadline between frames (an engine may idle for minutes; keepalive
-                # finds a dead one); a frame, once begun, within frame_timeout_s.
-                hdr, payload = (
-                    served.next_frame() if served else chan.recv_frame(math.inf, self.options.frame_timeout_s)
-                )
-                if hdr is None:  # a ROUND the lane served and counted
-                    continue
-                if hdr.type == wire.BYE:
-                    return
-                elif hdr.type == wire.ROUND:
-                    t0 = time.perf_counter()
-                    reply = self._round(session, hdr, payload, time.monotonic())
-                    if self.faults is not None:
-                        reply = self.faults.apply(reply)
-                    chan.send(reply)
-                    self._sessions.served(session)
-                    took = time.perf_counter() - t0
-                    with self._lock:
-                        self.stats.round_seconds.observe(took)
-                else:
-                    raise wire.ProtocolError(f"unexpected {hdr.name} from the engine side")
-        except wire.VersionMismatch as e:
-            with self._lock:
-                self.stats.bad_frames += 1
-            log.warning("connection %s: %s; refused", peer, e)
-            self._send_quietly(chan, self._ack(wire.REFUSE_VERSION, str(e), 0))
-        except wire.ProtocolError as e:
-            with self._lock:
-                self.stats.bad_frames += 1
-            log.warning("connection %s: bad frame, closing it: %s", peer, e)
-        except DeadlineExceeded as e:
-            with self._lock:
-                self.stats.stalled += 1
-            log.warning(
-                "connection %s: a frame not whole within %.1f s (%s); closing it", peer, self.options.frame_timeout_s, e
-            )
-        except Disconnected:
-            pass
-        except Exception:  # the drafter (or this worker) failed: this connection only, loudly
-            with self._lock:
-                self.stats.round_failures += 1
-            log.exception("connection %s: failed serving a round; closing it", peer)
-        finally:
-            if self._stopping.is_set() or (session is not None and session.evicted):
-                self._send_quietly(chan, wire.encode_bye(session.session if session else 0))
-            chan.close()
-            if session is not None:
-                self._sessions.drop(session)
-            with self._lock:
-                self._conns.pop(conn, None)
-
-    def _hello(
-        self, chan: FrameChannel, hdr: wire.Header, payload, conn: socket.socket | None = None
-    ) -> Session | None:
-        """The HELLO's verdict (:func:`~remote_dspark.worker.hello.judge_hello`) counted,
-        then told: the session admitted, or None."""
-        hello = wire.decode_hello(payload)
-        verdict = judge_hello(hdr, hello, conn, self.drafter, self.limits, self._scheduler.max_tokens, self._sessions)
-        if verdict.session is None:
-            self._refuse(verdict.why)
-            chan.send(self._ack(verdict.code, verdict.reason, hdr.session))
-            return None
-        if verdict.evicted is not None:
-            with self._lock:
-                self.stats.evicted += 1
-        chan.max_payload = self.limits.frame_cap(hello)
-        # Only now the ACK: once the engine side has it, the old windows are gone.
-        chan.send(self._ack(verdict.code, verdict.reason, hdr.session))
-        shape = (hdr.session, hello.engine_id, hello.max_slots, hello.num_spec)
-        log.info("session %#x of engine %#x: %d slots, num_spec %d", *shape)
-        return verdict.session
-
-    def _ack(self, code: int, reason: str, session: int) -> bytes:
-        return hello_ack(self.drafter, code, reason, session, self.limits)
-
-    def _round(self, session: Session, hdr: wire.Header, payload, received: float | None = None) -> bytes:
-        """One ROUND in (``received``: ``time.monotonic()`` at its receipt, which its
-        relative deadline counts from; None: now), its DRAFTS frame out; no Python loop
-        over the entries."""
-        received = time.monotonic() if received is None else received
-        reply, told = answer(
-            session, hdr, payload, self.limits, self._max_positions, self._scheduler.draft, received, self._native
-        )
-        with self._lock:
-            self.stats.add_round(told)
-        return reply
-
-    @staticmethod
-    def _send_quietly(chan: FrameChannel, frame: bytes) -> None:
-        try:
-            chan.send(frame)
-        except Disconnected:
-            pass

@@ -48,6 +48,7 @@ class WorkerStats:
     encode_pieces: int = 0  # pieces of an over-budget entry's encode (one a call, per entry)
     encode_piece_tokens: int = 0  # their tokens (each piece's share of its call's budget)
     draft_tokens: int = 0
+    drafter_cpu_seconds: float = 0.0  # CPU of the drafter's calls on the thread that made each (its host work)
     # the worker's time from a ROUND in to its DRAFTS sent (not a served round's wait for its rows)
     round_seconds: HistogramCounter = field(default_factory=HistogramCounter)
     drafting_seconds: HistogramCounter = field(default_factory=HistogramCounter)  # inside draft_batch, per call
@@ -84,7 +85,8 @@ class WorkerStats:
         if sent:
             self.round_seconds.observe(s.round_ns / 1e9)
         if s.drafted:
-            self.add_call(s.drafting_ns / 1e9, 1, s.drafted, s.call_tokens, [0.0])
+            # drafted in C on the connection's own thread, CPU-bound: its time is its CPU
+            self.add_call(s.drafting_ns / 1e9, 1, s.drafted, s.call_tokens, [0.0], cpu_seconds=s.drafting_ns / 1e9)
 
     def add_call(
         self,
@@ -95,12 +97,15 @@ class WorkerStats:
         waits: list[float],
         pieces: int = 0,
         piece_tokens: int = 0,
+        cpu_seconds: float = 0.0,
     ) -> None:
         """What one drafter call adds: it drafted ``rounds`` rounds (or pieces; ``entries``
         entries, ``tokens`` tokens, of them ``pieces`` pieces of an over-budget entry's
-        encode of ``piece_tokens`` tokens) in ``seconds``, the rounds it began after ``waits``
-        seconds in the scheduler's queue."""
+        encode of ``piece_tokens`` tokens) in ``seconds``, ``cpu_seconds`` of them the CPU
+        of the thread that made it, the rounds it began after ``waits`` seconds in the
+        scheduler's queue."""
         self.drafter_calls += 1
+        self.drafter_cpu_seconds += cpu_seconds
         self.encode_pieces += pieces
         self.encode_piece_tokens += piece_tokens
         self.drafting_seconds.observe(seconds)

@@ -49,6 +49,10 @@ def test_every_mode_drafts_every_entry_and_the_goals_come_from_the_rows(capsys):
     within = all(r["rss_growth_mb"] <= r["rss_bound_mb"] for r in rows.values())
     assert goals["the worker's memory growth within its bound, every row"]["met"] == within
     assert storm["rss_bound_mb"] > rows["alone"]["rss_bound_mb"]  # three 1024-slot storm connections
+    # The worker's CPU per round beside its drafter's (/proc and its /metrics); no share:
+    # bench drafter measures model drafters only.
+    assert all(r["worker_cpu_us_per_round"] is not None and r["entries_per_call"] > 0 for r in rows.values())
+    assert all(r["drafter_cpu_us_per_round"] > 0 and r["share_of_drafter"] is None for r in rows.values())
 
 
 def test_a_storm_engine_stops_on_a_stop_sent_with_its_go(worker):

@@ -333,5 +333,8 @@ def test_sampled_drafts_of_kept_streams_equal_a_fresh_encode_of_the_whole_sequen
         spans = [streams.span(int(slot)) for slot in batch.slots]
         whole = batch_of([s for _, s in spans], batch.n_out, width, positions=np.array([f for f, _ in spans]))
         whole = sampled(whole, 0.8, seeds)
-        compared.append(assert_same_sampled(got, plain.draft_batch(whole), whole))
-    assert not compared or np.mean(compared) >= 0.8
+        drafts = int(got.counts.sum())
+        compared.append((assert_same_sampled(got, plain.draft_batch(whole), whole) * drafts, drafts))
+    # Most drafts compared, pooled (a round of two drafts may lose one to rounding's flip)
+    done, total = np.sum(compared, axis=0) if compared else (0, 0)
+    assert total < 10 or done >= 0.8 * total

@@ -6,7 +6,6 @@ import pytest
 
 from remote_dspark.drafter.contract import DraftBatch, empty_result
 from remote_dspark.worker.jobs import Answered, Failed, Job, Pending
-from remote_dspark.worker.scheduler import Scheduler
 
 
 def job() -> Job:
@@ -18,14 +17,14 @@ def job() -> Job:
 def test_a_job_is_pending_until_its_first_end_which_stands():
     j, drafts = job(), empty_result(1, 3, False)
     assert isinstance(j.state, Pending) and j.state.taken == 0 and j.state.parts is None and not j.done.is_set()
-    Scheduler._end(j, Answered(drafts))  # (the scheduler calls it under its lock)
-    Scheduler._end(j, Failed(RuntimeError("the worker is stopping")))
+    assert j.end(Answered(drafts))  # (the scheduler calls it under its lock)
+    assert not j.end(Failed(RuntimeError("the worker is stopping")))
     assert j.done.is_set() and isinstance(j.state, Answered) and j.state.result is drafts and j.outcome() is drafts
 
 
 def test_a_failed_job_raises_what_its_call_raised():
     j = job()
-    Scheduler._end(j, Failed(ValueError("the drafter broke")))
+    j.end(Failed(ValueError("the drafter broke")))
     with pytest.raises(ValueError, match="the drafter broke"):
         j.outcome()
     assert isinstance(j.state, Failed)

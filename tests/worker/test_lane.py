@@ -345,7 +345,7 @@ class Subclassed(MarkovDrafter):
     "make, path",
     [
         (lambda: Worker(MarkovDrafter(builtin_model()), "127.0.0.1", 0), "served"),
-        (lambda: Worker(Subclassed(builtin_model()), "127.0.0.1", 0), "native"),
+        (lambda: Worker(Subclassed(builtin_model()), "127.0.0.1", 0), "served"),  # by the hub
         (lambda: Worker(MarkovDrafter(builtin_model()), "127.0.0.1", 0, round_path="native"), "native"),
         (lambda: Worker(MarkovDrafter(builtin_model()), "127.0.0.1", 0, round_path="python"), "python"),
     ],

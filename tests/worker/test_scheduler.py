@@ -40,8 +40,7 @@ class Recording(MarkovDrafter):
 
 
 def queued(scheduler) -> int:
-    with scheduler._cond:
-        return scheduler._fair.queued()
+    return scheduler.queued()
 
 
 def gate_then(scheduler, gated, jobs):

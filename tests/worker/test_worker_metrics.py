@@ -163,6 +163,9 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
         assert value(text, f"dspark_worker_{hist}_count") == n
         assert value(text, f"dspark_worker_{hist}_bucket", le="+Inf") == n
         assert value(text, f"dspark_worker_{hist}_sum") > 0
+    # Drafted in C on the connection's thread: the drafter's CPU is its drafting time.
+    cpu = value(text, "dspark_worker_drafter_cpu_seconds_total")
+    assert cpu == value(text, "dspark_worker_drafting_duration_seconds_sum") > 0
     info = [dict(k[1]) for k in samples(text) if k[0] == "dspark_worker_info"]
     assert info == [
         {
@@ -237,6 +240,7 @@ CONTRACT = [
     ("dspark_worker_draft_tokens_total", "counter", ()),
     ("dspark_worker_rounds_expired_total", "counter", ()),
     ("dspark_worker_drafter_calls_total", "counter", ()),
+    ("dspark_worker_drafter_cpu_seconds_total", "counter", ()),
     ("dspark_worker_encode_pieces_total", "counter", ()),
     ("dspark_worker_encode_piece_tokens_total", "counter", ()),
     ("dspark_worker_round_duration_seconds", "histogram", ()),

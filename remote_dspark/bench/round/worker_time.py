@@ -30,6 +30,20 @@ def read(url: str) -> Totals:
     Raises:
         RuntimeError: the scrape failed or lacks the families, naming the URL.
     """
+    values = scrape(url)
+    try:
+        return Totals(values[ROUND + "_sum"], values[ROUND + "_count"], values[DRAFTING + "_sum"])
+    except KeyError as e:
+        raise RuntimeError(f"the worker's metrics at {url} lack {e.args[0]}") from None
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The samples of the worker's ``/metrics`` at ``url`` (loopback, within
+    ``SCRAPE_TIMEOUT_S``) by name (a name of several labelled samples: its last).
+
+    Raises:
+        RuntimeError: the scrape failed, naming the URL.
+    """
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -37,11 +51,7 @@ def read(url: str) -> Totals:
             text = r.read().decode()
     except OSError as e:
         raise RuntimeError(f"the worker's metrics at {url}: {e}") from e
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    try:
-        return Totals(values[ROUND + "_sum"], values[ROUND + "_count"], values[DRAFTING + "_sum"])
-    except KeyError as e:
-        raise RuntimeError(f"the worker's metrics at {url} lack {e.args[0]}") from None
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def per_round(before: Totals, after: Totals) -> dict:
