@@ -71,6 +71,7 @@ from .jobs import Job, Pending, Piece
 YIELD_SHARE = 16  # beside ready rounds, the others' work is at most this fraction of the target
 RECENT_S = 1.0  # how long the drafting of ready rounds sets the target of a call
 FLOOR_S = 0.002  # the shortest target: a call's own cost stays small beside its drafting
+_ROUNDING = 1 + 1e-9  # a sum of prices compared with a budget made of the same prices: rounding is no overrun
 DEFAULT_CALL_SHARE = 0.25  # --call-deadline-share: a round waits one call and drafts in one, half its deadline
 
 
@@ -194,7 +195,8 @@ class FairShare:
         if cost.known and call.now - at <= RECENT_S:
             target = min(ceiling, max(FLOOR_S, recent))
         if call.ready:
-            call.budget, call.bound = ready + target / YIELD_SHARE, target / YIELD_SHARE
+            call.bound = max(target / YIELD_SHARE, call.price_of_tokens(1))  # a token of an encode, at least
+            call.budget = ready + call.bound
         else:
             call.budget = target
 
@@ -225,7 +227,8 @@ class FairShare:
             room = call.budget - call.spent
             yields = call.yields(session, job)  # what it may still take beside ready rounds (inf: no bound)
             encode = first - max(1, int(_drafts(job.batch, state.taken, state.taken + 1)[0]))  # before its last piece
-            pieced = self.charge.pieces and encode > 0 and (first > call.max_tokens or first_p > min(call.budget, yields))
+            over = first > call.max_tokens or first_p > min(call.budget, yields)
+            pieced = self.charge.pieces and encode > 0 and over
             if not granted:
                 if (call.tick if pieced else first_p) > room and call.pieces:  # no room for its work: no credit either
                     break
@@ -240,7 +243,8 @@ class FairShare:
                 credit, took = credit - price, took or price > 0
                 break
             whole = float(call.price(job).sum())
-            if state.taken == 0 and whole <= within and job.cost <= call.max_tokens - call.tokens and left <= most:
+            fits = whole <= within * _ROUNDING and job.cost <= call.max_tokens - call.tokens and left <= most
+            if state.taken == 0 and fits:
                 m, cost, price = left, job.cost, whole  # the whole round (the common case: no prefix sums)
             else:
                 m, cost, price = self._count(job, state, within, most, yields, call)
@@ -272,7 +276,7 @@ class FairShare:
         i = state.taken
         cum = np.cumsum(self.costs(job)[i:]) - state.encoded
         cum_p = np.cumsum(call.price(job)[i:]) - call.tick * state.encoded
-        m = min(int(np.searchsorted(cum_p, within, side="right")), most)
+        m = min(int(np.searchsorted(cum_p, within * _ROUNDING, side="right")), most)
         m = min(m, int(np.searchsorted(cum, call.max_tokens - call.tokens, side="right")))
         over = cum[0] > call.max_tokens or (yields == math.inf and cum_p[0] > call.budget - call.spent)
         if m == 0 and not call.pieces and over:
