@@ -26,10 +26,10 @@ Credit cannot be hoarded:
 
 **The time budget** (one rule, here). The **ceiling** is ``share`` (``--call-deadline-share``)
 of the tightest deadline of a round queued (its span from receipt to deadline), and at
-most the price of a call of the whole token budget (before the first call: that
-alone). A session's round is **ready to draft** when its next entry asks for drafts,
-encodes at most ``max_tokens // YIELD_SHARE`` tokens before them (no prefill) and the
-rest of the round is priced within the quantum (no backlog). Then:
+most the price of a call at both caps (before the first call: the token cap alone). A
+session's round is **ready to draft** when it asks for drafts, its next entry encodes
+at most ``max_tokens // YIELD_SHARE`` tokens (no prefill) and the rest of the round is
+priced within the quantum (no backlog). Then:
 
 - a call taken while rounds are ready is their drafting plus ``1/YIELD_SHARE`` of the
   **target**, the most the other sessions' work (backlog, prefill, pieces of an encode)
@@ -127,13 +127,13 @@ class FairShare:
         self._joined = 0
         return jobs
 
-    def alone(self, job: Job, now: float, max_tokens: int) -> bool:
+    def alone(self, job: Job, now: float, max_entries: int, max_tokens: int) -> bool:
         """``job``, with nothing else queued, is one call whole within the time budget (and
         its deadline ahead of its predicted seconds); the caller checks the caps."""
         self.costs(job)
         self._queues[job.session] = collections.deque([job])
         try:
-            call = _Call(now, 1, max_tokens, 1, self.cost)
+            call = _Call(now, max_entries, max_tokens, max_entries, self.cost)
             self._budget(call, 1, remember=False)
         finally:
             del self._queues[job.session]
@@ -171,7 +171,9 @@ class FairShare:
 
     def _budget(self, call: _Call, n: int, remember: bool = True) -> None:
         """``call``'s ceiling, quantum, ready rounds and time budget (the module docstring)."""
-        cost, ceiling = self.cost, call.price_of_tokens(call.max_tokens)
+        cost = self.cost
+        width = max((j.batch.width for q in self._queues.values() for j in q), default=0)
+        ceiling = call.price_of_caps(width)
         if cost.known:
             spans = [j.deadline - j.queued for q in self._queues.values() for j in q if j.deadline < math.inf]
             ceiling = min([ceiling, *(self.share * s for s in spans if s > 0)])
@@ -185,7 +187,8 @@ class FairShare:
                 i = job.state.taken
                 encode = self._next_cost(job, i) - _drafts(job.batch, i, i + 1)[0]
                 rest = float(call.price(job)[i:].sum()) - call.tick * job.state.encoded
-                if job.batch.n_out[i] > 0 and encode <= call.max_tokens // YIELD_SHARE and rest <= call.quantum:
+                asks = job.batch.n_out[i:].any()  # (an entry that encodes only may lead it: a chunk)
+                if asks and encode <= call.max_tokens // YIELD_SHARE and rest <= call.quantum:
                     call.ready[session], ready = job, ready + rest
         recent, at = self._recent
         if cost.known and ready and (ready >= recent or call.now - at > RECENT_S):
@@ -344,6 +347,14 @@ class _Call:
     def next_price(self, job: Job) -> float:
         """The price of ``job``'s next entry, less what pieces encoded of it."""
         return float(self.price(job)[job.state.taken]) - self.tick * job.state.encoded
+
+    def price_of_caps(self, width: int) -> float:
+        """The price of a call at both caps, its entries ``width`` drafts wide (before the
+        first call: the token cap)."""
+        if not self.cost.known:
+            return float(self.max_tokens)
+        _, b, c, d = self.cost.coef * self.cost.over
+        return float(b * self.max_entries + c * self.max_tokens + d * self.max_entries * width)
 
     def price_of_tokens(self, tokens: int) -> float:
         """The price of one entry of ``tokens`` tokens and no drafts (a piece of an encode)."""

@@ -196,7 +196,12 @@ class Scheduler:
                 self._fair.costs(job)
             # ... and nothing queued, the round within a call's budget and its deadline
             # ahead: what _take would make its call of, drafted without the queue.
-            alone = lead and not self._fair and self._whole(job) and self._fair.alone(job, job.queued, self.max_tokens)
+            alone = (
+                lead
+                and not self._fair
+                and self._whole(job)
+                and self._fair.alone(job, job.queued, self.max_entries, self.max_tokens)
+            )
             if lead:
                 self._busy = True
             if alone:
