@@ -138,7 +138,10 @@ class FairShare:
         finally:
             del self._queues[job.session]
         price = float(call.price(job).sum())
-        return price <= call.budget and price < call.in_time(job)
+        whole = price <= call.budget and price < call.in_time(job)
+        if whole and call.ready:  # a round ready to draft, drafted alone: the target follows it too
+            self._remember(price, now)
+        return whole
 
     def take(self, now: float, max_entries: int, max_tokens: int) -> tuple[list[Piece], list[Job]]:
         """The pieces of one call (the module docstring), and the rounds that cannot be
@@ -190,10 +193,9 @@ class FairShare:
                 asks = job.batch.n_out[i:].any()  # (an entry that encodes only may lead it: a chunk)
                 if asks and encode <= call.max_tokens // YIELD_SHARE and rest <= call.quantum:
                     call.ready[session], ready = job, ready + rest
+        if remember:
+            self._remember(ready, call.now)
         recent, at = self._recent
-        if cost.known and ready and (ready >= recent or call.now - at > RECENT_S):
-            if remember:
-                self._recent = recent, at = ready, call.now
         target = ceiling
         if cost.known and call.now - at <= RECENT_S:
             target = min(ceiling, max(FLOOR_S, recent))
@@ -202,6 +204,13 @@ class FairShare:
             call.budget = ready + call.bound
         else:
             call.budget = target
+
+    def _remember(self, ready: float, now: float) -> None:
+        """The drafting of the rounds ready now (a price), kept as the target's when it is
+        the most of the last ``RECENT_S``."""
+        recent, at = self._recent
+        if self.cost.known and ready and (ready >= recent or now - at > RECENT_S):
+            self._recent = ready, now
 
     def _turn(self, session: int, queue: collections.deque[Job], call: _Call) -> bool:
         """``session``'s turn in ``call``: its quantum, if the call has room for its next
