@@ -98,7 +98,7 @@ def memory_bound(args, hellos: list[tuple[int, int]], keep: int) -> int:
     """The worker's growth the memory table allows for a row's connections (``hellos``:
     each engine's slots and k), whose windows keep ``keep`` tokens a stream, in bytes."""
     from .. import wire
-    from ..worker.hub import call_bytes
+    from ..worker.hub_arrays import call_bytes
     from ..worker.limits import Limits
     from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
     from ..worker.windows import Windows

@@ -12,6 +12,7 @@ import threading
 from .. import wire
 from ..transport.auth import MIN_KEY, load_key
 from ..worker.drafters import DEFAULT_MAX_CONTEXT, load_drafter
+from ..worker.fair import DEFAULT_CALL_SHARE
 from ..worker.faults import LATE_S, Faults
 from ..worker.limits import (
     DEFAULT_LISTEN,
@@ -142,6 +143,17 @@ def add_parser(sub) -> None:
         f"Default: {DEFAULT_MAX_TOKENS}, or for a model drafter the most tokens (a power of two up to that) "
         "whose call's working memory fits in half the memory free on its device once its KV store is "
         "allocated",
+    )
+    adm.add_argument(
+        "--call-deadline-share",
+        type=float,
+        default=DEFAULT_CALL_SHARE,
+        metavar="SHARE",
+        help="the longest drafter call, as a share (0 to 1] of the tightest deadline of a round queued: "
+        "calls are sized in the drafter's measured seconds, about as long as the rounds ready to draft take, "
+        "and never longer than this. A round waits for the call in flight and is drafted in the next, so "
+        f"two calls at most: the default {DEFAULT_CALL_SHARE} keeps both within half its deadline, the "
+        "other half left for the network, the engine and a call that overran its prediction",
     )
     adm.add_argument(
         "--no-batching",
@@ -291,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
     for name in _AT_LEAST_ONE:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if not 0 < args.call_deadline_share <= 1:
+        raise ValueError(f"--call-deadline-share {args.call_deadline_share}: must be in (0, 1]")
     if args.parent is not None and args.parent != os.getppid():
         raise ValueError(f"--parent {args.parent}: not this worker's parent (pid {os.getppid()}), or it is gone")
     key = load_key(args.key_file, "--key-file") if args.key_file else None  # before any model loads
@@ -326,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_entries=args.max_batch_entries,
         max_batch_tokens=args.max_batch_tokens,
         batching=not args.no_batching,
+        call_deadline_share=args.call_deadline_share,
         round_path=args.round_path,
     )
     worker = Worker(drafter, host, port, options)

@@ -79,7 +79,8 @@ class DrafterCost:
         if not self.known:
             return int(price)
         _, b, c, _ = self.coef * self.over
-        return int((price - b) / c) if c > 0 else (1 << 62 if price >= b else 0)
+        # (1e-9: rounding; the price of n tokens is n tokens, not n - 1)
+        return int((price - b) / c + 1e-9) if c > 0 else (1 << 62 if price >= b else 0)
 
     def observe(self, entries: int, tokens: int, width: int, seconds: float) -> None:
         """A call's shape and its seconds: the fit follows, and an overrun of the

@@ -42,6 +42,7 @@ import numpy as np
 from .. import wire
 from ..drafter.contract import DraftResult
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
+from .hub_arrays import CallArrays, result_of
 from .jobs import Job
 from .lane import Why, ns_of
 from .native_round import NativeRounds, arrays_of, batch_arrays, written
@@ -159,32 +160,6 @@ class Connection:
         return Disconnected(f"send failed: {os.strerror(c.err)}")
 
 
-def result_of(result: DraftResult | None):
-    """``hf_result`` of a drafter's result (None, or no entries: no drafts), and the
-    arrays it points into (contiguous copies where the result's were not), which the
-    caller keeps alive while C reads them."""
-    from ..native import HubResult
-
-    r = HubResult()
-    if result is None or not len(result.counts):
-        return r, ()
-    tokens, margins = result.tokens, result.margins
-    if tokens.strides[1] != 4 or (margins is not None and margins.strides != tokens.strides):
-        tokens = np.ascontiguousarray(tokens, np.int32)
-        margins = None if margins is None else np.ascontiguousarray(margins, np.float32)
-    counts = np.ascontiguousarray(result.counts, np.int32)
-    r.counts, r.tokens, r.stride = counts.ctypes.data, tokens.ctypes.data, tokens.strides[0] // 4
-    keep = [counts, tokens, margins]
-    if margins is not None:
-        r.margins = margins.ctypes.data
-    if result.q_ids is not None:
-        q_ids = np.ascontiguousarray(result.q_ids, np.int32)
-        q_weights = np.ascontiguousarray(result.q_weights, np.uint16)
-        r.q_ids, r.q_weights, r.qstride = q_ids.ctypes.data, q_weights.ctypes.data, q_ids.strides[0] // 4
-        keep += [q_ids, q_weights]
-    return r, keep
-
-
 class Hub:
     """The hub of a worker (module docstring): ``start()`` its I/O thread, ``open()`` each
     connection once its HELLO is answered, :meth:`take` from the drafter's thread,
@@ -216,7 +191,7 @@ class Hub:
 
         self.rounds, self.lib = rounds, rounds.lib
         self.on_answered, self.on_failed, self.window = on_answered, on_failed, window
-        self._call: _CallArrays | None = None  # a call's arrays, made at the first gather
+        self._call: CallArrays | None = None  # a call's arrays, made at the first gather
         self.limits, self.max_positions = limits, max_positions
         self.on_event, self.make_job = on_event, make_job
         self._conns_c = (ctypes.c_void_p * room)()
@@ -297,7 +272,12 @@ class Hub:
         answered at once instead."""
         jobs = []
         for cid in ids.tolist():
-            job = self.make_job(self._by_id[cid])
+            conn = self._by_id[cid]
+            try:
+                job = self.make_job(conn)
+            except Exception as e:  # (that round's connection ends; the others go on)
+                self.on_failed(conn, e)
+                continue
             if job is not None:
                 jobs.append(job)
         return jobs
@@ -308,7 +288,7 @@ class Hub:
         seconds; inf: none); None when they cannot make one call of at most
         ``max_entries`` entries (greedy and sampled, drafts or rows of two sizes)."""
         if self._call is None or self._call.room < max_entries:
-            self._call = _CallArrays(max_entries, self.window)
+            self._call = CallArrays(max_entries, self.window)
         call = self._call
         first = self._by_id[int(ids[0])].session
         call.c.keep_streams = first.history is not None
@@ -379,71 +359,3 @@ class Hub:
                     self.on_event(conn)
                 except Exception:  # never the I/O thread: every other connection needs it
                     log.exception("connection %s: failed ending it", conn.peer)
-
-
-def call_bytes(room: int, window: int) -> int:
-    """What a call's arrays (:class:`_CallArrays`) hold for ``room`` entries of ``window``
-    context tokens, rows apart (the memory table's row)."""
-    return room * (4 * window + 80) + 8
-
-
-class _CallArrays:
-    """The arrays a call of whole rounds is gathered into (``hf_call``), made once for
-    ``room`` entries of ``window`` context tokens each; rows grow to what a call needs."""
-
-    def __init__(self, room: int, window: int):
-        from ..native import HubCall
-
-        self.room = room
-        n, i8 = room, np.int64
-        self.tokens = np.empty(room * window, np.int32)
-        self.offsets, self.n_out = np.empty(n + 1, i8), np.empty(n, np.int32)
-        self.slots, self.gens, self.lengths = np.empty(n, i8), np.empty(n, i8), np.empty(n, i8)
-        self.starts, self.kept_from, self.sessions = np.empty(n, i8), np.empty(n, i8), np.empty(n, i8)
-        self.temperature, self.seed = np.empty(n, np.float32), np.empty(n, np.uint64)
-        self.received, self._deadlines = np.empty(n, np.uint64), np.empty(n, np.uint64)
-        self.rows = np.empty(0, np.uint8)
-        self.c = HubCall(room_entries=n, room_tokens=len(self.tokens))
-        for name in ("tokens", "offsets", "n_out", "slots", "gens", "lengths", "starts", "kept_from"):
-            setattr(self.c, name, getattr(self, name).ctypes.data)
-        for name in ("sessions", "temperature", "seed"):
-            setattr(self.c, name, getattr(self, name).ctypes.data)
-        self.c.received_ns, self.c.deadline_ns = self.received.ctypes.data, self._deadlines.ctypes.data
-
-    def grow_rows(self, need: int) -> bool:
-        """Room for ``need`` bytes of rows (at most 64 MiB: a call past it takes the jobs' way)."""
-        if need <= len(self.rows) or need > 64 << 20:
-            return False
-        self.rows = np.empty(need, np.uint8)
-        self.c.rows, self.c.room_rows = self.rows.ctypes.data, need
-        return True
-
-    def deadlines(self, k: int) -> np.ndarray:
-        """The gathered rounds' deadlines, time.monotonic() seconds (inf: none)."""
-        d = self._deadlines[:k]
-        return np.where(d == np.uint64((1 << 64) - 1), np.inf, d / 1e9)
-
-    def batch(self, history, session: int | None):
-        """The gathered call as the drafter's batch: views of these arrays (``session``:
-        the one session of a call of one round; None: each entry's)."""
-        from ..drafter.contract import DraftBatch
-
-        c, m = self.c, self.c.m
-        sampled = bool(c.sampled)
-        return DraftBatch(
-            self.tokens[: c.n_tokens],
-            self.offsets[: m + 1],
-            self.n_out[:m],
-            self.rows[: m * c.row_bytes].reshape(m, c.row_bytes),
-            bool(c.margins),
-            c.width,
-            session=self.sessions[:m] if session is None else session,
-            slots=self.slots[:m],
-            gens=self.gens[:m],
-            lengths=self.lengths[:m],
-            positions=self.starts[:m],
-            temperature=self.temperature[:m] if sampled else None,
-            seed=self.seed[:m] if sampled else None,
-            kept_from=self.kept_from[:m] if history is not None else None,
-            history=history,
-        )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .. import wire
 from ..transport.auth import Key
+from .fair import DEFAULT_CALL_SHARE
 from .faults import Faults
 from .limits import DEFAULT_MAX_ROW_BYTES, DEFAULT_MAX_SLOTS, DEFAULT_WINDOW, Limits
 from .sessions import DEFAULT_HISTORY_MB, RECENT_S
@@ -44,7 +45,9 @@ class WorkerOptions:
 
     ``max_batch_entries``, ``max_batch_tokens`` (None: derived at start) bound one drafting
     call, ``batching`` (False: one round a call) is the scheduler's
-    (:class:`~remote_dspark.worker.scheduler.Scheduler`).
+    (:class:`~remote_dspark.worker.scheduler.Scheduler`); so is ``call_deadline_share``, the
+    ceiling of a call's time budget as a share of the tightest deadline queued
+    (:mod:`~remote_dspark.worker.fair`).
 
     ``round_path``: "served" (a Markov drafter's rounds whole in C, :mod:`.lane`, others
     "native"), "native" (the round in by C, :mod:`.native_round`) or "python" (the
@@ -77,6 +80,7 @@ class WorkerOptions:
     max_batch_entries: int | None = None
     max_batch_tokens: int | None = None
     batching: bool = True
+    call_deadline_share: float = DEFAULT_CALL_SHARE
     round_path: str = "served"
     limits: Limits = field(init=False, repr=False, compare=False)  # the first five, checked (Limits)
 
@@ -85,6 +89,8 @@ class WorkerOptions:
             raise ValueError(f"round_path {self.round_path!r}: one of {', '.join(ROUND_PATHS)}")
         if not 1 <= self.window <= wire.MAX_CONTEXT:
             raise ValueError(f"window {self.window}: not in 1..{wire.MAX_CONTEXT}")
+        if not 0 < self.call_deadline_share <= 1:
+            raise ValueError(f"call_deadline_share {self.call_deadline_share}: not in (0, 1] (--call-deadline-share)")
         if self.history_mb < 1:
             raise ValueError(f"history_mb {self.history_mb}: must be >= 1 (--history-mb)")
         if self.max_connections < 1 or self.max_pending < 1:

@@ -7,37 +7,37 @@ for its part of the answer; it sends its reply itself, as soon as that part is d
 round waits for a partner: the drafter thread takes whatever is queued the moment it is
 free, and a round arriving while it drafts goes in the next call.
 
-What one call takes (:meth:`Scheduler._take`): a budget of entries and tokens
-(``max_entries``, ``max_tokens``), shared between the queued engines by
-:class:`~.fair.FairShare`, the one owner of the fair share (deficit round robin on
-tokens, credit that cannot be hoarded). What it guarantees, in its words: a round of a
-session with nothing else queued, of at most ``max_tokens // n`` tokens and
-``max_entries // n`` entries (``n`` sessions queued when the call is taken), is drafted
-whole in the next call taken after it is queued, whatever the other sessions queue. A
-bigger round is drafted in pieces of consecutive entries, at least that share a call,
-and answered when its last piece is drafted. An entry larger than the whole budget is
-encoded in pieces, a call each, when its drafter keeps its streams' state
-(:class:`~.batching.Charge`), else taken alone when nothing else is (it would never
-fit otherwise).
+What one call takes (:meth:`Scheduler._take`): ``max_entries`` entries and
+``max_tokens`` tokens at most (caps), and a time budget, shared between the queued
+engines by :class:`~.fair.FairShare`, the one owner of the fair share and of the budget
+(deficit round robin on predicted drafter seconds, credit that cannot be hoarded; a call
+about as long as the rounds ready to draft take, at most ``call_share`` of the tightest
+deadline queued). What the drafter costs is :class:`~.cost.DrafterCost`'s, learnt from
+every call (its shape and seconds); before the first call shares are in tokens. What it
+guarantees, in its words: a round ready to draft of a session with nothing else queued,
+of at most ``max_entries // n`` entries (``n`` sessions queued), is drafted whole in the
+next call taken after it is queued, whatever the other sessions queue. A bigger round
+is drafted in pieces of consecutive entries, and answered when its last piece is
+drafted. An entry larger than the whole call is encoded in pieces, a call each, when its
+drafter keeps its streams' state (:class:`~.batching.Charge`), else taken alone when
+nothing else is (it would never fit otherwise).
 
 Deadlines: a ROUND carries its deadline (``deadline_ms``, relative to its receipt; 0:
 none). A round is never drafted once its deadline has passed: it is answered at once
 with the drafts of its pieces drafted, or none (:meth:`Scheduler.draft` returns None;
 the worker counts it) rather than drafted for an engine that stopped waiting; its
 windows advanced already, so the stream stays in step. Nor is it given more of a call
-than the drafter can draft before its deadline: the scheduler keeps the drafter's
-**pace** (the fewest clock seconds a budget token has taken in a call), and a round
-gets at most what that pace drafts in its time left, but a round none of which is
-drafted yet gets at least one entry while its deadline is ahead (the pace is learnt
-from calls: a pace that refused every round would never be corrected). This is checked when the call is taken, and
-again just before each drafter call of a call made in several (the groups drafted
-before it may outlast a deadline).
+than the cost model says the drafter can draft before its deadline, but a round none of
+which is drafted yet gets at least one entry while its deadline is ahead (the model is
+learnt from calls: a model that refused every round would never be corrected). This is
+checked when the call is taken, and again just before each drafter call of a call made
+in several (the groups drafted before it may outlast a deadline).
 
-Where rounds come from: connection threads calling :meth:`Scheduler.draft`, and, on a
-worker with a hub (:mod:`.hub`), the hub's ready rounds, which the drafter thread takes
-itself whenever it looks for work (``source``; it waits for them in C, the interpreter
-lock released): such a round's job is ended by a call to its ``deliver`` (its reply,
-written and sent by the hub) once the lock is released, not by a thread's wake-up.
+Rounds from a hub (:mod:`.hub`, the ``source``): the drafter thread takes them itself
+(waiting in C, the interpreter lock released); when it is free, nothing is queued and
+together they are what a lone round drafted at once must be (:meth:`FairShare.alone`),
+they are one call, gathered and answered in C; else each becomes a job, ended by its
+``deliver`` (its reply, sent by the hub) once the lock is released.
 
 Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
 and nothing else queued, the connection's own thread, at once (no hand-off between
@@ -74,7 +74,8 @@ from .. import wire
 from ..drafter.answer import check_result
 from ..drafter.contract import DraftBatch, DraftResult, empty_result, mixed_sessions_of
 from .batching import Charge, gather, merge, part
-from .fair import FairShare
+from .cost import DrafterCost
+from .fair import DEFAULT_CALL_SHARE, FairShare
 from .jobs import Answered, Failed, Job, Pending, Piece
 
 log = logging.getLogger("remote_dspark.worker")
@@ -96,7 +97,7 @@ class Scheduler:
     and their tokens, and the CPU the call took on the thread that made it
     (``time.thread_time``: the drafter's own host work; threads of the drafter's own,
     such as torch's intra-op pool, are not in it) (the worker's statistics). ``clock`` dates
-    deadlines and the drafter's pace (``time.monotonic``; a test's clock that the
+    deadlines and the drafter's seconds (``time.monotonic``; a test's clock that the
     drafter moves makes both deterministic). ``max_tokens`` None: the drafter derives the token
     budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
     that, for a drafter that cannot say). ``max_entries`` None: ``DEFAULT_MAX_ENTRIES``
@@ -105,7 +106,8 @@ class Scheduler:
     such memory is never split by its entries alone (the token budget still shares calls
     between engines). ``batching=False`` calls the drafter once per round
     (or piece) even when it takes mixed sessions (the ``serialized`` rows of ``bench
-    worker-engines``)."""
+    worker-engines``). ``call_share``: the ceiling of a call's time budget, a fraction of
+    the tightest deadline queued (:mod:`.fair`, ``--call-deadline-share``)."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class Scheduler:
         on_call: Callable[[float, int, int, int, list[float], int, int, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         batching: bool = True,
+        call_share: float = DEFAULT_CALL_SHARE,
         source=None,
     ):
         if (max_entries is not None and max_entries < 1) or (max_tokens is not None and max_tokens < 1):
@@ -129,8 +132,8 @@ class Scheduler:
         self.charge = Charge(drafter)  # what an entry costs in a call
         self.on_call, self.clock, self.source = on_call, clock, source
         self._cond = threading.Condition()
-        self._fair = FairShare(self.charge)  # the queued rounds, each call's share of them
-        self._pace = 0.0  # the fewest clock seconds a budget token took in a call (0: none yet)
+        self.cost = DrafterCost()  # what the drafter costs by a call's shape, learnt from every call
+        self._fair = FairShare(self.charge, self.cost, call_share)  # the queued rounds, each call's share
         # Invariants, under _cond: a job in a queue is Pending or done (a done one is
         # dropped when reached); _busy is True while one thread makes a call, which it
         # alone may then take pieces for and gather into.
@@ -193,7 +196,12 @@ class Scheduler:
                 self._fair.costs(job)
             # ... and nothing queued, the round within a call's budget and its deadline
             # ahead: what _take would make its call of, drafted without the queue.
-            alone = lead and not self._fair and self._whole(job) and deadline > job.queued + self._pace * job.cost
+            alone = (
+                lead
+                and not self._fair
+                and self._whole(job)
+                and self._fair.alone(job, job.queued, self.max_entries, self.max_tokens)
+            )
             if lead:
                 self._busy = True
             if alone:
@@ -234,15 +242,19 @@ class Scheduler:
             self._run(pieces, late, taken_at)
 
     def _pull(self) -> None:
-        """The source's ready rounds: waited for (up to ``IDLE_WAIT_S``, the lock not
-        held) when nothing else is queued, else taken without a wait; drafted at once in
-        one call of them all when the drafter is free and they fit it whole
-        (:meth:`_whole_call`), else queued as jobs."""
+        """The source's ready rounds (waited for up to ``IDLE_WAIT_S`` when nothing else is
+        queued): one call of them all (:meth:`_whole_call`), else queued as jobs."""
         with self._cond:
             idle = not self._fair or self._busy
         ready = self.source.ready(IDLE_WAIT_S if idle else 0.0)
-        if not len(ready) or ((self.mixed or len(ready) == 1) and self._whole_call(ready)):
+        if not len(ready):
             return
+        if self.mixed or len(ready) == 1:
+            try:
+                if self._whole_call(ready):
+                    return
+            except Exception:  # (a fault of this shortcut's: the jobs' way still answers them)
+                log.exception("a call of whole rounds failed before drafting; its rounds are queued")
         jobs = self.source.jobs(ready)
         if jobs:
             with self._cond:
@@ -252,31 +264,33 @@ class Scheduler:
     def _whole_call(self, ready) -> bool:
         """The source's ``ready`` rounds drafted in one call of them all, their replies
         written and sent by the source per call (no job, no turn, no merge): when the
-        drafter is free, nothing else is queued, and they fit a call whole, within both
-        budgets and before every deadline at the pace. False (nothing drafted) otherwise:
-        the caller queues them, and the fair share takes it from there."""
+        drafter is free, nothing else is queued, and together they are what a lone round
+        drafted at once must be (:meth:`FairShare.alone`: within both budgets and the
+        time budget, ahead of the tightest deadline). False (nothing drafted) otherwise:
+        the caller queues them as jobs, and the fair share takes it from there."""
         got = self.source.gather(ready, self.max_entries)
         if got is None:
             return False
         batch, received, deadlines = got
-        with self._cond:  # (the charge's CPU count is the lock's)
-            tokens = int(self.charge.costs(batch).sum())
+        if not len(batch):  # every slot to re-announce, or nothing asked: answered now
+            self.source.answer(ready, None)
+            return True
         now = self.clock()
-        if len(batch) > self.max_entries or tokens > self.max_tokens or deadlines.min() <= now + self._pace * tokens:
-            return False
+        together = Job(-1, batch, float(deadlines.min()), None, now)  # (never queued: the fair share's measure)
         with self._cond:
-            if self._busy or self._fair or self._stopping:
+            tokens = 0 if self._busy or self._fair or self._stopping else int(self._fair.costs(together).sum())
+            fits = 0 < tokens <= self.max_tokens and len(batch) <= self.max_entries
+            if not fits or not self._fair.alone(together, now, self.max_entries, self.max_tokens):
                 return False
             self._busy = True
         try:
-            try:
-                result = self._timed(batch, len(ready), tokens, (now - received).tolist()) if len(batch) else None
-            except BaseException as e:
-                self.source.fail(ready, e)
-            else:
-                self.source.answer(ready, result)
+            result = self._timed(batch, len(ready), tokens, (now - received).tolist())
+        except BaseException as e:
+            self.source.fail(ready, e)  # (each round's connection ends)
+            return True
         finally:
             self._free()
+        self.source.answer(ready, result)
         return True
 
     def _whole(self, job: Job) -> bool:
@@ -337,9 +351,9 @@ class Scheduler:
 
     def _in_time(self, group: list[Piece]) -> list[Piece]:
         """The pieces of ``group`` the drafter can still draft before their round's
-        deadline (at ``_pace``); the others' rounds answered now with the pieces drafted."""
+        deadline (the cost model's seconds); the others' rounds answered now with the pieces drafted."""
         now = self.clock()
-        late = [p for p in group if p.job.deadline <= now + self._pace * p.cost]
+        late = [p for p in group if p.job.deadline <= now + self.cost.seconds(len(p.batch), p.cost, p.batch.width)]
         if not late:
             return group
         with self._cond:
@@ -352,7 +366,7 @@ class Scheduler:
         """Under the lock: the pieces of one call (:mod:`.fair`'s share), the rounds that
         cannot be drafted before their deadline, and the clock when taken."""
         now = self.clock()
-        pieces, late = self._fair.take(now, self._pace, self.max_entries, self.max_tokens)
+        pieces, late = self._fair.take(now, self.max_entries, self.max_tokens)
         return pieces, late, now
 
     def _call(self, pieces: list[Piece], taken_at: float) -> None:
@@ -410,9 +424,8 @@ class Scheduler:
         with self._cond:
             cpu += self.charge.take_cpu()  # ... and its encodes() since the last call
         result = check_result(drafted, batch)
-        spent = self.clock() - c0
-        if spent > 0 and tokens:  # (only the call's maker writes it; a float store)
-            self._pace = spent / tokens if not self._pace else min(self._pace, spent / tokens)
+        with self._cond:  # (read under the lock when calls are taken)
+            self.cost.observe(len(batch), tokens, batch.width, self.clock() - c0)
         if self.on_call is not None:
             self.on_call(time.perf_counter() - t0, rounds, len(batch), tokens, waits, pieces, piece_tokens, cpu)
         return result

@@ -112,6 +112,7 @@ class Worker(Serving):
             max_tokens=opts.max_batch_tokens,
             on_call=self._called,
             batching=opts.batching,
+            call_share=opts.call_deadline_share,
             source=self._hub,
         )
         self.stats = WorkerStats()

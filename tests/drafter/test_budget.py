@@ -177,3 +177,14 @@ def test_at_most_max_graphs_are_kept_the_least_recently_replayed_evicted(monkeyp
         assert d.draft_batch(batch).tokens.tolist() == eager.draft_batch(batch).tokens.tolist()
         assert len(rounds.graphs) <= 3
     assert [shape[2] for shape in rounds.graphs] == [3, 4, 1]  # width 2 went: least recently replayed
+
+
+@pytest.mark.parametrize("max_tokens", [1, 256, 1024])
+@pytest.mark.parametrize("columns", [40, 128, 512, 576])
+def test_every_entry_of_a_stream_fits_one_part_of_a_call(max_tokens, columns):
+    """Whatever the budget, one entry of any length up to a whole stream pads to no more
+    than a part's limit: a short budget's limit once missed the entries of 33 to 64 tokens
+    (padded to MIN_ROWS rows), and a call with such an encode piece raised."""
+    limit = budget.part_limit(max_tokens, columns)
+    for q in range(1, columns + 1):
+        assert parts(np.array([q]), limit) == [slice(None)], q

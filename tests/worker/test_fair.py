@@ -1,7 +1,7 @@
 """A call's fair share (remote_dspark.worker.fair) through the scheduler: an honest round
 is drafted in the next call under a hostile session that is always busy, whatever credit
 that session tried to hoard; a round is never drafted past its deadline, neither once
-expired nor beyond what the drafter's pace can draft in time. The drafter is fake: each
+expired nor beyond what the drafter's cost says it can draft in time. The drafter is fake: each
 call costs its tokens at a fixed pace on a clock the test owns, and is held at a gate so
 that rounds queue deterministically. Encode yielding to a round ready to draft is a
 function of the queue: those tests take calls of a FairShare directly."""
@@ -82,11 +82,12 @@ def test_an_honest_round_is_drafted_in_the_next_call_under_an_always_busy_sessio
 
 def test_a_session_s_turn_takes_its_share_of_the_entries_budget():
     """Two sessions' rounds queued together, the hostile one first with twice the
-    entries budget in cheap entries (4 tokens each: far within the tokens budget): its
-    turn takes half the entries, so the honest round is in the same call."""
+    entries budget in cheap entries (4 tokens each: far within the tokens budget, and
+    within its share of a call's time, so both rounds are ready to draft): its turn takes
+    half the entries, so the honest round is in the same call."""
     clock = Clock()
     drafter = Paced(clock)
-    s = Scheduler(drafter, max_entries=32, max_tokens=400, clock=clock).start()
+    s = Scheduler(drafter, max_entries=32, max_tokens=1024, clock=clock).start()
     try:
         drafter.hold.set()
         first = submit(s, 99, rounds(99, 1, 2))
@@ -105,18 +106,21 @@ def test_a_session_s_turn_takes_its_share_of_the_entries_budget():
 
 
 def test_a_round_that_expires_while_an_earlier_group_of_its_call_drafts_is_not_drafted():
-    """A narrow round and a wide one taken in one call: the narrow group is drafted first
-    and outlasts the wide round's deadline, so the wide round is answered with no drafts
+    """A narrow round and a wide one taken in one call (each within its share of the
+    call's time): the narrow group is drafted first and outlasts its prediction (ten
+    times) and the wide round's deadline, so the wide round is answered with no drafts
     and never reaches the drafter."""
     clock = Clock()
     drafter = Paced(clock)
     s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock).start()
+    tokens = drafter.tokens
+    drafter.tokens = lambda batch: tokens(batch) * (10 if batch.width == 3 and len(drafter.calls) > 1 else 1)
     try:
         drafter.hold.set()
         first = submit(s, 99, rounds(99, 1, 2))
         assert drafter.entered.wait(10)
-        narrow = submit(s, 3, rounds(3, 4, 97), deadline=10.0)  # 400 tokens: 0.4 s
-        wide = submit(s, 4, rounds(4, 1, 2, width=64), deadline=clock.now + 0.2)
+        narrow = submit(s, 3, rounds(3, 4, 7), deadline=10.0)  # 40 tokens: 40 ms predicted, 0.4 s drafted
+        wide = submit(s, 4, rounds(4, 1, 2, width=32), deadline=clock.now + 0.4)  # 34 ms: ready to draft beside it
         assert until(lambda: s._fair.queued() == 2)
         drafter.hold.clear()
         drafter.release.set()
@@ -132,10 +136,12 @@ def test_a_round_gets_no_more_of_a_call_than_the_drafter_can_draft_before_its_de
     pace drafts before its deadline: one with time for two of its entries gets two, one
     without time for even one gets its next entry only (never none while its deadline is
     ahead: a call is how the pace is corrected), one whose deadline passed gets nothing:
-    the rest of the call is not spent on drafts its engine has stopped waiting for."""
+    the rest of the call is not spent on drafts its engine has stopped waiting for. (A
+    call's ceiling is its whole deadline here: at the default share the ceiling, a
+    quarter of the deadline, would bound the round before its deadline does.)"""
     clock = Clock()
     drafter = Paced(clock)
-    s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock).start()
+    s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock, call_share=1.0).start()
     try:
         s.draft(99, rounds(99, 1, 7))  # 10 tokens in 10 ms: the pace
         now = clock.now
@@ -151,10 +157,11 @@ def test_a_round_gets_no_more_of_a_call_than_the_drafter_can_draft_before_its_de
 
 
 def test_one_slow_call_never_stops_the_worker_drafting():
-    """The first call is slow (a compile, a warm-up: 2 s for 10 tokens), so the pace it
-    leaves says no round of 50 ms can be drafted. The next such round still gets an entry;
-    its call shows the true pace (1 ms a token), so the rest of the round follows in the
-    next call, and the round after it is one call."""
+    """The first call is slow (a compile, a warm-up: 2 s for 10 tokens), so the cost it
+    leaves says no round of 200 ms can be drafted. The next such round (40 ms: within the
+    call's share of its deadline) still gets an entry; its call shows the true pace (1 ms
+    a token), so the rest of the round follows in the next call, and the round after it
+    is one call."""
     clock = Clock()
     drafter = Paced(clock)
     s = Scheduler(drafter, max_entries=64, max_tokens=1024, clock=clock).start()
@@ -162,15 +169,14 @@ def test_one_slow_call_never_stops_the_worker_drafting():
     drafter.tokens = lambda batch: tokens(batch) * (200 if len(calls) == 1 else 1)  # the first call: 2 s for 10 tokens
     try:
         s.draft(99, rounds(99, 1, 7))
-        assert s._pace == 0.2
-        first = s.draft(1, rounds(1, 4, 7), deadline=clock.now + 0.05)
-        second = s.draft(1, rounds(1, 4, 7), deadline=clock.now + 0.05)
+        assert s.cost.seconds(1, 10, 3) == pytest.approx(2.0)
+        first = s.draft(1, rounds(1, 4, 7), deadline=clock.now + 0.2)
+        second = s.draft(1, rounds(1, 4, 7), deadline=clock.now + 0.2)
     finally:
         s.stop()
     assert first.counts.tolist() == second.counts.tolist() == [3] * 4
-    assert [len(c) for c in calls] == [1, 1, 3, 4] and s._pace == pytest.approx(
-        PACE
-    )  # one entry, then the pace is right
+    assert [len(c) for c in calls] == [1, 1, 3, 4]  # one entry, then the cost is right
+    assert s.cost.seconds(1, 10, 3) == pytest.approx(10 * PACE)
 
 
 class Keeps:
@@ -218,7 +224,7 @@ def test_a_call_beside_a_round_ready_to_draft_carries_it_whole_and_at_most_the_b
     for _ in range(4):
         fair.add(announced(1, 8, 300, n_out))
     fair.add(steady())
-    pieces, late = fair.take(0.0, 0.0, 1024, BUDGET)
+    pieces, late = fair.take(0.0, 1024, BUDGET)
     assert took(pieces, 7) == (16, 16 * 8) and not late
     assert 0 < took(pieces, 1)[1] <= BOUND
 
@@ -233,14 +239,14 @@ def test_the_announcement_advances_every_call_and_takes_the_whole_budget_when_no
     encoded = 0
     for _ in range(10):
         fair.add(steady())
-        pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)
+        pieces, _ = fair.take(0.0, 1024, BUDGET)
         entries, tokens = took(pieces, 1)
         assert took(pieces, 7)[0] == 16 and 0 < tokens <= BOUND
         encoded += tokens
     assert encoded == 10 * BOUND  # (pieces of 300-token entries: the bound each call)
-    pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)  # alone
+    pieces, _ = fair.take(0.0, 1024, BUDGET)  # alone
     assert BUDGET - 300 < took(pieces, 1)[1] <= BUDGET
     fair.add(announced(2, 8, 300, n_out=5))
-    pieces, _ = fair.take(0.0, 0.0, 1024, BUDGET)  # two announcing engines: the budget between them
+    pieces, _ = fair.take(0.0, 1024, BUDGET)  # two announcing engines: the budget between them
     assert BUDGET - 2 * 300 < took(pieces, 1)[1] + took(pieces, 2)[1] <= BUDGET
     assert took(pieces, 1)[1] > BOUND and took(pieces, 2)[1] > BOUND

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .attention import REFERENCE_BYTES
-from .graphs import MIN_ROWS, padded
+from .graphs import LONG_QUERIES, MIN_ROWS, padded
 
 HEADROOM = 2  # a derived budget leaves the working set this share of the free memory (1 / HEADROOM)
 SEGMENTS = 4 << 21  # on CUDA: the caching allocator's granularity, four segments of 2 MiB
@@ -47,10 +47,12 @@ def _pow2(n: int) -> int:
 
 def part_limit(max_tokens: int, columns: int) -> int:
     """Padded tokens of one part of a call within a budget of ``max_tokens`` tokens: twice
-    the budget rounded up to a power of two, and at least the padded shape of one whole
-    stream of ``columns`` re-encoded (so every entry fits a part: :func:`.graphs.padded`)."""
-    rows, queries = padded(1, columns)
-    return max(2 * _pow2(max_tokens), rows * queries)
+    the budget rounded up to a power of two, and at least the largest padded shape of one
+    entry of up to ``columns`` tokens (so every entry fits a part: :func:`.graphs.padded`;
+    an entry of at most ``LONG_QUERIES`` pads to ``MIN_ROWS`` rows, which for a short
+    budget is more than one whole stream of ``columns`` padded from 1)."""
+    alone = max(rows * queries for rows, queries in (padded(1, q) for q in (columns, min(columns, LONG_QUERIES))))
+    return max(2 * _pow2(max_tokens), alone)
 
 
 def widths(model: nn.Module) -> tuple[int, int, int]:
