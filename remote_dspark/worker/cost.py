@@ -24,6 +24,10 @@ is the one owner of that estimate: it is told every call's shape and duration
 - **An overrun shrinks the next call at once**: the last call's seconds over the fit's
   prediction for it (when over 1) scale every prediction until the next call; a
   drafter that keeps overrunning keeps being scaled, one that was slow once is not.
+- **Refitted every** ``REFIT`` **calls**, or at once when a call is off its prediction
+  by more than ``DRIFT`` either way: a least-squares fit is about half a millisecond of
+  the drafter thread's time on a slow host, more than the rest of a small call's
+  Python; between fits the overrun's scale follows the drafter.
 
 Before the first call it knows nothing (:attr:`DrafterCost.known` False): a price is
 then the entry's tokens, so the scheduler's shares and budgets are in tokens, as with
@@ -40,6 +44,8 @@ import numpy as np
 WINDOW = 32  # the calls a fit is made over (the most recent)
 MIN_FIT = 8  # calls before the four coefficients are fitted (fewer: the per-token rate only)
 OUTLIER = 3.0  # a call this many times its prediction by the others is left out of the fit
+REFIT = 8  # calls between two fits, once fitted
+DRIFT = 2.0  # a call off its prediction by more than this factor, either way, refits at once
 
 
 class DrafterCost:
@@ -49,6 +55,7 @@ class DrafterCost:
         self._calls: collections.deque[tuple[int, int, int, float]] = collections.deque(maxlen=WINDOW)
         self.coef = np.zeros(4)  # a, b, c, d: seconds of a call, an entry, a token, an entry's draft step
         self.over = 1.0  # the last call's seconds over its prediction (>= 1): scales every prediction
+        self._since = 0  # calls observed since the last fit
 
     @property
     def known(self) -> bool:
@@ -90,7 +97,10 @@ class DrafterCost:
         predicted = self.seconds(entries, tokens, width) / self.over if self.known else 0.0
         self.over = max(1.0, seconds / predicted) if predicted > 0 else 1.0
         self._calls.append((entries, tokens, width, seconds))
-        self.coef = self._fit()
+        self._since += 1
+        off = predicted <= 0 or not 1 / DRIFT <= seconds / predicted <= DRIFT
+        if len(self._calls) <= MIN_FIT or self._since >= REFIT or off:
+            self.coef, self._since = self._fit(), 0
 
     def _fit(self) -> np.ndarray:
         calls = np.array(self._calls, np.float64)
