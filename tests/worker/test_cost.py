@@ -45,3 +45,24 @@ def test_an_overrun_scales_the_next_prediction_and_one_call_on_time_undoes_it():
     assert cost.tokens_within(allowance) < 640 / 3  # the same time takes fewer tokens in the next call
     cost.observe(64, 640, 5, seconds(64, 640, 5))
     assert cost.seconds(64, 640, 5) == pytest.approx(before, rel=0.05)
+
+
+def test_the_fit_is_redone_every_refit_calls_or_at_once_when_a_call_drifts():
+    """Between fits the coefficients stand (a fit costs the drafter thread): a call within
+    DRIFT of its prediction leaves them until REFIT calls have passed; one past it refits
+    at once."""
+    from remote_dspark.worker.cost import DRIFT, REFIT
+
+    cost = DrafterCost()
+    for e, t, w in shapes(MIN_FIT + REFIT):  # fitted at MIN_FIT calls and REFIT calls later
+        cost.observe(e, t, w, seconds(e, t, w))
+    fitted = cost.coef.copy()
+    for e, t, w in shapes(REFIT - 1, seed=1):  # a drafter 1.5x slower: within DRIFT, no refit yet
+        cost.observe(e, t, w, 1.5 * seconds(e, t, w))
+        assert (cost.coef == fitted).all()
+    e, t, w = shapes(1, seed=2)[0]
+    cost.observe(e, t, w, 1.5 * seconds(e, t, w))  # the REFIT-th: refitted, toward the slower drafter
+    assert (cost.coef > fitted * 1.05).any()
+    refitted = cost.coef.copy()
+    cost.observe(e, t, w, 0.5 / DRIFT * seconds(e, t, w))  # far below its prediction: refitted at once
+    assert not (cost.coef == refitted).all()
