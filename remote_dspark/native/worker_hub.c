@@ -424,12 +424,15 @@ int hf_hub_reply(struct hf_hub *h, struct hf_conn *c, const struct hf_result *r)
  * lengths - min(lengths, keep) are in its windows), rows, sampled rounds' temperatures
  * and seeds, each round's receipt and deadline. Returns 0; 1 when they cannot make one
  * call (of the rounds with entries to draft: greedy and sampled, two widths, or rows of
- * two sizes); 2 when they are over the arrays' room (o->m, n_tokens and n_rows say what
- * they need). */
+ * two sizes); 2 when they are over the arrays' room (more rounds than room_rounds, or
+ * o->m, n_tokens and n_rows say what they need). */
 int hf_hub_gather(struct hf_hub *h, const uint32_t *ids, uint32_t k, struct hf_call *o)
 {
     uint64_t m = 0, t = 0, rows = 0;
     o->sampled = o->row_bytes = o->width = 0;
+    o->m = o->n_tokens = o->n_rows = 0;
+    if (k > o->room_rounds)
+        return 2;
     for (uint32_t r = 0; r < k; r++) {
         const struct hf_conn *c = h->conns[ids[r]];
         uint32_t sampled = c->w->sampled != 0;

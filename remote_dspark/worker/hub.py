@@ -288,7 +288,7 @@ class Hub:
         seconds; inf: none); None when they cannot make one call of at most
         ``max_entries`` entries (greedy and sampled, drafts or rows of two sizes)."""
         if self._call is None or self._call.room < max_entries:
-            self._call = CallArrays(max_entries, self.window)
+            self._call = CallArrays(max_entries, self.window, len(self._taken))
         call = self._call
         first = self._by_id[int(ids[0])].session
         call.c.keep_streams = first.history is not None

@@ -443,3 +443,53 @@ def test_a_newcomer_displaces_an_idle_hub_connection_at_the_cap():
         for c in clients:
             c.close()
         w.stop()
+
+
+class _Mixed(Plugin):
+    """The plug-in taking batches of several sessions: the hub gathers whole calls of many rounds."""
+
+    mixed_sessions = True
+
+
+def test_a_call_of_more_rounds_than_its_entries_stays_within_its_arrays(monkeypatch):
+    """Rounds with nothing to draft (empty) gathered into one call: more rounds than the
+    call's entries (--max-batch-entries 1). Each round's receipt and deadline are written
+    within the call's arrays (a guard past their end stays as it was) and every round is
+    answered."""
+    from remote_dspark.worker import hub as hub_module
+
+    guards = []
+
+    class Guarded(hub_module.CallArrays):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            for name, field in (("received", "received_ns"), ("_deadlines", "deadline_ns")):
+                n = len(getattr(self, name))
+                whole = np.full(n + 8, 0xA5A5A5A5, np.uint64)  # 8 guard words past the end
+                setattr(self, name, whole[:n])
+                setattr(self.c, field, whole.ctypes.data)
+                guards.append(whole[n:])
+
+    monkeypatch.setattr(hub_module, "CallArrays", Guarded)
+    drafter = _Mixed()
+    w = Worker(drafter, "127.0.0.1", 0, window=16, max_batch_entries=1).start()
+    clients = []
+    try:
+        clients = [connect(w, session=s, engine_id=s) for s in (1, 2, 3)]
+        drafter.gate.clear()
+        first = clients[0]
+        first.chan.send(wire.encode_round_entries(1, first.session, 0, _entries(1), bytes(4), 4))
+        assert drafter.entered.wait(WAIT_S)  # the drafter busy: the next rounds are taken together
+        for c in clients[1:]:
+            c.chan.send(wire.encode_round_entries(1, c.session, 0, [], b"", 4))
+        assert until(lambda: w._hub.waiting() == 2, WAIT_S)
+        drafter.gate.set()
+        for c in clients:
+            c.chan.stream.sock.settimeout(WAIT_S)
+            assert wire.decode_header(_frame(c.chan.stream.sock)[: wire.HEADER.size]).type == wire.DRAFTS
+        assert guards and all((g == 0xA5A5A5A5).all() for g in guards)
+    finally:
+        drafter.gate.set()
+        for c in clients:
+            c.close()
+        w.stop()
