@@ -493,3 +493,45 @@ def test_a_call_of_more_rounds_than_its_entries_stays_within_its_arrays(monkeypa
         for c in clients:
             c.close()
         w.stop()
+
+
+def test_a_fault_counting_a_whole_call_never_answers_its_rounds_twice(hub, plugin, caplog, monkeypatch):
+    """The statistics of a call of whole rounds raise once its replies are sent: the fault
+    is logged, and those rounds are not queued again as jobs (a second DRAFTS for a round
+    answered, written while its connection reads its next frame)."""
+    w = hub
+    counted, calls, lib = w._hub.on_answered, [], w._hub.lib
+    written = []  # the round id of each reply the hub writes, before it is written
+
+    class Spy(_Spy):
+        def hub_reply(self, state, conn, result):
+            written.append(wire.decode_header(bytes(conn._obj.hdr)).round)
+            return self._lib.hub_reply(state, conn, result)
+
+        def hub_answer(self, state, ids, k, *rest):
+            got = (ctypes.c_uint32 * k).from_address(ids)
+            written.extend(wire.decode_header(bytes(w._hub._by_id[i].c.hdr)).round for i in got)
+            return self._lib.hub_answer(state, ids, k, *rest)
+
+    def faulty(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("counting failed on purpose")
+        return counted(*args)
+
+    c = connect(w, session=1, engine_id=1)
+    monkeypatch.setattr(w._scheduler._fair, "alone", lambda *args: True)  # each round a whole call
+    w._hub.on_answered, w._hub.lib = faulty, Spy(lib)
+    try:
+        with caplog.at_level(logging.ERROR, logger="remote_dspark.worker"):
+            sock = c.chan.stream.sock
+            sock.settimeout(WAIT_S)
+            for rid in (1, 2, 3):
+                sock.sendall(wire.encode_round_entries(rid, 1, 0, _entries(2), bytes(8), 4))
+                hdr = wire.decode_header(_frame(sock)[: wire.HEADER.size])
+                assert (hdr.type, hdr.round) == (wire.DRAFTS, rid)
+        assert "counting failed on purpose" in caplog.text
+        assert until(lambda: 3 in written, WAIT_S) and written == [1, 2, 3]
+    finally:
+        w._hub.on_answered, w._hub.lib = counted, lib
+        c.close()
