@@ -58,6 +58,7 @@ class ConnState(enum.IntEnum):
     QUEUED = 1  # a round applied, ready to draft (the drafter's thread's)
     SEND = 2  # its reply partly sent (the I/O thread's)
     PYTHON = 3  # handed to Python (on_event), which ends it
+    DROPPED = 4  # ended by the drafter's thread (drop), for the I/O thread to hand to Python
 
 
 class _Io(enum.IntEnum):

@@ -535,3 +535,23 @@ def test_a_fault_counting_a_whole_call_never_answers_its_rounds_twice(hub, plugi
     finally:
         w._hub.on_answered, w._hub.lib = counted, lib
         c.close()
+
+
+def test_a_connection_whose_round_failed_ends_though_its_peer_sent_the_next_round(hub, plugin, caplog):
+    """A peer that sent its next ROUND before the reply to the last (the kernel keeps it,
+    and a socket shut for reading still reads it): the call of its first round raises,
+    and the connection ends there, its next round never served."""
+    c = connect(hub, session=1, engine_id=1)
+    plugin.fail = True
+    try:
+        with caplog.at_level(logging.ERROR, logger="remote_dspark.worker"):
+            frames = [wire.encode_round_entries(rid, 1, 0, _entries(2), bytes(8), 4) for rid in (1, 2)]
+            c.chan.stream.sock.sendall(b"".join(frames))
+            try:  # (closed with its next round unread: a reset)
+                got = _closed(c.chan.stream.sock)
+            except ConnectionResetError:
+                got = b""
+            assert got == b""
+        assert "failed on purpose" in caplog.text
+    finally:
+        c.close()
