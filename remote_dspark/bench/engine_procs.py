@@ -100,12 +100,14 @@ def memory_bound(args, hellos: list[tuple[int, int]], keep: int) -> int:
     from .. import wire
     from ..worker.hub_arrays import call_bytes
     from ..worker.limits import Limits
+    from ..worker.options import WorkerOptions
     from ..worker.scheduler import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS
     from ..worker.windows import Windows
 
+    places = 2 * WorkerOptions().max_connections  # the hub's (server.Worker)
     limits = Limits(max_slots=max(args.slots, STORM_SLOTS), window=WINDOW, max_round_tokens=args.max_round_tokens)
     lanes = args.drafter == "markov"  # a thread each (the Markov lane); else the hub, and its call's arrays
-    bound = INTERPRETER_BYTES + (0 if lanes else call_bytes(DEFAULT_MAX_ENTRIES, WINDOW))
+    bound = INTERPRETER_BYTES + (0 if lanes else call_bytes(DEFAULT_MAX_ENTRIES, WINDOW, places))
     for e, (slots, k) in enumerate(hellos):
         hello = wire.Hello(b"\0" * 32, b"\0" * 32, e, slots, 0, k)
         bound += limits.served_bytes(hello) + Windows.bytes_of(slots, WINDOW, keep) + (THREAD_BYTES if lanes else 0)

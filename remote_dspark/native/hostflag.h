@@ -300,12 +300,12 @@ struct hf_call {
     float *temperature;           /* [room_entries], sampled rounds' */
     uint64_t *seed;
     uint8_t *rows;                /* [room_rows] bytes */
-    uint64_t *received_ns;        /* [k]: each round's receipt */
-    uint64_t *deadline_ns;        /* [k]: each round's deadline (UINT64_MAX: none) */
+    uint64_t *received_ns;        /* [room_rounds]: each round's receipt */
+    uint64_t *deadline_ns;        /* [room_rounds]: each round's deadline (UINT64_MAX: none) */
     uint64_t room_entries, room_tokens, room_rows;
     uint32_t keep_streams;        /* in: kept_from is written (the drafter keeps whole streams) */
     uint32_t sampled, row_bytes, width, margins;   /* out: the rounds' (all alike), widest, any */
-    uint32_t pad;
+    uint32_t room_rounds;         /* rounds a call gathers at most (a round may have no entry) */
     uint64_t m, n_tokens, n_rows; /* out: entries, context tokens, row bytes (needed, when over room) */
 };
 

@@ -420,7 +420,7 @@ class HubCall(ctypes.Structure):
         ("row_bytes", ctypes.c_uint32),
         ("width", ctypes.c_uint32),
         ("margins", ctypes.c_uint32),
-        ("pad", ctypes.c_uint32),
+        ("room_rounds", ctypes.c_uint32),
         ("m", ctypes.c_uint64),
         ("n_tokens", ctypes.c_uint64),
         ("n_rows", ctypes.c_uint64),

@@ -14,8 +14,8 @@
  *
  * Each connection has one round in flight: once a ROUND is whole it is not armed for
  * input again until its reply is sent, and a read never takes bytes past the frame in
- * hand. Who owns a connection follows its state: the I/O thread in HUB_RECV and HUB_SEND,
- * the drafter's thread in HUB_QUEUED, Python in HUB_PYTHON; each hand-over is a release
+ * hand. Who owns a connection follows its state: the I/O thread in HUB_RECV, HUB_SEND and
+ * HUB_DROPPED, the drafter's thread in HUB_QUEUED, Python in HUB_PYTHON; each hand-over is a release
  * store of the state, read with acquire, and epoll's one-shot arming. The ready ring has
  * one producer (the I/O thread) and one consumer (the drafter's thread), room entries (a
  * connection is on it once at most).
@@ -31,8 +31,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-/* Where a connection is (hf_conn.state; remote_dspark.worker.hub mirrors these). */
-enum { HUB_RECV, HUB_QUEUED, HUB_SEND, HUB_PYTHON };
+/* Where a connection is (hf_conn.state; remote_dspark.worker.hub mirrors these). HUB_DROPPED:
+ * ended by the drafter's thread (hf_hub_drop), for the I/O thread to hand to Python. */
+enum { HUB_RECV, HUB_QUEUED, HUB_SEND, HUB_PYTHON, HUB_DROPPED };
 /* What hf_hub_io returns: a connection handed to Python, the hub stopped, epoll failed. */
 enum { HUB_EVENT, HUB_STOPPED, HUB_FAILED };
 #define WAKE_ID UINT32_MAX  /* the eventfd's epoll data */
@@ -310,6 +311,8 @@ int hf_hub_io(struct hf_hub *h, uint32_t *id)
                 c->err = (uint32_t)errno;
                 return to_python(c, SV_UNSENT, id);
             }
+        } else if (st == HUB_DROPPED) {
+            return to_python(c, c->why, id);
         }  /* (a connection Python or the drafter holds is not armed: a stale event) */
     }
 }
@@ -386,9 +389,20 @@ static uint64_t write_reply(struct hf_conn *c, const struct hf_result *r, uint64
     return size;
 }
 
+/* c (the drafter's thread's) ended: its reading shut, handed to the I/O thread as
+ * HUB_DROPPED (why and err for Python), armed for an event that comes at once (a socket
+ * shut for reading polls readable). */
+static void drop(struct hf_hub *h, struct hf_conn *c, uint32_t why, uint32_t err)
+{
+    shutdown(c->fd, SHUT_RD);
+    c->why = why, c->err = err;
+    set_state(c, HUB_DROPPED);
+    arm(h, c, EPOLLIN | EPOLLOUT, EPOLL_CTL_MOD);
+}
+
 /* Send c's reply (in tx, tx_len bytes): 0 sent whole (c reads its next frame), 1 partly
- * (the I/O thread sends the rest), -1 the send failed (errno kept; c's socket is shut and
- * handed back to the I/O thread, which finds it closed). */
+ * (the I/O thread sends the rest), -1 the send failed (errno kept; c is dropped, the send's
+ * failure its why). */
 static int send_reply(struct hf_hub *h, struct hf_conn *c)
 {
     c->tx_sent = 0;
@@ -401,7 +415,7 @@ static int send_reply(struct hf_hub *h, struct hf_conn *c)
         arm(h, c, EPOLLOUT, EPOLL_CTL_MOD);
     } else {
         int e = errno;
-        hf_hub_drop(h, c);
+        drop(h, c, SV_UNSENT, (uint32_t)e);
         errno = e;
     }
     return sent;
@@ -424,12 +438,15 @@ int hf_hub_reply(struct hf_hub *h, struct hf_conn *c, const struct hf_result *r)
  * lengths - min(lengths, keep) are in its windows), rows, sampled rounds' temperatures
  * and seeds, each round's receipt and deadline. Returns 0; 1 when they cannot make one
  * call (of the rounds with entries to draft: greedy and sampled, two widths, or rows of
- * two sizes); 2 when they are over the arrays' room (o->m, n_tokens and n_rows say what
- * they need). */
+ * two sizes); 2 when they are over the arrays' room (more rounds than room_rounds, or
+ * o->m, n_tokens and n_rows say what they need). */
 int hf_hub_gather(struct hf_hub *h, const uint32_t *ids, uint32_t k, struct hf_call *o)
 {
     uint64_t m = 0, t = 0, rows = 0;
     o->sampled = o->row_bytes = o->width = 0;
+    o->m = o->n_tokens = o->n_rows = 0;
+    if (k > o->room_rounds)
+        return 2;
     for (uint32_t r = 0; r < k; r++) {
         const struct hf_conn *c = h->conns[ids[r]];
         uint32_t sampled = c->w->sampled != 0;
@@ -499,10 +516,10 @@ void hf_hub_answer(struct hf_hub *h, const uint32_t *ids, uint32_t k, const stru
 }
 
 /* End c's connection (the caller's, HUB_QUEUED: its round failed, or the worker stops):
- * its socket's reading is shut and it goes back to the I/O thread, which finds it closed
- * and hands it to Python. */
+ * its socket's reading is shut and it goes to the I/O thread as HUB_DROPPED, which hands it
+ * to Python at once (why SV_CLOSED) without reading on: a socket shut for reading still
+ * reads what its peer sent, a next ROUND among it. */
 void hf_hub_drop(struct hf_hub *h, struct hf_conn *c)
 {
-    shutdown(c->fd, SHUT_RD);
-    next_frame(h, c);
+    drop(h, c, SV_CLOSED, 0);
 }

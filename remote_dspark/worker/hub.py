@@ -58,6 +58,7 @@ class ConnState(enum.IntEnum):
     QUEUED = 1  # a round applied, ready to draft (the drafter's thread's)
     SEND = 2  # its reply partly sent (the I/O thread's)
     PYTHON = 3  # handed to Python (on_event), which ends it
+    DROPPED = 4  # ended by the drafter's thread (drop), for the I/O thread to hand to Python
 
 
 class _Io(enum.IntEnum):
@@ -288,7 +289,7 @@ class Hub:
         seconds; inf: none); None when they cannot make one call of at most
         ``max_entries`` entries (greedy and sampled, drafts or rows of two sizes)."""
         if self._call is None or self._call.room < max_entries:
-            self._call = CallArrays(max_entries, self.window)
+            self._call = CallArrays(max_entries, self.window, len(self._taken))
         call = self._call
         first = self._by_id[int(ids[0])].session
         call.c.keep_streams = first.history is not None
@@ -306,8 +307,15 @@ class Hub:
 
     def answer(self, ids: np.ndarray, result: DraftResult | None) -> None:
         """The call gathered from ``ids`` answered with ``result`` (its rows in their
-        order): each round's reply written and sent in C, then counted (``on_answered``)."""
-        r, _keep = result_of(result)
+        order): each round's reply written and sent in C, then counted (``on_answered``).
+        Never raises: a fault before the replies are written fails the rounds (:meth:`fail`);
+        one counting them after is logged (their connections read their next frames already:
+        the rounds are never queued again)."""
+        try:
+            r, _keep = result_of(result)
+        except Exception as e:
+            self.fail(ids, e)
+            return
         conns = [self._by_id[cid] for cid in ids.tolist()]  # (once a reply is sent, its connection may end)
         facts = np.zeros(4, np.uint64)
         sent = np.zeros(len(ids), np.int32)
@@ -315,7 +323,10 @@ class Hub:
         self.lib.hub_answer(
             self.state_ref, ids.ctypes.data, len(ids), ctypes.byref(r), facts.ctypes.data, sent.ctypes.data
         )
-        self.on_answered(conns, facts.tolist(), sent, received)
+        try:
+            self.on_answered(conns, facts.tolist(), sent, received)
+        except Exception:  # (the rounds are answered: never again, as jobs)
+            log.exception("counting a call of whole rounds failed")
 
     def fail(self, ids: np.ndarray, error: BaseException) -> None:
         """The call gathered from ``ids`` raised: each round's connection ends."""

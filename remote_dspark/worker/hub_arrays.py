@@ -35,17 +35,18 @@ def result_of(result: DraftResult | None):
     return r, keep
 
 
-def call_bytes(room: int, window: int) -> int:
+def call_bytes(room: int, window: int, rounds: int) -> int:
     """What a call's arrays (:class:`CallArrays`) hold for ``room`` entries of ``window``
-    context tokens, rows apart (the memory table's row)."""
-    return room * (4 * window + 80) + 8
+    context tokens and ``rounds`` rounds, rows apart (the memory table's row)."""
+    return room * (4 * window + 72) + 16 * rounds + 8
 
 
 class CallArrays:
     """The arrays a call of whole rounds is gathered into (``hf_call``), made once for
-    ``room`` entries of ``window`` context tokens each; rows grow to what a call needs."""
+    ``room`` entries of ``window`` context tokens each and ``rounds`` rounds (the hub's
+    connections: a round may have no entry to draft); rows grow to what a call needs."""
 
-    def __init__(self, room: int, window: int):
+    def __init__(self, room: int, window: int, rounds: int):
         from ..native import HubCall
 
         self.room = room
@@ -55,9 +56,9 @@ class CallArrays:
         self.slots, self.gens, self.lengths = np.empty(n, i8), np.empty(n, i8), np.empty(n, i8)
         self.starts, self.kept_from, self.sessions = np.empty(n, i8), np.empty(n, i8), np.empty(n, i8)
         self.temperature, self.seed = np.empty(n, np.float32), np.empty(n, np.uint64)
-        self.received, self._deadlines = np.empty(n, np.uint64), np.empty(n, np.uint64)
+        self.received, self._deadlines = np.empty(rounds, np.uint64), np.empty(rounds, np.uint64)
         self.rows = np.empty(0, np.uint8)
-        self.c = HubCall(room_entries=n, room_tokens=len(self.tokens))
+        self.c = HubCall(room_entries=n, room_tokens=len(self.tokens), room_rounds=rounds)
         for name in ("tokens", "offsets", "n_out", "slots", "gens", "lengths", "starts", "kept_from"):
             setattr(self.c, name, getattr(self, name).ctypes.data)
         for name in ("sessions", "temperature", "seed"):

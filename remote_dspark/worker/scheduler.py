@@ -253,7 +253,7 @@ class Scheduler:
             try:
                 if self._whole_call(ready):
                     return
-            except Exception:  # (a fault of this shortcut's: the jobs' way still answers them)
+            except Exception:  # (a fault before drafting, the rounds untouched: the jobs' way answers them)
                 log.exception("a call of whole rounds failed before drafting; its rounds are queued")
         jobs = self.source.jobs(ready)
         if jobs:
@@ -290,7 +290,7 @@ class Scheduler:
             return True
         finally:
             self._free()
-        self.source.answer(ready, result)
+        self.source.answer(ready, result)  # (never raises: its rounds are answered, or failed)
         return True
 
     def _whole(self, job: Job) -> bool:

@@ -443,3 +443,115 @@ def test_a_newcomer_displaces_an_idle_hub_connection_at_the_cap():
         for c in clients:
             c.close()
         w.stop()
+
+
+class _Mixed(Plugin):
+    """The plug-in taking batches of several sessions: the hub gathers whole calls of many rounds."""
+
+    mixed_sessions = True
+
+
+def test_a_call_of_more_rounds_than_its_entries_stays_within_its_arrays(monkeypatch):
+    """Rounds with nothing to draft (empty) gathered into one call: more rounds than the
+    call's entries (--max-batch-entries 1). Each round's receipt and deadline are written
+    within the call's arrays (a guard past their end stays as it was) and every round is
+    answered."""
+    from remote_dspark.worker import hub as hub_module
+
+    guards = []
+
+    class Guarded(hub_module.CallArrays):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            for name, field in (("received", "received_ns"), ("_deadlines", "deadline_ns")):
+                n = len(getattr(self, name))
+                whole = np.full(n + 8, 0xA5A5A5A5, np.uint64)  # 8 guard words past the end
+                setattr(self, name, whole[:n])
+                setattr(self.c, field, whole.ctypes.data)
+                guards.append(whole[n:])
+
+    monkeypatch.setattr(hub_module, "CallArrays", Guarded)
+    drafter = _Mixed()
+    w = Worker(drafter, "127.0.0.1", 0, window=16, max_batch_entries=1).start()
+    clients = []
+    try:
+        clients = [connect(w, session=s, engine_id=s) for s in (1, 2, 3)]
+        drafter.gate.clear()
+        first = clients[0]
+        first.chan.send(wire.encode_round_entries(1, first.session, 0, _entries(1), bytes(4), 4))
+        assert drafter.entered.wait(WAIT_S)  # the drafter busy: the next rounds are taken together
+        for c in clients[1:]:
+            c.chan.send(wire.encode_round_entries(1, c.session, 0, [], b"", 4))
+        assert until(lambda: w._hub.waiting() == 2, WAIT_S)
+        drafter.gate.set()
+        for c in clients:
+            c.chan.stream.sock.settimeout(WAIT_S)
+            assert wire.decode_header(_frame(c.chan.stream.sock)[: wire.HEADER.size]).type == wire.DRAFTS
+        assert guards and all((g == 0xA5A5A5A5).all() for g in guards)
+    finally:
+        drafter.gate.set()
+        for c in clients:
+            c.close()
+        w.stop()
+
+
+def test_a_fault_counting_a_whole_call_never_answers_its_rounds_twice(hub, plugin, caplog, monkeypatch):
+    """The statistics of a call of whole rounds raise once its replies are sent: the fault
+    is logged, and those rounds are not queued again as jobs (a second DRAFTS for a round
+    answered, written while its connection reads its next frame)."""
+    w = hub
+    counted, calls, lib = w._hub.on_answered, [], w._hub.lib
+    written = []  # the round id of each reply the hub writes, before it is written
+
+    class Spy(_Spy):
+        def hub_reply(self, state, conn, result):
+            written.append(wire.decode_header(bytes(conn._obj.hdr)).round)
+            return self._lib.hub_reply(state, conn, result)
+
+        def hub_answer(self, state, ids, k, *rest):
+            got = (ctypes.c_uint32 * k).from_address(ids)
+            written.extend(wire.decode_header(bytes(w._hub._by_id[i].c.hdr)).round for i in got)
+            return self._lib.hub_answer(state, ids, k, *rest)
+
+    def faulty(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("counting failed on purpose")
+        return counted(*args)
+
+    c = connect(w, session=1, engine_id=1)
+    monkeypatch.setattr(w._scheduler._fair, "alone", lambda *args: True)  # each round a whole call
+    w._hub.on_answered, w._hub.lib = faulty, Spy(lib)
+    try:
+        with caplog.at_level(logging.ERROR, logger="remote_dspark.worker"):
+            sock = c.chan.stream.sock
+            sock.settimeout(WAIT_S)
+            for rid in (1, 2, 3):
+                sock.sendall(wire.encode_round_entries(rid, 1, 0, _entries(2), bytes(8), 4))
+                hdr = wire.decode_header(_frame(sock)[: wire.HEADER.size])
+                assert (hdr.type, hdr.round) == (wire.DRAFTS, rid)
+        assert "counting failed on purpose" in caplog.text
+        assert until(lambda: 3 in written, WAIT_S) and written == [1, 2, 3]
+    finally:
+        w._hub.on_answered, w._hub.lib = counted, lib
+        c.close()
+
+
+def test_a_connection_whose_round_failed_ends_though_its_peer_sent_the_next_round(hub, plugin, caplog):
+    """A peer that sent its next ROUND before the reply to the last (the kernel keeps it,
+    and a socket shut for reading still reads it): the call of its first round raises,
+    and the connection ends there, its next round never served."""
+    c = connect(hub, session=1, engine_id=1)
+    plugin.fail = True
+    try:
+        with caplog.at_level(logging.ERROR, logger="remote_dspark.worker"):
+            frames = [wire.encode_round_entries(rid, 1, 0, _entries(2), bytes(8), 4) for rid in (1, 2)]
+            c.chan.stream.sock.sendall(b"".join(frames))
+            try:  # (closed with its next round unread: a reset)
+                got = _closed(c.chan.stream.sock)
+            except ConnectionResetError:
+                got = b""
+            assert got == b""
+        assert "failed on purpose" in caplog.text
+    finally:
+        c.close()
