@@ -347,6 +347,10 @@ class Hub:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def alive(self) -> bool:
+        """The I/O thread runs."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """The epoll set and its eventfd closed (after :meth:`stop`)."""
         if self._open:

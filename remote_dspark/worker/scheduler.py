@@ -91,23 +91,20 @@ class Scheduler:
     :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
 
     ``on_call(seconds, rounds, entries, tokens, waits, pieces, piece_tokens, cpu_seconds)``
-    is told of each drafter call: its duration, the pieces of rounds, the entries and the
-    tokens (contexts and drafts: the budget's cost) it drafted, how long each round first
-    drafted in it waited in the queue, the pieces of an over-budget entry's encode in it
-    and their tokens, and the CPU the call took on the thread that made it
-    (``time.thread_time``: the drafter's own host work; threads of the drafter's own,
-    such as torch's intra-op pool, are not in it) (the worker's statistics). ``clock`` dates
-    deadlines and the drafter's seconds (``time.monotonic``; a test's clock that the
-    drafter moves makes both deterministic). ``max_tokens`` None: the drafter derives the token
-    budget from its device's memory at :meth:`reserve` (at most ``DEFAULT_MAX_TOKENS``;
-    that, for a drafter that cannot say). ``max_entries`` None: ``DEFAULT_MAX_ENTRIES``
-    for a drafter that reserves working memory for a call (``reserve``: a model
-    drafter's rows), else the wire's ``MAX_ENTRIES``, so a round of a drafter without
-    such memory is never split by its entries alone (the token budget still shares calls
-    between engines). ``batching=False`` calls the drafter once per round
-    (or piece) even when it takes mixed sessions (the ``serialized`` rows of ``bench
-    worker-engines``). ``call_share``: the ceiling of a call's time budget, a fraction of
-    the tightest deadline queued (:mod:`.fair`, ``--call-deadline-share``)."""
+    is told of each drafter call (the worker's statistics): its duration, the pieces of
+    rounds, entries and budget tokens it drafted, each round's wait in the queue, the
+    pieces of an over-budget entry's encode and their tokens, and the drafter's own host
+    CPU on the calling thread (``time.thread_time`` around ``draft_batch`` and
+    ``encodes``; the drafter's own threads, such as torch's, are not in it). ``clock``
+    dates deadlines and the drafter's seconds (a test's clock the drafter moves makes both
+    deterministic). ``max_tokens`` None: derived at :meth:`reserve` from the device's
+    memory (at most ``DEFAULT_MAX_TOKENS``; that for a drafter that cannot say).
+    ``max_entries`` None: ``DEFAULT_MAX_ENTRIES`` for a drafter that reserves working
+    memory for a call (``reserve``), else the wire's ``MAX_ENTRIES``. ``batching=False``:
+    one round (or piece) a call even for a drafter that mixes sessions (``bench
+    worker-engines``' serialized rows). ``call_share``: the ceiling of a call's time, a
+    fraction of the tightest deadline queued (``--call-deadline-share``). ``source``: a
+    hub (:class:`~.hub.Hub`) whose ready rounds the drafter thread takes itself."""
 
     def __init__(
         self,
@@ -168,16 +165,21 @@ class Scheduler:
         if self.source is not None:
             self.source.poke()
         self._thread.join(timeout_s)
+        stopping = RuntimeError("the worker is stopping")
         with self._cond:
             for job in self._fair.clear():
-                self._end(job, Failed(RuntimeError("the worker is stopping")))
+                self._end(job, Failed(stopping))
         self._deliver()
+        if self.source is not None and not self._thread.is_alive():  # ready after its last look
+            self.source.fail(self.source.ready(0.0), stopping)
+
+    def alive(self) -> bool:  # the drafter thread runs (a call may be in flight)
+        return self._thread.is_alive()
 
     def queued(self) -> int:
         """Rounds waiting for the drafter: queued here, and ready in the source."""
         with self._cond:
-            here = self._fair.queued()
-        return here + (self.source.waiting() if self.source is not None else 0)
+            return self._fair.queued() + (self.source.waiting() if self.source is not None else 0)
 
     def draft(self, session: int, batch: DraftBatch, deadline: float = math.inf) -> DraftResult | None:
         """``batch``'s drafts (checked against the contract), or None when its
@@ -262,12 +264,11 @@ class Scheduler:
                     self._fair.add(job)
 
     def _whole_call(self, ready) -> bool:
-        """The source's ``ready`` rounds drafted in one call of them all, their replies
-        written and sent by the source per call (no job, no turn, no merge): when the
-        drafter is free, nothing else is queued, and together they are what a lone round
-        drafted at once must be (:meth:`FairShare.alone`: within both budgets and the
-        time budget, ahead of the tightest deadline). False (nothing drafted) otherwise:
-        the caller queues them as jobs, and the fair share takes it from there."""
+        """The source's ``ready`` rounds drafted in one call, their replies written and sent
+        by the source (no job, turn or merge): when the drafter is free, nothing else is
+        queued, and together they are what a lone round drafted at once must be
+        (:meth:`FairShare.alone`: both caps, the time budget, the tightest deadline).
+        False (nothing drafted) otherwise: the caller queues them as jobs."""
         got = self.source.gather(ready, self.max_entries)
         if got is None:
             return False

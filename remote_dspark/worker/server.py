@@ -203,10 +203,13 @@ class Worker(Serving):
         if self._hub is not None:
             self._drain(timeout_s)  # (rounds the scheduler failed: their connections end now)
             self._hub.stop(timeout_s)
-            for hc in self._hub.connections():  # what did not end in time: ended here, the I/O thread gone
-                self._hub.remove(hc)
-                self._ended(hc.sock, hc.peer, hc.session, hc.chan, None)
-            self._hub.close()
+            if self._hub.alive() or self._scheduler.alive():  # a call or an end still running: theirs
+                log.warning("the worker's threads did not stop within %.1f s; its connections are left", timeout_s)
+            else:
+                for hc in self._hub.connections():  # what did not end in time: ended here, both threads gone
+                    self._hub.remove(hc)
+                    self._ended(hc.sock, hc.peer, hc.session, hc.chan, None)
+                self._hub.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self._metrics is not None:  # last: /healthz says "stopping" (503) while the rest stops

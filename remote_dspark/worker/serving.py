@@ -141,16 +141,15 @@ class Serving:
             self._hub_failed(conn, state.error)
             return
         result = state.result
-        n, n_ok = conn.entries()  # (before the reply: once it is sent, the next round may come in)
-        m = len(job.batch)
-        sent = conn.reply(result)
+        n, n_ok = conn.entries()  # (all read before the reply: once it is out, the next round may come in)
         draft_tokens = int(result.counts.sum()) if result is not None else 0
-        told = Told(n, n - n_ok, n_ok - m, draft_tokens, drafted and result is None)
-        if sent:
+        told = Told(n, n - n_ok, n_ok - len(job.batch), draft_tokens, drafted and result is None)
+        took = time.monotonic() - conn.received
+        if conn.reply(result):
             self._sessions.served(conn.session)
-        with self._lock:
+        with self._lock:  # (nothing after the reply may fail its round: the connection is the hub's again)
             self.stats.add_round(told)
-            self.stats.round_seconds.observe(time.monotonic() - conn.received)
+            self.stats.round_seconds.observe(took)
 
     def _hub_failed(self, conn, error: BaseException) -> None:
         """A hub round whose call raised: counted and logged here, its connection ended by
