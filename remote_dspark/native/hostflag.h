@@ -416,6 +416,13 @@ void hf_drafts_summary(const int32_t *counts, const int32_t *statuses, const uin
 void hf_zero_drafts(const struct hf_ring *ring, uint32_t round, uint32_t status);
 int hf_release_empty(const struct hf_ring *ring, uint32_t round, uint32_t status, uint64_t deadline_ns);
 int hf_worker_round(struct hf_windows *w, const uint8_t *payload, uint64_t len, struct hf_batch *b);
+/* Where a DRAFTS frame's sections are (wire.drafts_sections, header included), and its
+ * size: hf_drafts_head lays them out and writes the header and fixed part (worker_serve.c). */
+struct hf_drafts_at {
+    uint64_t slots, counts, statuses, tokens, margins, q_ids, q_weights, size;
+};
+HF_INTERNAL void hf_drafts_head(uint8_t *f, const uint8_t *round_hdr, const uint8_t *slots, uint32_t n,
+                                uint32_t width, int margins, int sampled, struct hf_drafts_at *at);
 HF_INTERNAL void hf_guard_take(uint32_t *g);   /* worker_serve.c's: a windows' guard word */
 HF_INTERNAL void hf_guard_drop(uint32_t *g);
 void hf_hub_poke(struct hf_hub *h);

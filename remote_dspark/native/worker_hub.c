@@ -349,23 +349,12 @@ static uint64_t write_reply(struct hf_conn *c, const struct hf_result *r, uint64
 {
     const struct hf_batch *b = c->b;
     uint32_t n = b->n, width = b->width, margins = c->want_margin != 0, sampled = c->w->sampled != 0;
-    uint64_t cells = (uint64_t)n * width, q = cells * W_TOP, top = (uint64_t)width * W_TOP;
-    uint64_t at_slots = W_HEADER + W_DRAFTS_FIXED, at_counts = at_slots + 4ull * n;
-    uint64_t at_status = at_counts + 2ull * n, at_tokens = at_status + 2ull * n;
-    uint64_t at_margins = at_tokens + 4 * cells, at_q_ids = at_margins + (margins ? 4 * cells : 0);
-    uint64_t at_q_weights = at_q_ids + (sampled ? 4 * q : 0), size = at_q_weights + (sampled ? 2 * q : 0);
+    uint64_t top = (uint64_t)width * W_TOP;
+    struct hf_drafts_at a;
     uint8_t *f = c->tx;
-    memset(f, 0, size);
-    uint32_t plen = (uint32_t)(size - W_HEADER), version = W_VERSION | (W_DRAFTS << 16);
-    uint16_t flags = (margins ? W_MARGINS : 0) | (sampled ? W_SAMPLED : 0), w16 = (uint16_t)width;
-    memcpy(f, W_MAGIC, 4);
-    memcpy(f + 4, &version, 4);
-    memcpy(f + 8, &plen, 4);
-    memcpy(f + 12, c->hdr + 12, 12);  /* the ROUND's session and round id */
-    memcpy(f + W_HEADER, &n, 4);
-    memcpy(f + W_HEADER + 4, &w16, 2);
-    memcpy(f + W_HEADER + 6, &flags, 2);
-    memcpy(f + at_slots, c->rx + W_ROUND_FIXED, 4ull * n);
+    hf_drafts_head(f, c->hdr, c->rx + W_ROUND_FIXED, n, width, (int)margins, (int)sampled, &a);
+    uint64_t at_counts = a.counts, at_status = a.statuses, at_tokens = a.tokens, at_margins = a.margins;
+    uint64_t at_q_ids = a.q_ids, at_q_weights = a.q_weights, size = a.size;
     *drafted = 0;
     for (uint64_t i = 0, j = at; i < n; i++) {
         uint16_t status = b->ok[i] ? 0 : W_RESYNC;

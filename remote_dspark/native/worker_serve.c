@@ -268,6 +268,30 @@ static void next_frame(struct hf_serve *s)
 
 /* ----------------------------------------------------------------- the round */
 
+/* A DRAFTS frame's layout for n entries of `width` drafts (margins, a sampled session's
+ * distributions) into *at, and its head written into f: zeroed whole, then the header
+ * (the ROUND's session and round id from round_hdr), the fixed part and the n slots. */
+HF_INTERNAL void hf_drafts_head(uint8_t *f, const uint8_t *round_hdr, const uint8_t *slots, uint32_t n,
+                                uint32_t width, int margins, int sampled, struct hf_drafts_at *at)
+{
+    uint64_t cells = (uint64_t)n * width, q = cells * W_TOP;
+    at->slots = W_HEADER + W_DRAFTS_FIXED, at->counts = at->slots + 4ull * n;
+    at->statuses = at->counts + 2ull * n, at->tokens = at->statuses + 2ull * n;
+    at->margins = at->tokens + 4 * cells, at->q_ids = at->margins + (margins ? 4 * cells : 0);
+    at->q_weights = at->q_ids + (sampled ? 4 * q : 0), at->size = at->q_weights + (sampled ? 2 * q : 0);
+    memset(f, 0, at->size);
+    uint32_t plen = (uint32_t)(at->size - W_HEADER), version = W_VERSION | (W_DRAFTS << 16);
+    uint16_t flags = (margins ? W_MARGINS : 0) | (sampled ? W_SAMPLED : 0), w16 = (uint16_t)width;
+    memcpy(f, W_MAGIC, 4);
+    memcpy(f + 4, &version, 4);
+    memcpy(f + 8, &plen, 4);
+    memcpy(f + 12, round_hdr + 12, 12);  /* the ROUND's session and round id */
+    memcpy(f + W_HEADER, &n, 4);
+    memcpy(f + W_HEADER + 4, &w16, 2);
+    memcpy(f + W_HEADER + 6, &flags, 2);
+    memcpy(f + at->slots, slots, 4ull * n);
+}
+
 /* The DRAFTS frame of the round in s->b (the ROUND's payload in rx, its header in hdr):
  * RESYNC where an entry has no window, the table's drafts for the drafted entries (none
  * when `expired`). Returns the frame's length. */
@@ -275,22 +299,11 @@ static uint64_t write_reply(struct hf_serve *s, int expired)
 {
     const struct hf_batch *b = s->b;
     uint32_t n = b->n, width = b->width, margins = s->want_margin != 0;
-    uint64_t cells = (uint64_t)n * width;
-    uint64_t at_slots = W_HEADER + W_DRAFTS_FIXED, at_counts = at_slots + 4ull * n;
-    uint64_t at_status = at_counts + 2ull * n, at_tokens = at_status + 2ull * n;
-    uint64_t at_margins = at_tokens + 4 * cells, size = at_margins + (margins ? 4 * cells : 0);
+    struct hf_drafts_at at;
     uint8_t *f = s->tx;
-    memset(f, 0, size);
-    uint32_t plen = (uint32_t)(size - W_HEADER), version = W_VERSION | (W_DRAFTS << 16);
-    uint16_t flags = margins ? W_MARGINS : 0, w16 = (uint16_t)width;
-    memcpy(f, W_MAGIC, 4);
-    memcpy(f + 4, &version, 4);
-    memcpy(f + 8, &plen, 4);
-    memcpy(f + 12, s->hdr + 12, 12);  /* the ROUND's session and round id */
-    memcpy(f + W_HEADER, &n, 4);
-    memcpy(f + W_HEADER + 4, &w16, 2);
-    memcpy(f + W_HEADER + 6, &flags, 2);
-    memcpy(f + at_slots, s->rx + W_ROUND_FIXED, 4ull * n);
+    hf_drafts_head(f, s->hdr, s->rx + W_ROUND_FIXED, n, width, (int)margins, 0, &at);
+    uint64_t at_counts = at.counts, at_status = at.statuses, at_tokens = at.tokens, at_margins = at.margins;
+    uint64_t size = at.size;
     int32_t *tokens = (int32_t *)(f + at_tokens);  /* 4-aligned: tx is, and so is every offset */
     float *margin = margins ? (float *)(f + at_margins) : NULL;
     uint64_t t0 = hf_now_ns(), cost = 0;
