@@ -285,7 +285,7 @@ def measure(args, mode: str, bar) -> dict:
     row = steady_row(mode, engines, args.slots, got, wall)
     row.update(
         growth(started, peak),
-        rss_bound_mb=round(memory_bound(args, [(c["slots"], c["k"]) for c in cfgs], keep) / 2**20, 1),
+        rss_bound_mb=round(memory_bound(args, [(c["slots"], c["k"]) for c in cfgs], keep) / 2**20, 2),
         **cpu,
     )
     return row

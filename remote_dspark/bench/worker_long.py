@@ -176,7 +176,7 @@ def measure_long(args, bar) -> dict:
             end_engines(procs)
     row = steady_row("long", 2, args.slots, [got], got[3][1] - got[3][0])
     hellos = [(args.slots, args.num_spec), (args.long_slots, args.num_spec)]
-    row.update(growth(started, peak), rss_bound_mb=round(memory_bound(args, hellos, keep) / 2**20, 1))
+    row.update(growth(started, peak), rss_bound_mb=round(memory_bound(args, hellos, keep) / 2**20, 2))
     row.update(long_slots=args.long_slots, long_tokens=long["tokens"], long_rounds=long["rounds"])
     row.update(announce_s=round(long["span"][1] - long["span"][0], 3), long_draft_tokens=long["draft_tokens"])
     row.update(calls)
