@@ -555,3 +555,40 @@ def test_a_connection_whose_round_failed_ends_though_its_peer_sent_the_next_roun
         assert "failed on purpose" in caplog.text
     finally:
         c.close()
+
+
+class _LateSource:
+    """A hub stand-in whose rounds become ready only after the drafter thread's last look:
+    taken without a wait once stop has poked it."""
+
+    def __init__(self):
+        self.poked, self.failed = threading.Event(), []
+
+    def ready(self, timeout_s):
+        if timeout_s == 0 and self.poked.is_set():
+            ids, self.late = getattr(self, "late", np.array([3, 5], np.uint32)), np.zeros(0, np.uint32)
+            return ids
+        self.poked.wait(min(timeout_s, WAIT_S))
+        return np.zeros(0, np.uint32)
+
+    def poke(self):
+        self.poked.set()
+
+    def waiting(self):
+        return 0
+
+    def fail(self, ids, error):
+        self.failed += [(int(i), str(error)) for i in ids]
+
+
+def test_rounds_ready_after_the_drafter_threads_last_look_are_failed_at_stop():
+    """A stop leaves no round of the hub unanswered: those that became ready after the
+    drafter thread looked its last are failed (their connections end, with BYE), not left
+    for the worker's stop to wait out its timeout."""
+    from remote_dspark.worker.scheduler import Scheduler
+
+    source = _LateSource()
+    s = Scheduler(Plugin(), max_entries=64, max_tokens=1024, source=source).start()
+    s.stop(WAIT_S)
+    assert not s.alive()
+    assert source.failed == [(3, "the worker is stopping"), (5, "the worker is stopping")]
