@@ -5,7 +5,7 @@ selector, woken by a self-pipe so ``stop()`` and SIGTERM end it at once) holds e
 connection until it has said HELLO, under the HELLO's own small cap and a HELLO
 deadline, in a pool of its own where the oldest silent one makes room for a newcomer.
 A whole HELLO (with a key, proven: :mod:`remote_dspark.wire.auth`) gets a served
-connection and its thread; when ``max_connections`` are served, the connection of the
+connection (a thread judges its HELLO; :mod:`.serving`); when ``max_connections`` are served, the connection of the
 least recently served session makes room if it idled ``recent_s`` (the engines' rule,
 :func:`~remote_dspark.worker.sessions.displaceable`), else the HELLO is refused "busy".
 Per served connection: the HELLO is checked (identities, this worker's
@@ -23,12 +23,15 @@ an entry for a slot the worker does not know, or with a gap in its positions, is
 answered with ``STATUS_RESYNC`` and no drafts, and the slot is forgotten, so the engine
 re-announces it.
 
-A round is handled without a Python loop over its entries (:mod:`.round`): one C call
-checks the ROUND, updates the session's windows and writes the drafter's batch
-(:mod:`.native_round`; the numpy reference path when asked or when the library cannot
-load), and the DRAFTS reply is written from the result's arrays into one buffer. With
-the built-in greedy Markov drafter a round is served whole in C, from its bytes in to
-the reply's out (:mod:`.lane`).
+A round is handled without a Python loop over its entries. By default it never meets
+the interpreter between its bytes in and its reply out: the hub (:mod:`.hub`) reads,
+checks and applies every connection's frames in C on one I/O thread, the drafter's
+thread drafts a call's worth, and C writes and sends the replies; with the built-in
+greedy Markov drafter a connection's round is one C call on its own thread
+(:mod:`.lane`). Otherwise (``--round-path native``, or faults to inject) one C call
+checks the ROUND, updates the windows and writes the drafter's batch
+(:mod:`.native_round`; the numpy reference, :mod:`.round`, when asked or when the
+library cannot load), on the connection's own thread.
 
 Memory is bounded by this worker's own numbers, never by what a peer announces
 (docs/design/worker.md, "Memory bounds", writes them out).
