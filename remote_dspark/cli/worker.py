@@ -164,11 +164,13 @@ def add_parser(sub) -> None:
         "--round-path",
         choices=ROUND_PATHS,
         default="served",
-        help="how each round is served: served (default), with the built-in Markov drafter each greedy "
-        "round whole in the C library, from its bytes in to the reply sent (any other drafter, or a sampled "
-        "session, takes native); native, the C library's one call for the checks, the windows and the "
-        "drafter's batch, the rest in Python; python, the reference path both are tested against (for "
-        "comparison). A library that cannot be built leaves the python path, with a warning",
+        help="how each round is served: served (default), in the C library from its bytes in to its reply "
+        "sent, the interpreter working once per drafting call (the built-in Markov drafter's greedy rounds "
+        "one C call each on their connection's thread; every other connection on one I/O thread, the hub); "
+        "native, a thread per connection, the C library's one call for the checks, the windows and the "
+        "drafter's batch, the rest in Python (also what --chaos uses); python, the reference path the "
+        "others are tested against (for comparison). A library that cannot be built leaves the python path, "
+        "with a warning",
     )
     adm.add_argument(
         "--max-pending",

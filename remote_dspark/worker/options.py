@@ -49,8 +49,10 @@ class WorkerOptions:
     ceiling of a call's time budget as a share of the tightest deadline queued
     (:mod:`~remote_dspark.worker.fair`).
 
-    ``round_path``: "served" (a Markov drafter's rounds whole in C, :mod:`.lane`, others
-    "native"), "native" (the round in by C, :mod:`.native_round`) or "python" (the
+    ``round_path``: "served" (every round in C from its bytes in to its reply out: the
+    Markov drafter's greedy sessions on their lanes, :mod:`.lane`, every other
+    connection by the hub, :mod:`.hub`; with faults to inject, "native"), "native" (a
+    thread a connection, the round in by C, :mod:`.native_round`) or "python" (the
     reference).
 
     ``metrics_port`` (None: off; 0: any free port) serves ``/metrics``, ``/healthz`` and
