@@ -1,6 +1,8 @@
 """The worker's server side, fuzzed: random bytes and mutated valid conversations sent to
-a live worker on 127.0.0.1. The worker never dies, its connections, threads and pool stay
-within its own bounds throughout, and it still serves an honest engine afterwards."""
+a live worker on 127.0.0.1, its rounds served on the Markov lane and by the hub (a Markov
+drafter of another type: every frame read and applied in C on the hub's I/O thread). The
+worker never dies (nor its hub's threads), its connections, threads and pool stay within
+its own bounds throughout, and it still serves an honest engine afterwards."""
 
 from __future__ import annotations
 
@@ -26,10 +28,14 @@ MAX_CONNECTIONS, MAX_PENDING = 4, 8
 pytestmark = pytest.mark.xdist_group("worker_fuzz")
 
 
-@pytest.fixture(scope="module")
-def worker():
+class HubMarkov(MarkovDrafter):
+    """The same drafter, not the lane's (its exact type): its connections are the hub's."""
+
+
+@pytest.fixture(scope="module", params=["lane", "hub"])
+def worker(request):
     w = Worker(
-        MarkovDrafter(MODEL),
+        (MarkovDrafter if request.param == "lane" else HubMarkov)(MODEL),
         "127.0.0.1",
         0,
         window=8,
@@ -41,6 +47,7 @@ def worker():
         hello_timeout_s=0.5,
         frame_timeout_s=0.5,
     ).start()
+    assert (w._lanes is None) == (request.param == "hub") and w._hub is not None
     yield w
     w.stop()
 
@@ -106,11 +113,12 @@ def _realise(w, conv) -> list[bytes]:
 
 def _within_bounds(w) -> bool:
     adm = w.admission()
-    return len(w._conns) <= MAX_CONNECTIONS and adm.pending <= MAX_PENDING and len(w._sessions) <= 2
+    hub = len(w._hub.connections()) <= MAX_CONNECTIONS and w._hub.alive() and w._scheduler.alive()
+    return len(w._conns) <= MAX_CONNECTIONS and adm.pending <= MAX_PENDING and len(w._sessions) <= 2 and hub
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(convs=st.lists(conversations(), min_size=1, max_size=4))
 def test_hostile_bytes_never_kill_the_worker_nor_grow_it(worker, convs):
     socks = []
@@ -141,6 +149,7 @@ def test_after_the_fuzz_the_worker_still_serves_an_honest_engine(worker):
     # Runs after the fuzz in file order; on its own it is a plain smoke test.
     assert worker._acceptor.is_alive()
     assert until(lambda: not worker._conns and worker.admission().pending == 0, timeout=10)
+    assert until(lambda: not worker._hub.connections(), timeout=10)
     assert until(lambda: sum(t.name.startswith("worker-conn") for t in threading.enumerate()) == 0, timeout=10)
     hello = wire.Hello(worker.drafter.drafter_identity, worker.drafter.markov_identity, 7, 4, 4, 3)
     c = DraftClient.connect(parse_endpoint(f"tcp://127.0.0.1:{worker.port}"), hello, 99, 2.0)
