@@ -28,7 +28,12 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
 
 A drafter that keeps state per slot across rounds (a KV cache) keys it by the stream
 the batch names (``session``, ``slots``, ``gens``, ``lengths``) and may report it with
-``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics). Such a drafter
+``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics). One may also
+pre-draft in the worker's idle time (``predraft(max_entries, max_tokens)``, called by the
+scheduler's thread when no round is queued, one call at a time like ``draft_batch``; it
+returns how many outcomes it pre-drafted, 0 when none was left) the rounds it expects
+next, answering a round that matches one from that speculation cache (``spec_info()``:
+:class:`SpecInfo`, :func:`predrafts_of`). Such a drafter
 says so (``keeps_streams``, an optional bool, :func:`keeps_streams_of`): an entry with
 ``n_out`` 0 is then an encode only (its tokens kept in its stream's state, no draft
 steps, even in a call where others draft), and the worker may hand it a long entry's
@@ -239,6 +244,21 @@ class CacheInfo:
     evicted: int = 0  # streams whose KV was evicted for room (monotonic)
 
 
+@dataclass(frozen=True)
+class SpecInfo:
+    """A pre-drafting drafter's speculation cache, for the worker's metrics (optional
+    ``spec_info()``: :mod:`remote_dspark.drafter.lm.speculate`). Counts are monotonic
+    unless said otherwise."""
+
+    outcomes: int  # outcomes pre-drafted
+    hits: tuple[int, ...]  # rounds answered from a pre-draft, by the outcome's rank (0: the likeliest)
+    misses: int  # stream entries with pre-drafts that matched none of them
+    dropped: int  # pre-drafted outcomes let go unused (a miss, a reclaim, a stream gone)
+    seconds: float  # drafter seconds spent pre-drafting
+    held: int  # pre-drafted outcomes waiting now
+    blocks: int  # KV blocks the waiting pre-drafts hold now
+
+
 def context_read_of(drafter) -> int | None:
     """How many of an entry's last context tokens ``drafter`` reads (its optional
     ``context_read``: a Markov model of order k reads k), None when it reads whole
@@ -316,6 +336,18 @@ def cache_info_of(drafter) -> CacheInfo | None:
     """``drafter.cache_info()`` when it keeps per-slot state, else None."""
     info = getattr(drafter, "cache_info", None)
     return info() if callable(info) else None
+
+
+def spec_info_of(drafter) -> SpecInfo | None:
+    """``drafter.spec_info()`` when it pre-drafts (its speculation cache), else None."""
+    info = getattr(drafter, "spec_info", None)
+    return info() if callable(info) else None
+
+
+def predrafts_of(drafter) -> bool:
+    """Whether ``drafter`` pre-drafts in the worker's idle time (an optional ``predraft(max_entries,
+    max_tokens) -> int``, the outcomes it pre-drafted in one call, 0 when it had none to)."""
+    return callable(getattr(drafter, "predraft", None))
 
 
 def max_positions_of(drafter) -> int | None:
