@@ -1,6 +1,7 @@
 """Drafters as the worker calls them: the contract (:mod:`.contract`: one batched call
 per round, arrays in and out; a stream's tokens beyond its context, :mod:`.streams`)
-and the check of an answer against it (:mod:`.answer`),
+and the check of an answer against it (:mod:`.answer`), what a drafter reports of its
+state (:mod:`.reports`),
 the Markov drafter (:mod:`.markov`, its table's arrays :mod:`.markov_arrays`, its
 sampled rounds :mod:`.markov_sampled`), the one
 sampling rule every drafter follows (:mod:`.sampling`) and the torch model drafters

@@ -76,6 +76,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from .reports import CacheInfo as CacheInfo  # (what a drafter reports: re-exported here)
+from .reports import SpecInfo as SpecInfo
+from .reports import cache_info_of as cache_info_of
+from .reports import predrafts_of as predrafts_of
+from .reports import spec_info_of as spec_info_of
+
 if TYPE_CHECKING:  # the arrays are numpy's; the functions that make them import it, so
     import numpy as np  # this package (and the Markov model) imports without numpy
 
@@ -230,35 +236,6 @@ class PerEntryDrafterLike(Protocol):
         """Up to ``n_out`` tokens following ``context`` and their top1-top2 margins."""
 
 
-@dataclass(frozen=True)
-class CacheInfo:
-    """A drafter's per-slot state, for the worker's metrics (optional ``cache_info()``)."""
-
-    slots: int  # streams with cached state now
-    capacity: int  # the most streams it keeps (the least recently used is dropped beyond)
-    bytes: int  # memory the cache holds
-    hits: int  # entries drafted from cached state (monotonic)
-    misses: int  # entries that encoded their whole context (monotonic)
-    blocks_used: int = 0  # a paged KV's blocks holding streams now
-    blocks_free: int = 0  # and free
-    evicted: int = 0  # streams whose KV was evicted for room (monotonic)
-
-
-@dataclass(frozen=True)
-class SpecInfo:
-    """A pre-drafting drafter's speculation cache, for the worker's metrics (optional
-    ``spec_info()``: :mod:`remote_dspark.drafter.lm.speculate`). Counts are monotonic
-    unless said otherwise."""
-
-    outcomes: int  # outcomes pre-drafted
-    hits: tuple[int, ...]  # rounds answered from a pre-draft, by the outcome's rank (0: the likeliest)
-    misses: int  # stream entries with pre-drafts that matched none of them
-    dropped: int  # pre-drafted outcomes let go unused (a miss, a reclaim, a stream gone)
-    seconds: float  # drafter seconds spent pre-drafting
-    held: int  # pre-drafted outcomes waiting now
-    blocks: int  # KV blocks the waiting pre-drafts hold now
-
-
 def context_read_of(drafter) -> int | None:
     """How many of an entry's last context tokens ``drafter`` reads (its optional
     ``context_read``: a Markov model of order k reads k), None when it reads whole
@@ -330,24 +307,6 @@ def sampling_inputs(batch: DraftBatch):
 def samples_of(drafter) -> bool:
     """Whether ``drafter`` drafts sampled rounds (``samples``)."""
     return bool(getattr(drafter, "samples", False))
-
-
-def cache_info_of(drafter) -> CacheInfo | None:
-    """``drafter.cache_info()`` when it keeps per-slot state, else None."""
-    info = getattr(drafter, "cache_info", None)
-    return info() if callable(info) else None
-
-
-def spec_info_of(drafter) -> SpecInfo | None:
-    """``drafter.spec_info()`` when it pre-drafts (its speculation cache), else None."""
-    info = getattr(drafter, "spec_info", None)
-    return info() if callable(info) else None
-
-
-def predrafts_of(drafter) -> bool:
-    """Whether ``drafter`` pre-drafts in the worker's idle time (an optional ``predraft(max_entries,
-    max_tokens) -> int``, the outcomes it pre-drafted in one call, 0 when it had none to)."""
-    return callable(getattr(drafter, "predraft", None))
 
 
 def max_positions_of(drafter) -> int | None:

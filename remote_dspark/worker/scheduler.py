@@ -33,11 +33,17 @@ learnt from calls: a model that refused every round would never be corrected). T
 checked when the call is taken, and again just before each drafter call of a call made
 in several (the groups drafted before it may outlast a deadline).
 
-Rounds from a hub (:mod:`.hub`, the ``source``): the drafter thread takes them itself
+Rounds from a hub (:mod:`.hub`, the ``source``; :mod:`.idle`): the drafter thread takes them itself
 (waiting in C, the interpreter lock released); when it is free, nothing is queued and
 together they are what a lone round drafted at once must be (:meth:`FairShare.alone`),
 they are one call, gathered and answered in C; else each becomes a job, ended by its
 ``deliver`` (its reply, sent by the hub) once the lock is released.
+
+Idle time (:mod:`.idle`): a drafter that pre-drafts (the contract's ``predraft``) is
+called by the drafter thread whenever it is free and nothing is queued, once after every
+call and again while it has outcomes due; a pre-drafting call is a call like any other
+(``_busy``), so a round arriving meanwhile waits for that one call, never for more, and
+pre-drafting never takes a queued round's place.
 
 Who makes a call: the drafter thread, or, when a round arrives to find the drafter free
 and nothing else queued, the connection's own thread, at once (no hand-off between
@@ -72,21 +78,21 @@ from collections.abc import Callable
 
 from .. import wire
 from ..drafter.answer import check_result
-from ..drafter.contract import DraftBatch, DraftResult, empty_result, mixed_sessions_of
+from ..drafter.contract import DraftBatch, DraftResult, empty_result, mixed_sessions_of, predrafts_of
 from .batching import Charge, gather, merge, part
 from .cost import DrafterCost
 from .fair import DEFAULT_CALL_SHARE, FairShare
+from .idle import IdleAndHub
 from .jobs import Answered, Failed, Job, Pending, Piece
 
 log = logging.getLogger("remote_dspark.worker")
 
-IDLE_WAIT_S = 1.0  # the drafter thread's longest wait in its source before it looks at its own state again
 WAIT_SLACK_S = 60.0  # how long past its deadline a connection waits for a drafting call before giving up
 DEFAULT_MAX_ENTRIES = 1024  # a call's budget: entries (--max-batch-entries) of a drafter that reserves memory ...
 DEFAULT_MAX_TOKENS = 1 << 15  # ... and tokens: contexts plus drafts (--max-batch-tokens)
 
 
-class Scheduler:
+class Scheduler(IdleAndHub):
     """The drafter thread and its queue (module docstring). Owned by the worker:
     :meth:`start` once, :meth:`stop` at the end; :meth:`draft` from any connection thread.
 
@@ -126,6 +132,7 @@ class Scheduler:
         self.drafter, self.max_entries = drafter, max_entries
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.mixed = batching and mixed_sessions_of(drafter)
+        self.predrafts = predrafts_of(drafter)  # it pre-drafts in idle time: woken after every call
         self.charge = Charge(drafter)  # what an entry costs in a call
         self.on_call, self.clock, self.source = on_call, clock, source
         self._cond = threading.Condition()
@@ -135,6 +142,7 @@ class Scheduler:
         # dropped when reached); _busy is True while one thread makes a call, which it
         # alone may then take pieces for and gather into.
         self._busy = False  # a call is being made (by the drafter thread or a connection's)
+        self._due = False  # a call ended since the drafter thread last pre-drafted
         self._stopping = False
         self._outbox: list[Job] = []  # ended jobs with a ``deliver``, to call outside the lock
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
@@ -230,69 +238,20 @@ class Scheduler:
         while True:
             if self.source is not None:
                 self._pull()
+            elif self._predraft():
+                continue
             with self._cond:
-                while (not self._fair or self._busy) and not self._stopping:
+                while (not self._fair or self._busy) and not self._stopping and not self._due:
                     if self.source is not None:
                         break  # (its wait is the source's, in _pull)
                     self._cond.wait()
                 if self._stopping:
                     return
                 if not self._fair or self._busy:
-                    continue
+                    continue  # (or pre-draft: a call ended)
                 self._busy = True
                 pieces, late, taken_at = self._take()
             self._run(pieces, late, taken_at)
-
-    def _pull(self) -> None:
-        """The source's ready rounds (waited for up to ``IDLE_WAIT_S`` when nothing else is
-        queued): one call of them all (:meth:`_whole_call`), else queued as jobs."""
-        with self._cond:
-            idle = not self._fair or self._busy
-        ready = self.source.ready(IDLE_WAIT_S if idle else 0.0)
-        if not len(ready):
-            return
-        if self.mixed or len(ready) == 1:
-            try:
-                if self._whole_call(ready):
-                    return
-            except Exception:  # (a fault before drafting, the rounds untouched: the jobs' way answers them)
-                log.exception("a call of whole rounds failed before drafting; its rounds are queued")
-        jobs = self.source.jobs(ready)
-        if jobs:
-            with self._cond:
-                for job in jobs:
-                    self._fair.add(job)
-
-    def _whole_call(self, ready) -> bool:
-        """The source's ``ready`` rounds drafted in one call, their replies written and sent
-        by the source (no job, turn or merge): when the drafter is free, nothing else is
-        queued, and together they are what a lone round drafted at once must be
-        (:meth:`FairShare.alone`: both caps, the time budget, the tightest deadline).
-        False (nothing drafted) otherwise: the caller queues them as jobs."""
-        got = self.source.gather(ready, self.max_entries)
-        if got is None:
-            return False
-        batch, received, deadlines = got
-        if not len(batch):  # every slot to re-announce, or nothing asked: answered now
-            self.source.answer(ready, None)
-            return True
-        now = self.clock()
-        together = Job(-1, batch, float(deadlines.min()), None, now)  # (never queued: the fair share's measure)
-        with self._cond:
-            tokens = 0 if self._busy or self._fair or self._stopping else int(self._fair.costs(together).sum())
-            fits = 0 < tokens <= self.max_tokens and len(batch) <= self.max_entries
-            if not fits or not self._fair.alone(together, now, self.max_entries, self.max_tokens):
-                return False
-            self._busy = True
-        try:
-            result = self._timed(batch, len(ready), tokens, (now - received).tolist())
-        except BaseException as e:
-            self.source.fail(ready, e)  # (each round's connection ends)
-            return True
-        finally:
-            self._free()
-        self.source.answer(ready, result)  # (never raises: its rounds are answered, or failed)
-        return True
 
     def _whole(self, job: Job) -> bool:
         """The round fits a call's budget whole."""
@@ -316,12 +275,13 @@ class Scheduler:
         finally:
             self._free()
 
-    def _free(self) -> None:
+    def _free(self, ended: bool = True) -> None:
         """The call's maker gives ``_busy`` back, waking the drafter thread for what
-        queued meanwhile."""
+        queued meanwhile, or (a round ``ended``) to pre-draft."""
         with self._cond:
             self._busy = False
-            if not self._fair:  # (else no wake-up)
+            self._due = self._due or (ended and self.predrafts)
+            if not self._fair and not self._due:  # (else no wake-up)
                 return
             self._cond.notify()
         if self.source is not None:

@@ -9,7 +9,9 @@
 Their round: its arrays on the host (:mod:`.arrays`), static buffers and CUDA graphs
 (:mod:`.graphs`), attention over the KV
 pool's blocks in place (:mod:`.attention`, its Triton kernels in :mod:`._kernels`), a
-call's memory budget (:mod:`.budget`) and sampled drafts in torch (:mod:`.sampling`).
+call's memory budget (:mod:`.budget`), sampled drafts in torch (:mod:`.sampling`) and
+the speculation cache, outcomes pre-drafted while the engine verifies (:mod:`.speculate`,
+its answers as arrays :mod:`.spec_answers`).
 
 ``import remote_dspark`` and the Markov worker never import this package: the worker
 (:func:`remote_dspark.worker.drafters.load_drafter`) imports it for these drafters only.

@@ -1,0 +1,90 @@
+"""The speculation cache's answers as arrays (:mod:`.speculate`): each stream's last and
+each branch's (:class:`Answers`), and a round's hits merged with its drafted entries
+(:class:`Hits`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..contract import DraftResult
+from ..sampling import TOP, TOTAL
+from .graphs import RANK, SAMPLED
+
+
+@dataclass
+class Answers:
+    """Answers by row (a stream's last, or a branch's), as arrays: drafts ``[rows, w]``,
+    margins, each position's ranked ids and probabilities ``[rows, w, RANK]``, and for
+    sampled rounds ``q`` (``[rows, w, TOP]``, allocated at the first one)."""
+
+    drafts: np.ndarray
+    margins: np.ndarray
+    ids: np.ndarray
+    probs: np.ndarray
+    q_ids: np.ndarray | None = None
+    q_weights: np.ndarray | None = None
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> Answers:
+        return cls(
+            np.zeros((rows, width), np.int64),
+            np.zeros((rows, width), np.float32),
+            np.zeros((rows, width, RANK), np.int64),
+            np.zeros((rows, width, RANK), np.float32),
+        )
+
+    def put(self, rows: np.ndarray, out: np.ndarray, width: int, kind: int, shift: int = 0) -> None:
+        """Store a round's answer ``out`` (:func:`.graphs.columns`'s layout, ``width +
+        shift`` drafts: the first ``shift`` dropped) into ``rows``."""
+        w = width + shift
+        self.drafts[rows, :width] = out[:, shift:w]
+        self.margins[rows, :width] = out[:, w + shift : 2 * w]
+        per = TOP if kind == SAMPLED else RANK
+        ids = out[:, 2 * w : 2 * w + w * per].reshape(-1, w, per)[:, shift:]
+        second = out[:, 2 * w + w * per :].reshape(-1, w, per)[:, shift:]
+        self.ids[rows, :width] = ids[:, :, :RANK]
+        self.probs[rows, :width] = second[:, :, :RANK] / TOTAL if kind == SAMPLED else second
+        if kind == SAMPLED:
+            if self.q_ids is None:
+                self.q_ids = np.zeros((len(self.drafts), self.drafts.shape[1], TOP), np.int32)
+                self.q_weights = np.zeros((len(self.drafts), self.drafts.shape[1], TOP), np.uint16)
+            self.q_ids[rows, :width] = ids
+            self.q_weights[rows, :width] = second
+
+    def copy(self, dst: np.ndarray, src: Answers, rows: np.ndarray) -> None:
+        """Rows ``rows`` of ``src`` into rows ``dst`` of these (q only where ``src`` has it)."""
+        for name in ("drafts", "margins", "ids", "probs"):
+            getattr(self, name)[dst] = getattr(src, name)[rows]
+        if src.q_ids is not None:
+            if self.q_ids is None:
+                self.q_ids = np.zeros((len(self.drafts), *src.q_ids.shape[1:]), np.int32)
+                self.q_weights = np.zeros((len(self.drafts), *src.q_ids.shape[1:]), np.uint16)
+            self.q_ids[dst] = src.q_ids[rows]
+            self.q_weights[dst] = src.q_weights[rows]
+
+
+@dataclass(frozen=True)
+class Hits:
+    """A round's entries answered from branches (``mask`` [n]) and their answer, in
+    entry order."""
+
+    mask: np.ndarray
+    result: DraftResult
+
+    def merged(self, rest: DraftResult | None) -> DraftResult:
+        """The round's whole answer: the hits' and ``rest``'s (the other entries', in
+        order; None when every entry hit)."""
+        if rest is None:
+            return self.result
+        out = {}
+        for name in ("tokens", "counts", "margins", "q_ids", "q_weights"):
+            mine, theirs = getattr(self.result, name), getattr(rest, name)
+            if mine is None or theirs is None:
+                out[name] = None
+                continue
+            whole = np.zeros((len(self.mask), *mine.shape[1:]), mine.dtype)
+            whole[self.mask], whole[~self.mask] = mine, theirs
+            out[name] = whole
+        return DraftResult(**out)
