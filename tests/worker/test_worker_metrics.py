@@ -482,6 +482,13 @@ def test_the_dashboard_has_a_worker_row_of_worker_panels():
                 f"(rate(dspark_worker_{hist}_bucket{sel}[$__rate_interval])))" in exprs
             )
 
+    # Pre-drafting's share of idle time: its seconds over the time outside the calls of rounds.
+    def rate(name: str) -> str:
+        return f"sum by (job, instance) (rate(dspark_worker_{name}{sel}[$__rate_interval]))"
+
+    idle = f"{rate('spec_seconds_total')} / (1 - {rate('drafting_duration_seconds_sum')})"
+    assert idle in worker_queries()
+
 
 def test_every_worker_metric_the_dashboard_names_is_exposed():
     w = make(CachedDrafter(MODEL))
