@@ -140,10 +140,11 @@ def _families(collector) -> set[str]:
 @pytest.fixture(scope="module")
 def exposed(tmp_path_factory) -> set[str]:
     """The metric names a process-mode engine (margins asked for) and a worker with a
-    cache expose, collected from their real collectors."""
+    cache and a speculation cache expose, collected from their real collectors."""
     from remote_dspark.config import Mode
     from remote_dspark.config.api import RemoteConfig
     from remote_dspark.drafter import CacheInfo, MarkovDrafter
+    from remote_dspark.drafter.contract import SpecInfo
     from remote_dspark.drafter.markov import MarkovModel
     from remote_dspark.engine import RemoteDSpark
     from remote_dspark.engine.observe.metrics import RemoteDSparkCollector
@@ -153,6 +154,9 @@ def exposed(tmp_path_factory) -> set[str]:
     class Cached(MarkovDrafter):
         def cache_info(self) -> CacheInfo:
             return CacheInfo(slots=1, capacity=2, bytes=3, hits=4, misses=5)
+
+        def spec_info(self) -> SpecInfo:
+            return SpecInfo(outcomes=1, hits=(1,), misses=0, dropped=0, seconds=0.0, held=0, blocks=0)
 
     drafter = Cached(MarkovModel.from_tokens([1, 2, 3] * 10, order=1, top=1))
     worker = Worker(drafter, "127.0.0.1", 0, metrics_port=0).start()

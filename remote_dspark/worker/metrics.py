@@ -14,8 +14,8 @@ client may hold it (slow or oversized requests are dropped, never waited for).
   (:mod:`remote_dspark.metrics.families`), over one :class:`WorkerScrape`. Every number has one
   owner and is only read here: the worker's :class:`~remote_dspark.worker.stats.WorkerStats`
   (a consistent copy taken under its lock), the admission loop's pool size, the drafter's
-  ``cache_info()``. The round path never does anything for the metrics beyond what the
-  stats already cost.
+  ``cache_info()`` and ``spec_info()``. The round path never does anything for the
+  metrics beyond what the stats already cost.
 - ``/healthz``: 200 and a small JSON body (:class:`~remote_dspark.worker.stats.Health`:
   ``state``, ``uptime_s``, ``connections_total`` served since start, ``connections_now``
   served at this moment, ``rounds_total``, ``ready``) while the worker serves; 503 from
@@ -27,8 +27,9 @@ client may hold it (slow or oversized requests are dropped, never waited for).
 
 Names as the engine's (:mod:`remote_dspark.engine.observe.metrics`), with their own prefix
 ``dspark_worker_``: base units, ``_total`` on counters, labels of low cardinality
-(``state``, ``reason``). prometheus_client is the ``worker`` extra's and is imported only
-with this module, which the worker imports only when a metrics port is given.
+(``state``, ``reason``; ``rank``, at most :data:`MAX_RANK_LABELS` values).
+prometheus_client is the ``worker`` extra's and is imported only with this module, which
+the worker imports only when a metrics port is given.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from ..drafter.contract import CacheInfo, cache_info_of, vocab_size_of
+from ..drafter.contract import CacheInfo, SpecInfo, cache_info_of, spec_info_of, vocab_size_of
 from ..metrics.families import Table, TableCollector, counter, gauge, histogram, info
 from ..metrics.serve import Answer, ScrapeServer
 from .admission import AdmissionStats
@@ -50,13 +51,17 @@ from .stats import REFUSAL_REASONS, WorkerStats
 log = logging.getLogger("remote_dspark.worker")
 
 PREFIX = "dspark_worker_"
+# The most ``rank`` labels of the speculation cache's hits: ranks 0 to 62 each, and "63+"
+# for every rank past them (a fan-out bounds the ranks; this bounds the series).
+MAX_RANK_LABELS = 64
 
 
 @dataclass(frozen=True)
 class WorkerScrape:
     """What one scrape reads, each number from its one owner: the worker's stats (a
     consistent copy), the admission loop's pool (None before it runs), the drafter's
-    identity and cache (None: it keeps no per-slot state, or its ``cache_info()`` failed)."""
+    identity and cache (None: it keeps no per-slot state, or its ``cache_info()`` failed)
+    and speculation cache (None: it does not pre-draft, or its ``spec_info()`` failed)."""
 
     stats: WorkerStats
     admission: AdmissionStats | None
@@ -69,6 +74,7 @@ class WorkerScrape:
     markov_identity: bytes
     vocab_size: int  # 0: the drafter does not say (or says something that is no size)
     cache: CacheInfo | None
+    spec: SpecInfo | None
     budget: tuple[int, int]  # a drafting call's entries and tokens at most
 
 
@@ -86,6 +92,11 @@ def read(worker, start_time: float) -> WorkerScrape:
     except Exception:  # a plug-in's bug must not cost the other metrics
         log.exception("drafter.cache_info() failed; cache metrics left out of this scrape")
         cache = None
+    try:
+        spec = spec_info_of(drafter)
+    except Exception:  # as cache_info(): the other metrics go on
+        log.exception("drafter.spec_info() failed; speculation metrics left out of this scrape")
+        spec = None
     return WorkerScrape(
         stats=worker.statistics(),
         admission=worker.admission(),
@@ -98,12 +109,27 @@ def read(worker, start_time: float) -> WorkerScrape:
         markov_identity=drafter.markov_identity,
         vocab_size=vocab,
         cache=cache,
+        spec=spec,
         budget=worker.budget,
     )
 
 
 def _cached(r: WorkerScrape) -> bool:  # absent (not zero) for a drafter without per-slot state
     return r.cache is not None
+
+
+def _speculates(r: WorkerScrape) -> bool:  # absent (not zero) for a drafter that does not pre-draft
+    return r.spec is not None
+
+
+def hits_by_rank(hits: tuple[int, ...]) -> dict[str, int]:
+    """The speculation cache's hits as ``rank`` label values: ``"0"`` to ``"62"`` each,
+    then ``"63+"`` summing every rank past them (:data:`MAX_RANK_LABELS` labels at most)."""
+    last = MAX_RANK_LABELS - 1
+    by_rank = {str(rank): n for rank, n in enumerate(hits[:last])}
+    if len(hits) > last:
+        by_rank[f"{last}+"] = sum(hits[last:])
+    return by_rank
 
 
 TABLE: Table[WorkerScrape] = Table(
@@ -285,6 +311,49 @@ TABLE: Table[WorkerScrape] = Table(
             "Streams whose KV was evicted for room (re-encoded from the worker's tokens when next drafted).",
             lambda r: r.cache.evicted,
             when=_cached,
+        ),
+        counter(
+            "spec_hits",
+            "Entries answered from an outcome pre-drafted in the worker's idle time, by the outcome's rank "
+            '(0: the likeliest; "63+": every rank past 62).',
+            lambda r: hits_by_rank(r.spec.hits),
+            labels=("rank",),
+            when=_speculates,
+        ),
+        counter(
+            "spec_misses",
+            "Entries whose stream had pre-drafted outcomes and whose round matched none of them (drafted afresh).",
+            lambda r: r.spec.misses,
+            when=_speculates,
+        ),
+        counter(
+            "spec_outcomes",
+            "Outcomes pre-drafted in the worker's idle time (the rounds the drafter expects next).",
+            lambda r: r.spec.outcomes,
+            when=_speculates,
+        ),
+        counter(
+            "spec_dropped",
+            "Pre-drafted outcomes let go unused: their stream's round matched another, their blocks were "
+            "reclaimed, or their stream ended.",
+            lambda r: r.spec.dropped,
+            when=_speculates,
+        ),
+        counter(
+            "spec_seconds",
+            "Drafter seconds spent pre-drafting, between rounds. drafting_duration_seconds counts only the calls "
+            "of rounds: this rate over 1 less that one's rate of sum is pre-drafting's share of the idle time.",
+            lambda r: r.spec.seconds,
+            when=_speculates,
+        ),
+        gauge(
+            "spec_held", "Pre-drafted outcomes waiting for their round now.", lambda r: r.spec.held, when=_speculates
+        ),
+        gauge(
+            "spec_blocks",
+            "KV blocks the waiting pre-drafts hold now (the first blocks the pool reclaims).",
+            lambda r: r.spec.blocks,
+            when=_speculates,
         ),
     ),
 )

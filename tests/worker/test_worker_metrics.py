@@ -37,12 +37,12 @@ from remote_dspark import wire
 from remote_dspark.bench.metrics_hostile import TRICKLE_HEAD, GiantHeads, Tricklers
 from remote_dspark.cli import dashboard
 from remote_dspark.drafter import MarkovDrafter
-from remote_dspark.drafter.contract import CacheInfo
+from remote_dspark.drafter.contract import CacheInfo, SpecInfo
 from remote_dspark.drafter.markov import MarkovModel
 from remote_dspark.transport.auth import Key
 from remote_dspark.transport.client import Refused
 from remote_dspark.worker import Worker
-from remote_dspark.worker.metrics import TABLE, read
+from remote_dspark.worker.metrics import MAX_RANK_LABELS, TABLE, read
 from remote_dspark.worker.stats import REFUSAL_REASONS
 
 KEY = Key("test-key", b"a key of the metrics tests, 32 b")
@@ -52,12 +52,17 @@ MODEL = MarkovModel.from_tokens([1, 2, 3, 4, 5] * 20, order=1, top=2)
 
 
 class CachedDrafter(MarkovDrafter):
-    """A Markov drafter that reports a (made-up) per-slot cache, as a KV-cache drafter would."""
+    """A Markov drafter that reports a (made-up) per-slot cache and speculation cache, as a
+    KV-cache drafter that pre-drafts would."""
 
     info = CacheInfo(slots=3, capacity=16, bytes=4096, hits=7, misses=2)
+    spec = SpecInfo(outcomes=40, hits=(9, 4, 1), misses=6, dropped=25, seconds=0.75, held=5, blocks=12)
 
     def cache_info(self) -> CacheInfo:
         return self.info
+
+    def spec_info(self) -> SpecInfo | None:
+        return self.spec
 
 
 def make(drafter=None, **kw) -> Worker:
@@ -175,8 +180,9 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
             "vocab_size": "6",
         }
     ]
-    # The Markov drafter keeps no per-slot state: no cache metrics at all (not zeros).
-    assert not [k for k in samples(text) if k[0].startswith("dspark_worker_cache_")]
+    # The Markov drafter keeps no per-slot state and does not pre-draft: no cache or
+    # speculation metrics at all (not zeros).
+    assert not [k for k in samples(text) if k[0].startswith(("dspark_worker_cache_", "dspark_worker_spec_"))]
 
 
 def test_promtool_accepts_the_worker_exposition(known):
@@ -210,6 +216,36 @@ def test_cache_occupancy_comes_from_the_drafters_cache_info():
             and value(text, "dspark_worker_cache_blocks_free") == 24
         )
         assert value(text, "dspark_worker_cache_evicted_streams_total") == 5
+    finally:
+        w.stop()
+
+
+def spec_samples(text: str) -> dict:
+    return {(name, dict(labels).get("rank")): v for (name, labels), v in samples(text).items() if "_spec_" in name}
+
+
+def test_speculation_comes_from_the_drafters_spec_info():
+    d = CachedDrafter(MODEL)
+    w = make(d)
+    try:
+        assert spec_samples(scrape(w)) == {
+            ("dspark_worker_spec_hits_total", "0"): 9,
+            ("dspark_worker_spec_hits_total", "1"): 4,
+            ("dspark_worker_spec_hits_total", "2"): 1,
+            ("dspark_worker_spec_misses_total", None): 6,
+            ("dspark_worker_spec_outcomes_total", None): 40,
+            ("dspark_worker_spec_dropped_total", None): 25,
+            ("dspark_worker_spec_seconds_total", None): 0.75,
+            ("dspark_worker_spec_held", None): 5,
+            ("dspark_worker_spec_blocks", None): 12,
+        }
+        # Read at scrape time; a fan-out past the label cap: ranks 0..62 each, the rest one "63+".
+        d.spec = SpecInfo(outcomes=1, hits=tuple(range(100)), misses=0, dropped=0, seconds=0.0, held=0, blocks=0)
+        hits = {r: v for (name, r), v in spec_samples(scrape(w)).items() if name == "dspark_worker_spec_hits_total"}
+        assert len(hits) == MAX_RANK_LABELS == 64
+        assert hits == {str(r): r for r in range(63)} | {"63+": sum(range(63, 100))}
+        d.spec = None  # a drafter with pre-drafting off: absent, not zeros
+        assert spec_samples(scrape(w)) == {}
     finally:
         w.stop()
 
@@ -259,6 +295,13 @@ CONTRACT = [
     ("dspark_worker_cache_blocks_used", "gauge", ()),
     ("dspark_worker_cache_blocks_free", "gauge", ()),
     ("dspark_worker_cache_evicted_streams_total", "counter", ()),
+    ("dspark_worker_spec_hits_total", "counter", ("rank",)),
+    ("dspark_worker_spec_misses_total", "counter", ()),
+    ("dspark_worker_spec_outcomes_total", "counter", ()),
+    ("dspark_worker_spec_dropped_total", "counter", ()),
+    ("dspark_worker_spec_seconds_total", "counter", ()),
+    ("dspark_worker_spec_held", "gauge", ()),
+    ("dspark_worker_spec_blocks", "gauge", ()),
 ]
 
 
@@ -270,18 +313,24 @@ class BrokenCacheDrafter(MarkovDrafter):
     def cache_info(self) -> CacheInfo:
         raise RuntimeError("a plug-in's bug")
 
+    def spec_info(self) -> SpecInfo:
+        raise RuntimeError("a plug-in's bug")
+
 
 @pytest.mark.parametrize("drafter_class", [MarkovDrafter, CachedDrafter, BrokenCacheDrafter])
 def test_a_scrape_is_the_table_walked_over_the_workers_record(drafter_class):
     """Every row whose family the record has is in the scrape, with its type, help and
-    labels, in the table's order, and nothing else is: the cache's rows only for a
-    drafter whose cache_info() answers."""
+    labels, in the table's order, and nothing else is: the cache's and the speculation
+    cache's rows only for a drafter whose cache_info() and spec_info() answer."""
     w = make(drafter_class(MODEL))
     try:
         text = scrape(w)
         assert families_in(text) == families_of(TABLE, read(w, 0.0))
         cached = drafter_class is CachedDrafter
-        assert [f[0] for f in families_in(text)] == [c[0] for c in CONTRACT if cached or "_cache_" not in c[0]]
+        own = ("_cache_", "_spec_")  # the drafter's rows
+        assert [f[0] for f in families_in(text)] == [
+            c[0] for c in CONTRACT if cached or not any(o in c[0] for o in own)
+        ]
     finally:
         w.stop()
 
@@ -432,6 +481,13 @@ def test_the_dashboard_has_a_worker_row_of_worker_panels():
                 f"histogram_quantile({q}, sum by (job, instance, le) "
                 f"(rate(dspark_worker_{hist}_bucket{sel}[$__rate_interval])))" in exprs
             )
+
+    # Pre-drafting's share of idle time: its seconds over the time outside the calls of rounds.
+    def rate(name: str) -> str:
+        return f"sum by (job, instance) (rate(dspark_worker_{name}{sel}[$__rate_interval]))"
+
+    idle = f"{rate('spec_seconds_total')} / (1 - {rate('drafting_duration_seconds_sum')})"
+    assert idle in worker_queries()
 
 
 def test_every_worker_metric_the_dashboard_names_is_exposed():
