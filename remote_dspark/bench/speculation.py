@@ -117,25 +117,34 @@ class SpecCounters:
 
     @classmethod
     def read(cls, url: str) -> SpecCounters:
-        """One scrape of the worker's ``/metrics`` at ``url``.
+        """One scrape of the worker's ``/metrics`` at ``url`` (:meth:`parse`).
 
         Raises:
             RuntimeError: the scrape failed or lacks a round or drafting family, naming the URL.
         """
         import urllib.request
 
-        from prometheus_client.parser import text_string_to_metric_families
-
         from .round.worker_time import SCRAPE_TIMEOUT_S
 
         try:
             with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as r:
-                text = r.read().decode()
+                return cls.parse(r.read().decode(), url)
         except OSError as e:
             raise RuntimeError(f"the worker's metrics at {url}: {e}") from e
+
+    @classmethod
+    def parse(cls, text: str, url: str = "the text") -> SpecCounters:
+        """The totals in a Prometheus exposition ``text`` (a labelled family's samples
+        summed: the hits over their ``rank``).
+
+        Raises:
+            RuntimeError: a round or drafting family missing, naming ``url``.
+        """
+        from prometheus_client.parser import text_string_to_metric_families
+
         sums: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
-            for s in family.samples:  # a labelled family's samples summed (hits: over rank)
+            for s in family.samples:
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
         try:
             totals = (sums[ROUND + "_count"], sums[ROUND + "_sum"], sums[DRAFTING + "_count"], sums[DRAFTING + "_sum"])
