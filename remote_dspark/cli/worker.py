@@ -224,6 +224,17 @@ def add_parser(sub) -> None:
         "dropped beyond; 0: none, every round re-encodes every stream)",
     )
     lm.add_argument(
+        "--lm-speculate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="outcomes of each stream's next round pre-drafted while the engine verifies (default 0: "
+        "none). After answering a stream the drafter ranks what the engine may append (the drafts it "
+        "accepts, then the target's token) by its own probabilities and, when no round is queued, "
+        "drafts the N likeliest in its stream's forked KV; a round that appends one is answered "
+        "from them at once (the same drafts a fresh round would give). Needs --lm-cache-slots",
+    )
+    lm.add_argument(
         "--max-context",
         type=int,
         default=DEFAULT_MAX_CONTEXT,
@@ -321,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         lm_kv_mb=args.lm_kv_mb,
         window=args.window,
         max_context=args.max_context,
+        lm_speculate=args.lm_speculate,
     )
     faults = Faults(late_s=args.late_ms / 1000) if args.chaos else None
     options = WorkerOptions(

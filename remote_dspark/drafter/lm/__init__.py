@@ -24,11 +24,19 @@ def builtin_drafter(
     window: int = 64,
     max_context: int | None = None,
     kv_bytes: int | None = None,
+    speculate: int = 0,
 ):
     """The built-in model's :class:`~remote_dspark.drafter.lm.drafter.LMDrafter`."""
     from .drafter import LMDrafter
 
-    return LMDrafter(device=device, cache_slots=cache_slots, window=window, max_context=max_context, kv_bytes=kv_bytes)
+    return LMDrafter(
+        device=device,
+        cache_slots=cache_slots,
+        window=window,
+        max_context=max_context,
+        kv_bytes=kv_bytes,
+        speculate=speculate,
+    )
 
 
 def hf_drafter(
@@ -38,8 +46,9 @@ def hf_drafter(
     window: int = 64,
     max_context: int | None = None,
     kv_bytes: int | None = None,
+    speculate: int = 0,
 ):
     """The drafter of the transformers model in ``model_dir`` (:func:`~remote_dspark.drafter.lm.hf.load_hf`)."""
     from .hf import load_hf
 
-    return load_hf(model_dir, device, window, cache_slots, max_context, kv_bytes)
+    return load_hf(model_dir, device, window, cache_slots, max_context, kv_bytes, speculate)

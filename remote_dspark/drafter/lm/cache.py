@@ -154,6 +154,11 @@ class SlotCache:
         """[n] int64: the tokens :meth:`plan` would encode for each entry now (the new
         ones on a hit, the re-encode on a miss), nothing changed. Args: as :meth:`plan`,
         but ``sessions`` may be one int for all (a round of one engine: no grouping)."""
+        return self._encode(self.rows_of(sessions, slots), gens, lengths, ctx_lens, kept, width, starts)[2]
+
+    def rows_of(self, sessions, slots: np.ndarray) -> np.ndarray:
+        """[n] int64: each ``(session, slot)``'s row, -1: none (``sessions`` [n], or one
+        int for all), nothing changed."""
         rows = np.full(len(slots), -1, np.int64)
         one = np.ndim(sessions) == 0
         for s in [int(sessions)] if one else np.unique(sessions).tolist():
@@ -162,7 +167,15 @@ class SlotCache:
                 mine = np.arange(len(slots)) if one else np.flatnonzero(sessions == s)
                 inside = mine[slots[mine] < len(m)]
                 rows[inside] = m[slots[inside]]
-        return self._encode(rows, gens, lengths, ctx_lens, kept, width, starts)[2]
+        return rows
+
+    def moved(self, rows: np.ndarray, lengths: np.ndarray, fill: np.ndarray) -> None:
+        """The rows' streams moved on without a round of their own (a pre-drafted outcome
+        taken: :mod:`.speculate`): ``lengths`` tokens, ``fill`` columns, hit now."""
+        self._tick += 1
+        self.length[rows], self.fill[rows] = lengths, fill
+        self.used[rows] = self.hit_at[rows] = self._tick
+        self.hits += len(rows)
 
     def _encode(self, rows, gens, lengths, ctx_lens, kept, width, starts):
         """Which entries (with their ``rows``, -1: none) are hits (module docstring), and

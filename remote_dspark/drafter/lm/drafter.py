@@ -46,15 +46,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..contract import CacheInfo, DraftBatch, DraftResult, empty_result
+from ..contract import CacheInfo, DraftBatch, DraftResult, SpecInfo, empty_result
 from ..sampling import TOP
 from ..streams import context_lengths, kept
 from .arrays import round_result, sampling_rows, stream_window
 from .budget import fitting_tokens, part_limit, working_bytes
 from .cache import Plan, SlotCache, uncached_plan
-from .graphs import Rounds, columns, top2
+from .graphs import Rounds, top2
 from .model import TinyLM
 from .pool import BLOCK, MAX_WIDTH, MIN_SCRATCH, KVStore, memory_free, pool_bytes, stream_columns
+from .speculate import MAX_BRANCHES, Speculation
 
 if TYPE_CHECKING:
     from .hf_model import HFModel
@@ -104,6 +105,8 @@ class LMDrafter:
         graphs: the round on padded shapes, replayed as CUDA graphs on CUDA
             (:mod:`.graphs`). None (default): on CUDA only; False: eager, the round's own
             shapes launched op by op; True: also on the CPU (padded, run eagerly: tests).
+        speculate: outcomes of each stream's next round pre-drafted in the worker's idle
+            time (:mod:`.speculate`, :meth:`predraft`); 0 (default): none. Needs a cache.
     """
 
     mixed_sessions = True
@@ -120,6 +123,7 @@ class LMDrafter:
         max_context: int | None = None,
         kv_bytes: int | None = None,
         graphs: bool | None = None,
+        speculate: int = 0,
     ):
         model = model or TinyLM()
         c = model.config
@@ -137,6 +141,9 @@ class LMDrafter:
         self.max_positions = c.max_positions  # an entry past them gets no drafts (the worker's rule)
         if cache_slots < 0:
             raise ValueError(f"cache_slots {cache_slots}: must be >= 0")
+        if speculate < 0 or (speculate and not cache_slots):
+            raise ValueError(f"speculate {speculate}: must be >= 0, and 0 without a cache (cache_slots 0)")
+        branches = min(cache_slots * speculate, MAX_BRANCHES)
         self.device = pick_device(device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.drafter_identity = identity or model.identity()
@@ -146,24 +153,28 @@ class LMDrafter:
             self.samples = False
         self.model = model.to(self.device, self.dtype).eval()
         shape = (c.n_layers, c.n_heads, c.head_dim)
-        self.store = KVStore(
-            self._blocks(kv_bytes, cache_slots, shape), cache_slots, self.columns, *shape, self.device, self.dtype
-        )
+        blocks = self._blocks(kv_bytes, cache_slots, shape, branches * (2 + self.max_width // BLOCK))
+        self.store = KVStore(blocks, cache_slots, self.columns, *shape, self.device, self.dtype, branches)
         self.cache = SlotCache(self.store) if cache_slots else None
         self.keeps_streams = self.cache is not None  # an encode (n_out 0) is kept; a long one taken in pieces
         padded = graphs if graphs is not None else self.device.type == "cuda"
-        self._rounds = Rounds(self.model, self.store, padded)
+        self._rounds = Rounds(self.model, self.store, padded, ranked=bool(speculate))
+        self.spec = None
+        if speculate:
+            self.spec = Speculation(self.store, self.cache, self._rounds, speculate, self.max_width, c.max_positions)
         self._lock = threading.Lock()
         self.window, self._graphs_asked, self._kv_bytes = window, graphs, kv_bytes
+        self._speculate = speculate
 
-    def _blocks(self, kv_bytes: int | None, cache_slots: int, shape: tuple[int, int, int]) -> int:
+    def _blocks(self, kv_bytes: int | None, cache_slots: int, shape: tuple[int, int, int], extra: int = 0) -> int:
         """The pool's blocks: ``kv_bytes`` of them, or the default budget's
-        (:func:`~.pool.pool_bytes`) for every cached stream's whole context at most."""
+        (:func:`~.pool.pool_bytes`) for every cached stream's whole context at most and
+        ``extra`` blocks (every pre-draft's own)."""
         layers, heads, head_dim = shape
         block_bytes = layers * 2 * heads * BLOCK * head_dim * torch.finfo(self.dtype).bits // 8
         per_stream = self.columns // BLOCK
         if kv_bytes is None:
-            kv_bytes = pool_bytes(self.device, (max(cache_slots, MIN_SCRATCH) * per_stream + 1) * block_bytes)
+            kv_bytes = pool_bytes(self.device, (max(cache_slots, MIN_SCRATCH) * per_stream + 1 + extra) * block_bytes)
         return max(1, int(kv_bytes) // block_bytes)
 
     def sibling(self, cache_slots: int, max_context: int | None = None) -> LMDrafter:
@@ -177,6 +188,7 @@ class LMDrafter:
             max_context=max_context,
             kv_bytes=self._kv_bytes,
             graphs=self._graphs_asked,
+            speculate=self._speculate if cache_slots else 0,
         )
 
     def reserve(self, max_entries: int, max_tokens: int, *, derive: bool = False) -> int:
@@ -233,17 +245,45 @@ class LMDrafter:
         if batch.sampled and not self.samples:
             raise ValueError(f"a sampled round: the model's vocabulary of {self.vocab_size} is under {TOP} ids")
         ctx_lens = context_lengths(batch)
-        sampling = sampling_rows(batch, ctx_lens) if batch.sampled else None
-        widths = np.where(batch.n_out > 0, width, 0)  # an encode only takes no draft steps
         with self._lock, torch.inference_mode():
-            plan, cached = self._plan(batch, ctx_lens, widths)
-            try:
-                out, ran = self._draft(batch, plan, width, sampling, widths, cached)
-            except BaseException:
-                if cached:
-                    self.cache.forget(plan.rows)
-                raise
+            hits = self.spec.take(batch, ctx_lens) if self.spec is not None else None
+            if hits is None:
+                return self._round(batch, ctx_lens)
+            rest = ~hits.mask
+            return hits.merged(self._round(batch.subset(rest), ctx_lens[rest]) if rest.any() else None)
+
+    def _round(self, batch: DraftBatch, ctx_lens: np.ndarray) -> DraftResult:
+        """:meth:`draft_batch` past its checks and hits, under the lock: the round run."""
+        sampling = sampling_rows(batch, ctx_lens) if batch.sampled else None
+        widths = np.where(batch.n_out > 0, batch.width, 0)  # an encode only takes no draft steps
+        plan, cached = self._plan(batch, ctx_lens, widths)
+        try:
+            out, ran = self._draft(batch, plan, batch.width, sampling, widths, cached)
+        except BaseException:
+            if cached:
+                self.cache.forget(plan.rows)
+            raise
+        if self.spec is not None and cached:
+            self.spec.answered(batch, plan.rows, out, ran, self._rounds.kind(sampling))
         return round_result(batch, np.where(ran, ctx_lens, 0), out)
+
+    def predraft(self, max_entries: int, max_tokens: int) -> int:
+        """Pre-draft the likeliest outcomes of the streams answered last, in one call of at
+        most ``max_entries`` outcomes and ``max_tokens`` tokens (:mod:`.speculate`; the
+        contract's ``predraft``). Returns how many (0: none due; always, without
+        ``speculate``)."""
+        if self.spec is None:
+            return 0
+        with self._lock, torch.inference_mode():
+            return self.spec.predraft(max_entries, max_tokens)
+
+    def spec_info(self) -> SpecInfo | None:
+        """The speculation cache's counts (:class:`~remote_dspark.drafter.contract.SpecInfo`);
+        None without ``speculate``."""
+        if self.spec is None:
+            return None
+        with self._lock:
+            return self.spec.info()
 
     def _plan(self, batch: DraftBatch, ctx_lens: np.ndarray, widths: np.ndarray) -> tuple[Plan, bool]:
         """The round's plan (:mod:`.cache`) and whether its rows are the cache's."""
@@ -311,11 +351,11 @@ class LMDrafter:
         drafting = widths > 0
         pending = drafting | (plan.rows >= 0) if cached else drafting
         whole = bool(drafting.all())  # the common round: every entry drafts
-        out = np.zeros((len(take), columns(width, sampling is not None)), np.float32)
+        out = np.zeros((len(take), self._rounds.columns(width, sampling)), np.float32)
         sessions = batch.sessions()
         ran = drafting.copy()
         while pending.any():
-            room = functools.partial(self.cache.make_room, sessions=sessions, keep=rows[pending]) if cached else None
+            room = functools.partial(self._room, sessions=sessions, keep=rows[pending]) if cached else None
             granted, cells = self.store.grant(rows[pending], need[pending], room)
             if not granted.any():  # another engine's guarded streams and this round's hold the pool
                 # scratch rows only: every block is free between waves, and the pool holds one whole stream
@@ -337,6 +377,14 @@ class LMDrafter:
             pending &= ~wave
         return out, ran
 
+    def _room(self, short: int, sessions: np.ndarray, keep: np.ndarray, guard: bool = True) -> None:
+        """``short`` more blocks free: every pre-draft's let go first, then streams evicted
+        (:meth:`~.cache.SlotCache.make_room`)."""
+        if self.spec is not None:
+            short -= self.spec.reclaim()
+        if short > 0:
+            self.cache.make_room(short, sessions, keep, guard)
+
     def _squeeze(self, pending: np.ndarray, rows: np.ndarray, need: np.ndarray, sessions) -> np.ndarray:
         """Room for at least one of the ``pending`` entries when none fits (the cache's
         module docstring): other streams evicted without the guard, then, if this round's
@@ -345,7 +393,7 @@ class LMDrafter:
         bool: no drafts this round)."""
         first = np.flatnonzero(pending)[:1]
         want = -(-need[first] // self.store.block) - self.store.held[rows[first]]
-        self.cache.make_room(int(want[0]) - self.store.n_free, sessions, rows[pending], guard=False)
+        self._room(int(want[0]) - self.store.n_free, sessions, rows[pending], guard=False)
         dropped = np.zeros(len(pending), bool)
         if self.store.n_free < int(want[0]):
             dropped[pending] = True
@@ -353,7 +401,7 @@ class LMDrafter:
             gone = rows[dropped]
             self.cache.forget(gone[gone < self.cache.capacity])
             self.store.release(gone[gone >= self.cache.capacity])  # scratch rows
-            self.cache.make_room(int(want[0]) - self.store.n_free, sessions, rows[first], guard=False)
+            self._room(int(want[0]) - self.store.n_free, sessions, rows[first], guard=False)
         return dropped
 
     def _wave(self, wave, tok, take, plan: Plan, rows, width, sampling, widths, cells, out) -> None:

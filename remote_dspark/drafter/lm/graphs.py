@@ -40,7 +40,7 @@ shape fits, the common case, is one part. Every shape run is therefore at most `
 sharing one memory pool (they never run at once) whose size is the largest round's
 working set plus each graph's inputs and outputs. A graph also holds host memory for
 its kernel nodes (a round of 64 draft steps has thousands), and shapes multiply
-(rows x queries x widths x greedy or sampled), so at most ``MAX_GRAPHS`` are kept: a
+(rows x queries x widths x kinds: greedy, sampled, ranked), so at most ``MAX_GRAPHS`` are kept: a
 new shape beyond them evicts the least recently replayed graph.
 
 A sampled round (``sampling`` given: :func:`choose`) draws each step's token by the
@@ -48,8 +48,10 @@ sampling rule (:mod:`.sampling`, the twin of :mod:`remote_dspark.drafter.samplin
 place of the greedy one, on the device and inside the graph (no host sync), and feeds it
 back; its three integers per entry (temperature bits, seed, first draft's position) go
 up with the round's others and its distributions come down with its drafts. Its shapes
-are graphs of their own (a shape's key says whether it samples); a greedy round runs
-exactly the code it ran before.
+are graphs of their own (a shape's key says its kind); a greedy round runs
+exactly the code it ran before. A drafter that pre-drafts (:mod:`.speculate`) runs its greedy
+rounds ``RANKED``: the same drafts, and each position's ``RANK`` likeliest ids and their
+probabilities beside them (one ``topk`` a step), from which it ranks the outcomes to pre-draft.
 
 On the CPU the rounds run unpadded by default; asked (``LMDrafter(graphs=True)``: the
 tests) the same padded shapes and code run eagerly, so their rules are checked without
@@ -72,6 +74,8 @@ LONG_QUERIES = 64  # a shape of more queries (a prefill) pads its rows from 1, n
 MIN_QUERIES = 4
 DEFAULT_LIMIT = 1 << 16  # padded rows x queries of one part, until the worker's budget sets it
 MAX_GRAPHS = 64  # graphs kept (>= 2: an eviction never empties, and so never releases, the shared pool)
+RANK = 4  # a ranked greedy round's choices kept per draft position (the speculation cache's outcomes)
+GREEDY, SAMPLED, RANKED = 0, 1, 2  # a round's kind: greedy, sampled, or greedy with each position's top RANK
 
 
 def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,10 +111,14 @@ class DeviceSampling(NamedTuple):
         return cls(temperature, uniform_u32(seed[:, None], first[:, None] + j, j))
 
 
-def choose(logits: torch.Tensor, sampling: DeviceSampling | None, j: int) -> tuple[torch.Tensor, ...]:
+def choose(
+    logits: torch.Tensor, sampling: DeviceSampling | None, j: int, ranked: bool = False
+) -> tuple[torch.Tensor, ...]:
     """Draft ``j`` of each entry from its ``logits`` [n, vocab] (consumed).
 
-    Greedy (``sampling`` None): (token [n] int64, margin [n] float32), :func:`top2`.
+    Greedy (``sampling`` None): (token [n] int64, margin [n] float32), :func:`top2`;
+    ``ranked``, also the ``RANK`` likeliest ids (int32, the first the token but for an
+    exact tie) and their softmax probabilities (float32), [n, RANK] each.
     Sampled: (token, margin, ids [n, TOP] int32, weights [n, TOP] int32): ``ids, weights
     = top32(logits, temperature)`` and the token ``pick(ids, weights, uniform_u32(seed,
     first + j, j))`` (rule 1-3 of :mod:`remote_dspark.drafter.sampling`; the uniform is
@@ -118,7 +126,11 @@ def choose(logits: torch.Tensor, sampling: DeviceSampling | None, j: int) -> tup
     still softmax's top1 - top2 of the same logits (temperature 1), as in a greedy round.
     No host sync on CUDA."""
     if sampling is None:
-        return top2(logits)
+        if not ranked:
+            return top2(logits)
+        best, ids = torch.topk(logits, RANK, dim=1)  # before top2, which may overwrite the logits
+        probs = (best.float() - torch.logsumexp(logits.float(), 1, keepdim=True)).exp()
+        return (*top2(logits), ids.int(), probs)
     ids, weights = top32(logits, sampling.temperature)
     token = pick(ids, weights, sampling.u32[:, j]).long()
     return token, top2(logits)[1], ids, weights  # top2 last: it overwrites float32 logits
@@ -133,6 +145,7 @@ def draft_steps(
     origin,
     at: tuple[torch.Tensor, torch.Tensor],
     sampling: DeviceSampling | None = None,
+    ranked: bool = False,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Drafts 1..steps of the round after ``token`` [n] at column ``pos`` [n, 1] of table
     rows ``rows`` [n] (absolute position ``origin + pos``): step j's K/V written at its
@@ -144,17 +157,18 @@ def draft_steps(
     blocks, offsets = at
     for j in range(blocks.shape[1]):
         h = model.forward_kv(token[:, None], pos, pages, rows, (blocks[:, j : j + 1], offsets[:, j : j + 1]), origin)
-        out.append(choose(model.logits(h[:, 0]), sampling, j + 1))
+        out.append(choose(model.logits(h[:, 0]), sampling, j + 1, ranked))
         token = out[-1][0]
         pos = pos + 1
     return out
 
 
-def columns(width: int, sampled: bool) -> int:
+def columns(width: int, kind: int) -> int:
     """A round's answer's columns per entry: ``width`` drafts and ``width`` margins, then
-    when sampled ``width x TOP`` ids and ``width x TOP`` weights (all float32: token ids
-    and weights below 2**24 are exact)."""
-    return 2 * width * (1 + TOP * sampled)
+    for a ``SAMPLED`` round ``width x TOP`` ids and ``width x TOP`` weights, for a
+    ``RANKED`` one ``width x RANK`` ids and ``width x RANK`` probabilities (all float32:
+    token ids and weights below 2**24 are exact)."""
+    return 2 * width * (1 + {GREEDY: 0, SAMPLED: TOP, RANKED: RANK}[kind])
 
 
 def _pow2(n: int, least: int) -> int:
@@ -210,14 +224,15 @@ class Rounds:
     captured as graphs on CUDA; unpadded, a round runs its own shapes eagerly (what a
     CPU wants: padding there is work, not launches saved)."""
 
-    def __init__(self, model, store, padded: bool, limit: int = DEFAULT_LIMIT):
+    def __init__(self, model, store, padded: bool, limit: int = DEFAULT_LIMIT, ranked: bool = False):
         self.model, self.store, self.padded, self.limit = model, store, padded, limit
+        self.ranked = ranked  # greedy rounds are RANKED (the speculation cache ranks their outcomes)
         self.capture = padded and store.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         # One side stream for every capture's warm-up: a new stream each time would get a
         # cuBLAS workspace of its own each time (cuBLAS keeps one per stream it has seen).
         self.side = torch.cuda.Stream(store.device) if self.capture else None
-        # (rows, queries, width, sampled) -> the graph, its input buffer and its answer
+        # (rows, queries, width, kind) -> the graph, its input buffer and its answer
         # the least recently replayed first; MAX_GRAPHS at most
         self.graphs: collections.OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]
         self.graphs = collections.OrderedDict()
@@ -243,27 +258,36 @@ class Rounds:
         the round carries them to the device. Greedy, or sampled (:func:`choose`) with
         ``sampling`` [3, n] int64: each entry's temperature (its float32 bits), seed
         (its uint64 bits) and its draft 0's absolute position. Returns ``[n,
-        columns(width, sampled)]`` float32 (:func:`columns`): the drafts, their margins,
-        then (sampled) their ids ``[width, TOP]`` and weights ``[width, TOP]``."""
+        columns(width, kind)]`` float32 (:func:`columns`, :meth:`kind`): the drafts, their
+        margins, then (sampled) their ids ``[width, TOP]`` and weights ``[width, TOP]``, or
+        (ranked) each position's top ids ``[width, RANK]`` and probabilities."""
         if cells is None:
             cells = self.store.held[rows]
         split = parts(take, self.limit)
         if len(split) == 1:
             return self._run(tok, base, take, origin, rows, width, sampling, cells)
-        out = np.empty((len(take), columns(width, sampling is not None)), np.float32)
+        out = np.empty((len(take), columns(width, self.kind(sampling))), np.float32)
         for idx in split:
             q = int(take[idx].max())  # tokens are left-aligned: a part's first q columns
             part = None if sampling is None else sampling[:, idx]  # the part's entries' own
             out[idx] = self._run(tok[idx, :q], base[idx], take[idx], origin[idx], rows[idx], width, part, cells[idx])
         return out
 
+    def kind(self, sampling: np.ndarray | None) -> int:
+        """The kind of a round with ``sampling`` (None: greedy, ranked when :attr:`ranked`)."""
+        return SAMPLED if sampling is not None else RANKED if self.ranked else GREEDY
+
+    def columns(self, width: int, sampling: np.ndarray | None) -> int:
+        """The answer's columns of a round of ``width`` with ``sampling`` (:func:`columns`)."""
+        return columns(width, self.kind(sampling))
+
     def _run(self, tok, base, take, origin, rows, width: int, sampling, cells) -> np.ndarray:
         n, q = tok.shape
-        sampled = sampling is not None
+        kind = self.kind(sampling)
         if self.padded:
-            shape = (*padded(n, q), width, sampled)
+            shape = (*padded(n, q), width, kind)
         else:
-            shape = (n, q, width, sampled)
+            shape = (n, q, width, kind)
         if self._version != self.store.version:  # the table moved: its graphs point at the old one
             self.graphs.clear()
             self._version = self.store.version
@@ -289,9 +313,9 @@ class Rounds:
         tokens and columns ``[entries, queries]``, each write's block and offset
         ``[entries, queries + steps]``, the per-entry integers ``[3 (6 sampled), entries]``
         and the new table cells ``[2, cells]`` (:meth:`_inputs`)."""
-        entries, queries, width, sampled = shape
+        entries, queries, width, kind = shape
         writes = queries + max(0, width - 1)
-        per = (6 if sampled else 3, entries)
+        per = (6 if kind == SAMPLED else 3, entries)
         return ((entries, queries),) * 2 + ((entries, writes),) * 2 + (per, (2, self._cells(shape)))
 
     def _cells(self, shape) -> int:
@@ -309,7 +333,7 @@ class Rounds:
         temperature 0), then the new table cells' flat indices and blocks (padded with
         writes of 0 into the table's padding row)."""
         n, q = tok.shape
-        _, queries, _, sampled = shape
+        _, queries, _, kind = shape
         layout = self._layout(shape)
         out = np.zeros(sum(r * c for r, c in layout), np.int64)
         grid_tok, grid_pos, at_block, at_offset, last, new = _sections(out, layout)
@@ -328,7 +352,7 @@ class Rounds:
         last[0, :n] = take - 1
         last[1, :n] = origin
         last[2, :n] = rows
-        if sampled:
+        if kind == SAMPLED:
             last[3:, :n] = sampling
         where, blocks = self.store.new_cells(rows, cells)
         if len(where) > new.shape[1]:
@@ -338,9 +362,10 @@ class Rounds:
         new[1, : len(where)] = blocks
         return out
 
-    def _round(self, inp: torch.Tensor, shape: tuple[int, int, int, bool]) -> torch.Tensor:
-        """The round on the pool: ``[rows, columns(width, sampled)]`` float32 (:meth:`run`)."""
-        entries, queries, width, sampled = shape
+    def _round(self, inp: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """The round on the pool: ``[rows, columns(width, kind)]`` float32 (:meth:`run`)."""
+        entries, queries, width, kind = shape
+        sampled, ranked = kind == SAMPLED, kind == RANKED
         tok, pos, blocks, offsets, per, new = _sections(inp, self._layout(shape))
         last, origin, rows = per[0], per[1], per[2]
         # The temperature's float32 bits (non-negative: below 2**31) back to float32.
@@ -351,15 +376,16 @@ class Rounds:
         h = self.model.forward_kv(tok, pos, pages, rows, (blocks[:, :queries], offsets[:, :queries]), origin)
         if not width:  # an encode only: the K/V written, no logits, no steps
             return h.new_zeros((entries, 0), dtype=torch.float32)
-        first = choose(self.model.logits(h[every, last]), sampling, 0)
+        first = choose(self.model.logits(h[every, last]), sampling, 0, ranked)
         step = pos[every, last][:, None] + 1
         at = (blocks[:, queries:], offsets[:, queries:])
-        picks = [first, *draft_steps(self.model, first[0], step, pages, rows, origin, at, sampling)]
+        picks = [first, *draft_steps(self.model, first[0], step, pages, rows, origin, at, sampling, ranked)]
         # tokens [n, width], margins [n, width], then (sampled) ids and weights [n, width, TOP]
+        # or (ranked) ids and probabilities [n, width, RANK]
         fields = (torch.stack(f, 1).reshape(entries, -1).float() for f in zip(*picks))
         return torch.cat(list(fields), 1)
 
-    def blank(self, shape: tuple[int, int, int, bool]) -> torch.Tensor:
+    def blank(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
         """A round's input of ``shape`` that writes only into the trash block and the
         table's padding row (what a capture runs on)."""
         layout = self._layout(shape)
@@ -367,7 +393,7 @@ class Rounds:
         _sections(inp, layout)[-1][0] = self.store.padding_cell()  # table writes to its padding row only
         return inp  # every write to the trash block's first offset
 
-    def _capture(self, shape: tuple[int, int, int, bool]) -> None:
+    def _capture(self, shape: tuple[int, int, int, int]) -> None:
         inp = self.blank(shape)
         self.side.wait_stream(torch.cuda.current_stream(self.store.device))
         with torch.cuda.stream(self.side):  # warm-up outside the capture (lazy inits, kernel choices, Triton's compile)

@@ -156,10 +156,11 @@ def load_hf(
     cache_slots: int = 1024,
     max_context: int | None = None,
     kv_bytes: int | None = None,
+    speculate: int = 0,
 ) -> LMDrafter:
     """The drafter of the transformers causal LM saved in ``model_dir``, for contexts of
     ``window`` tokens, with ``cache_slots`` cached streams of up to ``max_context``
-    tokens each in a KV pool of ``kv_bytes``
+    tokens each in a KV pool of ``kv_bytes``, pre-drafting ``speculate`` outcomes a stream
     (:class:`~remote_dspark.drafter.lm.drafter.LMDrafter`: its ``max_width``, what a
     stream holds past its context, bounds the HELLO's num_spec).
 
@@ -177,7 +178,7 @@ def load_hf(
             "save it with save_pretrained first)"
         )
     try:
-        return _load(path, pick_device(device), window, cache_slots, max_context, kv_bytes)
+        return _load(path, pick_device(device), window, cache_slots, max_context, kv_bytes, speculate)
     except ImportError:
         raise
     except Exception as e:  # the directory is input: whatever loading it raises is a refusal
@@ -186,7 +187,13 @@ def load_hf(
 
 
 def _load(
-    path: Path, dev: torch.device, window: int, cache_slots: int, max_context: int | None, kv_bytes: int | None
+    path: Path,
+    dev: torch.device,
+    window: int,
+    cache_slots: int,
+    max_context: int | None,
+    kv_bytes: int | None,
+    speculate: int = 0,
 ) -> LMDrafter:
     """:func:`load_hf` past its directory check; raises whatever fails."""
     model_files(path)  # every file checked before transformers is imported or any file parsed
@@ -214,7 +221,15 @@ def _load(
         raise ValueError(why)
     model = _with_weights(cls, config, shards, dtype)
     hf = HFModel(model.eval(), dir_identity(path), int(config.vocab_size), positions)
-    return LMDrafter(hf, device=dev, cache_slots=cache_slots, window=window, max_context=max_context, kv_bytes=kv_bytes)
+    return LMDrafter(
+        hf,
+        device=dev,
+        cache_slots=cache_slots,
+        window=window,
+        max_context=max_context,
+        kv_bytes=kv_bytes,
+        speculate=speculate,
+    )
 
 
 def _config(file: Path, transformers):

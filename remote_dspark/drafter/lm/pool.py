@@ -21,9 +21,15 @@ The pool's memory is fixed at start (``kv_bytes``: a budget, by default a share 
 device's free memory after the weights, :func:`pool_bytes`), whatever the streams'
 lengths: a thousand short streams or a few whole contexts take the same blocks.
 
-Table rows: the cache's rows first (``cache rows``: a stream each), then scratch rows
-for a round's entries without one (a drafter without a cache, or a round of more
-entries than rows): their blocks are taken for the round and given back after it.
+Table rows: the cache's rows first (``cache rows``: a stream each), then the branch
+rows of pre-drafted outcomes (:mod:`.speculate`), then scratch rows for a round's entries
+without one (a drafter without a cache, or a round of more entries than rows): their
+blocks are taken for the round and given back after it.
+
+Blocks are counted (``refs``): a branch forked from a stream shares the stream's blocks
+before the fork (:meth:`KVStore.fork`: copy on write, the block the fork falls in copied,
+the rest new), and a block goes back to the free list when no row holds it any more; a
+branch taken for its stream hands it its blocks (:meth:`KVStore.adopt`).
 """
 
 from __future__ import annotations
@@ -83,6 +89,12 @@ def pool_bytes(device: torch.device, wanted: int) -> int:
 MIN_SCRATCH = 16  # scratch rows at least, once a round needs any
 
 
+def _runs(count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of ``count[i]`` cells each, flat: each cell's run and its index in its run."""
+    owner = np.repeat(np.arange(len(count)), count)
+    return owner, np.arange(len(owner)) - np.repeat(np.concatenate(([0], np.cumsum(count)[:-1])), count)
+
+
 class KVStore:
     """The pool of blocks and the block table (module docstring).
 
@@ -103,12 +115,13 @@ class KVStore:
         head_dim: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        branch_rows: int = 0,
     ):
         if rows < 0 or columns < BLOCK or columns % BLOCK:
             raise ValueError(f"table rows {rows}, columns {columns}: must be >= 0, whole blocks of {BLOCK}")
         self.device, self.dtype = torch.device(device), dtype
         self.block, self.columns, self.max_blocks = BLOCK, columns, columns // BLOCK
-        self.cache_rows = rows
+        self.cache_rows, self.branch_rows = rows, branch_rows
         self._block_shape = (layers, 2, heads, BLOCK, head_dim)
         if blocks < self.max_blocks + 1:
             raise ValueError(
@@ -121,17 +134,19 @@ class KVStore:
                 f"a KV pool of {need / 2**20:,.0f} MiB (--lm-kv-mb) needs more than the "
                 f"{free / 2**20:,.0f} MiB free on {self.device}"
             )
-        table = (rows + 1) * self.max_blocks * 8  # each of the host's and the device's tables
+        table = (rows + branch_rows + 1) * self.max_blocks * 8  # each of the host's and the device's tables
         if 2 * table > memory_free(torch.device("cpu")):
             raise ValueError(
-                f"the block tables of {rows} streams (--lm-cache-slots) of {columns} tokens need "
-                f"{2 * table / 2**20:,.0f} MiB, more than the host's free memory"
+                f"the block tables of {rows} streams (--lm-cache-slots) and {branch_rows} pre-drafts "
+                f"(--lm-speculate) of {columns} tokens need {2 * table / 2**20:,.0f} MiB, more than the "
+                "host's free memory"
             )
         self.kv = torch.zeros((blocks, *self._block_shape), device=self.device, dtype=dtype)
         self.blocks = blocks
         self.free = np.arange(blocks - 1, 0, -1, dtype=np.int64)  # a stack; block 0 (trash) never in it
         self.n_free = blocks - 1
-        self._tables(rows)
+        self.refs = np.zeros(blocks, np.int32)  # the rows holding each block (0: free, or the trash)
+        self._tables(rows + branch_rows)
         self.version = 0  # bumped when ``table`` is reallocated (what holds its address must let go)
 
     def _tables(self, rows: int) -> None:
@@ -158,11 +173,11 @@ class KVStore:
     def scratch(self, k: int) -> np.ndarray:
         """Table rows for ``k`` entries without a cache row (int64 [k]), the table grown
         (:attr:`version` bumped) when it has fewer scratch rows."""
-        have = self.rows - self.cache_rows
-        if k > have:
-            self._tables(self.cache_rows + max(MIN_SCRATCH, 1 << (k - 1).bit_length()))
+        first = self.cache_rows + self.branch_rows
+        if k > self.rows - first:
+            self._tables(first + max(MIN_SCRATCH, 1 << (k - 1).bit_length()))
             self.version += 1
-        return self.cache_rows + np.arange(k, dtype=np.int64)
+        return first + np.arange(k, dtype=np.int64)
 
     def grant(self, rows: np.ndarray, columns: np.ndarray, make_room=None) -> tuple[np.ndarray, np.ndarray]:
         """Blocks so that each of ``rows`` (distinct) holds its first ``columns`` columns.
@@ -190,9 +205,9 @@ class KVStore:
             total = int(extra.sum())
         taken = self.free[self.n_free - total : self.n_free]
         self.n_free -= total
-        owner = np.repeat(rows, extra)
-        cell = np.repeat(first - np.concatenate(([0], np.cumsum(extra)[:-1])), extra) + np.arange(total)
-        self.host_table[owner, cell] = taken
+        self.refs[taken] = 1
+        run, at = _runs(extra)
+        self.host_table[rows[run], first[run] + at] = taken
         self.held[rows] += extra
         return ok, first
 
@@ -202,21 +217,56 @@ class KVStore:
         count = self.held[rows] - first
         if not count.any():
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        owner = np.repeat(rows, count)
-        cell = np.repeat(first - np.concatenate(([0], np.cumsum(count)[:-1])), count) + np.arange(int(count.sum()))
+        run, at = _runs(count)
+        owner, cell = rows[run], first[run] + at
         return owner * self.max_blocks + cell, self.host_table[owner, cell]
 
-    def release(self, rows: np.ndarray) -> None:
-        """Give every block of ``rows`` back (distinct rows)."""
-        count = self.held[rows]
+    def release(self, rows: np.ndarray, start: np.ndarray | int = 0) -> None:
+        """Let go of the blocks of ``rows`` (distinct) from their cell ``start`` on (the
+        rows then hold ``start`` cells): each back to the free list once no row holds it."""
+        start = np.minimum(np.broadcast_to(np.asarray(start, np.int64), np.shape(rows)), self.held[rows])
+        count = self.held[rows] - start
         total = int(count.sum())
         if not total:
             return
-        owner = np.repeat(rows, count)
-        cell = np.arange(total) - np.repeat(np.concatenate(([0], np.cumsum(count)[:-1])), count)
-        self.free[self.n_free : self.n_free + total] = self.host_table[owner, cell]
-        self.n_free += total
-        self.held[rows] = 0
+        run, at = _runs(count)
+        blocks, times = np.unique(self.host_table[rows[run], start[run] + at], return_counts=True)
+        self.refs[blocks] -= times.astype(np.int32)
+        gone = blocks[self.refs[blocks] == 0]
+        self.free[self.n_free : self.n_free + len(gone)] = gone
+        self.n_free += len(gone)
+        self.held[rows] = start
+
+    def fork(self, rows: np.ndarray, sources: np.ndarray, cells: np.ndarray) -> None:
+        """Each of ``rows`` (empty, distinct) shares the first ``cells[i]`` blocks of
+        ``sources[i]`` (which holds them): the host's table only (the caller copies the
+        device's rows: :meth:`copy_rows`)."""
+        assert not self.held[rows].any(), "a fork into a row that holds blocks"
+        run, cell = _runs(cells)
+        blocks = self.host_table[sources[run], cell]
+        self.host_table[rows[run], cell] = blocks
+        np.add.at(self.refs, blocks, 1)
+        self.held[rows] = cells
+
+    def adopt(self, rows: np.ndarray, branches: np.ndarray, cells: np.ndarray) -> None:
+        """Each of ``rows`` takes the blocks of ``branches[i]`` (forked from it at
+        ``cells[i]``: the blocks before are the row's own) from that cell on; its own from
+        there go, and the branches are left empty. The device's rows are the caller's
+        (:meth:`copy_rows`)."""
+        self.release(rows, cells)
+        run, at = _runs(self.held[branches] - cells)
+        cell = cells[run] + at
+        self.host_table[rows[run], cell] = self.host_table[branches[run], cell]
+        self.held[rows] = self.held[branches]
+        self.held[branches] = cells  # the moved blocks are the rows' now: only the shared ones let go
+        self.release(branches)
+
+    def copy_rows(self, rows: np.ndarray, sources: np.ndarray) -> None:
+        """The device's table rows ``rows`` become copies of ``sources``' (one gather and
+        scatter on the device, ordered before the next round that reads them)."""
+        if len(rows):
+            dev = self.table.device
+            self.table[torch.from_numpy(rows).to(dev)] = self.table[torch.from_numpy(sources).to(dev)]
 
     def padding_cell(self) -> int:
         """The flat table index padding writes go to (the padding row's first cell)."""

@@ -1,0 +1,459 @@
+"""The speculation cache: drafts made, while the engine verifies, for the rounds it is
+likely to send next, and a round that sends one of them answered at once.
+
+After a stream's round is answered with drafts ``d1..dk``, its next ROUND appends ``d1..dj,
+t`` for some ``j`` in ``0..m`` (``m`` the drafts sent): the drafts the engine accepted,
+then the target's token (a correction ``t != d(j+1)`` at ``j < m``, the bonus at ``j =
+m``). Those outcomes ``(j, t)`` are ranked by the drafter's own probabilities (its round
+keeps each position's ``RANK`` likeliest ids and their probabilities: a greedy round is
+``RANKED``, :mod:`.graphs`; a sampled one has its ``q``): ``P(j, t) = a1 ... aj * p_{j+1}(t)``,
+``ai`` the probability it gave its draft ``di``; the bonus after ``k`` drafts (``t`` the top
+choice after ``dk``, found by its pre-draft) scores ``a1 ... ak`` times their mean. The
+``fanout`` likeliest of each stream are its outcomes.
+
+Pre-drafting (:meth:`Speculation.predraft`, the worker's idle time: the scheduler calls it
+when no round is queued): the outcomes of the streams answered last, most recent first,
+in one call of at most the worker's entries and tokens. Each outcome is a branch: a table
+row of the pool (:mod:`.pool`) forked from its stream's row at the column ``t`` goes to
+(the blocks before it shared, the block it falls in copied, the rest new: copy on write).
+The round's drafts ``d1..d(k-1)`` left their K/V in the stream's row past its fill, so an
+outcome ``(j, t)`` encodes just ``t`` at column ``fill + j`` and drafts ``k`` tokens; the
+bonus encodes ``dk`` at ``fill + k - 1`` and drafts ``k + 1``, the first being ``t``. A
+sampled outcome draws with its stream's last seed and temperature, draft ``i`` at its
+absolute position, as a fresh round would (the bonus is greedy-only: its draws would
+be indexed one off).
+
+A hit (:meth:`Speculation.take`): a round's entry whose stream is the one a branch was
+forked from, unchanged since (session, slot, generation, length, fill, origin), appending
+exactly the branch's tokens at the next positions, asking at most its drafts, with the
+same seed and temperature when sampled (greedy: neither). It is answered from the branch,
+whose blocks become its stream's (:meth:`~.pool.KVStore.adopt`), and the branch's answer
+is the stream's last (its outcomes pre-drafted in turn). Any other round for a stream
+drops its branches. Greedy, a hit's drafts equal a fresh round's but for near-ties (its
+K/V computed in another batch's shape, differing in the last bits, as every cached
+round's); sampled, each is the pick of its own ``q`` at the round's seed, position and
+index. Branches hold blocks only while the pool has them to spare: pre-drafting never
+evicts a stream, and a round short of blocks drops every branch first
+(:meth:`Speculation.reclaim`).
+
+Not thread-safe: the drafter's lock is held around every call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..contract import DraftBatch, DraftResult, SpecInfo
+from ..sampling import TOP, TOTAL
+from ..streams import context_lengths
+from .arrays import sampling_rows
+from .graphs import RANK, SAMPLED
+from .pool import BLOCK
+
+MAX_BRANCHES = 4096  # branches (table rows of pre-drafts) at most
+
+
+@dataclass
+class Answers:
+    """Answers by row (a stream's last, or a branch's), as arrays: drafts ``[rows, w]``,
+    margins, each position's ranked ids and probabilities ``[rows, w, RANK]``, and for
+    sampled rounds ``q`` (``[rows, w, TOP]``, allocated at the first one)."""
+
+    drafts: np.ndarray
+    margins: np.ndarray
+    ids: np.ndarray
+    probs: np.ndarray
+    q_ids: np.ndarray | None = None
+    q_weights: np.ndarray | None = None
+
+    @classmethod
+    def empty(cls, rows: int, width: int) -> Answers:
+        return cls(
+            np.zeros((rows, width), np.int64),
+            np.zeros((rows, width), np.float32),
+            np.zeros((rows, width, RANK), np.int64),
+            np.zeros((rows, width, RANK), np.float32),
+        )
+
+    def put(self, rows: np.ndarray, out: np.ndarray, width: int, kind: int, shift: int = 0) -> None:
+        """Store a round's answer ``out`` (:func:`.graphs.columns`'s layout, ``width +
+        shift`` drafts: the first ``shift`` dropped) into ``rows``."""
+        w = width + shift
+        self.drafts[rows, :width] = out[:, shift:w]
+        self.margins[rows, :width] = out[:, w + shift : 2 * w]
+        per = TOP if kind == SAMPLED else RANK
+        ids = out[:, 2 * w : 2 * w + w * per].reshape(-1, w, per)[:, shift:]
+        second = out[:, 2 * w + w * per :].reshape(-1, w, per)[:, shift:]
+        self.ids[rows, :width] = ids[:, :, :RANK]
+        self.probs[rows, :width] = second[:, :, :RANK] / TOTAL if kind == SAMPLED else second
+        if kind == SAMPLED:
+            if self.q_ids is None:
+                self.q_ids = np.zeros((len(self.drafts), self.drafts.shape[1], TOP), np.int32)
+                self.q_weights = np.zeros((len(self.drafts), self.drafts.shape[1], TOP), np.uint16)
+            self.q_ids[rows, :width] = ids
+            self.q_weights[rows, :width] = second
+
+    def copy(self, dst: np.ndarray, src: Answers, rows: np.ndarray) -> None:
+        """Rows ``rows`` of ``src`` into rows ``dst`` of these (q only where ``src`` has it)."""
+        for name in ("drafts", "margins", "ids", "probs"):
+            getattr(self, name)[dst] = getattr(src, name)[rows]
+        if src.q_ids is not None:
+            if self.q_ids is None:
+                self.q_ids = np.zeros((len(self.drafts), *src.q_ids.shape[1:]), np.int32)
+                self.q_weights = np.zeros((len(self.drafts), *src.q_ids.shape[1:]), np.uint16)
+            self.q_ids[dst] = src.q_ids[rows]
+            self.q_weights[dst] = src.q_weights[rows]
+
+
+# A stream's (or a branch's) fields, as arrays indexed by row: the stream it was made for
+# and the row's state then, the round's width, drafts sent, and sampling (temperature bits,
+# seed bits; both 0 and ``sampled`` False for a greedy round).
+FIELDS = ("session", "slot", "gen", "length", "fill", "origin", "width", "sent", "temp", "seed")
+
+
+class Speculation:
+    """A drafter's speculation cache (module docstring), over its store, cache and rounds.
+
+    Args: the drafter's :class:`~.pool.KVStore` (its branch rows: ``fanout`` per cached
+    stream, at most ``MAX_BRANCHES``), :class:`~.cache.SlotCache` and
+    :class:`~.graphs.Rounds`, the outcomes per stream, the widest round, the stream's
+    columns and the model's positions (None: no table).
+    """
+
+    def __init__(self, store, cache, rounds, fanout: int, max_width: int, max_positions: int | None):
+        self.store, self.cache, self.rounds, self.fanout = store, cache, rounds, fanout
+        self.max_positions = max_positions
+        rows, branches, w = cache.capacity, store.branch_rows, max_width + 1
+        self.last = Answers.empty(rows, w)  # each stream's last answer
+        self.meta = {f: np.zeros(rows, np.int64) for f in FIELDS}
+        self.sampled = np.zeros(rows, bool)
+        self.pending = np.full(rows, -1, np.int64)  # when its outcomes became due (-1: none)
+        self.branch_of = np.full((rows, fanout), -1, np.int64)  # each stream's branches
+        self.made = Answers.empty(branches, w)  # each branch's answer
+        self.b = {f: np.zeros(branches, np.int64) for f in (*FIELDS, "row", "j", "t", "rank", "cell", "shift", "tick")}
+        self.b["row"][:] = -1
+        self.b_sampled = np.zeros(branches, bool)
+        self.free, self.n_free = np.arange(branches - 1, -1, -1, dtype=np.int64), branches  # a stack
+        self._tick = 0
+        self.outcomes = self.misses = self.dropped = 0
+        self.hits = np.zeros(fanout, np.int64)
+        self.seconds = 0.0
+
+    # ------------------------------------------------------------------ answers and hits
+
+    def answered(self, batch: DraftBatch, rows: np.ndarray, out: np.ndarray, drafted: np.ndarray, kind: int) -> None:
+        """A round's entries ``drafted`` ([n] bool) answered from ``out`` (their cache
+        ``rows``, -1: none): each such stream's last answer, its outcomes due."""
+        keep = drafted & (rows >= 0)
+        if not keep.any():
+            return
+        r = rows[keep]
+        self.last.put(r, out[keep], batch.width, kind)
+        ctx = context_lengths(batch)
+        self._stream(r, batch, keep, self.cache.length[r], self.cache.fill[r], self.cache.origin[r], ctx)
+
+    def _stream(self, r, batch: DraftBatch, keep, length, fill, origin, ctx) -> None:
+        """Rows ``r``'s fields: the stream of ``batch``'s ``keep`` entries, as they stand."""
+        m = self.meta
+        m["session"][r] = batch.sessions()[keep]
+        m["slot"][r], m["gen"][r] = np.asarray(batch.slots)[keep], np.asarray(batch.gens)[keep]
+        m["length"][r], m["fill"][r], m["origin"][r] = length, fill, origin
+        m["width"][r] = batch.width
+        m["sent"][r] = np.where(ctx[keep] > 0, np.minimum(batch.n_out[keep], batch.width), 0)
+        self.sampled[r] = batch.sampled
+        if batch.sampled:
+            s = sampling_rows(batch, ctx)
+            m["temp"][r], m["seed"][r] = s[0][keep], s[1][keep]
+        else:
+            m["temp"][r] = m["seed"][r] = 0
+        self._tick += 1
+        self.pending[r] = self._tick
+
+    def take(self, batch: DraftBatch, ctx: np.ndarray) -> Hits | None:
+        """The round's hits, answered and adopted (module docstring); every other entry's
+        stream drops its branches. None: no entry's stream has any."""
+        if self.n_free == len(self.free) or batch.slots is None:  # no branch at all
+            return None
+        rows = self.cache.rows_of(batch.sessions(), np.asarray(batch.slots, np.int64))
+        known = rows >= 0
+        cand = self.branch_of[np.where(known, rows, 0)]
+        cand[~known] = -1
+        has = (cand >= 0).any(1)
+        if not has.any():
+            return None
+        e = np.flatnonzero(has)
+        ok, b = self._match(batch, ctx, e, rows[e], cand[e])
+        hit_e, hit_b = e[ok], b[ok]
+        gone = cand[e].ravel()
+        gone = gone[(gone >= 0) & ~np.isin(gone, hit_b)]
+        self.misses += int((~ok).sum())
+        self._drop(gone)
+        if not len(hit_e):
+            return None
+        return self._adopt(batch, ctx, hit_e, rows[hit_e], hit_b)
+
+    def _match(self, batch: DraftBatch, ctx, e, r, cand) -> tuple[np.ndarray, np.ndarray]:
+        """For entries ``e`` (streams ``r``, branches ``cand`` [e, fanout]): whether one hits,
+        and which."""
+        lengths = np.asarray(batch.lengths, np.int64)[e]
+        j = lengths - self.meta["length"][r] - 1
+        flat = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
+        last = np.where(ctx[e] > 0, flat[np.maximum(batch.offsets[e + 1] - 1, 0)], -1)
+        c = np.maximum(cand, 0)
+        same = (cand >= 0) & (self.b["j"][c] == j[:, None]) & (self.b["t"][c] == last[:, None])
+        b = c[np.arange(len(e)), same.argmax(1)]
+        ok = same.any(1) & (batch.n_out[e] > 0) & (batch.n_out[e] <= self.b["width"][b]) & (ctx[e] >= j + 1)
+        bf, cache = self.b, self.cache
+        now = (cache.owner_session[r], cache.owner_slot[r], cache.gen[r], cache.length[r], cache.fill[r])
+        for f, v in zip(("session", "slot", "gen", "length", "fill"), now, strict=True):
+            ok &= bf[f][b] == v  # the stream's row as the branch left it
+        ok &= (batch.sessions()[e] == bf["session"][b]) & (np.asarray(batch.gens)[e] == bf["gen"][b])
+        ok &= cache.origin[r] == bf["origin"][b]
+        if batch.positions is not None:
+            ok &= batch.starts()[e] + ctx[e] == bf["origin"][b] + bf["fill"][b] + j + 1
+        ok &= self.b_sampled[b] == batch.sampled
+        if batch.sampled:
+            s = sampling_rows(batch, ctx)
+            ok &= (s[0][e] == bf["temp"][b]) & (s[1][e] == bf["seed"][b])
+        # the accepted drafts: the context's tokens before its last equal the stream's d1..dj
+        w = self.last.drafts.shape[1]
+        at = batch.offsets[e + 1][:, None] - 1 - j[:, None] + np.arange(w)
+        inside = np.arange(w) < np.clip(j, 0, w)[:, None]
+        got = np.where(inside, flat[np.clip(at, 0, len(flat) - 1)], 0)
+        ok &= (np.where(inside, self.last.drafts[r], 0) == got).all(1) & (j >= 0) & (j < w)
+        return ok, b
+
+    def _adopt(self, batch: DraftBatch, ctx, e, r, b) -> Hits:
+        """Entries ``e`` hit branches ``b`` of their streams ``r``: the answer, the blocks
+        adopted, the streams' rows and last answers moved on."""
+        store, cache, bf = self.store, self.cache, self.b
+        tb = store.cache_rows + b
+        store.adopt(r, tb, bf["cell"][b])
+        store.copy_rows(r, tb)
+        lengths = np.asarray(batch.lengths, np.int64)[e]
+        fill = bf["fill"][b] + lengths - bf["length"][b]
+        cache.moved(r, lengths, fill)
+        np.add.at(self.hits, bf["rank"][b], 1)
+        width = batch.width
+        sent = np.minimum(batch.n_out[e], width).astype(np.int32)
+        live = np.arange(width) < sent[:, None]
+        w = min(width, self.made.drafts.shape[1])
+        tokens = np.zeros((len(e), width), np.int32)
+        tokens[:, :w] = self.made.drafts[b, :w]
+        margins = np.zeros((len(e), width), np.float32)
+        margins[:, :w] = self.made.margins[b, :w]
+        q_ids = q_weights = None
+        if batch.sampled:
+            q_ids = np.zeros((len(e), width, TOP), np.int32)
+            q_weights = np.zeros((len(e), width, TOP), np.uint16)
+            q_ids[:, :w], q_weights[:, :w] = self.made.q_ids[b, :w], self.made.q_weights[b, :w]
+            q_ids[~live], q_weights[~live] = 0, 0
+        result = DraftResult(
+            np.where(live, tokens, 0), sent, np.where(live, margins, 0) if batch.want_margin else None, q_ids, q_weights
+        )
+        self.last.copy(r, self.made, b)
+        keep = np.zeros(len(batch), bool)
+        keep[e] = True
+        self._stream(r, batch, keep, lengths, fill, cache.origin[r], ctx)
+        self.meta["width"][r] = bf["width"][b]  # the drafts the branch made (n_out was at most them)
+        self.meta["sent"][r] = sent
+        self._release(b)
+        return Hits(keep, result)
+
+    # ------------------------------------------------------------------ pre-drafting
+
+    def predraft(self, max_entries: int, max_tokens: int) -> int:
+        """One call of outcomes of the streams whose answers are due, most recent first
+        (module docstring): at most ``max_entries`` outcomes and ``max_tokens`` tokens
+        (each a token encoded and its drafts). Returns how many were pre-drafted (0: none
+        due, or no room for any)."""
+        due = np.flatnonzero(self.pending >= 0)
+        if not len(due):
+            return 0
+        start = time.perf_counter()
+        due = due[np.argsort(-self.pending[due], kind="stable")]
+        limit = min(max_entries, max_tokens // (2 + int(self.meta["width"][due].max())), len(self.free))
+        due = due[: max(1, limit // self.fanout)]
+        self.pending[due] = -1
+        self._drop(self.branch_of[due].ravel())
+        due = due[self._unchanged(due)]
+        r, j, t, rank, shift = self._outcomes(due)
+        r, j, t, rank, shift = (x[:limit] for x in (r, j, t, rank, shift))
+        short = len(r) - self.n_free
+        if short > 0:  # the oldest branches make way
+            live = np.flatnonzero(self.b["row"] >= 0)
+            self._drop(live[np.argsort(self.b["tick"][live], kind="stable")[:short]])
+        made = self._run(r, j, t, rank, shift) if len(r) else 0
+        self.seconds += time.perf_counter() - start
+        return made
+
+    def _unchanged(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows)] bool: the streams' rows as their last answers left them (not evicted,
+        re-encoded or given to another stream since)."""
+        m, c = self.meta, self.cache
+        ok = (c.owner_session[rows] == m["session"][rows]) & (c.owner_slot[rows] == m["slot"][rows])
+        ok &= (c.gen[rows] == m["gen"][rows]) & (c.gen[rows] >= 0) & (c.length[rows] == m["length"][rows])
+        ok &= (c.fill[rows] == m["fill"][rows]) & (c.origin[rows] == m["origin"][rows])
+        # the drafts' K/V still there: every column before the last draft's
+        return ok & (self.store.held[rows] * BLOCK >= m["fill"][rows] + m["width"][rows] - 1)
+
+    def _outcomes(self, rows: np.ndarray):
+        """The ``fanout`` likeliest outcomes of each stream, flat: its row, ``j``, ``t`` (-1
+        for the bonus after all ``k``: its pre-draft finds it), rank and shift (1: the
+        bonus). Outcomes whose pre-draft passes the stream's columns or the model's
+        positions are left out."""
+        m, last = self.meta, self.last
+        w = last.drafts.shape[1]
+        width, sent = m["width"][rows], m["sent"][rows]
+        pos = np.arange(w)
+        mine = (last.ids[rows] == last.drafts[rows][:, :, None]) * last.probs[rows]
+        a = np.where(pos < width[:, None], mine.sum(2), 0.0)  # each draft's own probability
+        reach = np.cumprod(np.concatenate([np.ones((len(rows), 1)), a], 1), 1)  # P(d1..dj accepted)
+        # corrections (j < sent, t not the draft) and bonuses inside the drafts made (j = sent < width)
+        j = np.broadcast_to(pos[:, None], (w, RANK))
+        t = last.ids[rows]
+        valid = ((j < sent[:, None, None]) & (t != last.drafts[rows][:, :, None])) | (
+            (j == sent[:, None, None]) & (j < width[:, None, None])
+        )
+        score = np.where(valid, reach[:, :w, None] * last.probs[rows], -1.0).reshape(len(rows), -1)
+        bonus = (sent == width) & ~self.sampled[rows]
+        mean = a.sum(1) / np.maximum(width, 1)
+        score = np.concatenate([score, np.where(bonus, reach[np.arange(len(rows)), width] * mean, -1.0)[:, None]], 1)
+        j_all = np.concatenate([np.broadcast_to(j.ravel(), (len(rows), w * RANK)), width[:, None]], 1)
+        c0 = m["fill"][rows][:, None] + j_all - (j_all == width[:, None])  # the column the branch encodes at
+        drafts = width[:, None] + (j_all == width[:, None])
+        room = c0 + 1 + drafts <= self.store.columns
+        if self.max_positions is not None:
+            room &= m["origin"][rows][:, None] + c0 + 1 + drafts <= self.max_positions
+        score = np.where(room, score, -1.0)
+        order = np.argsort(-score, 1, kind="stable")[:, : self.fanout]
+        best = np.take_along_axis(score, order, 1)
+        which, rank = np.nonzero(best >= 0)
+        pick = order[which, rank]
+        rows_out = rows[which]
+        jj = j_all[which, pick]
+        is_bonus = pick == w * RANK
+        tt = np.where(is_bonus, -1, t.reshape(len(rows), -1)[which, np.minimum(pick, w * RANK - 1)])
+        return rows_out, jj, tt, rank, is_bonus.astype(np.int64)
+
+    def _run(self, r, j, t, rank, shift) -> int:
+        """Fork a branch for each outcome, run their pre-drafts (a call per width, kind and
+        shift: a few), keep their answers. Returns how many ran."""
+        store, m = self.store, self.meta
+        b = self.free[self.n_free - len(r) : self.n_free].copy()
+        self.n_free -= len(r)
+        tb = store.cache_rows + b
+        c0 = m["fill"][r] + j - shift
+        cell = c0 // BLOCK
+        width = m["width"][r] + shift
+        store.copy_rows(tb, r)  # the device's rows first (on the CPU they are the host's: the fork's cells go on top)
+        store.fork(tb, r, cell)
+        ok, _ = store.grant(tb, c0 + 1 + width)
+        if not ok.all():  # no room: never a stream evicted for a pre-draft
+            store.release(tb[~ok])
+            self._push(b[~ok])
+            r, j, t, rank, shift, b, tb, c0, cell, width = (
+                x[ok] for x in (r, j, t, rank, shift, b, tb, c0, cell, width)
+            )
+        if not len(r):
+            return 0
+        self._copy_block(r, tb, c0, cell)
+        self.outcomes += len(r)
+        for f in FIELDS:
+            self.b[f][b] = m[f][r]
+        self._tick += 1
+        for f, v in (("row", r), ("j", j), ("rank", rank), ("cell", cell), ("shift", shift), ("tick", self._tick)):
+            self.b[f][b] = v
+        self.b_sampled[b] = self.sampled[r]
+        self.branch_of[r, rank] = b
+        tok = np.where(shift == 1, self.last.drafts[r, np.maximum(m["width"][r] - 1, 0)], t)
+        group = np.stack([width, self.sampled[r], shift], 1)
+        for key in np.unique(group, axis=0):
+            g = (group == key).all(1)
+            rg, sampling = r[g], None
+            if key[1]:
+                sampling = np.stack([m["temp"][rg], m["seed"][rg], m["origin"][rg] + c0[g] + 1])
+            n = int(g.sum())
+            out = self.rounds.run(
+                tok[g, None], c0[g], np.ones(n, np.int64), m["origin"][rg], tb[g], int(key[0]), sampling, cell[g]
+            )
+            self.made.put(b[g], out, int(key[0] - key[2]), self.rounds.kind(sampling), int(key[2]))
+            self.b["t"][b[g]] = out[:, 0] if key[2] else t[g]  # a bonus's t: its first draft
+        return len(r)
+
+    def _copy_block(self, r, tb, c0, cell) -> None:
+        """The block each fork falls inside copied into the branch's own (the columns
+        before the fork in it), on the device."""
+        import torch
+
+        store = self.store
+        inside = c0 % BLOCK != 0
+        if inside.any():
+            src = store.host_table[r[inside], cell[inside]]
+            dst = store.host_table[tb[inside], cell[inside]]
+            dev = store.kv.device
+            store.kv[torch.from_numpy(dst).to(dev)] = store.kv[torch.from_numpy(src).to(dev)]
+
+    # ------------------------------------------------------------------ letting go
+
+    def _release(self, b: np.ndarray) -> None:
+        """Branches ``b`` (their blocks adopted or released already) free again."""
+        if not len(b):
+            return
+        self.branch_of[self.b["row"][b], self.b["rank"][b]] = -1
+        self.b["row"][b] = -1
+        self._push(b)
+
+    def _push(self, b: np.ndarray) -> None:
+        self.free[self.n_free : self.n_free + len(b)] = b
+        self.n_free += len(b)
+
+    def _drop(self, b: np.ndarray) -> None:
+        """Branches ``b`` let go unused: their blocks back."""
+        b = b[b >= 0]
+        if not len(b):
+            return
+        self.store.release(self.store.cache_rows + b)
+        self.dropped += len(b)
+        self._release(b)
+
+    def reclaim(self) -> int:
+        """Every branch dropped (a round short of blocks): the blocks freed."""
+        before = self.store.n_free
+        self._drop(np.flatnonzero(self.b["row"] >= 0))
+        return self.store.n_free - before
+
+    def info(self) -> SpecInfo:
+        live = np.flatnonzero(self.b["row"] >= 0)
+        blocks = int((self.store.held[self.store.cache_rows + live] - self.b["cell"][live]).sum())
+        return SpecInfo(
+            self.outcomes, tuple(self.hits.tolist()), self.misses, self.dropped, self.seconds, len(live), blocks
+        )
+
+
+@dataclass(frozen=True)
+class Hits:
+    """A round's entries answered from branches (``mask`` [n]) and their answer, in
+    entry order."""
+
+    mask: np.ndarray
+    result: DraftResult
+
+    def merged(self, rest: DraftResult | None) -> DraftResult:
+        """The round's whole answer: the hits' and ``rest``'s (the other entries', in
+        order; None when every entry hit)."""
+        if rest is None:
+            return self.result
+        out = {}
+        for name in ("tokens", "counts", "margins", "q_ids", "q_weights"):
+            mine, theirs = getattr(self.result, name), getattr(rest, name)
+            if mine is None or theirs is None:
+                out[name] = None
+                continue
+            whole = np.zeros((len(self.mask), *mine.shape[1:]), mine.dtype)
+            whole[self.mask], whole[~self.mask] = mine, theirs
+            out[name] = whole
+        return DraftResult(**out)
