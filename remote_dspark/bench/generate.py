@@ -134,10 +134,16 @@ class GenerateOptions:
 
 def options(args) -> GenerateOptions:
     """Raises: ValueError naming the bad argument."""
+    from ..worker.drafters import MAX_SPECULATE
+
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft go together (or neither: --random)")
     limits = (("prompts", 1, 1000), ("prompt_tokens", 1, 4096), ("new_tokens", 1, 8192), ("num_spec", 1, 32))
-    for name, low, high in limits + (("timeout_ms", 1, 600_000), ("draft_layers", 1, 64), ("speculate", 1, 1024)):
+    for name, low, high in limits + (
+        ("timeout_ms", 1, 600_000),
+        ("draft_layers", 1, 64),
+        ("speculate", 1, MAX_SPECULATE),
+    ):
         if not low <= getattr(args, name) <= high:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
     modes = tuple(m.strip() for m in args.modes.split(","))

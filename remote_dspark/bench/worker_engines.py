@@ -137,6 +137,8 @@ def add_parser(sub) -> None:
 
 def options(args) -> None:
     """Raises: ValueError naming the bad argument."""
+    from ..worker.drafters import MAX_SPECULATE
+
     limits = (
         ("engines", 1, 64),
         ("slots", 1, 1024),
@@ -147,7 +149,7 @@ def options(args) -> None:
         ("long_slots", 0, 1024),
         ("long_tokens", 1, 65536),
         ("verify_ms", 0, 10_000),
-        ("speculate", 0, 1024),
+        ("speculate", 0, MAX_SPECULATE),
     )
     for name, low, high in limits:
         if not low <= getattr(args, name) <= high:  # NaN fails too

@@ -5,6 +5,8 @@ the goals computed from the rows, and the flags. No timed assertions."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -170,7 +172,7 @@ def test_bad_arguments_name_the_flag(capsys):
     for argv, culprit in (
         (["--verify-ms", "-1"], "--verify-ms -1.0: must be in 0..10000"),
         (["--verify-ms", "nan"], "--verify-ms nan: must be in 0..10000"),
-        (["--speculate", "-2"], "--speculate -2: must be in 0..1024"),
+        (["--speculate", "-2"], "--speculate -2: must be in 0..64"),
         (
             ["--speculate", "4", "--drafter", "markov"],
             "--speculate 4: a model drafter's (--drafter lm), beside batched",
@@ -181,4 +183,25 @@ def test_bad_arguments_name_the_flag(capsys):
         assert cli.main(["bench", "worker-engines", *argv]) == 2
         assert culprit in capsys.readouterr().err
     assert cli.main(["bench", "generate", "--device", "cpu", "--speculate", "0"]) == 2
-    assert "--speculate 0: must be in 1..1024" in capsys.readouterr().err
+    assert "--speculate 0: must be in 1..64" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_worker_engines_runs_batched_with_the_cache_off_and_on_in_one_run(capsys):
+    """``--speculate``: ``batched`` and ``batched-spec`` (the built-in model on the CPU,
+    sampled simulated targets, a verify step), each with the worker's figures; the goals
+    from the rows."""
+    argv = ["--modes", "batched", "--engines", "2", "--slots", "2", "--rounds", "4", "--warmup", "1"]
+    argv += ["--drafter", "lm", "--device", "cpu", "--speculate", "4", "--verify-ms", "2", "--json"]
+    assert cli.main(["bench", "worker-engines", *argv]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["batched", "batched-spec"] and report["config"]["speculate"] == 4
+    assert all(r["draft_tokens"] > 0 and r["worker_round_ms"] > 0 and r["call_ms"] > 0 for r in rows.values())
+    assert rows["batched"]["hit_share"] is None  # no cache, no hits
+    share = rows["batched-spec"]["hit_share"]  # None until the worker exports its hits
+    assert share is None or 0 <= share <= 1
+    goals = {g["goal"].split(" (")[0]: g for g in report["goals"]}
+    assert goals["batched-spec p50 round"]["value"] == rows["batched-spec"]["p50_ms"]
+    calls = (rows["batched-spec"]["p99_ms"] - rows["batched"]["p99_ms"]) / rows["batched"]["call_ms"]
+    assert goals["batched-spec p99 over batched's <= one drafter call"]["value"] == round(calls, 2)
