@@ -9,12 +9,18 @@ captures a graph the first time it meets a shape, as a server does once, and the
 warm-up meets the shapes of the calls the engines make together). Then, together (a
 barrier), each sends ``--rounds`` rounds as fast as their replies come, each appending 3
 tokens to every slot, k = ``--num-spec`` drafts each, and times each from its send to its
-reply; entries per second count those rounds over their own span. Rows:
+reply; entries per second count those rounds over their own span. ``--verify-ms MS``: a
+steady engine waits MS between a reply and its next round (a target's verify step, the
+worker's idle time), outside the round's time. Rows:
 
 ``alone``        one engine, the worker to itself (the latency each engine is held to);
 ``batched``      all the engines, the worker's scheduler drafting what is queued in one
                  call (continuous batching);
 ``serialized``   all the engines, one round per drafter call (``--no-batching``);
+``batched-spec`` with ``--speculate N``: ``batched`` against a worker that pre-drafts
+                 (``--lm-speculate N``), every steady engine of every row then a sampled
+                 simulated target whose rounds can hit (:mod:`.speculation`); under the
+                 table each row's entries that hit and the worker's mean round and call;
 ``storm``        with ``--storm N``: one engine of ``--slots`` slots (its figures) beside N
                  storm engines at the worker's limits (1024 slots, k = 64, every round
                  NEW_GEN of whole windows) until it is done;
@@ -41,7 +47,8 @@ this run once the rows are done). The goals (never asserted): batched >= 4x seri
 entries per second, >= 70% of the drafter's own, the batched p99 <= 2x alone's and its
 worker CPU <= 50 us a round at 64 slots (on an H200 host; on 2 cores, batched >= 2x
 serialized, p99 <= 1.5x); in the storm the honest engine's p50 <= 2x its p50 alone; in
-the long row its p99 delay at most one worker call.
+the long row its p99 delay at most one worker call; ``batched-spec``'s p50 <= 0.2 ms and
+its p99 at most one drafter call over ``batched``'s.
 
 Progress goes to stderr; ``--json`` prints one JSON object, and nothing else, on stdout.
 Every engine process and the worker end before the run returns.
