@@ -7,12 +7,13 @@ keeps its heavy imports inside the function that runs it.
     worker_engines   many engines against one worker
     worker_long      its long row: one engine announcing long contexts in chunks
     engine_procs     what worker-engines' rows share: engine processes, flags, memory
+    speculation      the speculation cache's rows: a simulated target that can hit, hits
     worker_cpu       the worker's CPU per round and share of its drafter alone, per row
     worker_hostile   the worker under hostile peers
     metrics_hostile  the worker's metrics server under hostile clients
     drafter          the model drafters' rounds, three ways
     acceptance       drafts a target accepts when the drafter is the target
-    generate         transformers' generate() four ways
+    generate         transformers' generate() four ways (and the speculation cache's)
     hf_models        the transformers models the benchmarks load or build
     attention        the paged attention kernel's read bandwidth (python -m; no subcommand yet)
 """

@@ -2,15 +2,19 @@
 :mod:`.worker_long`) shares: its worker's flags and the tokens it keeps a stream, its
 engine processes (started with their configs, told "go" and "stop", their lines read
 within a bound, ended), the worker's resident set read from /proc (Linux) around the row
-and the bound the memory table gives it, and the steady engines' figures.
+and the bound the memory table gives it, and the steady engines' figures; and inside an
+engine process, its loops of rounds (timed, with the simulated target's verify step
+between them; a storm's) and its stdin.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
+import time
 
 WINDOW = 64  # the worker's --window
 STORM_SLOTS = 1024  # a storm engine's slots: the worker's own limit
@@ -94,9 +98,10 @@ def growth(started: int | None, peak: int | None) -> dict:
     return {"rss_growth_mb": None if peak is None or started is None else round((peak - started) / 1024, 1)}
 
 
-def memory_bound(args, hellos: list[tuple[int, int]], keep: int) -> int:
+def memory_bound(args, hellos: list[tuple], keep: int) -> int:
     """The worker's growth the memory table allows for a row's connections (``hellos``:
-    each engine's slots and k), whose windows keep ``keep`` tokens a stream, in bytes."""
+    each engine's slots, k and, optionally, whether its session is sampled), whose
+    windows keep ``keep`` tokens a stream, in bytes."""
     from .. import wire
     from ..worker.hub_arrays import call_bytes
     from ..worker.limits import Limits
@@ -108,8 +113,8 @@ def memory_bound(args, hellos: list[tuple[int, int]], keep: int) -> int:
     limits = Limits(max_slots=max(args.slots, STORM_SLOTS), window=WINDOW, max_round_tokens=args.max_round_tokens)
     lanes = args.drafter == "markov"  # a thread each (the Markov lane); else the hub, and its call's arrays
     bound = INTERPRETER_BYTES + (0 if lanes else call_bytes(DEFAULT_MAX_ENTRIES, WINDOW, places))
-    for e, (slots, k) in enumerate(hellos):
-        hello = wire.Hello(b"\0" * 32, b"\0" * 32, e, slots, 0, k)
+    for e, (slots, k, *sampled) in enumerate(hellos):
+        hello = wire.Hello(b"\0" * 32, b"\0" * 32, e, slots, 0, k, want_sampled=any(sampled))
         bound += limits.served_bytes(hello) + Windows.bytes_of(slots, WINDOW, keep) + (THREAD_BYTES if lanes else 0)
     if args.drafter == "lm" and args.device == "cpu":  # the call's working set in the worker's memory
         from ..drafter.lm.budget import part_limit, working_bytes
@@ -134,6 +139,8 @@ def worker_flags(args, mode: str, cache_slots: int) -> tuple[str, ...]:
         extra = ["--hf-model", args.hf_model_dir, *extra[2:]]
     if mode == "serialized":
         extra.append("--no-batching")
+    if mode == "batched-spec":
+        extra += ["--lm-speculate", str(args.speculate)]
     for flag in ("max_batch_tokens", "max_round_tokens"):
         if getattr(args, flag) is not None:
             extra += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -167,3 +174,51 @@ def steady_row(mode: str, engines: int, slots: int, got: list, wall: float) -> d
         "entries_per_s": round(sum(g[1] for g in got) / wall, 1),
         "draft_tokens": sum(g[2] for g in got),
     }
+
+
+def timed_rounds(send, took, rounds: int, until, pause, rid: int, clock=time.perf_counter) -> tuple[list, int]:
+    """The timed rounds after round ``rid``: ``rounds`` of them (with ``until``: while it
+    is True, one at least), each timed on ``clock`` from ``send(rid)`` to its reply;
+    ``pause()`` (None: none) between a reply and the next round, outside the timing, as
+    ``took(reply)`` (the drafts it counts). Returns (latencies, drafts)."""
+    latencies, drafted = [], 0
+    while len(latencies) < rounds if until is None else not latencies or until():
+        if latencies and pause is not None:
+            pause()
+        rid += 1
+        t0 = clock()
+        reply = send(rid)
+        latencies.append(clock() - t0)
+        drafted += took(reply)
+    return latencies, drafted
+
+
+def storm_rounds(c, engine_id: int, storm, k: int, windows: list, warmup: int) -> tuple[list, int, int, list]:
+    """A storm engine's rounds: NEW_GEN of each slot's whole window at its first
+    position, one frame sent again and again as fast as it is answered, while ``storm()``."""
+    from .. import wire
+
+    entries = [wire.Entry(s, k, 0, tuple(w), new_gen=True) for s, w in enumerate(windows)]
+    payload = memoryview(wire.encode_round_entries(0, engine_id, 10_000, entries, b"", 0))[24:]
+    rid, drafted = warmup + 1, 0
+    while storm():
+        rid += 1
+        header = wire.encode_header(wire.ROUND, len(payload), engine_id, rid)
+        drafted += int(sum(c.round(rid, [header, payload], 30_000).counts))
+    return [], (rid - warmup - 1) * len(windows), drafted, []
+
+
+def verify_pause(ms: float, sleep=time.sleep):
+    """The simulated target's verify step: a callable that waits ``ms`` milliseconds on
+    ``sleep``, or None for 0 (no wait)."""
+    return (lambda: sleep(ms / 1e3)) if ms > 0 else None
+
+
+def stdin_line() -> str:
+    """One line of stdin, read a byte at a time from its descriptor: what follows stays in
+    the pipe, where the storm's select sees it (a buffered readline of "go" could take a
+    "stop" already sent along into its buffer, and the storm would never end)."""
+    got = bytearray()
+    while not got.endswith(b"\n") and (byte := os.read(0, 1)):
+        got += byte
+    return got.decode()

@@ -8,7 +8,12 @@ prompts and models.
 ``sync``        the draft served by a ``remote-dspark worker`` on 127.0.0.1 (a child
                 process), rounds from the engine thread
                 (:func:`remote_dspark.integrations.transformers.generate`, ``ASYNC=0``);
-``process``     the same through the supervised proxy process (``ASYNC_PROXY=process``).
+``process``     the same through the supervised proxy process (``ASYNC_PROXY=process``);
+``process-spec`` ``process`` against a second worker that pre-drafts (``--lm-speculate``
+                ``--speculate``, default 16 outcomes a stream): its rounds that hit (the
+                worker's hits over the remote rounds) and whether its tokens are
+                ``process``'s (the cache changes no output). Not run unless named in
+                ``--modes``.
 
 ``--sample`` adds three rows that sample at temperature 1 (``do_sample=True``, top-k and
 top-p off), on the same prompts from the same torch seed:
@@ -64,11 +69,10 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import shutil
-import tempfile
 import time
 
 MODES = ("plain", "assistant", "sync", "process")
+SPEC_MODE = "process-spec"  # process against a worker with --lm-speculate
 SAMPLE_MODES = ("assistant-sample", "sync-sample", "process-sample")  # --sample's rows
 REDRAW_MODE = "sync-sample-redraw"  # --redraw's row
 SAMPLE = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}  # temperature 1, nothing cut
@@ -102,6 +106,12 @@ def add_parser(sub) -> None:
     p.add_argument("--num-spec", type=int, default=5, help="k: drafts per round (default 5)")
     p.add_argument("--timeout-ms", type=int, default=1000, help="the remote round's deadline (default 1000)")
     p.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
+    p.add_argument(
+        "--speculate",
+        type=int,
+        default=16,
+        help=f"{SPEC_MODE}'s worker: --lm-speculate N, outcomes pre-drafted a stream (default 16)",
+    )
     p.add_argument("--sample", action="store_true", help=f"add {' and '.join(SAMPLE_MODES)}: sampled rows")
     p.add_argument("--redraw", action="store_true", help=f"add {REDRAW_MODE}: sync-sample, the engine redrawing")
     p.add_argument("--temperature", type=float, default=1.0, help="the sampled rows' temperature (default 1)")
@@ -119,18 +129,25 @@ class GenerateOptions:
     timeout_ms: int
     modes: tuple[str, ...]
     temperature: float = 1.0  # the sampled rows'
+    speculate: int = 16  # process-spec's worker's --lm-speculate
 
 
 def options(args) -> GenerateOptions:
     """Raises: ValueError naming the bad argument."""
+    from ..worker.drafters import MAX_SPECULATE
+
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft go together (or neither: --random)")
     limits = (("prompts", 1, 1000), ("prompt_tokens", 1, 4096), ("new_tokens", 1, 8192), ("num_spec", 1, 32))
-    for name, low, high in limits + (("timeout_ms", 1, 600_000), ("draft_layers", 1, 64)):
+    for name, low, high in limits + (
+        ("timeout_ms", 1, 600_000),
+        ("draft_layers", 1, 64),
+        ("speculate", 1, MAX_SPECULATE),
+    ):
         if not low <= getattr(args, name) <= high:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in {low}..{high}")
     modes = tuple(m.strip() for m in args.modes.split(","))
-    known = MODES + SAMPLE_MODES + (REDRAW_MODE,)
+    known = MODES + SAMPLE_MODES + (REDRAW_MODE, SPEC_MODE)
     if not modes or any(m not in known for m in modes):
         raise ValueError(f"--modes {args.modes!r}: choose from {', '.join(known)}")
     if args.sample:
@@ -155,54 +172,8 @@ def options(args) -> GenerateOptions:
         args.timeout_ms,
         modes,
         args.temperature,
+        args.speculate,
     )
-
-
-@contextlib.contextmanager
-def random_pair(spec: str, draft_layers: int):
-    """(target directory, draft directory, name) of a random target of ``spec``'s shape and
-    a draft of its first ``draft_layers`` layers (its embeddings, final norm and head
-    too; all of them: the target's own directory), saved into private temporary
-    directories for the ``with`` block."""
-    from .hf_models import parse_random, random_model
-
-    kind, layers, width = parse_random(spec)
-    if draft_layers > layers:
-        raise ValueError(f"--draft-layers {draft_layers}: the target {spec} has {layers} layers; keep as many or fewer")
-    target = random_model(kind, layers, width)
-    if draft_layers == layers:  # the draft is the target itself
-        path = tempfile.mkdtemp(prefix="remote-dspark-bench-model-")
-        try:
-            target.save_pretrained(path)
-            yield path, path, f"{spec} / the target itself"
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
-        return
-    draft = random_model(kind, draft_layers, width)
-    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)  # the other layers: unexpected keys
-    assert not missing, missing
-    paths = [tempfile.mkdtemp(prefix="remote-dspark-bench-model-") for _ in range(2)]  # mode 0700
-    try:
-        target.save_pretrained(paths[0])
-        draft.save_pretrained(paths[1])
-        yield paths[0], paths[1], f"{spec} / {draft_layers} layers"
-    finally:
-        for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-class Forwards:
-    """Counts a model's forward calls (a forward hook, until :meth:`remove`)."""
-
-    def __init__(self, model):
-        self.calls = 0
-        self._hook = model.register_forward_hook(self._count)
-
-    def _count(self, *args) -> None:
-        self.calls += 1
-
-    def remove(self) -> None:
-        self._hook.remove()
 
 
 def _sync(device: str) -> None:
@@ -220,12 +191,14 @@ def measure_mode(mode: str, opts: GenerateOptions, target, draft, worker, prompt
     from ..config import RemoteConfig
     from ..engine import RemoteDSpark
     from ..integrations.transformers import generate
+    from .hf_models import Forwards
+    from .speculation import SpecCounters, figures
 
     fwd = Forwards(target)
     draft_fwd = Forwards(draft)
     rd = None
     sampled = mode in SAMPLE_MODES + (REDRAW_MODE,)
-    if mode in ("sync", "process", "sync-sample", "process-sample", REDRAW_MODE):
+    if mode in ("sync", "process", SPEC_MODE, "sync-sample", "process-sample", REDRAW_MODE):
         proxied = mode.startswith("process")
         switches = {"VLLM_DSPARK_REMOTE_ASYNC": "1" if proxied else "0"}
         if proxied:
@@ -251,6 +224,7 @@ def measure_mode(mode: str, opts: GenerateOptions, target, draft, worker, prompt
         torch.manual_seed(0)  # a sampled mode's randomness (the target's and the drafts'), the same each run
         fwd.calls = draft_fwd.calls = 0
         before = rd.stats() if rd is not None else None
+        counted = SpecCounters.read(worker.metrics_url) if mode == SPEC_MODE else None
         outputs, wall = [], 0.0
         for i, prompt in enumerate(prompts):
             tick(f"{mode}: prompt {i + 1}/{len(prompts)}")
@@ -267,6 +241,10 @@ def measure_mode(mode: str, opts: GenerateOptions, target, draft, worker, prompt
         row["accepted_per_round"] = round((tokens - fwd.calls) / max(1, fwd.calls), 3)  # each forward: 1 + accepted
         row["acceptance"] = _acceptance(mode, tokens, fwd.calls, draft_fwd.calls, before, rd)
         row["round_ms"] = _round_ms(before, rd.stats()) if rd is not None else None
+        rounds = rd.stats().round_latency.count - before.round_latency.count if rd is not None else 0
+        row["hit_share"] = (
+            figures(counted, SpecCounters.read(worker.metrics_url), rounds)["hit_share"] if counted else None
+        )
         return row, outputs
     finally:
         fwd.remove()
@@ -293,9 +271,15 @@ def _round_ms(before, after) -> float | None:
 
 
 def make_report(opts: GenerateOptions, name: str, rows: list[dict], same: dict, itself: bool = False) -> dict:
+    """``same``: by mode, whether its tokens are plain's (and ``SPEC_MODE + "/process"``:
+    whether process-spec's are process's)."""
+    from .speculation import generate_goals
+
     by = {r["mode"]: r for r in rows}
     for r in rows:
         r["same_tokens_as_plain"] = same.get(r["mode"])
+    if SPEC_MODE in by:
+        by[SPEC_MODE]["same_tokens_as_process"] = same.get(SPEC_MODE + "/process")
     goals = []
     for mode in ("sync", "process") if itself and "plain" in by else ():  # the draft is the target
         if mode in by:
@@ -312,6 +296,7 @@ def make_report(opts: GenerateOptions, name: str, rows: list[dict], same: dict, 
                 "met": ratio <= GOAL_X,
             }
         )
+    goals += generate_goals(by)
     ratios = []
     if all(m in by for m in SAMPLE_MODES):
         theirs = by["assistant-sample"]["accepted_per_round"]
@@ -340,21 +325,22 @@ def format_table(report: dict) -> str:
         f"of {c['prompt_tokens']} tokens, "
         f"{c['new_tokens']} new tokens each",
         f"{'mode':<18} {'device':>6} {'wall s':>8} {'tokens/s':>9} {'fwd/token':>9} {'token/fwd':>9} "
-        f"{'acc/round':>9} {'accept':>7} {'round ms':>8} same",
-        "-" * 98,
+        f"{'acc/round':>9} {'accept':>7} {'round ms':>8} {'hits':>6} same",
+        "-" * 105,
     ]
     for r in report["rows"]:
         accept = "-" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
         round_ms = "-" if r["round_ms"] is None else f"{r['round_ms']:.2f}"
+        hits = "-" if r["hit_share"] is None else f"{r['hit_share']:.0%}"
         same = {True: "yes", False: "NO", None: "-"}[r["same_tokens_as_plain"]]
         lines.append(
             f"{r['mode']:<18} {r['device']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>9,.1f} "
             f"{r['target_forwards_per_token']:>9.3f} {r['tokens_per_forward']:>9.3f} {r['accepted_per_round']:>9.3f} "
-            f"{accept:>7} {round_ms:>8} {same}"
+            f"{accept:>7} {round_ms:>8} {hits:>6} {same}"
         )
     for g in report["goals"]:
-        unit = "" if "acceptance" in g["goal"] else "x"
-        lines.append(f"goal {g['goal']}: {g['value']}{unit}, {'met' if g['met'] else 'NOT met'}")
+        value = "" if g["value"] is None else f"{g['value']}{g.get('unit', '' if 'acceptance' in g['goal'] else 'x')}, "
+        lines.append(f"goal {g['goal']}: {value}{'met' if g['met'] else 'NOT met'}")
     for q in report["ratios"]:
         lines.append(f"{q['ratio']}: {q['value']}x")
     return "\n".join(lines)
@@ -367,7 +353,7 @@ def run(args) -> int:
     from ..demo.harness import WorkerProcess
     from ..drafter.lm.hf import load_hf
     from ..progress import Progress
-    from .hf_models import parse_random
+    from .hf_models import parse_random, random_pair
 
     opts = options(args)
     transformers.logging.set_verbosity_error()
@@ -392,14 +378,21 @@ def run(args) -> int:
             bar.update(next(done), note)
 
         rows, outputs = [], {}
-        with WorkerProcess(chaos=False, extra=extra) as worker:
+        spec = (*extra, "--lm-speculate", str(opts.speculate), "--metrics-port", "0")  # its hits on /metrics
+        with contextlib.ExitStack() as stack:
+            workers = {"": stack.enter_context(WorkerProcess(chaos=False, extra=extra))}
+            if SPEC_MODE in opts.modes:
+                workers[SPEC_MODE] = stack.enter_context(WorkerProcess(chaos=False, extra=spec))
             for mode in opts.modes:
+                worker = workers.get(mode, workers[""])
                 row, outputs[mode] = measure_mode(mode, opts, target, draft, worker, prompts, tick)
                 rows.append(row)
         bar.update(bar.total)
     plain = outputs.get("plain")
     greedy = {m: o for m, o in outputs.items() if m not in SAMPLE_MODES + (REDRAW_MODE,)}  # sampled: other tokens
     same = {m: all(torch.equal(a, b) for a, b in zip(o, plain)) for m, o in greedy.items()} if plain else {}
+    if SPEC_MODE in outputs and "process" in outputs:
+        same[SPEC_MODE + "/process"] = all(map(torch.equal, outputs[SPEC_MODE], outputs["process"]))
     itself = args.draft == args.target if args.target else args.draft_layers == parse_random(args.random)[1]
     report = make_report(opts, name, rows, same, itself)
     print(json.dumps(report, indent=2) if args.json else format_table(report))

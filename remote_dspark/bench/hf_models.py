@@ -10,7 +10,8 @@ Shapes (random weights, seeded):
 ``llama:LxW``  Llama: rotary positions, 2048 of them (or ``positions``), vocabulary 32000,
                W/64 heads and a quarter as many KV heads (grouped), an MLP of 8/3 W.
 
-``gpt2:12x768`` is GPT-2 small's shape.
+``gpt2:12x768`` is GPT-2 small's shape. :func:`random_pair` saves a random target and a
+draft of its first layers (``bench generate``); :class:`Forwards` counts a model's calls.
 """
 
 from __future__ import annotations
@@ -80,3 +81,48 @@ def model_dir(hf_model: str | None, hf_random: str | None, positions: int = POSI
         yield path, hf_random
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def random_pair(spec: str, draft_layers: int):
+    """(target directory, draft directory, name) of a random target of ``spec``'s shape and
+    a draft of its first ``draft_layers`` layers (its embeddings, final norm and head
+    too; all of them: the target's own directory), saved into private temporary
+    directories for the ``with`` block."""
+    kind, layers, width = parse_random(spec)
+    if draft_layers > layers:
+        raise ValueError(f"--draft-layers {draft_layers}: the target {spec} has {layers} layers; keep as many or fewer")
+    target = random_model(kind, layers, width)
+    if draft_layers == layers:  # the draft is the target itself
+        path = tempfile.mkdtemp(prefix="remote-dspark-bench-model-")
+        try:
+            target.save_pretrained(path)
+            yield path, path, f"{spec} / the target itself"
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+        return
+    draft = random_model(kind, draft_layers, width)
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)  # the other layers: unexpected keys
+    assert not missing, missing
+    paths = [tempfile.mkdtemp(prefix="remote-dspark-bench-model-") for _ in range(2)]  # mode 0700
+    try:
+        target.save_pretrained(paths[0])
+        draft.save_pretrained(paths[1])
+        yield paths[0], paths[1], f"{spec} / {draft_layers} layers"
+    finally:
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class Forwards:
+    """Counts a model's forward calls (a forward hook, until :meth:`remove`)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self._hook = model.register_forward_hook(self._count)
+
+    def _count(self, *args) -> None:
+        self.calls += 1
+
+    def remove(self) -> None:
+        self._hook.remove()

@@ -34,17 +34,28 @@ def test_bad_arguments_name_the_flag(capsys):
 def test_every_mode_generates_the_targets_tokens_and_both_assistants_draft_alike(capsys):
     pytest.importorskip("transformers", reason="transformers not installed (the hf extra)")
     argv = ["--random", "gpt2:2x64", "--draft-layers", "1", "--prompts", "2", "--new-tokens", "24", "--device", "cpu"]
+    argv += ["--modes", "plain,assistant,sync,process,process-spec", "--speculate", "4"]
     assert cli.main(["bench", "generate", *argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     rows = {r["mode"]: r for r in report["rows"]}
-    assert list(rows) == ["plain", "assistant", "sync", "process"]
+    assert list(rows) == ["plain", "assistant", "sync", "process", "process-spec"]
     assert all(r["same_tokens_as_plain"] and r["tokens"] == 48 for r in rows.values())
+    # process-spec: process against a worker that pre-drafts, in the same run: the same
+    # tokens, its round and hit share (None until the worker exports its hits), its goals.
+    spec = rows.pop("process-spec")
+    assert spec["same_tokens_as_process"] is True and spec["round_ms"] > 0 and rows["process"]["hit_share"] is None
+    assert spec["hit_share"] is None or 0 <= spec["hit_share"] <= 1
+    assert [g["goal"] for g in report["goals"][1:]] == [
+        "process-spec: rounds that hit >= 60%",
+        "process-spec: process's mean round / its own >= 2x",
+        "process-spec: the same tokens as process",
+    ]
     assert rows["plain"]["target_forwards_per_token"] == 1.0 and rows["plain"]["acceptance"] is None
     remote = rows["sync"], rows["process"]
     assert all(r["round_ms"] > 0 and r["acceptance"] == rows["assistant"]["acceptance"] for r in remote)
     assert all(r["target_forwards_per_token"] == rows["assistant"]["target_forwards_per_token"] for r in remote)
     assert rows["assistant"]["target_forwards_per_token"] < 1.0  # the draft was of use
-    assert [g["goal"] for g in report["goals"]] == ["process wall time / assistant's <= 1.1x"]
+    assert report["goals"][0]["goal"] == "process wall time / assistant's <= 1.1x"
     assert report["ratios"] == []
     assert all(r["tokens_per_forward"] == round(1 + r["accepted_per_round"], 3) for r in rows.values())
 
