@@ -266,7 +266,7 @@ class Speculation:
         valid = ((j < sent[:, None, None]) & (t != last.drafts[rows][:, :, None])) | (
             (j == sent[:, None, None]) & (j < width[:, None, None])
         )
-        score = np.where(valid, reach[:, :w, None] * last.probs[rows], -1.0).reshape(len(rows), -1)
+        score = np.where(valid, reach[:, :w, None] * last.probs[rows], -1.0).reshape(len(rows), w * RANK)
         bonus = (sent == width) & ~self.sampled[rows]
         mean = a.sum(1) / np.maximum(width, 1)
         score = np.concatenate([score, np.where(bonus, reach[np.arange(len(rows)), width] * mean, -1.0)[:, None]], 1)
@@ -284,7 +284,7 @@ class Speculation:
         rows_out = rows[which]
         jj = j_all[which, pick]
         is_bonus = pick == w * RANK
-        tt = np.where(is_bonus, -1, t.reshape(len(rows), -1)[which, np.minimum(pick, w * RANK - 1)])
+        tt = np.where(is_bonus, -1, t.reshape(len(rows), w * RANK)[which, np.minimum(pick, w * RANK - 1)])
         return rows_out, jj, tt, rank, is_bonus.astype(np.int64)
 
     def _run(self, r, j, t, rank, shift) -> int:
