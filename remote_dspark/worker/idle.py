@@ -77,18 +77,21 @@ class IdleAndHub:
         return True
 
     def _predraft(self) -> bool:
-        """One call of the drafter's pre-drafting (its ``predraft``) when it is free and no
-        round is queued: a round arriving meanwhile waits for this call only. Whether it
-        pre-drafted any outcome (False: none due; the thread may wait)."""
+        """One call of the drafter's pre-drafting (its ``predraft``) when it is due (a call
+        ended, or the last pre-draft made some: ``_due``), the drafter is free and no round
+        is queued: a round arriving meanwhile waits for this call only. Whether it
+        pre-drafted any outcome (then it is due again; False: the thread may wait, and
+        looks again only once another call ends)."""
         with self._cond:
-            self._due = False
-            if not self.predrafts or self._busy or self._fair or self._stopping:
-                return False
+            due, self._due = self._due, False
+            if not due or not self.predrafts or self._busy or self._fair or self._stopping:
+                return False  # (busy or queued: that call's end makes it due again)
             self._busy = True
+        made = False
         try:
-            return self.drafter.predraft(self.max_entries, self.max_tokens) > 0
+            made = self.drafter.predraft(self.max_entries, self.max_tokens) > 0
         except Exception:  # (a failed pre-draft costs its outcomes, never a round)
             log.exception("pre-drafting failed")
-            return False
         finally:
-            self._free(ended=False)
+            self._free(ended=made)
+        return made

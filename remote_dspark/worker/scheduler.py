@@ -41,7 +41,8 @@ they are one call, gathered and answered in C; else each becomes a job, ended by
 
 Idle time (:mod:`.idle`): a drafter that pre-drafts (the contract's ``predraft``) is
 called by the drafter thread whenever it is free and nothing is queued, once after every
-call and again while it has outcomes due; a pre-drafting call is a call like any other
+call and again while its last pre-draft made outcomes (one that made none is not repeated
+until another call ends); a pre-drafting call is a call like any other
 (``_busy``), so a round arriving meanwhile waits for that one call, never for more, and
 pre-drafting never takes a queued round's place.
 
@@ -142,7 +143,7 @@ class Scheduler(IdleAndHub):
         # dropped when reached); _busy is True while one thread makes a call, which it
         # alone may then take pieces for and gather into.
         self._busy = False  # a call is being made (by the drafter thread or a connection's)
-        self._due = False  # a call ended since the drafter thread last pre-drafted
+        self._due = False  # pre-drafting is due: a call ended, or the last pre-draft made outcomes
         self._stopping = False
         self._outbox: list[Job] = []  # ended jobs with a ``deliver``, to call outside the lock
         self._thread = threading.Thread(target=self._loop, name="drafter", daemon=True)
@@ -277,7 +278,8 @@ class Scheduler(IdleAndHub):
 
     def _free(self, ended: bool = True) -> None:
         """The call's maker gives ``_busy`` back, waking the drafter thread for what
-        queued meanwhile, or (a round ``ended``) to pre-draft."""
+        queued meanwhile, or (``ended``: a call of rounds, or a pre-draft that made
+        outcomes) to pre-draft."""
         with self._cond:
             self._busy = False
             self._due = self._due or (ended and self.predrafts)
