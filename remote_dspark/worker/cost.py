@@ -89,6 +89,22 @@ class DrafterCost:
         # (1e-9: rounding; the price of n tokens is n tokens, not n - 1)
         return int((price - b) / c + 1e-9) if c > 0 else (1 << 62 if price >= b else 0)
 
+    def entries_within(self, seconds: float, width: int) -> int:
+        """The most entries of a token and ``width`` drafts each (a pre-draft's) that a
+        call of ``seconds`` drafts (1 << 62 when none costs anything; 0 before the first call)."""
+        if not self.known:
+            return 0
+        a, b, c, d = self.coef * self.over
+        each = b + c * (1 + width) + d * width
+        return int((seconds - a) / each) if each > 0 else 1 << 62
+
+    def typical(self) -> tuple[float, int]:
+        """The recent calls' median seconds and the last one's width (a call's usual
+        length: what a pre-drafting call may take). ``(0.0, 0)`` before the first call."""
+        if not self._calls:
+            return 0.0, 0
+        return float(np.median([c[3] for c in self._calls])), int(self._calls[-1][2])
+
     def observe(self, entries: int, tokens: int, width: int, seconds: float) -> None:
         """A call's shape and its seconds: the fit follows, and an overrun of the
         prediction scales the next ones (the module docstring)."""

@@ -2,7 +2,8 @@
 of it kept here): the rounds a hub has ready (:meth:`IdleAndHub._pull`, drafted in one
 call where they fit: :meth:`IdleAndHub._whole_call`), and pre-drafting when nothing is
 queued (:meth:`IdleAndHub._predraft`: the drafter's optional ``predraft``, one call at a
-time like every other, so a round that arrives meanwhile waits for that call only).
+time like every other, so a round that arrives meanwhile waits for that call only, and
+that call is sized by the cost model to about the recent calls' usual length).
 
 The state used here is the scheduler's (its lock, ``_busy``, its queue), under its rules.
 """
@@ -44,6 +45,15 @@ class IdleAndHub:
             with self._cond:
                 for job in jobs:
                     self._fair.add(job)
+
+    def _predraft_entries(self) -> int:
+        """A pre-drafting call's entries: within the caps, and within what the recent
+        calls took (:meth:`~.cost.DrafterCost.typical`), so that a round arriving during it
+        waits about one usual call; at least one."""
+        seconds, width = self.cost.typical()
+        if not seconds:
+            return self.max_entries
+        return max(1, min(self.max_entries, self.cost.entries_within(seconds, width)))
 
     def _whole_call(self, ready) -> bool:
         """The source's ``ready`` rounds drafted in one call, their replies written and sent
@@ -89,7 +99,7 @@ class IdleAndHub:
             self._busy = True
         made = False
         try:
-            made = self.drafter.predraft(self.max_entries, self.max_tokens) > 0
+            made = self.drafter.predraft(self._predraft_entries(), self.max_tokens) > 0
         except Exception:  # (a failed pre-draft costs its outcomes, never a round)
             log.exception("pre-drafting failed")
         finally:

@@ -29,18 +29,18 @@ MODEL = TinyLM()
 
 
 def assert_pool_consistent(drafter) -> None:
-    """Every block's count is the table cells holding it (over every row's held cells),
-    the free list is exactly the blocks no row holds, and the speculation cache's branches
-    are where its tables say."""
+    """Every block has one owner: the free list, a stream's (or scratch) row's held cells,
+    or a branch's cells from its fork on (those before are its stream's, read only in its
+    own pre-draft); and the speculation cache's branches are where its tables say."""
     store, spec = drafter.store, drafter.spec
-    cells = np.concatenate([store.host_table[r, : store.held[r]] for r in range(store.rows)])
-    assert not (cells == 0).any(), "the trash block in a row"
-    assert (np.bincount(cells, minlength=store.blocks) == store.refs).all()
-    free = store.free[: store.n_free]
-    assert len(np.unique(free)) == len(free) and set(free.tolist()) == set(np.flatnonzero(store.refs == 0)[1:].tolist())
+    first = np.zeros(store.rows, np.int64)
+    live = np.flatnonzero(spec.b["row"] >= 0) if spec is not None else np.zeros(0, np.int64)
+    first[store.cache_rows + live] = spec.b["cell"][live] if spec is not None else 0
+    owned = [store.host_table[r, first[r] : store.held[r]] for r in range(store.rows)]
+    blocks = np.concatenate([store.free[: store.n_free], *owned])
+    assert sorted(blocks.tolist()) == list(range(1, store.blocks)), "a block lost, or owned twice"
     if spec is None:
         return
-    live = np.flatnonzero(spec.b["row"] >= 0)
     dead = np.setdiff1d(np.arange(store.branch_rows), live)
     assert not store.held[store.cache_rows + dead].any(), "a free branch holds blocks"
     assert (spec.branch_of[spec.b["row"][live], spec.b["rank"][live]] == live).all()
@@ -75,13 +75,13 @@ class Pair:
         self.known: set[int] = set()
 
     def branches(self, slot: int) -> list[tuple[int, int]]:
-        """The ``(j, t)`` outcomes pre-drafted for the slot's stream now (the spec's)."""
+        """The ``(j, t)`` outcomes pre-drafted for the slot's stream as it stands (the spec's)."""
         spec = self.spec.spec
         row = int(self.spec.cache.rows_of(self.engines[0].windows.serial, np.array([slot]))[0])
         if row < 0:
             return []
         b = spec.branch_of[row]
-        b = b[b >= 0]
+        b = b[(b >= 0) & (spec.b["length"][b] == self.spec.cache.length[row])]  # (stale ones: the stream moved on)
         return sorted(zip(spec.b["j"][b].tolist(), spec.b["t"][b].tolist(), strict=True))
 
     def outcome(self, slot: int, j: int, t: int) -> list[int]:
@@ -256,23 +256,24 @@ def test_a_sampled_predraft_never_answers_another_seed_or_temperature(change):
     assert pair.branches(0) == [] and pair.branches(1) != []  # the stream's branches let go, the other's kept
 
 
-def test_a_round_that_matches_no_outcome_gives_its_streams_branch_blocks_back():
+def test_a_round_that_matches_no_outcome_lets_its_streams_branches_go_at_the_next_predraft():
     pair = pair_of(24)
     pair.round([(0, list(range(3, 23)), True, False, 5), (1, [7] * 9, True, False, 0)])
     store, row = pair.spec.store, row_of(pair, 0)
     free, held = store.n_free, int(store.held[row])
     assert pair.predraft(16, 4096) > 0
-    info = pair.spec.spec_info()
-    assert info.blocks > 0 and info.held == len(pair.branches(0)) + len(pair.branches(1)) and store.n_free < free
+    info, stale = pair.spec.spec_info(), len(pair.branches(0))
+    assert info.blocks > 0 and info.held == stale + len(pair.branches(1)) and store.n_free == free - info.blocks
     t = next(t for t in range(128) if not pair.predrafted(0, [t]))  # a correction at the first draft, not pre-drafted
     pair.round([(0, [t], False, False)])  # (its stream keeps its blocks: 21 tokens and 4 drafts in 2)
+    assert pair.branches(0) == [] and pair.spec.spec_info().misses == 1
+    pair.predraft(16, 4096)  # the stream's outcomes again: its stale branches let go first
     info = pair.spec.spec_info()
-    assert pair.branches(0) == [] and info.held == len(pair.branches(1)) > 0
-    assert int(store.held[row]) == held and store.n_free == free - info.blocks
-    t = next(t for t in range(128) if not pair.predrafted(1, [t]))
-    pair.round([(1, [t], False, False)])
+    assert info.dropped == stale and int(store.held[row]) == held and store.n_free == free - info.blocks
+    pair.spec.spec.reclaim()  # (a round short of blocks)
     info = pair.spec.spec_info()
-    assert info.held == info.blocks == 0 and store.n_free == free and info.misses == 2
+    assert info.held == info.blocks == 0 and store.n_free == free
+    assert_pool_consistent(pair.spec)
 
 
 def test_predrafting_never_evicts_a_stream_and_a_round_short_of_blocks_drops_the_branches_first():

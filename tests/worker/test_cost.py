@@ -66,3 +66,16 @@ def test_the_fit_is_redone_every_refit_calls_or_at_once_when_a_call_drifts():
     refitted = cost.coef.copy()
     cost.observe(e, t, w, 0.5 / DRIFT * seconds(e, t, w))  # far below its prediction: refitted at once
     assert not (cost.coef == refitted).all()
+
+
+def test_a_pre_drafting_call_is_sized_to_the_recent_calls_usual_length():
+    cost = DrafterCost()
+    assert cost.typical() == (0.0, 0) and cost.entries_within(1.0, 5) == 0  # nothing known yet
+    calls = shapes(20, seed=3)
+    for e, t, w in calls:
+        cost.observe(e, t, w, seconds(e, t, w))
+    usual, width = cost.typical()
+    assert usual == pytest.approx(np.median([seconds(*c) for c in calls])) and width == calls[-1][2]
+    n = cost.entries_within(usual, width)  # entries of a token and `width` drafts each
+    assert seconds(n, n * (1 + width), width) <= usual * (1 + 1e-3)  # (the fit: to its rounding)
+    assert seconds(n + 1, (n + 1) * (1 + width), width) > usual * (1 - 1e-3)

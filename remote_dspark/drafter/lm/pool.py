@@ -26,10 +26,12 @@ rows of pre-drafted outcomes (:mod:`.speculate`), then scratch rows for a round'
 without one (a drafter without a cache, or a round of more entries than rows): their
 blocks are taken for the round and given back after it.
 
-Blocks are counted (``refs``): a branch forked from a stream shares the stream's blocks
-before the fork (:meth:`KVStore.fork`: copy on write, the block the fork falls in copied,
-the rest new), and a block goes back to the free list when no row holds it any more; a
-branch taken for its stream hands it its blocks (:meth:`KVStore.adopt`).
+A branch forked from a stream (:meth:`KVStore.fork`, copy on write) reads the stream's
+blocks before the fork through its own table row, and owns only the blocks from the fork
+on (the block the fork falls in copied, the rest new): the shared ones are read during its
+own pre-draft only, under the drafter's lock, and are its stream's whatever happens to
+the branch. Taken for its stream, it hands the stream its own blocks
+(:meth:`KVStore.adopt`); let go, it gives back only those (``release`` from its fork).
 """
 
 from __future__ import annotations
@@ -145,7 +147,6 @@ class KVStore:
         self.blocks = blocks
         self.free = np.arange(blocks - 1, 0, -1, dtype=np.int64)  # a stack; block 0 (trash) never in it
         self.n_free = blocks - 1
-        self.refs = np.zeros(blocks, np.int32)  # the rows holding each block (0: free, or the trash)
         self._tables(rows + branch_rows)
         self.version = 0  # bumped when ``table`` is reallocated (what holds its address must let go)
 
@@ -205,7 +206,6 @@ class KVStore:
             total = int(extra.sum())
         taken = self.free[self.n_free - total : self.n_free]
         self.n_free -= total
-        self.refs[taken] = 1
         run, at = _runs(extra)
         self.host_table[rows[run], first[run] + at] = taken
         self.held[rows] += extra
@@ -222,30 +222,27 @@ class KVStore:
         return owner * self.max_blocks + cell, self.host_table[owner, cell]
 
     def release(self, rows: np.ndarray, start: np.ndarray | int = 0) -> None:
-        """Let go of the blocks of ``rows`` (distinct) from their cell ``start`` on (the
-        rows then hold ``start`` cells): each back to the free list once no row holds it."""
+        """Give back the blocks of ``rows`` (distinct) from their cell ``start`` on (a
+        branch's own, from its fork), the rows left holding none (``start`` 0) or the
+        cells before ``start``."""
         start = np.minimum(np.broadcast_to(np.asarray(start, np.int64), np.shape(rows)), self.held[rows])
         count = self.held[rows] - start
         total = int(count.sum())
         if not total:
             return
         run, at = _runs(count)
-        blocks, times = np.unique(self.host_table[rows[run], start[run] + at], return_counts=True)
-        self.refs[blocks] -= times.astype(np.int32)
-        gone = blocks[self.refs[blocks] == 0]
-        self.free[self.n_free : self.n_free + len(gone)] = gone
-        self.n_free += len(gone)
+        self.free[self.n_free : self.n_free + total] = self.host_table[rows[run], start[run] + at]
+        self.n_free += total
         self.held[rows] = start
 
     def fork(self, rows: np.ndarray, sources: np.ndarray, cells: np.ndarray) -> None:
-        """Each of ``rows`` (empty, distinct) shares the first ``cells[i]`` blocks of
-        ``sources[i]`` (which holds them): the host's table only (the caller copies the
-        device's rows: :meth:`copy_rows`)."""
+        """Each of ``rows`` (empty, distinct) reads the first ``cells[i]`` blocks of
+        ``sources[i]`` (which holds them; not its own: ``release(rows, cells)`` gives back
+        only what it takes after): the host's table (the caller copies the device's rows,
+        :meth:`copy_rows`)."""
         assert not self.held[rows].any(), "a fork into a row that holds blocks"
         run, cell = _runs(cells)
-        blocks = self.host_table[sources[run], cell]
-        self.host_table[rows[run], cell] = blocks
-        np.add.at(self.refs, blocks, 1)
+        self.host_table[rows[run], cell] = self.host_table[sources[run], cell]
         self.held[rows] = cells
 
     def adopt(self, rows: np.ndarray, branches: np.ndarray, cells: np.ndarray) -> None:
@@ -258,13 +255,12 @@ class KVStore:
         cell = cells[run] + at
         self.host_table[rows[run], cell] = self.host_table[branches[run], cell]
         self.held[rows] = self.held[branches]
-        self.held[branches] = cells  # the moved blocks are the rows' now: only the shared ones let go
-        self.release(branches)
+        self.held[branches] = 0
 
     def copy_rows(self, rows: np.ndarray, sources: np.ndarray) -> None:
         """The device's table rows ``rows`` become copies of ``sources``' (one gather and
         scatter on the device, ordered before the next round that reads them)."""
-        if len(rows):
+        if len(rows) and self.table.data_ptr() != self.host_table.ctypes.data:  # (on the CPU they are one)
             dev = self.table.device
             self.table[torch.from_numpy(rows).to(dev)] = self.table[torch.from_numpy(sources).to(dev)]
 

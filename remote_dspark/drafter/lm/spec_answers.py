@@ -53,16 +53,17 @@ class Answers:
             self.q_ids[rows, :width] = ids
             self.q_weights[rows, :width] = second
 
-    def copy(self, dst: np.ndarray, src: Answers, rows: np.ndarray) -> None:
-        """Rows ``rows`` of ``src`` into rows ``dst`` of these (q only where ``src`` has it)."""
+    def copy(self, dst: np.ndarray, src: Answers, rows: np.ndarray, width: int) -> None:
+        """Rows ``rows`` of ``src`` into rows ``dst`` of these, their first ``width``
+        positions (q only where ``src`` has it)."""
         for name in ("drafts", "margins", "ids", "probs"):
-            getattr(self, name)[dst] = getattr(src, name)[rows]
+            getattr(self, name)[dst, :width] = getattr(src, name)[rows, :width]
         if src.q_ids is not None:
             if self.q_ids is None:
                 self.q_ids = np.zeros((len(self.drafts), *src.q_ids.shape[1:]), np.int32)
                 self.q_weights = np.zeros((len(self.drafts), *src.q_ids.shape[1:]), np.uint16)
-            self.q_ids[dst] = src.q_ids[rows]
-            self.q_weights[dst] = src.q_weights[rows]
+            self.q_ids[dst, :width] = src.q_ids[rows, :width]
+            self.q_weights[dst, :width] = src.q_weights[rows, :width]
 
 
 @dataclass(frozen=True)

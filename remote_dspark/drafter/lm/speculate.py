@@ -46,7 +46,6 @@ import time
 import numpy as np
 
 from ..contract import DraftBatch, DraftResult, SpecInfo
-from ..sampling import TOP
 from ..streams import context_lengths
 from .arrays import sampling_rows
 from .graphs import RANK
@@ -78,7 +77,9 @@ class Speculation:
         self.last = Answers.empty(rows, w)  # each stream's last answer
         self.meta = {f: np.zeros(rows, np.int64) for f in FIELDS}
         self.sampled = np.zeros(rows, bool)
-        self.pending = np.full(rows, -1, np.int64)  # when its outcomes became due (-1: none)
+        self.pending = np.full(
+            rows, -1, np.int64
+        )  # when its outcomes became due (-1: none; 0: only its stale ones to let go)
         self.branch_of = np.full((rows, fanout), -1, np.int64)  # each stream's branches
         self.made = Answers.empty(branches, w)  # each branch's answer
         self.b = {f: np.zeros(branches, np.int64) for f in (*FIELDS, "row", "j", "t", "rank", "cell", "shift", "tick")}
@@ -121,24 +122,26 @@ class Speculation:
         self.pending[r] = self._tick
 
     def take(self, batch: DraftBatch, ctx: np.ndarray) -> Hits | None:
-        """The round's hits, answered and adopted (module docstring); every other entry's
-        stream drops its branches. None: no entry's stream has any."""
+        """The round's hits, answered and adopted (module docstring). None: no entry hit.
+        A stream's other branches are stale from here on (its row moves on: they can never
+        hit) and are let go in idle time, when its outcomes are next pre-drafted (its round
+        makes them due), or when the pool is short: not on the round's path."""
         if self.n_free == len(self.free) or batch.slots is None:  # no branch at all
             return None
         rows = self.cache.rows_of(batch.sessions(), np.asarray(batch.slots, np.int64))
         known = rows >= 0
-        cand = self.branch_of[np.where(known, rows, 0)]
-        cand[~known] = -1
+        r0 = np.where(known, rows, 0)
+        cand = self.branch_of[r0]
+        c = np.maximum(cand, 0)
+        cand[~known[:, None] | (self.b["length"][c] != self.cache.length[r0][:, None])] = -1  # stale ones
         has = (cand >= 0).any(1)
         if not has.any():
             return None
         e = np.flatnonzero(has)
+        self.pending[rows[e]] = 0  # (due: their branches let go at the next pre-draft, if not before)
         ok, b = self._match(batch, ctx, e, rows[e], cand[e])
-        hit_e, hit_b = e[ok], b[ok]
-        gone = cand[e].ravel()
-        gone = gone[(gone >= 0) & ~np.isin(gone, hit_b)]
         self.misses += int((~ok).sum())
-        self._drop(gone)
+        hit_e, hit_b = e[ok], b[ok]
         if not len(hit_e):
             return None
         return self._adopt(batch, ctx, hit_e, rows[hit_e], hit_b)
@@ -155,11 +158,9 @@ class Speculation:
         b = c[np.arange(len(e)), same.argmax(1)]
         ok = same.any(1) & (batch.n_out[e] > 0) & (batch.n_out[e] <= self.b["width"][b]) & (ctx[e] >= j + 1)
         bf, cache = self.b, self.cache
-        now = (cache.owner_session[r], cache.owner_slot[r], cache.gen[r], cache.length[r], cache.fill[r])
-        for f, v in zip(("session", "slot", "gen", "length", "fill"), now, strict=True):
-            ok &= bf[f][b] == v  # the stream's row as the branch left it
-        ok &= (batch.sessions()[e] == bf["session"][b]) & (np.asarray(batch.gens)[e] == bf["gen"][b])
-        ok &= cache.origin[r] == bf["origin"][b]
+        # the stream's row (the session's slot's: its owner by construction) as the branch left it
+        ok &= (cache.gen[r] == bf["gen"][b]) & (np.asarray(batch.gens)[e] == bf["gen"][b])
+        ok &= (cache.fill[r] == bf["fill"][b]) & (cache.origin[r] == bf["origin"][b])
         if batch.positions is not None:
             ok &= batch.starts()[e] + ctx[e] == bf["origin"][b] + bf["fill"][b] + j + 1
         ok &= self.b_sampled[b] == batch.sampled
@@ -185,24 +186,18 @@ class Speculation:
         fill = bf["fill"][b] + lengths - bf["length"][b]
         cache.moved(r, lengths, fill)
         np.add.at(self.hits, bf["rank"][b], 1)
-        width = batch.width
+        width = batch.width  # (< the answers' columns: at most the widest round)
         sent = np.minimum(batch.n_out[e], width).astype(np.int32)
         live = np.arange(width) < sent[:, None]
-        w = min(width, self.made.drafts.shape[1])
-        tokens = np.zeros((len(e), width), np.int32)
-        tokens[:, :w] = self.made.drafts[b, :w]
-        margins = np.zeros((len(e), width), np.float32)
-        margins[:, :w] = self.made.margins[b, :w]
         q_ids = q_weights = None
         if batch.sampled:
-            q_ids = np.zeros((len(e), width, TOP), np.int32)
-            q_weights = np.zeros((len(e), width, TOP), np.uint16)
-            q_ids[:, :w], q_weights[:, :w] = self.made.q_ids[b, :w], self.made.q_weights[b, :w]
-            q_ids[~live], q_weights[~live] = 0, 0
+            q_ids = np.where(live[..., None], self.made.q_ids[b, :width], 0)
+            q_weights = np.where(live[..., None], self.made.q_weights[b, :width], 0).astype(np.uint16)
+        margins = np.where(live, self.made.margins[b, :width], 0) if batch.want_margin else None
         result = DraftResult(
-            np.where(live, tokens, 0), sent, np.where(live, margins, 0) if batch.want_margin else None, q_ids, q_weights
+            np.where(live, self.made.drafts[b, :width], 0).astype(np.int32), sent, margins, q_ids, q_weights
         )
-        self.last.copy(r, self.made, b)
+        self.last.copy(r, self.made, b, int(bf["width"][b].max()))
         keep = np.zeros(len(batch), bool)
         keep[e] = True
         self._stream(r, batch, keep, lengths, fill, cache.origin[r], ctx)
@@ -301,7 +296,8 @@ class Speculation:
         store.fork(tb, r, cell)
         ok, _ = store.grant(tb, c0 + 1 + width)
         if not ok.all():  # no room: never a stream evicted for a pre-draft
-            store.release(tb[~ok])
+            store.release(tb[~ok], cell[~ok])
+            store.held[tb[~ok]] = 0
             self._push(b[~ok])
             r, j, t, rank, shift, b, tb, c0, cell, width = (
                 x[ok] for x in (r, j, t, rank, shift, b, tb, c0, cell, width)
@@ -364,7 +360,9 @@ class Speculation:
         b = b[b >= 0]
         if not len(b):
             return
-        self.store.release(self.store.cache_rows + b)
+        tb = self.store.cache_rows + b
+        self.store.release(tb, self.b["cell"][b])  # its own blocks (the ones before its fork are its stream's)
+        self.store.held[tb] = 0
         self.dropped += len(b)
         self._release(b)
 
