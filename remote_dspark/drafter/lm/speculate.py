@@ -133,7 +133,11 @@ class Speculation:
         r0 = np.where(known, rows, 0)
         cand = self.branch_of[r0]
         c = np.maximum(cand, 0)
-        cand[~known[:, None] | (self.b["length"][c] != self.cache.length[r0][:, None])] = -1  # stale ones
+        # stale ones: their stream moved on, or its row is another stream's now (given to a
+        # newcomer, it keeps the old stream's branches until its own next pre-draft)
+        bf, cache = self.b, self.cache
+        moved = (bf["length"][c] != cache.length[r0][:, None]) | (bf["session"][c] != cache.owner_session[r0][:, None])
+        cand[~known[:, None] | moved | (bf["slot"][c] != cache.owner_slot[r0][:, None])] = -1
         has = (cand >= 0).any(1)
         if not has.any():
             return None
@@ -158,7 +162,7 @@ class Speculation:
         b = c[np.arange(len(e)), same.argmax(1)]
         ok = same.any(1) & (batch.n_out[e] > 0) & (batch.n_out[e] <= self.b["width"][b]) & (ctx[e] >= j + 1)
         bf, cache = self.b, self.cache
-        # the stream's row (the session's slot's: its owner by construction) as the branch left it
+        # the stream's row (its owner the branch's stream: take's filter) as the branch left it
         ok &= (cache.gen[r] == bf["gen"][b]) & (np.asarray(batch.gens)[e] == bf["gen"][b])
         ok &= (cache.fill[r] == bf["fill"][b]) & (cache.origin[r] == bf["origin"][b])
         if batch.positions is not None:
