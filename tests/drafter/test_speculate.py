@@ -81,7 +81,8 @@ class Pair:
         if row < 0:
             return []
         b = spec.branch_of[row]
-        b = b[(b >= 0) & (spec.b["length"][b] == self.spec.cache.length[row])]  # (stale ones: the stream moved on)
+        cache = self.spec.cache
+        b = b[(b >= 0) & (spec.b["length"][b] == cache.length[row]) & (spec.b["gen"][b] == cache.gen[row])]  # not stale
         return sorted(zip(spec.b["j"][b].tolist(), spec.b["t"][b].tolist(), strict=True))
 
     def outcome(self, slot: int, j: int, t: int) -> list[int]:
@@ -96,8 +97,10 @@ class Pair:
         """One round of ``entries`` (:meth:`Engine.batch`'s) to both; checks the answers
         agree, that exactly ``expected_hits`` entries hit, and the pool. Returns the spec's
         answer and batch."""
-        batches = [e.batch(entries, WIDTH)[0] for e in self.engines]
-        self.known = set(batches[0].slots.tolist())
+        (batch, ok), (twins, _) = (e.batch(entries, WIDTH) for e in self.engines)
+        batches = [batch, twins]
+        for (slot, *_), known in zip(entries, ok.tolist(), strict=True):
+            (self.known.add if known else self.known.discard)(slot)  # (a gap: the slot forgotten)
         if not len(batches[0]):  # (the worker never calls a drafter with no entry)
             return None
         if self.sampling:
@@ -305,3 +308,16 @@ def test_a_stream_evicted_since_its_answer_is_not_predrafted():
     for _ in range(3):  # one stream at a time, most recent first
         pair.predraft(1, 24)
     assert all(pair.branches(s) == [] for s in gone)
+
+
+def test_a_row_given_to_another_stream_never_serves_the_old_streams_predrafts():
+    """One cache row, two slots: the second slot's NEW_GEN takes the row (the first's
+    stream evicted) and its next round appends what the first's pre-draft was for, at
+    the same length, generation and positions: drafted afresh, never the other's."""
+    spec = LMDrafter(MODEL, **{**KW, "cache_slots": 1}, kv_bytes=24 * BLOCK_BYTES, speculate=FANOUT)
+    pair = pair_of(24, spec=spec)
+    pair.round([(0, list(range(3, 23)), True, False, 0)])
+    assert pair.predraft(16, 4096) > 0
+    j, t = next((j, t) for j, t in pair.branches(0) if j == 0)
+    pair.round([(1, list(range(60, 80)), True, False, 0)])  # the row is slot 1's now
+    pair.round([(1, [t], False, False)], expected_hits=0)  # (slot 1's drafts, as its twin's)
