@@ -75,7 +75,7 @@ def test_the_drafter_is_measured_once_per_entry_count_for_the_steady_rows(monkey
 def report_of(cpu: float | None, share: float | None) -> dict:
     args = argparse.Namespace(engines=2, slots=64, rounds=10, warmup=1, num_spec=5, drafter="lm", hf_random=None)
     args.__dict__.update(device="cpu", storm=0, long_slots=0, long_tokens=8192)
-    args.__dict__.update(max_batch_tokens=None, max_round_tokens=None)
+    args.__dict__.update(max_batch_tokens=None, max_round_tokens=None, verify_ms=0, speculate=0)
     row = dict(engines=2, slots=64, p50_ms=2.0, p99_ms=3.0, entries_per_s=64_000.0, rss_growth_mb=1.0, rss_bound_mb=9.0)
     row.update(worker_cpu_us_per_round=cpu, share_of_drafter=share)
     rows = [dict(row, mode="alone", engines=1), dict(row, mode="batched"), dict(row, mode="serialized")]
