@@ -321,3 +321,13 @@ def test_a_row_given_to_another_stream_never_serves_the_old_streams_predrafts():
     j, t = next((j, t) for j, t in pair.branches(0) if j == 0)
     pair.round([(1, list(range(60, 80)), True, False, 0)])  # the row is slot 1's now
     pair.round([(1, [t], False, False)], expected_hits=0)  # (slot 1's drafts, as its twin's)
+
+
+def test_a_predraft_call_takes_at_least_one_streams_outcomes_and_then_the_next_stream():
+    pair = pair_of(24)
+    pair.round([(0, list(range(3, 23)), True, False, 5)])
+    pair.round([(1, [7] * 9, True, False, 0)])  # answered last: pre-drafted first
+    # one entry asked (a call whose cost model allows one): the stream's whole fan-out all the same
+    assert pair.predraft(1, 4096) == len(pair.branches(1)) == FANOUT and pair.branches(0) == []
+    assert pair.predraft(1, 4096) == len(pair.branches(0)) == FANOUT  # then the next one's
+    assert pair.predraft(1, 4096) == 0  # none due

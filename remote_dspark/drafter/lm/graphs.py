@@ -74,7 +74,7 @@ LONG_QUERIES = 64  # a shape of more queries (a prefill) pads its rows from 1, n
 MIN_QUERIES = 4
 DEFAULT_LIMIT = 1 << 16  # padded rows x queries of one part, until the worker's budget sets it
 MAX_GRAPHS = 64  # graphs kept (>= 2: an eviction never empties, and so never releases, the shared pool)
-RANK = 4  # a ranked greedy round's choices kept per draft position (the speculation cache's outcomes)
+RANK = 8  # a ranked greedy round's choices kept per draft position (the speculation cache's outcomes)
 GREEDY, SAMPLED, RANKED = 0, 1, 2  # a round's kind: greedy, sampled, or greedy with each position's top RANK
 
 

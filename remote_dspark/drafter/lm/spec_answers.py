@@ -28,12 +28,17 @@ class Answers:
 
     @classmethod
     def empty(cls, rows: int, width: int) -> Answers:
-        return cls(
-            np.zeros((rows, width), np.int64),
-            np.zeros((rows, width), np.float32),
-            np.zeros((rows, width, RANK), np.int64),
-            np.zeros((rows, width, RANK), np.float32),
+        """Answers of ``rows`` rows of ``width`` positions, their memory taken now (written
+        once: a worker's resident set holds them from its start, as it does the KV pool)."""
+        out = cls(
+            np.empty((rows, width), np.int64),
+            np.empty((rows, width), np.float32),
+            np.empty((rows, width, RANK), np.int32),
+            np.empty((rows, width, RANK), np.float32),
         )
+        for a in (out.drafts, out.margins, out.ids, out.probs):
+            a.fill(0)
+        return out
 
     def put(self, rows: np.ndarray, out: np.ndarray, width: int, kind: int, shift: int = 0) -> None:
         """Store a round's answer ``out`` (:func:`.graphs.columns`'s layout, ``width +

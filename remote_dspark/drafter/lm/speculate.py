@@ -13,7 +13,9 @@ choice after ``dk``, found by its pre-draft) scores ``a1 ... ak`` times their me
 
 Pre-drafting (:meth:`Speculation.predraft`, the worker's idle time: the scheduler calls it
 when no round is queued): the outcomes of the streams answered last, most recent first,
-in one call of at most the worker's entries and tokens. Each outcome is a branch: a table
+in one call of at most the entries the scheduler gives (and the worker's tokens), but at
+least one stream's ``fanout`` (on a GPU a call of them costs about what one round does:
+fewer would pre-draft a lone stream's likeliest outcome only). Each outcome is a branch: a table
 row of the pool (:mod:`.pool`) forked from its stream's row at the column ``t`` goes to
 (the blocks before it shared, the block it falls in copied, the rest new: copy on write).
 The round's drafts ``d1..d(k-1)`` left their K/V in the stream's row past its fill, so an
@@ -222,7 +224,10 @@ class Speculation:
             return 0
         start = time.perf_counter()
         due = due[np.argsort(-self.pending[due], kind="stable")]
-        limit = min(max_entries, max_tokens // (2 + int(self.meta["width"][due].max())), len(self.free))
+        # at least one stream's outcomes (a call of them costs a GPU about what one of its
+        # rounds does), within the caps
+        limit = max(self.fanout, max_entries)
+        limit = min(limit, max_tokens // (2 + int(self.meta["width"][due].max())), len(self.free))
         due = due[: max(1, limit // self.fanout)]
         self.pending[due] = -1
         self._drop(self.branch_of[due].ravel())
