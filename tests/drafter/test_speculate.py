@@ -323,11 +323,36 @@ def test_a_row_given_to_another_stream_never_serves_the_old_streams_predrafts():
     pair.round([(1, [t], False, False)], expected_hits=0)  # (slot 1's drafts, as its twin's)
 
 
-def test_a_predraft_call_takes_at_least_one_streams_outcomes_and_then_the_next_stream():
+def test_predrafting_goes_rank_by_rank_across_the_streams_the_most_recent_first():
     pair = pair_of(24)
     pair.round([(0, list(range(3, 23)), True, False, 5)])
-    pair.round([(1, [7] * 9, True, False, 0)])  # answered last: pre-drafted first
-    # one entry asked (a call whose cost model allows one): the stream's whole fan-out all the same
-    assert pair.predraft(1, 4096) == len(pair.branches(1)) == FANOUT and pair.branches(0) == []
-    assert pair.predraft(1, 4096) == len(pair.branches(0)) == FANOUT  # then the next one's
-    assert pair.predraft(1, 4096) == 0  # none due
+    pair.round([(1, [7] * 9, True, False, 0)])  # answered last
+    steps = []
+    for _ in range(2 * FANOUT):
+        assert pair.predraft(1, 4096) == 1  # (a call the cost model allows one entry)
+        steps.append((len(pair.branches(0)), len(pair.branches(1))))
+    assert steps == [(r + (s == 0), r + 1) for r in range(FANOUT) for s in (1, 0)]
+    assert pair.predraft(1, 4096) == 0  # every outcome pre-drafted: none due
+
+
+def test_a_padded_round_predrafts_at_least_its_rows():
+    pair = pair_of(24, graphs=True)  # (padded: on a GPU a call of fewer rows costs as much)
+    pair.round([(0, list(range(3, 23)), True, False, 5), (1, [7] * 9, True, False, 0)])
+    assert pair.predraft(1, 4096) == 2 * FANOUT and pair.predraft(1, 4096) == 0
+
+
+@pytest.mark.parametrize("accepts", ["all", "none"])
+def test_the_outcomes_are_ranked_by_what_the_engine_was_seen_to_accept(accepts):
+    pair = pair_of(64)
+    pair.round([(0, list(range(3, 23)), True, False, 5)])
+    for _ in range(12):  # the engine accepts every draft (then its bonus), or none (a correction)
+        j = len(pair.drafts[0]) if accepts == "all" else 0
+        t = (pair.drafts[0][j] + 1) % 128 if j < len(pair.drafts[0]) else 5  # (not the draft: a correction)
+        pair.round([(0, pair.outcome(0, j, t), False, False)])
+    row = row_of(pair, 0)
+    _, j, _, rank, shift = pair.spec.spec._outcomes(np.array([row]))
+    first = int(np.flatnonzero(rank == 0)[0])
+    if accepts == "all":
+        assert shift[first] == 1 and pair.spec.spec.accepted() > 0.8  # the bonus after all k
+    else:
+        assert j[first] == 0 and shift[first] == 0 and pair.spec.spec.accepted() < 0.2  # a first-draft correction

@@ -4,18 +4,22 @@ likely to send next, and a round that sends one of them answered at once.
 After a stream's round is answered with drafts ``d1..dk``, its next ROUND appends ``d1..dj,
 t`` for some ``j`` in ``0..m`` (``m`` the drafts sent): the drafts the engine accepted,
 then the target's token (a correction ``t != d(j+1)`` at ``j < m``, the bonus at ``j =
-m``). Those outcomes ``(j, t)`` are ranked by the drafter's own probabilities (its round
-keeps each position's ``RANK`` likeliest ids and their probabilities: a greedy round is
-``RANKED``, :mod:`.graphs`; a sampled one has its ``q``): ``P(j, t) = a1 ... aj * p_{j+1}(t)``,
-``ai`` the probability it gave its draft ``di``; the bonus after ``k`` drafts (``t`` the top
-choice after ``dk``, found by its pre-draft) scores ``a1 ... ak`` times their mean. The
-``fanout`` likeliest of each stream are its outcomes.
+m``). Those outcomes ``(j, t)`` are ranked ``P(j, t) = P(j) * share(t)``: ``P(j)`` the
+share of rounds seen accepting ``j`` drafts (:meth:`Speculation.observe`, every round,
+decayed: the drafter's own probabilities are no measure of acceptance, a random model's
+flat ones least of all), ``share(t)`` the drafter's probability of ``t`` at position
+``j + 1`` among the ids other than its draft (its round keeps each position's ``RANK``
+likeliest ids and their probabilities: a greedy round is ``RANKED``, :mod:`.graphs`; a
+sampled one has its ``q``); the bonus after all ``k`` (``t`` the drafter's top choice
+after ``dk``, found by its pre-draft) scores ``P(k)`` times the share of drafts seen
+accepted. The ``fanout`` likeliest of each stream are its outcomes.
 
 Pre-drafting (:meth:`Speculation.predraft`, the worker's idle time: the scheduler calls it
-when no round is queued): the outcomes of the streams answered last, most recent first,
-in one call of at most the entries the scheduler gives (and the worker's tokens), but at
-least one stream's ``fanout`` (on a GPU a call of them costs about what one round does:
-fewer would pre-draft a lone stream's likeliest outcome only). Each outcome is a branch: a table
+when no round is queued, a call at a time, each of the entries the cost model gives it):
+the due outcomes likeliest first, rank by rank across the streams (the most recent
+first within a rank), so that a round arriving mid-way finds its stream's likeliest
+outcomes made; a padded round takes at least its rows (on a GPU a call of fewer costs
+as much). Each outcome is a branch: a table
 row of the pool (:mod:`.pool`) forked from its stream's row at the column ``t`` goes to
 (the blocks before it shared, the block it falls in copied, the rest new: copy on write).
 The round's drafts ``d1..d(k-1)`` left their K/V in the stream's row past its fill, so an
@@ -50,11 +54,12 @@ import numpy as np
 from ..contract import DraftBatch, DraftResult, SpecInfo
 from ..streams import context_lengths
 from .arrays import sampling_rows
-from .graphs import RANK
+from .graphs import MIN_ROWS, RANK
 from .pool import BLOCK
 from .spec_answers import Answers, Hits
 
 MAX_BRANCHES = 4096  # branches (table rows of pre-drafts) at most
+DECAY = 0.998  # each outcome seen weighs the older ones by this (about the last 500 count)
 
 
 # A stream's (or a branch's) fields, as arrays indexed by row: the stream it was made for
@@ -83,6 +88,7 @@ class Speculation:
             rows, -1, np.int64
         )  # when its outcomes became due (-1: none; 0: only its stale ones to let go)
         self.branch_of = np.full((rows, fanout), -1, np.int64)  # each stream's branches
+        self.done = np.zeros(rows, np.int64)  # ranks of its last answer's outcomes pre-drafted
         self.made = Answers.empty(branches, w)  # each branch's answer
         self.b = {f: np.zeros(branches, np.int64) for f in (*FIELDS, "row", "j", "t", "rank", "cell", "shift", "tick")}
         self.b["row"][:] = -1
@@ -91,6 +97,8 @@ class Speculation:
         self._tick = 0
         self.outcomes = self.misses = self.dropped = 0
         self.hits = np.zeros(fanout, np.int64)
+        self.seen = np.ones(w + 1)  # the rounds seen accepting j drafts, decayed (a uniform prior)
+        self.rate = np.array([1.0, 2.0])  # drafts accepted and sent, decayed alike (a prior of one half)
         self.seconds = 0.0
 
     # ------------------------------------------------------------------ answers and hits
@@ -121,7 +129,37 @@ class Speculation:
         else:
             m["temp"][r] = m["seed"][r] = 0
         self._tick += 1
-        self.pending[r] = self._tick
+        self.pending[r], self.done[r] = self._tick, 0
+
+    def observe(self, batch: DraftBatch, ctx: np.ndarray) -> None:
+        """Count what a round's entries accepted of their streams' last answers (``j``:
+        the drafts it appends before its new token), for the outcomes' ranking. Entries
+        that append anything else (a NEW_GEN, a gap, tokens no outcome) count nothing."""
+        if batch.slots is None or batch.lengths is None:
+            return
+        rows = self.cache.rows_of(batch.sessions(), np.asarray(batch.slots, np.int64))
+        e = np.flatnonzero(rows >= 0)
+        r, m = rows[e], self.meta
+        j = np.asarray(batch.lengths, np.int64)[e] - m["length"][r] - 1
+        ok = (m["slot"][r] == np.asarray(batch.slots)[e]) & (m["gen"][r] == np.asarray(batch.gens)[e])
+        ok &= (j >= 0) & (j <= m["sent"][r]) & (ctx[e] > j) & (m["length"][r] > 0)
+        if not ok.any():
+            return
+        e, r, j = e[ok], r[ok], j[ok]
+        w = self.last.drafts.shape[1]
+        at = batch.offsets[e + 1][:, None] - 1 - j[:, None] + np.arange(w)
+        inside = np.arange(w) < j[:, None]
+        flat = batch.tokens
+        got = np.where(inside, flat[np.clip(at, 0, len(flat) - 1)], 0)
+        accepted = (np.where(inside, self.last.drafts[r], 0) == got).all(1)
+        decay = DECAY ** int(accepted.sum())
+        self.seen *= decay
+        np.add.at(self.seen, j[accepted], 1.0)
+        self.rate = self.rate * decay + (j[accepted].sum(), self.meta["sent"][r[accepted]].sum())
+
+    def accepted(self) -> float:
+        """The share of drafts accepted, from the outcomes seen (a draft's chance)."""
+        return float(self.rate[0] / max(self.rate[1], 1e-9))
 
     def take(self, batch: DraftBatch, ctx: np.ndarray) -> Hits | None:
         """The round's hits, answered and adopted (module docstring). None: no entry hit.
@@ -215,30 +253,40 @@ class Speculation:
     # ------------------------------------------------------------------ pre-drafting
 
     def predraft(self, max_entries: int, max_tokens: int) -> int:
-        """One call of outcomes of the streams whose answers are due, most recent first
-        (module docstring): at most ``max_entries`` outcomes and ``max_tokens`` tokens
-        (each a token encoded and its drafts). Returns how many were pre-drafted (0: none
-        due, or no room for any)."""
+        """One call of the outcomes due, likeliest first (module docstring): each due
+        stream's next ranks, rank by rank across the streams (the most recent first within
+        a rank), at most ``max_entries`` outcomes (but a padded round's rows: on a GPU a
+        call of fewer costs as much) and ``max_tokens`` tokens (each a token encoded and
+        its drafts). A stream stays due until all its ``fanout`` are pre-drafted. Returns how
+        many were (0: none due, or no room for any)."""
         due = np.flatnonzero(self.pending >= 0)
         if not len(due):
             return 0
         start = time.perf_counter()
         due = due[np.argsort(-self.pending[due], kind="stable")]
-        # at least one stream's outcomes (a call of them costs a GPU about what one of its
-        # rounds does), within the caps
-        limit = max(self.fanout, max_entries)
+        limit = max(max_entries, MIN_ROWS if self.rounds.padded else 1)
         limit = min(limit, max_tokens // (2 + int(self.meta["width"][due].max())), len(self.free))
-        due = due[: max(1, limit // self.fanout)]
-        self.pending[due] = -1
-        self._drop(self.branch_of[due].ravel())
-        due = due[self._unchanged(due)]
+        fresh = due[self.done[due] == 0]  # answered since their last pre-draft: their old branches go
+        self._drop(self.branch_of[fresh].ravel())
+        ok = self._unchanged(due)
+        self._drop(self.branch_of[due[~ok]].ravel())
+        self.pending[due[~ok]] = -1
+        due = due[ok]
         r, j, t, rank, shift = self._outcomes(due)
-        r, j, t, rank, shift = (x[:limit] for x in (r, j, t, rank, shift))
+        by = np.argsort(due)
+        recency = by[np.searchsorted(due, r, sorter=by)]  # each outcome's stream's place in ``due``
+        counts = np.bincount(recency, minlength=len(due))
+        order = np.argsort(recency, kind="stable")
+        order = order[np.argsort(rank[order], kind="stable")]  # rank by rank, the most recent first within
+        order = order[rank[order] >= self.done[r[order]]][:limit]
+        r, j, t, rank, shift = (x[order] for x in (r, j, t, rank, shift))
         short = len(r) - self.n_free
         if short > 0:  # the oldest branches make way
             live = np.flatnonzero(self.b["row"] >= 0)
             self._drop(live[np.argsort(self.b["tick"][live], kind="stable")[:short]])
         made = self._run(r, j, t, rank, shift) if len(r) else 0
+        np.maximum.at(self.done, r, rank + 1)
+        self.pending[due[self.done[due] >= counts]] = -1  # every outcome pre-drafted (or none to)
         self.seconds += time.perf_counter() - start
         return made
 
@@ -263,17 +311,21 @@ class Speculation:
         pos = np.arange(w)
         mine = (last.ids[rows] == last.drafts[rows][:, :, None]) * last.probs[rows]
         a = np.where(pos < width[:, None], mine.sum(2), 0.0)  # each draft's own probability
-        reach = np.cumprod(np.concatenate([np.ones((len(rows), 1)), a], 1), 1)  # P(d1..dj accepted)
-        # corrections (j < sent, t not the draft) and bonuses inside the drafts made (j = sent < width)
+        # P(j): the observed share of rounds that accepted j of their drafts (calibrated: a
+        # random model's flat distribution says nothing of how often its drafts are accepted)
+        seen = np.where(np.arange(w + 1) <= sent[:, None], self.seen[: w + 1], 0.0)
+        p_j = seen / seen.sum(1, keepdims=True)
+        # corrections (j < sent, t not the draft: its share of the others) and bonuses inside
+        # the drafts made (j = sent < width: the drafter's own distribution there)
         j = np.broadcast_to(pos[:, None], (w, RANK))
         t = last.ids[rows]
-        valid = ((j < sent[:, None, None]) & (t != last.drafts[rows][:, :, None])) | (
-            (j == sent[:, None, None]) & (j < width[:, None, None])
-        )
-        score = np.where(valid, reach[:, :w, None] * last.probs[rows], -1.0).reshape(len(rows), w * RANK)
+        correction = (j < sent[:, None, None]) & (t != last.drafts[rows][:, :, None])
+        valid = correction | ((j == sent[:, None, None]) & (j < width[:, None, None]))
+        share = last.probs[rows] / np.where(correction, np.maximum(1.0 - a[:, :, None], 1e-6), 1.0)
+        score = np.where(valid, p_j[:, :w, None] * share, -1.0).reshape(len(rows), w * RANK)
         bonus = (sent == width) & ~self.sampled[rows]
-        mean = a.sum(1) / np.maximum(width, 1)
-        score = np.concatenate([score, np.where(bonus, reach[np.arange(len(rows)), width] * mean, -1.0)[:, None]], 1)
+        mean = self.accepted()  # the bonus: the drafter's top choice, as likely the target's as a draft is
+        score = np.concatenate([score, np.where(bonus, p_j[np.arange(len(rows)), width] * mean, -1.0)[:, None]], 1)
         j_all = np.concatenate([np.broadcast_to(j.ravel(), (len(rows), w * RANK)), width[:, None]], 1)
         c0 = m["fill"][rows][:, None] + j_all - (j_all == width[:, None])  # the column the branch encodes at
         drafts = width[:, None] + (j_all == width[:, None])
