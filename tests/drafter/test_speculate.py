@@ -350,9 +350,23 @@ def test_the_outcomes_are_ranked_by_what_the_engine_was_seen_to_accept(accepts):
         t = (pair.drafts[0][j] + 1) % 128 if j < len(pair.drafts[0]) else 5  # (not the draft: a correction)
         pair.round([(0, pair.outcome(0, j, t), False, False)])
     row = row_of(pair, 0)
-    _, j, _, rank, shift = pair.spec.spec._outcomes(np.array([row]))
+    _, j, _, rank, shift, _ = pair.spec.spec._outcomes(np.array([row]))
     first = int(np.flatnonzero(rank == 0)[0])
     if accepts == "all":
         assert shift[first] == 1 and pair.spec.spec.accepted() > 0.8  # the bonus after all k
     else:
         assert j[first] == 0 and shift[first] == 0 and pair.spec.spec.accepted() < 0.2  # a first-draft correction
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
+def test_unlikely_outcomes_only_fill_a_padded_rounds_rows(graphs):
+    fanout = 8
+    pair = pair_of(0, spec=LMDrafter(MODEL, **KW, kv_bytes=64 * BLOCK_BYTES, graphs=graphs, speculate=fanout))
+    pair.round([(0, list(range(3, 23)), True, False, 5)])
+    for _ in range(10):  # every draft accepted: the corrections become unlikely
+        pair.round([(0, pair.outcome(0, len(pair.drafts[0]), 5), False, False)])
+    _, _, _, _, _, score = pair.spec.spec._outcomes(np.array([row_of(pair, 0)]))
+    worth = int((score >= 0.02).sum())
+    assert 0 < worth < len(score) == fanout
+    made = pair.predraft(64, 4096)
+    assert made == (fanout if graphs else worth) and pair.predraft(64, 4096) == 0  # then none due

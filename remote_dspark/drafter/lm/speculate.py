@@ -19,7 +19,8 @@ when no round is queued, a call at a time, each of the entries the cost model gi
 the due outcomes likeliest first, rank by rank across the streams (the most recent
 first within a rank), so that a round arriving mid-way finds its stream's likeliest
 outcomes made; a padded round takes at least its rows (on a GPU a call of fewer costs
-as much). Each outcome is a branch: a table
+as much), and an outcome under ``MIN_SCORE`` likely only fills those (never a call of
+its own: on a CPU each costs about a round). Each outcome is a branch: a table
 row of the pool (:mod:`.pool`) forked from its stream's row at the column ``t`` goes to
 (the blocks before it shared, the block it falls in copied, the rest new: copy on write).
 The round's drafts ``d1..d(k-1)`` left their K/V in the stream's row past its fill, so an
@@ -59,6 +60,7 @@ from .pool import BLOCK
 from .spec_answers import Answers, Hits
 
 MAX_BRANCHES = 4096  # branches (table rows of pre-drafts) at most
+MIN_SCORE = 0.02  # an outcome less likely than this is pre-drafted only to fill a padded round's rows
 DECAY = 0.998  # each outcome seen weighs the older ones by this (about the last 500 count)
 
 
@@ -272,13 +274,19 @@ class Speculation:
         self._drop(self.branch_of[due[~ok]].ravel())
         self.pending[due[~ok]] = -1
         due = due[ok]
-        r, j, t, rank, shift = self._outcomes(due)
+        r, j, t, rank, shift, score = self._outcomes(due)
+        r_all, rank_all, worth_all = r, rank, score >= MIN_SCORE
         by = np.argsort(due)
         recency = by[np.searchsorted(due, r, sorter=by)]  # each outcome's stream's place in ``due``
         counts = np.bincount(recency, minlength=len(due))
         order = np.argsort(recency, kind="stable")
         order = order[np.argsort(rank[order], kind="stable")]  # rank by rank, the most recent first within
-        order = order[rank[order] >= self.done[r[order]]][:limit]
+        order = order[rank[order] >= self.done[r[order]]]
+        # outcomes worth a call of their own; the others only fill a padded round's rows
+        # beside them (free on a GPU), never a call of their own (on a CPU each costs a round)
+        worth = worth_all[order]
+        fill = np.arange(len(order)) < (MIN_ROWS if self.rounds.padded else 0)
+        order = order[worth | fill][:limit] if worth.any() else order[:0]
         r, j, t, rank, shift = (x[order] for x in (r, j, t, rank, shift))
         short = len(r) - self.n_free
         if short > 0:  # the oldest branches make way
@@ -286,7 +294,9 @@ class Speculation:
             self._drop(live[np.argsort(self.b["tick"][live], kind="stable")[:short]])
         made = self._run(r, j, t, rank, shift) if len(r) else 0
         np.maximum.at(self.done, r, rank + 1)
-        self.pending[due[self.done[due] >= counts]] = -1  # every outcome pre-drafted (or none to)
+        left = np.zeros(len(due), bool)  # streams with outcomes worth a call still to pre-draft
+        np.logical_or.at(left, recency, (rank_all >= self.done[r_all]) & worth_all)
+        self.pending[due[~left | (self.done[due] >= counts)]] = -1
         self.seconds += time.perf_counter() - start
         return made
 
@@ -302,8 +312,8 @@ class Speculation:
 
     def _outcomes(self, rows: np.ndarray):
         """The ``fanout`` likeliest outcomes of each stream, flat: its row, ``j``, ``t`` (-1
-        for the bonus after all ``k``: its pre-draft finds it), rank and shift (1: the
-        bonus). Outcomes whose pre-draft passes the stream's columns or the model's
+        for the bonus after all ``k``: its pre-draft finds it), rank, shift (1: the
+        bonus) and score ``P(j, t)``. Outcomes whose pre-draft passes the stream's columns or the model's
         positions are left out."""
         m, last = self.meta, self.last
         w = last.drafts.shape[1]
@@ -341,7 +351,7 @@ class Speculation:
         jj = j_all[which, pick]
         is_bonus = pick == w * RANK
         tt = np.where(is_bonus, -1, t.reshape(len(rows), w * RANK)[which, np.minimum(pick, w * RANK - 1)])
-        return rows_out, jj, tt, rank, is_bonus.astype(np.int64)
+        return rows_out, jj, tt, rank, is_bonus.astype(np.int64), best[which, rank]
 
     def _run(self, r, j, t, rank, shift) -> int:
         """Fork a branch for each outcome, run their pre-drafts (a call per width, kind and
