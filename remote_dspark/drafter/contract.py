@@ -28,12 +28,7 @@ Contract of ``draft_batch`` (the worker checks shapes, and clamps and zeroes for
 
 A drafter that keeps state per slot across rounds (a KV cache) keys it by the stream
 the batch names (``session``, ``slots``, ``gens``, ``lengths``) and may report it with
-``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics). One may also
-pre-draft in the worker's idle time (``predraft(max_entries, max_tokens)``, called by the
-scheduler's thread when no round is queued, one call at a time like ``draft_batch``; it
-returns how many outcomes it pre-drafted, 0 when none was left) the rounds it expects
-next, answering a round that matches one from that speculation cache (``spec_info()``:
-:class:`SpecInfo`, :func:`predrafts_of`). Such a drafter
+``cache_info()`` (:class:`CacheInfo`, shown in the worker's metrics). Such a drafter
 says so (``keeps_streams``, an optional bool, :func:`keeps_streams_of`): an entry with
 ``n_out`` 0 is then an encode only (its tokens kept in its stream's state, no draft
 steps, even in a call where others draft), and the worker may hand it a long entry's
@@ -62,6 +57,13 @@ never fit in it, and gives no drafts to an entry whose context (at its absolute 
 ``DraftBatch.positions``) and width pass it (:meth:`DraftBatch.beyond`): the drafter
 never sees such an entry. A drafter that keeps whole streams may say how many tokens of each it
 keeps (``max_context``, :func:`max_context_of`): the worker keeps as many of each stream's tokens.
+
+A drafter may pre-draft the rounds it expects next in the worker's idle time and answer
+a round that matches one from that speculation cache: it says so (``speculates``, an
+optional bool, read with :func:`predrafts_of`) and has ``predraft(max_entries,
+max_tokens)``, called by the scheduler's thread when no round is queued, one call at a
+time like ``draft_batch``, returning how many outcomes it pre-drafted (0: none left);
+``spec_info()`` (:class:`SpecInfo`) reports the cache.
 
 A per-entry drafter (an object with ``draft(context, n_out, row) -> (tokens, margins)``)
 is served through :class:`PerEntryDrafter`, the slow path: one Python call per entry.

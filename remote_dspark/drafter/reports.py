@@ -49,6 +49,9 @@ def spec_info_of(drafter) -> SpecInfo | None:
 
 
 def predrafts_of(drafter) -> bool:
-    """Whether ``drafter`` pre-drafts in the worker's idle time (an optional ``predraft(max_entries,
-    max_tokens) -> int``, the outcomes it pre-drafted in one call, 0 when it had none to)."""
-    return callable(getattr(drafter, "predraft", None))
+    """Whether ``drafter`` pre-drafts in the worker's idle time: it says so (``speculates``,
+    an optional bool) and has ``predraft(max_entries, max_tokens) -> int`` (the outcomes it
+    pre-drafted in one call, 0 when it had none to). A model drafter without
+    ``--lm-speculate`` has the method but says no: its worker's drafter thread is not woken
+    after every call for nothing."""
+    return bool(getattr(drafter, "speculates", False)) and callable(getattr(drafter, "predraft", None))

@@ -370,3 +370,12 @@ def test_unlikely_outcomes_only_fill_a_padded_rounds_rows(graphs):
     assert 0 < worth < len(score) == fanout
     made = pair.predraft(64, 4096)
     assert made == (fanout if graphs else worth) and pair.predraft(64, 4096) == 0  # then none due
+
+
+def test_only_a_drafter_that_speculates_is_called_to_predraft():
+    from remote_dspark.drafter.contract import predrafts_of
+
+    off = LMDrafter(MODEL, **KW, kv_bytes=16 * BLOCK_BYTES)
+    on = LMDrafter(MODEL, **KW, kv_bytes=16 * BLOCK_BYTES, speculate=2)
+    assert not predrafts_of(off) and off.predraft(8, 4096) == 0 and off.spec_info() is None
+    assert predrafts_of(on) and on.spec_info().outcomes == 0

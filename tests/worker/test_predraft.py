@@ -27,6 +27,8 @@ class Predrafting(MarkovDrafter):
     ``("predraft", rounds queued then)``); a pre-draft returns the next of ``made`` (0
     once spent), the first waiting (bounded) for ``release``."""
 
+    speculates = True
+
     def __init__(self, made):
         super().__init__(COUNTING)
         self.made, self.log, self.scheduler = list(made), [], None

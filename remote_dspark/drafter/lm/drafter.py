@@ -160,6 +160,7 @@ class LMDrafter:
         padded = graphs if graphs is not None else self.device.type == "cuda"
         self._rounds = Rounds(self.model, self.store, padded, ranked=bool(speculate))
         self.spec = None
+        self.speculates = bool(speculate)  # (the contract's: the worker calls predraft in idle time)
         if speculate:
             self.spec = Speculation(self.store, self.cache, self._rounds, speculate, self.max_width, c.max_positions)
         self._lock = threading.Lock()
