@@ -353,9 +353,9 @@ def test_the_outcomes_are_ranked_by_what_the_engine_was_seen_to_accept(accepts):
     _, j, _, rank, shift, _ = pair.spec.spec._outcomes(np.array([row]))
     first = int(np.flatnonzero(rank == 0)[0])
     if accepts == "all":
-        assert shift[first] == 1 and pair.spec.spec.accepted() > 0.8  # the bonus after all k
+        assert shift[first] == 1 and pair.spec.spec.seen.rate() > 0.8  # the bonus after all k
     else:
-        assert j[first] == 0 and shift[first] == 0 and pair.spec.spec.accepted() < 0.2  # a first-draft correction
+        assert j[first] == 0 and shift[first] == 0 and pair.spec.spec.seen.rate() < 0.2  # a first-draft correction
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])

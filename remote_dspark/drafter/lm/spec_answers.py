@@ -1,6 +1,6 @@
-"""The speculation cache's answers as arrays (:mod:`.speculate`): each stream's last and
-each branch's (:class:`Answers`), and a round's hits merged with its drafted entries
-(:class:`Hits`)."""
+"""The speculation cache's arrays (:mod:`.speculate`): each stream's last answer and
+each branch's (:class:`Answers`), a round's hits merged with its drafted entries
+(:class:`Hits`), and what the engines were seen to accept (:class:`Acceptance`)."""
 
 from __future__ import annotations
 
@@ -94,3 +94,33 @@ class Hits:
             whole[self.mask], whole[~self.mask] = mine, theirs
             out[name] = whole
         return DraftResult(**out)
+
+
+DECAY = 0.998  # each outcome seen weighs the older ones by this (about the last 500 count)
+
+
+class Acceptance:
+    """What the engines were seen to accept of their streams' last answers, decayed: the
+    rounds that accepted ``j`` drafts (``seen``, a uniform prior), and the drafts accepted
+    of those sent (``accepted`` / ``sent``, a prior of one half)."""
+
+    def __init__(self, width: int):
+        self.seen = np.ones(width + 1)
+        self.accepted, self.sent = 1.0, 2.0
+
+    def count(self, j: np.ndarray, sent: np.ndarray) -> None:
+        """Rounds that accepted ``j`` of their ``sent`` drafts."""
+        decay = DECAY ** len(j)
+        self.seen *= decay
+        np.add.at(self.seen, j, 1.0)
+        self.accepted = self.accepted * decay + float(j.sum())
+        self.sent = self.sent * decay + float(sent.sum())
+
+    def p_j(self, sent: np.ndarray) -> np.ndarray:
+        """[n, width + 1]: ``P(j)`` for streams that were sent ``sent`` drafts (0 past them)."""
+        seen = np.where(np.arange(len(self.seen)) <= sent[:, None], self.seen, 0.0)
+        return seen / seen.sum(1, keepdims=True)
+
+    def rate(self) -> float:
+        """The share of drafts accepted (a draft's chance)."""
+        return self.accepted / max(self.sent, 1e-9)

@@ -57,11 +57,10 @@ from ..streams import context_lengths
 from .arrays import sampling_rows
 from .graphs import MIN_ROWS, RANK
 from .pool import BLOCK
-from .spec_answers import Answers, Hits
+from .spec_answers import Acceptance, Answers, Hits
 
 MAX_BRANCHES = 4096  # branches (table rows of pre-drafts) at most
 MIN_SCORE = 0.02  # an outcome less likely than this is pre-drafted only to fill a padded round's rows
-DECAY = 0.998  # each outcome seen weighs the older ones by this (about the last 500 count)
 
 
 # A stream's (or a branch's) fields, as arrays indexed by row: the stream it was made for
@@ -99,8 +98,7 @@ class Speculation:
         self._tick = 0
         self.outcomes = self.misses = self.dropped = 0
         self.hits = np.zeros(fanout, np.int64)
-        self.seen = np.ones(w + 1)  # the rounds seen accepting j drafts, decayed (a uniform prior)
-        self.rate = np.array([1.0, 2.0])  # drafts accepted and sent, decayed alike (a prior of one half)
+        self.seen = Acceptance(w)  # what the engines accepted, counted
         self.seconds = 0.0
 
     # ------------------------------------------------------------------ answers and hits
@@ -154,14 +152,7 @@ class Speculation:
         flat = batch.tokens
         got = np.where(inside, flat[np.clip(at, 0, len(flat) - 1)], 0)
         accepted = (np.where(inside, self.last.drafts[r], 0) == got).all(1)
-        decay = DECAY ** int(accepted.sum())
-        self.seen *= decay
-        np.add.at(self.seen, j[accepted], 1.0)
-        self.rate = self.rate * decay + (j[accepted].sum(), self.meta["sent"][r[accepted]].sum())
-
-    def accepted(self) -> float:
-        """The share of drafts accepted, from the outcomes seen (a draft's chance)."""
-        return float(self.rate[0] / max(self.rate[1], 1e-9))
+        self.seen.count(j[accepted], self.meta["sent"][r[accepted]])
 
     def take(self, batch: DraftBatch, ctx: np.ndarray) -> Hits | None:
         """The round's hits, answered and adopted (module docstring). None: no entry hit.
@@ -323,8 +314,7 @@ class Speculation:
         a = np.where(pos < width[:, None], mine.sum(2), 0.0)  # each draft's own probability
         # P(j): the observed share of rounds that accepted j of their drafts (calibrated: a
         # random model's flat distribution says nothing of how often its drafts are accepted)
-        seen = np.where(np.arange(w + 1) <= sent[:, None], self.seen[: w + 1], 0.0)
-        p_j = seen / seen.sum(1, keepdims=True)
+        p_j = self.seen.p_j(sent)
         # corrections (j < sent, t not the draft: its share of the others) and bonuses inside
         # the drafts made (j = sent < width: the drafter's own distribution there)
         j = np.broadcast_to(pos[:, None], (w, RANK))
@@ -334,7 +324,7 @@ class Speculation:
         share = last.probs[rows] / np.where(correction, np.maximum(1.0 - a[:, :, None], 1e-6), 1.0)
         score = np.where(valid, p_j[:, :w, None] * share, -1.0).reshape(len(rows), w * RANK)
         bonus = (sent == width) & ~self.sampled[rows]
-        mean = self.accepted()  # the bonus: the drafter's top choice, as likely the target's as a draft is
+        mean = self.seen.rate()  # the bonus: the drafter's top choice, as likely the target's as a draft is
         score = np.concatenate([score, np.where(bonus, p_j[np.arange(len(rows)), width] * mean, -1.0)[:, None]], 1)
         j_all = np.concatenate([np.broadcast_to(j.ravel(), (len(rows), w * RANK)), width[:, None]], 1)
         c0 = m["fill"][rows][:, None] + j_all - (j_all == width[:, None])  # the column the branch encodes at
