@@ -142,6 +142,7 @@ class Speculation:
         r, m = rows[e], self.meta
         j = np.asarray(batch.lengths, np.int64)[e] - m["length"][r] - 1
         ok = (m["slot"][r] == np.asarray(batch.slots)[e]) & (m["gen"][r] == np.asarray(batch.gens)[e])
+        ok &= m["session"][r] == batch.sessions()[e]  # (a row given to another stream keeps the old one's fields)
         ok &= (j >= 0) & (j <= m["sent"][r]) & (ctx[e] > j) & (m["length"][r] > 0)
         if not ok.any():
             return
