@@ -36,7 +36,7 @@ exactly the branch's tokens at the next positions, asking at most its drafts, wi
 same seed and temperature when sampled (greedy: neither). It is answered from the branch,
 whose blocks become its stream's (:meth:`~.pool.KVStore.adopt`), and the branch's answer
 is the stream's last (its outcomes pre-drafted in turn). Any other round for a stream
-drops its branches. Greedy, a hit's drafts equal a fresh round's but for near-ties (its
+leaves its branches stale (they can never hit), let go in idle time. Greedy, a hit's drafts equal a fresh round's but for near-ties (its
 K/V computed in another batch's shape, differing in the last bits, as every cached
 round's); sampled, each is the pick of its own ``q`` at the round's seed, position and
 index. Branches hold blocks only while the pool has them to spare: pre-drafting never
