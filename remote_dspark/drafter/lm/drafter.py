@@ -247,8 +247,6 @@ class LMDrafter:
             raise ValueError(f"a sampled round: the model's vocabulary of {self.vocab_size} is under {TOP} ids")
         ctx_lens = context_lengths(batch)
         with self._lock, torch.inference_mode():
-            if self.spec is not None:
-                self.spec.observe(batch, ctx_lens)
             hits = self.spec.take(batch, ctx_lens) if self.spec is not None else None
             if hits is None:
                 return self._round(batch, ctx_lens)

@@ -5,7 +5,7 @@ After a stream's round is answered with drafts ``d1..dk``, its next ROUND append
 t`` for some ``j`` in ``0..m`` (``m`` the drafts sent): the drafts the engine accepted,
 then the target's token (a correction ``t != d(j+1)`` at ``j < m``, the bonus at ``j =
 m``). Those outcomes ``(j, t)`` are ranked ``P(j, t) = P(j) * share(t)``: ``P(j)`` the
-share of rounds seen accepting ``j`` drafts (:meth:`Speculation.observe`, every round,
+share of rounds seen accepting ``j`` drafts (:meth:`Speculation._observe`, every round,
 decayed: the drafter's own probabilities are no measure of acceptance, a random model's
 flat ones least of all), ``share(t)`` the drafter's probability of ``t`` at position
 ``j + 1`` among the ids other than its draft (its round keeps each position's ``RANK``
@@ -36,11 +36,12 @@ exactly the branch's tokens at the next positions, asking at most its drafts, wi
 same seed and temperature when sampled (greedy: neither). It is answered from the branch,
 whose blocks become its stream's (:meth:`~.pool.KVStore.adopt`), and the branch's answer
 is the stream's last (its outcomes pre-drafted in turn). Any other round for a stream
-leaves its branches stale (they can never hit), let go in idle time. Greedy, a hit's drafts equal a fresh round's but for near-ties (its
-K/V computed in another batch's shape, differing in the last bits, as every cached
-round's); sampled, each is the pick of its own ``q`` at the round's seed, position and
-index. Branches hold blocks only while the pool has them to spare: pre-drafting never
-evicts a stream, and a round short of blocks drops every branch first
+leaves its branches stale (they can never hit), let go in idle time. Greedy, a hit's
+drafts equal a fresh round's but for near-ties (its K/V computed in another batch's
+shape, differing in the last bits, as every cached round's); sampled, each is the pick
+of its own ``q`` at the round's seed, position and index. Branches hold blocks only
+while the pool has them to spare: pre-drafting never evicts a stream, and a round short
+of blocks drops every branch first
 (:meth:`Speculation.reclaim`).
 
 Not thread-safe: the drafter's lock is held around every call.
@@ -131,13 +132,13 @@ class Speculation:
         self._tick += 1
         self.pending[r], self.done[r] = self._tick, 0
 
-    def observe(self, batch: DraftBatch, ctx: np.ndarray) -> None:
-        """Count what a round's entries accepted of their streams' last answers (``j``:
-        the drafts it appends before its new token), for the outcomes' ranking. Entries
-        that append anything else (a NEW_GEN, a gap, tokens no outcome) count nothing."""
-        if batch.slots is None or batch.lengths is None:
+    def _observe(self, batch: DraftBatch, ctx: np.ndarray, rows: np.ndarray) -> None:
+        """Count what a round's entries (their streams' cache ``rows``, -1: none) accepted
+        of their streams' last answers (``j``: the drafts it appends before its new token),
+        for the outcomes' ranking. Entries that append anything else (a NEW_GEN, a gap,
+        tokens no outcome) count nothing."""
+        if batch.lengths is None:
             return
-        rows = self.cache.rows_of(batch.sessions(), np.asarray(batch.slots, np.int64))
         e = np.flatnonzero(rows >= 0)
         r, m = rows[e], self.meta
         j = np.asarray(batch.lengths, np.int64)[e] - m["length"][r] - 1
@@ -147,22 +148,31 @@ class Speculation:
         if not ok.any():
             return
         e, r, j = e[ok], r[ok], j[ok]
-        w = self.last.drafts.shape[1]
-        at = batch.offsets[e + 1][:, None] - 1 - j[:, None] + np.arange(w)
-        inside = np.arange(w) < j[:, None]
-        flat = batch.tokens
-        got = np.where(inside, flat[np.clip(at, 0, len(flat) - 1)], 0)
-        accepted = (np.where(inside, self.last.drafts[r], 0) == got).all(1)
+        accepted = self._accepted(batch, e, r, j)
         self.seen.count(j[accepted], self.meta["sent"][r[accepted]])
 
+    def _accepted(self, batch: DraftBatch, e: np.ndarray, r: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Whether entries ``e`` appended their streams' (rows ``r``) last drafts ``d1..dj``
+        before their last token (``0 <= j``, within the answers' width; else False)."""
+        w = self.last.drafts.shape[1]
+        flat = batch.tokens if len(batch.tokens) else np.zeros(1, np.int32)
+        at = batch.offsets[e + 1][:, None] - 1 - j[:, None] + np.arange(w)
+        inside = np.arange(w) < np.clip(j, 0, w)[:, None]
+        got = np.where(inside, flat[np.clip(at, 0, len(flat) - 1)], 0)
+        return (np.where(inside, self.last.drafts[r], 0) == got).all(1) & (j >= 0) & (j < w)
+
     def take(self, batch: DraftBatch, ctx: np.ndarray) -> Hits | None:
-        """The round's hits, answered and adopted (module docstring). None: no entry hit.
+        """The round's hits, answered and adopted (module docstring), once what it accepted
+        is counted (:meth:`_observe`). None: no entry hit.
         A stream's other branches are stale from here on (its row moves on: they can never
         hit) and are let go in idle time, when its outcomes are next pre-drafted (its round
         makes them due), or when the pool is short: not on the round's path."""
-        if self.n_free == len(self.free) or batch.slots is None:  # no branch at all
+        if batch.slots is None:
             return None
         rows = self.cache.rows_of(batch.sessions(), np.asarray(batch.slots, np.int64))
+        self._observe(batch, ctx, rows)
+        if self.n_free == len(self.free):  # no branch at all
+            return None
         known = rows >= 0
         r0 = np.where(known, rows, 0)
         cand = self.branch_of[r0]
@@ -205,13 +215,7 @@ class Speculation:
         if batch.sampled:
             s = sampling_rows(batch, ctx)
             ok &= (s[0][e] == bf["temp"][b]) & (s[1][e] == bf["seed"][b])
-        # the accepted drafts: the context's tokens before its last equal the stream's d1..dj
-        w = self.last.drafts.shape[1]
-        at = batch.offsets[e + 1][:, None] - 1 - j[:, None] + np.arange(w)
-        inside = np.arange(w) < np.clip(j, 0, w)[:, None]
-        got = np.where(inside, flat[np.clip(at, 0, len(flat) - 1)], 0)
-        ok &= (np.where(inside, self.last.drafts[r], 0) == got).all(1) & (j >= 0) & (j < w)
-        return ok, b
+        return ok & self._accepted(batch, e, r, j), b
 
     def _adopt(self, batch: DraftBatch, ctx, e, r, b) -> Hits:
         """Entries ``e`` hit branches ``b`` of their streams ``r``: the answer, the blocks
