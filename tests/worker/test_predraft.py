@@ -167,3 +167,26 @@ def test_the_same_with_the_rounds_of_a_hub():
         d.release.set()
         s.stop()
     assert not s.alive() and d.log == LOG and not source.failed
+
+
+class Failing(Predrafting):
+    """A drafter whose every pre-draft raises (a device fault, a bug)."""
+
+    def predraft(self, max_entries, max_tokens):
+        self.log.append(("predraft", self.scheduler.queued()))
+        raise RuntimeError("a pre-draft broke")
+
+
+def test_a_failing_predraft_costs_its_outcomes_never_a_round_nor_the_drafter_thread():
+    d, source = Failing(made=[]), Source()
+    s = d.scheduler = Scheduler(d, max_entries=64, max_tokens=1024, source=source)
+    s.start()
+    try:
+        for session in (1, 2, 3):
+            source.put(session, round_of(session))
+            answered(source, session)
+            assert until(lambda n=session: d.predrafts() == n)  # tried after each call, not again
+        assert s.alive() and not source.failed
+    finally:
+        s.stop()
+    assert d.log == [("draft", 1), ("predraft", 0), ("draft", 2), ("predraft", 0), ("draft", 3), ("predraft", 0)]
