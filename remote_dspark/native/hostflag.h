@@ -61,7 +61,7 @@ struct hf_ring {
  * DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must keep. Each wire
  * constant is reported by hf_wire_constants, and the loader refuses a library whose
  * values are not remote_dspark.wire's. */
-enum { W_HEADER = 24, W_VERSION = 7, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
+enum { W_HEADER = 24, W_VERSION = 8, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
        DESC_PENDING = 4, DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
        W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16, W_MAX_ENTRIES = 4096, W_MAX_N_OUT = 64,

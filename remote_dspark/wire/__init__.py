@@ -8,7 +8,7 @@ byte of payload is allocated or read; a frame that breaks any rule raises
 The contract is written out beside the code that encodes and checks each part: the
 header, the caps and the errors in :mod:`~remote_dspark.wire.frame`, ROUND in
 :mod:`~remote_dspark.wire.round`, DRAFTS in :mod:`~remote_dspark.wire.drafts`, and the
-handshake (HELLO, HELLO_ACK, BYE) in :mod:`~remote_dspark.wire.hello`, and the optional
+handshake (HELLO, HELLO_ACK, BYE, PING) in :mod:`~remote_dspark.wire.hello`, and the optional
 authentication at HELLO (AUTH, the proofs) in :mod:`~remote_dspark.wire.auth`. This module is
 the contract's one namespace: every name of it is ``wire.X``, whichever part defines it.
 """
@@ -46,6 +46,8 @@ from .frame import (
     NONCE_BYTES,
     OPTION_MARGINS,
     OPTION_SAMPLED,
+    OPTION_SPARE,
+    PING,
     PROOF_BYTES,
     PROTOCOL_VERSION,
     REFUSE_AUTH,
@@ -82,6 +84,7 @@ from .hello import (
     encode_bye,
     encode_hello,
     encode_hello_ack,
+    encode_ping,
     parse_hex32,
 )
 from .round import (
@@ -133,6 +136,8 @@ __all__ = [
     "NONCE_BYTES",
     "OPTION_MARGINS",
     "OPTION_SAMPLED",
+    "OPTION_SPARE",
+    "PING",
     "PROOF_BYTES",
     "PROTOCOL_VERSION",
     "ProtocolError",
@@ -160,6 +165,7 @@ __all__ = [
     "decode_round",
     "drafts_sections",
     "encode_bye",
+    "encode_ping",
     "encode_drafts",
     "encode_header",
     "encode_hello",

@@ -7,9 +7,11 @@ Header (``HEADER``, 24 bytes)::
          0    4 magic          b"DSPW"
          4    2 version        PROTOCOL_VERSION
          6    2 type           HELLO=1 HELLO_ACK=2 ROUND=3 DRAFTS=4 BYE=5 AUTH=6
+                               PING=7
          8    4 payload_len    <= MAX_PAYLOAD and the type's own cap
         12    8 session        the proxy's session (new for every proxy process)
-        20    4 round          the round id (cyclic u32); 0 outside ROUND/DRAFTS
+        20    4 round          the round id (cyclic u32) of a ROUND/DRAFTS; a PING's
+                               sequence number; 0 otherwise
 
 The caps are checked against the header before a payload is allocated; the payload
 structs' fixed parts are here because the caps are made of them.
@@ -29,14 +31,23 @@ if sys.byteorder != "little":
     raise ImportError("remote_dspark.wire: the wire is little-endian and is read in place; this host is big-endian")
 
 MAGIC = b"DSPW"
-PROTOCOL_VERSION = 7  # what each version changed: docs/design.md, "Versions"
+PROTOCOL_VERSION = 8  # what each version changed: docs/design.md, "Versions"
 
-HELLO, HELLO_ACK, ROUND, DRAFTS, BYE, AUTH = 1, 2, 3, 4, 5, 6
-FRAME_NAMES = {HELLO: "HELLO", HELLO_ACK: "HELLO_ACK", ROUND: "ROUND", DRAFTS: "DRAFTS", BYE: "BYE", AUTH: "AUTH"}
+HELLO, HELLO_ACK, ROUND, DRAFTS, BYE, AUTH, PING = 1, 2, 3, 4, 5, 6, 7
+FRAME_NAMES = {
+    HELLO: "HELLO",
+    HELLO_ACK: "HELLO_ACK",
+    ROUND: "ROUND",
+    DRAFTS: "DRAFTS",
+    BYE: "BYE",
+    AUTH: "AUTH",
+    PING: "PING",
+}
 
 FLAG_NEW_GEN = 1
 DRAFTS_MARGINS, DRAFTS_SAMPLED = 1, 2  # DRAFTS flags: margins, distributions (wire.drafts)
-OPTION_MARGINS, OPTION_SAMPLED = 1, 2  # HELLO options: margins, sampled drafts (wire.hello)
+# HELLO options: margins, sampled drafts, a spare connection (wire.hello)
+OPTION_MARGINS, OPTION_SAMPLED, OPTION_SPARE = 1, 2, 4
 STATUS_OK, STATUS_RESYNC = 0, 1
 
 # HELLO_ACK reason codes.
@@ -64,7 +75,7 @@ HEADER = struct.Struct("<4sHHIQI")
 HELLO_STRUCT = struct.Struct("<32s32sQIIHBBI")
 NONCE_BYTES = 32  # an engine's or a worker's fresh nonce (authentication, wire.auth)
 PROOF_BYTES = 32  # an HMAC-SHA256 proof (wire.auth)
-ACK_STRUCT = struct.Struct("<BBH32s32sIIIIII")
+ACK_STRUCT = struct.Struct("<BBH32s32sIIIIIIIQ")
 ROUND_FIXED = struct.Struct("<IIII")
 DRAFTS_FIXED = struct.Struct("<IHH")
 
@@ -81,6 +92,7 @@ _TYPE_CAP = {
         MAX_SAMPLED_ENTRIES * (8 + MAX_SAMPLED_N_OUT * (8 + 6 * SAMPLED_TOP)),
     ),
     BYE: 0,
+    PING: 0,
     AUTH: NONCE_BYTES + PROOF_BYTES,  # the worker's; the engine's is its proof alone
 }
 

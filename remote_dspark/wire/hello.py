@@ -1,4 +1,4 @@
-"""The handshake: HELLO, HELLO_ACK and BYE (part of the wire contract,
+"""The handshake: HELLO, HELLO_ACK, BYE and PING (part of the wire contract,
 :mod:`remote_dspark.wire`).
 
 HELLO payload (``HELLO_STRUCT``, 88 bytes, then an engine's nonce: 120 bytes; protocol 6)::
@@ -16,6 +16,9 @@ HELLO payload (``HELLO_STRUCT``, 88 bytes, then an engine's nonce: 120 bytes; pr
                                bit 1 OPTION_SAMPLED: a sampled session (SAMPLED_TOP32):
                                its ROUNDs carry a temperature and a seed per entry and
                                its DRAFTS the distributions (wire.round, wire.drafts);
+                               bit 2 OPTION_SPARE: a spare connection, held idle
+                               (answering PINGs) until its first ROUND makes it the
+                               engine's active one (protocol 8);
                                any other bit set is a ProtocolError. A sampled HELLO has
                                num_spec <= MAX_SAMPLED_N_OUT (16) and max_slots <=
                                MAX_SAMPLED_ENTRIES (1024): its DRAFTS stay under 3 MiB
@@ -28,7 +31,7 @@ HELLO payload (``HELLO_STRUCT``, 88 bytes, then an engine's nonce: 120 bytes; pr
                                its fresh nonce, which asks the worker to authenticate
                                (wire.auth); without a key the payload ends at 88 bytes
 
-HELLO_ACK payload (``ACK_STRUCT``, 92 bytes, then the reason; protocol 7)::
+HELLO_ACK payload (``ACK_STRUCT``, 104 bytes, then the reason; protocol 8)::
 
     offset size field
          0    1 accept          1 when the code is ACCEPT, else 0
@@ -50,14 +53,23 @@ HELLO_ACK payload (``ACK_STRUCT``, 92 bytes, then the reason; protocol 7)::
         80    4 max_slots       the worker's other limits, for a probe's report (a HELLO
         84    4 max_row_bytes   beyond them is refused, the reason naming the value):
         88    4 max_round_bytes <= MAX_ENTRIES, MAX_ROW_BYTES and MAX_PAYLOAD
-        92    n reason          UTF-8
+        92    4 engines         the engines the worker serves now (sessions not spare,
+                                this one not counted): an engine choosing between
+                                two workers takes the less loaded (transport.fleet)
+        96    8 incarnation     the worker process's own random nonzero id, new at every
+                                start: a restarted worker at the same address is another
+                                one (0 in a refusal from before the worker knows it)
+       104    n reason          UTF-8
 
 Every field is sent with a refusal too, so that a probe can say what the worker takes.
 
 The header's session is the HELLO's; an accepting worker's identities are the HELLO's
 (the engine side refuses any other answer: ``client.DraftClient.connect``).
 
-BYE has an empty payload.
+BYE has an empty payload. So has PING: the engine sends it on an idle connection (its
+spare) with a sequence number in the header's round field, and the worker answers at
+once with a PING of the same session and number. A spare that does not answer within
+its deadline is dead to the engine, found in seconds rather than TCP keepalive's minute.
 """
 
 from __future__ import annotations
@@ -84,6 +96,8 @@ from .frame import (
     NONCE_BYTES,
     OPTION_MARGINS,
     OPTION_SAMPLED,
+    OPTION_SPARE,
+    PING,
     REFUSE_AUTH,
     ProtocolError,
     encode_header,
@@ -127,11 +141,16 @@ class Hello:
     vocab_size: int = 0  # 0: unknown
     nonce: bytes = b""  # an engine with a key: its fresh nonce (NONCE_BYTES); b"": no key
     want_sampled: bool = False  # a sampled session (OPTION_SAMPLED): temperatures, seeds, distributions
+    spare: bool = False  # a spare connection (OPTION_SPARE): held idle until its first ROUND
 
     @property
     def options(self) -> int:
-        """HELLO's options byte: OPTION_MARGINS | OPTION_SAMPLED as asked."""
-        return (OPTION_MARGINS if self.want_margin else 0) | (OPTION_SAMPLED if self.want_sampled else 0)
+        """HELLO's options byte: OPTION_MARGINS | OPTION_SAMPLED | OPTION_SPARE as asked."""
+        return (
+            (OPTION_MARGINS if self.want_margin else 0)
+            | (OPTION_SAMPLED if self.want_sampled else 0)
+            | (OPTION_SPARE if self.spare else 0)
+        )
 
 
 def sampled_caps_broken(num_spec: int, max_slots: int) -> str | None:
@@ -181,9 +200,9 @@ def decode_hello(payload) -> Hello:
         raise ProtocolError(f"HELLO row_bytes {row_bytes} over the cap {MAX_ROW_BYTES}")
     if not 0 < num_spec <= MAX_N_OUT:
         raise ProtocolError(f"HELLO num_spec {num_spec} not in 1..{MAX_N_OUT}")
-    unknown = options & ~(OPTION_MARGINS | OPTION_SAMPLED)
+    unknown = options & ~(OPTION_MARGINS | OPTION_SAMPLED | OPTION_SPARE)
     if unknown:
-        known = "0x01 margins, 0x02 sampled"
+        known = "0x01 margins, 0x02 sampled, 0x04 spare"
         raise ProtocolError(f"HELLO options {options:#04x}: unknown bits {unknown:#04x} (known: {known})")
     sampled = bool(options & OPTION_SAMPLED)
     over = sampled_caps_broken(num_spec, max_slots) if sampled else None
@@ -193,7 +212,8 @@ def decode_hello(payload) -> Hello:
         raise ProtocolError(f"HELLO vocab_size {vocab} over the cap {MAX_VOCAB}")
     nonce = bytes(payload[HELLO_STRUCT.size :])
     margins = bool(options & OPTION_MARGINS)
-    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, margins, vocab, nonce, sampled)
+    spare = bool(options & OPTION_SPARE)
+    return Hello(d, m, engine_id, max_slots, row_bytes, num_spec, row_format, margins, vocab, nonce, sampled, spare)
 
 
 @dataclass(frozen=True)
@@ -211,6 +231,8 @@ class HelloAck:
     max_slots: int = MAX_ENTRIES  # --max-slots
     max_row_bytes: int = MAX_ROW_BYTES  # --max-row-bytes
     max_round_bytes: int = MAX_PAYLOAD  # --max-round-bytes
+    engines: int = 0  # the engines it serves now (not spare, not this one)
+    incarnation: int = 0  # the worker process's random id (0: not told)
 
     @property
     def accepted(self) -> bool:
@@ -239,7 +261,16 @@ def encode_hello_ack(a: HelloAck, session: int) -> bytes:
     wrong = a.out_of_range()
     require(wrong is None, f"HELLO_ACK {wrong}")
     reason = a.reason.encode("utf-8")[:MAX_REASON]
-    fields = (a.context_tokens, a.round_tokens, a.vocab_size, a.max_slots, a.max_row_bytes, a.max_round_bytes)
+    fields = (
+        a.context_tokens,
+        a.round_tokens,
+        a.vocab_size,
+        a.max_slots,
+        a.max_row_bytes,
+        a.max_round_bytes,
+        a.engines,
+        a.incarnation,
+    )
     head = ACK_STRUCT.pack(int(a.code == ACCEPT), a.code, len(reason), a.drafter_identity, a.markov_identity, *fields)
     payload = head + reason
     return encode_header(HELLO_ACK, len(payload), session) + payload
@@ -263,3 +294,8 @@ def decode_hello_ack(payload) -> HelloAck:
 
 def encode_bye(session: int = 0) -> bytes:
     return encode_header(BYE, 0, session)
+
+
+def encode_ping(session: int, seq: int) -> bytes:
+    """A PING (the engine's on an idle connection, or the worker's answer echoing it)."""
+    return encode_header(PING, 0, session, seq)

@@ -43,16 +43,17 @@ def test_a_protocol_1_peer_is_refused_by_version():
         wire.decode_header(bytes(frame))
 
 
-def test_the_protocol_is_version_7_and_a_version_6_peer_is_refused():
-    assert wire.PROTOCOL_VERSION == 7  # 7: HELLO_ACK's round cap, vocabulary and limits (tests/wire/test_hello.py)
+def test_the_protocol_is_version_8_and_a_version_7_peer_is_refused():
+    assert wire.PROTOCOL_VERSION == 8  # 8: spares, PING, HELLO_ACK's engines and incarnation (tests/wire/test_hello.py)
     frame = bytearray(wire.encode_bye())
-    struct.pack_into("<H", frame, 4, 6)
-    with pytest.raises(wire.VersionMismatch, match="protocol version 6, this side speaks 7"):
+    struct.pack_into("<H", frame, 4, 7)
+    with pytest.raises(wire.VersionMismatch, match="protocol version 7, this side speaks 8"):
         wire.decode_header(bytes(frame))
 
 
 @pytest.mark.parametrize(
-    "ftype,cap", [(wire.HELLO, 88 + 32), (wire.AUTH, 64), (wire.BYE, 0), (wire.ROUND, wire.MAX_PAYLOAD)]
+    "ftype,cap",
+    [(wire.HELLO, 88 + 32), (wire.AUTH, 64), (wire.BYE, 0), (wire.PING, 0), (wire.ROUND, wire.MAX_PAYLOAD)],
 )
 def test_oversized_frame_refused_before_allocation(ftype, cap):
     stream = _Bytes(wire.encode_header(ftype, cap + 1) + b"x" * 64)

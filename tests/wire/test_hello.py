@@ -7,6 +7,7 @@ the identities' hex form."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -94,11 +95,11 @@ def test_hello_options_round_trip_and_are_byte_83(margin, sampled, slots, num_sp
     assert wire.decode_hello(payload) == h
 
 
-@pytest.mark.parametrize("options", [0x04, 0x08, 0x80, 0x07, 0xFF])
+@pytest.mark.parametrize("options", [0x08, 0x80, 0x0F, 0xFF])
 def test_an_unknown_option_bit_is_refused_naming_it(options):
     payload = bytearray(split(wire.encode_hello(hello(), 9))[1])
     payload[83] = options
-    with pytest.raises(wire.ProtocolError, match=f"unknown bits {options & ~3:#04x}"):
+    with pytest.raises(wire.ProtocolError, match=f"unknown bits {options & ~7:#04x}"):
         wire.decode_hello(bytes(payload))
 
 
@@ -153,12 +154,32 @@ def test_the_context_is_the_u32_after_the_identities_then_the_round_cap_vocabula
         max_row_bytes=4, max_round_bytes=9000,
     )  # fmt: skip
     payload = split(wire.encode_hello_ack(ack, 1))[1]
-    assert wire.ACK_STRUCT.size == 92 and struct.unpack_from("<6I", payload, 68) == (256, 40, 50257, 8, 4, 9000)
+    assert wire.ACK_STRUCT.size == 104 and struct.unpack_from("<6I", payload, 68) == (256, 40, 50257, 8, 4, 9000)
+
+
+def test_an_ack_names_the_engines_served_and_the_incarnation_after_the_limits():
+    ack = wire.HelloAck(wire.ACCEPT, *IDS, engines=3, incarnation=0xDEADBEEF12345678)
+    payload = split(wire.encode_hello_ack(ack, 1))[1]
+    assert struct.unpack_from("<IQ", payload, 92) == (3, 0xDEADBEEF12345678)
+    assert wire.decode_hello_ack(payload) == ack
+
+
+def test_a_spare_hello_sets_options_bit_2_and_round_trips():
+    h = dataclasses.replace(HELLO, spare=True)
+    payload = split(wire.encode_hello(h, 1))[1]
+    assert payload[83] == wire.OPTION_SPARE == 4
+    assert wire.decode_hello(payload) == h
+    assert not wire.decode_hello(split(wire.encode_hello(HELLO, 1))[1]).spare
+
+
+def test_a_ping_is_an_empty_frame_whose_round_field_is_its_number():
+    hdr = wire.decode_header(wire.encode_ping(0xAB, 7)[: wire.HEADER.size])
+    assert (hdr.type, hdr.name, hdr.payload_len, hdr.session, hdr.round) == (wire.PING, "PING", 0, 0xAB, 7)
 
 
 def _ack_payload(accept: int, code: int, context: int, *limits: int) -> bytes:
     fields = limits or (wire.MAX_TOKENS, 0, wire.MAX_ENTRIES, wire.MAX_ROW_BYTES, wire.MAX_PAYLOAD)
-    return wire.ACK_STRUCT.pack(accept, code, 0, *IDS, context, *fields)
+    return wire.ACK_STRUCT.pack(accept, code, 0, *IDS, context, *fields, 0, 0)
 
 
 LIMITS = st.tuples(

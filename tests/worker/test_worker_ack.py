@@ -1,4 +1,4 @@
-"""What a worker's HELLO_ACK tells (protocol 7): the context it keeps per slot, the most
+"""What a worker's HELLO_ACK tells (protocol 7 on): the context it keeps per slot, the most
 tokens it takes in a round (its --max-round-tokens), its drafter's vocabulary and its
 other limits, accepting and refusing alike; a HELLO of another protocol version gets
 REFUSE_VERSION naming both versions. Loopback only; every wait bounded; every worker
