@@ -27,7 +27,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 26   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 27   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -61,7 +61,7 @@ struct hf_ring {
  * DRAFTS' caps. W_MAX_PAYLOAD is wire.MAX_PAYLOAD, the cap a ROUND must keep. Each wire
  * constant is reported by hf_wire_constants, and the loader refuses a library whose
  * values are not remote_dspark.wire's. */
-enum { W_HEADER = 24, W_VERSION = 8, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
+enum { W_HEADER = 24, W_VERSION = 8, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5, W_PING = 7,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
        DESC_PENDING = 4, DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
        W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16, W_MAX_ENTRIES = 4096, W_MAX_N_OUT = 64,
@@ -146,11 +146,17 @@ struct hf_link {
     uint8_t *rx;                  /* the DRAFTS payload buffer, rx_cap bytes */
     uint64_t desc_stride, staging_stride;
     uint64_t session;             /* the proxy's session, in every ROUND header */
+    uint64_t conn;                /* the connection the next round takes: epoch << 32 | the
+                                     descriptor as u32 (-1: none), stored (release) by the
+                                     link whenever its active changes, loaded (acquire) by
+                                     each round after its wait */
+    uint64_t cur;                 /* the connection the receive state (got, hdr) belongs to */
+    uint64_t used;                /* results: the connection the last round took */
     uint32_t row_bytes, max_tokens;
     uint32_t rx_cap;              /* the largest DRAFTS payload the wire allows */
     uint32_t max_entries, max_n_out;   /* wire caps of a DRAFTS frame */
     uint32_t default_deadline_ms; /* a descriptor's deadline 0 means this */
-    int32_t fd;                   /* the worker connection (HELLO done, non-blocking), or -1 */
+    int32_t fd;                   /* the round's connection (conn's descriptor), or -1 */
     uint32_t send;                /* 1: the breaker lets this round use the network */
     uint32_t at_once;             /* the status of a round answered without the network */
     uint32_t at_once_max;         /* how many such rounds one call may answer */

@@ -156,6 +156,10 @@ static int recv_reply(struct hf_link *l, uint32_t round, uint64_t deadline_ns,
                         W_VERSION);
         if (type == W_BYE)
             return hf_fail(l, HF_EV_LOST, 0, "the worker said BYE");
+        if (type == W_PING && plen == 0 && session == l->session) {
+            l->got = 0;   /* the answer to a PING sent while this connection was the spare */
+            continue;
+        }
         if (type != W_DRAFTS)
             return hf_fail(l, HF_EV_PROTOCOL, 0, "frame type %u where DRAFTS was expected", type);
         /* Mirrors client.DraftClient.recv_drafts: a reply of another session is never this
@@ -193,12 +197,22 @@ static void clear_results(struct hf_link *l)
  * only touched once a round is taken. */
 static int64_t round_once(struct hf_proxy *p, struct hf_link *l, uint64_t idle_ns)
 {
-    int fd = l->fd, send = fd >= 0 && l->send;   /* read before the wait, not after */
-    uint32_t status = l->at_once;
     uint64_t seen = 0;
     int64_t taken = hf_take_seen(p, idle_ns, &seen);
     if (taken < 0)
         return taken;
+    /* The connection is read after the wait: the link may have switched to its spare
+     * meanwhile (its keeper saw the active's worker hang up). A new one's receive state
+     * starts empty; the one left is closed only by the caller, after this call. */
+    uint64_t conn = __atomic_load_n(&l->conn, __ATOMIC_ACQUIRE);
+    if (conn != l->cur) {
+        l->cur = conn;
+        l->got = 0;
+    }
+    l->fd = (int32_t)(uint32_t)conn;
+    int send = l->fd >= 0 && l->send;
+    uint32_t status = l->fd >= 0 ? l->at_once : ST_ERROR;
+    l->used = conn;
     uint32_t round = (uint32_t)taken, index = round & (p->ring.depth - 1);
     int event = HF_EV_AT_ONCE;
     if (!send) {   /* nothing but the ring's words and the drafts slot before the release */

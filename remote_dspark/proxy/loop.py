@@ -2,6 +2,11 @@
 answer them. :class:`ProxyLoop` runs in the proxy process (:mod:`remote_dspark.proxy_proc`
 starts it) and, in thread mode, as a thread of the engine, for comparison.
 
+The link (:mod:`remote_dspark.transport.link`) keeps an active connection and a spare;
+whenever its active changes it publishes the region's link words (the engine re-announces
+every slot on a new epoch) and then the native round's connection word, so the next
+round takes the new connection without this loop's help, even mid-wait.
+
 Per round, on a TCP connection (and whenever there is none): one native call,
 ``hf_round`` (:mod:`.tcp_round`), takes the round, sends it straight from the region,
 waits for the DRAFTS, checks and writes them and releases the round, so no Python runs
@@ -24,10 +29,10 @@ from collections.abc import Callable, Mapping
 
 from .. import native
 from ..config.api import RemoteConfig
-from ..outcome import DROPS_CONNECTION, Outcome, RoundEvent
+from ..outcome import Outcome, RoundEvent
 from ..shm import memfd
 from ..transport.breaker import Breaker, BreakerRecord
-from ..transport.link import RemoteLink
+from ..transport.link import Conn, RemoteLink
 from .ring_end import ProxyEnd, ProxyRound
 from .tcp_round import Served, TcpRounds
 
@@ -105,11 +110,28 @@ class ProxyLoop:
             environ=environ,
             on_connect=self._connected,
             on_acked=self.end.header.set_acked,
+            on_change=self._link_changed,
+            on_count=self.end.counters.add,
             key=cfg.key,
         )
         self.rounds = TcpRounds(self.end, session=self.session, default_deadline_ms=cfg.timeout_ms)
-        self._attached_epoch = 0  # the link epoch whose socket ``rounds`` holds (0: none)
+        self.end.header.set_link(0, 0, "", 0, False)
         self._allow: bool | None = None  # the breaker's word for the next round, once asked
+
+    def _link_changed(self, active: Conn | None, spare: Conn | None) -> None:
+        """The link's hook (under its lock): the region's link words, then the native
+        round's connection word, so the engine hears of a new worker session no later
+        than the round that takes it."""
+        a = active.address if active is not None else None
+        self.end.header.set_link(
+            self.link.epoch,
+            active.incarnation if active is not None else 0,
+            a.host if a is not None else "",
+            a.port if a is not None else 0,
+            spare is not None,
+        )
+        sock = active.sock if active is not None else None
+        self.rounds.publish(self.link.epoch, sock.fileno() if sock is not None else -1)
 
     def _connected(self) -> None:
         if self.link.epoch > 1:
@@ -132,28 +154,22 @@ class ProxyLoop:
             while not should_stop():
                 self.step(IDLE_TICK_S)
         finally:
-            self.rounds.detach()
+            self.rounds.publish(0, -1)
             self.link.close()
 
     def step(self, timeout_s: float) -> None:
         """Beat, wait up to ``timeout_s`` for the next round and answer it."""
+        self.link.reap()  # (no native call holds a descriptor between calls)
         sock = self.link.tcp_socket()
         if sock is None and self.link.connected:  # a transport of its own (ofl)
             rnd = self.end.next_round(timeout_s)
             if rnd is not None:
                 self.serve(rnd)
             return
-        epoch = 0 if sock is None else self.link.epoch  # the connection the call will use
-        if epoch != self._attached_epoch:
-            if sock is None:
-                self.rounds.detach()
-            else:
-                self.rounds.attach(sock.fileno())
-            self._attached_epoch = epoch
         if sock is not None and self._allow is None:
             # Asked once per round that reaches the network's door, as RemoteLink.round
             # does; kept across idle ticks until a round uses it.
-            self._allow = self.breaker.breaker.allow()
+            self._allow = self.link.allow()
         # With no connection every round is answered at once (target-only) and counted in
         # C: the call answers them all until the idle tick, for the reconnect to be seen.
         served = self.rounds.serve(
@@ -177,11 +193,9 @@ class ProxyLoop:
         if s.late:  # replies to rounds this proxy had given up on
             self.end.counters.add("rounds_late", s.late)
         self.breaker.breaker.observe(ev)
-        if ev in DROPS_CONNECTION:
-            self.rounds.detach()
-            self._attached_epoch = 0
-            self.link.drop(f"round {s.round} on {self.cfg.endpoint} failed: {s.why}")
-        elif ev is RoundEvent.BAD_REPLY:
+        if s.sent:  # (leaves the connection the round took, if the event says so)
+            self.link.observe(s.epoch, ev, s.why, s.round)
+        if ev is RoundEvent.BAD_REPLY:
             log.error("proxy: round %d: worker reply refused: %s", s.round, s.why)
         elif ev is RoundEvent.BAD_DESC and s.released:
             log.error("proxy: round %d: %s", s.round, s.why)

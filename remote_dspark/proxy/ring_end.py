@@ -20,6 +20,8 @@ _PROXY_COUNTER = {
     Outcome.BREAKER_SKIP: "rounds_breaker_skip",
 }
 
+NO_CONN = 0xFFFFFFFF  # struct hf_link's conn word with no connection: epoch 0, descriptor -1
+
 
 class ProxyRound:
     """A round the proxy took from the ring. Its views are the region's own bytes."""
@@ -209,6 +211,8 @@ class ProxyEnd(RingEnd):
             max_entries=wire.MAX_ENTRIES,
             max_n_out=wire.MAX_N_OUT,
             default_deadline_ms=default_deadline_ms,
+            conn=NO_CONN,
+            cur=NO_CONN,
             fd=-1,
         )
 

@@ -35,7 +35,7 @@ from typing import NamedTuple
 from .. import native, wire
 from ..outcome import Outcome, RoundEvent
 from ..shm.ring import seq_add
-from .ring_end import ProxyEnd
+from .ring_end import NO_CONN, ProxyEnd
 
 DRAFTS_CAP = wire.frame_cap(wire.DRAFTS)  # the wire's: no DRAFTS payload is larger
 
@@ -60,6 +60,7 @@ class Served(NamedTuple):
     count: int  # rounds answered by the call (more than one only at once)
     round: int  # the last of them
     event: RoundEvent
+    epoch: int  # the link epoch of the connection it took (0: none)
     sent: bool  # the ROUND went on the wire (an attempt)
     released: bool  # this answer was published (False: another claimer was first, counted late)
     late: int  # replies to earlier rounds dropped while waiting
@@ -68,11 +69,12 @@ class Served(NamedTuple):
 
 
 class TcpRounds:
-    """``hf_round`` over one proxy end and (at times) one connection. One thread uses
-    it: the proxy loop.
+    """``hf_round`` over one proxy end and the link's active connection. One thread
+    serves rounds (the proxy loop); :meth:`publish` may be called from any (the link,
+    under its lock, whenever its active changes).
 
-    Invariants: the native receive state belongs to the attached connection; Python
-    reads nothing from an attached socket.
+    Invariants: the native receive state belongs to the connection it was read from (C
+    starts it afresh on another); Python reads nothing from the active socket.
     """
 
     def __init__(self, end: ProxyEnd, *, session: int, default_deadline_ms: int):
@@ -83,19 +85,25 @@ class TcpRounds:
             ctypes.addressof(self._rx), cap, session=session, default_deadline_ms=default_deadline_ms
         )
         self._addr = ctypes.addressof(self._state)
+        self._conn_addr = self._addr + native.LinkState.conn.offset
 
-    def attach(self, fd: int) -> None:
-        """Use the connection on ``fd`` (connected, HELLO done, nothing read since)."""
-        self._state.fd = fd
-        self._state.got = 0
+    def publish(self, epoch: int, fd: int) -> None:
+        """The connection the next round takes: ``fd`` (connected, HELLO done, nothing
+        read since) of link epoch ``epoch``, or none (``fd`` -1). One atomic store; the
+        round after the current one's wait loads it."""
+        word = NO_CONN if fd < 0 else (epoch << 32) | fd
+        self._end.lib.store64(self._conn_addr, word)
+
+    def attach(self, fd: int, epoch: int = 1) -> None:
+        """:meth:`publish` for a caller with one connection (tests, tools)."""
+        self.publish(epoch, fd)
 
     def detach(self) -> None:
-        self._state.fd = -1
-        self._state.got = 0
+        self.publish(0, -1)
 
     @property
     def attached(self) -> bool:
-        return self._state.fd >= 0
+        return self._end.lib.load64(self._conn_addr) != NO_CONN
 
     def serve(self, timeout_s: float, *, send: bool, at_once: Outcome, at_once_max: int = 1) -> Served | None:
         """Take the next round within ``timeout_s`` (None if none came) and answer it:
@@ -127,6 +135,7 @@ class TcpRounds:
             st.served,
             st.round,
             _EVENTS[rc],
+            0 if st.used == NO_CONN else st.used >> 32,
             st.sent == 1,
             answer == 0,
             st.late,

@@ -56,7 +56,17 @@ Header page (all little-endian)::
     0x188  4    cooldown rounds left  proxy
     0x190  8    breaker trips         proxy
     0x198  8    breaker probes        proxy
-    0x1a0  ...  room (zero)
+    0x200  8    link sequence         proxy: odd while it writes the link words below (a
+                                      seqlock: a reader retries on odd or changed)
+    0x208  8    link epoch            proxy: its link's active connections so far, stored
+                                      before a round can take a new one. The engine reads
+                                      it before each round: a change is a new worker
+                                      session, so that round re-announces every slot
+    0x210  8    worker incarnation    proxy: the active worker's (its HELLO_ACK); 0: none
+    0x218  16   worker address        proxy: the active's IP (IPv6, or IPv4-mapped)
+    0x228  4    worker port           proxy: the active's port (0: no active)
+    0x22c  4    spare                 proxy: 1 while a spare connection is ready, else 0
+    0x230  ...  room (zero)
 
 Hand-off words page (each word on its own 128-byte line; 32-bit sequence words,
 compared cyclically, so a run may start near 2^32 and wrap)::
@@ -141,7 +151,7 @@ from dataclasses import dataclass, field
 from .. import wire
 
 MAGIC = b"DSPKSHM1"
-LAYOUT_VERSION = 8
+LAYOUT_VERSION = 9
 LINE = 128
 MAX_DEPTH = 64
 
@@ -155,6 +165,7 @@ OFF_CONTEXT = 0x104
 OFF_HEARTBEAT = 0x108
 OFF_ROUND_TOKENS = 0x110
 OFF_BREAKER = 0x180
+OFF_LINK = 0x200  # the link words: sequence, epoch, incarnation, address, port, spare
 
 # Hand-off words, relative to the words page.
 W_GATHERED = 0x000
@@ -252,6 +263,13 @@ PROXY_COUNTERS = CounterBlock(
         # Rounds whose descriptor broke the layout or the wire's rules: answered
         # ERROR (so also in rounds_error) without being sent.
         "rounds_bad_desc",
+        # The link's active connections left, by cause (transport.link.Cause), and the
+        # replies read from a connection left after a stall, dropped (fencing). The
+        # link's keeper thread adds to them too (relaxed atomic adds).
+        "failovers_lost",
+        "failovers_stall",
+        "failovers_protocol",
+        "fenced_replies",
     ),
     histograms=("round_latency", "handoff_latency"),
 )

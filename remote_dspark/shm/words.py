@@ -14,6 +14,7 @@ This module imports only the standard library (the proxy is torch- and numpy-fre
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from .layout import (
     OFF_BREAKER,
     OFF_CONTEXT,
     OFF_HEARTBEAT,
+    OFF_LINK,
     OFF_PROXY_PID,
     OFF_ROUND_TOKENS,
     OFF_SESSION,
@@ -95,6 +97,19 @@ class BreakerState:
     probes: int
 
 
+@dataclass(frozen=True)
+class LinkWords:
+    """The proxy's link as the region's link words hold it."""
+
+    epoch: int  # active connections so far (0: none yet)
+    incarnation: int  # the active worker's (0: no active)
+    address: str  # the active worker's "ip:port" ("" : no active)
+    spare: bool  # a spare connection is ready
+
+
+LINK_READ_TRIES = 64  # a reader's tries at a consistent copy (a write takes microseconds)
+
+
 class HeaderWords:
     """The header's mutable words, each read and written atomically through the native
     library. Writers as in the header table of region.layout's docstring."""
@@ -108,6 +123,7 @@ class HeaderWords:
         self._round_tokens = region.addr(OFF_ROUND_TOKENS)
         self._heartbeat = region.addr(OFF_HEARTBEAT)
         self._breaker = region.addr(OFF_BREAKER)
+        self._link = region.addr(OFF_LINK)
 
     @property
     def session(self) -> int:
@@ -161,3 +177,48 @@ class HeaderWords:
         lib.store32(b + 8, s.cooldown_left)
         lib.store64(b + 16, s.trips)
         lib.store64(b + 24, s.probes)
+
+    @property
+    def link_epoch(self) -> int:
+        """The proxy's link epoch (engine, before each round: a change is a new worker
+        session). One word, no sequence needed."""
+        return self._lib.load64(self._link + 8)
+
+    def set_link(self, epoch: int, incarnation: int, host: str, port: int, spare: bool) -> None:  # proxy
+        """Store the link words (``host`` "" and ``port`` 0: no active) under the sequence
+        word: odd while written. Each store is a release, so a reader that sees the
+        sequence even and unchanged around its loads has one write's words."""
+        lib, at = self._lib, self._link
+        try:
+            ip = ipaddress.ip_address(host).packed if host else bytes(16)
+        except ValueError:  # a name an ofl library resolves itself: no address to show
+            ip = bytes(16)
+        if len(ip) == 4:
+            ip = ipaddress.IPv6Address("::ffff:" + host).packed
+        seq = lib.load64(at)
+        lib.store64(at, seq + 1)
+        lib.store64(at + 16, incarnation)
+        lib.store64(at + 24, int.from_bytes(ip[:8], "little"))
+        lib.store64(at + 32, int.from_bytes(ip[8:], "little"))
+        lib.store32(at + 40, port)
+        lib.store32(at + 44, int(spare))
+        lib.store64(at + 8, epoch)
+        lib.store64(at, seq + 2)
+
+    def link(self) -> LinkWords:
+        """A consistent copy of the link words (the last one read if the writer kept
+        writing through LINK_READ_TRIES tries: a metric a scrape late at worst)."""
+        lib, at = self._lib, self._link
+        for _ in range(LINK_READ_TRIES):
+            seq = lib.load64(at)
+            epoch, incarnation = lib.load64(at + 8), lib.load64(at + 16)
+            ip = lib.load64(at + 24).to_bytes(8, "little") + lib.load64(at + 32).to_bytes(8, "little")
+            port, spare = lib.load32(at + 40), lib.load32(at + 44)
+            if seq % 2 == 0 and lib.load64(at) == seq:
+                break
+        address = ""
+        if port:
+            v6 = ipaddress.IPv6Address(ip)
+            host = str(v6.ipv4_mapped) if v6.ipv4_mapped else f"[{v6}]"
+            address = f"{host}:{port}"
+        return LinkWords(epoch, incarnation, address, bool(spare))

@@ -137,8 +137,12 @@ class FrameChannel:
         self.stream.close()
 
 
-def connect(endpoint: Endpoint, timeout_s: float, environ: Mapping[str, str] | None = None) -> FrameChannel:
-    """Open a :class:`FrameChannel` to ``endpoint`` within ``timeout_s``.
+def connect(
+    endpoint: Endpoint, timeout_s: float, environ: Mapping[str, str] | None = None, address=None
+) -> FrameChannel:
+    """Open a :class:`FrameChannel` to ``endpoint`` within ``timeout_s``; on TCP, to
+    ``address`` (a :class:`~remote_dspark.transport.fleet.Address`: a literal IP, so no
+    name is resolved here) when given.
 
     Raises:
         ValueError: an ofl endpoint without a usable ``VLLM_DSPARK_REMOTE_OFL_DIR``.
@@ -147,7 +151,8 @@ def connect(endpoint: Endpoint, timeout_s: float, environ: Mapping[str, str] | N
     if endpoint.scheme == "tcp":
         from .tcp import TcpStream
 
-        return FrameChannel(TcpStream.connect(endpoint.host, endpoint.port, timeout_s, endpoint.bind))
+        host, port = (endpoint.host, endpoint.port) if address is None else (address.host, address.port)
+        return FrameChannel(TcpStream.connect(host, port, timeout_s, endpoint.bind))
     from .ofl import OflStream, load_ofl
 
     env = os.environ if environ is None else environ

@@ -93,6 +93,13 @@ class Breaker:
         self.store.failures = 0
         self.store.state = State.CLOSED
 
+    def reset(self) -> None:
+        """A new remote (the link switched workers): the old one's failures and cooldown
+        are not its own. The counts (trips, probes) stay."""
+        s = self.store
+        s.failures = s.cooldown_left = 0
+        s.state = State.CLOSED
+
     def failure(self) -> None:
         s = self.store
         if self.trip == 0:

@@ -49,10 +49,11 @@ class AuthFailed(Refused):
 class DraftClient:
     """One HELLO'd connection. Not thread-safe: one round in flight at a time."""
 
-    def __init__(self, chan: FrameChannel, session: int, ack: wire.HelloAck):
+    def __init__(self, chan: FrameChannel, session: int, ack: wire.HelloAck, address=None):
         self.chan = chan
         self.session = session
         self.ack = ack
+        self.address = address  # the fleet.Address dialled (None: the endpoint's own)
         self.late = 0
 
     @classmethod
@@ -64,9 +65,11 @@ class DraftClient:
         timeout_s: float,
         environ: Mapping[str, str] | None = None,
         key: Key | None = None,
+        address=None,
     ) -> DraftClient:
-        """Connect and say HELLO, both within ``timeout_s``; with ``key``, the two sides
-        authenticate each other first (:mod:`remote_dspark.wire.auth`).
+        """Connect (to ``address``, a ``fleet.Address``, when given) and say HELLO, both
+        within ``timeout_s``; with ``key``, the two sides authenticate each other first
+        (:mod:`remote_dspark.wire.auth`).
 
         Raises:
             Refused: the worker said no (identity, version, limits, its key);
@@ -76,7 +79,7 @@ class DraftClient:
                 accepted with other identities than the HELLO's.
         """
         deadline = time.monotonic() + timeout_s
-        chan = connect(endpoint, timeout_s, environ)
+        chan = connect(endpoint, timeout_s, environ, address)
         try:
             if key is not None:  # a fresh nonce for every connection
                 hello = dataclasses.replace(hello, nonce=wire.auth.new_nonce())
@@ -97,7 +100,7 @@ class DraftClient:
         except BaseException:
             chan.close()
             raise
-        return cls(chan, session, ack)
+        return cls(chan, session, ack, address)
 
     def send(self, parts: Sequence, deadline: float | None = None) -> None:
         """Send one frame given as buffers (e.g. a ROUND whose rows and tokens are views
@@ -106,7 +109,8 @@ class DraftClient:
 
     def recv_drafts(self, round_id: int, deadline: float) -> wire.DraftsFrame:
         """The DRAFTS of ``round_id``, dropping (and counting) late replies of earlier
-        rounds. Raises: DeadlineExceeded, Disconnected, wire.ProtocolError.
+        rounds and skipping PING answers. Raises: DeadlineExceeded, Disconnected,
+        wire.ProtocolError.
 
         The header rules mirror ``recv_reply`` in ``native/tcp_round.c`` (same order,
         same words for the session)."""
@@ -114,6 +118,8 @@ class DraftClient:
             hdr, payload = self.chan.recv_frame(deadline)
             if hdr.type == wire.BYE:
                 raise Disconnected("the worker said BYE")
+            if hdr.type == wire.PING and hdr.session == self.session:
+                continue  # the answer to a PING sent while this connection was a spare
             if hdr.type != wire.DRAFTS:
                 raise wire.ProtocolError(f"{hdr.name} where DRAFTS was expected")
             if hdr.session != self.session:

@@ -1,31 +1,51 @@
-"""The network side of a proxy: one connection to the worker, reconnect with back-off,
-and the breaker. Torch-free; the proxy process, the thread proxy and synchronous rounds
-all use it.
+"""The network side of a proxy: an active connection to one worker of the fleet, a spare
+connection to another, failover in one round, and the breaker. Torch-free; the proxy
+process, the thread proxy and synchronous rounds all use it.
 
-A round never waits for a connection: while there is none, rounds are target-only
-(``BACKOFF``) and a connector thread reconnects after ``backoff_ms``, doubling up to
-``backoff_max_ms``, reset by a successful HELLO. A timed-out round keeps the connection
-(its reply is dropped as late when it comes); a broken or garbled one drops it.
+The endpoint names a fleet (:mod:`.fleet`: its addresses, resolved off the round path
+and ranked for this engine). Beside its **active** connection the link keeps one
+**spare**: connected, HELLO'd (as a spare: the worker holds it idle) and authenticated to
+another address, and kept alive by PINGs (:mod:`.keeper`, the thread that makes, pings
+and replaces spares, watches the active for a peer that hung up, re-resolves, and
+reconnects with back-off). When the active is lost the next round goes to the spare:
 
-Every new connection is a new HELLO, after which the worker has no windows for this
-engine: the first round on it is answered with RESYNC for every slot and the engine
-re-announces them (NEW_GEN). ``epoch`` counts connections so callers can do that
-eagerly. Each HELLO_ACK names the context the worker keeps per slot and the most tokens
-it takes in a round (``context_tokens`` and ``round_tokens``: the connection's, 0 while
-there is none); ``on_acked`` hears both before a round can go out on the connection, and
-hears 0 for both when the connection is dropped.
-With a ``key`` every connection authenticates at HELLO (:mod:`remote_dspark.wire.auth`);
-a failure either way is a refused HELLO like any other: rounds stay target-only and the
-connector backs off.
+- the active's socket broke, was garbled, or its worker hung up (``LOST``,
+  ``PROTOCOL``: from a round, or seen by the keeper between rounds);
+- ``STALL_ROUNDS`` rounds in a row passed their deadline on it while a spare is ready
+  (``STALL``; without a spare a timed-out round keeps the connection, its reply dropped
+  as late when it comes).
+
+The switch is one step under the link's lock (:meth:`_leave`): the spare becomes the
+active with a new ``epoch``, the hooks hear it before a round can take it (``on_acked``:
+its HELLO_ACK's context and round cap; ``on_change``: the proxy's native round and the
+region's link words), the breaker forgets the old worker's failures, and the keeper
+makes a new spare in the background. Every new active is a new HELLO, after which the
+worker holds no window for this engine: a caller that sees ``epoch`` change re-announces
+every slot (``resync_all``), and one that does not is answered RESYNC for each.
+
+**Fencing.** Drafts are read only from the active connection: a connection left behind
+is never read by a round again. One left after a stall (its worker may wake up and
+answer) is drained by the keeper for ``FENCE_S`` and every DRAFTS on it is counted
+``fenced`` and dropped; then it is closed.
+
+A connection whose descriptor a round may still be using (one the keeper left) is shut
+down at once but closed only by the round's own thread (:meth:`reap`, before its next
+round), so no descriptor is reused under a round.
+
+Back-off and the breaker apply only when no address answers: with no active and no
+spare the keeper tries the fleet's addresses in rank order and waits ``backoff_ms``,
+doubling up to ``backoff_max_ms``, only after all of them failed.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import wire
 from ..outcome import DROPS_CONNECTION, OUTCOME_OF, Outcome, RoundEvent
@@ -33,11 +53,22 @@ from . import DeadlineExceeded, Endpoint, TransportError
 from .auth import Key
 from .breaker import Breaker
 from .client import DraftClient
+from .fleet import Address, Fleet, Resolve
 from .tcp import TcpStream
 
 log = logging.getLogger("remote_dspark.link")
 
-CLOSE_JOIN_S = 0.2  # close(): how long it waits for a connector thread
+CLOSE_JOIN_S = 0.2  # close(): how long it waits for the keeper thread
+STALL_ROUNDS = 2  # rounds past their deadline in a row that leave an active for a ready spare
+FENCE_S = 2.0  # how long a connection left after a stall is drained (its replies counted fenced)
+
+
+class Cause(enum.Enum):
+    """Why the link left its active connection (``failovers`` by cause)."""
+
+    LOST = "lost"  # the connection broke, closed, or the worker said BYE
+    STALL = "stall"  # STALL_ROUNDS deadlines in a row, a spare ready
+    PROTOCOL = "protocol"  # a frame that broke the contract
 
 
 @dataclass(frozen=True)
@@ -47,11 +78,50 @@ class RoundResult:
     drafts: wire.DraftsFrame | None = None
 
 
-class RemoteLink:
-    """One proxy's connection. ``round`` is called from one thread at a time.
+@dataclass(eq=False)
+class Conn:
+    """One HELLO'd connection of the link and what the link knows of it."""
 
-    Invariants: ``_client`` is only replaced under ``_lock``; the connector thread runs
-    only while there is no client and the link is open.
+    client: DraftClient
+    epoch: int = 0  # the link's epoch while it is the active one (0: a spare)
+    timeouts: int = 0  # rounds past their deadline in a row, as the active
+    since: float = field(default_factory=time.monotonic)
+
+    @property
+    def address(self) -> Address | None:
+        return self.client.address
+
+    @property
+    def incarnation(self) -> int:
+        return self.client.ack.incarnation
+
+    @property
+    def sock(self) -> socket.socket | None:
+        stream = self.client.chan.stream
+        return stream.sock if isinstance(stream, TcpStream) else None
+
+    def shutdown(self) -> None:
+        """End the connection for its peer and for a round blocked on it; the descriptor
+        stays valid until :meth:`close`."""
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already down
+
+    def close(self) -> None:
+        self.client.chan.close()
+
+
+class RemoteLink:
+    """One proxy's connections. ``round`` (or a native round and :meth:`observe`) is
+    called from one thread at a time, the round thread; the keeper thread is the link's
+    own.
+
+    Invariants: ``_active`` and ``_spare`` change only under ``_lock``; a conn is in at
+    most one of ``_active``, ``_spare``, ``_retired`` and the keeper's fenced list; the
+    hooks hear every change of the active before a round can use it.
     """
 
     def __init__(
@@ -67,8 +137,13 @@ class RemoteLink:
         environ: Mapping[str, str] | None = None,
         on_connect: Callable[[], None] | None = None,
         on_acked: Callable[[int, int], None] | None = None,
+        on_change: Callable[[Conn | None, Conn | None], None] | None = None,
+        on_count: Callable[[str, int], None] | None = None,
         key: Key | None = None,
+        resolve: Resolve | None = None,
     ):
+        from .keeper import Keeper
+
         self.endpoint = endpoint
         self.hello = hello
         self.session = session
@@ -79,132 +154,250 @@ class RemoteLink:
         self.environ = environ
         self.on_connect = on_connect
         self.on_acked = on_acked
+        self.on_change = on_change
+        self.on_count = on_count
         self.key = key
-        self.epoch = 0  # successful HELLOs so far
-        self.reconnects = 0  # successful HELLOs after the first
+        self.fleet = Fleet(endpoint, timeout_s=self.connect_timeout_s, resolve=resolve)
+        self.epoch = 0  # connections made active so far
+        self.reconnects = 0  # of them, after the first
         self.attempts = 0  # rounds that used the network
+        self.failovers = {c.value: 0 for c in Cause}  # actives left, by cause
+        self.fenced = 0  # replies read from a connection left behind, dropped
         self.last_error = ""
         self._late_closed = 0  # late replies counted on connections now closed
-        self._client: DraftClient | None = None
+        self._active: Conn | None = None
+        self._spare: Conn | None = None
+        self._retired: list[Conn] = []  # left while a round may use them: closed by reap
+        self._fresh = False  # a new worker since the round thread last asked the breaker
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._connector: threading.Thread | None = None
-        self._connecting = False  # a connector thread owns the next connection (under _lock)
-        self._delay_ms = backoff_ms
+        self.keeper = Keeper(self)
 
-    # ------------------------------------------------------------------ connection
+    # ------------------------------------------------------------------ connections
 
     def connect(self) -> None:
-        """Connect and HELLO now, within CONNECT_TIMEOUT_MS (start-up).
+        """The first connection now, within CONNECT_TIMEOUT_MS for each address tried
+        (start-up), then the keeper starts (the spare, PINGs, reconnects).
 
         Raises:
-            Refused, TransportError, wire.ProtocolError: the first try failed; the
-            caller decides (STRICT_START raises, otherwise :meth:`start_reconnecting`).
+            Refused, TransportError, wire.ProtocolError: no address took it (the first
+            one's failure); the caller decides (STRICT_START raises, otherwise
+            :meth:`start_reconnecting`).
         """
-        self._install(self._dial())
-
-    def _dial(self) -> DraftClient:
-        """One connection and its HELLO (authenticated with the key, if any)."""
-        return DraftClient.connect(
-            self.endpoint, self.hello, self.session, self.connect_timeout_s, self.environ, key=self.key
-        )
-
-    def start_reconnecting(self) -> None:
-        """Reconnect in the background after the current back-off."""
-        with self._lock:
-            if self._closed.is_set() or self._client is not None or self._connecting:
-                return
-            self._connecting = True
-            self._connector = threading.Thread(target=self._reconnect_loop, name="link-connect", daemon=True)
-            self._connector.start()
-
-    def _reconnect_loop(self) -> None:
-        while not self._closed.wait(self._delay_ms / 1000.0):
-            try:
-                client = self._dial()
-            except Exception as e:  # whatever it is, this thread must go on retrying
-                self._note_failure(f"reconnect to {self.endpoint} failed: {e}")
-                self._delay_ms = min(2 * self._delay_ms, self.backoff_max_ms)
-                continue
-            if self._closed.is_set():
-                client.close()
-                return
-            self._install(client)
-            return
-        with self._lock:
-            self._connecting = False
-
-    def _install(self, client: DraftClient) -> None:
-        with self._lock:
-            closed = self._closed.is_set()  # closed while this connection was made
-            if closed:
-                self._connecting = False
-        if closed:
-            client.close()
-            return
-        if self.on_acked is not None:  # before any round can take this connection
-            self.on_acked(client.ack.context_tokens, client.ack.round_tokens)
-        with self._lock:
-            # From here a failed round may start a new connector at once, even while the
-            # thread that made this connection is still finishing.
-            self._connecting = False
-            self._client = client
-            self.reconnects += self.epoch > 0
-            self.epoch += 1
-            self._delay_ms = self.backoff_ms
-        log.info("connected to %s (session %#x, epoch %d)", self.endpoint, self.session, self.epoch)
-        if self.on_connect is not None:
-            self.on_connect()
-
-    def drop(self, why: str) -> None:
-        """Close the connection (``why`` is logged once per kind) and reconnect after
-        the back-off."""
-        with self._lock:
-            client, self._client = self._client, None
-            if client is not None:
-                self._late_closed += client.late
-        if client is not None:
-            client.chan.close()
-            if self.on_acked is not None:  # before the next connection's
-                self.on_acked(0, 0)
-        self._note_failure(why)
+        try:
+            self.keeper.connect_first()
+        except BaseException:
+            self.keeper.after_failed_start()
+            raise
         self.start_reconnecting()
 
-    def _note_failure(self, why: str) -> None:
+    def start_reconnecting(self) -> None:
+        """Start the keeper (idempotent): it connects in the background after a failed
+        start, and keeps the spare."""
+        self.keeper.start()
+
+    def dial(self, address: Address | None, spare: bool) -> Conn:
+        """One connection and its HELLO (authenticated with the key, if any), as a spare
+        or not. Raises as :meth:`DraftClient.connect`."""
+        hello = self.hello if spare == self.hello.spare else _with_spare(self.hello, spare)
+        client = DraftClient.connect(
+            self.endpoint, hello, self.session, self.connect_timeout_s, self.environ, key=self.key, address=address
+        )
+        return Conn(client)
+
+    def install(self, conn: Conn, spare: Conn | None = None) -> bool:
+        """Make ``conn`` the active connection (and ``spare`` the spare, if given and none
+        is kept). False, and both closed, if the link was closed or has an active."""
+        with self._lock:
+            if self._closed.is_set() or self._active is not None:
+                taken = False
+            else:
+                self._activate(conn)
+                if spare is not None and self._spare is None:
+                    self._spare, spare = spare, None
+                    self._changed()
+                taken = True
+        for c in ((spare,) if taken else (conn, spare)):
+            if c is not None:
+                c.close()
+        return taken
+
+    def offer_spare(self, conn: Conn) -> bool:
+        """Keep ``conn`` as the spare; with no active it becomes the active. False (and
+        ``conn`` closed) when the link is closed or keeps a spare already."""
+        with self._lock:
+            ok = not self._closed.is_set() and self._spare is None
+            if ok and self._active is None:
+                self._activate(conn)
+            elif ok:
+                self._spare = conn
+                self._changed()
+        if not ok:
+            conn.close()
+        return ok
+
+    def drop_spare(self, conn: Conn, why: str) -> None:
+        """The keeper found ``conn`` (the spare) dead or broken: closed, a new one later."""
+        with self._lock:
+            if self._spare is not conn:
+                return
+            self._spare = None
+            self._changed()
+        conn.close()
+        self.note_failure(f"spare {conn.address}: {why}")
+
+    def on_spare(self, conn: Conn, fn: Callable[[], object]) -> tuple[bool, object]:
+        """Keeper: ``fn()`` (a PING sent, a frame read) under the lock while ``conn`` is
+        still the spare, so a promoted spare's socket is never shared with a round:
+        (True, its result), or (False, None) when ``conn`` is no longer the spare."""
+        with self._lock:
+            if conn is not self._spare:
+                return False, None
+            return True, fn()
+
+    def _activate(self, conn: Conn) -> None:
+        """Under the lock: ``conn`` is the active from now on."""
+        self.epoch += 1
+        self.reconnects += self.epoch > 1
+        conn.epoch, conn.timeouts = self.epoch, 0
+        if self.on_acked is not None:  # before any round can take this connection
+            self.on_acked(conn.client.ack.context_tokens, conn.client.ack.round_tokens)
+        self._active = conn
+        self._fresh = True
+        self._changed()
+        if self.on_connect is not None:
+            self.on_connect()
+        log.info("connected to %s (session %#x, epoch %d)", conn.address or self.endpoint, self.session, self.epoch)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self._active, self._spare)
+
+    def leave(self, epoch: int, cause: Cause, why: str, *, in_use: bool) -> bool:
+        """Leave the active connection of ``epoch`` (a stale epoch: already left, False)
+        for the spare when one is kept. ``in_use``: a round may still be using its
+        descriptor (the keeper's call): it is shut down now and closed by :meth:`reap`.
+        A connection left after a stall is drained by the keeper (fencing)."""
+        with self._lock:
+            conn = self._active
+            if conn is None or conn.epoch != epoch:
+                return False
+            self._active = None
+            self._late_closed += conn.client.late
+            self.failovers[cause.value] += 1
+            if self.on_count is not None:
+                self.on_count(f"failovers_{cause.value}", 1)
+            if in_use:
+                conn.shutdown()
+                self._retired.append(conn)
+            spare, self._spare = self._spare, None
+            if spare is not None:
+                self._activate(spare)
+            else:
+                if self.on_acked is not None:  # before the next connection's
+                    self.on_acked(0, 0)
+                self._changed()
+        if not in_use:
+            if cause is Cause.STALL:
+                self.keeper.fence(conn)
+            else:
+                conn.close()
+        self.note_failure(why)
+        self.keeper.wake()
+        return True
+
+    def drop(self, why: str) -> None:
+        """Leave the active connection (a caller's verdict; its round is over)."""
+        conn = self._active
+        if conn is not None:
+            self.leave(conn.epoch, Cause.LOST, why, in_use=False)
+
+    def reap(self) -> None:
+        """Round thread, between rounds: close the connections the keeper left."""
+        if self._retired:
+            with self._lock:
+                retired, self._retired = self._retired, []
+            for conn in retired:
+                conn.close()
+
+    def note_failure(self, why: str) -> None:
         if why != self.last_error:  # one log line per kind of failure, not per round
             log.warning("%s", why)
         self.last_error = why
 
+    def count_fenced(self, n: int = 1) -> None:
+        self.fenced += n
+        if self.on_count is not None:
+            self.on_count("fenced_replies", n)
+
+    @property
+    def active(self) -> Conn | None:
+        return self._active
+
+    @property
+    def spare(self) -> Conn | None:
+        return self._spare
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     @property
     def connected(self) -> bool:
-        return self._client is not None
+        return self._active is not None
 
     @property
     def context_tokens(self) -> int:
-        """The context tokens per slot the connection's HELLO_ACK named; 0: no connection."""
-        client = self._client
-        return client.ack.context_tokens if client is not None else 0
+        """The context tokens per slot the active's HELLO_ACK named; 0: no connection."""
+        conn = self._active
+        return conn.client.ack.context_tokens if conn is not None else 0
 
     @property
     def round_tokens(self) -> int:
-        """The most tokens a round may carry on the connection (its HELLO_ACK); 0: no
-        connection."""
-        client = self._client
-        return client.ack.round_tokens if client is not None else 0
+        """The most tokens a round may carry on the active (its HELLO_ACK); 0: none."""
+        conn = self._active
+        return conn.client.ack.round_tokens if conn is not None else 0
 
     def tcp_socket(self):
-        """The connection's socket when it is a TCP one (HELLO done), else None."""
-        client = self._client
-        stream = client.chan.stream if client is not None else None
-        return stream.sock if isinstance(stream, TcpStream) else None
+        """The active connection's socket when it is a TCP one, else None."""
+        conn = self._active
+        return conn.sock if conn is not None else None
 
     @property
     def late(self) -> int:
         """Replies that came after their round's deadline, dropped (all connections)."""
-        client = self._client
-        return self._late_closed + (client.late if client else 0)
+        conn = self._active
+        return self._late_closed + (conn.client.late if conn else 0)
 
     # ------------------------------------------------------------------ rounds
+
+    def allow(self) -> bool:
+        """The breaker's word for the next round (round thread). A new worker since the
+        last ask starts with a closed breaker: the old worker's failures are not its."""
+        if self._fresh:
+            self._fresh = False
+            self.breaker.reset()
+        return self.breaker.allow()
+
+    def observe(self, epoch: int, event: RoundEvent, why: str = "", round_id: int = 0) -> None:
+        """After a round sent on the active of ``epoch`` (here or natively): leave it when
+        the event says so (the breaker heard the event already)."""
+        conn = self._active
+        if conn is None or conn.epoch != epoch:
+            return
+        where = f"round {round_id} on {conn.address or self.endpoint}"
+        if event in DROPS_CONNECTION:
+            cause = Cause.PROTOCOL if event is RoundEvent.PROTOCOL else Cause.LOST
+            self.leave(epoch, cause, f"{where} failed: {why}", in_use=False)
+        elif event is RoundEvent.TIMEOUT:
+            conn.timeouts += 1
+            if conn.timeouts >= STALL_ROUNDS and self._spare is not None:
+                self.leave(epoch, Cause.STALL, f"{where}: {conn.timeouts} deadlines in a row", in_use=False)
+        elif event is RoundEvent.OK:
+            conn.timeouts = 0
+        elif event is RoundEvent.BAD_REPLY:
+            conn.timeouts = 0
+            self.note_failure(f"{where}: worker reply refused: {why}")
 
     def round_entries(
         self, round_id: int, entries: Sequence[wire.Entry], rows, row_bytes: int, deadline_ms: int
@@ -216,23 +409,25 @@ class RemoteLink:
     def round(
         self, round_id: int, parts: Sequence, deadline_ms: int, check: Callable[[wire.DraftsFrame], None] | None = None
     ) -> RoundResult:
-        """Send the ROUND frame ``parts`` (buffers, sent uncopied) and wait for its
-        DRAFTS within ``deadline_ms``; never raises for a remote failure. No connection
-        is an ERROR, unsent; the breaker hears every attempt's event.
+        """Send the ROUND frame ``parts`` (buffers, sent uncopied) on the active
+        connection and wait for its DRAFTS within ``deadline_ms``; never raises for a
+        remote failure. No connection is an ERROR, unsent; the breaker hears every
+        attempt's event.
 
         ``check`` holds the drafts to what the round asked before they are returned: its
         ``wire.BadReply`` is ``BAD_REPLY`` (ERROR, the connection kept), any other
-        ``wire.ProtocolError`` is ``PROTOCOL`` (ERROR, the connection dropped), as
+        ``wire.ProtocolError`` is ``PROTOCOL`` (ERROR, the connection left), as
         ``hf_round`` answers the same replies; either way no drafts are returned."""
-        client = self._client
-        if client is None:
+        self.reap()
+        conn = self._active
+        if conn is None:
             return RoundResult(Outcome.ERROR, RoundEvent.AT_ONCE)
-        if not self.breaker.allow():
+        if not self.allow():
             return RoundResult(Outcome.BREAKER_SKIP, RoundEvent.AT_ONCE)
         self.attempts += 1
         drafts, why = None, ""
         try:
-            drafts = client.round(round_id, parts, deadline_ms, check)
+            drafts = conn.client.round(round_id, parts, deadline_ms, check)
             event = RoundEvent.OK
         except DeadlineExceeded:
             event = RoundEvent.TIMEOUT
@@ -243,31 +438,35 @@ class RemoteLink:
         except TransportError as e:
             event, why = RoundEvent.LOST, str(e)
         self.breaker.observe(event)
-        if event in DROPS_CONNECTION:
-            self.drop(f"round {round_id} on {self.endpoint} failed: {why}")
-        elif event is RoundEvent.BAD_REPLY:
-            self._note_failure(f"round {round_id} on {self.endpoint}: worker reply refused: {why}")
+        self.observe(conn.epoch, event, why, round_id)
         return RoundResult(OUTCOME_OF[event], event, drafts)
 
     def interrupt(self) -> None:
         """Wake a round in flight on another thread (the engine is closing): a TCP
         connection is shut down, not closed, so that round ends at once (LOST) and its
         descriptor stays valid until the round's own thread drops it."""
-        sock = self.tcp_socket()
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already down
+        conn = self._active
+        if conn is not None:
+            conn.shutdown()
 
     def close(self) -> None:
-        """Say BYE and stop reconnecting. Idempotent."""
+        """Say BYE on every connection and stop the keeper. Idempotent."""
         self._closed.set()
+        self.keeper.wake()
         with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
-        if self._connector is not None:
-            # Bounded: a connector inside a connect to a silent worker ends by itself (a
-            # daemon thread; it closes what it made once it sees the link closed).
-            self._connector.join(CLOSE_JOIN_S)
+            conns = [c for c in (self._active, self._spare) if c is not None]
+            self._active = self._spare = None
+            retired, self._retired = self._retired, []
+        for conn in conns:
+            conn.client.close()  # BYE
+        for conn in retired:
+            conn.close()
+        # Bounded: a keeper inside a connect to a silent worker ends by itself (a daemon
+        # thread; it closes what it made once it sees the link closed).
+        self.keeper.join(CLOSE_JOIN_S)
+
+
+def _with_spare(hello: wire.Hello, spare: bool) -> wire.Hello:
+    import dataclasses
+
+    return dataclasses.replace(hello, spare=spare)

@@ -25,10 +25,21 @@ def region():
     r.close()
 
 
-def test_the_words_sit_in_the_proxys_header_line_and_layout_8_has_the_round_cap():
-    assert layout.LAYOUT_VERSION == 8
+def test_the_words_sit_in_the_proxys_header_lines_and_layout_9_has_the_link_words():
+    assert layout.LAYOUT_VERSION == 9
     assert layout.OFF_PROXY_PID < layout.OFF_CONTEXT < layout.OFF_HEARTBEAT < layout.OFF_ROUND_TOKENS
     assert layout.OFF_ROUND_TOKENS + 4 <= layout.OFF_BREAKER
+    assert layout.OFF_LINK % layout.LINE == 0 and layout.OFF_BREAKER + 32 <= layout.OFF_LINK
+
+
+def test_the_link_words_round_trip_under_their_sequence(lib, region):
+    hw = region.header_words(lib)
+    assert hw.link() == words.LinkWords(0, 0, "", False)
+    hw.set_link(3, 0xDEADBEEF, "127.0.0.2", 7000, True)
+    assert hw.link() == words.LinkWords(3, 0xDEADBEEF, "127.0.0.2:7000", True) and hw.link_epoch == 3
+    hw.set_link(4, 9, "::1", 80, False)
+    assert hw.link() == words.LinkWords(4, 9, "[::1]:80", False)
+    assert lib.load64(region.addr(layout.OFF_LINK)) == 4  # two writes, the sequence even
 
 
 def test_the_proxy_writes_its_workers_context_and_the_engine_reads_it(lib, drafter, region):

@@ -84,7 +84,7 @@ def test_a_refused_authentication_is_an_error_round_and_a_back_off(keyed, key):
         assert (r.outcome, r.event, link.connected) == (Outcome.ERROR, RoundEvent.AT_ONCE, False)
         assert link.attempts == 0  # not sent: no connection
         # The connector goes on trying, each failure doubling its delay.
-        assert until(lambda: link._delay_ms == 4 * link.backoff_ms, timeout=10)
+        assert until(lambda: link.keeper._delay_s == 4 * link.backoff_ms / 1000, timeout=10)
         assert "VLLM_DSPARK_REMOTE_KEY_FILE" in link.last_error  # says what to set
         assert link.epoch == 0
     finally:

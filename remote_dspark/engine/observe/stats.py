@@ -19,8 +19,10 @@ from ...histogram import Histogram
 from ...outcome import Outcome
 from ...shm import memfd
 from ...supervisor.restarts import SupervisorStats
+from ...transport.link import Cause
 
 LATENCY_BOUNDS_S = tuple(b / 1e9 for b in memfd.LATENCY_BOUNDS_NS)
+FAILOVER_CAUSES = tuple(c.value for c in Cause)  # transport.link.Cause, the metric's label
 MARGIN_BOUNDS = tuple(i / 10 for i in range(1, 11))
 
 
@@ -37,8 +39,13 @@ class LinkStats:
 
     attempts: int  # rounds sent (the breaker and a missing connection send none)
     late: int  # replies that came after their round was answered without them
-    reconnects: int  # connections made after the first
+    reconnects: int  # connections made active after the first (failovers included)
     breaker: BreakerStats
+    failovers: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(FAILOVER_CAUSES, 0))
+    fenced: int = 0  # replies read from a connection left after a stall, dropped
+    worker: str = ""  # the active worker's address ("": none)
+    incarnation: int = 0  # the active worker's incarnation (0: none)
+    spare: bool = False  # a spare connection is ready
 
     @classmethod
     def none(cls) -> LinkStats:
@@ -47,11 +54,22 @@ class LinkStats:
         return cls(0, 0, 0, BreakerStats(0, 0, 0))
 
     @classmethod
-    def of_proxy(cls, counters: Mapping[str, int], breaker) -> LinkStats:
-        """The proxy's link: its counters block's words and the header's breaker words
-        (``shm.words.BreakerState``)."""
+    def of_proxy(cls, counters: Mapping[str, int], breaker, link) -> LinkStats:
+        """The proxy's link: its counters block's words, the header's breaker words
+        (``shm.words.BreakerState``) and its link words (``shm.words.LinkWords``)."""
         b = BreakerStats(breaker.state, breaker.trips, breaker.probes)
-        return cls(counters["attempts"], counters["rounds_late"], counters["reconnects"], b)
+        failovers = {c: counters[f"failovers_{c}"] for c in FAILOVER_CAUSES}
+        return cls(
+            counters["attempts"],
+            counters["rounds_late"],
+            counters["reconnects"],
+            b,
+            failovers,
+            counters["fenced_replies"],
+            link.address,
+            link.incarnation,
+            link.spare,
+        )
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ class Handoff:
             raise
         self._serving_session: Callable[[], int] = _no_proxy  # the proxy host's word (served_by)
         self._served_session = 0  # the session of the last round handed to a proxy
+        self._served_epoch = 0  # the proxy's link epoch at that round
         self._resync: set[int] = set()  # CUDA: slots lost in rounds collected since the last launch
         self._pending: list[int] = []  # CUDA: rounds launched, not yet collected
         self._reserve_s = cfg.watchdog_ms / 1000.0 * (spec.depth + 1)  # room comes back within this
@@ -139,10 +140,11 @@ class Handoff:
     # ------------------------------------------------------------------ rounds
 
     def _proxy(self) -> tuple[bool, bool]:
-        """Engine thread, before a round: (a proxy serves, it is a new one). No proxy:
-        counted, and the round is answered here at once. A new proxy (another session
-        than the last round's) has a new connection, on which the worker holds no window:
-        its first round says resync_all."""
+        """Engine thread, before a round: (a proxy serves, a new worker session). No
+        proxy: counted, and the round is answered here at once. A new proxy (another
+        session than the last round's) has a new connection, and so has a proxy whose
+        link epoch moved (it switched to its spare, or reconnected): the worker holds no
+        window for this engine there, so the first round on it says resync_all."""
         session = self._serving_session()
         if not session:
             self.end.counters.add("no_proxy_rounds")
@@ -151,8 +153,9 @@ class Handoff:
             # have it now rather than after a whole switch interval (5 ms by default).
             time.sleep(0)
             return False, False
-        new = self._served_session not in (0, session)
-        self._served_session = session
+        epoch = self.end.header.link_epoch
+        new = self._served_session not in (0, session) or self._served_epoch not in (0, epoch)
+        self._served_session, self._served_epoch = session, epoch
         return True, new
 
     def _hand_over(
@@ -391,7 +394,7 @@ class Handoff:
 
     def link_stats(self) -> LinkStats:
         proxy = self.region.proxy_counters(self.lib).snapshot()
-        return LinkStats.of_proxy(proxy.counters, self.end.header.breaker())
+        return LinkStats.of_proxy(proxy.counters, self.end.header.breaker(), self.end.header.link())
 
     def handoff_stats(self, proxy_thread_alive: bool | None) -> HandoffStats:
         proxy = self.region.proxy_counters(self.lib).snapshot()

@@ -172,8 +172,17 @@ class SyncPath:
         stop_in_caller(self.users, self.link.interrupt, limit_s)
 
     def stats(self) -> PathStats:
-        b = self.link.breaker.store
+        b, k = self.link.breaker.store, self.link
+        active = k.active
         link = LinkStats(
-            self.link.attempts, self.link.late, self.link.reconnects, BreakerStats(int(b.state), b.trips, b.probes)
+            k.attempts,
+            k.late,
+            k.reconnects,
+            BreakerStats(int(b.state), b.trips, b.probes),
+            dict(k.failovers),
+            k.fenced,
+            str(active.address or k.endpoint) if active is not None else "",
+            active.incarnation if active is not None else 0,
+            k.spare is not None,
         )
         return PathStats(link, connected=self.link.connected)
