@@ -246,7 +246,9 @@ _gather_word = _choice(*_GATHER)
 
 # In the order of the module docstring; a default callable may only read variables above it.
 TABLE: tuple[Var, ...] = (
-    Var(ENV_ENDPOINT, "endpoint", parse_endpoint, _required("the drafter's endpoint, SCHEME://HOST:PORT[,HOST:PORT...]")),
+    Var(
+        ENV_ENDPOINT, "endpoint", parse_endpoint, _required("the drafter's endpoint, SCHEME://HOST:PORT[,HOST:PORT...]")
+    ),
     Var(PREFIX + "BIND", None, check_bind),
     Var(ENV_OFL_DIR, None, _text),
     Var(PREFIX + "POLICY", "policy", _choice(*POLICIES), "shadow", blank_is_value=True),
