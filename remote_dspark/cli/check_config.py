@@ -36,9 +36,10 @@ It also names every VLLM_DSPARK_REMOTE_* variable this package does not read (an
 near-misspellings of its other VLLM_DSPARK_* names), with the closest known name: such
 a variable is otherwise ignored in silence.
 
-With --probe it then asks the worker the endpoint names: it resolves the host, connects
-and says HELLO as the engine would (the configured identities and key, the sizes given
-by --max-slots, --row-bytes, --num-spec and --vocab-size, an engine id of its own: it
+With --probe it then asks the worker the endpoint names (a list's first target): it
+resolves the host, connects and says HELLO as the engine would (the configured
+identities and key, the sizes given by --max-slots, --row-bytes, --num-spec and
+--vocab-size, an engine id of its own: it
 never takes the place of an engine served in the last minute, though on a worker whose
 every place is held it may take that of one idle longer), reads the answer, says BYE,
 and prints each field beside the worker's answer. Exits 3 with the reason when the

@@ -3,8 +3,8 @@
 An endpoint's targets (:class:`~remote_dspark.transport.endpoint.Endpoint`: one
 ``HOST:PORT``, or the ``tcp://`` list form) name a fleet of workers: a name may resolve
 to many addresses (a Kubernetes headless Service resolves to one address per pod). The
-engine dials literal :class:`Address` es only, so a connect never resolves a name on the
-round's path, where the C library's look-up has no deadline.
+engine dials literal addresses (:class:`Address`) only, so a connect never resolves a
+name on the round's path, where the C library's look-up has no deadline.
 
 :class:`Fleet` owns the resolved set:
 
@@ -131,7 +131,8 @@ class Fleet:
     """The addresses of an endpoint's workers: the last good set, refreshed on a schedule.
 
     ``resolve`` (default :func:`system_resolve`) is called with ``timeout_s`` for each
-    target when a look-up is due. An ofl endpoint (``o1tcp``, ``o1rdma``) is a fleet of
+    target in turn when a look-up is due, so a refresh takes at most ``timeout_s`` per
+    named target (a literal IP costs nothing). An ofl endpoint (``o1tcp``, ``o1rdma``) is a fleet of
     one ``Address(host, port)``, never resolved: its library resolves the name itself.
 
     Invariants: ``addresses()`` is sorted, distinct and at most ``MAX_ADDRESSES`` long;
