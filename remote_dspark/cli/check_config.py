@@ -15,6 +15,7 @@ import sys
 from .. import transport
 from ..config.api import RemoteConfig, apply_cost_overrides, describe, n_out_table
 from ..config.names import unknown_variables
+from ..transport import fleet
 from . import probe
 
 _DESCRIPTION = """\
@@ -25,13 +26,20 @@ variable with its resolved value (identities in hex, values spelled as the envir
 would; '-' = unset) and its source (env or default), then derived values. Exits 0 when
 the configuration would start, 2 with the reason on stderr when it would not.
 
+It prints the fleet the endpoint names: each HOST:PORT target and the addresses it
+resolves to now (within CONNECT_TIMEOUT_MS, as the engine resolves), or why it does not
+resolve. A target that does not resolve is a warning, not a failure: the engine keeps
+the addresses it had and tries again. An o1tcp:// or o1rdma:// host is resolved by the
+ofl library, not here.
+
 It also names every VLLM_DSPARK_REMOTE_* variable this package does not read (and
 near-misspellings of its other VLLM_DSPARK_* names), with the closest known name: such
 a variable is otherwise ignored in silence.
 
-With --probe it then asks the worker the endpoint names: it resolves the host, connects
-and says HELLO as the engine would (the configured identities and key, the sizes given
-by --max-slots, --row-bytes, --num-spec and --vocab-size, an engine id of its own: it
+With --probe it then asks the worker the endpoint names (a list's first target): it
+resolves the host, connects and says HELLO as the engine would (the configured
+identities and key, the sizes given by --max-slots, --row-bytes, --num-spec and
+--vocab-size, an engine id of its own: it
 never takes the place of an engine served in the last minute, though on a worker whose
 every place is held it may take that of one idle longer), reads the answer, says BYE,
 and prints each field beside the worker's answer. Exits 3 with the reason when the
@@ -145,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     for warning in cfg.warnings():
         print(f"check-config: warning: {warning}", file=sys.stderr)
     rows = describe(cfg, env)
+    targets = _fleet(cfg)
     try:
         rows += _depth_rows(cfg, env, args)
         report = _probe(cfg, env, args) if args.probe else None
@@ -156,17 +165,55 @@ def run(args: argparse.Namespace) -> int:
         out["derived"] = {name: value for name, value, source in rows if source == "derived"}
         if report is not None:
             out["probe"] = probe.as_json(report)
+        out["fleet"] = [{"target": t, "addresses": a, "error": e} for t, a, e in targets]
         print(json.dumps(out, indent=2))
     else:
         print(
             _table([("VARIABLE", "VALUE", "SOURCE")] + [(name, value or "-", source) for name, value, source in rows])
         )
+        print("\n" + _spell_fleet(cfg, targets))
         if report is not None:
             print("\n" + probe.spell(report))
+    for target, _, error in targets:
+        if error:
+            print(
+                f"check-config: warning: {target} does not resolve now ({error}); the engine tries again",
+                file=sys.stderr,
+            )
     if report is not None and not report.ok:
         print(f"check-config: probe failed ({report.verdict}): {report.reason}", file=sys.stderr)
         return 3
     return 0
+
+
+def _fleet(cfg: RemoteConfig) -> list[tuple[str, list[str], str]]:
+    """``(target, addresses, error)`` for each target of the endpoint: what it resolves to
+    within CONNECT_TIMEOUT_MS (:func:`~remote_dspark.transport.fleet.system_resolve`, the
+    engine's look-up), or why not; an ofl endpoint's host is left to its library."""
+    timeout_s = cfg.connect_timeout_ms / 1000
+    out = []
+    for host, port in cfg.endpoint.targets:
+        target = str(fleet.Address(host, port))
+        if cfg.endpoint.scheme != "tcp":
+            out.append((target, [target], ""))
+            continue
+        try:
+            ips = fleet.system_resolve(host, port, timeout_s)
+            out.append((target, [str(fleet.Address(ip, port)) for ip in ips], ""))
+        except fleet.ResolveError as e:
+            out.append((target, [], str(e)))
+    return out
+
+
+def _spell_fleet(cfg: RemoteConfig, targets: list[tuple[str, list[str], str]]) -> str:
+    """The fleet as lines: a heading, then ``target -> addresses`` (or the error)."""
+    if cfg.endpoint.scheme != "tcp":
+        head = f"FLEET  one worker; {cfg.endpoint.scheme}:// hosts are resolved by the ofl library"
+    else:
+        head = f"FLEET  {len(targets)} target(s), resolved within {cfg.connect_timeout_ms} ms (CONNECT_TIMEOUT_MS)"
+    width = max(len(t) for t, _, _ in targets)
+    lines = [f"  {t:<{width}}  -> " + (" ".join(a) if not e else f"not resolved: {e}") for t, a, e in targets]
+    return "\n".join([head, *lines])
 
 
 def _probe(cfg: RemoteConfig, env, args: argparse.Namespace) -> probe.ProbeReport:

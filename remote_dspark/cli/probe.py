@@ -29,7 +29,6 @@ value breaks the other's, so a refusal shows where it comes from.
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -37,6 +36,7 @@ from .. import wire
 from ..config.api import RemoteConfig
 from ..transport import TransportError
 from ..transport.client import AuthFailed, DraftClient, Refused
+from ..transport.fleet import ResolveError, system_resolve
 
 Resolver = Callable[..., object]
 
@@ -117,24 +117,14 @@ def probe(
 
 
 def _resolve(host: str, port: int, timeout_s: float, resolve: Resolver) -> str | None:
-    """Why ``host`` does not resolve within ``timeout_s``, or None. The look-up runs on a
-    daemon thread (the C library's has no deadline of its own): one that does not end in
-    time is left to end on its own, its answer unread."""
-    answer: list[str | None] = []
-
-    def look_up() -> None:
-        try:
-            resolve(host, port, type=socket.SOCK_STREAM)
-            answer.append(None)
-        except (OSError, ValueError) as e:  # ValueError: an empty or over-long label (UnicodeError)
-            answer.append(f"the host {host!r} does not resolve ({e})")
-
-    thread = threading.Thread(target=look_up, name="check-config-resolve", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not answer:
-        return f"the host {host!r} did not resolve within {timeout_s:g} s (VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS)"
-    return answer[0]
+    """Why ``host`` does not resolve within ``timeout_s``, or None: the engine's own
+    bounded look-up (:func:`~remote_dspark.transport.fleet.system_resolve`) with
+    ``resolve`` as its ``getaddrinfo``."""
+    try:
+        system_resolve(host, port, timeout_s, getaddrinfo=resolve)
+    except ResolveError as e:
+        return f"{e} (VLLM_DSPARK_REMOTE_CONNECT_TIMEOUT_MS)" if e.timed_out else str(e)
+    return None
 
 
 def _refusal_kind(e: Refused, rows: list[tuple[str, str, str, bool]]) -> str:

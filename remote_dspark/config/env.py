@@ -10,7 +10,10 @@ the value. A blank value counts as unset. ``REMOTE_`` stands for ``VLLM_DSPARK_R
 variable                       default           meaning
 =============================  ================  ==============================================
 VLLM_DSPARK_REMOTE             (required)        rank 0's endpoint: ``tcp://HOST:PORT`` (TCP stub),
-                                                 ``o1tcp://`` or ``o1rdma://`` (ofl), ``?bind=IPV4``
+                                                 ``o1tcp://`` or ``o1rdma://`` (ofl), ``?bind=IPV4``;
+                                                 a fleet of workers: a HOST that resolves to
+                                                 several addresses, or (tcp only) a list,
+                                                 ``tcp://HOST:PORT,HOST:PORT`` (up to 16)
 REMOTE_BIND                    (none)            this side's direct-link IPv4; same as ``?bind=``
                                                  but without a ``?`` a launcher shell could glob
 REMOTE_OFL_DIR                 (none)            directory of ``ofl.py`` + ``libofl.so``; needed by
@@ -243,7 +246,9 @@ _gather_word = _choice(*_GATHER)
 
 # In the order of the module docstring; a default callable may only read variables above it.
 TABLE: tuple[Var, ...] = (
-    Var(ENV_ENDPOINT, "endpoint", parse_endpoint, _required("the drafter's endpoint, SCHEME://HOST:PORT")),
+    Var(
+        ENV_ENDPOINT, "endpoint", parse_endpoint, _required("the drafter's endpoint, SCHEME://HOST:PORT[,HOST:PORT...]")
+    ),
     Var(PREFIX + "BIND", None, check_bind),
     Var(ENV_OFL_DIR, None, _text),
     Var(PREFIX + "POLICY", "policy", _choice(*POLICIES), "shadow", blank_is_value=True),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 
 import pytest
 
@@ -35,7 +36,7 @@ def check_config(*argv: str) -> int:
 def test_table(env, capsys):
     env.setenv(P + "TIMEOUT_MS", "80")
     assert check_config() == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.split("\n\n")[0].splitlines()  # the table, then the fleet
     assert lines[0].split() == ["VARIABLE", "VALUE", "SOURCE"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
     assert rows["VLLM_DSPARK_REMOTE"] == ["tcp://127.0.0.1:18620", "env"]
@@ -202,3 +203,60 @@ def test_no_depth_policy_sends_every_position(env, capsys):
     assert check_config("--json", "--num-spec", "5") == 0
     derived = json.loads(capsys.readouterr().out)["derived"]
     assert derived["n_out"] == "all 5" and derived["cost_overrides"] == "none"
+
+
+@pytest.fixture
+def dns(monkeypatch):
+    """DNS the test controls, in place of the C library's look-up: ``workers.example``
+    resolves to two addresses, ``gone.example`` to nothing."""
+
+    def getaddrinfo(host, port, type=0):
+        if host != "workers.example":
+            raise socket.gaierror(f"no such host {host}")
+        return [(socket.AF_INET, type, 6, "", (ip, port)) for ip in ("10.0.0.7", "10.0.0.8")]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_the_fleet_is_printed_target_by_target_and_dns_failure_is_no_failure(env, dns, capsys):
+    env.setenv("VLLM_DSPARK_REMOTE", "tcp://workers.example:18620,127.0.0.2:18621,gone.example:18622")
+    assert check_config() == 0
+    out, err = capsys.readouterr()
+    fleet = out.split("\n\n")[1].splitlines()
+    assert fleet[0].startswith("FLEET  3 target(s), resolved within 1000 ms")
+    assert fleet[1].split() == ["workers.example:18620", "->", "10.0.0.7:18620", "10.0.0.8:18620"]
+    assert fleet[2].split() == ["127.0.0.2:18621", "->", "127.0.0.2:18621"]
+    assert fleet[3].split()[:4] == ["gone.example:18622", "->", "not", "resolved:"]
+    assert "'gone.example' does not resolve (no such host gone.example)" in fleet[3]
+    assert "warning: gone.example:18622 does not resolve now" in err
+    rows = {line.split()[0]: line.split()[1] for line in out.split("\n\n")[0].splitlines()}
+    assert rows["VLLM_DSPARK_REMOTE"] == "tcp://workers.example:18620,127.0.0.2:18621,gone.example:18622"
+
+
+def test_the_fleet_in_json(env, dns, capsys):
+    env.setenv("VLLM_DSPARK_REMOTE", "tcp://workers.example:18620,[::1]:18621")
+    assert check_config("--json") == 0
+    assert json.loads(capsys.readouterr().out)["fleet"] == [
+        {"target": "workers.example:18620", "addresses": ["10.0.0.7:18620", "10.0.0.8:18620"], "error": ""},
+        {"target": "[::1]:18621", "addresses": ["[::1]:18621"], "error": ""},
+    ]
+
+
+def test_an_ofl_host_is_left_to_its_library(env, dns, capsys, tmp_path):
+    (tmp_path / "ofl.py").write_text("def connect(*args, **kwargs):\n    raise OSError('stub')\n")
+    (tmp_path / "libofl.so").write_bytes(b"")
+    env.setenv("VLLM_DSPARK_REMOTE", "o1tcp://gone.example:18620")
+    env.setenv(P + "OFL_DIR", str(tmp_path))
+    assert check_config() == 0
+    out, err = capsys.readouterr()
+    assert out.split("\n\n")[1].splitlines() == [
+        "FLEET  one worker; o1tcp:// hosts are resolved by the ofl library",
+        "  gone.example:18620  -> gone.example:18620",
+    ]
+    assert "warning" not in err
+
+
+def test_a_list_for_an_ofl_scheme_is_refused(env, capsys):
+    env.setenv("VLLM_DSPARK_REMOTE", "o1tcp://a:1,b:2")
+    assert check_config() == 2
+    assert "a list of targets is for tcp:// only, not o1tcp://" in capsys.readouterr().err

@@ -121,7 +121,7 @@ def test_a_host_that_does_not_resolve_in_time_is_reported():
     finally:
         release.set()
     assert report.verdict == "unresolvable" and "did not resolve within 0.05 s" in report.reason
-    assert until(lambda: not any(t.name == "check-config-resolve" for t in threading.enumerate()))
+    assert until(lambda: not any(t.name == "dspark-resolve" for t in threading.enumerate()))
 
 
 def test_a_probe_never_evicts_a_served_engine(served, capsys):

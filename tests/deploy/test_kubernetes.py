@@ -50,12 +50,17 @@ def rendered(folder: Path = MONITORED) -> list[dict]:
     return out
 
 
+HEADLESS = "Service/remote-dspark-worker-pods"
+
+
 def manifests(folder: Path = MONITORED) -> dict[str, dict]:
-    """Every object ``folder`` applies, by kind (each kind once)."""
+    """Every object ``folder`` applies, by kind; a second object of a kind (the headless
+    Service) by kind and name."""
     out: dict[str, dict] = {}
     for doc in rendered(folder):
-        assert doc["kind"] not in out, f"{folder}: a second {doc['kind']}"
-        out[doc["kind"]] = doc
+        key = doc["kind"] if doc["kind"] not in out else f"{doc['kind']}/{doc['metadata']['name']}"
+        assert key not in out, f"{folder}: a second {key}"
+        out[key] = doc
     return out
 
 
@@ -144,7 +149,7 @@ def test_each_kustomization_lists_its_folder_and_only_the_overlay_needs_the_oper
         here = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
         assert {n for n in listed if not (folder / n).is_dir()} == here, folder
     base = manifests(BASE)
-    assert set(base) == {"Deployment", "Service", "PersistentVolumeClaim"}
+    assert set(base) == {"Deployment", "Service", HEADLESS, "PersistentVolumeClaim"}
     assert not any(d["apiVersion"].startswith("monitoring.coreos.com/") for d in base.values())
     assert set(manifests(MONITORED)) == set(base) | {"PodMonitor"}
 
@@ -235,13 +240,32 @@ def test_the_service_and_the_podmonitor_select_the_pods_and_their_ports(objects)
     assert ports == {"drafting": listen_port, "metrics": args.metrics_port}
 
 
-def test_the_readme_points_engines_at_the_service(objects):
-    """The engine's VLLM_DSPARK_REMOTE in README's Kubernetes section is the Service's
-    name and drafting port, and the engine's own parser takes it."""
-    section = (Path(REPO) / "README.md").read_text().split("### On Kubernetes", 1)[1].split("\n## ", 1)[0]
-    raw = re.search(r"VLLM_DSPARK_REMOTE=(\S+)", section).group(1)
+def test_the_headless_service_resolves_to_every_ready_pods_drafting_port(objects):
+    """The engines' Service: no cluster IP (its name resolves to each ready pod's own
+    address, a fleet), the Deployment's pods, the worker's listening port."""
+    args = worker_args(objects)
+    _, listen_port = parse_listen(args.listen)
+    service = objects[HEADLESS]["spec"]
+    assert service["clusterIP"] == "None" or service["clusterIP"] is None
+    assert not service.get("publishNotReadyAddresses", False)  # a busy or stopping pod leaves the answer
+    assert selects(service["selector"], pod_labels(objects))
+    c = container(objects, "worker")
+    assert {p["name"]: (p["port"], container_port(c, p["targetPort"])) for p in service["ports"]} == {
+        "drafting": (listen_port, listen_port)
+    }
+
+
+@pytest.mark.parametrize(
+    "doc,marker",
+    [("README.md", "### On Kubernetes"), ("docs/deploy.md", "## Kubernetes"), ("docs/design/worker.md", "## Many")],
+)
+def test_the_docs_point_engines_at_the_headless_service(objects, doc, marker):
+    """The engine's VLLM_DSPARK_REMOTE in each document's Kubernetes section is the
+    headless Service's name and drafting port, and the engine's own parser takes it."""
+    section = (Path(REPO) / doc).read_text().split(marker, 1)[1].split("\n## ", 1)[0]
+    raw = re.search(r"VLLM_DSPARK_REMOTE=([^\s`]+)", section).group(1)
     endpoint = parse_endpoint(raw.replace("<namespace>", "default"))
-    service = objects["Service"]
+    service = objects[HEADLESS]
     assert endpoint.scheme == "tcp" and endpoint.host.split(".")[0] == service["metadata"]["name"]
     assert endpoint.port == next(p["port"] for p in service["spec"]["ports"] if p["name"] == "drafting")
 
