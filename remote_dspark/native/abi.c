@@ -42,7 +42,7 @@ static uint32_t report(const uint64_t *all, uint32_t count, uint64_t *out, uint3
  * size, MAGIC as a little-endian u32, PROTOCOL_VERSION, ROUND, DRAFTS, BYE, ROUND_FIXED,
  * DRAFTS_FIXED, FLAG_NEW_GEN, DRAFTS_MARGINS, STATUS_RESYNC, MAX_PAYLOAD, SAMPLED_BYTES,
  * DRAFTS_SAMPLED, SAMPLED_TOP, SAMPLED_TOTAL, MAX_SAMPLED_ENTRIES, MAX_SAMPLED_N_OUT,
- * MAX_ENTRIES, MAX_N_OUT, MAX_ROW_BYTES, MAX_TOKENS): the first n into out; returns how
+ * MAX_ENTRIES, MAX_N_OUT, MAX_ROW_BYTES, MAX_TOKENS, PING): the first n into out; returns how
  * many there are. */
 uint32_t hf_wire_constants(uint64_t *out, uint32_t n)
 {
@@ -51,7 +51,7 @@ uint32_t hf_wire_constants(uint64_t *out, uint32_t n)
     const uint64_t all[] = { W_HEADER, magic, W_VERSION, W_ROUND, W_DRAFTS, W_BYE, W_ROUND_FIXED,
                              W_DRAFTS_FIXED, W_NEW_GEN, W_MARGINS, W_RESYNC, W_MAX_PAYLOAD, W_SAMPLED_BYTES,
                              W_SAMPLED, W_TOP, W_TOTAL, W_MAX_SAMPLED_ENTRIES, W_MAX_SAMPLED_N_OUT,
-                             W_MAX_ENTRIES, W_MAX_N_OUT, W_MAX_ROW_BYTES, W_MAX_TOKENS };
+                             W_MAX_ENTRIES, W_MAX_N_OUT, W_MAX_ROW_BYTES, W_MAX_TOKENS, W_PING };
     return report(all, sizeof all / sizeof all[0], out, n);
 }
 

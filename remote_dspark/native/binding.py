@@ -54,7 +54,7 @@ from .structs import (
     WindowsView,
 )
 
-ABI_VERSION = 26
+ABI_VERSION = 27
 SOURCE_DIR = Path(__file__).parent  # the library's sources (build.py compiles them)
 
 # The wire constants the C round uses, in hf_wire_constants' order, each with its value
@@ -82,6 +82,7 @@ WIRE_CONSTANTS = (
     ("MAX_N_OUT", lambda: wire.MAX_N_OUT),
     ("MAX_ROW_BYTES", lambda: wire.MAX_ROW_BYTES),
     ("MAX_TOKENS", lambda: wire.MAX_TOKENS),
+    ("PING", lambda: wire.PING),
 )
 # The structs hf_sizeof reports, in its order (argument 0, 1, ...).
 MIRRORS = (

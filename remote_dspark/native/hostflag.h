@@ -27,7 +27,7 @@
 #include <string.h>
 #include <time.h>
 
-#define HF_ABI 26   /* native.binding.ABI_VERSION: the loader refuses any other */
+#define HF_ABI 27   /* native.binding.ABI_VERSION: the loader refuses any other */
 
 /* Not exported: shared between the library's files only. */
 #define HF_INTERNAL __attribute__((visibility("hidden")))
@@ -65,7 +65,7 @@ enum { W_HEADER = 24, W_VERSION = 8, W_ROUND = 3, W_DRAFTS = 4, W_BYE = 5,
        W_ROUND_FIXED = 16, W_DRAFTS_FIXED = 8, W_NEW_GEN = 1, W_MARGINS = 1, W_RESYNC = 1,
        DESC_PENDING = 4, DESC_FIXED = 8, W_SAMPLED_BYTES = 12, W_SAMPLED = 2, W_TOP = 32, W_TOTAL = 65535,
        W_MAX_SAMPLED_ENTRIES = 1024, W_MAX_SAMPLED_N_OUT = 16, W_MAX_ENTRIES = 4096, W_MAX_N_OUT = 64,
-       W_MAX_ROW_BYTES = 1 << 20, W_MAX_TOKENS = 1 << 22 };
+       W_MAX_ROW_BYTES = 1 << 20, W_MAX_TOKENS = 1 << 22, W_PING = 7 };
 #define W_MAGIC "DSPW"
 #define W_MAX_PAYLOAD (64ull << 20)
 
@@ -271,6 +271,7 @@ struct hf_conn {
     uint64_t serial;              /* its session's serial (the drafter's batch names it per entry) */
     uint32_t why, err;            /* out: why the connection is Python's (SV_*), errno */
     uint32_t pad;
+    uint64_t session;             /* its session (the HELLO's): a PING answered here names it */
 };
 
 /* The hub (worker_hub.c): one epoll set over the served connections, a wake-up eventfd,
@@ -287,6 +288,7 @@ struct hf_hub {
     uint32_t wake;                /* futex word: bumped at every push and poke */
     uint32_t sleepers;            /* hf_hub_take's asleep on wake */
     uint64_t frame_ns, send_ns;   /* a frame's whole-by and a reply's wait for room; UINT64_MAX: none */
+    uint64_t pings;               /* PINGs answered (the I/O thread its only writer) */
 };
 
 /* One drafting call's batch, several connections' rounds gathered by hf_hub_gather in
