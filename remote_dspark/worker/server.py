@@ -7,7 +7,8 @@ deadline, in a pool of its own where the oldest silent one makes room for a newc
 A whole HELLO (with a key, proven: :mod:`remote_dspark.wire.auth`) gets a served
 connection (a thread judges its HELLO; :mod:`.serving`); when ``max_connections`` are served, the connection of the
 least recently served session makes room if it idled ``recent_s`` (the engines' rule,
-:func:`~remote_dspark.worker.sessions.displaceable`), else the HELLO is refused "busy".
+:func:`~remote_dspark.worker.sessions.displaceable`), else a spare's (the order:
+:mod:`.sessions`), else the HELLO is refused "busy".
 Per served connection: the HELLO is checked (identities, this worker's
 :class:`~remote_dspark.worker.limits.Limits`, a place among the engines:
 :class:`~remote_dspark.worker.sessions.Sessions`), each refusal with its reason; then
