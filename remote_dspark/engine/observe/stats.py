@@ -19,7 +19,7 @@ from ...histogram import Histogram
 from ...outcome import Outcome
 from ...shm import memfd
 from ...supervisor.restarts import SupervisorStats
-from ...transport.link import Cause
+from ...transport.conn import Cause
 
 LATENCY_BOUNDS_S = tuple(b / 1e9 for b in memfd.LATENCY_BOUNDS_NS)
 FAILOVER_CAUSES = tuple(c.value for c in Cause)  # transport.link.Cause, the metric's label
