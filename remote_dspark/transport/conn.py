@@ -1,5 +1,5 @@
 """One connection of a link (:class:`Conn`: a HELLO'd client and what the link knows of
-it) and why a link leaves its active one (:class:`Cause`)."""
+it) and why a link leaves its active one (:class:`Failover`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .fleet import Address
 from .tcp import TcpStream
 
 
-class Cause(enum.Enum):
+class Failover(enum.Enum):
     """Why the link left its active connection (``failovers`` by cause)."""
 
     LOST = "lost"  # the connection broke, closed, or the worker said BYE

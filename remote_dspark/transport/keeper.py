@@ -37,7 +37,7 @@ import time
 
 from .. import wire
 from . import DeadlineExceeded, Disconnected, TransportError
-from .conn import Cause, Conn
+from .conn import Failover, Conn
 from .fleet import Address, rank
 
 log = logging.getLogger("remote_dspark.link")
@@ -264,7 +264,7 @@ class Keeper:
                 continue
             role, conn = watched[fd]
             if role == "active" and flags & _HUP:
-                link.leave(conn.epoch, Cause.LOST, f"worker {conn.address} hung up", in_use=True)
+                link.leave(conn.epoch, Failover.LOST, f"worker {conn.address} hung up", in_use=True)
             elif role == "spare":
                 self._spare_frame(conn)
             elif role == "fenced":

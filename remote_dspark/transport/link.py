@@ -50,7 +50,7 @@ from . import DeadlineExceeded, Endpoint, TransportError
 from .auth import Key
 from .breaker import Breaker
 from .client import DraftClient
-from .conn import Cause, Conn
+from .conn import Failover, Conn
 from .fleet import Address, Fleet, Resolve
 from .keeper import Keeper
 
@@ -112,7 +112,7 @@ class RemoteLink:
         self.epoch = 0  # connections made active so far
         self.reconnects = 0  # of them, after the first
         self.attempts = 0  # rounds that used the network
-        self.failovers = {c.value: 0 for c in Cause}  # actives left, by cause
+        self.failovers = {c.value: 0 for c in Failover}  # actives left, by cause
         self.fenced = 0  # replies read from a connection left behind, dropped
         self.last_error = ""
         self._late_closed = 0  # late replies counted on connections now closed
@@ -224,7 +224,7 @@ class RemoteLink:
         if self.on_change is not None:
             self.on_change(self._active, self._spare)
 
-    def leave(self, epoch: int, cause: Cause, why: str, *, in_use: bool) -> bool:
+    def leave(self, epoch: int, cause: Failover, why: str, *, in_use: bool) -> bool:
         """Leave the active connection of ``epoch`` (a stale epoch: already left, False)
         for the spare when one is kept. ``in_use``: a round may still be using its
         descriptor (the keeper's call): it is shut down now and closed by :meth:`reap`.
@@ -249,7 +249,7 @@ class RemoteLink:
                     self.on_acked(0, 0)
                 self._changed()
         if not in_use:
-            if cause is Cause.STALL:
+            if cause is Failover.STALL:
                 self.keeper.fence(conn)
             else:
                 conn.close()
@@ -261,7 +261,7 @@ class RemoteLink:
         """Leave the active connection (a caller's verdict; its round is over)."""
         conn = self._active
         if conn is not None:
-            self.leave(conn.epoch, Cause.LOST, why, in_use=False)
+            self.leave(conn.epoch, Failover.LOST, why, in_use=False)
 
     def reap(self) -> None:
         """Round thread, between rounds: close the connections the keeper left."""
@@ -338,12 +338,12 @@ class RemoteLink:
             return
         where = f"round {round_id} on {conn.address or self.endpoint}"
         if event in DROPS_CONNECTION:
-            cause = Cause.PROTOCOL if event is RoundEvent.PROTOCOL else Cause.LOST
+            cause = Failover.PROTOCOL if event is RoundEvent.PROTOCOL else Failover.LOST
             self.leave(epoch, cause, f"{where} failed: {why}", in_use=False)
         elif event is RoundEvent.TIMEOUT:
             conn.timeouts += 1
             if conn.timeouts >= STALL_ROUNDS and self._spare is not None:
-                self.leave(epoch, Cause.STALL, f"{where}: {conn.timeouts} deadlines in a row", in_use=False)
+                self.leave(epoch, Failover.STALL, f"{where}: {conn.timeouts} deadlines in a row", in_use=False)
         elif event is RoundEvent.OK:
             conn.timeouts = 0
         elif event is RoundEvent.BAD_REPLY:
