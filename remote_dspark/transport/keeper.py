@@ -37,7 +37,7 @@ import time
 
 from .. import wire
 from . import DeadlineExceeded, Disconnected, TransportError
-from .conn import Failover, Conn
+from .conn import Conn, Failover
 from .fleet import Address, rank
 
 log = logging.getLogger("remote_dspark.link")
@@ -263,7 +263,7 @@ class Keeper:
                 self._drain_wake()
                 continue
             role, conn = watched[fd]
-            if role == "active" and flags & _HUP:
+            if role == "active" and flags & _HUP and not link.closed:
                 link.leave(conn.epoch, Failover.LOST, f"worker {conn.address} hung up", in_use=True)
             elif role == "spare":
                 self._spare_frame(conn)

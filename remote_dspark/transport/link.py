@@ -50,7 +50,7 @@ from . import DeadlineExceeded, Endpoint, TransportError
 from .auth import Key
 from .breaker import Breaker
 from .client import DraftClient
-from .conn import Failover, Conn
+from .conn import Conn, Failover
 from .fleet import Address, Fleet, Resolve
 from .keeper import Keeper
 
@@ -395,7 +395,10 @@ class RemoteLink:
     def interrupt(self) -> None:
         """Wake a round in flight on another thread (the engine is closing): a TCP
         connection is shut down, not closed, so that round ends at once (LOST) and its
-        descriptor stays valid until the round's own thread drops it."""
+        descriptor stays valid until the round's own thread drops it. The link is closed
+        from here on (no failover, no reconnect: the shut-down socket is not a lost worker)."""
+        self._closed.set()
+        self.keeper.wake()
         conn = self._active
         if conn is not None:
             conn.shutdown()
