@@ -181,7 +181,7 @@ def run_chaos(
     result = ChaosResult(seed, len(engine.steps) if engine else 0, faults, stats)
     result.checks = _checks(result, cfg, respawns, closed_cleanly, fds_before)
     if watch is not None:
-        result.checks += watch.checks(stats, fleet.running())
+        result.checks += [Check(*c) for c in watch.checks(stats, fleet.running())]
     return result
 
 

@@ -179,10 +179,8 @@ class FleetWatch:
             return None, False
         return first - f.step, max(self.failovers[f.step : first + 1]) > f.failovers
 
-    def checks(self, stats, ran: list[int]) -> list:
-        """The fleet's checks (``chaos.Check``s); ``ran``: worker pids left running."""
-        from .chaos import Check
-
+    def checks(self, stats, ran: list[int]) -> list[tuple[str, bool, str]]:
+        """The fleet's checks, (name, ok, detail) each; ``ran``: worker pids left running."""
         after = [(f, *self._after(f)) for f in self.faults]
         fo = stats.link.failovers
         counted = [f for f, _, seen in after if not seen]
@@ -196,22 +194,22 @@ class FleetWatch:
         unsteady = sum(not f.steady for f in self.faults)
         kinds = {k: sum(f.kind == k for f in self.faults) for k in BOUND}
         return [
-            Check(
+            (
                 "every worker failover counted",
                 bool(self.faults) and not counted,
                 f"{kinds['kill']} kills, {kinds['stall']} stalls of the active worker, {len(counted)} not "
                 f"counted; failovers lost {fo['lost']}, stall {fo['stall']}, protocol {fo['protocol']}",
             ),
-            Check(
+            (
                 "target-only rounds per worker failover within the bound",
                 not over and all(bounded.values()),
                 f"{figures}; {unsteady} without a steady engine (not bounded); over the bound {over}",
             ),
-            Check(
+            (
                 "no drafts from a fenced session",
                 not self.wrong and self.checked > 0,
                 f"{self.checked} rounds' drafts from the active worker; {len(self.wrong)} not "
                 f"{[w for w in self.wrong if w]}; fenced {stats.link.fenced}, late {stats.link.late}",
             ),
-            Check("every worker process ended", not ran, f"running {ran}" if ran else "all ended and reaped"),
+            ("every worker process ended", not ran, f"running {ran}" if ran else "all ended and reaped"),
         ]
