@@ -172,6 +172,8 @@ def _rows(hello: wire.Hello, sizes: Sizes, ack: wire.HelloAck | None, cfg: Remot
         ("num_spec", str(sizes.num_spec), "-", False),
         ("context_tokens", "-", str(ack.context_tokens), False),
         ("round_tokens", "-", str(ack.round_tokens), False),
+        ("engines served", "-", str(ack.engines), False),  # its load: engines now, spares and this probe left out
+        ("incarnation", "-", f"{ack.incarnation:016x}", False),  # new at every worker start
         ("key", key, "refused" if ack.code == wire.REFUSE_AUTH else "-", ack.code == wire.REFUSE_AUTH),
     ]
 

@@ -277,6 +277,7 @@ struct hf_conn {
     uint64_t serial;              /* its session's serial (the drafter's batch names it per entry) */
     uint32_t why, err;            /* out: why the connection is Python's (SV_*), errno */
     uint32_t pad;
+    uint64_t session;             /* its session (the HELLO's): a PING answered here names it */
 };
 
 /* The hub (worker_hub.c): one epoll set over the served connections, a wake-up eventfd,
@@ -293,6 +294,7 @@ struct hf_hub {
     uint32_t wake;                /* futex word: bumped at every push and poke */
     uint32_t sleepers;            /* hf_hub_take's asleep on wake */
     uint64_t frame_ns, send_ns;   /* a frame's whole-by and a reply's wait for room; UINT64_MAX: none */
+    uint64_t pings;               /* PINGs answered (the I/O thread its only writer) */
 };
 
 /* One drafting call's batch, several connections' rounds gathered by hf_hub_gather in

@@ -375,6 +375,7 @@ class HubConn(ctypes.Structure):
         ("why", ctypes.c_uint32),
         ("err", ctypes.c_uint32),
         ("pad", ctypes.c_uint32),
+        ("session", ctypes.c_uint64),
     ]
 
 
@@ -394,6 +395,7 @@ class HubState(ctypes.Structure):
         ("sleepers", ctypes.c_uint32),
         ("frame_ns", ctypes.c_uint64),
         ("send_ns", ctypes.c_uint64),
+        ("pings", ctypes.c_uint64),
     ]
 
 

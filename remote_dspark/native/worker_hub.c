@@ -3,7 +3,9 @@
  * connections; one I/O thread (hf_hub_io, called with the GIL released) reads each frame
  * as its bytes come, checks a ROUND and applies it to the session's windows
  * (hf_worker_round, under the windows' guard) into the connection's batch arrays, and
- * pushes the connection's id onto the ready ring; the drafter's thread takes the ids
+ * pushes the connection's id onto the ready ring (a PING of the connection's session, an
+ * empty frame, is answered there and then: a spare's liveness is this thread's, never
+ * the drafter's); the drafter's thread takes the ids
  * (hf_hub_take), drafts a call's worth of rounds from their arrays, and writes each
  * round's DRAFTS from the result's arrays and sends it (hf_hub_reply). A reply the socket
  * cannot take at once goes back to the I/O thread, which sends the rest as room comes.
@@ -38,8 +40,10 @@ enum { HUB_RECV, HUB_QUEUED, HUB_SEND, HUB_PYTHON, HUB_DROPPED };
 enum { HUB_EVENT, HUB_STOPPED, HUB_FAILED };
 #define WAKE_ID UINT32_MAX  /* the eventfd's epoll data */
 #define MORE (-1)           /* conn_read: the frame goes on, the socket has no more now */
+#define PINGED (-2)         /* conn_read: a PING of the connection's session, whole */
 
 static uint32_t get32(const uint8_t *b) { uint32_t v; memcpy(&v, b, 4); return v; }
+static uint64_t get64(const uint8_t *b) { uint64_t v; memcpy(&v, b, 8); return v; }
 static uint16_t get16(const uint8_t *b) { uint16_t v; memcpy(&v, b, 2); return v; }
 
 static uint64_t after(uint64_t ns)
@@ -129,21 +133,26 @@ void hf_hub_remove(struct hf_hub *h, struct hf_conn *c)
 
 /* ----------------------------------------------------------------- the I/O thread */
 
-/* The header in c->hdr is one this loop takes: a ROUND within the connection's cap, or
- * an empty BYE (anything else is for Python to judge). */
+/* The header in c->hdr is one this loop takes: a ROUND within the connection's cap, an
+ * empty BYE, or an empty PING of the connection's session (anything else, a PING with a
+ * payload or of another session among it, is for Python to judge). */
 static int header_ok(const struct hf_conn *c)
 {
     uint16_t version = get16(c->hdr + 4), type = get16(c->hdr + 6);
     uint64_t len = get32(c->hdr + 8);
     return memcmp(c->hdr, W_MAGIC, 4) == 0 && version == W_VERSION
-        && ((type == W_ROUND && len <= c->max_payload) || (type == W_BYE && len == 0));
+        && ((type == W_ROUND && len <= c->max_payload) || (type == W_BYE && len == 0)
+            || (type == W_PING && len == 0 && get64(c->hdr + 12) == c->session));
 }
 
 /* A whole frame in hand: SV_ROUND, a ROUND checked and applied to the windows into c->b
- * (a reply for the most entries its payload names fits tx), else SV_FRAME for Python. */
+ * (a reply for the most entries its payload names fits tx), PINGED for a PING (header_ok
+ * took it), else SV_FRAME for Python. */
 static int frame_whole(struct hf_conn *c)
 {
     uint64_t len = get32(c->hdr + 8);
+    if (get16(c->hdr + 6) == W_PING)
+        return PINGED;
     if (get16(c->hdr + 6) != W_ROUND)
         return SV_FRAME;
     uint64_t told = len >= W_ROUND_FIXED ? get32(c->rx + 4) : 0;
@@ -161,7 +170,8 @@ static int frame_whole(struct hf_conn *c)
 }
 
 /* Read what the socket has of c's frame in hand, never past its end: MORE while the
- * frame goes on, SV_ROUND once a ROUND is whole and applied, or why Python takes it. */
+ * frame goes on, SV_ROUND once a ROUND is whole and applied, PINGED once a PING is, or
+ * why Python takes it. */
 static int conn_read(const struct hf_hub *h, struct hf_conn *c)
 {
     for (;;) {
@@ -220,6 +230,26 @@ static void next_frame(struct hf_hub *h, struct hf_conn *c)
     c->got = 0;
     set_state(c, HUB_RECV);
     arm(h, c, EPOLLIN, EPOLL_CTL_MOD);
+}
+
+/* c (the I/O thread's) read a PING of its session: answered with the same frame
+ * (wire.encode_ping(session, seq): the PING echoed) from tx, which holds no reply now
+ * (c had no round in flight); the rest, if the socket has no room, as a reply's is.
+ * Returns conn_send's answer, c handed on as it says. */
+static int pong(struct hf_hub *h, struct hf_conn *c)
+{
+    memcpy(c->tx, c->hdr, W_HEADER);
+    c->tx_len = W_HEADER, c->tx_sent = 0;
+    h->pings++;  /* (this thread its only writer; Python reads it for the metrics) */
+    int sent = conn_send(c);
+    if (sent == 0) {
+        next_frame(h, c);
+    } else if (sent == 1) {
+        c->send_deadline_ns = after(h->send_ns);
+        set_state(c, HUB_SEND);
+        arm(h, c, EPOLLOUT, EPOLL_CTL_MOD);
+    }
+    return sent;
 }
 
 /* c (the I/O thread's) handed to Python: why, and errno where there is one. */
@@ -296,7 +326,12 @@ int hf_hub_io(struct hf_hub *h, uint32_t *id)
             int why = conn_read(h, c);
             if (why == MORE)
                 arm(h, c, EPOLLIN, EPOLL_CTL_MOD);
-            else if (why == SV_ROUND) {
+            else if (why == PINGED) {
+                if (pong(h, c) < 0) {
+                    c->err = (uint32_t)errno;
+                    return to_python(c, SV_UNSENT, id);
+                }
+            } else if (why == SV_ROUND) {
                 set_state(c, HUB_QUEUED);
                 push(h, c->id);
             } else

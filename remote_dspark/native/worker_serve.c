@@ -7,8 +7,8 @@
  * drafted once the bytes before its rows are in, its rows are dropped in the kernel as
  * they come (MSG_TRUNC: TCP's recv discards without a copy), and the DRAFTS go out once
  * the frame is whole, so the drafting overlaps the rows' transfer. Anything else comes
- * back to Python whole (SV_FRAME: a BYE, a ROUND the C check refuses, which Python checks
- * again to name the culprit) or as a header Python must judge (SV_HEADER), so every
+ * back to Python whole (SV_FRAME: a BYE, a PING, which Python answers on this connection's
+ * thread, a ROUND the C check refuses, which Python checks again to name the culprit) or as a header Python must judge (SV_HEADER), so every
  * message and rule of the Python loop stays written once, in remote_dspark/worker/.
  *
  * remote_dspark/worker/lane.py drives it; its reference is the Python path
@@ -181,7 +181,7 @@ static int send_all(int fd, const uint8_t *buf, uint64_t len, uint64_t wait_ns)
 enum {
     PH_HEADER,  /* between frames, or in a header */
     PH_ROUND,   /* a ROUND's payload up to its rows (all of it when it has none) */
-    PH_PYTHON,  /* a frame that goes back to Python whole: a BYE, or a ROUND C refuses */
+    PH_PYTHON,  /* a frame that goes back to Python whole: a BYE, a PING, or a ROUND C refuses */
     PH_ROWS,    /* the rows of a ROUND already applied, its reply written: dropped */
 };
 
@@ -227,8 +227,8 @@ static int read_frame(struct hf_serve *s)
     }
     uint16_t version = get16(s->hdr + 4), type = get16(s->hdr + 6);
     uint64_t len = get32(s->hdr + 8);
-    if (memcmp(s->hdr, W_MAGIC, 4) != 0 || version != W_VERSION || (type != W_ROUND && type != W_BYE)
-        || len > (type == W_BYE ? 0 : s->max_payload))  /* a BYE carries nothing */
+    if (memcmp(s->hdr, W_MAGIC, 4) != 0 || version != W_VERSION || (type != W_ROUND && type != W_BYE && type != W_PING)
+        || len > (type == W_ROUND ? s->max_payload : 0))  /* a BYE or a PING carries nothing */
         return SV_HEADER;
     if (s->phase == PH_HEADER)
         s->phase = type == W_ROUND ? PH_ROUND : PH_PYTHON;
@@ -332,7 +332,7 @@ static uint64_t write_reply(struct hf_serve *s, int expired)
 
 /* Serve the connection s until a frame needs Python or a round has been answered: one
  * call per ROUND. Returns SV_ROUND (answered and sent; its facts in s), SV_FRAME (a whole
- * frame, header in s->hdr and payload in rx, for Python: a BYE, or a ROUND the checks
+ * frame, header in s->hdr and payload in rx, for Python: a BYE, a PING, or a ROUND the checks
  * refuse or these buffers cannot hold), SV_HEADER (a header Python must judge: another
  * type, version or magic, or a payload over the cap), SV_GROW (rx is full and what goes
  * into it goes on: call again with a larger rx holding the same bytes; the frame's state

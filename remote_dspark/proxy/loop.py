@@ -32,7 +32,8 @@ from ..config.api import RemoteConfig
 from ..outcome import Outcome, RoundEvent
 from ..shm import memfd
 from ..transport.breaker import Breaker, BreakerRecord
-from ..transport.link import Conn, RemoteLink
+from ..transport.conn import Conn
+from ..transport.link import RemoteLink
 from .ring_end import ProxyEnd, ProxyRound
 from .tcp_round import Served, TcpRounds
 

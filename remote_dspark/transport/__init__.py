@@ -6,9 +6,11 @@ package being their public path. Every transport gives the same small byte inter
 (:class:`ByteStream`); :class:`FrameChannel` turns it into whole frames with the wire
 contract's caps and a per-round deadline. The transports: :mod:`.tcp` and the ofl
 adapter (:mod:`.ofl`); over them, the engine's connection (:mod:`.client`), the proxy's
-link with its back-off (:mod:`.link`) and breaker (:mod:`.breaker`), the fleet of worker
-addresses an endpoint resolves to and their rendezvous order (:mod:`.fleet`), and the
-pre-shared key (:mod:`.auth`). Nothing here imports torch.
+link (:mod:`.link`: an active connection and a spare, each a :mod:`.conn`, failover in
+one round), its keeper thread (:mod:`.keeper`: spares, PINGs, reconnects with back-off)
+and breaker (:mod:`.breaker`), the fleet of worker addresses an endpoint resolves to and
+their rendezvous order (:mod:`.fleet`), and the pre-shared key (:mod:`.auth`). Nothing
+here imports torch.
 """
 
 from __future__ import annotations

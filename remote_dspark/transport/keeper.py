@@ -37,12 +37,13 @@ import time
 
 from .. import wire
 from . import DeadlineExceeded, Disconnected, TransportError
+from .conn import Failover, Conn
 from .fleet import Address, rank
-from .link import FENCE_S, Cause, Conn, RemoteLink
 
 log = logging.getLogger("remote_dspark.link")
 
 PING_S = 1.0  # a spare's PING period
+FENCE_S = 2.0  # how long a connection left after a stall is drained (its replies counted fenced)
 PING_TIMEOUT_S = 1.0  # a PING's answer deadline
 WAIT_MAX_S = 1.0  # the keeper's longest poll
 READ_S = 0.002  # a readable frame's read deadline (a partial frame resumes next time)
@@ -53,7 +54,7 @@ class Keeper:
     """The keeper of one link. Its state is its thread's own, but for ``_fenced`` (a
     deque the round thread appends to) and the start under ``_start_lock``."""
 
-    def __init__(self, link: RemoteLink):
+    def __init__(self, link):  # the transport.link.RemoteLink it keeps (which imports this module)
         self.link = link
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -263,7 +264,7 @@ class Keeper:
                 continue
             role, conn = watched[fd]
             if role == "active" and flags & _HUP:
-                link.leave(conn.epoch, Cause.LOST, f"worker {conn.address} hung up", in_use=True)
+                link.leave(conn.epoch, Failover.LOST, f"worker {conn.address} hung up", in_use=True)
             elif role == "spare":
                 self._spare_frame(conn)
             elif role == "fenced":

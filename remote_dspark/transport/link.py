@@ -25,7 +25,7 @@ every slot (``resync_all``), and one that does not is answered RESYNC for each.
 
 **Fencing.** Drafts are read only from the active connection: a connection left behind
 is never read by a round again. One left after a stall (its worker may wake up and
-answer) is drained by the keeper for ``FENCE_S`` and every DRAFTS on it is counted
+answer) is drained by the keeper for ``keeper.FENCE_S`` and every DRAFTS on it is counted
 ``fenced`` and dropped; then it is closed.
 
 A connection whose descriptor a round may still be using (one the keeper left) is shut
@@ -39,13 +39,10 @@ doubling up to ``backoff_max_ms``, only after all of them failed.
 
 from __future__ import annotations
 
-import enum
 import logging
-import socket
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .. import wire
 from ..outcome import DROPS_CONNECTION, OUTCOME_OF, Outcome, RoundEvent
@@ -53,22 +50,14 @@ from . import DeadlineExceeded, Endpoint, TransportError
 from .auth import Key
 from .breaker import Breaker
 from .client import DraftClient
+from .conn import Failover, Conn
 from .fleet import Address, Fleet, Resolve
-from .tcp import TcpStream
+from .keeper import Keeper
 
 log = logging.getLogger("remote_dspark.link")
 
 CLOSE_JOIN_S = 0.2  # close(): how long it waits for the keeper thread
 STALL_ROUNDS = 2  # rounds past their deadline in a row that leave an active for a ready spare
-FENCE_S = 2.0  # how long a connection left after a stall is drained (its replies counted fenced)
-
-
-class Cause(enum.Enum):
-    """Why the link left its active connection (``failovers`` by cause)."""
-
-    LOST = "lost"  # the connection broke, closed, or the worker said BYE
-    STALL = "stall"  # STALL_ROUNDS deadlines in a row, a spare ready
-    PROTOCOL = "protocol"  # a frame that broke the contract
 
 
 @dataclass(frozen=True)
@@ -76,42 +65,6 @@ class RoundResult:
     outcome: Outcome
     event: RoundEvent  # AT_ONCE: not sent (no connection, or the breaker open)
     drafts: wire.DraftsFrame | None = None
-
-
-@dataclass(eq=False)
-class Conn:
-    """One HELLO'd connection of the link and what the link knows of it."""
-
-    client: DraftClient
-    epoch: int = 0  # the link's epoch while it is the active one (0: a spare)
-    timeouts: int = 0  # rounds past their deadline in a row, as the active
-    since: float = field(default_factory=time.monotonic)
-
-    @property
-    def address(self) -> Address | None:
-        return self.client.address
-
-    @property
-    def incarnation(self) -> int:
-        return self.client.ack.incarnation
-
-    @property
-    def sock(self) -> socket.socket | None:
-        stream = self.client.chan.stream
-        return stream.sock if isinstance(stream, TcpStream) else None
-
-    def shutdown(self) -> None:
-        """End the connection for its peer and for a round blocked on it; the descriptor
-        stays valid until :meth:`close`."""
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already down
-
-    def close(self) -> None:
-        self.client.chan.close()
 
 
 class RemoteLink:
@@ -142,8 +95,6 @@ class RemoteLink:
         key: Key | None = None,
         resolve: Resolve | None = None,
     ):
-        from .keeper import Keeper
-
         self.endpoint = endpoint
         self.hello = hello
         self.session = session
@@ -161,7 +112,7 @@ class RemoteLink:
         self.epoch = 0  # connections made active so far
         self.reconnects = 0  # of them, after the first
         self.attempts = 0  # rounds that used the network
-        self.failovers = {c.value: 0 for c in Cause}  # actives left, by cause
+        self.failovers = {c.value: 0 for c in Failover}  # actives left, by cause
         self.fenced = 0  # replies read from a connection left behind, dropped
         self.last_error = ""
         self._late_closed = 0  # late replies counted on connections now closed
@@ -217,7 +168,7 @@ class RemoteLink:
                     self._spare, spare = spare, None
                     self._changed()
                 taken = True
-        for c in ((spare,) if taken else (conn, spare)):
+        for c in (spare,) if taken else (conn, spare):
             if c is not None:
                 c.close()
         return taken
@@ -273,7 +224,7 @@ class RemoteLink:
         if self.on_change is not None:
             self.on_change(self._active, self._spare)
 
-    def leave(self, epoch: int, cause: Cause, why: str, *, in_use: bool) -> bool:
+    def leave(self, epoch: int, cause: Failover, why: str, *, in_use: bool) -> bool:
         """Leave the active connection of ``epoch`` (a stale epoch: already left, False)
         for the spare when one is kept. ``in_use``: a round may still be using its
         descriptor (the keeper's call): it is shut down now and closed by :meth:`reap`.
@@ -298,7 +249,7 @@ class RemoteLink:
                     self.on_acked(0, 0)
                 self._changed()
         if not in_use:
-            if cause is Cause.STALL:
+            if cause is Failover.STALL:
                 self.keeper.fence(conn)
             else:
                 conn.close()
@@ -310,7 +261,7 @@ class RemoteLink:
         """Leave the active connection (a caller's verdict; its round is over)."""
         conn = self._active
         if conn is not None:
-            self.leave(conn.epoch, Cause.LOST, why, in_use=False)
+            self.leave(conn.epoch, Failover.LOST, why, in_use=False)
 
     def reap(self) -> None:
         """Round thread, between rounds: close the connections the keeper left."""
@@ -387,12 +338,12 @@ class RemoteLink:
             return
         where = f"round {round_id} on {conn.address or self.endpoint}"
         if event in DROPS_CONNECTION:
-            cause = Cause.PROTOCOL if event is RoundEvent.PROTOCOL else Cause.LOST
+            cause = Failover.PROTOCOL if event is RoundEvent.PROTOCOL else Failover.LOST
             self.leave(epoch, cause, f"{where} failed: {why}", in_use=False)
         elif event is RoundEvent.TIMEOUT:
             conn.timeouts += 1
             if conn.timeouts >= STALL_ROUNDS and self._spare is not None:
-                self.leave(epoch, Cause.STALL, f"{where}: {conn.timeouts} deadlines in a row", in_use=False)
+                self.leave(epoch, Failover.STALL, f"{where}: {conn.timeouts} deadlines in a row", in_use=False)
         elif event is RoundEvent.OK:
             conn.timeouts = 0
         elif event is RoundEvent.BAD_REPLY:

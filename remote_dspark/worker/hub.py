@@ -14,7 +14,12 @@ when it is free (:meth:`Hub.take`, the wait in C too), drafts a call's worth, an
 :meth:`Connection.reply` writes each round's DRAFTS from the result's arrays and sends
 it in C; a reply the socket cannot take at once is finished by the I/O thread.
 
-What is Python's: anything but a ROUND the C takes, a reply, or a wait. A BYE, a ROUND
+A PING of the connection's session (empty: the wire's cap) is answered by the I/O thread
+in C at once (``pong`` in the C; counted in :meth:`Hub.pings`), so a spare's liveness
+never waits for the drafter; one with a payload or of another session is a bad frame
+(:func:`~.hello.pong` names it).
+
+What is Python's: anything but a ROUND the C takes, a PING, a reply, or a wait. A BYE, a ROUND
 the C check refuses (checked again by the reference to name its culprit), a header of
 another type, version or cap, a closed, failed or stalled peer and a reply that could
 not be sent each hand the connection to Python (``on_event``, on the I/O thread), which
@@ -42,11 +47,12 @@ import numpy as np
 from .. import wire
 from ..drafter.contract import DraftResult
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
+from .hello import pong
 from .hub_arrays import CallArrays, result_of
 from .jobs import Job
 from .lane import Why, ns_of
 from .native_round import NativeRounds, arrays_of, batch_arrays, written
-from .sessions import Session
+from .sessions import Session, Sessions
 
 log = logging.getLogger("remote_dspark.worker")
 
@@ -99,6 +105,7 @@ class Connection:
             max_payload=chan.max_payload,
             want_margin=int(session.want_margin),
             serial=session.windows.serial,
+            session=session.session,
         )
         self._hdr = np.ctypeslib.as_array(self.c.hdr)  # the frame in hand's header, a view
         self.received = 0.0  # time.monotonic() seconds: the round in hand was whole
@@ -148,6 +155,8 @@ class Connection:
         if why is Why.HEADER:
             try:
                 hdr = self.chan.check_header(self._hdr.tobytes())
+                if hdr.type == wire.PING:  # (an empty one of another session: C answers its own)
+                    pong(self.session, hdr)
             except wire.ProtocolError as e:  # VersionMismatch among them
                 return e
             return wire.ProtocolError(f"unexpected {hdr.name} from the engine side")
@@ -317,6 +326,9 @@ class Hub:
             self.fail(ids, e)
             return
         conns = [self._by_id[cid] for cid in ids.tolist()]  # (once a reply is sent, its connection may end)
+        for conn in conns:
+            if conn.session.spare:  # its first round: an engine from now on, before its reply goes
+                Sessions.engaged(conn.session)
         facts = np.zeros(4, np.uint64)
         sent = np.zeros(len(ids), np.int32)
         received = self._call.received[: len(ids)] / 1e9
@@ -332,6 +344,10 @@ class Hub:
         """The call gathered from ``ids`` raised: each round's connection ends."""
         for cid in ids.tolist():
             self.on_failed(self._by_id[cid], error)
+
+    def pings(self) -> int:
+        """PINGs answered in C (one aligned word the I/O thread alone writes)."""
+        return self.state.pings
 
     def waiting(self) -> int:
         """Rounds ready to draft, not taken yet."""

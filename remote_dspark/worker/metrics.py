@@ -76,12 +76,14 @@ class WorkerScrape:
     cache: CacheInfo | None
     spec: SpecInfo | None
     budget: tuple[int, int]  # a drafting call's entries and tokens at most
+    spares: int = 0  # spare sessions held now (Sessions.counts)
+    incarnation: int = 0  # the worker's random id, as its HELLO_ACKs tell it
 
 
 def read(worker, start_time: float) -> WorkerScrape:
     """The record of one scrape of ``worker`` (duck-typed: ``statistics()``,
-    ``admission()``, ``served_now()``, ``drafter``, ``options``,
-    ``budget``)."""
+    ``admission()``, ``served_now()``, ``sessions_now()``, ``drafter``, ``options``,
+    ``budget``, ``incarnation``)."""
     drafter = worker.drafter
     try:
         vocab = vocab_size_of(drafter)
@@ -111,6 +113,8 @@ def read(worker, start_time: float) -> WorkerScrape:
         cache=cache,
         spec=spec,
         budget=worker.budget,
+        spares=worker.sessions_now()[1],
+        incarnation=worker.incarnation,
     )
 
 
@@ -137,9 +141,16 @@ TABLE: Table[WorkerScrape] = Table(
     (
         info(
             "info",
-            "The worker's drafter: its class, identities and vocabulary size (0: it does not say).",
-            ("drafter", "drafter_identity", "markov_identity", "vocab_size"),
-            lambda r: (r.drafter, r.drafter_identity.hex(), r.markov_identity.hex(), str(r.vocab_size)),
+            "The worker's drafter: its class, identities and vocabulary size (0: it does not say); "
+            "and the worker's incarnation, the random id its HELLO_ACKs tell, new at every start.",
+            ("drafter", "drafter_identity", "markov_identity", "vocab_size", "incarnation"),
+            lambda r: (
+                r.drafter,
+                r.drafter_identity.hex(),
+                r.markov_identity.hex(),
+                str(r.vocab_size),
+                f"{r.incarnation:016x}",
+            ),
         ),
         gauge("start_time_seconds", "When the worker started, seconds since the Unix epoch.", lambda r: r.start_time),
         gauge(
@@ -154,6 +165,17 @@ TABLE: Table[WorkerScrape] = Table(
             "The most connections of each state (--max-pending, --max-connections).",
             lambda r: {"pending": r.max_pending, "served": r.max_connections},
             labels=("state",),
+        ),
+        gauge(
+            "spare_sessions",
+            "Spare sessions held now: engines' standby connections, idle until their first ROUND "
+            "(the first to go for a newcomer once no idle served session can).",
+            lambda r: r.spares,
+        ),
+        counter(
+            "pings",
+            "PINGs answered (engines' liveness checks of idle connections, their spares' above all).",
+            lambda r: r.stats.pings,
         ),
         counter(
             "accepted_connections",

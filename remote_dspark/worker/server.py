@@ -7,7 +7,8 @@ deadline, in a pool of its own where the oldest silent one makes room for a newc
 A whole HELLO (with a key, proven: :mod:`remote_dspark.wire.auth`) gets a served
 connection (a thread judges its HELLO; :mod:`.serving`); when ``max_connections`` are served, the connection of the
 least recently served session makes room if it idled ``recent_s`` (the engines' rule,
-:func:`~remote_dspark.worker.sessions.displaceable`), else the HELLO is refused "busy".
+:func:`~remote_dspark.worker.sessions.displaceable`), else a spare's (the order:
+:mod:`.sessions`), else the HELLO is refused "busy".
 Per served connection: the HELLO is checked (identities, this worker's
 :class:`~remote_dspark.worker.limits.Limits`, a place among the engines:
 :class:`~remote_dspark.worker.sessions.Sessions`), each refusal with its reason; then
@@ -119,6 +120,10 @@ class Worker(Serving):
             source=self._hub,
         )
         self.stats = WorkerStats()
+        # This worker's own random nonzero id, in every HELLO_ACK: a worker restarted at the
+        # same address is another one, its sessions and windows gone (drawn per Worker, so a
+        # test's second worker in one process is another one too).
+        self.incarnation = wire.random_id()
         self.metrics_port = opts.metrics_port  # the bound one once started
         self._metrics = None  # metrics.MetricsServer while started with a metrics port
         self._started = time.monotonic()
@@ -235,9 +240,17 @@ class Worker(Serving):
         return self._admission.statistics() if self._admission else None
 
     def statistics(self) -> WorkerStats:
-        """A consistent copy of :attr:`stats` (taken under the lock)."""
+        """A consistent copy of :attr:`stats` (taken under the lock), with the PINGs the
+        hub answered in C (its I/O thread's count) added to those answered in Python."""
         with self._lock:
-            return self.stats.copy()
+            stats = self.stats.copy()
+        if self._hub is not None:
+            stats.pings += self._hub.pings()
+        return stats
+
+    def sessions_now(self) -> tuple[int, int]:
+        """``(engines, spares)``: the sessions held now that are not spare, and the spares."""
+        return self._sessions.counts()
 
     def served_now(self) -> int:
         """Connections served at this moment."""
@@ -292,7 +305,8 @@ class Worker(Serving):
             self._threads = [t for t in self._threads if t.is_alive()]
             busy = len(self._conns) >= self.options.max_connections
             if busy:
-                victim = self._sessions.displace(s for s in self._conns.values() if s is not None)
+                served = (s for s in self._conns.values() if s is not None)
+                victim = self._sessions.displace(served, _says_spare(payload))
                 if victim is not None:  # out of the count now; its thread says BYE and ends
                     self._conns.pop(victim.conn, None)
                     self.stats.evicted += 1
@@ -312,8 +326,8 @@ class Worker(Serving):
             self._answer_and_close(conn, self._ack(wire.REFUSE_LIMITS, reason, hdr.session))
             return
         if victim is not None:
-            idle = self._sessions.recent_s
-            log.info("connection of engine %#x displaced for %s: idle %g s or more", victim.engine_id, peer, idle)
+            why = "a spare" if victim.spare else f"idle {self._sessions.recent_s:g} s or more"
+            log.info("connection of engine %#x displaced for %s: %s", victim.engine_id, peer, why)
         t.start()
 
     def _refused_at_door(self, conn: socket.socket, peer, session: int, code: int, reason: str, why: str) -> None:
@@ -329,3 +343,12 @@ class Worker(Serving):
         except OSError:
             pass
         conn.close()
+
+
+def _says_spare(payload: bytes) -> bool:
+    """Whether a HELLO's payload asks for a spare (one whose payload does not decode says
+    no: its thread refuses it)."""
+    try:
+        return wire.decode_hello(payload).spare
+    except wire.ProtocolError:
+        return False

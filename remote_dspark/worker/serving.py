@@ -3,7 +3,9 @@
 judged and answered, then its rounds on its own thread (the Python or native path, or
 the Markov lane), or by the hub (:mod:`.hub`: the I/O in C, the drafting by the
 scheduler's thread, the reply in C); and its end, counted, logged and closed the same
-way whoever served it.
+way whoever served it. A PING is answered where the connection's frames are read
+(:func:`~.hello.pong`): here on the connection's own thread (the Markov lane hands it
+here whole), in C on the hub's I/O thread.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .. import wire
 from ..transport import DeadlineExceeded, Disconnected, FrameChannel
 from ..transport.tcp import TcpStream
 from . import lane
-from .hello import hello_ack, judge_hello
+from .hello import hello_ack, judge_hello, pong
 from .jobs import Answered, Failed, Job
 from .round import Told, answer
 from .sessions import Session
@@ -67,7 +69,13 @@ class Serving:
                 continue
             if hdr.type == wire.BYE:
                 return
+            elif hdr.type == wire.PING:
+                answer = pong(session, hdr)
+                with self._lock:  # counted before it is sent, as the hub's C counts its own
+                    self.stats.pings += 1
+                chan.send(answer)
             elif hdr.type == wire.ROUND:
+                self._sessions.engaged(session)
                 t0 = time.perf_counter()
                 reply = self._round(session, hdr, payload, time.monotonic())
                 if self.faults is not None:
@@ -122,6 +130,7 @@ class Serving:
         """The drafter thread: a connection's round the hub applied, as the scheduler's
         job (its reply sent by :meth:`_hub_answered`), or answered now when it has nothing
         to draft (empty, or every slot to re-announce)."""
+        self._sessions.engaged(conn.session)
         deadline_ms, _, _, _, _, batch = conn.round()
         job = Job(conn.session.windows.serial, batch, math.inf, None, self._scheduler.clock())
         job.deliver = functools.partial(self._hub_answered, conn)
@@ -187,22 +196,27 @@ class Serving:
         then told: the session admitted, or None."""
         hello = wire.decode_hello(payload)
         verdict = judge_hello(hdr, hello, conn, self.drafter, self.limits, self._scheduler.max_tokens, self._sessions)
+        engines, _ = self._sessions.counts(leaving_out=verdict.session)
         if verdict.session is None:
             self._refuse(verdict.why)
-            chan.send(self._ack(verdict.code, verdict.reason, hdr.session))
+            chan.send(self._ack(verdict.code, verdict.reason, hdr.session, engines))
             return None
         if verdict.evicted is not None:
             with self._lock:
                 self.stats.evicted += 1
         chan.max_payload = self.limits.frame_cap(hello)
         # Only now the ACK: once the engine side has it, the old windows are gone.
-        chan.send(self._ack(verdict.code, verdict.reason, hdr.session))
-        shape = (hdr.session, hello.engine_id, hello.max_slots, hello.num_spec)
-        log.info("session %#x of engine %#x: %d slots, num_spec %d", *shape)
+        chan.send(self._ack(verdict.code, verdict.reason, hdr.session, engines))
+        shape = (hdr.session, hello.engine_id, hello.max_slots, hello.num_spec, " (spare)" if hello.spare else "")
+        log.info("session %#x of engine %#x: %d slots, num_spec %d%s", *shape)
         return verdict.session
 
-    def _ack(self, code: int, reason: str, session: int) -> bytes:
-        return hello_ack(self.drafter, code, reason, session, self.limits)
+    def _ack(self, code: int, reason: str, session: int, engines: int | None = None) -> bytes:
+        """A HELLO_ACK of this worker: its incarnation, and ``engines`` served now (None:
+        all of its sessions not spare, for a HELLO refused before it had one)."""
+        if engines is None:
+            engines, _ = self._sessions.counts()
+        return hello_ack(self.drafter, code, reason, session, self.limits, engines, self.incarnation)
 
     def _round(self, session: Session, hdr: wire.Header, payload, received: float | None = None) -> bytes:
         """One ROUND in (``received``: ``time.monotonic()`` at its receipt, which its

@@ -18,6 +18,25 @@ The same rule, :func:`displaceable`, gives a newcomer a served connection when a
 recently served session goes if it idled ``recent_s``. So peers that say HELLO and idle
 hold their connections only as long as an engine holds its place, never for good.
 
+**Spares.** A HELLO with ``spare`` (an engine's standby connection to a second worker,
+kept for a failover) makes a session marked spare, until its first ROUND makes it an
+ordinary served one (:meth:`Sessions.engaged`). Who makes room for a newcomer, among the
+engines or the served connections (:meth:`Sessions._victim`, the one place of the order):
+
+1. the least recently served of the served sessions (not spare), if it idled
+   ``recent_s`` (:func:`displaceable`): an idle engine goes before any spare;
+2. else, for a newcomer that is not spare itself, the spare that said HELLO first: a
+   spare does no work, so it needs no idling to go (its engine makes another elsewhere);
+3. else none: the newcomer is refused "busy". A spare newcomer never evicts another
+   spare: spares pushing each other out would chase round a fleet with every failover.
+
+A spare HELLO of the session (the engine's proxy) that holds a session here already,
+spare or active, is refused: two addresses may reach one worker, and a spare that
+replaced its own proxy's connection here would take that connection's place and die
+with it. A spare HELLO of another session of the engine (a new proxy: the old one is
+gone) replaces the old session as any same-engine HELLO does, and so does an active
+HELLO of an engine whose spare is here.
+
 The sessions' windows are bounded too: every session's windows are registered in the
 worker's :class:`~.history.History` (weakly: they go with their session), and a HELLO
 whose windows would take the live ones past ``history_bytes`` (``--history-mb``) is
@@ -56,6 +75,7 @@ class Session:
     # The worker's reader of its streams' tokens when its drafter keeps whole streams: the
     # session's batches carry it and ``kept_from`` (worker.round.kept_streams). None: not.
     history: History | None = None
+    spare: bool = False  # its HELLO's OPTION_SPARE, until its first ROUND (Sessions.engaged)
 
     @classmethod
     def of_hello(
@@ -81,6 +101,7 @@ class Session:
             conn=conn,
             want_sampled=hello.want_sampled,
             history=history,
+            spare=hello.spare,
         )
 
 
@@ -119,26 +140,41 @@ class Sessions:
     def get(self, engine_id: int) -> Session | None:
         return self._by_engine.get(engine_id)
 
+    def counts(self, leaving_out: Session | None = None) -> tuple[int, int]:
+        """``(engines, spares)``: the sessions here now that are not spare, and those that
+        are, ``leaving_out`` not counted (a HELLO_ACK's ``engines`` leaves its newcomer out)."""
+        with self._lock:
+            spares = sum(s.spare for s in self._by_engine.values() if s is not leaving_out)
+            others = sum(1 for s in self._by_engine.values() if s is not leaving_out)
+        return others - spares, spares
+
     def admit(self, new: Session) -> tuple[str | None, Session | None]:
         """Give ``new`` its engine's place. Returns ``(busy, evicted)``: ``busy`` is the
-        refusal's reason when there is no place (``new`` is then not admitted), ``evicted``
-        the session that made room for it, if one did.
+        refusal's reason when there is no place ("busy: ...") or ``new`` is a spare of a
+        session connected here already ("refused: ..."; ``new`` is then not admitted),
+        ``evicted`` the session that made room for it, if one did.
 
         A new session of the same engine replaces the old one at once: its windows go
         now, not when its connection closes (an old connection that still sends rounds
-        gets RESYNC for every slot).
+        gets RESYNC for every slot). A spare is refused beside its own session (the
+        module docstring).
         """
         with self._lock:
             now = self.clock()
             victim = None
             old = self._by_engine.get(new.engine_id)
+            if old is not None and new.spare and old.session == new.session:
+                return (
+                    f"refused: engine {new.engine_id:#x} session {new.session:#x} is connected to this worker "
+                    "already; a spare must go to another worker"
+                ), None
             if old is None and len(self._by_engine) >= self.max_engines:
-                victim, idle = self._stalest(self._by_engine.values(), now)
+                victim, idle = self._victim(self._by_engine.values(), now, new.spare)
                 if victim is None:
                     return (
                         f"busy: all {self.max_engines} engine places are held by engines served within the "
                         f"last {self.recent_s:g} s (the least recently served {idle:.1f} s ago; "
-                        "--max-engines); try again later"
+                        "--max-engines){' or by spares' if new.spare else ''}; try again later"
                     ), None
             full = self._over_budget(new.windows, old or victim)  # what it replaces frees its windows
             if full is not None:
@@ -172,26 +208,33 @@ class Sessions:
             f"{self.history_bytes / mib:g} MiB (--history-mb); try again later"
         )
 
-    def displace(self, sessions: Iterable[Session]) -> Session | None:
-        """A newcomer found every served connection taken: the least recently served of
-        ``sessions`` (those of the served connections) evicted, its connection shut down,
-        if it idled ``recent_s`` (:func:`displaceable`, as :meth:`admit`); else None."""
+    def displace(self, sessions: Iterable[Session], spare: bool = False) -> Session | None:
+        """A newcomer (``spare``: its HELLO's) found every served connection taken: the
+        session of ``sessions`` (those of the served connections) that makes room for it
+        evicted, its connection shut down (:meth:`_victim`, as :meth:`admit`); else None."""
         with self._lock:
-            victim, _ = self._stalest(sessions, self.clock())
+            victim, _ = self._victim(sessions, self.clock(), spare)
             if victim is not None:
                 self._evict(victim)
         if victim is not None:
             _shut(victim)
         return victim
 
-    def _stalest(self, sessions: Iterable[Session], now: float) -> tuple[Session | None, float]:
-        """Under the lock: the least recently served of ``sessions`` not leaving already,
-        if :func:`displaceable`, else None; and how long that one idled (inf: none)."""
-        stalest = min((s for s in sessions if not s.evicted), key=lambda s: s.last_served, default=None)
-        if stalest is None:
-            return None, math.inf
-        idle = now - stalest.last_served
-        return (stalest if displaceable(stalest, idle, self.recent_s) else None), idle
+    def _victim(self, sessions: Iterable[Session], now: float, spare: bool) -> tuple[Session | None, float]:
+        """Under the lock: the session of ``sessions`` not leaving already that makes room
+        for a newcomer (``spare``: a spare newcomer), or None; and how long the least
+        recently served of the served ones idled (inf: none). The order, written once
+        (the module docstring): a :func:`displaceable` served session, stalest first;
+        then, for a newcomer that is not spare, the spare that said HELLO first."""
+        here = [s for s in sessions if not s.evicted]
+        stalest = min((s for s in here if not s.spare), key=lambda s: s.last_served, default=None)
+        idle = math.inf if stalest is None else now - stalest.last_served
+        if stalest is not None and displaceable(stalest, idle, self.recent_s):
+            return stalest, idle
+        if spare:
+            return None, idle
+        # a spare's last_served is its HELLO's until its first round (then it is served)
+        return min((s for s in here if s.spare), key=lambda s: s.last_served, default=None), idle
 
     def _evict(self, victim: Session) -> None:
         """Under the lock: ``victim`` leaves (if it still holds its engine's place) and is
@@ -205,6 +248,13 @@ class Sessions:
         """``session`` was just answered a round (one float store: no lock)."""
         session.last_served = self.clock()
 
+    @staticmethod
+    def engaged(session: Session) -> None:
+        """``session`` got a ROUND: a spare no more, an ordinary served session from now
+        on (one store: no lock; each path calls it as it takes the round, before its reply,
+        so a HELLO judged after the engine sees drafts never takes it for a spare)."""
+        session.spare = False
+
     def drop(self, session: Session) -> None:
         """``session``'s connection ended: it leaves, unless it was replaced already."""
         with self._lock:
@@ -213,10 +263,9 @@ class Sessions:
 
 
 def displaceable(session: Session, idle: float, recent_s: float) -> bool:
-    """The one rule for giving a newcomer ``session``'s place, among the engines or among
-    the served connections: it was last served ``idle`` seconds ago, ``recent_s`` or more.
-    (Every served connection is an engine's today; a connection of another kind, with a
-    rule of its own, is told apart here by its session.)"""
+    """The rule for giving a newcomer a served (not spare) ``session``'s place, among the
+    engines or among the served connections: it was last served ``idle`` seconds ago,
+    ``recent_s`` or more. (A spare's rule is :meth:`Sessions._victim`'s.)"""
     return idle >= recent_s
 
 

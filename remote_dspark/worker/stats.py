@@ -40,6 +40,7 @@ class WorkerStats:
     hello_timeouts: int = 0  # connections dropped for no HELLO within hello_timeout_s
     displaced: int = 0  # pre-HELLO connections dropped to make room for a newer one
     rounds: int = 0
+    pings: int = 0  # PINGs answered on the connections' own threads (Worker.statistics adds the hub's)
     entries: int = 0
     resyncs: int = 0
     beyond_positions: int = 0  # entries given no drafts: their context and width pass the model's positions

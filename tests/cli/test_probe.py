@@ -52,11 +52,17 @@ def probed(capsys, *argv: str) -> tuple[int, dict, str]:
 
 
 def test_green(served, capsys):
-    code, report, err = probed(capsys, "--vocab-size", "16")
+    w, _ = served
+    engine = connect(w, session=7, engine_id=7)  # one engine served: the ACK tells it
+    try:
+        code, report, err = probed(capsys, "--vocab-size", "16")
+    finally:
+        engine.close()
     assert code == 0 and report["ok"] and report["verdict"] == "ok", (report, err)
     fields = report["fields"]
     assert fields["vocab_size"] == {"engine": "16", "worker": "5", "mismatch": False}
     assert fields["max_slots"]["worker"] == "at most 1024" and fields["context_tokens"]["worker"] == "64"
+    assert fields["engines served"]["worker"] == "1" and fields["incarnation"]["worker"] == f"{w.incarnation:016x}"
     assert not any(f["mismatch"] for f in fields.values())
     # the table's form says the same
     assert check_config("--probe", "--max-slots", "8") == 0

@@ -192,6 +192,7 @@ DRIFTED = {
     "MAX_N_OUT": 32,
     "MAX_ROW_BYTES": 1 << 19,
     "MAX_TOKENS": 1 << 21,
+    "PING": 9,
 }
 DRIFTED_IN = {"SAMPLED_BYTES": wire.round}  # where a constant not in wire's namespace lives
 

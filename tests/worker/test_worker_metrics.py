@@ -178,6 +178,7 @@ def test_a_scrape_shows_exactly_the_hellos_refusals_and_rounds(known):
             "drafter_identity": w.drafter.drafter_identity.hex(),
             "markov_identity": w.drafter.markov_identity.hex(),
             "vocab_size": "6",
+            "incarnation": f"{w.incarnation:016x}",
         }
     ]
     # The Markov drafter keeps no per-slot state and does not pre-draft: no cache or
@@ -256,10 +257,12 @@ def test_speculation_comes_from_the_drafters_spec_info():
 # "# TYPE" line writes it, its type and its label names, which the dashboard's worker row
 # queries. A row dropped from metrics.TABLE, renamed, retyped or relabelled fails here.
 CONTRACT = [
-    ("dspark_worker_info", "gauge", ("drafter", "drafter_identity", "markov_identity", "vocab_size")),
+    ("dspark_worker_info", "gauge", ("drafter", "drafter_identity", "incarnation", "markov_identity", "vocab_size")),
     ("dspark_worker_start_time_seconds", "gauge", ()),
     ("dspark_worker_connections", "gauge", ("state",)),
     ("dspark_worker_connections_limit", "gauge", ("state",)),
+    ("dspark_worker_spare_sessions", "gauge", ()),
+    ("dspark_worker_pings_total", "counter", ()),
     ("dspark_worker_accepted_connections_total", "counter", ()),
     ("dspark_worker_served_connections_total", "counter", ()),
     ("dspark_worker_hello_refusals_total", "counter", ("reason",)),

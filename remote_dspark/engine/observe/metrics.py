@@ -168,6 +168,29 @@ TABLE: Table[EngineScrape] = Table(
         counter("breaker_trips", "Times the breaker opened.", lambda r: r.stats.link.breaker.trips),
         counter("breaker_probes", "Probe rounds sent after a cooldown.", lambda r: r.stats.link.breaker.probes),
         counter("reconnects", "Connections to the worker made after the first.", lambda r: r.stats.link.reconnects),
+        counter(
+            "failovers",
+            "Active worker connections left, by cause: lost (broken, closed, the worker said BYE), "
+            "stall (two round deadlines in a row, a spare ready), protocol (a frame that broke the contract).",
+            lambda r: dict(r.stats.link.failovers),
+            labels=("cause",),
+        ),
+        counter(
+            "fenced_replies",
+            "Replies read from a connection left after a stall, dropped: never delivered.",
+            lambda r: r.stats.link.fenced,
+        ),
+        info(
+            "worker_info",
+            "The active worker connection: its address and the worker's incarnation (empty: none).",
+            ("address", "incarnation"),
+            lambda r: (r.stats.link.worker, f"{r.stats.link.incarnation:016x}" if r.stats.link.incarnation else ""),
+        ),
+        gauge(
+            "spare_ready",
+            "1 while a spare connection to another worker of the fleet is ready.",
+            lambda r: float(r.stats.link.spare),
+        ),
         gauge(
             "session_id",
             "Low 32 bits of the current proxy session (changes on every new proxy).",

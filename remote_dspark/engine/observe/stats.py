@@ -19,10 +19,10 @@ from ...histogram import Histogram
 from ...outcome import Outcome
 from ...shm import memfd
 from ...supervisor.restarts import SupervisorStats
-from ...transport.link import Cause
+from ...transport.conn import Failover
 
 LATENCY_BOUNDS_S = tuple(b / 1e9 for b in memfd.LATENCY_BOUNDS_NS)
-FAILOVER_CAUSES = tuple(c.value for c in Cause)  # transport.link.Cause, the metric's label
+FAILOVER_CAUSES = tuple(c.value for c in Failover)  # transport.link.Failover, the metric's label
 MARGIN_BOUNDS = tuple(i / 10 for i in range(1, 11))
 
 

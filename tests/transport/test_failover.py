@@ -1,0 +1,213 @@
+"""A fleet: failover to the spare in one round, fencing, a dead spare found by its PINGs,
+the less loaded of two workers taken. Real workers on loopback addresses (127.0.0.x
+stand for hosts, all on one port) behind a name that a resolver stand-in, which the
+tests control, resolves."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+from helpers import COUNTING, gated_drafter, recv_exactly, until
+
+from remote_dspark import wire
+from remote_dspark.outcome import Outcome, RoundEvent
+from remote_dspark.transport import keeper as keeper_mod
+from remote_dspark.transport import parse_endpoint
+from remote_dspark.transport.breaker import Breaker
+from remote_dspark.transport.client import DraftClient
+from remote_dspark.transport.fleet import Address
+from remote_dspark.transport.link import RemoteLink
+from remote_dspark.worker import Worker
+
+NEW = [wire.Entry(0, 3, 0, (1,), new_gen=True)]  # slot 0 announced: drafts 2, 3, 4
+
+
+class Fleet:
+    """``n`` workers on 127.0.0.1..n, one port, each with its own gated drafter; the
+    name ``fleet.test`` resolves to the addresses in ``ips`` (the test may change it)."""
+
+    def __init__(self, n: int):
+        self.drafters = [gated_drafter(COUNTING) for _ in range(n)]
+        self.workers = [Worker(self.drafters[0], "127.0.0.1", 0).start()]
+        self.port = self.workers[0].port
+        try:
+            for i in range(1, n):
+                self.workers.append(Worker(self.drafters[i], f"127.0.0.{i + 1}", self.port).start())
+        except BaseException:
+            self.stop()
+            raise
+        self.ips = [f"127.0.0.{i + 1}" for i in range(n)]
+        self.links: list[RemoteLink] = []
+
+    def resolve(self, host: str, port: int, timeout_s: float) -> list[str]:
+        assert host == "fleet.test"
+        return list(self.ips)
+
+    def link(self, engine_id: int = 1, session: int = 5) -> RemoteLink:
+        d = self.drafters[0]
+        link = RemoteLink(
+            parse_endpoint(f"tcp://fleet.test:{self.port}"),
+            wire.Hello(d.drafter_identity, d.markov_identity, engine_id, 4, 0, 3),
+            session,
+            connect_timeout_ms=500,
+            backoff_ms=20,
+            backoff_max_ms=80,
+            breaker=Breaker(3, 2),
+            resolve=self.resolve,
+        )
+        self.links.append(link)
+        return link
+
+    def index(self, address: Address) -> int:
+        return self.ips.index(address.host)
+
+    def stop(self) -> None:
+        for link in self.links:
+            link.close()
+        for d in self.drafters:
+            d.gate.set()
+        for w in self.workers:
+            w.stop()
+
+
+@pytest.fixture
+def fleet2():
+    f = Fleet(2)
+    yield f
+    f.stop()
+
+
+def round_(link: RemoteLink, rid: int, entries=NEW, deadline_ms: int = 2000):
+    return link.round_entries(rid, entries, b"", 0, deadline_ms)
+
+
+def test_a_killed_worker_is_left_for_the_spare_before_the_next_round(fleet2):
+    link = fleet2.link()
+    link.connect()
+    assert until(lambda: link.spare is not None)
+    first = link.active.address
+    assert {first, link.spare.address} == {Address(ip, fleet2.port) for ip in fleet2.ips}
+    assert round_(link, 1).drafts.row(0) == [2, 3, 4]
+    fleet2.workers[fleet2.index(first)].stop()  # its kernel closes the connection
+    assert until(lambda: link.epoch == 2)  # the keeper saw it hang up: no round needed
+    assert link.active.address != first and link.failovers == {"lost": 1, "stall": 0, "protocol": 0}
+    r = round_(link, 2)  # every slot re-announced (the caller's resync_all)
+    assert (r.outcome, r.drafts.row(0)) == (Outcome.OK, [2, 3, 4])
+    assert link.attempts == 2 and link.spare is None  # no third worker to spare
+
+
+def test_two_deadlines_in_a_row_leave_a_stalled_worker_and_its_late_replies_are_fenced(fleet2):
+    link = fleet2.link()
+    link.connect()
+    assert until(lambda: link.spare is not None)
+    assert round_(link, 1).outcome == Outcome.OK
+    stalled = fleet2.drafters[fleet2.index(link.active.address)]
+    stalled.gate.clear()
+    assert round_(link, 2, deadline_ms=50).event == RoundEvent.TIMEOUT
+    assert link.epoch == 1  # one deadline keeps the connection
+    assert round_(link, 3, deadline_ms=50).event == RoundEvent.TIMEOUT
+    assert link.epoch == 2 and link.failovers["stall"] == 1
+    r = round_(link, 4)
+    assert (r.outcome, r.drafts.round_id, r.drafts.row(0)) == (Outcome.OK, 4, [2, 3, 4])
+    stalled.gate.set()  # the stalled worker answers rounds 2 and 3 on the connection left
+    assert until(lambda: link.fenced == 2, timeout=keeper_mod.FENCE_S)
+    r = round_(link, 5, [wire.Entry(0, 3, 1, (2,))])
+    assert (r.outcome, r.drafts.round_id, r.drafts.row(0)) == (Outcome.OK, 5, [3, 4, 1])
+    assert link.late == 0  # the left connection's replies were never a round's
+
+
+def test_the_less_loaded_of_the_two_best_workers_is_taken_and_the_other_is_the_spare(fleet2):
+    busy = fleet2.workers[1]  # two engines served there: the newcomer goes to the other
+    others = [DraftClient.connect(
+        parse_endpoint(f"tcp://127.0.0.2:{fleet2.port}"),
+        wire.Hello(fleet2.drafters[1].drafter_identity, fleet2.drafters[1].markov_identity, 100 + i, 4, 0, 3),
+        50 + i,
+        2.0,
+    ) for i in range(2)]  # fmt: skip
+    try:
+        assert until(lambda: busy.sessions_now()[0] == 2)
+        for engine_id in (1, 2, 3):  # whatever each one's rendezvous order
+            link = fleet2.link(engine_id=engine_id, session=engine_id)
+            link.connect()
+            assert fleet2.index(link.active.address) == 0 and fleet2.index(link.spare.address) == 1
+            link.close()
+    finally:
+        for c in others:
+            c.close()
+
+
+def test_killing_a_worker_moves_only_its_engines():
+    f = Fleet(3)
+    try:
+        links = [f.link(engine_id=e, session=e) for e in range(1, 7)]
+        for link in links:
+            link.connect()
+            assert round_(link, 1).outcome == Outcome.OK
+        before = [f.index(link.active.address) for link in links]
+        victim = before[0]
+        f.workers[victim].stop()
+        moved = [i for i, b in enumerate(before) if b == victim]
+        assert until(lambda: all(links[i].epoch == 2 for i in moved))
+        after = [f.index(link.active.address) for link in links]
+        assert all(after[i] != victim for i in moved)
+        assert [after[i] for i in range(6) if i not in moved] == [before[i] for i in range(6) if i not in moved]
+        assert all(links[i].epoch == 1 for i in range(6) if i not in moved)
+    finally:
+        f.stop()
+
+
+class SilentSpare:
+    """A worker stand-in at 127.0.0.2 that accepts HELLOs (naming many engines served, so
+    it is never the active one) and then answers nothing: no PING is ever answered."""
+
+    def __init__(self, port: int, drafter):
+        self.server = socket.create_server(("127.0.0.2", port))
+        self.server.settimeout(0.05)
+        self.drafter = drafter
+        self.hellos = 0
+        self.stop_flag = threading.Event()
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(2)
+            hdr = wire.decode_header(recv_exactly(conn, wire.HEADER.size))
+            recv_exactly(conn, hdr.payload_len)
+            d = self.drafter
+            ack = wire.HelloAck(wire.ACCEPT, d.drafter_identity, d.markov_identity, engines=9)
+            conn.sendall(wire.encode_hello_ack(ack, hdr.session))
+            self.conns.append(conn)
+            self.hellos += 1
+
+    def close(self) -> None:
+        self.stop_flag.set()
+        self.thread.join(2)
+        for c in self.conns:
+            c.close()
+        self.server.close()
+
+
+def test_a_spare_that_answers_no_ping_is_dropped_and_made_again(monkeypatch):
+    monkeypatch.setattr(keeper_mod, "PING_S", 0.05)
+    monkeypatch.setattr(keeper_mod, "PING_TIMEOUT_S", 0.1)
+    f = Fleet(1)
+    f.ips = ["127.0.0.1", "127.0.0.2"]
+    silent = SilentSpare(f.port, f.drafters[0])
+    try:
+        link = f.link()
+        link.connect()
+        assert f.index(link.active.address) == 0 and link.spare is not None
+        assert until(lambda: silent.hellos >= 2, timeout=5)  # dropped after its PING, made again
+        assert "no PING answer" in link.last_error and link.epoch == 1
+        assert round_(link, 1).outcome == Outcome.OK  # the active never noticed
+    finally:
+        f.stop()
+        silent.close()
