@@ -4,6 +4,7 @@ keeps its heavy imports inside the function that runs it.
     round/           one drafting round end to end, next to its floors
     handoff/         the hand-off's round trip, side by side
     failover         an idle engine's cost and a lost proxy's rounds
+    failover_workers its worker rows: a lost or stalled worker, engines over a fleet
     worker_engines   many engines against one worker
     worker_long      its long row: one engine announcing long contexts in chunks
     engine_procs     what worker-engines' rows share: engine processes, flags, memory

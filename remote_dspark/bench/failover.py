@@ -15,6 +15,10 @@ Rows (process mode, defaults otherwise, against a loopback worker process):
   measure (the standby found silent and killed, a fresh proxy's start). ``--frozen``
   times, standby on only.
 
+With ``--workers N`` (2 or more) the worker rows follow (:mod:`.failover_workers`):
+a worker SIGKILLed or SIGSTOPped under an engine whose link keeps a spare, and 8 engines
+spread over the fleet.
+
 Every row also says the respawn-budget units each fault cost (at most one each).
 
 Each row waits for a new serving proxy (and, with the standby, a ready standby) before
@@ -66,6 +70,10 @@ def add_parser(sub) -> None:
         "--frozen", type=int, default=3, help="SIGKILLs of the proxy with the standby SIGSTOPped (default 3)"
     )
     p.add_argument("--idle-s", type=float, default=3.0, help="the idle measure's length, seconds (default 3)")
+    p.add_argument("--workers", type=int, default=1, help="workers for the worker rows, 2 or 3 (default 1: none)")
+    p.add_argument("--worker-kills", type=int, default=10, help="SIGKILLs of the active worker (default 10)")
+    p.add_argument("--worker-stalls", type=int, default=5, help="SIGSTOPs of the active worker (default 5)")
+    p.add_argument("--rate", type=float, default=100.0, help="rounds a second in the worker rows (default 100)")
     p.add_argument("--slots", type=int, default=64, help="entries per round (default 64)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=run)
@@ -74,6 +82,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kills < 1 or args.stalls < 0 or args.frozen < 0 or args.idle_s <= 0 or not 1 <= args.slots <= 4096:
         raise ValueError("--kills >= 1, --stalls >= 0, --frozen >= 0, --idle-s > 0 and --slots in 1..4096")
+    if not 1 <= args.workers <= 8 or args.worker_kills < 0 or args.worker_stalls < 0 or not args.rate > 0:
+        raise ValueError("--workers in 1..8, --worker-kills >= 0, --worker-stalls >= 0 and --rate > 0")
     from ..demo.harness import WorkerProcess
 
     worker = WorkerProcess()
@@ -88,8 +98,24 @@ def run(args: argparse.Namespace) -> int:
             rows.append(measure_faults(worker, args.slots, "frozen", args.frozen, True))
     finally:
         worker.stop()
-    report(idle, rows, args.json)
+    report(idle, rows, worker_rows(args) if args.workers > 1 else [], args.json)
     return 0
+
+
+def worker_rows(args: argparse.Namespace) -> list[dict]:
+    from ..demo.fleet import WorkerFleet
+    from ..demo.harness import worker_limits
+    from . import failover_workers as fw
+
+    fleet = WorkerFleet(args.workers, extra=worker_limits(args.slots, 64))
+    try:
+        rows = [fw.measure_worker_faults(fleet, args.slots, "kill", args.worker_kills, args.rate)]
+        if args.worker_stalls:
+            rows.append(fw.measure_worker_faults(fleet, args.slots, "stall", args.worker_stalls, args.rate))
+        rows.append(fw.measure_spread(fleet, args.slots))
+    finally:
+        fleet.stop()
+    return rows
 
 
 def _engine(worker, slots: int, standby: bool):
@@ -183,7 +209,10 @@ def _resume(pid: int) -> None:
         pass
 
 
-def report(idle: dict, rows: list[FailoverRow], as_json: bool) -> None:
+def report(idle: dict, rows: list[FailoverRow], workers: list[dict], as_json: bool) -> None:
+    from .failover_workers import goals as worker_goals
+    from .failover_workers import report as report_workers
+
     watchdog_ms = idle["watchdog_ms"]
     goals = [
         ("idle proxy CPU <= 2% of a core", idle["proxy_core"] <= GOAL_IDLE_CORE),
@@ -206,7 +235,9 @@ def report(idle: dict, rows: list[FailoverRow], as_json: bool) -> None:
                 {
                     "idle": idle,
                     "rows": [asdict(r) | {"p50_ms": r.p50, "max_ms": r.worst} for r in rows],
-                    "goals": {name: met for name, met in goals},
+                    "goals": {name: met for name, met in goals}
+                    | {name: met for name, _, _, met in worker_goals(workers)},
+                    "workers": workers,
                 },
                 indent=1,
             )
@@ -228,3 +259,4 @@ def report(idle: dict, rows: list[FailoverRow], as_json: bool) -> None:
         )
     for name, met in goals:
         print(f"goal {name}: {'met' if met else 'NOT met'}")
+    report_workers(workers)

@@ -4,6 +4,9 @@ The engine (process mode) drafts continuously while faults land at random times,
 cycles that each contain every fault once: SIGKILL the proxy; SIGSTOP it (a stall) and
 SIGCONT it later; kill and restart the worker; make the worker answer after the
 deadline for a while; send the worker garbage frames and make it send garbage replies.
+With ``--workers N`` (2 or more) the engine's endpoint is a fleet of N workers on
+127.0.0.1..N, and each cycle also SIGKILLs the active worker (restarted on its address
+later) and SIGSTOPs it (SIGCONT later); the worker faults above hit the active worker.
 Between cycles the run goes quiet for longer than ``RESPAWN_RESET_S``, so the budget's
 reset window is exercised. At the end it checks, and prints:
 
@@ -14,7 +17,11 @@ reset window is exercised. At the end it checks, and prints:
   * respawns never exceeded the budget, and the budget came back after the reset window;
   * the engine's outcome counters add up to the rounds;
   * no zombie, no leaked fd or memfd;
-  * the engine closed cleanly.
+  * the engine closed cleanly;
+  * with a fleet: every kill or stall of the active worker counted as a failover, the
+    target-only rounds of each within its bound (1 for a kill, 3 for a stall, where
+    the fault found a spare ready), no drafts from a worker the engine had left, every
+    worker process ended.
 
 Exit status 0 only when every check holds.
 """
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
 
 FAULTS = ("kill_proxy", "stall_proxy", "restart_worker", "late_worker", "garbage")
 WAIT_SLACK_S = 0.010
+ON_ACTIVE = ("restart_worker", "kill_worker", "stall_worker")  # with a fleet: the active worker's, tracked
 
 
 def add_parser(sub) -> None:
@@ -54,6 +62,7 @@ def add_parser(sub) -> None:
     p.add_argument("--slots", type=int, default=64, help="request slots (default 64)")
     p.add_argument("--respawns", type=int, default=4, help="respawn budget (default 4)")
     p.add_argument("--reset-s", type=int, default=2, help="VLLM_DSPARK_REMOTE_ASYNC_RESPAWN_RESET_S (default 2)")
+    p.add_argument("--workers", type=int, default=1, help="workers in the fleet, 1 to 8 (default 1)")
     p.add_argument("--json", action="store_true", help="print the checks and counts as JSON")
     p.set_defaults(func=run)
 
@@ -79,12 +88,18 @@ class ChaosResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.seconds <= 0 or args.slots < 1 or args.respawns < 1 or args.reset_s < 1:
-        raise ValueError("--seconds, --slots, --respawns and --reset-s must be positive")
+    if args.seconds <= 0 or args.slots < 1 or args.respawns < 1 or args.reset_s < 1 or not 1 <= args.workers <= 8:
+        raise ValueError("--seconds, --slots, --respawns and --reset-s must be positive, --workers in 1..8")
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     seed = args.seed if args.seed is not None else int(time.time())
     result = run_chaos(
-        args.seconds, seed=seed, slots=args.slots, respawns=args.respawns, reset_s=args.reset_s, progress=True
+        args.seconds,
+        seed=seed,
+        slots=args.slots,
+        respawns=args.respawns,
+        reset_s=args.reset_s,
+        workers=args.workers,
+        progress=True,
     )
     if args.json:
         print(
@@ -111,23 +126,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_chaos(
-    seconds: float, *, seed: int, slots: int = 64, respawns: int = 4, reset_s: int = 2, progress: bool = False
+    seconds: float,
+    *,
+    seed: int,
+    slots: int = 64,
+    respawns: int = 4,
+    reset_s: int = 2,
+    workers: int = 1,
+    progress: bool = False,
 ) -> ChaosResult:
     from ..config.api import RemoteConfig
     from ..config.mode import Mode
     from ..engine import RemoteDSpark
-    from .harness import DemoEngine, WorkerProcess, worker_limits
+    from .fleet import WORKER_FAULTS, FleetWatch, WorkerFleet
+    from .harness import DemoEngine, worker_limits
     from .sim import SimEngine
 
     rng = random.Random(seed)
     fds_before = _fds()
-    faults = dict.fromkeys(FAULTS, 0)
-    timers: list[threading.Timer] = []
-    worker = WorkerProcess(late_ms=120, extra=worker_limits(slots, 64))
+    kinds = FAULTS + (WORKER_FAULTS if workers > 1 else ())
+    faults = dict.fromkeys(kinds, 0)
+    fleet = WorkerFleet(workers, late_ms=120, extra=worker_limits(slots, 64), tagged=workers > 1)
+    watch = FleetWatch(fleet) if workers > 1 else None
     closed_cleanly = False
     engine = None
     try:
-        env = worker.env(
+        env = fleet.env(
             Mode.PROCESS,
             VLLM_DSPARK_REMOTE_ASYNC_RESPAWNS=str(respawns),
             VLLM_DSPARK_REMOTE_ASYNC_RESPAWN_RESET_S=str(reset_s),
@@ -139,23 +163,12 @@ def run_chaos(
         )
         cfg = RemoteConfig.from_env(env)
         rd = RemoteDSpark(cfg, num_spec=5, max_slots=slots, row_bytes=64, environ=env).start()
+        timers: list[threading.Timer] = []
         try:
             engine = DemoEngine(rd, SimEngine(slots, 5, seed=seed))
-            sup = rd.supervisor
-            plan = _Plan(rng, reset_s)
-            bar = Progress(int(seconds), "chaos seconds") if progress else None
-            start = time.monotonic()
-            while (now := time.monotonic()) - start < seconds:
-                fault = plan.due(now)
-                if fault:
-                    _inject(fault, sup, worker, rng, timers)
-                    faults[fault] += 1
-                engine.step()
-                if bar:
-                    bar.update(int(now - start), f"rounds {len(engine.steps)}")
+            _drive(engine, fleet, watch, _Plan(rng, reset_s, kinds), faults, timers, seconds, progress)
             for t in timers:
                 t.join(2.0)
-            stats = rd.stats()
         finally:
             for t in timers:
                 t.cancel()
@@ -164,19 +177,49 @@ def run_chaos(
             closed_cleanly = True
         stats = rd.stats()
     finally:
-        worker.stop()
+        fleet.stop()
     result = ChaosResult(seed, len(engine.steps) if engine else 0, faults, stats)
     result.checks = _checks(result, cfg, respawns, closed_cleanly, fds_before)
+    if watch is not None:
+        result.checks += [Check(*c) for c in watch.checks(stats, fleet.running())]
     return result
+
+
+def _drive(engine, fleet, watch, plan, faults: dict, timers: list, seconds: float, progress: bool) -> None:
+    """Rounds back to back for ``seconds``, the plan's faults landing between them. With a
+    fleet (``watch``), every round is shown to the watch with the link after it, and a
+    fault on the active worker waits (bounded) for a steady engine."""
+    rd = engine.rd
+    sup = rd.supervisor
+    bar = Progress(int(seconds), "chaos seconds") if progress else None
+    start = time.monotonic()
+    while (now := time.monotonic()) - start < seconds:
+        fault = plan.due(now)
+        if fault is not None and watch is not None and fault in ON_ACTIVE:
+            go, steady = watch.ready(timers, now)
+            if not go:
+                plan.defer(fault, now)
+            elif watch.inject(fault, steady, plan.rng, timers, _later) is not None:
+                faults[fault] += 1
+        elif fault is not None:
+            target = fleet.at(watch.link.worker) if watch is not None and watch.link is not None else None
+            _inject(fault, sup, target or fleet.workers[0], plan.rng, timers)
+            faults[fault] += 1
+        out = engine.step()
+        if watch is not None:
+            watch.observe(out, rd.stats().link)
+        if bar:
+            bar.update(int(now - start), f"rounds {len(engine.steps)}")
 
 
 class _Plan:
     """Cycles through every fault in a shuffled order, 0.3 to 1.0 s apart, then stays
     quiet for longer than the reset window, so the budget can come back."""
 
-    def __init__(self, rng: random.Random, reset_s: int):
+    def __init__(self, rng: random.Random, reset_s: int, kinds: tuple[str, ...] = FAULTS):
         self.rng = rng
         self.reset_s = reset_s
+        self.kinds = kinds
         self.queue: list[str] = []
         self.next_at = time.monotonic() + 0.5
 
@@ -184,11 +227,16 @@ class _Plan:
         if now < self.next_at:
             return None
         if not self.queue:
-            self.queue = list(FAULTS)
+            self.queue = list(self.kinds)
             self.rng.shuffle(self.queue)
         fault = self.queue.pop()
         self.next_at = now + (self.reset_s + 1.0 if not self.queue else self.rng.uniform(0.3, 1.0))
         return fault
+
+    def defer(self, fault: str, now: float) -> None:
+        """``fault`` waits: due again in 10 ms, the rest of the cycle after it."""
+        self.queue.append(fault)
+        self.next_at = now + 0.01
 
 
 def _inject(fault: str, sup, worker, rng: random.Random, timers: list) -> None:
@@ -205,7 +253,7 @@ def _inject(fault: str, sup, worker, rng: random.Random, timers: list) -> None:
         timers.append(_later(rng.uniform(0.2, 0.6), worker.answer_late))
     elif fault == "garbage":
         worker.garble_next()
-        _send_garbage(worker.port, rng)
+        _send_garbage(worker.host, worker.port, rng)
 
 
 def _later(delay: float, fn, *args) -> threading.Timer:
@@ -229,10 +277,10 @@ def _cont(rd) -> None:
         _resume(up.pid)
 
 
-def _send_garbage(port: int, rng: random.Random) -> None:
+def _send_garbage(host: str, port: int, rng: random.Random) -> None:
     """A connection that sends random bytes to the worker: it must drop just that one."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+        with socket.create_connection((host, port), timeout=1.0) as s:
             s.sendall(rng.randbytes(512))
     except OSError:
         pass  # the worker may be restarting

@@ -128,15 +128,25 @@ def worker_limits(max_slots: int, row_bytes: int) -> tuple[str, ...]:
 
 
 class WorkerProcess:
-    """``remote-dspark worker --chaos`` on 127.0.0.1 (``chaos=False``: the worker its
-    ``extra`` arguments make), as a child process that ends with this one: :meth:`stop`
-    (or the context's exit) ends it, and should this process end without it (SIGKILL),
-    the worker's ``--parent`` watch stops it within a quarter of a second.
+    """``remote-dspark worker --chaos`` on ``host`` (a loopback address, 127.0.0.1 unless
+    told; ``chaos=False``: the worker its ``extra`` arguments make), as a child process
+    that ends with this one: :meth:`stop` (or the context's exit) ends it, and should
+    this process end without it (SIGKILL), the worker's ``--parent`` watch stops it
+    within a quarter of a second.
 
     Raises (at start): RuntimeError with the worker's stderr when it does not come up.
     """
 
-    def __init__(self, port: int = 0, *, late_ms: int = 200, extra: tuple[str, ...] = (), chaos: bool = True):
+    def __init__(
+        self,
+        port: int = 0,
+        *,
+        late_ms: int = 200,
+        extra: tuple[str, ...] = (),
+        chaos: bool = True,
+        host: str = "127.0.0.1",
+    ):
+        self.host = host
         self.port = port
         self.late_ms = late_ms
         self.chaos = chaos
@@ -163,7 +173,7 @@ class WorkerProcess:
                 "remote_dspark",
                 "worker",
                 "--listen",
-                f"127.0.0.1:{self.port}",
+                f"{self.host}:{self.port}",
                 *(("--chaos", "--late-ms", str(self.late_ms)) if self.chaos else ()),
                 "--parent",  # it stops when this process is gone, however it ended
                 str(os.getpid()),
