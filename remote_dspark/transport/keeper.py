@@ -77,21 +77,32 @@ class Keeper:
                 self._thread.start()
 
     def join(self, timeout_s: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        if self._thread is None or not self._thread.is_alive():
-            for fd in (self._wake_r, self._wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._wake_r = self._wake_w = -1
+        """Wait up to ``timeout_s`` for the thread (the link is closed); one still inside
+        a connect ends by itself and lets its pipe go then."""
+        with self._start_lock:
+            thread = self._thread
+            if thread is None:
+                self._thread = threading.current_thread()  # never to start now
+        if thread is None:
+            self._close_pipe()
+        else:
+            thread.join(timeout_s)
+
+    def _close_pipe(self) -> None:
+        with self._start_lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
     def wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass  # the pipe is full (a wake is pending anyway) or closed
+        with self._start_lock:  # (never a closed pipe's descriptor, reused since)
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full: a wake is pending anyway
 
     def fence(self, conn: Conn) -> None:
         """Drain ``conn`` (left after a stall) for FENCE_S, then close it."""
@@ -187,6 +198,7 @@ class Keeper:
             self._wait()
         while self._fenced:
             self._fenced.popleft()[0].close()
+        self._close_pipe()
 
     def _send_ping(self, now: float) -> None:
         spare = self.link.spare
