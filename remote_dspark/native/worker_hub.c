@@ -236,12 +236,22 @@ static void next_frame(struct hf_hub *h, struct hf_conn *c)
  * (wire.encode_ping(session, seq): the PING echoed) from tx, which holds no reply now
  * (c had no round in flight); the rest, if the socket has no room, as a reply's is.
  * Returns conn_send's answer, c handed on as it says. */
+static void sent_on(struct hf_hub *h, struct hf_conn *c, int sent);
+
 static int pong(struct hf_hub *h, struct hf_conn *c)
 {
     memcpy(c->tx, c->hdr, W_HEADER);
     c->tx_len = W_HEADER, c->tx_sent = 0;
     h->pings++;  /* (this thread its only writer; Python reads it for the metrics) */
     int sent = conn_send(c);
+    sent_on(h, c, sent);
+    return sent;
+}
+
+/* After conn_send's answer `sent` for c's tx: sent whole (0), c reads its next frame;
+ * partly (1), the I/O thread sends the rest, by the send deadline. */
+static void sent_on(struct hf_hub *h, struct hf_conn *c, int sent)
+{
     if (sent == 0) {
         next_frame(h, c);
     } else if (sent == 1) {
@@ -249,7 +259,6 @@ static int pong(struct hf_hub *h, struct hf_conn *c)
         set_state(c, HUB_SEND);
         arm(h, c, EPOLLOUT, EPOLL_CTL_MOD);
     }
-    return sent;
 }
 
 /* c (the I/O thread's) handed to Python: why, and errno where there is one. */
@@ -431,13 +440,8 @@ static int send_reply(struct hf_hub *h, struct hf_conn *c)
 {
     c->tx_sent = 0;
     int sent = conn_send(c);
-    if (sent == 0) {
-        next_frame(h, c);
-    } else if (sent == 1) {
-        c->send_deadline_ns = after(h->send_ns);
-        set_state(c, HUB_SEND);
-        arm(h, c, EPOLLOUT, EPOLL_CTL_MOD);
-    } else {
+    sent_on(h, c, sent);
+    if (sent < 0) {
         int e = errno;
         drop(h, c, SV_UNSENT, (uint32_t)e);
         errno = e;

@@ -248,7 +248,8 @@ class Keeper:
             timeout = min(timeout, max(0.0, self._retry_at - now))
         elif link.spare is None:
             timeout = min(timeout, max(0.0, self._spare_at - now))
-        timeout = min(timeout, max(0.0, (self._ping[2] if self._ping else self._ping_at) - now))
+        if link.spare is not None:  # its PING due, or the answer awaited
+            timeout = min(timeout, max(0.0, (self._ping[2] if self._ping else self._ping_at) - now))
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         watched: dict[int, tuple[str, Conn]] = {}

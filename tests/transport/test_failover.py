@@ -211,3 +211,23 @@ def test_a_spare_that_answers_no_ping_is_dropped_and_made_again(monkeypatch):
     finally:
         f.stop()
         silent.close()
+
+
+@pytest.mark.parametrize("addresses", [1, 2])
+def test_an_idle_keeper_sleeps(addresses):
+    """With nothing due (no spare to ping for one address; a ping a second for two) the
+    keeper waits in poll: its thread's CPU over half a second is a few milliseconds (a
+    keeper that spun would burn the whole half second, and the GIL with it)."""
+    import time
+
+    f = Fleet(addresses)
+    try:
+        link = f.link()
+        link.connect()
+        assert until(lambda: (link.spare is not None) == (addresses == 2))
+        clock = time.pthread_getcpuclockid(link.keeper._thread.ident)
+        c0 = time.clock_gettime(clock)
+        time.sleep(0.5)
+        assert time.clock_gettime(clock) - c0 < 0.05
+    finally:
+        f.stop()
