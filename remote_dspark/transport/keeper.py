@@ -141,6 +141,8 @@ class Keeper:
             except Exception as e:  # refused, unreachable, garbled: the next address
                 error = error or e
                 self._avoid_for_a_while(address)
+                continue
+            self._avoid.pop(address, None)  # it answers: its back-off starts afresh
         if not got:
             raise error or TransportError(f"{link.endpoint}: no address to connect to ({link.fleet.last_error})")
         got.sort(key=lambda c: c.client.ack.engines)  # stable: the better ranked first on a tie
@@ -177,6 +179,7 @@ class Keeper:
                 self.link.note_failure(f"spare to {address} failed: {e}")
                 self._avoid_for_a_while(address)
                 return  # one dial a turn: the loop stays responsive
+            self._avoid.pop(address, None)  # it answers: its back-off starts afresh
             if self.link.offer_spare(conn):
                 self._ping_at = time.monotonic() + PING_S
             return

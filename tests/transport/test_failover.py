@@ -231,3 +231,23 @@ def test_an_idle_keeper_sleeps(addresses):
         assert time.clock_gettime(clock) - c0 < 0.05
     finally:
         f.stop()
+
+
+def test_an_address_that_answers_again_starts_its_back_off_afresh():
+    """A spare's worker lost and restarted: while it is down its address is avoided for a
+    growing back-off; once a dial to it answers, the back-off is forgotten (so a worker
+    restarted many times over a long run is never avoided for BACKOFF_MAX_MS)."""
+    f = Fleet(2)
+    try:
+        link = f.link()
+        link.connect()
+        assert until(lambda: link.spare is not None)
+        i = f.index(link.spare.address)
+        f.workers[i].stop()
+        assert until(lambda: link.spare is None)
+        assert until(lambda: Address(f.ips[i], f.port) in link.keeper._avoid)
+        f.workers[i] = Worker(f.drafters[i], f.ips[i], f.port).start()
+        assert until(lambda: link.spare is not None)
+        assert Address(f.ips[i], f.port) not in link.keeper._avoid and link.epoch == 1
+    finally:
+        f.stop()
