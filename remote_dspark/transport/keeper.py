@@ -117,11 +117,15 @@ class Keeper:
         return rank(self.link.hello.engine_id, addrs)
 
     def _avoid_for_a_while(self, address: Address | None) -> None:
+        """``address`` failed a dial: not tried again for a back-off of its own (doubling
+        from BACKOFF_MS to BACKOFF_MAX_MS, forgotten when it answers), and the fleet is
+        looked up again (at most once a second: it may have moved)."""
         if address is None:
             return
         _, last = self._avoid.get(address, (0.0, 0.0))
         backoff = min(max(2 * last, self.link.backoff_ms / 1000.0), self.link.backoff_max_ms / 1000.0)
         self._avoid[address] = (time.monotonic() + backoff, backoff)
+        self.link.fleet.refresh(force=True)
 
     def connect_first(self) -> None:
         """Dial the best ranked addresses until two answer (or none is left), then make
@@ -159,7 +163,6 @@ class Keeper:
             self.link.note_failure(f"reconnect to {self.link.endpoint} failed: {e}")
             self._retry_at = now + self._delay_s
             self._delay_s = min(2 * self._delay_s, self.link.backoff_max_ms / 1000.0)
-            self.link.fleet.refresh(force=True)
             return
         self._delay_s = self.link.backoff_ms / 1000.0
 

@@ -61,7 +61,7 @@ class Fleet:
         return link
 
     def index(self, address: Address) -> int:
-        return self.ips.index(address.host)
+        return ["127.0.0.1", "127.0.0.2", "127.0.0.3"].index(address.host)
 
     def stop(self) -> None:
         for link in self.links:
@@ -249,5 +249,23 @@ def test_an_address_that_answers_again_starts_its_back_off_afresh():
         f.workers[i] = Worker(f.drafters[i], f.ips[i], f.port).start()
         assert until(lambda: link.spare is not None)
         assert Address(f.ips[i], f.port) not in link.keeper._avoid and link.epoch == 1
+    finally:
+        f.stop()
+
+
+def test_a_failed_dial_looks_the_name_up_again_and_finds_the_worker_that_moved():
+    """The name resolved to 127.0.0.1 only; that worker goes, the name now says
+    127.0.0.2: the failed dial forces a look-up (not the 30 s schedule), and the link
+    connects to the new address."""
+    f = Fleet(2)
+    try:
+        f.ips = ["127.0.0.1"]
+        link = f.link()
+        link.connect()
+        assert f.index(link.active.address) == 0 and link.spare is None
+        f.ips = ["127.0.0.2"]
+        f.workers[0].stop()
+        assert until(lambda: link.active is not None and link.active.address.host == "127.0.0.2", timeout=5)
+        assert link.failovers["lost"] == 1 and round_(link, 1).outcome == Outcome.OK
     finally:
         f.stop()
