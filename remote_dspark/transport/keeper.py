@@ -43,6 +43,7 @@ from .fleet import Address, rank
 log = logging.getLogger("remote_dspark.link")
 
 PING_S = 1.0  # a spare's PING period
+SECOND_S = 0.1  # connect_first: the second choice's time, once the first answered
 FENCE_S = 2.0  # how long a connection left after a stall is drained (its replies counted fenced)
 PING_TIMEOUT_S = 1.0  # a PING's answer deadline
 WAIT_MAX_S = 1.0  # the keeper's longest poll
@@ -129,7 +130,9 @@ class Keeper:
 
     def connect_first(self) -> None:
         """Dial the best ranked addresses until two answer (or none is left), then make
-        the less loaded the active and the other the spare.
+        the less loaded the active and the other the spare. Once one answered the rest
+        get SECOND_S in all: a slow second choice never holds the first connection back
+        (the keeper dials the spare afterwards with the whole CONNECT_TIMEOUT_MS).
 
         Raises: the first failure, when no address answered."""
         link = self.link
@@ -137,11 +140,14 @@ class Keeper:
             link.fleet.refresh(force=True)
         got: list[Conn] = []
         error: BaseException | None = None
+        second_by = float("inf")
         for address in self.candidates():
-            if len(got) == 2 or link.closed:
+            left = second_by - time.monotonic()
+            if len(got) == 2 or link.closed or left <= 0:
                 break
             try:
-                got.append(link.dial(address, spare=True))
+                got.append(link.dial(address, min(left, link.connect_timeout_s)))
+                second_by = min(second_by, time.monotonic() + SECOND_S)
             except Exception as e:  # refused, unreachable, garbled: the next address
                 error = error or e
                 self._avoid_for_a_while(address)
@@ -177,7 +183,7 @@ class Keeper:
             return
         for address in self.candidates(exclude=active.address):
             try:
-                conn = self.link.dial(address, spare=True)
+                conn = self.link.dial(address)
             except Exception as e:
                 self.link.note_failure(f"spare to {address} failed: {e}")
                 self._avoid_for_a_while(address)

@@ -39,6 +39,7 @@ doubling up to ``backoff_max_ms``, only after all of them failed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -97,6 +98,7 @@ class RemoteLink:
     ):
         self.endpoint = endpoint
         self.hello = hello
+        self._hello = dataclasses.replace(hello, spare=True)  # what every connection says
         self.session = session
         self.connect_timeout_s = connect_timeout_ms / 1000.0
         self.backoff_ms = backoff_ms
@@ -147,12 +149,15 @@ class RemoteLink:
         start, and keeps the spare."""
         self.keeper.start()
 
-    def dial(self, address: Address | None, spare: bool) -> Conn:
-        """One connection and its HELLO (authenticated with the key, if any), as a spare
-        or not. Raises as :meth:`DraftClient.connect`."""
-        hello = self.hello if spare == self.hello.spare else _with_spare(self.hello, spare)
+    def dial(self, address: Address | None, timeout_s: float | None = None) -> Conn:
+        """One connection and its HELLO, within ``timeout_s`` (CONNECT_TIMEOUT_MS unless
+        given), authenticated with the key, if any. Every HELLO says spare: the worker
+        holds the connection apart until its first ROUND makes it this engine's active
+        one, so a connection can be either, and the choice is made after the HELLO_ACKs.
+        Raises as :meth:`DraftClient.connect`."""
+        timeout_s = self.connect_timeout_s if timeout_s is None else timeout_s
         client = DraftClient.connect(
-            self.endpoint, hello, self.session, self.connect_timeout_s, self.environ, key=self.key, address=address
+            self.endpoint, self._hello, self.session, timeout_s, self.environ, key=self.key, address=address
         )
         return Conn(client)
 
@@ -418,9 +423,3 @@ class RemoteLink:
         # Bounded: a keeper inside a connect to a silent worker ends by itself (a daemon
         # thread; it closes what it made once it sees the link closed).
         self.keeper.join(CLOSE_JOIN_S)
-
-
-def _with_spare(hello: wire.Hello, spare: bool) -> wire.Hello:
-    import dataclasses
-
-    return dataclasses.replace(hello, spare=spare)

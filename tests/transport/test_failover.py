@@ -269,3 +269,52 @@ def test_a_failed_dial_looks_the_name_up_again_and_finds_the_worker_that_moved()
         assert link.failovers["lost"] == 1 and round_(link, 1).outcome == Outcome.OK
     finally:
         f.stop()
+
+
+class MuteWorker:
+    """A stand-in at 127.0.0.2 that accepts connections and never answers HELLO."""
+
+    def __init__(self, port: int):
+        self.server = socket.create_server(("127.0.0.2", port))
+        self.conns: list[socket.socket] = []
+        self.stop_flag = threading.Event()
+        self.server.settimeout(0.05)
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                self.conns.append(self.server.accept()[0])
+            except TimeoutError:
+                continue
+
+    def close(self) -> None:
+        self.stop_flag.set()
+        self.thread.join(2)
+        for c in self.conns:
+            c.close()
+        self.server.close()
+
+
+def test_a_mute_second_choice_never_holds_the_first_connection_back():
+    """The engine's first choice answered; its second accepts and says nothing: the
+    active is in place after SECOND_S, not after CONNECT_TIMEOUT_MS (60 s here), and
+    the keeper keeps trying the spare in the background."""
+    from remote_dspark.transport.fleet import rank
+
+    f = Fleet(1)
+    f.ips = ["127.0.0.1", "127.0.0.2"]
+    mute = MuteWorker(f.port)
+    try:
+        addrs = [Address(ip, f.port) for ip in f.ips]
+        engine_id = next(e for e in range(1, 100) if rank(e, addrs)[0] == addrs[0])
+        link = f.link(engine_id=engine_id)
+        link.connect_timeout_s = 60.0
+        done = threading.Event()
+        threading.Thread(target=lambda: (link.connect(), done.set()), daemon=True).start()
+        assert done.wait(5.0) and f.index(link.active.address) == 0 and link.spare is None
+        assert round_(link, 1).outcome == Outcome.OK
+    finally:
+        f.stop()
+        mute.close()
