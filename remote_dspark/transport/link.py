@@ -170,7 +170,7 @@ class RemoteLink:
             else:
                 self._activate(conn)
                 if spare is not None and self._spare is None:
-                    self._spare, spare = spare, None
+                    self._spare, spare = _as_spare(spare), None
                     self._changed()
                 taken = True
         for c in (spare,) if taken else (conn, spare):
@@ -186,7 +186,7 @@ class RemoteLink:
             if ok and self._active is None:
                 self._activate(conn)
             elif ok:
-                self._spare = conn
+                self._spare = _as_spare(conn)
                 self._changed()
         if not ok:
             conn.close()
@@ -216,6 +216,7 @@ class RemoteLink:
         self.epoch += 1
         self.reconnects += self.epoch > 1
         conn.epoch, conn.timeouts = self.epoch, 0
+        conn.client.chan.max_payload = wire.MAX_PAYLOAD  # (a spare's was 0)
         if self.on_acked is not None:  # before any round can take this connection
             self.on_acked(conn.client.ack.context_tokens, conn.client.ack.round_tokens)
         self._active = conn
@@ -423,3 +424,10 @@ class RemoteLink:
         # Bounded: a keeper inside a connect to a silent worker ends by itself (a daemon
         # thread; it closes what it made once it sees the link closed).
         self.keeper.join(CLOSE_JOIN_S)
+
+
+def _as_spare(conn: Conn) -> Conn:
+    """A spare is sent nothing but PING answers (empty): any frame with a payload is
+    refused at its header, before a byte of it is read or allocated."""
+    conn.client.chan.max_payload = 0
+    return conn

@@ -318,3 +318,22 @@ def test_a_mute_second_choice_never_holds_the_first_connection_back():
     finally:
         f.stop()
         mute.close()
+
+
+def test_a_spare_that_announces_a_payload_is_dropped_at_its_header():
+    """A worker that sends its spare a frame with a payload (a DRAFTS nobody asked for,
+    announcing megabytes) is dropped at the header: nothing of it is read or allocated."""
+    f = Fleet(2)
+    try:
+        link = f.link()
+        link.connect()
+        assert until(lambda: link.spare is not None)
+        spare = link.spare
+        i = f.index(spare.address)
+        conn = next(s.conn for s in f.workers[i]._sessions._by_engine.values() if s.conn is not None)
+        conn.sendall(wire.encode_header(wire.DRAFTS, 1 << 20, link.session, 1))
+        assert until(lambda: link.spare is not spare)
+        assert "exceeds this connection's cap 0" in link.last_error
+        assert len(spare.client.chan._buf) == 4096 and link.epoch == 1
+    finally:
+        f.stop()
