@@ -126,7 +126,10 @@ class Keeper:
 
     def candidates(self, exclude: Address | None = None) -> list[Address]:
         now = time.monotonic()
-        addrs = [a for a in self.link.fleet.addresses() if a != exclude and self._avoid.get(a, (0.0, 0.0))[0] <= now]
+        fleet = self.link.fleet.addresses()
+        for gone in set(list(self._avoid)) - set(fleet):  # (list(): one step, lost() may add)
+            self._avoid.pop(gone, None)  # its back-off goes with it: the table stays in the fleet's cap
+        addrs = [a for a in fleet if a != exclude and self._avoid.get(a, (0.0, 0.0))[0] <= now]
         return rank(self.link.hello.engine_id, addrs)
 
     def _avoid_for_a_while(self, address: Address | None) -> None:
@@ -205,18 +208,32 @@ class Keeper:
     def _run(self) -> None:
         link = self.link
         while not link.closed:
-            now = time.monotonic()
-            if link.active is None:
-                self._reconnect(now)
-            elif link.spare is None:
-                self._make_spare(now)
-            if link.fleet.due_in() <= 0:
-                link.fleet.refresh()
-            self._send_ping(time.monotonic())
-            self._wait()
+            try:
+                self._turn()
+            except Exception:  # noqa: BLE001 (a keeper that died would leave the link for good)
+                log.exception("link keeper: a turn failed; the next one in %g s", WAIT_MAX_S)
+                if not link.closed:
+                    self._wait_for(WAIT_MAX_S)
         while self._fenced:
             self._fenced.popleft()[0].close()
         self._close_pipe()
+
+    def _turn(self) -> None:
+        link = self.link
+        now = time.monotonic()
+        if link.active is None:
+            self._reconnect(now)
+        elif link.spare is None:
+            self._make_spare(now)
+        if link.fleet.due_in() <= 0:
+            link.fleet.refresh()
+        self._send_ping(time.monotonic())
+        self._wait()
+
+    def _wait_for(self, timeout_s: float) -> None:
+        """Sleep ``timeout_s``, woken early by the link (close)."""
+        select.select([self._wake_r], [], [], timeout_s)
+        self._drain_wake()
 
     def _send_ping(self, now: float) -> None:
         spare = self.link.spare

@@ -70,7 +70,7 @@ def hang_up(conn: socket.socket) -> None:
     conn.close()
 
 
-def make_link(ips: list[str], port: int, backoff_ms: int = 200) -> RemoteLink:
+def make_link(ips: list[str], port: int, backoff_ms: int = 200, **kw) -> RemoteLink:
     return RemoteLink(
         parse_endpoint(f"tcp://fleet.test:{port}"),
         wire.Hello(DRAFTER.drafter_identity, DRAFTER.markov_identity, 1, 4, 0, 3),
@@ -80,6 +80,7 @@ def make_link(ips: list[str], port: int, backoff_ms: int = 200) -> RemoteLink:
         backoff_max_ms=4 * backoff_ms,
         breaker=Breaker(3, 2),
         resolve=lambda host, p, timeout_s: list(ips),
+        **kw,
     )
 
 
@@ -159,3 +160,47 @@ def test_a_link_closed_under_a_round_does_not_fail_over(worker):
     finally:
         link.close()
         other.stop()
+
+
+def test_a_keeper_turn_that_raises_does_not_end_the_keeper():
+    """A hook that raises once on the keeper's thread (the spare's drop) costs that turn,
+    not the keeper: the spare's worker back, a spare is made again."""
+    raised = []
+
+    def on_change(active, spare):
+        if threading.current_thread().name == "link-keeper" and not raised:
+            raised.append(1)
+            raise RuntimeError("a hook's bug")
+
+    workers = [Worker(DRAFTER, "127.0.0.1", 0).start()]
+    port = workers[0].port
+    workers.append(Worker(DRAFTER, "127.0.0.2", port).start())
+    link = make_link(["127.0.0.1", "127.0.0.2"], port, backoff_ms=20, on_change=on_change)
+    try:
+        link.connect()
+        i = int(link.spare.address.host[-1]) - 1
+        workers[i].stop()  # the keeper drops the spare: its hook raises
+        assert until(lambda: raised and link.spare is None, timeout=5)
+        workers[i] = Worker(DRAFTER, f"127.0.0.{i + 1}", port).start()
+        assert until(lambda: link.spare is not None, timeout=5)
+    finally:
+        link.close()
+        for w in workers:
+            w.stop()
+
+
+def test_an_address_gone_from_the_fleet_takes_its_back_off_with_it(worker):
+    """The keeper's table of addresses avoided holds only the fleet's: a resolver that
+    answers new addresses every time (pods replaced, or a hostile one) grows nothing."""
+    ips = ["127.0.0.1", "127.0.0.3"]  # nothing listens on 127.0.0.3 or .4: refused
+    link = make_link(ips, worker.port, backoff_ms=20)
+    try:
+        link.connect()
+        avoided = link.keeper._avoid
+        assert until(lambda: any(a.host == "127.0.0.3" for a in tuple(avoided)), timeout=5)
+        ips[1] = "127.0.0.4"
+        link.fleet.retry_s = 0.0
+        link.fleet.refresh(force=True)
+        assert until(lambda: {a.host for a in tuple(avoided)} == {"127.0.0.4"}, timeout=5), avoided
+    finally:
+        link.close()
