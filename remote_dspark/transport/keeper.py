@@ -17,12 +17,15 @@ that does everything the round path must never wait for.
 - **Drains fenced connections** (left after a stall) for ``FENCE_S``, counting and
   dropping every DRAFTS they bring.
 - **Re-resolves** the fleet on its schedule (:class:`.fleet.Fleet`).
+- **Avoids an address that flaps**: a spare it drops, or a connection lost within
+  ``SHORT_LIFE_S`` of its HELLO, keeps its address out of the dials for a back-off, as a
+  dial that fails does (a worker that accepts and hangs up at once answers every dial).
 
-A spare's frames are read, and its PINGs sent, under the link's lock and only while it
-is still the spare, so a promoted spare's socket is never shared with a round; a PING
-answer that reaches a promoted spare is skipped by the round's reader (``recv_drafts``,
-``hf_round``). Every wait is a ``poll`` with a timeout, woken through a pipe by the
-link (a change, or close).
+A spare's frames are read (held to a PING answer's size: no payload), and its PINGs
+sent, under the link's lock and only while it is still the spare, so a promoted spare's
+socket is never shared with a round; a PING answer that reaches a promoted spare is
+skipped by the round's reader (``recv_drafts``, ``hf_round``). Every wait is a ``poll``
+with a timeout, woken through a pipe by the link (a change, or close).
 """
 
 from __future__ import annotations
@@ -48,12 +51,16 @@ FENCE_S = 2.0  # how long a connection left after a stall is drained (its replie
 PING_TIMEOUT_S = 1.0  # a PING's answer deadline
 WAIT_MAX_S = 1.0  # the keeper's longest poll
 READ_S = 0.002  # a readable frame's read deadline (a partial frame resumes next time)
+SEND_S = 0.05  # a PING's send deadline, from the send (a spare's send buffer is empty: only a full one waits)
+SHORT_LIFE_S = 1.0  # a connection lost sooner after its HELLO: its address avoided (a worker that flaps)
 _HUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 
 
 class Keeper:
     """The keeper of one link. Its state is its thread's own, but for ``_fenced`` (a
-    deque the round thread appends to) and the start under ``_start_lock``."""
+    deque the round thread appends to), ``_avoid`` (:meth:`lost` may run on the round
+    thread: one dict store, atomic under the GIL) and the start and pipe under
+    ``_start_lock``."""
 
     def __init__(self, link):  # the transport.link.RemoteLink it keeps (which imports this module)
         self.link = link
@@ -105,6 +112,12 @@ class Keeper:
             except BlockingIOError:
                 pass  # the pipe is full: a wake is pending anyway
 
+    def lost(self, conn: Conn, *, broken: bool) -> None:
+        """The link let ``conn`` go: its address is avoided for a while when the keeper
+        found it ``broken`` (a spare) or it lived less than SHORT_LIFE_S."""
+        if broken or time.monotonic() - conn.since < SHORT_LIFE_S:
+            self._avoid_for_a_while(conn.address)
+
     def fence(self, conn: Conn) -> None:
         """Drain ``conn`` (left after a stall) for FENCE_S, then close it."""
         self._fenced.append((conn, time.monotonic() + FENCE_S))
@@ -114,7 +127,10 @@ class Keeper:
 
     def candidates(self, exclude: Address | None = None) -> list[Address]:
         now = time.monotonic()
-        addrs = [a for a in self.link.fleet.addresses() if a != exclude and self._avoid.get(a, (0.0, 0.0))[0] <= now]
+        fleet = self.link.fleet.addresses()
+        for gone in set(list(self._avoid)) - set(fleet):  # (list(): one step, lost() may add)
+            self._avoid.pop(gone, None)  # its back-off goes with it: the table stays in the fleet's cap
+        addrs = [a for a in fleet if a != exclude and self._avoid.get(a, (0.0, 0.0))[0] <= now]
         return rank(self.link.hello.engine_id, addrs)
 
     def _avoid_for_a_while(self, address: Address | None) -> None:
@@ -154,7 +170,9 @@ class Keeper:
                 continue
             self._avoid.pop(address, None)  # it answers: its back-off starts afresh
         if not got:
-            raise error or TransportError(f"{link.endpoint}: no address to connect to ({link.fleet.last_error})")
+            known = len(link.fleet.addresses())
+            why = link.fleet.last_error or f"{known} known, each avoided after a failure"
+            raise error or TransportError(f"{link.endpoint}: no address to dial now ({why})")
         got.sort(key=lambda c: c.client.ack.engines)  # stable: the better ranked first on a tie
         link.install(got[0], got[1] if len(got) > 1 else None)
 
@@ -199,18 +217,32 @@ class Keeper:
     def _run(self) -> None:
         link = self.link
         while not link.closed:
-            now = time.monotonic()
-            if link.active is None:
-                self._reconnect(now)
-            elif link.spare is None:
-                self._make_spare(now)
-            if link.fleet.due_in() <= 0:
-                link.fleet.refresh()
-            self._send_ping(time.monotonic())
-            self._wait()
+            try:
+                self._turn()
+            except Exception:  # noqa: BLE001 (a keeper that died would leave the link for good)
+                log.exception("link keeper: a turn failed; the next one in %g s", WAIT_MAX_S)
+                if not link.closed:
+                    self._wait_for(WAIT_MAX_S)
         while self._fenced:
             self._fenced.popleft()[0].close()
         self._close_pipe()
+
+    def _turn(self) -> None:
+        link = self.link
+        now = time.monotonic()
+        if link.active is None:
+            self._reconnect(now)
+        elif link.spare is None:
+            self._make_spare(now)
+        if link.fleet.due_in() <= 0:
+            link.fleet.refresh()
+        self._send_ping(time.monotonic())
+        self._wait()
+
+    def _wait_for(self, timeout_s: float) -> None:
+        """Sleep ``timeout_s``, woken early by the link (close)."""
+        select.select([self._wake_r], [], [], timeout_s)
+        self._drain_wake()
 
     def _send_ping(self, now: float) -> None:
         spare = self.link.spare
@@ -227,7 +259,8 @@ class Keeper:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         frame = wire.encode_ping(self.link.session, self._seq)
         try:
-            sent, _ = self.link.on_spare(spare, lambda: spare.client.send((frame,), now + READ_S))
+            # The deadline from the send itself: the lock may have kept this turn waiting.
+            sent, _ = self.link.on_spare(spare, lambda: spare.client.send((frame,), time.monotonic() + SEND_S))
         except Disconnected as e:
             self.link.drop_spare(spare, f"PING not sent: {e}")
             return
@@ -238,7 +271,7 @@ class Keeper:
     def _spare_frame(self, spare: Conn) -> None:
         """The spare is readable: its PING answer, or the end of it."""
         try:
-            still, hdr = self.link.on_spare(spare, lambda: spare.client.chan.recv_frame(time.monotonic() + READ_S)[0])
+            still, hdr = self.link.on_spare(spare, lambda: _read_ping(spare))
         except DeadlineExceeded:
             return  # a frame not whole yet: the next read resumes it
         except (Disconnected, wire.ProtocolError) as e:
@@ -324,3 +357,15 @@ class Keeper:
     def _expire_fenced(self, now: float) -> None:
         while self._fenced and self._fenced[0][1] <= now:
             self._fenced.popleft()[0].close()
+
+
+def _read_ping(spare: Conn) -> wire.Header:
+    """The spare's next frame's header, under the link's lock: a header announcing any
+    payload is refused before a byte of it is read (a spare's one frame is a PING answer),
+    so a hostile spare costs no buffer. Raises as ``FrameChannel.recv_frame``."""
+    chan = spare.client.chan
+    cap, chan.max_payload = chan.max_payload, 0
+    try:
+        return chan.recv_frame(time.monotonic() + READ_S)[0]
+    finally:
+        chan.max_payload = cap

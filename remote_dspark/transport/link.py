@@ -200,6 +200,7 @@ class RemoteLink:
             self._spare = None
             self._changed()
         conn.close()
+        self.keeper.lost(conn, broken=True)
         self.note_failure(f"spare {conn.address}: {why}")
 
     def on_spare(self, conn: Conn, fn: Callable[[], object]) -> tuple[bool, object]:
@@ -234,10 +235,11 @@ class RemoteLink:
         """Leave the active connection of ``epoch`` (a stale epoch: already left, False)
         for the spare when one is kept. ``in_use``: a round may still be using its
         descriptor (the keeper's call): it is shut down now and closed by :meth:`reap`.
-        A connection left after a stall is drained by the keeper (fencing)."""
+        A connection left after a stall is drained by the keeper (fencing). A closed link
+        leaves nothing (False): a round that :meth:`interrupt` ended lost no worker."""
         with self._lock:
             conn = self._active
-            if conn is None or conn.epoch != epoch:
+            if conn is None or conn.epoch != epoch or self._closed.is_set():
                 return False
             self._active = None
             self._late_closed += conn.client.late
@@ -259,6 +261,7 @@ class RemoteLink:
                 self.keeper.fence(conn)
             else:
                 conn.close()
+        self.keeper.lost(conn, broken=False)
         self.note_failure(why)
         self.keeper.wake()
         return True

@@ -1,0 +1,206 @@
+"""The keeper against workers that misbehave, and the link's edges: a worker that
+accepts and hangs up at once is not dialled in a loop, a spare's frames are held to a
+PING answer's size, a PING waits for the link's lock without losing its spare, and a
+link closed under a round never fails over. Loopback only (127.0.0.x); stand-ins are
+threads of the test."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from helpers import COUNTING, gated_drafter, recv_exactly, until
+
+from remote_dspark import wire
+from remote_dspark.outcome import RoundEvent
+from remote_dspark.transport import parse_endpoint
+from remote_dspark.transport.breaker import Breaker
+from remote_dspark.transport.link import RemoteLink
+from remote_dspark.worker import Worker
+
+DRAFTER = gated_drafter(COUNTING)
+
+
+class StandIn:
+    """A worker stand-in at ``ip``: it accepts every HELLO (naming ``engines`` served) and
+    then does ``after(conn)``: hangs up, or sends what a hostile worker would."""
+
+    def __init__(self, ip: str, port: int, after, engines: int = 9):
+        self.server = socket.create_server((ip, port))
+        self.server.settimeout(0.05)
+        self.port = self.server.getsockname()[1]
+        self.after, self.engines = after, engines
+        self.hellos = 0
+        self.conns: list[socket.socket] = []
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(2)
+            try:
+                hdr = wire.decode_header(recv_exactly(conn, wire.HEADER.size))
+                recv_exactly(conn, hdr.payload_len)
+                d = DRAFTER
+                ack = wire.HelloAck(wire.ACCEPT, d.drafter_identity, d.markov_identity, engines=self.engines)
+                conn.sendall(wire.encode_hello_ack(ack, hdr.session))
+            except OSError:
+                conn.close()
+                continue
+            self.hellos += 1
+            self.conns.append(conn)
+            self.after(conn)
+
+    def close(self) -> None:
+        self.stop_flag.set()
+        self.thread.join(2)
+        for c in self.conns:
+            c.close()
+        self.server.close()
+
+
+def hang_up(conn: socket.socket) -> None:
+    conn.close()
+
+
+def make_link(ips: list[str], port: int, backoff_ms: int = 200, **kw) -> RemoteLink:
+    return RemoteLink(
+        parse_endpoint(f"tcp://fleet.test:{port}"),
+        wire.Hello(DRAFTER.drafter_identity, DRAFTER.markov_identity, 1, 4, 0, 3),
+        5,
+        connect_timeout_ms=500,
+        backoff_ms=backoff_ms,
+        backoff_max_ms=4 * backoff_ms,
+        breaker=Breaker(3, 2),
+        resolve=lambda host, p, timeout_s: list(ips),
+        **kw,
+    )
+
+
+@pytest.fixture
+def worker():
+    w = Worker(DRAFTER, "127.0.0.1", 0).start()
+    yield w
+    w.stop()
+
+
+@pytest.mark.parametrize("role", ["active", "spare"])
+def test_a_worker_that_accepts_and_hangs_up_at_once_is_not_dialled_in_a_loop(worker, role):
+    """Its address answers HELLO, so no dial fails; the connection it hangs up lived a
+    moment. The keeper avoids it for the back-off (200 ms here): a few dials in half a
+    second, not one per round trip."""
+    flapper = StandIn("127.0.0.2", worker.port if role == "spare" else 0, hang_up)
+    ips = ["127.0.0.1", "127.0.0.2"] if role == "spare" else ["127.0.0.2"]
+    link = make_link(ips, worker.port if role == "spare" else flapper.port)
+    try:
+        link.connect()
+        assert until(lambda: flapper.hellos >= 2, timeout=5)
+        start = flapper.hellos
+        time.sleep(0.5)  # a window to count dials in, not a wait for something to happen
+        assert flapper.hellos - start <= 5
+    finally:
+        link.close()
+        flapper.close()
+
+
+def test_a_spare_that_announces_a_payload_is_dropped_at_its_header(worker):
+    """A spare's one frame is a PING answer (no payload): a header announcing more is
+    refused before a byte of it is read, not buffered up to the wire's caps."""
+
+    def announce(conn: socket.socket) -> None:
+        conn.sendall(wire.encode_header(wire.ROUND, wire.MAX_PAYLOAD, 5, 1))
+
+    spare = StandIn("127.0.0.2", worker.port, announce)
+    link = make_link(["127.0.0.1", "127.0.0.2"], worker.port)
+    try:
+        link.connect()
+        assert link.active.address.host == "127.0.0.1" and spare.hellos == 1
+        assert until(lambda: "cap 0" in link.last_error, timeout=3), link.last_error
+    finally:
+        link.close()
+        spare.close()
+
+
+def test_a_ping_that_waited_for_the_links_lock_keeps_its_spare(worker):
+    """The keeper reads its clock, then waits for the link's lock (a failover under way
+    on the round thread, or the GIL): the PING's send deadline starts when it sends."""
+    other = Worker(DRAFTER, "127.0.0.2", worker.port).start()
+    link = make_link(["127.0.0.1", "127.0.0.2"], worker.port)
+    try:
+        link.keeper.connect_first()  # the keeper's thread not started: this test is its turn
+        spare = link.spare
+        assert spare is not None
+        link.keeper._send_ping(time.monotonic() - 0.01)  # its clock read 10 ms ago
+        assert link.spare is spare, link.last_error
+        assert link.keeper._ping is not None and link.keeper._ping[0] is spare  # sent, its answer awaited
+    finally:
+        link.close()
+        other.stop()
+
+
+def test_a_link_closed_under_a_round_does_not_fail_over(worker):
+    """interrupt() shuts the active down for a closing engine: the round it ends is no
+    lost worker (no failover counted, the spare not promoted, no new epoch)."""
+    other = Worker(DRAFTER, "127.0.0.2", worker.port).start()
+    link = make_link(["127.0.0.1", "127.0.0.2"], worker.port)
+    try:
+        link.connect()
+        assert link.spare is not None
+        link.interrupt()
+        r = link.round_entries(1, [wire.Entry(0, 3, 0, (1,), new_gen=True)], b"", 0, 2000)
+        assert r.event is RoundEvent.LOST
+        assert link.failovers["lost"] == 0 and link.epoch == 1
+    finally:
+        link.close()
+        other.stop()
+
+
+def test_a_keeper_turn_that_raises_does_not_end_the_keeper():
+    """A hook that raises once on the keeper's thread (the spare's drop) costs that turn,
+    not the keeper: the spare's worker back, a spare is made again."""
+    raised = []
+
+    def on_change(active, spare):
+        if threading.current_thread().name == "link-keeper" and not raised:
+            raised.append(1)
+            raise RuntimeError("a hook's bug")
+
+    workers = [Worker(DRAFTER, "127.0.0.1", 0).start()]
+    port = workers[0].port
+    workers.append(Worker(DRAFTER, "127.0.0.2", port).start())
+    link = make_link(["127.0.0.1", "127.0.0.2"], port, backoff_ms=20, on_change=on_change)
+    try:
+        link.connect()
+        i = int(link.spare.address.host[-1]) - 1
+        workers[i].stop()  # the keeper drops the spare: its hook raises
+        assert until(lambda: raised and link.spare is None, timeout=5)
+        workers[i] = Worker(DRAFTER, f"127.0.0.{i + 1}", port).start()
+        assert until(lambda: link.spare is not None, timeout=5)
+    finally:
+        link.close()
+        for w in workers:
+            w.stop()
+
+
+def test_an_address_gone_from_the_fleet_takes_its_back_off_with_it(worker):
+    """The keeper's table of addresses avoided holds only the fleet's: a resolver that
+    answers new addresses every time (pods replaced, or a hostile one) grows nothing."""
+    ips = ["127.0.0.1", "127.0.0.3"]  # nothing listens on 127.0.0.3 or .4: refused
+    link = make_link(ips, worker.port, backoff_ms=20)
+    try:
+        link.connect()
+        avoided = link.keeper._avoid
+        assert until(lambda: any(a.host == "127.0.0.3" for a in tuple(avoided)), timeout=5)
+        ips[1] = "127.0.0.4"
+        link.fleet.retry_s = 0.0
+        link.fleet.refresh(force=True)
+        assert until(lambda: {a.host for a in tuple(avoided)} == {"127.0.0.4"}, timeout=5), avoided
+    finally:
+        link.close()
