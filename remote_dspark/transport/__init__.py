@@ -136,6 +136,12 @@ class FrameChannel:
                 raise Disconnected("peer closed the connection")
             self._got += n
 
+    @property
+    def mid_frame(self) -> bool:
+        """Part of a frame was read (a deadline passed in it): another reader of the
+        socket would start in its middle."""
+        return self._got > 0 or self._header is not None
+
     def close(self) -> None:
         self.stream.close()
 

@@ -26,7 +26,7 @@ class Conn:
     """One HELLO'd connection of the link and what the link knows of it."""
 
     client: DraftClient
-    epoch: int = 0  # the link's epoch while it is the active one (0: a spare)
+    epoch: int = 0  # the link epoch it became the active at (0: never active, a spare)
     timeouts: int = 0  # rounds past their deadline in a row, as the active
     since: float = field(default_factory=time.monotonic)
 

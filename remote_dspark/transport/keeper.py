@@ -46,7 +46,7 @@ from .fleet import Address, rank
 log = logging.getLogger("remote_dspark.link")
 
 PING_S = 1.0  # a spare's PING period
-SECOND_S = 0.1  # connect_first: the second choice's time, once the first answered
+SECOND_S = 0.1  # connect_best: the second choice's time, once the first answered
 FENCE_S = 2.0  # how long a connection left after a stall is drained (its replies counted fenced)
 PING_TIMEOUT_S = 1.0  # a PING's answer deadline
 WAIT_MAX_S = 1.0  # the keeper's longest poll
@@ -144,7 +144,7 @@ class Keeper:
         self._avoid[address] = (time.monotonic() + backoff, backoff)
         self.link.fleet.refresh(force=True)
 
-    def connect_first(self) -> None:
+    def connect_best(self) -> None:
         """Dial the best ranked addresses until two answer (or none is left), then make
         the less loaded the active and the other the spare. Once one answered the rest
         get SECOND_S in all: a slow second choice never holds the first connection back
@@ -182,7 +182,7 @@ class Keeper:
         if now < self._retry_at:
             return
         try:
-            self.connect_first()
+            self.connect_best()
         except Exception as e:
             self.link.note_failure(f"reconnect to {self.link.endpoint} failed: {e}")
             self._retry_at = now + self._delay_s
@@ -360,12 +360,7 @@ class Keeper:
 
 
 def _read_ping(spare: Conn) -> wire.Header:
-    """The spare's next frame's header, under the link's lock: a header announcing any
-    payload is refused before a byte of it is read (a spare's one frame is a PING answer),
-    so a hostile spare costs no buffer. Raises as ``FrameChannel.recv_frame``."""
-    chan = spare.client.chan
-    cap, chan.max_payload = chan.max_payload, 0
-    try:
-        return chan.recv_frame(time.monotonic() + READ_S)[0]
-    finally:
-        chan.max_payload = cap
+    """The spare's next frame's header, under the link's lock (a spare's channel takes no
+    payload: a header announcing one is refused before a byte of it is read, so a hostile
+    spare costs no buffer). Raises as ``FrameChannel.recv_frame``."""
+    return spare.client.chan.recv_frame(time.monotonic() + READ_S)[0]

@@ -32,9 +32,10 @@ A connection whose descriptor a round may still be using (one the keeper left) i
 down at once but closed only by the round's own thread (:meth:`reap`, before its next
 round), so no descriptor is reused under a round.
 
-Back-off and the breaker apply only when no address answers: with no active and no
+The reconnect back-off applies only when no address answers: with no active and no
 spare the keeper tries the fleet's addresses in rank order and waits ``backoff_ms``,
-doubling up to ``backoff_max_ms``, only after all of them failed.
+doubling up to ``backoff_max_ms``, only after all of them failed. The breaker judges
+one worker: a switch starts the new one with the breaker closed.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class RemoteLink:
             :meth:`start_reconnecting`).
         """
         try:
-            self.keeper.connect_first()
+            self.keeper.connect_best()
         except BaseException:
             self.keeper.after_failed_start()
             raise
@@ -250,6 +251,11 @@ class RemoteLink:
                 conn.shutdown()
                 self._retired.append(conn)
             spare, self._spare = self._spare, None
+            if spare is not None and spare.client.chan.mid_frame:
+                # The keeper read part of a PING answer on it: a native reader would start
+                # mid-frame. Never seen whole frames split so, but never promoted either.
+                self._retired.append(spare)
+                spare = None
             if spare is not None:
                 self._activate(spare)
             else:
@@ -267,7 +273,8 @@ class RemoteLink:
         return True
 
     def drop(self, why: str) -> None:
-        """Leave the active connection (a caller's verdict; its round is over)."""
+        """Leave the active connection now (a caller's verdict: tests and tools; no
+        native round may hold its descriptor)."""
         conn = self._active
         if conn is not None:
             self.leave(conn.epoch, Failover.LOST, why, in_use=False)

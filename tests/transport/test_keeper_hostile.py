@@ -1,6 +1,5 @@
 """The keeper against workers that misbehave, and the link's edges: a worker that
-accepts and hangs up at once is not dialled in a loop, a spare's frames are held to a
-PING answer's size, a PING waits for the link's lock without losing its spare, and a
+accepts and hangs up at once is not dialled in a loop, a PING waits for the link's lock without losing its spare, and a
 link closed under a round never fails over. Loopback only (127.0.0.x); stand-ins are
 threads of the test."""
 
@@ -110,31 +109,13 @@ def test_a_worker_that_accepts_and_hangs_up_at_once_is_not_dialled_in_a_loop(wor
         flapper.close()
 
 
-def test_a_spare_that_announces_a_payload_is_dropped_at_its_header(worker):
-    """A spare's one frame is a PING answer (no payload): a header announcing more is
-    refused before a byte of it is read, not buffered up to the wire's caps."""
-
-    def announce(conn: socket.socket) -> None:
-        conn.sendall(wire.encode_header(wire.ROUND, wire.MAX_PAYLOAD, 5, 1))
-
-    spare = StandIn("127.0.0.2", worker.port, announce)
-    link = make_link(["127.0.0.1", "127.0.0.2"], worker.port)
-    try:
-        link.connect()
-        assert link.active.address.host == "127.0.0.1" and spare.hellos == 1
-        assert until(lambda: "cap 0" in link.last_error, timeout=3), link.last_error
-    finally:
-        link.close()
-        spare.close()
-
-
 def test_a_ping_that_waited_for_the_links_lock_keeps_its_spare(worker):
     """The keeper reads its clock, then waits for the link's lock (a failover under way
     on the round thread, or the GIL): the PING's send deadline starts when it sends."""
     other = Worker(DRAFTER, "127.0.0.2", worker.port).start()
     link = make_link(["127.0.0.1", "127.0.0.2"], worker.port)
     try:
-        link.keeper.connect_first()  # the keeper's thread not started: this test is its turn
+        link.keeper.connect_best()  # the keeper's thread not started: this test is its turn
         spare = link.spare
         assert spare is not None
         link.keeper._send_ping(time.monotonic() - 0.01)  # its clock read 10 ms ago
@@ -204,3 +185,23 @@ def test_an_address_gone_from_the_fleet_takes_its_back_off_with_it(worker):
         assert until(lambda: {a.host for a in tuple(avoided)} == {"127.0.0.4"}, timeout=5), avoided
     finally:
         link.close()
+
+
+def test_a_spare_left_mid_frame_by_the_keeper_is_never_promoted(worker):
+    """A spare whose worker sent part of a frame (the keeper read it and waits for the
+    rest): a native reader taking that socket would start mid-frame, so when the active
+    goes the link reconnects instead of promoting it."""
+    half = StandIn("127.0.0.2", worker.port, lambda conn: conn.sendall(wire.encode_ping(5, 1)[:10]))
+    link = make_link(["127.0.0.1", "127.0.0.2"], worker.port)
+    try:
+        link.connect()
+        spare = link.spare
+        assert link.active.address.host == "127.0.0.1" and spare is not None
+        assert until(lambda: spare.client.chan.mid_frame)
+        link.drop("a test leaves the active")
+        assert link.active is not spare and link.spare is not spare  # left with the active
+        assert until(lambda: link.active is not None)  # the keeper reconnects instead
+        assert link.active is not spare and link.failovers["lost"] == 1
+    finally:
+        link.close()
+        half.close()
