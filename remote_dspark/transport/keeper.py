@@ -9,7 +9,8 @@ that does everything the round path must never wait for.
   loaded taken, keep a fleet even where hashing alone would not. Only when no address
   answers does it wait ``backoff_ms``, doubling to ``backoff_max_ms``, and re-resolve.
 - **Keeps a spare** beside the active, to the best ranked other address that answers
-  (an address that failed is avoided for a back-off of its own), and PINGs it every
+  (dialled on a thread of its own, so a silent host never blinds the keeper; an address
+  that failed is avoided for a back-off of its own), and PINGs it every
   ``PING_S``: one with no answer within ``PING_TIMEOUT_S`` is dropped and replaced, so a
   dead spare is found in about two seconds (TCP keepalive takes a minute).
 - **Watches the active** between rounds: a peer that hung up (a killed worker's kernel
@@ -74,6 +75,7 @@ class Keeper:
         self._spare_at = 0.0  # no spare dial before this
         self._ping: tuple[Conn, int, float] | None = None  # the PING awaited: spare, number, deadline
         self._ping_at = 0.0
+        self._dialer: threading.Thread | None = None  # the spare's dial under way
         self._seq = 0
 
     # ------------------------------------------------------------------ control
@@ -196,21 +198,30 @@ class Keeper:
         self._delay_s = min(2 * self._delay_s, self.link.backoff_max_ms / 1000.0)
 
     def _make_spare(self, now: float) -> None:
+        """Dial a spare to the best ranked other address, on a thread of its own: a dial
+        may take CONNECT_TIMEOUT_MS (a silent host), and meanwhile the keeper goes on
+        watching the active (a hang-up seen between rounds costs no round)."""
         active = self.link.active
-        if now < self._spare_at or active is None:
+        if now < self._spare_at or active is None or (self._dialer is not None and self._dialer.is_alive()):
             return
         for address in self.candidates(exclude=active.address):
-            try:
-                conn = self.link.dial(address)
-            except Exception as e:
-                self.link.note_failure(f"spare to {address} failed: {e}")
-                self._avoid_for_a_while(address)
-                return  # one dial a turn: the loop stays responsive
+            self._dialer = threading.Thread(target=self._dial_spare, args=(address,), name="link-spare", daemon=True)
+            self._dialer.start()
+            return
+        self._spare_at = now + WAIT_MAX_S  # no other address now
+
+    def _dial_spare(self, address: Address) -> None:
+        try:
+            conn = self.link.dial(address)
+        except Exception as e:  # refused, unreachable, garbled: another address next turn
+            self.link.note_failure(f"spare to {address} failed: {e}")
+            self._avoid_for_a_while(address)
+        else:
             self._avoid.pop(address, None)  # it answers: its back-off starts afresh
             if self.link.offer_spare(conn):
                 self._ping_at = time.monotonic() + PING_S
-            return
-        self._spare_at = now + WAIT_MAX_S  # no other address now
+        finally:
+            self.wake()
 
     # ------------------------------------------------------------------ the loop
 
@@ -291,8 +302,8 @@ class Keeper:
         timeout = min(WAIT_MAX_S, max(0.0, link.fleet.due_in()))
         if link.active is None:
             timeout = min(timeout, max(0.0, self._retry_at - now))
-        elif link.spare is None:
-            timeout = min(timeout, max(0.0, self._spare_at - now))
+        elif link.spare is None and not (self._dialer is not None and self._dialer.is_alive()):
+            timeout = min(timeout, max(0.0, self._spare_at - now))  # (a dial under way wakes it)
         if link.spare is not None:  # its PING due, or the answer awaited
             timeout = min(timeout, max(0.0, (self._ping[2] if self._ping else self._ping_at) - now))
         poller = select.poll()

@@ -337,3 +337,32 @@ def test_a_spare_that_announces_a_payload_is_dropped_at_its_header():
         assert len(spare.client.chan._buf) == 4096 and link.epoch == 1
     finally:
         f.stop()
+
+
+def test_a_spare_dial_that_hangs_neither_busies_the_keeper_nor_blinds_it():
+    """The spare's worker accepts and never answers (a dial of CONNECT_TIMEOUT_MS, 60 s
+    here): meanwhile the keeper sleeps (its thread's CPU), and it still sees the active's
+    worker hang up before any round."""
+    import time
+
+    from remote_dspark.transport.fleet import rank
+
+    f = Fleet(1)
+    f.ips = ["127.0.0.1", "127.0.0.2"]
+    mute = MuteWorker(f.port)
+    try:
+        addrs = [Address(ip, f.port) for ip in f.ips]
+        engine_id = next(e for e in range(1, 100) if rank(e, addrs)[0] == addrs[0])
+        link = f.link(engine_id=engine_id)
+        link.connect_timeout_s = 60.0
+        link.connect()
+        assert until(lambda: link.keeper._dialer is not None and link.keeper._dialer.is_alive())
+        clock = time.pthread_getcpuclockid(link.keeper._thread.ident)
+        c0 = time.clock_gettime(clock)
+        time.sleep(0.3)  # a window to measure the keeper's CPU in
+        assert time.clock_gettime(clock) - c0 < 0.03
+        f.workers[0].stop()
+        assert until(lambda: link.failovers["lost"] == 1, timeout=5) and link.attempts == 0
+    finally:
+        f.stop()
+        mute.close()
