@@ -448,3 +448,52 @@ class Gated:
         if self.clock is not None:
             self.clock.now += self.cost_s * self.tokens(batch)
         return self.drafter.draft_batch(batch)
+
+
+class WorkerStandIn:
+    """A worker stand-in thread at ``ip``:``port`` (0: any) for the link's tests. With
+    ``ack`` it answers every HELLO (accepting, naming ``engines`` served, the identities
+    of ``drafter``) and then does ``after(conn)`` (nothing: a worker that never answers a
+    PING; close: one that hangs up; bytes a hostile worker would send); without, it
+    accepts and never answers (a mute host). ``close()`` ends the thread and every socket."""
+
+    def __init__(self, ip: str, port: int, drafter, *, ack: bool = True, after=None, engines: int = 9):
+        self.server = socket.create_server((ip, port))
+        self.server.settimeout(0.05)
+        self.port = self.server.getsockname()[1]
+        self.drafter, self.ack, self.after, self.engines = drafter, ack, after, engines
+        self.hellos = 0
+        self.conns: list[socket.socket] = []
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            self.conns.append(conn)
+            if not self.ack:
+                continue
+            conn.settimeout(2)
+            try:
+                hdr = wire.decode_header(recv_exactly(conn, wire.HEADER.size))
+                recv_exactly(conn, hdr.payload_len)
+                d = self.drafter
+                ack = wire.HelloAck(wire.ACCEPT, d.drafter_identity, d.markov_identity, engines=self.engines)
+                conn.sendall(wire.encode_hello_ack(ack, hdr.session))
+            except OSError:
+                conn.close()
+                continue
+            self.hellos += 1
+            if self.after is not None:
+                self.after(conn)
+
+    def close(self) -> None:
+        self.stop_flag.set()
+        self.thread.join(2)
+        for c in self.conns:
+            c.close()
+        self.server.close()

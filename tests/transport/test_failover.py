@@ -5,11 +5,10 @@ tests control, resolves."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
-from helpers import COUNTING, gated_drafter, recv_exactly, until
+from helpers import COUNTING, WorkerStandIn, gated_drafter, until
 
 from remote_dspark import wire
 from remote_dspark.outcome import Outcome, RoundEvent
@@ -158,49 +157,12 @@ def test_killing_a_worker_moves_only_its_engines():
         f.stop()
 
 
-class SilentSpare:
-    """A worker stand-in at 127.0.0.2 that accepts HELLOs (naming many engines served, so
-    it is never the active one) and then answers nothing: no PING is ever answered."""
-
-    def __init__(self, port: int, drafter):
-        self.server = socket.create_server(("127.0.0.2", port))
-        self.server.settimeout(0.05)
-        self.drafter = drafter
-        self.hellos = 0
-        self.stop_flag = threading.Event()
-        self.conns: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop_flag.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(2)
-            hdr = wire.decode_header(recv_exactly(conn, wire.HEADER.size))
-            recv_exactly(conn, hdr.payload_len)
-            d = self.drafter
-            ack = wire.HelloAck(wire.ACCEPT, d.drafter_identity, d.markov_identity, engines=9)
-            conn.sendall(wire.encode_hello_ack(ack, hdr.session))
-            self.conns.append(conn)
-            self.hellos += 1
-
-    def close(self) -> None:
-        self.stop_flag.set()
-        self.thread.join(2)
-        for c in self.conns:
-            c.close()
-        self.server.close()
-
-
 def test_a_spare_that_answers_no_ping_is_dropped_and_made_again(monkeypatch):
     monkeypatch.setattr(keeper_mod, "PING_S", 0.05)
     monkeypatch.setattr(keeper_mod, "PING_TIMEOUT_S", 0.1)
     f = Fleet(1)
     f.ips = ["127.0.0.1", "127.0.0.2"]
-    silent = SilentSpare(f.port, f.drafters[0])
+    silent = WorkerStandIn("127.0.0.2", f.port, f.drafters[0])  # accepts, then says nothing
     try:
         link = f.link()
         link.connect()
@@ -271,53 +233,35 @@ def test_a_failed_dial_looks_the_name_up_again_and_finds_the_worker_that_moved()
         f.stop()
 
 
-class MuteWorker:
-    """A stand-in at 127.0.0.2 that accepts connections and never answers HELLO."""
-
-    def __init__(self, port: int):
-        self.server = socket.create_server(("127.0.0.2", port))
-        self.conns: list[socket.socket] = []
-        self.stop_flag = threading.Event()
-        self.server.settimeout(0.05)
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while not self.stop_flag.is_set():
-            try:
-                self.conns.append(self.server.accept()[0])
-            except TimeoutError:
-                continue
-
-    def close(self) -> None:
-        self.stop_flag.set()
-        self.thread.join(2)
-        for c in self.conns:
-            c.close()
-        self.server.close()
-
-
-def test_a_mute_second_choice_never_holds_the_first_connection_back():
-    """The engine's first choice answered; its second accepts and says nothing: the
-    active is in place after SECOND_S, not after CONNECT_TIMEOUT_MS (60 s here), and
-    the keeper keeps trying the spare in the background."""
+@pytest.fixture
+def mute_second():
+    """A fleet whose second choice (127.0.0.2) accepts connections and never answers
+    HELLO, and a link (CONNECT_TIMEOUT_MS 60 s) of an engine that ranks 127.0.0.1 first:
+    (the fleet, the link), not connected yet."""
     from remote_dspark.transport.fleet import rank
 
     f = Fleet(1)
     f.ips = ["127.0.0.1", "127.0.0.2"]
-    mute = MuteWorker(f.port)
+    mute = WorkerStandIn("127.0.0.2", f.port, f.drafters[0], ack=False)
     try:
         addrs = [Address(ip, f.port) for ip in f.ips]
-        engine_id = next(e for e in range(1, 100) if rank(e, addrs)[0] == addrs[0])
-        link = f.link(engine_id=engine_id)
+        link = f.link(engine_id=next(e for e in range(1, 100) if rank(e, addrs)[0] == addrs[0]))
         link.connect_timeout_s = 60.0
-        done = threading.Event()
-        threading.Thread(target=lambda: (link.connect(), done.set()), daemon=True).start()
-        assert done.wait(5.0) and f.index(link.active.address) == 0 and link.spare is None
-        assert round_(link, 1).outcome == Outcome.OK
+        yield f, link
     finally:
         f.stop()
         mute.close()
+
+
+def test_a_mute_second_choice_never_holds_the_first_connection_back(mute_second):
+    """The engine's first choice answered; its second accepts and says nothing: the
+    active is in place after SECOND_S, not after CONNECT_TIMEOUT_MS (60 s here), and
+    the keeper keeps trying the spare in the background."""
+    f, link = mute_second
+    done = threading.Event()
+    threading.Thread(target=lambda: (link.connect(), done.set()), daemon=True).start()
+    assert done.wait(5.0) and f.index(link.active.address) == 0 and link.spare is None
+    assert round_(link, 1).outcome == Outcome.OK
 
 
 def test_a_spare_that_announces_a_payload_is_dropped_at_its_header():
@@ -339,30 +283,18 @@ def test_a_spare_that_announces_a_payload_is_dropped_at_its_header():
         f.stop()
 
 
-def test_a_spare_dial_that_hangs_neither_busies_the_keeper_nor_blinds_it():
+def test_a_spare_dial_that_hangs_neither_busies_the_keeper_nor_blinds_it(mute_second):
     """The spare's worker accepts and never answers (a dial of CONNECT_TIMEOUT_MS, 60 s
     here): meanwhile the keeper sleeps (its thread's CPU), and it still sees the active's
     worker hang up before any round."""
     import time
 
-    from remote_dspark.transport.fleet import rank
-
-    f = Fleet(1)
-    f.ips = ["127.0.0.1", "127.0.0.2"]
-    mute = MuteWorker(f.port)
-    try:
-        addrs = [Address(ip, f.port) for ip in f.ips]
-        engine_id = next(e for e in range(1, 100) if rank(e, addrs)[0] == addrs[0])
-        link = f.link(engine_id=engine_id)
-        link.connect_timeout_s = 60.0
-        link.connect()
-        assert until(lambda: link.keeper._dialer is not None and link.keeper._dialer.is_alive())
-        clock = time.pthread_getcpuclockid(link.keeper._thread.ident)
-        c0 = time.clock_gettime(clock)
-        time.sleep(0.3)  # a window to measure the keeper's CPU in
-        assert time.clock_gettime(clock) - c0 < 0.03
-        f.workers[0].stop()
-        assert until(lambda: link.failovers["lost"] == 1, timeout=5) and link.attempts == 0
-    finally:
-        f.stop()
-        mute.close()
+    f, link = mute_second
+    link.connect()
+    assert until(lambda: link.keeper._dialer is not None and link.keeper._dialer.is_alive())
+    clock = time.pthread_getcpuclockid(link.keeper._thread.ident)
+    c0 = time.clock_gettime(clock)
+    time.sleep(0.3)  # a window to measure the keeper's CPU in
+    assert time.clock_gettime(clock) - c0 < 0.03
+    f.workers[0].stop()
+    assert until(lambda: link.failovers["lost"] == 1, timeout=5) and link.attempts == 0

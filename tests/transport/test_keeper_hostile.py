@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from helpers import COUNTING, gated_drafter, recv_exactly, until
+from helpers import COUNTING, WorkerStandIn, gated_drafter, until
 
 from remote_dspark import wire
 from remote_dspark.outcome import RoundEvent
@@ -20,49 +20,6 @@ from remote_dspark.transport.link import RemoteLink
 from remote_dspark.worker import Worker
 
 DRAFTER = gated_drafter(COUNTING)
-
-
-class StandIn:
-    """A worker stand-in at ``ip``: it accepts every HELLO (naming ``engines`` served) and
-    then does ``after(conn)``: hangs up, or sends what a hostile worker would."""
-
-    def __init__(self, ip: str, port: int, after, engines: int = 9):
-        self.server = socket.create_server((ip, port))
-        self.server.settimeout(0.05)
-        self.port = self.server.getsockname()[1]
-        self.after, self.engines = after, engines
-        self.hellos = 0
-        self.conns: list[socket.socket] = []
-        self.stop_flag = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop_flag.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(2)
-            try:
-                hdr = wire.decode_header(recv_exactly(conn, wire.HEADER.size))
-                recv_exactly(conn, hdr.payload_len)
-                d = DRAFTER
-                ack = wire.HelloAck(wire.ACCEPT, d.drafter_identity, d.markov_identity, engines=self.engines)
-                conn.sendall(wire.encode_hello_ack(ack, hdr.session))
-            except OSError:
-                conn.close()
-                continue
-            self.hellos += 1
-            self.conns.append(conn)
-            self.after(conn)
-
-    def close(self) -> None:
-        self.stop_flag.set()
-        self.thread.join(2)
-        for c in self.conns:
-            c.close()
-        self.server.close()
 
 
 def hang_up(conn: socket.socket) -> None:
@@ -95,7 +52,7 @@ def test_a_worker_that_accepts_and_hangs_up_at_once_is_not_dialled_in_a_loop(wor
     """Its address answers HELLO, so no dial fails; the connection it hangs up lived a
     moment. The keeper avoids it for the back-off (200 ms here): a few dials in half a
     second, not one per round trip."""
-    flapper = StandIn("127.0.0.2", worker.port if role == "spare" else 0, hang_up)
+    flapper = WorkerStandIn("127.0.0.2", worker.port if role == "spare" else 0, DRAFTER, after=hang_up)
     ips = ["127.0.0.1", "127.0.0.2"] if role == "spare" else ["127.0.0.2"]
     link = make_link(ips, worker.port if role == "spare" else flapper.port)
     try:
@@ -191,7 +148,9 @@ def test_a_spare_left_mid_frame_by_the_keeper_is_never_promoted(worker):
     """A spare whose worker sent part of a frame (the keeper read it and waits for the
     rest): a native reader taking that socket would start mid-frame, so when the active
     goes the link reconnects instead of promoting it."""
-    half = StandIn("127.0.0.2", worker.port, lambda conn: conn.sendall(wire.encode_ping(5, 1)[:10]))
+    half = WorkerStandIn(
+        "127.0.0.2", worker.port, DRAFTER, after=lambda conn: conn.sendall(wire.encode_ping(5, 1)[:10])
+    )
     link = make_link(["127.0.0.1", "127.0.0.2"], worker.port)
     try:
         link.connect()
