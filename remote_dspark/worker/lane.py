@@ -18,7 +18,7 @@ header of a type a served connection never takes (a HELLO, a DRAFTS) is refused 
 header, a bad frame at once, where the Python loop first waits for its payload (a stall
 if it never comes).
 
-Which connections: a greedy session (not a spare: :meth:`Lanes.open`) of a worker whose drafter is exactly
+Which connections: a greedy session (:meth:`Lanes.open`) of a worker whose drafter is exactly
 :class:`~remote_dspark.drafter.markov.MarkovDrafter`, with the native round path and no
 injected faults (:func:`takes`). Its drafting bypasses the scheduler: the lookup is a
 pure function of the round's contexts that runs in microseconds without the GIL and
@@ -117,13 +117,13 @@ class Lanes:
     def open(self, session: Session, chan: FrameChannel, on_round: Callable[[object, bool], None]) -> Lane | None:
         """A lane for ``session``'s connection ``chan`` (``on_round(facts, sent)`` counts
         each round it answers: ``sent`` False when its reply's send failed), or None: a
-        sampled session, a spare, or a connection that is not a TCP socket. (A spare must
-        be a spare no more before its first round is answered, and a lane answers in C
-        before Python hears of the round: the hub, which takes the round in Python on
-        the drafter's thread before its reply, serves it instead.)"""
+        sampled session, or a connection that is not a TCP socket. A spare's connection
+        gets its lane too, but the worker's loop reads its frames in Python until its
+        first ROUND (``Serving._loop``): a spare must be a spare no more before that
+        round is answered, and a lane answers in C before Python hears of a round."""
         sock = getattr(chan.stream, "sock", None)
         tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
-        if session.want_sampled or session.spare or not tcp:
+        if session.want_sampled or not tcp:
             return None
         return Lane(self, session, chan, sock.fileno(), chan.stream.send_timeout_s, on_round)
 

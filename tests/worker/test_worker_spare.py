@@ -44,7 +44,7 @@ class Gated(MarkovDrafter):
 PATHS = {
     "lane": ("served", MarkovDrafter, False),  # the Markov lane (C) hands a PING to its thread
     "hub": ("served", Gated, False),  # the hub's I/O thread answers it in C
-    "hub-spare": ("served", MarkovDrafter, True),  # a spare never takes a lane: the hub's
+    "lane-spare": ("served", MarkovDrafter, True),  # a spare's lane: Python until its first ROUND
     "python": ("python", Gated, False),  # the connection's own thread
 }
 
@@ -180,9 +180,14 @@ def test_a_spare_is_refused_beside_its_own_session_and_replaced_by_its_engines_a
         w.stop()
 
 
-@pytest.mark.parametrize("round_path", ["served", "python"])
-def test_a_spare_is_an_engine_served_from_its_first_round(round_path):
-    w = make(round_path)
+@pytest.mark.parametrize("path", ["lane", "hub", "python"])
+def test_a_spare_is_an_engine_served_from_its_first_round(path):
+    """On every path; on a lane, the first ROUND is taken in Python (the spare an engine
+    before its reply goes) and the lane serves every round after it."""
+    w = make("python" if path == "python" else "served", Gated if path == "hub" else MarkovDrafter)
+    on_lane = []
+    served = w._served
+    w._served = lambda *a: (on_lane.append(1), served(*a))  # the lane's count of a round it answered
     clients = []
     try:
         spare = connect(w, session=1, engine_id=1, spare=True)
@@ -190,6 +195,9 @@ def test_a_spare_is_an_engine_served_from_its_first_round(round_path):
         assert w.sessions_now() == (0, 1)
         assert do_round(spare, 1, [FIRST]).row(0) == [3, 4, 1]
         assert w.sessions_now() == (1, 0)  # before its reply went out
+        assert served_by(w, path) and not on_lane
+        assert do_round(spare, 2, [wire.Entry(0, 3, 2, (3,))]).row(0) == [4, 1, 2]
+        assert len(on_lane) == (path == "lane")
         later = connect(w, session=2, engine_id=2)
         clients.append(later)
         assert later.ack.engines == 1
