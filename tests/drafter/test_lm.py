@@ -658,11 +658,12 @@ def test_an_entry_past_the_models_positions_gets_no_drafts_counted_and_the_rest_
             more = tuple(range(50, 62))
             got = c.round(2, [wire.encode_round_entries(2, 1, 1000, [wire.Entry(0, 3, 50, more)], b"", 0)], 5000)
             assert list(got.statuses) == [wire.STATUS_OK] and got.row(0) == []
+            # (a served round is counted just after its reply goes out: waited for, bounded)
+            assert until(lambda: w.statistics().beyond_positions == 2)
             with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=5) as r:
                 text = r.read().decode()
         finally:
             c.close()
-        assert w.statistics().beyond_positions == 2
         assert value(text, "dspark_worker_entries_beyond_positions_total") == 2
     with pytest.raises(ValueError, match="pass the model's 64 positions"):  # the drafter alone: never wrapped
         d.draft_batch(batch_of([late], [3], 3, positions=np.array([55], np.int64)))
