@@ -9,10 +9,12 @@ that does everything the round path must never wait for.
   loaded taken, keep a fleet even where hashing alone would not. Only when no address
   answers does it wait ``backoff_ms``, doubling to ``backoff_max_ms``, and re-resolve.
 - **Keeps a spare** beside the active, to the best ranked other address that answers
-  (dialled on a thread of its own, so a silent host never blinds the keeper; an address
-  that failed is avoided for a back-off of its own), and PINGs it every
-  ``PING_S``: one with no answer within ``PING_TIMEOUT_S`` is dropped and replaced, so a
-  dead spare is found in about two seconds (TCP keepalive takes a minute).
+  (never one a fenced connection still reaches: that worker holds this session until
+  the connection closes, and would refuse it; dialled on a thread of its own, so a
+  silent host never blinds the keeper; an address that failed is avoided for a back-off
+  of its own), and PINGs it every ``PING_S``: one with no answer within
+  ``PING_TIMEOUT_S`` is dropped and replaced, so a dead spare is found in about two
+  seconds (TCP keepalive takes a minute).
 - **Watches the active** between rounds: a peer that hung up (a killed worker's kernel
   closes its sockets) makes the spare the active at once, before the next round.
 - **Drains fenced connections** (left after a stall) for ``FENCE_S``, counting and
@@ -204,11 +206,19 @@ class Keeper:
         active = self.link.active
         if now < self._spare_at or active is None or (self._dialer is not None and self._dialer.is_alive()):
             return
-        for address in self.candidates(exclude=active.address):
+        for address in self.spare_candidates():
             self._dialer = threading.Thread(target=self._dial_spare, args=(address,), name="link-spare", daemon=True)
             self._dialer.start()
             return
-        self._spare_at = now + WAIT_MAX_S  # no other address now
+        self._spare_at = now + WAIT_MAX_S  # no other address now (or a fence's end wakes it)
+
+    def spare_candidates(self) -> list[Address]:
+        """Where a spare may go, best first: neither the active's worker nor one that a
+        fenced connection still reaches (it holds this session until that connection
+        closes, and refuses a second of it)."""
+        active = self.link.active
+        fenced = {conn.address for conn, _ in tuple(self._fenced)}  # (a copy: the round thread may append)
+        return [a for a in self.candidates(exclude=None if active is None else active.address) if a not in fenced]
 
     def _dial_spare(self, address: Address) -> None:
         try:
@@ -364,10 +374,12 @@ class Keeper:
             if item[0] is conn:
                 self._fenced.remove(item)
         conn.close()
+        self._spare_at = 0.0  # its worker may take the spare now
 
     def _expire_fenced(self, now: float) -> None:
         while self._fenced and self._fenced[0][1] <= now:
             self._fenced.popleft()[0].close()
+            self._spare_at = 0.0  # its worker may take the spare now
 
 
 def _read_ping(spare: Conn) -> wire.Header:

@@ -117,6 +117,29 @@ def test_two_deadlines_in_a_row_leave_a_stalled_worker_and_its_late_replies_are_
     assert link.late == 0  # the left connection's replies were never a round's
 
 
+def test_no_spare_goes_to_a_worker_that_a_fenced_connection_still_reaches(fleet2, monkeypatch):
+    """After a stall the worker left holds this session until its fenced connection
+    closes (it would refuse a spare of it): no spare is dialled there meanwhile, and it
+    takes the spare once the fence ends."""
+    monkeypatch.setattr(keeper_mod, "FENCE_S", 0.5)
+    monkeypatch.setattr(keeper_mod, "SHORT_LIFE_S", 0.0)  # (a young connection left: its address not avoided)
+    link = fleet2.link()
+    link.connect()
+    assert until(lambda: link.spare is not None)
+    assert round_(link, 1).outcome == Outcome.OK
+    left = link.active.address
+    stalled = fleet2.drafters[fleet2.index(left)]
+    stalled.gate.clear()
+    for rid in (2, 3):
+        assert round_(link, rid, deadline_ms=50).event == RoundEvent.TIMEOUT
+    assert link.epoch == 2 and link.active.address != left
+    # No back-off keeps it out (no dial there failed): the fence alone does.
+    assert link.keeper.candidates(exclude=link.active.address) == [left]
+    assert link.keeper.spare_candidates() == []
+    stalled.gate.set()
+    assert until(lambda: link.spare is not None, timeout=5) and link.spare.address == left
+
+
 def test_the_less_loaded_of_the_two_best_workers_is_taken_and_the_other_is_the_spare(fleet2):
     busy = fleet2.workers[1]  # two engines served there: the newcomer goes to the other
     others = [DraftClient.connect(
