@@ -107,7 +107,8 @@ def worker_rows(args: argparse.Namespace) -> list[dict]:
     from ..demo.harness import worker_limits
     from . import failover_workers as fw
 
-    fleet = WorkerFleet(args.workers, extra=worker_limits(args.slots, 64))
+    # (no --chaos: the workers serve on their default path; the faults are signals)
+    fleet = WorkerFleet(args.workers, extra=worker_limits(args.slots, 64), chaos=False)
     try:
         rows = [fw.measure_worker_faults(fleet, args.slots, "kill", args.worker_kills, args.rate)]
         if args.worker_stalls:

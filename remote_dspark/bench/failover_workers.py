@@ -1,6 +1,8 @@
 """``remote-dspark bench failover --workers N``'s worker rows: an engine (process mode)
 against a fleet of N reference workers on 127.0.0.1..N, its link keeping an active
-connection and a spare.
+connection and a spare. The workers run without ``--chaos`` (which would put each
+connection on a thread of its own, in Python): the faults are signals, and the rounds
+are served as a deployment serves them.
 
 - **worker kill**: SIGKILL of the active worker, then rounds at a fixed rate
   (``--rate``, 100/s) until one is ok: the time from the kill to that round's return,

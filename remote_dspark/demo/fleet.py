@@ -41,10 +41,14 @@ STEADY_WAIT_S = 2.0  # the longest a worker fault waits for a steady engine
 
 class WorkerFleet:
     """``n`` reference workers, worker ``i`` on 127.0.0.(i+1) (``tagged``: signing its
-    drafts, :mod:`.tagged`); :meth:`stop` ends them all. Raises as WorkerProcess (the
-    workers started so far stopped first)."""
+    drafts, :mod:`.tagged`; ``chaos=False``: without ``--chaos``, so each serves its
+    rounds on its default path, the C hub or lane, where faults come only as signals);
+    :meth:`stop` ends them all. Raises as WorkerProcess (the workers started so far
+    stopped first)."""
 
-    def __init__(self, n: int, *, late_ms: int = 200, extra: tuple[str, ...] = (), tagged: bool = False):
+    def __init__(
+        self, n: int, *, late_ms: int = 200, extra: tuple[str, ...] = (), tagged: bool = False, chaos: bool = True
+    ):
         from .tagged import MAX_WORKERS
 
         if not 1 <= n <= MAX_WORKERS:
@@ -53,7 +57,9 @@ class WorkerFleet:
         try:
             for i in range(n):
                 sign = ("--drafter", f"remote_dspark.demo.tagged:worker_{i}") if tagged else ()
-                self.workers.append(WorkerProcess(host=f"127.0.0.{i + 1}", late_ms=late_ms, extra=(*extra, *sign)))
+                self.workers.append(
+                    WorkerProcess(host=f"127.0.0.{i + 1}", late_ms=late_ms, extra=(*extra, *sign), chaos=chaos)
+                )
         except BaseException:
             self.stop()
             raise
