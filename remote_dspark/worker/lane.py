@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import os
+import select
 import socket
 from collections.abc import Callable
 
@@ -118,9 +119,11 @@ class Lanes:
         """A lane for ``session``'s connection ``chan`` (``on_round(facts, sent)`` counts
         each round it answers: ``sent`` False when its reply's send failed), or None: a
         sampled session, or a connection that is not a TCP socket. A spare's connection
-        gets its lane too, but the worker's loop reads its frames in Python until its
-        first ROUND (``Serving._loop``): a spare must be a spare no more before that
-        round is answered, and a lane answers in C before Python hears of a round."""
+        gets its lane too: the worker's loop peeks at each of its frames' headers
+        (:meth:`round_is_next`) until a ROUND comes, makes the session an engine, and only
+        then lets the lane read and answer it (``Serving._loop``): a spare must be a spare
+        no more before its first round is answered, and a lane answers in C before Python
+        hears of a round."""
         sock = getattr(chan.stream, "sock", None)
         tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
         if session.want_sampled or not tcp:
@@ -164,6 +167,22 @@ class Lane:
             frame_ns=ns_of(lanes.frame_timeout_s),
             send_ns=ns_of(send_timeout_s),
         )
+
+    def round_is_next(self) -> bool:
+        """Whether the connection's next frame is a ROUND, its header whole: waited for as
+        :meth:`next_frame` waits between frames (no deadline; the worker's stop and an
+        eviction shut the socket, which ends the wait), and peeked at, not read. False
+        for any other frame, a header not whole yet or a socket that failed: the read
+        that follows takes it, and names whatever is wrong with it."""
+        sock = self._chan.stream.sock
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.poll()
+        try:
+            head = sock.recv(wire.HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return len(head) == wire.HEADER.size and wire.decode_header(head).type == wire.ROUND
+        except (OSError, wire.ProtocolError):
+            return False
 
     def next_frame(self) -> tuple[wire.Header, memoryview] | tuple[None, None]:
         """The next frame: ``(None, None)`` for a ROUND served here (and counted), so the

@@ -59,15 +59,18 @@ class Serving:
             self._ended(conn, peer, session, chan, None)
 
     def _loop(self, session: Session, chan: FrameChannel, served: lane.Lane | None) -> None:
-        """A connection's rounds on its own thread (on its lane, when ``served``, once the
-        session is not a spare: a spare's first ROUND is taken here, in Python, so it is
-        an engine before its reply goes), until BYE, the worker stopping or the session
+        """A connection's rounds on its own thread (on its lane, when ``served``: a spare's
+        frames are peeked at until its first ROUND, which makes it an engine before the
+        lane reads and answers that round), until BYE, the worker stopping or the session
         evicted; raises what ends it otherwise."""
         while not self._stopping.is_set() and not session.evicted:
             # No deadline between frames (an engine may idle for minutes; keepalive
             # finds a dead one); a frame, once begun, within frame_timeout_s. (Python
             # reads whole frames only, so the lane takes over at a frame's start.)
             on_lane = served and not session.spare
+            if served and session.spare and served.round_is_next():
+                self._sessions.engaged(session)  # (before the lane answers it)
+                on_lane = True
             hdr, payload = served.next_frame() if on_lane else chan.recv_frame(math.inf, self.options.frame_timeout_s)
             if hdr is None:  # a ROUND the lane served and counted
                 continue

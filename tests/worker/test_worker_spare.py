@@ -181,24 +181,30 @@ def test_a_spare_is_refused_beside_its_own_session_and_replaced_by_its_engines_a
 
 
 @pytest.mark.parametrize("path", ["lane", "hub", "python"])
-def test_a_spare_is_an_engine_served_from_its_first_round(path):
-    """On every path; on a lane, the first ROUND is taken in Python (the spare an engine
-    before its reply goes) and the lane serves every round after it."""
+def test_a_spare_is_an_engine_served_from_its_first_round(path, monkeypatch):
+    """On every path the first ROUND makes a spare an engine before that round is
+    answered; on a lane (its header peeked at first) the lane answers it, and every one
+    after it."""
     w = make("python" if path == "python" else "served", Gated if path == "hub" else MarkovDrafter)
-    on_lane = []
+    on_lane, engaged = [], []
     served = w._served
-    w._served = lambda *a: (on_lane.append(1), served(*a))  # the lane's count of a round it answered
+    w._served = lambda *a: (on_lane.append(1), served(*a))  # the lane's count of a round, after its reply
+    made_engine = Sessions.engaged
+    monkeypatch.setattr(
+        Sessions, "engaged", staticmethod(lambda s: (engaged.append((s.spare, len(on_lane))), made_engine(s)))
+    )
     clients = []
     try:
         spare = connect(w, session=1, engine_id=1, spare=True)
         clients.append(spare)
         assert w.sessions_now() == (0, 1)
         assert do_round(spare, 1, [FIRST]).row(0) == [3, 4, 1]
-        assert w.sessions_now() == (1, 0)  # before its reply went out
-        assert served_by(w, path) and not on_lane
-        assert do_round(spare, 2, [wire.Entry(0, 3, 2, (3,))]).row(0) == [4, 1, 2]
+        assert engaged[0] == (True, 0)  # a spare, made an engine before any lane answered
+        assert w.sessions_now() == (1, 0) and served_by(w, path)
         # (the lane counts a round after its reply is sent: waited for, bounded)
         assert until(lambda: len(on_lane) == 1) if path == "lane" else not on_lane
+        assert do_round(spare, 2, [wire.Entry(0, 3, 2, (3,))]).row(0) == [4, 1, 2]
+        assert until(lambda: len(on_lane) == 2) if path == "lane" else not on_lane
         later = connect(w, session=2, engine_id=2)
         clients.append(later)
         assert later.ack.engines == 1
