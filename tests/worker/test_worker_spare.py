@@ -62,8 +62,13 @@ def ping(c, seq: int) -> wire.Header:
 
 
 def served_by(w: Worker, path: str) -> bool:
-    hub = [hc.session.session for hc in w._hub.connections()] if w._hub is not None else []
-    return bool(hub) == path.startswith("hub")
+    """Whether the hub serves connections exactly when ``path`` is a hub's: waited for,
+    bounded (the hub takes a connection just after its HELLO_ACK)."""
+
+    def now() -> bool:
+        return bool(w._hub is not None and w._hub.connections()) == path.startswith("hub")
+
+    return until(now, WAIT_S)
 
 
 # --------------------------------------------------------------------------- the ACK
@@ -227,7 +232,7 @@ def test_a_ping_is_answered_at_once_on_every_path_even_while_the_drafter_is_busy
         clients.append(c)
         for seq in (0, 7, 0xFFFFFFFF):
             assert ping(c, seq) == wire.Header(wire.PING, 0, 0xAB, seq)
-        assert until(lambda: served_by(w, path), WAIT_S)  # (the hub takes a connection just after its ACK)
+        assert served_by(w, path)
         assert do_round(c, 1, [FIRST]).row(0) == [3, 4, 1]  # the connection goes on
         if drafter_cls is Gated:  # another engine's round holds the drafter: the PING never waits for it
             other = connect(w, session=0xCD, engine_id=2)
@@ -259,7 +264,7 @@ def test_a_ping_with_a_payload_or_of_another_session_drops_only_its_connection(p
         clients.append(c)
         keep = connect(w, session=2, engine_id=2, spare=spare)
         clients.append(keep)
-        assert until(lambda: served_by(w, path), WAIT_S)  # (the hub takes a connection just after its ACK)
+        assert served_by(w, path)
         if bad == "payload":
             c.chan.stream.sock.sendall(wire.encode_header(wire.PING, 4, 1, 3) + b"ping")
         else:
